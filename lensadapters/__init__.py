@@ -1,0 +1,36 @@
+"""lensadapters: TransformerLens-style hook points on unmodified Hugging Face models."""
+
+from ._version import __version__
+from .cache import ActivationCache, get_act_name
+from .errors import (
+    HookReturnError,
+    LensAdaptersError,
+    PluginConflictError,
+    UnknownHookError,
+    UnsupportedModelError,
+    WeightUnavailableError,
+)
+from .hook_point import HookPoint
+from .hooked_model import HookedModel
+from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from .registry import Registry, get_registry
+from .specs import (
+    Architecture,
+    BlockLayout,
+    FusedQKV,
+    HookedConfig,
+    LinearWeight,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    RotarySpec,
+    SeparateQKV,
+)
+
+__all__ = [
+    "__version__", "ActivationCache", "get_act_name", "HookReturnError", "LensAdaptersError",
+    "PluginConflictError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
+    "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
+    "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
+    "RotarySpec", "SeparateQKV",
+]

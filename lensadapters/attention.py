@@ -1,0 +1,175 @@
+"""Attention scores and patterns through transformers' attention interface.
+
+While a score or pattern hook exists on some layer, the wrapped model's config selects a
+lensadapters attention function (registered under ``lensadapters:<original>``, with the original
+implementation's mask function under the same key). That function computes attention explicitly
+— and runs the hooks — only for the modules of hooked layers; every other layer is handed to the
+original implementation (sdpa, eager, flash...) with the same arguments. When the last pattern
+hook goes, the config gets its original implementation back.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .hook_point import HookPoint
+
+Tensor = torch.Tensor
+KEY_PREFIX = "lensadapters:"
+
+# attention module -> (backend, layer, site) for the layers whose patterns are hooked right now
+_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, int, Any]]" = weakref.WeakKeyDictionary()
+_REGISTERED: set[str] = set()
+
+
+def _interfaces() -> tuple[Any, Any]:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    return AttentionInterface, AttentionMaskInterface
+
+
+def _original_function(original: str, module: nn.Module) -> Callable[..., Any]:
+    if original == "eager":
+        # each model file defines its own eager function; use the attention module's
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to delegate to")
+        return fn
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[original]
+
+
+def attention_key(original: str) -> str:
+    """Register (once per process) the lensadapters attention and mask functions for ``original``."""
+    key = KEY_PREFIX + original
+    if key in _REGISTERED:
+        return key
+    attn_interface, mask_interface = _interfaces()
+
+    def lensadapters_attention(module: nn.Module, query: Tensor, key_: Tensor, value: Tensor,
+                               attention_mask: Optional[Tensor], *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        entry = _ACTIVE.get(module)
+        if entry is None:
+            return _original_function(original, module)(module, query, key_, value, attention_mask, *args, **kwargs)
+        backend, layer, site = entry
+        return backend.attend(layer, site, module, query, key_, value, attention_mask, **kwargs)
+
+    attn_interface.register(key, lensadapters_attention)
+    mask_fn = mask_interface._global_mapping.get(original)
+    if mask_fn is not None:
+        mask_interface.register(key, mask_fn)
+    _REGISTERED.add(key)
+    return key
+
+
+def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
+                      causal: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias."""
+    if mask is None:
+        if not causal:
+            return torch.ones(q_len, k_len, dtype=torch.bool, device=device), None
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len), None
+    mask = mask[..., :k_len]
+    if mask.dtype == torch.bool:
+        return mask, None
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    bias = torch.where(allowed, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+    return allowed, bias
+
+
+def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Optional[Tensor], *, scores_fn: Callable[..., Tensor],
+                       scores_point: HookPoint, pattern_point: HookPoint, dropout: float = 0.0,
+                       scaling: Optional[float] = None, head_mask: Optional[Tensor] = None,
+                       **_: Any) -> tuple[Tensor, Tensor]:
+    """Attention written out: scores → ``hook_attn_scores`` → softmax → ``hook_pattern`` → mix values.
+
+    ``query`` is ``[b, h, q, d]``, ``key``/``value`` ``[b, hkv, k, d]`` (grouped heads are repeated
+    here). Masked scores are ``-inf``; a query row with nothing to attend to gets a zero pattern.
+    Returns ``([b, q, h, d], pattern)`` like transformers' attention functions.
+    """
+    n_heads, n_kv = query.shape[1], key.shape[1]
+    if n_kv != n_heads:
+        key = key.repeat_interleave(n_heads // n_kv, dim=1)
+        value = value.repeat_interleave(n_heads // n_kv, dim=1)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = scores_fn(module, query, key, scaling)
+    q_len, k_len = scores.shape[-2], scores.shape[-1]
+    allowed, bias = _allowed_and_bias(attention_mask, q_len, k_len, scores.device, getattr(module, "is_causal", True))
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores, _ = scores_point.apply(scores)
+    pattern = torch.softmax(scores.float(), dim=-1)
+    pattern = torch.where(pattern.isnan(), torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
+    pattern = pattern.to(value.dtype)
+    pattern, _ = pattern_point.apply(pattern)
+    if head_mask is not None:
+        pattern = pattern * head_mask
+    if dropout and module.training:
+        pattern = nn.functional.dropout(pattern, p=dropout, training=True)
+    out = torch.matmul(pattern, value)
+    return out.transpose(1, 2).contiguous(), pattern
+
+
+def default_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: float) -> Tensor:
+    return torch.matmul(query, key.transpose(-1, -2)) * scaling
+
+
+class InterfacePatternBackend:
+    """The core's pattern backend for models that call transformers' attention interface."""
+
+    def __init__(self, config: Any, attention_modules: list[nn.Module],
+                 scores_fn: Callable[[nn.Module, Tensor, Tensor, float], Optional[Tensor]]) -> None:
+        self.config = config
+        self.modules = attention_modules
+        self.scores_fn = scores_fn
+        self.active: set[int] = set()
+        self.original: Optional[str] = None
+
+    def _scores(self, module: nn.Module, query: Tensor, key: Tensor, scaling: float) -> Tensor:
+        scores = self.scores_fn(module, query, key, scaling)
+        return scores if scores is not None else default_scores(module, query, key, scaling)
+
+    def activate(self, layer: int, site: Any) -> RemovableHandle:
+        if not self.active:
+            self.original = self.config._attn_implementation
+            if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
+                self.original = self.original[len(KEY_PREFIX):]
+            self.config._attn_implementation = attention_key(self.original)
+        self.active.add(layer)
+        _ACTIVE[self.modules[layer]] = (self, layer, site)
+        return _Deactivate(self, layer)  # type: ignore[return-value]
+
+    def deactivate(self, layer: int) -> None:
+        if layer not in self.active:
+            return
+        self.active.discard(layer)
+        _ACTIVE.pop(self.modules[layer], None)
+        if not self.active and self.original is not None:
+            self.config._attn_implementation = self.original
+            self.original = None
+
+    def attend(self, layer: int, site: Any, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+               attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return explicit_attention(module, query, key, value, attention_mask, scores_fn=self._scores,
+                                  scores_point=site.scores, pattern_point=site.pattern, **kwargs)
+
+
+class _Deactivate:
+    """A handle (``.remove()``) that switches one layer back to the original attention."""
+
+    def __init__(self, backend: InterfacePatternBackend, layer: int) -> None:
+        self.backend, self.layer = backend, layer
+
+    def remove(self) -> None:
+        self.backend.deactivate(self.layer)

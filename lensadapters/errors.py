@@ -1,0 +1,41 @@
+"""Errors that name the problem and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class LensAdaptersError(Exception):
+    """Base class of lensadapters' errors."""
+
+
+class UnsupportedModelError(LensAdaptersError, TypeError):
+    """No plugin can adapt the model (or the plugin cannot represent its configuration)."""
+
+
+class PluginConflictError(LensAdaptersError):
+    """Two plugins claim the same thing."""
+
+
+class UnknownHookError(LensAdaptersError, KeyError):
+    """A hook name that this model does not have."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        known = list(known)
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        hint = f" Closest names: {', '.join(close)}." if close else ""
+        self.name = name
+        self.message = f"unknown hook point {name!r}.{hint} `hm.hook_names` lists all {len(known)} hook points."
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class HookReturnError(LensAdaptersError, ValueError):
+    """A user hook returned something that cannot replace the hooked value."""
+
+
+class WeightUnavailableError(LensAdaptersError, TypeError):
+    """A weight is stored in a format lensadapters cannot read as a matrix."""

@@ -1,0 +1,124 @@
+"""Hook points: named places where user functions read and edit activations."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .errors import HookReturnError
+
+HookFn = Callable[..., Optional[torch.Tensor]]
+_LAYER = re.compile(r"^blocks\.(\d+)\.")
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class HookEntry:
+    """One user function attached to a hook point."""
+
+    fn: HookFn
+    permanent: bool = False
+    context: Optional[int] = None  # id of the ``hooks()`` block that added it
+    order: int = 0
+
+
+class HookPoint:
+    """A named activation. Sites call :meth:`apply` with the value the model computed."""
+
+    def __init__(self, name: str, on_change: Callable[["HookPoint"], None]) -> None:
+        self.name = name
+        self.fwd_hooks: list[HookEntry] = []
+        self.bwd_hooks: list[HookEntry] = []
+        self._on_change = on_change
+        match = _LAYER.match(name)
+        self._layer = int(match.group(1)) if match else None
+
+    def __repr__(self) -> str:
+        return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"
+
+    def layer(self) -> Optional[int]:
+        """The block index of this hook point (``None`` outside blocks), as in TransformerLens."""
+        return self._layer
+
+    @property
+    def active(self) -> bool:
+        return bool(self.fwd_hooks or self.bwd_hooks)
+
+    # --- management -----------------------------------------------------------------------------
+
+    def add(self, fn: HookFn, dir: str = "fwd", *, permanent: bool = False, context: Optional[int] = None,
+            prepend: bool = False) -> HookEntry:
+        entry = HookEntry(fn, permanent, context, next(_ids))
+        hooks = self._list(dir)
+        hooks.insert(0, entry) if prepend else hooks.append(entry)
+        self._on_change(self)
+        return entry
+
+    def remove(self, entry: HookEntry) -> None:
+        for hooks in (self.fwd_hooks, self.bwd_hooks):
+            if entry in hooks:
+                hooks.remove(entry)
+        self._on_change(self)
+
+    def remove_where(self, predicate: Callable[[HookEntry], bool]) -> bool:
+        before = len(self.fwd_hooks) + len(self.bwd_hooks)
+        self.fwd_hooks = [e for e in self.fwd_hooks if not predicate(e)]
+        self.bwd_hooks = [e for e in self.bwd_hooks if not predicate(e)]
+        return before != len(self.fwd_hooks) + len(self.bwd_hooks)
+
+    def _list(self, dir: str) -> list[HookEntry]:
+        if dir == "fwd":
+            return self.fwd_hooks
+        if dir == "bwd":
+            return self.bwd_hooks
+        raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def apply(self, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Run the forward hooks on ``value``; return the (possibly replaced) value and whether it changed.
+
+        A hook that returns ``None`` or the very tensor it was given leaves the value untouched, so an
+        identity hook costs no recomputation and keeps the model's numbers bit for bit.
+        """
+        changed = False
+        for entry in list(self.fwd_hooks):
+            out = entry.fn(value, hook=self)
+            if out is None or out is value:
+                continue
+            value = self._conform(out, value)
+            changed = True
+        if self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
+            value = value.view_as(value)
+            value.register_hook(self._run_backward)
+            changed = True
+        return value, changed
+
+    def _run_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        for entry in list(self.bwd_hooks):
+            out = entry.fn(grad, hook=self)
+            if out is not None and out is not grad:
+                grad = self._conform(out, grad)
+        return grad
+
+    def _conform(self, out: object, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise HookReturnError(
+                f"hook on {self.name!r} returned {type(out).__name__}; return a tensor of shape "
+                f"{tuple(like.shape)} or None to keep the value")
+        if out.shape != like.shape:
+            raise HookReturnError(
+                f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the hook point has shape "
+                f"{tuple(like.shape)}; return a tensor of the same shape (or None to keep the value)")
+        if out.dtype != like.dtype:
+            if out.is_floating_point() != like.is_floating_point() and not like.is_floating_point():
+                raise HookReturnError(
+                    f"hook on {self.name!r} returned dtype {out.dtype}, which cannot stand for {like.dtype}")
+            out = out.to(like.dtype)
+        if out.device != like.device:
+            out = out.to(like.device)
+        return out

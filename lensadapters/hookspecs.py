@@ -1,0 +1,144 @@
+"""The adapter hooks: the contract between the core and its plugins (pluggy hookspecs).
+
+Every hook is called at wrap time (or when weights are read), never per forward pass. When a model
+is wrapped, the core selects one *architecture plugin* (a plugin implementing
+``lensadapters_architectures``) and calls the architecture hooks over that plugin, the
+*cross-cutting plugins* (PEFT, 8-bit, ... — plugins that claim no architecture) and the core's
+defaults only: a plugin never sees another architecture's model, so its implementations need no
+guard. Hooks marked ``firstresult`` stop at the first implementation that returns non-``None``.
+
+Versioning: ``HOOKSPEC_VERSION`` follows semantic versioning. Adding a hook or an optional argument
+is a minor change; removing or changing one is a major change. A plugin declares the major version
+it was written for with a module attribute ``LENSADAPTERS_HOOKSPEC = "1"``; the registry refuses
+plugins written for another major version.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+    from .specs import (
+        Architecture,
+        BlockLayout,
+        HookedConfig,
+        LinearWeight,
+        MLPLayout,
+        ModelLayout,
+        NormSpec,
+        QKVLayout,
+    )
+
+PROJECT = "lensadapters"
+HOOKSPEC_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- discovery and matching -------------------------------------------------------------------
+
+
+@hookspec
+def lensadapters_architectures() -> Sequence["Architecture"]:
+    """Return the architectures this plugin adapts (implemented by architecture plugins only)."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_resolve_model(model: Any) -> Optional["nn.Module"]:
+    """Return the Hugging Face ``PreTrainedModel`` inside a wrapper (``PeftModel``...), or ``None``.
+
+    Called repeatedly until no plugin peels another layer.
+    """
+
+
+@hookspec
+def lensadapters_validate(arch: "Architecture", model: "nn.Module") -> None:
+    """Raise ``UnsupportedModelError`` (or warn) for a configuration the plugin cannot represent."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_tiny_config(arch: "Architecture", seed: int) -> Any:
+    """Return a small ``PretrainedConfig`` of this architecture for the demo and the CLI."""
+
+
+# --- structure (the declarative description) --------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def lensadapters_config(arch: "Architecture", model: "nn.Module") -> "HookedConfig":
+    """Return ``hm.cfg`` for the model."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_embed(arch: "Architecture", model: "nn.Module") -> "ModelLayout":
+    """Where embeddings, position embeddings, rotary module, blocks, final norm and unembed live."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_block(arch: "Architecture", model: "nn.Module", layer: int) -> "BlockLayout":
+    """Where the norms, attention and MLP of block ``layer`` live, and whether it is parallel."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_attn_qkv(arch: "Architecture", model: "nn.Module", layer: int) -> "QKVLayout":
+    """How queries, keys and values are produced in block ``layer`` (separate or fused; rotary)."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_mlp_act(arch: "Architecture", model: "nn.Module", layer: int) -> "MLPLayout":
+    """Which projections surround the MLP activation of block ``layer``."""
+
+
+@hookspec(firstresult=True)
+def lensadapters_norm_scale(arch: "Architecture", module: "nn.Module") -> "NormSpec":
+    """How ``module`` normalizes (LayerNorm or RMSNorm, eps, weight, bias)."""
+
+
+# --- attention patterns -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def lensadapters_attn_pattern(arch: "Architecture", hooked: Any) -> Any:
+    """Return the backend that exposes attention scores and patterns (``PatternBackend``).
+
+    The core's default serves architectures that call transformers' attention interface; a plugin
+    for a model that computes attention itself returns its own backend.
+    """
+
+
+@hookspec(firstresult=True)
+def lensadapters_attn_scores(
+    arch: "Architecture", module: "nn.Module", query: "torch.Tensor", key: "torch.Tensor", scaling: float
+) -> Optional["torch.Tensor"]:
+    """Return pre-mask attention scores ``[b, h, q, k]`` when the model computes them unusually."""
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def lensadapters_linear_weight(module: "nn.Module", read: Any) -> Optional["LinearWeight"]:
+    """Return the *effective* weight ``[d_in, d_out]`` and bias of a linear-like module, or ``None``.
+
+    Cross-cutting plugins implement this for quantized storage and adapter wrappers; ``read(m)``
+    reads another module through all plugins (for a wrapper's base layer).
+    """
+
+
+@hookspec(firstresult=True)
+def lensadapters_weight(arch: "Architecture", hooked: Any, name: str) -> Optional["torch.Tensor"]:
+    """Override one weight accessor (``"W_E"``, ``"W_pos"``, ``"W_U"``...) when the layout alone is not enough."""
+
+
+# --- extra hook points ----------------------------------------------------------------------------
+
+
+@hookspec
+def lensadapters_extra_sites(arch: "Architecture", hooked: Any) -> Sequence[Any]:
+    """Return additional ``Site`` objects (new hook points, e.g. adapter contributions)."""

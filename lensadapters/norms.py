@@ -1,0 +1,53 @@
+"""LayerNorm and RMSNorm written out, so that the scale can be read and replaced.
+
+Computation happens in float32 (as Hugging Face's norms do) and is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .specs import NormSpec
+
+Tensor = torch.Tensor
+
+
+def scale(x: Tensor, spec: NormSpec) -> Tensor:
+    """``sqrt(var + eps)`` (LayerNorm) or ``sqrt(mean(x^2) + eps)`` (RMSNorm), shape ``[..., 1]``."""
+    xf = x.float()
+    if spec.kind == "LN":
+        xf = xf - xf.mean(-1, keepdim=True)
+    return (xf.pow(2).mean(-1, keepdim=True) + spec.eps).sqrt().to(x.dtype)
+
+
+def _weight(spec: NormSpec) -> Optional[Tensor]:
+    if spec.weight is None:
+        return None
+    return spec.weight.float() + spec.weight_offset if spec.weight_offset else spec.weight.float()
+
+
+def layer_norm(x: Tensor, spec: NormSpec, scale_: Tensor) -> Tensor:
+    """``(x - mean) / scale * weight + bias`` with a given (possibly edited) scale."""
+    xf = x.float()
+    out = (xf - xf.mean(-1, keepdim=True)) / scale_.float()
+    w = _weight(spec)
+    if w is not None:
+        out = out * w
+    if spec.bias is not None:
+        out = out + spec.bias.float()
+    return out.to(x.dtype)
+
+
+def rms_normalized(x: Tensor, scale_: Tensor) -> Tensor:
+    """RMSNorm's ``x / scale`` (TransformerLens' ``hook_normalized``: before the weight)."""
+    return (x.float() / scale_.float()).to(x.dtype)
+
+
+def rms_apply_weight(normalized: Tensor, spec: NormSpec, dtype: torch.dtype) -> Tensor:
+    """RMSNorm's output from its (possibly edited) normalized value: ``weight * normalized``."""
+    if spec.weight is None:
+        return normalized.to(dtype)
+    weight = spec.weight + spec.weight_offset if spec.weight_offset else spec.weight
+    return (weight * normalized.to(dtype)).to(dtype)

@@ -1,0 +1,225 @@
+"""Plugin discovery and selection.
+
+Plugins are found through the entry point group ``lensadapters`` and loaded one by one: a plugin
+that fails to import or is built for another hookspec major version produces a warning naming it,
+and the others keep working. ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD=1`` turns autoloading off (tests
+and embedders then ``register`` plugins by hand).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from types import ModuleType
+from typing import Any, Iterable, Optional
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginConflictError, UnsupportedModelError
+from .specs import Architecture
+
+ENTRY_POINT_GROUP = "lensadapters"
+DISABLE_AUTOLOAD_ENV = "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin could not be loaded; the others still work."""
+
+
+@dataclass
+class PluginInfo:
+    """What the registry knows about one registered plugin."""
+
+    name: str
+    plugin: Any
+    distribution: Optional[str] = None
+    version: Optional[str] = None
+    architectures: tuple[Architecture, ...] = ()
+    source: str = "manual"  # "entry point", "manual" or "builtin"
+
+
+@dataclass
+class Registry:
+    """A pluggy plugin manager plus the bookkeeping lensadapters needs on top of it."""
+
+    pm: pluggy.PluginManager = field(default_factory=lambda: _new_plugin_manager())
+    infos: dict[str, PluginInfo] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    _autoloaded: bool = False
+
+    # --- registration -----------------------------------------------------------------------------
+
+    def register(self, plugin: Any, name: Optional[str] = None, *, distribution: Optional[str] = None,
+                 version: Optional[str] = None, source: str = "manual") -> PluginInfo:
+        """Register ``plugin`` (a module or object with ``@hookimpl`` functions)."""
+        _check_hookspec_version(plugin, name)
+        name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        if name in self.infos:
+            existing = self.infos[name]
+            if existing.plugin is plugin:
+                return existing
+            raise PluginConflictError(
+                f"two plugins are registered under the name {name!r}: {existing.distribution or existing.plugin!r} "
+                f"and {distribution or plugin!r}. Uninstall one of them."
+            )
+        self.pm.register(plugin, name=name)
+        archs = tuple(_architectures_of(plugin))
+        info = PluginInfo(name, plugin, distribution, version, archs, source)
+        self.infos[name] = info
+        return info
+
+    def unregister(self, name: str) -> None:
+        info = self.infos.pop(name)
+        self.pm.unregister(info.plugin)
+
+    def load_entry_points(self) -> None:
+        """Load every ``lensadapters`` entry point, one by one, warning about the broken ones."""
+        self._autoloaded = True
+        seen: dict[str, str] = {}
+        for ep in _entry_points():
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else None
+            dist_version = dist.version if dist is not None else None
+            if ep.name in seen and seen[ep.name] != dist_name:
+                msg = (f"entry point {ep.name!r} is provided by both {seen[ep.name]} and {dist_name}; "
+                       f"keeping {seen[ep.name]}. Uninstall one of them.")
+                self.failures[f"{ep.name} ({dist_name})"] = msg
+                warnings.warn(msg, PluginLoadWarning, stacklevel=2)
+                continue
+            if ep.name in self.infos:
+                continue
+            seen[ep.name] = dist_name
+            try:
+                plugin = ep.load()
+                self.register(plugin, ep.name, distribution=dist_name, version=dist_version, source="entry point")
+            except Exception as exc:  # a broken plugin must not take the others down
+                msg = f"lensadapters plugin {ep.name!r} from {dist_name or 'an unknown distribution'} failed to load: {exc}"
+                self.failures[ep.name] = msg
+                warnings.warn(msg, PluginLoadWarning, stacklevel=2)
+
+    # --- queries ----------------------------------------------------------------------------------
+
+    def architecture_plugins(self) -> list[PluginInfo]:
+        return [i for i in self.infos.values() if i.architectures]
+
+    def claims(self, model_type: str) -> list[tuple[PluginInfo, Architecture]]:
+        return [(info, arch) for info in self.architecture_plugins() for arch in info.architectures
+                if model_type in arch.model_types]
+
+    def conflicts(self) -> dict[str, list[str]]:
+        """Model types claimed by more than one plugin: ``{model_type: [plugin names]}``."""
+        owners: dict[str, list[str]] = {}
+        for info in self.architecture_plugins():
+            for arch in info.architectures:
+                for mt in arch.model_types:
+                    owners.setdefault(mt, []).append(info.name)
+        return {mt: names for mt, names in owners.items() if len(set(names)) > 1}
+
+    def select(self, model_type: str, adapter: Optional[str] = None) -> tuple[PluginInfo, Architecture]:
+        """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``)."""
+        if adapter is not None:
+            for info in self.architecture_plugins():
+                for arch in info.architectures:
+                    if adapter in (info.name, arch.name):
+                        return info, arch
+            raise UnsupportedModelError(
+                f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
+        found = self.claims(model_type)
+        if not found:
+            raise UnsupportedModelError(
+                f"no lensadapters plugin supports model_type {model_type!r}. {self.describe_installed()} "
+                f"Install the plugin for it (for example `pip install lensadapters[{model_type.replace('_', '-')}]` "
+                f"when one exists) or write one: see docs/writing-a-plugin.md.")
+        if len({info.name for info, _ in found}) > 1:
+            names = ", ".join(f"{info.name} ({info.distribution or info.source})" for info, _ in found)
+            raise PluginConflictError(
+                f"model_type {model_type!r} is claimed by several plugins: {names}. "
+                f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others.")
+        return found[0]
+
+    def describe_installed(self) -> str:
+        archs = [f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
+                 for info in self.architecture_plugins()]
+        text = "Installed architecture plugins: " + (", ".join(archs) if archs else "none") + "."
+        if self.failures:
+            text += " Plugins that failed to load: " + "; ".join(self.failures.values()) + "."
+        return text
+
+    def hooks_for(self, info: PluginInfo) -> "ScopedHooks":
+        """Hook callers over ``info``'s plugin, the cross-cutting plugins and the core defaults."""
+        others = [i.plugin for i in self.architecture_plugins() if i.plugin is not info.plugin]
+        return ScopedHooks(self.pm, others)
+
+
+class ScopedHooks:
+    """``hooks.lensadapters_xxx(...)`` calling only the selected architecture plugin's implementations."""
+
+    def __init__(self, pm: pluggy.PluginManager, excluded: list[Any]) -> None:
+        self._pm = pm
+        self._excluded = excluded
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("lensadapters_"):
+            raise AttributeError(name)
+        caller = self._pm.subset_hook_caller(name, self._excluded) if self._excluded else getattr(self._pm.hook, name)
+        setattr(self, name, caller)
+        return caller
+
+
+def _new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    from . import defaults
+
+    pm.register(defaults, name="lensadapters.defaults")
+    return pm
+
+
+def _architectures_of(plugin: Any) -> Iterable[Architecture]:
+    impl = getattr(plugin, "lensadapters_architectures", None)
+    if impl is None:
+        return ()
+    return tuple(impl())
+
+
+def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
+    wanted = getattr(plugin, "LENSADAPTERS_HOOKSPEC", None)
+    if wanted is None:
+        return
+    have = hookspecs.HOOKSPEC_VERSION.split(".")[0]
+    if str(wanted).split(".")[0] != have:
+        raise ImportError(
+            f"plugin {name or plugin!r} was written for lensadapters hookspec {wanted}, "
+            f"but the installed core provides hookspec {hookspecs.HOOKSPEC_VERSION}: "
+            f"install a version of the plugin built for hookspec {have}.x")
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+_DEFAULT: Optional[Registry] = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, with entry points loaded unless autoloading is disabled."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Registry()
+        if not os.environ.get(DISABLE_AUTOLOAD_ENV):
+            _DEFAULT.load_entry_points()
+    return _DEFAULT
+
+
+def set_registry(registry: Optional[Registry]) -> None:
+    """Replace the process-wide registry (tests)."""
+    global _DEFAULT
+    _DEFAULT = registry
+
+
+def register_module(module: ModuleType, name: Optional[str] = None) -> PluginInfo:
+    """Register a plugin module with the process-wide registry."""
+    return get_registry().register(module, name)

@@ -1,0 +1,384 @@
+"""Sites: the PyTorch hooks that realize hook points on an unmodified model.
+
+A site watches one place of the model (a module's input or output) and serves one or more hook
+points there. It is installed only while one of its points has a user function (or another site
+needs it), so a model with no hooks runs exactly Hugging Face's forward. Every site follows one
+rule: if no hook changed anything, the model's own tensor is passed on untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import norms
+from .hook_point import HookPoint
+from .specs import FusedQKV, NormSpec, RotarySpec
+
+Tensor = torch.Tensor
+_INPUT_KEYS = ("hidden_states", "input", "x", "inputs_embeds")
+
+
+# --- helpers on module inputs and outputs -----------------------------------------------------------
+
+
+def first_input(args: tuple, kwargs: dict) -> Tensor:
+    if args:
+        return args[0]
+    for key in _INPUT_KEYS:
+        if key in kwargs:
+            return kwargs[key]
+    raise RuntimeError("lensadapters could not find the hidden states among the module's inputs")
+
+
+def replace_first_input(args: tuple, kwargs: dict, value: Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (value, *args[1:]), kwargs
+    for key in _INPUT_KEYS:
+        if key in kwargs:
+            return args, {**kwargs, key: value}
+    raise RuntimeError("lensadapters could not find the hidden states among the module's inputs")
+
+
+def first_output(output: Any) -> Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def replace_first_output(output: Any, value: Tensor) -> Any:
+    if isinstance(output, tuple):
+        return (value, *output[1:])
+    if isinstance(output, list):
+        return [value, *output[1:]]
+    return value
+
+
+def split_heads(t: Tensor, n_heads: int) -> Tensor:
+    """``[..., n_heads * d_head]`` → ``[..., n_heads, d_head]`` (a view)."""
+    return t.unflatten(-1, (n_heads, -1))
+
+
+def merge_heads(t: Tensor) -> Tensor:
+    return t.flatten(-2)
+
+
+# --- the site protocol -------------------------------------------------------------------------------
+
+
+class Site:
+    """A group of hook points realized by PyTorch hooks at one place of the model."""
+
+    points: tuple[HookPoint, ...] = ()
+
+    def wanted(self) -> bool:
+        return any(p.active for p in self.points)
+
+    def signature(self) -> tuple[bool, ...]:
+        """What decides the PyTorch hooks this site installs; the site is re-installed when it changes."""
+        return (self.wanted(),)
+
+    def install(self) -> list[RemovableHandle]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class ForwardState:
+    """Values that sites share within one forward pass (rotary cos/sin, residual bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.rotary: Optional[tuple[Tensor, Tensor]] = None
+        self.batch: Optional[int] = None
+        self.resid_mid: dict[int, Tensor] = {}
+        self.mlp_out: dict[int, Tensor] = {}
+
+    def clear(self) -> None:
+        self.rotary = None
+        self.batch = None
+        self.resid_mid.clear()
+        self.mlp_out.clear()
+
+
+# --- generic sites -------------------------------------------------------------------------------------
+
+
+class OutputSite(Site):
+    """A module's output (first element of a tuple), optionally viewed as heads."""
+
+    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None) -> None:
+        self.module, self.point, self.heads = module, point, heads
+        self.points = (point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        shaped = split_heads(value, self.heads) if self.heads else value
+        shaped, changed = self.point.apply(shaped)
+        if not changed:
+            return None
+        return replace_first_output(output, merge_heads(shaped) if self.heads else shaped)
+
+
+class PositionEmbedSite(Site):
+    """``hook_pos_embed`` as ``[batch, pos, d_model]``, even when the model broadcasts one row of positions.
+
+    The token-embedding module's output tells the batch size; an edit may differ per batch element.
+    """
+
+    def __init__(self, module: nn.Module, embed_module: nn.Module, point: HookPoint, state: "ForwardState") -> None:
+        self.module, self.embed_module, self.point, self.state = module, embed_module, point, state
+        self.points = (point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.embed_module.register_forward_hook(self._record_batch), self.module.register_forward_hook(self._hook)]
+
+    def _record_batch(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.state.batch = first_output(output).shape[0]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        batch, self.state.batch = self.state.batch, None
+        shaped = value.expand(batch, *value.shape[1:]) if batch and value.shape[0] == 1 else value
+        shaped, changed = self.point.apply(shaped)
+        return replace_first_output(output, shaped) if changed else None
+
+
+class InputSite(Site):
+    """A module's first input, optionally viewed as heads."""
+
+    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None) -> None:
+        self.module, self.point, self.heads = module, point, heads
+        self.points = (point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_pre_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        value = first_input(args, kwargs)
+        shaped = split_heads(value, self.heads) if self.heads else value
+        shaped, changed = self.point.apply(shaped)
+        if not changed:
+            return None
+        return replace_first_input(args, kwargs, merge_heads(shaped) if self.heads else shaped)
+
+
+class NormSite(Site):
+    """``hook_scale`` and ``hook_normalized`` of a LayerNorm/RMSNorm; an edited scale is used by the norm."""
+
+    def __init__(self, module: nn.Module, spec: Callable[[], NormSpec], scale: HookPoint,
+                 normalized: HookPoint) -> None:
+        self.module, self.spec = module, spec
+        self.scale, self.normalized = scale, normalized
+        self.points = (scale, normalized)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        x = first_input(args, kwargs)
+        out = first_output(output)
+        spec = self.spec()
+        scale = None
+        scale_changed = False
+        if self.scale.active or spec.kind == "RMS" and self.normalized.active:
+            scale = norms.scale(x, spec)
+            if self.scale.active:
+                scale, scale_changed = self.scale.apply(scale)
+        if not (self.normalized.active or scale_changed):
+            return None
+        if spec.kind == "LN":
+            normalized = norms.layer_norm(x, spec, scale) if scale_changed else out
+        else:
+            normalized = norms.rms_normalized(x, scale)
+        normalized, norm_changed = self.normalized.apply(normalized)
+        if not (scale_changed or norm_changed):
+            return None
+        new_out = normalized if spec.kind == "LN" else norms.rms_apply_weight(normalized, spec, out.dtype)
+        return replace_first_output(output, new_out.to(out.dtype))
+
+
+class RotaryCaptureSite(Site):
+    """Records the ``(cos, sin)`` the model's rotary module produced for this forward pass."""
+
+    def __init__(self, module: nn.Module, points: Sequence[HookPoint], state: ForwardState) -> None:
+        self.module, self.state = module, state
+        self.points = tuple(points)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        cos, sin = output[0], output[1]
+        self.state.rotary = (cos, sin)
+
+
+def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optional[RotarySpec],
+            state: ForwardState) -> tuple[Tensor, bool]:
+    """Run ``hook_rot_*`` on the rotated value; turn an edit back into a pre-rotary value."""
+    if rot_point is None or rotary is None or not rot_point.active:
+        return point_value, False
+    if state.rotary is None:
+        raise RuntimeError(f"{rot_point.name}: the model's rotary module did not run before attention")
+    cos, sin = state.rotary
+    rotated = rotary.apply(point_value, cos, sin)
+    rotated, changed = rot_point.apply(rotated)
+    if not changed:
+        return point_value, False
+    return rotary.invert(rotated, cos, sin).to(point_value.dtype), True
+
+
+class ProjectionSite(Site):
+    """One of separate q/k/v projections: ``hook_q`` (and ``hook_rot_q``) on its output."""
+
+    def __init__(self, module: nn.Module, point: HookPoint, heads: int, state: ForwardState,
+                 rot_point: Optional[HookPoint] = None, rotary: Optional[RotarySpec] = None) -> None:
+        self.module, self.point, self.heads = module, point, heads
+        self.rot_point, self.rotary, self.state = rot_point, rotary, state
+        self.points = (point,) + ((rot_point,) if rot_point is not None else ())
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = split_heads(first_output(output), self.heads)
+        value, changed = self.point.apply(value)
+        value, rot_changed = _rotate(value, self.rot_point, self.rotary, self.state)
+        if not (changed or rot_changed):
+            return None
+        return replace_first_output(output, merge_heads(value))
+
+
+class FusedQKVSite(Site):
+    """``hook_q/k/v`` (and rotary points) split from one fused projection, re-fused after edits."""
+
+    def __init__(self, module: nn.Module, layout: FusedQKV, q: HookPoint, k: HookPoint, v: HookPoint,
+                 state: ForwardState, rot_q: Optional[HookPoint] = None, rot_k: Optional[HookPoint] = None) -> None:
+        self.module, self.layout, self.state = module, layout, state
+        self.q, self.k, self.v, self.rot_q, self.rot_k = q, k, v, rot_q, rot_k
+        self.points = tuple(p for p in (q, k, v, rot_q, rot_k) if p is not None)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        q, k, v = self.layout.split(first_output(output))
+        q, cq = self.q.apply(q)
+        k, ck = self.k.apply(k)
+        v, cv = self.v.apply(v)
+        q, crq = _rotate(q, self.rot_q, self.layout.rotary, self.state)
+        k, crk = _rotate(k, self.rot_k, self.layout.rotary, self.state)
+        if not (cq or ck or cv or crq or crk):
+            return None
+        return replace_first_output(output, self.layout.merge(q, k, v))
+
+
+class ResultSite(Site):
+    """``attn.hook_result``: per-head outputs of the output projection, summed back (plus bias) after edits."""
+
+    def __init__(self, module: nn.Module, point: HookPoint, heads: int,
+                 weight: Callable[[], tuple[Tensor, Optional[Tensor]]]) -> None:
+        self.module, self.point, self.heads, self.weight = module, point, heads, weight
+        self.points = (point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        z = split_heads(first_input(args, kwargs), self.heads)
+        W, b = self.weight()  # [d_in, d_out], [d_out]
+        W_O = W.unflatten(0, (self.heads, -1)).to(z.dtype)
+        result = torch.einsum("...hd,hdm->...hm", z, W_O)
+        result, changed = self.point.apply(result)
+        if not changed:
+            return None
+        out = result.sum(-2)
+        if b is not None:
+            out = out + b.to(out.dtype)
+        return replace_first_output(output, out.to(first_output(output).dtype))
+
+
+class ResidualSite(Site):
+    """The residual stream around the MLP of one block.
+
+    ``hook_resid_mid`` and ``hook_mlp_in`` are the input of ``ln2``. An edit of ``hook_mlp_in`` changes
+    only the MLP's input. An edit of ``hook_resid_mid`` changes the MLP's input *and* the residual:
+    the block output is then recomputed as ``resid_mid + mlp_out``, exactly what the block computes.
+    ``hook_mlp_out`` is the output of the MLP module, ``hook_resid_post`` the block output.
+    """
+
+    def __init__(self, layer: int, block: nn.Module, ln2: Optional[nn.Module], mlp_out_module: nn.Module,
+                 state: ForwardState, resid_mid: Optional[HookPoint], mlp_in: Optional[HookPoint],
+                 mlp_out: HookPoint, resid_post: HookPoint) -> None:
+        self.layer, self.block, self.ln2, self.mlp_out_module, self.state = layer, block, ln2, mlp_out_module, state
+        self.resid_mid, self.mlp_in, self.mlp_out, self.resid_post = resid_mid, mlp_in, mlp_out, resid_post
+        self.points = tuple(p for p in (resid_mid, mlp_in, mlp_out, resid_post) if p is not None)
+
+    def wanted(self) -> bool:
+        return any(self.signature())
+
+    def _mid_active(self) -> bool:
+        return self.resid_mid is not None and self.resid_mid.active
+
+    def install(self) -> list[RemovableHandle]:
+        handles = []
+        mid = self._mid_active()
+        if self.ln2 is not None and (mid or (self.mlp_in is not None and self.mlp_in.active)):
+            handles.append(self.ln2.register_forward_pre_hook(self._ln2_pre, with_kwargs=True))
+        if mid or self.mlp_out.active:
+            handles.append(self.mlp_out_module.register_forward_hook(self._mlp_out))
+        if mid or self.resid_post.active:
+            handles.append(self.block.register_forward_hook(self._block_out))
+        return handles
+
+    def signature(self) -> tuple[bool, ...]:
+        """Which of the three PyTorch hooks are needed now (re-installed when this changes)."""
+        mid = self._mid_active()
+        return (mid or bool(self.mlp_in and self.mlp_in.active), mid or self.mlp_out.active,
+                mid or self.resid_post.active)
+
+    def _ln2_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        value = first_input(args, kwargs)
+        changed = False
+        if self.resid_mid is not None and self.resid_mid.active:
+            value, changed = self.resid_mid.apply(value)
+            if changed:
+                self.state.resid_mid[self.layer] = value
+        if self.mlp_in is not None and self.mlp_in.active:
+            value, in_changed = self.mlp_in.apply(value)
+            changed = changed or in_changed
+        return replace_first_input(args, kwargs, value) if changed else None
+
+    def _mlp_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        changed = False
+        if self.mlp_out.active:
+            value, changed = self.mlp_out.apply(value)
+        if self.layer in self.state.resid_mid:
+            self.state.mlp_out[self.layer] = value
+        return replace_first_output(output, value) if changed else None
+
+    def _block_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        changed = False
+        mid = self.state.resid_mid.pop(self.layer, None)
+        if mid is not None:
+            value = mid + self.state.mlp_out.pop(self.layer)
+            changed = True
+        if self.resid_post.active:
+            value, post_changed = self.resid_post.apply(value)
+            changed = changed or post_changed
+        return replace_first_output(output, value) if changed else None
+
+
+class AttentionSite(Site):
+    """``hook_attn_scores`` and ``hook_pattern`` of one layer, served by a pattern backend."""
+
+    def __init__(self, layer: int, backend: Any, scores: HookPoint, pattern: HookPoint) -> None:
+        self.layer, self.backend = layer, backend
+        self.scores, self.pattern = scores, pattern
+        self.points = (scores, pattern)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.backend.activate(self.layer, self)]

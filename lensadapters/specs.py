@@ -1,0 +1,173 @@
+"""Declarative descriptions that plugins return from their adapter hooks.
+
+A plugin never patches a model: it *describes* where things are (module paths relative to the
+Hugging Face model or to one block) and supplies small pure functions for the quirks that cannot
+be described by a path (how a fused QKV output splits into heads, how rotary embeddings rotate).
+The core turns these descriptions into lazily installed PyTorch hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture plugin claims.
+
+    ``model_types`` are values of ``config.model_type`` the plugin handles. ``transformers`` is the
+    range of transformers versions the plugin is tested with (documentation, shown by the CLI).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    description: str = ""
+    transformers: str = ""
+
+
+@dataclass(frozen=True)
+class HookedConfig:
+    """TransformerLens-style summary of a model's shape (``hm.cfg``)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    act_fn: str
+    normalization_type: Literal["LN", "RMS"]
+    positional_embedding_type: Literal["standard", "rotary"]
+    model_type: str
+    n_key_value_heads: Optional[int] = None
+    rotary_dim: Optional[int] = None
+    parallel_attn_mlp: bool = False
+    gated_mlp: bool = False
+    eps: float = 1e-5
+    original_architecture: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_key_value_heads is None:
+            object.__setattr__(self, "n_key_value_heads", self.n_heads)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where the model-level pieces live, as dotted paths relative to the HF model.
+
+    ``embed`` is the module whose output is ``hook_embed``; ``pos_embed`` the module whose output is
+    ``hook_pos_embed`` (learned positions only); ``rotary`` a module returning ``(cos, sin)`` for the
+    current positions (rotary models only).
+    """
+
+    blocks: str
+    embed: str
+    unembed: Optional[str] = None
+    ln_final: Optional[str] = None
+    pos_embed: Optional[str] = None
+    pos_embed_offset: int = 0
+    rotary: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the pieces of one block live, as dotted paths relative to the block module.
+
+    ``mlp`` is the module whose output is ``hook_mlp_out``; leave it ``None`` when the architecture
+    has no MLP module (OPT), and ``hook_mlp_out`` is then the output of the MLP's down projection.
+    ``parallel`` blocks compute ``x + attn(ln1 x) + mlp(ln2 x)`` and have no ``hook_resid_mid``.
+    ``ln2`` of a parallel block may be ``None`` when both branches share ``ln1`` (GPT-J).
+    """
+
+    ln1: str
+    attn: str
+    o_proj: str
+    ln2: Optional[str]
+    mlp: Optional[str] = None
+    parallel: bool = False
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """How rotary embeddings are applied to queries and keys of shape ``[b, p, h, d_head]``.
+
+    ``apply(x, cos, sin)`` rotates, ``invert(x, cos, sin)`` undoes it (used to turn an edit of
+    ``hook_rot_q``/``hook_rot_k`` into the projection output that produces it, so the KV cache
+    stores the edited key). ``cos``/``sin`` are what the model's rotary module returned.
+    """
+
+    rotary_dim: int
+    apply: Callable[[Tensor, Tensor, Tensor], Tensor]
+    invert: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class SeparateQKV:
+    """Queries, keys and values come from three projections (paths relative to the block)."""
+
+    q: str
+    k: str
+    v: str
+    rotary: Optional[RotarySpec] = None
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """Queries, keys and values come from one projection's output.
+
+    ``split(t)`` takes a tensor whose last dimension is the fused output features and returns
+    ``(q, k, v)`` with the last dimension replaced by ``[heads, d_head]``; ``merge(q, k, v)`` is its
+    inverse. The same functions split weight columns and biases, so weights follow the activations.
+    """
+
+    module: str
+    split: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+    merge: Callable[[Tensor, Tensor, Tensor], Tensor]
+    rotary: Optional[RotarySpec] = None
+
+
+QKVLayout = SeparateQKV | FusedQKV
+
+
+@dataclass(frozen=True)
+class MLPLayout:
+    """The MLP's projections (paths relative to the block).
+
+    ``pre`` produces ``mlp.hook_pre`` (the gate for gated MLPs), ``pre_linear`` the "up" projection of
+    a gated MLP, ``out`` is the down projection whose input is ``mlp.hook_post``.
+    """
+
+    pre: str
+    out: str
+    pre_linear: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """How a norm module normalizes, so its scale can be exposed and edited.
+
+    ``kind`` "LN": ``(x - mean) / scale * weight + bias`` with ``scale = sqrt(var + eps)``;
+    "RMS": ``x / scale * weight`` with ``scale = sqrt(mean(x^2) + eps)``. ``weight_offset`` is added
+    to the weight (Gemma-style ``1 + w``).
+    """
+
+    kind: Literal["LN", "RMS"]
+    eps: float
+    weight: Optional[Tensor]
+    bias: Optional[Tensor] = None
+    weight_offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class LinearWeight:
+    """A linear map ``y = x @ W + b`` with ``W`` as ``[d_in, d_out]`` (TransformerLens orientation)."""
+
+    W: Tensor
+    b: Optional[Tensor] = None

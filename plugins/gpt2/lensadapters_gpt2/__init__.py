@@ -1,0 +1,120 @@
+"""GPT-2 for lensadapters: fused ``c_attn`` (``Conv1D``, weights stored ``[in, out]``), learned positions.
+
+Handles ``scale_attn_by_inverse_layer_idx`` and ``reorder_and_upcast_attn`` in explicit attention
+(patterns match Hugging Face's eager attention). Cross-attention GPT-2 (``add_cross_attention``)
+is refused at wrap time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    FusedQKV,
+    HookedConfig,
+    LinearWeight,
+    MLPLayout,
+    ModelLayout,
+    UnsupportedModelError,
+    hookimpl,
+)
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+ARCH = Architecture(
+    name="gpt2",
+    model_types=("gpt2",),
+    description="GPT-2 (GPT2LMHeadModel, GPT2Model)",
+    transformers=">=4.57,<6",
+)
+
+
+def _prefix(model: nn.Module) -> str:
+    return "transformer." if hasattr(model, "transformer") else ""
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    if getattr(model.config, "add_cross_attention", False):
+        raise UnsupportedModelError("GPT-2 with add_cross_attention=True is not supported by lensadapters-gpt2")
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = model.config
+    return HookedConfig(
+        n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head,
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
+        act_fn=c.activation_function, normalization_type="LN", positional_embedding_type="standard",
+        model_type="gpt2", eps=c.layer_norm_epsilon, original_architecture=type(model).__name__,
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    p = _prefix(model)
+    return ModelLayout(blocks=p + "h", embed=p + "wte", pos_embed=p + "wpe", ln_final=p + "ln_f",
+                       unembed="lm_head" if hasattr(model, "lm_head") else None)
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_2", mlp="mlp")
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> FusedQKV:
+    d_model, n_heads = model.config.n_embd, model.config.n_head
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split(d_model, dim=-1)
+        return q.unflatten(-1, (n_heads, -1)), k.unflatten(-1, (n_heads, -1)), v.unflatten(-1, (n_heads, -1))
+
+    def merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
+
+    return FusedQKV("attn.c_attn", split, merge)
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+    return MLPLayout(pre="mlp.c_fc", out="mlp.c_proj")
+
+
+@hookimpl
+def lensadapters_linear_weight(module: nn.Module, read: Any) -> Optional[LinearWeight]:
+    from transformers.pytorch_utils import Conv1D
+
+    if type(module) is Conv1D:  # stored [in, out] already
+        return LinearWeight(module.weight, module.bias)
+    return None
+
+
+@hookimpl
+def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             scaling: float) -> torch.Tensor:
+    # Recompute the scale from the module: transformers 4.57 passes no scaling to the interface.
+    scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0
+    if module.scale_attn_by_inverse_layer_idx:
+        scale /= float(module.layer_idx + 1)
+    if module.reorder_and_upcast_attn:
+        return torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    return torch.matmul(query, key.transpose(-1, -2)) * scale
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)

@@ -100,8 +100,6 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if n_kv != n_heads:
         key = key.repeat_interleave(n_heads // n_kv, dim=1)
         value = value.repeat_interleave(n_heads // n_kv, dim=1)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     scores = scores_fn(module, query, key, scaling)
     q_len, k_len = scores.shape[-2], scores.shape[-1]
     allowed, bias = _allowed_and_bias(attention_mask, q_len, k_len, scores.device, getattr(module, "is_causal", True))
@@ -121,7 +119,10 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     return out.transpose(1, 2).contiguous(), pattern
 
 
-def default_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: float) -> Tensor:
+def default_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+    """``q @ k^T * scaling``; without a scaling from the model, ``1/sqrt(d_head)`` as sdpa and eager default to."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     return torch.matmul(query, key.transpose(-1, -2)) * scaling
 
 
@@ -129,15 +130,15 @@ class InterfacePatternBackend:
     """The core's pattern backend for models that call transformers' attention interface."""
 
     def __init__(self, config: Any, attention_modules: list[nn.Module],
-                 scores_fn: Callable[[nn.Module, Tensor, Tensor, float], Optional[Tensor]]) -> None:
+                 scores_fn: Callable[[nn.Module, Tensor, Tensor, Optional[float], str], Optional[Tensor]]) -> None:
         self.config = config
         self.modules = attention_modules
         self.scores_fn = scores_fn
         self.active: set[int] = set()
         self.original: Optional[str] = None
 
-    def _scores(self, module: nn.Module, query: Tensor, key: Tensor, scaling: float) -> Tensor:
-        scores = self.scores_fn(module, query, key, scaling)
+    def _scores(self, module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+        scores = self.scores_fn(module, query, key, scaling, self.original or "sdpa")
         return scores if scores is not None else default_scores(module, query, key, scaling)
 
     def activate(self, layer: int, site: Any) -> RemovableHandle:

@@ -34,7 +34,8 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
 
     hooks = hooked._hooks
 
-    def scores(module: nn.Module, query: Any, key: Any, scaling: float) -> Any:
-        return hooks.lensadapters_attn_scores(arch=arch, module=module, query=query, key=key, scaling=scaling)
+    def scores(module: nn.Module, query: Any, key: Any, scaling: Optional[float], implementation: str) -> Any:
+        return hooks.lensadapters_attn_scores(arch=arch, module=module, query=query, key=key, scaling=scaling,
+                                              implementation=implementation)
 
     return InterfacePatternBackend(hooked.hf_model.config, hooked.attention_modules, scores)

@@ -114,9 +114,16 @@ def lensadapters_attn_pattern(arch: "Architecture", hooked: Any) -> Any:
 
 @hookspec(firstresult=True)
 def lensadapters_attn_scores(
-    arch: "Architecture", module: "nn.Module", query: "torch.Tensor", key: "torch.Tensor", scaling: float
+    arch: "Architecture", module: "nn.Module", query: "torch.Tensor", key: "torch.Tensor", scaling: Optional[float],
+    implementation: str,
 ) -> Optional["torch.Tensor"]:
-    """Return pre-mask attention scores ``[b, h, q, k]`` when the model computes them unusually."""
+    """Return pre-mask attention scores ``[b, h, q, k]`` when the model computes them unusually.
+
+    ``query`` is ``[b, h, q, d]`` and ``key`` ``[b, h, k, d]`` (grouped heads already repeated);
+    ``scaling`` is what the model passed to the attention interface (``None`` if nothing);
+    ``implementation`` the attention implementation the model was configured with ("sdpa",
+    "eager"...), so the scores can mirror what that implementation computes.
+    """
 
 
 # --- weights ------------------------------------------------------------------------------------

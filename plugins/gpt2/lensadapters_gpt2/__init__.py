@@ -102,12 +102,22 @@ def lensadapters_linear_weight(module: nn.Module, read: Any) -> Optional[LinearW
 
 @hookimpl
 def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                             scaling: float) -> torch.Tensor:
-    # Recompute the scale from the module: transformers 4.57 passes no scaling to the interface.
-    scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0
-    if module.scale_attn_by_inverse_layer_idx:
-        scale /= float(module.layer_idx + 1)
-    if module.reorder_and_upcast_attn:
+                             scaling: Optional[float], implementation: str) -> torch.Tensor:
+    """Scores as the configured implementation computes them.
+
+    transformers 5.x passes ``scaling`` (which includes both scale flags). transformers 4.57 passes
+    none: its eager path applies ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx`` itself,
+    while its sdpa path ignores both flags and scales by ``1/sqrt(d_head)``; mirror whichever runs.
+    """
+    if scaling is not None:
+        scale = scaling
+    elif implementation == "eager":
+        scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0
+        if module.scale_attn_by_inverse_layer_idx:
+            scale /= float(module.layer_idx + 1)
+    else:
+        scale = query.shape[-1] ** -0.5
+    if module.reorder_and_upcast_attn and implementation == "eager":
         return torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
     return torch.matmul(query, key.transpose(-1, -2)) * scale
 

@@ -1,0 +1,509 @@
+"""The contract suite every adapter plugin passes.
+
+Opt in from your plugin's tests by subclassing :class:`AdapterContract`::
+
+    from hypothesis import strategies as st
+    from lensadapters.testing import AdapterContract
+    import lensadapters_myarch
+
+    class TestMyArch(AdapterContract):
+        plugin = lensadapters_myarch            # registered by hand: no installation needed
+
+        @classmethod
+        def configs(cls):                       # a strategy of tiny transformers configs
+            return st.builds(MyConfig, num_hidden_layers=st.integers(1, 3), ...)
+
+The suite draws a config and left-padded inputs, builds a seeded model with
+``AutoModelForCausalLM.from_config`` and checks the properties below. Capabilities (learned
+positions, rotary, gated MLP, parallel blocks) are read from the wrapped model's ``cfg`` and hook
+names, so most plugins set nothing else. Override ``pre_ln_residual(model)`` for blocks whose
+residual stream is not ``resid_mid = resid_pre + attn_out`` / ``resid_post = resid_mid + mlp_out``
+(post-LN), and ``final_hidden_is_ln_final`` when the model's last hidden state is not the final
+norm's output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Optional, Sequence
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ..hooked_model import HookedModel
+from ..registry import Registry
+from ..errors import HookReturnError, UnknownHookError
+from .strategies import Inputs, token_inputs
+
+ATOL = 1e-4
+RTOL = 1e-4
+_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    if not close(a, b, atol, rtol):
+        diff = (a.float() - b.float()).abs().max().item()
+        raise AssertionError(f"{what}: max abs difference {diff:.3g} (atol {atol}, rtol {rtol})")
+
+
+def reinit(model: torch.nn.Module, seed: int) -> None:
+    """Give a tiny model weights large enough that every path matters (HF's init is near-trivial at this size)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:
+                base = 1.0 if name.endswith("weight") else 0.0
+                param.copy_(base + 0.1 * noise)
+            else:
+                param.copy_(noise / math.sqrt(min(param.shape)))
+
+
+def perturb(t: torch.Tensor, hook: Any) -> torch.Tensor:
+    """A generic edit that changes every element (deterministic)."""
+    g = torch.Generator().manual_seed(len(hook.name))
+    noise = torch.randn(t.shape, generator=g).to(t.dtype)
+    return t * 1.5 + 0.3 * noise
+
+
+def _hook_counts(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+class AdapterContract:
+    """Generic properties of an adapter plugin (see the module docstring)."""
+
+    plugin: ClassVar[Any] = None
+    extra_plugins: ClassVar[Sequence[Any]] = ()
+    attn_implementations: ClassVar[Sequence[str]] = ("sdpa", "eager")
+    final_hidden_is_ln_final: ClassVar[bool] = True
+    max_batch: ClassVar[int] = 3
+    max_len: ClassVar[int] = 9
+
+    # --- what a plugin provides ------------------------------------------------------------------
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        raise NotImplementedError("AdapterContract subclasses return a strategy of tiny configs from configs()")
+
+    def pre_ln_residual(self, model: torch.nn.Module) -> bool:
+        """Whether resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out hold (pre-LN blocks)."""
+        return True
+
+    def make_model(self, config: Any, seed: int, attn_implementation: str = "sdpa") -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        reinit(model, seed)
+        return model.eval()
+
+    # --- machinery ---------------------------------------------------------------------------------
+
+    def registry(self) -> Registry:
+        registry = Registry()
+        registry.register(self.plugin, getattr(self.plugin, "__name__", None))
+        for extra in self.extra_plugins:
+            registry.register(extra, getattr(extra, "__name__", None))
+        return registry
+
+    def wrap(self, model: torch.nn.Module) -> HookedModel:
+        return HookedModel.wrap(model, registry=self.registry())
+
+    def draw(self, data: st.DataObject, attn_implementation: str = "sdpa", left_padding: bool = True
+             ) -> tuple[torch.nn.Module, Inputs]:
+        config = data.draw(self.configs(), label="config")
+        seed = data.draw(st.integers(0, 2**16), label="seed")
+        model = self.make_model(config, seed, attn_implementation)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        inputs = data.draw(token_inputs(vocab, self.max_batch, 2, self.max_len, left_padding), label="inputs")
+        return model, inputs
+
+    @staticmethod
+    def valid_logits(logits: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+        return logits[inputs.valid]
+
+    # --- 1. no hooks: bitwise ----------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_no_hooks_is_bitwise(self, data: st.DataObject) -> None:
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            reference = model(**inputs.kwargs()).logits
+            hm = self.wrap(model)
+            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+            # hooks that came and went leave nothing behind
+            hm.run_with_cache(**inputs.kwargs())
+            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+            assert model.config._attn_implementation == impl
+        hm.unwrap()
+
+    # --- 2. identity hooks everywhere ------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_identity_hooks_keep_logits(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        with torch.no_grad():
+            reference = model(**inputs.kwargs()).logits
+            hm = self.wrap(model)
+            calls: dict[str, int] = {}
+
+            def copy(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                calls[hook.name] = calls.get(hook.name, 0) + 1
+                return t.clone()  # a new tensor: forces every re-fusing/recomputing path
+
+            logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(lambda n: True, copy)])
+        assert set(calls) == set(hm.hook_names), f"hook points that never fired: {set(hm.hook_names) - set(calls)}"
+        assert_close(self.valid_logits(logits, inputs), self.valid_logits(reference, inputs), "identity hooks")
+        hm.unwrap()
+
+    # --- 3. patterns ---------------------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_pattern_matches_hf_eager(self, data: st.DataObject) -> None:
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            model.config._attn_implementation = "eager"
+            reference = model(**inputs.kwargs(), output_attentions=True).attentions
+            model.config._attn_implementation = impl
+            hm = self.wrap(model)
+            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: n.endswith("hook_pattern"))
+        valid = inputs.valid
+        length = inputs.input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        for layer in range(hm.cfg.n_layers):
+            pattern = cache["pattern", layer]
+            assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
+            rows = valid[:, None, :, None].expand_as(pattern)
+            assert_close(pattern[rows.expand_as(pattern)], reference[layer][rows.expand_as(pattern)],
+                         f"layer {layer} pattern vs HF eager")
+            sums = pattern.sum(-1)[valid[:, None, :].expand(-1, hm.cfg.n_heads, -1)]
+            assert_close(sums, torch.ones_like(sums), "pattern rows sum to 1")
+            assert (pattern[..., ~causal] == 0).all(), "pattern attends to the future"
+            pad_keys = (~valid)[:, None, None, :].expand_as(pattern)
+            assert (pattern[pad_keys] == 0).all(), "pattern attends to padding"
+        hm.unwrap()
+
+    # --- 4. weights and residual identities ------------------------------------------------------
+
+    def _norm_out(self, hm: HookedModel, cache: Any, prefix: str, module: torch.nn.Module) -> torch.Tensor:
+        normalized = cache[f"{prefix}.hook_normalized"]
+        spec = hm.norm_spec(module)
+        if spec.kind == "LN" or spec.weight is None:
+            return normalized
+        return normalized * (spec.weight + spec.weight_offset)
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        with torch.no_grad():
+            out = hm.model(**inputs.kwargs(), output_hidden_states=True)
+            _, cache = hm.run_with_cache(**inputs.kwargs())
+            W_Q, b_Q, W_K, b_K, W_V, b_V = hm.W_Q, hm.b_Q, hm._W_K, hm._b_K, hm._W_V, hm._b_V
+            W_O, b_O, W_out, b_out = hm.W_O, hm.b_O, hm.W_out, hm.b_out
+            W_in, b_in = hm.W_in, hm.b_in
+            gated = hm.cfg.gated_mlp
+            if gated:
+                W_gate, b_gate = hm.W_gate, hm.b_gate
+            v = inputs.valid
+            names = set(hm.hook_names)
+            for i in range(hm.cfg.n_layers):
+                block = hm.blocks[i]
+                layout = hm.block_layouts[i]
+                if layout.post_norm:  # post-LN: attention reads the block input
+                    attn_in = cache["resid_pre", i]
+                else:
+                    attn_in = self._norm_out(hm, cache, f"blocks.{i}.ln1", block.get_submodule(layout.ln1))
+                for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
+                    expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
+                    assert_close(cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}")
+                expected = torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i]
+                assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O")
+                if layout.ln2 is not None:
+                    mlp_in = (cache["mlp_in", i] if layout.post_norm  # post-LN: the MLP reads ln1's output
+                              else self._norm_out(hm, cache, f"blocks.{i}.ln2", block.get_submodule(layout.ln2)))
+                    if gated:
+                        assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
+                        assert_close(cache["pre_linear", i][v], (mlp_in @ W_in[i] + b_in[i])[v],
+                                     f"layer {i} hook_pre_linear")
+                    else:
+                        assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
+                assert_close(cache["mlp_out", i][v], (cache["post", i] @ W_out[i] + b_out[i])[v],
+                             f"layer {i} hook_mlp_out == post @ W_out + b_out")
+                if i + 1 < hm.cfg.n_layers:
+                    assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
+                if self.pre_ln_residual(model):
+                    if f"blocks.{i}.hook_resid_mid" in names:
+                        assert_close(cache["resid_mid", i], cache["resid_pre", i] + cache["attn_out", i], "resid_mid")
+                        assert_close(cache["resid_post", i], cache["resid_mid", i] + cache["mlp_out", i], "resid_post")
+                    else:
+                        assert_close(cache["resid_post", i],
+                                     cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i], "parallel")
+            embed = cache["embed"] + (cache["pos_embed"] if "hook_pos_embed" in names else 0)
+            if self.pre_ln_residual(model):
+                assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
+            if hm.layout.ln_final is not None:
+                final = self._norm_out(hm, cache, "ln_final", hm.hf_model.get_submodule(hm.layout.ln_final))
+            else:  # no final norm (post-LN OPT): the unembedding reads the last block's output
+                final = cache["resid_post", hm.cfg.n_layers - 1]
+            if self.final_hidden_is_ln_final:
+                assert_close(final, out.hidden_states[-1], "final norm output == HF last hidden state")
+            if hm.layout.unembed is not None:
+                assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ W_U + b_U")
+            assert hm.W_E.shape == (hm.cfg.d_vocab, hm.cfg.d_model)
+            assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
+            assert hm.W_K.shape == W_Q.shape
+            assert W_O.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_head, hm.cfg.d_model)
+            assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
+        hm.unwrap()
+
+    # --- 5. edits ------------------------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        with torch.no_grad():
+            reference = hm(**inputs.kwargs()).logits
+            for name in hm.hook_names:
+                fired: list[str] = []
+
+                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                    fired.append(hook.name)
+                    return perturb(t, hook)
+
+                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+                assert fired, f"{name} never fired"
+                diff = (logits - reference)[inputs.valid].abs().max().item()
+                assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=[f"blocks.{layer}.attn.hook_z"])
+            contribution = torch.einsum("bpd,dm->bpm", cache["z", layer][:, :, head], hm.W_O[layer, head])
+
+            def ablate(z: torch.Tensor, hook: Any) -> torch.Tensor:
+                z = z.clone()
+                z[:, :, head] = 0
+                return z
+
+            def subtract(out: torch.Tensor, hook: Any) -> torch.Tensor:
+                return out - contribution
+
+            ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)])
+            subtracted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_attn_out", subtract)])
+            # hook_result agrees: dropping one head's result is the same edit
+            def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
+                result = result.clone()
+                result[:, :, head] = 0
+                return result
+
+            dropped = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_result", drop)])
+        v = inputs.valid
+        assert_close(ablated[v], subtracted[v], "z ablation == removing the head's W_O contribution")
+        assert_close(dropped[v], subtracted[v], "hook_result ablation == removing the head's contribution")
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_residual_edits_reach_what_they_should(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        pre = f"blocks.{layer}."
+        names = set(hm.hook_names)
+        watch = [pre + n for n in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
+                                   "hook_mlp_out", "hook_resid_post") if pre + n in names]
+        delta = torch.randn(inputs.input_ids.shape + (hm.cfg.d_model,), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+
+            def add(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                return t + delta.to(t.dtype)
+
+            if pre + "hook_resid_mid" in names and self.pre_ln_residual(model):
+                with hm.hooks([(pre + "hook_resid_mid", add)]):
+                    _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+                mid = base["resid_mid", layer] + delta
+                assert_close(edited["resid_mid", layer], mid, "edited resid_mid is seen")
+                assert_close(edited["mlp_in", layer], mid, "resid_mid edit reaches the MLP input")
+                assert_close(edited["resid_post", layer], mid + edited["mlp_out", layer],
+                             "resid_mid edit reaches the residual")
+            if pre + "hook_mlp_in" in names and self.pre_ln_residual(model):
+                with hm.hooks([(pre + "hook_mlp_in", add)]):
+                    _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+                assert not close(edited["mlp_out", layer], base["mlp_out", layer]), "mlp_in edit ignored"
+                resid = (base["resid_mid", layer] if pre + "hook_resid_mid" in names
+                         else base["resid_pre", layer] + base["attn_out", layer])
+                assert_close(edited["resid_post", layer], resid + edited["mlp_out", layer],
+                             "mlp_in edit changes only the MLP branch")
+            if pre + "hook_resid_mid" not in names and pre + "hook_mlp_in" in names:
+                # parallel block: an attention edit does not reach the MLP of the same block
+                with hm.hooks([(pre + "hook_attn_out", add)]):
+                    _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+                assert torch.equal(edited["mlp_in", layer], base["mlp_in", layer])
+                assert_close(edited["mlp_out", layer], base["mlp_out", layer], "parallel MLP untouched")
+                assert_close(edited["resid_post", layer], base["resid_post", layer] + delta, "parallel residual")
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_norm_scale_edit_is_used(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
+                         label="norm")
+        module = (hm.hf_model.get_submodule(hm.layout.ln_final) if norm == "ln_final"
+                  else hm.blocks[int(norm.split(".")[1])].get_submodule(
+                      getattr(hm.block_layouts[int(norm.split(".")[1])], norm.split(".")[2])))
+        spec = hm.norm_spec(module)
+        names = [norm + ".hook_normalized"]
+        with torch.no_grad():
+            reference = hm(**inputs.kwargs()).logits
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+            with hm.hooks([(norm + ".hook_scale", lambda s, hook: s * 2)]):
+                logits, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+        before, after = base[names[0]], edited[names[0]]
+        if spec.kind == "LN":
+            bias = spec.bias if spec.bias is not None else 0
+            expected = (before - bias) / 2 + bias
+        else:
+            expected = before / 2
+        assert_close(after, expected, f"{norm}: normalized with the doubled scale")
+        assert not close(logits[inputs.valid], reference[inputs.valid]), "scale edit ignored"
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_pattern_and_query_edits_are_used(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        pre = f"blocks.{layer}.attn."
+        v = inputs.valid
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_v", pre + "hook_attn_scores"])
+
+            def uniform(pattern: torch.Tensor, hook: Any) -> torch.Tensor:
+                allowed = (pattern > 0).to(pattern.dtype)
+                return allowed / allowed.sum(-1, keepdim=True).clamp(min=1)
+
+            with hm.hooks([(pre + "hook_pattern", uniform)]):
+                _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_pattern", pre + "hook_z"])
+            values = base["v", layer].repeat_interleave(hm.cfg.n_heads // hm.cfg.n_key_value_heads, dim=2)
+            expected_z = torch.einsum("bhqk,bkhd->bqhd", edited["pattern", layer], values)
+            assert_close(edited["z", layer][v], expected_z[v], "hook_z mixes values with the edited pattern")
+            # doubling the queries (or rotated queries) doubles every unmasked score
+            for point in [pre + "hook_q"] + ([pre + "hook_rot_q"] if pre + "hook_rot_q" in hm.hook_names else []):
+                with hm.hooks([(point, lambda q, hook: q * 2)]):
+                    _, doubled = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_attn_scores"])
+                scores, twice = base["attn_scores", layer], doubled["attn_scores", layer]
+                finite = torch.isfinite(scores) & v[:, None, :, None]
+                assert torch.equal(torch.isfinite(twice), torch.isfinite(scores))
+                assert_close(twice[finite], 2 * scores[finite], f"{point} edit doubles the scores", atol=1e-3)
+        hm.unwrap()
+
+    # --- 6. generation -------------------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_generation_with_hooks_matches(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        pad = getattr(model.config, "pad_token_id", None)
+        kwargs = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=pad if pad is not None else 0)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            reference = model.generate(**inputs.kwargs(), **kwargs)
+            hm = self.wrap(model)
+            shapes: list[int] = []
+
+            def record(t: torch.Tensor, hook: Any) -> None:
+                shapes.append(t.shape[1])
+
+            hooks = [(lambda n: n.endswith(("hook_resid_post", "hook_pattern", "hook_q")), lambda t, hook: t.clone()),
+                     ("blocks.0.hook_resid_pre", record)]
+            with hm.hooks(hooks):
+                hooked = hm.generate(**inputs.kwargs(), **kwargs)
+        assert shapes[0] == inputs.input_ids.shape[1] and all(s == 1 for s in shapes[1:]), shapes
+        for step, (a, b) in enumerate(zip(reference.logits, hooked.logits)):
+            assert_close(a, b, f"step {step} logits with hooks", atol=1e-3)
+            ta, tb = reference.sequences[:, inputs.input_ids.shape[1] + step], hooked.sequences[:, inputs.input_ids.shape[1] + step]
+            if not torch.equal(ta, tb):  # a near-tie may flip; later steps are no longer comparable
+                break
+        assert model.config._attn_implementation == impl
+        hm.unwrap()
+
+    # --- 7. the model stays the user's -----------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_unwrap_and_exceptions_leave_nothing(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        modules = list(model.named_modules())
+        state = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+        baseline_hooks = _hook_counts(model)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            reference = model(**inputs.kwargs()).logits
+            hm = self.wrap(model)
+            assert HookedModel.wrap(model) is hm, "wrapping twice must return the same wrapper"
+
+            def boom(t: torch.Tensor, hook: Any) -> None:
+                raise RuntimeError("user hook failed")
+
+            with pytest.raises(RuntimeError, match="user hook failed"):
+                hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[("blocks.0.attn.hook_pattern", boom),
+                                                                 (lambda n: True, lambda t, hook: t.clone())])
+            assert _hook_counts(model) == baseline_hooks, "a failing hook left PyTorch hooks behind"
+            assert model.config._attn_implementation == impl
+            hm.add_hook(lambda n: True, lambda t, hook: t.clone(), is_permanent=True)
+            hm(**inputs.kwargs())
+            assert _hook_counts(model) > baseline_hooks
+            assert [n for n, _ in model.named_modules()] == [n for n, _ in modules]
+            assert all(a is b for (_, a), (_, b) in zip(model.named_modules(), modules))
+            back = hm.unwrap()
+            assert back is model
+            assert _hook_counts(model) == baseline_hooks
+            assert torch.equal(model(**inputs.kwargs()).logits, reference)
+            for k, v in model.state_dict().items():
+                assert v.data_ptr() == state[k][0] and torch.equal(v, state[k][1]), k
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_bad_hooks_get_clear_errors(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        with pytest.raises(UnknownHookError, match="blocks.0.hook_resid_pre"):
+            hm.add_hook("blocks.0.hook_resid_pr", lambda t, hook: None)
+        with pytest.raises(HookReturnError, match="blocks.0.hook_resid_pre") as info:
+            hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[("blocks.0.hook_resid_pre", lambda t, hook: t[:, :1])])
+        expected = tuple(inputs.input_ids.shape) + (hm.cfg.d_model,)
+        assert str(expected) in str(info.value) and "shape" in str(info.value)
+        assert not any(p.active for p in hm.hook_dict.values())
+        hm.unwrap()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -36,6 +37,9 @@ class HookPoint:
         self._on_change = on_change
         match = _LAYER.match(name)
         self._layer = int(match.group(1)) if match else None
+        # Set by the core for points whose module may see tokens flattened to [b*p, ...] (a block with
+        # BlockLayout.flat_mlp): returns the block's leading (b, p) for this forward, or None.
+        self.token_shape: Optional[Callable[[], Optional[tuple[int, ...]]]] = None
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"
@@ -83,8 +87,17 @@ class HookPoint:
         """Run the forward hooks on ``value``; return the (possibly replaced) value and whether it changed.
 
         A hook that returns ``None`` or the very tensor it was given leaves the value untouched, so an
-        identity hook costs no recomputation and keeps the model's numbers bit for bit.
+        identity hook costs no recomputation and keeps the model's numbers bit for bit. A 2-D value at a
+        point with ``token_shape`` (tokens flattened to ``[b*p, ...]`` by the model) is shown to hooks
+        as ``[b, p, ...]``; an edit is flattened back.
         """
+        lead = self.token_shape() if self.token_shape is not None and value.dim() == 2 else None
+        if lead is not None and math.prod(lead) == value.shape[0]:
+            shown, changed = self._apply(value.reshape(*lead, value.shape[-1]))
+            return (shown.reshape(value.shape) if changed else value), changed
+        return self._apply(value)
+
+    def _apply(self, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
         changed = False
         for entry in list(self.fwd_hooks):
             out = entry.fn(value, hook=self)
@@ -94,12 +107,13 @@ class HookPoint:
             changed = True
         if self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
             value = value.view_as(value)
-            value.register_hook(self._run_backward)
+            entries = list(self.bwd_hooks)  # the hooks of this forward, even if removed before backward
+            value.register_hook(lambda grad: self._run_backward(grad, entries))
             changed = True
         return value, changed
 
-    def _run_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        for entry in list(self.bwd_hooks):
+    def _run_backward(self, grad: torch.Tensor, entries: list[HookEntry]) -> torch.Tensor:
+        for entry in entries:
             out = entry.fn(grad, hook=self)
             if out is not None and out is not grad:
                 grad = self._conform(out, grad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -17,6 +18,7 @@ from .hook_point import HookFn, HookPoint
 from .registry import PluginInfo, Registry, ScopedHooks, get_registry
 from .sites import (
     AttentionSite,
+    BlockShapeSite,
     ForwardState,
     FusedQKVSite,
     InputSite,
@@ -154,6 +156,10 @@ class HookedModel:
 
         return spec
 
+    def norm_spec(self, module: nn.Module) -> Any:
+        """How ``module`` (one of the model's norms) normalizes: a ``NormSpec`` with live weights."""
+        return self._norm_spec(module)()
+
     @property
     def pattern_backend(self) -> Any:
         if self._pattern_backend is None:
@@ -170,27 +176,39 @@ class HookedModel:
         rot_points: list[HookPoint] = []
         for i, block in enumerate(self.blocks):
             bl, qkv, mlp = self.block_layouts[i], self.qkv_layouts[i], self.mlp_layouts[i]
+            if bl.post_norm and (bl.parallel or bl.ln2 is None):
+                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
+                                            f"parallel (layer {i})")
+            if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
+                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
+                                            f"(the module whose input is hook_mlp_in) (layer {i})")
             pre = f"blocks.{i}."
             pts = {}
-            names = ["hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k",
-                     "attn.hook_v"]
+            ln1_names = ["ln1.hook_scale", "ln1.hook_normalized"]
+            attn_names = ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
             if qkv.rotary is not None:
-                names += ["attn.hook_rot_q", "attn.hook_rot_k"]
-            names += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result",
-                      "hook_attn_out"]
-            if not bl.parallel:
-                names.append("hook_resid_mid")
-            if bl.ln2 is not None:
-                names += ["hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized"]
-            names.append("mlp.hook_pre")
-            if mlp.pre_linear is not None:
-                names.append("mlp.hook_pre_linear")
-            names += ["mlp.hook_post", "hook_mlp_out", "hook_resid_post"]
+                attn_names += ["attn.hook_rot_q", "attn.hook_rot_k"]
+            attn_names += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result",
+                           "hook_attn_out"]
+            mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
+            mlp_names += ["mlp.hook_post", "hook_mlp_out"]
+            if bl.post_norm:
+                names = (["hook_resid_pre"] + attn_names + ["hook_resid_mid"] + ln1_names + ["hook_mlp_in"]
+                         + mlp_names + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"])
+            else:
+                names = ["hook_resid_pre"] + ln1_names + attn_names
+                if not bl.parallel:
+                    names.append("hook_resid_mid")
+                if bl.ln2 is not None:
+                    names += ["hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized"]
+                names += mlp_names + ["hook_resid_post"]
             for name in names:
                 pts[name] = p(pre + name)
             get = block.get_submodule
             self.add_site(InputSite(block, pts["hook_resid_pre"]))
             ln1 = get(bl.ln1)
+            if bl.post_norm:
+                self.add_site(InputSite(ln1, pts["hook_resid_mid"]))
             self.add_site(NormSite(ln1, self._norm_spec(ln1), pts["ln1.hook_scale"], pts["ln1.hook_normalized"]))
             rot_q, rot_k = pts.get("attn.hook_rot_q"), pts.get("attn.hook_rot_k")
             if rot_q is not None:
@@ -216,8 +234,18 @@ class HookedModel:
                 self.add_site(OutputSite(get(mlp.pre_linear), pts["mlp.hook_pre_linear"]))
             self.add_site(InputSite(get(mlp.out), pts["mlp.hook_post"]))
             mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
-            self.add_site(ResidualSite(i, block, ln2, mlp_out_module, st, pts.get("hook_resid_mid"),
-                                       pts.get("hook_mlp_in"), pts["hook_mlp_out"], pts["hook_resid_post"]))
+            if bl.post_norm:
+                # every residual point is a plain module input/output: the norms carry edits downstream
+                self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pts["hook_mlp_in"]))
+                self.add_site(OutputSite(mlp_out_module, pts["hook_mlp_out"]))
+                self.add_site(OutputSite(block, pts["hook_resid_post"]))
+            else:
+                self.add_site(ResidualSite(i, block, ln2, mlp_out_module, st, pts.get("hook_resid_mid"),
+                                           pts.get("hook_mlp_in"), pts["hook_mlp_out"], pts["hook_resid_post"]))
+            if bl.flat_mlp:
+                for point in pts.values():
+                    point.token_shape = functools.partial(st.block_shape.get, i)
+                self.add_site(BlockShapeSite(i, block, list(pts.values()), st))
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
             self.add_site(NormSite(ln_f, self._norm_spec(ln_f), p("ln_final.hook_scale"),
@@ -461,14 +489,20 @@ class HookedModel:
 
         return self._weight("W_pos", compute)
 
+    def _unembed(self) -> nn.Module:
+        if self.layout.unembed is None:
+            raise AttributeError(f"this {type(self.hf_model).__name__} has no unembedding (language-model head): "
+                                 f"W_U and b_U exist only for *ForCausalLM models")
+        return self.hf_model.get_submodule(self.layout.unembed)
+
     @property
     def W_U(self) -> Tensor:
-        return self._weight("W_U", lambda: _w.read_linear(self, self.hf_model.get_submodule(self.layout.unembed)).W)
+        return self._weight("W_U", lambda: _w.read_linear(self, self._unembed()).W)
 
     @property
     def b_U(self) -> Tensor:
         def compute() -> Tensor:
-            lw = _w.read_linear(self, self.hf_model.get_submodule(self.layout.unembed))
+            lw = _w.read_linear(self, self._unembed())
             return lw.b if lw.b is not None else torch.zeros(lw.W.shape[-1], dtype=lw.W.dtype, device=lw.W.device)
 
         return self._weight("b_U", compute)

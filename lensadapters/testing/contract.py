@@ -32,6 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ..demo import reinit
 from ..hooked_model import HookedModel
 from ..registry import Registry
 from ..errors import HookReturnError, UnknownHookError
@@ -50,21 +51,6 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL
     if not close(a, b, atol, rtol):
         diff = (a.float() - b.float()).abs().max().item()
         raise AssertionError(f"{what}: max abs difference {diff:.3g} (atol {atol}, rtol {rtol})")
-
-
-def reinit(model: torch.nn.Module, seed: int) -> None:
-    """Give a tiny model weights large enough that every path matters (HF's init is near-trivial at this size)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not param.is_floating_point():
-                continue
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if param.ndim == 1:
-                base = 1.0 if name.endswith("weight") else 0.0
-                param.copy_(base + 0.1 * noise)
-            else:
-                param.copy_(noise / math.sqrt(min(param.shape)))
 
 
 def perturb(t: torch.Tensor, hook: Any) -> torch.Tensor:

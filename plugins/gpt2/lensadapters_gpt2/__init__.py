@@ -127,4 +127,4 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import GPT2Config
 
     return GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0)
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)

@@ -1,0 +1,111 @@
+"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from .registry import get_registry
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    rows = []
+    for info in registry.infos.values():
+        rows.append({
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "source": info.source,
+            "architectures": [{"name": a.name, "model_types": list(a.model_types), "transformers": a.transformers}
+                              for a in info.architectures],
+            "kind": "architecture" if info.architectures else "cross-cutting",
+        })
+    conflicts = registry.conflicts()
+    if args.json:
+        print(json.dumps({"plugins": rows, "failures": registry.failures, "conflicts": conflicts}, indent=2))
+        return 0
+    if not rows:
+        print("No lensadapters plugins installed. Try: pip install lensadapters[all]")
+    for row in rows:
+        archs = ", ".join(f"{a['name']} ({'/'.join(a['model_types'])})" for a in row["architectures"]) or "-"
+        print(f"{row['name']:<12} {row['distribution'] or '(not installed)':<24} {row['version'] or '':<8} "
+              f"{row['kind']:<14} {archs}")
+    for message in registry.failures.values():
+        print(f"! {message}")
+    for model_type, names in conflicts.items():
+        print(f"! model_type {model_type!r} is claimed by {', '.join(names)}: choose with HookedModel.wrap(..., adapter=)")
+    return 0
+
+
+def _load_for_hooks(target: str):
+    import torch
+
+    registry = get_registry()
+    if os.path.isdir(target):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
+        return model.eval(), registry
+    from .demo import tiny_model
+
+    for info in registry.architecture_plugins():
+        for arch in info.architectures:
+            if target in (arch.name, info.name) or target in arch.model_types:
+                return tiny_model(registry, info, arch), registry
+    raise SystemExit(f"{target!r} is neither a checkpoint directory nor an installed architecture. "
+                     f"{registry.describe_installed()}")
+
+
+def _hooks(args: argparse.Namespace) -> int:
+    import torch
+
+    from .hooked_model import HookedModel
+
+    model, registry = _load_for_hooks(args.target)
+    hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
+    ids = torch.zeros(1, args.length, dtype=torch.long)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
+    shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
+    hm.unwrap()
+    if args.json:
+        print(json.dumps({"adapter": hm.arch.name, "batch": 1, "positions": args.length, "hook_points": shapes},
+                         indent=2))
+        return 0
+    print(f"{hm.arch.name}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
+    for name, shape in shapes.items():
+        print(f"  {name:<40} {tuple(shape) if shape is not None else '(not run)'}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    results = run()
+    return 0 if results and all(r.bitwise for r in results) else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lensadapters", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="installed plugins, their distributions and architectures")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plugins)
+    p = sub.add_parser("hooks", help="hook names and shapes for a checkpoint directory or a built-in tiny model")
+    p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...)")
+    p.add_argument("--adapter", default=None, help="force a plugin by name")
+    p.add_argument("--length", type=int, default=4, help="positions of the probe input")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_hooks)
+    p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch")
+    p.set_defaults(func=_demo)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

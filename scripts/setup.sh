@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with lensadapters, every plugin and the pinned dependencies.
+# Usage: scripts/setup.sh [VENV_DIR] [TRANSFORMERS_PIN]   (defaults: .venv, the version in constraints.txt)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+transformers_pin="${2:-}"
+python="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# torch first: the CPU build of 2.13.0 (a bare "torch" requirement would pull a multi-GB CUDA build)
+"${pip[@]}" install "torch==2.13.0"
+constraints=constraints.txt
+if [ -n "$transformers_pin" ]; then
+  constraints="$(mktemp)"
+  grep -v '^transformers==' constraints.txt > "$constraints"
+  echo "transformers==$transformers_pin" >> "$constraints"
+fi
+"${pip[@]}" install -c "$constraints" -e ".[all,testing,bnb]" \
+  -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/peft
+"$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

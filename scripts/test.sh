@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set everything up (first run) and run the tests: the whole suite on the pinned transformers 5.x, then the
+# equivalence suites again on transformers 4.57 in a second environment.
+# HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
+bash scripts/setup.sh .venv
+echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
+.venv/bin/python -m pytest -q -p no:cacheprovider tests
+bash scripts/setup.sh .venv-tf457 4.57.6
+echo "== equivalence tests on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" tests

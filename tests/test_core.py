@@ -1,0 +1,203 @@
+"""The core without any particular architecture: registry, errors, cache keys, CLI."""
+
+import json
+import types
+import warnings
+from importlib import metadata
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+import lensadapters_gpt2
+from lensadapters import HookedModel, PluginConflictError, Registry, UnsupportedModelError, get_act_name, hookimpl
+from lensadapters import registry as registry_module
+from lensadapters.cache import ActivationCache
+from lensadapters.cli import main as cli_main
+from lensadapters.registry import DISABLE_AUTOLOAD_ENV, PluginLoadWarning
+from lensadapters.specs import Architecture
+from lensadapters.testing import reinit
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=32, n_positions=16))
+    reinit(model, 0)
+    return model.eval()
+
+
+def registry_with(*plugins):
+    registry = Registry()
+    for plugin in plugins:
+        registry.register(plugin, getattr(plugin, "__name__", None))
+    return registry
+
+
+class FakeEntryPoint:
+    def __init__(self, name, load, dist_name="fake-dist"):
+        self.name = name
+        self._load = load
+        self.dist = types.SimpleNamespace(metadata={"Name": dist_name}, version="9.9")
+
+    def load(self):
+        return self._load()
+
+
+def test_broken_plugin_warns_and_the_others_load(monkeypatch):
+    def broken():
+        raise ImportError("no module named lensadapters_broken")
+
+    eps = [FakeEntryPoint("broken", broken, "lensadapters-broken"), FakeEntryPoint("gpt2", lambda: lensadapters_gpt2)]
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: eps)
+    registry = Registry()
+    with pytest.warns(PluginLoadWarning, match="broken.*lensadapters-broken"):
+        registry.load_entry_points()
+    assert "gpt2" in registry.infos and "broken" in registry.failures
+    hm = HookedModel.wrap(tiny_gpt2(), registry=registry)
+    assert hm.arch.name == "gpt2"
+    hm.unwrap()
+
+
+def test_plugin_for_another_hookspec_major_is_refused(monkeypatch):
+    old = types.ModuleType("lensadapters_old")
+    old.LENSADAPTERS_HOOKSPEC = "0"
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: [FakeEntryPoint("old", lambda: old)])
+    registry = Registry()
+    with pytest.warns(PluginLoadWarning, match="hookspec 0.*provides hookspec 1"):
+        registry.load_entry_points()
+    assert "old" not in registry.infos
+
+
+def test_same_entry_point_name_from_two_distributions_is_reported(monkeypatch):
+    eps = [FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "a"), FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "b")]
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: eps)
+    registry = Registry()
+    with pytest.warns(PluginLoadWarning, match="provided by both a and b"):
+        registry.load_entry_points()
+
+
+def test_autoload_can_be_disabled(monkeypatch):
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    called = []
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: called.append(1) or [])
+    registry_module.set_registry(None)
+    try:
+        assert registry_module.get_registry().infos == {}
+        assert not called
+    finally:
+        registry_module.set_registry(None)
+
+
+def _claiming_plugin(name):
+    plugin = types.ModuleType(name)
+
+    @hookimpl
+    def lensadapters_architectures():
+        return [Architecture(name, ("gpt2",))]
+
+    plugin.lensadapters_architectures = lensadapters_architectures
+    return plugin
+
+
+def test_two_plugins_claiming_one_architecture_conflict_until_one_is_chosen():
+    other = _claiming_plugin("other_gpt2")
+    registry = registry_with(lensadapters_gpt2, other)
+    assert registry.conflicts() == {"gpt2": ["lensadapters_gpt2", "other_gpt2"]}
+    model = tiny_gpt2()
+    with pytest.raises(PluginConflictError, match="adapter="):
+        HookedModel.wrap(model, registry=registry)
+    hm = HookedModel.wrap(model, adapter="gpt2", registry=registry)
+    assert hm.plugin.name == "lensadapters_gpt2"
+    hm.unwrap()
+
+
+def test_unsupported_architecture_names_model_type_plugins_and_fix():
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    model = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=8, n_head=2, vocab_size=16))
+    with pytest.raises(UnsupportedModelError) as info:
+        HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
+    message = str(info.value)
+    assert "'bloom'" in message and "gpt2" in message and "writing-a-plugin" in message
+
+
+def test_unknown_hook_lists_closest_names():
+    hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
+    with pytest.raises(KeyError, match="blocks.1.attn.hook_pattern"):
+        hm.add_hook("blocks.1.attn.hook_patern", lambda t, hook: None)
+    hm.unwrap()
+
+
+def test_wrapping_twice_returns_the_wrapper_and_a_dead_wrapper_refuses_work():
+    model = tiny_gpt2()
+    registry = registry_with(lensadapters_gpt2)
+    hm = HookedModel.wrap(model, registry=registry)
+    assert HookedModel.wrap(model, registry=registry) is hm and HookedModel.wrap(hm) is hm
+    hm.unwrap()
+    with pytest.raises(Exception, match="unwrapped"):
+        hm(torch.zeros(1, 2, dtype=torch.long))
+    assert HookedModel.wrap(model, registry=registry) is not hm
+
+
+def test_cache_shorthand_and_filters():
+    hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
+    ids = torch.arange(6).view(1, 6)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, names_filter=["blocks.1.hook_resid_pre", "ln_final.hook_scale"],
+                                     remove_batch_dim=True, device="cpu")
+    assert set(cache) == {"blocks.1.hook_resid_pre", "ln_final.hook_scale"}
+    assert cache["resid_pre", 1].shape == (6, 8) and cache["scale"].shape == (6, 1)
+    assert ("resid_pre", -1) in cache and ("resid_pre", 0) not in cache
+    assert get_act_name("scale", 2, "ln2") == "blocks.2.ln2.hook_scale"
+    assert get_act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
+    assert "attn.hook_result" not in " ".join(hm.cache_names())
+    assert hm.cache_names(lambda n: n.endswith("hook_result")) == ["blocks.0.attn.hook_result", "blocks.1.attn.hook_result"]
+    hm.unwrap()
+
+
+def test_backward_hooks_and_incl_bwd():
+    hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
+    ids = torch.arange(6).view(1, 6)
+    logits, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=["blocks.0.hook_resid_post"])
+    grad = cache["blocks.0.hook_resid_post_grad"]
+    assert grad.shape == cache["resid_post", 0].shape and grad.abs().sum() > 0
+    seen = []
+    logits = hm.run_with_hooks(ids, bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, hook: seen.append(g.clone()))])
+    logits.sum().backward()  # the backward hook stays on this forward's graph after the call
+    assert len(seen) == 1 and seen[0].shape == (1, 6, 8)
+    with pytest.raises(ValueError, match="labels"):
+        hm.run_with_cache(ids, incl_bwd=True)
+    hm.unwrap()
+
+
+def test_cli_plugins_json_and_hooks(capsys, monkeypatch):
+    monkeypatch.setattr(registry_module, "_DEFAULT", registry_with(lensadapters_gpt2))
+    assert cli_main(["plugins", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in listed["plugins"]] == ["lensadapters_gpt2"]
+    assert listed["plugins"][0]["architectures"][0]["model_types"] == ["gpt2"]
+    assert cli_main(["hooks", "gpt2", "--json", "--length", "3"]) == 0
+    shapes = json.loads(capsys.readouterr().out)["hook_points"]
+    assert shapes["blocks.0.attn.hook_pattern"] == [1, 4, 3, 3]
+    assert shapes["blocks.1.attn.hook_result"][:3] == [1, 3, 4]
+
+
+def test_cli_hooks_reads_a_checkpoint_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(registry_module, "_DEFAULT", registry_with(lensadapters_gpt2))
+    tiny_gpt2().save_pretrained(tmp_path)
+    assert cli_main(["hooks", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.1.hook_resid_post" in out and "(1, 4, 8)" in out
+
+
+def test_installed_plugins_are_discovered_through_entry_points():
+    names = {ep.name for ep in metadata.entry_points(group="lensadapters")}
+    if "gpt2" not in names:
+        pytest.skip("lensadapters-gpt2 is not installed")
+    registry = Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)
+        registry.load_entry_points()
+    assert registry.infos["gpt2"].distribution == "lensadapters-gpt2"

@@ -1,0 +1,207 @@
+"""GPT-NeoX / Pythia for lensadapters.
+
+Quirks handled:
+
+* ``query_key_value`` is fused **per head, interleaved**: its output viewed as ``[..., heads, 3 * d_head]``
+  holds ``q | k | v`` of each head side by side. ``hook_q/k/v`` (and ``W_Q/W_K/W_V``, ``b_Q/b_K/b_V``,
+  by the same split on weight columns) are sliced out of that view and re-fused after edits.
+* Partial rotary (``rotary_pct`` in 4.x, ``rope_parameters["partial_rotary_factor"]`` in 5.x): only the
+  first ``rotary_ndims`` dimensions of each head rotate, rotate-half style, with the ``(cos, sin)``
+  returned by ``gpt_neox.rotary_emb``. ``hook_rot_q/k`` edits are inverted back into the projection
+  output, so the KV cache stores the edited keys.
+* ``use_parallel_residual``: ``x + attn(ln1 x) + mlp(ln2 x)`` has no ``hook_resid_mid`` and
+  ``hook_mlp_in`` is the block input; sequential blocks have ``hook_resid_mid``.
+* Unembedding is ``embed_out`` (transformers 4.x) or ``lm_head`` (5.x), found on the model.
+
+Attention implementations other than ``eager`` and ``sdpa`` are refused at wrap time (untested).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    FusedQKV,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    UnsupportedModelError,
+    hookimpl,
+)
+from lensadapters.rotary import rotate_half_spec
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+ARCH = Architecture(
+    name="gpt_neox",
+    model_types=("gpt_neox",),
+    description="GPT-NeoX / Pythia (GPTNeoXForCausalLM, GPTNeoXModel)",
+    transformers=">=4.57,<6",
+)
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+_ATTN_PREFIX = "lensadapters:"
+
+
+def _prefix(model: nn.Module) -> str:
+    return "gpt_neox." if hasattr(model, "gpt_neox") else ""
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_submodule(_prefix(model).rstrip(".")) if _prefix(model) else model
+
+
+def _attention(model: nn.Module, layer: int) -> nn.Module:
+    return _base(model).layers[layer].attention
+
+
+def _out_features(module: nn.Module) -> Optional[int]:
+    """``out_features`` of a linear layer, looking through adapter wrappers (``base_layer``)."""
+    for _ in range(4):
+        if hasattr(module, "out_features") and isinstance(module.out_features, int):
+            return module.out_features
+        module = getattr(module, "base_layer", None)
+        if module is None:
+            return None
+    return None
+
+
+def split_qkv(t: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[..., 3 * d_model]`` (per-head interleaved) → ``q, k, v`` as ``[..., heads, d_head]`` views."""
+    per_head = t.unflatten(-1, (n_heads, -1))  # [..., h, 3 * d_head]
+    q, k, v = per_head.chunk(3, dim=-1)
+    return q, k, v
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`split_qkv`."""
+    return torch.cat([q, k, v], dim=-1).flatten(-2)
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    from transformers.models.gpt_neox import modeling_gpt_neox as hf
+
+    c = model.config
+    impl = getattr(c, "_attn_implementation", None) or "eager"
+    if impl.startswith(_ATTN_PREFIX):
+        impl = impl[len(_ATTN_PREFIX):]
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"lensadapters-gpt-neox is tested with the attention implementations {SUPPORTED_ATTENTION}, and this "
+            f"model uses {impl!r}. Call model.set_attn_implementation('sdpa') (or load it with "
+            f"attn_implementation='sdpa') before wrapping.")
+    if c.hidden_size % c.num_attention_heads:
+        raise UnsupportedModelError(
+            f"GPT-NeoX with hidden_size={c.hidden_size} not divisible by num_attention_heads={c.num_attention_heads}")
+    base = _base(model)
+    for attr in ("embed_in", "layers", "final_layer_norm", "rotary_emb"):
+        if not hasattr(base, attr):
+            raise UnsupportedModelError(
+                f"this GPT-NeoX model has no {attr!r} module: its layout differs from transformers' GPTNeoXModel, "
+                f"which lensadapters-gpt-neox expects")
+    d_head = c.hidden_size // c.num_attention_heads
+    stock = {hf.GPTNeoXLayer: "GPTNeoXLayer", hf.GPTNeoXAttention: "GPTNeoXAttention", hf.GPTNeoXMLP: "GPTNeoXMLP"}
+    for i, layer in enumerate(base.layers):
+        attn = getattr(layer, "attention", None)
+        mlp = getattr(layer, "mlp", None)
+        for module, cls in ((layer, hf.GPTNeoXLayer), (attn, hf.GPTNeoXAttention), (mlp, hf.GPTNeoXMLP)):
+            if not isinstance(module, cls):
+                raise UnsupportedModelError(
+                    f"layer {i}: expected a transformers {stock[cls]}, found {type(module).__name__}; "
+                    f"lensadapters-gpt-neox supports only transformers' own GPT-NeoX modules")
+            if type(module).forward is not cls.forward:
+                warnings.warn(
+                    f"layer {i}: {type(module).__name__} overrides {stock[cls]}.forward; lensadapters-gpt-neox "
+                    f"assumes the stock computation and hook points may not mean what their names say",
+                    stacklevel=2)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if not isinstance(getattr(layer, norm, None), nn.LayerNorm):
+                raise UnsupportedModelError(f"layer {i}: {norm} is not an nn.LayerNorm")
+        if bool(layer.use_parallel_residual) != bool(c.use_parallel_residual):
+            raise UnsupportedModelError(
+                f"layer {i}: use_parallel_residual={layer.use_parallel_residual} differs from the config's "
+                f"{c.use_parallel_residual}")
+        if attn.head_size != d_head:
+            raise UnsupportedModelError(
+                f"layer {i}: head size {attn.head_size} differs from hidden_size/heads={d_head}")
+        qkv_out = _out_features(attn.query_key_value)
+        if qkv_out is not None and qkv_out != 3 * c.hidden_size:
+            raise UnsupportedModelError(
+                f"layer {i}: query_key_value has {qkv_out} output features, expected 3 * hidden_size = "
+                f"{3 * c.hidden_size} (per-head interleaved q, k, v)")
+        if attn.rotary_ndims % 2 or attn.rotary_ndims > d_head:
+            raise UnsupportedModelError(
+                f"layer {i}: rotary_ndims={attn.rotary_ndims} must be even and at most d_head={d_head}")
+    inv_freq = getattr(base.rotary_emb, "inv_freq", None)
+    rotary_ndims = base.layers[0].attention.rotary_ndims if len(base.layers) else 0
+    if inv_freq is not None and 2 * inv_freq.shape[-1] != rotary_ndims:
+        raise UnsupportedModelError(
+            f"the rotary module rotates {2 * inv_freq.shape[-1]} dimensions but attention declares rotary_ndims="
+            f"{rotary_ndims} (config.head_dim differs from hidden_size / num_attention_heads?)")
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = model.config
+    d_head = c.hidden_size // c.num_attention_heads
+    rotary_dim = _attention(model, 0).rotary_ndims if c.num_hidden_layers else 0
+    return HookedConfig(
+        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=d_head,
+        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
+        normalization_type="LN", positional_embedding_type="rotary", model_type="gpt_neox",
+        rotary_dim=rotary_dim, parallel_attn_mlp=bool(c.use_parallel_residual), eps=c.layer_norm_eps,
+        original_architecture=type(model).__name__,
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    p = _prefix(model)
+    unembed = None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None:
+        unembed = next((name for name, module in model.named_modules() if module is output), None)
+    return ModelLayout(blocks=p + "layers", embed=p + "embed_in", ln_final=p + "final_layer_norm",
+                       unembed=unembed, rotary=p + "rotary_emb")
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return BlockLayout(ln1="input_layernorm", attn="attention", o_proj="attention.dense",
+                       ln2="post_attention_layernorm", mlp="mlp", parallel=bool(model.config.use_parallel_residual))
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> FusedQKV:
+    n_heads = model.config.num_attention_heads
+    rotary_ndims = _attention(model, layer).rotary_ndims
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_qkv(t, n_heads)
+
+    return FusedQKV("attention.query_key_value", split, merge_qkv, rotary=rotate_half_spec(rotary_ndims))
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+    return MLPLayout(pre="mlp.dense_h_to_4h", out="mlp.dense_4h_to_h")
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=256, rotary_pct=0.25, max_position_embeddings=128, hidden_dropout=0.0,
+                         attention_dropout=0.0, use_parallel_residual=True)

@@ -93,6 +93,7 @@ class Registry:
                 continue
             seen[ep.name] = dist_name
             try:
+                _check_core_range(dist)
                 plugin = ep.load()
                 self.register(plugin, ep.name, distribution=dist_name, version=dist_version, source="entry point")
             except Exception as exc:  # a broken plugin must not take the others down
@@ -195,6 +196,28 @@ def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
             f"plugin {name or plugin!r} was written for lensadapters hookspec {wanted}, "
             f"but the installed core provides hookspec {hookspecs.HOOKSPEC_VERSION}: "
             f"install a version of the plugin built for hookspec {have}.x")
+
+
+def _check_core_range(dist: Any) -> None:
+    """Refuse a plugin distribution whose declared ``lensadapters`` range excludes the installed core."""
+    if dist is None:
+        return
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    from ._version import __version__
+
+    for line in dist.requires or ():
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.name.lower() != "lensadapters" or requirement.marker is not None:
+            continue
+        if not requirement.specifier.contains(__version__, prereleases=True):
+            raise ImportError(
+                f"{dist.metadata['Name']} {dist.version} requires lensadapters{requirement.specifier}, but the "
+                f"installed lensadapters is {__version__}: install a version of {dist.metadata['Name']} built for "
+                f"lensadapters {__version__}, or a lensadapters version in that range")
 
 
 def _entry_points() -> list[metadata.EntryPoint]:

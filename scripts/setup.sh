@@ -20,4 +20,5 @@ if [ -n "$transformers_pin" ]; then
 fi
 "${pip[@]}" install -c "$constraints" -e ".[all,testing,bnb]" \
   -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/peft
+"${pip[@]}" install -c "$constraints" build
 "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -11,3 +11,5 @@ echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformer
 bash scripts/setup.sh .venv-tf457 4.57.6
 echo "== equivalence tests on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 .venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" tests
+echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"
+bash scripts/check-wheels.sh .venv

@@ -70,6 +70,47 @@ def attention_key(original: str) -> str:
     return key
 
 
+class _MaskInfo:
+    """What explicit attention needs from a mask: where to put ``-inf``, an additive bias, empty rows."""
+
+    __slots__ = ("blocked", "bias", "empty_rows")
+
+    def __init__(self, blocked: Optional[Tensor], bias: Optional[Tensor], empty_rows: Optional[Tensor]) -> None:
+        self.blocked, self.bias, self.empty_rows = blocked, bias, empty_rows
+
+
+# the last mask seen and what was derived from it: every layer of one forward gets the same mask object,
+# so it is converted once per forward, not once per layer (a weak reference: a freed mask never matches)
+_last_mask: list[Any] = [None, None, None]  # [key, weakref to the mask or None, _MaskInfo]
+
+
+def _mask_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool) -> _MaskInfo:
+    key = (q_len, k_len, str(device), causal, None if mask is None else (id(mask), _version(mask), mask.dtype))
+    cached_key, ref, info = _last_mask
+    if cached_key == key and (mask is None or (ref is not None and ref() is mask)):
+        return info
+    info = _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal))
+    _last_mask[:] = [key, None if mask is None else weakref.ref(mask), info]
+    return info
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
+                           causal: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    allowed, bias = _allowed_and_bias(mask, q_len, k_len, device, causal)
+    blocked = ~allowed
+    if not bool(blocked.any()):
+        return None, bias, None
+    empty_rows = blocked.all(-1, keepdim=True)
+    return blocked, bias, empty_rows if bool(empty_rows.any()) else None
+
+
 def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
                       causal: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias."""
@@ -102,13 +143,17 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         value = value.repeat_interleave(n_heads // n_kv, dim=1)
     scores = scores_fn(module, query, key, scaling)
     q_len, k_len = scores.shape[-2], scores.shape[-1]
-    allowed, bias = _allowed_and_bias(attention_mask, q_len, k_len, scores.device, getattr(module, "is_causal", True))
-    if bias is not None:
-        scores = scores + bias
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    scores, _ = scores_point.apply(scores)
+    info = _mask_info(attention_mask, q_len, k_len, scores.device, getattr(module, "is_causal", True))
+    if info.bias is not None:
+        scores = scores + info.bias
+    if info.blocked is not None:
+        scores = scores.masked_fill(info.blocked, float("-inf"))
+    scores, scores_changed = scores_point.apply(scores)
     pattern = torch.softmax(scores.float(), dim=-1)
-    pattern = torch.where(pattern.isnan(), torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
+    if scores_changed:  # an edit may leave any row without a finite score
+        pattern = torch.where(pattern.isnan(), torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
+    elif info.empty_rows is not None:  # rows the mask left empty: softmax of all -inf is nan
+        pattern = pattern.masked_fill(info.empty_rows, 0.0)
     pattern = pattern.to(value.dtype)
     pattern, _ = pattern_point.apply(pattern)
     if head_mask is not None:

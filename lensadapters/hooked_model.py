@@ -242,10 +242,6 @@ class HookedModel:
             else:
                 self.add_site(ResidualSite(i, block, ln2, mlp_out_module, st, pts.get("hook_resid_mid"),
                                            pts.get("hook_mlp_in"), pts["hook_mlp_out"], pts["hook_resid_post"]))
-            if bl.flat_mlp:
-                for point in pts.values():
-                    point.token_shape = functools.partial(st.block_shape.get, i)
-                self.add_site(BlockShapeSite(i, block, list(pts.values()), st))
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
             self.add_site(NormSite(ln_f, self._norm_spec(ln_f), p("ln_final.hook_scale"),
@@ -253,10 +249,17 @@ class HookedModel:
         if rot_points:
             if not L.rotary:
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
-            self.add_site(RotaryCaptureSite(m.get_submodule(L.rotary), rot_points, st))
+            self.add_site(RotaryCaptureSite(m.get_submodule(L.rotary), rot_points, st, L.rotary_from_inputs))
         for sites in self._hooks.lensadapters_extra_sites(arch=self.arch, hooked=self):
             for site in sites or ():
                 self.add_site(site)
+        for i, block in enumerate(self.blocks):
+            if self.block_layouts[i].flat_mlp:
+                # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
+                block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]
+                for point in block_points:
+                    point.token_shape = functools.partial(st.block_shape.get, i)
+                self.add_site(BlockShapeSite(i, block, block_points, st))
 
     def _linear_reader(self, module: nn.Module) -> Callable[[], tuple[Tensor, Optional[Tensor]]]:
         def read() -> tuple[Tensor, Optional[Tensor]]:
@@ -323,7 +326,8 @@ class HookedModel:
             raise LensAdaptersError("this HookedModel was unwrapped; call HookedModel.wrap(model) again")
 
     def add_hook(self, name: Union[str, Callable[[str], bool]], hook: HookFn, dir: str = "fwd",
-                 is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None) -> None:
+                 is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None,
+                 _touched: Optional[list[HookPoint]] = None) -> None:
         """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts)."""
         self._check_alive()
         if dir not in ("fwd", "bwd"):
@@ -331,14 +335,17 @@ class HookedModel:
         with self._batched():
             for point in self._select(name):
                 point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend)
+                if _touched is not None:
+                    _touched.append(point)
 
     def reset_hooks(self, including_permanent: bool = False) -> None:
         """Remove user hooks (permanent ones too when ``including_permanent``)."""
         self._remove_where(lambda e: including_permanent or not e.permanent)
 
-    def _remove_where(self, predicate: Callable[[Any], bool]) -> None:
+    def _remove_where(self, predicate: Callable[[Any], bool], points: Optional[Iterable[HookPoint]] = None) -> None:
+        """Remove the user hooks ``predicate`` accepts, from ``points`` (default: every hook point)."""
         with self._batched():
-            for point in self._points.values():
+            for point in (self._points.values() if points is None else dict.fromkeys(points)):
                 if point.remove_where(predicate):
                     self._dirty.update(self._point_sites.get(point, ()))
         self._state.clear()
@@ -349,16 +356,17 @@ class HookedModel:
         """Hooks that live only inside the ``with`` block (removed even when a hook raises)."""
         self._check_alive()
         context = next(_contexts)
+        touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
         try:
             with self._batched():
                 for name, fn in fwd_hooks:
-                    self.add_hook(name, fn, "fwd", _context=context)
+                    self.add_hook(name, fn, "fwd", _context=context, _touched=touched)
                 for name, fn in bwd_hooks:
-                    self.add_hook(name, fn, "bwd", _context=context)
+                    self.add_hook(name, fn, "bwd", _context=context, _touched=touched)
             yield self
         finally:
             if reset_hooks_end:
-                self._remove_where(lambda e: e.context == context)
+                self._remove_where(lambda e: e.context == context, touched)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Exactly the wrapped model's forward."""

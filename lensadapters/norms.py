@@ -18,8 +18,10 @@ def scale(x: Tensor, spec: NormSpec) -> Tensor:
     """``sqrt(var + eps)`` (LayerNorm) or ``sqrt(mean(x^2) + eps)`` (RMSNorm), shape ``[..., 1]``."""
     xf = x.float()
     if spec.kind == "LN":
-        xf = xf - xf.mean(-1, keepdim=True)
-    return (xf.pow(2).mean(-1, keepdim=True) + spec.eps).sqrt().to(x.dtype)
+        var = torch.var_mean(xf, -1, correction=0, keepdim=True)[0]  # one fused pass, no centered copy
+    else:
+        var = xf.pow(2).mean(-1, keepdim=True)  # as Hugging Face's RMSNorms compute it
+    return (var + spec.eps).sqrt().to(x.dtype)
 
 
 def _weight(spec: NormSpec) -> Optional[Tensor]:

@@ -206,7 +206,7 @@ def _check_core_range(dist: Any) -> None:
 
     from ._version import __version__
 
-    for line in dist.requires or ():
+    for line in getattr(dist, "requires", None) or ():
         try:
             requirement = Requirement(line)
         except InvalidRequirement:

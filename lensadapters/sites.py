@@ -91,12 +91,14 @@ class ForwardState:
         self.batch: Optional[int] = None
         self.resid_mid: dict[int, Tensor] = {}
         self.mlp_out: dict[int, Tensor] = {}
+        self.block_shape: dict[int, tuple[int, ...]] = {}
 
     def clear(self) -> None:
         self.rotary = None
         self.batch = None
         self.resid_mid.clear()
         self.mlp_out.clear()
+        self.block_shape.clear()
 
 
 # --- generic sites -------------------------------------------------------------------------------------
@@ -199,18 +201,43 @@ class NormSite(Site):
         return replace_first_output(output, new_out.to(out.dtype))
 
 
-class RotaryCaptureSite(Site):
-    """Records the ``(cos, sin)`` the model's rotary module produced for this forward pass."""
+class BlockShapeSite(Site):
+    """Records a block's leading input dimensions ``(b, p)``, for points that see tokens flattened."""
 
-    def __init__(self, module: nn.Module, points: Sequence[HookPoint], state: ForwardState) -> None:
-        self.module, self.state = module, state
+    def __init__(self, layer: int, block: nn.Module, points: Sequence[HookPoint], state: ForwardState) -> None:
+        self.layer, self.block, self.state = layer, block, state
         self.points = tuple(points)
 
     def install(self) -> list[RemovableHandle]:
+        return [self.block.register_forward_pre_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.state.block_shape[self.layer] = tuple(first_input(args, kwargs).shape[:-1])
+
+
+class RotaryCaptureSite(Site):
+    """Records the ``(cos, sin)`` of this forward pass.
+
+    By default they are the output of the model's rotary module; with ``from_inputs`` (see
+    ``ModelLayout.rotary_from_inputs``) they are computed from the module's inputs in a pre-hook.
+    """
+
+    def __init__(self, module: nn.Module, points: Sequence[HookPoint], state: ForwardState,
+                 from_inputs: Optional[Callable[[nn.Module, tuple, dict], tuple[Tensor, Tensor]]] = None) -> None:
+        self.module, self.state, self.from_inputs = module, state, from_inputs
+        self.points = tuple(points)
+
+    def install(self) -> list[RemovableHandle]:
+        if self.from_inputs is not None:
+            return [self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)]
         return [self.module.register_forward_hook(self._hook)]
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         cos, sin = output[0], output[1]
+        self.state.rotary = (cos, sin)
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cos, sin = self.from_inputs(module, args, kwargs)
         self.state.rotary = (cos, sin)
 
 
@@ -275,7 +302,12 @@ class FusedQKVSite(Site):
 
 
 class ResultSite(Site):
-    """``attn.hook_result``: per-head outputs of the output projection, summed back (plus bias) after edits."""
+    """``attn.hook_result``: per-head outputs of the output projection (``z`` times the read ``W_O``).
+
+    An edit changes the projection's own output by ``sum_h (edited_h - result_h)``, which equals
+    ``sum_h edited_h + b_O`` up to rounding, while heads left as they were keep the model's exact
+    numbers (a quantized or adapted projection is not recomputed in float; an identity edit is bitwise).
+    """
 
     def __init__(self, module: nn.Module, point: HookPoint, heads: int,
                  weight: Callable[[], tuple[Tensor, Optional[Tensor]]]) -> None:
@@ -287,16 +319,15 @@ class ResultSite(Site):
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         z = split_heads(first_input(args, kwargs), self.heads)
-        W, b = self.weight()  # [d_in, d_out], [d_out]
+        W, _ = self.weight()  # [d_in, d_out] (the bias is in the output already)
         W_O = W.unflatten(0, (self.heads, -1)).to(z.dtype)
         result = torch.einsum("...hd,hdm->...hm", z, W_O)
-        result, changed = self.point.apply(result)
+        edited, changed = self.point.apply(result)
         if not changed:
             return None
-        out = result.sum(-2)
-        if b is not None:
-            out = out + b.to(out.dtype)
-        return replace_first_output(output, out.to(first_output(output).dtype))
+        out = first_output(output)
+        delta = edited.float().sum(-2) - result.float().sum(-2)
+        return replace_first_output(output, (out.float() + delta).to(out.dtype))
 
 
 class ResidualSite(Site):
@@ -341,6 +372,8 @@ class ResidualSite(Site):
     def _ln2_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         value = first_input(args, kwargs)
         changed = False
+        self.state.resid_mid.pop(self.layer, None)  # never a leftover of a forward that raised
+        self.state.mlp_out.pop(self.layer, None)
         if self.resid_mid is not None and self.resid_mid.active:
             value, changed = self.resid_mid.apply(value)
             if changed:
@@ -364,7 +397,8 @@ class ResidualSite(Site):
         changed = False
         mid = self.state.resid_mid.pop(self.layer, None)
         if mid is not None:
-            value = mid + self.state.mlp_out.pop(self.layer)
+            # the block may have flattened tokens around its MLP (BlockLayout.flat_mlp)
+            value = (mid + self.state.mlp_out.pop(self.layer)).reshape(value.shape)
             changed = True
         if self.resid_post.active:
             value, post_changed = self.resid_post.apply(value)

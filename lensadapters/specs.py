@@ -65,6 +65,13 @@ class ModelLayout:
     ``embed`` is the module whose output is ``hook_embed``; ``pos_embed`` the module whose output is
     ``hook_pos_embed`` (learned positions only); ``rotary`` a module returning ``(cos, sin)`` for the
     current positions (rotary models only).
+
+    ``rotary_from_inputs`` is for models without such a module, which derive the rotary angles inside
+    attention (GPT-J: from ``position_ids`` and a sin/cos table on each attention module). When set,
+    the core calls ``rotary_from_inputs(module, args, kwargs)`` in a forward *pre*-hook on the
+    ``rotary`` module (which then names the module whose inputs carry the positions, e.g. the first
+    attention module) and uses the ``(cos, sin)`` it returns, in whatever layout the plugin's
+    ``RotarySpec`` expects, instead of the module's output.
     """
 
     blocks: str
@@ -74,6 +81,7 @@ class ModelLayout:
     pos_embed: Optional[str] = None
     pos_embed_offset: int = 0
     rotary: Optional[str] = None
+    rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,14 @@ class BlockLayout:
     has no MLP module (OPT), and ``hook_mlp_out`` is then the output of the MLP's down projection.
     ``parallel`` blocks compute ``x + attn(ln1 x) + mlp(ln2 x)`` and have no ``hook_resid_mid``.
     ``ln2`` of a parallel block may be ``None`` when both branches share ``ln1`` (GPT-J).
+
+    ``post_norm`` blocks normalize *after* each residual add (original Transformer, OPT-350m):
+    ``mid = ln1(x + attn(x))``, ``out = ln2(mid + mlp(mid))``. Their hook points are
+    ``hook_resid_mid`` = ``x + attn_out`` (the input of ``ln1``, as in TransformerLens' post-LN
+    ``BertBlock``), ``hook_mlp_in`` = the MLP's input (``ln1``'s output; an edit changes only the MLP
+    branch) and ``hook_resid_post`` = the block output (``ln2``'s output, the next block's input).
+    ``flat_mlp`` says the block reshapes hidden states to ``[b*p, d]`` around the MLP (OPT): hook
+    points that see such 2-D tensors show them as ``[b, p, ...]`` and flatten edits back.
     """
 
     ln1: str
@@ -92,6 +108,8 @@ class BlockLayout:
     ln2: Optional[str]
     mlp: Optional[str] = None
     parallel: bool = False
+    post_norm: bool = False
+    flat_mlp: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,8 @@ class RotarySpec:
 
     ``apply(x, cos, sin)`` rotates, ``invert(x, cos, sin)`` undoes it (used to turn an edit of
     ``hook_rot_q``/``hook_rot_k`` into the projection output that produces it, so the KV cache
-    stores the edited key). ``cos``/``sin`` are what the model's rotary module returned.
+    stores the edited key). ``cos``/``sin`` are what the model's rotary module returned (or what
+    ``ModelLayout.rotary_from_inputs`` computed).
     """
 
     rotary_dim: int

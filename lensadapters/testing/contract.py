@@ -18,8 +18,10 @@ The suite draws a config and left-padded inputs, builds a seeded model with
 positions, rotary, gated MLP, parallel blocks) are read from the wrapped model's ``cfg`` and hook
 names, so most plugins set nothing else. Override ``pre_ln_residual(model)`` for blocks whose
 residual stream is not ``resid_mid = resid_pre + attn_out`` / ``resid_post = resid_mid + mlp_out``
-(post-LN), and ``final_hidden_is_ln_final`` when the model's last hidden state is not the final
-norm's output.
+(post-LN), ``final_hidden_is_ln_final`` when the model's last hidden state is not the final
+norm's output, and ``attn_implementations`` when transformers offers the model no sdpa (the first entry
+is the default implementation). Ship the subclass in the plugin package and name it in the plugin's
+``LENSADAPTERS_CONTRACT = "module:Class"`` so that ``lensadapters check PLUGIN`` runs the same suite.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def _hook_counts(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
+def _instance_attributes(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Each module's instance attribute names (a plugin may override a method on one instance while hooked)."""
+    return {name: set(vars(module)) for name, module in model.named_modules()}
+
+
 class AdapterContract:
     """Generic properties of an adapter plugin (see the module docstring)."""
 
@@ -86,10 +93,19 @@ class AdapterContract:
         """Whether resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out hold (pre-LN blocks)."""
         return True
 
-    def make_model(self, config: Any, seed: int, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors wrapping must leave untouched (storage and values): the state dict by default.
+
+        Override to drop entries a library synthesizes anew at every ``state_dict()`` call
+        (bitsandbytes' ``weight_format``).
+        """
+        return model.state_dict()
+
+    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
+        attn_implementation = attn_implementation or self.attn_implementations[0]
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         reinit(model, seed)
         return model.eval()
@@ -106,8 +122,10 @@ class AdapterContract:
     def wrap(self, model: torch.nn.Module) -> HookedModel:
         return HookedModel.wrap(model, registry=self.registry())
 
-    def draw(self, data: st.DataObject, attn_implementation: str = "sdpa", left_padding: bool = True
+    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
              ) -> tuple[torch.nn.Module, Inputs]:
+        """A model and inputs; ``attn_implementation`` defaults to the first of ``attn_implementations``."""
+        attn_implementation = attn_implementation or self.attn_implementations[0]
         config = data.draw(self.configs(), label="config")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         model = self.make_model(config, seed, attn_implementation)
@@ -224,9 +242,13 @@ class AdapterContract:
                     assert_close(cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}")
                 expected = torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i]
                 assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O")
-                if layout.ln2 is not None:
-                    mlp_in = (cache["mlp_in", i] if layout.post_norm  # post-LN: the MLP reads ln1's output
-                              else self._norm_out(hm, cache, f"blocks.{i}.ln2", block.get_submodule(layout.ln2)))
+                if layout.ln2 is not None or layout.parallel:
+                    if layout.ln2 is None:  # parallel block sharing one norm (GPT-J): the MLP reads ln1's output
+                        mlp_in = attn_in
+                    elif layout.post_norm:  # post-LN: the MLP reads ln1's output
+                        mlp_in = cache["mlp_in", i]
+                    else:
+                        mlp_in = self._norm_out(hm, cache, f"blocks.{i}.ln2", block.get_submodule(layout.ln2))
                     if gated:
                         assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
                         assert_close(cache["pre_linear", i][v], (mlp_in @ W_in[i] + b_in[i])[v],
@@ -252,7 +274,9 @@ class AdapterContract:
             else:  # no final norm (post-LN OPT): the unembedding reads the last block's output
                 final = cache["resid_post", hm.cfg.n_layers - 1]
             if self.final_hidden_is_ln_final:
-                assert_close(final, out.hidden_states[-1], "final norm output == HF last hidden state")
+                # real tokens only: with patterns cached, a query row with nothing to attend to (a left pad)
+                # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly
+                assert_close(final[v], out.hidden_states[-1][v], "final norm output == HF last hidden state")
             if hm.layout.unembed is not None:
                 assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ W_U + b_U")
             assert hm.W_E.shape == (hm.cfg.d_vocab, hm.cfg.d_model)
@@ -350,11 +374,12 @@ class AdapterContract:
                          else base["resid_pre", layer] + base["attn_out", layer])
                 assert_close(edited["resid_post", layer], resid + edited["mlp_out", layer],
                              "mlp_in edit changes only the MLP branch")
-            if pre + "hook_resid_mid" not in names and pre + "hook_mlp_in" in names:
+            if pre + "hook_resid_mid" not in names and hm.block_layouts[layer].parallel:
                 # parallel block: an attention edit does not reach the MLP of the same block
                 with hm.hooks([(pre + "hook_attn_out", add)]):
                     _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
-                assert torch.equal(edited["mlp_in", layer], base["mlp_in", layer])
+                if pre + "hook_mlp_in" in names:
+                    assert torch.equal(edited["mlp_in", layer], base["mlp_in", layer])
                 assert_close(edited["mlp_out", layer], base["mlp_out", layer], "parallel MLP untouched")
                 assert_close(edited["resid_post", layer], base["resid_post", layer] + delta, "parallel residual")
         hm.unwrap()
@@ -454,11 +479,12 @@ class AdapterContract:
     def test_unwrap_and_exceptions_leave_nothing(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         modules = list(model.named_modules())
-        state = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+        state = {k: (v.data_ptr(), v.clone()) for k, v in self.model_state(model).items()}
         baseline_hooks = _hook_counts(model)
         impl = model.config._attn_implementation
         with torch.no_grad():
             reference = model(**inputs.kwargs()).logits
+            attributes = _instance_attributes(model)  # after a forward: lazily cached attributes exist
             hm = self.wrap(model)
             assert HookedModel.wrap(model) is hm, "wrapping twice must return the same wrapper"
 
@@ -469,6 +495,7 @@ class AdapterContract:
                 hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[("blocks.0.attn.hook_pattern", boom),
                                                                  (lambda n: True, lambda t, hook: t.clone())])
             assert _hook_counts(model) == baseline_hooks, "a failing hook left PyTorch hooks behind"
+            assert _instance_attributes(model) == attributes, "a failing hook left instance attributes behind"
             assert model.config._attn_implementation == impl
             hm.add_hook(lambda n: True, lambda t, hook: t.clone(), is_permanent=True)
             hm(**inputs.kwargs())
@@ -478,8 +505,9 @@ class AdapterContract:
             back = hm.unwrap()
             assert back is model
             assert _hook_counts(model) == baseline_hooks
+            assert _instance_attributes(model) == attributes, "unwrap left instance attributes behind"
             assert torch.equal(model(**inputs.kwargs()).logits, reference)
-            for k, v in model.state_dict().items():
+            for k, v in self.model_state(model).items():
                 assert v.data_ptr() == state[k][0] and torch.equal(v, state[k][1]), k
 
     @_SETTINGS

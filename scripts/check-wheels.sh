@@ -26,7 +26,7 @@ check_install() {  # $1: the requirement to install; $2: the plugin names expect
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install "torch==2.13.0"
   # third-party dependencies from the pinned constraints; lensadapters itself only from the built files
-  "${pip[@]}" install -c constraints.txt transformers pluggy einops packaging peft accelerate
+  "${pip[@]}" install -c constraints.txt transformers pluggy einops packaging peft accelerate bitsandbytes
   "${pip[@]}" install -c constraints.txt --no-index --find-links "$dist" "$requirement"
   "$venv/bin/lensadapters" plugins --json > "$work/plugins.json"
   "$venv/bin/python" - "$work/plugins.json" "$expected" <<'PY'
@@ -46,5 +46,5 @@ PY
   rm -rf "$venv"
 }
 check_install "lensadapters[llama]" "llama"
-check_install "lensadapters[all]" "gpt2 gpt_neox opt llama peft"
+check_install "lensadapters[all]" "gpt2 gpt_neox opt llama peft bnb"
 echo "wheels: ok"

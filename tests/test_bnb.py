@@ -1,0 +1,855 @@
+"""bitsandbytes (lensadapters-bnb): 8-bit and 4-bit models, and LoRA over 8-bit (the seed-002 stack).
+
+Models are built in float32 from a seeded tiny config, saved with ``save_pretrained`` and loaded back
+with ``BitsAndBytesConfig`` on the CPU. The contract suite runs on 8-bit GPT-2 (fused ``c_attn``,
+quantized from ``Conv1D``), GPT-NeoX (per-head interleaved ``query_key_value``), OPT (pre- and
+post-LN, ``project_in``/``project_out``) and Llama (GQA, gated MLP); the TransformerLens identities
+and the head-ablation property are checked against the bound of :func:`lensadapters_bnb.matmul_error_bound`
+instead of a fixed float tolerance. Architectures whose plugin is not installed are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import warnings
+from typing import Any, Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+bnb = pytest.importorskip("bitsandbytes")
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+import lensadapters_bnb as lb  # noqa: E402
+from lensadapters import HookedModel, LinearWeight, Registry, WeightUnavailableError  # noqa: E402
+from lensadapters.specs import FusedQKV  # noqa: E402
+from lensadapters.testing import AdapterContract, assert_close, perturb, reinit  # noqa: E402
+from lensadapters.testing.strategies import Inputs, token_inputs  # noqa: E402
+from lensadapters.weights import read_linear  # noqa: E402
+
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16" on every call
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+
+
+def _optional(name: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+lensadapters_gpt2 = _optional("lensadapters_gpt2")
+lensadapters_gpt_neox = _optional("lensadapters_gpt_neox")
+lensadapters_opt = _optional("lensadapters_opt")
+lensadapters_llama = _optional("lensadapters_llama")
+lensadapters_peft = _optional("lensadapters_peft")
+
+# every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
+SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
+                                                                           HealthCheck.differing_executors])
+
+
+def _skip_without(plugin: Any, name: str) -> Any:
+    return pytest.mark.skipif(plugin is None, reason=f"{name} is not installed")
+
+
+# --- tiny configs ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def gpt2_configs(draw: Any, d_model: Optional[int] = None) -> Any:
+    from transformers import GPT2Config
+
+    n_head = draw(st.sampled_from([1, 2, 4]))
+    n_embd = d_model or n_head * draw(st.sampled_from([4, 8]))
+    return GPT2Config(
+        n_layer=draw(st.integers(1, 2)), n_head=n_head, n_embd=n_embd, n_inner=None if d_model else draw(st.sampled_from([None, 24])),
+        vocab_size=draw(st.integers(16, 96)), n_positions=32, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+@st.composite
+def neox_configs(draw: Any, d_model: Optional[int] = None) -> Any:
+    from transformers import GPTNeoXConfig
+
+    n_heads = draw(st.sampled_from([1, 2, 4]))
+    hidden = d_model or n_heads * 8
+    return GPTNeoXConfig(
+        hidden_size=hidden, num_attention_heads=n_heads, num_hidden_layers=draw(st.integers(1, 2)),
+        intermediate_size=draw(st.sampled_from([24, 64])) if d_model is None else 128, vocab_size=64,
+        max_position_embeddings=32, rotary_pct=draw(st.sampled_from([0.25, 1.0])),
+        use_parallel_residual=draw(st.booleans()), attention_bias=draw(st.booleans()), hidden_dropout=0.0,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+
+
+@st.composite
+def opt_configs(draw: Any, d_model: Optional[int] = None) -> Any:
+    from transformers import OPTConfig
+
+    n_heads = draw(st.sampled_from([1, 2, 4]))
+    hidden = d_model or n_heads * 8
+    project = draw(st.booleans()) and d_model is None
+    return OPTConfig(
+        vocab_size=draw(st.integers(16, 96)), hidden_size=hidden, num_hidden_layers=draw(st.integers(1, 2)),
+        ffn_dim=draw(st.sampled_from([16, 48])) if d_model is None else 128, num_attention_heads=n_heads,
+        max_position_embeddings=32, word_embed_proj_dim=hidden + 4 if project else hidden,
+        do_layer_norm_before=draw(st.booleans()), enable_bias=draw(st.booleans()), activation_function="gelu",
+        dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+
+
+@st.composite
+def llama_configs(draw: Any, d_model: Optional[int] = None) -> Any:
+    from transformers import LlamaConfig
+
+    n_kv = draw(st.sampled_from([1, 2]))
+    n_heads = 2 if d_model else n_kv * draw(st.sampled_from([1, 2]))
+    head_dim = 32 if d_model else draw(st.sampled_from([4, 8]))  # 4-bit CPU kernel: widths multiple of 32/64
+    return LlamaConfig(
+        hidden_size=d_model or 16 * draw(st.sampled_from([1, 2])), intermediate_size=24 if d_model is None else 128,
+        num_hidden_layers=draw(st.integers(1, 2)), num_attention_heads=n_heads, num_key_value_heads=n_kv,
+        head_dim=head_dim, vocab_size=64, max_position_embeddings=32,
+        attention_bias=draw(st.booleans()), tie_word_embeddings=draw(st.booleans()), attention_dropout=0.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+ARCHS = {
+    "gpt2": (lensadapters_gpt2, gpt2_configs),
+    "gpt_neox": (lensadapters_gpt_neox, neox_configs),
+    "opt": (lensadapters_opt, opt_configs),
+    "llama": (lensadapters_llama, llama_configs),
+}
+ARCH_PARAMS = [pytest.param(name, id=name, marks=_skip_without(ARCHS[name][0], f"lensadapters-{name}"))
+               for name in ARCHS]
+
+
+# --- building quantized twins ----------------------------------------------------------------------------
+
+
+def fp32_model(config: Any, seed: int, attn_implementation: str = "sdpa") -> nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    reinit(model, seed)
+    return model.eval()
+
+
+def quantize(model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.float32,
+             threshold: float = 6.0) -> nn.Module:
+    """Save ``model`` and load it back quantized on the CPU (``mode``: ``int8``, ``nf4`` or ``fp4``).
+
+    ``threshold`` is LLM.int8's outlier threshold (``llm_int8_threshold``, 6.0 by default).
+    """
+    if mode == "int8":
+        qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+    else:
+        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode, bnb_4bit_compute_dtype=dtype)
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=qc, device_map="cpu", dtype=dtype,
+            attn_implementation=model.config._attn_implementation)
+    return quantized.eval()
+
+
+def registry(*plugins: Any) -> Registry:
+    reg = Registry()
+    for plugin in plugins:
+        reg.register(plugin, plugin.__name__)
+    return reg
+
+
+def wrap(model: Any, arch: str, *extra: Any) -> HookedModel:
+    return HookedModel.wrap(model, registry=registry(ARCHS[arch][0], lb, *extra))
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if lb.is_quantized_linear(m)}
+
+
+# --- the identities of DESIGN §3 within the quantization bound --------------------------------------------
+
+
+def _norm_out(hm: HookedModel, cache: Any, prefix: str, module: nn.Module) -> torch.Tensor:
+    normalized = cache[f"{prefix}.hook_normalized"]
+    spec = hm.norm_spec(module)
+    if spec.kind == "LN" or spec.weight is None:
+        return normalized
+    return normalized * (spec.weight + spec.weight_offset)
+
+
+def assert_within_bound(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str,
+                        valid: Optional[torch.Tensor] = None) -> float:
+    """``|actual - expected| <= bound`` elementwise (at valid positions); returns the largest ratio."""
+    diff = (actual.float() - expected.float()).abs()
+    if valid is not None:
+        diff, bound = diff[valid], bound[valid]
+    ratio = (diff / bound.clamp_min(1e-30)).max().item() if diff.numel() else 0.0
+    excess = (diff - bound).max().item() if diff.numel() else 0.0
+    assert excess <= 1e-6, f"{what}: exceeds the quantization bound (max |diff| / bound = {ratio:.3g})"
+    return ratio
+
+
+def projection(hm: HookedModel, x: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ W + b, bound)`` for ``module`` as lensadapters reads it, both ``[..., d_out]`` in float32."""
+    lw = read_linear(hm, module)
+    expected = x.float() @ lw.W.float() + (lw.b.float() if lw.b is not None else 0.0)
+    return expected, lb.matmul_error_bound(module, x, lw.W, lw.b)
+
+
+def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor) -> float:
+    """``hook_q/k/v == normalized @ W + b``, ``attn_out == z @ W_O + b_O``, MLP ones, per quantized bound.
+
+    The expected values use ``hm.W_Q``... (so the split of fused layouts is checked); the bound comes
+    from the module's own read weight. Returns the largest ``|diff| / bound`` seen.
+    """
+    cfg = hm.cfg
+    W = {"q": (hm.W_Q, hm.b_Q), "k": (hm._W_K, hm._b_K), "v": (hm._W_V, hm._b_V)}
+    W_O, b_O, W_out, b_out, W_in, b_in = hm.W_O, hm.b_O, hm.W_out, hm.b_out, hm.W_in, hm.b_in
+    worst = 0.0
+    for i in range(cfg.n_layers):
+        block, layout, qkv, mlp = hm.blocks[i], hm.block_layouts[i], hm.qkv_layouts[i], hm.mlp_layouts[i]
+        attn_in = cache["resid_pre", i] if layout.post_norm else _norm_out(hm, cache, f"blocks.{i}.ln1",
+                                                                           block.get_submodule(layout.ln1))
+        if isinstance(qkv, FusedQKV):
+            _, fused_bound = projection(hm, attn_in, block.get_submodule(qkv.module))
+            bounds = qkv.split(fused_bound)
+        else:
+            bounds = [projection(hm, attn_in, block.get_submodule(p))[1].unflatten(-1, (-1, cfg.d_head))
+                      for p in (qkv.q, qkv.k, qkv.v)]
+        for index, name in enumerate("qkv"):
+            Wt, bt = W[name]
+            expected = torch.einsum("bpm,hmd->bphd", attn_in.float(), Wt[i].float()) + bt[i].float()
+            worst = max(worst, assert_within_bound(cache[name, i], expected, bounds[index],
+                                                   f"layer {i} hook_{name} == normalized @ W_{name.upper()}", valid))
+        z = cache["z", i]
+        expected = torch.einsum("bphd,hdm->bpm", z.float(), W_O[i].float()) + b_O[i].float()
+        _, bound = projection(hm, z.flatten(-2), block.get_submodule(layout.o_proj))
+        worst = max(worst, assert_within_bound(cache["attn_out", i], expected, bound, f"layer {i} attn_out", valid))
+        if layout.ln2 is not None:
+            mlp_in = cache["mlp_in", i] if layout.post_norm else _norm_out(hm, cache, f"blocks.{i}.ln2",
+                                                                           block.get_submodule(layout.ln2))
+            pairs = [("pre", mlp.pre, hm.W_gate if mlp.pre_linear else W_in, hm.b_gate if mlp.pre_linear else b_in)]
+            if mlp.pre_linear:
+                pairs.append(("pre_linear", mlp.pre_linear, W_in, b_in))
+            for name, path, Wt, bt in pairs:
+                expected = mlp_in.float() @ Wt[i].float() + bt[i].float()
+                _, bound = projection(hm, mlp_in, block.get_submodule(path))
+                worst = max(worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid))
+        post = cache["post", i]
+        expected = post.float() @ W_out[i].float() + b_out[i].float()
+        _, bound = projection(hm, post, block.get_submodule(mlp.out))
+        worst = max(worst, assert_within_bound(cache["mlp_out", i], expected, bound, f"layer {i} mlp_out", valid))
+    return worst
+
+
+# --- the contract suite on 8-bit models -------------------------------------------------------------------
+
+
+class Int8Contract(AdapterContract):
+    """The contract suite with every model loaded in 8-bit (LLM.int8) on the CPU.
+
+    Two choices keep its exact comparisons exact:
+
+    * LLM.int8 picks its outlier columns (``|x| >= llm_int8_threshold``) over *all* rows of a batch, so
+      the values at padded positions reach the real tokens' outputs (within the int8 bound). The
+      core's explicit attention (run for pattern hooks) gives fully masked padding rows zero output,
+      HF's eager attention a uniform mix: both are right for the real tokens of a float model, but
+      an 8-bit model turns the difference into different rounding. Examples with the default
+      threshold (6.0) therefore draw unpadded inputs; left padding runs with threshold 0 (no outlier
+      columns, every row quantized on its own).
+    * Eager attention only: the core's explicit attention equals it bit for bit, whereas against SDPA it
+      differs by float rounding, which int8 activation rounding can turn into a whole quantization step.
+    """
+
+    extra_plugins = (lb,)
+    attn_implementations = ("eager",)
+    configs_fn: Any = None
+    threshold = 6.0
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return cls.configs_fn()
+
+    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
+             ) -> tuple[nn.Module, Inputs]:
+        self.threshold = data.draw(st.sampled_from([6.0, 0.0]), label="llm_int8_threshold")
+        return super().draw(data, attn_implementation, left_padding and self.threshold == 0.0)
+
+    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> nn.Module:
+        return quantize(super().make_model(config, seed, attn_implementation), "int8", threshold=self.threshold)
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        # bitsandbytes writes a new ``weight_format`` tensor into every state_dict() call
+        return {k: v for k, v in model.state_dict().items() if not k.endswith("weight_format")}
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
+        """Edits propagate through 8-bit layers: ``hook_resid_pre``, ``hook_pattern`` and ``hook_z`` of a drawn
+        layer, plus a drawn sample of the other points (all of them run one 8-bit pass each: too slow here;
+        every point is covered by the architecture's own contract run)."""
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        required = [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_z"]
+        others = data.draw(st.lists(st.sampled_from(hm.hook_names), max_size=6, unique=True), label="points")
+        with torch.no_grad():
+            reference = hm(**inputs.kwargs()).logits
+            for name in required + [n for n in others if n not in required]:
+                fired: list[str] = []
+
+                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                    fired.append(hook.name)
+                    return perturb(t, hook)
+
+                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+                assert fired, f"{name} never fired"
+                diff = (logits - reference)[inputs.valid].abs().max().item()
+                assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
+        hm.unwrap()
+
+    # Two properties hold within the int8 bound rather than float rounding:
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
+        """DESIGN §3 identities, each within ``matmul_error_bound`` of its quantized projection."""
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        with torch.no_grad():
+            out = hm.model(**inputs.kwargs(), output_hidden_states=True)
+            _, cache = hm.run_with_cache(**inputs.kwargs())
+            check_identities(hm, cache, inputs.valid)
+            if hm.layout.unembed is not None and self.final_hidden_is_ln_final and hm.layout.ln_final:
+                final = _norm_out(hm, cache, "ln_final", hm.hf_model.get_submodule(hm.layout.ln_final))
+                v = inputs.valid
+                assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ W_U + b_U")
+        hm.unwrap()
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
+        """Zeroing a head's ``hook_z`` removes ``z_h @ W_O[h]`` from ``hook_attn_out`` within the int8 bound.
+
+        The 8-bit output projection re-quantizes its input row when ``z`` changes, so both runs carry
+        their own activation rounding: the difference is at most the sum of the two bounds. Dropping
+        the head at ``hook_result`` changes the projection's own output by exactly the contribution.
+        """
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
+        pre = f"blocks.{layer}."
+        names = [pre + "attn.hook_z", pre + "hook_attn_out"]
+        o_proj = hm.blocks[layer].get_submodule(hm.block_layouts[layer].o_proj)
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+            z = base["z", layer]
+            contribution = torch.einsum("bpd,dm->bpm", z[:, :, head].float(), hm.W_O[layer, head].float())
+
+            def ablate(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                t = t.clone()
+                t[:, :, head] = 0
+                return t
+
+            def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
+                result = result.clone()
+                result[:, :, head] = 0
+                return result
+
+            with hm.hooks([(pre + "attn.hook_z", ablate)]):
+                _, ablated = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+            with hm.hooks([(pre + "attn.hook_result", drop)]):
+                _, dropped = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+            _, bound_base = projection(hm, z.flatten(-2), o_proj)
+            _, bound_ablated = projection(hm, ablated["z", layer].flatten(-2), o_proj)
+        expected = base["attn_out", layer].float() - contribution
+        v = inputs.valid
+        assert_within_bound(ablated["attn_out", layer], expected, bound_base + bound_ablated,
+                            "z ablation == removing the head's W_O contribution", v)
+        scale = 1 + expected.abs()
+        assert_close(dropped["attn_out", layer][v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
+        hm.unwrap()
+
+
+@_skip_without(lensadapters_gpt2, "lensadapters-gpt2")
+class TestInt8GPT2(Int8Contract):
+    plugin = lensadapters_gpt2
+    configs_fn = staticmethod(gpt2_configs)
+
+
+@_skip_without(lensadapters_gpt_neox, "lensadapters-gpt-neox")
+class TestInt8GPTNeoX(Int8Contract):
+    plugin = lensadapters_gpt_neox
+    configs_fn = staticmethod(neox_configs)
+
+
+@_skip_without(lensadapters_opt, "lensadapters-opt")
+class TestInt8OPT(Int8Contract):
+    plugin = lensadapters_opt
+    configs_fn = staticmethod(opt_configs)
+    final_hidden_is_ln_final = False  # project_out follows the final norm
+
+    def pre_ln_residual(self, model: nn.Module) -> bool:
+        return bool(model.config.do_layer_norm_before)
+
+
+@_skip_without(lensadapters_llama, "lensadapters-llama")
+class TestInt8Llama(Int8Contract):
+    plugin = lensadapters_llama
+    configs_fn = staticmethod(llama_configs)
+
+
+# --- 8-bit against the float model ---------------------------------------------------------------------------
+
+
+def draw_twins(data: st.DataObject, arch: str, mode: str = "int8", dtype: torch.dtype = torch.float32,
+               d_model: Optional[int] = None) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A seeded float32 model, its quantized twin and unpadded token ids."""
+    config = data.draw(ARCHS[arch][1](d_model), label="config")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    fp = fp32_model(config, seed, "eager")
+    ids = torch.randint(3, config.vocab_size, (2, data.draw(st.integers(2, 8), label="length")),
+                        generator=torch.Generator().manual_seed(seed))
+    return fp, quantize(fp, mode, dtype), ids
+
+
+def _depth(name: str, n_layers: int) -> int:
+    """How many blocks of quantized projections a hook point's value has passed through (its own included)."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return n_layers + 1 if name.startswith("ln_final") else 0
+
+
+#: normwise relative agreement per block of quantized projections between 8-bit and float hook values.
+#: Empirical, not a bound: one int8 matmul moves its output by about 1 % of its norm (it rounds both its
+#: weight rows and its input rows to 1/127 of their absmax), but a hook whose value is small next to its
+#: inputs (cancellation, e.g. a tiny Llama's gate) moves more: over 100 random tiny models the largest
+#: difference per block was 3.3 % (GPT-2, GPT-NeoX, OPT) and 12 % (Llama). A wrong layout, dtype or
+#: split gives differences of order 100 %; the exact properties are checked against the int8 bound above.
+FLOAT_AGREEMENT_PER_BLOCK = 0.25
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+@SETTINGS
+@given(data=st.data())
+def test_hook_values_close_to_the_float_model(arch: str, data: st.DataObject) -> None:
+    fp, q, ids = draw_twins(data, arch)
+    with torch.no_grad():
+        hm8, hm32 = wrap(q, arch), wrap(fp, arch)
+        assert hm8.hook_names == hm32.hook_names
+        logits8, c8 = hm8.run_with_cache(ids)
+        logits32, c32 = hm32.run_with_cache(ids)
+    n = hm8.cfg.n_layers
+    for name in hm32.hook_names:
+        if name not in c32:
+            continue
+        a, b = c8[name], c32[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        depth = max(_depth(name, n), 1)  # OPT's project_in (8-bit too) may precede the blocks
+        finite = torch.isfinite(b)  # attention scores: masked entries are -inf in both
+        assert torch.equal(finite, torch.isfinite(a)), name
+        a, b = a[finite], b[finite]
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
+        assert rel <= FLOAT_AGREEMENT_PER_BLOCK * depth, f"{name}: relative difference {rel:.3g} to the float model"
+    rel = ((logits8 - logits32).norm() / logits32.norm()).item()
+    assert rel <= FLOAT_AGREEMENT_PER_BLOCK * (n + 1), f"logits: relative difference {rel:.3g}"
+    hm8.unwrap()
+    hm32.unwrap()
+
+
+def _float_linear_weight(module: nn.Module) -> torch.Tensor:
+    """``[d_in, d_out]`` of a float ``nn.Linear`` or GPT-2 ``Conv1D``."""
+    return module.weight.T if isinstance(module, nn.Linear) else module.weight
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+@SETTINGS
+@given(data=st.data())
+def test_dequantized_weights_are_the_float_weights_rounded(arch: str, data: st.DataObject) -> None:
+    """Each dequantized 8-bit weight is within its row's int8 step of the float weight, in the same layout.
+
+    LLM.int8 stores ``round(W * 127 / absmax_row)``: ``|W_8bit - W| <= absmax_row / 254`` (plus float16
+    rounding of the input when the checkpoint is cast first). Fused layouts (GPT-2 ``c_attn``, quantized
+    from a ``Conv1D`` with its weight transposed; GPT-NeoX ``query_key_value``) must split the same way as
+    the float model's, so ``hm.W_Q``... agree too.
+    """
+    fp, q, _ = draw_twins(data, arch)
+    hm8, hm32 = wrap(q, arch), wrap(fp, arch)
+    linears = quantized_linears(q)
+    assert linears, "nothing was quantized"
+    worst_step = 0.0
+    for name, module in linears.items():
+        lw = read_linear(hm8, module)
+        W = _float_linear_weight(fp.get_submodule(name)).detach()
+        assert lw.W.shape == W.shape, name
+        step = W.abs().amax(dim=0, keepdim=True) / 254  # per output feature (bitsandbytes row)
+        bound = step * (1 + 2**-10) + W.abs() * 2**-11 + 1e-7
+        assert_within_bound(lw.W, W, bound, f"{name} dequantized")
+        worst_step = max(worst_step, step.max().item())
+        b = fp.get_submodule(name).bias
+        if b is not None:
+            assert torch.equal(lw.b, b), f"{name} bias"
+    with torch.no_grad():
+        for accessor in ("W_Q", "_W_K", "_W_V", "W_O", "W_in", "W_out", "b_Q", "b_O"):
+            a, b = getattr(hm8, accessor), getattr(hm32, accessor)
+            assert a.shape == b.shape, accessor
+            assert (a - b).abs().max().item() <= worst_step * (1 + 2**-10) + 2**-11 * b.abs().max().item() + 1e-6, accessor
+    hm8.unwrap()
+    hm32.unwrap()
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+@settings(SETTINGS, max_examples=2)
+@given(data=st.data())
+def test_float16_model_hook_dtypes_and_casts(arch: str, data: st.DataObject) -> None:
+    """A float16 8-bit model: hook values and weights are float16, float32 edits are cast back."""
+    fp, q, ids = draw_twins(data, arch, dtype=torch.float16)
+    hm = wrap(q, arch)
+    with torch.no_grad():
+        reference = q(ids).logits
+        assert torch.equal(hm(ids).logits, reference)
+        logits, cache = hm.run_with_cache(ids)
+        assert torch.equal(logits, reference)
+        assert {v.dtype for v in cache.values()} == {torch.float16}
+        assert hm.W_Q.dtype == hm.W_O.dtype == hm.W_out.dtype == torch.float16
+        check_identities(hm, cache, torch.ones(ids.shape, dtype=torch.bool))
+        name = "blocks.0.hook_resid_pre"
+        seen: list[torch.Tensor] = []
+
+        def double_in_float32(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            return t.float() * 2
+
+        def record(t: torch.Tensor, hook: Any) -> None:
+            seen.append(t)
+
+        edited = hm.run_with_hooks(ids, fwd_hooks=[(name, double_in_float32), (name, record)])
+        assert seen[0].dtype == torch.float16 and torch.equal(seen[0], cache[name] * 2)
+        assert edited.dtype == torch.float16 and not torch.equal(edited, reference)
+    hm.unwrap()
+
+
+# --- 4-bit (NF4 / FP4) ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+@settings(SETTINGS, max_examples=2)
+@given(data=st.data())
+def test_4bit_weights_and_identities(arch: str, data: st.DataObject) -> None:
+    """NF4/FP4 on the CPU: weights within half a code-table gap of the float weights, identities within bound.
+
+    ``d_model`` is 64: bitsandbytes' CPU kernel needs ``in_features`` divisible by its block size (64)
+    and ``out_features`` by 32.
+    """
+    mode = data.draw(st.sampled_from(["nf4", "fp4"]), label="quant_type")
+    fp, q, ids = draw_twins(data, arch, mode=mode, d_model=64)
+    hm = wrap(q, arch)
+    with torch.no_grad():
+        reference = q(ids).logits  # the first pass repacks the weights for the CPU kernel
+        _, cache = hm.run_with_cache(ids)
+        assert torch.equal(hm(ids).logits, reference)
+        check_identities(hm, cache, torch.ones(ids.shape, dtype=torch.bool))
+        for name, module in quantized_linears(q).items():
+            qs = module.weight.quant_state
+            code = qs.code.float().sort().values
+            half_gap = (code[1:] - code[:-1]).max().item() / 2
+            W = _float_linear_weight(fp.get_submodule(name)).T.detach()  # [out, in]: blocks run along rows
+            absmax = W.reshape(-1, qs.blocksize).abs().amax(-1, keepdim=True).expand(-1, qs.blocksize).reshape(W.shape)
+            bound = absmax * (half_gap + 2**-7) + 1e-6  # bfloat16 block scales of the CPU layout
+            assert_within_bound(read_linear(hm, module).W.T, W, bound, f"{mode} {name}")
+    hm.unwrap()
+
+
+def test_4bit_cpu_repacking_keeps_the_weight() -> None:
+    """The weight read before the first pass (bitsandbytes' layout) and after (the CPU kernel's) agree."""
+    torch.manual_seed(0)
+    for quant_type in ("nf4", "fp4"):
+        layer = bnb.nn.Linear4bit(128, 64, bias=True, quant_type=quant_type, compute_dtype=torch.float32)
+        layer.load_state_dict(nn.Linear(128, 64).state_dict())
+        layer = layer.to("cpu").eval()
+        before = lb.dequantize_4bit(layer)
+        x = torch.randn(5, 128)
+        with torch.no_grad():
+            y = layer(x)
+        after = lb.dequantize_4bit(layer)
+        if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
+            scale = before.abs().reshape(-1, 64).amax(-1, keepdim=True).expand(-1, 64).reshape(before.shape)
+            assert ((after - before).abs() <= scale * 2**-8 + 1e-7).all()  # block scales in bfloat16
+        else:
+            assert torch.equal(after, before)
+        lw = lb.dequantized_weight(layer, torch.float32)
+        assert_within_bound(y, x @ lw.W + lw.b, lb.matmul_error_bound(layer, x, lw.W, lw.b), f"{quant_type} matmul")
+
+
+def test_quantized_embeddings_dequantize() -> None:
+    ids = torch.arange(20)
+    for cls, dim in ((bnb.nn.Embedding8bit, 8), (bnb.nn.Embedding4bit, 64)):
+        emb = cls(20, dim)
+        emb.load_state_dict(nn.Embedding(20, dim).state_dict())
+        emb = emb.to("cpu")
+        assert not emb.weight.is_floating_point()
+        with torch.no_grad():
+            assert torch.allclose(lb.dequantize_embedding(emb), emb(ids), atol=1e-6), cls.__name__
+
+
+# --- formats without a dequantizer: clear errors, never packed storage ----------------------------------------
+
+
+class PackedInt4Linear(nn.Module):
+    """A GPTQ-like layer: 4-bit values packed eight to an int32, with per-row scales."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        W = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        scales = W.abs().amax(1, keepdim=True) / 7
+        codes = (torch.round(W / scales).clamp(-8, 7) + 8).to(torch.int32).reshape(W.shape[0], -1, 8)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        self.register_buffer("qweight", (codes << shifts).sum(-1, dtype=torch.int32))
+        self.register_buffer("scales", scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        codes = (self.qweight.unsqueeze(-1) >> shifts) & 0xF
+        W = (codes.reshape(self.out_features, -1).float() - 8) * self.scales
+        return x @ W.T.to(x.dtype)
+
+
+class Int8StorageLinear(nn.Linear):
+    """An ``nn.Linear`` subclass whose weight holds int8 codes (scales elsewhere)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        scale = linear.weight.detach().abs().amax(1, keepdim=True) / 127
+        self.weight = nn.Parameter(torch.round(linear.weight.detach() / scale).to(torch.int8), requires_grad=False)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight.float() * self.scale).T.to(x.dtype)
+
+
+@_skip_without(lensadapters_llama, "lensadapters-llama")
+@pytest.mark.parametrize("packed", [PackedInt4Linear, Int8StorageLinear], ids=["packed-int4", "int8-nn.Linear"])
+def test_unknown_packed_linear_raises_instead_of_returning_storage(packed: type) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=8, vocab_size=32, max_position_embeddings=16)
+    model = fp32_model(config, 0, "eager")  # the core's explicit attention (pattern hooks) equals eager bitwise
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = packed(attn.q_proj)  # a model whose q_proj comes from some quantization library
+    ids = torch.randint(0, 32, (1, 5))
+    hm = wrap(model, "llama")
+    with torch.no_grad():
+        reference = model(ids).logits
+        logits, cache = hm.run_with_cache(ids)
+    assert torch.equal(logits, reference)  # hook points work: they never read the weight
+    assert cache["blocks.0.attn.hook_q"].shape == (1, 5, 2, 8)
+    with pytest.raises(WeightUnavailableError, match=r"model\.layers\.0\.self_attn\.q_proj") as info:
+        hm.W_Q
+    assert packed.__name__ in str(info.value)
+    assert hm.W_O.shape == (1, 2, 8, 16) and hm.W_in.shape == (1, 16, 24)  # other layers still read
+    hm.unwrap()
+
+
+def test_bitsandbytes_layers_without_a_dequantizer_raise() -> None:
+    broken = bnb.nn.Linear8bitLt(8, 4, bias=False, has_fp16_weights=False)
+    broken.weight = bnb.nn.Int8Params(torch.ones(4, 8, dtype=torch.int8), has_fp16_weights=False,
+                                      requires_grad=False)  # int8 codes, scales lost
+    with pytest.raises(WeightUnavailableError, match="Linear8bitLt.*SCB"):
+        lb.lensadapters_linear_weight(module=broken, read=None)
+    with pytest.raises(WeightUnavailableError, match="OutlierAwareLinear.*no dequantizer"):
+        lb.lensadapters_linear_weight(module=bnb.nn.OutlierAwareLinear(8, 4), read=None)
+    assert lb.lensadapters_linear_weight(module=nn.Linear(8, 4), read=None) is None  # not ours
+
+
+def test_has_fp16_weights_layer_reads_the_weight_it_quantizes() -> None:
+    """``has_fp16_weights=True`` keeps a float weight and quantizes it per pass: the read mirrors that."""
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear8bitLt(32, 16, bias=True, has_fp16_weights=True, threshold=0.0)
+    x = torch.randn(3, 32)
+    lw = lb.dequantized_weight(layer, torch.float32)
+    W = layer.weight.detach().T
+    step = W.abs().amax(0, keepdim=True) / 254  # quantized per row after a cast to float16
+    assert_within_bound(lw.W, W, step * (1 + 2**-10) + W.abs() * 2**-11 + 1e-7, "fp16-weight layer read")
+    with torch.no_grad():
+        y = layer(x)
+    assert_within_bound(y, x @ lw.W + lw.b, lb.matmul_error_bound(layer, x, lw.W, lw.b), "has_fp16_weights matmul")
+
+
+# --- LoRA over 8-bit: the seed-002 stack ------------------------------------------------------------------------
+
+needs_peft = pytest.mark.skipif(lensadapters_peft is None, reason="lensadapters-peft is not installed")
+
+
+def _nonzero_lora(model: nn.Module, seed: int) -> None:
+    """PEFT starts with B = 0 (a zero delta); give the factors values so the adapter does something."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(max(p.shape)))
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+@needs_peft
+@_skip_without(lensadapters_llama, "lensadapters-llama")
+def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
+    """Llama loaded in 8-bit, prepared for k-bit training, LoRA r=8, alpha 16, dropout 0.05 on q_proj/v_proj."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import LlamaConfig
+
+    import lensadapters_peft as lp
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    base = quantize(fp32_model(config, 0, "eager"), "int8", torch.float16)
+    base = prepare_model_for_kbit_training(base)  # float16 -> float32 outside the int8 layers, checkpointing
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, bias="none",
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    _nonzero_lora(peft_model, 0)
+    peft_model.eval()
+    q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert lb.is_quantized_linear(q_proj.base_layer) and not lb.is_quantized_linear(q_proj)
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(3, 64, (2, 8), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 3] = (clean[:, 3] + 7) % 61 + 3
+    with torch.no_grad():
+        reference = peft_model(clean).logits
+
+    hooks_before = _hook_count(peft_model)
+    hm = HookedModel.wrap(peft_model, registry=registry(lensadapters_llama, lb, lp))
+    assert hm.model is peft_model
+    lora_points = lp.lora_hook_names(hm)
+    assert lora_points == [f"blocks.{i}.attn.hook_{p}_lora" for i in range(2) for p in ("q", "v")]
+    valid = torch.ones(clean.shape, dtype=torch.bool)
+    with torch.no_grad():
+        # no hooks: PEFT's own forward, bit for bit
+        assert torch.equal(hm(clean).logits, reference)
+        logits, cache = hm.run_with_cache(clean)
+        assert torch.equal(logits, reference)
+        assert set(cache.keys()) == set(hm.cache_names())
+
+        # effective weights = dequantized 8-bit base + B·A·scaling, and the identities hold within the int8 bound
+        for i in range(2):
+            attn = hm.blocks[i].self_attn
+            base_q = lb.dequantized_weight(attn.q_proj.base_layer).W.unflatten(-1, (4, 8)).permute(1, 0, 2)
+            assert_close(hm.W_Q[i], base_q + lp.lora_factors(hm, i, "q").W, "W_Q = dequantized base + LoRA", atol=1e-6)
+            base_k = lb.dequantized_weight(attn.k_proj).W.unflatten(-1, (2, 8)).permute(1, 0, 2)
+            assert torch.equal(hm._W_K[i], base_k)  # k_proj has no adapter
+            x = _norm_out(hm, cache, f"blocks.{i}.ln1", hm.blocks[i].input_layernorm)
+            delta = torch.einsum("bpm,hmd->bphd", x, lp.lora_factors(hm, i, "q").W)
+            assert_close(cache["blocks.{}.attn.hook_q_lora".format(i)], delta, "hook_q_lora == x @ A @ B * s", atol=1e-5)
+        check_identities(hm, cache, valid)
+
+        # activation patching: the clean residual stream patched into the corrupted run gives the clean logits
+        _, clean_cache = hm.run_with_cache(clean, names_filter="blocks.1.hook_resid_pre")
+        patched = hm.run_with_hooks(corrupt, fwd_hooks=[
+            ("blocks.1.hook_resid_pre", lambda t, hook: clean_cache[hook.name])])
+        assert torch.equal(patched, reference)
+        corrupted = hm(corrupt).logits
+        assert not torch.equal(corrupted, reference)
+
+        def patch_z_head0(z: torch.Tensor, hook: Any) -> torch.Tensor:
+            z = z.clone()
+            z[:, :, 0] = clean_z[:, :, 0]
+            return z
+
+        _, z_cache = hm.run_with_cache(clean, names_filter="blocks.0.attn.hook_z")
+        clean_z = z_cache["z", 0]
+        assert not torch.equal(hm.run_with_hooks(corrupt, fwd_hooks=[("blocks.0.attn.hook_z", patch_z_head0)]),
+                               corrupted)
+
+        # LoRA-delta hooks: zeroing every delta is running the 8-bit base model
+        zeroed = hm.run_with_hooks(clean, fwd_hooks=[(lambda n: n.endswith("_lora"), lambda t, hook: torch.zeros_like(t))])
+        with lp.adapters_disabled(hm):
+            base_logits = hm(clean).logits
+        assert torch.equal(zeroed, base_logits) and not torch.equal(base_logits, reference)
+
+    # one training step with hooks attached (dropout active, gradient checkpointing from prepare_model_for_kbit_training)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.SGD(trainable, lr=0.05)
+    steer = torch.randn(32, generator=torch.Generator().manual_seed(2)) * 0.1
+    seen_grads: list[torch.Tensor] = []
+
+    def steer_fn(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        return t + steer.to(t.dtype)
+
+    def keep_grad(grad: torch.Tensor, hook: Any) -> None:
+        seen_grads.append(grad)
+
+    def eval_loss() -> float:
+        peft_model.eval()
+        with torch.no_grad(), hm.hooks([("blocks.0.hook_resid_pre", steer_fn)]):
+            return hm(clean, labels=clean).loss.item()
+
+    before = eval_loss()
+    peft_model.train()
+    with hm.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", steer_fn)], bwd_hooks=[("blocks.1.attn.hook_q_lora", keep_grad)]):
+        loss = hm(clean, labels=clean, use_cache=False).loss
+        loss.backward()
+    assert seen_grads and seen_grads[-1].abs().sum() > 0
+    grads = [p.grad for p in trainable]
+    assert all(gr is not None for gr in grads) and sum(gr.abs().sum() for gr in grads) > 0
+    assert all(p.grad is None for n, p in peft_model.named_parameters() if not p.requires_grad)
+    optimizer.step()
+    optimizer.zero_grad()
+    after = eval_loss()
+    assert after < before, (before, after)
+    assert hm.unwrap() is peft_model
+    assert _hook_count(peft_model) == hooks_before  # PEFT's own hooks (input require-grads) only
+
+
+@st.composite
+def _fused_lora_case(draw: Any) -> tuple[str, Any]:
+    arch = draw(st.sampled_from([a for a in ("gpt2", "gpt_neox") if ARCHS[a][0] is not None]))
+    return arch, draw(ARCHS[arch][1]())
+
+
+@needs_peft
+@pytest.mark.skipif(lensadapters_gpt2 is None and lensadapters_gpt_neox is None, reason="no fused-QKV plugin")
+@SETTINGS
+@given(data=st.data())
+def test_lora_on_fused_8bit_qkv(data: st.DataObject) -> None:
+    """LoRA on an 8-bit fused projection (GPT-2 ``c_attn``, GPT-NeoX ``query_key_value``): the delta is split
+    with the base weight's layout and the identities hold with base (dequantized) + delta."""
+    from peft import LoraConfig, get_peft_model
+
+    import lensadapters_peft as lp
+
+    arch, config = data.draw(_fused_lora_case(), label="case")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    target = "c_attn" if arch == "gpt2" else "query_key_value"
+    base = quantize(fp32_model(config, seed, "eager"), "int8")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[target],
+                                                 fan_in_fan_out=False))
+    _nonzero_lora(peft_model, seed)
+    peft_model.eval()
+    ids = torch.randint(3, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(seed))
+    hm = HookedModel.wrap(peft_model, registry=registry(ARCHS[arch][0], lb, lp))
+    with torch.no_grad():
+        reference = peft_model(ids).logits
+        logits, cache = hm.run_with_cache(ids)
+        assert torch.equal(logits, reference)
+        check_identities(hm, cache, torch.ones(ids.shape, dtype=torch.bool))
+        for i in range(hm.cfg.n_layers):
+            for which in "qkv":
+                factors = lp.lora_factors(hm, i, which)
+                with lp.adapters_disabled(hm):
+                    base_W = getattr(hm, {"q": "W_Q", "k": "_W_K", "v": "_W_V"}[which])[i]
+                full = getattr(hm, {"q": "W_Q", "k": "_W_K", "v": "_W_V"}[which])[i]
+                assert_close(full, base_W + factors.W, f"layer {i} W_{which} = base + LoRA", atol=1e-6)
+    hm.unwrap()

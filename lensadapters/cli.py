@@ -1,4 +1,4 @@
-"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``."""
+"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``, ``check``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if results and all(r.bitwise for r in results) else 1
 
 
+def _check(args: argparse.Namespace) -> int:
+    from .check import run
+
+    return run(args.plugin, examples=args.examples, keyword=args.keyword, seed=args.seed, exitfirst=args.exitfirst,
+               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lensadapters", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,7 +110,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.set_defaults(func=_hooks)
     p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch")
     p.set_defaults(func=_demo)
+    p = sub.add_parser(
+        "check", help="run the contract suite against a plugin (needs lensadapters[testing])",
+        description="Run the adapter contract suite against a plugin through pytest: the AdapterContract "
+                    "subclass the plugin declares as LENSADAPTERS_CONTRACT, or one generated from its "
+                    "lensadapters_tiny_config. Exit status: pytest's (0 when every property holds).")
+    p.add_argument("plugin", help="an installed plugin (entry-point name, architecture or model type), or an "
+                                  "importable plugin module")
+    p.add_argument("--examples", type=int, default=10, help="Hypothesis examples per property (default 10)")
+    p.add_argument("-k", dest="keyword", default=None, help="only properties matching this pytest -k expression")
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, for a reproducible run")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing property")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per property")
+    p.add_argument("--no-shrink", action="store_true",
+                   help="report a failing example as found instead of shrinking it to a minimal one (faster)")
+    p.set_defaults(func=_check)
+    p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # `lensadapters check PLUGIN ... -- PYTEST ARGS`
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if extra and args.command != "check":
+        parser.error(f"arguments after -- are only for `check`: {' '.join(extra)}")
+    args.pytest_args = extra
     return args.func(args)
 
 

@@ -1,0 +1,295 @@
+"""GPT-J for lensadapters: an example *third-party* plugin (its own distribution, found by entry point).
+
+Quirks handled:
+
+* Separate ``q_proj``/``k_proj``/``v_proj`` and ``out_proj`` without bias (``b_Q``... are zeros).
+* Rotary embeddings on **interleaved pairs** of dimensions (``rotate_every_two``: dims ``2i`` and
+  ``2i + 1`` rotate together) on the first ``rotary_dim`` dimensions of each head (all of them when
+  ``rotary_dim`` is ``None``). GPT-J has no rotary module: each attention module keeps a sin/cos table
+  (``embed_positions``) and indexes it with ``position_ids``. The plugin reads both from the first
+  attention module's inputs (``ModelLayout.rotary_from_inputs``), so ``hook_rot_q``/``hook_rot_k`` are
+  bitwise the rotated queries/keys and their edits are inverted into the projection outputs (the KV
+  cache stores edited keys).
+* Parallel attention and MLP reading **one** norm: ``x + attn(ln_1 x) + mlp(ln_1 x)``. There is no
+  ``ln_2``, so the blocks have no ``ln2.*`` points, no ``hook_resid_mid`` and no ``hook_mlp_in`` (as in
+  TransformerLens' default ``use_hook_mlp_in=False``); ``ln1.*`` is the shared norm, so an edit there
+  reaches both branches.
+* GPT-J computes attention in its own ``GPTJAttention._attn`` method instead of transformers' attention
+  interface, so the core's pattern backend cannot see it. :class:`GPTJPatternBackend` exposes and edits
+  ``hook_attn_scores``/``hook_pattern`` by giving the attention modules of hooked layers an instance
+  attribute ``_attn`` (never the class), only while a score/pattern hook exists on that layer; see the
+  README for why this and not something else.
+
+Only eager attention (GPT-J's default, and the only one besides flash-attention 2 that transformers
+offers for it) can serve pattern hooks; every other hook point works with flash-attention too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    LensAdaptersError,
+    MLPLayout,
+    ModelLayout,
+    RotarySpec,
+    SeparateQKV,
+    UnsupportedModelError,
+    hookimpl,
+)
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+# the contract-suite class that `lensadapters check gptj` runs (imported only by the check command)
+LENSADAPTERS_CONTRACT = "lensadapters_gptj.contract:GPTJContract"
+
+ARCH = Architecture(
+    name="gptj",
+    model_types=("gptj",),
+    description="GPT-J (GPTJForCausalLM, GPTJModel)",
+    transformers=">=4.57,<6",
+)
+
+Tensor = torch.Tensor
+
+
+def _prefix(model: nn.Module) -> str:
+    return "transformer." if hasattr(model, "transformer") else ""
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.transformer if hasattr(model, "transformer") else model
+
+
+def _d_head(config: Any) -> int:
+    return config.n_embd // config.n_head
+
+
+def _rotary_dim(config: Any) -> int:
+    return config.rotary_dim if config.rotary_dim is not None else _d_head(config)
+
+
+# --- interleaved ("rotate every two") RoPE ---------------------------------------------------------------
+
+
+def rotate_every_two(x: Tensor) -> Tensor:
+    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: each adjacent pair turned by 90 degrees."""
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def _pairs(t: Tensor, like: Tensor) -> Tensor:
+    """``[b, p, r/2]`` sin or cos → ``[b, p, 1, r]`` (each frequency repeated for its pair), in ``like``'s dtype."""
+    return torch.repeat_interleave(t.to(like.dtype)[:, :, None, :], 2, 3)
+
+
+def _check(x: Tensor, cos: Tensor, rotary_dim: int) -> int:
+    r = 2 * cos.shape[-1]
+    if r != rotary_dim or r > x.shape[-1]:
+        raise RuntimeError(
+            f"GPT-J's sin/cos table covers {r} dimensions, but the plugin expected rotary_dim={rotary_dim} "
+            f"(heads of size {x.shape[-1]}); the model's layout differs from its config")
+    return r
+
+
+def apply_rotate_every_two(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """GPT-J's rotation of the first ``rotary_dim`` dims of ``x`` (``[b, p, h, d_head]``), op for op."""
+    r = _check(x, cos, rotary_dim)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    rotated = (x_rot * _pairs(cos, x_rot)) + (rotate_every_two(x_rot) * _pairs(sin, x_rot))
+    return torch.cat([rotated, x_pass], dim=-1)
+
+
+def invert_rotate_every_two(y: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """The ``x`` with ``apply_rotate_every_two(x) == y`` (float32): ``(y c - rot(y) s) / (c² + s²)`` per pair."""
+    r = _check(y, cos, rotary_dim)
+    y_rot, y_pass = y[..., :r].float(), y[..., r:]
+    c, s = _pairs(cos, y_rot), _pairs(sin, y_rot)
+    x_rot = (y_rot * c - rotate_every_two(y_rot) * s) / (c * c + s * s)
+    return torch.cat([x_rot.to(y.dtype), y_pass], dim=-1)
+
+
+def rotate_every_two_spec(rotary_dim: int) -> RotarySpec:
+    return RotarySpec(
+        rotary_dim,
+        lambda x, cos, sin: apply_rotate_every_two(x, cos, sin, rotary_dim),
+        lambda y, cos, sin: invert_rotate_every_two(y, cos, sin, rotary_dim),
+    )
+
+
+def rotary_from_attention_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` as ``[b, p, rotary_dim / 2]``: what ``GPTJAttention.forward`` gathers from ``embed_positions``."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None and len(args) > 3:
+        position_ids = args[3]
+    if position_ids is None:
+        raise RuntimeError("GPT-J attention was called without position_ids; hook_rot_q/hook_rot_k need them")
+    table = module.embed_positions.to(position_ids.device)  # [n_positions, rotary_dim]: sin | cos
+    sincos = table[position_ids]
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    return cos, sin
+
+
+# --- attention patterns: GPT-J's own ``_attn`` ------------------------------------------------------------
+
+
+def _gptj_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+    """Pre-mask scores as ``GPTJAttention._attn`` computes them: in float32, divided by ``scale_attn``."""
+    return torch.matmul(query.to(torch.float32), key.to(torch.float32).transpose(-1, -2)) / module.scale_attn
+
+
+class GPTJPatternBackend:
+    """Serves ``hook_attn_scores``/``hook_pattern`` for models that compute attention in ``GPTJAttention._attn``.
+
+    ``activate(layer, site)`` stores a function under the name ``_attn`` in *that attention module
+    instance's* ``__dict__``. Python finds instance attributes before class attributes, so that module's
+    ``forward`` calls it with exactly the arguments it would pass to ``GPTJAttention._attn`` (queries and
+    keys after rotary and the KV-cache update, values, the additive mask); it returns what ``_attn``
+    returns, computed with the core's explicit attention (scores → ``hook_attn_scores`` → softmax →
+    ``hook_pattern`` → values). The returned handle's ``remove()`` deletes the instance attribute
+    again; the core calls it when the layer's last score/pattern hook goes, when a hook raises, and on
+    ``unwrap()``. The class, other instances and other layers are never touched.
+    """
+
+    def __init__(self, hooked: Any) -> None:
+        self.modules: list[nn.Module] = list(hooked.attention_modules)
+
+    def activate(self, layer: int, site: Any) -> "_Restore":
+        from transformers.models.gptj.modeling_gptj import GPTJAttention
+
+        module = self.modules[layer]
+        if type(module).forward is not GPTJAttention.forward:
+            raise UnsupportedModelError(
+                f"layer {layer}: hook_attn_scores/hook_pattern need GPT-J's eager attention, which computes "
+                f"patterns in GPTJAttention._attn; this model's attention is {type(module).__name__} (attention "
+                f"implementation {getattr(module.config, '_attn_implementation', '?')!r}). Load the model with "
+                f"attn_implementation='eager' to hook patterns; every other hook point works as it is.")
+        if "_attn" in vars(module):
+            raise LensAdaptersError(
+                f"layer {layer}: the attention module already has an instance attribute '_attn' (another tool "
+                f"replaced its attention for this instance); lensadapters will not override it")
+        scores_point, pattern_point = site.scores, site.pattern
+
+        def _attn(query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor] = None,
+                  head_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+            from lensadapters.attention import explicit_attention
+
+            out, pattern = explicit_attention(
+                module, query, key, value, attention_mask, scores_fn=_gptj_scores, scores_point=scores_point,
+                pattern_point=pattern_point, dropout=module.attn_dropout.p, head_mask=head_mask)
+            return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
+
+        module.__dict__["_attn"] = _attn
+        return _Restore(module, _attn)
+
+
+class _Restore:
+    """Handle (``remove()``) deleting the instance ``_attn`` that :class:`GPTJPatternBackend` installed."""
+
+    def __init__(self, module: nn.Module, fn: Any) -> None:
+        self.module, self.fn = module, fn
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("_attn") is self.fn:
+            del self.module.__dict__["_attn"]
+
+
+# --- the adapter hooks ------------------------------------------------------------------------------------
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    from transformers.models.gptj import modeling_gptj as hf
+
+    c = model.config
+    if c.n_embd % c.n_head:
+        raise UnsupportedModelError(f"GPT-J with n_embd={c.n_embd} not divisible by n_head={c.n_head}")
+    d_head, r = _d_head(c), _rotary_dim(c)
+    if r % 2 or r > d_head:
+        raise UnsupportedModelError(f"GPT-J with rotary_dim={c.rotary_dim}: must be even and at most d_head={d_head}")
+    base = _base(model)
+    for attr in ("wte", "h", "ln_f"):
+        if not hasattr(base, attr):
+            raise UnsupportedModelError(
+                f"this GPT-J model has no {attr!r} module: its layout differs from transformers' GPTJModel")
+    for i, block in enumerate(base.h):
+        for name, cls in (("", hf.GPTJBlock), ("attn", hf.GPTJAttention), ("mlp", hf.GPTJMLP)):
+            module = block.get_submodule(name) if name else block
+            if not isinstance(module, cls):
+                raise UnsupportedModelError(
+                    f"layer {i}: expected a transformers {cls.__name__}, found {type(module).__name__}")
+        if not isinstance(block.ln_1, nn.LayerNorm) or hasattr(block, "ln_2"):
+            raise UnsupportedModelError(f"layer {i}: expected one shared nn.LayerNorm ln_1 and no ln_2")
+        if type(block).forward is not hf.GPTJBlock.forward or type(block.mlp).forward is not hf.GPTJMLP.forward:
+            warnings.warn(f"layer {i}: {type(block).__name__} overrides transformers' GPT-J forward; hook points "
+                          f"may not mean what their names say", stacklevel=2)
+        table = getattr(block.attn, "embed_positions", None)
+        if table is None or table.shape[-1] != r:
+            raise UnsupportedModelError(
+                f"layer {i}: the attention's sin/cos table has {None if table is None else table.shape[-1]} "
+                f"columns, not rotary_dim={r}" + (" (transformers builds it n_embd wide when rotary_dim is None, "
+                                                  "which works only with one head; set rotary_dim=d_head)"
+                                                  if c.rotary_dim is None else ""))
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = model.config
+    return HookedConfig(
+        n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=_d_head(c),
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
+        act_fn=c.activation_function, normalization_type="LN", positional_embedding_type="rotary",
+        model_type="gptj", rotary_dim=_rotary_dim(c), parallel_attn_mlp=True, eps=c.layer_norm_epsilon,
+        original_architecture=type(model).__name__, extra={"rotary_adjacent_pairs": True},
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    p = _prefix(model)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    unembed = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
+    return ModelLayout(blocks=p + "h", embed=p + "wte", ln_final=p + "ln_f", unembed=unembed,
+                       rotary=p + "h.0.attn", rotary_from_inputs=rotary_from_attention_inputs)
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.out_proj", ln2=None, mlp="mlp", parallel=True)
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+    return SeparateQKV("attn.q_proj", "attn.k_proj", "attn.v_proj",
+                       rotary=rotate_every_two_spec(_rotary_dim(model.config)))
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+    return MLPLayout(pre="mlp.fc_in", out="mlp.fc_out")
+
+
+@hookimpl
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> GPTJPatternBackend:
+    return GPTJPatternBackend(hooked)
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    from transformers import GPTJConfig
+
+    return GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=128, vocab_size=512,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)

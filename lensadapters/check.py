@@ -1,0 +1,248 @@
+"""``lensadapters check PLUGIN``: run the contract suite against a plugin from the command line.
+
+Which suite runs:
+
+* A plugin that declares ``LENSADAPTERS_CONTRACT = "package.module:ClassName"`` (a module attribute, like
+  ``LENSADAPTERS_HOOKSPEC``) gets that :class:`~lensadapters.testing.AdapterContract` subclass: its own
+  config strategy and settings, the very class its test file subclasses.
+* Otherwise the suite is generated from the plugin's ``lensadapters_tiny_config`` hook: configs are
+  ``lensadapters_tiny_config(arch, seed)`` for drawn seeds (one strategy per architecture the plugin
+  claims), and the attention implementations are those transformers accepts for that config
+  (``sdpa`` and/or ``eager``). This is a smoke-level check: a declared contract explores far more.
+
+``PLUGIN`` is an installed plugin's entry-point name, one of its architecture names or model types, or
+an importable module (a plugin under development, not installed yet). The suite runs through
+``pytest.main`` on a generated test module in a temporary directory, with its own ``pytest.ini`` (the
+current directory's configuration does not apply) and no example database.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import re
+import sys
+import tempfile
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
+
+from .errors import LensAdaptersError
+
+CONTRACT_ATTRIBUTE = "LENSADAPTERS_CONTRACT"
+PROFILE = "lensadapters-check"
+
+
+class CheckError(LensAdaptersError):
+    """The plugin to check cannot be found, or no contract suite can be made for it."""
+
+
+def find_plugin(target: str) -> tuple[str, ModuleType | Any]:
+    """``(name, plugin)`` for an installed plugin (by name, architecture or model type) or a module name."""
+    from .registry import get_registry
+
+    registry = get_registry()
+    for info in registry.infos.values():
+        if target == info.name or any(target == a.name or target in a.model_types for a in info.architectures):
+            return info.name, info.plugin
+    if target in registry.failures:
+        raise CheckError(registry.failures[target])
+    try:
+        module = importlib.import_module(target)
+    except ImportError as exc:
+        if getattr(exc, "name", None) not in (None, target) and not target.startswith(f"{exc.name}."):
+            raise  # the module exists but one of its imports fails: show that
+        raise CheckError(
+            f"{target!r} is neither an installed lensadapters plugin nor an importable module. "
+            f"{registry.describe_installed()}") from None
+    return target, module
+
+
+def _declared(name: str, plugin: Any, spec: str) -> type:
+    from .testing.contract import AdapterContract
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} is {spec!r}; expected 'package.module:ClassName'")
+    try:
+        cls = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+    except (ImportError, AttributeError) as exc:
+        raise CheckError(f"plugin {name!r} declares {CONTRACT_ATTRIBUTE} = {spec!r}, which cannot be imported: {exc}. "
+                         f"Is the plugin installed with its testing extra?") from exc
+    if not (isinstance(cls, type) and issubclass(cls, AdapterContract)):
+        raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, which is not an AdapterContract "
+                         f"subclass")
+    if cls.plugin is not plugin:
+        raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, whose `plugin` is "
+                         f"{getattr(cls.plugin, '__name__', cls.plugin)!r}, not this plugin")
+    return cls
+
+
+def _working_implementations(config: Any) -> tuple[str, ...]:
+    from transformers import AutoModelForCausalLM
+
+    working = []
+    for impl in ("sdpa", "eager"):
+        try:
+            AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        except (ValueError, ImportError):  # transformers refuses implementations a model does not support
+            continue
+        working.append(impl)
+    return tuple(working) or ("eager",)
+
+
+def _generated(name: str, plugin: Any) -> type:
+    from hypothesis import strategies as st
+
+    from .registry import Registry
+    from .testing.contract import AdapterContract
+
+    registry = Registry()
+    info = registry.register(plugin, name)
+    if not info.architectures:
+        raise CheckError(
+            f"plugin {name!r} claims no architecture (a cross-cutting plugin) and declares no {CONTRACT_ATTRIBUTE}: "
+            f"there is nothing to generate a contract suite from. Declare {CONTRACT_ATTRIBUTE} = "
+            f"'your_module:YourContract' (an AdapterContract subclass) in the plugin module.")
+    hooks = registry.hooks_for(info)
+    strategies = []
+    implementations: list[str] = []
+    for arch in info.architectures:
+        config = hooks.lensadapters_tiny_config(arch=arch, seed=0)
+        if config is None:
+            raise CheckError(
+                f"plugin {name!r} implements no lensadapters_tiny_config for {arch.name!r} and declares no "
+                f"{CONTRACT_ATTRIBUTE}: implement one of them (see docs/writing-a-plugin.md)")
+        implementations += [i for i in _working_implementations(config) if i not in implementations]
+
+        def tiny(seed: int, arch: Any = arch) -> Any:
+            return hooks.lensadapters_tiny_config(arch=arch, seed=seed)
+
+        strategies.append(st.integers(0, 2**16).map(tiny))
+    strategy = st.one_of(strategies)
+
+    def configs(cls: type) -> Any:
+        return strategy
+
+    class_name = "Test" + "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", name) if part) + "Contract"
+    return type(class_name, (AdapterContract,), {
+        "__module__": __name__, "plugin": plugin, "configs": classmethod(configs),
+        "attn_implementations": tuple(implementations),
+        "__doc__": f"Contract suite for plugin {name!r}, generated from lensadapters_tiny_config.",
+    })
+
+
+@functools.lru_cache(maxsize=None)
+def contract_class(target: str) -> type:
+    """The :class:`AdapterContract` subclass that ``lensadapters check TARGET`` runs."""
+    name, plugin = find_plugin(target)
+    spec = getattr(plugin, CONTRACT_ATTRIBUTE, None)
+    return _declared(name, plugin, spec) if spec else _generated(name, plugin)
+
+
+def describe(cls: type) -> str:
+    origin = ("generated from lensadapters_tiny_config" if cls.__module__ == __name__
+              else f"declared by {CONTRACT_ATTRIBUTE}: {cls.__module__}:{cls.__qualname__}")
+    return f"{cls.__name__} ({origin}; attention implementations {', '.join(cls.attn_implementations)})"
+
+
+_TEST_MODULE = '''\
+"""Generated by `lensadapters check`: the contract suite for {target!r}."""
+from lensadapters.check import contract_class
+
+{class_name} = contract_class({target!r})
+'''
+
+_INI = """\
+[pytest]
+python_files = test_*.py
+python_classes = Test*
+python_functions = test_*
+filterwarnings =
+    ignore::DeprecationWarning
+    ignore::FutureWarning
+    ignore::pytest.PytestAssertRewriteWarning
+"""
+
+
+def load_profile(examples: int, shrink: bool = True) -> None:
+    """Select ``examples`` per property. Must run before ``lensadapters.testing.contract`` is imported:
+    Hypothesis fixes a test's settings when the test is defined (this module therefore imports the suite
+    only inside functions)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    if "lensadapters.testing.contract" in sys.modules:
+        import warnings
+
+        warnings.warn("the contract suite was imported before `lensadapters check` chose its number of examples; "
+                      "the current Hypothesis profile applies", stacklevel=2)
+    phases = tuple(Phase) if shrink else tuple(p for p in Phase if p not in (Phase.shrink, Phase.explain))
+    settings.register_profile(PROFILE, max_examples=examples, deadline=None, database=None, phases=phases,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(PROFILE)
+
+
+def run(target: str, examples: int = 10, keyword: Optional[str] = None, seed: Optional[int] = None,
+        exitfirst: bool = False, verbose: bool = False, shrink: bool = True, pytest_args: Sequence[str] = (),
+        echo: Callable[[str], None] = print) -> int:
+    """Run the contract suite for ``target``; returns pytest's exit code (0: every property holds).
+
+    ``shrink=False`` reports the first failing example as found, instead of searching for a minimal one
+    (which can take minutes).
+    """
+    try:
+        import hypothesis  # noqa: F401
+        import pytest  # noqa: F401
+    except ImportError as exc:
+        echo(f"lensadapters check needs the test kit: pip install 'lensadapters[testing]' ({exc})")
+        return 4
+    from hypothesis import settings
+
+    try:
+        find_plugin(target)  # unknown targets fail here, before the Hypothesis profile changes
+    except CheckError as exc:
+        echo(f"lensadapters check: {exc}")
+        return 4
+    previous = getattr(settings, "_current_profile", None)
+    load_profile(examples, shrink)
+    try:
+        return _run(target, examples, keyword, seed, exitfirst, verbose, pytest_args, echo)
+    finally:
+        if previous is not None:  # leave the caller's profile as it was (in-process use)
+            settings.load_profile(previous)
+
+
+def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int], exitfirst: bool, verbose: bool,
+         pytest_args: Sequence[str], echo: Callable[[str], None]) -> int:
+    import pytest
+
+    try:
+        cls = contract_class(target)
+    except CheckError as exc:
+        echo(f"lensadapters check: {exc}")
+        return 4
+    import transformers
+
+    echo(f"lensadapters check {target}: {describe(cls)}, {examples} examples per property, "
+         f"transformers {transformers.__version__}")
+    class_name = "Test" + re.sub(r"\W", "_", target).strip("_").title().replace("_", "")
+    with tempfile.TemporaryDirectory(prefix="lensadapters-check-") as tmp:
+        test_file = os.path.join(tmp, "test_lensadapters_check.py")
+        ini = os.path.join(tmp, "pytest.ini")
+        with open(test_file, "w") as f:
+            f.write(_TEST_MODULE.format(target=target, class_name=class_name))
+        with open(ini, "w") as f:
+            f.write(_INI)
+        args = [test_file, "-c", ini, "--rootdir", tmp, "--confcutdir", tmp, "-p", "no:cacheprovider",
+                "-v" if verbose else "-q"]
+        if keyword:
+            args += ["-k", keyword]
+        if seed is not None:
+            args += [f"--hypothesis-seed={seed}"]
+        if exitfirst:
+            args.append("-x")
+        args += list(pytest_args)
+        return int(pytest.main(args))
+
+
+__all__ = ["CheckError", "contract_class", "find_plugin", "run", "describe", "load_profile"]

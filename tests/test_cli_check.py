@@ -1,0 +1,105 @@
+"""``lensadapters check``: the contract suite from the command line.
+
+The runs go through a subprocess (a fresh interpreter, as a user's shell would), with few examples and a
+fixed seed. A plugin with a wrong layout must make the command fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from lensadapters import cli
+from lensadapters.check import CheckError, contract_class
+
+BROKEN_PLUGIN = textwrap.dedent('''
+    """GPT-2 with one wrong path: the MLP's norm is declared to be ln_1 (the attention's norm)."""
+    from lensadapters import BlockLayout, hookimpl
+    from lensadapters_gpt2 import (LENSADAPTERS_HOOKSPEC, lensadapters_architectures, lensadapters_attn_qkv,
+                                   lensadapters_attn_scores, lensadapters_config, lensadapters_embed,
+                                   lensadapters_linear_weight, lensadapters_mlp_act, lensadapters_tiny_config)
+
+    @hookimpl
+    def lensadapters_block(arch, model, layer):
+        return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_1", mlp="mlp")
+''')
+
+
+def run_cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "lensadapters.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_check_gpt2_passes():
+    result = run_cli("check", "gpt2", "--examples", "2", "--seed", "0",
+                     "-k", "bitwise or identities or every_hook_point")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "generated from lensadapters_tiny_config" in result.stdout
+    assert "3 passed" in result.stdout
+
+
+def test_check_fails_for_a_broken_plugin(tmp_path):
+    (tmp_path / "broken_gpt2_plugin.py").write_text(BROKEN_PLUGIN)
+    result = run_cli("check", "broken_gpt2_plugin", "--examples", "2", "--seed", "0", "-k", "identities",
+                     "--no-shrink", pythonpath=str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed" in result.stdout
+    assert "hook_pre" in result.stdout  # the weight identity that names the wrong norm
+
+
+def test_check_unknown_plugin_is_a_clear_error(capsys):
+    assert cli.main(["check", "no_such_plugin_anywhere"]) == 4
+    out = capsys.readouterr().out
+    assert "neither an installed lensadapters plugin nor an importable module" in out
+    assert "Installed architecture plugins" in out
+
+
+def test_declared_contract_is_used_and_validated(monkeypatch):
+    from hypothesis import strategies as st
+
+    import lensadapters_gpt2
+    from lensadapters.testing import AdapterContract
+
+    class Declared(AdapterContract):
+        plugin = lensadapters_gpt2
+
+        @classmethod
+        def configs(cls):
+            return st.just(None)
+
+    contracts = types.ModuleType("declared_contracts")
+    contracts.Declared = Declared
+    contracts.NotAContract = object
+    monkeypatch.setitem(sys.modules, "declared_contracts", contracts)
+    plugin = types.ModuleType("plugin_with_contract")
+    monkeypatch.setitem(sys.modules, "plugin_with_contract", plugin)
+    for spec, error in (("declared_contracts:Declared", "whose `plugin` is 'lensadapters_gpt2'"),
+                        ("declared_contracts:NotAContract", "not an AdapterContract subclass"),
+                        ("declared_contracts", "expected 'package.module:ClassName'"),
+                        ("declared_contracts:Missing", "cannot be imported")):
+        contract_class.cache_clear()
+        plugin.LENSADAPTERS_CONTRACT = spec
+        with pytest.raises(CheckError, match=error):
+            contract_class("plugin_with_contract")
+    contract_class.cache_clear()
+    Declared.plugin = plugin
+    plugin.LENSADAPTERS_CONTRACT = "declared_contracts:Declared"
+    assert contract_class("plugin_with_contract") is Declared
+    contract_class.cache_clear()
+
+
+def test_cross_cutting_plugin_without_contract_is_refused(monkeypatch):
+    plugin = types.ModuleType("cross_cutting_only")
+    monkeypatch.setitem(sys.modules, "cross_cutting_only", plugin)
+    contract_class.cache_clear()
+    with pytest.raises(CheckError, match="claims no architecture"):
+        contract_class("cross_cutting_only")
+    contract_class.cache_clear()

@@ -33,6 +33,10 @@ def test_every_distribution_has_the_core_version_and_a_compatible_core_range():
         core = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "lensadapters"]
         assert core and core[0].specifier.contains(lensadapters.__version__), plugin_dir.name
         assert (plugin_dir / "README.md").exists(), f"{plugin_dir.name} needs a README (its long description)"
+        assert project.get("readme") == "README.md", plugin_dir.name
+        assert project.get("urls", {}).get("Homepage"), f"{plugin_dir.name} needs project URLs"
+        assert any(c.startswith("Development Status") for c in project.get("classifiers", ())), plugin_dir.name
+        assert project.get("requires-python") and project.get("license"), plugin_dir.name
 
 
 def test_changelog_names_the_current_version():

@@ -92,8 +92,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from .check import run
 
+    variants = [v for v in ("lora", "int8") if getattr(args, v)]
     return run(args.plugin, examples=args.examples, keyword=args.keyword, seed=args.seed, exitfirst=args.exitfirst,
-               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args)
+               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args, variants=variants)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -124,6 +125,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="one line per property")
     p.add_argument("--no-shrink", action="store_true",
                    help="report a failing example as found instead of shrinking it to a minimal one (faster)")
+    p.add_argument("--lora", action="store_true",
+                   help="run the suite on LoRA-adapted models instead (needs lensadapters-peft)")
+    p.add_argument("--int8", action="store_true",
+                   help="run the suite on 8-bit bitsandbytes models instead (needs lensadapters-bnb)")
     p.set_defaults(func=_check)
     p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
     argv = list(sys.argv[1:] if argv is None else argv)

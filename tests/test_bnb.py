@@ -5,14 +5,14 @@ with ``BitsAndBytesConfig`` on the CPU. The contract suite runs on 8-bit GPT-2 (
 quantized from ``Conv1D``), GPT-NeoX (per-head interleaved ``query_key_value``), OPT (pre- and
 post-LN, ``project_in``/``project_out``) and Llama (GQA, gated MLP); the TransformerLens identities
 and the head-ablation property are checked against the bound of :func:`lensadapters_bnb.matmul_error_bound`
-instead of a fixed float tolerance. Architectures whose plugin is not installed are skipped.
+instead of a fixed float tolerance (the suite is :class:`lensadapters_bnb.testing.Int8Contract`, which
+third-party plugins subclass too). Architectures whose plugin is not installed are skipped.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import warnings
 from typing import Any, Optional
 
@@ -24,14 +24,14 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lensadapters_bnb as lb  # noqa: E402
 from lensadapters import HookedModel, LinearWeight, Registry, WeightUnavailableError  # noqa: E402
-from lensadapters.specs import FusedQKV  # noqa: E402
-from lensadapters.testing import AdapterContract, assert_close, perturb, reinit  # noqa: E402
-from lensadapters.testing.strategies import Inputs, token_inputs  # noqa: E402
+from lensadapters.testing import assert_close, reinit  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
+from lensadapters_bnb.testing import (Int8Contract, assert_within_bound, check_identities,  # noqa: E402
+                                      norm_out, quantize)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16" on every call
 transformers.logging.set_verbosity_error()
@@ -140,24 +140,6 @@ def fp32_model(config: Any, seed: int, attn_implementation: str = "sdpa") -> nn.
     return model.eval()
 
 
-def quantize(model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.float32,
-             threshold: float = 6.0) -> nn.Module:
-    """Save ``model`` and load it back quantized on the CPU (``mode``: ``int8``, ``nf4`` or ``fp4``).
-
-    ``threshold`` is LLM.int8's outlier threshold (``llm_int8_threshold``, 6.0 by default).
-    """
-    if mode == "int8":
-        qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
-    else:
-        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode, bnb_4bit_compute_dtype=dtype)
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            directory, quantization_config=qc, device_map="cpu", dtype=dtype,
-            attn_implementation=model.config._attn_implementation)
-    return quantized.eval()
-
-
 def registry(*plugins: Any) -> Registry:
     reg = Registry()
     for plugin in plugins:
@@ -173,226 +155,33 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if lb.is_quantized_linear(m)}
 
 
-# --- the identities of DESIGN §3 within the quantization bound --------------------------------------------
+# --- the contract suite on 8-bit models (lensadapters_bnb.testing.Int8Contract) ----------------------------
 
 
-def _norm_out(hm: HookedModel, cache: Any, prefix: str, module: nn.Module) -> torch.Tensor:
-    normalized = cache[f"{prefix}.hook_normalized"]
-    spec = hm.norm_spec(module)
-    if spec.kind == "LN" or spec.weight is None:
-        return normalized
-    return normalized * (spec.weight + spec.weight_offset)
+class _Int8(Int8Contract):
+    """The packaged 8-bit contract with this file's per-architecture config strategies."""
 
-
-def assert_within_bound(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str,
-                        valid: Optional[torch.Tensor] = None) -> float:
-    """``|actual - expected| <= bound`` elementwise (at valid positions); returns the largest ratio."""
-    diff = (actual.float() - expected.float()).abs()
-    if valid is not None:
-        diff, bound = diff[valid], bound[valid]
-    ratio = (diff / bound.clamp_min(1e-30)).max().item() if diff.numel() else 0.0
-    excess = (diff - bound).max().item() if diff.numel() else 0.0
-    assert excess <= 1e-6, f"{what}: exceeds the quantization bound (max |diff| / bound = {ratio:.3g})"
-    return ratio
-
-
-def projection(hm: HookedModel, x: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x @ W + b, bound)`` for ``module`` as lensadapters reads it, both ``[..., d_out]`` in float32."""
-    lw = read_linear(hm, module)
-    expected = x.float() @ lw.W.float() + (lw.b.float() if lw.b is not None else 0.0)
-    return expected, lb.matmul_error_bound(module, x, lw.W, lw.b)
-
-
-def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor) -> float:
-    """``hook_q/k/v == normalized @ W + b``, ``attn_out == z @ W_O + b_O``, MLP ones, per quantized bound.
-
-    The expected values use ``hm.W_Q``... (so the split of fused layouts is checked); the bound comes
-    from the module's own read weight. Returns the largest ``|diff| / bound`` seen.
-    """
-    cfg = hm.cfg
-    W = {"q": (hm.W_Q, hm.b_Q), "k": (hm._W_K, hm._b_K), "v": (hm._W_V, hm._b_V)}
-    W_O, b_O, W_out, b_out, W_in, b_in = hm.W_O, hm.b_O, hm.W_out, hm.b_out, hm.W_in, hm.b_in
-    worst = 0.0
-    for i in range(cfg.n_layers):
-        block, layout, qkv, mlp = hm.blocks[i], hm.block_layouts[i], hm.qkv_layouts[i], hm.mlp_layouts[i]
-        attn_in = cache["resid_pre", i] if layout.post_norm else _norm_out(hm, cache, f"blocks.{i}.ln1",
-                                                                           block.get_submodule(layout.ln1))
-        if isinstance(qkv, FusedQKV):
-            _, fused_bound = projection(hm, attn_in, block.get_submodule(qkv.module))
-            bounds = qkv.split(fused_bound)
-        else:
-            bounds = [projection(hm, attn_in, block.get_submodule(p))[1].unflatten(-1, (-1, cfg.d_head))
-                      for p in (qkv.q, qkv.k, qkv.v)]
-        for index, name in enumerate("qkv"):
-            Wt, bt = W[name]
-            expected = torch.einsum("bpm,hmd->bphd", attn_in.float(), Wt[i].float()) + bt[i].float()
-            worst = max(worst, assert_within_bound(cache[name, i], expected, bounds[index],
-                                                   f"layer {i} hook_{name} == normalized @ W_{name.upper()}", valid))
-        z = cache["z", i]
-        expected = torch.einsum("bphd,hdm->bpm", z.float(), W_O[i].float()) + b_O[i].float()
-        _, bound = projection(hm, z.flatten(-2), block.get_submodule(layout.o_proj))
-        worst = max(worst, assert_within_bound(cache["attn_out", i], expected, bound, f"layer {i} attn_out", valid))
-        if layout.ln2 is not None:
-            mlp_in = cache["mlp_in", i] if layout.post_norm else _norm_out(hm, cache, f"blocks.{i}.ln2",
-                                                                           block.get_submodule(layout.ln2))
-            pairs = [("pre", mlp.pre, hm.W_gate if mlp.pre_linear else W_in, hm.b_gate if mlp.pre_linear else b_in)]
-            if mlp.pre_linear:
-                pairs.append(("pre_linear", mlp.pre_linear, W_in, b_in))
-            for name, path, Wt, bt in pairs:
-                expected = mlp_in.float() @ Wt[i].float() + bt[i].float()
-                _, bound = projection(hm, mlp_in, block.get_submodule(path))
-                worst = max(worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid))
-        post = cache["post", i]
-        expected = post.float() @ W_out[i].float() + b_out[i].float()
-        _, bound = projection(hm, post, block.get_submodule(mlp.out))
-        worst = max(worst, assert_within_bound(cache["mlp_out", i], expected, bound, f"layer {i} mlp_out", valid))
-    return worst
-
-
-# --- the contract suite on 8-bit models -------------------------------------------------------------------
-
-
-class Int8Contract(AdapterContract):
-    """The contract suite with every model loaded in 8-bit (LLM.int8) on the CPU.
-
-    Two choices keep its exact comparisons exact:
-
-    * LLM.int8 picks its outlier columns (``|x| >= llm_int8_threshold``) over *all* rows of a batch, so
-      the values at padded positions reach the real tokens' outputs (within the int8 bound). The
-      core's explicit attention (run for pattern hooks) gives fully masked padding rows zero output,
-      HF's eager attention a uniform mix: both are right for the real tokens of a float model, but
-      an 8-bit model turns the difference into different rounding. Examples with the default
-      threshold (6.0) therefore draw unpadded inputs; left padding runs with threshold 0 (no outlier
-      columns, every row quantized on its own).
-    * Eager attention only: the core's explicit attention equals it bit for bit, whereas against SDPA it
-      differs by float rounding, which int8 activation rounding can turn into a whole quantization step.
-    """
-
-    extra_plugins = (lb,)
-    attn_implementations = ("eager",)
     configs_fn: Any = None
-    threshold = 6.0
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
         return cls.configs_fn()
 
-    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
-             ) -> tuple[nn.Module, Inputs]:
-        self.threshold = data.draw(st.sampled_from([6.0, 0.0]), label="llm_int8_threshold")
-        return super().draw(data, attn_implementation, left_padding and self.threshold == 0.0)
-
-    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> nn.Module:
-        return quantize(super().make_model(config, seed, attn_implementation), "int8", threshold=self.threshold)
-
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        # bitsandbytes writes a new ``weight_format`` tensor into every state_dict() call
-        return {k: v for k, v in model.state_dict().items() if not k.endswith("weight_format")}
-
-    @SETTINGS
-    @given(data=st.data())
-    def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
-        """Edits propagate through 8-bit layers: ``hook_resid_pre``, ``hook_pattern`` and ``hook_z`` of a drawn
-        layer, plus a drawn sample of the other points (all of them run one 8-bit pass each: too slow here;
-        every point is covered by the architecture's own contract run)."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-        required = [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_z"]
-        others = data.draw(st.lists(st.sampled_from(hm.hook_names), max_size=6, unique=True), label="points")
-        with torch.no_grad():
-            reference = hm(**inputs.kwargs()).logits
-            for name in required + [n for n in others if n not in required]:
-                fired: list[str] = []
-
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
-                    fired.append(hook.name)
-                    return perturb(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert fired, f"{name} never fired"
-                diff = (logits - reference)[inputs.valid].abs().max().item()
-                assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
-        hm.unwrap()
-
-    # Two properties hold within the int8 bound rather than float rounding:
-
-    @SETTINGS
-    @given(data=st.data())
-    def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
-        """DESIGN §3 identities, each within ``matmul_error_bound`` of its quantized projection."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        with torch.no_grad():
-            out = hm.model(**inputs.kwargs(), output_hidden_states=True)
-            _, cache = hm.run_with_cache(**inputs.kwargs())
-            check_identities(hm, cache, inputs.valid)
-            if hm.layout.unembed is not None and self.final_hidden_is_ln_final and hm.layout.ln_final:
-                final = _norm_out(hm, cache, "ln_final", hm.hf_model.get_submodule(hm.layout.ln_final))
-                v = inputs.valid
-                assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ W_U + b_U")
-        hm.unwrap()
-
-    @SETTINGS
-    @given(data=st.data())
-    def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
-        """Zeroing a head's ``hook_z`` removes ``z_h @ W_O[h]`` from ``hook_attn_out`` within the int8 bound.
-
-        The 8-bit output projection re-quantizes its input row when ``z`` changes, so both runs carry
-        their own activation rounding: the difference is at most the sum of the two bounds. Dropping
-        the head at ``hook_result`` changes the projection's own output by exactly the contribution.
-        """
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-        head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
-        pre = f"blocks.{layer}."
-        names = [pre + "attn.hook_z", pre + "hook_attn_out"]
-        o_proj = hm.blocks[layer].get_submodule(hm.block_layouts[layer].o_proj)
-        with torch.no_grad():
-            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
-            z = base["z", layer]
-            contribution = torch.einsum("bpd,dm->bpm", z[:, :, head].float(), hm.W_O[layer, head].float())
-
-            def ablate(t: torch.Tensor, hook: Any) -> torch.Tensor:
-                t = t.clone()
-                t[:, :, head] = 0
-                return t
-
-            def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
-                result = result.clone()
-                result[:, :, head] = 0
-                return result
-
-            with hm.hooks([(pre + "attn.hook_z", ablate)]):
-                _, ablated = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
-            with hm.hooks([(pre + "attn.hook_result", drop)]):
-                _, dropped = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
-            _, bound_base = projection(hm, z.flatten(-2), o_proj)
-            _, bound_ablated = projection(hm, ablated["z", layer].flatten(-2), o_proj)
-        expected = base["attn_out", layer].float() - contribution
-        v = inputs.valid
-        assert_within_bound(ablated["attn_out", layer], expected, bound_base + bound_ablated,
-                            "z ablation == removing the head's W_O contribution", v)
-        scale = 1 + expected.abs()
-        assert_close(dropped["attn_out", layer][v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
-        hm.unwrap()
-
 
 @_skip_without(lensadapters_gpt2, "lensadapters-gpt2")
-class TestInt8GPT2(Int8Contract):
+class TestInt8GPT2(_Int8):
     plugin = lensadapters_gpt2
     configs_fn = staticmethod(gpt2_configs)
 
 
 @_skip_without(lensadapters_gpt_neox, "lensadapters-gpt-neox")
-class TestInt8GPTNeoX(Int8Contract):
+class TestInt8GPTNeoX(_Int8):
     plugin = lensadapters_gpt_neox
     configs_fn = staticmethod(neox_configs)
 
 
 @_skip_without(lensadapters_opt, "lensadapters-opt")
-class TestInt8OPT(Int8Contract):
+class TestInt8OPT(_Int8):
     plugin = lensadapters_opt
     configs_fn = staticmethod(opt_configs)
     final_hidden_is_ln_final = False  # project_out follows the final norm
@@ -402,7 +191,7 @@ class TestInt8OPT(Int8Contract):
 
 
 @_skip_without(lensadapters_llama, "lensadapters-llama")
-class TestInt8Llama(Int8Contract):
+class TestInt8Llama(_Int8):
     plugin = lensadapters_llama
     configs_fn = staticmethod(llama_configs)
 
@@ -749,7 +538,7 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
             assert_close(hm.W_Q[i], base_q + lp.lora_factors(hm, i, "q").W, "W_Q = dequantized base + LoRA", atol=1e-6)
             base_k = lb.dequantized_weight(attn.k_proj).W.unflatten(-1, (2, 8)).permute(1, 0, 2)
             assert torch.equal(hm._W_K[i], base_k)  # k_proj has no adapter
-            x = _norm_out(hm, cache, f"blocks.{i}.ln1", hm.blocks[i].input_layernorm)
+            x = norm_out(hm, cache, f"blocks.{i}.ln1", hm.blocks[i].input_layernorm)
             delta = torch.einsum("bpm,hmd->bphd", x, lp.lora_factors(hm, i, "q").W)
             assert_close(cache["blocks.{}.attn.hook_q_lora".format(i)], delta, "hook_q_lora == x @ A @ B * s", atol=1e-5)
         check_identities(hm, cache, valid)

@@ -103,3 +103,44 @@ def test_cross_cutting_plugin_without_contract_is_refused(monkeypatch):
     with pytest.raises(CheckError, match="claims no architecture"):
         contract_class("cross_cutting_only")
     contract_class.cache_clear()
+
+
+def test_check_lora_and_int8_variants_pass_for_gpt2():
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    result = run_cli("check", "gpt2", "--lora", "--int8", "--examples", "2", "--seed", "0", "-k", "weight_and_residual")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lensadapters_peft.testing:LoraContract" in result.stdout
+    assert "lensadapters_bnb.testing:Int8Contract" in result.stdout
+    assert "2 passed" in result.stdout
+
+
+def test_check_variants_fail_for_a_broken_plugin(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    (tmp_path / "broken_gpt2_plugin.py").write_text(BROKEN_PLUGIN)
+    result = run_cli("check", "broken_gpt2_plugin", "--lora", "--int8", "--examples", "2", "--seed", "0",
+                     "-k", "weight_and_residual", "--no-shrink", pythonpath=str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "2 failed" in result.stdout
+    assert "hook_pre" in result.stdout
+
+
+def test_check_variant_without_its_plugin_is_a_clear_error(monkeypatch, capsys):
+    import warnings
+
+    from lensadapters.check import variant_class
+
+    monkeypatch.setitem(sys.modules, "lensadapters_peft.testing", None)  # as if lensadapters-peft were missing
+    monkeypatch.setitem(sys.modules, "lensadapters_bnb.testing", None)
+    variant_class.cache_clear()
+    with pytest.raises(CheckError, match="pip install lensadapters-peft"):
+        variant_class("gpt2", "lora")
+    with pytest.raises(CheckError, match="unknown contract variant"):
+        variant_class("gpt2", "int4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the suite may already be imported in this process
+        assert cli.main(["check", "gpt2", "--int8"]) == 4
+    assert "pip install lensadapters-bnb" in capsys.readouterr().out
+    variant_class.cache_clear()
+    contract_class.cache_clear()

@@ -1,4 +1,5 @@
-"""GPT-J: the contract suite (every generic property), plus GPT-J's own quirks.
+"""GPT-J: the contract suite (every generic property; also on LoRA-adapted and 8-bit models when
+lensadapters-peft / lensadapters-bnb are installed), plus GPT-J's own quirks.
 
 Architecture-specific properties checked here:
 * ``hook_rot_q``/``hook_rot_k`` equal an independent interleaved-pairs RoPE reference (complex
@@ -14,6 +15,7 @@ Architecture-specific properties checked here:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -34,9 +36,27 @@ from lensadapters_gptj.contract import GPTJContract, gptj_configs
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def _installed(*names: str) -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in names)
+
+
 class TestGPTJ(GPTJContract):
     """The generic contract (an ``AdapterContract`` subclass shipped with the plugin, so that
     ``lensadapters check gptj`` runs the very same suite)."""
+
+
+# The same contract on LoRA-adapted and on 8-bit models: one line each (defined when the extras are installed).
+if _installed("peft", "lensadapters_peft"):
+    from lensadapters_peft.testing import LoraContract
+
+    class TestGPTJLora(LoraContract, GPTJContract):
+        """Every property, plus LoRA's own, on ``PeftModel``s with LoRA on seed-chosen GPT-J projections."""
+
+if _installed("bitsandbytes", "lensadapters_bnb"):
+    from lensadapters_bnb.testing import Int8Contract
+
+    class TestGPTJInt8(Int8Contract, GPTJContract):
+        """Every property on GPT-J loaded in 8-bit (LLM.int8) on the CPU."""
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

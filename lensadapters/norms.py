@@ -47,9 +47,7 @@ def rms_normalized(x: Tensor, scale_: Tensor) -> Tensor:
     return (x.float() / scale_.float()).to(x.dtype)
 
 
-def rms_apply_weight(normalized: Tensor, spec: NormSpec, dtype: torch.dtype) -> Tensor:
-    """RMSNorm's output from its (possibly edited) normalized value: ``weight * normalized``."""
-    if spec.weight is None:
-        return normalized.to(dtype)
-    weight = spec.weight + spec.weight_offset if spec.weight_offset else spec.weight
-    return (weight * normalized.to(dtype)).to(dtype)
+def rms_weighted_delta(delta: Tensor, spec: NormSpec) -> Tensor:
+    """How a change of RMSNorm's normalized value changes its output: ``weight * delta`` (float32)."""
+    w = _weight(spec)
+    return delta.float() if w is None else delta.float() * w

@@ -8,6 +8,7 @@ rule: if no hook changed anything, the model's own tensor is passed on untouched
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import norms
-from .hook_point import HookPoint
+from .hook_point import HookPoint, is_recomputing
 from .specs import FusedQKV, NormSpec, RotarySpec
 
 Tensor = torch.Tensor
@@ -179,26 +180,35 @@ class NormSite(Site):
         return [self.module.register_forward_hook(self._hook, with_kwargs=True)]
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        # Edits enter as the difference they make to the norm's own output, so that whatever a hook left as it
+        # was keeps the model's exact numbers (an identity edit is bitwise; the written-out norm is not).
         x = first_input(args, kwargs)
         out = first_output(output)
         spec = self.spec()
-        scale = None
+        scale = edited_scale = None
         scale_changed = False
         if self.scale.active or spec.kind == "RMS" and self.normalized.active:
-            scale = norms.scale(x, spec)
+            scale = edited_scale = norms.scale(x, spec)
             if self.scale.active:
-                scale, scale_changed = self.scale.apply(scale)
+                edited_scale, scale_changed = self.scale.apply(scale)
         if not (self.normalized.active or scale_changed):
             return None
-        if spec.kind == "LN":
-            normalized = norms.layer_norm(x, spec, scale) if scale_changed else out
-        else:
-            normalized = norms.rms_normalized(x, scale)
+        if spec.kind == "LN":  # hook_normalized is the norm's output itself
+            normalized = out
+            if scale_changed:
+                delta = norms.layer_norm(x, spec, edited_scale).float() - norms.layer_norm(x, spec, scale).float()
+                normalized = (out.float() + delta).to(out.dtype)
+            normalized, norm_changed = self.normalized.apply(normalized)
+            if not (scale_changed or norm_changed):
+                return None
+            return replace_first_output(output, normalized.to(out.dtype))
+        base = norms.rms_normalized(x, scale)  # RMSNorm: hook_normalized is before the weight
+        normalized = norms.rms_normalized(x, edited_scale) if scale_changed else base
         normalized, norm_changed = self.normalized.apply(normalized)
         if not (scale_changed or norm_changed):
             return None
-        new_out = normalized if spec.kind == "LN" else norms.rms_apply_weight(normalized, spec, out.dtype)
-        return replace_first_output(output, new_out.to(out.dtype))
+        delta = norms.rms_weighted_delta(normalized.float() - base.float(), spec)
+        return replace_first_output(output, (out.float() + delta).to(out.dtype))
 
 
 class BlockShapeSite(Site):
@@ -241,6 +251,54 @@ class RotaryCaptureSite(Site):
         self.state.rotary = (cos, sin)
 
 
+class RecomputedRotarySite(Site):
+    """Gives ``hook_rot_q/k`` of a layer recomputed by gradient checkpointing the (cos, sin) of its forward.
+
+    The rotary module runs once per forward, outside the checkpointed layers, so during the backward
+    pass's recomputation the forward state holds no (cos, sin). A pre-hook on the layer's attention
+    module finds them again: among the attention's own inputs (the model passes the very tensors its
+    rotary module returned, held weakly here), or computed from those inputs when the plugin's
+    ``ModelLayout.rotary_from_inputs`` reads them from a module of the same class. Otherwise the
+    rotary point raises its usual error.
+    """
+
+    def __init__(self, attention: nn.Module, points: Sequence[HookPoint], state: ForwardState,
+                 rotary_module: nn.Module, from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]]) -> None:
+        self.attention, self.state, self.rotary_module, self.from_inputs = attention, state, rotary_module, from_inputs
+        self.points = tuple(points)
+        self._seen: dict[int, tuple["weakref.ref[Tensor]", "weakref.ref[Tensor]"]] = {}
+        self._saved: list[Any] = []
+
+    def install(self) -> list[Any]:
+        self._seen.clear()
+        return [self.attention.register_forward_pre_hook(self._pre, with_kwargs=True),
+                self.attention.register_forward_hook(self._post, always_call=True)]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not is_recomputing():
+            if self.state.rotary is not None:
+                cos, sin = self.state.rotary
+                self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+                self._seen[id(cos)] = (weakref.ref(cos), weakref.ref(sin))
+            return
+        self._saved.append(self.state.rotary)
+        self.state.rotary = self._find(module, args, kwargs)
+
+    def _find(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[Tensor, Tensor]]:
+        if self.from_inputs is not None and type(module) is type(self.rotary_module):
+            return self.from_inputs(module, args, kwargs)
+        for value in (*args, *kwargs.values()):
+            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+                refs = self._seen.get(id(t)) if isinstance(t, Tensor) else None
+                if refs is not None and refs[0]() is t and refs[1]() is not None:
+                    return t, refs[1]()
+        return None
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._saved and is_recomputing():
+            self.state.rotary = self._saved.pop()
+
+
 def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optional[RotarySpec],
             state: ForwardState) -> tuple[Tensor, bool]:
     """Run ``hook_rot_*`` on the rotated value; turn an edit back into a pre-rotary value."""
@@ -250,10 +308,13 @@ def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optiona
         raise RuntimeError(f"{rot_point.name}: the model's rotary module did not run before attention")
     cos, sin = state.rotary
     rotated = rotary.apply(point_value, cos, sin)
-    rotated, changed = rot_point.apply(rotated)
+    edited, changed = rot_point.apply(rotated)
     if not changed:
         return point_value, False
-    return rotary.invert(rotated, cos, sin).to(point_value.dtype), True
+    # the rotation is linear: only the edit's difference is rotated back, so entries the hook left as they were
+    # keep the projection's exact numbers (an identity edit is bitwise) instead of a rotate/unrotate round trip
+    delta = rotary.invert(edited - rotated, cos, sin)
+    return point_value + delta.to(point_value.dtype), True
 
 
 class ProjectionSite(Site):

@@ -10,7 +10,7 @@ from .errors import (
     UnsupportedModelError,
     WeightUnavailableError,
 )
-from .hook_point import HookPoint
+from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
@@ -32,5 +32,5 @@ __all__ = [
     "PluginConflictError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
-    "RotarySpec", "SeparateQKV",
+    "RotarySpec", "SeparateQKV", "is_recomputing",
 ]

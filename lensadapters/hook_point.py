@@ -15,6 +15,20 @@ from .errors import HookReturnError
 HookFn = Callable[..., Optional[torch.Tensor]]
 _LAYER = re.compile(r"^blocks\.(\d+)\.")
 _ids = itertools.count()
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def is_recomputing() -> bool:
+    """Whether the forward now running is a recomputation inside a backward pass.
+
+    Gradient checkpointing (``model.gradient_checkpointing_enable()``, reentrant or not) runs the forward
+    of each checkpointed layer a second time during ``backward()``, so forward hooks inside it fire again.
+    This is ``True`` in that second run: a forward with gradients enabled while autograd executes a
+    backward pass. ``run_with_cache`` uses it to record each hook point once per forward; a read-only
+    user hook can return early when it is ``True`` (an *editing* hook must not: the recomputed layer
+    has to see the same edit, or the gradients are computed on unedited activations).
+    """
+    return _graph_task_id is not None and torch.is_grad_enabled() and _graph_task_id() != -1
 
 
 @dataclass(eq=False)
@@ -47,6 +61,11 @@ class HookPoint:
     def layer(self) -> Optional[int]:
         """The block index of this hook point (``None`` outside blocks), as in TransformerLens."""
         return self._layer
+
+    @property
+    def recomputing(self) -> bool:
+        """:func:`is_recomputing`, for hooks: ``if hook.recomputing: return`` skips checkpoint recomputation."""
+        return is_recomputing()
 
     @property
     def active(self) -> bool:

@@ -14,7 +14,7 @@ from torch import nn
 from . import weights as _w
 from .cache import ActivationCache
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
-from .hook_point import HookFn, HookPoint
+from .hook_point import HookFn, HookPoint, is_recomputing
 from .registry import PluginInfo, Registry, ScopedHooks, get_registry
 from .sites import (
     AttentionSite,
@@ -27,6 +27,7 @@ from .sites import (
     PositionEmbedSite,
     ProjectionSite,
     ResidualSite,
+    RecomputedRotarySite,
     ResultSite,
     RotaryCaptureSite,
     Site,
@@ -249,7 +250,13 @@ class HookedModel:
         if rot_points:
             if not L.rotary:
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
-            self.add_site(RotaryCaptureSite(m.get_submodule(L.rotary), rot_points, st, L.rotary_from_inputs))
+            rotary_module = m.get_submodule(L.rotary)
+            self.add_site(RotaryCaptureSite(rotary_module, rot_points, st, L.rotary_from_inputs))
+            for i, block in enumerate(self.blocks):
+                points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
+                if points:
+                    self.add_site(RecomputedRotarySite(self.attention_modules[i], points, st, rotary_module,
+                                                        L.rotary_from_inputs))
         for sites in self._hooks.lensadapters_extra_sites(arch=self.arch, hooked=self):
             for site in sites or ():
                 self.add_site(site)
@@ -328,7 +335,12 @@ class HookedModel:
     def add_hook(self, name: Union[str, Callable[[str], bool]], hook: HookFn, dir: str = "fwd",
                  is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None,
                  _touched: Optional[list[HookPoint]] = None) -> None:
-        """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts)."""
+        """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts).
+
+        Under gradient checkpointing a forward hook inside a checkpointed layer runs again when
+        ``backward()`` recomputes that layer, and must return the same edit then. A read-only hook that
+        should see each forward once checks ``hook.recomputing`` (:func:`lensadapters.is_recomputing`).
+        """
         self._check_alive()
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
@@ -422,6 +434,10 @@ class HookedModel:
         ``attn.hook_result``, which is computed only when asked for). ``device`` moves cached tensors,
         ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
         ``labels=``) and stores gradients as ``NAME_grad``.
+
+        Under gradient checkpointing (``model.train()`` after ``gradient_checkpointing_enable()``) the
+        backward pass re-runs the forward of each checkpointed layer; the cache records each hook point
+        once, from the real forward (see :func:`lensadapters.is_recomputing`), and each gradient once.
         """
         names = self.cache_names(names_filter)
         store: dict[str, Tensor] = {}
@@ -435,7 +451,8 @@ class HookedModel:
             store[key] = value
 
         def save(tensor: Tensor, hook: HookPoint) -> None:
-            keep(hook.name, tensor)
+            if not is_recomputing():  # gradient checkpointing re-runs the forward during backward
+                keep(hook.name, tensor)
 
         def save_grad(tensor: Tensor, hook: HookPoint) -> None:
             keep(hook.name + "_grad", tensor)
@@ -540,6 +557,8 @@ class HookedModel:
                                                lambda: self._layers(lambda i: _w.mlp_weights(self, i, "out")[0])))
     b_out = property(lambda self: self._weight("b_out",
                                                lambda: self._layers(lambda i: _w.mlp_weights(self, i, "out")[1])))
+
+
 
 
 class _LazyBackend:

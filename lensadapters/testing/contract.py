@@ -26,7 +26,6 @@ is the default implementation). Ship the subclass in the plugin package and name
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Optional, Sequence
 
 import pytest

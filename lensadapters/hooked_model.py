@@ -242,7 +242,9 @@ class HookedModel:
                 self.add_site(OutputSite(block, pts["hook_resid_post"]))
             else:
                 self.add_site(ResidualSite(i, block, ln2, mlp_out_module, st, pts.get("hook_resid_mid"),
-                                           pts.get("hook_mlp_in"), pts["hook_mlp_out"], pts["hook_resid_post"]))
+                                           pts.get("hook_mlp_in"), pts["hook_mlp_out"], pts["hook_resid_post"],
+                                           residual_add=(get(bl.mlp_residual) if bl.mlp_residual else
+                                                         get(bl.mlp) if bl.mlp is not None else None)))
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
             self.add_site(NormSite(ln_f, self._norm_spec(ln_f), p("ln_final.hook_scale"),

@@ -100,6 +100,9 @@ class BlockLayout:
     branch) and ``hook_resid_post`` = the block output (``ln2``'s output, the next block's input).
     ``flat_mlp`` says the block reshapes hidden states to ``[b*p, d]`` around the MLP (OPT): hook
     points that see such 2-D tensors show them as ``[b, p, ...]`` and flatten edits back.
+    ``mlp_residual`` names the module whose output the block adds to the residual stream after the MLP,
+    when it is not ``mlp`` itself (GPT-NeoX: ``post_mlp_dropout``); an edit of ``hook_resid_mid`` is
+    carried into the block's own residual add there, so it survives gradient checkpointing.
     """
 
     ln1: str
@@ -110,6 +113,7 @@ class BlockLayout:
     parallel: bool = False
     post_norm: bool = False
     flat_mlp: bool = False
+    mlp_residual: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -860,18 +860,20 @@ def _edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
     return t * 1.5 + 0.25
 
 
+@pytest.mark.parametrize("edited", ["attention", "resid_mid"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_gradient_checkpointing_records_each_point_once(arch: str, use_reentrant: bool) -> None:
-    """The cache and read-only hooks see each forward once; edits are re-applied; gradients are unchanged."""
+def test_gradient_checkpointing_records_each_point_once(arch: str, use_reentrant: bool, edited: str) -> None:
+    """The cache and read-only hooks see each forward once; edits are re-applied; gradients are unchanged.
+
+    ``hook_resid_mid`` edits are carried into the block's own residual add (inside the checkpointed forward),
+    so even the reentrant variant, which re-runs the forward but not the block's own hooks, recomputes them."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # "use_cache=True is incompatible with gradient checkpointing"
     kit = TRAIN_KITS[arch]()
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
-    # Known limitation (README, "Training"): hook_resid_mid is served by a hook on the block's output, which
-    # transformers runs outside the checkpoint; the reentrant variant recomputes without it.
-    names = (lambda n: not n.endswith("hook_resid_mid")) if use_reentrant else None
+    names = None
     results = []
     for checkpointing in (None, use_reentrant):
         pm = _training_model(kit, checkpointing)
@@ -886,7 +888,8 @@ def test_gradient_checkpointing_records_each_point_once(arch: str, use_reentrant
             edits.append(hook.recomputing)
             return _edit(t, hook)
 
-        with hm.hooks([(TRAIN_EDITS[arch], edit), (lambda n: True, count)]):
+        point = TRAIN_EDITS[arch] if edited == "attention" else "blocks.1.hook_resid_mid"
+        with hm.hooks([(point, edit), (lambda n: True, count)]):
             _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=names)
         results.append((cache, _lora_grads(pm), calls, edits))
         hm.unwrap()

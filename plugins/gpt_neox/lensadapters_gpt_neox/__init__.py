@@ -178,8 +178,12 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    block = model.get_submodule(_prefix(model) + "layers")[layer]
+    # the block adds post_mlp_dropout(mlp(...)) to the residual: resid_mid edits are carried in there
+    mlp_residual = "post_mlp_dropout" if hasattr(block, "post_mlp_dropout") else None
     return BlockLayout(ln1="input_layernorm", attn="attention", o_proj="attention.dense",
-                       ln2="post_attention_layernorm", mlp="mlp", parallel=bool(model.config.use_parallel_residual))
+                       ln2="post_attention_layernorm", mlp="mlp", parallel=bool(model.config.use_parallel_residual),
+                       mlp_residual=mlp_residual)
 
 
 @hookimpl

@@ -493,10 +493,15 @@ def test_merged_adapters_give_the_same_hooks(plugin: Any, strategy: Any, data: A
         pm.unmerge_adapter()
         unmerged_zeroed = hm.run_with_hooks(ids, fwd_hooks=zero)
     assert set(merged.keys()) == set(cache.keys())
+    def tol(reference: torch.Tensor) -> float:
+        # merging moves B·A·s into the weight: float32 rounding relative to the activations' magnitude
+        finite = reference[torch.isfinite(reference)]
+        return 1e-4 * max(1.0, finite.abs().max().item() if finite.numel() else 1.0)
+
     for key in cache.keys():
-        assert_close(merged[key], cache[key], f"merged {key}", atol=1e-4)
-    assert_close(merged_logits, logits, "merged logits", atol=1e-4)
-    assert_close(merged_zeroed, unmerged_zeroed, "zeroed delta, merged vs unmerged", atol=1e-4)
+        assert_close(merged[key], cache[key], f"merged {key}", atol=tol(cache[key]))
+    assert_close(merged_logits, logits, "merged logits", atol=tol(logits))
+    assert_close(merged_zeroed, unmerged_zeroed, "zeroed delta, merged vs unmerged", atol=tol(unmerged_zeroed))
     hm.unwrap()
 
 

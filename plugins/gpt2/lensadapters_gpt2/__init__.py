@@ -109,17 +109,27 @@ def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch
     none: its eager path applies ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx`` itself,
     while its sdpa path ignores both flags and scales by ``1/sqrt(d_head)``; mirror whichever runs.
     """
-    if scaling is not None:
-        scale = scaling
-    elif implementation == "eager":
-        scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0
-        if module.scale_attn_by_inverse_layer_idx:
-            scale /= float(module.layer_idx + 1)
-    else:
-        scale = query.shape[-1] ** -0.5
     if module.reorder_and_upcast_attn and implementation == "eager":
+        scale = scaling if scaling is not None else _eager_457_scale(module, query)
         return torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-    return torch.matmul(query, key.transpose(-1, -2)) * scale
+    if scaling is not None:
+        return torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if implementation == "eager":  # 4.57: divided (not multiplied), in the scores' dtype, flag by flag
+        scores = torch.matmul(query, key.transpose(-1, -2))
+        if module.scale_attn_weights:
+            scores = scores / torch.full([], query.shape[-1] ** 0.5, dtype=scores.dtype, device=scores.device)
+        if module.scale_attn_by_inverse_layer_idx:
+            scores = scores / float(module.layer_idx + 1)
+        return scores
+    return torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
+
+
+def _eager_457_scale(module: nn.Module, query: torch.Tensor) -> float:
+    """transformers 4.57's upcast path (``_upcast_and_reordered_attn``): one factor folded into ``baddbmm``."""
+    scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0
+    if module.scale_attn_by_inverse_layer_idx:
+        scale /= float(module.layer_idx + 1)
+    return scale
 
 
 @hookimpl

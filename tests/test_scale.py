@@ -1,0 +1,205 @@
+"""Scale: models split by accelerate's ``device_map`` (CPU + disk offload), cache storage devices,
+and long-context memory (a ``names_filter`` never materialises attention patterns nobody asked for).
+
+Only CPU is available here: the disk-offloaded layers are the "other device" (accelerate moves their
+weights in for each forward and out again), which exercises the same hook paths as a multi-GPU
+``device_map="auto"`` split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from lensadapters import HookedModel
+from lensadapters.testing import assert_close
+
+accelerate = pytest.importorskip("accelerate")
+
+LAYERS = 3
+
+
+def tiny_config(kind: str, layers: int = LAYERS, heads: int = 4) -> Any:
+    if kind == "gpt2":
+        return GPT2Config(n_layer=layers, n_embd=32, n_head=heads, vocab_size=96, n_positions=512,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=heads, num_key_value_heads=2,
+                       intermediate_size=48, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_model(kind: str, **kw: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **kw), attn_implementation="sdpa").eval()
+    with torch.no_grad():  # larger-than-default weights so that every edit visibly moves the logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def offload_map(kind: str) -> dict[str, str]:
+    """Layer 0 on CPU, layers 1.. on disk; everything else on CPU."""
+    if kind == "gpt2":
+        top = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+               "transformer.ln_f": "cpu", "lm_head": "cpu"}
+        layer = "transformer.h.{}"
+    else:
+        top = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        layer = "model.layers.{}"
+    return {**top, **{layer.format(i): ("cpu" if i == 0 else "disk") for i in range(LAYERS)}}
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def pair(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, torch.nn.Module, torch.nn.Module]:
+    """(kind, normally loaded model, the same weights loaded with layers offloaded to disk)."""
+    kind = request.param
+    plain = make_model(kind)
+    plain.save_pretrained(tmp_path / "model")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=offload_map(kind), offload_folder=str(tmp_path / "offload"),
+        attn_implementation="sdpa", dtype=torch.float32).eval()
+    return kind, plain, offloaded
+
+
+def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
+    kind, plain, offloaded = pair
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    assert any(hasattr(m, "_hf_hook") for m in offloaded.modules()), "accelerate did not dispatch the model"
+    with torch.no_grad():
+        raw = offloaded(ids).logits
+    accel_hooks = hook_count(offloaded)
+
+    hm, ref = HookedModel.wrap(offloaded), HookedModel.wrap(plain)
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, raw), "no hooks must be bitwise the unwrapped offloaded model"
+        assert_close(raw, plain(ids).logits, "offloaded vs plain")
+
+        # run_with_cache through offloaded layers, patterns included
+        logits, cache = hm.run_with_cache(ids)
+        _, ref_cache = ref.run_with_cache(ids)
+        assert_close(logits, raw, "logits with every hook point cached")  # patterns: explicit attention
+        last = LAYERS - 1
+        for name in (f"blocks.{last}.hook_resid_post", f"blocks.{last}.attn.hook_pattern",
+                     f"blocks.{last}.attn.hook_z", f"blocks.{last}.mlp.hook_post"):
+            assert name in cache
+            assert_close(cache[name], ref_cache[name], name)
+
+        # an edit in an offloaded layer changes the output exactly as on the normally loaded model
+        def ablate_head(z: torch.Tensor, hook: Any) -> torch.Tensor:
+            z = z.clone()
+            z[:, :, 1] = 0.0
+            return z
+
+        def scale_pattern(p: torch.Tensor, hook: Any) -> torch.Tensor:
+            return p * 0.5
+
+        bump = torch.randn(32, generator=torch.Generator().manual_seed(4))
+        for name, fn in ((f"blocks.{last}.attn.hook_z", ablate_head),
+                         (f"blocks.1.attn.hook_pattern", scale_pattern),
+                         (f"blocks.1.hook_resid_mid", lambda t, hook: t + bump)):  # not a constant: LN removes those
+            edited = hm.run_with_hooks(ids, fwd_hooks=[(name, fn)])
+            expected = ref.run_with_hooks(ids, fwd_hooks=[(name, fn)])
+            assert (edited - raw).abs().max() > 1e-3, f"edit of {name} had no effect"
+            assert_close(edited, expected, f"edit of {name}: offloaded vs plain")
+        assert torch.equal(hm(ids).logits, raw), "hooks left behind after run_with_hooks"
+
+    model = hm.unwrap()
+    assert model is offloaded
+    assert hook_count(offloaded) == accel_hooks, "unwrap must leave exactly accelerate's own hooks"
+    assert any(hasattr(m, "_hf_hook") for m in offloaded.modules())
+    with torch.no_grad():
+        assert torch.equal(offloaded(ids).logits, raw)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_cache_device_moves_tensors_as_recorded(kind: str) -> None:
+    """``device=`` is applied inside the hook, as each tensor is recorded (not after the forward).
+
+    Only CPU exists here, so the target is the ``meta`` device: a moved tensor has no data, which
+    proves the move happened, and the logits still match because the live activations stay put.
+    """
+    hm = HookedModel.wrap(make_model(kind))
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain_logits = hm(ids).logits
+        name = "blocks.0.hook_resid_post"
+        logits, cache = hm.run_with_cache(ids, names_filter=[name, "blocks.1.attn.hook_pattern"], device="meta")
+        assert_close(logits, plain_logits, "logits")  # layer 1's pattern: explicit attention there
+        assert all(t.device.type == "meta" for t in cache.values())
+        assert set(cache.keys()) == {name, "blocks.1.attn.hook_pattern"}
+
+        _, cache = hm.run_with_cache(ids, names_filter=[name], device="cpu")
+        live: list[torch.Tensor] = []
+        hm.run_with_hooks(ids, fwd_hooks=[(name, lambda t, hook: live.append(t))])
+        cpu_value = cache[name]
+        assert cpu_value.device.type == "cpu" and not cpu_value.requires_grad
+        assert torch.equal(cpu_value, live[0])
+        # the stored tensor is detached storage-wise from nothing the model mutates later: editing the
+        # next run's activation in place does not touch it
+        before = cpu_value.clone()
+        hm.run_with_hooks(ids, fwd_hooks=[(name, lambda t, hook: t.mul_(0.0))])
+        assert torch.equal(cpu_value, before)
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Adds up the bytes of every tensor an aten op allocates (views excluded): what a forward materialises."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.seq = seq
+        self.total = 0
+        self.square = 0  # bytes of tensors whose last two dimensions are (seq, seq): scores, patterns, masks
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.is_mutable:  # no new storage
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                nbytes = t.numel() * t.element_size()
+                self.total += nbytes
+                if t.shape[-1] == self.seq and t.shape[-2] == self.seq:
+                    self.square += nbytes
+        return out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_names_filter_never_materialises_unasked_patterns(kind: str) -> None:
+    seq, batch, heads, layers = 384, 1, 4, 4
+    hm = HookedModel.wrap(make_model(kind, layers=layers, heads=heads))
+    ids = torch.randint(3, 96, (batch, seq), generator=torch.Generator().manual_seed(3))
+    one_pattern = batch * heads * seq * seq * 4  # float32
+
+    def measure(**kw: Any) -> AllocatedBytes:
+        spy = AllocatedBytes(seq)
+        with torch.no_grad(), spy:
+            if kw:
+                hm.run_with_cache(ids, **kw)
+            else:
+                hm(ids)
+        return spy
+
+    base = measure()
+    resid = measure(names_filter="blocks.2.hook_resid_post")
+    one = measure(names_filter="blocks.2.attn.hook_pattern")
+    every = measure(names_filter=lambda n: n.endswith("hook_pattern"))
+
+    # sanity: the measurement sees patterns when they are computed, at least one per hooked layer
+    per_layer = (every.square - base.square) / layers
+    assert per_layer >= one_pattern
+    assert every.total - base.total >= layers * one_pattern
+    # one hooked layer costs one layer's share of "every layer hooked" (plus at most a shared mask): the other
+    # layers keep the model's own attention and materialise nothing of attention size
+    mask_slack = batch * seq * seq * 8
+    assert one_pattern <= one.square - base.square <= per_layer + mask_slack
+    # caching one residual stream: not a single attention-sized tensor more than the plain forward
+    assert resid.square == base.square
+    assert resid.total - base.total < one_pattern

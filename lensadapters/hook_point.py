@@ -39,6 +39,15 @@ class HookEntry:
     permanent: bool = False
     context: Optional[int] = None  # id of the ``hooks()`` block that added it
     order: int = 0
+    readonly: bool = False  # the core's own readers (run_with_cache): never edit, never need a copy
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """The tensor's in-place version counter (``None`` for inference tensors, which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class HookPoint:
@@ -74,8 +83,8 @@ class HookPoint:
     # --- management -----------------------------------------------------------------------------
 
     def add(self, fn: HookFn, dir: str = "fwd", *, permanent: bool = False, context: Optional[int] = None,
-            prepend: bool = False) -> HookEntry:
-        entry = HookEntry(fn, permanent, context, next(_ids))
+            prepend: bool = False, readonly: bool = False) -> HookEntry:
+        entry = HookEntry(fn, permanent, context, next(_ids), readonly)
         hooks = self._list(dir)
         hooks.insert(0, entry) if prepend else hooks.append(entry)
         self._on_change(self)
@@ -102,28 +111,44 @@ class HookPoint:
 
     # --- running ---------------------------------------------------------------------------------
 
-    def apply(self, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
         """Run the forward hooks on ``value``; return the (possibly replaced) value and whether it changed.
 
-        A hook that returns ``None`` or the very tensor it was given leaves the value untouched, so an
-        identity hook costs no recomputation and keeps the model's numbers bit for bit. A 2-D value at a
+        A hook edits by returning a new tensor or by changing the one it was given in place (as in
+        TransformerLens); returning ``None`` or the same tensor unchanged leaves the value untouched, so
+        an identity hook costs no recomputation and keeps the model's numbers bit for bit. ``protect``:
+        the caller still needs ``value`` as it is (it computes the edit's difference from it) or the
+        model uses the same tensor elsewhere, so hooks that may edit are given a copy. A 2-D value at a
         point with ``token_shape`` (tokens flattened to ``[b*p, ...]`` by the model) is shown to hooks
         as ``[b, p, ...]``; an edit is flattened back.
         """
         lead = self.token_shape() if self.token_shape is not None and value.dim() == 2 else None
         if lead is not None and math.prod(lead) == value.shape[0]:
-            shown, changed = self._apply(value.reshape(*lead, value.shape[-1]))
+            shown, changed = self._apply(value.reshape(*lead, value.shape[-1]), protect)
             return (shown.reshape(value.shape) if changed else value), changed
-        return self._apply(value)
+        return self._apply(value, protect)
 
-    def _apply(self, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
+        original = value
         changed = False
         for entry in list(self.fwd_hooks):
+            if entry.readonly:
+                entry.fn(value, hook=self)
+                continue
+            if protect and value is original:
+                value = original.clone()
+            version = _version(value)
             out = entry.fn(value, hook=self)
             if out is None or out is value:
+                if version is None:  # inference mode: no version counter; compare with what the model computed
+                    changed = changed or not (value is original or torch.equal(value, original))
+                else:
+                    changed = changed or _version(value) != version
                 continue
             value = self._conform(out, value)
             changed = True
+        if not changed:
+            value = original  # a copy nobody edited: keep the model's own tensor
         if self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
             value = value.view_as(value)
             entries = list(self.bwd_hooks)  # the hooks of this forward, even if removed before backward

@@ -237,7 +237,8 @@ class HookedModel:
             mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
             if bl.post_norm:
                 # every residual point is a plain module input/output: the norms carry edits downstream
-                self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pts["hook_mlp_in"]))
+                self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pts["hook_mlp_in"],
+                                        protect=True))  # ln1's output is the MLP's residual too
                 self.add_site(OutputSite(mlp_out_module, pts["hook_mlp_out"]))
                 self.add_site(OutputSite(block, pts["hook_resid_post"]))
             else:
@@ -336,7 +337,7 @@ class HookedModel:
 
     def add_hook(self, name: Union[str, Callable[[str], bool]], hook: HookFn, dir: str = "fwd",
                  is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None,
-                 _touched: Optional[list[HookPoint]] = None) -> None:
+                 _touched: Optional[list[HookPoint]] = None, _readonly: bool = False) -> None:
         """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts).
 
         Under gradient checkpointing a forward hook inside a checkpointed layer runs again when
@@ -348,7 +349,7 @@ class HookedModel:
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
         with self._batched():
             for point in self._select(name):
-                point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend)
+                point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend, readonly=_readonly)
                 if _touched is not None:
                     _touched.append(point)
 
@@ -366,7 +367,7 @@ class HookedModel:
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks: Iterable[HookSpec] = (),
-              reset_hooks_end: bool = True) -> Iterator["HookedModel"]:
+              reset_hooks_end: bool = True, *, _readonly: bool = False) -> Iterator["HookedModel"]:
         """Hooks that live only inside the ``with`` block (removed even when a hook raises)."""
         self._check_alive()
         context = next(_contexts)
@@ -374,9 +375,9 @@ class HookedModel:
         try:
             with self._batched():
                 for name, fn in fwd_hooks:
-                    self.add_hook(name, fn, "fwd", _context=context, _touched=touched)
+                    self.add_hook(name, fn, "fwd", _context=context, _touched=touched, _readonly=_readonly)
                 for name, fn in bwd_hooks:
-                    self.add_hook(name, fn, "bwd", _context=context, _touched=touched)
+                    self.add_hook(name, fn, "bwd", _context=context, _touched=touched, _readonly=_readonly)
             yield self
         finally:
             if reset_hooks_end:
@@ -459,7 +460,8 @@ class HookedModel:
         def save_grad(tensor: Tensor, hook: HookPoint) -> None:
             keep(hook.name + "_grad", tensor)
 
-        with self.hooks([(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else []):
+        with self.hooks([(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [],
+                        _readonly=True):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)
                 if incl_bwd:

@@ -108,8 +108,8 @@ class ForwardState:
 class OutputSite(Site):
     """A module's output (first element of a tuple), optionally viewed as heads."""
 
-    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None) -> None:
-        self.module, self.point, self.heads = module, point, heads
+    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None, protect: bool = False) -> None:
+        self.module, self.point, self.heads, self.protect = module, point, heads, protect
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
@@ -118,7 +118,7 @@ class OutputSite(Site):
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         value = first_output(output)
         shaped = split_heads(value, self.heads) if self.heads else value
-        shaped, changed = self.point.apply(shaped)
+        shaped, changed = self.point.apply(shaped, self.protect)
         if not changed:
             return None
         return replace_first_output(output, merge_heads(shaped) if self.heads else shaped)
@@ -144,15 +144,19 @@ class PositionEmbedSite(Site):
         value = first_output(output)
         batch, self.state.batch = self.state.batch, None
         shaped = value.expand(batch, *value.shape[1:]) if batch and value.shape[0] == 1 else value
-        shaped, changed = self.point.apply(shaped)
+        shaped, changed = self.point.apply(shaped, protect=shaped is not value)  # an expanded view: edit a copy
         return replace_first_output(output, shaped) if changed else None
 
 
 class InputSite(Site):
-    """A module's first input, optionally viewed as heads."""
+    """A module's first input, optionally viewed as heads.
 
-    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None) -> None:
-        self.module, self.point, self.heads = module, point, heads
+    ``protect``: the model uses the same tensor elsewhere (a post-LN block's MLP input is also its
+    residual), so an in-place edit is made on a copy and reaches this module only.
+    """
+
+    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None, protect: bool = False) -> None:
+        self.module, self.point, self.heads, self.protect = module, point, heads, protect
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
@@ -161,7 +165,7 @@ class InputSite(Site):
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         value = first_input(args, kwargs)
         shaped = split_heads(value, self.heads) if self.heads else value
-        shaped, changed = self.point.apply(shaped)
+        shaped, changed = self.point.apply(shaped, self.protect)
         if not changed:
             return None
         return replace_first_input(args, kwargs, merge_heads(shaped) if self.heads else shaped)
@@ -190,7 +194,7 @@ class NormSite(Site):
         if self.scale.active or spec.kind == "RMS" and self.normalized.active:
             scale = edited_scale = norms.scale(x, spec)
             if self.scale.active:
-                edited_scale, scale_changed = self.scale.apply(scale)
+                edited_scale, scale_changed = self.scale.apply(scale, protect=True)
         if not (self.normalized.active or scale_changed):
             return None
         if spec.kind == "LN":  # hook_normalized is the norm's output itself
@@ -204,7 +208,7 @@ class NormSite(Site):
             return replace_first_output(output, normalized.to(out.dtype))
         base = norms.rms_normalized(x, scale)  # RMSNorm: hook_normalized is before the weight
         normalized = norms.rms_normalized(x, edited_scale) if scale_changed else base
-        normalized, norm_changed = self.normalized.apply(normalized)
+        normalized, norm_changed = self.normalized.apply(normalized, protect=True)
         if not (scale_changed or norm_changed):
             return None
         delta = norms.rms_weighted_delta(normalized.float() - base.float(), spec)
@@ -308,7 +312,7 @@ def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optiona
         raise RuntimeError(f"{rot_point.name}: the model's rotary module did not run before attention")
     cos, sin = state.rotary
     rotated = rotary.apply(point_value, cos, sin)
-    edited, changed = rot_point.apply(rotated)
+    edited, changed = rot_point.apply(rotated, protect=True)
     if not changed:
         return point_value, False
     # the rotation is linear: only the edit's difference is rotated back, so entries the hook left as they were
@@ -383,7 +387,7 @@ class ResultSite(Site):
         W, _ = self.weight()  # [d_in, d_out] (the bias is in the output already)
         W_O = W.unflatten(0, (self.heads, -1)).to(z.dtype)
         result = torch.einsum("...hd,hdm->...hm", z, W_O)
-        edited, changed = self.point.apply(result)
+        edited, changed = self.point.apply(result, protect=True)
         if not changed:
             return None
         out = first_output(output)
@@ -458,12 +462,12 @@ class ResidualSite(Site):
         self.state.mlp_out.pop(self.layer, None)
         if self.resid_mid is not None and self.resid_mid.active:
             original = value
-            value, changed = self.resid_mid.apply(value)
+            value, changed = self.resid_mid.apply(value, protect=True)  # the block's residual is this tensor
             if changed:  # the difference (added to the MLP output) or the edited stream (rebuilt at the block output)
                 in_mlp = self._edit_in_mlp()
                 self.state.resid_mid[self.layer] = (in_mlp, value - original if in_mlp else value)
         if self.mlp_in is not None and self.mlp_in.active:
-            value, in_changed = self.mlp_in.apply(value)
+            value, in_changed = self.mlp_in.apply(value, protect=True)  # an edit reaches the MLP branch only
             changed = changed or in_changed
         return replace_first_input(args, kwargs, value) if changed else None
 

@@ -338,6 +338,32 @@ class AdapterContract:
 
     @_SETTINGS
     @given(data=st.data())
+    def test_in_place_edits_equal_returned_edits(self, data: st.DataObject) -> None:
+        """Editing the given tensor in place (TransformerLens allows it) is the same edit as returning a new one.
+
+        Whether the hook then returns ``None`` or its argument, and under ``no_grad`` or ``inference_mode``
+        (whose tensors have no version counter), at every hook point: an in-place edit is never silently
+        ignored and never leaks into a tensor the model uses elsewhere.
+        """
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        returns = data.draw(st.booleans(), label="the hook returns its argument")
+        mode = data.draw(st.sampled_from([torch.no_grad, torch.inference_mode]), label="grad mode")
+        v = inputs.valid
+
+        def in_place(t: torch.Tensor, hook: Any) -> Optional[torch.Tensor]:
+            t.copy_(perturb(t, hook))
+            return t if returns else None
+
+        with mode():
+            for name in hm.hook_names:
+                expected = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, perturb)])
+                got = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, in_place)])
+                assert_close(got[v], expected[v], f"in-place edit of {name} vs the same edit returned")
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
     def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         hm = self.wrap(model)

@@ -229,7 +229,7 @@ class OPTPositionSite(Site):
         mask = args[0] if args else kwargs.get("attention_mask")
         batch = mask.shape[0] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else value.shape[0]
         shaped = value.expand(batch, *value.shape[1:]) if value.shape[0] == 1 and batch > 1 else value
-        shaped, changed = self.point.apply(shaped)
+        shaped, changed = self.point.apply(shaped, protect=shaped is not value)  # an expanded view: edit a copy
         return replace_first_output(output, shaped) if changed else None
 
 

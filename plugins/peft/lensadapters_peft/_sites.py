@@ -118,7 +118,7 @@ class LoraDeltaSite(Site):
         for i, point in enumerate(self.slots):
             if point is None or not point.active:
                 continue
-            parts[i], part_changed = point.apply(parts[i])
+            parts[i], part_changed = point.apply(parts[i], protect=True)  # the delta is needed as computed
             changed = changed or part_changed
         if not changed:
             return None

@@ -41,6 +41,7 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 # user model -> its wrapper; also inner HF model -> wrapper, to refuse two wrappers on one model
 _WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, HookedModel]" = weakref.WeakKeyDictionary()
 _contexts = itertools.count(1)
+_UNSET = object()
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
 DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",)
 
@@ -122,6 +123,7 @@ class HookedModel:
         self._dirty: set[Site] = set()
         self._defer = 0
         self._pattern_backend: Any = None
+        self._compile_setting: Any = _UNSET
         self._build()
 
     # --- hook points and sites ---------------------------------------------------------------------
@@ -296,6 +298,25 @@ class HookedModel:
                 del self._installed[site]
             if any(signature):
                 self._installed[site] = (signature, site.install())
+        self._guard_compile(bool(self._installed))
+
+    def _guard_compile(self, hooked: bool) -> None:
+        """While any hook is installed, ``generate`` must not compile the forward.
+
+        transformers compiles the decoding forward on its own for static caches on accelerators; a
+        compiled graph does not see PyTorch hooks added after it was traced (dynamo skips hook guards),
+        so hooks would run on the first step and silently not on the others. The model's
+        ``generation_config.disable_compile`` is set while hooks exist and restored when they go.
+        """
+        config = getattr(self.hf_model, "generation_config", None)
+        if config is None:
+            return
+        if hooked and self._compile_setting is _UNSET:
+            self._compile_setting = getattr(config, "disable_compile", False)
+            config.disable_compile = True
+        elif not hooked and self._compile_setting is not _UNSET:
+            config.disable_compile = self._compile_setting
+            self._compile_setting = _UNSET
 
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:
@@ -394,7 +415,10 @@ class HookedModel:
     forward = __call__
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate``; while hooks are attached the forward is never compiled (see ``hooks``)."""
         self._check_alive()
+        if self._installed:
+            kwargs.setdefault("disable_compile", True)
         try:
             return self.model.generate(*args, **kwargs)
         finally:
@@ -479,6 +503,7 @@ class HookedModel:
                 for handle in handles:
                     handle.remove()
             self._installed.clear()
+            self._guard_compile(False)
             self._state.clear()
             for key in (self.model, self.hf_model):
                 if _WRAPPERS.get(key) is self:

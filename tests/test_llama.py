@@ -412,6 +412,39 @@ def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_
     hm.unwrap()
 
 
+def test_hooks_run_at_every_step_when_generate_would_compile():
+    """A static cache on an accelerator makes ``generate`` compile the decoding forward; a graph traced
+    before the hooks existed would run them on the prefill only. Forced here on the CPU (eager backend):
+    while hooks are attached the forward is not compiled, and the edit applies at every step."""
+    from transformers.generation import CompileConfig
+
+    config = llama_config(n_heads=4, n_kv=2, head_dim=8, hidden=32, layers=2)
+    model = make(config, 3)
+    ids, mask = left_padded(config.vocab_size, length=5, pads=(0, 0))
+    compile_config = CompileConfig(backend="eager", fullgraph=False)
+    compile_config._compile_all_devices = True  # what a CUDA device does by itself
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                  cache_implementation="static")
+    bump = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(2))
+    steps: list[int] = []
+
+    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        steps.append(t.shape[1])
+        return t + bump
+
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, compile_config=compile_config, **kwargs)  # compiles
+        hm = wrap(model)
+        with hm.hooks([("blocks.0.hook_resid_post", edit)]):
+            compiled = model.generate(input_ids=ids, attention_mask=mask, compile_config=compile_config, **kwargs)
+            assert steps == [5, 1, 1], f"the hook ran on steps of length {steps}"
+            eager = model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
+    for step, (a, b) in enumerate(zip(compiled.logits, eager.logits)):
+        assert_close(a, b, f"step {step}: edited logits with compilation requested vs without", atol=1e-5)
+    assert not getattr(model.generation_config, "disable_compile", False), "the setting is restored"
+    hm.unwrap()
+
+
 def _kv_keys(past: Any, layer: int) -> torch.Tensor:
     layers = getattr(past, "layers", None)
     if layers is not None:

@@ -199,7 +199,12 @@ def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
 
 
 def _check_core_range(dist: Any) -> None:
-    """Refuse a plugin distribution whose declared ``lensadapters`` range excludes the installed core."""
+    """Refuse a plugin distribution whose declared ``lensadapters`` range excludes the installed core.
+
+    A requirement with an environment marker counts when the marker holds in this interpreter
+    (``lensadapters>=0.2; python_version >= "3.11"``); one that only applies to an extra of the plugin
+    (``extra == "testing"``) or to another environment is skipped, as pip skips it.
+    """
     if dist is None:
         return
     from packaging.requirements import InvalidRequirement, Requirement
@@ -211,8 +216,15 @@ def _check_core_range(dist: Any) -> None:
             requirement = Requirement(line)
         except InvalidRequirement:
             continue
-        if requirement.name.lower() != "lensadapters" or requirement.marker is not None:
+        if requirement.name.lower() != "lensadapters":
             continue
+        if requirement.marker is not None:
+            try:
+                applies = requirement.marker.evaluate({"extra": ""})
+            except Exception:  # a marker this packaging cannot evaluate: do not refuse the plugin over it
+                applies = False
+            if not applies:
+                continue
         if not requirement.specifier.contains(__version__, prereleases=True):
             raise ImportError(
                 f"{dist.metadata['Name']} {dist.version} requires lensadapters{requirement.specifier}, but the "

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build every distribution (sdist + wheel, standard build front end), then install lensadapters[llama] and
 # lensadapters[all] into fresh virtual environments from those files only, and check what a user receives.
+# A deliberately incompatible dummy plugin distribution (requires lensadapters>=99) is built too and installed
+# next to lensadapters[llama]: the registry must refuse it, naming both versions, and llama must keep working.
 # Usage: scripts/check-wheels.sh [BUILD_VENV]   (default .venv: must have `build`; see scripts/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +21,51 @@ core_sdist=$(ls "$dist"/lensadapters-[0-9]*.tar.gz)
 if tar tzf "$core_sdist" | grep -E '^[^/]+/(plugins|tests|examples|benchmarks)/'; then
   echo "the core sdist swallowed plugins/, tests/, examples/ or benchmarks/"; exit 1
 fi
+# every wheel and sdist carries the license (PEP 639 license-files)
+"$build_python" - "$dist" <<'PY'
+import pathlib, sys, tarfile, zipfile
+files = sorted(pathlib.Path(sys.argv[1]).iterdir())
+for path in files:
+    names = zipfile.ZipFile(path).namelist() if path.suffix == ".whl" else tarfile.open(path).getnames()
+    assert any(n.endswith(("/licenses/LICENSE", "/LICENSE")) and n.count("/") <= 2 for n in names), f"{path.name}: no LICENSE"
+print("licenses: ok,", len(files), "files")
+PY
 
-check_install() {  # $1: the requirement to install; $2: the plugin names expected
-  local requirement="$1" expected="$2" venv="$work/venv-$RANDOM"
+# a third-party plugin built for a core that does not exist yet: a real distribution, built and installed
+dummy="$work/dummy-plugin"
+mkdir -p "$dummy"
+cat > "$dummy/pyproject.toml" <<'TOML'
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "lensadapters-dummy-incompatible"
+version = "0.1.0"
+description = "a plugin whose declared core range excludes every lensadapters release (check-wheels.sh)"
+requires-python = ">=3.10"
+dependencies = ["lensadapters>=99"]
+
+[project.entry-points.lensadapters]
+dummy_incompatible = "lensadapters_dummy_incompatible"
+
+[tool.setuptools]
+py-modules = ["lensadapters_dummy_incompatible"]
+TOML
+cat > "$dummy/lensadapters_dummy_incompatible.py" <<'PY'
+"""A working plugin (it would load) whose distribution declares lensadapters>=99."""
+from lensadapters import Architecture, hookimpl
+
+
+@hookimpl
+def lensadapters_architectures():
+    return [Architecture("dummy_incompatible", ("dummy_incompatible",))]
+PY
+"$build_python" -m build --wheel --outdir "$work/dummy-dist" "$dummy" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+dummy_wheel=$(ls "$work"/dummy-dist/lensadapters_dummy_incompatible-0.1.0-*.whl)
+
+check_install() {  # $1: the requirement to install; $2: the plugin names expected; $3 (optional): a dummy wheel
+  local requirement="$1" expected="$2" incompatible="${3:-}" venv="$work/venv-$RANDOM"
   python3 -m venv "$venv"
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install "torch==2.13.0"
@@ -43,8 +87,38 @@ for dist in installed:  # installed from wheels, not from the checkout
 print("ok:", sys.argv[2], "from", installed)
 PY
   "$venv/bin/lensadapters" demo
+  if [ -n "$incompatible" ]; then check_incompatible "$venv" "$incompatible" "$expected"; fi
   rm -rf "$venv"
 }
-check_install "lensadapters[llama]" "llama"
+
+check_incompatible() {  # $1: a venv with lensadapters installed from the wheels; $2: the dummy wheel; $3: plugins
+  local venv="$1" wheel="$2" expected="$3"
+  # --no-deps: pip itself would refuse lensadapters>=99; a user gets here with --no-deps, another installer, or a
+  # core downgrade after the plugin was installed. The registry is the last line of defence.
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps "$wheel"
+  "$venv/bin/lensadapters" plugins --json > "$work/plugins.json"
+  "$venv/bin/lensadapters" demo > "$work/demo.log"
+  cat "$work/demo.log"
+  "$venv/bin/python" - "$work/plugins.json" "$expected" "$work/demo.log" <<'PY'
+import importlib.metadata as md, json, sys
+import lensadapters_dummy_incompatible  # installed and importable: only its declared core range is wrong
+dist = md.distribution("lensadapters-dummy-incompatible")
+assert "site-packages" in str(dist.locate_file("")), "the dummy plugin is not installed from its wheel"
+assert [ep.name for ep in dist.entry_points if ep.group == "lensadapters"] == ["dummy_incompatible"]
+core = md.version("lensadapters")
+listed = json.load(open(sys.argv[1]))
+names = sorted(p["name"] for p in listed["plugins"])
+assert names == sorted(sys.argv[2].split()), f"plugins listed {names}: the incompatible plugin must not load"
+assert list(listed["failures"]) == ["dummy_incompatible"], listed["failures"]
+message = listed["failures"]["dummy_incompatible"]
+for part in ("lensadapters-dummy-incompatible 0.1.0", "requires lensadapters>=99", f"installed lensadapters is {core}"):
+    assert part in message, f"{part!r} not in the refusal message: {message}"
+demo = open(sys.argv[3]).read()
+assert "- llama (lensadapters-llama):" in demo and "bitwise equal: yes" in demo, demo
+assert f"! {message}" in demo, "the demo does not report the refused plugin"
+print("ok: incompatible plugin refused:", message)
+PY
+}
+check_install "lensadapters[llama]" "llama" "$dummy_wheel"
 check_install "lensadapters[all]" "gpt2 gpt_neox opt llama peft bnb"
 echo "wheels: ok"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .errors import LensAdaptersError, UnsupportedModelError
 from .hook_point import HookPoint
 
 Tensor = torch.Tensor
@@ -26,6 +27,9 @@ KEY_PREFIX = "lensadapters:"
 # attention module -> (backend, layer, site) for the layers whose patterns are hooked right now
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, int, Any]]" = weakref.WeakKeyDictionary()
 _REGISTERED: set[str] = set()
+# attention module -> the function transformers would run for it when that is not the interface's (see
+# the hookspec lensadapters_attn_original), for the unhooked layers of a model whose patterns are hooked
+_DELEGATES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
 
 
 def _interfaces() -> tuple[Any, Any]:
@@ -58,7 +62,8 @@ def attention_key(original: str) -> str:
                                attention_mask: Optional[Tensor], *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         entry = _ACTIVE.get(module)
         if entry is None:
-            return _original_function(original, module)(module, query, key_, value, attention_mask, *args, **kwargs)
+            fn = _DELEGATES.get(module) or _original_function(original, module)
+            return fn(module, query, key_, value, attention_mask, *args, **kwargs)
         backend, layer, site = entry
         return backend.attend(layer, site, module, query, key_, value, attention_mask, **kwargs)
 
@@ -114,10 +119,17 @@ def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, devic
 def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
                       causal: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias."""
+    if mask is not None and not isinstance(mask, Tensor):
+        raise UnsupportedModelError(
+            f"explicit attention (hook_attn_scores/hook_pattern) got a {type(mask).__name__} attention mask; it reads "
+            f"the tensor masks of eager and sdpa attention: call model.set_attn_implementation('sdpa')")
+    causal_allowed = (torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len) if causal
+                      else torch.ones(q_len, k_len, dtype=torch.bool, device=device))
     if mask is None:
-        if not causal:
-            return torch.ones(q_len, k_len, dtype=torch.bool, device=device), None
-        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len), None
+        return causal_allowed, None
+    if mask.dim() == 2:  # a [batch, keys] padding mask (1 = attend), as flash-style implementations receive
+        keep = mask[:, :k_len].bool()
+        return causal_allowed & keep[:, None, None, :], None
     mask = mask[..., :k_len]
     if mask.dtype == torch.bool:
         return mask, None
@@ -175,10 +187,12 @@ class InterfacePatternBackend:
     """The core's pattern backend for models that call transformers' attention interface."""
 
     def __init__(self, config: Any, attention_modules: list[nn.Module],
-                 scores_fn: Callable[[nn.Module, Tensor, Tensor, Optional[float], str], Optional[Tensor]]) -> None:
+                 scores_fn: Callable[[nn.Module, Tensor, Tensor, Optional[float], str], Optional[Tensor]],
+                 original_fn: Optional[Callable[[nn.Module, str], Optional[Callable[..., Any]]]] = None) -> None:
         self.config = config
         self.modules = attention_modules
         self.scores_fn = scores_fn
+        self.original_fn = original_fn
         self.active: set[int] = set()
         self.original: Optional[str] = None
 
@@ -192,9 +206,27 @@ class InterfacePatternBackend:
             if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
                 self.original = self.original[len(KEY_PREFIX):]
             self.config._attn_implementation = attention_key(self.original)
+            for module in self.modules if self.original_fn is not None else ():
+                fn = self.original_fn(module, self.original)
+                if fn is not None:
+                    _DELEGATES[module] = fn
         self.active.add(layer)
-        _ACTIVE[self.modules[layer]] = (self, layer, site)
-        return _Deactivate(self, layer)  # type: ignore[return-value]
+        module = self.modules[layer]
+        _ACTIVE[module] = (self, layer, site)
+        guard = module.register_forward_pre_hook(self._still_selected(layer))
+        return _Deactivate(self, layer, guard)  # type: ignore[return-value]
+
+    def _still_selected(self, layer: int) -> Callable[..., None]:
+        def check(module: nn.Module, args: tuple) -> None:
+            impl = self.config._attn_implementation
+            if not (isinstance(impl, str) and impl.startswith(KEY_PREFIX)):
+                raise LensAdaptersError(
+                    f"layer {layer}: the model's attention implementation was set to {impl!r} while a "
+                    f"hook_attn_scores/hook_pattern hook was attached, so transformers would no longer call the "
+                    f"function that runs it. Remove the pattern hooks before switching (set_attn_implementation), "
+                    f"or switch first and add them after")
+
+        return check
 
     def deactivate(self, layer: int) -> None:
         if layer not in self.active:
@@ -202,8 +234,11 @@ class InterfacePatternBackend:
         self.active.discard(layer)
         _ACTIVE.pop(self.modules[layer], None)
         if not self.active and self.original is not None:
-            self.config._attn_implementation = self.original
+            if self.config._attn_implementation == KEY_PREFIX + self.original:  # not switched by the user meanwhile
+                self.config._attn_implementation = self.original
             self.original = None
+            for module in self.modules:
+                _DELEGATES.pop(module, None)
 
     def attend(self, layer: int, site: Any, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -214,8 +249,9 @@ class InterfacePatternBackend:
 class _Deactivate:
     """A handle (``.remove()``) that switches one layer back to the original attention."""
 
-    def __init__(self, backend: InterfacePatternBackend, layer: int) -> None:
-        self.backend, self.layer = backend, layer
+    def __init__(self, backend: InterfacePatternBackend, layer: int, guard: RemovableHandle) -> None:
+        self.backend, self.layer, self.guard = backend, layer, guard
 
     def remove(self) -> None:
+        self.guard.remove()
         self.backend.deactivate(self.layer)

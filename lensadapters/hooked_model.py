@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -42,6 +43,7 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 _WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, HookedModel]" = weakref.WeakKeyDictionary()
 _contexts = itertools.count(1)
 _UNSET = object()
+_PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
 DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",)
 
@@ -95,6 +97,12 @@ class HookedModel:
         hooks = registry.hooks_for(info)
         hooks.lensadapters_validate(arch=arch, model=hf_model)
         hm = cls(model, hf_model, arch, info, hooks)
+        impl = hm.attention_implementation()
+        if impl not in arch.attn_implementations:
+            warnings.warn(
+                f"{type(hf_model).__name__} uses the attention implementation {impl!r}: every hook point works but "
+                f"hook_attn_scores and hook_pattern, which need {' or '.join(map(repr, arch.attn_implementations))} "
+                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))", stacklevel=2)
         _WRAPPERS[model] = hm
         _WRAPPERS[hf_model] = hm
         return hm
@@ -368,11 +376,31 @@ class HookedModel:
         self._check_alive()
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+        points = self._select(name)
+        if any(p.name.endswith(_PATTERN_POINTS) for p in points):
+            self._check_pattern_implementation()
         with self._batched():
-            for point in self._select(name):
+            for point in points:
                 point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend, readonly=_readonly)
                 if _touched is not None:
                     _touched.append(point)
+
+    def attention_implementation(self) -> str:
+        """The attention implementation the model is configured with (``config._attn_implementation``)."""
+        from .attention import KEY_PREFIX
+
+        impl = getattr(self.hf_model.config, "_attn_implementation", None) or "eager"
+        return impl[len(KEY_PREFIX):] if impl.startswith(KEY_PREFIX) else impl
+
+    def _check_pattern_implementation(self) -> None:
+        impl = self.attention_implementation()
+        if impl not in self.arch.attn_implementations:
+            raise UnsupportedModelError(
+                f"hook_attn_scores and hook_pattern are computed explicitly in the layers that are hooked, with the "
+                f"masks of the {' or '.join(map(repr, self.arch.attn_implementations))} attention implementation; "
+                f"this model uses {impl!r}. Call model.set_attn_implementation({self.arch.attn_implementations[-1]!r}) "
+                f"to hook patterns, or leave patterns out (run_with_cache(names_filter=lambda n: not "
+                f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}")
 
     def reset_hooks(self, including_permanent: bool = False) -> None:
         """Remove user hooks (permanent ones too when ``including_permanent``)."""

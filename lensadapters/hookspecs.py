@@ -126,6 +126,20 @@ def lensadapters_attn_scores(
     """
 
 
+@hookspec(firstresult=True)
+def lensadapters_attn_original(arch: "Architecture", module: "nn.Module", implementation: str) -> Optional[Any]:
+    """Return the attention function transformers runs for ``module`` under ``implementation`` when that is not
+    the attention interface's function, or ``None``.
+
+    While a layer's patterns are hooked the config selects the lensadapters attention function for the whole
+    model, and every *unhooked* layer is handed back to ``implementation``'s interface function. A model that
+    bypasses the interface in some configurations (GPT-2's ``reorder_and_upcast_attn`` under eager attention)
+    returns here what it would have run, with the interface's signature
+    ``fn(module, query, key, value, attention_mask, **kwargs) -> (output [b, q, h, d], weights)``, so that
+    unhooked layers keep the model's exact numbers.
+    """
+
+
 # --- weights ------------------------------------------------------------------------------------
 
 

@@ -22,12 +22,17 @@ class Architecture:
 
     ``model_types`` are values of ``config.model_type`` the plugin handles. ``transformers`` is the
     range of transformers versions the plugin is tested with (documentation, shown by the CLI).
+    ``attn_implementations`` are the attention implementations (``config._attn_implementation``)
+    whose masks and numerics the plugin's pattern backend reproduces: with another one (flash,
+    flex...) every hook point works except ``hook_attn_scores``/``hook_pattern``, which refuse
+    with a clear error.
     """
 
     name: str
     model_types: tuple[str, ...]
     description: str = ""
     transformers: str = ""
+    attn_implementations: tuple[str, ...] = ("eager", "sdpa")
 
 
 @dataclass(frozen=True)

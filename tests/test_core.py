@@ -10,7 +10,8 @@ import torch
 from transformers import GPT2Config
 
 import lensadapters_gpt2
-from lensadapters import HookedModel, PluginConflictError, Registry, UnsupportedModelError, get_act_name, hookimpl
+from lensadapters import (HookedModel, LensAdaptersError, PluginConflictError, Registry, UnsupportedModelError,
+                          get_act_name, hookimpl)
 from lensadapters import registry as registry_module
 from lensadapters.cache import ActivationCache
 from lensadapters.cli import main as cli_main
@@ -201,3 +202,54 @@ def test_installed_plugins_are_discovered_through_entry_points():
         warnings.simplefilter("error", PluginLoadWarning)
         registry.load_entry_points()
     assert registry.infos["gpt2"].distribution == "lensadapters-gpt2"
+
+
+def _register_sdpa_alias(name):
+    """An attention implementation the GPT-2 plugin does not declare (stands in for flash/flex here)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    AttentionInterface.register(name, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
+
+
+def test_undeclared_attention_implementation_keeps_every_hook_but_patterns():
+    _register_sdpa_alias("test_alias_attention")
+    model = tiny_gpt2()
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    model.config._attn_implementation = "test_alias_attention"
+    with torch.no_grad():
+        reference = model(ids).logits
+    with pytest.warns(UserWarning, match="test_alias_attention.*hook_pattern"):
+        hm = HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores")))
+        assert torch.equal(logits, reference) and "blocks.1.attn.hook_z" in cache
+        doubled = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t * 2)])
+        assert not torch.allclose(doubled, reference)
+        for call in (lambda: hm.run_with_cache(ids),
+                     lambda: hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: None)):
+            with pytest.raises(UnsupportedModelError, match="'test_alias_attention'.*set_attn_implementation"):
+                call()
+        assert not any(p.active for p in hm.hook_dict.values()), "a refused pattern hook stayed attached"
+        assert torch.equal(hm(ids).logits, reference)
+    hm.unwrap()
+
+
+def test_switching_attention_implementation_around_pattern_hooks():
+    _register_sdpa_alias("test_alias_attention")
+    model = tiny_gpt2()
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(1))
+    hm = HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
+    with torch.no_grad():
+        model.config._attn_implementation = "test_alias_attention"  # switched after wrapping: refused at hook time
+        with pytest.raises(UnsupportedModelError, match="test_alias_attention"):
+            hm.add_hook("blocks.0.attn.hook_pattern", lambda t, hook: None)
+        model.config._attn_implementation = "sdpa"
+        with hm.hooks([("blocks.0.attn.hook_pattern", lambda t, hook: None)]):
+            hm(ids)
+            model.config._attn_implementation = "eager"  # switched while a pattern hook is attached
+            with pytest.raises(LensAdaptersError, match="while a hook_attn_scores/hook_pattern hook was attached"):
+                hm(ids)
+    assert model.config._attn_implementation == "eager"  # the user's switch stands after the hooks go
+    hm.unwrap()

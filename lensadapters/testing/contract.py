@@ -220,6 +220,26 @@ class AdapterContract:
             assert (pattern[pad_keys] == 0).all(), "pattern attends to padding"
         hm.unwrap()
 
+    @_SETTINGS
+    @given(data=st.data())
+    def test_pattern_hooks_leave_other_layers_alone(self, data: st.DataObject) -> None:
+        """Only hooked layers compute attention explicitly: everything the model computes before the hooked
+        layer's attention (earlier layers included) keeps the configured implementation's numbers, bit for bit."""
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        hm = self.wrap(model)
+        layer = hm.cfg.n_layers - 1
+        names = hm.hook_names
+        scores = names.index(f"blocks.{layer}.attn.hook_attn_scores")
+        earlier = [n for n in names[:scores] if not n.endswith(("hook_attn_scores", "hook_pattern"))]
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=earlier)
+            with hm.hooks([(f"blocks.{layer}.attn.hook_pattern", lambda t, hook: None)]):
+                _, other = hm.run_with_cache(**inputs.kwargs(), names_filter=earlier)
+        for name in earlier:
+            assert torch.equal(base[name], other[name]), f"{name} changed when only layer {layer}'s pattern was hooked"
+        hm.unwrap()
+
     # --- 4. weights and residual identities ------------------------------------------------------
 
     def _norm_out(self, hm: HookedModel, cache: Any, prefix: str, module: torch.nn.Module) -> torch.Tensor:

@@ -55,6 +55,7 @@ ARCH = Architecture(
     model_types=("gptj",),
     description="GPT-J (GPTJForCausalLM, GPTJModel)",
     transformers=">=4.57,<6",
+    attn_implementations=("eager",),  # GPT-J computes attention in its own _attn (eager only)
 )
 
 Tensor = torch.Tensor

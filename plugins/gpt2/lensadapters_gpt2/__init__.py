@@ -124,6 +124,25 @@ def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch
     return torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
 
 
+@hookimpl
+def lensadapters_attn_original(arch: Architecture, module: nn.Module, implementation: str) -> Optional[Any]:
+    """Eager attention with ``reorder_and_upcast_attn`` bypasses the attention interface: GPT-2 calls
+    ``_upcast_and_reordered_attn`` itself (transformers 4.57 passes it ``head_mask``, 5.x does not)."""
+    if implementation != "eager" or not getattr(module, "reorder_and_upcast_attn", False):
+        return None
+    upcast = type(module)._upcast_and_reordered_attn
+    takes_head_mask = "head_mask" in upcast.__code__.co_varnames[: upcast.__code__.co_argcount]
+
+    def original(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], head_mask: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> Any:
+        if takes_head_mask:
+            return module._upcast_and_reordered_attn(query, key, value, attention_mask, head_mask)
+        return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+
+    return original
+
+
 def _eager_457_scale(module: nn.Module, query: torch.Tensor) -> float:
     """transformers 4.57's upcast path (``_upcast_and_reordered_attn``): one factor folded into ``baddbmm``."""
     scale = query.shape[-1] ** -0.5 if module.scale_attn_weights else 1.0

@@ -136,16 +136,18 @@ class HookedModel:
 
     # --- hook points and sites ---------------------------------------------------------------------
 
-    def new_point(self, name: str, after: Optional[str] = None) -> HookPoint:
-        """Create a hook point (for plugins adding sites); ``after`` places it in ``hook_names``."""
+    def new_point(self, name: str, after: Optional[str] = None, before: Optional[str] = None) -> HookPoint:
+        """Create a hook point (for plugins adding sites); ``after`` or ``before`` places it in ``hook_names``
+        (which lists hook points in the order they fire)."""
         if name in self._points:
             raise LensAdaptersError(f"hook point {name!r} exists twice; a plugin defines it again")
         point = HookPoint(name, self._point_changed)
-        if after is None or after not in self._points:
+        anchor = before if before in self._points else after if after in self._points else None
+        if anchor is None:
             self._points[name] = point
         else:
             items = list(self._points.items())
-            at = [k for k, _ in items].index(after) + 1
+            at = [k for k, _ in items].index(anchor) + (0 if anchor == before else 1)
             self._points = dict(items[:at] + [(name, point)] + items[at:])
         return point
 
@@ -196,9 +198,14 @@ class HookedModel:
             pre = f"blocks.{i}."
             pts = {}
             ln1_names = ["ln1.hook_scale", "ln1.hook_normalized"]
-            attn_names = ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
-            if qkv.rotary is not None:
-                attn_names += ["attn.hook_rot_q", "attn.hook_rot_k"]
+            # execution order: a fused projection yields q, k, v at once and rotary follows; separate projections
+            # run one after another, each query/key rotated as soon as it is projected
+            if qkv.rotary is None:
+                attn_names = ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
+            elif isinstance(qkv, FusedQKV):
+                attn_names = ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"]
+            else:
+                attn_names = ["attn.hook_q", "attn.hook_rot_q", "attn.hook_k", "attn.hook_rot_k", "attn.hook_v"]
             attn_names += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result",
                            "hook_attn_out"]
             mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])

@@ -236,7 +236,9 @@ class OPTPositionSite(Site):
 @hookimpl
 def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     decoder = _decoder(hooked.hf_model)
-    return [OPTPositionSite(decoder.embed_positions, hooked.new_point("hook_pos_embed", after="hook_embed"))]
+    # OPT looks up positions before project_in runs: with a projection, hook_pos_embed fires before hook_embed
+    placement = {"before": "hook_embed"} if getattr(decoder, "project_in", None) is not None else {"after": "hook_embed"}
+    return [OPTPositionSite(decoder.embed_positions, hooked.new_point("hook_pos_embed", **placement))]
 
 
 @hookimpl

@@ -111,18 +111,17 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
     pairs = sorted(((info, arch) for info in registry.architecture_plugins() for arch in info.architectures),
                    key=lambda pair: (order.get(pair[1].name, len(order)), pair[1].name))
     for info, arch in pairs:
-        if True:
-            try:
-                result = run_one(registry, info, arch)
-            except LookupError as exc:
-                echo(f"- {arch.name}: skipped ({exc})")
-                continue
-            results.append(result)
-            curve = " ".join(f"{x:+.2f}" for x in result.patching)
-            echo(f"- {arch.name} ({result.plugin}): {result.n_layers} layers, {result.hook_points} hook points, "
-                 f"{result.cached} cached; no-hook output bitwise equal: {'yes' if result.bitwise else 'NO'}")
-            echo(f"    patching resid_pre at the corrupted token, fraction of the clean logit restored per layer: "
-                 f"{curve}  ({result.seconds:.2f}s)")
+        try:
+            result = run_one(registry, info, arch)
+        except LookupError as exc:
+            echo(f"- {arch.name}: skipped ({exc})")
+            continue
+        results.append(result)
+        curve = " ".join(f"{x:+.2f}" for x in result.patching)
+        echo(f"- {arch.name} ({result.plugin}): {result.n_layers} layers, {result.hook_points} hook points, "
+             f"{result.cached} cached; no-hook output bitwise equal: {'yes' if result.bitwise else 'NO'}")
+        echo(f"    patching resid_pre at the corrupted token, fraction of the clean logit restored per layer: "
+             f"{curve}  ({result.seconds:.2f}s)")
     for name in BUILTIN_ARCHITECTURES:
         if name not in installed:
             echo(f"- {name}: not installed (pip install lensadapters[{name.replace('_', '-')}])")

@@ -509,6 +509,9 @@ class HookedModel:
             if device is not None:
                 value = value.to(device)
             if remove_batch_dim:
+                if value.shape[0] != 1:
+                    raise ValueError(f"run_with_cache(remove_batch_dim=True) needs a batch of one; {key} has a batch "
+                                     f"of {value.shape[0]} (shape {tuple(value.shape)})")
                 value = value[0]
             store[key] = value
 

@@ -155,6 +155,9 @@ def test_cache_shorthand_and_filters():
     assert get_act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
     assert "attn.hook_result" not in " ".join(hm.cache_names())
     assert hm.cache_names(lambda n: n.endswith("hook_result")) == ["blocks.0.attn.hook_result", "blocks.1.attn.hook_result"]
+    with torch.no_grad(), pytest.raises(ValueError, match="batch of one.*batch of 2"):
+        hm.run_with_cache(torch.cat([ids, ids]), remove_batch_dim=True)
+    assert not any(p.active for p in hm.hook_dict.values())
     hm.unwrap()
 
 

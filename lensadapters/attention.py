@@ -162,7 +162,7 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         scores = scores.masked_fill(info.blocked, float("-inf"))
     scores, scores_changed = scores_point.apply(scores)
     pattern = torch.softmax(scores.float(), dim=-1)
-    if scores_changed or scores_point.active:  # an edit (in place too) may leave any row without a finite score
+    if scores_changed or scores_point.may_edit:  # an edit (in place too) may leave any row without a finite score
         pattern = torch.where(pattern.isnan(), torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
     elif info.empty_rows is not None:  # rows the mask left empty: softmax of all -inf is nan
         pattern = pattern.masked_fill(info.empty_rows, 0.0)

@@ -80,6 +80,11 @@ class HookPoint:
     def active(self) -> bool:
         return bool(self.fwd_hooks or self.bwd_hooks)
 
+    @property
+    def may_edit(self) -> bool:
+        """Whether a hook attached here may change the value (any but the core's own readers)."""
+        return bool(self.bwd_hooks) or any(not e.readonly for e in self.fwd_hooks)
+
     # --- management -----------------------------------------------------------------------------
 
     def add(self, fn: HookFn, dir: str = "fwd", *, permanent: bool = False, context: Optional[int] = None,

@@ -48,6 +48,8 @@ def apply_rotate_half(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[
     """Rotate the first ``cos.shape[-1]`` dims of ``x`` (``[b, p, h, d_head]``) as Hugging Face does."""
     r = _check(x, cos, rotary_dim)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    if r == x.shape[-1]:  # the whole head rotates: no pass-through part to concatenate (one copy less)
+        return (x * cos) + (rotate_half(x) * sin)
     x_rot, x_pass = x[..., :r], x[..., r:]
     return torch.cat([(x_rot * cos) + (rotate_half(x_rot) * sin), x_pass], dim=-1)
 
@@ -63,8 +65,8 @@ def invert_rotate_half(y: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional
     r = _check(y, cos, rotary_dim)
     c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
     y_rot, y_pass = y[..., :r].float(), y[..., r:]
-    x_rot = (y_rot * c - rotate_half(y_rot) * s) / (c * c + s * s)
-    return torch.cat([x_rot.to(y.dtype), y_pass], dim=-1)
+    x_rot = ((y_rot * c - rotate_half(y_rot) * s) / (c * c + s * s)).to(y.dtype)
+    return x_rot if r == y.shape[-1] else torch.cat([x_rot, y_pass], dim=-1)
 
 
 def rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:

@@ -12,6 +12,7 @@ from .errors import (
 )
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
+from .offload import live_parameters
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -32,5 +33,5 @@ __all__ = [
     "PluginConflictError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
-    "RotarySpec", "SeparateQKV", "is_recomputing",
+    "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters",
 ]

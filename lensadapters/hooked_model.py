@@ -16,6 +16,7 @@ from . import weights as _w
 from .cache import ActivationCache
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
 from .hook_point import HookFn, HookPoint, is_recomputing
+from .offload import live_parameters
 from .registry import PluginInfo, Registry, ScopedHooks, get_registry
 from .sites import (
     AttentionSite,
@@ -160,7 +161,8 @@ class HookedModel:
         arch, hooks = self.arch, self._hooks
 
         def spec() -> Any:
-            result = hooks.lensadapters_norm_scale(arch=arch, module=module)
+            with live_parameters(module):  # the spec keeps the loaded weights of an offloaded norm
+                result = hooks.lensadapters_norm_scale(arch=arch, module=module)
             if result is None:
                 raise UnsupportedModelError(
                     f"no plugin knows how {type(module).__name__} ({self.module_name(module)}) normalizes; "
@@ -570,14 +572,19 @@ class HookedModel:
 
     @property
     def W_E(self) -> Tensor:
-        return self._weight("W_E", lambda: self.hf_model.get_submodule(self.layout.embed).weight)
+        def compute() -> Tensor:
+            with live_parameters(self.hf_model.get_submodule(self.layout.embed)) as embed:
+                return embed.weight
+
+        return self._weight("W_E", compute)
 
     @property
     def W_pos(self) -> Tensor:
         def compute() -> Tensor:
             if not self.layout.pos_embed:
                 raise AttributeError(f"{self.arch.name} has no learned position embeddings (W_pos)")
-            return self.hf_model.get_submodule(self.layout.pos_embed).weight[self.layout.pos_embed_offset:]
+            with live_parameters(self.hf_model.get_submodule(self.layout.pos_embed)) as pos_embed:
+                return pos_embed.weight[self.layout.pos_embed_offset:]
 
         return self._weight("W_pos", compute)
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .errors import WeightUnavailableError
+from .offload import live_parameters
 from .specs import FusedQKV, LinearWeight
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,8 +18,19 @@ Tensor = torch.Tensor
 
 
 def read_linear(hm: "HookedModel", module: nn.Module) -> LinearWeight:
-    """The effective ``[d_in, d_out]`` weight and bias of ``module``, through every plugin."""
-    result = hm._hooks.lensadapters_linear_weight(module=module, read=lambda m: read_linear(hm, m))
+    """The effective ``[d_in, d_out]`` weight and bias of ``module``, through every plugin.
+
+    A plugin that cannot read a module raises ``WeightUnavailableError``; the module's path in the model
+    is put in front of its message here.
+    """
+    try:
+        with live_parameters(module):  # an offloaded module's weights are loaded for the read
+            result = hm._hooks.lensadapters_linear_weight(module=module, read=lambda m: read_linear(hm, m))
+    except WeightUnavailableError as exc:
+        if getattr(exc, "module_name", None) is None:  # the innermost module named, once
+            exc.module_name = hm.module_name(module)
+            exc.args = (f"{exc.module_name}: {exc.args[0] if exc.args else ''}",) + exc.args[1:]
+        raise
     if result is None:
         raise WeightUnavailableError(
             f"lensadapters cannot read the weight of {hm.module_name(module)} ({type(module).__module__}."
@@ -31,30 +43,32 @@ def _bias(b: Optional[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
     return b if b is not None else torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
-def qkv_weights(hm: "HookedModel", layer: int) -> tuple[tuple[Tensor, Tensor], ...]:
-    """``((W_Q, b_Q), (W_K, b_K), (W_V, b_V))`` of one layer: W as ``[heads, d_model, d_head]``."""
+def qkv_weight(hm: "HookedModel", layer: int, which: int) -> tuple[Tensor, Tensor]:
+    """``(W, b)`` of the queries (``which=0``), keys (1) or values (2) of one layer: W as ``[heads, d_model, d_head]``.
+
+    Separate projections are read one by one: ``W_Q`` never reads (or fails on) ``k_proj``.
+    """
     layout = hm.qkv_layouts[layer]
     block = hm.blocks[layer]
-    cfg = hm.cfg
     if isinstance(layout, FusedQKV):
         lw = read_linear(hm, block.get_submodule(layout.module))
-        Ws = layout.split(lw.W)
-        bs = layout.split(lw.b) if lw.b is not None else (None, None, None)
-        parts = list(zip(Ws, bs))
+        W = layout.split(lw.W)[which]
+        b = layout.split(lw.b)[which] if lw.b is not None else None
     else:
-        parts = []
-        for path in (layout.q, layout.k, layout.v):
-            lw = read_linear(hm, block.get_submodule(path))
-            parts.append((lw.W.unflatten(-1, (-1, cfg.d_head)), None if lw.b is None else lw.b.unflatten(-1, (-1, cfg.d_head))))
-    out = []
-    for W, b in parts:
-        W = W.permute(1, 0, 2)  # [h, d_model, d_head]
-        out.append((W, _bias(b, (W.shape[0], W.shape[2]), W)))
-    return tuple(out)  # type: ignore[return-value]
+        lw = read_linear(hm, block.get_submodule((layout.q, layout.k, layout.v)[which]))
+        W = lw.W.unflatten(-1, (-1, hm.cfg.d_head))
+        b = None if lw.b is None else lw.b.unflatten(-1, (-1, hm.cfg.d_head))
+    W = W.permute(1, 0, 2)  # [h, d_model, d_head]
+    return W, _bias(b, (W.shape[0], W.shape[2]), W)
+
+
+def qkv_weights(hm: "HookedModel", layer: int) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``((W_Q, b_Q), (W_K, b_K), (W_V, b_V))`` of one layer."""
+    return tuple(qkv_weight(hm, layer, which) for which in range(3))
 
 
 def stacked(hm: "HookedModel", which: int, part: int) -> Tensor:
-    return torch.stack([qkv_weights(hm, layer)[which][part] for layer in range(hm.cfg.n_layers)])
+    return torch.stack([qkv_weight(hm, layer, which)[part] for layer in range(hm.cfg.n_layers)])
 
 
 def repeat_kv(t: Tensor, n_heads: int) -> Tensor:

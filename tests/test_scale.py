@@ -102,7 +102,12 @@ def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
             return p * 0.5
 
         bump = torch.randn(32, generator=torch.Generator().manual_seed(4))
+        # points computed from an offloaded layer's weights after its forward (accelerate has put them back on
+        # the meta device by then): per-head results, norm edits
         for name, fn in ((f"blocks.{last}.attn.hook_z", ablate_head),
+                         (f"blocks.{last}.attn.hook_result", lambda t, hook: t * 1.5),
+                         (f"blocks.{last}.ln1.hook_normalized", lambda t, hook: t * 1.5),
+                         (f"blocks.{last}.ln2.hook_scale", lambda t, hook: t * 2),
                          (f"blocks.1.attn.hook_pattern", scale_pattern),
                          (f"blocks.1.hook_resid_mid", lambda t, hook: t + bump)):  # not a constant: LN removes those
             edited = hm.run_with_hooks(ids, fwd_hooks=[(name, fn)])
@@ -110,6 +115,12 @@ def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
             assert (edited - raw).abs().max() > 1e-3, f"edit of {name} had no effect"
             assert_close(edited, expected, f"edit of {name}: offloaded vs plain")
         assert torch.equal(hm(ids).logits, raw), "hooks left behind after run_with_hooks"
+
+        # weights of offloaded layers are read from the offloaded copy, one module at a time
+        for accessor in ("W_E", "W_Q", "_W_K", "W_O", "b_O", "W_in", "W_out", "W_U"):
+            assert torch.equal(getattr(hm, accessor), getattr(ref, accessor)), accessor
+        offloaded_weights = [p for n, p in offloaded.named_parameters() if p.device.type == "meta"]
+        assert offloaded_weights, "the offloaded layers' parameters stay offloaded after weights were read"
 
     model = hm.unwrap()
     assert model is offloaded

@@ -46,6 +46,7 @@ from lensadapters import (
     SeparateQKV,
     UnsupportedModelError,
     hookimpl,
+    live_parameters,
 )
 from lensadapters.sites import Site, first_output, replace_first_output
 from lensadapters.weights import read_linear
@@ -194,12 +195,14 @@ def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> ML
 def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[torch.Tensor]:
     decoder = _decoder(hooked.hf_model)
     if name == "W_E":
-        W_E = decoder.embed_tokens.weight
+        with live_parameters(decoder.embed_tokens) as embed_tokens:
+            W_E = embed_tokens.weight
         if getattr(decoder, "project_in", None) is not None:
             W_E = W_E @ read_linear(hooked, decoder.project_in).W.to(W_E.dtype)
         return W_E
     if name == "W_pos":
-        return decoder.embed_positions.weight[_offset(decoder.embed_positions):]
+        with live_parameters(decoder.embed_positions) as embed_positions:
+            return embed_positions.weight[_offset(embed_positions):]
     if name == "W_U":
         if hooked.layout.unembed is None:
             raise AttributeError(f"{type(hooked.hf_model).__name__} has no lm_head (W_U)")

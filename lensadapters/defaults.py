@@ -4,17 +4,38 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
+from .errors import WeightUnavailableError
 from .hookspecs import hookimpl
 from .specs import Architecture, LinearWeight, NormSpec
 
 
+def _plain_float(t: Optional[torch.Tensor]) -> bool:
+    """A floating-point ``torch.Tensor`` or ``nn.Parameter`` itself, not a subclass (a quantized tensor subclass,
+    torchao style, may even report a float dtype while its storage holds codes)."""
+    return t is None or (type(t) in (torch.Tensor, nn.Parameter) and t.is_floating_point())
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{type(t).__module__}.{type(t).__qualname__} of dtype {t.dtype}"
+
+
 @hookimpl(trylast=True)
 def lensadapters_linear_weight(module: nn.Module) -> Optional[LinearWeight]:
-    if type(module) is nn.Linear:
-        return LinearWeight(module.weight.T, module.bias)
-    return None
+    """A plain ``nn.Linear`` with a floating-point weight; anything else stored in an ``nn.Linear`` is refused."""
+    if type(module) is not nn.Linear:
+        return None
+    weight, bias = module.weight, module.bias
+    for what, t in (("weight", weight), ("bias", bias)):
+        if not _plain_float(t):
+            raise WeightUnavailableError(
+                f"lensadapters cannot read the weight of this torch.nn.Linear: its {what} is a "
+                f"{_describe(t)}, not a floating-point torch.Tensor/nn.Parameter (a quantized or packed format), and "
+                f"no installed plugin dequantizes it. Its values are not the matrix, so none is returned. Install "
+                f"the lensadapters plugin for that format or implement `lensadapters_linear_weight` for it.")
+    return LinearWeight(weight.T, bias)
 
 
 @hookimpl(trylast=True)
@@ -38,4 +59,7 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
         return hooks.lensadapters_attn_scores(arch=arch, module=module, query=query, key=key, scaling=scaling,
                                               implementation=implementation)
 
-    return InterfacePatternBackend(hooked.hf_model.config, hooked.attention_modules, scores)
+    def original(module: nn.Module, implementation: str) -> Any:
+        return hooks.lensadapters_attn_original(arch=arch, module=module, implementation=implementation)
+
+    return InterfacePatternBackend(hooked.hf_model.config, hooked.attention_modules, scores, original)

@@ -12,6 +12,8 @@ It works with every architecture plugin, third-party ones included:
   respected) for LoRA layers (``lensadapters_linear_weight``), so ``hm.W_Q``... and the core's
   identities hold on adapted models. ``lora_factors`` gives A and B in TransformerLens shapes.
 * Helpers: ``adapters_disabled(hm)``, ``using_adapter(hm, name)``, ``run_with_cache_base_and_adapted``.
+* Other PEFT tuners living in the layers (IA³, LoHa, LoKr...): hook points see their computation, and
+  reading one of their weights raises a ``WeightUnavailableError`` that names the module and the method.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lensadapters import (
     LensAdaptersError,
     LinearWeight,
     UnsupportedModelError,
+    WeightUnavailableError,
     hookimpl,
 )
 from lensadapters.sites import BlockShapeSite, merge_heads, split_heads
@@ -87,10 +90,48 @@ def lensadapters_resolve_model(model: Any) -> Optional[nn.Module]:
 # --- weights --------------------------------------------------------------------------------------
 
 
+def _is_non_lora_tuner_layer(module: Any) -> bool:
+    """A PEFT tuner layer (``BaseTunerLayer``) of another method than LoRA: IA³, LoHa, LoKr, OFT, VeRA..."""
+    tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
+    base = getattr(tuners_utils, "BaseTunerLayer", None)
+    if base is None or not isinstance(module, base):
+        return False
+    lora = _lora.lora_layer_type()
+    return lora is None or not isinstance(module, lora)
+
+
+def _peft_method(module: nn.Module) -> str:
+    """The PEFT method of a tuner layer, as PEFT's config class spells it (``"IA3"``, ``"LoHa"``, ``"LoKr"``...)."""
+    where = type(module).__module__
+    mapping = getattr(sys.modules.get("peft.mapping"), "PEFT_TYPE_TO_TUNER_MAPPING", {})
+    configs = getattr(sys.modules.get("peft.mapping"), "PEFT_TYPE_TO_CONFIG_MAPPING", {})
+    for peft_type, tuner in mapping.items():
+        package = tuner.__module__.rsplit(".", 1)[0]
+        if where.startswith(package + "."):
+            config = configs.get(peft_type)
+            name = getattr(config, "__name__", "")
+            return name[:-len("Config")] if name.endswith("Config") else str(getattr(peft_type, "value", peft_type))
+    parts = where.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(module).__name__
+
+
+def _non_lora_weight_error(module: nn.Module) -> WeightUnavailableError:
+    adapters = list(getattr(module, "active_adapters", []) or [])
+    return WeightUnavailableError(  # the core puts the module's path in front
+        f"lensadapters-peft cannot read the weight of this {type(module).__module__}.{type(module).__name__}: it "
+        f"is adapted by the PEFT method "
+        f"{_peft_method(module)} (adapter(s) {adapters}), and lensadapters-peft reads LoRA weights only. Hook points "
+        f"still see the adapted computation, except attn.hook_result of such an output projection (it is computed "
+        f"from W_O). For plain weights, wrap a merged copy: "
+        f"HookedModel.wrap(copy.deepcopy(peft_model).merge_and_unload()).")
+
+
 @hookimpl
 def lensadapters_linear_weight(module: nn.Module, read: Any) -> Optional[LinearWeight]:
     if is_lora_linear(module):
         return effective_linear(module, read)
+    if _is_non_lora_tuner_layer(module):
+        raise _non_lora_weight_error(module)
     return None
 
 

@@ -4,11 +4,13 @@ Which suite runs:
 
 * A plugin that declares ``LENSADAPTERS_CONTRACT = "package.module:ClassName"`` (a module attribute, like
   ``LENSADAPTERS_HOOKSPEC``) gets that :class:`~lensadapters.testing.AdapterContract` subclass: its own
-  config strategy and settings, the very class its test file subclasses.
+  config strategy, declared capabilities, config strata and settings, the very class its test file
+  subclasses. The built-in plugins declare theirs (``lensadapters_gpt2.testing:GPT2Contract``...).
 * Otherwise the suite is generated from the plugin's ``lensadapters_tiny_config`` hook: configs are
   ``lensadapters_tiny_config(arch, seed)`` for drawn seeds (one strategy per architecture the plugin
   claims), and the attention implementations are those transformers accepts for that config
-  (``sdpa`` and/or ``eager``). This is a smoke-level check: a declared contract explores far more.
+  (``sdpa`` and/or ``eager``); no capability is declared. This is a smoke-level check: a declared contract
+  explores far more.
 
 ``--lora`` and ``--int8`` run that class's LoRA and 8-bit variants instead:
 ``lensadapters_peft.testing.LoraContract`` (needs lensadapters-peft) and
@@ -184,7 +186,12 @@ def describe(cls: type) -> str:
         return f"{module_name}:{attr} on {what}, over {describe(base)}"
     origin = ("generated from lensadapters_tiny_config" if cls.__module__ == __name__
               else f"declared by {CONTRACT_ATTRIBUTE}: {cls.__module__}:{cls.__qualname__}")
-    return f"{cls.__name__} ({origin}; attention implementations {', '.join(cls.attn_implementations)})"
+    capabilities = [f"{name}={getattr(cls, name)}" for name in ("learned_positions", "rotary", "gated_mlp",
+                                                                "parallel_blocks") if getattr(cls, name, None) is not None]
+    strata = ", ".join(dict(getattr(cls, "config_strata", {})))
+    return (f"{cls.__name__} ({origin}; attention implementations {', '.join(cls.attn_implementations)}"
+            + (f"; declared {', '.join(capabilities)}" if capabilities else "")
+            + (f"; config strata {strata}" if strata else "") + ")")
 
 
 _TEST_MODULE = '''\

@@ -38,12 +38,80 @@ def run_cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
+BUILTIN = {"gpt2": "GPT2Contract", "gpt_neox": "GPTNeoXContract", "opt": "OPTContract", "llama": "LlamaContract"}
+
+
 def test_check_gpt2_passes():
     result = run_cli("check", "gpt2", "--examples", "2", "--seed", "0",
-                     "-k", "bitwise or identities or every_hook_point")
+                     "-k", "bitwise or identities or every_hook_point or capabilities")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "generated from lensadapters_tiny_config" in result.stdout
-    assert "3 passed" in result.stdout
+    assert "declared by LENSADAPTERS_CONTRACT: lensadapters_gpt2.testing:GPT2Contract" in result.stdout
+    assert "4 passed" in result.stdout
+
+
+@pytest.mark.parametrize("arch", sorted(BUILTIN))
+def test_builtin_plugins_declare_their_packaged_contract(arch):
+    """`lensadapters check ARCH` runs the very class tests/test_ARCH.py subclasses, with declared capabilities."""
+    import importlib
+
+    testing = importlib.import_module(f"lensadapters_{arch}.testing")
+    plugin = importlib.import_module(f"lensadapters_{arch}")
+    assert plugin.LENSADAPTERS_CONTRACT == f"lensadapters_{arch}.testing:{BUILTIN[arch]}"
+    contract_class.cache_clear()
+    try:
+        cls = contract_class(arch)
+    finally:
+        contract_class.cache_clear()
+    assert cls is getattr(testing, BUILTIN[arch]) and cls.plugin is plugin
+    assert None not in (cls.learned_positions, cls.rotary, cls.gated_mlp), "capabilities are declared"
+
+
+def test_importing_plugins_needs_no_test_kit():
+    """hypothesis and pytest are only in the core's `testing` extra: plugins (and the registry loading them) must
+    import without them; only their `testing` modules need them."""
+    code = ("import sys, lensadapters_gpt2, lensadapters_gpt_neox, lensadapters_opt, lensadapters_llama\n"
+            "from lensadapters.registry import get_registry\n"
+            "assert {'gpt2', 'gpt_neox', 'opt', 'llama'} <= set(get_registry().infos), get_registry().infos\n"
+            "leaked = sorted(m for m in ('hypothesis', 'pytest', '_pytest') if m in sys.modules)\n"
+            "assert not leaked, leaked\n"
+            "import lensadapters_llama.testing\n"
+            "assert 'hypothesis' in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("arch", sorted(BUILTIN))
+def test_tiny_config_seeds_vary_the_shape(arch):
+    """`lensadapters_tiny_config(arch, seed)`: seed 0 is the demo's model, other seeds vary the shape (what the
+    generated `lensadapters check` suite of a plugin without a declared contract draws); every one wraps."""
+    import importlib
+
+    import torch
+
+    from lensadapters import HookedModel, Registry
+    from lensadapters.demo import reinit
+    from transformers import AutoModelForCausalLM
+
+    plugin = importlib.import_module(f"lensadapters_{arch}")
+    configs = [plugin.lensadapters_tiny_config(arch=plugin.ARCH, seed=seed) for seed in range(8)]
+    assert configs[0].to_dict() == plugin.lensadapters_tiny_config(arch=plugin.ARCH, seed=0).to_dict()
+    shapes = {str(sorted((k, str(v)) for k, v in c.to_dict().items() if k not in ("transformers_version",)))
+              for c in configs}
+    assert len(shapes) >= 4, f"{arch}: the seed hardly changes the tiny config"
+    registry = Registry()
+    registry.register(plugin, arch)
+    for seed, config in enumerate(configs):
+        assert config.hidden_size <= 64 and config.vocab_size <= 512
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        reinit(model, seed)
+        ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            reference = model(ids).logits
+            hm = HookedModel.wrap(model, registry=registry)
+            assert torch.equal(hm(ids).logits, reference), (arch, seed)
+        hm.unwrap()
 
 
 def test_check_fails_for_a_broken_plugin(tmp_path):

@@ -1,45 +1,16 @@
 """GPT-2: the contract suite over random tiny configs, plus GPT-2's own quirks."""
 
 import torch
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GPT2Config
 
-import lensadapters_gpt2
-from lensadapters.testing import AdapterContract, assert_close
+from lensadapters.testing import assert_close
+from lensadapters_gpt2.testing import GPT2Contract, gpt2_configs
 
 
-@st.composite
-def gpt2_configs(draw):
-    n_head = draw(st.integers(1, 4))
-    d_head = draw(st.sampled_from([4, 8, 16]))
-    return GPT2Config(
-        n_layer=draw(st.integers(1, 3)), n_head=n_head, n_embd=n_head * d_head,
-        n_inner=draw(st.sampled_from([None, 32, 48])), vocab_size=draw(st.integers(16, 200)), n_positions=32,
-        activation_function=draw(st.sampled_from(["gelu_new", "gelu", "relu", "silu", "tanh"])),
-        scale_attn_weights=draw(st.booleans()), scale_attn_by_inverse_layer_idx=draw(st.booleans()),
-        reorder_and_upcast_attn=draw(st.booleans()), layer_norm_epsilon=draw(st.sampled_from([1e-5, 1e-3])),
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )
-
-
-TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
-
-
-class TestGPT2(AdapterContract):
-    plugin = lensadapters_gpt2
-
-    @classmethod
-    def configs(cls):
-        return gpt2_configs()
-
-    def make_model(self, config, seed, attn_implementation="sdpa"):
-        # transformers 4.57's sdpa GPT-2 ignores both scale flags while its eager path applies them, so HF's
-        # own eager patterns (the reference) describe a different model there: use eager for such configs.
-        if TRANSFORMERS_4 and (not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx):
-            attn_implementation = "eager"
-        return super().make_model(config, seed, attn_implementation)
+class TestGPT2(GPT2Contract):
+    """The plugin's contract suite (``lensadapters_gpt2.testing``, also run by ``lensadapters check gpt2``)."""
 
 
 @settings(deadline=None)

@@ -27,24 +27,16 @@ from torch import nn
 
 import lensadapters_gpt_neox
 from lensadapters import HookedModel, Registry, UnsupportedModelError
-from lensadapters.testing import AdapterContract, reinit
+from lensadapters.testing import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
-from transformers import AutoModelForCausalLM, GPTNeoXConfig
+from lensadapters_gpt_neox.testing import VOCAB, GPTNeoXContract, gpt_neox_config, gpt_neox_configs, rotary_pct
+from transformers import AutoModelForCausalLM
 
-VOCAB = 128
+make_config = gpt_neox_config
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- tiny models ---------------------------------------------------------------------------------------
-
-
-def make_config(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, parallel: bool = True,
-                bias: bool = True, n_layers: int = 2, d_mlp: int = 48) -> GPTNeoXConfig:
-    return GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=n_heads * d_head, num_hidden_layers=n_layers, num_attention_heads=n_heads,
-        intermediate_size=d_mlp, rotary_pct=rotary_pct, rotary_emb_base=10000, max_position_embeddings=64,
-        hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=parallel, attention_bias=bias,
-        pad_token_id=0, eos_token_id=None, bos_token_id=None)
 
 
 @functools.lru_cache(maxsize=32)
@@ -58,8 +50,12 @@ def tiny_model(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, para
 
 @st.composite
 def neox_models(draw: st.DrawFn) -> tuple[tuple, nn.Module]:
-    key = (draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([8, 16])), draw(st.sampled_from([0.25, 0.5, 1.0])),
-           draw(st.booleans()), draw(st.booleans()), draw(st.integers(1, 2)))
+    """A config of the contract's strategy, as a cached model: ``((n_heads, d_head, rotary_pct, parallel, bias,
+    n_layers), model)``."""
+    config = draw(gpt_neox_configs())
+    heads = config.num_attention_heads
+    key = (heads, config.hidden_size // heads, rotary_pct(config), config.use_parallel_residual,
+           config.attention_bias, config.num_hidden_layers)
     return key, tiny_model(*key)
 
 
@@ -106,19 +102,9 @@ def reference_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, ba
 # --- the generic contract --------------------------------------------------------------------------------
 
 
-@st.composite
-def contract_configs(draw: st.DrawFn) -> GPTNeoXConfig:
-    return make_config(n_heads=draw(st.sampled_from([1, 2, 4])), d_head=draw(st.sampled_from([8, 16])),
-                       rotary_pct=draw(st.sampled_from([0.25, 0.5, 1.0])), parallel=draw(st.booleans()),
-                       bias=draw(st.booleans()), n_layers=draw(st.integers(1, 2)))
-
-
-class TestGPTNeoX(AdapterContract):
-    plugin = lensadapters_gpt_neox
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return contract_configs()
+class TestGPTNeoX(GPTNeoXContract):
+    """The plugin's contract suite (``lensadapters_gpt_neox.testing``, also run by ``lensadapters check
+    gpt_neox``): parallel and sequential blocks, rotary_pct 0.25 / 0.5 / 1, attention bias on and off."""
 
 
 # --- weights: the per-head interleaved layout ---------------------------------------------------------------

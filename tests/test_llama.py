@@ -19,75 +19,13 @@ from transformers import LlamaConfig
 
 import lensadapters_llama
 from lensadapters import HookedModel, UnsupportedModelError
-from lensadapters.testing import AdapterContract, assert_close
-
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-
-
-def rope_scaling(rope_type: str, head_dim: int, original_max: int = 4, factor: float = 4.0) -> Any:
-    """A ``rope_scaling`` dict (accepted by transformers 4.57 and 5.x) for ``rope_type``."""
-    if rope_type == "default":
-        return None
-    if rope_type in ("linear", "dynamic"):
-        return {"rope_type": rope_type, "factor": factor}
-    if rope_type == "llama3":
-        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": original_max}
-    if rope_type == "yarn":
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max}
-    if rope_type == "longrope":
-        half = head_dim // 2
-        return {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original_max,
-                "short_factor": [1.0 + 0.25 * i / half for i in range(half)],
-                "long_factor": [1.5 + 2.0 * i / half for i in range(half)]}
-    raise ValueError(rope_type)
+from lensadapters.testing import assert_close
+from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 
 
-def llama_config(*, n_heads: int = 4, n_kv: int = 2, head_dim: int = 8, hidden: int = 32, layers: int = 1,
-                 d_mlp: int = 32, vocab: int = 64, rope_type: str = "default", theta: float = 10000.0,
-                 max_pos: int = 32, original_max: int = 4, factor: float = 4.0, tied: bool = False,
-                 attention_bias: bool = False, mlp_bias: bool = False, act: str = "silu",
-                 eps: float = 1e-6) -> LlamaConfig:
-    if rope_type == "longrope":
-        factor = max_pos / original_max  # what LongRoPE means by its factor
-    config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=d_mlp, num_hidden_layers=layers, num_attention_heads=n_heads,
-        num_key_value_heads=n_kv, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=max_pos,
-        rms_norm_eps=eps, hidden_act=act, tie_word_embeddings=tied, attention_bias=attention_bias,
-        mlp_bias=mlp_bias, rope_theta=theta, rope_scaling=rope_scaling(rope_type, head_dim, original_max, factor),
-        attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    if rope_type == "longrope":  # transformers 4.57 reads it from the config, 5.x from the rope parameters
-        config.original_max_position_embeddings = original_max
-    return config
-
-
-@st.composite
-def llama_configs(draw: st.DrawFn, rope_types: tuple[str, ...] = ROPE_TYPES) -> LlamaConfig:
-    n_kv = draw(st.sampled_from([1, 2]), label="n_kv")
-    ratio = draw(st.sampled_from([1, 2, 3]), label="gqa ratio")  # n_kv == 1: multi-query attention
-    n_heads = n_kv * ratio
-    head_dim = draw(st.sampled_from([4, 8, 12]), label="head_dim")
-    hidden = n_heads * draw(st.sampled_from([2, 4, 8]), label="hidden per head")  # != n_heads * head_dim often
-    rope = draw(st.sampled_from(rope_types), label="rope_type")
-    return llama_config(
-        n_heads=n_heads, n_kv=n_kv, head_dim=head_dim, hidden=hidden, layers=draw(st.integers(1, 2)),
-        d_mlp=draw(st.sampled_from([16, 24, 40])), vocab=draw(st.integers(16, 160)), rope_type=rope,
-        theta=draw(st.sampled_from([100.0, 10000.0, 500000.0])),
-        # the contract compares generate() before and after wrapping: keep dynamic RoPE (whose
-        # frequencies depend on the longest sequence seen so far) below its growth threshold
-        max_pos=32, original_max=draw(st.sampled_from([4, 8])), factor=draw(st.sampled_from([2.0, 8.0])),
-        tied=draw(st.booleans()), attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
-        act=draw(st.sampled_from(["silu", "silu", "gelu_new"])), eps=draw(st.sampled_from([1e-6, 1e-5])),
-    )
-
-
-class TestLlama(AdapterContract):
-    plugin = lensadapters_llama
-
-    @classmethod
-    def configs(cls):
-        return llama_configs()
+class TestLlama(LlamaContract):
+    """The plugin's contract suite (``lensadapters_llama.testing``, also run by ``lensadapters check llama``) over
+    the coverage above; the edit and generation properties also run on llama3 rope scaling on every run."""
 
 
 CONTRACT = TestLlama()
@@ -571,3 +509,36 @@ def test_entry_point_is_installed():
         pytest.skip("lensadapters-llama is not installed (tests register it by hand)")
     assert eps[0].value == "lensadapters_llama"
     assert eps[0].load() is lensadapters_llama
+
+
+def test_declared_capabilities_catch_missing_rotary_points():
+    """A Llama plugin that forgets the rotary spec still runs (Hugging Face rotates inside attention) and passes
+    the properties that follow the hook points it has; the declared ``rotary=True`` makes the contract fail."""
+    import types
+
+    from hypothesis import HealthCheck, Phase
+
+    from lensadapters import SeparateQKV, hookimpl
+
+    broken = types.ModuleType("llama_without_rotary_points")
+    for name in dir(lensadapters_llama):
+        if name.startswith(("lensadapters_", "LENSADAPTERS_")):
+            setattr(broken, name, getattr(lensadapters_llama, name))
+
+    @hookimpl
+    def lensadapters_attn_qkv(arch, model, layer):
+        return SeparateQKV("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # no rotary=
+
+    broken.lensadapters_attn_qkv = lensadapters_attn_qkv
+    del broken.LENSADAPTERS_CONTRACT
+
+    class Broken(LlamaContract):
+        plugin = broken
+        config_strata = {}
+
+    test = settings(max_examples=2, phases=[Phase.generate], suppress_health_check=list(HealthCheck))(
+        given(data=st.data())(LlamaContract.test_hook_points_match_declared_capabilities.hypothesis.inner_test))
+    with pytest.raises(AssertionError, match=r"rotary=True, but missing: \['blocks\.0\.attn\.hook_rot_k'"):
+        test(Broken())
+    # the inferring properties do not notice
+    Broken().test_identity_hooks_keep_logits()

@@ -13,8 +13,6 @@ Architecture-specific properties checked here:
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,60 +21,14 @@ from transformers import OPTConfig
 
 import lensadapters_opt
 from lensadapters import UnsupportedModelError
-from lensadapters.testing import AdapterContract, assert_close, token_inputs
+from lensadapters.testing import assert_close, token_inputs
+from lensadapters_opt.testing import OPTContract, opt_configs
 
 
-@functools.lru_cache(maxsize=None)
-def _non_affine_norms_build() -> bool:
-    """transformers 4.57's OPT ``_init_weights`` crashes on LayerNorms without weights (fixed in 5.x)."""
-    from transformers import AutoModelForCausalLM
-
-    config = OPTConfig(vocab_size=8, hidden_size=4, num_hidden_layers=1, ffn_dim=4, num_attention_heads=1,
-                       max_position_embeddings=4, layer_norm_elementwise_affine=False)
-    try:
-        AutoModelForCausalLM.from_config(config)
-    except AttributeError:
-        return False
-    return True
-
-
-@st.composite
-def opt_configs(draw, pre_ln=None, project=None):
-    n_heads = draw(st.integers(1, 4))
-    d_head = draw(st.sampled_from([4, 8, 16]))
-    hidden = n_heads * d_head
-    if project is None:
-        project = draw(st.booleans())
-    proj = draw(st.sampled_from([8, 12, 24])) if project else hidden
-    if proj == hidden and project:
-        proj = hidden + 4
-    pre_ln = draw(st.booleans()) if pre_ln is None else pre_ln
-    bias, affine = draw(st.booleans()), draw(st.booleans()) if _non_affine_norms_build() else True
-    act = draw(st.sampled_from(["relu", "gelu", "silu"]))
-    if not (pre_ln or bias or affine) and act == "relu":
-        # post-LN with a bias-free, homogeneous MLP and no LayerNorm affine is scale invariant: a per-token
-        # rescaling of ln1's output (an ln1.hook_scale edit) provably cannot change the logits
-        act = "gelu"
-    return OPTConfig(
-        vocab_size=draw(st.integers(16, 200)), hidden_size=hidden, num_hidden_layers=draw(st.integers(1, 3)),
-        ffn_dim=draw(st.sampled_from([16, 32, 48])), num_attention_heads=n_heads, max_position_embeddings=32,
-        word_embed_proj_dim=proj, do_layer_norm_before=pre_ln, enable_bias=bias,
-        layer_norm_elementwise_affine=affine, activation_function=act,
-        dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2,
-    )
-
-
-class TestOPT(AdapterContract):
-    plugin = lensadapters_opt
-    # with project_out, HF's last hidden state is project_out(final norm output); checked in test_projection_weights
-    final_hidden_is_ln_final = False
-
-    @classmethod
-    def configs(cls):
-        return opt_configs()
-
-    def pre_ln_residual(self, model: torch.nn.Module) -> bool:
-        return bool(model.config.do_layer_norm_before)
+class TestOPT(OPTContract):
+    """The plugin's contract suite (``lensadapters_opt.testing``, also run by ``lensadapters check opt``): pre- and
+    post-LN, projected embeddings, biases and LayerNorm affine on and off; the generation properties also run
+    on OPT-350m's shape (post-LN with project_in/project_out) on every run."""
 
 
 C = TestOPT()
@@ -354,11 +306,13 @@ def test_opt_model_without_final_norm_or_head():
 # --- generation -------------------------------------------------------------------------------------
 
 
-@settings(deadline=None, max_examples=6)
+@pytest.mark.parametrize("pre_ln,project", [(None, None), (False, True)], ids=["drawn", "opt-350m"])
+@settings(deadline=None, max_examples=4)
 @given(data=st.data())
-def test_generation_with_cache_and_edits_matches_full_forward(data):
-    """Left-padded greedy generation with the KV cache and edits == a cache-free forward with the same edits."""
-    model, inputs, hm = _draw(data, max_batch=3, max_len=6)
+def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, data):
+    """Left-padded greedy generation with the KV cache and edits == a cache-free forward with the same edits
+    (any drawn shape, and OPT-350m's post-LN with project_in/project_out on every run)."""
+    model, inputs, hm = _draw(data, pre_ln=pre_ln, project=project, max_batch=3, max_len=6)
     layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
     head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
     positions: list[torch.Tensor] = []

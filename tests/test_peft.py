@@ -1,57 +1,96 @@
-"""PEFT / LoRA (lensadapters-peft): the contract suite on adapted models, plus LoRA's own properties.
+"""PEFT / LoRA (lensadapters-peft): the contract suite on adapted models, plus PEFT's own behaviour.
 
-The contract suite runs on ``PeftModel``s built over tiny GPT-2 (fused ``c_attn`` as ``Conv1D`` with
-``fan_in_fan_out``), Llama (separate q/k/v, GQA, gated MLP), GPT-NeoX (per-head interleaved fused
-``query_key_value``, parallel residual) and OPT (pre- and post-LN, MLP inside the decoder layer) models,
-with random subsets of adapted projections, one or two active adapters, rsLoRA and LoRA biases. The
-LoRA tests below check the ``*_lora`` hook points, disabled / merged / switched adapters, effective
-weights and factors. Architectures whose plugin is not installed are skipped.
+The contract suite is the packaged ``lensadapters_peft.testing.LoraContract`` mixed in front of each
+architecture's own contract (``lensadapters_<arch>.testing``), exactly what a third-party plugin writes:
+``PeftModel``s over tiny GPT-2 (fused ``c_attn`` as ``Conv1D`` with ``fan_in_fan_out``), Llama (separate
+q/k/v, GQA, gated MLP), GPT-NeoX (per-head interleaved fused ``query_key_value``, parallel residual) and
+OPT (pre- and post-LN, MLP inside the decoder layer) models, with seed-chosen subsets of adapted
+projections, one or two active adapters, rsLoRA and LoRA biases. Besides every generic property it checks
+LoRA's own (the ``*_lora`` hook points, disabled / merged / switched adapters, effective weights and
+factors). The single-model tests below cover what is PEFT-specific rather than a contract property:
+dropout, DoRA, other PEFT tuners (IA³, LoHa), mixed-adapter batches, transformers' PEFT integration,
+training (gradient checkpointing, gradients through edits, saved adapters). Architectures whose plugin is
+not installed are skipped.
 """
 
 from __future__ import annotations
 
-import math
+import importlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import pytest
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 import lensadapters_peft as lp  # noqa: E402
-from lensadapters import HookedModel, LensAdaptersError, UnsupportedModelError  # noqa: E402
+from lensadapters import HookedModel, LensAdaptersError, UnsupportedModelError, WeightUnavailableError  # noqa: E402
 from lensadapters.testing import AdapterContract, assert_close  # noqa: E402
+from lensadapters_peft.testing import LoraContract, init_lora, lora_layers, split_like  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 
-try:
-    import lensadapters_gpt2
-except ImportError:  # pragma: no cover
-    lensadapters_gpt2 = None
-try:
-    import lensadapters_llama
-except ImportError:  # pragma: no cover
-    lensadapters_llama = None
-try:
-    import lensadapters_gpt_neox
-except ImportError:  # pragma: no cover
-    lensadapters_gpt_neox = None
-try:
-    import lensadapters_opt
-except ImportError:  # pragma: no cover
-    lensadapters_opt = None
 
-SETTINGS = settings(deadline=None)  # example counts come from the profile (tests/conftest.py)
+def _optional(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+lensadapters_gpt2 = _optional("lensadapters_gpt2")
+lensadapters_llama = _optional("lensadapters_llama")
+lensadapters_gpt_neox = _optional("lensadapters_gpt_neox")
+lensadapters_opt = _optional("lensadapters_opt")
+
 # pattern/score hooks run the core's explicit attention (equal to SDPA within rounding, not bitwise)
 NO_PATTERN = lambda name: not name.endswith(("hook_pattern", "hook_attn_scores"))  # noqa: E731
 
 
-# --- building adapted models -----------------------------------------------------------------------
+# --- the contract suite on LoRA-adapted models ----------------------------------------------------------
+# Each class is LoraContract over the architecture's packaged contract, with the config sizes narrowed (every
+# example builds two models and adapts one) and at least two query heads: with one head and two tokens a tiny
+# random model can saturate the softmax. The architectures' config strata (llama3 rope, OPT-350m's shape) are
+# covered by their float contracts; here they would only repeat the same LoRA layers.
+
+if lensadapters_gpt2 is not None:
+    from lensadapters_gpt2.testing import GPT2Contract
+
+    class TestPeftGPT2(LoraContract, GPT2Contract):
+        config_overrides = dict(n_layers=st.integers(1, 2), n_heads=st.integers(2, 4), d_head=st.sampled_from([4, 8]),
+                                d_mlp=st.sampled_from([None, 24]), vocab=st.integers(16, 100))
+        config_strata = {}
+
+if lensadapters_llama is not None:
+    from lensadapters_llama.testing import LlamaContract
+
+    class TestPeftLlama(LoraContract, LlamaContract):
+        config_overrides = dict(d_model=16, d_mlp=24, ratio=2, head_dim=st.sampled_from([4, 8]), vocab=64,
+                                rope_types=("default",), theta=10000.0)
+        config_strata = {}
+
+if lensadapters_gpt_neox is not None:
+    from lensadapters_gpt_neox.testing import GPTNeoXContract
+
+    class TestPeftGPTNeoX(LoraContract, GPTNeoXContract):
+        config_overrides = dict(n_heads=st.integers(2, 4), d_head=8, d_mlp=24, vocab=64,
+                                rotary_pct=st.sampled_from([0.25, 1.0]))
+        config_strata = {}
+
+if lensadapters_opt is not None:
+    from lensadapters_opt.testing import OPTContract
+
+    class TestPeftOPT(LoraContract, OPTContract):
+        config_overrides = dict(n_heads=st.integers(2, 4), d_head=8, n_layers=st.integers(1, 2), ffn_dim=24,
+                                vocab=64, project=False)
+        config_strata = {}
+
+
+# --- building single adapted models ----------------------------------------------------------------------
 
 
 @dataclass
@@ -69,15 +108,6 @@ class Adapted:
     extra: dict = field(default_factory=dict)
 
 
-def _init_lora(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial LoRA factors (PEFT's default B = 0 would make every delta zero)."""
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(max(p.shape)))
-
-
 def lora_model(base: torch.nn.Module, spec: Adapted, seed: int) -> PeftModel:
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.targets, init_lora_weights=False,
                      use_rslora=spec.rslora, lora_bias=spec.lora_bias, fan_in_fan_out=spec.fan_in_fan_out)
@@ -86,494 +116,28 @@ def lora_model(base: torch.nn.Module, spec: Adapted, seed: int) -> PeftModel:
         pm.add_adapter("second", LoraConfig(r=2, lora_alpha=3, target_modules=spec.second, init_lora_weights=False,
                                             fan_in_fan_out=spec.fan_in_fan_out))
         pm.base_model.set_adapter(["default", "second"])
-    _init_lora(pm, seed)
+    init_lora(pm, seed)
     return pm.eval()
 
 
-def _subset(draw: Any, options: list[str]) -> list[str]:
-    chosen = draw(st.lists(st.sampled_from(options), min_size=1, max_size=len(options), unique=True))
-    return sorted(chosen)
-
-
-# Strategies draw at least two query heads: with one head and two tokens, the contract's tiny random models can
-# saturate the softmax so that a query edit changes the logits by < 1e-5 (the core's hook_q as much as hook_q_lora),
-# which test_every_hook_point_edit_changes_logits would report.
-GPT2_TARGETS = ["c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-NEOX_TARGETS = ["query_key_value", "attention.dense", "dense_h_to_4h", "dense_4h_to_h"]
-OPT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
-
-
-@st.composite
-def gpt2_adapted(draw: Any) -> Adapted:
-    from transformers import GPT2Config
-
-    n_head = draw(st.integers(2, 4))
-    config = GPT2Config(
-        n_layer=draw(st.integers(1, 2)), n_head=n_head, n_embd=n_head * draw(st.sampled_from([4, 8])),
-        n_inner=draw(st.sampled_from([None, 24])), vocab_size=draw(st.integers(16, 100)), n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    second = draw(st.one_of(st.none(), st.just(_subset(draw, GPT2_TARGETS))))
-    return Adapted(config, _subset(draw, GPT2_TARGETS), r=draw(st.integers(1, 4)), alpha=draw(st.integers(1, 16)),
-                   rslora=draw(st.booleans()), lora_bias=draw(st.booleans()), second=second, fan_in_fan_out=True)
-
-
-@st.composite
-def llama_adapted(draw: Any) -> Adapted:
-    from transformers import LlamaConfig
-
-    n_kv = draw(st.sampled_from([1, 2]))
-    n_heads = n_kv * 2
-    head_dim = draw(st.sampled_from([4, 8]))
-    config = LlamaConfig(
-        hidden_size=16, intermediate_size=24, num_hidden_layers=draw(st.integers(1, 2)), num_attention_heads=n_heads,
-        num_key_value_heads=n_kv, head_dim=head_dim, vocab_size=64, max_position_embeddings=32,
-        attention_bias=draw(st.booleans()), tie_word_embeddings=False, attention_dropout=0.0,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    second = draw(st.one_of(st.none(), st.just(_subset(draw, LLAMA_TARGETS))))
-    return Adapted(config, _subset(draw, LLAMA_TARGETS), r=draw(st.integers(1, 4)), alpha=draw(st.integers(1, 16)),
-                   rslora=draw(st.booleans()), second=second)
-
-
-@st.composite
-def neox_adapted(draw: Any) -> Adapted:
-    from transformers import GPTNeoXConfig
-
-    n_heads = draw(st.integers(2, 4))
-    config = GPTNeoXConfig(
-        hidden_size=n_heads * 8, num_attention_heads=n_heads, num_hidden_layers=draw(st.integers(1, 2)),
-        intermediate_size=24, vocab_size=64, max_position_embeddings=32, rotary_pct=draw(st.sampled_from([0.25, 1.0])),
-        use_parallel_residual=draw(st.booleans()), hidden_dropout=0.0, attention_dropout=0.0,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    second = draw(st.one_of(st.none(), st.just(_subset(draw, NEOX_TARGETS))))
-    return Adapted(config, _subset(draw, NEOX_TARGETS), r=draw(st.integers(1, 4)), alpha=draw(st.integers(1, 16)),
-                   lora_bias=draw(st.booleans()), second=second)
-
-
-@st.composite
-def opt_adapted(draw: Any) -> Adapted:
-    from transformers import OPTConfig
-
-    n_heads = draw(st.integers(2, 4))
-    hidden = n_heads * 8
-    config = OPTConfig(
-        vocab_size=64, hidden_size=hidden, num_hidden_layers=draw(st.integers(1, 2)), ffn_dim=24,
-        num_attention_heads=n_heads, max_position_embeddings=32, word_embed_proj_dim=hidden,
-        do_layer_norm_before=draw(st.booleans()), enable_bias=draw(st.booleans()), dropout=0.0,
-        attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2)
-    second = draw(st.one_of(st.none(), st.just(_subset(draw, OPT_TARGETS))))
-    return Adapted(config, _subset(draw, OPT_TARGETS), r=draw(st.integers(1, 4)), alpha=draw(st.integers(1, 16)),
-                   second=second)
-
-
-class PeftContract(AdapterContract):
-    """The contract suite, with every model a ``PeftModel`` (LoRA) over the drawn config."""
-
-    extra_plugins = (lp,)
-    adapted: Any = None
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return cls.adapted()
-
-    def make_model(self, spec: Adapted, seed: int, attn_implementation: str = "sdpa") -> torch.nn.Module:
-        base = super().make_model(spec.config, seed, attn_implementation)
-        return lora_model(base, spec, seed)
-
-
-def _skip_without(plugin: Any, name: str) -> Any:
-    return pytest.mark.skipif(plugin is None, reason=f"{name} is not installed")
-
-
-@_skip_without(lensadapters_gpt2, "lensadapters-gpt2")
-class TestPeftGPT2(PeftContract):
-    plugin = lensadapters_gpt2
-    adapted = staticmethod(gpt2_adapted)
-
-
-@_skip_without(lensadapters_llama, "lensadapters-llama")
-class TestPeftLlama(PeftContract):
-    plugin = lensadapters_llama
-    adapted = staticmethod(llama_adapted)
-
-
-@_skip_without(lensadapters_gpt_neox, "lensadapters-gpt-neox")
-class TestPeftGPTNeoX(PeftContract):
-    plugin = lensadapters_gpt_neox
-    adapted = staticmethod(neox_adapted)
-
-    def pre_ln_residual(self, model: torch.nn.Module) -> bool:
-        return True
-
-
-@_skip_without(lensadapters_opt, "lensadapters-opt")
-class TestPeftOPT(PeftContract):
-    plugin = lensadapters_opt
-    adapted = staticmethod(opt_adapted)
-
-    def pre_ln_residual(self, model: torch.nn.Module) -> bool:
-        return bool(model.config.do_layer_norm_before)
-
-
-# --- LoRA-specific properties ------------------------------------------------------------------------
-
-ARCHS = [
-    pytest.param(lensadapters_gpt2, gpt2_adapted, id="gpt2", marks=_skip_without(lensadapters_gpt2, "gpt2")),
-    pytest.param(lensadapters_llama, llama_adapted, id="llama", marks=_skip_without(lensadapters_llama, "llama")),
-    pytest.param(lensadapters_gpt_neox, neox_adapted, id="gpt_neox",
-                 marks=_skip_without(lensadapters_gpt_neox, "gpt_neox")),
-    pytest.param(lensadapters_opt, opt_adapted, id="opt", marks=_skip_without(lensadapters_opt, "opt")),
-]
 
 
 class Kit:
-    """Builds base and adapted twins of one drawn spec and wraps them with a private registry."""
+    """Builds base and adapted twins of one spec and wraps them with a private registry."""
 
     def __init__(self, plugin: Any, spec: Adapted, seed: int) -> None:
         self.plugin, self.spec, self.seed = plugin, spec, seed
-        self.contract = type("C", (PeftContract,), {"plugin": plugin})()
+        self.contract = type("C", (AdapterContract,), {"plugin": plugin, "extra_plugins": (lp,)})()
 
     def base(self) -> torch.nn.Module:
-        return AdapterContract.make_model(self.contract, self.spec.config, self.seed)
+        return self.contract.make_model(self.spec.config, self.seed)
 
     def adapted(self, spec: Optional[Adapted] = None) -> PeftModel:
         return lora_model(self.base(), spec or self.spec, self.seed)
 
     def wrap(self, model: Any) -> HookedModel:
         return self.contract.wrap(model)
-
-
-def draw_kit(data: Any, plugin: Any, strategy: Any, **overrides: Any) -> tuple[Kit, torch.Tensor]:
-    spec = data.draw(strategy(), label="spec")
-    for key, value in overrides.items():
-        setattr(spec, key, value)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    ids = torch.randint(0, spec.config.vocab_size, (2, data.draw(st.integers(2, 8), label="length")),
-                        generator=torch.Generator().manual_seed(seed))
-    return Kit(plugin, spec, seed), ids
-
-
-def lora_layers(hm: HookedModel) -> dict[str, Any]:
-    """``{lora hook name: the LoRA layer it belongs to}``."""
-    out = {}
-    for site in hm._sites:
-        if isinstance(site, lp.LoraDeltaSite):
-            for point in site.points:
-                out[point.name] = site.module
-    return out
-
-
-def split_like(hm: HookedModel, name: str, t: torch.Tensor) -> torch.Tensor:
-    """Split a projection-output tensor as the hook point ``name`` shows it."""
-    layer = int(name.split(".")[1])
-    short = name.rsplit(".", 1)[1]
-    qkv = hm.qkv_layouts[layer]
-    if short in ("hook_q_lora", "hook_k_lora", "hook_v_lora"):
-        index = "qkv".index(short[5])
-        if hasattr(qkv, "split"):
-            return qkv.split(t)[index]
-        return t.unflatten(-1, (-1, hm.cfg.d_head))
-    return t
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_lora_points_read_the_exact_delta(plugin: Any, strategy: Any, data: Any) -> None:
-    """Each ``*_lora`` point reads exactly what PEFT adds (sum of B·A·x·scaling over active adapters)."""
-    kit, ids = draw_kit(data, plugin, strategy)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    layers = lora_layers(hm)
-    assert layers and set(layers) == set(lp.lora_hook_names(hm))
-    inputs: dict[int, torch.Tensor] = {}
-    outs: dict[int, torch.Tensor] = {}
-    handles = []
-    def record(m: torch.nn.Module, a: tuple, o: torch.Tensor) -> None:
-        inputs[id(m)] = a[0]
-        outs[id(m)] = o
-
-    for module in set(layers.values()):
-        handles.append(module.register_forward_hook(record))
-        handles.append(module.base_layer.register_forward_hook(
-            lambda m, a, o: outs.__setitem__(("base", id(m)), o)))
-    with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
-        assert torch.equal(logits, pm(ids).logits)
-        for name, module in layers.items():
-            x = inputs[id(module)]
-            expected = None
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    d = module.lora_B[adapter](module.lora_A[adapter](x)) * module.scaling[adapter]
-                    expected = d if expected is None else expected + d
-            # (a block that flattens tokens around its MLP, OPT, shows [b, p, ...]: compare in that shape)
-            assert torch.equal(cache[name], split_like(hm, name, expected).reshape(cache[name].shape)), name
-            # and the projection output is base + delta, as PEFT computed it
-            if len([a for a in module.active_adapters if a in module.lora_A]) == 1:
-                base_out = outs[("base", id(module.base_layer))]
-                assert torch.equal(outs[id(module)], base_out + expected)
-    for h in handles:
-        h.remove()
-    # the factors give the same delta in TransformerLens shapes
-    with torch.no_grad():
-        for name, module in layers.items():
-            short = name.rsplit(".", 1)[1][len("hook_"):-len("_lora")]
-            layer = int(name.split(".")[1])
-            which = {"pre": "gate" if hm.cfg.gated_mlp else "in", "pre_linear": "in"}.get(short, short)
-            active = [a for a in module.active_adapters if a in module.lora_A]
-            total = 0
-            for adapter in active:
-                f = lp.lora_factors(hm, layer, which, adapter=adapter)
-                x = inputs[id(module)]
-                if which in "qkv":
-                    total = total + torch.einsum("bpm,mr,hrd->bphd", x, f.A, f.B) * f.scaling
-                    total = total + (f.b if f.b is not None else 0)
-                elif which == "o":
-                    total = total + torch.einsum("bphd,hdr,rm->bpm", x.unflatten(-1, (hm.cfg.n_heads, -1)), f.A,
-                                                 f.B) * f.scaling + (f.b if f.b is not None else 0)
-                else:
-                    total = total + x @ f.A @ f.B * f.scaling + (f.b if f.b is not None else 0)
-            assert_close(cache[name], total.reshape(cache[name].shape), f"{name} == x @ A @ B * scaling (lora_factors)")
-    assert hm.unwrap() is pm
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_zero_ablating_a_head_delta_is_disabling_it(plugin: Any, strategy: Any, data: Any) -> None:
-    """Zeroing one head's q/k/v delta gives that head the base projection exactly, the others keep theirs."""
-    kit, ids = draw_kit(data, plugin, strategy, second=None)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    heads = [n for n in lp.lora_hook_names(hm) if n.endswith(("hook_q_lora", "hook_k_lora", "hook_v_lora"))]
-    if not heads:
-        return
-    name = data.draw(st.sampled_from(heads), label="point")
-    target = name.replace("_lora", "")
-    layer = int(name.split(".")[1])
-    n = hm.cfg.n_heads if name.endswith("q_lora") else hm.cfg.n_key_value_heads
-    head = data.draw(st.integers(0, n - 1), label="head")
-
-    def zero(t: torch.Tensor, hook: Any) -> torch.Tensor:
-        t = t.clone()
-        t[:, :, head] = 0
-        return t
-
-    # the base layer's output in the edited forward pass: what the head must be without its delta
-    module = lora_layers(hm)[name]
-    base_out: list[torch.Tensor] = []
-    handle = module.base_layer.register_forward_hook(lambda m, a, o: base_out.append(o))
-    with torch.no_grad():
-        _, adapted = hm.run_with_cache(ids, names_filter=[target])
-        with hm.hooks([(name, zero)]):
-            _, edited = hm.run_with_cache(ids, names_filter=[target])
-    handle.remove()
-    base_heads = split_like(hm, name, base_out[-1])
-    a, e = adapted[target], edited[target]
-    others = [h for h in range(n) if h != head]
-    assert torch.equal(e[:, :, others], a[:, :, others])
-    assert torch.equal(e[:, :, head], base_heads[:, :, head])
-    # with the adapter disabled, this layer's head is the same function of its input
-    if layer == 0:
-        with lp.adapters_disabled(hm), torch.no_grad():
-            _, disabled = hm.run_with_cache(ids, names_filter=[target])
-        assert torch.equal(e[:, :, head], disabled[target][:, :, head])
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_delta_edit_sets_output_to_base_plus_edit(plugin: Any, strategy: Any, data: Any) -> None:
-    """An edit of a ``*_lora`` point makes the projection output exactly ``base_out + edited delta``, and the
-    core's hook points on the same module, attached *before* the edit, see the edited output."""
-    kit, ids = draw_kit(data, plugin, strategy)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    layers = lora_layers(hm)
-    name = data.draw(st.sampled_from(sorted(layers)), label="point")
-    module = layers[name]
-    layer = int(name.split(".")[1])
-    siblings = [n for n in hm.hook_names if layers.get(n) is module]  # in the projection's order (q, k, v)
-    seen: dict[str, torch.Tensor] = {}
-
-    def read(t: torch.Tensor, hook: Any) -> None:
-        seen[hook.name] = t.clone()
-
-    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
-        seen["edited"] = t * -0.5 + torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t.dtype)
-        return seen["edited"]
-
-    core = [n for n in hm.hook_names if n.startswith(f"blocks.{layer}.") and not n.endswith("_lora")
-            and "pattern" not in n and "scores" not in n]
-    records: dict[str, torch.Tensor] = {}
-    with torch.no_grad(), hm.hooks([(n, read) for n in core]):  # core sites installed first
-        with hm.hooks([(n, read) for n in siblings] + [(name, edit)]):
-            ha = module.base_layer.register_forward_hook(lambda m, a, o: records.__setitem__("base", o))
-            hb = module.register_forward_hook(lambda m, a, o: records.__setitem__("out", o))
-            edited_logits = hm(ids).logits
-            ha.remove()
-            hb.remove()
-    assert not torch.equal(edited_logits, pm(ids).logits)
-    parts = [seen[n] for n in siblings]
-    parts[siblings.index(name)] = seen["edited"]
-    short = name.rsplit(".", 1)[1]
-    qkv = hm.qkv_layouts[layer]
-    if short in ("hook_q_lora", "hook_k_lora", "hook_v_lora"):
-        if hasattr(qkv, "split"):
-            delta = qkv.merge(*parts)
-        else:
-            delta = parts[0].flatten(-2)
-    else:
-        delta = parts[0].reshape(records["base"].shape)  # OPT's MLP sees tokens flattened to [b*p, d]
-    out = records["out"]
-    assert torch.equal(out, (records["base"] + delta).to(out.dtype))
-    # the core's point on this module saw the edited output
-    target = {"hook_q_lora": "attn.hook_q", "hook_k_lora": "attn.hook_k", "hook_v_lora": "attn.hook_v",
-              "hook_pre_lora": "mlp.hook_pre", "hook_pre_linear_lora": "mlp.hook_pre_linear"}.get(short)
-    if target is not None:
-        shown = seen[f"blocks.{layer}.{target}"]
-        assert torch.equal(shown, split_like(hm, name, out).reshape(shown.shape))
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_disabled_adapters_match_the_base_model(plugin: Any, strategy: Any, data: Any) -> None:
-    """Inside ``adapters_disabled`` every shared hook point equals the base model's, bitwise; ``*_lora`` read 0."""
-    kit, ids = draw_kit(data, plugin, strategy)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    hb = kit.wrap(kit.base())
-    flags = {n: p.requires_grad for n, p in pm.named_parameters()}
-    with torch.no_grad():
-        both = lp.run_with_cache_base_and_adapted(hm, ids, names_filter=NO_PATTERN)
-        base_logits, base_cache = hb.run_with_cache(ids, names_filter=NO_PATTERN)
-    assert {n: p.requires_grad for n, p in pm.named_parameters()} == flags
-    assert torch.equal(both.base_logits, base_logits)
-    assert torch.equal(both.logits, pm(ids).logits)
-    assert set(both.cache.keys()) == set(both.base_cache.keys())
-    assert set(both.base_cache.keys()) - set(base_cache.keys()) == set(lp.lora_hook_names(hm))
-    for key in base_cache.keys():
-        assert torch.equal(both.base_cache[key], base_cache[key]), key
-    for key in lp.lora_hook_names(hm):
-        assert not both.base_cache[key].any()
-        assert both.cache[key].abs().max() > 0
-    # same names as the bare model, plus the LoRA points
-    assert [n for n in hm.hook_names if not n.endswith("_lora")] == hb.hook_names
-    # weights with adapters disabled are the base weights
-    with lp.adapters_disabled(hm):
-        for w in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "b_Q", "b_O", "b_in", "b_out"):
-            assert torch.equal(getattr(hm, w), getattr(hb, w)), w
-    assert pm.base_model.model is not None and hm.model is pm
-    hm.unwrap()
-    hb.unwrap()
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_merged_adapters_give_the_same_hooks(plugin: Any, strategy: Any, data: Any) -> None:
-    kit, ids = draw_kit(data, plugin, strategy, lora_bias=False)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids)
-        weights = {w: getattr(hm, w) for w in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "b_Q", "b_in")}
-        pm.merge_adapter()
-        merged_logits, merged = hm.run_with_cache(ids)
-        for w, value in weights.items():
-            assert_close(getattr(hm, w), value, f"merged {w}", atol=1e-5)
-        # an edit of a merged delta point still works: zeroing it removes the adapter's contribution there
-        name = data.draw(st.sampled_from(lp.lora_hook_names(hm)), label="point")
-        zero = [(name, lambda t, hook: torch.zeros_like(t))]
-        merged_zeroed = hm.run_with_hooks(ids, fwd_hooks=zero)
-        pm.unmerge_adapter()
-        unmerged_zeroed = hm.run_with_hooks(ids, fwd_hooks=zero)
-    assert set(merged.keys()) == set(cache.keys())
-    def tol(reference: torch.Tensor) -> float:
-        # merging moves B·A·s into the weight: float32 rounding relative to the activations' magnitude
-        finite = reference[torch.isfinite(reference)]
-        return 1e-4 * max(1.0, finite.abs().max().item() if finite.numel() else 1.0)
-
-    for key in cache.keys():
-        assert_close(merged[key], cache[key], f"merged {key}", atol=tol(cache[key]))
-    assert_close(merged_logits, logits, "merged logits", atol=tol(logits))
-    assert_close(merged_zeroed, unmerged_zeroed, "zeroed delta, merged vs unmerged", atol=tol(unmerged_zeroed))
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_switching_adapters(plugin: Any, strategy: Any, data: Any) -> None:
-    """Hook points follow the active adapter; ``using_adapter`` restores the previous one and grad flags."""
-    kit, ids = draw_kit(data, plugin, strategy, second=None)
-    pm = kit.adapted()
-    other = sorted(data.draw(st.lists(st.sampled_from(kit.spec.targets), min_size=1, unique=True), label="other"))
-    pm.add_adapter("other", LoraConfig(r=3, lora_alpha=5, target_modules=other, init_lora_weights=False,
-                                       fan_in_fan_out=kit.spec.fan_in_fan_out))
-    _init_lora(pm, kit.seed + 1)
-    pm.eval()
-    hm = kit.wrap(pm)
-    flags = {n: p.requires_grad for n, p in pm.named_parameters()}
-    with torch.no_grad():
-        logits_default, cache_default = hm.run_with_cache(ids, names_filter=NO_PATTERN)
-        with lp.using_adapter(hm, "other"):
-            assert pm.active_adapters == ["other"]
-            logits_other, cache_other = hm.run_with_cache(ids, names_filter=NO_PATTERN)
-            assert torch.equal(logits_other, pm(ids).logits)
-            for name, module in lora_layers(hm).items():
-                layer = int(name.split(".")[1])
-                short = name.rsplit(".", 1)[1][len("hook_"):-len("_lora")]
-                which = {"pre": "gate" if hm.cfg.gated_mlp else "in", "pre_linear": "in"}.get(short, short)
-                if "other" in module.lora_A:
-                    assert lp.lora_factors(hm, layer, which).adapter == "other"
-                else:  # not adapted by "other": no delta
-                    assert not cache_other[name].any()
-                    with pytest.raises(LensAdaptersError, match="0 active LoRA adapters"):
-                        lp.lora_factors(hm, layer, which)
-        assert pm.active_adapters == ["default"]
-        assert torch.equal(hm(ids).logits, logits_default)
-        with lp.using_adapter(hm, ["default", "other"]):
-            _, cache_both = hm.run_with_cache(ids, names_filter=lp.lora_hook_names(hm))
-    assert {n: p.requires_grad for n, p in pm.named_parameters()} == flags
-    assert not torch.equal(logits_default, logits_other)
-    # the first layer's q/k/v projections see the same input in every run: their deltas add up
-    for name in lp.lora_hook_names(hm):
-        if name.startswith("blocks.0.attn.") and name.endswith(("hook_q_lora", "hook_k_lora", "hook_v_lora")):
-            assert_close(cache_both[name], cache_default[name] + cache_other[name], f"{name}: two adapters add up")
-    # set_adapter outside a helper works too
-    pm.set_adapter("other")
-    with torch.no_grad():
-        assert torch.equal(hm.run_with_cache(ids, names_filter=NO_PATTERN)[0], logits_other)
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("plugin,strategy", ARCHS)
-@SETTINGS
-@given(data=st.data())
-def test_effective_weights_are_base_plus_factors(plugin: Any, strategy: Any, data: Any) -> None:
-    kit, ids = draw_kit(data, plugin, strategy, second=None, lora_bias=False)
-    pm = kit.adapted()
-    hm = kit.wrap(pm)
-    hb = kit.wrap(kit.base())
-    with torch.no_grad():
-        for which, w in (("q", "W_Q"), ("k", "_W_K"), ("v", "_W_V"), ("o", "W_O"), ("in", "W_in"),
-                         ("out", "W_out")) + ((("gate", "W_gate"),) if hm.cfg.gated_mlp else ()):
-            for layer in range(hm.cfg.n_layers):
-                try:
-                    f = lp.lora_factors(hm, layer, which)
-                except LensAdaptersError:
-                    assert torch.equal(getattr(hm, w)[layer], getattr(hb, w)[layer]), (which, layer)
-                    continue
-                assert f.W.shape == getattr(hm, w)[layer].shape
-                assert_close(getattr(hm, w)[layer], getattr(hb, w)[layer] + f.W, f"{w}[{layer}] == base + A @ B * s",
-                             atol=1e-6)
-    hm.unwrap()
-    hb.unwrap()
 
 
 # --- single-model checks -----------------------------------------------------------------------------
@@ -609,7 +173,7 @@ def test_dropout_in_training_mode_is_read_exactly() -> None:
     kit = _gpt2_kit()
     pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.5,
                                                init_lora_weights=False, fan_in_fan_out=True))
-    _init_lora(pm, 0)
+    init_lora(pm, 0)
     pm.train()
     hm = kit.wrap(pm)
     module = pm.base_model.model.transformer.h[0].attn.c_attn
@@ -622,6 +186,105 @@ def test_dropout_in_training_mode_is_read_exactly() -> None:
     delta = torch.cat([cache[f"blocks.0.attn.hook_{x}_lora"].flatten(-2) for x in "qkv"], -1)
     fused = torch.cat([cache[x, 0].flatten(-2) for x in "qkv"], -1)
     assert torch.equal(fused, seen["base"] + delta)
+    hm.unwrap()
+
+
+def _dropout_llama(p: float = 0.5,
+                   targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj")) -> tuple[Kit, PeftModel]:
+    kit = _llama_kit()
+    pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=p,
+                                               init_lora_weights=False))
+    init_lora(pm, 0)
+    return kit, pm
+
+
+def test_lora_dropout_follows_peft_in_eval_and_train_mode() -> None:
+    """Eval mode: LoRA dropout does not fire, each ``*_lora`` point is B·A·x·scaling computed here from the
+    factors. Train mode: exactly PEFT's dropout: with the same RNG seed the wrapped run (every point cached)
+    gives the unwrapped PeftModel's logits bit for bit, and each delta is B·A·dropout(x)·scaling for the mask
+    PEFT drew, which differs from the no-dropout delta."""
+    p = 0.5
+    kit, pm = _dropout_llama(p)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(8))
+    layers = [m for m in pm.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    seen: dict[int, torch.Tensor] = {}
+    handles = [m.register_forward_pre_hook(lambda m, a: seen.__setitem__(id(m), a[0])) for m in layers]
+    handles += [m.lora_dropout["default"].register_forward_hook(
+        lambda d, a, o, m=m: seen.__setitem__(-id(m), o)) for m in layers]
+
+    def delta_from_factors(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        A, B = module.lora_A["default"].weight, module.lora_B["default"].weight  # [r, d_in], [d_out, r]
+        return torch.einsum("...i,ri,or->...o", x, A, B) * module.scaling["default"]
+
+    # train mode: the reference is the PeftModel before wrapping
+    pm.train()
+    with torch.no_grad():
+        torch.manual_seed(1234)
+        reference = pm(ids).logits
+    hm = kit.wrap(pm)
+    delta_layers = lora_layers(hm)
+    assert set(delta_layers.values()) == set(layers)
+    with torch.no_grad():
+        torch.manual_seed(1234)
+        logits, cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
+    assert torch.equal(logits, reference), "the wrapped run drew other dropout masks than PEFT"
+    for name, module in delta_layers.items():
+        x, dropped = seen[id(module)], seen[-id(module)]
+        kept = dropped != 0
+        assert 0 < kept.float().mean() < 1, f"{name}: dropout did not fire in train mode"
+        assert torch.equal(dropped[kept], x[kept] / (1 - p))  # inverted dropout, as torch.nn.Dropout
+        fired = module.lora_B["default"](module.lora_A["default"](dropped)) * module.scaling["default"]
+        assert torch.equal(cache[name], split_like(hm, name, fired).reshape(cache[name].shape)), name
+        no_dropout = split_like(hm, name, delta_from_factors(module, x)).reshape(cache[name].shape)
+        assert (cache[name] - no_dropout).abs().max() > 1e-3, f"{name}: the train-mode delta ignored the dropout"
+
+    # eval mode: no dropout, the delta is B·A·x·scaling
+    pm.eval()
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
+        assert torch.equal(hm(ids).logits, pm(ids).logits)
+    for name, module in delta_layers.items():
+        x = seen[id(module)]
+        expected = split_like(hm, name, delta_from_factors(module, x)).reshape(cache[name].shape)
+        assert_close(cache[name], expected, f"{name} == B·A·x·scaling in eval mode", atol=1e-5)
+    for h in handles:
+        h.remove()
+    hm.unwrap()
+
+
+def test_hook_result_with_train_mode_dropout_on_o_proj() -> None:
+    """``attn.hook_result`` is ``z`` times the effective ``W_O`` (base + B·A·scaling), which has no dropout mask:
+    in train mode with LoRA dropout on ``o_proj`` the heads' results do not sum to ``hook_attn_out - b_O``; the
+    gap is exactly the dropout's effect on the delta. Edits stay exact (applied as differences)."""
+    kit, pm = _dropout_llama(0.5, targets=("o_proj",))
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(9))
+    hm = kit.wrap(pm)
+    names = ["blocks.0.attn.hook_z", "blocks.0.attn.hook_result", "blocks.0.hook_attn_out", "blocks.0.attn.hook_o_lora"]
+    bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(10))
+
+    def bump_head_1(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        t = t.clone()
+        t[:, :, 1] += bump
+        return t
+
+    for train in (False, True):
+        pm.train(train)
+        with torch.no_grad():
+            torch.manual_seed(5)
+            _, cache = hm.run_with_cache(ids, names_filter=names)
+            torch.manual_seed(5)
+            with hm.hooks([("blocks.0.attn.hook_result", bump_head_1)]):
+                _, edited = hm.run_with_cache(ids, names_filter="blocks.0.hook_attn_out")
+            W_O, b_O = hm.W_O[0], hm.b_O[0]
+        z, result, attn_out = cache["z", 0], cache["result", 0], cache["attn_out", 0]
+        assert_close(result, torch.einsum("bphd,hdm->bphm", z, W_O), "result == z @ effective W_O", atol=1e-5)
+        f = lp.lora_factors(hm, 0, "o")
+        no_dropout = torch.einsum("bphd,hdr,rm->bpm", z, f.A, f.B) * f.scaling
+        gap = cache["blocks.0.attn.hook_o_lora"] - no_dropout  # zero in eval mode
+        assert_close(attn_out - b_O - result.sum(-2), gap, "sum of heads misses the dropout's effect", atol=1e-5)
+        assert (gap.abs().max() > 1e-3) == train
+        # the edit moved hook_attn_out by exactly the edit (same dropout mask: same seed)
+        assert_close(edited["attn_out", 0], attn_out + bump, "hook_result edit applied as a difference", atol=1e-5)
     hm.unwrap()
 
 
@@ -685,6 +348,131 @@ def test_prompt_learning_is_refused() -> None:
         kit.wrap(pm)
 
 
+def _tuner_kit() -> tuple[Kit, torch.Tensor]:
+    return _llama_kit(), torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(11))
+
+
+def _record_outputs(modules: dict[str, torch.nn.Module]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list]:
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = [m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, (a[0], o))) for n, m in modules.items()]
+    return seen, handles
+
+
+def _check_non_lora_weights(hm: HookedModel, hb: HookedModel, method: str, refused: dict[str, str],
+                            readable: tuple[str, ...]) -> None:
+    """``refused``: weight -> module path that must be named; ``readable`` weights equal the base model's."""
+    for w, path in refused.items():
+        with pytest.raises(WeightUnavailableError) as info:
+            getattr(hm, w)
+        message = str(info.value)
+        assert path in message, (w, message)
+        assert f"PEFT method {method}" in message and "reads LoRA weights only" in message, message
+        assert "Hook points still see the adapted computation" in message and "bnb" not in message, message
+        others = set(LLAMA_TARGETS) - {path.rsplit(".", 1)[1]}
+        assert not any(o in message for o in others), f"{w}: the error names another module: {message}"
+    for w in readable:
+        assert torch.equal(getattr(hm, w), getattr(hb, w)), w
+
+
+def test_ia3_adapters_are_hooked_and_their_weights_refused() -> None:
+    """IA³ (learned vectors scaling k, v and the down projection's input): every hook point sees the scaled
+    computation, no-hook logits are PeftModel's bitwise, weights of IA³ layers raise a clear error that names
+    the module asked for; other weights read."""
+    from peft import IA3Config
+
+    kit, ids = _tuner_kit()
+    pm = get_peft_model(kit.base(), IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                               feedforward_modules=["down_proj"]))
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "ia3_l" in name:  # PEFT starts at ones (no change)
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    pm.eval()
+    hm, hb = kit.wrap(pm), kit.wrap(kit.base())
+    assert hm.hook_names == hb.hook_names and not lp.lora_hook_names(hm)
+    cfg = hm.cfg
+    inner = pm.base_model.model.model.layers
+    modules = {f"{i}.{n}": getattr(inner[i].self_attn if n != "down_proj" else inner[i].mlp, n)
+               for i in range(cfg.n_layers) for n in ("k_proj", "v_proj", "down_proj")}
+    seen, handles = _record_outputs(modules)
+    with torch.no_grad():
+        reference = pm(ids).logits
+        assert torch.equal(hm(ids).logits, reference)
+        logits, cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
+        assert torch.equal(logits, reference)
+        for i in range(cfg.n_layers):
+            for short, n in (("k", "k_proj"), ("v", "v_proj")):
+                module = modules[f"{i}.{n}"]
+                x, out = seen[f"{i}.{n}"]
+                scaled = module.base_layer(x) * module.ia3_l["default"].flatten()  # IA³ scales the output
+                assert torch.equal(out, scaled) and not torch.allclose(out, module.base_layer(x))
+                assert torch.equal(cache[short, i], out.unflatten(-1, (cfg.n_key_value_heads, cfg.d_head)))
+            down = modules[f"{i}.down_proj"]
+            x, out = seen[f"{i}.down_proj"]
+            assert torch.equal(x, cache["post", i])  # hook_post: the down projection's input, before IA³
+            scaled = down.base_layer(cache["post", i] * down.ia3_l["default"].flatten())  # IA³ scales the input
+            assert torch.equal(cache["mlp_out", i], scaled) and torch.equal(out, scaled)
+            assert not torch.allclose(scaled, down.base_layer(cache["post", i]))
+        # the base model through the helpers (they handle any PEFT tuner)
+        base_logits, base_cache = hb.run_with_cache(ids, names_filter=NO_PATTERN)
+        with lp.adapters_disabled(hm):
+            off_logits, off_cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
+        assert torch.equal(off_logits, base_logits) and not torch.equal(logits, base_logits)
+        assert all(torch.equal(off_cache[k], base_cache[k]) for k in base_cache.keys())
+    for h in handles:
+        h.remove()
+    # W_Q reads q_proj only: the IA³ k_proj next to it is not asked for
+    _check_non_lora_weights(hm, hb, "IA3", {"W_K": "model.layers.0.self_attn.k_proj",
+                                            "_b_K": "model.layers.0.self_attn.k_proj",
+                                            "W_V": "model.layers.0.self_attn.v_proj",
+                                            "W_out": "model.layers.0.mlp.down_proj"},
+                            ("W_Q", "b_Q", "W_O", "W_in", "W_gate", "W_U"))
+    assert hm.unwrap() is pm
+    hb.unwrap()
+
+
+def test_loha_adapters_are_hooked_and_their_weights_refused() -> None:
+    """LoHa (Hadamard product of two low-rank factors) on q, o and up projections: the same guarantees."""
+    from peft import LoHaConfig
+
+    kit, ids = _tuner_kit()
+    pm = get_peft_model(kit.base(), LoHaConfig(r=2, alpha=4, target_modules=["q_proj", "o_proj", "up_proj"],
+                                               init_weights=False))
+    pm.eval()
+    hm, hb = kit.wrap(pm), kit.wrap(kit.base())
+    assert hm.hook_names == hb.hook_names and not lp.lora_hook_names(hm)
+    cfg = hm.cfg
+    layer = pm.base_model.model.model.layers[1]
+    modules = {"q": layer.self_attn.q_proj, "attn_out": layer.self_attn.o_proj, "pre_linear": layer.mlp.up_proj}
+    seen, handles = _record_outputs(modules)
+    with torch.no_grad():
+        reference = pm(ids).logits
+        assert torch.equal(hm(ids).logits, reference)
+        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: NO_PATTERN(n) and "hook_result" not in n)
+        assert torch.equal(logits, reference)
+        # hook_result is computed from W_O, which cannot be read here: the same clear error
+        with pytest.raises(WeightUnavailableError, match=r"model\.layers\.1\.self_attn\.o_proj.*LoHa"):
+            hm.run_with_cache(ids, names_filter="blocks.1.attn.hook_result")
+        for name, module in modules.items():
+            x, out = seen[name]
+            assert not torch.allclose(out, module.base_layer(x)), f"{name}: LoHa changes nothing"
+            value = cache[name, 1]
+            assert torch.equal(value, out.reshape(value.shape)), name  # the adapted module's output
+        with lp.adapters_disabled(hm):
+            off_logits = hm(ids).logits
+        assert torch.equal(off_logits, hb(ids).logits)
+    for h in handles:
+        h.remove()
+    # W_K reads k_proj only: the LoHa q_proj next to it is not asked for
+    _check_non_lora_weights(hm, hb, "LoHa", {"W_Q": "model.layers.0.self_attn.q_proj",
+                                             "W_O": "model.layers.0.self_attn.o_proj",
+                                             "W_in": "model.layers.0.mlp.up_proj"},
+                            ("W_K", "b_K", "W_V", "b_V", "W_gate", "W_out"))
+    assert hm.unwrap() is pm
+    hb.unwrap()
+
+
 def test_lora_factor_shapes_and_errors() -> None:
     kit = _gpt2_kit(targets=["c_attn", "mlp.c_proj"])
     pm = kit.adapted()
@@ -710,7 +498,7 @@ def test_half_precision_base_with_float32_adapters() -> None:
     pm = get_peft_model(kit.base().to(torch.bfloat16),
                         LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False,
                                    fan_in_fan_out=True))
-    _init_lora(pm, 0)
+    init_lora(pm, 0)
     pm.eval()
     module = pm.base_model.model.transformer.h[0].attn.c_attn
     assert module.lora_A["default"].weight.dtype == torch.float32
@@ -766,7 +554,7 @@ def test_dora_adapters_are_hooked_but_have_no_plain_weight() -> None:
     kit = _gpt2_kit()
     pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], use_dora=True,
                                                init_lora_weights=False, fan_in_fan_out=True))
-    _init_lora(pm, 0)
+    init_lora(pm, 0)
     pm.eval()
     hm = kit.wrap(pm)
     module = pm.base_model.model.transformer.h[0].attn.c_attn
@@ -793,7 +581,7 @@ def test_adapters_loaded_through_transformers_integration() -> None:
     model = kit.base()
     model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False,
                                  fan_in_fan_out=True))
-    _init_lora(model, 0)
+    init_lora(model, 0)
     model.eval()
     hm = kit.wrap(model)
     assert hm.model is model and "blocks.1.mlp.hook_pre_lora" in hm.hook_names

@@ -90,7 +90,6 @@ def test_every_distribution_ships_its_license_and_the_same_python_classifiers():
 
 
 # peft and bnb READMEs still link ../../README.md (owned elsewhere); remove them from this set once fixed
-_RELATIVE_LINKS_PENDING = {"lensadapters-peft", "lensadapters-bnb"}
 
 
 @pytest.mark.parametrize("plugin_dir", PLUGIN_DIRS, ids=lambda d: d.name)
@@ -107,10 +106,9 @@ def test_plugin_readme_is_a_long_description_that_works_on_pypi(plugin_dir):
     pinned = re.search(r"^transformers==(\d+\.\d+)", (ROOT / "constraints.txt").read_text(), re.M).group(1)
     assert "transformers" in text and floor in text and pinned in text, f"{plugin_dir.name}: name tested versions"
     # links must not be relative: on PyPI the README is rendered without the repository around it
-    if project["name"] not in _RELATIVE_LINKS_PENDING:
-        links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
-        relative = [link for link in links if not re.match(r"(https?://|mailto:|#)", link)]
-        assert not relative, f"{plugin_dir.name}/README.md has relative links: {relative}"
+    links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
+    relative = [link for link in links if not re.match(r"(https?://|mailto:|#)", link)]
+    assert not relative, f"{plugin_dir.name}/README.md has relative links: {relative}"
     # the architecture it adds, by model type (a cross-cutting plugin claims none)
     module = pytest.importorskip(tomllib.loads((plugin_dir / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"][0])

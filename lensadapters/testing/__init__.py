@@ -1,6 +1,7 @@
 """Test kit for adapter plugins: hypothesis strategies and the contract suite (``pip install lensadapters[testing]``)."""
 
-from .contract import AdapterContract, assert_close, perturb, reinit
-from .strategies import Inputs, token_inputs
+from .contract import AdapterContract, Capabilities, assert_close, perturb, reinit
+from .strategies import Inputs, as_strategy, token_inputs
 
-__all__ = ["AdapterContract", "assert_close", "perturb", "reinit", "Inputs", "token_inputs"]
+__all__ = ["AdapterContract", "Capabilities", "assert_close", "perturb", "reinit", "Inputs", "as_strategy",
+           "token_inputs"]

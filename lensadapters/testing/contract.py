@@ -8,30 +8,48 @@ Opt in from your plugin's tests by subclassing :class:`AdapterContract`::
 
     class TestMyArch(AdapterContract):
         plugin = lensadapters_myarch            # registered by hand: no installation needed
+        learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
 
         @classmethod
         def configs(cls):                       # a strategy of tiny transformers configs
             return st.builds(MyConfig, num_hidden_layers=st.integers(1, 3), ...)
 
 The suite draws a config and left-padded inputs, builds a seeded model with
-``AutoModelForCausalLM.from_config`` and checks the properties below. Capabilities (learned
-positions, rotary, gated MLP, parallel blocks) are read from the wrapped model's ``cfg`` and hook
-names, so most plugins set nothing else. Override ``pre_ln_residual(model)`` for blocks whose
-residual stream is not ``resid_mid = resid_pre + attn_out`` / ``resid_post = resid_mid + mlp_out``
-(post-LN), ``final_hidden_is_ln_final`` when the model's last hidden state is not the final
-norm's output, and ``attn_implementations`` when transformers offers the model no sdpa (the first entry
-is the default implementation). Ship the subclass in the plugin package and name it in the plugin's
-``LENSADAPTERS_CONTRACT = "module:Class"`` so that ``lensadapters check PLUGIN`` runs the same suite.
+``AutoModelForCausalLM.from_config`` and checks the properties below.
+
+Capabilities (learned positions, rotary, gated MLP, parallel blocks) are *declared*: set the class
+attributes, or override ``capabilities(model)`` when one depends on the config (GPT-NeoX's
+``use_parallel_residual``). ``test_hook_points_match_declared_capabilities`` then requires the hook
+points and ``hm.cfg`` fields each capability implies (a rotary model without ``hook_rot_q`` fails); an
+undeclared capability (``None``) is not checked. The other properties follow the hook points the wrapped
+model has.
+
+Override ``pre_ln_residual(model)`` for blocks whose residual stream is not ``resid_mid = resid_pre +
+attn_out`` / ``resid_post = resid_mid + mlp_out`` (post-LN), ``final_hidden_is_ln_final`` when the model's
+last hidden state is not the final norm's output, and ``attn_implementations`` when transformers offers the
+model no sdpa (the first entry is the default implementation).
+
+Coverage on every run: with few examples per property, a random draw can miss a config family for some
+properties on every CI run. ``config_strata`` names such families and the properties that must see them
+(``{"llama3": ("test_edits_during_generation_match_one_pass", ...)}``); ``stratum_configs(name)`` returns
+the strategy of that family. Each pair becomes one more test, ``<property>__<name>``, that draws only from
+the stratum (``stratum_examples`` examples, a quarter of the profile's by default): an ``@example`` for a
+whole family of configs. ``config_label(config)`` names a drawn config for Hypothesis' statistics
+(``pytest --hypothesis-show-statistics`` lists the labels each property drew).
+
+Ship the subclass in the plugin package and name it in the plugin's ``LENSADAPTERS_CONTRACT =
+"module:Class"`` so that ``lensadapters check PLUGIN`` runs the same suite.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from ..demo import reinit
@@ -64,6 +82,11 @@ def perturb(t: torch.Tensor, hook: Any) -> torch.Tensor:
     return t * 1.5 + 0.3 * noise
 
 
+def _flatten_scores(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+    """Every unmasked score 0 (a uniform pattern over the allowed keys), masked ones kept at ``-inf``."""
+    return torch.where(torch.isfinite(scores), torch.zeros_like(scores), scores)
+
+
 def _attention_witness(hm: HookedModel, name: str) -> Optional[str]:
     """For a point upstream of a layer's attention scores (q, k, rotary, their LoRA deltas), the scores;
     for the scores, the pattern: where an edit that a saturated softmax hides from the logits must show."""
@@ -88,6 +111,53 @@ def _instance_attributes(model: torch.nn.Module) -> dict[str, set[str]]:
     return {name: set(vars(module)) for name, module in model.named_modules()}
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model has, as its plugin's contract declares it; ``None``: not declared, not checked.
+
+    * ``learned_positions``: a learned position table: ``hook_pos_embed``, ``W_pos``,
+      ``cfg.positional_embedding_type == "standard"``.
+    * ``rotary``: rotary embeddings: ``attn.hook_rot_q``/``hook_rot_k`` in every block,
+      ``cfg.positional_embedding_type == "rotary"``, ``0 < cfg.rotary_dim <= cfg.d_head``.
+    * ``gated_mlp``: ``mlp.hook_pre_linear`` in every block, ``cfg.gated_mlp``, ``W_gate``.
+    * ``parallel_blocks``: attention and MLP read the same block input: no ``hook_resid_mid``,
+      ``cfg.parallel_attn_mlp``; sequential blocks have ``hook_resid_mid`` in every block.
+    """
+
+    learned_positions: Optional[bool] = None
+    rotary: Optional[bool] = None
+    gated_mlp: Optional[bool] = None
+    parallel_blocks: Optional[bool] = None
+
+
+#: hook points every block has, whatever the architecture
+_BLOCK_POINTS = ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k",
+                 "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result",
+                 "hook_attn_out", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+_STRATUM_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                               HealthCheck.differing_executors])
+
+
+def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
+    """The test ``name``: property ``prop`` (resolved on the instance's class, so variants' overrides run) on
+    configs drawn from ``stratum_configs(stratum)``."""
+
+    def body(self: "AdapterContract", data: st.DataObject) -> None:
+        inner = getattr(type(self), prop).hypothesis.inner_test
+        self._stratum = stratum
+        try:
+            inner(self, data)
+        finally:
+            self._stratum = None
+
+    body.__name__ = body.__qualname__ = name  # (also gives each its own derandomized examples)
+    body.__doc__ = (f"``{prop}`` on configs of the stratum {stratum!r} only (``config_strata``): covered on every "
+                    f"run, whatever ``configs()`` happens to draw.")
+    test = settings(max_examples=examples, **_STRATUM_SETTINGS)(given(data=st.data())(body))
+    test._lensadapters_stratum = (prop, stratum, examples)
+    return test
+
+
 class AdapterContract:
     """Generic properties of an adapter plugin (see the module docstring)."""
 
@@ -97,12 +167,53 @@ class AdapterContract:
     final_hidden_is_ln_final: ClassVar[bool] = True
     max_batch: ClassVar[int] = 3
     max_len: ClassVar[int] = 9
+    # declared capabilities (see Capabilities); None: not declared. Override capabilities() when the
+    # config decides one of them.
+    learned_positions: ClassVar[Optional[bool]] = None
+    rotary: ClassVar[Optional[bool]] = None
+    gated_mlp: ClassVar[Optional[bool]] = None
+    parallel_blocks: ClassVar[Optional[bool]] = None
+    # config families some properties must see on every run: {stratum: property names} (module docstring)
+    config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
+    stratum_examples: ClassVar[Optional[int]] = None  # None: a quarter of the profile's max_examples (at least 1)
+    _stratum: Optional[str] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        examples = cls.stratum_examples or max(1, settings.default.max_examples // 4)
+        wanted: dict[str, tuple[str, str, int]] = {}
+        for stratum, properties in dict(cls.config_strata).items():
+            slug = re.sub(r"\W+", "_", stratum).strip("_")
+            for prop in properties:
+                if not hasattr(getattr(cls, prop, None), "hypothesis"):
+                    raise TypeError(f"{cls.__name__}.config_strata[{stratum!r}] names {prop!r}, which is not a "
+                                    f"property of the contract (a Hypothesis test method)")
+                wanted[f"{prop}__{slug}"] = (prop, stratum, examples)
+        for name in dir(cls):  # generated for a base class's strata that this class does not declare
+            if getattr(getattr(cls, name, None), "_lensadapters_stratum", None) is not None and name not in wanted:
+                setattr(cls, name, None)
+        for name, spec in wanted.items():
+            if getattr(getattr(cls, name, None), "_lensadapters_stratum", None) != spec:
+                setattr(cls, name, _stratum_test(name, *spec))
 
     # --- what a plugin provides ------------------------------------------------------------------
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
         raise NotImplementedError("AdapterContract subclasses return a strategy of tiny configs from configs()")
+
+    @classmethod
+    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
+        """The configs of one of ``config_strata``: a part of what ``configs()`` draws."""
+        raise NotImplementedError(f"{cls.__name__} declares config_strata but no stratum_configs({stratum!r})")
+
+    def config_label(self, config: Any) -> Optional[str]:
+        """A short name of a drawn config's family, counted in Hypothesis' statistics (None: not counted)."""
+        return None
+
+    def capabilities(self, model: torch.nn.Module) -> Capabilities:
+        """What ``model`` has (declared, not read from the plugin): the class attributes by default."""
+        return Capabilities(**{f.name: getattr(self, f.name) for f in fields(Capabilities)})
 
     def pre_ln_residual(self, model: torch.nn.Module) -> bool:
         """Whether resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out hold (pre-LN blocks)."""
@@ -141,16 +252,95 @@ class AdapterContract:
              ) -> tuple[torch.nn.Module, Inputs]:
         """A model and inputs; ``attn_implementation`` defaults to the first of ``attn_implementations``."""
         attn_implementation = attn_implementation or self.attn_implementations[0]
-        config = data.draw(self.configs(), label="config")
+        config = self.draw_config(data)
         seed = data.draw(st.integers(0, 2**16), label="seed")
         model = self.make_model(config, seed, attn_implementation)
         vocab = model.get_input_embeddings().weight.shape[0]
         inputs = data.draw(token_inputs(vocab, self.max_batch, 2, self.max_len, left_padding), label="inputs")
         return model, inputs
 
+    def draw_config(self, data: st.DataObject) -> Any:
+        """A config from ``configs()``, or from the stratum a generated ``<property>__<stratum>`` test runs."""
+        strategy = self.configs() if self._stratum is None else self.stratum_configs(self._stratum)
+        config = data.draw(strategy, label="config" if self._stratum is None else f"config ({self._stratum})")
+        label = self.config_label(config)
+        if label is not None:
+            event(f"config: {label}")
+        return config
+
     @staticmethod
     def valid_logits(logits: torch.Tensor, inputs: Inputs) -> torch.Tensor:
         return logits[inputs.valid]
+
+    # --- 0. declared capabilities ------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
+        """Every block has the hook points all architectures have, and each declared capability its own
+        (``Capabilities``), with ``hm.cfg`` saying the same: a point the plugin fails to expose fails here
+        instead of silently shrinking what the other properties check."""
+        model, inputs = self.draw(data)
+        declared = self.capabilities(model)
+        hm = self.wrap(model)
+        cfg, names = hm.cfg, set(hm.hook_names)
+        blocks = range(cfg.n_layers)
+
+        def points(*suffixes: str) -> list[str]:
+            return [f"blocks.{i}.{s}" for i in blocks for s in suffixes]
+
+        missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS) if n not in names]
+        assert not missing, f"hook points every model has are missing: {missing}"
+        shapes: dict[str, tuple[str, ...]] = {}  # capability point -> the point whose shape it has
+        if declared.learned_positions is not None:
+            assert ("hook_pos_embed" in names) == declared.learned_positions, (
+                f"learned_positions={declared.learned_positions}, but hook_pos_embed is "
+                f"{'present' if 'hook_pos_embed' in names else 'missing'}")
+            if declared.learned_positions:
+                assert cfg.positional_embedding_type == "standard", cfg.positional_embedding_type
+                assert hm.W_pos.ndim == 2 and hm.W_pos.shape[1] == cfg.d_model, tuple(hm.W_pos.shape)
+                shapes["hook_pos_embed"] = ("hook_embed",)
+        if declared.rotary is not None:
+            rotary_points = points("attn.hook_rot_q", "attn.hook_rot_k")
+            present = [n for n in rotary_points if n in names]
+            if declared.rotary:
+                assert present == rotary_points, f"rotary=True, but missing: {sorted(set(rotary_points) - set(present))}"
+                assert cfg.positional_embedding_type == "rotary", cfg.positional_embedding_type
+                assert cfg.rotary_dim is not None and 0 < cfg.rotary_dim <= cfg.d_head, (cfg.rotary_dim, cfg.d_head)
+                for i in blocks:
+                    for x in "qk":
+                        shapes[f"blocks.{i}.attn.hook_rot_{x}"] = (f"blocks.{i}.attn.hook_{x}",)
+            else:
+                assert not present, f"rotary=False, but the model has {present}"
+                assert cfg.positional_embedding_type != "rotary"
+        if declared.gated_mlp is not None:
+            gated_points = points("mlp.hook_pre_linear")
+            present = [n for n in gated_points if n in names]
+            assert cfg.gated_mlp == declared.gated_mlp, f"gated_mlp={declared.gated_mlp}, cfg.gated_mlp={cfg.gated_mlp}"
+            if declared.gated_mlp:
+                assert present == gated_points, f"gated_mlp=True, but missing: {sorted(set(gated_points) - set(present))}"
+                assert hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp), tuple(hm.W_gate.shape)
+                for i in blocks:
+                    shapes[f"blocks.{i}.mlp.hook_pre_linear"] = (f"blocks.{i}.mlp.hook_pre",)
+            else:
+                assert not present, f"gated_mlp=False, but the model has {present}"
+        if declared.parallel_blocks is not None:
+            mid = [n for n in points("hook_resid_mid") if n in names]
+            assert cfg.parallel_attn_mlp == declared.parallel_blocks, (
+                f"parallel_blocks={declared.parallel_blocks}, cfg.parallel_attn_mlp={cfg.parallel_attn_mlp}")
+            assert [layout.parallel for layout in hm.block_layouts] == [declared.parallel_blocks] * cfg.n_layers
+            if declared.parallel_blocks:
+                assert not mid, f"parallel blocks have no hook_resid_mid, but the model has {mid}"
+            else:
+                assert mid == points("hook_resid_mid"), "a sequential block lacks hook_resid_mid"
+        if shapes:
+            watched = list(shapes) + [like for likes in shapes.values() for like in likes]
+            with torch.no_grad():
+                _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=watched)
+            for name, (like,) in shapes.items():
+                assert cache[name].shape == cache[like].shape, (
+                    f"{name} has shape {tuple(cache[name].shape)}, {like} {tuple(cache[like].shape)}")
+        hm.unwrap()
 
     # --- 1. no hooks: bitwise ----------------------------------------------------------------------
 
@@ -350,9 +540,10 @@ class AdapterContract:
                 witness = _attention_witness(hm, name)
                 if diff <= 1e-5 and witness is not None:
                     # a saturated softmax (tiny random models, two tokens) can hide a query/key edit from the
-                    # logits; the edit must then still reach what attention computes from it
+                    # logits; the edit must then still reach what attention computes from it. (A saturated
+                    # pattern stays saturated under a rescaled, noisy score: the scores are flattened instead.)
                     _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
-                    with hm.hooks([(name, perturb)]):
+                    with hm.hooks([(name, _flatten_scores if name.endswith("hook_attn_scores") else perturb)]):
                         _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
                     a, b = edited[witness], base[witness]
                     finite = torch.isfinite(a) & torch.isfinite(b)

@@ -1,9 +1,9 @@
-"""Hypothesis strategies for plugin tests: token inputs with left padding, seeds."""
+"""Hypothesis strategies for plugin tests: token inputs with left padding, seeds, keyword overrides."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -40,6 +40,15 @@ def token_inputs(draw: st.DrawFn, vocab_size: int, max_batch: int = 3, min_len: 
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     return Inputs(ids, mask, pads)
+
+
+def as_strategy(value: Any) -> st.SearchStrategy:
+    """``value`` itself if it is a strategy, else a strategy that always gives ``value``.
+
+    Config strategies take their keyword overrides through it, so each override may be a fixed value
+    (``d_model=64``) or a narrower strategy (``n_layers=st.integers(1, 2)``).
+    """
+    return value if isinstance(value, st.SearchStrategy) else st.just(value)
 
 
 def seeds() -> st.SearchStrategy[int]:

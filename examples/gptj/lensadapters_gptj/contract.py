@@ -31,10 +31,15 @@ def gptj_configs(draw: st.DrawFn) -> GPTJConfig:
 
 
 class GPTJContract(AdapterContract):
-    """Every generic adapter property, on tiny GPT-J models (eager attention: transformers has no sdpa GPT-J)."""
+    """Every generic adapter property, on tiny GPT-J models (eager attention: transformers has no sdpa GPT-J).
+
+    Declared capabilities: rotary embeddings (``hook_rot_q``/``hook_rot_k`` in every block), parallel blocks
+    (no ``hook_resid_mid``), no learned position table, no gated MLP.
+    """
 
     plugin = lensadapters_gptj
     attn_implementations = ("eager",)
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:

@@ -211,6 +211,18 @@ class Int8Contract(AdapterContract):
                 assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
         hm.unwrap()
 
+    @_SETTINGS
+    @given(data=st.data())
+    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
+        """As in the float suite (hook points are structural: fewer examples here, each reloads a model)."""
+        AdapterContract.test_hook_points_match_declared_capabilities.hypothesis.inner_test(self, data)
+
+    def generation_atol(self, logits: torch.Tensor) -> float:
+        """LLM.int8 quantizes each call's activations row by row and picks outlier columns over the rows of that
+        call: a decoding step (one token) and a one-pass forward (all tokens) round differently, by a small
+        fraction of the logits' scale (a missing edit moves them by much more: the test requires it)."""
+        return 0.02 * logits.abs().max().item() + 1e-3
+
     # Two properties hold within the int8 bound rather than float rounding:
 
     @_SETTINGS

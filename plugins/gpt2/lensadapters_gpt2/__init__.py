@@ -26,6 +26,8 @@ from lensadapters import (
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+# the contract suite `lensadapters check gpt2` runs (imported only then: it needs lensadapters[testing])
+LENSADAPTERS_CONTRACT = "lensadapters_gpt2.testing:GPT2Contract"
 ARCH = Architecture(
     name="gpt2",
     model_types=("gpt2",),
@@ -153,7 +155,15 @@ def _eager_457_scale(module: nn.Module, query: torch.Tensor) -> float:
 
 @hookimpl
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """Width 64, vocabulary 512. Seed 0 is the demo's model (2 layers of 4 heads, gelu_new); other seeds vary
+    the depth (1-3 layers), the heads (2, 4 or 8) and the activation, deterministically."""
+    import random
+
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    rng = random.Random(seed)
+    layers, heads, act = (2, 4, "gelu_new") if seed == 0 else (
+        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice(["gelu_new", "gelu", "relu"]))
+    return GPT2Config(n_layer=layers, n_embd=64, n_head=heads, n_positions=128, vocab_size=512,
+                      activation_function=act, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                      eos_token_id=0)

@@ -38,6 +38,8 @@ from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+# the contract suite `lensadapters check gpt_neox` runs (imported only then: it needs lensadapters[testing])
+LENSADAPTERS_CONTRACT = "lensadapters_gpt_neox.testing:GPTNeoXContract"
 ARCH = Architecture(
     name="gpt_neox",
     model_types=("gpt_neox",),
@@ -204,8 +206,16 @@ def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> ML
 
 @hookimpl
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """Width 64, vocabulary 512. Seed 0 is the demo's model (2 parallel layers of 4 heads, rotary_pct 0.25);
+    other seeds vary the depth (1-3), the heads (2, 4 or 8), rotary_pct (0.25, 0.5, 1) and parallel vs
+    sequential blocks, deterministically."""
+    import random
+
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=256, rotary_pct=0.25, max_position_embeddings=128, hidden_dropout=0.0,
-                         attention_dropout=0.0, use_parallel_residual=True)
+    rng = random.Random(seed)
+    layers, heads, pct, parallel = (2, 4, 0.25, True) if seed == 0 else (
+        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice([0.25, 0.5, 1.0]), rng.random() < 0.5)
+    return GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=256, rotary_pct=pct, max_position_embeddings=128, hidden_dropout=0.0,
+                         attention_dropout=0.0, use_parallel_residual=parallel)

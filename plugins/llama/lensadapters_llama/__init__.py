@@ -46,6 +46,8 @@ from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+# the contract suite `lensadapters check llama` runs (imported only then: it needs lensadapters[testing])
+LENSADAPTERS_CONTRACT = "lensadapters_llama.testing:LlamaContract"
 ARCH = Architecture(
     name="llama",
     model_types=("llama",),
@@ -211,14 +213,21 @@ def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> ML
 
 @hookimpl
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
-    """A Llama-3-like toy: GQA (4 query heads, 2 kv heads), llama3 rope scaling, tied embeddings."""
+    """A Llama-3-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
+    2 kv heads), llama3 rope scaling, tied embeddings. Other seeds vary the depth (1-3), the heads (MHA, GQA,
+    MQA), llama3 scaling or plain RoPE (Llama 2) and tied or untied embeddings, deterministically."""
+    import random
+
     from transformers import LlamaConfig
 
+    rng = random.Random(seed)
+    layers, (heads, kv_heads), llama3, tied = (2, (4, 2), True, True) if seed == 0 else (
+        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.random() < 0.5, rng.random() < 0.5)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
     return LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32},
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, rope_theta=500000.0 if llama3 else 10000.0, rope_scaling=scaling if llama3 else None,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )

@@ -53,6 +53,8 @@ from lensadapters.weights import read_linear
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+# the contract suite `lensadapters check opt` runs (imported only then: it needs lensadapters[testing])
+LENSADAPTERS_CONTRACT = "lensadapters_opt.testing:OPTContract"
 ARCH = Architecture(
     name="opt",
     model_types=("opt",),
@@ -246,8 +248,17 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
 
 @hookimpl
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """Width 64, vocabulary 512. Seed 0 is the demo's model (2 pre-LN layers of 4 heads, OPT-125m's shape);
+    other seeds vary the depth (1-3), the heads (2, 4 or 8) and the shape: pre-LN, or OPT-350m's post-LN with
+    ``project_in``/``project_out`` (embeddings 32 wide), deterministically."""
+    import random
+
     from transformers import OPTConfig
 
-    return OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
-                     max_position_embeddings=128, word_embed_proj_dim=64, do_layer_norm_before=True, dropout=0.0,
-                     attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    rng = random.Random(seed)
+    layers, heads, post_ln = (2, 4, False) if seed == 0 else (
+        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.random() < 0.5)
+    return OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, ffn_dim=128, num_attention_heads=heads,
+                     max_position_embeddings=128, word_embed_proj_dim=32 if post_ln else 64,
+                     do_layer_norm_before=not post_ln, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
+                     bos_token_id=2, eos_token_id=2)

@@ -1,0 +1,84 @@
+"""Test kit of lensadapters-gpt-neox: configs and the contract class (needs ``lensadapters[testing]``).
+
+``GPTNeoXContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check
+gpt_neox`` runs it); ``tests/test_gpt_neox.py`` subclasses it, and the LoRA and 8-bit suites mix their
+variants in front of it. ``gpt_neox_configs(**overrides)`` draws tiny ``GPTNeoXConfig``s (every keyword a
+fixed value or a strategy); ``gpt_neox_config(...)`` builds one.
+
+Importing ``lensadapters_gpt_neox`` itself never imports this module (nor hypothesis, nor pytest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import torch
+from hypothesis import strategies as st
+from transformers import GPTNeoXConfig
+
+import lensadapters_gpt_neox
+from lensadapters.testing import AdapterContract, Capabilities
+from lensadapters.testing.strategies import as_strategy
+
+__all__ = ["GPTNeoXContract", "gpt_neox_config", "gpt_neox_configs", "rotary_pct"]
+
+VOCAB = 128
+
+
+def gpt_neox_config(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, parallel: bool = True,
+                    bias: bool = True, n_layers: int = 2, d_mlp: int = 48, vocab: int = VOCAB) -> GPTNeoXConfig:
+    """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos)."""
+    return GPTNeoXConfig(
+        vocab_size=vocab, hidden_size=n_heads * d_head, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+        intermediate_size=d_mlp, rotary_pct=rotary_pct, rotary_emb_base=10000, max_position_embeddings=64,
+        hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=parallel, attention_bias=bias,
+        pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def rotary_pct(config: Any) -> float:
+    """``rotary_pct`` of a config (transformers 5 keeps it in ``rope_parameters["partial_rotary_factor"]``)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("partial_rotary_factor", getattr(config, "rotary_pct", None))
+
+
+@st.composite
+def gpt_neox_configs(draw: st.DrawFn, *, n_heads: Any = st.sampled_from([1, 2, 4]),
+                     d_head: Any = st.sampled_from([8, 16]), d_model: Any = None,
+                     rotary_pct: Any = st.sampled_from([0.25, 0.5, 1.0]), parallel: Any = st.booleans(),
+                     bias: Any = st.booleans(), n_layers: Any = st.integers(1, 2), d_mlp: Any = 48,
+                     vocab: Any = VOCAB) -> GPTNeoXConfig:
+    """Tiny GPT-NeoX configs: parallel and sequential residual, ``rotary_pct`` 0.25 / 0.5 / 1, 1-4 heads,
+    attention bias on and off, 1-2 layers.
+
+    Each keyword is a value or a strategy. ``d_model`` fixes the width (``d_head`` is then ``d_model //
+    n_heads``).
+    """
+    heads = draw(as_strategy(n_heads), label="n_heads")
+    head_dim = (draw(as_strategy(d_model), label="d_model") // heads if d_model is not None
+                else draw(as_strategy(d_head), label="d_head"))
+    return gpt_neox_config(
+        n_heads=heads, d_head=head_dim, rotary_pct=draw(as_strategy(rotary_pct), label="rotary_pct"),
+        parallel=draw(as_strategy(parallel), label="parallel"), bias=draw(as_strategy(bias), label="bias"),
+        n_layers=draw(as_strategy(n_layers), label="n_layers"), d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
+        vocab=draw(as_strategy(vocab), label="vocab"))
+
+
+class GPTNeoXContract(AdapterContract):
+    """Every generic adapter property on tiny GPT-NeoX models (partial rotary, parallel or sequential blocks)."""
+
+    plugin = lensadapters_gpt_neox
+    learned_positions, rotary, gated_mlp = False, True, False
+    #: keyword overrides of gpt_neox_configs (the LoRA and 8-bit test classes narrow the sizes)
+    config_overrides: ClassVar[dict] = {}
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return gpt_neox_configs(**cls.config_overrides)
+
+    def capabilities(self, model: torch.nn.Module) -> Capabilities:
+        return dataclasses.replace(super().capabilities(model),
+                                   parallel_blocks=bool(model.config.use_parallel_residual))
+
+    def config_label(self, config: Any) -> Optional[str]:
+        return f"{'parallel' if config.use_parallel_residual else 'sequential'}, rotary_pct {rotary_pct(config)}"

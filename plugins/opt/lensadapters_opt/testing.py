@@ -1,0 +1,112 @@
+"""Test kit of lensadapters-opt: the config strategy and the contract class (needs ``lensadapters[testing]``).
+
+``OPTContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check opt``
+runs it); ``tests/test_opt.py`` subclasses it, and the LoRA and 8-bit suites mix their variants in front
+of it. ``opt_configs(**overrides)`` draws tiny ``OPTConfig``s (every keyword a fixed value or a strategy).
+
+Importing ``lensadapters_opt`` itself never imports this module (nor hypothesis, nor pytest).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar, Optional
+
+import torch
+from hypothesis import strategies as st
+from transformers import OPTConfig
+
+import lensadapters_opt
+from lensadapters.testing import AdapterContract
+from lensadapters.testing.strategies import as_strategy
+
+__all__ = ["OPTContract", "opt_configs", "non_affine_norms_build"]
+
+
+@functools.lru_cache(maxsize=None)
+def non_affine_norms_build() -> bool:
+    """transformers 4.57's OPT ``_init_weights`` crashes on LayerNorms without weights (fixed in 5.x)."""
+    from transformers import AutoModelForCausalLM
+
+    config = OPTConfig(vocab_size=8, hidden_size=4, num_hidden_layers=1, ffn_dim=4, num_attention_heads=1,
+                       max_position_embeddings=4, layer_norm_elementwise_affine=False)
+    try:
+        AutoModelForCausalLM.from_config(config)
+    except AttributeError:
+        return False
+    return True
+
+
+@st.composite
+def opt_configs(draw: st.DrawFn, pre_ln: Any = None, project: Any = None, *, n_heads: Any = st.integers(1, 4),
+                d_head: Any = st.sampled_from([4, 8, 16]), d_model: Any = None,
+                proj_dim: Any = st.sampled_from([8, 12, 24]), n_layers: Any = st.integers(1, 3),
+                ffn_dim: Any = st.sampled_from([16, 32, 48]), vocab: Any = st.integers(16, 200),
+                bias: Any = st.booleans(), affine: Any = None,
+                act: Any = st.sampled_from(["relu", "gelu", "silu"])) -> OPTConfig:
+    """Tiny OPT configs: pre-LN (OPT-125m, 1.3b...) and post-LN (OPT-350m), ``project_in``/``project_out``
+    (``word_embed_proj_dim != hidden_size``, OPT-350m), biases on and off, LayerNorms with and without
+    affine parameters, ReLU / GELU / SiLU, 1-3 layers of 1-4 heads.
+
+    Each keyword is a value or a strategy; ``pre_ln``/``project``/``affine`` ``None`` draw a boolean (``affine``
+    only where transformers can build non-affine norms). ``d_model`` fixes ``hidden_size`` (``d_head`` is then
+    ignored). ``proj_dim`` is the projected embedding width, moved off ``hidden_size`` when they coincide.
+    """
+    heads = draw(as_strategy(n_heads), label="n_heads")
+    hidden = (draw(as_strategy(d_model), label="d_model") if d_model is not None
+              else heads * draw(as_strategy(d_head), label="d_head"))
+    project = draw(st.booleans() if project is None else as_strategy(project), label="project")
+    proj = draw(as_strategy(proj_dim), label="proj_dim") if project else hidden
+    if proj == hidden and project:
+        proj = hidden + 4
+    pre_ln = draw(st.booleans() if pre_ln is None else as_strategy(pre_ln), label="pre_ln")
+    bias = draw(as_strategy(bias), label="bias")
+    affine = draw(st.booleans() if affine is None and non_affine_norms_build() else as_strategy(
+        True if affine is None else affine), label="affine")
+    act = draw(as_strategy(act), label="act")
+    if not (pre_ln or bias or affine) and act == "relu":
+        # post-LN with a bias-free, homogeneous MLP and no LayerNorm affine is scale invariant: a per-token
+        # rescaling of ln1's output (an ln1.hook_scale edit) provably cannot change the logits
+        act = "gelu"
+    return OPTConfig(
+        vocab_size=draw(as_strategy(vocab), label="vocab"), hidden_size=hidden,
+        num_hidden_layers=draw(as_strategy(n_layers), label="n_layers"),
+        ffn_dim=draw(as_strategy(ffn_dim), label="ffn_dim"), num_attention_heads=heads, max_position_embeddings=32,
+        word_embed_proj_dim=proj, do_layer_norm_before=pre_ln, enable_bias=bias,
+        layer_norm_elementwise_affine=affine, activation_function=act,
+        dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+    )
+
+
+GENERATION = ("test_generation_with_hooks_matches", "test_edits_during_generation_match_one_pass")
+
+
+class OPTContract(AdapterContract):
+    """Every generic adapter property on tiny OPT models (learned positions with an offset, pre- and post-LN
+    blocks, projected embeddings). The OPT-350m shape (post-LN with ``project_in``/``project_out``) is a
+    stratum of the generation properties: drawn on every run."""
+
+    plugin = lensadapters_opt
+    learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
+    # with project_out, HF's last hidden state is project_out(final norm output); tests/test_opt.py checks it
+    final_hidden_is_ln_final = False
+    config_strata = {"opt-350m": GENERATION}
+    #: keyword overrides of opt_configs (the LoRA and 8-bit test classes narrow the sizes)
+    config_overrides: ClassVar[dict] = {}
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return opt_configs(**cls.config_overrides)
+
+    @classmethod
+    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
+        if stratum == "opt-350m":
+            return opt_configs(**{**cls.config_overrides, "pre_ln": False, "project": True})
+        return super().stratum_configs(stratum)
+
+    def config_label(self, config: Any) -> Optional[str]:
+        projected = config.word_embed_proj_dim != config.hidden_size
+        return f"{'pre' if config.do_layer_norm_before else 'post'}-LN" + (", project_in" if projected else "")
+
+    def pre_ln_residual(self, model: torch.nn.Module) -> bool:
+        return bool(model.config.do_layer_norm_before)

@@ -589,7 +589,8 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     base = quantize(fp32_model(config, 0, "eager"), "int8", torch.float16)
-    base = prepare_model_for_kbit_training(base)  # float16 -> float32 outside the int8 layers, checkpointing
+    # float16 -> float32 outside the int8 layers, reentrant gradient checkpointing (PEFT's default, said explicitly)
+    base = prepare_model_for_kbit_training(base, gradient_checkpointing_kwargs={"use_reentrant": True})
     peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, bias="none",
                                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     _nonzero_lora(peft_model, 0)

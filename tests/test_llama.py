@@ -350,6 +350,48 @@ def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_
     hm.unwrap()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_seed_004_half_precision_static_cache(llama32, dtype):
+    """Seed 004 loads Llama in float16/bfloat16 with sdpa and generates with a static cache: hooks that read keep
+    the generation bitwise (the model's own sdpa runs), values come in the model's dtype, and a pattern hook
+    (explicit attention in that layer) keeps every decoding step's pattern a distribution over the real keys."""
+    import copy
+
+    model = copy.deepcopy(llama32).to(dtype)
+    ids, mask = left_padded(256, length=7, pads=(2, 0))
+    with torch.no_grad():
+        reference = _generate(model, ids, mask, "static")
+        hm = wrap(model)
+        seen: dict[str, list[torch.Tensor]] = {}
+
+        def store(t: torch.Tensor, hook: Any) -> None:
+            seen.setdefault(hook.name, []).append(t.detach().clone())
+
+        with hm.hooks([(lambda n: n.endswith(("hook_resid_post", "hook_z", "hook_rot_k", "ln_final.hook_scale")), store)]):
+            hooked = _generate(hm, ids, mask, "static")
+        assert torch.equal(hooked.sequences, reference.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(reference.logits, hooked.logits)), "reading hooks changed numbers"
+        assert {t.dtype for values in seen.values() for t in values} == {dtype}
+        assert len(seen["blocks.1.hook_resid_post"]) == 4  # prefill + 3 decoding steps
+        with hm.hooks([("blocks.1.attn.hook_pattern", store)]):
+            patterned = _generate(hm, ids, mask, "static")
+    patterns = seen["blocks.1.attn.hook_pattern"]
+    assert len(patterns) == 4 and all(p.dtype == dtype for p in patterns)
+    slots = patterns[-1].shape[-1]
+    for step, pattern in enumerate(patterns[1:], start=1):  # decoding step i attends 7 prompt + i fed-back tokens
+        filled = 7 + step
+        keys = torch.cat([mask, torch.ones(2, step, dtype=mask.dtype)], 1).bool()
+        assert pattern.shape[-1] == slots >= filled
+        assert torch.equal(pattern[..., :filled].float() > 0, keys[:, None, None, :].expand(-1, 24, 1, -1))
+        assert (pattern[..., filled:] == 0).all(), "the static cache's empty slots are attended"
+    assert slots > 8, "no decoding step left a static cache slot empty"
+    last = patterns[-1].float()
+    assert_close(last.sum(-1), torch.ones_like(last.sum(-1)), "pattern rows sum to 1", atol=2e-2)
+    for a, b in zip(reference.logits, patterned.logits):
+        assert_close(a, b, "logits with a pattern hook", atol=0.1, rtol=0.05)
+    hm.unwrap()
+
+
 def test_hooks_run_at_every_step_when_generate_would_compile():
     """A static cache on an accelerator makes ``generate`` compile the decoding forward; a graph traced
     before the hooks existed would run them on the prefill only. Forced here on the CPU (eager backend):

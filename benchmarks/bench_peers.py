@@ -33,7 +33,15 @@ kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``), reads ``VmRSS``,
 more while keeping its result, and reports ``VmHWM - VmRSS_before`` (peak) and ``VmRSS_after -
 VmRSS_before`` (what the returned logits and cache keep alive).
 
+Allocator (``--keep-freed-memory``): caching every hook point keeps ~435 MB of activations alive, and
+with glibc's defaults each call gets that memory as fresh pages from the kernel (~100k minor page faults,
+which an uncached forward, reusing its freed buffers, does not pay). The flag re-runs the benchmark with
+``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=8589934592`` so freed memory stays in the process
+for every library alike, and writes ``bench_peers_kept_memory.*``: what the libraries cost with the
+kernel's part taken out.
+
     python benchmarks/bench_peers.py [--rounds 7] [--layers 12] [--models gpt2,llama] [--memory]
+                                     [--keep-freed-memory]
 
 Results: a table on stdout, ``benchmarks/results/bench_peers.{json,md,png}``.
 """
@@ -56,6 +64,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+# glibc settings under which freed memory stays in the process (--keep-freed-memory)
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "8589934592"}
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -564,7 +574,8 @@ def chart(results: dict, path: Path) -> None:
         ax.set_ylim(0, max(3.0, ax.get_ylim()[1]))
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"batch {results['batch']} x {results['length']}, CPU float32, median of {results['rounds']} "
-                 f"interleaved rounds (dashed: lensadapters targets)", fontsize=9)
+                 f"interleaved rounds (dashed: lensadapters targets); {results.get('allocator', 'glibc defaults')}",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -581,6 +592,8 @@ def main() -> None:
     parser.add_argument("--libs", default=",".join(LIBS), help="subset of " + ",".join(LIBS))
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="rerun under glibc settings that keep freed memory in the process (see the docstring)")
     default_tl2 = HERE.parent / ".venv-bench-tl2" / "bin" / "python"
     parser.add_argument("--tl2-python", default=str(default_tl2) if default_tl2.exists() else None,
                         help="python of an environment with TransformerLens 2.x (HookedTransformer); see scripts/bench.sh")
@@ -593,6 +606,10 @@ def main() -> None:
     if args.tl2_worker:
         print("TL2 " + json.dumps(tl2_worker(*json.loads(args.tl2_worker))))
         return
+    if args.keep_freed_memory and os.environ.get("MALLOC_TRIM_THRESHOLD_") != KEEP_FREED["MALLOC_TRIM_THRESHOLD_"]:
+        # glibc reads these at start-up: run again in a process that has them (the TL2 worker inherits them)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_FREED})
+    stem = "bench_peers_kept_memory" if args.keep_freed_memory else "bench_peers"
 
     libs = []
     tl2 = None
@@ -608,7 +625,9 @@ def main() -> None:
     results: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"), "versions": versions(),
         "machine": machine(), "load_average": os.getloadavg(), "rounds": args.rounds, "batch": args.batch,
-        "length": args.length, "layers": args.layers, "models": {}}
+        "length": args.length, "layers": args.layers, "models": {},
+        "allocator": ("glibc keeps freed memory: " + " ".join(f"{k}={v}" for k, v in KEEP_FREED.items())
+                      if args.keep_freed_memory else "glibc defaults")}
     print(f"{results['date']} | {results['machine']} | load {results['load_average'][0]:.2f}")
     print(" | ".join(f"{k} {v}" for k, v in results["versions"].items()))
     report = []
@@ -652,15 +671,15 @@ def main() -> None:
     results["load_average_end"] = os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_peers.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     header = [f"Measured {results['date']} on {results['machine']}; load average {results['load_average'][0]:.2f} "
               f"at start, {results['load_average_end'][0]:.2f} at end.",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
               f"Batch {args.batch} x {args.length} tokens, float32, {args.layers} layers, median of {args.rounds} "
-              f"interleaved rounds, ratios to the raw HF sdpa forward.", ""]
-    (out / "bench_peers.md").write_text("\n".join(header + report) + "\n")
-    chart(results, out / "bench_peers.png")
-    print(f"\nwrote {out / 'bench_peers.json'}, {out / 'bench_peers.md'}, {out / 'bench_peers.png'}")
+              f"interleaved rounds, ratios to the raw HF sdpa forward. Allocator: {results['allocator']}.", ""]
+    (out / f"{stem}.md").write_text("\n".join(header + report) + "\n")
+    chart(results, out / f"{stem}.png")
+    print(f"\nwrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 # Sets up two environments on first run:
 #   .venv-bench      transformers 5.23 (constraints.txt), lensadapters, TransformerLens 4 (TransformerBridge), nnsight
 #   .venv-bench-tl2  transformers 4.57.6, lensadapters, TransformerLens 2.18 (HookedTransformer needs transformers 4.x)
+# Runs twice: glibc defaults, then --keep-freed-memory (timings only).
 # Extra arguments go to bench_peers.py (e.g. --rounds 7 --models gpt2). Not part of the tests: run it on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,3 +19,5 @@ grep -v '^transformers==' constraints.txt > .venv-bench-tl2/constraints.txt
 "${pip2[@]}" install -c .venv-bench-tl2/constraints.txt -c benchmarks/constraints-bench-tl2.txt \
   "transformers==4.57.6" transformer-lens matplotlib "pyarrow<20" -e . -e plugins/gpt2 -e plugins/llama
 .venv-bench/bin/python benchmarks/bench_peers.py --tl2-python .venv-bench-tl2/bin/python "$@"
+# the same timings with freed memory kept in the process: the libraries' cost without the kernel's page faults
+.venv-bench/bin/python benchmarks/bench_peers.py --tl2-python .venv-bench-tl2/bin/python --keep-freed-memory --no-memory "$@"

@@ -130,6 +130,7 @@ class HookedModel:
         self._point_sites: dict[HookPoint, list[Site]] = {}
         self._installed: dict[Site, tuple[tuple[bool, ...], list[Any]]] = {}
         self._dirty: set[Site] = set()
+        self._hooked_points: set[HookPoint] = set()  # points with a hook attached, kept as hooks come and go
         self._defer = 0
         self._pattern_backend: Any = None
         self._compile_setting: Any = _UNSET
@@ -297,7 +298,16 @@ class HookedModel:
 
         return read
 
+    @property
+    def has_hooks(self) -> bool:
+        """Whether any hook point has a hook attached (the core's own cache readers included); O(1)."""
+        return bool(self._hooked_points)
+
     def _point_changed(self, point: HookPoint) -> None:
+        if point.active:
+            self._hooked_points.add(point)
+        else:
+            self._hooked_points.discard(point)
         self._dirty.update(self._point_sites.get(point, ()))
         if not self._defer:
             self._sync()
@@ -420,6 +430,8 @@ class HookedModel:
         with self._batched():
             for point in (self._points.values() if points is None else dict.fromkeys(points)):
                 if point.remove_where(predicate):
+                    if not point.active:
+                        self._hooked_points.discard(point)
                     self._dirty.update(self._point_sites.get(point, ()))
         self._state.clear()
 

@@ -142,6 +142,33 @@ def test_wrapping_twice_returns_the_wrapper_and_a_dead_wrapper_refuses_work():
     assert HookedModel.wrap(model, registry=registry) is not hm
 
 
+def test_has_hooks_follows_hooks_however_they_come_and_go():
+    """``has_hooks`` (what per-forward guards ask instead of scanning every hook point) stays true to the hooks."""
+    hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    assert not hm.has_hooks
+    hm.add_hook("blocks.0.hook_resid_pre", lambda t, hook: None)
+    hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: None, is_permanent=True)
+    assert hm.has_hooks
+    hm.reset_hooks()
+    assert hm.has_hooks  # the permanent one stays
+    hm.reset_hooks(including_permanent=True)
+    assert not hm.has_hooks
+
+    def fail(t, hook):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_z", fail)])
+    assert not hm.has_hooks
+    _, cache = hm.run_with_cache(ids)
+    assert len(cache) and not hm.has_hooks
+    with hm.hooks([("blocks.0.hook_mlp_out", lambda t, hook: None)]):
+        assert hm.has_hooks
+    assert not hm.has_hooks
+    hm.unwrap()
+
+
 def test_cache_shorthand_and_filters():
     hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
     ids = torch.arange(6).view(1, 6)

@@ -152,12 +152,34 @@ class ModuleGuardSite(Site):
             for path in paths:
                 if path:
                     self.expected.append((block, path, block.get_submodule(path)))
+        # every parent -> child link on those paths, checked per forward with one dict lookup each
+        links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+        self.slow: list[tuple[nn.Module, str, nn.Module]] = []
+        for owner, path, expected in self.expected:
+            parent = owner
+            for name in path.split("."):
+                child = parent._modules.get(name)
+                if child is None:  # reached through an attribute that is not a registered submodule
+                    self.slow.append((owner, path, expected))
+                    break
+                links[(id(parent), name)] = (parent, name, child)
+                parent = child
+        self.links = list(links.values())
+
+    def wanted(self) -> bool:
+        return self.hooked.has_hooks  # O(1): this site's points are all of the model's
 
     def install(self) -> list[RemovableHandle]:
         return [self.hooked.hf_model.register_forward_pre_hook(self._check)]
 
     def _check(self, module: nn.Module, args: tuple) -> None:
-        for owner, path, expected in self.expected:
+        if all(parent._modules.get(name) is child for parent, name, child in self.links):
+            self._raise_if_replaced(self.slow)
+            return
+        self._raise_if_replaced(self.expected)
+
+    def _raise_if_replaced(self, expected_modules: list[tuple[nn.Module, str, nn.Module]]) -> None:
+        for owner, path, expected in expected_modules:
             try:
                 current = owner.get_submodule(path)
             except AttributeError:

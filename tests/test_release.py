@@ -89,7 +89,18 @@ def test_every_distribution_ships_its_license_and_the_same_python_classifiers():
         assert not any(c.startswith("License ::") for c in project["classifiers"]), "PEP 639: no license classifiers"
 
 
-# peft and bnb READMEs still link ../../README.md (owned elsewhere); remove them from this set once fixed
+def test_core_readme_links_work_on_pypi():
+    """The core README is the core's long description: its links and images must not be relative."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
+    relative = [link for link in links if not re.match(r"(https?://|mailto:|#)", link)]
+    assert not relative, f"README.md has relative links: {relative}"
+    prefix = "https://github.com/lensadapters/lensadapters/"
+    for link in links:  # links into this repository name files that exist
+        for kind in ("blob/main/", "tree/main/", "raw.githubusercontent.com/lensadapters/lensadapters/main/"):
+            if kind in link:
+                path = link.split(kind, 1)[1].split("#")[0]
+                assert (ROOT / path).exists(), f"README.md links {link}, but {path} is not in the repository"
 
 
 @pytest.mark.parametrize("plugin_dir", PLUGIN_DIRS, ids=lambda d: d.name)

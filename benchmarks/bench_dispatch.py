@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +34,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench_peers import build_hf  # the same seeded construction as the large-model benchmark
+
 HERE = Path(__file__).resolve().parent
 LAYERS = 12
 REFERENCE = {"forward": "hf_sdpa", "cache_resid": "hf_sdpa", "cache_all": "hf_eager", "patch_head": "hf_sdpa"}
@@ -53,13 +53,7 @@ def config(kind: str) -> Any:
 
 
 def build(kind: str, attn: str, state: Optional[dict] = None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(kind), attn_implementation=attn).eval()
-    if state is not None:
-        model.load_state_dict(state)
-    return model
+    return build_hf(kind, LAYERS, attn, state, config=config(kind))
 
 
 def variants(kind: str) -> dict[str, Callable[[], Any]]:

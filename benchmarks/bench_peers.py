@@ -115,11 +115,13 @@ def hf_config(kind: str, layers: int) -> Any:
     raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
 
 
-def build_hf(kind: str, layers: int, attn: str = "sdpa", state: Optional[dict] = None) -> Any:
+def build_hf(kind: str, layers: int, attn: str = "sdpa", state: Optional[dict] = None,
+             config: Any = None) -> Any:
+    """The benchmark model (``config`` replaces ``hf_config(kind, layers)``), seeded, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(kind, layers), attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_config(config or hf_config(kind, layers), attn_implementation=attn).eval()
     if state is not None:
         model.load_state_dict(state)
     return model

@@ -435,17 +435,19 @@ class Int8StorageLinear(nn.Linear):
         return x @ (self.weight.float() * self.scale).T.to(x.dtype)
 
 
-@_skip_without(lensadapters_llama, "lensadapters-llama")
-@pytest.mark.parametrize("packed", [PackedInt4Linear, Int8StorageLinear], ids=["packed-int4", "int8-nn.Linear"])
-def test_unknown_packed_linear_raises_instead_of_returning_storage(packed: type) -> None:
+def _one_layer_llama() -> nn.Module:
+    """A one-block float32 Llama (eager: the core's explicit attention equals it bitwise) for weight-format tests."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, head_dim=8, vocab_size=32, max_position_embeddings=16)
-    model = fp32_model(config, 0, "eager")  # the core's explicit attention (pattern hooks) equals eager bitwise
-    attn = model.model.layers[0].self_attn
-    attn.q_proj = packed(attn.q_proj)  # a model whose q_proj comes from some quantization library
-    ids = torch.randint(0, 32, (1, 5))
+    return fp32_model(config, 0, "eager")
+
+
+def _hooks_work_but_q_weight_is_refused(model: nn.Module) -> tuple[Any, WeightUnavailableError]:
+    """Every hook point runs bitwise (none reads a weight); ``W_Q`` raises naming q_proj; the plain float
+    layers still read. Returns the wrapper and the ``W_Q`` error."""
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(0))
     hm = wrap(model, "llama")
     with torch.no_grad():
         reference = model(ids).logits
@@ -454,8 +456,18 @@ def test_unknown_packed_linear_raises_instead_of_returning_storage(packed: type)
     assert cache["blocks.0.attn.hook_q"].shape == (1, 5, 2, 8)
     with pytest.raises(WeightUnavailableError, match=r"model\.layers\.0\.self_attn\.q_proj") as info:
         hm.W_Q
-    assert packed.__name__ in str(info.value)
-    assert hm.W_O.shape == (1, 2, 8, 16) and hm.W_in.shape == (1, 16, 24)  # other layers still read
+    assert hm.W_O.shape == (1, 2, 8, 16) and hm.W_in.shape == (1, 16, 24)  # plain float linears still read
+    return hm, info.value
+
+
+@_skip_without(lensadapters_llama, "lensadapters-llama")
+@pytest.mark.parametrize("packed", [PackedInt4Linear, Int8StorageLinear], ids=["packed-int4", "int8-nn.Linear"])
+def test_unknown_packed_linear_raises_instead_of_returning_storage(packed: type) -> None:
+    model = _one_layer_llama()
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = packed(attn.q_proj)  # a model whose q_proj comes from some quantization library
+    hm, error = _hooks_work_but_q_weight_is_refused(model)
+    assert packed.__name__ in str(error)
     hm.unwrap()
 
 
@@ -492,28 +504,15 @@ class CodesWeight(torch.Tensor):
 def test_plain_linear_with_a_quantized_or_integer_weight_is_refused() -> None:
     """The core's default reader returns the weight of a plain ``nn.Linear`` only when it is a floating-point
     ``torch.Tensor``/``nn.Parameter``: a tensor-subclass weight (torchao style) or an int8 weight is refused."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=8, vocab_size=32, max_position_embeddings=16)
-    model = fp32_model(config, 0, "eager")
+    model = _one_layer_llama()
     attn = model.model.layers[0].self_attn
     W = attn.q_proj.weight.detach()
     scale = W.abs().amax(1, keepdim=True) / 127
     attn.q_proj.weight = nn.Parameter(CodesWeight(torch.round(W / scale), scale), requires_grad=False)
     assert type(attn.q_proj) is nn.Linear and attn.q_proj.weight.dtype == torch.float32
-    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(0))
-    hm = wrap(model, "llama")
-    with torch.no_grad():
-        reference = model(ids).logits
-        logits, cache = hm.run_with_cache(ids)
-    assert torch.equal(logits, reference)  # hook points work: they never read the weight
-    assert cache["blocks.0.attn.hook_q"].shape == (1, 5, 2, 8)
-    with pytest.raises(WeightUnavailableError, match=r"model\.layers\.0\.self_attn\.q_proj") as info:
-        hm.W_Q
-    message = str(info.value)
+    hm, error = _hooks_work_but_q_weight_is_refused(model)
+    message = str(error)
     assert "CodesWeight" in message and "float32" in message and "no installed plugin dequantizes it" in message
-    assert hm.W_O.shape == (1, 2, 8, 16) and hm.W_in.shape == (1, 16, 24)  # plain float linears still read
     # an int8 weight in a plain nn.Linear (codes whose scales live elsewhere)
     o_proj = attn.o_proj
     o_proj.weight = nn.Parameter(torch.round(o_proj.weight.detach() * 100).to(torch.int8), requires_grad=False)

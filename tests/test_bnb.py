@@ -40,18 +40,8 @@ transformers.utils.logging.disable_progress_bar()
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 
 
-def _optional(name: str) -> Any:
-    try:
-        return __import__(name)
-    except ImportError:  # pragma: no cover
-        return None
-
-
-lensadapters_gpt2 = _optional("lensadapters_gpt2")
-lensadapters_gpt_neox = _optional("lensadapters_gpt_neox")
-lensadapters_opt = _optional("lensadapters_opt")
-lensadapters_llama = _optional("lensadapters_llama")
-lensadapters_peft = _optional("lensadapters_peft")
+from installed_plugins import (  # noqa: E402
+    lensadapters_gpt2, lensadapters_gpt_neox, lensadapters_llama, lensadapters_opt, lensadapters_peft)
 
 # every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
 SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,

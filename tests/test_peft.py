@@ -15,7 +15,6 @@ not installed are skipped.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -35,17 +34,7 @@ from lensadapters_peft.testing import LoraContract, init_lora, lora_layers, spli
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 
 
-def _optional(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # pragma: no cover
-        return None
-
-
-lensadapters_gpt2 = _optional("lensadapters_gpt2")
-lensadapters_llama = _optional("lensadapters_llama")
-lensadapters_gpt_neox = _optional("lensadapters_gpt_neox")
-lensadapters_opt = _optional("lensadapters_opt")
+from installed_plugins import lensadapters_gpt2, lensadapters_llama, lensadapters_gpt_neox, lensadapters_opt  # noqa: E402
 
 # pattern/score hooks run the core's explicit attention (equal to SDPA within rounding, not bitwise)
 NO_PATTERN = lambda name: not name.endswith(("hook_pattern", "hook_attn_scores"))  # noqa: E731

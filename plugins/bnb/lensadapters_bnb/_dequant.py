@@ -232,18 +232,22 @@ def matmul_error_bound(module: nn.Module, x: Tensor, W: Tensor, b: Optional[Tens
     * any other layer: ``bound = r * m``.
 
     ``r = 5e-5 + 4 * u(dtype)`` covers float rounding in the compute dtype (``u`` its unit roundoff).
-    For an adapter wrapper (``lora.Linear8bitLt``...) the quantized base layer decides the terms and
-    ``W`` includes the adapter, which only makes the bound larger.
+    For an adapter wrapper (``lora.Linear8bitLt``...) the quantized base layer decides the terms, and
+    ``W = W_base + delta`` includes the adapter: the bound uses ``|W_base| + |delta|`` for ``|W|`` (an adapter
+    that cancels part of the base weight makes ``|W|`` smaller than the base path's error scale).
     """
     dtype = x.dtype
     xa = x.detach().abs().float()
     Wa = W.detach().abs().float().to(xa.device)
+    base = _base_quantized(module)
+    if base is not None and base is not module:
+        W_base = (dequantize_int8(base) if is_int8_linear(base) else dequantize_4bit(base)).T.to(xa.device)
+        Wa = W_base.abs() + (W.detach().float().to(xa.device) - W_base).abs()
     magnitude = xa @ Wa
     if b is not None:
         magnitude = magnitude + b.detach().abs().float().to(xa.device)
     rel = REL_FP32 + 4 * _unit(dtype)
     bound = rel * magnitude
-    base = _base_quantized(module)
     if base is not None and is_int8_linear(base):
         M = xa.amax(dim=-1, keepdim=True)
         bound = bound + M * (1 + FP16_UNIT) * INT8_HALF_STEP * Wa.sum(0) + FP16_UNIT * (xa @ Wa)

@@ -118,12 +118,12 @@ class HookedModel:
         self._alive = True
         self.cfg: HookedConfig = hooks.lensadapters_config(arch=arch, model=hf_model)
         self.layout = hooks.lensadapters_embed(arch=arch, model=hf_model)
-        self.blocks: list[nn.Module] = list(hf_model.get_submodule(self.layout.blocks))
-        n = len(self.blocks)
+        self.block_modules: list[nn.Module] = list(hf_model.get_submodule(self.layout.blocks))
+        n = len(self.block_modules)
         self.block_layouts = [hooks.lensadapters_block(arch=arch, model=hf_model, layer=i) for i in range(n)]
         self.qkv_layouts = [hooks.lensadapters_attn_qkv(arch=arch, model=hf_model, layer=i) for i in range(n)]
         self.mlp_layouts = [hooks.lensadapters_mlp_act(arch=arch, model=hf_model, layer=i) for i in range(n)]
-        self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.blocks, self.block_layouts)]
+        self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.block_modules, self.block_layouts)]
         self._state = ForwardState()
         self._points: dict[str, HookPoint] = {}
         self._sites: list[Site] = []
@@ -152,6 +152,26 @@ class HookedModel:
             at = [k for k, _ in items].index(anchor) + (0 if anchor == before else 1)
             self._points = dict(items[:at] + [(name, point)] + items[at:])
         return point
+
+    def point(self, name: str) -> HookPoint:
+        """The hook point ``name`` (``UnknownHookError`` if the model has none)."""
+        if name not in self._points:
+            raise UnknownHookError(name, self._points)
+        return self._points[name]
+
+    @property
+    def forward_state(self) -> ForwardState:
+        """Values that sites share within one forward pass (rotary cos/sin, residual bookkeeping)."""
+        return self._state
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """Deprecated alias of ``block_modules`` (the Hugging Face decoder layers)."""
+        return self.block_modules
+
+    def read_linear(self, module: nn.Module) -> Any:
+        """The effective ``LinearWeight`` (``[d_in, d_out]`` and bias) of a linear-like module, through every plugin."""
+        return _w.read_linear(self, module)
 
     def add_site(self, site: Site) -> None:
         self._sites.append(site)
@@ -190,7 +210,7 @@ class HookedModel:
         if L.pos_embed:
             self.add_site(PositionEmbedSite(m.get_submodule(L.pos_embed), embed, p("hook_pos_embed"), st))
         rot_points: list[HookPoint] = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.block_modules):
             bl, qkv, mlp = self.block_layouts[i], self.qkv_layouts[i], self.mlp_layouts[i]
             if bl.post_norm and (bl.parallel or bl.ln2 is None):
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
@@ -275,7 +295,7 @@ class HookedModel:
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
             rotary_module = m.get_submodule(L.rotary)
             self.add_site(RotaryCaptureSite(rotary_module, rot_points, st, L.rotary_from_inputs))
-            for i, block in enumerate(self.blocks):
+            for i, block in enumerate(self.block_modules):
                 points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
                 if points:
                     self.add_site(RecomputedRotarySite(self.attention_modules[i], points, st, rotary_module,
@@ -283,7 +303,7 @@ class HookedModel:
         for sites in self._hooks.lensadapters_extra_sites(arch=self.arch, hooked=self):
             for site in sites or ():
                 self.add_site(site)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.block_modules):
             if self.block_layouts[i].flat_mlp:
                 # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
                 block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]

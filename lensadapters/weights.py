@@ -49,7 +49,7 @@ def qkv_weight(hm: "HookedModel", layer: int, which: int) -> tuple[Tensor, Tenso
     Separate projections are read one by one: ``W_Q`` never reads (or fails on) ``k_proj``.
     """
     layout = hm.qkv_layouts[layer]
-    block = hm.blocks[layer]
+    block = hm.block_modules[layer]
     if isinstance(layout, FusedQKV):
         lw = read_linear(hm, block.get_submodule(layout.module))
         W = layout.split(lw.W)[which]
@@ -77,7 +77,7 @@ def repeat_kv(t: Tensor, n_heads: int) -> Tensor:
 
 
 def o_weights(hm: "HookedModel", layer: int) -> tuple[Tensor, Tensor]:
-    lw = read_linear(hm, hm.blocks[layer].get_submodule(hm.block_layouts[layer].o_proj))
+    lw = read_linear(hm, hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj))
     W = lw.W.unflatten(0, (hm.cfg.n_heads, -1))  # [h, d_head, d_model]
     return W, _bias(lw.b, (W.shape[-1],), W)
 
@@ -93,5 +93,5 @@ def mlp_weights(hm: "HookedModel", layer: int, role: str) -> tuple[Tensor, Tenso
         path = layout.pre
     else:
         path = layout.out
-    lw = read_linear(hm, hm.blocks[layer].get_submodule(path))
+    lw = read_linear(hm, hm.block_modules[layer].get_submodule(path))
     return lw.W, _bias(lw.b, (lw.W.shape[-1],), lw.W)

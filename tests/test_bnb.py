@@ -608,12 +608,12 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
 
         # effective weights = dequantized 8-bit base + B·A·scaling, and the identities hold within the int8 bound
         for i in range(2):
-            attn = hm.blocks[i].self_attn
+            attn = hm.block_modules[i].self_attn
             base_q = lb.dequantized_weight(attn.q_proj.base_layer).W.unflatten(-1, (4, 8)).permute(1, 0, 2)
             assert_close(hm.W_Q[i], base_q + lp.lora_factors(hm, i, "q").W, "W_Q = dequantized base + LoRA", atol=1e-6)
             base_k = lb.dequantized_weight(attn.k_proj).W.unflatten(-1, (2, 8)).permute(1, 0, 2)
             assert torch.equal(hm._W_K[i], base_k)  # k_proj has no adapter
-            x = norm_out(hm, cache, f"blocks.{i}.ln1", hm.blocks[i].input_layernorm)
+            x = norm_out(hm, cache, f"blocks.{i}.ln1", hm.block_modules[i].input_layernorm)
             delta = torch.einsum("bpm,hmd->bphd", x, lp.lora_factors(hm, i, "q").W)
             assert_close(cache["blocks.{}.attn.hook_q_lora".format(i)], delta, "hook_q_lora == x @ A @ B * s", atol=1e-5)
         check_identities(hm, cache, valid)
@@ -767,7 +767,7 @@ def test_lora_over_8bit_disable_switch_merge() -> None:
             assert not torch.equal(Wm, W)  # the merge really requantized
         # layer 0: the same input before and after the merge
         assert torch.equal(merged["blocks.0.ln1.hook_normalized"], cache["blocks.0.ln1.hook_normalized"])
-        x = norm_out(hm, cache, "blocks.0.ln1", hm.blocks[0].input_layernorm)
+        x = norm_out(hm, cache, "blocks.0.ln1", hm.block_modules[0].input_layernorm)
         attn = pm.base_model.model.model.layers[0].self_attn
         for short, w, module in (("q", "W_Q", attn.q_proj), ("v", "_W_V", attn.v_proj)):
             W, Wm = unmerged[w][0], getattr(hm, w)[0]  # [h, d_model, d_head]

@@ -457,7 +457,7 @@ class AdapterContract:
             v = inputs.valid
             names = set(hm.hook_names)
             for i in range(hm.cfg.n_layers):
-                block = hm.blocks[i]
+                block = hm.block_modules[i]
                 layout = hm.block_layouts[i]
                 if layout.post_norm:  # post-LN: attention reads the block input
                     attn_in = cache["resid_pre", i]
@@ -664,7 +664,7 @@ class AdapterContract:
         norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
                          label="norm")
         module = (hm.hf_model.get_submodule(hm.layout.ln_final) if norm == "ln_final"
-                  else hm.blocks[int(norm.split(".")[1])].get_submodule(
+                  else hm.block_modules[int(norm.split(".")[1])].get_submodule(
                       getattr(hm.block_layouts[int(norm.split(".")[1])], norm.split(".")[2])))
         spec = hm.norm_spec(module)
         names = [norm + ".hook_normalized"]

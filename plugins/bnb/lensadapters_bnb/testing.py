@@ -113,7 +113,7 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor) -> float:
     W_O, b_O, W_out, b_out, W_in, b_in = hm.W_O, hm.b_O, hm.W_out, hm.b_out, hm.W_in, hm.b_in
     worst = 0.0
     for i in range(cfg.n_layers):
-        block, layout, qkv, mlp = hm.blocks[i], hm.block_layouts[i], hm.qkv_layouts[i], hm.mlp_layouts[i]
+        block, layout, qkv, mlp = hm.block_modules[i], hm.block_layouts[i], hm.qkv_layouts[i], hm.mlp_layouts[i]
         attn_in = cache["resid_pre", i] if layout.post_norm else norm_out(hm, cache, f"blocks.{i}.ln1",
                                                                           block.get_submodule(layout.ln1))
         if isinstance(qkv, FusedQKV):
@@ -256,7 +256,7 @@ class Int8Contract(AdapterContract):
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
         pre = f"blocks.{layer}."
         names = [pre + "attn.hook_z", pre + "hook_attn_out"]
-        o_proj = hm.blocks[layer].get_submodule(hm.block_layouts[layer].o_proj)
+        o_proj = hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj)
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
             z = base["z", layer]

@@ -171,7 +171,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
     """``*_lora`` points for every LoRA-adapted projection, and the module guard."""
     sites: list[Any] = []
     cfg = hooked.cfg
-    for i, block in enumerate(hooked.blocks):
+    for i, block in enumerate(hooked.block_modules):
         pre = f"blocks.{i}."
         qkv, bl, mlp = hooked.qkv_layouts[i], hooked.block_layouts[i], hooked.mlp_layouts[i]
         get = block.get_submodule
@@ -206,7 +206,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             points = [p for site in sites[first:] for p in site.points]
             for point in points:
                 point.token_shape = hooked.hook_dict[pre + "hook_resid_pre"].token_shape
-            sites.append(BlockShapeSite(i, block, points, hooked._state))
+            sites.append(BlockShapeSite(i, block, points, hooked.forward_state))
     sites.append(ModuleGuardSite(hooked, list(hooked.hook_dict.values())))
     return sites
 
@@ -388,7 +388,7 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
     if which not in _WHICH:
         raise ValueError(f"which must be one of {_WHICH}, not {which!r}")
     cfg = hm.cfg
-    block = hm.blocks[layer]
+    block = hm.block_modules[layer]
     qkv, bl, mlp = hm.qkv_layouts[layer], hm.block_layouts[layer], hm.mlp_layouts[layer]
     if which in ("q", "k", "v"):
         path = qkv.module if isinstance(qkv, FusedQKV) else getattr(qkv, which)

@@ -146,7 +146,7 @@ class ModuleGuardSite(Site):
         for path in (L.embed, L.pos_embed, L.unembed, L.ln_final, L.rotary):
             if path:
                 self.expected.append((model, path, model.get_submodule(path)))
-        for block, bl, qkv, mlp in zip(hooked.blocks, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
+        for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
             paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, mlp.pre, mlp.pre_linear, mlp.out]
             paths += [qkv.module] if hasattr(qkv, "module") else [qkv.q, qkv.k, qkv.v]
             for path in paths:

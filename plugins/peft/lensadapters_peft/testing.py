@@ -154,7 +154,7 @@ class LoraContract(AdapterContract):
         hm = self.wrap(model)
         try:
             names = {id(m): n for n, m in hm.hf_model.named_modules()}
-            return [(names[id(block)], block) for block in hm.blocks]
+            return [(names[id(block)], block) for block in hm.block_modules]
         finally:
             hm.unwrap()
 

@@ -127,6 +127,7 @@ class HookedModel:
         self._state = ForwardState()
         self._points: dict[str, HookPoint] = {}
         self._sites: list[Site] = []
+        self._norm_modules: dict[str, nn.Module] = {}
         self._point_sites: dict[HookPoint, list[Site]] = {}
         self._installed: dict[Site, tuple[tuple[bool, ...], list[Any]]] = {}
         self._dirty: set[Site] = set()
@@ -173,7 +174,17 @@ class HookedModel:
         """The effective ``LinearWeight`` (``[d_in, d_out]`` and bias) of a linear-like module, through every plugin."""
         return _w.read_linear(self, module)
 
+    def norm_module(self, prefix: str) -> nn.Module:
+        """The norm module whose ``hook_scale``/``hook_normalized`` points start with ``prefix``
+        (``"blocks.0.ln1"``, ``"ln_final"``, a plugin's ``"blocks.0.attn.q_norm"``...)."""
+        try:
+            return self._norm_modules[prefix]
+        except KeyError:
+            raise UnknownHookError(prefix + ".hook_scale", self._points) from None
+
     def add_site(self, site: Site) -> None:
+        if isinstance(site, NormSite):
+            self._norm_modules[site.scale.name[: -len(".hook_scale")]] = site.module
         self._sites.append(site)
         for point in site.points:
             self._point_sites.setdefault(point, []).append(site)

@@ -1,0 +1,34 @@
+"""Sites: the PyTorch hooks that realize hook points on an unmodified model.
+
+A site watches one place of the model (a module's input or output) and serves one or more hook
+points there. It is installed only while one of its points has a user function (or another site
+needs it), so a model with no hooks runs exactly Hugging Face's forward. Every site follows one
+rule: if no hook changed anything, the model's own tensor is passed on untouched.
+
+Plugins build their own sites on :class:`Site` (see ``docs/writing-a-plugin.md``) and may reuse the
+generic ones here (``OutputSite``, ``InputSite``...).
+"""
+
+from .attention import AttentionSite, ResultSite
+from .base import (
+    ForwardState,
+    Handle,
+    Site,
+    first_input,
+    first_output,
+    merge_heads,
+    replace_first_input,
+    replace_first_output,
+    split_heads,
+)
+from .generic import BlockShapeSite, InputSite, OutputSite, PositionEmbedSite
+from .norm import NormSite
+from .qkv import FusedQKVSite, ProjectionSite, RecomputedRotarySite, RotaryCaptureSite
+from .residual import ResidualSite
+
+__all__ = [
+    "AttentionSite", "BlockShapeSite", "ForwardState", "FusedQKVSite", "Handle", "InputSite", "NormSite",
+    "OutputSite", "PositionEmbedSite", "ProjectionSite", "RecomputedRotarySite", "ResidualSite", "ResultSite",
+    "RotaryCaptureSite", "Site", "first_input", "first_output", "merge_heads", "replace_first_input",
+    "replace_first_output", "split_heads",
+]

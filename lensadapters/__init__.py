@@ -6,6 +6,7 @@ from .errors import (
     HookReturnError,
     LensAdaptersError,
     PluginConflictError,
+    PluginValidationError,
     UnknownHookError,
     UnsupportedModelError,
     WeightUnavailableError,
@@ -13,6 +14,7 @@ from .errors import (
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
 from .offload import live_parameters
+from .protocol import Hooked
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -30,8 +32,8 @@ from .specs import (
 
 __all__ = [
     "__version__", "ActivationCache", "get_act_name", "HookReturnError", "LensAdaptersError",
-    "PluginConflictError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
+    "PluginConflictError", "PluginValidationError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
-    "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters",
+    "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters", "Hooked",
 ]

@@ -42,7 +42,6 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _load_for_hooks(target: str):
-    import torch
 
     registry = get_registry()
     if os.path.isdir(target):

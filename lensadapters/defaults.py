@@ -53,7 +53,7 @@ def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[N
 def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
     from .attention import InterfacePatternBackend
 
-    hooks = hooked._hooks
+    hooks = hooked.plugin_hooks
 
     def scores(module: nn.Module, query: Any, key: Any, scaling: Optional[float], implementation: str) -> Any:
         return hooks.lensadapters_attn_scores(arch=arch, module=module, query=query, key=key, scaling=scaling,

@@ -18,6 +18,10 @@ class PluginConflictError(LensAdaptersError):
     """Two plugins claim the same thing."""
 
 
+class PluginValidationError(LensAdaptersError):
+    """A plugin implements hooks lensadapters does not define, or declares something it cannot use."""
+
+
 class UnknownHookError(LensAdaptersError, KeyError):
     """A hook name that this model does not have."""
 

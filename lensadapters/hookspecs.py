@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
+    from .protocol import Hooked
+    from .sites import Site
     from .specs import (
         Architecture,
         BlockLayout,
@@ -104,7 +106,7 @@ def lensadapters_norm_scale(arch: "Architecture", module: "nn.Module") -> "NormS
 
 
 @hookspec(firstresult=True)
-def lensadapters_attn_pattern(arch: "Architecture", hooked: Any) -> Any:
+def lensadapters_attn_pattern(arch: "Architecture", hooked: "Hooked") -> Any:
     """Return the backend that exposes attention scores and patterns (``PatternBackend``).
 
     The core's default serves architectures that call transformers' attention interface; a plugin
@@ -153,13 +155,23 @@ def lensadapters_linear_weight(module: "nn.Module", read: Any) -> Optional["Line
 
 
 @hookspec(firstresult=True)
-def lensadapters_weight(arch: "Architecture", hooked: Any, name: str) -> Optional["torch.Tensor"]:
-    """Override one weight accessor (``"W_E"``, ``"W_pos"``, ``"W_U"``...) when the layout alone is not enough."""
+def lensadapters_weight(arch: "Architecture", hooked: "Hooked", name: str) -> Optional["torch.Tensor"]:
+    """Override one weight accessor when the layout alone is not enough; ``None`` keeps the core's.
+
+    ``name`` is one of ``lensadapters.weights.WEIGHT_NAMES``: ``W_E W_pos W_U b_U W_Q b_Q _W_K _b_K _W_V _b_V
+    W_O b_O W_in b_in W_gate b_gate W_out b_out`` (``W_K``/``W_V`` are ``_W_K``/``_W_V`` repeated to the query
+    heads). Return the whole tensor in TransformerLens' shape, read from the live parameters.
+    """
 
 
 # --- extra hook points ----------------------------------------------------------------------------
 
 
 @hookspec
-def lensadapters_extra_sites(arch: "Architecture", hooked: Any) -> Sequence[Any]:
-    """Return additional ``Site`` objects (new hook points, e.g. adapter contributions)."""
+def lensadapters_extra_sites(arch: "Architecture", hooked: "Hooked") -> Sequence["Site"]:
+    """Return additional ``Site`` objects: new hook points (adapter contributions...) or points taken over.
+
+    Called once per wrap, after the core created its hook points and before it builds its sites: create
+    points with ``hooked.new_point(name, after=...)``, take over a core point with ``hooked.claim_point(name)``
+    (see :class:`lensadapters.protocol.Hooked`), and return the sites that serve them.
+    """

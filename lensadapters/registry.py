@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 import pluggy
 
 from . import hookspecs
-from .errors import PluginConflictError, UnsupportedModelError
+from .errors import PluginConflictError, PluginValidationError, UnsupportedModelError
 from .specs import Architecture
 
 ENTRY_POINT_GROUP = "lensadapters"
@@ -27,6 +27,10 @@ DISABLE_AUTOLOAD_ENV = "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"
 
 class PluginLoadWarning(UserWarning):
     """A plugin could not be loaded; the others still work."""
+
+
+class TransformersVersionWarning(UserWarning):
+    """The installed transformers is outside the range a plugin declares it was tested with."""
 
 
 @dataclass
@@ -65,7 +69,16 @@ class Registry:
                 f"two plugins are registered under the name {name!r}: {existing.distribution or existing.plugin!r} "
                 f"and {distribution or plugin!r}. Uninstall one of them."
             )
+        _check_unmarked_hooks(plugin, name)
         self.pm.register(plugin, name=name)
+        try:
+            self.pm.check_pending()  # a misspelled hook implementation (lensadapters_atn_qkv) matches no hookspec
+        except pluggy.PluginValidationError as exc:
+            self.pm.unregister(plugin)
+            raise PluginValidationError(
+                f"plugin {name!r} implements a hook that lensadapters does not define: {exc}. Hook names are listed in "
+                f"lensadapters/hookspecs.py (a misspelling, or a plugin written for another lensadapters version?)"
+            ) from None
         archs = tuple(_architectures_of(plugin))
         info = PluginInfo(name, plugin, distribution, version, archs, source)
         self.infos[name] = info
@@ -184,6 +197,40 @@ def _architectures_of(plugin: Any) -> Iterable[Architecture]:
     if impl is None:
         return ()
     return tuple(impl())
+
+
+def _check_unmarked_hooks(plugin: Any, name: str) -> None:
+    """A ``lensadapters_*`` function without ``@hookimpl`` would be ignored by pluggy: refuse it by name."""
+    marker = hookspecs.hookimpl.project_name + "_impl"
+    for attr in dir(plugin):
+        if attr.startswith("lensadapters_") and callable(getattr(plugin, attr, None)):
+            if not hasattr(getattr(plugin, attr), marker):
+                raise PluginValidationError(
+                    f"plugin {name!r} defines {attr}() without the @lensadapters.hookimpl decorator, so it would "
+                    f"never be called: decorate it (from lensadapters import hookimpl)")
+
+
+def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
+    """Warn when the installed transformers is outside the range the plugin was tested with
+    (``Architecture.transformers``, a PEP 440 specifier such as ``">=4.57,<6"``)."""
+    if not arch.transformers:
+        return
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    import transformers
+
+    try:
+        tested = SpecifierSet(arch.transformers)
+    except InvalidSpecifier:
+        warnings.warn(f"plugin {plugin_name!r} declares transformers={arch.transformers!r} for {arch.name!r}, which "
+                      f"is not a version specifier (like '>=4.57,<6')", PluginLoadWarning, stacklevel=3)
+        return
+    if not tested.contains(transformers.__version__, prereleases=True):
+        warnings.warn(
+            f"plugin {plugin_name!r} is tested with transformers{arch.transformers} for {arch.name!r}, but "
+            f"transformers {transformers.__version__} is installed: hook points may be missing or wrong if the "
+            f"modeling code changed. Install a transformers version in that range, or a plugin version tested "
+            f"with {transformers.__version__}", TransformersVersionWarning, stacklevel=3)
 
 
 def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:

@@ -20,8 +20,9 @@ Tensor = torch.Tensor
 class Architecture:
     """What an architecture plugin claims.
 
-    ``model_types`` are values of ``config.model_type`` the plugin handles. ``transformers`` is the
-    range of transformers versions the plugin is tested with (documentation, shown by the CLI).
+    ``model_types`` are values of ``config.model_type`` the plugin handles (several when they share modeling
+    code). ``transformers`` is the range of transformers versions the plugin is tested with, a PEP 440
+    specifier (``">=4.57,<6"``): wrapping a model under another version warns, naming both.
     ``attn_implementations`` are the attention implementations (``config._attn_implementation``)
     whose masks and numerics the plugin's pattern backend reproduces: with another one (flash,
     flex...) every hook point works except ``hook_attn_scores``/``hook_pattern``, which refuse

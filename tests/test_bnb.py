@@ -28,7 +28,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lensadapters_bnb as lb  # noqa: E402
-from lensadapters import HookedModel, LinearWeight, Registry, WeightUnavailableError  # noqa: E402
+from lensadapters import HookedModel, Registry, WeightUnavailableError  # noqa: E402
 from lensadapters.testing import assert_close, reinit  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
 from lensadapters_bnb.testing import (Int8Contract, assert_within_bound, check_identities,  # noqa: E402

@@ -13,7 +13,6 @@ import lensadapters_gpt2
 from lensadapters import (HookedModel, LensAdaptersError, PluginConflictError, Registry, UnsupportedModelError,
                           get_act_name, hookimpl)
 from lensadapters import registry as registry_module
-from lensadapters.cache import ActivationCache
 from lensadapters.cli import main as cli_main
 from lensadapters.registry import DISABLE_AUTOLOAD_ENV, PluginLoadWarning
 from lensadapters.specs import Architecture

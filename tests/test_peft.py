@@ -149,7 +149,7 @@ def test_no_core_site_hooks_a_base_layer() -> None:
     hm = kit.wrap(pm)
     base_layers = {id(m.base_layer) for m in pm.modules() if hasattr(m, "lora_A")}
     hm.add_hook(lambda n: True, lambda t, hook: None)
-    for site in hm._sites:
+    for site in hm.wiring.sites:
         if isinstance(site, lp.LoraDeltaSite):
             continue
         for attr in ("module", "block", "mlp_out_module", "ln2", "embed_module"):

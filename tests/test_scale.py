@@ -108,8 +108,8 @@ def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
                          (f"blocks.{last}.attn.hook_result", lambda t, hook: t * 1.5),
                          (f"blocks.{last}.ln1.hook_normalized", lambda t, hook: t * 1.5),
                          (f"blocks.{last}.ln2.hook_scale", lambda t, hook: t * 2),
-                         (f"blocks.1.attn.hook_pattern", scale_pattern),
-                         (f"blocks.1.hook_resid_mid", lambda t, hook: t + bump)):  # not a constant: LN removes those
+                         ("blocks.1.attn.hook_pattern", scale_pattern),
+                         ("blocks.1.hook_resid_mid", lambda t, hook: t + bump)):  # not a constant: LN removes those
             edited = hm.run_with_hooks(ids, fwd_hooks=[(name, fn)])
             expected = ref.run_with_hooks(ids, fwd_hooks=[(name, fn)])
             assert (edited - raw).abs().max() > 1e-3, f"edit of {name} had no effect"

@@ -49,7 +49,6 @@ from lensadapters import (
     live_parameters,
 )
 from lensadapters.sites import Site, first_output, replace_first_output
-from lensadapters.weights import read_linear
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -200,7 +199,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
         with live_parameters(decoder.embed_tokens) as embed_tokens:
             W_E = embed_tokens.weight
         if getattr(decoder, "project_in", None) is not None:
-            W_E = W_E @ read_linear(hooked, decoder.project_in).W.to(W_E.dtype)
+            W_E = W_E @ hooked.read_linear(decoder.project_in).W.to(W_E.dtype)
         return W_E
     if name == "W_pos":
         with live_parameters(decoder.embed_positions) as embed_positions:
@@ -208,9 +207,9 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
     if name == "W_U":
         if hooked.layout.unembed is None:
             raise AttributeError(f"{type(hooked.hf_model).__name__} has no lm_head (W_U)")
-        W_U = read_linear(hooked, hooked.hf_model.get_submodule(hooked.layout.unembed)).W
+        W_U = hooked.read_linear(hooked.hf_model.get_submodule(hooked.layout.unembed)).W
         if getattr(decoder, "project_out", None) is not None:
-            W_U = read_linear(hooked, decoder.project_out).W.to(W_U.dtype) @ W_U
+            W_U = hooked.read_linear(decoder.project_out).W.to(W_U.dtype) @ W_U
         return W_U
     return None
 

@@ -97,7 +97,7 @@ def init_lora(model: nn.Module, seed: int) -> None:
 def lora_layers(hm: HookedModel) -> dict[str, nn.Module]:
     """``{*_lora hook name: the LoRA layer it reads}``."""
     out = {}
-    for site in hm._sites:
+    for site in hm.wiring.sites:
         if isinstance(site, lp.LoraDeltaSite):
             for point in site.points:
                 out[point.name] = site.module

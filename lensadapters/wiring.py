@@ -1,0 +1,499 @@
+"""The wiring of one wrapped model: its description, its hook points and the sites that realize them.
+
+:class:`Wiring` is the object plugins receive as ``hooked`` (it implements :class:`lensadapters.protocol.Hooked`).
+It is built once per ``HookedModel.wrap``, in three phases:
+
+1. **Points.** From the plugin's description (``ModelLayout``, one ``BlockLayout``/``QKVLayout``/``MLPLayout``
+   per block) the core creates every hook point it serves, in the order the points fire.
+2. **Plugins.** ``lensadapters_extra_sites`` runs: a plugin may add points (``new_point(name, after=...)``),
+   take over a point the core created (``claim_point(name)``: the core then builds no hook for it) and return
+   its own sites.
+3. **Core sites.** The core builds its sites for the points nobody claimed.
+
+Sites are installed lazily: a PyTorch hook exists only while one of its site's points has a hook attached
+(``_sync``), so a model with no hooks runs exactly Hugging Face's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import weights as _w
+from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
+from .hook_point import HookPoint
+from .offload import live_parameters
+from .sites import (
+    AttentionSite,
+    BlockShapeSite,
+    ForwardState,
+    FusedQKVSite,
+    InputSite,
+    NormSite,
+    OutputSite,
+    PositionEmbedSite,
+    ProjectionSite,
+    RecomputedRotarySite,
+    ResidualSite,
+    ResultSite,
+    RotaryCaptureSite,
+    Site,
+)
+from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, LinearWeight, MLPLayout, NormSpec, QKVLayout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .registry import PluginInfo, ScopedHooks
+
+Tensor = torch.Tensor
+Selector = Union[str, Callable[[str], bool], Sequence[str]]
+_UNSET = object()
+PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
+
+
+def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: MLPLayout) -> list[str]:
+    """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
+
+    Separate projections run one after another, each query/key rotated as soon as it is projected; a fused
+    projection yields q, k and v at once and rotary follows. Post-norm blocks normalize after each residual add.
+    """
+    ln1 = ["ln1.hook_scale", "ln1.hook_normalized"]
+    if qkv.rotary is None:
+        attn = ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
+    elif isinstance(qkv, FusedQKV):
+        attn = ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"]
+    else:
+        attn = ["attn.hook_q", "attn.hook_rot_q", "attn.hook_k", "attn.hook_rot_k", "attn.hook_v"]
+    attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out"]
+    mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
+    mlp_names += ["mlp.hook_post", "hook_mlp_out"]
+    if block.post_norm:
+        return (["hook_resid_pre"] + attn + ["hook_resid_mid"] + ln1 + ["hook_mlp_in"] + mlp_names
+                + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"])
+    names = ["hook_resid_pre"] + ln1 + attn
+    if not block.parallel:
+        names.append("hook_resid_mid")
+    if block.ln2 is not None:
+        names += ["hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized"]
+    return names + mlp_names + ["hook_resid_post"]
+
+
+class Wiring:
+    """The description of one wrapped model, its hook points, and the sites serving them (see the module docstring).
+
+    Everything public here is the plugin protocol (:class:`lensadapters.protocol.Hooked`); the rest is the core's.
+    """
+
+    def __init__(self, model: Any, hf_model: nn.Module, arch: Architecture, plugin: "PluginInfo",
+                 hooks: "ScopedHooks") -> None:
+        self.model = model
+        self.hf_model = hf_model
+        self.arch = arch
+        self.plugin = plugin
+        self.plugin_hooks = hooks
+        self.cfg: HookedConfig = hooks.lensadapters_config(arch=arch, model=hf_model)
+        self.layout = hooks.lensadapters_embed(arch=arch, model=hf_model)
+        self.block_modules: list[nn.Module] = list(hf_model.get_submodule(self.layout.blocks))
+        n = len(self.block_modules)
+        self.block_layouts = [hooks.lensadapters_block(arch=arch, model=hf_model, layer=i) for i in range(n)]
+        self.qkv_layouts = [hooks.lensadapters_attn_qkv(arch=arch, model=hf_model, layer=i) for i in range(n)]
+        self.mlp_layouts = [hooks.lensadapters_mlp_act(arch=arch, model=hf_model, layer=i) for i in range(n)]
+        self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.block_modules, self.block_layouts)]
+        self.forward_state = ForwardState()
+        self._points: dict[str, HookPoint] = {}
+        self._claimed: dict[str, str] = {}  # point name -> the plugin serving it instead of the core
+        self._building = False
+        self._sites: list[Site] = []
+        self._point_sites: dict[HookPoint, list[Site]] = {}
+        self._norm_modules: dict[str, nn.Module] = {}
+        self._installed: dict[Site, tuple[tuple[bool, ...], list[Any]]] = {}
+        self._dirty: set[Site] = set()
+        self._hooked_points: set[HookPoint] = set()  # points with a hook attached, kept as hooks come and go
+        self._defer = 0
+        self._pattern_backend: Any = None
+        self._compile_setting: Any = _UNSET
+        self._build()
+
+    # --- hook points (plugin protocol) ------------------------------------------------------------
+
+    @property
+    def hook_names(self) -> list[str]:
+        """Every hook point, in the order the points fire."""
+        return list(self._points)
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        return dict(self._points)
+
+    def point(self, name: str) -> HookPoint:
+        """The hook point ``name`` (``UnknownHookError`` if the model has none)."""
+        if name not in self._points:
+            raise UnknownHookError(name, self._points)
+        return self._points[name]
+
+    def new_point(self, name: str, after: Optional[str] = None, before: Optional[str] = None) -> HookPoint:
+        """Create a hook point; ``after`` or ``before`` (an existing name) places it in ``hook_names``, which
+        lists points in the order they fire (the contract checks it)."""
+        if name in self._points:
+            raise LensAdaptersError(f"hook point {name!r} exists twice; a plugin defines it again (to serve a point "
+                                    f"the core creates, use claim_point({name!r}))")
+        point = HookPoint(name, self._point_changed)
+        anchor = before if before in self._points else after if after in self._points else None
+        if anchor is None:
+            self._points[name] = point
+        else:
+            items = list(self._points.items())
+            at = [k for k, _ in items].index(anchor) + (0 if anchor == before else 1)
+            self._points = dict(items[:at] + [(name, point)] + items[at:])
+        return point
+
+    def claim_point(self, name: str) -> HookPoint:
+        """Take over a point the core created: the core builds no site for it, the caller's site serves it.
+
+        Only during ``lensadapters_extra_sites`` (before the core builds its sites). The point keeps its
+        name and place in ``hook_names``.
+        """
+        if not self._building:
+            raise LensAdaptersError(f"claim_point({name!r}) works only inside lensadapters_extra_sites")
+        point = self.point(name)
+        owner = self._claimed.get(name)
+        if owner is not None:
+            raise LensAdaptersError(f"hook point {name!r} is claimed twice (first by {owner})")
+        self._claimed[name] = "a plugin"
+        return point
+
+    def add_site(self, site: Site) -> None:
+        """Register a site; its points' hooks install and remove its PyTorch hooks from now on."""
+        if isinstance(site, NormSite) and site.scale.name.endswith(".hook_scale"):
+            self.register_norm(site.scale.name[: -len(".hook_scale")], site.module)
+        self._sites.append(site)
+        for point in site.points:
+            self._point_sites.setdefault(point, []).append(site)
+
+    def register_norm(self, prefix: str, module: nn.Module) -> None:
+        """Record the module behind ``{prefix}.hook_scale``/``hook_normalized`` (``norm_module`` answers it)."""
+        self._norm_modules[prefix] = module
+
+    @property
+    def sites(self) -> tuple[Site, ...]:
+        """Every site, the core's and the plugins'."""
+        return tuple(self._sites)
+
+    @property
+    def has_hooks(self) -> bool:
+        """Whether any hook point has a hook attached (the core's own cache readers included); O(1)."""
+        return bool(self._hooked_points)
+
+    def select(self, name: Selector) -> list[HookPoint]:
+        """The points a name, a list of names or a predicate on names selects."""
+        if isinstance(name, str):
+            return [self.point(name)]
+        if callable(name):
+            return [pt for n, pt in self._points.items() if name(n)]
+        selected: list[HookPoint] = []
+        for item in name:
+            selected += self.select(item)
+        return selected
+
+    # --- reading the model (plugin protocol) --------------------------------------------------------
+
+    def read_linear(self, module: nn.Module) -> LinearWeight:
+        """The effective ``LinearWeight`` (``[d_in, d_out]`` and bias) of a linear-like module, through every plugin."""
+        return _w.read_linear(self, module)
+
+    def norm_spec(self, module: nn.Module) -> NormSpec:
+        """How ``module`` (one of the model's norms) normalizes: a ``NormSpec`` with live weights."""
+        return self._norm_spec(module)()
+
+    def norm_module(self, prefix: str) -> nn.Module:
+        """The norm module whose ``hook_scale``/``hook_normalized`` points start with ``prefix``
+        (``"blocks.0.ln1"``, ``"ln_final"``, a plugin's ``"blocks.0.attn.q_norm"``...)."""
+        try:
+            return self._norm_modules[prefix]
+        except KeyError:
+            raise UnknownHookError(prefix + ".hook_scale", self._points) from None
+
+    def module_name(self, module: nn.Module) -> str:
+        """The qualified name of ``module`` in the Hugging Face model (for error messages)."""
+        for name, candidate in self.hf_model.named_modules():
+            if candidate is module:
+                return name or "<model>"
+        return type(module).__name__
+
+    def attention_implementation(self) -> str:
+        """The attention implementation the model is configured with (``config._attn_implementation``)."""
+        from .attention import KEY_PREFIX
+
+        impl = getattr(self.hf_model.config, "_attn_implementation", None) or "eager"
+        return impl[len(KEY_PREFIX):] if impl.startswith(KEY_PREFIX) else impl
+
+    @property
+    def pattern_backend(self) -> Any:
+        """The backend serving ``hook_attn_scores``/``hook_pattern`` (created on first use)."""
+        if self._pattern_backend is None:
+            self._pattern_backend = self.plugin_hooks.lensadapters_attn_pattern(arch=self.arch, hooked=self)
+        return self._pattern_backend
+
+    def _norm_spec(self, module: nn.Module) -> Callable[[], NormSpec]:
+        arch, hooks = self.arch, self.plugin_hooks
+
+        def spec() -> NormSpec:
+            with live_parameters(module):  # the spec keeps the loaded weights of an offloaded norm
+                result = hooks.lensadapters_norm_scale(arch=arch, module=module)
+            if result is None:
+                raise UnsupportedModelError(
+                    f"no plugin knows how {type(module).__name__} ({self.module_name(module)}) normalizes; "
+                    f"implement lensadapters_norm_scale for it")
+            return result
+
+        return spec
+
+    def _linear_reader(self, module: nn.Module) -> Callable[[], tuple[Tensor, Optional[Tensor]]]:
+        def read() -> tuple[Tensor, Optional[Tensor]]:
+            lw = self.read_linear(module)
+            return lw.W, lw.b
+
+        return read
+
+    # --- building (the three phases of the module docstring) ------------------------------------------
+
+    def _build(self) -> None:
+        self._check_layouts()
+        self._create_points()
+        self._building = True
+        try:
+            for sites in self.plugin_hooks.lensadapters_extra_sites(arch=self.arch, hooked=self):
+                for site in sites or ():
+                    self.add_site(site)
+        finally:
+            self._building = False
+        self._build_core_sites()
+        self._show_flat_tokens_as_batches()
+
+    def _check_layouts(self) -> None:
+        for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
+            if bl.post_norm and (bl.parallel or bl.ln2 is None):
+                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
+                                            f"parallel (layer {i})")
+            if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
+                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
+                                            f"(the module whose input is hook_mlp_in) (layer {i})")
+        if any(q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
+            raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
+
+    def _create_points(self) -> None:
+        new = self.new_point
+        new("hook_embed")
+        if self.layout.pos_embed:
+            new("hook_pos_embed")
+        for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
+            for name in block_point_names(bl, qkv, mlp):
+                new(f"blocks.{i}.{name}")
+        if self.layout.ln_final:
+            new("ln_final.hook_scale")
+            new("ln_final.hook_normalized")
+
+    def _core(self, name: str) -> HookPoint:
+        """The point a core site serves: the real one, or a detached stand-in (never hooked) if a plugin claimed it."""
+        if name in self._claimed:
+            return HookPoint(name, lambda point: None)
+        return self._points[name]
+
+    def _build_core_sites(self) -> None:
+        m, L = self.hf_model, self.layout
+        embed = m.get_submodule(L.embed)
+        self.add_site(OutputSite(embed, self._core("hook_embed")))
+        if L.pos_embed:
+            self.add_site(PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"),
+                                            self.forward_state))
+        for i in range(len(self.block_modules)):
+            self._build_block_sites(i)
+        if L.ln_final:
+            ln_f = m.get_submodule(L.ln_final)
+            self.add_site(NormSite(ln_f, self._norm_spec(ln_f), self._core("ln_final.hook_scale"),
+                                   self._core("ln_final.hook_normalized")))
+        self._build_rotary_sites()
+
+    def _block_point(self, layer: int) -> Callable[[str], Optional[HookPoint]]:
+        def get(name: str) -> Optional[HookPoint]:
+            full = f"blocks.{layer}.{name}"
+            return self._core(full) if full in self._points else None
+
+        return get
+
+    def _build_block_sites(self, i: int) -> None:
+        block, bl = self.block_modules[i], self.block_layouts[i]
+        pt, get = self._block_point(i), block.get_submodule
+        self.add_site(InputSite(block, pt("hook_resid_pre")))
+        ln1 = get(bl.ln1)
+        if bl.post_norm:
+            self.add_site(InputSite(ln1, pt("hook_resid_mid")))
+        self.add_site(NormSite(ln1, self._norm_spec(ln1), pt("ln1.hook_scale"), pt("ln1.hook_normalized")))
+        self._build_qkv_sites(i)
+        self.add_site(AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern")))
+        o_proj = get(bl.o_proj)
+        self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
+        self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._linear_reader(o_proj)))
+        self.add_site(OutputSite(get(bl.attn), pt("hook_attn_out")))
+        if bl.ln2 is not None:
+            ln2 = get(bl.ln2)
+            self.add_site(NormSite(ln2, self._norm_spec(ln2), pt("ln2.hook_scale"), pt("ln2.hook_normalized")))
+        self._build_mlp_sites(i)
+
+    def _build_qkv_sites(self, i: int) -> None:
+        qkv, pt, get, state = self.qkv_layouts[i], self._block_point(i), self.block_modules[i].get_submodule, \
+            self.forward_state
+        q, k, v = pt("attn.hook_q"), pt("attn.hook_k"), pt("attn.hook_v")
+        rot_q, rot_k = pt("attn.hook_rot_q"), pt("attn.hook_rot_k")
+        if isinstance(qkv, FusedQKV):
+            self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
+            return
+        n_heads, n_kv = self.cfg.n_heads, self.cfg.n_key_value_heads
+        self.add_site(ProjectionSite(get(qkv.q), q, n_heads, state, rot_q, qkv.rotary))
+        self.add_site(ProjectionSite(get(qkv.k), k, n_kv, state, rot_k, qkv.rotary))
+        self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
+
+    def _build_mlp_sites(self, i: int) -> None:
+        block, bl, mlp = self.block_modules[i], self.block_layouts[i], self.mlp_layouts[i]
+        pt, get = self._block_point(i), block.get_submodule
+        self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
+        if mlp.pre_linear is not None:
+            self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
+        self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
+        mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
+        if bl.post_norm:
+            # every residual point is a plain module input/output: the norms carry edits downstream
+            self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pt("hook_mlp_in"),
+                                    protect=True))  # ln1's output is the MLP's residual too
+            self.add_site(OutputSite(mlp_out_module, pt("hook_mlp_out")))
+            self.add_site(OutputSite(block, pt("hook_resid_post")))
+            return
+        residual_add = (get(bl.mlp_residual) if bl.mlp_residual else get(bl.mlp) if bl.mlp is not None else None)
+        self.add_site(ResidualSite(i, block, get(bl.ln2) if bl.ln2 is not None else None, mlp_out_module,
+                                   self.forward_state, pt("hook_resid_mid"), pt("hook_mlp_in"), pt("hook_mlp_out"),
+                                   pt("hook_resid_post"), residual_add=residual_add))
+
+    def _build_rotary_sites(self) -> None:
+        rot_points = [self._core(n) for n in self._points if n.endswith(("attn.hook_rot_q", "attn.hook_rot_k"))]
+        if not rot_points:
+            return
+        L = self.layout
+        rotary_module = self.hf_model.get_submodule(L.rotary)
+        self.add_site(RotaryCaptureSite(rotary_module, rot_points, self.forward_state, L.rotary_from_inputs))
+        for i in range(len(self.block_modules)):
+            points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
+            if points:
+                self.add_site(RecomputedRotarySite(self.attention_modules[i], points, self.forward_state,
+                                                    rotary_module, L.rotary_from_inputs))
+
+    def _show_flat_tokens_as_batches(self) -> None:
+        for i, block in enumerate(self.block_modules):
+            if self.block_layouts[i].flat_mlp:
+                # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
+                block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]
+                for point in block_points:
+                    point.token_shape = functools.partial(self.forward_state.block_shape.get, i)
+                self.add_site(BlockShapeSite(i, block, block_points, self.forward_state))
+
+    # --- installing sites as hooks come and go -------------------------------------------------------
+
+    def _point_changed(self, point: HookPoint) -> None:
+        if point.active:
+            self._hooked_points.add(point)
+        else:
+            self._hooked_points.discard(point)
+        self._dirty.update(self._point_sites.get(point, ()))
+        if not self._defer:
+            self._sync()
+
+    def remove_hooks(self, predicate: Callable[[Any], bool], points: Optional[Iterable[HookPoint]] = None) -> None:
+        """Remove the hooks ``predicate`` accepts (a ``HookEntry`` predicate) from ``points`` (default: all)."""
+        with self.batched():
+            for point in (self._points.values() if points is None else dict.fromkeys(points)):
+                if point.remove_where(predicate):
+                    if not point.active:
+                        self._hooked_points.discard(point)
+                    self._dirty.update(self._point_sites.get(point, ()))
+        self.forward_state.clear()
+
+    @property
+    def installed(self) -> bool:
+        """Whether any site has PyTorch hooks on the model now."""
+        return bool(self._installed)
+
+    def _sync(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for site in dirty:
+            signature = site.signature()
+            current = self._installed.get(site)
+            if current is not None and current[0] == signature:
+                continue
+            if current is not None:
+                for handle in current[1]:
+                    handle.remove()
+                del self._installed[site]
+            if any(signature):
+                self._installed[site] = (signature, site.install())
+        self._guard_compile(bool(self._installed))
+
+    def uninstall(self) -> None:
+        """Remove every PyTorch hook of every site (``unwrap``)."""
+        for _, handles in list(self._installed.values()):
+            for handle in handles:
+                handle.remove()
+        self._installed.clear()
+        self._guard_compile(False)
+        self.forward_state.clear()
+
+    def _guard_compile(self, hooked: bool) -> None:
+        """While any hook is installed, ``generate`` must not compile the forward.
+
+        transformers compiles the decoding forward on its own for static caches on accelerators; a
+        compiled graph does not see PyTorch hooks added after it was traced (dynamo skips hook guards),
+        so hooks would run on the first step and silently not on the others. The model's
+        ``generation_config.disable_compile`` is set while hooks exist and restored when they go.
+        """
+        config = getattr(self.hf_model, "generation_config", None)
+        if config is None:
+            return
+        if hooked and self._compile_setting is _UNSET:
+            self._compile_setting = getattr(config, "disable_compile", False)
+            config.disable_compile = True
+        elif not hooked and self._compile_setting is not _UNSET:
+            config.disable_compile = self._compile_setting
+            self._compile_setting = _UNSET
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Add or remove many hooks, installing PyTorch hooks once at the end."""
+        self._defer += 1
+        try:
+            yield
+        finally:
+            self._defer -= 1
+            if not self._defer:
+                self._sync()
+
+    def check_pattern_implementation(self) -> None:
+        """Refuse pattern/score hooks under an attention implementation the plugin's backend cannot read."""
+        impl = self.attention_implementation()
+        if impl not in self.arch.attn_implementations:
+            raise UnsupportedModelError(
+                f"hook_attn_scores and hook_pattern are computed explicitly in the layers that are hooked, with the "
+                f"masks of the {' or '.join(map(repr, self.arch.attn_implementations))} attention implementation; "
+                f"this model uses {impl!r}. Call model.set_attn_implementation({self.arch.attn_implementations[-1]!r}) "
+                f"to hook patterns, or leave patterns out (run_with_cache(names_filter=lambda n: not "
+                f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}")
+
+
+class _LazyBackend:
+    """Creates the pattern backend on first use, so wrapping costs nothing until patterns are hooked."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+
+    def activate(self, layer: int, site: Any) -> Any:
+        return self.wiring.pattern_backend.activate(layer, site)

@@ -61,7 +61,9 @@ def attention_key(original: str) -> str:
     def lensadapters_attention(module: nn.Module, query: Tensor, key_: Tensor, value: Tensor,
                                attention_mask: Optional[Tensor], *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         entry = _ACTIVE.get(module)
-        if entry is None:
+        # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
+        # this is a nested one) keeps the original implementation's exact numbers
+        if entry is None or not (entry[2].scores.has_live_hooks() or entry[2].pattern.has_live_hooks()):
             fn = _DELEGATES.get(module) or _original_function(original, module)
             return fn(module, query, key_, value, attention_mask, *args, **kwargs)
         backend, layer, site = entry

@@ -5,12 +5,17 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from .errors import HookReturnError
+from .frames import current_recompute_token
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .frames import ForwardState
 
 HookFn = Callable[..., Optional[torch.Tensor]]
 _LAYER = re.compile(r"^blocks\.(\d+)\.")
@@ -40,6 +45,16 @@ class HookEntry:
     context: Optional[int] = None  # id of the ``hooks()`` block that added it
     order: int = 0
     readonly: bool = False  # the core's own readers (run_with_cache): never edit, never need a copy
+    # a hooks() block's entries apply only to forwards of the thread that opened it, at the depth it was opened
+    # (None: every forward, as permanent hooks and add_hook do)
+    thread: Optional[int] = None
+    depth: Optional[int] = None
+
+    def applies(self, thread: int, depth: Optional[int]) -> bool:
+        """Whether this hook runs in a forward of ``thread`` at nesting ``depth`` (``None``: outside a forward)."""
+        if self.thread is None:
+            return True
+        return self.thread == thread and (depth is None or self.depth == depth)
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
@@ -53,8 +68,11 @@ def _version(t: torch.Tensor) -> Optional[int]:
 class HookPoint:
     """A named activation. Sites call :meth:`apply` with the value the model computed."""
 
-    def __init__(self, name: str, on_change: Callable[["HookPoint"], None]) -> None:
+    def __init__(self, name: str, on_change: Callable[["HookPoint"], None],
+                 state: Optional["ForwardState"] = None) -> None:
         self.name = name
+        self._state = state  # the wrapped model's per-call state: which forward is running here
+        self.pins = 0  # forwards that may still be recomputed with this point's hooks (gradient checkpointing)
         self.fwd_hooks: list[HookEntry] = []
         self.bwd_hooks: list[HookEntry] = []
         self._on_change = on_change
@@ -78,18 +96,21 @@ class HookPoint:
 
     @property
     def active(self) -> bool:
-        return bool(self.fwd_hooks or self.bwd_hooks)
+        """Whether the point's site must be installed: a hook is attached, or a forward that ran its hooks may
+        still be recomputed by gradient checkpointing."""
+        return bool(self.fwd_hooks or self.bwd_hooks or self.pins)
 
     @property
     def may_edit(self) -> bool:
         """Whether a hook attached here may change the value (any but the core's own readers)."""
-        return bool(self.bwd_hooks) or any(not e.readonly for e in self.fwd_hooks)
+        return bool(self.bwd_hooks or self.pins) or any(not e.readonly for e in self.fwd_hooks)
 
     # --- management -----------------------------------------------------------------------------
 
     def add(self, fn: HookFn, dir: str = "fwd", *, permanent: bool = False, context: Optional[int] = None,
-            prepend: bool = False, readonly: bool = False) -> HookEntry:
-        entry = HookEntry(fn, permanent, context, next(_ids), readonly)
+            prepend: bool = False, readonly: bool = False, thread: Optional[int] = None,
+            depth: Optional[int] = None) -> HookEntry:
+        entry = HookEntry(fn, permanent, context, next(_ids), readonly, thread, depth)
         hooks = self._list(dir)
         hooks.insert(0, entry) if prepend else hooks.append(entry)
         self._on_change(self)
@@ -114,6 +135,33 @@ class HookPoint:
             return self.bwd_hooks
         raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
 
+    # --- which hooks run now ------------------------------------------------------------------------
+
+    def live_hooks(self, dir: str = "fwd") -> list[HookEntry]:
+        """The hooks that run in the forward executing now (see :mod:`lensadapters.frames`).
+
+        A checkpointed layer recomputed during backward runs the hooks its original forward ran (when that
+        forward was tagged), else every attached hook.
+        """
+        hooks = self._list(dir)
+        if is_recomputing():
+            token = current_recompute_token()
+            if token is not None:
+                fwd, bwd = token.snapshot.get(self, ((), ()))
+                return list(fwd if dir == "fwd" else bwd)
+            return list(hooks)
+        if not hooks:
+            return hooks
+        if all(e.thread is None for e in hooks):
+            return list(hooks)
+        depth = self._state.depth if self._state is not None else None
+        thread = threading.get_ident()
+        return [e for e in hooks if e.applies(thread, depth)]
+
+    def has_live_hooks(self) -> bool:
+        """Whether any hook runs here in the forward executing now."""
+        return bool(self.live_hooks("fwd") or self.live_hooks("bwd"))
+
     # --- running ---------------------------------------------------------------------------------
 
     def apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
@@ -136,7 +184,7 @@ class HookPoint:
     def _apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
         original = value
         changed = False
-        for entry in list(self.fwd_hooks):
+        for entry in self.live_hooks("fwd"):
             if entry.readonly:
                 entry.fn(value, hook=self)
                 continue
@@ -155,10 +203,11 @@ class HookPoint:
         if not changed:
             value = original  # a copy nobody edited: keep the model's own tensor
         if self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
-            value = value.view_as(value)
-            entries = list(self.bwd_hooks)  # the hooks of this forward, even if removed before backward
-            value.register_hook(lambda grad: self._run_backward(grad, entries))
-            changed = True
+            entries = self.live_hooks("bwd")  # the hooks of this forward, even if removed before backward
+            if entries:
+                value = value.view_as(value)
+                value.register_hook(lambda grad: self._run_backward(grad, entries))
+                changed = True
         return value, changed
 
     def _run_backward(self, grad: torch.Tensor, entries: list[HookEntry]) -> torch.Tensor:

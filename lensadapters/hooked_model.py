@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -166,7 +167,8 @@ class HookedModel(WeightAccessors):
 
     def add_hook(self, name: Union[str, Callable[[str], bool]], hook: HookFn, dir: str = "fwd",
                  is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None,
-                 _touched: Optional[list[HookPoint]] = None, _readonly: bool = False) -> None:
+                 _touched: Optional[list[HookPoint]] = None, _readonly: bool = False,
+                 _scope: tuple[Optional[int], Optional[int]] = (None, None)) -> None:
         """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts).
 
         Under gradient checkpointing a forward hook inside a checkpointed layer runs again when
@@ -181,7 +183,8 @@ class HookedModel(WeightAccessors):
             self.wiring.check_pattern_implementation()
         with self.wiring.batched():
             for point in points:
-                point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend, readonly=_readonly)
+                point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend, readonly=_readonly,
+                          thread=_scope[0], depth=_scope[1])
                 if _touched is not None:
                     _touched.append(point)
 
@@ -192,16 +195,25 @@ class HookedModel(WeightAccessors):
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks: Iterable[HookSpec] = (),
               reset_hooks_end: bool = True, *, _readonly: bool = False) -> Iterator["HookedModel"]:
-        """Hooks that live only inside the ``with`` block (removed even when a hook raises)."""
+        """Hooks that live only inside the ``with`` block (removed even when a hook raises).
+
+        They apply to the forwards this thread runs inside the block, at the nesting depth of the block: another
+        thread's forwards, and a model call made from inside a hook, do not run them (permanent hooks apply
+        everywhere). With ``reset_hooks_end=False`` they stay after the block, for every forward.
+        """
         self._check_alive()
+        self.wiring.sync()
         context = next(_contexts)
         touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
+        scope = ((threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end
+                 else (None, None))
+        kw = dict(_context=context, _touched=touched, _readonly=_readonly, _scope=scope)
         try:
             with self.wiring.batched():
                 for name, fn in fwd_hooks:
-                    self.add_hook(name, fn, "fwd", _context=context, _touched=touched, _readonly=_readonly)
+                    self.add_hook(name, fn, "fwd", **kw)
                 for name, fn in bwd_hooks:
-                    self.add_hook(name, fn, "bwd", _context=context, _touched=touched, _readonly=_readonly)
+                    self.add_hook(name, fn, "bwd", **kw)
             yield self
         finally:
             if reset_hooks_end:
@@ -210,22 +222,18 @@ class HookedModel(WeightAccessors):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Exactly the wrapped model's forward."""
         self._check_alive()
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            self.wiring.forward_state.clear()
+        self.wiring.sync()
+        return self.model(*args, **kwargs)
 
     forward = __call__
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate``; while hooks are attached the forward is never compiled (see ``hooks``)."""
         self._check_alive()
+        self.wiring.sync()
         if self.wiring.installed:
             kwargs.setdefault("disable_compile", True)
-        try:
-            return self.model.generate(*args, **kwargs)
-        finally:
-            self.wiring.forward_state.clear()
+        return self.model.generate(*args, **kwargs)
 
     def run_with_hooks(self, *args: Any, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks: Iterable[HookSpec] = (),
                        reset_hooks_end: bool = True, **kwargs: Any) -> Any:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -25,12 +27,13 @@ from torch import nn
 
 from . import weights as _w
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
-from .hook_point import HookPoint
+from .frames import RecomputeToken, tag_for_recompute
+from .hook_point import HookPoint, is_recomputing
 from .offload import live_parameters
+from .frames import ForwardState
 from .sites import (
     AttentionSite,
     BlockShapeSite,
-    ForwardState,
     FusedQKVSite,
     InputSite,
     NormSite,
@@ -140,7 +143,7 @@ class Wiring:
         if name in self._points:
             raise LensAdaptersError(f"hook point {name!r} exists twice; a plugin defines it again (to serve a point "
                                     f"the core creates, use claim_point({name!r}))")
-        point = HookPoint(name, self._point_changed)
+        point = HookPoint(name, self._point_changed, self.forward_state)
         anchor = before if before in self._points else after if after in self._points else None
         if anchor is None:
             self._points[name] = point
@@ -272,6 +275,8 @@ class Wiring:
             self._building = False
         self._build_core_sites()
         self._show_flat_tokens_as_batches()
+        self._frame_site = _FrameSite(self)
+        self.add_site(self._frame_site)
 
     def _check_layouts(self) -> None:
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
@@ -395,8 +400,11 @@ class Wiring:
                 # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
                 block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]
                 for point in block_points:
-                    point.token_shape = functools.partial(self.forward_state.block_shape.get, i)
+                    point.token_shape = functools.partial(self._block_shape, i)
                 self.add_site(BlockShapeSite(i, block, block_points, self.forward_state))
+
+    def _block_shape(self, layer: int) -> Optional[tuple[int, ...]]:
+        return self.forward_state.block_shape.get(layer)
 
     # --- installing sites as hooks come and go -------------------------------------------------------
 
@@ -424,12 +432,31 @@ class Wiring:
         """Whether any site has PyTorch hooks on the model now."""
         return bool(self._installed)
 
+    def unpin(self, points: Sequence[HookPoint]) -> None:
+        """A forward that may have been recomputed with these points' hooks is gone (its graph was freed).
+
+        Called from a finalizer, at any time: the sites are re-installed at the next safe moment (``sync``).
+        """
+        for point in points:
+            point.pins -= 1
+            if not point.active:
+                self._hooked_points.discard(point)
+            self._dirty.update(self._point_sites.get(point, ()))
+
+    def sync(self) -> None:
+        """Install and remove PyTorch hooks as the attached hooks require (when no forward of this thread runs)."""
+        if self._dirty and not self._defer and self.forward_state.open_frames == 0:
+            self._sync()
+
     def _sync(self) -> None:
         dirty, self._dirty = self._dirty, set()
         for site in dirty:
             signature = site.signature()
             current = self._installed.get(site)
             if current is not None and current[0] == signature:
+                continue
+            if site is getattr(self, "_frame_site", None) and not any(signature) and self.forward_state.open_frames:
+                self._dirty.add(site)  # a forward of this thread still needs its frame closed: remove it later
                 continue
             if current is not None:
                 for handle in current[1]:
@@ -477,6 +504,27 @@ class Wiring:
             if not self._defer:
                 self._sync()
 
+    def _recompute_token(self) -> Optional[RecomputeToken]:
+        """A snapshot of the hooks of the forward starting now, when gradient checkpointing may recompute it."""
+        if not torch.is_grad_enabled() or not any(
+                b.training and getattr(b, "gradient_checkpointing", False) for b in self.block_modules):
+            return None
+        thread, depth = threading.get_ident(), self.forward_state.depth
+        snapshot: dict[HookPoint, tuple[list[Any], list[Any]]] = {}
+        for point in list(self._hooked_points):
+            fwd = [e for e in point.fwd_hooks if not e.readonly and e.applies(thread, depth)]
+            bwd = [e for e in point.bwd_hooks if e.applies(thread, depth)]
+            if fwd or bwd:
+                snapshot[point] = (fwd, bwd)
+        if not snapshot:
+            return None
+        token = RecomputeToken(snapshot)
+        points = list(snapshot)
+        for point in points:
+            point.pins += 1
+        weakref.finalize(token, self.unpin, points)
+        return token
+
     def check_pattern_implementation(self) -> None:
         """Refuse pattern/score hooks under an attention implementation the plugin's backend cannot read."""
         impl = self.attention_implementation()
@@ -487,6 +535,51 @@ class Wiring:
                 f"this model uses {impl!r}. Call model.set_attn_implementation({self.arch.attn_implementations[-1]!r}) "
                 f"to hook patterns, or leave patterns out (run_with_cache(names_filter=lambda n: not "
                 f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}")
+
+
+class _FrameSite(Site):
+    """Opens a frame (:mod:`lensadapters.frames`) around every forward of the model while any site is installed,
+    and tags the output of each block for gradient-checkpoint recomputation when the forward may be recomputed."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+        self.points = tuple(wiring.hook_dict.values())
+
+    def wanted(self) -> bool:
+        return self.wiring.has_hooks
+
+    def install(self) -> list[Any]:
+        model = self.wiring.hf_model
+        handles = [model.register_forward_pre_hook(self._open),
+                   model.register_forward_hook(self._close, always_call=True)]
+        for block in self.wiring.block_modules:
+            handles.append(block.register_forward_hook(self._tag))
+        return handles
+
+    def _open(self, module: nn.Module, args: tuple) -> None:
+        wiring = self.wiring
+        if module is not wiring.hf_model:
+            raise LensAdaptersError(
+                f"a copy of the wrapped {type(module).__name__} ran (torch.nn.DataParallel replicates the model into "
+                f"worker threads) while lensadapters hooks were attached: hook points and caches belong to the wrapped "
+                f"model itself. Use DistributedDataParallel (one process per device) or run the model unreplicated")
+        frame = wiring.forward_state.push()
+        frame.token = wiring._recompute_token()
+
+    def _close(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if module is self.wiring.hf_model:
+            self.wiring.forward_state.pop()
+
+    def _tag(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        token = self.wiring.forward_state.frame.token
+        if token is None or not torch.is_grad_enabled() or is_recomputing():
+            return None
+        from .sites import first_output, replace_first_output
+
+        hidden = first_output(output)
+        if not isinstance(hidden, torch.Tensor) or not hidden.requires_grad:
+            return None
+        return replace_first_output(output, tag_for_recompute(hidden, token))
 
 
 class _LazyBackend:

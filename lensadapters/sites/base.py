@@ -9,10 +9,11 @@ untouched (``HookPoint.apply`` says whether anything changed).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ..frames import ForwardState, FrameValues  # noqa: F401  (re-exported: sites share per-call values through it)
 from ..hook_point import HookPoint
 
 Tensor = torch.Tensor
@@ -81,19 +82,3 @@ class Site:
         raise NotImplementedError
 
 
-class ForwardState:
-    """Values that sites share within one forward pass (rotary cos/sin, residual bookkeeping)."""
-
-    def __init__(self) -> None:
-        self.rotary: Optional[tuple[Tensor, Tensor]] = None
-        self.batch: Optional[int] = None
-        self.resid_mid: dict[int, Tensor] = {}
-        self.mlp_out: dict[int, Tensor] = {}
-        self.block_shape: dict[int, tuple[int, ...]] = {}
-
-    def clear(self) -> None:
-        self.rotary = None
-        self.batch = None
-        self.resid_mid.clear()
-        self.mlp_out.clear()
-        self.block_shape.clear()

@@ -180,18 +180,18 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             module = get(qkv.module)
             if is_lora_linear(module):
                 points = [_new_point_before(hooked, pre + "attn.hook_q", pre + n) for _, n in QKV_POINTS]
-                sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge))
+                sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
         else:
             heads = (cfg.n_heads, cfg.n_key_value_heads, cfg.n_key_value_heads)
             for (short, name), path, h in zip(QKV_POINTS, (qkv.q, qkv.k, qkv.v), heads):
                 module = get(path)
                 if is_lora_linear(module):
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)
-                    sites.append(LoraDeltaSite(module, [point], *_heads_split(h)))
+                    sites.append(LoraDeltaSite(module, [point], *_heads_split(h), hooked.forward_state))
         module = get(bl.o_proj)
         if is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
-            sites.append(LoraDeltaSite(module, [point], *_plain_split()))
+            sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         for path, target, name in ((mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
                                    (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
                                    (mlp.out, "hook_mlp_out", MLP_OUT_POINT)):
@@ -200,7 +200,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             module = get(path)
             if is_lora_linear(module):
                 point = _new_point_before(hooked, pre + target, pre + name)
-                sites.append(LoraDeltaSite(module, [point], *_plain_split()))
+                sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         if getattr(bl, "flat_mlp", False) and len(sites) > first:
             # the block flattens tokens to [b*p, d] around its MLP (OPT): show [b, p, ...] like the core's points
             points = [p for site in sites[first:] for p in site.points]

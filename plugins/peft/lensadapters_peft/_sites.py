@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lensadapters import LensAdaptersError
 from lensadapters.hook_point import HookPoint
-from lensadapters.sites import Site, first_input, first_output, replace_first_output
+from lensadapters.sites import ForwardState, Site, first_input, first_output, replace_first_output
 
 from . import _lora
 
@@ -46,13 +46,13 @@ class LoraDeltaSite(Site):
     batches (``adapter_names=``) — the delta is ``output - base_out`` (within rounding).
     """
 
-    def __init__(self, module: nn.Module, points: Sequence[Optional[HookPoint]], split: Split, merge: Merge) -> None:
+    def __init__(self, module: nn.Module, points: Sequence[Optional[HookPoint]], split: Split, merge: Merge,
+                 state: ForwardState) -> None:
         self.module = module
         self.slots = tuple(points)
         self.points = tuple(p for p in points if p is not None)
         self.split, self.merge = split, merge
-        self._base: Optional[Tensor] = None
-        self._lora_out: dict[str, Tensor] = {}
+        self.state = state  # the captured outputs belong to one forward (threads and nested calls have their own)
 
     def install(self) -> list[RemovableHandle]:
         m = self.module
@@ -65,11 +65,11 @@ class LoraDeltaSite(Site):
     def _capture_base(self, module: nn.Module, args: tuple, output: Any) -> None:
         # a copy: several PEFT paths add the delta into the base output in place (mixed-adapter batches,
         # AQLM, some variants)
-        self._base = first_output(output).clone()
+        self.state.site_values(self)["base"] = first_output(output).clone()
 
     def _capture_lora(self, name: str) -> Callable[..., None]:
         def capture(module: nn.Module, args: tuple, output: Tensor) -> None:
-            self._lora_out[name] = output
+            self.state.site_values(self).setdefault("lora_out", {})[name] = output
 
         return capture
 
@@ -108,11 +108,11 @@ class LoraDeltaSite(Site):
         return (delta if delta is not None else torch.zeros_like(out)), base
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        base, self._base = self._base, None
-        lora_out, self._lora_out = self._lora_out, {}
+        values = self.state.site_values(self)
+        base, lora_out = values.pop("base", None), values.pop("lora_out", {})
         out = first_output(output)
         delta, base_out = self._delta(module, first_input(args, kwargs), out, kwargs, base, lora_out)
-        self._lora_out = {}  # a recomputation above may have run lora_B again
+        values.pop("lora_out", None)  # a recomputation above may have run lora_B again
         parts = list(self.split(delta))
         changed = False
         for i, point in enumerate(self.slots):

@@ -18,18 +18,40 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .copying import RoutedImplementation, detachable, original_value
 from .errors import LensAdaptersError, UnsupportedModelError
 from .hook_point import HookPoint
 
 Tensor = torch.Tensor
 KEY_PREFIX = "lensadapters:"
 
-# attention module -> (backend, layer, site) for the layers whose patterns are hooked right now
-_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, int, Any]]" = weakref.WeakKeyDictionary()
+# attention module -> weak reference to (backend, layer, site) for the layers whose patterns are hooked right now
+# (weak: the backend holds the entry, so nothing here keeps a model alive)
+_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Route]]" = weakref.WeakKeyDictionary()
 _REGISTERED: set[str] = set()
-# attention module -> the function transformers would run for it when that is not the interface's (see
-# the hookspec lensadapters_attn_original), for the unhooked layers of a model whose patterns are hooked
-_DELEGATES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
+# attention module -> weak reference to its backend while the backend routes the model (the function transformers
+# would run for an unhooked layer when that is not the interface's: see the hookspec lensadapters_attn_original)
+_ROUTED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[InterfacePatternBackend]]" = weakref.WeakKeyDictionary()
+
+
+class _Route:
+    """One hooked layer: the backend serving it and its site."""
+
+    __slots__ = ("backend", "layer", "site", "__weakref__")
+
+    def __init__(self, backend: "InterfacePatternBackend", layer: int, site: Any) -> None:
+        self.backend, self.layer, self.site = backend, layer, site
+
+
+def _route(module: nn.Module) -> Optional[_Route]:
+    ref = _ACTIVE.get(module)
+    return ref() if ref is not None else None
+
+
+def _delegate(module: nn.Module) -> Optional[Callable[..., Any]]:
+    ref = _ROUTED.get(module)
+    backend = ref() if ref is not None else None
+    return backend.delegates.get(module) if backend is not None else None
 
 
 def _interfaces() -> tuple[Any, Any]:
@@ -60,14 +82,13 @@ def attention_key(original: str) -> str:
 
     def lensadapters_attention(module: nn.Module, query: Tensor, key_: Tensor, value: Tensor,
                                attention_mask: Optional[Tensor], *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
-        entry = _ACTIVE.get(module)
+        entry = _route(module)
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
-        if entry is None or not (entry[2].scores.has_live_hooks() or entry[2].pattern.has_live_hooks()):
-            fn = _DELEGATES.get(module) or _original_function(original, module)
+        if entry is None or not (entry.site.scores.has_live_hooks() or entry.site.pattern.has_live_hooks()):
+            fn = _delegate(module) or _original_function(original, module)
             return fn(module, query, key_, value, attention_mask, *args, **kwargs)
-        backend, layer, site = entry
-        return backend.attend(layer, site, module, query, key_, value, attention_mask, **kwargs)
+        return entry.backend.attend(entry.layer, entry.site, module, query, key_, value, attention_mask, **kwargs)
 
     attn_interface.register(key, lensadapters_attention)
     mask_fn = mask_interface._global_mapping.get(original)
@@ -78,7 +99,8 @@ def attention_key(original: str) -> str:
 
 
 class _MaskInfo:
-    """What explicit attention needs from a mask: where to put ``-inf``, an additive bias, empty rows."""
+    """What explicit attention needs from a mask: where to put ``-inf``, an additive bias, empty rows (tensors
+    derived from the mask, never the mask itself)."""
 
     __slots__ = ("blocked", "bias", "empty_rows")
 
@@ -86,18 +108,23 @@ class _MaskInfo:
         self.blocked, self.bias, self.empty_rows = blocked, bias, empty_rows
 
 
-# the last mask seen and what was derived from it: every layer of one forward gets the same mask object,
-# so it is converted once per forward, not once per layer (a weak reference: a freed mask never matches)
-_last_mask: list[Any] = [None, None, None]  # [key, weakref to the mask or None, _MaskInfo]
+# mask id -> (key, what was derived from it): every layer of one forward gets the same mask object, so it is
+# converted once per forward, not once per layer. An entry lives exactly as long as its mask (a finalizer removes
+# it), so nothing here keeps a mask, or what was derived from it, alive after the forward that made it.
+_MASK_INFOS: dict[int, tuple[Any, _MaskInfo]] = {}
 
 
 def _mask_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool) -> _MaskInfo:
-    key = (q_len, k_len, str(device), causal, None if mask is None else (id(mask), _version(mask), mask.dtype))
-    cached_key, ref, info = _last_mask
-    if cached_key == key and (mask is None or (ref is not None and ref() is mask)):
-        return info
+    if mask is None:
+        return _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal))
+    key = (q_len, k_len, str(device), causal, _version(mask), mask.dtype)
+    cached = _MASK_INFOS.get(id(mask))
+    if cached is not None and cached[0] == key:
+        return cached[1]
     info = _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal))
-    _last_mask[:] = [key, None if mask is None else weakref.ref(mask), info]
+    if cached is None:
+        weakref.finalize(mask, _MASK_INFOS.pop, id(mask), None)
+    _MASK_INFOS[id(mask)] = (key, info)
     return info
 
 
@@ -155,19 +182,18 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if n_kv != n_heads:
         key = key.repeat_interleave(n_heads // n_kv, dim=1)
         value = value.repeat_interleave(n_heads // n_kv, dim=1)
-    scores = scores_fn(module, query, key, scaling)
-    q_len, k_len = scores.shape[-2], scores.shape[-1]
-    info = _mask_info(attention_mask, q_len, k_len, scores.device, getattr(module, "is_causal", True))
+    raw = scores_fn(module, query, key, scaling)
+    q_len, k_len = raw.shape[-2], raw.shape[-1]
+    info = _mask_info(attention_mask, q_len, k_len, raw.device, getattr(module, "is_causal", True))
+    scores = raw
     if info.bias is not None:
         scores = scores + info.bias
     if info.blocked is not None:
         scores = scores.masked_fill(info.blocked, float("-inf"))
     scores, scores_changed = scores_point.apply(scores)
     pattern = torch.softmax(scores.float(), dim=-1)
-    if scores_changed or scores_point.may_edit:  # an edit (in place too) may leave any row without a finite score
-        pattern = torch.where(pattern.isnan(), torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
-    elif info.empty_rows is not None:  # rows the mask left empty: softmax of all -inf is nan
-        pattern = pattern.masked_fill(info.empty_rows, 0.0)
+    if info.empty_rows is not None or scores_changed or scores_point.may_edit:
+        pattern = _fill_empty_rows(pattern, raw, attention_mask, info)
     pattern = pattern.to(value.dtype)
     pattern, _ = pattern_point.apply(pattern)
     if head_mask is not None:
@@ -176,6 +202,23 @@ def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         pattern = nn.functional.dropout(pattern, p=dropout, training=True)
     out = torch.matmul(pattern, value)
     return out.transpose(1, 2).contiguous(), pattern
+
+
+def _fill_empty_rows(pattern: Tensor, raw: Tensor, mask: Optional[Tensor], info: _MaskInfo) -> Tensor:
+    """Rows without a finite score (softmax of all ``-inf`` is nan) as the model's own attention computes them.
+
+    A row the *mask* leaves empty (a padding position's query under left padding) gets what the configured
+    implementation gives it: eager attention adds its float mask (the dtype's minimum where blocked) to the
+    scores and softmaxes the sum, so the row is ``softmax(scores + mask)`` — a spread over the blocked keys,
+    which the model's later layers then use; sdpa (a boolean mask) gives such a row no attention at all (zeros).
+    A row that an edit of ``hook_attn_scores`` left without a finite score attends to nothing (zeros).
+    """
+    nan = pattern.isnan()
+    if info.empty_rows is not None and mask is not None and mask.dim() == 4 and mask.dtype != torch.bool:
+        eager = torch.softmax((raw + mask[..., : raw.shape[-1]]).float(), dim=-1)
+        pattern = torch.where(nan & info.empty_rows, eager, pattern)
+        nan = pattern.isnan()
+    return torch.where(nan, torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)
 
 
 def default_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
@@ -197,6 +240,8 @@ class InterfacePatternBackend:
         self.original_fn = original_fn
         self.active: set[int] = set()
         self.original: Optional[str] = None
+        self.routes: dict[int, _Route] = {}  # the hooked layers (_ACTIVE refers to these weakly)
+        self.delegates: dict[nn.Module, Callable[..., Any]] = {}
 
     def _scores(self, module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
         scores = self.scores_fn(module, query, key, scaling, self.original or "sdpa")
@@ -204,18 +249,23 @@ class InterfacePatternBackend:
 
     def activate(self, layer: int, site: Any) -> RemovableHandle:
         if not self.active:
-            self.original = self.config._attn_implementation
+            self.original = str(original_value(self.config._attn_implementation))
             if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
                 self.original = self.original[len(KEY_PREFIX):]
-            self.config._attn_implementation = attention_key(self.original)
+            # copies and pickles of the config see the user's implementation (lensadapters.copying)
+            self.config._attn_implementation = RoutedImplementation(attention_key(self.original), self.original)
+            self.delegates = {}
             for module in self.modules if self.original_fn is not None else ():
                 fn = self.original_fn(module, self.original)
                 if fn is not None:
-                    _DELEGATES[module] = fn
+                    self.delegates[module] = fn
+            for module in self.modules:
+                _ROUTED[module] = weakref.ref(self)
         self.active.add(layer)
         module = self.modules[layer]
-        _ACTIVE[module] = (self, layer, site)
-        guard = module.register_forward_pre_hook(self._still_selected(layer))
+        route = self.routes[layer] = _Route(self, layer, site)
+        _ACTIVE[module] = weakref.ref(route)
+        guard = detachable(module.register_forward_pre_hook(self._still_selected(layer)))
         return _Deactivate(self, layer, guard)  # type: ignore[return-value]
 
     def _still_selected(self, layer: int) -> Callable[..., None]:
@@ -234,13 +284,15 @@ class InterfacePatternBackend:
         if layer not in self.active:
             return
         self.active.discard(layer)
+        self.routes.pop(layer, None)
         _ACTIVE.pop(self.modules[layer], None)
         if not self.active and self.original is not None:
             if self.config._attn_implementation == KEY_PREFIX + self.original:  # not switched by the user meanwhile
                 self.config._attn_implementation = self.original
             self.original = None
+            self.delegates = {}
             for module in self.modules:
-                _DELEGATES.pop(module, None)
+                _ROUTED.pop(module, None)
 
     def attend(self, layer: int, site: Any, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Tensor]:

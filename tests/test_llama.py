@@ -343,7 +343,7 @@ def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_
     for p, valid in zip(patterns, query_valid):
         sums = p.sum(-1).transpose(1, 2)[valid]  # rows of real query tokens (padding queries attend nowhere)
         assert_close(sums, torch.ones_like(sums), "pattern rows sum to 1")
-        assert (p[0, :, :, :2] == 0).all()  # the left padding of row 0 is never attended
+        assert (p[0][:, valid[0]][..., :2] == 0).all()  # real queries of row 0 never attend its left padding
     # decoding steps see every earlier key, even with a static (preallocated) cache
     assert (patterns[-1][..., : 7 + 2] > 0).sum(-1).min() >= 1
     assert all(k.shape[1] == 1 for k in stored["blocks.0.attn.hook_rot_k"][1:])

@@ -184,11 +184,14 @@ class HookPoint:
     def _apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
         original = value
         changed = False
+        # autograd forbids in-place edits of some tensors (one of several views a split returned; a value a backward
+        # formula needs, such as softmax's or relu's output): while it records, a hook that may edit gets a copy
+        recording = value.requires_grad and torch.is_grad_enabled()
         for entry in self.live_hooks("fwd"):
             if entry.readonly:
                 entry.fn(value, hook=self)
                 continue
-            if protect and value is original:
+            if (protect or recording) and value is original:
                 value = original.clone()
             version = _version(value)
             out = entry.fn(value, hook=self)

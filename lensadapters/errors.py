@@ -22,6 +22,17 @@ class PluginValidationError(LensAdaptersError):
     """A plugin implements hooks lensadapters does not define, or declares something it cannot use."""
 
 
+class PluginError(LensAdaptersError):
+    """A plugin's hook implementation failed with an error of its own (not a lensadapters refusal).
+
+    ``plugin`` names the plugin and ``hook`` the hook implementation; the original exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, plugin: str = "", hook: str = "") -> None:
+        super().__init__(message)
+        self.plugin, self.hook = plugin, hook
+
+
 class UnknownHookError(LensAdaptersError, KeyError):
     """A hook name that this model does not have."""
 

@@ -1,9 +1,11 @@
 """Plugin discovery and selection.
 
 Plugins are found through the entry point group ``lensadapters`` and loaded one by one: a plugin
-that fails to import or is built for another hookspec major version produces a warning naming it,
-and the others keep working. ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD=1`` turns autoloading off (tests
-and embedders then ``register`` plugins by hand).
+that fails to import (whatever it raises, ``sys.exit`` included), is built for another hookspec major version
+or declares something malformed produces a warning naming it, is left unregistered, and the others keep
+working. ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD=1`` (any value but ``0``, ``false``, ``no``, ``off`` or empty)
+turns autoloading off: entry points run arbitrary code at import, and embedders then ``register`` the plugins
+they trust by hand.
 """
 
 from __future__ import annotations
@@ -19,10 +21,19 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginConflictError, PluginValidationError, UnsupportedModelError
+from .plugin_calls import ScopedHooks
 from .specs import Architecture
+from .validation import architectures_of, check_required_hooks
 
 ENTRY_POINT_GROUP = "lensadapters"
 DISABLE_AUTOLOAD_ENV = "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"
+_FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+def autoload_disabled() -> bool:
+    """Whether ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD`` turns entry-point loading off (``0``/``false``/``no``/
+    ``off``/empty mean it does not)."""
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in _FALSE_WORDS
 
 
 class PluginLoadWarning(UserWarning):
@@ -53,12 +64,17 @@ class Registry:
     infos: dict[str, PluginInfo] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     _autoloaded: bool = False
+    autoload_disabled: bool = False  # the process-wide registry, with LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD set
 
     # --- registration -----------------------------------------------------------------------------
 
     def register(self, plugin: Any, name: Optional[str] = None, *, distribution: Optional[str] = None,
                  version: Optional[str] = None, source: str = "manual") -> PluginInfo:
-        """Register ``plugin`` (a module or object with ``@hookimpl`` functions)."""
+        """Register ``plugin`` (a module or object with ``@hookimpl`` functions).
+
+        Everything it declares is checked first (hook names, decorators, architectures); a plugin refused with a
+        ``PluginValidationError`` is left unregistered, so it takes no part in any wrap.
+        """
         _check_hookspec_version(plugin, name)
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         if name in self.infos:
@@ -70,7 +86,11 @@ class Registry:
                 f"and {distribution or plugin!r}. Uninstall one of them."
             )
         _check_unmarked_hooks(plugin, name)
-        self.pm.register(plugin, name=name)
+        archs = architectures_of(plugin, name)  # before pluggy sees it: a refused plugin is never registered
+        try:
+            self.pm.register(plugin, name=name)
+        except ValueError as exc:  # pluggy: the same object or name twice
+            raise PluginConflictError(f"plugin {name!r} cannot be registered: {exc}") from None
         try:
             self.pm.check_pending()  # a misspelled hook implementation (lensadapters_atn_qkv) matches no hookspec
         except pluggy.PluginValidationError as exc:
@@ -79,14 +99,17 @@ class Registry:
                 f"plugin {name!r} implements a hook that lensadapters does not define: {exc}. Hook names are listed in "
                 f"lensadapters/hookspecs.py (a misspelling, or a plugin written for another lensadapters version?)"
             ) from None
-        archs = tuple(_architectures_of(plugin))
+        except BaseException:
+            self.pm.unregister(plugin)
+            raise
         info = PluginInfo(name, plugin, distribution, version, archs, source)
         self.infos[name] = info
         return info
 
     def unregister(self, name: str) -> None:
         info = self.infos.pop(name)
-        self.pm.unregister(info.plugin)
+        if self.pm.is_registered(info.plugin):
+            self.pm.unregister(info.plugin)
 
     def load_entry_points(self) -> None:
         """Load every ``lensadapters`` entry point, one by one, warning about the broken ones."""
@@ -109,8 +132,15 @@ class Registry:
                 _check_core_range(dist)
                 plugin = ep.load()
                 self.register(plugin, ep.name, distribution=dist_name, version=dist_version, source="entry point")
-            except Exception as exc:  # a broken plugin must not take the others down
-                msg = f"lensadapters plugin {ep.name!r} from {dist_name or 'an unknown distribution'} failed to load: {exc}"
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a broken plugin (even one calling sys.exit) must not
+                # take the host or the others down
+                if ep.name in self.infos:
+                    self.unregister(ep.name)
+                what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Exception) or not str(exc) else str(exc)
+                msg = (f"lensadapters plugin {ep.name!r} from {dist_name or 'an unknown distribution'} failed to "
+                       f"load and is not used: {what}")
                 self.failures[ep.name] = msg
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
 
@@ -135,12 +165,18 @@ class Registry:
     def select(self, model_type: str, adapter: Optional[str] = None) -> tuple[PluginInfo, Architecture]:
         """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``)."""
         if adapter is not None:
-            for info in self.architecture_plugins():
-                for arch in info.architectures:
-                    if adapter in (info.name, arch.name):
-                        return info, arch
-            raise UnsupportedModelError(
-                f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
+            named = [(info, arch) for info in self.architecture_plugins() for arch in info.architectures
+                     if adapter in (info.name, arch.name)]
+            if not named:
+                raise UnsupportedModelError(
+                    f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
+            if len({id(info.plugin) for info, _ in named}) > 1:
+                names = ", ".join(f"{arch.name!r} of plugin {info.name!r}" for info, arch in named)
+                raise PluginConflictError(f"adapter={adapter!r} names several architectures: {names}. Use a name "
+                                          f"only one of them has (`lensadapters plugins` lists them)")
+            if len(named) > 1:  # a plugin's name with several architectures: the one declaring the model type
+                named = [pair for pair in named if model_type in pair[1].model_types] or named[:1]
+            return named[0]
         found = self.claims(model_type)
         if not found:
             raise UnsupportedModelError(
@@ -154,33 +190,36 @@ class Registry:
                 f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others.")
         return found[0]
 
+    def owners(self, model_type: str) -> list[str]:
+        """The names of the plugins that declare ``model_type``."""
+        return list(dict.fromkeys(info.name for info, _ in self.claims(model_type)))
+
     def describe_installed(self) -> str:
         archs = [f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
                  for info in self.architecture_plugins()]
         text = "Installed architecture plugins: " + (", ".join(archs) if archs else "none") + "."
         if self.failures:
             text += " Plugins that failed to load: " + "; ".join(self.failures.values()) + "."
+        if self.autoload_disabled:
+            text += (f" Plugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV}="
+                     f"{os.environ.get(DISABLE_AUTOLOAD_ENV, '')!r}): installed plugins were not loaded from their "
+                     f"entry points; unset it, or register the plugins you trust with "
+                     f"lensadapters.registry.register_module(module).")
         return text
 
-    def hooks_for(self, info: PluginInfo) -> "ScopedHooks":
-        """Hook callers over ``info``'s plugin, the cross-cutting plugins and the core defaults."""
+    def hooks_for(self, info: PluginInfo, left_out: Iterable[Any] = ()) -> ScopedHooks:
+        """Hook callers over ``info``'s plugin, the cross-cutting plugins (but those ``left_out``) and the core."""
         others = [i.plugin for i in self.architecture_plugins() if i.plugin is not info.plugin]
-        return ScopedHooks(self.pm, others)
+        return ScopedHooks(self.pm, others + list(left_out))
 
+    def all_hooks(self, left_out: Iterable[Any] = ()) -> ScopedHooks:
+        """Hook callers over every registered plugin (but those ``left_out``), for hooks called before a plugin is
+        selected (``lensadapters_resolve_model``)."""
+        return ScopedHooks(self.pm, list(left_out))
 
-class ScopedHooks:
-    """``hooks.lensadapters_xxx(...)`` calling only the selected architecture plugin's implementations."""
-
-    def __init__(self, pm: pluggy.PluginManager, excluded: list[Any]) -> None:
-        self._pm = pm
-        self._excluded = excluded
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("lensadapters_"):
-            raise AttributeError(name)
-        caller = self._pm.subset_hook_caller(name, self._excluded) if self._excluded else getattr(self._pm.hook, name)
-        setattr(self, name, caller)
-        return caller
+    def check_architecture_plugin(self, info: PluginInfo) -> None:
+        """The selected plugin implements every hook the core needs (named when one is missing)."""
+        check_required_hooks(info.plugin, info.name, hookspecs.hookimpl.project_name + "_impl")
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:
@@ -190,13 +229,6 @@ def _new_plugin_manager() -> pluggy.PluginManager:
 
     pm.register(defaults, name="lensadapters.defaults")
     return pm
-
-
-def _architectures_of(plugin: Any) -> Iterable[Architecture]:
-    impl = getattr(plugin, "lensadapters_architectures", None)
-    if impl is None:
-        return ()
-    return tuple(impl())
 
 
 def _check_unmarked_hooks(plugin: Any, name: str) -> None:
@@ -291,7 +323,9 @@ def get_registry() -> Registry:
     global _DEFAULT
     if _DEFAULT is None:
         _DEFAULT = Registry()
-        if not os.environ.get(DISABLE_AUTOLOAD_ENV):
+        if autoload_disabled():
+            _DEFAULT.autoload_disabled = True
+        else:
             _DEFAULT.load_entry_points()
     return _DEFAULT
 

@@ -7,12 +7,13 @@ through their plugins. :class:`WeightAccessors` is the ``hm.W_Q``... surface of 
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .errors import WeightUnavailableError
+from .errors import PluginValidationError, WeightUnavailableError
 from .offload import live_parameters
 from .specs import FusedQKV, LinearWeight
 
@@ -22,16 +23,28 @@ if TYPE_CHECKING:  # pragma: no cover
 Tensor = torch.Tensor
 
 
-def read_linear(hm: "Hooked", module: nn.Module) -> LinearWeight:
+class WeightSourceWarning(UserWarning):
+    """More than one plugin can supply the same weight; the warning says which one is used."""
+
+
+def read_linear(hm: "Hooked", module: nn.Module,
+                expect: tuple[Optional[int], Optional[int]] = (None, None)) -> LinearWeight:
     """The effective ``[d_in, d_out]`` weight and bias of ``module``, through every plugin.
 
     A plugin that cannot read a module raises ``WeightUnavailableError``; the module's path in the model
     is put in front of its message here. ``hm`` is the plugin-facing ``hooked`` object or a ``HookedModel``.
+    The answer is checked (a ``LinearWeight`` with a 2-D ``W`` matching the module's ``in_features``/``out_features``
+    when it declares them), and an error names the plugin that gave a malformed one. The first time a module type
+    is read, every plugin is asked: when more than one answers, a ``WeightSourceWarning`` names them all and the
+    one whose answer is used. ``expect`` is ``(d_in, d_out)`` as far as the description says (``None``: unknown).
     """
     hm = getattr(hm, "wiring", hm)
+    caller = hm.plugin_hooks.lensadapters_linear_weight
+    kwargs = {"module": module, "read": lambda m: read_linear(hm, m)}
     try:
         with live_parameters(module):  # an offloaded module's weights are loaded for the read
-            result = hm.plugin_hooks.lensadapters_linear_weight(module=module, read=lambda m: read_linear(hm, m))
+            result, supplier = caller.answer(**kwargs)
+            _warn_if_several_answer(hm, module, caller, kwargs, supplier)
     except WeightUnavailableError as exc:
         if getattr(exc, "module_name", None) is None:  # the innermost module named, once
             exc.module_name = hm.module_name(module)
@@ -42,7 +55,42 @@ def read_linear(hm: "Hooked", module: nn.Module) -> LinearWeight:
             f"lensadapters cannot read the weight of {hm.module_name(module)} ({type(module).__module__}."
             f"{type(module).__name__}): no installed plugin knows this storage format. Install the plugin for "
             f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`.")
+    _check_linear(hm, module, result, supplier or "?", expect)
     return result
+
+
+def _warn_if_several_answer(hm: Any, module: nn.Module, caller: Any, kwargs: dict, supplier: Optional[str]) -> None:
+    seen = hm.__dict__.setdefault("_linear_sources_checked", set())
+    if type(module) in seen or supplier is None:
+        return
+    seen.add(type(module))
+    with torch.no_grad():  # a probe: nothing recorded (a checkpointed forward must save the same tensors again)
+        answering = [name for name, _ in caller.answers(tolerate_errors=True, **kwargs)]
+    if len(answering) > 1:
+        warnings.warn(
+            f"{len(answering)} plugins can read the weight of {type(module).__module__}.{type(module).__name__} "
+            f"modules such as {hm.module_name(module)}: {', '.join(map(repr, answering))}; the weights (hm.W_Q..., "
+            f"attn.hook_result) use {supplier!r}'s. If that is not the right one, uninstall or fix the other",
+            WeightSourceWarning, stacklevel=4)
+
+
+def _check_linear(hm: Any, module: nn.Module, result: Any, supplier: str,
+                  expect: tuple[Optional[int], Optional[int]]) -> None:
+    """A ``LinearWeight`` whose shapes fit the module (named after the plugin that returned it when not)."""
+    where = f"plugin {supplier!r} returned from lensadapters_linear_weight for {hm.module_name(module)}"
+    if not isinstance(result, LinearWeight) or not isinstance(result.W, Tensor):
+        raise PluginValidationError(f"{where} a {type(result).__name__}; return a LinearWeight(W [d_in, d_out], b)")
+    W, b = result.W, result.b
+    declared = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    expected = tuple(d if isinstance(d, int) else e for d, e in zip(declared, expect))
+    if W.dim() != 2 or any(isinstance(n, int) and n != size for n, size in zip(expected, W.shape)):
+        shown = ", ".join("?" if n is None else str(n) for n in expected)
+        raise PluginValidationError(f"{where} a weight of shape {tuple(W.shape)}; W must be [d_in, d_out] = "
+                                    f"[{shown}]")
+    if b is not None and (not isinstance(b, Tensor) or tuple(b.shape) != (W.shape[1],)):
+        shape = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
+        raise PluginValidationError(f"{where} a bias of shape {shape} for a weight of shape {tuple(W.shape)}; the "
+                                    f"bias must be [d_out] = [{W.shape[1]}] or None")
 
 
 def _bias(b: Optional[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -57,11 +105,11 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
     layout = hm.qkv_layouts[layer]
     block = hm.block_modules[layer]
     if isinstance(layout, FusedQKV):
-        lw = hm.read_linear(block.get_submodule(layout.module))
+        lw = read_linear(hm, block.get_submodule(layout.module), (hm.cfg.d_model, None))
         W = layout.split(lw.W)[which]
         b = layout.split(lw.b)[which] if lw.b is not None else None
     else:
-        lw = hm.read_linear(block.get_submodule((layout.q, layout.k, layout.v)[which]))
+        lw = read_linear(hm, block.get_submodule((layout.q, layout.k, layout.v)[which]), (hm.cfg.d_model, None))
         W = lw.W.unflatten(-1, (-1, hm.cfg.d_head))
         b = None if lw.b is None else lw.b.unflatten(-1, (-1, hm.cfg.d_head))
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]
@@ -83,7 +131,7 @@ def repeat_kv(t: Tensor, n_heads: int) -> Tensor:
 
 
 def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
-    lw = hm.read_linear(hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj))
+    lw = read_linear(hm, hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj), (None, hm.cfg.d_model))
     W = lw.W.unflatten(0, (hm.cfg.n_heads, -1))  # [h, d_head, d_model]
     return W, _bias(lw.b, (W.shape[-1],), W)
 
@@ -99,7 +147,8 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
         path = layout.pre
     else:
         path = layout.out
-    lw = hm.read_linear(hm.block_modules[layer].get_submodule(path))
+    expect = (None, hm.cfg.d_model) if role == "out" else (hm.cfg.d_model, None)
+    lw = read_linear(hm, hm.block_modules[layer].get_submodule(path), expect)
     return lw.W, _bias(lw.b, (lw.W.shape[-1],), lw.W)
 
 
@@ -127,8 +176,34 @@ class WeightAccessors:
 
     def _weight(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
         w = self.wiring
-        override = w.plugin_hooks.lensadapters_weight(arch=w.arch, hooked=w, name=name)
-        return override if override is not None else compute()
+        caller = w.plugin_hooks.lensadapters_weight
+        kwargs = {"arch": w.arch, "hooked": w, "name": name}
+        override, supplier = caller.answer(**kwargs)
+        if override is None:
+            return compute()
+        checked = w.__dict__.setdefault("_weight_sources_checked", set())
+        if name not in checked:  # once per name: does more than one plugin answer?
+            checked.add(name)
+            with torch.no_grad():
+                answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
+            if len(answering) > 1:
+                warnings.warn(f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
+                              f"{name} is {supplier!r}'s. If that is not the right one, uninstall or fix the other",
+                              WeightSourceWarning, stacklevel=3)
+        if not isinstance(override, Tensor):
+            raise PluginValidationError(f"plugin {supplier!r} returned a {type(override).__name__} for {name} from "
+                                        f"lensadapters_weight; return a tensor (or None to keep the core's)")
+        if supplier != w.plugin.name:  # a cross-cutting plugin's override keeps the architecture's shape
+            try:
+                with torch.no_grad():
+                    reference = compute()
+            except Exception:  # the storage the plugin reads may be unreadable without it
+                reference = None
+            if reference is not None and reference.shape != override.shape:
+                raise PluginValidationError(
+                    f"plugin {supplier!r} returned {name} of shape {tuple(override.shape)} from lensadapters_weight, "
+                    f"but this model's {name} has shape {tuple(reference.shape)}")
+        return override
 
     @property
     def W_E(self) -> Tensor:

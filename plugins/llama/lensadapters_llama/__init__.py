@@ -73,7 +73,8 @@ def _base_path(model: nn.Module) -> str:
         if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
             return name
     raise UnsupportedModelError(
-        f"{type(model).__name__} has model_type 'llama' but no submodule with `embed_tokens` and `layers`; "
+        f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) has no submodule with "
+        f"`embed_tokens` and `layers`; "
         f"lensadapters-llama supports transformers' Llama classes (LlamaForCausalLM, LlamaModel, ...)")
 
 
@@ -144,7 +145,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
                 missing.append(f"{_join(base, 'layers')}.{i}.{path}")
     if missing or not layers:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has model_type 'llama' but not transformers' Llama layout (missing: "
+            f"{type(model).__name__} (model_type {config.model_type!r}) does not have transformers' Llama layout (missing: "
             f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-llama supports transformers' Llama classes")
     rope_type = _rope_type(model)
     if rope_type not in SUPPORTED_ROPE_TYPES:

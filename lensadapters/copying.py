@@ -126,6 +126,29 @@ def _identity(value: Any) -> Any:
     return value
 
 
+class InstanceOverride:
+    """A function stored in one module instance's ``__dict__`` under a method's name (a pattern backend's override
+    of ``module.<name>``, see ``examples/gptj``), which a copy or pickle of the model turns into the class's own
+    method bound to the copied module: the copy computes what the unwrapped model does."""
+
+    def __init__(self, fn: Callable[..., Any], module: nn.Module, name: str) -> None:
+        self.fn, self.module, self.name = fn, module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return _class_method, (self.module, self.name)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copied = memo.get(id(self.module))
+        return _class_method(copied, self.name) if copied is not None else self
+
+
+def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:
+    return functools.partial(getattr(type(module), name), module)
+
+
 def original_value(value: Any) -> Optional[Any]:
     """The user's value behind a :class:`Setting` or :class:`RoutedImplementation` (else ``value`` itself)."""
     return value.original if isinstance(value, (Setting, RoutedImplementation)) else value

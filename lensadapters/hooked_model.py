@@ -7,6 +7,7 @@ built from a plugin's description and realized as PyTorch hooks is :mod:`lensada
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import threading
 import warnings
@@ -16,10 +17,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs
 from .cache import ActivationCache
-from .errors import LensAdaptersError, UnsupportedModelError
+from .errors import LensAdaptersError, PluginError, UnsupportedModelError
 from .hook_point import HookFn, HookPoint, is_recomputing
-from .registry import Registry, check_transformers_range, get_registry
+from .plugin_calls import plugin_of
+from .registry import PluginLoadWarning, Registry, check_transformers_range, get_registry
+from .validation import describe_forced
 from .weights import WeightAccessors
 from .wiring import PATTERN_POINTS, Wiring
 
@@ -27,17 +31,19 @@ Tensor = torch.Tensor
 NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 
-# user model -> its wrapper; also inner HF model -> wrapper, to refuse two wrappers on one model
-_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, HookedModel]" = weakref.WeakKeyDictionary()
+# user model -> its wrapper; also inner HF model -> wrapper, to refuse two wrappers on one model. Both weak: a
+# model and its wrapper are garbage once the user drops them. While any hook is installed the model's own hooks
+# keep the wrapper alive (model -> hook -> site -> wiring -> wrapper), so wrapping again finds it.
+_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookedModel]]" = weakref.WeakKeyDictionary()
 _contexts = itertools.count(1)
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
 DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",)
 
 
-def _resolve_model(model: Any, registry: Registry) -> nn.Module:
+def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
     inner = model
     for _ in range(8):
-        peeled = registry.pm.hook.lensadapters_resolve_model(model=inner)
+        peeled = hooks.lensadapters_resolve_model(model=inner)
         if peeled is None or peeled is inner:
             break
         inner = peeled
@@ -46,6 +52,22 @@ def _resolve_model(model: Any, registry: Registry) -> nn.Module:
             f"HookedModel.wrap expects a transformers PreTrainedModel (or a wrapper a plugin can open, such as a "
             f"PeftModel), got {type(model).__name__}. {registry.describe_installed()}")
     return inner
+
+
+def _wrapper_of(model: Any) -> Optional["HookedModel"]:
+    """The live wrapper of ``model`` (or of the Hugging Face model inside it), if any."""
+    ref = _WRAPPERS.get(model) if isinstance(model, nn.Module) else None
+    return ref() if ref is not None else None
+
+
+def _cross_cutting_culprit(exc: BaseException, registry: Registry, left_out: list[Any]) -> Optional[Any]:
+    """The cross-cutting plugin whose own failure (not a refusal) ``exc`` is, when wrapping can go on without it."""
+    if not isinstance(exc, PluginError):
+        return None
+    info = registry.infos.get(plugin_of(exc) or "")
+    if info is None or info.architectures or any(info.plugin is p for p in left_out):
+        return None
+    return info.plugin
 
 
 class HookedModel(WeightAccessors):
@@ -65,7 +87,7 @@ class HookedModel(WeightAccessors):
         """
         if isinstance(model, HookedModel):
             return model
-        existing = _WRAPPERS.get(model) if isinstance(model, nn.Module) else None
+        existing = _wrapper_of(model)
         if existing is not None:
             if adapter is not None and adapter not in (existing.arch.name, existing.plugin.name):
                 raise LensAdaptersError(
@@ -73,26 +95,50 @@ class HookedModel(WeightAccessors):
                     f"to wrap it with {adapter!r}")
             return existing
         registry = registry or get_registry()
-        hf_model = _resolve_model(model, registry)
-        other = _WRAPPERS.get(hf_model)
+        left_out: list[Any] = []  # cross-cutting plugins that failed on this model: it is wrapped without them
+        while True:
+            try:
+                return cls._wrap(model, adapter, registry, left_out)
+            except Exception as exc:
+                culprit = _cross_cutting_culprit(exc, registry, left_out)
+                if culprit is None:
+                    raise
+                warnings.warn(
+                    f"{exc}. The model is wrapped without that plugin (what it adds, such as its hook points or "
+                    f"weight formats, is missing); fix or uninstall it", PluginLoadWarning, stacklevel=2)
+                left_out.append(culprit)
+
+    @classmethod
+    def _wrap(cls, model: Any, adapter: Optional[str], registry: Registry, left_out: list[Any]) -> "HookedModel":
+        hf_model = _resolve_model(model, registry, registry.all_hooks(left_out))
+        other = _wrapper_of(hf_model)
         if other is not None:
             raise LensAdaptersError(
                 f"the model inside this {type(model).__name__} is already wrapped (as {type(other.model).__name__}); "
                 f"use that wrapper or unwrap() it first, so no hook runs twice")
         model_type = getattr(hf_model.config, "model_type", None) or type(hf_model).__name__
         info, arch = registry.select(model_type, adapter)
-        check_transformers_range(arch, info.name)
-        hooks = registry.hooks_for(info)
-        hooks.lensadapters_validate(arch=arch, model=hf_model)
-        hm = cls(Wiring(model, hf_model, arch, info, hooks))
+        forced = describe_forced(adapter, model_type, arch, [o for o in registry.owners(model_type) if o != info.name])
+        try:
+            registry.check_architecture_plugin(info)
+            if not left_out:
+                check_transformers_range(arch, info.name)
+            hooks = registry.hooks_for(info, left_out)
+            hooks.lensadapters_validate(arch=arch, model=hf_model)
+            hm = cls(Wiring(model, hf_model, arch, info, hooks))
+        except LensAdaptersError as exc:
+            if forced and exc.args and isinstance(exc.args[0], str):
+                exc.args = (exc.args[0] + forced,) + exc.args[1:]
+            raise
+        hm.wiring.owner = hm  # kept alive by the model's hooks while any is installed (see _WRAPPERS)
         impl = hm.wiring.attention_implementation()
         if impl not in arch.attn_implementations:
             warnings.warn(
                 f"{type(hf_model).__name__} uses the attention implementation {impl!r}: every hook point works but "
                 f"hook_attn_scores and hook_pattern, which need {' or '.join(map(repr, arch.attn_implementations))} "
-                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))", stacklevel=2)
-        _WRAPPERS[model] = hm
-        _WRAPPERS[hf_model] = hm
+                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))", stacklevel=3)
+        _WRAPPERS[model] = weakref.ref(hm)
+        _WRAPPERS[hf_model] = weakref.ref(hm)
         return hm
 
     def __init__(self, wiring: Wiring) -> None:
@@ -178,6 +224,9 @@ class HookedModel(WeightAccessors):
         self._check_alive()
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+        check_selector(name)
+        if not _readonly:
+            check_hook(hook, repr(name) if isinstance(name, str) else "the hook points selected by a filter")
         points = self.wiring.select(name)
         if any(p.name.endswith(PATTERN_POINTS) for p in points):
             self.wiring.check_pattern_implementation()
@@ -202,6 +251,14 @@ class HookedModel(WeightAccessors):
         everywhere). With ``reset_hooks_end=False`` they stay after the block, for every forward.
         """
         self._check_alive()
+        fwd_hooks, bwd_hooks = hook_pairs(fwd_hooks, "fwd_hooks"), hook_pairs(bwd_hooks, "bwd_hooks")
+        if not _readonly:  # every hook checked before any is attached
+            for argument, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
+                for i, (name, fn) in enumerate(pairs):
+                    check_selector(name, f"{argument}[{i}][0]")
+                    check_hook(fn, repr(name) if isinstance(name, str) else f"{argument}[{i}]")
+                    if isinstance(name, str):
+                        self.wiring.point(name)  # an unknown name fails here, naming the closest ones
         self.wiring.sync()
         context = next(_contexts)
         touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
@@ -247,6 +304,8 @@ class HookedModel(WeightAccessors):
 
     def cache_names(self, names_filter: NameFilter = None) -> list[str]:
         """The hook names ``run_with_cache`` stores for ``names_filter``."""
+        if names_filter is not None:
+            check_selector(names_filter, "names_filter")
         if names_filter is None:
             return [n for n in self.hook_names if not n.endswith(DEFAULT_CACHE_EXCLUDES)]
         if isinstance(names_filter, str):
@@ -270,6 +329,16 @@ class HookedModel(WeightAccessors):
         once, from the real forward (see :func:`lensadapters.is_recomputing`), and each gradient once.
         """
         names = self.cache_names(names_filter)
+        device = check_cache_device(device)
+        if incl_bwd:
+            if torch.is_inference_mode_enabled():
+                raise LensAdaptersError("run_with_cache(incl_bwd=True) backpropagates, which torch.inference_mode() "
+                                        "forbids: call it outside the inference_mode block (torch.no_grad() is fine)")
+            if "labels" not in kwargs and "labels" in _forward_parameters(self.model):
+                raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
+        if remove_batch_dim and batch_of(args, kwargs) not in (None, 1):
+            raise ValueError(f"run_with_cache(remove_batch_dim=True) needs a batch of one; the input has a batch of "
+                             f"{batch_of(args, kwargs)}")
         store: dict[str, Tensor] = {}
 
         def keep(key: str, tensor: Tensor) -> None:
@@ -307,7 +376,7 @@ class HookedModel(WeightAccessors):
             self.reset_hooks(including_permanent=True)
             self.wiring.uninstall()
             for key in (self.model, self.hf_model):
-                if _WRAPPERS.get(key) is self:
+                if _wrapper_of(key) is self:
                     del _WRAPPERS[key]
             self._alive = False
         return self.model
@@ -315,6 +384,13 @@ class HookedModel(WeightAccessors):
     def __repr__(self) -> str:
         return (f"HookedModel({type(self.model).__name__}, adapter={self.arch.name!r}, layers={self.cfg.n_layers}, "
                 f"hook_points={len(self.hook_names)})")
+
+
+def _forward_parameters(model: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover
+        return ()
 
 
 def _logits(out: Any) -> Any:

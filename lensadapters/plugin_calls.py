@@ -63,7 +63,7 @@ def plugin_of(exc: BaseException) -> Optional[str]:
 
 
 class PluginCaller:
-    """``caller(**kwargs)`` calls one hook's implementations over the plugins not excluded (see the module docstring)."""
+    """``caller(**kwargs)`` calls one hook's implementations over the plugins not excluded (module docstring)."""
 
     def __init__(self, pm: pluggy.PluginManager, name: str, excluded: list[Any]) -> None:
         self.name = name

@@ -247,9 +247,8 @@ def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
     (``Architecture.transformers``, a PEP 440 specifier such as ``">=4.57,<6"``)."""
     if not arch.transformers:
         return
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
     import transformers
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     try:
         tested = SpecifierSet(arch.transformers)

@@ -102,7 +102,7 @@ def check_required_hooks(plugin: Any, plugin_name: str, marker: str) -> None:
 
 
 def check_result(plugin_name: str, hook: str, value: Any, expected: Sequence[type], what: str) -> None:
-    """A description hook returned an object of the expected type (``None``: the hook is missing or returned nothing)."""
+    """A description hook returned an object of the expected type (``None``: missing, or it returned nothing)."""
     if isinstance(value, tuple(expected)):
         return
     names = " or ".join(t.__name__ for t in expected)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -26,11 +27,12 @@ import torch
 from torch import nn
 
 from . import weights as _w
+from .copying import Setting, detachable
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
-from .frames import RecomputeToken, tag_for_recompute
+from .frames import ForwardState, RecomputeToken, tag_for_recompute
+from .guard import ModuleGuard
 from .hook_point import HookPoint, is_recomputing
 from .offload import live_parameters
-from .frames import ForwardState
 from .sites import (
     AttentionSite,
     BlockShapeSite,
@@ -46,10 +48,23 @@ from .sites import (
     RotaryCaptureSite,
     Site,
 )
-from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, LinearWeight, MLPLayout, NormSpec, QKVLayout
+from .specs import (
+    Architecture,
+    BlockLayout,
+    FusedQKV,
+    HookedConfig,
+    LinearWeight,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    QKVLayout,
+    SeparateQKV,
+)
+from .validation import check_paths, check_result
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .registry import PluginInfo, ScopedHooks
+    from .plugin_calls import ScopedHooks
+    from .registry import PluginInfo
 
 Tensor = torch.Tensor
 Selector = Union[str, Callable[[str], bool], Sequence[str]]
@@ -94,18 +109,23 @@ class Wiring:
                  hooks: "ScopedHooks") -> None:
         self.model = model
         self.hf_model = hf_model
+        self.owner: Any = None  # the HookedModel (set by it): alive as long as the model's hooks reference this
         self.arch = arch
         self.plugin = plugin
         self.plugin_hooks = hooks
-        self.cfg: HookedConfig = hooks.lensadapters_config(arch=arch, model=hf_model)
-        self.layout = hooks.lensadapters_embed(arch=arch, model=hf_model)
-        self.block_modules: list[nn.Module] = list(hf_model.get_submodule(self.layout.blocks))
+        self.cfg: HookedConfig = self._describe("lensadapters_config", (HookedConfig,), "for the model")
+        self.layout: ModelLayout = self._describe("lensadapters_embed", (ModelLayout,), "for the model")
+        self.block_modules: list[nn.Module] = self._blocks()
         n = len(self.block_modules)
-        self.block_layouts = [hooks.lensadapters_block(arch=arch, model=hf_model, layer=i) for i in range(n)]
-        self.qkv_layouts = [hooks.lensadapters_attn_qkv(arch=arch, model=hf_model, layer=i) for i in range(n)]
-        self.mlp_layouts = [hooks.lensadapters_mlp_act(arch=arch, model=hf_model, layer=i) for i in range(n)]
+        self.block_layouts: list[BlockLayout] = [
+            self._describe("lensadapters_block", (BlockLayout,), f"for layer {i}", i) for i in range(n)]
+        self.qkv_layouts: list[QKVLayout] = [
+            self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i) for i in range(n)]
+        self.mlp_layouts: list[MLPLayout] = [
+            self._describe("lensadapters_mlp_act", (MLPLayout,), f"for layer {i}", i) for i in range(n)]
         self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.block_modules, self.block_layouts)]
         self.forward_state = ForwardState()
+        self.guard = ModuleGuard(hf_model)  # the module paths as they are now, before any plugin code runs
         self._points: dict[str, HookPoint] = {}
         self._claimed: dict[str, str] = {}  # point name -> the plugin serving it instead of the core
         self._building = False
@@ -119,6 +139,32 @@ class Wiring:
         self._pattern_backend: Any = None
         self._compile_setting: Any = _UNSET
         self._build()
+
+    # --- the description, checked as it is read ---------------------------------------------------------
+
+    def _describe(self, hook: str, expected: tuple[type, ...], what: str, layer: Optional[int] = None) -> Any:
+        """One description object from the plugins, of the expected type, its module paths checked in the model."""
+        kwargs: dict[str, Any] = {"arch": self.arch, "model": self.hf_model}
+        if layer is not None:
+            kwargs["layer"] = layer
+        value, supplier = self.plugin_hooks.__getattr__(hook).answer(**kwargs)
+        supplier = supplier or self.plugin.name
+        check_result(supplier, hook, value, expected, what)
+        owner = self.hf_model if layer is None else self.block_modules[layer]
+        where = "a path from the model" if layer is None else f"a path from block {layer}, {self._blocks_path(layer)}"
+        check_paths(supplier, owner, value, where)
+        return value
+
+    def _blocks_path(self, layer: int) -> str:
+        return f"{self.layout.blocks}.{layer}"
+
+    def _blocks(self) -> list[nn.Module]:
+        blocks = self.hf_model.get_submodule(self.layout.blocks)
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            raise UnsupportedModelError(
+                f"plugin {self.plugin.name!r}: ModelLayout.blocks={self.layout.blocks!r} is a "
+                f"{type(blocks).__name__}; it must name the ModuleList of decoder layers")
+        return list(blocks)
 
     # --- hook points (plugin protocol) ------------------------------------------------------------
 
@@ -245,7 +291,11 @@ class Wiring:
 
         def spec() -> NormSpec:
             with live_parameters(module):  # the spec keeps the loaded weights of an offloaded norm
-                result = hooks.lensadapters_norm_scale(arch=arch, module=module)
+                result, supplier = hooks.lensadapters_norm_scale.answer(arch=arch, module=module)
+            if result is not None and not isinstance(result, NormSpec):
+                raise UnsupportedModelError(f"plugin {supplier!r}: lensadapters_norm_scale returned a "
+                                            f"{type(result).__name__} for {self.module_name(module)}; it must "
+                                            f"return a NormSpec (or None for norms it does not know)")
             if result is None:
                 raise UnsupportedModelError(
                     f"no plugin knows how {type(module).__name__} ({self.module_name(module)}) normalizes; "
@@ -301,6 +351,43 @@ class Wiring:
             new("ln_final.hook_scale")
             new("ln_final.hook_normalized")
 
+    def _embeddings_argument(self) -> Optional[int]:
+        """Where ``inputs_embeds`` stands among the model's positional arguments, when the token-embedding module
+        is the layout's ``embed`` module (``inputs_embeds`` then replaces exactly its output); ``-1``: keyword only;
+        ``None``: ``hook_embed`` sits elsewhere (after a projection that runs on ``inputs_embeds`` as well)."""
+        try:
+            token_embedding = self.hf_model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            return None
+        if token_embedding is None or token_embedding is not self.hf_model.get_submodule(self.layout.embed):
+            return None
+        try:
+            names = list(inspect.signature(self.hf_model.forward).parameters)
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            return -1
+        return names.index("inputs_embeds") if "inputs_embeds" in names else -1
+
+    def _given_embeddings(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """``hook_embed`` on the ``inputs_embeds`` a caller passed instead of token ids (see the README): the
+        embedding module does not run then, and the given embeddings are what it would have output."""
+        at = self._embeds_at
+        if at is None:
+            return None
+        positional = 0 <= at < len(args)
+        embeds = args[at] if positional else kwargs.get("inputs_embeds")
+        if not isinstance(embeds, Tensor):
+            return None
+        self.forward_state.batch = embeds.shape[0]  # what the embedding module's output tells hook_pos_embed
+        point = self._points.get("hook_embed")
+        if point is None or "hook_embed" in self._claimed or not point.active:
+            return None
+        value, changed = point.apply(embeds, protect=True)  # the caller's tensor is theirs: edits go to a copy
+        if not changed:
+            return None
+        if positional:
+            return args[:at] + (value,) + args[at + 1:], kwargs
+        return args, {**kwargs, "inputs_embeds": value}
+
     def _core(self, name: str) -> HookPoint:
         """The point a core site serves: the real one, or a detached stand-in (never hooked) if a plugin claimed it."""
         if name in self._claimed:
@@ -321,6 +408,7 @@ class Wiring:
             self.add_site(NormSite(ln_f, self._norm_spec(ln_f), self._core("ln_final.hook_scale"),
                                    self._core("ln_final.hook_normalized")))
         self._build_rotary_sites()
+        self._embeds_at = self._embeddings_argument()
 
     def _block_point(self, layer: int) -> Callable[[str], Optional[HookPoint]]:
         def get(name: str) -> Optional[HookPoint]:
@@ -338,7 +426,9 @@ class Wiring:
             self.add_site(InputSite(ln1, pt("hook_resid_mid")))
         self.add_site(NormSite(ln1, self._norm_spec(ln1), pt("ln1.hook_scale"), pt("ln1.hook_normalized")))
         self._build_qkv_sites(i)
-        self.add_site(AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern")))
+        attention_site = AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
+        self.guard.also(attention_site, [self.attention_modules[i]])
+        self.add_site(attention_site)
         o_proj = get(bl.o_proj)
         self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
         self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._linear_reader(o_proj)))
@@ -463,7 +553,8 @@ class Wiring:
                     handle.remove()
                 del self._installed[site]
             if any(signature):
-                self._installed[site] = (signature, site.install())
+                self._installed[site] = (signature, [detachable(handle) for handle in site.install()])
+        self.guard.watch(self._installed)
         self._guard_compile(bool(self._installed))
 
     def uninstall(self) -> None:
@@ -472,6 +563,7 @@ class Wiring:
             for handle in handles:
                 handle.remove()
         self._installed.clear()
+        self.guard.watch(())
         self._guard_compile(False)
         self.forward_state.clear()
 
@@ -481,16 +573,23 @@ class Wiring:
         transformers compiles the decoding forward on its own for static caches on accelerators; a
         compiled graph does not see PyTorch hooks added after it was traced (dynamo skips hook guards),
         so hooks would run on the first step and silently not on the others. The model's
-        ``generation_config.disable_compile`` is set while hooks exist and restored when they go.
+        ``generation_config.disable_compile`` holds a :class:`lensadapters.copying.Setting` while hooks exist
+        (truthy for ``generate``; the user's own value for ``save_pretrained``, copies and pickles) and gets the
+        user's value back when they go.
         """
         config = getattr(self.hf_model, "generation_config", None)
         if config is None:
             return
         if hooked and self._compile_setting is _UNSET:
-            self._compile_setting = getattr(config, "disable_compile", False)
-            config.disable_compile = True
+            current = getattr(config, "disable_compile", None)
+            if current:  # the user's own setting disables compilation already
+                return
+            self._compile_setting = current
+            ref = weakref.ref(self)
+            config.disable_compile = Setting(current, lambda: _installed(ref), self.hf_model)
         elif not hooked and self._compile_setting is not _UNSET:
-            config.disable_compile = self._compile_setting
+            if isinstance(getattr(config, "disable_compile", None), Setting):  # not set by the user meanwhile
+                config.disable_compile = self._compile_setting
             self._compile_setting = _UNSET
 
     @contextlib.contextmanager
@@ -537,6 +636,11 @@ class Wiring:
                 f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}")
 
 
+def _installed(ref: "weakref.ref[Wiring]") -> bool:
+    wiring = ref()
+    return wiring is not None and bool(wiring._installed)
+
+
 class _FrameSite(Site):
     """Opens a frame (:mod:`lensadapters.frames`) around every forward of the model while any site is installed,
     and tags the output of each block for gradient-checkpoint recomputation when the forward may be recomputed."""
@@ -550,21 +654,23 @@ class _FrameSite(Site):
 
     def install(self) -> list[Any]:
         model = self.wiring.hf_model
-        handles = [model.register_forward_pre_hook(self._open),
+        handles = [model.register_forward_pre_hook(self._open, with_kwargs=True),
                    model.register_forward_hook(self._close, always_call=True)]
         for block in self.wiring.block_modules:
             handles.append(block.register_forward_hook(self._tag))
         return handles
 
-    def _open(self, module: nn.Module, args: tuple) -> None:
+    def _open(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         wiring = self.wiring
         if module is not wiring.hf_model:
             raise LensAdaptersError(
                 f"a copy of the wrapped {type(module).__name__} ran (torch.nn.DataParallel replicates the model into "
                 f"worker threads) while lensadapters hooks were attached: hook points and caches belong to the wrapped "
                 f"model itself. Use DistributedDataParallel (one process per device) or run the model unreplicated")
-        frame = wiring.forward_state.push()
+        frame = wiring.forward_state.push()  # popped by _close even if what follows raises
+        wiring.guard.check()
         frame.token = wiring._recompute_token()
+        return wiring._given_embeddings(args, kwargs)
 
     def _close(self, module: nn.Module, args: tuple, output: Any) -> None:
         if module is self.wiring.hf_model:

@@ -44,6 +44,7 @@ from lensadapters import (
     UnsupportedModelError,
     hookimpl,
 )
+from lensadapters.copying import InstanceOverride
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -188,8 +189,9 @@ class GPTJPatternBackend:
                 pattern_point=pattern_point, dropout=module.attn_dropout.p, head_mask=head_mask)
             return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
 
-        module.__dict__["_attn"] = _attn
-        return _Restore(module, _attn)
+        override = InstanceOverride(_attn, module, "_attn")  # a copy of the model gets GPT-J's own _attn back
+        module.__dict__["_attn"] = override
+        return _Restore(module, override)
 
 
 class _Restore:

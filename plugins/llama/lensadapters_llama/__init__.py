@@ -145,7 +145,8 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
                 missing.append(f"{_join(base, 'layers')}.{i}.{path}")
     if missing or not layers:
         raise UnsupportedModelError(
-            f"{type(model).__name__} (model_type {config.model_type!r}) does not have transformers' Llama layout (missing: "
+            f"{type(model).__name__} (model_type {config.model_type!r}) does not have transformers' Llama layout "
+            f"(missing: "
             f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-llama supports transformers' Llama classes")
     rope_type = _rope_type(model)
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -40,14 +40,14 @@ from lensadapters.sites import BlockShapeSite, merge_heads, split_heads
 
 from . import _lora
 from ._lora import effective_linear, is_lora_embedding, is_lora_linear
-from ._sites import LoraDeltaSite, ModuleGuardSite
+from ._sites import LoraDeltaSite
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 
 __all__ = [
     "LoraFactors", "BaseAndAdapted", "adapters_disabled", "using_adapter", "run_with_cache_base_and_adapted",
-    "lora_factors", "lora_hook_names", "LoraDeltaSite", "ModuleGuardSite",
+    "lora_factors", "lora_hook_names", "LoraDeltaSite",
 ]
 
 Tensor = torch.Tensor
@@ -168,7 +168,10 @@ def _plain_split() -> tuple[Any, Any]:
 
 @hookimpl
 def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
-    """``*_lora`` points for every LoRA-adapted projection, and the module guard."""
+    """``*_lora`` points for every LoRA-adapted projection.
+
+    Layers PEFT replaces after wrapping (a new adapter's target modules, ``merge_and_unload()``) are refused by the
+    core's module guard (``lensadapters.guard``), which watches the modules of these sites too."""
     sites: list[Any] = []
     cfg = hooked.cfg
     for i, block in enumerate(hooked.block_modules):
@@ -207,7 +210,6 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             for point in points:
                 point.token_shape = hooked.hook_dict[pre + "hook_resid_pre"].token_shape
             sites.append(BlockShapeSite(i, block, points, hooked.forward_state))
-    sites.append(ModuleGuardSite(hooked, list(hooked.hook_dict.values())))
     return sites
 
 

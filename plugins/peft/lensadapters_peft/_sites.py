@@ -1,4 +1,4 @@
-"""Sites for the LoRA-delta hook points, and a guard against modules replaced after wrapping."""
+"""Sites for the LoRA-delta hook points (modules replaced after wrapping are refused by the core's guard)."""
 
 from __future__ import annotations
 
@@ -125,69 +125,3 @@ class LoraDeltaSite(Site):
         edited = self.merge(*parts)
         new = base_out + edited if base_out is not None else out + (edited - delta)
         return replace_first_output(output, new.to(out.dtype))
-
-
-class ModuleGuardSite(Site):
-    """Refuses to run hooks on modules that were replaced after wrapping.
-
-    PEFT replaces a layer by its LoRA wrapper when an adapter targeting a new module is added
-    (``get_peft_model`` after wrapping, ``add_adapter``/``load_adapter`` with other target modules) and
-    puts the base layers back on ``merge_and_unload()``/``unload()``. The core's sites stay on the old
-    module objects and would silently hook the wrong place, so while any hook is attached a pre-hook
-    on the model checks every layout path and raises a clear error.
-    """
-
-    def __init__(self, hooked: Any, points: Sequence[HookPoint]) -> None:
-        self.hooked = hooked
-        self.points = tuple(points)
-        self.expected: list[tuple[nn.Module, str, nn.Module]] = []
-        model = hooked.hf_model
-        L = hooked.layout
-        for path in (L.embed, L.pos_embed, L.unembed, L.ln_final, L.rotary):
-            if path:
-                self.expected.append((model, path, model.get_submodule(path)))
-        for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
-            paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, mlp.pre, mlp.pre_linear, mlp.out]
-            paths += [qkv.module] if hasattr(qkv, "module") else [qkv.q, qkv.k, qkv.v]
-            for path in paths:
-                if path:
-                    self.expected.append((block, path, block.get_submodule(path)))
-        # every parent -> child link on those paths, checked per forward with one dict lookup each
-        links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
-        self.slow: list[tuple[nn.Module, str, nn.Module]] = []
-        for owner, path, expected in self.expected:
-            parent = owner
-            for name in path.split("."):
-                child = parent._modules.get(name)
-                if child is None:  # reached through an attribute that is not a registered submodule
-                    self.slow.append((owner, path, expected))
-                    break
-                links[(id(parent), name)] = (parent, name, child)
-                parent = child
-        self.links = list(links.values())
-
-    def wanted(self) -> bool:
-        return self.hooked.has_hooks  # O(1): this site's points are all of the model's
-
-    def install(self) -> list[RemovableHandle]:
-        return [self.hooked.hf_model.register_forward_pre_hook(self._check)]
-
-    def _check(self, module: nn.Module, args: tuple) -> None:
-        if all(parent._modules.get(name) is child for parent, name, child in self.links):
-            self._raise_if_replaced(self.slow)
-            return
-        self._raise_if_replaced(self.expected)
-
-    def _raise_if_replaced(self, expected_modules: list[tuple[nn.Module, str, nn.Module]]) -> None:
-        for owner, path, expected in expected_modules:
-            try:
-                current = owner.get_submodule(path)
-            except AttributeError:
-                current = None
-            if current is not expected:
-                where = self.hooked.module_name(owner)
-                raise LensAdaptersError(
-                    f"module {path!r} of {where} was replaced after HookedModel.wrap (it was "
-                    f"{type(expected).__name__}, it is now {type(current).__name__}): PEFT does this when an adapter "
-                    f"targeting new modules is added, or on merge_and_unload()/unload(). Hooks would land on the old "
-                    f"module; call hm.unwrap() and HookedModel.wrap(model) again.")

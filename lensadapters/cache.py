@@ -76,29 +76,38 @@ class ActivationCache(Mapping):
     def _key(self, key: Union[str, tuple]) -> str:
         if isinstance(key, tuple):
             if not key or len(key) > 3 or not isinstance(key[0], str):
-                raise TypeError(f"cache[{key!r}]: use cache[name], cache[name, layer] or cache[name, layer, "
-                                f"layer_type] (like cache['resid_pre', 3] or cache['scale', 2, 'ln2'])")
+                raise TypeError(
+                    f"cache[{key!r}]: use cache[name], cache[name, layer] or cache[name, layer, "
+                    f"layer_type] (like cache['resid_pre', 3] or cache['scale', 2, 'ln2'])"
+                )
             name, *rest = key
             layer = rest[0] if rest else None
             if layer is not None:
                 try:
                     layer = operator.index(layer)
                 except TypeError:
-                    raise TypeError(f"cache[{key!r}]: the layer must be an int, not {type(layer).__name__} "
-                                    f"{layer!r}; write cache[{name!r}, {_as_int(layer)}]") from None
+                    raise TypeError(
+                        f"cache[{key!r}]: the layer must be an int, not {type(layer).__name__} "
+                        f"{layer!r}; write cache[{name!r}, {_as_int(layer)}]"
+                    ) from None
                 if not -self.n_layers <= layer < self.n_layers:
-                    raise KeyError(f"cache[{key!r}]: layer {layer} is out of range; the model has {self.n_layers} "
-                                   f"layers (0 to {self.n_layers - 1}, or negative from the end)")
+                    raise KeyError(
+                        f"cache[{key!r}]: layer {layer} is out of range; the model has {self.n_layers} "
+                        f"layers (0 to {self.n_layers - 1}, or negative from the end)"
+                    )
                 if layer < 0:
                     layer += self.n_layers
             layer_type = rest[1] if len(rest) > 1 else None
             if layer_type is not None and not isinstance(layer_type, str):
-                raise TypeError(f"cache[{key!r}]: the layer type must be a string such as 'ln1' or 'ln2', not "
-                                f"{layer_type!r}")
+                raise TypeError(
+                    f"cache[{key!r}]: the layer type must be a string such as 'ln1' or 'ln2', not {layer_type!r}"
+                )
             return get_act_name(name, layer, layer_type)
         if not isinstance(key, str):
-            raise TypeError(f"cache keys are hook names (strings) or tuples like ('resid_pre', 3), not "
-                            f"{type(key).__name__} {key!r:.60}")
+            raise TypeError(
+                f"cache keys are hook names (strings) or tuples like ('resid_pre', 3), not "
+                f"{type(key).__name__} {key!r:.60}"
+            )
         if key in self._data:
             return key
         return get_act_name(key)
@@ -108,8 +117,10 @@ class ActivationCache(Mapping):
         try:
             return self._data[full]
         except KeyError:
-            raise KeyError(f"{full!r} is not in the cache; cached names: {len(self._data)} "
-                           f"(pass names_filter to run_with_cache to choose them)") from None
+            raise KeyError(
+                f"{full!r} is not in the cache; cached names: {len(self._data)} "
+                f"(pass names_filter to run_with_cache to choose them)"
+            ) from None
 
     def __contains__(self, key: object) -> bool:
         try:

@@ -100,4 +100,5 @@ class ModuleGuard:
             f"old module and would silently not run or see the wrong values. PEFT does this when an adapter "
             f"targeting new modules is added (get_peft_model, add_adapter, load_adapter) and on "
             f"merge_and_unload()/unload(); so does resize_token_embeddings or swapping a layer by hand. Call "
-            f"hm.unwrap() and HookedModel.wrap(model) again after changing the model's modules.")
+            f"hm.unwrap() and HookedModel.wrap(model) again after changing the model's modules."
+        )

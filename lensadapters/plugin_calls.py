@@ -85,13 +85,21 @@ class PluginCaller:
 
     def _call(self, impl: Any, kwargs: dict[str, Any]) -> Any:
         if impl.hookwrapper or impl.wrapper:  # pragma: no cover - lensadapters' hooks have no wrappers
-            raise PluginError(f"plugin {impl.plugin_name!r} implements {self.name} as a hook wrapper, which "
-                              f"lensadapters does not support", impl.plugin_name, self.name)
+            raise PluginError(
+                f"plugin {impl.plugin_name!r} implements {self.name} as a hook wrapper, which "
+                f"lensadapters does not support",
+                impl.plugin_name,
+                self.name,
+            )
         try:
             args = [kwargs[a] for a in impl.argnames]
         except KeyError as missing:
-            raise PluginError(f"plugin {impl.plugin_name!r}: {self.name} takes an argument {missing} that the hook "
-                              f"does not provide ({', '.join(kwargs)})", impl.plugin_name, self.name) from None
+            raise PluginError(
+                f"plugin {impl.plugin_name!r}: {self.name} takes an argument {missing} that the hook "
+                f"does not provide ({', '.join(kwargs)})",
+                impl.plugin_name,
+                self.name,
+            ) from None
         try:
             return impl.function(*args)
         except (KeyboardInterrupt, GeneratorExit):

@@ -68,8 +68,15 @@ class Registry:
 
     # --- registration -----------------------------------------------------------------------------
 
-    def register(self, plugin: Any, name: Optional[str] = None, *, distribution: Optional[str] = None,
-                 version: Optional[str] = None, source: str = "manual") -> PluginInfo:
+    def register(
+        self,
+        plugin: Any,
+        name: Optional[str] = None,
+        *,
+        distribution: Optional[str] = None,
+        version: Optional[str] = None,
+        source: str = "manual",
+    ) -> PluginInfo:
         """Register ``plugin`` (a module or object with ``@hookimpl`` functions).
 
         Everything it declares is checked first (hook names, decorators, architectures); a plugin refused with a
@@ -120,8 +127,10 @@ class Registry:
             dist_name = dist.metadata["Name"] if dist is not None else None
             dist_version = dist.version if dist is not None else None
             if ep.name in seen and seen[ep.name] != dist_name:
-                msg = (f"entry point {ep.name!r} is provided by both {seen[ep.name]} and {dist_name}; "
-                       f"keeping {seen[ep.name]}. Uninstall one of them.")
+                msg = (
+                    f"entry point {ep.name!r} is provided by both {seen[ep.name]} and {dist_name}; "
+                    f"keeping {seen[ep.name]}. Uninstall one of them."
+                )
                 self.failures[f"{ep.name} ({dist_name})"] = msg
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
                 continue
@@ -139,8 +148,10 @@ class Registry:
                 if ep.name in self.infos:
                     self.unregister(ep.name)
                 what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Exception) or not str(exc) else str(exc)
-                msg = (f"lensadapters plugin {ep.name!r} from {dist_name or 'an unknown distribution'} failed to "
-                       f"load and is not used: {what}")
+                msg = (
+                    f"lensadapters plugin {ep.name!r} from {dist_name or 'an unknown distribution'} failed to "
+                    f"load and is not used: {what}"
+                )
                 self.failures[ep.name] = msg
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
 
@@ -150,8 +161,12 @@ class Registry:
         return [i for i in self.infos.values() if i.architectures]
 
     def claims(self, model_type: str) -> list[tuple[PluginInfo, Architecture]]:
-        return [(info, arch) for info in self.architecture_plugins() for arch in info.architectures
-                if model_type in arch.model_types]
+        return [
+            (info, arch)
+            for info in self.architecture_plugins()
+            for arch in info.architectures
+            if model_type in arch.model_types
+        ]
 
     def conflicts(self) -> dict[str, list[str]]:
         """Model types claimed by more than one plugin: ``{model_type: [plugin names]}``."""
@@ -165,15 +180,20 @@ class Registry:
     def select(self, model_type: str, adapter: Optional[str] = None) -> tuple[PluginInfo, Architecture]:
         """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``)."""
         if adapter is not None:
-            named = [(info, arch) for info in self.architecture_plugins() for arch in info.architectures
-                     if adapter in (info.name, arch.name)]
+            named = [
+                (info, arch)
+                for info in self.architecture_plugins()
+                for arch in info.architectures
+                if adapter in (info.name, arch.name)
+            ]
             if not named:
-                raise UnsupportedModelError(
-                    f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
+                raise UnsupportedModelError(f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
             if len({id(info.plugin) for info, _ in named}) > 1:
                 names = ", ".join(f"{arch.name!r} of plugin {info.name!r}" for info, arch in named)
-                raise PluginConflictError(f"adapter={adapter!r} names several architectures: {names}. Use a name "
-                                          f"only one of them has (`lensadapters plugins` lists them)")
+                raise PluginConflictError(
+                    f"adapter={adapter!r} names several architectures: {names}. Use a name "
+                    f"only one of them has (`lensadapters plugins` lists them)"
+                )
             if len(named) > 1:  # a plugin's name with several architectures: the one declaring the model type
                 named = [pair for pair in named if model_type in pair[1].model_types] or named[:1]
             return named[0]
@@ -182,12 +202,14 @@ class Registry:
             raise UnsupportedModelError(
                 f"no lensadapters plugin supports model_type {model_type!r}. {self.describe_installed()} "
                 f"Install the plugin for it (for example `pip install lensadapters[{model_type.replace('_', '-')}]` "
-                f"when one exists) or write one: see docs/writing-a-plugin.md.")
+                f"when one exists) or write one: see docs/writing-a-plugin.md."
+            )
         if len({info.name for info, _ in found}) > 1:
             names = ", ".join(f"{info.name} ({info.distribution or info.source})" for info, _ in found)
             raise PluginConflictError(
                 f"model_type {model_type!r} is claimed by several plugins: {names}. "
-                f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others.")
+                f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others."
+            )
         return found[0]
 
     def owners(self, model_type: str) -> list[str]:
@@ -195,16 +217,20 @@ class Registry:
         return list(dict.fromkeys(info.name for info, _ in self.claims(model_type)))
 
     def describe_installed(self) -> str:
-        archs = [f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
-                 for info in self.architecture_plugins()]
+        archs = [
+            f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
+            for info in self.architecture_plugins()
+        ]
         text = "Installed architecture plugins: " + (", ".join(archs) if archs else "none") + "."
         if self.failures:
             text += " Plugins that failed to load: " + "; ".join(self.failures.values()) + "."
         if self.autoload_disabled:
-            text += (f" Plugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV}="
-                     f"{os.environ.get(DISABLE_AUTOLOAD_ENV, '')!r}): installed plugins were not loaded from their "
-                     f"entry points; unset it, or register the plugins you trust with "
-                     f"lensadapters.registry.register_module(module).")
+            text += (
+                f" Plugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV}="
+                f"{os.environ.get(DISABLE_AUTOLOAD_ENV, '')!r}): installed plugins were not loaded from their "
+                f"entry points; unset it, or register the plugins you trust with "
+                f"lensadapters.registry.register_module(module)."
+            )
         return text
 
     def hooks_for(self, info: PluginInfo, left_out: Iterable[Any] = ()) -> ScopedHooks:
@@ -239,7 +265,8 @@ def _check_unmarked_hooks(plugin: Any, name: str) -> None:
             if not hasattr(getattr(plugin, attr), marker):
                 raise PluginValidationError(
                     f"plugin {name!r} defines {attr}() without the @lensadapters.hookimpl decorator, so it would "
-                    f"never be called: decorate it (from lensadapters import hookimpl)")
+                    f"never be called: decorate it (from lensadapters import hookimpl)"
+                )
 
 
 def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
@@ -253,15 +280,22 @@ def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
     try:
         tested = SpecifierSet(arch.transformers)
     except InvalidSpecifier:
-        warnings.warn(f"plugin {plugin_name!r} declares transformers={arch.transformers!r} for {arch.name!r}, which "
-                      f"is not a version specifier (like '>=4.57,<6')", PluginLoadWarning, stacklevel=3)
+        warnings.warn(
+            f"plugin {plugin_name!r} declares transformers={arch.transformers!r} for {arch.name!r}, which "
+            f"is not a version specifier (like '>=4.57,<6')",
+            PluginLoadWarning,
+            stacklevel=3,
+        )
         return
     if not tested.contains(transformers.__version__, prereleases=True):
         warnings.warn(
             f"plugin {plugin_name!r} is tested with transformers{arch.transformers} for {arch.name!r}, but "
             f"transformers {transformers.__version__} is installed: hook points may be missing or wrong if the "
             f"modeling code changed. Install a transformers version in that range, or a plugin version tested "
-            f"with {transformers.__version__}", TransformersVersionWarning, stacklevel=3)
+            f"with {transformers.__version__}",
+            TransformersVersionWarning,
+            stacklevel=3,
+        )
 
 
 def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
@@ -273,7 +307,8 @@ def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
         raise ImportError(
             f"plugin {name or plugin!r} was written for lensadapters hookspec {wanted}, "
             f"but the installed core provides hookspec {hookspecs.HOOKSPEC_VERSION}: "
-            f"install a version of the plugin built for hookspec {have}.x")
+            f"install a version of the plugin built for hookspec {have}.x"
+        )
 
 
 def _check_core_range(dist: Any) -> None:
@@ -307,7 +342,8 @@ def _check_core_range(dist: Any) -> None:
             raise ImportError(
                 f"{dist.metadata['Name']} {dist.version} requires lensadapters{requirement.specifier}, but the "
                 f"installed lensadapters is {__version__}: install a version of {dist.metadata['Name']} built for "
-                f"lensadapters {__version__}, or a lensadapters version in that range")
+                f"lensadapters {__version__}, or a lensadapters version in that range"
+            )
 
 
 def _entry_points() -> list[metadata.EntryPoint]:

@@ -27,8 +27,9 @@ class WeightSourceWarning(UserWarning):
     """More than one plugin can supply the same weight; the warning says which one is used."""
 
 
-def read_linear(hm: "Hooked", module: nn.Module,
-                expect: tuple[Optional[int], Optional[int]] = (None, None)) -> LinearWeight:
+def read_linear(
+    hm: "Hooked", module: nn.Module, expect: tuple[Optional[int], Optional[int]] = (None, None)
+) -> LinearWeight:
     """The effective ``[d_in, d_out]`` weight and bias of ``module``, through every plugin.
 
     A plugin that cannot read a module raises ``WeightUnavailableError``; the module's path in the model
@@ -54,7 +55,8 @@ def read_linear(hm: "Hooked", module: nn.Module,
         raise WeightUnavailableError(
             f"lensadapters cannot read the weight of {hm.module_name(module)} ({type(module).__module__}."
             f"{type(module).__name__}): no installed plugin knows this storage format. Install the plugin for "
-            f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`.")
+            f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`."
+        )
     _check_linear(hm, module, result, supplier or "?", expect)
     return result
 
@@ -71,11 +73,14 @@ def _warn_if_several_answer(hm: Any, module: nn.Module, caller: Any, kwargs: dic
             f"{len(answering)} plugins can read the weight of {type(module).__module__}.{type(module).__name__} "
             f"modules such as {hm.module_name(module)}: {', '.join(map(repr, answering))}; the weights (hm.W_Q..., "
             f"attn.hook_result) use {supplier!r}'s. If that is not the right one, uninstall or fix the other",
-            WeightSourceWarning, stacklevel=4)
+            WeightSourceWarning,
+            stacklevel=4,
+        )
 
 
-def _check_linear(hm: Any, module: nn.Module, result: Any, supplier: str,
-                  expect: tuple[Optional[int], Optional[int]]) -> None:
+def _check_linear(
+    hm: Any, module: nn.Module, result: Any, supplier: str, expect: tuple[Optional[int], Optional[int]]
+) -> None:
     """A ``LinearWeight`` whose shapes fit the module (named after the plugin that returned it when not)."""
     where = f"plugin {supplier!r} returned from lensadapters_linear_weight for {hm.module_name(module)}"
     if not isinstance(result, LinearWeight) or not isinstance(result.W, Tensor):
@@ -85,12 +90,13 @@ def _check_linear(hm: Any, module: nn.Module, result: Any, supplier: str,
     expected = tuple(d if isinstance(d, int) else e for d, e in zip(declared, expect))
     if W.dim() != 2 or any(isinstance(n, int) and n != size for n, size in zip(expected, W.shape)):
         shown = ", ".join("?" if n is None else str(n) for n in expected)
-        raise PluginValidationError(f"{where} a weight of shape {tuple(W.shape)}; W must be [d_in, d_out] = "
-                                    f"[{shown}]")
+        raise PluginValidationError(f"{where} a weight of shape {tuple(W.shape)}; W must be [d_in, d_out] = [{shown}]")
     if b is not None and (not isinstance(b, Tensor) or tuple(b.shape) != (W.shape[1],)):
         shape = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
-        raise PluginValidationError(f"{where} a bias of shape {shape} for a weight of shape {tuple(W.shape)}; the "
-                                    f"bias must be [d_out] = [{W.shape[1]}] or None")
+        raise PluginValidationError(
+            f"{where} a bias of shape {shape} for a weight of shape {tuple(W.shape)}; the "
+            f"bias must be [d_out] = [{W.shape[1]}] or None"
+        )
 
 
 def _bias(b: Optional[Tensor], shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -187,12 +193,17 @@ class WeightAccessors:
             with torch.no_grad():
                 answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
             if len(answering) > 1:
-                warnings.warn(f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
-                              f"{name} is {supplier!r}'s. If that is not the right one, uninstall or fix the other",
-                              WeightSourceWarning, stacklevel=3)
+                warnings.warn(
+                    f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
+                    f"{name} is {supplier!r}'s. If that is not the right one, uninstall or fix the other",
+                    WeightSourceWarning,
+                    stacklevel=3,
+                )
         if not isinstance(override, Tensor):
-            raise PluginValidationError(f"plugin {supplier!r} returned a {type(override).__name__} for {name} from "
-                                        f"lensadapters_weight; return a tensor (or None to keep the core's)")
+            raise PluginValidationError(
+                f"plugin {supplier!r} returned a {type(override).__name__} for {name} from "
+                f"lensadapters_weight; return a tensor (or None to keep the core's)"
+            )
         if supplier != w.plugin.name:  # a cross-cutting plugin's override keeps the architecture's shape
             try:
                 with torch.no_grad():
@@ -202,12 +213,14 @@ class WeightAccessors:
             if reference is not None and reference.shape != override.shape:
                 raise PluginValidationError(
                     f"plugin {supplier!r} returned {name} of shape {tuple(override.shape)} from lensadapters_weight, "
-                    f"but this model's {name} has shape {tuple(reference.shape)}")
+                    f"but this model's {name} has shape {tuple(reference.shape)}"
+                )
         return override
 
     @property
     def W_E(self) -> Tensor:
         """Token embeddings ``[d_vocab, d_model]``."""
+
         def compute() -> Tensor:
             with live_parameters(self.wiring.hf_model.get_submodule(self.wiring.layout.embed)) as embed:
                 return embed.weight
@@ -217,20 +230,23 @@ class WeightAccessors:
     @property
     def W_pos(self) -> Tensor:
         """Learned position embeddings ``[n_ctx, d_model]`` (without an offset's rows)."""
+
         def compute() -> Tensor:
             layout = self.wiring.layout
             if not layout.pos_embed:
                 raise AttributeError(f"{self.wiring.arch.name} has no learned position embeddings (W_pos)")
             with live_parameters(self.wiring.hf_model.get_submodule(layout.pos_embed)) as pos_embed:
-                return pos_embed.weight[layout.pos_embed_offset:]
+                return pos_embed.weight[layout.pos_embed_offset :]
 
         return self._weight("W_pos", compute)
 
     def _unembed(self) -> nn.Module:
         w = self.wiring
         if w.layout.unembed is None:
-            raise AttributeError(f"this {type(w.hf_model).__name__} has no unembedding (language-model head): "
-                                 f"W_U and b_U exist only for *ForCausalLM models")
+            raise AttributeError(
+                f"this {type(w.hf_model).__name__} has no unembedding (language-model head): "
+                f"W_U and b_U exist only for *ForCausalLM models"
+            )
         return w.hf_model.get_submodule(w.layout.unembed)
 
     @property
@@ -241,6 +257,7 @@ class WeightAccessors:
     @property
     def b_U(self) -> Tensor:
         """Unembedding bias ``[d_vocab]`` (zeros without one)."""
+
         def compute() -> Tensor:
             lw = self.wiring.read_linear(self._unembed())
             return lw.b if lw.b is not None else torch.zeros(lw.W.shape[-1], dtype=lw.W.dtype, device=lw.W.device)
@@ -253,17 +270,29 @@ class WeightAccessors:
     _b_K = _accessor("_b_K", lambda h: stacked(h, 1, 1), "Key biases ``[n_layers, n_key_value_heads, d_head]``.")
     _W_V = _accessor("_W_V", lambda h: stacked(h, 2, 0), "Values ``[n_layers, n_key_value_heads, d_model, d_head]``.")
     _b_V = _accessor("_b_V", lambda h: stacked(h, 2, 1), "Value biases ``[n_layers, n_key_value_heads, d_head]``.")
-    W_O = _accessor("W_O", lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
-                    "Output projection ``[n_layers, n_heads, d_head, d_model]``.")
+    W_O = _accessor(
+        "W_O",
+        lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
+        "Output projection ``[n_layers, n_heads, d_head, d_model]``.",
+    )
     b_O = _accessor("b_O", lambda h: _stack(h, lambda i: o_weights(h, i)[1]), "Output bias ``[n_layers, d_model]``.")
-    W_in = _accessor("W_in", lambda h: _stack(h, lambda i: mlp_weights(h, i, "in")[0]),
-                     "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``.")
+    W_in = _accessor(
+        "W_in",
+        lambda h: _stack(h, lambda i: mlp_weights(h, i, "in")[0]),
+        "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``.",
+    )
     b_in = _accessor("b_in", lambda h: _stack(h, lambda i: mlp_weights(h, i, "in")[1]), "``[n_layers, d_mlp]``.")
-    W_gate = _accessor("W_gate", lambda h: _stack(h, lambda i: mlp_weights(h, i, "gate")[0]),
-                       "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``.")
+    W_gate = _accessor(
+        "W_gate",
+        lambda h: _stack(h, lambda i: mlp_weights(h, i, "gate")[0]),
+        "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``.",
+    )
     b_gate = _accessor("b_gate", lambda h: _stack(h, lambda i: mlp_weights(h, i, "gate")[1]), "``[n_layers, d_mlp]``.")
-    W_out = _accessor("W_out", lambda h: _stack(h, lambda i: mlp_weights(h, i, "out")[0]),
-                      "MLP output (down) projection ``[n_layers, d_mlp, d_model]``.")
+    W_out = _accessor(
+        "W_out",
+        lambda h: _stack(h, lambda i: mlp_weights(h, i, "out")[0]),
+        "MLP output (down) projection ``[n_layers, d_mlp, d_model]``.",
+    )
     b_out = _accessor("b_out", lambda h: _stack(h, lambda i: mlp_weights(h, i, "out")[1]), "``[n_layers, d_model]``.")
 
     @property
@@ -286,5 +315,23 @@ class WeightAccessors:
 
 
 #: the accessor names ``lensadapters_weight`` may override
-WEIGHT_NAMES = ("W_E", "W_pos", "W_U", "b_U", "W_Q", "b_Q", "_W_K", "_b_K", "_W_V", "_b_V", "W_O", "b_O", "W_in",
-                "b_in", "W_gate", "b_gate", "W_out", "b_out")
+WEIGHT_NAMES = (
+    "W_E",
+    "W_pos",
+    "W_U",
+    "b_U",
+    "W_Q",
+    "b_Q",
+    "_W_K",
+    "_b_K",
+    "_W_V",
+    "_b_V",
+    "W_O",
+    "b_O",
+    "W_in",
+    "b_in",
+    "W_gate",
+    "b_gate",
+    "W_out",
+    "b_out",
+)

@@ -58,7 +58,7 @@ def reference_inv_freq(config: LlamaConfig, rope_type: str, seq_len: int) -> tor
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", theta)))
     scaling = getattr(config, "rope_scaling", None) or params
     exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
-    inv = 1.0 / theta ** exponents
+    inv = 1.0 / theta**exponents
     if rope_type == "default":
         return inv
     factor = float(scaling["factor"])
@@ -69,7 +69,7 @@ def reference_inv_freq(config: LlamaConfig, rope_type: str, seq_len: int) -> tor
         if seq_len <= max_pos:
             return inv
         base = theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (d / (d - 2))
-        return 1.0 / base ** exponents
+        return 1.0 / base**exponents
     if rope_type == "llama3":  # Meta's wavelength-dependent interpolation
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old = float(scaling["original_max_position_embeddings"])
@@ -106,9 +106,17 @@ def test_rot_q_and_rot_k_equal_reference_rope(rope_type, seed, ratio, head_dim):
     ``original_max_position_embeddings`` is small so llama3 interpolates low and medium frequencies.
     """
     length = 10
-    config = llama_config(n_heads=2 * ratio, n_kv=2, head_dim=head_dim, hidden=4 * ratio, rope_type=rope_type,
-                          theta=500000.0 if rope_type == "llama3" else 10000.0, max_pos=6, original_max=4,
-                          factor=4.0)
+    config = llama_config(
+        n_heads=2 * ratio,
+        n_kv=2,
+        head_dim=head_dim,
+        hidden=4 * ratio,
+        rope_type=rope_type,
+        theta=500000.0 if rope_type == "llama3" else 10000.0,
+        max_pos=6,
+        original_max=4,
+        factor=4.0,
+    )
     model = make(config, seed)
     hm = wrap(model)
     ids, mask = left_padded(config.vocab_size, length=length, seed=seed)
@@ -123,14 +131,18 @@ def test_rot_q_and_rot_k_equal_reference_rope(rope_type, seed, ratio, head_dim):
     hm.unwrap()
 
 
-@pytest.mark.parametrize("rope_type,attention_factor", [
-    ("yarn", lambda factor, orig: 0.1 * math.log(factor) + 1.0),
-    ("longrope", lambda factor, orig: math.sqrt(1 + math.log(factor) / math.log(orig))),
-])
+@pytest.mark.parametrize(
+    "rope_type,attention_factor",
+    [
+        ("yarn", lambda factor, orig: 0.1 * math.log(factor) + 1.0),
+        ("longrope", lambda factor, orig: math.sqrt(1 + math.log(factor) / math.log(orig))),
+    ],
+)
 def test_rope_attention_scaling_is_in_rot_q(rope_type, attention_factor):
     """YaRN and LongRoPE fold an attention factor into cos/sin: hook_rot_q carries it (pair norms scale)."""
-    config = llama_config(n_heads=4, n_kv=2, head_dim=8, hidden=16, rope_type=rope_type, max_pos=32,
-                          original_max=4, factor=8.0)
+    config = llama_config(
+        n_heads=4, n_kv=2, head_dim=8, hidden=16, rope_type=rope_type, max_pos=32, original_max=4, factor=8.0
+    )
     model = make(config, 1)
     hm = wrap(model)
     ids, mask = left_padded(config.vocab_size, length=9)
@@ -142,8 +154,13 @@ def test_rope_attention_scaling_is_in_rot_q(rope_type, attention_factor):
     for name in ("q", "k"):
         x, y = cache[name, 0], cache[f"rot_{name}", 0]
         pair_norm = lambda t: t[..., :4].pow(2) + t[..., 4:].pow(2)  # noqa: E731
-        assert_close(pair_norm(y), expected ** 2 * pair_norm(x), f"{rope_type}: |rot_{name}| = factor * |{name}|",
-                     atol=1e-4, rtol=1e-4)
+        assert_close(
+            pair_norm(y),
+            expected**2 * pair_norm(x),
+            f"{rope_type}: |rot_{name}| = factor * |{name}|",
+            atol=1e-4,
+            rtol=1e-4,
+        )
     hm.unwrap()
 
 
@@ -195,7 +212,8 @@ def test_scores_are_rotated_queries_dot_shared_keys(config, seed):
         scores, pattern = cache["attn_scores", layer], cache["pattern", layer]
         for head in range(hm.cfg.n_heads):
             expected = torch.einsum("bqd,bkd->bqk", rot_q[:, :, head], rot_k[:, :, head // ratio]) / math.sqrt(
-                hm.cfg.d_head)
+                hm.cfg.d_head
+            )
             allowed = torch.isfinite(scores[:, head])
             assert_close(scores[:, head][allowed], expected[allowed], f"layer {layer} head {head} scores")
             probs = torch.softmax(expected.masked_fill(~allowed, float("-inf")), -1)
@@ -222,8 +240,9 @@ def test_editing_one_kv_head_changes_exactly_its_query_group(n_heads, n_kv):
         _, base = hm.run_with_cache(ids, attention_mask=mask, names_filter="blocks.0.attn.hook_pattern")
         with hm.hooks([("blocks.0.attn.hook_k", bump)]):
             _, edited = hm.run_with_cache(ids, attention_mask=mask, names_filter="blocks.0.attn.hook_pattern")
-    changed = [(edited["pattern", 0][:, h] - base["pattern", 0][:, h]).abs().max().item() > 1e-6
-               for h in range(hm.cfg.n_heads)]
+    changed = [
+        (edited["pattern", 0][:, h] - base["pattern", 0][:, h]).abs().max().item() > 1e-6 for h in range(hm.cfg.n_heads)
+    ]
     assert changed == [h // ratio == kv_head for h in range(hm.cfg.n_heads)]
     hm.unwrap()
 
@@ -258,12 +277,27 @@ def llama32_3b_like(layers: int = 2) -> LlamaConfig:
     """Llama 3.2 3B's ratios at toy width: 24 query heads sharing 8 kv heads of size 128, theta 500000,
     llama3 rope scaling (factor 32, low 1, high 4), tied embeddings; hidden 96 and vocab 256 for the CPU."""
     return LlamaConfig(
-        hidden_size=96, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=24,
-        num_key_value_heads=8, head_dim=128, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8},  # 8192 in the real model; 8 so scaling matters here
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },  # 8192 in the real model; 8 so scaling matters here
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
 
 
@@ -309,8 +343,9 @@ def test_llama32_3b_like_shapes_and_weights(llama32):
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache_implementation: str, steps: int = 4):
-    kwargs = dict(max_new_tokens=steps, do_sample=False, pad_token_id=0, output_logits=True,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=steps, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
     if cache_implementation != "dynamic":
         kwargs["cache_implementation"] = cache_implementation
     return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
@@ -329,8 +364,10 @@ def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_
         def store(t: torch.Tensor, hook: Any) -> None:
             stored.setdefault(hook.name, []).append(t.detach().clone())
 
-        hooks = [(lambda n: n.endswith(("hook_pattern", "hook_attn_scores")), store),
-                 (lambda n: n.endswith(("hook_rot_k", "hook_resid_post", "hook_z")), store)]
+        hooks = [
+            (lambda n: n.endswith(("hook_pattern", "hook_attn_scores")), store),
+            (lambda n: n.endswith(("hook_rot_k", "hook_resid_post", "hook_z")), store),
+        ]
         with hm.hooks(hooks):
             hooked = _generate(hm, ids, mask, cache_implementation)
     assert torch.equal(hooked.sequences, reference.sequences)
@@ -365,7 +402,9 @@ def test_seed_004_half_precision_static_cache(dtype):
         def store(t: torch.Tensor, hook: Any) -> None:
             seen.setdefault(hook.name, []).append(t.detach().clone())
 
-        with hm.hooks([(lambda n: n.endswith(("hook_resid_post", "hook_z", "hook_rot_k", "ln_final.hook_scale")), store)]):
+        with hm.hooks(
+            [(lambda n: n.endswith(("hook_resid_post", "hook_z", "hook_rot_k", "ln_final.hook_scale")), store)]
+        ):
             hooked = _generate(hm, ids, mask, "static")
         assert torch.equal(hooked.sequences, reference.sequences)
         assert all(torch.equal(a, b) for a, b in zip(reference.logits, hooked.logits)), "reading hooks changed numbers"
@@ -401,8 +440,14 @@ def test_hooks_run_at_every_step_when_generate_would_compile():
     ids, mask = left_padded(config.vocab_size, length=5, pads=(0, 0))
     compile_config = CompileConfig(backend="eager", fullgraph=False)
     compile_config._compile_all_devices = True  # what a CUDA device does by itself
-    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                  cache_implementation="static")
+    kwargs = dict(
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        cache_implementation="static",
+    )
     bump = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(2))
     steps: list[int] = []
 
@@ -467,8 +512,13 @@ def test_rot_k_edit_is_stored_in_the_kv_cache(cache_implementation):
             out = hm(ids[:, :prefix], attention_mask=mask[:, :prefix], past_key_values=past, use_cache=True)
         keys = _kv_keys(out.past_key_values, layer)[:, :, :prefix]  # [b, hkv, p, d]
         assert_close(keys.transpose(1, 2), seen[prefix], "KV cache holds the edited rotated keys", atol=1e-5)
-        step = hm(ids[:, prefix:], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True,
-                  position_ids=torch.full((2, 1), prefix)).logits[:, -1]
+        step = hm(
+            ids[:, prefix:],
+            attention_mask=mask,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+            position_ids=torch.full((2, 1), prefix),
+        ).logits[:, -1]
     assert_close(step, full, "decoding from the edited cache == one pass with the edit", atol=1e-4)
     with torch.no_grad():
         unedited = hm(ids, attention_mask=mask).logits[:, -1]
@@ -577,7 +627,8 @@ def test_declared_capabilities_catch_missing_rotary_points():
         config_strata = {}
 
     test = settings(max_examples=2, phases=[Phase.generate], suppress_health_check=list(HealthCheck))(
-        given(data=st.data())(LlamaContract.test_hook_points_match_declared_capabilities.hypothesis.inner_test))
+        given(data=st.data())(LlamaContract.test_hook_points_match_declared_capabilities.hypothesis.inner_test)
+    )
     with pytest.raises(AssertionError, match=r"rotary=True, but missing: \['blocks\.0\.attn\.hook_rot_k'"):
         test(Broken())
     # the inferring properties do not notice

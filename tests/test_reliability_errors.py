@@ -47,13 +47,16 @@ def _refused(call: Any, forwards: list[int], error: type[BaseException], pattern
     assert len(forwards) == before, "the refusal came after a forward had started"
 
 
-@pytest.mark.parametrize("names_filter, pattern", [
-    (3, "names_filter must be a hook name.*not a int"),
-    ([3], "names_filter contains 3"),
-    (b"hook_embed", "names_filter must be a hook name.*bytes"),
-    ({"hook_embed": 1}, "names_filter must be a hook name.*dict"),
-    (re.compile("resid"), r"names_filter=pattern\.search"),
-])
+@pytest.mark.parametrize(
+    "names_filter, pattern",
+    [
+        (3, "names_filter must be a hook name.*not a int"),
+        ([3], "names_filter contains 3"),
+        (b"hook_embed", "names_filter must be a hook name.*bytes"),
+        ({"hook_embed": 1}, "names_filter must be a hook name.*dict"),
+        (re.compile("resid"), r"names_filter=pattern\.search"),
+    ],
+)
 def test_a_names_filter_of_the_wrong_type_is_refused_by_name(counted, names_filter, pattern) -> None:
     hm, forwards = counted
     _refused(lambda: hm.run_with_cache(IDS, names_filter=names_filter), forwards, TypeError, pattern)
@@ -62,14 +65,30 @@ def test_a_names_filter_of_the_wrong_type_is_refused_by_name(counted, names_filt
 def test_hook_lists_given_as_a_dict_or_a_single_pair_are_refused_with_the_fix(counted) -> None:
     hm, forwards = counted
     fn = lambda t, hook: None  # noqa: E731
-    _refused(lambda: hm.run_with_hooks(IDS, fwd_hooks={"hook_embed": fn}), forwards, TypeError,
-             r"fwd_hooks must be a list of \(name, hook\) pairs, not a dict: pass fwd_hooks=list\(hooks.items\(\)\)")
-    _refused(lambda: hm.run_with_hooks(IDS, fwd_hooks=("hook_embed", fn)), forwards, TypeError,
-             r"single \(name, hook\) pair; pass a list of pairs")
-    _refused(lambda: hm.run_with_hooks(IDS, bwd_hooks=[("hook_embed", fn, 1)]), forwards, TypeError,
-             r"bwd_hooks\[0\] is .*each entry must be a \(name, hook\) pair")
-    _refused(lambda: hm.run_with_hooks(IDS, fwd_hooks=[("hook_embed", fn), ("blocks.0.hook_resid_pree", fn)]),
-             forwards, KeyError, "blocks.0.hook_resid_pre")
+    _refused(
+        lambda: hm.run_with_hooks(IDS, fwd_hooks={"hook_embed": fn}),
+        forwards,
+        TypeError,
+        r"fwd_hooks must be a list of \(name, hook\) pairs, not a dict: pass fwd_hooks=list\(hooks.items\(\)\)",
+    )
+    _refused(
+        lambda: hm.run_with_hooks(IDS, fwd_hooks=("hook_embed", fn)),
+        forwards,
+        TypeError,
+        r"single \(name, hook\) pair; pass a list of pairs",
+    )
+    _refused(
+        lambda: hm.run_with_hooks(IDS, bwd_hooks=[("hook_embed", fn, 1)]),
+        forwards,
+        TypeError,
+        r"bwd_hooks\[0\] is .*each entry must be a \(name, hook\) pair",
+    )
+    _refused(
+        lambda: hm.run_with_hooks(IDS, fwd_hooks=[("hook_embed", fn), ("blocks.0.hook_resid_pree", fn)]),
+        forwards,
+        KeyError,
+        "blocks.0.hook_resid_pre",
+    )
     assert not hm.has_hooks, "a refused hook list left hooks behind"
 
 
@@ -78,8 +97,10 @@ def test_hook_lists_given_as_a_dict_or_a_single_pair_are_refused_with_the_fix(co
 def test_a_hook_that_is_not_callable_is_refused_naming_the_point(bad: Any) -> None:
     model = _gpt2()
     hm = HookedModel.wrap(model)
-    for call in (lambda: hm.run_with_hooks(IDS, fwd_hooks=[("blocks.1.hook_resid_post", bad)]),
-                 lambda: hm.add_hook("blocks.1.hook_resid_post", bad)):
+    for call in (
+        lambda: hm.run_with_hooks(IDS, fwd_hooks=[("blocks.1.hook_resid_post", bad)]),
+        lambda: hm.add_hook("blocks.1.hook_resid_post", bad),
+    ):
         with pytest.raises(TypeError, match="hook for 'blocks.1.hook_resid_post'.*not a function"):
             call()
     assert not hm.has_hooks
@@ -89,8 +110,12 @@ def test_a_hook_that_is_not_callable_is_refused_naming_the_point(bad: Any) -> No
 @pytest.mark.parametrize("fn", [lambda t: None, lambda t, h: None, lambda: None, lambda t, hook, extra: None])
 def test_a_hook_with_the_wrong_signature_is_refused_naming_the_point(counted, fn) -> None:
     hm, forwards = counted
-    _refused(lambda: hm.run_with_hooks(IDS, fwd_hooks=[("blocks.0.attn.hook_z", fn)]), forwards, TypeError,
-             r"hook for 'blocks.0.attn.hook_z' cannot be called as fn\(tensor, hook=hook_point\)")
+    _refused(
+        lambda: hm.run_with_hooks(IDS, fwd_hooks=[("blocks.0.attn.hook_z", fn)]),
+        forwards,
+        TypeError,
+        r"hook for 'blocks.0.attn.hook_z' cannot be called as fn\(tensor, hook=hook_point\)",
+    )
 
 
 def test_hooks_with_other_valid_signatures_are_accepted(counted) -> None:
@@ -102,8 +127,13 @@ def test_hooks_with_other_valid_signatures_are_accepted(counted) -> None:
 
     import functools
 
-    for fn in (lambda t, hook: None, lambda *a, **k: None, lambda t, **kw: None, Callable_(),
-               functools.partial(lambda scale, t, hook: t * scale, 1.0)):
+    for fn in (
+        lambda t, hook: None,
+        lambda *a, **k: None,
+        lambda t, **kw: None,
+        Callable_(),
+        functools.partial(lambda scale, t, hook: t * scale, 1.0),
+    ):
         hm.run_with_hooks(IDS, fwd_hooks=[("blocks.0.attn.hook_z", fn)])
 
 
@@ -116,11 +146,16 @@ def test_cache_device_meta_and_nonsense_devices_are_refused(counted) -> None:
 def test_incl_bwd_under_inference_mode_is_refused(counted) -> None:
     hm, forwards = counted
     with torch.inference_mode():
-        _refused(lambda: hm.run_with_cache(IDS, labels=IDS, incl_bwd=True), forwards, LensAdaptersError,
-                 "inference_mode")
+        _refused(
+            lambda: hm.run_with_cache(IDS, labels=IDS, incl_bwd=True), forwards, LensAdaptersError, "inference_mode"
+        )
     _refused(lambda: hm.run_with_cache(IDS, incl_bwd=True), forwards, ValueError, "pass labels=")
-    _refused(lambda: hm.run_with_cache(torch.zeros(2, 4, dtype=torch.long), remove_batch_dim=True), forwards,
-             ValueError, "batch of one; the input has a batch of 2")
+    _refused(
+        lambda: hm.run_with_cache(torch.zeros(2, 4, dtype=torch.long), remove_batch_dim=True),
+        forwards,
+        ValueError,
+        "batch of one; the input has a batch of 2",
+    )
 
 
 @given(layer=st.one_of(st.text(alphabet="0123456789", min_size=1, max_size=2), st.floats(0, 3), st.just([1])))
@@ -144,8 +179,9 @@ def test_an_adapter_forced_on_another_architecture_says_so() -> None:
     from lensadapters.registry import get_registry
 
     registry = get_registry()
-    others = [a.name for info in registry.architecture_plugins() for a in info.architectures
-              if "gpt2" not in a.model_types]
+    others = [
+        a.name for info in registry.architecture_plugins() for a in info.architectures if "gpt2" not in a.model_types
+    ]
     if not others or not registry.owners("gpt2"):
         pytest.skip("needs the GPT-2 plugin and another architecture plugin")
     for adapter in others:

@@ -34,10 +34,24 @@ def _build(config: Any, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
 
 CONFIGS: dict[str, Callable[[], Any]] = {
     "gpt2": lambda: GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=32),
-    "gpt_neox": lambda: GPTNeoXConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                                      vocab_size=32, max_position_embeddings=32, rotary_pct=0.5),
-    "llama": lambda: LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=32, max_position_embeddings=32),
+    "gpt_neox": lambda: GPTNeoXConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=32,
+        max_position_embeddings=32,
+        rotary_pct=0.5,
+    ),
+    "llama": lambda: LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32,
+        max_position_embeddings=32,
+    ),
 }
 
 
@@ -62,15 +76,17 @@ def _ids(seed: int, batch: int = 2, length: int = 6) -> torch.Tensor:
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @given(data=st.data())
 @settings(max_examples=6, deadline=None)
-def test_a_module_replaced_after_wrapping_refuses_exactly_the_hooks_that_depend_on_it(arch: str,
-                                                                                      data: st.DataObject) -> None:
+def test_a_module_replaced_after_wrapping_refuses_exactly_the_hooks_that_depend_on_it(
+    arch: str, data: st.DataObject
+) -> None:
     """Replace one module a hook point's site hooks (by a copy, as surgery or an adapter library would): a hook on
     that point raises naming the module, before the forward; a hook on a point that does not depend on it runs."""
     model = _model(arch)
     hm = _wrap(model)
     wiring = hm.wiring
-    point = data.draw(st.sampled_from([n for n in hm.hook_names if not n.endswith(("pattern", "scores"))]),
-                      label="point")
+    point = data.draw(
+        st.sampled_from([n for n in hm.hook_names if not n.endswith(("pattern", "scores"))]), label="point"
+    )
     sites = [site for site in wiring.sites if point in [p.name for p in site.points]]
     modules = [m for site in sites for m in site_modules(site) if m is not model and wiring.guard.path_of(m)]
     assume_modules = [m for m in modules if wiring.guard.path_of(m).count(".") >= 1]
@@ -85,13 +101,19 @@ def test_a_module_replaced_after_wrapping_refuses_exactly_the_hooks_that_depend_
     ids = _ids(0)
     forwards: list[int] = []
     counter = model.register_forward_pre_hook(lambda module, args: forwards.append(1), prepend=False)
-    with pytest.raises(ModuleReplacedError, match=f"module '{path}' of the wrapped .* was replaced after "
-                                                  f"HookedModel.wrap"):
+    with pytest.raises(
+        ModuleReplacedError, match=f"module '{path}' of the wrapped .* was replaced after HookedModel.wrap"
+    ):
         hm.run_with_hooks(ids, fwd_hooks=[(point, lambda t, hook: None)])
     counter.remove()
+
     def depends(name: str) -> bool:  # a site of the point hooks the victim or a module inside it
-        return any(child is victim for s in wiring.sites if name in [p.name for p in s.points]
-                   for _, _, child in wiring.guard.links_of(s))
+        return any(
+            child is victim
+            for s in wiring.sites
+            if name in [p.name for p in s.points]
+            for _, _, child in wiring.guard.links_of(s)
+        )
 
     independent = [n for n in hm.hook_names if not depends(n) and not n.endswith(("pattern", "scores"))]
     if not independent:
@@ -182,8 +204,9 @@ def test_hook_embed_fires_on_given_inputs_embeds(arch: str, seed: int, scale: fl
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @given(seed=st.integers(0, 1000), pads=st.lists(st.integers(0, 5), min_size=2, max_size=3))
 @settings(max_examples=5, deadline=None)
-def test_caching_patterns_never_changes_the_logits_with_fully_masked_rows(arch: str, attn: str, seed: int,
-                                                                           pads: list[int]) -> None:
+def test_caching_patterns_never_changes_the_logits_with_fully_masked_rows(
+    arch: str, attn: str, seed: int, pads: list[int]
+) -> None:
     """Left padding leaves the padding queries nothing to attend to: explicit attention gives those rows what the
     configured implementation gives them, so every logit (padding positions included) is HF's."""
     model = _model(arch, attn, seed)
@@ -196,14 +219,16 @@ def test_caching_patterns_never_changes_the_logits_with_fully_masked_rows(arch: 
     with torch.no_grad():
         reference = model(ids, attention_mask=mask, output_attentions=attn == "eager")
         logits, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=lambda n: n.endswith("pattern"))
-        edited = hm.run_with_hooks(ids, attention_mask=mask,
-                                   fwd_hooks=[(lambda n: n.endswith("attn_scores"), lambda t, hook: None)])
+        edited = hm.run_with_hooks(
+            ids, attention_mask=mask, fwd_hooks=[(lambda n: n.endswith("attn_scores"), lambda t, hook: None)]
+        )
     assert_close(logits, reference.logits, f"{attn}: logits with patterns cached", atol=1e-5)
     assert_close(edited, reference.logits, f"{attn}: logits with a score hook that may edit", atol=1e-5)
     if attn == "eager":
         for layer, hf_pattern in enumerate(reference.attentions):
-            assert_close(cache["pattern", layer], hf_pattern, f"layer {layer} pattern, padding rows included",
-                         atol=1e-6)
+            assert_close(
+                cache["pattern", layer], hf_pattern, f"layer {layer} pattern, padding rows included", atol=1e-6
+            )
     hm.unwrap()
 
 
@@ -301,10 +326,11 @@ def test_no_attention_mask_is_kept_after_a_call(monkeypatch) -> None:
 
 
 def _hooked_states(hm: HookedModel) -> list[tuple[str, Callable[[], Any]]]:
-    return [("a permanent hook", lambda: hm.add_hook("blocks.0.hook_resid_post", lambda t, hook: t + 1,
-                                                     is_permanent=True)),
-            ("a pattern hook", lambda: hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: t * 0.5)),
-            ("hooks of every kind", lambda: hm.add_hook(lambda n: True, lambda t, hook: None))]
+    return [
+        ("a permanent hook", lambda: hm.add_hook("blocks.0.hook_resid_post", lambda t, hook: t + 1, is_permanent=True)),
+        ("a pattern hook", lambda: hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: t * 0.5)),
+        ("hooks of every kind", lambda: hm.add_hook(lambda n: True, lambda t, hook: None)),
+    ]
 
 
 def _files(path: Path) -> dict[str, bytes]:
@@ -329,8 +355,11 @@ def test_saving_and_copying_a_hooked_model_gives_the_users_model(arch: str, whic
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    copies = {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model)),
-              "torch.save": torch.load(buffer, weights_only=False)}
+    copies = {
+        "deepcopy": copy.deepcopy(model),
+        "pickle": pickle.loads(pickle.dumps(model)),
+        "torch.save": torch.load(buffer, weights_only=False),
+    }
     for how, copied in copies.items():
         assert copied.config._attn_implementation == "sdpa" and type(copied.config._attn_implementation) is str
         disable = copied.generation_config.disable_compile

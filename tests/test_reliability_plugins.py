@@ -65,8 +65,10 @@ def _registry(*plugins: tuple[str, Any]) -> Registry:
 
 def _module(name: str, source: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    exec(compile("from lensadapters import Architecture, hookimpl\n" + textwrap.dedent(source), name, "exec"),
-         module.__dict__)
+    exec(
+        compile("from lensadapters import Architecture, hookimpl\n" + textwrap.dedent(source), name, "exec"),
+        module.__dict__,
+    )
     return module
 
 
@@ -91,8 +93,12 @@ def installed(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def entry_points() -> list[Any]:
-        return [ep for dist in metadata.distributions(path=[str(tmp_path)]) for ep in dist.entry_points
-                if ep.group == "lensadapters"]
+        return [
+            ep
+            for dist in metadata.distributions(path=[str(tmp_path)])
+            for ep in dist.entry_points
+            if ep.group == "lensadapters"
+        ]
 
     monkeypatch.setattr(registry_module, "_entry_points", entry_points)
 
@@ -114,13 +120,16 @@ BROKEN_AT_IMPORT = {
 @pytest.mark.parametrize("kind", sorted(BROKEN_AT_IMPORT))
 def test_a_plugin_that_exits_or_raises_at_import_is_reported_and_the_host_goes_on(installed, kind: str) -> None:
     installed(kind, BROKEN_AT_IMPORT[kind])
-    installed("fine", """
+    installed(
+        "fine",
+        """
         from lensadapters import hookimpl
 
         @hookimpl
         def lensadapters_resolve_model(model):
             return None
-    """)
+    """,
+    )
     registry = Registry()
     with pytest.warns(PluginLoadWarning, match=f"plugin {kind!r} from lensadapters-{kind} failed to load"):
         registry.load_entry_points()
@@ -138,8 +147,10 @@ DECLARATIONS = {
     "a_string": ("'gpt2'", "must return a list of lensadapters.Architecture, not a str"),
     "strings": ("['gpt2']", "returned a str .* among its architectures"),
     "dicts": ("[{'name': 'x'}]", "returned a dict"),
-    "model_types_string": ("[Architecture('sub', 'gpt2')]",
-                           r"model_types='gpt2', a string: it would be matched as a substring.*\('gpt2',\)"),
+    "model_types_string": (
+        "[Architecture('sub', 'gpt2')]",
+        r"model_types='gpt2', a string: it would be matched as a substring.*\('gpt2',\)",
+    ),
     "model_types_empty": ("[Architecture('sub', ())]", "non-empty tuple of strings"),
     "name_empty": ("[Architecture('', ('x',))]", "name must be a non-empty string"),
     "raises": ("1 / 0", "lensadapters_architectures\\(\\) raised ZeroDivisionError"),
@@ -151,7 +162,9 @@ DECLARATIONS = {
 def test_malformed_declarations_are_refused_at_registration_and_never_veto_a_model(installed, kind: str) -> None:
     """The plugin also implements ``validate`` refusing every model: once refused, it must take no part in a wrap."""
     expression, message = DECLARATIONS[kind]
-    installed(kind, f"""
+    installed(
+        kind,
+        f"""
         from lensadapters import Architecture, UnsupportedModelError, hookimpl
 
         @hookimpl
@@ -161,7 +174,8 @@ def test_malformed_declarations_are_refused_at_registration_and_never_veto_a_mod
         @hookimpl
         def lensadapters_validate(arch, model):
             raise UnsupportedModelError("vetoed by a plugin that failed to load")
-    """)
+    """,
+    )
     registry = Registry()
     with pytest.warns(PluginLoadWarning, match=f"plugin {kind!r}"):
         registry.load_entry_points()
@@ -177,11 +191,16 @@ _texts = st.one_of(st.text(max_size=6), st.sampled_from(["gpt2", "llama", ""]))
 _tuples = st.one_of(st.tuples(_texts), st.lists(_texts, max_size=3).map(tuple), _texts, st.none(), st.integers())
 
 
-@given(name=st.one_of(_texts, st.none()), model_types=_tuples, impls=_tuples,
-       version=st.one_of(st.just(""), st.just(">=4.57"), st.integers()))
+@given(
+    name=st.one_of(_texts, st.none()),
+    model_types=_tuples,
+    impls=_tuples,
+    version=st.one_of(st.just(""), st.just(">=4.57"), st.integers()),
+)
 @settings(max_examples=25, deadline=None)
-def test_any_declaration_is_either_usable_or_refused_by_name(name: Any, model_types: Any, impls: Any,
-                                                             version: Any) -> None:
+def test_any_declaration_is_either_usable_or_refused_by_name(
+    name: Any, model_types: Any, impls: Any, version: Any
+) -> None:
     arch = Architecture(name, model_types, transformers=version, attn_implementations=impls)
     plugin = _module("drawn", "")
 
@@ -206,16 +225,24 @@ def test_any_declaration_is_either_usable_or_refused_by_name(name: Any, model_ty
 
 
 def _cross_cutting(hook: str, body: str, args: str) -> types.ModuleType:
-    return _module("flaky", f"""
+    return _module(
+        "flaky",
+        f"""
         @hookimpl
         def {hook}({args}):
             {body}
-    """)
+    """,
+    )
 
 
-@pytest.mark.parametrize("hook, args", [("lensadapters_extra_sites", "arch, hooked"),
-                                        ("lensadapters_validate", "arch, model"),
-                                        ("lensadapters_resolve_model", "model")])
+@pytest.mark.parametrize(
+    "hook, args",
+    [
+        ("lensadapters_extra_sites", "arch, hooked"),
+        ("lensadapters_validate", "arch, model"),
+        ("lensadapters_resolve_model", "model"),
+    ],
+)
 def test_a_cross_cutting_plugin_that_fails_at_wrap_time_is_named_and_left_out(hook: str, args: str) -> None:
     registry = _registry(("flaky", _cross_cutting(hook, "raise KeyError('oops')", args)))
     model = _gpt2()
@@ -228,23 +255,33 @@ def test_a_cross_cutting_plugin_that_fails_at_wrap_time_is_named_and_left_out(ho
 
 
 def test_a_cross_cutting_refusal_keeps_its_type_and_names_the_plugin() -> None:
-    registry = _registry(("picky", _module("picky", """
+    registry = _registry(
+        (
+            "picky",
+            _module(
+                "picky",
+                """
         from lensadapters import UnsupportedModelError
 
         @hookimpl
         def lensadapters_validate(arch, model):
             raise UnsupportedModelError("this model has a setting I cannot represent")
-    """)))
+    """,
+            ),
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="plugin 'picky': this model has a setting"):
         HookedModel.wrap(_gpt2(), registry=registry)
 
 
 def test_a_failing_weight_hook_is_named_when_the_weight_is_read() -> None:
-    registry = _registry(("broken_weights", _cross_cutting("lensadapters_linear_weight", "return 1 / 0",
-                                                           "module, read")))
+    registry = _registry(
+        ("broken_weights", _cross_cutting("lensadapters_linear_weight", "return 1 / 0", "module, read"))
+    )
     hm = HookedModel.wrap(_gpt2(), registry=registry)
-    with pytest.raises(PluginError, match="plugin 'broken_weights' failed in lensadapters_linear_weight: "
-                                          "ZeroDivisionError") as info:
+    with pytest.raises(
+        PluginError, match="plugin 'broken_weights' failed in lensadapters_linear_weight: ZeroDivisionError"
+    ) as info:
         _ = hm.W_Q
     assert isinstance(info.value.__cause__, ZeroDivisionError) and info.value.plugin == "broken_weights"
     hm.unwrap()
@@ -252,8 +289,9 @@ def test_a_failing_weight_hook_is_named_when_the_weight_is_read() -> None:
 
 @given(scale=st.sampled_from([0.0, 2.0]), transpose=st.booleans(), bias=st.sampled_from(["keep", "drop", "bad"]))
 @settings(max_examples=6, deadline=None)
-def test_a_cross_cutting_plugin_supplying_weights_is_named_and_its_shapes_checked(scale: float, transpose: bool,
-                                                                                  bias: str) -> None:
+def test_a_cross_cutting_plugin_supplying_weights_is_named_and_its_shapes_checked(
+    scale: float, transpose: bool, bias: str
+) -> None:
     """A cross-cutting plugin answering ``lensadapters_linear_weight`` for modules another plugin reads: the
     warning names both and the one used; a weight of the wrong shape is refused naming the plugin."""
     from lensadapters import LinearWeight
@@ -292,13 +330,21 @@ def test_a_cross_cutting_plugin_supplying_weights_is_named_and_its_shapes_checke
 
 
 def test_an_override_of_the_wrong_shape_is_refused_naming_the_plugin() -> None:
-    registry = _registry(("shapes", _module("shapes", """
+    registry = _registry(
+        (
+            "shapes",
+            _module(
+                "shapes",
+                """
         import torch
 
         @hookimpl
         def lensadapters_weight(arch, hooked, name):
             return torch.zeros(3) if name == "W_E" else None
-    """)))
+    """,
+            ),
+        )
+    )
     hm = HookedModel.wrap(_gpt2(), registry=registry)
     with pytest.raises(PluginValidationError, match=r"plugin 'shapes' returned W_E of shape \(3,\).* \(32, 16\)"):
         _ = hm.W_E
@@ -322,17 +368,30 @@ def _architecture_plugin(**overrides: Any) -> types.ModuleType:
 def test_an_architecture_plugin_missing_a_required_hook_is_named() -> None:
     registry = Registry()
     registry.register(_architecture_plugin(lensadapters_mlp_act=None), "incomplete")
-    with pytest.raises(PluginValidationError, match="plugin 'incomplete' declares architectures but does not "
-                                                    "implement lensadapters_mlp_act"):
+    with pytest.raises(
+        PluginValidationError,
+        match="plugin 'incomplete' declares architectures but does not implement lensadapters_mlp_act",
+    ):
         HookedModel.wrap(_gpt2(), registry=registry)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("ln1", "ln_one", r"BlockLayout.ln1='ln_one' \(a path from block 0, .*no 'ln_one' under the top level .*"
-                      r"closest names there: .*ln_1"),
-    ("o_proj", "attn.c_prj", r"BlockLayout.o_proj='attn.c_prj'.*no 'c_prj' under attn .*closest names there: c_proj"),
-    ("mlp", 3, r"BlockLayout.mlp must be a dotted module path \(a string\), not 3"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "ln1",
+            "ln_one",
+            r"BlockLayout.ln1='ln_one' \(a path from block 0, .*no 'ln_one' under the top level .*"
+            r"closest names there: .*ln_1",
+        ),
+        (
+            "o_proj",
+            "attn.c_prj",
+            r"BlockLayout.o_proj='attn.c_prj'.*no 'c_prj' under attn .*closest names there: c_proj",
+        ),
+        ("mlp", 3, r"BlockLayout.mlp must be a dotted module path \(a string\), not 3"),
+    ],
+)
 def test_a_layout_path_that_does_not_exist_is_named_with_the_plugin(field: str, value: Any, message: str) -> None:
     import dataclasses
 
@@ -368,8 +427,10 @@ def test_an_architecture_hook_that_raises_or_returns_nothing_is_named() -> None:
         HookedModel.wrap(_gpt2(), registry=registry)
 
 
-@pytest.mark.parametrize("value, disabled", [("1", True), ("yes", True), ("0", False), ("false", False),
-                                             ("False", False), ("", False), ("off", False)])
+@pytest.mark.parametrize(
+    "value, disabled",
+    [("1", True), ("yes", True), ("0", False), ("false", False), ("False", False), ("", False), ("off", False)],
+)
 def test_autoload_switch_and_the_unsupported_model_error(monkeypatch, value: str, disabled: bool) -> None:
     from lensadapters import registry as registry_module
 
@@ -389,18 +450,26 @@ def test_autoload_switch_and_the_unsupported_model_error(monkeypatch, value: str
 
 def test_the_readme_documents_the_autoload_switch() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index(DISABLE_AUTOLOAD_ENV) - 600: readme.index(DISABLE_AUTOLOAD_ENV) + 600]
+    section = readme[readme.index(DISABLE_AUTOLOAD_ENV) - 600 : readme.index(DISABLE_AUTOLOAD_ENV) + 600]
     assert "arbitrary code" in section and "`0`" in section
 
 
 def test_errors_of_one_wrap_do_not_leave_the_model_wrapped() -> None:
-    registry = _registry(("picky", _module("picky2", """
+    registry = _registry(
+        (
+            "picky",
+            _module(
+                "picky2",
+                """
         from lensadapters import UnsupportedModelError
 
         @hookimpl
         def lensadapters_validate(arch, model):
             raise UnsupportedModelError("no")
-    """)))
+    """,
+            ),
+        )
+    )
     model = _gpt2()
     with pytest.raises(LensAdaptersError):
         HookedModel.wrap(model, registry=registry)

@@ -25,11 +25,31 @@ LAYERS = 3
 
 def tiny_config(kind: str, layers: int = LAYERS, heads: int = 4) -> Any:
     if kind == "gpt2":
-        return GPT2Config(n_layer=layers, n_embd=32, n_head=heads, vocab_size=96, n_positions=512,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
-    return LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=heads, num_key_value_heads=2,
-                       intermediate_size=48, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return GPT2Config(
+            n_layer=layers,
+            n_embd=32,
+            n_head=heads,
+            vocab_size=96,
+            n_positions=512,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    return LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=32,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=96,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def make_model(kind: str, **kw: Any) -> torch.nn.Module:
@@ -44,8 +64,13 @@ def make_model(kind: str, **kw: Any) -> torch.nn.Module:
 def offload_map(kind: str) -> dict[str, str]:
     """Layer 0 on CPU, layers 1.. on disk; everything else on CPU."""
     if kind == "gpt2":
-        top = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-               "transformer.ln_f": "cpu", "lm_head": "cpu"}
+        top = {
+            "transformer.wte": "cpu",
+            "transformer.wpe": "cpu",
+            "transformer.drop": "cpu",
+            "transformer.ln_f": "cpu",
+            "lm_head": "cpu",
+        }
         layer = "transformer.h.{}"
     else:
         top = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
@@ -64,8 +89,12 @@ def pair(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, torch.nn.M
     plain = make_model(kind)
     plain.save_pretrained(tmp_path / "model")
     offloaded = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "model", device_map=offload_map(kind), offload_folder=str(tmp_path / "offload"),
-        attn_implementation="sdpa", dtype=torch.float32).eval()
+        tmp_path / "model",
+        device_map=offload_map(kind),
+        offload_folder=str(tmp_path / "offload"),
+        attn_implementation="sdpa",
+        dtype=torch.float32,
+    ).eval()
     return kind, plain, offloaded
 
 
@@ -87,8 +116,12 @@ def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
         _, ref_cache = ref.run_with_cache(ids)
         assert_close(logits, raw, "logits with every hook point cached")  # patterns: explicit attention
         last = LAYERS - 1
-        for name in (f"blocks.{last}.hook_resid_post", f"blocks.{last}.attn.hook_pattern",
-                     f"blocks.{last}.attn.hook_z", f"blocks.{last}.mlp.hook_post"):
+        for name in (
+            f"blocks.{last}.hook_resid_post",
+            f"blocks.{last}.attn.hook_pattern",
+            f"blocks.{last}.attn.hook_z",
+            f"blocks.{last}.mlp.hook_post",
+        ):
             assert name in cache
             assert_close(cache[name], ref_cache[name], name)
 
@@ -104,12 +137,14 @@ def test_offloaded_model_hooks_caches_and_edits(pair: Any) -> None:
         bump = torch.randn(32, generator=torch.Generator().manual_seed(4))
         # points computed from an offloaded layer's weights after its forward (accelerate has put them back on
         # the meta device by then): per-head results, norm edits
-        for name, fn in ((f"blocks.{last}.attn.hook_z", ablate_head),
-                         (f"blocks.{last}.attn.hook_result", lambda t, hook: t * 1.5),
-                         (f"blocks.{last}.ln1.hook_normalized", lambda t, hook: t * 1.5),
-                         (f"blocks.{last}.ln2.hook_scale", lambda t, hook: t * 2),
-                         ("blocks.1.attn.hook_pattern", scale_pattern),
-                         ("blocks.1.hook_resid_mid", lambda t, hook: t + bump)):  # not a constant: LN removes those
+        for name, fn in (
+            (f"blocks.{last}.attn.hook_z", ablate_head),
+            (f"blocks.{last}.attn.hook_result", lambda t, hook: t * 1.5),
+            (f"blocks.{last}.ln1.hook_normalized", lambda t, hook: t * 1.5),
+            (f"blocks.{last}.ln2.hook_scale", lambda t, hook: t * 2),
+            ("blocks.1.attn.hook_pattern", scale_pattern),
+            ("blocks.1.hook_resid_mid", lambda t, hook: t + bump),
+        ):  # not a constant: LN removes those
             edited = hm.run_with_hooks(ids, fwd_hooks=[(name, fn)])
             expected = ref.run_with_hooks(ids, fwd_hooks=[(name, fn)])
             assert (edited - raw).abs().max() > 1e-3, f"edit of {name} had no effect"
@@ -155,8 +190,9 @@ def test_cache_device_moves_tensors_as_recorded(kind: str) -> None:
         done = hm.hf_model.register_forward_hook(lambda module, args, out: finished.__setitem__(0, True))
         torch.Tensor.to = spying_to
         try:
-            logits, cache = hm.run_with_cache(ids, names_filter=[name, "blocks.1.attn.hook_pattern"],
-                                              device=torch.device("cpu"))
+            logits, cache = hm.run_with_cache(
+                ids, names_filter=[name, "blocks.1.attn.hook_pattern"], device=torch.device("cpu")
+            )
         finally:
             torch.Tensor.to = real_to
             done.remove()

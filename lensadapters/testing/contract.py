@@ -61,8 +61,10 @@ from .strategies import Inputs, token_inputs
 ATOL = 1e-4
 RTOL = 1e-4
 # each plugin subclass runs the inherited tests (differing executors by design)
-_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                          HealthCheck.differing_executors])
+_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
@@ -131,11 +133,27 @@ class Capabilities:
 
 
 #: hook points every block has, whatever the architecture
-_BLOCK_POINTS = ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k",
-                 "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result",
-                 "hook_attn_out", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
-_STRATUM_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                               HealthCheck.differing_executors])
+_BLOCK_POINTS = (
+    "hook_resid_pre",
+    "ln1.hook_scale",
+    "ln1.hook_normalized",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+    "attn.hook_result",
+    "hook_attn_out",
+    "mlp.hook_pre",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+_STRATUM_SETTINGS = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
 
 
 def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
@@ -151,8 +169,10 @@ def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
             self._stratum = None
 
     body.__name__ = body.__qualname__ = name  # (also gives each its own derandomized examples)
-    body.__doc__ = (f"``{prop}`` on configs of the stratum {stratum!r} only (``config_strata``): covered on every "
-                    f"run, whatever ``configs()`` happens to draw.")
+    body.__doc__ = (
+        f"``{prop}`` on configs of the stratum {stratum!r} only (``config_strata``): covered on every "
+        f"run, whatever ``configs()`` happens to draw."
+    )
     test = settings(max_examples=examples, **_STRATUM_SETTINGS)(given(data=st.data())(body))
     test._lensadapters_stratum = (prop, stratum, examples)
     return test
@@ -186,8 +206,10 @@ class AdapterContract:
             slug = re.sub(r"\W+", "_", stratum).strip("_")
             for prop in properties:
                 if not hasattr(getattr(cls, prop, None), "hypothesis"):
-                    raise TypeError(f"{cls.__name__}.config_strata[{stratum!r}] names {prop!r}, which is not a "
-                                    f"property of the contract (a Hypothesis test method)")
+                    raise TypeError(
+                        f"{cls.__name__}.config_strata[{stratum!r}] names {prop!r}, which is not a "
+                        f"property of the contract (a Hypothesis test method)"
+                    )
                 wanted[f"{prop}__{slug}"] = (prop, stratum, examples)
         for name in dir(cls):  # generated for a base class's strata that this class does not declare
             if getattr(getattr(cls, name, None), "_lensadapters_stratum", None) is not None and name not in wanted:
@@ -248,8 +270,9 @@ class AdapterContract:
     def wrap(self, model: torch.nn.Module) -> HookedModel:
         return HookedModel.wrap(model, registry=self.registry())
 
-    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
-             ) -> tuple[torch.nn.Module, Inputs]:
+    def draw(
+        self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
+    ) -> tuple[torch.nn.Module, Inputs]:
         """A model and inputs; ``attn_implementation`` defaults to the first of ``attn_implementations``."""
         attn_implementation = attn_implementation or self.attn_implementations[0]
         config = self.draw_config(data)
@@ -295,7 +318,8 @@ class AdapterContract:
         if declared.learned_positions is not None:
             assert ("hook_pos_embed" in names) == declared.learned_positions, (
                 f"learned_positions={declared.learned_positions}, but hook_pos_embed is "
-                f"{'present' if 'hook_pos_embed' in names else 'missing'}")
+                f"{'present' if 'hook_pos_embed' in names else 'missing'}"
+            )
             if declared.learned_positions:
                 assert cfg.positional_embedding_type == "standard", cfg.positional_embedding_type
                 assert hm.W_pos.ndim == 2 and hm.W_pos.shape[1] == cfg.d_model, tuple(hm.W_pos.shape)
@@ -304,7 +328,9 @@ class AdapterContract:
             rotary_points = points("attn.hook_rot_q", "attn.hook_rot_k")
             present = [n for n in rotary_points if n in names]
             if declared.rotary:
-                assert present == rotary_points, f"rotary=True, but missing: {sorted(set(rotary_points) - set(present))}"
+                assert present == rotary_points, (
+                    f"rotary=True, but missing: {sorted(set(rotary_points) - set(present))}"
+                )
                 assert cfg.positional_embedding_type == "rotary", cfg.positional_embedding_type
                 assert cfg.rotary_dim is not None and 0 < cfg.rotary_dim <= cfg.d_head, (cfg.rotary_dim, cfg.d_head)
                 for i in blocks:
@@ -318,7 +344,9 @@ class AdapterContract:
             present = [n for n in gated_points if n in names]
             assert cfg.gated_mlp == declared.gated_mlp, f"gated_mlp={declared.gated_mlp}, cfg.gated_mlp={cfg.gated_mlp}"
             if declared.gated_mlp:
-                assert present == gated_points, f"gated_mlp=True, but missing: {sorted(set(gated_points) - set(present))}"
+                assert present == gated_points, (
+                    f"gated_mlp=True, but missing: {sorted(set(gated_points) - set(present))}"
+                )
                 assert hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp), tuple(hm.W_gate.shape)
                 for i in blocks:
                     shapes[f"blocks.{i}.mlp.hook_pre_linear"] = (f"blocks.{i}.mlp.hook_pre",)
@@ -327,7 +355,8 @@ class AdapterContract:
         if declared.parallel_blocks is not None:
             mid = [n for n in points("hook_resid_mid") if n in names]
             assert cfg.parallel_attn_mlp == declared.parallel_blocks, (
-                f"parallel_blocks={declared.parallel_blocks}, cfg.parallel_attn_mlp={cfg.parallel_attn_mlp}")
+                f"parallel_blocks={declared.parallel_blocks}, cfg.parallel_attn_mlp={cfg.parallel_attn_mlp}"
+            )
             assert [layout.parallel for layout in hm.block_layouts] == [declared.parallel_blocks] * cfg.n_layers
             if declared.parallel_blocks:
                 assert not mid, f"parallel blocks have no hook_resid_mid, but the model has {mid}"
@@ -339,7 +368,8 @@ class AdapterContract:
                 _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=watched)
             for name, (like,) in shapes.items():
                 assert cache[name].shape == cache[like].shape, (
-                    f"{name} has shape {tuple(cache[name].shape)}, {like} {tuple(cache[like].shape)}")
+                    f"{name} has shape {tuple(cache[name].shape)}, {like} {tuple(cache[like].shape)}"
+                )
         hm.unwrap()
 
     # --- 1. no hooks: bitwise ----------------------------------------------------------------------
@@ -402,8 +432,11 @@ class AdapterContract:
             pattern = cache["pattern", layer]
             assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
             rows = valid[:, None, :, None].expand_as(pattern)
-            assert_close(pattern[rows.expand_as(pattern)], reference[layer][rows.expand_as(pattern)],
-                         f"layer {layer} pattern vs HF eager")
+            assert_close(
+                pattern[rows.expand_as(pattern)],
+                reference[layer][rows.expand_as(pattern)],
+                f"layer {layer} pattern vs HF eager",
+            )
             sums = pattern.sum(-1)[valid[:, None, :].expand(-1, hm.cfg.n_heads, -1)]
             assert_close(sums, torch.ones_like(sums), "pattern rows sum to 1")
             # a padding query (no key to attend to) is whatever the implementation makes of an empty row (eager
@@ -468,7 +501,9 @@ class AdapterContract:
                     attn_in = self._norm_out(hm, cache, f"blocks.{i}.ln1", block.get_submodule(layout.ln1))
                 for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
                     expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
-                    assert_close(cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}")
+                    assert_close(
+                        cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}"
+                    )
                 expected = torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i]
                 assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O")
                 if layout.ln2 is not None or layout.parallel:
@@ -480,12 +515,16 @@ class AdapterContract:
                         mlp_in = self._norm_out(hm, cache, f"blocks.{i}.ln2", block.get_submodule(layout.ln2))
                     if gated:
                         assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
-                        assert_close(cache["pre_linear", i][v], (mlp_in @ W_in[i] + b_in[i])[v],
-                                     f"layer {i} hook_pre_linear")
+                        assert_close(
+                            cache["pre_linear", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre_linear"
+                        )
                     else:
                         assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
-                assert_close(cache["mlp_out", i][v], (cache["post", i] @ W_out[i] + b_out[i])[v],
-                             f"layer {i} hook_mlp_out == post @ W_out + b_out")
+                assert_close(
+                    cache["mlp_out", i][v],
+                    (cache["post", i] @ W_out[i] + b_out[i])[v],
+                    f"layer {i} hook_mlp_out == post @ W_out + b_out",
+                )
                 if i + 1 < hm.cfg.n_layers:
                     assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
                 if self.pre_ln_residual(model):
@@ -493,14 +532,20 @@ class AdapterContract:
                         assert_close(cache["resid_mid", i], cache["resid_pre", i] + cache["attn_out", i], "resid_mid")
                         assert_close(cache["resid_post", i], cache["resid_mid", i] + cache["mlp_out", i], "resid_post")
                     else:
-                        assert_close(cache["resid_post", i],
-                                     cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i], "parallel")
+                        assert_close(
+                            cache["resid_post", i],
+                            cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i],
+                            "parallel",
+                        )
             assert_close(cache["embed"][v], hm.W_E[inputs.input_ids][v], "hook_embed == W_E[tokens]")
             if "hook_pos_embed" in names:
                 full = ~(~v).any(-1)  # unpadded rows: positions 0 .. p-1 whatever the model derives them from
                 length = inputs.input_ids.shape[1]
-                assert_close(cache["pos_embed"][full], hm.W_pos[:length].expand(int(full.sum()), -1, -1),
-                             "hook_pos_embed == W_pos[positions]")
+                assert_close(
+                    cache["pos_embed"][full],
+                    hm.W_pos[:length].expand(int(full.sum()), -1, -1),
+                    "hook_pos_embed == W_pos[positions]",
+                )
             embed = cache["embed"] + (cache["pos_embed"] if "hook_pos_embed" in names else 0)
             if self.pre_ln_residual(model):
                 assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
@@ -552,7 +597,8 @@ class AdapterContract:
                     finite = torch.isfinite(a) & torch.isfinite(b)
                     changed = (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
                     assert changed > 1e-5 or bool((torch.isfinite(a) != torch.isfinite(b)).any()), (
-                        f"editing {name} changed neither the logits (max change {diff:.2g}) nor {witness}")
+                        f"editing {name} changed neither the logits (max change {diff:.2g}) nor {witness}"
+                    )
                     continue
                 assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
         hm.unwrap()
@@ -604,6 +650,7 @@ class AdapterContract:
 
             ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)])
             subtracted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_attn_out", subtract)])
+
             # hook_result agrees: dropping one head's result is the same edit
             def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
                 result = result.clone()
@@ -624,8 +671,18 @@ class AdapterContract:
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         pre = f"blocks.{layer}."
         names = set(hm.hook_names)
-        watch = [pre + n for n in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
-                                   "hook_mlp_out", "hook_resid_post") if pre + n in names]
+        watch = [
+            pre + n
+            for n in (
+                "hook_resid_pre",
+                "hook_attn_out",
+                "hook_resid_mid",
+                "hook_mlp_in",
+                "hook_mlp_out",
+                "hook_resid_post",
+            )
+            if pre + n in names
+        ]
         delta = torch.randn(inputs.input_ids.shape + (hm.cfg.d_model,), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
@@ -639,16 +696,23 @@ class AdapterContract:
                 mid = base["resid_mid", layer] + delta
                 assert_close(edited["resid_mid", layer], mid, "edited resid_mid is seen")
                 assert_close(edited["mlp_in", layer], mid, "resid_mid edit reaches the MLP input")
-                assert_close(edited["resid_post", layer], mid + edited["mlp_out", layer],
-                             "resid_mid edit reaches the residual")
+                assert_close(
+                    edited["resid_post", layer], mid + edited["mlp_out", layer], "resid_mid edit reaches the residual"
+                )
             if pre + "hook_mlp_in" in names and self.pre_ln_residual(model):
                 with hm.hooks([(pre + "hook_mlp_in", add)]):
                     _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
                 assert not close(edited["mlp_out", layer], base["mlp_out", layer]), "mlp_in edit ignored"
-                resid = (base["resid_mid", layer] if pre + "hook_resid_mid" in names
-                         else base["resid_pre", layer] + base["attn_out", layer])
-                assert_close(edited["resid_post", layer], resid + edited["mlp_out", layer],
-                             "mlp_in edit changes only the MLP branch")
+                resid = (
+                    base["resid_mid", layer]
+                    if pre + "hook_resid_mid" in names
+                    else base["resid_pre", layer] + base["attn_out", layer]
+                )
+                assert_close(
+                    edited["resid_post", layer],
+                    resid + edited["mlp_out", layer],
+                    "mlp_in edit changes only the MLP branch",
+                )
             if pre + "hook_resid_mid" not in names and hm.block_layouts[layer].parallel:
                 # parallel block: an attention edit does not reach the MLP of the same block
                 with hm.hooks([(pre + "hook_attn_out", add)]):
@@ -664,11 +728,16 @@ class AdapterContract:
     def test_norm_scale_edit_is_used(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         hm = self.wrap(model)
-        norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
-                         label="norm")
-        module = (hm.hf_model.get_submodule(hm.layout.ln_final) if norm == "ln_final"
-                  else hm.block_modules[int(norm.split(".")[1])].get_submodule(
-                      getattr(hm.block_layouts[int(norm.split(".")[1])], norm.split(".")[2])))
+        norm = data.draw(
+            st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]), label="norm"
+        )
+        module = (
+            hm.hf_model.get_submodule(hm.layout.ln_final)
+            if norm == "ln_final"
+            else hm.block_modules[int(norm.split(".")[1])].get_submodule(
+                getattr(hm.block_layouts[int(norm.split(".")[1])], norm.split(".")[2])
+            )
+        )
         spec = hm.norm_spec(module)
         names = [norm + ".hook_normalized"]
         with torch.no_grad():
@@ -734,6 +803,7 @@ class AdapterContract:
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[scores])
             for point, position, axis in sides:
+
                 def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
                     t = t.clone()
                     t[:, position] = perturb(t[:, position], hook)
@@ -748,10 +818,12 @@ class AdapterContract:
                 changed[finite] = (a[finite] - b[finite]).abs() > 1e-5 * (1 + a[finite].abs())
                 line = changed.select(axis, position)
                 assert not changed.index_fill(axis, torch.tensor([position]), False).any(), (
-                    f"editing {point} at position {position} changed scores outside that {'row' if axis == -2 else 'column'}")
+                    f"editing {point} at position {position} changed scores outside that {'row' if axis == -2 else 'column'}"
+                )
                 assert int(line.sum(-1).max()) == last + 1, (
                     f"editing {point} at position {position} did not change its whole "
-                    f"{'row' if axis == -2 else 'column'} of scores")
+                    f"{'row' if axis == -2 else 'column'} of scores"
+                )
         hm.unwrap()
 
     # --- 6. generation -------------------------------------------------------------------------------
@@ -761,8 +833,13 @@ class AdapterContract:
     def test_generation_with_hooks_matches(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         pad = getattr(model.config, "pad_token_id", None)
-        kwargs = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=pad if pad is not None else 0)
+        kwargs = dict(
+            max_new_tokens=3,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad if pad is not None else 0,
+        )
         impl = model.config._attn_implementation
         with torch.no_grad():
             reference = model.generate(**inputs.kwargs(), **kwargs)
@@ -772,14 +849,19 @@ class AdapterContract:
             def record(t: torch.Tensor, hook: Any) -> None:
                 shapes.append(t.shape[1])
 
-            hooks = [(lambda n: n.endswith(("hook_resid_post", "hook_pattern", "hook_q")), lambda t, hook: t.clone()),
-                     ("blocks.0.hook_resid_pre", record)]
+            hooks = [
+                (lambda n: n.endswith(("hook_resid_post", "hook_pattern", "hook_q")), lambda t, hook: t.clone()),
+                ("blocks.0.hook_resid_pre", record),
+            ]
             with hm.hooks(hooks):
                 hooked = hm.generate(**inputs.kwargs(), **kwargs)
         assert shapes[0] == inputs.input_ids.shape[1] and all(s == 1 for s in shapes[1:]), shapes
         for step, (a, b) in enumerate(zip(reference.logits, hooked.logits)):
             assert_close(a, b, f"step {step} logits with hooks", atol=1e-3)
-            ta, tb = reference.sequences[:, inputs.input_ids.shape[1] + step], hooked.sequences[:, inputs.input_ids.shape[1] + step]
+            ta, tb = (
+                reference.sequences[:, inputs.input_ids.shape[1] + step],
+                hooked.sequences[:, inputs.input_ids.shape[1] + step],
+            )
             if not torch.equal(ta, tb):  # a near-tie may flip; later steps are no longer comparable
                 break
         assert model.config._attn_implementation == impl
@@ -795,9 +877,18 @@ class AdapterContract:
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         rotary = f"blocks.{layer}.attn.hook_rot_k" in hm.hook_names
-        point = f"blocks.{layer}." + data.draw(st.sampled_from(
-            ["hook_resid_post", "attn.hook_v", "attn.hook_rot_k" if rotary else "attn.hook_k", "attn.hook_pattern",
-             "mlp.hook_post"]), label="point")
+        point = f"blocks.{layer}." + data.draw(
+            st.sampled_from(
+                [
+                    "hook_resid_post",
+                    "attn.hook_v",
+                    "attn.hook_rot_k" if rotary else "attn.hook_k",
+                    "attn.hook_pattern",
+                    "mlp.hook_post",
+                ]
+            ),
+            label="point",
+        )
         bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(layer))
 
         def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:  # the same at every position
@@ -805,8 +896,14 @@ class AdapterContract:
 
         pad = getattr(model.config, "pad_token_id", None)
         steps = 3
-        kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=pad if pad is not None else 0)
+        kwargs = dict(
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad if pad is not None else 0,
+        )
         prompt = inputs.input_ids.shape[1]
         with torch.no_grad():
             with hm.hooks([(point, edit)]):
@@ -821,7 +918,7 @@ class AdapterContract:
             assert_close(logits, expected, f"{point} edit: step {step} vs one pass", atol=atol)
         hm.unwrap()
         # an edit too weak to tell apart from rounding proves nothing: such examples do not count
-        assume((one_pass - unedited)[:, prompt - 1:].abs().max().item() > 4 * atol)
+        assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
 
     def generation_atol(self, logits: torch.Tensor) -> float:
         """Tolerance between a KV-cache decoding step and a one-pass forward over the same tokens."""
@@ -847,8 +944,10 @@ class AdapterContract:
                 raise RuntimeError("user hook failed")
 
             with pytest.raises(RuntimeError, match="user hook failed"):
-                hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[("blocks.0.attn.hook_pattern", boom),
-                                                                 (lambda n: True, lambda t, hook: t.clone())])
+                hm.run_with_hooks(
+                    **inputs.kwargs(),
+                    fwd_hooks=[("blocks.0.attn.hook_pattern", boom), (lambda n: True, lambda t, hook: t.clone())],
+                )
             assert _hook_counts(model) == baseline_hooks, "a failing hook left PyTorch hooks behind"
             assert _instance_attributes(model) == attributes, "a failing hook left instance attributes behind"
             assert model.config._attn_implementation == impl

@@ -98,7 +98,8 @@ def _check(x: Tensor, cos: Tensor, rotary_dim: int) -> int:
     if r != rotary_dim or r > x.shape[-1]:
         raise RuntimeError(
             f"GPT-J's sin/cos table covers {r} dimensions, but the plugin expected rotary_dim={rotary_dim} "
-            f"(heads of size {x.shape[-1]}); the model's layout differs from its config")
+            f"(heads of size {x.shape[-1]}); the model's layout differs from its config"
+        )
     return r
 
 
@@ -173,20 +174,36 @@ class GPTJPatternBackend:
                 f"layer {layer}: hook_attn_scores/hook_pattern need GPT-J's eager attention, which computes "
                 f"patterns in GPTJAttention._attn; this model's attention is {type(module).__name__} (attention "
                 f"implementation {getattr(module.config, '_attn_implementation', '?')!r}). Load the model with "
-                f"attn_implementation='eager' to hook patterns; every other hook point works as it is.")
+                f"attn_implementation='eager' to hook patterns; every other hook point works as it is."
+            )
         if "_attn" in vars(module):
             raise LensAdaptersError(
                 f"layer {layer}: the attention module already has an instance attribute '_attn' (another tool "
-                f"replaced its attention for this instance); lensadapters will not override it")
+                f"replaced its attention for this instance); lensadapters will not override it"
+            )
         scores_point, pattern_point = site.scores, site.pattern
 
-        def _attn(query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor] = None,
-                  head_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        def _attn(
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            attention_mask: Optional[Tensor] = None,
+            head_mask: Optional[Tensor] = None,
+        ) -> tuple[Tensor, Tensor]:
             from lensadapters.attention import explicit_attention
 
             out, pattern = explicit_attention(
-                module, query, key, value, attention_mask, scores_fn=_gptj_scores, scores_point=scores_point,
-                pattern_point=pattern_point, dropout=module.attn_dropout.p, head_mask=head_mask)
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scores_fn=_gptj_scores,
+                scores_point=scores_point,
+                pattern_point=pattern_point,
+                dropout=module.attn_dropout.p,
+                head_mask=head_mask,
+            )
             return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
 
         override = InstanceOverride(_attn, module, "_attn")  # a copy of the model gets GPT-J's own _attn back
@@ -227,36 +244,57 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
     for attr in ("wte", "h", "ln_f"):
         if not hasattr(base, attr):
             raise UnsupportedModelError(
-                f"this GPT-J model has no {attr!r} module: its layout differs from transformers' GPTJModel")
+                f"this GPT-J model has no {attr!r} module: its layout differs from transformers' GPTJModel"
+            )
     for i, block in enumerate(base.h):
         for name, cls in (("", hf.GPTJBlock), ("attn", hf.GPTJAttention), ("mlp", hf.GPTJMLP)):
             module = block.get_submodule(name) if name else block
             if not isinstance(module, cls):
                 raise UnsupportedModelError(
-                    f"layer {i}: expected a transformers {cls.__name__}, found {type(module).__name__}")
+                    f"layer {i}: expected a transformers {cls.__name__}, found {type(module).__name__}"
+                )
         if not isinstance(block.ln_1, nn.LayerNorm) or hasattr(block, "ln_2"):
             raise UnsupportedModelError(f"layer {i}: expected one shared nn.LayerNorm ln_1 and no ln_2")
         if type(block).forward is not hf.GPTJBlock.forward or type(block.mlp).forward is not hf.GPTJMLP.forward:
-            warnings.warn(f"layer {i}: {type(block).__name__} overrides transformers' GPT-J forward; hook points "
-                          f"may not mean what their names say", stacklevel=2)
+            warnings.warn(
+                f"layer {i}: {type(block).__name__} overrides transformers' GPT-J forward; hook points "
+                f"may not mean what their names say",
+                stacklevel=2,
+            )
         table = getattr(block.attn, "embed_positions", None)
         if table is None or table.shape[-1] != r:
             raise UnsupportedModelError(
                 f"layer {i}: the attention's sin/cos table has {None if table is None else table.shape[-1]} "
-                f"columns, not rotary_dim={r}" + (" (transformers builds it n_embd wide when rotary_dim is None, "
-                                                  "which works only with one head; set rotary_dim=d_head)"
-                                                  if c.rotary_dim is None else ""))
+                f"columns, not rotary_dim={r}"
+                + (
+                    " (transformers builds it n_embd wide when rotary_dim is None, "
+                    "which works only with one head; set rotary_dim=d_head)"
+                    if c.rotary_dim is None
+                    else ""
+                )
+            )
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=_d_head(c),
-        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
-        act_fn=c.activation_function, normalization_type="LN", positional_embedding_type="rotary",
-        model_type="gptj", rotary_dim=_rotary_dim(c), parallel_attn_mlp=True, eps=c.layer_norm_epsilon,
-        original_architecture=type(model).__name__, extra={"rotary_adjacent_pairs": True},
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        n_heads=c.n_head,
+        d_head=_d_head(c),
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn=c.activation_function,
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        model_type="gptj",
+        rotary_dim=_rotary_dim(c),
+        parallel_attn_mlp=True,
+        eps=c.layer_norm_epsilon,
+        original_architecture=type(model).__name__,
+        extra={"rotary_adjacent_pairs": True},
     )
 
 
@@ -265,8 +303,14 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     p = _prefix(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     unembed = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
-    return ModelLayout(blocks=p + "h", embed=p + "wte", ln_final=p + "ln_f", unembed=unembed,
-                       rotary=p + "h.0.attn", rotary_from_inputs=rotary_from_attention_inputs)
+    return ModelLayout(
+        blocks=p + "h",
+        embed=p + "wte",
+        ln_final=p + "ln_f",
+        unembed=unembed,
+        rotary=p + "h.0.attn",
+        rotary_from_inputs=rotary_from_attention_inputs,
+    )
 
 
 @hookimpl
@@ -276,8 +320,9 @@ def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Bloc
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    return SeparateQKV("attn.q_proj", "attn.k_proj", "attn.v_proj",
-                       rotary=rotate_every_two_spec(_rotary_dim(model.config)))
+    return SeparateQKV(
+        "attn.q_proj", "attn.k_proj", "attn.v_proj", rotary=rotate_every_two_spec(_rotary_dim(model.config))
+    )
 
 
 @hookimpl
@@ -294,5 +339,16 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> GPTJPatternBac
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import GPTJConfig
 
-    return GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=128, vocab_size=512,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPTJConfig(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        rotary_dim=8,
+        n_positions=128,
+        vocab_size=512,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )

@@ -58,8 +58,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 _ATTN_PREFIX = "lensadapters:"
 
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp")
+_BLOCK = BlockLayout(
+    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+)
 _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
@@ -75,7 +76,8 @@ def _base_path(model: nn.Module) -> str:
     raise UnsupportedModelError(
         f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) has no submodule with "
         f"`embed_tokens` and `layers`; "
-        f"lensadapters-llama supports transformers' Llama classes (LlamaForCausalLM, LlamaModel, ...)")
+        f"lensadapters-llama supports transformers' Llama classes (LlamaForCausalLM, LlamaModel, ...)"
+    )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -137,8 +139,17 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
         except AttributeError:
             missing.append(_join(base, path))
     for i, layer in enumerate(layers):
-        for path in (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS, _MLP.pre,
-                     _MLP.pre_linear, _MLP.out):
+        for path in (
+            _BLOCK.ln1,
+            _BLOCK.attn,
+            _BLOCK.o_proj,
+            _BLOCK.ln2,
+            _BLOCK.mlp,
+            *_QKV_PATHS,
+            _MLP.pre,
+            _MLP.pre_linear,
+            _MLP.out,
+        ):
             try:
                 layer.get_submodule(path)
             except AttributeError:
@@ -147,30 +158,33 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__} (model_type {config.model_type!r}) does not have transformers' Llama layout "
             f"(missing: "
-            f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-llama supports transformers' Llama classes")
+            f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-llama supports transformers' Llama classes"
+        )
     rope_type = _rope_type(model)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"Llama rope type {rope_type!r} is not supported by lensadapters-llama (supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}): hook_rot_q/hook_rot_k need a rotation known to be "
-            f"rotate-half RoPE on the (cos, sin) of model.rotary_emb")
+            f"rotate-half RoPE on the (cos, sin) of model.rotary_emb"
+        )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl.startswith(_ATTN_PREFIX):
-        impl = impl[len(_ATTN_PREFIX):]
+        impl = impl[len(_ATTN_PREFIX) :]
     if impl not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"attention implementation {impl!r} is not supported by lensadapters-llama (supported: "
             f"{', '.join(SUPPORTED_ATTENTION)}; flash and flex attention are untested and pass masks that "
-            f"hook_pattern cannot read). Call model.set_attn_implementation('sdpa') before wrapping")
+            f"hook_pattern cannot read). Call model.set_attn_implementation('sdpa') before wrapping"
+        )
     n_heads, n_kv = config.num_attention_heads, _n_kv_heads(config)
     if n_heads % n_kv:
-        raise UnsupportedModelError(
-            f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
     head_dim = _head_dim(config)
     q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
     if isinstance(q_out, int) and q_out != n_heads * head_dim:
         raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim}")
+            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim}"
+        )
 
 
 @hookimpl
@@ -178,23 +192,42 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
     head_dim = _head_dim(c)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="llama",
-        n_key_value_heads=_n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=head_dim,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type="llama",
+        n_key_value_heads=_n_kv_heads(c),
+        rotary_dim=head_dim,
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
         original_architecture=type(model).__name__,
-        extra={"rope_theta": _rope_theta(c), "rope_type": _rope_type(model),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
-               "attention_bias": bool(getattr(c, "attention_bias", False)),
-               "mlp_bias": bool(getattr(c, "mlp_bias", False))},
+        extra={
+            "rope_theta": _rope_theta(c),
+            "rope_type": _rope_type(model),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+            "attention_bias": bool(getattr(c, "attention_bias", False)),
+            "mlp_bias": bool(getattr(c, "mlp_bias", False)),
+        },
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     base = _base_path(model)
-    return ModelLayout(blocks=_join(base, "layers"), embed=_join(base, "embed_tokens"), ln_final=_join(base, "norm"),
-                       rotary=_join(base, "rotary_emb"), unembed=_unembed_path(model))
+    return ModelLayout(
+        blocks=_join(base, "layers"),
+        embed=_join(base, "embed_tokens"),
+        ln_final=_join(base, "norm"),
+        rotary=_join(base, "rotary_emb"),
+        unembed=_unembed_path(model),
+    )
 
 
 @hookimpl
@@ -223,13 +256,36 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import LlamaConfig
 
     rng = random.Random(seed)
-    layers, (heads, kv_heads), llama3, tied = (2, (4, 2), True, True) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.random() < 0.5, rng.random() < 0.5)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    layers, (heads, kv_heads), llama3, tied = (
+        (2, (4, 2), True, True)
+        if seed == 0
+        else (
+            rng.choice([1, 2, 3]),
+            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
+            rng.random() < 0.5,
+            rng.random() < 0.5,
+        )
+    )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     return LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, rope_theta=500000.0 if llama3 else 10000.0, rope_scaling=scaling if llama3 else None,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        rope_theta=500000.0 if llama3 else 10000.0,
+        rope_scaling=scaling if llama3 else None,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )

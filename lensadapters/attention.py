@@ -63,7 +63,7 @@ def attention_key(original: str) -> str:
         entry = _ACTIVE.get(module)
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
-        if entry is None or not (entry[2].scores.has_live_hooks() or entry[2].pattern.has_live_hooks()):
+        if entry is None or not _site_is_live(entry[2]):
             fn = _DELEGATES.get(module) or _original_function(original, module)
             return fn(module, query, key_, value, attention_mask, *args, **kwargs)
         backend, layer, site = entry
@@ -75,6 +75,16 @@ def attention_key(original: str) -> str:
         mask_interface.register(key, mask_fn)
     _REGISTERED.add(key)
     return key
+
+
+def _site_is_live(site: Any) -> bool:
+    """Whether a hooked layer's site has a hook that runs in the forward executing now: its own ``is_live()`` when
+    it has one (a site serving more than scores and patterns through the attention function), else its score or
+    pattern point's."""
+    is_live = getattr(site, "is_live", None)
+    if is_live is not None:
+        return bool(is_live())
+    return site.scores.has_live_hooks() or site.pattern.has_live_hooks()
 
 
 class _MaskInfo:

@@ -4,7 +4,9 @@
 It is built once per ``HookedModel.wrap``, in three phases:
 
 1. **Points.** From the plugin's description (``ModelLayout``, one ``BlockLayout``/``QKVLayout``/``MLPLayout``
-   per block) the core creates every hook point it serves, in the order the points fire.
+   per block) the core creates every hook point it serves, in the order the points fire. A block whose
+   ``BlockLayout`` is ``None`` is *opaque*: the core creates no points for it, and a plugin serves whatever
+   points it can through its own sites (the generic adapter, ``lensadapters.generic``, describes every block so).
 2. **Plugins.** ``lensadapters_extra_sites`` runs: a plugin may add points (``new_point(name, after=...)``),
    take over a point the core created (``claim_point(name)``: the core then builds no hook for it) and return
    its own sites.
@@ -104,7 +106,8 @@ class Wiring:
         self.block_layouts = [hooks.lensadapters_block(arch=arch, model=hf_model, layer=i) for i in range(n)]
         self.qkv_layouts = [hooks.lensadapters_attn_qkv(arch=arch, model=hf_model, layer=i) for i in range(n)]
         self.mlp_layouts = [hooks.lensadapters_mlp_act(arch=arch, model=hf_model, layer=i) for i in range(n)]
-        self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.block_modules, self.block_layouts)]
+        self.attention_modules = [b.get_submodule(bl.attn) if bl is not None else None
+                                  for b, bl in zip(self.block_modules, self.block_layouts)]
         self.forward_state = ForwardState()
         self._points: dict[str, HookPoint] = {}
         self._claimed: dict[str, str] = {}  # point name -> the plugin serving it instead of the core
@@ -280,13 +283,15 @@ class Wiring:
 
     def _check_layouts(self) -> None:
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
+            if bl is None:  # an opaque block (see the module docstring)
+                continue
             if bl.post_norm and (bl.parallel or bl.ln2 is None):
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
                                             f"parallel (layer {i})")
             if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
                                             f"(the module whose input is hook_mlp_in) (layer {i})")
-        if any(q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
+        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
             raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
 
     def _create_points(self) -> None:
@@ -295,6 +300,8 @@ class Wiring:
         if self.layout.pos_embed:
             new("hook_pos_embed")
         for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
+            if bl is None:  # an opaque block: its plugin creates its points
+                continue
             for name in block_point_names(bl, qkv, mlp):
                 new(f"blocks.{i}.{name}")
         if self.layout.ln_final:
@@ -315,7 +322,8 @@ class Wiring:
             self.add_site(PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"),
                                             self.forward_state))
         for i in range(len(self.block_modules)):
-            self._build_block_sites(i)
+            if self.block_layouts[i] is not None:
+                self._build_block_sites(i)
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
             self.add_site(NormSite(ln_f, self._norm_spec(ln_f), self._core("ln_final.hook_scale"),
@@ -396,7 +404,7 @@ class Wiring:
 
     def _show_flat_tokens_as_batches(self) -> None:
         for i, block in enumerate(self.block_modules):
-            if self.block_layouts[i].flat_mlp:
+            if self.block_layouts[i] is not None and self.block_layouts[i].flat_mlp:
                 # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
                 block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]
                 for point in block_points:

@@ -147,6 +147,8 @@ class ModuleGuardSite(Site):
             if path:
                 self.expected.append((model, path, model.get_submodule(path)))
         for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
+            if bl is None:  # an opaque block: only the block itself is on a path
+                continue
             paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, mlp.pre, mlp.pre_linear, mlp.out]
             paths += [qkv.module] if hasattr(qkv, "module") else [qkv.q, qkv.k, qkv.v]
             for path in paths:

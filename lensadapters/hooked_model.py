@@ -83,8 +83,15 @@ class HookedModel(WeightAccessors):
         info, arch = registry.select(model_type, adapter)
         check_transformers_range(arch, info.name)
         hooks = registry.hooks_for(info)
-        hooks.lensadapters_validate(arch=arch, model=hf_model)
+        try:
+            hooks.lensadapters_validate(arch=arch, model=hf_model)
+        except UnsupportedModelError as exc:
+            if info is not registry.generic:
+                raise
+            raise UnsupportedModelError(f"{exc} {registry.describe_installed()}") from None
         hm = cls(Wiring(model, hf_model, arch, info, hooks))
+        if adapter is None and info is registry.generic:
+            _warn_generic(hm)
         impl = hm.wiring.attention_implementation()
         if impl not in arch.attn_implementations:
             warnings.warn(
@@ -315,6 +322,12 @@ class HookedModel(WeightAccessors):
     def __repr__(self) -> str:
         return (f"HookedModel({type(self.model).__name__}, adapter={self.arch.name!r}, layers={self.cfg.n_layers}, "
                 f"hook_points={len(self.hook_names)})")
+
+
+def _warn_generic(hm: HookedModel) -> None:
+    from .generic import GenericAdapterWarning, summary
+
+    warnings.warn(GenericAdapterWarning(summary(hm.wiring)), stacklevel=3)
 
 
 def _logits(out: Any) -> Any:

@@ -4,10 +4,14 @@ Plugins are found through the entry point group ``lensadapters`` and loaded one 
 that fails to import or is built for another hookspec major version produces a warning naming it,
 and the others keep working. ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD=1`` turns autoloading off (tests
 and embedders then ``register`` plugins by hand).
+
+A ``model_type`` that no registered plugin claims is served by the core's generic adapter
+(:mod:`lensadapters.generic`, also chosen by ``adapter="generic"``); it is not listed among the plugins.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -132,8 +136,16 @@ class Registry:
                     owners.setdefault(mt, []).append(info.name)
         return {mt: names for mt, names in owners.items() if len(set(names)) > 1}
 
+    @property
+    def generic(self) -> PluginInfo:
+        """The core's generic adapter, for model types no plugin claims (see :mod:`lensadapters.generic`)."""
+        return _generic_info()
+
     def select(self, model_type: str, adapter: Optional[str] = None) -> tuple[PluginInfo, Architecture]:
-        """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``)."""
+        """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``); the generic adapter
+        when no plugin claims ``model_type`` (or ``adapter="generic"``)."""
+        if adapter == self.generic.name:
+            return self.generic, self.generic.architectures[0]
         if adapter is not None:
             for info in self.architecture_plugins():
                 for arch in info.architectures:
@@ -143,10 +155,7 @@ class Registry:
                 f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
         found = self.claims(model_type)
         if not found:
-            raise UnsupportedModelError(
-                f"no lensadapters plugin supports model_type {model_type!r}. {self.describe_installed()} "
-                f"Install the plugin for it (for example `pip install lensadapters[{model_type.replace('_', '-')}]` "
-                f"when one exists) or write one: see docs/writing-a-plugin.md.")
+            return self.generic, self.generic.architectures[0]
         if len({info.name for info, _ in found}) > 1:
             names = ", ".join(f"{info.name} ({info.distribution or info.source})" for info, _ in found)
             raise PluginConflictError(
@@ -165,6 +174,8 @@ class Registry:
     def hooks_for(self, info: PluginInfo) -> "ScopedHooks":
         """Hook callers over ``info``'s plugin, the cross-cutting plugins and the core defaults."""
         others = [i.plugin for i in self.architecture_plugins() if i.plugin is not info.plugin]
+        if info.plugin is not self.generic.plugin:
+            others.append(self.generic.plugin)
         return ScopedHooks(self.pm, others)
 
 
@@ -189,7 +200,16 @@ def _new_plugin_manager() -> pluggy.PluginManager:
     from . import defaults
 
     pm.register(defaults, name="lensadapters.defaults")
+    pm.register(_generic_info().plugin, name="lensadapters.generic")
     return pm
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_info() -> PluginInfo:
+    from ._version import __version__
+    from .generic import plugin as generic
+
+    return PluginInfo(generic.NAME, generic, "lensadapters", __version__, (generic.ARCH,), "core")
 
 
 def _architectures_of(plugin: Any) -> Iterable[Architecture]:

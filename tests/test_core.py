@@ -113,10 +113,23 @@ def test_two_plugins_claiming_one_architecture_conflict_until_one_is_chosen():
     hm.unwrap()
 
 
-def test_unsupported_architecture_names_model_type_plugins_and_fix():
+def test_architecture_without_plugin_gets_the_generic_adapter_with_a_warning():
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from lensadapters.generic import GenericAdapterWarning
+
+    model = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=8, n_head=2, vocab_size=16))
+    with pytest.warns(GenericAdapterWarning, match="'bloom'.*generic adapter.*writing-a-plugin"):
+        hm = HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
+    assert hm.arch.name == "generic" and "blocks.0.hook_resid_post" in hm.hook_names
+    hm.unwrap()
+
+
+def test_model_the_generic_adapter_cannot_read_names_model_type_plugins_and_fix():
     from transformers import AutoModelForCausalLM, BloomConfig
 
     model = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=8, n_head=2, vocab_size=16))
+    model.config.num_hidden_layers = 3  # no list of 3 decoder layers: the generic adapter cannot find the blocks
     with pytest.raises(UnsupportedModelError) as info:
         HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
     message = str(info.value)

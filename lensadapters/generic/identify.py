@@ -246,9 +246,9 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
 
 
 def _final_norm(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[str], Optional[NormBehaviour]]:
-    if not rec.hidden_states:
+    last = rec.last_hidden
+    if last is None:
         return None, None
-    last = rec.hidden_states[-1]
     candidates = []
     for name, record in rec.outside_out.items():
         x = rec.outside_in.get(name)
@@ -272,7 +272,7 @@ def identify(model: nn.Module) -> Findings:
     notes = _Notes(n)
     resid_only = tuple(BlockFindings(("hook_resid_pre", "hook_resid_post")) for _ in range(n))
     try:
-        rec = run_probe(model, embed, layers)
+        rec = run_probe(model, embed, layers, structure.unembed)
     except Exception as exc:  # a model that cannot run a short forward here: what the structure alone says
         reason = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
         missing = {"attention and MLP points, attention patterns, hook_z and ln_final": reason}

@@ -11,7 +11,8 @@ mask; the configuration is restored afterwards). It records:
   core's explicit attention (``q·kᵀ·scaling``, masked, softmax, ``·v``) reproduces the weights and the output of
   the model's own eager attention function on exactly those arguments;
 * which tensors the model writes into in place after they were produced (a cached value must not change later);
-* the model's last hidden state (``output_hidden_states``).
+* the model's last hidden state: the input of the unembedding (``last_hidden_state`` of a model without one). The
+  probe does not ask for ``output_hidden_states``, which would make transformers install hooks of its own.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Recording:
     outside_in: dict[str, Optional[Tensor]] = field(default_factory=dict)
     outside_out: dict[str, Record] = field(default_factory=dict)
     calls: list[InterfaceCall] = field(default_factory=list)
-    hidden_states: Optional[tuple[Tensor, ...]] = None
+    last_hidden: Optional[Tensor] = None
     owner: dict[int, int] = field(default_factory=dict)  # id(module) -> index of the layer holding it
 
 
@@ -202,7 +203,7 @@ def _input_device(embed: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module]) -> Recording:
+def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unembed: Optional[str]) -> Recording:
     """Run the probe forward (see the module docstring); exceptions of the model's forward propagate."""
     recording = Recording()
     for i, layer in enumerate(layers):
@@ -269,10 +270,9 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module]) -> Re
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(vocab), (1, PROBE_LENGTH), generator=generator).to(_input_device(embed))
         with _probing(model, recording):
-            output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                           output_hidden_states=True, return_dict=True)
-        hidden = getattr(output, "hidden_states", None)
-        recording.hidden_states = tuple(hidden) if hidden is not None else None
+            output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+        recording.last_hidden = (recording.outside_in.get(unembed) if unembed is not None
+                                 else getattr(output, "last_hidden_state", None))
     finally:
         for handle in handles:
             handle.remove()

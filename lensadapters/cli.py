@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import sys
+import textwrap
+import warnings
 from typing import Optional, Sequence
 
 from .registry import get_registry
@@ -62,22 +64,29 @@ def _load_for_hooks(target: str):
 def _hooks(args: argparse.Namespace) -> int:
     import torch
 
+    from .generic import GenericAdapterWarning, summary
     from .hooked_model import HookedModel
 
     model, registry = _load_for_hooks(args.target)
-    hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
+    with warnings.catch_warnings():  # the generic adapter's account is printed below instead
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
+    note = summary(hm.wiring, fallback=args.adapter is None) if hm.plugin is registry.generic else None
     ids = torch.zeros(1, args.length, dtype=torch.long)
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
     hm.unwrap()
     if args.json:
-        print(json.dumps({"adapter": hm.arch.name, "batch": 1, "positions": args.length, "hook_points": shapes},
-                         indent=2))
+        print(json.dumps({"adapter": hm.arch.name, "batch": 1, "positions": args.length, "hook_points": shapes,
+                          **({"generic": note} if note else {})}, indent=2))
         return 0
-    print(f"{hm.arch.name}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
+    adapter = "generic adapter" if note else hm.arch.name
+    print(f"{adapter}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
     for name, shape in shapes.items():
         print(f"  {name:<40} {tuple(shape) if shape is not None else '(not run)'}")
+    if note:
+        print(textwrap.fill(note[0].upper() + note[1:], width=100))
     return 0
 
 
@@ -104,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.set_defaults(func=_plugins)
     p = sub.add_parser("hooks", help="hook names and shapes for a checkpoint directory or a built-in tiny model")
     p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...)")
-    p.add_argument("--adapter", default=None, help="force a plugin by name")
+    p.add_argument("--adapter", default=None, help="force a plugin by name ('generic': the generic adapter)")
     p.add_argument("--length", type=int, default=4, help="positions of the probe input")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_hooks)

@@ -206,8 +206,8 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
         else:
             notes.add("attention scores and patterns", calls[0].pattern_problem, i)
     else:
-        why = ("the layer does not call transformers' attention interface (its attention is computed in the "
-               "model's own code)" if not calls else "the layer calls the attention interface more than once")
+        why = ("the decoder layers do not call transformers' attention interface (they compute attention in the "
+               "model's own code)" if not calls else "the layers call the attention interface more than once")
         notes.add("attention scores, patterns and hook_z", why, i)
         named = [n for n, c in layer.named_children() if type(c).__name__.endswith("Attention")]
         attn = named[0] if len(named) == 1 else None
@@ -222,7 +222,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
     if not branches_ok:
         attn = mlp = None
         notes.add("hook_attn_out and hook_mlp_out",
-                  "the layer's output is not its input plus the output of one attention module and one MLP module "
+                  "a layer's output is not its input plus the outputs of one attention module and one MLP module "
                   "(the block scales its branches, adds the residual inside them, normalizes after them, or its "
                   "attention and MLP modules cannot be told apart)", i)
     # the points in the order the probe saw them fire

@@ -46,12 +46,12 @@ NEUTRAL_ATTENTION_KWARGS = frozenset({
 })
 
 
-def _unusual_arguments(module: nn.Module, kwargs: dict) -> list[str]:
+def _unusual_arguments(module: nn.Module, kwargs: dict, mask: Optional[Tensor]) -> list[str]:
     """The arguments of an attention-interface call that plain masked softmax attention does not account for."""
     unusual = []
     for name, value in kwargs.items():
-        if name == "is_causal":  # explicit attention follows the module's is_causal where the mask leaves it open
-            if value is not None and bool(value) != bool(getattr(module, "is_causal", True)):
+        if name == "is_causal":  # without a mask, explicit attention is causal as the module says; a mask decides
+            if mask is None and value is not None and bool(value) != bool(getattr(module, "is_causal", True)):
                 unusual.append(name)
         elif name not in NEUTRAL_ATTENTION_KWARGS and value is not None and value is not False:
             unusual.append(name)
@@ -127,7 +127,7 @@ def _pattern_problem(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                      args: tuple, kwargs: dict, output: Tensor, weights: Optional[Tensor], eager: bool) -> Optional[str]:
     """Why the explicit attention would not give this call's patterns (``None``: it gives them exactly)."""
     name = type(module).__name__
-    unusual = _unusual_arguments(module, kwargs)
+    unusual = _unusual_arguments(module, kwargs, mask)
     if args or unusual:
         passed = ", ".join(repr(k) for k in unusual) or f"{len(args)} extra positional argument(s)"
         return f"{name} passes {passed} to its attention function, which plain softmax(q·kᵀ·scaling) attention " \
@@ -273,6 +273,8 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
         recording.last_hidden = (recording.outside_in.get(unembed) if unembed is not None
                                  else getattr(output, "last_hidden_state", None))
+        if any(r.value.device.type == "meta" for r in recording.layer_in.values()):
+            raise RuntimeError("the model's parameters are on the meta device (not loaded), so it computes no values")
     finally:
         for handle in handles:
             handle.remove()

@@ -162,7 +162,7 @@ def test_a_model_without_a_language_model_head():
         _, cache = hm.run_with_cache(_ids(), names_filter="ln_final.hook_normalized")
     assert torch.equal(cache["ln_final.hook_normalized"], out.last_hidden_state)
     with pytest.raises(AttributeError, match="no unembedding"):
-        hm.W_U
+        _ = hm.W_U
     hm.unwrap()
 
 

@@ -97,8 +97,9 @@ class TestGPTNeo(GenericContract):
         def configs(draw: Any) -> Any:
             kinds = draw(st.lists(st.sampled_from(["global", "local"]), min_size=1, max_size=3))
             return GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=len(kinds),
-                                attention_types=[[[kind], 1] for kind in kinds], num_heads=draw(st.sampled_from([2, 4])),
-                                intermediate_size=48, window_size=3, max_position_embeddings=64, **IDS)
+                                attention_types=[[[kind], 1] for kind in kinds],
+                                num_heads=draw(st.sampled_from([2, 4])), intermediate_size=48, window_size=3,
+                                max_position_embeddings=64, **IDS)
 
         return configs()
 

@@ -81,14 +81,6 @@ class Findings:
     d_head: Optional[int] = None
     missing: dict[str, str] = field(default_factory=dict)  # absent points (a plain-language group) -> why
 
-    def point_names(self) -> list[str]:
-        names = ["hook_embed"]
-        for i, block in enumerate(self.blocks):
-            names += [f"blocks.{i}.{p}" for p in block.points]
-        if self.final_norm is not None:
-            names.append("ln_final.hook_normalized")
-        return names
-
 
 def _eps(module: nn.Module) -> Optional[float]:
     for name in ("variance_epsilon", "eps", "epsilon"):
@@ -178,13 +170,14 @@ class _Notes:
         for group, reasons in self.by_group.items():
             parts = []
             for reason, layers in reasons.items():
-                where = "" if len(layers) == self.n_layers else f" (layers {_ranges(layers)})"
+                where = "" if len(layers) == self.n_layers else f" (layers {layer_ranges(layers)})"
                 parts.append(reason + where)
             out[group] = "; ".join(parts)
         return out
 
 
-def _ranges(layers: list[int]) -> str:
+def layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
     spans: list[list[int]] = []
     for i in sorted(set(layers)):
         if spans and i == spans[-1][1] + 1:
@@ -245,7 +238,8 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
     return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied))
 
 
-def _final_norm(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[str], Optional[NormBehaviour]]:
+def _final_norm(model: nn.Module, structure: Structure,
+                rec: Recording) -> tuple[Optional[str], Optional[NormBehaviour]]:
     last = rec.last_hidden
     if last is None:
         return None, None

@@ -13,7 +13,7 @@ from ..hook_point import HookPoint
 from ..hookspecs import hookimpl
 from ..sites import NormSite, Site
 from ..specs import Architecture, HookedConfig, ModelLayout, NormSpec
-from .identify import Findings, NormBehaviour, identify
+from .identify import Findings, NormBehaviour, identify, layer_ranges
 from .sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from .structure import WRITE_A_PLUGIN
 
@@ -141,12 +141,6 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
 # --- the warning ------------------------------------------------------------------------------------------------
 
 
-def _layers(layers: list[int]) -> str:
-    from .identify import _ranges
-
-    return _ranges(layers).replace(", ", ",")
-
-
 def describe_points(names: list[str]) -> str:
     """``hook_names`` in a few words: block points grouped by the layers that have them."""
     by_point: dict[str, list[int]] = {}
@@ -159,7 +153,7 @@ def describe_points(names: list[str]) -> str:
             outside.append(name)
     groups: dict[str, list[str]] = {}
     for point, layers in by_point.items():
-        groups.setdefault(_layers(layers), []).append(point)
+        groups.setdefault(layer_ranges(layers).replace(", ", ","), []).append(point)
     parts = outside[:1] + [f"blocks.{{{layers}}}.{{{', '.join(points)}}}" if len(points) > 1
                            else f"blocks.{{{layers}}}.{points[0]}" for layers, points in groups.items()]
     return "; ".join(parts + outside[1:])

@@ -123,8 +123,8 @@ def _close(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
 
 
-def _pattern_problem(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
-                     args: tuple, kwargs: dict, output: Tensor, weights: Optional[Tensor], eager: bool) -> Optional[str]:
+def _pattern_problem(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], args: tuple,
+                     kwargs: dict, output: Tensor, weights: Optional[Tensor], eager: bool) -> Optional[str]:
     """Why the explicit attention would not give this call's patterns (``None``: it gives them exactly)."""
     name = type(module).__name__
     unusual = _unusual_arguments(module, kwargs, mask)

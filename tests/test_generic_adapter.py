@@ -137,6 +137,22 @@ def test_a_model_the_probe_cannot_run_gets_only_its_structural_points():
     hm.unwrap()
 
 
+def test_a_value_the_model_writes_into_later_stays_what_hooks_saw():
+    """Falcon's parallel block adds the attention output into the MLP's output tensor in place: the probe sees it,
+    and the model then continues with a copy, so a cached hook_mlp_out is the MLP's output."""
+    model = _tiny(FalconConfig, parallel_attn=True)
+    with pytest.warns(GenericAdapterWarning):
+        hm = HookedModel.wrap(model, registry=Registry())
+    mlp_outputs = []
+    handle = model.transformer.h[0].mlp.register_forward_hook(lambda m, args, out: mlp_outputs.append(out.clone()))
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(_ids(), names_filter="blocks.0.hook_mlp_out")
+        assert torch.equal(logits, model(_ids()).logits)
+    handle.remove()
+    assert torch.equal(cache["mlp_out", 0], mlp_outputs[0])
+    hm.unwrap()
+
+
 def test_attention_function_points_need_eager_or_sdpa():
     model = _phi()
     with pytest.warns(GenericAdapterWarning):

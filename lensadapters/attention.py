@@ -58,8 +58,15 @@ def attention_key(original: str) -> str:
         return key
     attn_interface, mask_interface = _interfaces()
 
-    def lensadapters_attention(module: nn.Module, query: Tensor, key_: Tensor, value: Tensor,
-                               attention_mask: Optional[Tensor], *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+    def lensadapters_attention(
+        module: nn.Module,
+        query: Tensor,
+        key_: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Any]:
         entry = _ACTIVE.get(module)
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
@@ -118,8 +125,9 @@ def _version(t: Tensor) -> int:
         return -1
 
 
-def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
-                           causal: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def _allowed_and_bias_info(
+    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     allowed, bias = _allowed_and_bias(mask, q_len, k_len, device, causal)
     blocked = ~allowed
     if not bool(blocked.any()):
@@ -128,15 +136,20 @@ def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, devic
     return blocked, bias, empty_rows if bool(empty_rows.any()) else None
 
 
-def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device,
-                      causal: bool) -> tuple[Tensor, Optional[Tensor]]:
+def _allowed_and_bias(
+    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool
+) -> tuple[Tensor, Optional[Tensor]]:
     """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias."""
     if mask is not None and not isinstance(mask, Tensor):
         raise UnsupportedModelError(
             f"explicit attention (hook_attn_scores/hook_pattern) got a {type(mask).__name__} attention mask; it reads "
-            f"the tensor masks of eager and sdpa attention: call model.set_attn_implementation('sdpa')")
-    causal_allowed = (torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len) if causal
-                      else torch.ones(q_len, k_len, dtype=torch.bool, device=device))
+            f"the tensor masks of eager and sdpa attention: call model.set_attn_implementation('sdpa')"
+        )
+    causal_allowed = (
+        torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+        if causal
+        else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    )
     if mask is None:
         return causal_allowed, None
     if mask.dim() == 2:  # a [batch, keys] padding mask (1 = attend), as flash-style implementations receive
@@ -150,11 +163,21 @@ def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: to
     return allowed, bias
 
 
-def explicit_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                       attention_mask: Optional[Tensor], *, scores_fn: Callable[..., Tensor],
-                       scores_point: HookPoint, pattern_point: HookPoint, dropout: float = 0.0,
-                       scaling: Optional[float] = None, head_mask: Optional[Tensor] = None,
-                       **_: Any) -> tuple[Tensor, Tensor]:
+def explicit_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    *,
+    scores_fn: Callable[..., Tensor],
+    scores_point: HookPoint,
+    pattern_point: HookPoint,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    head_mask: Optional[Tensor] = None,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
     """Attention written out: scores → ``hook_attn_scores`` → softmax → ``hook_pattern`` → mix values.
 
     ``query`` is ``[b, h, q, d]``, ``key``/``value`` ``[b, hkv, k, d]`` (grouped heads are repeated
@@ -198,9 +221,13 @@ def default_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optio
 class InterfacePatternBackend:
     """The core's pattern backend for models that call transformers' attention interface."""
 
-    def __init__(self, config: Any, attention_modules: list[nn.Module],
-                 scores_fn: Callable[[nn.Module, Tensor, Tensor, Optional[float], str], Optional[Tensor]],
-                 original_fn: Optional[Callable[[nn.Module, str], Optional[Callable[..., Any]]]] = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        attention_modules: list[nn.Module],
+        scores_fn: Callable[[nn.Module, Tensor, Tensor, Optional[float], str], Optional[Tensor]],
+        original_fn: Optional[Callable[[nn.Module, str], Optional[Callable[..., Any]]]] = None,
+    ) -> None:
         self.config = config
         self.modules = attention_modules
         self.scores_fn = scores_fn
@@ -216,7 +243,7 @@ class InterfacePatternBackend:
         if not self.active:
             self.original = self.config._attn_implementation
             if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
-                self.original = self.original[len(KEY_PREFIX):]
+                self.original = self.original[len(KEY_PREFIX) :]
             self.config._attn_implementation = attention_key(self.original)
             for module in self.modules if self.original_fn is not None else ():
                 fn = self.original_fn(module, self.original)
@@ -236,7 +263,8 @@ class InterfacePatternBackend:
                     f"layer {layer}: the model's attention implementation was set to {impl!r} while a "
                     f"hook_attn_scores/hook_pattern hook was attached, so transformers would no longer call the "
                     f"function that runs it. Remove the pattern hooks before switching (set_attn_implementation), "
-                    f"or switch first and add them after")
+                    f"or switch first and add them after"
+                )
 
         return check
 
@@ -252,10 +280,28 @@ class InterfacePatternBackend:
             for module in self.modules:
                 _DELEGATES.pop(module, None)
 
-    def attend(self, layer: int, site: Any, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-               attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Tensor]:
-        return explicit_attention(module, query, key, value, attention_mask, scores_fn=self._scores,
-                                  scores_point=site.scores, pattern_point=site.pattern, **kwargs)
+    def attend(
+        self,
+        layer: int,
+        site: Any,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
+        return explicit_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scores_fn=self._scores,
+            scores_point=site.scores,
+            pattern_point=site.pattern,
+            **kwargs,
+        )
 
 
 class _Deactivate:

@@ -29,8 +29,16 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover
     from .hook_point import HookPoint
     from .sites import ForwardState
-    from .specs import Architecture, BlockLayout, HookedConfig, LinearWeight, MLPLayout, ModelLayout, NormSpec, \
-        QKVLayout
+    from .specs import (
+        Architecture,
+        BlockLayout,
+        HookedConfig,
+        LinearWeight,
+        MLPLayout,
+        ModelLayout,
+        NormSpec,
+        QKVLayout,
+    )
 
 __all__ = ["Hooked"]
 
@@ -97,4 +105,3 @@ class Hooked(Protocol):
 
     def attention_implementation(self) -> str:
         """The attention implementation the model is configured with (``"sdpa"``, ``"eager"``...)."""
-

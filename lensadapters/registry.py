@@ -60,8 +60,15 @@ class Registry:
 
     # --- registration -----------------------------------------------------------------------------
 
-    def register(self, plugin: Any, name: Optional[str] = None, *, distribution: Optional[str] = None,
-                 version: Optional[str] = None, source: str = "manual") -> PluginInfo:
+    def register(
+        self,
+        plugin: Any,
+        name: Optional[str] = None,
+        *,
+        distribution: Optional[str] = None,
+        version: Optional[str] = None,
+        source: str = "manual",
+    ) -> PluginInfo:
         """Register ``plugin`` (a module or object with ``@hookimpl`` functions)."""
         _check_hookspec_version(plugin, name)
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
@@ -101,8 +108,10 @@ class Registry:
             dist_name = dist.metadata["Name"] if dist is not None else None
             dist_version = dist.version if dist is not None else None
             if ep.name in seen and seen[ep.name] != dist_name:
-                msg = (f"entry point {ep.name!r} is provided by both {seen[ep.name]} and {dist_name}; "
-                       f"keeping {seen[ep.name]}. Uninstall one of them.")
+                msg = (
+                    f"entry point {ep.name!r} is provided by both {seen[ep.name]} and {dist_name}; "
+                    f"keeping {seen[ep.name]}. Uninstall one of them."
+                )
                 self.failures[f"{ep.name} ({dist_name})"] = msg
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
                 continue
@@ -124,8 +133,12 @@ class Registry:
         return [i for i in self.infos.values() if i.architectures]
 
     def claims(self, model_type: str) -> list[tuple[PluginInfo, Architecture]]:
-        return [(info, arch) for info in self.architecture_plugins() for arch in info.architectures
-                if model_type in arch.model_types]
+        return [
+            (info, arch)
+            for info in self.architecture_plugins()
+            for arch in info.architectures
+            if model_type in arch.model_types
+        ]
 
     def conflicts(self) -> dict[str, list[str]]:
         """Model types claimed by more than one plugin: ``{model_type: [plugin names]}``."""
@@ -151,8 +164,7 @@ class Registry:
                 for arch in info.architectures:
                     if adapter in (info.name, arch.name):
                         return info, arch
-            raise UnsupportedModelError(
-                f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
+            raise UnsupportedModelError(f"no installed plugin is named {adapter!r}. {self.describe_installed()}")
         found = self.claims(model_type)
         if not found:
             return self.generic, self.generic.architectures[0]
@@ -160,12 +172,15 @@ class Registry:
             names = ", ".join(f"{info.name} ({info.distribution or info.source})" for info, _ in found)
             raise PluginConflictError(
                 f"model_type {model_type!r} is claimed by several plugins: {names}. "
-                f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others.")
+                f"Choose one with HookedModel.wrap(model, adapter=NAME) or uninstall the others."
+            )
         return found[0]
 
     def describe_installed(self) -> str:
-        archs = [f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
-                 for info in self.architecture_plugins()]
+        archs = [
+            f"{info.name} ({', '.join(t for a in info.architectures for t in a.model_types)})"
+            for info in self.architecture_plugins()
+        ]
         text = "Installed architecture plugins: " + (", ".join(archs) if archs else "none") + "."
         if self.failures:
             text += " Plugins that failed to load: " + "; ".join(self.failures.values()) + "."
@@ -227,7 +242,8 @@ def _check_unmarked_hooks(plugin: Any, name: str) -> None:
             if not hasattr(getattr(plugin, attr), marker):
                 raise PluginValidationError(
                     f"plugin {name!r} defines {attr}() without the @lensadapters.hookimpl decorator, so it would "
-                    f"never be called: decorate it (from lensadapters import hookimpl)")
+                    f"never be called: decorate it (from lensadapters import hookimpl)"
+                )
 
 
 def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
@@ -242,15 +258,22 @@ def check_transformers_range(arch: Architecture, plugin_name: str) -> None:
     try:
         tested = SpecifierSet(arch.transformers)
     except InvalidSpecifier:
-        warnings.warn(f"plugin {plugin_name!r} declares transformers={arch.transformers!r} for {arch.name!r}, which "
-                      f"is not a version specifier (like '>=4.57,<6')", PluginLoadWarning, stacklevel=3)
+        warnings.warn(
+            f"plugin {plugin_name!r} declares transformers={arch.transformers!r} for {arch.name!r}, which "
+            f"is not a version specifier (like '>=4.57,<6')",
+            PluginLoadWarning,
+            stacklevel=3,
+        )
         return
     if not tested.contains(transformers.__version__, prereleases=True):
         warnings.warn(
             f"plugin {plugin_name!r} is tested with transformers{arch.transformers} for {arch.name!r}, but "
             f"transformers {transformers.__version__} is installed: hook points may be missing or wrong if the "
             f"modeling code changed. Install a transformers version in that range, or a plugin version tested "
-            f"with {transformers.__version__}", TransformersVersionWarning, stacklevel=3)
+            f"with {transformers.__version__}",
+            TransformersVersionWarning,
+            stacklevel=3,
+        )
 
 
 def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
@@ -262,7 +285,8 @@ def _check_hookspec_version(plugin: Any, name: Optional[str]) -> None:
         raise ImportError(
             f"plugin {name or plugin!r} was written for lensadapters hookspec {wanted}, "
             f"but the installed core provides hookspec {hookspecs.HOOKSPEC_VERSION}: "
-            f"install a version of the plugin built for hookspec {have}.x")
+            f"install a version of the plugin built for hookspec {have}.x"
+        )
 
 
 def _check_core_range(dist: Any) -> None:
@@ -296,7 +320,8 @@ def _check_core_range(dist: Any) -> None:
             raise ImportError(
                 f"{dist.metadata['Name']} {dist.version} requires lensadapters{requirement.specifier}, but the "
                 f"installed lensadapters is {__version__}: install a version of {dist.metadata['Name']} built for "
-                f"lensadapters {__version__}, or a lensadapters version in that range")
+                f"lensadapters {__version__}, or a lensadapters version in that range"
+            )
 
 
 def _entry_points() -> list[metadata.EntryPoint]:

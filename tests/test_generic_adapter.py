@@ -83,9 +83,18 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
     generic_hm = HookedModel.wrap(copy.deepcopy(model), adapter="generic", registry=registry)
     shared = [n for n in generic_hm.hook_names if n in plugin_hm.hook_names]
     expected = {"hook_embed", "ln_final.hook_normalized"} | {
-        f"blocks.{i}.{p}" for i in range(plugin_hm.cfg.n_layers)
-        for p in ("hook_resid_pre", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "hook_attn_out",
-                  "hook_mlp_out", "hook_resid_post")}
+        f"blocks.{i}.{p}"
+        for i in range(plugin_hm.cfg.n_layers)
+        for p in (
+            "hook_resid_pre",
+            "attn.hook_attn_scores",
+            "attn.hook_pattern",
+            "attn.hook_z",
+            "hook_attn_out",
+            "hook_mlp_out",
+            "hook_resid_post",
+        )
+    }
     assert set(generic_hm.hook_names) == expected and set(shared) == expected
     with torch.no_grad():
         _, by_plugin = plugin_hm.run_with_cache(ids, names_filter=shared)
@@ -94,11 +103,15 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
             assert_close(generic[name], by_plugin[name], f"{family} {name}: generic vs plugin")
         _, theirs = plugin_hm.run_with_cache(other, names_filter=shared)
         for name in ("blocks.0.attn.hook_z", "blocks.0.hook_attn_out", "blocks.1.hook_resid_pre"):
+
             def patch(t, hook, value=theirs[name]):
                 return value
 
-            assert_close(generic_hm.run_with_hooks(ids, fwd_hooks=[(name, patch)]),
-                         plugin_hm.run_with_hooks(ids, fwd_hooks=[(name, patch)]), f"{family}: patching {name}")
+            assert_close(
+                generic_hm.run_with_hooks(ids, fwd_hooks=[(name, patch)]),
+                plugin_hm.run_with_hooks(ids, fwd_hooks=[(name, patch)]),
+                f"{family}: patching {name}",
+            )
     plugin_hm.unwrap()
     generic_hm.unwrap()
 
@@ -106,8 +119,15 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
 def test_what_cannot_be_identified_is_absent_and_explained():
     """Gemma 2 (wrapped without its plugin): softcapped attention gets no patterns, post-norm blocks no branch
     outputs, and the (1 + weight) RMSNorm is recognised as such; the warning says why for each."""
-    model = _tiny(Gemma2Config, intermediate_size=48, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                  attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    model = _tiny(
+        Gemma2Config,
+        intermediate_size=48,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=3,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=None,
+    )
     with pytest.warns(GenericAdapterWarning) as warned:
         hm = HookedModel.wrap(model, registry=Registry())
     message = str(warned[0].message)
@@ -128,12 +148,18 @@ def test_what_cannot_be_identified_is_absent_and_explained():
 
 def test_a_model_the_probe_cannot_run_gets_only_its_structural_points():
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
-                                                              num_attention_heads=4))
+        model = AutoModelForCausalLM.from_config(
+            FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+        )
     with pytest.warns(GenericAdapterWarning, match="probe forward pass failed"):
         hm = HookedModel.wrap(model, registry=Registry())
-    assert hm.hook_names == ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post",
-                             "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
+    assert hm.hook_names == [
+        "hook_embed",
+        "blocks.0.hook_resid_pre",
+        "blocks.0.hook_resid_post",
+        "blocks.1.hook_resid_pre",
+        "blocks.1.hook_resid_post",
+    ]
     hm.unwrap()
 
 
@@ -187,8 +213,9 @@ def test_gradients_reach_generic_points():
     with pytest.warns(GenericAdapterWarning):
         hm = HookedModel.wrap(model, registry=Registry())
     ids = _ids()
-    _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True,
-                                 names_filter=["blocks.0.hook_resid_pre", "blocks.1.attn.hook_z"])
+    _, cache = hm.run_with_cache(
+        ids, labels=ids, incl_bwd=True, names_filter=["blocks.0.hook_resid_pre", "blocks.1.attn.hook_z"]
+    )
     for name in ("blocks.0.hook_resid_pre", "blocks.1.attn.hook_z"):
         assert cache[name + "_grad"].shape == cache[name].shape and cache[name + "_grad"].abs().sum() > 0
     hm.unwrap()
@@ -198,8 +225,9 @@ def test_lora_fine_tune_of_a_model_without_plugin():
     peft = pytest.importorskip("peft")
     if "peft" not in get_registry().infos:
         pytest.skip("lensadapters-peft is not installed")
-    model = peft.get_peft_model(_phi(), peft.LoraConfig(r=4, target_modules=["q_proj", "dense", "fc1"],
-                                                         init_lora_weights=False)).eval()
+    model = peft.get_peft_model(
+        _phi(), peft.LoraConfig(r=4, target_modules=["q_proj", "dense", "fc1"], init_lora_weights=False)
+    ).eval()
     with pytest.warns(GenericAdapterWarning):
         hm = HookedModel.wrap(model)
     ids = _ids()

@@ -50,9 +50,17 @@ def _llama_like(config_class: type, **extra: Any) -> st.SearchStrategy:
     def configs(draw: Any) -> Any:
         s = draw(_shape())
         fixed = {k: (draw(v) if isinstance(v, st.SearchStrategy) else v) for k, v in extra.items()}
-        return config_class(vocab_size=VOCAB, hidden_size=s["width"], intermediate_size=48,
-                            num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                            num_key_value_heads=s["kv"], max_position_embeddings=64, **IDS, **fixed)
+        return config_class(
+            vocab_size=VOCAB,
+            hidden_size=s["width"],
+            intermediate_size=48,
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv"],
+            max_position_embeddings=64,
+            **IDS,
+            **fixed,
+        )
 
     return configs()
 
@@ -67,11 +75,19 @@ class TestFalcon(GenericContract):
         def configs(draw: Any) -> Any:
             s = draw(_shape())
             new = draw(st.booleans())
-            return FalconConfig(vocab_size=VOCAB, hidden_size=s["width"], num_hidden_layers=s["layers"],
-                                num_attention_heads=s["heads"], num_kv_heads=s["kv"] if new else None,
-                                new_decoder_architecture=new, parallel_attn=new or draw(st.booleans()),
-                                alibi=False if new else draw(st.booleans()), bias=draw(st.booleans()),
-                                multi_query=not new and draw(st.booleans()), **IDS)
+            return FalconConfig(
+                vocab_size=VOCAB,
+                hidden_size=s["width"],
+                num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"],
+                num_kv_heads=s["kv"] if new else None,
+                new_decoder_architecture=new,
+                parallel_attn=new or draw(st.booleans()),
+                alibi=False if new else draw(st.booleans()),
+                bias=draw(st.booleans()),
+                multi_query=not new and draw(st.booleans()),
+                **IDS,
+            )
 
         return configs()
 
@@ -82,9 +98,15 @@ class TestBloom(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(BloomConfig, vocab_size=st.just(VOCAB), hidden_size=st.just(32), n_layer=st.integers(1, 3),
-                         n_head=st.sampled_from([2, 4]), **{k: st.just(v) for k, v in IDS.items()},
-                         apply_residual_connection_post_layernorm=st.booleans())
+        return st.builds(
+            BloomConfig,
+            vocab_size=st.just(VOCAB),
+            hidden_size=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.sampled_from([2, 4]),
+            **{k: st.just(v) for k, v in IDS.items()},
+            apply_residual_connection_post_layernorm=st.booleans(),
+        )
 
 
 class TestGPTNeo(GenericContract):
@@ -96,10 +118,17 @@ class TestGPTNeo(GenericContract):
         @st.composite
         def configs(draw: Any) -> Any:
             kinds = draw(st.lists(st.sampled_from(["global", "local"]), min_size=1, max_size=3))
-            return GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=len(kinds),
-                                attention_types=[[[kind], 1] for kind in kinds],
-                                num_heads=draw(st.sampled_from([2, 4])), intermediate_size=48, window_size=3,
-                                max_position_embeddings=64, **IDS)
+            return GPTNeoConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_layers=len(kinds),
+                attention_types=[[[kind], 1] for kind in kinds],
+                num_heads=draw(st.sampled_from([2, 4])),
+                intermediate_size=48,
+                window_size=3,
+                max_position_embeddings=64,
+                **IDS,
+            )
 
         return configs()
 
@@ -110,9 +139,18 @@ class TestCodeGen(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(CodeGenConfig, vocab_size=st.just(VOCAB), n_embd=st.just(32), n_layer=st.integers(1, 3),
-                         n_head=st.just(4), rotary_dim=st.sampled_from([4, 8]), n_inner=st.just(48),
-                         n_positions=st.just(64), bos_token_id=st.just(1), eos_token_id=st.just(2))
+        return st.builds(
+            CodeGenConfig,
+            vocab_size=st.just(VOCAB),
+            n_embd=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.just(4),
+            rotary_dim=st.sampled_from([4, 8]),
+            n_inner=st.just(48),
+            n_positions=st.just(64),
+            bos_token_id=st.just(1),
+            eos_token_id=st.just(2),
+        )
 
 
 class TestStableLm(GenericContract):
@@ -122,9 +160,13 @@ class TestStableLm(GenericContract):
     @classmethod
     def configs(cls) -> st.SearchStrategy:
         # (transformers 4.x cannot initialize StableLM's bias-free q/k norms)
-        return _llama_like(StableLmConfig, use_parallel_residual=st.booleans(),
-                           qk_layernorm=st.booleans() if TRANSFORMERS_5 else False,
-                           use_qkv_bias=st.booleans(), partial_rotary_factor=st.sampled_from([0.25, 0.5, 1.0]))
+        return _llama_like(
+            StableLmConfig,
+            use_parallel_residual=st.booleans(),
+            qk_layernorm=st.booleans() if TRANSFORMERS_5 else False,
+            use_qkv_bias=st.booleans(),
+            partial_rotary_factor=st.sampled_from([0.25, 0.5, 1.0]),
+        )
 
 
 class TestStarcoder2(GenericContract):
@@ -140,9 +182,17 @@ class TestGPTBigCode(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(GPTBigCodeConfig, vocab_size=st.just(VOCAB), n_embd=st.just(32), n_layer=st.integers(1, 3),
-                         n_head=st.sampled_from([2, 4]), n_inner=st.just(48), n_positions=st.just(64),
-                         multi_query=st.booleans(), **{k: st.just(v) for k, v in IDS.items()})
+        return st.builds(
+            GPTBigCodeConfig,
+            vocab_size=st.just(VOCAB),
+            n_embd=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.sampled_from([2, 4]),
+            n_inner=st.just(48),
+            n_positions=st.just(64),
+            multi_query=st.booleans(),
+            **{k: st.just(v) for k, v in IDS.items()},
+        )
 
 
 class TestCohere(GenericContract):
@@ -158,9 +208,13 @@ class TestGranite(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return _llama_like(GraniteConfig, residual_multiplier=st.sampled_from([1.0, 0.5]),
-                           embedding_multiplier=st.sampled_from([1.0, 4.0]), attention_multiplier=st.just(0.3),
-                           logits_scaling=st.just(2.0))
+        return _llama_like(
+            GraniteConfig,
+            residual_multiplier=st.sampled_from([1.0, 0.5]),
+            embedding_multiplier=st.sampled_from([1.0, 4.0]),
+            attention_multiplier=st.just(0.3),
+            logits_scaling=st.just(2.0),
+        )
 
     def expected(self, config: Any) -> GenericPoints:
         """Granite scales both branches by ``residual_multiplier`` before adding them: the attention and MLP
@@ -191,10 +245,17 @@ class TestPersimmon(GenericContract):
     def configs(cls) -> st.SearchStrategy:
         @st.composite
         def configs(draw: Any) -> Any:
-            return PersimmonConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=draw(st.integers(1, 3)), num_attention_heads=4,
-                                   qk_layernorm=draw(st.booleans()), max_position_embeddings=64,
-                                   partial_rotary_factor=draw(st.sampled_from([0.5, 1.0])), **IDS)
+            return PersimmonConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=draw(st.integers(1, 3)),
+                num_attention_heads=4,
+                qk_layernorm=draw(st.booleans()),
+                max_position_embeddings=64,
+                partial_rotary_factor=draw(st.sampled_from([0.5, 1.0])),
+                **IDS,
+            )
 
         return configs()
 
@@ -204,7 +265,14 @@ class TestBioGpt(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(BioGptConfig, vocab_size=st.just(VOCAB), hidden_size=st.just(32),
-                         num_hidden_layers=st.integers(1, 3), num_attention_heads=st.sampled_from([2, 4]),
-                         intermediate_size=st.just(48), max_position_embeddings=st.just(64),
-                         scale_embedding=st.booleans(), **{k: st.just(v) for k, v in IDS.items()})
+        return st.builds(
+            BioGptConfig,
+            vocab_size=st.just(VOCAB),
+            hidden_size=st.just(32),
+            num_hidden_layers=st.integers(1, 3),
+            num_attention_heads=st.sampled_from([2, 4]),
+            intermediate_size=st.just(48),
+            max_position_embeddings=st.just(64),
+            scale_embedding=st.booleans(),
+            **{k: st.just(v) for k, v in IDS.items()},
+        )

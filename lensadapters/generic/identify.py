@@ -199,8 +199,12 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
         else:
             notes.add("attention scores and patterns", calls[0].pattern_problem, i)
     else:
-        why = ("the decoder layers do not call transformers' attention interface (they compute attention in the "
-               "model's own code)" if not calls else "the layers call the attention interface more than once")
+        why = (
+            "the decoder layers do not call transformers' attention interface (they compute attention in the "
+            "model's own code)"
+            if not calls
+            else "the layers call the attention interface more than once"
+        )
         notes.add("attention scores, patterns and hook_z", why, i)
         named = [n for n, c in layer.named_children() if type(c).__name__.endswith("Attention")]
         attn = named[0] if len(named) == 1 else None
@@ -209,15 +213,23 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
         mlp = others[0] if len(others) == 1 else None
     x, y = rec.layer_in.get(i), rec.layer_out.get(i)
     outputs = [rec.children.get((i, n)) for n in (attn, mlp) if n is not None]
-    branches_ok = (attn is not None and mlp is not None and x is not None and y is not None
-                   and all(o is not None and o.calls == 1 for o in outputs)
-                   and _sums_to_output(x.value, [o.value for o in outputs], y.value))
+    branches_ok = (
+        attn is not None
+        and mlp is not None
+        and x is not None
+        and y is not None
+        and all(o is not None and o.calls == 1 for o in outputs)
+        and _sums_to_output(x.value, [o.value for o in outputs], y.value)
+    )
     if not branches_ok:
         attn = mlp = None
-        notes.add("hook_attn_out and hook_mlp_out",
-                  "a layer's output is not its input plus the outputs of one attention module and one MLP module "
-                  "(the block scales its branches, adds the residual inside them, normalizes after them, or its "
-                  "attention and MLP modules cannot be told apart)", i)
+        notes.add(
+            "hook_attn_out and hook_mlp_out",
+            "a layer's output is not its input plus the outputs of one attention module and one MLP module "
+            "(the block scales its branches, adds the residual inside them, normalizes after them, or its "
+            "attention and MLP modules cannot be told apart)",
+            i,
+        )
     # the points in the order the probe saw them fire
     points, copied = ["hook_resid_pre"], set()
     if x is not None and x.written_later:
@@ -238,17 +250,23 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes) -> BlockFind
     return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied))
 
 
-def _final_norm(model: nn.Module, structure: Structure,
-                rec: Recording) -> tuple[Optional[str], Optional[NormBehaviour]]:
+def _final_norm(
+    model: nn.Module, structure: Structure, rec: Recording
+) -> tuple[Optional[str], Optional[NormBehaviour]]:
     last = rec.last_hidden
     if last is None:
         return None, None
     candidates = []
     for name, record in rec.outside_out.items():
         x = rec.outside_in.get(name)
-        if (record.calls == 1 and x is not None and name != structure.embed
-                and record.value.shape == last.shape and torch.equal(record.value, last)
-                and not (x.shape == last.shape and torch.equal(x, last))):
+        if (
+            record.calls == 1
+            and x is not None
+            and name != structure.embed
+            and record.value.shape == last.shape
+            and torch.equal(record.value, last)
+            and not (x.shape == last.shape and torch.equal(x, last))
+        ):
             candidates.append(name)
     if len(candidates) != 1:
         return None, None
@@ -273,15 +291,17 @@ def identify(model: nn.Module) -> Findings:
         return Findings(structure, resid_only, missing=missing)
     order = [e[1] for e in rec.events if e[0] == "enter"]
     if order != list(range(n)):
-        missing = {"every point inside the layers but hook_resid_pre/hook_resid_post":
-                   f"the decoder layers did not run once each, in order, in a forward pass (order seen: {order})"}
+        why = f"the decoder layers did not run once each, in order, in a forward pass (order seen: {order})"
+        missing = {"every point inside the layers but hook_resid_pre/hook_resid_post": why}
         return Findings(structure, resid_only, missing=missing)
     blocks = tuple(_block(i, layer, rec, notes) for i, layer in enumerate(layers))
     final_norm, behaviour = _final_norm(model, structure, rec)
     missing = notes.result()
     if final_norm is None:
-        missing["ln_final.hook_normalized"] = ("no module outside the layers both produces the model's last hidden "
-                                               "state and computes a LayerNorm or RMSNorm of its input")
+        missing["ln_final.hook_normalized"] = (
+            "no module outside the layers both produces the model's last hidden "
+            "state and computes a LayerNorm or RMSNorm of its input"
+        )
     copied = set()
     embed_record = rec.outside_out.get(structure.embed)
     if embed_record is not None and embed_record.written_later:
@@ -289,6 +309,14 @@ def identify(model: nn.Module) -> Findings:
     if final_norm is not None and rec.outside_out[final_norm].written_later:
         copied.add("ln_final.hook_normalized")
     first = next((c for c in rec.calls if c.layer is not None), None)
-    return Findings(structure, blocks, final_norm, behaviour, frozenset(copied),
-                    heads=first.heads if first else None, kv_heads=first.kv_heads if first else None,
-                    d_head=first.d_head if first else None, missing=missing)
+    return Findings(
+        structure,
+        blocks,
+        final_norm,
+        behaviour,
+        frozenset(copied),
+        heads=first.heads if first else None,
+        kv_heads=first.kv_heads if first else None,
+        d_head=first.d_head if first else None,
+        missing=missing,
+    )

@@ -22,7 +22,7 @@ ARCH = Architecture(
     name=NAME,
     model_types=(),
     description="any other decoder-only model: residual stream, attention and MLP outputs, attention patterns and "
-                "hook_z where the model calls transformers' attention interface, the final norm",
+    "hook_z where the model calls transformers' attention interface, the final norm",
 )
 #: what the generic adapter serves of the weight accessors; the others need a plugin
 WEIGHTS = ("W_E", "W_U")
@@ -62,16 +62,23 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     d_head = found.d_head or (d_model // heads if d_model and heads else None)
     behaviour = found.final_norm_behaviour
     return HookedConfig(
-        n_layers=len(found.blocks), d_model=d_model, n_heads=heads, d_head=d_head,
-        d_mlp=getattr(c, "intermediate_size", None), d_vocab=d_vocab or getattr(c, "vocab_size", None),
-        n_ctx=getattr(c, "max_position_embeddings", None), act_fn=getattr(c, "hidden_act", None),
+        n_layers=len(found.blocks),
+        d_model=d_model,
+        n_heads=heads,
+        d_head=d_head,
+        d_mlp=getattr(c, "intermediate_size", None),
+        d_vocab=d_vocab or getattr(c, "vocab_size", None),
+        n_ctx=getattr(c, "max_position_embeddings", None),
+        act_fn=getattr(c, "hidden_act", None),
         normalization_type=behaviour.kind if behaviour is not None else None,  # type: ignore[arg-type]
         positional_embedding_type=None,  # type: ignore[arg-type]
         model_type=getattr(c, "model_type", "") or type(model).__name__,
         n_key_value_heads=found.kv_heads or getattr(c, "num_key_value_heads", None) or heads,
-        parallel_attn_mlp=None, gated_mlp=None,  # type: ignore[arg-type]
+        parallel_attn_mlp=None,
+        gated_mlp=None,  # type: ignore[arg-type]
         eps=behaviour.eps if behaviour is not None and behaviour.eps is not None else 1e-5,
-        original_architecture=type(model).__name__, extra={"adapter": NAME},
+        original_architecture=type(model).__name__,
+        extra={"adapter": NAME},
     )
 
 
@@ -100,7 +107,8 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> None:
     raise WeightUnavailableError(
         f"hm.{name.lstrip('_')}: this {type(hooked.hf_model).__name__} is wrapped by the generic adapter (no plugin "
         f"supports model_type {hooked.cfg.model_type!r}), which reads only {' and '.join(WEIGHTS)}: where the other "
-        f"weights live, and how they split into heads, is what a plugin describes. See {WRITE_A_PLUGIN}.")
+        f"weights live, and how they split into heads, is what a plugin describes. See {WRITE_A_PLUGIN}."
+    )
 
 
 @hookimpl
@@ -109,19 +117,29 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     model, found = hooked.hf_model, findings(hooked.hf_model)
     sites: list[Site] = []
     if "hook_embed" in found.copied:
-        sites.append(ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"),
-                                  copy=True))
-    modules = [layer.get_submodule(b.attention_function) if b.attention_function is not None else None
-               for layer, b in zip(hooked.block_modules, found.blocks)]
+        sites.append(
+            ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"), copy=True)
+        )
+    modules = [
+        layer.get_submodule(b.attention_function) if b.attention_function is not None else None
+        for layer, b in zip(hooked.block_modules, found.blocks)
+    ]
     backend = AttentionFunctionBackend(model.config, modules)
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied
         sites.append(ModuleIOSite(layer, points["hook_resid_pre"], output=False, copy="hook_resid_pre" in copied))
         if "attn.hook_z" in points:
-            sites.append(AttentionFunctionSite(i, backend, points.get("attn.hook_attn_scores"),
-                                               points.get("attn.hook_pattern"), points["attn.hook_z"],
-                                               copy_z="attn.hook_z" in copied))
+            sites.append(
+                AttentionFunctionSite(
+                    i,
+                    backend,
+                    points.get("attn.hook_attn_scores"),
+                    points.get("attn.hook_pattern"),
+                    points["attn.hook_z"],
+                    copy_z="attn.hook_z" in copied,
+                )
+            )
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
                 sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
@@ -154,8 +172,10 @@ def describe_points(names: list[str]) -> str:
     groups: dict[str, list[str]] = {}
     for point, layers in by_point.items():
         groups.setdefault(layer_ranges(layers).replace(", ", ","), []).append(point)
-    parts = outside[:1] + [f"blocks.{{{layers}}}.{{{', '.join(points)}}}" if len(points) > 1
-                           else f"blocks.{{{layers}}}.{points[0]}" for layers, points in groups.items()]
+    parts = outside[:1] + [
+        f"blocks.{{{layers}}}.{{{', '.join(points)}}}" if len(points) > 1 else f"blocks.{{{layers}}}.{points[0]}"
+        for layers, points in groups.items()
+    ]
     return "; ".join(parts + outside[1:])
 
 
@@ -163,13 +183,21 @@ def summary(hooked: Any, fallback: bool = True) -> str:
     """The plain-language account of a generic wrap: which points exist, which do not and why, what to do."""
     model, found = hooked.hf_model, findings(hooked.hf_model)
     model_type = getattr(model.config, "model_type", None) or type(model).__name__
-    head = (f"no lensadapters plugin supports model_type {model_type!r}, so the generic adapter wrapped this "
-            f"{type(model).__name__}" if fallback else f"the generic adapter wrapped this {type(model).__name__}")
-    text = (f"{head}, from its structure and one probe forward pass. It has {len(hooked.hook_names)} hook points: "
-            f"{describe_points(hooked.hook_names)}.")
+    head = (
+        f"no lensadapters plugin supports model_type {model_type!r}, so the generic adapter wrapped this "
+        f"{type(model).__name__}"
+        if fallback
+        else f"the generic adapter wrapped this {type(model).__name__}"
+    )
+    text = (
+        f"{head}, from its structure and one probe forward pass. It has {len(hooked.hook_names)} hook points: "
+        f"{describe_points(hooked.hook_names)}."
+    )
     for group, why in found.missing.items():
         text += f" No {group}: {why}."
-    text += (f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
-             f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture: see "
-             f"{WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes.")
+    text += (
+        f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
+        f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture: see "
+        f"{WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
+    )
     return text

@@ -38,12 +38,29 @@ _registered: list[bool] = []
 
 #: arguments of the attention interface that do not change the computation the explicit attention reproduces
 #: (masks carry the sliding window; the rest are bookkeeping or kernel hints)
-NEUTRAL_ATTENTION_KWARGS = frozenset({
-    "dropout", "scaling", "sliding_window", "position_ids", "output_attentions", "output_hidden_states",
-    "output_router_logits", "return_dict", "use_cache", "cache_position", "layer_idx", "past_key_value",
-    "past_key_values", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch",
-    "head_mask",
-})
+NEUTRAL_ATTENTION_KWARGS = frozenset(
+    {
+        "dropout",
+        "scaling",
+        "sliding_window",
+        "position_ids",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "use_cache",
+        "cache_position",
+        "layer_idx",
+        "past_key_value",
+        "past_key_values",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "num_items_in_batch",
+        "head_mask",
+    }
+)
 
 
 def _unusual_arguments(module: nn.Module, kwargs: dict, mask: Optional[Tensor]) -> list[str]:
@@ -123,31 +140,61 @@ def _close(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
 
 
-def _pattern_problem(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], args: tuple,
-                     kwargs: dict, output: Tensor, weights: Optional[Tensor], eager: bool) -> Optional[str]:
+def _pattern_problem(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Optional[Tensor],
+    args: tuple,
+    kwargs: dict,
+    output: Tensor,
+    weights: Optional[Tensor],
+    eager: bool,
+) -> Optional[str]:
     """Why the explicit attention would not give this call's patterns (``None``: it gives them exactly)."""
     name = type(module).__name__
     unusual = _unusual_arguments(module, kwargs, mask)
     if args or unusual:
         passed = ", ".join(repr(k) for k in unusual) or f"{len(args)} extra positional argument(s)"
-        return f"{name} passes {passed} to its attention function, which plain softmax(q·kᵀ·scaling) attention " \
-               f"does not reproduce"
+        return (
+            f"{name} passes {passed} to its attention function, which plain softmax(q·kᵀ·scaling) attention "
+            f"does not reproduce"
+        )
     if not eager or weights is None:
         return f"{name}'s modeling file has no eager attention function to check patterns against"
     stand_in = HookPoint("probe", lambda point: None)
     try:
-        ours, pattern = explicit_attention(module, query, key, value, mask, scores_fn=default_scores,
-                                           scores_point=stand_in, pattern_point=stand_in, **kwargs)
+        ours, pattern = explicit_attention(
+            module,
+            query,
+            key,
+            value,
+            mask,
+            scores_fn=default_scores,
+            scores_point=stand_in,
+            pattern_point=stand_in,
+            **kwargs,
+        )
     except Exception as exc:  # whatever it is, patterns are not served for this module
         return f"explicit attention failed on {name}'s arguments ({type(exc).__name__}: {exc})"
     if not (_close(pattern, weights) and _close(ours, output)):
-        return f"{name}'s attention weights are not softmax(q·kᵀ·scaling + mask) of the queries and keys it " \
-               f"passes to the attention function"
+        return (
+            f"{name}'s attention weights are not softmax(q·kᵀ·scaling + mask) of the queries and keys it "
+            f"passes to the attention function"
+        )
     return None
 
 
-def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                     *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+def _probe_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[Tensor, Any]:
     """The attention function while probing: the model's eager attention (sdpa if it has none), recorded."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -156,12 +203,14 @@ def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     output, weights = fn(module, query, key, value, attention_mask, *args, **kwargs)
     recording: Optional[Recording] = getattr(_current, "recording", None)
     if recording is not None and isinstance(output, Tensor):
-        problem = _pattern_problem(module, query, key, value, attention_mask, args, kwargs, output, weights,
-                                   eager is not None)
+        problem = _pattern_problem(
+            module, query, key, value, attention_mask, args, kwargs, output, weights, eager is not None
+        )
         layer = recording.owner.get(id(module))
         recording.events.append(("attention", layer))
-        recording.calls.append(InterfaceCall(module, layer, query.shape[1], key.shape[1], query.shape[-1],
-                                             Record.of(output), problem))
+        recording.calls.append(
+            InterfaceCall(module, layer, query.shape[1], key.shape[1], query.shape[-1], Record.of(output), problem)
+        )
     return output, weights
 
 
@@ -219,6 +268,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             value = first_input(args, kwargs)
             if isinstance(value, Tensor):
                 recording.layer_in[i] = Record.of(value)
+
         return hook
 
     def on_layer_out(i: int) -> Callable[..., None]:
@@ -227,6 +277,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             value = first_output(output)
             if isinstance(value, Tensor):
                 recording.layer_out[i] = Record.of(value)
+
         return hook
 
     def on_child(i: int, name: str) -> Callable[..., None]:
@@ -239,6 +290,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             recording.children[(i, name)] = Record.of(value)
             if seen is not None:
                 recording.children[(i, name)].calls = seen.calls + 1
+
         return hook
 
     def on_outside(name: str) -> Callable[..., None]:
@@ -255,6 +307,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             except RuntimeError:
                 x = None
             recording.outside_in[name] = x.detach().clone() if isinstance(x, Tensor) else None
+
         return hook
 
     try:
@@ -271,8 +324,9 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         ids = torch.randint(0, int(vocab), (1, PROBE_LENGTH), generator=generator).to(_input_device(embed))
         with _probing(model, recording):
             output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
-        recording.last_hidden = (recording.outside_in.get(unembed) if unembed is not None
-                                 else getattr(output, "last_hidden_state", None))
+        recording.last_hidden = (
+            recording.outside_in.get(unembed) if unembed is not None else getattr(output, "last_hidden_state", None)
+        )
         if any(r.value.device.type == "meta" for r in recording.layer_in.values()):
             raise RuntimeError("the model's parameters are on the meta device (not loaded), so it computes no values")
     finally:

@@ -59,8 +59,15 @@ class AttentionFunctionSite(Site):
     """``attn.hook_attn_scores``, ``attn.hook_pattern`` (when the model's patterns are served) and ``attn.hook_z`` of
     one layer, served by :class:`AttentionFunctionBackend`."""
 
-    def __init__(self, layer: int, backend: "AttentionFunctionBackend", scores: Optional[HookPoint],
-                 pattern: Optional[HookPoint], z: HookPoint, copy_z: bool = False) -> None:
+    def __init__(
+        self,
+        layer: int,
+        backend: "AttentionFunctionBackend",
+        scores: Optional[HookPoint],
+        pattern: Optional[HookPoint],
+        z: HookPoint,
+        copy_z: bool = False,
+    ) -> None:
         self.layer, self.backend = layer, backend
         self.scores, self.pattern, self.z, self.copy_z = scores, pattern, z, copy_z
         self.points = tuple(p for p in (scores, pattern, z) if p is not None)
@@ -84,19 +91,38 @@ class AttentionFunctionBackend(InterfacePatternBackend):
 
     def activate(self, layer: int, site: Any) -> Any:
         implementation = self.config._attn_implementation or "eager"
-        implementation = implementation[len(KEY_PREFIX):] if implementation.startswith(KEY_PREFIX) else implementation
+        implementation = implementation[len(KEY_PREFIX) :] if implementation.startswith(KEY_PREFIX) else implementation
         if implementation not in SERVED_IMPLEMENTATIONS:  # hook_z too would run through a switched implementation
             return self.modules[layer].register_forward_pre_hook(_refuse(layer, implementation))
         return super().activate(layer, site)
 
-    def attend(self, layer: int, site: AttentionFunctionSite, module: nn.Module, query: Tensor, key: Tensor,
-               value: Tensor, attention_mask: Optional[Tensor], **kwargs: Any) -> tuple[Tensor, Any]:
+    def attend(
+        self,
+        layer: int,
+        site: AttentionFunctionSite,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        **kwargs: Any,
+    ) -> tuple[Tensor, Any]:
         if site.patterns_live():
-            output, weights = explicit_attention(module, query, key, value, attention_mask, scores_fn=self._scores,
-                                                 scores_point=site.scores, pattern_point=site.pattern, **kwargs)
+            output, weights = explicit_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scores_fn=self._scores,
+                scores_point=site.scores,
+                pattern_point=site.pattern,
+                **kwargs,
+            )
         else:
             output, weights = _original_function(self.original or "sdpa", module)(
-                module, query, key, value, attention_mask, **kwargs)
+                module, query, key, value, attention_mask, **kwargs
+            )
         edited, changed = site.z.apply(output)
         return (edited.clone() if site.copy_z else edited), weights
 
@@ -106,6 +132,7 @@ def _refuse(layer: int, implementation: str) -> Callable[..., None]:
         raise UnsupportedModelError(
             f"layer {layer}: attn.hook_z, hook_attn_scores and hook_pattern run through the eager or sdpa attention "
             f"implementation; this model uses {implementation!r}. Call model.set_attn_implementation('sdpa') before "
-            f"adding these hooks, or leave them out: every other hook point works with {implementation!r}")
+            f"adding these hooks, or leave them out: every other hook point works with {implementation!r}"
+        )
 
     return check

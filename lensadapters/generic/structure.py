@@ -43,7 +43,8 @@ def _refuse(model: nn.Module, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"no lensadapters plugin supports model_type {model_type!r}, and the generic adapter cannot use this "
         f"{type(model).__name__}: {what}. The generic adapter serves decoder-only models built as an embedding, a "
-        f"list of decoder layers and an unembedding; for anything else write a plugin (see {WRITE_A_PLUGIN}).")
+        f"list of decoder layers and an unembedding; for anything else write a plugin (see {WRITE_A_PLUGIN})."
+    )
 
 
 def find_layers(model: nn.Module) -> str:
@@ -57,8 +58,11 @@ def find_layers(model: nn.Module) -> str:
         lists = [(name, m) for name, m in lists if all(type(layer).__name__ in no_split for layer in m)]
     if len(lists) != 1:
         found = "no" if not lists else f"{len(lists)} candidate"
-        raise _refuse(model, f"it has {found} module list(s) of its {n} decoder layers (config.num_hidden_layers) "
-                             f"that the generic adapter can tell apart")
+        raise _refuse(
+            model,
+            f"it has {found} module list(s) of its {n} decoder layers (config.num_hidden_layers) "
+            f"that the generic adapter can tell apart",
+        )
     return lists[0][0]
 
 

@@ -38,9 +38,16 @@ from .strategies import Inputs, token_inputs
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
 PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
 _EXAMPLES = max(2, (settings.default.max_examples or 4) // 4)
-_SETTINGS = settings(max_examples=_EXAMPLES, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                            HealthCheck.differing_executors, HealthCheck.filter_too_much])
+_SETTINGS = settings(
+    max_examples=_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.differing_executors,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 
 def _real(t: torch.Tensor, name: str, valid: torch.Tensor) -> torch.Tensor:
@@ -93,8 +100,9 @@ class GenericContract:
         with pytest.warns(GenericAdapterWarning):
             return HookedModel.wrap(model, registry=Registry())
 
-    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
-             ) -> tuple[Any, torch.nn.Module, Inputs]:
+    def draw(
+        self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
+    ) -> tuple[Any, torch.nn.Module, Inputs]:
         config = data.draw(self.configs(), label="config")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         model = self.make_model(config, seed, attn_implementation or self.attn_implementations[0])
@@ -131,16 +139,32 @@ class GenericContract:
         names = hm.hook_names
         assert names[0] == "hook_embed" and len(set(names)) == len(names)
         for i in range(hm.cfg.n_layers):
-            block = [n[len(f"blocks.{i}."):] for n in names if n.startswith(f"blocks.{i}.")]
+            block = [n[len(f"blocks.{i}.") :] for n in names if n.startswith(f"blocks.{i}.")]
             assert block[0] == "hook_resid_pre" and block[-1] == "hook_resid_post", block
-            for flag, points in ((expected.branches, BRANCHES), (expected.attention_function, ("attn.hook_z",)),
-                                 (expected.patterns, PATTERNS)):
+            for flag, points in (
+                (expected.branches, BRANCHES),
+                (expected.attention_function, ("attn.hook_z",)),
+                (expected.patterns, PATTERNS),
+            ):
                 if flag is not None:
                     assert all((p in block) == flag for p in points), f"layer {i}: expected {points} {flag}: {block}"
         if expected.final_norm is not None:
             assert ("ln_final.hook_normalized" in names) == expected.final_norm
-        assert not any(n.endswith(("hook_scale", "hook_q", "hook_k", "hook_v", "hook_result", "hook_resid_mid",
-                                   "mlp.hook_pre", "mlp.hook_post")) for n in names)
+        assert not any(
+            n.endswith(
+                (
+                    "hook_scale",
+                    "hook_q",
+                    "hook_k",
+                    "hook_v",
+                    "hook_result",
+                    "hook_resid_mid",
+                    "mlp.hook_pre",
+                    "mlp.hook_post",
+                )
+            )
+            for n in names
+        )
         for absent in ("ln_final.hook_normalized", "attn.hook_z", "hook_attn_out"):
             if not any(n.endswith(absent) for n in names):
                 assert absent.split(".")[-1] in message, f"the warning does not say why {absent} is absent"
@@ -219,8 +243,11 @@ class GenericContract:
             if i + 1 < n:
                 assert_close(cache["resid_post", i][v], hidden[i + 1][v], f"blocks.{i}.hook_resid_post")
             if f"blocks.{i}.hook_attn_out" in cache:
-                assert_close(cache["resid_post", i], cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i],
-                             f"layer {i}: resid_post == resid_pre + attn_out + mlp_out")
+                assert_close(
+                    cache["resid_post", i],
+                    cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i],
+                    f"layer {i}: resid_post == resid_pre + attn_out + mlp_out",
+                )
         if "ln_final.hook_normalized" in cache and unembedded:
             final = self.final_output(hm, cache["ln_final.hook_normalized"])
             assert_close(final[v], unembedded[0][v], "the final norm's output is what the unembedding reads")
@@ -279,16 +306,24 @@ class GenericContract:
         if short in ("hook_embed", "hook_resid_pre", "hook_resid_post", "ln_final.hook_normalized"):
             assert_close(logits[v], theirs[v], f"patching {name} gives the other tokens' logits")
         elif short in BRANCHES:
-            assert_close(cache[pre + "hook_resid_post"],
-                         cache[pre + "hook_resid_pre"] + cache[pre + "hook_attn_out"] + cache[pre + "hook_mlp_out"],
-                         f"patched {name} enters the residual stream")
+            assert_close(
+                cache[pre + "hook_resid_post"],
+                cache[pre + "hook_resid_pre"] + cache[pre + "hook_attn_out"] + cache[pre + "hook_mlp_out"],
+                f"patched {name} enters the residual stream",
+            )
         elif short == "attn.hook_z" and pre + "hook_attn_out" in watch:
-            assert_close(cache[pre + "hook_attn_out"][v], their_cache[pre + "hook_attn_out"][v],
-                         f"patching {name} gives the other tokens' attention output")
+            assert_close(
+                cache[pre + "hook_attn_out"][v],
+                their_cache[pre + "hook_attn_out"][v],
+                f"patching {name} gives the other tokens' attention output",
+            )
         elif short == "attn.hook_attn_scores":
             pattern = pre + "attn.hook_pattern"
-            assert_close(_real(cache[pattern], pattern, v), _real(their_cache[pattern], pattern, v),
-                         f"patching {name} gives the other tokens' pattern")
+            assert_close(
+                _real(cache[pattern], pattern, v),
+                _real(their_cache[pattern], pattern, v),
+                f"patching {name} gives the other tokens' pattern",
+            )
         if not close(_real(patched, name, v), _real(mine[name], name, v), atol=1e-4, rtol=0):
             assert not close(logits[v], reference[v], atol=1e-6, rtol=0), f"patching {name} left the logits alone"
         hm.unwrap()
@@ -311,6 +346,7 @@ class GenericContract:
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             if pre + "attn.hook_pattern" in names:
+
                 def uniform(s: torch.Tensor, hook: Any) -> torch.Tensor:
                     return torch.where(torch.isfinite(s), torch.zeros_like(s), s)
 
@@ -318,9 +354,11 @@ class GenericContract:
                     _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
                 pattern = cache[pre + "attn.hook_pattern"]
                 allowed = (pattern > 0).sum(-1, keepdim=True)
-                assert_close(pattern[v[:, None, :, None].expand_as(pattern)],
-                             (pattern > 0).float().div(allowed)[v[:, None, :, None].expand_as(pattern)],
-                             "uniform scores give a uniform pattern")
+                assert_close(
+                    pattern[v[:, None, :, None].expand_as(pattern)],
+                    (pattern > 0).float().div(allowed)[v[:, None, :, None].expand_as(pattern)],
+                    "uniform scores give a uniform pattern",
+                )
 
                 def one_hot(p: torch.Tensor, hook: Any) -> torch.Tensor:
                     out = torch.zeros_like(p)
@@ -347,6 +385,7 @@ class GenericContract:
         _, model, inputs = self.draw(data)
         hm = self.wrap(model)
         name = data.draw(st.sampled_from(hm.hook_names), label="point")
+
         def in_place(t: torch.Tensor, hook: Any) -> None:
             t.mul_(1.5)
 
@@ -362,12 +401,22 @@ class GenericContract:
         config, model, inputs = self.draw(data, left_padding=False)
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-        options = [n for n in hm.hook_names if n.startswith(f"blocks.{layer}.")
-                   and n.endswith(("hook_resid_post", "attn.hook_z", "attn.hook_pattern", "hook_mlp_out"))]
+        options = [
+            n
+            for n in hm.hook_names
+            if n.startswith(f"blocks.{layer}.")
+            and n.endswith(("hook_resid_post", "attn.hook_z", "attn.hook_pattern", "hook_mlp_out"))
+        ]
         point = data.draw(st.sampled_from(options), label="point")
         steps = 3
-        kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=0)
+        kwargs = dict(
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         prompt = inputs.input_ids.shape[1]
         with torch.no_grad():
             with hm.hooks([(point, lambda t, hook: t * 1.5)]):

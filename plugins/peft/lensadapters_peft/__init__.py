@@ -46,8 +46,15 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 
 __all__ = [
-    "LoraFactors", "BaseAndAdapted", "adapters_disabled", "using_adapter", "run_with_cache_base_and_adapted",
-    "lora_factors", "lora_hook_names", "LoraDeltaSite", "ModuleGuardSite",
+    "LoraFactors",
+    "BaseAndAdapted",
+    "adapters_disabled",
+    "using_adapter",
+    "run_with_cache_base_and_adapted",
+    "lora_factors",
+    "lora_hook_names",
+    "LoraDeltaSite",
+    "ModuleGuardSite",
 ]
 
 Tensor = torch.Tensor
@@ -77,7 +84,8 @@ def lensadapters_resolve_model(model: Any) -> Optional[nn.Module]:
             raise UnsupportedModelError(
                 f"lensadapters-peft supports adapters that live inside the model's layers (LoRA and other tuners); "
                 f"adapter(s) {prompt} are prompt-learning adapters (prompt/prefix/p-tuning), which change the "
-                f"sequence the model sees. Wrap model.get_base_model() to hook the base model instead.")
+                f"sequence the model sees. Wrap model.get_base_model() to hook the base model instead."
+            )
         return model.base_model
     if isinstance(model, BaseTuner):
         return model.model
@@ -110,7 +118,7 @@ def _peft_method(module: nn.Module) -> str:
         if where.startswith(package + "."):
             config = configs.get(peft_type)
             name = getattr(config, "__name__", "")
-            return name[:-len("Config")] if name.endswith("Config") else str(getattr(peft_type, "value", peft_type))
+            return name[: -len("Config")] if name.endswith("Config") else str(getattr(peft_type, "value", peft_type))
     parts = where.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(module).__name__
 
@@ -123,7 +131,8 @@ def _non_lora_weight_error(module: nn.Module) -> WeightUnavailableError:
         f"{_peft_method(module)} (adapter(s) {adapters}), and lensadapters-peft reads LoRA weights only. Hook points "
         f"still see the adapted computation, except attn.hook_result of such an output projection (it is computed "
         f"from W_O). For plain weights, wrap a merged copy: "
-        f"HookedModel.wrap(copy.deepcopy(peft_model).merge_and_unload()).")
+        f"HookedModel.wrap(copy.deepcopy(peft_model).merge_and_unload())."
+    )
 
 
 @hookimpl
@@ -146,7 +155,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
     if not is_lora_embedding(module):
         return None
     W = _lora.effective_embedding(module)
-    return W[layout.pos_embed_offset:] if name == "W_pos" else W
+    return W[layout.pos_embed_offset :] if name == "W_pos" else W
 
 
 # --- hook points for the LoRA deltas --------------------------------------------------------------
@@ -194,9 +203,11 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
         if is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
-        for path, target, name in ((mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
-                                   (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
-                                   (mlp.out, "hook_mlp_out", MLP_OUT_POINT)):
+        for path, target, name in (
+            (mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
+            (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
+            (mlp.out, "hook_mlp_out", MLP_OUT_POINT),
+        ):
             if path is None:
                 continue
             module = get(path)
@@ -412,7 +423,8 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         if len(candidates) != 1:
             raise LensAdaptersError(
                 f"blocks.{layer}.{path}: {len(candidates)} active LoRA adapters here ({candidates}); name one with "
-                f"adapter=... (available: {list(module.lora_A)})")
+                f"adapter=... (available: {list(module.lora_A)})"
+            )
         adapter = candidates[0]
     if adapter not in module.lora_A:
         raise LensAdaptersError(f"blocks.{layer}.{path} has no LoRA adapter {adapter!r} (it has {list(module.lora_A)})")

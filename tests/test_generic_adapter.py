@@ -10,7 +10,16 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, FalconConfig, Gemma2Config, PhiConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    FalconConfig,
+    Gemma2Config,
+    PhiConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.modeling_outputs import CausalLMOutput
 
 from lensadapters import Architecture, HookedModel, Registry, UnsupportedModelError, get_registry, hookimpl
 from lensadapters.cli import main as cli_main
@@ -143,6 +152,67 @@ def test_what_cannot_be_identified_is_absent_and_explained():
         _, cache = hm.run_with_cache(_ids(), names_filter="ln_final.hook_normalized")
     handle.remove()
     assert_close(cache["ln_final.hook_normalized"] * (1 + spec.weight), seen[0], "RMSNorm with (1 + weight)")
+    hm.unwrap()
+
+
+class _LoopConfig(PretrainedConfig):
+    model_type = "test_looped_decoder"
+
+    def __init__(self, loops=1, num_hidden_layers=2, hidden_size=8, vocab_size=16, **kwargs):
+        self.loops, self.num_hidden_layers, self.hidden_size, self.vocab_size = (
+            loops,
+            num_hidden_layers,
+            hidden_size,
+            vocab_size,
+        )
+        super().__init__(**kwargs)
+
+
+class _LoopedDecoder(PreTrainedModel):
+    """A model of someone's own: an embedding, a list of residual layers that it may run more than once, a norm."""
+
+    config_class = _LoopConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        width = config.hidden_size
+        self.embed = torch.nn.Embedding(config.vocab_size, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(config.num_hidden_layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, config.vocab_size)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, **kwargs):
+        x = self.embed(input_ids)
+        for _ in range(self.config.loops):
+            for layer in self.layers:
+                x = x + layer(x)
+        return CausalLMOutput(logits=self.head(self.norm(x)))
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_a_model_of_its_own_gets_what_can_be_identified_and_an_account_of_the_rest(loops):
+    model = _LoopedDecoder(_LoopConfig(loops=loops)).eval()
+    with pytest.warns(GenericAdapterWarning) as warned:
+        hm = HookedModel.wrap(model, registry=Registry())
+    message = str(warned[0].message)
+    blocks = (
+        ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
+        if loops == 1
+        else []
+    )
+    assert hm.hook_names == ["hook_embed", *blocks, "ln_final.hook_normalized"]
+    assert "'test_looped_decoder'" in message and "writing-a-plugin" in message
+    assert ("attention interface" in message) if loops == 1 else ("did not run once each" in message)
+    ids = torch.randint(0, 16, (2, 4))
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids)
+        assert torch.equal(logits, model(ids).logits) and len(cache) == len(hm.hook_names)
     hm.unwrap()
 
 

@@ -290,13 +290,16 @@ def identify(model: nn.Module) -> Findings:
         missing = {"attention and MLP points, attention patterns, hook_z and ln_final": reason}
         return Findings(structure, resid_only, missing=missing)
     order = [e[1] for e in rec.events if e[0] == "enter"]
-    if order != list(range(n)):
-        why = f"the decoder layers did not run once each, in order, in a forward pass (order seen: {order})"
-        missing = {"every point inside the layers but hook_resid_pre/hook_resid_post": why}
-        return Findings(structure, resid_only, missing=missing)
-    blocks = tuple(_block(i, layer, rec, notes) for i, layer in enumerate(layers))
+    if order == list(range(n)):
+        blocks = tuple(_block(i, layer, rec, notes) for i, layer in enumerate(layers))
+        missing = notes.result()
+    else:  # a block point would fire never, or several times per forward
+        blocks = tuple(BlockFindings(()) for _ in range(n))
+        missing = {
+            "block hook points": f"the decoder layers did not run once each, in order, in a forward pass "
+            f"(order seen: {order})"
+        }
     final_norm, behaviour = _final_norm(model, structure, rec)
-    missing = notes.result()
     if final_norm is None:
         missing["ln_final.hook_normalized"] = (
             "no module outside the layers both produces the model's last hidden "

@@ -128,7 +128,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied
-        sites.append(ModuleIOSite(layer, points["hook_resid_pre"], output=False, copy="hook_resid_pre" in copied))
+        if "hook_resid_pre" in points:
+            sites.append(ModuleIOSite(layer, points["hook_resid_pre"], output=False, copy="hook_resid_pre" in copied))
         if "attn.hook_z" in points:
             sites.append(
                 AttentionFunctionSite(
@@ -143,7 +144,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
                 sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
-        sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
+        if "hook_resid_post" in points:
+            sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
     if found.final_norm is not None and found.final_norm_behaviour is not None:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")

@@ -283,6 +283,34 @@ class GenericContract:
 
     @_SETTINGS
     @given(data=st.data())
+    def test_every_point_edit_changes_the_logits(self, data: st.DataObject) -> None:
+        _, model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        v = inputs.valid
+        with torch.no_grad():
+            reference = hm(**inputs.kwargs()).logits
+            for name in hm.hook_names:
+                fired: list[str] = []
+
+                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                    fired.append(hook.name)
+                    return perturb(t, hook)
+
+                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+                assert fired, f"{name} never fired"
+                if name.endswith("attn.hook_attn_scores") and close(logits[v], reference[v], atol=1e-5, rtol=0):
+                    # a saturated softmax can absorb a rescaled score: the pattern must still show the edit
+                    pattern = name.replace("hook_attn_scores", "hook_pattern")
+                    _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=pattern)
+                    with hm.hooks([(name, perturb)]):
+                        _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=pattern)
+                    assert not torch.equal(edited[pattern], base[pattern]), f"editing {name} changed no pattern"
+                    continue
+                assert not close(logits[v], reference[v], atol=1e-5, rtol=0), f"editing {name} left the logits alone"
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
     def test_patching_a_point_from_other_tokens_acts_as_computed(self, data: st.DataObject) -> None:
         """Replacing a point's value with its value on other tokens (activation patching) does what the model
         would do with that value: the residual points and the final norm then give the other tokens' logits; an

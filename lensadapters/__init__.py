@@ -11,6 +11,7 @@ from .errors import (
     UnsupportedModelError,
     WeightUnavailableError,
 )
+from .generic import GenericAdapterWarning
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
 from .offload import live_parameters
@@ -31,9 +32,35 @@ from .specs import (
 )
 
 __all__ = [
-    "__version__", "ActivationCache", "get_act_name", "HookReturnError", "LensAdaptersError",
-    "PluginConflictError", "PluginValidationError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
-    "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
-    "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
-    "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters", "Hooked",
+    "__version__",
+    "ActivationCache",
+    "get_act_name",
+    "HookReturnError",
+    "LensAdaptersError",
+    "PluginConflictError",
+    "PluginValidationError",
+    "UnknownHookError",
+    "UnsupportedModelError",
+    "WeightUnavailableError",
+    "HookPoint",
+    "HookedModel",
+    "HOOKSPEC_VERSION",
+    "hookimpl",
+    "hookspec",
+    "Registry",
+    "get_registry",
+    "Architecture",
+    "BlockLayout",
+    "FusedQKV",
+    "HookedConfig",
+    "LinearWeight",
+    "MLPLayout",
+    "ModelLayout",
+    "NormSpec",
+    "RotarySpec",
+    "SeparateQKV",
+    "is_recomputing",
+    "live_parameters",
+    "Hooked",
+    "GenericAdapterWarning",
 ]

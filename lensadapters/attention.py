@@ -92,7 +92,7 @@ def attention_key(original: str) -> str:
         entry = _route(module)
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
-        if entry is None or not (entry.site.scores.has_live_hooks() or entry.site.pattern.has_live_hooks()):
+        if entry is None or not _site_is_live(entry.site):
             fn = _delegate(module) or _original_function(original, module)
             return fn(module, query, key_, value, attention_mask, *args, **kwargs)
         return entry.backend.attend(entry.layer, entry.site, module, query, key_, value, attention_mask, **kwargs)
@@ -103,6 +103,16 @@ def attention_key(original: str) -> str:
         mask_interface.register(key, mask_fn)
     _REGISTERED.add(key)
     return key
+
+
+def _site_is_live(site: Any) -> bool:
+    """Whether a hooked layer's site has a hook that runs in the forward executing now: its own ``is_live()`` when
+    it has one (a site serving more than scores and patterns through the attention function), else its score or
+    pattern point's."""
+    is_live = getattr(site, "is_live", None)
+    if is_live is not None:
+        return bool(is_live())
+    return site.scores.has_live_hooks() or site.pattern.has_live_hooks()
 
 
 class _MaskInfo:

@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import sys
+import textwrap
+import warnings
 from typing import Optional, Sequence
 
 from .registry import get_registry
@@ -15,15 +17,19 @@ def _plugins(args: argparse.Namespace) -> int:
     registry = get_registry()
     rows = []
     for info in registry.infos.values():
-        rows.append({
-            "name": info.name,
-            "distribution": info.distribution,
-            "version": info.version,
-            "source": info.source,
-            "architectures": [{"name": a.name, "model_types": list(a.model_types), "transformers": a.transformers}
-                              for a in info.architectures],
-            "kind": "architecture" if info.architectures else "cross-cutting",
-        })
+        rows.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "source": info.source,
+                "architectures": [
+                    {"name": a.name, "model_types": list(a.model_types), "transformers": a.transformers}
+                    for a in info.architectures
+                ],
+                "kind": "architecture" if info.architectures else "cross-cutting",
+            }
+        )
     conflicts = registry.conflicts()
     if args.json:
         print(json.dumps({"plugins": rows, "failures": registry.failures, "conflicts": conflicts}, indent=2))
@@ -32,12 +38,16 @@ def _plugins(args: argparse.Namespace) -> int:
         print("No lensadapters plugins installed. Try: pip install lensadapters[all]")
     for row in rows:
         archs = ", ".join(f"{a['name']} ({'/'.join(a['model_types'])})" for a in row["architectures"]) or "-"
-        print(f"{row['name']:<12} {row['distribution'] or '(not installed)':<24} {row['version'] or '':<8} "
-              f"{row['kind']:<14} {archs}")
+        print(
+            f"{row['name']:<12} {row['distribution'] or '(not installed)':<24} {row['version'] or '':<8} "
+            f"{row['kind']:<14} {archs}"
+        )
     for message in registry.failures.values():
         print(f"! {message}")
     for model_type, names in conflicts.items():
-        print(f"! model_type {model_type!r} is claimed by {', '.join(names)}: choose with HookedModel.wrap(..., adapter=)")
+        print(
+            f"! model_type {model_type!r} is claimed by {', '.join(names)}: choose with HookedModel.wrap(..., adapter=)"
+        )
     return 0
 
 
@@ -55,29 +65,47 @@ def _load_for_hooks(target: str):
         for arch in info.architectures:
             if target in (arch.name, info.name) or target in arch.model_types:
                 return tiny_model(registry, info, arch), registry
-    raise SystemExit(f"{target!r} is neither a checkpoint directory nor an installed architecture. "
-                     f"{registry.describe_installed()}")
+    raise SystemExit(
+        f"{target!r} is neither a checkpoint directory nor an installed architecture. {registry.describe_installed()}"
+    )
 
 
 def _hooks(args: argparse.Namespace) -> int:
     import torch
 
+    from .generic import GenericAdapterWarning, summary
     from .hooked_model import HookedModel
 
     model, registry = _load_for_hooks(args.target)
-    hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
+    with warnings.catch_warnings():  # the generic adapter's account is printed below instead
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
+    note = summary(hm.wiring, fallback=args.adapter is None) if hm.plugin is registry.generic else None
     ids = torch.zeros(1, args.length, dtype=torch.long)
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
     hm.unwrap()
     if args.json:
-        print(json.dumps({"adapter": hm.arch.name, "batch": 1, "positions": args.length, "hook_points": shapes},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "adapter": hm.arch.name,
+                    "batch": 1,
+                    "positions": args.length,
+                    "hook_points": shapes,
+                    **({"generic": note} if note else {}),
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"{hm.arch.name}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
+    adapter = "generic adapter" if note else hm.arch.name
+    print(f"{adapter}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
     for name, shape in shapes.items():
         print(f"  {name:<40} {tuple(shape) if shape is not None else '(not run)'}")
+    if note:
+        print(textwrap.fill(note[0].upper() + note[1:], width=100))
     return 0
 
 
@@ -92,8 +120,17 @@ def _check(args: argparse.Namespace) -> int:
     from .check import run
 
     variants = [v for v in ("lora", "int8") if getattr(args, v)]
-    return run(args.plugin, examples=args.examples, keyword=args.keyword, seed=args.seed, exitfirst=args.exitfirst,
-               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args, variants=variants)
+    return run(
+        args.plugin,
+        examples=args.examples,
+        keyword=args.keyword,
+        seed=args.seed,
+        exitfirst=args.exitfirst,
+        verbose=args.verbose,
+        shrink=not args.no_shrink,
+        pytest_args=args.pytest_args,
+        variants=variants,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -104,37 +141,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.set_defaults(func=_plugins)
     p = sub.add_parser("hooks", help="hook names and shapes for a checkpoint directory or a built-in tiny model")
     p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...)")
-    p.add_argument("--adapter", default=None, help="force a plugin by name")
+    p.add_argument("--adapter", default=None, help="force a plugin by name ('generic': the generic adapter)")
     p.add_argument("--length", type=int, default=4, help="positions of the probe input")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_hooks)
     p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch")
     p.set_defaults(func=_demo)
     p = sub.add_parser(
-        "check", help="run the contract suite against a plugin (needs lensadapters[testing])",
+        "check",
+        help="run the contract suite against a plugin (needs lensadapters[testing])",
         description="Run the adapter contract suite against a plugin through pytest: the AdapterContract "
-                    "subclass the plugin declares as LENSADAPTERS_CONTRACT, or one generated from its "
-                    "lensadapters_tiny_config. Exit status: pytest's (0 when every property holds).")
-    p.add_argument("plugin", help="an installed plugin (entry-point name, architecture or model type), or an "
-                                  "importable plugin module")
+        "subclass the plugin declares as LENSADAPTERS_CONTRACT, or one generated from its "
+        "lensadapters_tiny_config. Exit status: pytest's (0 when every property holds).",
+    )
+    p.add_argument(
+        "plugin",
+        help="an installed plugin (entry-point name, architecture or model type), or an importable plugin module",
+    )
     p.add_argument("--examples", type=int, default=10, help="Hypothesis examples per property (default 10)")
     p.add_argument("-k", dest="keyword", default=None, help="only properties matching this pytest -k expression")
     p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, for a reproducible run")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing property")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per property")
-    p.add_argument("--no-shrink", action="store_true",
-                   help="report a failing example as found instead of shrinking it to a minimal one (faster)")
-    p.add_argument("--lora", action="store_true",
-                   help="run the suite on LoRA-adapted models instead (needs lensadapters-peft)")
-    p.add_argument("--int8", action="store_true",
-                   help="run the suite on 8-bit bitsandbytes models instead (needs lensadapters-bnb)")
+    p.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="report a failing example as found instead of shrinking it to a minimal one (faster)",
+    )
+    p.add_argument(
+        "--lora", action="store_true", help="run the suite on LoRA-adapted models instead (needs lensadapters-peft)"
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="run the suite on 8-bit bitsandbytes models instead (needs lensadapters-bnb)",
+    )
     p.set_defaults(func=_check)
     p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # `lensadapters check PLUGIN ... -- PYTEST ARGS`
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+        argv, extra = argv[:at], argv[at + 1 :]
     args = parser.parse_args(argv)
     if extra and args.command != "check":
         parser.error(f"arguments after -- are only for `check`: {' '.join(extra)}")

@@ -126,16 +126,23 @@ class HookedModel(WeightAccessors):
         info, arch = registry.select(model_type, adapter)
         forced = describe_forced(adapter, model_type, arch, [o for o in registry.owners(model_type) if o != info.name])
         try:
+            hooks = registry.hooks_for(info, left_out)
+            try:  # a plugin's own refusal of the model comes first: it says what the model has that it cannot serve
+                hooks.lensadapters_validate(arch=arch, model=hf_model)
+            except UnsupportedModelError as exc:
+                if info is not registry.generic:
+                    raise
+                raise UnsupportedModelError(f"{exc} {registry.describe_installed()}") from None
             registry.check_architecture_plugin(info)
             if not left_out:
                 check_transformers_range(arch, info.name)
-            hooks = registry.hooks_for(info, left_out)
-            hooks.lensadapters_validate(arch=arch, model=hf_model)
             hm = cls(Wiring(model, hf_model, arch, info, hooks))
         except LensAdaptersError as exc:
             if forced and exc.args and isinstance(exc.args[0], str):
                 exc.args = (exc.args[0] + forced,) + exc.args[1:]
             raise
+        if adapter is None and info is registry.generic:
+            _warn_generic(hm, registry)
         hm.wiring.owner = hm  # kept alive by the model's hooks while any is installed (see _WRAPPERS)
         impl = hm.wiring.attention_implementation()
         if impl not in arch.attn_implementations:
@@ -442,6 +449,12 @@ def _forward_parameters(model: Any) -> tuple[str, ...]:
         return tuple(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):  # pragma: no cover
         return ()
+
+
+def _warn_generic(hm: HookedModel, registry: Registry) -> None:
+    from .generic import GenericAdapterWarning, summary
+
+    warnings.warn(GenericAdapterWarning(summary(hm.wiring) + registry.autoload_note()), stacklevel=4)
 
 
 def _logits(out: Any) -> Any:

@@ -83,8 +83,14 @@ def lensadapters_embed(arch: "Architecture", model: "nn.Module") -> "ModelLayout
 
 
 @hookspec(firstresult=True)
-def lensadapters_block(arch: "Architecture", model: "nn.Module", layer: int) -> "BlockLayout":
-    """Where the norms, attention and MLP of block ``layer`` live, and whether it is parallel."""
+def lensadapters_block(arch: "Architecture", model: "nn.Module", layer: int) -> Optional["BlockLayout"]:
+    """Where the norms, attention and MLP of block ``layer`` live, and whether it is parallel.
+
+    ``None`` makes the block *opaque*: the core creates no hook points for it (and ``lensadapters_attn_qkv`` /
+    ``lensadapters_mlp_act`` may return ``None`` for it too); the plugin then creates and serves the points it can
+    in ``lensadapters_extra_sites`` and overrides the weight accessors (``lensadapters_weight``) that need the
+    block's description. The core's generic adapter describes every block this way.
+    """
 
 
 @hookspec(firstresult=True)
@@ -116,7 +122,11 @@ def lensadapters_attn_pattern(arch: "Architecture", hooked: "Hooked") -> Any:
 
 @hookspec(firstresult=True)
 def lensadapters_attn_scores(
-    arch: "Architecture", module: "nn.Module", query: "torch.Tensor", key: "torch.Tensor", scaling: Optional[float],
+    arch: "Architecture",
+    module: "nn.Module",
+    query: "torch.Tensor",
+    key: "torch.Tensor",
+    scaling: Optional[float],
     implementation: str,
 ) -> Optional["torch.Tensor"]:
     """Return pre-mask attention scores ``[b, h, q, k]`` when the model computes them unusually.

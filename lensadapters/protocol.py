@@ -29,8 +29,16 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover
     from .hook_point import HookPoint
     from .sites import ForwardState
-    from .specs import Architecture, BlockLayout, HookedConfig, LinearWeight, MLPLayout, ModelLayout, NormSpec, \
-        QKVLayout
+    from .specs import (
+        Architecture,
+        BlockLayout,
+        HookedConfig,
+        LinearWeight,
+        MLPLayout,
+        ModelLayout,
+        NormSpec,
+        QKVLayout,
+    )
 
 __all__ = ["Hooked"]
 
@@ -48,10 +56,11 @@ class Hooked(Protocol):
     #: the description (paths relative to ``hf_model`` and to each block module)
     layout: "ModelLayout"
     block_modules: Sequence[nn.Module]
-    block_layouts: Sequence["BlockLayout"]
-    qkv_layouts: Sequence["QKVLayout"]
-    mlp_layouts: Sequence["MLPLayout"]
-    attention_modules: Sequence[nn.Module]
+    #: ``None`` for an opaque block (``lensadapters_block`` returned ``None``: no core points, no layouts)
+    block_layouts: Sequence[Optional["BlockLayout"]]
+    qkv_layouts: Sequence[Optional["QKVLayout"]]
+    mlp_layouts: Sequence[Optional["MLPLayout"]]
+    attention_modules: Sequence[Optional[nn.Module]]
     #: values sites share within one forward pass
     forward_state: "ForwardState"
     #: adapter-hook callers over the selected architecture plugin, the cross-cutting plugins and the core
@@ -96,4 +105,3 @@ class Hooked(Protocol):
 
     def attention_implementation(self) -> str:
         """The attention implementation the model is configured with (``"sdpa"``, ``"eager"``...)."""
-

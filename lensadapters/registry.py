@@ -6,10 +6,14 @@ or declares something malformed produces a warning naming it, is left unregister
 working. ``LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD=1`` (any value but ``0``, ``false``, ``no``, ``off`` or empty)
 turns autoloading off: entry points run arbitrary code at import, and embedders then ``register`` the plugins
 they trust by hand.
+
+A ``model_type`` that no registered plugin claims is served by the core's generic adapter
+(:mod:`lensadapters.generic`, also chosen by ``adapter="generic"``); it is not listed among the plugins.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -177,8 +181,16 @@ class Registry:
                     owners.setdefault(mt, []).append(info.name)
         return {mt: names for mt, names in owners.items() if len(set(names)) > 1}
 
+    @property
+    def generic(self) -> PluginInfo:
+        """The core's generic adapter, for model types no plugin claims (see :mod:`lensadapters.generic`)."""
+        return _generic_info()
+
     def select(self, model_type: str, adapter: Optional[str] = None) -> tuple[PluginInfo, Architecture]:
-        """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``)."""
+        """Pick the plugin and architecture for ``model_type`` (or the one named ``adapter``); the generic adapter
+        when no plugin claims ``model_type`` (or ``adapter="generic"``)."""
+        if adapter == self.generic.name:
+            return self.generic, self.generic.architectures[0]
         if adapter is not None:
             named = [
                 (info, arch)
@@ -199,11 +211,7 @@ class Registry:
             return named[0]
         found = self.claims(model_type)
         if not found:
-            raise UnsupportedModelError(
-                f"no lensadapters plugin supports model_type {model_type!r}. {self.describe_installed()} "
-                f"Install the plugin for it (for example `pip install lensadapters[{model_type.replace('_', '-')}]` "
-                f"when one exists) or write one: see docs/writing-a-plugin.md."
-            )
+            return self.generic, self.generic.architectures[0]
         if len({info.name for info, _ in found}) > 1:
             names = ", ".join(f"{info.name} ({info.distribution or info.source})" for info, _ in found)
             raise PluginConflictError(
@@ -224,18 +232,24 @@ class Registry:
         text = "Installed architecture plugins: " + (", ".join(archs) if archs else "none") + "."
         if self.failures:
             text += " Plugins that failed to load: " + "; ".join(self.failures.values()) + "."
-        if self.autoload_disabled:
-            text += (
-                f" Plugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV}="
-                f"{os.environ.get(DISABLE_AUTOLOAD_ENV, '')!r}): installed plugins were not loaded from their "
-                f"entry points; unset it, or register the plugins you trust with "
-                f"lensadapters.registry.register_module(module)."
-            )
-        return text
+        return text + self.autoload_note()
+
+    def autoload_note(self) -> str:
+        """A sentence saying that plugin autoloading is off and how to turn it on ("" when it is on)."""
+        if not self.autoload_disabled:
+            return ""
+        return (
+            f" Plugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV}="
+            f"{os.environ.get(DISABLE_AUTOLOAD_ENV, '')!r}): installed plugins were not loaded from their "
+            f"entry points; unset it, or register the plugins you trust with "
+            f"lensadapters.registry.register_module(module)."
+        )
 
     def hooks_for(self, info: PluginInfo, left_out: Iterable[Any] = ()) -> ScopedHooks:
         """Hook callers over ``info``'s plugin, the cross-cutting plugins (but those ``left_out``) and the core."""
         others = [i.plugin for i in self.architecture_plugins() if i.plugin is not info.plugin]
+        if info.plugin is not self.generic.plugin:
+            others.append(self.generic.plugin)
         return ScopedHooks(self.pm, others + list(left_out))
 
     def all_hooks(self, left_out: Iterable[Any] = ()) -> ScopedHooks:
@@ -244,7 +258,10 @@ class Registry:
         return ScopedHooks(self.pm, list(left_out))
 
     def check_architecture_plugin(self, info: PluginInfo) -> None:
-        """The selected plugin implements every hook the core needs (named when one is missing)."""
+        """The selected plugin implements every hook the core needs (named when one is missing); the core's generic
+        adapter describes only opaque blocks."""
+        if info is self.generic:
+            return
         check_required_hooks(info.plugin, info.name, hookspecs.hookimpl.project_name + "_impl")
 
 
@@ -254,7 +271,17 @@ def _new_plugin_manager() -> pluggy.PluginManager:
     from . import defaults
 
     pm.register(defaults, name="lensadapters.defaults")
+    pm.register(_generic_info().plugin, name="lensadapters.generic")
     return pm
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_info() -> PluginInfo:
+    from ._version import __version__
+    from .generic import plugin as generic
+
+    return PluginInfo(generic.NAME, generic, "lensadapters", __version__, (generic.ARCH,), "core")
+
 
 
 def _check_unmarked_hooks(plugin: Any, name: str) -> None:

@@ -4,7 +4,9 @@
 It is built once per ``HookedModel.wrap``, in three phases:
 
 1. **Points.** From the plugin's description (``ModelLayout``, one ``BlockLayout``/``QKVLayout``/``MLPLayout``
-   per block) the core creates every hook point it serves, in the order the points fire.
+   per block) the core creates every hook point it serves, in the order the points fire. A block whose
+   ``BlockLayout`` is ``None`` is *opaque*: the core creates no points for it, and a plugin serves whatever
+   points it can through its own sites (the generic adapter, ``lensadapters.generic``, describes every block so).
 2. **Plugins.** ``lensadapters_extra_sites`` runs: a plugin may add points (``new_point(name, after=...)``),
    take over a point the core created (``claim_point(name)``: the core then builds no hook for it) and return
    its own sites.
@@ -129,16 +131,22 @@ class Wiring:
         self.layout: ModelLayout = self._describe("lensadapters_embed", (ModelLayout,), "for the model")
         self.block_modules: list[nn.Module] = self._blocks()
         n = len(self.block_modules)
-        self.block_layouts: list[BlockLayout] = [
-            self._describe("lensadapters_block", (BlockLayout,), f"for layer {i}", i) for i in range(n)
+        self.block_layouts: list[Optional[BlockLayout]] = [
+            self._describe("lensadapters_block", (BlockLayout, type(None)), f"for layer {i}", i) for i in range(n)
         ]
-        self.qkv_layouts: list[QKVLayout] = [
-            self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i) for i in range(n)
+        # an opaque block (lensadapters_block returned None) gets no points and no further description
+        self.qkv_layouts: list[Optional[QKVLayout]] = [
+            None if bl is None else self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i)
+            for i, bl in enumerate(self.block_layouts)
         ]
-        self.mlp_layouts: list[MLPLayout] = [
-            self._describe("lensadapters_mlp_act", (MLPLayout,), f"for layer {i}", i) for i in range(n)
+        self.mlp_layouts: list[Optional[MLPLayout]] = [
+            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout,), f"for layer {i}", i)
+            for i, bl in enumerate(self.block_layouts)
         ]
-        self.attention_modules = [b.get_submodule(bl.attn) for b, bl in zip(self.block_modules, self.block_layouts)]
+        self.attention_modules = [
+            b.get_submodule(bl.attn) if bl is not None else None
+            for b, bl in zip(self.block_modules, self.block_layouts)
+        ]
         self.forward_state = ForwardState()
         self.guard = ModuleGuard(hf_model)  # the module paths as they are now, before any plugin code runs
         self._points: dict[str, HookPoint] = {}
@@ -351,6 +359,8 @@ class Wiring:
 
     def _check_layouts(self) -> None:
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
+            if bl is None:  # an opaque block (see the module docstring)
+                continue
             if bl.post_norm and (bl.parallel or bl.ln2 is None):
                 raise UnsupportedModelError(
                     f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be parallel (layer {i})"
@@ -360,7 +370,7 @@ class Wiring:
                     f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
                     f"(the module whose input is hook_mlp_in) (layer {i})"
                 )
-        if any(q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
+        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
             raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
 
     def _create_points(self) -> None:
@@ -369,6 +379,8 @@ class Wiring:
         if self.layout.pos_embed:
             new("hook_pos_embed")
         for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
+            if bl is None:  # an opaque block: its plugin creates its points
+                continue
             for name in block_point_names(bl, qkv, mlp):
                 new(f"blocks.{i}.{name}")
         if self.layout.ln_final:
@@ -427,7 +439,8 @@ class Wiring:
                 PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"), self.forward_state)
             )
         for i in range(len(self.block_modules)):
-            self._build_block_sites(i)
+            if self.block_layouts[i] is not None:
+                self._build_block_sites(i)
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
             self.add_site(
@@ -536,7 +549,7 @@ class Wiring:
 
     def _show_flat_tokens_as_batches(self) -> None:
         for i, block in enumerate(self.block_modules):
-            if self.block_layouts[i].flat_mlp:
+            if self.block_layouts[i] is not None and self.block_layouts[i].flat_mlp:
                 # every point of the block, plugin-added ones (PEFT's *_lora) included, shows [b*p, ...] as [b, p, ...]
                 block_points = [pt for name, pt in self._points.items() if name.startswith(f"blocks.{i}.")]
                 for point in block_points:

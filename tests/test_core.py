@@ -10,8 +10,15 @@ import torch
 from transformers import GPT2Config
 
 import lensadapters_gpt2
-from lensadapters import (HookedModel, LensAdaptersError, PluginConflictError, Registry, UnsupportedModelError,
-                          get_act_name, hookimpl)
+from lensadapters import (
+    HookedModel,
+    LensAdaptersError,
+    PluginConflictError,
+    Registry,
+    UnsupportedModelError,
+    get_act_name,
+    hookimpl,
+)
 from lensadapters import registry as registry_module
 from lensadapters.cli import main as cli_main
 from lensadapters.registry import DISABLE_AUTOLOAD_ENV, PluginLoadWarning
@@ -71,7 +78,10 @@ def test_plugin_for_another_hookspec_major_is_refused(monkeypatch):
 
 
 def test_same_entry_point_name_from_two_distributions_is_reported(monkeypatch):
-    eps = [FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "a"), FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "b")]
+    eps = [
+        FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "a"),
+        FakeEntryPoint("gpt2", lambda: lensadapters_gpt2, "b"),
+    ]
     monkeypatch.setattr(registry_module, "_entry_points", lambda: eps)
     registry = Registry()
     with pytest.warns(PluginLoadWarning, match="provided by both a and b"):
@@ -113,10 +123,23 @@ def test_two_plugins_claiming_one_architecture_conflict_until_one_is_chosen():
     hm.unwrap()
 
 
-def test_unsupported_architecture_names_model_type_plugins_and_fix():
+def test_architecture_without_plugin_gets_the_generic_adapter_with_a_warning():
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from lensadapters.generic import GenericAdapterWarning
+
+    model = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=8, n_head=2, vocab_size=16))
+    with pytest.warns(GenericAdapterWarning, match="'bloom'.*generic adapter.*writing-a-plugin"):
+        hm = HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
+    assert hm.arch.name == "generic" and "blocks.0.hook_resid_post" in hm.hook_names
+    hm.unwrap()
+
+
+def test_model_the_generic_adapter_cannot_read_names_model_type_plugins_and_fix():
     from transformers import AutoModelForCausalLM, BloomConfig
 
     model = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=8, n_head=2, vocab_size=16))
+    model.config.num_hidden_layers = 3  # no list of 3 decoder layers: the generic adapter cannot find the blocks
     with pytest.raises(UnsupportedModelError) as info:
         HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
     message = str(info.value)
@@ -172,15 +195,19 @@ def test_cache_shorthand_and_filters():
     hm = HookedModel.wrap(tiny_gpt2(), registry=registry_with(lensadapters_gpt2))
     ids = torch.arange(6).view(1, 6)
     with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, names_filter=["blocks.1.hook_resid_pre", "ln_final.hook_scale"],
-                                     remove_batch_dim=True, device="cpu")
+        _, cache = hm.run_with_cache(
+            ids, names_filter=["blocks.1.hook_resid_pre", "ln_final.hook_scale"], remove_batch_dim=True, device="cpu"
+        )
     assert set(cache) == {"blocks.1.hook_resid_pre", "ln_final.hook_scale"}
     assert cache["resid_pre", 1].shape == (6, 8) and cache["scale"].shape == (6, 1)
     assert ("resid_pre", -1) in cache and ("resid_pre", 0) not in cache
     assert get_act_name("scale", 2, "ln2") == "blocks.2.ln2.hook_scale"
     assert get_act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
     assert "attn.hook_result" not in " ".join(hm.cache_names())
-    assert hm.cache_names(lambda n: n.endswith("hook_result")) == ["blocks.0.attn.hook_result", "blocks.1.attn.hook_result"]
+    assert hm.cache_names(lambda n: n.endswith("hook_result")) == [
+        "blocks.0.attn.hook_result",
+        "blocks.1.attn.hook_result",
+    ]
     with torch.no_grad(), pytest.raises(ValueError, match="batch of one.*batch of 2"):
         hm.run_with_cache(torch.cat([ids, ids]), remove_batch_dim=True)
     assert not any(p.active for p in hm.hook_dict.values())
@@ -252,12 +279,16 @@ def test_undeclared_attention_implementation_keeps_every_hook_but_patterns():
     with pytest.warns(UserWarning, match="test_alias_attention.*hook_pattern"):
         hm = HookedModel.wrap(model, registry=registry_with(lensadapters_gpt2))
     with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores")))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
+        )
         assert torch.equal(logits, reference) and "blocks.1.attn.hook_z" in cache
         doubled = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t * 2)])
         assert not torch.allclose(doubled, reference)
-        for call in (lambda: hm.run_with_cache(ids),
-                     lambda: hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: None)):
+        for call in (
+            lambda: hm.run_with_cache(ids),
+            lambda: hm.add_hook("blocks.1.attn.hook_pattern", lambda t, hook: None),
+        ):
             with pytest.raises(UnsupportedModelError, match="'test_alias_attention'.*set_attn_implementation"):
                 call()
         assert not any(p.active for p in hm.hook_dict.values()), "a refused pattern hook stayed attached"

@@ -185,6 +185,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
     for i, block in enumerate(hooked.block_modules):
         pre = f"blocks.{i}."
         qkv, bl, mlp = hooked.qkv_layouts[i], hooked.block_layouts[i], hooked.mlp_layouts[i]
+        if bl is None:  # an opaque block (the generic adapter): no projection points to split a delta for
+            continue
         get = block.get_submodule
         first = len(sites)
         if isinstance(qkv, FusedQKV):

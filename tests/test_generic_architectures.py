@@ -1,0 +1,278 @@
+"""The generic adapter on thirteen decoder-only architectures that no plugin describes.
+
+Each class draws tiny configs that vary the family's own choices (parallel or sequential blocks, multi-query and
+grouped attention, partial rotary, q/k norms, sliding windows, ALiBi, branch multipliers...) and declares what the
+generic adapter finds there; :class:`lensadapters.testing.generic.GenericContract` checks the rest. Families whose
+attention does not go through transformers' attention interface (Falcon, BLOOM, GPT-Neo, CodeGen; StableLM under
+transformers 4.x) get no pattern points and no hook_z; BLOOM adds the residual inside its attention and MLP modules
+and BioGPT has no MLP module, so neither gets hook_attn_out/hook_mlp_out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from hypothesis import strategies as st
+from transformers import (
+    BioGptConfig,
+    BloomConfig,
+    CodeGenConfig,
+    CohereConfig,
+    FalconConfig,
+    GPTBigCodeConfig,
+    GPTNeoConfig,
+    GraniteConfig,
+    OlmoConfig,
+    PersimmonConfig,
+    PhiConfig,
+    StableLmConfig,
+    Starcoder2Config,
+)
+
+from lensadapters.testing.generic import GenericContract, GenericPoints
+
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+VOCAB = 96
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@st.composite
+def _shape(draw: Any) -> dict:
+    """Layers, heads and key/value heads of a tiny model (width 32)."""
+    heads = draw(st.sampled_from([2, 4]))
+    kv = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
+    return dict(layers=draw(st.integers(1, 3)), heads=heads, kv=kv, width=32)
+
+
+def _llama_like(config_class: type, **extra: Any) -> st.SearchStrategy:
+    @st.composite
+    def configs(draw: Any) -> Any:
+        s = draw(_shape())
+        fixed = {k: (draw(v) if isinstance(v, st.SearchStrategy) else v) for k, v in extra.items()}
+        return config_class(
+            vocab_size=VOCAB,
+            hidden_size=s["width"],
+            intermediate_size=48,
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv"],
+            max_position_embeddings=64,
+            **IDS,
+            **fixed,
+        )
+
+    return configs()
+
+
+class TestFalcon(GenericContract):
+    attn_implementations = ("sdpa", "eager")
+    branches, attention_function, patterns, final_norm = True, False, False, True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        @st.composite
+        def configs(draw: Any) -> Any:
+            s = draw(_shape())
+            new = draw(st.booleans())
+            return FalconConfig(
+                vocab_size=VOCAB,
+                hidden_size=s["width"],
+                num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"],
+                num_kv_heads=s["kv"] if new else None,
+                new_decoder_architecture=new,
+                parallel_attn=new or draw(st.booleans()),
+                alibi=False if new else draw(st.booleans()),
+                bias=draw(st.booleans()),
+                multi_query=not new and draw(st.booleans()),
+                **IDS,
+            )
+
+        return configs()
+
+
+class TestBloom(GenericContract):
+    attn_implementations = ("eager",)
+    branches, attention_function, patterns, final_norm = False, False, False, True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return st.builds(
+            BloomConfig,
+            vocab_size=st.just(VOCAB),
+            hidden_size=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.sampled_from([2, 4]),
+            **{k: st.just(v) for k, v in IDS.items()},
+            apply_residual_connection_post_layernorm=st.booleans(),
+        )
+
+
+class TestGPTNeo(GenericContract):
+    attn_implementations = ("eager",)
+    branches, attention_function, patterns, final_norm = True, False, False, True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        @st.composite
+        def configs(draw: Any) -> Any:
+            kinds = draw(st.lists(st.sampled_from(["global", "local"]), min_size=1, max_size=3))
+            return GPTNeoConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_layers=len(kinds),
+                attention_types=[[[kind], 1] for kind in kinds],
+                num_heads=draw(st.sampled_from([2, 4])),
+                intermediate_size=48,
+                window_size=3,
+                max_position_embeddings=64,
+                **IDS,
+            )
+
+        return configs()
+
+
+class TestCodeGen(GenericContract):
+    attn_implementations = ("eager",)
+    branches, attention_function, patterns, final_norm = True, False, False, True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return st.builds(
+            CodeGenConfig,
+            vocab_size=st.just(VOCAB),
+            n_embd=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.just(4),
+            rotary_dim=st.sampled_from([4, 8]),
+            n_inner=st.just(48),
+            n_positions=st.just(64),
+            bos_token_id=st.just(1),
+            eos_token_id=st.just(2),
+        )
+
+
+class TestStableLm(GenericContract):
+    branches, final_norm = True, True
+    attention_function = patterns = TRANSFORMERS_5  # transformers 4.x computes StableLM's attention itself
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        # (transformers 4.x cannot initialize StableLM's bias-free q/k norms)
+        return _llama_like(
+            StableLmConfig,
+            use_parallel_residual=st.booleans(),
+            qk_layernorm=st.booleans() if TRANSFORMERS_5 else False,
+            use_qkv_bias=st.booleans(),
+            partial_rotary_factor=st.sampled_from([0.25, 0.5, 1.0]),
+        )
+
+
+class TestStarcoder2(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _llama_like(Starcoder2Config, sliding_window=st.sampled_from([None, 3]), use_bias=st.booleans())
+
+
+class TestGPTBigCode(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return st.builds(
+            GPTBigCodeConfig,
+            vocab_size=st.just(VOCAB),
+            n_embd=st.just(32),
+            n_layer=st.integers(1, 3),
+            n_head=st.sampled_from([2, 4]),
+            n_inner=st.just(48),
+            n_positions=st.just(64),
+            multi_query=st.booleans(),
+            **{k: st.just(v) for k, v in IDS.items()},
+        )
+
+
+class TestCohere(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _llama_like(CohereConfig, use_qk_norm=False, logit_scale=st.sampled_from([1.0, 0.25]))
+
+
+class TestGranite(GenericContract):
+    attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _llama_like(
+            GraniteConfig,
+            residual_multiplier=st.sampled_from([1.0, 0.5]),
+            embedding_multiplier=st.sampled_from([1.0, 4.0]),
+            attention_multiplier=st.just(0.3),
+            logits_scaling=st.just(2.0),
+        )
+
+    def expected(self, config: Any) -> GenericPoints:
+        """Granite scales both branches by ``residual_multiplier`` before adding them: the attention and MLP
+        modules' outputs are what is added to the residual only when it is 1."""
+        return GenericPoints(config.residual_multiplier == 1.0, True, True, True)
+
+
+class TestOlmo(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _llama_like(OlmoConfig, clip_qkv=st.sampled_from([None, 0.5]))
+
+
+class TestPhi(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _llama_like(PhiConfig, qk_layernorm=st.booleans(), partial_rotary_factor=st.sampled_from([0.5, 1.0]))
+
+
+class TestPersimmon(GenericContract):
+    branches = attention_function = patterns = final_norm = True
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        @st.composite
+        def configs(draw: Any) -> Any:
+            return PersimmonConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=draw(st.integers(1, 3)),
+                num_attention_heads=4,
+                qk_layernorm=draw(st.booleans()),
+                max_position_embeddings=64,
+                partial_rotary_factor=draw(st.sampled_from([0.5, 1.0])),
+                **IDS,
+            )
+
+        return configs()
+
+
+class TestBioGpt(GenericContract):
+    branches, attention_function, patterns = False, True, True  # its MLP is two projections in the layer itself
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return st.builds(
+            BioGptConfig,
+            vocab_size=st.just(VOCAB),
+            hidden_size=st.just(32),
+            num_hidden_layers=st.integers(1, 3),
+            num_attention_heads=st.sampled_from([2, 4]),
+            intermediate_size=st.just(48),
+            max_position_embeddings=st.just(64),
+            scale_embedding=st.booleans(),
+            **{k: st.just(v) for k, v in IDS.items()},
+        )

@@ -47,6 +47,7 @@ from .sites import (
     Site,
 )
 from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, LinearWeight, MLPLayout, NormSpec, QKVLayout
+from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .registry import PluginInfo, ScopedHooks
@@ -57,7 +58,7 @@ _UNSET = object()
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 
 
-def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: MLPLayout) -> list[str]:
+def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayout, MoELayout]) -> list[str]:
     """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
 
     Separate projections run one after another, each query/key rotated as soon as it is projected; a fused
@@ -71,8 +72,11 @@ def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: MLPLayout) -> lis
     else:
         attn = ["attn.hook_q", "attn.hook_rot_q", "attn.hook_k", "attn.hook_rot_k", "attn.hook_v"]
     attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out"]
-    mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
-    mlp_names += ["mlp.hook_post", "hook_mlp_out"]
+    if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
+        mlp_names = moe_point_names(mlp) + ["hook_mlp_out"]
+    else:
+        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
+        mlp_names += ["mlp.hook_post", "hook_mlp_out"]
     if block.post_norm:
         return (["hook_resid_pre"] + attn + ["hook_resid_mid"] + ln1 + ["hook_mlp_in"] + mlp_names
                 + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"])
@@ -283,6 +287,9 @@ class Wiring:
             if bl.post_norm and (bl.parallel or bl.ln2 is None):
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
                                             f"parallel (layer {i})")
+            if is_moe(mlp) and (bl.mlp is None or bl.post_norm):
+                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a mixture-of-experts MLP needs BlockLayout.mlp "
+                                            f"(the MoE module) in a pre-norm block (layer {i})")
             if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
                 raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
                                             f"(the module whose input is hook_mlp_in) (layer {i})")
@@ -296,7 +303,7 @@ class Wiring:
             new("hook_pos_embed")
         for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
             for name in block_point_names(bl, qkv, mlp):
-                new(f"blocks.{i}.{name}")
+                new(f"blocks.{i}.{name}").costly = is_expert_point(name)
         if self.layout.ln_final:
             new("ln_final.hook_scale")
             new("ln_final.hook_normalized")
@@ -364,10 +371,13 @@ class Wiring:
     def _build_mlp_sites(self, i: int) -> None:
         block, bl, mlp = self.block_modules[i], self.block_layouts[i], self.mlp_layouts[i]
         pt, get = self._block_point(i), block.get_submodule
-        self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
-        if mlp.pre_linear is not None:
-            self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
-        self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
+        if is_moe(mlp):
+            self.add_site(build_moe_site(self, i, mlp, pt))
+        else:
+            self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
+            if mlp.pre_linear is not None:
+                self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
+            self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
         mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream

@@ -32,6 +32,7 @@ from lensadapters import (
     FusedQKV,
     LensAdaptersError,
     LinearWeight,
+    MLPLayout,
     UnsupportedModelError,
     WeightUnavailableError,
     hookimpl,
@@ -192,9 +193,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
         if is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
+        dense = isinstance(mlp, MLPLayout)  # a mixture of experts has no single MLP projection to watch
         for path, target, name in ((mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
                                    (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
-                                   (mlp.out, "hook_mlp_out", MLP_OUT_POINT)):
+                                   (mlp.out, "hook_mlp_out", MLP_OUT_POINT)) if dense else ():
             if path is None:
                 continue
             module = get(path)
@@ -394,6 +396,9 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         path = qkv.module if isinstance(qkv, FusedQKV) else getattr(qkv, which)
     elif which == "o":
         path = bl.o_proj
+    elif not isinstance(mlp, MLPLayout):
+        raise LensAdaptersError(f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections "
+                                f"(q, k, v, o) there")
     elif which == "in":
         path = mlp.pre_linear or mlp.pre
     elif which == "gate":

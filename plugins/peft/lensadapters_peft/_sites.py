@@ -147,7 +147,11 @@ class ModuleGuardSite(Site):
             if path:
                 self.expected.append((model, path, model.get_submodule(path)))
         for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
-            paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, mlp.pre, mlp.pre_linear, mlp.out]
+            paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp]
+            if hasattr(mlp, "experts"):  # a mixture of experts (lensadapters.moe.MoELayout)
+                paths += [mlp.router, mlp.experts.module]
+            else:
+                paths += [mlp.pre, mlp.pre_linear, mlp.out]
             paths += [qkv.module] if hasattr(qkv, "module") else [qkv.q, qkv.k, qkv.v]
             for path in paths:
                 if path:

@@ -129,12 +129,16 @@ class MoESite(Site):
         values["lead"] = tuple(hidden.shape[:-1]) if isinstance(hidden, Tensor) else None
 
     def _apply(self, point: HookPoint, flat: Tensor) -> tuple[Tensor, bool]:
-        """Run ``point``'s hooks on a ``[tokens, ...]`` value shown as ``[b, p, ...]``."""
+        """Run ``point``'s hooks on a ``[tokens, ...]`` value shown as ``[b, p, ...]``.
+
+        Editing hooks get a copy: the site must know whether anything changed (an in-place edit under
+        ``inference_mode`` leaves no version trace), since the model has already used, or never uses, this tensor.
+        """
         lead = self._values().get("lead")
         if lead and math.prod(lead) == flat.shape[0]:
-            shown, changed = point.apply(flat.reshape(*lead, flat.shape[-1]))
+            shown, changed = point.apply(flat.reshape(*lead, flat.shape[-1]), protect=True)
             return (shown.reshape(flat.shape) if changed else flat), changed
-        return point.apply(flat)
+        return point.apply(flat, protect=True)
 
     def _route(self, module: nn.Module, args: tuple, output: Any) -> Any:
         spec = self.layout.routing
@@ -201,11 +205,11 @@ class MoESite(Site):
             slot, token = _routing.expert_rows(index, e)
             rows = hidden[token]
             gate, up = compute.gate_up(e, rows)
-            gate, c_gate = gate_pt.apply(gate)
-            up, c_up = pre_pt.apply(up)
-            post, c_post = post_pt.apply(compute.act(gate) * up)
+            gate, c_gate = gate_pt.apply(gate, protect=True)
+            up, c_up = pre_pt.apply(up, protect=True)
+            post, c_post = post_pt.apply(compute.act(gate) * up, protect=True)
             result = compute.down(e, post) * weights[token, slot, None]
-            result, c_result = result_pt.apply(result.to(hidden.dtype))
+            result, c_result = result_pt.apply(result.to(hidden.dtype), protect=True)
             out.index_add_(0, token, result.to(out.dtype))
             changed = changed or c_gate or c_up or c_post or c_result
         return out, changed

@@ -37,7 +37,7 @@ def mixtral_config(*, n_heads: int = 4, n_kv: int = 2, head_dim: int = 8, hidden
 
 
 @st.composite
-def mixtral_configs(draw: st.DrawFn, *, experts: Any = st.integers(2, 6), top_k: Any = None,
+def mixtral_configs(draw: st.DrawFn, *, experts: Any = st.integers(2, 5), top_k: Any = None,
                     n_kv: Any = st.sampled_from([1, 2]), ratio: Any = st.sampled_from([1, 2]),
                     head_dim: Any = st.sampled_from([4, 8]), hidden_per_head: Any = st.sampled_from([4, 8]),
                     n_layers: Any = st.integers(1, 2), d_mlp: Any = st.sampled_from([8, 16, 24]),
@@ -45,7 +45,7 @@ def mixtral_configs(draw: st.DrawFn, *, experts: Any = st.integers(2, 6), top_k:
                     sliding_window: Any = None, tied: Any = st.booleans(),
                     act: Any = st.sampled_from(["silu", "silu", "gelu_new"]),
                     eps: Any = st.sampled_from([1e-6, 1e-5])) -> MixtralConfig:
-    """Tiny Mixtral configs: 2 to 6 experts, top-k from 1 to every expert (``top_k`` defaults to a draw in
+    """Tiny Mixtral configs: 2 to 5 experts, top-k from 1 to every expert (``top_k`` defaults to a draw in
     ``1..min(experts, 4)``), GQA and multi-query attention, ``head_dim`` apart from ``hidden / heads``, tied and
     untied embeddings. No sliding window by default (the generic properties assume every earlier key is attended;
     ``tests/test_mixtral.py`` checks sliding windows on their own)."""

@@ -1,4 +1,4 @@
-"""Mixtral: the contract suite in its mixture-of-experts form over random tiny Mixtral configs (2-6 experts, top-1
+"""Mixtral: the contract suite in its mixture-of-experts form over random tiny Mixtral configs (2-5 experts, top-1
 to top-all routing, GQA/MQA, sliding window or none, every experts implementation of transformers 5), plus the
 plugin's own checks."""
 

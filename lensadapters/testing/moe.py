@@ -213,9 +213,9 @@ class MoEContract(AdapterContract):
             n = hm.cfg.num_experts
             return lambda t, hook: (t + 1) % n
         if name.endswith(("mlp.hook_router_logits", "mlp.hook_expert_weights")):
-            # reversed over the experts: the selection changes (under top-1 a rescaled, noisy ranking may keep
-            # the same expert, whose renormalized weight is always 1)
-            return lambda t, hook: perturb(t.flip(-1), hook)
+            # rolled over the experts: every token's selection moves to other experts (under top-1 a rescaled,
+            # noisy ranking may keep the same expert, whose renormalized weight is always 1)
+            return lambda t, hook: perturb(t.roll(1, -1), hook)
         return perturb
 
     def points_to_edit(self, data: st.DataObject, hm: Any) -> list[str]:
@@ -239,8 +239,8 @@ class MoEContract(AdapterContract):
         """PENDING-CAPABILITY: ``mlp.hook_expert_indices`` holds integers, which the generic float perturbation is
         not, and an expert that no token chose has no rows whose edit could change anything. Checked instead: every
         point's edit changes the logits (the per-expert points of one drawn expert per layer) — the indices edited by moving every token to the next expert (needs at
-        least two experts), per-expert points of experts with rows; the per-expert points of an expert without rows
-        fire with zero rows; the router logits and probabilities are reversed over the experts before the perturbation
+        least two experts), per-expert points of experts that a real (not padding) token chose; the per-expert points of an expert without rows
+        fire with zero rows; the router logits and probabilities are rolled by one expert before the perturbation
         (under top-1 routing a perturbation that keeps the ranking changes nothing: the weight is always 1). A
         query/key edit hidden by a saturated softmax is skipped (the generic suite checks those points)."""
         model, inputs = self.draw(data)
@@ -259,9 +259,10 @@ class MoEContract(AdapterContract):
                 assert rows, f"{name} never fired"
                 if ".mlp.experts." in name:
                     layer, expert = int(name.split(".")[1]), int(name.split(".")[4])
-                    used = int((routing[f"blocks.{layer}.mlp.hook_expert_indices"] == expert).sum())
+                    chosen = routing[f"blocks.{layer}.mlp.hook_expert_indices"] == expert
+                    used = int(chosen.sum())
                     assert rows == [used], f"{name} fired with {rows} rows; the expert computes {used}"
-                    if used == 0:
+                    if not chosen[inputs.valid].any():  # no rows, or only padding's: nothing the logits show
                         continue
                 if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
                     continue
@@ -470,7 +471,7 @@ class MoEContract(AdapterContract):
             names = [pre + "hook_expert_indices", f"{pre}experts.{expert}.hook_result"]
             reference, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
             index = cache[names[0]]
-            assume(bool((index == expert).any()))
+            assume(bool((index == expert)[v].any()))  # chosen by a real token (a pad's logits are not compared)
             flat = index.reshape(-1, index.shape[-1])
             contribution = torch.zeros(flat.shape[0], hm.cfg.d_model, dtype=cache[names[1]].dtype)
             contribution.index_add_(0, expert_rows(flat, expert)[1], cache[names[1]])

@@ -25,7 +25,15 @@ def module_attribute(hooked: "Hooked", module: nn.Module, name: str) -> Any:
     """The attribute ``name`` of ``module`` as its forward computes with it: a plugin that wraps the module (PEFT's
     LoRA on a parameter) answers for it, deltas included; otherwise the module's own attribute."""
     value = hooked.plugin_hooks.lensadapters_module_attribute(module=module, name=name)
-    return getattr(module, name) if value is None else value
+    if value is not None:
+        return value
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise WeightUnavailableError(
+            f"{hooked.module_name(module)} ({type(module).__module__}.{type(module).__qualname__}) has no attribute "
+            f"{name!r}: it wraps the experts module and no installed plugin opens that wrapper (a PEFT adapter on the "
+            f"expert parameters needs `pip install lensadapters[peft]`)") from None
 
 
 def fused_parameter(hooked: "Hooked", module: nn.Module, name: str) -> Tensor:

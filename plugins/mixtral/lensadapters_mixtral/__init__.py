@@ -147,6 +147,8 @@ def _missing_paths(layer: nn.Module) -> list[str]:
         for e, expert in enumerate(experts):
             missing += [f"{moe}.experts.{e}.{p}" for p in ("w1", "w2", "w3", "act_fn") if not hasattr(expert, p)]
     else:
+        while isinstance(getattr(experts, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
+            experts = experts.base_layer
         missing += [f"{moe}.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
     return missing
 

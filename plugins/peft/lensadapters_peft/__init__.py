@@ -150,6 +150,27 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
     return W[layout.pos_embed_offset:] if name == "W_pos" else W
 
 
+@hookimpl
+def lensadapters_module_attribute(module: nn.Module, name: str) -> Optional[Any]:
+    """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``: fused MoE experts): the wrapped
+    module's attribute ``name``, with the deltas of the adapters its forward adds (none when disabled or merged)."""
+    wrapper = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
+    if wrapper is None or not isinstance(module, wrapper):
+        return None
+    deltas = []
+    inner: Any = module
+    while isinstance(inner, wrapper):  # one wrapper per targeted parameter, nested
+        if inner.parameter_name == name:
+            state, adapters = _lora.contributing_adapters(inner)
+            if state == "active":
+                deltas += [inner.get_delta_weight(adapter) for adapter in adapters]
+        inner = inner.base_layer
+    value = getattr(inner, name)
+    for delta in deltas:
+        value = value + delta
+    return value
+
+
 # --- hook points for the LoRA deltas --------------------------------------------------------------
 
 

@@ -68,8 +68,9 @@ def _version(t: torch.Tensor) -> Optional[int]:
 class HookPoint:
     """A named activation. Sites call :meth:`apply` with the value the model computed."""
 
-    def __init__(self, name: str, on_change: Callable[["HookPoint"], None],
-                 state: Optional["ForwardState"] = None) -> None:
+    def __init__(
+        self, name: str, on_change: Callable[["HookPoint"], None], state: Optional["ForwardState"] = None
+    ) -> None:
         self.name = name
         self._state = state  # the wrapped model's per-call state: which forward is running here
         self.pins = 0  # forwards that may still be recomputed with this point's hooks (gradient checkpointing)
@@ -109,9 +110,18 @@ class HookPoint:
 
     # --- management -----------------------------------------------------------------------------
 
-    def add(self, fn: HookFn, dir: str = "fwd", *, permanent: bool = False, context: Optional[int] = None,
-            prepend: bool = False, readonly: bool = False, thread: Optional[int] = None,
-            depth: Optional[int] = None) -> HookEntry:
+    def add(
+        self,
+        fn: HookFn,
+        dir: str = "fwd",
+        *,
+        permanent: bool = False,
+        context: Optional[int] = None,
+        prepend: bool = False,
+        readonly: bool = False,
+        thread: Optional[int] = None,
+        depth: Optional[int] = None,
+    ) -> HookEntry:
         entry = HookEntry(fn, permanent, context, next(_ids), readonly, thread, depth)
         hooks = self._list(dir)
         hooks.insert(0, entry) if prepend else hooks.append(entry)
@@ -223,15 +233,18 @@ class HookPoint:
         if not isinstance(out, torch.Tensor):
             raise HookReturnError(
                 f"hook on {self.name!r} returned {type(out).__name__}; return a tensor of shape "
-                f"{tuple(like.shape)} or None to keep the value")
+                f"{tuple(like.shape)} or None to keep the value"
+            )
         if out.shape != like.shape:
             raise HookReturnError(
                 f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the hook point has shape "
-                f"{tuple(like.shape)}; return a tensor of the same shape (or None to keep the value)")
+                f"{tuple(like.shape)}; return a tensor of the same shape (or None to keep the value)"
+            )
         if out.dtype != like.dtype:
             if out.is_floating_point() != like.is_floating_point() and not like.is_floating_point():
                 raise HookReturnError(
-                    f"hook on {self.name!r} returned dtype {out.dtype}, which cannot stand for {like.dtype}")
+                    f"hook on {self.name!r} returned dtype {out.dtype}, which cannot stand for {like.dtype}"
+                )
             out = out.to(like.dtype)
         if out.device != like.device:
             out = out.to(like.device)

@@ -44,7 +44,8 @@ def _resolve_model(model: Any, registry: Registry) -> nn.Module:
     if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
         raise UnsupportedModelError(
             f"HookedModel.wrap expects a transformers PreTrainedModel (or a wrapper a plugin can open, such as a "
-            f"PeftModel), got {type(model).__name__}. {registry.describe_installed()}")
+            f"PeftModel), got {type(model).__name__}. {registry.describe_installed()}"
+        )
     return inner
 
 
@@ -70,7 +71,8 @@ class HookedModel(WeightAccessors):
             if adapter is not None and adapter not in (existing.arch.name, existing.plugin.name):
                 raise LensAdaptersError(
                     f"this model is already wrapped with adapter {existing.arch.name!r}; call unwrap() first "
-                    f"to wrap it with {adapter!r}")
+                    f"to wrap it with {adapter!r}"
+                )
             return existing
         registry = registry or get_registry()
         hf_model = _resolve_model(model, registry)
@@ -78,7 +80,8 @@ class HookedModel(WeightAccessors):
         if other is not None:
             raise LensAdaptersError(
                 f"the model inside this {type(model).__name__} is already wrapped (as {type(other.model).__name__}); "
-                f"use that wrapper or unwrap() it first, so no hook runs twice")
+                f"use that wrapper or unwrap() it first, so no hook runs twice"
+            )
         model_type = getattr(hf_model.config, "model_type", None) or type(hf_model).__name__
         info, arch = registry.select(model_type, adapter)
         check_transformers_range(arch, info.name)
@@ -90,7 +93,9 @@ class HookedModel(WeightAccessors):
             warnings.warn(
                 f"{type(hf_model).__name__} uses the attention implementation {impl!r}: every hook point works but "
                 f"hook_attn_scores and hook_pattern, which need {' or '.join(map(repr, arch.attn_implementations))} "
-                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))", stacklevel=2)
+                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))",
+                stacklevel=2,
+            )
         _WRAPPERS[model] = hm
         _WRAPPERS[hf_model] = hm
         return hm
@@ -165,10 +170,19 @@ class HookedModel(WeightAccessors):
         if not self._alive:
             raise LensAdaptersError("this HookedModel was unwrapped; call HookedModel.wrap(model) again")
 
-    def add_hook(self, name: Union[str, Callable[[str], bool]], hook: HookFn, dir: str = "fwd",
-                 is_permanent: bool = False, prepend: bool = False, *, _context: Optional[int] = None,
-                 _touched: Optional[list[HookPoint]] = None, _readonly: bool = False,
-                 _scope: tuple[Optional[int], Optional[int]] = (None, None)) -> None:
+    def add_hook(
+        self,
+        name: Union[str, Callable[[str], bool]],
+        hook: HookFn,
+        dir: str = "fwd",
+        is_permanent: bool = False,
+        prepend: bool = False,
+        *,
+        _context: Optional[int] = None,
+        _touched: Optional[list[HookPoint]] = None,
+        _readonly: bool = False,
+        _scope: tuple[Optional[int], Optional[int]] = (None, None),
+    ) -> None:
         """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts).
 
         Under gradient checkpointing a forward hook inside a checkpointed layer runs again when
@@ -183,8 +197,16 @@ class HookedModel(WeightAccessors):
             self.wiring.check_pattern_implementation()
         with self.wiring.batched():
             for point in points:
-                point.add(hook, dir, permanent=is_permanent, context=_context, prepend=prepend, readonly=_readonly,
-                          thread=_scope[0], depth=_scope[1])
+                point.add(
+                    hook,
+                    dir,
+                    permanent=is_permanent,
+                    context=_context,
+                    prepend=prepend,
+                    readonly=_readonly,
+                    thread=_scope[0],
+                    depth=_scope[1],
+                )
                 if _touched is not None:
                     _touched.append(point)
 
@@ -193,8 +215,14 @@ class HookedModel(WeightAccessors):
         self.wiring.remove_hooks(lambda e: including_permanent or not e.permanent)
 
     @contextlib.contextmanager
-    def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks: Iterable[HookSpec] = (),
-              reset_hooks_end: bool = True, *, _readonly: bool = False) -> Iterator["HookedModel"]:
+    def hooks(
+        self,
+        fwd_hooks: Iterable[HookSpec] = (),
+        bwd_hooks: Iterable[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        *,
+        _readonly: bool = False,
+    ) -> Iterator["HookedModel"]:
         """Hooks that live only inside the ``with`` block (removed even when a hook raises).
 
         They apply to the forwards this thread runs inside the block, at the nesting depth of the block: another
@@ -205,8 +233,7 @@ class HookedModel(WeightAccessors):
         self.wiring.sync()
         context = next(_contexts)
         touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
-        scope = ((threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end
-                 else (None, None))
+        scope = (threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end else (None, None)
         kw = dict(_context=context, _touched=touched, _readonly=_readonly, _scope=scope)
         try:
             with self.wiring.batched():
@@ -235,8 +262,14 @@ class HookedModel(WeightAccessors):
             kwargs.setdefault("disable_compile", True)
         return self.model.generate(*args, **kwargs)
 
-    def run_with_hooks(self, *args: Any, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks: Iterable[HookSpec] = (),
-                       reset_hooks_end: bool = True, **kwargs: Any) -> Any:
+    def run_with_hooks(
+        self,
+        *args: Any,
+        fwd_hooks: Iterable[HookSpec] = (),
+        bwd_hooks: Iterable[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         """Run the model with temporary hooks; returns the logits (the full output if it has none).
 
         Backward hooks stay attached to this forward's graph, so ``logits.sum().backward()`` after
@@ -256,9 +289,15 @@ class HookedModel(WeightAccessors):
             return [n for n in self.hook_names if names_filter(n)]
         return [pt.name for pt in self.wiring.select(list(names_filter))]
 
-    def run_with_cache(self, *args: Any, names_filter: NameFilter = None, device: Any = None,
-                       remove_batch_dim: bool = False, incl_bwd: bool = False,
-                       **kwargs: Any) -> tuple[Any, ActivationCache]:
+    def run_with_cache(
+        self,
+        *args: Any,
+        names_filter: NameFilter = None,
+        device: Any = None,
+        remove_batch_dim: bool = False,
+        incl_bwd: bool = False,
+        **kwargs: Any,
+    ) -> tuple[Any, ActivationCache]:
         """Run the model and return ``(logits, cache)``.
 
         ``names_filter``: a name, a list of names or a predicate (default: every hook point but
@@ -280,8 +319,10 @@ class HookedModel(WeightAccessors):
                 value = value.to(device)
             if remove_batch_dim:
                 if value.shape[0] != 1:
-                    raise ValueError(f"run_with_cache(remove_batch_dim=True) needs a batch of one; {key} has a batch "
-                                     f"of {value.shape[0]} (shape {tuple(value.shape)})")
+                    raise ValueError(
+                        f"run_with_cache(remove_batch_dim=True) needs a batch of one; {key} has a batch "
+                        f"of {value.shape[0]} (shape {tuple(value.shape)})"
+                    )
                 value = value[0]
             store[key] = value
 
@@ -292,8 +333,9 @@ class HookedModel(WeightAccessors):
         def save_grad(tensor: Tensor, hook: HookPoint) -> None:
             keep(hook.name + "_grad", tensor)
 
-        with self.hooks([(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [],
-                        _readonly=True):
+        with self.hooks(
+            [(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [], _readonly=True
+        ):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)
                 if incl_bwd:
@@ -315,8 +357,10 @@ class HookedModel(WeightAccessors):
         return self.model
 
     def __repr__(self) -> str:
-        return (f"HookedModel({type(self.model).__name__}, adapter={self.arch.name!r}, layers={self.cfg.n_layers}, "
-                f"hook_points={len(self.hook_names)})")
+        return (
+            f"HookedModel({type(self.model).__name__}, adapter={self.arch.name!r}, layers={self.cfg.n_layers}, "
+            f"hook_points={len(self.hook_names)})"
+        )
 
 
 def _logits(out: Any) -> Any:

@@ -116,7 +116,11 @@ def lensadapters_attn_pattern(arch: "Architecture", hooked: "Hooked") -> Any:
 
 @hookspec(firstresult=True)
 def lensadapters_attn_scores(
-    arch: "Architecture", module: "nn.Module", query: "torch.Tensor", key: "torch.Tensor", scaling: Optional[float],
+    arch: "Architecture",
+    module: "nn.Module",
+    query: "torch.Tensor",
+    key: "torch.Tensor",
+    scaling: Optional[float],
     implementation: str,
 ) -> Optional["torch.Tensor"]:
     """Return pre-mask attention scores ``[b, h, q, k]`` when the model computes them unusually.

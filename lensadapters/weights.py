@@ -42,7 +42,8 @@ def read_linear(hm: "Hooked", module: nn.Module) -> LinearWeight:
         raise WeightUnavailableError(
             f"lensadapters cannot read the weight of {hm.module_name(module)} ({type(module).__module__}."
             f"{type(module).__name__}): no installed plugin knows this storage format. Install the plugin for "
-            f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`.")
+            f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`."
+        )
     return result
 
 
@@ -120,14 +121,17 @@ def _mlp_stack(hooked: "Hooked", role: str, part: int) -> Tensor:
     if len({is_moe(layout) for layout in hooked.mlp_layouts}) > 1:
         raise AttributeError(
             f"this model mixes dense and mixture-of-experts MLP layers, whose weights have different shapes: read "
-            f"one layer's with lensadapters.weights.mlp_weights(hm.wiring, layer, {role!r})")
+            f"one layer's with lensadapters.weights.mlp_weights(hm.wiring, layer, {role!r})"
+        )
     return _stack(hooked, lambda i: mlp_weights(hooked, i, role)[part])
 
 
 def _router_stack(hooked: "Hooked") -> Tensor:
     if not all(is_moe(layout) for layout in hooked.mlp_layouts):
-        raise AttributeError("W_router exists for mixture-of-experts models whose every MLP layer is a MoE; read one "
-                             "layer's router with lensadapters.moe.router_weight(hm.wiring, layer)")
+        raise AttributeError(
+            "W_router exists for mixture-of-experts models whose every MLP layer is a MoE; read one "
+            "layer's router with lensadapters.moe.router_weight(hm.wiring, layer)"
+        )
     return _stack(hooked, lambda i: router_weight(hooked, i))
 
 
@@ -157,6 +161,7 @@ class WeightAccessors:
     @property
     def W_E(self) -> Tensor:
         """Token embeddings ``[d_vocab, d_model]``."""
+
         def compute() -> Tensor:
             with live_parameters(self.wiring.hf_model.get_submodule(self.wiring.layout.embed)) as embed:
                 return embed.weight
@@ -166,20 +171,23 @@ class WeightAccessors:
     @property
     def W_pos(self) -> Tensor:
         """Learned position embeddings ``[n_ctx, d_model]`` (without an offset's rows)."""
+
         def compute() -> Tensor:
             layout = self.wiring.layout
             if not layout.pos_embed:
                 raise AttributeError(f"{self.wiring.arch.name} has no learned position embeddings (W_pos)")
             with live_parameters(self.wiring.hf_model.get_submodule(layout.pos_embed)) as pos_embed:
-                return pos_embed.weight[layout.pos_embed_offset:]
+                return pos_embed.weight[layout.pos_embed_offset :]
 
         return self._weight("W_pos", compute)
 
     def _unembed(self) -> nn.Module:
         w = self.wiring
         if w.layout.unembed is None:
-            raise AttributeError(f"this {type(w.hf_model).__name__} has no unembedding (language-model head): "
-                                 f"W_U and b_U exist only for *ForCausalLM models")
+            raise AttributeError(
+                f"this {type(w.hf_model).__name__} has no unembedding (language-model head): "
+                f"W_U and b_U exist only for *ForCausalLM models"
+            )
         return w.hf_model.get_submodule(w.layout.unembed)
 
     @property
@@ -190,6 +198,7 @@ class WeightAccessors:
     @property
     def b_U(self) -> Tensor:
         """Unembedding bias ``[d_vocab]`` (zeros without one)."""
+
         def compute() -> Tensor:
             lw = self.wiring.read_linear(self._unembed())
             return lw.b if lw.b is not None else torch.zeros(lw.W.shape[-1], dtype=lw.W.dtype, device=lw.W.device)
@@ -202,21 +211,32 @@ class WeightAccessors:
     _b_K = _accessor("_b_K", lambda h: stacked(h, 1, 1), "Key biases ``[n_layers, n_key_value_heads, d_head]``.")
     _W_V = _accessor("_W_V", lambda h: stacked(h, 2, 0), "Values ``[n_layers, n_key_value_heads, d_model, d_head]``.")
     _b_V = _accessor("_b_V", lambda h: stacked(h, 2, 1), "Value biases ``[n_layers, n_key_value_heads, d_head]``.")
-    W_O = _accessor("W_O", lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
-                    "Output projection ``[n_layers, n_heads, d_head, d_model]``.")
+    W_O = _accessor(
+        "W_O",
+        lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
+        "Output projection ``[n_layers, n_heads, d_head, d_model]``.",
+    )
     b_O = _accessor("b_O", lambda h: _stack(h, lambda i: o_weights(h, i)[1]), "Output bias ``[n_layers, d_model]``.")
-    W_in = _accessor("W_in", lambda h: _mlp_stack(h, "in", 0),
-                     "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``; mixture of experts: "
-                     "``[n_layers, n_experts, d_model, d_mlp]``.")
+    W_in = _accessor(
+        "W_in",
+        lambda h: _mlp_stack(h, "in", 0),
+        "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``; mixture of experts: "
+        "``[n_layers, n_experts, d_model, d_mlp]``.",
+    )
     b_in = _accessor("b_in", lambda h: _mlp_stack(h, "in", 1), "``[n_layers, d_mlp]``.")
-    W_gate = _accessor("W_gate", lambda h: _mlp_stack(h, "gate", 0),
-                       "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``.")
+    W_gate = _accessor(
+        "W_gate", lambda h: _mlp_stack(h, "gate", 0), "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``."
+    )
     b_gate = _accessor("b_gate", lambda h: _mlp_stack(h, "gate", 1), "``[n_layers, d_mlp]``.")
-    W_out = _accessor("W_out", lambda h: _mlp_stack(h, "out", 0),
-                      "MLP output (down) projection ``[n_layers, d_mlp, d_model]``.")
+    W_out = _accessor(
+        "W_out", lambda h: _mlp_stack(h, "out", 0), "MLP output (down) projection ``[n_layers, d_mlp, d_model]``."
+    )
     b_out = _accessor("b_out", lambda h: _mlp_stack(h, "out", 1), "``[n_layers, d_model]``.")
-    W_router = _accessor("W_router", _router_stack,
-                         "Mixture of experts: the router ``[n_layers, d_model, n_experts]`` (logits = x @ W_router).")
+    W_router = _accessor(
+        "W_router",
+        _router_stack,
+        "Mixture of experts: the router ``[n_layers, d_model, n_experts]`` (logits = x @ W_router).",
+    )
 
     @property
     def W_K(self) -> Tensor:
@@ -238,5 +258,24 @@ class WeightAccessors:
 
 
 #: the accessor names ``lensadapters_weight`` may override
-WEIGHT_NAMES = ("W_E", "W_pos", "W_U", "b_U", "W_Q", "b_Q", "_W_K", "_b_K", "_W_V", "_b_V", "W_O", "b_O", "W_in",
-                "b_in", "W_gate", "b_gate", "W_out", "b_out", "W_router")
+WEIGHT_NAMES = (
+    "W_E",
+    "W_pos",
+    "W_U",
+    "b_U",
+    "W_Q",
+    "b_Q",
+    "_W_K",
+    "_b_K",
+    "_W_V",
+    "_b_V",
+    "W_O",
+    "b_O",
+    "W_in",
+    "b_in",
+    "W_gate",
+    "b_gate",
+    "W_out",
+    "b_out",
+    "W_router",
+)

@@ -78,8 +78,15 @@ def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayout, 
         mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
         mlp_names += ["mlp.hook_post", "hook_mlp_out"]
     if block.post_norm:
-        return (["hook_resid_pre"] + attn + ["hook_resid_mid"] + ln1 + ["hook_mlp_in"] + mlp_names
-                + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"])
+        return (
+            ["hook_resid_pre"]
+            + attn
+            + ["hook_resid_mid"]
+            + ln1
+            + ["hook_mlp_in"]
+            + mlp_names
+            + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"]
+        )
     names = ["hook_resid_pre"] + ln1 + attn
     if not block.parallel:
         names.append("hook_resid_mid")
@@ -94,8 +101,9 @@ class Wiring:
     Everything public here is the plugin protocol (:class:`lensadapters.protocol.Hooked`); the rest is the core's.
     """
 
-    def __init__(self, model: Any, hf_model: nn.Module, arch: Architecture, plugin: "PluginInfo",
-                 hooks: "ScopedHooks") -> None:
+    def __init__(
+        self, model: Any, hf_model: nn.Module, arch: Architecture, plugin: "PluginInfo", hooks: "ScopedHooks"
+    ) -> None:
         self.model = model
         self.hf_model = hf_model
         self.arch = arch
@@ -145,8 +153,10 @@ class Wiring:
         """Create a hook point; ``after`` or ``before`` (an existing name) places it in ``hook_names``, which
         lists points in the order they fire (the contract checks it)."""
         if name in self._points:
-            raise LensAdaptersError(f"hook point {name!r} exists twice; a plugin defines it again (to serve a point "
-                                    f"the core creates, use claim_point({name!r}))")
+            raise LensAdaptersError(
+                f"hook point {name!r} exists twice; a plugin defines it again (to serve a point "
+                f"the core creates, use claim_point({name!r}))"
+            )
         point = HookPoint(name, self._point_changed, self.forward_state)
         anchor = before if before in self._points else after if after in self._points else None
         if anchor is None:
@@ -235,7 +245,7 @@ class Wiring:
         from .attention import KEY_PREFIX
 
         impl = getattr(self.hf_model.config, "_attn_implementation", None) or "eager"
-        return impl[len(KEY_PREFIX):] if impl.startswith(KEY_PREFIX) else impl
+        return impl[len(KEY_PREFIX) :] if impl.startswith(KEY_PREFIX) else impl
 
     @property
     def pattern_backend(self) -> Any:
@@ -253,7 +263,8 @@ class Wiring:
             if result is None:
                 raise UnsupportedModelError(
                     f"no plugin knows how {type(module).__name__} ({self.module_name(module)}) normalizes; "
-                    f"implement lensadapters_norm_scale for it")
+                    f"implement lensadapters_norm_scale for it"
+                )
             return result
 
         return spec
@@ -285,14 +296,19 @@ class Wiring:
     def _check_layouts(self) -> None:
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
             if bl.post_norm and (bl.parallel or bl.ln2 is None):
-                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be "
-                                            f"parallel (layer {i})")
+                raise UnsupportedModelError(
+                    f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be parallel (layer {i})"
+                )
             if is_moe(mlp) and (bl.mlp is None or bl.post_norm):
-                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a mixture-of-experts MLP needs BlockLayout.mlp "
-                                            f"(the MoE module) in a pre-norm block (layer {i})")
+                raise UnsupportedModelError(
+                    f"plugin {self.plugin.name!r}: a mixture-of-experts MLP needs BlockLayout.mlp "
+                    f"(the MoE module) in a pre-norm block (layer {i})"
+                )
             if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
-                raise UnsupportedModelError(f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
-                                            f"(the module whose input is hook_mlp_in) (layer {i})")
+                raise UnsupportedModelError(
+                    f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
+                    f"(the module whose input is hook_mlp_in) (layer {i})"
+                )
         if any(q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
             raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
 
@@ -319,14 +335,21 @@ class Wiring:
         embed = m.get_submodule(L.embed)
         self.add_site(OutputSite(embed, self._core("hook_embed")))
         if L.pos_embed:
-            self.add_site(PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"),
-                                            self.forward_state))
+            self.add_site(
+                PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"), self.forward_state)
+            )
         for i in range(len(self.block_modules)):
             self._build_block_sites(i)
         if L.ln_final:
             ln_f = m.get_submodule(L.ln_final)
-            self.add_site(NormSite(ln_f, self._norm_spec(ln_f), self._core("ln_final.hook_scale"),
-                                   self._core("ln_final.hook_normalized")))
+            self.add_site(
+                NormSite(
+                    ln_f,
+                    self._norm_spec(ln_f),
+                    self._core("ln_final.hook_scale"),
+                    self._core("ln_final.hook_normalized"),
+                )
+            )
         self._build_rotary_sites()
 
     def _block_point(self, layer: int) -> Callable[[str], Optional[HookPoint]]:
@@ -356,8 +379,12 @@ class Wiring:
         self._build_mlp_sites(i)
 
     def _build_qkv_sites(self, i: int) -> None:
-        qkv, pt, get, state = self.qkv_layouts[i], self._block_point(i), self.block_modules[i].get_submodule, \
-            self.forward_state
+        qkv, pt, get, state = (
+            self.qkv_layouts[i],
+            self._block_point(i),
+            self.block_modules[i].get_submodule,
+            self.forward_state,
+        )
         q, k, v = pt("attn.hook_q"), pt("attn.hook_k"), pt("attn.hook_v")
         rot_q, rot_k = pt("attn.hook_rot_q"), pt("attn.hook_rot_k")
         if isinstance(qkv, FusedQKV):
@@ -381,15 +408,27 @@ class Wiring:
         mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream
-            self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pt("hook_mlp_in"),
-                                    protect=True))  # ln1's output is the MLP's residual too
+            self.add_site(
+                InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pt("hook_mlp_in"), protect=True)
+            )  # ln1's output is the MLP's residual too
             self.add_site(OutputSite(mlp_out_module, pt("hook_mlp_out")))
             self.add_site(OutputSite(block, pt("hook_resid_post")))
             return
-        residual_add = (get(bl.mlp_residual) if bl.mlp_residual else get(bl.mlp) if bl.mlp is not None else None)
-        self.add_site(ResidualSite(i, block, get(bl.ln2) if bl.ln2 is not None else None, mlp_out_module,
-                                   self.forward_state, pt("hook_resid_mid"), pt("hook_mlp_in"), pt("hook_mlp_out"),
-                                   pt("hook_resid_post"), residual_add=residual_add))
+        residual_add = get(bl.mlp_residual) if bl.mlp_residual else get(bl.mlp) if bl.mlp is not None else None
+        self.add_site(
+            ResidualSite(
+                i,
+                block,
+                get(bl.ln2) if bl.ln2 is not None else None,
+                mlp_out_module,
+                self.forward_state,
+                pt("hook_resid_mid"),
+                pt("hook_mlp_in"),
+                pt("hook_mlp_out"),
+                pt("hook_resid_post"),
+                residual_add=residual_add,
+            )
+        )
 
     def _build_rotary_sites(self) -> None:
         rot_points = [self._core(n) for n in self._points if n.endswith(("attn.hook_rot_q", "attn.hook_rot_k"))]
@@ -401,8 +440,11 @@ class Wiring:
         for i in range(len(self.block_modules)):
             points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
             if points:
-                self.add_site(RecomputedRotarySite(self.attention_modules[i], points, self.forward_state,
-                                                    rotary_module, L.rotary_from_inputs))
+                self.add_site(
+                    RecomputedRotarySite(
+                        self.attention_modules[i], points, self.forward_state, rotary_module, L.rotary_from_inputs
+                    )
+                )
 
     def _show_flat_tokens_as_batches(self) -> None:
         for i, block in enumerate(self.block_modules):
@@ -430,7 +472,7 @@ class Wiring:
     def remove_hooks(self, predicate: Callable[[Any], bool], points: Optional[Iterable[HookPoint]] = None) -> None:
         """Remove the hooks ``predicate`` accepts (a ``HookEntry`` predicate) from ``points`` (default: all)."""
         with self.batched():
-            for point in (self._points.values() if points is None else dict.fromkeys(points)):
+            for point in self._points.values() if points is None else dict.fromkeys(points):
                 if point.remove_where(predicate):
                     if not point.active:
                         self._hooked_points.discard(point)
@@ -517,7 +559,8 @@ class Wiring:
     def _recompute_token(self) -> Optional[RecomputeToken]:
         """A snapshot of the hooks of the forward starting now, when gradient checkpointing may recompute it."""
         if not torch.is_grad_enabled() or not any(
-                b.training and getattr(b, "gradient_checkpointing", False) for b in self.block_modules):
+            b.training and getattr(b, "gradient_checkpointing", False) for b in self.block_modules
+        ):
             return None
         thread, depth = threading.get_ident(), self.forward_state.depth
         snapshot: dict[HookPoint, tuple[list[Any], list[Any]]] = {}
@@ -544,7 +587,8 @@ class Wiring:
                 f"masks of the {' or '.join(map(repr, self.arch.attn_implementations))} attention implementation; "
                 f"this model uses {impl!r}. Call model.set_attn_implementation({self.arch.attn_implementations[-1]!r}) "
                 f"to hook patterns, or leave patterns out (run_with_cache(names_filter=lambda n: not "
-                f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}")
+                f"n.endswith(('hook_pattern', 'hook_attn_scores')))): every other hook point works with {impl!r}"
+            )
 
 
 class _FrameSite(Site):
@@ -560,8 +604,10 @@ class _FrameSite(Site):
 
     def install(self) -> list[Any]:
         model = self.wiring.hf_model
-        handles = [model.register_forward_pre_hook(self._open),
-                   model.register_forward_hook(self._close, always_call=True)]
+        handles = [
+            model.register_forward_pre_hook(self._open),
+            model.register_forward_hook(self._close, always_call=True),
+        ]
         for block in self.wiring.block_modules:
             handles.append(block.register_forward_hook(self._tag))
         return handles
@@ -572,7 +618,8 @@ class _FrameSite(Site):
             raise LensAdaptersError(
                 f"a copy of the wrapped {type(module).__name__} ran (torch.nn.DataParallel replicates the model into "
                 f"worker threads) while lensadapters hooks were attached: hook points and caches belong to the wrapped "
-                f"model itself. Use DistributedDataParallel (one process per device) or run the model unreplicated")
+                f"model itself. Use DistributedDataParallel (one process per device) or run the model unreplicated"
+            )
         frame = wiring.forward_state.push()
         frame.token = wiring._recompute_token()
 

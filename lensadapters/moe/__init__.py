@@ -11,9 +11,22 @@ from .sites import EXPERT_POINTS, ROUTING_POINTS, MoESite, build_moe_site, is_ex
 from .specs import ExpertModules, Experts, FusedExperts, MoELayout, Routing, is_moe
 
 __all__ = [
-    "EXPERT_POINTS", "ROUTING_POINTS", "ExpertModules", "Experts", "FusedExperts", "MoELayout", "MoESite", "Routing",
-    "build_moe_site", "expert_rows", "expert_tokens", "expert_weights", "is_expert_point", "is_moe",
-    "moe_point_names", "router_weight",
+    "EXPERT_POINTS",
+    "ROUTING_POINTS",
+    "ExpertModules",
+    "Experts",
+    "FusedExperts",
+    "MoELayout",
+    "MoESite",
+    "Routing",
+    "build_moe_site",
+    "expert_rows",
+    "expert_tokens",
+    "expert_weights",
+    "is_expert_point",
+    "is_moe",
+    "moe_point_names",
+    "router_weight",
 ]
 
 

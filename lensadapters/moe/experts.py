@@ -33,7 +33,8 @@ def module_attribute(hooked: "Hooked", module: nn.Module, name: str) -> Any:
         raise WeightUnavailableError(
             f"{hooked.module_name(module)} ({type(module).__module__}.{type(module).__qualname__}) has no attribute "
             f"{name!r}: it wraps the experts module and no installed plugin opens that wrapper (a PEFT adapter on the "
-            f"expert parameters needs `pip install lensadapters[peft]`)") from None
+            f"expert parameters needs `pip install lensadapters[peft]`)"
+        ) from None
 
 
 def fused_parameter(hooked: "Hooked", module: nn.Module, name: str) -> Tensor:
@@ -45,7 +46,8 @@ def fused_parameter(hooked: "Hooked", module: nn.Module, name: str) -> Tensor:
         raise WeightUnavailableError(
             f"{hooked.module_name(module)}.{name} is a {kind}{dtype}, not a floating-point tensor (a quantized or "
             f"packed expert format): lensadapters computes per-expert hook points and expert weights only from "
-            f"floating-point expert parameters. Routing hook points work on this model.")
+            f"floating-point expert parameters. Routing hook points work on this model."
+        )
     return value
 
 
@@ -55,8 +57,12 @@ class ExpertsCompute:
     Built inside the hook that runs the experts (``bind``), so parameters are read as the forward sees them.
     """
 
-    def __init__(self, gate_up: Callable[[int, Tensor], tuple[Tensor, Tensor]], act: Callable[[Tensor], Tensor],
-                 down: Callable[[int, Tensor], Tensor]) -> None:
+    def __init__(
+        self,
+        gate_up: Callable[[int, Tensor], tuple[Tensor, Tensor]],
+        act: Callable[[Tensor], Tensor],
+        down: Callable[[int, Tensor], Tensor],
+    ) -> None:
         self.gate_up, self.act, self.down = gate_up, act, down
 
 
@@ -82,8 +88,9 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
         mod = expert(e)
         return mod.get_submodule(experts.gate)(x), mod.get_submodule(experts.up)(x)
 
-    return ExpertsCompute(modules_gate_up, getattr(expert(0), experts.act),
-                          lambda e, h: expert(e).get_submodule(experts.down)(h))
+    return ExpertsCompute(
+        modules_gate_up, getattr(expert(0), experts.act), lambda e, h: expert(e).get_submodule(experts.down)(h)
+    )
 
 
 # --- weights in TransformerLens shapes -------------------------------------------------------------------------

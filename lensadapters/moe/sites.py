@@ -42,8 +42,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Tensor = torch.Tensor
 
-ROUTING_POINTS = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices",
-                  "mlp.hook_routing_weights")
+ROUTING_POINTS = (
+    "mlp.hook_router_logits",
+    "mlp.hook_expert_weights",
+    "mlp.hook_expert_indices",
+    "mlp.hook_routing_weights",
+)
 EXPERT_POINTS = ("hook_gate", "hook_pre", "hook_post", "hook_result")
 
 
@@ -81,10 +85,16 @@ class MoESite(Site):
         self.experts = block.get_submodule(layout.experts.module)
         self.state = hooked.forward_state
         self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
-        self.expert_points = [tuple(points[f"mlp.experts.{e}.{p}"] for p in EXPERT_POINTS)
-                              for e in range(layout.routing.n_experts)]
-        self.points = (self.logits, self.probs, self.indices, self.weights,
-                       *(p for group in self.expert_points for p in group))
+        self.expert_points = [
+            tuple(points[f"mlp.experts.{e}.{p}"] for p in EXPERT_POINTS) for e in range(layout.routing.n_experts)
+        ]
+        self.points = (
+            self.logits,
+            self.probs,
+            self.indices,
+            self.weights,
+            *(p for group in self.expert_points for p in group),
+        )
         self.fused_call = isinstance(layout.experts, FusedExperts)
 
     # --- when to install what -------------------------------------------------------------------
@@ -96,7 +106,8 @@ class MoESite(Site):
         """Whether an edit of the routing after the logits may need the experts recomputed here: only when the
         router returns logits (the MoE module then routes them itself, out of reach)."""
         return self.layout.router_output == "logits" and any(
-            p.may_edit for p in (self.probs, self.indices, self.weights))
+            p.may_edit for p in (self.probs, self.indices, self.weights)
+        )
 
     def signature(self) -> tuple[bool, ...]:
         routing = any(p.active for p in (self.logits, self.probs, self.indices, self.weights))
@@ -108,8 +119,10 @@ class MoESite(Site):
 
     def install(self) -> list[RemovableHandle]:
         active, recompute = self.signature()
-        handles = [self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
-                   self.router.register_forward_hook(self._route)]
+        handles = [
+            self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
+            self.router.register_forward_hook(self._route),
+        ]
         if recompute:
             if self.fused_call:
                 handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
@@ -146,8 +159,7 @@ class MoESite(Site):
         raw = first_output(output)
         logits, changed = self._apply(self.logits, raw)
         model_routing = (output[1], output[2]) if returns_routing and not changed else None
-        need = (changed or self.probs.active or self.indices.active or self.weights.active
-                or self.signature()[1])
+        need = changed or self.probs.active or self.indices.active or self.weights.active or self.signature()[1]
         if not need:
             return None
         probs_changed = False
@@ -173,7 +185,8 @@ class MoESite(Site):
         if index.dtype not in (torch.int64, torch.int32) or (index.numel() and (index.min() < 0 or index.max() >= n)):
             raise HookReturnError(
                 f"hook on {self.indices.name!r} returned expert indices outside 0..{n - 1} (the layer has {n} "
-                f"experts); return integer indices of existing experts")
+                f"experts); return integer indices of existing experts"
+            )
 
     def _experts_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The fused experts module ran: compute its experts here (it received the routing, edits included)."""
@@ -215,8 +228,7 @@ class MoESite(Site):
         return out, changed
 
 
-def build_moe_site(hooked: "Hooked", layer: int, layout: MoELayout,
-                   point: "Optional[Any]" = None) -> MoESite:
+def build_moe_site(hooked: "Hooked", layer: int, layout: MoELayout, point: "Optional[Any]" = None) -> MoESite:
     """The site of block ``layer``'s MoE points (``point(name)`` gives the point of a name relative to the block)."""
     names = moe_point_names(layout)
     get = point or (lambda n: hooked.point(f"blocks.{layer}.{n}"))

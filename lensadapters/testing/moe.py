@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ..moe import MoELayout, expert_rows, is_moe
 from ..moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from ..weights import mlp_weights
-from .contract import _SETTINGS, _BLOCK_POINTS, AdapterContract, assert_close, close, perturb
+from .contract import _BLOCK_POINTS, _SETTINGS, AdapterContract, assert_close, close, perturb
 
 Tensor = torch.Tensor
 _DENSE_ONLY = ("mlp.hook_pre", "mlp.hook_post")
@@ -116,9 +116,10 @@ class MoEContract(AdapterContract):
                 continue
             assert cfg.num_experts == layout.routing.n_experts and cfg.experts_per_token == layout.routing.top_k
             expected = [pre + p for p in ROUTING_POINTS] + [
-                f"{pre}mlp.experts.{e}.{p}" for e in range(layout.routing.n_experts) for p in EXPERT_POINTS]
+                f"{pre}mlp.experts.{e}.{p}" for e in range(layout.routing.n_experts) for p in EXPERT_POINTS
+            ]
             start = names.index(expected[0])
-            assert names[start:start + len(expected)] == expected, f"layer {i}: MoE points missing or out of order"
+            assert names[start : start + len(expected)] == expected, f"layer {i}: MoE points missing or out of order"
             assert names[start + len(expected)] == pre + "hook_mlp_out"
             assert not any(pre + p in names for p in _DENSE_ONLY + ("mlp.hook_pre_linear",))
         if declared.rotary:
@@ -153,10 +154,17 @@ class MoEContract(AdapterContract):
         with torch.no_grad():
             out = hm.model(**inputs.kwargs(), output_hidden_states=True)
             _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: "pattern" not in n)
-            W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O = (hm.W_Q, hm.b_Q, hm._W_K, hm._b_K, hm._W_V, hm._b_V, hm.W_O,
-                                                      hm.b_O)
+            W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O = (
+                hm.W_Q,
+                hm.b_Q,
+                hm._W_K,
+                hm._b_K,
+                hm._W_V,
+                hm._b_V,
+                hm.W_O,
+                hm.b_O,
+            )
             for i in range(cfg.n_layers):
-                layout = hm.block_layouts[i]
                 attn_in = mlp_input_of(hm, cache, i, "ln1")
                 for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
                     expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
@@ -184,15 +192,22 @@ class MoEContract(AdapterContract):
                 for e in range(n):
                     slot, token = expert_rows(index, e)
                     rows = flat[token]
-                    get = lambda p: cache[f"{pre}experts.{e}.{p}"]  # noqa: E731
+                    point = {p: cache[f"{pre}experts.{e}.{p}"] for p in EXPERT_POINTS}
+                    get = point.__getitem__
                     assert_close(get("hook_gate"), rows @ W_gate[e], f"layer {i} expert {e} hook_gate")
                     assert_close(get("hook_pre"), rows @ W_in[e], f"layer {i} expert {e} hook_pre (up)")
                     assert_close(get("hook_post"), act(get("hook_gate")) * get("hook_pre"), f"expert {e} hook_post")
-                    assert_close(get("hook_result"), weights[token, slot, None] * (get("hook_post") @ W_out[e]),
-                                 f"layer {i} expert {e} hook_result")
+                    assert_close(
+                        get("hook_result"),
+                        weights[token, slot, None] * (get("hook_post") @ W_out[e]),
+                        f"layer {i} expert {e} hook_result",
+                    )
                     total.index_add_(0, token, get("hook_result"))
-                assert_close(total.reshape(cache["mlp_out", i].shape), cache["mlp_out", i],
-                             f"layer {i}: expert results summed == hook_mlp_out")
+                assert_close(
+                    total.reshape(cache["mlp_out", i].shape),
+                    cache["mlp_out", i],
+                    f"layer {i}: expert results summed == hook_mlp_out",
+                )
                 if i + 1 < cfg.n_layers:
                     assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
             assert_close(cache["embed"][v], hm.W_E[inputs.input_ids][v], "hook_embed == W_E[tokens]")
@@ -238,9 +253,10 @@ class MoEContract(AdapterContract):
     def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
         """PENDING-CAPABILITY: ``mlp.hook_expert_indices`` holds integers, which the generic float perturbation is
         not, and an expert that no token chose has no rows whose edit could change anything. Checked instead: every
-        point's edit changes the logits (the per-expert points of one drawn expert per layer) — the indices edited by moving every token to the next expert (needs at
-        least two experts), per-expert points of experts that a real (not padding) token chose; the per-expert points of an expert without rows
-        fire with zero rows; the router logits and probabilities are rolled by one expert before the perturbation
+        point's edit changes the logits (the per-expert points of one drawn expert per layer) — the indices edited
+        by moving every token to the next expert (needs at least two experts), per-expert points of experts that a
+        real (not padding) token chose; the per-expert points of an expert without rows fire with zero rows; the
+        router logits and probabilities are rolled by one expert before the perturbation
         (under top-1 routing a perturbation that keeps the ranking changes nothing: the weight is always 1). A
         query/key edit hidden by a saturated softmax is skipped (the generic suite checks those points)."""
         model, inputs = self.draw(data)
@@ -251,7 +267,7 @@ class MoEContract(AdapterContract):
             for name in self.points_to_edit(data, hm):
                 rows: list[int] = []
 
-                def edit(t: Tensor, hook: Any) -> Tensor:
+                def edit(t: Tensor, hook: Any, rows: list[int] = rows) -> Tensor:
                     rows.append(t.shape[0])
                     return self._edit_for(hook.name, hm)(t, hook)
 
@@ -267,8 +283,7 @@ class MoEContract(AdapterContract):
                 if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
                     continue
                 diff = (logits - reference)[inputs.valid].abs().max().item()
-                if diff <= 1e-5 and name.endswith(("hook_q", "hook_k", "hook_rot_q", "hook_rot_k",
-                                                   "hook_attn_scores")):
+                if diff <= 1e-5 and name.endswith(("hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_attn_scores")):
                     continue  # a saturated softmax; the generic suite's scores check covers these points elsewhere
                 assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
         hm.unwrap()
@@ -308,9 +323,19 @@ class MoEContract(AdapterContract):
         model, inputs = self.draw(data, left_padding=False)
         hm = self.wrap(model)
         layer = self.draw_moe_layer(data, hm)
-        point = f"blocks.{layer}." + data.draw(st.sampled_from(
-            ["hook_resid_post", "attn.hook_v", "attn.hook_rot_k", "attn.hook_pattern", "mlp.hook_routing_weights",
-             "mlp.hook_router_logits"]), label="point")
+        point = f"blocks.{layer}." + data.draw(
+            st.sampled_from(
+                [
+                    "hook_resid_post",
+                    "attn.hook_v",
+                    "attn.hook_rot_k",
+                    "attn.hook_pattern",
+                    "mlp.hook_routing_weights",
+                    "mlp.hook_router_logits",
+                ]
+            ),
+            label="point",
+        )
         bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(layer))
 
         def edit(t: Tensor, hook: Any) -> Tensor:
@@ -322,8 +347,14 @@ class MoEContract(AdapterContract):
 
         steps = 3
         pad = getattr(model.config, "pad_token_id", None)
-        kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=pad if pad is not None else 0)
+        kwargs = dict(
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad if pad is not None else 0,
+        )
         prompt = inputs.input_ids.shape[1]
         with torch.no_grad():
             with hm.hooks([(point, edit)]):
@@ -335,7 +366,7 @@ class MoEContract(AdapterContract):
         for step, logits in enumerate(generated.logits):
             assert_close(logits, one_pass[:, prompt - 1 + step], f"{point} edit: step {step} vs one pass", atol=atol)
         hm.unwrap()
-        assume((one_pass - unedited)[:, prompt - 1:].abs().max().item() > 4 * atol)
+        assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
 
     # --- MoE properties ------------------------------------------------------------------------------------
 
@@ -356,7 +387,8 @@ class MoEContract(AdapterContract):
             reference = model(**inputs.kwargs()).logits
             hm = self.wrap(model)
             logits, cache = hm.run_with_cache(
-                **inputs.kwargs(), names_filter=lambda n: ".mlp." in n or n.endswith("hook_mlp_out"))
+                **inputs.kwargs(), names_filter=lambda n: ".mlp." in n or n.endswith("hook_mlp_out")
+            )
             assert torch.equal(logits, reference), "reading MoE points changed the model's output"
             assert torch.equal(hm(**inputs.kwargs()).logits, reference)
         for layer in self.moe_layers(hm):
@@ -387,8 +419,13 @@ class MoEContract(AdapterContract):
         chosen = torch.gather(probs, -1, cache[pre + "hook_expert_indices"])
         assert_close(chosen, torch.gather(probs, -1, index), "the indices select the top-k probabilities")
         assert_close(cache[pre + "hook_routing_weights"], top, "routing weights == the normalized top-k")
-        expected = moe_reference(hm, layer, mlp_input(hm, cache, layer), cache[pre + "hook_routing_weights"],
-                                 cache[pre + "hook_expert_indices"])
+        expected = moe_reference(
+            hm,
+            layer,
+            mlp_input(hm, cache, layer),
+            cache[pre + "hook_routing_weights"],
+            cache[pre + "hook_expert_indices"],
+        )
         assert_close(cache["mlp_out", layer], expected, "hook_mlp_out == reference MoE", atol=1e-4)
         hm.unwrap()
 
@@ -404,8 +441,10 @@ class MoEContract(AdapterContract):
         layer = self.draw_moe_layer(data, hm)
         layout = hm.mlp_layouts[layer]
         n, k = layout.routing.n_experts, layout.routing.top_k
-        which = data.draw(st.sampled_from(["routing_weights", "expert_indices", "expert_weights", "router_logits"]),
-                          label="edited point")
+        which = data.draw(
+            st.sampled_from(["routing_weights", "expert_indices", "expert_weights", "router_logits"]),
+            label="edited point",
+        )
         seed = data.draw(st.integers(0, 2**16), label="edit seed")
         g = torch.Generator().manual_seed(seed)
         pre = f"blocks.{layer}.mlp."
@@ -440,16 +479,18 @@ class MoEContract(AdapterContract):
                     if layout.routing.normalize:
                         top = top / top.sum(-1, keepdim=True)
                 else:
-                    assert_close(edited[pre + "hook_router_logits"], base[pre + "hook_router_logits"] + bias,
-                                 "edited logits")
+                    assert_close(
+                        edited[pre + "hook_router_logits"], base[pre + "hook_router_logits"] + bias, "edited logits"
+                    )
                     probs, top, sel = route(layout, edited[pre + "hook_router_logits"])
                     assert_close(edited[pre + "hook_expert_weights"], probs, "probabilities of the edited logits")
                 assert_close(torch.gather(probs, -1, index), torch.gather(probs, -1, sel), "re-selected top-k")
                 assert_close(weights, top, "renormalized as the family does")
             expected = moe_reference(hm, layer, mlp_input(hm, edited, layer), weights, index)
             assert_close(edited["mlp_out", layer], expected, f"{which} edit: hook_mlp_out == reference", atol=1e-4)
-            replaced = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[
-                (f"blocks.{layer}.hook_mlp_out", lambda t, hook: expected.to(t.dtype))])
+            replaced = hm.run_with_hooks(
+                **inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda t, hook: expected.to(t.dtype))]
+            )
         assert_close(logits[inputs.valid], replaced[inputs.valid], "downstream of the edit", atol=1e-4)
         hm.unwrap()
 
@@ -478,10 +519,14 @@ class MoEContract(AdapterContract):
             contribution = contribution.reshape(*index.shape[:-1], -1)
             ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(names[1], zero)])
             post = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"{pre}experts.{expert}.hook_post", zero)])
-            unweighted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[
-                (pre + "hook_routing_weights", lambda t, hook: t.masked_fill(index == expert, 0))])
-            subtracted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[
-                (f"blocks.{layer}.hook_mlp_out", lambda t, hook: t - contribution.to(t.dtype))])
+            unweighted = hm.run_with_hooks(
+                **inputs.kwargs(),
+                fwd_hooks=[(pre + "hook_routing_weights", lambda t, hook: t.masked_fill(index == expert, 0))],
+            )
+            subtracted = hm.run_with_hooks(
+                **inputs.kwargs(),
+                fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda t, hook: t - contribution.to(t.dtype))],
+            )
         assert not close(ablated[v], reference[v]), "removing a chosen expert changed nothing"
         assert_close(ablated[v], subtracted[v], "zeroed hook_result == contributions subtracted", atol=1e-4)
         assert_close(post[v], subtracted[v], "zeroed hook_post == contributions subtracted", atol=1e-4)

@@ -62,7 +62,8 @@ def _base_path(model: nn.Module) -> str:
             return name
     raise UnsupportedModelError(
         f"{type(model).__name__} has model_type 'mixtral' but no submodule with `embed_tokens` and `layers`; "
-        f"lensadapters-mixtral supports transformers' Mixtral classes (MixtralForCausalLM, MixtralModel, ...)")
+        f"lensadapters-mixtral supports transformers' Mixtral classes (MixtralForCausalLM, MixtralModel, ...)"
+    )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -115,11 +116,18 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     experts = layer.get_submodule(f"{moe}.experts")
     n, k = config.num_local_experts, config.num_experts_per_tok
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one module per expert, a linear router
-        return MoELayout(router=f"{moe}.gate", routing=Routing(n, k, normalize=True, weights_dtype="logits"),
-                         experts=ExpertModules(f"{moe}.experts", gate="w1", up="w3", down="w2"),
-                         router_output="logits")
-    return MoELayout(router=f"{moe}.gate", routing=Routing(n, k, normalize=True, weights_dtype="float32"),
-                     experts=FusedExperts(f"{moe}.experts"), router_output="routing")
+        return MoELayout(
+            router=f"{moe}.gate",
+            routing=Routing(n, k, normalize=True, weights_dtype="logits"),
+            experts=ExpertModules(f"{moe}.experts", gate="w1", up="w3", down="w2"),
+            router_output="logits",
+        )
+    return MoELayout(
+        router=f"{moe}.gate",
+        routing=Routing(n, k, normalize=True, weights_dtype="float32"),
+        experts=FusedExperts(f"{moe}.experts"),
+        router_output="routing",
+    )
 
 
 # --- adapter hooks ------------------------------------------------------------------------------
@@ -132,8 +140,15 @@ def lensadapters_architectures() -> list[Architecture]:
 
 def _missing_paths(layer: nn.Module) -> list[str]:
     moe = _moe_path(layer)
-    paths = ["input_layernorm", "self_attn", "self_attn.o_proj", "post_attention_layernorm", *_QKV_PATHS,
-             f"{moe}.gate", f"{moe}.experts"]
+    paths = [
+        "input_layernorm",
+        "self_attn",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        *_QKV_PATHS,
+        f"{moe}.gate",
+        f"{moe}.experts",
+    ]
     missing = []
     for path in paths:
         try:
@@ -165,23 +180,28 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__} has model_type 'mixtral' but not transformers' Mixtral layout (missing: "
             f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-mixtral supports transformers' Mixtral "
-            f"classes")
+            f"classes"
+        )
     rope_type = _rope_type(model)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"Mixtral rope type {rope_type!r} is not supported by lensadapters-mixtral (supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}): hook_rot_q/hook_rot_k need rotate-half RoPE on the (cos, sin) of "
-            f"model.rotary_emb")
+            f"model.rotary_emb"
+        )
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl.startswith(_ATTN_PREFIX):
-        impl = impl[len(_ATTN_PREFIX):]
+        impl = impl[len(_ATTN_PREFIX) :]
     if impl not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"attention implementation {impl!r} is not supported by lensadapters-mixtral (supported: "
-            f"{', '.join(SUPPORTED_ATTENTION)}). Call model.set_attn_implementation('sdpa') before wrapping")
+            f"{', '.join(SUPPORTED_ATTENTION)}). Call model.set_attn_implementation('sdpa') before wrapping"
+        )
     if config.num_attention_heads % config.num_key_value_heads:
-        raise UnsupportedModelError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-                                    f"num_key_value_heads={config.num_key_value_heads}")
+        raise UnsupportedModelError(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}"
+        )
 
 
 def _has(model: nn.Module, path: str) -> bool:
@@ -197,31 +217,52 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
     head_dim = _head_dim(c)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="mixtral",
-        n_key_value_heads=c.num_key_value_heads, rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__, num_experts=c.num_local_experts,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=head_dim,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type="mixtral",
+        n_key_value_heads=c.num_key_value_heads,
+        rotary_dim=head_dim,
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__,
+        num_experts=c.num_local_experts,
         experts_per_token=c.num_experts_per_tok,
-        extra={"rope_theta": _rope_theta(c), "rope_type": _rope_type(model),
-               "sliding_window": getattr(c, "sliding_window", None),
-               "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+        extra={
+            "rope_theta": _rope_theta(c),
+            "rope_type": _rope_type(model),
+            "sliding_window": getattr(c, "sliding_window", None),
+            "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        },
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     base = _base_path(model)
-    return ModelLayout(blocks=_join(base, "layers"), embed=_join(base, "embed_tokens"), ln_final=_join(base, "norm"),
-                       rotary=_join(base, "rotary_emb"), unembed=_unembed_path(model))
+    return ModelLayout(
+        blocks=_join(base, "layers"),
+        embed=_join(base, "embed_tokens"),
+        ln_final=_join(base, "norm"),
+        rotary=_join(base, "rotary_emb"),
+        unembed=_unembed_path(model),
+    )
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
     moe = _moe_path(_layers(model)[layer])
-    return BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                       ln2="post_attention_layernorm", mlp=moe)
+    return BlockLayout(
+        ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp=moe
+    )
 
 
 @hookimpl
@@ -251,8 +292,20 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         experts = rng.choice([2, 4, 8])
         top_k = rng.randint(1, min(3, experts))
     return MixtralConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5,
-        num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None, rope_theta=1e6,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        sliding_window=None,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )

@@ -4,7 +4,19 @@ plugin's own checks."""
 
 from __future__ import annotations
 
-from lensadapters_mixtral.testing import MixtralContract
+import importlib.metadata
+
+import lensadapters_mixtral
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lensadapters_mixtral.testing import MixtralContract, mixtral_config, mixtral_configs
+
+from lensadapters import HookedModel
+from lensadapters.registry import Registry
+from lensadapters.testing import assert_close
+from lensadapters.testing.moe import mlp_input, moe_reference
 
 
 class TestMixtral(MixtralContract):
@@ -12,20 +24,6 @@ class TestMixtral(MixtralContract):
 
 
 # --- Mixtral's own checks ---------------------------------------------------------------------------------------
-
-import importlib.metadata  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import lensadapters_mixtral  # noqa: E402
-from lensadapters import HookedModel  # noqa: E402
-from lensadapters.registry import Registry  # noqa: E402
-from lensadapters.testing import assert_close  # noqa: E402
-from lensadapters.testing.moe import mlp_input, moe_reference  # noqa: E402
-from lensadapters_mixtral.testing import mixtral_config, mixtral_configs  # noqa: E402
 
 CONTRACT = TestMixtral()
 FEW = settings(deadline=None, max_examples=max(2, settings.default.max_examples // 4))
@@ -73,8 +71,12 @@ def _lora_model(seed: int) -> tuple[torch.Tensor, torch.nn.Module]:
     HookedModel.wrap(model).unwrap()
     fused = hasattr(model.model.layers[0], "mlp")
     if fused:  # transformers 5: LoRA on the fused 3-D expert parameters (PEFT's target_parameters)
-        config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
-                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        config = peft.LoraConfig(
+            r=4,
+            target_modules=["q_proj"],
+            init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
     else:  # transformers 4.57: LoRA on each expert's linear layers
         config = peft.LoraConfig(r=4, target_modules=["q_proj", "w1", "w2", "w3"], init_lora_weights=False)
     return base_W_in, peft.get_peft_model(model, config)
@@ -91,22 +93,30 @@ def test_lora_on_experts(seed: int) -> None:
     with torch.no_grad():
         reference = peft_model(ids).logits
         hm = HookedModel.wrap(peft_model, registry=registry(lensadapters_peft))
-        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: ".mlp." in n or n.endswith(
-            ("ln2.hook_normalized", "hook_mlp_out")))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+        )
         assert torch.equal(logits, reference), "reading the adapted experts changed the output"
         for layer in range(2):
             pre = f"blocks.{layer}.mlp."
-            expected = moe_reference(hm, layer, mlp_input(hm, cache, layer), cache[pre + "hook_routing_weights"],
-                                     cache[pre + "hook_expert_indices"])
+            expected = moe_reference(
+                hm,
+                layer,
+                mlp_input(hm, cache, layer),
+                cache[pre + "hook_routing_weights"],
+                cache[pre + "hook_expert_indices"],
+            )
             assert_close(cache["mlp_out", layer], expected, f"layer {layer}: adapted experts", atol=1e-4)
         assert not torch.allclose(hm.W_in, base_W_in), "the LoRA delta is missing from W_in"
         with peft_model.disable_adapter():
             assert_close(hm.W_in, base_W_in, "adapters disabled: base W_in")
-            _, off = hm.run_with_cache(ids, names_filter=lambda n: ".mlp." in n or n.endswith(
-                ("ln2.hook_normalized", "hook_mlp_out")))
+            _, off = hm.run_with_cache(
+                ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+            )
             pre = "blocks.0.mlp."
-            expected = moe_reference(hm, 0, mlp_input(hm, off, 0), off[pre + "hook_routing_weights"],
-                                     off[pre + "hook_expert_indices"])
+            expected = moe_reference(
+                hm, 0, mlp_input(hm, off, 0), off[pre + "hook_routing_weights"], off[pre + "hook_expert_indices"]
+            )
             assert_close(off["mlp_out", 0], expected, "adapters disabled: base experts", atol=1e-4)
         edited = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.mlp.experts.1.hook_gate", lambda t, hook: t * 2)])
         assert not torch.allclose(edited, reference)
@@ -127,8 +137,9 @@ def test_int8_model() -> None:
     with torch.no_grad():
         reference = model(ids).logits
         hm = HookedModel.wrap(model, registry=registry(lensadapters_bnb))
-        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: ".mlp." in n or n.endswith(
-            ("ln2.hook_normalized", "hook_mlp_out")))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+        )
         assert torch.equal(logits, reference)
         x = mlp_input(hm, cache, 0).reshape(-1, 64)
         index = cache["blocks.0.mlp.hook_expert_indices"].reshape(-1, 2)

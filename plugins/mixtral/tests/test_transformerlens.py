@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_mixtral.testing import MixtralContract, mixtral_configs
 
 from lensadapters.testing import assert_close
-from lensadapters_mixtral.testing import MixtralContract, mixtral_configs
 
 pytest.importorskip("transformer_lens")
 from lensadapters_mixtral.reference import tl_mixtral  # noqa: E402
@@ -32,20 +32,40 @@ def build(data: st.DataObject) -> tuple[Any, Any, Any, torch.Tensor]:
     model = CONTRACT.make_model(config, data.draw(st.integers(0, 2**16), label="seed"), "eager")
     if not hasattr(model.model.layers[0], "block_sparse_moe"):
         pytest.skip("TransformerLens' Mixtral conversion reads transformers 4.x's expert modules")
-    ids = torch.randint(0, config.vocab_size, (data.draw(st.integers(1, 2), label="batch"),
-                                                data.draw(st.integers(2, 8), label="length")),
-                        generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="ids")))
+    ids = torch.randint(
+        0,
+        config.vocab_size,
+        (data.draw(st.integers(1, 2), label="batch"), data.draw(st.integers(2, 8), label="length")),
+        generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="ids")),
+    )
     return model, CONTRACT.wrap(model), tl_mixtral(model), ids
 
 
 def tl_names(hm: Any, layer: int) -> list[str]:
     """The points both have in a block, by TransformerLens' name (and lensadapters')."""
     pre = f"blocks.{layer}."
-    names = [pre + n for n in ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q",
-                               "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z",
-                               "hook_attn_out", "hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized",
-                               "mlp.hook_expert_weights", "mlp.hook_expert_indices", "hook_mlp_out",
-                               "hook_resid_post")]
+    names = [
+        pre + n
+        for n in (
+            "hook_resid_pre",
+            "ln1.hook_scale",
+            "ln1.hook_normalized",
+            "attn.hook_q",
+            "attn.hook_k",
+            "attn.hook_v",
+            "attn.hook_rot_q",
+            "attn.hook_rot_k",
+            "attn.hook_z",
+            "hook_attn_out",
+            "hook_resid_mid",
+            "ln2.hook_scale",
+            "ln2.hook_normalized",
+            "mlp.hook_expert_weights",
+            "mlp.hook_expert_indices",
+            "hook_mlp_out",
+            "hook_resid_post",
+        )
+    ]
     for e in range(hm.cfg.num_experts):
         names += [f"{pre}mlp.experts.{e}.{p}" for p in ("hook_gate", "hook_pre", "hook_post")]
     return names
@@ -89,16 +109,26 @@ def test_edit_effects_match_transformerlens(data: st.DataObject) -> None:
     bias = torch.randn(cfg.num_experts, generator=g) * 3
     pre = f"blocks.{layer}.mlp."
     pairs = [
-        ([(pre + "hook_expert_weights", lambda t, hook: probs.reshape(t.shape))],
-         [(pre + "hook_expert_weights", lambda t, hook: probs)]),
-        ([(pre + "hook_expert_indices", lambda t, hook: (t + 1) % cfg.num_experts)],
-         [(pre + "hook_expert_indices", lambda t, hook: (t + 1) % cfg.num_experts)]),
-        ([(f"{pre}experts.{expert}.hook_result", lambda t, hook: torch.zeros_like(t))],
-         [(f"{pre}experts.{expert}.hook_post", lambda t, hook: torch.zeros_like(t))]),
-        ([(f"{pre}experts.{expert}.hook_gate", lambda t, hook: t * 2)],
-         [(f"{pre}experts.{expert}.hook_gate", lambda t, hook: t * 2)]),
-        ([(pre + "hook_router_logits", lambda t, hook: t + bias)],
-         [(pre + "hook_expert_weights", lambda t, hook: torch.softmax(t.log() + bias, dim=-1))]),
+        (
+            [(pre + "hook_expert_weights", lambda t, hook: probs.reshape(t.shape))],
+            [(pre + "hook_expert_weights", lambda t, hook: probs)],
+        ),
+        (
+            [(pre + "hook_expert_indices", lambda t, hook: (t + 1) % cfg.num_experts)],
+            [(pre + "hook_expert_indices", lambda t, hook: (t + 1) % cfg.num_experts)],
+        ),
+        (
+            [(f"{pre}experts.{expert}.hook_result", lambda t, hook: torch.zeros_like(t))],
+            [(f"{pre}experts.{expert}.hook_post", lambda t, hook: torch.zeros_like(t))],
+        ),
+        (
+            [(f"{pre}experts.{expert}.hook_gate", lambda t, hook: t * 2)],
+            [(f"{pre}experts.{expert}.hook_gate", lambda t, hook: t * 2)],
+        ),
+        (
+            [(pre + "hook_router_logits", lambda t, hook: t + bias)],
+            [(pre + "hook_expert_weights", lambda t, hook: torch.softmax(t.log() + bias, dim=-1))],
+        ),
     ]
     with torch.no_grad():
         reference = hm(ids).logits

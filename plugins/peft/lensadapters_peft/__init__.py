@@ -47,8 +47,15 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 
 __all__ = [
-    "LoraFactors", "BaseAndAdapted", "adapters_disabled", "using_adapter", "run_with_cache_base_and_adapted",
-    "lora_factors", "lora_hook_names", "LoraDeltaSite", "ModuleGuardSite",
+    "LoraFactors",
+    "BaseAndAdapted",
+    "adapters_disabled",
+    "using_adapter",
+    "run_with_cache_base_and_adapted",
+    "lora_factors",
+    "lora_hook_names",
+    "LoraDeltaSite",
+    "ModuleGuardSite",
 ]
 
 Tensor = torch.Tensor
@@ -78,7 +85,8 @@ def lensadapters_resolve_model(model: Any) -> Optional[nn.Module]:
             raise UnsupportedModelError(
                 f"lensadapters-peft supports adapters that live inside the model's layers (LoRA and other tuners); "
                 f"adapter(s) {prompt} are prompt-learning adapters (prompt/prefix/p-tuning), which change the "
-                f"sequence the model sees. Wrap model.get_base_model() to hook the base model instead.")
+                f"sequence the model sees. Wrap model.get_base_model() to hook the base model instead."
+            )
         return model.base_model
     if isinstance(model, BaseTuner):
         return model.model
@@ -111,7 +119,7 @@ def _peft_method(module: nn.Module) -> str:
         if where.startswith(package + "."):
             config = configs.get(peft_type)
             name = getattr(config, "__name__", "")
-            return name[:-len("Config")] if name.endswith("Config") else str(getattr(peft_type, "value", peft_type))
+            return name[: -len("Config")] if name.endswith("Config") else str(getattr(peft_type, "value", peft_type))
     parts = where.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(module).__name__
 
@@ -124,7 +132,8 @@ def _non_lora_weight_error(module: nn.Module) -> WeightUnavailableError:
         f"{_peft_method(module)} (adapter(s) {adapters}), and lensadapters-peft reads LoRA weights only. Hook points "
         f"still see the adapted computation, except attn.hook_result of such an output projection (it is computed "
         f"from W_O). For plain weights, wrap a merged copy: "
-        f"HookedModel.wrap(copy.deepcopy(peft_model).merge_and_unload()).")
+        f"HookedModel.wrap(copy.deepcopy(peft_model).merge_and_unload())."
+    )
 
 
 @hookimpl
@@ -147,7 +156,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
     if not is_lora_embedding(module):
         return None
     W = _lora.effective_embedding(module)
-    return W[layout.pos_embed_offset:] if name == "W_pos" else W
+    return W[layout.pos_embed_offset :] if name == "W_pos" else W
 
 
 @hookimpl
@@ -215,9 +224,15 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         dense = isinstance(mlp, MLPLayout)  # a mixture of experts has no single MLP projection to watch
-        for path, target, name in ((mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
-                                   (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
-                                   (mlp.out, "hook_mlp_out", MLP_OUT_POINT)) if dense else ():
+        for path, target, name in (
+            (
+                (mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
+                (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
+                (mlp.out, "hook_mlp_out", MLP_OUT_POINT),
+            )
+            if dense
+            else ()
+        ):
             if path is None:
                 continue
             module = get(path)
@@ -418,8 +433,9 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
     elif which == "o":
         path = bl.o_proj
     elif not isinstance(mlp, MLPLayout):
-        raise LensAdaptersError(f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections "
-                                f"(q, k, v, o) there")
+        raise LensAdaptersError(
+            f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections (q, k, v, o) there"
+        )
     elif which == "in":
         path = mlp.pre_linear or mlp.pre
     elif which == "gate":
@@ -436,7 +452,8 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         if len(candidates) != 1:
             raise LensAdaptersError(
                 f"blocks.{layer}.{path}: {len(candidates)} active LoRA adapters here ({candidates}); name one with "
-                f"adapter=... (available: {list(module.lora_A)})")
+                f"adapter=... (available: {list(module.lora_A)})"
+            )
         adapter = candidates[0]
     if adapter not in module.lora_A:
         raise LensAdaptersError(f"blocks.{layer}.{path} has no LoRA adapter {adapter!r} (it has {list(module.lora_A)})")

@@ -46,8 +46,9 @@ class LoraDeltaSite(Site):
     batches (``adapter_names=``) — the delta is ``output - base_out`` (within rounding).
     """
 
-    def __init__(self, module: nn.Module, points: Sequence[Optional[HookPoint]], split: Split, merge: Merge,
-                 state: ForwardState) -> None:
+    def __init__(
+        self, module: nn.Module, points: Sequence[Optional[HookPoint]], split: Split, merge: Merge, state: ForwardState
+    ) -> None:
         self.module = module
         self.slots = tuple(points)
         self.points = tuple(p for p in points if p is not None)
@@ -73,8 +74,15 @@ class LoraDeltaSite(Site):
 
         return capture
 
-    def _delta(self, module: nn.Module, x: Tensor, out: Tensor, kwargs: dict,
-               base: Optional[Tensor], lora_out: dict[str, Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    def _delta(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        out: Tensor,
+        kwargs: dict,
+        base: Optional[Tensor],
+        lora_out: dict[str, Tensor],
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """``(delta, base_out)``; ``base_out`` is ``None`` when only ``out - delta`` is known (merged)."""
         state, adapters = _lora.contributing_adapters(module)
         if state == "disabled":
@@ -85,7 +93,8 @@ class LoraDeltaSite(Site):
                 if _lora.is_variant(module, a):
                     raise LensAdaptersError(
                         f"the LoRA delta of merged variant adapter {a!r} (DoRA...) cannot be separated from the "
-                        f"merged weight; unmerge the adapter (unmerge_adapter()) to hook it")
+                        f"merged weight; unmerge the adapter (unmerge_adapter()) to hook it"
+                    )
                 d = _lora.recompute_delta(module, a, x, dropout=False)
                 delta = d if delta is None else delta + d
             return (delta if delta is not None else torch.zeros_like(out)), None
@@ -146,7 +155,9 @@ class ModuleGuardSite(Site):
         for path in (L.embed, L.pos_embed, L.unembed, L.ln_final, L.rotary):
             if path:
                 self.expected.append((model, path, model.get_submodule(path)))
-        for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
+        for block, bl, qkv, mlp in zip(
+            hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts
+        ):
             paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp]
             if hasattr(mlp, "experts"):  # a mixture of experts (lensadapters.moe.MoELayout)
                 paths += [mlp.router, mlp.experts.module]
@@ -194,4 +205,5 @@ class ModuleGuardSite(Site):
                     f"module {path!r} of {where} was replaced after HookedModel.wrap (it was "
                     f"{type(expected).__name__}, it is now {type(current).__name__}): PEFT does this when an adapter "
                     f"targeting new modules is added, or on merge_and_unload()/unload(). Hooks would land on the old "
-                    f"module; call hm.unwrap() and HookedModel.wrap(model) again.")
+                    f"module; call hm.unwrap() and HookedModel.wrap(model) again."
+                )

@@ -45,6 +45,10 @@ from .sites import (
     ResultSite,
     RotaryCaptureSite,
     Site,
+    first_input,
+    first_output,
+    replace_first_input,
+    replace_first_output,
 )
 from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, LinearWeight, MLPLayout, NormSpec, QKVLayout
 from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
@@ -610,6 +614,12 @@ class _FrameSite(Site):
         ]
         for block in self.wiring.block_modules:
             handles.append(block.register_forward_hook(self._tag))
+        # where the hidden states leave the blocks: reentrant checkpointing runs the blocks' own hooks without
+        # gradients, so the graph is tagged here too (before the final norm, or the unembedding)
+        exit_path = self.wiring.layout.ln_final or self.wiring.layout.unembed
+        if exit_path:
+            handles.append(model.get_submodule(exit_path).register_forward_pre_hook(self._tag_input,
+                                                                                     with_kwargs=True))
         return handles
 
     def _open(self, module: nn.Module, args: tuple) -> None:
@@ -627,16 +637,20 @@ class _FrameSite(Site):
         if module is self.wiring.hf_model:
             self.wiring.forward_state.pop()
 
-    def _tag(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _tagged(self, hidden: Any) -> Optional[torch.Tensor]:
         token = self.wiring.forward_state.frame.token
-        if token is None or not torch.is_grad_enabled() or is_recomputing():
+        if (token is None or not torch.is_grad_enabled() or is_recomputing() or not isinstance(hidden, torch.Tensor)
+                or not hidden.requires_grad):
             return None
-        from .sites import first_output, replace_first_output
+        return tag_for_recompute(hidden, token)
 
-        hidden = first_output(output)
-        if not isinstance(hidden, torch.Tensor) or not hidden.requires_grad:
-            return None
-        return replace_first_output(output, tag_for_recompute(hidden, token))
+    def _tag(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        tagged = self._tagged(first_output(output))
+        return None if tagged is None else replace_first_output(output, tagged)
+
+    def _tag_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        tagged = self._tagged(first_input(args, kwargs))
+        return None if tagged is None else replace_first_input(args, kwargs, tagged)
 
 
 class _LazyBackend:

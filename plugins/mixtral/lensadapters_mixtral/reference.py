@@ -48,8 +48,8 @@ def tl_mixtral(model: Any) -> Any:
         device="cpu",
         dtype=torch.float32,
     )
-    hooked = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
-    hooked.load_and_process_state_dict(
+    tl = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
+    tl.load_and_process_state_dict(
         convert_mixtral_weights(model, cfg),
         fold_ln=False,
         center_writing_weights=False,
@@ -57,4 +57,4 @@ def tl_mixtral(model: Any) -> Any:
         fold_value_biases=False,
         refactor_factored_attn_matrices=False,
     )
-    return hooked.eval()
+    return tl.eval()

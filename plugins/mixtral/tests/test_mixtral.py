@@ -154,3 +154,30 @@ def test_int8_model() -> None:
         quantized = [n for n, m in model.named_modules() if "experts" in n and type(m).__name__ == "Linear8bitLt"]
         assert bool(quantized) == (not hasattr(model.model.layers[0], "mlp"))
     hm.unwrap()
+
+
+def test_gradients_at_moe_points() -> None:
+    """``run_with_cache(incl_bwd=True)`` gives gradients at the routing points (not the integer indices) and at
+    every expert's points; a routing-weight gradient is the gradient of the loss through the experts' outputs."""
+    model = CONTRACT.make_model(mixtral_config(layers=2, experts=4, top_k=2), 0)
+    hm = CONTRACT.wrap(model)
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=lambda n: ".mlp." in n)
+    for layer in range(2):
+        pre = f"blocks.{layer}.mlp."
+        assert pre + "hook_expert_indices_grad" not in cache
+        for name in ("hook_router_logits", "hook_expert_weights", "hook_routing_weights"):
+            assert cache[pre + name + "_grad"].shape == cache[pre + name].shape
+        for e in range(4):
+            for point in ("hook_gate", "hook_pre", "hook_post", "hook_result"):
+                assert cache[f"{pre}experts.{e}.{point}_grad"].shape == cache[f"{pre}experts.{e}.{point}"].shape
+        # d loss / d weight[t, s] = <d loss / d result row, result row / weight>
+        index = cache[pre + "hook_expert_indices"].reshape(-1, 2)
+        weights = cache[pre + "hook_routing_weights"].reshape(-1, 2)
+        expected = torch.zeros_like(weights)
+        for e in range(4):
+            slot, token = torch.where(index.T == e)
+            result, grad = cache[f"{pre}experts.{e}.hook_result"], cache[f"{pre}experts.{e}.hook_result_grad"]
+            expected[token, slot] = (grad * result).sum(-1) / weights[token, slot]
+        assert_close(cache[pre + "hook_routing_weights_grad"].reshape(-1, 2), expected, "routing weight gradient")
+    hm.unwrap()

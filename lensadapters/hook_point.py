@@ -82,6 +82,8 @@ class HookPoint:
         # Set by the core for points whose module may see tokens flattened to [b*p, ...] (a block with
         # BlockLayout.flat_mlp): returns the block's leading (b, p) for this forward, or None.
         self.token_shape: Optional[Callable[[], Optional[tuple[int, ...]]]] = None
+        # Computed only while hooked (per-expert activations): left out of run_with_cache's default.
+        self.costly = False
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"

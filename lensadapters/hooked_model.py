@@ -350,7 +350,8 @@ class HookedModel(WeightAccessors):
         if names_filter is not None:
             check_selector(names_filter, "names_filter")
         if names_filter is None:
-            return [n for n in self.hook_names if not n.endswith(DEFAULT_CACHE_EXCLUDES)]
+            points = self.wiring.hook_dict
+            return [n for n in self.hook_names if not (n.endswith(DEFAULT_CACHE_EXCLUDES) or points[n].costly)]
         if isinstance(names_filter, str):
             return [pt.name for pt in self.wiring.select(names_filter)]
         if callable(names_filter):
@@ -369,7 +370,8 @@ class HookedModel(WeightAccessors):
         """Run the model and return ``(logits, cache)``.
 
         ``names_filter``: a name, a list of names or a predicate (default: every hook point but
-        ``attn.hook_result``, which is computed only when asked for). ``device`` moves cached tensors,
+        ``attn.hook_result`` and the per-expert points ``mlp.experts.{e}.*``, which are computed only when asked
+        for). ``device`` moves cached tensors,
         ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
         ``labels=``) and stores gradients as ``NAME_grad``.
 

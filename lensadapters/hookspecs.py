@@ -174,6 +174,17 @@ def lensadapters_weight(arch: "Architecture", hooked: "Hooked", name: str) -> Op
     """
 
 
+@hookspec(firstresult=True)
+def lensadapters_module_attribute(module: "nn.Module", name: str) -> Optional[Any]:
+    """Return attribute ``name`` of the module that ``module`` (a plugin's wrapper) stands for, as the wrapped
+    forward computes with it, or ``None`` when ``module`` is not such a wrapper.
+
+    Used for storage the core reads by attribute rather than as a linear layer (a fused experts module's 3-D
+    parameters and activation): a plugin that adapts a parameter (PEFT's LoRA on ``gate_up_proj``) returns the
+    effective value, delta included.
+    """
+
+
 # --- extra hook points ----------------------------------------------------------------------------
 
 

@@ -58,6 +58,9 @@ class HookedConfig:
     eps: float = 1e-5
     original_architecture: str = ""
     extra: dict = field(default_factory=dict, compare=False)
+    # mixture of experts (TransformerLens' names): experts per MoE layer and experts each token uses
+    num_experts: Optional[int] = None
+    experts_per_token: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.n_key_value_heads is None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .errors import PluginValidationError, UnsupportedModelError
 from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
+from .moe.specs import MoELayout
 
 #: the hooks an architecture plugin must implement (the description the core builds hook points from)
 REQUIRED_ARCHITECTURE_HOOKS = (
@@ -35,6 +36,7 @@ _PATH_FIELDS: dict[type, tuple[str, ...]] = {
     SeparateQKV: ("q", "k", "v"),
     FusedQKV: ("module",),
     MLPLayout: ("pre", "out", "pre_linear"),
+    MoELayout: ("router",),
 }
 
 

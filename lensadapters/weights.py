@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .errors import PluginValidationError, WeightUnavailableError
+from .moe import expert_weights, is_moe, router_weight
 from .offload import live_parameters
 from .specs import FusedQKV, LinearWeight
 
@@ -143,8 +144,15 @@ def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
 
 
 def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
-    """``role`` is ``in``, ``gate`` or ``out``; TransformerLens' W_in is the "up" projection of a gated MLP."""
+    """``role`` is ``in``, ``gate`` or ``out``; TransformerLens' W_in is the "up" projection of a gated MLP.
+
+    A mixture-of-experts layer gives every expert's weight, ``[n_experts, d_model, d_mlp]`` (``out``:
+    ``[n_experts, d_mlp, d_model]``), and zero biases ``[n_experts, d]``.
+    """
     layout = hm.mlp_layouts[layer]
+    if is_moe(layout):
+        W = expert_weights(hm, layer, role)
+        return W, torch.zeros(W.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
     if role == "in":
         path = layout.pre_linear or layout.pre
     elif role == "gate":
@@ -160,6 +168,25 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
 
 def _stack(hooked: "Hooked", fn: Callable[[int], Tensor]) -> Tensor:
     return torch.stack([fn(i) for i in range(hooked.cfg.n_layers)])
+
+
+def _mlp_stack(hooked: "Hooked", role: str, part: int) -> Tensor:
+    """One MLP weight of every layer; refused (naming the per-layer reader) when dense and MoE layers mix."""
+    if len({is_moe(layout) for layout in hooked.mlp_layouts}) > 1:
+        raise AttributeError(
+            f"this model mixes dense and mixture-of-experts MLP layers, whose weights have different shapes: read "
+            f"one layer's with lensadapters.weights.mlp_weights(hm.wiring, layer, {role!r})"
+        )
+    return _stack(hooked, lambda i: mlp_weights(hooked, i, role)[part])
+
+
+def _router_stack(hooked: "Hooked") -> Tensor:
+    if not all(is_moe(layout) for layout in hooked.mlp_layouts):
+        raise AttributeError(
+            "W_router exists for mixture-of-experts models whose every MLP layer is a MoE; read one "
+            "layer's router with lensadapters.moe.router_weight(hm.wiring, layer)"
+        )
+    return _stack(hooked, lambda i: router_weight(hooked, i))
 
 
 def _accessor(name: str, compute: Callable[["Hooked"], Tensor], doc: str) -> Any:
@@ -278,22 +305,24 @@ class WeightAccessors:
     b_O = _accessor("b_O", lambda h: _stack(h, lambda i: o_weights(h, i)[1]), "Output bias ``[n_layers, d_model]``.")
     W_in = _accessor(
         "W_in",
-        lambda h: _stack(h, lambda i: mlp_weights(h, i, "in")[0]),
-        "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``.",
+        lambda h: _mlp_stack(h, "in", 0),
+        "MLP input (the up projection of a gated MLP) ``[n_layers, d_model, d_mlp]``; mixture of experts: "
+        "``[n_layers, n_experts, d_model, d_mlp]``.",
     )
-    b_in = _accessor("b_in", lambda h: _stack(h, lambda i: mlp_weights(h, i, "in")[1]), "``[n_layers, d_mlp]``.")
+    b_in = _accessor("b_in", lambda h: _mlp_stack(h, "in", 1), "``[n_layers, d_mlp]``.")
     W_gate = _accessor(
-        "W_gate",
-        lambda h: _stack(h, lambda i: mlp_weights(h, i, "gate")[0]),
-        "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``.",
+        "W_gate", lambda h: _mlp_stack(h, "gate", 0), "Gate projection of a gated MLP ``[n_layers, d_model, d_mlp]``."
     )
-    b_gate = _accessor("b_gate", lambda h: _stack(h, lambda i: mlp_weights(h, i, "gate")[1]), "``[n_layers, d_mlp]``.")
+    b_gate = _accessor("b_gate", lambda h: _mlp_stack(h, "gate", 1), "``[n_layers, d_mlp]``.")
     W_out = _accessor(
-        "W_out",
-        lambda h: _stack(h, lambda i: mlp_weights(h, i, "out")[0]),
-        "MLP output (down) projection ``[n_layers, d_mlp, d_model]``.",
+        "W_out", lambda h: _mlp_stack(h, "out", 0), "MLP output (down) projection ``[n_layers, d_mlp, d_model]``."
     )
-    b_out = _accessor("b_out", lambda h: _stack(h, lambda i: mlp_weights(h, i, "out")[1]), "``[n_layers, d_model]``.")
+    b_out = _accessor("b_out", lambda h: _mlp_stack(h, "out", 1), "``[n_layers, d_model]``.")
+    W_router = _accessor(
+        "W_router",
+        _router_stack,
+        "Mixture of experts: the router ``[n_layers, d_model, n_experts]`` (logits = x @ W_router).",
+    )
 
     @property
     def W_K(self) -> Tensor:
@@ -334,4 +363,5 @@ WEIGHT_NAMES = (
     "b_gate",
     "W_out",
     "b_out",
+    "W_router",
 )

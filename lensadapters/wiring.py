@@ -54,6 +54,7 @@ from .sites import (
     replace_first_input,
     replace_first_output,
 )
+from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 from .specs import (
     Architecture,
     BlockLayout,
@@ -78,7 +79,7 @@ _UNSET = object()
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 
 
-def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: MLPLayout) -> list[str]:
+def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayout, MoELayout]) -> list[str]:
     """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
 
     Separate projections run one after another, each query/key rotated as soon as it is projected; a fused
@@ -92,8 +93,11 @@ def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: MLPLayout) -> lis
     else:
         attn = ["attn.hook_q", "attn.hook_rot_q", "attn.hook_k", "attn.hook_rot_k", "attn.hook_v"]
     attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out"]
-    mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
-    mlp_names += ["mlp.hook_post", "hook_mlp_out"]
+    if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
+        mlp_names = moe_point_names(mlp) + ["hook_mlp_out"]
+    else:
+        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
+        mlp_names += ["mlp.hook_post", "hook_mlp_out"]
     if block.post_norm:
         return (
             ["hook_resid_pre"]
@@ -140,7 +144,7 @@ class Wiring:
             for i, bl in enumerate(self.block_layouts)
         ]
         self.mlp_layouts: list[Optional[MLPLayout]] = [
-            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout,), f"for layer {i}", i)
+            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout, MoELayout), f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.attention_modules = [
@@ -365,6 +369,11 @@ class Wiring:
                 raise UnsupportedModelError(
                     f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be parallel (layer {i})"
                 )
+            if is_moe(mlp) and (bl.mlp is None or bl.post_norm):
+                raise UnsupportedModelError(
+                    f"plugin {self.plugin.name!r}: a mixture-of-experts MLP needs BlockLayout.mlp "
+                    f"(the MoE module) in a pre-norm block (layer {i})"
+                )
             if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
                 raise UnsupportedModelError(
                     f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
@@ -382,7 +391,7 @@ class Wiring:
             if bl is None:  # an opaque block: its plugin creates its points
                 continue
             for name in block_point_names(bl, qkv, mlp):
-                new(f"blocks.{i}.{name}")
+                new(f"blocks.{i}.{name}").costly = is_expert_point(name)
         if self.layout.ln_final:
             new("ln_final.hook_scale")
             new("ln_final.hook_normalized")
@@ -502,10 +511,13 @@ class Wiring:
     def _build_mlp_sites(self, i: int) -> None:
         block, bl, mlp = self.block_modules[i], self.block_layouts[i], self.mlp_layouts[i]
         pt, get = self._block_point(i), block.get_submodule
-        self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
-        if mlp.pre_linear is not None:
-            self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
-        self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
+        if is_moe(mlp):
+            self.add_site(build_moe_site(self, i, mlp, pt))
+        else:
+            self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
+            if mlp.pre_linear is not None:
+                self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
+            self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
         mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream

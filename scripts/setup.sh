@@ -19,7 +19,7 @@ if [ -n "$transformers_pin" ]; then
   echo "transformers==$transformers_pin" >> "$constraints"
 fi
 "${pip[@]}" install -c "$constraints" -e ".[all,testing,bnb]" \
-  -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/peft -e plugins/bnb \
+  -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/mixtral -e plugins/peft -e plugins/bnb \
   -e examples/gptj
 "${pip[@]}" install -c "$constraints" build
 "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

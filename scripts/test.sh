@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 bash scripts/setup.sh .venv
 echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests examples/gptj/tests
+.venv/bin/python -m pytest -q -p no:cacheprovider tests examples/gptj/tests plugins/mixtral/tests
 bash scripts/setup.sh .venv-tf457 4.57.6
 echo "== equivalence tests on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" tests examples/gptj/tests
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" tests examples/gptj/tests \
+  plugins/mixtral/tests
 echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"
 bash scripts/check-wheels.sh .venv

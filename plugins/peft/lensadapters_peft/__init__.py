@@ -32,6 +32,7 @@ from lensadapters import (
     FusedQKV,
     LensAdaptersError,
     LinearWeight,
+    MLPLayout,
     UnsupportedModelError,
     WeightUnavailableError,
     hookimpl,
@@ -157,6 +158,27 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
     return W[layout.pos_embed_offset :] if name == "W_pos" else W
 
 
+@hookimpl
+def lensadapters_module_attribute(module: nn.Module, name: str) -> Optional[Any]:
+    """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``: fused MoE experts): the wrapped
+    module's attribute ``name``, with the deltas of the adapters its forward adds (none when disabled or merged)."""
+    wrapper = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
+    if wrapper is None or not isinstance(module, wrapper):
+        return None
+    deltas = []
+    inner: Any = module
+    while isinstance(inner, wrapper):  # one wrapper per targeted parameter, nested
+        if inner.parameter_name == name:
+            state, adapters = _lora.contributing_adapters(inner)
+            if state == "active":
+                deltas += [inner.get_delta_weight(adapter) for adapter in adapters]
+        inner = inner.base_layer
+    value = getattr(inner, name)
+    for delta in deltas:
+        value = value + delta
+    return value
+
+
 # --- hook points for the LoRA deltas --------------------------------------------------------------
 
 
@@ -205,10 +227,15 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
         if is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
+        dense = isinstance(mlp, MLPLayout)  # a mixture of experts has no single MLP projection to watch
         for path, target, name in (
-            (mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
-            (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
-            (mlp.out, "hook_mlp_out", MLP_OUT_POINT),
+            (
+                (mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
+                (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
+                (mlp.out, "hook_mlp_out", MLP_OUT_POINT),
+            )
+            if dense
+            else ()
         ):
             if path is None:
                 continue
@@ -408,6 +435,10 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         path = qkv.module if isinstance(qkv, FusedQKV) else getattr(qkv, which)
     elif which == "o":
         path = bl.o_proj
+    elif not isinstance(mlp, MLPLayout):
+        raise LensAdaptersError(
+            f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections (q, k, v, o) there"
+        )
     elif which == "in":
         path = mlp.pre_linear or mlp.pre
     elif which == "gate":

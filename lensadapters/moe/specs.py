@@ -1,0 +1,82 @@
+"""The declarative description of a mixture-of-experts MLP.
+
+A plugin whose block has a sparse MoE MLP returns a :class:`MoELayout` from ``lensadapters_mlp_act`` instead of an
+``MLPLayout`` (per layer: dense layers keep their ``MLPLayout``). The block's ``BlockLayout.mlp`` is the MoE module
+(its input is the normalized MLP input, its first output ``hook_mlp_out``). The core derives everything else: the
+routing hook points, the per-expert hook points, the per-expert weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How the router's logits ``[tokens, n_experts]`` become the routing the experts use.
+
+    ``probabilities`` of every expert are computed from the logits (``"softmax"``, in float32), the ``top_k``
+    largest are selected (``torch.topk``: the same experts and ties as the model), and the selected probabilities
+    are the routing weights, renormalized to sum to one when ``normalize`` (Mixtral always; Qwen3-MoE and OLMoE
+    when ``norm_topk_prob``). ``weights_dtype`` is the dtype the model keeps them in: ``"float32"``, or
+    ``"logits"`` (cast back to the router logits' dtype).
+    """
+
+    n_experts: int
+    top_k: int
+    normalize: bool = True
+    probabilities: Literal["softmax"] = "softmax"
+    weights_dtype: Literal["float32", "logits"] = "logits"
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """Experts stored as 3-D parameters of one module (transformers 5), called as
+    ``experts(hidden [tokens, d_model], top_k_index [tokens, k], top_k_weights [tokens, k]) -> [tokens, d_model]``.
+
+    ``gate_up`` names the ``[n_experts, 2 * d_mlp, d_model]`` parameter (the gate rows, then the up rows),
+    ``down`` the ``[n_experts, d_model, d_mlp]`` one; ``act`` the module attribute holding the activation.
+    Expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``.
+    """
+
+    module: str
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    act: str = "act_fn"
+
+
+@dataclass(frozen=True)
+class ExpertModules:
+    """Experts as a list of gated-MLP modules (transformers 4): ``{module}.{e}.{gate|up|down}`` are linear layers
+    and ``{module}.{e}.{act}`` the activation; expert ``e`` computes ``down(act(gate(x)) * up(x))``."""
+
+    module: str
+    gate: str
+    up: str
+    down: str
+    act: str = "act_fn"
+
+
+Experts = Union[FusedExperts, ExpertModules]
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """A block's MLP that routes each token to ``routing.top_k`` of ``routing.n_experts`` gated experts.
+
+    Paths are relative to the block. ``router`` is the module computing the router logits from the flattened MLP
+    input. ``router_output`` says what it returns: ``"logits"`` (a linear layer; the MoE module routes itself,
+    transformers 4) or ``"routing"`` (a tuple ``(logits, top_k_weights, top_k_index)`` that the MoE module hands
+    to a :class:`FusedExperts` module, transformers 5).
+    """
+
+    router: str
+    routing: Routing
+    experts: Experts
+    router_output: Literal["logits", "routing"] = "logits"
+
+
+def is_moe(layout: object) -> bool:
+    """Whether an MLP description is a mixture of experts."""
+    return isinstance(layout, MoELayout)

@@ -1,0 +1,183 @@
+"""Mixtral: the contract suite in its mixture-of-experts form over random tiny Mixtral configs (2-5 experts, top-1
+to top-all routing, GQA/MQA, sliding window or none, every experts implementation of transformers 5), plus the
+plugin's own checks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import lensadapters_mixtral
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lensadapters_mixtral.testing import MixtralContract, mixtral_config, mixtral_configs
+
+from lensadapters import HookedModel
+from lensadapters.registry import Registry
+from lensadapters.testing import assert_close
+from lensadapters.testing.moe import mlp_input, moe_reference
+
+
+class TestMixtral(MixtralContract):
+    """The plugin's contract suite (``lensadapters_mixtral.testing``, also run by ``lensadapters check mixtral``)."""
+
+
+# --- Mixtral's own checks ---------------------------------------------------------------------------------------
+
+CONTRACT = TestMixtral()
+FEW = settings(deadline=None, max_examples=max(2, settings.default.max_examples // 4))
+
+
+def registry(*plugins: object) -> Registry:
+    reg = Registry()
+    for plugin in (lensadapters_mixtral, *plugins):
+        reg.register(plugin, plugin.__name__)
+    return reg
+
+
+def test_entry_point() -> None:
+    eps = importlib.metadata.entry_points(group="lensadapters")
+    assert any(ep.name == "mixtral" and ep.value == "lensadapters_mixtral" for ep in eps)
+
+
+@FEW
+@given(data=st.data())
+def test_sliding_window_patterns_match_hf_eager(data: st.DataObject) -> None:
+    """With a sliding window (not in the contract's configs) patterns are HF eager's and the model stays bitwise."""
+    config = data.draw(mixtral_configs(sliding_window=st.integers(2, 4)), label="config")
+    model = CONTRACT.make_model(config, data.draw(st.integers(0, 99), label="seed"), "sdpa")
+    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        model.config._attn_implementation = "eager"
+        eager = model(ids, output_attentions=True).attentions
+        model.config._attn_implementation = "sdpa"
+        hm = CONTRACT.wrap(model)
+        _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+        assert torch.equal(hm(ids).logits, reference)
+    for layer in range(config.num_hidden_layers):
+        assert_close(cache["pattern", layer], eager[layer], f"layer {layer} pattern")
+        far = torch.ones(8, 8, dtype=torch.bool).tril(-config.sliding_window)
+        assert (cache["pattern", layer][..., far] == 0).all(), "attends beyond the window"
+    hm.unwrap()
+
+
+def _lora_model(seed: int) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The base model's ``W_in`` and a LoRA model on the experts (adapters with random, nonzero deltas)."""
+    peft = pytest.importorskip("peft")
+    model = CONTRACT.make_model(mixtral_config(layers=2, experts=4, top_k=2), seed)
+    base_W_in = CONTRACT.wrap(model).W_in.clone()
+    HookedModel.wrap(model).unwrap()
+    fused = hasattr(model.model.layers[0], "mlp")
+    if fused:  # transformers 5: LoRA on the fused 3-D expert parameters (PEFT's target_parameters)
+        config = peft.LoraConfig(
+            r=4,
+            target_modules=["q_proj"],
+            init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+    else:  # transformers 4.57: LoRA on each expert's linear layers
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "w1", "w2", "w3"], init_lora_weights=False)
+    return base_W_in, peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lora_on_experts(seed: int) -> None:
+    """LoRA on the experts (fused parameters or expert modules): hook points see the adapted experts, the model
+    stays bitwise while they are read, expert weights include the deltas (the reference MoE computed from them
+    is ``hook_mlp_out``), and with the adapters disabled they are the base weights."""
+    lensadapters_peft = pytest.importorskip("lensadapters_peft")
+    base_W_in, peft_model = _lora_model(seed)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        reference = peft_model(ids).logits
+        hm = HookedModel.wrap(peft_model, registry=registry(lensadapters_peft))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+        )
+        assert torch.equal(logits, reference), "reading the adapted experts changed the output"
+        for layer in range(2):
+            pre = f"blocks.{layer}.mlp."
+            expected = moe_reference(
+                hm,
+                layer,
+                mlp_input(hm, cache, layer),
+                cache[pre + "hook_routing_weights"],
+                cache[pre + "hook_expert_indices"],
+            )
+            assert_close(cache["mlp_out", layer], expected, f"layer {layer}: adapted experts", atol=1e-4)
+        assert not torch.allclose(hm.W_in, base_W_in), "the LoRA delta is missing from W_in"
+        with peft_model.disable_adapter():
+            assert_close(hm.W_in, base_W_in, "adapters disabled: base W_in")
+            _, off = hm.run_with_cache(
+                ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+            )
+            pre = "blocks.0.mlp."
+            expected = moe_reference(
+                hm, 0, mlp_input(hm, off, 0), off[pre + "hook_routing_weights"], off[pre + "hook_expert_indices"]
+            )
+            assert_close(off["mlp_out", 0], expected, "adapters disabled: base experts", atol=1e-4)
+        edited = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.mlp.experts.1.hook_gate", lambda t, hook: t * 2)])
+        assert not torch.allclose(edited, reference)
+    hm.unwrap()
+
+
+def test_int8_model() -> None:
+    """An 8-bit Mixtral (bitsandbytes on the CPU): transformers 4.57 quantizes each expert's linear layers, whose
+    weights are read dequantized; transformers 5 keeps the fused expert parameters in float (bitsandbytes
+    quantizes linear layers only). Reading every MoE point keeps the output bitwise, the per-expert points follow
+    the read weights within int8 rounding, and the results sum to ``hook_mlp_out``."""
+    lensadapters_bnb = pytest.importorskip("lensadapters_bnb")
+    from lensadapters_bnb.testing import quantize
+
+    config = mixtral_config(layers=1, experts=3, top_k=2, hidden=64, d_mlp=64, n_heads=4, head_dim=16)
+    model = quantize(CONTRACT.make_model(config, 0, "eager"), "int8")
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        hm = HookedModel.wrap(model, registry=registry(lensadapters_bnb))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+        )
+        assert torch.equal(logits, reference)
+        x = mlp_input(hm, cache, 0).reshape(-1, 64)
+        index = cache["blocks.0.mlp.hook_expert_indices"].reshape(-1, 2)
+        total = torch.zeros_like(x)
+        for e in range(3):
+            slot, token = torch.where(index.T == e)
+            gate = cache[f"blocks.0.mlp.experts.{e}.hook_gate"]
+            diff = (x[token] @ hm.W_gate[0, e] - gate).abs().max() if len(token) else torch.tensor(0.0)
+            assert diff <= 0.05 * (1 + gate.abs().max()), f"expert {e}: hook_gate vs dequantized W_gate"
+            total.index_add_(0, token, cache[f"blocks.0.mlp.experts.{e}.hook_result"])
+        assert_close(total, cache["mlp_out", 0].reshape(-1, 64), "results sum to hook_mlp_out")
+        quantized = [n for n, m in model.named_modules() if "experts" in n and type(m).__name__ == "Linear8bitLt"]
+        assert bool(quantized) == (not hasattr(model.model.layers[0], "mlp"))
+    hm.unwrap()
+
+
+def test_gradients_at_moe_points() -> None:
+    """``run_with_cache(incl_bwd=True)`` gives gradients at the routing points (not the integer indices) and at
+    every expert's points; a routing-weight gradient is the gradient of the loss through the experts' outputs."""
+    model = CONTRACT.make_model(mixtral_config(layers=2, experts=4, top_k=2), 0)
+    hm = CONTRACT.wrap(model)
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=lambda n: ".mlp." in n)
+    for layer in range(2):
+        pre = f"blocks.{layer}.mlp."
+        assert pre + "hook_expert_indices_grad" not in cache
+        for name in ("hook_router_logits", "hook_expert_weights", "hook_routing_weights"):
+            assert cache[pre + name + "_grad"].shape == cache[pre + name].shape
+        for e in range(4):
+            for point in ("hook_gate", "hook_pre", "hook_post", "hook_result"):
+                assert cache[f"{pre}experts.{e}.{point}_grad"].shape == cache[f"{pre}experts.{e}.{point}"].shape
+        # d loss / d weight[t, s] = <d loss / d result row, result row / weight>
+        index = cache[pre + "hook_expert_indices"].reshape(-1, 2)
+        weights = cache[pre + "hook_routing_weights"].reshape(-1, 2)
+        expected = torch.zeros_like(weights)
+        for e in range(4):
+            slot, token = torch.where(index.T == e)
+            result, grad = cache[f"{pre}experts.{e}.hook_result"], cache[f"{pre}experts.{e}.hook_result_grad"]
+            expected[token, slot] = (grad * result).sum(-1) / weights[token, slot]
+        assert_close(cache[pre + "hook_routing_weights_grad"].reshape(-1, 2), expected, "routing weight gradient")
+    hm.unwrap()

@@ -12,6 +12,7 @@ from .errors import (
 )
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
+from .layers import innermost_layer, wrapped_layers
 from .offload import live_parameters
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
@@ -27,6 +28,7 @@ from .specs import (
     RotarySpec,
     SeparateQKV,
 )
+from .variants import ContractVariant, contract_variants
 
 __all__ = [
     "__version__", "ActivationCache", "get_act_name", "HookReturnError", "LensAdaptersError",
@@ -34,4 +36,5 @@ __all__ = [
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
     "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters",
+    "ContractVariant", "contract_variants", "wrapped_layers", "innermost_layer",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 _EXPORTS = {
     "AdapterContract": "contract", "Capabilities": "contract", "assert_close": "contract", "perturb": "contract",
+    "property_settings": "contract",
     "Inputs": "strategies", "as_strategy": "strategies", "token_inputs": "strategies",
     "reinit": "models", "seeded_model": "models",
     "BlockInputs": "reference", "apply_norm": "reference", "block_inputs": "reference", "norm_out": "reference",

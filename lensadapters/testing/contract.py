@@ -79,6 +79,9 @@ RTOL = 1e-4
 # each plugin subclass runs the inherited tests (differing executors by design)
 _SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                           HealthCheck.differing_executors])
+#: the Hypothesis settings of every property: a contract variant that redefines one (an 8-bit model's identities
+#: within a quantization bound) decorates it with ``@property_settings`` and ``@given(data=st.data())``
+property_settings = _SETTINGS
 
 
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:

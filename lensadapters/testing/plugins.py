@@ -121,7 +121,7 @@ def contract_matrix(mixin: type, namespace: MutableMapping[str, Any]) -> list[st
 
 @dataclass(frozen=True)
 class PluginProject:
-    """A plugin distribution's folder in a checkout: ``plugins/gpt2`` with its ``pyproject.toml``."""
+    """A plugin distribution's folder in a checkout (``plugins/<name>``, with its ``pyproject.toml``)."""
 
     path: Path
     distribution: str

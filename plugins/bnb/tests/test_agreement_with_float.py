@@ -141,7 +141,8 @@ def test_float16_model_hook_dtypes_and_casts(contract: type, data: st.DataObject
 
         edited = hm.run_with_hooks(ids, fwd_hooks=[(name, double_in_float32), (name, record)])
         assert seen[0].dtype == torch.float16 and torch.equal(seen[0], cache[name] * 2)
-        assert edited.dtype == torch.float16 and not torch.equal(edited, reference)
+        # (the logits' dtype is the model's: GPT-J under transformers 4.57 returns them in float32)
+        assert edited.dtype == reference.dtype and not torch.equal(edited, reference)
     hm.unwrap()
 
 

@@ -14,6 +14,7 @@ from .errors import (
 from .generic import GenericAdapterWarning
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
+from .layers import innermost_layer, wrapped_layers
 from .offload import live_parameters
 from .protocol import Hooked
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
@@ -30,6 +31,7 @@ from .specs import (
     RotarySpec,
     SeparateQKV,
 )
+from .variants import ContractVariant, contract_variants
 
 __all__ = [
     "__version__",
@@ -63,4 +65,8 @@ __all__ = [
     "live_parameters",
     "Hooked",
     "GenericAdapterWarning",
+    "ContractVariant",
+    "contract_variants",
+    "wrapped_layers",
+    "innermost_layer",
 ]

@@ -5,17 +5,16 @@ Which suite runs:
 * A plugin that declares ``LENSADAPTERS_CONTRACT = "package.module:ClassName"`` (a module attribute, like
   ``LENSADAPTERS_HOOKSPEC``) gets that :class:`~lensadapters.testing.AdapterContract` subclass: its own
   config strategy, declared capabilities, config strata and settings, the very class its test file
-  subclasses. The built-in plugins declare theirs (``lensadapters_gpt2.testing:GPT2Contract``...).
+  subclasses. The built-in plugins declare theirs (in their ``testing`` modules).
 * Otherwise the suite is generated from the plugin's ``lensadapters_tiny_config`` hook: configs are
   ``lensadapters_tiny_config(arch, seed)`` for drawn seeds (one strategy per architecture the plugin
   claims), and the attention implementations are those transformers accepts for that config
   (``sdpa`` and/or ``eager``); no capability is declared. This is a smoke-level check: a declared contract
   explores far more.
 
-``--lora`` and ``--int8`` run that class's LoRA and 8-bit variants instead:
-``lensadapters_peft.testing.LoraContract`` (needs lensadapters-peft) and
-``lensadapters_bnb.testing.Int8Contract`` (needs lensadapters-bnb) mixed in front of it, exactly what a
-plugin's tests get from ``class TestX(LoraContract, XContract)``.
+``--NAME`` runs a variant of that class instead: the contract variants installed cross-cutting plugins
+declare (``lensadapters_contract_variants``, e.g. ``--lora`` for LoRA-adapted models), whose mixin is put in
+front of it, exactly what a plugin's tests get from ``class TestX(VariantMixin, XContract)``.
 
 ``PLUGIN`` is an installed plugin's entry-point name, one of its architecture names or model types, or
 an importable module (a plugin under development, not installed yet). The suite runs through
@@ -35,15 +34,10 @@ from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
 from .errors import LensAdaptersError
+from .variants import ContractVariant, contract_variants
 
 CONTRACT_ATTRIBUTE = "LENSADAPTERS_CONTRACT"
 PROFILE = "lensadapters-check"
-
-#: variant -> (module, class, distribution to install, what the variant runs on)
-VARIANTS: dict[str, tuple[str, str, str, str]] = {
-    "lora": ("lensadapters_peft.testing", "LoraContract", "lensadapters-peft", "LoRA-adapted (PEFT) models"),
-    "int8": ("lensadapters_bnb.testing", "Int8Contract", "lensadapters-bnb", "8-bit (bitsandbytes LLM.int8) models"),
-}
 
 
 class CheckError(LensAdaptersError):
@@ -71,6 +65,18 @@ def find_plugin(target: str) -> tuple[str, ModuleType | Any]:
     return target, module
 
 
+def _import(spec: str) -> Any:
+    """The object named ``"package.module:Name"``."""
+    module_name, _, attr = spec.partition(":")
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+
+
+def declared_contract(name: str, plugin: Any) -> Optional[type]:
+    """The contract class ``plugin`` declares with ``LENSADAPTERS_CONTRACT`` (checked), or ``None``."""
+    spec = getattr(plugin, CONTRACT_ATTRIBUTE, None)
+    return _declared(name, plugin, spec) if spec else None
+
+
 def _declared(name: str, plugin: Any, spec: str) -> type:
     from .testing.contract import AdapterContract
 
@@ -78,7 +84,7 @@ def _declared(name: str, plugin: Any, spec: str) -> type:
     if not module_name or not attr:
         raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} is {spec!r}; expected 'package.module:ClassName'")
     try:
-        cls = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+        cls = _import(spec)
     except (ImportError, AttributeError) as exc:
         raise CheckError(f"plugin {name!r} declares {CONTRACT_ATTRIBUTE} = {spec!r}, which cannot be imported: {exc}. "
                          f"Is the plugin installed with its testing extra?") from exc
@@ -149,41 +155,49 @@ def _generated(name: str, plugin: Any) -> type:
 def contract_class(target: str) -> type:
     """The :class:`AdapterContract` subclass that ``lensadapters check TARGET`` runs."""
     name, plugin = find_plugin(target)
-    spec = getattr(plugin, CONTRACT_ATTRIBUTE, None)
-    return _declared(name, plugin, spec) if spec else _generated(name, plugin)
+    return declared_contract(name, plugin) or _generated(name, plugin)
+
+
+def find_variant(name: str) -> ContractVariant:
+    """The contract variant ``name`` an installed plugin declares (``CheckError`` naming the others if none)."""
+    variants = contract_variants()
+    if name not in variants:
+        offered = ", ".join(sorted(variants)) or "none"
+        raise CheckError(f"unknown contract variant {name!r}: no installed plugin declares it (installed plugins "
+                         f"offer: {offered}). Variants come from cross-cutting plugins "
+                         f"(lensadapters_contract_variants).")
+    return variants[name]
 
 
 @functools.lru_cache(maxsize=None)
 def variant_class(target: str, variant: Optional[str] = None) -> type:
-    """The class ``lensadapters check TARGET --VARIANT`` runs: the variant's contract (``lora``:
-    ``lensadapters_peft.testing.LoraContract``, ``int8``: ``lensadapters_bnb.testing.Int8Contract``) mixed in
-    front of :func:`contract_class`; ``variant=None`` is the contract class itself."""
+    """The class ``lensadapters check TARGET --VARIANT`` runs: the mixin of the contract variant ``variant``
+    (declared by an installed plugin, :func:`find_variant`) in front of :func:`contract_class`;
+    ``variant=None`` is the contract class itself."""
     cls = contract_class(target)
     if variant is None:
         return cls
-    if variant not in VARIANTS:
-        raise CheckError(f"unknown contract variant {variant!r}; expected one of {sorted(VARIANTS)}")
-    module_name, attr, distribution, what = VARIANTS[variant]
+    declared = find_variant(variant)
+    distribution = declared.distribution or "the plugin that declares it"
     try:
-        mixin = getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        raise CheckError(f"`lensadapters check --{variant}` runs the contract suite on {what} and needs "
-                         f"{distribution}: pip install {distribution} ({exc})") from None
+        mixin = _import(declared.contract)
+    except (ImportError, AttributeError) as exc:
+        raise CheckError(f"`lensadapters check --{variant}` runs the contract suite on {declared.runs_on} and needs "
+                         f"{distribution} with its test kit: pip install '{distribution}[testing]' ({exc})") from None
     if issubclass(cls, mixin):
         return cls
     return type(f"{cls.__name__}{variant.title()}", (mixin, cls), {
         "__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}{variant.title()}",
-        "_lensadapters_variant": (variant, cls),
-        "__doc__": f"{cls.__name__} on {what} ({module_name}.{attr}).",
+        "_lensadapters_variant": (declared, cls),
+        "__doc__": f"{cls.__name__} on {declared.runs_on} ({declared.contract}).",
     })
 
 
 def describe(cls: type) -> str:
     variant = cls.__dict__.get("_lensadapters_variant")
     if variant is not None:
-        name, base = variant
-        module_name, attr, _, what = VARIANTS[name]
-        return f"{module_name}:{attr} on {what}, over {describe(base)}"
+        declared, base = variant
+        return f"{declared.contract} on {declared.runs_on}, over {describe(base)}"
     origin = ("generated from lensadapters_tiny_config" if cls.__module__ == __name__
               else f"declared by {CONTRACT_ATTRIBUTE}: {cls.__module__}:{cls.__qualname__}")
     capabilities = [f"{name}={getattr(cls, name)}" for name in ("learned_positions", "rotary", "gated_mlp",
@@ -235,8 +249,8 @@ def run(target: str, examples: int = 10, keyword: Optional[str] = None, seed: Op
     """Run the contract suite for ``target``; returns pytest's exit code (0: every property holds).
 
     ``shrink=False`` reports the first failing example as found, instead of searching for a minimal one
-    (which can take minutes). ``variants`` (``"lora"``, ``"int8"``) run those variants of the suite instead
-    of the float one (see :func:`variant_class`).
+    (which can take minutes). ``variants`` (names of installed contract variants, e.g. ``"lora"``) run those
+    variants of the suite instead of the float one (see :func:`variant_class`).
     """
     try:
         import hypothesis  # noqa: F401
@@ -296,4 +310,5 @@ def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int]
         return int(pytest.main(args))
 
 
-__all__ = ["CheckError", "contract_class", "variant_class", "find_plugin", "run", "describe", "load_profile"]
+__all__ = ["CheckError", "contract_class", "declared_contract", "variant_class", "find_variant", "find_plugin", "run",
+           "describe", "load_profile"]

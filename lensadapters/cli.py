@@ -119,18 +119,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from .check import run
 
-    variants = [v for v in ("lora", "int8") if getattr(args, v)]
-    return run(
-        args.plugin,
-        examples=args.examples,
-        keyword=args.keyword,
-        seed=args.seed,
-        exitfirst=args.exitfirst,
-        verbose=args.verbose,
-        shrink=not args.no_shrink,
-        pytest_args=args.pytest_args,
-        variants=variants,
-    )
+    variants = list(args.variant or []) + [v for v in args.variant_flags if getattr(args, f"variant_{v}")]
+    return run(args.plugin, examples=args.examples, keyword=args.keyword, seed=args.seed, exitfirst=args.exitfirst,
+               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args, variants=variants)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -163,31 +154,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, for a reproducible run")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing property")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per property")
-    p.add_argument(
-        "--no-shrink",
-        action="store_true",
-        help="report a failing example as found instead of shrinking it to a minimal one (faster)",
-    )
-    p.add_argument(
-        "--lora", action="store_true", help="run the suite on LoRA-adapted models instead (needs lensadapters-peft)"
-    )
-    p.add_argument(
-        "--int8",
-        action="store_true",
-        help="run the suite on 8-bit bitsandbytes models instead (needs lensadapters-bnb)",
-    )
-    p.set_defaults(func=_check)
-    p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
+    p.add_argument("--no-shrink", action="store_true",
+                   help="report a failing example as found instead of shrinking it to a minimal one (faster)")
+    p.add_argument("--variant", action="append", metavar="NAME",
+                   help="run a variant of the suite (declared by an installed plugin) instead; repeatable")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # `lensadapters check PLUGIN ... -- PYTEST ARGS`
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1 :]
-    args = parser.parse_args(argv)
+        argv, extra = argv[:at], argv[at + 1:]
+    flags = _variant_flags(p) if "check" in argv else []
+    p.set_defaults(func=_check, variant_flags=flags)
+    p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command == "check" and all(u.startswith("--") for u in unknown):
+            offered = ", ".join(f"--{name}" for name in flags) or "none"
+            print(f"lensadapters check: no installed plugin declares the contract variant(s) "
+                  f"{', '.join(u[2:] for u in unknown)} (installed variants: {offered}). Variants come from "
+                  f"cross-cutting plugins: install the one that provides it.")
+            return 4
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra and args.command != "check":
         parser.error(f"arguments after -- are only for `check`: {' '.join(extra)}")
     args.pytest_args = extra
     return args.func(args)
+
+
+def _variant_flags(check: argparse.ArgumentParser) -> list[str]:
+    """``--NAME`` for each contract variant an installed plugin declares (``lensadapters_contract_variants``)."""
+    from .variants import contract_variants
+
+    names = []
+    for name, variant in contract_variants().items():
+        try:
+            check.add_argument(f"--{name}", action="store_true", dest=f"variant_{name}",
+                               help=f"run the suite on {variant.runs_on} instead "
+                                    f"(from {variant.distribution or 'an installed plugin'})")
+        except argparse.ArgumentError:  # a variant named like one of check's own options
+            continue
+        names.append(name)
+    return names
 
 
 if __name__ == "__main__":  # pragma: no cover

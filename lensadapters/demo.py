@@ -8,9 +8,9 @@ layer by layer, and measure how much of the clean next-token logit comes back).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,8 +18,7 @@ import torch
 from .hooked_model import HookedModel
 from .registry import PluginInfo, Registry, get_registry
 from .specs import Architecture
-
-BUILTIN_ARCHITECTURES = ("gpt2", "gpt_neox", "opt", "llama")
+from .testing.models import reinit
 
 
 @dataclass
@@ -32,20 +31,6 @@ class DemoResult:
     bitwise: bool
     patching: list[float] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def reinit(model: torch.nn.Module, seed: int) -> None:
-    """Give a tiny model weights of unit-ish scale (HF's 0.02 init makes tiny models nearly trivial)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not param.is_floating_point():
-                continue
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if param.ndim == 1:
-                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
-            else:
-                param.copy_(noise / math.sqrt(min(param.shape)))
 
 
 def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: int = 0) -> torch.nn.Module:
@@ -102,14 +87,53 @@ def run_one(registry: Registry, info: PluginInfo, arch: Architecture, seed: int 
                       bitwise, restored, time.perf_counter() - start)
 
 
+def plugin_extras(distribution: str = "lensadapters") -> dict[str, str]:
+    """``{plugin distribution: extra}`` for the extras of the installed ``distribution`` that each install one
+    ``lensadapters-*`` distribution (the built-in plugins: ``pip install lensadapters[gpt2]``), in the order
+    they are declared; empty when ``distribution`` is not installed (a checkout on ``sys.path``)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return {}
+    requirements = []
+    for line in dist.requires or ():
+        try:
+            requirements.append(Requirement(line))
+        except InvalidRequirement:
+            continue
+    found: dict[str, str] = {}
+    for extra in dist.metadata.get_all("Provides-Extra") or ():
+        wanted = [r for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})]
+        if len(wanted) == 1 and canonicalize_name(wanted[0].name).startswith("lensadapters-"):
+            found.setdefault(canonicalize_name(wanted[0].name), extra)
+    return found
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print) -> list[DemoResult]:
+    from packaging.utils import canonicalize_name
+
     registry = registry or get_registry()
     results = []
-    installed = {arch.name for info in registry.architecture_plugins() for arch in info.architectures}
+    extras = plugin_extras()
     echo("lensadapters demo: tiny seeded models, no downloads\n")
-    order = {name: i for i, name in enumerate(BUILTIN_ARCHITECTURES)}
-    pairs = sorted(((info, arch) for info in registry.architecture_plugins() for arch in info.architectures),
-                   key=lambda pair: (order.get(pair[1].name, len(order)), pair[1].name))
+    order = {dist: i for i, dist in enumerate(extras)}  # the built-in plugins first, as the core's extras list them
+
+    def rank(pair: tuple[PluginInfo, Architecture]) -> tuple[int, str]:
+        info, arch = pair
+        return order.get(canonicalize_name(info.distribution or ""), len(order)), arch.name
+
+    pairs = sorted(((info, arch) for info in registry.architecture_plugins() for arch in info.architectures), key=rank)
     for info, arch in pairs:
         try:
             result = run_one(registry, info, arch)
@@ -122,9 +146,9 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
              f"{result.cached} cached; no-hook output bitwise equal: {'yes' if result.bitwise else 'NO'}")
         echo(f"    patching resid_pre at the corrupted token, fraction of the clean logit restored per layer: "
              f"{curve}  ({result.seconds:.2f}s)")
-    for name in BUILTIN_ARCHITECTURES:
-        if name not in installed:
-            echo(f"- {name}: not installed (pip install lensadapters[{name.replace('_', '-')}])")
+    for dist, extra in extras.items():
+        if not _installed(dist):
+            echo(f"- {extra}: not installed (pip install lensadapters[{extra}])")
     if registry.failures:
         for message in registry.failures.values():
             echo(f"! {message}")

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
         NormSpec,
         QKVLayout,
     )
+    from .variants import ContractVariant
 
 PROJECT = "lensadapters"
 HOOKSPEC_VERSION = "1.0"
@@ -195,4 +196,30 @@ def lensadapters_extra_sites(arch: "Architecture", hooked: "Hooked") -> Sequence
     Called once per wrap, after the core created its hook points and before it builds its sites: create
     points with ``hooked.new_point(name, after=...)``, take over a core point with ``hooked.claim_point(name)``
     (see :class:`lensadapters.protocol.Hooked`), and return the sites that serve them.
+    """
+
+
+# =================================================================================================
+# Cross-cutting plugins: contract variants and wrapper layers
+# (a plugin declares what it adds; the core and other plugins find it without naming the plugin)
+# =================================================================================================
+
+
+@hookspec
+def lensadapters_contract_variants() -> Sequence["ContractVariant"]:
+    """Return the variants of the contract suite this plugin offers (``lensadapters.ContractVariant``).
+
+    A cross-cutting plugin that transforms models (LoRA adapters, quantization...) ships a mixin contract
+    that runs every property on such models; declaring it here makes ``lensadapters check PLUGIN --NAME``
+    and the test matrices (``lensadapters.testing.contract_matrix``) find it.
+    """
+
+
+@hookspec(firstresult=True)
+def lensadapters_wrapped_layer(module: "nn.Module") -> Optional["nn.Module"]:
+    """Return the layer ``module`` wraps when it is one of this plugin's wrapper layers (an adapter layer
+    around its base layer), else ``None``.
+
+    Other plugins find their own layers under any wrapper with ``lensadapters.wrapped_layers(module)``,
+    which calls this repeatedly.
     """

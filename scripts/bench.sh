@@ -17,7 +17,7 @@ pip2=(.venv-bench-tl2/bin/python -m pip --disable-pip-version-check -q)
 "${pip2[@]}" install "torch==2.13.0"
 grep -v '^transformers==' constraints.txt > .venv-bench-tl2/constraints.txt
 "${pip2[@]}" install -c .venv-bench-tl2/constraints.txt -c benchmarks/constraints-bench-tl2.txt \
-  "transformers==4.57.6" transformer-lens matplotlib "pyarrow<20" -e . -e plugins/gpt2 -e plugins/llama
+  "transformers==4.57.6" transformer-lens matplotlib "pyarrow<20" -e . $(for p in plugins/*/; do printf -- '-e %s ' "$p"; done)
 .venv-bench/bin/python benchmarks/bench_peers.py --tl2-python .venv-bench-tl2/bin/python "$@"
 # the same timings with freed memory kept in the process: the libraries' cost without the kernel's page faults
 .venv-bench/bin/python benchmarks/bench_peers.py --tl2-python .venv-bench-tl2/bin/python --keep-freed-memory --no-memory "$@"

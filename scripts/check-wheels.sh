@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build every distribution (sdist + wheel, standard build front end), then install lensadapters[llama] and
-# lensadapters[all] into fresh virtual environments from those files only, and check what a user receives.
+# Build every distribution (sdist + wheel, standard build front end), then install lensadapters[ARCH] (the first
+# architecture plugin among the root extras) and lensadapters[all] into fresh virtual environments from those files
+# only, and check what a user receives. The plugins are discovered: the root extras, plugins/*/pyproject.toml.
 # A deliberately incompatible dummy plugin distribution (requires lensadapters>=99) is built too and installed
-# next to lensadapters[llama]: the registry must refuse it, naming both versions, and llama must keep working.
+# next to lensadapters[ARCH]: the registry must refuse it, naming both versions, and ARCH must keep working.
 # Usage: scripts/check-wheels.sh [BUILD_VENV]   (default .venv: must have `build`; see scripts/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,36 @@ for project in "${projects[@]}"; do
   "$build_python" -m build --outdir "$dist" "$project" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 done
 ls "$dist"
+
+# the built-in plugins: each root extra that installs one plugin folder's distribution. Prints the extra of the
+# first architecture plugin (in the order of the extras), its entry-point name, its first architecture's name and
+# its distribution, then every built-in plugin's entry-point name
+read -r single_extra single_plugin single_arch single_dist all_plugins < <("$build_python" - <<'PY'
+import importlib, pathlib, tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+extras = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["optional-dependencies"]
+folders = {}
+for pyproject in sorted(pathlib.Path("plugins").glob("*/pyproject.toml")):
+    data = tomllib.loads(pyproject.read_text())
+    folders[canonicalize_name(data["project"]["name"])] = (
+        data["project"]["name"], data["tool"]["setuptools"]["packages"][0],
+        list(data["project"]["entry-points"]["lensadapters"]))
+builtin, single = [], None
+for extra, requirements in extras.items():
+    if len(requirements) != 1 or canonicalize_name(Requirement(requirements[0]).name) not in folders:
+        continue
+    dist, module, names = folders[canonicalize_name(Requirement(requirements[0]).name)]
+    builtin += names
+    archs = getattr(importlib.import_module(module), "lensadapters_architectures", lambda: [])()
+    if single is None and archs:
+        single = (extra, names[0], archs[0].name, dist)
+assert single and builtin, "no built-in plugin found among the root extras"
+print(*single, " ".join(builtin))
+PY
+)
+echo "single-plugin install: lensadapters[$single_extra] ($single_plugin); all: $all_plugins"
 # the core sdist carries the core only
 core_sdist=$(ls "$dist"/lensadapters-[0-9]*.tar.gz)
 if tar tzf "$core_sdist" | grep -E '^[^/]+/(plugins|tests|examples|benchmarks)/'; then
@@ -99,7 +130,7 @@ check_incompatible() {  # $1: a venv with lensadapters installed from the wheels
   "$venv/bin/lensadapters" plugins --json > "$work/plugins.json"
   "$venv/bin/lensadapters" demo > "$work/demo.log"
   cat "$work/demo.log"
-  "$venv/bin/python" - "$work/plugins.json" "$expected" "$work/demo.log" <<'PY'
+  "$venv/bin/python" - "$work/plugins.json" "$expected" "$work/demo.log" "- $single_arch ($single_dist):" <<'PY'
 import importlib.metadata as md, json, sys
 import lensadapters_dummy_incompatible  # installed and importable: only its declared core range is wrong
 dist = md.distribution("lensadapters-dummy-incompatible")
@@ -114,11 +145,11 @@ message = listed["failures"]["dummy_incompatible"]
 for part in ("lensadapters-dummy-incompatible 0.1.0", "requires lensadapters>=99", f"installed lensadapters is {core}"):
     assert part in message, f"{part!r} not in the refusal message: {message}"
 demo = open(sys.argv[3]).read()
-assert "- llama (lensadapters-llama):" in demo and "bitwise equal: yes" in demo, demo
+assert sys.argv[4] in demo and "bitwise equal: yes" in demo, demo
 assert f"! {message}" in demo, "the demo does not report the refused plugin"
 print("ok: incompatible plugin refused:", message)
 PY
 }
-check_install "lensadapters[llama]" "llama" "$dummy_wheel"
-check_install "lensadapters[all]" "gpt2 gpt_neox opt llama mixtral peft bnb"
+check_install "lensadapters[$single_extra]" "$single_plugin" "$dummy_wheel"
+check_install "lensadapters[all]" "$all_plugins"
 echo "wheels: ok"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with lensadapters, every plugin and the pinned dependencies.
+# Create (or reuse) a virtual environment with lensadapters, every plugin folder (plugins/*/, examples/*/) and the
+# pinned dependencies.
 # Usage: scripts/setup.sh [VENV_DIR] [TRANSFORMERS_PIN]   (defaults: .venv, the version in constraints.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,11 @@ if [ -n "$transformers_pin" ]; then
   grep -v '^transformers==' constraints.txt > "$constraints"
   echo "transformers==$transformers_pin" >> "$constraints"
 fi
-"${pip[@]}" install -c "$constraints" -e ".[all,testing,bnb]" \
-  -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/mixtral -e plugins/peft -e plugins/bnb \
-  -e examples/gptj
+# every plugin folder of the checkout (the built-in plugins and the example third-party one), editable
+projects=()
+for project in plugins/*/ examples/*/; do
+  if [ -f "$project/pyproject.toml" ]; then projects+=(-e "$project"); fi
+done
+"${pip[@]}" install -c "$constraints" -e ".[all,testing]" "${projects[@]}"
 "${pip[@]}" install -c "$constraints" build
 "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

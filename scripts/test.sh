@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Set everything up (first run) and run the tests: the whole suite on the pinned transformers 5.x, then the
-# equivalence suites again on transformers 4.57 in a second environment.
+# Set everything up (first run) and run the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
+# on the pinned transformers 5.x, then again on transformers 4.57 in a second environment (without the tests marked
+# transformers5_only), then the wheel check.
 # HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
+# the core's tests and every plugin folder's own (found by glob: a new plugin's tests/ runs without a change here)
+suites=(tests)
+for suite in plugins/*/tests examples/*/tests; do
+  if [ -d "$suite" ]; then suites+=("$suite"); fi
+done
 bash scripts/setup.sh .venv
-echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests examples/gptj/tests plugins/mixtral/tests
+echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
+.venv/bin/python -m pytest -q -p no:cacheprovider "${suites[@]}"
 bash scripts/setup.sh .venv-tf457 4.57.6
-echo "== equivalence tests on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" tests examples/gptj/tests \
-  plugins/mixtral/tests
+echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
 echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"
 bash scripts/check-wheels.sh .venv

@@ -6,28 +6,80 @@ fixed seed. A plugin with a wrong layout must make the command fail.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
+from lensadapters import ContractVariant, contract_variants, hookimpl
+from lensadapters import registry as registry_module
 from lensadapters import cli
 from lensadapters.check import CheckError, contract_class
+from lensadapters.registry import PluginInfo
+from lensadapters.testing import architecture_plugins, plugin_projects, registry_with
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BROKEN_PLUGIN = textwrap.dedent('''
-    """GPT-2 with one wrong path: the MLP's norm is declared to be ln_1 (the attention's norm)."""
-    from lensadapters import BlockLayout, hookimpl
-    from lensadapters_gpt2 import (LENSADAPTERS_HOOKSPEC, lensadapters_architectures, lensadapters_attn_qkv,
-                                   lensadapters_attn_scores, lensadapters_config, lensadapters_embed,
-                                   lensadapters_linear_weight, lensadapters_mlp_act, lensadapters_tiny_config)
+    """{module} with one wrong path: the MLP's norm is declared to be the attention's norm (ln2 = ln1)."""
+    import dataclasses
+    import inspect
+
+    import {module} as _real
+    from lensadapters import hookimpl
+
+    LENSADAPTERS_HOOKSPEC = getattr(_real, "LENSADAPTERS_HOOKSPEC", "1")
+    for _name in dir(_real):  # every other hook implementation of the real plugin
+        if _name.startswith("lensadapters_") and _name != "lensadapters_block":
+            globals()[_name] = getattr(_real, _name)
+
 
     @hookimpl
     def lensadapters_block(arch, model, layer):
-        return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_1", mlp="mlp")
+        real = _real.lensadapters_block
+        given = dict(arch=arch, model=model, layer=layer)
+        layout = real(**{{k: v for k, v in given.items() if k in inspect.signature(real).parameters}})
+        return dataclasses.replace(layout, ln2=layout.ln1)
 ''')
+
+
+@functools.lru_cache(maxsize=None)
+def _subject() -> PluginInfo | None:
+    """The first installed architecture plugin (by name) that declares a contract and whose blocks have two
+    pre-norms (so that declaring the MLP's norm to be the attention's breaks a weight identity)."""
+    from lensadapters import HookedModel
+    from lensadapters.demo import tiny_model
+
+    for info in architecture_plugins():
+        if not getattr(info.plugin, "LENSADAPTERS_CONTRACT", None):
+            continue
+        registry = registry_with(info)
+        hm = HookedModel.wrap(tiny_model(registry, registry.infos[info.name], info.architectures[0]),
+                              registry=registry)
+        layout = hm.block_layouts[0]
+        hm.unwrap()
+        if layout.ln2 is not None and layout.ln2 != layout.ln1 and not layout.post_norm and not layout.parallel:
+            return info
+    return None
+
+
+def subject() -> PluginInfo:
+    info = _subject()
+    if info is None:
+        pytest.skip("no installed architecture plugin with a declared contract and two pre-norms per block")
+    return info
+
+
+def broken_plugin(tmp_path: Path) -> str:
+    """A module in ``tmp_path``: the subject plugin with the MLP's norm declared wrong; returns its name."""
+    (tmp_path / "broken_plugin.py").write_text(BROKEN_PLUGIN.format(module=subject().plugin.__name__))
+    return "broken_plugin"
 
 
 def run_cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
@@ -38,85 +90,102 @@ def run_cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
-BUILTIN = {"gpt2": "GPT2Contract", "gpt_neox": "GPTNeoXContract", "opt": "OPTContract", "llama": "LlamaContract"}
+def _builtin_architecture_plugins() -> list:
+    """``(entry-point name, module)`` of the installed plugins of this checkout's ``plugins/*/`` that claim
+    architectures (the built-in architecture plugins)."""
+    found = []
+    for project in plugin_projects(ROOT):
+        if not project.installed:
+            continue
+        module = importlib.import_module(project.modules[0])
+        if hasattr(module, "lensadapters_architectures"):
+            found.extend((name, project.modules[0]) for name in project.entry_points)
+    return found
 
 
-def test_check_gpt2_passes():
-    result = run_cli("check", "gpt2", "--examples", "2", "--seed", "0",
+BUILTIN = _builtin_architecture_plugins()
+
+
+def test_check_passes_for_an_installed_plugin():
+    info = subject()
+    result = run_cli("check", info.name, "--examples", "2", "--seed", "0",
                      "-k", "bitwise or identities or every_hook_point or capabilities")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "declared by LENSADAPTERS_CONTRACT: lensadapters_gpt2.testing:GPT2Contract" in result.stdout
+    assert f"declared by LENSADAPTERS_CONTRACT: {info.plugin.LENSADAPTERS_CONTRACT}" in result.stdout
     assert "4 passed" in result.stdout
 
 
-@pytest.mark.parametrize("arch", sorted(BUILTIN))
-def test_builtin_plugins_declare_their_packaged_contract(arch):
-    """`lensadapters check ARCH` runs the very class tests/test_ARCH.py subclasses, with declared capabilities."""
-    import importlib
-
-    testing = importlib.import_module(f"lensadapters_{arch}.testing")
-    plugin = importlib.import_module(f"lensadapters_{arch}")
-    assert plugin.LENSADAPTERS_CONTRACT == f"lensadapters_{arch}.testing:{BUILTIN[arch]}"
+@pytest.mark.parametrize("name,module", BUILTIN, ids=[name for name, _ in BUILTIN])
+def test_builtin_plugins_declare_their_packaged_contract(name, module):
+    """`lensadapters check NAME` runs the class the plugin's tests subclass, shipped in its `testing` module, with
+    declared capabilities."""
+    plugin = importlib.import_module(module)
+    spec = plugin.LENSADAPTERS_CONTRACT
+    assert spec.startswith(f"{module}.testing:"), spec
+    testing = importlib.import_module(f"{module}.testing")
     contract_class.cache_clear()
     try:
-        cls = contract_class(arch)
+        cls = contract_class(name)
     finally:
         contract_class.cache_clear()
-    assert cls is getattr(testing, BUILTIN[arch]) and cls.plugin is plugin
+    assert cls is getattr(testing, spec.split(":")[1]) and cls.plugin is plugin
     assert None not in (cls.learned_positions, cls.rotary, cls.gated_mlp), "capabilities are declared"
+    assert cls.config_strategy is not None, "configs are declared (config_strategy)"
 
 
 def test_importing_plugins_needs_no_test_kit():
     """hypothesis and pytest are only in the core's `testing` extra: plugins (and the registry loading them) must
     import without them; only their `testing` modules need them."""
-    code = ("import sys, lensadapters_gpt2, lensadapters_gpt_neox, lensadapters_opt, lensadapters_llama\n"
+    names = sorted(name for project in plugin_projects(ROOT) if project.installed for name in project.entry_points)
+    code = ("import importlib, sys\n"
             "from lensadapters.registry import get_registry\n"
-            "assert {'gpt2', 'gpt_neox', 'opt', 'llama'} <= set(get_registry().infos), get_registry().infos\n"
+            "registry = get_registry()\n"
+            "assert not registry.failures, registry.failures\n"
+            f"assert set({names!r}) <= set(registry.infos), registry.infos\n"
             "leaked = sorted(m for m in ('hypothesis', 'pytest', '_pytest') if m in sys.modules)\n"
             "assert not leaked, leaked\n"
-            "import lensadapters_llama.testing\n"
-            "assert 'hypothesis' in sys.modules\n")
+            "for info in registry.infos.values():\n"
+            "    spec = getattr(info.plugin, 'LENSADAPTERS_CONTRACT', None)\n"
+            "    if spec:\n"
+            "        importlib.import_module(spec.split(':')[0])\n"
+            "        assert 'hypothesis' in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("arch", sorted(BUILTIN))
-def test_tiny_config_seeds_vary_the_shape(arch):
+@pytest.mark.parametrize("name,module", BUILTIN, ids=[name for name, _ in BUILTIN])
+def test_tiny_config_seeds_vary_the_shape(name, module):
     """`lensadapters_tiny_config(arch, seed)`: seed 0 is the demo's model, other seeds vary the shape (what the
     generated `lensadapters check` suite of a plugin without a declared contract draws); every one wraps."""
-    import importlib
-
     import torch
 
     from lensadapters import HookedModel, Registry
-    from lensadapters.demo import reinit
-    from transformers import AutoModelForCausalLM
+    from lensadapters.testing import seeded_model
 
-    plugin = importlib.import_module(f"lensadapters_{arch}")
-    configs = [plugin.lensadapters_tiny_config(arch=plugin.ARCH, seed=seed) for seed in range(8)]
-    assert configs[0].to_dict() == plugin.lensadapters_tiny_config(arch=plugin.ARCH, seed=0).to_dict()
-    shapes = {str(sorted((k, str(v)) for k, v in c.to_dict().items() if k not in ("transformers_version",)))
-              for c in configs}
-    assert len(shapes) >= 4, f"{arch}: the seed hardly changes the tiny config"
+    plugin = importlib.import_module(module)
     registry = Registry()
-    registry.register(plugin, arch)
-    for seed, config in enumerate(configs):
-        assert config.hidden_size <= 64 and config.vocab_size <= 512
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        reinit(model, seed)
-        ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            reference = model(ids).logits
-            hm = HookedModel.wrap(model, registry=registry)
-            assert torch.equal(hm(ids).logits, reference), (arch, seed)
-        hm.unwrap()
+    registry.register(plugin, name)
+    for arch in plugin.lensadapters_architectures():
+        configs = [plugin.lensadapters_tiny_config(arch=arch, seed=seed) for seed in range(8)]
+        assert configs[0].to_dict() == plugin.lensadapters_tiny_config(arch=arch, seed=0).to_dict()
+        shapes = {str(sorted((k, str(v)) for k, v in c.to_dict().items() if k not in ("transformers_version",)))
+                  for c in configs}
+        assert len(shapes) >= 4, f"{arch.name}: the seed hardly changes the tiny config"
+        for seed, config in enumerate(configs):
+            assert config.hidden_size <= 64 and config.vocab_size <= 512
+            model = seeded_model(config, seed)
+            ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                reference = model(ids).logits
+                hm = HookedModel.wrap(model, registry=registry)
+                assert torch.equal(hm(ids).logits, reference), (arch.name, seed)
+            hm.unwrap()
 
 
 def test_check_fails_for_a_broken_plugin(tmp_path):
-    (tmp_path / "broken_gpt2_plugin.py").write_text(BROKEN_PLUGIN)
-    result = run_cli("check", "broken_gpt2_plugin", "--examples", "2", "--seed", "0", "-k", "identities",
+    broken = broken_plugin(tmp_path)
+    result = run_cli("check", broken, "--examples", "2", "--seed", "0", "-k", "identities",
                      "--no-shrink", pythonpath=str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed" in result.stdout
@@ -133,11 +202,12 @@ def test_check_unknown_plugin_is_a_clear_error(capsys):
 def test_declared_contract_is_used_and_validated(monkeypatch):
     from hypothesis import strategies as st
 
-    import lensadapters_gpt2
     from lensadapters.testing import AdapterContract
 
+    other = subject().plugin  # a real plugin, not the one declaring the contract
+
     class Declared(AdapterContract):
-        plugin = lensadapters_gpt2
+        plugin = other
 
         @classmethod
         def configs(cls):
@@ -149,7 +219,7 @@ def test_declared_contract_is_used_and_validated(monkeypatch):
     monkeypatch.setitem(sys.modules, "declared_contracts", contracts)
     plugin = types.ModuleType("plugin_with_contract")
     monkeypatch.setitem(sys.modules, "plugin_with_contract", plugin)
-    for spec, error in (("declared_contracts:Declared", "whose `plugin` is 'lensadapters_gpt2'"),
+    for spec, error in (("declared_contracts:Declared", f"whose `plugin` is '{other.__name__}'"),
                         ("declared_contracts:NotAContract", "not an AdapterContract subclass"),
                         ("declared_contracts", "expected 'package.module:ClassName'"),
                         ("declared_contracts:Missing", "cannot be imported")):
@@ -173,25 +243,44 @@ def test_cross_cutting_plugin_without_contract_is_refused(monkeypatch):
     contract_class.cache_clear()
 
 
-def test_check_lora_and_int8_variants_pass_for_gpt2():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
-    result = run_cli("check", "gpt2", "--lora", "--int8", "--examples", "2", "--seed", "0", "-k", "weight_and_residual")
+def _variant_flags() -> list[str]:
+    variants = contract_variants()
+    if not variants:
+        pytest.skip("no installed plugin declares a contract variant")
+    return [f"--{name}" for name in variants]
+
+
+def test_check_variants_pass_for_an_installed_plugin():
+    """Every contract variant installed plugins declare, as its `--NAME` flag, on the subject plugin."""
+    flags = _variant_flags()
+    result = run_cli("check", subject().name, *flags, "--examples", "2", "--seed", "0", "-k", "weight_and_residual")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "lensadapters_peft.testing:LoraContract" in result.stdout
-    assert "lensadapters_bnb.testing:Int8Contract" in result.stdout
-    assert "2 passed" in result.stdout
+    for variant in contract_variants().values():
+        assert f"{variant.contract} on {variant.runs_on}" in result.stdout
+    assert f"{len(flags)} passed" in result.stdout
 
 
 def test_check_variants_fail_for_a_broken_plugin(tmp_path):
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
-    (tmp_path / "broken_gpt2_plugin.py").write_text(BROKEN_PLUGIN)
-    result = run_cli("check", "broken_gpt2_plugin", "--lora", "--int8", "--examples", "2", "--seed", "0",
+    flags = _variant_flags()
+    broken = broken_plugin(tmp_path)
+    result = run_cli("check", broken, *flags, "--examples", "2", "--seed", "0",
                      "-k", "weight_and_residual", "--no-shrink", pythonpath=str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "2 failed" in result.stdout
+    assert f"{len(flags)} failed" in result.stdout
     assert "hook_pre" in result.stdout
+
+
+def _toy_variant_plugin() -> types.ModuleType:
+    """A cross-cutting plugin declaring a contract variant whose mixin is not installed."""
+    toy = types.ModuleType("toy_variant_plugin")
+
+    @hookimpl
+    def lensadapters_contract_variants():
+        return [ContractVariant("toy", "no_such_toy_module.testing:ToyContract", "toy-transformed models",
+                                "lensadapters-toy")]
+
+    toy.lensadapters_contract_variants = lensadapters_contract_variants
+    return toy
 
 
 def test_check_variant_without_its_plugin_is_a_clear_error(monkeypatch, capsys):
@@ -199,16 +288,41 @@ def test_check_variant_without_its_plugin_is_a_clear_error(monkeypatch, capsys):
 
     from lensadapters.check import variant_class
 
-    monkeypatch.setitem(sys.modules, "lensadapters_peft.testing", None)  # as if lensadapters-peft were missing
-    monkeypatch.setitem(sys.modules, "lensadapters_bnb.testing", None)
-    variant_class.cache_clear()
-    with pytest.raises(CheckError, match="pip install lensadapters-peft"):
-        variant_class("gpt2", "lora")
-    with pytest.raises(CheckError, match="unknown contract variant"):
-        variant_class("gpt2", "int4")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the suite may already be imported in this process
-        assert cli.main(["check", "gpt2", "--int8"]) == 4
-    assert "pip install lensadapters-bnb" in capsys.readouterr().out
+    info = subject()
+    monkeypatch.setattr(registry_module, "_DEFAULT", registry_with(info, _toy_variant_plugin()))
     variant_class.cache_clear()
     contract_class.cache_clear()
+    try:
+        assert list(contract_variants()) == ["toy"]
+        with pytest.raises(CheckError, match=r"pip install 'lensadapters-toy\[testing\]'"):
+            variant_class(info.name, "toy")
+        with pytest.raises(CheckError, match="unknown contract variant 'int4'.*offer: toy"):
+            variant_class(info.name, "int4")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the suite may already be imported in this process
+            assert cli.main(["check", info.name, "--toy"]) == 4
+            assert "pip install 'lensadapters-toy[testing]'" in capsys.readouterr().out
+            assert cli.main(["check", info.name, "--int4"]) == 4
+        out = capsys.readouterr().out
+        assert "no installed plugin declares the contract variant(s) int4" in out and "--toy" in out
+    finally:
+        variant_class.cache_clear()
+        contract_class.cache_clear()
+
+
+def test_contract_variants_come_from_plugins_in_registration_order():
+    """A variant's distribution defaults to the declaring plugin's; a name declared twice keeps the first."""
+    first, second = _toy_variant_plugin(), types.ModuleType("second_toy")
+
+    @hookimpl
+    def lensadapters_contract_variants():
+        return [ContractVariant("toy", "elsewhere:Other", "other models"), ContractVariant("own", "x:Own", "own")]
+
+    second.lensadapters_contract_variants = lensadapters_contract_variants
+    registry = registry_with(first)
+    registry.register(second, "second_toy", distribution="lensadapters-second")
+    with pytest.warns(UserWarning, match="'toy' is declared by both toy_variant_plugin and second_toy"):
+        variants = contract_variants(registry)
+    assert list(variants) == ["toy", "own"]
+    assert variants["toy"].contract == "no_such_toy_module.testing:ToyContract"
+    assert variants["own"].distribution == "lensadapters-second"

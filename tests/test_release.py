@@ -53,7 +53,7 @@ def test_root_extras_point_at_plugin_floors():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     builtin = {name for name, d in _plugin_projects().items() if d.parent.name == "plugins"}
-    assert builtin >= {f"lensadapters-{e}" for e in ("gpt2", "gpt-neox", "opt", "llama", "peft", "bnb")}
+    assert builtin, "no plugin folder (plugins/*/pyproject.toml) found"
     floors = {}
     for dist in sorted(builtin):  # one extra per plugin distribution of this repository, named after it
         extra = dist.removeprefix("lensadapters-")

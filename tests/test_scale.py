@@ -4,6 +4,9 @@ and long-context memory (a ``names_filter`` never materialises attention pattern
 Only CPU is available here: the disk-offloaded layers are the "other device" (accelerate moves their
 weights in for each forward and out again), which exercises the same hook paths as a multi-GPU
 ``device_map="auto"`` split.
+
+The models are tiny Hugging Face GPT-2 (learned positions) and Llama (rotary) models, wrapped by whichever
+installed plugin supports them (found through its entry point; skipped when none is installed).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from lensadapters import HookedModel
-from lensadapters.testing import assert_close
+from lensadapters.testing import architecture_plugin, assert_close
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -53,6 +56,8 @@ def tiny_config(kind: str, layers: int = LAYERS, heads: int = 4) -> Any:
 
 
 def make_model(kind: str, **kw: Any) -> torch.nn.Module:
+    if architecture_plugin(kind) is None:
+        pytest.skip(f"no installed lensadapters plugin supports model_type {kind!r}")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(kind, **kw), attn_implementation="sdpa").eval()
     with torch.no_grad():  # larger-than-default weights so that every edit visibly moves the logits

@@ -2,20 +2,25 @@
 
 Opt in from your plugin's tests by subclassing :class:`AdapterContract`::
 
-    from hypothesis import strategies as st
     from lensadapters.testing import AdapterContract
     import lensadapters_myarch
+    from lensadapters_myarch.testing import myarch_configs   # a Hypothesis strategy of tiny configs
 
     class TestMyArch(AdapterContract):
         plugin = lensadapters_myarch            # registered by hand: no installation needed
+        config_strategy = myarch_configs        # called with config_overrides as keyword arguments
         learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
-
-        @classmethod
-        def configs(cls):                       # a strategy of tiny transformers configs
-            return st.builds(MyConfig, num_hidden_layers=st.integers(1, 3), ...)
 
 The suite draws a config and left-padded inputs, builds a seeded model with
 ``AutoModelForCausalLM.from_config`` and checks the properties below.
+
+Configs are *declared*: ``config_strategy`` is a function returning a strategy of tiny transformers
+configs, whose keyword arguments each take a fixed value or a narrower strategy. ``config_overrides`` are
+the keywords it is called with; ``matrix_overrides`` narrow them further for suites that build more than one
+model per example (the LoRA and 8-bit matrices: :func:`lensadapters.testing.matrix_class`), and
+``aligned_overrides`` (optional) keep every linear layer's input width a multiple of 64 and its output width
+a multiple of 32 (blockwise-quantized kernels). A contract whose configs cannot be said that way overrides
+``configs()`` instead.
 
 Capabilities (learned positions, rotary, gated MLP, parallel blocks) are *declared*: set the class
 attributes, or override ``capabilities(model)`` when one depends on the config (GPT-NeoX's
@@ -24,6 +29,13 @@ points and ``hm.cfg`` fields each capability implies (a rotary model without ``h
 undeclared capability (``None``) is not checked. The other properties follow the hook points the wrapped
 model has.
 
+What the properties may assume about the architecture is declared too (see :class:`Capabilities`; the
+defaults hold for GPT-2, GPT-NeoX, OPT, Llama and GPT-J): ``score_linear_points``, the query points whose
+doubling doubles the attention scores (not through a per-head query norm or a score softcap);
+``post_norms``, block outputs taken after a norm that follows their projection (Gemma 2's sandwich norms);
+``logit_softcap``, the config attribute of a final-logit softcap. A sliding attention window needs no
+declaration: the properties read which scores are masked from the scores themselves.
+
 Override ``pre_ln_residual(model)`` for blocks whose residual stream is not ``resid_mid = resid_pre +
 attn_out`` / ``resid_post = resid_mid + mlp_out`` (post-LN), ``final_hidden_is_ln_final`` when the model's
 last hidden state is not the final norm's output, and ``attn_implementations`` when transformers offers the
@@ -31,40 +43,45 @@ model no sdpa (the first entry is the default implementation).
 
 Coverage on every run: with few examples per property, a random draw can miss a config family for some
 properties on every CI run. ``config_strata`` names such families and the properties that must see them
-(``{"llama3": ("test_edits_during_generation_match_one_pass", ...)}``); ``stratum_configs(name)`` returns
-the strategy of that family. Each pair becomes one more test, ``<property>__<name>``, that draws only from
-the stratum (``stratum_examples`` examples, a quarter of the profile's by default): an ``@example`` for a
-whole family of configs. ``config_label(config)`` names a drawn config for Hypothesis' statistics
-(``pytest --hypothesis-show-statistics`` lists the labels each property drew).
+(``{"llama3": ("test_edits_during_generation_match_one_pass", ...)}``); ``stratum_overrides`` gives each
+family as keyword overrides of ``config_strategy`` (``{"llama3": {"rope_types": ("llama3",)}}``; or override
+``stratum_configs(name)``). Each pair becomes one more test, ``<property>__<name>``, that draws only from the
+stratum (``stratum_examples`` examples, a quarter of the profile's by default): an ``@example`` for a whole
+family of configs. ``config_label(config)`` names a drawn config for Hypothesis' statistics (``pytest
+--hypothesis-show-statistics`` lists the labels each property drew).
 
 Ship the subclass in the plugin package and name it in the plugin's ``LENSADAPTERS_CONTRACT =
-"module:Class"`` so that ``lensadapters check PLUGIN`` runs the same suite.
+"module:Class"`` so that ``lensadapters check PLUGIN`` runs the same suite, and the cross-cutting plugins'
+test matrices find it.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from ..demo import reinit
+from ..errors import HookReturnError, UnknownHookError
 from ..hooked_model import HookedModel
 from ..registry import Registry
-from ..errors import HookReturnError, UnknownHookError
+from .models import seeded_model
+from .reference import apply_norm, block_inputs, norm_out
 from .strategies import Inputs, token_inputs
 
 ATOL = 1e-4
 RTOL = 1e-4
 # each plugin subclass runs the inherited tests (differing executors by design)
-_SETTINGS = settings(
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
-)
+_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                          HealthCheck.differing_executors])
+#: the Hypothesis settings of every property: a contract variant that redefines one (an 8-bit model's identities
+#: within a quantization bound) decorates it with ``@property_settings`` and ``@given(data=st.data())``
+property_settings = _SETTINGS
 
 
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
@@ -115,7 +132,9 @@ def _instance_attributes(model: torch.nn.Module) -> dict[str, set[str]]:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a model has, as its plugin's contract declares it; ``None``: not declared, not checked.
+    """What a model has, as its plugin's contract declares it.
+
+    Hook-point capabilities (``None``: not declared, not checked):
 
     * ``learned_positions``: a learned position table: ``hook_pos_embed``, ``W_pos``,
       ``cfg.positional_embedding_type == "standard"``.
@@ -124,12 +143,30 @@ class Capabilities:
     * ``gated_mlp``: ``mlp.hook_pre_linear`` in every block, ``cfg.gated_mlp``, ``W_gate``.
     * ``parallel_blocks``: attention and MLP read the same block input: no ``hook_resid_mid``,
       ``cfg.parallel_attn_mlp``; sequential blocks have ``hook_resid_mid`` in every block.
+
+    What the properties may assume (the defaults hold for GPT-2, GPT-NeoX, OPT, Llama and GPT-J):
+
+    * ``score_linear_points``: query points (relative to a block) whose doubling doubles every unmasked
+      attention score. Leave out a point behind which the queries are normalized per head (Qwen3's and
+      Gemma 3's ``q_norm``: drop ``attn.hook_q``) or whose scores are softcapped (Gemma 2: none is linear).
+      Points a model lacks are skipped.
+    * ``post_norms``: block outputs taken after a norm that follows their projection, mapped to that norm
+      (relative to the block): ``{"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}`` for Gemma 2's
+      sandwich norms. The weight identities then read ``hook_attn_out == norm(z @ W_O + b_O)``, and head
+      ablation compares the ``hook_z`` and ``hook_result`` edits with each other instead of subtracting a
+      head's contribution from ``hook_attn_out``. Each declared norm must have its ``hook_scale`` point in
+      every block.
+    * ``logit_softcap``: the config attribute holding a final-logit softcap (Gemma 2:
+      ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
     """
 
     learned_positions: Optional[bool] = None
     rotary: Optional[bool] = None
     gated_mlp: Optional[bool] = None
     parallel_blocks: Optional[bool] = None
+    score_linear_points: tuple[str, ...] = ("attn.hook_q", "attn.hook_rot_q")
+    post_norms: Mapping[str, str] = field(default_factory=dict)
+    logit_softcap: Optional[str] = None
 
 
 #: hook points every block has, whatever the architecture
@@ -187,22 +224,43 @@ class AdapterContract:
     final_hidden_is_ln_final: ClassVar[bool] = True
     max_batch: ClassVar[int] = 3
     max_len: ClassVar[int] = 9
+    # the configs (module docstring): a strategy function and the keyword overrides it is called with
+    config_strategy: ClassVar[Optional[Callable[..., st.SearchStrategy]]] = None
+    config_overrides: ClassVar[Mapping[str, Any]] = {}
+    #: narrower overrides (on top of config_overrides) for suites building several models per example
+    matrix_overrides: ClassVar[Mapping[str, Any]] = {}
+    #: overrides (on top of matrix_overrides) under which every linear layer's input width is a multiple of 64
+    #: and its output width a multiple of 32, for blockwise-quantized kernels; None: none declared
+    aligned_overrides: ClassVar[Optional[Mapping[str, Any]]] = None
     # declared capabilities (see Capabilities); None: not declared. Override capabilities() when the
     # config decides one of them.
     learned_positions: ClassVar[Optional[bool]] = None
     rotary: ClassVar[Optional[bool]] = None
     gated_mlp: ClassVar[Optional[bool]] = None
     parallel_blocks: ClassVar[Optional[bool]] = None
+    # what the properties may assume about the architecture (see Capabilities)
+    score_linear_points: ClassVar[tuple[str, ...]] = ("attn.hook_q", "attn.hook_rot_q")
+    post_norms: ClassVar[Mapping[str, str]] = {}
+    logit_softcap: ClassVar[Optional[str]] = None
     # config families some properties must see on every run: {stratum: property names} (module docstring)
     config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
+    #: each stratum as keyword overrides of config_strategy (on top of config_overrides)
+    stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     stratum_examples: ClassVar[Optional[int]] = None  # None: a quarter of the profile's max_examples (at least 1)
     _stratum: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        strategy = cls.__dict__.get("config_strategy")
+        if inspect.isfunction(strategy):  # a plain function: not a method of the contract
+            cls.config_strategy = staticmethod(strategy)
         examples = cls.stratum_examples or max(1, settings.default.max_examples // 4)
+        custom_strata = getattr(cls.stratum_configs, "__func__", None) is not AdapterContract.stratum_configs.__func__
         wanted: dict[str, tuple[str, str, int]] = {}
         for stratum, properties in dict(cls.config_strata).items():
+            if not custom_strata and stratum not in cls.stratum_overrides:
+                raise TypeError(f"{cls.__name__}.config_strata names the stratum {stratum!r}, which neither "
+                                f"stratum_overrides nor stratum_configs() defines")
             slug = re.sub(r"\W+", "_", stratum).strip("_")
             for prop in properties:
                 if not hasattr(getattr(cls, prop, None), "hypothesis"):
@@ -222,12 +280,20 @@ class AdapterContract:
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        raise NotImplementedError("AdapterContract subclasses return a strategy of tiny configs from configs()")
+        """The strategy of tiny configs every property draws from: ``config_strategy(**config_overrides)``."""
+        if cls.config_strategy is None:
+            raise NotImplementedError(f"{cls.__name__} declares no config_strategy (a function returning a strategy of "
+                                      f"tiny configs) and does not override configs()")
+        return cls.config_strategy(**cls.config_overrides)
 
     @classmethod
     def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        """The configs of one of ``config_strata``: a part of what ``configs()`` draws."""
-        raise NotImplementedError(f"{cls.__name__} declares config_strata but no stratum_configs({stratum!r})")
+        """The configs of one of ``config_strata`` (a part of what ``configs()`` draws):
+        ``config_strategy(**{**config_overrides, **stratum_overrides[stratum]})``."""
+        if cls.config_strategy is None or stratum not in cls.stratum_overrides:
+            raise NotImplementedError(f"{cls.__name__} declares no stratum_overrides[{stratum!r}] (nor a config_strategy "
+                                      f"to apply them to) and does not override stratum_configs()")
+        return cls.config_strategy(**{**cls.config_overrides, **cls.stratum_overrides[stratum]})
 
     def config_label(self, config: Any) -> Optional[str]:
         """A short name of a drawn config's family, counted in Hypothesis' statistics (None: not counted)."""
@@ -250,13 +316,7 @@ class AdapterContract:
         return model.state_dict()
 
     def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(seed)
-        attn_implementation = attn_implementation or self.attn_implementations[0]
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-        reinit(model, seed)
-        return model.eval()
+        return seeded_model(config, seed, attn_implementation or self.attn_implementations[0])
 
     # --- machinery ---------------------------------------------------------------------------------
 
@@ -362,6 +422,9 @@ class AdapterContract:
                 assert not mid, f"parallel blocks have no hook_resid_mid, but the model has {mid}"
             else:
                 assert mid == points("hook_resid_mid"), "a sequential block lacks hook_resid_mid"
+        for output, norm in declared.post_norms.items():
+            missing = [n for n in points(f"{norm}.hook_scale", output) if n not in names]
+            assert not missing, f"post_norms declares {output} after {norm}, but the model lacks {missing}"
         if shapes:
             watched = list(shapes) + [like for likes in shapes.values() for like in likes]
             with torch.no_grad():
@@ -469,18 +532,27 @@ class AdapterContract:
 
     # --- 4. weights and residual identities ------------------------------------------------------
 
-    def _norm_out(self, hm: HookedModel, cache: Any, prefix: str, module: torch.nn.Module) -> torch.Tensor:
-        normalized = cache[f"{prefix}.hook_normalized"]
-        spec = hm.norm_spec(module)
-        if spec.kind == "LN" or spec.weight is None:
-            return normalized
-        return normalized * (spec.weight + spec.weight_offset)
+    def expected_logits(self, model: torch.nn.Module, unembedded: torch.Tensor) -> torch.Tensor:
+        """The logits the model gives for ``final @ W_U + b_U``: unchanged, or softcapped where the contract
+        declares ``logit_softcap`` and the config sets it."""
+        attribute = self.capabilities(model).logit_softcap
+        cap = getattr(model.config, attribute, None) if attribute else None
+        return unembedded if cap is None else cap * torch.tanh(unembedded / cap)
+
+    def _post_normed(self, hm: HookedModel, layer: int, output: str, value: torch.Tensor,
+                     post_norms: Mapping[str, str]) -> tuple[torch.Tensor, str]:
+        """``value`` (a projection's output) as block output ``output`` shows it: after its declared post norm."""
+        norm = post_norms.get(output)
+        if norm is None:
+            return value, ""
+        return apply_norm(hm.norm_spec(hm.norm_module(f"blocks.{layer}.{norm}")), value), f" after {norm}"
 
     @_SETTINGS
     @given(data=st.data())
     def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         hm = self.wrap(model)
+        post_norms = self.capabilities(model).post_norms
         with torch.no_grad():
             out = hm.model(**inputs.kwargs(), output_hidden_states=True)
             _, cache = hm.run_with_cache(**inputs.kwargs())
@@ -492,27 +564,15 @@ class AdapterContract:
                 W_gate, b_gate = hm.W_gate, hm.b_gate
             v = inputs.valid
             names = set(hm.hook_names)
-            for i in range(hm.cfg.n_layers):
-                block = hm.block_modules[i]
-                layout = hm.block_layouts[i]
-                if layout.post_norm:  # post-LN: attention reads the block input
-                    attn_in = cache["resid_pre", i]
-                else:
-                    attn_in = self._norm_out(hm, cache, f"blocks.{i}.ln1", block.get_submodule(layout.ln1))
+            for block in block_inputs(hm, cache):
+                i, attn_in, mlp_in = block.layer, block.attn_in, block.mlp_in
                 for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
                     expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
-                    assert_close(
-                        cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}"
-                    )
-                expected = torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i]
-                assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O")
-                if layout.ln2 is not None or layout.parallel:
-                    if layout.ln2 is None:  # parallel block sharing one norm (GPT-J): the MLP reads ln1's output
-                        mlp_in = attn_in
-                    elif layout.post_norm:  # post-LN: the MLP reads ln1's output
-                        mlp_in = cache["mlp_in", i]
-                    else:
-                        mlp_in = self._norm_out(hm, cache, f"blocks.{i}.ln2", block.get_submodule(layout.ln2))
+                    assert_close(cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}")
+                expected, after = self._post_normed(hm, i, "hook_attn_out", torch.einsum(
+                    "bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i], post_norms)
+                assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O{after}")
+                if mlp_in is not None:
                     if gated:
                         assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
                         assert_close(
@@ -520,11 +580,9 @@ class AdapterContract:
                         )
                     else:
                         assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
-                assert_close(
-                    cache["mlp_out", i][v],
-                    (cache["post", i] @ W_out[i] + b_out[i])[v],
-                    f"layer {i} hook_mlp_out == post @ W_out + b_out",
-                )
+                expected, after = self._post_normed(hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i],
+                                                    post_norms)
+                assert_close(cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}")
                 if i + 1 < hm.cfg.n_layers:
                     assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
                 if self.pre_ln_residual(model):
@@ -550,7 +608,7 @@ class AdapterContract:
             if self.pre_ln_residual(model):
                 assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
             if hm.layout.ln_final is not None:
-                final = self._norm_out(hm, cache, "ln_final", hm.hf_model.get_submodule(hm.layout.ln_final))
+                final = norm_out(hm, cache, "ln_final")
             else:  # no final norm (post-LN OPT): the unembedding reads the last block's output
                 final = cache["resid_post", hm.cfg.n_layers - 1]
             if self.final_hidden_is_ln_final:
@@ -558,7 +616,8 @@ class AdapterContract:
                 # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly
                 assert_close(final[v], out.hidden_states[-1][v], "final norm output == HF last hidden state")
             if hm.layout.unembed is not None:
-                assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ W_U + b_U")
+                assert_close(self.expected_logits(model, final @ hm.W_U + hm.b_U)[v], out.logits[v],
+                             "logits == final @ W_U + b_U (softcapped where declared)")
             assert hm.W_E.shape == (hm.cfg.d_vocab, hm.cfg.d_model)
             assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
             assert hm.W_K.shape == W_Q.shape
@@ -632,8 +691,12 @@ class AdapterContract:
     @_SETTINGS
     @given(data=st.data())
     def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
+        """Zeroing a head's ``hook_z`` is removing ``z_h @ W_O[h]`` from ``hook_attn_out``, and dropping the head at
+        ``hook_result`` is the same edit. Where a norm follows the output projection (declared ``post_norms``),
+        ``hook_attn_out`` is no sum of head contributions: the two head edits are compared with each other."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
+        post_normed = "hook_attn_out" in self.capabilities(model).post_norms
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
         with torch.no_grad():
@@ -649,8 +712,8 @@ class AdapterContract:
                 return out - contribution
 
             ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)])
-            subtracted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_attn_out", subtract)])
-
+            subtracted = None if post_normed else hm.run_with_hooks(
+                **inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_attn_out", subtract)])
             # hook_result agrees: dropping one head's result is the same edit
             def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
                 result = result.clone()
@@ -659,8 +722,11 @@ class AdapterContract:
 
             dropped = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_result", drop)])
         v = inputs.valid
-        assert_close(ablated[v], subtracted[v], "z ablation == removing the head's W_O contribution")
-        assert_close(dropped[v], subtracted[v], "hook_result ablation == removing the head's contribution")
+        if subtracted is None:
+            assert_close(dropped[v], ablated[v], "hook_result ablation == z ablation (before the post norm)")
+        else:
+            assert_close(ablated[v], subtracted[v], "z ablation == removing the head's W_O contribution")
+            assert_close(dropped[v], subtracted[v], "hook_result ablation == removing the head's contribution")
         hm.unwrap()
 
     @_SETTINGS
@@ -728,17 +794,9 @@ class AdapterContract:
     def test_norm_scale_edit_is_used(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         hm = self.wrap(model)
-        norm = data.draw(
-            st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]), label="norm"
-        )
-        module = (
-            hm.hf_model.get_submodule(hm.layout.ln_final)
-            if norm == "ln_final"
-            else hm.block_modules[int(norm.split(".")[1])].get_submodule(
-                getattr(hm.block_layouts[int(norm.split(".")[1])], norm.split(".")[2])
-            )
-        )
-        spec = hm.norm_spec(module)
+        norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
+                         label="norm")
+        spec = hm.norm_spec(hm.norm_module(norm))  # any norm with hook points, a plugin's own included
         names = [norm + ".hook_normalized"]
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
@@ -775,8 +833,10 @@ class AdapterContract:
             values = base["v", layer].repeat_interleave(hm.cfg.n_heads // hm.cfg.n_key_value_heads, dim=2)
             expected_z = torch.einsum("bhqk,bkhd->bqhd", edited["pattern", layer], values)
             assert_close(edited["z", layer][v], expected_z[v], "hook_z mixes values with the edited pattern")
-            # doubling the queries (or rotated queries) doubles every unmasked score
-            for point in [pre + "hook_q"] + ([pre + "hook_rot_q"] if pre + "hook_rot_q" in hm.hook_names else []):
+            # doubling the queries (or rotated queries) doubles every unmasked score, where nothing between the
+            # point and the scores is nonlinear in the queries (declared: score_linear_points)
+            linear = [f"blocks.{layer}.{p}" for p in self.capabilities(model).score_linear_points]
+            for point in [p for p in linear if p in hm.hook_names]:
                 with hm.hooks([(point, lambda q, hook: q * 2)]):
                     _, doubled = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_attn_scores"])
                 scores, twice = base["attn_scores", layer], doubled["attn_scores", layer]
@@ -818,9 +878,9 @@ class AdapterContract:
                 changed[finite] = (a[finite] - b[finite]).abs() > 1e-5 * (1 + a[finite].abs())
                 line = changed.select(axis, position)
                 assert not changed.index_fill(axis, torch.tensor([position]), False).any(), (
-                    f"editing {point} at position {position} changed scores outside that {'row' if axis == -2 else 'column'}"
-                )
-                assert int(line.sum(-1).max()) == last + 1, (
+                    f"editing {point} at position {position} changed scores outside that {'row' if axis == -2 else 'column'}")
+                # every score of that line the mask lets through (all earlier keys, unless a window hides some)
+                assert int(line.sum(-1).max()) == int(finite.select(axis, position).sum(-1).max()), (
                     f"editing {point} at position {position} did not change its whole "
                     f"{'row' if axis == -2 else 'column'} of scores"
                 )

@@ -38,9 +38,6 @@ class GPTJContract(AdapterContract):
     """
 
     plugin = lensadapters_gptj
+    config_strategy = gptj_configs
     attn_implementations = ("eager",)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, True
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return gptj_configs()

@@ -1,5 +1,8 @@
-"""GPT-J: the contract suite (every generic property; also on LoRA-adapted and 8-bit models when
-lensadapters-peft / lensadapters-bnb are installed), plus GPT-J's own quirks.
+"""GPT-J: the contract suite (every generic property), plus GPT-J's own quirks.
+
+The same contract on LoRA-adapted and 8-bit models runs wherever a cross-cutting plugin with a contract
+variant is installed: its test matrix finds ``GPTJContract`` through this plugin's entry point and
+``LENSADAPTERS_CONTRACT`` (``lensadapters check gptj --lora`` runs it too).
 
 Architecture-specific properties checked here:
 * ``hook_rot_q``/``hook_rot_k`` equal an independent interleaved-pairs RoPE reference (complex
@@ -15,7 +18,6 @@ Architecture-specific properties checked here:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import pytest
 import torch
@@ -29,15 +31,11 @@ import transformers
 
 import lensadapters_gptj
 from lensadapters import HookedModel, LensAdaptersError, Registry, UnsupportedModelError
-from lensadapters.testing import reinit
+from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
 from lensadapters_gptj.contract import GPTJContract, gptj_configs
 
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
-
-
-def _installed(*names: str) -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 class TestGPTJ(GPTJContract):
@@ -45,28 +43,11 @@ class TestGPTJ(GPTJContract):
     ``lensadapters check gptj`` runs the very same suite)."""
 
 
-# The same contract on LoRA-adapted and on 8-bit models: one line each (defined when the extras are installed).
-if _installed("peft", "lensadapters_peft"):
-    from lensadapters_peft.testing import LoraContract
-
-    class TestGPTJLora(LoraContract, GPTJContract):
-        """Every property, plus LoRA's own, on ``PeftModel``s with LoRA on seed-chosen GPT-J projections."""
-
-if _installed("bitsandbytes", "lensadapters_bnb"):
-    from lensadapters_bnb.testing import Int8Contract
-
-    class TestGPTJInt8(Int8Contract, GPTJContract):
-        """Every property on GPT-J loaded in 8-bit (LLM.int8) on the CPU."""
-
-
 # --- helpers ---------------------------------------------------------------------------------------------
 
 
 def make_model(config: GPTJConfig, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    reinit(model, seed)
-    return model.eval()
+    return seeded_model(config, seed)
 
 
 def small_config(**overrides) -> GPTJConfig:
@@ -104,18 +85,6 @@ def generate_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def reference_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """GPT-J RoPE from its definition: dims ``(2i, 2i+1)`` form ``x_2i + 1j x_2i+1``, multiplied by
-    ``exp(1j * pos * 10000^(-2i/r))``; dims ``>= r`` pass through. ``x``: ``[b, p, h, d]``."""
-    xd = x.double()
-    half = rotary_dim // 2
-    freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
-    angle = positions.double()[:, :, None, None] * freqs
-    z = torch.complex(xd[..., 0:rotary_dim:2], xd[..., 1:rotary_dim:2]) * torch.polar(torch.ones_like(angle), angle)
-    rotated = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
-    return torch.cat([rotated, xd[..., rotary_dim:]], dim=-1)
-
-
 # --- rotary ------------------------------------------------------------------------------------------------
 
 
@@ -137,7 +106,7 @@ def test_rotary_matches_interleaved_reference_and_kv_cache(config, seed):
         for layer in range(config.n_layer):
             pre = f"blocks.{layer}.attn."
             for name in ("q", "k"):
-                expected = reference_rope(store[pre + f"hook_{name}"], positions, r)
+                expected = reference_rope(store[pre + f"hook_{name}"], positions, rope_inv_freq(r), interleaved=True)
                 got = store[pre + f"hook_rot_{name}"]
                 assert torch.allclose(got.double(), expected, atol=1e-4, rtol=1e-4), (layer, name)
             cached_keys = _cached_keys(out.past_key_values, layer)  # [b, h, p, d]

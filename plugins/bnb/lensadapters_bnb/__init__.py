@@ -10,8 +10,8 @@ what the quantized storage hides:
   row, ``bitsandbytes.functional.int8_vectorwise_dequant``) and ``Linear4bit``
   (``bitsandbytes.functional.dequantize_4bit``; the CPU kernel's repacked layout too), in the
   ``[d_in, d_out]`` orientation of the core, so fused layouts (GPT-2 ``c_attn``, GPT-NeoX
-  ``query_key_value``) split with their architecture plugin's ``FusedQKV.split`` and a LoRA
-  adapter on top (lensadapters-peft) adds its delta to the dequantized base.
+  ``query_key_value``) split with their architecture plugin's ``FusedQKV.split``, and an adapter layer
+  on top (a PEFT LoRA layer, read by its own plugin) adds its delta to the dequantized base.
 * ``lensadapters_weight``: ``W_E``/``W_pos`` of bitsandbytes ``Embedding8bit``/``Embedding4bit``.
 * A clear ``WeightUnavailableError`` (naming the module and the format) for any bitsandbytes layer
   it cannot dequantize; packed storage is never returned as if it were a matrix.
@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lensadapters import Architecture, LinearWeight, hookimpl
+from lensadapters import Architecture, ContractVariant, LinearWeight, hookimpl
 
 from ._dequant import (
     dequantize_4bit,
@@ -111,6 +111,12 @@ def dequantized_weight(module: nn.Module, dtype: Optional[torch.dtype] = None) -
 
 
 # --- adapter hooks -----------------------------------------------------------------------------------------
+
+
+@hookimpl
+def lensadapters_contract_variants() -> list[ContractVariant]:
+    """``lensadapters check PLUGIN --int8``: the contract suite on models loaded in 8-bit."""
+    return [ContractVariant("int8", "lensadapters_bnb.testing:Int8Contract", "8-bit (bitsandbytes LLM.int8) models")]
 
 
 @hookimpl

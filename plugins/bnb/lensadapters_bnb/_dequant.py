@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lensadapters import WeightUnavailableError
+from lensadapters import WeightUnavailableError, wrapped_layers
 
 Tensor = torch.Tensor
 
@@ -201,13 +201,11 @@ BF16_UNIT = 2.0 ** -8  # unit roundoff of bfloat16 (the CPU 4-bit kernel compute
 
 
 def _base_quantized(module: nn.Module) -> Optional[nn.Module]:
-    """The bitsandbytes layer of ``module`` (itself, or the ``base_layer`` of an adapter wrapper)."""
-    seen = 0
-    while module is not None and seen < 8:
-        if is_int8_linear(module) or is_4bit_linear(module):
-            return module
-        module = getattr(module, "base_layer", None)
-        seen += 1
+    """The bitsandbytes layer of ``module``: itself, or the layer under its wrapper layers (an adapter layer's
+    base layer), as the installed plugins peel them (``lensadapters.wrapped_layers``)."""
+    for layer in wrapped_layers(module):
+        if is_int8_linear(layer) or is_4bit_linear(layer):
+            return layer
     return None
 
 

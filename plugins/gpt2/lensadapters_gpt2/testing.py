@@ -1,7 +1,7 @@
 """Test kit of lensadapters-gpt2: the config strategy and the contract class (needs ``lensadapters[testing]``).
 
 ``GPT2Contract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check gpt2``
-runs it); ``tests/test_gpt2.py`` subclasses it, and the LoRA and 8-bit suites mix their variants in front
+runs it); the plugin's tests subclass it, and the cross-cutting plugins' matrices put their variants in front
 of it. ``gpt2_configs(**overrides)`` draws tiny ``GPT2Config``s; every keyword takes a fixed value or a
 strategy (defaults: the contract's coverage).
 
@@ -10,7 +10,7 @@ Importing ``lensadapters_gpt2`` itself never imports this module (nor hypothesis
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 import transformers
@@ -59,13 +59,13 @@ class GPT2Contract(AdapterContract):
     """Every generic adapter property on tiny GPT-2 models (learned positions, sequential blocks)."""
 
     plugin = lensadapters_gpt2
+    config_strategy = gpt2_configs
+    # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads (with one head
+    # and two tokens a tiny random model can saturate the softmax)
+    matrix_overrides = dict(n_layers=st.integers(1, 2), n_heads=st.integers(2, 4), d_head=st.sampled_from([4, 8]),
+                            d_mlp=st.sampled_from([None, 24]), vocab=st.integers(16, 100))
+    aligned_overrides = dict(d_model=64, d_mlp=None, n_heads=st.sampled_from([1, 2, 4]))  # widths 64, 192, 256
     learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
-    #: keyword overrides of gpt2_configs (the LoRA and 8-bit test classes narrow the sizes)
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return gpt2_configs(**cls.config_overrides)
 
     def config_label(self, config: Any) -> Optional[str]:
         flags = [f for f in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn") if getattr(config, f)]

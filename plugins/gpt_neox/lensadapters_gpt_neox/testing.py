@@ -1,7 +1,7 @@
 """Test kit of lensadapters-gpt-neox: configs and the contract class (needs ``lensadapters[testing]``).
 
 ``GPTNeoXContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check
-gpt_neox`` runs it); ``tests/test_gpt_neox.py`` subclasses it, and the LoRA and 8-bit suites mix their
+gpt_neox`` runs it); the plugin's tests subclass it, and the cross-cutting plugins' matrices put their
 variants in front of it. ``gpt_neox_configs(**overrides)`` draws tiny ``GPTNeoXConfig``s (every keyword a
 fixed value or a strategy); ``gpt_neox_config(...)`` builds one.
 
@@ -11,7 +11,7 @@ Importing ``lensadapters_gpt_neox`` itself never imports this module (nor hypoth
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -68,13 +68,12 @@ class GPTNeoXContract(AdapterContract):
     """Every generic adapter property on tiny GPT-NeoX models (partial rotary, parallel or sequential blocks)."""
 
     plugin = lensadapters_gpt_neox
+    config_strategy = gpt_neox_configs
+    # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads
+    matrix_overrides = dict(n_heads=st.integers(2, 4), d_head=8, d_mlp=st.sampled_from([24, 64]), vocab=64,
+                            rotary_pct=st.sampled_from([0.25, 1.0]))
+    aligned_overrides = dict(d_model=64, d_mlp=128, n_heads=st.sampled_from([1, 2, 4]))
     learned_positions, rotary, gated_mlp = False, True, False
-    #: keyword overrides of gpt_neox_configs (the LoRA and 8-bit test classes narrow the sizes)
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return gpt_neox_configs(**cls.config_overrides)
 
     def capabilities(self, model: torch.nn.Module) -> Capabilities:
         return dataclasses.replace(super().capabilities(model),

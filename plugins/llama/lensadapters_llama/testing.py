@@ -1,7 +1,7 @@
 """Test kit of lensadapters-llama: configs and the contract class (needs ``lensadapters[testing]``).
 
 ``LlamaContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check llama``
-runs it); ``tests/test_llama.py`` subclasses it, and the LoRA and 8-bit suites mix their variants in front
+runs it); the plugin's tests subclass it, and the cross-cutting plugins' matrices put their variants in front
 of it. ``llama_configs(**overrides)`` draws tiny ``LlamaConfig``s (every keyword a fixed value or a
 strategy); ``llama_config(...)`` builds one and ``rope_scaling(...)`` the rope parameters of each type.
 
@@ -10,7 +10,7 @@ Importing ``lensadapters_llama`` itself never imports this module (nor hypothesi
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hypothesis import strategies as st
 from transformers import LlamaConfig
@@ -132,20 +132,15 @@ class LlamaContract(AdapterContract):
     rope scaling (``llama3``) is a stratum of the edit and generation properties: drawn on every run."""
 
     plugin = lensadapters_llama
-    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    config_strategy = llama_configs
     config_strata = {"llama3": EDITS_AND_GENERATION}
-    #: keyword overrides of llama_configs (the LoRA and 8-bit test classes narrow the sizes)
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return llama_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "llama3":
-            return llama_configs(**{**cls.config_overrides, "rope_types": ("llama3",)})
-        return super().stratum_configs(stratum)
+    stratum_overrides = {"llama3": dict(rope_types=("llama3",))}
+    # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two query heads, default
+    # rope (the float contract covers the rope types)
+    matrix_overrides = dict(ratio=2, head_dim=st.sampled_from([4, 8]), d_model=st.sampled_from([16, 32]), d_mlp=24,
+                            vocab=64, rope_types=("default",), theta=10000.0)
+    aligned_overrides = dict(n_heads=2, head_dim=32, d_model=64, d_mlp=128)
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"rope {rope_type(config)}"

@@ -1,7 +1,7 @@
 """Test kit of lensadapters-opt: the config strategy and the contract class (needs ``lensadapters[testing]``).
 
 ``OPTContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check opt``
-runs it); ``tests/test_opt.py`` subclasses it, and the LoRA and 8-bit suites mix their variants in front
+runs it); the plugin's tests subclass it, and the cross-cutting plugins' matrices put their variants in front
 of it. ``opt_configs(**overrides)`` draws tiny ``OPTConfig``s (every keyword a fixed value or a strategy).
 
 Importing ``lensadapters_opt`` itself never imports this module (nor hypothesis, nor pytest).
@@ -10,7 +10,7 @@ Importing ``lensadapters_opt`` itself never imports this module (nor hypothesis,
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -87,22 +87,16 @@ class OPTContract(AdapterContract):
     stratum of the generation properties: drawn on every run."""
 
     plugin = lensadapters_opt
-    learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
-    # with project_out, HF's last hidden state is project_out(final norm output); tests/test_opt.py checks it
-    final_hidden_is_ln_final = False
+    config_strategy = opt_configs
     config_strata = {"opt-350m": GENERATION}
-    #: keyword overrides of opt_configs (the LoRA and 8-bit test classes narrow the sizes)
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return opt_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "opt-350m":
-            return opt_configs(**{**cls.config_overrides, "pre_ln": False, "project": True})
-        return super().stratum_configs(stratum)
+    stratum_overrides = {"opt-350m": dict(pre_ln=False, project=True)}
+    # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads
+    matrix_overrides = dict(n_heads=st.integers(2, 4), d_head=8, n_layers=st.integers(1, 2),
+                            ffn_dim=st.sampled_from([16, 24, 48]), vocab=st.integers(16, 96))
+    aligned_overrides = dict(d_model=64, ffn_dim=128, project=False, n_heads=st.sampled_from([1, 2, 4]))
+    learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
+    # with project_out, HF's last hidden state is project_out(final norm output); the plugin's tests check it
+    final_hidden_is_ln_final = False
 
     def config_label(self, config: Any) -> Optional[str]:
         projected = config.word_embed_proj_dim != config.hidden_size

@@ -29,6 +29,7 @@ from torch import nn
 from lensadapters import (
     ActivationCache,
     Architecture,
+    ContractVariant,
     FusedQKV,
     LensAdaptersError,
     LinearWeight,
@@ -93,6 +94,22 @@ def lensadapters_resolve_model(model: Any) -> Optional[nn.Module]:
     if mixed is not None and isinstance(model, mixed):
         return model.base_model
     return None
+
+
+@hookimpl
+def lensadapters_wrapped_layer(module: nn.Module) -> Optional[nn.Module]:
+    """A PEFT tuner layer (``lora.Linear``, ``lora.Linear8bitLt``, IA³...) wraps its ``base_layer``."""
+    tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
+    base = getattr(tuners_utils, "BaseTunerLayer", None)
+    if base is None or not isinstance(module, base):
+        return None
+    return getattr(module, "base_layer", None)
+
+
+@hookimpl
+def lensadapters_contract_variants() -> list[ContractVariant]:
+    """``lensadapters check PLUGIN --lora``: the contract suite on LoRA-adapted models."""
+    return [ContractVariant("lora", "lensadapters_peft.testing:LoraContract", "LoRA-adapted (PEFT) models")]
 
 
 # --- weights --------------------------------------------------------------------------------------

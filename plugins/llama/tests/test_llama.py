@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 
 import lensadapters_llama
 from lensadapters import HookedModel, UnsupportedModelError
-from lensadapters.testing import assert_close
+from lensadapters.testing import assert_close, reference_rope
 from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 
 
@@ -87,15 +87,6 @@ def reference_inv_freq(config: LlamaConfig, rope_type: str, seq_len: int) -> tor
     raise ValueError(rope_type)
 
 
-def reference_rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ([b, p, h, d]) by treating dims (i, i + d/2) as one complex number (float64)."""
-    angles = positions.double()[..., None] * inv_freq  # [b or 1, p, d/2]
-    rotation = torch.polar(torch.ones_like(angles), angles)[..., None, :]  # broadcast over heads
-    half = x.shape[-1] // 2
-    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rotation
-    return torch.cat([z.real, z.imag], dim=-1)
-
-
 @pytest.mark.parametrize("rope_type", ["default", "linear", "dynamic", "llama3"])
 @settings(deadline=None, max_examples=3)
 @given(seed=st.integers(0, 2**16), ratio=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([8, 16]))
@@ -125,7 +116,7 @@ def test_rot_q_and_rot_k_equal_reference_rope(rope_type, seed, ratio, head_dim):
     inv = reference_inv_freq(config, rope_type, seq_len=length)
     positions = torch.arange(length)[None]  # a forward without position_ids counts from 0 (padding included)
     for name in ("q", "k"):
-        expected = reference_rope(cache[name, 0], inv, positions)
+        expected = reference_rope(cache[name, 0], positions, inv)
         assert_close(cache[f"rot_{name}", 0], expected, f"{rope_type}: hook_rot_{name}", atol=2e-5, rtol=2e-5)
     assert cache["rot_q", 0].shape[2] == 2 * ratio and cache["rot_k", 0].shape[2] == 2
     hm.unwrap()

@@ -27,7 +27,7 @@ from torch import nn
 
 import lensadapters_gpt_neox
 from lensadapters import HookedModel, Registry, UnsupportedModelError
-from lensadapters.testing import reinit
+from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
 from lensadapters.testing.strategies import Inputs, token_inputs
 from lensadapters_gpt_neox.testing import VOCAB, GPTNeoXContract, gpt_neox_config, gpt_neox_configs, rotary_pct
 from transformers import AutoModelForCausalLM
@@ -42,10 +42,8 @@ SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @functools.lru_cache(maxsize=32)
 def tiny_model(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, parallel: bool = True,
                bias: bool = True, n_layers: int = 2, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(n_heads, d_head, rotary_pct, parallel, bias, n_layers))
-    reinit(model, seed)  # weights large enough that every path matters
-    return model.eval()
+    # reinit: weights large enough that every path matters
+    return seeded_model(make_config(n_heads, d_head, rotary_pct, parallel, bias, n_layers), seed)
 
 
 @st.composite
@@ -81,22 +79,6 @@ def wrapped(model: nn.Module):
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """What ``generate`` passes: positions counted from the first real token of each row."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-# --- an independent rotary reference ---------------------------------------------------------------------
-
-
-def reference_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """GPT-NeoX RoPE written from the paper's complex form: dims ``(i, i + r/2)`` form ``x_i + 1j x_{i+r/2}``,
-    multiplied by ``exp(1j * pos * base^(-2i/r))``; dims ``>= r`` pass through. ``x``: ``[b, p, h, d]``."""
-    half = rotary_dim // 2
-    xd = x.double()
-    if half == 0:
-        return xd
-    freqs = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)  # [r/2]
-    angle = positions.double()[:, :, None, None] * freqs  # [b, p, 1, r/2]
-    z = torch.complex(xd[..., :half], xd[..., half:rotary_dim]) * torch.polar(torch.ones_like(angle), angle)
-    return torch.cat([z.real, z.imag, xd[..., rotary_dim:]], dim=-1)
 
 
 # --- the generic contract --------------------------------------------------------------------------------
@@ -160,7 +142,7 @@ def test_rot_q_k_equal_reference_rope(model_key, inputs: Inputs):
         assert hm.cfg.rotary_dim == rotary_dim
         for layer in range(hm.cfg.n_layers):
             for x in ("q", "k"):
-                expected = reference_rope(cache[x, layer], pos, rotary_dim)
+                expected = reference_rope(cache[x, layer], pos, rope_inv_freq(rotary_dim))
                 got = cache[f"rot_{x}", layer]
                 torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
                 # the pass-through dims are untouched

@@ -1,0 +1,38 @@
+"""Seeded tiny models: what every suite builds its models with (no downloads, no test-kit dependencies)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["reinit", "seeded_model"]
+
+
+def reinit(model: torch.nn.Module, seed: int) -> None:
+    """Give a tiny model weights of unit-ish scale (HF's 0.02 init makes tiny models nearly trivial)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:
+                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
+            else:
+                param.copy_(noise / math.sqrt(min(param.shape)))
+
+
+def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] = None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` with :func:`reinit` weights from ``seed``, in eval mode.
+
+    ``attn_implementation=None`` keeps transformers' default for the config.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    reinit(model, seed)
+    return model.eval()

@@ -240,7 +240,7 @@ def test_cache_shorthand_and_filters(tiny):
     assert get_act_name("scale", 2, "ln2") == "blocks.2.ln2.hook_scale"
     assert get_act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
     assert "attn.hook_result" not in " ".join(hm.cache_names())
-    assert hm.cache_names(lambda n: n.endswith("hook_result")) == [
+    assert hm.cache_names(lambda n: n.endswith("attn.hook_result")) == [
         f"blocks.{i}.attn.hook_result" for i in range(hm.cfg.n_layers)]
     with torch.no_grad(), pytest.raises(ValueError, match="batch of one.*batch of 2"):
         hm.run_with_cache(torch.cat([ids, ids]), remove_batch_dim=True)

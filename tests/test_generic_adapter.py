@@ -294,7 +294,7 @@ def test_gradients_reach_generic_points():
 def test_lora_fine_tune_of_a_model_without_plugin():
     peft = pytest.importorskip("peft")
     if "peft" not in get_registry().infos:
-        pytest.skip("lensadapters-peft is not installed")
+        pytest.skip("no plugin for PEFT models is installed")
     model = peft.get_peft_model(
         _phi(), peft.LoraConfig(r=4, target_modules=["q_proj", "dense", "fc1"], init_lora_weights=False)
     ).eval()

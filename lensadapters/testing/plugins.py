@@ -107,12 +107,21 @@ def matrix_class(mixin: type, contract: type, name: Optional[str] = None, module
     })
 
 
+def _unsupported(mixin: type, contract: type) -> Optional[str]:
+    """A variant's reason not to run over ``contract``: its optional classmethod ``supports(contract)`` returns one
+    (``None``: it runs)."""
+    supports = getattr(mixin, "supports", None)
+    return supports(contract) if supports is not None else None
+
+
 def contract_matrix(mixin: type, namespace: MutableMapping[str, Any]) -> list[str]:
     """Put one test class per installed architecture contract (:func:`declared_contracts`) into ``namespace``
     (a test module's ``globals()``): ``mixin`` over that contract, as :func:`matrix_class` builds it. Returns
     the class names."""
     names = []
     for contract in declared_contracts():
+        if _unsupported(mixin, contract):
+            continue
         cls = matrix_class(mixin, contract, module=namespace.get("__name__"))
         namespace[cls.__name__] = cls
         names.append(cls.__name__)
@@ -167,7 +176,10 @@ def variant_matrix(contract: type, namespace: MutableMapping[str, Any]) -> list[
 
     names = []
     for variant in contract_variants().values():
-        cls = matrix_class(_import(variant.contract), contract, module=namespace.get("__name__"))
+        mixin = _import(variant.contract)
+        if _unsupported(mixin, contract):
+            continue
+        cls = matrix_class(mixin, contract, module=namespace.get("__name__"))
         namespace[cls.__name__] = cls
         names.append(cls.__name__)
     return names

@@ -116,13 +116,11 @@ class MixtralContract(MoEContract):
     experts, top-1 to top-every-expert routing, every experts implementation of transformers 5."""
 
     plugin = lensadapters_mixtral
-    learned_positions, rotary, parallel_blocks = False, True, False
-    #: keyword overrides of mixtral_configs
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return mixtral_configs(**cls.config_overrides)
+    config_strategy = mixtral_configs
+    # the LoRA matrix builds two models per example: smaller ones
+    matrix_overrides = dict(experts=st.integers(2, 3), n_layers=st.integers(1, 2))
+    # gated_mlp: no block has the dense mlp.hook_pre_linear (each expert is gated: mlp.experts.{e}.hook_gate)
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, False
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"top-{config.num_experts_per_tok} of {config.num_local_experts}"

@@ -5,6 +5,7 @@ plugin's own checks."""
 from __future__ import annotations
 
 import importlib.metadata
+import tempfile
 
 import lensadapters_mixtral
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from lensadapters_mixtral.testing import MixtralContract, mixtral_config, mixtral_configs
 
 from lensadapters import HookedModel
-from lensadapters.registry import Registry
+from lensadapters.registry import Registry, get_registry
 from lensadapters.testing import assert_close
 from lensadapters.testing.moe import mlp_input, moe_reference
 
@@ -34,6 +35,26 @@ def registry(*plugins: object) -> Registry:
     for plugin in (lensadapters_mixtral, *plugins):
         reg.register(plugin, plugin.__name__)
     return reg
+
+
+def _needs_plugin(name: str, what: str) -> None:
+    """Skip unless the installed plugins include the cross-cutting plugin ``name`` (found by discovery)."""
+    if name not in get_registry().infos:
+        pytest.skip(f"no installed plugin named {name!r} reads {what}")
+
+
+def _int8(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` saved and loaded back in 8 bits on the CPU (transformers' bitsandbytes integration)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return AutoModelForCausalLM.from_pretrained(
+            directory,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map="cpu",
+            attn_implementation=model.config._attn_implementation,
+        ).eval()
 
 
 def test_entry_point() -> None:
@@ -87,12 +108,12 @@ def test_lora_on_experts(seed: int) -> None:
     """LoRA on the experts (fused parameters or expert modules): hook points see the adapted experts, the model
     stays bitwise while they are read, expert weights include the deltas (the reference MoE computed from them
     is ``hook_mlp_out``), and with the adapters disabled they are the base weights."""
-    lensadapters_peft = pytest.importorskip("lensadapters_peft")
+    _needs_plugin("peft", "LoRA layers")
     base_W_in, peft_model = _lora_model(seed)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         reference = peft_model(ids).logits
-        hm = HookedModel.wrap(peft_model, registry=registry(lensadapters_peft))
+        hm = HookedModel.wrap(peft_model, registry=get_registry())
         logits, cache = hm.run_with_cache(
             ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
         )
@@ -128,15 +149,14 @@ def test_int8_model() -> None:
     weights are read dequantized; transformers 5 keeps the fused expert parameters in float (bitsandbytes
     quantizes linear layers only). Reading every MoE point keeps the output bitwise, the per-expert points follow
     the read weights within int8 rounding, and the results sum to ``hook_mlp_out``."""
-    lensadapters_bnb = pytest.importorskip("lensadapters_bnb")
-    from lensadapters_bnb.testing import quantize
-
+    pytest.importorskip("bitsandbytes")
+    _needs_plugin("bnb", "8-bit layers")
     config = mixtral_config(layers=1, experts=3, top_k=2, hidden=64, d_mlp=64, n_heads=4, head_dim=16)
-    model = quantize(CONTRACT.make_model(config, 0, "eager"), "int8")
+    model = _int8(CONTRACT.make_model(config, 0, "eager"))
     ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits
-        hm = HookedModel.wrap(model, registry=registry(lensadapters_bnb))
+        hm = HookedModel.wrap(model, registry=get_registry())
         logits, cache = hm.run_with_cache(
             ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
         )

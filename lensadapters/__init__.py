@@ -20,12 +20,14 @@ from .registry import Registry, get_registry
 from .specs import (
     Architecture,
     BlockLayout,
+    FusedGateUp,
     FusedQKV,
     HookedConfig,
     LinearWeight,
     MLPLayout,
     ModelLayout,
     NormSpec,
+    ProjectionNorm,
     RotarySpec,
     SeparateQKV,
 )
@@ -34,6 +36,6 @@ __all__ = [
     "__version__", "ActivationCache", "get_act_name", "HookReturnError", "LensAdaptersError",
     "PluginConflictError", "PluginValidationError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
-    "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
-    "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters", "Hooked",
+    "BlockLayout", "FusedGateUp", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout",
+    "NormSpec", "ProjectionNorm", "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters", "Hooked",
 ]

@@ -29,7 +29,7 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover
     from .hook_point import HookPoint
     from .sites import ForwardState
-    from .specs import Architecture, BlockLayout, HookedConfig, LinearWeight, MLPLayout, ModelLayout, NormSpec, \
+    from .specs import Architecture, BlockLayout, HookedConfig, LinearWeight, MLPLayouts, ModelLayout, NormSpec, \
         QKVLayout
 
 __all__ = ["Hooked"]
@@ -50,7 +50,7 @@ class Hooked(Protocol):
     block_modules: Sequence[nn.Module]
     block_layouts: Sequence["BlockLayout"]
     qkv_layouts: Sequence["QKVLayout"]
-    mlp_layouts: Sequence["MLPLayout"]
+    mlp_layouts: Sequence["MLPLayouts"]  # MLPLayout or FusedGateUp
     attention_modules: Sequence[nn.Module]
     #: values sites share within one forward pass
     forward_state: "ForwardState"

@@ -32,7 +32,7 @@ from torch import nn
 
 import lensadapters_bnb as lb
 from lensadapters import HookedModel
-from lensadapters.specs import FusedQKV
+from lensadapters.specs import FusedGateUp, FusedQKV
 from lensadapters.testing import AdapterContract, assert_close, perturb
 from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import read_linear
@@ -114,8 +114,9 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor) -> float:
     worst = 0.0
     for i in range(cfg.n_layers):
         block, layout, qkv, mlp = hm.block_modules[i], hm.block_layouts[i], hm.qkv_layouts[i], hm.mlp_layouts[i]
-        attn_in = cache["resid_pre", i] if layout.post_norm else norm_out(hm, cache, f"blocks.{i}.ln1",
-                                                                          block.get_submodule(layout.ln1))
+        # post-LN blocks and blocks without a pre-attention norm (OLMo 2): attention reads the block input
+        attn_in = cache["resid_pre", i] if layout.post_norm or layout.ln1 is None else norm_out(
+            hm, cache, f"blocks.{i}.ln1", block.get_submodule(layout.ln1))
         if isinstance(qkv, FusedQKV):
             _, fused_bound = projection(hm, attn_in, block.get_submodule(qkv.module))
             bounds = qkv.split(fused_bound)
@@ -130,26 +131,45 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor) -> float:
         z = cache["z", i]
         expected = torch.einsum("bphd,hdm->bpm", z.float(), W_O[i].float()) + b_O[i].float()
         _, bound = projection(hm, z.flatten(-2), block.get_submodule(layout.o_proj))
-        worst = max(worst, assert_within_bound(cache["attn_out", i], expected, bound, f"layer {i} attn_out", valid))
+        attn_out = _before_post_norm(cache, f"blocks.{i}.ln1_post", "attn_out", i, layout.ln1_post)
+        worst = max(worst, assert_within_bound(attn_out, expected, bound, f"layer {i} attn_out", valid))
         mlp_in = None
         if layout.ln2 is not None:
             mlp_in = cache["mlp_in", i] if layout.post_norm else norm_out(hm, cache, f"blocks.{i}.ln2",
                                                                           block.get_submodule(layout.ln2))
         elif layout.parallel:  # parallel block sharing one norm (GPT-J): the MLP reads ln1's output
             mlp_in = attn_in
+        else:  # no pre-MLP norm (OLMo 2): the MLP reads the residual stream
+            mlp_in = cache["mlp_in", i]
         if mlp_in is not None:
-            pairs = [("pre", mlp.pre, hm.W_gate if mlp.pre_linear else W_in, hm.b_gate if mlp.pre_linear else b_in)]
-            if mlp.pre_linear:
-                pairs.append(("pre_linear", mlp.pre_linear, W_in, b_in))
-            for name, path, Wt, bt in pairs:
+            gated = hm.cfg.gated_mlp
+            if isinstance(mlp, FusedGateUp):  # one projection: its bound split like its output
+                _, fused_bound = projection(hm, mlp_in, block.get_submodule(mlp.module))
+                gate_bound, up_bound = mlp.split(fused_bound)
+                pairs = [("pre", gate_bound, hm.W_gate, hm.b_gate), ("pre_linear", up_bound, W_in, b_in)]
+            else:
+                pairs = [("pre", projection(hm, mlp_in, block.get_submodule(mlp.pre))[1],
+                          hm.W_gate if gated else W_in, hm.b_gate if gated else b_in)]
+                if mlp.pre_linear:
+                    pairs.append(("pre_linear", projection(hm, mlp_in, block.get_submodule(mlp.pre_linear))[1],
+                                  W_in, b_in))
+            for name, bound, Wt, bt in pairs:
                 expected = mlp_in.float() @ Wt[i].float() + bt[i].float()
-                _, bound = projection(hm, mlp_in, block.get_submodule(path))
                 worst = max(worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid))
         post = cache["post", i]
         expected = post.float() @ W_out[i].float() + b_out[i].float()
         _, bound = projection(hm, post, block.get_submodule(mlp.out))
-        worst = max(worst, assert_within_bound(cache["mlp_out", i], expected, bound, f"layer {i} mlp_out", valid))
+        mlp_out = _before_post_norm(cache, f"blocks.{i}.ln2_post", "mlp_out", i, layout.ln2_post)
+        worst = max(worst, assert_within_bound(mlp_out, expected, bound, f"layer {i} mlp_out", valid))
     return worst
+
+
+def _before_post_norm(cache: Any, prefix: str, short: str, layer: int, post_norm: Optional[str]) -> torch.Tensor:
+    """The output projection's result: ``hook_attn_out``/``hook_mlp_out``, or, in a block with a norm after the
+    projection (``ln1_post``/``ln2_post``), that norm's input (``hook_normalized * hook_scale``)."""
+    if post_norm is None:
+        return cache[short, layer]
+    return cache[f"{prefix}.hook_normalized"].float() * cache[f"{prefix}.hook_scale"].float()
 
 
 class Int8Contract(AdapterContract):

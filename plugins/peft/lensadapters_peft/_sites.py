@@ -147,8 +147,11 @@ class ModuleGuardSite(Site):
             if path:
                 self.expected.append((model, path, model.get_submodule(path)))
         for block, bl, qkv, mlp in zip(hooked.block_modules, hooked.block_layouts, hooked.qkv_layouts, hooked.mlp_layouts):
-            paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, mlp.pre, mlp.pre_linear, mlp.out]
+            paths = [bl.ln1, bl.attn, bl.o_proj, bl.ln2, bl.mlp, getattr(bl, "ln1_post", None),
+                     getattr(bl, "ln2_post", None), mlp.out]
+            paths += [mlp.module] if hasattr(mlp, "module") else [mlp.pre, mlp.pre_linear]
             paths += [qkv.module] if hasattr(qkv, "module") else [qkv.q, qkv.k, qkv.v]
+            paths += [norm.module for norm in (getattr(qkv, "q_norm", None), getattr(qkv, "k_norm", None)) if norm]
             for path in paths:
                 if path:
                     self.expected.append((block, path, block.get_submodule(path)))

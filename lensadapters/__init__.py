@@ -1,5 +1,6 @@
 """lensadapters: TransformerLens-style hook points on unmodified Hugging Face models."""
 
+from . import hf
 from ._version import __version__
 from .cache import ActivationCache, get_act_name
 from .errors import (
@@ -37,5 +38,5 @@ __all__ = [
     "PluginConflictError", "PluginValidationError", "UnknownHookError", "UnsupportedModelError", "WeightUnavailableError", "HookPoint",
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedGateUp", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout",
-    "NormSpec", "ProjectionNorm", "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters", "Hooked",
+    "NormSpec", "ProjectionNorm", "RotarySpec", "SeparateQKV", "hf", "is_recomputing", "live_parameters", "Hooked",
 ]

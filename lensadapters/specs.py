@@ -60,6 +60,10 @@ class HookedConfig:
     #: TransformerLens' names: the attention-logit and final-logit softcaps (``cap * tanh(x / cap)``; -1: none)
     attn_scores_soft_cap: float = -1.0
     output_logits_soft_cap: float = -1.0
+    #: TransformerLens' names: the sliding window (keys a query sees, itself included) and each layer's attention
+    #: type ("global", or "local" for a windowed layer); None without sliding-window layers
+    window_size: Optional[int] = None
+    attn_types: Optional[tuple[str, ...]] = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

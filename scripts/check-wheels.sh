@@ -120,5 +120,5 @@ print("ok: incompatible plugin refused:", message)
 PY
 }
 check_install "lensadapters[llama]" "llama" "$dummy_wheel"
-check_install "lensadapters[all]" "gpt2 gpt_neox opt llama peft bnb"
+check_install "lensadapters[all]" "gpt2 gpt_neox opt llama mistral qwen2 qwen3 phi3 gemma2 gemma3 olmo2 peft bnb"
 echo "wheels: ok"

@@ -20,6 +20,8 @@ if [ -n "$transformers_pin" ]; then
 fi
 "${pip[@]}" install -c "$constraints" -e ".[all,testing,bnb]" \
   -e plugins/gpt2 -e plugins/gpt_neox -e plugins/opt -e plugins/llama -e plugins/peft -e plugins/bnb \
+  -e plugins/mistral -e plugins/qwen2 -e plugins/qwen3 -e plugins/phi3 -e plugins/gemma2 -e plugins/gemma3 \
+  -e plugins/olmo2 \
   -e examples/gptj
 "${pip[@]}" install -c "$constraints" build
 "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -268,14 +268,19 @@ class Int8Contract(AdapterContract):
 
         The 8-bit output projection re-quantizes its input row when ``z`` changes, so both runs carry
         their own activation rounding: the difference is at most the sum of the two bounds. Dropping
-        the head at ``hook_result`` changes the projection's own output by exactly the contribution.
+        the head at ``hook_result`` changes the projection's own output by exactly the contribution. In a block
+        with a norm after attention (``ln1_post``) the projection's output is that norm's input
+        (``hook_normalized * hook_scale``), where the contribution is removed.
         """
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
         pre = f"blocks.{layer}."
+        post_norm = hm.block_layouts[layer].ln1_post
         names = [pre + "attn.hook_z", pre + "hook_attn_out"]
+        if post_norm is not None:
+            names += [pre + "ln1_post.hook_normalized", pre + "ln1_post.hook_scale"]
         o_proj = hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj)
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
@@ -298,10 +303,14 @@ class Int8Contract(AdapterContract):
                 _, dropped = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
             _, bound_base = projection(hm, z.flatten(-2), o_proj)
             _, bound_ablated = projection(hm, ablated["z", layer].flatten(-2), o_proj)
-        expected = base["attn_out", layer].float() - contribution
+
+        def projected(cache: Any) -> torch.Tensor:  # the output projection's output
+            return _before_post_norm(cache, pre + "ln1_post", "attn_out", layer, post_norm).float()
+
+        expected = projected(base) - contribution
         v = inputs.valid
-        assert_within_bound(ablated["attn_out", layer], expected, bound_base + bound_ablated,
+        assert_within_bound(projected(ablated), expected, bound_base + bound_ablated,
                             "z ablation == removing the head's W_O contribution", v)
         scale = 1 + expected.abs()
-        assert_close(dropped["attn_out", layer][v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
+        assert_close(projected(dropped)[v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
         hm.unwrap()

@@ -207,7 +207,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
                 continue
             module = get(path)
             if is_lora_linear(module):
-                point = _new_point_before(hooked, pre + target, pre + name)
+                if name == MLP_OUT_POINT:  # the down projection runs right after its input, mlp.hook_post (a norm
+                    point = hooked.new_point(pre + name, after=pre + "mlp.hook_post")  # may follow: ln2_post)
+                else:
+                    point = _new_point_before(hooked, pre + target, pre + name)
                 sites.append(LoraDeltaSite(module, [point], *_plain_split()))
         if getattr(bl, "flat_mlp", False) and len(sites) > first:
             # the block flattens tokens to [b*p, d] around its MLP (OPT): show [b, p, ...] like the core's points

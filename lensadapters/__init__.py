@@ -1,5 +1,6 @@
 """lensadapters: TransformerLens-style hook points on unmodified Hugging Face models."""
 
+from . import hf
 from ._version import __version__
 from .cache import ActivationCache, get_act_name
 from .errors import (
@@ -22,12 +23,14 @@ from .registry import Registry, get_registry
 from .specs import (
     Architecture,
     BlockLayout,
+    FusedGateUp,
     FusedQKV,
     HookedConfig,
     LinearWeight,
     MLPLayout,
     ModelLayout,
     NormSpec,
+    ProjectionNorm,
     RotarySpec,
     SeparateQKV,
 )
@@ -69,4 +72,7 @@ __all__ = [
     "contract_variants",
     "wrapped_layers",
     "innermost_layer",
+    "FusedGateUp",
+    "ProjectionNorm",
+    "hf",
 ]

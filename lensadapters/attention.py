@@ -131,14 +131,16 @@ class _MaskInfo:
 _MASK_INFOS: dict[int, tuple[Any, _MaskInfo]] = {}
 
 
-def _mask_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool) -> _MaskInfo:
+def _mask_info(
+    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool, window: Optional[int] = None
+) -> _MaskInfo:
     if mask is None:
-        return _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal))
-    key = (q_len, k_len, str(device), causal, _version(mask), mask.dtype)
+        return _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal, window))
+    key = (q_len, k_len, str(device), causal, window, _version(mask), mask.dtype)
     cached = _MASK_INFOS.get(id(mask))
     if cached is not None and cached[0] == key:
         return cached[1]
-    info = _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal))
+    info = _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal, window))
     if cached is None:
         weakref.finalize(mask, _MASK_INFOS.pop, id(mask), None)
     _MASK_INFOS[id(mask)] = (key, info)
@@ -152,10 +154,9 @@ def _version(t: Tensor) -> int:
         return -1
 
 
-def _allowed_and_bias_info(
-    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    allowed, bias = _allowed_and_bias(mask, q_len, k_len, device, causal)
+def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool,
+                           window: Optional[int] = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    allowed, bias = _allowed_and_bias(mask, q_len, k_len, device, causal, window)
     blocked = ~allowed
     if not bool(blocked.any()):
         return None, bias, None
@@ -163,10 +164,15 @@ def _allowed_and_bias_info(
     return blocked, bias, empty_rows if bool(empty_rows.any()) else None
 
 
-def _allowed_and_bias(
-    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias."""
+def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool,
+                      window: Optional[int] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias.
+
+    A mask transformers materialized already holds the layer's sliding window (its mask functions build it in; eager
+    and sdpa attention read only the mask). Without a mask (sdpa's causal fast path, which transformers takes only
+    while the window cannot bind) the queries are the last ``q_len`` of ``k_len`` positions and the window is applied
+    here as transformers' ``sliding_window_overlay`` does: a query at ``i`` sees keys ``j`` with ``i - window < j``.
+    """
     if mask is not None and not isinstance(mask, Tensor):
         raise UnsupportedModelError(
             f"explicit attention (hook_attn_scores/hook_pattern) got a {type(mask).__name__} attention mask; it reads "
@@ -178,6 +184,9 @@ def _allowed_and_bias(
         else torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     )
     if mask is None:
+        if window is not None:
+            q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+            causal_allowed = causal_allowed & (torch.arange(k_len, device=device)[None, :] > q_pos - window)
         return causal_allowed, None
     if mask.dim() == 2:  # a [batch, keys] padding mask (1 = attend), as flash-style implementations receive
         keep = mask[:, :k_len].bool()
@@ -190,6 +199,31 @@ def _allowed_and_bias(
     return allowed, bias
 
 
+#: arguments transformers passes to attention functions that do not change what attention computes (bookkeeping of
+#: the caller); every other argument is either honoured by explicit attention or refused by name
+IRRELEVANT_ARGUMENTS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "past_key_value", "past_key_values", "position_embeddings",
+})
+
+
+def _refuse_arguments(module: nn.Module, kwargs: dict, softcap: Optional[float], implementation: str) -> None:
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IRRELEVANT_ARGUMENTS)
+    if unknown:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes {', '.join(map(repr, unknown))} to the attention function; lensadapters' "
+            f"explicit attention (which computes hook_attn_scores/hook_pattern in the layers they are hooked in) does "
+            f"not know how {'this argument changes' if len(unknown) == 1 else 'these arguments change'} attention, "
+            f"so it refuses rather than compute different numbers than the model. Leave the pattern and score "
+            f"points out (every other hook point works), or ask for support naming the argument")
+    if softcap is not None and implementation == "sdpa":
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes softcap={softcap} (attention-logit softcapping) to the attention "
+            f"function, but the model runs 'sdpa' attention, which does not apply it (transformers 4.x ignores it): "
+            f"the model's own attention is not the softcapped attention hook_attn_scores/hook_pattern describe. Call "
+            f"model.set_attn_implementation('eager') to hook patterns (eager applies the softcap)")
+
+
 def explicit_attention(
     module: nn.Module,
     query: Tensor,
@@ -200,24 +234,39 @@ def explicit_attention(
     scores_fn: Callable[..., Tensor],
     scores_point: HookPoint,
     pattern_point: HookPoint,
+    implementation: str = "sdpa",
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     head_mask: Optional[Tensor] = None,
-    **_: Any,
+    softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
-    """Attention written out: scores → ``hook_attn_scores`` → softmax → ``hook_pattern`` → mix values.
+    """Attention written out: scores → softcap → mask → ``hook_attn_scores`` → softmax → ``hook_pattern`` → mix values.
 
     ``query`` is ``[b, h, q, d]``, ``key``/``value`` ``[b, hkv, k, d]`` (grouped heads are repeated
-    here). Masked scores are ``-inf``; a query row with nothing to attend to gets a zero pattern.
+    here). Every argument the model passes to the attention function is honoured or refused by name
+    (``IRRELEVANT_ARGUMENTS`` lists those that change nothing; an argument set to ``None`` asks for nothing):
+    ``scaling``, ``dropout``, ``head_mask``; ``softcap`` (``tanh(s / cap) * cap`` before the mask, as eager
+    attention and TransformerLens apply it: ``hook_attn_scores`` is softcapped, then masked); ``sliding_window``
+    (see ``_allowed_and_bias``); ``is_causal`` (as sdpa reads it, when no mask was built). Masked scores are
+    ``-inf``; a query row the mask leaves empty gets what the configured implementation gives it (``_fill_empty_rows``).
     Returns ``([b, q, h, d], pattern)`` like transformers' attention functions.
     """
+    _refuse_arguments(module, kwargs, softcap, implementation)
     n_heads, n_kv = query.shape[1], key.shape[1]
     if n_kv != n_heads:
         key = key.repeat_interleave(n_heads // n_kv, dim=1)
         value = value.repeat_interleave(n_heads // n_kv, dim=1)
     raw = scores_fn(module, query, key, scaling)
+    if softcap is not None:  # the operations of transformers' eager attention, in its order
+        raw = raw / softcap
+        raw = torch.tanh(raw)
+        raw = raw * softcap
     q_len, k_len = raw.shape[-2], raw.shape[-1]
-    info = _mask_info(attention_mask, q_len, k_len, raw.device, getattr(module, "is_causal", True))
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    info = _mask_info(attention_mask, q_len, k_len, raw.device, causal, sliding_window)
     scores = raw
     if info.bias is not None:
         scores = scores + info.bias
@@ -352,6 +401,7 @@ class InterfacePatternBackend:
             scores_fn=self._scores,
             scores_point=site.scores,
             pattern_point=site.pattern,
+            implementation=self.original or "sdpa",
             **kwargs,
         )
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .errors import WeightUnavailableError
+from . import norms
+from .errors import UnsupportedModelError, WeightUnavailableError
 from .hookspecs import hookimpl
 from .specs import Architecture, LinearWeight, NormSpec
 
@@ -38,14 +40,50 @@ def lensadapters_linear_weight(module: nn.Module) -> Optional[LinearWeight]:
     return LinearWeight(weight.T, bias)
 
 
+# norm modules whose guessed NormSpec was checked against the module (the formula is the class's, not the weights')
+_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _check_guess(module: nn.Module, spec: NormSpec) -> None:
+    """Run the module on a probe input and refuse the guessed spec when the module computes something else."""
+    if _CHECKED.get(module):
+        return
+    weight = spec.weight
+    width = weight.shape[-1] if weight is not None and weight.dim() else 16
+    dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+    device = weight.device if weight is not None else torch.device("cpu")
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype) * 2
+    with torch.no_grad():
+        try:
+            got = module.forward(x)  # the module's own computation, without the hooks on it
+        except Exception as exc:  # noqa: BLE001 - any failure means the guess cannot be checked
+            got = exc
+        expected = norms.rms_normalized(x, norms.scale(x, spec)).float()
+        if weight is not None:
+            expected = norms.rms_weighted_delta(expected, spec)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+    if not (isinstance(got, torch.Tensor) and got.shape == x.shape
+            and torch.allclose(got.float(), expected, rtol=tol, atol=tol)):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} looks like an RMSNorm, but it does not compute x / sqrt(mean(x^2) + eps) * "
+            f"weight on a probe input (a Gemma-style (1 + weight) norm, or another formula): lensadapters does not "
+            f"guess how a norm normalizes. The architecture plugin must declare it: implement "
+            f"lensadapters_norm_scale and return its NormSpec (weight_offset=1.0 for (1 + weight) norms)")
+    _CHECKED[module] = True
+
+
 @hookimpl(trylast=True)
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    """``nn.LayerNorm``; any other ``*RMSNorm`` is a guess that is checked on a probe input (``_check_guess``)."""
     if isinstance(module, nn.LayerNorm):
         return NormSpec("LN", module.eps, module.weight, module.bias)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if eps is not None and "rms" in type(module).__name__.lower():
-        return NormSpec("RMS", float(eps), weight)
+        spec = NormSpec("RMS", float(eps), weight)
+        _check_guess(module, spec)
+        return spec
     return None
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
         BlockLayout,
         HookedConfig,
         LinearWeight,
-        MLPLayout,
+        MLPLayouts,
         ModelLayout,
         NormSpec,
         QKVLayout,
@@ -100,13 +100,19 @@ def lensadapters_attn_qkv(arch: "Architecture", model: "nn.Module", layer: int) 
 
 
 @hookspec(firstresult=True)
-def lensadapters_mlp_act(arch: "Architecture", model: "nn.Module", layer: int) -> "MLPLayout":
-    """Which projections surround the MLP activation of block ``layer``."""
+def lensadapters_mlp_act(arch: "Architecture", model: "nn.Module", layer: int) -> "MLPLayouts":
+    """Which projections surround the MLP activation of block ``layer`` (``MLPLayout``, or ``FusedGateUp`` for one
+    fused gate/up projection)."""
 
 
 @hookspec(firstresult=True)
 def lensadapters_norm_scale(arch: "Architecture", module: "nn.Module") -> "NormSpec":
-    """How ``module`` normalizes (LayerNorm or RMSNorm, eps, weight, bias)."""
+    """How ``module`` normalizes (LayerNorm or RMSNorm, eps, weight, bias, weight offset).
+
+    Architecture plugins declare their norms here. The core's fallback recognizes ``nn.LayerNorm`` and, for
+    other classes named ``*RMSNorm``, checks the guess ``x / sqrt(mean(x²) + eps) * weight`` against the module on
+    a probe input: a norm that computes something else (Gemma's ``(1 + weight)``) is refused, never guessed.
+    """
 
 
 # --- attention patterns -------------------------------------------------------------------------
@@ -171,7 +177,8 @@ def lensadapters_weight(arch: "Architecture", hooked: "Hooked", name: str) -> Op
 
     ``name`` is one of ``lensadapters.weights.WEIGHT_NAMES``: ``W_E W_pos W_U b_U W_Q b_Q _W_K _b_K _W_V _b_V
     W_O b_O W_in b_in W_gate b_gate W_out b_out`` (``W_K``/``W_V`` are ``_W_K``/``_W_V`` repeated to the query
-    heads). Return the whole tensor in TransformerLens' shape, read from the live parameters.
+    heads). Return the whole tensor in TransformerLens' shape, read from the live parameters. ``W_E`` is the
+    embedding table as stored: the core multiplies it by ``ModelLayout.embed_scale``.
     """
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
         HookedConfig,
         LinearWeight,
         MLPLayout,
+        MLPLayouts,
         ModelLayout,
         NormSpec,
         QKVLayout,
@@ -59,7 +60,7 @@ class Hooked(Protocol):
     #: ``None`` for an opaque block (``lensadapters_block`` returned ``None``: no core points, no layouts)
     block_layouts: Sequence[Optional["BlockLayout"]]
     qkv_layouts: Sequence[Optional["QKVLayout"]]
-    mlp_layouts: Sequence[Optional["MLPLayout"]]
+    mlp_layouts: Sequence[Optional["MLPLayouts"]]  # MLPLayout, FusedGateUp or MoELayout
     attention_modules: Sequence[Optional[nn.Module]]
     #: values sites share within one forward pass
     forward_state: "ForwardState"

@@ -57,6 +57,13 @@ class HookedConfig:
     gated_mlp: bool = False
     eps: float = 1e-5
     original_architecture: str = ""
+    #: TransformerLens' names: the attention-logit and final-logit softcaps (``cap * tanh(x / cap)``; -1: none)
+    attn_scores_soft_cap: float = -1.0
+    output_logits_soft_cap: float = -1.0
+    #: TransformerLens' names: the sliding window (keys a query sees, itself included) and each layer's attention
+    #: type ("global", or "local" for a windowed layer); None without sliding-window layers
+    window_size: Optional[int] = None
+    attn_types: Optional[tuple[str, ...]] = None
     extra: dict = field(default_factory=dict, compare=False)
     # mixture of experts (TransformerLens' names): experts per MoE layer and experts each token uses
     num_experts: Optional[int] = None
@@ -75,6 +82,17 @@ class ModelLayout:
     ``hook_pos_embed`` (learned positions only); ``rotary`` a module returning ``(cos, sin)`` for the
     current positions (rotary models only).
 
+    ``embed_scale`` is a factor the model multiplies token embeddings by (Gemma: ``sqrt(d_model)``): as in
+    TransformerLens, ``hook_embed`` and ``W_E`` include it (``W_E`` is the table times the factor, in the table's
+    dtype). ``embed_scale_after_module`` says the model applies it itself after the ``embed`` module returns
+    (transformers 4.x Gemma 2, in the embeddings' dtype); otherwise the module's output already includes it.
+    An edit of ``hook_embed`` is an edit of the scaled embeddings either way.
+
+    ``rotary_input`` names the keyword argument of each layer's *attention module* that carries that layer's
+    ``(cos, sin)`` (``"position_embeddings"``): the core then reads them there, per layer, instead of from
+    the ``rotary`` module — for models whose layers use different rotary sources (Gemma 3's local and global
+    RoPE bases, from two modules or from one module called once per layer type).
+
     ``rotary_from_inputs`` is for models without such a module, which derive the rotary angles inside
     attention (GPT-J: from ``position_ids`` and a sin/cos table on each attention module). When set,
     the core calls ``rotary_from_inputs(module, args, kwargs)`` in a forward *pre*-hook on the
@@ -91,6 +109,9 @@ class ModelLayout:
     pos_embed_offset: int = 0
     rotary: Optional[str] = None
     rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
+    embed_scale: float = 1.0
+    embed_scale_after_module: bool = False
+    rotary_input: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +133,16 @@ class BlockLayout:
     ``mlp_residual`` names the module whose output the block adds to the residual stream after the MLP,
     when it is not ``mlp`` itself (GPT-NeoX: ``post_mlp_dropout``); an edit of ``hook_resid_mid`` is
     carried into the block's own residual add there, so it survives gradient checkpointing.
+
+    ``ln1_post`` and ``ln2_post`` are norms applied to the attention and MLP *outputs* before each residual add
+    (Gemma 2/3 "sandwich" norms, OLMo 2), with TransformerLens' hook points ``ln1_post.hook_scale``/
+    ``hook_normalized``: ``hook_attn_out``/``hook_mlp_out`` are then what is added to the residual (the post
+    norm's output), ``attn.hook_result`` the per-head outputs before it. ``mlp_residual`` defaults to
+    ``ln2_post`` then. ``ln1`` (and ``ln2``) may be ``None`` in a sequential block without pre-norms (OLMo 2):
+    attention reads ``hook_resid_pre``, the MLP reads ``hook_mlp_in`` (= ``hook_resid_mid``) directly.
     """
 
-    ln1: str
+    ln1: Optional[str]
     attn: str
     o_proj: str
     ln2: Optional[str]
@@ -123,6 +151,8 @@ class BlockLayout:
     post_norm: bool = False
     flat_mlp: bool = False
     mlp_residual: Optional[str] = None
+    ln1_post: Optional[str] = None
+    ln2_post: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -141,13 +171,41 @@ class RotarySpec:
 
 
 @dataclass(frozen=True)
+class ProjectionNorm:
+    """A norm between a query/key projection and rotary embeddings (``q_norm``/``k_norm``).
+
+    ``module`` is its path relative to the block; ``layout`` how the module sees its input:
+
+    * ``"bphd"``: ``[b, p, heads, d_head]``, normalized per head (Qwen3);
+    * ``"bhpd"``: ``[b, heads, p, d_head]``, per head, after the attention module's transpose (Gemma 3);
+    * ``"bpf"``: ``[b, p, heads * d_head]``, over the whole projection width (OLMo 2).
+
+    Its hook points (``attn.q_norm.hook_scale``/``hook_normalized``) are ``[b, p, heads, 1]``/``[b, p, heads,
+    d_head]`` for per-head norms and ``[b, p, 1]``/``[b, p, heads * d_head]`` for whole-width ones.
+    """
+
+    module: str
+    layout: Literal["bphd", "bhpd", "bpf"] = "bphd"
+
+
+@dataclass(frozen=True)
 class SeparateQKV:
-    """Queries, keys and values come from three projections (paths relative to the block)."""
+    """Queries, keys and values come from three projections (paths relative to the block).
+
+    ``q_norm``/``k_norm`` are norms between the projection and rotary (Qwen3, Gemma 3, OLMo 2): ``hook_q``/
+    ``hook_k`` stay the projection output, ``attn.q_norm.*`` are the norm's points, and ``hook_rot_q``/
+    ``hook_rot_k`` are the normed and rotated values attention uses. ``norms_after_projections`` says the
+    attention module runs all three projections before the norms (Gemma 3) rather than normalizing each
+    projection right after it (Qwen3, OLMo 2); it orders ``hook_names`` as the points fire.
+    """
 
     q: str
     k: str
     v: str
     rotary: Optional[RotarySpec] = None
+    q_norm: Optional[ProjectionNorm] = None
+    k_norm: Optional[ProjectionNorm] = None
+    norms_after_projections: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,12 +240,44 @@ class MLPLayout:
 
 
 @dataclass(frozen=True)
+class FusedGateUp:
+    """A gated MLP whose gate and up projections are one module (Phi-3's ``gate_up_proj``).
+
+    ``split(t)`` takes a tensor whose last dimension is the fused output features and returns ``(gate, up)``
+    (``mlp.hook_pre``, ``mlp.hook_pre_linear``); ``merge(gate, up)`` is its inverse. The same functions split
+    weight columns, biases and LoRA factors, so ``W_gate``/``W_in`` and the LoRA-delta points follow the
+    activations. ``out`` is the down projection whose input is ``mlp.hook_post``.
+    """
+
+    module: str
+    out: str
+    split: Callable[[Tensor], tuple[Tensor, Tensor]]
+    merge: Callable[[Tensor, Tensor], Tensor]
+
+
+MLPLayouts = MLPLayout | FusedGateUp
+
+
+def chunk_gate_up(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(gate, up)`` of ``[..., 2 * d_mlp]`` as ``chunk(2, dim=-1)`` splits it (gate first)."""
+    gate, up = t.chunk(2, dim=-1)
+    return gate, up
+
+
+def cat_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """The inverse of :func:`chunk_gate_up`."""
+    return torch.cat([gate, up], dim=-1)
+
+
+@dataclass(frozen=True)
 class NormSpec:
     """How a norm module normalizes, so its scale can be exposed and edited.
 
     ``kind`` "LN": ``(x - mean) / scale * weight + bias`` with ``scale = sqrt(var + eps)``;
     "RMS": ``x / scale * weight`` with ``scale = sqrt(mean(x^2) + eps)``. ``weight_offset`` is added
-    to the weight (Gemma-style ``1 + w``).
+    to the weight (Gemma-style ``1 + w``). Plugins declare the specs of their norms
+    (``lensadapters_norm_scale``); the core's fallback for unknown ``*RMSNorm`` classes is checked against the
+    module on a probe input and refused when the module computes something else.
     """
 
     kind: Literal["LN", "RMS"]

@@ -16,7 +16,7 @@ from torch import nn
 from .errors import PluginValidationError, WeightUnavailableError
 from .moe import expert_weights, is_moe, router_weight
 from .offload import live_parameters
-from .specs import FusedQKV, LinearWeight
+from .specs import FusedGateUp, FusedQKV, LinearWeight
 
 if TYPE_CHECKING:  # pragma: no cover
     from .protocol import Hooked
@@ -146,6 +146,7 @@ def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
 def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
     """``role`` is ``in``, ``gate`` or ``out``; TransformerLens' W_in is the "up" projection of a gated MLP.
 
+    A fused gate/up projection (``FusedGateUp``) is read once and split with the layout's ``split``.
     A mixture-of-experts layer gives every expert's weight, ``[n_experts, d_model, d_mlp]`` (``out``:
     ``[n_experts, d_mlp, d_model]``), and zero biases ``[n_experts, d]``.
     """
@@ -153,6 +154,12 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
     if is_moe(layout):
         W = expert_weights(hm, layer, role)
         return W, torch.zeros(W.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
+    if isinstance(layout, FusedGateUp) and role in ("in", "gate"):
+        lw = hm.read_linear(hm.block_modules[layer].get_submodule(layout.module))
+        part = 0 if role == "gate" else 1
+        W = layout.split(lw.W)[part]
+        b = layout.split(lw.b)[part] if lw.b is not None else None
+        return W, _bias(b, (W.shape[-1],), W)
     if role == "in":
         path = layout.pre_linear or layout.pre
     elif role == "gate":
@@ -246,13 +253,14 @@ class WeightAccessors:
 
     @property
     def W_E(self) -> Tensor:
-        """Token embeddings ``[d_vocab, d_model]``."""
-
+        """Token embeddings ``[d_vocab, d_model]`` (times ``ModelLayout.embed_scale``: ``hook_embed == W_E[tokens]``)."""
         def compute() -> Tensor:
             with live_parameters(self.wiring.hf_model.get_submodule(self.wiring.layout.embed)) as embed:
                 return embed.weight
 
-        return self._weight("W_E", compute)
+        W = self._weight("W_E", compute)
+        scale = self.wiring.layout.embed_scale
+        return W if scale == 1.0 else W * torch.tensor(scale, dtype=W.dtype, device=W.device)
 
     @property
     def W_pos(self) -> Tensor:

@@ -4,9 +4,10 @@
 It is built once per ``HookedModel.wrap``, in three phases:
 
 1. **Points.** From the plugin's description (``ModelLayout``, one ``BlockLayout``/``QKVLayout``/``MLPLayout``
-   per block) the core creates every hook point it serves, in the order the points fire. A block whose
-   ``BlockLayout`` is ``None`` is *opaque*: the core creates no points for it, and a plugin serves whatever
-   points it can through its own sites (the generic adapter, ``lensadapters.generic``, describes every block so).
+   or ``FusedGateUp`` per block) the core creates every hook point it serves, in the order the points fire.
+   A block whose ``BlockLayout`` is ``None`` is *opaque*: the core creates no points for it, and a plugin serves
+   whatever points it can through its own sites (the generic adapter, ``lensadapters.generic``, describes every
+   block so).
 2. **Plugins.** ``lensadapters_extra_sites`` runs: a plugin may add points (``new_point(name, after=...)``),
    take over a point the core created (``claim_point(name)``: the core then builds no hook for it) and return
    its own sites.
@@ -36,10 +37,13 @@ from .guard import ModuleGuard
 from .hook_point import HookPoint, is_recomputing
 from .offload import live_parameters
 from .sites import (
+    AttentionRotarySite,
     AttentionSite,
     BlockShapeSite,
+    FusedGateUpSite,
     FusedQKVSite,
     InputSite,
+    NormedRotarySite,
     NormSite,
     OutputSite,
     PositionEmbedSite,
@@ -48,25 +52,30 @@ from .sites import (
     ResidualSite,
     ResultSite,
     RotaryCaptureSite,
+    ScaledOutputSite,
     Site,
     first_input,
     first_output,
+    heads_view,
     replace_first_input,
     replace_first_output,
 )
-from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 from .specs import (
     Architecture,
     BlockLayout,
+    FusedGateUp,
     FusedQKV,
     HookedConfig,
     LinearWeight,
     MLPLayout,
+    MLPLayouts,
     ModelLayout,
     NormSpec,
+    ProjectionNorm,
     QKVLayout,
     SeparateQKV,
 )
+from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 from .validation import check_paths, check_result
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,40 +88,66 @@ _UNSET = object()
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 
 
-def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayout, MoELayout]) -> list[str]:
+def _norm_points(prefix: str) -> list[str]:
+    return [f"{prefix}.hook_scale", f"{prefix}.hook_normalized"]
+
+
+def qkv_point_names(qkv: QKVLayout) -> list[str]:
+    """The query/key/value points of one block (relative to ``blocks.{i}.``), in the order they fire.
+
+    Separate projections run one after another, each query/key rotated as soon as it is projected (or, with a
+    ``q_norm``/``k_norm``, as soon as it is normalized); a fused projection yields q, k and v at once and rotary
+    follows.
+    """
+    rotary = qkv.rotary is not None
+    if isinstance(qkv, FusedQKV):
+        return ["attn.hook_q", "attn.hook_k", "attn.hook_v"] + (["attn.hook_rot_q", "attn.hook_rot_k"] if rotary
+                                                                 else [])
+    norms = {"q": qkv.q_norm, "k": qkv.k_norm}
+
+    def after_norm(x: str) -> list[str]:  # the norm's points, then rotary on its output
+        if norms[x] is None:
+            return []
+        return _norm_points(f"attn.{x}_norm") + ([f"attn.hook_rot_{x}"] if rotary else [])
+
+    def projection(x: str) -> list[str]:  # the projection, rotated right away when no norm follows it
+        return [f"attn.hook_{x}"] + ([f"attn.hook_rot_{x}"] if rotary and norms[x] is None else [])
+
+    if qkv.norms_after_projections:
+        return projection("q") + projection("k") + ["attn.hook_v"] + after_norm("q") + after_norm("k")
+    return projection("q") + after_norm("q") + projection("k") + after_norm("k") + ["attn.hook_v"]
+
+
+def is_gated(mlp: Union[MLPLayouts, MoELayout]) -> bool:
+    """Whether a dense MLP layout has a gate and an up projection (``mlp.hook_pre_linear``, ``W_gate``)."""
+    return isinstance(mlp, FusedGateUp) or (isinstance(mlp, MLPLayout) and mlp.pre_linear is not None)
+
+
+def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayouts, MoELayout]) -> list[str]:
     """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
 
-    Separate projections run one after another, each query/key rotated as soon as it is projected; a fused
-    projection yields q, k and v at once and rotary follows. Post-norm blocks normalize after each residual add.
+    Post-norm blocks normalize after each residual add; ``ln1_post``/``ln2_post`` normalize the attention and
+    MLP outputs before the residual adds.
     """
-    ln1 = ["ln1.hook_scale", "ln1.hook_normalized"]
-    if qkv.rotary is None:
-        attn = ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
-    elif isinstance(qkv, FusedQKV):
-        attn = ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"]
-    else:
-        attn = ["attn.hook_q", "attn.hook_rot_q", "attn.hook_k", "attn.hook_rot_k", "attn.hook_v"]
-    attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out"]
+    ln1 = _norm_points("ln1") if block.ln1 is not None else []
+    attn = qkv_point_names(qkv)
+    attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
+    attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
     if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
-        mlp_names = moe_point_names(mlp) + ["hook_mlp_out"]
+        mlp_names = moe_point_names(mlp)
     else:
-        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if mlp.pre_linear is not None else [])
-        mlp_names += ["mlp.hook_post", "hook_mlp_out"]
+        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
+    mlp_names += (_norm_points("ln2_post") if block.ln2_post is not None else []) + ["hook_mlp_out"]
     if block.post_norm:
-        return (
-            ["hook_resid_pre"]
-            + attn
-            + ["hook_resid_mid"]
-            + ln1
-            + ["hook_mlp_in"]
-            + mlp_names
-            + ["ln2.hook_scale", "ln2.hook_normalized", "hook_resid_post"]
-        )
+        return (["hook_resid_pre"] + attn + ["hook_resid_mid"] + ln1 + ["hook_mlp_in"] + mlp_names
+                + _norm_points("ln2") + ["hook_resid_post"])
     names = ["hook_resid_pre"] + ln1 + attn
     if not block.parallel:
         names.append("hook_resid_mid")
     if block.ln2 is not None:
-        names += ["hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized"]
+        names += ["hook_mlp_in"] + _norm_points("ln2")
+    elif not block.parallel:  # no pre-MLP norm (OLMo 2): the MLP reads the residual stream itself
+        names.append("hook_mlp_in")
     return names + mlp_names + ["hook_resid_post"]
 
 
@@ -320,8 +355,11 @@ class Wiring:
         arch, hooks = self.arch, self.plugin_hooks
 
         def spec() -> NormSpec:
-            with live_parameters(module):  # the spec keeps the loaded weights of an offloaded norm
-                result, supplier = hooks.lensadapters_norm_scale.answer(arch=arch, module=module)
+            try:
+                with live_parameters(module):  # the spec keeps the loaded weights of an offloaded norm
+                    result, supplier = hooks.lensadapters_norm_scale.answer(arch=arch, module=module)
+            except UnsupportedModelError as exc:
+                raise UnsupportedModelError(f"{self.module_name(module)}: {exc}") from None
             if result is not None and not isinstance(result, NormSpec):
                 raise UnsupportedModelError(
                     f"plugin {supplier!r}: lensadapters_norm_scale returned a "
@@ -360,27 +398,39 @@ class Wiring:
         self._show_flat_tokens_as_batches()
         self._frame_site = _FrameSite(self)
         self.add_site(self._frame_site)
+        self._check_norms()
+
+    def _check_norms(self) -> None:
+        """Ask every norm's spec once at wrap time: a norm nobody can describe (or whose guessed spec the module
+        contradicts) is refused now, with its name, not at the first hook."""
+        with torch.no_grad():
+            for module in dict.fromkeys(self._norm_modules.values()):
+                self._norm_spec(module)()
 
     def _check_layouts(self) -> None:
+        def refuse(what: str, layer: int) -> None:
+            raise UnsupportedModelError(f"plugin {self.plugin.name!r}: {what} (layer {layer})")
+
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
             if bl is None:  # an opaque block (see the module docstring)
                 continue
-            if bl.post_norm and (bl.parallel or bl.ln2 is None):
-                raise UnsupportedModelError(
-                    f"plugin {self.plugin.name!r}: a post_norm block needs ln2 and cannot be parallel (layer {i})"
-                )
-            if is_moe(mlp) and (bl.mlp is None or bl.post_norm):
-                raise UnsupportedModelError(
-                    f"plugin {self.plugin.name!r}: a mixture-of-experts MLP needs BlockLayout.mlp "
-                    f"(the MoE module) in a pre-norm block (layer {i})"
-                )
-            if bl.post_norm and bl.mlp is None and mlp.pre_linear is not None:
-                raise UnsupportedModelError(
-                    f"plugin {self.plugin.name!r}: a post_norm gated MLP needs BlockLayout.mlp "
-                    f"(the module whose input is hook_mlp_in) (layer {i})"
-                )
-        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not self.layout.rotary:
-            raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module")
+            if is_moe(mlp) and (bl.mlp is None or bl.post_norm or bl.ln2_post is not None):
+                refuse("a mixture-of-experts MLP needs BlockLayout.mlp (the MoE module) in a pre-norm block", i)
+            if bl.post_norm and (bl.parallel or bl.ln2 is None or bl.ln1 is None):
+                refuse("a post_norm block needs ln1 and ln2 and cannot be parallel", i)
+            if bl.post_norm and (bl.ln1_post or bl.ln2_post):
+                refuse("a post_norm block normalizes after the residual adds; it has no ln1_post/ln2_post", i)
+            if bl.post_norm and bl.mlp is None and is_gated(mlp):
+                refuse("a post_norm gated MLP needs BlockLayout.mlp (the module whose input is hook_mlp_in)", i)
+            if bl.ln1 is None and bl.parallel:
+                refuse("a parallel block needs ln1", i)
+            if bl.ln2 is None and not bl.parallel and bl.mlp is None:
+                refuse("a sequential block without ln2 needs BlockLayout.mlp (the module reading hook_mlp_in)", i)
+            if bl.ln2_post is not None and bl.parallel:
+                refuse("ln2_post in a parallel block is not supported", i)
+        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not (self.layout.rotary or self.layout.rotary_input):
+            raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module "
+                                        f"(ModelLayout.rotary) or attention argument (ModelLayout.rotary_input)")
 
     def _create_points(self) -> None:
         new = self.new_point
@@ -442,7 +492,10 @@ class Wiring:
     def _build_core_sites(self) -> None:
         m, L = self.hf_model, self.layout
         embed = m.get_submodule(L.embed)
-        self.add_site(OutputSite(embed, self._core("hook_embed")))
+        if L.embed_scale_after_module and L.embed_scale != 1.0:
+            self.add_site(ScaledOutputSite(embed, self._core("hook_embed"), L.embed_scale))
+        else:  # the module's output is what the model uses (a scaled embedding module includes its factor)
+            self.add_site(OutputSite(embed, self._core("hook_embed")))
         if L.pos_embed:
             self.add_site(
                 PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"), self.forward_state)
@@ -470,14 +523,20 @@ class Wiring:
 
         return get
 
+    def _norm_site(self, module: nn.Module, pt: Callable[[str], Optional[HookPoint]], prefix: str,
+                   view: Any = None, unview: Any = None) -> None:
+        self.add_site(NormSite(module, self._norm_spec(module), pt(f"{prefix}.hook_scale"),
+                               pt(f"{prefix}.hook_normalized"), view, unview))
+
     def _build_block_sites(self, i: int) -> None:
         block, bl = self.block_modules[i], self.block_layouts[i]
         pt, get = self._block_point(i), block.get_submodule
         self.add_site(InputSite(block, pt("hook_resid_pre")))
-        ln1 = get(bl.ln1)
-        if bl.post_norm:
-            self.add_site(InputSite(ln1, pt("hook_resid_mid")))
-        self.add_site(NormSite(ln1, self._norm_spec(ln1), pt("ln1.hook_scale"), pt("ln1.hook_normalized")))
+        if bl.ln1 is not None:
+            ln1 = get(bl.ln1)
+            if bl.post_norm:
+                self.add_site(InputSite(ln1, pt("hook_resid_mid")))
+            self._norm_site(ln1, pt, "ln1")
         self._build_qkv_sites(i)
         attention_site = AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
         self.guard.also(attention_site, [self.attention_modules[i]])
@@ -485,10 +544,14 @@ class Wiring:
         o_proj = get(bl.o_proj)
         self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
         self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._linear_reader(o_proj)))
-        self.add_site(OutputSite(get(bl.attn), pt("hook_attn_out")))
+        if bl.ln1_post is not None:  # the post norm's output is what the block adds to the residual
+            ln1_post = get(bl.ln1_post)
+            self._norm_site(ln1_post, pt, "ln1_post")
+            self.add_site(OutputSite(ln1_post, pt("hook_attn_out")))
+        else:
+            self.add_site(OutputSite(get(bl.attn), pt("hook_attn_out")))
         if bl.ln2 is not None:
-            ln2 = get(bl.ln2)
-            self.add_site(NormSite(ln2, self._norm_spec(ln2), pt("ln2.hook_scale"), pt("ln2.hook_normalized")))
+            self._norm_site(get(bl.ln2), pt, "ln2")
         self._build_mlp_sites(i)
 
     def _build_qkv_sites(self, i: int) -> None:
@@ -504,50 +567,75 @@ class Wiring:
             self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
             return
         n_heads, n_kv = self.cfg.n_heads, self.cfg.n_key_value_heads
-        self.add_site(ProjectionSite(get(qkv.q), q, n_heads, state, rot_q, qkv.rotary))
-        self.add_site(ProjectionSite(get(qkv.k), k, n_kv, state, rot_k, qkv.rotary))
+        for x, point, rot, path, heads, norm in (("q", q, rot_q, qkv.q, n_heads, qkv.q_norm),
+                                                  ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm)):
+            if norm is None:
+                self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary))
+                continue
+            self.add_site(ProjectionSite(get(path), point, heads, state))
+            self._projection_norm_sites(i, x, norm, heads, rot, qkv)
         self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
+
+    def _projection_norm_sites(self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint],
+                               qkv: SeparateQKV) -> None:
+        """``attn.q_norm.*`` (or ``k_norm``) on a norm between projection and rotary, and rotary on its output."""
+        module, pt = self.block_modules[i].get_submodule(norm.module), self._block_point(i)
+        view = unview = None
+        if norm.layout == "bhpd":  # shown per position as [b, p, h, ...] like hook_q
+            view, unview = heads_view("bhpd", heads)
+        self._norm_site(module, pt, f"attn.{x}_norm", view, unview)
+        if rot is not None and qkv.rotary is not None:
+            self.add_site(NormedRotarySite(module, norm, heads, rot, qkv.rotary, self.forward_state))
 
     def _build_mlp_sites(self, i: int) -> None:
         block, bl, mlp = self.block_modules[i], self.block_layouts[i], self.mlp_layouts[i]
         pt, get = self._block_point(i), block.get_submodule
+        first: Optional[nn.Module] = None  # the MLP's first module (its input is hook_mlp_in in a post-LN block)
         if is_moe(mlp):
             self.add_site(build_moe_site(self, i, mlp, pt))
+        elif isinstance(mlp, FusedGateUp):
+            self.add_site(FusedGateUpSite(get(mlp.module), mlp, pt("mlp.hook_pre"), pt("mlp.hook_pre_linear")))
+            first = get(mlp.module)
         else:
             self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
             if mlp.pre_linear is not None:
                 self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
+            first = get(mlp.pre)
+        if not is_moe(mlp):
             self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
-        mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)
+        if bl.ln2_post is not None:  # the post norm's output is what the block adds to the residual
+            mlp_out_module = get(bl.ln2_post)
+            self._norm_site(mlp_out_module, pt, "ln2_post")
+        else:
+            mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)  # a MoE has bl.mlp (checked)
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream
-            self.add_site(
-                InputSite(get(bl.mlp) if bl.mlp is not None else get(mlp.pre), pt("hook_mlp_in"), protect=True)
-            )  # ln1's output is the MLP's residual too
+            self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else first, pt("hook_mlp_in"),
+                                    protect=True))  # ln1's output is the MLP's residual too
             self.add_site(OutputSite(mlp_out_module, pt("hook_mlp_out")))
             self.add_site(OutputSite(block, pt("hook_resid_post")))
             return
-        residual_add = get(bl.mlp_residual) if bl.mlp_residual else get(bl.mlp) if bl.mlp is not None else None
-        self.add_site(
-            ResidualSite(
-                i,
-                block,
-                get(bl.ln2) if bl.ln2 is not None else None,
-                mlp_out_module,
-                self.forward_state,
-                pt("hook_resid_mid"),
-                pt("hook_mlp_in"),
-                pt("hook_mlp_out"),
-                pt("hook_resid_post"),
-                residual_add=residual_add,
-            )
-        )
+        residual_add = (get(bl.mlp_residual) if bl.mlp_residual else mlp_out_module if bl.ln2_post is not None
+                        else get(bl.mlp) if bl.mlp is not None else None)
+        # the module whose input is hook_resid_mid/hook_mlp_in: ln2, or the MLP itself in a block without one
+        mlp_entry = (get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if not bl.parallel and bl.mlp is not None
+                     else None)
+        self.add_site(ResidualSite(i, block, mlp_entry, mlp_out_module, self.forward_state, pt("hook_resid_mid"),
+                                   pt("hook_mlp_in"), pt("hook_mlp_out"), pt("hook_resid_post"),
+                                   residual_add=residual_add))
 
     def _build_rotary_sites(self) -> None:
         rot_points = [self._core(n) for n in self._points if n.endswith(("attn.hook_rot_q", "attn.hook_rot_k"))]
         if not rot_points:
             return
         L = self.layout
+        if L.rotary_input:  # each layer's (cos, sin) from its attention module's arguments
+            for i in range(len(self.block_modules)):
+                points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
+                if points:
+                    self.add_site(AttentionRotarySite(self.attention_modules[i], L.rotary_input, points,
+                                                      self.forward_state))
+            return
         rotary_module = self.hf_model.get_submodule(L.rotary)
         self.add_site(RotaryCaptureSite(rotary_module, rot_points, self.forward_state, L.rotary_from_inputs))
         for i in range(len(self.block_modules)):

@@ -21,14 +21,24 @@ from .base import (
     replace_first_output,
     split_heads,
 )
-from .generic import BlockShapeSite, InputSite, OutputSite, PositionEmbedSite
+from .generic import BlockShapeSite, InputSite, OutputSite, PositionEmbedSite, ScaledOutputSite
+from .mlp import FusedGateUpSite
 from .norm import NormSite
-from .qkv import FusedQKVSite, ProjectionSite, RecomputedRotarySite, RotaryCaptureSite
+from .qkv import (
+    AttentionRotarySite,
+    FusedQKVSite,
+    NormedRotarySite,
+    ProjectionSite,
+    RecomputedRotarySite,
+    RotaryCaptureSite,
+    heads_view,
+)
 from .residual import ResidualSite
 
 __all__ = [
-    "AttentionSite", "BlockShapeSite", "ForwardState", "FusedQKVSite", "Handle", "InputSite", "NormSite",
-    "OutputSite", "PositionEmbedSite", "ProjectionSite", "RecomputedRotarySite", "ResidualSite", "ResultSite",
-    "RotaryCaptureSite", "Site", "first_input", "first_output", "merge_heads", "replace_first_input",
-    "replace_first_output", "split_heads",
+    "AttentionRotarySite", "AttentionSite", "BlockShapeSite", "ForwardState", "FusedGateUpSite", "FusedQKVSite",
+    "Handle", "InputSite", "NormSite", "NormedRotarySite", "OutputSite", "PositionEmbedSite", "ProjectionSite",
+    "RecomputedRotarySite", "ResidualSite", "ResultSite", "RotaryCaptureSite", "ScaledOutputSite", "Site",
+    "first_input", "first_output", "heads_view", "merge_heads", "replace_first_input", "replace_first_output",
+    "split_heads",
 ]

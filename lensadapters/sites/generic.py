@@ -1,9 +1,10 @@
-"""Sites at a module's input or output, optionally viewed as heads; position embeddings; block shapes."""
+"""Sites at a module's input or output, optionally viewed as heads; scaled and position embeddings; block shapes."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -37,6 +38,31 @@ class OutputSite(Site):
         if not changed:
             return None
         return replace_first_output(output, merge_heads(shaped) if self.heads else shaped)
+
+
+class ScaledOutputSite(Site):
+    """A module's output times a factor the model applies after the module (``ModelLayout.embed_scale``).
+
+    Hooks see ``output * factor`` as the model computes it next (the factor as a tensor of the output's dtype);
+    an edit goes back into the module's output as ``output + (edited - shown) / factor``, so that the model's
+    own multiplication turns it into the edited value (up to one rounding) and an identity edit is bitwise.
+    """
+
+    def __init__(self, module: nn.Module, point: HookPoint, factor: float) -> None:
+        self.module, self.point, self.factor = module, point, factor
+        self.points = (point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        shown = value * torch.tensor(self.factor, dtype=value.dtype)
+        edited, changed = self.point.apply(shown, protect=True)
+        if not changed:
+            return None
+        delta = (edited.float() - shown.float()) / self.factor
+        return replace_first_output(output, (value.float() + delta).to(value.dtype))
 
 
 class PositionEmbedSite(Site):

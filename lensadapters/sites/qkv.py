@@ -1,10 +1,11 @@
 """Queries, keys and values: separate or fused projections, rotary embeddings and their inversion.
 
 Rotary points (``hook_rot_q``/``hook_rot_k``) are served by the projection's site: the projected value is
-rotated with the ``(cos, sin)`` of this forward pass (recorded by ``RotaryCaptureSite``), shown to the hooks,
-and an edit is rotated back (``RotarySpec.invert``) and added to the projection output as a difference, so
-the attention module, which rotates the projection output itself, sees the edited rotated value and the KV
-cache stores it.
+rotated with the ``(cos, sin)`` of this forward pass (recorded by ``RotaryCaptureSite``, or per layer by
+``AttentionRotarySite``), shown to the hooks, and an edit is rotated back (``RotarySpec.invert``) and added to
+the projection output as a difference, so the attention module, which rotates the projection output itself,
+sees the edited rotated value and the KV cache stores it. When a norm sits between projection and rotary
+(``q_norm``/``k_norm``), ``NormedRotarySite`` does the same on the norm's output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..hook_point import HookPoint, is_recomputing
-from ..specs import FusedQKV, RotarySpec
+from ..specs import FusedQKV, ProjectionNorm, RotarySpec
 from .base import ForwardState, Site, first_output, merge_heads, replace_first_output, split_heads
 
 Tensor = torch.Tensor
@@ -97,6 +98,40 @@ class RecomputedRotarySite(Site):
             self.state.rotary = self._saved.pop()
 
 
+class AttentionRotarySite(Site):
+    """Records a layer's ``(cos, sin)`` from its attention module's keyword argument ``key`` (a pre-hook).
+
+    For models whose layers use different rotary sources (``ModelLayout.rotary_input``): the value is taken
+    right before the layer's projections run, and again when gradient checkpointing recomputes the layer.
+    """
+
+    def __init__(self, attention: nn.Module, key: str, points: Sequence[HookPoint], state: ForwardState) -> None:
+        self.attention, self.key, self.state = attention, key, state
+        self.points = tuple(points)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.attention.register_forward_pre_hook(self._pre, with_kwargs=True)]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = kwargs.get(self.key)
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise RuntimeError(
+                f"{type(module).__name__} was called without its rotary (cos, sin) as the keyword argument "
+                f"{self.key!r} (ModelLayout.rotary_input); hook_rot_q/hook_rot_k cannot be computed")
+        self.state.rotary = (value[0], value[1])
+
+
+def heads_view(layout: str, heads: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``(to_heads, from_heads)``: a projection norm's tensor (``ProjectionNorm.layout``) as ``[b, p, h, d]``."""
+    if layout == "bpf":
+        return (lambda t: t.unflatten(-1, (heads, -1))), (lambda t: t.flatten(-2))
+    if layout == "bhpd":
+        return (lambda t: t.transpose(1, 2)), (lambda t: t.transpose(1, 2))
+    if layout == "bphd":
+        return (lambda t: t), (lambda t: t)
+    raise ValueError(f"unknown ProjectionNorm layout {layout!r} (bphd, bhpd, bpf)")
+
+
 def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optional[RotarySpec],
             state: ForwardState) -> tuple[Tensor, bool]:
     """Run ``hook_rot_*`` on the rotated value; turn an edit back into a pre-rotary value."""
@@ -134,6 +169,30 @@ class ProjectionSite(Site):
         if not (changed or rot_changed):
             return None
         return replace_first_output(output, merge_heads(value))
+
+
+class NormedRotarySite(Site):
+    """``hook_rot_q``/``hook_rot_k`` on the output of a norm between the projection and rotary (``q_norm``).
+
+    The norm's output, seen as ``[b, p, h, d]``, is rotated for the hooks; an edit is rotated back and added to
+    the norm's output, which the attention module then rotates itself (the KV cache stores the edited key).
+    Installed after the norm's own ``NormSite`` hook (prepended), so it rotates the norm's edited output.
+    """
+
+    def __init__(self, module: nn.Module, norm: ProjectionNorm, heads: int, rot_point: HookPoint,
+                 rotary: RotarySpec, state: ForwardState) -> None:
+        self.module, self.rot_point, self.rotary, self.state = module, rot_point, rotary, state
+        self.to_heads, self.from_heads = heads_view(norm.layout, heads)
+        self.points = (rot_point,)
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_hook(self._hook)]
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value, changed = _rotate(self.to_heads(first_output(output)), self.rot_point, self.rotary, self.state)
+        if not changed:
+            return None
+        return replace_first_output(output, self.from_heads(value))
 
 
 class FusedQKVSite(Site):

@@ -14,10 +14,12 @@ from .base import ForwardState, Site, first_input, first_output, replace_first_i
 class ResidualSite(Site):
     """The residual stream around the MLP of one block.
 
-    ``hook_resid_mid`` and ``hook_mlp_in`` are the input of ``ln2``. An edit of ``hook_mlp_in`` changes
+    ``hook_resid_mid`` and ``hook_mlp_in`` are the input of ``ln2`` (the module passed as ``ln2``: the MLP module
+    itself in a block without a pre-MLP norm). An edit of ``hook_mlp_in`` changes
     only the MLP's input. An edit of ``hook_resid_mid`` changes the MLP's input *and* the residual:
     the block output is then recomputed as ``resid_mid + mlp_out``, exactly what the block computes.
-    ``hook_mlp_out`` is the output of the MLP module, ``hook_resid_post`` the block output.
+    ``hook_mlp_out`` is the output of ``mlp_out_module`` (the MLP, or the norm after it), ``hook_resid_post`` the
+    block output.
 
     Under gradient checkpointing, transformers re-runs a block's forward but not the block's own hooks.
     While a block is checkpointed, and given ``residual_add`` (the module whose output the block adds to

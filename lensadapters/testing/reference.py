@@ -99,10 +99,16 @@ def block_inputs(hm: "HookedModel", cache: Any) -> Iterator[BlockInputs]:
     (``hook_q == attn_in @ W_Q + b_Q``, ``hook_pre == mlp_in @ W_in + b_in``...)."""
     for i in range(hm.cfg.n_layers):
         layout = hm.block_layouts[i]
-        attn_in = cache["resid_pre", i] if layout.post_norm else norm_out(hm, cache, f"blocks.{i}.ln1")
+        # post-LN blocks and blocks without a pre-attention norm (OLMo 2): attention reads the block input
+        if layout.post_norm or layout.ln1 is None:
+            attn_in = cache["resid_pre", i]
+        else:
+            attn_in = norm_out(hm, cache, f"blocks.{i}.ln1")
         mlp_in: Optional[Tensor] = None
         if layout.ln2 is not None:  # post-LN: the MLP reads ln1's output, which hook_mlp_in shows
             mlp_in = cache["mlp_in", i] if layout.post_norm else norm_out(hm, cache, f"blocks.{i}.ln2")
         elif layout.parallel:  # a parallel block sharing one norm (GPT-J): the MLP reads ln1's output
             mlp_in = attn_in
+        else:  # no pre-MLP norm (OLMo 2): the MLP reads the residual stream, which hook_mlp_in shows
+            mlp_in = cache["mlp_in", i]
         yield BlockInputs(i, attn_in, mlp_in)

@@ -32,7 +32,7 @@ from torch import nn
 
 import lensadapters_bnb as lb
 from lensadapters import HookedModel
-from lensadapters.specs import FusedQKV
+from lensadapters.specs import FusedGateUp, FusedQKV
 from lensadapters.testing import AdapterContract, assert_close, block_inputs, norm_out, perturb, seeded_model
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import Inputs
@@ -163,23 +163,37 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor, post_norm
         z = cache["z", i]
         expected = torch.einsum("bphd,hdm->bpm", z.float(), W_O[i].float()) + b_O[i].float()
         _, bound = projection(hm, z.flatten(-2), block.get_submodule(layout.o_proj))
-        if "hook_attn_out" not in post_norms:
-            worst = max(worst, assert_within_bound(cache["attn_out", i], expected, bound, f"layer {i} attn_out",
-                                                   valid))
+        attn_out = _before_post_norm(cache, f"blocks.{i}.ln1_post", "attn_out", i, layout.ln1_post)
+        worst = max(worst, assert_within_bound(attn_out, expected, bound, f"layer {i} attn_out", valid))
         if mlp_in is not None:
-            pairs = [("pre", mlp.pre, hm.W_gate if mlp.pre_linear else W_in, hm.b_gate if mlp.pre_linear else b_in)]
-            if mlp.pre_linear:
-                pairs.append(("pre_linear", mlp.pre_linear, W_in, b_in))
-            for name, path, Wt, bt in pairs:
+            gated = hm.cfg.gated_mlp
+            if isinstance(mlp, FusedGateUp):  # one projection: its bound split like its output
+                _, fused_bound = projection(hm, mlp_in, block.get_submodule(mlp.module))
+                gate_bound, up_bound = mlp.split(fused_bound)
+                pairs = [("pre", gate_bound, hm.W_gate, hm.b_gate), ("pre_linear", up_bound, W_in, b_in)]
+            else:
+                pairs = [("pre", projection(hm, mlp_in, block.get_submodule(mlp.pre))[1],
+                          hm.W_gate if gated else W_in, hm.b_gate if gated else b_in)]
+                if mlp.pre_linear:
+                    pairs.append(("pre_linear", projection(hm, mlp_in, block.get_submodule(mlp.pre_linear))[1],
+                                  W_in, b_in))
+            for name, bound, Wt, bt in pairs:
                 expected = mlp_in.float() @ Wt[i].float() + bt[i].float()
-                _, bound = projection(hm, mlp_in, block.get_submodule(path))
                 worst = max(worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid))
         post = cache["post", i]
         expected = post.float() @ W_out[i].float() + b_out[i].float()
         _, bound = projection(hm, post, block.get_submodule(mlp.out))
-        if "hook_mlp_out" not in post_norms:
-            worst = max(worst, assert_within_bound(cache["mlp_out", i], expected, bound, f"layer {i} mlp_out", valid))
+        mlp_out = _before_post_norm(cache, f"blocks.{i}.ln2_post", "mlp_out", i, layout.ln2_post)
+        worst = max(worst, assert_within_bound(mlp_out, expected, bound, f"layer {i} mlp_out", valid))
     return worst
+
+
+def _before_post_norm(cache: Any, prefix: str, short: str, layer: int, post_norm: Optional[str]) -> torch.Tensor:
+    """The output projection's result: ``hook_attn_out``/``hook_mlp_out``, or, in a block with a norm after the
+    projection (``ln1_post``/``ln2_post``), that norm's input (``hook_normalized * hook_scale``)."""
+    if post_norm is None:
+        return cache[short, layer]
+    return cache[f"{prefix}.hook_normalized"].float() * cache[f"{prefix}.hook_scale"].float()
 
 
 class Int8Contract(AdapterContract):
@@ -287,14 +301,19 @@ class Int8Contract(AdapterContract):
 
         The 8-bit output projection re-quantizes its input row when ``z`` changes, so both runs carry
         their own activation rounding: the difference is at most the sum of the two bounds. Dropping
-        the head at ``hook_result`` changes the projection's own output by exactly the contribution.
+        the head at ``hook_result`` changes the projection's own output by exactly the contribution. In a block
+        with a norm after attention (``ln1_post``) the projection's output is that norm's input
+        (``hook_normalized * hook_scale``), where the contribution is removed.
         """
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
         pre = f"blocks.{layer}."
+        post_norm = hm.block_layouts[layer].ln1_post
         names = [pre + "attn.hook_z", pre + "hook_attn_out"]
+        if post_norm is not None:
+            names += [pre + "ln1_post.hook_normalized", pre + "ln1_post.hook_scale"]
         o_proj = hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj)
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
@@ -317,10 +336,14 @@ class Int8Contract(AdapterContract):
                 _, dropped = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
             _, bound_base = projection(hm, z.flatten(-2), o_proj)
             _, bound_ablated = projection(hm, ablated["z", layer].flatten(-2), o_proj)
-        expected = base["attn_out", layer].float() - contribution
+
+        def projected(cache: Any) -> torch.Tensor:  # the output projection's output
+            return _before_post_norm(cache, pre + "ln1_post", "attn_out", layer, post_norm).float()
+
+        expected = projected(base) - contribution
         v = inputs.valid
-        assert_within_bound(ablated["attn_out", layer], expected, bound_base + bound_ablated,
+        assert_within_bound(projected(ablated), expected, bound_base + bound_ablated,
                             "z ablation == removing the head's W_O contribution", v)
         scale = 1 + expected.abs()
-        assert_close(dropped["attn_out", layer][v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
+        assert_close(projected(dropped)[v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
         hm.unwrap()

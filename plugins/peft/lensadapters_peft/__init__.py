@@ -30,6 +30,7 @@ from lensadapters import (
     ActivationCache,
     Architecture,
     ContractVariant,
+    FusedGateUp,
     FusedQKV,
     LensAdaptersError,
     LinearWeight,
@@ -244,21 +245,32 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
         if is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
-        dense = isinstance(mlp, MLPLayout)  # a mixture of experts has no single MLP projection to watch
-        for path, target, name in (
-            (
+        if isinstance(mlp, FusedGateUp):  # one LoRA on the fused gate/up projection: a delta point per half
+            module = get(mlp.module)
+            if is_lora_linear(module):
+                points = [
+                    _new_point_before(hooked, pre + "mlp.hook_pre", pre + n) for n in (MLP_PRE_POINT, MLP_PRE_LINEAR_POINT)
+                ]
+                sites.append(LoraDeltaSite(module, points, mlp.split, mlp.merge, hooked.forward_state))
+        if isinstance(mlp, FusedGateUp):
+            projections: tuple = ((mlp.out, "hook_mlp_out", MLP_OUT_POINT),)
+        elif isinstance(mlp, MLPLayout):
+            projections = (
                 (mlp.pre, "mlp.hook_pre", MLP_PRE_POINT),
                 (mlp.pre_linear, "mlp.hook_pre_linear", MLP_PRE_LINEAR_POINT),
                 (mlp.out, "hook_mlp_out", MLP_OUT_POINT),
             )
-            if dense
-            else ()
-        ):
+        else:  # a mixture of experts has no single MLP projection to watch
+            projections = ()
+        for path, target, name in projections:
             if path is None:
                 continue
             module = get(path)
             if is_lora_linear(module):
-                point = _new_point_before(hooked, pre + target, pre + name)
+                if name == MLP_OUT_POINT:  # the down projection runs right after its input, mlp.hook_post (a norm
+                    point = hooked.new_point(pre + name, after=pre + "mlp.hook_post")  # may follow: ln2_post)
+                else:
+                    point = _new_point_before(hooked, pre + target, pre + name)
                 sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         if getattr(bl, "flat_mlp", False) and len(sites) > first:
             # the block flattens tokens to [b*p, d] around its MLP (OPT): show [b, p, ...] like the core's points
@@ -411,7 +423,7 @@ class LoraFactors:
       (for a fused QKV projection A is shared by q, k and v and B is split with the projection's layout);
     * ``"o"``: A ``[n_heads, d_head, r]``, B ``[r, d_model]``;
     * ``"in"``/``"gate"``/``"out"``: A ``[d_in, r]``, B ``[r, d_out]`` (``"in"`` is the up projection of a gated MLP,
-      as ``W_in``).
+      as ``W_in``; for a fused gate/up projection A is shared by both and B is split with the layout's ``split``).
 
     ``b`` is the adapter's bias (``lora_bias=True``) times ``scaling`` in the shape of the matching ``b_*``, else None.
     :attr:`W` is the delta weight ``A @ B * scaling`` in the shape of ``hm.W_Q[layer]``, ``hm.W_O[layer]``...
@@ -452,10 +464,12 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         path = qkv.module if isinstance(qkv, FusedQKV) else getattr(qkv, which)
     elif which == "o":
         path = bl.o_proj
-    elif not isinstance(mlp, MLPLayout):
+    elif not isinstance(mlp, (MLPLayout, FusedGateUp)):
         raise LensAdaptersError(
             f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections (q, k, v, o) there"
         )
+    elif which in ("in", "gate") and isinstance(mlp, FusedGateUp):
+        path = mlp.module
     elif which == "in":
         path = mlp.pre_linear or mlp.pre
     elif which == "gate":
@@ -495,4 +509,8 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         B = B.permute(1, 0, 2)  # [h, r, d_head]
     elif which == "o":
         A = A.unflatten(0, (cfg.n_heads, -1))  # [h, d_head, r]
+    elif which in ("in", "gate") and isinstance(mlp, FusedGateUp):  # B's columns split like the fused output
+        index = 0 if which == "gate" else 1
+        B = mlp.split(B)[index]
+        b = None if b is None else mlp.split(b)[index]
     return LoraFactors(A, B, scaling, adapter, which, b)

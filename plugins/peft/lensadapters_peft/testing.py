@@ -113,6 +113,9 @@ def split_like(hm: HookedModel, name: str, t: torch.Tensor) -> torch.Tensor:
         if hasattr(qkv, "split"):
             return qkv.split(t)["qkv".index(short[5])]
         return t.unflatten(-1, (-1, hm.cfg.d_head))
+    mlp = hm.mlp_layouts[layer]
+    if short in ("hook_pre_lora", "hook_pre_linear_lora") and hasattr(mlp, "split"):  # a fused gate/up projection
+        return mlp.split(t)[0 if short == "hook_pre_lora" else 1]
     return t
 
 
@@ -426,8 +429,11 @@ class LoraContract(AdapterContract):
         parts[siblings.index(name)] = seen["edited"]
         short = name.rsplit(".", 1)[1]
         qkv = hm.qkv_layouts[layer]
+        mlp = hm.mlp_layouts[layer]
         if short in _HEAD_DELTAS:
             delta = qkv.merge(*parts) if hasattr(qkv, "split") else parts[0].flatten(-2)
+        elif short in ("hook_pre_lora", "hook_pre_linear_lora") and hasattr(mlp, "split"):
+            delta = mlp.merge(*parts)  # a fused gate/up projection: both halves' points, in its order
         else:
             delta = parts[0].reshape(records["base"].shape)  # OPT's MLP sees tokens flattened to [b*p, d]
         out = records["out"]

@@ -1,0 +1,137 @@
+"""Comparing a wrapped model with TransformerLens 2.x's ``HookedTransformer`` on the same weights.
+
+TransformerLens (TL) 2.x is the definition of the hook names and semantics lensadapters borrows. A plugin's
+``reference.py`` builds TL's model from the Hugging Face model with TL's own weight conversion and every processing
+step off (:func:`hooked_transformer`); the plugin's tests then compare every hook point both have
+(:func:`compare_hooks`) and the effect of the same edit at each of them (:func:`compare_edit`). TL 2.x needs
+transformers 4.x and numpy < 2 (``benchmarks/constraints-bench-tl2.txt``): the tests skip where it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+__all__ = ["transformer_lens_available", "tl_config_from_hf", "hooked_transformer", "compare_hooks",
+           "compare_edit", "Comparison", "as_ours", "as_theirs"]
+
+Tensor = torch.Tensor
+
+
+def transformer_lens_available() -> bool:
+    """Whether TransformerLens can be imported here (it needs transformers 4.x)."""
+    if importlib.util.find_spec("transformer_lens") is None:
+        return False
+    try:
+        import transformer_lens  # noqa: F401
+    except Exception:  # noqa: BLE001 - an incompatible environment counts as missing
+        return False
+    return True
+
+
+def tl_config_from_hf(hf_model: Any) -> dict:
+    """TL's own ``convert_hf_model_config`` on ``hf_model``'s config (saved to a temporary directory, so nothing is
+    downloaded): what ``HookedTransformer.from_pretrained`` would build for a checkpoint with this config. TL maps
+    architectures by ``config.architectures`` here, except the families it matches by checkpoint name (Llama,
+    Gemma), for which a plugin's reference mirrors TL's table instead."""
+    from transformer_lens.loading_from_pretrained import convert_hf_model_config
+
+    with tempfile.TemporaryDirectory(prefix="lensadapters-tl-config-") as folder:
+        config = hf_model.config
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(hf_model).__name__]
+        config.save_pretrained(folder)
+        return convert_hf_model_config(folder)
+
+
+def hooked_transformer(hf_model: Any, convert: Callable[[Any, Any], dict], fields: dict) -> Any:
+    """TL's ``HookedTransformer`` with ``fields`` as its config and ``convert(hf_model, cfg)`` (TL's weight
+    conversion) as its weights, loaded with fold_ln, centering and value-bias folding off (``from_pretrained_no_
+    processing``), float32 on the CPU, in eval mode. ``hook_result`` and ``hook_mlp_in`` are switched on (they
+    change no number)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    fields = {k: v for k, v in fields.items() if k in HookedTransformerConfig.__dataclass_fields__}
+    fields.update(device="cpu", dtype=torch.float32, init_weights=False, tokenizer_name=None)  # nothing to fetch
+    cfg = HookedTransformerConfig(**fields)
+    model = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
+    with torch.no_grad():
+        state = convert(hf_model, cfg)
+    model.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False, center_unembed=False,
+                                      fold_value_biases=False, refactor_factored_attn_matrices=False)
+    model.set_use_attn_result(True)
+    model.set_use_hook_mlp_in(True)
+    return model.eval()
+
+
+def as_ours(theirs: Tensor, ours: Tensor) -> Tensor:
+    """TL's value in lensadapters' layout: the same values, reshaped where TL flattens (q/k norms: ``[b*p*h, ...]``)."""
+    return theirs if theirs.shape == ours.shape else theirs.reshape(ours.shape)
+
+
+def as_theirs(ours: Tensor, theirs_shape: torch.Size) -> Tensor:
+    return ours if ours.shape == theirs_shape else ours.reshape(theirs_shape)
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare_hooks` found: the points compared, the largest difference at each, the names only one
+    side has."""
+
+    compared: dict[str, float] = field(default_factory=dict)
+    only_ours: list[str] = field(default_factory=list)
+    only_theirs: list[str] = field(default_factory=list)
+    logits: float = 0.0
+
+    def mismatches(self, atol: float) -> dict[str, float]:
+        return {name: diff for name, diff in self.compared.items() if diff > atol}
+
+
+def _difference(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return float("inf")  # one side masks what the other does not
+    return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def compare_hooks(hm: Any, tl: Any, tokens: Tensor, skip: Iterable[str] = (),
+                  names: Optional[Iterable[str]] = None) -> Comparison:
+    """Run both on ``tokens`` (unpadded) and compare every hook point both have (or ``names``), and the logits."""
+    skip = set(skip)
+    ours_names = set(hm.hook_names)
+    theirs_names = set(tl.hook_dict)
+    shared = [n for n in hm.hook_names if n in theirs_names and n not in skip] if names is None else list(names)
+    result = Comparison(only_ours=sorted(ours_names - theirs_names), only_theirs=sorted(theirs_names - ours_names))
+    with torch.no_grad():
+        logits, ours = hm.run_with_cache(tokens, names_filter=shared)
+        tl_logits, theirs = tl.run_with_cache(tokens, names_filter=shared)
+    for name in shared:
+        result.compared[name] = _difference(ours[name], as_ours(theirs[name], ours[name]))
+    result.logits = _difference(logits, tl_logits)
+    return result
+
+
+def compare_edit(hm: Any, tl: Any, tokens: Tensor, name: str, edit: Callable[[Tensor], Tensor]) -> tuple[float, float]:
+    """The same edit (a function of the value in lensadapters' layout) at ``name`` in both: ``(largest difference
+    between the two edited logits, largest change the edit made to lensadapters' logits)``."""
+
+    def ours_hook(t: Tensor, hook: Any) -> Tensor:
+        return edit(t)
+
+    def theirs_hook(t: Tensor, hook: Any) -> Tensor:
+        shape = _our_shapes.get(name)
+        return as_theirs(edit(t.reshape(shape) if shape is not None else t), t.shape)
+
+    _our_shapes: dict[str, torch.Size] = {}
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(tokens, names_filter=[name])
+        _our_shapes[name] = cache[name].shape
+        reference = hm(tokens).logits
+        ours = hm.run_with_hooks(tokens, fwd_hooks=[(name, ours_hook)])
+        theirs = tl.run_with_hooks(tokens, fwd_hooks=[(name, theirs_hook)])
+    return _difference(ours, theirs), _difference(ours, reference)

@@ -1,0 +1,216 @@
+"""Gemma 3 text models (``model_type: "gemma3_text"``: Gemma-3 270M, 1B, and the text part of 4B-27B) for lensadapters.
+
+Gemma 2's structure (see lensadapters-gemma2; TransformerLens 2.x names and semantics) plus:
+
+* Per-head RMSNorm on queries and keys between projection and RoPE (``q_norm``/``k_norm``, ``(1 + weight)``):
+  ``attn.q_norm.hook_scale``/``hook_normalized`` and ``attn.k_norm.*`` fire after all three projections (as the
+  model runs them), ``hook_q``/``hook_k`` are the projection output, ``hook_rot_q``/``hook_rot_k`` the normed and
+  rotated values attention uses (an edit of ``hook_rot_k`` reaches the KV cache). The norm points are
+  ``[b, p, h, 1]``/``[b, p, h, d_head]`` (TransformerLens flattens them to ``[b*p*h, ...]``: the same values).
+* Different RoPE bases (and scaling) on sliding and global layers (``rope_local_base_freq`` and ``rope_theta``;
+  transformers 5.x ``rope_parameters`` per layer type): each layer's ``hook_rot_q``/``hook_rot_k`` use the
+  ``(cos, sin)`` that layer receives (``ModelLayout.rotary_input``).
+* Sandwich norms (``ln1_post``/``ln2_post``), ``(1 + weight)`` RMSNorm, embeddings scaled by ``sqrt(d_model)``
+  (in ``hook_embed`` and ``W_E``), ``query_pre_attn_scalar``, an optional final-logit softcap, sliding-window
+  layers from ``config.layer_types``. (The config's ``attn_logit_softcapping`` is not applied by transformers'
+  Gemma 3, whose attention module never passes it on: ``cfg.attn_scores_soft_cap`` is -1, as the model computes.)
+
+``model_type: "gemma3"`` (the multimodal checkpoints' config) is accepted only when the wrapped model is the text
+model (``Gemma3ForCausalLM``/``Gemma3TextModel``); ``Gemma3ForConditionalGeneration`` is refused, naming what
+works. Refused at wrap time as well: rope types other than rotate-half ones, bidirectional attention
+(``use_bidirectional_attention``: EmbeddingGemma), custom modeling code, a model without Gemma 3's layout.
+Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    SeparateQKV,
+    UnsupportedModelError,
+    hf,
+    hookimpl,
+)
+from lensadapters.rotary import rotate_half_spec
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+LENSADAPTERS_CONTRACT = "lensadapters_gemma3.testing:Gemma3Contract"
+ARCH = Architecture(
+    name="gemma3",
+    model_types=("gemma3_text", "gemma3"),
+    description="Gemma 3 text (Gemma3ForCausalLM, Gemma3TextModel): sandwich norms, per-head q/k norms, local and "
+                "global RoPE bases, scaled embeddings, sliding windows",
+    transformers=">=4.57,<6",
+)
+FAMILY = "Gemma3"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+NORMS = ("Gemma3RMSNorm",)
+TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
+
+_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
+                     ln2="pre_feedforward_layernorm", mlp="mlp", ln1_post="post_attention_layernorm",
+                     ln2_post="post_feedforward_layernorm")
+_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# the norms see [b, heads, p, d_head]: the attention module transposes before normalizing
+_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd"))
+_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
+
+
+def text_config(model: nn.Module) -> Any:
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def _base(model: nn.Module) -> str:
+    return hf.base_path(model, FAMILY)
+
+
+def rope_types(model: nn.Module) -> list[str]:
+    """The rope type of every rotary module (transformers 5.x: one module with a type per layer type)."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Gemma3RotaryEmbedding":
+            kind = getattr(module, "rope_type", "default")
+            found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]
+    return found
+
+
+def layer_windows(config: Any) -> list[Optional[int]]:
+    """Each layer's sliding window (``None`` for global attention), from ``config.layer_types``."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [window if t == "sliding_attention" and window else None for t in types]
+
+
+def rope_bases(config: Any) -> tuple[Optional[float], Optional[float]]:
+    """``(global, local)`` RoPE bases (transformers 4.x: ``rope_theta``, ``rope_local_base_freq``)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = params["sliding_attention"].get("rope_theta")
+    else:
+        local = getattr(config, "rope_local_base_freq", None)
+    return hf.rope_theta(config, "full_attention"), (float(local) if local is not None else None)
+
+
+def _cap(value: Optional[float]) -> float:
+    return float(value) if value else -1.0
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    hf.require_transformers_class(model, FAMILY, ("gemma3",))
+    if model.config.model_type == "gemma3" and type(model).__name__ not in TEXT_CLASSES:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a multimodal Gemma 3 model (vision tower, image tokens with their own "
+            f"attention masks); the gemma3 plugin describes the text model. Wrap a Gemma3ForCausalLM (load the "
+            f"checkpoint with Gemma3ForCausalLM.from_pretrained for text-only use)")
+    base = _base(model)
+    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm"),
+                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, _BLOCK.ln1_post,
+                                 _BLOCK.ln2_post, *_QKV_PATHS, *(n.module for n in _QK_NORMS), _MLP.pre,
+                                 _MLP.pre_linear, _MLP.out))
+    hf.require_rope_types(rope_types(model), SUPPORTED_ROPE_TYPES, FAMILY)
+    config = text_config(model)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "this Gemma 3 config sets use_bidirectional_attention=True (an encoder such as EmbeddingGemma, not a "
+            "causal language model); the gemma3 plugin describes causal Gemma 3 models, whose masks it reproduces")
+    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
+    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
+        raise UnsupportedModelError(
+            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = text_config(model)
+    head_dim, windows = hf.head_dim(c), layer_windows(c)
+    windowed = any(w is not None for w in windows)
+    base_global, base_local = rope_bases(c)
+    return HookedConfig(
+        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
+        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_activation, normalization_type="RMS", positional_embedding_type="rotary",
+        model_type=model.config.model_type, n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim,
+        gated_mlp=True, eps=c.rms_norm_eps, original_architecture=type(model).__name__,
+        # transformers' Gemma 3 never passes attn_logit_softcapping to its attention function: no attention softcap
+        output_logits_soft_cap=_cap(c.final_logit_softcapping),
+        window_size=next((w for w in windows if w is not None), None),
+        attn_types=tuple("local" if w else "global" for w in windows) if windowed else None,
+        extra={"rotary_base": base_global, "rotary_base_local": base_local, "rope_types": rope_types(model),
+               "query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
+               "embed_scale": float(c.hidden_size) ** 0.5, "use_normalization_before_and_after": True,
+               "use_qk_norm": True, "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True))},
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    base = _base(model)
+    embed = model.get_submodule(hf.join(base, "embed_tokens"))
+    # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
+    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
+                       ln_final=hf.join(base, "norm"), unembed=hf.unembed_path(model),
+                       rotary_input="position_embeddings", embed_scale=float(text_config(model).hidden_size) ** 0.5,
+                       embed_scale_after_module=not hasattr(embed, "embed_scale"))
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return _BLOCK
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+    # q, k and v are projected first, then q_norm and k_norm, then RoPE
+    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(text_config(model))), q_norm=_QK_NORMS[0],
+                       k_norm=_QK_NORMS[1], norms_after_projections=True)
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+    return _MLP
+
+
+@hookimpl
+def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    return hf.norm_spec_for(module, NORMS, weight_offset=1.0)  # Gemma: x / rms * (1 + weight)
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """A Gemma-3-1B-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 3 layers (two sliding with RoPE
+    base 10, then a global one with base 10000), GQA (4 query heads, 1 kv head), a 4-token window. Other seeds vary
+    depth, heads and the window."""
+    import random
+
+    from transformers import Gemma3TextConfig
+
+    rng = random.Random(seed)
+    layers, (heads, kv), sliding = (3, (4, 1), 4) if seed == 0 else (
+        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
+    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
+    return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv, head_dim=16, vocab_size=512, max_position_embeddings=128,
+                            sliding_window=sliding, layer_types=types, query_pre_attn_scalar=16, rope_theta=10000.0,
+                            rope_local_base_freq=10.0, bos_token_id=2, eos_token_id=1, pad_token_id=0)

@@ -1,0 +1,127 @@
+"""Gemma 3 (text): the contract suite over random tiny Gemma 3 configs, plus Gemma 3's own quirks (local and
+global RoPE bases, per-head q/k norms after the projections, multimodal and bidirectional refusals)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lensadapters import UnsupportedModelError
+from lensadapters.rotary import apply_rotate_half
+from lensadapters.testing import assert_close
+from lensadapters.testing.family_checks import (
+    assert_custom_code_refused,
+    assert_patterns_refused_under,
+    assert_window_patterns,
+    generate_with_hooks,
+)
+from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
+
+
+class TestGemma3(Gemma3Contract):
+    """The plugin's contract suite (``lensadapters_gemma3.testing``, also run by ``lensadapters check gemma3``)."""
+
+
+CONTRACT = TestGemma3()
+
+
+def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def rope(x: torch.Tensor, base: float, factor: float = 1.0) -> torch.Tensor:
+    """Rotate-half RoPE on ``[b, p, h, d]`` at positions 0..p-1 (positions divided by ``factor``), from the formula."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] / factor * inv[None]
+    emb = torch.cat([angles, angles], -1)
+    return apply_rotate_half(x.double(), emb.cos()[None], emb.sin()[None]).to(x.dtype)
+
+
+def test_local_and_global_layers_rotate_with_their_own_bases():
+    """Layer 0 (sliding) rotates with rope_local_base_freq, layer 1 (global) with rope_theta and linear scaling: each
+    layer's hook_rot_q is RoPE(q_norm output) with its own base."""
+    model = CONTRACT.make_model(gemma3_config(layers=2, global_every=2, theta=1000.0, local_theta=10.0,
+                                              global_scaling=4.0), 0)
+    hm = CONTRACT.wrap(model)
+    assert hm.cfg.attn_types == ("local", "global")
+    assert hm.cfg.extra["rotary_base"] == 1000.0 and hm.cfg.extra["rotary_base_local"] == 10.0
+    ids, mask = tokens(pads=(0, 0))
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    for layer, base, factor in ((0, 10.0, 1.0), (1, 1000.0, 4.0)):
+        spec = hm.norm_spec(hm.norm_module(f"blocks.{layer}.attn.q_norm"))
+        normed = cache[f"blocks.{layer}.attn.q_norm.hook_normalized"] * (spec.weight + spec.weight_offset)
+        assert_close(cache["rot_q", layer], rope(normed, base, factor), f"layer {layer} hook_rot_q", atol=1e-5)
+    hm.unwrap()
+
+
+def test_query_norms_fire_after_all_three_projections():
+    hm = CONTRACT.wrap(CONTRACT.make_model(gemma3_config(), 0))
+    attn = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.attn.")][:11]
+    assert attn == ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.q_norm.hook_scale",
+                    "attn.q_norm.hook_normalized", "attn.hook_rot_q", "attn.k_norm.hook_scale",
+                    "attn.k_norm.hook_normalized", "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"]
+    ids, mask = tokens()
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    k = cache["k", 0]
+    assert cache["blocks.0.attn.k_norm.hook_scale"].shape == k.shape[:-1] + (1,)  # per head, [b, p, h, 1]
+    assert_close(cache["blocks.0.attn.k_norm.hook_normalized"], k / (k.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt(),
+                 "k_norm normalized per head")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("pads", [(0, 0), (3, 0)])
+def test_windows_follow_the_layer_types(pads):
+    model = CONTRACT.make_model(gemma3_config(layers=3, global_every=3, window=3), 0, "sdpa")
+    hm = CONTRACT.wrap(model)
+    assert_window_patterns(hm, *tokens(length=9, pads=pads), [3, 3, None])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generation_with_hooks(cache):
+    hm = CONTRACT.wrap(CONTRACT.make_model(gemma3_config(layers=2, global_every=2, window=3), 1))
+    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
+    hm.unwrap()
+
+
+def test_multimodal_model_is_refused_naming_the_text_model():
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=8)
+    config = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="multimodal.*Gemma3ForCausalLM"):
+        CONTRACT.wrap(model)
+
+
+def test_bidirectional_attention_is_refused():
+    config = gemma3_config()
+    config.use_bidirectional_attention = True
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        CONTRACT.wrap(CONTRACT.make_model(config, 0))
+
+
+def test_custom_code_is_refused():
+    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(gemma3_config(), 0))
+
+
+def test_unknown_rope_type_is_refused():
+    model = CONTRACT.make_model(gemma3_config(), 0)
+    rotary = model.model.rotary_emb
+    rotary.rope_type = ({k: "interleaved_future_rope" for k in rotary.rope_type} if isinstance(rotary.rope_type, dict)
+                        else "interleaved_future_rope")
+    with pytest.raises(UnsupportedModelError, match="rope type 'interleaved_future_rope'.*supported: default"):
+        CONTRACT.wrap(model)
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_flash_and_flex_refuse_patterns_only(impl):
+    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(gemma3_config(), 0), impl)

@@ -1,0 +1,103 @@
+"""Test kit of lensadapters-olmo2: configs and the contract class (needs ``lensadapters[testing]``).
+
+``Olmo2Contract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``: ``lensadapters check olmo2`` runs it);
+the plugin's tests subclass it and mix the LoRA and 8-bit variants in front of it. ``olmo2_configs(**overrides)``
+draws tiny ``Olmo2Config``s (every keyword a fixed value or a strategy). Importing ``lensadapters_olmo2`` itself
+never imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import Olmo2Config
+
+import lensadapters_olmo2
+from lensadapters.testing import AdapterContract
+from lensadapters.testing.pending_capabilities import PROPERTY_SETTINGS, PostNormProperties
+from lensadapters.testing.strategies import as_strategy
+
+__all__ = ["Olmo2Contract", "olmo2_config", "olmo2_configs"]
+
+def olmo2_config(*, n_heads: int = 4, n_kv: int = 2, hidden: int = 32, layers: int = 1, d_mlp: int = 32,
+                 vocab: int = 64, theta: float = 10000.0, tied: bool = False, attention_bias: bool = False,
+                 eps: float = 1e-6, act: str = "silu") -> Olmo2Config:
+    """A tiny OLMo 2 config (bos 1, eos 2, pad 0)."""
+    return Olmo2Config(
+        hidden_size=hidden, intermediate_size=d_mlp, num_hidden_layers=layers, num_attention_heads=n_heads,
+        num_key_value_heads=n_kv, vocab_size=vocab, max_position_embeddings=64, rms_norm_eps=eps, hidden_act=act,
+        tie_word_embeddings=tied, attention_bias=attention_bias, rope_theta=theta, attention_dropout=0.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+@st.composite
+def olmo2_configs(draw: st.DrawFn, *, n_kv: Any = st.sampled_from([1, 2, 4]), ratio: Any = st.sampled_from([1, 2]),
+                  hidden_per_head: Any = st.sampled_from([4, 8]), n_layers: Any = st.integers(1, 2),
+                  d_mlp: Any = st.sampled_from([16, 40]), vocab: Any = st.integers(16, 128),
+                  theta: Any = st.sampled_from([100.0, 500000.0]), tied: Any = st.booleans(),
+                  attention_bias: Any = st.booleans(), act: Any = st.sampled_from(["silu", "gelu_new"])) -> Olmo2Config:
+    """Tiny OLMo 2 configs: post norms only, q/k norms over the projection width, multi-head (OLMo-2 1B-13B),
+    grouped (32B) and multi-query attention, with and without ``attention_bias``, tied and untied embeddings."""
+    kv = draw(as_strategy(n_kv), label="n_kv")
+    heads = kv * draw(as_strategy(ratio), label="gqa ratio")
+    return olmo2_config(
+        n_heads=heads, n_kv=kv, hidden=heads * draw(as_strategy(hidden_per_head), label="hidden per head"),
+        layers=draw(as_strategy(n_layers), label="n_layers"), d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
+        vocab=draw(as_strategy(vocab), label="vocab"), theta=draw(as_strategy(theta), label="theta"),
+        tied=draw(as_strategy(tied), label="tied"), attention_bias=draw(as_strategy(attention_bias), label="bias"),
+        act=draw(as_strategy(act), label="act"))
+
+#: the contract's points of every block, but ln1.* (OLMo 2 has no norm before attention)
+BLOCK_POINTS = ("hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
+                "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out", "mlp.hook_pre", "mlp.hook_post",
+                "hook_mlp_out", "hook_resid_post")
+
+
+class Olmo2Contract(PostNormProperties, AdapterContract):
+    """Every generic adapter property on tiny OLMo 2 models."""
+
+    plugin = lensadapters_olmo2
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    config_overrides: ClassVar[dict] = {}
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return olmo2_configs(**cls.config_overrides)
+
+    @PROPERTY_SETTINGS
+    @given(data=st.data())
+    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
+        """PENDING-CAPABILITY: (no pre-norms) every block has the points of every architecture except ``ln1.*``
+        (OLMo 2 has no norm before attention), plus ``ln1_post.*``, ``ln2_post.*``, ``attn.q_norm.*``,
+        ``attn.k_norm.*`` and ``hook_mlp_in``; the declared capabilities hold as in the contract's form, which
+        requires ``ln1.*`` in every block."""
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        names = set(hm.hook_names)
+        expected = list(BLOCK_POINTS) + [
+            f"{norm}.{point}" for norm in ("ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm")
+            for point in ("hook_scale", "hook_normalized")] + ["hook_mlp_in", "hook_resid_mid", "mlp.hook_pre_linear",
+                                                              "attn.hook_rot_q", "attn.hook_rot_k"]
+        missing = [f"blocks.{i}.{p}" for i in range(hm.cfg.n_layers) for p in expected if f"blocks.{i}.{p}" not in names]
+        assert not missing, f"hook points missing: {missing}"
+        assert not [n for n in names if ".ln1." in n or ".ln2." in n or n == "hook_pos_embed"], sorted(names)
+        cfg = hm.cfg
+        assert cfg.positional_embedding_type == "rotary" and 0 < cfg.rotary_dim <= cfg.d_head
+        assert cfg.gated_mlp and hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp)
+        assert not cfg.parallel_attn_mlp and not any(layout.parallel for layout in hm.block_layouts)
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**inputs.kwargs())
+        for i in range(cfg.n_layers):
+            for a, b in (("attn.hook_rot_q", "attn.hook_q"), ("attn.hook_rot_k", "attn.hook_k"),
+                         ("mlp.hook_pre_linear", "mlp.hook_pre")):
+                assert cache[f"blocks.{i}.{a}"].shape == cache[f"blocks.{i}.{b}"].shape, (a, b)
+            b, p = inputs.input_ids.shape
+            assert cache[f"blocks.{i}.attn.q_norm.hook_scale"].shape == (b, p, 1)
+            assert cache[f"blocks.{i}.attn.q_norm.hook_normalized"].shape == (b, p, cfg.n_heads * cfg.d_head)
+            assert cache[f"blocks.{i}.attn.k_norm.hook_normalized"].shape == (b, p, cfg.n_key_value_heads * cfg.d_head)
+        hm.unwrap()
+
+    def config_label(self, config: Any) -> Optional[str]:
+        return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"

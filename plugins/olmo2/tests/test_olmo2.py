@@ -1,0 +1,104 @@
+"""OLMo 2: the contract suite over random tiny OLMo 2 configs, plus OLMo 2's own quirks (no pre-norms, norms after
+attention and MLP, q/k norms over the projection width, refusals)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lensadapters.testing import assert_close
+from lensadapters.testing.family_checks import (
+    assert_custom_code_refused,
+    assert_patterns_refused_under,
+    assert_unknown_rope_refused,
+    generate_with_hooks,
+)
+from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
+
+
+class TestOlmo2(Olmo2Contract):
+    """The plugin's contract suite (``lensadapters_olmo2.testing``, also run by ``lensadapters check olmo2``)."""
+
+
+CONTRACT = TestOlmo2()
+
+
+def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def test_block_points_without_pre_norms():
+    hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(n_heads=4, n_kv=2, hidden=32), 0))
+    block = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.")]
+    assert block == [
+        "hook_resid_pre", "attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
+        "attn.hook_k", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized", "attn.hook_rot_k", "attn.hook_v",
+        "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "ln1_post.hook_scale",
+        "ln1_post.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "mlp.hook_pre",
+        "mlp.hook_pre_linear", "mlp.hook_post", "ln2_post.hook_scale", "ln2_post.hook_normalized", "hook_mlp_out",
+        "hook_resid_post"]
+    ids, mask = tokens()
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    # the query norm is over the whole projection width: one scale per position
+    q = cache["q", 0].flatten(-2)
+    assert_close(cache["blocks.0.attn.q_norm.hook_scale"], (q.pow(2).mean(-1, keepdim=True) + hm.cfg.eps).sqrt(),
+                 "q_norm scale over n_heads * d_head")
+    # attention reads the block input itself: hook_q == resid_pre @ W_Q + b_Q
+    assert_close(cache["q", 0], torch.einsum("bpm,hmd->bphd", cache["resid_pre", 0], hm.W_Q[0]) + hm.b_Q[0], "hook_q")
+    hm.unwrap()
+
+
+def test_mlp_input_edit_reaches_only_the_mlp():
+    hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(), 0))
+    ids, mask = tokens()
+    delta = torch.randn(ids.shape + (hm.cfg.d_model,), generator=torch.Generator().manual_seed(1))
+    watch = ["blocks.0.hook_resid_mid", "blocks.0.hook_mlp_out", "blocks.0.hook_resid_post", "blocks.0.mlp.hook_pre"]
+    with torch.no_grad():
+        _, base = hm.run_with_cache(ids, attention_mask=mask, names_filter=watch)
+        with hm.hooks([("blocks.0.hook_mlp_in", lambda t, hook: t + delta)]):
+            _, edited = hm.run_with_cache(ids, attention_mask=mask, names_filter=watch)
+    assert_close(edited["pre", 0], (base["resid_mid", 0] + delta) @ hm.W_gate[0], "the MLP reads the edited input")
+    assert_close(edited["resid_post", 0], base["resid_mid", 0] + edited["mlp_out", 0], "the residual does not")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generation_with_hooks(cache):
+    hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(layers=2), 1))
+    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
+    hm.unwrap()
+
+
+def test_bfloat16_rotary_is_bitwise():
+    """OLMo 2 computes RoPE in float32 and casts back: hook_rot_q in bfloat16 is bitwise what attention uses."""
+    model = CONTRACT.make_model(olmo2_config(layers=1), 0).to(torch.bfloat16)
+    hm = CONTRACT.wrap(model)
+    ids, mask = tokens(pads=(0, 0))
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        logits, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=lambda n: "rot" in n)
+        # an identity edit rotates back and forth through the float32 (cos, sin): bitwise when nothing changed
+        identity = hm.run_with_hooks(ids, attention_mask=mask, fwd_hooks=[(lambda n: "rot" in n,
+                                                                           lambda t, hook: t.clone())])
+    assert cache["rot_q", 0].dtype == torch.bfloat16 and cache["rot_k", 0].dtype == torch.bfloat16
+    assert torch.equal(logits, reference) and torch.equal(identity, reference)
+    hm.unwrap()
+
+
+def test_custom_code_is_refused():
+    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(olmo2_config(), 0))
+
+
+def test_unknown_rope_type_is_refused():
+    model = CONTRACT.make_model(olmo2_config(), 0)
+    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_flash_and_flex_refuse_patterns_only(impl):
+    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(olmo2_config(), 0), impl)

@@ -1,0 +1,135 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini: the contract suite over random tiny Phi-3 configs, plus Phi-3's own quirks (fused
+``qkv_proj`` and ``gate_up_proj`` through weights and LoRA, partial rotary, LongRoPE, refusals)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import lensadapters_phi3
+from lensadapters import HookedModel, Registry
+from lensadapters.testing import assert_close
+from lensadapters.testing.family_checks import (
+    assert_custom_code_refused,
+    assert_patterns_refused_under,
+    assert_unknown_rope_refused,
+    assert_window_patterns,
+    generate_with_hooks,
+)
+from lensadapters_phi3.testing import Phi3Contract, phi3_config
+
+
+class TestPhi3(Phi3Contract):
+    """The plugin's contract suite (``lensadapters_phi3.testing``, also run by ``lensadapters check phi3``)."""
+
+
+CONTRACT = TestPhi3()
+
+
+def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def test_fused_weights_are_the_rows_of_the_fused_projections():
+    """GQA 3:1 (unequal q and kv widths): W_Q, _W_K, _W_V are the [q | k | v] rows of qkv_proj, W_gate and W_in the
+    [gate | up] rows of gate_up_proj, independently sliced here."""
+    model = CONTRACT.make_model(phi3_config(n_heads=6, n_kv=2, hidden=48, d_mlp=20), 0)
+    hm = CONTRACT.wrap(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    d = 8
+    rows = attn.qkv_proj.weight  # [(6 + 2 + 2) * 8, 48]
+    assert torch.equal(hm.W_Q[0], rows[: 6 * d].reshape(6, d, 48).transpose(1, 2))
+    assert torch.equal(hm._W_K[0], rows[6 * d: 8 * d].reshape(2, d, 48).transpose(1, 2))
+    assert torch.equal(hm._W_V[0], rows[8 * d:].reshape(2, d, 48).transpose(1, 2))
+    assert torch.equal(hm.W_gate[0], mlp.gate_up_proj.weight[:20].T)
+    assert torch.equal(hm.W_in[0], mlp.gate_up_proj.weight[20:].T)
+    hm.unwrap()
+
+
+def test_partial_rotary_leaves_the_tail_of_each_head_alone():
+    model = CONTRACT.make_model(phi3_config(n_heads=4, n_kv=2, hidden=64, partial=0.75, rope="longrope"), 0)
+    hm = CONTRACT.wrap(model)
+    assert hm.cfg.rotary_dim == 12 and hm.cfg.d_head == 16
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(*tokens(pads=(0, 0)), names_filter=lambda n: "hook_rot" in n or "attn.hook_q" in n
+                                     or "attn.hook_k" in n)
+    assert torch.equal(cache["rot_q", 0][..., 12:], cache["q", 0][..., 12:])
+    assert torch.equal(cache["rot_k", 0][..., 12:], cache["k", 0][..., 12:])
+    assert not torch.allclose(cache["rot_q", 0][:, 1:, :, :12], cache["q", 0][:, 1:, :, :12])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_window(impl):
+    hm = CONTRACT.wrap(CONTRACT.make_model(phi3_config(layers=2, window=3), 0, impl))
+    assert hm.cfg.attn_types == ("local", "local")
+    assert_window_patterns(hm, *tokens(length=9), [3, 3])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generation_with_hooks(cache):
+    hm = CONTRACT.wrap(CONTRACT.make_model(phi3_config(layers=2, window=3, partial=0.5), 1))
+    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
+    hm.unwrap()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lensadapters_peft") is None, reason="lensadapters-peft not installed")
+def test_lora_on_the_fused_gate_up_projection_has_a_delta_point_per_half():
+    import lensadapters_peft as lp
+    from peft import LoraConfig, get_peft_model
+
+    from lensadapters_peft.testing import init_lora
+
+    base = CONTRACT.make_model(phi3_config(n_heads=4, n_kv=2, hidden=32, d_mlp=24), 0)
+    pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_up_proj", "qkv_proj"],
+                                         init_lora_weights=False))
+    init_lora(pm, 0)
+    registry = Registry()
+    for plugin in (lensadapters_phi3, lp):
+        registry.register(plugin, plugin.__name__)
+    hm = HookedModel.wrap(pm.eval(), registry=registry)
+    names = lp.lora_hook_names(hm)
+    assert names == ["blocks.0.attn.hook_q_lora", "blocks.0.attn.hook_k_lora", "blocks.0.attn.hook_v_lora",
+                     "blocks.0.mlp.hook_pre_lora", "blocks.0.mlp.hook_pre_linear_lora"]
+    ids, mask = tokens(pads=(0, 0))
+    layer = pm.base_model.model.model.layers[0].mlp.gate_up_proj
+    seen = {}
+    handle = layer.register_forward_hook(lambda m, a, o: seen.__setitem__("x", a[0]))
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=names + ["blocks.0.mlp.hook_pre"])
+    handle.remove()
+    delta = layer.lora_B["default"](layer.lora_A["default"](seen["x"])) * layer.scaling["default"]
+    assert torch.equal(cache["blocks.0.mlp.hook_pre_lora"], delta[..., :24])
+    assert torch.equal(cache["blocks.0.mlp.hook_pre_linear_lora"], delta[..., 24:])
+    for which, half in (("gate", slice(0, 24)), ("in", slice(24, 48))):
+        f = lp.lora_factors(hm, 0, which)
+        assert_close(seen["x"] @ f.A @ f.B * f.scaling, delta[..., half], f"lora_factors {which!r}")
+        assert_close(hm.W_gate[0] if which == "gate" else hm.W_in[0],
+                     layer.base_layer.weight[half].T + f.W, f"effective W_{which} == base + A @ B * s")
+    # zeroing the gate half's delta gives the gate the base projection, the up half keeps its delta
+    with torch.no_grad(), hm.hooks([("blocks.0.mlp.hook_pre_lora", lambda t, hook: torch.zeros_like(t))]):
+        _, zeroed = hm.run_with_cache(ids, attention_mask=mask, names_filter=["blocks.0.mlp.hook_pre",
+                                                                             "blocks.0.mlp.hook_pre_linear"])
+    assert_close(zeroed["blocks.0.mlp.hook_pre"], seen["x"] @ layer.base_layer.weight[:24].T, "gate without delta")
+    hm.unwrap()
+
+
+def test_custom_code_is_refused():
+    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(phi3_config(), 0))
+
+
+def test_unknown_rope_type_is_refused():
+    model = CONTRACT.make_model(phi3_config(), 0)
+    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_flash_and_flex_refuse_patterns_only(impl):
+    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(phi3_config(), 0), impl)

@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
         BlockLayout,
         HookedConfig,
         LinearWeight,
-        MLPLayout,
         MLPLayouts,
         ModelLayout,
         NormSpec,

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 from torch import nn
 
 from .errors import PluginValidationError, UnsupportedModelError
-from .specs import Architecture, BlockLayout, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
+from .specs import Architecture, BlockLayout, FusedGateUp, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
 from .moe.specs import MoELayout
 
 #: the hooks an architecture plugin must implement (the description the core builds hook points from)
@@ -32,10 +32,11 @@ REQUIRED_ARCHITECTURE_HOOKS = (
 # the fields of each description object that name modules (relative to the model, or to one block)
 _PATH_FIELDS: dict[type, tuple[str, ...]] = {
     ModelLayout: ("blocks", "embed", "unembed", "ln_final", "pos_embed", "rotary"),
-    BlockLayout: ("ln1", "attn", "o_proj", "ln2", "mlp", "mlp_residual"),
+    BlockLayout: ("ln1", "attn", "o_proj", "ln2", "mlp", "mlp_residual", "ln1_post", "ln2_post"),
     SeparateQKV: ("q", "k", "v"),
     FusedQKV: ("module",),
     MLPLayout: ("pre", "out", "pre_linear"),
+    FusedGateUp: ("module", "out"),
     MoELayout: ("router",),
 }
 

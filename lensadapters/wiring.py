@@ -179,7 +179,7 @@ class Wiring:
             for i, bl in enumerate(self.block_layouts)
         ]
         self.mlp_layouts: list[Optional[MLPLayout]] = [
-            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout, MoELayout), f"for layer {i}", i)
+            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout, FusedGateUp, MoELayout), f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.attention_modules = [

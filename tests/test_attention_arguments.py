@@ -8,12 +8,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-import lensadapters_llama
 from lensadapters import UnsupportedModelError
 from lensadapters.attention import IRRELEVANT_ARGUMENTS, default_scores, explicit_attention
 from lensadapters.defaults import lensadapters_norm_scale
 from lensadapters.hook_point import HookPoint
-from lensadapters.testing import AdapterContract, assert_close
+from lensadapters.testing import AdapterContract, architecture_plugin, assert_close
 
 
 class Attention(nn.Module):
@@ -97,9 +96,12 @@ def test_a_guessed_norm_spec_that_the_module_contradicts_is_refused():
 
 
 def test_wrapping_refuses_an_undeclared_norm_that_is_not_the_guess():
-    """A Llama whose final norm computes (1 + weight): the llama plugin does not declare it, the core's guess does
-    not fit it, so wrapping fails naming the module (not at the first hook, not with wrong numbers)."""
-    contract = type("C", (AdapterContract,), {"plugin": lensadapters_llama})()
+    """A Llama whose final norm computes (1 + weight): its plugin does not declare it, the core's guess does not fit
+    it, so wrapping fails naming the module (not at the first hook, not with wrong numbers)."""
+    info = architecture_plugin("llama")
+    if info is None:
+        pytest.skip("no installed plugin claims Llama models")
+    contract = type("C", (AdapterContract,), {"plugin": info.plugin})()
     config = LlamaConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                          vocab_size=32)
     model = contract.make_model(config, 0)

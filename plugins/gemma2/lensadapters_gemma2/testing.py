@@ -9,7 +9,7 @@ Importing ``lensadapters_gemma2`` itself never imports this module.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -95,18 +95,10 @@ class Gemma2Contract(WindowedAttentionProperties, PostNormProperties, AdapterCon
     attn_implementations = ("eager",)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"binding softcaps": CAPPED_PROPERTIES}
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return gemma2_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "binding softcaps":
-            return gemma2_configs(**{**cls.config_overrides, "attn_cap": 3.0, "final_cap": 2.0, "n_layers": 2,
-                                     "window": st.sampled_from([2, 3])})
-        return super().stratum_configs(stratum)
+    config_strategy = gemma2_configs
+    stratum_overrides = {"binding softcaps": {"attn_cap": 3.0, "final_cap": 2.0, "n_layers": 2, "window": st.sampled_from([2, 3])}}
+    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
+    matrix_overrides = dict(n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=2, d_mlp=24, vocab=64, window=3, attn_cap=st.sampled_from([None, 50.0]), final_cap=st.sampled_from([None, 30.0]))
 
     def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> torch.nn.Module:
         model = super().make_model(config, seed, attn_implementation)

@@ -1,6 +1,6 @@
 """Gemma 3 text models (``model_type: "gemma3_text"``: Gemma-3 270M, 1B, and the text part of 4B-27B) for lensadapters.
 
-Gemma 2's structure (see lensadapters-gemma2; TransformerLens 2.x names and semantics) plus:
+Gemma 2's structure (see the Gemma 2 plugin; TransformerLens 2.x names and semantics) plus:
 
 * Per-head RMSNorm on queries and keys between projection and RoPE (``q_norm``/``k_norm``, ``(1 + weight)``):
   ``attn.q_norm.hook_scale``/``hook_normalized`` and ``attn.k_norm.*`` fire after all three projections (as the

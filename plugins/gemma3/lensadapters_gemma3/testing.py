@@ -9,7 +9,7 @@ Importing ``lensadapters_gemma3`` itself never imports this module.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -100,18 +100,10 @@ class Gemma3Contract(WindowedAttentionProperties, PostNormProperties, AdapterCon
     plugin = lensadapters_gemma3
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"local and global": LOCAL_GLOBAL_PROPERTIES}
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return gemma3_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "local and global":
-            return gemma3_configs(**{**cls.config_overrides, "n_layers": 2, "global_every": 2, "global_scaling": 8.0,
-                                     "window": st.sampled_from([2, 3]), "local_theta": 10.0})
-        return super().stratum_configs(stratum)
+    config_strategy = gemma3_configs
+    stratum_overrides = {"local and global": {"n_layers": 2, "global_every": 2, "global_scaling": 8.0, "window": st.sampled_from([2, 3]), "local_theta": 10.0}}
+    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
+    matrix_overrides = dict(n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=2, global_every=2, d_mlp=24, vocab=64, window=3, global_scaling=None, final_cap=None)
 
     def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> torch.nn.Module:
         model = super().make_model(config, seed, attn_implementation)

@@ -8,7 +8,7 @@ Importing ``lensadapters_mistral`` itself never imports this module.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hypothesis import strategies as st
 from transformers import MistralConfig
@@ -68,17 +68,10 @@ class MistralContract(WindowedAttentionProperties, AdapterContract):
     plugin = lensadapters_mistral
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"short window": WINDOW_PROPERTIES}
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return mistral_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "short window":
-            return mistral_configs(**{**cls.config_overrides, "window": st.sampled_from([2, 3])})
-        return super().stratum_configs(stratum)
+    config_strategy = mistral_configs
+    stratum_overrides = {"short window": {"window": st.sampled_from([2, 3])}}
+    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
+    matrix_overrides = dict(n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=1, d_mlp=24, vocab=64, window=st.sampled_from([2, 16]))
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"window {config.sliding_window}"

@@ -10,7 +10,7 @@ Importing ``lensadapters_mixtral`` itself never imports this module (nor hypothe
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hypothesis import strategies as st
 from transformers import MixtralConfig

@@ -8,7 +8,7 @@ never imports this module.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hypothesis import strategies as st
 from transformers import Phi3Config
@@ -77,18 +77,10 @@ class Phi3Contract(WindowedAttentionProperties, AdapterContract):
     plugin = lensadapters_phi3
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"phi-4-mini": PHI4_PROPERTIES}
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return phi3_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "phi-4-mini":
-            return phi3_configs(**{**cls.config_overrides, "partial": 0.75, "ratio": 3, "rope": "longrope",
-                                   "window": st.sampled_from([2, 3])})
-        return super().stratum_configs(stratum)
+    config_strategy = phi3_configs
+    stratum_overrides = {"phi-4-mini": {"partial": 0.75, "ratio": 3, "rope": "longrope", "window": st.sampled_from([2, 3])}}
+    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
+    matrix_overrides = dict(n_kv=1, ratio=2, head_dim=8, n_layers=1, d_mlp=24, vocab=64, partial=st.sampled_from([0.5, 1.0]), rope="default", window=st.sampled_from([None, 3]))
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"partial {lensadapters_phi3.partial_rotary_factor(config)}, window {config.sliding_window}"

@@ -80,47 +80,6 @@ def test_generation_with_hooks(cache):
     hm.unwrap()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lensadapters_peft") is None, reason="lensadapters-peft not installed")
-def test_lora_on_the_fused_gate_up_projection_has_a_delta_point_per_half():
-    import lensadapters_peft as lp
-    from peft import LoraConfig, get_peft_model
-
-    from lensadapters_peft.testing import init_lora
-
-    base = CONTRACT.make_model(phi3_config(n_heads=4, n_kv=2, hidden=32, d_mlp=24), 0)
-    pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_up_proj", "qkv_proj"],
-                                         init_lora_weights=False))
-    init_lora(pm, 0)
-    registry = Registry()
-    for plugin in (lensadapters_phi3, lp):
-        registry.register(plugin, plugin.__name__)
-    hm = HookedModel.wrap(pm.eval(), registry=registry)
-    names = lp.lora_hook_names(hm)
-    assert names == ["blocks.0.attn.hook_q_lora", "blocks.0.attn.hook_k_lora", "blocks.0.attn.hook_v_lora",
-                     "blocks.0.mlp.hook_pre_lora", "blocks.0.mlp.hook_pre_linear_lora"]
-    ids, mask = tokens(pads=(0, 0))
-    layer = pm.base_model.model.model.layers[0].mlp.gate_up_proj
-    seen = {}
-    handle = layer.register_forward_hook(lambda m, a, o: seen.__setitem__("x", a[0]))
-    with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=names + ["blocks.0.mlp.hook_pre"])
-    handle.remove()
-    delta = layer.lora_B["default"](layer.lora_A["default"](seen["x"])) * layer.scaling["default"]
-    assert torch.equal(cache["blocks.0.mlp.hook_pre_lora"], delta[..., :24])
-    assert torch.equal(cache["blocks.0.mlp.hook_pre_linear_lora"], delta[..., 24:])
-    for which, half in (("gate", slice(0, 24)), ("in", slice(24, 48))):
-        f = lp.lora_factors(hm, 0, which)
-        assert_close(seen["x"] @ f.A @ f.B * f.scaling, delta[..., half], f"lora_factors {which!r}")
-        assert_close(hm.W_gate[0] if which == "gate" else hm.W_in[0],
-                     layer.base_layer.weight[half].T + f.W, f"effective W_{which} == base + A @ B * s")
-    # zeroing the gate half's delta gives the gate the base projection, the up half keeps its delta
-    with torch.no_grad(), hm.hooks([("blocks.0.mlp.hook_pre_lora", lambda t, hook: torch.zeros_like(t))]):
-        _, zeroed = hm.run_with_cache(ids, attention_mask=mask, names_filter=["blocks.0.mlp.hook_pre",
-                                                                             "blocks.0.mlp.hook_pre_linear"])
-    assert_close(zeroed["blocks.0.mlp.hook_pre"], seen["x"] @ layer.base_layer.weight[:24].T, "gate without delta")
-    hm.unwrap()
-
-
 def test_custom_code_is_refused():
     assert_custom_code_refused(CONTRACT, CONTRACT.make_model(phi3_config(), 0))
 

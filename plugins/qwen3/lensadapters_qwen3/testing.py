@@ -8,7 +8,7 @@ never imports this module.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hypothesis import strategies as st
 from transformers import Qwen3Config
@@ -73,18 +73,10 @@ class Qwen3Contract(WindowedAttentionProperties, NormedAttentionProperties, Adap
     plugin = lensadapters_qwen3
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"mixed windows": WINDOW_PROPERTIES}
-    config_overrides: ClassVar[dict] = {}
-
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return qwen3_configs(**cls.config_overrides)
-
-    @classmethod
-    def stratum_configs(cls, stratum: str) -> st.SearchStrategy:
-        if stratum == "mixed windows":
-            return qwen3_configs(**{**cls.config_overrides, "window": st.sampled_from([2, 3]), "n_layers": 2,
-                                    "window_from": 1})
-        return super().stratum_configs(stratum)
+    config_strategy = qwen3_configs
+    stratum_overrides = {"mixed windows": {"window": st.sampled_from([2, 3]), "n_layers": 2, "window_from": 1}}
+    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
+    matrix_overrides = dict(n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=1, d_mlp=24, vocab=64, window=None)
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"layer types {config.layer_types}"

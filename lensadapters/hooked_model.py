@@ -35,6 +35,9 @@ from .sites import (
     Site,
 )
 from .specs import Architecture, FusedQKV, HookedConfig
+from . import tl_call  # analysis layer: TransformerLens call conventions
+from .head_inputs import NAMES as _HEAD_INPUT_NAMES, add_head_input_sites  # analysis layer
+from .tl_api import TransformerLensAPI  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 
 Tensor = torch.Tensor
 NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -46,7 +49,7 @@ _contexts = itertools.count(1)
 _UNSET = object()
 _PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
-DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",)
+DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
 
 
 def _resolve_model(model: Any, registry: Registry) -> nn.Module:
@@ -63,17 +66,20 @@ def _resolve_model(model: Any, registry: Registry) -> nn.Module:
     return inner
 
 
-class HookedModel:
+class HookedModel(TransformerLensAPI):
     """Hook points, caches and weights for a Hugging Face model, without changing the model.
 
-    Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)``.
+    Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)`` (TransformerLens-style calls aside:
+    see :mod:`lensadapters.tl_call`).
     """
 
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def wrap(cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None) -> "HookedModel":
-        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name.
+    def wrap(cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None,
+             tokenizer: Any = None) -> "HookedModel":
+        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name;
+        ``tokenizer`` (a Hugging Face tokenizer) enables text inputs and ``hm.to_tokens``...
 
         Wrapping an already wrapped model returns the existing wrapper.
         """
@@ -85,6 +91,7 @@ class HookedModel:
                 raise LensAdaptersError(
                     f"this model is already wrapped with adapter {existing.arch.name!r}; call unwrap() first "
                     f"to wrap it with {adapter!r}")
+            existing._init_tl_api(tokenizer)  # analysis layer
             return existing
         registry = registry or get_registry()
         hf_model = _resolve_model(model, registry)
@@ -106,6 +113,7 @@ class HookedModel:
                 f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))", stacklevel=2)
         _WRAPPERS[model] = hm
         _WRAPPERS[hf_model] = hm
+        hm._init_tl_api(tokenizer)  # analysis layer
         return hm
 
     def __init__(self, model: Any, hf_model: nn.Module, arch: Architecture, plugin: PluginInfo,
@@ -164,11 +172,6 @@ class HookedModel:
     def forward_state(self) -> ForwardState:
         """Values that sites share within one forward pass (rotary cos/sin, residual bookkeeping)."""
         return self._state
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        """Deprecated alias of ``block_modules`` (the Hugging Face decoder layers)."""
-        return self.block_modules
 
     def read_linear(self, module: nn.Module) -> Any:
         """The effective ``LinearWeight`` (``[d_in, d_out]`` and bias) of a linear-like module, through every plugin."""
@@ -321,6 +324,7 @@ class HookedModel:
                 for point in block_points:
                     point.token_shape = functools.partial(st.block_shape.get, i)
                 self.add_site(BlockShapeSite(i, block, block_points, st))
+        add_head_input_sites(self)  # analysis layer: blocks.L.hook_attn_in / hook_{q,k,v}_input, only when hooked
 
     def _linear_reader(self, module: nn.Module) -> Callable[[], tuple[Tensor, Optional[Tensor]]]:
         def read() -> tuple[Tensor, Optional[Tensor]]:
@@ -485,9 +489,12 @@ class HookedModel:
                 self._remove_where(lambda e: e.context == context, touched)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Exactly the wrapped model's forward."""
+        """Exactly the wrapped model's forward, unless the call is TransformerLens-style (a TransformerLens keyword
+        or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
         self._check_alive()
         try:
+            if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+                return tl_call.forward(self, *args, **kwargs)
             return self.model(*args, **kwargs)
         finally:
             self._state.clear()
@@ -572,11 +579,11 @@ class HookedModel:
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)
                 if incl_bwd:
-                    loss = getattr(out, "loss", None)
+                    loss = out if isinstance(out, Tensor) else getattr(out, "loss", None)  # TL: the returned loss
                     if loss is None:
                         raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
                     loss.backward()
-        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim)
+        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim, model=self)
 
     def unwrap(self) -> Any:
         """Remove every hook and give back the model object, exactly as it was."""
@@ -689,5 +696,7 @@ class _LazyBackend:
 
 
 def _logits(out: Any) -> Any:
+    if isinstance(out, tl_call.Output):  # analysis layer: a TransformerLens-style call's result, as it is
+        return out
     logits = getattr(out, "logits", None)
     return logits if logits is not None else out

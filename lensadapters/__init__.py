@@ -13,6 +13,10 @@ from .errors import (
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
 from .offload import live_parameters
+from .cache_analysis import DecompositionUndefinedError
+from .factored_matrix import FactoredMatrix
+from .tl_call import Output, TransformerLensKeywordError
+from .tokens import NoTokenizerError
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -34,4 +38,6 @@ __all__ = [
     "HookedModel", "HOOKSPEC_VERSION", "hookimpl", "hookspec", "Registry", "get_registry", "Architecture",
     "BlockLayout", "FusedQKV", "HookedConfig", "LinearWeight", "MLPLayout", "ModelLayout", "NormSpec",
     "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters",
+    # TransformerLens analysis layer
+    "FactoredMatrix", "Output", "TransformerLensKeywordError", "NoTokenizerError", "DecompositionUndefinedError",
 ]

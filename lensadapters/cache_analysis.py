@@ -75,6 +75,8 @@ class CacheAnalysisMixin:
 
     def _attn_feeds_mlp(self, layer: int) -> bool:
         """Whether block ``layer``'s MLP reads its attention output (sequential blocks; not parallel ones)."""
+        if not 0 <= layer < self._n_layers:
+            raise ValueError(f"mlp_input needs a block: layer must be in [0, {self._n_layers - 1}], not {layer}")
         return not self._hm().block_layouts[layer].parallel
 
     def _norm_prefix(self, layer: int, mlp_input: bool) -> Optional[str]:

@@ -356,9 +356,10 @@ class FusedQKVSite(Site):
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         q, k, v = self.layout.split(first_output(output))
-        q, cq = self.q.apply(q)
-        k, ck = self.k.apply(k)
-        v, cv = self.v.apply(v)
+        # split/chunk return views that autograd forbids editing in place: an editing hook gets a copy
+        q, cq = self.q.apply(q, protect=True)
+        k, ck = self.k.apply(k, protect=True)
+        v, cv = self.v.apply(v, protect=True)
         q, crq = _rotate(q, self.rot_q, self.layout.rotary, self.state)
         k, crk = _rotate(k, self.rot_k, self.layout.rotary, self.state)
         if not (cq or ck or cv or crq or crk):

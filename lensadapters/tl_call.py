@@ -217,8 +217,7 @@ def forward(hm: "HookedModel", input: Any = None, return_type: Optional[str] = "
     stop_at = end if stop_at_layer is not None else None
     if stop_at is None and return_type in ("loss", "both") and loss_tokens is None:
         raise ValueError("return_type='loss'/'both' with start_at_layer needs tokens= (the token ids, for the loss)")
-    kwargs = hf_inputs(hm, token_ids, mask)
-    kwargs["use_cache"] = False
+    kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
     captured: list[Tensor] = []
     with contextlib.ExitStack() as stack:
         if residual is not None:
@@ -294,7 +293,7 @@ def _skip_unembed(hm: "HookedModel") -> Iterator[None]:
     def pre(module: Any, args: tuple) -> None:
         raise _Stop()
 
-    handle = hm.hf_model.get_submodule(hm.layout.unembed).register_forward_pre_hook(pre)
+    handle = hm.hf_model.get_submodule(hm.layout.unembed).register_forward_pre_hook(pre, prepend=True)
     try:
         yield
     finally:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Any, Iterator, Optional
@@ -21,6 +22,7 @@ from .circuits import CircuitsMixin
 from .tokens import TokenizerMixin
 
 _TOKENIZER_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 
 
 class TransformerLensAPI(TokenizerMixin, CircuitsMixin):
@@ -44,12 +46,21 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin):
 
         model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
         if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(
-                    path, **{k: v for k, v in hf_kwargs.items() if k in _TOKENIZER_KWARGS})
-            except (OSError, ValueError, TypeError, KeyError) as exc:
-                warnings.warn(f"no tokenizer could be loaded from {path!r} ({type(exc).__name__}: {exc}); text inputs "
-                              f"need one: set hm.tokenizer", stacklevel=2)
+            problem = None
+            if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+                problem = "the folder has no tokenizer files"
+            else:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(
+                        path, **{k: v for k, v in hf_kwargs.items() if k in _TOKENIZER_KWARGS})
+                except (OSError, ValueError, TypeError, KeyError) as exc:
+                    problem = f"{type(exc).__name__}: {exc}"
+                else:
+                    if not len(tokenizer):  # transformers 5 builds an empty tokenizer where files are missing
+                        tokenizer, problem = None, "the tokenizer found there is empty"
+            if problem is not None:
+                warnings.warn(f"no tokenizer could be loaded from {path!r} ({problem}); text inputs need one: "
+                              f"set hm.tokenizer", stacklevel=2)
         return cls.wrap(model, adapter=adapter, tokenizer=tokenizer)  # type: ignore[attr-defined]
 
     # --- hook points as attributes ----------------------------------------------------------------------

@@ -149,8 +149,8 @@ def to_str_tokens(owner: Any, input: Any, prepend_bos: Optional[bool] = None,
             raise ValueError(f"to_str_tokens takes tokens of shape [pos] or [1, pos], not {input.shape}")
     else:
         raise ValueError(f"to_str_tokens takes a string, a list, a tensor or an array, not {type(input).__name__}")
-    return tokenizer.batch_decode(tokens.tolist() if isinstance(tokens, (Tensor, np.ndarray)) else tokens,
-                                  clean_up_tokenization_spaces=False)
+    # one string per token (as TransformerLens' batch_decode over a 1-D tensor gives on transformers 4.x)
+    return [tokenizer.decode([int(t)], clean_up_tokenization_spaces=False) for t in tokens.tolist()]
 
 
 def to_single_token(owner: Any, string: str) -> int:

@@ -151,18 +151,28 @@ def test_stop_and_start_at_layer_match(model_type: str, data: st.DataObject) -> 
 @SETTINGS
 @given(data=st.data())
 def test_hook_values_match_head_inputs_included(model_type: str, data: st.DataObject) -> None:
-    """Every hook point both have, TransformerLens' optional ones switched on (head inputs, results, mlp_in)."""
-    with pair(data, model_type, use_attn_result=True, use_split_qkv_input=True, use_hook_mlp_in=True) as (hm, tl):
+    """Every hook point both have, TransformerLens' optional ones switched on (results, mlp_in; head inputs in
+    a second model: with split inputs TransformerLens normalizes each head's copy, so its ln1 points change)."""
+    with pair(data, model_type, use_attn_result=True, use_hook_mlp_in=True) as (hm, tl):
         tokens = draw_tokens(data, hm.cfg.d_vocab)
         with torch.no_grad():
             _, ours = hm.run_with_cache(tokens, names_filter=lambda n: True)
             _, theirs = tl.run_with_cache(tokens)
-        common = [name for name in ours if name in theirs.cache_dict]
-        for name in ("blocks.0.hook_q_input", "blocks.0.hook_k_input", "blocks.0.hook_v_input",
-                     "blocks.0.attn.hook_result", "blocks.0.hook_mlp_in", "blocks.0.hook_resid_pre"):
-            assert name in common, name
-        for name in common:
-            check(ours[name], theirs[name], name)
+            common = [name for name in ours if name in theirs.cache_dict]
+            for name in ("blocks.0.attn.hook_result", "blocks.0.hook_mlp_in", "blocks.0.hook_resid_pre",
+                         "blocks.0.ln1.hook_scale", "blocks.0.attn.hook_pattern", "ln_final.hook_normalized"):
+                assert name in common, name
+            for name in common:
+                check(ours[name], theirs[name], name)
+            split = hooked_transformer(hm.hf_model, use_split_qkv_input=True)
+            _, theirs = split.run_with_cache(tokens)
+            names = [f"blocks.{i}.hook_{x}_input" for i in range(hm.cfg.n_layers) for x in "qkv"]
+            if "blocks.0.hook_attn_in" in hm.hook_names:
+                _, attn_in = hooked_transformer(hm.hf_model, use_attn_in=True).run_with_cache(tokens)
+                theirs.cache_dict.update({k: v for k, v in attn_in.cache_dict.items() if k.endswith("attn_in")})
+                names += [f"blocks.{i}.hook_attn_in" for i in range(hm.cfg.n_layers)]
+            for name in names:
+                check(ours[name], theirs[name], name)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -139,20 +139,21 @@ def hooked_transformer(model: Any, *, fold_ln: bool = False, tokenizer: Any = No
 
 
 def word_tokenizer(vocab_size: int, *, adds_bos: bool = False, folder: Optional[str] = None) -> Any:
-    """A local word-level tokenizer over ``w0 .. w{vocab_size-1}`` (``w0`` unknown, ``w1`` BOS, ``w2`` EOS),
-    saved to ``folder`` (a new temporary one by default) and loaded from there with ``AutoTokenizer``.
-    ``adds_bos``: the tokenizer puts BOS in front by itself (as Llama's); otherwise it adds nothing (GPT-2)."""
+    """A local word-level tokenizer: ``<unk>`` (0), BOS ``<s>`` (1), EOS and pad ``</s>`` (2), then the words
+    ``w3 .. w{vocab_size-1}``; saved to ``folder`` (a new temporary one by default) and loaded from there with
+    ``AutoTokenizer``. ``adds_bos``: the tokenizer puts BOS in front by itself (as Llama's); otherwise it adds
+    nothing (as GPT-2's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if adds_bos:
-        tok.post_processor = processors.TemplateProcessing(single="w1 $A", pair="w1 $A w1 $B",
-                                                           special_tokens=[("w1", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", unk_token="w0",
-                                   pad_token="w2")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
     folder = folder or tempfile.mkdtemp(prefix="lensadapters-reference-tok-")
     fast.save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)

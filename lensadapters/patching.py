@@ -73,11 +73,14 @@ def generic_activation_patch(model: Any, corrupted_tokens: Tensor, clean_cache: 
     """Patch ``activation_name`` from ``clean_cache`` into a run on ``corrupted_tokens``, once per index, and
     return ``patching_metric(logits)`` for each.
 
-    The indices are every combination over ``index_axis_names`` (``"layer"`` first, then ``"pos"``,
+    ``corrupted_tokens`` may also be text (tokenized with ``model.to_tokens``). The indices are every combination
+    over ``index_axis_names`` (``"layer"`` first, then ``"pos"``,
     ``"head"``/``"head_index"``, ``"dest_pos"``, ``"src_pos"``; the result has one dimension per axis), or the
     rows of ``index_df`` (the result is flat, one value per row). ``patch_setter(corrupted, index, clean)``
     writes the clean slice into the corrupted activation.
     """
+    if isinstance(corrupted_tokens, (str, list)):  # text, tokenized as the model would (hm.to_tokens)
+        corrupted_tokens = model.to_tokens(corrupted_tokens)
     if index_df is None:
         if index_axis_names is None:
             raise ValueError("pass index_axis_names or index_df")

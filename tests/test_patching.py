@@ -77,10 +77,30 @@ def test_index_rows_give_a_flat_result_and_the_sweep_shows_progress(capsys) -> N
     with pytest.raises(ValueError, match="not both"):
         patching.generic_activation_patch(hm, corrupted, cache, metric, patching.layer_pos_patch_setter,
                                           "resid_pre", index_axis_names=("layer", "pos"), index_df=rows)
+    hm.unwrap()
+
+
+def test_return_index_df_gives_a_dataframe() -> None:
     pandas = pytest.importorskip("pandas")
+    hm, corrupted, cache, metric, _, _ = setup(ARCH_NAMES[0], 2)
     result, frame = patching.generic_activation_patch(hm, corrupted, cache, metric, patching.layer_pos_patch_setter,
                                                       "resid_pre", index_axis_names=("layer", "pos"),
                                                       return_index_df=True)
     assert isinstance(frame, pandas.DataFrame) and list(frame.columns) == ["layer", "pos"]
     assert len(frame) == result.numel()
+    hm.unwrap()
+
+
+def test_a_sweep_takes_text() -> None:
+    from analysis_models import tokenizer
+
+    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]), tokenizer=tokenizer(40))
+    _, cache = hm.run_with_cache("w5 w6 w7")
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[0, -1, 7]
+
+    from_text = patching.get_act_patch_resid_pre(hm, "w5 w9 w7", cache, metric)
+    from_tokens = patching.get_act_patch_resid_pre(hm, hm.to_tokens("w5 w9 w7"), cache, metric)
+    assert torch.equal(from_text, from_tokens) and from_text.shape == (hm.cfg.n_layers, 4)  # BOS + 3 words
     hm.unwrap()

@@ -1,17 +1,18 @@
-"""A demo with a real finding: train a tiny attention-only model on repeated random sequences until it forms
-an induction head, find that head with ``detect_head``, and confirm it by activation patching.
+"""A demo with a real finding: train a tiny attention-only model until it forms induction heads, find them with
+``detect_head``, and confirm them by activation patching.
 
-Everything runs on the CPU in seconds, seeded, with no download: the model is the tiny config of an installed
-architecture plugin (GPT-2 when installed), cut to two layers and a small vocabulary, with its MLPs' output
-projections zeroed and frozen (so only attention writes to the residual stream). Sequences are a start token
-and ``n`` random tokens repeated to the end (``n`` varies): the copies are predictable only by looking back at
-what followed the earlier copy of the current token, which is what an induction head does.
+Everything runs on the CPU in about half a minute, seeded, with no download. The model is the tiny config of an
+installed architecture plugin (preferably one with rotary positions on the whole head and sequential blocks: Llama
+when installed), cut to two layers and a small vocabulary, with its MLPs' output projections zeroed and frozen, so
+only attention writes to the residual stream. Training sequences are random tokens in which a random segment occurs
+twice, at distances that vary: the second copy is predictable only by finding the earlier occurrence of the current
+token and reading what followed it, which is what an induction head does (with a previous-token head before it).
 
-The check: ``detect_head(hm, tokens, "induction_head")`` scores how much each head attends to "the token after
-the earlier copy"; then, on a batch whose first copy was replaced by other random tokens (so nothing can be
-copied), restoring a single head's output (``hook_z``) from the clean run must bring back the repeat's
-log-probabilities (``lensadapters.patching.get_act_patch_attn_head_out_all_pos``). The induction head is the
-head that does both.
+The check, on a start token and a random segment twice (as TransformerLens measures induction):
+``detect_head(hm, tokens, "induction_head")`` scores how much each head attends to "the token after the earlier
+copy"; then, on a batch whose first copy was replaced by other random tokens (so nothing can be copied), restoring
+a head's output (``hook_z``) from the clean run must bring back the second copy's log-probabilities
+(``lensadapters.patching.get_act_patch_attn_head_out_all_pos``). The induction heads are the heads that do both.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _hooked_config(registry: Registry, config: Any) -> Any:
 
 
 def build_model(registry: Registry, vocab: int, seed: int) -> tuple[torch.nn.Module, str]:
-    """Two layers of the first installed architecture's tiny config, ``vocab`` tokens, MLPs silenced."""
+    """Two layers of the chosen architecture's tiny config, ``vocab`` tokens, MLPs silenced."""
     from transformers import AutoModelForCausalLM
 
     info, arch = _choose_architecture(registry)

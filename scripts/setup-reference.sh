@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the TransformerLens 2.x reference (HookedTransformer) into an existing transformers-4.57 environment made
+# Install the TransformerLens 2.x reference (HookedTransformer), and matplotlib, into a transformers-4.57 environment made
 # by scripts/setup.sh, for the comparisons in tests/test_tl_reference.py (they skip where it is missing).
 # TransformerLens 2.x needs transformers 4.x, numpy < 2 and pyarrow < 20; the pins are constraints.txt's (torch,
 # transformers) and benchmarks/constraints-bench-tl2.txt's (transformer-lens).
@@ -18,5 +18,5 @@ trap 'rm -f "$constraints"' EXIT
 grep -v '^transformers==' constraints.txt > "$constraints"
 echo "transformers==$version" >> "$constraints"
 "$python" -m pip --disable-pip-version-check -q install -c "$constraints" -c benchmarks/constraints-bench-tl2.txt \
-  transformer-lens "numpy<2" "pyarrow<20"
+  transformer-lens matplotlib "numpy<2" "pyarrow<20"  # matplotlib: the demo's --plot is tested here too
 "$python" -c "import transformer_lens, transformers; print('transformer_lens', transformer_lens.__version__ if hasattr(transformer_lens, '__version__') else '2.x', '| transformers', transformers.__version__)"

@@ -18,6 +18,10 @@ from .hooked_model import HookedModel
 from .layers import innermost_layer, wrapped_layers
 from .offload import live_parameters
 from .protocol import Hooked
+from .cache_analysis import DecompositionUndefinedError
+from .factored_matrix import FactoredMatrix
+from .tl_call import Output, TransformerLensKeywordError
+from .tokens import NoTokenizerError
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -75,4 +79,10 @@ __all__ = [
     "FusedGateUp",
     "ProjectionNorm",
     "hf",
+    # TransformerLens analysis layer
+    "FactoredMatrix",
+    "Output",
+    "TransformerLensKeywordError",
+    "NoTokenizerError",
+    "DecompositionUndefinedError",
 ]

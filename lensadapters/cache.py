@@ -8,6 +8,9 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from .cache_analysis import CacheAnalysisMixin
+from .utils import get_act_name as tl_get_act_name
+
 Tensor = torch.Tensor
 
 # short name -> full name template; "{i}" is the layer
@@ -65,15 +68,38 @@ def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[st
     return template
 
 
-class ActivationCache(Mapping):
-    """Cached activations of one forward pass (``cache["resid_pre", 3]`` or ``cache["blocks.3.hook_resid_pre"]``)."""
+class ActivationCache(Mapping, CacheAnalysisMixin):
+    """Cached activations of one forward pass (``cache["resid_pre", 3]`` or ``cache["blocks.3.hook_resid_pre"]``).
 
-    def __init__(self, data: dict[str, Tensor], n_layers: int, has_batch_dim: bool = True) -> None:
+    A read-only mapping of hook names to tensors, with TransformerLens' shorthand keys (``utils.get_act_name``)
+    and its analysis methods (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``,
+    ``logit_attrs``...; see :mod:`lensadapters.cache_analysis`), which use ``model``, the HookedModel the
+    activations come from.
+    """
+
+    def __init__(self, data: dict[str, Tensor], n_layers: int, has_batch_dim: bool = True,
+                 model: Any = None) -> None:
         self._data = data
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
+        self.model = model
+
+    @property
+    def cache_dict(self) -> dict[str, Tensor]:
+        """The underlying ``name -> tensor`` dict (TransformerLens' attribute)."""
+        return self._data
+
+    @property
+    def has_embed(self) -> bool:
+        return "hook_embed" in self._data
+
+    @property
+    def has_pos_embed(self) -> bool:
+        return "hook_pos_embed" in self._data
 
     def _key(self, key: Union[str, tuple]) -> str:
+        if isinstance(key, str) and key in self._data:
+            return key
         if isinstance(key, tuple):
             if not key or len(key) > 3 or not isinstance(key[0], str):
                 raise TypeError(
@@ -102,15 +128,22 @@ class ActivationCache(Mapping):
                 raise TypeError(
                     f"cache[{key!r}]: the layer type must be a string such as 'ln1' or 'ln2', not {layer_type!r}"
                 )
-            return get_act_name(name, layer, layer_type)
-        if not isinstance(key, str):
+        elif not isinstance(key, str):
             raise TypeError(
                 f"cache keys are hook names (strings) or tuples like ('resid_pre', 3), not "
                 f"{type(key).__name__} {key!r:.60}"
             )
-        if key in self._data:
-            return key
-        return get_act_name(key)
+        else:
+            name, layer, layer_type = key, None, None
+        try:
+            full: Optional[str] = get_act_name(name, layer, layer_type)
+        except KeyError:
+            full = None
+        if full is None or full not in self._data:
+            tl_name = tl_get_act_name(name, layer, layer_type)  # TransformerLens' own shorthand ("k6", "attn_in"...)
+            if tl_name in self._data or full is None:
+                return tl_name
+        return full
 
     def __getitem__(self, key: Union[str, tuple]) -> Tensor:
         full = self._key(key)
@@ -125,7 +158,7 @@ class ActivationCache(Mapping):
     def __contains__(self, key: object) -> bool:
         try:
             return self._key(key) in self._data  # type: ignore[arg-type]
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             return False
 
     def __iter__(self) -> Iterator[str]:
@@ -137,27 +170,27 @@ class ActivationCache(Mapping):
     def __repr__(self) -> str:
         return f"ActivationCache({len(self._data)} activations: {', '.join(list(self._data)[:4])}...)"
 
-    def to(self, device: Any) -> "ActivationCache":
-        return ActivationCache({k: v.to(device) for k, v in self._data.items()}, self.n_layers, self.has_batch_dim)
+    def to(self, device: Any, move_model: bool = False) -> "ActivationCache":
+        """Move every activation to ``device`` (in place, returning the cache, as TransformerLens);
+        ``move_model`` moves the model too."""
+        self._data = {k: v.to(device) for k, v in self._data.items()}
+        if move_model and self.model is not None:
+            self.model.to(device)
+        return self
+
+    def cpu(self) -> "ActivationCache":
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None) -> "ActivationCache":
+        return self.to(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
 
     def remove_batch_dim(self) -> "ActivationCache":
-        """Drop a batch dimension of size 1 from every activation."""
+        """Drop a batch dimension of size 1 from every activation (in place, returning the cache)."""
         if not self.has_batch_dim:
             return self
         for k, v in self._data.items():
             if v.shape[0] != 1:
                 raise ValueError(f"remove_batch_dim needs batch size 1; {k} has batch size {v.shape[0]}")
-        return ActivationCache({k: v[0] for k, v in self._data.items()}, self.n_layers, False)
-
-    def stack_activation(self, name: str, layer: int = -1) -> Tensor:
-        """``[layers, ...]`` stack of one activation over blocks ``0..layer`` (all when -1)."""
-        last = self.n_layers if layer == -1 else layer
-        return torch.stack([self[name, i] for i in range(last)])
-
-    def accumulated_resid(self, layer: Optional[int] = None) -> Tensor:
-        """Residual stream before each block and after the last: ``[layers+1, ...]``."""
-        last = self.n_layers if layer is None else layer
-        parts = [self["resid_pre", i] for i in range(last)]
-        if last == self.n_layers:
-            parts.append(self["resid_post", self.n_layers - 1])
-        return torch.stack(parts)
+        self._data = {k: v[0] for k, v in self._data.items()}
+        self.has_batch_dim = False
+        return self

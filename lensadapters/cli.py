@@ -112,7 +112,7 @@ def _hooks(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    results = run()
+    results = run(plot=args.plot)
     return 0 if results and all(r.bitwise for r in results) else 1
 
 
@@ -136,7 +136,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--length", type=int, default=4, help="positions of the probe input")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_hooks)
-    p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch")
+    p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch; train a tiny "
+                                    "model until it forms induction heads, find and confirm them")
+    p.add_argument("--plot", nargs="?", const="induction_heads.png", default=None, metavar="PNG",
+                   help="write the induction head's attention pattern to PNG (default induction_heads.png; needs "
+                        "matplotlib: pip install lensadapters[plot])")
     p.set_defaults(func=_demo)
     p = sub.add_parser(
         "check",

@@ -120,7 +120,14 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print) -> list[DemoResult]:
+def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print,
+        plot: Optional[str] = None) -> list[DemoResult]:
+    """The random-weight demo of every installed architecture, then the induction-head demo (``plot``: write its
+    attention patterns to this PNG; needs matplotlib)."""
+    from .induction_demo import require_matplotlib, run as induction_demo  # a trained model with a real finding
+
+    if plot is not None:
+        require_matplotlib()
     from packaging.utils import canonicalize_name
 
     registry = registry or get_registry()
@@ -157,4 +164,5 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
     else:
         echo("\nLayer 0 restores everything (the corrupted token itself is patched); later layers restore what has"
              " not yet moved to other positions.")
+        induction_demo(registry, echo, plot=plot)
     return results

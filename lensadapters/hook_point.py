@@ -7,7 +7,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -139,6 +139,38 @@ class HookPoint:
         self.fwd_hooks = [e for e in self.fwd_hooks if not predicate(e)]
         self.bwd_hooks = [e for e in self.bwd_hooks if not predicate(e)]
         return before != len(self.fwd_hooks) + len(self.bwd_hooks)
+
+    # --- TransformerLens' HookPoint methods (hm.hook_dict[name].add_hook(fn), hm.blocks[0].attn.hook_z...) ----
+
+    def _owner(self) -> Any:
+        """The HookedModel this point belongs to (its change callback is a bound method of its wiring)."""
+        wiring = getattr(self._on_change, "__self__", None)
+        return getattr(wiring, "owner", None) or wiring
+
+    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level: Optional[int] = None,
+                 prepend: bool = False) -> None:
+        """Attach ``hook`` here, as ``hm.add_hook(self.name, hook, ...)`` (TransformerLens' ``HookPoint.add_hook``;
+        ``level`` is not supported)."""
+        if level is not None:
+            raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
+        owner = self._owner()
+        if owner is not None and hasattr(owner, "add_hook"):
+            owner.add_hook(self.name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+        else:
+            self.add(hook, dir, permanent=is_permanent, prepend=prepend)
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level: Optional[int] = None) -> None:
+        """Remove this point's hooks (``dir``: ``"fwd"``, ``"bwd"`` or ``"both"``), as TransformerLens."""
+        if dir not in ("fwd", "bwd", "both"):
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', not {dir!r}")
+        if level is not None:
+            raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
+        keep = (lambda e: e.permanent and not including_permanent)
+        if dir in ("fwd", "both"):
+            self.fwd_hooks = [e for e in self.fwd_hooks if keep(e)]
+        if dir in ("bwd", "both"):
+            self.bwd_hooks = [e for e in self.bwd_hooks if keep(e)]
+        self._on_change(self)
 
     def _list(self, dir: str) -> list[HookEntry]:
         if dir == "fwd":

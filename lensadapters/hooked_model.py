@@ -26,6 +26,9 @@ from .registry import PluginLoadWarning, Registry, check_transformers_range, get
 from .validation import describe_forced
 from .weights import WeightAccessors
 from .wiring import PATTERN_POINTS, Wiring
+from . import tl_call  # analysis layer: TransformerLens call conventions
+from .head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
+from .tl_api import TransformerLensAPI  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 
 Tensor = torch.Tensor
 NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -37,7 +40,7 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 _WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookedModel]]" = weakref.WeakKeyDictionary()
 _contexts = itertools.count(1)
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
-DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",)
+DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
 
 
 def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
@@ -71,18 +74,22 @@ def _cross_cutting_culprit(exc: BaseException, registry: Registry, left_out: lis
     return info.plugin
 
 
-class HookedModel(WeightAccessors):
+class HookedModel(TransformerLensAPI, WeightAccessors):
     """Hook points, caches and weights for a Hugging Face model, without changing the model.
 
-    Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)``. ``hm.wiring`` is the description and
+    Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)`` (TransformerLens-style calls aside: see
+    :mod:`lensadapters.tl_call`). ``hm.wiring`` is the description and
     the hook-point registry plugins see (:class:`lensadapters.protocol.Hooked`).
     """
 
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def wrap(cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None) -> "HookedModel":
-        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name.
+    def wrap(
+        cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None, tokenizer: Any = None
+    ) -> "HookedModel":
+        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name;
+        ``tokenizer`` (a Hugging Face tokenizer) enables text inputs and ``hm.to_tokens``...
 
         Wrapping an already wrapped model returns the existing wrapper.
         """
@@ -95,12 +102,15 @@ class HookedModel(WeightAccessors):
                     f"this model is already wrapped with adapter {existing.arch.name!r}; call unwrap() first "
                     f"to wrap it with {adapter!r}"
                 )
+            existing._init_tl_api(tokenizer)  # analysis layer
             return existing
         registry = registry or get_registry()
         left_out: list[Any] = []  # cross-cutting plugins that failed on this model: it is wrapped without them
         while True:
             try:
-                return cls._wrap(model, adapter, registry, left_out)
+                hm = cls._wrap(model, adapter, registry, left_out)
+                hm._init_tl_api(tokenizer)  # analysis layer
+                return hm
             except Exception as exc:
                 culprit = _cross_cutting_culprit(exc, registry, left_out)
                 if culprit is None:
@@ -173,11 +183,6 @@ class HookedModel(WeightAccessors):
     qkv_layouts = property(lambda self: self.wiring.qkv_layouts, doc="The plugin's QKV layout of each block.")
     mlp_layouts = property(lambda self: self.wiring.mlp_layouts, doc="The plugin's MLPLayout (or FusedGateUp) of each block.")
     attention_modules = property(lambda self: self.wiring.attention_modules, doc="Each block's attention module.")
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        """Deprecated alias of ``block_modules`` (the Hugging Face decoder layers)."""
-        return self.block_modules
 
     def norm_spec(self, module: nn.Module) -> Any:
         """How ``module`` (one of the model's norms) normalizes: a ``NormSpec`` with live weights."""
@@ -314,9 +319,12 @@ class HookedModel(WeightAccessors):
                 self.wiring.remove_hooks(lambda e: e.context == context, touched)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Exactly the wrapped model's forward."""
+        """Exactly the wrapped model's forward, unless the call is TransformerLens-style (a TransformerLens keyword
+        or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
         self._check_alive()
         self.wiring.sync()
+        if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+            return tl_call.forward(self, *args, **kwargs)
         return self.model(*args, **kwargs)
 
     forward = __call__
@@ -422,11 +430,11 @@ class HookedModel(WeightAccessors):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)
                 if incl_bwd:
-                    loss = getattr(out, "loss", None)
+                    loss = out if isinstance(out, Tensor) else getattr(out, "loss", None)  # TL: the returned loss
                     if loss is None:
                         raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
                     loss.backward()
-        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim)
+        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim, model=self)
 
     def unwrap(self) -> Any:
         """Remove every hook and give back the model object, exactly as it was."""
@@ -460,5 +468,7 @@ def _warn_generic(hm: HookedModel, registry: Registry) -> None:
 
 
 def _logits(out: Any) -> Any:
+    if isinstance(out, tl_call.Output):  # analysis layer: a TransformerLens-style call's result, as it is
+        return out
     logits = getattr(out, "logits", None)
     return logits if logits is not None else out

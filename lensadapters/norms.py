@@ -51,3 +51,17 @@ def rms_weighted_delta(delta: Tensor, spec: NormSpec) -> Tensor:
     """How a change of RMSNorm's normalized value changes its output: ``weight * delta`` (float32)."""
     w = _weight(spec)
     return delta.float() if w is None else delta.float() * w
+
+
+def apply_norm(x: Tensor, spec: NormSpec, bias: bool = True) -> Tensor:
+    """The norm's whole output in float32, computed from ``x`` (``bias=False``: without the bias, the part that
+    is linear in each component of a sum, as TransformerLens applies a folded norm to a residual stack)."""
+    s = scale(x, spec).float()
+    xf = x.float()
+    out = (xf - xf.mean(-1, keepdim=True)) / s if spec.kind == "LN" else xf / s
+    w = _weight(spec)
+    if w is not None:
+        out = out * w
+    if bias and spec.bias is not None:
+        out = out + spec.bias.float()
+    return out

@@ -73,6 +73,21 @@ class HookedConfig:
         if self.n_key_value_heads is None:
             object.__setattr__(self, "n_key_value_heads", self.n_heads)
 
+    # TransformerLens' cfg.device / cfg.dtype, read from the wrapped model (a weak reference set by HookedModel)
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device of the model's parameters, live (``None`` for a config not bound to a HookedModel)."""
+        live = self.__dict__.get("_live")
+        model = live() if live is not None else None
+        return model.device if model is not None else None
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the model's parameters, live (``None`` for a config not bound to a HookedModel)."""
+        live = self.__dict__.get("_live")
+        model = live() if live is not None else None
+        return model.dtype if model is not None else None
+
 
 @dataclass(frozen=True)
 class ModelLayout:

@@ -34,6 +34,7 @@ from .copying import Setting, detachable
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
 from .frames import ForwardState, RecomputeToken, tag_for_recompute
 from .guard import ModuleGuard
+from .head_inputs import add_head_input_sites
 from .hook_point import HookPoint, is_recomputing
 from .offload import live_parameters
 from .sites import (
@@ -395,6 +396,7 @@ class Wiring:
         finally:
             self._building = False
         self._build_core_sites()
+        add_head_input_sites(self)  # blocks.L.hook_attn_in / hook_{q,k,v}_input, computed only when hooked
         self._show_flat_tokens_as_batches()
         self._frame_site = _FrameSite(self)
         self.add_site(self._frame_site)

@@ -15,6 +15,7 @@ bash scripts/setup.sh .venv
 echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "${suites[@]}"
 bash scripts/setup.sh .venv-tf457 4.57.6
+bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis layer is compared with it there
 echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 .venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
 echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"

@@ -3,14 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
-import lensadapters_phi3
-from lensadapters import HookedModel, Registry
-from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
     assert_patterns_refused_under,

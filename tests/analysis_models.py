@@ -1,0 +1,63 @@
+"""Tiny models for the analysis-layer tests: every installed architecture plugin's own tiny configs (through the
+registry, so no plugin is named here) and a few configs built with transformers' config classes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lensadapters import get_registry
+from lensadapters.testing import reinit
+from lensadapters.testing.tl_reference import word_tokenizer
+
+Builder = Callable[[int], torch.nn.Module]
+
+
+def architectures() -> list[tuple[str, Any, Any]]:
+    """``(name, plugin info, architecture)`` of every installed architecture plugin with a tiny config."""
+    registry = get_registry()
+    found = []
+    for info in registry.architecture_plugins():
+        for arch in info.architectures:
+            if registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0) is not None:
+                found.append((arch.name, info, arch))
+    return sorted(found, key=lambda item: item[0])
+
+
+ARCHITECTURES = architectures()
+ARCH_NAMES = [name for name, _, _ in ARCHITECTURES]
+
+
+def tiny(arch_name: str, seed: int = 0) -> torch.nn.Module:
+    """The plugin's tiny model for ``seed`` (its configs vary with the seed), unit-scale weights, eval mode."""
+    registry = get_registry()
+    for name, info, arch in ARCHITECTURES:
+        if name == arch_name:
+            config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=seed)
+            return from_config(config, seed)
+    pytest.skip(f"architecture {arch_name!r} is not installed")
+
+
+def from_config(config: Any, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reinit(model, seed)
+    return model
+
+
+def installed(model_type: str) -> bool:
+    return any(model_type in arch.model_types for _, _, arch in ARCHITECTURES)
+
+
+def needs(model_type: str) -> Any:
+    return pytest.mark.skipif(not installed(model_type), reason=f"no plugin for {model_type!r} is installed")
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(vocab: int, adds_bos: bool = False) -> Any:
+    """A word-level tokenizer over ``w0 .. w{vocab-1}`` (cached per kind; see ``reference.word_tokenizer``)."""
+    return word_tokenizer(vocab, adds_bos=adds_bos)

@@ -203,7 +203,7 @@ def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: to
 #: the caller); every other argument is either honoured by explicit attention or refused by name
 IRRELEVANT_ARGUMENTS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "past_key_value", "past_key_values", "position_embeddings",
+    "past_key_value", "past_key_values", "position_embeddings", "output_router_logits",
 })
 
 

@@ -65,13 +65,18 @@ class CacheAnalysisMixin:
         return self._n_layers if layer is None or layer == -1 else layer
 
     def _post_ln(self) -> bool:
-        return any(bl.post_norm for bl in self._hm().block_layouts)
+        """Post-LN blocks, or norms after the attention/MLP outputs (``ln1_post``/``ln2_post``, Gemma 2/3, OLMo 2)."""
+        return any(
+            bl is None or bl.post_norm or bl.ln1_post is not None or bl.ln2_post is not None
+            for bl in self._hm().block_layouts
+        )
 
     def _refuse_post_ln(self, what: str) -> None:
         if self._post_ln():
             raise DecompositionUndefinedError(
-                f"{what} is not defined for this model: its blocks are post-LN (they normalize after each residual "
-                f"add), so the residual stream is not the sum of the components' outputs")
+                f"{what} is not defined for this model: its blocks are post-LN or have post norms (they normalize "
+                f"after each residual add, or normalize the attention/MLP output before adding it), so the residual "
+                f"stream is not the sum of the heads' and neurons' outputs")
 
     def _attn_feeds_mlp(self, layer: int) -> bool:
         """Whether block ``layer``'s MLP reads its attention output (sequential blocks; not parallel ones)."""

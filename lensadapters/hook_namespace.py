@@ -71,6 +71,15 @@ class HookNamespace:
             return getattr(block, attr)
         raise missing(self._hm, self._prefix, attr)
 
+    def __getitem__(self, index: int) -> Any:
+        """A numbered child (a mixture of experts' ``mlp.experts[e]``), as ``nn.ModuleList`` indexing reads."""
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"hook namespace {self._prefix!r} is indexed by an int, not {type(index).__name__}")
+        found = lookup(self._hm, self._prefix, str(index))
+        if found is None:
+            raise IndexError(f"{self._prefix!r} has no child {index}")
+        return found
+
     def __setattr__(self, attr: str, value: Any) -> None:
         raise AttributeError("hook namespaces are read-only: attach hooks with .add_hook(fn)")
 

@@ -222,6 +222,10 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     def hook_dict(self) -> dict[str, HookPoint]:
         return self.wiring.hook_dict
 
+    def point(self, name: str) -> HookPoint:
+        """The hook point ``name`` (``UnknownHookError`` with the closest names if the model has none)."""
+        return self.wiring.point(name)
+
     @property
     def has_hooks(self) -> bool:
         """Whether any hook point has a hook attached (the core's own cache readers included); O(1)."""

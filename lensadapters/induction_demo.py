@@ -83,9 +83,11 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
     """The installed architecture whose tiny model learns induction fastest: rotary positions on the whole head
     (a previous-token head is then one relative offset), sequential blocks; learned positions invite positional
     shortcuts. Any installed architecture otherwise (the demo then reports whatever it finds)."""
-    from .demo import BUILTIN_ARCHITECTURES
+    from packaging.utils import canonicalize_name
 
-    order = {name: i for i, name in enumerate(BUILTIN_ARCHITECTURES)}
+    from .demo import plugin_extras
+
+    order = {dist: i for i, dist in enumerate(plugin_extras())}  # the built-in plugins in the core's extras order
     candidates = []
     for info in registry.architecture_plugins():
         for arch in info.architectures:
@@ -94,8 +96,9 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
                 continue
             cfg = _hooked_config(registry, config)
             fit = (cfg.positional_embedding_type == "rotary" and cfg.rotary_dim == cfg.d_head
-                   and not cfg.parallel_attn_mlp)
-            candidates.append((not fit, order.get(arch.name, len(order)), arch.name, info, arch))
+                   and not cfg.parallel_attn_mlp and not cfg.num_experts)
+            rank = order.get(canonicalize_name(info.distribution or ""), len(order))
+            candidates.append((not fit, rank, arch.name, info, arch))
     if not candidates:
         raise LookupError("no installed architecture plugin provides a tiny config: pip install lensadapters[llama]")
     return min(candidates, key=lambda c: c[:3])[3:]

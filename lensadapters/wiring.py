@@ -403,10 +403,12 @@ class Wiring:
         self._check_norms()
 
     def _check_norms(self) -> None:
-        """Ask every norm's spec once at wrap time: a norm nobody can describe (or whose guessed spec the module
-        contradicts) is refused now, with its name, not at the first hook."""
+        """Ask the spec of every norm a NormSite serves once at wrap time: a norm nobody can describe (or whose
+        guessed spec the module contradicts) is refused now, with its name, not at the first hook. (A norm a plugin
+        registers for points it serves itself is that plugin's to describe.)"""
+        norms = [site.module for site in self._sites if isinstance(site, NormSite)]
         with torch.no_grad():
-            for module in dict.fromkeys(self._norm_modules.values()):
+            for module in dict.fromkeys(norms):
                 self._norm_spec(module)()
 
     def _check_layouts(self) -> None:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import OPTConfig
 
-from analysis_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 from lensadapters import ActivationCache, DecompositionUndefinedError, HookedModel, LensAdaptersError
 from lensadapters.testing import assert_close
 
@@ -27,7 +27,10 @@ def norm_output_without_bias(hm: HookedModel, cache: ActivationCache, prefix: st
 
 
 def pre_ln(hm: HookedModel) -> bool:
-    return not any(bl.post_norm for bl in hm.block_layouts)
+    """Pre-LN blocks adding their attention and MLP outputs as computed (no post-LN, no post norms, no experts)."""
+    return not any(
+        bl.post_norm or bl.ln1_post is not None or bl.ln2_post is not None for bl in hm.block_layouts
+    ) and not hm.cfg.num_experts
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from analysis_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters import HookedModel, HookPoint
 
 

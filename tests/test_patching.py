@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from analysis_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 from lensadapters import HookedModel, patching
 
 
@@ -92,7 +92,7 @@ def test_return_index_df_gives_a_dataframe() -> None:
 
 
 def test_a_sweep_takes_text() -> None:
-    from analysis_models import tokenizer
+    from lensadapters.testing.tiny_models import tokenizer
 
     hm = HookedModel.wrap(tiny(ARCH_NAMES[0]), tokenizer=tokenizer(40))
     _, cache = hm.run_with_cache("w5 w6 w7")

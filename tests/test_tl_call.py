@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters import HookedModel, Output, TransformerLensKeywordError
 from lensadapters.testing import assert_close
 from lensadapters.tokens import NoTokenizerError

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis_models import ARCH_NAMES, tiny, tokenizer
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 from lensadapters import HookedModel
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

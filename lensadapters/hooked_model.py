@@ -399,7 +399,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
                     "run_with_cache(incl_bwd=True) backpropagates, which torch.inference_mode() "
                     "forbids: call it outside the inference_mode block (torch.no_grad() is fine)"
                 )
-            if "labels" not in kwargs and "labels" in _forward_parameters(self.model):
+            tl_loss = tl_call.wants_transformer_lens(args, kwargs) and kwargs.get("return_type") == "loss"
+            if not tl_loss and "labels" not in kwargs and "labels" in _forward_parameters(self.model):
                 raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
         if remove_batch_dim and batch_of(args, kwargs) not in (None, 1):
             raise ValueError(

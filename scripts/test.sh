@@ -2,7 +2,8 @@
 # Set everything up (first run) and run the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
 # on the pinned transformers 5.x, then again on transformers 4.57 in a second environment (without the tests marked
 # transformers5_only), then the wheel check.
-# HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here).
+# HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here); the second environment runs
+# HYPOTHESIS_PROFILE_SECOND (ci-short by default: the same derandomized examples, fewer of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
@@ -17,6 +18,7 @@ echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformer
 bash scripts/setup.sh .venv-tf457 4.57.6
 bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis layer is compared with it there
 echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
+HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE_SECOND:-ci-short}" \
+  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
 echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"
 bash scripts/check-wheels.sh .venv

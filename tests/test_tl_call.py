@@ -111,8 +111,7 @@ def test_stop_at_layer_really_stops(arch: str, data: st.DataObject) -> None:
     for handle in counters:
         handle.remove()
     assert hook_count(model) == hooks_before - n
-    state = hm.forward_state
-    assert state.rotary is None and not state.resid_mid and not state.mlp_out and not state.block_shape
+    assert hm.wiring.forward_state.depth is None, "a forward's frame stayed open after the stop"
     assert not hm.has_hooks
     assert torch.equal(hm(ids).logits, full_logits(model, ids))
     hm.unwrap()
@@ -210,7 +209,9 @@ def test_left_padded_rows_give_their_unpadded_values(arch: str, data: st.DataObj
         for row, pad in enumerate(pads):
             alone, alone_cache = hm.run_with_cache(ids[row:row + 1, pad:], return_type="logits")
             assert_close(logits[row, pad:], alone[0], f"row {row} ({pad} pads) vs alone")
-            assert_close(cache["resid_post", -1][row, pad:], alone_cache["resid_post", -1][0], "resid_post")
+            alone_resid = alone_cache["resid_post", -1][0]  # float rounding relative to the stream's size (a MoE's
+            scale = 1 + alone_resid.abs().max().item()  # experts run batched: a batch rounds apart from one row)
+            assert_close(cache["resid_post", -1][row, pad:], alone_resid, "resid_post", atol=1e-4 * scale)
     hm.unwrap()
 
 

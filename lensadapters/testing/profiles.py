@@ -6,6 +6,8 @@ test's settings when the test is defined. ``HYPOTHESIS_PROFILE`` picks the profi
 * ``dev`` (the default): 4 examples per property, new ones on every run, to keep exploring;
 * ``ci``: 12 examples, derandomized and without an example database, so that every CI run checks the same
   examples and a red run is reproducible;
+* ``ci-short``: 4 examples, derandomized like ``ci`` (CI's second transformers version, whose job is to catch what
+  differs between versions, not to explore);
 * ``thorough``: 100 examples.
 """
 
@@ -17,7 +19,7 @@ from typing import Optional
 __all__ = ["PROFILES", "register_profiles", "load_profile"]
 
 #: profile name -> examples per property
-PROFILES = {"dev": 4, "ci": 12, "thorough": 100}
+PROFILES = {"dev": 4, "ci": 12, "ci-short": 4, "thorough": 100}
 
 
 def register_profiles() -> None:
@@ -27,6 +29,8 @@ def register_profiles() -> None:
     slow = [HealthCheck.too_slow]
     settings.register_profile("ci", max_examples=PROFILES["ci"], deadline=None, derandomize=True, database=None,
                               print_blob=True, suppress_health_check=slow)
+    settings.register_profile("ci-short", max_examples=PROFILES["ci-short"], deadline=None, derandomize=True,
+                              database=None, print_blob=True, suppress_health_check=slow)
     settings.register_profile("dev", max_examples=PROFILES["dev"], deadline=None, suppress_health_check=slow)
     settings.register_profile("thorough", max_examples=PROFILES["thorough"], deadline=None,
                               suppress_health_check=slow)

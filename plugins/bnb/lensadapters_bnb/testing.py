@@ -266,8 +266,9 @@ class Int8Contract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
-        """As in the float suite (hook points are structural: fewer examples here, each reloads a model)."""
-        AdapterContract.test_hook_points_match_declared_capabilities.hypothesis.inner_test(self, data)
+        """As in the float suite, the architecture's own form included (hook points are structural: fewer examples
+        here, each reloads a model)."""
+        super().test_hook_points_match_declared_capabilities.hypothesis.inner_test(self, data)
 
     def generation_atol(self, logits: torch.Tensor) -> float:
         """LLM.int8 quantizes each call's activations row by row and picks outlier columns over the rows of that

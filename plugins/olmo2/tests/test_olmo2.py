@@ -35,7 +35,7 @@ def test_block_points_without_pre_norms():
     hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(n_heads=4, n_kv=2, hidden=32), 0))
     block = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.")]
     assert block == [
-        "hook_resid_pre", "attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
+        "hook_resid_pre", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
         "attn.hook_k", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized", "attn.hook_rot_k", "attn.hook_v",
         "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "ln1_post.hook_scale",
         "ln1_post.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "mlp.hook_pre",

@@ -4,9 +4,9 @@ Call :func:`load_profile` from a ``conftest.py``, before anything imports the co
 test's settings when the test is defined. ``HYPOTHESIS_PROFILE`` picks the profile:
 
 * ``dev`` (the default): 4 examples per property, new ones on every run, to keep exploring;
-* ``ci``: 12 examples, derandomized and without an example database, so that every CI run checks the same
+* ``ci``: 6 examples, derandomized and without an example database, so that every CI run checks the same
   examples and a red run is reproducible;
-* ``ci-short``: 4 examples, derandomized like ``ci`` (CI's second transformers version, whose job is to catch what
+* ``ci-short``: 3 examples, derandomized like ``ci`` (CI's second transformers version, whose job is to catch what
   differs between versions, not to explore);
 * ``thorough``: 100 examples.
 """
@@ -19,7 +19,7 @@ from typing import Optional
 __all__ = ["PROFILES", "register_profiles", "load_profile"]
 
 #: profile name -> examples per property
-PROFILES = {"dev": 4, "ci": 12, "ci-short": 4, "thorough": 100}
+PROFILES = {"dev": 4, "ci": 6, "ci-short": 3, "thorough": 100}
 
 
 def register_profiles() -> None:

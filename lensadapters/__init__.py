@@ -17,6 +17,7 @@ from .cache_analysis import DecompositionUndefinedError
 from .factored_matrix import FactoredMatrix
 from .tl_call import Output, TransformerLensKeywordError
 from .tokens import NoTokenizerError
+from .harvest import HarvestMismatchError, harvest, load_harvest
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -40,4 +41,6 @@ __all__ = [
     "RotarySpec", "SeparateQKV", "is_recomputing", "live_parameters",
     # TransformerLens analysis layer
     "FactoredMatrix", "Output", "TransformerLensKeywordError", "NoTokenizerError", "DecompositionUndefinedError",
+    # activation harvesting
+    "harvest", "load_harvest", "HarvestMismatchError",
 ]

@@ -346,3 +346,17 @@ def test_killed_harvest_restarted_with_the_same_command_is_bitwise_the_uninterru
     a = datasets.load_from_disk(str(out)).with_format("torch")[:]
     b = datasets.load_from_disk(str(uninterrupted)).with_format("torch")[:]
     assert a.keys() == b.keys() and all(torch.equal(a[c], b[c]) for c in b)
+
+
+@SETTINGS
+@given(case=packings())
+def test_packing_is_saelens_packing(case) -> None:
+    batching = pytest.importorskip("sae_lens.tokenization_and_batching")
+    rows, rule = case
+    theirs = batching.concat_and_batch_sequences(
+        iter(torch.tensor(row, dtype=torch.long) for row in rows),
+        context_size=rule.context_size,
+        begin_batch_token_id=rule.begin_context_token,
+        sequence_separator_token_id=rule.separator_token,
+    )
+    assert [c for c, _ in packed(rows, rule)] == [c.tolist() for c in theirs]

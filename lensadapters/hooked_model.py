@@ -162,6 +162,15 @@ class HookedModel(TransformerLensAPI):
             self._points = dict(items[:at] + [(name, point)] + items[at:])
         return point
 
+    def remove_point(self, name: str) -> None:
+        """Remove a hook point that :meth:`new_point` made and no site of the model fires (an SAE's points), with
+        its hooks."""
+        point = self.point(name)
+        if self._point_sites.get(point):
+            raise LensAdaptersError(f"hook point {name!r} is fired by the model's modules and cannot be removed")
+        self._hooked_points.discard(point)
+        del self._points[name]
+
     def point(self, name: str) -> HookPoint:
         """The hook point ``name`` (``UnknownHookError`` if the model has none)."""
         if name not in self._points:
@@ -588,6 +597,8 @@ class HookedModel(TransformerLensAPI):
     def unwrap(self) -> Any:
         """Remove every hook and give back the model object, exactly as it was."""
         if self._alive:
+            if self.__dict__.get("_sae_splices"):
+                self.reset_saes()
             self.reset_hooks(including_permanent=True)
             for site, (_, handles) in list(self._installed.items()):
                 for handle in handles:

@@ -123,7 +123,7 @@ def harvest(
         if manifest.finished:
             return _result(out, manifest, manifest.contexts_done, context_size)
         if manifest.columns is None:
-            manifest.columns = _probe(hm, points, stop, context_size)
+            manifest.columns = _probe(hm, points, stop)
         if manifest.shard_contexts is None:
             manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
         manifest.save(out)
@@ -352,19 +352,19 @@ def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> 
 
 
 @torch.no_grad()
-def _probe(hm: Any, points: list[str], stop: Optional[int], context_size: int) -> dict[str, list[int]]:
-    """The per-token shape of each point (after ``[batch, pos]``), from one forward of one context."""
-    tokens = torch.zeros(1, context_size, dtype=torch.long)
+def _probe(hm: Any, points: list[str], stop: Optional[int]) -> dict[str, list[int]]:
+    """The per-token shape of each point (after ``[batch, pos]``), from a forward of two tokens."""
+    tokens = torch.zeros(1, 2, dtype=torch.long)
     _, cache = hm.run_with_cache(
         tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
     )
     shapes = {}
     for name in points:
         shape = tuple(cache[name].shape)
-        if shape[:2] != (1, context_size):
+        if shape[:2] != (1, 2):
             raise HarvestHookError(
-                f"{name} has shape {shape} for one context of {context_size} tokens: a harvest "
-                f"stores values of shape [batch, pos, ...], one per token"
+                f"{name} has shape {shape} for one context of 2 tokens: a harvest stores values of shape "
+                f"[batch, pos, ...], one per token"
             )
         shapes[name] = list(shape[2:])
     return shapes

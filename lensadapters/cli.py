@@ -100,11 +100,10 @@ def _check(args: argparse.Namespace) -> int:
 def _harvest(args: argparse.Namespace) -> int:
     from .harvest import harvest
 
-    hf_kwargs = {"local_files_only": True}
-    if args.model_dtype != "auto":
-        import torch
+    import torch
 
-        hf_kwargs["dtype"] = getattr(torch, args.model_dtype)
+    hf_kwargs = {"local_files_only": True}
+    hf_kwargs["dtype"] = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     from .hooked_model import HookedModel
 
     hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)

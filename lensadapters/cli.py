@@ -111,7 +111,7 @@ def _harvest(args: argparse.Namespace) -> int:
     try:
         result = harvest(hm, args.data, args.hooks, args.out, context_size=args.context_size,
                          batch_size=args.batch_size, max_tokens=args.max_tokens, dtype=args.dtype,
-                         drop_bos=args.drop_bos, prepend_bos=not args.no_prepend_bos, text_column=args.text_column,
+                         drop_bos=args.drop_bos, flatten=args.flatten, prepend_bos=not args.no_prepend_bos, text_column=args.text_column,
                          split=args.split, shard_contexts=args.shard_contexts, progress=not args.quiet)
     finally:
         hm.unwrap()
@@ -178,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="dtype to load the model in (default: as saved)")
     p.add_argument("--drop-bos", action="store_true", help="leave out position 0 (each context's BOS token)")
     p.add_argument("--no-prepend-bos", action="store_true", help="do not start each context with BOS")
+    p.add_argument("--flatten", action="store_true",
+                   help="store every point as [context, d] (per-head points flattened: SAELens' 2-D layout)")
     p.add_argument("--text-column", default="text", help="text field of JSONL rows / dataset column (default text)")
     p.add_argument("--split", default=None, help="split of a saved DatasetDict (default train)")
     p.add_argument("--shard-contexts", type=int, default=None,

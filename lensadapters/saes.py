@@ -17,6 +17,7 @@ The model is never changed: the SAE runs inside a hook, and its points are remov
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -38,6 +39,19 @@ SAE_POINTS = (
 #: the points the splice fires itself (the SAE's own run inside ``encode``/``decode``)
 _SPLICE_FIRED = ("hook_sae_error", "hook_sae_output")
 SAEs = Union[Any, Sequence[Any]]
+
+
+def load_sae(sae: Any, device: Any = "cpu") -> Any:
+    """``sae`` itself, or the SAE saved in the folder ``sae`` (SAELens' weights and config, ``SAE.load_from_disk``)."""
+    if not isinstance(sae, (str, os.PathLike)):
+        return sae
+    try:
+        from sae_lens import SAE
+    except ImportError:
+        raise LensAdaptersError(
+            f"loading the SAE saved in {os.fspath(sae)!r} needs SAELens: pip install lensadapters[saelens]"
+        ) from None
+    return SAE.load_from_disk(os.fspath(sae), device=str(device))
 
 
 def hook_names_of(sae: Any) -> tuple[str, str]:
@@ -166,11 +180,13 @@ class SAEMixin:
     def add_sae(
         self, sae: Any, use_error_term: Optional[bool] = None, exclude_special_tokens: Union[bool, list[int]] = False
     ) -> None:
-        """Attach ``sae`` at its hook point until :meth:`reset_saes` (replacing an SAE attached there).
+        """Attach ``sae`` (an SAELens SAE, or a folder it was saved to) at its hook point until :meth:`reset_saes`
+        (replacing an SAE attached there).
 
         ``use_error_term``: add the reconstruction error back (default: the SAE's own ``use_error_term``).
         ``exclude_special_tokens``: leave the activation unchanged at special tokens (``True``: the
         tokenizer's BOS/EOS/PAD/...; or a list of token ids)."""
+        sae = load_sae(sae, self.device)  # type: ignore[attr-defined]
         name, _ = hook_names_of(sae)
         if name in self._splices():
             self._reset_sae(name)
@@ -204,6 +220,7 @@ class SAEMixin:
     ) -> Iterator[Any]:
         """SAEs attached for the duration of the block; SAEs attached before at the same points come back after."""
         saes = [saes] if not isinstance(saes, (list, tuple)) else list(saes)
+        saes = [load_sae(sae, self.device) for sae in saes]  # type: ignore[attr-defined]
         previous = []
         try:
             for sae in saes:

@@ -159,35 +159,32 @@ def test_rows_are_the_models_activations_on_their_token_ids(tmp_path, dtype) -> 
         hm.unwrap()
 
 
-def test_drop_bos_leaves_out_position_zero_and_flags_the_separators(tmp_path) -> None:
+def test_drop_bos_leaves_out_position_zero_flags_the_separators_and_flatten_joins_heads(tmp_path) -> None:
     hm = wrapped()
     write_text(tmp_path / "data.txt", 40)
+    points = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_z"]
     try:
+        harvest(hm, str(tmp_path / "data.txt"), points, str(tmp_path / "all"), context_size=8, progress=False)
         harvest(
             hm,
             str(tmp_path / "data.txt"),
-            ["blocks.0.hook_resid_pre"],
-            str(tmp_path / "all"),
-            context_size=8,
-            progress=False,
-        )
-        harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            ["blocks.0.hook_resid_pre"],
+            points,
             str(tmp_path / "cut"),
             context_size=8,
             drop_bos=True,
+            flatten=True,
             progress=False,
         )
     finally:
         hm.unwrap()
     cut_ds = load_harvest(str(tmp_path / "cut"))
     assert cut_ds.features["blocks.0.hook_resid_pre"].shape == (7, hm.cfg.d_model)
+    assert cut_ds.features["blocks.0.attn.hook_z"].shape == (7, hm.cfg.n_heads * hm.cfg.d_head)
     full = load_harvest(str(tmp_path / "all")).with_format("torch")[:]
     cut = cut_ds.with_format("torch")[:]
     assert torch.equal(cut["token_ids"], full["token_ids"][:, 1:])
     assert torch.equal(cut["blocks.0.hook_resid_pre"], full["blocks.0.hook_resid_pre"][:, 1:])
+    assert torch.equal(cut["blocks.0.attn.hook_z"], full["blocks.0.attn.hook_z"][:, 1:].flatten(2))
     assert bool(full["is_bos"][:, 0].all()) and bool(cut["is_bos"].any())  # separators stay, flagged
 
 

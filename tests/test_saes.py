@@ -220,7 +220,7 @@ needs_saelens = pytest.mark.skipif(sae_lens is None, reason="sae-lens is not ins
 
 @needs_saelens
 @pytest.mark.parametrize("use_error_term", [False, True])
-def test_spliced_saes_match_hooked_sae_transformer(use_error_term) -> None:
+def test_spliced_saes_match_hooked_sae_transformer(use_error_term, tmp_path) -> None:
     from lensadapters.testing.reference import ReferenceUnavailable, hooked_transformer, word_tokenizer
 
     model = tiny("gpt2")
@@ -249,6 +249,10 @@ def test_spliced_saes_match_hooked_sae_transformer(use_error_term) -> None:
         assert sae_keys == sorted(k for k in cache if ".hook_sae_" in k)
         for key in sae_keys:
             torch.testing.assert_close(cache[key], ref[key], atol=1e-4, rtol=1e-4)
+        saes[0].save_model(str(tmp_path / "sae"))  # SAELens' saved weights and config load by path
+        assert torch.equal(
+            hm.run_with_saes(tokens, saes=[str(tmp_path / "sae")]), hm.run_with_saes(tokens, saes=saes[:1])
+        )
         torch.testing.assert_close(
             hm.run_with_saes("w3 w4 w5", saes=saes[:1], exclude_special_tokens=True),
             hst.run_with_saes("w3 w4 w5", saes=saes[:1], exclude_special_tokens=True),

@@ -58,6 +58,7 @@ def harvest(
     max_tokens: Optional[int] = None,
     dtype: str = "float32",
     drop_bos: bool = False,
+    flatten: bool = False,
     prepend_bos: bool = True,
     sequence_separator: Separator = "bos",
     text_column: str = "text",
@@ -78,7 +79,9 @@ def harvest(
     block that holds a requested point. Each row of the result is one context: ``token_ids`` and ``is_bos``
     ``[context_size]`` and one ``[context_size, ...]`` column per hook point in ``dtype`` (``float32``,
     ``float16``, or ``bfloat16``: rounded to bfloat16 and stored as float32, which Arrow can hold).
-    ``drop_bos``: leave out position 0 (the context's BOS) in every column. ``max_tokens``: stop after
+    ``drop_bos``: leave out position 0 (the context's BOS) in every column. ``flatten``: store each point as
+    ``[context_size, d]`` (per-head points ``[pos, head, d_head]`` as ``[pos, head * d_head]``, the 2-D layout
+    SAELens trains from, as it flattens ``hook_z``). ``max_tokens``: stop after
     ``max_tokens // context_size`` contexts.
 
     Shards of ``shard_contexts`` contexts (default: about 256 MiB each) are written one by one and recorded in
@@ -112,6 +115,7 @@ def harvest(
             "begin_context_token": rule.begin_context_token,
             "separator_token": rule.separator_token,
             "drop_bos": drop_bos,
+            "flatten": flatten,
             "dtype": dtype,
             "max_tokens": max_tokens,
         }
@@ -124,6 +128,8 @@ def harvest(
             return _result(out, manifest, manifest.contexts_done, context_size)
         if manifest.columns is None:
             manifest.columns = _probe(hm, points, stop)
+            if flatten:
+                manifest.columns = {name: [math.prod(shape)] for name, shape in manifest.columns.items()}
         if manifest.shard_contexts is None:
             manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
         manifest.save(out)
@@ -252,6 +258,8 @@ class _Run:
         }
         for name in self.points:
             value = cache[name]
+            if self.manifest.identity["flatten"] and value.dim() > 3:
+                value = value.flatten(2)
             expected = (len(batch), self.size, *self.manifest.columns[name])
             if tuple(value.shape) != expected:
                 raise HarvestHookError(

@@ -357,3 +357,33 @@ def test_packing_is_saelens_packing(case) -> None:
         sequence_separator_token_id=rule.separator_token,
     )
     assert [c for c, _ in packed(rows, rule)] == [c.tolist() for c in theirs]
+
+
+def test_ranks_split_the_shards_of_one_harvest_and_write_the_same_files(tmp_path) -> None:
+    hm = wrapped()
+    write_text(tmp_path / "data.txt", 60)
+    args = dict(context_size=8, batch_size=2, shard_contexts=3, progress=False)
+    try:
+        single = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "one"), **args)
+        parts = [
+            harvest(
+                hm,
+                str(tmp_path / "data.txt"),
+                ["blocks.0.hook_resid_post"],
+                str(tmp_path / "split"),
+                rank=rank,
+                world_size=3,
+                **args,
+            )
+            for rank in range(3)
+        ]
+    finally:
+        hm.unwrap()
+    shards = sorted(f for f in os.listdir(tmp_path / "one") if f.endswith(".arrow"))
+    assert len(shards) == single.shards > 3 and sum(p.shards for p in parts) == single.shards
+    assert sorted(f for f in os.listdir(tmp_path / "split") if f.endswith(".arrow")) == shards
+    for name in shards:
+        assert (tmp_path / "split" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    for rank in range(3):
+        manifest = json.loads((tmp_path / "split" / f"manifest-rank{rank:05d}-of-00003.json").read_text())
+        assert all(s["index"] % 3 == rank for s in manifest["shards"]) and manifest["finished"]

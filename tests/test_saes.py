@@ -32,10 +32,10 @@ class StandInSAE(nn.Module):
     """A ReLU SAE with SAELens' interface (``cfg.metadata.hook_name``, ``encode``/``decode``, ``hook_sae_*``
     points, ``use_error_term``), for the environments without SAELens."""
 
-    def __init__(self, hook_name: str, d_in: int, d_sae: int = 24, seed: int = 0) -> None:
+    def __init__(self, hook_name: str, d_in: int, d_sae: int = 24, seed: int = 0, hook_name_out=None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.cfg = SimpleNamespace(metadata=SimpleNamespace(hook_name=hook_name, hook_name_out=None))
+        self.cfg = SimpleNamespace(metadata=SimpleNamespace(hook_name=hook_name, hook_name_out=hook_name_out))
         self.W_enc = nn.Parameter(torch.randn(d_in, d_sae, generator=g) / d_in**0.5)
         self.b_enc = nn.Parameter(0.1 * torch.randn(d_sae, generator=g))
         self.W_dec = nn.Parameter(torch.randn(d_sae, d_in, generator=g) / d_sae**0.5)
@@ -211,6 +211,30 @@ def test_add_reset_nesting_special_tokens_and_unwrap(kind) -> None:
     hm.unwrap()  # SAEs go with the hooks
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, original)
+
+
+def test_a_transcoder_reads_at_its_input_point_and_writes_at_its_output_point() -> None:
+    hm = build(ARCH)
+    source, target = "blocks.0.ln2.hook_normalized", "blocks.0.hook_mlp_out"
+    transcoder = StandInSAE(source, hm.cfg.d_model, hook_name_out=target)
+    tokens = ids()
+    seen = {}
+
+    def read(x, hook):
+        seen["x"] = x.clone()
+
+    def write(x, hook):
+        return transcoder.decode(transcoder.encode(seen["x"]))
+
+    try:
+        expected = hm.run_with_hooks(tokens, fwd_hooks=[(source, read), (target, write)])
+        assert torch.equal(hm.run_with_saes(tokens, saes=[transcoder]), expected)
+        _, cache = hm.run_with_cache_with_saes(tokens, saes=[transcoder])
+        assert torch.equal(cache[f"{target}.hook_sae_input"], cache[source])
+        assert torch.equal(cache[target], cache[f"{target}.hook_sae_recons"])
+        assert hm.acts_to_saes == {} and not hm.has_hooks
+    finally:
+        hm.unwrap()
 
 
 # --- SAELens itself (the transformers-4.57 environment) ------------------------------------------------------------

@@ -258,6 +258,24 @@ def test_a_different_command_on_an_existing_harvest_is_refused_by_name(tmp_path)
         )
 
 
+def test_a_second_process_on_the_same_output_is_refused_while_the_first_runs(tmp_path) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    hm = wrapped()
+    write_text(tmp_path / "data.txt", 20)
+    (tmp_path / "out").mkdir()
+    try:
+        with open(tmp_path / "out" / ".harvest.lock", "a") as held:  # what a running harvest holds
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(HarvestMismatchError, match="another process is harvesting"):
+                harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(tmp_path / "out"), progress=False)
+        result = harvest(
+            hm, str(tmp_path / "data.txt"), ["hook_embed"], str(tmp_path / "out"), context_size=8, progress=False
+        )  # released (as it is when the holder dies): the harvest runs
+        assert result.finished and result.contexts > 0
+    finally:
+        hm.unwrap()
+
+
 def test_points_that_are_not_per_token_or_unknown_are_refused(tmp_path) -> None:
     hm = wrapped()
     write_text(tmp_path / "data.txt", 5)

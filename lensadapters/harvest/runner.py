@@ -119,24 +119,65 @@ def harvest(
             "dtype": dtype,
             "max_tokens": max_tokens,
         }
-        manifest = _open_manifest(out, identity, partition)
-        if shard_contexts is not None:
-            if manifest.shard_contexts not in (None, shard_contexts):
-                check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
-            manifest.shard_contexts = shard_contexts
-        if manifest.finished:
-            return _result(out, manifest, manifest.contexts_done, context_size)
-        if manifest.columns is None:
-            manifest.columns = _probe(hm, points, stop)
-            if flatten:
-                manifest.columns = {name: [math.prod(shape)] for name, shape in manifest.columns.items()}
-        if manifest.shard_contexts is None:
-            manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
-        manifest.save(out)
-        run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
-        resumed = manifest.contexts_done
-        run.loop()
-        return _result(out, manifest, resumed, context_size)
+        _refuse_foreign_folder(out, partition)
+        os.makedirs(out, exist_ok=True)
+        with _exclusive(out, partition):
+            return _run(
+                hm,
+                tok,
+                source,
+                rule,
+                points,
+                stop,
+                out,
+                identity,
+                partition,
+                shard_contexts,
+                flatten,
+                context_size,
+                dtype,
+                batch_size,
+                max_tokens,
+                progress,
+            )
+
+
+def _run(
+    hm: Any,
+    tok: Any,
+    source: Any,
+    rule: PackingRule,
+    points: list[str],
+    stop: Optional[int],
+    out: str,
+    identity: dict[str, Any],
+    partition: Partition,
+    shard_contexts: Optional[int],
+    flatten: bool,
+    context_size: int,
+    dtype: str,
+    batch_size: int,
+    max_tokens: Optional[int],
+    progress: bool,
+) -> HarvestResult:
+    manifest = _open_manifest(out, identity, partition)
+    if shard_contexts is not None:
+        if manifest.shard_contexts not in (None, shard_contexts):
+            check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
+        manifest.shard_contexts = shard_contexts
+    if manifest.finished:
+        return _result(out, manifest, manifest.contexts_done, context_size)
+    if manifest.columns is None:
+        manifest.columns = _probe(hm, points, stop)
+        if flatten:
+            manifest.columns = {name: [math.prod(shape)] for name, shape in manifest.columns.items()}
+    if manifest.shard_contexts is None:
+        manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
+    manifest.save(out)
+    run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
+    resumed = manifest.contexts_done
+    run.loop()
+    return _result(out, manifest, resumed, context_size)
 
 
 def load_harvest(out: str) -> Any:
@@ -353,10 +394,38 @@ def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> 
         if (manifest.rank, manifest.world_size) != (partition.rank, partition.world_size):
             raise HarvestMismatchError(f"{path} belongs to rank {manifest.rank} of {manifest.world_size}")
         return manifest
-    if os.path.isdir(out) and partition.world_size == 1 and os.listdir(out):
-        raise HarvestMismatchError(f"{out} is not empty and holds no harvest manifest: choose an empty or new folder")
-    os.makedirs(out, exist_ok=True)
     return Manifest(identity=identity, rank=partition.rank, world_size=partition.world_size)
+
+
+def _refuse_foreign_folder(out: str, partition: Partition) -> None:
+    """A non-empty folder that holds no harvest is not written into."""
+    if partition.world_size > 1 or not os.path.isdir(out) or os.path.exists(manifest_path(out, partition)):
+        return
+    if any(not _is_lock(name) for name in os.listdir(out)):
+        raise HarvestMismatchError(f"{out} is not empty and holds no harvest manifest: choose an empty or new folder")
+
+
+def _is_lock(name: str) -> bool:
+    return name.startswith(".harvest") and name.endswith(".lock")
+
+
+@contextlib.contextmanager
+def _exclusive(out: str, partition: Partition) -> Iterator[None]:
+    """Only one process writes a rank's shards at a time; the lock goes with its process, even one killed."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks on this platform
+        yield
+        return
+    name = ".harvest.lock" if partition.world_size == 1 else f".harvest-rank{partition.rank:05d}.lock"
+    with open(os.path.join(out, name), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise HarvestMismatchError(
+                f"another process is harvesting into {out} ({name} is locked): wait for it, or stop it first"
+            ) from None
+        yield
 
 
 @torch.no_grad()

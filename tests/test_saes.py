@@ -244,10 +244,31 @@ needs_saelens = pytest.mark.skipif(sae_lens is None, reason="sae-lens is not ins
 
 @needs_saelens
 @pytest.mark.parametrize("use_error_term", [False, True])
-def test_spliced_saes_match_hooked_sae_transformer(use_error_term, tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_spliced_saes_match_hooked_sae_transformer(arch, use_error_term, tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    from analysis_models import from_config, installed
     from lensadapters.testing.reference import ReferenceUnavailable, hooked_transformer, word_tokenizer
 
-    model = tiny("gpt2")
+    if not installed(arch):
+        pytest.skip(f"no plugin for {arch}")
+    if arch == "llama":  # grouped-query attention, plain RoPE (what TransformerLens 2.x rotates with)
+        model = from_config(
+            LlamaConfig(
+                hidden_size=32,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                intermediate_size=48,
+                vocab_size=48,
+                max_position_embeddings=64,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
+    else:
+        model = tiny(arch)
     tok = word_tokenizer(model.config.vocab_size)
     try:
         reference = hooked_transformer(model, tokenizer=tok)

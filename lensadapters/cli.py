@@ -166,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "them, one row per context. Run the same command again to resume after an interruption.")
     p.add_argument("model_dir", help="a local checkpoint folder (model and tokenizer)")
     p.add_argument("--data", required=True, help="a text file (one row per line), a JSONL file or a dataset folder "
-                                                 "saved with datasets' save_to_disk")
+                                                 "saved with datasets' save_to_disk (text, or token ids: "
+                                                 "input_ids/tokens, one context per row)")
     p.add_argument("--hooks", nargs="+", required=True, metavar="NAME", help="hook points to store")
     p.add_argument("--out", required=True, help="output folder (new, or a harvest of the same command to resume)")
     p.add_argument("--context-size", type=int, default=128, help="tokens per context (default 128)")

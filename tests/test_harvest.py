@@ -108,6 +108,40 @@ def test_sources_read_the_same_rows_from_text_jsonl_and_a_saved_dataset(tmp_path
         open_source(str(tmp_path / "missing.txt"))
 
 
+def test_a_pretokenized_dataset_gives_one_context_per_row(tmp_path) -> None:
+    hm = wrapped()
+    write_text(tmp_path / "data.txt", 60)
+    try:
+        harvest(
+            hm,
+            str(tmp_path / "data.txt"),
+            ["blocks.0.hook_resid_post"],
+            str(tmp_path / "text"),
+            context_size=8,
+            progress=False,
+        )
+        text = load_harvest(str(tmp_path / "text")).with_format("torch")[:]
+        rows = text["token_ids"].tolist()
+        datasets.Dataset.from_dict({"input_ids": [row + [5, 6] for row in rows]}).save_to_disk(str(tmp_path / "tok"))
+        harvest(
+            hm,
+            str(tmp_path / "tok"),
+            ["blocks.0.hook_resid_post"],
+            str(tmp_path / "out"),
+            context_size=8,
+            shard_contexts=4,
+            progress=False,
+        )
+        out = load_harvest(str(tmp_path / "out")).with_format("torch")[:]
+        assert out["token_ids"].tolist() == rows  # each row's first 8 tokens, as they are
+        assert torch.equal(out["blocks.0.hook_resid_post"], text["blocks.0.hook_resid_post"])
+        datasets.Dataset.from_dict({"input_ids": [[1, 5, 6]]}).save_to_disk(str(tmp_path / "short"))
+        with pytest.raises(DataSourceError, match="fewer than context_size=8"):
+            harvest(hm, str(tmp_path / "short"), ["hook_embed"], str(tmp_path / "x"), context_size=8, progress=False)
+    finally:
+        hm.unwrap()
+
+
 def test_partition_gives_every_shard_to_exactly_one_rank() -> None:
     for world in (1, 2, 3, 5):
         ranks = [Partition(r, world) for r in range(world)]

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from .sources import DataSourceError
+
 Tokenize = Callable[[str], list[int]]
 
 
@@ -65,3 +67,17 @@ def pack(
             if len(context) == size:
                 yield torch.tensor(context, dtype=torch.long), Cursor(row, min(offset, len(tokens)))
                 context = []
+
+
+def contexts_of_rows(
+    rows: Iterable[list[int]], context_size: int, start: Cursor = Cursor()
+) -> Iterator[tuple[torch.Tensor, Cursor]]:
+    """Rows that are contexts already (a pretokenized dataset, as SAELens reads one): each row's first
+    ``context_size`` tokens, used as they are."""
+    for row, tokens in enumerate(rows, start.row):
+        if len(tokens) < context_size:
+            raise DataSourceError(
+                f"row {row} of the pretokenized dataset has {len(tokens)} tokens, fewer than "
+                f"context_size={context_size}: pretokenize with that context size, or lower it"
+            )
+        yield torch.tensor(list(tokens[:context_size]), dtype=torch.long), Cursor(row + 1, 0)

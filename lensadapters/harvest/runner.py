@@ -19,7 +19,7 @@ from .. import tokens as _tokens
 from ..errors import LensAdaptersError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .manifest import HarvestMismatchError, Manifest, ShardRecord, check_identity, manifest_path
-from .packing import Cursor, PackingRule, pack
+from .packing import Cursor, PackingRule, contexts_of_rows, pack
 from .partition import Partition, shard_file
 from .points import HarvestHookError, check_points, stop_layer
 from .sources import open_source
@@ -72,7 +72,8 @@ def harvest(
 
     ``model``: a :class:`~lensadapters.HookedModel`, a Hugging Face model (wrapped for the call) or a checkpoint
     folder. ``data``: a text file (one row per line), a JSONL file (``text_column`` of each object) or a folder
-    saved with ``datasets``' ``save_to_disk``. Rows are tokenized without BOS and packed into contexts of
+    saved with ``datasets``' ``save_to_disk`` (of text, or of token ids -- ``input_ids``/``tokens``, one context per
+    row, as SAELens reads a pretokenized dataset). Rows of text are tokenized without BOS and packed into contexts of
     ``context_size`` tokens as SAELens packs them (BOS first in each context when ``prepend_bos``,
     ``sequence_separator`` — ``"bos"``, ``"eos"``, a token id or ``None`` — between rows); only full contexts
     are kept, so nothing is padding. The model runs ``batch_size`` contexts at a time and stops after the last
@@ -277,7 +278,10 @@ class _Run:
                 writer.discard()
 
     def _contexts(self, cursor: Cursor) -> Iterator[tuple[torch.Tensor, Cursor]]:
-        return pack(self.source.rows(cursor.row), self.tokenize, self.rule, cursor)
+        rows = self.source.rows(cursor.row)
+        if self.source.kind == "tokens":
+            return contexts_of_rows(rows, self.size, cursor)
+        return pack(rows, self.tokenize, self.rule, cursor)
 
     @torch.no_grad()
     def _write_batch(self, writer: ShardWriter, batch: list[torch.Tensor], bar: Any) -> None:

@@ -1,7 +1,9 @@
 """Rows of text from a local file or dataset, in a fixed order, restartable at any row.
 
 A *row* is one line of a text file (as ``datasets.load_dataset("text")`` reads it), one JSON object of a JSONL
-file, or one row of a saved Hugging Face dataset (``datasets.load_from_disk``).
+file, or one row of a saved Hugging Face dataset (``datasets.load_from_disk``). A saved dataset without a text
+column but with token ids (``input_ids`` or ``tokens``, as SAELens' pretokenizing writes) is a *tokens* source:
+its rows are lists of token ids.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..errors import LensAdaptersError
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _FINGERPRINT_BYTES = 1 << 20
+TOKEN_COLUMNS = ("input_ids", "tokens")
 
 
 class DataSourceError(LensAdaptersError, ValueError):
@@ -24,16 +27,17 @@ class DataSourceError(LensAdaptersError, ValueError):
 
 @dataclass(frozen=True)
 class TextSource:
-    """Where the text comes from: ``kind`` is ``"text"``, ``"jsonl"`` or ``"dataset"``."""
+    """Where the text comes from: ``kind`` is ``"text"``, ``"jsonl"``, ``"dataset"`` or ``"tokens"`` (a saved
+    dataset of token ids; ``text_column`` is then the token column)."""
 
     path: str
     kind: str
     text_column: str = "text"
     split: Optional[str] = None
 
-    def rows(self, start: int = 0) -> Iterator[str]:
-        """The rows' texts from row ``start`` on."""
-        if self.kind == "dataset":
+    def rows(self, start: int = 0) -> Iterator[Any]:
+        """The rows' texts (token id lists for a tokens source) from row ``start`` on."""
+        if self.kind in ("dataset", "tokens"):
             yield from _dataset_rows(self._dataset(), self.text_column, start)
             return
         with open(self.path, encoding="utf-8") as handle:
@@ -50,7 +54,7 @@ class TextSource:
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies the data: a harvest resumed on other data is refused."""
-        if self.kind == "dataset":
+        if self.kind in ("dataset", "tokens"):
             ds = self._dataset()
             return {
                 "kind": self.kind,
@@ -83,6 +87,9 @@ class TextSource:
                 )
             loaded = loaded[split]
         if self.text_column not in loaded.column_names:
+            tokens = [c for c in TOKEN_COLUMNS if c in loaded.column_names]
+            if self.kind == "dataset" and tokens and self.text_column == "text":
+                return loaded
             raise DataSourceError(
                 f"the dataset at {self.path} has no {self.text_column!r} column (it has "
                 f"{loaded.column_names}): name the text column with text_column= (--text-column)"
@@ -99,7 +106,11 @@ def open_source(path: str, text_column: str = "text", split: Optional[str] = Non
             raise DataSourceError(
                 f"{path} is a folder but not a dataset saved with save_to_disk (no state.json or dataset_dict.json)"
             )
-        return TextSource(path, "dataset", text_column, split)
+        source = TextSource(path, "dataset", text_column, split)
+        columns = source._dataset().column_names
+        if text_column not in columns:
+            return TextSource(path, "tokens", next(c for c in TOKEN_COLUMNS if c in columns), split)
+        return source
     if not os.path.isfile(path):
         raise DataSourceError(f"no such data file or dataset folder: {path}")
     kind = "jsonl" if path.endswith(_JSONL_SUFFIXES) else "text"

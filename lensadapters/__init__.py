@@ -22,6 +22,7 @@ from .cache_analysis import DecompositionUndefinedError
 from .factored_matrix import FactoredMatrix
 from .tl_call import Output, TransformerLensKeywordError
 from .tokens import NoTokenizerError
+from .harvest import HarvestMismatchError, harvest, load_harvest
 from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
@@ -85,4 +86,8 @@ __all__ = [
     "TransformerLensKeywordError",
     "NoTokenizerError",
     "DecompositionUndefinedError",
+    # activation harvesting
+    "harvest",
+    "load_harvest",
+    "HarvestMismatchError",
 ]

@@ -1,4 +1,4 @@
-"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``, ``check``."""
+"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``, ``check``, ``harvest``."""
 
 from __future__ import annotations
 
@@ -124,6 +124,31 @@ def _check(args: argparse.Namespace) -> int:
                verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args, variants=variants)
 
 
+def _harvest(args: argparse.Namespace) -> int:
+    import torch
+
+    from .harvest import harvest
+    from .hooked_model import HookedModel
+
+    hf_kwargs = {"local_files_only": True}
+    hf_kwargs["dtype"] = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+
+    hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)
+    hm.hf_model.eval()
+    try:
+        result = harvest(hm, args.data, args.hooks, args.out, context_size=args.context_size,
+                         batch_size=args.batch_size, max_tokens=args.max_tokens, dtype=args.dtype,
+                         drop_bos=args.drop_bos, flatten=args.flatten, prepend_bos=not args.no_prepend_bos,
+                         text_column=args.text_column, split=args.split, shard_contexts=args.shard_contexts,
+                         progress=not args.quiet)
+    finally:
+        hm.unwrap()
+    resumed = f", resumed after {result.resumed_from} contexts" if result.resumed_from else ""
+    print(f"{result.out}: {result.contexts} contexts ({result.tokens} tokens) in {result.shards} shards{resumed}; "
+          f"read it with datasets.load_from_disk({result.out!r})")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lensadapters", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,14 +187,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="report a failing example as found instead of shrinking it to a minimal one (faster)")
     p.add_argument("--variant", action="append", metavar="NAME",
                    help="run a variant of the suite (declared by an installed plugin) instead; repeatable")
+    check = p
+    p = sub.add_parser(
+        "harvest", help="write hook points' activations over a text dataset to disk (resumable)",
+        description="Run a local checkpoint over text packed into fixed-length contexts (as SAELens packs it) and "
+                    "write the activations of the named hook points in shards; datasets.load_from_disk(OUT) reads "
+                    "them, one row per context. Run the same command again to resume after an interruption.")
+    p.add_argument("model_dir", help="a local checkpoint folder (model and tokenizer)")
+    p.add_argument("--data", required=True, help="a text file (one row per line), a JSONL file or a dataset folder "
+                                                 "saved with datasets' save_to_disk (text, or token ids: "
+                                                 "input_ids/tokens, one context per row)")
+    p.add_argument("--hooks", nargs="+", required=True, metavar="NAME", help="hook points to store")
+    p.add_argument("--out", required=True, help="output folder (new, or a harvest of the same command to resume)")
+    p.add_argument("--context-size", type=int, default=128, help="tokens per context (default 128)")
+    p.add_argument("--batch-size", type=int, default=8, help="contexts per forward (default 8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (whole contexts)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="dtype of the stored activations (bfloat16 is stored exactly as float32)")
+    p.add_argument("--model-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="dtype to load the model in (default: as saved)")
+    p.add_argument("--drop-bos", action="store_true", help="leave out position 0 (each context's BOS token)")
+    p.add_argument("--no-prepend-bos", action="store_true", help="do not start each context with BOS")
+    p.add_argument("--flatten", action="store_true",
+                   help="store every point as [context, d] (per-head points flattened: SAELens' 2-D layout)")
+    p.add_argument("--text-column", default="text", help="text field of JSONL rows / dataset column (default text)")
+    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default train)")
+    p.add_argument("--shard-contexts", type=int, default=None,
+                   help="contexts per shard, the unit of resumption (default: about 256 MiB per shard)")
+    p.add_argument("--adapter", default=None, help="force a plugin by name")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_harvest)
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # `lensadapters check PLUGIN ... -- PYTEST ARGS`
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
-    flags = _variant_flags(p) if "check" in argv else []
-    p.set_defaults(func=_check, variant_flags=flags)
-    p.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
+    flags = _variant_flags(check) if "check" in argv else []
+    check.set_defaults(func=_check, variant_flags=flags)
+    check.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         if args.command == "check" and all(u.startswith("--") for u in unknown):

@@ -444,6 +444,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     def unwrap(self) -> Any:
         """Remove every hook and give back the model object, exactly as it was."""
         if self._alive:
+            if self.__dict__.get("_sae_splices"):
+                self.reset_saes()
             self.reset_hooks(including_permanent=True)
             self.wiring.uninstall()
             for key in (self.model, self.hf_model):

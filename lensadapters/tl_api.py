@@ -2,6 +2,7 @@
 
 * the tokenizer and its methods (:mod:`lensadapters.tokens`), ``HookedModel.from_pretrained``;
 * weight-based circuits (:mod:`lensadapters.circuits`): ``OV``, ``QK``, composition scores...;
+* SAELens SAEs spliced in (:mod:`lensadapters.saes`): ``run_with_saes``, ``run_with_cache_with_saes``...;
 * attribute access to hook points (:mod:`lensadapters.hook_namespace`): ``hm.blocks[0].attn.hook_pattern``;
 * ``torch.nn.Module`` conveniences that act on the wrapped model: ``to``, ``cpu``, ``cuda``, ``eval``,
   ``train``, ``parameters``, ``named_parameters``, ``state_dict``, ``requires_grad_``, ``dtype``;
@@ -19,13 +20,14 @@ import torch
 
 from . import hook_namespace
 from .circuits import CircuitsMixin
+from .saes import SAEMixin
 from .tokens import TokenizerMixin
 
 _TOKENIZER_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 
 
-class TransformerLensAPI(TokenizerMixin, CircuitsMixin):
+class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
     """TransformerLens' everyday methods on :class:`lensadapters.HookedModel`."""
 
     model: Any

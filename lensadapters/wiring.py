@@ -265,6 +265,14 @@ class Wiring:
             self._points = dict(items[:at] + [(name, point)] + items[at:])
         return point
 
+    def remove_point(self, name: str) -> None:
+        """Remove a point that :meth:`new_point` made and no site fires (an SAE's points), with its hooks."""
+        point = self.point(name)
+        if self._point_sites.get(point):
+            raise LensAdaptersError(f"hook point {name!r} is fired by the model's modules and cannot be removed")
+        self._hooked_points.discard(point)
+        del self._points[name]
+
     def claim_point(self, name: str) -> HookPoint:
         """Take over a point the core created: the core builds no site for it, the caller's site serves it.
 

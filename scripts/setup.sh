@@ -16,8 +16,10 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 constraints=constraints.txt
 if [ -n "$transformers_pin" ]; then
   constraints="$(mktemp)"
-  grep -v '^transformers==' constraints.txt > "$constraints"
+  grep -v -e '^transformers==' -e '^datasets==' constraints.txt > "$constraints"
   echo "transformers==$transformers_pin" >> "$constraints"
+  # the pinned datasets needs huggingface-hub 1.x, transformers 4.x needs < 1: the TransformerLens environment's pin
+  grep '^datasets==' benchmarks/constraints-bench-tl2.txt >> "$constraints"
 fi
 # every plugin folder of the checkout (the built-in plugins and the example third-party one), editable
 projects=()

@@ -47,7 +47,18 @@ class Tiny:
 
 ARCHITECTURES = [Tiny(info, arch) for info in architecture_plugins() for arch in info.architectures]
 #: those whose attention goes through transformers' attention interface (the core's pattern backend)
-INTERFACE = [t for t in ARCHITECTURES if "sdpa" in t.arch.attn_implementations]
+def _sdpa_patterns(tiny: "Tiny") -> bool:
+    """Whether the architecture's tiny model can hook patterns under sdpa-like attention (an attention softcap,
+    which sdpa does not apply, refuses them: its plugin's tests check that)."""
+    if "sdpa" not in tiny.arch.attn_implementations:
+        return False
+    hm = tiny.wrap()
+    capped = hm.cfg.attn_scores_soft_cap > 0
+    hm.unwrap()
+    return not capped
+
+
+INTERFACE = [t for t in ARCHITECTURES if _sdpa_patterns(t)]
 
 
 def _ids(tinies: list) -> list:

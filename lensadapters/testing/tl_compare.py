@@ -99,13 +99,24 @@ def _difference(a: Tensor, b: Tensor) -> float:
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
+#: the head-input points exist in TL only with ``use_split_qkv_input``/``use_attn_in``, which the family references
+#: leave off (the analysis layer's own comparison, ``tests/test_tl_reference.py``, turns them on)
+HEAD_INPUT_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+
+
+def comparable_names(hm: Any) -> list[str]:
+    """``hm.hook_names`` without the head-input points (see ``HEAD_INPUT_POINTS``)."""
+    return [n for n in hm.hook_names if not n.endswith(HEAD_INPUT_POINTS)]
+
+
 def compare_hooks(hm: Any, tl: Any, tokens: Tensor, skip: Iterable[str] = (),
                   names: Optional[Iterable[str]] = None) -> Comparison:
     """Run both on ``tokens`` (unpadded) and compare every hook point both have (or ``names``), and the logits."""
     skip = set(skip)
     ours_names = set(hm.hook_names)
     theirs_names = set(tl.hook_dict)
-    shared = [n for n in hm.hook_names if n in theirs_names and n not in skip] if names is None else list(names)
+    shared = ([n for n in comparable_names(hm) if n in theirs_names and n not in skip]
+              if names is None else list(names))
     result = Comparison(only_ours=sorted(ours_names - theirs_names), only_theirs=sorted(theirs_names - ours_names))
     with torch.no_grad():
         logits, ours = hm.run_with_cache(tokens, names_filter=shared)

@@ -56,8 +56,6 @@ ARCH = Architecture(
     description="Gemma 2 (Gemma2ForCausalLM, Gemma2Model): sandwich norms, (1 + w) RMSNorm, scaled embeddings, "
                 "logit softcaps, alternating sliding windows",
     transformers=">=4.57,<6",
-    # attention-logit softcapping: sdpa does not apply it (4.x ignores it, 5.x refuses it), eager does
-    attn_implementations=("eager",),
 )
 FAMILY = "Gemma2"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lensadapters.testing import perturb
-from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available
+from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available, comparable_names
 from lensadapters_mistral.testing import MistralContract, mistral_config
 
 pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
@@ -36,14 +36,14 @@ def test_hook_values_match_transformerlens(window):
     assert result.logits < ATOL
     # every lensadapters point of a Mistral block is one TL has (TL's extra points fire only with its flags)
     assert not result.only_ours, result.only_ours
-    assert len(result.compared) == len(hm.hook_names)
+    assert len(result.compared) == len(comparable_names(hm))
     hm.unwrap()
 
 
 def test_edits_have_the_effect_they_have_in_transformerlens():
     hm, tl = pair(window=3)
     # every kind of point once: the last block's (its layers share one layout) and the model's own
-    for name in [n for n in hm.hook_names if not n.startswith("blocks.0.")]:
+    for name in [n for n in comparable_names(hm) if not n.startswith("blocks.0.")]:
         def edit(t, name=name):
             return perturb(t, type("H", (), {"name": name})())
 

@@ -1,12 +1,6 @@
-import os
+"""The Hypothesis profiles of every lensadapters suite (HYPOTHESIS_PROFILE=dev|ci|thorough), loaded before the
+contract suite is defined (Hypothesis fixes a test's settings when the test is defined)."""
 
-from hypothesis import HealthCheck, settings
+from lensadapters.testing.profiles import load_profile
 
-# the same profiles as lensadapters' own tests: HYPOTHESIS_PROFILE=dev (default) | ci | thorough
-# ci: derandomized, so a CI run checks the same examples as every other (reproducible, no flaky reds);
-# dev and thorough draw new examples on every run to keep exploring
-settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, database=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+load_profile()

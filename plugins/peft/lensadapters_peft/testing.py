@@ -139,6 +139,16 @@ class LoraContract(AdapterContract):
     which modules may be adapted.
     """
 
+    @classmethod
+    def supports(cls, contract: type) -> Optional[str]:
+        """Why this variant does not run over ``contract`` (``None``: it does): LoRA on a mixture of experts (fused
+        expert parameters or expert modules, per transformers version) is checked by the architecture's own tests."""
+        from lensadapters.testing.moe import MoEContract
+
+        if issubclass(contract, MoEContract):
+            return "LoRA on mixture-of-experts models is checked by their architecture's own tests"
+        return None
+
     extra_plugins = (lp,)
 
     # --- building adapted models -------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lensadapters.testing import perturb
-from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available
+from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available, comparable_names
 from lensadapters_qwen2.testing import Qwen2Contract, qwen2_config
 
 pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
@@ -41,7 +41,7 @@ def test_hook_values_match_transformerlens():
 def test_edits_have_the_effect_they_have_in_transformerlens():
     hm, tl = pair()
     # every kind of point once: the last block's (its layers share one layout) and the model's own
-    for name in [n for n in hm.hook_names if not n.startswith("blocks.0.")]:
+    for name in [n for n in comparable_names(hm) if not n.startswith("blocks.0.")]:
         def edit(t, name=name):
             return perturb(t, type("H", (), {"name": name})())
 

@@ -74,6 +74,7 @@ def _hooks(args: argparse.Namespace) -> int:
     import torch
 
     from .generic import GenericAdapterWarning, summary
+    from .errors import UnsupportedModelError
     from .hooked_model import HookedModel
 
     model, registry = _load_for_hooks(args.target)
@@ -83,7 +84,11 @@ def _hooks(args: argparse.Namespace) -> int:
     note = summary(hm.wiring, fallback=args.adapter is None) if hm.plugin is registry.generic else None
     ids = torch.zeros(1, args.length, dtype=torch.long)
     with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
+        try:
+            _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
+        except UnsupportedModelError as exc:  # patterns refused under this attention implementation: the rest
+            print(f"note: {exc}", file=sys.stderr)
+            _, cache = hm.run_with_cache(ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores")))
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
     hm.unwrap()
     if args.json:

@@ -122,6 +122,13 @@ def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch
             scores = scores / torch.full([], query.shape[-1] ** 0.5, dtype=scores.dtype, device=scores.device)
         if module.scale_attn_by_inverse_layer_idx:
             scores = scores / float(module.layer_idx + 1)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.dtype == torch.bool and not module.is_cross_attention:
+            # 4.57's eager path masks future keys with the dtype's minimum itself, before adding the attention mask:
+            # a row the mask leaves empty then spreads over the earlier keys only (min + min is -inf)
+            q_len, k_len = scores.shape[-2], scores.shape[-1]
+            causal = bias[:, :, k_len - q_len : k_len, :k_len]
+            scores = torch.where(causal, scores, torch.full([], torch.finfo(scores.dtype).min, dtype=scores.dtype))
         return scores
     return torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
 

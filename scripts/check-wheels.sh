@@ -38,7 +38,7 @@ for extra, requirements in extras.items():
     if len(requirements) != 1 or canonicalize_name(Requirement(requirements[0]).name) not in folders:
         continue
     dist, module, names = folders[canonicalize_name(Requirement(requirements[0]).name)]
-    builtin += names
+    builtin += [name for name in names if name not in builtin]  # a distribution may have two extras (phi, phi3)
     archs = getattr(importlib.import_module(module), "lensadapters_architectures", lambda: [])()
     if single is None and archs:
         single = (extra, names[0], archs[0].name, dist)

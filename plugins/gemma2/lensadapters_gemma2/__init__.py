@@ -29,6 +29,7 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from torch import nn
@@ -45,7 +46,6 @@ from lensadapters import (
     hf,
     hookimpl,
 )
-from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -57,30 +57,12 @@ ARCH = Architecture(
                 "logit softcaps, alternating sliding windows",
     transformers=">=4.57,<6",
 )
-FAMILY = "Gemma2"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("Gemma2RMSNorm",)
-
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="pre_feedforward_layernorm", mlp="mlp", ln1_post="post_attention_layernorm",
-                     ln2_post="post_feedforward_layernorm")
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
-
-
-def layer_windows(config: Any) -> list[Optional[int]]:
-    """Each layer's sliding window (``None`` for global attention), from ``config.layer_types``."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in types]
+FAMILY = hf.DecoderFamily(
+    "Gemma2", model_type="gemma2", packages=("gemma2",), norms=("Gemma2RMSNorm",),
+    norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
+    block=BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
+                      ln2="pre_feedforward_layernorm", mlp="mlp", ln1_post="post_attention_layernorm",
+                      ln2_post="post_feedforward_layernorm"))
 
 
 def _cap(value: Optional[float]) -> float:
@@ -94,76 +76,51 @@ def lensadapters_architectures() -> list[Architecture]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("gemma2",))
-    base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, _BLOCK.ln1_post,
-                                 _BLOCK.ln2_post, *_QKV_PATHS, _MLP.pre, _MLP.pre_linear, _MLP.out))
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
-    if getattr(config, "use_bidirectional_attention", False):
+    FAMILY.validate(model)
+    if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 2 config sets use_bidirectional_attention=True (an encoder, not a causal language model); the "
             "gemma2 plugin describes causal Gemma 2 models, whose attention masks it reproduces")
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
-    head_dim, windows = hf.head_dim(c), layer_windows(c)
-    windowed = any(w is not None for w in windows)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_activation, normalization_type="RMS", positional_embedding_type="rotary",
-        model_type="gemma2", n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True,
-        eps=c.rms_norm_eps, original_architecture=type(model).__name__,
-        attn_scores_soft_cap=_cap(c.attn_logit_softcapping), output_logits_soft_cap=_cap(c.final_logit_softcapping),
-        window_size=next((w for w in windows if w is not None), None),
-        attn_types=tuple("local" if w else "global" for w in windows) if windowed else None,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model),
-               "query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
+    return FAMILY.hooked_config(
+        model, act_fn=c.hidden_activation, attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
+        output_logits_soft_cap=_cap(c.final_logit_softcapping), **hf.window_fields(hf.layer_windows(c)),
+        extra={"query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
                "embed_scale": float(c.hidden_size) ** 0.5, "use_normalization_before_and_after": True,
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True))},
-    )
+               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True))})
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    embed = model.get_submodule(hf.join(base, "embed_tokens"))
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model), embed_scale=float(model.config.hidden_size) ** 0.5,
-                       # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
-                       embed_scale_after_module=not hasattr(embed, "embed_scale"))
+    layout = FAMILY.embed(model)
+    embed = model.get_submodule(layout.embed)
+    return replace(layout, embed_scale=float(model.config.hidden_size) ** 0.5,
+                   # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
+                   embed_scale_after_module=not hasattr(embed, "embed_scale"))
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+    return FAMILY.block
 
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)))
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return _MLP
+    return FAMILY.mlp
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS, weight_offset=1.0)  # Gemma: x / rms * (1 + weight)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl

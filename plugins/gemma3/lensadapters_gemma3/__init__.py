@@ -87,13 +87,6 @@ def rope_types(model: nn.Module) -> list[str]:
     return found
 
 
-def layer_windows(config: Any) -> list[Optional[int]]:
-    """Each layer's sliding window (``None`` for global attention), from ``config.layer_types``."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in types]
-
-
 def rope_bases(config: Any) -> tuple[Optional[float], Optional[float]]:
     """``(global, local)`` RoPE bases (transformers 4.x: ``rope_theta``, ``rope_local_base_freq``)."""
     params = getattr(config, "rope_parameters", None)
@@ -132,20 +125,13 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
         raise UnsupportedModelError(
             "this Gemma 3 config sets use_bidirectional_attention=True (an encoder such as EmbeddingGemma, not a "
             "causal language model); the gemma3 plugin describes causal Gemma 3 models, whose masks it reproduces")
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
+    hf.require_head_shapes(config, layers[0].get_submodule(_QKV_PATHS[0]))
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = text_config(model)
-    head_dim, windows = hf.head_dim(c), layer_windows(c)
-    windowed = any(w is not None for w in windows)
+    head_dim = hf.head_dim(c)
     base_global, base_local = rope_bases(c)
     return HookedConfig(
         n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
@@ -155,8 +141,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
         gated_mlp=True, eps=c.rms_norm_eps, original_architecture=type(model).__name__,
         # transformers' Gemma 3 never passes attn_logit_softcapping to its attention function: no attention softcap
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
-        window_size=next((w for w in windows if w is not None), None),
-        attn_types=tuple("local" if w else "global" for w in windows) if windowed else None,
+        **hf.window_fields(hf.layer_windows(c)),
         extra={"rotary_base": base_global, "rotary_base_local": base_local, "rope_types": rope_types(model),
                "query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
                "embed_scale": float(c.hidden_size) ** 0.5, "use_normalization_before_and_after": True,

@@ -27,11 +27,9 @@ from lensadapters import (
     ModelLayout,
     NormSpec,
     SeparateQKV,
-    UnsupportedModelError,
     hf,
     hookimpl,
 )
-from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -42,22 +40,7 @@ ARCH = Architecture(
     description="Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU",
     transformers=">=4.57,<6",
 )
-FAMILY = "Mistral"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("MistralRMSNorm",)
-
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp")
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
 
 
 def window(config: Any) -> Optional[int]:
@@ -72,64 +55,39 @@ def lensadapters_architectures() -> list[Architecture]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("mistral",))
-    base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
-                                 _MLP.pre, _MLP.pre_linear, _MLP.out))
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
+    FAMILY.validate(model)
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
-    c = model.config
-    head_dim, w = hf.head_dim(c), window(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="mistral",
-        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__, window_size=w,
-        attn_types=("local",) * c.num_hidden_layers if w else None,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
-    )
+    w = window(model.config)
+    return FAMILY.hooked_config(model, window_size=w,
+                                attn_types=("local",) * model.config.num_hidden_layers if w else None)
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return FAMILY.embed(model)
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+    return FAMILY.block
 
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)))
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return _MLP
+    return FAMILY.mlp
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl

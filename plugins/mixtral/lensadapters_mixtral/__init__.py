@@ -15,27 +15,19 @@ Routing: softmax over all experts (float32), top-``num_experts_per_tok``, the se
 sum to one. Hook points, weights and edit semantics are the core's (``lensadapters.moe``); ``W_in`` is ``w3``/the up
 rows, ``W_gate`` ``w1``/the gate rows, ``W_out`` ``w2``/``down_proj``, ``W_router`` the router.
 
-Refused at wrap time: rope types outside the list below, attention implementations other than ``eager`` and
+Refused at wrap time: rope types whose rotation is not rotate-half, attention implementations other than ``eager`` and
 ``sdpa``, modules without Mixtral's layout.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Any
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    ModelLayout,
-    SeparateQKV,
-    UnsupportedModelError,
-    hookimpl,
-)
+from lensadapters import Architecture, BlockLayout, HookedConfig, ModelLayout, SeparateQKV, hf, hookimpl
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
-from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -46,63 +38,9 @@ ARCH = Architecture(
     description="Mixtral (MixtralForCausalLM, MixtralModel): sparse mixture of experts, GQA, RoPE, RMSNorm",
     transformers=">=4.57,<6",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-SUPPORTED_ATTENTION = ("eager", "sdpa")
-_ATTN_PREFIX = "lensadapters:"
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-
-# --- locating the pieces ------------------------------------------------------------------------
-
-
-def _base_path(model: nn.Module) -> str:
-    """Dotted path of the ``MixtralModel`` inside ``model`` ("" when ``model`` is one)."""
-    for name, module in model.named_modules():
-        if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
-            return name
-    raise UnsupportedModelError(
-        f"{type(model).__name__} has model_type 'mixtral' but no submodule with `embed_tokens` and `layers`; "
-        f"lensadapters-mixtral supports transformers' Mixtral classes (MixtralForCausalLM, MixtralModel, ...)"
-    )
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    try:
-        return list(model.get_submodule(_join(_base_path(model), "layers")))
-    except AttributeError:
-        return []
-
-
-def _unembed_path(model: nn.Module) -> Optional[str]:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if head is None:
-        return None
-    for name, module in model.named_modules():
-        if module is head:
-            return name
-    return None
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _rope_theta(config: Any) -> Optional[float]:
-    params = getattr(config, "rope_parameters", None)  # transformers 5.x
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    return float(theta) if theta is not None else None
-
-
-def _rope_type(model: nn.Module) -> str:
-    rotary = model.get_submodule(_join(_base_path(model), "rotary_emb"))
-    return str(getattr(rotary, "rope_type", "default"))
+# attention and norms as Mistral's; the MoE block's path depends on the transformers version (see _moe_path)
+FAMILY = hf.DecoderFamily("Mixtral", model_type="mixtral", block=replace(hf.DECODER_BLOCK, mlp=None), mlp=None,
+                          attention=("eager", "sdpa"))
 
 
 def _moe_path(layer: nn.Module) -> str:
@@ -138,23 +76,9 @@ def lensadapters_architectures() -> list[Architecture]:
     return [ARCH]
 
 
-def _missing_paths(layer: nn.Module) -> list[str]:
+def _missing_moe_paths(layer: nn.Module) -> list[str]:
     moe = _moe_path(layer)
-    paths = [
-        "input_layernorm",
-        "self_attn",
-        "self_attn.o_proj",
-        "post_attention_layernorm",
-        *_QKV_PATHS,
-        f"{moe}.gate",
-        f"{moe}.experts",
-    ]
-    missing = []
-    for path in paths:
-        try:
-            layer.get_submodule(path)
-        except AttributeError:
-            missing.append(path)
+    missing = [p for p in (f"{moe}.gate", f"{moe}.experts") if not _has(layer, p)]
     if missing:
         return missing
     experts = layer.get_submodule(f"{moe}.experts")
@@ -170,43 +94,12 @@ def _missing_paths(layer: nn.Module) -> list[str]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    config = model.config
-    base = _base_path(model)
-    layers = _layers(model)
-    missing = [_join(base, p) for p in ("embed_tokens", "norm", "rotary_emb") if not _has(model, _join(base, p))]
-    for i, layer in enumerate(layers):
-        missing += [f"{_join(base, 'layers')}.{i}.{p}" for p in _missing_paths(layer)]
-    if missing or not layers:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has model_type 'mixtral' but not transformers' Mixtral layout (missing: "
-            f"{', '.join(missing[:6]) or 'decoder layers'}); lensadapters-mixtral supports transformers' Mixtral "
-            f"classes"
-        )
-    rope_type = _rope_type(model)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"Mixtral rope type {rope_type!r} is not supported by lensadapters-mixtral (supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}): hook_rot_q/hook_rot_k need rotate-half RoPE on the (cos, sin) of "
-            f"model.rotary_emb"
-        )
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl.startswith(_ATTN_PREFIX):
-        impl = impl[len(_ATTN_PREFIX) :]
-    if impl not in SUPPORTED_ATTENTION:
-        raise UnsupportedModelError(
-            f"attention implementation {impl!r} is not supported by lensadapters-mixtral (supported: "
-            f"{', '.join(SUPPORTED_ATTENTION)}). Call model.set_attn_implementation('sdpa') before wrapping"
-        )
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UnsupportedModelError(
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads={config.num_key_value_heads}"
-        )
+    FAMILY.validate(model, missing_in_layer=_missing_moe_paths)
 
 
-def _has(model: nn.Module, path: str) -> bool:
+def _has(module: nn.Module, path: str) -> bool:
     try:
-        model.get_submodule(path)
+        module.get_submodule(path)
         return True
     except AttributeError:
         return False
@@ -215,64 +108,30 @@ def _has(model: nn.Module, path: str) -> bool:
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
-    head_dim = _head_dim(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=head_dim,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_act,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        model_type="mixtral",
-        n_key_value_heads=c.num_key_value_heads,
-        rotary_dim=head_dim,
-        gated_mlp=True,
-        eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
-        num_experts=c.num_local_experts,
-        experts_per_token=c.num_experts_per_tok,
-        extra={
-            "rope_theta": _rope_theta(c),
-            "rope_type": _rope_type(model),
-            "sliding_window": getattr(c, "sliding_window", None),
-            "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
-            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
-        },
-    )
+    return FAMILY.hooked_config(
+        model, num_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
+        extra={"sliding_window": getattr(c, "sliding_window", None),
+               "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0)})
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base_path(model)
-    return ModelLayout(
-        blocks=_join(base, "layers"),
-        embed=_join(base, "embed_tokens"),
-        ln_final=_join(base, "norm"),
-        rotary=_join(base, "rotary_emb"),
-        unembed=_unembed_path(model),
-    )
+    return FAMILY.embed(model)
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    moe = _moe_path(_layers(model)[layer])
-    return BlockLayout(
-        ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp=moe
-    )
+    return replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer]))
 
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(_head_dim(model.config)))
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MoELayout:
-    return moe_layout(_layers(model)[layer], model.config)
+    return moe_layout(FAMILY.layers(model)[layer], model.config)
 
 
 @hookimpl

@@ -36,7 +36,6 @@ from lensadapters import (
     ProjectionNorm,
     RotarySpec,
     SeparateQKV,
-    UnsupportedModelError,
     hf,
     hookimpl,
 )
@@ -52,24 +51,7 @@ ARCH = Architecture(
                 "projection width",
     transformers=">=4.57,<6",
 )
-FAMILY = "Olmo2"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("Olmo2RMSNorm",)
 Tensor = torch.Tensor
-
-_BLOCK = BlockLayout(ln1=None, attn="self_attn", o_proj="self_attn.o_proj", ln2=None, mlp="mlp",
-                     ln1_post="post_attention_layernorm", ln2_post="post_feedforward_layernorm")
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf"))
-_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
 
 
 def rotary_spec(rotary_dim: int) -> RotarySpec:
@@ -84,6 +66,15 @@ def rotary_spec(rotary_dim: int) -> RotarySpec:
     return RotarySpec(rotary_dim, apply, invert)
 
 
+# q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
+FAMILY = hf.DecoderFamily(
+    "Olmo2", model_type="olmo2", packages=("olmo2",), norms=("Olmo2RMSNorm",),
+    block=BlockLayout(ln1=None, attn="self_attn", o_proj="self_attn.o_proj", ln2=None, mlp="mlp",
+                      ln1_post="post_attention_layernorm", ln2_post="post_feedforward_layernorm"),
+    qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
+    rotary=rotary_spec)
+
+
 @hookimpl
 def lensadapters_architectures() -> list[Architecture]:
     return [ARCH]
@@ -91,67 +82,39 @@ def lensadapters_architectures() -> list[Architecture]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("olmo2",))
-    base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.attn, _BLOCK.o_proj, _BLOCK.mlp, _BLOCK.ln1_post, _BLOCK.ln2_post,
-                                 *_QKV_PATHS, *(n.module for n in _QK_NORMS), _MLP.pre, _MLP.pre_linear, _MLP.out))
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
+    FAMILY.validate(model)
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
-    c = model.config
-    head_dim = hf.head_dim(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="olmo2",
-        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model), "use_qk_norm": True,
-               "qk_norm_over_heads": True, "pre_norms": False,
-               "attention_bias": bool(getattr(c, "attention_bias", False)),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
-    )
+    return FAMILY.hooked_config(model, extra={
+        "use_qk_norm": True, "qk_norm_over_heads": True, "pre_norms": False,
+        "attention_bias": bool(getattr(model.config, "attention_bias", False))})
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return FAMILY.embed(model)
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+    return FAMILY.block
 
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-    return SeparateQKV(*_QKV_PATHS, rotary=rotary_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
-                       k_norm=_QK_NORMS[1])
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return _MLP
+    return FAMILY.mlp
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl

@@ -72,7 +72,7 @@ def _base(model: nn.Module) -> str:
 
 
 def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+    return hf.rope_type(model.get_submodule(hf.join(_base(model), "rotary_emb")))
 
 
 def partial_rotary_factor(config: Any) -> float:

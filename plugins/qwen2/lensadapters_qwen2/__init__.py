@@ -28,11 +28,9 @@ from lensadapters import (
     ModelLayout,
     NormSpec,
     SeparateQKV,
-    UnsupportedModelError,
     hf,
     hookimpl,
 )
-from lensadapters.rotary import rotate_half_spec
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -43,29 +41,7 @@ ARCH = Architecture(
     description="Qwen2 / Qwen2.5 (Qwen2ForCausalLM, Qwen2Model): q/k/v biases, per-layer sliding windows, GQA, RoPE",
     transformers=">=4.57,<6",
 )
-FAMILY = "Qwen2"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("Qwen2RMSNorm",)
-
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp")
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
-
-
-def layer_windows(config: Any) -> list[Optional[int]]:
-    """Each layer's sliding window (``None`` for full attention), from ``config.layer_types``."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in types]
+FAMILY = hf.DecoderFamily("Qwen2", model_type="qwen2", packages=("qwen2",), norms=("Qwen2RMSNorm",))
 
 
 @hookimpl
@@ -75,66 +51,37 @@ def lensadapters_architectures() -> list[Architecture]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("qwen2",))
-    base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
-                                 _MLP.pre, _MLP.pre_linear, _MLP.out))
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(layers[0].get_submodule(_QKV_PATHS[0]), "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * hf.head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {hf.head_dim(config)}")
+    FAMILY.validate(model)
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
-    c = model.config
-    head_dim, windows = hf.head_dim(c), layer_windows(c)
-    windowed = any(w is not None for w in windows)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="qwen2",
-        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
-        window_size=next((w for w in windows if w is not None), None),
-        attn_types=tuple("local" if w else "global" for w in windows) if windowed else None,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
-    )
+    return FAMILY.hooked_config(model, **hf.window_fields(hf.layer_windows(model.config)))
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return FAMILY.embed(model)
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+    return FAMILY.block
 
 
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)))
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return _MLP
+    return FAMILY.mlp
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl

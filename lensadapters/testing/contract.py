@@ -31,8 +31,10 @@ model has.
 
 What the properties may assume about the architecture is declared too (see :class:`Capabilities`; the
 defaults hold for GPT-2, GPT-NeoX, OPT, Llama and GPT-J): ``score_linear_points``, the query points whose
-doubling doubles the attention scores (not through a per-head query norm or a score softcap);
-``post_norms``, block outputs taken after a norm that follows their projection (Gemma 2's sandwich norms);
+doubling doubles the attention scores (not through a query norm), and ``score_invariant_points``, those whose
+doubling a scale-invariant query norm undoes; ``score_softcap``, the config attribute of an attention-score
+softcap; ``post_norms``, block outputs taken after a norm that follows their projection (Gemma 2's sandwich
+norms); ``pre_norms``, whether blocks have norms before attention and MLP (OLMo 2 has none);
 ``logit_softcap``, the config attribute of a final-logit softcap. A sliding attention window needs no
 declaration: the properties read which scores are masked from the scores themselves.
 
@@ -101,6 +103,11 @@ def perturb(t: torch.Tensor, hook: Any) -> torch.Tensor:
     return t * 1.5 + 0.3 * noise
 
 
+def uncap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """The scores before a softcap ``cap * tanh(s / cap)`` (``-inf`` stays ``-inf``)."""
+    return cap * torch.atanh((scores.double() / cap).clamp(-1 + 1e-15, 1 - 1e-15))
+
+
 def _flatten_scores(scores: torch.Tensor, hook: Any) -> torch.Tensor:
     """Every unmasked score 0 (a uniform pattern over the allowed keys), masked ones kept at ``-inf``."""
     return torch.where(torch.isfinite(scores), torch.zeros_like(scores), scores)
@@ -147,15 +154,25 @@ class Capabilities:
     What the properties may assume (the defaults hold for GPT-2, GPT-NeoX, OPT, Llama and GPT-J):
 
     * ``score_linear_points``: query points (relative to a block) whose doubling doubles every unmasked
-      attention score. Leave out a point behind which the queries are normalized per head (Qwen3's and
-      Gemma 3's ``q_norm``: drop ``attn.hook_q``) or whose scores are softcapped (Gemma 2: none is linear).
-      Points a model lacks are skipped.
+      attention score (before a declared ``score_softcap``). Leave out a point behind which the queries are
+      normalized (Qwen3's, Gemma 3's and OLMo 2's ``q_norm``: ``("attn.hook_rot_q",
+      "attn.q_norm.hook_normalized")``). Points a model lacks are skipped.
+    * ``score_invariant_points``: query points followed by a scale-invariant (RMS) query norm, whose doubling
+      leaves the scores as they were up to the norm's eps (``("attn.hook_q",)`` for those three).
+    * ``score_softcap``: the config attribute holding an attention-score softcap (Gemma 2:
+      ``"attn_logit_softcapping"``); where the config sets it ``c``, doubling a linear point doubles
+      ``c * atanh(score / c)`` (scores near the cap, where ``atanh`` is ill-conditioned, are left out).
     * ``post_norms``: block outputs taken after a norm that follows their projection, mapped to that norm
       (relative to the block): ``{"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}`` for Gemma 2's
       sandwich norms. The weight identities then read ``hook_attn_out == norm(z @ W_O + b_O)``, and head
       ablation compares the ``hook_z`` and ``hook_result`` edits with each other instead of subtracting a
       head's contribution from ``hook_attn_out``. Each declared norm must have its ``hook_scale`` point in
-      every block.
+      every block. A scale-invariant norm further on may then absorb a norm-scale edit (doubling ``ln1``'s
+      scale halves the values that ``ln1_post`` scales back): the edit must change the logits or, failing
+      that, the first hook point after the edited norm's (likewise with declared ``score_invariant_points``:
+      a saturated softmax may hide a query norm's edit).
+    * ``pre_norms``: ``False`` for blocks without norms before attention and MLP (OLMo 2): no ``ln1.*`` or
+      ``ln2.*`` points; attention reads ``hook_resid_pre`` and the MLP ``hook_mlp_in``.
     * ``logit_softcap``: the config attribute holding a final-logit softcap (Gemma 2:
       ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
     """
@@ -165,15 +182,16 @@ class Capabilities:
     gated_mlp: Optional[bool] = None
     parallel_blocks: Optional[bool] = None
     score_linear_points: tuple[str, ...] = ("attn.hook_q", "attn.hook_rot_q")
+    score_invariant_points: tuple[str, ...] = ()
+    score_softcap: Optional[str] = None
     post_norms: Mapping[str, str] = field(default_factory=dict)
+    pre_norms: bool = True
     logit_softcap: Optional[str] = None
 
 
-#: hook points every block has, whatever the architecture
+#: hook points every block has, whatever the architecture (and ln1.*, unless the contract declares no pre-norms)
 _BLOCK_POINTS = (
     "hook_resid_pre",
-    "ln1.hook_scale",
-    "ln1.hook_normalized",
     "attn.hook_q",
     "attn.hook_k",
     "attn.hook_v",
@@ -240,7 +258,10 @@ class AdapterContract:
     parallel_blocks: ClassVar[Optional[bool]] = None
     # what the properties may assume about the architecture (see Capabilities)
     score_linear_points: ClassVar[tuple[str, ...]] = ("attn.hook_q", "attn.hook_rot_q")
+    score_invariant_points: ClassVar[tuple[str, ...]] = ()
+    score_softcap: ClassVar[Optional[str]] = None
     post_norms: ClassVar[Mapping[str, str]] = {}
+    pre_norms: ClassVar[bool] = True
     logit_softcap: ClassVar[Optional[str]] = None
     # config families some properties must see on every run: {stratum: property names} (module docstring)
     config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
@@ -372,8 +393,14 @@ class AdapterContract:
         def points(*suffixes: str) -> list[str]:
             return [f"blocks.{i}.{s}" for i in blocks for s in suffixes]
 
-        missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS) if n not in names]
+        pre_norm_points = ("ln1.hook_scale", "ln1.hook_normalized") if declared.pre_norms else ()
+        missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS, *pre_norm_points) if n not in names]
         assert not missing, f"hook points every model has are missing: {missing}"
+        if not declared.pre_norms:
+            found = sorted(n for n in names if n.startswith("blocks.") and n.split(".")[2] in ("ln1", "ln2"))
+            assert not found, f"pre_norms=False, but the model has {found}"
+            missing = [n for n in points("hook_mlp_in") if n not in names]
+            assert not missing, f"pre_norms=False: the MLP reads hook_mlp_in, but the model lacks {missing}"
         shapes: dict[str, tuple[str, ...]] = {}  # capability point -> the point whose shape it has
         if declared.learned_positions is not None:
             assert ("hook_pos_embed" in names) == declared.learned_positions, (
@@ -693,41 +720,60 @@ class AdapterContract:
     def test_zero_ablating_a_head_removes_its_output(self, data: st.DataObject) -> None:
         """Zeroing a head's ``hook_z`` is removing ``z_h @ W_O[h]`` from ``hook_attn_out``, and dropping the head at
         ``hook_result`` is the same edit. Where a norm follows the output projection (declared ``post_norms``),
-        ``hook_attn_out`` is no sum of head contributions: the two head edits are compared with each other."""
+        both edits remove the contribution from that norm's input (``hook_normalized * hook_scale``; centred for
+        a LayerNorm) instead: ``hook_attn_out`` is no sum of head contributions there, and the logits after a
+        norm of an almost zero attention output (one head out of one) would turn rounding into differences."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
-        post_normed = "hook_attn_out" in self.capabilities(model).post_norms
+        post_norm = self.capabilities(model).post_norms.get("hook_attn_out")
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
-        with torch.no_grad():
-            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=[f"blocks.{layer}.attn.hook_z"])
-            contribution = torch.einsum("bpd,dm->bpm", cache["z", layer][:, :, head], hm.W_O[layer, head])
+        pre = f"blocks.{layer}."
+        norm = f"{pre}{post_norm}" if post_norm else None
+        watch = [pre + "attn.hook_z"] + ([norm + ".hook_normalized", norm + ".hook_scale"] if norm else [])
 
-            def ablate(z: torch.Tensor, hook: Any) -> torch.Tensor:
-                z = z.clone()
-                z[:, :, head] = 0
-                return z
+        def ablate(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            t = t.clone()
+            t[:, :, head] = 0
+            return t
+
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+            contribution = torch.einsum("bpd,dm->bpm", base["z", layer][:, :, head], hm.W_O[layer, head])
+            v = inputs.valid
+            if norm is not None:
+                for point in ("attn.hook_z", "attn.hook_result"):
+                    with hm.hooks([(pre + point, ablate)]):
+                        _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
+                    expected = self._norm_input(hm, base, norm) - contribution
+                    if hm.norm_spec(hm.norm_module(norm)).kind == "LN":
+                        expected = expected - expected.mean(-1, keepdim=True)
+                    assert_close(self._norm_input(hm, edited, norm)[v], expected[v],
+                                 f"{point} ablation removes the head's W_O contribution before {post_norm}")
+                hm.unwrap()
+                return
 
             def subtract(out: torch.Tensor, hook: Any) -> torch.Tensor:
                 return out - contribution
 
-            ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)])
-            subtracted = None if post_normed else hm.run_with_hooks(
-                **inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.hook_attn_out", subtract)])
+            ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(pre + "attn.hook_z", ablate)])
+            subtracted = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(pre + "hook_attn_out", subtract)])
             # hook_result agrees: dropping one head's result is the same edit
-            def drop(result: torch.Tensor, hook: Any) -> torch.Tensor:
-                result = result.clone()
-                result[:, :, head] = 0
-                return result
-
-            dropped = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"blocks.{layer}.attn.hook_result", drop)])
-        v = inputs.valid
-        if subtracted is None:
-            assert_close(dropped[v], ablated[v], "hook_result ablation == z ablation (before the post norm)")
-        else:
-            assert_close(ablated[v], subtracted[v], "z ablation == removing the head's W_O contribution")
-            assert_close(dropped[v], subtracted[v], "hook_result ablation == removing the head's contribution")
+            dropped = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(pre + "attn.hook_result", ablate)])
+        assert_close(ablated[v], subtracted[v], "z ablation == removing the head's W_O contribution")
+        assert_close(dropped[v], subtracted[v], "hook_result ablation == removing the head's contribution")
         hm.unwrap()
+
+    @staticmethod
+    def _norm_input(hm: HookedModel, cache: Any, prefix: str) -> torch.Tensor:
+        """A norm's input as its hook points give it: ``hook_normalized * hook_scale`` (a LayerNorm's, centred
+        and before its weight and bias)."""
+        normalized = cache[f"{prefix}.hook_normalized"]
+        spec = hm.norm_spec(hm.norm_module(prefix))
+        if spec.kind == "LN":
+            normalized = normalized - (spec.bias if spec.bias is not None else 0)
+            normalized = normalized / spec.weight if spec.weight is not None else normalized
+        return normalized * cache[f"{prefix}.hook_scale"]
 
     @_SETTINGS
     @given(data=st.data())
@@ -792,12 +838,20 @@ class AdapterContract:
     @_SETTINGS
     @given(data=st.data())
     def test_norm_scale_edit_is_used(self, data: st.DataObject) -> None:
+        """Doubling any norm's ``hook_scale`` halves its ``hook_normalized`` (a LayerNorm's before the bias) and
+        changes the logits; where the contract declares ``post_norms`` or query norms (``score_invariant_points``),
+        which a later norm or a saturated softmax may make absorb it, at least the first hook point after the
+        norm's own."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
                          label="norm")
         spec = hm.norm_spec(hm.norm_module(norm))  # any norm with hook points, a plugin's own included
         names = [norm + ".hook_normalized"]
+        declared = self.capabilities(model)
+        if declared.post_norms or declared.score_invariant_points:
+            after = hm.hook_names[hm.hook_names.index(names[0]) + 1:]
+            names += [n for n in after if not n.endswith(("hook_scale", "hook_normalized"))][:1]
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
@@ -810,7 +864,10 @@ class AdapterContract:
         else:
             expected = before / 2
         assert_close(after, expected, f"{norm}: normalized with the doubled scale")
-        assert not close(logits[inputs.valid], reference[inputs.valid]), "scale edit ignored"
+        if close(logits[inputs.valid], reference[inputs.valid]):
+            assert len(names) > 1, f"scale edit of {norm} ignored"
+            change = (base[names[1]] - edited[names[1]]).abs().max().item()
+            assert change > 1e-5, f"scale edit of {norm} reached neither the logits nor {names[1]}"
         hm.unwrap()
 
     @_SETTINGS
@@ -833,16 +890,28 @@ class AdapterContract:
             values = base["v", layer].repeat_interleave(hm.cfg.n_heads // hm.cfg.n_key_value_heads, dim=2)
             expected_z = torch.einsum("bhqk,bkhd->bqhd", edited["pattern", layer], values)
             assert_close(edited["z", layer][v], expected_z[v], "hook_z mixes values with the edited pattern")
-            # doubling the queries (or rotated queries) doubles every unmasked score, where nothing between the
-            # point and the scores is nonlinear in the queries (declared: score_linear_points)
-            linear = [f"blocks.{layer}.{p}" for p in self.capabilities(model).score_linear_points]
-            for point in [p for p in linear if p in hm.hook_names]:
-                with hm.hooks([(point, lambda q, hook: q * 2)]):
-                    _, doubled = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_attn_scores"])
-                scores, twice = base["attn_scores", layer], doubled["attn_scores", layer]
-                finite = torch.isfinite(scores) & v[:, None, :, None]
-                assert torch.equal(torch.isfinite(twice), torch.isfinite(scores))
-                assert_close(twice[finite], 2 * scores[finite], f"{point} edit doubles the scores", atol=1e-3)
+            # doubling the queries (or rotated queries) doubles every unmasked score (before a softcap), where
+            # nothing between the point and the scores is nonlinear in the queries (declared: score_linear_points);
+            # ahead of a scale-invariant query norm it changes nothing (declared: score_invariant_points)
+            declared = self.capabilities(model)
+            cap = getattr(model.config, declared.score_softcap, None) if declared.score_softcap else None
+            scores = base["attn_scores", layer]
+            finite = torch.isfinite(scores) & v[:, None, :, None]
+            for points, factor in ((declared.score_linear_points, 2), (declared.score_invariant_points, 1)):
+                for point in [f"blocks.{layer}.{p}" for p in points if f"blocks.{layer}.{p}" in hm.hook_names]:
+                    with hm.hooks([(point, lambda q, hook: q * 2)]):
+                        _, doubled = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_attn_scores"])
+                    twice = doubled["attn_scores", layer]
+                    assert torch.equal(torch.isfinite(twice), torch.isfinite(scores))
+                    if cap:  # atanh is ill-conditioned near the cap: those scores are left out
+                        keep = finite & (scores.abs() <= 0.99 * cap) & (twice.abs() <= 0.99 * cap)
+                        assert_close(uncap(twice, cap)[keep], factor * uncap(scores, cap)[keep],
+                                     f"doubling {point} multiplies the scores before the softcap by {factor}",
+                                     atol=1e-3, rtol=1e-3)
+                    else:
+                        assert_close(twice[finite], factor * scores[finite],
+                                     f"doubling {point} multiplies the scores by {factor}", atol=1e-3,
+                                     rtol=1e-3 if factor == 1 else RTOL)
         hm.unwrap()
 
     @_SETTINGS

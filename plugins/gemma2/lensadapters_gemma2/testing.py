@@ -17,7 +17,6 @@ from transformers import Gemma2Config
 
 import lensadapters_gemma2
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import PostNormProperties, WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Gemma2Contract", "gemma2_config", "gemma2_configs", "gemma_reinit"]
@@ -86,7 +85,7 @@ CAPPED_PROPERTIES = (
 )
 
 
-class Gemma2Contract(WindowedAttentionProperties, PostNormProperties, AdapterContract):
+class Gemma2Contract(AdapterContract):
     """Every generic adapter property on tiny Gemma 2 models (eager attention: transformers 5.x offers Gemma 2 no
     sdpa); binding softcaps with a short window on two layers is a stratum of the pattern, identity, edit and
     generation properties."""
@@ -94,6 +93,9 @@ class Gemma2Contract(WindowedAttentionProperties, PostNormProperties, AdapterCon
     plugin = lensadapters_gemma2
     attn_implementations = ("eager",)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    post_norms = {"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}
+    logit_softcap = "final_logit_softcapping"
+    score_softcap = "attn_logit_softcapping"
     config_strata = {"binding softcaps": CAPPED_PROPERTIES}
     config_strategy = gemma2_configs
     stratum_overrides = {"binding softcaps": {"attn_cap": 3.0, "final_cap": 2.0, "n_layers": 2, "window": st.sampled_from([2, 3])}}

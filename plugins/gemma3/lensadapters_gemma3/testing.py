@@ -17,7 +17,6 @@ from transformers import Gemma3TextConfig
 
 import lensadapters_gemma3
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import PostNormProperties, WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Gemma3Contract", "gemma3_config", "gemma3_configs", "gemma_reinit"]
@@ -92,13 +91,18 @@ LOCAL_GLOBAL_PROPERTIES = (
 )
 
 
-class Gemma3Contract(WindowedAttentionProperties, PostNormProperties, AdapterContract):
+class Gemma3Contract(AdapterContract):
     """Every generic adapter property on tiny Gemma 3 text models; a sliding then a global layer (different RoPE
     bases, linear scaling on the global one, a short window) is a stratum of the pattern, edit and generation
     properties."""
 
     plugin = lensadapters_gemma3
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    post_norms = {"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}
+    logit_softcap = "final_logit_softcapping"
+    # q_norm between hook_q and the scores: doubling hook_q changes nothing, its output and hook_rot_q are linear
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
     config_strata = {"local and global": LOCAL_GLOBAL_PROPERTIES}
     config_strategy = gemma3_configs
     stratum_overrides = {"local and global": {"n_layers": 2, "global_every": 2, "global_scaling": 8.0, "window": st.sampled_from([2, 3]), "local_theta": 10.0}}

@@ -15,7 +15,6 @@ from transformers import MistralConfig
 
 import lensadapters_mistral
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["MistralContract", "mistral_config", "mistral_configs"]
@@ -61,7 +60,7 @@ WINDOW_PROPERTIES = (
 )
 
 
-class MistralContract(WindowedAttentionProperties, AdapterContract):
+class MistralContract(AdapterContract):
     """Every generic adapter property on tiny Mistral models; a window shorter than the input is a stratum of the
     pattern, edit and generation properties (drawn on every run)."""
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-from hypothesis import given
 from hypothesis import strategies as st
 from transformers import Olmo2Config
 
 import lensadapters_olmo2
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import PROPERTY_SETTINGS, PostNormProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Olmo2Contract", "olmo2_config", "olmo2_configs"]
@@ -49,53 +46,20 @@ def olmo2_configs(draw: st.DrawFn, *, n_kv: Any = st.sampled_from([1, 2, 4]), ra
         tied=draw(as_strategy(tied), label="tied"), attention_bias=draw(as_strategy(attention_bias), label="bias"),
         act=draw(as_strategy(act), label="act"))
 
-#: the contract's points of every block, but ln1.* (OLMo 2 has no norm before attention)
-BLOCK_POINTS = ("hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
-                "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out", "mlp.hook_pre", "mlp.hook_post",
-                "hook_mlp_out", "hook_resid_post")
 
-
-class Olmo2Contract(PostNormProperties, AdapterContract):
+class Olmo2Contract(AdapterContract):
     """Every generic adapter property on tiny OLMo 2 models."""
 
     plugin = lensadapters_olmo2
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    # no norms before attention and MLP; norms after them and on the whole query/key projections
+    pre_norms = False
+    post_norms = {"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
     config_strategy = olmo2_configs
     # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
     matrix_overrides = dict(n_kv=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2]), hidden_per_head=8, n_layers=1, d_mlp=24, vocab=64)
-
-    @PROPERTY_SETTINGS
-    @given(data=st.data())
-    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: (no pre-norms) every block has the points of every architecture except ``ln1.*``
-        (OLMo 2 has no norm before attention), plus ``ln1_post.*``, ``ln2_post.*``, ``attn.q_norm.*``,
-        ``attn.k_norm.*`` and ``hook_mlp_in``; the declared capabilities hold as in the contract's form, which
-        requires ``ln1.*`` in every block."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        names = set(hm.hook_names)
-        expected = list(BLOCK_POINTS) + [
-            f"{norm}.{point}" for norm in ("ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm")
-            for point in ("hook_scale", "hook_normalized")] + ["hook_mlp_in", "hook_resid_mid", "mlp.hook_pre_linear",
-                                                              "attn.hook_rot_q", "attn.hook_rot_k"]
-        missing = [f"blocks.{i}.{p}" for i in range(hm.cfg.n_layers) for p in expected if f"blocks.{i}.{p}" not in names]
-        assert not missing, f"hook points missing: {missing}"
-        assert not [n for n in names if ".ln1." in n or ".ln2." in n or n == "hook_pos_embed"], sorted(names)
-        cfg = hm.cfg
-        assert cfg.positional_embedding_type == "rotary" and 0 < cfg.rotary_dim <= cfg.d_head
-        assert cfg.gated_mlp and hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp)
-        assert not cfg.parallel_attn_mlp and not any(layout.parallel for layout in hm.block_layouts)
-        with torch.no_grad():
-            _, cache = hm.run_with_cache(**inputs.kwargs())
-        for i in range(cfg.n_layers):
-            for a, b in (("attn.hook_rot_q", "attn.hook_q"), ("attn.hook_rot_k", "attn.hook_k"),
-                         ("mlp.hook_pre_linear", "mlp.hook_pre")):
-                assert cache[f"blocks.{i}.{a}"].shape == cache[f"blocks.{i}.{b}"].shape, (a, b)
-            b, p = inputs.input_ids.shape
-            assert cache[f"blocks.{i}.attn.q_norm.hook_scale"].shape == (b, p, 1)
-            assert cache[f"blocks.{i}.attn.q_norm.hook_normalized"].shape == (b, p, cfg.n_heads * cfg.d_head)
-            assert cache[f"blocks.{i}.attn.k_norm.hook_normalized"].shape == (b, p, cfg.n_key_value_heads * cfg.d_head)
-        hm.unwrap()
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"

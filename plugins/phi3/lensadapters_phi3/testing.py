@@ -15,7 +15,6 @@ from transformers import Phi3Config
 
 import lensadapters_phi3
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Phi3Contract", "phi3_config", "phi3_configs"]
@@ -70,7 +69,7 @@ PHI4_PROPERTIES = (
 )
 
 
-class Phi3Contract(WindowedAttentionProperties, AdapterContract):
+class Phi3Contract(AdapterContract):
     """Every generic adapter property on tiny Phi-3 models; Phi-4-mini's shape (partial rotary 0.75, GQA 3:1,
     LongRoPE) with a short window is a stratum of the identity, pattern, edit and generation properties."""
 

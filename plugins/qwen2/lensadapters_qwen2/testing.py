@@ -15,7 +15,6 @@ from transformers import Qwen2Config
 
 import lensadapters_qwen2
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Qwen2Contract", "qwen2_config", "qwen2_configs"]
@@ -62,7 +61,7 @@ WINDOW_PROPERTIES = (
 )
 
 
-class Qwen2Contract(WindowedAttentionProperties, AdapterContract):
+class Qwen2Contract(AdapterContract):
     """Every generic adapter property on tiny Qwen2 models; a short window on the second of two layers is a
     stratum of the pattern, edit and generation properties (drawn on every run)."""
 

@@ -15,7 +15,6 @@ from transformers import Qwen3Config
 
 import lensadapters_qwen3
 from lensadapters.testing import AdapterContract
-from lensadapters.testing.pending_capabilities import NormedAttentionProperties, WindowedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Qwen3Contract", "qwen3_config", "qwen3_configs"]
@@ -66,12 +65,15 @@ WINDOW_PROPERTIES = (
 )
 
 
-class Qwen3Contract(WindowedAttentionProperties, NormedAttentionProperties, AdapterContract):
+class Qwen3Contract(AdapterContract):
     """Every generic adapter property on tiny Qwen3 models; a short window on the second of two layers is a
     stratum of the pattern, edit and generation properties (drawn on every run)."""
 
     plugin = lensadapters_qwen3
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+    # q_norm between hook_q and the scores: doubling hook_q changes nothing, its output and hook_rot_q are linear
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
     config_strata = {"mixed windows": WINDOW_PROPERTIES}
     config_strategy = qwen3_configs
     stratum_overrides = {"mixed windows": {"window": st.sampled_from([2, 3]), "n_layers": 2, "window_from": 1}}

@@ -3,21 +3,26 @@
 TransformerLens (TL) 2.x is the definition of the hook names and semantics lensadapters borrows. A plugin's
 ``reference.py`` builds TL's model from the Hugging Face model with TL's own weight conversion and every processing
 step off (:func:`hooked_transformer`); the plugin's tests then compare every hook point both have
-(:func:`compare_hooks`) and the effect of the same edit at each of them (:func:`compare_edit`). TL 2.x needs
-transformers 4.x and numpy < 2 (``benchmarks/constraints-bench-tl2.txt``): the tests skip where it is missing.
+(:func:`compare_hooks`) and the effect of the same edit at each of them (:func:`compare_edit`);
+:class:`TransformerLensComparison` holds those two tests for a family, which declares how to build the pair. TL 2.x
+needs transformers 4.x and numpy < 2 (``benchmarks/constraints-bench-tl2.txt``): the tests skip where it is missing.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from .contract import perturb
+
 __all__ = ["transformer_lens_available", "tl_config_from_hf", "hooked_transformer", "compare_hooks",
-           "compare_edit", "Comparison", "as_ours", "as_theirs"]
+           "compare_edit", "Comparison", "as_ours", "as_theirs", "comparable_names", "comparison_tokens",
+           "TransformerLensComparison"]
 
 Tensor = torch.Tensor
 
@@ -146,3 +151,73 @@ def compare_edit(hm: Any, tl: Any, tokens: Tensor, name: str, edit: Callable[[Te
         ours = hm.run_with_hooks(tokens, fwd_hooks=[(name, ours_hook)])
         theirs = tl.run_with_hooks(tokens, fwd_hooks=[(name, theirs_hook)])
     return _difference(ours, theirs), _difference(ours, reference)
+
+
+def comparison_tokens(length: int = 9) -> Tensor:
+    """Two unpadded rows of seeded tokens (ids 3 to 63: every tiny test vocabulary has them)."""
+    return torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+class TransformerLensComparison:
+    """A family's comparison with TL, as a test class: subclass it as ``Test<Family>TransformerLens`` and declare
+    how the pair is built; the tests compare every hook point both have, the logits, the declared weights, and the
+    effect of the same edit at every shared point. Family-specific differences stay tests of the subclass, built
+    with :meth:`pair`."""
+
+    #: the family's contract (an instance): builds and wraps the model
+    contract: ClassVar[Any] = None
+    #: the family's config function (``mistral_config``...), called with ``config_defaults`` and overrides
+    config: ClassVar[Optional[Callable[..., Any]]] = None
+    config_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: ``"module:function"`` building TL's model from the HF model (imported only here: it imports TL)
+    reference: ClassVar[str] = ""
+    #: config overrides of each model ``test_hook_values_match_transformerlens`` compares
+    cases: ClassVar[Sequence[Mapping[str, Any]]] = ({},)
+    #: weight accessors that must equal TL's
+    weights: ClassVar[Sequence[str]] = ()
+    #: hook points that must be among the compared ones (lensadapters' layout differing from TL's, say)
+    compared_points: ClassVar[Sequence[str]] = ()
+    #: edit every block's points; otherwise every kind of point once (the last blocks' and the model's own)
+    edit_every_block: ClassVar[bool] = False
+    #: edits must change the logits, but at points ending with one of these (a saturated softmax hides them)
+    inert_points: ClassVar[Optional[Sequence[str]]] = None
+    atol: ClassVar[float] = 2e-4
+
+    def pair(self, **overrides: Any) -> tuple[Any, Any, Any]:
+        """``(HF model, wrapped model, TL's model)`` for the family's config with ``overrides``."""
+        module, function = self.reference.split(":")
+        to_hooked_transformer = getattr(importlib.import_module(module), function)
+        config = type(self).config(**{**self.config_defaults, **overrides})
+        model = self.contract.make_model(config, 0, "eager")
+        return model, self.contract.wrap(model), to_hooked_transformer(model)
+
+    def test_hook_values_match_transformerlens(self) -> None:
+        for case in self.cases:
+            _, hm, tl = self.pair(**case)
+            result = compare_hooks(hm, tl, comparison_tokens())
+            assert not result.mismatches(self.atol), (case, result.mismatches(self.atol))
+            assert result.logits < self.atol, (case, result.logits)
+            # every lensadapters point is one TL has (TL's extra points fire only with its flags)
+            assert not result.only_ours, (case, result.only_ours)
+            assert len(result.compared) == len(comparable_names(hm)), case
+            missing = [name for name in self.compared_points if name not in result.compared]
+            assert not missing, f"not compared: {missing}"
+            for name in self.weights:
+                assert torch.allclose(getattr(hm, name), getattr(tl, name)), name
+            hm.unwrap()
+
+    def test_edits_have_the_effect_they_have_in_transformerlens(self) -> None:
+        _, hm, tl = self.pair(**self.cases[0])
+        names = comparable_names(hm)
+        if not self.edit_every_block:  # the blocks share one layout
+            names = [n for n in names if not n.startswith("blocks.0.")]
+        for name in names:
+            def edit(t: Tensor, name: str = name) -> Tensor:
+                return perturb(t, type("H", (), {"name": name})())
+
+            difference, effect = compare_edit(hm, tl, comparison_tokens(), name, edit)
+            assert difference < self.atol * max(1.0, effect), (
+                f"{name}: edited logits differ from TL's by {difference:.3g}")
+            if self.inert_points is not None:
+                assert effect > 1e-4 or name.endswith(tuple(self.inert_points)), f"{name}: the edit changed nothing"
+        hm.unwrap()

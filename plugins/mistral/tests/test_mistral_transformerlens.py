@@ -5,49 +5,17 @@ both have, the logits, and the effect of the same edit at every shared point. Sk
 from __future__ import annotations
 
 import pytest
-import torch
-
-from lensadapters.testing import perturb
-from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available, comparable_names
 from lensadapters_mistral.testing import MistralContract, mistral_config
+
+from lensadapters.testing.tl_compare import TransformerLensComparison, transformer_lens_available
 
 pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
 
-CONTRACT = MistralContract()
-ATOL = 2e-4
 
-
-def pair(**overrides):
-    from lensadapters_mistral.reference import to_hooked_transformer
-
-    model = CONTRACT.make_model(mistral_config(**{"layers": 2, "n_heads": 4, "n_kv": 2, **overrides}), 0, "eager")
-    return CONTRACT.wrap(model), to_hooked_transformer(model)
-
-
-def tokens(length: int = 9) -> torch.Tensor:
-    return torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.mark.parametrize("window", [3, None])
-def test_hook_values_match_transformerlens(window):
-    hm, tl = pair(window=window)
-    result = compare_hooks(hm, tl, tokens())
-    assert not result.mismatches(ATOL), result.mismatches(ATOL)
-    assert result.logits < ATOL
-    # every lensadapters point of a Mistral block is one TL has (TL's extra points fire only with its flags)
-    assert not result.only_ours, result.only_ours
-    assert len(result.compared) == len(comparable_names(hm))
-    hm.unwrap()
-
-
-def test_edits_have_the_effect_they_have_in_transformerlens():
-    hm, tl = pair(window=3)
-    # every kind of point once: the last block's (its layers share one layout) and the model's own
-    for name in [n for n in comparable_names(hm) if not n.startswith("blocks.0.")]:
-        def edit(t, name=name):
-            return perturb(t, type("H", (), {"name": name})())
-
-        difference, effect = compare_edit(hm, tl, tokens(), name, edit)
-        assert difference < ATOL * max(1.0, effect), f"{name}: edited logits differ from TL's by {difference:.3g}"
-        assert effect > 1e-4 or name.endswith(("hook_scale", "hook_attn_scores")), f"{name}: the edit changed nothing"
-    hm.unwrap()
+class TestMistralTransformerLens(TransformerLensComparison):
+    contract = MistralContract()
+    config = mistral_config
+    reference = "lensadapters_mistral.reference:to_hooked_transformer"
+    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}
+    cases = ({"window": 3}, {"window": None})
+    inert_points = ("hook_scale", "hook_attn_scores")

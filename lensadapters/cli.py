@@ -73,8 +73,8 @@ def _load_for_hooks(target: str):
 def _hooks(args: argparse.Namespace) -> int:
     import torch
 
-    from .generic import GenericAdapterWarning, summary
     from .errors import UnsupportedModelError
+    from .generic import GenericAdapterWarning, summary
     from .hooked_model import HookedModel
 
     model, registry = _load_for_hooks(args.target)

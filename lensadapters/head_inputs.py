@@ -88,7 +88,7 @@ class HeadInputSite(Site):
             # protect: a fresh tensor, but an in-place edit must be seen under inference_mode too (no version counter)
             attn_in, attn_changed = self.attn_in.apply(base.repeat_interleave(n_heads, dim=-2), protect=True)
         streams: list[tuple[Tensor, bool]] = []
-        for which, point, heads in ((0, self.q_input, n_heads), (1, self.k_input, n_kv), (2, self.v_input, n_kv)):
+        for point, heads in ((self.q_input, n_heads), (self.k_input, n_kv), (self.v_input, n_kv)):
             start = attn_in.clone() if attn_changed else base.repeat_interleave(heads, dim=-2)
             value, changed = point.apply(start, protect=True) if point.active else (start, False)
             streams.append((value, changed or attn_changed))

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Optional, Sequence
 from torch import nn
 
 from .errors import PluginValidationError, UnsupportedModelError
-from .specs import Architecture, BlockLayout, FusedGateUp, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
 from .moe.specs import MoELayout
+from .specs import Architecture, BlockLayout, FusedGateUp, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
 
 #: the hooks an architecture plugin must implement (the description the core builds hook points from)
 REQUIRED_ARCHITECTURE_HOOKS = (

@@ -75,7 +75,7 @@ class WindowedAttentionProperties(AdapterContract):
         with torch.no_grad():
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[scores])
             for point, position, axis in sides:
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, position: int = position) -> torch.Tensor:
                     t = t.clone()
                     t[:, position] = perturb(t[:, position], hook)
                     return t

@@ -253,7 +253,7 @@ class Int8Contract(AdapterContract):
             for name in required + [n for n in others if n not in required]:
                 fired: list[str] = []
 
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
                     fired.append(hook.name)
                     return perturb(t, hook)
 

@@ -80,7 +80,7 @@ def _base(model: nn.Module) -> str:
 def rope_types(model: nn.Module) -> list[str]:
     """The rope type of every rotary module (transformers 5.x: one module with a type per layer type)."""
     found = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if type(module).__name__ == "Gemma3RotaryEmbedding":
             kind = getattr(module, "rope_type", "default")
             found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 
 from lensadapters.testing import perturb
-from lensadapters.testing.tl_compare import compare_edit, compare_hooks, transformer_lens_available, comparable_names
-from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
+from lensadapters.testing.tl_compare import comparable_names, compare_edit, compare_hooks, transformer_lens_available
 
 pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import lensadapters_llama
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 from transformers import LlamaConfig
 
-import lensadapters_llama
 from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing import assert_close, reference_rope
-from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 
 
 class TestLlama(LlamaContract):

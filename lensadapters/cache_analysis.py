@@ -199,7 +199,8 @@ class CacheAnalysisMixin:
             self._refuse_post_ln("stack_head_results(incl_remainder=True)")
         if layer > 0 and "blocks.0.attn.hook_result" not in self._data:
             self.compute_head_results()
-        parts, labels = [], []
+        parts: list[Tensor] = []
+        labels: list[str] = []
         n_heads = self._hm().cfg.n_heads
         for i in range(layer):
             parts.append(pos_slice.apply(self[("result", i, "attn")], dim=-3))
@@ -250,7 +251,8 @@ class CacheAnalysisMixin:
         if incl_remainder:
             self._refuse_post_ln("stack_neuron_results(incl_remainder=True)")
         neurons = np.atleast_1d(to_numpy(neuron_slice.apply(torch.arange(self._hm().cfg.d_mlp), dim=0)))
-        parts, labels = [], []
+        parts: list[Tensor] = []
+        labels: list[str] = []
         for i in range(layer):
             parts.append(self.get_neuron_results(i, pos_slice=pos_slice, neuron_slice=neuron_slice))
             labels.extend(f"L{i}N{int(n)}" for n in neurons)

@@ -141,12 +141,11 @@ def add_head_input_sites(hm: "HookedModel") -> None:
             continue
         pre = f"blocks.{layer}."
         anchor = pre + "hook_resid_pre"
-        points: dict[str, Optional[HookPoint]] = {}
+        points: dict[str, HookPoint] = {}
         for name in NAMES:
             if name == "hook_attn_in" and cfg.n_key_value_heads != cfg.n_heads:
-                points[name] = None  # grouped-query attention: no per-head input feeds a key/value head
-                continue
+                continue  # grouped-query attention: no per-head input feeds a key/value head
             points[name] = hm.new_point(pre + name, after=anchor)
             anchor = pre + name
-        hm.add_site(HeadInputSite(hm, layer, points["hook_attn_in"], points["hook_q_input"],  # type: ignore[arg-type]
-                                  points["hook_k_input"], points["hook_v_input"]))  # type: ignore[arg-type]
+        hm.add_site(HeadInputSite(hm, layer, points.get("hook_attn_in"), points["hook_q_input"],
+                                  points["hook_k_input"], points["hook_v_input"]))

@@ -97,9 +97,9 @@ def require_transformers_class(model: nn.Module, family: str, packages: Iterable
 
 
 def require_modules(model: nn.Module, base: str, family: str, model_paths: Sequence[str],
-                    layer_paths: Sequence[str], layers: str = "layers") -> list[nn.Module]:
+                    layer_paths: Sequence[Optional[str]], layers: str = "layers") -> list[nn.Module]:
     """The decoder layers; refuse a model missing any of ``model_paths`` (relative to ``base``) or, in any
-    layer, ``layer_paths``."""
+    layer, ``layer_paths`` (a ``None`` path, a layout field the family leaves unset, requires nothing)."""
     missing = []
     try:
         blocks = list(model.get_submodule(join(base, layers)))
@@ -112,6 +112,8 @@ def require_modules(model: nn.Module, base: str, family: str, model_paths: Seque
             missing.append(join(base, path))
     for i, layer in enumerate(blocks):
         for path in layer_paths:
+            if path is None:
+                continue
             try:
                 layer.get_submodule(path)
             except AttributeError:

@@ -133,7 +133,8 @@ def check_result(plugin_name: str, hook: str, value: Any, expected: Sequence[typ
 
 def _closest(owner: nn.Module, path: str) -> str:
     """The part of ``path`` that exists, and the closest names where it stops."""
-    module, done = owner, []
+    module: nn.Module = owner
+    done: list[str] = []
     for part in path.split("."):
         child = module._modules.get(part)
         if child is None and not isinstance(getattr(module, part, None), nn.Module):

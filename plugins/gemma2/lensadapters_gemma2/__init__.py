@@ -29,7 +29,7 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -46,6 +46,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -68,11 +71,11 @@ _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
 
-def _base(model: nn.Module) -> str:
+def _base(model: PreTrainedModel) -> str:
     return hf.base_path(model, FAMILY)
 
 
-def _rope_type(model: nn.Module) -> str:
+def _rope_type(model: PreTrainedModel) -> str:
     return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
 
 
@@ -93,7 +96,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     hf.require_transformers_class(model, FAMILY, ("gemma2",))
     base = _base(model)
     layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
@@ -115,7 +118,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     head_dim, windows = hf.head_dim(c), layer_windows(c)
     windowed = any(w is not None for w in windows)
@@ -136,7 +139,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base(model)
     embed = model.get_submodule(hf.join(base, "embed_tokens"))
     return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
@@ -147,17 +150,17 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return _BLOCK
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)))
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return _MLP
 
 

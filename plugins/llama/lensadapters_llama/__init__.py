@@ -28,9 +28,7 @@ whose modules do not have Llama's layout (custom code registered as ``llama``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional
 
 from lensadapters import (
     Architecture,
@@ -43,6 +41,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -68,7 +69,7 @@ _MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_pr
 # --- locating the pieces ------------------------------------------------------------------------
 
 
-def _base_path(model: nn.Module) -> str:
+def _base_path(model: PreTrainedModel) -> str:
     """Dotted path of the ``LlamaModel`` inside ``model`` ("" when ``model`` is one)."""
     for name, module in model.named_modules():
         if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
@@ -84,7 +85,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _unembed_path(model: nn.Module) -> Optional[str]:
+def _unembed_path(model: PreTrainedModel) -> Optional[str]:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if head is None:
@@ -111,7 +112,7 @@ def _rope_theta(config: Any) -> Optional[float]:
     return float(theta) if theta is not None else None
 
 
-def _rope_type(model: nn.Module) -> str:
+def _rope_type(model: PreTrainedModel) -> str:
     rotary = model.get_submodule(_join(_base_path(model), "rotary_emb"))
     return str(getattr(rotary, "rope_type", "default"))
 
@@ -125,7 +126,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     config = model.config
     base = _base_path(model)
     missing = []
@@ -188,7 +189,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     head_dim = _head_dim(c)
     return HookedConfig(
@@ -219,7 +220,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base_path(model)
     return ModelLayout(
         blocks=_join(base, "layers"),
@@ -231,18 +232,18 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return _BLOCK
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     # Llama rotates the whole head; cos/sin come from model.rotary_emb (attention_scaling folded in).
     return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(_head_dim(model.config)))
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return _MLP
 
 

@@ -21,7 +21,7 @@ Refused at wrap time: rope types outside the list below, attention implementatio
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -36,6 +36,9 @@ from lensadapters import (
 )
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
 from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -55,7 +58,7 @@ _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # --- locating the pieces ------------------------------------------------------------------------
 
 
-def _base_path(model: nn.Module) -> str:
+def _base_path(model: PreTrainedModel) -> str:
     """Dotted path of the ``MixtralModel`` inside ``model`` ("" when ``model`` is one)."""
     for name, module in model.named_modules():
         if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
@@ -70,14 +73,14 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def _layers(model: PreTrainedModel) -> list[nn.Module]:
     try:
         return list(model.get_submodule(_join(_base_path(model), "layers")))
     except AttributeError:
         return []
 
 
-def _unembed_path(model: nn.Module) -> Optional[str]:
+def _unembed_path(model: PreTrainedModel) -> Optional[str]:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if head is None:
@@ -100,7 +103,7 @@ def _rope_theta(config: Any) -> Optional[float]:
     return float(theta) if theta is not None else None
 
 
-def _rope_type(model: nn.Module) -> str:
+def _rope_type(model: PreTrainedModel) -> str:
     rotary = model.get_submodule(_join(_base_path(model), "rotary_emb"))
     return str(getattr(rotary, "rope_type", "default"))
 
@@ -169,7 +172,7 @@ def _missing_paths(layer: nn.Module) -> list[str]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     config = model.config
     base = _base_path(model)
     layers = _layers(model)
@@ -204,7 +207,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
         )
 
 
-def _has(model: nn.Module, path: str) -> bool:
+def _has(model: PreTrainedModel, path: str) -> bool:
     try:
         model.get_submodule(path)
         return True
@@ -213,7 +216,7 @@ def _has(model: nn.Module, path: str) -> bool:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     head_dim = _head_dim(c)
     return HookedConfig(
@@ -246,7 +249,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base_path(model)
     return ModelLayout(
         blocks=_join(base, "layers"),
@@ -258,7 +261,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     moe = _moe_path(_layers(model)[layer])
     return BlockLayout(
         ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp=moe
@@ -266,12 +269,12 @@ def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Bloc
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(_head_dim(model.config)))
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MoELayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MoELayout:
     return moe_layout(_layers(model)[layer], model.config)
 
 

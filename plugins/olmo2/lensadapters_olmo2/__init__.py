@@ -21,7 +21,7 @@ registered as ``olmo2``, a model without OLMo 2's layout. Flash and flex attenti
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.rotary import apply_rotate_half, invert_rotate_half
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -64,11 +67,11 @@ _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_att
 _MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
 
-def _base(model: nn.Module) -> str:
+def _base(model: PreTrainedModel) -> str:
     return hf.base_path(model, FAMILY)
 
 
-def _rope_type(model: nn.Module) -> str:
+def _rope_type(model: PreTrainedModel) -> str:
     return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
 
 
@@ -90,7 +93,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     hf.require_transformers_class(model, FAMILY, ("olmo2",))
     base = _base(model)
     layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
@@ -108,7 +111,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     head_dim = hf.head_dim(c)
     return HookedConfig(
@@ -125,7 +128,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base(model)
     return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
                        ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
@@ -133,19 +136,19 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return _BLOCK
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
     return SeparateQKV(*_QKV_PATHS, rotary=rotary_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
                        k_norm=_QK_NORMS[1])
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return _MLP
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-
 from bench_peers import build_hf  # the same seeded construction as the large-model benchmark
 
 HERE = Path(__file__).resolve().parent

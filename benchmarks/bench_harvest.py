@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from bench_peers import build_hf, hf_config
 
 warnings.filterwarnings("ignore")
@@ -108,7 +107,7 @@ def main() -> None:
         for scenario in args.scenarios.split(","):
             hooks = SCENARIOS[scenario]
 
-            def run_harvest() -> None:
+            def run_harvest(hooks: list[str] = hooks) -> None:
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 harvest(
@@ -127,7 +126,7 @@ def main() -> None:
             batches = list(ids.split(args.batch_size))
 
             @torch.no_grad()
-            def run_bare() -> None:
+            def run_bare(batches: list[torch.Tensor] = batches) -> None:
                 for batch in batches:
                     bare_model.model(input_ids=batch)
 

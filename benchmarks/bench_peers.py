@@ -21,10 +21,10 @@ are not installed are skipped. TransformerLens 2.x (``HookedTransformer``) needs
 TransformerLens 4 (``TransformerBridge``) has no ``HookedTransformer``: with ``--tl2-python`` (default
 ``.venv-bench-tl2/bin/python`` when it exists, see ``scripts/bench.sh``) the ``HookedTransformer`` column
 is measured in that second environment during the same run -- interleaved there with its own raw HF
-forwards and lensadapters, and reported as a ratio to that environment's HF sdpa forward. Every library gets its own copy of the weights, so no library's
-hooks can slow down another's runs. Repetitions are interleaved: each round runs every variant
-once (in a rotated order), and the median over rounds is reported as a ratio to the raw HF sdpa
-forward of the same round set.
+forwards and lensadapters, and reported as a ratio to that environment's HF sdpa forward. Every library
+gets its own copy of the weights, so no library's hooks can slow down another's runs. Repetitions are
+interleaved: each round runs every variant once (in a rotated order), and the median over rounds is
+reported as a ratio to the raw HF sdpa forward of the same round set.
 
 Memory (``--memory``): each measurement runs in a fresh subprocess with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (so glibc returns freed tensor memory to the OS and the resident
@@ -637,7 +637,7 @@ def main() -> None:
         print(f"\n== {kind}: building models ...", flush=True)
         variants, facts = variants_for(kind, args.layers, libs, args.batch, args.length)
         agreement = check_patch_agreement(variants)
-        print(f"  patched logits, max |difference| to lensadapters: "
+        print("  patched logits, max |difference| to lensadapters: "
               + ", ".join(f"{LIB_LABELS[k]} {v:.1e}" for k, v in agreement.items()))
         print(f"  timing {len(variants)} variants x {args.rounds} rounds ...", flush=True)
         times = time_variants(variants, args.rounds, args.warmup)
@@ -666,7 +666,7 @@ def main() -> None:
         print("\n".join("  " + n for n in notes))
         report += [text, "", *("- " + n for n in notes), ""]
         if args.memory:
-            print(f"  memory (one subprocess per measurement) ...", flush=True)
+            print("  memory (one subprocess per measurement) ...", flush=True)
             mem = measure_memory(kind, args.layers, libs, args.batch, args.length, tl2)
             results["models"][kind]["memory"] = mem
             report += [format_memory(kind, mem), ""]

@@ -3,6 +3,7 @@
 from . import hf
 from ._version import __version__
 from .cache import ActivationCache, get_act_name
+from .cache_analysis import DecompositionUndefinedError
 from .errors import (
     HookReturnError,
     LensAdaptersError,
@@ -12,18 +13,15 @@ from .errors import (
     UnsupportedModelError,
     WeightUnavailableError,
 )
+from .factored_matrix import FactoredMatrix
 from .generic import GenericAdapterWarning
+from .harvest import HarvestMismatchError, harvest, load_harvest
 from .hook_point import HookPoint, is_recomputing
 from .hooked_model import HookedModel
+from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .layers import innermost_layer, wrapped_layers
 from .offload import live_parameters
 from .protocol import Hooked
-from .cache_analysis import DecompositionUndefinedError
-from .factored_matrix import FactoredMatrix
-from .tl_call import Output, TransformerLensKeywordError
-from .tokens import NoTokenizerError
-from .harvest import HarvestMismatchError, harvest, load_harvest
-from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from .registry import Registry, get_registry
 from .specs import (
     Architecture,
@@ -39,6 +37,8 @@ from .specs import (
     RotarySpec,
     SeparateQKV,
 )
+from .tl_call import Output, TransformerLensKeywordError
+from .tokens import NoTokenizerError
 from .variants import ContractVariant, contract_variants
 
 __all__ = [

@@ -115,16 +115,16 @@ class CacheAnalysisMixin:
         layer = self._layer(layer)
         n = self._n_layers
         parts, labels = [], []
-        for l in range(layer + 1):
-            if l == n:
+        for i in range(layer + 1):
+            if i == n:
                 parts.append(self[("resid_post", n - 1)])
                 labels.append("final_post")
                 continue
-            parts.append(self[("resid_pre", l)])
-            labels.append(f"{l}_pre")
-            if (incl_mid and l < layer) or (mlp_input and l == layer):
-                parts.append(self._resid_mid(l))
-                labels.append(f"{l}_mid")
+            parts.append(self[("resid_pre", i)])
+            labels.append(f"{i}_pre")
+            if (incl_mid and i < layer) or (mlp_input and i == layer):
+                parts.append(self._resid_mid(i))
+                labels.append(f"{i}_mid")
         components = torch.stack([pos_slice.apply(c, dim=-2) for c in parts], dim=0)
         if apply_ln:
             components = self.apply_ln_to_stack(components, layer, pos_slice=pos_slice, mlp_input=mlp_input,
@@ -159,13 +159,13 @@ class CacheAnalysisMixin:
             if "hook_pos_embed" in self._data:
                 parts.append(self["hook_pos_embed"])
                 labels.append("pos_embed")
-        for l in range(layer):
+        for i in range(layer):
             if incl_attn:
-                parts.append(self[("attn_out", l)])
-                labels.append(f"{l}_attn_out")
+                parts.append(self[("attn_out", i)])
+                labels.append(f"{i}_attn_out")
             if incl_mlp:
-                parts.append(self[("mlp_out", l)])
-                labels.append(f"{l}_mlp_out")
+                parts.append(self[("mlp_out", i)])
+                labels.append(f"{i}_mlp_out")
         if mlp_input and incl_attn and self._attn_feeds_mlp(layer):
             parts.append(self[("attn_out", layer)])
             labels.append(f"{layer}_attn_out")
@@ -199,11 +199,12 @@ class CacheAnalysisMixin:
             self._refuse_post_ln("stack_head_results(incl_remainder=True)")
         if layer > 0 and "blocks.0.attn.hook_result" not in self._data:
             self.compute_head_results()
-        parts, labels = [], []
+        parts: list[Tensor] = []
+        labels: list[str] = []
         n_heads = self._hm().cfg.n_heads
-        for l in range(layer):
-            parts.append(pos_slice.apply(self[("result", l, "attn")], dim=-3))
-            labels.extend(f"L{l}H{h}" for h in range(n_heads))
+        for i in range(layer):
+            parts.append(pos_slice.apply(self[("result", i, "attn")], dim=-3))
+            labels.extend(f"L{i}H{h}" for h in range(n_heads))
         components = self._stack_parts(parts, labels, layer, incl_remainder, pos_slice)
         if apply_ln:
             components = self.apply_ln_to_stack(components, layer, pos_slice=pos_slice)
@@ -227,7 +228,7 @@ class CacheAnalysisMixin:
     def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: Optional[str] = None) -> Tensor:
         """``[layers, ...]``: one activation of every block before ``layer`` (all blocks for ``-1``)."""
         layer = self._layer(layer)
-        return torch.stack([self[(activation_name, l, sublayer_type)] for l in range(layer)], dim=0)
+        return torch.stack([self[(activation_name, i, sublayer_type)] for i in range(layer)], dim=0)
 
     # --- neurons -------------------------------------------------------------------------------------
 
@@ -250,10 +251,11 @@ class CacheAnalysisMixin:
         if incl_remainder:
             self._refuse_post_ln("stack_neuron_results(incl_remainder=True)")
         neurons = np.atleast_1d(to_numpy(neuron_slice.apply(torch.arange(self._hm().cfg.d_mlp), dim=0)))
-        parts, labels = [], []
-        for l in range(layer):
-            parts.append(self.get_neuron_results(l, pos_slice=pos_slice, neuron_slice=neuron_slice))
-            labels.extend(f"L{l}N{int(n)}" for n in neurons)
+        parts: list[Tensor] = []
+        labels: list[str] = []
+        for i in range(layer):
+            parts.append(self.get_neuron_results(i, pos_slice=pos_slice, neuron_slice=neuron_slice))
+            labels.extend(f"L{i}N{int(n)}" for n in neurons)
         components = self._stack_parts(parts, labels, layer, incl_remainder, pos_slice)
         if apply_ln:
             components = self.apply_ln_to_stack(components, layer, pos_slice=pos_slice)

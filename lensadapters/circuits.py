@@ -52,7 +52,7 @@ class CircuitsMixin:
         return torch.where(later, scores, torch.zeros_like(scores))
 
     def all_head_labels(self) -> list[str]:
-        return [f"L{l}H{h}" for l in range(self.cfg.n_layers) for h in range(self.cfg.n_heads)]
+        return [f"L{i}H{h}" for i in range(self.cfg.n_layers) for h in range(self.cfg.n_heads)]
 
     def tokens_to_residual_directions(self, tokens: Union[str, int, Tensor]) -> Tensor:
         """The unembedding direction of each token: ``W_U[:, token]`` — ``[d_model]`` for one token (an int, a

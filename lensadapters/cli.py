@@ -1,4 +1,6 @@
-"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``, ``check``, ``harvest``."""
+"""The ``lensadapters`` command: ``plugins``, ``hooks``, ``demo``, ``check``, ``harvest``.
+
+``--help`` texts are plain text (a terminal shows no reST markup)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 import sys
 import textwrap
 import warnings
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .registry import get_registry
 
@@ -16,7 +18,7 @@ from .registry import get_registry
 def _plugins(args: argparse.Namespace) -> int:
     registry = get_registry()
     rows = []
-    for info in registry.infos.values():
+    for info in sorted(registry.infos.values(), key=lambda info: info.name):
         rows.append(
             {
                 "name": info.name,
@@ -36,6 +38,8 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     if not rows:
         print("No lensadapters plugins installed. Try: pip install lensadapters[all]")
+    else:
+        print(f"{'PLUGIN':<12} {'DISTRIBUTION':<24} {'VERSION':<8} {'KIND':<14} ARCHITECTURES (MODEL TYPES)")
     for row in rows:
         archs = ", ".join(f"{a['name']} ({'/'.join(a['model_types'])})" for a in row["architectures"]) or "-"
         print(
@@ -51,20 +55,20 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_for_hooks(target: str):
-
+def _load_for_hooks(target: str) -> tuple[Any, Any, Optional[str]]:
+    """The model ``hooks`` shows, its registry and, for a built-in tiny model, the architecture's name."""
     registry = get_registry()
     if os.path.isdir(target):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
-        return model.eval(), registry
+        return model.eval(), registry, None
     from .demo import tiny_model
 
     for info in registry.architecture_plugins():
         for arch in info.architectures:
             if target in (arch.name, info.name) or target in arch.model_types:
-                return tiny_model(registry, info, arch), registry
+                return tiny_model(registry, info, arch), registry, arch.name
     raise SystemExit(
         f"{target!r} is neither a checkpoint directory nor an installed architecture. {registry.describe_installed()}"
     )
@@ -73,11 +77,12 @@ def _load_for_hooks(target: str):
 def _hooks(args: argparse.Namespace) -> int:
     import torch
 
-    from .generic import GenericAdapterWarning, summary
     from .errors import UnsupportedModelError
+    from .generic import GenericAdapterWarning, summary
     from .hooked_model import HookedModel
 
-    model, registry = _load_for_hooks(args.target)
+    model, registry, tiny = _load_for_hooks(args.target)
+    source = f"a tiny built-in {tiny} model (random weights)" if tiny else f"the checkpoint {args.target}"
     with warnings.catch_warnings():  # the generic adapter's account is printed below instead
         warnings.simplefilter("ignore", GenericAdapterWarning)
         hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
@@ -96,6 +101,7 @@ def _hooks(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "adapter": hm.arch.name,
+                    "model": "tiny built-in" if tiny else args.target,
                     "batch": 1,
                     "positions": args.length,
                     "hook_points": shapes,
@@ -106,7 +112,7 @@ def _hooks(args: argparse.Namespace) -> int:
         )
         return 0
     adapter = "generic adapter" if note else hm.arch.name
-    print(f"{adapter}: {len(shapes)} hook points (shapes for batch 1, {args.length} positions)")
+    print(f"{adapter}: {len(shapes)} hook points of {source}; shapes for batch 1, {args.length} positions")
     for name, shape in shapes.items():
         print(f"  {name:<40} {tuple(shape) if shape is not None else '(not run)'}")
     if note:
@@ -155,13 +161,25 @@ def _harvest(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lensadapters", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="lensadapters",
+        description="Hook points of Hugging Face models: the installed plugins, a model's hook points, a demo, "
+        "a plugin's contract suite, activation harvesting.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="installed plugins, their distributions and architectures")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plugins)
-    p = sub.add_parser("hooks", help="hook names and shapes for a checkpoint directory or a built-in tiny model")
-    p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...)")
+    p = sub.add_parser(
+        "hooks",
+        help="hook names and shapes of a checkpoint directory, or of a tiny built-in model of an architecture",
+        description="List every hook point with its shape for one input of batch 1. TARGET is a local checkpoint "
+        "directory, or an installed architecture's name (gpt2, llama, ...): then the model shown is a tiny built-in "
+        "one (the plugin's test config with random weights), so the names are those of any model of that "
+        "architecture and the shapes follow the tiny config.",
+    )
+    p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...) for a "
+                                  "tiny built-in model")
     p.add_argument("--adapter", default=None, help="force a plugin by name ('generic': the generic adapter)")
     p.add_argument("--length", type=int, default=4, help="positions of the probe input")
     p.add_argument("--json", action="store_true")

@@ -124,7 +124,8 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
         plot: Optional[str] = None) -> list[DemoResult]:
     """The random-weight demo of every installed architecture, then the induction-head demo (``plot``: write its
     attention patterns to this PNG; needs matplotlib)."""
-    from .induction_demo import require_matplotlib, run as induction_demo  # a trained model with a real finding
+    from .induction_demo import require_matplotlib  # a trained model with a real finding
+    from .induction_demo import run as induction_demo
 
     if plot is not None:
         require_matplotlib()

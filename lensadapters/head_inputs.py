@@ -88,7 +88,7 @@ class HeadInputSite(Site):
             # protect: a fresh tensor, but an in-place edit must be seen under inference_mode too (no version counter)
             attn_in, attn_changed = self.attn_in.apply(base.repeat_interleave(n_heads, dim=-2), protect=True)
         streams: list[tuple[Tensor, bool]] = []
-        for which, point, heads in ((0, self.q_input, n_heads), (1, self.k_input, n_kv), (2, self.v_input, n_kv)):
+        for point, heads in ((self.q_input, n_heads), (self.k_input, n_kv), (self.v_input, n_kv)):
             start = attn_in.clone() if attn_changed else base.repeat_interleave(heads, dim=-2)
             value, changed = point.apply(start, protect=True) if point.active else (start, False)
             streams.append((value, changed or attn_changed))
@@ -141,12 +141,11 @@ def add_head_input_sites(hm: "HookedModel") -> None:
             continue
         pre = f"blocks.{layer}."
         anchor = pre + "hook_resid_pre"
-        points: dict[str, Optional[HookPoint]] = {}
+        points: dict[str, HookPoint] = {}
         for name in NAMES:
             if name == "hook_attn_in" and cfg.n_key_value_heads != cfg.n_heads:
-                points[name] = None  # grouped-query attention: no per-head input feeds a key/value head
-                continue
+                continue  # grouped-query attention: no per-head input feeds a key/value head
             points[name] = hm.new_point(pre + name, after=anchor)
             anchor = pre + name
-        hm.add_site(HeadInputSite(hm, layer, points["hook_attn_in"], points["hook_q_input"],  # type: ignore[arg-type]
-                                  points["hook_k_input"], points["hook_v_input"]))  # type: ignore[arg-type]
+        hm.add_site(HeadInputSite(hm, layer, points.get("hook_attn_in"), points["hook_q_input"],
+                                  points["hook_k_input"], points["hook_v_input"]))

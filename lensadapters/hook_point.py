@@ -165,7 +165,9 @@ class HookPoint:
             raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', not {dir!r}")
         if level is not None:
             raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
-        keep = (lambda e: e.permanent and not including_permanent)
+        def keep(entry: Any) -> bool:
+            return entry.permanent and not including_permanent
+
         if dir in ("fwd", "both"):
             self.fwd_hooks = [e for e in self.fwd_hooks if keep(e)]
         if dir in ("bwd", "both"):

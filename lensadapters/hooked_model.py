@@ -17,18 +17,18 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import tl_call  # analysis layer: TransformerLens call conventions
 from .arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs
 from .cache import ActivationCache
 from .errors import LensAdaptersError, PluginError, UnsupportedModelError
+from .head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
 from .hook_point import HookFn, HookPoint, is_recomputing
 from .plugin_calls import plugin_of
 from .registry import PluginLoadWarning, Registry, check_transformers_range, get_registry
+from .tl_api import TransformerLensAPI  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 from .validation import describe_forced
 from .weights import WeightAccessors
 from .wiring import PATTERN_POINTS, Wiring
-from . import tl_call  # analysis layer: TransformerLens call conventions
-from .head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
-from .tl_api import TransformerLensAPI  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 
 Tensor = torch.Tensor
 NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]

@@ -179,7 +179,7 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
         probe = clean[:1]
         induction = detect_head(hm, probe, "induction_head", exclude_bos=True)
         previous = detect_head(hm, probe, "previous_token_head", exclude_bos=True)
-        heads = [(int(l), int(h)) for l, h in (induction >= INDUCTION_SCORE).nonzero()]
+        heads = [(int(layer), int(h)) for layer, h in (induction >= INDUCTION_SCORE).nonzero()]
         corrupted = clean.clone()
         corrupted[:, 1:half + 1] = torch.randint(1, vocab, (clean.shape[0], half), generator=generator)
         targets = clean[:, half + 2:]
@@ -199,8 +199,8 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
                                                 fwd_hooks=_restore_heads(heads, clean_cache)))
         gap = clean_score - corrupted_score
         restored = (patched - corrupted_score) / gap
-        others = [restored[l, h].item() for l in range(hm.cfg.n_layers) for h in range(hm.cfg.n_heads)
-                  if (l, h) not in heads]
+        others = [restored[layer, h].item() for layer in range(hm.cfg.n_layers) for h in range(hm.cfg.n_heads)
+                  if (layer, h) not in heads]
         joint = ((together - corrupted_score) / gap).item()
         confirmed = bool(heads) and joint > 0.8 and min(restored[h].item() for h in heads) > max(others, default=0)
         result = InductionResult(arch_name, hm.cfg.n_layers, hm.cfg.n_heads, steps, time.perf_counter() - start,

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Optional, Sequence
 from torch import nn
 
 from .errors import PluginValidationError, UnsupportedModelError
-from .specs import Architecture, BlockLayout, FusedGateUp, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
 from .moe.specs import MoELayout
+from .specs import Architecture, BlockLayout, FusedGateUp, FusedQKV, HookedConfig, MLPLayout, ModelLayout, SeparateQKV
 
 #: the hooks an architecture plugin must implement (the description the core builds hook points from)
 REQUIRED_ARCHITECTURE_HOOKS = (
@@ -133,7 +133,8 @@ def check_result(plugin_name: str, hook: str, value: Any, expected: Sequence[typ
 
 def _closest(owner: nn.Module, path: str) -> str:
     """The part of ``path`` that exists, and the closest names where it stops."""
-    module, done = owner, []
+    module: nn.Module = owner
+    done: list[str] = []
     for part in path.split("."):
         child = module._modules.get(part)
         if child is None and not isinstance(getattr(module, part, None), nn.Module):

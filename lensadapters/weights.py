@@ -20,6 +20,7 @@ from .specs import FusedGateUp, FusedQKV, LinearWeight
 
 if TYPE_CHECKING:  # pragma: no cover
     from .protocol import Hooked
+    from .wiring import Wiring
 
 Tensor = torch.Tensor
 
@@ -212,7 +213,7 @@ class WeightAccessors:
     layouts. ``W_K``/``W_V``/``b_K``/``b_V`` are the key/value-head tensors (``_W_K``...) repeated to the query heads.
     """
 
-    wiring: "Hooked"
+    wiring: "Wiring"
 
     def _weight(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
         w = self.wiring
@@ -253,7 +254,8 @@ class WeightAccessors:
 
     @property
     def W_E(self) -> Tensor:
-        """Token embeddings ``[d_vocab, d_model]`` (times ``ModelLayout.embed_scale``: ``hook_embed == W_E[tokens]``)."""
+        """Token embeddings ``[d_vocab, d_model]`` (times ``ModelLayout.embed_scale``:
+        ``hook_embed == W_E[tokens]``)."""
         def compute() -> Tensor:
             with live_parameters(self.wiring.hf_model.get_submodule(self.wiring.layout.embed)) as embed:
                 return embed.weight

@@ -36,6 +36,7 @@ from .frames import ForwardState, RecomputeToken, tag_for_recompute
 from .guard import ModuleGuard
 from .head_inputs import add_head_input_sites
 from .hook_point import HookPoint, is_recomputing
+from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 from .offload import live_parameters
 from .sites import (
     AttentionRotarySite,
@@ -76,7 +77,6 @@ from .specs import (
     QKVLayout,
     SeparateQKV,
 )
-from .moe import MoELayout, build_moe_site, is_expert_point, is_moe, moe_point_names
 from .validation import check_paths, check_result
 
 if TYPE_CHECKING:  # pragma: no cover

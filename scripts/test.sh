@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up (first run) and run the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
+# Set everything up (first run), lint (scripts/lint.sh: ruff and mypy, first: it fails in about a minute) and run
+# the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
 # on the pinned transformers 5.x, then again on transformers 4.57 in a second environment (without the tests marked
 # transformers5_only), then the wheel check.
 # HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here); the second environment runs
@@ -13,6 +14,7 @@ for suite in plugins/*/tests examples/*/tests; do
   if [ -d "$suite" ]; then suites+=("$suite"); fi
 done
 bash scripts/setup.sh .venv
+bash scripts/lint.sh .venv
 echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "${suites[@]}"
 bash scripts/setup.sh .venv-tf457 4.57.6

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import OPTConfig
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 from lensadapters import ActivationCache, DecompositionUndefinedError, HookedModel, LensAdaptersError
 from lensadapters.testing import assert_close
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lensadapters import ContractVariant, contract_variants, hookimpl
+from lensadapters import ContractVariant, cli, contract_variants, hookimpl
 from lensadapters import registry as registry_module
-from lensadapters import cli
 from lensadapters.check import CheckError, contract_class
 from lensadapters.registry import PluginInfo
 from lensadapters.testing import architecture_plugins, plugin_projects, registry_with

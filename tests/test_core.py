@@ -15,8 +15,17 @@ from typing import Any
 import pytest
 import torch
 
-from lensadapters import (Architecture, HookedModel, LensAdaptersError, PluginConflictError, Registry,
-                          UnsupportedModelError, get_act_name, hookimpl, is_recomputing)
+from lensadapters import (
+    Architecture,
+    HookedModel,
+    LensAdaptersError,
+    PluginConflictError,
+    Registry,
+    UnsupportedModelError,
+    get_act_name,
+    hookimpl,
+    is_recomputing,
+)
 from lensadapters import registry as registry_module
 from lensadapters.cli import main as cli_main
 from lensadapters.demo import tiny_model

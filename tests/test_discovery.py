@@ -12,8 +12,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from lensadapters import hookimpl, innermost_layer, wrapped_layers
-from lensadapters import demo
+from lensadapters import demo, hookimpl, innermost_layer, wrapped_layers
 from lensadapters.registry import Registry
 from lensadapters.testing import AdapterContract, plugin_projects, registry_with
 

@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 import torch
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters import HookedModel
 from lensadapters.head_detector import (
     detect_head,
@@ -15,6 +14,7 @@ from lensadapters.head_detector import (
     get_induction_head_detection_pattern,
     get_previous_token_head_detection_pattern,
 )
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 
 TOKENS = torch.tensor([[5, 6, 7, 5, 6, 7]])
 

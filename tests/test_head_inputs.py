@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 from lensadapters import HookedModel
 from lensadapters.testing import assert_close
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SIDE = {"q_input": "q", "k_input": "k", "v_input": "v"}

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters import HookedModel, HookPoint
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -50,9 +50,9 @@ def test_hook_point_add_hook_and_remove_hooks() -> None:
 def test_misspelled_names_and_decoder_layer_attributes() -> None:
     hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
     with pytest.raises(AttributeError, match="hook_pattern"):
-        hm.blocks[0].attn.hook_patern
+        _ = hm.blocks[0].attn.hook_patern
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
-        hm.nonsense
+        _ = hm.nonsense
     norm_attr = hm.block_layouts[0].ln1.split(".")[0]  # the decoder layer's own attribute (not a hook name)
     with pytest.warns(DeprecationWarning, match="block_modules"):
         module = getattr(hm.blocks[0], norm_attr)
@@ -65,7 +65,7 @@ def test_a_property_that_raises_keeps_its_message() -> None:
         hm = HookedModel.wrap(tiny(arch))
         if hm.cfg.positional_embedding_type == "rotary":
             with pytest.raises(AttributeError, match="no learned position embeddings"):
-                hm.W_pos
+                _ = hm.W_pos
             hm.unwrap()
             return
         hm.unwrap()

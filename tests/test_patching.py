@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 from lensadapters import HookedModel, patching
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
 
 
 def setup(arch: str, seed: int = 0):

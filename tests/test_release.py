@@ -2,10 +2,10 @@
 
 import re
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import lensadapters
 from lensadapters import Registry
@@ -95,7 +95,6 @@ def test_core_readme_links_work_on_pypi():
     links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
     relative = [link for link in links if not re.match(r"(https?://|mailto:|#)", link)]
     assert not relative, f"README.md has relative links: {relative}"
-    prefix = "https://github.com/lensadapters/lensadapters/"
     for link in links:  # links into this repository name files that exist
         for kind in ("blob/main/", "tree/main/", "raw.githubusercontent.com/lensadapters/lensadapters/main/"):
             if kind in link:

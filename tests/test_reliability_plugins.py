@@ -31,8 +31,8 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.errors import PluginError
-from lensadapters.registry import DISABLE_AUTOLOAD_ENV, PluginLoadWarning, get_registry, set_registry
 from lensadapters.generic import GenericAdapterWarning
+from lensadapters.registry import DISABLE_AUTOLOAD_ENV, PluginLoadWarning, get_registry, set_registry
 from lensadapters.testing import reinit
 from lensadapters.weights import WeightSourceWarning
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters import HookedModel, Output, TransformerLensKeywordError
 from lensadapters.testing import assert_close
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters.tokens import NoTokenizerError
 from lensadapters.utils import lm_cross_entropy_loss
 

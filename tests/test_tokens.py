@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 from lensadapters import HookedModel
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VOCAB = 40

@@ -9,7 +9,7 @@ untouched (``HookPoint.apply`` says whether anything changed).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ class Site:
         """What decides the PyTorch hooks this site installs; the site is re-installed when it changes."""
         return (self.wanted(),)
 
-    def install(self) -> list[Handle]:  # pragma: no cover - abstract
+    def install(self) -> Sequence[Handle]:  # pragma: no cover - abstract
         """Register the PyTorch hooks this site needs now; return handles that remove them."""
         raise NotImplementedError
 

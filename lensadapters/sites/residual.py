@@ -1,4 +1,5 @@
-"""The residual stream around a block's MLP: ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out``, ``hook_resid_post``."""
+"""The residual stream around a block's MLP: ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out``,
+``hook_resid_post``."""
 
 from __future__ import annotations
 

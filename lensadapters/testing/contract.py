@@ -664,7 +664,7 @@ class AdapterContract:
             for name in hm.hook_names:
                 fired: list[str] = []
 
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
                     fired.append(hook.name)
                     return perturb(t, hook)
 
@@ -933,7 +933,7 @@ class AdapterContract:
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[scores])
             for point, position, axis in sides:
 
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, position: int = position) -> torch.Tensor:
                     t = t.clone()
                     t[:, position] = perturb(t[:, position], hook)
                     return t
@@ -947,7 +947,8 @@ class AdapterContract:
                 changed[finite] = (a[finite] - b[finite]).abs() > 1e-5 * (1 + a[finite].abs())
                 line = changed.select(axis, position)
                 assert not changed.index_fill(axis, torch.tensor([position]), False).any(), (
-                    f"editing {point} at position {position} changed scores outside that {'row' if axis == -2 else 'column'}")
+                    f"editing {point} at position {position} changed scores outside that "
+                    f"{'row' if axis == -2 else 'column'}")
                 # every score of that line the mask lets through (all earlier keys, unless a window hides some)
                 assert int(line.sum(-1).max()) == int(finite.select(axis, position).sum(-1).max()), (
                     f"editing {point} at position {position} did not change its whole "

@@ -293,7 +293,7 @@ class GenericContract:
             for name in hm.hook_names:
                 fired: list[str] = []
 
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
                     fired.append(hook.name)
                     return perturb(t, hook)
 

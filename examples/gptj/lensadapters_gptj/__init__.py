@@ -27,7 +27,7 @@ offers for it) can serve pattern hooks; every other hook point works with flash-
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ from lensadapters import (
 )
 from lensadapters.copying import InstanceOverride
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract-suite class that `lensadapters check gptj` runs (imported only by the check command)
@@ -62,11 +65,11 @@ ARCH = Architecture(
 Tensor = torch.Tensor
 
 
-def _prefix(model: nn.Module) -> str:
+def _prefix(model: PreTrainedModel) -> str:
     return "transformer." if hasattr(model, "transformer") else ""
 
 
-def _base(model: nn.Module) -> nn.Module:
+def _base(model: PreTrainedModel) -> nn.Module:
     return model.transformer if hasattr(model, "transformer") else model
 
 
@@ -231,7 +234,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     from transformers.models.gptj import modeling_gptj as hf
 
     c = model.config
@@ -276,7 +279,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
         n_layers=c.n_layer,
@@ -299,7 +302,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     unembed = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
@@ -314,19 +317,19 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.out_proj", ln2=None, mlp="mlp", parallel=True)
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return SeparateQKV(
         "attn.q_proj", "attn.k_proj", "attn.v_proj", rotary=rotate_every_two_spec(_rotary_dim(model.config))
     )
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return MLPLayout(pre="mlp.fc_in", out="mlp.fc_out")
 
 

@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import contextlib
 
+import lensadapters_gptj
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_gptj.contract import GPTJContract, gptj_configs
 from torch import nn
 from transformers import AutoModelForCausalLM, GPTJConfig
 from transformers.models.gptj import modeling_gptj as hf
 
-import transformers
-
-import lensadapters_gptj
 from lensadapters import HookedModel, LensAdaptersError, Registry, UnsupportedModelError
 from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
-from lensadapters_gptj.contract import GPTJContract, gptj_configs
-
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 

@@ -30,6 +30,7 @@ from torch import nn
 from lensadapters import Architecture, ContractVariant, LinearWeight, hookimpl
 
 from ._dequant import (
+    bnb_modules,
     dequantize_4bit,
     dequantize_embedding,
     dequantize_int8,
@@ -39,7 +40,6 @@ from ._dequant import (
     is_bnb_module,
     is_int8_embedding,
     is_int8_linear,
-    bnb_modules,
     matmul_error_bound,
     unavailable,
 )

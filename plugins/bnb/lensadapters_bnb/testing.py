@@ -253,7 +253,7 @@ class Int8Contract(AdapterContract):
             for name in required + [n for n in others if n not in required]:
                 fired: list[str] = []
 
-                def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
                     fired.append(hook.name)
                     return perturb(t, hook)
 
@@ -281,7 +281,8 @@ class Int8Contract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
-        """DESIGN §3 identities, each within ``matmul_error_bound`` of its quantized projection."""
+        """The float contract's weight and residual identities, each within ``matmul_error_bound`` of its quantized
+        projection."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         with torch.no_grad():

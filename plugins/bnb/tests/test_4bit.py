@@ -7,7 +7,6 @@ The whole-model test runs for every installed architecture contract that declare
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,11 +15,17 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
+from lensadapters_bnb.testing import (  # noqa: E402
+    assert_within_bound,
+    check_identities,
+    float_weight,
+    quantized_linears,
+    quantized_twins,
+)
+
 from lensadapters import HookedModel  # noqa: E402
 from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
-from lensadapters_bnb.testing import (assert_within_bound, check_identities,  # noqa: E402
-                                      float_weight, quantized_linears, quantized_twins)
 
 # every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
 SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
@@ -98,7 +103,6 @@ def test_4bit_cpu_packed_layout_is_unpacked(quant_type: str, nested: bool, stora
     import copy
 
     from bitsandbytes.functional import _convert_weight_packed_for_cpu, _convert_weight_packed_for_cpu_inverse
-
     from lensadapters_bnb._dequant import _cpu_packed_codes
 
     torch.manual_seed(1)

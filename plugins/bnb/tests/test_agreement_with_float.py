@@ -19,11 +19,19 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
+from lensadapters_bnb.testing import (  # noqa: E402
+    FLOAT_AGREEMENT_PER_BLOCK,
+    Int8Contract,
+    assert_within_bound,
+    check_identities,
+    float_weight,
+    quantized_linears,
+    quantized_twins,
+)
+
 from lensadapters import HookedModel  # noqa: E402
 from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
-from lensadapters_bnb.testing import (FLOAT_AGREEMENT_PER_BLOCK, Int8Contract, assert_within_bound, check_identities,  # noqa: E402
-                                      float_weight, quantized_linears, quantized_twins)
 
 # every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
 SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,

@@ -10,7 +10,8 @@ are checked against :func:`lensadapters_bnb.matmul_error_bound` instead of a fix
 import pytest
 
 pytest.importorskip("bitsandbytes")
-from lensadapters.testing import contract_matrix  # noqa: E402
 from lensadapters_bnb.testing import Int8Contract  # noqa: E402
+
+from lensadapters.testing import contract_matrix  # noqa: E402
 
 contract_matrix(Int8Contract, globals())

@@ -23,11 +23,18 @@ from torch import nn
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 import lensadapters_bnb as lb  # noqa: E402
+from lensadapters_bnb.testing import FLOAT_AGREEMENT_PER_BLOCK, assert_within_bound, check_identities, quantize  # noqa: E402
+
 from lensadapters import FusedQKV, HookedModel  # noqa: E402
-from lensadapters.testing import (assert_close, declared_contracts, model_openers, norm_out,  # noqa: E402
-                                  registry_for, registry_with, seeded_model)
-from lensadapters_bnb.testing import (FLOAT_AGREEMENT_PER_BLOCK, assert_within_bound, check_identities,  # noqa: E402
-                                      quantize)
+from lensadapters.testing import (  # noqa: E402
+    assert_close,
+    declared_contracts,
+    model_openers,
+    norm_out,
+    registry_for,
+    registry_with,
+    seeded_model,
+)
 
 SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
                                                                            HealthCheck.differing_executors])
@@ -145,7 +152,8 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
             base_logits = hm(clean).logits
         assert torch.equal(zeroed, base_logits) and not torch.equal(base_logits, reference)
 
-    # one training step with hooks attached (dropout active, gradient checkpointing from prepare_model_for_kbit_training)
+    # one training step with hooks attached (dropout active, gradient checkpointing from
+    # prepare_model_for_kbit_training)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
     optimizer = torch.optim.SGD(trainable, lr=0.05)

@@ -15,6 +15,7 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
+
 from lensadapters import HookedModel, WeightUnavailableError  # noqa: E402
 from lensadapters.testing import registry_for, seeded_model  # noqa: E402
 
@@ -72,7 +73,7 @@ def _hooks_work_but_q_weight_is_refused(model: nn.Module) -> tuple[Any, WeightUn
     assert torch.equal(logits, reference)  # hook points work: they never read the weight
     assert cache["blocks.0.attn.hook_q"].shape == (1, 5, 2, 8)
     with pytest.raises(WeightUnavailableError, match=r"model\.layers\.0\.self_attn\.q_proj") as info:
-        hm.W_Q
+        _ = hm.W_Q
     assert hm.W_O.shape == (1, 2, 8, 16) and hm.W_in.shape == (1, 16, 24)  # plain float linears still read
     return hm, info.value
 
@@ -132,7 +133,7 @@ def test_plain_linear_with_a_quantized_or_integer_weight_is_refused() -> None:
     o_proj = attn.o_proj
     o_proj.weight = nn.Parameter(torch.round(o_proj.weight.detach() * 100).to(torch.int8), requires_grad=False)
     with pytest.raises(WeightUnavailableError, match=r"model\.layers\.0\.self_attn\.o_proj.*torch\.int8") as info:
-        hm.W_O
+        _ = hm.W_O
     assert "no installed plugin dequantizes it" in str(info.value)
     hm.unwrap()
     # outside any wrapped model the default reader still refuses (and names the layer type)

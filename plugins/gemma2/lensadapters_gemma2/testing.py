@@ -67,7 +67,7 @@ def gemma_reinit(model: torch.nn.Module, seed: int) -> None:
     drawn around 0 (their effective scale around 1, as in the checkpoints)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if not param.is_floating_point():
                 continue
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close
@@ -16,7 +17,6 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns,
     generate_with_hooks,
 )
-from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 

@@ -24,7 +24,7 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -42,6 +42,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -67,20 +70,20 @@ _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_at
 _MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
 
-def text_config(model: nn.Module) -> Any:
+def text_config(model: PreTrainedModel) -> Any:
     config = model.config
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
 
 
-def _base(model: nn.Module) -> str:
+def _base(model: PreTrainedModel) -> str:
     return hf.base_path(model, FAMILY)
 
 
-def rope_types(model: nn.Module) -> list[str]:
+def rope_types(model: PreTrainedModel) -> list[str]:
     """The rope type of every rotary module (transformers 5.x: one module with a type per layer type)."""
     found = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if type(module).__name__ == "Gemma3RotaryEmbedding":
             kind = getattr(module, "rope_type", "default")
             found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]
@@ -107,7 +110,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     hf.require_transformers_class(model, FAMILY, ("gemma3",))
     if model.config.model_type == "gemma3" and type(model).__name__ not in TEXT_CLASSES:
         raise UnsupportedModelError(
@@ -129,7 +132,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = text_config(model)
     head_dim = hf.head_dim(c)
     base_global, base_local = rope_bases(c)
@@ -150,7 +153,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base(model)
     embed = model.get_submodule(hf.join(base, "embed_tokens"))
     # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
@@ -161,19 +164,19 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return _BLOCK
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     # q, k and v are projected first, then q_norm and k_norm, then RoPE
     return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(text_config(model))), q_norm=_QK_NORMS[0],
                        k_norm=_QK_NORMS[1], norms_after_projections=True)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return _MLP
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 
 from lensadapters import UnsupportedModelError
 from lensadapters.rotary import apply_rotate_half
@@ -15,7 +16,6 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns,
     generate_with_hooks,
 )
-from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 
 
 class TestGemma3(Gemma3Contract):

@@ -7,7 +7,7 @@ is refused at wrap time.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from lensadapters import (
     hookimpl,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check gpt2` runs (imported only then: it needs lensadapters[testing])
@@ -36,7 +39,7 @@ ARCH = Architecture(
 )
 
 
-def _prefix(model: nn.Module) -> str:
+def _prefix(model: PreTrainedModel) -> str:
     return "transformer." if hasattr(model, "transformer") else ""
 
 
@@ -46,13 +49,13 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     if getattr(model.config, "add_cross_attention", False):
         raise UnsupportedModelError("GPT-2 with add_cross_attention=True is not supported by lensadapters-gpt2")
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
         n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head,
@@ -63,19 +66,19 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
     return ModelLayout(blocks=p + "h", embed=p + "wte", pos_embed=p + "wpe", ln_final=p + "ln_f",
                        unembed="lm_head" if hasattr(model, "lm_head") else None)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_2", mlp="mlp")
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> FusedQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
     d_model, n_heads = model.config.n_embd, model.config.n_head
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +92,7 @@ def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> F
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return MLPLayout(pre="mlp.c_fc", out="mlp.c_proj")
 
 

@@ -3,10 +3,10 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_gpt2.testing import GPT2Contract, gpt2_configs
 from transformers import GPT2Config
 
 from lensadapters.testing import assert_close
-from lensadapters_gpt2.testing import GPT2Contract, gpt2_configs
 
 
 class TestGPT2(GPT2Contract):

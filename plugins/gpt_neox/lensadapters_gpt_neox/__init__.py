@@ -19,7 +19,7 @@ Attention implementations other than ``eager`` and ``sdpa`` are refused at wrap 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from lensadapters import (
 )
 from lensadapters.rotary import rotate_half_spec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check gpt_neox` runs (imported only then: it needs lensadapters[testing])
@@ -50,15 +53,15 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")
 _ATTN_PREFIX = "lensadapters:"
 
 
-def _prefix(model: nn.Module) -> str:
+def _prefix(model: PreTrainedModel) -> str:
     return "gpt_neox." if hasattr(model, "gpt_neox") else ""
 
 
-def _base(model: nn.Module) -> nn.Module:
+def _base(model: PreTrainedModel) -> nn.Module:
     return model.get_submodule(_prefix(model).rstrip(".")) if _prefix(model) else model
 
 
-def _attention(model: nn.Module, layer: int) -> nn.Module:
+def _attention(model: PreTrainedModel, layer: int) -> nn.Module:
     return _base(model).layers[layer].attention
 
 
@@ -91,7 +94,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
     c = model.config
@@ -154,7 +157,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     d_head = c.hidden_size // c.num_attention_heads
     rotary_dim = _attention(model, 0).rotary_ndims if c.num_hidden_layers else 0
@@ -168,7 +171,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
     unembed = None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -179,7 +182,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     block = model.get_submodule(_prefix(model) + "layers")[layer]
     # the block adds post_mlp_dropout(mlp(...)) to the residual: resid_mid edits are carried in there
     mlp_residual = "post_mlp_dropout" if hasattr(block, "post_mlp_dropout") else None
@@ -189,7 +192,7 @@ def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Bloc
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> FusedQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
     n_heads = model.config.num_attention_heads
     rotary_ndims = _attention(model, layer).rotary_ndims
 
@@ -200,7 +203,7 @@ def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> F
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return MLPLayout(pre="mlp.dense_h_to_4h", out="mlp.dense_4h_to_h")
 
 

@@ -19,18 +19,18 @@ import contextlib
 import functools
 import warnings
 
+import lensadapters_gpt_neox
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lensadapters_gpt_neox.testing import VOCAB, GPTNeoXContract, gpt_neox_config, gpt_neox_configs, rotary_pct
 from torch import nn
+from transformers import AutoModelForCausalLM
 
-import lensadapters_gpt_neox
 from lensadapters import HookedModel, Registry, UnsupportedModelError
 from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
 from lensadapters.testing.strategies import Inputs, token_inputs
-from lensadapters_gpt_neox.testing import VOCAB, GPTNeoXContract, gpt_neox_config, gpt_neox_configs, rotary_pct
-from transformers import AutoModelForCausalLM
 
 make_config = gpt_neox_config
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -79,7 +79,7 @@ def llama_configs(draw: st.DrawFn, rope_types: tuple[str, ...] = ROPE_TYPES, *,
                   tied: Any = st.booleans(), attention_bias: Any = st.booleans(), mlp_bias: Any = st.booleans(),
                   act: Any = st.sampled_from(["silu", "silu", "gelu_new"]),
                   eps: Any = st.sampled_from([1e-6, 1e-5])) -> LlamaConfig:
-    """Tiny Llama configs across issue 5's coverage: GQA ratios 1, 2, 3 and multi-query attention (one kv
+    """Tiny Llama configs covering GQA ratios 1, 2, 3 and multi-query attention (one kv
     head), ``head_dim`` different from ``hidden_size / num_attention_heads``, every rope type in
     ``rope_types``, tied and untied embeddings, ``attention_bias``, ``mlp_bias``.
 

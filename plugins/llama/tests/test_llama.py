@@ -11,16 +11,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import lensadapters_llama
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 from transformers import LlamaConfig
 
-import lensadapters_llama
 from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing import assert_close, reference_rope
-from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 
 
 class TestLlama(LlamaContract):
@@ -344,7 +344,7 @@ def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache_implement
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_implementation):
-    """Seed 004's ``generate(..., cache_implementation="static")`` with hooks: same greedy tokens."""
+    """``generate(..., cache_implementation="static")`` (and dynamic) with hooks: same greedy tokens."""
     model = llama32
     ids, mask = left_padded(256, length=7, pads=(2, 0))
     with torch.no_grad():
@@ -379,8 +379,8 @@ def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_seed_004_half_precision_static_cache(dtype):
-    """Seed 004 loads Llama in float16/bfloat16 with sdpa and generates with a static cache: hooks that read keep
+def test_half_precision_static_cache_generation(dtype):
+    """A Llama loaded in float16/bfloat16 with sdpa and generates with a static cache: hooks that read keep
     the generation bitwise (the model's own sdpa runs), values come in the model's dtype, and a pattern hook
     (explicit attention in that layer) keeps every decoding step's pattern a distribution over the real keys."""
     model = make(llama32_3b_like(), 7).to(dtype)  # a fresh model: no static cache left from earlier generations

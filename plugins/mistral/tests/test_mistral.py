@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_mistral.testing import MistralContract, mistral_config
 
 from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
@@ -13,7 +14,6 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns,
     generate_with_hooks,
 )
-from lensadapters_mistral.testing import MistralContract, mistral_config
 
 
 class TestMistral(MistralContract):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import (
@@ -13,7 +14,6 @@ from lensadapters.testing.family_checks import (
     assert_unknown_rope_refused,
     generate_with_hooks,
 )
-from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 
 class TestOlmo2(Olmo2Contract):

@@ -30,7 +30,7 @@ Quirks handled:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ from lensadapters import (
     live_parameters,
 )
 from lensadapters.sites import Site, first_output, replace_first_output
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -82,7 +85,7 @@ that the MLP output is added to both follow it; an edit of hook_resid_post is th
 # --- layout helpers ------------------------------------------------------------------------------
 
 
-def _decoder_path(model: nn.Module) -> str:
+def _decoder_path(model: PreTrainedModel) -> str:
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "decoder"):
         return "model.decoder"
@@ -93,11 +96,11 @@ def _decoder_path(model: nn.Module) -> str:
         f"{type(model).__name__} has neither")
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def _decoder(model: PreTrainedModel) -> nn.Module:
     return model.get_submodule(_decoder_path(model))
 
 
-def _pre_ln(model: nn.Module, layer: int = 0) -> bool:
+def _pre_ln(model: PreTrainedModel, layer: int = 0) -> bool:
     block = _decoder(model).layers[layer]
     return bool(getattr(block, "do_layer_norm_before", getattr(model.config, "do_layer_norm_before", True)))
 
@@ -115,7 +118,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     decoder = _decoder(model)
     missing = [name for name in ("embed_tokens", "embed_positions", "layers") if not hasattr(decoder, name)]
     if missing:
@@ -142,7 +145,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     decoder = _decoder(model)
     ln = decoder.layers[0].self_attn_layer_norm
@@ -163,7 +166,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     path = _decoder_path(model)
     decoder = model.get_submodule(path)
     embed = "project_in" if getattr(decoder, "project_in", None) is not None else "embed_tokens"
@@ -175,20 +178,20 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return BlockLayout(ln1="self_attn_layer_norm", attn="self_attn", o_proj="self_attn.out_proj",
                        ln2="final_layer_norm", mlp=None, post_norm=not _pre_ln(model, layer), flat_mlp=True)
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     # hook_q is q_proj's output, before OPTAttention multiplies it by `scaling`; the attention function is then
     # called with scaling=1.0, so the core's scores (query @ key^T * 1.0) are HF's scaled scores.
     return SeparateQKV("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
     return MLPLayout(pre="fc1", out="fc2")
 
 

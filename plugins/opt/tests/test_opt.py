@@ -13,16 +13,16 @@ Architecture-specific properties checked here:
 
 from __future__ import annotations
 
+import lensadapters_opt
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lensadapters_opt.testing import OPTContract, opt_configs
 from transformers import OPTConfig
 
-import lensadapters_opt
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close, token_inputs
-from lensadapters_opt.testing import OPTContract, opt_configs
 
 
 class TestOPT(OPTContract):
@@ -299,7 +299,7 @@ def test_opt_model_without_final_norm_or_head():
         _, cache = hm.run_with_cache(ids)
     assert_close(cache["resid_post", 1], reference, "resid_post[-1] == last hidden state (no final norm)")
     with pytest.raises(AttributeError, match="lm_head"):
-        hm.W_U
+        _ = hm.W_U
     hm.unwrap()
 
 

@@ -18,9 +18,10 @@ from lensadapters.testing.profiles import load_profile
 load_profile()
 
 import lensadapters_peft as lp  # noqa: E402
+from lensadapters_peft.testing import init_lora  # noqa: E402
+
 from lensadapters import HookedModel  # noqa: E402
 from lensadapters.testing import architecture_plugin, registry_for, seeded_model  # noqa: E402
-from lensadapters_peft.testing import init_lora  # noqa: E402
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -4,15 +4,15 @@ with a fused gate/up MLP (found by discovery)."""
 
 from __future__ import annotations
 
+import lensadapters_peft as lp
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from lensadapters_peft.testing import init_lora
 
-import lensadapters_peft as lp
 from lensadapters import FusedGateUp, HookedModel
 from lensadapters.testing import assert_close, declared_contracts, registry_with
-from lensadapters_peft.testing import init_lora
 
 peft = pytest.importorskip("peft")
 

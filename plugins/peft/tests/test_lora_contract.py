@@ -14,8 +14,9 @@ import warnings
 import pytest
 
 pytest.importorskip("peft")
-from lensadapters.testing import contract_matrix  # noqa: E402
 from lensadapters_peft.testing import LoraContract  # noqa: E402
+
+from lensadapters.testing import contract_matrix  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 peft = pytest.importorskip("peft")
+import lensadapters_peft as lp  # noqa: E402
+from lensadapters_peft.testing import init_lora  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-import lensadapters_peft as lp  # noqa: E402
 from lensadapters import LensAdaptersError  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
-from lensadapters_peft.testing import init_lora  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 

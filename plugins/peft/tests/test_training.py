@@ -65,10 +65,10 @@ def test_gradient_checkpointing_records_each_point_once(arch: str, use_reentrant
         calls: dict[str, list[bool]] = {}
         edits: list[bool] = []
 
-        def count(t: torch.Tensor, hook: Any) -> None:
+        def count(t: torch.Tensor, hook: Any, calls: dict[str, list[bool]] = calls) -> None:
             calls.setdefault(hook.name, []).append(hook.recomputing)
 
-        def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        def edit(t: torch.Tensor, hook: Any, edits: list[bool] = edits) -> torch.Tensor:
             edits.append(hook.recomputing)
             return _edit(t, hook)
 
@@ -158,8 +158,8 @@ def test_training_step_through_an_edit_matches_a_plain_torch_hook(arch: str, kit
 
 # Backward hooks keep the gradients bit for bit here; at norm points (hook_scale, RMS hook_normalized/hook_mlp_in)
 # the norm is recomputed from its input to carry the hook, and autograd then sums gradients in another order.
-BITWISE_GRAD_POINTS = lambda name: name.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post",  # noqa: E731
-                                                  "_lora"))
+def bitwise_grad_point(name: str) -> bool:
+    return name.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "_lora"))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -184,7 +184,7 @@ def test_saved_adapter_is_identical_after_training_through_the_wrapper(arch: str
                 # every point read (a forward-only cache), gradients of the residual stream and the LoRA deltas
                 _, cache = hm.run_with_cache(ids, names_filter=NO_PATTERN)
                 assert "blocks.1.hook_mlp_out" in cache.keys()
-                _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=BITWISE_GRAD_POINTS)
+                _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True, names_filter=bitwise_grad_point)
                 assert "blocks.1.hook_resid_mid_grad" in cache.keys()
             else:
                 pm(ids, labels=ids).loss.backward()

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 peft = pytest.importorskip("peft")
+import lensadapters_peft as lp  # noqa: E402
+from lensadapters_peft.testing import init_lora  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-import lensadapters_peft as lp  # noqa: E402
 from lensadapters import HookedModel, UnsupportedModelError, WeightUnavailableError  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
-from lensadapters_peft.testing import init_lora  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
 
@@ -127,7 +127,6 @@ def test_loha_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> Non
     pm.eval()
     hm, hb = kit.wrap(pm), kit.wrap(kit.base())
     assert hm.hook_names == hb.hook_names and not lp.lora_hook_names(hm)
-    cfg = hm.cfg
     layer = pm.base_model.model.model.layers[1]
     modules = {"q": layer.self_attn.q_proj, "attn_out": layer.self_attn.o_proj, "pre_linear": layer.mlp.up_proj}
     seen, handles = _record_outputs(modules)
@@ -179,5 +178,5 @@ def test_dora_adapters_are_hooked_but_have_no_plain_weight(kit_for: Any) -> None
     delta = torch.cat([cache[f"blocks.0.attn.hook_{x}_lora"].flatten(-2) for x in "qkv"], -1)
     assert_close(delta, seen["out"] - seen["base"], "DoRA delta = output - base", atol=1e-6)
     with pytest.raises(Exception, match="variant"):
-        hm.W_Q
+        _ = hm.W_Q
     hm.unwrap()

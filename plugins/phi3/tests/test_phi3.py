@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
 from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
@@ -14,7 +14,6 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns,
     generate_with_hooks,
 )
-from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
 
 class TestPhi3(Phi3Contract):

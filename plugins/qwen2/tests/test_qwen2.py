@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_qwen2.testing import Qwen2Contract, qwen2_config
 
 from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import (
@@ -14,7 +15,6 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns,
     generate_with_hooks,
 )
-from lensadapters_qwen2.testing import Qwen2Contract, qwen2_config
 
 
 class TestQwen2(Qwen2Contract):

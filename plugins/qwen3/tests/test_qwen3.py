@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
@@ -14,7 +15,6 @@ from lensadapters.testing.family_checks import (
     assert_unknown_rope_refused,
     generate_with_hooks,
 )
-from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 
 class TestQwen3(Qwen3Contract):

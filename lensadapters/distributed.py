@@ -104,3 +104,59 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+# --- FSDP2's forward hooks stay outermost -------------------------------------------------------------------------
+
+
+def _fsdp_handles(module: nn.Module) -> Optional[tuple[Any, Any]]:
+    """FSDP2's pre- and post-forward hook handles on ``module`` (a module given to ``fully_shard``), or ``None``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None or not isinstance(module, fsdp_module):
+        return None
+    state = module._get_fsdp_state()
+    return getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)
+
+
+class FsdpHookOrder:
+    """Keeps FSDP2's own forward hooks around every hook lensadapters adds to a ``fully_shard`` module.
+
+    FSDP2 gathers a module's parameters in a forward pre-hook it puts first, and in a forward hook it puts last
+    frees them and marks the module's outputs, so that backward gathers them again. A hook point that edits a
+    block's output from a hook added after ``fully_shard`` would run after that hook: its new output would carry
+    no such mark, and backward would find the parameters freed. After lensadapters installs hooks, FSDP2's are
+    moved back to the ends (``outermost``); ``restore`` puts every module's hooks back in their order before.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._saved: dict[nn.Module, tuple[Any, Any, list[int], list[int]]] = {}
+
+    def outermost(self) -> None:
+        """Move FSDP2's hooks to the ends (on modules sharded before or after wrapping)."""
+        if "torch.distributed.fsdp" not in sys.modules:
+            return
+        for module in self._model.modules():
+            if module not in self._saved:
+                handles = _fsdp_handles(module)
+                if handles is None:
+                    continue
+                self._saved[module] = (*handles, list(module._forward_pre_hooks), list(module._forward_hooks))
+            pre, post, _, _ = self._saved[module]
+            if getattr(pre, "id", None) in module._forward_pre_hooks:
+                module._forward_pre_hooks.move_to_end(pre.id, last=False)
+            if getattr(post, "id", None) in module._forward_hooks:
+                module._forward_hooks.move_to_end(post.id)
+
+    def restore(self) -> None:
+        for module, (_, _, pre_order, post_order) in self._saved.items():
+            _reorder(module._forward_pre_hooks, pre_order)
+            _reorder(module._forward_hooks, post_order)
+
+
+def _reorder(hooks: Any, order: list[int]) -> None:
+    """The keys of ``hooks`` that ``order`` lists in that order, then the others as they were."""
+    rank = {key: i for i, key in enumerate(order)}
+    for key in sorted((k for k in hooks if k in rank), key=rank.__getitem__) + [k for k in hooks if k not in rank]:
+        hooks.move_to_end(key)

@@ -36,6 +36,7 @@ from .frames import ForwardState, RecomputeToken, tag_for_recompute
 from .guard import ModuleGuard
 from .head_inputs import add_head_input_sites
 from .hook_point import HookPoint, is_recomputing
+from .distributed import FsdpHookOrder
 from .offload import live_parameters
 from .sites import (
     AttentionRotarySite,
@@ -163,6 +164,7 @@ class Wiring:
     ) -> None:
         self.model = model
         self.hf_model = hf_model
+        self._fsdp_order = FsdpHookOrder(hf_model)  # FSDP2's hooks stay around ours (sharded before or after)
         self.owner: Any = None  # the HookedModel (set by it): alive as long as the model's hooks reference this
         self.arch = arch
         self.plugin = plugin
@@ -729,6 +731,7 @@ class Wiring:
                 del self._installed[site]
             if any(signature):
                 self._installed[site] = (signature, [detachable(handle) for handle in site.install()])
+        self._fsdp_order.outermost()
         self.guard.watch(self._installed)
         self._guard_compile(bool(self._installed))
 
@@ -738,6 +741,7 @@ class Wiring:
             for handle in handles:
                 handle.remove()
         self._installed.clear()
+        self._fsdp_order.restore()
         self.guard.watch(())
         self._guard_compile(False)
         self.forward_state.clear()

@@ -165,7 +165,59 @@ def fsdp2_scenario(rank: int) -> dict:
     return report
 
 
-SCENARIOS = {"ddp": ddp_scenario, "fsdp2": fsdp2_scenario}
+def trainer_scenario(rank: int, out: str) -> dict:
+    """A LoRA fine-tune under the HF Trainer (DDP over gloo) with the probe callback recording every 2 steps."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from lensadapters.training import ProbeCallback, load_probes
+
+    model = tiny(ARCH)
+    model.train()
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    vocab = model.config.vocab_size
+    rows = torch.randint(0, vocab, (16, 9), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    probe = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(3))
+    points = ["blocks.0.attn.hook_z", "blocks.1.hook_resid_post"]
+    probes = os.path.join(out, "probes")
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "trainer"), use_cpu=True, ddp_backend="gloo", max_steps=4,
+        per_device_train_batch_size=2, learning_rate=5e-2, report_to=[], save_strategy="no", logging_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=peft_model, args=args, train_dataset=data,
+                      callbacks=[ProbeCallback(probe, points, probes, every=2)])
+    assert trainer.args.world_size == 2
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)  # the Trainer ran DDP
+    dist.barrier()  # rank 0 has written the last step
+    record = load_probes(probes)
+    assert record.steps == [0, 2, 4], record.steps
+    peft_model.eval()
+    hm = HookedModel.wrap(peft_model)
+    with torch.no_grad():
+        _, now = hm.run_with_cache(probe, names_filter=points)
+    hm.unwrap()
+    for name in points:
+        base, adapted = record["base/" + name], record[name]
+        assert all(torch.equal(base[0], b) for b in base)  # the frozen base model never changes
+        assert torch.equal(adapted[0], base[0])  # LoRA starts as a zero delta
+        assert not torch.allclose(adapted[-1], adapted[0])  # and moves
+        assert torch.allclose(adapted[-1], now[name], atol=1e-6)  # the last record is the trained model's
+    assert torch.equal(record["inputs/input_ids"][0], probe)
+    from safetensors import safe_open
+
+    writers = set()
+    for step in record.steps:
+        with safe_open(os.path.join(probes, f"step-{step:09d}.safetensors"), "pt") as handle:
+            writers.add(handle.metadata()["rank"])
+    assert writers == {"0"}
+    assert all(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n)  # as before the probes
+    return {"steps": record.steps, "points": points}
+
+
+SCENARIOS = {"ddp": ddp_scenario, "fsdp2": fsdp2_scenario, "trainer": trainer_scenario}
 
 
 def main() -> None:
@@ -173,7 +225,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    report = SCENARIOS[scenario](rank)
+    report = SCENARIOS[scenario](rank, out) if scenario == "trainer" else SCENARIOS[scenario](rank)
     dist.barrier()
     with open(os.path.join(out, f"{scenario}-rank{rank}.json"), "w") as handle:
         json.dump({"rank": rank, "world_size": dist.get_world_size(), **report}, handle)

@@ -46,3 +46,10 @@ def test_fsdp2_hook_points_edits_gradients_and_whole_weights_on_every_rank(tmp_p
     for report in run_worker("fsdp2", tmp_path):
         for order in ("sharded-then-wrapped", "wrapped-then-sharded"):
             assert report[order]["gradients"] > 0 and report[order]["weights"]
+
+
+def test_probe_callback_records_a_lora_fine_tune_under_the_trainer_with_ddp(tmp_path) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("accelerate")
+    for report in run_worker("trainer", tmp_path):
+        assert report["steps"] == [0, 2, 4]

@@ -96,7 +96,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     def wrap(
         cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None, tokenizer: Any = None
     ) -> "HookedModel":
-        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name;
+        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``, also under ``DistributedDataParallel`` or FSDP2's
+        ``fully_shard``, before or after it is placed there); ``adapter`` forces a plugin by name;
         ``tokenizer`` (a Hugging Face tokenizer) enables text inputs and ``hm.to_tokens``...
 
         Wrapping an already wrapped model returns the existing wrapper.

@@ -138,25 +138,31 @@ def _check(args: argparse.Namespace) -> int:
 def _harvest(args: argparse.Namespace) -> int:
     import torch
 
+    from .distributed import launch_rank, local_device
     from .harvest import harvest
     from .hooked_model import HookedModel
 
     hf_kwargs = {"local_files_only": True}
     hf_kwargs["dtype"] = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
-
+    rank, world_size = launch_rank()
     hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)
     hm.hf_model.eval()
+    hm.hf_model.to(torch.device(args.device) if args.device else local_device())
     try:
         result = harvest(hm, args.data, args.hooks, args.out, context_size=args.context_size,
                          batch_size=args.batch_size, max_tokens=args.max_tokens, dtype=args.dtype,
                          drop_bos=args.drop_bos, flatten=args.flatten, prepend_bos=not args.no_prepend_bos,
                          text_column=args.text_column, split=args.split, shard_contexts=args.shard_contexts,
-                         progress=not args.quiet)
+                         progress=not args.quiet and rank == 0, rank=rank, world_size=world_size)
     finally:
         hm.unwrap()
     resumed = f", resumed after {result.resumed_from} contexts" if result.resumed_from else ""
-    print(f"{result.out}: {result.contexts} contexts ({result.tokens} tokens) in {result.shards} shards{resumed}; "
-          f"read it with datasets.load_from_disk({result.out!r})")
+    who = f"rank {rank} of {world_size}: " if world_size > 1 else ""
+    read = f"read it with datasets.load_from_disk({result.out!r})"
+    if world_size > 1 and not result.all_finished:
+        read = "the dataset lists every rank's complete shards so far; it is whole once every rank has finished"
+    print(f"{who}{result.out}: {result.contexts} contexts ({result.tokens} tokens) in {result.shards} shards{resumed}; "
+          f"{read}")
     return 0
 
 
@@ -215,7 +221,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "harvest", help="write hook points' activations over a text dataset to disk (resumable)",
         description="Run a local checkpoint over text packed into fixed-length contexts (as SAELens packs it) and "
                     "write the activations of the named hook points in shards; datasets.load_from_disk(OUT) reads "
-                    "them, one row per context. Run the same command again to resume after an interruption.")
+                    "them, one row per context. Run the same command again to resume after an interruption. "
+                    "Under torchrun or accelerate launch each process harvests its own shards into OUT (resumable "
+                    "per process) and OUT lists the union: the single process's dataset.")
     p.add_argument("model_dir", help="a local checkpoint folder (model and tokenizer)")
     p.add_argument("--data", required=True, help="a text file (one row per line), a JSONL file or a dataset folder "
                                                  "saved with datasets' save_to_disk (text, or token ids: "
@@ -238,6 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--shard-contexts", type=int, default=None,
                    help="contexts per shard, the unit of resumption (default: about 256 MiB per shard)")
     p.add_argument("--adapter", default=None, help="force a plugin by name")
+    p.add_argument("--device", default=None,
+                   help="where the model runs (default: this process's GPU -- cuda:LOCAL_RANK under a launcher -- "
+                        "if there is one, else the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_harvest)
     argv = list(sys.argv[1:] if argv is None else argv)

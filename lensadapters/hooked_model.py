@@ -46,7 +46,7 @@ DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
 def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
     inner = model
     for _ in range(8):
-        peeled = hooks.lensadapters_resolve_model(model=inner)
+        peeled = _data_parallel_module(inner) or hooks.lensadapters_resolve_model(model=inner)
         if peeled is None or peeled is inner:
             break
         inner = peeled
@@ -56,6 +56,14 @@ def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
             f"PeftModel), got {type(model).__name__}. {registry.describe_installed()}"
         )
     return inner
+
+
+def _data_parallel_module(model: Any) -> Optional[nn.Module]:
+    """The module inside torch's data-parallel wrappers (``DistributedDataParallel``, ``DataParallel``): hook points
+    go on it, and calls still go through the wrapper (``hm.model``), which synchronizes gradients."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    return None
 
 
 def _wrapper_of(model: Any) -> Optional["HookedModel"]:
@@ -88,7 +96,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     def wrap(
         cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None, tokenizer: Any = None
     ) -> "HookedModel":
-        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``); ``adapter`` forces a plugin by name;
+        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``, also under ``DistributedDataParallel`` or FSDP2's
+        ``fully_shard``, before or after it is placed there); ``adapter`` forces a plugin by name;
         ``tokenizer`` (a Hugging Face tokenizer) enables text inputs and ``hm.to_tokens``...
 
         Wrapping an already wrapped model returns the existing wrapper.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from .distributed import full_tensor, is_dtensor
 from .errors import PluginValidationError, WeightUnavailableError
 from .moe import expert_weights, is_moe, router_weight
 from .offload import live_parameters
@@ -59,6 +60,8 @@ def read_linear(
             f"{type(module).__name__}): no installed plugin knows this storage format. Install the plugin for "
             f"it (8-bit: `pip install lensadapters[bnb]`) or implement `lensadapters_linear_weight`."
         )
+    if is_dtensor(result.W) or is_dtensor(result.b):  # a plugin's read of sharded parameters, whole
+        result = LinearWeight(full_tensor(result.W), full_tensor(result.b))
     _check_linear(hm, module, result, supplier or "?", expect)
     return result
 
@@ -221,7 +224,7 @@ class WeightAccessors:
         kwargs = {"arch": w.arch, "hooked": w, "name": name}
         override, supplier = caller.answer(**kwargs)
         if override is None:
-            return compute()
+            return full_tensor(compute())  # a plugin's read of a sharded parameter, whole
         checked = w.__dict__.setdefault("_weight_sources_checked", set())
         if name not in checked:  # once per name: does more than one plugin answer?
             checked.add(name)
@@ -250,7 +253,7 @@ class WeightAccessors:
                     f"plugin {supplier!r} returned {name} of shape {tuple(override.shape)} from lensadapters_weight, "
                     f"but this model's {name} has shape {tuple(reference.shape)}"
                 )
-        return override
+        return full_tensor(override)
 
     @property
     def W_E(self) -> Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 from . import weights as _w
 from .copying import Setting, detachable
+from .distributed import FsdpHookOrder
 from .errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
 from .frames import ForwardState, RecomputeToken, tag_for_recompute
 from .guard import ModuleGuard
@@ -163,6 +164,7 @@ class Wiring:
     ) -> None:
         self.model = model
         self.hf_model = hf_model
+        self._fsdp_order = FsdpHookOrder(hf_model)  # FSDP2's hooks stay around ours (sharded before or after)
         self.owner: Any = None  # the HookedModel (set by it): alive as long as the model's hooks reference this
         self.arch = arch
         self.plugin = plugin
@@ -729,6 +731,7 @@ class Wiring:
                 del self._installed[site]
             if any(signature):
                 self._installed[site] = (signature, [detachable(handle) for handle in site.install()])
+        self._fsdp_order.outermost()
         self.guard.watch(self._installed)
         self._guard_compile(bool(self._installed))
 
@@ -738,6 +741,7 @@ class Wiring:
             for handle in handles:
                 handle.remove()
         self._installed.clear()
+        self._fsdp_order.restore()
         self.guard.watch(())
         self._guard_compile(False)
         self.forward_state.clear()

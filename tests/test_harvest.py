@@ -341,7 +341,11 @@ def run_cli(checkpoint, out, kill: str | None = None) -> subprocess.CompletedPro
     env.pop(KILL_ENV, None)
     if kill:
         env[KILL_ENV] = kill
-    command = [
+    return subprocess.run(run_cli_command(checkpoint, out), env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_cli_command(checkpoint, out) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "lensadapters.cli",
@@ -363,7 +367,6 @@ def run_cli(checkpoint, out, kill: str | None = None) -> subprocess.CompletedPro
         "--dtype",
         "float16",
     ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -439,3 +442,87 @@ def test_ranks_split_the_shards_of_one_harvest_and_write_the_same_files(tmp_path
     for rank in range(3):
         manifest = json.loads((tmp_path / "split" / f"manifest-rank{rank:05d}-of-00003.json").read_text())
         assert all(s["index"] % 3 == rank for s in manifest["shards"]) and manifest["finished"]
+
+
+# --- several processes (torchrun, gloo on the CPU) ------------------------------------------------------------------
+
+
+def torchrun_cli(checkpoint, out, kill: str | None = None):
+    from lensadapters.testing.distributed import torchrun
+
+    command = run_cli_command(checkpoint, out)
+    return torchrun(["-m", "lensadapters", *command[command.index("harvest"):]], env={KILL_ENV: kill} if kill else {})
+
+
+def assert_same_harvest(out, reference) -> None:
+    files = sorted(f for f in os.listdir(reference) if f.endswith(".arrow"))
+    assert sorted(f for f in os.listdir(out) if f.endswith(".arrow") or f.endswith(".tmp")) == files
+    for name in files:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    listing = json.loads((out / "state.json").read_text())["_data_files"]
+    assert listing == json.loads((reference / "state.json").read_text())["_data_files"]
+    a = load_harvest(str(out)).with_format("torch")[:]
+    b = datasets.load_from_disk(str(reference)).with_format("torch")[:]
+    assert a.keys() == b.keys() and all(torch.equal(a[c], b[c]) for c in b)
+
+
+def test_torchrun_ranks_write_the_single_process_harvest_between_them(checkpoint, uninterrupted, tmp_path) -> None:
+    from lensadapters.testing.distributed import described
+
+    out = tmp_path / "out"
+    job = torchrun_cli(checkpoint, out)
+    assert job.returncode == 0, described(job)
+    reference = json.loads((uninterrupted / "manifest.json").read_text())["shards"]
+    manifests = [json.loads((out / f"manifest-rank{r:05d}-of-00002.json").read_text()) for r in range(2)]
+    for rank, manifest in enumerate(manifests):
+        assert manifest["finished"] and manifest["shards"]
+        assert manifest["shards"] == [s for s in reference if s["index"] % 2 == rank]
+    assert "rank 0 of 2" in job.stdout and "rank 1 of 2" in job.stdout
+    assert_same_harvest(out, uninterrupted)
+    again = torchrun_cli(checkpoint, out)  # finished: nothing is redone
+    assert again.returncode == 0, described(again)
+    assert_same_harvest(out, uninterrupted)
+
+
+def test_a_killed_rank_is_resumed_by_the_same_command(checkpoint, uninterrupted, tmp_path) -> None:
+    from lensadapters.testing.distributed import described
+
+    out = tmp_path / "out"
+    killed = torchrun_cli(checkpoint, out, kill="shard-file:2@1")
+    assert killed.returncode != 0, described(killed)
+    before = json.loads((out / "manifest-rank00001-of-00002.json").read_text())
+    assert len(before["shards"]) == 1 and not before["finished"]
+    assert (out / "shard-00003.arrow").exists()  # its file moved into place, its manifest not written: redone
+    resumed = torchrun_cli(checkpoint, out)
+    assert resumed.returncode == 0, described(resumed)
+    assert "rank 1 of 2" in resumed.stdout and "resumed after 7 contexts" in resumed.stdout
+    assert_same_harvest(out, uninterrupted)
+
+
+def test_a_harvest_split_over_other_process_counts_is_refused(checkpoint, uninterrupted, tmp_path) -> None:
+    hm = wrapped()
+    try:
+        with pytest.raises(HarvestMismatchError, match="split over a single process"):
+            harvest(hm, str(checkpoint / "data.txt"), ["blocks.0.hook_resid_post"], str(uninterrupted),
+                    context_size=12, rank=0, world_size=2, progress=False)
+        with pytest.raises(ValueError, match="rank and world_size together"):
+            harvest(hm, str(checkpoint / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "x"), rank=1)
+    finally:
+        hm.unwrap()
+
+
+def test_the_launchers_environment_gives_the_rank(tmp_path, monkeypatch) -> None:
+    hm = wrapped()
+    write_text(tmp_path / "data.txt", 40)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        result = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "out"),
+                         context_size=8, batch_size=2, shard_contexts=3, progress=False)
+    finally:
+        hm.unwrap()
+    manifest = json.loads((tmp_path / "out" / "manifest-rank00001-of-00002.json").read_text())
+    assert result.finished and not result.all_finished  # rank 0 has not run
+    assert [s["index"] for s in manifest["shards"]] == list(range(1, 2 * result.shards, 2))
+    rows = load_harvest(str(tmp_path / "out"))  # the complete shards so far: rank 1's
+    assert len(rows) == result.contexts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import math
 import os
@@ -16,8 +17,10 @@ import numpy as np
 import torch
 
 from .. import tokens as _tokens
+from ..distributed import barrier, launch_rank
 from ..errors import LensAdaptersError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .listing import check_world_size, rank_manifests, union_listing
 from .manifest import HarvestMismatchError, Manifest, ShardRecord, check_identity, manifest_path
 from .packing import Cursor, PackingRule, contexts_of_rows, pack
 from .partition import Partition, shard_file
@@ -29,7 +32,7 @@ from .storage import STORAGE_DTYPES, ShardWriter, features, to_numpy, write_data
 DEFAULT_SHARD_BYTES = 256 * 2**20
 #: test hook: ``EVENT:N`` kills the process with SIGKILL at the N-th EVENT of this run (``batch``: a batch
 #: written into an unfinished shard; ``shard-file``: a shard file moved into place, its manifest not yet
-#: written; ``manifest``: a manifest written)
+#: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
 KILL_ENV = "LENSADAPTERS_HARVEST_TEST_KILL"
 Separator = Union[str, int, None]
 
@@ -44,6 +47,8 @@ class HarvestResult:
     shards: int
     resumed_from: int
     finished: bool
+    #: whether every rank of the harvest has finished (the dataset is complete); a single process: ``finished``
+    all_finished: bool = False
 
 
 def harvest(
@@ -65,8 +70,8 @@ def harvest(
     split: Optional[str] = None,
     shard_contexts: Optional[int] = None,
     progress: bool = True,
-    rank: int = 0,
-    world_size: int = 1,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
 ) -> HarvestResult:
     """Write the activations of ``hooks`` over ``data`` to ``out``; ``datasets.load_from_disk(out)`` reads them.
 
@@ -88,7 +93,13 @@ def harvest(
     Shards of ``shard_contexts`` contexts (default: about 256 MiB each) are written one by one and recorded in
     a manifest; calling again with the same arguments after an interruption (even ``kill -9``) continues after
     the last complete shard, and different arguments on an existing output are refused.
-    ``rank``/``world_size`` select this process's shards when several processes split one harvest.
+    Under a launcher (``torchrun``, ``accelerate launch``: an initialized process group, or ``RANK`` and
+    ``WORLD_SIZE`` in the environment) each process harvests its own shards (shard ``k`` is rank
+    ``k % world_size``'s) into the same ``out``, with a manifest of its own, and is resumed on its own; every
+    rank rewrites the dataset listing from all ranks' manifests after each shard, so ``load_from_disk(out)`` reads
+    the union of the complete shards, in order: once every rank has finished, exactly the single process's
+    dataset. With an initialized process group the call returns when every rank has finished. ``rank`` and
+    ``world_size`` (both or neither) set this process's place explicitly.
     """
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)}, not {dtype!r}")
@@ -98,7 +109,7 @@ def harvest(
         raise ValueError(
             "drop_bos=True leaves out the BOS token each context starts with; with prepend_bos=False there is none"
         )
-    partition = Partition(rank, world_size)
+    partition = _partition(rank, world_size)
     with _hooked(model, tokenizer) as hm:
         tok = tokenizer if tokenizer is not None else getattr(hm, "tokenizer", None)
         if tok is None:
@@ -123,7 +134,7 @@ def harvest(
         _refuse_foreign_folder(out, partition)
         os.makedirs(out, exist_ok=True)
         with _exclusive(out, partition):
-            return _run(
+            result = _run(
                 hm,
                 tok,
                 source,
@@ -141,6 +152,19 @@ def harvest(
                 max_tokens,
                 progress,
             )
+    if partition.world_size > 1 and barrier(partition.world_size):
+        result = dataclasses.replace(result, all_finished=union_listing(out)[1])
+    return result
+
+
+def _partition(rank: Optional[int], world_size: Optional[int]) -> Partition:
+    """This process's place: as given, else the launcher's (process group or environment)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"pass rank and world_size together (or neither, to take the launcher's): "
+                         f"rank={rank}, world_size={world_size}")
+    if rank is None or world_size is None:
+        rank, world_size = launch_rank()
+    return Partition(rank, world_size)
 
 
 def _run(
@@ -167,7 +191,8 @@ def _run(
             check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
         manifest.shard_contexts = shard_contexts
     if manifest.finished:
-        return _result(out, manifest, manifest.contexts_done, context_size)
+        all_finished = _refresh_union(out, partition, manifest)
+        return _result(out, manifest, manifest.contexts_done, context_size, all_finished)
     if manifest.columns is None:
         manifest.columns = _probe(hm, points, stop)
         if flatten:
@@ -178,7 +203,7 @@ def _run(
     run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
     resumed = manifest.contexts_done
     run.loop()
-    return _result(out, manifest, resumed, context_size)
+    return _result(out, manifest, resumed, context_size, _refresh_union(out, partition, manifest))
 
 
 def load_harvest(out: str) -> Any:
@@ -186,6 +211,8 @@ def load_harvest(out: str) -> Any:
     least one shard is complete)."""
     import datasets
 
+    if rank_manifests(out):
+        union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
     if not os.path.exists(os.path.join(out, "state.json")):
         raise LensAdaptersError(f"{out} holds no complete harvest shard yet (no state.json)")
     return datasets.load_from_disk(out)
@@ -223,7 +250,7 @@ class _Run:
             tokenizer=tokenizer, default_prepend_bos=False, default_padding_side="right", cfg=None
         )
         self.tokenize = lambda text: _tokens.tokenize(owner, text, prepend_bos=False, truncate=False)[0][0].tolist()
-        self.kill = _kill_switch()
+        self.kill = _kill_switch(partition.rank)
         self.progress = progress
 
     def loop(self) -> None:
@@ -286,12 +313,13 @@ class _Run:
     @torch.no_grad()
     def _write_batch(self, writer: ShardWriter, batch: list[torch.Tensor], bar: Any) -> None:
         tokens = torch.stack(batch)
+        on_device = tokens.to(self.hm.device)
         _, cache = self.hm.run_with_cache(
-            tokens,
+            on_device,
             names_filter=self.points,
             stop_at_layer=self.stop,
             return_type=None,
-            attention_mask=torch.ones_like(tokens),
+            attention_mask=torch.ones_like(on_device),
         )
         dtype = self.manifest.identity["dtype"]
         keep = slice(self.first, None)
@@ -325,6 +353,8 @@ class _Run:
         self.kill("manifest")
         if self.partition.world_size == 1:
             self._refresh_listing()
+        else:
+            union_listing(self.out)
 
     def _refresh_listing(self) -> None:
         write_dataset_listing(self.out, [s.file for s in self.manifest.shards], self.features)
@@ -402,8 +432,12 @@ def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> 
 
 
 def _refuse_foreign_folder(out: str, partition: Partition) -> None:
-    """A non-empty folder that holds no harvest is not written into."""
-    if partition.world_size > 1 or not os.path.isdir(out) or os.path.exists(manifest_path(out, partition)):
+    """A non-empty folder that holds no harvest, or a harvest split over another number of processes, is not
+    written into."""
+    if not os.path.isdir(out):
+        return
+    check_world_size(out, partition.world_size)
+    if partition.world_size > 1 or os.path.exists(manifest_path(out, partition)):
         return
     if any(not _is_lock(name) for name in os.listdir(out)):
         raise HarvestMismatchError(f"{out} is not empty and holds no harvest manifest: choose an empty or new folder")
@@ -435,7 +469,7 @@ def _exclusive(out: str, partition: Partition) -> Iterator[None]:
 @torch.no_grad()
 def _probe(hm: Any, points: list[str], stop: Optional[int]) -> dict[str, list[int]]:
     """The per-token shape of each point (after ``[batch, pos]``), from a forward of two tokens."""
-    tokens = torch.zeros(1, 2, dtype=torch.long)
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=hm.device)
     _, cache = hm.run_with_cache(
         tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
     )
@@ -458,9 +492,16 @@ def _default_shard_contexts(columns: dict[str, list[int]], context_size: int, dt
     return max(batch_size, contexts // batch_size * batch_size)
 
 
-def _result(out: str, manifest: Manifest, resumed: int, context_size: int) -> HarvestResult:
+def _result(out: str, manifest: Manifest, resumed: int, context_size: int, all_finished: bool) -> HarvestResult:
     done = manifest.contexts_done
-    return HarvestResult(out, done, done * context_size, len(manifest.shards), resumed, manifest.finished)
+    return HarvestResult(out, done, done * context_size, len(manifest.shards), resumed, manifest.finished, all_finished)
+
+
+def _refresh_union(out: str, partition: Partition, manifest: Manifest) -> bool:
+    """Rewrite the listing of all ranks' shards (several ranks); whether every rank has finished."""
+    if partition.world_size == 1:
+        return manifest.finished
+    return union_listing(out)[1]
 
 
 def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
@@ -477,9 +518,14 @@ def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
     )
 
 
-def _kill_switch() -> Any:
-    """The test hook of ``KILL_ENV``: a function of an event name that SIGKILLs this process at the chosen one."""
+def _kill_switch(rank: int) -> Any:
+    """The test hook of ``KILL_ENV``: a function of an event name that SIGKILLs this process at the chosen one
+    (``EVENT:N@RANK``: only in rank ``RANK`` of a split harvest)."""
     setting = os.environ.get(KILL_ENV)
+    if setting and "@" in setting:
+        setting, _, only = setting.partition("@")
+        if int(only) != rank:
+            setting = ""
     if not setting:
         return lambda event: None
     event_wanted, _, count = setting.partition(":")

@@ -1,0 +1,7 @@
+"""``python -m lensadapters``: the ``lensadapters`` command (launchers run it: ``torchrun -m lensadapters``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

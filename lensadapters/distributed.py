@@ -45,18 +45,18 @@ def gathered_parameters(module: nn.Module) -> Iterator[nn.Module]:
     if "torch.distributed.tensor" in sys.modules:
         for owner in module.modules():
             for name, parameter in list(owner._parameters.items()):
-                if is_dtensor(parameter):
+                if parameter is not None and is_dtensor(parameter):
                     swapped.append((owner, name, parameter))
     if not swapped:
         yield module
         return
     try:
-        for owner, name, parameter in swapped:
-            owner._parameters[name] = parameter.full_tensor()
+        for owner, name, shard in swapped:
+            owner._parameters[name] = shard.full_tensor()  # type: ignore[attr-defined]
         yield module
     finally:
-        for owner, name, parameter in swapped:
-            owner._parameters[name] = parameter
+        for owner, name, shard in swapped:
+            owner._parameters[name] = shard  # type: ignore[assignment]
 
 
 # --- the process's place in a job ----------------------------------------------------------------------------
@@ -145,9 +145,9 @@ class FsdpHookOrder:
                 self._saved[module] = (*handles, list(module._forward_pre_hooks), list(module._forward_hooks))
             pre, post, _, _ = self._saved[module]
             if getattr(pre, "id", None) in module._forward_pre_hooks:
-                module._forward_pre_hooks.move_to_end(pre.id, last=False)
+                module._forward_pre_hooks.move_to_end(pre.id, last=False)  # type: ignore[attr-defined]
             if getattr(post, "id", None) in module._forward_hooks:
-                module._forward_hooks.move_to_end(post.id)
+                module._forward_hooks.move_to_end(post.id)  # type: ignore[attr-defined]
 
     def restore(self) -> None:
         for module, (_, _, pre_order, post_order) in self._saved.items():

@@ -132,7 +132,7 @@ def require_transformers_class(model: nn.Module, family: str, packages: Iterable
 
 
 def require_modules(model: nn.Module, base: str, family: str, model_paths: Sequence[str],
-                    layer_paths: Sequence[str], layers: str = "layers",
+                    layer_paths: Sequence[Optional[str]], layers: str = "layers",
                     missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None) -> list[nn.Module]:
     """The decoder layers; refuse a model missing any of ``model_paths`` (relative to ``base``) or, in any
     layer, ``layer_paths`` or what ``missing_in_layer(layer)`` finds missing (paths relative to the layer, for
@@ -149,6 +149,8 @@ def require_modules(model: nn.Module, base: str, family: str, model_paths: Seque
             missing.append(join(base, path))
     for i, layer in enumerate(blocks):
         for path in layer_paths:
+            if path is None:  # a layout field the family leaves unset requires nothing
+                continue
             try:
                 layer.get_submodule(path)
             except AttributeError:
@@ -296,6 +298,12 @@ class DecoderFamily:
         described = {"rope_theta": rope_theta(c), "rope_type": self.rope_type(model),
                      "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)), **(extra or {})}
         return HookedConfig(**{**shared, **fields}, extra=described)
+
+    def dense_mlp(self) -> MLPLayout:
+        """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
+        if self.mlp is None:
+            raise TypeError(f"{self.family} describes its MLP itself (mlp=None)")
+        return self.mlp
 
     def embed(self, model: nn.Module) -> ModelLayout:
         base = self.base(model)

@@ -187,7 +187,10 @@ class TransformerLensComparison:
         """``(HF model, wrapped model, TL's model)`` for the family's config with ``overrides``."""
         module, function = self.reference.split(":")
         to_hooked_transformer = getattr(importlib.import_module(module), function)
-        config = type(self).config(**{**self.config_defaults, **overrides})
+        make_config = type(self).config
+        if make_config is None:
+            raise TypeError(f"{type(self).__name__} sets no `config` function")
+        config = make_config(**{**self.config_defaults, **overrides})
         model = self.contract.make_model(config, 0, "eager")
         return model, self.contract.wrap(model), to_hooked_transformer(model)
 

@@ -30,7 +30,7 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -46,6 +46,9 @@ from lensadapters import (
     hf,
     hookimpl,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -75,7 +78,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     FAMILY.validate(model)
     if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
@@ -84,7 +87,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return FAMILY.hooked_config(
         model, act_fn=c.hidden_activation, attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
@@ -95,7 +98,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     layout = FAMILY.embed(model)
     embed = model.get_submodule(layout.embed)
     return replace(layout, embed_scale=float(model.config.hidden_size) ** 0.5,
@@ -104,18 +107,18 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return FAMILY.block
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return FAMILY.mlp
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
+    return FAMILY.dense_mlp()
 
 
 @hookimpl

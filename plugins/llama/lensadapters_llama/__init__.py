@@ -28,11 +28,12 @@ whose modules do not have Llama's layout (custom code registered as ``llama``).
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lensadapters import Architecture, BlockLayout, HookedConfig, MLPLayout, ModelLayout, SeparateQKV, hf, hookimpl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -55,35 +56,35 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     FAMILY.validate(model)
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return FAMILY.hooked_config(model, extra={"attention_bias": bool(getattr(c, "attention_bias", False)),
                                               "mlp_bias": bool(getattr(c, "mlp_bias", False))})
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     return FAMILY.embed(model)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return FAMILY.block
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return FAMILY.mlp
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
+    return FAMILY.dense_mlp()
 
 
 @hookimpl

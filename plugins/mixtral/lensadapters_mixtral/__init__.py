@@ -22,12 +22,15 @@ Refused at wrap time: rope types whose rotation is not rotate-half, attention im
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from lensadapters import Architecture, BlockLayout, HookedConfig, ModelLayout, SeparateQKV, hf, hookimpl
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -93,7 +96,7 @@ def _missing_moe_paths(layer: nn.Module) -> list[str]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     FAMILY.validate(model, missing_in_layer=_missing_moe_paths)
 
 
@@ -106,7 +109,7 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return FAMILY.hooked_config(
         model, num_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
@@ -115,22 +118,22 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     return FAMILY.embed(model)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer]))
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MoELayout:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MoELayout:
     return moe_layout(FAMILY.layers(model)[layer], model.config)
 
 

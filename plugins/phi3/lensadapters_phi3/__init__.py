@@ -26,7 +26,7 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from lensadapters import (
 )
 from lensadapters.rotary import rotate_half_spec
 from lensadapters.specs import cat_gate_up, chunk_gate_up
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -67,11 +70,11 @@ _MLP = FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=chunk_g
 _QKV_PATH = "self_attn.qkv_proj"
 
 
-def _base(model: nn.Module) -> str:
+def _base(model: PreTrainedModel) -> str:
     return hf.base_path(model, FAMILY)
 
 
-def _rope_type(model: nn.Module) -> str:
+def _rope_type(model: PreTrainedModel) -> str:
     return hf.rope_type(model.get_submodule(hf.join(_base(model), "rotary_emb")))
 
 
@@ -109,7 +112,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     hf.require_transformers_class(model, FAMILY, ("phi3",))
     base = _base(model)
     layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
@@ -131,7 +134,7 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     w = window(c)
     return HookedConfig(
@@ -149,7 +152,7 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base(model)
     return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
                        ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
@@ -157,12 +160,12 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return _BLOCK
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> FusedQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
     c = model.config
     split, merge = qkv_split(c.num_attention_heads, hf.n_kv_heads(c), hf.head_dim(c))
     # the first rotary_dim dims of each head rotate (the rest pass through); cos/sin come from model.rotary_emb
@@ -170,7 +173,7 @@ def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> F
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> FusedGateUp:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedGateUp:
     return _MLP
 
 

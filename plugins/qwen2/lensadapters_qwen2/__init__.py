@@ -16,7 +16,7 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -31,6 +31,9 @@ from lensadapters import (
     hf,
     hookimpl,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -50,33 +53,33 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     FAMILY.validate(model)
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     return FAMILY.hooked_config(model, **hf.window_fields(hf.layer_windows(model.config)))
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     return FAMILY.embed(model)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
     return FAMILY.block
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MLPLayout:
-    return FAMILY.mlp
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
+    return FAMILY.dense_mlp()
 
 
 @hookimpl

@@ -34,8 +34,9 @@ def _prose_or_measurements(path: str) -> bool:
 
 def places_naming(name: str, files: list[str]) -> list[str]:
     """The tracked files outside ``plugins/<name>/`` (prose and measurements aside) that name plugin ``name``."""
-    pattern = re.compile("|".join(re.escape(s) for s in (
-        f"lensadapters_{name}", f"lensadapters-{name.replace('_', '-')}", f"plugins/{name}")) + r"(?![\w-])")
+    # the lookahead applies to every spelling: a plugin is not named by a longer name it prefixes
+    pattern = re.compile("(?:" + "|".join(re.escape(s) for s in (
+        f"lensadapters_{name}", f"lensadapters-{name.replace('_', '-')}", f"plugins/{name}")) + r")(?![\w-])")
     found = []
     for path in files:
         if path.startswith(f"plugins/{name}/") or _prose_or_measurements(path) or not (ROOT / path).is_file():
@@ -47,6 +48,13 @@ def places_naming(name: str, files: list[str]) -> list[str]:
         if pattern.search(text):
             found.append(path)
     return found
+
+
+def test_a_plugin_is_not_named_by_a_longer_name_it_prefixes(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("import lensadapters_fam_moe  # lensadapters-fam-moe, plugins/fam_moe\n")
+    (tmp_path / "b.py").write_text("import lensadapters_fam.testing\n")
+    monkeypatch.setitem(places_naming.__globals__, "ROOT", tmp_path)
+    assert places_naming("fam", ["a.py", "b.py"]) == ["b.py"]
 
 
 def test_plugins_are_found():

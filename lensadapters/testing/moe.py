@@ -18,7 +18,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ..moe import MoELayout, expert_rows, is_moe
+from ..moe import MoELayout, expert_rows, is_moe, router_weight
 from ..moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from ..weights import mlp_weights
 from .contract import _BLOCK_POINTS, _SETTINGS, AdapterContract, assert_close, close, perturb
@@ -184,7 +184,7 @@ class MoEContract(AdapterContract):
                 assert W_in.shape == W_gate.shape == (n, cfg.d_model, cfg.d_mlp)
                 assert W_out.shape == (n, cfg.d_mlp, cfg.d_model)
                 pre = f"blocks.{i}.mlp."
-                assert_close(cache[pre + "hook_router_logits"], x @ hm.W_router[i], f"layer {i} router logits")
+                assert_close(cache[pre + "hook_router_logits"], x @ router_weight(hm.wiring, i), f"layer {i} router logits")
                 index = cache[pre + "hook_expert_indices"].reshape(-1, k)
                 weights = cache[pre + "hook_routing_weights"].reshape(-1, k)
                 flat = x.reshape(-1, cfg.d_model)

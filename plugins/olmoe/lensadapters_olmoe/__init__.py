@@ -1,0 +1,326 @@
+"""OLMoE (``model_type: "olmoe"``: OLMoE-1B-7B and other checkpoints of transformers' ``Olmoe*`` classes) for
+lensadapters.
+
+TransformerLens 2.x has no OLMoE; the hook names follow its names for the same pieces elsewhere:
+
+* Pre-norm blocks (``input_layernorm`` = ``ln1``, ``post_attention_layernorm`` = ``ln2``), GQA, rotate-half RoPE on
+  ``model.rotary_emb``'s cos/sin.
+* RMSNorm on queries and keys over the whole projection width (``q_norm`` over ``n_heads * d_head``, ``k_norm``
+  over ``n_kv_heads * d_head``), between projection and RoPE, as OLMo 2: ``attn.q_norm.hook_scale`` is
+  ``[b, p, 1]`` and ``attn.q_norm.hook_normalized`` ``[b, p, n_heads * d_head]``; ``hook_q``/``hook_k`` are the
+  projection output, ``hook_rot_q``/``hook_rot_k`` the normed and rotated values attention uses.
+* The MLP of every block is a sparse mixture of experts, described to the core as a
+  :class:`lensadapters.moe.MoELayout`. transformers 5: ``mlp.gate`` (``OlmoeTopKRouter``) returns ``(logits,
+  top_k_weights, top_k_index)`` and ``mlp.experts`` (``OlmoeExperts``) keeps every expert in ``gate_up_proj``
+  ``[E, 2 * d_mlp, d_model]`` and ``down_proj`` ``[E, d_model, d_mlp]``; transformers 4.57: ``mlp.gate`` is a
+  linear layer (the MoE block routes itself) and ``mlp.experts`` a ``ModuleList`` of ``gate_proj``/``up_proj``/
+  ``down_proj`` MLPs.
+* Routing: softmax over all experts in float32, top-``num_experts_per_tok``, renormalized only when
+  ``norm_topk_prob`` (OLMoE-1B-7B does not: the experts' outputs are weighted by the raw probabilities), cast
+  back to the router logits' dtype.
+* transformers 4.57 computes OLMoE attention inside its attention classes (``OlmoeAttention``,
+  ``OlmoeSdpaAttention``), not through transformers' attention interface: while a layer's ``hook_attn_scores``/
+  ``hook_pattern`` is hooked, that layer's attention instance runs :class:`OlmoePatternBackend`'s forward
+  (OLMoE's eager attention with the scores and pattern written out); transformers 5 uses the interface and the
+  core's pattern backend.
+
+Refused at wrap time with an explanation: ``clip_qkv`` (the model clamps queries, keys and values after their norms,
+where ``hook_rot_q``/``hook_rot_k`` edits could not be honoured exactly; released OLMoE checkpoints have none),
+``head_dim`` other than ``hidden_size / num_attention_heads`` (OLMoE's q/k norms assume it), rope types whose
+rotation is not rotate-half, custom modeling code registered as ``olmoe``, a model without OLMoE's layout. Flash and
+flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    LensAdaptersError,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    SeparateQKV,
+    UnsupportedModelError,
+    hf,
+    hookimpl,
+)
+from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+from lensadapters.rotary import rotate_half_spec
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+LENSADAPTERS_CONTRACT = "lensadapters_olmoe.testing:OlmoeContract"
+ARCH = Architecture(
+    name="olmoe",
+    model_types=("olmoe",),
+    description="OLMoE (OlmoeForCausalLM, OlmoeModel): sparse mixture of experts, q/k norms over the projection "
+                "width, GQA, RoPE",
+    transformers=">=4.57,<6",
+)
+FAMILY = "Olmoe"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+NORMS = ("OlmoeRMSNorm",)
+Tensor = torch.Tensor
+
+_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
+                     ln2="post_attention_layernorm", mlp="mlp")
+_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf"))
+
+
+def _base(model: nn.Module) -> str:
+    return hf.base_path(model, FAMILY)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.get_submodule(hf.join(_base(model), "layers")))
+
+
+def _rope_type(model: nn.Module) -> str:
+    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
+        module = module.base_layer
+    return module
+
+
+def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
+    """The MoE description of one decoder layer, for the transformers version that built it."""
+    routing = Routing(config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob),
+                      weights_dtype="logits")
+    if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
+        return MoELayout(router="mlp.gate", routing=routing, router_output="logits",
+                         experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"))
+    return MoELayout(router="mlp.gate", routing=routing, experts=FusedExperts("mlp.experts"), router_output="routing")
+
+
+def _missing_expert_paths(layer: nn.Module) -> list[str]:
+    experts = layer.get_submodule("mlp.experts")
+    if isinstance(experts, nn.ModuleList):
+        return [f"mlp.experts.{e}.{p}" for e, expert in enumerate(experts)
+                for p in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(expert, p)]
+    experts = _unwrapped(experts)
+    return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
+
+
+# --- attention patterns under transformers 4.57 (attention computed inside OLMoE's attention classes) ------------
+
+
+def _olmoe_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+    """Pre-mask scores as transformers 4.57's ``OlmoeAttention`` computes them: divided by ``sqrt(head_dim)``."""
+    return torch.matmul(query, key.transpose(2, 3)) / math.sqrt(module.head_dim)
+
+
+class OlmoePatternBackend:
+    """Serves ``hook_attn_scores``/``hook_pattern`` for transformers 4.57's OLMoE, whose attention classes compute
+    attention themselves.
+
+    ``activate(layer, site)`` stores a ``forward`` in *that attention module instance's* ``__dict__`` (Python finds
+    it before the class's): OLMoE's eager attention forward, step by step as transformers 4.57 writes it
+    (projections, q/k norms, RoPE, KV-cache update, then the core's explicit attention: scores →
+    ``hook_attn_scores`` → softmax → ``hook_pattern`` → values, then ``o_proj``). The projections and norms are the
+    module's own submodules, so their hook points fire as usual. The returned handle's ``remove()`` deletes the
+    instance attribute again (when the layer's last score/pattern hook goes, when a hook raises, on ``unwrap()``);
+    the class, other instances and other layers are never touched.
+    """
+
+    def __init__(self, hooked: Any) -> None:
+        self.modules: list[nn.Module] = list(hooked.attention_modules)
+        self.config = hooked.hf_model.config
+
+    def activate(self, layer: int, site: Any) -> "_Restore":
+        from transformers.models.olmoe import modeling_olmoe
+        from lensadapters.attention import explicit_attention
+        from lensadapters.copying import InstanceOverride
+
+        module = self.modules[layer]
+        if not isinstance(module, (modeling_olmoe.OlmoeAttention,)) or "forward" in vars(module):
+            raise LensAdaptersError(
+                f"layer {layer}: hook_attn_scores/hook_pattern need transformers' OLMoE attention module; this "
+                f"layer's is {type(module).__name__}"
+                + (" with an instance 'forward' set by another tool" if "forward" in vars(module) else "")
+            )
+        implementation = hf.attention_implementation(self.config)
+        scores_point, pattern_point = site.scores, site.pattern
+
+        def forward(
+            hidden_states: Tensor,
+            attention_mask: Optional[Tensor] = None,
+            position_ids: Optional[Tensor] = None,
+            past_key_values: Any = None,
+            output_attentions: bool = False,
+            use_cache: bool = False,
+            cache_position: Optional[Tensor] = None,
+            position_embeddings: Optional[tuple[Tensor, Tensor]] = None,
+            **kwargs: Any,
+        ) -> tuple[Tensor, Optional[Tensor]]:
+            if past_key_values is None:
+                past_key_values = kwargs.pop("past_key_value", None)
+            bsz, q_len, _ = hidden_states.size()
+            query = module.q_norm(module.q_proj(hidden_states))
+            key = module.k_norm(module.k_proj(hidden_states))
+            value = module.v_proj(hidden_states)
+            query = query.view(bsz, q_len, module.num_heads, module.head_dim).transpose(1, 2)
+            key = key.view(bsz, q_len, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+            value = value.view(bsz, q_len, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+            cos, sin = position_embeddings
+            query, key = modeling_olmoe.apply_rotary_pos_emb(query, key, cos, sin)
+            if past_key_values is not None:
+                cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+                key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
+            mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+            out, pattern = explicit_attention(
+                module, query, key, value, mask, scores_fn=_olmoe_scores, scores_point=scores_point,
+                pattern_point=pattern_point, implementation=implementation, dropout=module.attention_dropout,
+            )
+            out = module.o_proj(out.reshape(bsz, q_len, module.hidden_size))
+            return out, (pattern if output_attentions else None)
+
+        override = InstanceOverride(forward, module, "forward")  # a copy of the model gets the class's forward back
+        module.__dict__["forward"] = override
+        return _Restore(module, override)
+
+
+class _Restore:
+    """Handle (``remove()``) deleting the instance ``forward`` that :class:`OlmoePatternBackend` installed."""
+
+    def __init__(self, module: nn.Module, fn: Any) -> None:
+        self.module, self.fn = module, fn
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is self.fn:
+            del self.module.__dict__["forward"]
+
+
+def _computes_attention_itself(model: nn.Module) -> bool:
+    """transformers 4.x: the attention classes compute attention without transformers' attention interface."""
+    from transformers.models.olmoe import modeling_olmoe
+
+    return hasattr(modeling_olmoe, "OlmoeSdpaAttention")
+
+
+# --- adapter hooks -----------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    hf.require_transformers_class(model, FAMILY, ("olmoe",))
+    base = _base(model)
+    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
+                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
+                                 *(n.module for n in _QK_NORMS), "mlp.gate", "mlp.experts"))
+    missing = [f"{hf.join(base, 'layers')}.{i}.{p}" for i, layer in enumerate(layers)
+               for p in _missing_expert_paths(layer)]
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has model_type 'olmoe' but not transformers' {FAMILY} experts layout (missing: "
+            f"{', '.join(missing[:6])}); the {FAMILY} plugin supports transformers' {FAMILY} classes")
+    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
+    config = model.config
+    if getattr(config, "clip_qkv", None) is not None:
+        raise UnsupportedModelError(
+            f"this OLMoE model clamps queries, keys and values to +-clip_qkv={config.clip_qkv} after the q/k norms: "
+            f"an edit of hook_rot_q/hook_rot_k (or of a normed query) would be clamped again after the hook, so the "
+            f"attention would not use the edited value. lensadapters-olmoe supports clip_qkv=None (every released "
+            f"OLMoE checkpoint); set model.config.clip_qkv = None only if the checkpoint was trained without it")
+    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    if hf.head_dim(config) * n_heads != config.hidden_size:
+        raise UnsupportedModelError(
+            f"head_dim={hf.head_dim(config)} with {n_heads} heads is not hidden_size={config.hidden_size}: OLMoE's "
+            f"q/k norms are sized for head_dim = hidden_size / num_attention_heads")
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = model.config
+    head_dim = hf.head_dim(c)
+    return HookedConfig(
+        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
+        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
+        normalization_type="RMS", positional_embedding_type="rotary", model_type="olmoe",
+        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__, num_experts=c.num_experts,
+        experts_per_token=c.num_experts_per_tok,
+        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model), "use_qk_norm": True,
+               "qk_norm_over_heads": True, "norm_topk_prob": bool(c.norm_topk_prob),
+               "attention_bias": bool(getattr(c, "attention_bias", False)),
+               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    base = _base(model)
+    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
+                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
+                       unembed=hf.unembed_path(model))
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return _BLOCK
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+    # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
+    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
+                       k_norm=_QK_NORMS[1])
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MoELayout:
+    return moe_layout(_layers(model)[layer], model.config)
+
+
+@hookimpl
+def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    return hf.norm_spec_for(module, NORMS)
+
+
+@hookimpl
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[OlmoePatternBackend]:
+    if arch.name != ARCH.name or not _computes_attention_itself(hooked.hf_model):
+        return None  # transformers 5: the attention interface, served by the core
+    return OlmoePatternBackend(hooked)
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """An OLMoE-like toy, width 64, vocabulary 512, experts of width 48. Seed 0 is the demo's model: 2 layers, 4
+    heads (OLMoE-1B-7B uses full multi-head attention), top-2 of 4 experts, no renormalization (as OLMoE-1B-7B).
+    Other seeds vary the depth (1-3), the heads (GQA), the experts (2-8), top-k (1-3) and ``norm_topk_prob``."""
+    import random
+
+    from transformers import OlmoeConfig
+
+    rng = random.Random(seed)
+    if seed == 0:
+        layers, (heads, kv), experts, top_k, norm = 2, (4, 4), 4, 2, False
+    else:
+        layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)])
+        experts = rng.choice([2, 4, 8])
+        top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
+    return OlmoeConfig(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5, num_experts=experts,
+        num_experts_per_tok=top_k, norm_topk_prob=norm, clip_qkv=None, rope_theta=10000.0,
+        tie_word_embeddings=False, output_router_logits=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )

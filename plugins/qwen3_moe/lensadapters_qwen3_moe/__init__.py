@@ -1,0 +1,241 @@
+"""Qwen3-MoE (``model_type: "qwen3_moe"``: Qwen3-30B-A3B, Qwen3-235B-A22B and other sparse Qwen3 checkpoints) for
+lensadapters.
+
+Attention is Qwen3's: GQA, ``head_dim`` from the config, per-head RMSNorm on queries and keys between projection and
+RoPE (``attn.q_norm.*``/``attn.k_norm.*``, ``[b, p, h, 1]``/``[b, p, h, d_head]``), rotate-half RoPE on
+``model.rotary_emb``'s cos/sin, an optional sliding window on every layer (``use_sliding_window``). The MLP of a
+layer is a sparse mixture of experts, described to the core as a :class:`lensadapters.moe.MoELayout`, unless the
+config makes it dense (a layer in ``mlp_only_layers``, or one that ``decoder_sparse_step`` skips: layer ``i`` is
+sparse when ``(i + 1) % decoder_sparse_step == 0``); a dense layer is an ordinary SwiGLU ``MLPLayout`` of width
+``intermediate_size`` with the dense ``mlp.hook_pre``/``hook_pre_linear``/``hook_post``.
+
+* transformers 5: ``mlp.gate`` (``Qwen3MoeTopKRouter``) returns ``(logits, top_k_weights, top_k_index)`` and
+  ``mlp.experts`` (``Qwen3MoeExperts``) stores every expert in ``gate_up_proj`` ``[E, 2 * d_mlp, d_model]`` and
+  ``down_proj`` ``[E, d_model, d_mlp]``.
+* transformers 4.57: ``mlp.gate`` is a linear layer (logits only; the MoE block routes itself) and ``mlp.experts``
+  a ``ModuleList`` of ``gate_proj``/``up_proj``/``down_proj`` MLPs.
+
+Routing: softmax over all experts in float32, top-``num_experts_per_tok``, the selected probabilities renormalized
+only when ``norm_topk_prob`` (otherwise the experts' outputs are weighted by the raw probabilities, which sum to
+less than one), cast back to the router logits' dtype. Qwen3-MoE has no shared expert. ``W_in``/``W_gate``/
+``W_out`` of a MoE layer are the up/gate/down rows of every expert (``d_mlp`` is ``moe_intermediate_size``);
+a model that mixes dense and MoE layers is read layer by layer (``lensadapters.weights.mlp_weights``).
+
+Refused at wrap time with an explanation: rope types whose rotation is not rotate-half, custom modeling code
+registered as ``qwen3_moe``, a model without Qwen3-MoE's layout, attention implementations other than ``eager`` and
+``sdpa`` (for hook points that need patterns).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    SeparateQKV,
+    UnsupportedModelError,
+    hf,
+    hookimpl,
+)
+from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+from lensadapters.rotary import rotate_half_spec
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+LENSADAPTERS_CONTRACT = "lensadapters_qwen3_moe.testing:Qwen3MoeContract"
+ARCH = Architecture(
+    name="qwen3_moe",
+    model_types=("qwen3_moe",),
+    description="Qwen3-MoE (Qwen3MoeForCausalLM, Qwen3MoeModel): sparse mixture of experts (optionally with dense "
+                "layers), per-head q/k norms before RoPE, GQA",
+    transformers=">=4.57,<6",
+)
+FAMILY = "Qwen3Moe"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+NORMS = ("Qwen3MoeRMSNorm",)
+
+_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
+                     ln2="post_attention_layernorm", mlp="mlp")
+_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
+_DENSE = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
+_DENSE_PATHS = (_DENSE.pre, _DENSE.pre_linear, _DENSE.out)
+
+
+def _base(model: nn.Module) -> str:
+    return hf.base_path(model, FAMILY)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.get_submodule(hf.join(_base(model), "layers")))
+
+
+def _rope_type(model: nn.Module) -> str:
+    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+
+
+def sparse_layers(config: Any) -> list[bool]:
+    """Which layers the config makes mixtures of experts (transformers' rule: not in ``mlp_only_layers``, at least
+    one expert, and ``(i + 1) % decoder_sparse_step == 0``)."""
+    only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i not in only and config.num_experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
+        module = module.base_layer
+    return module
+
+
+def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
+    """The MoE description of one sparse decoder layer, for the transformers version that built it."""
+    routing_kw = dict(normalize=bool(config.norm_topk_prob), weights_dtype="logits")
+    routing = Routing(config.num_experts, config.num_experts_per_tok, **routing_kw)
+    if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
+        return MoELayout(router="mlp.gate", routing=routing, router_output="logits",
+                         experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"))
+    return MoELayout(router="mlp.gate", routing=routing, experts=FusedExperts("mlp.experts"), router_output="routing")
+
+
+def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
+    def missing(paths: Any, root: nn.Module = layer, prefix: str = "") -> list[str]:
+        out = []
+        for path in paths:
+            try:
+                root.get_submodule(path)
+            except AttributeError:
+                out.append(prefix + path)
+        return out
+
+    if not sparse:
+        return missing(_DENSE_PATHS)
+    found = missing(("mlp.gate", "mlp.experts"))
+    if found:
+        return found
+    experts = layer.get_submodule("mlp.experts")
+    if isinstance(experts, nn.ModuleList):
+        for e, expert in enumerate(experts):
+            found += missing(("gate_proj", "up_proj", "down_proj"), expert, f"mlp.experts.{e}.")
+            found += [f"mlp.experts.{e}.act_fn"] if not hasattr(expert, "act_fn") else []
+        return found
+    experts = _unwrapped(experts)
+    return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    hf.require_transformers_class(model, FAMILY, ("qwen3_moe",))
+    base = _base(model)
+    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
+                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
+                                 *(n.module for n in _QK_NORMS)))
+    config = model.config
+    missing = [f"{hf.join(base, 'layers')}.{i}.{p}"
+               for i, (layer, sparse) in enumerate(zip(layers, sparse_layers(config)))
+               for p in _missing_mlp_paths(layer, sparse)]
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has model_type 'qwen3_moe' but its MLPs are not the ones its config declares "
+            f"(missing: {', '.join(missing[:6])}; sparse layers by mlp_only_layers={config.mlp_only_layers} and "
+            f"decoder_sparse_step={config.decoder_sparse_step}); the {FAMILY} plugin supports transformers' "
+            f"{FAMILY} classes")
+    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
+    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    c = model.config
+    head_dim, sparse = hf.head_dim(c), sparse_layers(c)
+    window = getattr(c, "sliding_window", None)
+    return HookedConfig(
+        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
+        d_mlp=c.moe_intermediate_size if any(sparse) else c.intermediate_size, d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings, act_fn=c.hidden_act, normalization_type="RMS",
+        positional_embedding_type="rotary", model_type="qwen3_moe", n_key_value_heads=hf.n_kv_heads(c),
+        rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps, original_architecture=type(model).__name__,
+        num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+        window_size=window, attn_types=("local",) * c.num_hidden_layers if window else None,
+        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model), "use_qk_norm": True,
+               "norm_topk_prob": bool(c.norm_topk_prob), "moe_layers": [i for i, s in enumerate(sparse) if s],
+               "dense_d_mlp": c.intermediate_size, "decoder_sparse_step": c.decoder_sparse_step,
+               "attention_bias": bool(getattr(c, "attention_bias", False)),
+               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    base = _base(model)
+    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
+                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
+                       unembed=hf.unembed_path(model))
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+    return _BLOCK
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
+    # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
+    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
+                       k_norm=_QK_NORMS[1])
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Union[MLPLayout, MoELayout]:
+    if not sparse_layers(model.config)[layer]:
+        return _DENSE
+    return moe_layout(_layers(model)[layer], model.config)
+
+
+@hookimpl
+def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    return hf.norm_spec_for(module, NORMS)
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """A Qwen3-MoE-like toy, width 64, vocabulary 512, head_dim 32, experts of width 48 (dense layers 96). Seed 0
+    is the demo's model: 2 layers, both sparse, GQA (4 query heads, 2 kv heads), top-2 of 4 experts, no
+    renormalization (Qwen3-30B-A3B renormalizes; the raw probabilities are the family's default). Other seeds vary
+    the depth (1-3), the experts (2-8), top-k (1-3), ``norm_topk_prob`` and dense layers (``mlp_only_layers`` or
+    ``decoder_sparse_step`` 2), always keeping one sparse layer."""
+    import random
+
+    from transformers import Qwen3MoeConfig
+
+    rng = random.Random(seed)
+    if seed == 0:
+        layers, (heads, kv), experts, top_k, norm, only, step = 2, (4, 2), 4, 2, False, [], 1
+    else:
+        layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)])
+        experts = rng.choice([2, 4, 8])
+        top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
+        dense = rng.choice(["none", "first", "step"]) if layers > 1 else "none"
+        only, step = ([0], 1) if dense == "first" else ([], 2 if dense == "step" else 1)
+    return Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=32, vocab_size=512, max_position_embeddings=128,
+        rms_norm_eps=1e-6, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm,
+        mlp_only_layers=only, decoder_sparse_step=step, use_sliding_window=False, rope_theta=10000.0,
+        tie_word_embeddings=False, output_router_logits=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )

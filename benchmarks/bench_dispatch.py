@@ -46,8 +46,15 @@ def config(kind: str) -> Any:
     if kind == "gpt2":
         return GPT2Config(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
     if kind == "llama":
-        return LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=512, max_position_embeddings=64)
+        return LlamaConfig(
+            num_hidden_layers=LAYERS,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=64,
+        )
     raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
 
 
@@ -88,7 +95,7 @@ def measure(fns: dict[str, Callable[[], Any]], rounds: int, inner: int) -> dict[
             for _ in range(inner):
                 fns[k]()
         for r in range(rounds):
-            for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
                 gc.collect()
                 start = time.perf_counter()
                 for _ in range(inner):
@@ -113,28 +120,39 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--forward-ms", type=float, default=None,
-                        help="the large model's HF sdpa forward time (default: from results/bench_peers.json)")
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=None,
+        help="the large model's HF sdpa forward time (default: from results/bench_peers.json)",
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
-    lines = [f"Per-call cost at width 64 (12 layers, batch 1 x 16), {torch.get_num_threads()} torch threads, "
-             f"median of {args.rounds} interleaved rounds of {args.inner} calls.", "",
-             "| model | scenario | reference | reference (us) | lensadapters (us) | added (us) | "
-             "added / large forward |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Per-call cost at width 64 (12 layers, batch 1 x 16), {torch.get_num_threads()} torch threads, "
+        f"median of {args.rounds} interleaved rounds of {args.inner} calls.",
+        "",
+        "| model | scenario | reference | reference (us) | lensadapters (us) | added (us) | added / large forward |",
+        "|---|---|---|---|---|---|---|",
+    ]
     results: dict[str, Any] = {"rounds": args.rounds, "inner": args.inner, "models": {}}
     for kind in args.models.split(","):
         times = measure(variants(kind), args.rounds, args.inner)
         med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
         large_ms = args.forward_ms or forward_ms_from_peers(kind)
-        results["models"][kind] = {"median_us": med, "large_forward_ms": large_ms,
-                                   "raw_s": times}
+        results["models"][kind] = {"median_us": med, "large_forward_ms": large_ms, "raw_s": times}
         for scenario, ref in REFERENCE.items():
             added = med[scenario] - med[ref]
             share = f"{added / (large_ms * 1000):+.4f}" if large_ms else "n/a"
-            lines.append(f"| {kind} | {scenario} | {ref} | {med[ref]:.0f} | {med[scenario]:.0f} | {added:+.0f} | {share} |")
+            lines.append(
+                f"| {kind} | {scenario} | {ref} | {med[ref]:.0f} | {med[scenario]:.0f} | {added:+.0f} | {share} |"
+            )
     if any(r["large_forward_ms"] for r in results["models"].values()):
-        lines += ["", "added / large forward: the added microseconds as a share of the GPT-2-small-sized model's HF sdpa "
-                  "forward from bench_peers.py (the ratio overhead those hooks' Python work implies there)."]
+        lines += [
+            "",
+            "added / large forward: the added microseconds as a share of the GPT-2-small-sized model's HF sdpa "
+            "forward from bench_peers.py (the ratio overhead those hooks' Python work implies there).",
+        ]
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

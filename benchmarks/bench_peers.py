@@ -110,13 +110,19 @@ def hf_config(kind: str, layers: int) -> Any:
     if kind == "gpt2":
         return GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
     if kind == "llama":
-        return LlamaConfig(num_hidden_layers=layers, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
-                           intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
+        return LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=768,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=2048,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        )
     raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
 
 
-def build_hf(kind: str, layers: int, attn: str = "sdpa", state: Optional[dict] = None,
-             config: Any = None) -> Any:
+def build_hf(kind: str, layers: int, attn: str = "sdpa", state: Optional[dict] = None, config: Any = None) -> Any:
     """The benchmark model (``config`` replaces ``hf_config(kind, layers)``), seeded, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -148,29 +154,54 @@ def tl_hooked_from(model: Any) -> Any:
     c = model.config
     if c.model_type == "gpt2":
         fields = dict(
-            d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=c.n_inner or 4 * c.n_embd,
-            n_layers=c.n_layer, n_ctx=c.n_positions, eps=c.layer_norm_epsilon, d_vocab=c.vocab_size,
-            act_fn=c.activation_function, use_attn_scale=True, normalization_type="LN",
+            d_model=c.n_embd,
+            d_head=c.n_embd // c.n_head,
+            n_heads=c.n_head,
+            d_mlp=c.n_inner or 4 * c.n_embd,
+            n_layers=c.n_layer,
+            n_ctx=c.n_positions,
+            eps=c.layer_norm_epsilon,
+            d_vocab=c.vocab_size,
+            act_fn=c.activation_function,
+            use_attn_scale=True,
+            normalization_type="LN",
             scale_attn_by_inverse_layer_idx=c.scale_attn_by_inverse_layer_idx,
-            original_architecture="GPT2LMHeadModel")
+            original_architecture="GPT2LMHeadModel",
+        )
         convert = convert_gpt2_weights
     else:
         params = getattr(c, "rope_parameters", None) or {}
         fields = dict(
-            d_model=c.hidden_size, d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads,
-            d_mlp=c.intermediate_size, n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings,
-            eps=c.rms_norm_eps, d_vocab=c.vocab_size, act_fn=c.hidden_act,
+            d_model=c.hidden_size,
+            d_head=c.hidden_size // c.num_attention_heads,
+            n_heads=c.num_attention_heads,
+            d_mlp=c.intermediate_size,
+            n_layers=c.num_hidden_layers,
+            n_ctx=c.max_position_embeddings,
+            eps=c.rms_norm_eps,
+            d_vocab=c.vocab_size,
+            act_fn=c.hidden_act,
             n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-            normalization_type="RMS", positional_embedding_type="rotary", rotary_adjacent_pairs=False,
+            normalization_type="RMS",
+            positional_embedding_type="rotary",
+            rotary_adjacent_pairs=False,
             rotary_dim=c.hidden_size // c.num_attention_heads,
-            rotary_base=params.get("rope_theta", getattr(c, "rope_theta", 10000.0)), final_rms=True,
-            gated_mlp=True, original_architecture="LlamaForCausalLM")
+            rotary_base=params.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            final_rms=True,
+            gated_mlp=True,
+            original_architecture="LlamaForCausalLM",
+        )
         convert = convert_llama_weights
     cfg = HookedTransformerConfig(**fields, device="cpu", dtype=torch.float32)
     hooked = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
-    hooked.load_and_process_state_dict(convert(model, cfg), fold_ln=False, center_writing_weights=False,
-                                       center_unembed=False, fold_value_biases=False,
-                                       refactor_factored_attn_matrices=False)
+    hooked.load_and_process_state_dict(
+        convert(model, cfg),
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
     return hooked.eval()
 
 
@@ -181,8 +212,7 @@ def offline_tokenizer(vocab: int) -> Any:
 
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
-                                   pad_token="t2")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0", pad_token="t2")
     folder = tempfile.mkdtemp(prefix="lensadapters-bench-tok-")
     fast.save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
@@ -192,16 +222,24 @@ def tl_bridge_from(model: Any) -> Any:
     """TransformerLens ``TransformerBridge`` on a copy of ``model`` (the bridge replaces modules inside it)."""
     from transformer_lens.model_bridge import TransformerBridge
 
-    return TransformerBridge.boot_transformers(model.config.model_type, hf_model=copy.deepcopy(model),
-                                               tokenizer=offline_tokenizer(model.config.vocab_size), device="cpu")
+    return TransformerBridge.boot_transformers(
+        model.config.model_type,
+        hf_model=copy.deepcopy(model),
+        tokenizer=offline_tokenizer(model.config.vocab_size),
+        device="cpu",
+    )
 
 
 def available(lib: str) -> Optional[str]:
     """The installed version of a peer, or None."""
     from importlib import metadata
 
-    dist = {"tl_hooked": "transformer-lens", "tl_bridge": "transformer-lens", "nnsight": "nnsight",
-            "lensadapters": "lensadapters"}[lib]
+    dist = {
+        "tl_hooked": "transformer-lens",
+        "tl_bridge": "transformer-lens",
+        "nnsight": "nnsight",
+        "lensadapters": "lensadapters",
+    }[lib]
     try:
         version = metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -236,8 +274,9 @@ def make_patch(source: torch.Tensor, head: int) -> Callable[..., torch.Tensor]:
     return patch
 
 
-def variants_for(kind: str, layers: int, libs: list[str], batch: int, length: int,
-                 memory: bool = False) -> tuple[dict, dict]:
+def variants_for(
+    kind: str, layers: int, libs: list[str], batch: int, length: int, memory: bool = False
+) -> tuple[dict, dict]:
     """Build every model once and return ``{(lib, scenario): fn}`` and some facts about the models.
 
     ``memory`` adds the variants measured only for memory (``cache_all_cpu``: storage on ``device="cpu"``).
@@ -319,6 +358,7 @@ def variants_for(kind: str, layers: int, libs: list[str], batch: int, length: in
 
 def check_patch_agreement(variants: dict) -> dict[str, float]:
     """Every library's patched logits against lensadapters' (they must agree up to float rounding)."""
+
     def logits(x: Any) -> torch.Tensor:
         x = x[0] if isinstance(x, tuple) else x
         return getattr(x, "logits", x)
@@ -328,8 +368,11 @@ def check_patch_agreement(variants: dict) -> dict[str, float]:
         return {}
     with torch.no_grad():
         base = logits(ref())
-        return {lib: float((logits(fn()) - base).abs().max()) for (lib, sc), fn in variants.items()
-                if sc == "patch_head" and lib != "lensadapters"}
+        return {
+            lib: float((logits(fn()) - base).abs().max())
+            for (lib, sc), fn in variants.items()
+            if sc == "patch_head" and lib != "lensadapters"
+        }
 
 
 def time_variants(variants: dict, rounds: int, warmup: int) -> dict[tuple[str, str], list[float]]:
@@ -340,7 +383,7 @@ def time_variants(variants: dict, rounds: int, warmup: int) -> dict[tuple[str, s
             for k in keys:
                 variants[k]()
         for r in range(rounds):
-            order = keys[r % len(keys):] + keys[:r % len(keys)]
+            order = keys[r % len(keys) :] + keys[: r % len(keys)]
             for k in order:
                 gc.collect()
                 start = time.perf_counter()
@@ -358,19 +401,28 @@ def tl2_worker(kind: str, layers: int, rounds: int, warmup: int, batch: int, len
     variants, facts = variants_for(kind, layers, ["lensadapters", "tl_hooked"], batch, length)
     agreement = check_patch_agreement(variants)
     times = time_variants(variants, rounds, warmup)
-    return {"time": summarize(times), "facts": facts, "patch_agreement": agreement, "versions": versions(),
-            "raw_times": {f"{k[0]}/{k[1]}": v for k, v in times.items()}}
+    return {
+        "time": summarize(times),
+        "facts": facts,
+        "patch_agreement": agreement,
+        "versions": versions(),
+        "raw_times": {f"{k[0]}/{k[1]}": v for k, v in times.items()},
+    }
 
 
 def run_tl2(python: str, kind: str, args: Any) -> Optional[dict]:
-    cmd = [python, __file__, "--_tl2-worker",
-           json.dumps([kind, args.layers, args.rounds, args.warmup, args.batch, args.length])]
+    cmd = [
+        python,
+        __file__,
+        "--_tl2-worker",
+        json.dumps([kind, args.layers, args.rounds, args.warmup, args.batch, args.length]),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TL2 ")]
     if proc.returncode or not lines:
         print(f"  TransformerLens 2.x environment failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
-    return json.loads(lines[-1][len("TL2 "):])
+    return json.loads(lines[-1][len("TL2 ") :])
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -418,12 +470,16 @@ def memory_worker(kind: str, layers: int, lib: str, scenario: str, batch: int, l
             cached += sum(t.numel() * t.element_size() for _, t in item.items() if isinstance(t, torch.Tensor))
         elif isinstance(item, list):
             cached += sum(t.numel() * t.element_size() for t in item if isinstance(t, torch.Tensor))
-    return {"peak_mib": (peak - before) / 1024, "retained_mib": (after - before) / 1024,
-            "cache_tensors_mib": cached / 2**20}
+    return {
+        "peak_mib": (peak - before) / 1024,
+        "retained_mib": (after - before) / 1024,
+        "cache_tensors_mib": cached / 2**20,
+    }
 
 
-def measure_memory(kind: str, layers: int, libs: list[str], batch: int, length: int,
-                   tl2_python: Optional[str] = None) -> dict:
+def measure_memory(
+    kind: str, layers: int, libs: list[str], batch: int, length: int, tl2_python: Optional[str] = None
+) -> dict:
     results = {}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     for lib, scenario in MEMORY_CASES:
@@ -438,10 +494,13 @@ def measure_memory(kind: str, layers: int, libs: list[str], batch: int, length: 
         if proc.returncode or not lines:
             print(f"  memory {kind}/{lib}/{scenario} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
             continue
-        results[f"{lib}/{scenario}"] = json.loads(lines[-1][len("MEMORY "):])
+        results[f"{lib}/{scenario}"] = json.loads(lines[-1][len("MEMORY ") :])
         r = results[f"{lib}/{scenario}"]
-        print(f"  memory {kind:<6} {LIB_LABELS[lib]:<22} {scenario:<14} peak {r['peak_mib']:7.0f} MiB, "
-              f"retained {r['retained_mib']:7.0f} MiB (cache tensors {r['cache_tensors_mib']:6.0f} MiB)", flush=True)
+        print(
+            f"  memory {kind:<6} {LIB_LABELS[lib]:<22} {scenario:<14} peak {r['peak_mib']:7.0f} MiB, "
+            f"retained {r['retained_mib']:7.0f} MiB (cache tensors {r['cache_tensors_mib']:6.0f} MiB)",
+            flush=True,
+        )
     return results
 
 
@@ -478,20 +537,30 @@ def summarize(times: dict) -> dict[str, dict[str, dict[str, float]]]:
     base, base_eager = med[("hf_sdpa", "forward")], med[("hf_eager", "forward")]
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (lib, scenario), m in med.items():
-        table.setdefault(scenario, {})[lib] = {"median_s": m, "min_s": min(times[(lib, scenario)]),
-                                               "vs_sdpa": m / base, "vs_eager": m / base_eager}
+        table.setdefault(scenario, {})[lib] = {
+            "median_s": m,
+            "min_s": min(times[(lib, scenario)]),
+            "vs_sdpa": m / base,
+            "vs_eager": m / base_eager,
+        }
     return table
 
 
 def format_table(kind: str, table: dict, libs: list[str]) -> str:
     cols = ["lensadapters"] + [lib for lib in libs if lib != "lensadapters"]
     elsewhere = {c for c in cols if any(table.get(s, {}).get(c, {}).get("environment") for s in SCENARIOS)}
-    head = (f"| {kind}: scenario (ratio to HF sdpa) | target | "
-            + " | ".join(LIB_LABELS[c] + (" †" if c in elsewhere else "") for c in cols) + " |")
+    head = (
+        f"| {kind}: scenario (ratio to HF sdpa) | target | "
+        + " | ".join(LIB_LABELS[c] + (" †" if c in elsewhere else "") for c in cols)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (len(cols) + 2)]
     fwd = table["forward"]
-    lines.append(f"| HF sdpa forward ({fwd['hf_sdpa']['median_s'] * 1000:.0f} ms) | limit | "
-                 + " | ".join("" for _ in cols) + " |")
+    lines.append(
+        f"| HF sdpa forward ({fwd['hf_sdpa']['median_s'] * 1000:.0f} ms) | limit | "
+        + " | ".join("" for _ in cols)
+        + " |"
+    )
     lines.append(f"| HF eager forward | | {fwd['hf_eager']['vs_sdpa']:.3f} |" + " |" * (len(cols) - 1))
     for scenario in SCENARIOS:
         target, against = TARGETS[scenario]
@@ -506,8 +575,10 @@ def format_table(kind: str, table: dict, libs: list[str]) -> str:
         lines.append(f"| {SCENARIO_LABELS[scenario]} | {target_txt} | " + " | ".join(cells) + " |")
     if elsewhere:
         lines.append("")
-        lines.append("† measured in the TransformerLens 2.x environment (transformers 4.x) during the same run, as a ratio "
-                     "to that environment's own HF sdpa forward")
+        lines.append(
+            "† measured in the TransformerLens 2.x environment (transformers 4.x) during the same run, as a ratio "
+            "to that environment's own HF sdpa forward"
+        )
     return "\n".join(lines)
 
 
@@ -520,20 +591,26 @@ def check_targets(kind: str, table: dict) -> list[str]:
         target, against = TARGETS[scenario]
         ratio = r["median_s"] / table["forward"][against]["median_s"]
         ok = ratio <= target
-        notes.append(f"{kind} {scenario}: {ratio:.3f} vs {LIB_LABELS[against]} (target <= {target}) "
-                     f"{'met' if ok else 'MISSED'}")
+        notes.append(
+            f"{kind} {scenario}: {ratio:.3f} vs {LIB_LABELS[against]} (target <= {target}) {'met' if ok else 'MISSED'}"
+        )
     return notes
 
 
 def format_memory(kind: str, mem: dict) -> str:
-    lines = [f"| {kind}: one call | peak above idle (MiB) | kept alive after (MiB) | cached tensors (MiB) |",
-             "|---|---|---|---|"]
+    lines = [
+        f"| {kind}: one call | peak above idle (MiB) | kept alive after (MiB) | cached tensors (MiB) |",
+        "|---|---|---|---|",
+    ]
     for key, r in mem.items():
         lib, scenario = key.split("/")
-        label = {"cache_all_cpu": "cache every hook point, device=\"cpu\""}.get(scenario, SCENARIO_LABELS.get(scenario,
-                                                                                                           scenario))
-        lines.append(f"| {LIB_LABELS[lib]}: {label} | {r['peak_mib']:.0f} | {r['retained_mib']:.0f} | "
-                     f"{r['cache_tensors_mib']:.0f} |")
+        label = {"cache_all_cpu": 'cache every hook point, device="cpu"'}.get(
+            scenario, SCENARIO_LABELS.get(scenario, scenario)
+        )
+        lines.append(
+            f"| {LIB_LABELS[lib]}: {label} | {r['peak_mib']:.0f} | {r['retained_mib']:.0f} | "
+            f"{r['cache_tensors_mib']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -571,13 +648,17 @@ def chart(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(SCENARIOS)), [SCENARIO_LABELS[s] for s in SCENARIOS], fontsize=8, rotation=12)
         ax.set_ylabel("time / raw HF sdpa forward")
         fwd_ms = table["forward"]["hf_sdpa"]["median_s"] * 1000
-        ax.set_title(f"{kind} ({results['models'][kind]['parameters'] / 1e6:.0f}M params), HF sdpa = {fwd_ms:.0f} ms",
-                     fontsize=10)
+        ax.set_title(
+            f"{kind} ({results['models'][kind]['parameters'] / 1e6:.0f}M params), HF sdpa = {fwd_ms:.0f} ms",
+            fontsize=10,
+        )
         ax.set_ylim(0, max(3.0, ax.get_ylim()[1]))
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"batch {results['batch']} x {results['length']}, CPU float32, median of {results['rounds']} "
-                 f"interleaved rounds (dashed: lensadapters targets); {results.get('allocator', 'glibc defaults')}",
-                 fontsize=8)
+    fig.suptitle(
+        f"batch {results['batch']} x {results['length']}, CPU float32, median of {results['rounds']} "
+        f"interleaved rounds (dashed: lensadapters targets); {results.get('allocator', 'glibc defaults')}",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -594,11 +675,17 @@ def main() -> None:
     parser.add_argument("--libs", default=",".join(LIBS), help="subset of " + ",".join(LIBS))
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="rerun under glibc settings that keep freed memory in the process (see the docstring)")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="rerun under glibc settings that keep freed memory in the process (see the docstring)",
+    )
     default_tl2 = HERE.parent / ".venv-bench-tl2" / "bin" / "python"
-    parser.add_argument("--tl2-python", default=str(default_tl2) if default_tl2.exists() else None,
-                        help="python of an environment with TransformerLens 2.x (HookedTransformer); see scripts/bench.sh")
+    parser.add_argument(
+        "--tl2-python",
+        default=str(default_tl2) if default_tl2.exists() else None,
+        help="python of an environment with TransformerLens 2.x (HookedTransformer); see scripts/bench.sh",
+    )
     parser.add_argument("--_memory-worker", dest="memory_worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_tl2-worker", dest="tl2_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -625,11 +712,21 @@ def main() -> None:
         else:
             libs.append(lib)
     results: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"), "versions": versions(),
-        "machine": machine(), "load_average": os.getloadavg(), "rounds": args.rounds, "batch": args.batch,
-        "length": args.length, "layers": args.layers, "models": {},
-        "allocator": ("glibc keeps freed memory: " + " ".join(f"{k}={v}" for k, v in KEEP_FREED.items())
-                      if args.keep_freed_memory else "glibc defaults")}
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
+        "versions": versions(),
+        "machine": machine(),
+        "load_average": os.getloadavg(),
+        "rounds": args.rounds,
+        "batch": args.batch,
+        "length": args.length,
+        "layers": args.layers,
+        "models": {},
+        "allocator": (
+            "glibc keeps freed memory: " + " ".join(f"{k}={v}" for k, v in KEEP_FREED.items())
+            if args.keep_freed_memory
+            else "glibc defaults"
+        ),
+    }
     print(f"{results['date']} | {results['machine']} | load {results['load_average'][0]:.2f}")
     print(" | ".join(f"{k} {v}" for k, v in results["versions"].items()))
     report = []
@@ -637,15 +734,21 @@ def main() -> None:
         print(f"\n== {kind}: building models ...", flush=True)
         variants, facts = variants_for(kind, args.layers, libs, args.batch, args.length)
         agreement = check_patch_agreement(variants)
-        print("  patched logits, max |difference| to lensadapters: "
-              + ", ".join(f"{LIB_LABELS[k]} {v:.1e}" for k, v in agreement.items()))
+        print(
+            "  patched logits, max |difference| to lensadapters: "
+            + ", ".join(f"{LIB_LABELS[k]} {v:.1e}" for k, v in agreement.items())
+        )
         print(f"  timing {len(variants)} variants x {args.rounds} rounds ...", flush=True)
         times = time_variants(variants, args.rounds, args.warmup)
         table = summarize(times)
         del variants
         gc.collect()
-        results["models"][kind] = {**facts, "time": table, "patch_agreement": agreement,
-                                   "raw_times": {f"{k[0]}/{k[1]}": v for k, v in times.items()}}
+        results["models"][kind] = {
+            **facts,
+            "time": table,
+            "patch_agreement": agreement,
+            "raw_times": {f"{k[0]}/{k[1]}": v for k, v in times.items()},
+        }
         shown = list(libs)
         if tl2:
             print(f"  TransformerLens 2.x environment: timing {kind} ...", flush=True)
@@ -658,8 +761,10 @@ def main() -> None:
                 results["models"][kind]["hook_points"]["tl_hooked"] = other["facts"]["hook_points"].get("tl_hooked")
                 agreement.update(other["patch_agreement"])
                 shown.insert(1, "tl_hooked")
-                print(f"  (that environment: {', '.join(f'{k} {v}' for k, v in other['versions'].items())}; "
-                      f"HookedTransformer patched logits vs lensadapters there: {other['patch_agreement']})")
+                print(
+                    f"  (that environment: {', '.join(f'{k} {v}' for k, v in other['versions'].items())}; "
+                    f"HookedTransformer patched logits vs lensadapters there: {other['patch_agreement']})"
+                )
         text = format_table(kind, table, shown)
         print(text)
         notes = check_targets(kind, table)
@@ -674,11 +779,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    header = [f"Measured {results['date']} on {results['machine']}; load average {results['load_average'][0]:.2f} "
-              f"at start, {results['load_average_end'][0]:.2f} at end.",
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
-              f"Batch {args.batch} x {args.length} tokens, float32, {args.layers} layers, median of {args.rounds} "
-              f"interleaved rounds, ratios to the raw HF sdpa forward. Allocator: {results['allocator']}.", ""]
+    header = [
+        f"Measured {results['date']} on {results['machine']}; load average {results['load_average'][0]:.2f} "
+        f"at start, {results['load_average_end'][0]:.2f} at end.",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
+        f"Batch {args.batch} x {args.length} tokens, float32, {args.layers} layers, median of {args.rounds} "
+        f"interleaved rounds, ratios to the raw HF sdpa forward. Allocator: {results['allocator']}.",
+        "",
+    ]
     (out / f"{stem}.md").write_text("\n".join(header + report) + "\n")
     chart(results, out / f"{stem}.png")
     print(f"\nwrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")

@@ -27,8 +27,16 @@ point, head = "blocks.1.attn.hook_z", 0
 
 trainer = Trainer(
     model=peft_model,
-    args=TrainingArguments(output_dir=os.path.join(out, "trainer"), use_cpu=True, max_steps=60, learning_rate=2e-2,
-                           per_device_train_batch_size=8, report_to=[], save_strategy="no", logging_strategy="no"),
+    args=TrainingArguments(
+        output_dir=os.path.join(out, "trainer"),
+        use_cpu=True,
+        max_steps=60,
+        learning_rate=2e-2,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+    ),
     train_dataset=train,
     callbacks=[ProbeCallback(probe, [point], os.path.join(out, "probes"), every=5)],
 )

@@ -154,8 +154,9 @@ def _version(t: Tensor) -> int:
         return -1
 
 
-def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool,
-                           window: Optional[int] = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def _allowed_and_bias_info(
+    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool, window: Optional[int] = None
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     allowed, bias = _allowed_and_bias(mask, q_len, k_len, device, causal, window)
     blocked = ~allowed
     if not bool(blocked.any()):
@@ -164,8 +165,9 @@ def _allowed_and_bias_info(mask: Optional[Tensor], q_len: int, k_len: int, devic
     return blocked, bias, empty_rows if bool(empty_rows.any()) else None
 
 
-def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool,
-                      window: Optional[int] = None) -> tuple[Tensor, Optional[Tensor]]:
+def _allowed_and_bias(
+    mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool, window: Optional[int] = None
+) -> tuple[Tensor, Optional[Tensor]]:
     """Turn whatever mask transformers built into a boolean "may attend" mask and an additive bias.
 
     A mask transformers materialized already holds the layer's sliding window (its mask functions build it in; eager
@@ -201,10 +203,20 @@ def _allowed_and_bias(mask: Optional[Tensor], q_len: int, k_len: int, device: to
 
 #: arguments transformers passes to attention functions that do not change what attention computes (bookkeeping of
 #: the caller); every other argument is either honoured by explicit attention or refused by name
-IRRELEVANT_ARGUMENTS = frozenset({
-    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "past_key_value", "past_key_values", "position_embeddings", "output_router_logits",
-})
+IRRELEVANT_ARGUMENTS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "past_key_value",
+        "past_key_values",
+        "position_embeddings",
+        "output_router_logits",
+    }
+)
 
 
 def _refuse_arguments(module: nn.Module, kwargs: dict, softcap: Optional[float], implementation: str) -> None:
@@ -215,13 +227,15 @@ def _refuse_arguments(module: nn.Module, kwargs: dict, softcap: Optional[float],
             f"explicit attention (which computes hook_attn_scores/hook_pattern in the layers they are hooked in) does "
             f"not know how {'this argument changes' if len(unknown) == 1 else 'these arguments change'} attention, "
             f"so it refuses rather than compute different numbers than the model. Leave the pattern and score "
-            f"points out (every other hook point works), or ask for support naming the argument")
+            f"points out (every other hook point works), or ask for support naming the argument"
+        )
     if softcap is not None and implementation == "sdpa":
         raise UnsupportedModelError(
             f"{type(module).__name__} passes softcap={softcap} (attention-logit softcapping) to the attention "
             f"function, but the model runs 'sdpa' attention, which does not apply it (transformers 4.x ignores it): "
             f"the model's own attention is not the softcapped attention hook_attn_scores/hook_pattern describe. Call "
-            f"model.set_attn_implementation('eager') to hook patterns (eager applies the softcap)")
+            f"model.set_attn_implementation('eager') to hook patterns (eager applies the softcap)"
+        )
 
 
 def explicit_attention(

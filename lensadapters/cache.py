@@ -77,8 +77,7 @@ class ActivationCache(Mapping, CacheAnalysisMixin):
     activations come from.
     """
 
-    def __init__(self, data: dict[str, Tensor], n_layers: int, has_batch_dim: bool = True,
-                 model: Any = None) -> None:
+    def __init__(self, data: dict[str, Tensor], n_layers: int, has_batch_dim: bool = True, model: Any = None) -> None:
         self._data = data
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim

@@ -53,8 +53,10 @@ class CacheAnalysisMixin:
 
     def _hm(self) -> "HookedModel":
         if self.model is None:
-            raise LensAdaptersError("this ActivationCache has no model (it was built by hand): its analysis methods "
-                                    "need one; use hm.run_with_cache or ActivationCache(data, n_layers, model=hm)")
+            raise LensAdaptersError(
+                "this ActivationCache has no model (it was built by hand): its analysis methods "
+                "need one; use hm.run_with_cache or ActivationCache(data, n_layers, model=hm)"
+            )
         return self.model
 
     @property
@@ -76,7 +78,8 @@ class CacheAnalysisMixin:
             raise DecompositionUndefinedError(
                 f"{what} is not defined for this model: its blocks are post-LN or have post norms (they normalize "
                 f"after each residual add, or normalize the attention/MLP output before adding it), so the residual "
-                f"stream is not the sum of the heads' and neurons' outputs")
+                f"stream is not the sum of the heads' and neurons' outputs"
+            )
 
     def _attn_feeds_mlp(self, layer: int) -> bool:
         """Whether block ``layer``'s MLP reads its attention output (sequential blocks; not parallel ones)."""
@@ -105,9 +108,15 @@ class CacheAnalysisMixin:
 
     # --- stacks of the residual stream -------------------------------------------------------------------
 
-    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
-                          pos_slice: SliceLike = None, mlp_input: bool = False,
-                          return_labels: bool = False) -> Union[Tensor, tuple[Tensor, list[str]]]:
+    def accumulated_resid(
+        self,
+        layer: Optional[int] = None,
+        incl_mid: bool = False,
+        apply_ln: bool = False,
+        pos_slice: SliceLike = None,
+        mlp_input: bool = False,
+        return_labels: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, list[str]]]:
         """The residual stream before each block up to ``layer`` (and after the last block when ``layer`` is
         ``None``/``-1``/``n_layers``): ``[components, *batch_and_pos, d_model]``; labels ``"L_pre"``, ``"L_mid"``,
         ``"final_post"``. ``apply_ln`` normalizes with the norm that reads ``layer``'s input (see the module)."""
@@ -127,20 +136,30 @@ class CacheAnalysisMixin:
                 labels.append(f"{i}_mid")
         components = torch.stack([pos_slice.apply(c, dim=-2) for c in parts], dim=0)
         if apply_ln:
-            components = self.apply_ln_to_stack(components, layer, pos_slice=pos_slice, mlp_input=mlp_input,
-                                                recompute_ln=layer == n)
+            components = self.apply_ln_to_stack(
+                components, layer, pos_slice=pos_slice, mlp_input=mlp_input, recompute_ln=layer == n
+            )
         return (components, labels) if return_labels else components
 
     def _resid_mid(self, layer: int) -> Tensor:
         name = f"blocks.{layer}.hook_resid_mid"
         if name not in self._data and name not in self._hm().hook_names:
-            raise DecompositionUndefinedError(f"block {layer} has no hook_resid_mid (parallel attention and MLP read "
-                                              f"the same block input): leave out incl_mid/mlp_input")
+            raise DecompositionUndefinedError(
+                f"block {layer} has no hook_resid_mid (parallel attention and MLP read "
+                f"the same block input): leave out incl_mid/mlp_input"
+            )
         return self[name]
 
-    def decompose_resid(self, layer: Optional[int] = None, mlp_input: bool = False, mode: str = "all",
-                        apply_ln: bool = False, pos_slice: SliceLike = None, incl_embeds: bool = True,
-                        return_labels: bool = False) -> Union[Tensor, tuple[Tensor, list[str]]]:
+    def decompose_resid(
+        self,
+        layer: Optional[int] = None,
+        mlp_input: bool = False,
+        mode: str = "all",
+        apply_ln: bool = False,
+        pos_slice: SliceLike = None,
+        incl_embeds: bool = True,
+        return_labels: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, list[str]]]:
         """The residual stream at block ``layer``'s input as a stack of what wrote it: ``"embed"``,
         ``"pos_embed"``, ``"L_attn_out"``, ``"L_mlp_out"`` (``mode``: ``"all"``, ``"attn"`` or ``"mlp"``).
         With ``mlp_input``, block ``layer``'s attention output too (sequential blocks only: a parallel block's
@@ -188,9 +207,14 @@ class CacheAnalysisMixin:
             W_O = _w.o_weights(hm, layer)[0].to(device=z.device, dtype=z.dtype)  # [h, d_head, d_model]
             self._data[name] = torch.einsum("...hd,hdm->...hm", z, W_O)
 
-    def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
-                           pos_slice: SliceLike = None,
-                           apply_ln: bool = False) -> Union[Tensor, tuple[Tensor, list[str]]]:
+    def stack_head_results(
+        self,
+        layer: int = -1,
+        return_labels: bool = False,
+        incl_remainder: bool = False,
+        pos_slice: SliceLike = None,
+        apply_ln: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, list[str]]]:
         """Every head's output in blocks before ``layer``: ``[layer * n_heads, *batch_and_pos, d_model]``,
         labels ``"L{l}H{h}"``; ``incl_remainder`` adds the rest of the residual stream (``"remainder"``)."""
         pos_slice = as_slice(pos_slice)
@@ -210,8 +234,9 @@ class CacheAnalysisMixin:
             components = self.apply_ln_to_stack(components, layer, pos_slice=pos_slice)
         return (components, labels) if return_labels else components
 
-    def _stack_parts(self, parts: list[Tensor], labels: list[str], layer: int, incl_remainder: bool,
-                     pos_slice: Slice) -> Tensor:
+    def _stack_parts(
+        self, parts: list[Tensor], labels: list[str], layer: int, incl_remainder: bool, pos_slice: Slice
+    ) -> Tensor:
         if parts:
             components = torch.cat(parts, dim=-2).movedim(-2, 0)
             if incl_remainder:
@@ -242,9 +267,15 @@ class CacheAnalysisMixin:
         W_out = neuron_slice.apply(W_out, dim=0)
         return acts[..., None] * W_out
 
-    def stack_neuron_results(self, layer: int, pos_slice: SliceLike = None, neuron_slice: SliceLike = None,
-                             return_labels: bool = False, incl_remainder: bool = False,
-                             apply_ln: bool = False) -> Union[Tensor, tuple[Tensor, list[str]]]:
+    def stack_neuron_results(
+        self,
+        layer: int,
+        pos_slice: SliceLike = None,
+        neuron_slice: SliceLike = None,
+        return_labels: bool = False,
+        incl_remainder: bool = False,
+        apply_ln: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, list[str]]]:
         """Every neuron's output in blocks before ``layer``: labels ``"L{l}N{n}"``."""
         neuron_slice, pos_slice = as_slice(neuron_slice), as_slice(pos_slice)
         layer = self._layer(layer)
@@ -263,9 +294,16 @@ class CacheAnalysisMixin:
 
     # --- norms ---------------------------------------------------------------------------------------
 
-    def apply_ln_to_stack(self, residual_stack: Tensor, layer: Optional[int] = None, mlp_input: bool = False,
-                          pos_slice: SliceLike = None, batch_slice: SliceLike = None, has_batch_dim: bool = True,
-                          recompute_ln: bool = False) -> Tensor:
+    def apply_ln_to_stack(
+        self,
+        residual_stack: Tensor,
+        layer: Optional[int] = None,
+        mlp_input: bool = False,
+        pos_slice: SliceLike = None,
+        batch_slice: SliceLike = None,
+        has_batch_dim: bool = True,
+        recompute_ln: bool = False,
+    ) -> Tensor:
         """Normalize a stack of residual components as the norm reading block ``layer``'s input does (the final
         norm for ``None``/``-1``/``n_layers``), with the cached scale of the whole stream: centered (LayerNorm),
         divided by ``hook_scale``, times the norm's weight; no bias. ``recompute_ln`` (final norm only): the whole
@@ -294,26 +332,40 @@ class CacheAnalysisMixin:
             stack = stack * (spec.weight.float() + spec.weight_offset).to(stack.device)
         return stack.to(residual_stack.dtype)
 
-    def logit_attrs(self, residual_stack: Tensor, tokens: Any, incorrect_tokens: Any = None,
-                    pos_slice: SliceLike = None, batch_slice: SliceLike = None,
-                    has_batch_dim: bool = True) -> Tensor:
+    def logit_attrs(
+        self,
+        residual_stack: Tensor,
+        tokens: Any,
+        incorrect_tokens: Any = None,
+        pos_slice: SliceLike = None,
+        batch_slice: SliceLike = None,
+        has_batch_dim: bool = True,
+    ) -> Tensor:
         """Each component's direct contribution to the logit of ``tokens`` (minus that of ``incorrect_tokens``):
         the final norm applied to the stack, dotted with the unembedding directions."""
         hm = self._hm()
         directions = hm.tokens_to_residual_directions(tokens)
         if incorrect_tokens is not None:
             if _token_shape(hm, tokens) != _token_shape(hm, incorrect_tokens):
-                raise ValueError(f"tokens and incorrect_tokens must have the same shape (got "
-                                 f"{_token_shape(hm, tokens)} and {_token_shape(hm, incorrect_tokens)})")
+                raise ValueError(
+                    f"tokens and incorrect_tokens must have the same shape (got "
+                    f"{_token_shape(hm, tokens)} and {_token_shape(hm, incorrect_tokens)})"
+                )
             directions = directions - hm.tokens_to_residual_directions(incorrect_tokens)
-        scaled = self.apply_ln_to_stack(residual_stack, layer=-1, pos_slice=pos_slice, batch_slice=batch_slice,
-                                        has_batch_dim=has_batch_dim)
+        scaled = self.apply_ln_to_stack(
+            residual_stack, layer=-1, pos_slice=pos_slice, batch_slice=batch_slice, has_batch_dim=has_batch_dim
+        )
         return (scaled * directions.to(device=scaled.device, dtype=scaled.dtype)).sum(dim=-1)
 
-    def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
-                                     expand_neurons: bool = True, apply_ln: bool = False,
-                                     pos_slice: SliceLike = None,
-                                     return_labels: bool = False) -> Union[Tensor, tuple[Tensor, list[str]]]:
+    def get_full_resid_decomposition(
+        self,
+        layer: Optional[int] = None,
+        mlp_input: bool = False,
+        expand_neurons: bool = True,
+        apply_ln: bool = False,
+        pos_slice: SliceLike = None,
+        return_labels: bool = False,
+    ) -> Union[Tensor, tuple[Tensor, list[str]]]:
         """The residual stream at block ``layer``'s input as every head (``"L{l}H{h}"``), every neuron
         (``"L{l}N{n}"``, or each MLP with ``expand_neurons=False``), ``"embed"``, ``"pos_embed"`` and the
         accumulated biases (``"bias"``); the components add up to the stream."""
@@ -322,15 +374,17 @@ class CacheAnalysisMixin:
         layer = self._layer(layer)
         pos_slice = as_slice(pos_slice)
         attn_in = mlp_input and self._attn_feeds_mlp(layer)
-        head_stack, labels = self.stack_head_results(layer + (1 if attn_in else 0), pos_slice=pos_slice,
-                                                     return_labels=True)
+        head_stack, labels = self.stack_head_results(
+            layer + (1 if attn_in else 0), pos_slice=pos_slice, return_labels=True
+        )
         components = [head_stack]
         if layer > 0:
             if expand_neurons:
                 stack, more = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True)
             else:
-                stack, more = self.decompose_resid(layer, mlp_input=mlp_input, pos_slice=pos_slice,
-                                                   incl_embeds=False, mode="mlp", return_labels=True)
+                stack, more = self.decompose_resid(
+                    layer, mlp_input=mlp_input, pos_slice=pos_slice, incl_embeds=False, mode="mlp", return_labels=True
+                )
             labels.extend(more)
             components.append(stack)
         if "hook_embed" in self._data:

@@ -61,7 +61,8 @@ def find_plugin(target: str) -> tuple[str, ModuleType | Any]:
             raise  # the module exists but one of its imports fails: show that
         raise CheckError(
             f"{target!r} is neither an installed lensadapters plugin nor an importable module. "
-            f"{registry.describe_installed()}") from None
+            f"{registry.describe_installed()}"
+        ) from None
     return target, module
 
 
@@ -86,14 +87,19 @@ def _declared(name: str, plugin: Any, spec: str) -> type:
     try:
         cls = _import(spec)
     except (ImportError, AttributeError) as exc:
-        raise CheckError(f"plugin {name!r} declares {CONTRACT_ATTRIBUTE} = {spec!r}, which cannot be imported: {exc}. "
-                         f"Is the plugin installed with its testing extra?") from exc
+        raise CheckError(
+            f"plugin {name!r} declares {CONTRACT_ATTRIBUTE} = {spec!r}, which cannot be imported: {exc}. "
+            f"Is the plugin installed with its testing extra?"
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, AdapterContract)):
-        raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, which is not an AdapterContract "
-                         f"subclass")
+        raise CheckError(
+            f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, which is not an AdapterContract subclass"
+        )
     if cls.plugin is not plugin:
-        raise CheckError(f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, whose `plugin` is "
-                         f"{getattr(cls.plugin, '__name__', cls.plugin)!r}, not this plugin")
+        raise CheckError(
+            f"{CONTRACT_ATTRIBUTE} of plugin {name!r} names {spec!r}, whose `plugin` is "
+            f"{getattr(cls.plugin, '__name__', cls.plugin)!r}, not this plugin"
+        )
     return cls
 
 
@@ -122,7 +128,8 @@ def _generated(name: str, plugin: Any) -> type:
         raise CheckError(
             f"plugin {name!r} claims no architecture (a cross-cutting plugin) and declares no {CONTRACT_ATTRIBUTE}: "
             f"there is nothing to generate a contract suite from. Declare {CONTRACT_ATTRIBUTE} = "
-            f"'your_module:YourContract' (an AdapterContract subclass) in the plugin module.")
+            f"'your_module:YourContract' (an AdapterContract subclass) in the plugin module."
+        )
     hooks = registry.hooks_for(info)
     strategies = []
     implementations: list[str] = []
@@ -131,7 +138,8 @@ def _generated(name: str, plugin: Any) -> type:
         if config is None:
             raise CheckError(
                 f"plugin {name!r} implements no lensadapters_tiny_config for {arch.name!r} and declares no "
-                f"{CONTRACT_ATTRIBUTE}: implement one of them (see docs/writing-a-plugin.md)")
+                f"{CONTRACT_ATTRIBUTE}: implement one of them (see docs/writing-a-plugin.md)"
+            )
         implementations += [i for i in _working_implementations(config) if i not in implementations]
 
         def tiny(seed: int, arch: Any = arch) -> Any:
@@ -144,11 +152,17 @@ def _generated(name: str, plugin: Any) -> type:
         return strategy
 
     class_name = "Test" + "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", name) if part) + "Contract"
-    return type(class_name, (AdapterContract,), {
-        "__module__": __name__, "plugin": plugin, "configs": classmethod(configs),
-        "attn_implementations": tuple(implementations),
-        "__doc__": f"Contract suite for plugin {name!r}, generated from lensadapters_tiny_config.",
-    })
+    return type(
+        class_name,
+        (AdapterContract,),
+        {
+            "__module__": __name__,
+            "plugin": plugin,
+            "configs": classmethod(configs),
+            "attn_implementations": tuple(implementations),
+            "__doc__": f"Contract suite for plugin {name!r}, generated from lensadapters_tiny_config.",
+        },
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,9 +177,11 @@ def find_variant(name: str) -> ContractVariant:
     variants = contract_variants()
     if name not in variants:
         offered = ", ".join(sorted(variants)) or "none"
-        raise CheckError(f"unknown contract variant {name!r}: no installed plugin declares it (installed plugins "
-                         f"offer: {offered}). Variants come from cross-cutting plugins "
-                         f"(lensadapters_contract_variants).")
+        raise CheckError(
+            f"unknown contract variant {name!r}: no installed plugin declares it (installed plugins "
+            f"offer: {offered}). Variants come from cross-cutting plugins "
+            f"(lensadapters_contract_variants)."
+        )
     return variants[name]
 
 
@@ -182,15 +198,22 @@ def variant_class(target: str, variant: Optional[str] = None) -> type:
     try:
         mixin = _import(declared.contract)
     except (ImportError, AttributeError) as exc:
-        raise CheckError(f"`lensadapters check --{variant}` runs the contract suite on {declared.runs_on} and needs "
-                         f"{distribution} with its test kit: pip install '{distribution}[testing]' ({exc})") from None
+        raise CheckError(
+            f"`lensadapters check --{variant}` runs the contract suite on {declared.runs_on} and needs "
+            f"{distribution} with its test kit: pip install '{distribution}[testing]' ({exc})"
+        ) from None
     if issubclass(cls, mixin):
         return cls
-    return type(f"{cls.__name__}{variant.title()}", (mixin, cls), {
-        "__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}{variant.title()}",
-        "_lensadapters_variant": (declared, cls),
-        "__doc__": f"{cls.__name__} on {declared.runs_on} ({declared.contract}).",
-    })
+    return type(
+        f"{cls.__name__}{variant.title()}",
+        (mixin, cls),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": f"{cls.__qualname__}{variant.title()}",
+            "_lensadapters_variant": (declared, cls),
+            "__doc__": f"{cls.__name__} on {declared.runs_on} ({declared.contract}).",
+        },
+    )
 
 
 def describe(cls: type) -> str:
@@ -198,14 +221,23 @@ def describe(cls: type) -> str:
     if variant is not None:
         declared, base = variant
         return f"{declared.contract} on {declared.runs_on}, over {describe(base)}"
-    origin = ("generated from lensadapters_tiny_config" if cls.__module__ == __name__
-              else f"declared by {CONTRACT_ATTRIBUTE}: {cls.__module__}:{cls.__qualname__}")
-    capabilities = [f"{name}={getattr(cls, name)}" for name in ("learned_positions", "rotary", "gated_mlp",
-                                                                "parallel_blocks") if getattr(cls, name, None) is not None]
+    origin = (
+        "generated from lensadapters_tiny_config"
+        if cls.__module__ == __name__
+        else f"declared by {CONTRACT_ATTRIBUTE}: {cls.__module__}:{cls.__qualname__}"
+    )
+    capabilities = [
+        f"{name}={getattr(cls, name)}"
+        for name in ("learned_positions", "rotary", "gated_mlp", "parallel_blocks")
+        if getattr(cls, name, None) is not None
+    ]
     strata = ", ".join(dict(getattr(cls, "config_strata", {})))
-    return (f"{cls.__name__} ({origin}; attention implementations {', '.join(cls.attn_implementations)}"
-            + (f"; declared {', '.join(capabilities)}" if capabilities else "")
-            + (f"; config strata {strata}" if strata else "") + ")")
+    return (
+        f"{cls.__name__} ({origin}; attention implementations {', '.join(cls.attn_implementations)}"
+        + (f"; declared {', '.join(capabilities)}" if capabilities else "")
+        + (f"; config strata {strata}" if strata else "")
+        + ")"
+    )
 
 
 _TEST_MODULE = '''\
@@ -235,17 +267,35 @@ def load_profile(examples: int, shrink: bool = True) -> None:
     if "lensadapters.testing.contract" in sys.modules:
         import warnings
 
-        warnings.warn("the contract suite was imported before `lensadapters check` chose its number of examples; "
-                      "the current Hypothesis profile applies", stacklevel=2)
+        warnings.warn(
+            "the contract suite was imported before `lensadapters check` chose its number of examples; "
+            "the current Hypothesis profile applies",
+            stacklevel=2,
+        )
     phases = tuple(Phase) if shrink else tuple(p for p in Phase if p not in (Phase.shrink, Phase.explain))
-    settings.register_profile(PROFILE, max_examples=examples, deadline=None, database=None, phases=phases,
-                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile(
+        PROFILE,
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     settings.load_profile(PROFILE)
 
 
-def run(target: str, examples: int = 10, keyword: Optional[str] = None, seed: Optional[int] = None,
-        exitfirst: bool = False, verbose: bool = False, shrink: bool = True, pytest_args: Sequence[str] = (),
-        echo: Callable[[str], None] = print, variants: Sequence[str] = ()) -> int:
+def run(
+    target: str,
+    examples: int = 10,
+    keyword: Optional[str] = None,
+    seed: Optional[int] = None,
+    exitfirst: bool = False,
+    verbose: bool = False,
+    shrink: bool = True,
+    pytest_args: Sequence[str] = (),
+    echo: Callable[[str], None] = print,
+    variants: Sequence[str] = (),
+) -> int:
     """Run the contract suite for ``target``; returns pytest's exit code (0: every property holds).
 
     ``shrink=False`` reports the first failing example as found, instead of searching for a minimal one
@@ -274,8 +324,17 @@ def run(target: str, examples: int = 10, keyword: Optional[str] = None, seed: Op
             settings.load_profile(previous)
 
 
-def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int], exitfirst: bool, verbose: bool,
-         pytest_args: Sequence[str], echo: Callable[[str], None], variants: tuple[str, ...] = ()) -> int:
+def _run(
+    target: str,
+    examples: int,
+    keyword: Optional[str],
+    seed: Optional[int],
+    exitfirst: bool,
+    verbose: bool,
+    pytest_args: Sequence[str],
+    echo: Callable[[str], None],
+    variants: tuple[str, ...] = (),
+) -> int:
     import pytest
 
     try:
@@ -286,8 +345,10 @@ def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int]
     import transformers
 
     for cls in classes.values():
-        echo(f"lensadapters check {target}: {describe(cls)}, {examples} examples per property, "
-             f"transformers {transformers.__version__}")
+        echo(
+            f"lensadapters check {target}: {describe(cls)}, {examples} examples per property, "
+            f"transformers {transformers.__version__}"
+        )
     class_name = "Test" + re.sub(r"\W", "_", target).strip("_").title().replace("_", "")
     with tempfile.TemporaryDirectory(prefix="lensadapters-check-") as tmp:
         test_file = os.path.join(tmp, "test_lensadapters_check.py")
@@ -298,8 +359,18 @@ def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int]
                 f.write(f"{class_name}{(variant or '').title()} = variant_class({target!r}, {variant!r})\n")
         with open(ini, "w") as f:
             f.write(_INI)
-        args = [test_file, "-c", ini, "--rootdir", tmp, "--confcutdir", tmp, "-p", "no:cacheprovider",
-                "-v" if verbose else "-q"]
+        args = [
+            test_file,
+            "-c",
+            ini,
+            "--rootdir",
+            tmp,
+            "--confcutdir",
+            tmp,
+            "-p",
+            "no:cacheprovider",
+            "-v" if verbose else "-q",
+        ]
         if keyword:
             args += ["-k", keyword]
         if seed is not None:
@@ -310,5 +381,14 @@ def _run(target: str, examples: int, keyword: Optional[str], seed: Optional[int]
         return int(pytest.main(args))
 
 
-__all__ = ["CheckError", "contract_class", "declared_contract", "variant_class", "find_variant", "find_plugin", "run",
-           "describe", "load_profile"]
+__all__ = [
+    "CheckError",
+    "contract_class",
+    "declared_contract",
+    "variant_class",
+    "find_variant",
+    "find_plugin",
+    "run",
+    "describe",
+    "load_profile",
+]

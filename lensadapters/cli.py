@@ -93,7 +93,9 @@ def _hooks(args: argparse.Namespace) -> int:
             _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
         except UnsupportedModelError as exc:  # patterns refused under this attention implementation: the rest
             print(f"note: {exc}", file=sys.stderr)
-            _, cache = hm.run_with_cache(ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores")))
+            _, cache = hm.run_with_cache(
+                ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
+            )
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
     hm.unwrap()
     if args.json:
@@ -131,8 +133,17 @@ def _check(args: argparse.Namespace) -> int:
     from .check import run
 
     variants = list(args.variant or []) + [v for v in args.variant_flags if getattr(args, f"variant_{v}")]
-    return run(args.plugin, examples=args.examples, keyword=args.keyword, seed=args.seed, exitfirst=args.exitfirst,
-               verbose=args.verbose, shrink=not args.no_shrink, pytest_args=args.pytest_args, variants=variants)
+    return run(
+        args.plugin,
+        examples=args.examples,
+        keyword=args.keyword,
+        seed=args.seed,
+        exitfirst=args.exitfirst,
+        verbose=args.verbose,
+        shrink=not args.no_shrink,
+        pytest_args=args.pytest_args,
+        variants=variants,
+    )
 
 
 def _harvest(args: argparse.Namespace) -> int:
@@ -149,11 +160,25 @@ def _harvest(args: argparse.Namespace) -> int:
     hm.hf_model.eval()
     hm.hf_model.to(torch.device(args.device) if args.device else local_device())
     try:
-        result = harvest(hm, args.data, args.hooks, args.out, context_size=args.context_size,
-                         batch_size=args.batch_size, max_tokens=args.max_tokens, dtype=args.dtype,
-                         drop_bos=args.drop_bos, flatten=args.flatten, prepend_bos=not args.no_prepend_bos,
-                         text_column=args.text_column, split=args.split, shard_contexts=args.shard_contexts,
-                         progress=not args.quiet and rank == 0, rank=rank, world_size=world_size)
+        result = harvest(
+            hm,
+            args.data,
+            args.hooks,
+            args.out,
+            context_size=args.context_size,
+            batch_size=args.batch_size,
+            max_tokens=args.max_tokens,
+            dtype=args.dtype,
+            drop_bos=args.drop_bos,
+            flatten=args.flatten,
+            prepend_bos=not args.no_prepend_bos,
+            text_column=args.text_column,
+            split=args.split,
+            shard_contexts=args.shard_contexts,
+            progress=not args.quiet and rank == 0,
+            rank=rank,
+            world_size=world_size,
+        )
     finally:
         hm.unwrap()
     resumed = f", resumed after {result.resumed_from} contexts" if result.resumed_from else ""
@@ -161,8 +186,10 @@ def _harvest(args: argparse.Namespace) -> int:
     read = f"read it with datasets.load_from_disk({result.out!r})"
     if world_size > 1 and not result.all_finished:
         read = "the dataset lists every rank's complete shards so far; it is whole once every rank has finished"
-    print(f"{who}{result.out}: {result.contexts} contexts ({result.tokens} tokens) in {result.shards} shards{resumed}; "
-          f"{read}")
+    print(
+        f"{who}{result.out}: {result.contexts} contexts ({result.tokens} tokens) in {result.shards} shards{resumed}; "
+        f"{read}"
+    )
     return 0
 
 
@@ -184,17 +211,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "one (the plugin's test config with random weights), so the names are those of any model of that "
         "architecture and the shapes follow the tiny config.",
     )
-    p.add_argument("target", help="a local checkpoint directory, or an architecture name (gpt2, llama, ...) for a "
-                                  "tiny built-in model")
+    p.add_argument(
+        "target",
+        help="a local checkpoint directory, or an architecture name (gpt2, llama, ...) for a tiny built-in model",
+    )
     p.add_argument("--adapter", default=None, help="force a plugin by name ('generic': the generic adapter)")
     p.add_argument("--length", type=int, default=4, help="positions of the probe input")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_hooks)
-    p = sub.add_parser("demo", help="wrap tiny models of every installed architecture, cache and patch; train a tiny "
-                                    "model until it forms induction heads, find and confirm them")
-    p.add_argument("--plot", nargs="?", const="induction_heads.png", default=None, metavar="PNG",
-                   help="write the induction head's attention pattern to PNG (default induction_heads.png; needs "
-                        "matplotlib: pip install lensadapters[plot])")
+    p = sub.add_parser(
+        "demo",
+        help="wrap tiny models of every installed architecture, cache and patch; train a tiny "
+        "model until it forms induction heads, find and confirm them",
+    )
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="induction_heads.png",
+        default=None,
+        metavar="PNG",
+        help="write the induction head's attention pattern to PNG (default induction_heads.png; needs "
+        "matplotlib: pip install lensadapters[plot])",
+    )
     p.set_defaults(func=_demo)
     p = sub.add_parser(
         "check",
@@ -212,50 +250,81 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, for a reproducible run")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing property")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per property")
-    p.add_argument("--no-shrink", action="store_true",
-                   help="report a failing example as found instead of shrinking it to a minimal one (faster)")
-    p.add_argument("--variant", action="append", metavar="NAME",
-                   help="run a variant of the suite (declared by an installed plugin) instead; repeatable")
+    p.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="report a failing example as found instead of shrinking it to a minimal one (faster)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME",
+        help="run a variant of the suite (declared by an installed plugin) instead; repeatable",
+    )
     check = p
     p = sub.add_parser(
-        "harvest", help="write hook points' activations over a text dataset to disk (resumable)",
+        "harvest",
+        help="write hook points' activations over a text dataset to disk (resumable)",
         description="Run a local checkpoint over text packed into fixed-length contexts (as SAELens packs it) and "
-                    "write the activations of the named hook points in shards; datasets.load_from_disk(OUT) reads "
-                    "them, one row per context. Run the same command again to resume after an interruption. "
-                    "Under torchrun or accelerate launch each process harvests its own shards into OUT (resumable "
-                    "per process) and OUT lists the union: the single process's dataset.")
+        "write the activations of the named hook points in shards; datasets.load_from_disk(OUT) reads "
+        "them, one row per context. Run the same command again to resume after an interruption. "
+        "Under torchrun or accelerate launch each process harvests its own shards into OUT (resumable "
+        "per process) and OUT lists the union: the single process's dataset.",
+    )
     p.add_argument("model_dir", help="a local checkpoint folder (model and tokenizer)")
-    p.add_argument("--data", required=True, help="a text file (one row per line), a JSONL file or a dataset folder "
-                                                 "saved with datasets' save_to_disk (text, or token ids: "
-                                                 "input_ids/tokens, one context per row)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="a text file (one row per line), a JSONL file or a dataset folder "
+        "saved with datasets' save_to_disk (text, or token ids: "
+        "input_ids/tokens, one context per row)",
+    )
     p.add_argument("--hooks", nargs="+", required=True, metavar="NAME", help="hook points to store")
     p.add_argument("--out", required=True, help="output folder (new, or a harvest of the same command to resume)")
     p.add_argument("--context-size", type=int, default=128, help="tokens per context (default 128)")
     p.add_argument("--batch-size", type=int, default=8, help="contexts per forward (default 8)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (whole contexts)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="dtype of the stored activations (bfloat16 is stored exactly as float32)")
-    p.add_argument("--model-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
-                   help="dtype to load the model in (default: as saved)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="dtype of the stored activations (bfloat16 is stored exactly as float32)",
+    )
+    p.add_argument(
+        "--model-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="dtype to load the model in (default: as saved)",
+    )
     p.add_argument("--drop-bos", action="store_true", help="leave out position 0 (each context's BOS token)")
     p.add_argument("--no-prepend-bos", action="store_true", help="do not start each context with BOS")
-    p.add_argument("--flatten", action="store_true",
-                   help="store every point as [context, d] (per-head points flattened: SAELens' 2-D layout)")
+    p.add_argument(
+        "--flatten",
+        action="store_true",
+        help="store every point as [context, d] (per-head points flattened: SAELens' 2-D layout)",
+    )
     p.add_argument("--text-column", default="text", help="text field of JSONL rows / dataset column (default text)")
     p.add_argument("--split", default=None, help="split of a saved DatasetDict (default train)")
-    p.add_argument("--shard-contexts", type=int, default=None,
-                   help="contexts per shard, the unit of resumption (default: about 256 MiB per shard)")
+    p.add_argument(
+        "--shard-contexts",
+        type=int,
+        default=None,
+        help="contexts per shard, the unit of resumption (default: about 256 MiB per shard)",
+    )
     p.add_argument("--adapter", default=None, help="force a plugin by name")
-    p.add_argument("--device", default=None,
-                   help="where the model runs (default: this process's GPU -- cuda:LOCAL_RANK under a launcher -- "
-                        "if there is one, else the CPU)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the model runs (default: this process's GPU -- cuda:LOCAL_RANK under a launcher -- "
+        "if there is one, else the CPU)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_harvest)
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # `lensadapters check PLUGIN ... -- PYTEST ARGS`
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+        argv, extra = argv[:at], argv[at + 1 :]
     flags = _variant_flags(check) if "check" in argv else []
     check.set_defaults(func=_check, variant_flags=flags)
     check.epilog = "Arguments after -- go to pytest unchanged (e.g. -- --tb=short)."
@@ -263,9 +332,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         if args.command == "check" and all(u.startswith("--") for u in unknown):
             offered = ", ".join(f"--{name}" for name in flags) or "none"
-            print(f"lensadapters check: no installed plugin declares the contract variant(s) "
-                  f"{', '.join(u[2:] for u in unknown)} (installed variants: {offered}). Variants come from "
-                  f"cross-cutting plugins: install the one that provides it.")
+            print(
+                f"lensadapters check: no installed plugin declares the contract variant(s) "
+                f"{', '.join(u[2:] for u in unknown)} (installed variants: {offered}). Variants come from "
+                f"cross-cutting plugins: install the one that provides it."
+            )
             return 4
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra and args.command != "check":
@@ -281,9 +352,13 @@ def _variant_flags(check: argparse.ArgumentParser) -> list[str]:
     names = []
     for name, variant in contract_variants().items():
         try:
-            check.add_argument(f"--{name}", action="store_true", dest=f"variant_{name}",
-                               help=f"run the suite on {variant.runs_on} instead "
-                                    f"(from {variant.distribution or 'an installed plugin'})")
+            check.add_argument(
+                f"--{name}",
+                action="store_true",
+                dest=f"variant_{name}",
+                help=f"run the suite on {variant.runs_on} instead "
+                f"(from {variant.distribution or 'an installed plugin'})",
+            )
         except argparse.ArgumentError:  # a variant named like one of check's own options
             continue
         names.append(name)

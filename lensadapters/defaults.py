@@ -36,7 +36,8 @@ def lensadapters_linear_weight(module: nn.Module) -> Optional[LinearWeight]:
                 f"lensadapters cannot read the weight of this torch.nn.Linear: its {what} is a "
                 f"{_describe(t)}, not a floating-point torch.Tensor/nn.Parameter (a quantized or packed format), and "
                 f"no installed plugin dequantizes it. Its values are not the matrix, so none is returned. Install "
-                f"the lensadapters plugin for that format or implement `lensadapters_linear_weight` for it.")
+                f"the lensadapters plugin for that format or implement `lensadapters_linear_weight` for it."
+            )
     return LinearWeight(weight.T, bias)
 
 
@@ -63,13 +64,17 @@ def _check_guess(module: nn.Module, spec: NormSpec) -> None:
             expected = norms.rms_weighted_delta(expected, spec)
     got = got[0] if isinstance(got, (tuple, list)) else got
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-    if not (isinstance(got, torch.Tensor) and got.shape == x.shape
-            and torch.allclose(got.float(), expected, rtol=tol, atol=tol)):
+    if not (
+        isinstance(got, torch.Tensor)
+        and got.shape == x.shape
+        and torch.allclose(got.float(), expected, rtol=tol, atol=tol)
+    ):
         raise UnsupportedModelError(
             f"{type(module).__name__} looks like an RMSNorm, but it does not compute x / sqrt(mean(x^2) + eps) * "
             f"weight on a probe input (a Gemma-style (1 + weight) norm, or another formula): lensadapters does not "
             f"guess how a norm normalizes. The architecture plugin must declare it: implement "
-            f"lensadapters_norm_scale and return its NormSpec (weight_offset=1.0 for (1 + weight) norms)")
+            f"lensadapters_norm_scale and return its NormSpec (weight_offset=1.0 for (1 + weight) norms)"
+        )
     _CHECKED[module] = True
 
 
@@ -94,8 +99,9 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
     hooks = hooked.plugin_hooks
 
     def scores(module: nn.Module, query: Any, key: Any, scaling: Optional[float], implementation: str) -> Any:
-        return hooks.lensadapters_attn_scores(arch=arch, module=module, query=query, key=key, scaling=scaling,
-                                              implementation=implementation)
+        return hooks.lensadapters_attn_scores(
+            arch=arch, module=module, query=query, key=key, scaling=scaling, implementation=implementation
+        )
 
     def original(module: nn.Module, implementation: str) -> Any:
         return hooks.lensadapters_attn_original(arch=arch, module=module, implementation=implementation)

@@ -61,6 +61,7 @@ def patching_experiment(hm: HookedModel, seed: int = 0, length: int = 8) -> list
         clean_score, corrupted_score = clean_logits[0, -1, answer], corrupted_logits[0, -1, answer]
         restored = []
         for layer in range(hm.cfg.n_layers):
+
             def patch(resid: torch.Tensor, hook: Any, layer: int = layer) -> torch.Tensor:
                 resid = resid.clone()
                 resid[:, position] = cache["resid_pre", layer][:, position]
@@ -83,8 +84,16 @@ def run_one(registry: Registry, info: PluginInfo, arch: Architecture, seed: int 
         _, cache = hm.run_with_cache(ids)
     restored = patching_experiment(hm, seed)
     hm.unwrap()
-    return DemoResult(arch.name, info.distribution or info.name, hm.cfg.n_layers, len(hm.hook_names), len(cache),
-                      bitwise, restored, time.perf_counter() - start)
+    return DemoResult(
+        arch.name,
+        info.distribution or info.name,
+        hm.cfg.n_layers,
+        len(hm.hook_names),
+        len(cache),
+        bitwise,
+        restored,
+        time.perf_counter() - start,
+    )
 
 
 def plugin_extras(distribution: str = "lensadapters") -> dict[str, str]:
@@ -120,8 +129,9 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print,
-        plot: Optional[str] = None) -> list[DemoResult]:
+def run(
+    registry: Optional[Registry] = None, echo: Callable[[str], None] = print, plot: Optional[str] = None
+) -> list[DemoResult]:
     """The random-weight demo of every installed architecture, then the induction-head demo (``plot``: write its
     attention patterns to this PNG; needs matplotlib)."""
     from .induction_demo import require_matplotlib  # a trained model with a real finding
@@ -150,10 +160,14 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
             continue
         results.append(result)
         curve = " ".join(f"{x:+.2f}" for x in result.patching)
-        echo(f"- {arch.name} ({result.plugin}): {result.n_layers} layers, {result.hook_points} hook points, "
-             f"{result.cached} cached; no-hook output bitwise equal: {'yes' if result.bitwise else 'NO'}")
-        echo(f"    patching resid_pre at the corrupted token, fraction of the clean logit restored per layer: "
-             f"{curve}  ({result.seconds:.2f}s)")
+        echo(
+            f"- {arch.name} ({result.plugin}): {result.n_layers} layers, {result.hook_points} hook points, "
+            f"{result.cached} cached; no-hook output bitwise equal: {'yes' if result.bitwise else 'NO'}"
+        )
+        echo(
+            f"    patching resid_pre at the corrupted token, fraction of the clean logit restored per layer: "
+            f"{curve}  ({result.seconds:.2f}s)"
+        )
     for dist, extra in extras.items():
         if not _installed(dist):
             echo(f"- {extra}: not installed (pip install lensadapters[{extra}])")
@@ -163,7 +177,9 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
     if not results:
         echo("No architecture plugin is installed: pip install lensadapters[all]")
     else:
-        echo("\nLayer 0 restores everything (the corrupted token itself is patched); later layers restore what has"
-             " not yet moved to other positions.")
+        echo(
+            "\nLayer 0 restores everything (the corrupted token itself is patched); later layers restore what has"
+            " not yet moved to other positions."
+        )
         induction_demo(registry, echo, plot=plot)
     return results

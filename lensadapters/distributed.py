@@ -79,8 +79,9 @@ def launch_rank() -> tuple[int, int]:
     try:
         return int(rank), int(world_size)
     except ValueError:
-        raise ValueError(f"RANK={rank!r} and WORLD_SIZE={world_size!r} must be integers (as launchers set them)") \
-            from None
+        raise ValueError(
+            f"RANK={rank!r} and WORLD_SIZE={world_size!r} must be integers (as launchers set them)"
+        ) from None
 
 
 def is_main_process() -> bool:

@@ -23,8 +23,9 @@ class FactoredMatrix:
 
     def __init__(self, A: Tensor, B: Tensor) -> None:
         if A.size(-1) != B.size(-2):
-            raise ValueError(f"the factors must agree on the inner dimension; shapes were {tuple(A.shape)} and "
-                             f"{tuple(B.shape)}")
+            raise ValueError(
+                f"the factors must agree on the inner dimension; shapes were {tuple(A.shape)} and {tuple(B.shape)}"
+            )
         self.ldim, self.mdim, self.rdim = A.size(-2), B.size(-2), B.size(-1)
         self.has_leading_dims = A.ndim > 2 or B.ndim > 2
         lead = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
@@ -156,8 +157,9 @@ class FactoredMatrix:
             rows = tuple(idx[:-1]) + (keep[-1],)
             return FactoredMatrix(self.A[rows], self.B[tuple(idx[:-1])])
         if count == lead + 2:
-            return FactoredMatrix(self.A[tuple(idx[:-2]) + (keep[-2],)],
-                                  self.B[tuple(idx[:-2]) + (slice(None), keep[-1])])
+            return FactoredMatrix(
+                self.A[tuple(idx[:-2]) + (keep[-2],)], self.B[tuple(idx[:-2]) + (slice(None), keep[-1])]
+            )
         raise ValueError(f"{idx} is too long an index for a FactoredMatrix of shape {tuple(self.shape)}")
 
     def __repr__(self) -> str:

@@ -60,9 +60,14 @@ def get_supported_heads() -> None:
     print(f"Supported heads: {HEAD_NAMES}")
 
 
-def compute_head_attention_similarity_score(attention_pattern: Tensor, detection_pattern: Tensor, *,
-                                            exclude_bos: bool, exclude_current_token: bool,
-                                            error_measure: ErrorMeasure) -> float:
+def compute_head_attention_similarity_score(
+    attention_pattern: Tensor,
+    detection_pattern: Tensor,
+    *,
+    exclude_bos: bool,
+    exclude_current_token: bool,
+    error_measure: ErrorMeasure,
+) -> float:
     """The score of one head's ``[pos, pos]`` pattern against a detection pattern."""
     if not is_square(attention_pattern):
         raise ValueError(f"the attention pattern must be square, got {tuple(attention_pattern.shape)}")
@@ -93,10 +98,17 @@ def _tokens(model: Any, seq: Any) -> Tensor:
     return model.to_tokens(seq)
 
 
-def detect_head(model: Any, seq: Union[str, list, Tensor], detection_pattern: Union[Tensor, HeadName],
-                heads: Optional[Union[list[tuple[int, int]], dict[int, list[int]]]] = None,
-                cache: Any = None, *, exclude_bos: bool = False, exclude_current_token: bool = False,
-                error_measure: ErrorMeasure = "mul") -> Tensor:
+def detect_head(
+    model: Any,
+    seq: Union[str, list, Tensor],
+    detection_pattern: Union[Tensor, HeadName],
+    heads: Optional[Union[list[tuple[int, int]], dict[int, list[int]]]] = None,
+    cache: Any = None,
+    *,
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+    error_measure: ErrorMeasure = "mul",
+) -> Tensor:
     """Score every head (or ``heads``: ``[(layer, head)]`` or ``{layer: [heads]}``) against a detection pattern
     on ``seq``: ``[n_layers, n_heads]``, ``-1`` for heads not scored. A list of texts with a named pattern is
     scored text by text and averaged."""
@@ -107,9 +119,18 @@ def detect_head(model: Any, seq: Union[str, list, Tensor], detection_pattern: Un
         if detection_pattern not in _PATTERNS:
             raise ValueError(f"detection_pattern must be a tensor or one of {HEAD_NAMES}, not {detection_pattern!r}")
         if isinstance(seq, list):
-            scores = [detect_head(model, s, detection_pattern, heads, exclude_bos=exclude_bos,
-                                  exclude_current_token=exclude_current_token, error_measure=error_measure)
-                      for s in seq]
+            scores = [
+                detect_head(
+                    model,
+                    s,
+                    detection_pattern,
+                    heads,
+                    exclude_bos=exclude_bos,
+                    exclude_current_token=exclude_current_token,
+                    error_measure=error_measure,
+                )
+                for s in seq
+            ]
             return torch.stack(scores).mean(0)
         tokens = _tokens(model, seq)
         detection_pattern = _PATTERNS[detection_pattern](tokens.cpu())
@@ -119,11 +140,14 @@ def detect_head(model: Any, seq: Union[str, list, Tensor], detection_pattern: Un
     if error_measure == "mul" and not set(detection_pattern.unique().tolist()) <= {0, 1}:
         warnings.warn("a detection pattern with values other than 0 and 1 under error_measure='mul'", stacklevel=2)
     if not 1 < seq_len < cfg.n_ctx:
-        raise ValueError(f"the sequence must have more than one token and fit the context ({cfg.n_ctx}); "
-                         f"it has {seq_len}")
+        raise ValueError(
+            f"the sequence must have more than one token and fit the context ({cfg.n_ctx}); it has {seq_len}"
+        )
     if not (is_lower_triangular(detection_pattern) and detection_pattern.shape[0] == seq_len):
-        raise ValueError(f"the detection pattern must be lower triangular of shape ({seq_len}, {seq_len}); got "
-                         f"{tuple(detection_pattern.shape)}")
+        raise ValueError(
+            f"the detection pattern must be lower triangular of shape ({seq_len}, {seq_len}); got "
+            f"{tuple(detection_pattern.shape)}"
+        )
     if heads is None:
         layer_heads: dict[int, list[int]] = {layer: list(range(cfg.n_heads)) for layer in range(cfg.n_layers)}
     elif isinstance(heads, list):
@@ -143,6 +167,10 @@ def detect_head(model: Any, seq: Union[str, list, Tensor], detection_pattern: Un
             patterns = patterns[0]
         for head in head_list:
             matches[layer, head] = compute_head_attention_similarity_score(
-                patterns[head], detection_pattern, exclude_bos=exclude_bos,
-                exclude_current_token=exclude_current_token, error_measure=error_measure)
+                patterns[head],
+                detection_pattern,
+                exclude_bos=exclude_bos,
+                exclude_current_token=exclude_current_token,
+                error_measure=error_measure,
+            )
     return matches

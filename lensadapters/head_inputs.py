@@ -45,8 +45,15 @@ NAMES = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 class HeadInputSite(Site):
     """The four head-input points of one block."""
 
-    def __init__(self, hm: "HookedModel", layer: int, attn_in: Optional[HookPoint], q_input: HookPoint,
-                 k_input: HookPoint, v_input: HookPoint) -> None:
+    def __init__(
+        self,
+        hm: "HookedModel",
+        layer: int,
+        attn_in: Optional[HookPoint],
+        q_input: HookPoint,
+        k_input: HookPoint,
+        v_input: HookPoint,
+    ) -> None:
         self.hm, self.layer = hm, layer
         self.attn_in, self.q_input, self.k_input, self.v_input = attn_in, q_input, k_input, v_input
         self.points = tuple(p for p in (attn_in, q_input, k_input, v_input) if p is not None)
@@ -59,8 +66,9 @@ class HeadInputSite(Site):
         if isinstance(self.qkv, FusedQKV):
             self.projections: list[tuple[Optional[int], nn.Module]] = [(None, block.get_submodule(self.qkv.module))]
         else:
-            self.projections = [(i, block.get_submodule(path)) for i, path in
-                                 enumerate((self.qkv.q, self.qkv.k, self.qkv.v))]
+            self.projections = [
+                (i, block.get_submodule(path)) for i, path in enumerate((self.qkv.q, self.qkv.k, self.qkv.v))
+            ]
 
     @property
     def _pending(self) -> dict:
@@ -71,8 +79,9 @@ class HeadInputSite(Site):
         handles = [self.entry.register_forward_pre_hook(self._inputs, with_kwargs=True)]
         for which, module in self.projections:
             # before hook_q/k/v's own site: they see the projection with the edit in it
-            handles.append(module.register_forward_hook(self._fused if which is None else self._separate(which),
-                                                        prepend=True))
+            handles.append(
+                module.register_forward_hook(self._fused if which is None else self._separate(which), prepend=True)
+            )
         return handles
 
     # --- running the points -------------------------------------------------------------------------
@@ -147,5 +156,13 @@ def add_head_input_sites(hm: "HookedModel") -> None:
                 continue  # grouped-query attention: no per-head input feeds a key/value head
             points[name] = hm.new_point(pre + name, after=anchor)
             anchor = pre + name
-        hm.add_site(HeadInputSite(hm, layer, points.get("hook_attn_in"), points["hook_q_input"],
-                                  points["hook_k_input"], points["hook_v_input"]))
+        hm.add_site(
+            HeadInputSite(
+                hm,
+                layer,
+                points.get("hook_attn_in"),
+                points["hook_q_input"],
+                points["hook_k_input"],
+                points["hook_v_input"],
+            )
+        )

@@ -21,16 +21,35 @@ from .rotary import rotate_half_spec
 from .specs import BlockLayout, HookedConfig, MLPLayout, ModelLayout, NormSpec, ProjectionNorm, RotarySpec, SeparateQKV
 
 __all__ = [
-    "base_path", "join", "unembed_path", "rope_parameters", "rope_theta", "rope_type", "head_dim", "n_kv_heads",
-    "layer_windows", "window_fields", "require_transformers_class", "require_modules", "require_rope_types",
-    "require_attention_implementation", "require_head_shapes", "attention_implementation", "norm_spec_for",
-    "DecoderFamily", "ROTATE_HALF_ROPE_TYPES", "DECODER_BLOCK", "DECODER_QKV", "SWIGLU_MLP",
+    "base_path",
+    "join",
+    "unembed_path",
+    "rope_parameters",
+    "rope_theta",
+    "rope_type",
+    "head_dim",
+    "n_kv_heads",
+    "layer_windows",
+    "window_fields",
+    "require_transformers_class",
+    "require_modules",
+    "require_rope_types",
+    "require_attention_implementation",
+    "require_head_shapes",
+    "attention_implementation",
+    "norm_spec_for",
+    "DecoderFamily",
+    "ROTATE_HALF_ROPE_TYPES",
+    "DECODER_BLOCK",
+    "DECODER_QKV",
+    "SWIGLU_MLP",
 ]
 
 ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 """transformers' rope types whose rotation is rotate-half RoPE on the rotary module's ``(cos, sin)``."""
-DECODER_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                            ln2="post_attention_layernorm", mlp="mlp")
+DECODER_BLOCK = BlockLayout(
+    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+)
 DECODER_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
@@ -50,7 +69,8 @@ def base_path(model: nn.Module, family: str, attributes: Sequence[str] = ("embed
     raise UnsupportedModelError(
         f"{type(model).__name__} has model_type {model.config.model_type!r} but no submodule with "
         f"{' and '.join(f'`{a}`' for a in attributes)}; the {family} plugin supports transformers' own {family} "
-        f"classes ({family}ForCausalLM, {family}Model)")
+        f"classes ({family}ForCausalLM, {family}Model)"
+    )
 
 
 def unembed_path(model: nn.Module) -> Optional[str]:
@@ -113,8 +133,10 @@ def window_fields(windows: Sequence[Optional[int]]) -> dict[str, Any]:
     """``HookedConfig``'s ``window_size`` (the first window) and ``attn_types`` (TransformerLens' ``"local"``/
     ``"global"`` per layer, ``None`` when no layer is windowed) for per-layer ``windows``."""
     windowed = any(w is not None for w in windows)
-    return {"window_size": next((w for w in windows if w is not None), None),
-            "attn_types": tuple("local" if w else "global" for w in windows) if windowed else None}
+    return {
+        "window_size": next((w for w in windows if w is not None), None),
+        "attn_types": tuple("local" if w else "global" for w in windows) if windowed else None,
+    }
 
 
 def require_transformers_class(model: nn.Module, family: str, packages: Iterable[str]) -> None:
@@ -128,12 +150,19 @@ def require_transformers_class(model: nn.Module, family: str, packages: Iterable
             f"transformers' own {family} class: custom modeling code registered under the same model_type "
             f"(trust_remote_code=True) may compute something the {family} plugin does not describe. Load the "
             f"checkpoint with transformers' implementation (trust_remote_code=False; transformers has {family} "
-            f"built in)")
+            f"built in)"
+        )
 
 
-def require_modules(model: nn.Module, base: str, family: str, model_paths: Sequence[str],
-                    layer_paths: Sequence[Optional[str]], layers: str = "layers",
-                    missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None) -> list[nn.Module]:
+def require_modules(
+    model: nn.Module,
+    base: str,
+    family: str,
+    model_paths: Sequence[str],
+    layer_paths: Sequence[Optional[str]],
+    layers: str = "layers",
+    missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None,
+) -> list[nn.Module]:
     """The decoder layers; refuse a model missing any of ``model_paths`` (relative to ``base``) or, in any
     layer, ``layer_paths`` or what ``missing_in_layer(layer)`` finds missing (paths relative to the layer, for
     layouts that vary by layer or transformers version)."""
@@ -161,7 +190,8 @@ def require_modules(model: nn.Module, base: str, family: str, model_paths: Seque
         raise UnsupportedModelError(
             f"{type(model).__name__} has model_type {model.config.model_type!r} but not transformers' {family} layout "
             f"(missing: {', '.join(missing[:6]) or 'decoder layers'}); the {family} plugin supports transformers' "
-            f"{family} classes")
+            f"{family} classes"
+        )
     return blocks
 
 
@@ -173,7 +203,8 @@ def require_rope_types(found: Iterable[str], supported: Sequence[str], family: s
                 f"{family} rope type {rope_type!r} is not supported by the {family} plugin (supported: "
                 f"{', '.join(supported)}): hook_rot_q/hook_rot_k need a rotation known to be rotate-half RoPE on the "
                 f"(cos, sin) the model computes. Every other hook point would work; convert the checkpoint's "
-                f"rope_scaling to a supported type or ask for support of {rope_type!r}")
+                f"rope_scaling to a supported type or ask for support of {rope_type!r}"
+            )
 
 
 def require_attention_implementation(config: Any, supported: Sequence[str], family: str) -> None:
@@ -184,7 +215,8 @@ def require_attention_implementation(config: Any, supported: Sequence[str], fami
         raise UnsupportedModelError(
             f"attention implementation {impl!r} is not supported by the {family} plugin (supported: "
             f"{', '.join(supported)}; flash and flex attention are untested and pass masks that hook_pattern cannot "
-            f"read). Call model.set_attn_implementation('sdpa') before wrapping")
+            f"read). Call model.set_attn_implementation('sdpa') before wrapping"
+        )
 
 
 def require_head_shapes(config: Any, q_proj: nn.Module) -> None:
@@ -196,13 +228,14 @@ def require_head_shapes(config: Any, q_proj: nn.Module) -> None:
     q_out = getattr(q_proj, "out_features", None)
     if isinstance(q_out, int) and q_out != n_heads * head_dim(config):
         raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim(config)}")
+            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim(config)}"
+        )
 
 
 def attention_implementation(config: Any) -> str:
     """``config._attn_implementation`` without lensadapters' own prefix (``"eager"`` when unset)."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
-    return impl[len(_ATTN_PREFIX):] if impl.startswith(_ATTN_PREFIX) else impl
+    return impl[len(_ATTN_PREFIX) :] if impl.startswith(_ATTN_PREFIX) else impl
 
 
 def norm_spec_for(module: nn.Module, class_names: Iterable[str], weight_offset: float = 0.0) -> Optional[NormSpec]:
@@ -270,14 +303,21 @@ class DecoderFamily:
             paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
         return tuple(p for p in paths if p is not None)
 
-    def validate(self, model: nn.Module,
-                 missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None) -> list[nn.Module]:
+    def validate(
+        self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
+    ) -> list[nn.Module]:
         """Refuse a model this description does not fit (class, layout, rope type, attention implementation, head
         shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks."""
         if self.packages is not None:
             require_transformers_class(model, self.family, self.packages)
-        layers = require_modules(model, self.base(model), self.family, ("embed_tokens", "norm", "rotary_emb"),
-                                 self.layer_paths(), missing_in_layer=missing_in_layer)
+        layers = require_modules(
+            model,
+            self.base(model),
+            self.family,
+            ("embed_tokens", "norm", "rotary_emb"),
+            self.layer_paths(),
+            missing_in_layer=missing_in_layer,
+        )
         require_rope_types([self.rope_type(model)], self.rope_types, self.family)
         if self.attention is not None:
             require_attention_implementation(model.config, self.attention, self.family)
@@ -290,13 +330,29 @@ class DecoderFamily:
         c = model.config
         d_head = head_dim(c)
         shared = dict(
-            n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=d_head,
-            d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings,
-            act_fn=fields["act_fn"] if "act_fn" in fields else c.hidden_act, normalization_type="RMS", positional_embedding_type="rotary", model_type=self.model_type,
-            n_key_value_heads=n_kv_heads(c), rotary_dim=d_head, gated_mlp=True, eps=c.rms_norm_eps,
-            original_architecture=type(model).__name__)
-        described = {"rope_theta": rope_theta(c), "rope_type": self.rope_type(model),
-                     "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)), **(extra or {})}
+            n_layers=c.num_hidden_layers,
+            d_model=c.hidden_size,
+            n_heads=c.num_attention_heads,
+            d_head=d_head,
+            d_mlp=c.intermediate_size,
+            d_vocab=c.vocab_size,
+            n_ctx=c.max_position_embeddings,
+            act_fn=fields["act_fn"] if "act_fn" in fields else c.hidden_act,
+            normalization_type="RMS",
+            positional_embedding_type="rotary",
+            model_type=self.model_type,
+            n_key_value_heads=n_kv_heads(c),
+            rotary_dim=d_head,
+            gated_mlp=True,
+            eps=c.rms_norm_eps,
+            original_architecture=type(model).__name__,
+        )
+        described = {
+            "rope_theta": rope_theta(c),
+            "rope_type": self.rope_type(model),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+            **(extra or {}),
+        }
         return HookedConfig(**{**shared, **fields}, extra=described)
 
     def dense_mlp(self) -> MLPLayout:
@@ -307,8 +363,13 @@ class DecoderFamily:
 
     def embed(self, model: nn.Module) -> ModelLayout:
         base = self.base(model)
-        return ModelLayout(blocks=join(base, "layers"), embed=join(base, "embed_tokens"), ln_final=join(base, "norm"),
-                           rotary=join(base, "rotary_emb"), unembed=unembed_path(model))
+        return ModelLayout(
+            blocks=join(base, "layers"),
+            embed=join(base, "embed_tokens"),
+            ln_final=join(base, "norm"),
+            rotary=join(base, "rotary_emb"),
+            unembed=unembed_path(model),
+        )
 
     def attn_qkv(self, model: nn.Module) -> SeparateQKV:
         q_norm, k_norm = self.qk_norms or (None, None)

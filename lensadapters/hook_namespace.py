@@ -25,7 +25,7 @@ def _children(names: list[str], prefix: str) -> list[str]:
     seen: dict[str, None] = {}
     for name in names:
         if name.startswith(start):
-            seen[name[len(start):].split(".", 1)[0]] = None
+            seen[name[len(start) :].split(".", 1)[0]] = None
     return list(seen)
 
 
@@ -65,9 +65,12 @@ class HookNamespace:
             return found
         block = self._block_module()
         if block is not None and hasattr(block, attr):
-            warnings.warn(f"hm.blocks[i] is now TransformerLens' namespace of hook points; reach the Hugging Face "
-                          f"decoder layer's {attr!r} through hm.block_modules[i].{attr}", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"hm.blocks[i] is now TransformerLens' namespace of hook points; reach the Hugging Face "
+                f"decoder layer's {attr!r} through hm.block_modules[i].{attr}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(block, attr)
         raise missing(self._hm, self._prefix, attr)
 

@@ -147,8 +147,14 @@ class HookPoint:
         wiring = getattr(self._on_change, "__self__", None)
         return getattr(wiring, "owner", None) or wiring
 
-    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level: Optional[int] = None,
-                 prepend: bool = False) -> None:
+    def add_hook(
+        self,
+        hook: HookFn,
+        dir: str = "fwd",
+        is_permanent: bool = False,
+        level: Optional[int] = None,
+        prepend: bool = False,
+    ) -> None:
         """Attach ``hook`` here, as ``hm.add_hook(self.name, hook, ...)`` (TransformerLens' ``HookPoint.add_hook``;
         ``level`` is not supported)."""
         if level is not None:
@@ -165,6 +171,7 @@ class HookPoint:
             raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', not {dir!r}")
         if level is not None:
             raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
+
         def keep(entry: Any) -> bool:
             return entry.permanent and not including_permanent
 

@@ -190,7 +190,9 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     block_modules = property(lambda self: self.wiring.block_modules, doc="The Hugging Face decoder layers.")
     block_layouts = property(lambda self: self.wiring.block_layouts, doc="The plugin's BlockLayout of each block.")
     qkv_layouts = property(lambda self: self.wiring.qkv_layouts, doc="The plugin's QKV layout of each block.")
-    mlp_layouts = property(lambda self: self.wiring.mlp_layouts, doc="The plugin's MLPLayout (or FusedGateUp) of each block.")
+    mlp_layouts = property(
+        lambda self: self.wiring.mlp_layouts, doc="The plugin's MLPLayout (or FusedGateUp) of each block."
+    )
     attention_modules = property(lambda self: self.wiring.attention_modules, doc="Each block's attention module.")
 
     def norm_spec(self, module: nn.Module) -> Any:

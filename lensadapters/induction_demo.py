@@ -54,8 +54,14 @@ class InductionResult:
     plot: Optional[str] = None
 
 
-def repeated_sequences(batch: int, length: int, vocab: int, generator: torch.Generator,
-                       period: Optional[int] = None, gap: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def repeated_sequences(
+    batch: int,
+    length: int,
+    vocab: int,
+    generator: torch.Generator,
+    period: Optional[int] = None,
+    gap: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, targets)``, ``[batch, length]`` and ``[batch, length - 1]``: a start token, random tokens, a
     random segment of ``period`` tokens, ``gap`` random tokens, the segment again, random tokens up to
     ``length``. Unless given, ``period`` (3 .. length // 4) and ``gap`` vary per row, so neither position nor the
@@ -72,9 +78,9 @@ def repeated_sequences(batch: int, length: int, vocab: int, generator: torch.Gen
         body = torch.randint(1, vocab, (n,), generator=generator)
         first = 1 + before
         second = first + n + between
-        tokens[first:first + n] = body
-        tokens[second:second + n] = body
-        targets[row, second:second + n - 1] = True  # position t predicts token t + 1
+        tokens[first : first + n] = body
+        tokens[second : second + n] = body
+        targets[row, second : second + n - 1] = True  # position t predicts token t + 1
         rows.append(tokens)
     return torch.stack(rows), targets
 
@@ -95,8 +101,12 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
             if config is None:
                 continue
             cfg = _hooked_config(registry, config)
-            fit = (cfg.positional_embedding_type == "rotary" and cfg.rotary_dim == cfg.d_head
-                   and not cfg.parallel_attn_mlp and not cfg.num_experts)
+            fit = (
+                cfg.positional_embedding_type == "rotary"
+                and cfg.rotary_dim == cfg.d_head
+                and not cfg.parallel_attn_mlp
+                and not cfg.num_experts
+            )
             rank = order.get(canonicalize_name(info.distribution or ""), len(order))
             candidates.append((not fit, rank, arch.name, info, arch))
     if not candidates:
@@ -158,8 +168,16 @@ def train(model: torch.nn.Module, vocab: int, length: int, steps: int, batch: in
         model.eval()
 
 
-def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print, plot: Optional[str] = None,
-        seed: int = 0, steps: int = 800, length: int = 24, vocab: int = 100, batch: int = 64) -> InductionResult:
+def run(
+    registry: Optional[Registry] = None,
+    echo: Callable[[str], None] = print,
+    plot: Optional[str] = None,
+    seed: int = 0,
+    steps: int = 800,
+    length: int = 24,
+    vocab: int = 100,
+    batch: int = 64,
+) -> InductionResult:
     """Train, detect, patch, report (and with ``plot``, write the induction head's attention pattern there)."""
     if plot is not None:
         require_matplotlib()
@@ -175,37 +193,56 @@ def run(registry: Optional[Registry] = None, echo: Callable[[str], None] = print
         clean, _ = repeated_sequences(8, 1 + 2 * half, vocab, generator, period=half, gap=0)
         with torch.no_grad():  # per_token[:, t] predicts token t + 1
             per_token = hm(clean, return_type="loss", loss_per_token=True)
-        copy_loss = per_token[:, half + 1:].mean().item()  # the copy after its first token
+        copy_loss = per_token[:, half + 1 :].mean().item()  # the copy after its first token
         probe = clean[:1]
         induction = detect_head(hm, probe, "induction_head", exclude_bos=True)
         previous = detect_head(hm, probe, "previous_token_head", exclude_bos=True)
         heads = [(int(layer), int(h)) for layer, h in (induction >= INDUCTION_SCORE).nonzero()]
         corrupted = clean.clone()
-        corrupted[:, 1:half + 1] = torch.randint(1, vocab, (clean.shape[0], half), generator=generator)
-        targets = clean[:, half + 2:]
+        corrupted[:, 1 : half + 1] = torch.randint(1, vocab, (clean.shape[0], half), generator=generator)
+        targets = clean[:, half + 2 :]
 
         def metric(logits: torch.Tensor) -> torch.Tensor:
             """Mean log-probability of the copy's tokens (after its first, a guess either way)."""
-            log_probs = logits[:, half + 1:-1].log_softmax(-1)
+            log_probs = logits[:, half + 1 : -1].log_softmax(-1)
             return log_probs.gather(-1, targets[..., None]).mean()
 
         with torch.no_grad():
-            clean_logits, clean_cache = hm.run_with_cache(clean, names_filter=lambda n: n.endswith("attn.hook_z"),
-                                                          return_type="logits")
+            clean_logits, clean_cache = hm.run_with_cache(
+                clean, names_filter=lambda n: n.endswith("attn.hook_z"), return_type="logits"
+            )
             clean_score, corrupted_score = metric(clean_logits), metric(hm(corrupted, return_type="logits"))
             with contextlib.redirect_stderr(io.StringIO()):  # the sweep's progress bar
                 patched = get_act_patch_attn_head_out_all_pos(hm, corrupted, clean_cache, metric)
-            together = metric(hm.run_with_hooks(corrupted, return_type="logits",
-                                                fwd_hooks=_restore_heads(heads, clean_cache)))
+            together = metric(
+                hm.run_with_hooks(corrupted, return_type="logits", fwd_hooks=_restore_heads(heads, clean_cache))
+            )
         gap = clean_score - corrupted_score
         restored = (patched - corrupted_score) / gap
-        others = [restored[layer, h].item() for layer in range(hm.cfg.n_layers) for h in range(hm.cfg.n_heads)
-                  if (layer, h) not in heads]
+        others = [
+            restored[layer, h].item()
+            for layer in range(hm.cfg.n_layers)
+            for h in range(hm.cfg.n_heads)
+            if (layer, h) not in heads
+        ]
         joint = ((together - corrupted_score) / gap).item()
         confirmed = bool(heads) and joint > 0.8 and min(restored[h].item() for h in heads) > max(others, default=0)
-        result = InductionResult(arch_name, hm.cfg.n_layers, hm.cfg.n_heads, steps, time.perf_counter() - start,
-                                 copy_loss, math.log(vocab - 1), induction, previous, restored, joint, heads,
-                                 _argmax(previous), confirmed)
+        result = InductionResult(
+            arch_name,
+            hm.cfg.n_layers,
+            hm.cfg.n_heads,
+            steps,
+            time.perf_counter() - start,
+            copy_loss,
+            math.log(vocab - 1),
+            induction,
+            previous,
+            restored,
+            joint,
+            heads,
+            _argmax(previous),
+            confirmed,
+        )
         if plot is not None:
             result.plot = write_plot(hm, probe, result, plot)
     finally:
@@ -251,28 +288,42 @@ def _best_other(scores: torch.Tensor, heads: list[tuple[int, int]], percent: boo
 
 def report(result: InductionResult, echo: Callable[[str], None] = print) -> None:
     heads, prev = result.heads, result.previous_head
-    echo(f"\nInduction heads: a {result.n_layers}-layer attention-only {result.architecture} model "
-         f"({result.n_heads} heads per layer) trained {result.steps} steps on random tokens with a repeated segment "
-         f"(CPU, seeded, {result.seconds:.0f}s)")
-    echo(f"  loss on a repeated segment: {result.loss_copy:.2f} nats (a guess: {result.chance:.2f}): it copies in "
-         f"context")
+    echo(
+        f"\nInduction heads: a {result.n_layers}-layer attention-only {result.architecture} model "
+        f"({result.n_heads} heads per layer) trained {result.steps} steps on random tokens with a repeated segment "
+        f"(CPU, seeded, {result.seconds:.0f}s)"
+    )
+    echo(
+        f"  loss on a repeated segment: {result.loss_copy:.2f} nats (a guess: {result.chance:.2f}): it copies in "
+        f"context"
+    )
     scores = ", ".join(f"{_label(h)} {result.induction_scores[h].item():.2f}" for h in heads) or "none"
-    echo(f"  detect_head 'induction_head' (score >= {INDUCTION_SCORE}): {scores}; best other head "
-         f"{_best_other(result.induction_scores, heads)}")
-    echo(f"  detect_head 'previous_token_head': {_label(prev)} {result.previous_token_scores[prev].item():.2f}; "
-         f"best other head {_best_other(result.previous_token_scores, [prev])}")
+    echo(
+        f"  detect_head 'induction_head' (score >= {INDUCTION_SCORE}): {scores}; best other head "
+        f"{_best_other(result.induction_scores, heads)}"
+    )
+    echo(
+        f"  detect_head 'previous_token_head': {_label(prev)} {result.previous_token_scores[prev].item():.2f}; "
+        f"best other head {_best_other(result.previous_token_scores, [prev])}"
+    )
     shares = ", ".join(f"{_label(h)} {100 * result.restored[h].item():.0f}%" for h in heads)
-    echo(f"  activation patching (first copy replaced by other tokens, a head's hook_z restored from the clean run): "
-         f"{shares or '-'} of the copy's log-probability; best other head "
-         f"{_best_other(result.restored, heads, percent=True)}; the induction heads together "
-         f"{100 * result.restored_together:.0f}%")
+    echo(
+        f"  activation patching (first copy replaced by other tokens, a head's hook_z restored from the clean run): "
+        f"{shares or '-'} of the copy's log-probability; best other head "
+        f"{_best_other(result.restored, heads, percent=True)}; the induction heads together "
+        f"{100 * result.restored_together:.0f}%"
+    )
     if result.confirmed:
         names = ", ".join(_label(h) for h in heads)
-        echo(f"  => {names}: induction heads by their attention pattern and by what they carry"
-             + (f"; they read the previous-token head {_label(prev)}" if heads and prev[0] < heads[0][0] else ""))
+        echo(
+            f"  => {names}: induction heads by their attention pattern and by what they carry"
+            + (f"; they read the previous-token head {_label(prev)}" if heads and prev[0] < heads[0][0] else "")
+        )
     else:
-        echo("  => not confirmed: no set of heads both attends like an induction head and carries the copying "
-             "(train longer: lensadapters.induction_demo.run(steps=...))")
+        echo(
+            "  => not confirmed: no set of heads both attends like an induction head and carries the copying "
+            "(train longer: lensadapters.induction_demo.run(steps=...))"
+        )
     if result.plot:
         echo(f"  attention patterns written to {result.plot}")
 
@@ -282,8 +333,9 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("lensadapters demo --plot needs matplotlib: pip install lensadapters[plot] "
-                         "(or pip install matplotlib)") from None
+        raise SystemExit(
+            "lensadapters demo --plot needs matplotlib: pip install lensadapters[plot] (or pip install matplotlib)"
+        ) from None
 
 
 def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, path: str) -> str:
@@ -294,8 +346,11 @@ def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    top = max(result.heads, key=lambda h: result.induction_scores[h].item()) if result.heads else (
-        _argmax(result.induction_scores))
+    top = (
+        max(result.heads, key=lambda h: result.induction_scores[h].item())
+        if result.heads
+        else (_argmax(result.induction_scores))
+    )
     heads = [("induction head", top), ("previous-token head", result.previous_head)]
     names = sorted({f"blocks.{layer}.attn.hook_pattern" for _, (layer, _) in heads})
     with torch.no_grad():
@@ -307,8 +362,10 @@ def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, p
         ax.set_title(f"{title} {_label((layer, head))}")
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")
-    fig.suptitle("A start token and random tokens, repeated: the induction head looks at what followed the "
-                 "earlier copy", fontsize=9)
+    fig.suptitle(
+        "A start token and random tokens, repeated: the induction head looks at what followed the earlier copy",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -25,15 +25,32 @@ Metric = Callable[[Tensor], Tensor]
 PatchSetter = Callable[[Tensor, Sequence[int], Tensor], Tensor]
 
 __all__ = [
-    "make_df_from_ranges", "generic_activation_patch", "layer_pos_patch_setter", "layer_pos_head_vector_patch_setter",
-    "layer_head_vector_patch_setter", "layer_head_pattern_patch_setter", "layer_head_pos_pattern_patch_setter",
-    "layer_head_dest_src_pos_pattern_patch_setter", "get_act_patch_resid_pre", "get_act_patch_resid_mid",
-    "get_act_patch_attn_out", "get_act_patch_mlp_out", "get_act_patch_attn_head_out_by_pos",
-    "get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_k_by_pos", "get_act_patch_attn_head_v_by_pos",
-    "get_act_patch_attn_head_pattern_by_pos", "get_act_patch_attn_head_pattern_dest_src_pos",
-    "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_q_all_pos", "get_act_patch_attn_head_k_all_pos",
-    "get_act_patch_attn_head_v_all_pos", "get_act_patch_attn_head_pattern_all_pos",
-    "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every", "get_act_patch_block_every",
+    "make_df_from_ranges",
+    "generic_activation_patch",
+    "layer_pos_patch_setter",
+    "layer_pos_head_vector_patch_setter",
+    "layer_head_vector_patch_setter",
+    "layer_head_pattern_patch_setter",
+    "layer_head_pos_pattern_patch_setter",
+    "layer_head_dest_src_pos_pattern_patch_setter",
+    "get_act_patch_resid_pre",
+    "get_act_patch_resid_mid",
+    "get_act_patch_attn_out",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_q_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos",
+    "get_act_patch_attn_head_pattern_by_pos",
+    "get_act_patch_attn_head_pattern_dest_src_pos",
+    "get_act_patch_attn_head_out_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
+    "get_act_patch_attn_head_pattern_all_pos",
+    "get_act_patch_attn_head_all_pos_every",
+    "get_act_patch_attn_head_by_pos_every",
+    "get_act_patch_block_every",
 ]
 
 
@@ -41,8 +58,10 @@ def _pandas() -> Any:
     try:
         import pandas
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("index DataFrames need pandas: pip install pandas (or pass index_df as a list of index "
-                          "rows and leave return_index_df=False)") from None
+        raise ImportError(
+            "index DataFrames need pandas: pip install pandas (or pass index_df as a list of index "
+            "rows and leave return_index_df=False)"
+        ) from None
     return pandas
 
 
@@ -66,10 +85,17 @@ def _rows(index_df: Any) -> list[list[int]]:
     return [[int(v) for v in row] for row in values]
 
 
-def generic_activation_patch(model: Any, corrupted_tokens: Tensor, clean_cache: Any, patching_metric: Metric,
-                             patch_setter: PatchSetter, activation_name: str,
-                             index_axis_names: Optional[Sequence[str]] = None, index_df: Any = None,
-                             return_index_df: bool = False) -> Union[Tensor, tuple[Tensor, Any]]:
+def generic_activation_patch(
+    model: Any,
+    corrupted_tokens: Tensor,
+    clean_cache: Any,
+    patching_metric: Metric,
+    patch_setter: PatchSetter,
+    activation_name: str,
+    index_axis_names: Optional[Sequence[str]] = None,
+    index_df: Any = None,
+    return_index_df: bool = False,
+) -> Union[Tensor, tuple[Tensor, Any]]:
     """Patch ``activation_name`` from ``clean_cache`` into a run on ``corrupted_tokens``, once per index, and
     return ``patching_metric(logits)`` for each.
 
@@ -128,40 +154,45 @@ def layer_pos_patch_setter(corrupted_activation: Tensor, index: Sequence[int], c
     return corrupted_activation
 
 
-def layer_pos_head_vector_patch_setter(corrupted_activation: Tensor, index: Sequence[int],
-                                       clean_activation: Tensor) -> Tensor:
+def layer_pos_head_vector_patch_setter(
+    corrupted_activation: Tensor, index: Sequence[int], clean_activation: Tensor
+) -> Tensor:
     """``index = [layer, pos, head]``; activations ``[batch, pos, head, ...]`` (q, k, v, z, result)."""
     _, pos, head = index
     corrupted_activation[:, pos, head] = clean_activation[:, pos, head]
     return corrupted_activation
 
 
-def layer_head_vector_patch_setter(corrupted_activation: Tensor, index: Sequence[int],
-                                   clean_activation: Tensor) -> Tensor:
+def layer_head_vector_patch_setter(
+    corrupted_activation: Tensor, index: Sequence[int], clean_activation: Tensor
+) -> Tensor:
     """``index = [layer, head]``, every position; activations ``[batch, pos, head, ...]``."""
     _, head = index
     corrupted_activation[:, :, head] = clean_activation[:, :, head]
     return corrupted_activation
 
 
-def layer_head_pattern_patch_setter(corrupted_activation: Tensor, index: Sequence[int],
-                                    clean_activation: Tensor) -> Tensor:
+def layer_head_pattern_patch_setter(
+    corrupted_activation: Tensor, index: Sequence[int], clean_activation: Tensor
+) -> Tensor:
     """``index = [layer, head]``; patterns ``[batch, head, dest_pos, src_pos]``."""
     _, head = index
     corrupted_activation[:, head, :, :] = clean_activation[:, head, :, :]
     return corrupted_activation
 
 
-def layer_head_pos_pattern_patch_setter(corrupted_activation: Tensor, index: Sequence[int],
-                                        clean_activation: Tensor) -> Tensor:
+def layer_head_pos_pattern_patch_setter(
+    corrupted_activation: Tensor, index: Sequence[int], clean_activation: Tensor
+) -> Tensor:
     """``index = [layer, head, dest_pos]``; patterns ``[batch, head, dest_pos, src_pos]``."""
     _, head, dest = index
     corrupted_activation[:, head, dest, :] = clean_activation[:, head, dest, :]
     return corrupted_activation
 
 
-def layer_head_dest_src_pos_pattern_patch_setter(corrupted_activation: Tensor, index: Sequence[int],
-                                                 clean_activation: Tensor) -> Tensor:
+def layer_head_dest_src_pos_pattern_patch_setter(
+    corrupted_activation: Tensor, index: Sequence[int], clean_activation: Tensor
+) -> Tensor:
     """``index = [layer, head, dest_pos, src_pos]``; patterns ``[batch, head, dest_pos, src_pos]``."""
     _, head, dest, src = index
     corrupted_activation[:, head, dest, src] = clean_activation[:, head, dest, src]
@@ -173,43 +204,76 @@ def layer_head_dest_src_pos_pattern_patch_setter(corrupted_activation: Tensor, i
 
 def _sweep(activation: str, setter: PatchSetter, axes: tuple[str, ...], doc: str) -> Any:
     fn = partial(generic_activation_patch, patch_setter=setter, activation_name=activation, index_axis_names=axes)
-    fn.__doc__ = (f"{doc} Returns a tensor of shape [{', '.join(axes)}].\n\n"
-                  f"Arguments: (model, corrupted_tokens, clean_cache, patching_metric); see generic_activation_patch.")
+    fn.__doc__ = (
+        f"{doc} Returns a tensor of shape [{', '.join(axes)}].\n\n"
+        f"Arguments: (model, corrupted_tokens, clean_cache, patching_metric); see generic_activation_patch."
+    )
     return fn
 
 
-get_act_patch_resid_pre = _sweep("resid_pre", layer_pos_patch_setter, ("layer", "pos"),
-                                 "Patch the residual stream at the start of each block, by position.")
-get_act_patch_resid_mid = _sweep("resid_mid", layer_pos_patch_setter, ("layer", "pos"),
-                                 "Patch the residual stream between attention and MLP, by position.")
-get_act_patch_attn_out = _sweep("attn_out", layer_pos_patch_setter, ("layer", "pos"),
-                                "Patch each attention layer's output, by position.")
-get_act_patch_mlp_out = _sweep("mlp_out", layer_pos_patch_setter, ("layer", "pos"),
-                               "Patch each MLP layer's output, by position.")
-get_act_patch_attn_head_out_by_pos = _sweep("z", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"),
-                                            "Patch each head's output (hook_z), by position.")
-get_act_patch_attn_head_q_by_pos = _sweep("q", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"),
-                                          "Patch each head's queries, by position.")
-get_act_patch_attn_head_k_by_pos = _sweep("k", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"),
-                                          "Patch each key head's keys, by position (n_key_value_heads under GQA).")
-get_act_patch_attn_head_v_by_pos = _sweep("v", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"),
-                                          "Patch each value head's values, by position (n_key_value_heads under GQA).")
-get_act_patch_attn_head_pattern_by_pos = _sweep("pattern", layer_head_pos_pattern_patch_setter,
-                                                ("layer", "head_index", "dest_pos"),
-                                                "Patch each head's attention pattern, by destination position.")
+get_act_patch_resid_pre = _sweep(
+    "resid_pre",
+    layer_pos_patch_setter,
+    ("layer", "pos"),
+    "Patch the residual stream at the start of each block, by position.",
+)
+get_act_patch_resid_mid = _sweep(
+    "resid_mid",
+    layer_pos_patch_setter,
+    ("layer", "pos"),
+    "Patch the residual stream between attention and MLP, by position.",
+)
+get_act_patch_attn_out = _sweep(
+    "attn_out", layer_pos_patch_setter, ("layer", "pos"), "Patch each attention layer's output, by position."
+)
+get_act_patch_mlp_out = _sweep(
+    "mlp_out", layer_pos_patch_setter, ("layer", "pos"), "Patch each MLP layer's output, by position."
+)
+get_act_patch_attn_head_out_by_pos = _sweep(
+    "z", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"), "Patch each head's output (hook_z), by position."
+)
+get_act_patch_attn_head_q_by_pos = _sweep(
+    "q", layer_pos_head_vector_patch_setter, ("layer", "pos", "head"), "Patch each head's queries, by position."
+)
+get_act_patch_attn_head_k_by_pos = _sweep(
+    "k",
+    layer_pos_head_vector_patch_setter,
+    ("layer", "pos", "head"),
+    "Patch each key head's keys, by position (n_key_value_heads under GQA).",
+)
+get_act_patch_attn_head_v_by_pos = _sweep(
+    "v",
+    layer_pos_head_vector_patch_setter,
+    ("layer", "pos", "head"),
+    "Patch each value head's values, by position (n_key_value_heads under GQA).",
+)
+get_act_patch_attn_head_pattern_by_pos = _sweep(
+    "pattern",
+    layer_head_pos_pattern_patch_setter,
+    ("layer", "head_index", "dest_pos"),
+    "Patch each head's attention pattern, by destination position.",
+)
 get_act_patch_attn_head_pattern_dest_src_pos = _sweep(
-    "pattern", layer_head_dest_src_pos_pattern_patch_setter, ("layer", "head_index", "dest_pos", "src_pos"),
-    "Patch each head's attention from each destination to each source position.")
-get_act_patch_attn_head_out_all_pos = _sweep("z", layer_head_vector_patch_setter, ("layer", "head"),
-                                             "Patch each head's output (hook_z) at every position.")
-get_act_patch_attn_head_q_all_pos = _sweep("q", layer_head_vector_patch_setter, ("layer", "head"),
-                                           "Patch each head's queries at every position.")
-get_act_patch_attn_head_k_all_pos = _sweep("k", layer_head_vector_patch_setter, ("layer", "head"),
-                                           "Patch each key head's keys at every position.")
-get_act_patch_attn_head_v_all_pos = _sweep("v", layer_head_vector_patch_setter, ("layer", "head"),
-                                           "Patch each value head's values at every position.")
-get_act_patch_attn_head_pattern_all_pos = _sweep("pattern", layer_head_pattern_patch_setter, ("layer", "head_index"),
-                                                 "Patch each head's whole attention pattern.")
+    "pattern",
+    layer_head_dest_src_pos_pattern_patch_setter,
+    ("layer", "head_index", "dest_pos", "src_pos"),
+    "Patch each head's attention from each destination to each source position.",
+)
+get_act_patch_attn_head_out_all_pos = _sweep(
+    "z", layer_head_vector_patch_setter, ("layer", "head"), "Patch each head's output (hook_z) at every position."
+)
+get_act_patch_attn_head_q_all_pos = _sweep(
+    "q", layer_head_vector_patch_setter, ("layer", "head"), "Patch each head's queries at every position."
+)
+get_act_patch_attn_head_k_all_pos = _sweep(
+    "k", layer_head_vector_patch_setter, ("layer", "head"), "Patch each key head's keys at every position."
+)
+get_act_patch_attn_head_v_all_pos = _sweep(
+    "v", layer_head_vector_patch_setter, ("layer", "head"), "Patch each value head's values at every position."
+)
+get_act_patch_attn_head_pattern_all_pos = _sweep(
+    "pattern", layer_head_pattern_patch_setter, ("layer", "head_index"), "Patch each head's whole attention pattern."
+)
 
 
 def _pad_heads(results: Tensor, like: Tensor) -> Tensor:
@@ -217,8 +281,9 @@ def _pad_heads(results: Tensor, like: Tensor) -> Tensor:
     return torch.nn.functional.pad(results, (0, like.size(-1) - results.size(-1)))
 
 
-def get_act_patch_attn_head_all_pos_every(model: Any, corrupted_tokens: Tensor, clean_cache: Any,
-                                          metric: Metric) -> Tensor:
+def get_act_patch_attn_head_all_pos_every(
+    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric
+) -> Tensor:
     """Every head's output, queries, keys, values and pattern, each at all positions: ``[5, n_layers, n_heads]``."""
     out = get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, metric)
     q = get_act_patch_attn_head_q_all_pos(model, corrupted_tokens, clean_cache, metric)
@@ -228,8 +293,9 @@ def get_act_patch_attn_head_all_pos_every(model: Any, corrupted_tokens: Tensor, 
     return torch.stack([out, q, _pad_heads(k, q), _pad_heads(v, q), pattern], dim=0)
 
 
-def get_act_patch_attn_head_by_pos_every(model: Any, corrupted_tokens: Tensor, clean_cache: Any,
-                                         metric: Metric) -> Tensor:
+def get_act_patch_attn_head_by_pos_every(
+    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric
+) -> Tensor:
     """The same by position: ``[5, n_layers, pos, n_heads]`` (the pattern by destination position)."""
     out = get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, metric)
     q = get_act_patch_attn_head_q_by_pos(model, corrupted_tokens, clean_cache, metric)
@@ -242,6 +308,11 @@ def get_act_patch_attn_head_by_pos_every(model: Any, corrupted_tokens: Tensor, c
 def get_act_patch_block_every(model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric) -> Tensor:
     """The residual stream at each block's start, each attention output and each MLP output, by position:
     ``[3, n_layers, pos]``."""
-    return torch.stack([get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric),
-                        get_act_patch_attn_out(model, corrupted_tokens, clean_cache, metric),
-                        get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, metric)], dim=0)
+    return torch.stack(
+        [
+            get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric),
+            get_act_patch_attn_out(model, corrupted_tokens, clean_cache, metric),
+            get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, metric),
+        ],
+        dim=0,
+    )

@@ -283,7 +283,6 @@ def _generic_info() -> PluginInfo:
     return PluginInfo(generic.NAME, generic, "lensadapters", __version__, (generic.ARCH,), "core")
 
 
-
 def _check_unmarked_hooks(plugin: Any, name: str) -> None:
     """A ``lensadapters_*`` function without ``@hookimpl`` would be ignored by pluggy: refuse it by name."""
     marker = hookspecs.hookimpl.project_name + "_impl"

@@ -28,7 +28,7 @@ __all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_hal
 def rotate_half(x: Tensor) -> Tensor:
     """``cat(-x2, x1)`` for ``x = cat(x1, x2)`` split at the middle of the last dimension."""
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -37,10 +37,12 @@ def _check(x: Tensor, cos: Tensor, rotary_dim: Optional[int]) -> int:
     if rotary_dim is not None and r != rotary_dim:
         raise RuntimeError(
             f"the model's rotary module returned cos/sin for {r} dimensions, but the plugin declared "
-            f"rotary_dim={rotary_dim}; the model's layout differs from what the plugin expects")
+            f"rotary_dim={rotary_dim}; the model's layout differs from what the plugin expects"
+        )
     if r > x.shape[-1] or r % 2:
         raise RuntimeError(
-            f"rotary dimension {r} does not fit heads of size {x.shape[-1]} (must be even and <= d_head)")
+            f"rotary dimension {r} does not fit heads of size {x.shape[-1]} (must be even and <= d_head)"
+        )
     return r
 
 

@@ -40,8 +40,9 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
             self.tokenizer = tokenizer
 
     @classmethod
-    def from_pretrained(cls, path: str, tokenizer: Any = None, *, adapter: Optional[str] = None,
-                        **hf_kwargs: Any) -> Any:
+    def from_pretrained(
+        cls, path: str, tokenizer: Any = None, *, adapter: Optional[str] = None, **hf_kwargs: Any
+    ) -> Any:
         """``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)`` wrapped, with the tokenizer saved there
         (``AutoTokenizer``) unless one is given. The model is used as loaded: no weight processing."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,15 +55,18 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
             else:
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(
-                        path, **{k: v for k, v in hf_kwargs.items() if k in _TOKENIZER_KWARGS})
+                        path, **{k: v for k, v in hf_kwargs.items() if k in _TOKENIZER_KWARGS}
+                    )
                 except (OSError, ValueError, TypeError, KeyError) as exc:
                     problem = f"{type(exc).__name__}: {exc}"
                 else:
                     if not len(tokenizer):  # transformers 5 builds an empty tokenizer where files are missing
                         tokenizer, problem = None, "the tokenizer found there is empty"
             if problem is not None:
-                warnings.warn(f"no tokenizer could be loaded from {path!r} ({problem}); text inputs need one: "
-                              f"set hm.tokenizer", stacklevel=2)
+                warnings.warn(
+                    f"no tokenizer could be loaded from {path!r} ({problem}); text inputs need one: set hm.tokenizer",
+                    stacklevel=2,
+                )
         return cls.wrap(model, adapter=adapter, tokenizer=tokenizer)  # type: ignore[attr-defined]
 
     # --- hook points as attributes ----------------------------------------------------------------------

@@ -40,8 +40,17 @@ if TYPE_CHECKING:  # pragma: no cover
 Tensor = torch.Tensor
 
 #: keywords of ``HookedTransformer.forward`` (besides ``input`` and ``attention_mask``, which HF shares)
-FORWARD_KEYWORDS = ("return_type", "loss_per_token", "prepend_bos", "padding_side", "start_at_layer", "tokens",
-                    "shortformer_pos_embed", "stop_at_layer", "past_kv_cache")
+FORWARD_KEYWORDS = (
+    "return_type",
+    "loss_per_token",
+    "prepend_bos",
+    "padding_side",
+    "start_at_layer",
+    "tokens",
+    "shortformer_pos_embed",
+    "stop_at_layer",
+    "past_kv_cache",
+)
 #: TransformerLens keywords of ``run_with_cache``/``run_with_hooks`` that lensadapters accepts only with the
 #: value that asks for what it does anyway (anything else is refused, never silently dropped)
 NO_OP_KEYWORDS = {"reset_hooks_end": True, "clear_contexts": False, "return_cache_object": True, "pos_slice": None}
@@ -98,8 +107,13 @@ def hf_inputs(hm: "HookedModel", tokens: Tensor, attention_mask: Optional[Tensor
     return kwargs
 
 
-def resolve_tokens(hm: "HookedModel", input: Any, prepend_bos: Optional[bool], padding_side: Optional[str],
-                   attention_mask: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+def resolve_tokens(
+    hm: "HookedModel",
+    input: Any,
+    prepend_bos: Optional[bool],
+    padding_side: Optional[str],
+    attention_mask: Optional[Tensor],
+) -> tuple[Tensor, Optional[Tensor]]:
     """Tokens ``[batch, pos]`` on the model's device and the attention mask TransformerLens would use."""
     if _tokens.is_text(input):
         tokens, mask = _tokens.tokenize(hm, input, prepend_bos, padding_side)
@@ -107,8 +121,10 @@ def resolve_tokens(hm: "HookedModel", input: Any, prepend_bos: Optional[bool], p
             mask = attention_mask
     elif isinstance(input, Tensor):
         if input.is_floating_point():
-            raise ValueError(f"a float input of shape {tuple(input.shape)} is a residual stream: pass start_at_layer "
-                             f"(or token ids for a full forward)")
+            raise ValueError(
+                f"a float input of shape {tuple(input.shape)} is a residual stream: pass start_at_layer "
+                f"(or token ids for a full forward)"
+            )
         tokens = input[None] if input.dim() == 1 else input
         mask = attention_mask
         if mask is None and hm.tokenizer is not None:
@@ -117,8 +133,10 @@ def resolve_tokens(hm: "HookedModel", input: Any, prepend_bos: Optional[bool], p
             if side == "left":  # TransformerLens infers the mask of left-padded tokens from the pad token
                 mask = get_attention_mask(hm.tokenizer, tokens, bos, side)
     else:
-        raise TypeError(f"a TransformerLens-style call takes text, a list of texts or token ids [batch, pos], "
-                        f"not {type(input).__name__}")
+        raise TypeError(
+            f"a TransformerLens-style call takes text, a list of texts or token ids [batch, pos], "
+            f"not {type(input).__name__}"
+        )
     if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, the tokens {tuple(tokens.shape)}")
     return tokens.to(hm.device), mask
@@ -153,12 +171,14 @@ def _check_extra(kwargs: dict) -> None:
             if not (value is wanted or (isinstance(value, bool) and value == wanted)):
                 raise TransformerLensKeywordError(
                     f"{key}={value!r} is not supported by lensadapters (only {key}={wanted!r}, what it always "
-                    f"does): {_NO_OP_HINTS[key]}")
+                    f"does): {_NO_OP_HINTS[key]}"
+                )
             continue
         raise TransformerLensKeywordError(
             f"{key!r} is not a keyword of a TransformerLens-style call (TransformerLens' forward takes input, "
             f"{', '.join(FORWARD_KEYWORDS)} and attention_mask). For the Hugging Face forward, call hm(input_ids, "
-            f"{key}=...) with no TransformerLens keyword")
+            f"{key}=...) with no TransformerLens keyword"
+        )
 
 
 _NO_OP_HINTS = {
@@ -177,11 +197,21 @@ def _layer_range(n: int, start: Optional[int], stop: Optional[int]) -> tuple[int
     return first, max(first, end)
 
 
-def forward(hm: "HookedModel", input: Any = None, return_type: Optional[str] = "logits", loss_per_token: bool = False,
-            prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None,
-            start_at_layer: Optional[int] = None, tokens: Optional[Tensor] = None,
-            shortformer_pos_embed: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
-            stop_at_layer: Optional[int] = None, past_kv_cache: Any = None, **extra: Any) -> Any:
+def forward(
+    hm: "HookedModel",
+    input: Any = None,
+    return_type: Optional[str] = "logits",
+    loss_per_token: bool = False,
+    prepend_bos: Optional[bool] = None,
+    padding_side: Optional[str] = None,
+    start_at_layer: Optional[int] = None,
+    tokens: Optional[Tensor] = None,
+    shortformer_pos_embed: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
+    stop_at_layer: Optional[int] = None,
+    past_kv_cache: Any = None,
+    **extra: Any,
+) -> Any:
     """``HookedTransformer.forward`` on the wrapped model (see the module docstring for what it returns)."""
     if input is None:
         input = extra.pop("input_ids", None)
@@ -189,20 +219,25 @@ def forward(hm: "HookedModel", input: Any = None, return_type: Optional[str] = "
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
     if shortformer_pos_embed is not None:
-        raise TransformerLensKeywordError("shortformer_pos_embed is not supported: no Hugging Face architecture "
-                                          "adds positions to attention inputs only")
+        raise TransformerLensKeywordError(
+            "shortformer_pos_embed is not supported: no Hugging Face architecture "
+            "adds positions to attention inputs only"
+        )
     if past_kv_cache is not None:
         raise TransformerLensKeywordError(
             "past_kv_cache (TransformerLens' HookedTransformerKeyValueCache) is not supported: use model.generate "
-            "or the Hugging Face forward's past_key_values; hooks run at every step either way")
+            "or the Hugging Face forward's past_key_values; hooks run at every step either way"
+        )
     if input is None:
         raise TypeError("a TransformerLens-style call needs an input (text, a list of texts or token ids)")
     n = hm.cfg.n_layers
     first, end = _layer_range(n, start_at_layer, stop_at_layer)
     if start_at_layer is not None:
         if not isinstance(input, Tensor) or input.dim() != 3:
-            raise ValueError(f"with start_at_layer the input is the residual stream [batch, pos, d_model], not "
-                             f"{type(input).__name__} of shape {tuple(getattr(input, 'shape', ()))}")
+            raise ValueError(
+                f"with start_at_layer the input is the residual stream [batch, pos, d_model], not "
+                f"{type(input).__name__} of shape {tuple(getattr(input, 'shape', ()))}"
+            )
         if stop_at_layer is not None and end <= first:
             return input  # no block between start and stop (as TransformerLens: the residual, unchanged)
         residual = input
@@ -302,6 +337,8 @@ def _skip_unembed(hm: "HookedModel") -> Iterator[None]:
 
 def _conform(residual: Tensor, like: Tensor, what: str) -> Tensor:
     if tuple(residual.shape) != tuple(like.shape):
-        raise ValueError(f"{what}: the residual stream has shape {tuple(residual.shape)}, the model's is "
-                         f"{tuple(like.shape)} at that point")
+        raise ValueError(
+            f"{what}: the residual stream has shape {tuple(residual.shape)}, the model's is "
+            f"{tuple(like.shape)} at that point"
+        )
     return residual.to(dtype=like.dtype, device=like.device)

@@ -28,8 +28,9 @@ class NoTokenizerError(LensAdaptersError, ValueError):
 
 def is_text(value: Any) -> bool:
     """A string or a non-empty list of strings (what ``hm(...)`` tokenizes)."""
-    return isinstance(value, str) or (isinstance(value, (list, tuple)) and len(value) > 0
-                                      and all(isinstance(v, str) for v in value))
+    return isinstance(value, str) or (
+        isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, str) for v in value)
+    )
 
 
 def require_tokenizer(owner: Any, what: str) -> Any:
@@ -37,7 +38,8 @@ def require_tokenizer(owner: Any, what: str) -> Any:
     if tokenizer is None:
         raise NoTokenizerError(
             f"{what} needs a tokenizer: HookedModel.wrap(model, tokenizer=AutoTokenizer.from_pretrained(...)), "
-            f"HookedModel.from_pretrained(path), or set hm.tokenizer = ...")
+            f"HookedModel.from_pretrained(path), or set hm.tokenizer = ..."
+        )
     return tokenizer
 
 
@@ -62,8 +64,9 @@ def _pad_token(tokenizer: Any) -> Iterator[None]:
         return
     filler = tokenizer.eos_token or tokenizer.bos_token
     if filler is None:
-        raise LensAdaptersError("the tokenizer has no pad, EOS or BOS token to pad a batch of strings with; "
-                                "set tokenizer.pad_token")
+        raise LensAdaptersError(
+            "the tokenizer has no pad, EOS or BOS token to pad a batch of strings with; set tokenizer.pad_token"
+        )
     tokenizer.pad_token = filler
     try:
         yield
@@ -88,8 +91,13 @@ def _drop_first_real(tokens: Tensor, mask: Tensor, side: str) -> tuple[Tensor, T
     return tokens[keep].view(shape), mask[keep].view(shape)
 
 
-def tokenize(owner: Any, input: TextInput, prepend_bos: Optional[bool] = None, padding_side: PaddingSide = None,
-             truncate: bool = True) -> tuple[Tensor, Tensor]:
+def tokenize(
+    owner: Any,
+    input: TextInput,
+    prepend_bos: Optional[bool] = None,
+    padding_side: PaddingSide = None,
+    truncate: bool = True,
+) -> tuple[Tensor, Tensor]:
     """``(tokens, attention_mask)`` of a string or list of strings, ``[batch, pos]`` each (on the CPU)."""
     tokenizer = require_tokenizer(owner, "tokenizing text")
     bos, side = _resolve(owner, prepend_bos, padding_side)
@@ -98,21 +106,35 @@ def tokenize(owner: Any, input: TextInput, prepend_bos: Optional[bool] = None, p
     adds_bos = tokenizer_prepends_bos(tokenizer)
     if bos and not adds_bos:
         if tokenizer.bos_token is None:
-            raise LensAdaptersError("prepend_bos=True, but the tokenizer has no BOS token: pass prepend_bos=False "
-                                    "or set hm.default_prepend_bos = False")
+            raise LensAdaptersError(
+                "prepend_bos=True, but the tokenizer has no BOS token: pass prepend_bos=False "
+                "or set hm.default_prepend_bos = False"
+            )
         input = tokenizer.bos_token + input if isinstance(input, str) else [tokenizer.bos_token + s for s in input]
     n_ctx = getattr(getattr(owner, "cfg", None), "n_ctx", None)
     with _pad_token(tokenizer):
-        encoded = tokenizer(input, return_tensors="pt", padding=True, truncation=truncate and n_ctx is not None,
-                            max_length=n_ctx if truncate else None, padding_side=side)
+        encoded = tokenizer(
+            input,
+            return_tensors="pt",
+            padding=True,
+            truncation=truncate and n_ctx is not None,
+            max_length=n_ctx if truncate else None,
+            padding_side=side,
+        )
     tokens, mask = encoded["input_ids"], encoded["attention_mask"]
     if not bos and adds_bos:
         tokens, mask = _drop_first_real(tokens, mask, side)
     return tokens, mask
 
 
-def to_tokens(owner: Any, input: TextInput, prepend_bos: Optional[bool] = None, padding_side: PaddingSide = None,
-              move_to_device: bool = True, truncate: bool = True) -> Tensor:
+def to_tokens(
+    owner: Any,
+    input: TextInput,
+    prepend_bos: Optional[bool] = None,
+    padding_side: PaddingSide = None,
+    move_to_device: bool = True,
+    truncate: bool = True,
+) -> Tensor:
     tokens, _ = tokenize(owner, input, prepend_bos, padding_side, truncate)
     return tokens.to(owner.device) if move_to_device else tokens
 
@@ -128,8 +150,9 @@ def to_string(owner: Any, tokens: Any) -> Union[str, list[str]]:
     raise ValueError(f"to_string takes tokens of shape [pos] or [batch, pos], not {tuple(tokens.shape)}")
 
 
-def to_str_tokens(owner: Any, input: Any, prepend_bos: Optional[bool] = None,
-                  padding_side: PaddingSide = None) -> Union[list[str], list[list[str]]]:
+def to_str_tokens(
+    owner: Any, input: Any, prepend_bos: Optional[bool] = None, padding_side: PaddingSide = None
+) -> Union[list[str], list[list[str]]]:
     tokenizer = require_tokenizer(owner, "to_str_tokens")
     if isinstance(input, list):
         return [to_str_tokens(owner, item, prepend_bos, padding_side) for item in input]  # type: ignore[misc]
@@ -167,9 +190,14 @@ def to_single_str_token(owner: Any, int_token: int) -> str:
     return token[0]  # type: ignore[return-value]
 
 
-def get_token_position(owner: Any, single_token: Union[str, int, Tensor], input: Union[str, Tensor],
-                       mode: str = "first", prepend_bos: Optional[bool] = None,
-                       padding_side: PaddingSide = None) -> int:
+def get_token_position(
+    owner: Any,
+    single_token: Union[str, int, Tensor],
+    input: Union[str, Tensor],
+    mode: str = "first",
+    prepend_bos: Optional[bool] = None,
+    padding_side: PaddingSide = None,
+) -> int:
     tokens = to_tokens(owner, input, prepend_bos, padding_side) if isinstance(input, str) else input
     if tokens.ndim == 2:
         if tokens.shape[0] != 1:
@@ -198,8 +226,14 @@ class TokenizerMixin:
     #: TransformerLens' ``cfg.default_padding_side``
     default_padding_side: Literal["left", "right"] = "right"
 
-    def to_tokens(self, input: TextInput, prepend_bos: Optional[bool] = None, padding_side: PaddingSide = None,
-                  move_to_device: bool = True, truncate: bool = True) -> Tensor:
+    def to_tokens(
+        self,
+        input: TextInput,
+        prepend_bos: Optional[bool] = None,
+        padding_side: PaddingSide = None,
+        move_to_device: bool = True,
+        truncate: bool = True,
+    ) -> Tensor:
         """Tokens ``[batch, pos]`` of a string or list of strings (padded on ``padding_side``)."""
         return to_tokens(self, input, prepend_bos, padding_side, move_to_device, truncate)
 
@@ -207,8 +241,9 @@ class TokenizerMixin:
         """The text of tokens ``[pos]`` (a string) or ``[batch, pos]`` (a list of strings)."""
         return to_string(self, tokens)
 
-    def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
-                      padding_side: PaddingSide = None) -> Union[list[str], list[list[str]]]:
+    def to_str_tokens(
+        self, input: Any, prepend_bos: Optional[bool] = None, padding_side: PaddingSide = None
+    ) -> Union[list[str], list[list[str]]]:
         """Each token as a string: of a string, a list (one list each) or tokens ``[pos]``/``[1, pos]``."""
         return to_str_tokens(self, input, prepend_bos, padding_side)
 
@@ -219,8 +254,13 @@ class TokenizerMixin:
     def to_single_str_token(self, int_token: int) -> str:
         return to_single_str_token(self, int_token)
 
-    def get_token_position(self, single_token: Union[str, int, Tensor], input: Union[str, Tensor],
-                           mode: str = "first", prepend_bos: Optional[bool] = None,
-                           padding_side: PaddingSide = None) -> int:
+    def get_token_position(
+        self,
+        single_token: Union[str, int, Tensor],
+        input: Union[str, Tensor],
+        mode: str = "first",
+        prepend_bos: Optional[bool] = None,
+        padding_side: PaddingSide = None,
+    ) -> int:
         """Position of ``single_token`` in ``input`` (its first or last occurrence)."""
         return get_token_position(self, single_token, input, mode, prepend_bos, padding_side)

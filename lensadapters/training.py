@@ -88,8 +88,15 @@ class ProbeCallback(TrainerCallback):
         self.probe, self.hooks, self.out, self.every, self.base = probe, list(hooks), out, every, base
 
     def _record(self, state: Any, model: Any) -> None:
-        record_probe(model, self.probe, self.hooks, self.out, state.global_step, base=self.base,
-                     write=state.is_world_process_zero)
+        record_probe(
+            model,
+            self.probe,
+            self.hooks,
+            self.out,
+            state.global_step,
+            base=self.base,
+            write=state.is_world_process_zero,
+        )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._record(state, model)
@@ -115,8 +122,11 @@ def load_probes(out: str) -> ProbeRecord:
     """Every step recorded in ``out``, in step order."""
     from safetensors.torch import load_file
 
-    files = sorted((int(m.group(1)), path) for path in glob.glob(os.path.join(out, "step-*.safetensors"))
-                   if (m := _STEP_FILE.search(path)))
+    files = sorted(
+        (int(m.group(1)), path)
+        for path in glob.glob(os.path.join(out, "step-*.safetensors"))
+        if (m := _STEP_FILE.search(path))
+    )
     if not files:
         raise FileNotFoundError(f"{out} holds no recorded probe (step-*.safetensors)")
     loaded = [load_file(path) for _, path in files]

@@ -14,13 +14,34 @@ import torch
 Tensor = torch.Tensor
 SliceInput = Union[None, int, tuple, slice, Sequence[int], Tensor, np.ndarray]
 
-__all__ = ["get_act_name", "Slice", "SliceInput", "lm_cross_entropy_loss", "lm_accuracy", "get_attention_mask",
-           "position_ids_from_mask", "composition_scores", "to_numpy", "get_corner", "remove_batch_dim",
-           "transpose", "is_square", "is_lower_triangular"]
+__all__ = [
+    "get_act_name",
+    "Slice",
+    "SliceInput",
+    "lm_cross_entropy_loss",
+    "lm_accuracy",
+    "get_attention_mask",
+    "position_ids_from_mask",
+    "composition_scores",
+    "to_numpy",
+    "get_corner",
+    "remove_batch_dim",
+    "transpose",
+    "is_square",
+    "is_lower_triangular",
+]
 
 _LAYER_TYPE_ALIAS = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
-_ACT_NAME_ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
-                   "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
+_ACT_NAME_ALIAS = {
+    "attn": "pattern",
+    "attn_logits": "attn_scores",
+    "key": "k",
+    "query": "q",
+    "value": "v",
+    "mlp_pre": "pre",
+    "mlp_mid": "mid",
+    "mlp_post": "post",
+}
 _ATTN_NAMES = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores")
 _MLP_NAMES = ("pre", "post", "mid", "pre_linear")
 
@@ -123,8 +144,9 @@ def as_slice(value: Union[Slice, SliceInput]) -> Slice:
     return value if isinstance(value, Slice) else Slice(value)
 
 
-def lm_cross_entropy_loss(logits: Tensor, tokens: Tensor, attention_mask: Optional[Tensor] = None,
-                          per_token: bool = False) -> Tensor:
+def lm_cross_entropy_loss(
+    logits: Tensor, tokens: Tensor, attention_mask: Optional[Tensor] = None, per_token: bool = False
+) -> Tensor:
     """Next-token cross-entropy as TransformerLens computes it.
 
     ``per_token``: ``[batch, pos - 1]`` losses (positions whose token or next token is padding are 0);
@@ -147,7 +169,7 @@ def lm_cross_entropy_loss(logits: Tensor, tokens: Tensor, attention_mask: Option
 
 def lm_accuracy(logits: Tensor, tokens: Tensor, per_token: bool = False) -> Tensor:
     """Top-1 next-token accuracy (TransformerLens' ``lm_accuracy``)."""
-    correct = (logits[:, :-1].argmax(dim=-1) == tokens[:, 1:].to(logits.device))
+    correct = logits[:, :-1].argmax(dim=-1) == tokens[:, 1:].to(logits.device)
     return correct if per_token else correct.sum() / correct.numel()
 
 

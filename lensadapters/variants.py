@@ -47,8 +47,12 @@ def contract_variants(registry: Optional[Registry] = None) -> dict[str, Contract
             if variant.distribution is None and info is not None and info.distribution:
                 variant = replace(variant, distribution=info.distribution)
             if variant.name in found:
-                warnings.warn(f"contract variant {variant.name!r} is declared by both {owners[variant.name]} and "
-                              f"{plugin_name}; keeping {owners[variant.name]}'s", PluginLoadWarning, stacklevel=2)
+                warnings.warn(
+                    f"contract variant {variant.name!r} is declared by both {owners[variant.name]} and "
+                    f"{plugin_name}; keeping {owners[variant.name]}'s",
+                    PluginLoadWarning,
+                    stacklevel=2,
+                )
                 continue
             found[variant.name], owners[variant.name] = variant, plugin_name
     return found

@@ -259,6 +259,7 @@ class WeightAccessors:
     def W_E(self) -> Tensor:
         """Token embeddings ``[d_vocab, d_model]`` (times ``ModelLayout.embed_scale``:
         ``hook_embed == W_E[tokens]``)."""
+
         def compute() -> Tensor:
             with live_parameters(self.wiring.hf_model.get_submodule(self.wiring.layout.embed)) as embed:
                 return embed.weight

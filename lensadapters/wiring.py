@@ -103,8 +103,9 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
     """
     rotary = qkv.rotary is not None
     if isinstance(qkv, FusedQKV):
-        return ["attn.hook_q", "attn.hook_k", "attn.hook_v"] + (["attn.hook_rot_q", "attn.hook_rot_k"] if rotary
-                                                                 else [])
+        return ["attn.hook_q", "attn.hook_k", "attn.hook_v"] + (
+            ["attn.hook_rot_q", "attn.hook_rot_k"] if rotary else []
+        )
     norms = {"q": qkv.q_norm, "k": qkv.k_norm}
 
     def after_norm(x: str) -> list[str]:  # the norm's points, then rotary on its output
@@ -141,8 +142,16 @@ def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayouts,
         mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
     mlp_names += (_norm_points("ln2_post") if block.ln2_post is not None else []) + ["hook_mlp_out"]
     if block.post_norm:
-        return (["hook_resid_pre"] + attn + ["hook_resid_mid"] + ln1 + ["hook_mlp_in"] + mlp_names
-                + _norm_points("ln2") + ["hook_resid_post"])
+        return (
+            ["hook_resid_pre"]
+            + attn
+            + ["hook_resid_mid"]
+            + ln1
+            + ["hook_mlp_in"]
+            + mlp_names
+            + _norm_points("ln2")
+            + ["hook_resid_post"]
+        )
     names = ["hook_resid_pre"] + ln1 + attn
     if not block.parallel:
         names.append("hook_resid_mid")
@@ -178,11 +187,15 @@ class Wiring:
         ]
         # an opaque block (lensadapters_block returned None) gets no points and no further description
         self.qkv_layouts: list[Optional[QKVLayout]] = [
-            None if bl is None else self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i)
+            None
+            if bl is None
+            else self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.mlp_layouts: list[Optional[MLPLayout]] = [
-            None if bl is None else self._describe("lensadapters_mlp_act", (MLPLayout, FusedGateUp, MoELayout), f"for layer {i}", i)
+            None
+            if bl is None
+            else self._describe("lensadapters_mlp_act", (MLPLayout, FusedGateUp, MoELayout), f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.attention_modules = [
@@ -442,9 +455,13 @@ class Wiring:
                 refuse("a sequential block without ln2 needs BlockLayout.mlp (the module reading hook_mlp_in)", i)
             if bl.ln2_post is not None and bl.parallel:
                 refuse("ln2_post in a parallel block is not supported", i)
-        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not (self.layout.rotary or self.layout.rotary_input):
-            raise UnsupportedModelError(f"plugin {self.plugin.name!r} declares rotary queries but no rotary module "
-                                        f"(ModelLayout.rotary) or attention argument (ModelLayout.rotary_input)")
+        if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not (
+            self.layout.rotary or self.layout.rotary_input
+        ):
+            raise UnsupportedModelError(
+                f"plugin {self.plugin.name!r} declares rotary queries but no rotary module "
+                f"(ModelLayout.rotary) or attention argument (ModelLayout.rotary_input)"
+            )
 
     def _create_points(self) -> None:
         new = self.new_point
@@ -537,10 +554,24 @@ class Wiring:
 
         return get
 
-    def _norm_site(self, module: nn.Module, pt: Callable[[str], Optional[HookPoint]], prefix: str,
-                   view: Any = None, unview: Any = None) -> None:
-        self.add_site(NormSite(module, self._norm_spec(module), pt(f"{prefix}.hook_scale"),
-                               pt(f"{prefix}.hook_normalized"), view, unview))
+    def _norm_site(
+        self,
+        module: nn.Module,
+        pt: Callable[[str], Optional[HookPoint]],
+        prefix: str,
+        view: Any = None,
+        unview: Any = None,
+    ) -> None:
+        self.add_site(
+            NormSite(
+                module,
+                self._norm_spec(module),
+                pt(f"{prefix}.hook_scale"),
+                pt(f"{prefix}.hook_normalized"),
+                view,
+                unview,
+            )
+        )
 
     def _build_block_sites(self, i: int) -> None:
         block, bl = self.block_modules[i], self.block_layouts[i]
@@ -581,8 +612,10 @@ class Wiring:
             self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
             return
         n_heads, n_kv = self.cfg.n_heads, self.cfg.n_key_value_heads
-        for x, point, rot, path, heads, norm in (("q", q, rot_q, qkv.q, n_heads, qkv.q_norm),
-                                                  ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm)):
+        for x, point, rot, path, heads, norm in (
+            ("q", q, rot_q, qkv.q, n_heads, qkv.q_norm),
+            ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm),
+        ):
             if norm is None:
                 self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary))
                 continue
@@ -590,8 +623,9 @@ class Wiring:
             self._projection_norm_sites(i, x, norm, heads, rot, qkv)
         self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
 
-    def _projection_norm_sites(self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint],
-                               qkv: SeparateQKV) -> None:
+    def _projection_norm_sites(
+        self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint], qkv: SeparateQKV
+    ) -> None:
         """``attn.q_norm.*`` (or ``k_norm``) on a norm between projection and rotary, and rotary on its output."""
         module, pt = self.block_modules[i].get_submodule(norm.module), self._block_point(i)
         view = unview = None
@@ -624,19 +658,39 @@ class Wiring:
             mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)  # a MoE has bl.mlp (checked)
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream
-            self.add_site(InputSite(get(bl.mlp) if bl.mlp is not None else first, pt("hook_mlp_in"),
-                                    protect=True))  # ln1's output is the MLP's residual too
+            self.add_site(
+                InputSite(get(bl.mlp) if bl.mlp is not None else first, pt("hook_mlp_in"), protect=True)
+            )  # ln1's output is the MLP's residual too
             self.add_site(OutputSite(mlp_out_module, pt("hook_mlp_out")))
             self.add_site(OutputSite(block, pt("hook_resid_post")))
             return
-        residual_add = (get(bl.mlp_residual) if bl.mlp_residual else mlp_out_module if bl.ln2_post is not None
-                        else get(bl.mlp) if bl.mlp is not None else None)
+        residual_add = (
+            get(bl.mlp_residual)
+            if bl.mlp_residual
+            else mlp_out_module
+            if bl.ln2_post is not None
+            else get(bl.mlp)
+            if bl.mlp is not None
+            else None
+        )
         # the module whose input is hook_resid_mid/hook_mlp_in: ln2, or the MLP itself in a block without one
-        mlp_entry = (get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if not bl.parallel and bl.mlp is not None
-                     else None)
-        self.add_site(ResidualSite(i, block, mlp_entry, mlp_out_module, self.forward_state, pt("hook_resid_mid"),
-                                   pt("hook_mlp_in"), pt("hook_mlp_out"), pt("hook_resid_post"),
-                                   residual_add=residual_add))
+        mlp_entry = (
+            get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if not bl.parallel and bl.mlp is not None else None
+        )
+        self.add_site(
+            ResidualSite(
+                i,
+                block,
+                mlp_entry,
+                mlp_out_module,
+                self.forward_state,
+                pt("hook_resid_mid"),
+                pt("hook_mlp_in"),
+                pt("hook_mlp_out"),
+                pt("hook_resid_post"),
+                residual_add=residual_add,
+            )
+        )
 
     def _build_rotary_sites(self) -> None:
         rot_points = [self._core(n) for n in self._points if n.endswith(("attn.hook_rot_q", "attn.hook_rot_k"))]
@@ -647,8 +701,9 @@ class Wiring:
             for i in range(len(self.block_modules)):
                 points = [pt for pt in rot_points if pt.name.startswith(f"blocks.{i}.")]
                 if points:
-                    self.add_site(AttentionRotarySite(self.attention_modules[i], L.rotary_input, points,
-                                                      self.forward_state))
+                    self.add_site(
+                        AttentionRotarySite(self.attention_modules[i], L.rotary_input, points, self.forward_state)
+                    )
             return
         rotary_module = self.hf_model.get_submodule(L.rotary)
         self.add_site(RotaryCaptureSite(rotary_module, rot_points, self.forward_state, L.rotary_from_inputs))
@@ -845,8 +900,7 @@ class _FrameSite(Site):
         # gradients, so the graph is tagged here too (before the final norm, or the unembedding)
         exit_path = self.wiring.layout.ln_final or self.wiring.layout.unembed
         if exit_path:
-            handles.append(model.get_submodule(exit_path).register_forward_pre_hook(self._tag_input,
-                                                                                     with_kwargs=True))
+            handles.append(model.get_submodule(exit_path).register_forward_pre_hook(self._tag_input, with_kwargs=True))
         return handles
 
     def _open(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -868,8 +922,13 @@ class _FrameSite(Site):
 
     def _tagged(self, hidden: Any) -> Optional[torch.Tensor]:
         token = self.wiring.forward_state.frame.token
-        if (token is None or not torch.is_grad_enabled() or is_recomputing() or not isinstance(hidden, torch.Tensor)
-                or not hidden.requires_grad):
+        if (
+            token is None
+            or not torch.is_grad_enabled()
+            or is_recomputing()
+            or not isinstance(hidden, torch.Tensor)
+            or not hidden.requires_grad
+        ):
             return None
         return tag_for_recompute(hidden, token)
 

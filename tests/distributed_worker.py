@@ -182,12 +182,21 @@ def trainer_scenario(rank: int, out: str) -> dict:
     points = ["blocks.0.attn.hook_z", "blocks.1.hook_resid_post"]
     probes = os.path.join(out, "probes")
     args = TrainingArguments(
-        output_dir=os.path.join(out, "trainer"), use_cpu=True, ddp_backend="gloo", max_steps=4,
-        per_device_train_batch_size=2, learning_rate=5e-2, report_to=[], save_strategy="no", logging_strategy="no",
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=os.path.join(out, "trainer"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=5e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
-    trainer = Trainer(model=peft_model, args=args, train_dataset=data,
-                      callbacks=[ProbeCallback(probe, points, probes, every=2)])
+    trainer = Trainer(
+        model=peft_model, args=args, train_dataset=data, callbacks=[ProbeCallback(probe, points, probes, every=2)]
+    )
     assert trainer.args.world_size == 2
     trainer.train()
     assert isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)  # the Trainer ran DDP

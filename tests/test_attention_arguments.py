@@ -23,15 +23,27 @@ def attend(query, key, value, mask=None, **kwargs):
     scores, pattern = HookPoint("scores", lambda p: None), HookPoint("pattern", lambda p: None)
     seen = {}
     scores.add(lambda t, hook: seen.__setitem__("scores", t.clone()), readonly=True)
-    out, pattern_ = explicit_attention(Attention(), query, key, value, mask, scores_fn=lambda m, q, k, s:
-                                       default_scores(m, q, k, s), scores_point=scores, pattern_point=pattern, **kwargs)
+    out, pattern_ = explicit_attention(
+        Attention(),
+        query,
+        key,
+        value,
+        mask,
+        scores_fn=lambda m, q, k, s: default_scores(m, q, k, s),
+        scores_point=scores,
+        pattern_point=pattern,
+        **kwargs,
+    )
     return out, pattern_, seen["scores"]
 
 
 def qkv(q_len=5, k_len=5, heads=2):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(1, heads, q_len, 4, generator=g), torch.randn(1, heads, k_len, 4, generator=g),
-            torch.randn(1, heads, k_len, 4, generator=g))
+    return (
+        torch.randn(1, heads, q_len, 4, generator=g),
+        torch.randn(1, heads, k_len, 4, generator=g),
+        torch.randn(1, heads, k_len, 4, generator=g),
+    )
 
 
 def test_unknown_arguments_are_refused_by_name():
@@ -102,11 +114,18 @@ def test_wrapping_refuses_an_undeclared_norm_that_is_not_the_guess():
     if info is None:
         pytest.skip("no installed plugin claims Llama models")
     contract = type("C", (AdapterContract,), {"plugin": info.plugin})()
-    config = LlamaConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         vocab_size=32)
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    )
     model = contract.make_model(config, 0)
-    model.model.norm.__class__ = type("OffsetLlamaRMSNorm", (type(model.model.norm),), {
-        "forward": lambda self, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        * (1 + self.weight)})
+    model.model.norm.__class__ = type(
+        "OffsetLlamaRMSNorm",
+        (type(model.model.norm),),
+        {
+            "forward": lambda self, x: (
+                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+            )
+        },
+    )
     with pytest.raises(UnsupportedModelError, match=r"model\.norm: OffsetLlamaRMSNorm looks like an RMSNorm"):
         contract.wrap(model)

@@ -28,9 +28,10 @@ def norm_output_without_bias(hm: HookedModel, cache: ActivationCache, prefix: st
 
 def pre_ln(hm: HookedModel) -> bool:
     """Pre-LN blocks adding their attention and MLP outputs as computed (no post-LN, no post norms, no experts)."""
-    return not any(
-        bl.post_norm or bl.ln1_post is not None or bl.ln2_post is not None for bl in hm.block_layouts
-    ) and not hm.cfg.num_experts
+    return (
+        not any(bl.post_norm or bl.ln1_post is not None or bl.ln2_post is not None for bl in hm.block_layouts)
+        and not hm.cfg.num_experts
+    )
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -49,18 +50,30 @@ def test_decompositions_add_up_to_the_residual_stream(arch: str, data: st.DataOb
     stream = cache["resid_pre", layer] if layer < n else cache["resid_post", n - 1]
     assert_close(cache.decompose_resid(layer).sum(0), stream, "decompose_resid adds up")
     for expand in (True, False):
-        assert_close(cache.get_full_resid_decomposition(layer, expand_neurons=expand).sum(0), stream,
-                     f"full decomposition (expand_neurons={expand}) adds up")
+        assert_close(
+            cache.get_full_resid_decomposition(layer, expand_neurons=expand).sum(0),
+            stream,
+            f"full decomposition (expand_neurons={expand}) adds up",
+        )
     if layer > 0:
-        assert_close(cache.stack_head_results(layer, incl_remainder=True).sum(0), cache["resid_post", layer - 1],
-                     "heads + remainder")
-        assert_close(cache.stack_neuron_results(layer, incl_remainder=True).sum(0), cache["resid_post", layer - 1],
-                     "neurons + remainder")
+        assert_close(
+            cache.stack_head_results(layer, incl_remainder=True).sum(0),
+            cache["resid_post", layer - 1],
+            "heads + remainder",
+        )
+        assert_close(
+            cache.stack_neuron_results(layer, incl_remainder=True).sum(0),
+            cache["resid_post", layer - 1],
+            "neurons + remainder",
+        )
     if layer < n:  # the MLP's input: resid_mid of sequential blocks, the block input of parallel ones
         mlp_in = cache["mlp_in", layer] if f"blocks.{layer}.hook_mlp_in" in cache else stream
         assert_close(cache.decompose_resid(layer, mlp_input=True).sum(0), mlp_in, "decompose_resid(mlp_input)")
-        assert_close(cache.get_full_resid_decomposition(layer, mlp_input=True).sum(0), mlp_in,
-                     "get_full_resid_decomposition(mlp_input)")
+        assert_close(
+            cache.get_full_resid_decomposition(layer, mlp_input=True).sum(0),
+            mlp_in,
+            "get_full_resid_decomposition(mlp_input)",
+        )
     hm.unwrap()
 
 
@@ -97,8 +110,13 @@ def test_norms_applied_to_stacks_add_up_to_the_model_norm(arch: str, data: st.Da
     # the logit lens: the final norm recomputed on each whole stream (the model's own output at the end)
     lens = cache.accumulated_resid(apply_ln=True)
     if "ln_final.hook_scale" in hm.hook_names:
-        assert_close(lens[-1], cache["ln_final.hook_normalized"] if hm.norm_spec(hm.norm_module("ln_final")).kind ==
-                     "LN" else norm_output_without_bias(hm, cache, "ln_final"), "accumulated_resid(apply_ln)[-1]")
+        assert_close(
+            lens[-1],
+            cache["ln_final.hook_normalized"]
+            if hm.norm_spec(hm.norm_module("ln_final")).kind == "LN"
+            else norm_output_without_bias(hm, cache, "ln_final"),
+            "accumulated_resid(apply_ln)[-1]",
+        )
     hm.unwrap()
 
 
@@ -129,15 +147,27 @@ def test_logit_attributions_add_up_to_the_logit(arch: str) -> None:
 
 @needs("opt")
 def test_post_ln_decompositions_are_refused() -> None:
-    config = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
-                       max_position_embeddings=32, word_embed_proj_dim=16, do_layer_norm_before=False, dropout=0.0)
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        word_embed_proj_dim=16,
+        do_layer_norm_before=False,
+        dropout=0.0,
+    )
     hm = HookedModel.wrap(from_config(config))
     with torch.no_grad():
         _, cache = hm.run_with_cache(torch.randint(0, 64, (1, 4)))
-    for call in (lambda: cache.decompose_resid(), lambda: cache.get_full_resid_decomposition(),
-                 lambda: cache.stack_head_results(incl_remainder=True),
-                 lambda: cache.apply_ln_to_stack(cache.accumulated_resid(1), 1),
-                 lambda: cache.accumulated_resid(1, apply_ln=True)):
+    for call in (
+        lambda: cache.decompose_resid(),
+        lambda: cache.get_full_resid_decomposition(),
+        lambda: cache.stack_head_results(incl_remainder=True),
+        lambda: cache.apply_ln_to_stack(cache.accumulated_resid(1), 1),
+        lambda: cache.accumulated_resid(1, apply_ln=True),
+    ):
         with pytest.raises(DecompositionUndefinedError, match="post-LN"):
             call()
     assert cache.accumulated_resid().shape[0] == 3  # the streams themselves are fine

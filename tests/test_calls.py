@@ -22,8 +22,15 @@ from lensadapters.testing import reinit
 
 
 def _llama(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     reinit(model, seed)

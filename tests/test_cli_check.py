@@ -61,8 +61,7 @@ def _subject() -> PluginInfo | None:
         if not getattr(info.plugin, "LENSADAPTERS_CONTRACT", None):
             continue
         registry = registry_with(info)
-        hm = HookedModel.wrap(tiny_model(registry, registry.infos[info.name], info.architectures[0]),
-                              registry=registry)
+        hm = HookedModel.wrap(tiny_model(registry, registry.infos[info.name], info.architectures[0]), registry=registry)
         layout, size = hm.block_layouts[0], len(hm.hook_names)
         hm.unwrap()
         if layout.ln2 is not None and layout.ln2 != layout.ln1 and not layout.post_norm and not layout.parallel:
@@ -87,8 +86,9 @@ def run_cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "lensadapters.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "lensadapters.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def _builtin_architecture_plugins() -> list:
@@ -109,8 +109,16 @@ BUILTIN = _builtin_architecture_plugins()
 
 def test_check_passes_for_an_installed_plugin():
     info = subject()
-    result = run_cli("check", info.name, "--examples", "2", "--seed", "0",
-                     "-k", "bitwise or identities or every_hook_point or capabilities")
+    result = run_cli(
+        "check",
+        info.name,
+        "--examples",
+        "2",
+        "--seed",
+        "0",
+        "-k",
+        "bitwise or identities or every_hook_point or capabilities",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"declared by LENSADAPTERS_CONTRACT: {info.plugin.LENSADAPTERS_CONTRACT}" in result.stdout
     assert "4 passed" in result.stdout
@@ -138,18 +146,20 @@ def test_importing_plugins_needs_no_test_kit():
     """hypothesis and pytest are only in the core's `testing` extra: plugins (and the registry loading them) must
     import without them; only their `testing` modules need them."""
     names = sorted(name for project in plugin_projects(ROOT) if project.installed for name in project.entry_points)
-    code = ("import importlib, sys\n"
-            "from lensadapters.registry import get_registry\n"
-            "registry = get_registry()\n"
-            "assert not registry.failures, registry.failures\n"
-            f"assert set({names!r}) <= set(registry.infos), registry.infos\n"
-            "leaked = sorted(m for m in ('hypothesis', 'pytest', '_pytest') if m in sys.modules)\n"
-            "assert not leaked, leaked\n"
-            "for info in registry.infos.values():\n"
-            "    spec = getattr(info.plugin, 'LENSADAPTERS_CONTRACT', None)\n"
-            "    if spec:\n"
-            "        importlib.import_module(spec.split(':')[0])\n"
-            "        assert 'hypothesis' in sys.modules\n")
+    code = (
+        "import importlib, sys\n"
+        "from lensadapters.registry import get_registry\n"
+        "registry = get_registry()\n"
+        "assert not registry.failures, registry.failures\n"
+        f"assert set({names!r}) <= set(registry.infos), registry.infos\n"
+        "leaked = sorted(m for m in ('hypothesis', 'pytest', '_pytest') if m in sys.modules)\n"
+        "assert not leaked, leaked\n"
+        "for info in registry.infos.values():\n"
+        "    spec = getattr(info.plugin, 'LENSADAPTERS_CONTRACT', None)\n"
+        "    if spec:\n"
+        "        importlib.import_module(spec.split(':')[0])\n"
+        "        assert 'hypothesis' in sys.modules\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -170,8 +180,10 @@ def test_tiny_config_seeds_vary_the_shape(name, module):
     for arch in plugin.lensadapters_architectures():
         configs = [plugin.lensadapters_tiny_config(arch=arch, seed=seed) for seed in range(8)]
         assert configs[0].to_dict() == plugin.lensadapters_tiny_config(arch=arch, seed=0).to_dict()
-        shapes = {str(sorted((k, str(v)) for k, v in c.to_dict().items() if k not in ("transformers_version",)))
-                  for c in configs}
+        shapes = {
+            str(sorted((k, str(v)) for k, v in c.to_dict().items() if k not in ("transformers_version",)))
+            for c in configs
+        }
         assert len(shapes) >= 4, f"{arch.name}: the seed hardly changes the tiny config"
         for seed, config in enumerate(configs):
             assert config.hidden_size <= 64 and config.vocab_size <= 512
@@ -186,8 +198,9 @@ def test_tiny_config_seeds_vary_the_shape(name, module):
 
 def test_check_fails_for_a_broken_plugin(tmp_path):
     broken = broken_plugin(tmp_path)
-    result = run_cli("check", broken, "--examples", "2", "--seed", "0", "-k", "identities",
-                     "--no-shrink", pythonpath=str(tmp_path))
+    result = run_cli(
+        "check", broken, "--examples", "2", "--seed", "0", "-k", "identities", "--no-shrink", pythonpath=str(tmp_path)
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed" in result.stdout
     assert "hook_pre" in result.stdout  # the weight identity that names the wrong norm
@@ -220,10 +233,12 @@ def test_declared_contract_is_used_and_validated(monkeypatch):
     monkeypatch.setitem(sys.modules, "declared_contracts", contracts)
     plugin = types.ModuleType("plugin_with_contract")
     monkeypatch.setitem(sys.modules, "plugin_with_contract", plugin)
-    for spec, error in (("declared_contracts:Declared", f"whose `plugin` is '{other.__name__}'"),
-                        ("declared_contracts:NotAContract", "not an AdapterContract subclass"),
-                        ("declared_contracts", "expected 'package.module:ClassName'"),
-                        ("declared_contracts:Missing", "cannot be imported")):
+    for spec, error in (
+        ("declared_contracts:Declared", f"whose `plugin` is '{other.__name__}'"),
+        ("declared_contracts:NotAContract", "not an AdapterContract subclass"),
+        ("declared_contracts", "expected 'package.module:ClassName'"),
+        ("declared_contracts:Missing", "cannot be imported"),
+    ):
         contract_class.cache_clear()
         plugin.LENSADAPTERS_CONTRACT = spec
         with pytest.raises(CheckError, match=error):
@@ -264,8 +279,19 @@ def test_check_variants_pass_for_an_installed_plugin():
 def test_check_variants_fail_for_a_broken_plugin(tmp_path):
     flags = _variant_flags()
     broken = broken_plugin(tmp_path)
-    result = run_cli("check", broken, *flags, "--examples", "2", "--seed", "0",
-                     "-k", "weight_and_residual", "--no-shrink", pythonpath=str(tmp_path))
+    result = run_cli(
+        "check",
+        broken,
+        *flags,
+        "--examples",
+        "2",
+        "--seed",
+        "0",
+        "-k",
+        "weight_and_residual",
+        "--no-shrink",
+        pythonpath=str(tmp_path),
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{len(flags)} failed" in result.stdout
     assert "hook_pre" in result.stdout
@@ -277,8 +303,11 @@ def _toy_variant_plugin() -> types.ModuleType:
 
     @hookimpl
     def lensadapters_contract_variants():
-        return [ContractVariant("toy", "no_such_toy_module.testing:ToyContract", "toy-transformed models",
-                                "lensadapters-toy")]
+        return [
+            ContractVariant(
+                "toy", "no_such_toy_module.testing:ToyContract", "toy-transformed models", "lensadapters-toy"
+            )
+        ]
 
     toy.lensadapters_contract_variants = lensadapters_contract_variants
     return toy

@@ -55,6 +55,8 @@ class Tiny:
 
 
 ARCHITECTURES = [Tiny(info, arch) for info in architecture_plugins() for arch in info.architectures]
+
+
 #: those whose attention goes through transformers' attention interface (the core's pattern backend)
 def _sdpa_patterns(tiny: "Tiny") -> bool:
     """Whether the architecture's tiny model can hook patterns under sdpa-like attention (an attention softcap,
@@ -252,8 +254,12 @@ def test_cache_shorthand_and_filters(tiny):
         pytest.skip("the tiny model needs two blocks and a final norm")
     ids = torch.arange(6).view(1, 6)
     with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, names_filter=[f"blocks.{last}.hook_resid_pre", "ln_final.hook_scale"],
-                                     remove_batch_dim=True, device="cpu")
+        _, cache = hm.run_with_cache(
+            ids,
+            names_filter=[f"blocks.{last}.hook_resid_pre", "ln_final.hook_scale"],
+            remove_batch_dim=True,
+            device="cpu",
+        )
     assert set(cache) == {f"blocks.{last}.hook_resid_pre", "ln_final.hook_scale"}
     assert cache["resid_pre", last].shape == (6, hm.cfg.d_model) and cache["scale"].shape == (6, 1)
     assert ("resid_pre", -1) in cache and ("resid_pre", 0) not in cache
@@ -261,7 +267,8 @@ def test_cache_shorthand_and_filters(tiny):
     assert get_act_name("pattern", 0) == "blocks.0.attn.hook_pattern"
     assert "attn.hook_result" not in " ".join(hm.cache_names())
     assert hm.cache_names(lambda n: n.endswith("attn.hook_result")) == [
-        f"blocks.{i}.attn.hook_result" for i in range(hm.cfg.n_layers)]
+        f"blocks.{i}.attn.hook_result" for i in range(hm.cfg.n_layers)
+    ]
     with torch.no_grad(), pytest.raises(ValueError, match="batch of one.*batch of 2"):
         hm.run_with_cache(torch.cat([ids, ids]), remove_batch_dim=True)
     assert not any(p.active for p in hm.hook_dict.values())
@@ -276,7 +283,9 @@ def test_backward_hooks_and_incl_bwd(tiny):
     grad = cache["blocks.0.hook_resid_post_grad"]
     assert grad.shape == cache["resid_post", 0].shape and grad.abs().sum() > 0
     seen = []
-    logits = hm.run_with_hooks(ids, bwd_hooks=[(f"blocks.{last}.hook_resid_pre", lambda g, hook: seen.append(g.clone()))])
+    logits = hm.run_with_hooks(
+        ids, bwd_hooks=[(f"blocks.{last}.hook_resid_pre", lambda g, hook: seen.append(g.clone()))]
+    )
     logits.sum().backward()  # the backward hook stays on this forward's graph after the call
     assert len(seen) == 1 and seen[0].shape == (1, 6, hm.cfg.d_model)
     with pytest.raises(ValueError, match="labels"):
@@ -290,7 +299,8 @@ def test_cli_plugins_json_and_hooks(capsys, monkeypatch, tiny):
     listed = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in listed["plugins"]] == [tiny.info.name]
     assert [a["model_types"] for a in listed["plugins"][0]["architectures"]] == [
-        list(a.model_types) for a in tiny.info.architectures]
+        list(a.model_types) for a in tiny.info.architectures
+    ]
     assert cli_main(["hooks", tiny.arch.name, "--json", "--length", "3"]) == 0
     shapes = json.loads(capsys.readouterr().out)["hook_points"]
     hm = tiny.wrap()  # the model `hooks` showed: the plugin's tiny config, seed 0
@@ -358,12 +368,16 @@ def test_undeclared_attention_implementation_keeps_every_hook_but_patterns(inter
     with pytest.warns(UserWarning, match="test_alias_attention.*hook_pattern"):
         hm = HookedModel.wrap(model, registry=interface_tiny.registry())
     with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores")))
+        logits, cache = hm.run_with_cache(
+            ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
+        )
         assert torch.equal(logits, reference) and f"blocks.{last}.attn.hook_z" in cache
         doubled = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t * 2)])
         assert not torch.allclose(doubled, reference)
-        for call in (lambda: hm.run_with_cache(ids),
-                     lambda: hm.add_hook(f"blocks.{last}.attn.hook_pattern", lambda t, hook: None)):
+        for call in (
+            lambda: hm.run_with_cache(ids),
+            lambda: hm.add_hook(f"blocks.{last}.attn.hook_pattern", lambda t, hook: None),
+        ):
             with pytest.raises(UnsupportedModelError, match="'test_alias_attention'.*set_attn_implementation"):
                 call()
         assert not any(p.active for p in hm.hook_dict.values()), "a refused pattern hook stayed attached"

@@ -17,8 +17,10 @@ def factored(draw: st.DrawFn) -> FactoredMatrix:
     lead = tuple(draw(st.lists(st.integers(1, 3), max_size=2), label="leading dims"))
     ldim, mdim, rdim = draw(st.integers(2, 6)), draw(st.integers(1, 4)), draw(st.integers(2, 6))
     g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
-    return FactoredMatrix(torch.randn(*lead, ldim, mdim, generator=g, dtype=torch.float64),
-                          torch.randn(*lead, mdim, rdim, generator=g, dtype=torch.float64))
+    return FactoredMatrix(
+        torch.randn(*lead, ldim, mdim, generator=g, dtype=torch.float64),
+        torch.randn(*lead, mdim, rdim, generator=g, dtype=torch.float64),
+    )
 
 
 @settings(deadline=None)

@@ -451,7 +451,7 @@ def torchrun_cli(checkpoint, out, kill: str | None = None):
     from lensadapters.testing.distributed import torchrun
 
     command = run_cli_command(checkpoint, out)
-    return torchrun(["-m", "lensadapters", *command[command.index("harvest"):]], env={KILL_ENV: kill} if kill else {})
+    return torchrun(["-m", "lensadapters", *command[command.index("harvest") :]], env={KILL_ENV: kill} if kill else {})
 
 
 def assert_same_harvest(out, reference) -> None:
@@ -503,8 +503,16 @@ def test_a_harvest_split_over_other_process_counts_is_refused(checkpoint, uninte
     hm = wrapped()
     try:
         with pytest.raises(HarvestMismatchError, match="split over a single process"):
-            harvest(hm, str(checkpoint / "data.txt"), ["blocks.0.hook_resid_post"], str(uninterrupted),
-                    context_size=12, rank=0, world_size=2, progress=False)
+            harvest(
+                hm,
+                str(checkpoint / "data.txt"),
+                ["blocks.0.hook_resid_post"],
+                str(uninterrupted),
+                context_size=12,
+                rank=0,
+                world_size=2,
+                progress=False,
+            )
         with pytest.raises(ValueError, match="rank and world_size together"):
             harvest(hm, str(checkpoint / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "x"), rank=1)
     finally:
@@ -517,8 +525,16 @@ def test_the_launchers_environment_gives_the_rank(tmp_path, monkeypatch) -> None
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     try:
-        result = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "out"),
-                         context_size=8, batch_size=2, shard_contexts=3, progress=False)
+        result = harvest(
+            hm,
+            str(tmp_path / "data.txt"),
+            ["blocks.0.hook_resid_post"],
+            str(tmp_path / "out"),
+            context_size=8,
+            batch_size=2,
+            shard_contexts=3,
+            progress=False,
+        )
     finally:
         hm.unwrap()
     manifest = json.loads((tmp_path / "out" / "manifest-rank00001-of-00002.json").read_text())

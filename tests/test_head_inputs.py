@@ -77,8 +77,16 @@ def test_head_inputs_cost_nothing_unhooked_and_identity_edits_are_bitwise(arch: 
 
 @needs("llama")
 def test_grouped_query_attention_has_key_value_head_inputs_and_no_attn_in() -> None:
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, vocab_size=50, max_position_embeddings=32)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
     hm = HookedModel.wrap(from_config(config))
     assert "blocks.0.hook_attn_in" not in hm.hook_names
     with torch.no_grad():

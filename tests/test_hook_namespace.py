@@ -20,7 +20,8 @@ def test_every_hook_point_is_an_attribute(arch: str) -> None:
             node = node[int(part)] if part.isdigit() else getattr(node, part)
         assert isinstance(node, HookPoint) and node is hm.hook_dict[name]
     assert len(hm.blocks) == hm.cfg.n_layers and hm.blocks[-1].hook_resid_pre is hm.point(
-        f"blocks.{hm.cfg.n_layers - 1}.hook_resid_pre")
+        f"blocks.{hm.cfg.n_layers - 1}.hook_resid_pre"
+    )
     assert [b.hook_resid_post.name for b in hm.blocks] == [f"blocks.{i}.hook_resid_post" for i in range(len(hm.blocks))]
     assert len(hm.blocks[:1]) == 1
     with pytest.raises(IndexError):

@@ -51,8 +51,16 @@ def test_head_sweeps_have_transformer_lens_shapes(arch: str) -> None:
 
 @needs("llama")
 def test_key_value_sweeps_run_over_key_value_heads() -> None:
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, vocab_size=50, max_position_embeddings=32)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
     hm = HookedModel.wrap(from_config(config))
     tokens = torch.randint(0, 50, (1, 4), generator=torch.Generator().manual_seed(0))
     _, cache = hm.run_with_cache(tokens)
@@ -71,21 +79,37 @@ def test_index_rows_give_a_flat_result_and_the_sweep_shows_progress(capsys) -> N
     full = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric)
     assert "patching resid_pre" in capsys.readouterr().err  # a tqdm progress bar
     rows = [[0, 1], [hm.cfg.n_layers - 1, 3]]
-    flat = patching.generic_activation_patch(hm, corrupted, cache, metric, patching.layer_pos_patch_setter,
-                                             "resid_pre", index_df=rows)
+    flat = patching.generic_activation_patch(
+        hm, corrupted, cache, metric, patching.layer_pos_patch_setter, "resid_pre", index_df=rows
+    )
     assert torch.allclose(flat, torch.stack([full[0, 1], full[-1, 3]]), atol=1e-6)
     with pytest.raises(ValueError, match="not both"):
-        patching.generic_activation_patch(hm, corrupted, cache, metric, patching.layer_pos_patch_setter,
-                                          "resid_pre", index_axis_names=("layer", "pos"), index_df=rows)
+        patching.generic_activation_patch(
+            hm,
+            corrupted,
+            cache,
+            metric,
+            patching.layer_pos_patch_setter,
+            "resid_pre",
+            index_axis_names=("layer", "pos"),
+            index_df=rows,
+        )
     hm.unwrap()
 
 
 def test_return_index_df_gives_a_dataframe() -> None:
     pandas = pytest.importorskip("pandas")
     hm, corrupted, cache, metric, _, _ = setup(ARCH_NAMES[0], 2)
-    result, frame = patching.generic_activation_patch(hm, corrupted, cache, metric, patching.layer_pos_patch_setter,
-                                                      "resid_pre", index_axis_names=("layer", "pos"),
-                                                      return_index_df=True)
+    result, frame = patching.generic_activation_patch(
+        hm,
+        corrupted,
+        cache,
+        metric,
+        patching.layer_pos_patch_setter,
+        "resid_pre",
+        index_axis_names=("layer", "pos"),
+        return_index_df=True,
+    )
     assert isinstance(frame, pandas.DataFrame) and list(frame.columns) == ["layer", "pos"]
     assert len(frame) == result.numel()
     hm.unwrap()

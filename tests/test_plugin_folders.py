@@ -35,8 +35,13 @@ def _prose_or_measurements(path: str) -> bool:
 def places_naming(name: str, files: list[str]) -> list[str]:
     """The tracked files outside ``plugins/<name>/`` (prose and measurements aside) that name plugin ``name``."""
     # the lookahead applies to every spelling: a plugin is not named by a longer name it prefixes
-    pattern = re.compile("(?:" + "|".join(re.escape(s) for s in (
-        f"lensadapters_{name}", f"lensadapters-{name.replace('_', '-')}", f"plugins/{name}")) + r")(?![\w-])")
+    pattern = re.compile(
+        "(?:"
+        + "|".join(
+            re.escape(s) for s in (f"lensadapters_{name}", f"lensadapters-{name.replace('_', '-')}", f"plugins/{name}")
+        )
+        + r")(?![\w-])"
+    )
     found = []
     for path in files:
         if path.startswith(f"plugins/{name}/") or _prose_or_measurements(path) or not (ROOT / path).is_file():
@@ -66,5 +71,6 @@ def test_a_builtin_plugin_is_named_only_by_its_folder_and_the_root_extras(name):
     found = places_naming(name, _tracked_files())
     assert set(found) <= ALLOWED, (
         f"plugins/{name} is named outside its folder in {sorted(set(found) - ALLOWED)}: discover it instead (entry "
-        f"points, a glob over plugins/*/, lensadapters_contract_variants)")
+        f"points, a glob over plugins/*/, lensadapters_contract_variants)"
+    )
     assert "pyproject.toml" in found, f"the root pyproject.toml has no extra for plugins/{name}"

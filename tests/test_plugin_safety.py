@@ -116,8 +116,12 @@ def test_plugins_use_only_the_plugin_protocol() -> None:
         if path.name == "testing.py" or "/tests/" in str(path):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "hooked"
-                    and node.attr not in allowed):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "hooked"
+                and node.attr not in allowed
+            ):
                 offences.append(f"{path.relative_to(root)}:{node.lineno}: hooked.{node.attr}")
     assert not offences, "plugins use members outside lensadapters.protocol.Hooked:\n" + "\n".join(offences)
 

@@ -18,7 +18,9 @@ BLOCK = re.compile(r"(?:<!-- not run: (?P<reason>.*?) -->\n)?```python\n(?P<code
 
 def _blocks() -> list[tuple[int, str | None, str]]:
     text = (ROOT / "README.md").read_text()
-    return [(text.count("\n", 0, m.start("code")) + 1, m.group("reason"), m.group("code")) for m in BLOCK.finditer(text)]
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("reason"), m.group("code")) for m in BLOCK.finditer(text)
+    ]
 
 
 BLOCKS = _blocks()
@@ -31,7 +33,8 @@ def test_most_readme_snippets_run_and_the_others_say_why():
     assert len(RUN) >= 2 and BLOCKS[0][1] is None, f"the quick start and the MoE example must run: {skipped}"
     for line, reason in skipped:
         assert len(reason.split()) >= 5 and "test" in reason, (
-            f"README.md line {line}: say why the snippet cannot run and which test runs the same calls")
+            f"README.md line {line}: say why the snippet cannot run and which test runs the same calls"
+        )
 
 
 @pytest.mark.parametrize(("line", "code"), RUN, ids=[f"README.md:{line}" for line, _ in RUN])

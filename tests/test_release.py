@@ -13,7 +13,8 @@ from lensadapters.registry import PluginLoadWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIRS = sorted(p.parent for p in ROOT.glob("plugins/*/pyproject.toml")) + sorted(
-    p.parent for p in ROOT.glob("examples/*/pyproject.toml"))
+    p.parent for p in ROOT.glob("examples/*/pyproject.toml")
+)
 
 
 def _module_version(plugin_dir: Path) -> str:
@@ -84,8 +85,9 @@ def test_every_distribution_ships_its_license_and_the_same_python_classifiers():
         assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"], directory
         assert (directory / "LICENSE").read_text() == (ROOT / "LICENSE").read_text(), directory
         assert project["requires-python"] == root["project"]["requires-python"], directory
-        assert sorted(c for c in project["classifiers"] if c.startswith("Programming Language :: Python ::")) == python, \
-            directory
+        assert (
+            sorted(c for c in project["classifiers"] if c.startswith("Programming Language :: Python ::")) == python
+        ), directory
         assert not any(c.startswith("License ::") for c in project["classifiers"]), "PEP 639: no license classifiers"
 
 
@@ -110,8 +112,11 @@ def test_plugin_readme_is_a_long_description_that_works_on_pypi(plugin_dir):
     text = (plugin_dir / "README.md").read_text()
     assert text.startswith(f"# {project['name']}\n"), plugin_dir.name
     # which transformers versions it is tested with: the supported floor and the pinned CI version
-    (transformers,) = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "dependencies"] if r.startswith("transformers")]
+    (transformers,) = [
+        Requirement(r)
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if r.startswith("transformers")
+    ]
     floor = next(s.version for s in transformers.specifier if s.operator == ">=")
     pinned = re.search(r"^transformers==(\d+\.\d+)", (ROOT / "constraints.txt").read_text(), re.M).group(1)
     assert "transformers" in text and floor in text and pinned in text, f"{plugin_dir.name}: name tested versions"
@@ -120,17 +125,20 @@ def test_plugin_readme_is_a_long_description_that_works_on_pypi(plugin_dir):
     relative = [link for link in links if not re.match(r"(https?://|mailto:|#)", link)]
     assert not relative, f"{plugin_dir.name}/README.md has relative links: {relative}"
     # the architecture it adds, by model type (a cross-cutting plugin claims none)
-    module = pytest.importorskip(tomllib.loads((plugin_dir / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"][0])
+    module = pytest.importorskip(
+        tomllib.loads((plugin_dir / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][0]
+    )
     archs = module.lensadapters_architectures() if hasattr(module, "lensadapters_architectures") else ()
     for arch in archs:
         for model_type in arch.model_types:
-            assert model_type.replace("_", "").lower() in text.replace("_", "").replace("-", "").lower(), \
+            assert model_type.replace("_", "").lower() in text.replace("_", "").replace("-", "").lower(), (
                 f"{plugin_dir.name}/README.md does not name model type {model_type!r}"
+            )
 
 
 def _requiring(requires: list[str]):
     """A stand-in for an installed distribution with these Requires-Dist lines."""
+
     class Dist:
         version = "0.1.0"
         metadata = {"Name": "lensadapters-dummy"}
@@ -143,8 +151,11 @@ def _requiring(requires: list[str]):
 def test_core_range_with_an_environment_marker_counts_when_the_marker_holds():
     from lensadapters.registry import _check_core_range
 
-    with pytest.raises(ImportError, match=r"lensadapters-dummy 0\.1\.0 requires lensadapters>=99, but the installed "
-                                          rf"lensadapters is {re.escape(lensadapters.__version__)}"):
+    with pytest.raises(
+        ImportError,
+        match=r"lensadapters-dummy 0\.1\.0 requires lensadapters>=99, but the installed "
+        rf"lensadapters is {re.escape(lensadapters.__version__)}",
+    ):
         _check_core_range(_requiring(['lensadapters>=99; python_version >= "3"']))
     with pytest.raises(ImportError, match="requires lensadapters>=99"):
         _check_core_range(_requiring(["torch", 'lensadapters>=99 ; python_version >= "3.0" and extra != "x"']))
@@ -162,17 +173,20 @@ def _install_dummy(path: Path, requires: str) -> None:
 
     A fast in-process check; scripts/check-wheels.sh builds a real incompatible dummy distribution and
     pip-installs it next to the lensadapters[llama] wheels."""
-    (path / "lensadapters_dummy.py").write_text(textwrap.dedent("""
+    (path / "lensadapters_dummy.py").write_text(
+        textwrap.dedent("""
         from lensadapters import Architecture, hookimpl
 
         @hookimpl
         def lensadapters_architectures():
             return [Architecture("dummy", ("dummy",))]
-    """))
+    """)
+    )
     info = path / "lensadapters_dummy-0.1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: lensadapters-dummy\nVersion: 0.1.0\n"
-                                   f"Requires-Dist: {requires}\n")
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: lensadapters-dummy\nVersion: 0.1.0\nRequires-Dist: {requires}\n"
+    )
     (info / "entry_points.txt").write_text("[lensadapters]\ndummy = lensadapters_dummy\n")
     (info / "RECORD").write_text("")
 

@@ -94,8 +94,12 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         quantized = AutoModelForCausalLM.from_pretrained(
-            directory, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu",
-            dtype=torch.float32, attn_implementation=model.config._attn_implementation)
+            directory,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map="cpu",
+            dtype=torch.float32,
+            attn_implementation=model.config._attn_implementation,
+        )
     return quantized.eval()
 
 

@@ -91,12 +91,14 @@ def test_stop_at_layer_really_stops(arch: str, data: st.DataObject) -> None:
     resolved = stop % n if stop < 0 else stop
     ids = torch.randint(0, hm.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(resolved))
     ran: list[int] = []
-    counters = [block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
-                for i, block in enumerate(hm.block_modules)]
+    counters = [
+        block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, block in enumerate(hm.block_modules)
+    ]
     hooks_before = hook_count(model)
     fired: list[str] = []
     later = [f"blocks.{i}.hook_resid_pre" for i in range(resolved, n)] + ["ln_final.hook_scale"] * (
-        "ln_final.hook_scale" in hm.hook_names)
+        "ln_final.hook_scale" in hm.hook_names
+    )
     with torch.no_grad():
         _, full = hm.run_with_cache(ids)
         ran.clear()
@@ -135,7 +137,9 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
         logits, cache = hm.run_with_cache(ids, return_type="logits")
         residual = cache["resid_pre", start] if start < n else cache["resid_post", n - 1]
         fired: list[str] = []
-        earlier = [name for name in hm.hook_names if name.startswith(("hook_", *(f"blocks.{i}." for i in range(start))))]
+        earlier = [
+            name for name in hm.hook_names if name.startswith(("hook_", *(f"blocks.{i}." for i in range(start))))
+        ]
         with hm.hooks([(name, lambda t, hook: fired.append(hook.name)) for name in earlier]):
             again = hm(residual, start_at_layer=start)
         assert fired == [], f"hooks before start_at_layer={start} fired: {fired}"
@@ -207,7 +211,7 @@ def test_left_padded_rows_give_their_unpadded_values(arch: str, data: st.DataObj
     with torch.no_grad():
         logits, cache = hm.run_with_cache(ids, attention_mask=mask, return_type="logits")
         for row, pad in enumerate(pads):
-            alone, alone_cache = hm.run_with_cache(ids[row:row + 1, pad:], return_type="logits")
+            alone, alone_cache = hm.run_with_cache(ids[row : row + 1, pad:], return_type="logits")
             assert_close(logits[row, pad:], alone[0], f"row {row} ({pad} pads) vs alone")
             alone_resid = alone_cache["resid_post", -1][0]  # float rounding relative to the stream's size (a MoE's
             scale = 1 + alone_resid.abs().max().item()  # experts run batched: a batch rounds apart from one row)
@@ -249,7 +253,10 @@ def test_errors_inside_a_stopped_forward_leave_nothing(arch: str) -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        hm.run_with_hooks(torch.zeros(1, 3, dtype=torch.long), stop_at_layer=hm.cfg.n_layers,
-                          fwd_hooks=[("blocks.0.hook_resid_post", boom)])
+        hm.run_with_hooks(
+            torch.zeros(1, 3, dtype=torch.long),
+            stop_at_layer=hm.cfg.n_layers,
+            fwd_hooks=[("blocks.0.hook_resid_post", boom)],
+        )
     assert hook_count(model) == before and not hm.has_hooks
     hm.unwrap()

@@ -39,10 +39,12 @@ from lensadapters.testing.tl_reference import (
 pytestmark = pytest.mark.skipif(
     not transformer_lens_available(),
     reason="TransformerLens 2.x is not installed (CI's transformers-4.57 environment has it: "
-           "scripts/setup-reference.sh)")
+    "scripts/setup-reference.sh)",
+)
 
-_installed = {mt for info in get_registry().architecture_plugins() for arch in info.architectures
-              for mt in arch.model_types}
+_installed = {
+    mt for info in get_registry().architecture_plugins() for arch in info.architectures for mt in arch.model_types
+}
 MODEL_TYPES = [mt for mt in REFERENCE_MODEL_TYPES if mt in _installed]
 EXAMPLES = settings.default.max_examples
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -67,8 +69,7 @@ def tokenizer(vocab: int, adds_bos: bool = False) -> Any:
 
 
 @contextlib.contextmanager
-def pair(data: st.DataObject, model_type: str, tokenizer: Any = None, max_layers: int = 2,
-         **tl_fields: Any):
+def pair(data: st.DataObject, model_type: str, tokenizer: Any = None, max_layers: int = 2, **tl_fields: Any):
     """A tiny model wrapped by lensadapters and the TransformerLens model with its weights."""
     config = data.draw(reference_configs(model_type, max_layers=max_layers), label="config")
     seed = data.draw(st.integers(0, 2**16), label="seed")
@@ -139,12 +140,17 @@ def test_stop_and_start_at_layer_match(model_type: str, data: st.DataObject) -> 
         check(hm(tokens, stop_at_layer=stop), tl(tokens, stop_at_layer=stop), f"stop_at_layer={stop}")
         start = data.draw(st.integers(0, n), label="start_at_layer")
         residual = torch.randn(tokens.shape + (hm.cfg.d_model,), generator=torch.Generator().manual_seed(start))
-        check(hm(residual, start_at_layer=start), tl(residual, start_at_layer=start),
-                     f"start_at_layer={start}")
-        check(hm(residual, start_at_layer=start, tokens=tokens, return_type="loss"),
-                     tl(residual, start_at_layer=start, tokens=tokens, return_type="loss"), "loss from a layer")
-        check(hm(residual, start_at_layer=start, stop_at_layer=stop),
-                     tl(residual, start_at_layer=start, stop_at_layer=stop), f"start {start} stop {stop}")
+        check(hm(residual, start_at_layer=start), tl(residual, start_at_layer=start), f"start_at_layer={start}")
+        check(
+            hm(residual, start_at_layer=start, tokens=tokens, return_type="loss"),
+            tl(residual, start_at_layer=start, tokens=tokens, return_type="loss"),
+            "loss from a layer",
+        )
+        check(
+            hm(residual, start_at_layer=start, stop_at_layer=stop),
+            tl(residual, start_at_layer=start, stop_at_layer=stop),
+            f"start {start} stop {stop}",
+        )
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -159,8 +165,14 @@ def test_hook_values_match_head_inputs_included(model_type: str, data: st.DataOb
             _, ours = hm.run_with_cache(tokens, names_filter=lambda n: True)
             _, theirs = tl.run_with_cache(tokens)
             common = [name for name in ours if name in theirs.cache_dict]
-            for name in ("blocks.0.attn.hook_result", "blocks.0.hook_mlp_in", "blocks.0.hook_resid_pre",
-                         "blocks.0.ln1.hook_scale", "blocks.0.attn.hook_pattern", "ln_final.hook_normalized"):
+            for name in (
+                "blocks.0.attn.hook_result",
+                "blocks.0.hook_mlp_in",
+                "blocks.0.hook_resid_pre",
+                "blocks.0.ln1.hook_scale",
+                "blocks.0.attn.hook_pattern",
+                "ln_final.hook_normalized",
+            ):
                 assert name in common, name
             for name in common:
                 check(ours[name], theirs[name], name)
@@ -211,8 +223,10 @@ def test_head_input_edits_match(model_type: str, data: st.DataObject) -> None:
 
 def draw_texts(data: st.DataObject, vocab: int) -> list[str]:
     n = data.draw(st.integers(1, 3), label="texts")
-    return [" ".join(f"w{i}" for i in data.draw(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=6),
-                                                  label="words")) for _ in range(n)]
+    return [
+        " ".join(f"w{i}" for i in data.draw(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=6), label="words"))
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("adds_bos", [False, True], ids=["gpt2-style tokenizer", "llama-style tokenizer"])
@@ -241,8 +255,9 @@ def test_tokenizer_methods_match(adds_bos: bool, data: st.DataObject) -> None:
         assert hm.to_single_token(word) == tl.to_single_token(word)
         assert hm.to_single_str_token(5) == tl.to_single_str_token(5)
         for mode in ("first", "last"):
-            assert hm.get_token_position(word, texts[0], mode=mode, **kw) == \
-                tl.get_token_position(word, texts[0], mode=mode, **kw)
+            assert hm.get_token_position(word, texts[0], mode=mode, **kw) == tl.get_token_position(
+                word, texts[0], mode=mode, **kw
+            )
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -265,8 +280,11 @@ def test_text_inputs_match(model_type: str, data: st.DataObject) -> None:
         for i, text in enumerate(texts):  # each padded row gives its unpadded values
             check(ours[i][real[i]], hm(text)[0], f"row {i} padded vs alone")
         tokens = hm.to_tokens(texts, padding_side=side)
-        check(hm(texts, padding_side=side, return_type="loss"),
-                     tl(tokens, return_type="loss", attention_mask=mask), "loss of padded text")
+        check(
+            hm(texts, padding_side=side, return_type="loss"),
+            tl(tokens, return_type="loss", attention_mask=mask),
+            "loss of padded text",
+        )
         _, cache = hm.run_with_cache(texts, padding_side=side)
         _, tl_cache = tl.run_with_cache(texts, padding_side=side)
         check(cache["resid_post", -1][real], tl_cache["resid_post", -1][real], "cached resid_post")
@@ -331,8 +349,13 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
             check(a, b, "decompose_resid(mlp_input)")
 
         # heads
-        a, b = _both(ours.stack_head_results, theirs.stack_head_results, layer=layer, pos_slice=pos,
-                     incl_remainder=data.draw(st.booleans(), label="incl_remainder"))
+        a, b = _both(
+            ours.stack_head_results,
+            theirs.stack_head_results,
+            layer=layer,
+            pos_slice=pos,
+            incl_remainder=data.draw(st.booleans(), label="incl_remainder"),
+        )
         check(a, b, "stack_head_results")
         a, b = _both(ours.stack_head_results, theirs.stack_head_results, layer=layer, apply_ln=True)
         check(a, b * _norm_weight(hm, layer, False), "stack_head_results(apply_ln)")
@@ -340,22 +363,42 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
 
         # neurons
         one = data.draw(st.sampled_from([None, 1, (0, 3), [0, 2]]), label="neuron_slice of one layer")
-        check(ours.get_neuron_results(below, neuron_slice=one, pos_slice=pos),
-                     theirs.get_neuron_results(below, neuron_slice=one, pos_slice=pos), "get_neuron_results")
+        check(
+            ours.get_neuron_results(below, neuron_slice=one, pos_slice=pos),
+            theirs.get_neuron_results(below, neuron_slice=one, pos_slice=pos),
+            "get_neuron_results",
+        )
         # (an int neuron_slice breaks TransformerLens' stack_neuron_results: it labels and stacks by iterating it)
         neurons = data.draw(st.sampled_from([None, (0, 3), [0, 2]]), label="neuron_slice")
-        a, b = _both(ours.stack_neuron_results, theirs.stack_neuron_results, layer=layer, neuron_slice=neurons,
-                     pos_slice=pos, incl_remainder=True)
+        a, b = _both(
+            ours.stack_neuron_results,
+            theirs.stack_neuron_results,
+            layer=layer,
+            neuron_slice=neurons,
+            pos_slice=pos,
+            incl_remainder=True,
+        )
         check(a, b, "stack_neuron_results")
 
         # full decomposition
         expand = data.draw(st.booleans(), label="expand_neurons")
-        a, b = _both(ours.get_full_resid_decomposition, theirs.get_full_resid_decomposition, layer=layer,
-                     expand_neurons=expand, pos_slice=pos)
+        a, b = _both(
+            ours.get_full_resid_decomposition,
+            theirs.get_full_resid_decomposition,
+            layer=layer,
+            expand_neurons=expand,
+            pos_slice=pos,
+        )
         check(a, b, "get_full_resid_decomposition")
         if not parallel:
-            a, b = _both(ours.get_full_resid_decomposition, theirs.get_full_resid_decomposition, layer=below,
-                         mlp_input=True, expand_neurons=expand, apply_ln=True)
+            a, b = _both(
+                ours.get_full_resid_decomposition,
+                theirs.get_full_resid_decomposition,
+                layer=below,
+                mlp_input=True,
+                expand_neurons=expand,
+                apply_ln=True,
+            )
             check(a, b * _norm_weight(hm, below, True), "get_full_resid_decomposition(mlp_input, apply_ln)")
 
         # batch slices
@@ -379,8 +422,11 @@ def test_logit_attrs_match_transformer_lens_with_folded_norms(model_type: str, d
         stack, labels = ours.get_full_resid_decomposition(pos_slice=-1, expand_neurons=False, return_labels=True)
         answer = tokens[:, -1]
         wrong = (answer + 1) % hm.cfg.d_vocab
-        check(ours.logit_attrs(stack, answer, wrong, pos_slice=-1),
-                     theirs.logit_attrs(stack, answer, wrong, pos_slice=-1), "logit_attrs")
+        check(
+            ours.logit_attrs(stack, answer, wrong, pos_slice=-1),
+            theirs.logit_attrs(stack, answer, wrong, pos_slice=-1),
+            "logit_attrs",
+        )
         attrs = ours.logit_attrs(stack, answer, pos_slice=-1)
         # the attributions add up to the logit, less the final norm's and the unembedding's biases
         logits = hm(tokens, return_type="logits")[:, -1]
@@ -426,12 +472,27 @@ def test_patching_matches(model_type: str, group: int, data: st.DataObject) -> N
         if group:
             return
         rows = [[0, 0], [hm.cfg.n_layers - 1, length - 1]]
-        a = quiet(la_patching.generic_activation_patch, hm, corrupted, ours, metric,
-                  la_patching.layer_pos_patch_setter, "resid_pre", index_df=rows)
+        a = quiet(
+            la_patching.generic_activation_patch,
+            hm,
+            corrupted,
+            ours,
+            metric,
+            la_patching.layer_pos_patch_setter,
+            "resid_pre",
+            index_df=rows,
+        )
         pandas = pytest.importorskip("pandas")
-        b = quiet(tl_patching.generic_activation_patch, tl, corrupted, theirs, metric,
-                  tl_patching.layer_pos_patch_setter, "resid_pre",
-                  index_df=pandas.DataFrame(rows, columns=["layer", "pos"]))
+        b = quiet(
+            tl_patching.generic_activation_patch,
+            tl,
+            corrupted,
+            theirs,
+            metric,
+            tl_patching.layer_pos_patch_setter,
+            "resid_pre",
+            index_df=pandas.DataFrame(rows, columns=["layer", "pos"]),
+        )
         check(a, b, "generic_activation_patch(index_df=...)")
 
 
@@ -448,12 +509,17 @@ def test_detect_head_matches(model_type: str, data: st.DataObject) -> None:
         words = data.draw(st.lists(st.integers(3, 39), min_size=2, max_size=5), label="words")
         text = " ".join(f"w{i}" for i in words * 2)
         pattern = data.draw(st.sampled_from(["previous_token_head", "duplicate_token_head", "induction_head"]))
-        kw = dict(exclude_bos=data.draw(st.booleans(), label="exclude_bos"),
-                  exclude_current_token=data.draw(st.booleans(), label="exclude_current_token"),
-                  error_measure=data.draw(st.sampled_from(["mul", "abs"]), label="error_measure"))
+        kw = dict(
+            exclude_bos=data.draw(st.booleans(), label="exclude_bos"),
+            exclude_current_token=data.draw(st.booleans(), label="exclude_current_token"),
+            error_measure=data.draw(st.sampled_from(["mul", "abs"]), label="error_measure"),
+        )
         heads = data.draw(st.sampled_from([None, [(0, 0), (hm.cfg.n_layers - 1, 1)]]), label="heads")
-        check(detect_head(hm, text, pattern, heads, **kw), quiet(tl_detect_head, tl, text, pattern, heads, **kw),
-                     f"detect_head {pattern}")
+        check(
+            detect_head(hm, text, pattern, heads, **kw),
+            quiet(tl_detect_head, tl, text, pattern, heads, **kw),
+            f"detect_head {pattern}",
+        )
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -470,26 +536,66 @@ def test_circuits_match(model_type: str, data: st.DataObject) -> None:
         for mode in "QKV":
             check(hm.all_composition_scores(mode), tl.all_composition_scores(mode), f"composition {mode}")
         tokens = draw_tokens(data, hm.cfg.d_vocab)
-        check(hm.tokens_to_residual_directions(tokens), tl.tokens_to_residual_directions(tokens),
-                     "tokens_to_residual_directions")
-        check(hm.tokens_to_residual_directions(int(tokens[0, 0])),
-                     tl.tokens_to_residual_directions(int(tokens[0, 0])), "one token's direction")
+        check(
+            hm.tokens_to_residual_directions(tokens),
+            tl.tokens_to_residual_directions(tokens),
+            "tokens_to_residual_directions",
+        )
+        check(
+            hm.tokens_to_residual_directions(int(tokens[0, 0])),
+            tl.tokens_to_residual_directions(int(tokens[0, 0])),
+            "one token's direction",
+        )
         for layer in range(hm.cfg.n_layers + 1):
-            for mlp_input in ([False, True] if layer < hm.cfg.n_layers else [False]):
+            for mlp_input in [False, True] if layer < hm.cfg.n_layers else [False]:
                 for mlp_biases in (False, True):
-                    check(hm.accumulated_bias(layer, mlp_input, mlp_biases),
-                                 tl.accumulated_bias(layer, mlp_input, mlp_biases), "accumulated_bias")
+                    check(
+                        hm.accumulated_bias(layer, mlp_input, mlp_biases),
+                        tl.accumulated_bias(layer, mlp_input, mlp_biases),
+                        "accumulated_bias",
+                    )
         assert hm.all_head_labels() == tl.all_head_labels()
 
 
 @SETTINGS
-@given(name=st.sampled_from(["resid_pre", "k", "q", "v", "z", "pattern", "attn", "attn_scores", "attn_logits",
-                             "key", "query", "value", "mlp_pre", "mlp_post", "pre", "post", "scale", "normalized",
-                             "resid_mid", "mlp_out", "attn_out", "result", "rot_k", "q_input", "attn_in",
-                             "pre_linear", "embed", "blocks.3.hook_resid_pre", "hook_embed"]),
-       layer=st.one_of(st.none(), st.integers(0, 30)),
-       layer_type=st.sampled_from([None, "a", "m", "b", "block", "blocks", "attention", "ln1", "ln2", "mlp", "attn"]),
-       fused=st.booleans())
+@given(
+    name=st.sampled_from(
+        [
+            "resid_pre",
+            "k",
+            "q",
+            "v",
+            "z",
+            "pattern",
+            "attn",
+            "attn_scores",
+            "attn_logits",
+            "key",
+            "query",
+            "value",
+            "mlp_pre",
+            "mlp_post",
+            "pre",
+            "post",
+            "scale",
+            "normalized",
+            "resid_mid",
+            "mlp_out",
+            "attn_out",
+            "result",
+            "rot_k",
+            "q_input",
+            "attn_in",
+            "pre_linear",
+            "embed",
+            "blocks.3.hook_resid_pre",
+            "hook_embed",
+        ]
+    ),
+    layer=st.one_of(st.none(), st.integers(0, 30)),
+    layer_type=st.sampled_from([None, "a", "m", "b", "block", "blocks", "attention", "ln1", "ln2", "mlp", "attn"]),
+    fused=st.booleans(),
+)
 def test_get_act_name_matches(name: str, layer: Any, layer_type: Any, fused: bool) -> None:
     from transformer_lens.utils import get_act_name as tl_get_act_name
 

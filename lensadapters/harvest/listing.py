@@ -24,8 +24,9 @@ LISTING_LOCK = ".harvest-listing.lock"
 
 def rank_manifests(out: str) -> list[str]:
     """The per-rank manifests in ``out`` (a harvest split over several processes), by name."""
-    return sorted(path for path in glob.glob(os.path.join(out, "manifest-rank*-of-*.json"))
-                  if _RANK_MANIFEST.search(path))
+    return sorted(
+        path for path in glob.glob(os.path.join(out, "manifest-rank*-of-*.json")) if _RANK_MANIFEST.search(path)
+    )
 
 
 def world_sizes(out: str) -> set[int]:

@@ -160,8 +160,10 @@ def harvest(
 def _partition(rank: Optional[int], world_size: Optional[int]) -> Partition:
     """This process's place: as given, else the launcher's (process group or environment)."""
     if (rank is None) != (world_size is None):
-        raise ValueError(f"pass rank and world_size together (or neither, to take the launcher's): "
-                         f"rank={rank}, world_size={world_size}")
+        raise ValueError(
+            f"pass rank and world_size together (or neither, to take the launcher's): "
+            f"rank={rank}, world_size={world_size}"
+        )
     if rank is None or world_size is None:
         rank, world_size = launch_rank()
     return Partition(rank, world_size)

@@ -34,8 +34,9 @@ class ResultSite(Site):
     numbers (a quantized or adapted projection is not recomputed in float; an identity edit is bitwise).
     """
 
-    def __init__(self, module: nn.Module, point: HookPoint, heads: int,
-                 weight: Callable[[], tuple[Tensor, Optional[Tensor]]]) -> None:
+    def __init__(
+        self, module: nn.Module, point: HookPoint, heads: int, weight: Callable[[], tuple[Tensor, Optional[Tensor]]]
+    ) -> None:
         self.module, self.point, self.heads, self.weight = module, point, heads, weight
         self.points = (point,)
 

@@ -80,5 +80,3 @@ class Site:
     def install(self) -> Sequence[Handle]:  # pragma: no cover - abstract
         """Register the PyTorch hooks this site needs now; return handles that remove them."""
         raise NotImplementedError
-
-

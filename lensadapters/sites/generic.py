@@ -76,7 +76,10 @@ class PositionEmbedSite(Site):
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
-        return [self.embed_module.register_forward_hook(self._record_batch), self.module.register_forward_hook(self._hook)]
+        return [
+            self.embed_module.register_forward_hook(self._record_batch),
+            self.module.register_forward_hook(self._hook),
+        ]
 
     def _record_batch(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.state.batch = first_output(output).shape[0]

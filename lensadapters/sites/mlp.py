@@ -16,8 +16,9 @@ class FusedGateUpSite(Site):
     """``mlp.hook_pre`` (the gate) and ``mlp.hook_pre_linear`` (the up projection) split from one projection's
     output with the layout's ``split``, re-fused with ``merge`` after an edit."""
 
-    def __init__(self, module: nn.Module, layout: FusedGateUp, pre: Optional[HookPoint],
-                 pre_linear: Optional[HookPoint]) -> None:
+    def __init__(
+        self, module: nn.Module, layout: FusedGateUp, pre: Optional[HookPoint], pre_linear: Optional[HookPoint]
+    ) -> None:
         self.module, self.layout, self.pre, self.pre_linear = module, layout, pre, pre_linear
         self.points = tuple(p for p in (pre, pre_linear) if p is not None)
 

@@ -28,8 +28,15 @@ class NormSite(Site):
     output with the norm's own edits, whatever order the hooks were attached in.
     """
 
-    def __init__(self, module: nn.Module, spec: Callable[[], NormSpec], scale: HookPoint, normalized: HookPoint,
-                 view: Optional[View] = None, unview: Optional[View] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: Callable[[], NormSpec],
+        scale: HookPoint,
+        normalized: HookPoint,
+        view: Optional[View] = None,
+        unview: Optional[View] = None,
+    ) -> None:
         self.module, self.spec = module, spec
         self.scale, self.normalized = scale, normalized
         self.points = (scale, normalized)

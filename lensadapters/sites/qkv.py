@@ -31,8 +31,13 @@ class RotaryCaptureSite(Site):
     ``ModelLayout.rotary_from_inputs``) they are computed from the module's inputs in a pre-hook.
     """
 
-    def __init__(self, module: nn.Module, points: Sequence[HookPoint], state: ForwardState,
-                 from_inputs: Optional[Callable[[nn.Module, tuple, dict], tuple[Tensor, Tensor]]] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        points: Sequence[HookPoint],
+        state: ForwardState,
+        from_inputs: Optional[Callable[[nn.Module, tuple, dict], tuple[Tensor, Tensor]]] = None,
+    ) -> None:
         self.module, self.state, self.from_inputs = module, state, from_inputs
         self.points = tuple(points)
 
@@ -61,8 +66,14 @@ class RecomputedRotarySite(Site):
     rotary point raises its usual error.
     """
 
-    def __init__(self, attention: nn.Module, points: Sequence[HookPoint], state: ForwardState,
-                 rotary_module: nn.Module, from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]]) -> None:
+    def __init__(
+        self,
+        attention: nn.Module,
+        points: Sequence[HookPoint],
+        state: ForwardState,
+        rotary_module: nn.Module,
+        from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]],
+    ) -> None:
         self.attention, self.state, self.rotary_module, self.from_inputs = attention, state, rotary_module, from_inputs
         self.points = tuple(points)
         self._seen: dict[int, tuple["weakref.ref[Tensor]", "weakref.ref[Tensor]"]] = {}
@@ -70,8 +81,10 @@ class RecomputedRotarySite(Site):
 
     def install(self) -> list[Any]:
         self._seen.clear()
-        return [self.attention.register_forward_pre_hook(self._pre, with_kwargs=True),
-                self.attention.register_forward_hook(self._post, always_call=True)]
+        return [
+            self.attention.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.attention.register_forward_hook(self._post, always_call=True),
+        ]
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not is_recomputing():
@@ -87,7 +100,7 @@ class RecomputedRotarySite(Site):
         if self.from_inputs is not None and type(module) is type(self.rotary_module):
             return self.from_inputs(module, args, kwargs)
         for value in (*args, *kwargs.values()):
-            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+            for t in value if isinstance(value, (tuple, list)) else (value,):
                 refs = self._seen.get(id(t)) if isinstance(t, Tensor) else None
                 if refs is not None and refs[0]() is t and refs[1]() is not None:
                     return t, refs[1]()
@@ -117,7 +130,8 @@ class AttentionRotarySite(Site):
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
             raise RuntimeError(
                 f"{type(module).__name__} was called without its rotary (cos, sin) as the keyword argument "
-                f"{self.key!r} (ModelLayout.rotary_input); hook_rot_q/hook_rot_k cannot be computed")
+                f"{self.key!r} (ModelLayout.rotary_input); hook_rot_q/hook_rot_k cannot be computed"
+            )
         self.state.rotary = (value[0], value[1])
 
 
@@ -132,8 +146,9 @@ def heads_view(layout: str, heads: int) -> tuple[Callable[[Tensor], Tensor], Cal
     raise ValueError(f"unknown ProjectionNorm layout {layout!r} (bphd, bhpd, bpf)")
 
 
-def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optional[RotarySpec],
-            state: ForwardState) -> tuple[Tensor, bool]:
+def _rotate(
+    point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optional[RotarySpec], state: ForwardState
+) -> tuple[Tensor, bool]:
     """Run ``hook_rot_*`` on the rotated value; turn an edit back into a pre-rotary value."""
     if rot_point is None or rotary is None or not rot_point.active:
         return point_value, False
@@ -153,8 +168,15 @@ def _rotate(point_value: Tensor, rot_point: Optional[HookPoint], rotary: Optiona
 class ProjectionSite(Site):
     """One of separate q/k/v projections: ``hook_q`` (and ``hook_rot_q``) on its output."""
 
-    def __init__(self, module: nn.Module, point: HookPoint, heads: int, state: ForwardState,
-                 rot_point: Optional[HookPoint] = None, rotary: Optional[RotarySpec] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        point: HookPoint,
+        heads: int,
+        state: ForwardState,
+        rot_point: Optional[HookPoint] = None,
+        rotary: Optional[RotarySpec] = None,
+    ) -> None:
         self.module, self.point, self.heads = module, point, heads
         self.rot_point, self.rotary, self.state = rot_point, rotary, state
         self.points = (point,) + ((rot_point,) if rot_point is not None else ())
@@ -179,8 +201,15 @@ class NormedRotarySite(Site):
     Installed after the norm's own ``NormSite`` hook (prepended), so it rotates the norm's edited output.
     """
 
-    def __init__(self, module: nn.Module, norm: ProjectionNorm, heads: int, rot_point: HookPoint,
-                 rotary: RotarySpec, state: ForwardState) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        norm: ProjectionNorm,
+        heads: int,
+        rot_point: HookPoint,
+        rotary: RotarySpec,
+        state: ForwardState,
+    ) -> None:
         self.module, self.rot_point, self.rotary, self.state = module, rot_point, rotary, state
         self.to_heads, self.from_heads = heads_view(norm.layout, heads)
         self.points = (rot_point,)
@@ -198,8 +227,17 @@ class NormedRotarySite(Site):
 class FusedQKVSite(Site):
     """``hook_q/k/v`` (and rotary points) split from one fused projection, re-fused after edits."""
 
-    def __init__(self, module: nn.Module, layout: FusedQKV, q: HookPoint, k: HookPoint, v: HookPoint,
-                 state: ForwardState, rot_q: Optional[HookPoint] = None, rot_k: Optional[HookPoint] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: FusedQKV,
+        q: HookPoint,
+        k: HookPoint,
+        v: HookPoint,
+        state: ForwardState,
+        rot_q: Optional[HookPoint] = None,
+        rot_k: Optional[HookPoint] = None,
+    ) -> None:
         self.module, self.layout, self.state = module, layout, state
         self.q, self.k, self.v, self.rot_q, self.rot_k = q, k, v, rot_q, rot_k
         self.points = tuple(p for p in (q, k, v, rot_q, rot_k) if p is not None)

@@ -31,9 +31,19 @@ class ResidualSite(Site):
     ``fc2`` in the block body) are rebuilt at the block output in every case.
     """
 
-    def __init__(self, layer: int, block: nn.Module, ln2: Optional[nn.Module], mlp_out_module: nn.Module,
-                 state: ForwardState, resid_mid: Optional[HookPoint], mlp_in: Optional[HookPoint],
-                 mlp_out: HookPoint, resid_post: HookPoint, residual_add: Optional[nn.Module] = None) -> None:
+    def __init__(
+        self,
+        layer: int,
+        block: nn.Module,
+        ln2: Optional[nn.Module],
+        mlp_out_module: nn.Module,
+        state: ForwardState,
+        resid_mid: Optional[HookPoint],
+        mlp_in: Optional[HookPoint],
+        mlp_out: HookPoint,
+        resid_post: HookPoint,
+        residual_add: Optional[nn.Module] = None,
+    ) -> None:
         self.layer, self.block, self.ln2, self.mlp_out_module, self.state = layer, block, ln2, mlp_out_module, state
         self.residual_add = residual_add
 
@@ -46,8 +56,11 @@ class ResidualSite(Site):
         Otherwise the block output is rebuilt as ``edited + mlp_out``, which keeps gradients bit for bit
         (the difference form sums the residual gradient in another order).
         """
-        return (self.residual_add is not None and self.block.training
-                and bool(getattr(self.block, "gradient_checkpointing", False)))
+        return (
+            self.residual_add is not None
+            and self.block.training
+            and bool(getattr(self.block, "gradient_checkpointing", False))
+        )
 
     def wanted(self) -> bool:
         return any(self.signature())
@@ -71,8 +84,11 @@ class ResidualSite(Site):
     def signature(self) -> tuple[bool, ...]:
         """Which of the three PyTorch hooks are needed now (re-installed when this changes)."""
         mid = self._mid_active()
-        return (mid or bool(self.mlp_in and self.mlp_in.active), mid or self.mlp_out.active,
-                mid or self.resid_post.active)
+        return (
+            mid or bool(self.mlp_in and self.mlp_in.active),
+            mid or self.mlp_out.active,
+            mid or self.resid_post.active,
+        )
 
     def _ln2_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         value = first_input(args, kwargs)

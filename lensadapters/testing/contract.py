@@ -79,8 +79,10 @@ from .strategies import Inputs, token_inputs
 ATOL = 1e-4
 RTOL = 1e-4
 # each plugin subclass runs the inherited tests (differing executors by design)
-_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                          HealthCheck.differing_executors])
+_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
 #: the Hypothesis settings of every property: a contract variant that redefines one (an 8-bit model's identities
 #: within a quantization bound) decorates it with ``@property_settings`` and ``@given(data=st.data())``
 property_settings = _SETTINGS
@@ -280,8 +282,10 @@ class AdapterContract:
         wanted: dict[str, tuple[str, str, int]] = {}
         for stratum, properties in dict(cls.config_strata).items():
             if not custom_strata and stratum not in cls.stratum_overrides:
-                raise TypeError(f"{cls.__name__}.config_strata names the stratum {stratum!r}, which neither "
-                                f"stratum_overrides nor stratum_configs() defines")
+                raise TypeError(
+                    f"{cls.__name__}.config_strata names the stratum {stratum!r}, which neither "
+                    f"stratum_overrides nor stratum_configs() defines"
+                )
             slug = re.sub(r"\W+", "_", stratum).strip("_")
             for prop in properties:
                 if not hasattr(getattr(cls, prop, None), "hypothesis"):
@@ -303,8 +307,10 @@ class AdapterContract:
     def configs(cls) -> st.SearchStrategy:
         """The strategy of tiny configs every property draws from: ``config_strategy(**config_overrides)``."""
         if cls.config_strategy is None:
-            raise NotImplementedError(f"{cls.__name__} declares no config_strategy (a function returning a strategy of "
-                                      f"tiny configs) and does not override configs()")
+            raise NotImplementedError(
+                f"{cls.__name__} declares no config_strategy (a function returning a strategy of "
+                f"tiny configs) and does not override configs()"
+            )
         return cls.config_strategy(**cls.config_overrides)
 
     @classmethod
@@ -312,8 +318,10 @@ class AdapterContract:
         """The configs of one of ``config_strata`` (a part of what ``configs()`` draws):
         ``config_strategy(**{**config_overrides, **stratum_overrides[stratum]})``."""
         if cls.config_strategy is None or stratum not in cls.stratum_overrides:
-            raise NotImplementedError(f"{cls.__name__} declares no stratum_overrides[{stratum!r}] (nor a config_strategy "
-                                      f"to apply them to) and does not override stratum_configs()")
+            raise NotImplementedError(
+                f"{cls.__name__} declares no stratum_overrides[{stratum!r}] (nor a config_strategy "
+                f"to apply them to) and does not override stratum_configs()"
+            )
         return cls.config_strategy(**{**cls.config_overrides, **cls.stratum_overrides[stratum]})
 
     def config_label(self, config: Any) -> Optional[str]:
@@ -566,8 +574,9 @@ class AdapterContract:
         cap = getattr(model.config, attribute, None) if attribute else None
         return unembedded if cap is None else cap * torch.tanh(unembedded / cap)
 
-    def _post_normed(self, hm: HookedModel, layer: int, output: str, value: torch.Tensor,
-                     post_norms: Mapping[str, str]) -> tuple[torch.Tensor, str]:
+    def _post_normed(
+        self, hm: HookedModel, layer: int, output: str, value: torch.Tensor, post_norms: Mapping[str, str]
+    ) -> tuple[torch.Tensor, str]:
         """``value`` (a projection's output) as block output ``output`` shows it: after its declared post norm."""
         norm = post_norms.get(output)
         if norm is None:
@@ -595,9 +604,12 @@ class AdapterContract:
                 i, attn_in, mlp_in = block.layer, block.attn_in, block.mlp_in
                 for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
                     expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
-                    assert_close(cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}")
-                expected, after = self._post_normed(hm, i, "hook_attn_out", torch.einsum(
-                    "bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i], post_norms)
+                    assert_close(
+                        cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}"
+                    )
+                expected, after = self._post_normed(
+                    hm, i, "hook_attn_out", torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i], post_norms
+                )
                 assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O{after}")
                 if mlp_in is not None:
                     if gated:
@@ -607,9 +619,12 @@ class AdapterContract:
                         )
                     else:
                         assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
-                expected, after = self._post_normed(hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i],
-                                                    post_norms)
-                assert_close(cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}")
+                expected, after = self._post_normed(
+                    hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i], post_norms
+                )
+                assert_close(
+                    cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}"
+                )
                 if i + 1 < hm.cfg.n_layers:
                     assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
                 if self.pre_ln_residual(model):
@@ -643,8 +658,11 @@ class AdapterContract:
                 # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly
                 assert_close(final[v], out.hidden_states[-1][v], "final norm output == HF last hidden state")
             if hm.layout.unembed is not None:
-                assert_close(self.expected_logits(model, final @ hm.W_U + hm.b_U)[v], out.logits[v],
-                             "logits == final @ W_U + b_U (softcapped where declared)")
+                assert_close(
+                    self.expected_logits(model, final @ hm.W_U + hm.b_U)[v],
+                    out.logits[v],
+                    "logits == final @ W_U + b_U (softcapped where declared)",
+                )
             assert hm.W_E.shape == (hm.cfg.d_vocab, hm.cfg.d_model)
             assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
             assert hm.W_K.shape == W_Q.shape
@@ -748,8 +766,11 @@ class AdapterContract:
                     expected = self._norm_input(hm, base, norm) - contribution
                     if hm.norm_spec(hm.norm_module(norm)).kind == "LN":
                         expected = expected - expected.mean(-1, keepdim=True)
-                    assert_close(self._norm_input(hm, edited, norm)[v], expected[v],
-                                 f"{point} ablation removes the head's W_O contribution before {post_norm}")
+                    assert_close(
+                        self._norm_input(hm, edited, norm)[v],
+                        expected[v],
+                        f"{point} ablation removes the head's W_O contribution before {post_norm}",
+                    )
                 hm.unwrap()
                 return
 
@@ -844,13 +865,14 @@ class AdapterContract:
         norm's own."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
-        norm = data.draw(st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]),
-                         label="norm")
+        norm = data.draw(
+            st.sampled_from([n[: -len(".hook_scale")] for n in hm.hook_names if n.endswith("hook_scale")]), label="norm"
+        )
         spec = hm.norm_spec(hm.norm_module(norm))  # any norm with hook points, a plugin's own included
         names = [norm + ".hook_normalized"]
         declared = self.capabilities(model)
         if declared.post_norms or declared.score_invariant_points:
-            after = hm.hook_names[hm.hook_names.index(names[0]) + 1:]
+            after = hm.hook_names[hm.hook_names.index(names[0]) + 1 :]
             names += [n for n in after if not n.endswith(("hook_scale", "hook_normalized"))][:1]
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
@@ -905,13 +927,21 @@ class AdapterContract:
                     assert torch.equal(torch.isfinite(twice), torch.isfinite(scores))
                     if cap:  # atanh is ill-conditioned near the cap: those scores are left out
                         keep = finite & (scores.abs() <= 0.99 * cap) & (twice.abs() <= 0.99 * cap)
-                        assert_close(uncap(twice, cap)[keep], factor * uncap(scores, cap)[keep],
-                                     f"doubling {point} multiplies the scores before the softcap by {factor}",
-                                     atol=1e-3, rtol=1e-3)
+                        assert_close(
+                            uncap(twice, cap)[keep],
+                            factor * uncap(scores, cap)[keep],
+                            f"doubling {point} multiplies the scores before the softcap by {factor}",
+                            atol=1e-3,
+                            rtol=1e-3,
+                        )
                     else:
-                        assert_close(twice[finite], factor * scores[finite],
-                                     f"doubling {point} multiplies the scores by {factor}", atol=1e-3,
-                                     rtol=1e-3 if factor == 1 else RTOL)
+                        assert_close(
+                            twice[finite],
+                            factor * scores[finite],
+                            f"doubling {point} multiplies the scores by {factor}",
+                            atol=1e-3,
+                            rtol=1e-3 if factor == 1 else RTOL,
+                        )
         hm.unwrap()
 
     @_SETTINGS
@@ -948,7 +978,8 @@ class AdapterContract:
                 line = changed.select(axis, position)
                 assert not changed.index_fill(axis, torch.tensor([position]), False).any(), (
                     f"editing {point} at position {position} changed scores outside that "
-                    f"{'row' if axis == -2 else 'column'}")
+                    f"{'row' if axis == -2 else 'column'}"
+                )
                 # every score of that line the mask lets through (all earlier keys, unless a window hides some)
                 assert int(line.sum(-1).max()) == int(finite.select(axis, position).sum(-1).max()), (
                     f"editing {point} at position {position} did not change its whole "

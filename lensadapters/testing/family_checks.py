@@ -16,8 +16,16 @@ from ..errors import UnsupportedModelError
 from ..hooked_model import HookedModel
 from .contract import assert_close
 
-__all__ = ["as_custom_code", "assert_custom_code_refused", "assert_unknown_rope_refused",
-           "assert_patterns_refused_under", "window_allowed", "assert_window_patterns", "generate_with_hooks", "with_examples"]
+__all__ = [
+    "as_custom_code",
+    "assert_custom_code_refused",
+    "assert_unknown_rope_refused",
+    "assert_patterns_refused_under",
+    "window_allowed",
+    "assert_window_patterns",
+    "generate_with_hooks",
+    "with_examples",
+]
 
 
 def as_custom_code(model: nn.Module) -> nn.Module:
@@ -64,8 +72,9 @@ def window_allowed(length: int, window: Optional[int], valid: torch.Tensor) -> t
     return allowed[None, None] & valid[:, None, None, :].bool()
 
 
-def assert_window_patterns(hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor,
-                           windows: list[Optional[int]]) -> None:
+def assert_window_patterns(
+    hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor, windows: list[Optional[int]]
+) -> None:
     """Each layer's pattern is non-zero exactly where its window (``None``: global) allows, rows of real tokens
     summing to 1."""
     with torch.no_grad():
@@ -81,12 +90,20 @@ def assert_window_patterns(hm: HookedModel, ids: torch.Tensor, mask: torch.Tenso
         assert_close(sums, torch.ones_like(sums), f"layer {layer} pattern rows sum to 1")
 
 
-def generate_with_hooks(hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor, cache_implementation: Optional[str],
-                        steps: int = 4) -> None:
+def generate_with_hooks(
+    hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor, cache_implementation: Optional[str], steps: int = 4
+) -> None:
     """Greedy generation with reading hooks on every point (patterns included) gives the logits of generation
     without hooks, under ``cache_implementation`` (``None``: dynamic, ``"static"``...)."""
-    kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True, pad_token_id=0, attention_mask=mask)
+    kwargs = dict(
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        attention_mask=mask,
+    )
     if cache_implementation is not None:
         kwargs["cache_implementation"] = cache_implementation
     with torch.no_grad():

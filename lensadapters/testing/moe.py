@@ -184,7 +184,9 @@ class MoEContract(AdapterContract):
                 assert W_in.shape == W_gate.shape == (n, cfg.d_model, cfg.d_mlp)
                 assert W_out.shape == (n, cfg.d_mlp, cfg.d_model)
                 pre = f"blocks.{i}.mlp."
-                assert_close(cache[pre + "hook_router_logits"], x @ router_weight(hm.wiring, i), f"layer {i} router logits")
+                assert_close(
+                    cache[pre + "hook_router_logits"], x @ router_weight(hm.wiring, i), f"layer {i} router logits"
+                )
                 index = cache[pre + "hook_expert_indices"].reshape(-1, k)
                 weights = cache[pre + "hook_routing_weights"].reshape(-1, k)
                 flat = x.reshape(-1, cfg.d_model)
@@ -283,7 +285,15 @@ class MoEContract(AdapterContract):
                 if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
                     continue
                 diff = (logits - reference)[inputs.valid].abs().max().item()
-                score_only = ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_q_input", "hook_k_input")
+                score_only = (
+                    "hook_q",
+                    "hook_k",
+                    "hook_rot_q",
+                    "hook_rot_k",
+                    "hook_attn_scores",
+                    "hook_q_input",
+                    "hook_k_input",
+                )
                 if diff <= 1e-5 and name.endswith(score_only):
                     continue  # they change only scores: a saturated softmax absorbs them; the scores checks cover them
                 assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"

@@ -14,9 +14,20 @@ from typing import Any, MutableMapping, Optional
 
 from ..registry import PluginInfo, Registry
 
-__all__ = ["installed_plugins", "architecture_plugins", "architecture_plugin", "model_openers", "registry_with",
-           "registry_for", "declared_contracts", "matrix_class", "contract_matrix", "variant_matrix", "PluginProject",
-           "plugin_projects"]
+__all__ = [
+    "installed_plugins",
+    "architecture_plugins",
+    "architecture_plugin",
+    "model_openers",
+    "registry_with",
+    "registry_for",
+    "declared_contracts",
+    "matrix_class",
+    "contract_matrix",
+    "variant_matrix",
+    "PluginProject",
+    "plugin_projects",
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +69,13 @@ def registry_with(*plugins: Any) -> Registry:
     for plugin in plugins:
         if isinstance(plugin, PluginInfo):
             if plugin.name not in registry.infos:
-                registry.register(plugin.plugin, plugin.name, distribution=plugin.distribution,
-                                  version=plugin.version, source=plugin.source)
+                registry.register(
+                    plugin.plugin,
+                    plugin.name,
+                    distribution=plugin.distribution,
+                    version=plugin.version,
+                    source=plugin.source,
+                )
         elif not any(info.plugin is plugin for info in registry.infos.values()):
             registry.register(plugin, getattr(plugin, "__name__", None))
     return registry
@@ -100,11 +116,17 @@ def matrix_class(mixin: type, contract: type, name: Optional[str] = None, module
     (the architecture's own contract covers them)."""
     name = name or f"Test{_short(mixin)}{_short(contract)}"
     overrides = {**contract.config_overrides, **contract.matrix_overrides}
-    return type(name, (mixin, contract), {
-        "__module__": module or mixin.__module__, "__qualname__": name, "config_overrides": overrides,
-        "config_strata": {},
-        "__doc__": f"{mixin.__name__} over {contract.__module__}:{contract.__qualname__} (its matrix_overrides).",
-    })
+    return type(
+        name,
+        (mixin, contract),
+        {
+            "__module__": module or mixin.__module__,
+            "__qualname__": name,
+            "config_overrides": overrides,
+            "config_strata": {},
+            "__doc__": f"{mixin.__name__} over {contract.__module__}:{contract.__qualname__} (its matrix_overrides).",
+        },
+    )
 
 
 def _unsupported(mixin: type, contract: type) -> Optional[str]:
@@ -162,8 +184,14 @@ def plugin_projects(root: Path, pattern: str = "plugins/*") -> list[PluginProjec
         project = data["project"]
         packages = data.get("tool", {}).get("setuptools", {}).get("packages", [])
         modules = tuple(p for p in packages if "." not in p)
-        found.append(PluginProject(pyproject.parent, project["name"], modules,
-                                   tuple(project.get("entry-points", {}).get("lensadapters", {}))))
+        found.append(
+            PluginProject(
+                pyproject.parent,
+                project["name"],
+                modules,
+                tuple(project.get("entry-points", {}).get("lensadapters", {})),
+            )
+        )
     return found
 
 

@@ -27,13 +27,26 @@ def register_profiles() -> None:
     from hypothesis import HealthCheck, settings
 
     slow = [HealthCheck.too_slow]
-    settings.register_profile("ci", max_examples=PROFILES["ci"], deadline=None, derandomize=True, database=None,
-                              print_blob=True, suppress_health_check=slow)
-    settings.register_profile("ci-short", max_examples=PROFILES["ci-short"], deadline=None, derandomize=True,
-                              database=None, print_blob=True, suppress_health_check=slow)
+    settings.register_profile(
+        "ci",
+        max_examples=PROFILES["ci"],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=slow,
+    )
+    settings.register_profile(
+        "ci-short",
+        max_examples=PROFILES["ci-short"],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=slow,
+    )
     settings.register_profile("dev", max_examples=PROFILES["dev"], deadline=None, suppress_health_check=slow)
-    settings.register_profile("thorough", max_examples=PROFILES["thorough"], deadline=None,
-                              suppress_health_check=slow)
+    settings.register_profile("thorough", max_examples=PROFILES["thorough"], deadline=None, suppress_health_check=slow)
 
 
 def load_profile(name: Optional[str] = None) -> str:

@@ -27,8 +27,9 @@ class Inputs:
 
 
 @st.composite
-def token_inputs(draw: st.DrawFn, vocab_size: int, max_batch: int = 3, min_len: int = 2, max_len: int = 10,
-                 left_padding: bool = True) -> Inputs:
+def token_inputs(
+    draw: st.DrawFn, vocab_size: int, max_batch: int = 3, min_len: int = 2, max_len: int = 10, left_padding: bool = True
+) -> Inputs:
     """Random token ids; with ``left_padding`` some rows start with padding (at least one real token per row)."""
     batch = draw(st.integers(1, max_batch))
     length = draw(st.integers(min_len, max_len))

@@ -20,9 +20,19 @@ import torch
 
 from .contract import perturb
 
-__all__ = ["transformer_lens_available", "tl_config_from_hf", "hooked_transformer", "compare_hooks",
-           "compare_edit", "Comparison", "as_ours", "as_theirs", "comparable_names", "comparison_tokens",
-           "TransformerLensComparison"]
+__all__ = [
+    "transformer_lens_available",
+    "tl_config_from_hf",
+    "hooked_transformer",
+    "compare_hooks",
+    "compare_edit",
+    "Comparison",
+    "as_ours",
+    "as_theirs",
+    "comparable_names",
+    "comparison_tokens",
+    "TransformerLensComparison",
+]
 
 Tensor = torch.Tensor
 
@@ -66,8 +76,14 @@ def hooked_transformer(hf_model: Any, convert: Callable[[Any, Any], dict], field
     model = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
     with torch.no_grad():
         state = convert(hf_model, cfg)
-    model.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False, center_unembed=False,
-                                      fold_value_biases=False, refactor_factored_attn_matrices=False)
+    model.load_and_process_state_dict(
+        state,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
     model.set_use_attn_result(True)
     model.set_use_hook_mlp_in(True)
     return model.eval()
@@ -114,14 +130,14 @@ def comparable_names(hm: Any) -> list[str]:
     return [n for n in hm.hook_names if not n.endswith(HEAD_INPUT_POINTS)]
 
 
-def compare_hooks(hm: Any, tl: Any, tokens: Tensor, skip: Iterable[str] = (),
-                  names: Optional[Iterable[str]] = None) -> Comparison:
+def compare_hooks(
+    hm: Any, tl: Any, tokens: Tensor, skip: Iterable[str] = (), names: Optional[Iterable[str]] = None
+) -> Comparison:
     """Run both on ``tokens`` (unpadded) and compare every hook point both have (or ``names``), and the logits."""
     skip = set(skip)
     ours_names = set(hm.hook_names)
     theirs_names = set(tl.hook_dict)
-    shared = ([n for n in comparable_names(hm) if n in theirs_names and n not in skip]
-              if names is None else list(names))
+    shared = [n for n in comparable_names(hm) if n in theirs_names and n not in skip] if names is None else list(names)
     result = Comparison(only_ours=sorted(ours_names - theirs_names), only_theirs=sorted(theirs_names - ours_names))
     with torch.no_grad():
         logits, ours = hm.run_with_cache(tokens, names_filter=shared)
@@ -215,12 +231,14 @@ class TransformerLensComparison:
         if not self.edit_every_block:  # the blocks share one layout
             names = [n for n in names if not n.startswith("blocks.0.")]
         for name in names:
+
             def edit(t: Tensor, name: str = name) -> Tensor:
                 return perturb(t, type("H", (), {"name": name})())
 
             difference, effect = compare_edit(hm, tl, comparison_tokens(), name, edit)
             assert difference < self.atol * max(1.0, effect), (
-                f"{name}: edited logits differ from TL's by {difference:.3g}")
+                f"{name}: edited logits differ from TL's by {difference:.3g}"
+            )
             if self.inert_points is not None:
                 assert effect > 1e-4 or name.endswith(tuple(self.inert_points)), f"{name}: the edit changed nothing"
         hm.unwrap()

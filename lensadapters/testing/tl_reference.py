@@ -20,8 +20,14 @@ from typing import Any, Callable, Optional
 import torch
 from hypothesis import strategies as st
 
-__all__ = ["ReferenceUnavailable", "transformer_lens_available", "hooked_transformer", "reference_configs",
-           "REFERENCE_MODEL_TYPES", "word_tokenizer"]
+__all__ = [
+    "ReferenceUnavailable",
+    "transformer_lens_available",
+    "hooked_transformer",
+    "reference_configs",
+    "REFERENCE_MODEL_TYPES",
+    "word_tokenizer",
+]
 
 REFERENCE_MODEL_TYPES = ("gpt2", "gpt_neox", "opt", "llama")
 
@@ -52,22 +58,45 @@ def _gpt2(model: Any) -> dict:
     c = model.config
     if getattr(c, "add_cross_attention", False):
         raise ReferenceUnavailable("GPT-2 with cross-attention")
-    return dict(d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=c.n_inner or 4 * c.n_embd,
-                n_layers=c.n_layer, n_ctx=c.n_positions, eps=c.layer_norm_epsilon, d_vocab=c.vocab_size,
-                act_fn=c.activation_function, use_attn_scale=bool(c.scale_attn_weights),
-                scale_attn_by_inverse_layer_idx=bool(c.scale_attn_by_inverse_layer_idx), normalization_type="LN",
-                original_architecture="GPT2LMHeadModel")
+    return dict(
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=c.n_inner or 4 * c.n_embd,
+        n_layers=c.n_layer,
+        n_ctx=c.n_positions,
+        eps=c.layer_norm_epsilon,
+        d_vocab=c.vocab_size,
+        act_fn=c.activation_function,
+        use_attn_scale=bool(c.scale_attn_weights),
+        scale_attn_by_inverse_layer_idx=bool(c.scale_attn_by_inverse_layer_idx),
+        normalization_type="LN",
+        original_architecture="GPT2LMHeadModel",
+    )
 
 
 def _gpt_neox(model: Any) -> dict:
     c = model.config
     rotary_ndims = model.gpt_neox.layers[0].attention.rotary_ndims
-    return dict(d_model=c.hidden_size, d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads,
-                d_mlp=c.intermediate_size, n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings,
-                eps=c.layer_norm_eps, d_vocab=c.vocab_size, act_fn=c.hidden_act, use_attn_scale=True,
-                parallel_attn_mlp=bool(c.use_parallel_residual), positional_embedding_type="rotary",
-                rotary_adjacent_pairs=False, rotary_dim=rotary_ndims, rotary_base=_rope_theta(c),
-                normalization_type="LN", original_architecture="GPTNeoXForCausalLM")
+    return dict(
+        d_model=c.hidden_size,
+        d_head=c.hidden_size // c.num_attention_heads,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.layer_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_act,
+        use_attn_scale=True,
+        parallel_attn_mlp=bool(c.use_parallel_residual),
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=rotary_ndims,
+        rotary_base=_rope_theta(c),
+        normalization_type="LN",
+        original_architecture="GPTNeoXForCausalLM",
+    )
 
 
 def _opt(model: Any) -> dict:
@@ -79,10 +108,20 @@ def _opt(model: Any) -> dict:
     if not getattr(c, "enable_bias", True) or not getattr(c, "layer_norm_elementwise_affine", True):
         raise ReferenceUnavailable("OPT without biases or norm weights")
     eps = float(model.model.decoder.layers[0].self_attn_layer_norm.eps)
-    return dict(d_model=c.hidden_size, d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads,
-                d_mlp=c.ffn_dim, n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=eps,
-                d_vocab=c.vocab_size, act_fn=c.activation_function, use_attn_scale=True, normalization_type="LN",
-                original_architecture="OPTForCausalLM")
+    return dict(
+        d_model=c.hidden_size,
+        d_head=c.hidden_size // c.num_attention_heads,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.ffn_dim,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.activation_function,
+        use_attn_scale=True,
+        normalization_type="LN",
+        original_architecture="OPTForCausalLM",
+    )
 
 
 def _llama(model: Any) -> dict:
@@ -93,12 +132,26 @@ def _llama(model: Any) -> dict:
         raise ReferenceUnavailable("Llama with attention or MLP biases: TransformerLens' conversion drops them")
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return dict(d_model=c.hidden_size, d_head=d_head, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
-                n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps,
-                d_vocab=c.vocab_size, act_fn=c.hidden_act,
-                n_key_value_heads=n_kv if n_kv != c.num_attention_heads else None, normalization_type="RMS",
-                positional_embedding_type="rotary", rotary_adjacent_pairs=False, rotary_dim=d_head,
-                rotary_base=_rope_theta(c), final_rms=True, gated_mlp=True, original_architecture="LlamaForCausalLM")
+    return dict(
+        d_model=c.hidden_size,
+        d_head=d_head,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_act,
+        n_key_value_heads=n_kv if n_kv != c.num_attention_heads else None,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=d_head,
+        rotary_base=_rope_theta(c),
+        final_rms=True,
+        gated_mlp=True,
+        original_architecture="LlamaForCausalLM",
+    )
 
 
 _CONFIGS: dict[str, Callable[[Any], dict]] = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "opt": _opt, "llama": _llama}
@@ -107,12 +160,17 @@ _CONFIGS: dict[str, Callable[[Any], dict]] = {"gpt2": _gpt2, "gpt_neox": _gpt_ne
 def _converter(model_type: str) -> Callable[..., dict]:
     from transformer_lens.pretrained import weight_conversions as wc
 
-    return {"gpt2": wc.convert_gpt2_weights, "gpt_neox": wc.convert_neox_weights, "opt": wc.convert_opt_weights,
-            "llama": wc.convert_llama_weights}[model_type]
+    return {
+        "gpt2": wc.convert_gpt2_weights,
+        "gpt_neox": wc.convert_neox_weights,
+        "opt": wc.convert_opt_weights,
+        "llama": wc.convert_llama_weights,
+    }[model_type]
 
 
-def hooked_transformer(model: Any, *, fold_ln: bool = False, tokenizer: Any = None,
-                       default_prepend_bos: bool = True, **cfg_overrides: Any) -> Any:
+def hooked_transformer(
+    model: Any, *, fold_ln: bool = False, tokenizer: Any = None, default_prepend_bos: bool = True, **cfg_overrides: Any
+) -> Any:
     """TransformerLens' ``HookedTransformer`` with ``model``'s weights (float32, CPU, eval mode).
 
     ``tokenizer`` must be loadable again from its ``name_or_path`` (TransformerLens reloads it with
@@ -133,8 +191,14 @@ def hooked_transformer(model: Any, *, fold_ln: bool = False, tokenizer: Any = No
     cfg = HookedTransformerConfig(**fields)
     hooked = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     state = _converter(model_type)(model, cfg)
-    hooked.load_and_process_state_dict(state, fold_ln=fold_ln, center_writing_weights=False, center_unembed=False,
-                                       fold_value_biases=False, refactor_factored_attn_matrices=False)
+    hooked.load_and_process_state_dict(
+        state,
+        fold_ln=fold_ln,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
     return hooked.eval()
 
 
@@ -150,10 +214,12 @@ def word_tokenizer(vocab_size: int, *, adds_bos: bool = False, folder: Optional[
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if adds_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                           special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="</s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
     folder = folder or tempfile.mkdtemp(prefix="lensadapters-reference-tok-")
     fast.save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
@@ -173,37 +239,76 @@ def reference_configs(draw: st.DrawFn, model_type: str, max_layers: int = 2) -> 
     if model_type == "gpt2":
         from transformers import GPT2Config
 
-        return GPT2Config(n_layer=layers, n_embd=d_model, n_head=heads, n_positions=64, vocab_size=vocab,
-                          n_inner=draw(st.sampled_from([None, 3 * d_model]), label="n_inner"),
-                          activation_function=draw(st.sampled_from(["gelu_new", "relu"]), label="act"),
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+        return GPT2Config(
+            n_layer=layers,
+            n_embd=d_model,
+            n_head=heads,
+            n_positions=64,
+            vocab_size=vocab,
+            n_inner=draw(st.sampled_from([None, 3 * d_model]), label="n_inner"),
+            activation_function=draw(st.sampled_from(["gelu_new", "relu"]), label="act"),
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if model_type == "gpt_neox":
         from transformers import GPTNeoXConfig
 
         d_head = 8  # every rotary_pct rotates an even number of dimensions
         d_model = heads * d_head
 
-        return GPTNeoXConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers,
-                             num_attention_heads=heads, intermediate_size=2 * d_model,
-                             rotary_pct=draw(st.sampled_from([0.25, 0.5, 1.0]), label="rotary_pct"),
-                             use_parallel_residual=draw(st.booleans(), label="parallel"),
-                             max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
-                             bos_token_id=1, eos_token_id=2)
+        return GPTNeoXConfig(
+            vocab_size=vocab,
+            hidden_size=d_model,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * d_model,
+            rotary_pct=draw(st.sampled_from([0.25, 0.5, 1.0]), label="rotary_pct"),
+            use_parallel_residual=draw(st.booleans(), label="parallel"),
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if model_type == "opt":
         from transformers import OPTConfig
 
-        return OPTConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers, ffn_dim=2 * d_model,
-                         num_attention_heads=heads, max_position_embeddings=64, word_embed_proj_dim=d_model,
-                         do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0, pad_token_id=2,
-                         bos_token_id=1, eos_token_id=2)
+        return OPTConfig(
+            vocab_size=vocab,
+            hidden_size=d_model,
+            num_hidden_layers=layers,
+            ffn_dim=2 * d_model,
+            num_attention_heads=heads,
+            max_position_embeddings=64,
+            word_embed_proj_dim=d_model,
+            do_layer_norm_before=True,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if model_type == "llama":
         from transformers import LlamaConfig
 
         kv = draw(st.sampled_from([h for h in (1, 2, heads) if heads % h == 0]), label="n_kv_heads")
-        return LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv, head_dim=d_head, vocab_size=vocab,
-                           max_position_embeddings=64, rms_norm_eps=1e-5,
-                           rope_theta=draw(st.sampled_from([100.0, 10000.0]), label="rope_theta"),
-                           tie_word_embeddings=draw(st.booleans(), label="tied"), bos_token_id=1, eos_token_id=2,
-                           pad_token_id=2)
+        return LlamaConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=d_head,
+            vocab_size=vocab,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-5,
+            rope_theta=draw(st.sampled_from([100.0, 10000.0]), label="rope_theta"),
+            tie_word_embeddings=draw(st.booleans(), label="tied"),
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
     raise ReferenceUnavailable(f"no reference configs for model type {model_type!r}")

@@ -21,12 +21,22 @@ def gptj_configs(draw: st.DrawFn) -> GPTJConfig:
     # n_embd wide that only fits one head: rotary_dim=d_head is the working spelling of full rotary
     rotary_dim = draw(st.sampled_from([2, d_head // 2, d_head]))
     return GPTJConfig(
-        n_layer=draw(st.integers(1, 2)), n_head=n_head, n_embd=n_head * d_head, rotary_dim=rotary_dim,
-        n_inner=draw(st.sampled_from([None, 24, 48])), vocab_size=draw(st.integers(16, 160)), n_positions=32,
+        n_layer=draw(st.integers(1, 2)),
+        n_head=n_head,
+        n_embd=n_head * d_head,
+        rotary_dim=rotary_dim,
+        n_inner=draw(st.sampled_from([None, 24, 48])),
+        vocab_size=draw(st.integers(16, 160)),
+        n_positions=32,
         activation_function=draw(st.sampled_from(["gelu_new", "gelu", "relu", "silu"])),
         layer_norm_epsilon=draw(st.sampled_from([1e-5, 1e-3])),
-        tie_word_embeddings=draw(st.booleans()), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=draw(st.booleans()),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 

@@ -49,8 +49,20 @@ def make_model(config: GPTJConfig, seed: int = 0) -> nn.Module:
 
 
 def small_config(**overrides) -> GPTJConfig:
-    kw = dict(n_layer=2, n_head=4, n_embd=32, rotary_dim=4, n_positions=32, vocab_size=64, resid_pdrop=0.0,
-              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    kw = dict(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        rotary_dim=4,
+        n_positions=32,
+        vocab_size=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     kw.update(overrides)
     return GPTJConfig(**kw)
 
@@ -139,11 +151,13 @@ def test_rot_k_edit_is_stored_in_the_kv_cache_and_used_by_later_steps():
         step = torch.randint(1, config.vocab_size, (3, 1), generator=torch.Generator().manual_seed(5))
         step_mask = torch.cat([mask, torch.ones_like(step)], dim=1)
         step_pos = positions[:, -1:] + 1
-        with_edit = hm(input_ids=step, attention_mask=step_mask, position_ids=step_pos,
-                       past_key_values=out.past_key_values).logits
+        with_edit = hm(
+            input_ids=step, attention_mask=step_mask, position_ids=step_pos, past_key_values=out.past_key_values
+        ).logits
         clean = hm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        without = hm(input_ids=step, attention_mask=step_mask, position_ids=step_pos,
-                     past_key_values=clean.past_key_values).logits
+        without = hm(
+            input_ids=step, attention_mask=step_mask, position_ids=step_pos, past_key_values=clean.past_key_values
+        ).logits
         assert (with_edit - without).abs().max().item() > 1e-4
 
 
@@ -159,8 +173,9 @@ def test_attn_override_is_scoped_to_hooked_layers_and_undone():
     with torch.no_grad():
         reference = other(input_ids=ids, attention_mask=mask).logits
         with wrapped(model) as hm:
-            hm.run_with_cache(input_ids=ids, attention_mask=mask, names_filter=lambda n: "pattern" not in n
-                              and "scores" not in n)
+            hm.run_with_cache(
+                input_ids=ids, attention_mask=mask, names_filter=lambda n: "pattern" not in n and "scores" not in n
+            )
             assert not any("_attn" in vars(a) for a in attn), "no pattern hook, yet _attn was overridden"
             seen = {}
 
@@ -196,8 +211,16 @@ def test_pattern_edit_and_reading_match_hf_attentions():
                 ours, theirs = cache["pattern", layer], reference.attentions[layer]
                 rows = valid[:, None, :, None].expand_as(ours)
                 assert torch.allclose(ours[rows], theirs[rows], atol=1e-6)
-            logits = hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=[
-                ("blocks.0.attn.hook_pattern", lambda p, hook: (p > 0).to(p.dtype) / (p > 0).sum(-1, keepdim=True).clamp(min=1))])
+            logits = hm.run_with_hooks(
+                input_ids=ids,
+                attention_mask=mask,
+                fwd_hooks=[
+                    (
+                        "blocks.0.attn.hook_pattern",
+                        lambda p, hook: (p > 0).to(p.dtype) / (p > 0).sum(-1, keepdim=True).clamp(min=1),
+                    )
+                ],
+            )
             assert (logits - reference.logits)[valid].abs().max().item() > 1e-4
 
 

@@ -48,8 +48,14 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 
 __all__ = [
-    "dequantized_weight", "dequantize_int8", "dequantize_4bit", "dequantize_embedding", "int8_parts",
-    "matmul_error_bound", "is_quantized_linear", "compute_dtype",
+    "dequantized_weight",
+    "dequantize_int8",
+    "dequantize_4bit",
+    "dequantize_embedding",
+    "int8_parts",
+    "matmul_error_bound",
+    "is_quantized_linear",
+    "compute_dtype",
 ]
 
 Tensor = torch.Tensor
@@ -129,8 +135,12 @@ def lensadapters_linear_weight(module: nn.Module, read: Any) -> Optional[LinearW
     if is_bnb_module(module):
         weight = getattr(module, "weight", None)
         fmt = f"{type(module).__name__} with a {getattr(weight, 'dtype', 'missing')} weight"
-        raise unavailable(module, _name(module), f"{fmt}: lensadapters-bnb has no dequantizer for this layer type",
-                          "Supported: Linear8bitLt (LLM.int8) and Linear4bit (NF4/FP4).")
+        raise unavailable(
+            module,
+            _name(module),
+            f"{fmt}: lensadapters-bnb has no dequantizer for this layer type",
+            "Supported: Linear8bitLt (LLM.int8) and Linear4bit (NF4/FP4).",
+        )
     return None
 
 
@@ -149,7 +159,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
             raise unavailable(module, path, f"{type(module).__name__} embedding stored as {module.weight.dtype}")
         return None
     W = dequantize_embedding(module, path)
-    return W[layout.pos_embed_offset:] if name == "W_pos" else W
+    return W[layout.pos_embed_offset :] if name == "W_pos" else W
 
 
 @hookimpl

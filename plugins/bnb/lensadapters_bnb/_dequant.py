@@ -64,7 +64,8 @@ def unavailable(module: nn.Module, name: Optional[str], fmt: str, fix: str = "")
     return WeightUnavailableError(
         f"lensadapters-bnb cannot read the weight of {_describe(module, name)}: {fmt}. "
         f"No matrix is returned for storage lensadapters cannot dequantize (its bytes are not the weight)."
-        + (f" {fix}" if fix else ""))
+        + (f" {fix}" if fix else "")
+    )
 
 
 # --- 8-bit (LLM.int8) ---------------------------------------------------------------------------------
@@ -86,8 +87,12 @@ def int8_parts(module: nn.Module, name: Optional[str] = None) -> tuple[Tensor, T
         if scb is None and state is not None:
             scb = state.SCB
         if scb is None:
-            raise unavailable(module, name, "int8 weight (Int8Params) without its row scales SCB",
-                              "The layer has not been quantized properly (load it with BitsAndBytesConfig).")
+            raise unavailable(
+                module,
+                name,
+                "int8 weight (Int8Params) without its row scales SCB",
+                "The layer has not been quantized properly (load it with BitsAndBytesConfig).",
+            )
         cb = weight.data
         if cb.shape[0] != scb.numel():
             raise unavailable(module, name, f"int8 weight of shape {tuple(cb.shape)} with {scb.numel()} row scales")
@@ -196,8 +201,8 @@ def dequantize_embedding(module: nn.Module, name: Optional[str] = None) -> Tenso
 REL_FP32 = 5e-5
 #: half the int8 step, relative to a row's absmax: ``round(x * 127 / absmax)`` is off by at most 1/2
 INT8_HALF_STEP = 1.0 / 254.0
-FP16_UNIT = 2.0 ** -11  # unit roundoff of float16 (the 8-bit matmul casts its input to float16)
-BF16_UNIT = 2.0 ** -8  # unit roundoff of bfloat16 (the CPU 4-bit kernel computes in bfloat16)
+FP16_UNIT = 2.0**-11  # unit roundoff of float16 (the 8-bit matmul casts its input to float16)
+BF16_UNIT = 2.0**-8  # unit roundoff of bfloat16 (the CPU 4-bit kernel computes in bfloat16)
 
 
 def _base_quantized(module: nn.Module) -> Optional[nn.Module]:

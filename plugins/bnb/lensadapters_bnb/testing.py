@@ -38,20 +38,32 @@ from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import read_linear
 
-__all__ = ["Int8Contract", "quantize", "quantized_twins", "quantized_linears", "float_weight", "check_identities",
-           "projection", "assert_within_bound", "FLOAT_AGREEMENT_PER_BLOCK"]
+__all__ = [
+    "Int8Contract",
+    "quantize",
+    "quantized_twins",
+    "quantized_linears",
+    "float_weight",
+    "check_identities",
+    "projection",
+    "assert_within_bound",
+    "FLOAT_AGREEMENT_PER_BLOCK",
+]
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16" on every call
 
 # every example saves and reloads a model: at most 3 examples for the properties this module redefines
 # (the profile's count when it asks for fewer, e.g. ``lensadapters check --examples 2``)
-_SETTINGS = settings(deadline=None, max_examples=min(3, settings.default.max_examples),
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors,
-                                            HealthCheck.data_too_large])
+_SETTINGS = settings(
+    deadline=None,
+    max_examples=min(3, settings.default.max_examples),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors, HealthCheck.data_too_large],
+)
 
 
-def quantize(model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.float32,
-             threshold: float = 6.0) -> nn.Module:
+def quantize(
+    model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.float32, threshold: float = 6.0
+) -> nn.Module:
     """Save ``model`` and load it back quantized on the CPU (``mode``: ``int8``, ``nf4`` or ``fp4``).
 
     ``threshold`` is LLM.int8's outlier threshold (``llm_int8_threshold``, 6.0 by default).
@@ -69,8 +81,12 @@ def quantize(model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.fl
         with tempfile.TemporaryDirectory() as directory:
             model.save_pretrained(directory)
             quantized = AutoModelForCausalLM.from_pretrained(
-                directory, quantization_config=qc, device_map="cpu", dtype=dtype,
-                attn_implementation=model.config._attn_implementation)
+                directory,
+                quantization_config=qc,
+                device_map="cpu",
+                dtype=dtype,
+                attn_implementation=model.config._attn_implementation,
+            )
     finally:
         transformers.logging.set_verbosity(verbosity)
     return quantized.eval()
@@ -85,8 +101,9 @@ def quantize(model: nn.Module, mode: str = "int8", dtype: torch.dtype = torch.fl
 FLOAT_AGREEMENT_PER_BLOCK = 0.25
 
 
-def quantized_twins(data: st.DataObject, contract: type, mode: str = "int8", dtype: torch.dtype = torch.float32
-                    ) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+def quantized_twins(
+    data: st.DataObject, contract: type, mode: str = "int8", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, nn.Module, torch.Tensor]:
     """A seeded float32 model of a config ``contract`` draws, its quantized twin (``mode``: int8, nf4, fp4) and
     unpadded token ids.
 
@@ -100,8 +117,12 @@ def quantized_twins(data: st.DataObject, contract: type, mode: str = "int8", dty
     config = data.draw(contract.config_strategy(**overrides), label="config")
     seed = data.draw(st.integers(0, 2**16), label="seed")
     fp = seeded_model(config, seed, "eager")
-    ids = torch.randint(3, config.vocab_size, (2, data.draw(st.integers(2, 8), label="length")),
-                        generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        3,
+        config.vocab_size,
+        (2, data.draw(st.integers(2, 8), label="length")),
+        generator=torch.Generator().manual_seed(seed),
+    )
     return fp, quantize(fp, mode, dtype), ids
 
 
@@ -115,8 +136,9 @@ def float_weight(module: nn.Module) -> torch.Tensor:
     return module.weight.T if isinstance(module, nn.Linear) else module.weight
 
 
-def assert_within_bound(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str,
-                        valid: Optional[torch.Tensor] = None) -> float:
+def assert_within_bound(
+    actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str, valid: Optional[torch.Tensor] = None
+) -> float:
     """``|actual - expected| <= bound`` elementwise (at valid positions); returns the largest ratio."""
     diff = (actual.float() - expected.float()).abs()
     if valid is not None:
@@ -153,13 +175,23 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor, post_norm
             _, fused_bound = projection(hm, attn_in, block.get_submodule(qkv.module))
             bounds = qkv.split(fused_bound)
         else:
-            bounds = [projection(hm, attn_in, block.get_submodule(p))[1].unflatten(-1, (-1, cfg.d_head))
-                      for p in (qkv.q, qkv.k, qkv.v)]
+            bounds = [
+                projection(hm, attn_in, block.get_submodule(p))[1].unflatten(-1, (-1, cfg.d_head))
+                for p in (qkv.q, qkv.k, qkv.v)
+            ]
         for index, name in enumerate("qkv"):
             Wt, bt = W[name]
             expected = torch.einsum("bpm,hmd->bphd", attn_in.float(), Wt[i].float()) + bt[i].float()
-            worst = max(worst, assert_within_bound(cache[name, i], expected, bounds[index],
-                                                   f"layer {i} hook_{name} == normalized @ W_{name.upper()}", valid))
+            worst = max(
+                worst,
+                assert_within_bound(
+                    cache[name, i],
+                    expected,
+                    bounds[index],
+                    f"layer {i} hook_{name} == normalized @ W_{name.upper()}",
+                    valid,
+                ),
+            )
         z = cache["z", i]
         expected = torch.einsum("bphd,hdm->bpm", z.float(), W_O[i].float()) + b_O[i].float()
         _, bound = projection(hm, z.flatten(-2), block.get_submodule(layout.o_proj))
@@ -172,14 +204,23 @@ def check_identities(hm: HookedModel, cache: Any, valid: torch.Tensor, post_norm
                 gate_bound, up_bound = mlp.split(fused_bound)
                 pairs = [("pre", gate_bound, hm.W_gate, hm.b_gate), ("pre_linear", up_bound, W_in, b_in)]
             else:
-                pairs = [("pre", projection(hm, mlp_in, block.get_submodule(mlp.pre))[1],
-                          hm.W_gate if gated else W_in, hm.b_gate if gated else b_in)]
+                pairs = [
+                    (
+                        "pre",
+                        projection(hm, mlp_in, block.get_submodule(mlp.pre))[1],
+                        hm.W_gate if gated else W_in,
+                        hm.b_gate if gated else b_in,
+                    )
+                ]
                 if mlp.pre_linear:
-                    pairs.append(("pre_linear", projection(hm, mlp_in, block.get_submodule(mlp.pre_linear))[1],
-                                  W_in, b_in))
+                    pairs.append(
+                        ("pre_linear", projection(hm, mlp_in, block.get_submodule(mlp.pre_linear))[1], W_in, b_in)
+                    )
             for name, bound, Wt, bt in pairs:
                 expected = mlp_in.float() @ Wt[i].float() + bt[i].float()
-                worst = max(worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid))
+                worst = max(
+                    worst, assert_within_bound(cache[name, i], expected, bound, f"layer {i} hook_{name}", valid)
+                )
         post = cache["post", i]
         expected = post.float() @ W_out[i].float() + b_out[i].float()
         _, bound = projection(hm, post, block.get_submodule(mlp.out))
@@ -225,8 +266,9 @@ class Int8Contract(AdapterContract):
             return "8-bit mixture-of-experts models are checked by their architecture's own tests"
         return None
 
-    def draw(self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
-             ) -> tuple[nn.Module, Inputs]:
+    def draw(
+        self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
+    ) -> tuple[nn.Module, Inputs]:
         self.threshold = data.draw(st.sampled_from([6.0, 0.0]), label="llm_int8_threshold")
         return super().draw(data, attn_implementation, left_padding and self.threshold == 0.0)
 
@@ -246,7 +288,11 @@ class Int8Contract(AdapterContract):
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-        required = [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_z"]
+        required = [
+            f"blocks.{layer}.hook_resid_pre",
+            f"blocks.{layer}.attn.hook_pattern",
+            f"blocks.{layer}.attn.hook_z",
+        ]
         others = data.draw(st.lists(st.sampled_from(hm.hook_names), max_size=6, unique=True), label="points")
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
@@ -292,8 +338,11 @@ class Int8Contract(AdapterContract):
             if hm.layout.unembed is not None and self.final_hidden_is_ln_final and hm.layout.ln_final:
                 final = norm_out(hm, cache, "ln_final")
                 v = inputs.valid
-                assert_close(self.expected_logits(model, final @ hm.W_U + hm.b_U)[v], out.logits[v],
-                             "logits == final @ W_U + b_U (softcapped where declared)")
+                assert_close(
+                    self.expected_logits(model, final @ hm.W_U + hm.b_U)[v],
+                    out.logits[v],
+                    "logits == final @ W_U + b_U (softcapped where declared)",
+                )
         hm.unwrap()
 
     @_SETTINGS
@@ -344,8 +393,13 @@ class Int8Contract(AdapterContract):
 
         expected = projected(base) - contribution
         v = inputs.valid
-        assert_within_bound(projected(ablated), expected, bound_base + bound_ablated,
-                            "z ablation == removing the head's W_O contribution", v)
+        assert_within_bound(
+            projected(ablated),
+            expected,
+            bound_base + bound_ablated,
+            "z ablation == removing the head's W_O contribution",
+            v,
+        )
         scale = 1 + expected.abs()
         assert_close(projected(dropped)[v], expected[v], "hook_result ablation", atol=1e-4 * scale.max().item())
         hm.unwrap()

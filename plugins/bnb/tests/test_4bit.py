@@ -28,8 +28,9 @@ from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
 
 # every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
-SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
-                                                                           HealthCheck.differing_executors])
+SETTINGS = settings(
+    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
+)
 
 #: the installed architectures' declared contracts that can build 4-bit-aligned configs
 CONTRACTS = [contract for contract in declared_contracts() if contract.aligned_overrides is not None]
@@ -107,8 +108,15 @@ def test_4bit_cpu_packed_layout_is_unpacked(quant_type: str, nested: bool, stora
 
     torch.manual_seed(1)
     n_out, n_in = 64, 128
-    layer = bnb.nn.Linear4bit(n_in, n_out, bias=True, quant_type=quant_type, compress_statistics=nested,
-                              compute_dtype=torch.float32, quant_storage=storage)
+    layer = bnb.nn.Linear4bit(
+        n_in,
+        n_out,
+        bias=True,
+        quant_type=quant_type,
+        compress_statistics=nested,
+        compute_dtype=torch.float32,
+        quant_storage=storage,
+    )
     layer.load_state_dict(nn.Linear(n_in, n_out).state_dict())
     layer = layer.to("cpu").eval()
     qs = layer.weight.quant_state

@@ -34,8 +34,9 @@ from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
 
 # every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
-SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
-                                                                           HealthCheck.differing_executors])
+SETTINGS = settings(
+    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
+)
 
 #: every installed architecture's declared contract (its plugin found through the entry point)
 CONTRACTS = [c for c in declared_contracts() if Int8Contract.supports(c) is None]  # as the 8-bit matrix
@@ -112,7 +113,9 @@ def test_dequantized_weights_are_the_float_weights_rounded(contract: type, data:
         for accessor in ("W_Q", "_W_K", "_W_V", "W_O", "W_in", "W_out", "b_Q", "b_O"):
             a, b = getattr(hm8, accessor), getattr(hm32, accessor)
             assert a.shape == b.shape, accessor
-            assert (a - b).abs().max().item() <= worst_step * (1 + 2**-10) + 2**-11 * b.abs().max().item() + 1e-6, accessor
+            assert (a - b).abs().max().item() <= worst_step * (1 + 2**-10) + 2**-11 * b.abs().max().item() + 1e-6, (
+                accessor
+            )
     hm8.unwrap()
     hm32.unwrap()
 

@@ -36,8 +36,9 @@ from lensadapters.testing import (  # noqa: E402
     seeded_model,
 )
 
-SETTINGS = settings(deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow,
-                                                                           HealthCheck.differing_executors])
+SETTINGS = settings(
+    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
+)
 
 
 def wrap_adapted(model: Any, registry_of: Any) -> HookedModel:
@@ -84,14 +85,32 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     base = quantize(seeded_model(config, 0, "eager"), "int8", torch.float16)
     # float16 -> float32 outside the int8 layers, reentrant gradient checkpointing (PEFT's default, said explicitly)
     base = prepare_model_for_kbit_training(base, gradient_checkpointing_kwargs={"use_reentrant": True})
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, bias="none",
-                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.05,
+            bias="none",
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        ),
+    )
     _nonzero_lora(peft_model, 0)
     peft_model.eval()
     q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
@@ -125,13 +144,16 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
             assert torch.equal(hm._W_K[i], base_k)  # k_proj has no adapter
             x = norm_out(hm, cache, f"blocks.{i}.ln1")
             delta = torch.einsum("bpm,hmd->bphd", x, lora_delta(hm, i, "q"))
-            assert_close(cache["blocks.{}.attn.hook_q_lora".format(i)], delta, "hook_q_lora == x @ A @ B * s", atol=1e-5)
+            assert_close(
+                cache["blocks.{}.attn.hook_q_lora".format(i)], delta, "hook_q_lora == x @ A @ B * s", atol=1e-5
+            )
         check_identities(hm, cache, valid)
 
         # activation patching: the clean residual stream patched into the corrupted run gives the clean logits
         _, clean_cache = hm.run_with_cache(clean, names_filter="blocks.1.hook_resid_pre")
-        patched = hm.run_with_hooks(corrupt, fwd_hooks=[
-            ("blocks.1.hook_resid_pre", lambda t, hook: clean_cache[hook.name])])
+        patched = hm.run_with_hooks(
+            corrupt, fwd_hooks=[("blocks.1.hook_resid_pre", lambda t, hook: clean_cache[hook.name])]
+        )
         assert torch.equal(patched, reference)
         corrupted = hm(corrupt).logits
         assert not torch.equal(corrupted, reference)
@@ -143,11 +165,14 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
 
         _, z_cache = hm.run_with_cache(clean, names_filter="blocks.0.attn.hook_z")
         clean_z = z_cache["z", 0]
-        assert not torch.equal(hm.run_with_hooks(corrupt, fwd_hooks=[("blocks.0.attn.hook_z", patch_z_head0)]),
-                               corrupted)
+        assert not torch.equal(
+            hm.run_with_hooks(corrupt, fwd_hooks=[("blocks.0.attn.hook_z", patch_z_head0)]), corrupted
+        )
 
         # LoRA-delta hooks: zeroing every delta is running the 8-bit base model
-        zeroed = hm.run_with_hooks(clean, fwd_hooks=[(lambda n: n.endswith("_lora"), lambda t, hook: torch.zeros_like(t))])
+        zeroed = hm.run_with_hooks(
+            clean, fwd_hooks=[(lambda n: n.endswith("_lora"), lambda t, hook: torch.zeros_like(t))]
+        )
         with peft_model.disable_adapter():
             base_logits = hm(clean).logits
         assert torch.equal(zeroed, base_logits) and not torch.equal(base_logits, reference)
@@ -173,7 +198,9 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
 
     before = eval_loss()
     peft_model.train()
-    with hm.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", steer_fn)], bwd_hooks=[("blocks.1.attn.hook_q_lora", keep_grad)]):
+    with hm.hooks(
+        fwd_hooks=[("blocks.0.hook_resid_pre", steer_fn)], bwd_hooks=[("blocks.1.attn.hook_q_lora", keep_grad)]
+    ):
         loss = hm(clean, labels=clean, use_cache=False).loss
         loss.backward()
     assert seen_grads and seen_grads[-1].abs().sum() > 0
@@ -205,13 +232,23 @@ def test_lora_over_8bit_disable_switch_merge() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     fp = seeded_model(config, 3, "eager")
     base8 = quantize(fp, "int8")
-    pm = get_peft_model(quantize(fp, "int8"), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
-                                                         target_modules=["q_proj", "v_proj"]))
+    pm = get_peft_model(
+        quantize(fp, "int8"), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+    )
     pm.add_adapter("other", LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "o_proj"]))
     _nonzero_lora(pm, 3)
     pm.eval()
@@ -252,8 +289,9 @@ def test_lora_over_8bit_disable_switch_merge() -> None:
             assert not other["blocks.0.attn.hook_v_lora"].any() and other["blocks.0.attn.hook_o_lora"].abs().max() > 0
             for i in range(2):
                 assert hm.block_modules[i].get_submodule(hm.qkv_layouts[i].q).active_adapters == ["other"]
-                assert_close(hm.W_Q[i], hb.W_Q[i] + lora_delta(hm, i, "q", "other"), f"W_Q[{i}] with 'other'",
-                             atol=1e-6)
+                assert_close(
+                    hm.W_Q[i], hb.W_Q[i] + lora_delta(hm, i, "q", "other"), f"W_Q[{i}] with 'other'", atol=1e-6
+                )
             assert torch.equal(hm._W_V, hb._W_V)  # "other" does not adapt v_proj
             check_identities(hm, other, valid)
         finally:
@@ -285,15 +323,23 @@ def test_lora_over_8bit_disable_switch_merge() -> None:
             step = W.abs().amax(dim=-2, keepdim=True) / 254
             w_bound = flat(step * (1 + 2**-10) + W.abs() * (2**-11 + 5e-5) + 1e-7)
             base_W = lb.dequantized_weight(module.base_layer).W  # the unmerged run multiplied x with the base
-            bound = (x.abs() @ w_bound + lb.matmul_error_bound(module, x, flat(Wm))
-                     + lb.matmul_error_bound(module.base_layer, x, base_W))
-            ratio = assert_within_bound(merged[short, 0].flatten(-2), cache[short, 0].flatten(-2), bound,
-                                        f"layer 0 hook_{short}, merged vs unmerged")
+            bound = (
+                x.abs() @ w_bound
+                + lb.matmul_error_bound(module, x, flat(Wm))
+                + lb.matmul_error_bound(module.base_layer, x, base_W)
+            )
+            ratio = assert_within_bound(
+                merged[short, 0].flatten(-2),
+                cache[short, 0].flatten(-2),
+                bound,
+                f"layer 0 hook_{short}, merged vs unmerged",
+            )
             assert ratio > 0  # (the values did change)
         check_identities(hm, merged, valid)
         # the merged delta points recompute B·A·x·scaling from the input
-        assert_close(merged["blocks.0.attn.hook_q_lora"], cache["blocks.0.attn.hook_q_lora"], "merged q delta",
-                     atol=1e-5)
+        assert_close(
+            merged["blocks.0.attn.hook_q_lora"], cache["blocks.0.attn.hook_q_lora"], "merged q delta", atol=1e-5
+        )
         rel = ((merged_logits - logits).norm() / logits.norm()).item()
         assert rel <= FLOAT_AGREEMENT_PER_BLOCK * 3, f"merged logits: relative difference {rel:.3g}"
     assert hm.unwrap() is pm
@@ -332,15 +378,15 @@ def test_lora_on_fused_8bit_qkv(data: st.DataObject) -> None:
     if not contracts:
         pytest.skip("no installed architecture plugin with a fused QKV projection declares a contract")
     contract = data.draw(st.sampled_from(contracts), label="contract")
-    config = data.draw(contract.config_strategy(**{**contract.config_overrides, **contract.matrix_overrides}),
-                       label="config")
+    config = data.draw(
+        contract.config_strategy(**{**contract.config_overrides, **contract.matrix_overrides}), label="config"
+    )
     seed = data.draw(st.integers(0, 2**16), label="seed")
     base = quantize(seeded_model(config, seed, "eager"), "int8")
     hm = HookedModel.wrap(base, registry=registry_with(contract.plugin, lb))
     target = hm.qkv_layouts[0].module.rsplit(".", 1)[-1]  # the fused projection, by its name in every block
     hm.unwrap()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[target],
-                                                 fan_in_fan_out=False))
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[target], fan_in_fan_out=False))
     _nonzero_lora(peft_model, seed)
     peft_model.eval()
     ids = torch.randint(3, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(seed))

@@ -57,8 +57,16 @@ def _one_layer_llama() -> nn.Module:
     """A one-block float32 Llama (eager: the core's explicit attention equals it bitwise) for weight-format tests."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=8, vocab_size=32, max_position_embeddings=16)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=32,
+        max_position_embeddings=16,
+    )
     return seeded_model(config, 0, "eager")
 
 
@@ -150,8 +158,9 @@ def test_plain_linear_with_a_quantized_or_integer_weight_is_refused() -> None:
 
 def test_bitsandbytes_layers_without_a_dequantizer_raise() -> None:
     broken = bnb.nn.Linear8bitLt(8, 4, bias=False, has_fp16_weights=False)
-    broken.weight = bnb.nn.Int8Params(torch.ones(4, 8, dtype=torch.int8), has_fp16_weights=False,
-                                      requires_grad=False)  # int8 codes, scales lost
+    broken.weight = bnb.nn.Int8Params(
+        torch.ones(4, 8, dtype=torch.int8), has_fp16_weights=False, requires_grad=False
+    )  # int8 codes, scales lost
     with pytest.raises(WeightUnavailableError, match="Linear8bitLt.*SCB"):
         lb.lensadapters_linear_weight(module=broken, read=None)
     with pytest.raises(WeightUnavailableError, match="OutlierAwareLinear.*no dequantizer"):

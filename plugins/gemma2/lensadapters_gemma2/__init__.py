@@ -57,15 +57,25 @@ ARCH = Architecture(
     name="gemma2",
     model_types=("gemma2",),
     description="Gemma 2 (Gemma2ForCausalLM, Gemma2Model): sandwich norms, (1 + w) RMSNorm, scaled embeddings, "
-                "logit softcaps, alternating sliding windows",
+    "logit softcaps, alternating sliding windows",
     transformers=">=4.57,<6",
 )
 FAMILY = hf.DecoderFamily(
-    "Gemma2", model_type="gemma2", packages=("gemma2",), norms=("Gemma2RMSNorm",),
+    "Gemma2",
+    model_type="gemma2",
+    packages=("gemma2",),
+    norms=("Gemma2RMSNorm",),
     norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
-    block=BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                      ln2="pre_feedforward_layernorm", mlp="mlp", ln1_post="post_attention_layernorm",
-                      ln2_post="post_feedforward_layernorm"))
+    block=BlockLayout(
+        ln1="input_layernorm",
+        attn="self_attn",
+        o_proj="self_attn.o_proj",
+        ln2="pre_feedforward_layernorm",
+        mlp="mlp",
+        ln1_post="post_attention_layernorm",
+        ln2_post="post_feedforward_layernorm",
+    ),
+)
 
 
 def _cap(value: Optional[float]) -> float:
@@ -83,27 +93,39 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 2 config sets use_bidirectional_attention=True (an encoder, not a causal language model); the "
-            "gemma2 plugin describes causal Gemma 2 models, whose attention masks it reproduces")
+            "gemma2 plugin describes causal Gemma 2 models, whose attention masks it reproduces"
+        )
 
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return FAMILY.hooked_config(
-        model, act_fn=c.hidden_activation, attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
-        output_logits_soft_cap=_cap(c.final_logit_softcapping), **hf.window_fields(hf.layer_windows(c)),
-        extra={"query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
-               "embed_scale": float(c.hidden_size) ** 0.5, "use_normalization_before_and_after": True,
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True))})
+        model,
+        act_fn=c.hidden_activation,
+        attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
+        output_logits_soft_cap=_cap(c.final_logit_softcapping),
+        **hf.window_fields(hf.layer_windows(c)),
+        extra={
+            "query_pre_attn_scalar": c.query_pre_attn_scalar,
+            "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
+            "embed_scale": float(c.hidden_size) ** 0.5,
+            "use_normalization_before_and_after": True,
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
+        },
+    )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     layout = FAMILY.embed(model)
     embed = model.get_submodule(layout.embed)
-    return replace(layout, embed_scale=float(model.config.hidden_size) ** 0.5,
-                   # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
-                   embed_scale_after_module=not hasattr(embed, "embed_scale"))
+    return replace(
+        layout,
+        embed_scale=float(model.config.hidden_size) ** 0.5,
+        # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
+        embed_scale_after_module=not hasattr(embed, "embed_scale"),
+    )
 
 
 @hookimpl
@@ -136,9 +158,25 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import Gemma2Config
 
     rng = random.Random(seed)
-    layers, (heads, kv), sliding = (2, (4, 2), 4) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    return Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                        num_key_value_heads=kv, head_dim=16, vocab_size=512, max_position_embeddings=128,
-                        sliding_window=sliding, query_pre_attn_scalar=16, rope_theta=10000.0,
-                        attn_implementation="eager", bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    layers, (heads, kv), sliding = (
+        (2, (4, 2), 4)
+        if seed == 0
+        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
+    )
+    return Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=128,
+        sliding_window=sliding,
+        query_pre_attn_scalar=16,
+        rope_theta=10000.0,
+        attn_implementation="eager",
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )

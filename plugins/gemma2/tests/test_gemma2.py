@@ -41,7 +41,7 @@ def test_embeddings_include_the_scale_and_edits_behave():
     in the embedding module (5.x) or after it (4.x); adding to hook_embed adds to the residual stream."""
     hm = CONTRACT.wrap(CONTRACT.make_model(gemma2_config(hidden=32), 0))
     table = hm.hf_model.model.embed_tokens.weight
-    assert_close(hm.W_E, table * 32 ** 0.5, "W_E is the scaled table")
+    assert_close(hm.W_E, table * 32**0.5, "W_E is the scaled table")
     ids, mask = tokens()
     delta = torch.randn(ids.shape + (32,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -86,11 +86,24 @@ def test_sandwich_norms():
     """hook_attn_out is ln1_post's output (what the residual receives), hook_result sums to its input."""
     hm = CONTRACT.wrap(CONTRACT.make_model(gemma2_config(), 0))
     names = hm.hook_names
-    order = [n for n in names if n.startswith("blocks.0.") and ("ln1_post" in n or n.endswith(
-        ("hook_result", "hook_attn_out", "ln2_post.hook_scale", "hook_mlp_out", "mlp.hook_post")))]
-    assert order == ["blocks.0.attn.hook_result", "blocks.0.ln1_post.hook_scale", "blocks.0.ln1_post.hook_normalized",
-                     "blocks.0.hook_attn_out", "blocks.0.mlp.hook_post", "blocks.0.ln2_post.hook_scale",
-                     "blocks.0.hook_mlp_out"]
+    order = [
+        n
+        for n in names
+        if n.startswith("blocks.0.")
+        and (
+            "ln1_post" in n
+            or n.endswith(("hook_result", "hook_attn_out", "ln2_post.hook_scale", "hook_mlp_out", "mlp.hook_post"))
+        )
+    ]
+    assert order == [
+        "blocks.0.attn.hook_result",
+        "blocks.0.ln1_post.hook_scale",
+        "blocks.0.ln1_post.hook_normalized",
+        "blocks.0.hook_attn_out",
+        "blocks.0.mlp.hook_post",
+        "blocks.0.ln2_post.hook_scale",
+        "blocks.0.hook_mlp_out",
+    ]
     ids, mask = tokens()
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=lambda n: True)

@@ -16,7 +16,14 @@ class TestGemma2TransformerLens(TransformerLensComparison):
     contract = Gemma2Contract()
     config = gemma2_config
     reference = "lensadapters_gemma2.reference:to_hooked_transformer"
-    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2, "window": 3, "attn_cap": 3.0, "final_cap": 2.0,
-                       "scalar": 16}
+    config_defaults = {
+        "layers": 2,
+        "n_heads": 4,
+        "n_kv": 2,
+        "window": 3,
+        "attn_cap": 3.0,
+        "final_cap": 2.0,
+        "scalar": 16,
+    }
     weights = ("W_E", "W_Q", "W_K", "W_V", "W_O", "W_in", "W_gate", "W_out", "W_U")
     edit_every_block = True

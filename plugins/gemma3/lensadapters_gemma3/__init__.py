@@ -53,7 +53,7 @@ ARCH = Architecture(
     name="gemma3",
     model_types=("gemma3_text", "gemma3"),
     description="Gemma 3 text (Gemma3ForCausalLM, Gemma3TextModel): sandwich norms, per-head q/k norms, local and "
-                "global RoPE bases, scaled embeddings, sliding windows",
+    "global RoPE bases, scaled embeddings, sliding windows",
     transformers=">=4.57,<6",
 )
 FAMILY = "Gemma3"
@@ -61,9 +61,15 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 NORMS = ("Gemma3RMSNorm",)
 TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
 
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="pre_feedforward_layernorm", mlp="mlp", ln1_post="post_attention_layernorm",
-                     ln2_post="post_feedforward_layernorm")
+_BLOCK = BlockLayout(
+    ln1="input_layernorm",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    ln2="pre_feedforward_layernorm",
+    mlp="mlp",
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+)
 _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # the norms see [b, heads, p, d_head]: the attention module transposes before normalizing
 _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd"))
@@ -116,18 +122,36 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__} is a multimodal Gemma 3 model (vision tower, image tokens with their own "
             f"attention masks); the gemma3 plugin describes the text model. Wrap a Gemma3ForCausalLM (load the "
-            f"checkpoint with Gemma3ForCausalLM.from_pretrained for text-only use)")
+            f"checkpoint with Gemma3ForCausalLM.from_pretrained for text-only use)"
+        )
     base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, _BLOCK.ln1_post,
-                                 _BLOCK.ln2_post, *_QKV_PATHS, *(n.module for n in _QK_NORMS), _MLP.pre,
-                                 _MLP.pre_linear, _MLP.out))
+    layers = hf.require_modules(
+        model,
+        base,
+        FAMILY,
+        ("embed_tokens", "norm"),
+        (
+            _BLOCK.ln1,
+            _BLOCK.attn,
+            _BLOCK.o_proj,
+            _BLOCK.ln2,
+            _BLOCK.mlp,
+            _BLOCK.ln1_post,
+            _BLOCK.ln2_post,
+            *_QKV_PATHS,
+            *(n.module for n in _QK_NORMS),
+            _MLP.pre,
+            _MLP.pre_linear,
+            _MLP.out,
+        ),
+    )
     hf.require_rope_types(rope_types(model), SUPPORTED_ROPE_TYPES, FAMILY)
     config = text_config(model)
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 3 config sets use_bidirectional_attention=True (an encoder such as EmbeddingGemma, not a "
-            "causal language model); the gemma3 plugin describes causal Gemma 3 models, whose masks it reproduces")
+            "causal language model); the gemma3 plugin describes causal Gemma 3 models, whose masks it reproduces"
+        )
     hf.require_head_shapes(config, layers[0].get_submodule(_QKV_PATHS[0]))
 
 
@@ -137,18 +161,36 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     head_dim = hf.head_dim(c)
     base_global, base_local = rope_bases(c)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_activation, normalization_type="RMS", positional_embedding_type="rotary",
-        model_type=model.config.model_type, n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim,
-        gated_mlp=True, eps=c.rms_norm_eps, original_architecture=type(model).__name__,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=head_dim,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_activation,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type=model.config.model_type,
+        n_key_value_heads=hf.n_kv_heads(c),
+        rotary_dim=head_dim,
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__,
         # transformers' Gemma 3 never passes attn_logit_softcapping to its attention function: no attention softcap
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
         **hf.window_fields(hf.layer_windows(c)),
-        extra={"rotary_base": base_global, "rotary_base_local": base_local, "rope_types": rope_types(model),
-               "query_pre_attn_scalar": c.query_pre_attn_scalar, "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
-               "embed_scale": float(c.hidden_size) ** 0.5, "use_normalization_before_and_after": True,
-               "use_qk_norm": True, "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True))},
+        extra={
+            "rotary_base": base_global,
+            "rotary_base_local": base_local,
+            "rope_types": rope_types(model),
+            "query_pre_attn_scalar": c.query_pre_attn_scalar,
+            "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
+            "embed_scale": float(c.hidden_size) ** 0.5,
+            "use_normalization_before_and_after": True,
+            "use_qk_norm": True,
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
+        },
     )
 
 
@@ -157,10 +199,15 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     base = _base(model)
     embed = model.get_submodule(hf.join(base, "embed_tokens"))
     # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), unembed=hf.unembed_path(model),
-                       rotary_input="position_embeddings", embed_scale=float(text_config(model).hidden_size) ** 0.5,
-                       embed_scale_after_module=not hasattr(embed, "embed_scale"))
+    return ModelLayout(
+        blocks=hf.join(base, "layers"),
+        embed=hf.join(base, "embed_tokens"),
+        ln_final=hf.join(base, "norm"),
+        unembed=hf.unembed_path(model),
+        rotary_input="position_embeddings",
+        embed_scale=float(text_config(model).hidden_size) ** 0.5,
+        embed_scale_after_module=not hasattr(embed, "embed_scale"),
+    )
 
 
 @hookimpl
@@ -171,8 +218,13 @@ def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
     # q, k and v are projected first, then q_norm and k_norm, then RoPE
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(text_config(model))), q_norm=_QK_NORMS[0],
-                       k_norm=_QK_NORMS[1], norms_after_projections=True)
+    return SeparateQKV(
+        *_QKV_PATHS,
+        rotary=rotate_half_spec(hf.head_dim(text_config(model))),
+        q_norm=_QK_NORMS[0],
+        k_norm=_QK_NORMS[1],
+        norms_after_projections=True,
+    )
 
 
 @hookimpl
@@ -195,10 +247,27 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import Gemma3TextConfig
 
     rng = random.Random(seed)
-    layers, (heads, kv), sliding = (3, (4, 1), 4) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
+    layers, (heads, kv), sliding = (
+        (3, (4, 1), 4)
+        if seed == 0
+        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
+    )
     types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
-    return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                            num_key_value_heads=kv, head_dim=16, vocab_size=512, max_position_embeddings=128,
-                            sliding_window=sliding, layer_types=types, query_pre_attn_scalar=16, rope_theta=10000.0,
-                            rope_local_base_freq=10.0, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    return Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=128,
+        sliding_window=sliding,
+        layer_types=types,
+        query_pre_attn_scalar=16,
+        rope_theta=10000.0,
+        rope_local_base_freq=10.0,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )

@@ -45,8 +45,9 @@ def rope(x: torch.Tensor, base: float, factor: float = 1.0) -> torch.Tensor:
 def test_local_and_global_layers_rotate_with_their_own_bases():
     """Layer 0 (sliding) rotates with rope_local_base_freq, layer 1 (global) with rope_theta and linear scaling: each
     layer's hook_rot_q is RoPE(q_norm output) with its own base."""
-    model = CONTRACT.make_model(gemma3_config(layers=2, global_every=2, theta=1000.0, local_theta=10.0,
-                                              global_scaling=4.0), 0)
+    model = CONTRACT.make_model(
+        gemma3_config(layers=2, global_every=2, theta=1000.0, local_theta=10.0, global_scaling=4.0), 0
+    )
     hm = CONTRACT.wrap(model)
     assert hm.cfg.attn_types == ("local", "global")
     assert hm.cfg.extra["rotary_base"] == 1000.0 and hm.cfg.extra["rotary_base_local"] == 10.0
@@ -62,17 +63,30 @@ def test_local_and_global_layers_rotate_with_their_own_bases():
 
 def test_query_norms_fire_after_all_three_projections():
     hm = CONTRACT.wrap(CONTRACT.make_model(gemma3_config(), 0))
-    attn = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.attn.")][:11]
-    assert attn == ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.q_norm.hook_scale",
-                    "attn.q_norm.hook_normalized", "attn.hook_rot_q", "attn.k_norm.hook_scale",
-                    "attn.k_norm.hook_normalized", "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"]
+    attn = [n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.attn.")][:11]
+    assert attn == [
+        "attn.hook_q",
+        "attn.hook_k",
+        "attn.hook_v",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+    ]
     ids, mask = tokens()
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, attention_mask=mask)
     k = cache["k", 0]
     assert cache["blocks.0.attn.k_norm.hook_scale"].shape == k.shape[:-1] + (1,)  # per head, [b, p, h, 1]
-    assert_close(cache["blocks.0.attn.k_norm.hook_normalized"], k / (k.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt(),
-                 "k_norm normalized per head")
+    assert_close(
+        cache["blocks.0.attn.k_norm.hook_normalized"],
+        k / (k.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt(),
+        "k_norm normalized per head",
+    )
     hm.unwrap()
 
 
@@ -94,8 +108,9 @@ def test_generation_with_hooks(cache):
 def test_multimodal_model_is_refused_naming_the_text_model():
     from transformers import AutoModelForCausalLM, Gemma3Config
 
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                  patch_size=8)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
+    )
     config = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModelError, match="multimodal.*Gemma3ForCausalLM"):
@@ -116,8 +131,11 @@ def test_custom_code_is_refused():
 def test_unknown_rope_type_is_refused():
     model = CONTRACT.make_model(gemma3_config(), 0)
     rotary = model.model.rotary_emb
-    rotary.rope_type = ({k: "interleaved_future_rope" for k in rotary.rope_type} if isinstance(rotary.rope_type, dict)
-                        else "interleaved_future_rope")
+    rotary.rope_type = (
+        {k: "interleaved_future_rope" for k in rotary.rope_type}
+        if isinstance(rotary.rope_type, dict)
+        else "interleaved_future_rope"
+    )
     with pytest.raises(UnsupportedModelError, match="rope type 'interleaved_future_rope'.*supported: default"):
         CONTRACT.wrap(model)
 

@@ -24,8 +24,17 @@ class TestGemma3TransformerLens(TransformerLensComparison):
     contract = Gemma3Contract()
     config = gemma3_config
     reference = "lensadapters_gemma3.reference:to_hooked_transformer"
-    config_defaults = {"layers": 2, "global_every": 2, "n_heads": 4, "n_kv": 2, "window": 3, "scalar": 16,
-                       "theta": 1000.0, "local_theta": 10.0, "final_cap": 2.0}
+    config_defaults = {
+        "layers": 2,
+        "global_every": 2,
+        "n_heads": 4,
+        "n_kv": 2,
+        "window": 3,
+        "scalar": 16,
+        "theta": 1000.0,
+        "local_theta": 10.0,
+        "final_cap": 2.0,
+    }
     compared_points = ("blocks.0.attn.q_norm.hook_scale",)
     edit_every_block = True
 

@@ -58,18 +58,32 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.n_layer, d_model=c.n_embd, n_heads=c.n_head, d_head=c.n_embd // c.n_head,
-        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
-        act_fn=c.activation_function, normalization_type="LN", positional_embedding_type="standard",
-        model_type="gpt2", eps=c.layer_norm_epsilon, original_architecture=type(model).__name__,
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        n_heads=c.n_head,
+        d_head=c.n_embd // c.n_head,
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn=c.activation_function,
+        normalization_type="LN",
+        positional_embedding_type="standard",
+        model_type="gpt2",
+        eps=c.layer_norm_epsilon,
+        original_architecture=type(model).__name__,
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
-    return ModelLayout(blocks=p + "h", embed=p + "wte", pos_embed=p + "wpe", ln_final=p + "ln_f",
-                       unembed="lm_head" if hasattr(model, "lm_head") else None)
+    return ModelLayout(
+        blocks=p + "h",
+        embed=p + "wte",
+        pos_embed=p + "wpe",
+        ln_final=p + "ln_f",
+        unembed="lm_head" if hasattr(model, "lm_head") else None,
+    )
 
 
 @hookimpl
@@ -106,8 +120,14 @@ def lensadapters_linear_weight(module: nn.Module, read: Any) -> Optional[LinearW
 
 
 @hookimpl
-def lensadapters_attn_scores(arch: Architecture, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                             scaling: Optional[float], implementation: str) -> torch.Tensor:
+def lensadapters_attn_scores(
+    arch: Architecture,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: Optional[float],
+    implementation: str,
+) -> torch.Tensor:
     """Scores as the configured implementation computes them.
 
     transformers 5.x passes ``scaling`` (which includes both scale flags). transformers 4.57 passes
@@ -145,9 +165,15 @@ def lensadapters_attn_original(arch: Architecture, module: nn.Module, implementa
     upcast = type(module)._upcast_and_reordered_attn
     takes_head_mask = "head_mask" in upcast.__code__.co_varnames[: upcast.__code__.co_argcount]
 
-    def original(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: Optional[torch.Tensor], head_mask: Optional[torch.Tensor] = None,
-                 **kwargs: Any) -> Any:
+    def original(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        head_mask: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> Any:
         if takes_head_mask:
             return module._upcast_and_reordered_attn(query, key, value, attention_mask, head_mask)
         return module._upcast_and_reordered_attn(query, key, value, attention_mask)
@@ -172,8 +198,21 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import GPT2Config
 
     rng = random.Random(seed)
-    layers, heads, act = (2, 4, "gelu_new") if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice(["gelu_new", "gelu", "relu"]))
-    return GPT2Config(n_layer=layers, n_embd=64, n_head=heads, n_positions=128, vocab_size=512,
-                      activation_function=act, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                      eos_token_id=0)
+    layers, heads, act = (
+        (2, 4, "gelu_new")
+        if seed == 0
+        else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice(["gelu_new", "gelu", "relu"]))
+    )
+    return GPT2Config(
+        n_layer=layers,
+        n_embd=64,
+        n_head=heads,
+        n_positions=128,
+        vocab_size=512,
+        activation_function=act,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )

@@ -28,12 +28,21 @@ _TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 @st.composite
-def gpt2_configs(draw: st.DrawFn, *, n_layers: Any = st.integers(1, 3), n_heads: Any = st.integers(1, 4),
-                 d_head: Any = st.sampled_from([4, 8, 16]), d_model: Any = None,
-                 d_mlp: Any = st.sampled_from([None, 32, 48]), vocab: Any = st.integers(16, 200),
-                 act: Any = st.sampled_from(ACTIVATIONS), scale_attn_weights: Any = st.booleans(),
-                 scale_attn_by_inverse_layer_idx: Any = st.booleans(), reorder_and_upcast_attn: Any = st.booleans(),
-                 eps: Any = st.sampled_from([1e-5, 1e-3])) -> GPT2Config:
+def gpt2_configs(
+    draw: st.DrawFn,
+    *,
+    n_layers: Any = st.integers(1, 3),
+    n_heads: Any = st.integers(1, 4),
+    d_head: Any = st.sampled_from([4, 8, 16]),
+    d_model: Any = None,
+    d_mlp: Any = st.sampled_from([None, 32, 48]),
+    vocab: Any = st.integers(16, 200),
+    act: Any = st.sampled_from(ACTIVATIONS),
+    scale_attn_weights: Any = st.booleans(),
+    scale_attn_by_inverse_layer_idx: Any = st.booleans(),
+    reorder_and_upcast_attn: Any = st.booleans(),
+    eps: Any = st.sampled_from([1e-5, 1e-3]),
+) -> GPT2Config:
     """Tiny GPT-2 configs: 1-3 layers, 1-4 heads of 4-16 dims, ``n_inner`` default or set, every activation,
     both scaling flags and ``reorder_and_upcast_attn``.
 
@@ -43,15 +52,25 @@ def gpt2_configs(draw: st.DrawFn, *, n_layers: Any = st.integers(1, 3), n_heads:
     heads = draw(as_strategy(n_heads), label="n_heads")
     width = draw(as_strategy(d_model)) if d_model is not None else heads * draw(as_strategy(d_head), label="d_head")
     return GPT2Config(
-        n_layer=draw(as_strategy(n_layers), label="n_layers"), n_head=heads, n_embd=width,
-        n_inner=draw(as_strategy(d_mlp), label="d_mlp"), vocab_size=draw(as_strategy(vocab), label="vocab"),
-        n_positions=32, activation_function=draw(as_strategy(act), label="act"),
+        n_layer=draw(as_strategy(n_layers), label="n_layers"),
+        n_head=heads,
+        n_embd=width,
+        n_inner=draw(as_strategy(d_mlp), label="d_mlp"),
+        vocab_size=draw(as_strategy(vocab), label="vocab"),
+        n_positions=32,
+        activation_function=draw(as_strategy(act), label="act"),
         scale_attn_weights=draw(as_strategy(scale_attn_weights), label="scale_attn_weights"),
-        scale_attn_by_inverse_layer_idx=draw(as_strategy(scale_attn_by_inverse_layer_idx),
-                                             label="scale_attn_by_inverse_layer_idx"),
+        scale_attn_by_inverse_layer_idx=draw(
+            as_strategy(scale_attn_by_inverse_layer_idx), label="scale_attn_by_inverse_layer_idx"
+        ),
         reorder_and_upcast_attn=draw(as_strategy(reorder_and_upcast_attn), label="reorder_and_upcast_attn"),
         layer_norm_epsilon=draw(as_strategy(eps), label="eps"),
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -62,8 +81,13 @@ class GPT2Contract(AdapterContract):
     config_strategy = gpt2_configs
     # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads (with one head
     # and two tokens a tiny random model can saturate the softmax)
-    matrix_overrides = dict(n_layers=st.integers(1, 2), n_heads=st.integers(2, 4), d_head=st.sampled_from([4, 8]),
-                            d_mlp=st.sampled_from([None, 24]), vocab=st.integers(16, 100))
+    matrix_overrides = dict(
+        n_layers=st.integers(1, 2),
+        n_heads=st.integers(2, 4),
+        d_head=st.sampled_from([4, 8]),
+        d_mlp=st.sampled_from([None, 24]),
+        vocab=st.integers(16, 100),
+    )
     aligned_overrides = dict(d_model=64, d_mlp=None, n_heads=st.sampled_from([1, 2, 4]))  # widths 64, 192, 256
     learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
 

@@ -28,7 +28,7 @@ def test_fused_qkv_split_matches_c_attn_columns(config, seed):
     handle.remove()
     d = config.n_embd
     for i, name in enumerate("qkv"):
-        expected = fused["out"][..., i * d:(i + 1) * d].unflatten(-1, (config.n_head, -1))
+        expected = fused["out"][..., i * d : (i + 1) * d].unflatten(-1, (config.n_head, -1))
         assert torch.equal(cache[name, 0], expected)
     hm.unwrap()
 
@@ -40,6 +40,9 @@ def test_live_weights_follow_parameter_changes():
     hm = contract.wrap(model)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight[:, :8].mul_(3)
-    assert_close(hm.W_Q[0], model.transformer.h[0].attn.c_attn.weight[:, :8].unflatten(-1, (2, 4)).permute(1, 0, 2),
-                 "W_Q after an in-place update")
+    assert_close(
+        hm.W_Q[0],
+        model.transformer.h[0].attn.c_attn.weight[:, :8].unflatten(-1, (2, 4)).permute(1, 0, 2),
+        "W_Q after an in-place update",
+    )
     hm.unwrap()

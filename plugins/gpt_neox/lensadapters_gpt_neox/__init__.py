@@ -100,21 +100,24 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     c = model.config
     impl = getattr(c, "_attn_implementation", None) or "eager"
     if impl.startswith(_ATTN_PREFIX):
-        impl = impl[len(_ATTN_PREFIX):]
+        impl = impl[len(_ATTN_PREFIX) :]
     if impl not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"lensadapters-gpt-neox is tested with the attention implementations {SUPPORTED_ATTENTION}, and this "
             f"model uses {impl!r}. Call model.set_attn_implementation('sdpa') (or load it with "
-            f"attn_implementation='sdpa') before wrapping.")
+            f"attn_implementation='sdpa') before wrapping."
+        )
     if c.hidden_size % c.num_attention_heads:
         raise UnsupportedModelError(
-            f"GPT-NeoX with hidden_size={c.hidden_size} not divisible by num_attention_heads={c.num_attention_heads}")
+            f"GPT-NeoX with hidden_size={c.hidden_size} not divisible by num_attention_heads={c.num_attention_heads}"
+        )
     base = _base(model)
     for attr in ("embed_in", "layers", "final_layer_norm", "rotary_emb"):
         if not hasattr(base, attr):
             raise UnsupportedModelError(
                 f"this GPT-NeoX model has no {attr!r} module: its layout differs from transformers' GPTNeoXModel, "
-                f"which lensadapters-gpt-neox expects")
+                f"which lensadapters-gpt-neox expects"
+            )
     d_head = c.hidden_size // c.num_attention_heads
     stock = {hf.GPTNeoXLayer: "GPTNeoXLayer", hf.GPTNeoXAttention: "GPTNeoXAttention", hf.GPTNeoXMLP: "GPTNeoXMLP"}
     for i, layer in enumerate(base.layers):
@@ -124,36 +127,43 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             if not isinstance(module, cls):
                 raise UnsupportedModelError(
                     f"layer {i}: expected a transformers {stock[cls]}, found {type(module).__name__}; "
-                    f"lensadapters-gpt-neox supports only transformers' own GPT-NeoX modules")
+                    f"lensadapters-gpt-neox supports only transformers' own GPT-NeoX modules"
+                )
             if type(module).forward is not cls.forward:
                 warnings.warn(
                     f"layer {i}: {type(module).__name__} overrides {stock[cls]}.forward; lensadapters-gpt-neox "
                     f"assumes the stock computation and hook points may not mean what their names say",
-                    stacklevel=2)
+                    stacklevel=2,
+                )
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if not isinstance(getattr(layer, norm, None), nn.LayerNorm):
                 raise UnsupportedModelError(f"layer {i}: {norm} is not an nn.LayerNorm")
         if bool(layer.use_parallel_residual) != bool(c.use_parallel_residual):
             raise UnsupportedModelError(
                 f"layer {i}: use_parallel_residual={layer.use_parallel_residual} differs from the config's "
-                f"{c.use_parallel_residual}")
+                f"{c.use_parallel_residual}"
+            )
         if attn.head_size != d_head:
             raise UnsupportedModelError(
-                f"layer {i}: head size {attn.head_size} differs from hidden_size/heads={d_head}")
+                f"layer {i}: head size {attn.head_size} differs from hidden_size/heads={d_head}"
+            )
         qkv_out = _out_features(attn.query_key_value)
         if qkv_out is not None and qkv_out != 3 * c.hidden_size:
             raise UnsupportedModelError(
                 f"layer {i}: query_key_value has {qkv_out} output features, expected 3 * hidden_size = "
-                f"{3 * c.hidden_size} (per-head interleaved q, k, v)")
+                f"{3 * c.hidden_size} (per-head interleaved q, k, v)"
+            )
         if attn.rotary_ndims % 2 or attn.rotary_ndims > d_head:
             raise UnsupportedModelError(
-                f"layer {i}: rotary_ndims={attn.rotary_ndims} must be even and at most d_head={d_head}")
+                f"layer {i}: rotary_ndims={attn.rotary_ndims} must be even and at most d_head={d_head}"
+            )
     inv_freq = getattr(base.rotary_emb, "inv_freq", None)
     rotary_ndims = base.layers[0].attention.rotary_ndims if len(base.layers) else 0
     if inv_freq is not None and 2 * inv_freq.shape[-1] != rotary_ndims:
         raise UnsupportedModelError(
             f"the rotary module rotates {2 * inv_freq.shape[-1]} dimensions but attention declares rotary_ndims="
-            f"{rotary_ndims} (config.head_dim differs from hidden_size / num_attention_heads?)")
+            f"{rotary_ndims} (config.head_dim differs from hidden_size / num_attention_heads?)"
+        )
 
 
 @hookimpl
@@ -162,10 +172,20 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     d_head = c.hidden_size // c.num_attention_heads
     rotary_dim = _attention(model, 0).rotary_ndims if c.num_hidden_layers else 0
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=d_head,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="LN", positional_embedding_type="rotary", model_type="gpt_neox",
-        rotary_dim=rotary_dim, parallel_attn_mlp=bool(c.use_parallel_residual), eps=c.layer_norm_eps,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=d_head,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        model_type="gpt_neox",
+        rotary_dim=rotary_dim,
+        parallel_attn_mlp=bool(c.use_parallel_residual),
+        eps=c.layer_norm_eps,
         original_architecture=type(model).__name__,
     )
 
@@ -177,8 +197,13 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output is not None:
         unembed = next((name for name, module in model.named_modules() if module is output), None)
-    return ModelLayout(blocks=p + "layers", embed=p + "embed_in", ln_final=p + "final_layer_norm",
-                       unembed=unembed, rotary=p + "rotary_emb")
+    return ModelLayout(
+        blocks=p + "layers",
+        embed=p + "embed_in",
+        ln_final=p + "final_layer_norm",
+        unembed=unembed,
+        rotary=p + "rotary_emb",
+    )
 
 
 @hookimpl
@@ -186,9 +211,15 @@ def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -
     block = model.get_submodule(_prefix(model) + "layers")[layer]
     # the block adds post_mlp_dropout(mlp(...)) to the residual: resid_mid edits are carried in there
     mlp_residual = "post_mlp_dropout" if hasattr(block, "post_mlp_dropout") else None
-    return BlockLayout(ln1="input_layernorm", attn="attention", o_proj="attention.dense",
-                       ln2="post_attention_layernorm", mlp="mlp", parallel=bool(model.config.use_parallel_residual),
-                       mlp_residual=mlp_residual)
+    return BlockLayout(
+        ln1="input_layernorm",
+        attn="attention",
+        o_proj="attention.dense",
+        ln2="post_attention_layernorm",
+        mlp="mlp",
+        parallel=bool(model.config.use_parallel_residual),
+        mlp_residual=mlp_residual,
+    )
 
 
 @hookimpl
@@ -217,8 +248,20 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import GPTNeoXConfig
 
     rng = random.Random(seed)
-    layers, heads, pct, parallel = (2, 4, 0.25, True) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice([0.25, 0.5, 1.0]), rng.random() < 0.5)
-    return GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=heads,
-                         intermediate_size=256, rotary_pct=pct, max_position_embeddings=128, hidden_dropout=0.0,
-                         attention_dropout=0.0, use_parallel_residual=parallel)
+    layers, heads, pct, parallel = (
+        (2, 4, 0.25, True)
+        if seed == 0
+        else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice([0.25, 0.5, 1.0]), rng.random() < 0.5)
+    )
+    return GPTNeoXConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=256,
+        rotary_pct=pct,
+        max_position_embeddings=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_parallel_residual=parallel,
+    )

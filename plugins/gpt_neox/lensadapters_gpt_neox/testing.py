@@ -26,14 +26,34 @@ __all__ = ["GPTNeoXContract", "gpt_neox_config", "gpt_neox_configs", "rotary_pct
 VOCAB = 128
 
 
-def gpt_neox_config(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, parallel: bool = True,
-                    bias: bool = True, n_layers: int = 2, d_mlp: int = 48, vocab: int = VOCAB) -> GPTNeoXConfig:
+def gpt_neox_config(
+    n_heads: int = 4,
+    d_head: int = 8,
+    rotary_pct: float = 0.25,
+    parallel: bool = True,
+    bias: bool = True,
+    n_layers: int = 2,
+    d_mlp: int = 48,
+    vocab: int = VOCAB,
+) -> GPTNeoXConfig:
     """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos)."""
     return GPTNeoXConfig(
-        vocab_size=vocab, hidden_size=n_heads * d_head, num_hidden_layers=n_layers, num_attention_heads=n_heads,
-        intermediate_size=d_mlp, rotary_pct=rotary_pct, rotary_emb_base=10000, max_position_embeddings=64,
-        hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=parallel, attention_bias=bias,
-        pad_token_id=0, eos_token_id=None, bos_token_id=None)
+        vocab_size=vocab,
+        hidden_size=n_heads * d_head,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        intermediate_size=d_mlp,
+        rotary_pct=rotary_pct,
+        rotary_emb_base=10000,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_parallel_residual=parallel,
+        attention_bias=bias,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
 
 
 def rotary_pct(config: Any) -> float:
@@ -43,11 +63,19 @@ def rotary_pct(config: Any) -> float:
 
 
 @st.composite
-def gpt_neox_configs(draw: st.DrawFn, *, n_heads: Any = st.sampled_from([1, 2, 4]),
-                     d_head: Any = st.sampled_from([8, 16]), d_model: Any = None,
-                     rotary_pct: Any = st.sampled_from([0.25, 0.5, 1.0]), parallel: Any = st.booleans(),
-                     bias: Any = st.booleans(), n_layers: Any = st.integers(1, 2), d_mlp: Any = 48,
-                     vocab: Any = VOCAB) -> GPTNeoXConfig:
+def gpt_neox_configs(
+    draw: st.DrawFn,
+    *,
+    n_heads: Any = st.sampled_from([1, 2, 4]),
+    d_head: Any = st.sampled_from([8, 16]),
+    d_model: Any = None,
+    rotary_pct: Any = st.sampled_from([0.25, 0.5, 1.0]),
+    parallel: Any = st.booleans(),
+    bias: Any = st.booleans(),
+    n_layers: Any = st.integers(1, 2),
+    d_mlp: Any = 48,
+    vocab: Any = VOCAB,
+) -> GPTNeoXConfig:
     """Tiny GPT-NeoX configs: parallel and sequential residual, ``rotary_pct`` 0.25 / 0.5 / 1, 1-4 heads,
     attention bias on and off, 1-2 layers.
 
@@ -55,13 +83,21 @@ def gpt_neox_configs(draw: st.DrawFn, *, n_heads: Any = st.sampled_from([1, 2, 4
     n_heads``).
     """
     heads = draw(as_strategy(n_heads), label="n_heads")
-    head_dim = (draw(as_strategy(d_model), label="d_model") // heads if d_model is not None
-                else draw(as_strategy(d_head), label="d_head"))
+    head_dim = (
+        draw(as_strategy(d_model), label="d_model") // heads
+        if d_model is not None
+        else draw(as_strategy(d_head), label="d_head")
+    )
     return gpt_neox_config(
-        n_heads=heads, d_head=head_dim, rotary_pct=draw(as_strategy(rotary_pct), label="rotary_pct"),
-        parallel=draw(as_strategy(parallel), label="parallel"), bias=draw(as_strategy(bias), label="bias"),
-        n_layers=draw(as_strategy(n_layers), label="n_layers"), d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
-        vocab=draw(as_strategy(vocab), label="vocab"))
+        n_heads=heads,
+        d_head=head_dim,
+        rotary_pct=draw(as_strategy(rotary_pct), label="rotary_pct"),
+        parallel=draw(as_strategy(parallel), label="parallel"),
+        bias=draw(as_strategy(bias), label="bias"),
+        n_layers=draw(as_strategy(n_layers), label="n_layers"),
+        d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
+        vocab=draw(as_strategy(vocab), label="vocab"),
+    )
 
 
 class GPTNeoXContract(AdapterContract):
@@ -70,14 +106,20 @@ class GPTNeoXContract(AdapterContract):
     plugin = lensadapters_gpt_neox
     config_strategy = gpt_neox_configs
     # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads
-    matrix_overrides = dict(n_heads=st.integers(2, 4), d_head=8, d_mlp=st.sampled_from([24, 64]), vocab=64,
-                            rotary_pct=st.sampled_from([0.25, 1.0]))
+    matrix_overrides = dict(
+        n_heads=st.integers(2, 4),
+        d_head=8,
+        d_mlp=st.sampled_from([24, 64]),
+        vocab=64,
+        rotary_pct=st.sampled_from([0.25, 1.0]),
+    )
     aligned_overrides = dict(d_model=64, d_mlp=128, n_heads=st.sampled_from([1, 2, 4]))
     learned_positions, rotary, gated_mlp = False, True, False
 
     def capabilities(self, model: torch.nn.Module) -> Capabilities:
-        return dataclasses.replace(super().capabilities(model),
-                                   parallel_blocks=bool(model.config.use_parallel_residual))
+        return dataclasses.replace(
+            super().capabilities(model), parallel_blocks=bool(model.config.use_parallel_residual)
+        )
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"{'parallel' if config.use_parallel_residual else 'sequential'}, rotary_pct {rotary_pct(config)}"

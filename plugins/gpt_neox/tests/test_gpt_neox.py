@@ -40,8 +40,15 @@ SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @functools.lru_cache(maxsize=32)
-def tiny_model(n_heads: int = 4, d_head: int = 8, rotary_pct: float = 0.25, parallel: bool = True,
-               bias: bool = True, n_layers: int = 2, seed: int = 0) -> nn.Module:
+def tiny_model(
+    n_heads: int = 4,
+    d_head: int = 8,
+    rotary_pct: float = 0.25,
+    parallel: bool = True,
+    bias: bool = True,
+    n_layers: int = 2,
+    seed: int = 0,
+) -> nn.Module:
     # reinit: weights large enough that every path matters
     return seeded_model(make_config(n_heads, d_head, rotary_pct, parallel, bias, n_layers), seed)
 
@@ -52,8 +59,14 @@ def neox_models(draw: st.DrawFn) -> tuple[tuple, nn.Module]:
     n_layers), model)``."""
     config = draw(gpt_neox_configs())
     heads = config.num_attention_heads
-    key = (heads, config.hidden_size // heads, rotary_pct(config), config.use_parallel_residual,
-           config.attention_bias, config.num_hidden_layers)
+    key = (
+        heads,
+        config.hidden_size // heads,
+        rotary_pct(config),
+        config.use_parallel_residual,
+        config.attention_bias,
+        config.num_hidden_layers,
+    )
     return key, tiny_model(*key)
 
 
@@ -105,8 +118,8 @@ def test_qkv_weights_are_deinterleaved_per_head(model_key):
                 rows = slice(3 * d_head * h, 3 * d_head * (h + 1))  # head h owns 3*d_head consecutive rows
                 w, b = fused.weight[rows], fused.bias[rows] if fused.bias is not None else torch.zeros(3 * d_head)
                 for i, (W, B) in enumerate(((W_Q, b_Q), (W_K, b_K), (W_V, b_V))):
-                    assert torch.equal(W[layer, h], w[i * d_head:(i + 1) * d_head].T)
-                    assert torch.equal(B[layer, h], b[i * d_head:(i + 1) * d_head])
+                    assert torch.equal(W[layer, h], w[i * d_head : (i + 1) * d_head].T)
+                    assert torch.equal(B[layer, h], b[i * d_head : (i + 1) * d_head])
         assert torch.equal(hm.W_U, model.get_output_embeddings().weight.T)
         assert torch.equal(hm.W_E, model.gpt_neox.embed_in.weight)
         assert torch.equal(hm.W_in, torch.stack([b.mlp.dense_h_to_4h.weight.T for b in model.gpt_neox.layers]))
@@ -164,10 +177,11 @@ def test_rot_k_edit_is_what_attention_uses(model_key, inputs: Inputs, seed):
 
     with wrapped(model) as hm:
         with hm.hooks(fwd_hooks=[(lambda n: n.endswith("hook_rot_k"), edit)]):
-            _, cache = hm.run_with_cache(**inputs.kwargs(),
-                                         names_filter=lambda n: n.endswith(("hook_rot_q", "hook_attn_scores")))
+            _, cache = hm.run_with_cache(
+                **inputs.kwargs(), names_filter=lambda n: n.endswith(("hook_rot_q", "hook_attn_scores"))
+            )
         for layer in range(hm.cfg.n_layers):
-            expected = torch.einsum("bqhd,bkhd->bhqk", cache["rot_q", layer], edits[layer]) * d_head ** -0.5
+            expected = torch.einsum("bqhd,bkhd->bhqk", cache["rot_q", layer], edits[layer]) * d_head**-0.5
             scores = cache["attn_scores", layer]
             finite = scores.isfinite()
             allowed = torch.ones(scores.shape[-2:], dtype=torch.bool).tril() & inputs.valid[:, None, None, :]
@@ -182,16 +196,26 @@ def test_rot_k_edit_is_what_attention_uses(model_key, inputs: Inputs, seed):
 def test_parallel_residual_isolation(parallel):
     model = tiny_model(parallel=parallel, rotary_pct=0.5)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    watched = ["blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.hook_mlp_in",
-               "blocks.0.ln2.hook_normalized", "blocks.0.mlp.hook_pre", "blocks.0.hook_mlp_out",
-               "blocks.0.hook_resid_post"]
+    watched = [
+        "blocks.0.hook_resid_pre",
+        "blocks.0.hook_attn_out",
+        "blocks.0.hook_mlp_in",
+        "blocks.0.ln2.hook_normalized",
+        "blocks.0.mlp.hook_pre",
+        "blocks.0.hook_mlp_out",
+        "blocks.0.hook_resid_post",
+    ]
     with wrapped(model) as hm:
         _, clean = hm.run_with_cache(ids, names_filter=watched)
         delta = torch.randn(clean["blocks.0.hook_attn_out"].shape, generator=torch.Generator().manual_seed(2))
         with hm.hooks(fwd_hooks=[("blocks.0.hook_attn_out", lambda t, hook: t + delta)]):
             _, edited = hm.run_with_cache(ids, names_filter=watched)
-        mlp_side = ["blocks.0.hook_mlp_in", "blocks.0.ln2.hook_normalized", "blocks.0.mlp.hook_pre",
-                    "blocks.0.hook_mlp_out"]
+        mlp_side = [
+            "blocks.0.hook_mlp_in",
+            "blocks.0.ln2.hook_normalized",
+            "blocks.0.mlp.hook_pre",
+            "blocks.0.hook_mlp_out",
+        ]
         if parallel:
             assert "blocks.0.hook_resid_mid" not in hm.hook_names
             # the MLP reads the block input (ln2's input), not the attention output
@@ -200,8 +224,9 @@ def test_parallel_residual_isolation(parallel):
                 assert torch.equal(clean[name], edited[name]), name
         else:
             assert "blocks.0.hook_resid_mid" in hm.hook_names
-            torch.testing.assert_close(clean["blocks.0.hook_mlp_in"],
-                                       clean["blocks.0.hook_resid_pre"] + clean["blocks.0.hook_attn_out"])
+            torch.testing.assert_close(
+                clean["blocks.0.hook_mlp_in"], clean["blocks.0.hook_resid_pre"] + clean["blocks.0.hook_attn_out"]
+            )
             for name in mlp_side:
                 assert not torch.allclose(clean[name], edited[name]), name
         # the residual stream gets the edit either way
@@ -222,8 +247,9 @@ def test_parallel_mlp_in_edit_reaches_only_the_mlp():
         assert not torch.allclose(clean["blocks.0.hook_mlp_out"], edited["blocks.0.hook_mlp_out"])
         # the residual itself keeps the unedited block input: resid_post = x + attn + mlp(edited)
         change = edited["blocks.0.hook_resid_post"] - clean["blocks.0.hook_resid_post"]
-        torch.testing.assert_close(change, edited["blocks.0.hook_mlp_out"] - clean["blocks.0.hook_mlp_out"],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            change, edited["blocks.0.hook_mlp_out"] - clean["blocks.0.hook_mlp_out"], atol=1e-5, rtol=1e-5
+        )
 
 
 # --- generation with the KV cache -----------------------------------------------------------------------------
@@ -250,12 +276,14 @@ def test_generation_positions_continue_in_rot_k(parallel, pct):
     names = lambda n: n.endswith(("hook_rot_k", "hook_rot_q"))  # noqa: E731
     with wrapped(model) as hm:
         with hm.hooks(fwd_hooks=[(names, record)]):
-            out = hm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                              pad_token_id=0)
+            out = hm.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0
+            )
         assert out.shape[1] == ids.shape[1] + new_tokens
         full_mask = torch.cat([mask, torch.ones(2, new_tokens, dtype=torch.long)], dim=1)
-        _, full = hm.run_with_cache(out, attention_mask=full_mask, position_ids=position_ids(full_mask),
-                                    names_filter=names)
+        _, full = hm.run_with_cache(
+            out, attention_mask=full_mask, position_ids=position_ids(full_mask), names_filter=names
+        )
     fed = out.shape[1] - 1  # the last generated token is never fed back
     valid = full_mask[:, :fed].bool()
     for name in [n for n in full if names(n)]:
@@ -288,19 +316,35 @@ def test_rot_k_edit_is_stored_in_kv_cache():
 
     with wrapped(model) as hm:
         name = f"blocks.{layer}.attn.hook_rot_k"
-        with hm.hooks(fwd_hooks=[(name, edit_prompt), (f"blocks.{layer}.attn.hook_rot_q", record),
-                                 (f"blocks.{layer}.attn.hook_attn_scores", record)]):
-            gen_out = hm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                  use_cache=True, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+        with hm.hooks(
+            fwd_hooks=[
+                (name, edit_prompt),
+                (f"blocks.{layer}.attn.hook_rot_q", record),
+                (f"blocks.{layer}.attn.hook_attn_scores", record),
+            ]
+        ):
+            gen_out = hm.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_scores=True,
+                pad_token_id=0,
+            )
         # 1. the cache holds the edited key, up to the inverse-then-reapply rotation's rounding
-        keys = gen_out.past_key_values.layers[layer].keys if hasattr(gen_out.past_key_values, "layers") \
+        keys = (
+            gen_out.past_key_values.layers[layer].keys
+            if hasattr(gen_out.past_key_values, "layers")
             else gen_out.past_key_values.key_cache[layer]
+        )
         torch.testing.assert_close(keys[:, :, position], replacement, atol=1e-5, rtol=1e-5)
         # 2. every later step's scores against that position use the edited key
         assert len(seen["hook_attn_scores"]) == new_tokens
         for rot_q, step_scores in list(zip(seen["hook_rot_q"], seen["hook_attn_scores"]))[1:]:
             assert step_scores.shape[-2] == 1
-            expected = torch.einsum("bqhd,bhd->bhq", rot_q, replacement) * 8 ** -0.5
+            expected = torch.einsum("bqhd,bhd->bhq", rot_q, replacement) * 8**-0.5
             torch.testing.assert_close(step_scores[..., position], expected, atol=1e-4, rtol=1e-4)
         # 3. the cached run equals a cache-free run of the whole sequence with the same edit
         seq = gen_out.sequences
@@ -311,10 +355,15 @@ def test_rot_k_edit_is_stored_in_kv_cache():
             rot_k[:, position] = replacement
             return rot_k
 
-        logits = hm.run_with_hooks(seq[:, :-1], attention_mask=full_mask[:, :-1],
-                                   position_ids=position_ids(full_mask[:, :-1]), fwd_hooks=[(name, edit_full)])
-        unedited = hm(seq[:, :-1], attention_mask=full_mask[:, :-1],
-                      position_ids=position_ids(full_mask[:, :-1])).logits
+        logits = hm.run_with_hooks(
+            seq[:, :-1],
+            attention_mask=full_mask[:, :-1],
+            position_ids=position_ids(full_mask[:, :-1]),
+            fwd_hooks=[(name, edit_full)],
+        )
+        unedited = hm(
+            seq[:, :-1], attention_mask=full_mask[:, :-1], position_ids=position_ids(full_mask[:, :-1])
+        ).logits
     P = ids.shape[1]
     for step, step_scores in enumerate(gen_out.scores):
         torch.testing.assert_close(step_scores, logits[:, P - 1 + step], atol=1e-4, rtol=1e-4)

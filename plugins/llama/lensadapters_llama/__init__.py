@@ -63,8 +63,13 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 @hookimpl
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
-    return FAMILY.hooked_config(model, extra={"attention_bias": bool(getattr(c, "attention_bias", False)),
-                                              "mlp_bias": bool(getattr(c, "mlp_bias", False))})
+    return FAMILY.hooked_config(
+        model,
+        extra={
+            "attention_bias": bool(getattr(c, "attention_bias", False)),
+            "mlp_bias": bool(getattr(c, "mlp_bias", False)),
+        },
+    )
 
 
 @hookimpl

@@ -31,15 +31,24 @@ def rope_scaling(rope_type: str, head_dim: int, original_max: int = 4, factor: f
     if rope_type in ("linear", "dynamic"):
         return {"rope_type": rope_type, "factor": factor}
     if rope_type == "llama3":
-        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": original_max}
+        return {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original_max,
+        }
     if rope_type == "yarn":
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max}
     if rope_type == "longrope":
         half = head_dim // 2
-        return {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original_max,
-                "short_factor": [1.0 + 0.25 * i / half for i in range(half)],
-                "long_factor": [1.5 + 2.0 * i / half for i in range(half)]}
+        return {
+            "rope_type": "longrope",
+            "factor": factor,
+            "original_max_position_embeddings": original_max,
+            "short_factor": [1.0 + 0.25 * i / half for i in range(half)],
+            "long_factor": [1.5 + 2.0 * i / half for i in range(half)],
+        }
     raise ValueError(rope_type)
 
 
@@ -49,20 +58,49 @@ def rope_type(config: Any) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
-def llama_config(*, n_heads: int = 4, n_kv: int = 2, head_dim: int = 8, hidden: int = 32, layers: int = 1,
-                 d_mlp: int = 32, vocab: int = 64, rope_type: str = "default", theta: float = 10000.0,
-                 max_pos: int = 32, original_max: int = 4, factor: float = 4.0, tied: bool = False,
-                 attention_bias: bool = False, mlp_bias: bool = False, act: str = "silu",
-                 eps: float = 1e-6) -> LlamaConfig:
+def llama_config(
+    *,
+    n_heads: int = 4,
+    n_kv: int = 2,
+    head_dim: int = 8,
+    hidden: int = 32,
+    layers: int = 1,
+    d_mlp: int = 32,
+    vocab: int = 64,
+    rope_type: str = "default",
+    theta: float = 10000.0,
+    max_pos: int = 32,
+    original_max: int = 4,
+    factor: float = 4.0,
+    tied: bool = False,
+    attention_bias: bool = False,
+    mlp_bias: bool = False,
+    act: str = "silu",
+    eps: float = 1e-6,
+) -> LlamaConfig:
     """A tiny Llama config (bos 1, eos 2, pad 0); ``rope_type`` one of ``ROPE_TYPES``."""
     if rope_type == "longrope":
         factor = max_pos / original_max  # what LongRoPE means by its factor
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=d_mlp, num_hidden_layers=layers, num_attention_heads=n_heads,
-        num_key_value_heads=n_kv, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=max_pos,
-        rms_norm_eps=eps, hidden_act=act, tie_word_embeddings=tied, attention_bias=attention_bias,
-        mlp_bias=mlp_bias, rope_theta=theta, rope_scaling=rope_scaling(rope_type, head_dim, original_max, factor),
-        attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=hidden,
+        intermediate_size=d_mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=eps,
+        hidden_act=act,
+        tie_word_embeddings=tied,
+        attention_bias=attention_bias,
+        mlp_bias=mlp_bias,
+        rope_theta=theta,
+        rope_scaling=rope_scaling(rope_type, head_dim, original_max, factor),
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if rope_type == "longrope":  # transformers 4.57 reads it from the config, 5.x from the rope parameters
         config.original_max_position_embeddings = original_max
@@ -70,15 +108,28 @@ def llama_config(*, n_heads: int = 4, n_kv: int = 2, head_dim: int = 8, hidden: 
 
 
 @st.composite
-def llama_configs(draw: st.DrawFn, rope_types: tuple[str, ...] = ROPE_TYPES, *,
-                  n_kv: Any = st.sampled_from([1, 2]), ratio: Any = st.sampled_from([1, 2, 3]), n_heads: Any = None,
-                  head_dim: Any = st.sampled_from([4, 8, 12]), hidden_per_head: Any = st.sampled_from([2, 4, 8]),
-                  d_model: Any = None, n_layers: Any = st.integers(1, 2), d_mlp: Any = st.sampled_from([16, 24, 40]),
-                  vocab: Any = st.integers(16, 160), theta: Any = st.sampled_from([100.0, 10000.0, 500000.0]),
-                  original_max: Any = st.sampled_from([4, 8]), factor: Any = st.sampled_from([2.0, 8.0]),
-                  tied: Any = st.booleans(), attention_bias: Any = st.booleans(), mlp_bias: Any = st.booleans(),
-                  act: Any = st.sampled_from(["silu", "silu", "gelu_new"]),
-                  eps: Any = st.sampled_from([1e-6, 1e-5])) -> LlamaConfig:
+def llama_configs(
+    draw: st.DrawFn,
+    rope_types: tuple[str, ...] = ROPE_TYPES,
+    *,
+    n_kv: Any = st.sampled_from([1, 2]),
+    ratio: Any = st.sampled_from([1, 2, 3]),
+    n_heads: Any = None,
+    head_dim: Any = st.sampled_from([4, 8, 12]),
+    hidden_per_head: Any = st.sampled_from([2, 4, 8]),
+    d_model: Any = None,
+    n_layers: Any = st.integers(1, 2),
+    d_mlp: Any = st.sampled_from([16, 24, 40]),
+    vocab: Any = st.integers(16, 160),
+    theta: Any = st.sampled_from([100.0, 10000.0, 500000.0]),
+    original_max: Any = st.sampled_from([4, 8]),
+    factor: Any = st.sampled_from([2.0, 8.0]),
+    tied: Any = st.booleans(),
+    attention_bias: Any = st.booleans(),
+    mlp_bias: Any = st.booleans(),
+    act: Any = st.sampled_from(["silu", "silu", "gelu_new"]),
+    eps: Any = st.sampled_from([1e-6, 1e-5]),
+) -> LlamaConfig:
     """Tiny Llama configs covering GQA ratios 1, 2, 3 and multi-query attention (one kv
     head), ``head_dim`` different from ``hidden_size / num_attention_heads``, every rope type in
     ``rope_types``, tied and untied embeddings, ``attention_bias``, ``mlp_bias``.
@@ -88,11 +139,17 @@ def llama_configs(draw: st.DrawFn, rope_types: tuple[str, ...] = ROPE_TYPES, *,
     """
     kv = draw(as_strategy(n_kv), label="n_kv")
     # n_kv == 1: multi-query attention
-    heads = kv * draw(as_strategy(ratio), label="gqa ratio") if n_heads is None else draw(as_strategy(n_heads),
-                                                                                      label="n_heads")
+    heads = (
+        kv * draw(as_strategy(ratio), label="gqa ratio")
+        if n_heads is None
+        else draw(as_strategy(n_heads), label="n_heads")
+    )
     dim = draw(as_strategy(head_dim), label="head_dim")
-    hidden = (heads * draw(as_strategy(hidden_per_head), label="hidden per head") if d_model is None
-              else draw(as_strategy(d_model), label="d_model"))  # != n_heads * head_dim often
+    hidden = (
+        heads * draw(as_strategy(hidden_per_head), label="hidden per head")
+        if d_model is None
+        else draw(as_strategy(d_model), label="d_model")
+    )  # != n_heads * head_dim often
     rope = draw(st.sampled_from(rope_types), label="rope_type")
     layers = draw(as_strategy(n_layers), label="n_layers")
     mlp, vocab_size = draw(as_strategy(d_mlp), label="d_mlp"), draw(as_strategy(vocab), label="vocab")
@@ -105,24 +162,38 @@ def llama_configs(draw: st.DrawFn, rope_types: tuple[str, ...] = ROPE_TYPES, *,
         # 9 + 3 tokens) in the short regime; test_llama.py checks the long one.
         original = 16
     return llama_config(
-        n_heads=heads, n_kv=kv, head_dim=dim, hidden=hidden, layers=layers, d_mlp=mlp, vocab=vocab_size,
-        rope_type=rope, theta=rope_theta,
+        n_heads=heads,
+        n_kv=kv,
+        head_dim=dim,
+        hidden=hidden,
+        layers=layers,
+        d_mlp=mlp,
+        vocab=vocab_size,
+        rope_type=rope,
+        theta=rope_theta,
         # the contract compares generate() before and after wrapping: keep dynamic RoPE (whose
         # frequencies depend on the longest sequence seen so far) below its growth threshold
-        max_pos=32, original_max=original,
-        factor=draw(as_strategy(factor), label="factor"), tied=draw(as_strategy(tied), label="tied"),
+        max_pos=32,
+        original_max=original,
+        factor=draw(as_strategy(factor), label="factor"),
+        tied=draw(as_strategy(tied), label="tied"),
         attention_bias=draw(as_strategy(attention_bias), label="attention_bias"),
-        mlp_bias=draw(as_strategy(mlp_bias), label="mlp_bias"), act=draw(as_strategy(act), label="act"),
+        mlp_bias=draw(as_strategy(mlp_bias), label="mlp_bias"),
+        act=draw(as_strategy(act), label="act"),
         eps=draw(as_strategy(eps), label="eps"),
     )
 
 
 #: the contract's edit and generation properties: each also runs on llama3-scaled RoPE on every run
 EDITS_AND_GENERATION = (
-    "test_every_hook_point_edit_changes_logits", "test_in_place_edits_equal_returned_edits",
-    "test_zero_ablating_a_head_removes_its_output", "test_residual_edits_reach_what_they_should",
-    "test_norm_scale_edit_is_used", "test_pattern_and_query_edits_are_used",
-    "test_query_and_key_edits_reach_their_side_of_the_scores", "test_generation_with_hooks_matches",
+    "test_every_hook_point_edit_changes_logits",
+    "test_in_place_edits_equal_returned_edits",
+    "test_zero_ablating_a_head_removes_its_output",
+    "test_residual_edits_reach_what_they_should",
+    "test_norm_scale_edit_is_used",
+    "test_pattern_and_query_edits_are_used",
+    "test_query_and_key_edits_reach_their_side_of_the_scores",
+    "test_generation_with_hooks_matches",
     "test_edits_during_generation_match_one_pass",
 )
 
@@ -137,8 +208,15 @@ class LlamaContract(AdapterContract):
     stratum_overrides = {"llama3": dict(rope_types=("llama3",))}
     # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two query heads, default
     # rope (the float contract covers the rope types)
-    matrix_overrides = dict(ratio=2, head_dim=st.sampled_from([4, 8]), d_model=st.sampled_from([16, 32]), d_mlp=24,
-                            vocab=64, rope_types=("default",), theta=10000.0)
+    matrix_overrides = dict(
+        ratio=2,
+        head_dim=st.sampled_from([4, 8]),
+        d_model=st.sampled_from([16, 32]),
+        d_mlp=24,
+        vocab=64,
+        rope_types=("default",),
+        theta=10000.0,
+    )
     aligned_overrides = dict(n_heads=2, head_dim=32, d_model=64, d_mlp=128)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
 

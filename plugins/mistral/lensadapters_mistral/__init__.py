@@ -64,8 +64,9 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 @hookimpl
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     w = window(model.config)
-    return FAMILY.hooked_config(model, window_size=w,
-                                attn_types=("local",) * model.config.num_hidden_layers if w else None)
+    return FAMILY.hooked_config(
+        model, window_size=w, attn_types=("local",) * model.config.num_hidden_layers if w else None
+    )
 
 
 @hookimpl
@@ -102,8 +103,22 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import MistralConfig
 
     rng = random.Random(seed)
-    layers, (heads, kv), sliding = (2, (4, 2), 4) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([None, 3, 8]))
-    return MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128, sliding_window=sliding,
-                         rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    layers, (heads, kv), sliding = (
+        (2, (4, 2), 4)
+        if seed == 0
+        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([None, 3, 8]))
+    )
+    return MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=512,
+        max_position_embeddings=128,
+        sliding_window=sliding,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

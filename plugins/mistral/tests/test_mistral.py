@@ -43,8 +43,9 @@ def test_patterns_show_the_window_the_model_applies(impl, pads):
     assert_window_patterns(hm, ids, mask, [3, 3])
     with torch.no_grad():
         reference = model(ids, attention_mask=mask).logits
-        hooked = hm.run_with_hooks(ids, attention_mask=mask, fwd_hooks=[(lambda n: n.endswith("pattern"),
-                                                                         lambda t, hook: None)])
+        hooked = hm.run_with_hooks(
+            ids, attention_mask=mask, fwd_hooks=[(lambda n: n.endswith("pattern"), lambda t, hook: None)]
+        )
     valid = mask.bool()
     assert torch.allclose(hooked[valid], reference[valid], atol=1e-5)
     hm.unwrap()

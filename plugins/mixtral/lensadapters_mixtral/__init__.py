@@ -42,8 +42,9 @@ ARCH = Architecture(
     transformers=">=4.57,<6",
 )
 # attention and norms as Mistral's; the MoE block's path depends on the transformers version (see _moe_path)
-FAMILY = hf.DecoderFamily("Mixtral", model_type="mixtral", block=replace(hf.DECODER_BLOCK, mlp=None), mlp=None,
-                          attention=("eager", "sdpa"))
+FAMILY = hf.DecoderFamily(
+    "Mixtral", model_type="mixtral", block=replace(hf.DECODER_BLOCK, mlp=None), mlp=None, attention=("eager", "sdpa")
+)
 
 
 def _moe_path(layer: nn.Module) -> str:
@@ -112,9 +113,14 @@ def _has(module: nn.Module, path: str) -> bool:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return FAMILY.hooked_config(
-        model, num_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
-        extra={"sliding_window": getattr(c, "sliding_window", None),
-               "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0)})
+        model,
+        num_experts=c.num_local_experts,
+        experts_per_token=c.num_experts_per_tok,
+        extra={
+            "sliding_window": getattr(c, "sliding_window", None),
+            "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
+        },
+    )
 
 
 @hookimpl

@@ -51,7 +51,7 @@ ARCH = Architecture(
     name="olmo2",
     model_types=("olmo2",),
     description="OLMo 2 (Olmo2ForCausalLM, Olmo2Model): norms after attention and MLP only, q/k norms over the "
-                "projection width",
+    "projection width",
     transformers=">=4.57,<6",
 )
 Tensor = torch.Tensor
@@ -71,11 +71,22 @@ def rotary_spec(rotary_dim: int) -> RotarySpec:
 
 # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
 FAMILY = hf.DecoderFamily(
-    "Olmo2", model_type="olmo2", packages=("olmo2",), norms=("Olmo2RMSNorm",),
-    block=BlockLayout(ln1=None, attn="self_attn", o_proj="self_attn.o_proj", ln2=None, mlp="mlp",
-                      ln1_post="post_attention_layernorm", ln2_post="post_feedforward_layernorm"),
+    "Olmo2",
+    model_type="olmo2",
+    packages=("olmo2",),
+    norms=("Olmo2RMSNorm",),
+    block=BlockLayout(
+        ln1=None,
+        attn="self_attn",
+        o_proj="self_attn.o_proj",
+        ln2=None,
+        mlp="mlp",
+        ln1_post="post_attention_layernorm",
+        ln2_post="post_feedforward_layernorm",
+    ),
     qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
-    rotary=rotary_spec)
+    rotary=rotary_spec,
+)
 
 
 @hookimpl
@@ -90,9 +101,15 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 
 @hookimpl
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    return FAMILY.hooked_config(model, extra={
-        "use_qk_norm": True, "qk_norm_over_heads": True, "pre_norms": False,
-        "attention_bias": bool(getattr(model.config, "attention_bias", False))})
+    return FAMILY.hooked_config(
+        model,
+        extra={
+            "use_qk_norm": True,
+            "qk_norm_over_heads": True,
+            "pre_norms": False,
+            "attention_bias": bool(getattr(model.config, "attention_bias", False)),
+        },
+    )
 
 
 @hookimpl
@@ -130,6 +147,16 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
 
     rng = random.Random(seed)
     layers, (heads, kv) = (2, (4, 4)) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)]))
-    return Olmo2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128, rope_theta=500000.0,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return Olmo2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

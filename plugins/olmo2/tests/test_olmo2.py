@@ -33,21 +33,48 @@ def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tenso
 
 def test_block_points_without_pre_norms():
     hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(n_heads=4, n_kv=2, hidden=32), 0))
-    block = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.")]
+    block = [n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")]
     assert block == [
-        "hook_resid_pre", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
-        "attn.hook_k", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized", "attn.hook_rot_k", "attn.hook_v",
-        "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "ln1_post.hook_scale",
-        "ln1_post.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "mlp.hook_pre",
-        "mlp.hook_pre_linear", "mlp.hook_post", "ln2_post.hook_scale", "ln2_post.hook_normalized", "hook_mlp_out",
-        "hook_resid_post"]
+        "hook_resid_pre",
+        "hook_q_input",
+        "hook_k_input",
+        "hook_v_input",
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+        "attn.hook_k",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_v",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+        "attn.hook_z",
+        "attn.hook_result",
+        "ln1_post.hook_scale",
+        "ln1_post.hook_normalized",
+        "hook_attn_out",
+        "hook_resid_mid",
+        "hook_mlp_in",
+        "mlp.hook_pre",
+        "mlp.hook_pre_linear",
+        "mlp.hook_post",
+        "ln2_post.hook_scale",
+        "ln2_post.hook_normalized",
+        "hook_mlp_out",
+        "hook_resid_post",
+    ]
     ids, mask = tokens()
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, attention_mask=mask)
     # the query norm is over the whole projection width: one scale per position
     q = cache["q", 0].flatten(-2)
-    assert_close(cache["blocks.0.attn.q_norm.hook_scale"], (q.pow(2).mean(-1, keepdim=True) + hm.cfg.eps).sqrt(),
-                 "q_norm scale over n_heads * d_head")
+    assert_close(
+        cache["blocks.0.attn.q_norm.hook_scale"],
+        (q.pow(2).mean(-1, keepdim=True) + hm.cfg.eps).sqrt(),
+        "q_norm scale over n_heads * d_head",
+    )
     # attention reads the block input itself: hook_q == resid_pre @ W_Q + b_Q
     assert_close(cache["q", 0], torch.einsum("bpm,hmd->bphd", cache["resid_pre", 0], hm.W_Q[0]) + hm.b_Q[0], "hook_q")
     hm.unwrap()
@@ -83,8 +110,9 @@ def test_bfloat16_rotary_is_bitwise():
         reference = model(ids, attention_mask=mask).logits
         logits, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=lambda n: "rot" in n)
         # an identity edit rotates back and forth through the float32 (cos, sin): bitwise when nothing changed
-        identity = hm.run_with_hooks(ids, attention_mask=mask, fwd_hooks=[(lambda n: "rot" in n,
-                                                                           lambda t, hook: t.clone())])
+        identity = hm.run_with_hooks(
+            ids, attention_mask=mask, fwd_hooks=[(lambda n: "rot" in n, lambda t, hook: t.clone())]
+        )
     assert cache["rot_q", 0].dtype == torch.bfloat16 and cache["rot_k", 0].dtype == torch.bfloat16
     assert torch.equal(logits, reference) and torch.equal(identity, reference)
     hm.unwrap()

@@ -62,7 +62,7 @@ ARCH = Architecture(
     name="olmoe",
     model_types=("olmoe",),
     description="OLMoE (OlmoeForCausalLM, OlmoeModel): sparse mixture of experts, q/k norms over the projection "
-                "width, GQA, RoPE",
+    "width, GQA, RoPE",
     transformers=">=4.57,<6",
 )
 FAMILY = "Olmoe"
@@ -70,8 +70,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 NORMS = ("OlmoeRMSNorm",)
 Tensor = torch.Tensor
 
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp")
+_BLOCK = BlockLayout(
+    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+)
 _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf"))
 
@@ -96,19 +97,28 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     """The MoE description of one decoder layer, for the transformers version that built it."""
-    routing = Routing(config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob),
-                      weights_dtype="logits")
+    routing = Routing(
+        config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob), weights_dtype="logits"
+    )
     if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
-        return MoELayout(router="mlp.gate", routing=routing, router_output="logits",
-                         experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"))
+        return MoELayout(
+            router="mlp.gate",
+            routing=routing,
+            router_output="logits",
+            experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
+        )
     return MoELayout(router="mlp.gate", routing=routing, experts=FusedExperts("mlp.experts"), router_output="routing")
 
 
 def _missing_expert_paths(layer: nn.Module) -> list[str]:
     experts = layer.get_submodule("mlp.experts")
     if isinstance(experts, nn.ModuleList):
-        return [f"mlp.experts.{e}.{p}" for e, expert in enumerate(experts)
-                for p in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(expert, p)]
+        return [
+            f"mlp.experts.{e}.{p}"
+            for e, expert in enumerate(experts)
+            for p in ("gate_proj", "up_proj", "down_proj", "act_fn")
+            if not hasattr(expert, p)
+        ]
     experts = _unwrapped(experts)
     return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
 
@@ -140,6 +150,7 @@ class OlmoePatternBackend:
 
     def activate(self, layer: int, site: Any) -> "_Restore":
         from transformers.models.olmoe import modeling_olmoe
+
         from lensadapters.attention import explicit_attention
         from lensadapters.copying import InstanceOverride
 
@@ -180,8 +191,16 @@ class OlmoePatternBackend:
                 key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
             mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
             out, pattern = explicit_attention(
-                module, query, key, value, mask, scores_fn=_olmoe_scores, scores_point=scores_point,
-                pattern_point=pattern_point, implementation=implementation, dropout=module.attention_dropout,
+                module,
+                query,
+                key,
+                value,
+                mask,
+                scores_fn=_olmoe_scores,
+                scores_point=scores_point,
+                pattern_point=pattern_point,
+                implementation=implementation,
+                dropout=module.attention_dropout,
             )
             out = module.o_proj(out.reshape(bsz, q_len, module.hidden_size))
             return out, (pattern if output_attentions else None)
@@ -221,15 +240,31 @@ def lensadapters_architectures() -> list[Architecture]:
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
     hf.require_transformers_class(model, FAMILY, ("olmoe",))
     base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
-                                 *(n.module for n in _QK_NORMS), "mlp.gate", "mlp.experts"))
-    missing = [f"{hf.join(base, 'layers')}.{i}.{p}" for i, layer in enumerate(layers)
-               for p in _missing_expert_paths(layer)]
+    layers = hf.require_modules(
+        model,
+        base,
+        FAMILY,
+        ("embed_tokens", "norm", "rotary_emb"),
+        (
+            _BLOCK.ln1,
+            _BLOCK.attn,
+            _BLOCK.o_proj,
+            _BLOCK.ln2,
+            _BLOCK.mlp,
+            *_QKV_PATHS,
+            *(n.module for n in _QK_NORMS),
+            "mlp.gate",
+            "mlp.experts",
+        ),
+    )
+    missing = [
+        f"{hf.join(base, 'layers')}.{i}.{p}" for i, layer in enumerate(layers) for p in _missing_expert_paths(layer)
+    ]
     if missing:
         raise UnsupportedModelError(
             f"{type(model).__name__} has model_type 'olmoe' but not transformers' {FAMILY} experts layout (missing: "
-            f"{', '.join(missing[:6])}); the {FAMILY} plugin supports transformers' {FAMILY} classes")
+            f"{', '.join(missing[:6])}); the {FAMILY} plugin supports transformers' {FAMILY} classes"
+        )
     hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
     config = model.config
     if getattr(config, "clip_qkv", None) is not None:
@@ -237,14 +272,16 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
             f"this OLMoE model clamps queries, keys and values to +-clip_qkv={config.clip_qkv} after the q/k norms: "
             f"an edit of hook_rot_q/hook_rot_k (or of a normed query) would be clamped again after the hook, so the "
             f"attention would not use the edited value. lensadapters-olmoe supports clip_qkv=None (every released "
-            f"OLMoE checkpoint); set model.config.clip_qkv = None only if the checkpoint was trained without it")
+            f"OLMoE checkpoint); set model.config.clip_qkv = None only if the checkpoint was trained without it"
+        )
     n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
     if n_heads % n_kv:
         raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
     if hf.head_dim(config) * n_heads != config.hidden_size:
         raise UnsupportedModelError(
             f"head_dim={hf.head_dim(config)} with {n_heads} heads is not hidden_size={config.hidden_size}: OLMoE's "
-            f"q/k norms are sized for head_dim = hidden_size / num_attention_heads")
+            f"q/k norms are sized for head_dim = hidden_size / num_attention_heads"
+        )
 
 
 @hookimpl
@@ -252,25 +289,46 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     c = model.config
     head_dim = hf.head_dim(c)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="olmoe",
-        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__, num_experts=c.num_experts,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=head_dim,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type="olmoe",
+        n_key_value_heads=hf.n_kv_heads(c),
+        rotary_dim=head_dim,
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__,
+        num_experts=c.num_experts,
         experts_per_token=c.num_experts_per_tok,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model), "use_qk_norm": True,
-               "qk_norm_over_heads": True, "norm_topk_prob": bool(c.norm_topk_prob),
-               "attention_bias": bool(getattr(c, "attention_bias", False)),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+        extra={
+            "rope_theta": hf.rope_theta(c),
+            "rope_type": _rope_type(model),
+            "use_qk_norm": True,
+            "qk_norm_over_heads": True,
+            "norm_topk_prob": bool(c.norm_topk_prob),
+            "attention_bias": bool(getattr(c, "attention_bias", False)),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        },
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return ModelLayout(
+        blocks=hf.join(base, "layers"),
+        embed=hf.join(base, "embed_tokens"),
+        ln_final=hf.join(base, "norm"),
+        rotary=hf.join(base, "rotary_emb"),
+        unembed=hf.unembed_path(model),
+    )
 
 
 @hookimpl
@@ -281,8 +339,9 @@ def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Bloc
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
     # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
-                       k_norm=_QK_NORMS[1])
+    return SeparateQKV(
+        *_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
+    )
 
 
 @hookimpl
@@ -319,8 +378,22 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         experts = rng.choice([2, 4, 8])
         top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
     return OlmoeConfig(
-        hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5, num_experts=experts,
-        num_experts_per_tok=top_k, norm_topk_prob=norm, clip_qkv=None, rope_theta=10000.0,
-        tie_word_embeddings=False, output_router_logits=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        clip_qkv=None,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        output_router_logits=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )

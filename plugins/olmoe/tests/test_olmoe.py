@@ -48,7 +48,7 @@ def test_query_norm_over_the_projection_width() -> None:
     """``q_norm`` normalizes the whole projection (one scale per position, ``[b, p, 1]``), between ``hook_q`` and
     ``hook_rot_q``; ``hook_rot_q`` is RoPE of the weighted normed queries, per head."""
     hm = CONTRACT.wrap(CONTRACT.make_model(olmoe_config(n_heads=4, n_kv=2, hidden=32), 0))
-    names = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.attn.")]
+    names = [n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.attn.")]
     assert names[:4] == ["attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q"]
     ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -108,20 +108,27 @@ def test_lora_on_experts(seed: int) -> None:
     _needs_plugin("peft", "LoRA layers")
     peft = pytest.importorskip("peft")
     model = CONTRACT.make_model(olmoe_config(layers=2, experts=4, top_k=2), seed)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
-                             init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
     peft_model = peft.get_peft_model(model, config)
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         reference = peft_model(ids).logits
         hm = HookedModel.wrap(peft_model, registry=get_registry())
         logits, cache = hm.run_with_cache(
-            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out")))
+            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+        )
         assert torch.equal(logits, reference), "reading the adapted experts changed the output"
         for layer in range(2):
             pre = f"blocks.{layer}.mlp."
-            expected = moe_reference(hm, layer, mlp_input(hm, cache, layer), cache[pre + "hook_routing_weights"],
-                                     cache[pre + "hook_expert_indices"])
+            expected = moe_reference(
+                hm,
+                layer,
+                mlp_input(hm, cache, layer),
+                cache[pre + "hook_routing_weights"],
+                cache[pre + "hook_expert_indices"],
+            )
             assert_close(cache["mlp_out", layer], expected, f"layer {layer}: adapted experts", atol=1e-4)
         adapted = mlp_weights(hm.wiring, 0, "out")[0].clone()
         with peft_model.disable_adapter():

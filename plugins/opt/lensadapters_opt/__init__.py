@@ -93,7 +93,8 @@ def _decoder_path(model: PreTrainedModel) -> str:
         return "decoder"
     raise UnsupportedModelError(
         f"lensadapters-opt expects an OPT model with a `decoder` (OPTModel) or `model.decoder` (OPTForCausalLM); "
-        f"{type(model).__name__} has neither")
+        f"{type(model).__name__} has neither"
+    )
 
 
 def _decoder(model: PreTrainedModel) -> nn.Module:
@@ -125,10 +126,12 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"this OPT decoder ({type(decoder).__name__}) has no {', '.join(missing)}")
     c = model.config
     wide = getattr(c, "word_embed_proj_dim", c.hidden_size) or c.hidden_size
-    if wide != c.hidden_size and (getattr(decoder, "project_in", None) is None
-                                  or getattr(decoder, "project_out", None) is None):
+    if wide != c.hidden_size and (
+        getattr(decoder, "project_in", None) is None or getattr(decoder, "project_out", None) is None
+    ):
         raise UnsupportedModelError(
-            f"word_embed_proj_dim={wide} != hidden_size={c.hidden_size} but the decoder lacks project_in/project_out")
+            f"word_embed_proj_dim={wide} != hidden_size={c.hidden_size} but the decoder lacks project_in/project_out"
+        )
     placements = {_pre_ln(model, i) for i in range(len(decoder.layers))}
     if len(placements) > 1:
         raise UnsupportedModelError("OPT layers mix pre-LN and post-LN (do_layer_norm_before differs per layer)")
@@ -140,8 +143,10 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             if not hasattr(layer.self_attn, name):
                 raise UnsupportedModelError(f"OPT attention {i} ({type(layer.self_attn).__name__}) has no {name}")
     if getattr(c, "layerdrop", 0.0):
-        warnings.warn(f"OPT layerdrop={c.layerdrop}: in training mode, the hook points of a dropped layer do not fire",
-                      stacklevel=3)
+        warnings.warn(
+            f"OPT layerdrop={c.layerdrop}: in training mode, the hook points of a dropped layer do not fire",
+            stacklevel=3,
+        )
 
 
 @hookimpl
@@ -150,10 +155,18 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     decoder = _decoder(model)
     ln = decoder.layers[0].self_attn_layer_norm
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        d_head=c.hidden_size // c.num_attention_heads, d_mlp=c.ffn_dim, d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings, act_fn=c.activation_function, normalization_type="LN",
-        positional_embedding_type="standard", model_type="opt", eps=float(getattr(ln, "eps", 1e-5)),
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=c.hidden_size // c.num_attention_heads,
+        d_mlp=c.ffn_dim,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.activation_function,
+        normalization_type="LN",
+        positional_embedding_type="standard",
+        model_type="opt",
+        eps=float(getattr(ln, "eps", 1e-5)),
         original_architecture=type(model).__name__,
         extra={
             "do_layer_norm_before": _pre_ln(model),
@@ -173,14 +186,25 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     ln_final = path + ".final_layer_norm" if getattr(decoder, "final_layer_norm", None) is not None else None
     # pos_embed is served by this plugin's own site (OPTPositionSite, see lensadapters_extra_sites): the core's
     # site reads the batch size from the token embedding, which runs *after* embed_positions when project_in exists.
-    return ModelLayout(blocks=path + ".layers", embed=f"{path}.{embed}", ln_final=ln_final,
-                       unembed="lm_head" if hasattr(model, "lm_head") else None)
+    return ModelLayout(
+        blocks=path + ".layers",
+        embed=f"{path}.{embed}",
+        ln_final=ln_final,
+        unembed="lm_head" if hasattr(model, "lm_head") else None,
+    )
 
 
 @hookimpl
 def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return BlockLayout(ln1="self_attn_layer_norm", attn="self_attn", o_proj="self_attn.out_proj",
-                       ln2="final_layer_norm", mlp=None, post_norm=not _pre_ln(model, layer), flat_mlp=True)
+    return BlockLayout(
+        ln1="self_attn_layer_norm",
+        attn="self_attn",
+        o_proj="self_attn.out_proj",
+        ln2="final_layer_norm",
+        mlp=None,
+        post_norm=not _pre_ln(model, layer),
+        flat_mlp=True,
+    )
 
 
 @hookimpl
@@ -206,7 +230,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
         return W_E
     if name == "W_pos":
         with live_parameters(decoder.embed_positions) as embed_positions:
-            return embed_positions.weight[_offset(embed_positions):]
+            return embed_positions.weight[_offset(embed_positions) :]
     if name == "W_U":
         if hooked.layout.unembed is None:
             raise AttributeError(f"{type(hooked.hf_model).__name__} has no lm_head (W_U)")
@@ -244,7 +268,9 @@ class OPTPositionSite(Site):
 def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     decoder = _decoder(hooked.hf_model)
     # OPT looks up positions before project_in runs: with a projection, hook_pos_embed fires before hook_embed
-    placement = {"before": "hook_embed"} if getattr(decoder, "project_in", None) is not None else {"after": "hook_embed"}
+    placement = (
+        {"before": "hook_embed"} if getattr(decoder, "project_in", None) is not None else {"after": "hook_embed"}
+    )
     return [OPTPositionSite(decoder.embed_positions, hooked.new_point("hook_pos_embed", **placement))]
 
 
@@ -258,9 +284,21 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import OPTConfig
 
     rng = random.Random(seed)
-    layers, heads, post_ln = (2, 4, False) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.random() < 0.5)
-    return OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, ffn_dim=128, num_attention_heads=heads,
-                     max_position_embeddings=128, word_embed_proj_dim=32 if post_ln else 64,
-                     do_layer_norm_before=not post_ln, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
-                     bos_token_id=2, eos_token_id=2)
+    layers, heads, post_ln = (
+        (2, 4, False) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.random() < 0.5)
+    )
+    return OPTConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        ffn_dim=128,
+        num_attention_heads=heads,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32 if post_ln else 64,
+        do_layer_norm_before=not post_ln,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )

@@ -28,8 +28,15 @@ def non_affine_norms_build() -> bool:
     """transformers 4.57's OPT ``_init_weights`` crashes on LayerNorms without weights (fixed in 5.x)."""
     from transformers import AutoModelForCausalLM
 
-    config = OPTConfig(vocab_size=8, hidden_size=4, num_hidden_layers=1, ffn_dim=4, num_attention_heads=1,
-                       max_position_embeddings=4, layer_norm_elementwise_affine=False)
+    config = OPTConfig(
+        vocab_size=8,
+        hidden_size=4,
+        num_hidden_layers=1,
+        ffn_dim=4,
+        num_attention_heads=1,
+        max_position_embeddings=4,
+        layer_norm_elementwise_affine=False,
+    )
     try:
         AutoModelForCausalLM.from_config(config)
     except AttributeError:
@@ -38,12 +45,22 @@ def non_affine_norms_build() -> bool:
 
 
 @st.composite
-def opt_configs(draw: st.DrawFn, pre_ln: Any = None, project: Any = None, *, n_heads: Any = st.integers(1, 4),
-                d_head: Any = st.sampled_from([4, 8, 16]), d_model: Any = None,
-                proj_dim: Any = st.sampled_from([8, 12, 24]), n_layers: Any = st.integers(1, 3),
-                ffn_dim: Any = st.sampled_from([16, 32, 48]), vocab: Any = st.integers(16, 200),
-                bias: Any = st.booleans(), affine: Any = None,
-                act: Any = st.sampled_from(["relu", "gelu", "silu"])) -> OPTConfig:
+def opt_configs(
+    draw: st.DrawFn,
+    pre_ln: Any = None,
+    project: Any = None,
+    *,
+    n_heads: Any = st.integers(1, 4),
+    d_head: Any = st.sampled_from([4, 8, 16]),
+    d_model: Any = None,
+    proj_dim: Any = st.sampled_from([8, 12, 24]),
+    n_layers: Any = st.integers(1, 3),
+    ffn_dim: Any = st.sampled_from([16, 32, 48]),
+    vocab: Any = st.integers(16, 200),
+    bias: Any = st.booleans(),
+    affine: Any = None,
+    act: Any = st.sampled_from(["relu", "gelu", "silu"]),
+) -> OPTConfig:
     """Tiny OPT configs: pre-LN (OPT-125m, 1.3b...) and post-LN (OPT-350m), ``project_in``/``project_out``
     (``word_embed_proj_dim != hidden_size``, OPT-350m), biases on and off, LayerNorms with and without
     affine parameters, ReLU / GELU / SiLU, 1-3 layers of 1-4 heads.
@@ -53,28 +70,45 @@ def opt_configs(draw: st.DrawFn, pre_ln: Any = None, project: Any = None, *, n_h
     ignored). ``proj_dim`` is the projected embedding width, moved off ``hidden_size`` when they coincide.
     """
     heads = draw(as_strategy(n_heads), label="n_heads")
-    hidden = (draw(as_strategy(d_model), label="d_model") if d_model is not None
-              else heads * draw(as_strategy(d_head), label="d_head"))
+    hidden = (
+        draw(as_strategy(d_model), label="d_model")
+        if d_model is not None
+        else heads * draw(as_strategy(d_head), label="d_head")
+    )
     project = draw(st.booleans() if project is None else as_strategy(project), label="project")
     proj = draw(as_strategy(proj_dim), label="proj_dim") if project else hidden
     if proj == hidden and project:
         proj = hidden + 4
     pre_ln = draw(st.booleans() if pre_ln is None else as_strategy(pre_ln), label="pre_ln")
     bias = draw(as_strategy(bias), label="bias")
-    affine = draw(st.booleans() if affine is None and non_affine_norms_build() else as_strategy(
-        True if affine is None else affine), label="affine")
+    affine = draw(
+        st.booleans()
+        if affine is None and non_affine_norms_build()
+        else as_strategy(True if affine is None else affine),
+        label="affine",
+    )
     act = draw(as_strategy(act), label="act")
     if not (pre_ln or bias or affine) and act == "relu":
         # post-LN with a bias-free, homogeneous MLP and no LayerNorm affine is scale invariant: a per-token
         # rescaling of ln1's output (an ln1.hook_scale edit) provably cannot change the logits
         act = "gelu"
     return OPTConfig(
-        vocab_size=draw(as_strategy(vocab), label="vocab"), hidden_size=hidden,
+        vocab_size=draw(as_strategy(vocab), label="vocab"),
+        hidden_size=hidden,
         num_hidden_layers=draw(as_strategy(n_layers), label="n_layers"),
-        ffn_dim=draw(as_strategy(ffn_dim), label="ffn_dim"), num_attention_heads=heads, max_position_embeddings=32,
-        word_embed_proj_dim=proj, do_layer_norm_before=pre_ln, enable_bias=bias,
-        layer_norm_elementwise_affine=affine, activation_function=act,
-        dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        ffn_dim=draw(as_strategy(ffn_dim), label="ffn_dim"),
+        num_attention_heads=heads,
+        max_position_embeddings=32,
+        word_embed_proj_dim=proj,
+        do_layer_norm_before=pre_ln,
+        enable_bias=bias,
+        layer_norm_elementwise_affine=affine,
+        activation_function=act,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
     )
 
 
@@ -91,8 +125,13 @@ class OPTContract(AdapterContract):
     config_strata = {"opt-350m": GENERATION}
     stratum_overrides = {"opt-350m": dict(pre_ln=False, project=True)}
     # the LoRA and 8-bit matrices build two models per example: smaller ones, at least two heads
-    matrix_overrides = dict(n_heads=st.integers(2, 4), d_head=8, n_layers=st.integers(1, 2),
-                            ffn_dim=st.sampled_from([16, 24, 48]), vocab=st.integers(16, 96))
+    matrix_overrides = dict(
+        n_heads=st.integers(2, 4),
+        d_head=8,
+        n_layers=st.integers(1, 2),
+        ffn_dim=st.sampled_from([16, 24, 48]),
+        vocab=st.integers(16, 96),
+    )
     aligned_overrides = dict(d_model=64, ffn_dim=128, project=False, n_heads=st.sampled_from([1, 2, 4]))
     learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
     # with project_out, HF's last hidden state is project_out(final norm output); the plugin's tests check it

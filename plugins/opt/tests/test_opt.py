@@ -82,8 +82,16 @@ def test_pos_embed_follows_mask_with_offset(data):
 
 def test_pos_embed_with_broadcast_position_ids_is_per_row():
     """User position_ids of batch 1 are broadcast by OPT; hook_pos_embed is still [b, p, d] and editable per row."""
-    config = OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
-                       max_position_embeddings=16, word_embed_proj_dim=8, dropout=0.0)
+    config = OPTConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        word_embed_proj_dim=8,
+        dropout=0.0,
+    )
     model = C.make_model(config, 0)
     hm = C.wrap(model)
     ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
@@ -126,7 +134,7 @@ def test_hook_q_is_unscaled_and_scores_are_scaled(data):
     v = inputs.valid
     expected_q = torch.einsum("bpm,hmd->bphd", attn_in, hm.W_Q[layer]) + hm.b_Q[layer]
     assert_close(q[v], expected_q[v], "hook_q == normalized input @ W_Q + b_Q (no scaling)")
-    assert attn.scaling == hm.cfg.d_head ** -0.5
+    assert attn.scaling == hm.cfg.d_head**-0.5
     scores = cache["attn_scores", layer]
     expected = torch.einsum("bqhd,bkhd->bhqk", q * attn.scaling, k)
     finite = torch.isfinite(scores)
@@ -199,21 +207,28 @@ def test_post_ln_edits_propagate_exactly(data):
             _, ed = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
         h = layer.self_attn_layer_norm(base["resid_mid", layer_idx] + delta)
         assert_close(ed["mlp_in", layer_idx], h, "resid_mid edit reaches the MLP input")
-        assert_close(ed["resid_post", layer_idx], layer.final_layer_norm(h + _mlp(layer, h)),
-                     "resid_mid edit reaches the residual")
+        assert_close(
+            ed["resid_post", layer_idx],
+            layer.final_layer_norm(h + _mlp(layer, h)),
+            "resid_mid edit reaches the residual",
+        )
         # mlp_in: only the MLP branch
         with hm.hooks([(pre + "hook_mlp_in", add)]):
             _, ed = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
         h = base["mlp_in", layer_idx]
         assert_close(ed["mlp_out", layer_idx], _mlp(layer, h + delta), "mlp_in edit feeds fc1")
-        assert_close(ed["resid_post", layer_idx], layer.final_layer_norm(h + _mlp(layer, h + delta)),
-                     "mlp_in edit changes only the MLP branch")
+        assert_close(
+            ed["resid_post", layer_idx],
+            layer.final_layer_norm(h + _mlp(layer, h + delta)),
+            "mlp_in edit changes only the MLP branch",
+        )
         # resid_post: the next block's input, and the logits of the last block
         last = layer_idx + 1 == hm.cfg.n_layers
         with hm.hooks([(pre + "hook_resid_post", add)]):
             logits, ed = hm.run_with_cache(
-                **inputs.kwargs(), names_filter=[pre + "hook_resid_post"] + ([] if last else [
-                    f"blocks.{layer_idx + 1}.hook_resid_pre"]))
+                **inputs.kwargs(),
+                names_filter=[pre + "hook_resid_post"] + ([] if last else [f"blocks.{layer_idx + 1}.hook_resid_pre"]),
+            )
         edited_post = base["resid_post", layer_idx] + delta
         if not last:
             assert torch.equal(ed["resid_pre", layer_idx + 1], edited_post)
@@ -231,12 +246,24 @@ def test_pre_ln_flattened_mlp_points_are_per_token(data):
     layer = _decoder(model).layers[layer_idx]
     pre = f"blocks.{layer_idx}."
     b, p = inputs.input_ids.shape
-    watch = [pre + n for n in ("hook_resid_mid", "hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized",
-                               "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
+    watch = [
+        pre + n
+        for n in (
+            "hook_resid_mid",
+            "hook_mlp_in",
+            "ln2.hook_scale",
+            "ln2.hook_normalized",
+            "mlp.hook_pre",
+            "mlp.hook_post",
+            "hook_mlp_out",
+            "hook_resid_post",
+        )
+    ]
     with torch.no_grad():
         _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=watch)
         for name in watch:
             assert base[name].shape[:2] == (b, p), name
+
         # zero the MLP output of the last token of row 0 only
         def zero_last(t, hook):
             t = t.clone()
@@ -248,8 +275,7 @@ def test_pre_ln_flattened_mlp_points_are_per_token(data):
     expected = base["resid_post", layer_idx].clone()
     expected[0, -1] = base["resid_mid", layer_idx][0, -1]
     assert torch.equal(ed["resid_post", layer_idx], expected)
-    assert_close(base[pre + "ln2.hook_normalized"],
-                 layer.final_layer_norm(base["resid_mid", layer_idx]), "ln2 output")
+    assert_close(base[pre + "ln2.hook_normalized"], layer.final_layer_norm(base["resid_mid", layer_idx]), "ln2 output")
     hm.unwrap()
 
 
@@ -270,8 +296,11 @@ def test_projection_weights(data):
     with torch.no_grad():
         out = model(**inputs.kwargs(), output_hidden_states=True)
         _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=NO_PATTERNS)
-        final = (cache["ln_final.hook_normalized"] if "ln_final.hook_normalized" in cache
-                 else cache["resid_post", hm.cfg.n_layers - 1])
+        final = (
+            cache["ln_final.hook_normalized"]
+            if "ln_final.hook_normalized" in cache
+            else cache["resid_post", hm.cfg.n_layers - 1]
+        )
         assert torch.equal(decoder.project_out(final), out.hidden_states[-1])
     v = inputs.valid
     assert_close((final @ hm.W_U + hm.b_U)[v], out.logits[v], "logits == final @ (project_out @ lm_head)")
@@ -286,8 +315,16 @@ def test_opt_model_without_final_norm_or_head():
     """OPTModel (no lm_head) and _remove_final_layer_norm=True (no decoder.final_layer_norm) wrap cleanly."""
     from transformers import OPTModel
 
-    config = OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
-                       max_position_embeddings=16, dropout=0.0, _remove_final_layer_norm=True)
+    config = OPTConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        dropout=0.0,
+        _remove_final_layer_norm=True,
+    )
     torch.manual_seed(0)
     model = OPTModel(config).eval()
     hm = C.wrap(model)
@@ -328,12 +365,22 @@ def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, d
     def record_pos(t, hook):
         positions.append(t)
 
-    hooks = [(f"blocks.{layer}.attn.hook_k", double_k), (f"blocks.{layer}.attn.hook_z", ablate),
-             ("hook_pos_embed", record_pos)]
+    hooks = [
+        (f"blocks.{layer}.attn.hook_k", double_k),
+        (f"blocks.{layer}.attn.hook_z", ablate),
+        ("hook_pos_embed", record_pos),
+    ]
     n_new = 3
     with torch.no_grad(), hm.hooks(hooks):
-        gen = hm.generate(**inputs.kwargs(), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=1)
+        gen = hm.generate(
+            **inputs.kwargs(),
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=1,
+        )
     seq = gen.sequences
     length = inputs.input_ids.shape[1]
     mask = torch.cat([inputs.attention_mask, torch.ones(seq.shape[0], seq.shape[1] - length, dtype=torch.long)], 1)
@@ -344,8 +391,9 @@ def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, d
     with torch.no_grad():
         full = hm.run_with_hooks(seq, attention_mask=mask, fwd_hooks=hooks[:2])
     for step in range(n_new):
-        assert_close(gen.logits[step], full[:, length - 1 + step], f"step {step}: cached generation with edits",
-                     atol=1e-3)
+        assert_close(
+            gen.logits[step], full[:, length - 1 + step], f"step {step}: cached generation with edits", atol=1e-3
+        )
     hm.unwrap()
 
 
@@ -353,8 +401,14 @@ def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, d
 
 
 def test_mixed_layer_norm_placement_is_refused():
-    config = OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
-                       max_position_embeddings=16)
+    config = OPTConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+    )
     model = C.make_model(config, 0)
     model.model.decoder.layers[1].do_layer_norm_before = False
     with pytest.raises(UnsupportedModelError, match="mix pre-LN and post-LN"):
@@ -362,8 +416,15 @@ def test_mixed_layer_norm_placement_is_refused():
 
 
 def test_layerdrop_warns():
-    config = OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
-                       max_position_embeddings=16, layerdrop=0.1)
+    config = OPTConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        layerdrop=0.1,
+    )
     model = C.make_model(config, 0)
     with pytest.warns(UserWarning, match="layerdrop"):
         hm = C.wrap(model)

@@ -249,7 +249,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             module = get(mlp.module)
             if is_lora_linear(module):
                 points = [
-                    _new_point_before(hooked, pre + "mlp.hook_pre", pre + n) for n in (MLP_PRE_POINT, MLP_PRE_LINEAR_POINT)
+                    _new_point_before(hooked, pre + "mlp.hook_pre", pre + n)
+                    for n in (MLP_PRE_POINT, MLP_PRE_LINEAR_POINT)
                 ]
                 sites.append(LoraDeltaSite(module, points, mlp.split, mlp.merge, hooked.forward_state))
         if isinstance(mlp, FusedGateUp):

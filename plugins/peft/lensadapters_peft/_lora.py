@@ -82,7 +82,8 @@ def delta_linear(module: nn.Module, adapter: str) -> LinearWeight:
         raise WeightUnavailableError(
             f"adapter {adapter!r} of this {type(module).__name__} is a LoRA variant (DoRA or similar) whose effective "
             f"weight is not base + B·A·scaling; lensadapters-peft reads only vanilla LoRA weights (merge the "
-            f"adapter with merge_adapter() to read the merged weight)")
+            f"adapter with merge_adapter() to read the merged weight)"
+        )
     A = module.lora_A[adapter].weight  # [r, d_in]
     B = module.lora_B[adapter].weight  # [d_out, r]
     s = adapter_scaling(module, adapter)

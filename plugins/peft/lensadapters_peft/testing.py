@@ -45,18 +45,33 @@ from lensadapters import HookedModel, LensAdaptersError
 from lensadapters.testing import AdapterContract, assert_close
 from lensadapters.testing.strategies import Inputs, token_inputs
 
-__all__ = ["LoraContract", "LoraSpec", "factor_kind", "float_tol", "init_lora", "linear_targets", "lora_layers",
-           "split_like"]
+__all__ = [
+    "LoraContract",
+    "LoraSpec",
+    "factor_kind",
+    "float_tol",
+    "init_lora",
+    "linear_targets",
+    "lora_layers",
+    "split_like",
+]
 
-_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                          HealthCheck.differing_executors])
+_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
 # pattern/score hooks run the core's explicit attention (equal to SDPA within rounding, not bitwise)
 _NO_PATTERN = lambda name: not name.endswith(("hook_pattern", "hook_attn_scores"))  # noqa: E731
 _WEIGHTS = (("q", "W_Q"), ("k", "_W_K"), ("v", "_W_V"), ("o", "W_O"), ("in", "W_in"), ("out", "W_out"))
 _HEAD_DELTAS = ("hook_q_lora", "hook_k_lora", "hook_v_lora")
 # the core's hook point on the output of the projection a *_lora point belongs to
-_ADAPTED_OUTPUT = {"hook_q_lora": "attn.hook_q", "hook_k_lora": "attn.hook_k", "hook_v_lora": "attn.hook_v",
-                   "hook_pre_lora": "mlp.hook_pre", "hook_pre_linear_lora": "mlp.hook_pre_linear"}
+_ADAPTED_OUTPUT = {
+    "hook_q_lora": "attn.hook_q",
+    "hook_k_lora": "attn.hook_k",
+    "hook_v_lora": "attn.hook_v",
+    "hook_pre_lora": "mlp.hook_pre",
+    "hook_pre_linear_lora": "mlp.hook_pre_linear",
+}
 
 
 @dataclass
@@ -121,7 +136,7 @@ def split_like(hm: HookedModel, name: str, t: torch.Tensor) -> torch.Tensor:
 
 def factor_kind(hm: HookedModel, name: str) -> str:
     """The ``which`` of :func:`lensadapters_peft.lora_factors` for the ``*_lora`` point ``name``."""
-    short = name.rsplit(".", 1)[1][len("hook_"):-len("_lora")]
+    short = name.rsplit(".", 1)[1][len("hook_") : -len("_lora")]
     return {"pre": "gate" if hm.cfg.gated_mlp else "in", "pre_linear": "in"}.get(short, short)
 
 
@@ -181,14 +196,20 @@ class LoraContract(AdapterContract):
         def subset() -> list[str]:
             return sorted(rng.sample(options, rng.randint(1, len(options))))
 
-        spec = LoraSpec(subset(), r=rng.randint(1, 4), alpha=rng.randint(1, 16), rslora=rng.random() < 0.5,
-                        lora_bias=rng.random() < 0.5)
+        spec = LoraSpec(
+            subset(),
+            r=rng.randint(1, 4),
+            alpha=rng.randint(1, 16),
+            rslora=rng.random() < 0.5,
+            lora_bias=rng.random() < 0.5,
+        )
         if rng.random() < 0.5:
             spec.second, spec.second_r, spec.second_alpha = subset(), rng.randint(1, 3), rng.randint(1, 8)
         return spec
 
-    def lora_config(self, model: nn.Module, targets: list[str], blocks: Optional[list[tuple[str, nn.Module]]] = None,
-                    **kwargs: Any) -> Any:
+    def lora_config(
+        self, model: nn.Module, targets: list[str], blocks: Optional[list[tuple[str, nn.Module]]] = None, **kwargs: Any
+    ) -> Any:
         """A ``peft.LoraConfig`` (random non-zero initialisation) on ``targets`` (names relative to a block) in
         every block of ``model`` (bare or already adapted); ``fan_in_fan_out`` for transformers ``Conv1D``.
         ``blocks``: ``model``'s blocks when already known."""
@@ -197,8 +218,12 @@ class LoraContract(AdapterContract):
 
         blocks = blocks if blocks is not None else self._blocks(model)
         full = [f"{prefix}.{t}" if prefix else t for prefix, block in blocks for t in targets if _has(block, t)]
-        conv = any(isinstance(_base_layer(block.get_submodule(t)), Conv1D)
-                   for _, block in blocks for t in targets if _has(block, t))
+        conv = any(
+            isinstance(_base_layer(block.get_submodule(t)), Conv1D)
+            for _, block in blocks
+            for t in targets
+            if _has(block, t)
+        )
         return LoraConfig(target_modules=full, init_lora_weights=False, fan_in_fan_out=conv, **kwargs)
 
     def adapt(self, model: nn.Module, seed: int, spec: Optional[LoraSpec] = None) -> nn.Module:
@@ -213,10 +238,20 @@ class LoraContract(AdapterContract):
         blocks = self._blocks(model)
         with warnings.catch_warnings():  # fan_in_fan_out corrections, lora_bias on a layer without bias
             warnings.filterwarnings("ignore", message=".*(fan_in_fan_out|lora_bias).*")
-            first = self.lora_config(model, spec.targets, blocks, r=spec.r, lora_alpha=spec.alpha,
-                                     use_rslora=spec.rslora, lora_bias=spec.lora_bias)
-            second = (self.lora_config(model, spec.second, blocks, r=spec.second_r, lora_alpha=spec.second_alpha)
-                      if spec.second else None)
+            first = self.lora_config(
+                model,
+                spec.targets,
+                blocks,
+                r=spec.r,
+                lora_alpha=spec.alpha,
+                use_rslora=spec.rslora,
+                lora_bias=spec.lora_bias,
+            )
+            second = (
+                self.lora_config(model, spec.second, blocks, r=spec.second_r, lora_alpha=spec.second_alpha)
+                if spec.second
+                else None
+            )
             pm = get_peft_model(model, first)
             if second is not None:
                 pm.add_adapter("second", second)
@@ -227,8 +262,9 @@ class LoraContract(AdapterContract):
     def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> nn.Module:
         return self.adapt(self.base_model(config, seed, attn_implementation), seed)
 
-    def draw_twins(self, data: st.DataObject, left_padding: bool = True, **spec: Any
-                   ) -> tuple[nn.Module, nn.Module, Inputs]:
+    def draw_twins(
+        self, data: st.DataObject, left_padding: bool = True, **spec: Any
+    ) -> tuple[nn.Module, nn.Module, Inputs]:
         """A base model, the same model (rebuilt from the same seed) under LoRA, and inputs (left-padded unless
         ``left_padding=False``). ``spec`` replaces fields of the drawn :class:`LoraSpec` (``second=None``...)."""
         config = self.draw_config(data)
@@ -263,8 +299,9 @@ class LoraContract(AdapterContract):
         handles = []
         for module in set(layers.values()):
             handles.append(module.register_forward_hook(record))
-            handles.append(module.base_layer.register_forward_hook(
-                lambda m, a, o: outs.__setitem__(("base", id(m)), o)))
+            handles.append(
+                module.base_layer.register_forward_hook(lambda m, a, o: outs.__setitem__(("base", id(m)), o))
+            )
         try:
             with torch.no_grad():
                 logits, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=_NO_PATTERN)
@@ -298,8 +335,9 @@ class LoraContract(AdapterContract):
                         total = total + torch.einsum("...hd,hdr,rm->...m", heads, f.A, f.B) * f.scaling + bias
                     else:
                         total = total + x @ f.A @ f.B * f.scaling + bias
-                assert_close(cache[name], total.reshape(cache[name].shape), f"{name} == x @ A @ B * scaling "
-                             f"(lora_factors)")
+                assert_close(
+                    cache[name], total.reshape(cache[name].shape), f"{name} == x @ A @ B * scaling (lora_factors)"
+                )
         assert hm.unwrap() is pm
 
     @_SETTINGS
@@ -352,8 +390,7 @@ class LoraContract(AdapterContract):
                         continue
                     delta = sum(f.W for f in factors)
                     assert delta.shape == full[layer].shape
-                    assert_close(full[layer], bare[layer] + delta, f"{w}[{layer}] == base + A @ B * scaling",
-                                 atol=1e-6)
+                    assert_close(full[layer], bare[layer] + delta, f"{w}[{layer}] == base + A @ B * scaling", atol=1e-6)
         hm.unwrap()
         hb.unwrap()
 
@@ -421,8 +458,11 @@ class LoraContract(AdapterContract):
             seen["edited"] = t * -0.5 + torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t.dtype)
             return seen["edited"]
 
-        core = [n for n in hm.hook_names if n.startswith(f"blocks.{layer}.") and not n.endswith("_lora")
-                and "pattern" not in n and "scores" not in n]
+        core = [
+            n
+            for n in hm.hook_names
+            if n.startswith(f"blocks.{layer}.") and not n.endswith("_lora") and "pattern" not in n and "scores" not in n
+        ]
         records: dict[str, torch.Tensor] = {}
         with torch.no_grad(), hm.hooks([(n, read) for n in core]):  # core sites installed first
             with hm.hooks([(n, read) for n in siblings] + [(name, edit)]):
@@ -477,7 +517,9 @@ class LoraContract(AdapterContract):
         for key in cache.keys():
             assert_close(merged[key], cache[key], f"merged {key}", atol=float_tol(cache[key]))
         assert_close(merged_logits, logits, "merged logits", atol=float_tol(logits))
-        assert_close(merged_zeroed, unmerged_zeroed, "zeroed delta, merged vs unmerged", atol=float_tol(unmerged_zeroed))
+        assert_close(
+            merged_zeroed, unmerged_zeroed, "zeroed delta, merged vs unmerged", atol=float_tol(unmerged_zeroed)
+        )
         hm.unwrap()
 
     @_SETTINGS
@@ -500,10 +542,12 @@ class LoraContract(AdapterContract):
             for w in weights:
                 assert_close(getattr(hm, w), getattr(hp, w), f"effective {w} == merged-and-unloaded {w}", atol=1e-5)
             assert not torch.allclose(pm(**inputs.kwargs()).logits, base(**inputs.kwargs()).logits), (
-                "the adapters do not change the model")
+                "the adapters do not change the model"
+            )
         for key in plain_cache.keys():
-            assert_close(cache[key], plain_cache[key], f"adapted {key} == merged-and-unloaded",
-                         atol=float_tol(cache[key]))
+            assert_close(
+                cache[key], plain_cache[key], f"adapted {key} == merged-and-unloaded", atol=float_tol(cache[key])
+            )
         assert_close(logits, plain_logits, "logits", atol=float_tol(logits))
         assert hm.unwrap() is pm
         hp.unwrap()

@@ -44,12 +44,27 @@ class Adapted:
 def lora_model(base: torch.nn.Module, spec: Adapted, seed: int) -> Any:
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.targets, init_lora_weights=False,
-                     use_rslora=spec.rslora, lora_bias=spec.lora_bias, fan_in_fan_out=spec.fan_in_fan_out)
+    cfg = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        target_modules=spec.targets,
+        init_lora_weights=False,
+        use_rslora=spec.rslora,
+        lora_bias=spec.lora_bias,
+        fan_in_fan_out=spec.fan_in_fan_out,
+    )
     pm = get_peft_model(base, cfg)
     if spec.second:
-        pm.add_adapter("second", LoraConfig(r=2, lora_alpha=3, target_modules=spec.second, init_lora_weights=False,
-                                            fan_in_fan_out=spec.fan_in_fan_out))
+        pm.add_adapter(
+            "second",
+            LoraConfig(
+                r=2,
+                lora_alpha=3,
+                target_modules=spec.second,
+                init_lora_weights=False,
+                fan_in_fan_out=spec.fan_in_fan_out,
+            ),
+        )
         pm.base_model.set_adapter(["default", "second"])
     init_lora(pm, seed)
     return pm.eval()
@@ -75,18 +90,30 @@ class Kit:
 def _gpt2(**kw: Any) -> Adapted:
     from transformers import GPT2Config
 
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return Adapted(config, kw.pop("targets", ["c_attn", "c_proj", "c_fc"]), fan_in_fan_out=True, **kw)
 
 
 def _llama(**kw: Any) -> Adapted:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=4, vocab_size=64, max_position_embeddings=32,
-                         tie_word_embeddings=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return Adapted(config, kw.pop("targets", LLAMA_TARGETS), **kw)
 
 

@@ -27,8 +27,12 @@ NO_PATTERN = lambda name: not name.endswith(("hook_pattern", "hook_attn_scores")
 def test_dropout_in_training_mode_is_read_exactly(kit_for: Any) -> None:
     """With LoRA dropout active, the delta point reads what PEFT added in that very forward pass."""
     kit = kit_for("gpt2")
-    pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.5,
-                                               init_lora_weights=False, fan_in_fan_out=True))
+    pm = get_peft_model(
+        kit.base(),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.5, init_lora_weights=False, fan_in_fan_out=True
+        ),
+    )
     init_lora(pm, 0)
     pm.train()
     hm = kit.wrap(pm)
@@ -45,10 +49,12 @@ def test_dropout_in_training_mode_is_read_exactly(kit_for: Any) -> None:
     hm.unwrap()
 
 
-def _dropout_llama(kit: Any, p: float = 0.5,
-                   targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj")) -> tuple[Any, PeftModel]:
-    pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=p,
-                                               init_lora_weights=False))
+def _dropout_llama(
+    kit: Any, p: float = 0.5, targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj")
+) -> tuple[Any, PeftModel]:
+    pm = get_peft_model(
+        kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=p, init_lora_weights=False)
+    )
     init_lora(pm, 0)
     return kit, pm
 
@@ -64,8 +70,10 @@ def test_lora_dropout_follows_peft_in_eval_and_train_mode(kit_for: Any) -> None:
     layers = [m for m in pm.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
     seen: dict[int, torch.Tensor] = {}
     handles = [m.register_forward_pre_hook(lambda m, a: seen.__setitem__(id(m), a[0])) for m in layers]
-    handles += [m.lora_dropout["default"].register_forward_hook(
-        lambda d, a, o, m=m: seen.__setitem__(-id(m), o)) for m in layers]
+    handles += [
+        m.lora_dropout["default"].register_forward_hook(lambda d, a, o, m=m: seen.__setitem__(-id(m), o))
+        for m in layers
+    ]
 
     def delta_from_factors(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         A, B = module.lora_A["default"].weight, module.lora_B["default"].weight  # [r, d_in], [d_out, r]

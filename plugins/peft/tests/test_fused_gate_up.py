@@ -25,7 +25,9 @@ def _fused(contract: type) -> bool:
     @given(st.data())
     def probe(data: st.DataObject) -> None:
         instance = contract()
-        hm = HookedModel.wrap(instance.make_model(data.draw(contract.configs()), 0), registry=registry_with(contract.plugin))
+        hm = HookedModel.wrap(
+            instance.make_model(data.draw(contract.configs()), 0), registry=registry_with(contract.plugin)
+        )
         found.append(isinstance(hm.mlp_layouts[0], FusedGateUp))
         hm.unwrap()
 

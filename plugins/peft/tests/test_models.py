@@ -69,8 +69,9 @@ def test_adapters_loaded_through_transformers_integration(kit_for: Any) -> None:
     """``model.add_adapter(LoraConfig)`` (transformers' PEFT integration, no PeftModel): same LoRA points."""
     kit = kit_for("gpt2")
     model = kit.base()
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False,
-                                 fan_in_fan_out=True))
+    model.add_adapter(
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False, fan_in_fan_out=True)
+    )
     init_lora(model, 0)
     model.eval()
     hm = kit.wrap(model)
@@ -93,8 +94,9 @@ def test_mixed_peft_model_is_opened(kit_for: Any) -> None:
     from peft import get_peft_model as gpm
 
     kit = kit_for("gpt2")
-    pm = gpm(kit.base(), LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True),
-             mixed=True)
+    pm = gpm(
+        kit.base(), LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True), mixed=True
+    )
     hm = kit.wrap(pm)
     assert hm.model is pm and "blocks.0.attn.hook_q_lora" in hm.hook_names
     ids = torch.randint(0, 64, (1, 4))
@@ -161,9 +163,10 @@ def test_half_precision_base_with_float32_adapters(kit_for: Any) -> None:
     """bf16 base, fp32 adapters (PEFT's autocast_adapter_dtype): the delta is read in fp32 exactly as PEFT adds it
     and a zeroed head delta gives the base projection exactly."""
     kit = kit_for("gpt2", targets=["c_attn"])
-    pm = get_peft_model(kit.base().to(torch.bfloat16),
-                        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False,
-                                   fan_in_fan_out=True))
+    pm = get_peft_model(
+        kit.base().to(torch.bfloat16),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True),
+    )
     init_lora(pm, 0)
     pm.eval()
     module = pm.base_model.model.transformer.h[0].attn.c_attn
@@ -198,8 +201,9 @@ def test_backward_hooks_on_delta_points(kit_for: Any) -> None:
     pm = kit.adapted()
     hm = kit.wrap(pm)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
-    _, cache = hm.run_with_cache(ids, labels=ids, incl_bwd=True,
-                                      names_filter=["blocks.1.attn.hook_q_lora", "blocks.1.attn.hook_q"])
+    _, cache = hm.run_with_cache(
+        ids, labels=ids, incl_bwd=True, names_filter=["blocks.1.attn.hook_q_lora", "blocks.1.attn.hook_q"]
+    )
     # dL/d(delta) == dL/d(q): the delta is added to the projection output
     assert_close(cache["blocks.1.attn.hook_q_lora_grad"], cache["blocks.1.attn.hook_q_grad"], "grad of q delta")
     hm.unwrap()

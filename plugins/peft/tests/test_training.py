@@ -1,5 +1,4 @@
-"""Training through the wrapper: gradient checkpointing, gradients through edits, saved adapters.
-"""
+"""Training through the wrapper: gradient checkpointing, gradients through edits, saved adapters."""
 
 from __future__ import annotations
 
@@ -47,7 +46,9 @@ def _edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
 @pytest.mark.parametrize("edited", ["attention", "resid_mid"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_gradient_checkpointing_records_each_point_once(arch: str, use_reentrant: bool, edited: str, kit_for: Any) -> None:
+def test_gradient_checkpointing_records_each_point_once(
+    arch: str, use_reentrant: bool, edited: str, kit_for: Any
+) -> None:
     """The cache and read-only hooks see each forward once; edits are re-applied; gradients are unchanged.
 
     ``hook_resid_mid`` edits are carried into the block's own residual add (inside the checkpointed forward),

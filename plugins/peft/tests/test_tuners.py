@@ -43,8 +43,14 @@ def _record_outputs(modules: dict[str, torch.nn.Module]) -> tuple[dict[str, tupl
     return seen, handles
 
 
-def _check_non_lora_weights(hm: HookedModel, hb: HookedModel, method: str, refused: dict[str, str],
-                            readable: tuple[str, ...], targets: list[str]) -> None:
+def _check_non_lora_weights(
+    hm: HookedModel,
+    hb: HookedModel,
+    method: str,
+    refused: dict[str, str],
+    readable: tuple[str, ...],
+    targets: list[str],
+) -> None:
     """``refused``: weight -> module path that must be named; ``readable`` weights equal the base model's."""
     for w, path in refused.items():
         with pytest.raises(WeightUnavailableError) as info:
@@ -66,8 +72,9 @@ def test_ia3_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> None
     from peft import IA3Config
 
     kit, ids = _tuner_kit(kit_for)
-    pm = get_peft_model(kit.base(), IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
-                                               feedforward_modules=["down_proj"]))
+    pm = get_peft_model(
+        kit.base(), IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    )
     g = torch.Generator().manual_seed(12)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -78,8 +85,11 @@ def test_ia3_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> None
     assert hm.hook_names == hb.hook_names and not lp.lora_hook_names(hm)
     cfg = hm.cfg
     inner = pm.base_model.model.model.layers
-    modules = {f"{i}.{n}": getattr(inner[i].self_attn if n != "down_proj" else inner[i].mlp, n)
-               for i in range(cfg.n_layers) for n in ("k_proj", "v_proj", "down_proj")}
+    modules = {
+        f"{i}.{n}": getattr(inner[i].self_attn if n != "down_proj" else inner[i].mlp, n)
+        for i in range(cfg.n_layers)
+        for n in ("k_proj", "v_proj", "down_proj")
+    }
     seen, handles = _record_outputs(modules)
     with torch.no_grad():
         reference = pm(ids).logits
@@ -108,11 +118,19 @@ def test_ia3_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> None
     for h in handles:
         h.remove()
     # W_Q reads q_proj only: the IA³ k_proj next to it is not asked for
-    _check_non_lora_weights(hm, hb, "IA3", {"W_K": "model.layers.0.self_attn.k_proj",
-                                            "_b_K": "model.layers.0.self_attn.k_proj",
-                                            "W_V": "model.layers.0.self_attn.v_proj",
-                                            "W_out": "model.layers.0.mlp.down_proj"},
-                            ("W_Q", "b_Q", "W_O", "W_in", "W_gate", "W_U"), kit.spec.targets)
+    _check_non_lora_weights(
+        hm,
+        hb,
+        "IA3",
+        {
+            "W_K": "model.layers.0.self_attn.k_proj",
+            "_b_K": "model.layers.0.self_attn.k_proj",
+            "W_V": "model.layers.0.self_attn.v_proj",
+            "W_out": "model.layers.0.mlp.down_proj",
+        },
+        ("W_Q", "b_Q", "W_O", "W_in", "W_gate", "W_U"),
+        kit.spec.targets,
+    )
     assert hm.unwrap() is pm
     hb.unwrap()
 
@@ -122,8 +140,9 @@ def test_loha_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> Non
     from peft import LoHaConfig
 
     kit, ids = _tuner_kit(kit_for)
-    pm = get_peft_model(kit.base(), LoHaConfig(r=2, alpha=4, target_modules=["q_proj", "o_proj", "up_proj"],
-                                               init_weights=False))
+    pm = get_peft_model(
+        kit.base(), LoHaConfig(r=2, alpha=4, target_modules=["q_proj", "o_proj", "up_proj"], init_weights=False)
+    )
     pm.eval()
     hm, hb = kit.wrap(pm), kit.wrap(kit.base())
     assert hm.hook_names == hb.hook_names and not lp.lora_hook_names(hm)
@@ -149,18 +168,30 @@ def test_loha_adapters_are_hooked_and_their_weights_refused(kit_for: Any) -> Non
     for h in handles:
         h.remove()
     # W_K reads k_proj only: the LoHa q_proj next to it is not asked for
-    _check_non_lora_weights(hm, hb, "LoHa", {"W_Q": "model.layers.0.self_attn.q_proj",
-                                             "W_O": "model.layers.0.self_attn.o_proj",
-                                             "W_in": "model.layers.0.mlp.up_proj"},
-                            ("W_K", "b_K", "W_V", "b_V", "W_gate", "W_out"), kit.spec.targets)
+    _check_non_lora_weights(
+        hm,
+        hb,
+        "LoHa",
+        {
+            "W_Q": "model.layers.0.self_attn.q_proj",
+            "W_O": "model.layers.0.self_attn.o_proj",
+            "W_in": "model.layers.0.mlp.up_proj",
+        },
+        ("W_K", "b_K", "W_V", "b_V", "W_gate", "W_out"),
+        kit.spec.targets,
+    )
     assert hm.unwrap() is pm
     hb.unwrap()
 
 
 def test_dora_adapters_are_hooked_but_have_no_plain_weight(kit_for: Any) -> None:
     kit = kit_for("gpt2")
-    pm = get_peft_model(kit.base(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], use_dora=True,
-                                               init_lora_weights=False, fan_in_fan_out=True))
+    pm = get_peft_model(
+        kit.base(),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], use_dora=True, init_lora_weights=False, fan_in_fan_out=True
+        ),
+    )
     init_lora(pm, 0)
     pm.eval()
     hm = kit.wrap(pm)

@@ -56,7 +56,7 @@ ARCH = Architecture(
     name="phi3",
     model_types=("phi3",),
     description="Phi-3 / Phi-3.5 / Phi-4-mini (Phi3ForCausalLM, Phi3Model): fused qkv_proj and gate_up_proj, "
-                "partial rotary, LongRoPE, sliding window",
+    "partial rotary, LongRoPE, sliding window",
     transformers=">=4.57,<6",
 )
 FAMILY = "Phi3"
@@ -64,8 +64,14 @@ SUPPORTED_ROPE_TYPES = ("default", "longrope")
 NORMS = ("Phi3RMSNorm",)
 Tensor = torch.Tensor
 
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp", mlp_residual="resid_mlp_dropout")
+_BLOCK = BlockLayout(
+    ln1="input_layernorm",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    ln2="post_attention_layernorm",
+    mlp="mlp",
+    mlp_residual="resid_mlp_dropout",
+)
 _MLP = FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=chunk_gate_up, merge=cat_gate_up)
 _QKV_PATH = "self_attn.qkv_proj"
 
@@ -91,8 +97,9 @@ def window(config: Any) -> Optional[int]:
     return getattr(config, "sliding_window", None) or None
 
 
-def qkv_split(n_heads: int, n_kv: int, d_head: int) -> tuple[Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
-                                                              Callable[[Tensor, Tensor, Tensor], Tensor]]:
+def qkv_split(
+    n_heads: int, n_kv: int, d_head: int
+) -> tuple[Callable[[Tensor], tuple[Tensor, Tensor, Tensor]], Callable[[Tensor, Tensor, Tensor], Tensor]]:
     """``(split, merge)`` of ``[q | k | v]`` along the last dimension, each part viewed as ``[heads, d_head]``."""
     q_width, kv_width = n_heads * d_head, n_kv * d_head
 
@@ -115,9 +122,23 @@ def lensadapters_architectures() -> list[Architecture]:
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     hf.require_transformers_class(model, FAMILY, ("phi3",))
     base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, _BLOCK.mlp_residual,
-                                 _QKV_PATH, _MLP.module, _MLP.out))
+    layers = hf.require_modules(
+        model,
+        base,
+        FAMILY,
+        ("embed_tokens", "norm", "rotary_emb"),
+        (
+            _BLOCK.ln1,
+            _BLOCK.attn,
+            _BLOCK.o_proj,
+            _BLOCK.ln2,
+            _BLOCK.mlp,
+            _BLOCK.mlp_residual,
+            _QKV_PATH,
+            _MLP.module,
+            _MLP.out,
+        ),
+    )
     hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
     config = model.config
     n_heads, n_kv, d = config.num_attention_heads, hf.n_kv_heads(config), hf.head_dim(config)
@@ -127,7 +148,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     if isinstance(out, int) and out != (n_heads + 2 * n_kv) * d:
         raise UnsupportedModelError(
             f"qkv_proj has {out} output features, but the config says {n_heads} query and {n_kv} key/value heads of "
-            f"size {d}")
+            f"size {d}"
+        )
     gate_up = getattr(layers[0].get_submodule(_MLP.module), "out_features", None)
     if isinstance(gate_up, int) and gate_up != 2 * config.intermediate_size:
         raise UnsupportedModelError(f"gate_up_proj has {gate_up} output features, not 2 * intermediate_size")
@@ -138,25 +160,44 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     c = model.config
     w = window(c)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=hf.head_dim(c),
-        d_mlp=c.intermediate_size, d_vocab=c.vocab_size, n_ctx=c.max_position_embeddings, act_fn=c.hidden_act,
-        normalization_type="RMS", positional_embedding_type="rotary", model_type="phi3",
-        n_key_value_heads=hf.n_kv_heads(c), rotary_dim=rotary_dim(c), gated_mlp=True, eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__, window_size=w,
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=hf.head_dim(c),
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type="phi3",
+        n_key_value_heads=hf.n_kv_heads(c),
+        rotary_dim=rotary_dim(c),
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__,
+        window_size=w,
         attn_types=("local",) * c.num_hidden_layers if w else None,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model),
-               "partial_rotary_factor": partial_rotary_factor(c),
-               "original_max_position_embeddings": getattr(c, "original_max_position_embeddings", None),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+        extra={
+            "rope_theta": hf.rope_theta(c),
+            "rope_type": _rope_type(model),
+            "partial_rotary_factor": partial_rotary_factor(c),
+            "original_max_position_embeddings": getattr(c, "original_max_position_embeddings", None),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        },
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return ModelLayout(
+        blocks=hf.join(base, "layers"),
+        embed=hf.join(base, "embed_tokens"),
+        ln_final=hf.join(base, "norm"),
+        rotary=hf.join(base, "rotary_emb"),
+        unembed=hf.unembed_path(model),
+    )
 
 
 @hookimpl
@@ -192,10 +233,31 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import Phi3Config
 
     rng = random.Random(seed)
-    layers, (heads, kv), partial, sliding, tied = (2, (4, 2), 0.75, None, True) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([0.5, 0.75, 1.0]),
-        rng.choice([None, 4]), rng.random() < 0.5)
-    return Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128,
-                      original_max_position_embeddings=128, partial_rotary_factor=partial, sliding_window=sliding,
-                      tie_word_embeddings=tied, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    layers, (heads, kv), partial, sliding, tied = (
+        (2, (4, 2), 0.75, None, True)
+        if seed == 0
+        else (
+            rng.choice([1, 2, 3]),
+            rng.choice([(4, 2), (4, 4), (4, 1)]),
+            rng.choice([0.5, 0.75, 1.0]),
+            rng.choice([None, 4]),
+            rng.random() < 0.5,
+        )
+    )
+    return Phi3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=512,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        partial_rotary_factor=partial,
+        sliding_window=sliding,
+        tie_word_embeddings=tied,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

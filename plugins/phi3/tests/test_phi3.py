@@ -40,8 +40,8 @@ def test_fused_weights_are_the_rows_of_the_fused_projections():
     d = 8
     rows = attn.qkv_proj.weight  # [(6 + 2 + 2) * 8, 48]
     assert torch.equal(hm.W_Q[0], rows[: 6 * d].reshape(6, d, 48).transpose(1, 2))
-    assert torch.equal(hm._W_K[0], rows[6 * d: 8 * d].reshape(2, d, 48).transpose(1, 2))
-    assert torch.equal(hm._W_V[0], rows[8 * d:].reshape(2, d, 48).transpose(1, 2))
+    assert torch.equal(hm._W_K[0], rows[6 * d : 8 * d].reshape(2, d, 48).transpose(1, 2))
+    assert torch.equal(hm._W_V[0], rows[8 * d :].reshape(2, d, 48).transpose(1, 2))
     assert torch.equal(hm.W_gate[0], mlp.gate_up_proj.weight[:20].T)
     assert torch.equal(hm.W_in[0], mlp.gate_up_proj.weight[20:].T)
     hm.unwrap()
@@ -52,8 +52,9 @@ def test_partial_rotary_leaves_the_tail_of_each_head_alone():
     hm = CONTRACT.wrap(model)
     assert hm.cfg.rotary_dim == 12 and hm.cfg.d_head == 16
     with torch.no_grad():
-        _, cache = hm.run_with_cache(*tokens(pads=(0, 0)), names_filter=lambda n: "hook_rot" in n or "attn.hook_q" in n
-                                     or "attn.hook_k" in n)
+        _, cache = hm.run_with_cache(
+            *tokens(pads=(0, 0)), names_filter=lambda n: "hook_rot" in n or "attn.hook_q" in n or "attn.hook_k" in n
+        )
     assert torch.equal(cache["rot_q", 0][..., 12:], cache["q", 0][..., 12:])
     assert torch.equal(cache["rot_k", 0][..., 12:], cache["k", 0][..., 12:])
     assert not torch.allclose(cache["rot_q", 0][:, 1:, :, :12], cache["q", 0][:, 1:, :, :12])

@@ -97,9 +97,30 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import Qwen2Config
 
     rng = random.Random(seed)
-    layers, (heads, kv), window_from, tied = (2, (4, 2), 1, True) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([0, 1, 9]), rng.random() < 0.5)
-    return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=512, max_position_embeddings=128, sliding_window=4,
-                       use_sliding_window=window_from < layers, max_window_layers=window_from,
-                       tie_word_embeddings=tied, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    layers, (heads, kv), window_from, tied = (
+        (2, (4, 2), 1, True)
+        if seed == 0
+        else (
+            rng.choice([1, 2, 3]),
+            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
+            rng.choice([0, 1, 9]),
+            rng.random() < 0.5,
+        )
+    )
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=512,
+        max_position_embeddings=128,
+        sliding_window=4,
+        use_sliding_window=window_from < layers,
+        max_window_layers=window_from,
+        tie_word_embeddings=tied,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

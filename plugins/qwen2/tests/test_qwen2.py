@@ -40,8 +40,9 @@ def test_biases_on_queries_keys_and_values_only():
         assert torch.equal(getattr(hm, name), torch.zeros_like(getattr(hm, name))), name
     ids, mask = tokens()
     with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, attention_mask=mask, names_filter=["blocks.0.attn.hook_q",
-                                                                            "blocks.0.ln1.hook_normalized"])
+        _, cache = hm.run_with_cache(
+            ids, attention_mask=mask, names_filter=["blocks.0.attn.hook_q", "blocks.0.ln1.hook_normalized"]
+        )
     block = hm.block_modules[0]
     attn_in = cache["blocks.0.ln1.hook_normalized"] * block.input_layernorm.weight
     assert_close(cache["q", 0], torch.einsum("bpm,hmd->bphd", attn_in, hm.W_Q[0]) + hm.b_Q[0], "hook_q has b_Q")

@@ -52,8 +52,12 @@ ARCH = Architecture(
 )
 # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
 FAMILY = hf.DecoderFamily(
-    "Qwen3", model_type="qwen3", packages=("qwen3",), norms=("Qwen3RMSNorm",),
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd")))
+    "Qwen3",
+    model_type="qwen3",
+    packages=("qwen3",),
+    norms=("Qwen3RMSNorm",),
+    qk_norms=(ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd")),
+)
 
 
 @hookimpl
@@ -69,8 +73,10 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 @hookimpl
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     return FAMILY.hooked_config(
-        model, **hf.window_fields(hf.layer_windows(model.config)),
-        extra={"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))})
+        model,
+        **hf.window_fields(hf.layer_windows(model.config)),
+        extra={"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
+    )
 
 
 @hookimpl
@@ -108,10 +114,31 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import Qwen3Config
 
     rng = random.Random(seed)
-    layers, (heads, kv), window_from, tied = (2, (4, 2), 9, True) if seed == 0 else (
-        rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([0, 1, 9]), rng.random() < 0.5)
-    return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, head_dim=32, vocab_size=512, max_position_embeddings=128,
-                       sliding_window=4,
-                       use_sliding_window=window_from < layers, max_window_layers=window_from,
-                       tie_word_embeddings=tied, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    layers, (heads, kv), window_from, tied = (
+        (2, (4, 2), 9, True)
+        if seed == 0
+        else (
+            rng.choice([1, 2, 3]),
+            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
+            rng.choice([0, 1, 9]),
+            rng.random() < 0.5,
+        )
+    )
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=128,
+        sliding_window=4,
+        use_sliding_window=window_from < layers,
+        max_window_layers=window_from,
+        tie_word_embeddings=tied,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

@@ -34,11 +34,24 @@ def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tenso
 
 def test_query_norm_points_sit_between_projection_and_rotary():
     hm = CONTRACT.wrap(CONTRACT.make_model(qwen3_config(n_heads=4, n_kv=2, head_dim=8), 0))
-    names = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.attn.hook_") or ".attn.q_norm" in n
-             or ".attn.k_norm" in n]
-    assert names[:11] == ["attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
-                          "attn.hook_k", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized", "attn.hook_rot_k",
-                          "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern"]
+    names = [
+        n[len("blocks.0.") :]
+        for n in hm.hook_names
+        if n.startswith("blocks.0.attn.hook_") or ".attn.q_norm" in n or ".attn.k_norm" in n
+    ]
+    assert names[:11] == [
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+        "attn.hook_k",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_v",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+    ]
     ids, mask = tokens()
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, attention_mask=mask)

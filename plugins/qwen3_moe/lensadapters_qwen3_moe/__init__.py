@@ -55,15 +55,16 @@ ARCH = Architecture(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     description="Qwen3-MoE (Qwen3MoeForCausalLM, Qwen3MoeModel): sparse mixture of experts (optionally with dense "
-                "layers), per-head q/k norms before RoPE, GQA",
+    "layers), per-head q/k norms before RoPE, GQA",
     transformers=">=4.57,<6",
 )
 FAMILY = "Qwen3Moe"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 NORMS = ("Qwen3MoeRMSNorm",)
 
-_BLOCK = BlockLayout(ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj",
-                     ln2="post_attention_layernorm", mlp="mlp")
+_BLOCK = BlockLayout(
+    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+)
 _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
 _DENSE = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
@@ -101,8 +102,12 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     routing_kw = dict(normalize=bool(config.norm_topk_prob), weights_dtype="logits")
     routing = Routing(config.num_experts, config.num_experts_per_tok, **routing_kw)
     if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
-        return MoELayout(router="mlp.gate", routing=routing, router_output="logits",
-                         experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"))
+        return MoELayout(
+            router="mlp.gate",
+            routing=routing,
+            router_output="logits",
+            experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
+        )
     return MoELayout(router="mlp.gate", routing=routing, experts=FusedExperts("mlp.experts"), router_output="routing")
 
 
@@ -140,19 +145,26 @@ def lensadapters_architectures() -> list[Architecture]:
 def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
     hf.require_transformers_class(model, FAMILY, ("qwen3_moe",))
     base = _base(model)
-    layers = hf.require_modules(model, base, FAMILY, ("embed_tokens", "norm", "rotary_emb"),
-                                (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS,
-                                 *(n.module for n in _QK_NORMS)))
+    layers = hf.require_modules(
+        model,
+        base,
+        FAMILY,
+        ("embed_tokens", "norm", "rotary_emb"),
+        (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS, *(n.module for n in _QK_NORMS)),
+    )
     config = model.config
-    missing = [f"{hf.join(base, 'layers')}.{i}.{p}"
-               for i, (layer, sparse) in enumerate(zip(layers, sparse_layers(config)))
-               for p in _missing_mlp_paths(layer, sparse)]
+    missing = [
+        f"{hf.join(base, 'layers')}.{i}.{p}"
+        for i, (layer, sparse) in enumerate(zip(layers, sparse_layers(config)))
+        for p in _missing_mlp_paths(layer, sparse)
+    ]
     if missing:
         raise UnsupportedModelError(
             f"{type(model).__name__} has model_type 'qwen3_moe' but its MLPs are not the ones its config declares "
             f"(missing: {', '.join(missing[:6])}; sparse layers by mlp_only_layers={config.mlp_only_layers} and "
             f"decoder_sparse_step={config.decoder_sparse_step}); the {FAMILY} plugin supports transformers' "
-            f"{FAMILY} classes")
+            f"{FAMILY} classes"
+        )
     hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
     n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
     if n_heads % n_kv:
@@ -165,27 +177,50 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     head_dim, sparse = hf.head_dim(c), sparse_layers(c)
     window = getattr(c, "sliding_window", None)
     return HookedConfig(
-        n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_heads=c.num_attention_heads, d_head=head_dim,
-        d_mlp=c.moe_intermediate_size if any(sparse) else c.intermediate_size, d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings, act_fn=c.hidden_act, normalization_type="RMS",
-        positional_embedding_type="rotary", model_type="qwen3_moe", n_key_value_heads=hf.n_kv_heads(c),
-        rotary_dim=head_dim, gated_mlp=True, eps=c.rms_norm_eps, original_architecture=type(model).__name__,
-        num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
-        window_size=window, attn_types=("local",) * c.num_hidden_layers if window else None,
-        extra={"rope_theta": hf.rope_theta(c), "rope_type": _rope_type(model), "use_qk_norm": True,
-               "norm_topk_prob": bool(c.norm_topk_prob), "moe_layers": [i for i, s in enumerate(sparse) if s],
-               "dense_d_mlp": c.intermediate_size, "decoder_sparse_step": c.decoder_sparse_step,
-               "attention_bias": bool(getattr(c, "attention_bias", False)),
-               "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))},
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=head_dim,
+        d_mlp=c.moe_intermediate_size if any(sparse) else c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        model_type="qwen3_moe",
+        n_key_value_heads=hf.n_kv_heads(c),
+        rotary_dim=head_dim,
+        gated_mlp=True,
+        eps=c.rms_norm_eps,
+        original_architecture=type(model).__name__,
+        num_experts=c.num_experts,
+        experts_per_token=c.num_experts_per_tok,
+        window_size=window,
+        attn_types=("local",) * c.num_hidden_layers if window else None,
+        extra={
+            "rope_theta": hf.rope_theta(c),
+            "rope_type": _rope_type(model),
+            "use_qk_norm": True,
+            "norm_topk_prob": bool(c.norm_topk_prob),
+            "moe_layers": [i for i, s in enumerate(sparse) if s],
+            "dense_d_mlp": c.intermediate_size,
+            "decoder_sparse_step": c.decoder_sparse_step,
+            "attention_bias": bool(getattr(c, "attention_bias", False)),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        },
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     base = _base(model)
-    return ModelLayout(blocks=hf.join(base, "layers"), embed=hf.join(base, "embed_tokens"),
-                       ln_final=hf.join(base, "norm"), rotary=hf.join(base, "rotary_emb"),
-                       unembed=hf.unembed_path(model))
+    return ModelLayout(
+        blocks=hf.join(base, "layers"),
+        embed=hf.join(base, "embed_tokens"),
+        ln_final=hf.join(base, "norm"),
+        rotary=hf.join(base, "rotary_emb"),
+        unembed=hf.unembed_path(model),
+    )
 
 
 @hookimpl
@@ -196,8 +231,9 @@ def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Bloc
 @hookimpl
 def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
     # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-    return SeparateQKV(*_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0],
-                       k_norm=_QK_NORMS[1])
+    return SeparateQKV(
+        *_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
+    )
 
 
 @hookimpl
@@ -233,9 +269,26 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         dense = rng.choice(["none", "first", "step"]) if layers > 1 else "none"
         only, step = ([0], 1) if dense == "first" else ([], 2 if dense == "step" else 1)
     return Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=32, vocab_size=512, max_position_embeddings=128,
-        rms_norm_eps=1e-6, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm,
-        mlp_only_layers=only, decoder_sparse_step=step, use_sliding_window=False, rope_theta=10000.0,
-        tie_word_embeddings=False, output_router_logits=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        mlp_only_layers=only,
+        decoder_sparse_step=step,
+        use_sliding_window=False,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        output_router_logits=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )

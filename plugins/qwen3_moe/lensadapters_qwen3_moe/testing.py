@@ -113,8 +113,10 @@ def qwen3_moe_configs(
     step = 1
     if kind == "mlp_only_layers" and layers > 1:
         sparse = draw(st.integers(0, layers - 1), label="a sparse layer")
-        only = draw(st.lists(st.sampled_from([i for i in range(layers) if i != sparse]), unique=True, min_size=1),
-                    label="mlp_only_layers")
+        only = draw(
+            st.lists(st.sampled_from([i for i in range(layers) if i != sparse]), unique=True, min_size=1),
+            label="mlp_only_layers",
+        )
     elif kind == "decoder_sparse_step" and layers > 1:
         step = 2
     kv = draw(as_strategy(n_kv), label="n_kv")

@@ -49,8 +49,12 @@ def test_entry_point() -> None:
 
 @pytest.mark.parametrize(
     "layers, only, step, expected",
-    [(3, [], 1, [True, True, True]), (3, [1], 1, [True, False, True]), (4, [], 2, [False, True, False, True]),
-     (4, [3], 2, [False, True, False, False])],
+    [
+        (3, [], 1, [True, True, True]),
+        (3, [1], 1, [True, False, True]),
+        (4, [], 2, [False, True, False, True]),
+        (4, [3], 2, [False, True, False, False]),
+    ],
 )
 def test_dense_layers_are_ordinary_mlps(layers: int, only: list, step: int, expected: list) -> None:
     """The layers ``mlp_only_layers``/``decoder_sparse_step`` make dense are described as SwiGLU MLPs of width
@@ -85,9 +89,9 @@ def test_dense_layers_are_ordinary_mlps(layers: int, only: list, step: int, expe
             assert not torch.allclose(edited, reference)
     if not all(expected):
         with pytest.raises(AttributeError, match="mlp_weights"):
-            hm.W_in
+            _ = hm.W_in
         with pytest.raises(AttributeError, match="router_weight"):
-            hm.W_router
+            _ = hm.W_router
     hm.unwrap()
 
 
@@ -112,8 +116,11 @@ def test_routing_weights_follow_norm_topk_prob(norm_topk_prob: bool) -> None:
             _, edited = hm.run_with_cache(ids, names_filter=names)
         top, index = new.topk(2, dim=-1)
         assert torch.equal(edited[pre + "hook_expert_indices"], index)
-        assert_close(edited[pre + "hook_routing_weights"], top / top.sum(-1, keepdim=True) if norm_topk_prob else top,
-                     "edited probabilities, weighted as the family does")
+        assert_close(
+            edited[pre + "hook_routing_weights"],
+            top / top.sum(-1, keepdim=True) if norm_topk_prob else top,
+            "edited probabilities, weighted as the family does",
+        )
         expected = moe_reference(hm, 0, mlp_input(hm, edited, 0), edited[pre + "hook_routing_weights"], index)
         assert_close(edited["mlp_out", 0], expected, "hook_mlp_out with the edited routing", atol=1e-5)
     hm.unwrap()
@@ -146,10 +153,20 @@ def test_sliding_window_patterns_match_hf_eager(data: st.DataObject) -> None:
 def test_query_norm_points_sit_between_projection_and_rotary() -> None:
     """The per-head q/k norms' points fire between the projection and the rotary points, in Qwen3's order."""
     hm = CONTRACT.wrap(CONTRACT.make_model(qwen3_moe_config(), 0))
-    names = [n[len("blocks.0."):] for n in hm.hook_names if n.startswith("blocks.0.attn.")]
-    assert names[:11] == ["attn.hook_q", "attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.hook_rot_q",
-                          "attn.hook_k", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized", "attn.hook_rot_k",
-                          "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern"]
+    names = [n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.attn.")]
+    assert names[:11] == [
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+        "attn.hook_k",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_v",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+    ]
     ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: ".attn.hook_q" in n or ".q_norm." in n)
@@ -164,8 +181,9 @@ def _lora_model(seed: int) -> torch.nn.Module:
     transformers 5 PEFT turns these targets into its parameter LoRA on the fused ``gate_up_proj``/``down_proj``."""
     peft = pytest.importorskip("peft")
     model = CONTRACT.make_model(qwen3_moe_config(layers=2, experts=4, top_k=2, mlp_only_layers=[0]), seed)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
-                             init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
     return peft.get_peft_model(model, config)
 
 
@@ -184,8 +202,9 @@ def test_lora_on_experts_and_dense_layers(seed: int) -> None:
         logits, cache = hm.run_with_cache(ids, names_filter=names)
         assert torch.equal(logits, reference), "reading the adapted experts changed the output"
         pre = "blocks.1.mlp."
-        expected = moe_reference(hm, 1, mlp_input(hm, cache, 1), cache[pre + "hook_routing_weights"],
-                                 cache[pre + "hook_expert_indices"])
+        expected = moe_reference(
+            hm, 1, mlp_input(hm, cache, 1), cache[pre + "hook_routing_weights"], cache[pre + "hook_expert_indices"]
+        )
         assert_close(cache["mlp_out", 1], expected, "adapted experts", atol=1e-4)
         W_out = mlp_weights(hm.wiring, 0, "out")[0]
         assert_close(cache["mlp_out", 0], cache["blocks.0.mlp.hook_post"] @ W_out, "adapted dense layer", atol=1e-5)

@@ -10,14 +10,13 @@ Importing ``lensadapters_olmoe`` itself never imports this module (nor hypothesi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hypothesis import strategies as st
 from transformers import OlmoeConfig
 
 import lensadapters_olmoe
 from lensadapters.testing.moe import MoEContract
-from lensadapters.testing.pending_capabilities import NormedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["OlmoeContract", "olmoe_config", "olmoe_configs"]
@@ -112,17 +111,20 @@ def olmoe_configs(
     )
 
 
-class OlmoeContract(NormedAttentionProperties, MoEContract):
+class OlmoeContract(MoEContract):
     """Every generic adapter property (in its MoE and q/k-norm forms) and the MoE properties on tiny OLMoE models:
     2-5 experts, top-1 to top-every-expert routing with and without renormalization, every experts implementation of
     transformers 5, transformers 4.57's own attention classes."""
 
-    plugin = lensadapters_olmoe
+    plugin: ClassVar[Any] = lensadapters_olmoe
     config_strategy = olmoe_configs
     # the LoRA matrix builds two models per example: smaller ones
     matrix_overrides = dict(experts=st.integers(2, 3), n_layers=st.integers(1, 2))
     # gated_mlp: no block has the dense mlp.hook_pre_linear (each expert is gated: mlp.experts.{e}.hook_gate)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, False
+    # q_norm between hook_q and the scores: doubling hook_q changes nothing, its output and hook_rot_q are linear
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
 
     def config_label(self, config: Any) -> Optional[str]:
         norm = "renormalized" if config.norm_topk_prob else "raw"

@@ -10,14 +10,13 @@ Importing ``lensadapters_qwen3_moe`` itself never imports this module (nor hypot
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 from hypothesis import strategies as st
 from transformers import Qwen3MoeConfig
 
 import lensadapters_qwen3_moe
 from lensadapters.testing.moe import MoEContract
-from lensadapters.testing.pending_capabilities import NormedAttentionProperties
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["Qwen3MoeContract", "qwen3_moe_config", "qwen3_moe_configs"]
@@ -144,17 +143,20 @@ def qwen3_moe_configs(
     )
 
 
-class Qwen3MoeContract(NormedAttentionProperties, MoEContract):
+class Qwen3MoeContract(MoEContract):
     """Every generic adapter property (in its MoE and q/k-norm forms) and the MoE properties on tiny Qwen3-MoE
     models: 2-5 experts, top-1 to top-every-expert routing with and without renormalization, dense layers among the
     sparse ones, every experts implementation of transformers 5."""
 
-    plugin = lensadapters_qwen3_moe
+    plugin: ClassVar[Any] = lensadapters_qwen3_moe
     config_strategy = qwen3_moe_configs
     # the LoRA matrix builds two models per example: smaller ones
     matrix_overrides = dict(experts=st.integers(2, 3), n_layers=st.integers(1, 2))
     # gated_mlp: a MoE block has no dense mlp.hook_pre_linear (each expert is gated: mlp.experts.{e}.hook_gate)
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, False
+    # q_norm between hook_q and the scores: doubling hook_q changes nothing, its output and hook_rot_q are linear
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
 
     def config_label(self, config: Any) -> Optional[str]:
         sparse = lensadapters_qwen3_moe.sparse_layers(config)

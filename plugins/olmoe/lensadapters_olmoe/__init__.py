@@ -34,7 +34,7 @@ flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (whic
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -53,7 +53,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
-from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -65,33 +67,22 @@ ARCH = Architecture(
     "width, GQA, RoPE",
     transformers=">=4.57,<6",
 )
-FAMILY = "Olmoe"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("OlmoeRMSNorm",)
-Tensor = torch.Tensor
-
-_BLOCK = BlockLayout(
-    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+# pre-norm blocks; q/k norms over the whole projection width as OLMo 2's (q_proj -> q_norm -> k_proj -> k_norm ->
+# v_proj, then RoPE on the normed queries and keys); the MLP of every block is a mixture of experts (moe_layout)
+FAMILY = hf.DecoderFamily(
+    "Olmoe",
+    model_type="olmoe",
+    packages=("olmoe",),
+    norms=("OlmoeRMSNorm",),
+    qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
+    mlp=None,
 )
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf"))
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    return list(model.get_submodule(hf.join(_base(model), "layers")))
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+Tensor = torch.Tensor
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
-        module = module.base_layer
+        module = module.get_submodule("base_layer")
     return module
 
 
@@ -126,7 +117,7 @@ def _missing_expert_paths(layer: nn.Module) -> list[str]:
 # --- attention patterns under transformers 4.57 (attention computed inside OLMoE's attention classes) ------------
 
 
-def _olmoe_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+def _olmoe_scores(module: Any, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
     """Pre-mask scores as transformers 4.57's ``OlmoeAttention`` computes them: divided by ``sqrt(head_dim)``."""
     return torch.matmul(query, key.transpose(2, 3)) / math.sqrt(module.head_dim)
 
@@ -154,8 +145,8 @@ class OlmoePatternBackend:
         from lensadapters.attention import explicit_attention
         from lensadapters.copying import InstanceOverride
 
-        module = self.modules[layer]
-        if not isinstance(module, (modeling_olmoe.OlmoeAttention,)) or "forward" in vars(module):
+        module: Any = self.modules[layer]  # OLMoE's attention: head_dim, num_heads, q_norm... read below
+        if not issubclass(type(module), modeling_olmoe.OlmoeAttention) or "forward" in vars(module):
             raise LensAdaptersError(
                 f"layer {layer}: hook_attn_scores/hook_pattern need transformers' OLMoE attention module; this "
                 f"layer's is {type(module).__name__}"
@@ -184,6 +175,8 @@ class OlmoePatternBackend:
             query = query.view(bsz, q_len, module.num_heads, module.head_dim).transpose(1, 2)
             key = key.view(bsz, q_len, module.num_key_value_heads, module.head_dim).transpose(1, 2)
             value = value.view(bsz, q_len, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+            if position_embeddings is None:  # transformers 4.57's decoder layers always pass them
+                raise LensAdaptersError(f"layer {layer}: OLMoE attention called without position_embeddings")
             cos, sin = position_embeddings
             query, key = modeling_olmoe.apply_rotary_pos_emb(query, key, cos, sin)
             if past_key_values is not None:
@@ -236,37 +229,33 @@ def lensadapters_architectures() -> list[Architecture]:
     return [ARCH]
 
 
+def _missing_moe_paths(layer: nn.Module) -> list[str]:
+    return [p for p in ("mlp.gate", "mlp.experts") if not _has(layer, p)]
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("olmoe",))
-    base = _base(model)
-    layers = hf.require_modules(
-        model,
-        base,
-        FAMILY,
-        ("embed_tokens", "norm", "rotary_emb"),
-        (
-            _BLOCK.ln1,
-            _BLOCK.attn,
-            _BLOCK.o_proj,
-            _BLOCK.ln2,
-            _BLOCK.mlp,
-            *_QKV_PATHS,
-            *(n.module for n in _QK_NORMS),
-            "mlp.gate",
-            "mlp.experts",
-        ),
-    )
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
+    config = model.config
+    layers = FAMILY.validate(model, missing_in_layer=_missing_moe_paths)
     missing = [
-        f"{hf.join(base, 'layers')}.{i}.{p}" for i, layer in enumerate(layers) for p in _missing_expert_paths(layer)
+        f"{hf.join(FAMILY.base(model), 'layers')}.{i}.{p}"
+        for i, layer in enumerate(layers)
+        for p in _missing_expert_paths(layer)
     ]
     if missing:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has model_type 'olmoe' but not transformers' {FAMILY} experts layout (missing: "
-            f"{', '.join(missing[:6])}); the {FAMILY} plugin supports transformers' {FAMILY} classes"
+            f"{type(model).__name__} has model_type 'olmoe' but not transformers' {FAMILY.family} experts layout "
+            f"(missing: {', '.join(missing[:6])}); the {FAMILY.family} plugin supports transformers' {FAMILY.family} "
+            f"classes"
         )
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
     if getattr(config, "clip_qkv", None) is not None:
         raise UnsupportedModelError(
             f"this OLMoE model clamps queries, keys and values to +-clip_qkv={config.clip_qkv} after the q/k norms: "
@@ -274,84 +263,53 @@ def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
             f"attention would not use the edited value. lensadapters-olmoe supports clip_qkv=None (every released "
             f"OLMoE checkpoint); set model.config.clip_qkv = None only if the checkpoint was trained without it"
         )
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    if hf.head_dim(config) * n_heads != config.hidden_size:
+    n_heads, d_head = config.num_attention_heads, hf.head_dim(config)
+    if d_head * n_heads != config.hidden_size:
         raise UnsupportedModelError(
-            f"head_dim={hf.head_dim(config)} with {n_heads} heads is not hidden_size={config.hidden_size}: OLMoE's "
+            f"head_dim={d_head} with {n_heads} heads is not hidden_size={config.hidden_size}: OLMoE's "
             f"q/k norms are sized for head_dim = hidden_size / num_attention_heads"
         )
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
-    head_dim = hf.head_dim(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=head_dim,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_act,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        model_type="olmoe",
-        n_key_value_heads=hf.n_kv_heads(c),
-        rotary_dim=head_dim,
-        gated_mlp=True,
-        eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
+    return FAMILY.hooked_config(
+        model,
         num_experts=c.num_experts,
         experts_per_token=c.num_experts_per_tok,
         extra={
-            "rope_theta": hf.rope_theta(c),
-            "rope_type": _rope_type(model),
             "use_qk_norm": True,
             "qk_norm_over_heads": True,
             "norm_topk_prob": bool(c.norm_topk_prob),
             "attention_bias": bool(getattr(c, "attention_bias", False)),
-            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
         },
     )
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(
-        blocks=hf.join(base, "layers"),
-        embed=hf.join(base, "embed_tokens"),
-        ln_final=hf.join(base, "norm"),
-        rotary=hf.join(base, "rotary_emb"),
-        unembed=hf.unembed_path(model),
-    )
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
+    return FAMILY.embed(model)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
+    return FAMILY.block
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-    return SeparateQKV(
-        *_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
-    )
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> MoELayout:
-    return moe_layout(_layers(model)[layer], model.config)
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MoELayout:
+    return moe_layout(FAMILY.layers(model)[layer], model.config)
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl

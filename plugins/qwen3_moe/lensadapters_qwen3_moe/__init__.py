@@ -28,7 +28,7 @@ registered as ``qwen3_moe``, a model without Qwen3-MoE's layout, attention imple
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from torch import nn
 
@@ -46,7 +46,9 @@ from lensadapters import (
     hookimpl,
 )
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
-from lensadapters.rotary import rotate_half_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -58,29 +60,17 @@ ARCH = Architecture(
     "layers), per-head q/k norms before RoPE, GQA",
     transformers=">=4.57,<6",
 )
-FAMILY = "Qwen3Moe"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("Qwen3MoeRMSNorm",)
-
-_BLOCK = BlockLayout(
-    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
+# attention and norms as Qwen3's: q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the
+# normed queries and keys; the MLP is read layer by layer (dense SwiGLU or a mixture of experts, see sparse_layers)
+FAMILY = hf.DecoderFamily(
+    "Qwen3Moe",
+    model_type="qwen3_moe",
+    packages=("qwen3_moe",),
+    norms=("Qwen3MoeRMSNorm",),
+    qk_norms=(ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd")),
+    mlp=None,
 )
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
-_DENSE = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-_DENSE_PATHS = (_DENSE.pre, _DENSE.pre_linear, _DENSE.out)
-
-
-def _base(model: nn.Module) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    return list(model.get_submodule(hf.join(_base(model), "layers")))
-
-
-def _rope_type(model: nn.Module) -> str:
-    return str(getattr(model.get_submodule(hf.join(_base(model), "rotary_emb")), "rope_type", "default"))
+_DENSE = hf.SWIGLU_MLP
 
 
 def sparse_layers(config: Any) -> list[bool]:
@@ -93,14 +83,15 @@ def sparse_layers(config: Any) -> list[bool]:
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
-        module = module.base_layer
+        module = module.get_submodule("base_layer")
     return module
 
 
 def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     """The MoE description of one sparse decoder layer, for the transformers version that built it."""
-    routing_kw = dict(normalize=bool(config.norm_topk_prob), weights_dtype="logits")
-    routing = Routing(config.num_experts, config.num_experts_per_tok, **routing_kw)
+    routing = Routing(
+        config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob), weights_dtype="logits"
+    )
     if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
         return MoELayout(
             router="mlp.gate",
@@ -122,7 +113,7 @@ def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
         return out
 
     if not sparse:
-        return missing(_DENSE_PATHS)
+        return missing((_DENSE.pre, _DENSE.pre_linear, _DENSE.out))
     found = missing(("mlp.gate", "mlp.experts"))
     if found:
         return found
@@ -142,110 +133,71 @@ def lensadapters_architectures() -> list[Architecture]:
 
 
 @hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    hf.require_transformers_class(model, FAMILY, ("qwen3_moe",))
-    base = _base(model)
-    layers = hf.require_modules(
-        model,
-        base,
-        FAMILY,
-        ("embed_tokens", "norm", "rotary_emb"),
-        (_BLOCK.ln1, _BLOCK.attn, _BLOCK.o_proj, _BLOCK.ln2, _BLOCK.mlp, *_QKV_PATHS, *(n.module for n in _QK_NORMS)),
-    )
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
+    layers = FAMILY.validate(model)
     config = model.config
     missing = [
-        f"{hf.join(base, 'layers')}.{i}.{p}"
+        f"{hf.join(FAMILY.base(model), 'layers')}.{i}.{p}"
         for i, (layer, sparse) in enumerate(zip(layers, sparse_layers(config)))
         for p in _missing_mlp_paths(layer, sparse)
     ]
     if missing:
+        family = FAMILY.family
         raise UnsupportedModelError(
             f"{type(model).__name__} has model_type 'qwen3_moe' but its MLPs are not the ones its config declares "
             f"(missing: {', '.join(missing[:6])}; sparse layers by mlp_only_layers={config.mlp_only_layers} and "
-            f"decoder_sparse_step={config.decoder_sparse_step}); the {FAMILY} plugin supports transformers' "
-            f"{FAMILY} classes"
+            f"decoder_sparse_step={config.decoder_sparse_step}); the {family} plugin supports transformers' "
+            f"{family} classes"
         )
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    n_heads, n_kv = config.num_attention_heads, hf.n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
 
 
 @hookimpl
-def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
-    c = model.config
-    head_dim, sparse = hf.head_dim(c), sparse_layers(c)
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+    c, sparse = model.config, sparse_layers(model.config)
     window = getattr(c, "sliding_window", None)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=head_dim,
+    return FAMILY.hooked_config(
+        model,
         d_mlp=c.moe_intermediate_size if any(sparse) else c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_act,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        model_type="qwen3_moe",
-        n_key_value_heads=hf.n_kv_heads(c),
-        rotary_dim=head_dim,
-        gated_mlp=True,
-        eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
         num_experts=c.num_experts,
         experts_per_token=c.num_experts_per_tok,
         window_size=window,
         attn_types=("local",) * c.num_hidden_layers if window else None,
         extra={
-            "rope_theta": hf.rope_theta(c),
-            "rope_type": _rope_type(model),
             "use_qk_norm": True,
             "norm_topk_prob": bool(c.norm_topk_prob),
             "moe_layers": [i for i, s in enumerate(sparse) if s],
             "dense_d_mlp": c.intermediate_size,
             "decoder_sparse_step": c.decoder_sparse_step,
             "attention_bias": bool(getattr(c, "attention_bias", False)),
-            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
         },
     )
 
 
 @hookimpl
-def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(
-        blocks=hf.join(base, "layers"),
-        embed=hf.join(base, "embed_tokens"),
-        ln_final=hf.join(base, "norm"),
-        rotary=hf.join(base, "rotary_emb"),
-        unembed=hf.unembed_path(model),
-    )
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
+    return FAMILY.embed(model)
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-    return _BLOCK
+def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
+    return FAMILY.block
 
 
 @hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> SeparateQKV:
-    # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-    return SeparateQKV(
-        *_QKV_PATHS, rotary=rotate_half_spec(hf.head_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
-    )
+def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
+    return FAMILY.attn_qkv(model)
 
 
 @hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Union[MLPLayout, MoELayout]:
+def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> Union[MLPLayout, MoELayout]:
     if not sparse_layers(model.config)[layer]:
         return _DENSE
-    return moe_layout(_layers(model)[layer], model.config)
+    return moe_layout(FAMILY.layers(model)[layer], model.config)
 
 
 @hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
+    return FAMILY.norm_spec(module)
 
 
 @hookimpl
@@ -261,7 +213,8 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
 
     rng = random.Random(seed)
     if seed == 0:
-        layers, (heads, kv), experts, top_k, norm, only, step = 2, (4, 2), 4, 2, False, [], 1
+        only: list[int] = []
+        layers, (heads, kv), experts, top_k, norm, step = 2, (4, 2), 4, 2, False, 1
     else:
         layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)])
         experts = rng.choice([2, 4, 8])

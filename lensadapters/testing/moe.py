@@ -5,7 +5,7 @@ Subclass it as you would ``AdapterContract`` (``plugin``, ``configs()``...). Den
 dense and MoE MLPs are checked as the generic suite checks them.
 
 Five generic properties are structurally different for a MoE block and are overridden here (their docstrings start
-with ``PENDING-CAPABILITY:`` and say what is checked instead): a MoE block has no dense ``mlp.hook_pre`` /
+with ``MoE form:`` and say what is checked instead): a MoE block has no dense ``mlp.hook_pre`` /
 ``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis; ``mlp.hook_expert_indices`` holds
 integers (the generic perturbation is not an index); an expert that no token chose has no rows to edit.
 """
@@ -88,12 +88,12 @@ class MoEContract(AdapterContract):
         assume(layers)
         return data.draw(st.sampled_from(layers), label="MoE layer")
 
-    # --- generic properties, MoE form (PENDING-CAPABILITY) -----------------------------------------------
+    # --- generic properties, MoE form (each overridden in its MoE form) -----------------------------------------------
 
     @_SETTINGS
     @given(data=st.data())
     def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: a MoE block has no dense ``mlp.hook_pre``/``mlp.hook_post`` (TransformerLens' MoE has
+        """MoE form: a MoE block has no dense ``mlp.hook_pre``/``mlp.hook_post`` (TransformerLens' MoE has
         none either), so the generic check that every block has them is false by structure. Checked instead: every
         block has the points all architectures have except those two; a MoE block has the four routing points and
         ``mlp.experts.{e}.hook_gate/hook_pre/hook_post/hook_result`` for every expert (in that order, before
@@ -139,7 +139,7 @@ class MoEContract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: a MoE block's ``W_in``/``W_gate``/``W_out`` have an experts axis
+        """MoE form: a MoE block's ``W_in``/``W_gate``/``W_out`` have an experts axis
         (``[n_layers, n_experts, d_model, d_mlp]``) and it has no dense ``hook_pre``/``hook_post``, so the generic
         ``hook_mlp_out == hook_post @ W_out`` is false by structure. Checked instead, with the generic attention,
         residual, embedding and unembedding identities: ``hook_router_logits == mlp_in @ W_router``; per expert,
@@ -253,7 +253,7 @@ class MoEContract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: ``mlp.hook_expert_indices`` holds integers, which the generic float perturbation is
+        """MoE form: ``mlp.hook_expert_indices`` holds integers, which the generic float perturbation is
         not, and an expert that no token chose has no rows whose edit could change anything. Checked instead: every
         point's edit changes the logits (the per-expert points of one drawn expert per layer) — the indices edited
         by moving every token to the next expert (needs at least two experts), per-expert points of experts that a
@@ -302,7 +302,7 @@ class MoEContract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_in_place_edits_equal_returned_edits(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: the generic perturbation of ``mlp.hook_expert_indices`` is a float tensor (refused,
+        """MoE form: the generic perturbation of ``mlp.hook_expert_indices`` is a float tensor (refused,
         as it should be, for an integer point). Checked instead, at every point (the per-expert points of one drawn
         expert per layer): an in-place edit equals the same
         edit returned, under ``no_grad`` and ``inference_mode``, the indices edited by a permutation of experts."""
@@ -327,7 +327,7 @@ class MoEContract(AdapterContract):
     @_SETTINGS
     @given(data=st.data())
     def test_edits_during_generation_match_one_pass(self, data: st.DataObject) -> None:
-        """PENDING-CAPABILITY: the generic property draws ``mlp.hook_post``, which a MoE block does not have. Checked
+        """MoE form: the generic property draws ``mlp.hook_post``, which a MoE block does not have. Checked
         instead, with the same statement (an edit applied while generating with the KV cache gives the logits of
         one pass over the generated sequence with the same edit), on ``hook_resid_post``, ``attn.hook_v``,
         ``attn.hook_rot_k``, ``attn.hook_pattern``, ``mlp.hook_routing_weights`` and ``mlp.hook_router_logits``."""

@@ -8,7 +8,7 @@ A plugin describes a MoE block declaratively (:mod:`lensadapters.moe.specs`); th
 from .experts import expert_weights, router_weight
 from .routing import expert_rows
 from .sites import EXPERT_POINTS, ROUTING_POINTS, MoESite, build_moe_site, is_expert_point, moe_point_names
-from .specs import ExpertModules, Experts, FusedExperts, MoELayout, Routing, is_moe
+from .specs import ExpertModules, Experts, FusedExperts, MoELayout, Routing, is_moe, stored_moe_layout
 
 __all__ = [
     "EXPERT_POINTS",
@@ -27,6 +27,7 @@ __all__ = [
     "is_moe",
     "moe_point_names",
     "router_weight",
+    "stored_moe_layout",
 ]
 
 

@@ -9,7 +9,10 @@ routing hook points, the per-expert hook points, the per-expert weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -80,3 +83,32 @@ class MoELayout:
 def is_moe(layout: object) -> bool:
     """Whether an MLP description is a mixture of experts."""
     return isinstance(layout, MoELayout)
+
+
+def stored_moe_layout(
+    layer: "nn.Module",
+    moe: str,
+    routing: Routing,
+    expert_linears: tuple[str, str, str],
+    fused_routing: Optional[Routing] = None,
+) -> MoELayout:
+    """The :class:`MoELayout` of a block whose MoE module ``moe`` (relative to ``layer``) has a router ``gate`` and
+    experts ``experts``, in the storage the transformers version built: a ``ModuleList`` of gated MLPs whose linear
+    layers are ``expert_linears`` = (gate, up, down) with a linear router (transformers 4), or fused 3-D experts
+    behind a routing router (transformers 5, routed by ``fused_routing`` when it differs from ``routing``)."""
+    from torch import nn
+
+    if isinstance(layer.get_submodule(f"{moe}.experts"), nn.ModuleList):
+        gate, up, down = expert_linears
+        return MoELayout(
+            router=f"{moe}.gate",
+            routing=routing,
+            experts=ExpertModules(f"{moe}.experts", gate=gate, up=up, down=down),
+            router_output="logits",
+        )
+    return MoELayout(
+        router=f"{moe}.gate",
+        routing=fused_routing or routing,
+        experts=FusedExperts(f"{moe}.experts"),
+        router_output="routing",
+    )

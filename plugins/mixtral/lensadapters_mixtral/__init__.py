@@ -26,8 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lensadapters import Architecture, BlockLayout, HookedConfig, ModelLayout, SeparateQKV, hf, hookimpl
-from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    ModelLayout,
+    SeparateQKV,
+    hf,
+    hookimpl,
+    innermost_layer,
+)
+from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,20 +64,14 @@ def _moe_path(layer: nn.Module) -> str:
 def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     """The MoE description of one decoder layer, for the transformers version that built it."""
     moe = _moe_path(layer)
-    experts = layer.get_submodule(f"{moe}.experts")
     n, k = config.num_local_experts, config.num_experts_per_tok
-    if isinstance(experts, nn.ModuleList):  # transformers 4.x: one module per expert, a linear router
-        return MoELayout(
-            router=f"{moe}.gate",
-            routing=Routing(n, k, normalize=True, weights_dtype="logits"),
-            experts=ExpertModules(f"{moe}.experts", gate="w1", up="w3", down="w2"),
-            router_output="logits",
-        )
-    return MoELayout(
-        router=f"{moe}.gate",
-        routing=Routing(n, k, normalize=True, weights_dtype="float32"),
-        experts=FusedExperts(f"{moe}.experts"),
-        router_output="routing",
+    # transformers 4.x casts the routing weights back to the logits' dtype, transformers 5 keeps them in float32
+    return stored_moe_layout(
+        layer,
+        moe,
+        Routing(n, k, normalize=True, weights_dtype="logits"),
+        ("w1", "w3", "w2"),
+        fused_routing=Routing(n, k, normalize=True, weights_dtype="float32"),
     )
 
 
@@ -90,8 +93,7 @@ def _missing_moe_paths(layer: nn.Module) -> list[str]:
         for e, expert in enumerate(experts):
             missing += [f"{moe}.experts.{e}.{p}" for p in ("w1", "w2", "w3", "act_fn") if not hasattr(expert, p)]
     else:
-        while isinstance(getattr(experts, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
-            experts = experts.base_layer
+        experts = innermost_layer(experts)  # under an adapter wrapping the experts (LoRA)
         missing += [f"{moe}.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
     return missing
 

@@ -44,8 +44,9 @@ from lensadapters import (
     UnsupportedModelError,
     hf,
     hookimpl,
+    innermost_layer,
 )
-from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,25 +82,12 @@ def sparse_layers(config: Any) -> list[bool]:
     return [i not in only and config.num_experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
 
 
-def _unwrapped(module: nn.Module) -> nn.Module:
-    while isinstance(getattr(module, "base_layer", None), nn.Module):  # an adapter wrapping the experts (LoRA)
-        module = module.get_submodule("base_layer")
-    return module
-
-
 def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     """The MoE description of one sparse decoder layer, for the transformers version that built it."""
     routing = Routing(
         config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob), weights_dtype="logits"
     )
-    if isinstance(layer.get_submodule("mlp.experts"), nn.ModuleList):  # transformers 4.x
-        return MoELayout(
-            router="mlp.gate",
-            routing=routing,
-            router_output="logits",
-            experts=ExpertModules("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
-        )
-    return MoELayout(router="mlp.gate", routing=routing, experts=FusedExperts("mlp.experts"), router_output="routing")
+    return stored_moe_layout(layer, "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
 
 
 def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
@@ -123,7 +111,7 @@ def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
             found += missing(("gate_proj", "up_proj", "down_proj"), expert, f"mlp.experts.{e}.")
             found += [f"mlp.experts.{e}.act_fn"] if not hasattr(expert, "act_fn") else []
         return found
-    experts = _unwrapped(experts)
+    experts = innermost_layer(experts)
     return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import json
 import math
 import os
 import signal
@@ -250,11 +251,21 @@ def load_harvest(out: str) -> Any:
         )
     if len(paths) > 1 or manifests[0].world_size > 1:
         union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
-    elif manifests[0].shards and manifests[0].columns is not None:
+    elif manifests[0].shards and manifests[0].columns is not None and not _lists(out, manifests[0]):
         write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
     if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
         raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
     return datasets.load_from_disk(out)
+
+
+def _lists(out: str, manifest: Manifest) -> bool:
+    """Whether ``out``'s dataset listing (``state.json``) lists exactly the manifest's shards, in order."""
+    try:
+        with open(os.path.join(out, "state.json"), encoding="utf-8") as handle:
+            listed = [entry.get("filename") for entry in json.load(handle).get("_data_files", [])]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return listed == [s.file for s in manifest.shards]
 
 
 # --- the run ---------------------------------------------------------------------------------------------------

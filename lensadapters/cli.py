@@ -150,13 +150,17 @@ def _harvest(args: argparse.Namespace) -> int:
     import torch
 
     from .distributed import launch_rank, local_device
+    from .errors import LensAdaptersError
     from .harvest import harvest
     from .hooked_model import HookedModel
 
     hf_kwargs = {"local_files_only": True}
     hf_kwargs["dtype"] = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     rank, world_size = launch_rank()
-    hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)
+    try:
+        hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)
+    except LensAdaptersError as exc:
+        return _failed("harvest", exc)
     hm.hf_model.eval()
     hm.hf_model.to(torch.device(args.device) if args.device else local_device())
     try:
@@ -179,6 +183,8 @@ def _harvest(args: argparse.Namespace) -> int:
             rank=rank,
             world_size=world_size,
         )
+    except LensAdaptersError as exc:  # a refusal that names the problem and the fix: no traceback
+        return _failed("harvest", exc)
     finally:
         hm.unwrap()
     resumed = f", resumed after {result.resumed_from} contexts" if result.resumed_from else ""
@@ -191,6 +197,12 @@ def _harvest(args: argparse.Namespace) -> int:
         f"{read}"
     )
     return 0
+
+
+def _failed(command: str, error: BaseException) -> int:
+    """Print a refusal (a lensadapters error, whose message names the problem and the fix) and return exit status 2."""
+    print(f"lensadapters {command}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,7 +3,9 @@
 :func:`record_probe` (for a custom loop) and :class:`ProbeCallback` (a Hugging Face ``TrainerCallback``) run the
 model on the same probe inputs in eval mode without gradients, cache the chosen hook points -- for a model with
 adapters that can be switched off (a ``PeftModel``), also with the adapters disabled, as ``base/NAME`` -- and write
-``OUT/step-NNNNNNNNN.safetensors``. :func:`load_probes` stacks them into ``[steps, ...]`` trajectories.
+``OUT/step-NNNNNNNNN.safetensors``. :func:`load_probes` stacks them into ``[steps, ...]`` trajectories; steps that
+recorded different hooks or shapes are refused by name (``partial=True``: each hook over the steps that recorded it),
+never dropped.
 
 Under DDP or FSDP every rank runs the probe (their forwards may be collectives) and rank 0 writes.
 """
@@ -15,13 +17,14 @@ import glob
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from transformers import TrainerCallback
 
 from .distributed import is_main_process
+from .errors import LensAdaptersError
 
 Tensor = torch.Tensor
 Probe = Union[Tensor, Mapping[str, Tensor]]
@@ -106,20 +109,39 @@ class ProbeCallback(TrainerCallback):
             self._record(state, model)
 
 
+class ProbeMismatchError(LensAdaptersError, ValueError):
+    """Recorded steps that do not stack: a hook recorded with different shapes or dtypes, or (without
+    ``partial=True``) recorded by some steps and not by others."""
+
+
 @dataclass(frozen=True)
 class ProbeRecord:
     """Recorded probes: ``steps`` and, per name (``NAME``, ``base/NAME``, ``inputs/input_ids``), the values stacked
-    over steps ``[steps, ...]``."""
+    over the steps that recorded it ``[steps, ...]`` (every step, unless ``load_probes(..., partial=True)`` let steps
+    record different names: then :meth:`steps_of` says which)."""
 
     steps: list[int]
     values: dict[str, Tensor]
+    recorded: dict[str, list[int]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.values[name]
 
+    def steps_of(self, name: str) -> list[int]:
+        """The steps ``self[name]`` holds, in order (row ``i`` is step ``steps_of(name)[i]``)."""
+        if name not in self.values:
+            raise KeyError(f"no recorded probe is named {name!r}; recorded: {sorted(self.values)}")
+        return self.recorded.get(name, self.steps)
 
-def load_probes(out: str) -> ProbeRecord:
-    """Every step recorded in ``out``, in step order."""
+
+def load_probes(out: str, partial: bool = False) -> ProbeRecord:
+    """Every step recorded in ``out``, in step order, each name stacked over steps ``[steps, ...]``.
+
+    Nothing is dropped: when steps recorded different names (hooks added or removed between steps), this refuses
+    with :class:`ProbeMismatchError` naming the step, its file and the name, unless ``partial=True``: then each
+    name is stacked over the steps that recorded it and ``record.steps_of(name)`` lists them. A name recorded with
+    different shapes or dtypes at different steps cannot be stacked and is always refused, naming both steps' files.
+    """
     from safetensors.torch import load_file
 
     files = sorted(
@@ -130,8 +152,43 @@ def load_probes(out: str) -> ProbeRecord:
     if not files:
         raise FileNotFoundError(f"{out} holds no recorded probe (step-*.safetensors)")
     loaded = [load_file(path) for _, path in files]
-    names = loaded[0].keys()
-    return ProbeRecord([step for step, _ in files], {name: torch.stack([d[name] for d in loaded]) for name in names})
+    steps = [step for step, _ in files]
+    first_seen: dict[str, tuple[int, str, Tensor]] = {}
+    recorded: dict[str, list[int]] = {}
+    for (step, path), values in zip(files, loaded):
+        for name, value in sorted(values.items()):
+            if name not in first_seen:
+                first_seen[name] = (step, path, value)
+            seen_step, seen_path, seen = first_seen[name]
+            if (value.shape, value.dtype) != (seen.shape, seen.dtype):
+                raise ProbeMismatchError(
+                    f"{path} (step {step}) recorded {name!r} as {_described(value)}, {seen_path} (step {seen_step}) "
+                    f"as {_described(seen)}: a name's values must have one shape and dtype to stack over steps "
+                    f"(record each probe batch into its own folder)"
+                )
+            recorded.setdefault(name, []).append(step)
+    incomplete = {name: got for name, got in recorded.items() if len(got) != len(steps)}
+    if incomplete and not partial:
+        name, got = min(incomplete.items(), key=lambda item: (steps.index(_first_missing(steps, item[1])), item[0]))
+        missing = _first_missing(steps, got)
+        path = files[steps.index(missing)][1]
+        raise ProbeMismatchError(
+            f"{path} (step {missing}) did not record {name!r}, which {len(got)} of the {len(steps)} steps recorded "
+            f"(first at step {got[0]}, {first_seen[name][1]}); {len(incomplete)} name(s) are recorded by only some "
+            f"steps: {sorted(incomplete)}. Pass partial=True to stack each name over the steps that recorded it "
+            f"(record.steps_of(name) lists them)"
+        )
+    values = {name: torch.stack([d[name] for d in loaded if name in d]) for name in recorded}
+    return ProbeRecord(steps, values, {name: got for name, got in recorded.items()})
+
+
+def _first_missing(steps: list[int], got: list[int]) -> int:
+    present = set(got)
+    return next(step for step in steps if step not in present)
+
+
+def _described(value: Tensor) -> str:
+    return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------

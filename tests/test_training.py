@@ -8,7 +8,7 @@ import torch
 
 from lensadapters import HookedModel
 from lensadapters.testing.tiny_models import needs, tiny
-from lensadapters.training import ProbeCallback, load_probes, record_probe
+from lensadapters.training import ProbeCallback, ProbeMismatchError, load_probes, record_probe
 
 POINTS = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post"]
 
@@ -55,3 +55,33 @@ def test_a_model_without_adapters_records_no_base_and_refuses_base_true(tmp_path
     assert load_probes(str(tmp_path)).steps == [7]
     with pytest.raises(ValueError, match="every must be at least 1"):
         ProbeCallback(probe, POINTS, str(tmp_path), every=0)
+
+
+@needs("llama")
+def test_steps_that_recorded_different_hooks_or_shapes_are_named_never_dropped(tmp_path) -> None:
+    model = tiny("llama")
+    probe = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    record_probe(model, probe, POINTS[:1], str(tmp_path), 0, write=True)
+    record_probe(model, probe, POINTS, str(tmp_path), 5, write=True)  # a hook added at step 5
+    record_probe(model, probe, POINTS, str(tmp_path), 10, write=True)
+    with pytest.raises(
+        ProbeMismatchError,
+        match=r"step-000000000\.safetensors \(step 0\) did not record "
+        r"'blocks\.1\.mlp\.hook_post', which 2 of the 3 steps recorded \(first at step 5",
+    ):
+        load_probes(str(tmp_path))
+    record = load_probes(str(tmp_path), partial=True)
+    assert record.steps == [0, 5, 10]
+    assert record.steps_of(POINTS[0]) == [0, 5, 10] and record.steps_of(POINTS[1]) == [5, 10]
+    assert record[POINTS[0]].shape[0] == 3 and record[POINTS[1]].shape[0] == 2
+    assert torch.equal(record[POINTS[1]][0], record[POINTS[1]][1])  # the same model: the same values
+    longer = torch.randint(0, model.config.vocab_size, (1, 6))
+    record_probe(model, longer, POINTS, str(tmp_path), 15, write=True)  # another probe batch: other shapes
+    for partial in (False, True):
+        with pytest.raises(
+            ProbeMismatchError,
+            match=r"step-000000015\.safetensors \(step 15\) recorded "
+            r"'blocks\.0\.hook_resid_post' as \(1, 6, \d+\) float32, .*step-000000000\.safetensors "
+            r"\(step 0\) as \(1, 4, \d+\) float32",
+        ):
+            load_probes(str(tmp_path), partial=partial)

@@ -3,14 +3,16 @@
 ``lensadapters.harvest(model, data, hooks, out)`` (and ``lensadapters harvest`` on the command line) packs text
 into fixed-length contexts as SAELens does, runs the model only as far as the requested points, and writes one
 row per context to shards that ``datasets.load_from_disk(out)`` reads as one dataset. Shards are complete or
-absent: a harvest stopped at any point, even by ``kill -9``, continues where it stopped when run again.
+absent: a harvest stopped at any point, even by ``kill -9``, continues where it stopped when run again -- only with
+the same model (every parameter and buffer value), adapters, tokenizer, data (every byte) and settings. Every shard
+is verified against its manifest (row count and checksum) when it is loaded or resumed.
 """
 
-from .manifest import HarvestMismatchError
+from .manifest import HarvestDamagedError, HarvestMismatchError
 from .packing import Cursor, PackingRule, pack
 from .partition import Partition
 from .points import HarvestHookError
-from .runner import HarvestResult, harvest, load_harvest
+from .runner import HarvestContextError, HarvestResult, harvest, load_harvest
 from .sources import DataSourceError, open_source
 
 __all__ = [
@@ -18,6 +20,8 @@ __all__ = [
     "load_harvest",
     "HarvestResult",
     "HarvestMismatchError",
+    "HarvestDamagedError",
+    "HarvestContextError",
     "HarvestHookError",
     "DataSourceError",
     "Cursor",

@@ -13,7 +13,7 @@ import contextlib
 import glob
 import os
 import re
-from typing import Iterator
+from typing import Any, Iterator
 
 from .manifest import HarvestMismatchError, Manifest, check_identity
 from .storage import features, write_dataset_listing
@@ -52,7 +52,7 @@ def check_world_size(out: str, world_size: int) -> None:
 def union_listing(out: str) -> tuple[list[str], bool]:
     """Write the listing of every rank's complete shards, in shard order; returns the files and whether every rank
     has finished (then the listing is the whole harvest)."""
-    with _locked(os.path.join(out, LISTING_LOCK)):
+    with locked(os.path.join(out, LISTING_LOCK)):
         manifests = [Manifest.load(path) for path in rank_manifests(out)]
         if not manifests:
             return [], False
@@ -71,17 +71,25 @@ def union_listing(out: str) -> tuple[list[str], bool]:
         described = next((m for m in manifests if m.columns is not None), None)
         files = [s.file for s in shards]
         if files and described is not None:
-            identity = described.identity
-            context = identity["context_size"] - (1 if identity["drop_bos"] else 0)
-            columns = {name: tuple(shape) for name, shape in described.columns.items()}  # type: ignore[union-attr]
-            write_dataset_listing(out, files, features(columns, identity["dtype"], context))
+            write_dataset_listing(out, files, harvest_features(described))
         ranks = {m.rank for m in manifests}
         finished = len(ranks) == first.world_size and all(m.finished for m in manifests)
         return files, finished
 
 
+def harvest_features(manifest: Manifest) -> Any:
+    """The ``datasets.Features`` of a harvest's shards: ``token_ids``, ``is_bos``, then one column per hook point
+    in the order the hooks are listed (the model's execution order), whatever order the manifest's JSON keeps."""
+    identity = manifest.identity
+    if manifest.columns is None:
+        raise ValueError("the manifest records no columns yet")
+    context = identity["context_size"] - (1 if identity["drop_bos"] else 0)
+    columns = {name: tuple(manifest.columns[name]) for name in identity["hooks"]}
+    return features(columns, identity["dtype"], context)
+
+
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
+def locked(path: str) -> Iterator[None]:
     """An exclusive advisory lock on ``path`` for the block (waits for the holder; released if it dies)."""
     try:
         import fcntl

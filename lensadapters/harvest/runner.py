@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import json
 import math
 import os
 import signal
@@ -19,14 +20,21 @@ import torch
 from .. import tokens as _tokens
 from ..distributed import barrier, launch_rank
 from ..errors import LensAdaptersError
-from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .listing import check_world_size, rank_manifests, union_listing
-from .manifest import HarvestMismatchError, Manifest, ShardRecord, check_identity, manifest_path
+from .fingerprint import adapter_state, model_fingerprint, tokenizer_fingerprint
+from .listing import LISTING_LOCK, check_world_size, harvest_features, locked, rank_manifests, union_listing
+from .manifest import (
+    HarvestDamagedError,
+    HarvestMismatchError,
+    Manifest,
+    ShardRecord,
+    check_identity,
+    manifest_path,
+)
 from .packing import Cursor, PackingRule, contexts_of_rows, pack
 from .partition import Partition, shard_file
 from .points import HarvestHookError, check_points, stop_layer
 from .sources import open_source
-from .storage import STORAGE_DTYPES, ShardWriter, features, to_numpy, write_dataset_listing
+from .storage import STORAGE_DTYPES, ShardWriter, shard_problem, to_numpy, write_dataset_listing
 
 #: default shard size: about this many bytes of activations (a shard is the unit of resumption)
 DEFAULT_SHARD_BYTES = 256 * 2**20
@@ -35,6 +43,10 @@ DEFAULT_SHARD_BYTES = 256 * 2**20
 #: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
 KILL_ENV = "LENSADAPTERS_HARVEST_TEST_KILL"
 Separator = Union[str, int, None]
+
+
+class HarvestContextError(LensAdaptersError, ValueError):
+    """Contexts of the requested size cannot run through the model (longer than its positions, or failing)."""
 
 
 @dataclass(frozen=True)
@@ -117,9 +129,14 @@ def harvest(
         rule = _packing_rule(tok, context_size, prepend_bos, sequence_separator)
         points = check_points(list(hooks), hm.hook_names)
         stop = stop_layer(points, hm.hook_names, hm.cfg.n_layers)
+        _check_context_size(hm, context_size)
         source = open_source(data, text_column, split)
+        columns = _probe(hm, points, stop, context_size)
+        if flatten:
+            columns = {name: [math.prod(shape)] for name, shape in columns.items()}
         identity = {
-            "model": model_fingerprint(hm.hf_model),
+            "model": model_fingerprint(hm.model, hm.hf_model),
+            "adapters": adapter_state(hm.model),
             "tokenizer": tokenizer_fingerprint(tok),
             "data": source.fingerprint(),
             "hooks": points,
@@ -132,6 +149,7 @@ def harvest(
             "max_tokens": max_tokens,
         }
         _refuse_foreign_folder(out, partition)
+        _check_existing_manifests(out, identity, partition)  # before anything is written
         os.makedirs(out, exist_ok=True)
         with _exclusive(out, partition):
             result = _run(
@@ -143,9 +161,9 @@ def harvest(
                 stop,
                 out,
                 identity,
+                columns,
                 partition,
                 shard_contexts,
-                flatten,
                 context_size,
                 dtype,
                 batch_size,
@@ -178,9 +196,9 @@ def _run(
     stop: Optional[int],
     out: str,
     identity: dict[str, Any],
+    columns: dict[str, list[int]],
     partition: Partition,
     shard_contexts: Optional[int],
-    flatten: bool,
     context_size: int,
     dtype: str,
     batch_size: int,
@@ -192,32 +210,62 @@ def _run(
         if manifest.shard_contexts not in (None, shard_contexts):
             check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
         manifest.shard_contexts = shard_contexts
-    if manifest.finished:
+    if manifest.columns is None:
+        manifest.columns = columns
+    elif manifest.columns != columns:
+        check_identity({"columns": manifest.columns}, {"columns": columns}, out)
+    damaged = _drop_damaged_shards(out, manifest)
+    if manifest.finished and not damaged:
         all_finished = _refresh_union(out, partition, manifest)
         return _result(out, manifest, manifest.contexts_done, context_size, all_finished)
-    if manifest.columns is None:
-        manifest.columns = _probe(hm, points, stop)
-        if flatten:
-            manifest.columns = {name: [math.prod(shape)] for name, shape in manifest.columns.items()}
+    manifest.finished = False
     if manifest.shard_contexts is None:
         manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
     manifest.save(out)
     run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
     resumed = manifest.contexts_done
-    run.loop()
+    run.loop(damaged)
     return _result(out, manifest, resumed, context_size, _refresh_union(out, partition, manifest))
 
 
 def load_harvest(out: str) -> Any:
-    """The harvest in ``out`` as a ``datasets.Dataset`` (``datasets.load_from_disk(out)``, after checking that at
-    least one shard is complete)."""
+    """The harvest in ``out`` as a ``datasets.Dataset`` (what ``datasets.load_from_disk(out)`` reads), after
+    verifying every complete shard against its manifest: its file's row count and checksum. A damaged shard is
+    refused by name (run the harvest's command again to harvest it anew), never served."""
     import datasets
 
-    if rank_manifests(out):
+    paths = rank_manifests(out) or [p for p in [manifest_path(out, Partition())] if os.path.exists(p)]
+    if not paths:
+        raise LensAdaptersError(f"{out} holds no harvest (no manifest.json or manifest-rank*.json)")
+    manifests = [Manifest.load(path) for path in paths]
+    problems = [
+        f"{record.file} ({problem})"
+        for manifest in manifests
+        for record in manifest.shards
+        if (problem := shard_problem(out, record)) is not None
+    ]
+    if problems:
+        raise HarvestDamagedError(
+            f"{out}: {len(problems)} damaged shard(s): {'; '.join(problems)}. Run the same harvest command again: "
+            f"it harvests damaged shards anew"
+        )
+    if len(paths) > 1 or manifests[0].world_size > 1:
         union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
-    if not os.path.exists(os.path.join(out, "state.json")):
-        raise LensAdaptersError(f"{out} holds no complete harvest shard yet (no state.json)")
+    elif manifests[0].shards and manifests[0].columns is not None and not _lists(out, manifests[0]):
+        write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
+    if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
+        raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
     return datasets.load_from_disk(out)
+
+
+def _lists(out: str, manifest: Manifest) -> bool:
+    """Whether ``out``'s dataset listing (``state.json``) lists exactly the manifest's shards, in order."""
+    try:
+        with open(os.path.join(out, "state.json"), encoding="utf-8") as handle:
+            listed = [entry.get("filename") for entry in json.load(handle).get("_data_files", [])]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return listed == [s.file for s in manifest.shards]
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -245,9 +293,7 @@ class _Run:
         self.max_contexts = None if max_tokens is None else max_tokens // self.size
         self.bos = tokenizer.bos_token_id
         self.first = 1 if manifest.identity["drop_bos"] else 0
-        self.features = features(
-            {n: tuple(s) for n, s in manifest.columns.items()}, manifest.identity["dtype"], self.size - self.first
-        )
+        self.features = harvest_features(manifest)  # columns in execution order, as the hooks are listed
         owner = types.SimpleNamespace(
             tokenizer=tokenizer, default_prepend_bos=False, default_padding_side="right", cfg=None
         )
@@ -255,13 +301,18 @@ class _Run:
         self.kill = _kill_switch(partition.rank)
         self.progress = progress
 
-    def loop(self) -> None:
+    def loop(self, damaged: Sequence[int] = ()) -> None:
         manifest = self.manifest
         per_shard = manifest.shard_contexts
-        start, cursor = manifest.resume_point()
+        done = {s.index for s in manifest.shards}
+        start, cursor = manifest.resume_point(before=min(damaged, default=None))
         self._clean_temporary()
-        if self.partition.world_size == 1 and manifest.shards:
-            self._refresh_listing()
+        if self.partition.world_size == 1:
+            if manifest.shards:
+                self._refresh_listing()
+            else:  # no complete shard (any listed before was damaged): nothing to list
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out, "state.json"))
         if self.hm.hf_model.training:
             warnings.warn(
                 "harvesting a model in training mode (dropout active): call model.eval() for reproducible activations",
@@ -277,7 +328,7 @@ class _Run:
             for number, (context, after) in enumerate(self._contexts(cursor), start):
                 if self.max_contexts is not None and number >= self.max_contexts:
                     break
-                if not self.partition.owns_context(number, per_shard):
+                if not self.partition.owns_context(number, per_shard) or number // per_shard in done:
                     continue
                 if writer is None:
                     shard, first = number // per_shard, number
@@ -347,10 +398,13 @@ class _Run:
         bar.update(len(batch) * self.size)
 
     def _commit(self, writer: ShardWriter, shard: int, first: int, number: int, after: Cursor) -> None:
-        writer.commit()
+        checksum = writer.commit()
         self.kill("shard-file")
-        record = ShardRecord(shard, shard_file(shard), first, number + 1, after.row, after.offset)
+        record = ShardRecord(
+            shard, shard_file(shard), first, number + 1, after.row, after.offset, writer.rows, checksum
+        )
         self.manifest.shards.append(record)
+        self.manifest.shards.sort(key=lambda s: s.index)
         self.manifest.save(self.out)
         self.kill("manifest")
         if self.partition.world_size == 1:
@@ -423,14 +477,51 @@ def _packing_rule(tokenizer: Any, context_size: int, prepend_bos: bool, separato
 
 
 def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> Manifest:
-    path = manifest_path(out, partition)
-    if os.path.exists(path):
-        manifest = Manifest.load(path)
-        check_identity(manifest.identity, identity, out)
-        if (manifest.rank, manifest.world_size) != (partition.rank, partition.world_size):
-            raise HarvestMismatchError(f"{path} belongs to rank {manifest.rank} of {manifest.world_size}")
+    """This rank's manifest (new or resumed), after checking it against every manifest in ``out``; a new one is saved
+    at once, under the listing lock, so that ranks started at the same time with different commands cannot both
+    write."""
+    with locked(os.path.join(out, LISTING_LOCK)) if partition.world_size > 1 else contextlib.nullcontext():
+        _check_existing_manifests(out, identity, partition)
+        path = manifest_path(out, partition)
+        if os.path.exists(path):
+            manifest = Manifest.load(path)
+            if (manifest.rank, manifest.world_size) != (partition.rank, partition.world_size):
+                raise HarvestMismatchError(f"{path} belongs to rank {manifest.rank} of {manifest.world_size}")
+            return manifest
+        manifest = Manifest(identity=identity, rank=partition.rank, world_size=partition.world_size)
+        if partition.world_size > 1:
+            manifest.save(out)
         return manifest
-    return Manifest(identity=identity, rank=partition.rank, world_size=partition.world_size)
+
+
+def _check_existing_manifests(out: str, identity: dict[str, Any], partition: Partition) -> None:
+    """Refuse, naming what differs, a harvest into ``out`` whose manifests (this rank's, and every other rank's)
+    record another command."""
+    if not os.path.isdir(out):
+        return
+    paths = rank_manifests(out) if partition.world_size > 1 else [manifest_path(out, partition)]
+    for path in paths:
+        if os.path.exists(path):
+            check_identity(Manifest.load(path).identity, identity, out)
+
+
+def _drop_damaged_shards(out: str, manifest: Manifest) -> list[int]:
+    """Verify this rank's complete shards against the manifest (row count and checksum); a damaged one is named
+    (a warning), its file deleted and its record dropped, so that it is harvested anew. Returns their indices."""
+    damaged = []
+    for record in list(manifest.shards):
+        problem = shard_problem(out, record)
+        if problem is None:
+            continue
+        warnings.warn(f"{out}: {record.file} is damaged ({problem}): harvesting it again", stacklevel=4)
+        damaged.append(record.index)
+        manifest.shards.remove(record)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, record.file))
+    if damaged:
+        manifest.finished = False
+        manifest.save(out)
+    return damaged
 
 
 def _refuse_foreign_folder(out: str, partition: Partition) -> None:
@@ -468,19 +559,37 @@ def _exclusive(out: str, partition: Partition) -> Iterator[None]:
         yield
 
 
+def _check_context_size(hm: Any, context_size: int) -> None:
+    n_ctx = getattr(hm.cfg, "n_ctx", None)
+    if isinstance(n_ctx, int) and n_ctx > 0 and context_size > n_ctx:
+        raise HarvestContextError(
+            f"context_size={context_size} is longer than the model's {n_ctx} positions (n_ctx, from its config's "
+            f"max_position_embeddings): choose context_size <= {n_ctx} (--context-size)"
+        )
+
+
 @torch.no_grad()
-def _probe(hm: Any, points: list[str], stop: Optional[int]) -> dict[str, list[int]]:
-    """The per-token shape of each point (after ``[batch, pos]``), from a forward of two tokens."""
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=hm.device)
-    _, cache = hm.run_with_cache(
-        tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
-    )
+def _probe(hm: Any, points: list[str], stop: Optional[int], context_size: int) -> dict[str, list[int]]:
+    """The per-token shape of each point (after ``[batch, pos]``), from a forward of one whole context (so a context
+    the model cannot run fails here, before anything is written)."""
+    tokens = torch.zeros(1, context_size, dtype=torch.long, device=hm.device)
+    try:
+        _, cache = hm.run_with_cache(
+            tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
+        )
+    except LensAdaptersError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - named below, with the cause attached
+        raise HarvestContextError(
+            f"a forward of one context of {context_size} tokens fails ({type(exc).__name__}: {exc}): the model "
+            f"cannot run contexts of this size; choose a smaller context_size (--context-size)"
+        ) from exc
     shapes = {}
     for name in points:
         shape = tuple(cache[name].shape)
-        if shape[:2] != (1, 2):
+        if shape[:2] != (1, context_size):
             raise HarvestHookError(
-                f"{name} has shape {shape} for one context of 2 tokens: a harvest stores values of shape "
+                f"{name} has shape {shape} for one context of {context_size} tokens: a harvest stores values of shape "
                 f"[batch, pos, ...], one per token"
             )
         shapes[name] = list(shape[2:])

@@ -8,16 +8,15 @@ its rows are lists of token ids.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from ..errors import LensAdaptersError
+from .checksum import file_checksum
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_FINGERPRINT_BYTES = 1 << 20
 TOKEN_COLUMNS = ("input_ids", "tokens")
 
 
@@ -53,24 +52,20 @@ class TextSource:
                 index += 1
 
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies the data: a harvest resumed on other data is refused."""
+        """What identifies the data: every byte of it (a checksum of the file, or of a saved dataset's data files,
+        see :mod:`.checksum`), so a harvest resumed on other data is refused."""
         if self.kind in ("dataset", "tokens"):
             ds = self._dataset()
+            files = [entry["filename"] for entry in getattr(ds, "cache_files", []) or []]
             return {
                 "kind": self.kind,
                 "rows": len(ds),
-                "fingerprint": getattr(ds, "_fingerprint", None),
+                "columns": list(ds.column_names),
+                "files": {os.path.basename(name): file_checksum(name) for name in files},
                 "text_column": self.text_column,
                 "split": self.split,
             }
-        size = os.path.getsize(self.path)
-        digest = hashlib.sha256()
-        with open(self.path, "rb") as handle:
-            digest.update(handle.read(_FINGERPRINT_BYTES))
-            if size > 2 * _FINGERPRINT_BYTES:
-                handle.seek(size - _FINGERPRINT_BYTES)
-            digest.update(handle.read())
-        fingerprint = {"kind": self.kind, "bytes": size, "sha256_head_tail": digest.hexdigest()}
+        fingerprint = {"kind": self.kind, "bytes": os.path.getsize(self.path), "checksum": file_checksum(self.path)}
         if self.kind == "jsonl":
             fingerprint["text_column"] = self.text_column
         return fingerprint

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+
+from .checksum import file_checksum
 
 #: storage dtype of each activation dtype: Arrow has no bfloat16, so bfloat16 values are stored exactly as float32
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
@@ -97,11 +99,14 @@ class ShardWriter:
         self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         self.rows += len(next(iter(columns.values())))
 
-    def commit(self) -> None:
+    def commit(self) -> str:
+        """Move the complete shard into place (after flushing it to disk); returns its file's checksum."""
         self._close()
         with open(self.temporary, "rb") as handle:
             os.fsync(handle.fileno())
+        checksum = file_checksum(self.temporary)
         os.replace(self.temporary, self.path)
+        return checksum
 
     def discard(self) -> None:
         self._close()
@@ -113,6 +118,33 @@ class ShardWriter:
             self._writer.close()
             self._sink.close()
             self._writer = None
+
+
+def shard_rows(path: str) -> int:
+    """The number of rows in a shard file (an Arrow stream), read from its record batches' headers."""
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+
+
+def shard_problem(out: str, record: Any) -> Optional[str]:
+    """What is wrong with a complete shard's file, measured against its manifest record (its row count and
+    checksum), or ``None`` when it is whole."""
+    path = os.path.join(out, record.file)
+    if not os.path.isfile(path):
+        return "its file is missing"
+    checksum = file_checksum(path)
+    if checksum == record.checksum:
+        return None
+    try:
+        rows = shard_rows(path)
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is described, not raised
+        return f"unreadable ({type(exc).__name__}: {exc})"
+    if rows != record.rows:
+        return f"{rows} rows where the manifest lists {record.rows}"
+    size = os.path.getsize(path)
+    return f"its bytes differ from the manifest's checksum ({size} bytes, {checksum}; manifest {record.checksum})"
 
 
 def write_json_atomic(path: str, data: Any) -> None:

@@ -49,8 +49,8 @@ class ScaledOutputSite(Site):
     output or from the ``inputs_embeds`` it was given (:meth:`given`), and passes it to the first block. The point is
     served there, so a read is the model's own product (bit for bit, in every dtype) and an edit is exactly what the
     first block gets. Each forward checks that the first block's input is that product (the factor as a tensor of
-    the embeddings' dtype, or with ``rounded=False`` the Python float), and refuses by name a description that does
-    not fit the model.
+    the embeddings' dtype, or the Python float; ``rounded`` says which one ``W_E`` uses), and refuses by name a
+    description that does not fit the model.
     """
 
     def __init__(
@@ -92,12 +92,14 @@ class ScaledOutputSite(Site):
             source = self.state.site_values(self).pop("source", None)
             if source is None:  # the first block runs on something else (a forward started at a later layer)
                 return None
-            if not torch.equal(value, self.scaled(source)):
+            if not (
+                torch.equal(value, source * torch.tensor(self.factor, dtype=source.dtype))
+                or torch.equal(value, source * self.factor)
+            ):
                 raise LensAdaptersError(
                     f"hook_embed: the model's first block gets something other than the embeddings times "
-                    f"embed_scale={self.factor} ({'in the embeddings dtype' if self.rounded else 'as a Python float'}"
-                    f"), which ModelLayout.embed_scale_after_module describes: the plugin's description does not fit "
-                    f"this model"
+                    f"embed_scale={self.factor}, which ModelLayout.embed_scale_after_module describes: the "
+                    f"description does not fit this model"
                 )
         edited, changed = self.point.apply(value)
         return replace_first_input(args, kwargs, edited) if changed else None

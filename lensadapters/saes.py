@@ -439,8 +439,10 @@ class SAEMixin:
             return
         embed = self.hf_model.get_submodule(self.layout.embed)  # type: ignore[attr-defined]
         state = self.wiring.forward_state  # type: ignore[attr-defined]
-        by_token: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
-        self.__dict__["_sae_token_ids"] = by_token
+        # kept after the SAEs go: a forward's recomputation in backward() (gradient checkpointing) runs their hooks
+        by_token: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = self.__dict__.setdefault(
+            "_sae_token_ids", weakref.WeakKeyDictionary()
+        )
 
         def record(module: Any, args: tuple) -> None:
             if state.depth is None:  # the embedding called on its own
@@ -469,6 +471,5 @@ class SAEMixin:
 
     def _unwatch_tokens(self) -> None:
         handle = self.__dict__.pop("_sae_token_handle", None)
-        self.__dict__.pop("_sae_token_ids", None)
         if handle is not None:
             handle.remove()

@@ -335,6 +335,30 @@ def test_each_forward_masks_its_own_special_tokens(kind) -> None:
         hm.unwrap()
 
 
+def test_the_special_token_mask_holds_when_gradient_checkpointing_recomputes_the_forward() -> None:
+    """The recomputation in backward() runs the splice again after the saes() block ended: it masks the tokens of
+    the forward it recomputes, so gradients equal those without checkpointing."""
+    model = tiny("llama" if "llama" in ARCH_NAMES else ARCH)
+    hm = HookedModel.wrap(model, tokenizer=tokenizer(48))
+    name = "blocks.1.hook_resid_pre"
+    sae = make_sae("stand-in", name, hm.cfg.d_model)
+    tokens = ids()
+
+    def gradient(checkpointing: bool) -> torch.Tensor:
+        model.train(checkpointing)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        sae.zero_grad()
+        hm.run_with_saes(tokens, saes=[sae], exclude_special_tokens=[BOS]).sum().backward()
+        return sae.W_enc.grad.clone()
+
+    try:
+        torch.testing.assert_close(gradient(True), gradient(False))
+        assert not hm.has_hooks
+    finally:
+        hm.unwrap()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_after_a_nested_block_the_outer_sae_is_back_exactly_where_it_was(kind) -> None:
     """A hook added after an SAE sees the SAE's output; a saes() block at the same point puts its SAE in that place

@@ -328,25 +328,26 @@ class DecoderFamily:
         """``hm.cfg``: the fields every such family shares (rotary, RMS, gated MLP, the config's sizes), then
         ``fields``; ``extra`` holds ``rope_theta``, ``rope_type``, ``tie_word_embeddings`` and ``extra``."""
         c = model.config
-        d_head = head_dim(c)
-        shared = dict(
-            n_layers=c.num_hidden_layers,
-            d_model=c.hidden_size,
-            n_heads=c.num_attention_heads,
-            d_head=d_head,
-            d_mlp=c.intermediate_size,
-            d_vocab=c.vocab_size,
-            n_ctx=c.max_position_embeddings,
-            act_fn=fields["act_fn"] if "act_fn" in fields else c.hidden_act,
-            normalization_type="RMS",
-            positional_embedding_type="rotary",
-            model_type=self.model_type,
-            n_key_value_heads=n_kv_heads(c),
-            rotary_dim=d_head,
-            gated_mlp=True,
-            eps=c.rms_norm_eps,
-            original_architecture=type(model).__name__,
+        # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
+        readers: dict[str, Callable[[], Any]] = dict(
+            n_layers=lambda: c.num_hidden_layers,
+            d_model=lambda: c.hidden_size,
+            n_heads=lambda: c.num_attention_heads,
+            d_head=lambda: head_dim(c),
+            d_mlp=lambda: c.intermediate_size,
+            d_vocab=lambda: c.vocab_size,
+            n_ctx=lambda: c.max_position_embeddings,
+            act_fn=lambda: c.hidden_act,
+            normalization_type=lambda: "RMS",
+            positional_embedding_type=lambda: "rotary",
+            model_type=lambda: self.model_type,
+            n_key_value_heads=lambda: n_kv_heads(c),
+            rotary_dim=lambda: head_dim(c),
+            gated_mlp=lambda: True,
+            eps=lambda: c.rms_norm_eps,
+            original_architecture=lambda: type(model).__name__,
         )
+        shared = {name: read() for name, read in readers.items() if name not in fields}
         described = {
             "rope_theta": rope_theta(c),
             "rope_type": self.rope_type(model),

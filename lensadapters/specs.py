@@ -99,9 +99,14 @@ class ModelLayout:
 
     ``embed_scale`` is a factor the model multiplies token embeddings by (Gemma: ``sqrt(d_model)``): as in
     TransformerLens, ``hook_embed`` and ``W_E`` include it (``W_E`` is the table times the factor, in the table's
-    dtype). ``embed_scale_after_module`` says the model applies it itself after the ``embed`` module returns
-    (transformers 4.x Gemma 2, in the embeddings' dtype); otherwise the module's output already includes it.
-    An edit of ``hook_embed`` is an edit of the scaled embeddings either way.
+    dtype). ``embed_scale_after_module`` says the model applies it itself after the ``embed`` module returns, to the
+    module's output or to the ``inputs_embeds`` it was given, and passes the product straight to the first block
+    (transformers 4.x Gemma 2); ``hook_embed`` is then served at the first block's input, checked in every forward
+    to be that product: the factor as a tensor of the embeddings' dtype (Gemma's ``normalizer``), or with
+    ``embed_scale_rounded=False`` the Python float (``embeddings * multiplier``, computed in float32 for
+    half-precision embeddings). Otherwise the module's output already includes the factor (and ``inputs_embeds``
+    are used as given). A read is what the model computes and an edit of ``hook_embed`` is what the first block
+    gets, exactly, in every dtype, either way.
 
     ``rotary_input`` names the keyword argument of each layer's *attention module* that carries that layer's
     ``(cos, sin)`` (``"position_embeddings"``): the core then reads them there, per layer, instead of from
@@ -126,6 +131,7 @@ class ModelLayout:
     rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
     embed_scale: float = 1.0
     embed_scale_after_module: bool = False
+    embed_scale_rounded: bool = True
     rotary_input: Optional[str] = None
 
 

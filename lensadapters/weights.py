@@ -265,8 +265,12 @@ class WeightAccessors:
                 return embed.weight
 
         W = self._weight("W_E", compute)
-        scale = self.wiring.layout.embed_scale
-        return W if scale == 1.0 else W * torch.tensor(scale, dtype=W.dtype, device=W.device)
+        layout = self.wiring.layout
+        if layout.embed_scale == 1.0:
+            return W
+        if layout.embed_scale_after_module and not layout.embed_scale_rounded:  # the model's Python-float product
+            return W * layout.embed_scale
+        return W * torch.tensor(layout.embed_scale, dtype=W.dtype, device=W.device)
 
     @property
     def W_pos(self) -> Tensor:

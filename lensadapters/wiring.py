@@ -507,6 +507,9 @@ class Wiring:
         point = self._points.get("hook_embed")
         if point is None or "hook_embed" in self._claimed or not point.active:
             return None
+        if self._scaled_embed is not None:  # scaled by the model, and served at the first block's input
+            self._scaled_embed.given(embeds)
+            return None
         value, changed = point.apply(embeds, protect=True)  # the caller's tensor is theirs: edits go to a copy
         if not changed:
             return None
@@ -523,8 +526,17 @@ class Wiring:
     def _build_core_sites(self) -> None:
         m, L = self.hf_model, self.layout
         embed = m.get_submodule(L.embed)
+        self._scaled_embed: Optional[ScaledOutputSite] = None
         if L.embed_scale_after_module and L.embed_scale != 1.0:
-            self.add_site(ScaledOutputSite(embed, self._core("hook_embed"), L.embed_scale))
+            self._scaled_embed = ScaledOutputSite(
+                embed,
+                self.block_modules[0],
+                self._core("hook_embed"),
+                L.embed_scale,
+                self.forward_state,
+                L.embed_scale_rounded,
+            )
+            self.add_site(self._scaled_embed)
         else:  # the module's output is what the model uses (a scaled embedding module includes its factor)
             self.add_site(OutputSite(embed, self._core("hook_embed")))
         if L.pos_embed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +49,7 @@ class StandInSAE(nn.Module):
         return {name: getattr(self, name) for name in SAE_POINTS}
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.W_enc.dtype)  # as SAELens' process_sae_in
         pre = self.hook_sae_acts_pre(self.hook_sae_input(x) @ self.W_enc + self.b_enc)
         return self.hook_sae_acts_post(torch.relu(pre))
 
@@ -242,6 +244,174 @@ def test_a_transcoder_reads_at_its_input_point_and_writes_at_its_output_point() 
         assert torch.equal(cache[f"{target}.hook_sae_input"], cache[source])
         assert torch.equal(cache[target], cache[f"{target}.hook_sae_recons"])
         assert hm.acts_to_saes == {} and not hm.has_hooks
+    finally:
+        hm.unwrap()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_error_term_gives_the_models_value_back_bit_for_bit_in_every_dtype(kind) -> None:
+    """A bfloat16 model with a float32 SAE (and every other pairing): with the error term and the features left as
+    they are, the spliced point holds the model's own value exactly, and so do the logits."""
+    name = "blocks.0.hook_resid_post"
+    tokens = ids()
+    for model_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        hm = HookedModel.wrap(tiny(ARCH).to(model_dtype), tokenizer=tokenizer(48))
+        try:
+            plain, own = hm.run_with_cache(tokens, names_filter=[name])
+            for sae_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                sae = make_sae(kind, name, hm.cfg.d_model).to(sae_dtype)
+                logits, cache = hm.run_with_cache_with_saes(
+                    tokens, saes=[sae], use_error_term=True, names_filter=[name, f"{name}.hook_sae_recons"]
+                )
+                what = f"{model_dtype} model, {sae_dtype} SAE"
+                assert cache[name].dtype == model_dtype, what
+                assert torch.equal(cache[name], own[name]), what
+                assert torch.equal(logits, plain), what
+                assert not torch.equal(cache[f"{name}.hook_sae_recons"].to(model_dtype), own[name]), what
+        finally:
+            hm.unwrap()
+
+
+def test_an_edit_of_the_error_term_reaches_the_output_and_gradients_flow() -> None:
+    hm = build(ARCH)
+    name = "blocks.0.hook_resid_post"
+    sae = make_sae("stand-in", name, hm.cfg.d_model)
+    tokens = ids()
+    try:
+        _, plain = hm.run_with_cache(tokens, names_filter=[name])
+        p = torch.zeros((), requires_grad=True)
+        direction = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(3))
+
+        def push(error, hook):
+            return error + p * direction
+
+        with hm.saes([sae], use_error_term=True):
+            _, cache = hm.run_with_cache(tokens, names_filter=[name])
+            logits = hm.run_with_hooks(tokens, fwd_hooks=[(f"{name}.hook_sae_error", push)])
+        assert torch.equal(cache[name], plain[name])
+        (grad,) = torch.autograd.grad(logits[0, -1, 5], p)
+
+        def plain_push(x, hook):
+            return x + p * direction
+
+        (expected,) = torch.autograd.grad(hm.run_with_hooks(tokens, fwd_hooks=[(name, plain_push)])[0, -1, 5], p)
+        torch.testing.assert_close(grad, expected)
+        assert grad != 0
+    finally:
+        hm.unwrap()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_forward_masks_its_own_special_tokens(kind) -> None:
+    """A hook that calls the model again does not change which positions of the outer forward are special, and a
+    forward given inputs_embeds (no token ids) is refused by name instead of using another forward's tokens."""
+    from lensadapters.errors import LensAdaptersError
+
+    hm = build(ARCH)
+    name = "blocks.0.hook_resid_pre"
+    sae = make_sae(kind, name, hm.cfg.d_model)
+    tokens = ids()
+    inner = ids(seed=5)
+    inner[:, 0] = 7  # no BOS at all in the nested call
+    inner[0, 3] = BOS
+    try:
+        with hm.saes([sae], exclude_special_tokens=[BOS]):
+            expected = hm.run_with_hooks(tokens)
+            inner_alone = hm.run_with_hooks(inner)
+            seen = {}
+
+            def call_again(x, hook):
+                seen["inner"] = hm.run_with_hooks(inner)
+
+            nested = hm.run_with_hooks(tokens, fwd_hooks=[("hook_embed", call_again)])
+            assert torch.equal(nested, expected)  # the outer BOS positions were left as they were
+            assert torch.equal(seen["inner"], inner_alone)  # and the nested forward masked its own
+            embeds = hm.hf_model.get_input_embeddings()(tokens).detach()
+            with pytest.raises(LensAdaptersError, match="exclude_special_tokens.*inputs_embeds"):
+                hm.hf_model(inputs_embeds=embeds)
+        assert not hm.has_hooks
+        hm.run_with_saes(inputs_embeds=embeds, saes=[sae])  # without the mask, inputs_embeds work
+    finally:
+        hm.unwrap()
+
+
+def test_the_special_token_mask_holds_when_gradient_checkpointing_recomputes_the_forward() -> None:
+    """The recomputation in backward() runs the splice again after the saes() block ended: it masks the tokens of
+    the forward it recomputes, so gradients equal those without checkpointing."""
+    model = tiny("llama" if "llama" in ARCH_NAMES else ARCH)
+    hm = HookedModel.wrap(model, tokenizer=tokenizer(48))
+    name = "blocks.1.hook_resid_pre"
+    sae = make_sae("stand-in", name, hm.cfg.d_model)
+    tokens = ids()
+
+    def gradient(checkpointing: bool) -> torch.Tensor:
+        model.train(checkpointing)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        sae.zero_grad()
+        hm.run_with_saes(tokens, saes=[sae], exclude_special_tokens=[BOS]).sum().backward()
+        return sae.W_enc.grad.clone()
+
+    try:
+        torch.testing.assert_close(gradient(True), gradient(False))
+        assert not hm.has_hooks
+    finally:
+        hm.unwrap()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_after_a_nested_block_the_outer_sae_is_back_exactly_where_it_was(kind) -> None:
+    """A hook added after an SAE sees the SAE's output; a saes() block at the same point puts its SAE in that place
+    and, when it ends, the outer SAE comes back there (with the hooks on its own points); add_sae replacing an SAE
+    takes its place too."""
+    hm = build(ARCH)
+    name = "blocks.0.hook_resid_pre"
+    outer, inner = make_sae(kind, name, hm.cfg.d_model, 0), make_sae(kind, name, hm.cfg.d_model, 1)
+    tokens = ids()
+    seen: list = []
+    features: list = []
+    try:
+        _, plain = hm.run_with_cache(tokens, names_filter=[name])
+        by_outer, by_inner = (reconstruct(sae)(plain[name], None).detach() for sae in (outer, inner))
+        hm.add_sae(outer)
+        hm.add_hook(name, lambda v, hook: seen.append(v.detach().clone()))
+        hm.add_hook(f"{name}.hook_sae_acts_post", lambda v, hook: features.append(v.shape), is_permanent=True)
+        hm.run_with_hooks(tokens)
+        assert torch.equal(seen[-1], by_outer)
+        with hm.saes([inner]):
+            hm.run_with_hooks(tokens)
+            assert torch.equal(seen[-1], by_inner)
+            assert len(features) == 1  # the outer SAE's point is away with it
+        hm.run_with_hooks(tokens)
+        assert torch.equal(seen[-1], by_outer)
+        assert len(features) == 2  # ... and back, with its hook
+        hm.add_sae(inner)  # replacing: in the outer SAE's place
+        hm.run_with_hooks(tokens)
+        assert torch.equal(seen[-1], by_inner)
+    finally:
+        hm.unwrap()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_sae_of_the_wrong_size_is_refused_naming_the_point_and_both_sizes(kind) -> None:
+    from lensadapters.errors import LensAdaptersError
+
+    hm = build(ARCH)
+    d = hm.cfg.d_model
+    names = list(hm.hook_names)
+    try:
+        for name in ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.0.mlp.hook_post"):
+            with pytest.raises(LensAdaptersError, match=rf"{re.escape(name)}.*d_in={d + 3}.*size"):
+                hm.add_sae(make_sae(kind, name, d + 3))
+            with pytest.raises(LensAdaptersError, match=rf"d_in={d + 3}"):
+                hm.run_with_saes(ids(), saes=[make_sae(kind, name, d + 3)])
+            assert hm.hook_names == names and not hm.acts_to_saes and not hm.has_hooks
+        # a point whose size only the forward tells (queries: [batch, pos, head, d_head]): refused before the SAE runs
+        name = "blocks.0.attn.hook_q"
+        with pytest.raises(LensAdaptersError, match=rf"{re.escape(name)}.*d_in={d + 3}.*size {hm.cfg.d_head} or"):
+            hm.run_with_saes(ids(), saes=[make_sae(kind, name, d + 3)])
+        assert not hm.has_hooks
+        hm.run_with_saes(ids(), saes=[make_sae(kind, name, hm.cfg.d_head)])  # per head: the right size
     finally:
         hm.unwrap()
 

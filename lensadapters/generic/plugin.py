@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..errors import WeightUnavailableError
@@ -28,6 +29,7 @@ ARCH = Architecture(
 WEIGHTS = ("W_E", "W_U")
 
 _findings: "weakref.WeakKeyDictionary[nn.Module, Findings]" = weakref.WeakKeyDictionary()
+Tensor = torch.Tensor
 _norms: "weakref.WeakKeyDictionary[nn.Module, NormBehaviour]" = weakref.WeakKeyDictionary()
 
 
@@ -84,8 +86,19 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
-    s = findings(model).structure
-    return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed)
+    found = findings(model)
+    s, scale = found.structure, found.embed_scale
+    if scale is None or scale == 1.0:
+        return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed)
+    return ModelLayout(
+        blocks=s.layers,
+        embed=s.embed,
+        unembed=s.unembed,
+        embed_scale=scale,
+        # after the module: hook_embed is the first layer's input, checked to be the product in every forward
+        embed_scale_after_module=not found.embed_scaled_in_module,
+        embed_scale_rounded=found.embed_scale_rounded,
+    )
 
 
 @hookimpl
@@ -101,8 +114,20 @@ def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[N
 
 
 @hookimpl
-def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> None:
-    if name.lstrip("_") in WEIGHTS:
+def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[Tensor]:
+    key = name.lstrip("_")
+    if key in WEIGHTS:
+        found = findings(hooked.hf_model)
+        why = found.unserved_weights.get(key)
+        if why is not None:
+            raise WeightUnavailableError(
+                f"hm.{key}: the generic adapter could not verify it on this {type(hooked.hf_model).__name__}: {why}. "
+                f"A plugin can describe it (see {WRITE_A_PLUGIN})"
+            )
+        if key == "W_U" and found.logit_scale not in (None, 1.0) and found.structure.unembed is not None:
+            # the model scales the logits after the unembedding: final @ W_U is the logits
+            unembed = hooked.hf_model.get_submodule(found.structure.unembed)
+            return hooked.read_linear(unembed).W * found.logit_scale
         return None
     raise WeightUnavailableError(
         f"hm.{name.lstrip('_')}: this {type(hooked.hf_model).__name__} is wrapped by the generic adapter (no plugin "
@@ -116,7 +141,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     """Every point of the blocks and the final norm (the core created ``hook_embed``)."""
     model, found = hooked.hf_model, findings(hooked.hf_model)
     sites: list[Site] = []
-    if "hook_embed" in found.copied:
+    if found.embed_scale is None:  # not verified: absent (the warning says why)
+        hooked.claim_point("hook_embed")
+        hooked.remove_point("hook_embed")
+    elif found.embed_scale == 1.0 and "hook_embed" in found.copied:
         sites.append(
             ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"), copy=True)
         )

@@ -11,8 +11,9 @@ mask; the configuration is restored afterwards). It records:
   core's explicit attention (``q·kᵀ·scaling``, masked, softmax, ``·v``) reproduces the weights and the output of
   the model's own eager attention function on exactly those arguments;
 * which tensors the model writes into in place after they were produced (a cached value must not change later);
-* the model's last hidden state: the input of the unembedding (``last_hidden_state`` of a model without one). The
-  probe does not ask for ``output_hidden_states``, which would make transformers install hooks of its own.
+* the model's last hidden state: the input of the unembedding (``last_hidden_state`` of a model without one), and
+  its logits. The probe does not ask for ``output_hidden_states``, which would make transformers install hooks of
+  its own.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class Recording:
     outside_out: dict[str, Record] = field(default_factory=dict)
     calls: list[InterfaceCall] = field(default_factory=list)
     last_hidden: Optional[Tensor] = None
+    input_ids: Optional[Tensor] = None  # the probe's tokens
+    first_layer_in: Optional[Tensor] = None  # the first layer's input, the first time it runs
+    logits: Optional[Tensor] = None  # the model's output logits (``None`` for a model without a head)
     owner: dict[int, int] = field(default_factory=dict)  # id(module) -> index of the layer holding it
 
 
@@ -268,6 +272,8 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             value = first_input(args, kwargs)
             if isinstance(value, Tensor):
                 recording.layer_in[i] = Record.of(value)
+                if i == 0 and recording.first_layer_in is None:
+                    recording.first_layer_in = recording.layer_in[i].value
 
         return hook
 
@@ -322,14 +328,43 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         vocab = getattr(embed, "num_embeddings", None) or getattr(model.config, "vocab_size", None) or 2
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(vocab), (1, PROBE_LENGTH), generator=generator).to(_input_device(embed))
+        recording.input_ids = ids
         with _probing(model, recording):
             output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
         recording.last_hidden = (
             recording.outside_in.get(unembed) if unembed is not None else getattr(output, "last_hidden_state", None)
         )
+        logits = getattr(output, "logits", None)
+        recording.logits = logits.detach().clone() if isinstance(logits, Tensor) else None
         if any(r.value.device.type == "meta" for r in recording.layer_in.values()):
             raise RuntimeError("the model's parameters are on the meta device (not loaded), so it computes no values")
     finally:
         for handle in handles:
             handle.remove()
     return recording
+
+
+def run_embedding_edit(
+    model: nn.Module, embed: nn.Module, first_layer: nn.Module, ids: Tensor, delta: Tensor
+) -> Optional[Tensor]:
+    """The first layer's input (the first time it runs) in a probe forward where a plain PyTorch hook adds ``delta``
+    to the embedding module's output: how an edit of the embeddings reaches the layers."""
+    seen: list[Tensor] = []
+
+    def add(module: nn.Module, args: tuple, output: Any) -> Any:
+        value = first_output(output)
+        return output + delta if isinstance(output, Tensor) and value.shape == delta.shape else None
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = first_input(args, kwargs)
+        if not seen and isinstance(value, Tensor):
+            seen.append(value.detach().clone())
+
+    handles = [embed.register_forward_hook(add), first_layer.register_forward_pre_hook(record, with_kwargs=True)]
+    try:
+        with _probing(model, Recording()):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0] if seen else None

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..hook_point import HookPoint
+from ..errors import LensAdaptersError
+from ..hook_point import HookPoint, is_recomputing
 from .base import (
     ForwardState,
     Site,
@@ -41,28 +42,67 @@ class OutputSite(Site):
 
 
 class ScaledOutputSite(Site):
-    """A module's output times a factor the model applies after the module (``ModelLayout.embed_scale``).
+    """``hook_embed`` where the model multiplies the embeddings by a factor after the module
+    (``ModelLayout.embed_scale_after_module``): the first block's input, which is that product.
 
-    Hooks see ``output * factor`` as the model computes it next (the factor as a tensor of the output's dtype);
-    an edit goes back into the module's output as ``output + (edited - shown) / factor``, so that the model's
-    own multiplication turns it into the edited value (up to one rounding) and an identity edit is bitwise.
+    The model computes ``embeddings * factor`` in its own forward (no module runs it), from the embedding module's
+    output or from the ``inputs_embeds`` it was given (:meth:`given`), and passes it to the first block. The point is
+    served there, so a read is the model's own product (bit for bit, in every dtype) and an edit is exactly what the
+    first block gets. Each forward checks that the first block's input is that product (the factor as a tensor of
+    the embeddings' dtype, or the Python float; ``rounded`` says which one ``W_E`` uses), and refuses by name a
+    description that does not fit the model.
     """
 
-    def __init__(self, module: nn.Module, point: HookPoint, factor: float) -> None:
-        self.module, self.point, self.factor = module, point, factor
+    def __init__(
+        self,
+        module: nn.Module,
+        first_block: nn.Module,
+        point: HookPoint,
+        factor: float,
+        state: ForwardState,
+        rounded: bool = True,
+    ) -> None:
+        self.module, self.first_block, self.point, self.factor = module, first_block, point, factor
+        self.state, self.rounded = state, rounded
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
-        return [self.module.register_forward_hook(self._hook)]
+        return [
+            self.module.register_forward_hook(self._record),
+            # before the block's own input points (hook_resid_pre): hook_embed comes first
+            self.first_block.register_forward_pre_hook(self._serve, with_kwargs=True, prepend=True),
+        ]
 
-    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        value = first_output(output)
-        shown = value * torch.tensor(self.factor, dtype=value.dtype)
-        edited, changed = self.point.apply(shown, protect=True)
-        if not changed:
-            return None
-        delta = (edited.float() - shown.float()) / self.factor
-        return replace_first_output(output, (value.float() + delta).to(value.dtype))
+    def scaled(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``embeddings * factor`` as the model computes it."""
+        if self.rounded:
+            return embeddings * torch.tensor(self.factor, dtype=embeddings.dtype)
+        return embeddings * self.factor
+
+    def given(self, embeddings: torch.Tensor) -> None:
+        """The ``inputs_embeds`` of this forward (the embedding module does not run then)."""
+        self.state.site_values(self)["source"] = embeddings
+
+    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.state.site_values(self)["source"] = first_output(output)
+
+    def _serve(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        value = first_input(args, kwargs)
+        if not is_recomputing():  # a recomputed first block (gradient checkpointing) gets the input its forward had
+            source = self.state.site_values(self).pop("source", None)
+            if source is None:  # the first block runs on something else (a forward started at a later layer)
+                return None
+            if not (
+                torch.equal(value, source * torch.tensor(self.factor, dtype=source.dtype))
+                or torch.equal(value, source * self.factor)
+            ):
+                raise LensAdaptersError(
+                    f"hook_embed: the model's first block gets something other than the embeddings times "
+                    f"embed_scale={self.factor}, which ModelLayout.embed_scale_after_module describes: the "
+                    f"description does not fit this model"
+                )
+        edited, changed = self.point.apply(value)
+        return replace_first_input(args, kwargs, edited) if changed else None
 
 
 class PositionEmbedSite(Site):

@@ -129,7 +129,7 @@ class GenericContract:
     @_SETTINGS
     @given(data=st.data())
     def test_points_weights_and_warning_are_as_declared(self, data: st.DataObject) -> None:
-        config, model, _ = self.draw(data)
+        config, model, inputs = self.draw(data)
         expected = self.expected(config)
         with pytest.warns(GenericAdapterWarning) as warned:
             hm = HookedModel.wrap(model, registry=Registry())
@@ -168,9 +168,22 @@ class GenericContract:
         for absent in ("ln_final.hook_normalized", "attn.hook_z", "hook_attn_out"):
             if not any(n.endswith(absent) for n in names):
                 assert absent.split(".")[-1] in message, f"the warning does not say why {absent} is absent"
-        assert torch.equal(hm.W_E, model.get_input_embeddings().weight)
-        if model.get_output_embeddings() is not None:
-            assert torch.equal(hm.W_U, model.get_output_embeddings().weight.T)
+        head = model.get_output_embeddings()
+        final: list[torch.Tensor] = []
+        handle = head.register_forward_pre_hook(lambda m, args: final.append(args[0])) if head is not None else None
+        try:
+            with torch.no_grad():
+                logits, cache = hm.run_with_cache(**inputs.kwargs(), names_filter="hook_embed")
+        finally:
+            if handle is not None:
+                handle.remove()
+        # W_E's rows are hook_embed (the embeddings as the model uses them: Granite's multiplier included)
+        assert torch.equal(hm.W_E[inputs.input_ids], cache["hook_embed"]), "W_E[ids] != hook_embed"
+        if head is not None:  # final @ W_U is the logits (logit scaling included), up to the bias b_U (not served)
+            h, out = final[0], logits.float()
+            assert_close(
+                (h[:, 1:] - h[:, :-1]).float() @ hm.W_U.float(), out[:, 1:] - out[:, :-1], "final @ W_U vs logits"
+            )
         for name in ("W_Q", "W_K", "W_O", "W_in", "W_out", "W_pos", "b_U"):
             with pytest.raises(WeightUnavailableError, match="writing-a-plugin"):
                 getattr(hm, name)

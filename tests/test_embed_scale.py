@@ -1,0 +1,76 @@
+"""``hook_embed`` of models that scale their embeddings (Gemma: ``sqrt(d_model)``), from token ids and from
+``inputs_embeds``: a read is what the first block gets, an edit is exactly what the first block gets, ``W_E[ids]`` is
+the model's own product, in float32, bfloat16 and float16 (transformers 4.x Gemma 2 multiplies after the embedding
+module, in its forward; the other versions and Gemma 3 scale inside the module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lensadapters import HookedModel
+from lensadapters.sites import first_input, replace_first_input
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config
+
+FAMILIES = [f for f in ("gemma2", "gemma3") if f in ARCH_NAMES]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _model(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    if family == "gemma2":
+        from lensadapters_gemma2.testing import gemma2_config as config
+    else:
+        from lensadapters_gemma3.testing import gemma3_config as config  # type: ignore[no-redef]
+    return from_config(config(hidden=48)).to(dtype)  # sqrt(48) is not representable in any of the dtypes
+
+
+@pytest.mark.skipif(not FAMILIES, reason="no Gemma plugin installed")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hook_embed_is_what_the_first_block_gets_from_ids_and_from_inputs_embeds(family, dtype) -> None:
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    model = _model(family, dtype)
+    edit = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    embeds = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    first_block = model.model.layers[0]
+
+    first_inputs: dict = {}
+
+    def replaced(module, args, kwargs):  # the same edit as a plain PyTorch hook on the first block's input
+        return replace_first_input(args, kwargs, edit)
+
+    def record(module, args, kwargs):
+        first_inputs[len(first_inputs)] = first_input(args, kwargs)
+
+    with torch.no_grad():
+        handle = first_block.register_forward_pre_hook(record, with_kwargs=True)
+        model(ids)
+        model(inputs_embeds=embeds)
+        handle.remove()
+        handle = first_block.register_forward_pre_hook(replaced, with_kwargs=True)
+        expected = model(ids).logits
+        handle.remove()
+    hm = HookedModel.wrap(model)
+    seen: dict = {}
+    try:
+        what = f"{family} {dtype}"
+        for i, kwargs in enumerate(({"input": ids}, {"inputs_embeds": embeds})):
+            args = (kwargs.pop("input"),) if "input" in kwargs else ()
+            _, cache = hm.run_with_cache(*args, names_filter=["hook_embed", "blocks.0.hook_resid_pre"], **kwargs)
+            assert torch.equal(cache["hook_embed"], first_inputs[i]), what
+            assert torch.equal(cache["blocks.0.hook_resid_pre"], first_inputs[i]), what
+            seen.clear()
+            logits = hm.run_with_hooks(
+                *args,
+                fwd_hooks=[
+                    ("hook_embed", lambda x, hook: edit),
+                    ("blocks.0.hook_resid_pre", lambda x, hook: seen.setdefault("x", x.clone())),
+                ],
+                **kwargs,
+            )
+            assert torch.equal(seen["x"], edit), what  # the edit reaches the first block exactly
+            if i == 0:
+                assert torch.equal(logits, expected), what
+        assert torch.equal(hm.W_E[ids], first_inputs[0]), what
+    finally:
+        hm.unwrap()

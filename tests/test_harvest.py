@@ -29,7 +29,7 @@ from lensadapters.harvest import (
     open_source,
     pack,
 )
-from lensadapters.harvest.runner import KILL_ENV
+from lensadapters.integrations.harvest.runner import KILL_ENV
 from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 
 datasets = pytest.importorskip("datasets")

@@ -69,12 +69,12 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from ..errors import HookReturnError, UnknownHookError
-from ..hooked_model import HookedModel
-from ..registry import Registry
-from .models import seeded_model
-from .reference import apply_norm, block_inputs, norm_out
-from .strategies import Inputs, token_inputs
+from lensadapters.adapters.registry import Registry
+from lensadapters.api.hooked_model import HookedModel
+from lensadapters.errors import HookReturnError, UnknownHookError
+from lensadapters.testing.models import seeded_model
+from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
+from lensadapters.testing.strategies import Inputs, token_inputs
 
 ATOL = 1e-4
 RTOL = 1e-4

@@ -18,10 +18,10 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ..moe import MoELayout, expert_rows, is_moe, router_weight
-from ..moe.sites import EXPERT_POINTS, ROUTING_POINTS
-from ..weights import mlp_weights
-from .contract import _BLOCK_POINTS, _SETTINGS, AdapterContract, assert_close, close, perturb
+from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_weight
+from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
+from lensadapters.testing.contract import _BLOCK_POINTS, _SETTINGS, AdapterContract, assert_close, close, perturb
+from lensadapters.wiring.weights import mlp_weights
 
 Tensor = torch.Tensor
 _DENSE_ONLY = ("mlp.hook_pre", "mlp.hook_post")

@@ -15,6 +15,7 @@ plugins written for another major version.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import pluggy
@@ -24,7 +25,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from lensadapters.adapters.protocol import Hooked
-    from lensadapters.adapters.variants import ContractVariant
     from lensadapters.hooks.sites import Site
     from lensadapters.hooks.specs import (
         Architecture,
@@ -210,6 +210,24 @@ def lensadapters_extra_sites(arch: "Architecture", hooked: "Hooked") -> Sequence
 # Cross-cutting plugins: contract variants and wrapper layers
 # (a plugin declares what it adds; the core and other plugins find it without naming the plugin)
 # =================================================================================================
+
+
+@dataclass(frozen=True)
+class ContractVariant:
+    """One variant of the contract suite, as a cross-cutting plugin declares it.
+
+    * ``name``: a short identifier, also the command-line flag (``"lora"``: ``lensadapters check PLUGIN --lora``).
+    * ``contract``: ``"package.module:ClassName"`` of the variant's mixin, an ``AdapterContract`` subclass that is
+      put in front of an architecture's contract (``class T(Mixin, MyArchContract)``).
+    * ``runs_on``: what the variant's models are, for messages (``"LoRA-adapted (PEFT) models"``).
+    * ``distribution``: the distribution that ships the mixin (``pip install`` hints); ``None``: the declaring
+      plugin's own distribution.
+    """
+
+    name: str
+    contract: str
+    runs_on: str
+    distribution: Optional[str] = None
 
 
 @hookspec

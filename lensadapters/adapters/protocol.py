@@ -47,25 +47,48 @@ __all__ = ["Hooked"]
 class Hooked(Protocol):
     """The plugin-facing view of one wrapped model (see the module docstring)."""
 
-    #: the object that was wrapped (a ``PeftModel`` stays one) and the Hugging Face model inside it
-    model: Any
-    hf_model: nn.Module
-    #: the architecture the selected plugin declared, and ``hm.cfg``
-    arch: "Architecture"
-    cfg: "HookedConfig"
-    #: the description (paths relative to ``hf_model`` and to each block module)
-    layout: "ModelLayout"
-    block_modules: Sequence[nn.Module]
-    #: ``None`` for an opaque block (``lensadapters_block`` returned ``None``: no core points, no layouts)
-    block_layouts: Sequence[Optional["BlockLayout"]]
-    qkv_layouts: Sequence[Optional["QKVLayout"]]
-    mlp_layouts: Sequence[Optional["MLPLayouts"]]  # MLPLayout, FusedGateUp or MoELayout
-    attention_modules: Sequence[Optional[nn.Module]]
-    #: values sites share within one forward pass
-    forward_state: "ForwardState"
-    #: adapter-hook callers over the selected architecture plugin, the cross-cutting plugins and the core
-    #: (``plugin_hooks.lensadapters_attn_scores(...)``), for a plugin's pattern backend
-    plugin_hooks: Any
+    # the object that was wrapped (a ``PeftModel`` stays one) and the Hugging Face model inside it
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def hf_model(self) -> nn.Module: ...
+
+    # the architecture the selected plugin declared, and ``hm.cfg``
+    @property
+    def arch(self) -> "Architecture": ...
+
+    @property
+    def cfg(self) -> "HookedConfig": ...
+
+    # the description (paths relative to ``hf_model`` and to each block module)
+    @property
+    def layout(self) -> "ModelLayout": ...
+
+    @property
+    def block_modules(self) -> Sequence[nn.Module]: ...
+
+    # ``None`` for an opaque block (``lensadapters_block`` returned ``None``: no core points, no layouts)
+    @property
+    def block_layouts(self) -> Sequence[Optional["BlockLayout"]]: ...
+
+    @property
+    def qkv_layouts(self) -> Sequence[Optional["QKVLayout"]]: ...
+
+    @property
+    def mlp_layouts(self) -> Sequence[Optional["MLPLayouts"]]: ...  # MLPLayout, FusedGateUp or MoELayout
+
+    @property
+    def attention_modules(self) -> Sequence[Optional[nn.Module]]: ...
+
+    # values sites share within one forward pass
+    @property
+    def forward_state(self) -> "ForwardState": ...
+
+    # adapter-hook callers over the selected architecture plugin, the cross-cutting plugins and the core
+    # (``plugin_hooks.lensadapters_attn_scores(...)``), for a plugin's pattern backend
+    @property
+    def plugin_hooks(self) -> Any: ...
 
     @property
     def hook_names(self) -> list[str]:

@@ -8,30 +8,13 @@ variants installed plugins declare.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
+from lensadapters.adapters.hookspecs import ContractVariant
 from lensadapters.adapters.registry import PluginLoadWarning, Registry, get_registry
 
 __all__ = ["ContractVariant", "contract_variants"]
-
-
-@dataclass(frozen=True)
-class ContractVariant:
-    """One variant of the contract suite, as a cross-cutting plugin declares it.
-
-    * ``name``: a short identifier, also the command-line flag (``"lora"``: ``lensadapters check PLUGIN --lora``).
-    * ``contract``: ``"package.module:ClassName"`` of the variant's mixin, an ``AdapterContract`` subclass that is
-      put in front of an architecture's contract (``class T(Mixin, MyArchContract)``).
-    * ``runs_on``: what the variant's models are, for messages (``"LoRA-adapted (PEFT) models"``).
-    * ``distribution``: the distribution that ships the mixin (``pip install`` hints); ``None``: the declaring
-      plugin's own distribution.
-    """
-
-    name: str
-    contract: str
-    runs_on: str
-    distribution: Optional[str] = None
 
 
 def contract_variants(registry: Optional[Registry] = None) -> dict[str, ContractVariant]:

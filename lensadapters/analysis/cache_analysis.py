@@ -32,7 +32,7 @@ from lensadapters.hooks.norms import apply_norm
 from lensadapters.wiring import weights as _w
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.analysis.model import HookedModelLike
 
 Tensor = torch.Tensor
 SliceLike = Union[Slice, SliceInput]
@@ -46,12 +46,12 @@ class CacheAnalysisMixin:
     """The analysis methods of :class:`lensadapters.ActivationCache` (needs the cache's ``model``)."""
 
     _data: dict
-    model: Optional["HookedModel"]
+    model: Optional["HookedModelLike"]
     has_batch_dim: bool
 
     # --- model facts --------------------------------------------------------------------------------
 
-    def _hm(self) -> "HookedModel":
+    def _hm(self) -> "HookedModelLike":
         if self.model is None:
             raise LensAdaptersError(
                 "this ActivationCache has no model (it was built by hand): its analysis methods "
@@ -204,7 +204,7 @@ class CacheAnalysisMixin:
             if name in self._data:
                 continue
             z = self[("z", layer, "attn")]
-            W_O = _w.o_weights(hm, layer)[0].to(device=z.device, dtype=z.dtype)  # [h, d_head, d_model]
+            W_O = _w.layer_weight(hm.wiring, "W_O", layer).to(device=z.device, dtype=z.dtype)  # [h, d_head, d_model]
             self._data[name] = torch.einsum("...hd,hdm->...hm", z, W_O)
 
     def stack_head_results(
@@ -261,7 +261,7 @@ class CacheAnalysisMixin:
         """What each MLP neuron of ``layer`` writes: ``[*batch_and_pos, neurons, d_model]`` (no bias)."""
         neuron_slice, pos_slice = as_slice(neuron_slice), as_slice(pos_slice)
         acts = self[("post", layer, "mlp")]
-        W_out = _w.mlp_weights(self._hm(), layer, "out")[0].to(device=acts.device, dtype=acts.dtype)
+        W_out = _w.layer_weight(self._hm().wiring, "W_out", layer).to(device=acts.device, dtype=acts.dtype)
         acts = pos_slice.apply(acts, dim=-2)
         acts = neuron_slice.apply(acts, dim=-1)
         W_out = neuron_slice.apply(W_out, dim=0)
@@ -403,7 +403,7 @@ class CacheAnalysisMixin:
         return (stack, labels) if return_labels else stack
 
 
-def _token_shape(hm: "HookedModel", tokens: Any) -> tuple[int, ...]:
+def _token_shape(hm: "HookedModelLike", tokens: Any) -> tuple[int, ...]:
     if isinstance(tokens, str):
         return ()
     if isinstance(tokens, int):

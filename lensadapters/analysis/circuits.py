@@ -22,6 +22,7 @@ class CircuitsMixin:
     """``hm.OV``, ``hm.QK`` and friends (mixed into :class:`lensadapters.HookedModel`)."""
 
     cfg: Any
+    wiring: Any
 
     @property
     def QK(self) -> FactoredMatrix:
@@ -81,11 +82,11 @@ class CircuitsMixin:
         total = None
         parts: list[Tensor] = []
         for i in range(layer):
-            parts.append(_w.o_weights(self, i)[1])  # type: ignore[arg-type]
+            parts.append(_w.layer_weight(self.wiring, "b_O", i))
             if include_mlp_biases:
-                parts.append(_w.mlp_weights(self, i, "out")[1])  # type: ignore[arg-type]
+                parts.append(_w.layer_weight(self.wiring, "b_out", i))
         if mlp_input:
-            parts.append(_w.o_weights(self, layer)[1])  # type: ignore[arg-type]
+            parts.append(_w.layer_weight(self.wiring, "b_O", layer))
         for part in parts:
             total = part.float() if total is None else total + part.float().to(total.device)
         if total is None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Union
 from lensadapters.hooks.hook_point import HookPoint
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.analysis.model import HookedModelLike
 
 
 def _children(names: list[str], prefix: str) -> list[str]:
@@ -29,7 +29,7 @@ def _children(names: list[str], prefix: str) -> list[str]:
     return list(seen)
 
 
-def lookup(hm: "HookedModel", prefix: str, attr: str) -> Union[HookPoint, "HookNamespace", "BlockList", None]:
+def lookup(hm: "HookedModelLike", prefix: str, attr: str) -> Union[HookPoint, "HookNamespace", "BlockList", None]:
     """The hook point ``prefix.attr``, the namespace under it, or ``None``."""
     full = f"{prefix}.{attr}" if prefix else attr
     points = hm.wiring.hook_dict
@@ -42,7 +42,7 @@ def lookup(hm: "HookedModel", prefix: str, attr: str) -> Union[HookPoint, "HookN
     return None
 
 
-def missing(hm: "HookedModel", prefix: str, attr: str) -> AttributeError:
+def missing(hm: "HookedModelLike", prefix: str, attr: str) -> AttributeError:
     options = _children(list(hm.wiring.hook_dict), prefix)
     close = difflib.get_close_matches(attr, options, n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
@@ -53,7 +53,7 @@ def missing(hm: "HookedModel", prefix: str, attr: str) -> AttributeError:
 class HookNamespace:
     """The hook points under one dotted prefix (``blocks.0``, ``blocks.0.attn``, ``ln_final``...)."""
 
-    def __init__(self, hm: "HookedModel", prefix: str) -> None:
+    def __init__(self, hm: "HookedModelLike", prefix: str) -> None:
         object.__setattr__(self, "_hm", hm)
         object.__setattr__(self, "_prefix", prefix)
 
@@ -107,7 +107,7 @@ class HookNamespace:
 class BlockList(Sequence):
     """``hm.blocks``: one :class:`HookNamespace` per block (``len``, indexing, slicing, iteration)."""
 
-    def __init__(self, hm: "HookedModel") -> None:
+    def __init__(self, hm: "HookedModelLike") -> None:
         self._hm = hm
 
     def __len__(self) -> int:

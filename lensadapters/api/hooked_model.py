@@ -28,8 +28,9 @@ from lensadapters.api.tl_api import (
 )
 from lensadapters.errors import LensAdaptersError, PluginError, UnsupportedModelError
 from lensadapters.hooks.hook_point import HookFn, HookPoint, is_recomputing
-from lensadapters.wiring.core import PATTERN_POINTS, Wiring
+from lensadapters.wiring.core import Wiring
 from lensadapters.wiring.head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
+from lensadapters.wiring.names import PATTERN_POINTS
 from lensadapters.wiring.weights import WeightAccessors
 
 Tensor = torch.Tensor
@@ -91,6 +92,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     :mod:`lensadapters.tl_call`). ``hm.wiring`` is the description and
     the hook-point registry plugins see (:class:`lensadapters.protocol.Hooked`).
     """
+
+    wiring: Wiring
 
     # --- construction ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import torch
 from lensadapters.errors import LensAdaptersError, UnknownHookError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.analysis.model import HookedModelLike
 
 #: the SAE's hook points, in the order they fire
 SAE_POINTS = (
@@ -69,7 +69,7 @@ def hook_names_of(sae: Any) -> tuple[str, str]:
 class _Splice:
     """One SAE attached to a HookedModel (its points, its hooks, and how to take them away again)."""
 
-    def __init__(self, hm: "HookedModel", sae: Any, use_error_term: bool, exclude: Any) -> None:
+    def __init__(self, hm: "HookedModelLike", sae: Any, use_error_term: bool, exclude: Any) -> None:
         self.hm, self.sae, self.use_error_term, self.exclude = hm, sae, use_error_term, exclude
         self.input_name, self.output_name = hook_names_of(sae)
         for name in dict.fromkeys((self.input_name, self.output_name)):

@@ -35,7 +35,7 @@ from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks.sites import first_input, first_output, replace_first_input, replace_first_output
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.analysis.model import HookedModelLike
 
 Tensor = torch.Tensor
 
@@ -95,7 +95,7 @@ def accepts_position_ids(model: Any) -> bool:
     return _POSITION_IDS[cls]
 
 
-def hf_inputs(hm: "HookedModel", tokens: Tensor, attention_mask: Optional[Tensor]) -> dict[str, Any]:
+def hf_inputs(hm: "HookedModelLike", tokens: Tensor, attention_mask: Optional[Tensor]) -> dict[str, Any]:
     """Keyword arguments of the Hugging Face forward for these tokens (mask and positions only where padded)."""
     kwargs: dict[str, Any] = {"input_ids": tokens}
     if attention_mask is not None:
@@ -108,7 +108,7 @@ def hf_inputs(hm: "HookedModel", tokens: Tensor, attention_mask: Optional[Tensor
 
 
 def resolve_tokens(
-    hm: "HookedModel",
+    hm: "HookedModelLike",
     input: Any,
     prepend_bos: Optional[bool],
     padding_side: Optional[str],
@@ -143,7 +143,7 @@ def resolve_tokens(
 
 
 @contextlib.contextmanager
-def silenced_before(hm: "HookedModel", layer: int) -> Iterator[None]:
+def silenced_before(hm: "HookedModelLike", layer: int) -> Iterator[None]:
     """Hooks of every point that fires before block ``layer`` (block ``n_layers``: after the last block) do not
     run: those blocks only carry placeholder input when a forward starts at ``layer``."""
     names = hm.hook_names
@@ -198,7 +198,7 @@ def _layer_range(n: int, start: Optional[int], stop: Optional[int]) -> tuple[int
 
 
 def forward(
-    hm: "HookedModel",
+    hm: "HookedModelLike",
     input: Any = None,
     return_type: Optional[str] = "logits",
     loss_per_token: bool = False,
@@ -278,7 +278,7 @@ def forward(
 
 
 @contextlib.contextmanager
-def _inject(hm: "HookedModel", layer: int, residual: Tensor) -> Iterator[None]:
+def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> Iterator[None]:
     """The residual stream enters at block ``layer`` (after the last block when ``layer == n_layers``)."""
     n = hm.cfg.n_layers
 
@@ -300,7 +300,7 @@ def _inject(hm: "HookedModel", layer: int, residual: Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _capture(hm: "HookedModel", layer: int, captured: list) -> Iterator[None]:
+def _capture(hm: "HookedModelLike", layer: int, captured: list) -> Iterator[None]:
     """Record the residual stream at the input of block ``layer`` (the model's output stream for
     ``n_layers``) and end the forward there."""
     n = hm.cfg.n_layers
@@ -324,7 +324,7 @@ def _capture(hm: "HookedModel", layer: int, captured: list) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _skip_unembed(hm: "HookedModel") -> Iterator[None]:
+def _skip_unembed(hm: "HookedModelLike") -> Iterator[None]:
     def pre(module: Any, args: tuple) -> None:
         raise _Stop()
 

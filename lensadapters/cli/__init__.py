@@ -364,6 +364,3 @@ def _variant_flags(check: argparse.ArgumentParser) -> list[str]:
         names.append(name)
     return names
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -5,6 +5,7 @@
 Uses the plugin system and the hook machinery below it; the analysis layer and the user API sit above.
 """
 
-from lensadapters.wiring.core import PATTERN_POINTS, Wiring, block_point_names, is_gated, qkv_point_names
+from lensadapters.wiring.core import Wiring
+from lensadapters.wiring.names import PATTERN_POINTS, block_point_names, is_gated, qkv_point_names
 
 __all__ = ["PATTERN_POINTS", "Wiring", "block_point_names", "is_gated", "qkv_point_names"]

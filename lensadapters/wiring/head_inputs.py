@@ -36,7 +36,7 @@ from lensadapters.hooks.specs import FusedQKV
 from lensadapters.wiring import weights as _w
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.adapters.protocol import Hooked
 
 Tensor = torch.Tensor
 NAMES = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
@@ -47,7 +47,7 @@ class HeadInputSite(Site):
 
     def __init__(
         self,
-        hm: "HookedModel",
+        hm: "Hooked",
         layer: int,
         attn_in: Optional[HookPoint],
         q_input: HookPoint,
@@ -90,7 +90,7 @@ class HeadInputSite(Site):
         self._pending.clear()
         x = first_input(args, kwargs)
         cfg = self.hm.cfg
-        n_heads, n_kv = cfg.n_heads, cfg.n_key_value_heads
+        n_heads, n_kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads  # set by HookedConfig
         base = x.unsqueeze(-2)
         attn_in, attn_changed = None, False
         if self.attn_in is not None and self.attn_in.active:
@@ -110,7 +110,7 @@ class HeadInputSite(Site):
                 continue
             edited_rows = (value != base).any(-1, keepdim=True)
             diff = torch.where(edited_rows, normalize(value) - reference, torch.zeros((), device=x.device))
-            W = _w.qkv_weight(self.hm, self.layer, which)[0]  # [heads, d_model, d_head], live
+            W = _w.layer_weight(self.hm, ("W_Q", "_W_K", "_W_V")[which], self.layer)  # [heads, d_model, d_head], live
             self._pending[which] = torch.einsum("...hd,hde->...he", diff, W.float())
         return None
 
@@ -142,8 +142,9 @@ class HeadInputSite(Site):
         return replace_first_output(output, self.qkv.merge(*parts))
 
 
-def add_head_input_sites(hm: "HookedModel") -> None:
-    """Create the head-input points of every block (after ``hook_resid_pre``) and their sites."""
+def head_input_sites(hm: "Hooked") -> list[Site]:
+    """Create the head-input points of every block (after ``hook_resid_pre``); their sites, for the wiring to add."""
+    sites: list[Site] = []
     cfg = hm.cfg
     for layer in range(cfg.n_layers):
         if hm.block_layouts[layer] is None:  # an opaque block: no core points to anchor on
@@ -156,7 +157,7 @@ def add_head_input_sites(hm: "HookedModel") -> None:
                 continue  # grouped-query attention: no per-head input feeds a key/value head
             points[name] = hm.new_point(pre + name, after=anchor)
             anchor = pre + name
-        hm.add_site(
+        sites.append(
             HeadInputSite(
                 hm,
                 layer,
@@ -166,3 +167,4 @@ def add_head_input_sites(hm: "HookedModel") -> None:
                 points["hook_v_input"],
             )
         )
+    return sites

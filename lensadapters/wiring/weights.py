@@ -21,7 +21,6 @@ from lensadapters.hooks.specs import FusedGateUp, FusedQKV, LinearWeight
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
-    from lensadapters.wiring.core import Wiring
 
 Tensor = torch.Tensor
 
@@ -79,7 +78,7 @@ def _warn_if_several_answer(hm: Any, module: nn.Module, caller: Any, kwargs: dic
             f"modules such as {hm.module_name(module)}: {', '.join(map(repr, answering))}; the weights (hm.W_Q..., "
             f"attn.hook_result) use {supplier!r}'s. If that is not the right one, uninstall or fix the other",
             WeightSourceWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -200,6 +199,89 @@ def _router_stack(hooked: "Hooked") -> Tensor:
     return _stack(hooked, lambda i: router_weight(hooked, i))
 
 
+def _override(w: "Hooked", name: str, compute: Callable[[], Tensor]) -> Optional[Tensor]:
+    """A plugin's ``lensadapters_weight`` answer for ``name`` (checked), or ``None`` when no plugin overrides it."""
+    caller = w.plugin_hooks.lensadapters_weight
+    kwargs = {"arch": w.arch, "hooked": w, "name": name}
+    override, supplier = caller.answer(**kwargs)
+    if override is None:
+        return None
+    checked = w.__dict__.setdefault("_weight_sources_checked", set())
+    if name not in checked:  # once per name: does more than one plugin answer?
+        checked.add(name)
+        with torch.no_grad():
+            answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
+        if len(answering) > 1:
+            warnings.warn(
+                f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
+                f"{name} is {supplier!r}'s. If that is not the right one, uninstall or fix the other",
+                WeightSourceWarning,
+                stacklevel=5,
+            )
+    if not isinstance(override, Tensor):
+        raise PluginValidationError(
+            f"plugin {supplier!r} returned a {type(override).__name__} for {name} from "
+            f"lensadapters_weight; return a tensor (or None to keep the core's)"
+        )
+    architecture_plugin = getattr(getattr(w, "plugin", None), "name", None)
+    if supplier != architecture_plugin:  # a cross-cutting plugin's override keeps the architecture's shape
+        try:
+            with torch.no_grad():
+                reference = compute()
+        except Exception:  # the storage the plugin reads may be unreadable without it
+            reference = None
+        if reference is not None and reference.shape != override.shape:
+            raise PluginValidationError(
+                f"plugin {supplier!r} returned {name} of shape {tuple(override.shape)} from lensadapters_weight, "
+                f"but this model's {name} has shape {tuple(reference.shape)}"
+            )
+    return full_tensor(override)
+
+
+def read_weight(hooked: "Hooked", name: str, compute: Callable[[], Tensor]) -> Tensor:
+    """The one reader of the named weights (:data:`WEIGHT_NAMES`): a plugin's ``lensadapters_weight`` override
+    when one answers, otherwise ``compute()`` (the value the layouts give). ``hm.W_O``, ``attn.hook_result``,
+    the cache's decompositions and the per-head input points all read through it (or :func:`layer_weight`), so
+    an override reaches every value derived from that weight."""
+    override = _override(hooked, name, compute)
+    return full_tensor(compute()) if override is None else override  # a sharded parameter's read, whole
+
+
+#: one layer of each per-layer weight (``name -> (hooked, layer) -> tensor``), for :func:`layer_weight`
+_LAYER_WEIGHTS: dict[str, Callable[[Any, int], Tensor]] = {
+    "W_Q": lambda h, i: qkv_weight(h, i, 0)[0],
+    "b_Q": lambda h, i: qkv_weight(h, i, 0)[1],
+    "_W_K": lambda h, i: qkv_weight(h, i, 1)[0],
+    "_b_K": lambda h, i: qkv_weight(h, i, 1)[1],
+    "_W_V": lambda h, i: qkv_weight(h, i, 2)[0],
+    "_b_V": lambda h, i: qkv_weight(h, i, 2)[1],
+    "W_O": lambda h, i: o_weights(h, i)[0],
+    "b_O": lambda h, i: o_weights(h, i)[1],
+    "W_in": lambda h, i: mlp_weights(h, i, "in")[0],
+    "b_in": lambda h, i: mlp_weights(h, i, "in")[1],
+    "W_gate": lambda h, i: mlp_weights(h, i, "gate")[0],
+    "b_gate": lambda h, i: mlp_weights(h, i, "gate")[1],
+    "W_out": lambda h, i: mlp_weights(h, i, "out")[0],
+    "b_out": lambda h, i: mlp_weights(h, i, "out")[1],
+}
+
+
+def stacked_weight(hooked: "Hooked", name: str) -> Tensor:
+    """The core's own value of the per-layer weight ``name`` (every layer, stacked), no plugin override asked:
+    what an override that rescales the core's value (``lensadapters_weight``) starts from."""
+    one = _LAYER_WEIGHTS[name]
+    return _stack(hooked, lambda i: one(hooked, i))
+
+
+def layer_weight(hooked: "Hooked", name: str, layer: int) -> Tensor:
+    """Layer ``layer`` of the per-layer weight ``name`` (``"W_O"``: ``[n_heads, d_head, d_model]``), through the
+    same override as the whole (:func:`read_weight`): a plugin's ``W_O`` override reaches ``attn.hook_result``.
+    Without an override only this layer is read."""
+    one = _LAYER_WEIGHTS[name]
+    override = _override(hooked, name, lambda: stacked_weight(hooked, name))
+    return full_tensor(one(hooked, layer)) if override is None else override[layer]
+
+
 def _accessor(name: str, compute: Callable[["Hooked"], Tensor], doc: str) -> Any:
     def get(self: "WeightAccessors") -> Tensor:
         return self._weight(name, lambda: compute(self.wiring))
@@ -216,44 +298,10 @@ class WeightAccessors:
     layouts. ``W_K``/``W_V``/``b_K``/``b_V`` are the key/value-head tensors (``_W_K``...) repeated to the query heads.
     """
 
-    wiring: "Wiring"
+    wiring: "Hooked"
 
     def _weight(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
-        w = self.wiring
-        caller = w.plugin_hooks.lensadapters_weight
-        kwargs = {"arch": w.arch, "hooked": w, "name": name}
-        override, supplier = caller.answer(**kwargs)
-        if override is None:
-            return full_tensor(compute())  # a plugin's read of a sharded parameter, whole
-        checked = w.__dict__.setdefault("_weight_sources_checked", set())
-        if name not in checked:  # once per name: does more than one plugin answer?
-            checked.add(name)
-            with torch.no_grad():
-                answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
-            if len(answering) > 1:
-                warnings.warn(
-                    f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
-                    f"{name} is {supplier!r}'s. If that is not the right one, uninstall or fix the other",
-                    WeightSourceWarning,
-                    stacklevel=3,
-                )
-        if not isinstance(override, Tensor):
-            raise PluginValidationError(
-                f"plugin {supplier!r} returned a {type(override).__name__} for {name} from "
-                f"lensadapters_weight; return a tensor (or None to keep the core's)"
-            )
-        if supplier != w.plugin.name:  # a cross-cutting plugin's override keeps the architecture's shape
-            try:
-                with torch.no_grad():
-                    reference = compute()
-            except Exception:  # the storage the plugin reads may be unreadable without it
-                reference = None
-            if reference is not None and reference.shape != override.shape:
-                raise PluginValidationError(
-                    f"plugin {supplier!r} returned {name} of shape {tuple(override.shape)} from lensadapters_weight, "
-                    f"but this model's {name} has shape {tuple(reference.shape)}"
-                )
-        return full_tensor(override)
+        return read_weight(self.wiring, name, compute)
 
     @property
     def W_E(self) -> Tensor:

@@ -363,4 +363,3 @@ def _variant_flags(check: argparse.ArgumentParser) -> list[str]:
             continue
         names.append(name)
     return names
-

@@ -31,7 +31,7 @@ from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.testing.contract import _hook_counts, _instance_attributes, assert_close, close, perturb
+from lensadapters.testing.contract_support import _hook_counts, _instance_attributes, assert_close, close, perturb
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
 

@@ -31,7 +31,15 @@ from torch.utils.hooks import RemovableHandle
 
 from lensadapters.hooks import norms
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import Site, first_input, first_output, merge_heads, replace_first_output, split_heads
+from lensadapters.hooks.sites import (
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    merge_heads,
+    replace_first_output,
+    split_heads,
+)
 from lensadapters.hooks.specs import FusedQKV
 from lensadapters.wiring import weights as _w
 
@@ -78,10 +86,8 @@ class HeadInputSite(Site):
     def install(self) -> list[RemovableHandle]:
         handles = [self.entry.register_forward_pre_hook(self._inputs, with_kwargs=True)]
         for which, module in self.projections:
-            # before hook_q/k/v's own site: they see the projection with the edit in it
-            handles.append(
-                module.register_forward_hook(self._fused if which is None else self._separate(which), prepend=True)
-            )
+            # completes the projection's output: hook_q/k/v's own site then sees the edit in it
+            handles.append(completes_output(module, self._fused if which is None else self._separate(which)))
         return handles
 
     # --- running the points -------------------------------------------------------------------------

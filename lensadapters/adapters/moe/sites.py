@@ -35,7 +35,7 @@ from lensadapters.adapters.moe.experts import bind
 from lensadapters.adapters.moe.specs import FusedExperts, MoELayout
 from lensadapters.errors import HookReturnError
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, first_input, first_output, replace_first_output
+from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
@@ -126,8 +126,8 @@ class MoESite(Site):
         if recompute:
             if self.fused_call:
                 handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
-            else:  # before hook_mlp_out's own hook on the same module
-                handles.append(self.moe.register_forward_hook(self._moe_out, with_kwargs=True, prepend=True))
+            else:  # completes the MoE's output: hook_mlp_out's own hook on the same module reads it after
+                handles.append(completes_output(self.moe, self._moe_out, with_kwargs=True))
         return handles
 
     # --- per forward ----------------------------------------------------------------------------

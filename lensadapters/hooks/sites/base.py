@@ -4,14 +4,17 @@ A *site* watches one place of the model (a module's input or output) and serves 
 there. The core installs a site's PyTorch hooks only while one of its points has a hook (``wanted()``), and
 re-installs them when ``signature()`` changes; ``install()`` returns handles whose ``remove()`` undoes exactly
 what it did. Every site follows one rule: if no hook changed anything, the model's own tensor is passed on
-untouched (``HookPoint.apply`` says whether anything changed).
+untouched (``HookPoint.apply`` says whether anything changed). Sites sharing a module follow the order rule of
+:func:`completes_output` and :func:`reads_output`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lensadapters.hooks.frames import ForwardState, FrameValues  # noqa: F401  (re-exported: sites share per-call values through it)
 from lensadapters.hooks.hook_point import HookPoint
@@ -63,6 +66,22 @@ def split_heads(t: Tensor, n_heads: int) -> Tensor:
 
 def merge_heads(t: Tensor) -> Tensor:
     return t.flatten(-2)
+
+
+def completes_output(module: nn.Module, hook: Callable[..., Any], with_kwargs: bool = False) -> RemovableHandle:
+    """Register a forward hook that *completes* ``module``'s output: writes into it what the model computes with an
+    edit (a norm's edited output, a per-head edit folded into a projection, a recomputed MoE output).
+
+    The order rule of shared modules: such a hook runs before every hook registered with :func:`reads_output` and
+    before any other forward hook of ``module``, whichever was registered first, so everything that reads the
+    output sees the edits in it. (At most one site completes a given module's output.)"""
+    return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=True)
+
+
+def reads_output(module: nn.Module, hook: Callable[..., Any], with_kwargs: bool = False) -> RemovableHandle:
+    """Register a forward hook that *reads* ``module``'s output (shows it to a point, perhaps replacing it with the
+    point's edit): it runs after the hooks that complete the output (:func:`completes_output`)."""
+    return module.register_forward_hook(hook, with_kwargs=with_kwargs)
 
 
 class Site:

@@ -10,7 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lensadapters.hooks import norms
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, first_input, first_output, replace_first_output
+from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
 from lensadapters.hooks.specs import NormSpec
 
 Tensor = torch.Tensor
@@ -23,9 +23,10 @@ class NormSite(Site):
     ``view`` (with its inverse ``unview``) shows the norm's tensors to hooks in another layout than the module
     sees them (a per-head query norm that runs on ``[b, heads, p, d]`` is shown as ``[b, p, heads, d]``).
 
-    The PyTorch hook is *prepended* to the module's forward hooks: whatever else watches the norm's output (a
-    post norm's output is ``hook_attn_out``; a query norm's output is rotated into ``hook_rot_q``) sees the
-    output with the norm's own edits, whatever order the hooks were attached in.
+    Its PyTorch hook completes the norm's output (:func:`~lensadapters.hooks.sites.base.completes_output`):
+    whatever else watches the norm's output (a post norm's output is ``hook_attn_out``; a query norm's output is
+    rotated into ``hook_rot_q``; a plugin's own point) sees it with the norm's edits, whatever order the hooks were
+    attached in.
     """
 
     def __init__(
@@ -43,7 +44,7 @@ class NormSite(Site):
         self.view, self.unview = view, unview
 
     def install(self) -> list[RemovableHandle]:
-        return [self.module.register_forward_hook(self._hook, with_kwargs=True, prepend=True)]
+        return [completes_output(self.module, self._hook, with_kwargs=True)]
 
     def _apply(self, point: HookPoint, value: Tensor, protect: bool = False) -> tuple[Tensor, bool]:
         if self.view is None:

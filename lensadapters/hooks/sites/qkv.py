@@ -23,6 +23,7 @@ from lensadapters.hooks.sites.base import (
     Site,
     first_output,
     merge_heads,
+    reads_output,
     replace_first_output,
     split_heads,
 )
@@ -205,7 +206,8 @@ class NormedRotarySite(Site):
 
     The norm's output, seen as ``[b, p, h, d]``, is rotated for the hooks; an edit is rotated back and added to
     the norm's output, which the attention module then rotates itself (the KV cache stores the edited key).
-    Installed after the norm's own ``NormSite`` hook (prepended), so it rotates the norm's edited output.
+    It reads the norm's output (``reads_output``): the norm's own ``NormSite`` completes it first, so it rotates the
+    norm's edited output.
     """
 
     def __init__(
@@ -222,7 +224,7 @@ class NormedRotarySite(Site):
         self.points = (rot_point,)
 
     def install(self) -> list[RemovableHandle]:
-        return [self.module.register_forward_hook(self._hook)]
+        return [reads_output(self.module, self._hook)]  # after the norm's own NormSite completes the output
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         value, changed = _rotate(self.to_heads(first_output(output)), self.rot_point, self.rotary, self.state)

@@ -1,4 +1,8 @@
-"""``harvest``: run a model over packed text and write the chosen hook points' activations to disk in shards."""
+"""``harvest``: run a model over packed text and write the chosen hook points' activations to disk in shards.
+
+Over 500 lines on purpose: the run loop and the resume/kill handling it interleaves with read best in one place
+(packing, manifests, listings and storage are their own modules beside it).
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from lensadapters.adapters.registry import PluginInfo, Registry, get_registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.cli.extras import plugin_extras
 from lensadapters.hooks.specs import Architecture
-from lensadapters.testing.models import tiny_model
+from lensadapters.testing.models import reinit, tiny_model  # noqa: F401  (reinit: the old lensadapters.demo.reinit)
 
 
 @dataclass

@@ -1,10 +1,21 @@
 """lensadapters: TransformerLens-style hook points on unmodified Hugging Face models."""
 
-from . import hf
-from ._version import __version__
-from .cache import ActivationCache, get_act_name
-from .cache_analysis import DecompositionUndefinedError
-from .errors import (
+from lensadapters import _moved
+from lensadapters._version import __version__
+from lensadapters.adapters import hf
+from lensadapters.adapters.generic import GenericAdapterWarning
+from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from lensadapters.adapters.layers import innermost_layer, wrapped_layers
+from lensadapters.adapters.protocol import Hooked
+from lensadapters.adapters.registry import Registry, get_registry
+from lensadapters.adapters.variants import ContractVariant, contract_variants
+from lensadapters.analysis.cache import ActivationCache, get_act_name
+from lensadapters.analysis.cache_analysis import DecompositionUndefinedError
+from lensadapters.analysis.factored_matrix import FactoredMatrix
+from lensadapters.api.hooked_model import HookedModel
+from lensadapters.api.tl_call import Output, TransformerLensKeywordError
+from lensadapters.api.tokens import NoTokenizerError
+from lensadapters.errors import (
     HookReturnError,
     LensAdaptersError,
     PluginConflictError,
@@ -13,17 +24,9 @@ from .errors import (
     UnsupportedModelError,
     WeightUnavailableError,
 )
-from .factored_matrix import FactoredMatrix
-from .generic import GenericAdapterWarning
-from .harvest import HarvestMismatchError, harvest, load_harvest
-from .hook_point import HookPoint, is_recomputing
-from .hooked_model import HookedModel
-from .hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
-from .layers import innermost_layer, wrapped_layers
-from .offload import live_parameters
-from .protocol import Hooked
-from .registry import Registry, get_registry
-from .specs import (
+from lensadapters.hooks.hook_point import HookPoint, is_recomputing
+from lensadapters.hooks.offload import live_parameters
+from lensadapters.hooks.specs import (
     Architecture,
     BlockLayout,
     FusedGateUp,
@@ -37,9 +40,9 @@ from .specs import (
     RotarySpec,
     SeparateQKV,
 )
-from .tl_call import Output, TransformerLensKeywordError
-from .tokens import NoTokenizerError
-from .variants import ContractVariant, contract_variants
+from lensadapters.integrations.harvest import HarvestMismatchError, harvest, load_harvest
+
+_moved.install()  # old paths inside the moved subpackages (lensadapters.harvest.runner...)
 
 __all__ = [
     "__version__",

@@ -32,8 +32,8 @@ from lensadapters.harvest import (
     open_source,
     pack,
 )
-from lensadapters.harvest.checksum import BLOCK, file_checksum, tensor_checksum
-from lensadapters.harvest.runner import KILL_ENV
+from lensadapters.integrations.harvest.checksum import BLOCK, file_checksum, tensor_checksum
+from lensadapters.integrations.harvest.runner import KILL_ENV
 from lensadapters.testing.tiny_models import ARCH_NAMES, needs, tiny, tokenizer
 
 datasets = pytest.importorskip("datasets")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from ..hooked_model import HookedModel
-from .contract import assert_close
+from lensadapters.api.hooked_model import HookedModel
+from lensadapters.errors import UnsupportedModelError
+from lensadapters.testing.contract import assert_close
 
 __all__ = [
     "as_custom_code",

@@ -27,13 +27,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ..demo import reinit
-from ..errors import WeightUnavailableError
-from ..generic import GenericAdapterWarning
-from ..hooked_model import HookedModel
-from ..registry import Registry
-from .contract import _hook_counts, _instance_attributes, assert_close, close, perturb
-from .strategies import Inputs, token_inputs
+from lensadapters.adapters.generic import GenericAdapterWarning
+from lensadapters.adapters.registry import Registry
+from lensadapters.api.hooked_model import HookedModel
+from lensadapters.errors import WeightUnavailableError
+from lensadapters.testing.contract_support import _hook_counts, _instance_attributes, assert_close, close, perturb
+from lensadapters.testing.models import reinit
+from lensadapters.testing.strategies import Inputs, token_inputs
 
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
 PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")

@@ -7,6 +7,9 @@ from typing import Any, Optional
 
 import torch
 
+from lensadapters.adapters.registry import PluginInfo, Registry
+from lensadapters.hooks.specs import Architecture
+
 __all__ = ["reinit", "seeded_model"]
 
 
@@ -34,5 +37,18 @@ def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] 
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = AutoModelForCausalLM.from_config(config, **kwargs)
+    reinit(model, seed)
+    return model.eval()
+
+
+def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: int = 0) -> torch.nn.Module:
+    """A seeded tiny model of ``arch`` built from the plugin's tiny config."""
+    from transformers import AutoModelForCausalLM
+
+    config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=seed)
+    if config is None:
+        raise LookupError(f"plugin {info.name!r} provides no tiny config for {arch.name!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
     reinit(model, seed)
     return model.eval()

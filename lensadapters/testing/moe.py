@@ -8,6 +8,9 @@ Five generic properties are structurally different for a MoE block and are overr
 with ``MoE form:`` and say what is checked instead): a MoE block has no dense ``mlp.hook_pre`` /
 ``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis; ``mlp.hook_expert_indices`` holds
 integers (the generic perturbation is not an index); an expert that no token chose has no rows to edit.
+
+Over 500 lines on purpose: one contract class, whose properties share its reference and fixtures (split like
+``AdapterContract`` when it grows).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ..moe import MoELayout, expert_rows, is_moe, router_weight
-from ..moe.sites import EXPERT_POINTS, ROUTING_POINTS
-from ..weights import mlp_weights
-from .contract import _BLOCK_POINTS, _SETTINGS, AdapterContract, assert_close, close, perturb
+from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_weight
+from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
+from lensadapters.testing.contract import AdapterContract
+from lensadapters.testing.contract_support import _BLOCK_POINTS, _SETTINGS, assert_close, close, perturb
+from lensadapters.wiring.weights import mlp_weights
 
 Tensor = torch.Tensor
 _DENSE_ONLY = ("mlp.hook_pre", "mlp.hook_post")

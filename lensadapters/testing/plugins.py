@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, MutableMapping, Optional
 
-from ..registry import PluginInfo, Registry
+from lensadapters.adapters.registry import PluginInfo, Registry
 
 __all__ = [
     "installed_plugins",
@@ -95,7 +95,7 @@ def registry_for(model_type: str, *plugins: Any) -> Registry:
 def declared_contracts() -> list[type]:
     """The ``AdapterContract`` classes that installed architecture plugins declare (``LENSADAPTERS_CONTRACT``),
     ordered by plugin name. Plugins without a declared contract are left out."""
-    from ..check import declared_contract
+    from lensadapters.testing.check import declared_contract
 
     contracts = []
     for info in architecture_plugins():
@@ -199,8 +199,8 @@ def variant_matrix(contract: type, namespace: MutableMapping[str, Any]) -> list[
     """The dual of :func:`contract_matrix`, for a plugin's own tests: put ``contract`` under every contract
     variant installed plugins declare (``lensadapters_contract_variants``: LoRA-adapted, 8-bit...) into
     ``namespace``, as :func:`matrix_class` builds them. Returns the class names (none without such plugins)."""
-    from ..check import _import
-    from ..variants import contract_variants
+    from lensadapters.adapters.variants import contract_variants
+    from lensadapters.testing.check import _import
 
     names = []
     for variant in contract_variants().values():

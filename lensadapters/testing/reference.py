@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from .. import norms
+from lensadapters.hooks import norms
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..hooked_model import HookedModel
-    from ..specs import NormSpec
+    from lensadapters.api.hooked_model import HookedModel
+    from lensadapters.hooks.specs import NormSpec
 
 Tensor = torch.Tensor
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequenc
 
 import torch
 
-from .contract import perturb
+from lensadapters.testing.contract import perturb
 
 __all__ = [
     "transformer_lens_available",

@@ -1,0 +1,491 @@
+"""What the generic adapter can say about a model: which hook points it serves, where, and why others are absent.
+
+The rules (each decided per model, and per layer where layers differ; nothing is taken from a table of names):
+
+* **Embeddings** (``hook_embed``, ``W_E``): the embedding module's output (TransformerLens' token embeddings, before
+  the position embeddings or a norm the model adds); when the model multiplies it by a constant (Granite's
+  ``embedding_multiplier``), the product, which is the first layer's input (checked in every forward:
+  ``ModelLayout.embed_scale_after_module``), and ``W_E`` times the constant. Neither where the model multiplies by a
+  constant and then adds something (a second probe forward with an edited embedding output shows how an edit
+  reaches the first layer), nor ``W_E`` where the module's output is not its weight's rows (times a constant).
+* **Blocks** (``hook_resid_pre``/``hook_resid_post``): the decoder-layer list of :mod:`.structure`, served when the
+  probe saw every layer run exactly once, in order, and each layer's output is exactly what the model continues
+  with (the next layer's input, or the input of a module after the layers): a layer that returns only its change,
+  which the model's own code adds to the residual, gets neither point (its input and output are not the residual
+  stream an edit would change).
+* **Attention function** (``attn.hook_z``): a layer that calls transformers' attention interface exactly once, with a
+  module inside that layer. ``hook_z`` is that call's output ``[b, p, h, d_head]`` (per head, the pattern-weighted
+  mix of values, before heads are merged for the output projection); an edit replaces what the model continues with.
+* **Patterns** (``attn.hook_attn_scores``/``attn.hook_pattern``): additionally, the arguments of that call are plain
+  attention's (no softcap, sinks or other extras) and the core's explicit attention reproduced the weights and the
+  output of the model's own eager attention function on them, in the probe.
+* **Attention and MLP outputs** (``hook_attn_out``/``hook_mlp_out``): the attention module is the layer's direct child
+  that holds the module the attention interface is called with; for a layer that computes attention without the
+  interface, the one direct child whose class name ends in ``Attention`` (transformers' naming convention). The MLP
+  module is the one other direct child with matrix parameters (norms and dropouts have none). Both are served only
+  when the layer's output is exactly its input plus the two modules' outputs (``resid_post = resid_pre + attn_out +
+  mlp_out``, sequential or parallel), checked on the probe: a block that scales its branches, adds the residual
+  inside them or normalizes after them fails it, and gets neither point.
+* **Final norm** (``ln_final.hook_normalized``): the one module outside the layers, run once, whose output is the
+  model's last hidden state and differs from its input, and whose output is LayerNorm or RMSNorm of its input with
+  its own parameters. TransformerLens' meaning: a LayerNorm's output; an RMSNorm's ``x / scale`` (before the weight).
+* **Unembedding** (``W_U``): the output embeddings' weight when the logits are the unembedding's output; times the
+  constant when the model scales the logits after it (Cohere's ``logit_scale``, Granite's ``logits_scaling``), so
+  that ``final @ W_U`` is the logits; not served when the model transforms them otherwise (a softcap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.probe import Recording, run_embedding_edit, run_probe
+from lensadapters.adapters.generic.structure import Structure, find_structure
+from lensadapters.hooks.specs import NormSpec
+
+Tensor = torch.Tensor
+BRANCHES = ("hook_attn_out", "hook_mlp_out")
+PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
+
+
+@dataclass(frozen=True)
+class BlockFindings:
+    """What the generic adapter serves in one decoder layer (paths relative to the layer)."""
+
+    points: tuple[str, ...]  # the layer's hook points (relative to ``blocks.{i}.``), in the order they fire
+    attn: Optional[str] = None  # the child whose output is hook_attn_out
+    mlp: Optional[str] = None  # the child whose output is hook_mlp_out
+    attention_function: Optional[str] = None  # the module the attention interface is called with ("" = the layer)
+    copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
+
+
+@dataclass(frozen=True)
+class NormBehaviour:
+    """How the final norm normalizes, as the probe saw it (``offset``: RMSNorm's weight is ``offset + weight``)."""
+
+    kind: str
+    eps: Optional[float]
+    offset: float = 0.0
+
+    def spec(self, module: nn.Module) -> Optional[NormSpec]:
+        if self.eps is None:
+            return None
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        weight = weight if isinstance(weight, Tensor) else None
+        bias = bias if isinstance(bias, Tensor) else None
+        return NormSpec(self.kind, self.eps, weight, bias if self.kind == "LN" else None, self.offset)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """Everything the generic adapter found out about one model (see the module docstring)."""
+
+    structure: Structure
+    blocks: tuple[BlockFindings, ...]
+    final_norm: Optional[str] = None
+    final_norm_behaviour: Optional[NormBehaviour] = None
+    copied: frozenset[str] = frozenset()  # model-level points whose tensor the model writes into afterwards
+    embed_scale: Optional[float] = 1.0  # hook_embed = embedding output * embed_scale (None: hook_embed not served)
+    embed_scale_rounded: bool = False  # the model multiplies by the factor in the embeddings' dtype
+    embed_scaled_in_module: bool = False  # the embedding module's output includes the factor (else: after it)
+    logit_scale: Optional[float] = 1.0  # logits = unembedding output * logit_scale (None: W_U not served)
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    d_head: Optional[int] = None
+    missing: dict[str, str] = field(default_factory=dict)  # absent points (a plain-language group) -> why
+    unserved_weights: dict[str, str] = field(default_factory=dict)  # W_E / W_U the probe could not verify -> why
+
+
+def _eps(module: nn.Module) -> Optional[float]:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _matches(expected: Tensor, actual: Tensor) -> bool:
+    tol = 1e-4 if actual.dtype in (torch.float32, torch.float64) else 2e-2
+    err = (expected.float() - actual.float()).norm()
+    return bool(err <= tol * actual.float().norm() + 1e-12)
+
+
+def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBehaviour]:
+    """LayerNorm or RMSNorm of ``x`` with ``module``'s own weight (and bias), if that is what ``y`` is."""
+    if x.shape != y.shape:
+        return None
+    eps = _eps(module)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    w = weight.detach().float() if isinstance(weight, Tensor) and weight.shape == x.shape[-1:] else None
+    b = bias.detach().float() if isinstance(bias, Tensor) and bias.shape == x.shape[-1:] else None
+    if weight is not None and w is None:
+        return None
+    xf = x.float()
+    var, mean = torch.var_mean(xf, -1, correction=0, keepdim=True)
+    ln = (xf - mean) / torch.sqrt(var + (eps if eps is not None else 1e-5))
+    ln = ln * w if w is not None else ln
+    if _matches(ln + b if b is not None else ln, y):
+        return NormBehaviour("LN", eps)
+    if eps is None:  # RMSNorm's hook_normalized is computed from the scale: eps must be known exactly
+        return None
+    rms = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    for offset in (0.0, 1.0):
+        if _matches(rms * (w + offset) if w is not None else rms, y) and (w is not None or offset == 0.0):
+            return NormBehaviour("RMS", eps, offset)
+    return None
+
+
+def _sums_to_output(x: Tensor, parts: list[Tensor], y: Tensor) -> bool:
+    """Whether ``y == x + sum(parts)`` up to rounding, with every part non-zero (a zero part proves nothing)."""
+    if any(p.shape != y.shape for p in parts) or x.shape != y.shape:
+        return False
+    norms = [p.float().norm() for p in parts]
+    if any(n == 0 for n in norms):
+        return False
+    expected = x.float()
+    for p in parts:
+        expected = expected + p.float()
+    eps = torch.finfo(y.dtype).eps if y.is_floating_point() else 0.0
+    scale = sum(norms)
+    tol = 1e-3 * scale + 8 * eps * (x.float().norm() + scale + y.float().norm())
+    return bool((y.float() - expected).norm() <= tol)
+
+
+def _has_matrix(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def _child_holding(layer: nn.Module, module: nn.Module) -> Optional[str]:
+    for name, child in layer.named_children():
+        if any(m is module for m in child.modules()):
+            return name
+    return None
+
+
+def _relative_path(layer: nn.Module, module: nn.Module) -> Optional[str]:
+    for name, candidate in layer.named_modules():
+        if candidate is module:
+            return name
+    return None
+
+
+class _Notes:
+    """Absent points and why, grouped for the warning (layers listed when only some lack a point)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.by_group: dict[str, dict[str, list[int]]] = {}
+
+    def add(self, group: str, reason: str, layer: int) -> None:
+        self.by_group.setdefault(group, {}).setdefault(reason, []).append(layer)
+
+    def result(self) -> dict[str, str]:
+        out = {}
+        for group, reasons in self.by_group.items():
+            parts = []
+            for reason, layers in reasons.items():
+                where = "" if len(layers) == self.n_layers else f" (layers {layer_ranges(layers)})"
+                parts.append(reason + where)
+            out[group] = "; ".join(parts)
+        return out
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans: list[list[int]] = []
+    for i in sorted(set(layers)):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool) -> BlockFindings:
+    """``stream``: the layer's input and output are the residual stream (see :func:`_continues`)."""
+    calls = [c for c in rec.calls if c.layer == i]
+    attention_function = attn = mlp = None
+    patterns = False
+    if len(calls) == 1:
+        attention_function = _relative_path(layer, calls[0].module)
+        attn = _child_holding(layer, calls[0].module)
+        if calls[0].pattern_problem is None:
+            patterns = True
+        else:
+            notes.add("attention scores and patterns", calls[0].pattern_problem, i)
+    else:
+        why = (
+            "the decoder layers do not call transformers' attention interface (they compute attention in the "
+            "model's own code)"
+            if not calls
+            else "the layers call the attention interface more than once"
+        )
+        notes.add("attention scores, patterns and hook_z", why, i)
+        named = [n for n, c in layer.named_children() if type(c).__name__.endswith("Attention")]
+        attn = named[0] if len(named) == 1 else None
+    if attn is not None:
+        others = [n for n, c in layer.named_children() if n != attn and _has_matrix(c)]
+        mlp = others[0] if len(others) == 1 else None
+    x, y = rec.layer_in.get(i), rec.layer_out.get(i)
+    outputs = [rec.children.get((i, n)) for n in (attn, mlp) if n is not None]
+    branches_ok = (
+        attn is not None
+        and mlp is not None
+        and x is not None
+        and y is not None
+        and all(o is not None and o.calls == 1 for o in outputs)
+        and _sums_to_output(x.value, [o.value for o in outputs], y.value)
+    )
+    if not branches_ok:
+        attn = mlp = None
+        notes.add(
+            "hook_attn_out and hook_mlp_out",
+            "a layer's output is not its input plus the outputs of one attention module and one MLP module "
+            "(the block scales its branches, adds the residual inside them, normalizes after them, or its "
+            "attention and MLP modules cannot be told apart)",
+            i,
+        )
+    # the points in the order the probe saw them fire
+    points: list[str] = ["hook_resid_pre"] if stream else []
+    copied = set()
+    if stream and x is not None and x.written_later:
+        copied.add("hook_resid_pre")
+    for event in rec.events:
+        if event[0] == "attention" and event[1] == i and attention_function is not None:
+            points += (list(PATTERNS) if patterns else []) + ["attn.hook_z"]
+            if calls[0].output.written_later:
+                copied.add("attn.hook_z")
+        elif event[0] == "child" and event[1] == i and event[2] in (attn, mlp):
+            point = "hook_attn_out" if event[2] == attn else "hook_mlp_out"
+            points.append(point)
+            if rec.children[(i, event[2])].written_later:
+                copied.add(point)
+    if stream:
+        points.append("hook_resid_post")
+        if y is not None and y.written_later:
+            copied.add("hook_resid_post")
+    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied))
+
+
+def _final_norm(
+    model: nn.Module, structure: Structure, rec: Recording
+) -> tuple[Optional[str], Optional[NormBehaviour]]:
+    last = rec.last_hidden
+    if last is None:
+        return None, None
+    candidates = []
+    for name, record in rec.outside_out.items():
+        x = rec.outside_in.get(name)
+        if (
+            record.calls == 1
+            and x is not None
+            and name != structure.embed
+            and record.value.shape == last.shape
+            and torch.equal(record.value, last)
+            and not (x.shape == last.shape and torch.equal(x, last))
+        ):
+            candidates.append(name)
+    if len(candidates) != 1:
+        return None, None
+    module = model.get_submodule(candidates[0])
+    behaviour = norm_behaviour(module, rec.outside_in[candidates[0]], rec.outside_out[candidates[0]].value)
+    return (candidates[0], behaviour) if behaviour is not None else (None, None)
+
+
+def _continues(i: int, rec: Recording, n: int) -> bool:
+    """Whether the model continues with layer ``i``'s output exactly as it is: the next layer's input, or (the last
+    layer) the input of a module outside the layers or the model's last hidden state."""
+    y = rec.layer_out.get(i)
+    if y is None:
+        return False
+    if i + 1 < n:
+        x = rec.layer_in.get(i + 1)
+        return x is not None and x.value.shape == y.value.shape and torch.equal(x.value, y.value)
+    after = [t for t in rec.outside_in.values() if t is not None] + (
+        [rec.last_hidden] if rec.last_hidden is not None else []
+    )
+    return any(t.shape == y.value.shape and torch.equal(t, y.value) for t in after)
+
+
+def _constant_factors(config: object, a: Tensor, b: Tensor) -> list[float]:
+    """Candidates for ``c`` in ``b == a * c``: the float32 ratio (and its neighbours) and any number in the config
+    that is close to it (the multiplier is a config value; nothing is looked up by name)."""
+    a64, b64 = a.double(), b.double()
+    usable = a64.abs() > 1e-6
+    if a.shape != b.shape or not bool(usable.any()):
+        return []
+    ratio = float((b64[usable] / a64[usable]).median())
+    if ratio == 0.0 or not torch.isfinite(torch.tensor(ratio)):
+        return []
+    values: dict = getattr(config, "to_dict", lambda: {})()
+    close = [
+        float(v)
+        for v in values.values()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(float(v) - ratio) <= 1e-3 * abs(ratio)
+    ]
+    f32 = torch.tensor(ratio, dtype=torch.float32)
+    neighbours = [f32, torch.nextafter(f32, f32 + 1), torch.nextafter(f32, f32 - 1)]
+    return list(dict.fromkeys(close + [float(t) for t in neighbours]))
+
+
+def _embed_scale(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[float], bool, str]:
+    """``(factor, rounded, why)``: the first layer's input is the embedding module's output times ``factor`` (1.0:
+    as it is) computed as a tensor of the embeddings' dtype (``rounded``) or with the Python float; ``None`` and why
+    not otherwise."""
+    out, x = rec.outside_out.get(structure.embed), rec.first_layer_in
+    if out is None or x is None:
+        return None, False, "the probe did not see the embedding module's output reach the first layer"
+    e = out.value
+    if e.shape == x.shape and torch.equal(e, x):
+        return 1.0, False, ""
+    for factor in _constant_factors(model.config, e, x):
+        for rounded in (False, True):
+            product = e * torch.tensor(factor, dtype=e.dtype) if rounded else e * factor
+            if torch.equal(product, x):
+                return factor, rounded, ""
+    # the model changes them further (adds position embeddings, normalizes them): hook_embed is the module's
+    # output, as TransformerLens' (an edit there is what a plain hook on the module does), unless the model also
+    # multiplies them by a constant: an edit would then reach the layers scaled, and hook_embed is not served
+    delta = torch.randn(e.shape, generator=torch.Generator().manual_seed(1)).to(e.dtype).to(e.device)
+    layers = list(model.get_submodule(structure.layers))
+    edited = run_embedding_edit(model, model.get_submodule(structure.embed), layers[0], rec.input_ids, delta)
+    if edited is not None and edited.shape == x.shape:
+        change, d = edited.double() - x.double(), delta.double()
+        factor = float((change * d).sum() / (d * d).sum())
+        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
+        tol = 4 * eps * float(max(x.double().abs().max(), edited.double().abs().max()))
+        if abs(factor - 1.0) > 1e-3 and torch.allclose(change, d * factor, atol=tol * max(1.0, abs(factor)), rtol=0):
+            return (
+                None,
+                False,
+                (
+                    f"the model multiplies the embedding module's output by {factor:.6g} and adds something before the "
+                    f"first layer, so neither the module's output nor the first layer's input is the scaled embeddings"
+                ),
+            )
+    return 1.0, False, ""
+
+
+def _table_scale(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[float], str]:
+    """``(factor, why)``: the embedding module's output is its weight's rows times ``factor`` (as a tensor of the
+    weight's dtype, as the core computes ``W_E``); ``None`` and why not otherwise."""
+    weight = getattr(model.get_submodule(structure.embed), "weight", None)
+    out, ids = rec.outside_out.get(structure.embed), rec.input_ids
+    why = "the embedding module's output is not its weight's rows (times a constant)"
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or out is None or ids is None:
+        return None, why
+    rows = weight.detach()[ids.to(weight.device)]
+    if rows.shape == out.value.shape and torch.equal(rows, out.value):
+        return 1.0, ""
+    for factor in _constant_factors(model.config, rows, out.value):
+        if torch.equal(rows * torch.tensor(factor, dtype=rows.dtype), out.value):
+            return factor, ""
+    return None, why
+
+
+def _logit_scale(rec: Recording, structure: Structure) -> tuple[Optional[float], str]:
+    """``(factor, why)``: the logits are the unembedding's output times ``factor``; ``None`` and why not otherwise."""
+    out = rec.outside_out.get(structure.unembed) if structure.unembed is not None else None
+    logits = rec.logits
+    if out is None or logits is None:
+        return 1.0, ""  # no head, or no logits to compare with: W_U is the head's weight (or absent)
+    u = out.value
+    if u.shape == logits.shape and torch.equal(u, logits):
+        return 1.0, ""
+    for factor in _constant_factors(_NoConfig(), u, logits)[:1]:
+        atol, rtol = (1e-5, 1e-4) if logits.dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
+        if torch.allclose(u.double() * factor, logits.double(), atol=atol, rtol=rtol):
+            return factor, ""
+    return None, (
+        "the model's logits are not its unembedding's output (nor a constant multiple of it): it transforms them "
+        "after the unembedding (a softcap?), so final @ W_U would not be the logits"
+    )
+
+
+class _NoConfig:
+    def to_dict(self) -> dict:
+        return {}
+
+
+def identify(model: nn.Module) -> Findings:
+    """Find what the generic adapter serves for ``model`` (``UnsupportedModelError`` without a layer list)."""
+    structure = find_structure(model)
+    layers = list(model.get_submodule(structure.layers))
+    embed = model.get_submodule(structure.embed)
+    n = len(layers)
+    notes = _Notes(n)
+    resid_only = tuple(BlockFindings(("hook_resid_pre", "hook_resid_post")) for _ in range(n))
+    try:
+        rec = run_probe(model, embed, layers, structure.unembed)
+    except Exception as exc:  # a model that cannot run a short forward here: what the structure alone says
+        reason = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
+        missing = {"attention and MLP points, attention patterns, hook_z and ln_final": reason}
+        return Findings(structure, resid_only, missing=missing)
+    order = [e[1] for e in rec.events if e[0] == "enter"]
+    if order == list(range(n)):
+        continues = [_continues(i, rec, n) for i in range(n)]
+        stream = [continues[i] and (i == 0 or continues[i - 1]) for i in range(n)]
+        for i in range(n):
+            if not stream[i]:
+                notes.add(
+                    "hook_resid_pre and hook_resid_post",
+                    "the model does not continue with a layer's output as it is (the layers return their change and "
+                    "the model's own code adds it to the residual, or changes it between layers), so a layer's input "
+                    "and output are not the residual stream an edit would change",
+                    i,
+                )
+        blocks = tuple(_block(i, layer, rec, notes, stream[i]) for i, layer in enumerate(layers))
+        missing = notes.result()
+    else:  # a block point would fire never, or several times per forward
+        blocks = tuple(BlockFindings(()) for _ in range(n))
+        missing = {
+            "block hook points": f"the decoder layers did not run once each, in order, in a forward pass "
+            f"(order seen: {order})"
+        }
+    final_norm, behaviour = _final_norm(model, structure, rec)
+    if final_norm is None:
+        missing["ln_final.hook_normalized"] = (
+            "no module outside the layers both produces the model's last hidden "
+            "state and computes a LayerNorm or RMSNorm of its input"
+        )
+    copied = set()
+    embed_record = rec.outside_out.get(structure.embed)
+    if embed_record is not None and embed_record.written_later:
+        copied.add("hook_embed")
+    if final_norm is not None and rec.outside_out[final_norm].written_later:
+        copied.add("ln_final.hook_normalized")
+    embed_scale, rounded, why = _embed_scale(model, structure, rec)
+    in_module, why_table = _table_scale(model, structure, rec)
+    unserved, scaled_in_module = {}, False
+    if embed_scale is None:
+        missing["hook_embed"] = why
+        unserved["W_E"] = f"hook_embed is not served: {why}"
+    elif in_module is None:
+        unserved["W_E"] = why_table
+    elif in_module != 1.0 and embed_scale != 1.0:
+        unserved["W_E"] = "the model scales the embeddings inside the embedding module and again after it"
+    elif in_module != 1.0:  # the module scales its rows: hook_embed is its output, W_E the table times the factor
+        embed_scale, rounded, scaled_in_module = in_module, True, True
+    logit_scale, why = _logit_scale(rec, structure)
+    if logit_scale is None:
+        unserved["W_U"] = why
+    first = next((c for c in rec.calls if c.layer is not None), None)
+    return Findings(
+        structure,
+        blocks,
+        final_norm,
+        behaviour,
+        frozenset(copied),
+        embed_scale=embed_scale,
+        embed_scale_rounded=rounded,
+        embed_scaled_in_module=scaled_in_module,
+        logit_scale=logit_scale,
+        unserved_weights=unserved,
+        heads=first.heads if first else None,
+        kv_heads=first.kv_heads if first else None,
+        d_head=first.d_head if first else None,
+        missing=missing,
+    )

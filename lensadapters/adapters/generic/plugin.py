@@ -1,0 +1,233 @@
+"""The generic adapter's hook implementations (registered by the core's registry, selected only as a fallback or
+with ``adapter="generic"``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
+from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
+from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
+from lensadapters.adapters.hookspecs import hookimpl
+from lensadapters.errors import WeightUnavailableError
+from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.sites import NormSite, Site
+from lensadapters.hooks.specs import Architecture, HookedConfig, ModelLayout, NormSpec
+
+NAME = "generic"
+ARCH = Architecture(
+    name=NAME,
+    model_types=(),
+    description="any other decoder-only model: residual stream, attention and MLP outputs, attention patterns and "
+    "hook_z where the model calls transformers' attention interface, the final norm",
+)
+#: what the generic adapter serves of the weight accessors; the others need a plugin
+WEIGHTS = ("W_E", "W_U")
+
+_findings: "weakref.WeakKeyDictionary[nn.Module, Findings]" = weakref.WeakKeyDictionary()
+Tensor = torch.Tensor
+_norms: "weakref.WeakKeyDictionary[nn.Module, NormBehaviour]" = weakref.WeakKeyDictionary()
+
+
+class GenericAdapterWarning(UserWarning):
+    """A model was wrapped by the generic adapter because no plugin supports its ``model_type``."""
+
+
+def findings(model: nn.Module) -> Findings:
+    """What the generic adapter found for ``model`` (identified on first use; again at every wrap)."""
+    found = _findings.get(model)
+    if found is None:
+        found = _findings[model] = identify(model)
+        if found.final_norm is not None and found.final_norm_behaviour is not None:
+            _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
+    return found
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
+    _findings.pop(model, None)  # a model may have changed since it was last wrapped: identify it again
+    findings(model)
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+    """What the config and the probe tell; ``None`` for what the generic adapter cannot know."""
+    c, found = model.config, findings(model)
+    weight = getattr(model.get_submodule(found.structure.embed), "weight", None)
+    d_vocab, d_model = tuple(weight.shape) if weight is not None and weight.dim() == 2 else (None, None)
+    d_model = getattr(c, "hidden_size", None) or d_model
+    heads = found.heads or getattr(c, "num_attention_heads", None)
+    d_head = found.d_head or (d_model // heads if d_model and heads else None)
+    behaviour = found.final_norm_behaviour
+    return HookedConfig(
+        n_layers=len(found.blocks),
+        d_model=d_model,
+        n_heads=heads,
+        d_head=d_head,
+        d_mlp=getattr(c, "intermediate_size", None),
+        d_vocab=d_vocab or getattr(c, "vocab_size", None),
+        n_ctx=getattr(c, "max_position_embeddings", None),
+        act_fn=getattr(c, "hidden_act", None),
+        normalization_type=behaviour.kind if behaviour is not None else None,  # type: ignore[arg-type]
+        positional_embedding_type=None,  # type: ignore[arg-type]
+        model_type=getattr(c, "model_type", "") or type(model).__name__,
+        n_key_value_heads=found.kv_heads or getattr(c, "num_key_value_heads", None) or heads,
+        parallel_attn_mlp=None,
+        gated_mlp=None,  # type: ignore[arg-type]
+        eps=behaviour.eps if behaviour is not None and behaviour.eps is not None else 1e-5,
+        original_architecture=type(model).__name__,
+        extra={"adapter": NAME},
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+    found = findings(model)
+    s, scale = found.structure, found.embed_scale
+    if scale is None or scale == 1.0:
+        return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed)
+    return ModelLayout(
+        blocks=s.layers,
+        embed=s.embed,
+        unembed=s.unembed,
+        embed_scale=scale,
+        # after the module: hook_embed is the first layer's input, checked to be the product in every forward
+        embed_scale_after_module=not found.embed_scaled_in_module,
+        embed_scale_rounded=found.embed_scale_rounded,
+    )
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> None:
+    """Every block is opaque to the core: the generic adapter serves its points (``lensadapters_extra_sites``)."""
+    return None
+
+
+@hookimpl
+def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    behaviour = _norms.get(module)
+    return behaviour.spec(module) if behaviour is not None else None
+
+
+@hookimpl
+def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[Tensor]:
+    key = name.lstrip("_")
+    if key in WEIGHTS:
+        found = findings(hooked.hf_model)
+        why = found.unserved_weights.get(key)
+        if why is not None:
+            raise WeightUnavailableError(
+                f"hm.{key}: the generic adapter could not verify it on this {type(hooked.hf_model).__name__}: {why}. "
+                f"A plugin can describe it (see {WRITE_A_PLUGIN})"
+            )
+        if key == "W_U" and found.logit_scale not in (None, 1.0) and found.structure.unembed is not None:
+            # the model scales the logits after the unembedding: final @ W_U is the logits
+            unembed = hooked.hf_model.get_submodule(found.structure.unembed)
+            return hooked.read_linear(unembed).W * found.logit_scale
+        return None
+    raise WeightUnavailableError(
+        f"hm.{name.lstrip('_')}: this {type(hooked.hf_model).__name__} is wrapped by the generic adapter (no plugin "
+        f"supports model_type {hooked.cfg.model_type!r}), which reads only {' and '.join(WEIGHTS)}: where the other "
+        f"weights live, and how they split into heads, is what a plugin describes. See {WRITE_A_PLUGIN}."
+    )
+
+
+@hookimpl
+def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
+    """Every point of the blocks and the final norm (the core created ``hook_embed``)."""
+    model, found = hooked.hf_model, findings(hooked.hf_model)
+    sites: list[Site] = []
+    if found.embed_scale is None:  # not verified: absent (the warning says why)
+        hooked.claim_point("hook_embed")
+        hooked.remove_point("hook_embed")
+    elif found.embed_scale == 1.0 and "hook_embed" in found.copied:
+        sites.append(
+            ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"), copy=True)
+        )
+    modules = [
+        layer.get_submodule(b.attention_function) if b.attention_function is not None else None
+        for layer, b in zip(hooked.block_modules, found.blocks)
+    ]
+    backend = AttentionFunctionBackend(model.config, modules)
+    for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
+        points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
+        copied = block.copied
+        if "hook_resid_pre" in points:
+            sites.append(ModuleIOSite(layer, points["hook_resid_pre"], output=False, copy="hook_resid_pre" in copied))
+        if "attn.hook_z" in points:
+            sites.append(
+                AttentionFunctionSite(
+                    i,
+                    backend,
+                    points.get("attn.hook_attn_scores"),
+                    points.get("attn.hook_pattern"),
+                    points["attn.hook_z"],
+                    copy_z="attn.hook_z" in copied,
+                )
+            )
+        for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
+            if name in points:
+                sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
+        if "hook_resid_post" in points:
+            sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
+    if found.final_norm is not None and found.final_norm_behaviour is not None:
+        norm = model.get_submodule(found.final_norm)
+        point = hooked.new_point("ln_final.hook_normalized")
+        hooked.register_norm("ln_final", norm)
+        if found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: the norm's output
+            sites.append(ModuleIOSite(norm, point, copy="ln_final.hook_normalized" in found.copied))
+        else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
+            scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
+            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+    return sites
+
+
+# --- the warning ------------------------------------------------------------------------------------------------
+
+
+def describe_points(names: list[str]) -> str:
+    """``hook_names`` in a few words: block points grouped by the layers that have them."""
+    by_point: dict[str, list[int]] = {}
+    outside: list[str] = []
+    for name in names:
+        if name.startswith("blocks."):
+            _, layer, rest = name.split(".", 2)
+            by_point.setdefault(rest, []).append(int(layer))
+        else:
+            outside.append(name)
+    groups: dict[str, list[str]] = {}
+    for point, layers in by_point.items():
+        groups.setdefault(layer_ranges(layers).replace(", ", ","), []).append(point)
+    parts = outside[:1] + [
+        f"blocks.{{{layers}}}.{{{', '.join(points)}}}" if len(points) > 1 else f"blocks.{{{layers}}}.{points[0]}"
+        for layers, points in groups.items()
+    ]
+    return "; ".join(parts + outside[1:])
+
+
+def summary(hooked: Any, fallback: bool = True) -> str:
+    """The plain-language account of a generic wrap: which points exist, which do not and why, what to do."""
+    model, found = hooked.hf_model, findings(hooked.hf_model)
+    model_type = getattr(model.config, "model_type", None) or type(model).__name__
+    head = (
+        f"no lensadapters plugin supports model_type {model_type!r}, so the generic adapter wrapped this "
+        f"{type(model).__name__}"
+        if fallback
+        else f"the generic adapter wrapped this {type(model).__name__}"
+    )
+    text = (
+        f"{head}, from its structure and one probe forward pass. It has {len(hooked.hook_names)} hook points: "
+        f"{describe_points(hooked.hook_names)}."
+    )
+    for group, why in found.missing.items():
+        text += f" No {group}: {why}."
+    text += (
+        f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
+        f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture: see "
+        f"{WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
+    )
+    return text

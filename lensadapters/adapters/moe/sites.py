@@ -1,0 +1,235 @@
+"""The hook points of a mixture-of-experts MLP and the site that serves them.
+
+Routing points (per MoE block; ``b`` batch, ``p`` position, ``E`` experts, ``k`` top-k):
+
+* ``mlp.hook_router_logits`` ``[b, p, E]``: the router's logits.
+* ``mlp.hook_expert_weights`` ``[b, p, E]``: the probability of every expert (TransformerLens' name and value: the
+  softmax over all experts, before top-k; TransformerLens shows it flattened as ``[b*p, E]``).
+* ``mlp.hook_expert_indices`` ``[b, p, k]`` (int64): the selected experts, in top-k order.
+* ``mlp.hook_routing_weights`` ``[b, p, k]``: the weights the experts' outputs are multiplied by (the selected
+  probabilities after the family's own renormalization), slot by slot with the indices.
+
+An edit of any of them is routed exactly as the router's own values would be: edited logits give new
+probabilities, edited probabilities a new top-k selection and renormalization, edited indices send the tokens to
+other experts (each slot keeps its weight), edited weights scale the experts' outputs.
+
+Per-expert points ``mlp.experts.{e}.hook_gate`` / ``hook_pre`` (the *up* projection, TransformerLens' naming) /
+``hook_post`` (``act(gate) * up``) ``[n_e, d_mlp]`` and ``hook_result`` ``[n_e, d_model]`` (the expert's weighted
+output: what it adds to ``hook_mlp_out``) cover the ``n_e`` rows expert ``e`` computes, ordered by top-k slot then
+token (:func:`lensadapters.moe.expert_rows`); they fire for every expert, with no rows when no token chose it.
+They exist only while hooked: the layer's experts are then also computed expert by expert here, and the model's
+own (fused) result is replaced only when a hook changed something.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lensadapters.adapters.moe import routing as _routing
+from lensadapters.adapters.moe.experts import bind
+from lensadapters.adapters.moe.specs import FusedExperts, MoELayout
+from lensadapters.errors import HookReturnError
+from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lensadapters.adapters.protocol import Hooked
+
+Tensor = torch.Tensor
+
+ROUTING_POINTS = (
+    "mlp.hook_router_logits",
+    "mlp.hook_expert_weights",
+    "mlp.hook_expert_indices",
+    "mlp.hook_routing_weights",
+)
+EXPERT_POINTS = ("hook_gate", "hook_pre", "hook_post", "hook_result")
+
+
+def moe_point_names(layout: MoELayout) -> list[str]:
+    """The MLP points of a MoE block (relative to ``blocks.{i}.``), in the order they fire."""
+    names = list(ROUTING_POINTS)
+    for e in range(layout.routing.n_experts):
+        names += [f"mlp.experts.{e}.{p}" for p in EXPERT_POINTS]
+    return names
+
+
+def is_expert_point(name: str) -> bool:
+    """Whether a hook name is a per-expert point (computed only while hooked, not cached by default)."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+class MoESite(Site):
+    """Every MoE point of one block (see the module docstring).
+
+    PyTorch hooks, each only while needed: the block's pre-hook records ``(b, p)``; the router's forward hook runs
+    the routing points (and hands edited routing on, when the router returns the routing); the experts are computed
+    here — at the fused experts module's output, or at the MoE module's output when the MoE module routes itself —
+    while a per-expert point is hooked or an edit of the routing cannot travel through the router's output.
+    """
+
+    def __init__(self, hooked: "Hooked", layer: int, layout: MoELayout, points: dict[str, HookPoint]) -> None:
+        self.hooked, self.layer, self.layout = hooked, layer, layout
+        block = hooked.block_modules[layer]
+        self.block = block
+        mlp_path = hooked.block_layouts[layer].mlp
+        if mlp_path is None:  # pragma: no cover - checked when the wiring is built
+            raise ValueError("a MoE block needs BlockLayout.mlp")
+        self.moe = block.get_submodule(mlp_path)
+        self.router = block.get_submodule(layout.router)
+        self.experts = block.get_submodule(layout.experts.module)
+        self.state = hooked.forward_state
+        self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
+        self.expert_points = [
+            tuple(points[f"mlp.experts.{e}.{p}"] for p in EXPERT_POINTS) for e in range(layout.routing.n_experts)
+        ]
+        self.points = (
+            self.logits,
+            self.probs,
+            self.indices,
+            self.weights,
+            *(p for group in self.expert_points for p in group),
+        )
+        self.fused_call = isinstance(layout.experts, FusedExperts)
+
+    # --- when to install what -------------------------------------------------------------------
+
+    def _experts_hooked(self) -> bool:
+        return any(p.active for group in self.expert_points for p in group)
+
+    def _routing_edited_downstream(self) -> bool:
+        """Whether an edit of the routing after the logits may need the experts recomputed here: only when the
+        router returns logits (the MoE module then routes them itself, out of reach)."""
+        return self.layout.router_output == "logits" and any(
+            p.may_edit for p in (self.probs, self.indices, self.weights)
+        )
+
+    def signature(self) -> tuple[bool, ...]:
+        routing = any(p.active for p in (self.logits, self.probs, self.indices, self.weights))
+        recompute = self._experts_hooked() or self._routing_edited_downstream()
+        return (routing or recompute, recompute)
+
+    def wanted(self) -> bool:
+        return any(self.signature())
+
+    def install(self) -> list[RemovableHandle]:
+        active, recompute = self.signature()
+        handles = [
+            self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
+            self.router.register_forward_hook(self._route),
+        ]
+        if recompute:
+            if self.fused_call:
+                handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
+            else:  # completes the MoE's output: hook_mlp_out's own hook on the same module reads it after
+                handles.append(completes_output(self.moe, self._moe_out, with_kwargs=True))
+        return handles
+
+    # --- per forward ----------------------------------------------------------------------------
+
+    def _values(self) -> dict[str, Any]:
+        return self.state.site_values(self)
+
+    def _record_shape(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        values = self._values()
+        values.clear()
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        values["lead"] = tuple(hidden.shape[:-1]) if isinstance(hidden, Tensor) else None
+
+    def _apply(self, point: HookPoint, flat: Tensor) -> tuple[Tensor, bool]:
+        """Run ``point``'s hooks on a ``[tokens, ...]`` value shown as ``[b, p, ...]``.
+
+        Editing hooks get a copy: the site must know whether anything changed (an in-place edit under
+        ``inference_mode`` leaves no version trace), since the model has already used, or never uses, this tensor.
+        """
+        lead = self._values().get("lead")
+        if lead and math.prod(lead) == flat.shape[0]:
+            shown, changed = point.apply(flat.reshape(*lead, flat.shape[-1]), protect=True)
+            return (shown.reshape(flat.shape) if changed else flat), changed
+        return point.apply(flat, protect=True)
+
+    def _route(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        spec = self.layout.routing
+        returns_routing = self.layout.router_output == "routing"
+        raw = first_output(output)
+        logits, changed = self._apply(self.logits, raw)
+        model_routing = (output[1], output[2]) if returns_routing and not changed else None
+        need = changed or self.probs.active or self.indices.active or self.weights.active or self.signature()[1]
+        if not need:
+            return None
+        probs_changed = False
+        if changed or self.probs.active or model_routing is None:
+            probs, probs_changed = self._apply(self.probs, _routing.probabilities(spec, logits))
+            if probs_changed or model_routing is None:
+                model_routing = _routing.select(spec, probs, logits.dtype)
+        weights, index = model_routing
+        index, index_changed = self._apply(self.indices, index)
+        if index_changed:
+            self._check_indices(index)
+        weights, weights_changed = self._apply(self.weights, weights)
+        after_logits = probs_changed or index_changed or weights_changed
+        self._values()["routing"] = (weights, index, after_logits)
+        if returns_routing:
+            if changed or after_logits:
+                return (logits, weights, index, *output[3:])
+            return None
+        return replace_first_output(output, logits) if changed else None
+
+    def _check_indices(self, index: Tensor) -> None:
+        n = self.layout.routing.n_experts
+        if index.dtype not in (torch.int64, torch.int32) or (index.numel() and (index.min() < 0 or index.max() >= n)):
+            raise HookReturnError(
+                f"hook on {self.indices.name!r} returned expert indices outside 0..{n - 1} (the layer has {n} "
+                f"experts); return integer indices of existing experts"
+            )
+
+    def _experts_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """The fused experts module ran: compute its experts here (it received the routing, edits included)."""
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        hidden, index, weights = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(names))
+        out, changed = self._run(hidden, index, weights)
+        return out.to(first_output(output).dtype) if changed else None
+
+    def _moe_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """The MoE module routed and ran its experts itself: recompute them when the routing or an expert changed."""
+        stash = self._values().get("routing")
+        if stash is None:  # pragma: no cover - the router runs inside the MoE module
+            return None
+        weights, index, routing_changed = stash
+        hidden = first_input(args, kwargs)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out, changed = self._run(flat, index, weights)
+        if not (changed or routing_changed):
+            return None
+        value = first_output(output)
+        return replace_first_output(output, out.reshape(value.shape).to(value.dtype))
+
+    def _run(self, hidden: Tensor, index: Tensor, weights: Tensor) -> tuple[Tensor, bool]:
+        """Every expert on its rows, with the per-expert points; as transformers' eager loop computes it."""
+        compute = bind(self.hooked, self.block, self.layout)
+        out = torch.zeros_like(hidden)
+        changed = False
+        for e, (gate_pt, pre_pt, post_pt, result_pt) in enumerate(self.expert_points):
+            slot, token = _routing.expert_rows(index, e)
+            rows = hidden[token]
+            gate, up = compute.gate_up(e, rows)
+            gate, c_gate = gate_pt.apply(gate, protect=True)
+            up, c_up = pre_pt.apply(up, protect=True)
+            post, c_post = post_pt.apply(compute.act(gate) * up, protect=True)
+            result = compute.down(e, post) * weights[token, slot, None]
+            result, c_result = result_pt.apply(result.to(hidden.dtype), protect=True)
+            out.index_add_(0, token, result.to(out.dtype))
+            changed = changed or c_gate or c_up or c_post or c_result
+        return out, changed
+
+
+def build_moe_site(hooked: "Hooked", layer: int, layout: MoELayout, point: "Optional[Any]" = None) -> MoESite:
+    """The site of block ``layer``'s MoE points (``point(name)`` gives the point of a name relative to the block)."""
+    names = moe_point_names(layout)
+    get = point or (lambda n: hooked.point(f"blocks.{layer}.{n}"))
+    return MoESite(hooked, layer, layout, {n: get(n) for n in names})

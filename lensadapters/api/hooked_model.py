@@ -1,0 +1,497 @@
+"""HookedModel: TransformerLens-style hook points on an unmodified Hugging Face model.
+
+This module is the user-facing API (the TransformerLens surface: hooks, caches, weights). How hook points are
+built from a plugin's description and realized as PyTorch hooks is :mod:`lensadapters.wiring`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.plugin_calls import plugin_of
+from lensadapters.adapters.registry import PluginLoadWarning, Registry, check_transformers_range, get_registry
+from lensadapters.adapters.validation import describe_forced
+from lensadapters.analysis.cache import ActivationCache
+from lensadapters.api import tl_call  # analysis layer: TransformerLens call conventions
+from lensadapters.api.arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs
+from lensadapters.api.tl_api import (
+    TransformerLensAPI,  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
+)
+from lensadapters.errors import LensAdaptersError, PluginError, UnsupportedModelError
+from lensadapters.hooks.hook_point import HookFn, HookPoint, is_recomputing
+from lensadapters.wiring.core import Wiring
+from lensadapters.wiring.head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
+from lensadapters.wiring.names import PATTERN_POINTS
+from lensadapters.wiring.weights import WeightAccessors
+
+Tensor = torch.Tensor
+NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
+
+# user model -> its wrapper; also inner HF model -> wrapper, to refuse two wrappers on one model. Both weak: a
+# model and its wrapper are garbage once the user drops them. While any hook is installed the model's own hooks
+# keep the wrapper alive (model -> hook -> site -> wiring -> wrapper), so wrapping again finds it.
+_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookedModel]]" = weakref.WeakKeyDictionary()
+_contexts = itertools.count(1)
+# hook points left out of run_with_cache's default (names_filter=None): costly and redundant
+DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
+
+
+def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
+    inner = model
+    for _ in range(8):
+        peeled = _data_parallel_module(inner) or hooks.lensadapters_resolve_model(model=inner)
+        if peeled is None or peeled is inner:
+            break
+        inner = peeled
+    if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
+        raise UnsupportedModelError(
+            f"HookedModel.wrap expects a transformers PreTrainedModel (or a wrapper a plugin can open, such as a "
+            f"PeftModel), got {type(model).__name__}. {registry.describe_installed()}"
+        )
+    return inner
+
+
+def _data_parallel_module(model: Any) -> Optional[nn.Module]:
+    """The module inside torch's data-parallel wrappers (``DistributedDataParallel``, ``DataParallel``): hook points
+    go on it, and calls still go through the wrapper (``hm.model``), which synchronizes gradients."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    return None
+
+
+def _wrapper_of(model: Any) -> Optional["HookedModel"]:
+    """The live wrapper of ``model`` (or of the Hugging Face model inside it), if any."""
+    ref = _WRAPPERS.get(model) if isinstance(model, nn.Module) else None
+    return ref() if ref is not None else None
+
+
+def _cross_cutting_culprit(exc: BaseException, registry: Registry, left_out: list[Any]) -> Optional[Any]:
+    """The cross-cutting plugin whose own failure (not a refusal) ``exc`` is, when wrapping can go on without it."""
+    if not isinstance(exc, PluginError):
+        return None
+    info = registry.infos.get(plugin_of(exc) or "")
+    if info is None or info.architectures or any(info.plugin is p for p in left_out):
+        return None
+    return info.plugin
+
+
+class HookedModel(TransformerLensAPI, WeightAccessors):
+    """Hook points, caches and weights for a Hugging Face model, without changing the model.
+
+    Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)`` (TransformerLens-style calls aside: see
+    :mod:`lensadapters.tl_call`). ``hm.wiring`` is the description and
+    the hook-point registry plugins see (:class:`lensadapters.protocol.Hooked`).
+    """
+
+    wiring: Wiring
+
+    # --- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def wrap(
+        cls, model: Any, adapter: Optional[str] = None, *, registry: Optional[Registry] = None, tokenizer: Any = None
+    ) -> "HookedModel":
+        """Wrap ``model`` (a ``PreTrainedModel`` or a ``PeftModel``, also under ``DistributedDataParallel`` or FSDP2's
+        ``fully_shard``, before or after it is placed there); ``adapter`` forces a plugin by name;
+        ``tokenizer`` (a Hugging Face tokenizer) enables text inputs and ``hm.to_tokens``...
+
+        Wrapping an already wrapped model returns the existing wrapper.
+        """
+        if isinstance(model, HookedModel):
+            return model
+        existing = _wrapper_of(model)
+        if existing is not None:
+            if adapter is not None and adapter not in (existing.arch.name, existing.plugin.name):
+                raise LensAdaptersError(
+                    f"this model is already wrapped with adapter {existing.arch.name!r}; call unwrap() first "
+                    f"to wrap it with {adapter!r}"
+                )
+            existing._init_tl_api(tokenizer)  # analysis layer
+            return existing
+        registry = registry or get_registry()
+        left_out: list[Any] = []  # cross-cutting plugins that failed on this model: it is wrapped without them
+        while True:
+            try:
+                hm = cls._wrap(model, adapter, registry, left_out)
+                hm._init_tl_api(tokenizer)  # analysis layer
+                return hm
+            except Exception as exc:
+                culprit = _cross_cutting_culprit(exc, registry, left_out)
+                if culprit is None:
+                    raise
+                warnings.warn(
+                    f"{exc}. The model is wrapped without that plugin (what it adds, such as its hook points or "
+                    f"weight formats, is missing); fix or uninstall it",
+                    PluginLoadWarning,
+                    stacklevel=2,
+                )
+                left_out.append(culprit)
+
+    @classmethod
+    def _wrap(cls, model: Any, adapter: Optional[str], registry: Registry, left_out: list[Any]) -> "HookedModel":
+        hf_model = _resolve_model(model, registry, registry.all_hooks(left_out))
+        other = _wrapper_of(hf_model)
+        if other is not None:
+            raise LensAdaptersError(
+                f"the model inside this {type(model).__name__} is already wrapped (as {type(other.model).__name__}); "
+                f"use that wrapper or unwrap() it first, so no hook runs twice"
+            )
+        model_type = getattr(hf_model.config, "model_type", None) or type(hf_model).__name__
+        info, arch = registry.select(model_type, adapter)
+        forced = describe_forced(adapter, model_type, arch, [o for o in registry.owners(model_type) if o != info.name])
+        try:
+            hooks = registry.hooks_for(info, left_out)
+            try:  # a plugin's own refusal of the model comes first: it says what the model has that it cannot serve
+                hooks.lensadapters_validate(arch=arch, model=hf_model)
+            except UnsupportedModelError as exc:
+                if info is not registry.generic:
+                    raise
+                raise UnsupportedModelError(f"{exc} {registry.describe_installed()}") from None
+            registry.check_architecture_plugin(info)
+            if not left_out:
+                check_transformers_range(arch, info.name)
+            hm = cls(Wiring(model, hf_model, arch, info, hooks))
+        except LensAdaptersError as exc:
+            if forced and exc.args and isinstance(exc.args[0], str):
+                exc.args = (exc.args[0] + forced,) + exc.args[1:]
+            raise
+        if adapter is None and info is registry.generic:
+            _warn_generic(hm, registry)
+        hm.wiring.owner = hm  # kept alive by the model's hooks while any is installed (see _WRAPPERS)
+        impl = hm.wiring.attention_implementation()
+        if impl not in arch.attn_implementations:
+            warnings.warn(
+                f"{type(hf_model).__name__} uses the attention implementation {impl!r}: every hook point works but "
+                f"hook_attn_scores and hook_pattern, which need {' or '.join(map(repr, arch.attn_implementations))} "
+                f"(model.set_attn_implementation({arch.attn_implementations[-1]!r}))",
+                stacklevel=3,
+            )
+        _WRAPPERS[model] = weakref.ref(hm)
+        _WRAPPERS[hf_model] = weakref.ref(hm)
+        return hm
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+        self._alive = True
+
+    # --- the model and its description -------------------------------------------------------------
+
+    model = property(lambda self: self.wiring.model, doc="The object that was wrapped (a PeftModel stays one).")
+    hf_model = property(lambda self: self.wiring.hf_model, doc="The Hugging Face PreTrainedModel inside it.")
+    arch = property(lambda self: self.wiring.arch, doc="The Architecture the plugin declared for this model.")
+    plugin = property(lambda self: self.wiring.plugin, doc="The registry's PluginInfo of that plugin.")
+    cfg = property(lambda self: self.wiring.cfg, doc="TransformerLens-style config (HookedConfig).")
+    layout = property(lambda self: self.wiring.layout, doc="The plugin's ModelLayout.")
+    block_modules = property(lambda self: self.wiring.block_modules, doc="The Hugging Face decoder layers.")
+    block_layouts = property(lambda self: self.wiring.block_layouts, doc="The plugin's BlockLayout of each block.")
+    qkv_layouts = property(lambda self: self.wiring.qkv_layouts, doc="The plugin's QKV layout of each block.")
+    mlp_layouts = property(
+        lambda self: self.wiring.mlp_layouts, doc="The plugin's MLPLayout (or FusedGateUp) of each block."
+    )
+    attention_modules = property(lambda self: self.wiring.attention_modules, doc="Each block's attention module.")
+
+    def norm_spec(self, module: nn.Module) -> Any:
+        """How ``module`` (one of the model's norms) normalizes: a ``NormSpec`` with live weights."""
+        return self.wiring.norm_spec(module)
+
+    def norm_module(self, prefix: str) -> nn.Module:
+        """The norm module behind ``{prefix}.hook_scale`` (``"blocks.0.ln1"``, ``"ln_final"``...)."""
+        return self.wiring.norm_module(prefix)
+
+    def module_name(self, module: nn.Module) -> str:
+        return self.wiring.module_name(module)
+
+    def read_linear(self, module: nn.Module) -> Any:
+        """The effective ``LinearWeight`` (``[d_in, d_out]`` and bias) of a linear-like module, through every plugin."""
+        return self.wiring.read_linear(module)
+
+    def attention_implementation(self) -> str:
+        """The attention implementation the model is configured with (``config._attn_implementation``)."""
+        return self.wiring.attention_implementation()
+
+    @property
+    def config(self) -> Any:
+        return self.hf_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf_model.parameters()).device
+
+    # --- hook points -----------------------------------------------------------------------------------
+
+    @property
+    def hook_names(self) -> list[str]:
+        """Every hook point of this model, in execution order."""
+        return self.wiring.hook_names
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        return self.wiring.hook_dict
+
+    def point(self, name: str) -> HookPoint:
+        """The hook point ``name`` (``UnknownHookError`` with the closest names if the model has none)."""
+        return self.wiring.point(name)
+
+    @property
+    def has_hooks(self) -> bool:
+        """Whether any hook point has a hook attached (the core's own cache readers included); O(1)."""
+        return self.wiring.has_hooks
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise LensAdaptersError("this HookedModel was unwrapped; call HookedModel.wrap(model) again")
+
+    def add_hook(
+        self,
+        name: Union[str, Callable[[str], bool]],
+        hook: HookFn,
+        dir: str = "fwd",
+        is_permanent: bool = False,
+        prepend: bool = False,
+        *,
+        _context: Optional[int] = None,
+        _touched: Optional[list[HookPoint]] = None,
+        _readonly: bool = False,
+        _scope: tuple[Optional[int], Optional[int]] = (None, None),
+    ) -> None:
+        """Attach ``hook(tensor, hook) -> tensor | None`` to a hook point (or every point a filter accepts).
+
+        Under gradient checkpointing a forward hook inside a checkpointed layer runs again when
+        ``backward()`` recomputes that layer, and must return the same edit then. A read-only hook that
+        should see each forward once checks ``hook.recomputing`` (:func:`lensadapters.is_recomputing`).
+        """
+        self._check_alive()
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+        check_selector(name)
+        if not _readonly:
+            check_hook(hook, repr(name) if isinstance(name, str) else "the hook points selected by a filter")
+        points = self.wiring.select(name)
+        if any(p.name.endswith(PATTERN_POINTS) for p in points):
+            self.wiring.check_pattern_implementation()
+        with self.wiring.batched():
+            for point in points:
+                point.add(
+                    hook,
+                    dir,
+                    permanent=is_permanent,
+                    context=_context,
+                    prepend=prepend,
+                    readonly=_readonly,
+                    thread=_scope[0],
+                    depth=_scope[1],
+                )
+                if _touched is not None:
+                    _touched.append(point)
+
+    def reset_hooks(self, including_permanent: bool = False) -> None:
+        """Remove user hooks (permanent ones too when ``including_permanent``)."""
+        self.wiring.remove_hooks(lambda e: including_permanent or not e.permanent)
+
+    @contextlib.contextmanager
+    def hooks(
+        self,
+        fwd_hooks: Iterable[HookSpec] = (),
+        bwd_hooks: Iterable[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        *,
+        _readonly: bool = False,
+    ) -> Iterator["HookedModel"]:
+        """Hooks that live only inside the ``with`` block (removed even when a hook raises).
+
+        They apply to the forwards this thread runs inside the block, at the nesting depth of the block: another
+        thread's forwards, and a model call made from inside a hook, do not run them (permanent hooks apply
+        everywhere). With ``reset_hooks_end=False`` they stay after the block, for every forward.
+        """
+        self._check_alive()
+        fwd_hooks, bwd_hooks = hook_pairs(fwd_hooks, "fwd_hooks"), hook_pairs(bwd_hooks, "bwd_hooks")
+        if not _readonly:  # every hook checked before any is attached
+            for argument, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
+                for i, (name, fn) in enumerate(pairs):
+                    check_selector(name, f"{argument}[{i}][0]")
+                    check_hook(fn, repr(name) if isinstance(name, str) else f"{argument}[{i}]")
+                    if isinstance(name, str):
+                        self.wiring.point(name)  # an unknown name fails here, naming the closest ones
+        self.wiring.sync()
+        context = next(_contexts)
+        touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
+        scope = (threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end else (None, None)
+        kw = dict(_context=context, _touched=touched, _readonly=_readonly, _scope=scope)
+        try:
+            with self.wiring.batched():
+                for name, fn in fwd_hooks:
+                    self.add_hook(name, fn, "fwd", **kw)
+                for name, fn in bwd_hooks:
+                    self.add_hook(name, fn, "bwd", **kw)
+            yield self
+        finally:
+            if reset_hooks_end:
+                self.wiring.remove_hooks(lambda e: e.context == context, touched)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Exactly the wrapped model's forward, unless the call is TransformerLens-style (a TransformerLens keyword
+        or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
+        self._check_alive()
+        self.wiring.sync()
+        if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+            return tl_call.forward(self, *args, **kwargs)
+        return self.model(*args, **kwargs)
+
+    forward = __call__
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate``; while hooks are attached the forward is never compiled (see ``hooks``)."""
+        self._check_alive()
+        self.wiring.sync()
+        if self.wiring.installed:
+            kwargs.setdefault("disable_compile", True)
+        return self.model.generate(*args, **kwargs)
+
+    def run_with_hooks(
+        self,
+        *args: Any,
+        fwd_hooks: Iterable[HookSpec] = (),
+        bwd_hooks: Iterable[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the model with temporary hooks; returns the logits (the full output if it has none).
+
+        Backward hooks stay attached to this forward's graph, so ``logits.sum().backward()`` after
+        the call still runs them.
+        """
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
+            return _logits(self(*args, **kwargs))
+
+    def cache_names(self, names_filter: NameFilter = None) -> list[str]:
+        """The hook names ``run_with_cache`` stores for ``names_filter``."""
+        if names_filter is not None:
+            check_selector(names_filter, "names_filter")
+        if names_filter is None:
+            points = self.wiring.hook_dict
+            return [n for n in self.hook_names if not (n.endswith(DEFAULT_CACHE_EXCLUDES) or points[n].costly)]
+        if isinstance(names_filter, str):
+            return [pt.name for pt in self.wiring.select(names_filter)]
+        if callable(names_filter):
+            return [n for n in self.hook_names if names_filter(n)]
+        return [pt.name for pt in self.wiring.select(list(names_filter))]
+
+    def run_with_cache(
+        self,
+        *args: Any,
+        names_filter: NameFilter = None,
+        device: Any = None,
+        remove_batch_dim: bool = False,
+        incl_bwd: bool = False,
+        **kwargs: Any,
+    ) -> tuple[Any, ActivationCache]:
+        """Run the model and return ``(logits, cache)``.
+
+        ``names_filter``: a name, a list of names or a predicate (default: every hook point but
+        ``attn.hook_result`` and the per-expert points ``mlp.experts.{e}.*``, which are computed only when asked
+        for). ``device`` moves cached tensors,
+        ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
+        ``labels=``) and stores gradients as ``NAME_grad``.
+
+        Under gradient checkpointing (``model.train()`` after ``gradient_checkpointing_enable()``) the
+        backward pass re-runs the forward of each checkpointed layer; the cache records each hook point
+        once, from the real forward (see :func:`lensadapters.is_recomputing`), and each gradient once.
+        """
+        names = self.cache_names(names_filter)
+        device = check_cache_device(device)
+        if incl_bwd:
+            if torch.is_inference_mode_enabled():
+                raise LensAdaptersError(
+                    "run_with_cache(incl_bwd=True) backpropagates, which torch.inference_mode() "
+                    "forbids: call it outside the inference_mode block (torch.no_grad() is fine)"
+                )
+            tl_loss = tl_call.wants_transformer_lens(args, kwargs) and kwargs.get("return_type") == "loss"
+            if not tl_loss and "labels" not in kwargs and "labels" in _forward_parameters(self.model):
+                raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
+        if remove_batch_dim and batch_of(args, kwargs) not in (None, 1):
+            raise ValueError(
+                f"run_with_cache(remove_batch_dim=True) needs a batch of one; the input has a batch of "
+                f"{batch_of(args, kwargs)}"
+            )
+        store: dict[str, Tensor] = {}
+
+        def keep(key: str, tensor: Tensor) -> None:
+            value = tensor.detach()
+            if device is not None:
+                value = value.to(device)
+            if remove_batch_dim:
+                if value.shape[0] != 1:
+                    raise ValueError(
+                        f"run_with_cache(remove_batch_dim=True) needs a batch of one; {key} has a batch "
+                        f"of {value.shape[0]} (shape {tuple(value.shape)})"
+                    )
+                value = value[0]
+            store[key] = value
+
+        def save(tensor: Tensor, hook: HookPoint) -> None:
+            if not is_recomputing():  # gradient checkpointing re-runs the forward during backward
+                keep(hook.name, tensor)
+
+        def save_grad(tensor: Tensor, hook: HookPoint) -> None:
+            keep(hook.name + "_grad", tensor)
+
+        with self.hooks(
+            [(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [], _readonly=True
+        ):
+            with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
+                out = self(*args, **kwargs)
+                if incl_bwd:
+                    loss = out if isinstance(out, Tensor) else getattr(out, "loss", None)  # TL: the returned loss
+                    if loss is None:
+                        raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
+                    loss.backward()
+        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim, model=self)
+
+    def unwrap(self) -> Any:
+        """Remove every hook and give back the model object, exactly as it was."""
+        if self._alive:
+            if self.__dict__.get("_sae_splices"):
+                self.reset_saes()
+            self.reset_hooks(including_permanent=True)
+            self.wiring.uninstall()
+            for key in (self.model, self.hf_model):
+                if _wrapper_of(key) is self:
+                    del _WRAPPERS[key]
+            self._alive = False
+        return self.model
+
+    def __repr__(self) -> str:
+        return (
+            f"HookedModel({type(self.model).__name__}, adapter={self.arch.name!r}, layers={self.cfg.n_layers}, "
+            f"hook_points={len(self.hook_names)})"
+        )
+
+
+def _forward_parameters(model: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover
+        return ()
+
+
+def _warn_generic(hm: HookedModel, registry: Registry) -> None:
+    from lensadapters.adapters.generic import GenericAdapterWarning, summary
+
+    warnings.warn(GenericAdapterWarning(summary(hm.wiring) + registry.autoload_note()), stacklevel=4)
+
+
+def _logits(out: Any) -> Any:
+    if isinstance(out, tl_call.Output):  # analysis layer: a TransformerLens-style call's result, as it is
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out

@@ -1,0 +1,344 @@
+"""TransformerLens' call conventions on a HookedModel: ``hm(input, return_type=..., stop_at_layer=...)``.
+
+``hm(...)`` is exactly the Hugging Face forward unless the call is TransformerLens-style: a TransformerLens
+keyword is given (``return_type``, ``loss_per_token``, ``prepend_bos``, ``padding_side``, ``start_at_layer``,
+``stop_at_layer``, ``tokens``, ...) or the input is a string or a list of strings. A TransformerLens-style call
+returns what ``HookedTransformer.forward`` returns:
+
+* ``return_type="logits"`` (the default): the logits ``[batch, pos, d_vocab]``;
+* ``"loss"``: the mean next-token loss (a scalar), or ``[batch, pos - 1]`` with ``loss_per_token=True``;
+* ``"both"``: ``Output(logits, loss)`` (a named tuple);
+* ``None``: ``None`` (the unembedding is not computed);
+* with ``stop_at_layer``: the residual stream ``[batch, pos, d_model]`` at the input of that block (the blocks
+  from there on do not run: the forward is stopped, not masked).
+
+``run_with_hooks`` and ``run_with_cache`` take the same keywords and return the same values (their
+Hugging Face-style calls return the logits tensor, as before).
+
+Text is tokenized with ``hm.tokenizer`` (see :mod:`lensadapters.tokens`); padded batches get an attention mask,
+and, when the model's forward takes ``position_ids``, positions counted over the real tokens (as ``generate``
+does), so a left-padded row's real tokens give the values of the unpadded row on every architecture (GPT-2
+does not derive positions from the mask by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
+
+import torch
+
+from lensadapters.analysis.utils import get_attention_mask, lm_cross_entropy_loss, position_ids_from_mask
+from lensadapters.api import tokens as _tokens
+from lensadapters.errors import LensAdaptersError
+from lensadapters.hooks.sites import first_input, first_output, replace_first_input, replace_first_output
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lensadapters.analysis.model import HookedModelLike
+
+Tensor = torch.Tensor
+
+#: keywords of ``HookedTransformer.forward`` (besides ``input`` and ``attention_mask``, which HF shares)
+FORWARD_KEYWORDS = (
+    "return_type",
+    "loss_per_token",
+    "prepend_bos",
+    "padding_side",
+    "start_at_layer",
+    "tokens",
+    "shortformer_pos_embed",
+    "stop_at_layer",
+    "past_kv_cache",
+)
+#: TransformerLens keywords of ``run_with_cache``/``run_with_hooks`` that lensadapters accepts only with the
+#: value that asks for what it does anyway (anything else is refused, never silently dropped)
+NO_OP_KEYWORDS = {"reset_hooks_end": True, "clear_contexts": False, "return_cache_object": True, "pos_slice": None}
+RETURN_TYPES = ("logits", "loss", "both", None)
+
+
+class TransformerLensKeywordError(LensAdaptersError, TypeError):
+    """A TransformerLens keyword (or value) that lensadapters does not support, or a keyword that a
+    TransformerLens-style call does not take; raised instead of letting the Hugging Face forward swallow it."""
+
+
+class Output(NamedTuple):
+    """``return_type="both"``: logits and loss, as TransformerLens' ``Output``."""
+
+    logits: Tensor
+    loss: Tensor
+
+
+def wants_transformer_lens(args: tuple, kwargs: dict) -> bool:
+    """Whether a call uses TransformerLens conventions (a TL keyword, or text as the input)."""
+    if any(k in kwargs for k in FORWARD_KEYWORDS) or any(k in kwargs for k in NO_OP_KEYWORDS):
+        return True
+    first = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
+    return _tokens.is_text(first)
+
+
+class _Stop(Exception):
+    """Raised inside the model to end a forward at ``stop_at_layer`` (caught here, never seen by users)."""
+
+
+_POSITION_IDS: dict[type, bool] = {}
+
+
+def accepts_position_ids(model: Any) -> bool:
+    """Whether the model's forward takes ``position_ids`` (then padded batches get real-token positions)."""
+    cls = type(model)
+    if cls not in _POSITION_IDS:
+        try:
+            _POSITION_IDS[cls] = "position_ids" in inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - an unintrospectable forward
+            _POSITION_IDS[cls] = False
+    return _POSITION_IDS[cls]
+
+
+def hf_inputs(hm: "HookedModelLike", tokens: Tensor, attention_mask: Optional[Tensor]) -> dict[str, Any]:
+    """Keyword arguments of the Hugging Face forward for these tokens (mask and positions only where padded)."""
+    kwargs: dict[str, Any] = {"input_ids": tokens}
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(tokens.device)
+        if bool((attention_mask == 0).any()):
+            kwargs["attention_mask"] = attention_mask
+            if accepts_position_ids(hm.hf_model):
+                kwargs["position_ids"] = position_ids_from_mask(attention_mask)
+    return kwargs
+
+
+def resolve_tokens(
+    hm: "HookedModelLike",
+    input: Any,
+    prepend_bos: Optional[bool],
+    padding_side: Optional[str],
+    attention_mask: Optional[Tensor],
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Tokens ``[batch, pos]`` on the model's device and the attention mask TransformerLens would use."""
+    if _tokens.is_text(input):
+        tokens, mask = _tokens.tokenize(hm, input, prepend_bos, padding_side)
+        if attention_mask is not None:
+            mask = attention_mask
+    elif isinstance(input, Tensor):
+        if input.is_floating_point():
+            raise ValueError(
+                f"a float input of shape {tuple(input.shape)} is a residual stream: pass start_at_layer "
+                f"(or token ids for a full forward)"
+            )
+        tokens = input[None] if input.dim() == 1 else input
+        mask = attention_mask
+        if mask is None and hm.tokenizer is not None:
+            bos = hm.default_prepend_bos if prepend_bos is None else prepend_bos
+            side = hm.default_padding_side if padding_side is None else padding_side
+            if side == "left":  # TransformerLens infers the mask of left-padded tokens from the pad token
+                mask = get_attention_mask(hm.tokenizer, tokens, bos, side)
+    else:
+        raise TypeError(
+            f"a TransformerLens-style call takes text, a list of texts or token ids [batch, pos], "
+            f"not {type(input).__name__}"
+        )
+    if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, the tokens {tuple(tokens.shape)}")
+    return tokens.to(hm.device), mask
+
+
+@contextlib.contextmanager
+def silenced_before(hm: "HookedModelLike", layer: int) -> Iterator[None]:
+    """Hooks of every point that fires before block ``layer`` (block ``n_layers``: after the last block) do not
+    run: those blocks only carry placeholder input when a forward starts at ``layer``."""
+    names = hm.hook_names
+    boundary = next((i for i, n in enumerate(names) if n.startswith(f"blocks.{layer}.")), None)
+    if boundary is None:  # after the last block: every point up to the last block's
+        last = hm.cfg.n_layers - 1
+        boundary = max((i for i, n in enumerate(names) if n.startswith(f"blocks.{last}.")), default=-1) + 1
+    saved = []
+    for name in names[:boundary]:
+        point = hm.point(name)
+        if point.fwd_hooks or point.bwd_hooks:
+            saved.append((point, point.fwd_hooks, point.bwd_hooks))
+            point.fwd_hooks, point.bwd_hooks = [], []
+    try:
+        yield
+    finally:
+        for point, fwd, bwd in saved:
+            point.fwd_hooks, point.bwd_hooks = fwd, bwd
+
+
+def _check_extra(kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if key in NO_OP_KEYWORDS:
+            wanted = NO_OP_KEYWORDS[key]
+            if not (value is wanted or (isinstance(value, bool) and value == wanted)):
+                raise TransformerLensKeywordError(
+                    f"{key}={value!r} is not supported by lensadapters (only {key}={wanted!r}, what it always "
+                    f"does): {_NO_OP_HINTS[key]}"
+                )
+            continue
+        raise TransformerLensKeywordError(
+            f"{key!r} is not a keyword of a TransformerLens-style call (TransformerLens' forward takes input, "
+            f"{', '.join(FORWARD_KEYWORDS)} and attention_mask). For the Hugging Face forward, call hm(input_ids, "
+            f"{key}=...) with no TransformerLens keyword"
+        )
+
+
+_NO_OP_HINTS = {
+    "reset_hooks_end": "run_with_cache removes its hooks at the end; keep hooks with hm.add_hook or `with hm.hooks()`",
+    "clear_contexts": "lensadapters' hook points keep no hook contexts (hook.ctx) to clear",
+    "return_cache_object": "run_with_cache returns an ActivationCache, a Mapping (dict(cache) gives a dict)",
+    "pos_slice": "slice the cached tensors (or use the pos_slice of the ActivationCache methods)",
+}
+
+
+def _layer_range(n: int, start: Optional[int], stop: Optional[int]) -> tuple[int, int]:
+    for name, value in (("start_at_layer", start), ("stop_at_layer", stop)):
+        if value is not None and not isinstance(value, int):
+            raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+    first, end, _ = slice(start, stop).indices(n)
+    return first, max(first, end)
+
+
+def forward(
+    hm: "HookedModelLike",
+    input: Any = None,
+    return_type: Optional[str] = "logits",
+    loss_per_token: bool = False,
+    prepend_bos: Optional[bool] = None,
+    padding_side: Optional[str] = None,
+    start_at_layer: Optional[int] = None,
+    tokens: Optional[Tensor] = None,
+    shortformer_pos_embed: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
+    stop_at_layer: Optional[int] = None,
+    past_kv_cache: Any = None,
+    **extra: Any,
+) -> Any:
+    """``HookedTransformer.forward`` on the wrapped model (see the module docstring for what it returns)."""
+    if input is None:
+        input = extra.pop("input_ids", None)
+    _check_extra(extra)
+    if return_type not in RETURN_TYPES:
+        raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
+    if shortformer_pos_embed is not None:
+        raise TransformerLensKeywordError(
+            "shortformer_pos_embed is not supported: no Hugging Face architecture "
+            "adds positions to attention inputs only"
+        )
+    if past_kv_cache is not None:
+        raise TransformerLensKeywordError(
+            "past_kv_cache (TransformerLens' HookedTransformerKeyValueCache) is not supported: use model.generate "
+            "or the Hugging Face forward's past_key_values; hooks run at every step either way"
+        )
+    if input is None:
+        raise TypeError("a TransformerLens-style call needs an input (text, a list of texts or token ids)")
+    n = hm.cfg.n_layers
+    first, end = _layer_range(n, start_at_layer, stop_at_layer)
+    if start_at_layer is not None:
+        if not isinstance(input, Tensor) or input.dim() != 3:
+            raise ValueError(
+                f"with start_at_layer the input is the residual stream [batch, pos, d_model], not "
+                f"{type(input).__name__} of shape {tuple(getattr(input, 'shape', ()))}"
+            )
+        if stop_at_layer is not None and end <= first:
+            return input  # no block between start and stop (as TransformerLens: the residual, unchanged)
+        residual = input
+        batch, pos = input.shape[:2]
+        mask = attention_mask
+        token_ids = torch.zeros(batch, pos, dtype=torch.long, device=hm.device)  # placeholders: replaced at `first`
+        loss_tokens = tokens
+    else:
+        residual = None
+        token_ids, mask = resolve_tokens(hm, input, prepend_bos, padding_side, attention_mask)
+        loss_tokens = token_ids if tokens is None else tokens
+    stop_at = end if stop_at_layer is not None else None
+    if stop_at is None and return_type in ("loss", "both") and loss_tokens is None:
+        raise ValueError("return_type='loss'/'both' with start_at_layer needs tokens= (the token ids, for the loss)")
+    kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
+    captured: list[Tensor] = []
+    with contextlib.ExitStack() as stack:
+        if residual is not None:
+            stack.enter_context(silenced_before(hm, first))
+            stack.enter_context(_inject(hm, first, residual))
+        if stop_at is not None:
+            stack.enter_context(_capture(hm, stop_at, captured))
+        elif return_type is None and hm.layout.unembed is not None:
+            stack.enter_context(_skip_unembed(hm))
+        try:
+            out = hm.model(**kwargs)
+        except _Stop:
+            out = None
+    if stop_at is not None:
+        return captured[0]
+    if return_type is None:
+        return None
+    logits = out.logits if hasattr(out, "logits") else first_output(out)
+    if return_type == "logits":
+        return logits
+    loss = lm_cross_entropy_loss(logits, loss_tokens, mask, per_token=loss_per_token)
+    return loss if return_type == "loss" else Output(logits, loss)
+
+
+@contextlib.contextmanager
+def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> Iterator[None]:
+    """The residual stream enters at block ``layer`` (after the last block when ``layer == n_layers``)."""
+    n = hm.cfg.n_layers
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> Any:
+        value = first_input(args, kwargs)
+        return replace_first_input(args, kwargs, _conform(residual, value, "start_at_layer"))
+
+    def post(module: Any, args: tuple, output: Any) -> Any:
+        return replace_first_output(output, _conform(residual, first_output(output), "start_at_layer"))
+
+    if layer < n:  # before the block's own hook points (hook_resid_pre sees the given residual)
+        handle = hm.block_modules[layer].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    else:
+        handle = hm.block_modules[n - 1].register_forward_hook(post)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _capture(hm: "HookedModelLike", layer: int, captured: list) -> Iterator[None]:
+    """Record the residual stream at the input of block ``layer`` (the model's output stream for
+    ``n_layers``) and end the forward there."""
+    n = hm.cfg.n_layers
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> None:
+        captured.append(first_input(args, kwargs))
+        raise _Stop()
+
+    def post(module: Any, args: tuple, output: Any) -> None:  # after the last block's own hooks (hook_resid_post)
+        captured.append(first_output(output))
+        raise _Stop()
+
+    if layer < n:  # before block `layer`'s hook points, none of which fires
+        handle = hm.block_modules[layer].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    else:
+        handle = hm.block_modules[n - 1].register_forward_hook(post)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _skip_unembed(hm: "HookedModelLike") -> Iterator[None]:
+    def pre(module: Any, args: tuple) -> None:
+        raise _Stop()
+
+    handle = hm.hf_model.get_submodule(hm.layout.unembed).register_forward_pre_hook(pre, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _conform(residual: Tensor, like: Tensor, what: str) -> Tensor:
+    if tuple(residual.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{what}: the residual stream has shape {tuple(residual.shape)}, the model's is "
+            f"{tuple(like.shape)} at that point"
+        )
+    return residual.to(dtype=like.dtype, device=like.device)

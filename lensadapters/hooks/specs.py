@@ -1,0 +1,316 @@
+"""Declarative descriptions that plugins return from their adapter hooks.
+
+A plugin never patches a model: it *describes* where things are (module paths relative to the
+Hugging Face model or to one block) and supplies small pure functions for the quirks that cannot
+be described by a path (how a fused QKV output splits into heads, how rotary embeddings rotate).
+The core turns these descriptions into lazily installed PyTorch hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture plugin claims.
+
+    ``model_types`` are values of ``config.model_type`` the plugin handles (several when they share modeling
+    code). ``transformers`` is the range of transformers versions the plugin is tested with, a PEP 440
+    specifier (``">=4.57,<6"``): wrapping a model under another version warns, naming both.
+    ``attn_implementations`` are the attention implementations (``config._attn_implementation``)
+    whose masks and numerics the plugin's pattern backend reproduces: with another one (flash,
+    flex...) every hook point works except ``hook_attn_scores``/``hook_pattern``, which refuse
+    with a clear error.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    description: str = ""
+    transformers: str = ""
+    attn_implementations: tuple[str, ...] = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class HookedConfig:
+    """TransformerLens-style summary of a model's shape (``hm.cfg``)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    act_fn: str
+    normalization_type: Literal["LN", "RMS"]
+    positional_embedding_type: Literal["standard", "rotary"]
+    model_type: str
+    n_key_value_heads: Optional[int] = None
+    rotary_dim: Optional[int] = None
+    parallel_attn_mlp: bool = False
+    gated_mlp: bool = False
+    eps: float = 1e-5
+    original_architecture: str = ""
+    #: TransformerLens' names: the attention-logit and final-logit softcaps (``cap * tanh(x / cap)``; -1: none)
+    attn_scores_soft_cap: float = -1.0
+    output_logits_soft_cap: float = -1.0
+    #: TransformerLens' names: the sliding window (keys a query sees, itself included) and each layer's attention
+    #: type ("global", or "local" for a windowed layer); None without sliding-window layers
+    window_size: Optional[int] = None
+    attn_types: Optional[tuple[str, ...]] = None
+    extra: dict = field(default_factory=dict, compare=False)
+    # mixture of experts (TransformerLens' names): experts per MoE layer and experts each token uses
+    num_experts: Optional[int] = None
+    experts_per_token: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.n_key_value_heads is None:
+            object.__setattr__(self, "n_key_value_heads", self.n_heads)
+
+    # TransformerLens' cfg.device / cfg.dtype, read from the wrapped model (a weak reference set by HookedModel)
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device of the model's parameters, live (``None`` for a config not bound to a HookedModel)."""
+        live = self.__dict__.get("_live")
+        model = live() if live is not None else None
+        return model.device if model is not None else None
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the model's parameters, live (``None`` for a config not bound to a HookedModel)."""
+        live = self.__dict__.get("_live")
+        model = live() if live is not None else None
+        return model.dtype if model is not None else None
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where the model-level pieces live, as dotted paths relative to the HF model.
+
+    ``embed`` is the module whose output is ``hook_embed``; ``pos_embed`` the module whose output is
+    ``hook_pos_embed`` (learned positions only); ``rotary`` a module returning ``(cos, sin)`` for the
+    current positions (rotary models only).
+
+    ``embed_scale`` is a factor the model multiplies token embeddings by (Gemma: ``sqrt(d_model)``): as in
+    TransformerLens, ``hook_embed`` and ``W_E`` include it (``W_E`` is the table times the factor, in the table's
+    dtype). ``embed_scale_after_module`` says the model applies it itself after the ``embed`` module returns, to the
+    module's output or to the ``inputs_embeds`` it was given, and passes the product straight to the first block
+    (transformers 4.x Gemma 2); ``hook_embed`` is then served at the first block's input, checked in every forward
+    to be that product: the factor as a tensor of the embeddings' dtype (Gemma's ``normalizer``), or with
+    ``embed_scale_rounded=False`` the Python float (``embeddings * multiplier``, computed in float32 for
+    half-precision embeddings). Otherwise the module's output already includes the factor (and ``inputs_embeds``
+    are used as given). A read is what the model computes and an edit of ``hook_embed`` is what the first block
+    gets, exactly, in every dtype, either way.
+
+    ``rotary_input`` names the keyword argument of each layer's *attention module* that carries that layer's
+    ``(cos, sin)`` (``"position_embeddings"``): the core then reads them there, per layer, instead of from
+    the ``rotary`` module — for models whose layers use different rotary sources (Gemma 3's local and global
+    RoPE bases, from two modules or from one module called once per layer type).
+
+    ``rotary_from_inputs`` is for models without such a module, which derive the rotary angles inside
+    attention (GPT-J: from ``position_ids`` and a sin/cos table on each attention module). When set,
+    the core calls ``rotary_from_inputs(module, args, kwargs)`` in a forward *pre*-hook on the
+    ``rotary`` module (which then names the module whose inputs carry the positions, e.g. the first
+    attention module) and uses the ``(cos, sin)`` it returns, in whatever layout the plugin's
+    ``RotarySpec`` expects, instead of the module's output.
+    """
+
+    blocks: str
+    embed: str
+    unembed: Optional[str] = None
+    ln_final: Optional[str] = None
+    pos_embed: Optional[str] = None
+    pos_embed_offset: int = 0
+    rotary: Optional[str] = None
+    rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
+    embed_scale: float = 1.0
+    embed_scale_after_module: bool = False
+    embed_scale_rounded: bool = True
+    rotary_input: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the pieces of one block live, as dotted paths relative to the block module.
+
+    ``mlp`` is the module whose output is ``hook_mlp_out``; leave it ``None`` when the architecture
+    has no MLP module (OPT), and ``hook_mlp_out`` is then the output of the MLP's down projection.
+    ``parallel`` blocks compute ``x + attn(ln1 x) + mlp(ln2 x)`` and have no ``hook_resid_mid``.
+    ``ln2`` of a parallel block may be ``None`` when both branches share ``ln1`` (GPT-J).
+
+    ``post_norm`` blocks normalize *after* each residual add (original Transformer, OPT-350m):
+    ``mid = ln1(x + attn(x))``, ``out = ln2(mid + mlp(mid))``. Their hook points are
+    ``hook_resid_mid`` = ``x + attn_out`` (the input of ``ln1``, as in TransformerLens' post-LN
+    ``BertBlock``), ``hook_mlp_in`` = the MLP's input (``ln1``'s output; an edit changes only the MLP
+    branch) and ``hook_resid_post`` = the block output (``ln2``'s output, the next block's input).
+    ``flat_mlp`` says the block reshapes hidden states to ``[b*p, d]`` around the MLP (OPT): hook
+    points that see such 2-D tensors show them as ``[b, p, ...]`` and flatten edits back.
+    ``mlp_residual`` names the module whose output the block adds to the residual stream after the MLP,
+    when it is not ``mlp`` itself (GPT-NeoX: ``post_mlp_dropout``); an edit of ``hook_resid_mid`` is
+    carried into the block's own residual add there, so it survives gradient checkpointing.
+
+    ``ln1_post`` and ``ln2_post`` are norms applied to the attention and MLP *outputs* before each residual add
+    (Gemma 2/3 "sandwich" norms, OLMo 2), with TransformerLens' hook points ``ln1_post.hook_scale``/
+    ``hook_normalized``: ``hook_attn_out``/``hook_mlp_out`` are then what is added to the residual (the post
+    norm's output), ``attn.hook_result`` the per-head outputs before it. ``mlp_residual`` defaults to
+    ``ln2_post`` then. ``ln1`` (and ``ln2``) may be ``None`` in a sequential block without pre-norms (OLMo 2):
+    attention reads ``hook_resid_pre``, the MLP reads ``hook_mlp_in`` (= ``hook_resid_mid``) directly.
+    """
+
+    ln1: Optional[str]
+    attn: str
+    o_proj: str
+    ln2: Optional[str]
+    mlp: Optional[str] = None
+    parallel: bool = False
+    post_norm: bool = False
+    flat_mlp: bool = False
+    mlp_residual: Optional[str] = None
+    ln1_post: Optional[str] = None
+    ln2_post: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """How rotary embeddings are applied to queries and keys of shape ``[b, p, h, d_head]``.
+
+    ``apply(x, cos, sin)`` rotates, ``invert(x, cos, sin)`` undoes it (used to turn an edit of
+    ``hook_rot_q``/``hook_rot_k`` into the projection output that produces it, so the KV cache
+    stores the edited key). ``cos``/``sin`` are what the model's rotary module returned (or what
+    ``ModelLayout.rotary_from_inputs`` computed).
+    """
+
+    rotary_dim: int
+    apply: Callable[[Tensor, Tensor, Tensor], Tensor]
+    invert: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ProjectionNorm:
+    """A norm between a query/key projection and rotary embeddings (``q_norm``/``k_norm``).
+
+    ``module`` is its path relative to the block; ``layout`` how the module sees its input:
+
+    * ``"bphd"``: ``[b, p, heads, d_head]``, normalized per head (Qwen3);
+    * ``"bhpd"``: ``[b, heads, p, d_head]``, per head, after the attention module's transpose (Gemma 3);
+    * ``"bpf"``: ``[b, p, heads * d_head]``, over the whole projection width (OLMo 2).
+
+    Its hook points (``attn.q_norm.hook_scale``/``hook_normalized``) are ``[b, p, heads, 1]``/``[b, p, heads,
+    d_head]`` for per-head norms and ``[b, p, 1]``/``[b, p, heads * d_head]`` for whole-width ones.
+    """
+
+    module: str
+    layout: Literal["bphd", "bhpd", "bpf"] = "bphd"
+
+
+@dataclass(frozen=True)
+class SeparateQKV:
+    """Queries, keys and values come from three projections (paths relative to the block).
+
+    ``q_norm``/``k_norm`` are norms between the projection and rotary (Qwen3, Gemma 3, OLMo 2): ``hook_q``/
+    ``hook_k`` stay the projection output, ``attn.q_norm.*`` are the norm's points, and ``hook_rot_q``/
+    ``hook_rot_k`` are the normed and rotated values attention uses. ``norms_after_projections`` says the
+    attention module runs all three projections before the norms (Gemma 3) rather than normalizing each
+    projection right after it (Qwen3, OLMo 2); it orders ``hook_names`` as the points fire.
+    """
+
+    q: str
+    k: str
+    v: str
+    rotary: Optional[RotarySpec] = None
+    q_norm: Optional[ProjectionNorm] = None
+    k_norm: Optional[ProjectionNorm] = None
+    norms_after_projections: bool = False
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """Queries, keys and values come from one projection's output.
+
+    ``split(t)`` takes a tensor whose last dimension is the fused output features and returns
+    ``(q, k, v)`` with the last dimension replaced by ``[heads, d_head]``; ``merge(q, k, v)`` is its
+    inverse. The same functions split weight columns and biases, so weights follow the activations.
+    """
+
+    module: str
+    split: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+    merge: Callable[[Tensor, Tensor, Tensor], Tensor]
+    rotary: Optional[RotarySpec] = None
+
+
+QKVLayout = SeparateQKV | FusedQKV
+
+
+@dataclass(frozen=True)
+class MLPLayout:
+    """The MLP's projections (paths relative to the block).
+
+    ``pre`` produces ``mlp.hook_pre`` (the gate for gated MLPs), ``pre_linear`` the "up" projection of
+    a gated MLP, ``out`` is the down projection whose input is ``mlp.hook_post``.
+    """
+
+    pre: str
+    out: str
+    pre_linear: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class FusedGateUp:
+    """A gated MLP whose gate and up projections are one module (Phi-3's ``gate_up_proj``).
+
+    ``split(t)`` takes a tensor whose last dimension is the fused output features and returns ``(gate, up)``
+    (``mlp.hook_pre``, ``mlp.hook_pre_linear``); ``merge(gate, up)`` is its inverse. The same functions split
+    weight columns, biases and LoRA factors, so ``W_gate``/``W_in`` and the LoRA-delta points follow the
+    activations. ``out`` is the down projection whose input is ``mlp.hook_post``.
+    """
+
+    module: str
+    out: str
+    split: Callable[[Tensor], tuple[Tensor, Tensor]]
+    merge: Callable[[Tensor, Tensor], Tensor]
+
+
+MLPLayouts = MLPLayout | FusedGateUp
+
+
+def chunk_gate_up(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(gate, up)`` of ``[..., 2 * d_mlp]`` as ``chunk(2, dim=-1)`` splits it (gate first)."""
+    gate, up = t.chunk(2, dim=-1)
+    return gate, up
+
+
+def cat_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """The inverse of :func:`chunk_gate_up`."""
+    return torch.cat([gate, up], dim=-1)
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """How a norm module normalizes, so its scale can be exposed and edited.
+
+    ``kind`` "LN": ``(x - mean) / scale * weight + bias`` with ``scale = sqrt(var + eps)``;
+    "RMS": ``x / scale * weight`` with ``scale = sqrt(mean(x^2) + eps)``. ``weight_offset`` is added
+    to the weight (Gemma-style ``1 + w``). Plugins declare the specs of their norms
+    (``lensadapters_norm_scale``); the core's fallback for unknown ``*RMSNorm`` classes is checked against the
+    module on a probe input and refused when the module computes something else.
+    """
+
+    kind: Literal["LN", "RMS"]
+    eps: float
+    weight: Optional[Tensor]
+    bias: Optional[Tensor] = None
+    weight_offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class LinearWeight:
+    """A linear map ``y = x @ W + b`` with ``W`` as ``[d_in, d_out]`` (TransformerLens orientation)."""
+
+    W: Tensor
+    b: Optional[Tensor] = None

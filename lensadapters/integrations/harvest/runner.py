@@ -1,0 +1,668 @@
+"""``harvest``: run a model over packed text and write the chosen hook points' activations to disk in shards.
+
+Over 500 lines on purpose: the run loop and the resume/kill handling it interleaves with read best in one place
+(packing, manifests, listings and storage are their own modules beside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import signal
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from lensadapters.api import tokens as _tokens
+from lensadapters.errors import LensAdaptersError
+from lensadapters.hooks.distributed import barrier, launch_rank
+from lensadapters.integrations.harvest.fingerprint import adapter_state, model_fingerprint, tokenizer_fingerprint
+from lensadapters.integrations.harvest.listing import (
+    LISTING_LOCK,
+    check_world_size,
+    harvest_features,
+    locked,
+    rank_manifests,
+    union_listing,
+)
+from lensadapters.integrations.harvest.manifest import (
+    HarvestDamagedError,
+    HarvestMismatchError,
+    Manifest,
+    ShardRecord,
+    check_identity,
+    manifest_path,
+)
+from lensadapters.integrations.harvest.packing import Cursor, PackingRule, contexts_of_rows, pack
+from lensadapters.integrations.harvest.partition import Partition, shard_file
+from lensadapters.integrations.harvest.points import HarvestHookError, check_points, stop_layer
+from lensadapters.integrations.harvest.sources import open_source
+from lensadapters.integrations.harvest.storage import (
+    STORAGE_DTYPES,
+    ShardWriter,
+    shard_problem,
+    to_numpy,
+    write_dataset_listing,
+)
+
+#: default shard size: about this many bytes of activations (a shard is the unit of resumption)
+DEFAULT_SHARD_BYTES = 256 * 2**20
+#: test hook: ``EVENT:N`` kills the process with SIGKILL at the N-th EVENT of this run (``batch``: a batch
+#: written into an unfinished shard; ``shard-file``: a shard file moved into place, its manifest not yet
+#: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
+KILL_ENV = "LENSADAPTERS_HARVEST_TEST_KILL"
+Separator = Union[str, int, None]
+
+
+class HarvestContextError(LensAdaptersError, ValueError):
+    """Contexts of the requested size cannot run through the model (longer than its positions, or failing)."""
+
+
+@dataclass(frozen=True)
+class HarvestResult:
+    """What a :func:`harvest` call left on disk (for this rank)."""
+
+    out: str
+    contexts: int
+    tokens: int
+    shards: int
+    resumed_from: int
+    finished: bool
+    #: whether every rank of the harvest has finished (the dataset is complete); a single process: ``finished``
+    all_finished: bool = False
+
+
+def harvest(
+    model: Any,
+    data: str,
+    hooks: Sequence[str],
+    out: str,
+    *,
+    tokenizer: Any = None,
+    context_size: int = 128,
+    batch_size: int = 8,
+    max_tokens: Optional[int] = None,
+    dtype: str = "float32",
+    drop_bos: bool = False,
+    flatten: bool = False,
+    prepend_bos: bool = True,
+    sequence_separator: Separator = "bos",
+    text_column: str = "text",
+    split: Optional[str] = None,
+    shard_contexts: Optional[int] = None,
+    progress: bool = True,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> HarvestResult:
+    """Write the activations of ``hooks`` over ``data`` to ``out``; ``datasets.load_from_disk(out)`` reads them.
+
+    ``model``: a :class:`~lensadapters.HookedModel`, a Hugging Face model (wrapped for the call) or a checkpoint
+    folder. ``data``: a text file (one row per line), a JSONL file (``text_column`` of each object) or a folder
+    saved with ``datasets``' ``save_to_disk`` (of text, or of token ids -- ``input_ids``/``tokens``, one context per
+    row, as SAELens reads a pretokenized dataset). Rows of text are tokenized without BOS and packed into contexts of
+    ``context_size`` tokens as SAELens packs them (BOS first in each context when ``prepend_bos``,
+    ``sequence_separator`` — ``"bos"``, ``"eos"``, a token id or ``None`` — between rows); only full contexts
+    are kept, so nothing is padding. The model runs ``batch_size`` contexts at a time and stops after the last
+    block that holds a requested point. Each row of the result is one context: ``token_ids`` and ``is_bos``
+    ``[context_size]`` and one ``[context_size, ...]`` column per hook point in ``dtype`` (``float32``,
+    ``float16``, or ``bfloat16``: rounded to bfloat16 and stored as float32, which Arrow can hold).
+    ``drop_bos``: leave out position 0 (the context's BOS) in every column. ``flatten``: store each point as
+    ``[context_size, d]`` (per-head points ``[pos, head, d_head]`` as ``[pos, head * d_head]``, the 2-D layout
+    SAELens trains from, as it flattens ``hook_z``). ``max_tokens``: stop after
+    ``max_tokens // context_size`` contexts.
+
+    Shards of ``shard_contexts`` contexts (default: about 256 MiB each) are written one by one and recorded in
+    a manifest; calling again with the same arguments after an interruption (even ``kill -9``) continues after
+    the last complete shard, and different arguments on an existing output are refused.
+    Under a launcher (``torchrun``, ``accelerate launch``: an initialized process group, or ``RANK`` and
+    ``WORLD_SIZE`` in the environment) each process harvests its own shards (shard ``k`` is rank
+    ``k % world_size``'s) into the same ``out``, with a manifest of its own, and is resumed on its own; every
+    rank rewrites the dataset listing from all ranks' manifests after each shard, so ``load_from_disk(out)`` reads
+    the union of the complete shards, in order: once every rank has finished, exactly the single process's
+    dataset. With an initialized process group the call returns when every rank has finished. ``rank`` and
+    ``world_size`` (both or neither) set this process's place explicitly.
+    """
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)}, not {dtype!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    if drop_bos and not prepend_bos:
+        raise ValueError(
+            "drop_bos=True leaves out the BOS token each context starts with; with prepend_bos=False there is none"
+        )
+    partition = _partition(rank, world_size)
+    with _hooked(model, tokenizer) as hm:
+        tok = tokenizer if tokenizer is not None else getattr(hm, "tokenizer", None)
+        if tok is None:
+            raise _tokens.NoTokenizerError("harvest needs a tokenizer: pass tokenizer=, or wrap the model with one")
+        rule = _packing_rule(tok, context_size, prepend_bos, sequence_separator)
+        points = check_points(list(hooks), hm.hook_names)
+        stop = stop_layer(points, hm.hook_names, hm.cfg.n_layers)
+        _check_context_size(hm, context_size)
+        source = open_source(data, text_column, split)
+        columns = _probe(hm, points, stop, context_size)
+        if flatten:
+            columns = {name: [math.prod(shape)] for name, shape in columns.items()}
+        identity = {
+            "model": model_fingerprint(hm.model, hm.hf_model),
+            "adapters": adapter_state(hm.model),
+            "tokenizer": tokenizer_fingerprint(tok),
+            "data": source.fingerprint(),
+            "hooks": points,
+            "context_size": context_size,
+            "begin_context_token": rule.begin_context_token,
+            "separator_token": rule.separator_token,
+            "drop_bos": drop_bos,
+            "flatten": flatten,
+            "dtype": dtype,
+            "max_tokens": max_tokens,
+        }
+        _refuse_foreign_folder(out, partition)
+        _check_existing_manifests(out, identity, partition)  # before anything is written
+        os.makedirs(out, exist_ok=True)
+        with _exclusive(out, partition):
+            result = _run(
+                hm,
+                tok,
+                source,
+                rule,
+                points,
+                stop,
+                out,
+                identity,
+                columns,
+                partition,
+                shard_contexts,
+                context_size,
+                dtype,
+                batch_size,
+                max_tokens,
+                progress,
+            )
+    if partition.world_size > 1 and barrier(partition.world_size):
+        result = dataclasses.replace(result, all_finished=union_listing(out)[1])
+    return result
+
+
+def _partition(rank: Optional[int], world_size: Optional[int]) -> Partition:
+    """This process's place: as given, else the launcher's (process group or environment)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"pass rank and world_size together (or neither, to take the launcher's): "
+            f"rank={rank}, world_size={world_size}"
+        )
+    if rank is None or world_size is None:
+        rank, world_size = launch_rank()
+    return Partition(rank, world_size)
+
+
+def _run(
+    hm: Any,
+    tok: Any,
+    source: Any,
+    rule: PackingRule,
+    points: list[str],
+    stop: Optional[int],
+    out: str,
+    identity: dict[str, Any],
+    columns: dict[str, list[int]],
+    partition: Partition,
+    shard_contexts: Optional[int],
+    context_size: int,
+    dtype: str,
+    batch_size: int,
+    max_tokens: Optional[int],
+    progress: bool,
+) -> HarvestResult:
+    manifest = _open_manifest(out, identity, partition)
+    if shard_contexts is not None:
+        if manifest.shard_contexts not in (None, shard_contexts):
+            check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
+        manifest.shard_contexts = shard_contexts
+    if manifest.columns is None:
+        manifest.columns = columns
+    elif manifest.columns != columns:
+        check_identity({"columns": manifest.columns}, {"columns": columns}, out)
+    damaged = _drop_damaged_shards(out, manifest)
+    if manifest.finished and not damaged:
+        all_finished = _refresh_union(out, partition, manifest)
+        return _result(out, manifest, manifest.contexts_done, context_size, all_finished)
+    manifest.finished = False
+    if manifest.shard_contexts is None:
+        manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
+    manifest.save(out)
+    run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
+    resumed = manifest.contexts_done
+    run.loop(damaged)
+    return _result(out, manifest, resumed, context_size, _refresh_union(out, partition, manifest))
+
+
+def load_harvest(out: str) -> Any:
+    """The harvest in ``out`` as a ``datasets.Dataset`` (what ``datasets.load_from_disk(out)`` reads), after
+    verifying every complete shard against its manifest: its file's row count and checksum. A damaged shard is
+    refused by name (run the harvest's command again to harvest it anew), never served."""
+    import datasets
+
+    paths = rank_manifests(out) or [p for p in [manifest_path(out, Partition())] if os.path.exists(p)]
+    if not paths:
+        raise LensAdaptersError(f"{out} holds no harvest (no manifest.json or manifest-rank*.json)")
+    manifests = [Manifest.load(path) for path in paths]
+    problems = [
+        f"{record.file} ({problem})"
+        for manifest in manifests
+        for record in manifest.shards
+        if (problem := shard_problem(out, record)) is not None
+    ]
+    if problems:
+        raise HarvestDamagedError(
+            f"{out}: {len(problems)} damaged shard(s): {'; '.join(problems)}. Run the same harvest command again: "
+            f"it harvests damaged shards anew"
+        )
+    if len(paths) > 1 or manifests[0].world_size > 1:
+        union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
+    elif manifests[0].shards and manifests[0].columns is not None and not _lists(out, manifests[0]):
+        write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
+    if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
+        raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
+    return datasets.load_from_disk(out)
+
+
+def _lists(out: str, manifest: Manifest) -> bool:
+    """Whether ``out``'s dataset listing (``state.json``) lists exactly the manifest's shards, in order."""
+    try:
+        with open(os.path.join(out, "state.json"), encoding="utf-8") as handle:
+            listed = [entry.get("filename") for entry in json.load(handle).get("_data_files", [])]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return listed == [s.file for s in manifest.shards]
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+class _Run:
+    def __init__(
+        self,
+        hm: Any,
+        tokenizer: Any,
+        source: Any,
+        rule: PackingRule,
+        points: list[str],
+        stop: Optional[int],
+        manifest: Manifest,
+        partition: Partition,
+        out: str,
+        batch_size: int,
+        max_tokens: Optional[int],
+        progress: bool,
+    ) -> None:
+        self.hm, self.source, self.rule, self.points, self.stop = hm, source, rule, points, stop
+        self.manifest, self.partition, self.out, self.batch_size = manifest, partition, out, batch_size
+        self.size = rule.context_size
+        self.max_contexts = None if max_tokens is None else max_tokens // self.size
+        self.bos = tokenizer.bos_token_id
+        self.first = 1 if manifest.identity["drop_bos"] else 0
+        self.features = harvest_features(manifest)  # columns in execution order, as the hooks are listed
+        owner = types.SimpleNamespace(
+            tokenizer=tokenizer, default_prepend_bos=False, default_padding_side="right", cfg=None
+        )
+        self.tokenize = lambda text: _tokens.tokenize(owner, text, prepend_bos=False, truncate=False)[0][0].tolist()
+        self.kill = _kill_switch(partition.rank)
+        self.progress = progress
+
+    def loop(self, damaged: Sequence[int] = ()) -> None:
+        manifest = self.manifest
+        per_shard = manifest.shard_contexts
+        done = {s.index for s in manifest.shards}
+        start, cursor = manifest.resume_point(before=min(damaged, default=None))
+        self._clean_temporary()
+        if self.partition.world_size == 1:
+            if manifest.shards:
+                self._refresh_listing()
+            else:  # no complete shard (any listed before was damaged): nothing to list
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out, "state.json"))
+        if self.hm.hf_model.training:
+            warnings.warn(
+                "harvesting a model in training mode (dropout active): call model.eval() for reproducible activations",
+                stacklevel=3,
+            )
+        total = None if self.max_contexts is None else self.max_contexts * self.size
+        bar = _progress_bar(total, manifest.contexts_done * self.size, self.progress)
+        writer: Optional[ShardWriter] = None
+        batch: list[torch.Tensor] = []
+        first = shard = -1
+        last: Optional[tuple[int, Cursor]] = None
+        try:
+            for number, (context, after) in enumerate(self._contexts(cursor), start):
+                if self.max_contexts is not None and number >= self.max_contexts:
+                    break
+                if not self.partition.owns_context(number, per_shard) or number // per_shard in done:
+                    continue
+                if writer is None:
+                    shard, first = number // per_shard, number
+                    writer = ShardWriter(os.path.join(self.out, shard_file(shard)), self.features)
+                batch.append(context)
+                last = (number, after)
+                shard_full = (number + 1) % per_shard == 0
+                capped = self.max_contexts is not None and number + 1 == self.max_contexts
+                if len(batch) == self.batch_size or shard_full or capped:
+                    self._write_batch(writer, batch, bar)
+                    batch = []
+                    if not shard_full:
+                        self.kill("batch")
+                if shard_full:
+                    self._commit(writer, shard, first, *last)
+                    writer = None
+            if batch:
+                self._write_batch(writer, batch, bar)
+            if writer is not None and last is not None:
+                self._commit(writer, shard, first, *last)
+                writer = None
+            manifest.finished = True
+            manifest.save(self.out)
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.discard()
+
+    def _contexts(self, cursor: Cursor) -> Iterator[tuple[torch.Tensor, Cursor]]:
+        rows = self.source.rows(cursor.row)
+        if self.source.kind == "tokens":
+            return contexts_of_rows(rows, self.size, cursor)
+        return pack(rows, self.tokenize, self.rule, cursor)
+
+    @torch.no_grad()
+    def _write_batch(self, writer: ShardWriter, batch: list[torch.Tensor], bar: Any) -> None:
+        tokens = torch.stack(batch)
+        on_device = tokens.to(self.hm.device)
+        _, cache = self.hm.run_with_cache(
+            on_device,
+            names_filter=self.points,
+            stop_at_layer=self.stop,
+            return_type=None,
+            attention_mask=torch.ones_like(on_device),
+        )
+        dtype = self.manifest.identity["dtype"]
+        keep = slice(self.first, None)
+        columns = {
+            "token_ids": tokens[:, keep].numpy().astype(np.int32),
+            "is_bos": (tokens[:, keep] == self.bos).numpy()
+            if self.bos is not None
+            else np.zeros((len(batch), self.size - self.first), dtype=bool),
+        }
+        for name in self.points:
+            value = cache[name]
+            if self.manifest.identity["flatten"] and value.dim() > 3:
+                value = value.flatten(2)
+            expected = (len(batch), self.size, *self.manifest.columns[name])
+            if tuple(value.shape) != expected:
+                raise HarvestHookError(
+                    f"{name} has shape {tuple(value.shape)} for a batch of {len(batch)} contexts "
+                    f"of {self.size} tokens; a harvest stores [batch, pos, ...] values of shape "
+                    f"{expected}"
+                )
+            columns[name] = to_numpy(value[:, keep], dtype)
+        writer.write(columns)
+        bar.update(len(batch) * self.size)
+
+    def _commit(self, writer: ShardWriter, shard: int, first: int, number: int, after: Cursor) -> None:
+        checksum = writer.commit()
+        self.kill("shard-file")
+        record = ShardRecord(
+            shard, shard_file(shard), first, number + 1, after.row, after.offset, writer.rows, checksum
+        )
+        self.manifest.shards.append(record)
+        self.manifest.shards.sort(key=lambda s: s.index)
+        self.manifest.save(self.out)
+        self.kill("manifest")
+        if self.partition.world_size == 1:
+            self._refresh_listing()
+        else:
+            union_listing(self.out)
+
+    def _refresh_listing(self) -> None:
+        write_dataset_listing(self.out, [s.file for s in self.manifest.shards], self.features)
+
+    def _clean_temporary(self) -> None:
+        for path in glob.glob(os.path.join(self.out, "shard-*.arrow.tmp")):
+            index = int(os.path.basename(path)[len("shard-") :].split(".")[0])
+            if self.partition.owns_shard(index):
+                os.remove(path)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _hooked(model: Any, tokenizer: Any) -> Iterator[Any]:
+    """A HookedModel for ``model``; one made here is unwrapped at the end."""
+    from lensadapters.api.hooked_model import HookedModel
+
+    if isinstance(model, HookedModel):
+        yield model
+        return
+    if isinstance(model, (str, os.PathLike)):
+        hm = HookedModel.from_pretrained(os.fspath(model), tokenizer=tokenizer)
+        hm.hf_model.eval()
+    else:
+        existing = HookedModel.wrap(model) if _is_wrapped(model) else None
+        if existing is not None:
+            yield existing
+            return
+        hm = HookedModel.wrap(model)
+    try:
+        yield hm
+    finally:
+        hm.unwrap()
+
+
+def _is_wrapped(model: Any) -> bool:
+    from lensadapters.api.hooked_model import _wrapper_of
+
+    return _wrapper_of(model) is not None
+
+
+def _packing_rule(tokenizer: Any, context_size: int, prepend_bos: bool, separator: Separator) -> PackingRule:
+    begin = None
+    if prepend_bos:
+        begin = tokenizer.bos_token_id
+        if begin is None:
+            raise LensAdaptersError(
+                "prepend_bos=True, but the tokenizer has no BOS token: pass prepend_bos=False (--no-prepend-bos)"
+            )
+    if separator in ("bos", "eos"):
+        separator_id = getattr(tokenizer, f"{separator}_token_id")
+        if separator_id is None:
+            raise LensAdaptersError(
+                f"sequence_separator={separator!r}, but the tokenizer has no {separator.upper()} "
+                f"token: pass another separator, a token id or None"
+            )
+    elif separator is None or isinstance(separator, int):
+        separator_id = separator
+    else:
+        raise ValueError(f"sequence_separator must be 'bos', 'eos', a token id or None, not {separator!r}")
+    return PackingRule(context_size, begin, separator_id)
+
+
+def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> Manifest:
+    """This rank's manifest (new or resumed), after checking it against every manifest in ``out``; a new one is saved
+    at once, under the listing lock, so that ranks started at the same time with different commands cannot both
+    write."""
+    with locked(os.path.join(out, LISTING_LOCK)) if partition.world_size > 1 else contextlib.nullcontext():
+        _check_existing_manifests(out, identity, partition)
+        path = manifest_path(out, partition)
+        if os.path.exists(path):
+            manifest = Manifest.load(path)
+            if (manifest.rank, manifest.world_size) != (partition.rank, partition.world_size):
+                raise HarvestMismatchError(f"{path} belongs to rank {manifest.rank} of {manifest.world_size}")
+            return manifest
+        manifest = Manifest(identity=identity, rank=partition.rank, world_size=partition.world_size)
+        if partition.world_size > 1:
+            manifest.save(out)
+        return manifest
+
+
+def _check_existing_manifests(out: str, identity: dict[str, Any], partition: Partition) -> None:
+    """Refuse, naming what differs, a harvest into ``out`` whose manifests (this rank's, and every other rank's)
+    record another command."""
+    if not os.path.isdir(out):
+        return
+    paths = rank_manifests(out) if partition.world_size > 1 else [manifest_path(out, partition)]
+    for path in paths:
+        if os.path.exists(path):
+            check_identity(Manifest.load(path).identity, identity, out)
+
+
+def _drop_damaged_shards(out: str, manifest: Manifest) -> list[int]:
+    """Verify this rank's complete shards against the manifest (row count and checksum); a damaged one is named
+    (a warning), its file deleted and its record dropped, so that it is harvested anew. Returns their indices."""
+    damaged = []
+    for record in list(manifest.shards):
+        problem = shard_problem(out, record)
+        if problem is None:
+            continue
+        warnings.warn(f"{out}: {record.file} is damaged ({problem}): harvesting it again", stacklevel=4)
+        damaged.append(record.index)
+        manifest.shards.remove(record)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, record.file))
+    if damaged:
+        manifest.finished = False
+        manifest.save(out)
+    return damaged
+
+
+def _refuse_foreign_folder(out: str, partition: Partition) -> None:
+    """A non-empty folder that holds no harvest, or a harvest split over another number of processes, is not
+    written into."""
+    if not os.path.isdir(out):
+        return
+    check_world_size(out, partition.world_size)
+    if partition.world_size > 1 or os.path.exists(manifest_path(out, partition)):
+        return
+    if any(not _is_lock(name) for name in os.listdir(out)):
+        raise HarvestMismatchError(f"{out} is not empty and holds no harvest manifest: choose an empty or new folder")
+
+
+def _is_lock(name: str) -> bool:
+    return name.startswith(".harvest") and name.endswith(".lock")
+
+
+@contextlib.contextmanager
+def _exclusive(out: str, partition: Partition) -> Iterator[None]:
+    """Only one process writes a rank's shards at a time; the lock goes with its process, even one killed."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks on this platform
+        yield
+        return
+    name = ".harvest.lock" if partition.world_size == 1 else f".harvest-rank{partition.rank:05d}.lock"
+    with open(os.path.join(out, name), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise HarvestMismatchError(
+                f"another process is harvesting into {out} ({name} is locked): wait for it, or stop it first"
+            ) from None
+        yield
+
+
+def _check_context_size(hm: Any, context_size: int) -> None:
+    n_ctx = getattr(hm.cfg, "n_ctx", None)
+    if isinstance(n_ctx, int) and n_ctx > 0 and context_size > n_ctx:
+        raise HarvestContextError(
+            f"context_size={context_size} is longer than the model's {n_ctx} positions (n_ctx, from its config's "
+            f"max_position_embeddings): choose context_size <= {n_ctx} (--context-size)"
+        )
+
+
+@torch.no_grad()
+def _probe(hm: Any, points: list[str], stop: Optional[int], context_size: int) -> dict[str, list[int]]:
+    """The per-token shape of each point (after ``[batch, pos]``), from a forward of one whole context (so a context
+    the model cannot run fails here, before anything is written)."""
+    tokens = torch.zeros(1, context_size, dtype=torch.long, device=hm.device)
+    try:
+        _, cache = hm.run_with_cache(
+            tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
+        )
+    except LensAdaptersError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - named below, with the cause attached
+        raise HarvestContextError(
+            f"a forward of one context of {context_size} tokens fails ({type(exc).__name__}: {exc}): the model "
+            f"cannot run contexts of this size; choose a smaller context_size (--context-size)"
+        ) from exc
+    shapes = {}
+    for name in points:
+        shape = tuple(cache[name].shape)
+        if shape[:2] != (1, context_size):
+            raise HarvestHookError(
+                f"{name} has shape {shape} for one context of {context_size} tokens: a harvest stores values of shape "
+                f"[batch, pos, ...], one per token"
+            )
+        shapes[name] = list(shape[2:])
+    return shapes
+
+
+def _default_shard_contexts(columns: dict[str, list[int]], context_size: int, dtype: str, batch_size: int) -> int:
+    itemsize = np.dtype(STORAGE_DTYPES[dtype]).itemsize
+    per_context = context_size * (5 + sum(math.prod(shape) * itemsize for shape in columns.values()))
+    contexts = max(1, DEFAULT_SHARD_BYTES // per_context)
+    return max(batch_size, contexts // batch_size * batch_size)
+
+
+def _result(out: str, manifest: Manifest, resumed: int, context_size: int, all_finished: bool) -> HarvestResult:
+    done = manifest.contexts_done
+    return HarvestResult(out, done, done * context_size, len(manifest.shards), resumed, manifest.finished, all_finished)
+
+
+def _refresh_union(out: str, partition: Partition, manifest: Manifest) -> bool:
+    """Rewrite the listing of all ranks' shards (several ranks); whether every rank has finished."""
+    if partition.world_size == 1:
+        return manifest.finished
+    return union_listing(out)[1]
+
+
+def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="tok",
+        unit_scale=True,
+        desc="harvest",
+        disable=not enabled,
+        dynamic_ncols=True,
+    )
+
+
+def _kill_switch(rank: int) -> Any:
+    """The test hook of ``KILL_ENV``: a function of an event name that SIGKILLs this process at the chosen one
+    (``EVENT:N@RANK``: only in rank ``RANK`` of a split harvest)."""
+    setting = os.environ.get(KILL_ENV)
+    if setting and "@" in setting:
+        setting, _, only = setting.partition("@")
+        if int(only) != rank:
+            setting = ""
+    if not setting:
+        return lambda event: None
+    event_wanted, _, count = setting.partition(":")
+    seen = {"n": 0}
+
+    def kill(event: str) -> None:
+        if event == event_wanted:
+            seen["n"] += 1
+            if seen["n"] == int(count or 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill

@@ -1,0 +1,158 @@
+"""Everything a plugin may use, in one public module: ``from lensadapters.plugin_api import ...``.
+
+A third-party plugin needs no other module of the core (``docs/writing-a-plugin.md`` imports only from here and
+from :mod:`lensadapters`, :mod:`lensadapters.hf` and :mod:`lensadapters.testing`). Names outside ``__all__`` of
+these modules are the core's own and may change between releases.
+
+* **Hooks and the plugin-facing model**: ``hookimpl``, ``HOOKSPEC_VERSION``, :class:`Hooked` (what
+  ``lensadapters_extra_sites``/``lensadapters_weight``... receive as ``hooked``), ``ContractVariant``.
+* **The description language**: ``Architecture``, ``HookedConfig``, ``ModelLayout``, ``BlockLayout``,
+  ``SeparateQKV``/``FusedQKV``, ``MLPLayout``/``FusedGateUp``, ``NormSpec``, ``ProjectionNorm``, ``RotarySpec``,
+  ``LinearWeight``; rotary helpers (``rotate_half_spec``, ``apply_rotate_half``...), MoE descriptions
+  (``MoELayout``, ``Routing``, ``stored_moe_layout``...).
+* **Points, sites and per-forward state**: :class:`HookPoint`, :class:`Site` (``points``, ``wanted``,
+  ``signature``, ``install``) and its order rule (``completes_output``/``reads_output``: below), the reusable
+  core sites (``InputSite``, ``OutputSite``, ``NormSite``...), ``ForwardState`` (``hooked.forward_state``:
+  ``site_values(site)`` is a dict private to one site within one forward pass, cleared after it),
+  ``is_recomputing`` (a gradient-checkpoint recomputation is running), the tensor helpers of sites
+  (``first_input``, ``replace_first_output``, ``split_heads``...), ``detachable`` (handles made inert in copies)
+  and ``InstanceOverride`` (a per-instance method override that copies and pickles turn back into the class's).
+* **Weights**: ``read_linear`` (``[d_in, d_out]`` through every plugin), ``mlp_weights``, and the one reader of
+  the named weights, ``read_weight``/``layer_weight`` (a ``lensadapters_weight`` override reaches every value
+  derived from that weight: ``hm.W_O``, ``attn.hook_result``, the cache's decompositions); ``live_parameters``
+  (offloaded modules), ``innermost_layer``/``wrapped_layers`` (adapter wrappers).
+* **Errors**: ``UnsupportedModelError``, ``WeightUnavailableError``, ``PluginValidationError``.
+
+**Order of hooks on a shared module.** Several sites may hook one module (a norm whose output a plugin's point
+also shows, a projection whose output a per-head input edit completes). The order is a rule, not an accident of
+attachment: a forward hook registered with :func:`completes_output` (it writes into the module's output what the
+model computes with an edit: a norm's edited output, a folded per-head edit, a recomputed MoE output) runs before
+every hook registered with :func:`reads_output` (it shows the output to a point) and before any other forward hook
+of the module, whichever point was hooked first. The core's own sites follow the rule; so must a plugin's.
+"""
+
+from lensadapters.adapters import hf
+from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, ContractVariant, hookimpl
+from lensadapters.adapters.layers import innermost_layer, wrapped_layers
+from lensadapters.adapters.moe import (
+    ExpertModules,
+    FusedExperts,
+    MoELayout,
+    Routing,
+    expert_tokens,
+    router_weight,
+    stored_moe_layout,
+)
+from lensadapters.adapters.protocol import Hooked
+from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
+from lensadapters.hooks.attention import explicit_attention
+from lensadapters.hooks.copying import InstanceOverride, detachable
+from lensadapters.hooks.frames import ForwardState, FrameValues
+from lensadapters.hooks.hook_point import HookPoint, is_recomputing
+from lensadapters.hooks.offload import live_parameters
+from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half, rotate_half, rotate_half_spec
+from lensadapters.hooks.sites import (
+    Handle,
+    InputSite,
+    NormSite,
+    OutputSite,
+    ProjectionSite,
+    ScaledOutputSite,
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    merge_heads,
+    reads_output,
+    replace_first_input,
+    replace_first_output,
+    split_heads,
+)
+from lensadapters.hooks.specs import (
+    Architecture,
+    BlockLayout,
+    FusedGateUp,
+    FusedQKV,
+    HookedConfig,
+    LinearWeight,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    RotarySpec,
+    SeparateQKV,
+    cat_gate_up,
+    chunk_gate_up,
+)
+from lensadapters.wiring.weights import WEIGHT_NAMES, layer_weight, mlp_weights, read_linear, read_weight
+
+__all__ = [
+    # hooks and the plugin-facing model
+    "HOOKSPEC_VERSION",
+    "ContractVariant",
+    "Hooked",
+    "hf",
+    "hookimpl",
+    # the description language
+    "Architecture",
+    "BlockLayout",
+    "ExpertModules",
+    "FusedExperts",
+    "FusedGateUp",
+    "FusedQKV",
+    "HookedConfig",
+    "LinearWeight",
+    "MLPLayout",
+    "MoELayout",
+    "ModelLayout",
+    "NormSpec",
+    "ProjectionNorm",
+    "Routing",
+    "RotarySpec",
+    "SeparateQKV",
+    "apply_rotate_half",
+    "invert_rotate_half",
+    "rotate_half",
+    "rotate_half_spec",
+    "stored_moe_layout",
+    "cat_gate_up",
+    "chunk_gate_up",
+    # points, sites, per-forward state, the order rule
+    "ForwardState",
+    "FrameValues",
+    "Handle",
+    "HookPoint",
+    "InputSite",
+    "NormSite",
+    "OutputSite",
+    "ProjectionSite",
+    "ScaledOutputSite",
+    "Site",
+    "InstanceOverride",
+    "detachable",
+    "completes_output",
+    "explicit_attention",
+    "first_input",
+    "first_output",
+    "is_recomputing",
+    "merge_heads",
+    "reads_output",
+    "replace_first_input",
+    "replace_first_output",
+    "split_heads",
+    # weights
+    "WEIGHT_NAMES",
+    "expert_tokens",
+    "innermost_layer",
+    "layer_weight",
+    "live_parameters",
+    "mlp_weights",
+    "read_linear",
+    "read_weight",
+    "router_weight",
+    "wrapped_layers",
+    # errors
+    "PluginValidationError",
+    "UnsupportedModelError",
+    "WeightUnavailableError",
+]

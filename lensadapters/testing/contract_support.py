@@ -1,0 +1,145 @@
+"""What the contract's properties share: tolerances, Hypothesis settings, comparisons, the declared
+:class:`Capabilities` and the hook points every block has."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+from hypothesis import HealthCheck, settings
+
+from lensadapters.api.hooked_model import HookedModel
+
+ATOL = 1e-4
+RTOL = 1e-4
+# each plugin subclass runs the inherited tests (differing executors by design)
+_SETTINGS = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+)
+#: the Hypothesis settings of every property: a contract variant that redefines one (an 8-bit model's identities
+#: within a quantization bound) decorates it with ``@property_settings`` and ``@given(data=st.data())``
+property_settings = _SETTINGS
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    if not close(a, b, atol, rtol):
+        diff = (a.float() - b.float()).abs().max().item()
+        raise AssertionError(f"{what}: max abs difference {diff:.3g} (atol {atol}, rtol {rtol})")
+
+
+def perturb(t: torch.Tensor, hook: Any) -> torch.Tensor:
+    """A generic edit that changes every element (deterministic)."""
+    g = torch.Generator().manual_seed(len(hook.name))
+    noise = torch.randn(t.shape, generator=g).to(t.dtype)
+    return t * 1.5 + 0.3 * noise
+
+
+def uncap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """The scores before a softcap ``cap * tanh(s / cap)`` (``-inf`` stays ``-inf``)."""
+    return cap * torch.atanh((scores.double() / cap).clamp(-1 + 1e-15, 1 - 1e-15))
+
+
+def _flatten_scores(scores: torch.Tensor, hook: Any) -> torch.Tensor:
+    """Every unmasked score 0 (a uniform pattern over the allowed keys), masked ones kept at ``-inf``."""
+    return torch.where(torch.isfinite(scores), torch.zeros_like(scores), scores)
+
+
+def _attention_witness(hm: HookedModel, name: str) -> Optional[str]:
+    """For a point upstream of a layer's attention scores (q, k, rotary, their LoRA deltas), the scores;
+    for the scores, the pattern: where an edit that a saturated softmax hides from the logits must show."""
+    match = re.match(r"^(blocks\.\d+\.)", name)
+    if match is None:
+        return None
+    names = hm.hook_names
+    scores, pattern = match.group(1) + "attn.hook_attn_scores", match.group(1) + "attn.hook_pattern"
+    if name == scores:
+        return pattern if pattern in names else None
+    if scores in names and names.index(name) < names.index(scores):
+        return scores
+    return None
+
+
+def _hook_counts(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def _instance_attributes(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Each module's instance attribute names (a plugin may override a method on one instance while hooked)."""
+    return {name: set(vars(module)) for name, module in model.named_modules()}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model has, as its plugin's contract declares it.
+
+    Hook-point capabilities (``None``: not declared, not checked):
+
+    * ``learned_positions``: a learned position table: ``hook_pos_embed``, ``W_pos``,
+      ``cfg.positional_embedding_type == "standard"``.
+    * ``rotary``: rotary embeddings: ``attn.hook_rot_q``/``hook_rot_k`` in every block,
+      ``cfg.positional_embedding_type == "rotary"``, ``0 < cfg.rotary_dim <= cfg.d_head``.
+    * ``gated_mlp``: ``mlp.hook_pre_linear`` in every block, ``cfg.gated_mlp``, ``W_gate``.
+    * ``parallel_blocks``: attention and MLP read the same block input: no ``hook_resid_mid``,
+      ``cfg.parallel_attn_mlp``; sequential blocks have ``hook_resid_mid`` in every block.
+
+    What the properties may assume (the defaults hold for GPT-2, GPT-NeoX, OPT, Llama and GPT-J):
+
+    * ``score_linear_points``: query points (relative to a block) whose doubling doubles every unmasked
+      attention score (before a declared ``score_softcap``). Leave out a point behind which the queries are
+      normalized (Qwen3's, Gemma 3's and OLMo 2's ``q_norm``: ``("attn.hook_rot_q",
+      "attn.q_norm.hook_normalized")``). Points a model lacks are skipped.
+    * ``score_invariant_points``: query points followed by a scale-invariant (RMS) query norm, whose doubling
+      leaves the scores as they were up to the norm's eps (``("attn.hook_q",)`` for those three).
+    * ``score_softcap``: the config attribute holding an attention-score softcap (Gemma 2:
+      ``"attn_logit_softcapping"``); where the config sets it ``c``, doubling a linear point doubles
+      ``c * atanh(score / c)`` (scores near the cap, where ``atanh`` is ill-conditioned, are left out).
+    * ``post_norms``: block outputs taken after a norm that follows their projection, mapped to that norm
+      (relative to the block): ``{"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}`` for Gemma 2's
+      sandwich norms. The weight identities then read ``hook_attn_out == norm(z @ W_O + b_O)``, and head
+      ablation compares the ``hook_z`` and ``hook_result`` edits with each other instead of subtracting a
+      head's contribution from ``hook_attn_out``. Each declared norm must have its ``hook_scale`` point in
+      every block. A scale-invariant norm further on may then absorb a norm-scale edit (doubling ``ln1``'s
+      scale halves the values that ``ln1_post`` scales back): the edit must change the logits or, failing
+      that, the first hook point after the edited norm's (likewise with declared ``score_invariant_points``:
+      a saturated softmax may hide a query norm's edit).
+    * ``pre_norms``: ``False`` for blocks without norms before attention and MLP (OLMo 2): no ``ln1.*`` or
+      ``ln2.*`` points; attention reads ``hook_resid_pre`` and the MLP ``hook_mlp_in``.
+    * ``logit_softcap``: the config attribute holding a final-logit softcap (Gemma 2:
+      ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
+    """
+
+    learned_positions: Optional[bool] = None
+    rotary: Optional[bool] = None
+    gated_mlp: Optional[bool] = None
+    parallel_blocks: Optional[bool] = None
+    score_linear_points: tuple[str, ...] = ("attn.hook_q", "attn.hook_rot_q")
+    score_invariant_points: tuple[str, ...] = ()
+    score_softcap: Optional[str] = None
+    post_norms: Mapping[str, str] = field(default_factory=dict)
+    pre_norms: bool = True
+    logit_softcap: Optional[str] = None
+
+
+#: hook points every block has, whatever the architecture (and ln1.*, unless the contract declares no pre-norms)
+_BLOCK_POINTS = (
+    "hook_resid_pre",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+    "attn.hook_result",
+    "hook_attn_out",
+    "mlp.hook_pre",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)

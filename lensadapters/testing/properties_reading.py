@@ -1,0 +1,308 @@
+"""The contract's properties of reading: declared points, bitwise with no hooks, identity hooks,
+patterns, weights and residual identities (sections 0 to 4 of :class:`~lensadapters.testing.AdapterContract`)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lensadapters.api.hooked_model import HookedModel
+from lensadapters.testing.contract_support import (
+    _BLOCK_POINTS,
+    _SETTINGS,
+    assert_close,
+)
+from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
+
+
+class ReadingProperties:
+    """Properties 0-4: what a hook reads is what its name says (mixed into ``AdapterContract``)."""
+
+    # --- 0. declared capabilities ------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
+        """Every block has the hook points all architectures have, and each declared capability its own
+        (``Capabilities``), with ``hm.cfg`` saying the same: a point the plugin fails to expose fails here
+        instead of silently shrinking what the other properties check."""
+        model, inputs = self.draw(data)
+        declared = self.capabilities(model)
+        hm = self.wrap(model)
+        cfg, names = hm.cfg, set(hm.hook_names)
+        blocks = range(cfg.n_layers)
+
+        def points(*suffixes: str) -> list[str]:
+            return [f"blocks.{i}.{s}" for i in blocks for s in suffixes]
+
+        pre_norm_points = ("ln1.hook_scale", "ln1.hook_normalized") if declared.pre_norms else ()
+        missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS, *pre_norm_points) if n not in names]
+        assert not missing, f"hook points every model has are missing: {missing}"
+        if not declared.pre_norms:
+            found = sorted(n for n in names if n.startswith("blocks.") and n.split(".")[2] in ("ln1", "ln2"))
+            assert not found, f"pre_norms=False, but the model has {found}"
+            missing = [n for n in points("hook_mlp_in") if n not in names]
+            assert not missing, f"pre_norms=False: the MLP reads hook_mlp_in, but the model lacks {missing}"
+        shapes: dict[str, tuple[str, ...]] = {}  # capability point -> the point whose shape it has
+        if declared.learned_positions is not None:
+            assert ("hook_pos_embed" in names) == declared.learned_positions, (
+                f"learned_positions={declared.learned_positions}, but hook_pos_embed is "
+                f"{'present' if 'hook_pos_embed' in names else 'missing'}"
+            )
+            if declared.learned_positions:
+                assert cfg.positional_embedding_type == "standard", cfg.positional_embedding_type
+                assert hm.W_pos.ndim == 2 and hm.W_pos.shape[1] == cfg.d_model, tuple(hm.W_pos.shape)
+                shapes["hook_pos_embed"] = ("hook_embed",)
+        if declared.rotary is not None:
+            rotary_points = points("attn.hook_rot_q", "attn.hook_rot_k")
+            present = [n for n in rotary_points if n in names]
+            if declared.rotary:
+                assert present == rotary_points, (
+                    f"rotary=True, but missing: {sorted(set(rotary_points) - set(present))}"
+                )
+                assert cfg.positional_embedding_type == "rotary", cfg.positional_embedding_type
+                assert cfg.rotary_dim is not None and 0 < cfg.rotary_dim <= cfg.d_head, (cfg.rotary_dim, cfg.d_head)
+                for i in blocks:
+                    for x in "qk":
+                        shapes[f"blocks.{i}.attn.hook_rot_{x}"] = (f"blocks.{i}.attn.hook_{x}",)
+            else:
+                assert not present, f"rotary=False, but the model has {present}"
+                assert cfg.positional_embedding_type != "rotary"
+        if declared.gated_mlp is not None:
+            gated_points = points("mlp.hook_pre_linear")
+            present = [n for n in gated_points if n in names]
+            assert cfg.gated_mlp == declared.gated_mlp, f"gated_mlp={declared.gated_mlp}, cfg.gated_mlp={cfg.gated_mlp}"
+            if declared.gated_mlp:
+                assert present == gated_points, (
+                    f"gated_mlp=True, but missing: {sorted(set(gated_points) - set(present))}"
+                )
+                assert hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp), tuple(hm.W_gate.shape)
+                for i in blocks:
+                    shapes[f"blocks.{i}.mlp.hook_pre_linear"] = (f"blocks.{i}.mlp.hook_pre",)
+            else:
+                assert not present, f"gated_mlp=False, but the model has {present}"
+        if declared.parallel_blocks is not None:
+            mid = [n for n in points("hook_resid_mid") if n in names]
+            assert cfg.parallel_attn_mlp == declared.parallel_blocks, (
+                f"parallel_blocks={declared.parallel_blocks}, cfg.parallel_attn_mlp={cfg.parallel_attn_mlp}"
+            )
+            assert [layout.parallel for layout in hm.block_layouts] == [declared.parallel_blocks] * cfg.n_layers
+            if declared.parallel_blocks:
+                assert not mid, f"parallel blocks have no hook_resid_mid, but the model has {mid}"
+            else:
+                assert mid == points("hook_resid_mid"), "a sequential block lacks hook_resid_mid"
+        for output, norm in declared.post_norms.items():
+            missing = [n for n in points(f"{norm}.hook_scale", output) if n not in names]
+            assert not missing, f"post_norms declares {output} after {norm}, but the model lacks {missing}"
+        if shapes:
+            watched = list(shapes) + [like for likes in shapes.values() for like in likes]
+            with torch.no_grad():
+                _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=watched)
+            for name, (like,) in shapes.items():
+                assert cache[name].shape == cache[like].shape, (
+                    f"{name} has shape {tuple(cache[name].shape)}, {like} {tuple(cache[like].shape)}"
+                )
+        hm.unwrap()
+
+    # --- 1. no hooks: bitwise ----------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_no_hooks_is_bitwise(self, data: st.DataObject) -> None:
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            reference = model(**inputs.kwargs()).logits
+            hm = self.wrap(model)
+            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+            # hooks that came and went leave nothing behind
+            hm.run_with_cache(**inputs.kwargs())
+            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+            assert model.config._attn_implementation == impl
+        hm.unwrap()
+
+    # --- 2. identity hooks everywhere ------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_identity_hooks_keep_logits(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        with torch.no_grad():
+            reference = model(**inputs.kwargs()).logits
+            hm = self.wrap(model)
+            calls: dict[str, int] = {}
+
+            def copy(t: torch.Tensor, hook: Any) -> torch.Tensor:
+                calls[hook.name] = calls.get(hook.name, 0) + 1
+                return t.clone()  # a new tensor: forces every re-fusing/recomputing path
+
+            logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(lambda n: True, copy)])
+        assert set(calls) == set(hm.hook_names), f"hook points that never fired: {set(hm.hook_names) - set(calls)}"
+        assert list(calls) == hm.hook_names, "hook_names is not the order in which hook points fire"
+        assert_close(self.valid_logits(logits, inputs), self.valid_logits(reference, inputs), "identity hooks")
+        hm.unwrap()
+
+    # --- 3. patterns ---------------------------------------------------------------------------------
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_pattern_matches_hf_eager(self, data: st.DataObject) -> None:
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            model.config._attn_implementation = "eager"
+            reference = model(**inputs.kwargs(), output_attentions=True).attentions
+            model.config._attn_implementation = impl
+            hm = self.wrap(model)
+            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: n.endswith("hook_pattern"))
+        valid = inputs.valid
+        length = inputs.input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        for layer in range(hm.cfg.n_layers):
+            pattern = cache["pattern", layer]
+            assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
+            rows = valid[:, None, :, None].expand_as(pattern)
+            assert_close(
+                pattern[rows.expand_as(pattern)],
+                reference[layer][rows.expand_as(pattern)],
+                f"layer {layer} pattern vs HF eager",
+            )
+            sums = pattern.sum(-1)[valid[:, None, :].expand(-1, hm.cfg.n_heads, -1)]
+            assert_close(sums, torch.ones_like(sums), "pattern rows sum to 1")
+            # a padding query (no key to attend to) is whatever the implementation makes of an empty row (eager
+            # spreads it over every key; compared with HF above only where the query is valid)
+            queries = valid[:, None, :, None].expand_as(pattern)
+            assert (pattern[queries & ~causal] == 0).all(), "pattern attends to the future"
+            pad_keys = (~valid)[:, None, None, :].expand_as(pattern)
+            assert (pattern[queries & pad_keys] == 0).all(), "pattern attends to padding"
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_pattern_hooks_leave_other_layers_alone(self, data: st.DataObject) -> None:
+        """Only hooked layers compute attention explicitly: everything the model computes before the hooked
+        layer's attention (earlier layers included) keeps the configured implementation's numbers, bit for bit."""
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        hm = self.wrap(model)
+        layer = hm.cfg.n_layers - 1
+        names = hm.hook_names
+        scores = names.index(f"blocks.{layer}.attn.hook_attn_scores")
+        earlier = [n for n in names[:scores] if not n.endswith(("hook_attn_scores", "hook_pattern"))]
+        with torch.no_grad():
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=earlier)
+            with hm.hooks([(f"blocks.{layer}.attn.hook_pattern", lambda t, hook: None)]):
+                _, other = hm.run_with_cache(**inputs.kwargs(), names_filter=earlier)
+        for name in earlier:
+            assert torch.equal(base[name], other[name]), f"{name} changed when only layer {layer}'s pattern was hooked"
+        hm.unwrap()
+
+    # --- 4. weights and residual identities ------------------------------------------------------
+
+    def expected_logits(self, model: torch.nn.Module, unembedded: torch.Tensor) -> torch.Tensor:
+        """The logits the model gives for ``final @ W_U + b_U``: unchanged, or softcapped where the contract
+        declares ``logit_softcap`` and the config sets it."""
+        attribute = self.capabilities(model).logit_softcap
+        cap = getattr(model.config, attribute, None) if attribute else None
+        return unembedded if cap is None else cap * torch.tanh(unembedded / cap)
+
+    def _post_normed(
+        self, hm: HookedModel, layer: int, output: str, value: torch.Tensor, post_norms: Mapping[str, str]
+    ) -> tuple[torch.Tensor, str]:
+        """``value`` (a projection's output) as block output ``output`` shows it: after its declared post norm."""
+        norm = post_norms.get(output)
+        if norm is None:
+            return value, ""
+        return apply_norm(hm.norm_spec(hm.norm_module(f"blocks.{layer}.{norm}")), value), f" after {norm}"
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
+        model, inputs = self.draw(data)
+        hm = self.wrap(model)
+        post_norms = self.capabilities(model).post_norms
+        with torch.no_grad():
+            out = hm.model(**inputs.kwargs(), output_hidden_states=True)
+            _, cache = hm.run_with_cache(**inputs.kwargs())
+            W_Q, b_Q, W_K, b_K, W_V, b_V = hm.W_Q, hm.b_Q, hm._W_K, hm._b_K, hm._W_V, hm._b_V
+            W_O, b_O, W_out, b_out = hm.W_O, hm.b_O, hm.W_out, hm.b_out
+            W_in, b_in = hm.W_in, hm.b_in
+            gated = hm.cfg.gated_mlp
+            if gated:
+                W_gate, b_gate = hm.W_gate, hm.b_gate
+            v = inputs.valid
+            names = set(hm.hook_names)
+            for block in block_inputs(hm, cache):
+                i, attn_in, mlp_in = block.layer, block.attn_in, block.mlp_in
+                for name, W, b in (("q", W_Q, b_Q), ("k", W_K, b_K), ("v", W_V, b_V)):
+                    expected = torch.einsum("bpm,hmd->bphd", attn_in, W[i]) + b[i]
+                    assert_close(
+                        cache[name, i][v], expected[v], f"layer {i} hook_{name} == normalized @ W_{name.upper()}"
+                    )
+                expected, after = self._post_normed(
+                    hm, i, "hook_attn_out", torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i], post_norms
+                )
+                assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O{after}")
+                if mlp_in is not None:
+                    if gated:
+                        assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
+                        assert_close(
+                            cache["pre_linear", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre_linear"
+                        )
+                    else:
+                        assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
+                expected, after = self._post_normed(
+                    hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i], post_norms
+                )
+                assert_close(
+                    cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}"
+                )
+                if i + 1 < hm.cfg.n_layers:
+                    assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
+                if self.pre_ln_residual(model):
+                    if f"blocks.{i}.hook_resid_mid" in names:
+                        assert_close(cache["resid_mid", i], cache["resid_pre", i] + cache["attn_out", i], "resid_mid")
+                        assert_close(cache["resid_post", i], cache["resid_mid", i] + cache["mlp_out", i], "resid_post")
+                    else:
+                        assert_close(
+                            cache["resid_post", i],
+                            cache["resid_pre", i] + cache["attn_out", i] + cache["mlp_out", i],
+                            "parallel",
+                        )
+            assert_close(cache["embed"][v], hm.W_E[inputs.input_ids][v], "hook_embed == W_E[tokens]")
+            if "hook_pos_embed" in names:
+                full = ~(~v).any(-1)  # unpadded rows: positions 0 .. p-1 whatever the model derives them from
+                length = inputs.input_ids.shape[1]
+                assert_close(
+                    cache["pos_embed"][full],
+                    hm.W_pos[:length].expand(int(full.sum()), -1, -1),
+                    "hook_pos_embed == W_pos[positions]",
+                )
+            embed = cache["embed"] + (cache["pos_embed"] if "hook_pos_embed" in names else 0)
+            if self.pre_ln_residual(model):
+                assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
+            if hm.layout.ln_final is not None:
+                final = norm_out(hm, cache, "ln_final")
+            else:  # no final norm (post-LN OPT): the unembedding reads the last block's output
+                final = cache["resid_post", hm.cfg.n_layers - 1]
+            if self.final_hidden_is_ln_final:
+                # real tokens only: with patterns cached, a query row with nothing to attend to (a left pad)
+                # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly
+                assert_close(final[v], out.hidden_states[-1][v], "final norm output == HF last hidden state")
+            if hm.layout.unembed is not None:
+                assert_close(
+                    self.expected_logits(model, final @ hm.W_U + hm.b_U)[v],
+                    out.logits[v],
+                    "logits == final @ W_U + b_U (softcapped where declared)",
+                )
+            assert hm.W_E.shape == (hm.cfg.d_vocab, hm.cfg.d_model)
+            assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
+            assert hm.W_K.shape == W_Q.shape
+            assert W_O.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_head, hm.cfg.d_model)
+            assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
+        hm.unwrap()

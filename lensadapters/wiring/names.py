@@ -1,0 +1,94 @@
+"""The names of the core's hook points, in the order they fire: what the wiring creates for a description."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from lensadapters.adapters.moe import MoELayout, is_moe, moe_point_names
+from lensadapters.hooks.specs import (
+    BlockLayout,
+    FusedGateUp,
+    FusedQKV,
+    MLPLayout,
+    MLPLayouts,
+    QKVLayout,
+)
+
+Tensor = torch.Tensor
+
+
+PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
+
+
+def _norm_points(prefix: str) -> list[str]:
+    return [f"{prefix}.hook_scale", f"{prefix}.hook_normalized"]
+
+
+def qkv_point_names(qkv: QKVLayout) -> list[str]:
+    """The query/key/value points of one block (relative to ``blocks.{i}.``), in the order they fire.
+
+    Separate projections run one after another, each query/key rotated as soon as it is projected (or, with a
+    ``q_norm``/``k_norm``, as soon as it is normalized); a fused projection yields q, k and v at once and rotary
+    follows.
+    """
+    rotary = qkv.rotary is not None
+    if isinstance(qkv, FusedQKV):
+        return ["attn.hook_q", "attn.hook_k", "attn.hook_v"] + (
+            ["attn.hook_rot_q", "attn.hook_rot_k"] if rotary else []
+        )
+    norms = {"q": qkv.q_norm, "k": qkv.k_norm}
+
+    def after_norm(x: str) -> list[str]:  # the norm's points, then rotary on its output
+        if norms[x] is None:
+            return []
+        return _norm_points(f"attn.{x}_norm") + ([f"attn.hook_rot_{x}"] if rotary else [])
+
+    def projection(x: str) -> list[str]:  # the projection, rotated right away when no norm follows it
+        return [f"attn.hook_{x}"] + ([f"attn.hook_rot_{x}"] if rotary and norms[x] is None else [])
+
+    if qkv.norms_after_projections:
+        return projection("q") + projection("k") + ["attn.hook_v"] + after_norm("q") + after_norm("k")
+    return projection("q") + after_norm("q") + projection("k") + after_norm("k") + ["attn.hook_v"]
+
+
+def is_gated(mlp: Union[MLPLayouts, MoELayout]) -> bool:
+    """Whether a dense MLP layout has a gate and an up projection (``mlp.hook_pre_linear``, ``W_gate``)."""
+    return isinstance(mlp, FusedGateUp) or (isinstance(mlp, MLPLayout) and mlp.pre_linear is not None)
+
+
+def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayouts, MoELayout]) -> list[str]:
+    """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
+
+    Post-norm blocks normalize after each residual add; ``ln1_post``/``ln2_post`` normalize the attention and
+    MLP outputs before the residual adds.
+    """
+    ln1 = _norm_points("ln1") if block.ln1 is not None else []
+    attn = qkv_point_names(qkv)
+    attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
+    attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
+    if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
+        mlp_names = moe_point_names(mlp)
+    else:
+        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
+    mlp_names += (_norm_points("ln2_post") if block.ln2_post is not None else []) + ["hook_mlp_out"]
+    if block.post_norm:
+        return (
+            ["hook_resid_pre"]
+            + attn
+            + ["hook_resid_mid"]
+            + ln1
+            + ["hook_mlp_in"]
+            + mlp_names
+            + _norm_points("ln2")
+            + ["hook_resid_post"]
+        )
+    names = ["hook_resid_pre"] + ln1 + attn
+    if not block.parallel:
+        names.append("hook_resid_mid")
+    if block.ln2 is not None:
+        names += ["hook_mlp_in"] + _norm_points("ln2")
+    elif not block.parallel:  # no pre-MLP norm (OLMo 2): the MLP reads the residual stream itself
+        names.append("hook_mlp_in")
+    return names + mlp_names + ["hook_resid_post"]

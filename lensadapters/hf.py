@@ -3,8 +3,8 @@
 transformers 4.x and 5.x spellings, and the checks that refuse a model a plugin cannot describe.
 
 :class:`DecoderFamily` puts these together for the common shape (pre-norm blocks with ``self_attn.{q,k,v,o}_proj``,
-a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a family declares what differs and
-answers its adapter hooks from it.
+a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a family declares what differs, and
+:class:`DecoderPlugin` derives its adapter hooks from that declaration.
 
 Nothing here names an architecture: plugins pass their own class names, paths and supported values.
 """
@@ -17,8 +17,21 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .hookspecs import hookimpl
 from .rotary import rotate_half_spec
-from .specs import BlockLayout, HookedConfig, MLPLayout, ModelLayout, NormSpec, ProjectionNorm, RotarySpec, SeparateQKV
+from .specs import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    MLPLayout,
+    MLPLayouts,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    QKVLayout,
+    RotarySpec,
+    SeparateQKV,
+)
 
 __all__ = [
     "base_path",
@@ -39,6 +52,7 @@ __all__ = [
     "attention_implementation",
     "norm_spec_for",
     "DecoderFamily",
+    "DecoderPlugin",
     "ROTATE_HALF_ROPE_TYPES",
     "DECODER_BLOCK",
     "DECODER_QKV",
@@ -377,3 +391,88 @@ class DecoderFamily:
 
     def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
         return norm_spec_for(module, self.norms, self.norm_weight_offset)
+
+
+def _no_fields(model: nn.Module) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class DecoderPlugin:
+    """A plugin declared from a :class:`DecoderFamily`: the adapter hooks (architectures, validate, config, embed,
+    block, attn_qkv, mlp_act, norm_scale, tiny_config) are derived from the family, and the fields say what the
+    family adds. A plugin module declares itself and puts the hooks in its own namespace, so the entry point naming
+    the module registers them (pluggy also registers a ``DecoderPlugin`` object directly)::
+
+        FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
+        hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=window_fields).export(globals())
+    """
+
+    arch: Architecture
+    family: DecoderFamily
+    tiny_config: Callable[[int], Any]
+    """The toy config of a seed (``lensadapters_tiny_config``)."""
+    config: Callable[[nn.Module], dict[str, Any]] = _no_fields
+    """``HookedConfig`` fields (and ``extra``) of a model beyond the family's shared ones."""
+    check: Optional[Callable[[nn.Module], None]] = None
+    """A wrap-time check after the family's own (raises ``UnsupportedModelError``)."""
+    missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
+    """Per-layer paths the family's layout does not list (see :meth:`DecoderFamily.validate`)."""
+    embed: Optional[Callable[[nn.Module, ModelLayout], ModelLayout]] = None
+    """Changes the family's ``ModelLayout`` of a model (embedding scale...)."""
+    block: Optional[Callable[[nn.Module, int], BlockLayout]] = None
+    """A layer's block layout when it is not the family's ``block``."""
+    attn_qkv: Optional[Callable[[nn.Module, int], QKVLayout]] = None
+    """A layer's attention projections when they are not the family's."""
+    mlp: Optional[Callable[[nn.Module, int], MLPLayouts]] = None
+    """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
+
+    @hookimpl
+    def lensadapters_architectures(self) -> list[Architecture]:
+        return [self.arch]
+
+    @hookimpl
+    def lensadapters_validate(self, arch: Architecture, model: nn.Module) -> None:
+        self.family.validate(model, missing_in_layer=self.missing_in_layer)
+        if self.check is not None:
+            self.check(model)
+
+    @hookimpl
+    def lensadapters_config(self, arch: Architecture, model: nn.Module) -> HookedConfig:
+        return self.family.hooked_config(model, **self.config(model))
+
+    @hookimpl
+    def lensadapters_embed(self, arch: Architecture, model: nn.Module) -> ModelLayout:
+        layout = self.family.embed(model)
+        return layout if self.embed is None else self.embed(model, layout)
+
+    @hookimpl
+    def lensadapters_block(self, arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+        return self.family.block if self.block is None else self.block(model, layer)
+
+    @hookimpl
+    def lensadapters_attn_qkv(self, arch: Architecture, model: nn.Module, layer: int) -> QKVLayout:
+        return self.family.attn_qkv(model) if self.attn_qkv is None else self.attn_qkv(model, layer)
+
+    @hookimpl
+    def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> MLPLayouts:
+        return self.family.dense_mlp() if self.mlp is None else self.mlp(model, layer)
+
+    @hookimpl
+    def lensadapters_norm_scale(self, arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+        return self.family.norm_spec(module)
+
+    @hookimpl
+    def lensadapters_tiny_config(self, arch: Architecture, seed: int) -> Any:
+        return self.tiny_config(seed)
+
+    def hooks(self) -> dict[str, Any]:
+        """The hook implementations by name (``lensadapters_norm_scale`` only when the family names its norms:
+        other RMSNorms are left to the core's checked fallback)."""
+        names = [n for n in dir(type(self)) if n.startswith("lensadapters_")]
+        return {n: getattr(self, n) for n in names if n != "lensadapters_norm_scale" or self.family.norms}
+
+    def export(self, namespace: dict[str, Any]) -> DecoderPlugin:
+        """Puts :meth:`hooks` in a plugin module's namespace (``globals()``); returns the declaration."""
+        namespace.update(self.hooks())
+        return self

@@ -1,0 +1,130 @@
+"""Test configurations of Llama-shaped families, declared rather than written out per plugin.
+
+A plugin of a family described by :class:`lensadapters.hf.DecoderFamily` declares its tiny configs with two calls:
+
+* :func:`decoder_config` builds one config of the family's class from the fields every such family shares (sizes,
+  heads, rope theta, RMSNorm eps, activation, tied embeddings; bos 1, eos 2, pad 0; no dropout) plus its own;
+* :func:`config_strategy` turns that builder into the ``config_strategy`` of its contract: a function of keyword
+  overrides (each a value or a strategy) returning a strategy of configs.
+
+::
+
+    def mistral_config(*, window=3, head_dim=8, **shared):
+        return decoder_config(MistralConfig, head_dim=head_dim, sliding_window=window, **shared)
+
+    mistral_configs = config_strategy(mistral_config, window=st.sampled_from([None, 2, 3, 5, 16]), ...)
+
+:class:`DecoderContract` is the contract of such a family (no learned positions, rotary, gated MLP, sequential
+blocks); :data:`WINDOW_PROPERTIES` the properties a short sliding window must reach on every run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from hypothesis import strategies as st
+
+from .contract import AdapterContract
+from .strategies import as_strategy
+
+__all__ = ["DecoderContract", "WINDOW_PROPERTIES", "config_strategy", "decoder_config", "rope_type"]
+
+#: properties that must see a window shorter than the input on every run (the family's window stratum)
+WINDOW_PROPERTIES = (
+    "test_pattern_matches_hf_eager",
+    "test_query_and_key_edits_reach_their_side_of_the_scores",
+    "test_edits_during_generation_match_one_pass",
+)
+
+
+def decoder_config(
+    config_class: Callable[..., Any],
+    *,
+    n_heads: int = 4,
+    n_kv: int = 2,
+    hidden: int = 32,
+    layers: int = 1,
+    d_mlp: int = 32,
+    vocab: int = 64,
+    theta: float = 10000.0,
+    tied: bool = False,
+    eps: float = 1e-6,
+    act: str = "silu",
+    max_pos: int = 64,
+    **fields: Any,
+) -> Any:
+    """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
+    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``...)."""
+    return config_class(
+        hidden_size=hidden,
+        intermediate_size=d_mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=eps,
+        hidden_act=act,
+        tie_word_embeddings=tied,
+        rope_theta=theta,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **fields,
+    )
+
+
+def config_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -> Callable[..., st.SearchStrategy]:
+    """``configs(**overrides)``: a strategy of ``build(**drawn)`` whose keywords ``defaults`` declares (values or
+    strategies; ``overrides`` replace them by name).
+
+    The heads and width are drawn first: ``n_kv`` key/value heads, ``n_kv * ratio`` query heads unless ``n_heads``
+    is given, a width of ``n_heads * hidden_per_head`` unless ``d_model`` is given; ``build`` gets them as
+    ``n_heads``, ``n_kv`` and ``hidden``. Every other keyword is drawn in declaration order and passed under its
+    name (``n_layers`` as ``layers``); a callable that is not a strategy is called with the values drawn so far and
+    gives the strategy (``top_k=lambda drawn: st.integers(1, drawn["experts"])``).
+    """
+    shape = {"n_kv": None, "ratio": 1, "n_heads": None, "hidden_per_head": 8, "d_model": None}
+
+    @st.composite
+    def configs(draw: st.DrawFn, **overrides: Any) -> Any:
+        unknown = set(overrides) - set(defaults) - set(shape)
+        if unknown:
+            raise TypeError(f"{build.__name__} draws no {', '.join(sorted(unknown))}")
+        params = {**shape, **defaults, **overrides}
+        kv = draw(as_strategy(params.pop("n_kv")), label="n_kv")
+        ratio, n_heads = params.pop("ratio"), params.pop("n_heads")
+        heads = kv * draw(as_strategy(ratio), label="gqa ratio") if n_heads is None else draw(as_strategy(n_heads))
+        per_head, d_model = params.pop("hidden_per_head"), params.pop("d_model")
+        hidden = (
+            heads * draw(as_strategy(per_head), label="hidden per head")
+            if d_model is None
+            else draw(as_strategy(d_model), label="d_model")
+        )
+        drawn: dict[str, Any] = {"n_heads": heads, "n_kv": kv, "hidden": hidden}
+        for name, value in params.items():
+            if callable(value) and not isinstance(value, st.SearchStrategy):
+                value = value(drawn)
+            drawn["layers" if name == "n_layers" else name] = draw(as_strategy(value), label=name)
+        return build(**drawn)
+
+    configs.__doc__ = doc
+    configs.__name__ = configs.__qualname__ = f"{build.__name__}s"
+    return configs
+
+
+def rope_type(config: Any) -> str:
+    """The rope type of a config (transformers 4.57: ``rope_scaling``; 5.x: ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+class DecoderContract(AdapterContract):
+    """The contract of a Llama-shaped family: token embeddings without learned positions, rotary attention, a gated
+    MLP, attention then MLP. A plugin's contract names its plugin and config strategy and what it changes."""
+
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+
+    def config_label(self, config: Any) -> Optional[str]:
+        return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"

@@ -15,24 +15,11 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -51,51 +38,7 @@ def window(config: Any) -> Optional[int]:
     return getattr(config, "sliding_window", None) or None
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    w = window(model.config)
-    return FAMILY.hooked_config(
-        model, window_size=w, attn_types=("local",) * model.config.num_hidden_layers if w else None
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Mistral-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), a 4-token sliding window. Other seeds vary depth, heads and the window (or none)."""
     import random
@@ -122,3 +65,11 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def config_fields(model: nn.Module) -> dict[str, Any]:
+    w = window(model.config)
+    return {"window_size": w, "attn_types": ("local",) * model.config.num_hidden_layers if w else None}
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -21,25 +21,11 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, ProjectionNorm, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -60,52 +46,7 @@ FAMILY = hf.DecoderFamily(
 )
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    return FAMILY.hooked_config(
-        model,
-        **hf.window_fields(hf.layer_windows(model.config)),
-        extra={"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Qwen3-like toy, width 64, vocabulary 512, head_dim 32 (Qwen3's head_dim differs from width / heads). Seed
     0 is the demo's model: 2 layers, GQA (4 query heads, 2 kv heads), tied embeddings, no window. Other seeds vary
     depth, heads, a sliding window on the layers from ``max_window_layers`` on and the embedding tie."""
@@ -142,3 +83,13 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def config_fields(model: nn.Module) -> dict[str, Any]:
+    return {
+        **hf.window_fields(hf.layer_windows(model.config)),
+        "extra": {"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
+    }
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -25,9 +25,19 @@ from typing import Any, Callable, Optional
 from hypothesis import strategies as st
 
 from .contract import AdapterContract
+from .moe import MoEContract
 from .strategies import as_strategy
 
-__all__ = ["DecoderContract", "WINDOW_PROPERTIES", "config_strategy", "decoder_config", "rope_type"]
+__all__ = [
+    "DecoderContract",
+    "MOE_DRAWS",
+    "MoEDecoderContract",
+    "QKNormScores",
+    "WINDOW_PROPERTIES",
+    "config_strategy",
+    "decoder_config",
+    "rope_type",
+]
 
 #: properties that must see a window shorter than the input on every run (the family's window stratum)
 WINDOW_PROPERTIES = (
@@ -73,6 +83,13 @@ def decoder_config(
         pad_token_id=0,
         **fields,
     )
+
+
+#: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
+MOE_DRAWS: dict[str, Any] = {
+    "experts": st.integers(2, 5),
+    "top_k": lambda drawn: st.integers(1, min(drawn["experts"], 4)),
+}
 
 
 def config_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -> Callable[..., st.SearchStrategy]:
@@ -128,3 +145,20 @@ class DecoderContract(AdapterContract):
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"
+
+
+class QKNormScores:
+    """Contract mixin of a family with a norm on the queries between ``hook_q`` and the scores: doubling ``hook_q``
+    changes nothing, the norm's output and ``hook_rot_q`` are linear."""
+
+    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points = ("attn.hook_q",)
+
+
+class MoEDecoderContract(MoEContract):
+    """The MoE contract of a Llama-shaped family whose blocks' MLPs are mixtures of experts: no block has the dense
+    ``mlp.hook_pre_linear`` (each expert is gated: ``mlp.experts.{e}.hook_gate``), so ``gated_mlp`` is off. The LoRA
+    matrix builds two models per example: smaller ones."""
+
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, False
+    matrix_overrides = dict(experts=st.integers(2, 3), n_layers=st.integers(1, 2))

@@ -20,9 +20,12 @@ blocks); :data:`WINDOW_PROPERTIES` the properties a short sliding window must re
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
+import torch
 from hypothesis import strategies as st
+from torch import nn
 
 from .contract import AdapterContract
 from .moe import MoEContract
@@ -32,10 +35,12 @@ __all__ = [
     "DecoderContract",
     "MOE_DRAWS",
     "MoEDecoderContract",
+    "OffsetNormModels",
     "QKNormScores",
     "WINDOW_PROPERTIES",
     "config_strategy",
     "decoder_config",
+    "reinit_offset_norms",
     "rope_type",
 ]
 
@@ -60,12 +65,14 @@ def decoder_config(
     tied: bool = False,
     eps: float = 1e-6,
     act: str = "silu",
+    act_field: str = "hidden_act",
     max_pos: int = 64,
     **fields: Any,
 ) -> Any:
     """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
-    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``...)."""
-    return config_class(
+    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
+    shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
+    shared = dict(
         hidden_size=hidden,
         intermediate_size=d_mlp,
         num_hidden_layers=layers,
@@ -74,15 +81,14 @@ def decoder_config(
         vocab_size=vocab,
         max_position_embeddings=max_pos,
         rms_norm_eps=eps,
-        hidden_act=act,
         tie_word_embeddings=tied,
         rope_theta=theta,
         attention_dropout=0.0,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **fields,
     )
+    return config_class(**{**shared, act_field: act, **fields})
 
 
 #: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
@@ -145,6 +151,30 @@ class DecoderContract(AdapterContract):
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"
+
+
+def reinit_offset_norms(model: nn.Module, seed: int) -> None:
+    """Unit-ish random weights as ``lensadapters.testing.reinit`` gives, with the weights of ``(1 + weight)`` norms
+    drawn around 0 (their effective scale around 1, as in checkpoints of families with such norms)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point():
+                continue
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(noise / math.sqrt(min(param.shape)))
+
+
+class OffsetNormModels:
+    """Contract mixin of a family with ``(1 + weight)`` norms: its models get :func:`reinit_offset_norms` weights."""
+
+    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> nn.Module:
+        model = super().make_model(config, seed, attn_implementation)  # type: ignore[misc]
+        reinit_offset_norms(model, seed)
+        return model
 
 
 class QKNormScores:

@@ -30,25 +30,11 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, BlockLayout, ModelLayout, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -82,14 +68,7 @@ def _cap(value: Optional[float]) -> float:
     return float(value) if value else -1.0
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
+def check(model: nn.Module) -> None:
     if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 2 config sets use_bidirectional_attention=True (an encoder, not a causal language model); the "
@@ -97,11 +76,9 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def config_fields(model: nn.Module) -> dict[str, Any]:
     c = model.config
-    return FAMILY.hooked_config(
-        model,
+    return dict(
         act_fn=c.hidden_activation,
         attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
@@ -116,9 +93,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    layout = FAMILY.embed(model)
+def scaled_embed(model: nn.Module, layout: ModelLayout) -> ModelLayout:
     embed = model.get_submodule(layout.embed)
     return replace(
         layout,
@@ -128,28 +103,7 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Gemma-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers (sliding, then global,
     as HF's Gemma 2), GQA (4 query heads, 2 kv heads), a 4-token window, softcaps 50 and 30. Other seeds vary
     depth, heads and the window."""
@@ -180,3 +134,8 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         eos_token_id=1,
         pad_token_id=0,
     )
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check, embed=scaled_embed).export(
+    globals()
+)

@@ -55,6 +55,7 @@ __all__ = [
     "norm_spec_for",
     "DecoderFamily",
     "DecoderPlugin",
+    "toy_config",
     "ROTATE_HALF_ROPE_TYPES",
     "DECODER_BLOCK",
     "DECODER_QKV",
@@ -421,6 +422,24 @@ class DecoderFamily:
 
     def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
         return norm_spec_for(module, self.norms, self.norm_weight_offset)
+
+
+def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
+    """A toy config of a Llama-shaped family for ``lensadapters_tiny_config``: width 64, MLP width 128, vocabulary
+    512, 128 positions, bos 1, eos 2, pad 0, then the family's ``fields`` (which may replace any of those)."""
+    shared = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=512,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return config_class(**{**shared, **fields})
 
 
 def _no_fields(model: nn.Module) -> dict[str, Any]:

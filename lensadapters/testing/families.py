@@ -21,13 +21,15 @@ blocks); :data:`WINDOW_PROPERTIES` the properties a short sliding window must re
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
 from .contract import AdapterContract
+from .family_checks import assert_custom_code_refused, assert_patterns_refused_under, assert_unknown_rope_refused
 from .moe import MoEContract
 from .strategies import as_strategy
 
@@ -37,9 +39,12 @@ __all__ = [
     "MoEDecoderContract",
     "OffsetNormModels",
     "QKNormScores",
+    "RefusalChecks",
+    "TransformerLensWithoutWindows",
     "WINDOW_PROPERTIES",
     "config_strategy",
     "decoder_config",
+    "left_padded_tokens",
     "reinit_offset_norms",
     "rope_type",
 ]
@@ -175,6 +180,58 @@ class OffsetNormModels:
         model = super().make_model(config, seed, attn_implementation)  # type: ignore[misc]
         reinit_offset_norms(model, seed)
         return model
+
+
+def left_padded_tokens(
+    length: int = 7, pads: tuple[int, ...] = (2, 0), vocab: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (seed 0, above the special tokens 0-2) and an attention mask: one row per entry of ``pads``, that
+    many positions masked on its left."""
+    ids = torch.randint(3, vocab, (len(pads), length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+class RefusalChecks:
+    """Tests of the refusals every declared family makes, mixed into a plugin's test class next to its contract
+    (``class TestMistral(MistralContract, RefusalChecks)``): custom modeling code under the family's
+    ``model_type``, a rope type that is not rotate-half, and flash/flex attention (every hook point but the pattern
+    ones). ``example_config`` builds the small config they wrap."""
+
+    example_config: ClassVar[Callable[[], Any]]
+
+    def example_model(self) -> nn.Module:
+        return self.make_model(type(self).example_config(), 0)  # type: ignore[attr-defined]
+
+    def test_custom_code_is_refused(self) -> None:
+        assert_custom_code_refused(self, self.example_model())
+
+    def test_unknown_rope_type_is_refused(self) -> None:
+        model = self.example_model()
+        assert_unknown_rope_refused(self, model, model.get_submodule("model.rotary_emb"))
+
+    @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+    def test_flash_and_flex_refuse_patterns_only(self, impl: str) -> None:
+        assert_patterns_refused_under(self, self.example_model(), impl)
+
+
+class TransformerLensWithoutWindows:
+    """Mixin of a family's TransformerLens comparison (``TransformerLensComparison``) whose TransformerLens 2.18
+    counterpart has no sliding window, a documented difference: with a window on every layer
+    (``window_fields``), TransformerLens attends globally where the HF model (and lensadapters) masks outside the
+    window."""
+
+    window_fields: ClassVar[dict[str, Any]] = {"window": 3, "window_from": 0}
+
+    def test_transformerlens_has_no_sliding_window(self) -> None:
+        from .tl_compare import compare_hooks, comparison_tokens
+
+        _, hm, tl = self.pair(**self.window_fields)  # type: ignore[attr-defined]
+        result = compare_hooks(hm, tl, comparison_tokens(), names=["blocks.0.attn.hook_pattern"])
+        assert result.compared["blocks.0.attn.hook_pattern"] > 0.1  # TL spreads attention outside the window
+        hm.unwrap()
 
 
 class QKNormScores:

@@ -117,22 +117,18 @@ def tiny_config(seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
     )
-    return Gemma2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+    return hf.toy_config(
+        Gemma2Config,
+        layers,
+        heads,
+        kv,
         head_dim=16,
-        vocab_size=512,
-        max_position_embeddings=128,
         sliding_window=sliding,
         query_pre_attn_scalar=16,
         rope_theta=10000.0,
         attn_implementation="eager",
         bos_token_id=2,
         eos_token_id=1,
-        pad_token_id=0,
     )
 
 

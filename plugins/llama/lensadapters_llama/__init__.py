@@ -75,21 +75,15 @@ def tiny_config(seed: int) -> Any:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=512,
-        max_position_embeddings=128,
+    return hf.toy_config(
+        LlamaConfig,
+        layers,
+        heads,
+        kv_heads,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         rope_theta=500000.0 if llama3 else 10000.0,
         rope_scaling=scaling if llama3 else None,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

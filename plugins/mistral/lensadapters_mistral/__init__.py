@@ -8,9 +8,8 @@ Quirks handled (everything else is Llama's layout: GQA, rotate-half RoPE, RMSNor
   and ``cfg.attn_types`` (TransformerLens' names) say which layers are windowed.
 * ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Mistral NeMo).
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``mistral``, a model without Mistral's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
+as ``mistral``, a model without Mistral's layout. Under flash and flex attention, every point but the pattern ones.
 """
 
 from __future__ import annotations
@@ -51,20 +50,7 @@ def tiny_config(seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([None, 3, 8]))
     )
-    return MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
-        sliding_window=sliding,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    return hf.toy_config(MistralConfig, layers, heads, kv, sliding_window=sliding, rope_theta=10000.0)
 
 
 def config_fields(model: nn.Module) -> dict[str, Any]:

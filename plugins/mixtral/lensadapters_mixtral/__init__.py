@@ -78,23 +78,18 @@ def tiny_config(seed: int) -> Any:
         layers, (heads, kv_heads) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)])
         experts = rng.choice([2, 4, 8])
         top_k = rng.randint(1, min(3, experts))
-    return MixtralConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        MixtralConfig,
+        layers,
+        heads,
+        kv_heads,
         intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-5,
         num_local_experts=experts,
         num_experts_per_tok=top_k,
         sliding_window=None,
         rope_theta=1e6,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

@@ -83,19 +83,7 @@ def tiny_config(seed: int) -> Any:
 
     rng = random.Random(seed)
     layers, (heads, kv) = (2, (4, 4)) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)]))
-    return Olmo2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    return hf.toy_config(Olmo2Config, layers, heads, kv, rope_theta=500000.0)
 
 
 def config_fields(model: nn.Module) -> dict[str, Any]:

@@ -245,14 +245,12 @@ def tiny_config(seed: int) -> Any:
         layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)])
         experts = rng.choice([2, 4, 8])
         top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
-    return OlmoeConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        OlmoeConfig,
+        layers,
+        heads,
+        kv,
         intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-5,
         num_experts=experts,
         num_experts_per_tok=top_k,
@@ -261,9 +259,6 @@ def tiny_config(seed: int) -> Any:
         rope_theta=10000.0,
         tie_word_embeddings=False,
         output_router_logits=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

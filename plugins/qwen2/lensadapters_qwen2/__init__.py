@@ -9,9 +9,8 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
 * Tied (small Qwen2.5 checkpoints) or untied embeddings.
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``qwen2``, a model without Qwen2's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
+as ``qwen2``, a model without Qwen2's layout. Under flash and flex attention, every point but the pattern ones.
 """
 
 from __future__ import annotations
@@ -53,22 +52,16 @@ def tiny_config(seed: int) -> Any:
             rng.random() < 0.5,
         )
     )
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
+    return hf.toy_config(
+        Qwen2Config,
+        layers,
+        heads,
+        kv,
         sliding_window=4,
         use_sliding_window=window_from < layers,
         max_window_layers=window_from,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

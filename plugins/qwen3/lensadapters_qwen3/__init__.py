@@ -14,9 +14,8 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
 * Tied (the small Qwen3 checkpoints) or untied embeddings.
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``qwen3``, a model without Qwen3's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
+as ``qwen3``, a model without Qwen3's layout. Under flash and flex attention, every point but the pattern ones.
 """
 
 from __future__ import annotations
@@ -65,23 +64,17 @@ def tiny_config(seed: int) -> Any:
             rng.random() < 0.5,
         )
     )
-    return Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+    return hf.toy_config(
+        Qwen3Config,
+        layers,
+        heads,
+        kv,
         head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=128,
         sliding_window=4,
         use_sliding_window=window_from < layers,
         max_window_layers=window_from,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

@@ -144,16 +144,14 @@ def tiny_config(seed: int) -> Any:
         top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
         dense = rng.choice(["none", "first", "step"]) if layers > 1 else "none"
         only, step = ([0], 1) if dense == "first" else ([], 2 if dense == "step" else 1)
-    return Qwen3MoeConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        Qwen3MoeConfig,
+        layers,
+        heads,
+        kv,
         intermediate_size=96,
         moe_intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
         head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-6,
         num_experts=experts,
         num_experts_per_tok=top_k,
@@ -164,9 +162,6 @@ def tiny_config(seed: int) -> Any:
         rope_theta=10000.0,
         tie_word_embeddings=False,
         output_router_logits=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 

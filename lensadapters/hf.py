@@ -24,7 +24,6 @@ from .specs import (
     BlockLayout,
     HookedConfig,
     MLPLayout,
-    MLPLayouts,
     ModelLayout,
     NormSpec,
     ProjectionNorm,
@@ -442,7 +441,7 @@ def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_hea
     return config_class(**{**shared, **fields})
 
 
-def _no_fields(model: nn.Module) -> dict[str, Any]:
+def _no_fields(model: Any) -> dict[str, Any]:
     return {}
 
 
@@ -461,19 +460,19 @@ class DecoderPlugin:
     family: DecoderFamily
     tiny_config: Callable[[int], Any]
     """The toy config of a seed (``lensadapters_tiny_config``)."""
-    config: Callable[[nn.Module], dict[str, Any]] = _no_fields
+    config: Callable[[Any], dict[str, Any]] = _no_fields
     """``HookedConfig`` fields (and ``extra``) of a model beyond the family's shared ones."""
-    check: Optional[Callable[[nn.Module], None]] = None
+    check: Optional[Callable[[Any], None]] = None
     """A wrap-time check after the family's own (raises ``UnsupportedModelError``)."""
     missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
     """Per-layer paths the family's layout does not list (see :meth:`DecoderFamily.validate`)."""
-    embed: Optional[Callable[[nn.Module, ModelLayout], ModelLayout]] = None
+    embed: Optional[Callable[[Any, ModelLayout], ModelLayout]] = None
     """Changes the family's ``ModelLayout`` of a model (embedding scale...)."""
-    block: Optional[Callable[[nn.Module, int], BlockLayout]] = None
+    block: Optional[Callable[[Any, int], BlockLayout]] = None
     """A layer's block layout when it is not the family's ``block``."""
-    attn_qkv: Optional[Callable[[nn.Module, int], QKVLayout]] = None
+    attn_qkv: Optional[Callable[[Any, int], QKVLayout]] = None
     """A layer's attention projections when they are not the family's."""
-    mlp: Optional[Callable[[nn.Module, int], MLPLayouts]] = None
+    mlp: Optional[Callable[[Any, int], Any]] = None
     """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
 
     @hookimpl
@@ -504,7 +503,7 @@ class DecoderPlugin:
         return self.family.attn_qkv(model) if self.attn_qkv is None else self.attn_qkv(model, layer)
 
     @hookimpl
-    def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> MLPLayouts:
+    def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> Any:
         return self.family.dense_mlp() if self.mlp is None else self.mlp(model, layer)
 
     @hookimpl

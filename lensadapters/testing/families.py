@@ -238,8 +238,8 @@ class QKNormScores:
     """Contract mixin of a family with a norm on the queries between ``hook_q`` and the scores: doubling ``hook_q``
     changes nothing, the norm's output and ``hook_rot_q`` are linear."""
 
-    score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
-    score_invariant_points = ("attn.hook_q",)
+    score_linear_points: ClassVar[tuple[str, ...]] = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points: ClassVar[tuple[str, ...]] = ("attn.hook_q",)
 
 
 class MoEDecoderContract(MoEContract):

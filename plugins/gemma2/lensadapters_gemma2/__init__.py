@@ -32,8 +32,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from torch import nn
-
 from lensadapters import Architecture, BlockLayout, ModelLayout, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
@@ -68,7 +66,7 @@ def _cap(value: Optional[float]) -> float:
     return float(value) if value else -1.0
 
 
-def check(model: nn.Module) -> None:
+def check(model: Any) -> None:
     if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 2 config sets use_bidirectional_attention=True (an encoder, not a causal language model); the "
@@ -76,7 +74,7 @@ def check(model: nn.Module) -> None:
         )
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
     return dict(
         act_fn=c.hidden_activation,
@@ -93,7 +91,7 @@ def config_fields(model: nn.Module) -> dict[str, Any]:
     )
 
 
-def scaled_embed(model: nn.Module, layout: ModelLayout) -> ModelLayout:
+def scaled_embed(model: Any, layout: ModelLayout) -> ModelLayout:
     embed = model.get_submodule(layout.embed)
     return replace(
         layout,

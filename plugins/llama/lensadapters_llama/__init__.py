@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
@@ -87,7 +85,7 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
     return {
         "extra": {

@@ -10,7 +10,7 @@ Importing ``lensadapters_llama`` itself never imports this module (nor hypothesi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hypothesis import strategies as st
 from transformers import LlamaConfig
@@ -136,7 +136,7 @@ class LlamaContract(DecoderContract):
     """Every generic adapter property on tiny Llama models (GQA, every rope type, RMSNorm, SwiGLU). Llama 3's
     rope scaling (``llama3``) is a stratum of the edit and generation properties: drawn on every run."""
 
-    plugin = lensadapters_llama
+    plugin: ClassVar[Any] = lensadapters_llama
     config_strategy = llama_configs
     config_strata = {"llama3": EDITS_AND_GENERATION}
     stratum_overrides = {"llama3": dict(rope_types=("llama3",))}

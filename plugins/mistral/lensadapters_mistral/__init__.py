@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch import nn
-
 from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
@@ -53,7 +51,7 @@ def tiny_config(seed: int) -> Any:
     return hf.toy_config(MistralConfig, layers, heads, kv, sliding_window=sliding, rope_theta=10000.0)
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     w = window(model.config)
     return {"window_size": w, "attn_types": ("local",) * model.config.num_hidden_layers if w else None}
 

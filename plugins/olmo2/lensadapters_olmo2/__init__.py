@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from lensadapters import Architecture, BlockLayout, ProjectionNorm, RotarySpec, hf
 from lensadapters.rotary import apply_rotate_half, invert_rotate_half
@@ -86,7 +85,7 @@ def tiny_config(seed: int) -> Any:
     return hf.toy_config(Olmo2Config, layers, heads, kv, rope_theta=500000.0)
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     extra = {"use_qk_norm": True, "qk_norm_over_heads": True, "pre_norms": False}
     return {"extra": {**extra, "attention_bias": bool(getattr(model.config, "attention_bias", False))}}
 

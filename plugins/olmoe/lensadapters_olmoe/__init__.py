@@ -183,7 +183,7 @@ def _computes_attention_itself(model: nn.Module) -> bool:
 # --- adapter hooks -----------------------------------------------------------------------------------------------
 
 
-def check(model: nn.Module) -> None:
+def check(model: Any) -> None:
     """After the family's checks (which found each layer's ``mlp.gate`` and ``mlp.experts``): the experts, no
     ``clip_qkv``, q/k norms sized for the heads."""
     config = model.config
@@ -213,7 +213,7 @@ def check(model: nn.Module) -> None:
         )
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
     extra = {"use_qk_norm": True, "qk_norm_over_heads": True, "norm_topk_prob": bool(c.norm_topk_prob)}
     return {

@@ -19,7 +19,8 @@ __all__ = ["Qwen2Contract", "qwen2_config", "qwen2_configs"]
 def qwen2_config(*, window: Optional[int] = None, window_from: int = 0, **shared: Any) -> Qwen2Config:
     """A tiny Qwen2 config (``decoder_config``'s shared fields); layers ``window_from`` and later use ``window``
     when it is set."""
-    windows = dict(sliding_window=window or 4096, use_sliding_window=window is not None, max_window_layers=window_from)
+    use = window is not None
+    windows: dict[str, Any] = dict(sliding_window=window or 4096, use_sliding_window=use, max_window_layers=window_from)
     return decoder_config(Qwen2Config, **windows, **shared)
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from lensadapters import Architecture, ProjectionNorm, hf
 
 __version__ = "0.1.0"
@@ -78,7 +76,7 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     return {
         **hf.window_fields(hf.layer_windows(model.config)),
         "extra": {"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},

@@ -76,11 +76,11 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
 
 def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
     if not sparse:
-        return hf.missing_paths(layer, (_DENSE.pre, _DENSE.pre_linear, _DENSE.out))
+        return hf.missing_paths(layer, [p for p in (_DENSE.pre, _DENSE.pre_linear, _DENSE.out) if p is not None])
     return hf.missing_expert_paths(layer, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
-def check(model: nn.Module) -> None:
+def check(model: Any) -> None:
     """After the family's checks: each layer's MLP is the one its config declares (dense or experts)."""
     config = model.config
     missing = [
@@ -98,7 +98,7 @@ def check(model: nn.Module) -> None:
         )
 
 
-def config_fields(model: nn.Module) -> dict[str, Any]:
+def config_fields(model: Any) -> dict[str, Any]:
     c, sparse = model.config, sparse_layers(model.config)
     window = getattr(c, "sliding_window", None)
     return dict(
@@ -118,7 +118,7 @@ def config_fields(model: nn.Module) -> dict[str, Any]:
     )
 
 
-def mlp(model: nn.Module, layer: int) -> Union[MLPLayout, MoELayout]:
+def mlp(model: Any, layer: int) -> Union[MLPLayout, MoELayout]:
     if not sparse_layers(model.config)[layer]:
         return _DENSE
     return moe_layout(FAMILY.layers(model)[layer], model.config)

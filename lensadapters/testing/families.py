@@ -34,6 +34,7 @@ from .moe import MoEContract
 from .strategies import as_strategy
 
 __all__ = [
+    "DENSE_DRAWS",
     "DecoderContract",
     "MOE_DRAWS",
     "MoEDecoderContract",
@@ -95,6 +96,20 @@ def decoder_config(
     )
     return config_class(**{**shared, act_field: act, **fields})
 
+
+#: the draws of a small dense decoder: GQA ratios 1, 2, 4 and multi-query attention, one or two layers, MLP widths,
+#: vocabularies, rope bases, tied and untied embeddings, SiLU or GELU
+DENSE_DRAWS: dict[str, Any] = {
+    "n_kv": st.sampled_from([1, 2]),
+    "ratio": st.sampled_from([1, 2, 4]),
+    "hidden_per_head": st.sampled_from([4, 8]),
+    "n_layers": st.integers(1, 2),
+    "d_mlp": st.sampled_from([16, 40]),
+    "vocab": st.integers(16, 128),
+    "theta": st.sampled_from([100.0, 10000.0]),
+    "tied": st.booleans(),
+    "act": st.sampled_from(["silu", "gelu_new"]),
+}
 
 #: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
 MOE_DRAWS: dict[str, Any] = {

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from transformers import MistralConfig
 
 import lensadapters_mistral
-from lensadapters.testing.families import WINDOW_PROPERTIES, DecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import (
+    DENSE_DRAWS,
+    WINDOW_PROPERTIES,
+    DecoderContract,
+    config_strategy,
+    decoder_config,
+)
 
 __all__ = ["MistralContract", "mistral_config", "mistral_configs"]
 
@@ -26,17 +32,9 @@ mistral_configs = config_strategy(
     """Tiny Mistral configs: sliding windows of 2, 3 and 5 tokens (shorter than most drawn inputs, up to 9 tokens), 16
     (longer than any) or none; GQA ratios 1, 2, 4 and multi-query attention; ``head_dim`` other than
     ``hidden_size / n_heads``; tied and untied embeddings.""",
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2, 4]),
+    **DENSE_DRAWS,
     head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
-    n_layers=st.integers(1, 2),
-    d_mlp=st.sampled_from([16, 40]),
-    vocab=st.integers(16, 128),
     window=st.sampled_from([None, 2, 3, 5, 16]),
-    theta=st.sampled_from([100.0, 10000.0]),
-    tied=st.booleans(),
-    act=st.sampled_from(["silu", "gelu_new"]),
 )
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import Olmo2Config
 
 import lensadapters_olmo2
-from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import DENSE_DRAWS, DecoderContract, config_strategy, decoder_config
 
 __all__ = ["Olmo2Contract", "olmo2_config", "olmo2_configs"]
 
@@ -25,16 +25,13 @@ olmo2_configs = config_strategy(
     olmo2_config,
     """Tiny OLMo 2 configs: post norms only, q/k norms over the projection width, multi-head (OLMo-2 1B-13B),
     grouped (32B) and multi-query attention, with and without ``attention_bias``, tied and untied embeddings.""",
-    n_kv=st.sampled_from([1, 2, 4]),
-    ratio=st.sampled_from([1, 2]),
-    hidden_per_head=st.sampled_from([4, 8]),
-    n_layers=st.integers(1, 2),
-    d_mlp=st.sampled_from([16, 40]),
-    vocab=st.integers(16, 128),
-    theta=st.sampled_from([100.0, 500000.0]),
-    tied=st.booleans(),
+    **{
+        **DENSE_DRAWS,
+        "n_kv": st.sampled_from([1, 2, 4]),
+        "ratio": st.sampled_from([1, 2]),
+        "theta": st.sampled_from([100.0, 500000.0]),
+    },
     attention_bias=st.booleans(),
-    act=st.sampled_from(["silu", "gelu_new"]),
 )
 
 

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config
 
 import lensadapters_qwen2
-from lensadapters.testing.families import WINDOW_PROPERTIES, DecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import (
+    DENSE_DRAWS,
+    WINDOW_PROPERTIES,
+    DecoderContract,
+    config_strategy,
+    decoder_config,
+)
 
 __all__ = ["Qwen2Contract", "qwen2_config", "qwen2_configs"]
 
@@ -29,17 +35,9 @@ qwen2_configs = config_strategy(
     """Tiny Qwen2 configs: q/k/v biases always (Qwen2 has them); sliding windows of 2, 3 or 5 tokens on the layers
     from ``window_from`` on (so some models mix windowed and full layers), or none; GQA ratios 1, 2, 4 and
     multi-query attention; tied and untied embeddings.""",
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2, 4]),
-    hidden_per_head=st.sampled_from([4, 8]),
-    n_layers=st.integers(1, 2),
-    d_mlp=st.sampled_from([16, 40]),
-    vocab=st.integers(16, 128),
+    **DENSE_DRAWS,
     window=st.sampled_from([None, 2, 3, 5]),
     window_from=st.integers(0, 1),
-    theta=st.sampled_from([100.0, 10000.0]),
-    tied=st.booleans(),
-    act=st.sampled_from(["silu", "gelu_new"]),
 )
 
 

@@ -8,14 +8,13 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   ``hook_rot_k`` what attention uses (normed and rotated; an edit of ``hook_rot_k`` reaches the KV cache). The
   norm points keep lensadapters' per-head layout ``[b, p, h, 1]``/``[b, p, h, d_head]`` where TransformerLens
   flattens them to ``[b*p*h, ...]`` (the same values, in the same order).
-* Optional ``attention_bias`` on q/k/v/o.
-* Per-layer sliding windows (``use_sliding_window``: layers from ``max_window_layers`` on use
-  ``sliding_window``; ``config.layer_types`` says which): ``hook_attn_scores``/``hook_pattern`` show each layer's
-  own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
-* Tied (the small Qwen3 checkpoints) or untied embeddings.
+* Optional ``attention_bias`` on q/k/v/o; tied (the small checkpoints) or untied embeddings.
+* Sliding windows on the layers ``config.layer_types`` marks (``use_sliding_window`` from ``max_window_layers``
+  on): the pattern points show each layer's own mask; ``cfg.window_size``/``cfg.attn_types`` name them as
+  TransformerLens does.
 
-The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
-as ``qwen3``, a model without Qwen3's layout. Under flash and flex attention, every point but the pattern ones.
+Refused at wrap time (the family's declaration): rope types other than rotate-half ones, custom code registered as
+``qwen3``, other layouts. Flash and flex attention serve every hook point but the pattern ones.
 """
 
 from __future__ import annotations

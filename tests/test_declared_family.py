@@ -117,3 +117,33 @@ def test_config_strategy_draws_the_shape_then_every_declared_keyword(data):
     assert (narrowed["n_heads"], narrowed["hidden"], narrowed["top_k"]) == (6, 12, 1)
     with pytest.raises(TypeError, match="draws no unknown"):
         data.draw(configs(unknown=1))
+
+
+def test_the_plugin_guides_declaration_example_wraps():
+    """The DecoderFamily section of docs/writing-a-plugin.md declares a whole plugin: it registers and wraps, with
+    the model bitwise unchanged and the declared config fields."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    section = text[text.index("**A family shaped like transformers' Llama**") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("```\n", start)]
+    imports = [line for line in code.splitlines() if "import" in line and "lensadapters" in line]
+    assert "hf.DecoderPlugin" in code and imports == ["from lensadapters import Architecture, hf"]  # public names
+    module = types.ModuleType("guide_declared_plugin")
+    module.LENSADAPTERS_HOOKSPEC = "1"
+    exec(compile(code, "writing-a-plugin.md", "exec"), vars(module))
+    registry = Registry()
+    registry.register(module, "guide_declared_plugin")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(module.tiny_config(0)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        reference = m(ids).logits
+    hm = HookedModel.wrap(m, adapter=module.ARCH.name, registry=registry)
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, reference)
+    assert hm.cfg.window_size == 4 and hm.cfg.attn_types == ("local", "local")
+    hm.unwrap()

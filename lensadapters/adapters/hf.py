@@ -3,8 +3,8 @@
 transformers 4.x and 5.x spellings, and the checks that refuse a model a plugin cannot describe.
 
 :class:`DecoderFamily` puts these together for the common shape (pre-norm blocks with ``self_attn.{q,k,v,o}_proj``,
-a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a family declares what differs and
-answers its adapter hooks from it.
+a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a family declares what differs, and
+:class:`DecoderPlugin` derives its adapter hooks from that declaration.
 
 Nothing here names an architecture: plugins pass their own class names, paths and supported values.
 """
@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from torch import nn
 
+from lensadapters.adapters.decoder_plugin import DecoderPlugin, toy_config
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.rotary import rotate_half_spec
 from lensadapters.hooks.specs import (
@@ -40,6 +41,8 @@ __all__ = [
     "n_kv_heads",
     "layer_windows",
     "window_fields",
+    "missing_paths",
+    "missing_expert_paths",
     "require_transformers_class",
     "require_modules",
     "require_rope_types",
@@ -48,6 +51,8 @@ __all__ = [
     "attention_implementation",
     "norm_spec_for",
     "DecoderFamily",
+    "DecoderPlugin",
+    "toy_config",
     "ROTATE_HALF_ROPE_TYPES",
     "DECODER_BLOCK",
     "DECODER_QKV",
@@ -146,6 +151,34 @@ def window_fields(windows: Sequence[Optional[int]]) -> dict[str, Any]:
         "window_size": next((w for w in windows if w is not None), None),
         "attn_types": tuple("local" if w else "global" for w in windows) if windowed else None,
     }
+
+
+def missing_paths(module: nn.Module, paths: Iterable[str], prefix: str = "") -> list[str]:
+    """The ``paths`` (each ``prefix + path``) that are not submodules of ``module``."""
+    missing = []
+    for path in paths:
+        try:
+            module.get_submodule(path)
+        except AttributeError:
+            missing.append(prefix + path)
+    return missing
+
+
+def missing_expert_paths(layer: nn.Module, moe: str, projections: Sequence[str]) -> list[str]:
+    """What the mixture of experts at ``moe`` (a path in ``layer``) lacks: its ``gate`` and ``experts``, then each
+    expert's ``projections`` and ``act_fn`` (an ``nn.ModuleList`` of experts) or, for transformers 5's fused
+    experts (under any adapter wrapping them), ``gate_up_proj``, ``down_proj`` and ``act_fn``."""
+    from .layers import innermost_layer  # the registry's adapter wrappers (imported here: it needs the registry)
+
+    missing = missing_paths(layer, (f"{moe}.gate", f"{moe}.experts"))
+    if missing:
+        return missing
+    experts = layer.get_submodule(f"{moe}.experts")
+    if isinstance(experts, nn.ModuleList):
+        needed = (*projections, "act_fn")
+        return [f"{moe}.experts.{e}.{p}" for e, expert in enumerate(experts) for p in needed if not hasattr(expert, p)]
+    experts = innermost_layer(experts)
+    return [f"{moe}.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
 
 
 def require_transformers_class(model: nn.Module, family: str, packages: Iterable[str]) -> None:

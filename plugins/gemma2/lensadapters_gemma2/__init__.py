@@ -30,25 +30,9 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, BlockLayout, ModelLayout, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -82,14 +66,7 @@ def _cap(value: Optional[float]) -> float:
     return float(value) if value else -1.0
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
+def check(model: Any) -> None:
     if getattr(model.config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 2 config sets use_bidirectional_attention=True (an encoder, not a causal language model); the "
@@ -97,11 +74,9 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
-    return FAMILY.hooked_config(
-        model,
+    return dict(
         act_fn=c.hidden_activation,
         attn_scores_soft_cap=_cap(c.attn_logit_softcapping),
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
@@ -116,9 +91,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    layout = FAMILY.embed(model)
+def scaled_embed(model: Any, layout: ModelLayout) -> ModelLayout:
     embed = model.get_submodule(layout.embed)
     return replace(
         layout,
@@ -128,28 +101,7 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Gemma-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers (sliding, then global,
     as HF's Gemma 2), GQA (4 query heads, 2 kv heads), a 4-token window, softcaps 50 and 30. Other seeds vary
     depth, heads and the window."""
@@ -163,20 +115,21 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
     )
-    return Gemma2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+    return hf.toy_config(
+        Gemma2Config,
+        layers,
+        heads,
+        kv,
         head_dim=16,
-        vocab_size=512,
-        max_position_embeddings=128,
         sliding_window=sliding,
         query_pre_attn_scalar=16,
         rope_theta=10000.0,
         attn_implementation="eager",
         bos_token_id=2,
         eos_token_id=1,
-        pad_token_id=0,
     )
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check, embed=scaled_embed).export(
+    globals()
+)

@@ -10,10 +10,8 @@ from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
-    assert_unknown_rope_refused,
     assert_window_patterns,
     generate_with_hooks,
 )
@@ -21,19 +19,14 @@ from lensadapters.testing.family_checks import (
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 
 
-class TestGemma2(Gemma2Contract):
+class TestGemma2(Gemma2Contract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_gemma2.testing``, also run by ``lensadapters check gemma2``)."""
+
+    example_config = gemma2_config
 
 
 CONTRACT = TestGemma2()
-
-
-def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = left_padded_tokens
 
 
 def test_embeddings_include_the_scale_and_edits_behave():
@@ -153,17 +146,3 @@ def test_bidirectional_attention_is_refused():
     config.use_bidirectional_attention = True
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
         CONTRACT.wrap(CONTRACT.make_model(config, 0))
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(gemma2_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(gemma2_config(), 0)
-    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(gemma2_config(), 0), impl)

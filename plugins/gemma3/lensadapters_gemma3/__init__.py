@@ -253,15 +253,12 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
     )
     types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
-    return Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+    return hf.toy_config(
+        Gemma3TextConfig,
+        layers,
+        heads,
+        kv,
         head_dim=16,
-        vocab_size=512,
-        max_position_embeddings=128,
         sliding_window=sliding,
         layer_types=types,
         query_pre_attn_scalar=16,
@@ -269,5 +266,4 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         rope_local_base_freq=10.0,
         bos_token_id=2,
         eos_token_id=1,
-        pad_token_id=0,
     )

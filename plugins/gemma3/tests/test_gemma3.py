@@ -10,27 +10,33 @@ from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 from lensadapters import UnsupportedModelError
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
     assert_window_patterns,
     generate_with_hooks,
 )
 
 
-class TestGemma3(Gemma3Contract):
+class TestGemma3(Gemma3Contract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_gemma3.testing``, also run by ``lensadapters check gemma3``)."""
+
+    example_config = gemma3_config
+
+    def test_unknown_rope_type_is_refused(self) -> None:
+        # transformers 5.x: one rotary module with a rope type per layer type
+        model = self.example_model()
+        rotary = model.model.rotary_emb
+        rotary.rope_type = (
+            {k: "interleaved_future_rope" for k in rotary.rope_type}
+            if isinstance(rotary.rope_type, dict)
+            else "interleaved_future_rope"
+        )
+        with pytest.raises(UnsupportedModelError, match="rope type 'interleaved_future_rope'.*supported: default"):
+            self.wrap(model)
 
 
 CONTRACT = TestGemma3()
-
-
-def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = left_padded_tokens
 
 
 def rope(x: torch.Tensor, base: float, factor: float = 1.0) -> torch.Tensor:
@@ -122,24 +128,3 @@ def test_bidirectional_attention_is_refused():
     config.use_bidirectional_attention = True
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
         CONTRACT.wrap(CONTRACT.make_model(config, 0))
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(gemma3_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(gemma3_config(), 0)
-    rotary = model.model.rotary_emb
-    rotary.rope_type = (
-        {k: "interleaved_future_rope" for k in rotary.rope_type}
-        if isinstance(rotary.rope_type, dict)
-        else "interleaved_future_rope"
-    )
-    with pytest.raises(UnsupportedModelError, match="rope type 'interleaved_future_rope'.*supported: default"):
-        CONTRACT.wrap(model)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(gemma3_config(), 0), impl)

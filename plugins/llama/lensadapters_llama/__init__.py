@@ -28,12 +28,9 @@ whose modules do not have Llama's layout (custom code registered as ``llama``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lensadapters import Architecture, BlockLayout, HookedConfig, MLPLayout, ModelLayout, SeparateQKV, hf, hookimpl
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -50,50 +47,7 @@ ARCH = Architecture(
 FAMILY = hf.DecoderFamily("Llama", model_type="llama", attention=("eager", "sdpa"))
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    c = model.config
-    return FAMILY.hooked_config(
-        model,
-        extra={
-            "attention_bias": bool(getattr(c, "attention_bias", False)),
-            "mlp_bias": bool(getattr(c, "mlp_bias", False)),
-        },
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Llama-3-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), llama3 rope scaling, tied embeddings. Other seeds vary the depth (1-3), the heads (MHA, GQA,
     MQA), llama3 scaling or plain RoPE (Llama 2) and tied or untied embeddings, deterministically."""
@@ -119,19 +73,26 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=512,
-        max_position_embeddings=128,
+    return hf.toy_config(
+        LlamaConfig,
+        layers,
+        heads,
+        kv_heads,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         rope_theta=500000.0 if llama3 else 10000.0,
         rope_scaling=scaling if llama3 else None,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    c = model.config
+    return {
+        "extra": {
+            "attention_bias": bool(getattr(c, "attention_bias", False)),
+            "mlp_bias": bool(getattr(c, "mlp_bias", False)),
+        }
+    }
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

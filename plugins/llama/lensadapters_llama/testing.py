@@ -10,14 +10,13 @@ Importing ``lensadapters_llama`` itself never imports this module (nor hypothesi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 import lensadapters_llama
-from lensadapters.testing import AdapterContract
-from lensadapters.testing.strategies import as_strategy
+from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config, rope_type
 
 __all__ = ["LlamaContract", "ROPE_TYPES", "llama_config", "llama_configs", "rope_scaling", "rope_type"]
 
@@ -52,136 +51,71 @@ def rope_scaling(rope_type: str, head_dim: int, original_max: int = 4, factor: f
     raise ValueError(rope_type)
 
 
-def rope_type(config: Any) -> str:
-    """The rope type of a Llama config (transformers 4.57: ``rope_scaling``; 5.x: ``rope_parameters``)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
-
-
 def llama_config(
     *,
-    n_heads: int = 4,
-    n_kv: int = 2,
     head_dim: int = 8,
-    hidden: int = 32,
-    layers: int = 1,
-    d_mlp: int = 32,
-    vocab: int = 64,
     rope_type: str = "default",
-    theta: float = 10000.0,
     max_pos: int = 32,
     original_max: int = 4,
     factor: float = 4.0,
-    tied: bool = False,
     attention_bias: bool = False,
     mlp_bias: bool = False,
-    act: str = "silu",
-    eps: float = 1e-6,
+    **shared: Any,
 ) -> LlamaConfig:
-    """A tiny Llama config (bos 1, eos 2, pad 0); ``rope_type`` one of ``ROPE_TYPES``."""
+    """A tiny Llama config (``decoder_config``'s shared fields: ``n_heads``, ``n_kv``, ``hidden``, ``layers``,
+    ``d_mlp``, ``vocab``, ``theta``, ``tied``, ``eps``, ``act``); ``rope_type`` one of ``ROPE_TYPES``."""
     if rope_type == "longrope":
         factor = max_pos / original_max  # what LongRoPE means by its factor
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=d_mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
+    config = decoder_config(
+        LlamaConfig,
+        max_pos=max_pos,
         head_dim=head_dim,
-        vocab_size=vocab,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=eps,
-        hidden_act=act,
-        tie_word_embeddings=tied,
         attention_bias=attention_bias,
         mlp_bias=mlp_bias,
-        rope_theta=theta,
         rope_scaling=rope_scaling(rope_type, head_dim, original_max, factor),
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **shared,
     )
     if rope_type == "longrope":  # transformers 4.57 reads it from the config, 5.x from the rope parameters
         config.original_max_position_embeddings = original_max
     return config
 
 
-@st.composite
-def llama_configs(
-    draw: st.DrawFn,
-    rope_types: tuple[str, ...] = ROPE_TYPES,
-    *,
-    n_kv: Any = st.sampled_from([1, 2]),
-    ratio: Any = st.sampled_from([1, 2, 3]),
-    n_heads: Any = None,
-    head_dim: Any = st.sampled_from([4, 8, 12]),
-    hidden_per_head: Any = st.sampled_from([2, 4, 8]),
-    d_model: Any = None,
-    n_layers: Any = st.integers(1, 2),
-    d_mlp: Any = st.sampled_from([16, 24, 40]),
-    vocab: Any = st.integers(16, 160),
-    theta: Any = st.sampled_from([100.0, 10000.0, 500000.0]),
-    original_max: Any = st.sampled_from([4, 8]),
-    factor: Any = st.sampled_from([2.0, 8.0]),
-    tied: Any = st.booleans(),
-    attention_bias: Any = st.booleans(),
-    mlp_bias: Any = st.booleans(),
-    act: Any = st.sampled_from(["silu", "silu", "gelu_new"]),
-    eps: Any = st.sampled_from([1e-6, 1e-5]),
-) -> LlamaConfig:
-    """Tiny Llama configs covering GQA ratios 1, 2, 3 and multi-query attention (one kv
-    head), ``head_dim`` different from ``hidden_size / num_attention_heads``, every rope type in
-    ``rope_types``, tied and untied embeddings, ``attention_bias``, ``mlp_bias``.
+def _drawn_llama_config(*, rope_types: tuple[str, ...], rope: str, original_max: int, **drawn: Any) -> LlamaConfig:
+    # LongRoPE switches from its short to its long factors once a position passes original_max_position_embeddings,
+    # in the middle of a generation: a decoding step then no longer equals one pass over the same tokens, with or
+    # without hooks. Keep the contract's sequences (at most 9 + 3 tokens) in the short regime; test_llama.py checks
+    # the long one. The contract compares generate() before and after wrapping: max_pos keeps dynamic RoPE (whose
+    # frequencies depend on the longest sequence seen so far) below its growth threshold.
+    original = 16 if rope == "longrope" else original_max
+    return llama_config(rope_type=rope, original_max=original, max_pos=32, **drawn)
 
-    Each keyword is a value or a strategy. Query heads are ``n_kv * ratio`` unless ``n_heads`` is given
-    (``n_kv`` must divide it); ``hidden_size`` is ``n_heads * hidden_per_head`` unless ``d_model`` is given.
-    """
-    kv = draw(as_strategy(n_kv), label="n_kv")
-    # n_kv == 1: multi-query attention
-    heads = (
-        kv * draw(as_strategy(ratio), label="gqa ratio")
-        if n_heads is None
-        else draw(as_strategy(n_heads), label="n_heads")
-    )
-    dim = draw(as_strategy(head_dim), label="head_dim")
-    hidden = (
-        heads * draw(as_strategy(hidden_per_head), label="hidden per head")
-        if d_model is None
-        else draw(as_strategy(d_model), label="d_model")
-    )  # != n_heads * head_dim often
-    rope = draw(st.sampled_from(rope_types), label="rope_type")
-    layers = draw(as_strategy(n_layers), label="n_layers")
-    mlp, vocab_size = draw(as_strategy(d_mlp), label="d_mlp"), draw(as_strategy(vocab), label="vocab")
-    rope_theta = draw(as_strategy(theta), label="theta")
-    original = draw(as_strategy(original_max), label="original_max")
-    if rope == "longrope":
-        # LongRoPE switches from its short to its long factors once a position passes
-        # original_max_position_embeddings, in the middle of a generation: a decoding step then no longer
-        # equals one pass over the same tokens, with or without hooks. Keep the contract's sequences (at most
-        # 9 + 3 tokens) in the short regime; test_llama.py checks the long one.
-        original = 16
-    return llama_config(
-        n_heads=heads,
-        n_kv=kv,
-        head_dim=dim,
-        hidden=hidden,
-        layers=layers,
-        d_mlp=mlp,
-        vocab=vocab_size,
-        rope_type=rope,
-        theta=rope_theta,
-        # the contract compares generate() before and after wrapping: keep dynamic RoPE (whose
-        # frequencies depend on the longest sequence seen so far) below its growth threshold
-        max_pos=32,
-        original_max=original,
-        factor=draw(as_strategy(factor), label="factor"),
-        tied=draw(as_strategy(tied), label="tied"),
-        attention_bias=draw(as_strategy(attention_bias), label="attention_bias"),
-        mlp_bias=draw(as_strategy(mlp_bias), label="mlp_bias"),
-        act=draw(as_strategy(act), label="act"),
-        eps=draw(as_strategy(eps), label="eps"),
-    )
+
+llama_configs = config_strategy(
+    _drawn_llama_config,
+    """Tiny Llama configs covering GQA ratios 1, 2, 3 and multi-query attention (one kv head), ``head_dim``
+    different from ``hidden_size / num_attention_heads``, every rope type in ``rope_types``, tied and untied
+    embeddings, ``attention_bias``, ``mlp_bias``.
+
+    Each keyword is a value or a strategy. Query heads are ``n_kv * ratio`` unless ``n_heads`` is given (``n_kv``
+    must divide it); ``hidden_size`` is ``n_heads * hidden_per_head`` unless ``d_model`` is given.""",
+    rope_types=ROPE_TYPES,
+    rope=lambda drawn: st.sampled_from(drawn["rope_types"]),
+    n_kv=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([4, 8, 12]),
+    hidden_per_head=st.sampled_from([2, 4, 8]),
+    n_layers=st.integers(1, 2),
+    d_mlp=st.sampled_from([16, 24, 40]),
+    vocab=st.integers(16, 160),
+    theta=st.sampled_from([100.0, 10000.0, 500000.0]),
+    original_max=st.sampled_from([4, 8]),
+    factor=st.sampled_from([2.0, 8.0]),
+    tied=st.booleans(),
+    attention_bias=st.booleans(),
+    mlp_bias=st.booleans(),
+    act=st.sampled_from(["silu", "silu", "gelu_new"]),
+    eps=st.sampled_from([1e-6, 1e-5]),
+)
 
 
 #: the contract's edit and generation properties: each also runs on llama3-scaled RoPE on every run
@@ -198,11 +132,11 @@ EDITS_AND_GENERATION = (
 )
 
 
-class LlamaContract(AdapterContract):
+class LlamaContract(DecoderContract):
     """Every generic adapter property on tiny Llama models (GQA, every rope type, RMSNorm, SwiGLU). Llama 3's
     rope scaling (``llama3``) is a stratum of the edit and generation properties: drawn on every run."""
 
-    plugin = lensadapters_llama
+    plugin: ClassVar[Any] = lensadapters_llama
     config_strategy = llama_configs
     config_strata = {"llama3": EDITS_AND_GENERATION}
     stratum_overrides = {"llama3": dict(rope_types=("llama3",))}
@@ -218,7 +152,6 @@ class LlamaContract(AdapterContract):
         theta=10000.0,
     )
     aligned_overrides = dict(n_heads=2, head_dim=32, d_model=64, d_mlp=128)
-    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"rope {rope_type(config)}"

@@ -8,31 +8,15 @@ Quirks handled (everything else is Llama's layout: GQA, rotate-half RoPE, RMSNor
   and ``cfg.attn_types`` (TransformerLens' names) say which layers are windowed.
 * ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Mistral NeMo).
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``mistral``, a model without Mistral's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
+as ``mistral``, a model without Mistral's layout. Under flash and flex attention, every point but the pattern ones.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -51,51 +35,7 @@ def window(config: Any) -> Optional[int]:
     return getattr(config, "sliding_window", None) or None
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    w = window(model.config)
-    return FAMILY.hooked_config(
-        model, window_size=w, attn_types=("local",) * model.config.num_hidden_layers if w else None
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Mistral-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), a 4-token sliding window. Other seeds vary depth, heads and the window (or none)."""
     import random
@@ -108,17 +48,12 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([None, 3, 8]))
     )
-    return MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
-        sliding_window=sliding,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    return hf.toy_config(MistralConfig, layers, heads, kv, sliding_window=sliding, rope_theta=10000.0)
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    w = window(model.config)
+    return {"window_size": w, "attn_types": ("local",) * model.config.num_hidden_layers if w else None}
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -3,32 +3,27 @@ both attention implementations, generation across the window with dynamic and st
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from lensadapters_mistral.testing import MistralContract, mistral_config
 
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
-    assert_unknown_rope_refused,
     assert_window_patterns,
     generate_with_hooks,
 )
 
 
-class TestMistral(MistralContract):
+class TestMistral(MistralContract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_mistral.testing``, also run by ``lensadapters check mistral``)."""
+
+    example_config = mistral_config
 
 
 CONTRACT = TestMistral()
-
-
-def tokens(batch: int = 2, length: int = 9, pads: tuple[int, ...] = (3, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (batch, length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for row, pad in enumerate(pads[:batch]):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = partial(left_padded_tokens, length=9, pads=(3, 0))
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -66,17 +61,3 @@ def test_generation_across_the_window_with_hooks(cache):
     hm = CONTRACT.wrap(model)
     generate_with_hooks(hm, ids, mask, cache, steps=4)
     hm.unwrap()
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(mistral_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(mistral_config(), 0)
-    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(mistral_config(), 0), impl)

@@ -22,24 +22,12 @@ Refused at wrap time: rope types whose rotation is not rotate-half, attention im
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    ModelLayout,
-    SeparateQKV,
-    hf,
-    hookimpl,
-    innermost_layer,
-)
+from lensadapters import Architecture, hf
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -75,78 +63,7 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
     )
 
 
-# --- adapter hooks ------------------------------------------------------------------------------
-
-
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-def _missing_moe_paths(layer: nn.Module) -> list[str]:
-    moe = _moe_path(layer)
-    missing = [p for p in (f"{moe}.gate", f"{moe}.experts") if not _has(layer, p)]
-    if missing:
-        return missing
-    experts = layer.get_submodule(f"{moe}.experts")
-    if isinstance(experts, nn.ModuleList):
-        for e, expert in enumerate(experts):
-            missing += [f"{moe}.experts.{e}.{p}" for p in ("w1", "w2", "w3", "act_fn") if not hasattr(expert, p)]
-    else:
-        experts = innermost_layer(experts)  # under an adapter wrapping the experts (LoRA)
-        missing += [f"{moe}.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
-    return missing
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model, missing_in_layer=_missing_moe_paths)
-
-
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    c = model.config
-    return FAMILY.hooked_config(
-        model,
-        num_experts=c.num_local_experts,
-        experts_per_token=c.num_experts_per_tok,
-        extra={
-            "sliding_window": getattr(c, "sliding_window", None),
-            "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
-        },
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer]))
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MoELayout:
-    return moe_layout(FAMILY.layers(model)[layer], model.config)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Mixtral-like toy, width 64, vocabulary 512, 4 experts of width 96. Seed 0 is the demo's model: 2 layers,
     GQA (4 query heads, 2 kv heads), top-2 routing. Other seeds vary the depth (1-3), the number of experts (2-8),
     top-k (1 to 3) and the heads, deterministically."""
@@ -161,21 +78,39 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         layers, (heads, kv_heads) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)])
         experts = rng.choice([2, 4, 8])
         top_k = rng.randint(1, min(3, experts))
-    return MixtralConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        MixtralConfig,
+        layers,
+        heads,
+        kv_heads,
         intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-5,
         num_local_experts=experts,
         num_experts_per_tok=top_k,
         sliding_window=None,
         rope_theta=1e6,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    c = model.config
+    return {
+        "num_experts": c.num_local_experts,
+        "experts_per_token": c.num_experts_per_tok,
+        "extra": {
+            "sliding_window": getattr(c, "sliding_window", None),
+            "router_jitter_noise": getattr(c, "router_jitter_noise", 0.0),
+        },
+    }
+
+
+PLUGIN = hf.DecoderPlugin(
+    ARCH,
+    FAMILY,
+    tiny_config,
+    config=config_fields,
+    missing_in_layer=lambda layer: hf.missing_expert_paths(layer, _moe_path(layer), ("w1", "w2", "w3")),
+    block=lambda model, layer: replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer])),
+    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+).export(globals())

@@ -21,28 +21,12 @@ registered as ``olmo2``, a model without OLMo 2's layout. Flash and flex attenti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    RotarySpec,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
+from lensadapters import Architecture, BlockLayout, ProjectionNorm, RotarySpec, hf
 from lensadapters.rotary import apply_rotate_half, invert_rotate_half
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -89,56 +73,7 @@ FAMILY = hf.DecoderFamily(
 )
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    return FAMILY.hooked_config(
-        model,
-        extra={
-            "use_qk_norm": True,
-            "qk_norm_over_heads": True,
-            "pre_norms": False,
-            "attention_bias": bool(getattr(model.config, "attention_bias", False)),
-        },
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """An OLMo-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, 4 heads (OLMo 2 1B-13B
     use full multi-head attention). Other seeds vary depth and heads (GQA as OLMo-2 32B)."""
     import random
@@ -147,16 +82,12 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
 
     rng = random.Random(seed)
     layers, (heads, kv) = (2, (4, 4)) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)]))
-    return Olmo2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    return hf.toy_config(Olmo2Config, layers, heads, kv, rope_theta=500000.0)
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    extra = {"use_qk_norm": True, "qk_norm_over_heads": True, "pre_norms": False}
+    return {"extra": {**extra, "attention_bias": bool(getattr(model.config, "attention_bias", False))}}
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

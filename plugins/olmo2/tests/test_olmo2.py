@@ -8,27 +8,20 @@ import torch
 from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 from lensadapters.testing import assert_close
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
-    assert_unknown_rope_refused,
     generate_with_hooks,
 )
 
 
-class TestOlmo2(Olmo2Contract):
+class TestOlmo2(Olmo2Contract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_olmo2.testing``, also run by ``lensadapters check olmo2``)."""
+
+    example_config = olmo2_config
 
 
 CONTRACT = TestOlmo2()
-
-
-def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = left_padded_tokens
 
 
 def test_block_points_without_pre_norms():
@@ -116,17 +109,3 @@ def test_bfloat16_rotary_is_bitwise():
     assert cache["rot_q", 0].dtype == torch.bfloat16 and cache["rot_k", 0].dtype == torch.bfloat16
     assert torch.equal(logits, reference) and torch.equal(identity, reference)
     hm.unwrap()
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(olmo2_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(olmo2_config(), 0)
-    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(olmo2_config(), 0), impl)

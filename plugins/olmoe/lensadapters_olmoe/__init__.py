@@ -34,29 +34,13 @@ flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (whic
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    LensAdaptersError,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-    innermost_layer,
-)
+from lensadapters import Architecture, LensAdaptersError, ProjectionNorm, UnsupportedModelError, hf, hookimpl
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -87,19 +71,6 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
         config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob), weights_dtype="logits"
     )
     return stored_moe_layout(layer, "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
-
-
-def _missing_expert_paths(layer: nn.Module) -> list[str]:
-    experts = layer.get_submodule("mlp.experts")
-    if isinstance(experts, nn.ModuleList):
-        return [
-            f"mlp.experts.{e}.{p}"
-            for e, expert in enumerate(experts)
-            for p in ("gate_proj", "up_proj", "down_proj", "act_fn")
-            if not hasattr(expert, p)
-        ]
-    experts = innermost_layer(experts)
-    return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
 
 
 # --- attention patterns under transformers 4.57 (attention computed inside OLMoE's attention classes) ------------
@@ -212,31 +183,14 @@ def _computes_attention_itself(model: nn.Module) -> bool:
 # --- adapter hooks -----------------------------------------------------------------------------------------------
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-def _missing_moe_paths(layer: nn.Module) -> list[str]:
-    return [p for p in ("mlp.gate", "mlp.experts") if not _has(layer, p)]
-
-
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
+def check(model: Any) -> None:
+    """After the family's checks (which found each layer's ``mlp.gate`` and ``mlp.experts``): the experts, no
+    ``clip_qkv``, q/k norms sized for the heads."""
     config = model.config
-    layers = FAMILY.validate(model, missing_in_layer=_missing_moe_paths)
     missing = [
         f"{hf.join(FAMILY.base(model), 'layers')}.{i}.{p}"
-        for i, layer in enumerate(layers)
-        for p in _missing_expert_paths(layer)
+        for i, layer in enumerate(FAMILY.layers(model))
+        for p in hf.missing_expert_paths(layer, "mlp", ("gate_proj", "up_proj", "down_proj"))
     ]
     if missing:
         raise UnsupportedModelError(
@@ -259,45 +213,14 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
-    return FAMILY.hooked_config(
-        model,
-        num_experts=c.num_experts,
-        experts_per_token=c.num_experts_per_tok,
-        extra={
-            "use_qk_norm": True,
-            "qk_norm_over_heads": True,
-            "norm_topk_prob": bool(c.norm_topk_prob),
-            "attention_bias": bool(getattr(c, "attention_bias", False)),
-        },
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MoELayout:
-    return moe_layout(FAMILY.layers(model)[layer], model.config)
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
+    extra = {"use_qk_norm": True, "qk_norm_over_heads": True, "norm_topk_prob": bool(c.norm_topk_prob)}
+    return {
+        "num_experts": c.num_experts,
+        "experts_per_token": c.num_experts_per_tok,
+        "extra": {**extra, "attention_bias": bool(getattr(c, "attention_bias", False))},
+    }
 
 
 @hookimpl
@@ -307,8 +230,7 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[Olmoe
     return OlmoePatternBackend(hooked)
 
 
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """An OLMoE-like toy, width 64, vocabulary 512, experts of width 48. Seed 0 is the demo's model: 2 layers, 4
     heads (OLMoE-1B-7B uses full multi-head attention), top-2 of 4 experts, no renormalization (as OLMoE-1B-7B).
     Other seeds vary the depth (1-3), the heads (GQA), the experts (2-8), top-k (1-3) and ``norm_topk_prob``."""
@@ -323,14 +245,12 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)])
         experts = rng.choice([2, 4, 8])
         top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
-    return OlmoeConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        OlmoeConfig,
+        layers,
+        heads,
+        kv,
         intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-5,
         num_experts=experts,
         num_experts_per_tok=top_k,
@@ -339,7 +259,15 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         rope_theta=10000.0,
         tie_word_embeddings=False,
         output_router_logits=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+PLUGIN = hf.DecoderPlugin(
+    ARCH,
+    FAMILY,
+    tiny_config,
+    config=config_fields,
+    check=check,
+    missing_in_layer=lambda layer: hf.missing_paths(layer, ("mlp.gate", "mlp.experts")),
+    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+).export(globals())

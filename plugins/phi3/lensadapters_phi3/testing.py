@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from transformers import Phi3Config
 
 import lensadapters_phi3
-from lensadapters.testing import AdapterContract
-from lensadapters.testing.strategies import as_strategy
+from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config
 
 __all__ = ["Phi3Contract", "phi3_config", "phi3_configs"]
 
@@ -31,85 +30,42 @@ def longrope(rotary_dim: int) -> dict:
 
 
 def phi3_config(
-    *,
-    n_heads: int = 4,
-    n_kv: int = 2,
-    hidden: int = 32,
-    layers: int = 1,
-    d_mlp: int = 32,
-    vocab: int = 64,
-    partial: float = 1.0,
-    rope: str = "default",
-    window: Optional[int] = None,
-    theta: float = 10000.0,
-    tied: bool = False,
-    eps: float = 1e-6,
-    act: str = "silu",
+    *, partial: float = 1.0, rope: str = "default", window: Optional[int] = None, **shared: Any
 ) -> Phi3Config:
-    """A tiny Phi-3 config (bos 1, eos 2, pad 0). With LongRoPE, sequences up to 16 tokens stay in the short-factor
-    regime (``original_max_position_embeddings``) and ``max_position_embeddings`` (64) sets the attention factor."""
-    rotary = int(hidden // n_heads * partial)
-    return Phi3Config(
-        hidden_size=hidden,
-        intermediate_size=d_mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        vocab_size=vocab,
-        max_position_embeddings=64,
+    """A tiny Phi-3 config (``decoder_config``'s shared fields). With LongRoPE, sequences up to 16 tokens stay in the
+    short-factor regime (``original_max_position_embeddings``) and ``max_position_embeddings`` (64) sets the
+    attention factor."""
+    rotary = int(shared.get("hidden", 32) // shared.get("n_heads", 4) * partial)
+    return decoder_config(
+        Phi3Config,
         original_max_position_embeddings=16,
         partial_rotary_factor=partial,
         rope_scaling=longrope(rotary) if rope == "longrope" else None,
         sliding_window=window,
-        rms_norm_eps=eps,
-        hidden_act=act,
-        tie_word_embeddings=tied,
-        rope_theta=theta,
-        attention_dropout=0.0,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **shared,
     )
 
 
-@st.composite
-def phi3_configs(
-    draw: st.DrawFn,
-    *,
-    n_kv: Any = st.sampled_from([1, 2]),
-    ratio: Any = st.sampled_from([1, 2, 3]),
-    head_dim: Any = st.sampled_from([8, 16]),
-    n_layers: Any = st.integers(1, 2),
-    d_mlp: Any = st.sampled_from([16, 40]),
-    vocab: Any = st.integers(16, 128),
-    partial: Any = st.sampled_from([0.5, 0.75, 1.0]),
-    rope: Any = st.sampled_from(["default", "longrope"]),
-    window: Any = st.sampled_from([None, 2, 3, 5]),
-    theta: Any = st.sampled_from([100.0, 10000.0]),
-    tied: Any = st.booleans(),
-    act: Any = st.sampled_from(["silu", "gelu_new"]),
-) -> Phi3Config:
+phi3_configs = config_strategy(
+    phi3_config,
     """Tiny Phi-3 configs: fused ``qkv_proj`` with GQA ratios 1, 2, 3 and multi-query attention (unequal q and kv
     widths), fused ``gate_up_proj``, partial rotary (0.5, 0.75 as Phi-4-mini, 1.0), default and LongRoPE, sliding
-    windows of 2, 3, 5 tokens or none, tied and untied embeddings."""
-    kv = draw(as_strategy(n_kv), label="n_kv")
-    heads = kv * draw(as_strategy(ratio), label="gqa ratio")
-    return phi3_config(
-        n_heads=heads,
-        n_kv=kv,
-        hidden=heads * draw(as_strategy(head_dim), label="head_dim"),
-        layers=draw(as_strategy(n_layers), label="n_layers"),
-        d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
-        vocab=draw(as_strategy(vocab), label="vocab"),
-        partial=draw(as_strategy(partial), label="partial rotary"),
-        rope=draw(as_strategy(rope), label="rope"),
-        window=draw(as_strategy(window), label="window"),
-        theta=draw(as_strategy(theta), label="theta"),
-        tied=draw(as_strategy(tied), label="tied"),
-        act=draw(as_strategy(act), label="act"),
-    )
+    windows of 2, 3, 5 tokens or none, tied and untied embeddings; ``hidden_per_head`` is the head size.""",
+    n_kv=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2, 3]),
+    hidden_per_head=st.sampled_from([8, 16]),
+    n_layers=st.integers(1, 2),
+    d_mlp=st.sampled_from([16, 40]),
+    vocab=st.integers(16, 128),
+    partial=st.sampled_from([0.5, 0.75, 1.0]),
+    rope=st.sampled_from(["default", "longrope"]),
+    window=st.sampled_from([None, 2, 3, 5]),
+    theta=st.sampled_from([100.0, 10000.0]),
+    tied=st.booleans(),
+    act=st.sampled_from(["silu", "gelu_new"]),
+)
 
 
 #: properties that must see Phi-4-mini's shape (partial rotary, GQA, a short window) on every run
@@ -122,12 +78,11 @@ PHI4_PROPERTIES = (
 )
 
 
-class Phi3Contract(AdapterContract):
+class Phi3Contract(DecoderContract):
     """Every generic adapter property on tiny Phi-3 models; Phi-4-mini's shape (partial rotary 0.75, GQA 3:1,
     LongRoPE) with a short window is a stratum of the identity, pattern, edit and generation properties."""
 
     plugin = lensadapters_phi3
-    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     config_strata = {"phi-4-mini": PHI4_PROPERTIES}
     config_strategy = phi3_configs
     stratum_overrides = {
@@ -137,7 +92,7 @@ class Phi3Contract(AdapterContract):
     matrix_overrides = dict(
         n_kv=1,
         ratio=2,
-        head_dim=8,
+        hidden_per_head=8,
         n_layers=1,
         d_mlp=24,
         vocab=64,

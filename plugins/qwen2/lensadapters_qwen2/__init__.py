@@ -9,31 +9,15 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
 * Tied (small Qwen2.5 checkpoints) or untied embeddings.
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``qwen2``, a model without Qwen2's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
+as ``qwen2``, a model without Qwen2's layout. Under flash and flex attention, every point but the pattern ones.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -47,48 +31,7 @@ ARCH = Architecture(
 FAMILY = hf.DecoderFamily("Qwen2", model_type="qwen2", packages=("qwen2",), norms=("Qwen2RMSNorm",))
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    return FAMILY.hooked_config(model, **hf.window_fields(hf.layer_windows(model.config)))
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Qwen2.5-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), tied embeddings, a 4-token sliding window from layer 1 on. Other seeds vary depth, heads, the
     windowed layers and the embedding tie."""
@@ -107,20 +50,21 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
             rng.random() < 0.5,
         )
     )
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
+    return hf.toy_config(
+        Qwen2Config,
+        layers,
+        heads,
+        kv,
         sliding_window=4,
         use_sliding_window=window_from < layers,
         max_window_layers=window_from,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    return hf.window_fields(hf.layer_windows(model.config))
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -3,33 +3,28 @@ per-layer sliding windows, refusals)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from lensadapters_qwen2.testing import Qwen2Contract, qwen2_config
 
 from lensadapters.testing import assert_close
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
-    assert_unknown_rope_refused,
     assert_window_patterns,
     generate_with_hooks,
 )
 
 
-class TestQwen2(Qwen2Contract):
+class TestQwen2(Qwen2Contract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_qwen2.testing``, also run by ``lensadapters check qwen2``)."""
+
+    example_config = qwen2_config
 
 
 CONTRACT = TestQwen2()
-
-
-def tokens(length: int = 9, pads: tuple[int, ...] = (3, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = partial(left_padded_tokens, length=9, pads=(3, 0))
 
 
 def test_biases_on_queries_keys_and_values_only():
@@ -67,17 +62,3 @@ def test_generation_with_mixed_layers(cache):
     hm = CONTRACT.wrap(model)
     generate_with_hooks(hm, *tokens(length=5, pads=(2, 0)), cache, steps=4)
     hm.unwrap()
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(qwen2_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(qwen2_config(), 0)
-    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(qwen2_config(), 0), impl)

@@ -8,38 +8,20 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   ``hook_rot_k`` what attention uses (normed and rotated; an edit of ``hook_rot_k`` reaches the KV cache). The
   norm points keep lensadapters' per-head layout ``[b, p, h, 1]``/``[b, p, h, d_head]`` where TransformerLens
   flattens them to ``[b*p*h, ...]`` (the same values, in the same order).
-* Optional ``attention_bias`` on q/k/v/o.
-* Per-layer sliding windows (``use_sliding_window``: layers from ``max_window_layers`` on use
-  ``sliding_window``; ``config.layer_types`` says which): ``hook_attn_scores``/``hook_pattern`` show each layer's
-  own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
-* Tied (the small Qwen3 checkpoints) or untied embeddings.
+* Optional ``attention_bias`` on q/k/v/o; tied (the small checkpoints) or untied embeddings.
+* Sliding windows on the layers ``config.layer_types`` marks (``use_sliding_window`` from ``max_window_layers``
+  on): the pattern points show each layer's own mask; ``cfg.window_size``/``cfg.attn_types`` name them as
+  TransformerLens does.
 
-Refused at wrap time with an explanation: rope types whose rotation is not rotate-half on the rotary module's
-``(cos, sin)``, custom modeling code registered as ``qwen3``, a model without Qwen3's layout.
-Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
+Refused at wrap time (the family's declaration): rope types other than rotate-half ones, custom code registered as
+``qwen3``, other layouts. Flash and flex attention serve every hook point but the pattern ones.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    hf,
-    hookimpl,
-)
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, ProjectionNorm, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -60,52 +42,7 @@ FAMILY = hf.DecoderFamily(
 )
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    FAMILY.validate(model)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    return FAMILY.hooked_config(
-        model,
-        **hf.window_fields(hf.layer_windows(model.config)),
-        extra={"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
-    )
-
-
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return FAMILY.dense_mlp()
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Qwen3-like toy, width 64, vocabulary 512, head_dim 32 (Qwen3's head_dim differs from width / heads). Seed
     0 is the demo's model: 2 layers, GQA (4 query heads, 2 kv heads), tied embeddings, no window. Other seeds vary
     depth, heads, a sliding window on the layers from ``max_window_layers`` on and the embedding tie."""
@@ -124,21 +61,25 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
             rng.random() < 0.5,
         )
     )
-    return Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+    return hf.toy_config(
+        Qwen3Config,
+        layers,
+        heads,
+        kv,
         head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=128,
         sliding_window=4,
         use_sliding_window=window_from < layers,
         max_window_layers=window_from,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    return {
+        **hf.window_fields(hf.layer_windows(model.config)),
+        "extra": {"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
+    }
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -1,9 +1,6 @@
-"""Test kit of lensadapters-qwen3: configs and the contract class (needs ``lensadapters[testing]``).
-
-``Qwen3Contract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``: ``lensadapters check qwen3`` runs it);
-the plugin's tests subclass it and mix the LoRA and 8-bit variants in front of it. ``qwen3_configs(**overrides)``
-draws tiny ``Qwen3Config``s (every keyword a fixed value or a strategy). Importing ``lensadapters_qwen3`` itself
-never imports this module.
+"""Test kit of lensadapters-qwen3 (needs ``lensadapters[testing]``): ``Qwen3Contract`` (``LENSADAPTERS_CONTRACT``,
+run by ``lensadapters check qwen3``; the plugin's tests subclass it), ``qwen3_config(...)`` (one tiny config) and
+``qwen3_configs(**overrides)`` (their strategy). Importing ``lensadapters_qwen3`` never imports it.
 """
 
 from __future__ import annotations
@@ -14,115 +11,57 @@ from hypothesis import strategies as st
 from transformers import Qwen3Config
 
 import lensadapters_qwen3
-from lensadapters.testing import AdapterContract
-from lensadapters.testing.strategies import as_strategy
+from lensadapters.testing.families import (
+    DENSE_DRAWS,
+    WINDOW_PROPERTIES,
+    DecoderContract,
+    config_strategy,
+    decoder_config,
+)
 
 __all__ = ["Qwen3Contract", "qwen3_config", "qwen3_configs"]
 
 
 def qwen3_config(
     *,
-    n_heads: int = 4,
-    n_kv: int = 2,
     head_dim: int = 8,
-    hidden: int = 32,
-    layers: int = 1,
-    d_mlp: int = 32,
-    vocab: int = 64,
+    attention_bias: bool = False,
     window: Optional[int] = None,
     window_from: int = 0,
-    theta: float = 10000.0,
-    tied: bool = False,
-    attention_bias: bool = False,
-    eps: float = 1e-6,
-    act: str = "silu",
+    **shared: Any,
 ) -> Qwen3Config:
-    """A tiny Qwen3 config (bos 1, eos 2, pad 0); layers ``window_from`` and later use ``window`` when it is set."""
-    return Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=d_mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
+    """A tiny Qwen3 config (``decoder_config``'s shared fields); layers ``window_from`` and later use ``window``
+    when it is set."""
+    return decoder_config(
+        Qwen3Config,
         head_dim=head_dim,
         attention_bias=attention_bias,
-        vocab_size=vocab,
-        max_position_embeddings=64,
         sliding_window=window or 4096,
         use_sliding_window=window is not None,
         max_window_layers=window_from,
-        rms_norm_eps=eps,
-        hidden_act=act,
-        tie_word_embeddings=tied,
-        rope_theta=theta,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **shared,
     )
 
 
-@st.composite
-def qwen3_configs(
-    draw: st.DrawFn,
-    *,
-    n_kv: Any = st.sampled_from([1, 2]),
-    ratio: Any = st.sampled_from([1, 2, 4]),
-    head_dim: Any = st.sampled_from([4, 8]),
-    hidden_per_head: Any = st.sampled_from([4, 8]),
-    d_model: Any = None,
-    attention_bias: Any = st.booleans(),
-    n_layers: Any = st.integers(1, 2),
-    d_mlp: Any = st.sampled_from([16, 40]),
-    vocab: Any = st.integers(16, 128),
-    window: Any = st.sampled_from([None, 2, 3, 5]),
-    window_from: Any = st.integers(0, 1),
-    theta: Any = st.sampled_from([100.0, 10000.0]),
-    tied: Any = st.booleans(),
-    act: Any = st.sampled_from(["silu", "gelu_new"]),
-) -> Qwen3Config:
+qwen3_configs = config_strategy(
+    qwen3_config,
     """Tiny Qwen3 configs: per-head q/k norms, ``head_dim`` other than ``hidden_size / n_heads``, with and without
-    ``attention_bias``; sliding windows of 2, 3 or 5 tokens on the
-    layers from ``window_from`` on (so some models mix windowed and full layers), or none; GQA ratios 1, 2, 4 and
-    multi-query attention; tied and untied embeddings."""
-    kv = draw(as_strategy(n_kv), label="n_kv")
-    heads = kv * draw(as_strategy(ratio), label="gqa ratio")
-    hidden = (
-        heads * draw(as_strategy(hidden_per_head), label="hidden per head")
-        if d_model is None
-        else draw(as_strategy(d_model), label="d_model")
-    )
-    return qwen3_config(
-        n_heads=heads,
-        n_kv=kv,
-        head_dim=draw(as_strategy(head_dim), label="head_dim"),
-        hidden=hidden,
-        attention_bias=draw(as_strategy(attention_bias), label="attention_bias"),
-        layers=draw(as_strategy(n_layers), label="n_layers"),
-        d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
-        vocab=draw(as_strategy(vocab), label="vocab"),
-        window=draw(as_strategy(window), label="window"),
-        window_from=draw(as_strategy(window_from), label="from"),
-        theta=draw(as_strategy(theta), label="theta"),
-        tied=draw(as_strategy(tied), label="tied"),
-        act=draw(as_strategy(act), label="act"),
-    )
-
-
-#: properties that must see a window shorter than the input (next to a full-attention layer) on every run
-WINDOW_PROPERTIES = (
-    "test_pattern_matches_hf_eager",
-    "test_query_and_key_edits_reach_their_side_of_the_scores",
-    "test_edits_during_generation_match_one_pass",
+    ``attention_bias``; sliding windows of 2, 3 or 5 tokens on the layers from ``window_from`` on (so some models
+    mix windowed and full layers), or none; GQA ratios 1, 2, 4 and multi-query attention; tied and untied
+    embeddings.""",
+    **DENSE_DRAWS,
+    head_dim=st.sampled_from([4, 8]),
+    attention_bias=st.booleans(),
+    window=st.sampled_from([None, 2, 3, 5]),
+    window_from=st.integers(0, 1),
 )
 
 
-class Qwen3Contract(AdapterContract):
+class Qwen3Contract(DecoderContract):
     """Every generic adapter property on tiny Qwen3 models; a short window on the second of two layers is a
     stratum of the pattern, edit and generation properties (drawn on every run)."""
 
     plugin = lensadapters_qwen3
-    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
     # q_norm between hook_q and the scores: doubling hook_q changes nothing, its output and hook_rot_q are linear
     score_linear_points = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
     score_invariant_points = ("attn.hook_q",)

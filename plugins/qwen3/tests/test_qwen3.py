@@ -9,27 +9,20 @@ from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
+from lensadapters.testing.families import RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import (
-    assert_custom_code_refused,
-    assert_patterns_refused_under,
-    assert_unknown_rope_refused,
     generate_with_hooks,
 )
 
 
-class TestQwen3(Qwen3Contract):
+class TestQwen3(Qwen3Contract, RefusalChecks):
     """The plugin's contract suite (``lensadapters_qwen3.testing``, also run by ``lensadapters check qwen3``)."""
+
+    example_config = qwen3_config
 
 
 CONTRACT = TestQwen3()
-
-
-def tokens(length: int = 7, pads: tuple[int, ...] = (2, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 64, (len(pads), length), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
+tokens = left_padded_tokens
 
 
 def test_query_norm_points_sit_between_projection_and_rotary():
@@ -109,17 +102,3 @@ def test_generation_with_hooks(cache):
     hm = CONTRACT.wrap(CONTRACT.make_model(qwen3_config(layers=2, window=3, window_from=1), 1))
     generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()
-
-
-def test_custom_code_is_refused():
-    assert_custom_code_refused(CONTRACT, CONTRACT.make_model(qwen3_config(), 0))
-
-
-def test_unknown_rope_type_is_refused():
-    model = CONTRACT.make_model(qwen3_config(), 0)
-    assert_unknown_rope_refused(CONTRACT, model, model.model.rotary_emb)
-
-
-@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
-def test_flash_and_flex_refuse_patterns_only(impl):
-    assert_patterns_refused_under(CONTRACT, CONTRACT.make_model(qwen3_config(), 0), impl)

@@ -8,26 +8,14 @@ from __future__ import annotations
 import pytest
 from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
-from lensadapters.testing.tl_compare import (
-    TransformerLensComparison,
-    compare_hooks,
-    comparison_tokens,
-    transformer_lens_available,
-)
+from lensadapters.testing.families import TransformerLensWithoutWindows
+from lensadapters.testing.tl_compare import TransformerLensComparison, transformer_lens_available
 
 pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
 
 
-class TestQwen3TransformerLens(TransformerLensComparison):
+class TestQwen3TransformerLens(TransformerLensWithoutWindows, TransformerLensComparison):
     contract = Qwen3Contract()
     config = qwen3_config
     reference = "lensadapters_qwen3.reference:to_hooked_transformer"
     config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}
-
-    def test_transformerlens_has_no_sliding_window(self):
-        """A documented difference: with ``use_sliding_window`` TL 2.18's Qwen3 attends globally where the HF model
-        (and lensadapters) masks outside the window."""
-        _, hm, tl = self.pair(window=3, window_from=0)
-        result = compare_hooks(hm, tl, comparison_tokens(), names=["blocks.0.attn.hook_pattern"])
-        assert result.compared["blocks.0.attn.hook_pattern"] > 0.1  # TL spreads attention outside the window
-        hm.unwrap()

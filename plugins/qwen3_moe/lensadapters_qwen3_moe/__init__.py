@@ -28,28 +28,12 @@ registered as ``qwen3_moe``, a model without Qwen3-MoE's layout, attention imple
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Union
 
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-    innermost_layer,
-)
+from lensadapters import Architecture, MLPLayout, ProjectionNorm, UnsupportedModelError, hf
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -91,42 +75,17 @@ def moe_layout(layer: nn.Module, config: Any) -> MoELayout:
 
 
 def _missing_mlp_paths(layer: nn.Module, sparse: bool) -> list[str]:
-    def missing(paths: Any, root: nn.Module = layer, prefix: str = "") -> list[str]:
-        out = []
-        for path in paths:
-            try:
-                root.get_submodule(path)
-            except AttributeError:
-                out.append(prefix + path)
-        return out
-
     if not sparse:
-        return missing((_DENSE.pre, _DENSE.pre_linear, _DENSE.out))
-    found = missing(("mlp.gate", "mlp.experts"))
-    if found:
-        return found
-    experts = layer.get_submodule("mlp.experts")
-    if isinstance(experts, nn.ModuleList):
-        for e, expert in enumerate(experts):
-            found += missing(("gate_proj", "up_proj", "down_proj"), expert, f"mlp.experts.{e}.")
-            found += [f"mlp.experts.{e}.act_fn"] if not hasattr(expert, "act_fn") else []
-        return found
-    experts = innermost_layer(experts)
-    return [f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
+        return hf.missing_paths(layer, [p for p in (_DENSE.pre, _DENSE.pre_linear, _DENSE.out) if p is not None])
+    return hf.missing_expert_paths(layer, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    layers = FAMILY.validate(model)
+def check(model: Any) -> None:
+    """After the family's checks: each layer's MLP is the one its config declares (dense or experts)."""
     config = model.config
     missing = [
         f"{hf.join(FAMILY.base(model), 'layers')}.{i}.{p}"
-        for i, (layer, sparse) in enumerate(zip(layers, sparse_layers(config)))
+        for i, (layer, sparse) in enumerate(zip(FAMILY.layers(model), sparse_layers(config)))
         for p in _missing_mlp_paths(layer, sparse)
     ]
     if missing:
@@ -139,12 +98,10 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def config_fields(model: Any) -> dict[str, Any]:
     c, sparse = model.config, sparse_layers(model.config)
     window = getattr(c, "sliding_window", None)
-    return FAMILY.hooked_config(
-        model,
+    return dict(
         d_mlp=c.moe_intermediate_size if any(sparse) else c.intermediate_size,
         num_experts=c.num_experts,
         experts_per_token=c.num_experts_per_tok,
@@ -161,35 +118,13 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return FAMILY.block
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return FAMILY.attn_qkv(model)
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> Union[MLPLayout, MoELayout]:
+def mlp(model: Any, layer: int) -> Union[MLPLayout, MoELayout]:
     if not sparse_layers(model.config)[layer]:
         return _DENSE
     return moe_layout(FAMILY.layers(model)[layer], model.config)
 
 
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Qwen3-MoE-like toy, width 64, vocabulary 512, head_dim 32, experts of width 48 (dense layers 96). Seed 0
     is the demo's model: 2 layers, both sparse, GQA (4 query heads, 2 kv heads), top-2 of 4 experts, no
     renormalization (Qwen3-30B-A3B renormalizes; the raw probabilities are the family's default). Other seeds vary
@@ -209,16 +144,14 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
         dense = rng.choice(["none", "first", "step"]) if layers > 1 else "none"
         only, step = ([0], 1) if dense == "first" else ([], 2 if dense == "step" else 1)
-    return Qwen3MoeConfig(
-        hidden_size=64,
+    return hf.toy_config(
+        Qwen3MoeConfig,
+        layers,
+        heads,
+        kv,
         intermediate_size=96,
         moe_intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
         head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=128,
         rms_norm_eps=1e-6,
         num_experts=experts,
         num_experts_per_tok=top_k,
@@ -229,7 +162,7 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         rope_theta=10000.0,
         tie_word_embeddings=False,
         output_router_logits=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check, mlp=mlp).export(globals())

@@ -1,0 +1,270 @@
+"""Test configurations of Llama-shaped families, declared rather than written out per plugin.
+
+A plugin of a family described by :class:`lensadapters.hf.DecoderFamily` declares its tiny configs with two calls:
+
+* :func:`decoder_config` builds one config of the family's class from the fields every such family shares (sizes,
+  heads, rope theta, RMSNorm eps, activation, tied embeddings; bos 1, eos 2, pad 0; no dropout) plus its own;
+* :func:`config_strategy` turns that builder into the ``config_strategy`` of its contract: a function of keyword
+  overrides (each a value or a strategy) returning a strategy of configs.
+
+::
+
+    def mistral_config(*, window=3, head_dim=8, **shared):
+        return decoder_config(MistralConfig, head_dim=head_dim, sliding_window=window, **shared)
+
+    mistral_configs = config_strategy(mistral_config, window=st.sampled_from([None, 2, 3, 5, 16]), ...)
+
+:class:`DecoderContract` is the contract of such a family (no learned positions, rotary, gated MLP, sequential
+blocks); :data:`WINDOW_PROPERTIES` the properties a short sliding window must reach on every run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar, Optional
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+from lensadapters.testing.contract import AdapterContract
+from lensadapters.testing.family_checks import (
+    assert_custom_code_refused,
+    assert_patterns_refused_under,
+    assert_unknown_rope_refused,
+)
+from lensadapters.testing.moe import MoEContract
+from lensadapters.testing.strategies import as_strategy
+
+__all__ = [
+    "DENSE_DRAWS",
+    "DecoderContract",
+    "MOE_DRAWS",
+    "MoEDecoderContract",
+    "OffsetNormModels",
+    "QKNormScores",
+    "RefusalChecks",
+    "TransformerLensWithoutWindows",
+    "WINDOW_PROPERTIES",
+    "config_strategy",
+    "decoder_config",
+    "left_padded_tokens",
+    "reinit_offset_norms",
+    "rope_type",
+]
+
+#: properties that must see a window shorter than the input on every run (the family's window stratum)
+WINDOW_PROPERTIES = (
+    "test_pattern_matches_hf_eager",
+    "test_query_and_key_edits_reach_their_side_of_the_scores",
+    "test_edits_during_generation_match_one_pass",
+)
+
+
+def decoder_config(
+    config_class: Callable[..., Any],
+    *,
+    n_heads: int = 4,
+    n_kv: int = 2,
+    hidden: int = 32,
+    layers: int = 1,
+    d_mlp: int = 32,
+    vocab: int = 64,
+    theta: float = 10000.0,
+    tied: bool = False,
+    eps: float = 1e-6,
+    act: str = "silu",
+    act_field: str = "hidden_act",
+    max_pos: int = 64,
+    **fields: Any,
+) -> Any:
+    """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
+    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
+    shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
+    shared = dict(
+        hidden_size=hidden,
+        intermediate_size=d_mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tied,
+        rope_theta=theta,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return config_class(**{**shared, act_field: act, **fields})
+
+
+#: the draws of a small dense decoder: GQA ratios 1, 2, 4 and multi-query attention, one or two layers, MLP widths,
+#: vocabularies, rope bases, tied and untied embeddings, SiLU or GELU
+DENSE_DRAWS: dict[str, Any] = {
+    "n_kv": st.sampled_from([1, 2]),
+    "ratio": st.sampled_from([1, 2, 4]),
+    "hidden_per_head": st.sampled_from([4, 8]),
+    "n_layers": st.integers(1, 2),
+    "d_mlp": st.sampled_from([16, 40]),
+    "vocab": st.integers(16, 128),
+    "theta": st.sampled_from([100.0, 10000.0]),
+    "tied": st.booleans(),
+    "act": st.sampled_from(["silu", "gelu_new"]),
+}
+
+#: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
+MOE_DRAWS: dict[str, Any] = {
+    "experts": st.integers(2, 5),
+    "top_k": lambda drawn: st.integers(1, min(drawn["experts"], 4)),
+}
+
+
+def config_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -> Callable[..., st.SearchStrategy]:
+    """``configs(**overrides)``: a strategy of ``build(**drawn)`` whose keywords ``defaults`` declares (values or
+    strategies; ``overrides`` replace them by name).
+
+    The heads and width are drawn first: ``n_kv`` key/value heads, ``n_kv * ratio`` query heads unless ``n_heads``
+    is given, a width of ``n_heads * hidden_per_head`` unless ``d_model`` is given; ``build`` gets them as
+    ``n_heads``, ``n_kv`` and ``hidden``. Every other keyword is drawn in declaration order and passed under its
+    name (``n_layers`` as ``layers``); a callable that is not a strategy is called with the values drawn so far and
+    gives the strategy (``top_k=lambda drawn: st.integers(1, drawn["experts"])``).
+    """
+    shape = {"n_kv": None, "ratio": 1, "n_heads": None, "hidden_per_head": 8, "d_model": None}
+
+    @st.composite
+    def configs(draw: st.DrawFn, **overrides: Any) -> Any:
+        unknown = set(overrides) - set(defaults) - set(shape)
+        if unknown:
+            raise TypeError(f"{build.__name__} draws no {', '.join(sorted(unknown))}")
+        params = {**shape, **defaults, **overrides}
+        kv = draw(as_strategy(params.pop("n_kv")), label="n_kv")
+        ratio, n_heads = params.pop("ratio"), params.pop("n_heads")
+        heads = kv * draw(as_strategy(ratio), label="gqa ratio") if n_heads is None else draw(as_strategy(n_heads))
+        per_head, d_model = params.pop("hidden_per_head"), params.pop("d_model")
+        hidden = (
+            heads * draw(as_strategy(per_head), label="hidden per head")
+            if d_model is None
+            else draw(as_strategy(d_model), label="d_model")
+        )
+        drawn: dict[str, Any] = {"n_heads": heads, "n_kv": kv, "hidden": hidden}
+        for name, value in params.items():
+            if callable(value) and not isinstance(value, st.SearchStrategy):
+                value = value(drawn)
+            drawn["layers" if name == "n_layers" else name] = draw(as_strategy(value), label=name)
+        return build(**drawn)
+
+    configs.__doc__ = doc
+    configs.__name__ = configs.__qualname__ = f"{build.__name__}s"
+    return configs
+
+
+def rope_type(config: Any) -> str:
+    """The rope type of a config (transformers 4.57: ``rope_scaling``; 5.x: ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+class DecoderContract(AdapterContract):
+    """The contract of a Llama-shaped family: token embeddings without learned positions, rotary attention, a gated
+    MLP, attention then MLP. A plugin's contract names its plugin and config strategy and what it changes."""
+
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, True, False
+
+    def config_label(self, config: Any) -> Optional[str]:
+        return f"{config.num_attention_heads}:{config.num_key_value_heads} heads"
+
+
+def reinit_offset_norms(model: nn.Module, seed: int) -> None:
+    """Unit-ish random weights as ``lensadapters.testing.reinit`` gives, with the weights of ``(1 + weight)`` norms
+    drawn around 0 (their effective scale around 1, as in checkpoints of families with such norms)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point():
+                continue
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(noise / math.sqrt(min(param.shape)))
+
+
+class OffsetNormModels:
+    """Contract mixin of a family with ``(1 + weight)`` norms: its models get :func:`reinit_offset_norms` weights."""
+
+    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> nn.Module:
+        model = super().make_model(config, seed, attn_implementation)  # type: ignore[misc]
+        reinit_offset_norms(model, seed)
+        return model
+
+
+def left_padded_tokens(
+    length: int = 7, pads: tuple[int, ...] = (2, 0), vocab: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (seed 0, above the special tokens 0-2) and an attention mask: one row per entry of ``pads``, that
+    many positions masked on its left."""
+    ids = torch.randint(3, vocab, (len(pads), length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+class RefusalChecks:
+    """Tests of the refusals every declared family makes, mixed into a plugin's test class next to its contract
+    (``class TestMistral(MistralContract, RefusalChecks)``): custom modeling code under the family's
+    ``model_type``, a rope type that is not rotate-half, and flash/flex attention (every hook point but the pattern
+    ones). ``example_config`` builds the small config they wrap."""
+
+    example_config: ClassVar[Callable[[], Any]]
+
+    def example_model(self) -> nn.Module:
+        return self.make_model(type(self).example_config(), 0)  # type: ignore[attr-defined]
+
+    def test_custom_code_is_refused(self) -> None:
+        assert_custom_code_refused(self, self.example_model())
+
+    def test_unknown_rope_type_is_refused(self) -> None:
+        model = self.example_model()
+        assert_unknown_rope_refused(self, model, model.get_submodule("model.rotary_emb"))
+
+    @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+    def test_flash_and_flex_refuse_patterns_only(self, impl: str) -> None:
+        assert_patterns_refused_under(self, self.example_model(), impl)
+
+
+class TransformerLensWithoutWindows:
+    """Mixin of a family's TransformerLens comparison (``TransformerLensComparison``) whose TransformerLens 2.18
+    counterpart has no sliding window, a documented difference: with a window on every layer
+    (``window_fields``), TransformerLens attends globally where the HF model (and lensadapters) masks outside the
+    window."""
+
+    window_fields: ClassVar[dict[str, Any]] = {"window": 3, "window_from": 0}
+
+    def test_transformerlens_has_no_sliding_window(self) -> None:
+        from .tl_compare import compare_hooks, comparison_tokens
+
+        _, hm, tl = self.pair(**self.window_fields)  # type: ignore[attr-defined]
+        result = compare_hooks(hm, tl, comparison_tokens(), names=["blocks.0.attn.hook_pattern"])
+        assert result.compared["blocks.0.attn.hook_pattern"] > 0.1  # TL spreads attention outside the window
+        hm.unwrap()
+
+
+class QKNormScores:
+    """Contract mixin of a family with a norm on the queries between ``hook_q`` and the scores: doubling ``hook_q``
+    changes nothing, the norm's output and ``hook_rot_q`` are linear."""
+
+    score_linear_points: ClassVar[tuple[str, ...]] = ("attn.hook_rot_q", "attn.q_norm.hook_normalized")
+    score_invariant_points: ClassVar[tuple[str, ...]] = ("attn.hook_q",)
+
+
+class MoEDecoderContract(MoEContract):
+    """The MoE contract of a Llama-shaped family whose blocks' MLPs are mixtures of experts: no block has the dense
+    ``mlp.hook_pre_linear`` (each expert is gated: ``mlp.experts.{e}.hook_gate``), so ``gated_mlp`` is off. The LoRA
+    matrix builds two models per example: smaller ones."""
+
+    learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, False
+    matrix_overrides = dict(experts=st.integers(2, 3), n_layers=st.integers(1, 2))

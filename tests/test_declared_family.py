@@ -1,0 +1,149 @@
+"""A Llama-shaped family declared with ``hf.DecoderPlugin``: the hooks it derives register (as an object and
+through a module namespace), wrap transformers' model and answer what the declaration says; the test kit's
+``config_strategy`` draws what it declares."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lensadapters import Architecture, HookedModel, Registry, UnsupportedModelError, hf
+from lensadapters.testing.families import config_strategy, decoder_config
+
+ARCH = Architecture(name="declared_llama_shape", model_types=("llama",), transformers=">=4.57,<6")
+FAMILY = hf.DecoderFamily("Llama", model_type="llama", norms=("LlamaRMSNorm",))
+
+
+def tiny(seed: int = 0) -> LlamaConfig:
+    return decoder_config(LlamaConfig, n_heads=4, n_kv=2, hidden=32, layers=2 + seed % 2, head_dim=8)
+
+
+def model(config: Any = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config or tiny()).eval()
+
+
+def test_a_declared_family_registers_as_an_object_and_wraps():
+    seen = []
+    declared = hf.DecoderPlugin(
+        ARCH, FAMILY, tiny, config=lambda m: {"extra": {"declared": True}}, check=lambda m: seen.append(m)
+    )
+    registry = Registry()
+    registry.register(declared, "declared")
+    m = model()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        reference = m(ids).logits
+    hm = HookedModel.wrap(m, adapter=ARCH.name, registry=registry)
+    assert hm.arch is ARCH and seen == [m]
+    assert hm.cfg.extra["declared"] is True and hm.cfg.n_layers == 2 and hm.cfg.n_key_value_heads == 2
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, reference)
+        logits, cache = hm.run_with_cache(ids)
+    assert "blocks.1.ln2.hook_scale" in cache and "blocks.0.mlp.hook_pre_linear" in cache
+    assert torch.allclose(logits, reference, atol=1e-5)
+    hm.unwrap()
+    assert registry.infos["declared"].plugin.lensadapters_tiny_config(arch=ARCH, seed=1).num_hidden_layers == 3
+
+
+def test_export_puts_the_hooks_in_a_module_namespace():
+    module = types.ModuleType("declared_module")
+    module.LENSADAPTERS_HOOKSPEC = "1"
+    declared = hf.DecoderPlugin(ARCH, FAMILY, tiny).export(vars(module))
+    assert module.lensadapters_norm_scale == declared.lensadapters_norm_scale
+    registry = Registry()
+    registry.register(module, "declared_module")
+    assert registry.infos["declared_module"].architectures == (ARCH,)
+    # a family that leaves its norms to the core's checked fallback does not answer norm_scale
+    bare: dict[str, Any] = {}
+    hf.DecoderPlugin(ARCH, hf.DecoderFamily("Llama", model_type="llama"), tiny).export(bare)
+    assert "lensadapters_norm_scale" not in bare and "lensadapters_mlp_act" in bare
+
+
+def test_declared_checks_refuse_at_wrap_time():
+    def refuse(m: torch.nn.Module) -> None:
+        raise UnsupportedModelError("declared refusal")
+
+    registry = Registry()
+    registry.register(hf.DecoderPlugin(ARCH, FAMILY, tiny, check=refuse), "refusing")
+    with pytest.raises(UnsupportedModelError, match="declared refusal"):
+        HookedModel.wrap(model(), adapter=ARCH.name, registry=registry)
+    missing = hf.DecoderPlugin(ARCH, FAMILY, tiny, missing_in_layer=lambda layer: ["mlp.not_there"])
+    registry = Registry()
+    registry.register(missing, "missing")
+    with pytest.raises(UnsupportedModelError, match=r"missing: model\.layers\.0\.mlp\.not_there"):
+        HookedModel.wrap(model(), adapter=ARCH.name, registry=registry)
+
+
+def test_missing_expert_paths_names_what_a_mixture_lacks():
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    assert hf.missing_expert_paths(layer, "mlp", ("w1", "w2")) == ["mlp.gate", "mlp.experts"]
+    layer.mlp.gate = torch.nn.Linear(2, 2)
+    expert = torch.nn.Module()
+    expert.w1 = torch.nn.Linear(2, 2)
+    layer.mlp.experts = torch.nn.ModuleList([expert])
+    assert hf.missing_expert_paths(layer, "mlp", ("w1", "w2")) == ["mlp.experts.0.w2", "mlp.experts.0.act_fn"]
+
+
+def built(**kwargs: Any) -> dict[str, Any]:
+    return kwargs
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_config_strategy_draws_the_shape_then_every_declared_keyword(data):
+    configs = config_strategy(
+        built,
+        "doc",
+        n_kv=st.sampled_from([1, 2]),
+        ratio=st.sampled_from([2, 3]),
+        n_layers=st.integers(1, 2),
+        experts=st.integers(2, 5),
+        top_k=lambda drawn: st.integers(1, drawn["experts"]),
+        fixed="value",
+    )
+    assert configs.__doc__ == "doc"
+    drawn = data.draw(configs())
+    assert drawn["n_heads"] in (2 * drawn["n_kv"], 3 * drawn["n_kv"]) and drawn["hidden"] == 8 * drawn["n_heads"]
+    assert 1 <= drawn["top_k"] <= drawn["experts"] and drawn["fixed"] == "value" and drawn["layers"] in (1, 2)
+    narrowed = data.draw(configs(n_heads=6, d_model=12, top_k=1))
+    assert (narrowed["n_heads"], narrowed["hidden"], narrowed["top_k"]) == (6, 12, 1)
+    with pytest.raises(TypeError, match="draws no unknown"):
+        data.draw(configs(unknown=1))
+
+
+def test_the_plugin_guides_declaration_example_wraps():
+    """The DecoderFamily section of docs/writing-a-plugin.md declares a whole plugin: it registers and wraps, with
+    the model bitwise unchanged and the declared config fields."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    section = text[text.index("**A family shaped like transformers' Llama**") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("```\n", start)]
+    imports = [line for line in code.splitlines() if "import" in line and "lensadapters" in line]
+    assert "hf.DecoderPlugin" in code and imports == ["from lensadapters import Architecture, hf"]  # public names
+    module = types.ModuleType("guide_declared_plugin")
+    module.LENSADAPTERS_HOOKSPEC = "1"
+    exec(compile(code, "writing-a-plugin.md", "exec"), vars(module))
+    registry = Registry()
+    registry.register(module, "guide_declared_plugin")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(module.tiny_config(0)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        reference = m(ids).logits
+    hm = HookedModel.wrap(m, adapter=module.ARCH.name, registry=registry)
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, reference)
+    assert hm.cfg.window_size == 4 and hm.cfg.attn_types == ("local", "local")
+    hm.unwrap()

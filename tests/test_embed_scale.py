@@ -1,38 +1,51 @@
 """``hook_embed`` of models that scale their embeddings (Gemma: ``sqrt(d_model)``), from token ids and from
 ``inputs_embeds``: a read is what the first block gets, an edit is exactly what the first block gets, ``W_E[ids]`` is
 the model's own product, in float32, bfloat16 and float16 (transformers 4.x Gemma 2 multiplies after the embedding
-module, in its forward; the other versions and Gemma 3 scale inside the module)."""
+module, in its forward; the other versions and Gemma 3 scale inside the module). Every installed architecture whose
+description declares an embedding scale is checked, at a width whose square root no dtype represents."""
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import pytest
 import torch
 
 from lensadapters import HookedModel
 from lensadapters.sites import first_input, replace_first_input
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, tiny
 
-FAMILIES = [f for f in ("gemma2", "gemma3") if f in ARCH_NAMES]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _model(family: str, dtype: torch.dtype) -> torch.nn.Module:
-    if family == "gemma2":
-        from lensadapters_gemma2.testing import gemma2_config as config
-    else:
-        from lensadapters_gemma3.testing import gemma3_config as config  # type: ignore[no-redef]
-    return from_config(config(hidden=48)).to(dtype)  # sqrt(48) is not representable in any of the dtypes
+def _scaled_config(family: str) -> Any:
+    """The tiny model's config at width 48 (sqrt(48) is not representable in any of the dtypes), or None where the
+    architecture's description declares no embedding scale."""
+    hm = HookedModel.wrap(tiny(family))
+    try:
+        if hm.wiring.layout.embed_scale == 1.0:
+            return None
+    finally:
+        hm.unwrap()
+    config = copy.deepcopy(tiny(family).config)
+    config.hidden_size = 48
+    return config
 
 
-@pytest.mark.skipif(not FAMILIES, reason="no Gemma plugin installed")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ARCH_NAMES)
 def test_hook_embed_is_what_the_first_block_gets_from_ids_and_from_inputs_embeds(family, dtype) -> None:
+    config = _scaled_config(family)
+    if config is None:
+        pytest.skip(f"{family} declares no embedding scale")
     ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
-    model = _model(family, dtype)
+    model = from_config(config).to(dtype)
     edit = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
     embeds = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
-    first_block = model.model.layers[0]
+    hm = HookedModel.wrap(model)
+    first_block = model.get_submodule(f"{hm.wiring.layout.blocks}.0")
+    hm.unwrap()
 
     first_inputs: dict = {}
 

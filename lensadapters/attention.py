@@ -287,7 +287,13 @@ def explicit_attention(
     if info.blocked is not None:
         scores = scores.masked_fill(info.blocked, float("-inf"))
     scores, scores_changed = scores_point.apply(scores)
-    pattern = torch.softmax(scores.float(), dim=-1)
+    if scores.requires_grad and torch.is_grad_enabled():
+        # a row without a finite score softmaxes to nan, whose backward is nan (even where the row is replaced
+        # below): it is softmaxed as zeros and set to nan again, off the graph, so that its gradient is zero
+        empty = ~torch.isfinite(scores).any(-1, keepdim=True)
+        pattern = torch.softmax(scores.masked_fill(empty, 0).float(), dim=-1).masked_fill(empty, float("nan"))
+    else:
+        pattern = torch.softmax(scores.float(), dim=-1)
     if info.empty_rows is not None or scores_changed or scores_point.may_edit:
         pattern = _fill_empty_rows(pattern, raw, attention_mask, info)
     pattern = pattern.to(value.dtype)

@@ -320,6 +320,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         self.wiring.sync()
         context = next(_contexts)
         touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
+        frames = self.wiring.forward_state.open_frames
         scope = (threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end else (None, None)
         kw = dict(_context=context, _touched=touched, _readonly=_readonly, _scope=scope)
         try:
@@ -330,6 +331,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
                     self.add_hook(name, fn, "bwd", **kw)
             yield self
         finally:
+            # a forward of this block interrupted by a BaseException (KeyboardInterrupt...) left its frame open
+            self.wiring.forward_state.unwind(frames)
             if reset_hooks_end:
                 self.wiring.remove_hooks(lambda e: e.context == context, touched)
 
@@ -338,9 +341,15 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
         self._check_alive()
         self.wiring.sync()
-        if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
-            return tl_call.forward(self, *args, **kwargs)
-        return self.model(*args, **kwargs)
+        state = self.wiring.forward_state
+        frames = state.open_frames
+        try:
+            if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+                return tl_call.forward(self, *args, **kwargs)
+            return self.model(*args, **kwargs)
+        except BaseException:
+            state.unwind(frames)  # KeyboardInterrupt, SystemExit...: PyTorch closes no frame for them
+            raise
 
     forward = __call__
 

@@ -72,6 +72,7 @@ from hypothesis import strategies as st
 from ..errors import HookReturnError, UnknownHookError
 from ..hooked_model import HookedModel
 from ..registry import Registry
+from .gradients import GradientContract
 from .models import seeded_model
 from .reference import apply_norm, block_inputs, norm_out
 from .strategies import Inputs, token_inputs
@@ -235,7 +236,7 @@ def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
     return test
 
 
-class AdapterContract:
+class AdapterContract(GradientContract):
     """Generic properties of an adapter plugin (see the module docstring)."""
 
     plugin: ClassVar[Any] = None

@@ -33,6 +33,7 @@ from ..generic import GenericAdapterWarning
 from ..hooked_model import HookedModel
 from ..registry import Registry
 from .contract import _hook_counts, _instance_attributes, assert_close, close, perturb
+from .gradients import GradientContract
 from .strategies import Inputs, token_inputs
 
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
@@ -65,7 +66,7 @@ class GenericPoints:
     final_norm: Optional[bool] = None  # ln_final.hook_normalized
 
 
-class GenericContract:
+class GenericContract(GradientContract):
     """Properties of the generic adapter on one architecture (see the module docstring)."""
 
     attn_implementations: ClassVar[Sequence[str]] = ("sdpa", "eager")

@@ -1,0 +1,116 @@
+"""Hook plumbing: what an interrupted forward, a gradient-checkpointed backward and the gradient of a score edit
+leave behind."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from lensadapters import HookedModel
+from lensadapters.testing import reinit
+
+
+def _llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    reinit(model, seed)
+    return model.eval()
+
+
+def _gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=40, n_positions=16))
+    reinit(model, seed)
+    return model.eval()
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2}
+IDS = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, GeneratorExit])
+@pytest.mark.parametrize("how", ["run_with_hooks", "run_with_cache", "hooks block"])
+def test_a_base_exception_in_a_hooked_forward_leaves_no_frame_and_no_hooks(error: type, how: str) -> None:
+    """PyTorch runs ``always_call`` forward hooks (which close the forward's frame) for ``Exception`` only: a
+    ``KeyboardInterrupt`` must not leave the frame open and the sites installed."""
+    model = _llama()
+    baseline = hook_count(model)
+    hm = HookedModel.wrap(model)
+
+    def interrupt(t: torch.Tensor, hook: Any) -> None:
+        raise error()
+
+    hooks = [("blocks.1.attn.hook_pattern", interrupt), ("blocks.0.hook_resid_post", lambda t, hook: t * 1.0)]
+    with torch.no_grad(), pytest.raises(error):
+        if how == "run_with_hooks":
+            hm.run_with_hooks(IDS, fwd_hooks=hooks)
+        elif how == "run_with_cache":
+            with hm.hooks(hooks[:1]):
+                hm.run_with_cache(IDS)
+        else:
+            with hm.hooks(hooks):
+                hm.model(IDS)  # the Hugging Face model itself, inside a hooks() block
+    assert hm.wiring.forward_state.open_frames == 0, "the interrupted forward's frame is still open"
+    assert not hm.has_hooks
+    assert hook_count(model) == baseline, "the interrupted forward left PyTorch hooks on the model"
+    with torch.no_grad():  # and the model works as before
+        _, cache = hm.run_with_cache(IDS, names_filter="blocks.0.hook_resid_post")
+    assert hook_count(model) == baseline
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("keep_loss", [True, False])
+def test_gradient_checkpointing_backward_leaves_no_hooks(arch: str, reentrant: bool, keep_loss: bool) -> None:
+    """After ``run_with_hooks`` + ``backward()`` under gradient checkpointing (training mode), the hooks the
+    recomputation needed go once the backward has freed the graph, even while the caller keeps the loss: no
+    PyTorch hook is left on any module (pay only for what you hook). With ``retain_graph=True`` they stay until
+    the last backward."""
+    model = MODELS[arch](1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    baseline = hook_count(model)
+    hm = HookedModel.wrap(model)
+    edits = [("blocks.0.hook_resid_mid", lambda t, hook: t * 1.5), ("blocks.1.mlp.hook_post", lambda t, hook: -t)]
+    loss = hm.run_with_hooks(IDS, fwd_hooks=edits).float().pow(2).mean()
+    assert hook_count(model) > baseline, "the recomputation's sites must stay until backward"
+    loss.backward(retain_graph=True)
+    assert hook_count(model) > baseline, "a retained graph may be recomputed again: its sites stay"
+    loss.backward()
+    if not keep_loss:
+        del loss
+        gc.collect()
+    assert hook_count(model) == baseline, "hooks left installed after the graph was freed"
+    assert not hm.has_hooks
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_the_gradient_of_a_score_edit_is_finite_under_left_padding(arch: str) -> None:
+    """A padding query's row of scores is all ``-inf``: its softmax is nan, and so was the backward of every score
+    of the batch through ``hook_attn_scores`` (an edit ``x + p * c`` had a nan derivative)."""
+    model = MODELS[arch](2)
+    hm = HookedModel.wrap(model)
+    mask = torch.ones_like(IDS)
+    mask[0, :3] = 0
+    p = torch.zeros((), requires_grad=True)
+    c = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    logits = hm.run_with_hooks(
+        IDS, attention_mask=mask, fwd_hooks=[("blocks.0.attn.hook_attn_scores", lambda t, hook: t + p * c)]
+    )
+    logits[mask.bool()].sum().backward()
+    assert p.grad is not None and torch.isfinite(p.grad), p.grad
+    hm.unwrap()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import tl_call  # analysis layer: TransformerLens call conventions
-from .arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs
+from .arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs, selector
 from .cache import ActivationCache
 from .errors import LensAdaptersError, PluginError, UnsupportedModelError
 from .head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
@@ -268,6 +268,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         self._check_alive()
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+        name = selector(name)  # a generator of names is read once
         check_selector(name)
         if not _readonly:
             check_hook(hook, repr(name) if isinstance(name, str) else "the hook points selected by a filter")
@@ -310,6 +311,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         """
         self._check_alive()
         fwd_hooks, bwd_hooks = hook_pairs(fwd_hooks, "fwd_hooks"), hook_pairs(bwd_hooks, "bwd_hooks")
+        fwd_hooks = [(selector(name), fn) for name, fn in fwd_hooks]  # a generator of names is read once
+        bwd_hooks = [(selector(name), fn) for name, fn in bwd_hooks]
         if not _readonly:  # every hook checked before any is attached
             for argument, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
                 for i, (name, fn) in enumerate(pairs):
@@ -379,6 +382,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
 
     def cache_names(self, names_filter: NameFilter = None) -> list[str]:
         """The hook names ``run_with_cache`` stores for ``names_filter``."""
+        names_filter = selector(names_filter)  # a generator of names is read once
         if names_filter is not None:
             check_selector(names_filter, "names_filter")
         if names_filter is None:

@@ -67,6 +67,8 @@ class Registry:
     pm: pluggy.PluginManager = field(default_factory=lambda: _new_plugin_manager())
     infos: dict[str, PluginInfo] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    #: the entry points behind ``failures`` (same keys): ``(entry-point name, distribution, version)``
+    failed: dict[str, tuple[str, Optional[str], Optional[str]]] = field(default_factory=dict)
     _autoloaded: bool = False
     autoload_disabled: bool = False  # the process-wide registry, with LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD set
 
@@ -136,6 +138,7 @@ class Registry:
                     f"keeping {seen[ep.name]}. Uninstall one of them."
                 )
                 self.failures[f"{ep.name} ({dist_name})"] = msg
+                self.failed[f"{ep.name} ({dist_name})"] = (ep.name, dist_name, dist_version)
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
                 continue
             if ep.name in self.infos:
@@ -157,6 +160,7 @@ class Registry:
                     f"load and is not used: {what}"
                 )
                 self.failures[ep.name] = msg
+                self.failed[ep.name] = (ep.name, dist_name, dist_version)
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
 
     # --- queries ----------------------------------------------------------------------------------

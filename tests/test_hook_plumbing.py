@@ -4,6 +4,7 @@ leave behind."""
 from __future__ import annotations
 
 import gc
+import re
 from typing import Any
 
 import pytest
@@ -114,3 +115,71 @@ def test_the_gradient_of_a_score_edit_is_finite_under_left_padding(arch: str) ->
     logits[mask.bool()].sum().backward()
     assert p.grad is not None and torch.isfinite(p.grad), p.grad
     hm.unwrap()
+
+
+def test_a_generator_as_names_filter_is_read_once_and_cached() -> None:
+    hm = HookedModel.wrap(_gpt2())
+    wanted = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_pattern"]
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(IDS, names_filter=(name for name in wanted))
+        assert sorted(cache) == sorted(wanted)
+        seen: list[str] = []
+        hm.run_with_hooks(IDS, fwd_hooks=[((n for n in wanted), lambda t, hook: seen.append(hook.name))])
+    assert seen == wanted
+    hm.unwrap()
+
+
+def test_a_hook_returning_a_meta_tensor_is_refused_naming_the_point() -> None:
+    from lensadapters.errors import HookReturnError
+
+    hm = HookedModel.wrap(_gpt2())
+    with torch.no_grad(), pytest.raises(HookReturnError, match=r"blocks\.0\.hook_resid_post.*meta tensor"):
+        hm.run_with_hooks(IDS, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t.to("meta"))])
+    assert not hm.has_hooks
+    hm.unwrap()
+
+
+def test_a_block_point_asked_of_the_cache_without_a_layer_says_a_layer_is_needed() -> None:
+    hm = HookedModel.wrap(_gpt2())
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(IDS)
+    for key in ("pattern", "resid_pre", ("z",)):
+        short = key if isinstance(key, str) else key[0]
+        with pytest.raises(KeyError, match=re.escape(f"cache[{short!r}, 0]")):
+            cache[key]
+    with pytest.raises(KeyError, match="not in the cache"):  # an unknown name is still just unknown
+        cache["no_such_point"]
+    assert torch.equal(cache["pattern", 0], cache["blocks.0.attn.hook_pattern"])
+    hm.unwrap()
+
+
+def test_plugins_lists_the_plugins_that_failed_to_load_with_why(capsys, monkeypatch) -> None:
+    import json
+    import sys
+    import types
+    from importlib import metadata
+
+    from lensadapters import registry as registry_module
+    from lensadapters.cli import main
+
+    broken = types.ModuleType("lensadapters_broken_example")
+
+    def missing(name: str) -> Any:
+        raise ImportError("lensadapters_broken_example needs somelib>=2")
+
+    broken.__getattr__ = missing  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "lensadapters_broken_example", broken)
+    entry = metadata.EntryPoint(name="broken_example", value="lensadapters_broken_example:plugin", group="lensadapters")
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: [entry])
+    registry = registry_module.Registry()
+    with pytest.warns(registry_module.PluginLoadWarning, match="broken_example"):
+        registry.load_entry_points()
+    monkeypatch.setattr(registry_module, "_DEFAULT", registry)
+    assert main(["plugins"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    listed = [row for row in rows if row and row[0] == "broken_example"]
+    assert listed and "failed" in listed[0], rows
+    assert main(["plugins", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = [row for row in out["plugins"] if row["name"] == "broken_example"]
+    assert row["kind"] == "failed" and "needs somelib>=2" in row["error"], row

@@ -25,6 +25,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginConflictError, PluginValidationError, UnsupportedModelError
+from .layer_claims import declared_layers
 from .plugin_calls import ScopedHooks
 from .specs import Architecture
 from .validation import architectures_of, check_required_hooks
@@ -99,6 +100,7 @@ class Registry:
                 f"and {distribution or plugin!r}. Uninstall one of them."
             )
         _check_unmarked_hooks(plugin, name)
+        declared_layers(plugin, name)  # LENSADAPTERS_LAYERS, if given, is well formed
         archs = architectures_of(plugin, name)  # before pluggy sees it: a refused plugin is never registered
         try:
             self.pm.register(plugin, name=name)

@@ -15,6 +15,7 @@ from torch import nn
 
 from .distributed import full_tensor, is_dtensor
 from .errors import PluginValidationError, WeightUnavailableError
+from .layer_claims import permitted, warn_undeclared
 from .moe import expert_weights, is_moe, router_weight
 from .offload import live_parameters
 from .specs import FusedGateUp, FusedQKV, LinearWeight
@@ -47,7 +48,7 @@ def read_linear(
     kwargs = {"module": module, "read": lambda m: read_linear(hm, m)}
     try:
         with live_parameters(module):  # an offloaded module's weights are loaded for the read
-            result, supplier = caller.answer(**kwargs)
+            result, supplier = _declared_answer(hm, caller, kwargs, [module], hm.module_name(module))
             _warn_if_several_answer(hm, module, caller, kwargs, supplier)
     except WeightUnavailableError as exc:
         if getattr(exc, "module_name", None) is None:  # the innermost module named, once
@@ -66,13 +67,34 @@ def read_linear(
     return result
 
 
+def _declared_answer(
+    hm: Any, caller: Any, kwargs: dict, modules: list[nn.Module], what: str
+) -> tuple[Any, Optional[str]]:
+    """The first answer of a plugin allowed to supply it (``layer_claims``): a cross-cutting plugin answering for a
+    layer it does not declare is warned about and passed over."""
+    for impl in caller.implementations():
+        if permitted(hm, impl, modules):
+            value = caller._call(impl, kwargs)
+            if value is not None:
+                return value, impl.plugin_name
+            continue
+        try:
+            value = caller._call(impl, kwargs)
+        except Exception:  # noqa: BLE001 - an undeclared plugin's failure is not the answer either
+            value = True
+        if value is not None and modules:
+            warn_undeclared(hm, impl, caller.name, what, modules[0])
+    return None, None
+
+
 def _warn_if_several_answer(hm: Any, module: nn.Module, caller: Any, kwargs: dict, supplier: Optional[str]) -> None:
     seen = hm.__dict__.setdefault("_linear_sources_checked", set())
     if type(module) in seen or supplier is None:
         return
     seen.add(type(module))
     with torch.no_grad():  # a probe: nothing recorded (a checkpointed forward must save the same tensors again)
-        answering = [name for name, _ in caller.answers(tolerate_errors=True, **kwargs)]
+        allowed = {impl.plugin_name for impl in caller.implementations() if permitted(hm, impl, [module])}
+        answering = [name for name, _ in caller.answers(tolerate_errors=True, **kwargs) if name in allowed]
     if len(answering) > 1:
         warnings.warn(
             f"{len(answering)} plugins can read the weight of {type(module).__module__}.{type(module).__name__} "
@@ -208,6 +230,15 @@ def _accessor(name: str, compute: Callable[["Hooked"], Tensor], doc: str) -> Any
     return property(get)
 
 
+def _accessor_layers(w: "Wiring", name: str) -> list[nn.Module]:
+    """The layers accessor ``name`` reads (``layer_claims``): the embedding, the position table, the unembedding, or
+    every layer inside the blocks."""
+    path = {"W_E": w.layout.embed, "W_pos": w.layout.pos_embed, "W_U": w.layout.unembed, "b_U": w.layout.unembed}
+    if name in path:
+        return [w.hf_model.get_submodule(path[name])] if path[name] else []
+    return [m for block in w.block_modules for m in block.modules()]
+
+
 class WeightAccessors:
     """``W_E``, ``W_Q``... in TransformerLens shapes, read from the live parameters on every access.
 
@@ -222,14 +253,16 @@ class WeightAccessors:
         w = self.wiring
         caller = w.plugin_hooks.lensadapters_weight
         kwargs = {"arch": w.arch, "hooked": w, "name": name}
-        override, supplier = caller.answer(**kwargs)
+        modules = _accessor_layers(w, name)
+        override, supplier = _declared_answer(w, caller, kwargs, modules, name)
         if override is None:
             return full_tensor(compute())  # a plugin's read of a sharded parameter, whole
         checked = w.__dict__.setdefault("_weight_sources_checked", set())
         if name not in checked:  # once per name: does more than one plugin answer?
             checked.add(name)
             with torch.no_grad():
-                answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
+                allowed = {impl.plugin_name for impl in caller.implementations() if permitted(w, impl, modules)}
+                answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs) if n in allowed]
             if len(answering) > 1:
                 warnings.warn(
                     f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "

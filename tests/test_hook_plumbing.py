@@ -183,3 +183,72 @@ def test_plugins_lists_the_plugins_that_failed_to_load_with_why(capsys, monkeypa
     out = json.loads(capsys.readouterr().out)
     (row,) = [row for row in out["plugins"] if row["name"] == "broken_example"]
     assert row["kind"] == "failed" and "needs somelib>=2" in row["error"], row
+
+
+class _ZeroingPlugin:
+    """A cross-cutting plugin that answers for plain ``nn.Linear`` layers (and ``W_Q``) without declaring them."""
+
+    @staticmethod
+    def lensadapters_linear_weight(module: torch.nn.Module, read: Any) -> Any:
+        from lensadapters import LinearWeight
+
+        if isinstance(module, torch.nn.Linear):
+            return LinearWeight(torch.zeros_like(module.weight.T), None)
+        return None
+
+    @staticmethod
+    def lensadapters_weight(arch: Any, hooked: Any, name: str) -> Any:
+        return (
+            torch.zeros(hooked.cfg.n_layers, hooked.cfg.n_heads, hooked.cfg.d_model, hooked.cfg.d_head)
+            if (name == "W_Q")
+            else None
+        )
+
+
+def _zeroing_plugin(layers: Any = None) -> Any:
+    import types
+
+    from lensadapters import hookimpl
+
+    plugin = types.ModuleType("zeroing_example")
+    plugin.lensadapters_linear_weight = hookimpl(_ZeroingPlugin.lensadapters_linear_weight)  # type: ignore[attr-defined]
+    plugin.lensadapters_weight = hookimpl(_ZeroingPlugin.lensadapters_weight)  # type: ignore[attr-defined]
+    if layers is not None:
+        plugin.LENSADAPTERS_LAYERS = layers  # type: ignore[attr-defined]
+    return plugin
+
+
+def test_a_cross_cutting_plugin_supplies_weights_only_for_the_layers_it_declares() -> None:
+    """A cross-cutting plugin answering ``lensadapters_linear_weight`` for plain ``nn.Linear`` layers (and
+    ``lensadapters_weight`` for ``W_Q``) without declaring them in ``LENSADAPTERS_LAYERS`` is warned about by name
+    and not used: the weights are the core's. Declaring the layers makes its answers count."""
+    from lensadapters.layer_claims import UndeclaredLayerWarning
+    from lensadapters.testing import registry_for
+
+    model = _llama()
+    reference = HookedModel.wrap(model, registry=registry_for("llama"))
+    expected_q, expected_o = reference.W_Q.detach().clone(), reference.W_O.detach().clone()
+    reference.unwrap()
+    registry = registry_for("llama")
+    registry.register(_zeroing_plugin(), "zeroing_example")
+    hm = HookedModel.wrap(model, registry=registry)
+    with pytest.warns(UndeclaredLayerWarning, match="zeroing_example") as record:
+        W_Q, W_O = hm.W_Q, hm.W_O
+    assert torch.equal(W_Q, expected_q) and torch.equal(W_O, expected_o), "an undeclared plugin's weights were used"
+    messages = [str(w.message) for w in record if issubclass(w.category, UndeclaredLayerWarning)]
+    assert any("answered lensadapters_weight" in m for m in messages), messages
+    assert any("answered lensadapters_linear_weight" in m for m in messages), messages
+    hm.unwrap()
+    declared = registry_for("llama")
+    declared.register(_zeroing_plugin(("torch.nn.modules.linear.Linear",)), "zeroing_example")
+    hm = HookedModel.wrap(model, registry=declared)
+    assert not hm.W_O.any(), "a declared layer's weights come from the plugin that declares it"
+    hm.unwrap()
+
+
+def test_a_malformed_layer_declaration_is_refused_at_registration() -> None:
+    from lensadapters.errors import PluginValidationError
+    from lensadapters.registry import Registry
+
+    with pytest.raises(PluginValidationError, match="LENSADAPTERS_LAYERS"):
+        Registry().register(_zeroing_plugin("torch.nn."), "zeroing_example")

@@ -78,10 +78,7 @@ def _declared_answer(
             if value is not None:
                 return value, impl.plugin_name
             continue
-        try:
-            value = caller._call(impl, kwargs)
-        except Exception:  # noqa: BLE001 - an undeclared plugin's failure is not the answer either
-            value = True
+        value = caller._call(impl, kwargs)  # (a failure is still reported, naming the plugin)
         if value is not None and modules:
             warn_undeclared(hm, impl, caller.name, what, modules[0])
     return None, None

@@ -180,7 +180,8 @@ def _differentiable(model: torch.nn.Module, kwargs: dict, valid: torch.Tensor) -
         embedded.append(output)
         return output
 
-    handle = model.get_input_embeddings().register_forward_hook(grab)
+    embeddings: torch.nn.Module = model.get_input_embeddings()  # type: ignore[operator]
+    handle = embeddings.register_forward_hook(grab)
     try:
         with torch.enable_grad():
             logits = model(**kwargs).logits[valid]

@@ -9,7 +9,7 @@ hook point of the drawn model, that the gradient autograd gives equals finite di
 :class:`GradientContract` is mixed into :class:`lensadapters.testing.AdapterContract` (and so into every plugin's
 contract and the cross-cutting matrices) and :class:`lensadapters.testing.generic.GenericContract`; a contract
 whose models cannot be differentiated numerically (8-bit weights, whose activations are quantized: the metric is
-piecewise constant) sets ``gradient_dtype = None``. It runs a third of the profile's examples: each checks every
+piecewise constant) sets ``gradient_dtype = None``. It runs a sixth of the profile's examples (at least one): each checks every
 point.
 
 How one example is checked, cheaply (five forwards of one batch, one backward, a few more for drawn points):
@@ -40,9 +40,9 @@ from hypothesis import strategies as st
 
 __all__ = ["GradientContract", "GradientCheck", "gradient_check"]
 
-#: a third of the profile's examples (at least one): every example checks every point
+#: a sixth of the profile's examples (at least one): every example checks every point
 _SETTINGS = settings(
-    max_examples=max(1, getattr(settings.default, "max_examples", 100) // 3),
+    max_examples=max(1, getattr(settings.default, "max_examples", 100) // 6),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
 )

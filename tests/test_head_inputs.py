@@ -116,3 +116,30 @@ def test_attn_in_edit_is_the_same_edit_of_all_three_inputs(arch: str) -> None:
     assert_close(one, three, "attn_in vs q/k/v inputs")
     assert (one - hm(ids).logits).abs().max() > 1e-4
     hm.unwrap()
+
+
+@needs("llama")
+@pytest.mark.parametrize("point", ["hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"])
+def test_gradient_through_a_head_input_edit_that_changes_nothing_yet(point: str) -> None:
+    """``d(metric)/dp`` of the edit ``x + p * c`` at ``p = 0`` (the value unchanged: attribution patching's
+    derivative) is the finite-difference derivative, hooked alone and with the other points hooked too."""
+    from lensadapters.testing.gradients import gradient_check
+
+    config = LlamaConfig(
+        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+    )  # fmt: skip
+    model = from_config(config, 3).double()
+    hm = HookedModel.wrap(model)
+    ids = torch.randint(0, 48, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask)
+    names = [f"blocks.{layer}.{point}" for layer in range(2)]
+    for batched in (False, True):
+        for name in names:
+            check, _ = gradient_check(hm, kwargs, mask.bool(), [name], batched=batched)
+            assert check.names == [name]
+            assert check.numeric.abs().min() > 1e-3, "a derivative too small to tell a cut gradient from rounding"
+            assert not check.failures, check.failures
+    hm.unwrap()

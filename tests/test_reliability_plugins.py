@@ -309,6 +309,7 @@ def test_a_cross_cutting_plugin_supplying_weights_is_named_and_its_shapes_checke
 
     plugin = types.ModuleType("overriding")
     plugin.lensadapters_linear_weight = lensadapters_linear_weight
+    plugin.LENSADAPTERS_LAYERS = ("transformers.pytorch_utils.Conv1D",)  # GPT-2's projections: declared
     registry = _registry(("overriding", plugin))
     hm = HookedModel.wrap(_gpt2(), registry=registry)
     module = hm.wiring.block_modules[0].get_submodule(hm.qkv_layouts[0].module)
@@ -338,6 +339,8 @@ def test_an_override_of_the_wrong_shape_is_refused_naming_the_plugin() -> None:
                 "shapes",
                 """
         import torch
+
+        LENSADAPTERS_LAYERS = ("torch.nn.modules.sparse.Embedding",)  # the layer W_E reads
 
         @hookimpl
         def lensadapters_weight(arch, hooked, name):

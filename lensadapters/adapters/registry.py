@@ -24,6 +24,7 @@ from typing import Any, Iterable, Optional
 import pluggy
 
 from lensadapters.adapters import hookspecs
+from lensadapters.adapters.layer_claims import declared_layers
 from lensadapters.adapters.plugin_calls import ScopedHooks
 from lensadapters.adapters.validation import architectures_of, check_required_hooks
 from lensadapters.errors import PluginConflictError, PluginValidationError, UnsupportedModelError
@@ -67,6 +68,8 @@ class Registry:
     pm: pluggy.PluginManager = field(default_factory=lambda: _new_plugin_manager())
     infos: dict[str, PluginInfo] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    #: the entry points behind ``failures`` (same keys): ``(entry-point name, distribution, version)``
+    failed: dict[str, tuple[str, Optional[str], Optional[str]]] = field(default_factory=dict)
     _autoloaded: bool = False
     autoload_disabled: bool = False  # the process-wide registry, with LENSADAPTERS_DISABLE_PLUGIN_AUTOLOAD set
 
@@ -97,6 +100,7 @@ class Registry:
                 f"and {distribution or plugin!r}. Uninstall one of them."
             )
         _check_unmarked_hooks(plugin, name)
+        declared_layers(plugin, name)  # LENSADAPTERS_LAYERS, if given, is well formed
         archs = architectures_of(plugin, name)  # before pluggy sees it: a refused plugin is never registered
         try:
             self.pm.register(plugin, name=name)
@@ -136,6 +140,7 @@ class Registry:
                     f"keeping {seen[ep.name]}. Uninstall one of them."
                 )
                 self.failures[f"{ep.name} ({dist_name})"] = msg
+                self.failed[f"{ep.name} ({dist_name})"] = (ep.name, dist_name, dist_version)
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
                 continue
             if ep.name in self.infos:
@@ -157,6 +162,7 @@ class Registry:
                     f"load and is not used: {what}"
                 )
                 self.failures[ep.name] = msg
+                self.failed[ep.name] = (ep.name, dist_name, dist_version)
                 warnings.warn(msg, PluginLoadWarning, stacklevel=2)
 
     # --- queries ----------------------------------------------------------------------------------

@@ -149,10 +149,29 @@ class ActivationCache(Mapping, CacheAnalysisMixin):
         try:
             return self._data[full]
         except KeyError:
+            pass
+        layered = self._needs_layer(key)
+        if layered is not None:
             raise KeyError(
-                f"{full!r} is not in the cache; cached names: {len(self._data)} "
-                f"(pass names_filter to run_with_cache to choose them)"
-            ) from None
+                f"cache[{key!r}]: {layered[0]!r} is a hook point of every block; give a layer index, such as "
+                f"cache[{layered[0]!r}, 0] ({layered[1]})"
+            )
+        raise KeyError(
+            f"{full!r} is not in the cache; cached names: {len(self._data)} "
+            f"(pass names_filter to run_with_cache to choose them)"
+        )
+
+    def _needs_layer(self, key: Union[str, tuple]) -> Optional[tuple[str, str]]:
+        """``(name, the name with layer 0)`` where ``key`` is a block point's short name given without a layer."""
+        name = key if isinstance(key, str) else key[0] if isinstance(key, tuple) and len(key) == 1 else None
+        if not isinstance(name, str) or name.startswith("blocks.") or self.n_layers < 1:
+            return None
+        try:
+            full = self._key((name, 0))
+        except (KeyError, TypeError, ValueError):
+            return None
+        known = set(self._data) | set(getattr(self.model, "hook_names", None) or ())
+        return (name, full) if isinstance(full, str) and full.startswith("blocks.0.") and full in known else None
 
     def __contains__(self, key: object) -> bool:
         try:

@@ -4,7 +4,7 @@ and the fix (a mistake found mid-forward would leave a half-run model and a trac
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -37,6 +37,13 @@ def hook_pairs(hooks: Any, argument: str) -> list[tuple[Any, Callable[..., Any]]
                 f"('blocks.0.hook_resid_pre', fn)"
             )
     return [tuple(pair) for pair in pairs]  # type: ignore[misc]
+
+
+def selector(name: Any) -> Any:
+    """``name`` as a selector that can be read more than once: an iterator (a generator of names) as a list."""
+    if isinstance(name, Iterator) and not isinstance(name, str) and not callable(name):
+        return list(name)
+    return name
 
 
 def check_selector(name: Any, argument: str = "name") -> None:

@@ -22,7 +22,7 @@ from lensadapters.adapters.registry import PluginLoadWarning, Registry, check_tr
 from lensadapters.adapters.validation import describe_forced
 from lensadapters.analysis.cache import ActivationCache
 from lensadapters.api import tl_call  # analysis layer: TransformerLens call conventions
-from lensadapters.api.arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs
+from lensadapters.api.arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs, selector
 from lensadapters.api.tl_api import (
     TransformerLensAPI,  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 )
@@ -273,6 +273,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         self._check_alive()
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', not {dir!r}")
+        name = selector(name)  # a generator of names is read once
         check_selector(name)
         if not _readonly:
             check_hook(hook, repr(name) if isinstance(name, str) else "the hook points selected by a filter")
@@ -315,6 +316,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         """
         self._check_alive()
         fwd_hooks, bwd_hooks = hook_pairs(fwd_hooks, "fwd_hooks"), hook_pairs(bwd_hooks, "bwd_hooks")
+        fwd_hooks = [(selector(name), fn) for name, fn in fwd_hooks]  # a generator of names is read once
+        bwd_hooks = [(selector(name), fn) for name, fn in bwd_hooks]
         if not _readonly:  # every hook checked before any is attached
             for argument, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
                 for i, (name, fn) in enumerate(pairs):
@@ -325,6 +328,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         self.wiring.sync()
         context = next(_contexts)
         touched: list[HookPoint] = []  # removal visits only these, not every hook point of the model
+        frames = self.wiring.forward_state.open_frames
         scope = (threading.get_ident(), self.wiring.forward_state.open_frames) if reset_hooks_end else (None, None)
         kw = dict(_context=context, _touched=touched, _readonly=_readonly, _scope=scope)
         try:
@@ -335,6 +339,8 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
                     self.add_hook(name, fn, "bwd", **kw)
             yield self
         finally:
+            # a forward of this block interrupted by a BaseException (KeyboardInterrupt...) left its frame open
+            self.wiring.forward_state.unwind(frames)
             if reset_hooks_end:
                 self.wiring.remove_hooks(lambda e: e.context == context, touched)
 
@@ -343,9 +349,15 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
         self._check_alive()
         self.wiring.sync()
-        if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
-            return tl_call.forward(self, *args, **kwargs)
-        return self.model(*args, **kwargs)
+        state = self.wiring.forward_state
+        frames = state.open_frames
+        try:
+            if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+                return tl_call.forward(self, *args, **kwargs)
+            return self.model(*args, **kwargs)
+        except BaseException:
+            state.unwind(frames)  # KeyboardInterrupt, SystemExit...: PyTorch closes no frame for them
+            raise
 
     forward = __call__
 
@@ -375,6 +387,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
 
     def cache_names(self, names_filter: NameFilter = None) -> list[str]:
         """The hook names ``run_with_cache`` stores for ``names_filter``."""
+        names_filter = selector(names_filter)  # a generator of names is read once
         if names_filter is not None:
             check_selector(names_filter, "names_filter")
         if names_filter is None:

@@ -32,6 +32,19 @@ def _plugins(args: argparse.Namespace) -> int:
                 "kind": "architecture" if info.architectures else "cross-cutting",
             }
         )
+    for key, message in sorted(registry.failures.items()):  # listed too, with why they are not used
+        name, distribution, version = registry.failed.get(key, (key, None, None))
+        rows.append(
+            {
+                "name": name,
+                "distribution": distribution,
+                "version": version,
+                "source": "entry point",
+                "architectures": [],
+                "kind": "failed",
+                "error": message,
+            }
+        )
     conflicts = registry.conflicts()
     if args.json:
         print(json.dumps({"plugins": rows, "failures": registry.failures, "conflicts": conflicts}, indent=2))
@@ -42,8 +55,11 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{'PLUGIN':<12} {'DISTRIBUTION':<24} {'VERSION':<8} {'KIND':<14} ARCHITECTURES (MODEL TYPES)")
     for row in rows:
         archs = ", ".join(f"{a['name']} ({'/'.join(a['model_types'])})" for a in row["architectures"]) or "-"
+        if row["kind"] == "failed":
+            archs = "not loaded (see below)"
         print(
-            f"{row['name']:<12} {row['distribution'] or '(not installed)':<24} {row['version'] or '':<8} "
+            f"{row['name']:<12} {row['distribution'] or ('?' if row['kind'] == 'failed' else '(not installed)'):<24} "
+            f"{row['version'] or '':<8} "
             f"{row['kind']:<14} {archs}"
         )
     for message in registry.failures.values():

@@ -287,7 +287,7 @@ def explicit_attention(
     if info.blocked is not None:
         scores = scores.masked_fill(info.blocked, float("-inf"))
     scores, scores_changed = scores_point.apply(scores)
-    pattern = torch.softmax(scores.float(), dim=-1)
+    pattern = _softmax(scores)
     if info.empty_rows is not None or scores_changed or scores_point.may_edit:
         pattern = _fill_empty_rows(pattern, raw, attention_mask, info)
     pattern = pattern.to(value.dtype)
@@ -298,6 +298,16 @@ def explicit_attention(
         pattern = nn.functional.dropout(pattern, p=dropout, training=True)
     out = torch.matmul(pattern, value)
     return out.transpose(1, 2).contiguous(), pattern
+
+
+def _softmax(scores: Tensor) -> Tensor:
+    """``softmax(scores)`` in float32 (at least); under autograd, a row without a finite score (softmax: nan, whose
+    backward is nan even where the row is replaced afterwards) is softmaxed as zeros and set to nan again off the
+    graph: the same values, a zero gradient."""
+    if not (scores.requires_grad and torch.is_grad_enabled()):
+        return torch.softmax(scores.float(), dim=-1)
+    empty = ~torch.isfinite(scores).any(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(empty, 0).float(), dim=-1).masked_fill(empty, float("nan"))
 
 
 def _fill_empty_rows(pattern: Tensor, raw: Tensor, mask: Optional[Tensor], info: _MaskInfo) -> Tensor:
@@ -311,7 +321,7 @@ def _fill_empty_rows(pattern: Tensor, raw: Tensor, mask: Optional[Tensor], info:
     """
     nan = pattern.isnan()
     if info.empty_rows is not None and mask is not None and mask.dim() == 4 and mask.dtype != torch.bool:
-        eager = torch.softmax((raw + mask[..., : raw.shape[-1]]).float(), dim=-1)
+        eager = _softmax(raw + mask[..., : raw.shape[-1]])
         pattern = torch.where(nan & info.empty_rows, eager, pattern)
         nan = pattern.isnan()
     return torch.where(nan, torch.zeros((), dtype=pattern.dtype, device=pattern.device), pattern)

@@ -123,6 +123,13 @@ class ForwardState:
                 else:
                     self._threads.pop(ident, None)
 
+    def unwind(self, open_frames: int) -> None:
+        """Close this thread's frames above ``open_frames``: those of forwards that ended by a ``BaseException`` that
+        is no ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``), for which PyTorch runs no
+        ``always_call`` forward hook."""
+        while len(self._stack()) > open_frames:
+            self.pop()
+
     def clear(self) -> None:
         """Forget the values of this thread's default frame (those of running forwards are theirs)."""
         self._local.default = FrameValues()
@@ -131,10 +138,11 @@ class ForwardState:
 class RecomputeToken:
     """The hooks that applied to one forward pass, for its recomputation under gradient checkpointing."""
 
-    __slots__ = ("snapshot", "__weakref__")
+    __slots__ = ("snapshot", "released", "__weakref__")
 
-    def __init__(self, snapshot: dict[Any, list[Any]]) -> None:
+    def __init__(self, snapshot: dict[Any, list[Any]], released: Optional[Any] = None) -> None:
         self.snapshot = snapshot  # HookPoint -> the forward hook entries that applied to it
+        self.released = released  # called (weakly held by the caller) once a backward freed this token's graph
 
 
 def current_recompute_token() -> Optional[RecomputeToken]:
@@ -148,18 +156,45 @@ class _TagGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, token: RecomputeToken) -> torch.Tensor:  # type: ignore[override]
         ctx.token = token  # the graph keeps the token (and the hooks it snapshots) alive, and no longer
+        # a witness of whether a backward freed the graph (retain_graph=False): then no recomputation can follow
+        ctx.save_for_backward(hidden.new_empty(0))
         return hidden.view_as(hidden)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if getattr(_recompute, "token", None) is None:  # forgotten when this backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(_forget_token)
+        ran = getattr(_recompute, "ran", None)
+        if ran is None:  # handled when this backward ends
+            _recompute.ran = ran = []
+            torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+        ran.append(ctx)
         _recompute.token = ctx.token
         return grad, None
 
 
-def _forget_token() -> None:
+def _release(ctx: Any) -> Optional[Any]:
+    """Drop the token of a tag node whose graph a backward freed; its ``released`` callback (``None``: kept)."""
+    try:
+        _ = ctx._raw_saved_tensors  # raises once a backward without retain_graph freed them (unpacks nothing)
+        return None
+    except RuntimeError:
+        token, ctx.token = ctx.token, None
+        return None if token is None else token.released
+
+
+def _end_of_backward() -> None:
+    """Forget the current token; drop the tokens of graphs this backward freed.
+
+    A caller that keeps the loss keeps the graph's nodes, and with them the tokens (the hooks stay pinned and their
+    sites installed): once the backward has freed the graph's buffers nothing can recompute, so the token goes.
+    """
     _recompute.token = None
+    ran, _recompute.ran = getattr(_recompute, "ran", None) or [], None
+    released = [callback for callback in map(_release, ran) if callback is not None]
+    del ran  # the tokens are gone (their finalizers unpinned the points) before the sites are synced
+    for callback in released:
+        target = callback()
+        if target is not None:
+            target()
 
 
 def tag_for_recompute(hidden: torch.Tensor, token: RecomputeToken) -> torch.Tensor:

@@ -284,6 +284,11 @@ class HookPoint:
                 f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the hook point has shape "
                 f"{tuple(like.shape)}; return a tensor of the same shape (or None to keep the value)"
             )
+        if out.is_meta and not like.is_meta:
+            raise HookReturnError(
+                f"hook on {self.name!r} returned a meta tensor (shape and dtype, no values); return a tensor with "
+                f"values on {like.device} (or None to keep the value)"
+            )
         if out.dtype != like.dtype:
             if out.is_floating_point() != like.is_floating_point() and not like.is_floating_point():
                 raise HookReturnError(

@@ -80,6 +80,7 @@ from lensadapters.testing.contract_support import (
     property_settings,
     uncap,
 )
+from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import seeded_model
 from lensadapters.testing.properties_edits import EditProperties
 from lensadapters.testing.properties_reading import ReadingProperties
@@ -126,7 +127,7 @@ def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
     return test
 
 
-class AdapterContract(ReadingProperties, EditProperties, RunProperties):
+class AdapterContract(ReadingProperties, EditProperties, RunProperties, GradientContract):
     """Generic properties of an adapter plugin (see the module docstring); the properties themselves are in
     :mod:`~lensadapters.testing.properties_reading`, :mod:`~lensadapters.testing.properties_edits` and
     :mod:`~lensadapters.testing.properties_runs`."""

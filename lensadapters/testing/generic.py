@@ -32,6 +32,7 @@ from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.testing.contract_support import _hook_counts, _instance_attributes, assert_close, close, perturb
+from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
 
@@ -65,7 +66,7 @@ class GenericPoints:
     final_norm: Optional[bool] = None  # ln_final.hook_normalized
 
 
-class GenericContract:
+class GenericContract(GradientContract):
     """Properties of the generic adapter on one architecture (see the module docstring)."""
 
     attn_implementations: ClassVar[Sequence[str]] = ("sdpa", "eager")

@@ -9,7 +9,7 @@ Here they are computed only while hooked, from the model's own computation: the 
 input (post-LN blocks: the attention's input), and an edit enters the query/key/value projection's output as
 ``(norm(edited) - norm(x)) @ W`` per head, with the norm's live parameters and the projection's effective
 weight (``hooked.read_linear``: fused layouts, LoRA deltas, dequantized storage). Heads whose input is left
-as it was keep the model's exact numbers.
+as it was keep the model's exact numbers (and their gradient: the edit's path stays in the autograd graph).
 
 * ``hook_q_input`` is ``[b, p, n_heads, d_model]``; ``hook_k_input`` and ``hook_v_input`` have one copy per
   key/value head (``n_key_value_heads`` under grouped-query attention), as in TransformerLens.
@@ -114,8 +114,11 @@ class HeadInputSite(Site):
         for which, (value, changed) in enumerate(streams):
             if not changed:
                 continue
+            # heads whose copy was left as it was add an exact zero (the model's numbers), but keep the autograd
+            # path: an edit that leaves the value unchanged (x + p*c at p = 0) still has its gradient
             edited_rows = (value != base).any(-1, keepdim=True)
-            diff = torch.where(edited_rows, normalize(value) - reference, torch.zeros((), device=x.device))
+            diff = normalize(value) - reference
+            diff = torch.where(edited_rows, diff, diff - diff.detach())
             W = _w.layer_weight(self.hm, ("W_Q", "_W_K", "_W_V")[which], self.layer)  # [heads, d_model, d_head], live
             self._pending[which] = torch.einsum("...hd,hde->...he", diff, W.float())
         return None

@@ -166,7 +166,7 @@ class Installation:
                 snapshot[point] = (fwd, bwd)
         if not snapshot:
             return None
-        token = RecomputeToken(snapshot)
+        token = RecomputeToken(snapshot, weakref.WeakMethod(self.sync))  # sites removed once the graph is freed
         points = list(snapshot)
         for point in points:
             point.pins += 1

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.layer_claims import permitted, warn_undeclared
 from lensadapters.adapters.moe import expert_weights, is_moe, router_weight
 from lensadapters.errors import PluginValidationError, WeightUnavailableError
 from lensadapters.hooks.distributed import full_tensor, is_dtensor
@@ -46,7 +47,7 @@ def read_linear(
     kwargs = {"module": module, "read": lambda m: read_linear(hm, m)}
     try:
         with live_parameters(module):  # an offloaded module's weights are loaded for the read
-            result, supplier = caller.answer(**kwargs)
+            result, supplier = _declared_answer(hm, caller, kwargs, [module], hm.module_name(module))
             _warn_if_several_answer(hm, module, caller, kwargs, supplier)
     except WeightUnavailableError as exc:
         if getattr(exc, "module_name", None) is None:  # the innermost module named, once
@@ -65,13 +66,31 @@ def read_linear(
     return result
 
 
+def _declared_answer(
+    hm: Any, caller: Any, kwargs: dict, modules: list[nn.Module], what: str
+) -> tuple[Any, Optional[str]]:
+    """The first answer of a plugin allowed to supply it (``layer_claims``): a cross-cutting plugin answering for a
+    layer it does not declare is warned about and passed over."""
+    for impl in caller.implementations():
+        if permitted(hm, impl, modules):
+            value = caller._call(impl, kwargs)
+            if value is not None:
+                return value, impl.plugin_name
+            continue
+        value = caller._call(impl, kwargs)  # (a failure is still reported, naming the plugin)
+        if value is not None and modules:
+            warn_undeclared(hm, impl, caller.name, what, modules[0])
+    return None, None
+
+
 def _warn_if_several_answer(hm: Any, module: nn.Module, caller: Any, kwargs: dict, supplier: Optional[str]) -> None:
     seen = hm.__dict__.setdefault("_linear_sources_checked", set())
     if type(module) in seen or supplier is None:
         return
     seen.add(type(module))
     with torch.no_grad():  # a probe: nothing recorded (a checkpointed forward must save the same tensors again)
-        answering = [name for name, _ in caller.answers(tolerate_errors=True, **kwargs)]
+        allowed = {impl.plugin_name for impl in caller.implementations() if permitted(hm, impl, [module])}
+        answering = [name for name, _ in caller.answers(tolerate_errors=True, **kwargs) if name in allowed]
     if len(answering) > 1:
         warnings.warn(
             f"{len(answering)} plugins can read the weight of {type(module).__module__}.{type(module).__name__} "
@@ -203,14 +222,16 @@ def _override(w: "Hooked", name: str, compute: Callable[[], Tensor]) -> Optional
     """A plugin's ``lensadapters_weight`` answer for ``name`` (checked), or ``None`` when no plugin overrides it."""
     caller = w.plugin_hooks.lensadapters_weight
     kwargs = {"arch": w.arch, "hooked": w, "name": name}
-    override, supplier = caller.answer(**kwargs)
+    modules = _accessor_layers(w, name)
+    override, supplier = _declared_answer(w, caller, kwargs, modules, name)
     if override is None:
         return None
     checked = w.__dict__.setdefault("_weight_sources_checked", set())
     if name not in checked:  # once per name: does more than one plugin answer?
         checked.add(name)
         with torch.no_grad():
-            answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs)]
+            allowed = {impl.plugin_name for impl in caller.implementations() if permitted(w, impl, modules)}
+            answering = [n for n, _ in caller.answers(tolerate_errors=True, **kwargs) if n in allowed]
         if len(answering) > 1:
             warnings.warn(
                 f"{len(answering)} plugins override {name}: {', '.join(map(repr, answering))}; "
@@ -288,6 +309,15 @@ def _accessor(name: str, compute: Callable[["Hooked"], Tensor], doc: str) -> Any
 
     get.__doc__ = doc
     return property(get)
+
+
+def _accessor_layers(w: "Hooked", name: str) -> list[nn.Module]:
+    """The layers accessor ``name`` reads (``layer_claims``): the embedding, the position table, the unembedding, or
+    every layer inside the blocks."""
+    path = {"W_E": w.layout.embed, "W_pos": w.layout.pos_embed, "W_U": w.layout.unembed, "b_U": w.layout.unembed}
+    if name in path:
+        return [w.hf_model.get_submodule(path[name])] if path[name] else []
+    return [m for block in w.block_modules for m in block.modules()]
 
 
 class WeightAccessors:

@@ -46,6 +46,8 @@ from ._dequant import (
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+#: the layers whose weights this plugin supplies: bitsandbytes' quantized linears and embeddings
+LENSADAPTERS_LAYERS = ("bitsandbytes.",)
 
 __all__ = [
     "dequantized_weight",

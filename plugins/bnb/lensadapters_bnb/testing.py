@@ -257,6 +257,9 @@ class Int8Contract(AdapterContract):
     extra_plugins = (lb,)
     attn_implementations = ("eager",)
     threshold = 6.0
+    #: no gradient property: LLM.int8 quantizes activations (finite differences of a piecewise constant metric);
+    #: gradients through 8-bit layers are checked by ``test_lora_over_8bit``'s training and the float contract
+    gradient_dtype = None
 
     @classmethod
     def supports(cls, contract: type) -> Optional[str]:

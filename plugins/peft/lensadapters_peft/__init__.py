@@ -47,6 +47,8 @@ from ._sites import LoraDeltaSite
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+#: the layers whose weights this plugin supplies: PEFT's tuner layers (and the LoRA embedding behind W_E/W_pos)
+LENSADAPTERS_LAYERS = ("peft.",)
 
 __all__ = [
     "LoraFactors",

@@ -227,7 +227,7 @@ def test_a_cross_cutting_plugin_supplies_weights_only_for_the_layers_it_declares
     """A cross-cutting plugin answering ``lensadapters_linear_weight`` for plain ``nn.Linear`` layers (and
     ``lensadapters_weight`` for ``W_Q``) without declaring them in ``LENSADAPTERS_LAYERS`` is warned about by name
     and not used: the weights are the core's. Declaring the layers makes its answers count."""
-    from lensadapters.layer_claims import UndeclaredLayerWarning
+    from lensadapters.adapters.layer_claims import UndeclaredLayerWarning
     from lensadapters.testing import registry_for
 
     model = _llama()

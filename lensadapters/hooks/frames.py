@@ -138,11 +138,12 @@ class ForwardState:
 class RecomputeToken:
     """The hooks that applied to one forward pass, for its recomputation under gradient checkpointing."""
 
-    __slots__ = ("snapshot", "released", "__weakref__")
+    __slots__ = ("snapshot", "released", "checkpointed_region", "__weakref__")
 
     def __init__(self, snapshot: dict[Any, list[Any]], released: Optional[Any] = None) -> None:
         self.snapshot = snapshot  # HookPoint -> the forward hook entries that applied to it
         self.released = released  # called (weakly held by the caller) once a backward freed this token's graph
+        self.checkpointed_region = False
 
 
 def current_recompute_token() -> Optional[RecomputeToken]:
@@ -157,7 +158,10 @@ class _TagGraph(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, token: RecomputeToken) -> torch.Tensor:  # type: ignore[override]
         ctx.token = token  # the graph keeps the token (and the hooks it snapshots) alive, and no longer
         # a witness of whether a backward freed the graph (retain_graph=False): then no recomputation can follow
-        ctx.save_for_backward(hidden.new_empty(0))
+        # (only outside checkpointed regions: a recomputation must save the same tensors as the forward)
+        ctx.witness = not token.checkpointed_region
+        if ctx.witness:
+            ctx.save_for_backward(hidden.new_empty(0))
         return hidden.view_as(hidden)
 
     @staticmethod
@@ -171,14 +175,20 @@ class _TagGraph(torch.autograd.Function):
         return grad, None
 
 
+def _freed(ctx: Any) -> bool:
+    try:
+        _ = ctx._raw_saved_tensors
+        return False
+    except RuntimeError:
+        return True
+
+
 def _release(ctx: Any) -> Optional[Any]:
     """Drop the token of a tag node whose graph a backward freed; its ``released`` callback (``None``: kept)."""
-    try:
-        _ = ctx._raw_saved_tensors  # raises once a backward without retain_graph freed them (unpacks nothing)
+    if not ctx.witness or not _freed(ctx):  # raises once a backward without retain_graph freed them
         return None
-    except RuntimeError:
-        token, ctx.token = ctx.token, None
-        return None if token is None else token.released
+    token, ctx.token = ctx.token, None
+    return None if token is None else token.released
 
 
 def _end_of_backward() -> None:
@@ -189,6 +199,10 @@ def _end_of_backward() -> None:
     """
     _recompute.token = None
     ran, _recompute.ran = getattr(_recompute, "ran", None) or [], None
+    freed = {id(ctx.token) for ctx in ran if ctx.witness and ctx.token is not None and _freed(ctx)}
+    for ctx in ran:  # the block tags of a freed forward go with its exit tag
+        if ctx.token is not None and id(ctx.token) in freed and not ctx.witness:
+            ctx.token = None
     released = [callback for callback in map(_release, ran) if callback is not None]
     del ran  # the tokens are gone (their finalizers unpinned the points) before the sites are synced
     for callback in released:
@@ -197,6 +211,10 @@ def _end_of_backward() -> None:
             target()
 
 
-def tag_for_recompute(hidden: torch.Tensor, token: RecomputeToken) -> torch.Tensor:
+def tag_for_recompute(hidden: torch.Tensor, token: RecomputeToken, exit: bool = False) -> torch.Tensor:
     """``hidden`` with its graph tagged by ``token`` (values and gradients unchanged)."""
-    return _TagGraph.apply(hidden, token)
+    token.checkpointed_region = not exit
+    try:
+        return _TagGraph.apply(hidden, token)
+    finally:
+        token.checkpointed_region = False

@@ -70,7 +70,7 @@ class _FrameSite(Site):
         if module is self.wiring.hf_model:
             self.wiring.forward_state.pop()
 
-    def _tagged(self, hidden: Any) -> Optional[torch.Tensor]:
+    def _tagged(self, hidden: Any, exit: bool = False) -> Optional[torch.Tensor]:
         token = self.wiring.forward_state.frame.token
         if (
             token is None
@@ -80,14 +80,14 @@ class _FrameSite(Site):
             or not hidden.requires_grad
         ):
             return None
-        return tag_for_recompute(hidden, token)
+        return tag_for_recompute(hidden, token, exit)
 
     def _tag(self, module: nn.Module, args: tuple, output: Any) -> Any:
         tagged = self._tagged(first_output(output))
         return None if tagged is None else replace_first_output(output, tagged)
 
     def _tag_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        tagged = self._tagged(first_input(args, kwargs))
+        tagged = self._tagged(first_input(args, kwargs), exit=True)  # outside any checkpointed region
         return None if tagged is None else replace_first_input(args, kwargs, tagged)
 
 

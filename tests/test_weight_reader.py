@@ -35,6 +35,7 @@ def _overriding(names: tuple[str, ...]) -> types.ModuleType:
         return SCALE * stacked_weight(hooked, name) if name in names else None
 
     plugin.lensadapters_weight = lensadapters_weight  # type: ignore[attr-defined]
+    plugin.LENSADAPTERS_LAYERS = ("transformers.",)  # type: ignore[attr-defined]  # the layers it supplies weights for
     return plugin
 
 

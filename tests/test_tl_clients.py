@@ -223,3 +223,19 @@ def test_replacing_something_that_is_no_hook_point() -> None:
         hm.blocks[0].hook_resid_pre = 3
     assert getattr(hm.blocks, "0").hook_resid_pre is hm.hook_dict["blocks.0.hook_resid_pre"]
     hm.unwrap()
+
+
+def test_unwrap_with_a_replaced_point_and_a_torch_hook_leaves_the_model_bare() -> None:
+    model = tiny(ARCH)
+    ids = _ids()
+    with torch.no_grad():
+        clean = model(ids).logits
+    hm = HookedModel.wrap(model)
+    hm.blocks[0].hook_resid_post = PatchWrapper(hm.hook_dict["blocks.0.hook_resid_post"], torch.ones(()))
+    hm.hook_dict["blocks.1.hook_resid_pre"].register_forward_hook(lambda mod, inp, out: out * 3)
+    with torch.no_grad():
+        assert not torch.equal(hm(ids).logits, clean)
+    assert hm.unwrap() is model
+    assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, clean)

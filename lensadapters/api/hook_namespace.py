@@ -34,12 +34,29 @@ def lookup(hm: "HookedModelLike", prefix: str, attr: str) -> Union[HookPoint, "H
     full = f"{prefix}.{attr}" if prefix else attr
     points = hm.wiring.hook_dict
     if full in points:
-        return points[full]
+        point = points[full]
+        return point if point.replacement is None else point.replacement  # type: ignore[return-value]
     if full == "blocks":
         return BlockList(hm)
     if any(name.startswith(full + ".") for name in points):
         return HookNamespace(hm, full)
     return None
+
+
+def replace(hm: "HookedModelLike", prefix: str, attr: str, module: Any) -> bool:
+    """Put ``module`` in the place of the hook point ``prefix.attr`` (``False`` if there is no such point).
+
+    As on TransformerLens, where a hook point is a submodule a client may swap (auto-circuit's
+    ``set_module_by_name``): the model's value there becomes ``module(value)``, and ``module`` reaches the point's
+    hooks by calling the original point (``hm.hook_dict[name]``, which stays the original, as TransformerLens'
+    ``hook_dict``). Setting the original point back restores it. The Hugging Face model is not touched.
+    """
+    full = f"{prefix}.{attr}" if prefix else attr
+    point = hm.wiring.hook_dict.get(full)
+    if point is None:
+        return False
+    point.replace(module)
+    return True
 
 
 def missing(hm: "HookedModelLike", prefix: str, attr: str) -> AttributeError:
@@ -84,7 +101,11 @@ class HookNamespace:
         return found
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        raise AttributeError("hook namespaces are read-only: attach hooks with .add_hook(fn)")
+        if not replace(self._hm, self._prefix, attr, value):
+            raise AttributeError(
+                f"{self._prefix!r} has no hook point {attr!r}: only hook points can be replaced by a module "
+                "(attach hooks with .add_hook(fn))"
+            )
 
     def _block_module(self) -> Any:
         parts = self._prefix.split(".")
@@ -120,6 +141,15 @@ class BlockList(Sequence):
         if not -n <= index < n:
             raise IndexError(f"block {index} out of range: the model has {n} blocks")
         return HookNamespace(self._hm, f"blocks.{index % n}")
+
+    def __getattr__(self, attr: str) -> Any:
+        # getattr(hm.blocks, "3"), as nn.ModuleList answers (clients walk dotted names with getattr)
+        if attr.isdigit():
+            try:
+                return self[int(attr)]
+            except IndexError:
+                pass
+        raise AttributeError(f"'BlockList' object has no attribute {attr!r}")
 
     def __iter__(self) -> Iterator[HookNamespace]:
         return (self[i] for i in range(len(self)))

@@ -295,9 +295,22 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
                 if _touched is not None:
                     _touched.append(point)
 
-    def reset_hooks(self, including_permanent: bool = False) -> None:
-        """Remove user hooks (permanent ones too when ``including_permanent``)."""
-        self.wiring.remove_hooks(lambda e: including_permanent or not e.permanent)
+    def reset_hooks(
+        self,
+        clear_contexts: bool = True,
+        direction: str = "both",
+        including_permanent: bool = False,
+        level: Optional[int] = None,
+    ) -> None:
+        """Remove user hooks (permanent ones too when ``including_permanent``), as TransformerLens' ``reset_hooks``:
+        in ``direction`` (``"fwd"``, ``"bwd"``, ``"both"``), emptying every point's ``ctx`` when ``clear_contexts``.
+        A module put in a hook point's place stays (as on TransformerLens, where it is a submodule)."""
+        if clear_contexts:
+            self.clear_contexts()
+        if direction == "both" and level is None:
+            self.wiring.remove_hooks(lambda e: including_permanent or not e.permanent)
+        else:
+            self.remove_all_hook_fns(direction, including_permanent, level)
 
     @contextlib.contextmanager
     def hooks(

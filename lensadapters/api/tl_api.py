@@ -90,6 +90,71 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return found
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # hm.hook_embed = module: a client's module in a hook point's place (see hook_namespace.replace)
+        wiring = self.__dict__.get("wiring")
+        if wiring is not None and name in wiring.hook_dict:
+            hook_namespace.replace(self, "", name, value)  # type: ignore[arg-type]
+            return
+        object.__setattr__(self, name, value)
+
+    # --- TransformerLens' HookedRootModule surface ------------------------------------------------------
+
+    @property
+    def mod_dict(self) -> dict[str, Any]:
+        """TransformerLens' ``mod_dict``, as far as a HookedModel has modules of its own: name -> hook point.
+
+        As on TransformerLens (built once, at setup) it keeps the original points when a client replaces one.
+        The Hugging Face modules are ``hm.hf_model.named_modules()``."""
+        return self.hook_dict  # type: ignore[attr-defined,no-any-return]
+
+    def hook_points(self) -> Any:
+        """Every hook point (TransformerLens' ``hook_points()``: ``hook_dict.values()``)."""
+        return self.hook_dict.values()  # type: ignore[attr-defined]
+
+    def add_perma_hook(self, name: Any, hook: Any, dir: str = "fwd") -> None:
+        """``add_hook(name, hook, dir, is_permanent=True)``, as TransformerLens."""
+        self.add_hook(name, hook, dir=dir, is_permanent=True)  # type: ignore[attr-defined]
+
+    def remove_all_hook_fns(
+        self, direction: str = "both", including_permanent: bool = False, level: Optional[int] = None
+    ) -> None:
+        """Remove the hooks of every point in ``direction`` (``"fwd"``, ``"bwd"``, ``"both"``), permanent ones too
+        when ``including_permanent``, as TransformerLens (``level``, its hook contexts, is not supported)."""
+        if direction not in ("fwd", "bwd", "both"):
+            raise ValueError(f"direction must be 'fwd', 'bwd' or 'both', not {direction!r}")
+        if level is not None:
+            raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
+        dirs = ("fwd", "bwd") if direction == "both" else (direction,)
+        fwd_ids = {id(e) for p in self.hook_dict.values() for e in p.fwd_hooks} if "fwd" in dirs else set()  # type: ignore[attr-defined]
+        bwd_ids = {id(e) for p in self.hook_dict.values() for e in p.bwd_hooks} if "bwd" in dirs else set()  # type: ignore[attr-defined]
+        chosen = fwd_ids | bwd_ids
+        self.wiring.remove_hooks(  # type: ignore[attr-defined]
+            lambda e: id(e) in chosen and (including_permanent or not e.permanent)
+        )
+
+    def clear_contexts(self) -> None:
+        """Empty every hook point's ``ctx`` (TransformerLens' ``clear_contexts``)."""
+        for point in self.hook_dict.values():  # type: ignore[attr-defined]
+            point.clear_context()
+
+    # TransformerLens' set_use_* switches: its points behind them (hook_result, hook_q_input..., hook_attn_in,
+    # hook_mlp_in) cost memory and time there; here every point is always served and costs nothing unhooked, so
+    # the switches are accepted and change nothing (cfg.use_attn_result & co. report what is served)
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Accepted for TransformerLens' code; ``hook_result`` is always served (computed only while hooked)."""
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Accepted for TransformerLens' code; ``hook_q_input``/``k``/``v`` are always served (computed only while
+        hooked)."""
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Accepted for TransformerLens' code; ``hook_attn_in`` is always served (computed only while hooked)."""
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """Accepted for TransformerLens' code; ``hook_mlp_in`` is always served (computed only while hooked)."""
+
     # --- nn.Module conveniences on the wrapped model ----------------------------------------------------
 
     @property

@@ -49,6 +49,9 @@ class HookEntry:
     # (None: every forward, as permanent hooks and add_hook do)
     thread: Optional[int] = None
     depth: Optional[int] = None
+    # added by ``register_forward_hook`` (PyTorch's module API): removed only by its handle, as in TransformerLens,
+    # where reset_hooks and remove_hooks leave such hooks alone
+    torch_hook: bool = False
 
     def applies(self, thread: int, depth: Optional[int]) -> bool:
         """Whether this hook runs in a forward of ``thread`` at nesting ``depth`` (``None``: outside a forward)."""
@@ -84,6 +87,12 @@ class HookPoint:
         self.token_shape: Optional[Callable[[], Optional[tuple[int, ...]]]] = None
         # Computed only while hooked (per-expert activations): left out of run_with_cache's default.
         self.costly = False
+        #: TransformerLens' per-point scratch dict (``hook.ctx["activation"] = x``), emptied by ``clear_context``
+        #: and by ``hm.reset_hooks(clear_contexts=True)``
+        self.ctx: dict[Any, Any] = {}
+        #: the module a client put in this point's place (``hm.blocks[3].hook_resid_pre = wrapper``); the site
+        #: calls it with the value, and it reaches this point's hooks by calling this point
+        self.replacement: Optional[Callable[[torch.Tensor], Any]] = None
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"
@@ -101,12 +110,16 @@ class HookPoint:
     def active(self) -> bool:
         """Whether the point's site must be installed: a hook is attached, or a forward that ran its hooks may
         still be recomputed by gradient checkpointing."""
-        return bool(self.fwd_hooks or self.bwd_hooks or self.pins)
+        return bool(self.fwd_hooks or self.bwd_hooks or self.pins) or self.replacement is not None
 
     @property
     def may_edit(self) -> bool:
         """Whether a hook attached here may change the value (any but the core's own readers)."""
-        return bool(self.bwd_hooks or self.pins) or any(not e.readonly for e in self.fwd_hooks)
+        return (
+            bool(self.bwd_hooks or self.pins)
+            or self.replacement is not None
+            or any(not e.readonly for e in self.fwd_hooks)
+        )
 
     # --- management -----------------------------------------------------------------------------
 
@@ -135,9 +148,10 @@ class HookPoint:
         self._on_change(self)
 
     def remove_where(self, predicate: Callable[[HookEntry], bool]) -> bool:
+        """Remove the hooks ``predicate`` accepts (never those of ``register_forward_hook``: their handle does)."""
         before = len(self.fwd_hooks) + len(self.bwd_hooks)
-        self.fwd_hooks = [e for e in self.fwd_hooks if not predicate(e)]
-        self.bwd_hooks = [e for e in self.bwd_hooks if not predicate(e)]
+        self.fwd_hooks = [e for e in self.fwd_hooks if e.torch_hook or not predicate(e)]
+        self.bwd_hooks = [e for e in self.bwd_hooks if e.torch_hook or not predicate(e)]
         return before != len(self.fwd_hooks) + len(self.bwd_hooks)
 
     # --- TransformerLens' HookPoint methods (hm.hook_dict[name].add_hook(fn), hm.blocks[0].attn.hook_z...) ----
@@ -173,12 +187,60 @@ class HookPoint:
             raise ValueError("level (TransformerLens' hook contexts) is not supported by lensadapters")
 
         def keep(entry: Any) -> bool:
-            return entry.permanent and not including_permanent
+            return entry.torch_hook or (entry.permanent and not including_permanent)
 
         if dir in ("fwd", "both"):
             self.fwd_hooks = [e for e in self.fwd_hooks if keep(e)]
         if dir in ("bwd", "both"):
             self.bwd_hooks = [e for e in self.bwd_hooks if keep(e)]
+        self._on_change(self)
+
+    def add_perma_hook(self, hook: HookFn, dir: str = "fwd") -> None:
+        """``add_hook(hook, dir, is_permanent=True)``, as TransformerLens."""
+        self.add_hook(hook, dir=dir, is_permanent=True)
+
+    def clear_context(self) -> None:
+        """Empty :attr:`ctx` (a new dict, as TransformerLens)."""
+        self.ctx = {}
+
+    # --- PyTorch's module API, for clients that treat hook points as modules (TransformerLens' are nn.Modules) --
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """TransformerLens' ``HookPoint.forward`` with its hooks: run this point's hooks on ``x``, return the result.
+
+        A module put in this point's place (:meth:`replace`) reaches the point's hooks this way, as a wrapper of a
+        TransformerLens hook point calls the module it wraps.
+        """
+        return self._run(x, False, self.live_hooks("fwd"), True)[0]
+
+    forward = __call__
+
+    def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False) -> "TorchHandle":
+        """``hook(module, (input,), output) -> output | None`` runs whenever this point runs, as a PyTorch forward
+        hook on TransformerLens' HookPoint module; a returned tensor replaces the value. Stays until
+        ``handle.remove()`` (``reset_hooks`` and ``remove_hooks`` leave it, as in TransformerLens)."""
+
+        torch_hook = hook
+
+        def fn(value: torch.Tensor, hook: "HookPoint") -> Any:
+            return torch_hook(self, (value,), value)
+
+        entry = self.add(fn, "fwd", permanent=True, prepend=prepend)
+        entry.torch_hook = True
+        return TorchHandle(self, entry)
+
+    def replace(self, module: Optional[Callable[[torch.Tensor], Any]]) -> None:
+        """Put ``module`` in this point's place: the model's value at this point becomes ``module(value)`` (it calls
+        this point to run the point's hooks). ``None`` or the point itself puts the point back. This is what
+        ``hm.blocks[3].hook_resid_pre = module`` does; nothing is inserted into the Hugging Face model."""
+        if module is self:
+            module = None
+        if module is not None and not callable(module):
+            raise TypeError(
+                f"{self.name!r} can only be replaced by a module or callable taking the tensor, not "
+                f"{type(module).__name__}"
+            )
+        self.replacement = module
         self._on_change(self)
 
     def _list(self, dir: str) -> list[HookEntry]:
@@ -213,7 +275,7 @@ class HookPoint:
 
     def has_live_hooks(self) -> bool:
         """Whether any hook runs here in the forward executing now."""
-        return bool(self.live_hooks("fwd") or self.live_hooks("bwd"))
+        return self.replacement is not None or bool(self.live_hooks("fwd") or self.live_hooks("bwd"))
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -235,12 +297,22 @@ class HookPoint:
         return self._apply(value, protect)
 
     def _apply(self, value: torch.Tensor, protect: bool = False) -> tuple[torch.Tensor, bool]:
+        module = self.replacement
+        if module is None:
+            return self._run(value, protect, self.live_hooks("fwd"), True)
+        # a client's module in this point's place: it gets the value (a copy where the model still needs it) and
+        # calls this point, whose hooks (backward ones included) then run on what it passes
+        return self._run(value, protect, [HookEntry(lambda v, hook: module(v))], False)
+
+    def _run(
+        self, value: torch.Tensor, protect: bool, entries: list[HookEntry], backward: bool
+    ) -> tuple[torch.Tensor, bool]:
         original = value
         changed = False
         # autograd forbids in-place edits of some tensors (one of several views a split returned; a value a backward
         # formula needs, such as softmax's or relu's output): while it records, a hook that may edit gets a copy
         recording = value.requires_grad and torch.is_grad_enabled()
-        for entry in self.live_hooks("fwd"):
+        for entry in entries:
             if entry.readonly:
                 entry.fn(value, hook=self)
                 continue
@@ -258,7 +330,7 @@ class HookPoint:
             changed = True
         if not changed:
             value = original  # a copy nobody edited: keep the model's own tensor
-        if self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
+        if backward and self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
             entries = self.live_hooks("bwd")  # the hooks of this forward, even if removed before backward
             if entries:
                 value = value.view_as(value)
@@ -298,3 +370,20 @@ class HookPoint:
         if out.device != like.device:
             out = out.to(like.device)
         return out
+
+
+class TorchHandle:
+    """What :meth:`HookPoint.register_forward_hook` returns: ``remove()`` takes the hook off (as PyTorch's handle)."""
+
+    def __init__(self, point: HookPoint, entry: HookEntry) -> None:
+        self.point, self.entry = point, entry
+
+    def remove(self) -> None:
+        if self.entry in self.point.fwd_hooks:
+            self.point.remove(self.entry)
+
+    def __enter__(self) -> "TorchHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()

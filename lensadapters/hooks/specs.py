@@ -9,7 +9,7 @@ The core turns these descriptions into lazily installed PyTorch hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 
@@ -87,6 +87,63 @@ class HookedConfig:
         live = self.__dict__.get("_live")
         model = live() if live is not None else None
         return model.dtype if model is not None else None
+
+    # --- fields TransformerLens clients read, live from the HookedModel (None/False for an unbound config) ----
+
+    def _owner(self) -> Any:
+        live = self.__dict__.get("_live")
+        return live() if live is not None else None
+
+    def _serves(self, suffix: str) -> bool:
+        owner = self._owner()
+        return owner is not None and any(name.endswith(suffix) for name in owner.hook_dict)
+
+    @property
+    def model_name(self) -> Optional[str]:
+        """TransformerLens' short model name: the last part of the Hugging Face ``name_or_path`` (else the class)."""
+        owner = self._owner()
+        if owner is None:
+            return None
+        path = str(getattr(owner.hf_model.config, "name_or_path", "") or "").rstrip("/")
+        return path.rsplit("/", 1)[-1] or type(owner.hf_model).__name__
+
+    @property
+    def default_prepend_bos(self) -> bool:
+        """``hm.default_prepend_bos`` (whether text inputs get a BOS token in front; set it on ``hm``)."""
+        owner = self._owner()
+        return bool(getattr(owner, "default_prepend_bos", True))
+
+    @property
+    def tokenizer_prepends_bos(self) -> Optional[bool]:
+        """Whether ``hm.tokenizer`` puts a BOS token in front by itself (``None`` without a tokenizer)."""
+        tokenizer = getattr(self._owner(), "tokenizer", None)
+        return None if tokenizer is None else len(tokenizer.encode("")) > 0
+
+    # TransformerLens' switches for its optional hook points: True where the model serves them (always, on a model
+    # whose blocks have those parts: unhooked points cost nothing); setting them (cfg.use_attn_result = True, or
+    # hm.set_use_attn_result) changes nothing
+    use_attn_result = property(lambda self: self._serves(".attn.hook_result"))
+    use_split_qkv_input = property(lambda self: self._serves(".hook_q_input"))
+    use_attn_in = property(lambda self: self._serves(".hook_attn_in"))
+    use_hook_mlp_in = property(lambda self: self._serves(".hook_mlp_in"))
+
+    @property
+    def attn_only(self) -> bool:
+        """Whether the blocks have no MLP (no ``hook_mlp_out`` is served)."""
+        return self._owner() is not None and not self._serves(".hook_mlp_out")
+
+
+_TL_SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+_frozen_setattr = HookedConfig.__setattr__
+
+
+def _config_setattr(self: HookedConfig, name: str, value: Any) -> None:
+    if name in _TL_SWITCHES:  # TransformerLens code switches its optional points on: here they are always there
+        return
+    _frozen_setattr(self, name, value)
+
+
+HookedConfig.__setattr__ = _config_setattr  # type: ignore[method-assign,assignment]
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     """
 
     wiring: Wiring
+    _tl_semantics = False  # see call_semantics
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -185,7 +186,6 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     def __init__(self, wiring: Wiring) -> None:
         self.wiring = wiring
         self._alive = True
-        self._tl_semantics = False  # see call_semantics
 
     # --- the model and its description -------------------------------------------------------------
 

@@ -101,6 +101,7 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
         center_unembed: Optional[bool] = None,
         fold_value_biases: Optional[bool] = None,
         refactor_factored_attn_matrices: Optional[bool] = None,
+        _hf_defaults: bool = False,
         **hf_kwargs: Any,
     ) -> Any:
         """``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)`` wrapped, with the tokenizer saved there
@@ -112,11 +113,13 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
         ``"pythia-70m"``: :func:`lensadapters.api.tl_models.resolve_model_name`). TransformerLens' keywords:
         ``hf_model`` (an already loaded model: wrapped instead of loading one), ``device`` (default: as
         TransformerLens, ``utils.get_device()``; ``move_to_device=False`` leaves the model where it loads),
-        ``dtype`` (default float32, as TransformerLens; a string such as ``"bfloat16"`` or a ``torch.dtype``),
+        ``dtype`` (default float32, as TransformerLens; a string such as ``"bfloat16"``, a ``torch.dtype``, or
+        ``"auto"`` for the checkpoint's own),
         ``n_devices`` (more than one: ``device_map="auto"`` over the first ``n_devices`` GPUs),
         ``default_prepend_bos``, ``default_padding_side``. The weight-processing flags (``fold_ln``,
         ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``, ``refactor_factored_attn_matrices``)
-        are accepted; set to ``True`` they warn once that nothing is processed.
+        are accepted; set to ``True`` they warn once that nothing is processed. ``_hf_defaults`` (lensadapters'
+        own loaders): Hugging Face's dtype and placement and ``call_semantics = "hf"``.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,19 +137,21 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
         if asked:
             warnings.warn(ProcessingWarning(asked), stacklevel=2)
         path = resolve_model_name(path)
-        torch_dtype = _dtype(dtype if dtype is not None else hf_kwargs.pop("torch_dtype", None))
+        if dtype is None:
+            dtype = hf_kwargs.pop("torch_dtype", None)
+        torch_dtype = "auto" if dtype == "auto" else _dtype(dtype)  # "auto": the checkpoint's own dtype
         if hf_model is not None:
             model = hf_model
-            if torch_dtype is not None and dtype is not None:
+            if isinstance(torch_dtype, torch.dtype):
                 model.to(torch_dtype)
         else:
-            if "dtype" not in hf_kwargs:
+            if torch_dtype is not None or not _hf_defaults:
                 hf_kwargs["dtype"] = torch_dtype if torch_dtype is not None else torch.float32
             if n_devices > 1:
                 hf_kwargs.setdefault("device_map", "auto")
                 hf_kwargs.setdefault("max_memory", _first_gpus(n_devices))
             model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
-        if move_to_device and n_devices == 1 and "device_map" not in hf_kwargs:
+        if move_to_device and not _hf_defaults and n_devices == 1 and "device_map" not in hf_kwargs:
             from lensadapters.analysis.utils import get_device
 
             model.to(device if device is not None else get_device())
@@ -170,7 +175,7 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
                     stacklevel=2,
                 )
         hm = cls.wrap(model, adapter=adapter, tokenizer=tokenizer)  # type: ignore[attr-defined]
-        hm.call_semantics = "transformer_lens"
+        hm.call_semantics = "hf" if _hf_defaults else "transformer_lens"
         if default_prepend_bos is not None:
             hm.default_prepend_bos = bool(default_prepend_bos)
         if default_padding_side is not None:

@@ -28,6 +28,7 @@ from lensadapters.api.tl_api import ProcessingWarning
 from lensadapters.api.tl_models import MODEL_ALIASES, resolve_model_name
 from lensadapters.demo import reinit
 from lensadapters.errors import LensAdaptersError
+from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 from lensadapters.testing.tl_reference import hooked_transformer, transformer_lens_available, word_tokenizer
 
 VOCAB = 32
@@ -220,6 +221,25 @@ def test_components_compute_with_the_model_modules_and_fire_hook_points() -> Non
             assert seen == ["hook_embed", "hook_pos_embed", "ln_final.hook_scale"]
             with pytest.raises(TypeError, match="not a callable component"):
                 hm.blocks[0].attn(resid)
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_components_equal_the_forward_values_on_every_architecture(arch: str) -> None:
+    """Scaled embeddings (Gemma), position offsets (OPT), final-logit softcaps, parallel blocks, experts."""
+    hm = HookedModel.wrap(tiny(arch))
+    try:
+        tokens = torch.randint(3, 30, (2, 5), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits, cache = hm.run_with_cache(tokens)
+            assert torch.equal(hm.embed(tokens), cache["hook_embed"])
+            if "hook_pos_embed" in cache:
+                assert torch.equal(hm.pos_embed(tokens), cache["hook_pos_embed"])
+            last = cache[f"blocks.{hm.cfg.n_layers - 1}.hook_resid_post"]
+            assert torch.allclose(hm.unembed(hm.ln_final(last)), logits, atol=1e-5)
+        names = [n for n, _ in hm.tl_named_parameters()]
+        assert names[0] == "embed.W_E" and "blocks.0.attn.W_Q" in names and names[-1] == "unembed.b_U"
+    finally:
+        hm.unwrap()
 
 
 def test_loss_fn_is_the_forward_loss() -> None:

@@ -152,6 +152,21 @@ def test_add_hook_hooks_survive_run_with_cache_and_run_with_hooks_as_in_transfor
         assert calls[-1] == "perma" and calls.count("added") == 3
 
 
+def test_run_with_cache_keeps_its_hooks_with_reset_hooks_end_false() -> None:
+    with ported() as hm:
+        other = torch.tensor([[1, 9, 8, 7, 6, 5, 4, 3]])
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(TOKENS, names_filter="hook_embed", reset_hooks_end=False)
+            first = cache["hook_embed"].clone()
+            hm(other)  # the caching hook is still attached: it records this forward
+            assert not torch.equal(cache["hook_embed"], first)
+            assert torch.equal(cache["hook_embed"], hm.embed(other))
+            hm.reset_hooks()
+            hm(TOKENS)
+            assert torch.equal(cache["hook_embed"], hm.embed(other))
+        assert not hm.has_hooks
+
+
 # --- ActivationCache ----------------------------------------------------------------------------------------
 
 

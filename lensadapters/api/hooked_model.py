@@ -420,6 +420,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         device: Any = None,
         remove_batch_dim: bool = False,
         incl_bwd: bool = False,
+        reset_hooks_end: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return ``(logits, cache)``.
@@ -428,7 +429,9 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         ``attn.hook_result`` and the per-expert points ``mlp.experts.{e}.*``, which are computed only when asked
         for). ``device`` moves cached tensors,
         ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
-        ``labels=``) and stores gradients as ``NAME_grad``.
+        ``labels=``) and stores gradients as ``NAME_grad``. ``reset_hooks_end=False`` (TransformerLens): the caching
+        hooks stay after the call, so every later forward writes its values into the returned cache, until
+        ``hm.reset_hooks()``.
 
         Under gradient checkpointing (``model.train()`` after ``gradient_checkpointing_enable()``) the
         backward pass re-runs the forward of each checkpointed layer; the cache records each hook point
@@ -476,7 +479,10 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
             keep(hook.name + "_grad", tensor)
 
         with self.hooks(
-            [(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [], _readonly=True
+            [(n, save) for n in names],
+            [(n, save_grad) for n in names] if incl_bwd else [],
+            reset_hooks_end,
+            _readonly=True,
         ):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)

@@ -182,7 +182,7 @@ def _check_extra(kwargs: dict) -> None:
 
 
 _NO_OP_HINTS = {
-    "reset_hooks_end": "run_with_cache removes its hooks at the end; keep hooks with hm.add_hook or `with hm.hooks()`",
+    "reset_hooks_end": "it is a keyword of run_with_cache and run_with_hooks, not of the forward",
     "clear_contexts": "lensadapters' hook points keep no hook contexts (hook.ctx) to clear",
     "return_cache_object": "run_with_cache returns an ActivationCache, a Mapping (dict(cache) gives a dict)",
     "pos_slice": "slice the cached tensors (or use the pos_slice of the ActivationCache methods)",

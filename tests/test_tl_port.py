@@ -72,7 +72,9 @@ def tiny_model(model_type: str = "gpt2", seed: int = 0) -> Any:
 @contextlib.contextmanager
 def ported(model_type: str = "gpt2", seed: int = 0) -> Iterator[HookedModel]:
     """The model a port builds: ``HookedModel.from_pretrained`` (here with TransformerLens' ``hf_model=``)."""
-    hm = HookedModel.from_pretrained(model_type, hf_model=tiny_model(model_type, seed), tokenizer=_tokenizer())
+    hm = HookedModel.from_pretrained(
+        model_type, hf_model=tiny_model(model_type, seed), tokenizer=_tokenizer(), device="cpu"
+    )
     try:
         yield hm
     finally:
@@ -91,7 +93,7 @@ def test_from_pretrained_follows_transformer_lens_call_semantics_and_wrap_keeps_
     _tokenizer().save_pretrained(tmp_path)
     with torch.no_grad():
         reference = model(TOKENS).logits
-    hm = HookedModel.from_pretrained(str(tmp_path), local_files_only=True, attn_implementation="eager")
+    hm = HookedModel.from_pretrained(str(tmp_path), local_files_only=True, attn_implementation="eager", device="cpu")
     try:
         assert hm.call_semantics == "transformer_lens"
         with torch.no_grad():
@@ -304,7 +306,7 @@ def test_from_pretrained_takes_transformer_lens_construction_keywords(tmp_path) 
         hm.unwrap()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProcessingWarning)  # the flags left at their defaults: no warning
-        HookedModel.from_pretrained(str(tmp_path), local_files_only=True).unwrap()
+        HookedModel.from_pretrained(str(tmp_path), local_files_only=True, device="cpu").unwrap()
     with pytest.raises(TypeError, match="checkpoint_index.*revision="):
         HookedModel.from_pretrained(str(tmp_path), checkpoint_index=3)
     with pytest.raises(TypeError, match="dtype must be a torch.dtype"):

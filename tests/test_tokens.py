@@ -103,7 +103,7 @@ def test_from_pretrained_loads_model_and_tokenizer_from_a_folder(tmp_path) -> No
     model.save_pretrained(tmp_path)
     tokenizer(VOCAB).save_pretrained(tmp_path)
     hm = HookedModel.from_pretrained(
-        str(tmp_path), local_files_only=True, attn_implementation=model.config._attn_implementation
+        str(tmp_path), local_files_only=True, attn_implementation=model.config._attn_implementation, device="cpu"
     )
     try:
         assert hm.tokenizer is not None and hm.to_single_token("w5") == 5

@@ -103,13 +103,13 @@ def test_from_pretrained_loads_model_and_tokenizer_from_a_folder(tmp_path) -> No
     model.save_pretrained(tmp_path)
     tokenizer(VOCAB).save_pretrained(tmp_path)
     hm = HookedModel.from_pretrained(
-        str(tmp_path), local_files_only=True, attn_implementation=model.config._attn_implementation
+        str(tmp_path), local_files_only=True, attn_implementation=model.config._attn_implementation, device="cpu"
     )
     try:
         assert hm.tokenizer is not None and hm.to_single_token("w5") == 5
         ids = hm.to_tokens("w5 w6 w7")
         with torch.no_grad():
-            assert torch.equal(hm(ids).logits, model(ids).logits)
+            assert torch.equal(hm(ids), model(ids).logits)  # TransformerLens' call semantics: the logits
             assert torch.equal(hm("w5 w6 w7"), model(ids).logits)
     finally:
         hm.unwrap()

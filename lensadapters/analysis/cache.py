@@ -77,8 +77,30 @@ class ActivationCache(Mapping, CacheAnalysisMixin):
     activations come from.
     """
 
-    def __init__(self, data: dict[str, Tensor], n_layers: int, has_batch_dim: bool = True, model: Any = None) -> None:
-        self._data = data
+    def __init__(
+        self, data: dict[str, Tensor], n_layers: Any = None, has_batch_dim: bool = True, model: Any = None
+    ) -> None:
+        """``ActivationCache(cache_dict, model, has_batch_dim=True)`` (TransformerLens' order: the model second) or
+        ``ActivationCache(cache_dict, n_layers, has_batch_dim=True, model=None)``."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"ActivationCache(cache_dict, model): cache_dict must be a dict, not {type(data).__name__}")
+        if isinstance(n_layers, int) and not isinstance(n_layers, bool):
+            pass
+        elif n_layers is not None and isinstance(getattr(getattr(n_layers, "cfg", None), "n_layers", None), int):
+            if model is not None and model is not n_layers:
+                raise TypeError("ActivationCache(cache_dict, model, model=other): two different models given")
+            n_layers, model = n_layers.cfg.n_layers, n_layers  # TransformerLens' ActivationCache(cache_dict, model)
+        elif n_layers is None and model is not None and isinstance(getattr(model.cfg, "n_layers", None), int):
+            n_layers = model.cfg.n_layers
+        else:
+            got = "nothing" if n_layers is None else f"a {type(n_layers).__name__}"
+            raise TypeError(
+                f"ActivationCache(cache_dict, model, has_batch_dim=True): the second argument must be the model "
+                f"(a HookedModel) or the number of layers (an int), got {got}"
+            )
+        if not isinstance(has_batch_dim, bool):
+            raise TypeError(f"ActivationCache: has_batch_dim must be a bool, not {type(has_batch_dim).__name__}")
+        self._data = dict(data) if not isinstance(data, dict) else data
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
         self.model = model

@@ -29,6 +29,21 @@ __all__ = [
     "transpose",
     "is_square",
     "is_lower_triangular",
+    "get_device",
+    "test_prompt",
+    "sample_logits",
+    "get_cumsum_along_dim",
+    "repeat_along_head_dimension",
+    "get_nested_attr",
+    "set_nested_attr",
+    "get_offset_position_ids",
+    "get_tokens_with_bos_removed",
+    "override_or_use_default_value",
+    "print_gpu_mem",
+    "gelu_new",
+    "gelu_fast",
+    "gelu_pytorch_tanh",
+    "solu",
 ]
 
 _LAYER_TYPE_ALIAS = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
@@ -251,3 +266,196 @@ def is_square(x: Tensor) -> bool:
 
 def is_lower_triangular(x: Tensor) -> bool:
     return is_square(x) and bool(x.equal(x.tril()))
+
+
+# --- the rest of transformer_lens.utils that analysis code calls (model-independent) -------------------------
+
+
+def get_device() -> torch.device:
+    """The device TransformerLens picks by default: CUDA if available, else MPS (PyTorch 2 and later) where
+    ``TRANSFORMERLENS_ALLOW_MPS=1`` or PyTorch has no known MPS problem, else CPU."""
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available() and mps.is_built():
+        if os.environ.get("TRANSFORMERLENS_ALLOW_MPS", "") == "1":
+            return torch.device("mps")
+    return torch.device("cpu")
+
+
+def test_prompt(
+    prompt: str,
+    answer: Union[str, list[str]],
+    model: Any,
+    prepend_space_to_answer: bool = True,
+    print_details: bool = True,
+    prepend_bos: Optional[bool] = None,
+    top_k: int = 10,
+) -> None:
+    """TransformerLens' ``test_prompt``: print how the model ranks ``answer`` (one or several answers, then only
+    their first token) after ``prompt``, with the tokenization and the ``top_k`` next tokens, in TransformerLens'
+    format. ``model``: a HookedModel with a tokenizer."""
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    n_answers = len(answers)
+    multiple = n_answers > 1
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    prompt_tokens = model.to_tokens(prompt, prepend_bos=prepend_bos)
+    answer_tokens = model.to_tokens(answers, prepend_bos=False)
+    if multiple:
+        answer_tokens = answer_tokens[:, :1]
+    prompt_tokens = prompt_tokens.repeat(answer_tokens.shape[0], 1)
+    tokens = torch.cat((prompt_tokens, answer_tokens.to(prompt_tokens.device)), dim=1)
+    prompt_str_tokens = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    answer_str_tokens_list = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    prompt_length = len(prompt_str_tokens)
+    answer_length = 1 if multiple else len(answer_str_tokens_list[0])
+    if print_details:
+        print("Tokenized prompt:", prompt_str_tokens)
+        if multiple:
+            print("Tokenized answers:", answer_str_tokens_list)
+        else:
+            print("Tokenized answer:", answer_str_tokens_list[0])
+    with torch.no_grad():
+        logits = model(tokens, return_type="logits")
+    probs = logits.softmax(dim=-1)
+    answer_ranks = []
+    for index in range(prompt_length, prompt_length + answer_length):
+        answer_ids = tokens[:, index]
+        answer_str_tokens = [a[index - prompt_length] for a in answer_str_tokens_list]
+        token_probs = probs[:, index - 1]
+        sorted_probs, sorted_positions = token_probs.sort(descending=True)
+        ranks = sorted_positions.argsort(-1)[range(n_answers), answer_ids.cpu()].tolist()
+        answer_ranks.append(list(zip(answer_str_tokens, ranks)))
+        if print_details:
+            print(  # TransformerLens prints this bold with rich: the same text off a terminal
+                f"Performance on answer token{'s' if n_answers > 1 else ''}:\n"
+                + "\n".join(
+                    f"Rank: {ranks[i]: <8} Logit: {logits[i, index - 1, answer_ids[i]].item():5.2f} "
+                    f"Prob: {token_probs[i, answer_ids[i]].item():6.2%} Token: |{answer_str_tokens[i]}|"
+                    for i in range(n_answers)
+                )
+            )
+            for i in range(top_k):
+                print(
+                    f"Top {i}th token. Logit: {logits[0, index - 1, sorted_positions[0, i]].item():5.2f} "
+                    f"Prob: {sorted_probs[0, i].item():6.2%} Token: |{model.to_string(sorted_positions[0, i])}|"
+                )
+    if not multiple:
+        print(f"Ranks of the answer tokens: {[r[0] for r in answer_ranks]}")
+    else:
+        print(f"Ranks of the answer tokens: {answer_ranks}")
+
+
+test_prompt.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
+
+
+def sample_logits(
+    final_logits: Tensor,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    temperature: float = 1.0,
+    freq_penalty: float = 0.0,
+    tokens: Optional[Tensor] = None,
+) -> Tensor:
+    """TransformerLens' ``sample_logits``: one token per row of ``final_logits [batch, d_vocab]`` (greedy at
+    temperature 0; else sampled after the frequency penalty, then ``top_k`` or else ``top_p``)."""
+    if temperature == 0.0:
+        return final_logits.argmax(dim=-1)
+    final_logits = final_logits / temperature
+    if freq_penalty > 0:
+        if tokens is None or tokens.dim() != 2:
+            raise ValueError("sample_logits(freq_penalty>0) needs tokens= [batch, pos]")
+        counts = torch.stack([torch.bincount(row, minlength=final_logits.shape[-1]) for row in tokens])
+        final_logits = final_logits - freq_penalty * counts[:, : final_logits.shape[-1]].to(final_logits.dtype)
+    if top_k is not None:
+        if top_k <= 0:
+            raise ValueError("top_k has to be greater than 0")
+        top_logits, _ = final_logits.topk(top_k, dim=-1)
+        final_logits = final_logits.masked_fill(final_logits < top_logits[..., -1:], -float("inf"))
+    elif top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError("top_p has to be in (0, 1]")
+        sorted_logits, sorted_indices = torch.sort(final_logits, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative > top_p
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        final_logits = final_logits.masked_fill(remove.scatter(-1, sorted_indices, remove), -float("inf"))
+    return torch.distributions.categorical.Categorical(logits=final_logits.to(torch.float32)).sample()
+
+
+def get_cumsum_along_dim(tensor: Tensor, dim: int, reverse: bool = False) -> Tensor:
+    """Cumulative sum along ``dim`` (from the end when ``reverse``)."""
+    return _cumsum(tensor, dim, reverse)
+
+
+def repeat_along_head_dimension(tensor: Tensor, n_heads: int, clone_tensor: bool = True) -> Tensor:
+    """``[batch, pos, d_model]`` -> ``[batch, pos, n_heads, d_model]`` (a copy unless ``clone_tensor=False``)."""
+    repeated = tensor.unsqueeze(-2).expand(*tensor.shape[:-1], n_heads, tensor.shape[-1])
+    return repeated.clone() if clone_tensor else repeated
+
+
+def get_nested_attr(obj: Any, attr_str: str) -> Any:
+    """``get_nested_attr(model, "blocks.0.attn")``: attributes along a dotted path."""
+    for attr in attr_str.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def set_nested_attr(obj: Any, attr_str: str, value: Any) -> None:
+    """Set the last attribute of a dotted path."""
+    *path, last = attr_str.split(".")
+    setattr(get_nested_attr(obj, ".".join(path)) if path else obj, last, value)
+
+
+def get_offset_position_ids(past_kv_pos_offset: int, attention_mask: Tensor) -> Tensor:
+    """Positions counted over the attended tokens (left padding at 0), from ``past_kv_pos_offset`` on."""
+    shifted = attention_mask.cumsum(dim=1) - 1
+    return shifted.masked_fill(shifted < 0, 0)[:, past_kv_pos_offset:]
+
+
+def get_tokens_with_bos_removed(tokenizer: Any, tokens: Tensor) -> Tensor:
+    """``tokens`` without the BOS of each row (after left padding too), as TransformerLens finds it."""
+    if tokenizer.padding_side == "right":
+        return tokens[..., 1:]
+    shape = list(tokens.shape)
+    shape[-1] -= 1
+    if tokenizer.bos_token_id == tokenizer.pad_token_id:
+        leading_pad = _cumsum(tokens.ne(tokenizer.pad_token_id), -1) == 0
+        bos_positions = leading_pad.sum(-1) - 1
+    else:
+        bos_positions = (tokens == tokenizer.bos_token_id).int().argmax(-1)
+    keep = torch.ones_like(tokens, dtype=torch.bool).scatter(1, bos_positions.unsqueeze(-1), False)
+    return tokens[keep].view(*shape)
+
+
+def override_or_use_default_value(default_flag: Any, override: Optional[Any] = None) -> Any:
+    """``override`` unless it is ``None``."""
+    return override if override is not None else default_flag
+
+
+def print_gpu_mem(step_name: str = "") -> None:
+    """Print the GPU memory allocated (GiB). TransformerLens divides by 2e30 here, printing 0 for any realistic
+    amount; this divides by 2**30."""
+    print(f"{step_name} ~ {np.round(torch.cuda.memory_allocated() / 2**30, 2)} GiB allocated on GPU.")
+
+
+def gelu_new(input: Tensor) -> Tensor:
+    """GPT-2's tanh approximation of GELU (TransformerLens' ``gelu_new``)."""
+    return 0.5 * input * (1.0 + torch.tanh(np.sqrt(2.0 / np.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+def gelu_fast(input: Tensor) -> Tensor:
+    return 0.5 * input * (1.0 + torch.tanh(input * 0.7978845608 * (1.0 + 0.044715 * input * input)))
+
+
+def gelu_pytorch_tanh(input: Tensor) -> Tensor:
+    return torch.nn.functional.gelu(input, approximate="tanh")
+
+
+def solu(input: Tensor) -> Tensor:
+    """SoLU: ``x * softmax(x)`` over the last dimension."""
+    return input * torch.softmax(input, dim=-1)

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Iterator, Union
 
+from lensadapters.api import tl_components
 from lensadapters.hooks.hook_point import HookPoint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +81,9 @@ class HookNamespace:
         found = lookup(self._hm, self._prefix, attr)
         if found is not None:
             return found
+        weight = tl_components.weight_of(self._hm, self._prefix, attr)  # hm.blocks[0].attn.W_Q, .ln1.w...
+        if weight is not None:
+            return weight
         block = self._block_module()
         if block is not None and hasattr(block, attr):
             warnings.warn(
@@ -106,6 +110,13 @@ class HookNamespace:
                 f"{self._prefix!r} has no hook point {attr!r}: only hook points can be replaced by a module "
                 "(attach hooks with .add_hook(fn))"
             )
+
+    def __call__(self, x: Any) -> Any:
+        """A norm's namespace (``hm.ln_final``, ``hm.blocks[0].ln1``) runs that norm module on ``x``, firing its
+        hook points, as TransformerLens' ``model.ln_final(resid)``."""
+        if self._prefix not in self._hm.wiring._norm_modules:
+            raise TypeError(f"{self._prefix!r} is a namespace of hook points, not a callable component")
+        return tl_components.call_norm(self._hm, self._prefix, x)
 
     def _block_module(self) -> Any:
         parts = self._prefix.split(".")

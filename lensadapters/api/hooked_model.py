@@ -44,6 +44,8 @@ _WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookedModel]]" = we
 _contexts = itertools.count(1)
 # hook points left out of run_with_cache's default (names_filter=None): costly and redundant
 DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
+#: values of ``HookedModel.call_semantics``
+CALL_SEMANTICS = ("hf", "transformer_lens")
 
 
 def _resolve_model(model: Any, registry: Registry, hooks: Any) -> nn.Module:
@@ -94,6 +96,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
     """
 
     wiring: Wiring
+    _tl_semantics = False  # see call_semantics
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -365,19 +368,43 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         state = self.wiring.forward_state
         frames = state.open_frames
         try:
-            if tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
+            if self._tl_semantics or tl_call.wants_transformer_lens(args, kwargs):  # analysis layer
                 return tl_call.forward(self, *args, **kwargs)
+            if args and isinstance(args[0], Tensor) and args[0].dim() == 1 and not args[0].is_floating_point():
+                args = (args[0][None],) + args[1:]  # one sequence of token ids: a batch of one, as TransformerLens
+            elif isinstance(kwargs.get("input_ids"), Tensor) and kwargs["input_ids"].dim() == 1:
+                kwargs["input_ids"] = kwargs["input_ids"][None]
             return self.model(*args, **kwargs)
         except BaseException:
             state.unwind(frames)  # KeyboardInterrupt, SystemExit...: PyTorch closes no frame for them
             raise
 
+    @property
+    def call_semantics(self) -> str:
+        """How ``hm(...)``, ``run_with_hooks`` and ``run_with_cache`` treat a call without TransformerLens keywords:
+        ``"hf"`` (what :meth:`wrap` gives): exactly the Hugging Face forward, its output object; ``"transformer_lens"``
+        (what :meth:`from_pretrained` gives, the line a TransformerLens port changes): ``HookedTransformer.forward``'s
+        conventions, ``return_type="logits"`` by default (see :mod:`lensadapters.tl_call`). Settable either way."""
+        return "transformer_lens" if self._tl_semantics else "hf"
+
+    @call_semantics.setter
+    def call_semantics(self, value: str) -> None:
+        if value not in CALL_SEMANTICS:
+            raise ValueError(f"call_semantics must be one of {CALL_SEMANTICS}, not {value!r}")
+        self.__dict__["_tl_semantics"] = value == "transformer_lens"
+
     forward = __call__
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.generate``; while hooks are attached the forward is never compiled (see ``hooks``)."""
+        """TransformerLens' ``generate`` (:func:`lensadapters.tl_call.generate`: text in, text out, hooks active)
+        under ``call_semantics = "transformer_lens"`` or when the call is TransformerLens-style (text input or one
+        of its keywords: ``stop_at_eos``, ``prepend_bos``, ``return_type``...); otherwise Hugging Face's
+        ``model.generate`` (always reachable as ``hm.hf_model.generate``), whose forward is never compiled while
+        hooks are attached (see ``hooks``)."""
         self._check_alive()
         self.wiring.sync()
+        if self._tl_semantics or tl_call.wants_transformer_lens_generate(args, kwargs):
+            return tl_call.generate(self, *args, **kwargs)
         if self.wiring.installed:
             kwargs.setdefault("disable_compile", True)
         return self.model.generate(*args, **kwargs)
@@ -419,6 +446,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         device: Any = None,
         remove_batch_dim: bool = False,
         incl_bwd: bool = False,
+        reset_hooks_end: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return ``(logits, cache)``.
@@ -427,7 +455,9 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         ``attn.hook_result`` and the per-expert points ``mlp.experts.{e}.*``, which are computed only when asked
         for). ``device`` moves cached tensors,
         ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
-        ``labels=``) and stores gradients as ``NAME_grad``.
+        ``labels=``) and stores gradients as ``NAME_grad``. ``reset_hooks_end=False`` (TransformerLens): the caching
+        hooks stay after the call, so every later forward writes its values into the returned cache, until
+        ``hm.reset_hooks()``.
 
         Under gradient checkpointing (``model.train()`` after ``gradient_checkpointing_enable()``) the
         backward pass re-runs the forward of each checkpointed layer; the cache records each hook point
@@ -441,8 +471,11 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
                     "run_with_cache(incl_bwd=True) backpropagates, which torch.inference_mode() "
                     "forbids: call it outside the inference_mode block (torch.no_grad() is fine)"
                 )
-            tl_loss = tl_call.wants_transformer_lens(args, kwargs) and kwargs.get("return_type") == "loss"
-            if not tl_loss and "labels" not in kwargs and "labels" in _forward_parameters(self.model):
+            tl_style = self._tl_semantics or tl_call.wants_transformer_lens(args, kwargs)
+            tl_loss = tl_style and kwargs.get("return_type") == "loss"
+            if tl_style and not tl_loss:
+                raise ValueError("run_with_cache(incl_bwd=True) backpropagates the loss: pass return_type='loss'")
+            if not tl_style and "labels" not in kwargs and "labels" in _forward_parameters(self.model):
                 raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
         if remove_batch_dim and batch_of(args, kwargs) not in (None, 1):
             raise ValueError(
@@ -472,7 +505,10 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
             keep(hook.name + "_grad", tensor)
 
         with self.hooks(
-            [(n, save) for n in names], [(n, save_grad) for n in names] if incl_bwd else [], _readonly=True
+            [(n, save) for n in names],
+            [(n, save_grad) for n in names] if incl_bwd else [],
+            reset_hooks_end,
+            _readonly=True,
         ):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)

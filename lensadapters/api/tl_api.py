@@ -19,12 +19,55 @@ from typing import Any, Iterator, Optional
 import torch
 
 from lensadapters.analysis.circuits import CircuitsMixin
-from lensadapters.api import hook_namespace
+from lensadapters.api import hook_namespace, tl_components
 from lensadapters.api.saes import SAEMixin
 from lensadapters.api.tokens import TokenizerMixin
 
 _TOKENIZER_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+class ProcessingWarning(UserWarning):
+    """TransformerLens' weight-processing flags were set: lensadapters never processes weights."""
+
+    def __init__(self, flags: list[str]) -> None:
+        super().__init__(
+            f"{', '.join(f'{f}=True' for f in flags)}: lensadapters never processes weights (the model is used as "
+            f"loaded, as TransformerLens' from_pretrained_no_processing). Activations are the model's own, not "
+            f"TransformerLens' processed ones (norm weights are not folded into the next matrices, writing weights "
+            f"and the unembedding are not centered, value biases not folded); logits, losses and cache.logit_attrs "
+            f"are unchanged (logit_attrs applies the norm weight itself)"
+        )
+
+
+#: TransformerLens from_pretrained keywords with no lensadapters equivalent, and what to use instead
+_TL_ONLY_KEYWORDS = {
+    "checkpoint_index": "load a training checkpoint with revision= (Pythia: revision='step1000')",
+    "checkpoint_value": "load a training checkpoint with revision= (Pythia: revision='step1000')",
+    "first_n_layers": "load the config, set its number of layers, and pass config=",
+}
+
+
+def _refuse_tl_only_keywords(kwargs: dict) -> None:
+    for key, hint in _TL_ONLY_KEYWORDS.items():
+        if kwargs.get(key) is not None:
+            raise TypeError(f"HookedModel.from_pretrained does not support TransformerLens' {key}=: {hint}")
+        kwargs.pop(key, None)
+
+
+def _dtype(dtype: Any) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype != "auto" and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise TypeError(f"dtype must be a torch.dtype or its name ('float32', 'bfloat16'...), not {dtype!r}")
+
+
+def _first_gpus(n: int) -> dict:
+    available = torch.cuda.device_count()
+    if available < n:
+        raise ValueError(f"n_devices={n}, but {available} CUDA device(s) are visible")
+    return {i: torch.cuda.get_device_properties(i).total_memory for i in range(n)}
 
 
 class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
@@ -41,13 +84,77 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
 
     @classmethod
     def from_pretrained(
-        cls, path: str, tokenizer: Any = None, *, adapter: Optional[str] = None, **hf_kwargs: Any
+        cls,
+        path: str,
+        tokenizer: Any = None,
+        *,
+        adapter: Optional[str] = None,
+        hf_model: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+        n_devices: int = 1,
+        move_to_device: bool = True,
+        default_prepend_bos: Optional[bool] = None,
+        default_padding_side: Optional[str] = None,
+        fold_ln: Optional[bool] = None,
+        center_writing_weights: Optional[bool] = None,
+        center_unembed: Optional[bool] = None,
+        fold_value_biases: Optional[bool] = None,
+        refactor_factored_attn_matrices: Optional[bool] = None,
+        _hf_defaults: bool = False,
+        **hf_kwargs: Any,
     ) -> Any:
         """``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)`` wrapped, with the tokenizer saved there
-        (``AutoTokenizer``) unless one is given. The model is used as loaded: no weight processing."""
+        (``AutoTokenizer``) unless one is given: TransformerLens' ``HookedTransformer.from_pretrained``, so the
+        model follows TransformerLens' call conventions (``call_semantics = "transformer_lens"``: ``hm(tokens)``
+        returns the logits). The model is used as loaded: no weight processing.
+
+        ``path``: a Hugging Face name, a local folder or one of TransformerLens' aliases (``"gpt2-small"``,
+        ``"pythia-70m"``: :func:`lensadapters.api.tl_models.resolve_model_name`). TransformerLens' keywords:
+        ``hf_model`` (an already loaded model: wrapped instead of loading one), ``device`` (default: as
+        TransformerLens, ``utils.get_device()``; ``move_to_device=False`` leaves the model where it loads),
+        ``dtype`` (default float32, as TransformerLens; a string such as ``"bfloat16"``, a ``torch.dtype``, or
+        ``"auto"`` for the checkpoint's own),
+        ``n_devices`` (more than one: ``device_map="auto"`` over the first ``n_devices`` GPUs),
+        ``default_prepend_bos``, ``default_padding_side``. The weight-processing flags (``fold_ln``,
+        ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``, ``refactor_factored_attn_matrices``)
+        are accepted; set to ``True`` they warn once that nothing is processed. ``_hf_defaults`` (lensadapters'
+        own loaders): Hugging Face's dtype and placement and ``call_semantics = "hf"``.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+        from lensadapters.api.tl_models import resolve_model_name
+
+        _refuse_tl_only_keywords(hf_kwargs)
+        flags = dict(
+            fold_ln=fold_ln,
+            center_writing_weights=center_writing_weights,
+            center_unembed=center_unembed,
+            fold_value_biases=fold_value_biases,
+            refactor_factored_attn_matrices=refactor_factored_attn_matrices,
+        )
+        asked = [name for name, value in flags.items() if value]
+        if asked:
+            warnings.warn(ProcessingWarning(asked), stacklevel=2)
+        path = resolve_model_name(path)
+        if dtype is None:
+            dtype = hf_kwargs.pop("torch_dtype", None)
+        torch_dtype = "auto" if dtype == "auto" else _dtype(dtype)  # "auto": the checkpoint's own dtype
+        if hf_model is not None:
+            model = hf_model
+            if isinstance(torch_dtype, torch.dtype):
+                model.to(torch_dtype)
+        else:
+            if torch_dtype is not None or not _hf_defaults:
+                hf_kwargs["dtype"] = torch_dtype if torch_dtype is not None else torch.float32
+            if n_devices > 1:
+                hf_kwargs.setdefault("device_map", "auto")
+                hf_kwargs.setdefault("max_memory", _first_gpus(n_devices))
+            model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+        if move_to_device and not _hf_defaults and n_devices == 1 and "device_map" not in hf_kwargs:
+            from lensadapters.analysis.utils import get_device
+
+            model.to(device if device is not None else get_device())
         if tokenizer is None:
             problem = None
             if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
@@ -67,7 +174,15 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
                     f"no tokenizer could be loaded from {path!r} ({problem}); text inputs need one: set hm.tokenizer",
                     stacklevel=2,
                 )
-        return cls.wrap(model, adapter=adapter, tokenizer=tokenizer)  # type: ignore[attr-defined]
+        hm = cls.wrap(model, adapter=adapter, tokenizer=tokenizer)  # type: ignore[attr-defined]
+        hm.call_semantics = "hf" if _hf_defaults else "transformer_lens"
+        if default_prepend_bos is not None:
+            hm.default_prepend_bos = bool(default_prepend_bos)
+        if default_padding_side is not None:
+            if default_padding_side not in ("left", "right"):
+                raise ValueError(f"default_padding_side must be 'left' or 'right', not {default_padding_side!r}")
+            hm.default_padding_side = default_padding_side
+        return hm
 
     # --- hook points as attributes ----------------------------------------------------------------------
 
@@ -154,6 +269,45 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
 
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Accepted for TransformerLens' code; ``hook_mlp_in`` is always served (computed only while hooked)."""
+
+    # --- TransformerLens' components, computed by the Hugging Face modules (lensadapters.api.tl_components) ---
+
+    @property
+    def embed(self) -> tl_components.Embed:
+        """``hm.embed(tokens)`` -> ``[batch, pos, d_model]`` (fires ``hook_embed``); ``hm.embed.W_E``."""
+        return tl_components.Embed(self)  # type: ignore[arg-type]
+
+    @property
+    def pos_embed(self) -> tl_components.PosEmbed:
+        """``hm.pos_embed(tokens, past_kv_pos_offset=0, attention_mask=None)`` (fires ``hook_pos_embed``)."""
+        return tl_components.PosEmbed(self)  # type: ignore[arg-type]
+
+    @property
+    def unembed(self) -> tl_components.Unembed:
+        """``hm.unembed(resid)`` -> logits, by the model's language-model head (and final-logit softcap)."""
+        return tl_components.Unembed(self)  # type: ignore[arg-type]
+
+    def loss_fn(
+        self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: Any = None, per_token: bool = False
+    ) -> torch.Tensor:
+        """TransformerLens' ``loss_fn``: the next-token cross-entropy of ``logits`` on ``tokens`` (mean, or
+        ``[batch, pos - 1]`` with ``per_token``; positions where ``attention_mask`` is 0 left out)."""
+        from lensadapters.analysis.utils import lm_cross_entropy_loss
+
+        if tokens.device != logits.device:
+            tokens = tokens.to(logits.device)
+        return lm_cross_entropy_loss(logits, tokens, attention_mask, per_token)
+
+    def tl_named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(TransformerLens name, tensor)`` for each weight TransformerLens' ``named_parameters()`` lists
+        (``embed.W_E``, ``blocks.0.attn.W_Q``, ``blocks.0.ln1.w``, ``unembed.W_U``...), read from the live
+        parameters on each call (gradients flow to them). ``named_parameters()`` keeps Hugging Face's names: the
+        model itself is never renamed."""
+        return tl_components.tl_named_parameters(self)  # type: ignore[arg-type]
+
+    def tl_state_dict(self) -> dict[str, torch.Tensor]:
+        """``dict(hm.tl_named_parameters())``, detached: TransformerLens' ``state_dict()`` keys for the weights."""
+        return {name: value.detach() for name, value in self.tl_named_parameters()}
 
     # --- nn.Module conveniences on the wrapped model ----------------------------------------------------
 

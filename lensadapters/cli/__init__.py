@@ -170,11 +170,12 @@ def _harvest(args: argparse.Namespace) -> int:
     from lensadapters.hooks.distributed import launch_rank, local_device
     from lensadapters.integrations.harvest import harvest
 
-    hf_kwargs = {"local_files_only": True}
-    hf_kwargs["dtype"] = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+    dtype = "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     rank, world_size = launch_rank()
     try:
-        hm = HookedModel.from_pretrained(args.model_dir, adapter=args.adapter, **hf_kwargs)
+        hm = HookedModel.from_pretrained(
+            args.model_dir, adapter=args.adapter, dtype=dtype, local_files_only=True, _hf_defaults=True
+        )
     except LensAdaptersError as exc:
         return _failed("harvest", exc)
     hm.hf_model.eval()

@@ -451,7 +451,7 @@ def _hooked(model: Any, tokenizer: Any) -> Iterator[Any]:
         yield model
         return
     if isinstance(model, (str, os.PathLike)):
-        hm = HookedModel.from_pretrained(os.fspath(model), tokenizer=tokenizer)
+        hm = HookedModel.from_pretrained(os.fspath(model), tokenizer=tokenizer, _hf_defaults=True)
         hm.hf_model.eval()
     else:
         existing = HookedModel.wrap(model) if _is_wrapped(model) else None

@@ -256,3 +256,23 @@ def test_the_default_batch_size_fits_the_memory_budget() -> None:
     assert patching.default_batch_size(hm, corrupted, budget=1) == 1
     assert patching.default_batch_size(hm, corrupted) == patching.MEMORY_BUDGET // per_copy
     hm.unwrap()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_batched_sweep_over_padded_prompts_repeats_their_masks_and_positions(side: str) -> None:
+    from lensadapters.testing.tiny_models import tokenizer
+
+    hm = HookedModel.wrap(tiny("llama" if "llama" in ARCH_NAMES else ARCH_NAMES[0], 1), tokenizer=tokenizer(40))
+    hm.default_padding_side = side
+    clean = hm.to_tokens(["w5 w6 w7 w8", "w9 w3"])  # the second prompt padded
+    corrupted = hm.to_tokens(["w5 w6 w1 w8", "w9 w4"])
+    assert bool((clean == hm.tokenizer.pad_token_id).any())
+    _, cache = hm.run_with_cache(clean, return_type="logits")
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :, 7].sum()  # every position, padded ones included: any mask or position mix-up shows
+
+    one = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric, batch_size=1)
+    many = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric, batch_size=4)
+    assert torch.allclose(one, many, atol=1e-5, rtol=0) and one.std() > 0
+    hm.unwrap()

@@ -128,3 +128,151 @@ def test_a_sweep_takes_text() -> None:
     from_tokens = patching.get_act_patch_resid_pre(hm, hm.to_tokens("w5 w9 w7"), cache, metric)
     assert torch.equal(from_text, from_tokens) and from_text.shape == (hm.cfg.n_layers, 4)  # BOS + 3 words
     hm.unwrap()
+
+
+# --- batched sweeps: several patched copies per forward ---------------------------------------------------------
+
+SWEEPS = [
+    "get_act_patch_resid_pre",
+    "get_act_patch_resid_mid",
+    "get_act_patch_attn_out",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_q_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos",
+    "get_act_patch_attn_head_pattern_by_pos",
+    "get_act_patch_attn_head_pattern_dest_src_pos",
+    "get_act_patch_attn_head_out_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
+    "get_act_patch_attn_head_pattern_all_pos",
+]
+
+
+def two_prompts(arch: str, seed: int = 3):
+    """A batch of two prompts, each corrupted at its own position, and a metric that tells the two rows apart."""
+    hm = HookedModel.wrap(tiny(arch, seed))
+    clean = torch.randint(0, hm.cfg.d_vocab, (2, 3), generator=torch.Generator().manual_seed(seed))
+    corrupted = clean.clone()
+    corrupted[0, 1] = (clean[0, 1] + 7) % hm.cfg.d_vocab
+    corrupted[1, 0] = (clean[1, 0] + 5) % hm.cfg.d_vocab
+    answers = clean[:, -1]
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(clean, return_type="logits")
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        assert logits.shape[:2] == (2, 3)  # one corrupted run's logits, as in TransformerLens
+        logprobs = logits[:, -1].log_softmax(-1)[torch.arange(2), answers]
+        return logprobs[0] + 2 * logprobs[1]
+
+    return hm, corrupted, cache, metric
+
+
+def sweeps_of(hm) -> list[str]:
+    return [s for s in SWEEPS if s != "get_act_patch_resid_mid" or "blocks.0.hook_resid_mid" in hm.hook_dict]
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_batched_sweeps_equal_one_at_a_time_patches(arch: str) -> None:
+    """Every sweep, batched (7 copies a forward, a ragged last batch), against single patches at the first, the
+    last and two random indices of the same sweep (a full comparison is below; this keeps CI short)."""
+    hm, corrupted, cache, metric = two_prompts(arch)
+    generator = torch.Generator().manual_seed(0)
+    for name in sweeps_of(hm):
+        sweep = getattr(patching, name)
+        batched = sweep(hm, corrupted, cache, metric, batch_size=7)
+        picks = [0, batched.numel() - 1] + torch.randint(0, batched.numel(), (2,), generator=generator).tolist()
+        rows = [list(torch.unravel_index(torch.tensor(i), batched.shape)) for i in picks]
+        single = patching.generic_activation_patch(
+            hm,
+            corrupted,
+            cache,
+            metric,
+            sweep.keywords["patch_setter"],
+            sweep.keywords["activation_name"],
+            index_df=[[int(v) for v in row] for row in rows],
+            batch_size=1,
+        )
+        got = batched.flatten()[picks]
+        assert torch.allclose(got, single, atol=1e-5, rtol=0), (name, (got - single).abs().max())
+    hm.unwrap()
+
+
+@pytest.mark.parametrize(("arch", "seed"), [("mixtral", 3), ("llama", 1)])
+def test_batched_sweeps_equal_the_one_at_a_time_sweeps(arch: str, seed: int) -> None:
+    """Every index of every sweep on two grouped-query models (these seeds' tiny configs: 4 query heads on 1 and 2
+    key/value heads), one a mixture of experts, and the sweeps of sweeps at the default batch size."""
+    hm, corrupted, cache, metric = two_prompts(arch, seed)
+    assert hm.cfg.n_key_value_heads < hm.cfg.n_heads
+    sweeps = sweeps_of(hm)
+    single = {name: getattr(patching, name)(hm, corrupted, cache, metric, batch_size=1) for name in sweeps}
+    for name in sweeps:
+        batched = getattr(patching, name)(hm, corrupted, cache, metric, batch_size=7)  # 7: a ragged last batch
+        assert batched.shape == single[name].shape, name
+        assert torch.allclose(batched, single[name], atol=1e-5, rtol=0), (name, (batched - single[name]).abs().max())
+    assert single["get_act_patch_resid_pre"].std() > 0  # the sweep finds something to compare
+    block = patching.get_act_patch_block_every(hm, corrupted, cache, metric)  # the default: a memory budget
+    expected = [single[f"get_act_patch_{n}"] for n in ("resid_pre", "attn_out", "mlp_out")]
+    assert torch.allclose(block, torch.stack(expected), atol=1e-5, rtol=0)
+    every = patching.get_act_patch_attn_head_all_pos_every(hm, corrupted, cache, metric, batch_size=5)
+    heads = [single[f"get_act_patch_attn_head_{n}_all_pos"] for n in ("out", "q", "k", "v", "pattern")]
+    assert torch.allclose(every[[0, 1, 4]], torch.stack([heads[0], heads[1], heads[4]]), atol=1e-5, rtol=0)
+    kv = hm.cfg.n_key_value_heads
+    assert torch.allclose(every[2, :, :kv], heads[2], atol=1e-5, rtol=0)
+    assert torch.allclose(every[3, :, :kv], heads[3], atol=1e-5, rtol=0)
+    by_pos = patching.get_act_patch_attn_head_by_pos_every(hm, corrupted, cache, metric, batch_size=9)
+    assert torch.allclose(by_pos[0], single["get_act_patch_attn_head_out_by_pos"], atol=1e-5, rtol=0)
+    hm.unwrap()
+
+
+def test_a_batched_sweep_takes_a_setter_that_returns_a_new_tensor_and_index_rows() -> None:
+    hm, corrupted, cache, metric = two_prompts(ARCH_NAMES[0])
+
+    def setter(corrupted_activation: torch.Tensor, index, clean_activation: torch.Tensor) -> torch.Tensor:
+        out = corrupted_activation.clone()
+        out[:, index[1]] = clean_activation[:, index[1]]
+        return out
+
+    rows = [[0, 1], [hm.cfg.n_layers - 1, 0], [0, 2], [0, 1]]
+    one = patching.generic_activation_patch(
+        hm, corrupted, cache, metric, setter, "resid_pre", index_df=rows, batch_size=1
+    )
+    many = patching.generic_activation_patch(
+        hm, corrupted, cache, metric, setter, "resid_pre", index_df=rows, batch_size=4
+    )
+    assert torch.allclose(one, many, atol=1e-5, rtol=0) and one[0] == one[3] and one[0] != one[2]
+    with pytest.raises(ValueError, match="batch_size"):
+        patching.get_act_patch_resid_pre(hm, corrupted, cache, metric, batch_size=0)
+    hm.unwrap()
+
+
+def test_the_default_batch_size_fits_the_memory_budget() -> None:
+    hm, corrupted, _, _ = two_prompts(ARCH_NAMES[0])
+    per_copy = patching.copy_bytes(hm, corrupted)
+    assert per_copy >= corrupted.numel() * hm.cfg.d_vocab * 4  # at least the logits
+    assert patching.default_batch_size(hm, corrupted, budget=10 * per_copy) == 10
+    assert patching.default_batch_size(hm, corrupted, budget=1) == 1
+    assert patching.default_batch_size(hm, corrupted) == patching.MEMORY_BUDGET // per_copy
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_batched_sweep_over_padded_prompts_repeats_their_masks_and_positions(side: str) -> None:
+    from lensadapters.testing.tiny_models import tokenizer
+
+    hm = HookedModel.wrap(tiny("llama" if "llama" in ARCH_NAMES else ARCH_NAMES[0], 1), tokenizer=tokenizer(40))
+    hm.default_padding_side = side
+    clean = hm.to_tokens(["w5 w6 w7 w8", "w9 w3"])  # the second prompt padded
+    corrupted = hm.to_tokens(["w5 w6 w1 w8", "w9 w4"])
+    assert bool((clean == hm.tokenizer.pad_token_id).any())
+    _, cache = hm.run_with_cache(clean, return_type="logits")
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :, 7].sum()  # every position, padded ones included: any mask or position mix-up shows
+
+    one = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric, batch_size=1)
+    many = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric, batch_size=4)
+    assert torch.allclose(one, many, atol=1e-5, rtol=0) and one.std() > 0
+    hm.unwrap()

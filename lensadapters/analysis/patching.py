@@ -85,6 +85,36 @@ def _rows(index_df: Any) -> list[list[int]]:
     return [[int(v) for v in row] for row in values]
 
 
+#: The default memory budget of one batched forward, in bytes: ``batch_size=None`` runs as many patched copies per
+#: forward as :func:`copy_bytes` says fit (at least one). Set it to suit the device (e.g. a few GiB on a GPU).
+MEMORY_BUDGET = 512 * 2**20
+
+
+def copy_bytes(model: Any, corrupted_tokens: Tensor) -> int:
+    """What one patched copy of ``corrupted_tokens`` adds to a batched forward, estimated from the model's shapes.
+
+    A sweep runs without gradients and keeps nothing but each copy's logits, so a copy's cost is its logits plus the
+    largest activations alive at once inside a block: per token ``d_vocab`` (the logits) + ``4 d_model`` (residual,
+    normalized residual, attention and MLP outputs) + ``2 d_mlp`` (the MLP's hidden and gate activations, times the
+    experts a token uses) + ``2 n_heads pos`` (attention scores and pattern), at the model's element size (the logits
+    at 4 bytes).
+    """
+    cfg = model.cfg
+    tokens = corrupted_tokens.numel()
+    pos = corrupted_tokens.shape[-1]
+    d_mlp = (getattr(cfg, "d_mlp", None) or 4 * cfg.d_model) * (getattr(cfg, "experts_per_token", None) or 1)
+    dtype = getattr(cfg, "dtype", None)
+    size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
+    inner = 4 * cfg.d_model + 2 * d_mlp + 2 * cfg.n_heads * pos
+    return tokens * (4 * cfg.d_vocab + size * inner)
+
+
+def default_batch_size(model: Any, corrupted_tokens: Tensor, budget: Optional[int] = None) -> int:
+    """Patched copies per forward for ``batch_size=None``: ``budget`` (default :data:`MEMORY_BUDGET`) divided by
+    :func:`copy_bytes`, at least 1."""
+    return max(1, (MEMORY_BUDGET if budget is None else budget) // copy_bytes(model, corrupted_tokens))
+
+
 def generic_activation_patch(
     model: Any,
     corrupted_tokens: Tensor,
@@ -95,6 +125,7 @@ def generic_activation_patch(
     index_axis_names: Optional[Sequence[str]] = None,
     index_df: Any = None,
     return_index_df: bool = False,
+    batch_size: Optional[int] = None,
 ) -> Union[Tensor, tuple[Tensor, Any]]:
     """Patch ``activation_name`` from ``clean_cache`` into a run on ``corrupted_tokens``, once per index, and
     return ``patching_metric(logits)`` for each.
@@ -104,6 +135,13 @@ def generic_activation_patch(
     ``"head"``/``"head_index"``, ``"dest_pos"``, ``"src_pos"``; the result has one dimension per axis), or the
     rows of ``index_df`` (the result is flat, one value per row). ``patch_setter(corrupted, index, clean)``
     writes the clean slice into the corrupted activation.
+
+    ``batch_size`` patches run in one forward: the corrupted batch repeated ``batch_size`` times along the batch
+    dimension (with it the attention mask and positions the model derives from the tokens), each copy patched at
+    its own index by ``patch_setter`` on that copy's slice, and ``patching_metric`` called on each copy's logits
+    (the shape of one corrupted run's logits, as in TransformerLens). The values equal the one-at-a-time sweep's
+    (``batch_size=1``) up to floating-point reordering. ``None`` (the default) fits the copies to
+    :data:`MEMORY_BUDGET` (see :func:`default_batch_size`). The sweep runs without gradients.
     """
     if isinstance(corrupted_tokens, (str, list)):  # text, tokenized as the model would (hm.to_tokens)
         corrupted_tokens = model.to_tokens(corrupted_tokens)
@@ -122,26 +160,76 @@ def generic_activation_patch(
             raise ValueError("pass index_axis_names or index_df, not both")
         rows = _rows(index_df)
         flat = True
+    if batch_size is None:
+        batch_size = default_batch_size(model, corrupted_tokens)
+    elif int(batch_size) < 1:
+        raise ValueError(f"batch_size must be a positive number of patches per forward, not {batch_size}")
+    batch_size = max(1, min(int(batch_size), len(rows)))
     device = model.cfg.device
-    result = torch.zeros(len(rows) if flat else shape, device=device)
-
-    def patching_hook(corrupted: Tensor, hook: Any, index: list[int], clean: Tensor) -> Tensor:
-        return patch_setter(corrupted, index, clean)
-
-    for i, index in enumerate(tqdm(rows, desc=f"patching {activation_name}")):
-        name = get_act_name(activation_name, layer=index[0])
-        hook = partial(patching_hook, index=index, clean=clean_cache[name])
-        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, hook)], return_type="logits")
-        value = patching_metric(logits).item()
-        if flat:
-            result[i] = value
-        else:
-            result[tuple(index)] = value
+    values: list[float] = []
+    with torch.no_grad(), tqdm(total=len(rows), desc=f"patching {activation_name}") as bar:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            values.extend(
+                _patched_run(
+                    model, corrupted_tokens, clean_cache, patching_metric, patch_setter, activation_name, chunk
+                )
+            )
+            bar.update(len(chunk))
+    result = torch.tensor(values, device=device)
+    if not flat:
+        result = result.reshape(shape)
     if not return_index_df:
         return result
     if index_df is None:
         index_df = make_df_from_ranges(shape, index_axis_names)  # type: ignore[arg-type]
     return result, index_df
+
+
+def _patched_run(
+    model: Any,
+    tokens: Tensor,
+    clean_cache: Any,
+    metric: Metric,
+    setter: PatchSetter,
+    activation_name: str,
+    chunk: list[list[int]],
+) -> list[float]:
+    """One forward on ``len(chunk)`` copies of ``tokens``, copy ``j`` patched at ``chunk[j]``; each copy's metric."""
+    copies = len(chunk)
+    by_name: dict[str, list[tuple[int, list[int]]]] = {}
+    for j, index in enumerate(chunk):
+        by_name.setdefault(get_act_name(activation_name, layer=index[0]), []).append((j, index))
+    if copies == 1:  # the one-at-a-time sweep, exactly as TransformerLens runs it
+
+        def single(corrupted: Tensor, hook: Any, index: list[int], clean: Tensor) -> Tensor:
+            return setter(corrupted, index, clean)
+
+        ((name, [(_, index)]),) = by_name.items()
+        hooks = [(name, partial(single, index=index, clean=clean_cache[name]))]
+        logits = model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="logits")
+        return [float(metric(logits).item())]
+
+    batch = tokens.shape[0] if tokens.dim() > 1 else 1
+    repeated = tokens.repeat(copies, *([1] * (tokens.dim() - 1))) if tokens.dim() > 1 else tokens.repeat(copies, 1)
+
+    def batched(corrupted: Tensor, hook: Any, entries: list[tuple[int, list[int]]], clean: Tensor) -> Tensor:
+        if corrupted.shape[0] != copies * batch:
+            raise ValueError(
+                f"{hook.name if hasattr(hook, 'name') else activation_name} has {corrupted.shape[0]} rows along its "
+                f"first dimension, not the {copies} x {batch} of a batched sweep (its first dimension is not the "
+                f"batch); pass batch_size=1"
+            )
+        for j, index in entries:
+            part = corrupted[j * batch : (j + 1) * batch]
+            patched = setter(part, index, clean)
+            if patched is not part:  # a setter that returns a new tensor instead of writing in place
+                corrupted[j * batch : (j + 1) * batch] = patched
+        return corrupted
+
+    hooks = [(name, partial(batched, entries=entries, clean=clean_cache[name])) for name, entries in by_name.items()]
+    logits = model.run_with_hooks(repeated, fwd_hooks=hooks, return_type="logits")
+    return [float(metric(logits[j * batch : (j + 1) * batch]).item()) for j in range(copies)]
 
 
 # --- patch setters (indices as in TransformerLens) ------------------------------------------------------
@@ -206,7 +294,8 @@ def _sweep(activation: str, setter: PatchSetter, axes: tuple[str, ...], doc: str
     fn = partial(generic_activation_patch, patch_setter=setter, activation_name=activation, index_axis_names=axes)
     fn.__doc__ = (
         f"{doc} Returns a tensor of shape [{', '.join(axes)}].\n\n"
-        f"Arguments: (model, corrupted_tokens, clean_cache, patching_metric); see generic_activation_patch."
+        f"Arguments: (model, corrupted_tokens, clean_cache, patching_metric, batch_size=None); see "
+        f"generic_activation_patch."
     )
     return fn
 
@@ -282,37 +371,43 @@ def _pad_heads(results: Tensor, like: Tensor) -> Tensor:
 
 
 def get_act_patch_attn_head_all_pos_every(
-    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric
+    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric, batch_size: Optional[int] = None
 ) -> Tensor:
     """Every head's output, queries, keys, values and pattern, each at all positions: ``[5, n_layers, n_heads]``."""
-    out = get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, metric)
-    q = get_act_patch_attn_head_q_all_pos(model, corrupted_tokens, clean_cache, metric)
-    k = get_act_patch_attn_head_k_all_pos(model, corrupted_tokens, clean_cache, metric)
-    v = get_act_patch_attn_head_v_all_pos(model, corrupted_tokens, clean_cache, metric)
-    pattern = get_act_patch_attn_head_pattern_all_pos(model, corrupted_tokens, clean_cache, metric)
+    out = get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    q = get_act_patch_attn_head_q_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    k = get_act_patch_attn_head_k_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    v = get_act_patch_attn_head_v_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    pattern = get_act_patch_attn_head_pattern_all_pos(
+        model, corrupted_tokens, clean_cache, metric, batch_size=batch_size
+    )
     return torch.stack([out, q, _pad_heads(k, q), _pad_heads(v, q), pattern], dim=0)
 
 
 def get_act_patch_attn_head_by_pos_every(
-    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric
+    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric, batch_size: Optional[int] = None
 ) -> Tensor:
     """The same by position: ``[5, n_layers, pos, n_heads]`` (the pattern by destination position)."""
-    out = get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, metric)
-    q = get_act_patch_attn_head_q_by_pos(model, corrupted_tokens, clean_cache, metric)
-    k = get_act_patch_attn_head_k_by_pos(model, corrupted_tokens, clean_cache, metric)
-    v = get_act_patch_attn_head_v_by_pos(model, corrupted_tokens, clean_cache, metric)
-    pattern = get_act_patch_attn_head_pattern_by_pos(model, corrupted_tokens, clean_cache, metric)
+    out = get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    q = get_act_patch_attn_head_q_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    k = get_act_patch_attn_head_k_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    v = get_act_patch_attn_head_v_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    pattern = get_act_patch_attn_head_pattern_by_pos(
+        model, corrupted_tokens, clean_cache, metric, batch_size=batch_size
+    )
     return torch.stack([out, q, _pad_heads(k, q), _pad_heads(v, q), pattern.transpose(-2, -1)], dim=0)
 
 
-def get_act_patch_block_every(model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric) -> Tensor:
+def get_act_patch_block_every(
+    model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric, batch_size: Optional[int] = None
+) -> Tensor:
     """The residual stream at each block's start, each attention output and each MLP output, by position:
     ``[3, n_layers, pos]``."""
     return torch.stack(
         [
-            get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric),
-            get_act_patch_attn_out(model, corrupted_tokens, clean_cache, metric),
-            get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, metric),
+            get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size),
+            get_act_patch_attn_out(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size),
+            get_act_patch_mlp_out(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size),
         ],
         dim=0,
     )

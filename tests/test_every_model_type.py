@@ -21,8 +21,20 @@ from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.generic.identify import layer_ranges
 from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 
-#: hybrids (linear-attention or recurrent layers beside attention layers) and two plain decoders
-SAMPLE = ("gpt2", "llama", "qwen3_next", "qwen3_5_text", "minimax", "recurrent_gemma", "nemotron_h", "lfm2")
+#: hybrids (linear-attention or recurrent layers beside attention layers), two plain decoders, an encoder used as a
+#: decoder whose embeddings are projected to the model's width (Electra), GPT-J (the example plugin)
+SAMPLE = (
+    "gpt2",
+    "llama",
+    "qwen3_next",
+    "qwen3_5_text",
+    "minimax",
+    "recurrent_gemma",
+    "nemotron_h",
+    "lfm2",
+    "electra",
+    "gptj",
+)
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -53,7 +65,12 @@ def test_wrap_refuses_by_name_or_serves_every_point(model_type: str) -> None:
         assert str(refusal), model_type
         return
     with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
+        try:
+            _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
+        except UnsupportedModelError as refusal:  # only a refusal that names its fix, and the fix works
+            assert "set_attn_implementation" in str(refusal), refusal
+            model.set_attn_implementation("eager")
+            _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
         assert set(cache.keys()) == set(hm.hook_names)
         assert torch.equal(model(ids).logits, expected)  # no hooks left, and none costs anything
         assert torch.equal(hm(ids).logits, expected)

@@ -40,6 +40,7 @@ _EXACT: dict[str, int] = {
     "num_kv_heads": KV_HEADS,
     "multi_query_group_num": KV_HEADS,
     "head_dim": HEAD_DIM,
+    "rotary_dim": HEAD_DIM // 2,
     "vocab_size": VOCAB,
     "num_experts": EXPERTS,
     "num_local_experts": EXPERTS,
@@ -138,16 +139,19 @@ def _build(model_type: str, seed: int, layers: int) -> torch.nn.Module:
         config = shrink_config(AutoConfig.for_model(model_type), layers)
     except Exception as error:
         raise NotBuildable(f"no default config: {type(error).__name__}: {error}") from error
-    torch.manual_seed(seed)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            with torch.device("meta"):  # the size first, without allocating
+                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            if size > MAX_PARAMETERS:
+                raise NotBuildable(f"{size} parameters after shrinking the config: a field kept its full size")
+            torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    except NotBuildable:
+        raise
     except Exception as error:
         raise NotBuildable(f"{type(error).__name__}: {str(error)[:300]}") from error
-    size = sum(p.numel() for p in model.parameters())
-    if size > MAX_PARAMETERS:
-        raise NotBuildable(f"{size} parameters after shrinking the config: a field kept its full size")
     model.eval()
     try:  # the shrunk config is consistent only if the model runs
         with torch.no_grad():

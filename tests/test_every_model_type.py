@@ -69,8 +69,10 @@ def test_wrap_refuses_by_name_or_serves_every_point(model_type: str) -> None:
             _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
         except UnsupportedModelError as refusal:  # only a refusal that names its fix, and the fix works
             assert "set_attn_implementation" in str(refusal), refusal
+            implementation = model.config._attn_implementation
             model.set_attn_implementation("eager")
             _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
+            model.set_attn_implementation(implementation)
         assert set(cache.keys()) == set(hm.hook_names)
         assert torch.equal(model(ids).logits, expected)  # no hooks left, and none costs anything
         assert torch.equal(hm(ids).logits, expected)

@@ -5,17 +5,20 @@ Quirks handled:
 * Separate ``q_proj``/``k_proj``/``v_proj`` and ``out_proj`` without bias (``b_Q``... are zeros).
 * Rotary embeddings on **interleaved pairs** of dimensions (``rotate_every_two``: dims ``2i`` and
   ``2i + 1`` rotate together) on the first ``rotary_dim`` dimensions of each head (all of them when
-  ``rotary_dim`` is ``None``). GPT-J has no rotary module: each attention module keeps a sin/cos table
-  (``embed_positions``) and indexes it with ``position_ids``. The plugin reads both from the first
-  attention module's inputs (``ModelLayout.rotary_from_inputs``), so ``hook_rot_q``/``hook_rot_k`` are
+  ``rotary_dim`` is ``None``). Two layouts of the sin/cos table (``embed_positions``), both served: up to
+  transformers 5.23 each attention module keeps one and indexes it with ``position_ids``; from 5.24 the
+  model's rotary module (``transformer.rotary_emb``) keeps it and passes each attention module
+  ``position_embeddings=(sin, cos)``. The plugin reads them from the first attention module's inputs
+  (``ModelLayout.rotary_from_inputs``), so ``hook_rot_q``/``hook_rot_k`` are
   bitwise the rotated queries/keys and their edits are inverted into the projection outputs (the KV
   cache stores edited keys).
 * Parallel attention and MLP reading **one** norm: ``x + attn(ln_1 x) + mlp(ln_1 x)``. There is no
   ``ln_2``, so the blocks have no ``ln2.*`` points, no ``hook_resid_mid`` and no ``hook_mlp_in`` (as in
   TransformerLens' default ``use_hook_mlp_in=False``); ``ln1.*`` is the shared norm, so an edit there
   reaches both branches.
-* GPT-J computes attention in its own ``GPTJAttention._attn`` method instead of transformers' attention
-  interface, so the core's pattern backend cannot see it. :class:`GPTJPatternBackend` exposes and edits
+* Up to transformers 5.23 GPT-J computes attention in its own ``GPTJAttention._attn`` method instead of
+  transformers' attention interface, so the core's pattern backend cannot see it (from 5.24 it calls the
+  interface, scores in float32, and the core's backend serves it). :class:`GPTJPatternBackend` exposes and edits
   ``hook_attn_scores``/``hook_pattern`` by giving the attention modules of hooked layers an instance
   attribute ``_attn`` (never the class), only while a score/pattern hook exists on that layer; see the
   README for why this and not something else.
@@ -132,7 +135,12 @@ def rotate_every_two_spec(rotary_dim: int) -> RotarySpec:
 
 
 def rotary_from_attention_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)`` as ``[b, p, rotary_dim / 2]``: what ``GPTJAttention.forward`` gathers from ``embed_positions``."""
+    """``(cos, sin)`` as ``[b, p, rotary_dim / 2]``: what ``GPTJAttention.forward`` rotates with (from 5.24 its
+    ``position_embeddings=(sin, cos)`` argument; before, what it gathers from its own ``embed_positions``)."""
+    position_embeddings = kwargs.get("position_embeddings")
+    if position_embeddings is not None:
+        sin, cos = position_embeddings
+        return cos, sin
     position_ids = kwargs.get("position_ids")
     if position_ids is None and len(args) > 3:
         position_ids = args[3]
@@ -264,7 +272,10 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
                 f"may not mean what their names say",
                 stacklevel=2,
             )
+        # the table: the attention module's own (transformers < 5.24) or the model's rotary module's (>= 5.24)
         table = getattr(block.attn, "embed_positions", None)
+        if table is None:
+            table = getattr(getattr(base, "rotary_emb", None), "embed_positions", None)
         if table is None or table.shape[-1] != r:
             raise UnsupportedModelError(
                 f"layer {i}: the attention's sin/cos table has {None if table is None else table.shape[-1]} "
@@ -333,9 +344,27 @@ def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int)
     return MLPLayout(pre="mlp.fc_in", out="mlp.fc_out")
 
 
+def _own_attention() -> bool:
+    """Whether GPT-J computes attention in its own ``GPTJAttention._attn`` (transformers < 5.24); from 5.24 it calls
+    transformers' attention interface, which the core's pattern backend serves."""
+    from transformers.models.gptj.modeling_gptj import GPTJAttention
+
+    return hasattr(GPTJAttention, "_attn")
+
+
 @hookimpl
-def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> GPTJPatternBackend:
-    return GPTJPatternBackend(hooked)
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[GPTJPatternBackend]:
+    return GPTJPatternBackend(hooked) if _own_attention() else None  # None: the core's interface backend
+
+
+@hookimpl
+def lensadapters_attn_scores(
+    arch: Architecture, module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float], implementation: str
+) -> Optional[Tensor]:
+    """Pre-mask scores as transformers 5.24's GPT-J ``eager_attention_forward`` computes them: in float32."""
+    if scaling is None:
+        return None
+    return torch.matmul(query.to(torch.float32), key.to(torch.float32).transpose(-1, -2)) * scaling
 
 
 @hookimpl

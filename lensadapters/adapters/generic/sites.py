@@ -87,14 +87,23 @@ class AttentionFunctionBackend(InterfacePatternBackend):
     """The core's interface backend, extended to ``hook_z``: the attention function's output per head."""
 
     def __init__(self, config: Any, attention_modules: list[Optional[nn.Module]]) -> None:
-        super().__init__(config, attention_modules, lambda *args: None)  # scores: q·kᵀ·scaling (checked by the probe)
+        # only the layers that call the attention interface (a hybrid's linear-attention layers have no module):
+        # the core's backend routes every module it holds, so it holds those; ``activate`` maps a layer to its slot
+        present = [layer for layer, module in enumerate(attention_modules) if module is not None]
+        self.present, self.slots = present, {layer: slot for slot, layer in enumerate(present)}
+        modules = [attention_modules[layer] for layer in present]
+        super().__init__(config, modules, lambda *args: None)  # scores: q·kᵀ·scaling (checked by the probe)
 
     def activate(self, layer: int, site: Any) -> Any:
+        slot = self.slots[layer]
         implementation = self.config._attn_implementation or "eager"
         implementation = implementation[len(KEY_PREFIX) :] if implementation.startswith(KEY_PREFIX) else implementation
         if implementation not in SERVED_IMPLEMENTATIONS:  # hook_z too would run through a switched implementation
-            return self.modules[layer].register_forward_pre_hook(_refuse(layer, implementation))
-        return super().activate(layer, site)
+            return self.modules[slot].register_forward_pre_hook(_refuse(layer, implementation))
+        return super().activate(slot, site)
+
+    def _still_selected(self, slot: int) -> Callable[..., None]:
+        return super()._still_selected(self.present[slot])  # its message names the model's layer, not the slot
 
     def attend(
         self,

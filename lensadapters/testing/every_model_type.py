@@ -1,0 +1,166 @@
+"""Tiny models of every causal-LM ``model_type`` transformers knows, built from its default config alone.
+
+:func:`shrink_config` makes a default config tiny by the field names transformers' configs share (layers, widths,
+heads, experts, vocabulary; lists with one entry per layer are cut to the new number of layers), in the config and
+in each of its sub-configs; :func:`build` builds the model, or says why it cannot be built from a config alone.
+Nothing here names an architecture: the census (``tests/test_every_model_type.py``) runs over whatever the installed
+transformers lists in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+LAYERS = 4  # enough for hybrids to have a layer of each kind (three linear-attention layers, then attention)
+WIDTH = 64
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+VOCAB = 128
+EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+MAX_PARAMETERS = 12_000_000  # larger after shrinking: a field the rules do not know kept its full size
+
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers")
+_EXACT: dict[str, int] = {
+    "hidden_size": WIDTH,
+    "d_model": WIDTH,
+    "n_embd": WIDTH,
+    "n_embed": WIDTH,
+    "embed_dim": WIDTH,
+    "dim": WIDTH,
+    "word_embed_proj_dim": WIDTH,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "num_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "n_kv_heads": KV_HEADS,
+    "num_kv_heads": KV_HEADS,
+    "multi_query_group_num": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "rotary_dim": HEAD_DIM // 2,
+    "vocab_size": VOCAB,
+    "num_experts": EXPERTS,
+    "num_local_experts": EXPERTS,
+    "n_routed_experts": EXPERTS,
+    "moe_num_experts": EXPERTS,
+    "num_experts_per_tok": EXPERTS_PER_TOKEN,
+    "moe_topk": EXPERTS_PER_TOKEN,
+    "top_k": EXPERTS_PER_TOKEN,
+    "n_group": 1,
+    "topk_group": 1,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": HEAD_DIM,
+    "linear_value_head_dim": HEAD_DIM,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": HEAD_DIM,
+    "mamba_n_heads": 4,
+    "mamba_d_head": HEAD_DIM,
+    "mamba_head_dim": HEAD_DIM,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "state_size": 16,
+    "d_state": 16,
+}
+_MAX_POSITIONS = 256
+
+
+def _shrink_value(key: str, value: Any, layers_before: int, layers: int) -> Any:
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if key in _EXACT:
+            return min(value, _EXACT[key]) if value > 0 else value
+        if key.endswith("vocab_size") or key.endswith("vocab_size_per_layer_input"):
+            return min(value, VOCAB)
+        if key.endswith("hidden_size") or key.endswith("hidden_size_per_layer_input"):
+            return min(value, WIDTH)
+        if "intermediate_size" in key or key in ("ffn_dim", "n_inner", "ffn_hidden_size", "mlp_dim", "d_ff"):
+            return min(value, 2 * WIDTH) if value > 0 else value
+        if key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length"):
+            return min(value, _MAX_POSITIONS)
+        if key.endswith("_token_id") and value >= VOCAB:
+            return VOCAB - 1
+        return value
+    if isinstance(value, list) and layers_before > layers and len(value) == layers_before:
+        return value[:layers]
+    if isinstance(value, list) and key.endswith("intermediate_size") and all(isinstance(v, int) for v in value):
+        return [min(v, 2 * WIDTH) for v in value]
+    return value
+
+
+def shrink_config(config: Any, layers: int = LAYERS) -> Any:
+    """``config`` (changed in place and returned) with few layers, small widths, few heads and a small vocabulary."""
+    values = config.__dict__
+    layers_before = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), 0)
+    for key in list(values):
+        value = values[key]
+        if hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, type):
+            shrink_config(value, layers)
+        elif key in _LAYER_KEYS and isinstance(value, int):
+            values[key] = min(value, layers)
+        elif key.endswith("_token_id") and isinstance(value, list):
+            values[key] = [min(v, VOCAB - 1) if isinstance(v, int) else v for v in value]
+        else:
+            try:
+                values[key] = _shrink_value(key, value, layers_before, layers)
+            except Exception:  # a property without a setter: keep it
+                pass
+    return config
+
+
+class NotBuildable(Exception):
+    """The model type cannot be built as a tiny model from its config alone (the message says why)."""
+
+
+def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
+
+    Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
+    need more to have an attention layer at all)."""
+    try:
+        return _build(model_type, seed, LAYERS)
+    except NotBuildable:
+        return _build(model_type, seed, 2 * LAYERS)
+
+
+def _build(model_type: str, seed: int, layers: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = shrink_config(AutoConfig.for_model(model_type), layers)
+    except Exception as error:
+        raise NotBuildable(f"no default config: {type(error).__name__}: {error}") from error
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):  # the size first, without allocating
+                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            if size > MAX_PARAMETERS:
+                raise NotBuildable(f"{size} parameters after shrinking the config: a field kept its full size")
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    except NotBuildable:
+        raise
+    except Exception as error:
+        raise NotBuildable(f"{type(error).__name__}: {str(error)[:300]}") from error
+    model.eval()
+    try:  # the shrunk config is consistent only if the model runs
+        with torch.no_grad():
+            model(input_ids())
+    except Exception as error:
+        raise NotBuildable(f"the tiny model's own forward fails: {type(error).__name__}: {str(error)[:300]}") from error
+    return model
+
+
+def input_ids(seed: int = 0) -> torch.Tensor:
+    """The token ids the census runs (batch 1, 6 tokens, none of them a special token of the tiny vocabulary)."""
+    return torch.randint(3, VOCAB - 2, (1, 6), generator=torch.Generator().manual_seed(seed))

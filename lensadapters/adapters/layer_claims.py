@@ -64,8 +64,8 @@ def permitted(hm: Any, impl: Any, modules: Iterable[nn.Module]) -> bool:
     model's architecture plugin's, or its plugin declares one of ``modules``."""
     from lensadapters.adapters.plugin_calls import CORE_PLUGIN
 
-    if impl.plugin_name in (CORE_PLUGIN, hm.plugin.name):
-        return True
+    if impl.plugin_name in (CORE_PLUGIN, hm.plugin.name) or impl.plugin is getattr(hm.plugin, "plugin", None):
+        return True  # (the generic adapter is registered under another name than its info's)
     return any(declares(impl.plugin, m) for m in modules)
 
 

@@ -282,7 +282,11 @@ def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> Iterator[Non
     """The residual stream enters at block ``layer`` (after the last block when ``layer == n_layers``)."""
     n = hm.cfg.n_layers
 
+    embed_site = getattr(hm.wiring, "_scaled_embed", None) if layer == 0 else None
+
     def pre(module: Any, args: tuple, kwargs: dict) -> Any:
+        if embed_site is not None:  # hook_embed served at block 0's input: the given residual is no embedding
+            embed_site.skip()
         value = first_input(args, kwargs)
         return replace_first_input(args, kwargs, _conform(residual, value, "start_at_layer"))
 
@@ -305,8 +309,13 @@ def _capture(hm: "HookedModelLike", layer: int, captured: list) -> Iterator[None
     ``n_layers``) and end the forward there."""
     n = hm.cfg.n_layers
 
+    # where hook_embed is served at the first block's input (a model scaling its embeddings in its own forward),
+    # stopping at block 0 serves it first: it fires and its edit is in the result, and no other hook of block 0 runs
+    embed_site = getattr(hm.wiring, "_scaled_embed", None) if layer == 0 else None
+
     def pre(module: Any, args: tuple, kwargs: dict) -> None:
-        captured.append(first_input(args, kwargs))
+        served = None if embed_site is None else embed_site._serve(module, args, kwargs)
+        captured.append(first_input(*served) if served is not None else first_input(args, kwargs))
         raise _Stop()
 
     def post(module: Any, args: tuple, output: Any) -> None:  # after the last block's own hooks (hook_resid_post)

@@ -86,6 +86,11 @@ class ScaledOutputSite(Site):
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.state.site_values(self)["source"] = first_output(output)
 
+    def skip(self) -> None:
+        """This forward's first block runs on something else than the embeddings (``start_at_layer=0``): no
+        ``hook_embed`` there."""
+        self.state.site_values(self).pop("source", None)
+
     def _serve(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         value = first_input(args, kwargs)
         if not is_recomputing():  # a recomputed first block (gradient checkpointing) gets the input its forward had

@@ -44,6 +44,11 @@ from lensadapters.integrations.harvest import HarvestMismatchError, harvest, loa
 
 _moved.install()  # old paths inside the moved subpackages (lensadapters.harvest.runner...)
 
+# The old path lensadapters.harvest (a module) is loaded now, so that importing it (or lensadapters.harvest.runner)
+# later does not rebind the package's `harvest` to that module: `from lensadapters import harvest` stays the function.
+import lensadapters.harvest as _old_harvest_path  # noqa: E402,F401
+from lensadapters.integrations.harvest import harvest  # noqa: E402,F811
+
 __all__ = [
     "__version__",
     "ActivationCache",

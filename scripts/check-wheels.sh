@@ -138,8 +138,11 @@ assert "site-packages" in str(dist.locate_file("")), "the dummy plugin is not in
 assert [ep.name for ep in dist.entry_points if ep.group == "lensadapters"] == ["dummy_incompatible"]
 core = md.version("lensadapters")
 listed = json.load(open(sys.argv[1]))
-names = sorted(p["name"] for p in listed["plugins"])
-assert names == sorted(sys.argv[2].split()), f"plugins listed {names}: the incompatible plugin must not load"
+names = sorted(p["name"] for p in listed["plugins"] if p["kind"] != "failed")
+assert names == sorted(sys.argv[2].split()), f"plugins loaded {names}: the incompatible plugin must not load"
+failed_rows = [p for p in listed["plugins"] if p["kind"] == "failed"]  # listed, with why it is not used
+assert [p["name"] for p in failed_rows] == ["dummy_incompatible"], failed_rows
+assert failed_rows[0]["distribution"] == "lensadapters-dummy-incompatible", failed_rows
 assert list(listed["failures"]) == ["dummy_incompatible"], listed["failures"]
 message = listed["failures"]["dummy_incompatible"]
 for part in ("lensadapters-dummy-incompatible 0.1.0", "requires lensadapters>=99", f"installed lensadapters is {core}"):

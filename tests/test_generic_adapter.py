@@ -216,20 +216,20 @@ def test_a_model_of_its_own_gets_what_can_be_identified_and_an_account_of_the_re
     hm.unwrap()
 
 
-def test_a_model_the_probe_cannot_run_gets_only_its_structural_points():
+def test_a_model_the_probe_cannot_run_gets_no_unverified_point():
+    """Principle 7: a point is served only if the probe proved its value and its edit; a model whose probe forward
+    fails (here: weights on the meta device) gets no point and no weight, and the warning says why."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
         )
-    with pytest.warns(GenericAdapterWarning, match="probe forward pass failed"):
+    with pytest.warns(GenericAdapterWarning, match="probe forward pass failed") as record:
         hm = HookedModel.wrap(model, registry=Registry())
-    assert hm.hook_names == [
-        "hook_embed",
-        "blocks.0.hook_resid_pre",
-        "blocks.0.hook_resid_post",
-        "blocks.1.hook_resid_pre",
-        "blocks.1.hook_resid_post",
-    ]
+    assert hm.hook_names == []
+    assert any("so no value or edit could be checked" in str(w.message) for w in record)
+    for weight in ("W_E", "W_U"):
+        with pytest.raises(Exception, match="probe forward pass failed"):
+            getattr(hm, weight)
     hm.unwrap()
 
 

@@ -417,13 +417,18 @@ def identify(model: nn.Module) -> Findings:
     embed = model.get_submodule(structure.embed)
     n = len(layers)
     notes = _Notes(n)
-    resid_only = tuple(BlockFindings(("hook_resid_pre", "hook_resid_post")) for _ in range(n))
     try:
         rec = run_probe(model, embed, layers, structure.unembed)
-    except Exception as exc:  # a model that cannot run a short forward here: what the structure alone says
-        reason = f"the probe forward pass failed ({type(exc).__name__}: {exc})"
-        missing = {"attention and MLP points, attention patterns, hook_z and ln_final": reason}
-        return Findings(structure, resid_only, missing=missing)
+    except Exception as exc:  # a model that cannot run a short forward here: nothing is verified, nothing served
+        reason = f"the probe forward pass failed ({type(exc).__name__}: {exc}), so no value or edit could be checked"
+        return Findings(
+            structure,
+            tuple(BlockFindings(()) for _ in range(n)),
+            embed_scale=None,
+            logit_scale=None,
+            missing={"every hook point (hook_embed, the residual, attention and MLP points, ln_final)": reason},
+            unserved_weights={"W_E": reason, "W_U": reason},
+        )
     order = [e[1] for e in rec.events if e[0] == "enter"]
     if order == list(range(n)):
         continues = [_continues(i, rec, n) for i in range(n)]

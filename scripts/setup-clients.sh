@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create (or reuse) the environment of the client tools that take a Hugging Face model: nnterp, tuned-lens and
+# circuit-tracer's nnsight backend, pinned in constraints-clients.txt (their pins conflict with the main
+# environment's transformers 5), with lensadapters and the Llama plugin editable.
+# Usage: scripts/setup-clients.sh [VENV_DIR]   (default .venv-clients); then
+#   VENV_DIR/bin/python -m pytest tests/test_clients_on_hf_model.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv-clients}"
+python="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install "torch==2.13.0"  # the CPU build first (see scripts/setup.sh)
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+grep -v -e '^transformers==' -e '^datasets==' -e '^transformer-lens==' -e '^numpy==' constraints.txt > "$constraints"
+"${pip[@]}" install -c "$constraints" -c constraints-clients.txt -e ".[testing]" -e plugins/llama \
+  nnsight nnterp tuned-lens circuit-tracer
+"$venv/bin/python" -c "import nnterp, tuned_lens, circuit_tracer, transformers; print('clients ok | transformers', transformers.__version__)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the environment of the client tools that take a Hugging Face model: nnterp, tuned-lens and
-# circuit-tracer's nnsight backend, pinned in constraints-clients.txt (their pins conflict with the main
+# circuit-tracer's nnsight backend (and circuitsvis), pinned in constraints-clients.txt (their pins conflict with the main
 # environment's transformers 5), with lensadapters and the Llama plugin editable.
 # Usage: scripts/setup-clients.sh [VENV_DIR]   (default .venv-clients); then
 #   VENV_DIR/bin/python -m pytest tests/test_clients_on_hf_model.py
@@ -18,4 +18,8 @@ trap 'rm -f "$constraints"' EXIT
 grep -v -e '^transformers==' -e '^datasets==' -e '^transformer-lens==' -e '^numpy==' constraints.txt > "$constraints"
 "${pip[@]}" install -c "$constraints" -c constraints-clients.txt -e ".[testing]" -e plugins/llama \
   nnsight nnterp tuned-lens circuit-tracer
-"$venv/bin/python" -c "import nnterp, tuned_lens, circuit_tracer, transformers; print('clients ok | transformers', transformers.__version__)"
+# circuitsvis declares a torch requirement that pulls CUDA wheels: without its dependencies, numpy and
+# importlib-metadata by hand
+"${pip[@]}" install -c "$constraints" -c constraints-clients.txt importlib-metadata numpy
+"${pip[@]}" install -c constraints-clients.txt --no-deps circuitsvis
+"$venv/bin/python" -c "import circuitsvis, nnterp, tuned_lens, circuit_tracer, transformers; print('clients ok | transformers', transformers.__version__)"

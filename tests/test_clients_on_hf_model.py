@@ -1,4 +1,5 @@
-"""Tools that take a Hugging Face model run on ``hm.hf_model``, and lensadapters hooks compose with them.
+"""Tools that take a Hugging Face model run on ``hm.hf_model``, and lensadapters hooks compose with them; circuitsvis
+renders what a HookedModel caches.
 
 nnterp (on nnsight) and tuned-lens are given the wrapped model itself (``hm.hf_model``: the user's unmodified model,
 not a copy). Each test is skipped where its tool is not installed; they pin ``nnsight<0.7`` and transformers 4.57, so
@@ -172,3 +173,20 @@ def test_circuit_tracer_nnsight_backend_on_the_wrapped_model(tmp_path: Any) -> N
         after, cache_after = hm.run_with_cache(ids[None])
     assert torch.equal(_logits(after), _logits(before))
     assert torch.equal(cache_after["blocks.1.mlp.hook_post"], cache_before["blocks.1.mlp.hook_post"])
+
+
+def test_circuitsvis_renders_the_cached_patterns(tokens: torch.Tensor) -> None:
+    """circuitsvis takes tensors: the attention patterns it renders from ``cache["pattern", layer]`` are that
+    layer's patterns, every head (the numbers in its HTML, as float32 prints them)."""
+    cv = pytest.importorskip("circuitsvis")
+    import json
+    import re
+
+    model, _ = _llama()
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(tokens)
+    pattern = cache["pattern", 1][0]
+    html = str(cv.attention.attention_patterns(tokens=[f"t{i}" for i in range(6)], attention=pattern))
+    props = json.loads(re.search(r"AttentionPatterns,\s*(\{.*\})\s*\)", html, re.S).group(1))
+    assert torch.equal(torch.tensor(props["attention"], dtype=torch.float32), pattern)

@@ -1,6 +1,7 @@
 """sae-bench 0.6 on a HookedModel (through ``as_hooked_transformer``) equals sae-bench on TransformerLens 2.x with the
 same weights: its ``activation_collection`` functions (type-checked ``model: HookedTransformer``) and its core
-eval. Needs sae-bench in an environment with TransformerLens 2.x (README, "Tools that run on lensadapters")."""
+eval. Needs sae-bench in an environment with TransformerLens 2.x (README, "Tools that run on lensadapters";
+scripts/setup-tl-clients.sh)."""
 
 from __future__ import annotations
 

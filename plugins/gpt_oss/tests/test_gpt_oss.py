@@ -64,7 +64,7 @@ def test_entry_point_is_declared():
         assert project["entry-points"]["lensadapters"] == {"gpt_oss": "lensadapters_gpt_oss"}
     infos = get_registry().infos
     if "gpt_oss" in infos:  # installed: discovery found it
-        assert infos["gpt_oss"].module is lensadapters_gpt_oss or True
+        assert infos["gpt_oss"].plugin is lensadapters_gpt_oss
     assert [a.name for a in lensadapters_gpt_oss.lensadapters_architectures()] == ["gpt_oss"]
 
 

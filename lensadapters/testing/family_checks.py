@@ -63,7 +63,7 @@ def assert_patterns_refused_under(contract: Any, model: nn.Module, implementatio
     hm.unwrap()
 
 
-def int8_model(model: nn.Module) -> nn.Module:
+def int8_model(model: Any) -> nn.Module:
     """``model`` saved and loaded back in 8 bits on the CPU (transformers' bitsandbytes integration, float32 for what
     it leaves unquantized)."""
     import tempfile

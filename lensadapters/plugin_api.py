@@ -50,7 +50,13 @@ from lensadapters.hooks.copying import InstanceOverride, detachable
 from lensadapters.hooks.frames import ForwardState, FrameValues
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
-from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half, rotate_half, rotate_half_spec
+from lensadapters.hooks.rotary import (
+    apply_rotate_half,
+    half_table_rotate_half_spec,
+    invert_rotate_half,
+    rotate_half,
+    rotate_half_spec,
+)
 from lensadapters.hooks.sites import (
     Handle,
     InputSite,
@@ -111,6 +117,7 @@ __all__ = [
     "RotarySpec",
     "SeparateQKV",
     "apply_rotate_half",
+    "half_table_rotate_half_spec",
     "invert_rotate_half",
     "rotate_half",
     "rotate_half_spec",

@@ -47,9 +47,9 @@ def qkv(q_len=5, k_len=5, heads=2):
 
 
 def test_unknown_arguments_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="'s_aux'.*refuses"):
-        attend(*qkv(), s_aux=torch.zeros(2))
-    attend(*qkv(), s_aux=None)  # an argument set to None asks for nothing
+    with pytest.raises(UnsupportedModelError, match="'alibi_slopes'.*refuses"):
+        attend(*qkv(), alibi_slopes=torch.zeros(2))
+    attend(*qkv(), alibi_slopes=None)  # an argument set to None asks for nothing
     attend(*qkv(), **{name: 1 for name in IRRELEVANT_ARGUMENTS})
 
 
@@ -61,6 +61,52 @@ def test_softcap_applies_before_the_mask_as_eager_does():
     assert torch.equal(scores[..., causal], (torch.tanh(raw / 0.5) * 0.5)[..., causal])
     assert (scores[..., ~causal] == float("-inf")).all()
     assert_close(pattern.sum(-1), torch.ones(1, 2, 5), "rows sum to 1")
+
+
+def _eager_with_sinks(query, key, value, mask, sinks, scaling):
+    """transformers' eager attention with sinks (an additive float mask), written out independently."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
+    column = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+    combined = torch.cat([weights, column], dim=-1)
+    probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.matmul(probs, value).transpose(1, 2), probs
+
+
+def test_attention_sinks_join_the_softmax_and_leave_the_pattern_short_of_one():
+    """``s_aux`` (a learned logit per head) joins the softmax as an extra column: the pattern over the real keys is
+    eager's bitwise (left padding included, whose rows give everything to the sink) and sums to less than one, the
+    missing share being ``exp(sink) / (exp(sink) + sum exp(scores))``; hook_attn_scores has no sink column, and an
+    edit there goes through the softmax with the sink."""
+    q, k, v = qkv()
+    sinks = torch.tensor([0.5, -1.0])
+    blocked = ~torch.ones(5, 5, dtype=torch.bool).tril()
+    blocked = blocked.expand(1, 1, 5, 5).clone()
+    blocked[..., :2] = True  # two left pads: their rows are empty
+    mask = torch.zeros(1, 1, 5, 5).masked_fill(blocked, torch.finfo(torch.float32).min)
+    out, pattern, scores = attend(q, k, v, mask, s_aux=sinks, scaling=0.5, implementation="eager")
+    expected_out, expected = _eager_with_sinks(q, k, v, mask, sinks, 0.5)
+    assert torch.equal(pattern, expected) and torch.equal(out, expected_out)
+    assert scores.shape == (1, 2, 5, 5) and (scores[..., blocked[0, 0]] == float("-inf")).all()
+    assert (pattern[..., :2, :] == 0).all(), "a row without keys gives everything to the sink"
+    finite = scores[..., 2:, :].exp().sum(-1)
+    sink_share = sinks.exp()[:, None] / (sinks.exp()[:, None] + finite)
+    assert_close(1 - pattern[..., 2:, :].sum(-1), sink_share, "the sink takes the rest")
+    scale = HookPoint("scores", lambda p: None)
+    scale.add(lambda t, hook: t * 2)
+    _, edited = explicit_attention(
+        Attention(),
+        q,
+        k,
+        v,
+        mask,
+        scores_fn=default_scores,
+        scores_point=scale,
+        pattern_point=HookPoint("pattern", lambda p: None),
+        s_aux=sinks,
+        scaling=0.5,
+    )
+    _, doubled = _eager_with_sinks(q, k, v, mask, sinks, 1.0)
+    assert_close(edited, doubled, "doubled scores, sink unchanged")
 
 
 def test_softcap_under_sdpa_is_refused_naming_eager():

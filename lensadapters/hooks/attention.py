@@ -255,6 +255,7 @@ def explicit_attention(
     softcap: Optional[float] = None,
     sliding_window: Optional[int] = None,
     is_causal: Optional[bool] = None,
+    s_aux: Optional[Tensor] = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Attention written out: scores → softcap → mask → ``hook_attn_scores`` → softmax → ``hook_pattern`` → mix values.
@@ -287,9 +288,12 @@ def explicit_attention(
     if info.blocked is not None:
         scores = scores.masked_fill(info.blocked, float("-inf"))
     scores, scores_changed = scores_point.apply(scores)
-    pattern = _softmax(scores)
-    if info.empty_rows is not None or scores_changed or scores_point.may_edit:
-        pattern = _fill_empty_rows(pattern, raw, attention_mask, info)
+    if s_aux is not None:
+        pattern = _sink_softmax(scores, s_aux)
+    else:
+        pattern = _softmax(scores)
+        if info.empty_rows is not None or scores_changed or scores_point.may_edit:
+            pattern = _fill_empty_rows(pattern, raw, attention_mask, info)
     pattern = pattern.to(value.dtype)
     pattern, _ = pattern_point.apply(pattern)
     if head_mask is not None:
@@ -308,6 +312,19 @@ def _softmax(scores: Tensor) -> Tensor:
         return torch.softmax(scores.float(), dim=-1)
     empty = ~torch.isfinite(scores).any(-1, keepdim=True)
     return torch.softmax(scores.masked_fill(empty, 0).float(), dim=-1).masked_fill(empty, float("nan"))
+
+
+def _sink_softmax(scores: Tensor, sinks: Tensor) -> Tensor:
+    """The probabilities of the real keys when a learned per-head logit (an attention sink, transformers' ``s_aux``)
+    joins the softmax: ``sinks[h]`` is appended to every query row of head ``h`` as an extra column, the row's
+    maximum is subtracted, the softmax is taken in the dtype of the concatenation and the sink's column is dropped — the
+    operations of transformers' eager attention with sinks, in its order. The returned pattern sums to less than
+    one over the keys: the sink takes the rest and contributes no value. A row whose keys are all masked gives all
+    its probability to the sink (zeros over the keys), as eager attention's additive mask does."""
+    column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
+    combined = torch.cat([scores, column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
 
 
 def _fill_empty_rows(pattern: Tensor, raw: Tensor, mask: Optional[Tensor], info: _MaskInfo) -> Tensor:

@@ -22,7 +22,7 @@ from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
 
-__all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_half_spec"]
+__all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_half_spec", "half_table_rotate_half_spec"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -83,5 +83,24 @@ def rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:
 
     def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return invert_rotate_half(y, cos, sin, rotary_dim)
+
+    return RotarySpec(rotary_dim or 0, apply, invert)
+
+
+def half_table_rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:
+    """A ``RotarySpec`` for rotate-half RoPE whose rotary module returns each frequency once: ``cos``/``sin`` of
+    ``r/2`` dimensions (``freqs`` rather than ``cat(freqs, freqs)``), which the attention applies as
+    ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` on the halves of ``x``. That is rotate-half with the table
+    repeated (bitwise: the same products, a sum with a negated product is the difference), computed so here.
+    """
+
+    def doubled(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rotate_half(x, *doubled(cos, sin), rotary_dim)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return invert_rotate_half(y, *doubled(cos, sin), rotary_dim)
 
     return RotarySpec(rotary_dim or 0, apply, invert)

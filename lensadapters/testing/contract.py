@@ -159,6 +159,8 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     post_norms: ClassVar[Mapping[str, str]] = {}
     pre_norms: ClassVar[bool] = True
     logit_softcap: ClassVar[Optional[str]] = None
+    #: attention with sinks (a learned logit per head joins the softmax): pattern rows sum to less than one
+    attention_sinks: ClassVar[bool] = False
     # config families some properties must see on every run: {stratum: property names} (module docstring)
     config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
     #: each stratum as keyword overrides of config_strategy (on top of config_overrides)

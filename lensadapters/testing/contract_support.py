@@ -113,6 +113,8 @@ class Capabilities:
       ``ln2.*`` points; attention reads ``hook_resid_pre`` and the MLP ``hook_mlp_in``.
     * ``logit_softcap``: the config attribute holding a final-logit softcap (Gemma 2:
       ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
+    * ``attention_sinks``: a learned logit per head joins the softmax (transformers' ``s_aux``): pattern rows
+      over the real keys sum to less than one.
     """
 
     learned_positions: Optional[bool] = None
@@ -125,6 +127,7 @@ class Capabilities:
     post_norms: Mapping[str, str] = field(default_factory=dict)
     pre_norms: bool = True
     logit_softcap: Optional[str] = None
+    attention_sinks: bool = False
 
 
 #: hook points every block has, whatever the architecture (and ln1.*, unless the contract declares no pre-norms)

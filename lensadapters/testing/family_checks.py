@@ -25,6 +25,7 @@ __all__ = [
     "assert_window_patterns",
     "generate_with_hooks",
     "with_examples",
+    "int8_model",
 ]
 
 
@@ -60,6 +61,24 @@ def assert_patterns_refused_under(contract: Any, model: nn.Module, implementatio
             hm.add_hook(f"blocks.0.{point}", lambda t, hook: None)
     hm.reset_hooks()
     hm.unwrap()
+
+
+def int8_model(model: Any) -> nn.Module:
+    """``model`` saved and loaded back in 8 bits on the CPU (transformers' bitsandbytes integration, float32 for what
+    it leaves unquantized)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return AutoModelForCausalLM.from_pretrained(
+            directory,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map="cpu",
+            dtype=torch.float32,
+            attn_implementation=model.config._attn_implementation,
+        ).eval()
 
 
 def window_allowed(length: int, window: Optional[int], valid: torch.Tensor) -> torch.Tensor:

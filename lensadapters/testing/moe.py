@@ -21,7 +21,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_weight
+from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_bias, router_weight
+from lensadapters.adapters.moe.experts import unwrapped
 from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from lensadapters.testing.contract import AdapterContract
 from lensadapters.testing.contract_support import _BLOCK_POINTS, _SETTINGS, assert_close, close, perturb
@@ -37,16 +38,36 @@ def _activation(name: str) -> Any:
     return ACT2FN[name]
 
 
+def expert_glu(hm: Any, layer: int) -> Any:
+    """What expert ``e`` of block ``layer`` computes from its gate and up projections: the layout's ``glu`` (with
+    the live experts module) or ``act(gate) * up``."""
+    layout = hm.mlp_layouts[layer]
+    custom = getattr(layout.experts, "glu", None)
+    if custom is not None:
+        module = unwrapped(hm.wiring, hm.block_modules[layer].get_submodule(layout.experts.module))
+        return lambda gate, up: custom(module, gate, up)
+    act = _activation(hm.cfg.act_fn)
+    return lambda gate, up: act(gate) * up
+
+
 def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
     """The MoE output of block ``layer`` for MLP inputs ``x`` ``[..., d_model]`` routed to ``index`` ``[..., k]`` with
-    ``weights``, computed from the read weights (``W_gate``, ``W_in``, ``W_out`` of each expert) in float64."""
-    W_in, W_gate, W_out = (mlp_weights(hm.wiring, layer, role)[0].double() for role in ("in", "gate", "out"))
-    act = _activation(hm.cfg.act_fn)
+    ``weights``, computed from the read weights and biases (``W_gate``, ``W_in``, ``W_out``, ``b_*`` of each expert)
+    in float64."""
+    (W_in, b_in), (W_gate, b_gate), (W_out, b_out) = (
+        tuple(t.double() for t in mlp_weights(hm.wiring, layer, role)) for role in ("in", "gate", "out")
+    )
+    glu = expert_glu(hm, layer)
     xs = x.double()
-    gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index])
-    up = torch.einsum("...d,...kdm->...km", xs, W_in[index])
-    out = torch.einsum("...km,...kmd->...kd", act(gate) * up, W_out[index])
+    gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index]) + b_gate[index]
+    up = torch.einsum("...d,...kdm->...km", xs, W_in[index]) + b_in[index]
+    out = torch.einsum("...km,...kmd->...kd", glu(gate, up), W_out[index]) + b_out[index]
     return (out * weights.double()[..., None]).sum(-2)
+
+
+def _router_bias(hm: Any, layer: int) -> Any:
+    bias = router_bias(hm.wiring, layer)
+    return 0 if bias is None else bias
 
 
 def mlp_input(hm: Any, cache: Any, layer: int) -> Tensor:
@@ -55,7 +76,12 @@ def mlp_input(hm: Any, cache: Any, layer: int) -> Tensor:
 
 
 def route(layout: MoELayout, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference routing: softmax over every expert, top-k, renormalized when the family does."""
+    """Reference routing: softmax over every expert, top-k, renormalized when the family does; or (routers that
+    select first) the top-k logits, the softmax over them, scattered over the experts."""
+    if layout.routing.order == "topk_softmax":
+        values, index = torch.topk(logits.double(), layout.routing.top_k, dim=-1)
+        top = torch.softmax(values, dim=-1)
+        return torch.zeros_like(logits, dtype=torch.float64).scatter(-1, index, top), top, index
     probs = torch.softmax(logits.double(), dim=-1)
     top, index = torch.topk(probs, layout.routing.top_k, dim=-1)
     if layout.routing.normalize:
@@ -154,7 +180,6 @@ class MoEContract(AdapterContract):
         hm = self.wrap(model)
         cfg = hm.cfg
         v = inputs.valid
-        act = _activation(cfg.act_fn)
         with torch.no_grad():
             out = hm.model(**inputs.kwargs(), output_hidden_states=True)
             _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: "pattern" not in n)
@@ -184,12 +209,17 @@ class MoEContract(AdapterContract):
                     continue
                 moe = hm.mlp_layouts[i]
                 n, k = moe.routing.n_experts, moe.routing.top_k
-                W_in, W_gate, W_out = (mlp_weights(hm.wiring, i, r)[0] for r in ("in", "gate", "out"))
+                (W_in, b_in), (W_gate, b_gate), (W_out, b_out) = (
+                    mlp_weights(hm.wiring, i, r) for r in ("in", "gate", "out")
+                )
+                glu = expert_glu(hm, i)
                 assert W_in.shape == W_gate.shape == (n, cfg.d_model, cfg.d_mlp)
                 assert W_out.shape == (n, cfg.d_mlp, cfg.d_model)
                 pre = f"blocks.{i}.mlp."
                 assert_close(
-                    cache[pre + "hook_router_logits"], x @ router_weight(hm.wiring, i), f"layer {i} router logits"
+                    cache[pre + "hook_router_logits"],
+                    x @ router_weight(hm.wiring, i) + _router_bias(hm, i),
+                    f"layer {i} router logits",
                 )
                 index = cache[pre + "hook_expert_indices"].reshape(-1, k)
                 weights = cache[pre + "hook_routing_weights"].reshape(-1, k)
@@ -200,12 +230,12 @@ class MoEContract(AdapterContract):
                     rows = flat[token]
                     point = {p: cache[f"{pre}experts.{e}.{p}"] for p in EXPERT_POINTS}
                     get = point.__getitem__
-                    assert_close(get("hook_gate"), rows @ W_gate[e], f"layer {i} expert {e} hook_gate")
-                    assert_close(get("hook_pre"), rows @ W_in[e], f"layer {i} expert {e} hook_pre (up)")
-                    assert_close(get("hook_post"), act(get("hook_gate")) * get("hook_pre"), f"expert {e} hook_post")
+                    assert_close(get("hook_gate"), rows @ W_gate[e] + b_gate[e], f"layer {i} expert {e} hook_gate")
+                    assert_close(get("hook_pre"), rows @ W_in[e] + b_in[e], f"layer {i} expert {e} hook_pre (up)")
+                    assert_close(get("hook_post"), glu(get("hook_gate"), get("hook_pre")), f"expert {e} hook_post")
                     assert_close(
                         get("hook_result"),
-                        weights[token, slot, None] * (get("hook_post") @ W_out[e]),
+                        weights[token, slot, None] * (get("hook_post") @ W_out[e] + b_out[e]),
                         f"layer {i} expert {e} hook_result",
                     )
                     total.index_add_(0, token, get("hook_result"))
@@ -488,7 +518,11 @@ class MoEContract(AdapterContract):
                 assert torch.equal(index, new)
                 assert_close(weights, base[pre + "hook_routing_weights"], "each slot keeps its weight")
             else:
-                if which == "expert_weights":
+                if which == "expert_weights" and layout.routing.order == "topk_softmax":
+                    # routers that select first: the selection stays the logits', the weights are read there
+                    probs, sel = new.double(), base[pre + "hook_expert_indices"]
+                    top = torch.gather(probs, -1, sel)
+                elif which == "expert_weights":
                     probs = new.double()
                     top, sel = torch.topk(probs, k, dim=-1)
                     if layout.routing.normalize:
@@ -513,8 +547,8 @@ class MoEContract(AdapterContract):
     @given(data=st.data())
     def test_removing_an_expert(self, data: st.DataObject) -> None:
         """Zeroing expert ``e``'s ``hook_result`` equals removing the expert for those tokens: the same logits as
-        zeroing its ``hook_post`` (no bias), as giving it routing weight 0 where chosen, and as subtracting its
-        contributions from ``hook_mlp_out``."""
+        giving it routing weight 0 where chosen, and as subtracting its contributions from ``hook_mlp_out``; zeroing
+        its ``hook_post`` leaves only its weighted down bias (the same as removing it, for experts without one)."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         layer = self.draw_moe_layer(data, hm)
@@ -524,14 +558,20 @@ class MoEContract(AdapterContract):
         v = inputs.valid
         zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
         with torch.no_grad():
-            names = [pre + "hook_expert_indices", f"{pre}experts.{expert}.hook_result"]
+            names = [pre + "hook_expert_indices", f"{pre}experts.{expert}.hook_result", pre + "hook_routing_weights"]
             reference, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
             index = cache[names[0]]
             assume(bool((index == expert)[v].any()))  # chosen by a real token (a pad's logits are not compared)
             flat = index.reshape(-1, index.shape[-1])
+            slot, token = expert_rows(flat, expert)
             contribution = torch.zeros(flat.shape[0], hm.cfg.d_model, dtype=cache[names[1]].dtype)
-            contribution.index_add_(0, expert_rows(flat, expert)[1], cache[names[1]])
+            contribution.index_add_(0, token, cache[names[1]])
             contribution = contribution.reshape(*index.shape[:-1], -1)
+            # a zeroed hook_post still adds the expert's down bias, weighted: what is left of its contribution
+            b_out = mlp_weights(hm.wiring, layer, "out")[1][expert]
+            weight = cache[names[2]].reshape(flat.shape)[token, slot, None]
+            left = torch.zeros_like(contribution.reshape(flat.shape[0], -1)).index_add_(0, token, weight * b_out)
+            left = left.reshape(contribution.shape)
             ablated = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(names[1], zero)])
             post = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(f"{pre}experts.{expert}.hook_post", zero)])
             unweighted = hm.run_with_hooks(
@@ -542,9 +582,15 @@ class MoEContract(AdapterContract):
                 **inputs.kwargs(),
                 fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda t, hook: t - contribution.to(t.dtype))],
             )
+            biased = subtracted
+            if bool(left.any()):
+                biased = hm.run_with_hooks(
+                    **inputs.kwargs(),
+                    fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda t, hook: t - (contribution - left).to(t.dtype))],
+                )
         assert not close(ablated[v], reference[v]), "removing a chosen expert changed nothing"
         assert_close(ablated[v], subtracted[v], "zeroed hook_result == contributions subtracted", atol=1e-4)
-        assert_close(post[v], subtracted[v], "zeroed hook_post == contributions subtracted", atol=1e-4)
+        assert_close(post[v], biased[v], "zeroed hook_post == contributions but the down bias subtracted", atol=1e-4)
         assert_close(unweighted[v], subtracted[v], "routing weight 0 == contributions subtracted", atol=1e-4)
         hm.unwrap()
 

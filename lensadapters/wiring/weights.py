@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.layer_claims import permitted, warn_undeclared
-from lensadapters.adapters.moe import expert_weights, is_moe, router_weight
+from lensadapters.adapters.moe import expert_weights_and_biases, is_moe, router_weight
 from lensadapters.errors import PluginValidationError, WeightUnavailableError
 from lensadapters.hooks.distributed import full_tensor, is_dtensor
 from lensadapters.hooks.offload import live_parameters
@@ -170,12 +170,12 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
 
     A fused gate/up projection (``FusedGateUp``) is read once and split with the layout's ``split``.
     A mixture-of-experts layer gives every expert's weight, ``[n_experts, d_model, d_mlp]`` (``out``:
-    ``[n_experts, d_mlp, d_model]``), and zero biases ``[n_experts, d]``.
+    ``[n_experts, d_mlp, d_model]``), and its biases ``[n_experts, d]`` (zeros for experts without).
     """
     layout = hm.mlp_layouts[layer]
     if is_moe(layout):
-        W = expert_weights(hm, layer, role)
-        return W, torch.zeros(W.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
+        W, b = expert_weights_and_biases(hm, layer, role)
+        return W, b if b is not None else torch.zeros(W.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)
     if isinstance(layout, FusedGateUp) and role in ("in", "gate"):
         lw = hm.read_linear(hm.block_modules[layer].get_submodule(layout.module))
         part = 0 if role == "gate" else 1

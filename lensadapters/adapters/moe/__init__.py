@@ -5,7 +5,7 @@ A plugin describes a MoE block declaratively (:mod:`lensadapters.moe.specs`); th
 (:mod:`lensadapters.moe.experts`).
 """
 
-from lensadapters.adapters.moe.experts import expert_weights, router_weight
+from lensadapters.adapters.moe.experts import expert_weights, expert_weights_and_biases, router_bias, router_weight
 from lensadapters.adapters.moe.routing import expert_rows
 from lensadapters.adapters.moe.sites import (
     EXPERT_POINTS,
@@ -38,9 +38,11 @@ __all__ = [
     "expert_rows",
     "expert_tokens",
     "expert_weights",
+    "expert_weights_and_biases",
     "is_expert_point",
     "is_moe",
     "moe_point_names",
+    "router_bias",
     "router_weight",
     "stored_moe_layout",
 ]

@@ -6,7 +6,7 @@ computed here has the model's numbers; only the PyTorch ops are reused, never a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import nn
 
 from lensadapters.adapters.moe.specs import ExpertModules, FusedExperts, MoELayout
 from lensadapters.errors import WeightUnavailableError
+from lensadapters.hooks.specs import LinearWeight
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
@@ -51,8 +52,19 @@ def fused_parameter(hooked: "Hooked", module: nn.Module, name: str) -> Tensor:
     return value
 
 
+def unwrapped(hooked: "Hooked", module: nn.Module) -> nn.Module:
+    """``module`` under the wrappers plugins put around it (a PEFT adapter on the expert parameters), as the
+    plugins peel them: the module whose own attributes (a GLU's constants) the forward reads."""
+    peel = hooked.plugin_hooks.lensadapters_wrapped_layer
+    seen = {id(module)}
+    while (inner := peel(module=module)) is not None and id(inner) not in seen:
+        module = inner
+        seen.add(id(module))
+    return module
+
+
 class ExpertsCompute:
-    """Expert ``e``'s gate and up projections, activation and down projection, for one forward.
+    """Expert ``e``'s gate and up projections, what its GLU makes of them, and its down projection, for one forward.
 
     Built inside the hook that runs the experts (``bind``), so parameters are read as the forward sees them.
     """
@@ -60,25 +72,59 @@ class ExpertsCompute:
     def __init__(
         self,
         gate_up: Callable[[int, Tensor], tuple[Tensor, Tensor]],
-        act: Callable[[Tensor], Tensor],
+        glu: Callable[[Tensor, Tensor], Tensor],
         down: Callable[[int, Tensor], Tensor],
     ) -> None:
-        self.gate_up, self.act, self.down = gate_up, act, down
+        self.gate_up, self.glu, self.down = gate_up, glu, down
+
+
+def split_gate_up(experts: FusedExperts, t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(gate, up)`` of fused gate/up features (the last dimension): interleaved or gate half then up half."""
+    if experts.interleaved:
+        return t[..., ::2], t[..., 1::2]
+    gate, up = t.chunk(2, dim=-1)
+    return gate, up
+
+
+def _fused_product(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
+    """One expert's product as transformers' eager experts compute it: ``x @ W (+ b)`` for transposed storage,
+    ``F.linear`` otherwise."""
+    if transposed:
+        out = x @ weight
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
 
 
 def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsCompute:
     experts = layout.experts
     module = block.get_submodule(experts.module)
     if isinstance(experts, FusedExperts):
-        gate_up = fused_parameter(hooked, module, experts.gate_up)
-        down = fused_parameter(hooked, module, experts.down)
-        act = module_attribute(hooked, module, experts.act)
+        spec = experts
+        gate_up = fused_parameter(hooked, module, spec.gate_up)
+        down = fused_parameter(hooked, module, spec.down)
+        gate_up_b = fused_parameter(hooked, module, spec.gate_up_bias) if spec.gate_up_bias else None
+        down_b = fused_parameter(hooked, module, spec.down_bias) if spec.down_bias else None
+        if spec.glu is not None:
+            custom = spec.glu
+            own = unwrapped(hooked, module)
+
+            def glu(gate: Tensor, up: Tensor) -> Tensor:
+                return custom(own, gate, up)
+
+        else:
+            act = module_attribute(hooked, module, spec.act)
+
+            def glu(gate: Tensor, up: Tensor) -> Tensor:
+                return act(gate) * up
 
         def fused_gate_up(e: int, x: Tensor) -> tuple[Tensor, Tensor]:
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            return gate, up
+            b = gate_up_b[e] if gate_up_b is not None else None
+            return split_gate_up(spec, _fused_product(x, gate_up[e], b, spec.transposed))
 
-        return ExpertsCompute(fused_gate_up, act, lambda e, h: F.linear(h, down[e]))
+        def fused_down(e: int, h: Tensor) -> Tensor:
+            return _fused_product(h, down[e], down_b[e] if down_b is not None else None, spec.transposed)
+
+        return ExpertsCompute(fused_gate_up, glu, fused_down)
     assert isinstance(experts, ExpertModules)
 
     def expert(e: int) -> nn.Module:
@@ -88,8 +134,9 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
         mod = expert(e)
         return mod.get_submodule(experts.gate)(x), mod.get_submodule(experts.up)(x)
 
+    act = getattr(expert(0), experts.act)
     return ExpertsCompute(
-        modules_gate_up, getattr(expert(0), experts.act), lambda e, h: expert(e).get_submodule(experts.down)(h)
+        modules_gate_up, lambda gate, up: act(gate) * up, lambda e, h: expert(e).get_submodule(experts.down)(h)
     )
 
 
@@ -99,27 +146,59 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
 def expert_weights(hooked: "Hooked", layer: int, role: str) -> Tensor:
     """``role`` ``in`` (the up projection), ``gate`` or ``out`` of every expert of one layer, from the live
     parameters: ``[n_experts, d_model, d_mlp]`` (``out``: ``[n_experts, d_mlp, d_model]``)."""
+    return expert_weights_and_biases(hooked, layer, role)[0]
+
+
+def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`expert_weights` and the matching biases ``[n_experts, d_out]`` (``None`` for experts without)."""
     layout = hooked.mlp_layouts[layer]
     assert isinstance(layout, MoELayout)
     experts = layout.experts
     module = hooked.block_modules[layer].get_submodule(experts.module)
     if isinstance(experts, FusedExperts):
+        bias_name = experts.down_bias if role == "out" else experts.gate_up_bias
+        bias = fused_parameter(hooked, module, bias_name) if bias_name else None
+        W = fused_parameter(hooked, module, experts.down if role == "out" else experts.gate_up)
+        W = W if experts.transposed else W.transpose(-2, -1)  # [E, in, out]
         if role == "out":
-            return fused_parameter(hooked, module, experts.down).transpose(-2, -1)
-        gate, up = fused_parameter(hooked, module, experts.gate_up).chunk(2, dim=-2)
-        return (gate if role == "gate" else up).transpose(-2, -1)
+            return W, bias
+        gate, up = split_gate_up(experts, W)
+        b_gate, b_up = split_gate_up(experts, bias) if bias is not None else (None, None)
+        return (gate, b_gate) if role == "gate" else (up, b_up)
     path = {"in": experts.up, "gate": experts.gate, "out": experts.down}[role]
-    return torch.stack([hooked.read_linear(module[e].get_submodule(path)).W for e in range(layout.routing.n_experts)])
+    linears = [hooked.read_linear(module[e].get_submodule(path)) for e in range(layout.routing.n_experts)]
+    biases = [lw.b for lw in linears]
+    stacked = torch.stack(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+    return torch.stack([lw.W for lw in linears]), stacked
 
 
-def router_weight(hooked: "Hooked", layer: int) -> Tensor:
-    """The router matrix of one layer, ``[d_model, n_experts]`` (logits = x @ W), from the live parameters."""
+def _router(hooked: "Hooked", layer: int) -> tuple[nn.Module, Optional[LinearWeight]]:
+    """One layer's router and its weight read as a linear layer's (``None``: a module holding router parameters)."""
     layout = hooked.mlp_layouts[layer]
     assert isinstance(layout, MoELayout)
     router = hooked.block_modules[layer].get_submodule(layout.router)
     try:
-        return hooked.read_linear(router).W
+        return router, hooked.read_linear(router)
     except WeightUnavailableError:
         if isinstance(router, nn.Linear):
             raise
-    return fused_parameter(hooked, router, "weight").T
+    return router, None
+
+
+def router_bias(hooked: "Hooked", layer: int) -> Optional[Tensor]:
+    """The router's bias of one layer, ``[n_experts]`` (logits = x @ W + b), from the live parameters; ``None`` for
+    a router without one."""
+    router, read = _router(hooked, layer)
+    if read is not None:
+        return read.b
+    try:
+        bias = module_attribute(hooked, router, "bias")
+    except WeightUnavailableError:
+        return None
+    return None if bias is None else fused_parameter(hooked, router, "bias")
+
+
+def router_weight(hooked: "Hooked", layer: int) -> Tensor:
+    """The router matrix of one layer, ``[d_model, n_experts]`` (logits = x @ W), from the live parameters."""
+    router, read = _router(hooked, layer)
+    return read.W if read is not None else fused_parameter(hooked, router, "weight").T

@@ -27,11 +27,12 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lensadapters.adapters.moe import routing as _routing
-from lensadapters.adapters.moe.experts import bind
+from lensadapters.adapters.moe.experts import bind, module_attribute
 from lensadapters.adapters.moe.specs import FusedExperts, MoELayout
 from lensadapters.errors import HookReturnError
 from lensadapters.hooks.hook_point import HookPoint
@@ -103,8 +104,11 @@ class MoESite(Site):
         return any(p.active for group in self.expert_points for p in group)
 
     def _routing_edited_downstream(self) -> bool:
-        """Whether an edit of the routing after the logits may need the experts recomputed here: only when the
-        router returns logits (the MoE module then routes them itself, out of reach)."""
+        """Whether an edit of the routing may need the experts recomputed here: when the router returns logits, an
+        edit after them (the MoE module routes the logits itself, out of reach); when it returns scores, any edit
+        (the experts read the scores, which cannot carry every routing, e.g. one expert in two slots)."""
+        if self.layout.router_output == "scores":
+            return any(p.may_edit for p in (self.logits, self.probs, self.indices, self.weights))
         return self.layout.router_output == "logits" and any(
             p.may_edit for p in (self.probs, self.indices, self.weights)
         )
@@ -153,12 +157,29 @@ class MoESite(Site):
             return (shown.reshape(flat.shape) if changed else flat), changed
         return point.apply(flat, protect=True)
 
+    def _router_logits(self, module: nn.Module, args: tuple, output: Any) -> Tensor:
+        """The router's logits: its first output, or (a router returning scores) its own product recomputed."""
+        if self.layout.router_output != "scores":
+            return first_output(output)
+        x = args[0]
+        weight = module_attribute(self.hooked, module, "weight")
+        bias = getattr(module, "bias", None)
+        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+
     def _route(self, module: nn.Module, args: tuple, output: Any) -> Any:
         spec = self.layout.routing
         returns_routing = self.layout.router_output == "routing"
-        raw = first_output(output)
+        returns_scores = self.layout.router_output == "scores"
+        need_logits = self.logits.active or self.probs.active or self.indices.active or self.weights.active
+        if returns_scores and not (need_logits or self.signature()[1]):
+            return None
+        raw = self._router_logits(module, args, output)
         logits, changed = self._apply(self.logits, raw)
-        model_routing = (output[1], output[2]) if returns_routing and not changed else None
+        model_routing = None
+        if returns_routing and not changed:
+            model_routing = (output[1], output[2])
+        elif returns_scores and not changed:
+            model_routing = (output[0].gather(-1, output[1]), output[1])
         need = changed or self.probs.active or self.indices.active or self.weights.active or self.signature()[1]
         if not need:
             return None
@@ -166,17 +187,22 @@ class MoESite(Site):
         if changed or self.probs.active or model_routing is None:
             probs, probs_changed = self._apply(self.probs, _routing.probabilities(spec, logits))
             if probs_changed or model_routing is None:
-                model_routing = _routing.select(spec, probs, logits.dtype)
+                model_routing = _routing.select(spec, probs, logits)
         weights, index = model_routing
         index, index_changed = self._apply(self.indices, index)
         if index_changed:
             self._check_indices(index)
         weights, weights_changed = self._apply(self.weights, weights)
         after_logits = probs_changed or index_changed or weights_changed
-        self._values()["routing"] = (weights, index, after_logits)
+        self._values()["routing"] = (weights, index, after_logits or (changed and returns_scores))
         if returns_routing:
             if changed or after_logits:
                 return (logits, weights, index, *output[3:])
+            return None
+        if returns_scores:  # the scores the router would return for this routing (the experts are recomputed)
+            if changed or after_logits:
+                scores = torch.zeros_like(output[0]).scatter_(-1, index, weights.to(output[0].dtype))
+                return (scores, index, *output[2:])
             return None
         return replace_first_output(output, logits) if changed else None
 
@@ -189,11 +215,18 @@ class MoESite(Site):
             )
 
     def _experts_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """The fused experts module ran: compute its experts here (it received the routing, edits included)."""
-        names = ("hidden_states", "top_k_index", "top_k_weights")
-        hidden, index, weights = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(names))
-        out, changed = self._run(hidden, index, weights)
-        return out.to(first_output(output).dtype) if changed else None
+        """The fused experts module ran: compute its experts here with the routing the router hook handed on
+        (edits included; what the module received, unless it reads scores that cannot carry an edited routing)."""
+        stash = self._values().get("routing")
+        if stash is None:  # pragma: no cover - the router runs before the experts
+            return None
+        weights, index, routing_changed = stash
+        hidden = first_input(args, kwargs)
+        out, changed = self._run(hidden.reshape(-1, hidden.shape[-1]), index, weights)
+        if not (changed or (routing_changed and self.layout.router_output == "scores")):
+            return None
+        value = first_output(output)
+        return out.reshape(value.shape).to(value.dtype)
 
     def _moe_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The MoE module routed and ran its experts itself: recompute them when the routing or an expert changed."""
@@ -220,7 +253,7 @@ class MoESite(Site):
             gate, up = compute.gate_up(e, rows)
             gate, c_gate = gate_pt.apply(gate, protect=True)
             up, c_up = pre_pt.apply(up, protect=True)
-            post, c_post = post_pt.apply(compute.act(gate) * up, protect=True)
+            post, c_post = post_pt.apply(compute.glu(gate, up), protect=True)
             result = compute.down(e, post) * weights[token, slot, None]
             result, c_result = result_pt.apply(result.to(hidden.dtype), protect=True)
             out.index_add_(0, token, result.to(out.dtype))

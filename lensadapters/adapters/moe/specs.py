@@ -9,10 +9,10 @@ routing hook points, the per-expert hook points, the per-expert weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 if TYPE_CHECKING:
-    from torch import nn
+    from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,12 @@ class Routing:
     are the routing weights, renormalized to sum to one when ``normalize`` (Mixtral always; Qwen3-MoE and OLMoE
     when ``norm_topk_prob``). ``weights_dtype`` is the dtype the model keeps them in: ``"float32"``, or
     ``"logits"`` (cast back to the router logits' dtype).
+
+    ``order="topk_softmax"`` describes routers that select first: the ``top_k`` largest *logits* are selected and
+    the softmax is taken over those alone (in ``weights_dtype``), so the routing weights sum to one without
+    renormalization. The probability of every expert (``mlp.hook_expert_weights``) is then that softmax scattered
+    over the experts, zero for those not selected (TransformerLens' value for such routers), and an edit of it
+    changes the weights of the selected experts (read at the indices selected from the logits), not the selection.
     """
 
     n_experts: int
@@ -31,6 +37,7 @@ class Routing:
     normalize: bool = True
     probabilities: Literal["softmax"] = "softmax"
     weights_dtype: Literal["float32", "logits"] = "logits"
+    order: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,24 @@ class FusedExperts:
     ``gate_up`` names the ``[n_experts, 2 * d_mlp, d_model]`` parameter (the gate rows, then the up rows),
     ``down`` the ``[n_experts, d_model, d_mlp]`` one; ``act`` the module attribute holding the activation.
     Expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``.
+
+    The flags follow transformers' ``use_experts_implementation``: ``transposed`` parameters are stored
+    ``[n_experts, in, out]`` and applied as ``x @ W[e]``; ``interleaved`` gate/up features alternate (gate at even,
+    up at odd positions) instead of gate rows then up rows; ``gate_up_bias``/``down_bias`` name bias parameters
+    ``[n_experts, out]`` added after each product. ``glu(experts_module, gate, up)``, when given, is what the
+    expert computes from its gate and up projections instead of ``act(gate) * up`` (a clamped or shifted GLU), read
+    live from the module's attributes: ``mlp.experts.{e}.hook_post`` is its result.
     """
 
     module: str
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     act: str = "act_fn"
+    transposed: bool = False
+    interleaved: bool = False
+    gate_up_bias: Optional[str] = None
+    down_bias: Optional[str] = None
+    glu: Optional[Callable[["nn.Module", "Tensor", "Tensor"], "Tensor"]] = None
 
 
 @dataclass(frozen=True)
@@ -71,13 +90,17 @@ class MoELayout:
     Paths are relative to the block. ``router`` is the module computing the router logits from the flattened MLP
     input. ``router_output`` says what it returns: ``"logits"`` (a linear layer; the MoE module routes itself,
     transformers 4) or ``"routing"`` (a tuple ``(logits, top_k_weights, top_k_index)`` that the MoE module hands
-    to a :class:`FusedExperts` module, transformers 5).
+    to a :class:`FusedExperts` module, transformers 5) or ``"scores"`` (a tuple ``(scores, top_k_index)``:
+    ``scores`` ``[tokens, n_experts]`` holds the routing weights at the selected experts and zeros elsewhere; the
+    router does not return its logits, which the core computes from its input as ``F.linear(x, router.weight,
+    router.bias)``, the router's own product, and the experts are computed by the core whenever the routing is
+    edited). A router's ``bias`` parameter, when it has one, is part of the logits (``lensadapters.moe.router_bias``).
     """
 
     router: str
     routing: Routing
     experts: Experts
-    router_output: Literal["logits", "routing"] = "logits"
+    router_output: Literal["logits", "routing", "scores"] = "logits"
 
 
 def is_moe(layout: object) -> bool:

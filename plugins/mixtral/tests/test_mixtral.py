@@ -5,7 +5,6 @@ plugin's own checks."""
 from __future__ import annotations
 
 import importlib.metadata
-import tempfile
 
 import lensadapters_mixtral
 import pytest
@@ -17,6 +16,7 @@ from lensadapters_mixtral.testing import MixtralContract, mixtral_config, mixtra
 from lensadapters import HookedModel
 from lensadapters.registry import Registry, get_registry
 from lensadapters.testing import assert_close
+from lensadapters.testing.family_checks import int8_model
 from lensadapters.testing.moe import mlp_input, moe_reference
 
 
@@ -41,20 +41,6 @@ def _needs_plugin(name: str, what: str) -> None:
     """Skip unless the installed plugins include the cross-cutting plugin ``name`` (found by discovery)."""
     if name not in get_registry().infos:
         pytest.skip(f"no installed plugin named {name!r} reads {what}")
-
-
-def _int8(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` saved and loaded back in 8 bits on the CPU (transformers' bitsandbytes integration)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        return AutoModelForCausalLM.from_pretrained(
-            directory,
-            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-            device_map="cpu",
-            attn_implementation=model.config._attn_implementation,
-        ).eval()
 
 
 def test_entry_point() -> None:
@@ -152,7 +138,7 @@ def test_int8_model() -> None:
     pytest.importorskip("bitsandbytes")
     _needs_plugin("bnb", "8-bit layers")
     config = mixtral_config(layers=1, experts=3, top_k=2, hidden=64, d_mlp=64, n_heads=4, head_dim=16)
-    model = _int8(CONTRACT.make_model(config, 0, "eager"))
+    model = int8_model(CONTRACT.make_model(config, 0, "eager"))
     ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Layer the TransformerLens clients sae-bench 0.6.0 and auto-circuit 1.0.1 over an environment with lensadapters, TransformerLens 2.x and sae-lens (the second CI
-# environment, .venv-tf457, made by scripts/setup.sh + scripts/setup-reference.sh), for tests/test_sae_bench.py and
-# tests/test_auto_circuit.py.
+# Layer the TransformerLens clients sae-bench 0.6.0, auto-circuit 1.0.1 and sae-dashboard 0.8.0 over an environment with lensadapters, TransformerLens 2.x and sae-lens (the second CI
+# environment, .venv-tf457, made by scripts/setup.sh + scripts/setup-reference.sh), for tests/test_sae_bench.py,
+# tests/test_auto_circuit.py and tests/test_client_tools.py.
 # sae-bench's declared requirements cannot be resolved next to that environment (it wants pandas >= 2.1.2,
 # TransformerLens 2.18 declares pandas < 2.1; and datasets < 4), so sae-bench and sae-probes are installed without
 # their dependencies, and the ones the tested paths import are installed by name; auto-circuit too (it pins
-# kaleido==0.2.1 and pulls tracr and word2word, which its EAP does not import): datasets 3.6 in the overlay,
+# kaleido==0.2.1 and pulls tracr and word2word, which its EAP does not import), and sae-dashboard (it declares
+# transformers < 4.57; its feature dashboards run unchanged on 4.57.6): datasets 3.6 in the overlay,
 # everything else at the base's versions (torch, transformers, TransformerLens, sae-lens, pandas 2.0).
 # Usage: scripts/setup-tl-clients.sh [VENV_DIR] [BASE_VENV]   (defaults .venv-tl-clients, .venv-tf457)
 set -euo pipefail
@@ -25,7 +26,8 @@ trap 'rm -f "$constraints"' EXIT
 "$base/bin/python" -m pip --disable-pip-version-check freeze --exclude-editable | grep -v -e '@' \
   -e '^datasets==' -e '^pandas==' > "$constraints"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --no-deps "sae-bench==0.6.0" "sae-probes==0.4.2" "auto-circuit==1.0.1"
+"${pip[@]}" install --no-deps "sae-bench==0.6.0" "sae-probes==0.4.2" "auto-circuit==1.0.1" "sae-dashboard==0.8.0" \
+  "eindex-callum==0.1.2" "decode-clt==0.0.1"
 "${pip[@]}" install -c "$constraints" "datasets==3.6.0" beartype collectibles jaxtyping openai plotly pydantic \
-  scikit-learn seaborn tabulate ordered-set blobfile vscode-tqdm
-"$venv/bin/python" -c "import auto_circuit.prune_algos.mask_gradient, sae_bench, transformer_lens, lensadapters, transformers; print('sae-bench, auto-circuit ok | transformers', transformers.__version__)"
+  scikit-learn seaborn tabulate ordered-set blobfile vscode-tqdm dataclasses-json rich typer
+"$venv/bin/python" -c "import auto_circuit.prune_algos.mask_gradient, sae_bench, sae_dashboard, transformer_lens, lensadapters, transformers; print('sae-bench, auto-circuit, sae-dashboard ok | transformers', transformers.__version__)"

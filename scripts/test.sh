@@ -2,7 +2,7 @@
 # Set everything up (first run), lint (scripts/lint.sh: ruff and mypy, first: it fails in about a minute) and run
 # the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
 # on the pinned transformers 5.x, then again on transformers 4.57 in a second environment (without the tests marked
-# transformers5_only), then sae-bench's and auto-circuit's tests layered over that environment
+# transformers5_only), then sae-bench's, auto-circuit's and sae-dashboard's tests layered over that environment
 # (scripts/setup-tl-clients.sh), the client
 # tools' tests in their own environment (scripts/setup-clients.sh), then the wheel check.
 # HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here); the second environment runs
@@ -24,9 +24,10 @@ bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis
 echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE_SECOND:-ci-short}" \
   .venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
-echo "== sae-bench and auto-circuit over the TransformerLens environment"
+echo "== sae-bench, auto-circuit and sae-dashboard over the TransformerLens environment"
 bash scripts/setup-tl-clients.sh .venv-tl-clients .venv-tf457
-.venv-tl-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_sae_bench.py tests/test_auto_circuit.py
+.venv-tl-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_sae_bench.py tests/test_auto_circuit.py \
+  tests/test_client_tools.py
 echo "== the client tools that take a Hugging Face model (nnterp, tuned-lens, circuit-tracer), in their own environment"
 bash scripts/setup-clients.sh .venv-clients
 .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients_on_hf_model.py

@@ -128,12 +128,29 @@ def rope_type(rotary: nn.Module) -> str:
     return str(getattr(rotary, "rope_type", "default"))
 
 
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def rope_types(rotary: nn.Module) -> list[str]:
+    """Every rope type a rotary-embedding module computes: one, or one per layer type where the module holds a
+    ``{layer_type: rope_type}`` mapping (one module called once per layer type)."""
+    kind = getattr(rotary, "rope_type", "default")
+    return [str(k) for k in kind.values()] if isinstance(kind, dict) else [str(kind)]
 
 
-def n_kv_heads(config: Any) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+def layer_config(config: Any, layer: int = 0) -> Any:
+    """The config of one layer: ``config.per_layer_config[layer]`` where the config varies by layer (transformers'
+    heterogeneous configs, whose per-layer attributes refuse to be read from the whole config), else ``config``."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return config if per_layer is None else per_layer[layer]
+
+
+def head_dim(config: Any, layer: int = 0) -> int:
+    """The head size (of layer ``layer`` where it varies by layer)."""
+    c = layer_config(config, layer)
+    return getattr(c, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def n_kv_heads(config: Any, layer: int = 0) -> int:
+    """The number of key/value heads (of layer ``layer`` where it varies by layer)."""
+    return getattr(layer_config(config, layer), "num_key_value_heads", None) or config.num_attention_heads
 
 
 def layer_windows(config: Any) -> list[Optional[int]]:
@@ -360,7 +377,9 @@ class DecoderFamily:
             self.layer_paths(),
             missing_in_layer=missing_in_layer,
         )
-        require_rope_types([self.rope_type(model)], self.rope_types, self.family)
+        require_rope_types(
+            rope_types(model.get_submodule(join(self.base(model), "rotary_emb"))), self.rope_types, self.family
+        )
         if self.attention is not None:
             require_attention_implementation(model.config, self.attention, self.family)
         require_head_shapes(model.config, layers[0].get_submodule(self.qkv[0]))

@@ -218,6 +218,11 @@ class BlockLayout:
     norm's output), ``attn.hook_result`` the per-head outputs before it. ``mlp_residual`` defaults to
     ``ln2_post`` then. ``ln1`` (and ``ln2``) may be ``None`` in a sequential block without pre-norms (OLMo 2):
     attention reads ``hook_resid_pre``, the MLP reads ``hook_mlp_in`` (= ``hook_resid_mid``) directly.
+
+    ``more_after_mlp`` says the block computes more after its ``resid_mid + mlp_out`` add before returning (a
+    further residual branch, a scale on the whole output): ``hook_resid_post`` is then not ``resid_mid +
+    mlp_out``, and an edit of ``hook_resid_mid`` is always carried into the block's own residual add (the
+    difference added to the ``mlp_residual`` module's output), so the rest of the block sees it.
     """
 
     ln1: Optional[str]
@@ -231,6 +236,7 @@ class BlockLayout:
     mlp_residual: Optional[str] = None
     ln1_post: Optional[str] = None
     ln2_post: Optional[str] = None
+    more_after_mlp: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,10 @@ class SeparateQKV:
     ``hook_rot_k`` are the normed and rotated values attention uses. ``norms_after_projections`` says the
     attention module runs all three projections before the norms (Gemma 3) rather than normalizing each
     projection right after it (Qwen3, OLMo 2); it orders ``hook_names`` as the points fire.
+
+    ``v_norm`` is a norm on the value projection's output, whose output attention mixes (``attn.v_norm.*``;
+    ``hook_v`` stays the projection output). The model runs the key and value projections, then the key norm,
+    then the value norm (Gemma 4).
     """
 
     q: str
@@ -284,6 +294,7 @@ class SeparateQKV:
     q_norm: Optional[ProjectionNorm] = None
     k_norm: Optional[ProjectionNorm] = None
     norms_after_projections: bool = False
+    v_norm: Optional[ProjectionNorm] = None
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,8 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     post_norms: ClassVar[Mapping[str, str]] = {}
     pre_norms: ClassVar[bool] = True
     logit_softcap: ClassVar[Optional[str]] = None
+    mixed_values: ClassVar[str] = "attn.hook_v"
+    absorbed_points: ClassVar[tuple[str, ...]] = ()
     # config families some properties must see on every run: {stratum: property names} (module docstring)
     config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
     #: each stratum as keyword overrides of config_strategy (on top of config_overrides)

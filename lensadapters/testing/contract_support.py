@@ -113,6 +113,11 @@ class Capabilities:
       ``ln2.*`` points; attention reads ``hook_resid_pre`` and the MLP ``hook_mlp_in``.
     * ``logit_softcap``: the config attribute holding a final-logit softcap (Gemma 2:
       ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
+    * ``mixed_values``: the point (relative to a block) whose values the pattern mixes into ``hook_z``:
+      ``attn.hook_v``, or the output of a norm on the values (Gemma 4: ``attn.v_norm.hook_normalized``).
+    * ``absorbed_points``: block points (relative to the block) whose edits scale-invariant norms further on undo up
+      to their eps (Gemma 4's ``ln1.hook_scale``: queries, keys and values are all normalized per head): an edit
+      there must change the next hook point rather than the logits.
     """
 
     learned_positions: Optional[bool] = None
@@ -125,6 +130,8 @@ class Capabilities:
     post_norms: Mapping[str, str] = field(default_factory=dict)
     pre_norms: bool = True
     logit_softcap: Optional[str] = None
+    mixed_values: str = "attn.hook_v"
+    absorbed_points: tuple[str, ...] = ()
 
 
 #: hook points every block has, whatever the architecture (and ln1.*, unless the contract declares no pre-norms)

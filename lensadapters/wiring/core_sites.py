@@ -293,6 +293,8 @@ class CoreSites:
             self.add_site(ProjectionSite(get(path), point, heads, state))
             self._projection_norm_sites(i, x, norm, heads, rot, qkv)
         self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
+        if qkv.v_norm is not None:
+            self._projection_norm_sites(i, "v", qkv.v_norm, n_kv, None, qkv)
 
     def _projection_norm_sites(
         self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint], qkv: SeparateQKV
@@ -360,6 +362,7 @@ class CoreSites:
                 pt("hook_mlp_out"),
                 pt("hook_resid_post"),
                 residual_add=residual_add,
+                continues=bl.more_after_mlp,
             )
         )
 

@@ -50,6 +50,15 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
 
     if qkv.norms_after_projections:
         return projection("q") + projection("k") + ["attn.hook_v"] + after_norm("q") + after_norm("k")
+    if qkv.v_norm is not None:  # k and v projected, then the key norm, then the value norm
+        return (
+            projection("q")
+            + after_norm("q")
+            + projection("k")
+            + ["attn.hook_v"]
+            + after_norm("k")
+            + (_norm_points("attn.v_norm"))
+        )
     return projection("q") + after_norm("q") + projection("k") + after_norm("k") + ["attn.hook_v"]
 
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.transformers5_only
 from lensadapters_gemma4.testing import Gemma4Contract, gemma4_config  # noqa: E402
 
 from lensadapters import UnsupportedModelError  # noqa: E402
+from lensadapters.plugin_api import layer_weight  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
 
 CONTRACT = Gemma4Contract()
@@ -160,6 +161,30 @@ def perturb(name: str) -> Edit:
     return edit
 
 
+HEAD_INPUTS = {"hook_q_input": "q", "hook_k_input": "k", "hook_v_input": "v"}
+
+
+def reference_edit(model: torch.nn.Module, name: str, values: dict[str, torch.Tensor]) -> dict[str, Edit]:
+    """The reference's edits doing what ``perturb(name)`` at ``name`` does. A per-head input (``hook_q_input``...) is
+    each head's copy of ``hook_resid_pre``, normalized by ln1 on its own (TransformerLens): its edit reaches that
+    projection only, so the reference replaces the projection's output."""
+    block, _, short = name.rpartition(".")
+    if short not in HEAD_INPUTS:
+        return {name: perturb(name)}
+    x = HEAD_INPUTS[short]
+    layer = model.model.layers[int(name.split(".")[1])]
+    W = getattr(layer.self_attn, f"{x}_proj").weight
+
+    def projected(t: torch.Tensor) -> torch.Tensor:
+        heads = t.shape[2]
+        per_head = perturb(name)(values[block + ".hook_resid_pre"].unsqueeze(-2).repeat_interleave(heads, -2))
+        scale = (per_head.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps).sqrt()
+        normed = per_head / scale * layer.input_layernorm.weight
+        return torch.einsum("bphm,hdm->bphd", normed, W.unflatten(0, (heads, -1)))
+
+    return {f"{block}.attn.hook_{x}": projected}
+
+
 IDS = torch.tensor([[5, 9, 17, 3, 30, 11, 8]])
 
 
@@ -182,6 +207,12 @@ def test_every_point_matches_the_reference():
         assert_close(got, value, name, atol=2e-5)
     assert_close(logits, expected_logits, "logits", atol=2e-5)
     assert torch.equal(hf_logits, logits)
+    for i, layer in enumerate(model.model.layers):  # each layer's weights in its own head size
+        attn = layer.self_attn
+        for name, module, heads in (("W_Q", attn.q_proj, 4), ("_W_K", attn.k_proj, 2), ("_W_V", attn.v_proj, 2)):
+            expected = module.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
+            assert torch.equal(layer_weight(hm.wiring, name, i), expected), (name, i)
+        assert torch.equal(layer_weight(hm.wiring, "W_O", i), attn.o_proj.weight.T.unflatten(0, (4, -1)))
     # every point but the per-head inputs (copies of ln1's output) is checked
     assert set(cache.keys()) - set(reference.values) == {f"blocks.{i}.hook_{x}_input" for i in range(3) for x in "qkv"}
     assert worst < 2e-5
@@ -191,11 +222,13 @@ def test_every_point_matches_the_reference():
 def test_an_edit_at_every_point_does_what_the_reference_does():
     model = exact_model()
     hm = CONTRACT.wrap(model)
-    names = [n for n in hm.hook_names if not n.endswith(("hook_q_input", "hook_k_input", "hook_v_input"))]
+    names = hm.hook_names
     with torch.no_grad():
         base = hm(IDS).logits
+        reference = Reference(model)
+        reference.forward(IDS)
         for name in names:
-            expected = Reference(model, {name: perturb(name)}).forward(IDS)
+            expected = Reference(model, reference_edit(model, name, reference.values)).forward(IDS)
             got = hm.run_with_hooks(IDS, fwd_hooks=[(name, lambda t, hook: perturb(hook.name)(t))])
             assert (got - base).abs().max() > 1e-6 or name.endswith("ln1.hook_scale"), name
             assert_close(got, expected, f"edit of {name}", atol=5e-5)

@@ -84,3 +84,18 @@ def test_a_value_norm_fires_after_the_key_norm() -> None:
         "attn.v_norm.hook_scale",
         "attn.v_norm.hook_normalized",
     ]
+
+
+def test_a_layer_reading_another_layers_keys_and_values_has_only_query_points() -> None:
+    """``SeparateQKV.kv_from``: no key/value points of its own (another layer's keys and values)."""
+    from lensadapters import ProjectionNorm, SeparateQKV
+    from lensadapters.rotary import rotate_half_spec
+    from lensadapters.wiring.names import qkv_point_names
+
+    qkv = SeparateQKV("q", "", "", rotary=rotate_half_spec(4), q_norm=ProjectionNorm("n"), kv_from=0)
+    assert qkv_point_names(qkv) == [
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+    ]

@@ -342,6 +342,10 @@ class DecoderFamily:
     attention: Optional[tuple[str, ...]] = None
     """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
     the pattern ones)."""
+    layer_optional: tuple[str, ...] = ()
+    """Per-layer paths of the layout that some layers lack by design (layers reading another layer's keys and
+    values have no key/value projections): not required in every layer; the plugin's ``missing_in_layer`` checks
+    them where they belong."""
 
     def base(self, model: nn.Module) -> str:
         """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
@@ -360,7 +364,7 @@ class DecoderFamily:
         paths += [n.module for n in self.qk_norms or ()]
         if self.mlp is not None:
             paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
-        return tuple(p for p in paths if p is not None)
+        return tuple(p for p in paths if p is not None and p not in self.layer_optional)
 
     def validate(
         self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None

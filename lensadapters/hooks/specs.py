@@ -285,6 +285,12 @@ class SeparateQKV:
     ``v_norm`` is a norm on the value projection's output, whose output attention mixes (``attn.v_norm.*``;
     ``hook_v`` stays the projection output). The model runs the key and value projections, then the key norm,
     then the value norm (Gemma 4).
+
+    ``kv_from`` is the earlier layer whose keys and values this layer's attention reads (key/value sharing across
+    layers, Gemma 4's last layers): the layer has no key and value projections of its own (``k``/``v`` are then
+    unused), so no ``hook_k``/``hook_v``/``k_norm``/``hook_rot_k``/``v_norm`` points, no ``hook_k_input``/
+    ``hook_v_input`` and no ``W_K``/``W_V``; an edit of layer ``kv_from``'s key and value points reaches this
+    layer's attention too.
     """
 
     q: str
@@ -295,6 +301,7 @@ class SeparateQKV:
     k_norm: Optional[ProjectionNorm] = None
     norms_after_projections: bool = False
     v_norm: Optional[ProjectionNorm] = None
+    kv_from: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -283,15 +283,15 @@ class CoreSites:
             self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
             return
         n_heads, n_kv = self.cfg.n_heads, self.cfg.n_key_value_heads
-        for x, point, rot, path, heads, norm in (
-            ("q", q, rot_q, qkv.q, n_heads, qkv.q_norm),
-            ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm),
-        ):
+        projections = [("q", q, rot_q, qkv.q, n_heads, qkv.q_norm), ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm)]
+        for x, point, rot, path, heads, norm in projections[: 1 if qkv.kv_from is not None else 2]:
             if norm is None:
                 self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary))
                 continue
             self.add_site(ProjectionSite(get(path), point, heads, state))
             self._projection_norm_sites(i, x, norm, heads, rot, qkv)
+        if qkv.kv_from is not None:  # another layer's keys and values: no points here
+            return
         self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
         if qkv.v_norm is not None:
             self._projection_norm_sites(i, "v", qkv.v_norm, n_kv, None, qkv)

@@ -48,6 +48,8 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
     def projection(x: str) -> list[str]:  # the projection, rotated right away when no norm follows it
         return [f"attn.hook_{x}"] + ([f"attn.hook_rot_{x}"] if rotary and norms[x] is None else [])
 
+    if qkv.kv_from is not None:  # keys and values are another layer's
+        return projection("q") + after_norm("q")
     if qkv.norms_after_projections:
         return projection("q") + projection("k") + ["attn.hook_v"] + after_norm("q") + after_norm("k")
     if qkv.v_norm is not None:  # k and v projected, then the key norm, then the value norm

@@ -27,11 +27,20 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   ``layer_scalar`` buffer: ``hook_resid_post = (hook_resid_mid + hook_mlp_out + hook_per_layer_out) *
   layer_scalar`` (``BlockLayout.more_after_mlp``: an edit of ``hook_resid_mid`` reaches both).
 
-Refused at wrap time, naming what works: key/value sharing across layers (``num_kv_shared_layers > 0``, with it the
-double-wide MLP), ``attention_k_eq_v`` (keys as values), the mixture-of-experts block (``enable_moe_block``),
-bidirectional attention, rope types other than rotate-half ones, the multimodal ``Gemma4ForConditionalGeneration``
-/ ``Gemma4Model`` (wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point
-but the pattern and score points.
+* Key/value sharing across layers (``num_kv_shared_layers``, Gemma-4 E2B/E4B): the last ``num_kv_shared_layers``
+  layers have no key/value projections and attend with the keys and values of the last earlier layer of their type
+  (``kv_sources(config)``; ``SeparateQKV.kv_from``). Those layers have ``hook_q``, ``q_norm.*`` and ``hook_rot_q``
+  but no ``hook_k``/``hook_v``/``k_norm``/``hook_rot_k``/``v_norm``/``hook_k_input``/``hook_v_input`` and no
+  ``W_K``/``W_V`` (reading them names the source layer): an edit of the source layer's ``hook_k``, ``hook_v``,
+  ``k_norm.*``, ``hook_rot_k`` or ``v_norm.*`` changes the keys and values of the source layer *and* of every layer
+  that reads them. Their MLPs may be twice as wide (``use_double_wide_mlp``). During ``generate``, transformers
+  runs the sharing layers on the last prompt position only at the first step (``logits_to_keep``): their points
+  then see that position only, as the model computes.
+
+Refused at wrap time, naming what works: ``attention_k_eq_v`` (keys as values), the mixture-of-experts block
+(``enable_moe_block``), bidirectional attention, rope types other than rotate-half ones, the multimodal
+``Gemma4ForConditionalGeneration``/``Gemma4Model`` (wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash and
+flex attention: every hook point but the pattern and score points.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ ARCH = Architecture(
 TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel")
 _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
 _V_NORM = ProjectionNorm("self_attn.v_norm", "bphd")
+_KV_PATHS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")
 FAMILY = hf.DecoderFamily(
     "Gemma4Text",
     model_type="gemma4_text",
@@ -84,6 +94,7 @@ FAMILY = hf.DecoderFamily(
     qk_norms=_QK_NORMS,
     mlp=MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj"),
     rope_types=(*hf.ROTATE_HALF_ROPE_TYPES, "proportional"),
+    layer_optional=_KV_PATHS,  # layers reading another layer's keys and values have none
 )
 _PLE_PATHS = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm", "act_fn")
 
@@ -97,15 +108,19 @@ def layer_head_dims(config: Any) -> list[int]:
     return [config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)]
 
 
+def kv_sources(config: Any) -> list[Optional[int]]:
+    """For each layer, the layer whose keys and values it attends with (``num_kv_shared_layers``: the last layers
+    reuse those of the last earlier layer of their type), or ``None`` where it computes its own."""
+    first_shared = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    types = config.layer_types
+    return [
+        None if i < first_shared else max(j for j in range(first_shared) if types[j] == types[i])
+        for i in range(config.num_hidden_layers)
+    ]
+
+
 def check(model: Any) -> None:
     c = model.config
-    if getattr(c, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(
-            f"this Gemma 4 config shares keys and values across layers (num_kv_shared_layers="
-            f"{c.num_kv_shared_layers}: the last layers reuse an earlier layer's keys and values, and have no "
-            f"k/v projections); the gemma4 plugin does not describe such layers yet. Configs with "
-            f"num_kv_shared_layers=0 are supported"
-        )
     unsupported = [
         (getattr(c, "attention_k_eq_v", False), "attention_k_eq_v=True (full layers use their keys as values)"),
         (getattr(c, "enable_moe_block", False), "enable_moe_block=True (a mixture of experts beside the MLP)"),
@@ -128,11 +143,15 @@ def validate_class(model: Any) -> None:
         )
 
 
-def ple_paths(layer: nn.Module) -> list[str]:
-    """The per-layer-input modules a layer lacks although its config has per-layer inputs."""
-    if not getattr(layer, "hidden_size_per_layer_input", 0):
-        return []
-    return [p for p in _PLE_PATHS if not hasattr(layer, p)]
+def missing_in_layer(layer: nn.Module) -> list[str]:
+    """What a layer lacks: per-layer-input modules where its config has per-layer inputs, key/value projections
+    and norms where it computes its own keys and values."""
+    missing = []
+    if getattr(layer, "hidden_size_per_layer_input", 0):
+        missing += [p for p in _PLE_PATHS if not hasattr(layer, p)]
+    if not getattr(getattr(layer, "self_attn", None), "is_kv_shared_layer", False):
+        missing += hf.missing_paths(layer, _KV_PATHS)
+    return missing
 
 
 def config_fields(model: Any) -> dict[str, Any]:
@@ -172,12 +191,14 @@ def block(model: Any, layer: int) -> BlockLayout:
 
 def attn_qkv(model: Any, layer: int) -> SeparateQKV:
     q_norm, k_norm = _QK_NORMS
+    source = kv_sources(model.config)[layer]
     return SeparateQKV(
         *FAMILY.qkv,
         rotary=rotate_half_spec(layer_head_dims(model.config)[layer]),
         q_norm=q_norm,
         k_norm=k_norm,
-        v_norm=_V_NORM,
+        v_norm=_V_NORM if source is None else None,
+        kv_from=source,
     )
 
 
@@ -217,7 +238,7 @@ PLUGIN = hf.DecoderPlugin(
     FAMILY,
     tiny_config,
     config=config_fields,
-    missing_in_layer=ple_paths,
+    missing_in_layer=missing_in_layer,
     embed=embed,
     block=block,
     attn_qkv=attn_qkv,

@@ -118,7 +118,8 @@ class Gemma4Contract(QKNormScores, DecoderContract):
 
     def pre_ln_residual(self, model: nn.Module) -> bool:
         # the per-layer-input branch adds a third term to the residual stream after the MLP's
-        return not getattr(model, "config").hidden_size_per_layer_input
+        config: Any = model.config
+        return not config.hidden_size_per_layer_input
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"layer types {config.layer_types}, per-layer inputs {config.hidden_size_per_layer_input}"

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.transformers5_only
 
 from lensadapters_gemma4.testing import Gemma4Contract, gemma4_config  # noqa: E402
 
-from lensadapters import UnsupportedModelError  # noqa: E402
+from lensadapters import UnsupportedModelError, WeightUnavailableError  # noqa: E402
 from lensadapters.plugin_api import layer_weight  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
 
@@ -43,6 +43,7 @@ class Reference:
 
     def __init__(self, model: torch.nn.Module, edits: Optional[dict[str, Edit]] = None) -> None:
         self.model, self.edits, self.values = model, edits or {}, {}
+        self.shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer type: the last computed k, v
         self.eps = model.config.rms_norm_eps
 
     def point(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -110,10 +111,14 @@ class Reference:
         hd = attn.head_dim
         q = self.point(p + "attn.hook_q", (n @ attn.q_proj.weight.T).unflatten(-1, (-1, hd)))
         q = self.point(p + "attn.hook_rot_q", rope(self.rms(p + "attn.q_norm", q, attn.q_norm.weight)))
-        k = self.point(p + "attn.hook_k", (n @ attn.k_proj.weight.T).unflatten(-1, (-1, hd)))
-        v = self.point(p + "attn.hook_v", (n @ attn.v_proj.weight.T).unflatten(-1, (-1, hd)))
-        k = self.point(p + "attn.hook_rot_k", rope(self.rms(p + "attn.k_norm", k, attn.k_norm.weight)))
-        v = self.rms(p + "attn.v_norm", v, None)
+        if attn.is_kv_shared_layer:  # the keys and values of the last earlier layer of this type
+            k, v = self.shared[attn.layer_type]
+        else:
+            k = self.point(p + "attn.hook_k", (n @ attn.k_proj.weight.T).unflatten(-1, (-1, hd)))
+            v = self.point(p + "attn.hook_v", (n @ attn.v_proj.weight.T).unflatten(-1, (-1, hd)))
+            k = self.point(p + "attn.hook_rot_k", rope(self.rms(p + "attn.k_norm", k, attn.k_norm.weight)))
+            v = self.rms(p + "attn.v_norm", v, None)
+            self.shared[attn.layer_type] = k, v
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k)  # Gemma 4's attention scale is 1
@@ -188,8 +193,17 @@ def reference_edit(model: torch.nn.Module, name: str, values: dict[str, torch.Te
 IDS = torch.tensor([[5, 9, 17, 3, 30, 11, 8]])
 
 
-def test_every_point_matches_the_reference():
-    model = exact_model()
+#: the exactness models: 3 layers (sliding, full, full); 4 layers (sliding, full, then a sliding and a full layer
+#: reading layers 0's and 1's keys and values, with double-wide MLPs)
+MODELS = {
+    "own keys and values": {},
+    "shared keys and values": dict(layers=4, num_kv_shared_layers=2, use_double_wide_mlp=True),
+}
+
+
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_every_point_matches_the_reference(fields):
+    model = exact_model(**fields)
     hm = CONTRACT.wrap(model)
     reference = Reference(model)
     with torch.no_grad():
@@ -209,18 +223,31 @@ def test_every_point_matches_the_reference():
     assert torch.equal(hf_logits, logits)
     for i, layer in enumerate(model.model.layers):  # each layer's weights in its own head size
         attn = layer.self_attn
-        for name, module, heads in (("W_Q", attn.q_proj, 4), ("_W_K", attn.k_proj, 2), ("_W_V", attn.v_proj, 2)):
-            expected = module.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
+        projections = (("W_Q", "q_proj", 4), ("_W_K", "k_proj", 2), ("_W_V", "v_proj", 2))
+        for name, module, heads in projections[: 1 if attn.is_kv_shared_layer else 3]:
+            expected = getattr(attn, module).weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
             assert torch.equal(layer_weight(hm.wiring, name, i), expected), (name, i)
+        if attn.is_kv_shared_layer:
+            source = {"sliding_attention": 0, "full_attention": 1}[attn.layer_type]
+            with pytest.raises(WeightUnavailableError, match=f"attends with layer {source}'s keys and values"):
+                layer_weight(hm.wiring, "_W_K", i)
         assert torch.equal(layer_weight(hm.wiring, "W_O", i), attn.o_proj.weight.T.unflatten(0, (4, -1)))
-    # every point but the per-head inputs (copies of ln1's output) is checked
-    assert set(cache.keys()) - set(reference.values) == {f"blocks.{i}.hook_{x}_input" for i in range(3) for x in "qkv"}
+    # every point but the per-head inputs (copies of hook_resid_pre) is checked; sharing layers have no k/v points
+    layers = model.model.layers
+    assert set(cache.keys()) - set(reference.values) == {
+        f"blocks.{i}.hook_{x}_input"
+        for i in range(len(layers))
+        for x in ("q" if layers[i].self_attn.is_kv_shared_layer else "qkv")
+    }
     assert worst < 2e-5
     hm.unwrap()
 
 
-def test_an_edit_at_every_point_does_what_the_reference_does():
-    model = exact_model()
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_an_edit_at_every_point_does_what_the_reference_does(fields):
+    """Edits of a source layer's key and value points reach the layers that read them (the reference's shared
+    keys and values are the edited ones)."""
+    model = exact_model(**fields)
     hm = CONTRACT.wrap(model)
     names = hm.hook_names
     with torch.no_grad():
@@ -251,7 +278,6 @@ def test_wrapping_is_exact_without_per_layer_inputs():
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(num_kv_shared_layers=2, layers=4), "num_kv_shared_layers=2"),
         (dict(attention_k_eq_v=True), "attention_k_eq_v"),
         (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
     ],

@@ -238,7 +238,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
                 sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
         else:
             heads = (cfg.n_heads, cfg.n_key_value_heads, cfg.n_key_value_heads)
-            for (short, name), path, h in zip(QKV_POINTS, (qkv.q, qkv.k, qkv.v), heads):
+            paths = (qkv.q,) if qkv.kv_from is not None else (qkv.q, qkv.k, qkv.v)  # kv_from: another layer's k/v
+            for (short, name), path, h in zip(QKV_POINTS, paths, heads):
                 module = get(path)
                 if is_lora_linear(module):
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)

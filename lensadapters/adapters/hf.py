@@ -64,6 +64,16 @@ ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "lon
 DECODER_BLOCK = BlockLayout(
     ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
 )
+SANDWICH_BLOCK = BlockLayout(
+    ln1="input_layernorm",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    ln2="pre_feedforward_layernorm",
+    mlp="mlp",
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+)
+"""A decoder block with norms before and after attention and MLP ("sandwich" norms), as transformers names them."""
 DECODER_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 

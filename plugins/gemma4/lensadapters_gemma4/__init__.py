@@ -53,7 +53,6 @@ from torch import nn
 from lensadapters import (
     Architecture,
     BlockLayout,
-    MLPLayout,
     ModelLayout,
     ProjectionNorm,
     SeparateQKV,
@@ -82,17 +81,8 @@ FAMILY = hf.DecoderFamily(
     model_type="gemma4_text",
     packages=("gemma4",),
     norms=("Gemma4RMSNorm",),
-    block=BlockLayout(
-        ln1="input_layernorm",
-        attn="self_attn",
-        o_proj="self_attn.o_proj",
-        ln2="pre_feedforward_layernorm",
-        mlp="mlp",
-        ln1_post="post_attention_layernorm",
-        ln2_post="post_feedforward_layernorm",
-    ),
-    qk_norms=_QK_NORMS,
-    mlp=MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj"),
+    block=hf.SANDWICH_BLOCK,
+    qk_norms=_QK_NORMS,  # the MLP: the family's default gate/up/down projections
     rope_types=(*hf.ROTATE_HALF_ROPE_TYPES, "proportional"),
     layer_optional=_KV_PATHS,  # layers reading another layer's keys and values have none
 )

@@ -99,3 +99,24 @@ def test_a_layer_reading_another_layers_keys_and_values_has_only_query_points() 
         "attn.q_norm.hook_normalized",
         "attn.hook_rot_q",
     ]
+
+
+def test_values_from_the_key_projection_fire_after_the_keys() -> None:
+    """``SeparateQKV.values_from_keys``: hook_k and hook_v at the inputs of k_norm and v_norm, keys first."""
+    from lensadapters import ProjectionNorm, SeparateQKV
+    from lensadapters.rotary import rotate_half_spec
+    from lensadapters.wiring.names import qkv_point_names
+
+    norm = ProjectionNorm("n")
+    qkv = SeparateQKV(
+        "q", "k", "k", rotary=rotate_half_spec(4), q_norm=norm, k_norm=norm, v_norm=norm, values_from_keys=True
+    )
+    assert qkv_point_names(qkv)[4:] == [
+        "attn.hook_k",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_v",
+        "attn.v_norm.hook_scale",
+        "attn.v_norm.hook_normalized",
+    ]

@@ -291,6 +291,12 @@ class SeparateQKV:
     unused), so no ``hook_k``/``hook_v``/``k_norm``/``hook_rot_k``/``v_norm`` points, no ``hook_k_input``/
     ``hook_v_input`` and no ``W_K``/``W_V``; an edit of layer ``kv_from``'s key and value points reaches this
     layer's attention too.
+
+    ``kv_heads`` is this layer's number of key/value heads where it is not ``cfg.n_key_value_heads``.
+    ``values_from_keys`` says the values are the key projection's output (``v`` names the same module as ``k``),
+    normalized apart by ``k_norm`` and ``v_norm`` (both ``"bphd"``): ``hook_k`` is then ``k_norm``'s input and
+    ``hook_v`` ``v_norm``'s, so an edit of one leaves the other as it was; the layer has no ``hook_k_input``/
+    ``hook_v_input`` (one projection feeds both), and ``W_V`` is ``W_K``.
     """
 
     q: str
@@ -302,6 +308,8 @@ class SeparateQKV:
     norms_after_projections: bool = False
     v_norm: Optional[ProjectionNorm] = None
     kv_from: Optional[int] = None
+    kv_heads: Optional[int] = None
+    values_from_keys: bool = False
 
 
 @dataclass(frozen=True)

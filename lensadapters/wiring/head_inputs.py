@@ -74,7 +74,8 @@ class HeadInputSite(Site):
         if isinstance(self.qkv, FusedQKV):
             self.projections: list[tuple[Optional[int], nn.Module]] = [(None, block.get_submodule(self.qkv.module))]
         else:
-            paths = (self.qkv.q,) if self.qkv.kv_from is not None else (self.qkv.q, self.qkv.k, self.qkv.v)
+            own_kv = self.qkv.kv_from is None and not self.qkv.values_from_keys
+            paths = (self.qkv.q, self.qkv.k, self.qkv.v) if own_kv else (self.qkv.q,)
             self.projections = [(i, block.get_submodule(path)) for i, path in enumerate(paths)]
 
     @property
@@ -96,6 +97,8 @@ class HeadInputSite(Site):
         x = first_input(args, kwargs)
         cfg = self.hm.cfg
         n_heads, n_kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads  # set by HookedConfig
+        if isinstance(self.qkv, SeparateQKV) and self.qkv.kv_heads:
+            n_kv = self.qkv.kv_heads
         base = x.unsqueeze(-2)
         attn_in, attn_changed = None, False
         if self.attn_in is not None and self.attn_in.active:
@@ -164,7 +167,7 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
         anchor = pre + "hook_resid_pre"
         points: dict[str, HookPoint] = {}
         qkv = hm.qkv_layouts[layer]
-        shared = isinstance(qkv, SeparateQKV) and qkv.kv_from is not None
+        shared = isinstance(qkv, SeparateQKV) and (qkv.kv_from is not None or qkv.values_from_keys)
         for name in NAMES:
             if name == "hook_attn_in" and cfg.n_key_value_heads != cfg.n_heads:
                 continue  # grouped-query attention: no per-head input feeds a key/value head

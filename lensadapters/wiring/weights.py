@@ -146,7 +146,7 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
             )
         lw = read_linear(hm, block.get_submodule((layout.q, layout.k, layout.v)[which]), (hm.cfg.d_model, None))
         # split by the number of heads: a layer's heads may be wider than cfg.d_head (Gemma 4's full layers)
-        heads = hm.cfg.n_heads if which == 0 else hm.cfg.n_key_value_heads or hm.cfg.n_heads
+        heads = hm.cfg.n_heads if which == 0 else layout.kv_heads or hm.cfg.n_key_value_heads or hm.cfg.n_heads
         W = lw.W.unflatten(-1, (heads, -1))
         b = None if lw.b is None else lw.b.unflatten(-1, (heads, -1))
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]

@@ -37,10 +37,16 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   runs the sharing layers on the last prompt position only at the first step (``logits_to_keep``): their points
   then see that position only, as the model computes.
 
-Refused at wrap time, naming what works: ``attention_k_eq_v`` (keys as values), the mixture-of-experts block
-(``enable_moe_block``), bidirectional attention, rope types other than rotate-half ones, the multimodal
-``Gemma4ForConditionalGeneration``/``Gemma4Model`` (wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash and
-flex attention: every hook point but the pattern and score points.
+* ``attention_k_eq_v`` (Gemma-4 31B): full layers have no value projection, their values are the key projection's
+  output, normalized apart (``v_norm``), with their own number of key/value heads (``num_global_key_value_heads``;
+  ``SeparateQKV.kv_heads``). ``hook_k`` is then the input of ``k_norm`` and ``hook_v`` the input of ``v_norm``
+  (the same numbers, but an edit of one leaves the other as it was; ``SeparateQKV.values_from_keys``); such a layer
+  has no ``hook_k_input``/``hook_v_input`` (one projection feeds both) and its ``W_V`` is its ``W_K``.
+
+Refused at wrap time, naming what works: the mixture-of-experts block (``enable_moe_block``), bidirectional
+attention, rope types other than rotate-half ones, the multimodal ``Gemma4ForConditionalGeneration``/``Gemma4Model``
+(wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and
+score points.
 """
 
 from __future__ import annotations
@@ -112,7 +118,6 @@ def kv_sources(config: Any) -> list[Optional[int]]:
 def check(model: Any) -> None:
     c = model.config
     unsupported = [
-        (getattr(c, "attention_k_eq_v", False), "attention_k_eq_v=True (full layers use their keys as values)"),
         (getattr(c, "enable_moe_block", False), "enable_moe_block=True (a mixture of experts beside the MLP)"),
         (getattr(c, "use_bidirectional_attention", None), "use_bidirectional_attention (not a causal model)"),
     ]
@@ -139,8 +144,10 @@ def missing_in_layer(layer: nn.Module) -> list[str]:
     missing = []
     if getattr(layer, "hidden_size_per_layer_input", 0):
         missing += [p for p in _PLE_PATHS if not hasattr(layer, p)]
-    if not getattr(getattr(layer, "self_attn", None), "is_kv_shared_layer", False):
-        missing += hf.missing_paths(layer, _KV_PATHS)
+    attn = getattr(layer, "self_attn", None)
+    if not getattr(attn, "is_kv_shared_layer", False):  # attention_k_eq_v: v_proj is None on full layers
+        own = _KV_PATHS if not getattr(attn, "use_alternative_attention", False) else _KV_PATHS[:1] + _KV_PATHS[2:]
+        missing += hf.missing_paths(layer, own)
     return missing
 
 
@@ -181,15 +188,27 @@ def block(model: Any, layer: int) -> BlockLayout:
 
 def attn_qkv(model: Any, layer: int) -> SeparateQKV:
     q_norm, k_norm = _QK_NORMS
-    source = kv_sources(model.config)[layer]
+    c = model.config
+    source = kv_sources(c)[layer]
+    # attention_k_eq_v: full layers have no v_proj, their values are the key projection's output
+    keys_as_values = source is None and bool(getattr(c, "attention_k_eq_v", False)) and is_full(c, layer)
+    q, k, v = FAMILY.qkv
     return SeparateQKV(
-        *FAMILY.qkv,
-        rotary=rotate_half_spec(layer_head_dims(model.config)[layer]),
+        q,
+        k,
+        k if keys_as_values else v,
+        rotary=rotate_half_spec(layer_head_dims(c)[layer]),
         q_norm=q_norm,
         k_norm=k_norm,
         v_norm=_V_NORM if source is None else None,
         kv_from=source,
+        kv_heads=c.per_layer_config[layer].num_key_value_heads,
+        values_from_keys=keys_as_values,
     )
+
+
+def is_full(config: Any, layer: int) -> bool:
+    return bool(config.layer_types[layer] == "full_attention")
 
 
 def tiny_config(seed: int) -> Any:

@@ -114,8 +114,9 @@ class Reference:
         if attn.is_kv_shared_layer:  # the keys and values of the last earlier layer of this type
             k, v = self.shared[attn.layer_type]
         else:
-            k = self.point(p + "attn.hook_k", (n @ attn.k_proj.weight.T).unflatten(-1, (-1, hd)))
-            v = self.point(p + "attn.hook_v", (n @ attn.v_proj.weight.T).unflatten(-1, (-1, hd)))
+            k = (n @ attn.k_proj.weight.T).unflatten(-1, (-1, hd))
+            v = k if attn.v_proj is None else (n @ attn.v_proj.weight.T).unflatten(-1, (-1, hd))  # attention_k_eq_v
+            k, v = self.point(p + "attn.hook_k", k), self.point(p + "attn.hook_v", v)
             k = self.point(p + "attn.hook_rot_k", rope(self.rms(p + "attn.k_norm", k, attn.k_norm.weight)))
             v = self.rms(p + "attn.v_norm", v, None)
             self.shared[attn.layer_type] = k, v
@@ -198,6 +199,7 @@ IDS = torch.tensor([[5, 9, 17, 3, 30, 11, 8]])
 MODELS = {
     "own keys and values": {},
     "shared keys and values": dict(layers=4, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "keys as values": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
 }
 
 
@@ -223,9 +225,12 @@ def test_every_point_matches_the_reference(fields):
     assert torch.equal(hf_logits, logits)
     for i, layer in enumerate(model.model.layers):  # each layer's weights in its own head size
         attn = layer.self_attn
-        projections = (("W_Q", "q_proj", 4), ("_W_K", "k_proj", 2), ("_W_V", "v_proj", 2))
+        kv = 0 if attn.is_kv_shared_layer else attn.k_proj.weight.shape[0] // attn.head_dim
+        values = attn.k_proj if attn.v_proj is None else attn.v_proj  # attention_k_eq_v: W_V is W_K
+        projections = (("W_Q", "q_proj", 4), ("_W_K", "k_proj", kv), ("_W_V", values, kv))
         for name, module, heads in projections[: 1 if attn.is_kv_shared_layer else 3]:
-            expected = getattr(attn, module).weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
+            module = getattr(attn, module) if isinstance(module, str) else module
+            expected = module.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
             assert torch.equal(layer_weight(hm.wiring, name, i), expected), (name, i)
         if attn.is_kv_shared_layer:
             source = {"sliding_attention": 0, "full_attention": 1}[attn.layer_type]
@@ -237,7 +242,8 @@ def test_every_point_matches_the_reference(fields):
     assert set(cache.keys()) - set(reference.values) == {
         f"blocks.{i}.hook_{x}_input"
         for i in range(len(layers))
-        for x in ("q" if layers[i].self_attn.is_kv_shared_layer else "qkv")
+        # neither in a layer reading another's keys and values, nor where one projection gives both
+        for x in ("q" if layers[i].self_attn.is_kv_shared_layer or layers[i].self_attn.v_proj is None else "qkv")
     }
     assert worst < 2e-5
     hm.unwrap()
@@ -278,7 +284,6 @@ def test_wrapping_is_exact_without_per_layer_inputs():
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(attention_k_eq_v=True), "attention_k_eq_v"),
         (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
     ],
 )

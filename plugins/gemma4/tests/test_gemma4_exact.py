@@ -225,11 +225,11 @@ def test_every_point_matches_the_reference(fields):
     assert torch.equal(hf_logits, logits)
     for i, layer in enumerate(model.model.layers):  # each layer's weights in its own head size
         attn = layer.self_attn
-        kv = 0 if attn.is_kv_shared_layer else attn.k_proj.weight.shape[0] // attn.head_dim
-        values = attn.k_proj if attn.v_proj is None else attn.v_proj  # attention_k_eq_v: W_V is W_K
-        projections = (("W_Q", "q_proj", 4), ("_W_K", "k_proj", kv), ("_W_V", values, kv))
-        for name, module, heads in projections[: 1 if attn.is_kv_shared_layer else 3]:
-            module = getattr(attn, module) if isinstance(module, str) else module
+        own = not attn.is_kv_shared_layer
+        kv = attn.k_proj.weight.shape[0] // attn.head_dim if own else 0
+        values = (attn.k_proj if attn.v_proj is None else attn.v_proj) if own else None  # k_eq_v: W_V is W_K
+        projections = (("W_Q", attn.q_proj, 4), ("_W_K", attn.k_proj if own else None, kv), ("_W_V", values, kv))
+        for name, module, heads in projections[: 3 if own else 1]:
             expected = module.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
             assert torch.equal(layer_weight(hm.wiring, name, i), expected), (name, i)
         if attn.is_kv_shared_layer:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,25 @@ def test_contract_variants_come_from_plugins_in_registration_order():
     assert list(variants) == ["toy", "own"]
     assert variants["toy"].contract == "no_such_toy_module.testing:ToyContract"
     assert variants["own"].distribution == "lensadapters-second"
+
+
+def test_matrices_leave_out_a_plugin_declared_for_other_transformers(monkeypatch):
+    """A plugin whose architectures all need another transformers release (a family that exists in newer releases
+    only) is left out of the contract matrices instead of failing to import its contract."""
+    import transformers
+
+    from lensadapters import Architecture
+    from lensadapters.adapters.registry import PluginInfo
+    from lensadapters.testing import plugins as testing_plugins
+
+    newer = types.ModuleType("plugin_for_newer_transformers")
+    newer.LENSADAPTERS_CONTRACT = "no_such_module_anywhere:Contract"  # would raise CheckError if imported
+    major = int(transformers.__version__.split(".")[0])
+    arch = Architecture(name="future", model_types=("future",), transformers=f">={major + 1}")
+    info = PluginInfo(name="future", plugin=newer, architectures=(arch,))
+    monkeypatch.setattr(testing_plugins, "architecture_plugins", lambda: [info])
+    assert testing_plugins.declared_contracts() == []
+    info = PluginInfo(name="future", plugin=newer, architectures=(replace(arch, transformers=f"<{major + 1}"),))
+    monkeypatch.setattr(testing_plugins, "architecture_plugins", lambda: [info])
+    with pytest.raises(CheckError, match="cannot be imported"):
+        testing_plugins.declared_contracts()

@@ -39,3 +39,84 @@ def test_hooked_config_reads_no_config_field_that_fields_give() -> None:
     )
     with pytest.raises(AttributeError, match="rms_norm_eps"):  # without eps= the RMS family's field is read
         family.hooked_config(model)
+
+
+def test_layer_config_and_rope_types_read_heterogeneous_models() -> None:
+    """A config whose attributes vary by layer (``per_layer_config``) answers per layer; a rotary module with a rope
+    type per layer type lists them all (one module called once per layer type)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    wide = SimpleNamespace(head_dim=16, num_key_value_heads=1)
+    narrow = SimpleNamespace(head_dim=8, num_key_value_heads=2)
+    config = SimpleNamespace(per_layer_config=[narrow, wide], hidden_size=32, num_attention_heads=4)
+    assert hf.layer_config(config, 1) is wide
+    assert (hf.head_dim(config), hf.head_dim(config, 1)) == (8, 16)
+    assert (hf.n_kv_heads(config), hf.n_kv_heads(config, 1)) == (2, 1)
+    plain = SimpleNamespace(hidden_size=32, num_attention_heads=4)
+    assert hf.layer_config(plain, 1) is plain and hf.head_dim(plain) == 8
+    rotary = nn.Module()
+    rotary.rope_type = {"sliding_attention": "default", "full_attention": "proportional"}
+    assert hf.rope_types(rotary) == ["default", "proportional"]
+    rotary.rope_type = "llama3"
+    assert hf.rope_types(rotary) == ["llama3"]
+
+
+def test_a_value_norm_fires_after_the_key_norm() -> None:
+    """``SeparateQKV.v_norm``: q projected, normed, rotated; k and v projected; k normed and rotated; v normed."""
+    from lensadapters import ProjectionNorm, SeparateQKV
+    from lensadapters.rotary import rotate_half_spec
+    from lensadapters.wiring.names import qkv_point_names
+
+    norm = ProjectionNorm("n")
+    qkv = SeparateQKV("q", "k", "v", rotary=rotate_half_spec(4), q_norm=norm, k_norm=norm, v_norm=norm)
+    assert qkv_point_names(qkv) == [
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+        "attn.hook_k",
+        "attn.hook_v",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.v_norm.hook_scale",
+        "attn.v_norm.hook_normalized",
+    ]
+
+
+def test_a_layer_reading_another_layers_keys_and_values_has_only_query_points() -> None:
+    """``SeparateQKV.kv_from``: no key/value points of its own (another layer's keys and values)."""
+    from lensadapters import ProjectionNorm, SeparateQKV
+    from lensadapters.rotary import rotate_half_spec
+    from lensadapters.wiring.names import qkv_point_names
+
+    qkv = SeparateQKV("q", "", "", rotary=rotate_half_spec(4), q_norm=ProjectionNorm("n"), kv_from=0)
+    assert qkv_point_names(qkv) == [
+        "attn.hook_q",
+        "attn.q_norm.hook_scale",
+        "attn.q_norm.hook_normalized",
+        "attn.hook_rot_q",
+    ]
+
+
+def test_values_from_the_key_projection_fire_after_the_keys() -> None:
+    """``SeparateQKV.values_from_keys``: hook_k and hook_v at the inputs of k_norm and v_norm, keys first."""
+    from lensadapters import ProjectionNorm, SeparateQKV
+    from lensadapters.rotary import rotate_half_spec
+    from lensadapters.wiring.names import qkv_point_names
+
+    norm = ProjectionNorm("n")
+    qkv = SeparateQKV(
+        "q", "k", "k", rotary=rotate_half_spec(4), q_norm=norm, k_norm=norm, v_norm=norm, values_from_keys=True
+    )
+    assert qkv_point_names(qkv)[4:] == [
+        "attn.hook_k",
+        "attn.k_norm.hook_scale",
+        "attn.k_norm.hook_normalized",
+        "attn.hook_rot_k",
+        "attn.hook_v",
+        "attn.v_norm.hook_scale",
+        "attn.v_norm.hook_normalized",
+    ]

@@ -64,6 +64,16 @@ ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "lon
 DECODER_BLOCK = BlockLayout(
     ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
 )
+SANDWICH_BLOCK = BlockLayout(
+    ln1="input_layernorm",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    ln2="pre_feedforward_layernorm",
+    mlp="mlp",
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+)
+"""A decoder block with norms before and after attention and MLP ("sandwich" norms), as transformers names them."""
 DECODER_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
@@ -128,12 +138,29 @@ def rope_type(rotary: nn.Module) -> str:
     return str(getattr(rotary, "rope_type", "default"))
 
 
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def rope_types(rotary: nn.Module) -> list[str]:
+    """Every rope type a rotary-embedding module computes: one, or one per layer type where the module holds a
+    ``{layer_type: rope_type}`` mapping (one module called once per layer type)."""
+    kind = getattr(rotary, "rope_type", "default")
+    return [str(k) for k in kind.values()] if isinstance(kind, dict) else [str(kind)]
 
 
-def n_kv_heads(config: Any) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+def layer_config(config: Any, layer: int = 0) -> Any:
+    """The config of one layer: ``config.per_layer_config[layer]`` where the config varies by layer (transformers'
+    heterogeneous configs, whose per-layer attributes refuse to be read from the whole config), else ``config``."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return config if per_layer is None else per_layer[layer]
+
+
+def head_dim(config: Any, layer: int = 0) -> int:
+    """The head size (of layer ``layer`` where it varies by layer)."""
+    c = layer_config(config, layer)
+    return getattr(c, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def n_kv_heads(config: Any, layer: int = 0) -> int:
+    """The number of key/value heads (of layer ``layer`` where it varies by layer)."""
+    return getattr(layer_config(config, layer), "num_key_value_heads", None) or config.num_attention_heads
 
 
 def layer_windows(config: Any) -> list[Optional[int]]:
@@ -325,6 +352,10 @@ class DecoderFamily:
     attention: Optional[tuple[str, ...]] = None
     """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
     the pattern ones)."""
+    layer_optional: tuple[str, ...] = ()
+    """Per-layer paths of the layout that some layers lack by design (layers reading another layer's keys and
+    values have no key/value projections): not required in every layer; the plugin's ``missing_in_layer`` checks
+    them where they belong."""
 
     def base(self, model: nn.Module) -> str:
         """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
@@ -343,7 +374,7 @@ class DecoderFamily:
         paths += [n.module for n in self.qk_norms or ()]
         if self.mlp is not None:
             paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
-        return tuple(p for p in paths if p is not None)
+        return tuple(p for p in paths if p is not None and p not in self.layer_optional)
 
     def validate(
         self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
@@ -360,7 +391,9 @@ class DecoderFamily:
             self.layer_paths(),
             missing_in_layer=missing_in_layer,
         )
-        require_rope_types([self.rope_type(model)], self.rope_types, self.family)
+        require_rope_types(
+            rope_types(model.get_submodule(join(self.base(model), "rotary_emb"))), self.rope_types, self.family
+        )
         if self.attention is not None:
             require_attention_implementation(model.config, self.attention, self.family)
         require_head_shapes(model.config, layers[0].get_submodule(self.qkv[0]))

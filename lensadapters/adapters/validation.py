@@ -166,6 +166,8 @@ def check_paths(plugin_name: str, owner: nn.Module, layout: Any, where: str, hin
         path = getattr(layout, field, None)
         if path is None or path == "":
             continue
+        if field in ("k", "v") and getattr(layout, "kv_from", None) is not None:
+            continue  # keys and values from another layer: the paths are unused
         if not isinstance(path, str):
             raise UnsupportedModelError(
                 f"plugin {plugin_name!r}: {type(layout).__name__}.{field} must be a dotted "

@@ -218,6 +218,11 @@ class BlockLayout:
     norm's output), ``attn.hook_result`` the per-head outputs before it. ``mlp_residual`` defaults to
     ``ln2_post`` then. ``ln1`` (and ``ln2``) may be ``None`` in a sequential block without pre-norms (OLMo 2):
     attention reads ``hook_resid_pre``, the MLP reads ``hook_mlp_in`` (= ``hook_resid_mid``) directly.
+
+    ``more_after_mlp`` says the block computes more after its ``resid_mid + mlp_out`` add before returning (a
+    further residual branch, a scale on the whole output): ``hook_resid_post`` is then not ``resid_mid +
+    mlp_out``, and an edit of ``hook_resid_mid`` is always carried into the block's own residual add (the
+    difference added to the ``mlp_residual`` module's output), so the rest of the block sees it.
     """
 
     ln1: Optional[str]
@@ -231,6 +236,7 @@ class BlockLayout:
     mlp_residual: Optional[str] = None
     ln1_post: Optional[str] = None
     ln2_post: Optional[str] = None
+    more_after_mlp: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,22 @@ class SeparateQKV:
     ``hook_rot_k`` are the normed and rotated values attention uses. ``norms_after_projections`` says the
     attention module runs all three projections before the norms (Gemma 3) rather than normalizing each
     projection right after it (Qwen3, OLMo 2); it orders ``hook_names`` as the points fire.
+
+    ``v_norm`` is a norm on the value projection's output, whose output attention mixes (``attn.v_norm.*``;
+    ``hook_v`` stays the projection output). The model runs the key and value projections, then the key norm,
+    then the value norm (Gemma 4).
+
+    ``kv_from`` is the earlier layer whose keys and values this layer's attention reads (key/value sharing across
+    layers, Gemma 4's last layers): the layer has no key and value projections of its own (``k``/``v`` are then
+    unused), so no ``hook_k``/``hook_v``/``k_norm``/``hook_rot_k``/``v_norm`` points, no ``hook_k_input``/
+    ``hook_v_input`` and no ``W_K``/``W_V``; an edit of layer ``kv_from``'s key and value points reaches this
+    layer's attention too.
+
+    ``kv_heads`` is this layer's number of key/value heads where it is not ``cfg.n_key_value_heads``.
+    ``values_from_keys`` says the values are the key projection's output (``v`` names the same module as ``k``),
+    normalized apart by ``k_norm`` and ``v_norm`` (both ``"bphd"``): ``hook_k`` is then ``k_norm``'s input and
+    ``hook_v`` ``v_norm``'s, so an edit of one leaves the other as it was; the layer has no ``hook_k_input``/
+    ``hook_v_input`` (one projection feeds both), and ``W_V`` is ``W_K``.
     """
 
     q: str
@@ -284,6 +306,10 @@ class SeparateQKV:
     q_norm: Optional[ProjectionNorm] = None
     k_norm: Optional[ProjectionNorm] = None
     norms_after_projections: bool = False
+    v_norm: Optional[ProjectionNorm] = None
+    kv_from: Optional[int] = None
+    kv_heads: Optional[int] = None
+    values_from_keys: bool = False
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,8 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     logit_softcap: ClassVar[Optional[str]] = None
     #: attention with sinks (a learned logit per head joins the softmax): pattern rows sum to less than one
     attention_sinks: ClassVar[bool] = False
+    mixed_values: ClassVar[str] = "attn.hook_v"
+    absorbed_points: ClassVar[tuple[str, ...]] = ()
     # config families some properties must see on every run: {stratum: property names} (module docstring)
     config_strata: ClassVar[Mapping[str, Sequence[str]]] = {}
     #: each stratum as keyword overrides of config_strategy (on top of config_overrides)

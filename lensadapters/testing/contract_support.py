@@ -115,6 +115,11 @@ class Capabilities:
       ``"final_logit_softcapping"``); where the config sets it, ``logits == c * tanh((final @ W_U + b_U) / c)``.
     * ``attention_sinks``: a learned logit per head joins the softmax (transformers' ``s_aux``): pattern rows
       over the real keys sum to less than one.
+    * ``mixed_values``: the point (relative to a block) whose values the pattern mixes into ``hook_z``:
+      ``attn.hook_v``, or the output of a norm on the values (Gemma 4: ``attn.v_norm.hook_normalized``).
+    * ``absorbed_points``: block points (relative to the block) whose edits scale-invariant norms further on undo up
+      to their eps (Gemma 4's ``ln1.hook_scale``: queries, keys and values are all normalized per head): an edit
+      there must change the next hook point rather than the logits.
     """
 
     learned_positions: Optional[bool] = None
@@ -128,6 +133,8 @@ class Capabilities:
     pre_norms: bool = True
     logit_softcap: Optional[str] = None
     attention_sinks: bool = False
+    mixed_values: str = "attn.hook_v"
+    absorbed_points: tuple[str, ...] = ()
 
 
 #: hook points every block has, whatever the architecture (and ln1.*, unless the contract declares no pre-norms)

@@ -94,15 +94,30 @@ def registry_for(model_type: str, *plugins: Any) -> Registry:
 
 def declared_contracts() -> list[type]:
     """The ``AdapterContract`` classes that installed architecture plugins declare (``LENSADAPTERS_CONTRACT``),
-    ordered by plugin name. Plugins without a declared contract are left out."""
+    ordered by plugin name. Plugins without a declared contract are left out, and so are plugins none of whose
+    architectures is declared for the installed transformers (``Architecture.transformers``: a family that exists
+    in newer releases only)."""
     from lensadapters.testing.check import declared_contract
 
     contracts = []
     for info in architecture_plugins():
+        if not any(_runs_here(arch.transformers) for arch in info.architectures):
+            continue
         contract = declared_contract(info.name, info.plugin)
         if contract is not None:
             contracts.append(contract)
     return contracts
+
+
+def _runs_here(declared: str) -> bool:
+    """Whether the installed transformers is within an ``Architecture.transformers`` specifier ("" : any)."""
+    if not declared:
+        return True
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(transformers.__version__) in SpecifierSet(declared)
 
 
 def _short(cls: type) -> str:

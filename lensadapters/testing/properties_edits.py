@@ -45,6 +45,9 @@ class EditProperties:
                 assert fired, f"{name} never fired"
                 diff = (logits - reference)[inputs.valid].abs().max().item()
                 witness = _attention_witness(hm, name)
+                if name.split(".", 2)[-1] in self.capabilities(model).absorbed_points and name.startswith("blocks."):
+                    # scale-invariant norms further on undo this edit (up to their eps): it must show on the next point
+                    witness = hm.hook_names[hm.hook_names.index(name) + 1]
                 if diff <= 1e-5 and witness is not None:
                     # a saturated softmax (tiny random models, two tokens) can hide a query/key edit from the
                     # logits; the edit must then still reach what attention computes from it. (A saturated
@@ -228,7 +231,10 @@ class EditProperties:
         declared = self.capabilities(model)
         if declared.post_norms or declared.score_invariant_points:
             after = hm.hook_names[hm.hook_names.index(names[0]) + 1 :]
-            names += [n for n in after if not n.endswith(("hook_scale", "hook_normalized"))][:1]
+            skipped: tuple[str, ...] = ("hook_scale", "hook_normalized")
+            if names[0].endswith(declared.mixed_values):  # the values never reach the scores: hook_z shows them
+                skipped += ("hook_attn_scores", "hook_pattern")
+            names += [n for n in after if not n.endswith(skipped)][:1]
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
@@ -256,7 +262,8 @@ class EditProperties:
         pre = f"blocks.{layer}.attn."
         v = inputs.valid
         with torch.no_grad():
-            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_v", pre + "hook_attn_scores"])
+            mixed = f"blocks.{layer}.{self.capabilities(model).mixed_values}"
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[mixed, pre + "hook_attn_scores"])
 
             def uniform(pattern: torch.Tensor, hook: Any) -> torch.Tensor:
                 allowed = (pattern > 0).to(pattern.dtype)
@@ -264,7 +271,7 @@ class EditProperties:
 
             with hm.hooks([(pre + "hook_pattern", uniform)]):
                 _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=[pre + "hook_pattern", pre + "hook_z"])
-            values = base["v", layer].repeat_interleave(hm.cfg.n_heads // hm.cfg.n_key_value_heads, dim=2)
+            values = base[mixed].repeat_interleave(hm.cfg.n_heads // hm.cfg.n_key_value_heads, dim=2)
             expected_z = torch.einsum("bhqk,bkhd->bqhd", edited["pattern", layer], values)
             assert_close(edited["z", layer][v], expected_z[v], "hook_z mixes values with the edited pattern")
             # doubling the queries (or rotated queries) doubles every unmasked score (before a softcap), where

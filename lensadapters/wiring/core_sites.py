@@ -282,17 +282,35 @@ class CoreSites:
         if isinstance(qkv, FusedQKV):
             self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
             return
-        n_heads, n_kv = self.cfg.n_heads, self.cfg.n_key_value_heads
-        for x, point, rot, path, heads, norm in (
-            ("q", q, rot_q, qkv.q, n_heads, qkv.q_norm),
-            ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm),
-        ):
+        n_heads, n_kv = self.cfg.n_heads, qkv.kv_heads or self.cfg.n_key_value_heads
+        if qkv.values_from_keys:
+            self._values_from_keys_sites(i, qkv, n_heads, n_kv)
+            return
+        projections = [("q", q, rot_q, qkv.q, n_heads, qkv.q_norm), ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm)]
+        for x, point, rot, path, heads, norm in projections[: 1 if qkv.kv_from is not None else 2]:
             if norm is None:
                 self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary))
                 continue
             self.add_site(ProjectionSite(get(path), point, heads, state))
             self._projection_norm_sites(i, x, norm, heads, rot, qkv)
+        if qkv.kv_from is not None:  # another layer's keys and values: no points here
+            return
         self.add_site(ProjectionSite(get(qkv.v), v, n_kv, state))
+        if qkv.v_norm is not None:
+            self._projection_norm_sites(i, "v", qkv.v_norm, n_kv, None, qkv)
+
+    def _values_from_keys_sites(self, i: int, qkv: SeparateQKV, n_heads: int, n_kv: int) -> None:
+        """``SeparateQKV.values_from_keys``: ``hook_k``/``hook_v`` on the inputs of ``k_norm``/``v_norm``."""
+        pt, get, state = self._block_point(i), self.block_modules[i].get_submodule, self.forward_state
+        if qkv.q_norm is None or qkv.k_norm is None or qkv.v_norm is None:
+            raise UnsupportedModelError("SeparateQKV.values_from_keys needs q_norm, k_norm and v_norm")
+        self.add_site(ProjectionSite(get(qkv.q), pt("attn.hook_q"), n_heads, state))
+        self._projection_norm_sites(i, "q", qkv.q_norm, n_heads, pt("attn.hook_rot_q"), qkv)
+        for x, norm, rot in (("k", qkv.k_norm, pt("attn.hook_rot_k")), ("v", qkv.v_norm, None)):
+            if norm.layout != "bphd":
+                raise UnsupportedModelError("SeparateQKV.values_from_keys needs per-head norms of layout 'bphd'")
+            self.add_site(InputSite(get(norm.module), pt(f"attn.hook_{x}"), protect=True))
+            self._projection_norm_sites(i, x, norm, n_kv, rot, qkv)
 
     def _projection_norm_sites(
         self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint], qkv: SeparateQKV
@@ -360,6 +378,7 @@ class CoreSites:
                 pt("hook_mlp_out"),
                 pt("hook_resid_post"),
                 residual_add=residual_add,
+                continues=bl.more_after_mlp,
             )
         )
 

@@ -40,7 +40,7 @@ from lensadapters.hooks.sites import (
     replace_first_output,
     split_heads,
 )
-from lensadapters.hooks.specs import FusedQKV
+from lensadapters.hooks.specs import FusedQKV, SeparateQKV
 from lensadapters.wiring import weights as _w
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,8 +59,8 @@ class HeadInputSite(Site):
         layer: int,
         attn_in: Optional[HookPoint],
         q_input: HookPoint,
-        k_input: HookPoint,
-        v_input: HookPoint,
+        k_input: Optional[HookPoint],
+        v_input: Optional[HookPoint],
     ) -> None:
         self.hm, self.layer = hm, layer
         self.attn_in, self.q_input, self.k_input, self.v_input = attn_in, q_input, k_input, v_input
@@ -74,9 +74,9 @@ class HeadInputSite(Site):
         if isinstance(self.qkv, FusedQKV):
             self.projections: list[tuple[Optional[int], nn.Module]] = [(None, block.get_submodule(self.qkv.module))]
         else:
-            self.projections = [
-                (i, block.get_submodule(path)) for i, path in enumerate((self.qkv.q, self.qkv.k, self.qkv.v))
-            ]
+            own_kv = self.qkv.kv_from is None and not self.qkv.values_from_keys
+            paths = (self.qkv.q, self.qkv.k, self.qkv.v) if own_kv else (self.qkv.q,)
+            self.projections = [(i, block.get_submodule(path)) for i, path in enumerate(paths)]
 
     @property
     def _pending(self) -> dict:
@@ -97,6 +97,8 @@ class HeadInputSite(Site):
         x = first_input(args, kwargs)
         cfg = self.hm.cfg
         n_heads, n_kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads  # set by HookedConfig
+        if isinstance(self.qkv, SeparateQKV) and self.qkv.kv_heads:
+            n_kv = self.qkv.kv_heads
         base = x.unsqueeze(-2)
         attn_in, attn_changed = None, False
         if self.attn_in is not None and self.attn_in.active:
@@ -105,6 +107,9 @@ class HeadInputSite(Site):
         streams: list[tuple[Tensor, bool]] = []
         for point, heads in ((self.q_input, n_heads), (self.k_input, n_kv), (self.v_input, n_kv)):
             start = attn_in.clone() if attn_changed else base.repeat_interleave(heads, dim=-2)
+            if point is None:  # keys and values from another layer (SeparateQKV.kv_from): nothing to project here
+                streams.append((start, False))
+                continue
             value, changed = point.apply(start, protect=True) if point.active else (start, False)
             streams.append((value, changed or attn_changed))
         if not any(changed for _, changed in streams):
@@ -161,9 +166,13 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
         pre = f"blocks.{layer}."
         anchor = pre + "hook_resid_pre"
         points: dict[str, HookPoint] = {}
+        qkv = hm.qkv_layouts[layer]
+        shared = isinstance(qkv, SeparateQKV) and (qkv.kv_from is not None or qkv.values_from_keys)
         for name in NAMES:
             if name == "hook_attn_in" and cfg.n_key_value_heads != cfg.n_heads:
                 continue  # grouped-query attention: no per-head input feeds a key/value head
+            if shared and name in ("hook_k_input", "hook_v_input"):
+                continue  # keys and values from another layer
             points[name] = hm.new_point(pre + name, after=anchor)
             anchor = pre + name
         sites.append(
@@ -172,8 +181,8 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
                 layer,
                 points.get("hook_attn_in"),
                 points["hook_q_input"],
-                points["hook_k_input"],
-                points["hook_v_input"],
+                points.get("hook_k_input"),
+                points.get("hook_v_input"),
             )
         )
     return sites

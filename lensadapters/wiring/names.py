@@ -48,8 +48,28 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
     def projection(x: str) -> list[str]:  # the projection, rotated right away when no norm follows it
         return [f"attn.hook_{x}"] + ([f"attn.hook_rot_{x}"] if rotary and norms[x] is None else [])
 
+    if qkv.kv_from is not None:  # keys and values are another layer's
+        return projection("q") + after_norm("q")
+    if qkv.values_from_keys:  # hook_k and hook_v at the inputs of their norms, the keys' first
+        return (
+            projection("q")
+            + after_norm("q")
+            + ["attn.hook_k"]
+            + after_norm("k")
+            + ["attn.hook_v"]
+            + (_norm_points("attn.v_norm"))
+        )
     if qkv.norms_after_projections:
         return projection("q") + projection("k") + ["attn.hook_v"] + after_norm("q") + after_norm("k")
+    if qkv.v_norm is not None:  # k and v projected, then the key norm, then the value norm
+        return (
+            projection("q")
+            + after_norm("q")
+            + projection("k")
+            + ["attn.hook_v"]
+            + after_norm("k")
+            + (_norm_points("attn.v_norm"))
+        )
     return projection("q") + after_norm("q") + projection("k") + after_norm("k") + ["attn.hook_v"]
 
 

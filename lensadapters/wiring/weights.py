@@ -138,9 +138,17 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
         W = layout.split(lw.W)[which]
         b = layout.split(lw.b)[which] if lw.b is not None else None
     else:
+        if which and layout.kv_from is not None:
+            raise WeightUnavailableError(
+                f"{('W_K', 'W_V')[which - 1]} of layer {layer}: the layer has no key/value projection, it attends "
+                f"with layer {layout.kv_from}'s keys and values (key/value sharing across layers); read layer "
+                f"{layout.kv_from}'s weights"
+            )
         lw = read_linear(hm, block.get_submodule((layout.q, layout.k, layout.v)[which]), (hm.cfg.d_model, None))
-        W = lw.W.unflatten(-1, (-1, hm.cfg.d_head))
-        b = None if lw.b is None else lw.b.unflatten(-1, (-1, hm.cfg.d_head))
+        # split by the number of heads: a layer's heads may be wider than cfg.d_head (Gemma 4's full layers)
+        heads = hm.cfg.n_heads if which == 0 else layout.kv_heads or hm.cfg.n_key_value_heads or hm.cfg.n_heads
+        W = lw.W.unflatten(-1, (heads, -1))
+        b = None if lw.b is None else lw.b.unflatten(-1, (heads, -1))
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]
     return W, _bias(b, (W.shape[0], W.shape[2]), W)
 

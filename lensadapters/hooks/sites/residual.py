@@ -50,23 +50,23 @@ class ResidualSite(Site):
         mlp_out: HookPoint,
         resid_post: HookPoint,
         residual_add: Optional[nn.Module] = None,
+        continues: bool = False,
     ) -> None:
         self.layer, self.block, self.ln2, self.mlp_out_module, self.state = layer, block, ln2, mlp_out_module, state
-        self.residual_add = residual_add
+        self.residual_add, self.continues = residual_add, continues
 
         self.resid_mid, self.mlp_in, self.mlp_out, self.resid_post = resid_mid, mlp_in, mlp_out, resid_post
         self.points = tuple(p for p in (resid_mid, mlp_in, mlp_out, resid_post) if p is not None)
 
     def _edit_in_mlp(self) -> bool:
-        """Carry resid_mid edits into the block's residual add: only while the block is gradient-checkpointed.
+        """Carry resid_mid edits into the block's residual add: while the block is gradient-checkpointed, or
+        always in a block that continues after that add.
 
         Otherwise the block output is rebuilt as ``edited + mlp_out``, which keeps gradients bit for bit
         (the difference form sums the residual gradient in another order).
         """
-        return (
-            self.residual_add is not None
-            and self.block.training
-            and bool(getattr(self.block, "gradient_checkpointing", False))
+        return self.residual_add is not None and (
+            self.continues or self.block.training and bool(getattr(self.block, "gradient_checkpointing", False))
         )
 
     def wanted(self) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from lensadapters import Architecture, BlockLayout, ModelLayout, UnsupportedModelError, hf
+from lensadapters import Architecture, ModelLayout, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -50,15 +50,7 @@ FAMILY = hf.DecoderFamily(
     packages=("gemma2",),
     norms=("Gemma2RMSNorm",),
     norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
-    block=BlockLayout(
-        ln1="input_layernorm",
-        attn="self_attn",
-        o_proj="self_attn.o_proj",
-        ln2="pre_feedforward_layernorm",
-        mlp="mlp",
-        ln1_post="post_attention_layernorm",
-        ln2_post="post_feedforward_layernorm",
-    ),
+    block=hf.SANDWICH_BLOCK,
 )
 
 

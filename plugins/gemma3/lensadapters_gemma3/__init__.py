@@ -61,15 +61,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 NORMS = ("Gemma3RMSNorm",)
 TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
 
-_BLOCK = BlockLayout(
-    ln1="input_layernorm",
-    attn="self_attn",
-    o_proj="self_attn.o_proj",
-    ln2="pre_feedforward_layernorm",
-    mlp="mlp",
-    ln1_post="post_attention_layernorm",
-    ln2_post="post_feedforward_layernorm",
-)
+_BLOCK = hf.SANDWICH_BLOCK
 _QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # the norms see [b, heads, p, d_head]: the attention module transposes before normalizing
 _QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd"))

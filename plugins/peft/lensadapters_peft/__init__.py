@@ -237,8 +237,17 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
                 points = [_new_point_before(hooked, pre + "attn.hook_q", pre + n) for _, n in QKV_POINTS]
                 sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
         else:
-            heads = (cfg.n_heads, cfg.n_key_value_heads, cfg.n_key_value_heads)
-            for (short, name), path, h in zip(QKV_POINTS, (qkv.q, qkv.k, qkv.v), heads):
+            n_kv = qkv.kv_heads or cfg.n_key_value_heads
+            heads = (cfg.n_heads, n_kv, n_kv)
+            # kv_from: another layer's k/v; values_from_keys: one projection (its delta point is hook_k's)
+            paths = (
+                (qkv.q,)
+                if qkv.kv_from is not None
+                else (qkv.q, qkv.k)
+                if qkv.values_from_keys
+                else (qkv.q, qkv.k, qkv.v)
+            )
+            for (short, name), path, h in zip(QKV_POINTS, paths, heads):
                 module = get(path)
                 if is_lora_linear(module):
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)

@@ -18,7 +18,8 @@ The AtP* corrections of Kramár et al. 2024 are options:
   this run's keys or queries, this run's scores otherwise, one softmax per patched key position) and only the
   pattern's effect on the metric is linearized: ``sum (pattern_patched - pattern) . d metric / d pattern``. It needs
   attention scores that are ``scale * q . k`` (plus masking), which is checked on the run: softcapped or biased
-  scores (Gemma 2's softcap, ALiBi) are refused with that reason.
+  scores (Gemma 2's softcap, ALiBi) are refused with that reason, and so are query/key norms over all heads together
+  (OLMo 2's), where patching one head's queries changes every head's.
 * ``grad_drop=True``: the gradient is taken ``n_layers`` more times, each with the gradient flowing through one
   block's residual contributions (``hook_attn_out`` and ``hook_mlp_out``) set to zero, and the score is
   ``1 / (n_layers - 1) * sum over layers of |estimate with that layer dropped|``: a node whose effect cancels
@@ -260,6 +261,12 @@ class Attribution:
             )
         by_pos = axes[0] == "pos"
         base, other = self.base, self.other
+        norm = base.get(f"blocks.{layer}.attn.{which}_norm.hook_scale")
+        if norm is not None and norm.dim() == 3:  # [b, p, 1]: one norm over every head's queries (or keys)
+            raise QKFixUnavailable(
+                f"qk_fix patches one head's {'queries' if which == 'q' else 'keys'}, but layer {layer}'s {which}_norm "
+                f"normalizes every head's together (patching one head changes the others'): pass qk_fix=False"
+            )
         q_name, k_name = _qk_names(self.model, layer)
         q, k = base[q_name].double(), base[k_name].double()  # [b, p, h, d], [b, p, kv, d]
         scores = base[f"blocks.{layer}.attn.hook_attn_scores"].double()  # [b, h, dest, src]
@@ -398,6 +405,8 @@ def attribute(
         if qk_fix and name in ("q", "k"):
             for layer in range(cfg.n_layers):
                 values += [*_qk_names(model, layer), f"blocks.{layer}.attn.hook_attn_scores"]
+                norm = f"blocks.{layer}.attn.{name}_norm.hook_scale"
+                values += [norm] if norm in model.hook_dict else []
                 values.append(f"blocks.{layer}.attn.hook_pattern")
                 grads.append(f"blocks.{layer}.attn.hook_pattern")
     values, grads = list(dict.fromkeys(values)), list(dict.fromkeys(grads))

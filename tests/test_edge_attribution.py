@@ -8,25 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lensadapters import HookedModel, attribution
+from lensadapters import attribution
 from lensadapters import edge_attribution as eap
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
 
 
 def setup(arch: str, seed: int = 0):
-    model = tiny(arch, seed)
-    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
-    hm = HookedModel.wrap(model if experts else model.double())  # grouped-GEMM experts run in float32 only
-    generator = torch.Generator().manual_seed(seed)
-    clean = torch.randint(0, hm.cfg.d_vocab, (2, 5), generator=generator)
-    corrupted = clean.clone()
-    corrupted[:, 1] = (clean[:, 1] + 7) % hm.cfg.d_vocab
-    answers = clean[:, -1]
-
-    def metric(logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1].log_softmax(-1)[torch.arange(2), answers].sum()
-
-    return hm, clean, corrupted, metric
+    return patching_pair(arch, seed)
 
 
 def node_delta(hm, clean, corrupted, node) -> torch.Tensor:

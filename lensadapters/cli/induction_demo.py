@@ -382,7 +382,8 @@ def require_matplotlib() -> None:
 
 
 def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, path: str) -> str:
-    """The induction head's and the previous-token head's attention patterns on one sequence, as a PNG."""
+    """The induction head's and the previous-token head's attention patterns on one sequence and, where measured,
+    every head's share of the behaviour by activation patching, attribution patching and EAP, as a PNG."""
     require_matplotlib()
     import matplotlib
 
@@ -398,7 +399,24 @@ def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, p
     names = sorted({f"blocks.{layer}.attn.hook_pattern" for _, (layer, _) in heads})
     with torch.no_grad():
         _, cache = hm.run_with_cache(tokens, names_filter=names, return_type=None)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    methods = [
+        ("activation patching", result.restored),
+        ("attribution patching", result.attributed),
+        ("EAP (outgoing edges)", result.eap_heads),
+    ]
+    methods = [(name, scores) for name, scores in methods if scores is not None]
+    fig, axes = plt.subplots(1, 3 if len(methods) > 1 else 2, figsize=(15 if len(methods) > 1 else 10, 4.6))
+    if len(methods) > 1:
+        ax = axes[2]
+        labels = [_label((layer, h)) for layer in range(result.n_layers) for h in range(result.n_heads)]
+        width = 0.8 / len(methods)
+        for i, (name, scores) in enumerate(methods):
+            x = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(x, (100 * scores.flatten()).tolist(), width, label=name)
+        ax.set_xticks(range(len(labels)), labels, rotation=90)
+        ax.set_ylabel("% of the copy's log-probability restored")
+        ax.set_title("each head's share, three ways")
+        ax.legend(fontsize=8)
     for ax, (title, (layer, head)) in zip(axes, heads):
         pattern = cache["pattern", layer][0, head].float().numpy()
         ax.imshow(pattern, cmap="viridis", vmin=0, vmax=1)

@@ -399,12 +399,12 @@ def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, p
     names = sorted({f"blocks.{layer}.attn.hook_pattern" for _, (layer, _) in heads})
     with torch.no_grad():
         _, cache = hm.run_with_cache(tokens, names_filter=names, return_type=None)
-    methods = [
+    measured = [
         ("activation patching", result.restored),
         ("attribution patching", result.attributed),
         ("EAP (outgoing edges)", result.eap_heads),
     ]
-    methods = [(name, scores) for name, scores in methods if scores is not None]
+    methods = [(name, scores) for name, scores in measured if scores is not None]
     fig, axes = plt.subplots(1, 3 if len(methods) > 1 else 2, figsize=(15 if len(methods) > 1 else 10, 4.6))
     if len(methods) > 1:
         ax = axes[2]

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from lensadapters.adapters.registry import Registry, get_registry
+from lensadapters.analysis.attribution import get_attr_patch_attn_head_out_all_pos
+from lensadapters.analysis.edge_attribution import EdgeScores, edge_attribution, smallest_circuit
 from lensadapters.analysis.head_detector import detect_head
 from lensadapters.analysis.patching import get_act_patch_attn_head_out_all_pos
 from lensadapters.api.hooked_model import HookedModel
@@ -34,6 +36,7 @@ from lensadapters.cli.extras import plugin_extras
 
 START = 0  # the start-of-sequence token; random tokens are drawn from 1 .. vocab - 1
 INDUCTION_SCORE = 0.3  # detect_head score from which a head counts as an induction head
+CIRCUIT_SHARE = 0.8  # the share of the clean-minus-corrupted gap the circuit EAP extracts must keep
 
 
 @dataclass
@@ -53,6 +56,15 @@ class InductionResult:
     previous_head: tuple[int, int] = (0, 0)
     confirmed: bool = False
     plot: Optional[str] = None
+    # attribution patching (one backward) of the same heads, as a share of the gap like `restored`
+    attributed: Optional[torch.Tensor] = None
+    # edge attribution patching: every edge's score, each head's outgoing edges summed (a share of the gap), and the
+    # fewest top edges that keep CIRCUIT_SHARE of the gap with every other edge patched from the corrupted run
+    edges: Optional[EdgeScores] = None
+    eap_heads: Optional[torch.Tensor] = None
+    circuit: Optional[torch.Tensor] = None  # bool [upstream, downstream] (edges.upstream / edges.downstream)
+    circuit_edges: int = 0
+    circuit_recovered: float = float("nan")
 
 
 def repeated_sequences(
@@ -218,6 +230,15 @@ def run(
             )
         gap = clean_score - corrupted_score
         restored = (patched - corrupted_score) / gap
+        # the same question by gradients: attribution patching (each head's hook_z) and EAP (every edge)
+        attributed = get_attr_patch_attn_head_out_all_pos(hm, clean, corrupted, metric, progress=False) / gap
+        edges = edge_attribution(hm, clean, corrupted, metric, progress=False)
+        eap_heads = torch.zeros_like(restored)
+        for node, score in edges.node_scores().items():
+            if node.startswith("A") and "." in node:
+                layer, head = (int(x) for x in node[1:].split("."))
+                eap_heads[layer, head] = score / float(gap)
+        circuit, kept = smallest_circuit(hm, clean, corrupted, metric, edges, CIRCUIT_SHARE, progress=False)
         others = [
             restored[layer, h].item()
             for layer in range(hm.cfg.n_layers)
@@ -241,6 +262,12 @@ def run(
             heads,
             _argmax(previous),
             confirmed,
+            attributed=attributed.float(),
+            edges=edges,
+            eap_heads=eap_heads.float(),
+            circuit=circuit,
+            circuit_edges=kept.edges,
+            circuit_recovered=kept.recovered,
         )
         if plot is not None:
             result.plot = write_plot(hm, probe, result, plot)
@@ -312,6 +339,23 @@ def report(result: InductionResult, echo: Callable[[str], None] = print) -> None
         f"{_best_other(result.restored, heads, percent=True)}; the induction heads together "
         f"{100 * result.restored_together:.0f}%"
     )
+    if result.attributed is not None and result.eap_heads is not None and result.edges is not None:
+        attributed = ", ".join(f"{_label(h)} {100 * result.attributed[h].item():.0f}%" for h in heads)
+        error = (result.attributed - result.restored).abs().max().item()
+        corr = torch.corrcoef(torch.stack([result.attributed.flatten(), result.restored.flatten()]))[0, 1].item()
+        echo(
+            f"  attribution patching (one backward): {attributed or '-'}; best other head "
+            f"{_best_other(result.attributed, heads, percent=True)}; against activation patching: correlation "
+            f"{corr:.2f}, largest difference {100 * error:.0f} points"
+        )
+        eap = ", ".join(f"{_label(h)} {100 * result.eap_heads[h].item():.0f}%" for h in heads)
+        top = "; ".join(f"{u} -> {d}" for u, d, _ in result.edges.edges()[:3])
+        echo(
+            f"  edge attribution patching (EAP, one backward, {int(result.edges.valid.sum())} edges): heads' outgoing "
+            f"edges {eap or '-'}; best other head {_best_other(result.eap_heads, heads, percent=True)}; top edges "
+            f"{top}; a circuit of the top {result.circuit_edges} edges (every other edge patched from the corrupted "
+            f"run) keeps {100 * result.circuit_recovered:.0f}%"
+        )
     if result.confirmed:
         names = ", ".join(_label(h) for h in heads)
         echo(
@@ -338,7 +382,8 @@ def require_matplotlib() -> None:
 
 
 def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, path: str) -> str:
-    """The induction head's and the previous-token head's attention patterns on one sequence, as a PNG."""
+    """The induction head's and the previous-token head's attention patterns on one sequence and, where measured,
+    every head's share of the behaviour by activation patching, attribution patching and EAP, as a PNG."""
     require_matplotlib()
     import matplotlib
 
@@ -354,7 +399,24 @@ def write_plot(hm: HookedModel, tokens: torch.Tensor, result: InductionResult, p
     names = sorted({f"blocks.{layer}.attn.hook_pattern" for _, (layer, _) in heads})
     with torch.no_grad():
         _, cache = hm.run_with_cache(tokens, names_filter=names, return_type=None)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    measured = [
+        ("activation patching", result.restored),
+        ("attribution patching", result.attributed),
+        ("EAP (outgoing edges)", result.eap_heads),
+    ]
+    methods = [(name, scores) for name, scores in measured if scores is not None]
+    fig, axes = plt.subplots(1, 3 if len(methods) > 1 else 2, figsize=(15 if len(methods) > 1 else 10, 4.6))
+    if len(methods) > 1:
+        ax = axes[2]
+        labels = [_label((layer, h)) for layer in range(result.n_layers) for h in range(result.n_heads)]
+        width = 0.8 / len(methods)
+        for i, (name, scores) in enumerate(methods):
+            x = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(x, (100 * scores.flatten()).tolist(), width, label=name)
+        ax.set_xticks(range(len(labels)), labels, rotation=90)
+        ax.set_ylabel("% of the copy's log-probability restored")
+        ax.set_title("each head's share, three ways")
+        ax.legend(fontsize=8)
     for ax, (title, (layer, head)) in zip(axes, heads):
         pattern = cache["pattern", layer][0, head].float().numpy()
         ax.imshow(pattern, cmap="viridis", vmin=0, vmax=1)

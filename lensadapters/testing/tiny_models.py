@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lensadapters import get_registry
+from lensadapters import HookedModel, get_registry
 from lensadapters.testing import reinit
 from lensadapters.testing.tl_reference import word_tokenizer
 
@@ -61,3 +61,22 @@ def needs(model_type: str) -> Any:
 def tokenizer(vocab: int, adds_bos: bool = False) -> Any:
     """A word-level tokenizer over ``w0 .. w{vocab-1}`` (cached per kind; see ``reference.word_tokenizer``)."""
     return word_tokenizer(vocab, adds_bos=adds_bos)
+
+
+def patching_pair(arch_name: str, seed: int = 0) -> tuple[Any, torch.Tensor, torch.Tensor, Callable[..., Any]]:
+    """``(hm, clean, corrupted, metric)`` for the attribution tests: the plugin's tiny model wrapped, in float64 unless
+    it is a mixture of experts (grouped-GEMM experts run in float32 only); two prompts of 5 tokens whose second token
+    differs; the clean answers' summed log-probability at the last position."""
+    model = tiny(arch_name, seed)
+    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    hm = HookedModel.wrap(model if experts else model.double())
+    generator = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, hm.cfg.d_vocab, (2, 5), generator=generator)
+    corrupted = clean.clone()
+    corrupted[:, 1] = (clean[:, 1] + 7) % hm.cfg.d_vocab
+    answers = clean[:, -1]
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1].log_softmax(-1)[torch.arange(2), answers].sum()
+
+    return hm, clean, corrupted, metric

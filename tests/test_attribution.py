@@ -1,0 +1,174 @@
+"""lensadapters.attribution: each score is the derivative of the patched metric (checked against a patch scaled by a
+parameter and differentiated, on every installed architecture, float64 where the model runs in it); the QK fix's
+pattern is the patched run's; GradDrop drops what it says; experts add up to their MLP. Agreement with activation
+patching on a trained model is in test_induction_demo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lensadapters import attribution
+from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
+
+
+def setup(arch: str, seed: int = 0):
+    return patching_pair(arch, seed)
+
+
+def tolerance(hm) -> float:
+    return 1e-9 if hm.cfg.dtype == torch.float64 else 1e-4
+
+
+def derivative(hm, tokens, metric, name: str, delta: torch.Tensor, where, extra=()) -> float:
+    """d/da metric(run on tokens with ``delta * a`` added to ``name`` at ``where``), at a = 0."""
+    a = torch.zeros((), dtype=torch.float64, requires_grad=True)
+
+    def add(x: torch.Tensor, hook) -> torch.Tensor:
+        x = x.clone()
+        x[where] = x[where] + (a * delta).to(x.dtype)
+        return x
+
+    with torch.enable_grad():
+        value = metric(hm.run_with_hooks(tokens, fwd_hooks=[(name, add), *extra], return_type="logits"))
+        return float(torch.autograd.grad(value, a)[0])
+
+
+@pytest.mark.parametrize(
+    ("arch", "at"), [(a, "corrupted") for a in ARCH_NAMES] + [(a, "clean") for a in ARCH_NAMES[::5]]
+)
+def test_a_score_is_the_derivative_of_the_metric_along_the_patch(arch: str, at: str) -> None:
+    hm, clean, corrupted, metric = setup(arch)
+    dense = "blocks.0.mlp.hook_post" in hm.hook_dict  # (a mixture of experts has per-expert neurons)
+    names = ["z", "resid_pre", "mlp_out"] + (["post"] if dense else [])
+    result = attribution.attribute(hm, clean, corrupted, metric, names, at=at, progress=False)
+    base = corrupted if at == "corrupted" else clean
+    heads = result.scores("z", ("layer", "head"))
+    resid = result.scores("resid_pre", ("layer", "pos"))
+    assert heads.shape == (hm.cfg.n_layers, hm.cfg.n_heads) and resid.shape == (hm.cfg.n_layers, 5)
+    table = {"attn.hook_z": heads, "hook_resid_pre": resid, "hook_mlp_out": result.scores("mlp_out", ("layer", "pos"))}
+    checks = [("attn.hook_z", (layer, h), (slice(None), slice(None), h)) for layer in range(2) for h in (0, 3)]
+    checks += [("hook_resid_pre", (layer, 1), (slice(None), 1)) for layer in range(2)]
+    checks += [("hook_mlp_out", (0, 4), (slice(None), 4))]
+    if dense:
+        table["mlp.hook_post"] = result.scores("post", ("layer", "neuron"))
+        checks += [("mlp.hook_post", (1, 2), (slice(None), slice(None), 2))]
+    for point, index, where in checks:
+        name = f"blocks.{index[0]}.{point}"
+        delta = (result.clean[name] - result.corrupted[name])[where].double()
+        expected = derivative(hm, base, metric, name, delta, where)
+        assert abs(table[point][index].item() - expected) <= tolerance(hm) * max(1.0, abs(expected)), (name, index)
+    assert resid[0, 0].abs() < 1e-12 and resid[0, 1].abs() > 0  # only the corrupted position differs at the input
+    assert resid.abs().sum() > 0 and heads.abs().sum() > 0
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
+    """Where the scores are scale * q.k the fixed estimate is sum (pattern of the patched run - pattern) . gradient,
+    the patched run's pattern read from a real patched forward; elsewhere the fix is refused with the reason."""
+    hm, clean, corrupted, metric = setup(arch)
+    cfg = hm.cfg
+    plain = getattr(cfg, "attn_scores_soft_cap", -1) in (None, -1) and cfg.positional_embedding_type != "alibi"
+    shared_norm = (
+        "blocks.0.attn.q_norm.hook_scale" in hm.hook_dict
+        and hm.run_with_cache(clean, names_filter="blocks.0.attn.q_norm.hook_scale")[1][
+            "blocks.0.attn.q_norm.hook_scale"
+        ].dim()
+        == 3
+    )  # one norm over every head's queries
+    plain = plain and not shared_norm
+    try:
+        result = attribution.attribute(hm, clean, corrupted, metric, ["q", "k"], qk_fix=True, progress=False)
+        fixed = {w: result.scores(w, ("layer", "pos", "head"), qk_fix=True) for w in "qk"}
+        whole = {w: result.scores(w, ("layer", "head"), qk_fix=True) for w in "qk"}
+    except attribution.QKFixUnavailable as error:
+        assert not plain, error
+        assert "pass qk_fix=False" in str(error)
+        hm.unwrap()
+        return
+    layer = cfg.n_layers - 1
+    pattern_name = f"blocks.{layer}.attn.hook_pattern"
+    gradient = result.grads[0][pattern_name].double()
+    for which in "qk":
+        name = f"blocks.{layer}.attn.hook_{which}"
+        for pos in (None, 1, 4):
+            where = (slice(None), slice(None) if pos is None else pos, 0)
+            seen = {}
+
+            def patch(x: torch.Tensor, hook, where=where, name=name) -> torch.Tensor:
+                x = x.clone()
+                x[where] = result.clean[name][where]
+                return x
+
+            def read(x: torch.Tensor, hook, seen=seen) -> None:
+                seen["pattern"] = x.detach().double()
+
+            with torch.no_grad():
+                hm.run_with_hooks(corrupted, fwd_hooks=[(name, patch), (pattern_name, read)], return_type="logits")
+            expected = float(((seen["pattern"] - result.corrupted[pattern_name].double()) * gradient).sum())
+            got = whole[which][layer, 0] if pos is None else fixed[which][layer, pos, 0]
+            assert abs(float(got) - expected) <= 1e-5 * max(1.0, abs(expected)), (which, pos, float(got), expected)
+    assert fixed["k"].shape == (cfg.n_layers, 5, cfg.n_key_value_heads)  # keys: one score per key/value head
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES[:3])
+def test_grad_drop_averages_the_magnitudes_with_each_blocks_gradient_dropped(arch: str) -> None:
+    hm, clean, corrupted, metric = setup(arch)
+    n = hm.cfg.n_layers
+    plain = attribution.attribute(hm, clean, corrupted, metric, "z", progress=False).scores("z", ("layer", "head"))
+    dropped = attribution.get_attr_patch_attn_head_out_all_pos(hm, clean, corrupted, metric, grad_drop=True)
+    # a head of the last block: dropping an earlier block leaves its gradient, dropping its own zeroes it
+    assert torch.allclose(dropped[-1], plain[-1].abs() * (n - 1) / (n - 1), atol=1e-12)
+    # a head of the first block: its own block's drop gives 0, each later block's drop a gradient that does not flow
+    # through that block (computed here by detaching the block's outputs in the forward instead)
+    name = "blocks.0.attn.hook_z"
+    result = attribution.attribute(hm, clean, corrupted, metric, "z", progress=False)
+    delta = (result.clean[name] - result.corrupted[name])[:, :, 0].double()
+    where = (slice(None), slice(None), 0)
+    expected = 0.0
+    for layer in range(1, n):
+        detach = [(f"blocks.{layer}.hook_{w}", lambda x, hook: x.detach()) for w in ("attn_out", "mlp_out")]
+        expected += abs(derivative(hm, corrupted, metric, name, delta, where, detach))
+    assert abs(dropped[0, 0].item() - expected / (n - 1)) <= 1e-9 * max(1.0, expected)
+    assert (dropped >= 0).all()
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_expert_scores_add_up_to_their_mlp(arch: str) -> None:
+    hm, clean, corrupted, metric = setup(arch)
+    if not hm.cfg.num_experts:
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            attribution.attribute(hm, clean, corrupted, metric, "experts", progress=False)
+        hm.unwrap()
+        return
+    result = attribution.attribute(hm, clean, corrupted, metric, ["experts", "mlp_out"], progress=False)
+    experts = result.scores("experts", ("layer", "expert"))
+    assert experts.shape == (hm.cfg.n_layers, hm.cfg.num_experts)
+    mlp = result.scores("mlp_out", ("layer",))
+    assert torch.allclose(experts.sum(-1), mlp, atol=1e-4, rtol=1e-4), (experts.sum(-1), mlp)
+    assert (experts != 0).sum() > hm.cfg.n_layers  # several experts per layer take part
+    hm.unwrap()
+
+
+def test_clear_errors() -> None:
+    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    with pytest.raises(ValueError, match="one number"):
+        attribution.attribute(hm, clean, corrupted, lambda logits: logits[:, -1, 0], "z", progress=False)
+    with pytest.raises(ValueError, match="queries and keys"):
+        attribution.get_attr_patch_attn_head_v_all_pos(hm, clean, corrupted, metric, qk_fix=True)
+    with pytest.raises(ValueError, match="no such hook point"):
+        attribution.attribute(hm, clean, corrupted, metric, "hook_nothing", progress=False)
+    with pytest.raises(ValueError, match="at must be"):
+        attribution.attribute(hm, clean, corrupted, metric, "z", at="middle", progress=False)
+    hm.unwrap()
+
+
+def test_parameters_get_no_gradient_and_the_sweep_shows_progress(capsys) -> None:
+    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    attribution.get_attr_patch_attn_head_out_all_pos(hm, clean, corrupted, metric)
+    assert "attribution patching" in capsys.readouterr().err
+    assert all(p.grad is None for p in hm.hf_model.parameters())
+    hm.unwrap()

@@ -67,8 +67,9 @@ def test_head_inputs_cost_nothing_unhooked_and_identity_edits_are_bitwise(arch: 
     with torch.no_grad():
         reference = hm(ids).logits
         _, cache = hm.run_with_cache(ids)  # default caching leaves the [b, p, h, d_model] inputs out
-        assert not any(key.endswith(("_input", "attn_in")) for key in cache)
-        names = [n for n in hm.hook_names if n.endswith(("hook_attn_in", "_input"))]
+        head_inputs = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+        assert not any(key.endswith(head_inputs) for key in cache)
+        names = [n for n in hm.hook_names if n.endswith(head_inputs)]
         logits = hm.run_with_hooks(ids, fwd_hooks=[(n, lambda x, hook: x.clone()) for n in names])
     assert torch.equal(logits, reference)
     assert hook_count(model) == before

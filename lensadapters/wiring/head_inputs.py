@@ -125,12 +125,13 @@ class HeadInputSite(Site):
             diff = normalize(value) - reference
             diff = torch.where(edited_rows, diff, diff - diff.detach())
             W = _w.layer_weight(self.hm, ("W_Q", "_W_K", "_W_V")[which], self.layer)  # [heads, d_model, d_head], live
-            self._pending[which] = torch.einsum("...hd,hde->...he", diff, W.float())
+            wide = _wide(W.dtype)  # float32 for the low-precision dtypes, the model's own where it is wider
+            self._pending[which] = torch.einsum("...hd,hde->...he", diff.to(wide), W.to(wide))
         return None
 
     def _normalizer(self) -> Any:
         if self.norm is None:
-            return lambda t: t.float()
+            return lambda t: t.to(_wide(t.dtype))
         spec = self.hm.norm_spec(self.norm)
         return lambda t: norms.apply_norm(t, spec)
 
@@ -141,7 +142,7 @@ class HeadInputSite(Site):
                 return None
             out = first_output(output)
             shaped = split_heads(out, delta.shape[-2])
-            return replace_first_output(output, merge_heads((shaped.float() + delta).to(out.dtype)))
+            return replace_first_output(output, merge_heads((shaped.to(delta.dtype) + delta).to(out.dtype)))
 
         return hook
 
@@ -151,9 +152,15 @@ class HeadInputSite(Site):
         out = first_output(output)
         parts = list(self.qkv.split(out))
         for which, delta in self._pending.items():
-            parts[which] = (parts[which].float() + delta).to(out.dtype)
+            parts[which] = (parts[which].to(delta.dtype) + delta).to(out.dtype)
         self._pending.clear()
         return replace_first_output(output, self.qkv.merge(*parts))
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an edit's change is computed in: at least float32 (bf16/fp16 models), never narrower than the model
+    (a float64 model's edits stay exact to float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def head_input_sites(hm: "Hooked") -> list[Site]:

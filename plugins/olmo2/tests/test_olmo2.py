@@ -109,3 +109,23 @@ def test_bfloat16_rotary_is_bitwise():
     assert cache["rot_q", 0].dtype == torch.bfloat16 and cache["rot_k", 0].dtype == torch.bfloat16
     assert torch.equal(logits, reference) and torch.equal(identity, reference)
     hm.unwrap()
+
+
+def test_head_input_edits_of_a_float64_model_are_exact_to_float64():
+    """No norm sits between the block input and the projections here, so editing every head's query/key/value input
+    by a vector is, at the projections, the same edit of ``hook_resid_pre``: equal to float64 rounding (an edit's change
+    is computed in the model's dtype where that is wider than float32; it was float32, 2e-7 off)."""
+    hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(n_heads=4, n_kv=2, hidden=32), 0).double())
+    ids, mask = tokens()
+    noise = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    projections = [f"blocks.0.attn.hook_{side}" for side in "qkv"]
+    inputs = [f"blocks.0.hook_{side}_input" for side in "qkv"]
+    with torch.no_grad():
+        with hm.hooks([(name, lambda t, hook: t + noise) for name in inputs]):
+            _, by_heads = hm.run_with_cache(ids, attention_mask=mask, names_filter=projections)
+        with hm.hooks([("blocks.0.hook_resid_pre", lambda t, hook: t + noise)]):
+            _, by_stream = hm.run_with_cache(ids, attention_mask=mask, names_filter=projections)
+    for name in projections:
+        assert by_heads[name].dtype == torch.float64
+        torch.testing.assert_close(by_heads[name], by_stream[name], rtol=1e-12, atol=1e-12)
+    hm.unwrap()

@@ -1,45 +1,184 @@
-"""A plugin declared from a :class:`lensadapters.hf.DecoderFamily`: :class:`DecoderPlugin` derives the adapter hooks
-of a Llama-shaped family from its description plus the family's quirks, and :func:`toy_config` builds the toy models
-such plugins answer ``lensadapters_tiny_config`` with. Both are exported by :mod:`lensadapters.hf`.
+"""The declarative description of a Llama-shaped decoder family and the plugin derived from it:
+:class:`DecoderFamily` (what a family changes of the common shape), :class:`DecoderPlugin` (the adapter hooks of a
+family, derived from its description plus its quirks) and :func:`toy_config` (the toy models such plugins answer
+``lensadapters_tiny_config`` with). All three are exported by :mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional
 
 from torch import nn
 
+from lensadapters.adapters.hf_helpers import (
+    DECODER_BLOCK,
+    DECODER_QKV,
+    ROTATE_HALF_ROPE_TYPES,
+    SWIGLU_MLP,
+    base_path,
+    head_dim,
+    join,
+    n_kv_heads,
+    norm_spec_for,
+    require_attention_implementation,
+    require_head_shapes,
+    require_modules,
+    require_rope_types,
+    require_transformers_class,
+    rope_theta,
+    rope_type,
+    unembed_path,
+)
 from lensadapters.adapters.hookspecs import hookimpl
-from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, NormSpec, QKVLayout
+from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.specs import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    QKVLayout,
+    RotarySpec,
+    SeparateQKV,
+)
+
+__all__ = ["DecoderFamily", "DecoderPlugin", "toy_config"]
 
 
-class DecoderFamily(Protocol):
-    """What a :class:`DecoderPlugin` reads of its family: the members of :class:`lensadapters.hf.DecoderFamily`
-    (a protocol here, so this module does not import the description module that re-exports it)."""
+@dataclass(frozen=True)
+class DecoderFamily:
+    """The description of a family shaped like transformers' Llama: ``<Family>Model`` with ``embed_tokens``,
+    ``layers``, ``norm`` and ``rotary_emb``; blocks with ``self_attn.{q,k,v,o}_proj`` and RoPE on the rotary
+    module's ``(cos, sin)``; RMSNorm. Fields say what a family changes; the methods answer the adapter hooks::
 
-    @property
-    def norms(self) -> tuple[str, ...]: ...
+        FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
 
-    @property
-    def block(self) -> BlockLayout: ...
+        @hookimpl
+        def lensadapters_embed(arch, model):
+            return FAMILY.embed(model)
+    """
+
+    family: str
+    """The name in messages ("Mistral")."""
+    model_type: str
+    """``cfg.model_type``."""
+    packages: Optional[tuple[str, ...]] = None
+    """``transformers.models.<package>`` modules whose classes are accepted (custom code registered under the same
+    ``model_type`` is refused); ``None`` accepts any class with the layout."""
+    norms: tuple[str, ...] = ()
+    """RMSNorm class names described by :meth:`norm_spec`."""
+    norm_weight_offset: float = 0.0
+    """1.0 for Gemma-style ``x / rms * (1 + weight)`` norms."""
+    block: BlockLayout = DECODER_BLOCK
+    qkv: tuple[str, str, str] = DECODER_QKV
+    qk_norms: Optional[tuple[ProjectionNorm, ProjectionNorm]] = None
+    """Norms on the query and key projections, between projection and RoPE."""
+    mlp: Optional[MLPLayout] = SWIGLU_MLP
+    """``None`` when the plugin describes the MLP itself (mixture of experts)."""
+    rotary: Callable[[int], RotarySpec] = rotate_half_spec
+    """The rotation of a head of the given size."""
+    rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
+    attention: Optional[tuple[str, ...]] = None
+    """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
+    the pattern ones)."""
+
+    def base(self, model: nn.Module) -> str:
+        """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
+        return base_path(model, self.family)
+
+    def layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.get_submodule(join(self.base(model), "layers")))
+
+    def rope_type(self, model: nn.Module) -> str:
+        return rope_type(model.get_submodule(join(self.base(model), "rotary_emb")))
+
+    def layer_paths(self) -> tuple[str, ...]:
+        """The submodules every layer must have."""
+        b = self.block
+        paths = [b.ln1, b.attn, b.o_proj, b.ln2, b.mlp, b.ln1_post, b.ln2_post, *self.qkv]
+        paths += [n.module for n in self.qk_norms or ()]
+        if self.mlp is not None:
+            paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
+        return tuple(p for p in paths if p is not None)
 
     def validate(
         self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
-    ) -> list[nn.Module]: ...
+    ) -> list[nn.Module]:
+        """Refuse a model this description does not fit (class, layout, rope type, attention implementation, head
+        shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks."""
+        if self.packages is not None:
+            require_transformers_class(model, self.family, self.packages)
+        layers = require_modules(
+            model,
+            self.base(model),
+            self.family,
+            ("embed_tokens", "norm", "rotary_emb"),
+            self.layer_paths(),
+            missing_in_layer=missing_in_layer,
+        )
+        require_rope_types([self.rope_type(model)], self.rope_types, self.family)
+        if self.attention is not None:
+            require_attention_implementation(model.config, self.attention, self.family)
+        require_head_shapes(model.config, layers[0].get_submodule(self.qkv[0]))
+        return layers
 
-    def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig: ...
+    def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig:
+        """``hm.cfg``: the fields every such family shares (rotary, RMS, gated MLP, the config's sizes), then
+        ``fields``; ``extra`` holds ``rope_theta``, ``rope_type``, ``tie_word_embeddings`` and ``extra``."""
+        c = model.config
+        # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
+        readers: dict[str, Callable[[], Any]] = dict(
+            n_layers=lambda: c.num_hidden_layers,
+            d_model=lambda: c.hidden_size,
+            n_heads=lambda: c.num_attention_heads,
+            d_head=lambda: head_dim(c),
+            d_mlp=lambda: c.intermediate_size,
+            d_vocab=lambda: c.vocab_size,
+            n_ctx=lambda: c.max_position_embeddings,
+            act_fn=lambda: c.hidden_act,
+            normalization_type=lambda: "RMS",
+            positional_embedding_type=lambda: "rotary",
+            model_type=lambda: self.model_type,
+            n_key_value_heads=lambda: n_kv_heads(c),
+            rotary_dim=lambda: head_dim(c),
+            gated_mlp=lambda: True,
+            eps=lambda: c.rms_norm_eps,
+            original_architecture=lambda: type(model).__name__,
+        )
+        shared = {name: read() for name, read in readers.items() if name not in fields}
+        described = {
+            "rope_theta": rope_theta(c),
+            "rope_type": self.rope_type(model),
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+            **(extra or {}),
+        }
+        return HookedConfig(**{**shared, **fields}, extra=described)
 
-    def embed(self, model: nn.Module) -> ModelLayout: ...
+    def dense_mlp(self) -> MLPLayout:
+        """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
+        if self.mlp is None:
+            raise TypeError(f"{self.family} describes its MLP itself (mlp=None)")
+        return self.mlp
 
-    def attn_qkv(self, model: nn.Module) -> QKVLayout: ...
+    def embed(self, model: nn.Module) -> ModelLayout:
+        base = self.base(model)
+        return ModelLayout(
+            blocks=join(base, "layers"),
+            embed=join(base, "embed_tokens"),
+            ln_final=join(base, "norm"),
+            rotary=join(base, "rotary_emb"),
+            unembed=unembed_path(model),
+        )
 
-    def dense_mlp(self) -> Any: ...
+    def attn_qkv(self, model: nn.Module) -> SeparateQKV:
+        q_norm, k_norm = self.qk_norms or (None, None)
+        return SeparateQKV(*self.qkv, rotary=self.rotary(head_dim(model.config)), q_norm=q_norm, k_norm=k_norm)
 
-    def norm_spec(self, module: nn.Module) -> Optional[NormSpec]: ...
-
-
-__all__ = ["DecoderPlugin", "toy_config"]
+    def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
+        return norm_spec_for(module, self.norms, self.norm_weight_offset)
 
 
 def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:

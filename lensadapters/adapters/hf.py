@@ -1,33 +1,41 @@
 """Helpers for plugins of transformers' decoder-only models (``<Family>ForCausalLM`` → ``<Family>Model`` with
 ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``): finding the pieces, reading rope parameters in
-transformers 4.x and 5.x spellings, and the checks that refuse a model a plugin cannot describe.
+transformers 4.x and 5.x spellings, and the checks that refuse a model a plugin cannot describe
+(:mod:`lensadapters.adapters.hf_helpers`).
 
 :class:`DecoderFamily` puts these together for the common shape (pre-norm blocks with ``self_attn.{q,k,v,o}_proj``,
 a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a family declares what differs, and
-:class:`DecoderPlugin` derives its adapter hooks from that declaration.
+:class:`DecoderPlugin` derives its adapter hooks from that declaration
+(:mod:`lensadapters.adapters.decoder_plugin`).
 
 Nothing here names an architecture: plugins pass their own class names, paths and supported values.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
-
-from torch import nn
-
-from lensadapters.adapters.decoder_plugin import DecoderPlugin, toy_config
-from lensadapters.errors import UnsupportedModelError
-from lensadapters.hooks.rotary import rotate_half_spec
-from lensadapters.hooks.specs import (
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    RotarySpec,
-    SeparateQKV,
+from lensadapters.adapters.decoder_plugin import DecoderFamily, DecoderPlugin, toy_config
+from lensadapters.adapters.hf_helpers import (
+    DECODER_BLOCK,
+    DECODER_QKV,
+    ROTATE_HALF_ROPE_TYPES,
+    SWIGLU_MLP,
+    attention_implementation,
+    base_path,
+    head_dim,
+    join,
+    layer_windows,
+    missing_expert_paths,
+    missing_paths,
+    n_kv_heads,
+    norm_spec_for,
+    require_attention_implementation,
+    require_head_shapes,
+    require_modules,
+    require_rope_types,
+    require_transformers_class,
+    rope_parameters,
+    rope_theta,
+    rope_type,
+    unembed_path,
+    window_fields,
 )
 
 __all__ = [
@@ -50,373 +58,11 @@ __all__ = [
     "require_head_shapes",
     "attention_implementation",
     "norm_spec_for",
-    "DecoderFamily",
-    "DecoderPlugin",
-    "toy_config",
     "ROTATE_HALF_ROPE_TYPES",
     "DECODER_BLOCK",
     "DECODER_QKV",
     "SWIGLU_MLP",
+    "DecoderFamily",
+    "DecoderPlugin",
+    "toy_config",
 ]
-
-ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-"""transformers' rope types whose rotation is rotate-half RoPE on the rotary module's ``(cos, sin)``."""
-DECODER_BLOCK = BlockLayout(
-    ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
-)
-DECODER_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-_ATTN_PREFIX = "lensadapters:"
-
-
-def join(prefix: str, name: str) -> str:
-    """``prefix.name`` (just ``name`` at the root)."""
-    return f"{prefix}.{name}" if prefix else name
-
-
-def base_path(model: nn.Module, family: str, attributes: Sequence[str] = ("embed_tokens", "layers")) -> str:
-    """Dotted path of the decoder stack inside ``model`` (the first submodule with all ``attributes``)."""
-    for name, module in model.named_modules():
-        if all(hasattr(module, a) for a in attributes):
-            return name
-    raise UnsupportedModelError(
-        f"{type(model).__name__} has model_type {model.config.model_type!r} but no submodule with "
-        f"{' and '.join(f'`{a}`' for a in attributes)}; the {family} plugin supports transformers' own {family} "
-        f"classes ({family}ForCausalLM, {family}Model)"
-    )
-
-
-def unembed_path(model: nn.Module) -> Optional[str]:
-    """Path of the output embeddings (language-model head), or ``None`` (a bare ``*Model``)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if head is None:
-        return None
-    for name, module in model.named_modules():
-        if module is head:
-            return name
-    return None
-
-
-def rope_parameters(config: Any, layer_type: Optional[str] = None) -> dict:
-    """The rope parameters as one dict (``rope_type``, ``rope_theta``, scaling keys...), from transformers 5.x
-    ``rope_parameters`` (per layer type when ``layer_type`` is given and the dict is nested) or 4.x
-    ``rope_theta``/``rope_scaling``."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        if layer_type is not None and isinstance(params.get(layer_type), dict):
-            params = params[layer_type]
-        out = dict(params)
-        out.setdefault("rope_type", out.get("type", "default"))
-        return out
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.get("type", "default"))
-    theta = getattr(config, "rope_theta", None)
-    if theta is not None:
-        scaling.setdefault("rope_theta", theta)
-    return scaling
-
-
-def rope_theta(config: Any, layer_type: Optional[str] = None) -> Optional[float]:
-    theta = rope_parameters(config, layer_type).get("rope_theta")
-    return float(theta) if theta is not None else None
-
-
-def rope_type(rotary: nn.Module) -> str:
-    """The rope type a transformers rotary-embedding module computes (``"default"`` when it does not say)."""
-    return str(getattr(rotary, "rope_type", "default"))
-
-
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def n_kv_heads(config: Any) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def layer_windows(config: Any) -> list[Optional[int]]:
-    """Each layer's sliding window (``None`` for full attention), from ``config.layer_types``."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    return [window if t == "sliding_attention" and window else None for t in types]
-
-
-def window_fields(windows: Sequence[Optional[int]]) -> dict[str, Any]:
-    """``HookedConfig``'s ``window_size`` (the first window) and ``attn_types`` (TransformerLens' ``"local"``/
-    ``"global"`` per layer, ``None`` when no layer is windowed) for per-layer ``windows``."""
-    windowed = any(w is not None for w in windows)
-    return {
-        "window_size": next((w for w in windows if w is not None), None),
-        "attn_types": tuple("local" if w else "global" for w in windows) if windowed else None,
-    }
-
-
-def missing_paths(module: nn.Module, paths: Iterable[str], prefix: str = "") -> list[str]:
-    """The ``paths`` (each ``prefix + path``) that are not submodules of ``module``."""
-    missing = []
-    for path in paths:
-        try:
-            module.get_submodule(path)
-        except AttributeError:
-            missing.append(prefix + path)
-    return missing
-
-
-def missing_expert_paths(layer: nn.Module, moe: str, projections: Sequence[str]) -> list[str]:
-    """What the mixture of experts at ``moe`` (a path in ``layer``) lacks: its ``gate`` and ``experts``, then each
-    expert's ``projections`` and ``act_fn`` (an ``nn.ModuleList`` of experts) or, for transformers 5's fused
-    experts (under any adapter wrapping them), ``gate_up_proj``, ``down_proj`` and ``act_fn``."""
-    from .layers import innermost_layer  # the registry's adapter wrappers (imported here: it needs the registry)
-
-    missing = missing_paths(layer, (f"{moe}.gate", f"{moe}.experts"))
-    if missing:
-        return missing
-    experts = layer.get_submodule(f"{moe}.experts")
-    if isinstance(experts, nn.ModuleList):
-        needed = (*projections, "act_fn")
-        return [f"{moe}.experts.{e}.{p}" for e, expert in enumerate(experts) for p in needed if not hasattr(expert, p)]
-    experts = innermost_layer(experts)
-    return [f"{moe}.experts.{p}" for p in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, p)]
-
-
-def require_transformers_class(model: nn.Module, family: str, packages: Iterable[str]) -> None:
-    """Refuse a model whose classes are not transformers' own ``transformers.models.<package>`` ones: custom code
-    registered under the same ``model_type`` (``trust_remote_code=True``) may compute something else."""
-    where = type(model).__module__
-    allowed = tuple(f"transformers.models.{p}." for p in packages)
-    if not where.startswith(allowed):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} (from {where}) has model_type {model.config.model_type!r} but is not "
-            f"transformers' own {family} class: custom modeling code registered under the same model_type "
-            f"(trust_remote_code=True) may compute something the {family} plugin does not describe. Load the "
-            f"checkpoint with transformers' implementation (trust_remote_code=False; transformers has {family} "
-            f"built in)"
-        )
-
-
-def require_modules(
-    model: nn.Module,
-    base: str,
-    family: str,
-    model_paths: Sequence[str],
-    layer_paths: Sequence[Optional[str]],
-    layers: str = "layers",
-    missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None,
-) -> list[nn.Module]:
-    """The decoder layers; refuse a model missing any of ``model_paths`` (relative to ``base``) or, in any
-    layer, ``layer_paths`` or what ``missing_in_layer(layer)`` finds missing (paths relative to the layer, for
-    layouts that vary by layer or transformers version)."""
-    missing = []
-    try:
-        blocks = list(model.get_submodule(join(base, layers)))
-    except AttributeError:
-        blocks = []
-    for path in model_paths:
-        try:
-            model.get_submodule(join(base, path))
-        except AttributeError:
-            missing.append(join(base, path))
-    for i, layer in enumerate(blocks):
-        for path in layer_paths:
-            if path is None:  # a layout field the family leaves unset requires nothing
-                continue
-            try:
-                layer.get_submodule(path)
-            except AttributeError:
-                missing.append(f"{join(base, layers)}.{i}.{path}")
-        if missing_in_layer is not None:
-            missing += [f"{join(base, layers)}.{i}.{path}" for path in missing_in_layer(layer)]
-    if missing or not blocks:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has model_type {model.config.model_type!r} but not transformers' {family} layout "
-            f"(missing: {', '.join(missing[:6]) or 'decoder layers'}); the {family} plugin supports transformers' "
-            f"{family} classes"
-        )
-    return blocks
-
-
-def require_rope_types(found: Iterable[str], supported: Sequence[str], family: str) -> None:
-    """Refuse rope types whose rotation is not known to be rotate-half RoPE on the rotary module's (cos, sin)."""
-    for rope_type in dict.fromkeys(found):
-        if rope_type not in supported:
-            raise UnsupportedModelError(
-                f"{family} rope type {rope_type!r} is not supported by the {family} plugin (supported: "
-                f"{', '.join(supported)}): hook_rot_q/hook_rot_k need a rotation known to be rotate-half RoPE on the "
-                f"(cos, sin) the model computes. Every other hook point would work; convert the checkpoint's "
-                f"rope_scaling to a supported type or ask for support of {rope_type!r}"
-            )
-
-
-def require_attention_implementation(config: Any, supported: Sequence[str], family: str) -> None:
-    """Refuse, at wrap time, an attention implementation outside ``supported`` (for a plugin that refuses more than
-    the core, which keeps every hook point but the pattern ones under implementations it cannot read)."""
-    impl = attention_implementation(config)
-    if impl not in supported:
-        raise UnsupportedModelError(
-            f"attention implementation {impl!r} is not supported by the {family} plugin (supported: "
-            f"{', '.join(supported)}; flash and flex attention are untested and pass masks that hook_pattern cannot "
-            f"read). Call model.set_attn_implementation('sdpa') before wrapping"
-        )
-
-
-def require_head_shapes(config: Any, q_proj: nn.Module) -> None:
-    """Refuse a config whose query heads are not a multiple of its key/value heads, or whose heads do not match
-    ``q_proj``'s output width."""
-    n_heads, n_kv = config.num_attention_heads, n_kv_heads(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    q_out = getattr(q_proj, "out_features", None)
-    if isinstance(q_out, int) and q_out != n_heads * head_dim(config):
-        raise UnsupportedModelError(
-            f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim(config)}"
-        )
-
-
-def attention_implementation(config: Any) -> str:
-    """``config._attn_implementation`` without lensadapters' own prefix (``"eager"`` when unset)."""
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    return impl[len(_ATTN_PREFIX) :] if impl.startswith(_ATTN_PREFIX) else impl
-
-
-def norm_spec_for(module: nn.Module, class_names: Iterable[str], weight_offset: float = 0.0) -> Optional[NormSpec]:
-    """A ``NormSpec("RMS", ...)`` for an RMSNorm module of one of ``class_names`` (``eps`` or ``variance_epsilon``),
-    with ``weight_offset`` (1.0 for Gemma-style ``(1 + weight)`` norms); ``None`` for any other module."""
-    if type(module).__name__ not in set(class_names):
-        return None
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    return NormSpec("RMS", float(eps), getattr(module, "weight", None), weight_offset=weight_offset)
-
-
-@dataclass(frozen=True)
-class DecoderFamily:
-    """The description of a family shaped like transformers' Llama: ``<Family>Model`` with ``embed_tokens``,
-    ``layers``, ``norm`` and ``rotary_emb``; blocks with ``self_attn.{q,k,v,o}_proj`` and RoPE on the rotary
-    module's ``(cos, sin)``; RMSNorm. Fields say what a family changes; the methods answer the adapter hooks::
-
-        FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
-
-        @hookimpl
-        def lensadapters_embed(arch, model):
-            return FAMILY.embed(model)
-    """
-
-    family: str
-    """The name in messages ("Mistral")."""
-    model_type: str
-    """``cfg.model_type``."""
-    packages: Optional[tuple[str, ...]] = None
-    """``transformers.models.<package>`` modules whose classes are accepted (custom code registered under the same
-    ``model_type`` is refused); ``None`` accepts any class with the layout."""
-    norms: tuple[str, ...] = ()
-    """RMSNorm class names described by :meth:`norm_spec`."""
-    norm_weight_offset: float = 0.0
-    """1.0 for Gemma-style ``x / rms * (1 + weight)`` norms."""
-    block: BlockLayout = DECODER_BLOCK
-    qkv: tuple[str, str, str] = DECODER_QKV
-    qk_norms: Optional[tuple[ProjectionNorm, ProjectionNorm]] = None
-    """Norms on the query and key projections, between projection and RoPE."""
-    mlp: Optional[MLPLayout] = SWIGLU_MLP
-    """``None`` when the plugin describes the MLP itself (mixture of experts)."""
-    rotary: Callable[[int], RotarySpec] = rotate_half_spec
-    """The rotation of a head of the given size."""
-    rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
-    attention: Optional[tuple[str, ...]] = None
-    """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
-    the pattern ones)."""
-
-    def base(self, model: nn.Module) -> str:
-        """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
-        return base_path(model, self.family)
-
-    def layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.get_submodule(join(self.base(model), "layers")))
-
-    def rope_type(self, model: nn.Module) -> str:
-        return rope_type(model.get_submodule(join(self.base(model), "rotary_emb")))
-
-    def layer_paths(self) -> tuple[str, ...]:
-        """The submodules every layer must have."""
-        b = self.block
-        paths = [b.ln1, b.attn, b.o_proj, b.ln2, b.mlp, b.ln1_post, b.ln2_post, *self.qkv]
-        paths += [n.module for n in self.qk_norms or ()]
-        if self.mlp is not None:
-            paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
-        return tuple(p for p in paths if p is not None)
-
-    def validate(
-        self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
-    ) -> list[nn.Module]:
-        """Refuse a model this description does not fit (class, layout, rope type, attention implementation, head
-        shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks."""
-        if self.packages is not None:
-            require_transformers_class(model, self.family, self.packages)
-        layers = require_modules(
-            model,
-            self.base(model),
-            self.family,
-            ("embed_tokens", "norm", "rotary_emb"),
-            self.layer_paths(),
-            missing_in_layer=missing_in_layer,
-        )
-        require_rope_types([self.rope_type(model)], self.rope_types, self.family)
-        if self.attention is not None:
-            require_attention_implementation(model.config, self.attention, self.family)
-        require_head_shapes(model.config, layers[0].get_submodule(self.qkv[0]))
-        return layers
-
-    def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig:
-        """``hm.cfg``: the fields every such family shares (rotary, RMS, gated MLP, the config's sizes), then
-        ``fields``; ``extra`` holds ``rope_theta``, ``rope_type``, ``tie_word_embeddings`` and ``extra``."""
-        c = model.config
-        # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
-        readers: dict[str, Callable[[], Any]] = dict(
-            n_layers=lambda: c.num_hidden_layers,
-            d_model=lambda: c.hidden_size,
-            n_heads=lambda: c.num_attention_heads,
-            d_head=lambda: head_dim(c),
-            d_mlp=lambda: c.intermediate_size,
-            d_vocab=lambda: c.vocab_size,
-            n_ctx=lambda: c.max_position_embeddings,
-            act_fn=lambda: c.hidden_act,
-            normalization_type=lambda: "RMS",
-            positional_embedding_type=lambda: "rotary",
-            model_type=lambda: self.model_type,
-            n_key_value_heads=lambda: n_kv_heads(c),
-            rotary_dim=lambda: head_dim(c),
-            gated_mlp=lambda: True,
-            eps=lambda: c.rms_norm_eps,
-            original_architecture=lambda: type(model).__name__,
-        )
-        shared = {name: read() for name, read in readers.items() if name not in fields}
-        described = {
-            "rope_theta": rope_theta(c),
-            "rope_type": self.rope_type(model),
-            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
-            **(extra or {}),
-        }
-        return HookedConfig(**{**shared, **fields}, extra=described)
-
-    def dense_mlp(self) -> MLPLayout:
-        """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
-        if self.mlp is None:
-            raise TypeError(f"{self.family} describes its MLP itself (mlp=None)")
-        return self.mlp
-
-    def embed(self, model: nn.Module) -> ModelLayout:
-        base = self.base(model)
-        return ModelLayout(
-            blocks=join(base, "layers"),
-            embed=join(base, "embed_tokens"),
-            ln_final=join(base, "norm"),
-            rotary=join(base, "rotary_emb"),
-            unembed=unembed_path(model),
-        )
-
-    def attn_qkv(self, model: nn.Module) -> SeparateQKV:
-        q_norm, k_norm = self.qk_norms or (None, None)
-        return SeparateQKV(*self.qkv, rotary=self.rotary(head_dim(model.config)), q_norm=q_norm, k_norm=k_norm)
-
-    def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
-        return norm_spec_for(module, self.norms, self.norm_weight_offset)

@@ -132,23 +132,8 @@ def test_a_sweep_takes_text() -> None:
 
 # --- batched sweeps: several patched copies per forward ---------------------------------------------------------
 
-SWEEPS = [
-    "get_act_patch_resid_pre",
-    "get_act_patch_resid_mid",
-    "get_act_patch_attn_out",
-    "get_act_patch_mlp_out",
-    "get_act_patch_attn_head_out_by_pos",
-    "get_act_patch_attn_head_q_by_pos",
-    "get_act_patch_attn_head_k_by_pos",
-    "get_act_patch_attn_head_v_by_pos",
-    "get_act_patch_attn_head_pattern_by_pos",
-    "get_act_patch_attn_head_pattern_dest_src_pos",
-    "get_act_patch_attn_head_out_all_pos",
-    "get_act_patch_attn_head_q_all_pos",
-    "get_act_patch_attn_head_k_all_pos",
-    "get_act_patch_attn_head_v_all_pos",
-    "get_act_patch_attn_head_pattern_all_pos",
-]
+# every single sweep (the "every" ones stack several of them)
+SWEEPS = [n for n in patching.__all__ if n.startswith("get_act_patch_") and not n.endswith("_every")]
 
 
 def two_prompts(arch: str, seed: int = 3):

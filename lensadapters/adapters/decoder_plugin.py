@@ -7,7 +7,7 @@ family, derived from its description plus its quirks) and :func:`toy_config` (th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from torch import nn
 
@@ -17,17 +17,21 @@ from lensadapters.adapters.hf_helpers import (
     ROTATE_HALF_ROPE_TYPES,
     SWIGLU_MLP,
     base_path,
+    fused_qkv_split,
     head_dim,
     join,
     n_kv_heads,
     norm_spec_for,
+    partial_rotary_factor,
     require_attention_implementation,
+    require_fused_head_shapes,
     require_head_shapes,
     require_modules,
     require_rope_types,
     require_transformers_class,
     rope_theta,
     rope_type,
+    text_config,
     unembed_path,
 )
 from lensadapters.adapters.hookspecs import hookimpl
@@ -35,6 +39,8 @@ from lensadapters.hooks.rotary import rotate_half_spec
 from lensadapters.hooks.specs import (
     Architecture,
     BlockLayout,
+    FusedGateUp,
+    FusedQKV,
     HookedConfig,
     MLPLayout,
     ModelLayout,
@@ -76,8 +82,22 @@ class DecoderFamily:
     qkv: tuple[str, str, str] = DECODER_QKV
     qk_norms: Optional[tuple[ProjectionNorm, ProjectionNorm]] = None
     """Norms on the query and key projections, between projection and RoPE."""
-    mlp: Optional[MLPLayout] = SWIGLU_MLP
+    mlp: Optional[Union[MLPLayout, FusedGateUp]] = SWIGLU_MLP
     """``None`` when the plugin describes the MLP itself (mixture of experts)."""
+    fused_qkv: Optional[str] = None
+    """The path of one projection computing ``[q | k | v]`` (each ``[heads, d_head]``, in that order), in place of
+    ``qkv``'s three."""
+    partial_rotary: bool = False
+    """Only the first ``partial_rotary_factor`` (the config's) of each head's dimensions rotate."""
+    rotary_input: Optional[str] = None
+    """The keyword argument of each layer's attention module that carries that layer's ``(cos, sin)``, for layers
+    with different RoPE sources (``ModelLayout.rotary_input``); ``None`` reads the model's ``rotary_emb``."""
+    qk_norms_after_projections: bool = False
+    """The q/k norms run after all three projections (``SeparateQKV.norms_after_projections``)."""
+    scaled_embeddings: bool = False
+    """The model multiplies the token embeddings by ``sqrt(hidden_size)``: inside the embedding module where it has an
+    ``embed_scale`` (transformers 5.x), in the model's forward after it otherwise (4.x). ``hook_embed`` and ``W_E``
+    include the factor; ``cfg.extra["embed_scale"]`` is it."""
     rotary: Callable[[int], RotarySpec] = rotate_half_spec
     """The rotation of a head of the given size."""
     rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
@@ -95,40 +115,68 @@ class DecoderFamily:
     def rope_type(self, model: nn.Module) -> str:
         return rope_type(model.get_submodule(join(self.base(model), "rotary_emb")))
 
+    def rope_types_of(self, model: nn.Module) -> list[str]:
+        """The rope type of every rotary module of the ``<Family>Model`` (``rotary_emb``, ``rotary_emb_local``...;
+        one module with a type per layer type counts each)."""
+        found = []
+        for name, module in model.get_submodule(self.base(model)).named_children():
+            if name.startswith("rotary_emb"):
+                kind = getattr(module, "rope_type", "default")
+                found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]
+        return found
+
     def layer_paths(self) -> tuple[str, ...]:
         """The submodules every layer must have."""
         b = self.block
-        paths = [b.ln1, b.attn, b.o_proj, b.ln2, b.mlp, b.ln1_post, b.ln2_post, *self.qkv]
+        paths = [b.ln1, b.attn, b.o_proj, b.ln2, b.mlp, b.ln1_post, b.ln2_post, b.mlp_residual]
+        paths += [self.fused_qkv] if self.fused_qkv is not None else [*self.qkv]
         paths += [n.module for n in self.qk_norms or ()]
-        if self.mlp is not None:
+        if isinstance(self.mlp, FusedGateUp):
+            paths += [self.mlp.module, self.mlp.out]
+        elif self.mlp is not None:
             paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
         return tuple(p for p in paths if p is not None)
 
     def validate(
-        self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
+        self,
+        model: nn.Module,
+        missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None,
+        precheck: Optional[Callable[[nn.Module], None]] = None,
     ) -> list[nn.Module]:
         """Refuse a model this description does not fit (class, layout, rope type, attention implementation, head
-        shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks."""
+        shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks,
+        ``precheck`` a check right after the class check."""
         if self.packages is not None:
             require_transformers_class(model, self.family, self.packages)
+        if precheck is not None:
+            precheck(model)
         layers = require_modules(
             model,
             self.base(model),
             self.family,
-            ("embed_tokens", "norm", "rotary_emb"),
+            ("embed_tokens", "norm") if self.rotary_input else ("embed_tokens", "norm", "rotary_emb"),
             self.layer_paths(),
             missing_in_layer=missing_in_layer,
         )
-        require_rope_types([self.rope_type(model)], self.rope_types, self.family)
+        require_rope_types(self.rope_types_of(model), self.rope_types, self.family)
+        config = text_config(model)
         if self.attention is not None:
-            require_attention_implementation(model.config, self.attention, self.family)
-        require_head_shapes(model.config, layers[0].get_submodule(self.qkv[0]))
+            require_attention_implementation(config, self.attention, self.family)
+        if self.fused_qkv is not None:
+            require_fused_head_shapes(config, layers[0].get_submodule(self.fused_qkv))
+        else:
+            require_head_shapes(config, layers[0].get_submodule(self.qkv[0]))
         return layers
+
+    def rotary_dim(self, config: Any) -> int:
+        """The rotated dimensions of a head (all of them, or ``partial_rotary_factor`` of them)."""
+        return int(head_dim(config) * partial_rotary_factor(config)) if self.partial_rotary else head_dim(config)
 
     def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig:
         """``hm.cfg``: the fields every such family shares (rotary, RMS, gated MLP, the config's sizes), then
-        ``fields``; ``extra`` holds ``rope_theta``, ``rope_type``, ``tie_word_embeddings`` and ``extra``."""
-        c = model.config
+        ``fields``; ``extra`` holds ``rope_theta`` and ``rope_type`` (``rope_types``, every rotary module's, with
+        ``rotary_input``), ``tie_word_embeddings`` and ``extra``. Sizes are read from the text config."""
+        c = text_config(model)
         # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
         readers: dict[str, Callable[[], Any]] = dict(
             n_layers=lambda: c.num_hidden_layers,
@@ -143,21 +191,26 @@ class DecoderFamily:
             positional_embedding_type=lambda: "rotary",
             model_type=lambda: self.model_type,
             n_key_value_heads=lambda: n_kv_heads(c),
-            rotary_dim=lambda: head_dim(c),
+            rotary_dim=lambda: self.rotary_dim(c),
             gated_mlp=lambda: True,
             eps=lambda: c.rms_norm_eps,
             original_architecture=lambda: type(model).__name__,
         )
         shared = {name: read() for name, read in readers.items() if name not in fields}
+        if self.rotary_input:
+            rope: dict[str, Any] = {"rope_types": self.rope_types_of(model)}
+        else:
+            rope = {"rope_theta": rope_theta(c), "rope_type": self.rope_type(model)}
+        if self.scaled_embeddings:
+            rope["embed_scale"] = float(c.hidden_size) ** 0.5
         described = {
-            "rope_theta": rope_theta(c),
-            "rope_type": self.rope_type(model),
+            **rope,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
             **(extra or {}),
         }
         return HookedConfig(**{**shared, **fields}, extra=described)
 
-    def dense_mlp(self) -> MLPLayout:
+    def dense_mlp(self) -> Union[MLPLayout, FusedGateUp]:
         """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
         if self.mlp is None:
             raise TypeError(f"{self.family} describes its MLP itself (mlp=None)")
@@ -165,17 +218,33 @@ class DecoderFamily:
 
     def embed(self, model: nn.Module) -> ModelLayout:
         base = self.base(model)
+        if self.scaled_embeddings:
+            module = model.get_submodule(join(base, "embed_tokens"))
+            scale = {
+                "embed_scale": float(text_config(model).hidden_size) ** 0.5,
+                "embed_scale_after_module": not hasattr(module, "embed_scale"),
+            }
+        else:
+            scale = {}
         return ModelLayout(
             blocks=join(base, "layers"),
             embed=join(base, "embed_tokens"),
             ln_final=join(base, "norm"),
-            rotary=join(base, "rotary_emb"),
+            rotary=None if self.rotary_input else join(base, "rotary_emb"),
             unembed=unembed_path(model),
+            rotary_input=self.rotary_input,
+            **scale,
         )
 
-    def attn_qkv(self, model: nn.Module) -> SeparateQKV:
+    def attn_qkv(self, model: nn.Module) -> Union[SeparateQKV, FusedQKV]:
+        c = text_config(model)
+        rotary = self.rotary(self.rotary_dim(c))
+        if self.fused_qkv is not None:
+            split, merge = fused_qkv_split(c.num_attention_heads, n_kv_heads(c), head_dim(c))
+            return FusedQKV(self.fused_qkv, split, merge, rotary=rotary)
         q_norm, k_norm = self.qk_norms or (None, None)
-        return SeparateQKV(*self.qkv, rotary=self.rotary(head_dim(model.config)), q_norm=q_norm, k_norm=k_norm)
+        after = self.qk_norms_after_projections
+        return SeparateQKV(*self.qkv, rotary=rotary, q_norm=q_norm, k_norm=k_norm, norms_after_projections=after)
 
     def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
         return norm_spec_for(module, self.norms, self.norm_weight_offset)
@@ -222,6 +291,9 @@ class DecoderPlugin:
     """``HookedConfig`` fields (and ``extra``) of a model beyond the family's shared ones."""
     check: Optional[Callable[[Any], None]] = None
     """A wrap-time check after the family's own (raises ``UnsupportedModelError``)."""
+    precheck: Optional[Callable[[Any], None]] = None
+    """A wrap-time check before the family's own, after the class check (a model the family's paths would
+    misread: a multimodal model around the text model...)."""
     missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
     """Per-layer paths the family's layout does not list (see :meth:`DecoderFamily.validate`)."""
     embed: Optional[Callable[[Any, ModelLayout], ModelLayout]] = None
@@ -239,7 +311,7 @@ class DecoderPlugin:
 
     @hookimpl
     def lensadapters_validate(self, arch: Architecture, model: nn.Module) -> None:
-        self.family.validate(model, missing_in_layer=self.missing_in_layer)
+        self.family.validate(model, missing_in_layer=self.missing_in_layer, precheck=self.precheck)
         if self.check is not None:
             self.check(model)
 

@@ -12,10 +12,44 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import torch
 from torch import nn
 
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.specs import BlockLayout, MLPLayout, NormSpec
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "base_path",
+    "join",
+    "unembed_path",
+    "rope_parameters",
+    "rope_theta",
+    "rope_type",
+    "head_dim",
+    "n_kv_heads",
+    "layer_windows",
+    "window_fields",
+    "missing_paths",
+    "missing_expert_paths",
+    "require_transformers_class",
+    "require_modules",
+    "require_rope_types",
+    "require_attention_implementation",
+    "require_head_shapes",
+    "attention_implementation",
+    "norm_spec_for",
+    "ROTATE_HALF_ROPE_TYPES",
+    "DECODER_BLOCK",
+    "DECODER_QKV",
+    "SWIGLU_MLP",
+    "SANDWICH_BLOCK",
+    "text_config",
+    "partial_rotary_factor",
+    "fused_qkv_split",
+    "require_fused_head_shapes",
+]
 
 ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 """transformers' rope types whose rotation is rotate-half RoPE on the rotary module's ``(cos, sin)``."""
@@ -23,6 +57,17 @@ DECODER_BLOCK = BlockLayout(
     ln1="input_layernorm", attn="self_attn", o_proj="self_attn.o_proj", ln2="post_attention_layernorm", mlp="mlp"
 )
 DECODER_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+SANDWICH_BLOCK = BlockLayout(
+    ln1="input_layernorm",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    ln2="pre_feedforward_layernorm",
+    mlp="mlp",
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+)
+"""A block normed before and after attention and before and after the MLP (the post norms' outputs are added to
+the residual stream)."""
 SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
 _ATTN_PREFIX = "lensadapters:"
@@ -84,6 +129,36 @@ def rope_theta(config: Any, layer_type: Optional[str] = None) -> Optional[float]
 def rope_type(rotary: nn.Module) -> str:
     """The rope type a transformers rotary-embedding module computes (``"default"`` when it does not say)."""
     return str(getattr(rotary, "rope_type", "default"))
+
+
+def text_config(model: nn.Module) -> Any:
+    """The config of the text model (``config.get_text_config()``: the config itself for a text-only model)."""
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def partial_rotary_factor(config: Any) -> float:
+    """The fraction of each head's dimensions that rotate (``partial_rotary_factor`` of the rope parameters or the
+    config; 1.0 when neither sets it)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    return float(factor if factor is not None else getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+
+
+def fused_qkv_split(
+    n_heads: int, n_kv: int, d_head: int
+) -> tuple[Callable[[Tensor], tuple[Tensor, Tensor, Tensor]], Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """``(split, merge)`` of ``[q | k | v]`` along the last dimension, each part viewed as ``[heads, d_head]``."""
+    q_width, kv_width = n_heads * d_head, n_kv * d_head
+
+    def split(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = t.split([q_width, kv_width, kv_width], dim=-1)
+        return q.unflatten(-1, (n_heads, d_head)), k.unflatten(-1, (n_kv, d_head)), v.unflatten(-1, (n_kv, d_head))
+
+    def merge(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
+
+    return split, merge
 
 
 def head_dim(config: Any) -> int:
@@ -229,6 +304,20 @@ def require_head_shapes(config: Any, q_proj: nn.Module) -> None:
     if isinstance(q_out, int) and q_out != n_heads * head_dim(config):
         raise UnsupportedModelError(
             f"q_proj has {q_out} output features, but the config says {n_heads} heads of size {head_dim(config)}"
+        )
+
+
+def require_fused_head_shapes(config: Any, qkv_proj: nn.Module) -> None:
+    """Refuse a config whose query heads are not a multiple of its key/value heads, or whose heads do not match the
+    output width of ``qkv_proj`` (one projection computing ``[q | k | v]``)."""
+    n_heads, n_kv, d = config.num_attention_heads, n_kv_heads(config), head_dim(config)
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    out = getattr(qkv_proj, "out_features", None)
+    if isinstance(out, int) and out != (n_heads + 2 * n_kv) * d:
+        raise UnsupportedModelError(
+            f"qkv_proj has {out} output features, but the config says {n_heads} query and {n_kv} key/value heads of "
+            f"size {d}"
         )
 
 

@@ -29,10 +29,9 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Optional
 
-from lensadapters import Architecture, BlockLayout, ModelLayout, UnsupportedModelError, hf
+from lensadapters import Architecture, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -50,15 +49,8 @@ FAMILY = hf.DecoderFamily(
     packages=("gemma2",),
     norms=("Gemma2RMSNorm",),
     norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
-    block=BlockLayout(
-        ln1="input_layernorm",
-        attn="self_attn",
-        o_proj="self_attn.o_proj",
-        ln2="pre_feedforward_layernorm",
-        mlp="mlp",
-        ln1_post="post_attention_layernorm",
-        ln2_post="post_feedforward_layernorm",
-    ),
+    block=hf.SANDWICH_BLOCK,
+    scaled_embeddings=True,
 )
 
 
@@ -84,20 +76,9 @@ def config_fields(model: Any) -> dict[str, Any]:
         extra={
             "query_pre_attn_scalar": c.query_pre_attn_scalar,
             "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
-            "embed_scale": float(c.hidden_size) ** 0.5,
             "use_normalization_before_and_after": True,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
         },
-    )
-
-
-def scaled_embed(model: Any, layout: ModelLayout) -> ModelLayout:
-    embed = model.get_submodule(layout.embed)
-    return replace(
-        layout,
-        embed_scale=float(model.config.hidden_size) ** 0.5,
-        # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
-        embed_scale_after_module=not hasattr(embed, "embed_scale"),
     )
 
 
@@ -130,6 +111,4 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check, embed=scaled_embed).export(
-    globals()
-)
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

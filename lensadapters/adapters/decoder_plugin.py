@@ -6,8 +6,9 @@ family, derived from its description plus its quirks) and :func:`toy_config` (th
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
@@ -51,7 +52,7 @@ from lensadapters.hooks.specs import (
     SeparateQKV,
 )
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "toy_config"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "toy_config", "toy_draw"]
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,24 @@ class DecoderFamily:
 
     def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
         return norm_spec_for(module, self.norms, self.norm_weight_offset)
+
+
+def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
+    """The values a toy config varies: ``demo`` for seed 0 (the demo's model); for another seed one draw per
+    choice, in order, from ``random.Random(seed)``: a list draws one of its items, a float ``p`` is true with
+    probability ``p``, a callable is called with the generator and the values drawn before it."""
+    if seed == 0:
+        return tuple(demo)
+    rng = random.Random(seed)
+    drawn: list[Any] = []
+    for choice in choices:
+        if isinstance(choice, float):
+            drawn.append(rng.random() < choice)
+        elif callable(choice):
+            drawn.append(choice(rng, *drawn))
+        else:
+            drawn.append(rng.choice(choice))
+    return tuple(drawn)
 
 
 def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:

@@ -86,16 +86,9 @@ def tiny_config(seed: int) -> Any:
     """A Gemma-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers (sliding, then global,
     as HF's Gemma 2), GQA (4 query heads, 2 kv heads), a 4-token window, softcaps 50 and 30. Other seeds vary
     depth, heads and the window."""
-    import random
-
     from transformers import Gemma2Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (2, (4, 2), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    )
+    layers, (heads, kv), sliding = hf.toy_draw(seed, (2, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
     return hf.toy_config(
         Gemma2Config,
         layers,

@@ -112,16 +112,9 @@ def tiny_config(seed: int) -> Any:
     """A Gemma-3-1B-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 3 layers (two sliding with RoPE
     base 10, then a global one with base 10000), GQA (4 query heads, 1 kv head), a 4-token window. Other seeds vary
     depth, heads and the window."""
-    import random
-
     from transformers import Gemma3TextConfig
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (3, (4, 1), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    )
+    layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 1), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
     types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
     return hf.toy_config(
         Gemma3TextConfig,

@@ -79,21 +79,10 @@ def tiny_config(seed: int) -> Any:
     """A Phi-4-mini-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), partial rotary 0.75, tied embeddings. Other seeds vary depth, heads, the rotary fraction, a sliding
     window and the embedding tie."""
-    import random
-
     from transformers import Phi3Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), partial, sliding, tied = (
-        (2, (4, 2), 0.75, None, True)
-        if seed == 0
-        else (
-            rng.choice([1, 2, 3]),
-            rng.choice([(4, 2), (4, 4), (4, 1)]),
-            rng.choice([0.5, 0.75, 1.0]),
-            rng.choice([None, 4]),
-            rng.random() < 0.5,
-        )
+    layers, (heads, kv), partial, sliding, tied = hf.toy_draw(
+        seed, (2, (4, 2), 0.75, None, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [0.5, 0.75, 1.0], [None, 4], 0.5
     )
     return hf.toy_config(
         Phi3Config,

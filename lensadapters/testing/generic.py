@@ -31,7 +31,14 @@ from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.testing.contract_support import _hook_counts, _instance_attributes, assert_close, close, perturb
+from lensadapters.testing.contract_support import (
+    _hook_counts,
+    _instance_attributes,
+    assert_close,
+    check_edited_generation,
+    close,
+    perturb,
+)
 from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
@@ -451,23 +458,7 @@ class GenericContract(GradientContract):
             and n.endswith(("hook_resid_post", "attn.hook_z", "attn.hook_pattern", "hook_mlp_out"))
         ]
         point = data.draw(st.sampled_from(options), label="point")
-        steps = 3
-        kwargs = dict(
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        prompt = inputs.input_ids.shape[1]
-        with torch.no_grad():
-            with hm.hooks([(point, lambda t, hook: t * 1.5)]):
-                generated = hm.generate(**inputs.kwargs(), **kwargs)
-                sequences = generated.sequences
-                one_pass = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
-        for step, logits in enumerate(generated.logits):
-            assert_close(logits, one_pass[:, prompt - 1 + step], f"{point} edit: step {step} vs one pass", atol=1e-3)
+        check_edited_generation(hm, inputs, point, lambda t, hook: t * 1.5, lambda logits: 1e-3)
         hm.unwrap()
 
     @_SETTINGS

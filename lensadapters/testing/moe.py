@@ -15,7 +15,7 @@ Over 500 lines on purpose: one contract class, whose properties share its refere
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Iterable, Optional, Sequence
 
 import torch
 from hypothesis import assume, given
@@ -24,7 +24,14 @@ from hypothesis import strategies as st
 from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_weight
 from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from lensadapters.testing.contract import AdapterContract
-from lensadapters.testing.contract_support import _BLOCK_POINTS, _SETTINGS, assert_close, close, perturb
+from lensadapters.testing.contract_support import (
+    _BLOCK_POINTS,
+    _SETTINGS,
+    assert_close,
+    check_edited_generation,
+    close,
+    perturb,
+)
 from lensadapters.wiring.weights import mlp_weights
 
 Tensor = torch.Tensor
@@ -52,6 +59,37 @@ def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor
 def mlp_input(hm: Any, cache: Any, layer: int) -> Tensor:
     """What the MLP of ``layer`` reads: ``ln2.hook_normalized`` times the norm's weight."""
     return mlp_input_of(hm, cache, layer, "ln2")
+
+
+def mlp_points(name: str) -> bool:
+    """A ``names_filter`` for what :func:`assert_moe_reference` reads: every MLP point, ``ln2``'s output and
+    ``hook_mlp_out``."""
+    return ".mlp." in name or name.endswith(("ln2.hook_normalized", "hook_mlp_out"))
+
+
+def assert_moe_reference(hm: Any, cache: Any, layers: Iterable[int], what: str, atol: float = 1e-4) -> None:
+    """Each of ``layers``' ``hook_mlp_out`` is :func:`moe_reference` of its cached MLP input and routing (``cache``
+    holds :func:`mlp_points`)."""
+    for layer in layers:
+        pre = f"blocks.{layer}.mlp."
+        index = cache[pre + "hook_expert_indices"]
+        expected = moe_reference(hm, layer, mlp_input(hm, cache, layer), cache[pre + "hook_routing_weights"], index)
+        assert_close(cache["mlp_out", layer], expected, f"layer {layer}: {what}", atol=atol)
+
+
+def wrap_adapted_experts(peft_model: Any, ids: Tensor, registry: Any) -> tuple[Any, Tensor]:
+    """Wrap a PEFT model with LoRA on its experts and read every MLP point: the logits stay bitwise and each
+    layer's ``hook_mlp_out`` is the reference MoE computed from the adapted expert weights. Returns the wrapper and
+    the model's logits."""
+    from lensadapters.api.hooked_model import HookedModel
+
+    with torch.no_grad():
+        reference = peft_model(ids).logits
+        hm = HookedModel.wrap(peft_model, registry=registry)
+        logits, cache = hm.run_with_cache(ids, names_filter=mlp_points)
+        assert torch.equal(logits, reference), "reading the adapted experts changed the output"
+        assert_moe_reference(hm, cache, range(hm.cfg.n_layers), "adapted experts")
+    return hm, reference
 
 
 def route(layout: MoELayout, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -360,26 +398,9 @@ class MoEContract(AdapterContract):
                 return t + torch.arange(t.shape[-1], dtype=t.dtype)  # steers towards the last experts
             return t * 1.5
 
-        steps = 3
         pad = getattr(model.config, "pad_token_id", None)
-        kwargs = dict(
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad if pad is not None else 0,
-        )
-        prompt = inputs.input_ids.shape[1]
-        with torch.no_grad():
-            with hm.hooks([(point, edit)]):
-                generated = hm.generate(**inputs.kwargs(), **kwargs)
-                sequences = generated.sequences
-                one_pass = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
-            unedited = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
+        one_pass, unedited, prompt = check_edited_generation(hm, inputs, point, edit, self.generation_atol, pad)
         atol = self.generation_atol(one_pass)
-        for step, logits in enumerate(generated.logits):
-            assert_close(logits, one_pass[:, prompt - 1 + step], f"{point} edit: step {step} vs one pass", atol=atol)
         hm.unwrap()
         assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
 
@@ -434,14 +455,7 @@ class MoEContract(AdapterContract):
         chosen = torch.gather(probs, -1, cache[pre + "hook_expert_indices"])
         assert_close(chosen, torch.gather(probs, -1, index), "the indices select the top-k probabilities")
         assert_close(cache[pre + "hook_routing_weights"], top, "routing weights == the normalized top-k")
-        expected = moe_reference(
-            hm,
-            layer,
-            mlp_input(hm, cache, layer),
-            cache[pre + "hook_routing_weights"],
-            cache[pre + "hook_expert_indices"],
-        )
-        assert_close(cache["mlp_out", layer], expected, "hook_mlp_out == reference MoE", atol=1e-4)
+        assert_moe_reference(hm, cache, [layer], "hook_mlp_out == reference MoE")
         hm.unwrap()
 
     @_SETTINGS

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from lensadapters import HookedModel, patching
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, gqa_llama, needs, tiny
 
 
 def setup(arch: str, seed: int = 0):
@@ -51,16 +50,7 @@ def test_head_sweeps_have_transformer_lens_shapes(arch: str) -> None:
 
 @needs("llama")
 def test_key_value_sweeps_run_over_key_value_heads() -> None:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-    )
+    config = gqa_llama()
     hm = HookedModel.wrap(from_config(config))
     tokens = torch.randint(0, 50, (1, 4), generator=torch.Generator().manual_seed(0))
     _, cache = hm.run_with_cache(tokens)

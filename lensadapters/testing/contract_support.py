@@ -24,6 +24,28 @@ _SETTINGS = settings(
 property_settings = _SETTINGS
 
 
+def assert_unchanged_by_caching(hm: HookedModel, inputs: Any, reference: torch.Tensor) -> None:
+    """The wrapped model's logits are ``reference`` bitwise, before and after a ``run_with_cache`` (hooks that came
+    and went leave nothing behind)."""
+    with torch.no_grad():
+        assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+        hm.run_with_cache(**inputs.kwargs())
+        assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+
+
+def perturbed_logits(hm: HookedModel, inputs: Any, name: str) -> torch.Tensor:
+    """The logits of ``inputs`` with :func:`perturb` at the point ``name``, which must fire."""
+    fired: list[str] = []
+
+    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        fired.append(hook.name)
+        return perturb(t, hook)
+
+    logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+    assert fired, f"{name} never fired"
+    return logits
+
+
 def greedy_kwargs(steps: int, pad_token_id: Optional[int] = 0, **fields: Any) -> dict[str, Any]:
     """``generate``'s keyword arguments for greedy decoding of exactly ``steps`` tokens that returns each step's
     logits (``pad_token_id`` ``None``: 0), then ``fields``."""

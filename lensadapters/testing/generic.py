@@ -35,9 +35,11 @@ from lensadapters.testing.contract_support import (
     _hook_counts,
     _instance_attributes,
     assert_close,
+    assert_unchanged_by_caching,
     check_edited_generation,
     close,
     perturb,
+    perturbed_logits,
 )
 from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
@@ -214,10 +216,7 @@ class GenericContract(GradientContract):
         assert all(m.training for m in model.modules()) and _hook_counts(model) == hooks
         assert model.config._attn_implementation == impl
         model.eval()
-        with torch.no_grad():
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
-            hm.run_with_cache(**inputs.kwargs())
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+        assert_unchanged_by_caching(hm, inputs, reference)
         assert model.config._attn_implementation == impl
         hm.unwrap()
 
@@ -312,14 +311,7 @@ class GenericContract(GradientContract):
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             for name in hm.hook_names:
-                fired: list[str] = []
-
-                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
-                    fired.append(hook.name)
-                    return perturb(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert fired, f"{name} never fired"
+                logits = perturbed_logits(hm, inputs, name)
                 if name.endswith("attn.hook_attn_scores") and close(logits[v], reference[v], atol=1e-5, rtol=0):
                     # a saturated softmax can absorb a rescaled score: the pattern must still show the edit
                     pattern = name.replace("hook_attn_scores", "hook_pattern")

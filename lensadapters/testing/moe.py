@@ -9,19 +9,19 @@ with ``MoE form:`` and say what is checked instead): a MoE block has no dense ``
 ``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis; ``mlp.hook_expert_indices`` holds
 integers (the generic perturbation is not an index); an expert that no token chose has no rows to edit.
 
-Over 500 lines on purpose: one contract class, whose properties share its reference and fixtures (split like
-``AdapterContract`` when it grows).
+The independent reference (the MoE output computed from the read weights, the routing) is
+:mod:`lensadapters.testing.moe_reference`; its names are importable from here too.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_weight
+from lensadapters.adapters.moe import expert_rows, is_moe, router_weight
 from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from lensadapters.testing.contract import AdapterContract
 from lensadapters.testing.contract_support import (
@@ -32,73 +32,18 @@ from lensadapters.testing.contract_support import (
     close,
     perturb,
 )
+from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... importable from here as before
+    activation,
+    assert_moe_reference,
+    mlp_input,
+    mlp_input_of,
+    moe_reference,
+    route,
+)
 from lensadapters.wiring.weights import mlp_weights
 
 Tensor = torch.Tensor
 _DENSE_ONLY = ("mlp.hook_pre", "mlp.hook_post")
-
-
-def _activation(name: str) -> Any:
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
-
-
-def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """The MoE output of block ``layer`` for MLP inputs ``x`` ``[..., d_model]`` routed to ``index`` ``[..., k]`` with
-    ``weights``, computed from the read weights (``W_gate``, ``W_in``, ``W_out`` of each expert) in float64."""
-    W_in, W_gate, W_out = (mlp_weights(hm.wiring, layer, role)[0].double() for role in ("in", "gate", "out"))
-    act = _activation(hm.cfg.act_fn)
-    xs = x.double()
-    gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index])
-    up = torch.einsum("...d,...kdm->...km", xs, W_in[index])
-    out = torch.einsum("...km,...kmd->...kd", act(gate) * up, W_out[index])
-    return (out * weights.double()[..., None]).sum(-2)
-
-
-def mlp_input(hm: Any, cache: Any, layer: int) -> Tensor:
-    """What the MLP of ``layer`` reads: ``ln2.hook_normalized`` times the norm's weight."""
-    return mlp_input_of(hm, cache, layer, "ln2")
-
-
-def mlp_points(name: str) -> bool:
-    """A ``names_filter`` for what :func:`assert_moe_reference` reads: every MLP point, ``ln2``'s output and
-    ``hook_mlp_out``."""
-    return ".mlp." in name or name.endswith(("ln2.hook_normalized", "hook_mlp_out"))
-
-
-def assert_moe_reference(hm: Any, cache: Any, layers: Iterable[int], what: str, atol: float = 1e-4) -> None:
-    """Each of ``layers``' ``hook_mlp_out`` is :func:`moe_reference` of its cached MLP input and routing (``cache``
-    holds :func:`mlp_points`)."""
-    for layer in layers:
-        pre = f"blocks.{layer}.mlp."
-        index = cache[pre + "hook_expert_indices"]
-        expected = moe_reference(hm, layer, mlp_input(hm, cache, layer), cache[pre + "hook_routing_weights"], index)
-        assert_close(cache["mlp_out", layer], expected, f"layer {layer}: {what}", atol=atol)
-
-
-def wrap_adapted_experts(peft_model: Any, ids: Tensor, registry: Any) -> tuple[Any, Tensor]:
-    """Wrap a PEFT model with LoRA on its experts and read every MLP point: the logits stay bitwise and each
-    layer's ``hook_mlp_out`` is the reference MoE computed from the adapted expert weights. Returns the wrapper and
-    the model's logits."""
-    from lensadapters.api.hooked_model import HookedModel
-
-    with torch.no_grad():
-        reference = peft_model(ids).logits
-        hm = HookedModel.wrap(peft_model, registry=registry)
-        logits, cache = hm.run_with_cache(ids, names_filter=mlp_points)
-        assert torch.equal(logits, reference), "reading the adapted experts changed the output"
-        assert_moe_reference(hm, cache, range(hm.cfg.n_layers), "adapted experts")
-    return hm, reference
-
-
-def route(layout: MoELayout, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference routing: softmax over every expert, top-k, renormalized when the family does."""
-    probs = torch.softmax(logits.double(), dim=-1)
-    top, index = torch.topk(probs, layout.routing.top_k, dim=-1)
-    if layout.routing.normalize:
-        top = top / top.sum(-1, keepdim=True)
-    return probs, top, index
 
 
 class MoEContract(AdapterContract):
@@ -192,7 +137,7 @@ class MoEContract(AdapterContract):
         hm = self.wrap(model)
         cfg = hm.cfg
         v = inputs.valid
-        act = _activation(cfg.act_fn)
+        act = activation(cfg.act_fn)
         with torch.no_grad():
             out = hm.model(**inputs.kwargs(), output_hidden_states=True)
             _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: "pattern" not in n)
@@ -561,12 +506,3 @@ class MoEContract(AdapterContract):
         assert_close(post[v], subtracted[v], "zeroed hook_post == contributions subtracted", atol=1e-4)
         assert_close(unweighted[v], subtracted[v], "routing weight 0 == contributions subtracted", atol=1e-4)
         hm.unwrap()
-
-
-def mlp_input_of(hm: Any, cache: Any, layer: Optional[int], norm: str) -> Tensor:
-    """The output of a norm (``ln1``/``ln2`` of ``layer``, or ``ln_final``): ``hook_normalized`` times its weight."""
-    prefix = "ln_final" if layer is None else f"blocks.{layer}.{norm}"
-    module = hm.norm_module(prefix)
-    spec = hm.norm_spec(module)
-    normalized = cache[f"{prefix}.hook_normalized"]
-    return normalized if spec.kind == "LN" or spec.weight is None else normalized * (spec.weight + spec.weight_offset)

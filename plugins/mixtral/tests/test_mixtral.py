@@ -18,7 +18,7 @@ from lensadapters import HookedModel
 from lensadapters.registry import Registry, get_registry
 from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import assert_window_patterns_match_eager
-from lensadapters.testing.moe import assert_moe_reference, mlp_input, mlp_points, wrap_adapted_experts
+from lensadapters.testing.moe_reference import assert_moe_reference, mlp_input, mlp_points, wrap_adapted_experts
 
 
 class TestMixtral(MixtralContract):

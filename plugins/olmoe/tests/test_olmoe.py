@@ -22,7 +22,7 @@ from lensadapters.testing.family_checks import (
     assert_patterns_refused_under,
     assert_unknown_rope_refused,
 )
-from lensadapters.testing.moe import mlp_input, moe_reference, wrap_adapted_experts
+from lensadapters.testing.moe_reference import mlp_input, moe_reference, wrap_adapted_experts
 from lensadapters.weights import mlp_weights
 
 

@@ -55,7 +55,14 @@ __all__ = [
     "projection",
     "assert_within_bound",
     "FLOAT_AGREEMENT_PER_BLOCK",
+    "RELOAD_SETTINGS",
 ]
+
+#: the settings of the plugin's own tests, each of whose examples saves and reloads a model: few examples (each
+#: contract subclass runs the inherited tests)
+RELOAD_SETTINGS = settings(
+    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
+)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16" on every call
 

@@ -24,16 +24,8 @@ import torch
 from lensadapters.api import tokens as _tokens
 from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks.distributed import barrier, launch_rank
+from lensadapters.integrations.harvest import folder
 from lensadapters.integrations.harvest.fingerprint import adapter_state, model_fingerprint, tokenizer_fingerprint
-from lensadapters.integrations.harvest.folder import (
-    check_existing_manifests,
-    drop_damaged_shards,
-    exclusive,
-    lists_shards,
-    open_manifest,
-    refresh_union,
-    refuse_foreign_folder,
-)
 from lensadapters.integrations.harvest.listing import (
     harvest_features,
     rank_manifests,
@@ -64,16 +56,16 @@ from lensadapters.integrations.harvest.points import (  # noqa: F401  (HarvestCo
     stop_layer,
 )
 from lensadapters.integrations.harvest.sources import open_source
-from lensadapters.integrations.harvest.storage import (
+from lensadapters.integrations.harvest.storage import (  # noqa: F401  (DEFAULT_SHARD_BYTES: its old import path)
+    DEFAULT_SHARD_BYTES,
     STORAGE_DTYPES,
     ShardWriter,
+    default_shard_contexts,
     shard_problem,
     to_numpy,
     write_dataset_listing,
 )
 
-#: default shard size: about this many bytes of activations (a shard is the unit of resumption)
-DEFAULT_SHARD_BYTES = 256 * 2**20
 #: test hook: ``EVENT:N`` kills the process with SIGKILL at the N-th EVENT of this run (``batch``: a batch
 #: written into an unfinished shard; ``shard-file``: a shard file moved into place, its manifest not yet
 #: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
@@ -179,10 +171,10 @@ def harvest(
             "dtype": dtype,
             "max_tokens": max_tokens,
         }
-        refuse_foreign_folder(out, partition)
-        check_existing_manifests(out, identity, partition)  # before anything is written
+        folder.refuse_foreign_folder(out, partition)
+        folder.check_existing_manifests(out, identity, partition)  # before anything is written
         os.makedirs(out, exist_ok=True)
-        with exclusive(out, partition):
+        with folder.exclusive(out, partition):
             result = _run(
                 hm,
                 tok,
@@ -236,7 +228,7 @@ def _run(
     max_tokens: Optional[int],
     progress: bool,
 ) -> HarvestResult:
-    manifest = open_manifest(out, identity, partition)
+    manifest = folder.open_manifest(out, identity, partition)
     if shard_contexts is not None:
         if manifest.shard_contexts not in (None, shard_contexts):
             check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
@@ -245,18 +237,18 @@ def _run(
         manifest.columns = columns
     elif manifest.columns != columns:
         check_identity({"columns": manifest.columns}, {"columns": columns}, out)
-    damaged = drop_damaged_shards(out, manifest)
+    damaged = folder.drop_damaged_shards(out, manifest)
     if manifest.finished and not damaged:
-        all_finished = refresh_union(out, partition, manifest)
+        all_finished = folder.refresh_union(out, partition, manifest)
         return _result(out, manifest, manifest.contexts_done, context_size, all_finished)
     manifest.finished = False
     if manifest.shard_contexts is None:
-        manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
+        manifest.shard_contexts = default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
     manifest.save(out)
     run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
     resumed = manifest.contexts_done
     run.loop(damaged)
-    return _result(out, manifest, resumed, context_size, refresh_union(out, partition, manifest))
+    return _result(out, manifest, resumed, context_size, folder.refresh_union(out, partition, manifest))
 
 
 def load_harvest(out: str) -> Any:
@@ -282,7 +274,7 @@ def load_harvest(out: str) -> Any:
         )
     if len(paths) > 1 or manifests[0].world_size > 1:
         union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
-    elif manifests[0].shards and manifests[0].columns is not None and not lists_shards(out, manifests[0]):
+    elif manifests[0].shards and manifests[0].columns is not None and not folder.lists_shards(out, manifests[0]):
         write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
     if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
         raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
@@ -473,13 +465,6 @@ def _is_wrapped(model: Any) -> bool:
     from lensadapters.api.hooked_model import _wrapper_of
 
     return _wrapper_of(model) is not None
-
-
-def _default_shard_contexts(columns: dict[str, list[int]], context_size: int, dtype: str, batch_size: int) -> int:
-    itemsize = np.dtype(STORAGE_DTYPES[dtype]).itemsize
-    per_context = context_size * (5 + sum(math.prod(shape) * itemsize for shape in columns.values()))
-    contexts = max(1, DEFAULT_SHARD_BYTES // per_context)
-    return max(batch_size, contexts // batch_size * batch_size)
 
 
 def _result(out: str, manifest: Manifest, resumed: int, context_size: int, all_finished: bool) -> HarvestResult:

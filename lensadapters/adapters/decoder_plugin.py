@@ -85,6 +85,12 @@ class DecoderFamily:
     """Norms on the query and key projections, between projection and RoPE."""
     mlp: Optional[Union[MLPLayout, FusedGateUp]] = SWIGLU_MLP
     """``None`` when the plugin describes the MLP itself (mixture of experts)."""
+    rotary: Callable[[int], RotarySpec] = rotate_half_spec
+    """The rotation of a head of the given size."""
+    rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
+    attention: Optional[tuple[str, ...]] = None
+    """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
+    the pattern ones)."""
     fused_qkv: Optional[str] = None
     """The path of one projection computing ``[q | k | v]`` (each ``[heads, d_head]``, in that order), in place of
     ``qkv``'s three."""
@@ -99,12 +105,6 @@ class DecoderFamily:
     """The model multiplies the token embeddings by ``sqrt(hidden_size)``: inside the embedding module where it has an
     ``embed_scale`` (transformers 5.x), in the model's forward after it otherwise (4.x). ``hook_embed`` and ``W_E``
     include the factor; ``cfg.extra["embed_scale"]`` is it."""
-    rotary: Callable[[int], RotarySpec] = rotate_half_spec
-    """The rotation of a head of the given size."""
-    rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
-    attention: Optional[tuple[str, ...]] = None
-    """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
-    the pattern ones)."""
 
     def base(self, model: nn.Module) -> str:
         """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
@@ -310,9 +310,6 @@ class DecoderPlugin:
     """``HookedConfig`` fields (and ``extra``) of a model beyond the family's shared ones."""
     check: Optional[Callable[[Any], None]] = None
     """A wrap-time check after the family's own (raises ``UnsupportedModelError``)."""
-    precheck: Optional[Callable[[Any], None]] = None
-    """A wrap-time check before the family's own, after the class check (a model the family's paths would
-    misread: a multimodal model around the text model...)."""
     missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
     """Per-layer paths the family's layout does not list (see :meth:`DecoderFamily.validate`)."""
     embed: Optional[Callable[[Any, ModelLayout], ModelLayout]] = None
@@ -323,6 +320,9 @@ class DecoderPlugin:
     """A layer's attention projections when they are not the family's."""
     mlp: Optional[Callable[[Any, int], Any]] = None
     """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
+    precheck: Optional[Callable[[Any], None]] = None
+    """A wrap-time check before the family's own, after the class check (a model the family's paths would
+    misread: a multimodal model around the text model...)."""
 
     @hookimpl
     def lensadapters_architectures(self) -> list[Architecture]:

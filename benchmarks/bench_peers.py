@@ -142,67 +142,12 @@ def o_proj_of(block: Any) -> Any:
 
 
 def tl_hooked_from(model: Any) -> Any:
-    """TransformerLens ``HookedTransformer`` with the weights of ``model``, no weight processing, offline.
+    """TransformerLens ``HookedTransformer`` with the weights of ``model``, no weight processing, offline: the test
+    kit's reference (:func:`lensadapters.testing.tl_reference.hooked_transformer`, TransformerLens' own weight
+    conversion with every processing flag off, as ``from_pretrained_no_processing`` does)."""
+    from lensadapters.testing.tl_reference import hooked_transformer
 
-    ``from_pretrained_no_processing`` needs an official model name and fetches its config from the
-    Hub, so build the config from the HF config (as TransformerLens' own conversion does) and load
-    the converted state dict with every processing flag off, as ``from_pretrained_no_processing`` does.
-    """
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
-
-    c = model.config
-    if c.model_type == "gpt2":
-        fields = dict(
-            d_model=c.n_embd,
-            d_head=c.n_embd // c.n_head,
-            n_heads=c.n_head,
-            d_mlp=c.n_inner or 4 * c.n_embd,
-            n_layers=c.n_layer,
-            n_ctx=c.n_positions,
-            eps=c.layer_norm_epsilon,
-            d_vocab=c.vocab_size,
-            act_fn=c.activation_function,
-            use_attn_scale=True,
-            normalization_type="LN",
-            scale_attn_by_inverse_layer_idx=c.scale_attn_by_inverse_layer_idx,
-            original_architecture="GPT2LMHeadModel",
-        )
-        convert = convert_gpt2_weights
-    else:
-        params = getattr(c, "rope_parameters", None) or {}
-        fields = dict(
-            d_model=c.hidden_size,
-            d_head=c.hidden_size // c.num_attention_heads,
-            n_heads=c.num_attention_heads,
-            d_mlp=c.intermediate_size,
-            n_layers=c.num_hidden_layers,
-            n_ctx=c.max_position_embeddings,
-            eps=c.rms_norm_eps,
-            d_vocab=c.vocab_size,
-            act_fn=c.hidden_act,
-            n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-            normalization_type="RMS",
-            positional_embedding_type="rotary",
-            rotary_adjacent_pairs=False,
-            rotary_dim=c.hidden_size // c.num_attention_heads,
-            rotary_base=params.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            final_rms=True,
-            gated_mlp=True,
-            original_architecture="LlamaForCausalLM",
-        )
-        convert = convert_llama_weights
-    cfg = HookedTransformerConfig(**fields, device="cpu", dtype=torch.float32)
-    hooked = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
-    hooked.load_and_process_state_dict(
-        convert(model, cfg),
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
-    return hooked.eval()
+    return hooked_transformer(model)
 
 
 def offline_tokenizer(vocab: int) -> Any:

@@ -18,22 +18,14 @@ pytest.importorskip("sae_dashboard")
 
 
 def _models() -> tuple[Any, Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from lensadapters.testing.tl_reference import hooked_transformer, word_tokenizer
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=48,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    from lensadapters.testing.tiny_models import CLIENT_LLAMA, gqa_llama
+
+    config = gqa_llama(**CLIENT_LLAMA)
     model = LlamaForCausalLM(config).eval()
     tok = word_tokenizer(config.vocab_size)
     reference = hooked_transformer(model, tokenizer=tok)

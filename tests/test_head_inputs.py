@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from lensadapters import HookedModel
 from lensadapters.testing import assert_close
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, gqa_llama, needs, tiny
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SIDE = {"q_input": "q", "k_input": "k", "v_input": "v"}
@@ -78,16 +78,7 @@ def test_head_inputs_cost_nothing_unhooked_and_identity_edits_are_bitwise(arch: 
 
 @needs("llama")
 def test_grouped_query_attention_has_key_value_head_inputs_and_no_attn_in() -> None:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-    )
+    config = gqa_llama()
     hm = HookedModel.wrap(from_config(config))
     assert "blocks.0.hook_attn_in" not in hm.hook_names
     with torch.no_grad():

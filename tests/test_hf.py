@@ -15,6 +15,9 @@ class _LayerNormConfig:
         self._config = config
         self.layer_norm_eps = 3e-5
 
+    def get_text_config(self) -> "_LayerNormConfig":  # a text model's config is its own text config
+        return self
+
     def __getattr__(self, name: str) -> object:
         if name == "rms_norm_eps":
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -120,3 +123,25 @@ def test_values_from_the_key_projection_fire_after_the_keys() -> None:
         "attn.v_norm.hook_scale",
         "attn.v_norm.hook_normalized",
     ]
+
+
+def test_toy_draw_gives_the_demo_for_seed_0_and_one_draw_per_choice_otherwise() -> None:
+    import random
+
+    demo = (2, (4, 2), True)
+    assert hf.toy_draw(0, demo, [1, 2, 3], [(4, 2), (4, 4)], 0.5) == demo
+    rng = random.Random(7)
+    expected = (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4)]), rng.random() < 0.5, rng.randint(1, 3))
+    drawn = hf.toy_draw(7, demo + (1,), [1, 2, 3], [(4, 2), (4, 4)], 0.5, lambda rng, *before: rng.randint(1, 3))
+    assert drawn == expected
+
+
+def test_fused_qkv_split_views_each_part_by_heads_and_merges_back() -> None:
+    import torch
+
+    split, merge = hf.fused_qkv_split(n_heads=4, n_kv=2, d_head=3)
+    fused = torch.randn(2, 5, (4 + 2 * 2) * 3)
+    q, k, v = split(fused)
+    assert q.shape == (2, 5, 4, 3) and k.shape == v.shape == (2, 5, 2, 3)
+    assert torch.equal(q.flatten(-2), fused[..., :12]) and torch.equal(v.flatten(-2), fused[..., 18:])
+    assert torch.equal(merge(q, k, v), fused)

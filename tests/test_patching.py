@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from lensadapters import HookedModel, patching
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, gqa_llama, needs, tiny
 
 
 def setup(arch: str, seed: int = 0):
@@ -51,16 +50,7 @@ def test_head_sweeps_have_transformer_lens_shapes(arch: str) -> None:
 
 @needs("llama")
 def test_key_value_sweeps_run_over_key_value_heads() -> None:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-    )
+    config = gqa_llama()
     hm = HookedModel.wrap(from_config(config))
     tokens = torch.randint(0, 50, (1, 4), generator=torch.Generator().manual_seed(0))
     _, cache = hm.run_with_cache(tokens)
@@ -132,23 +122,8 @@ def test_a_sweep_takes_text() -> None:
 
 # --- batched sweeps: several patched copies per forward ---------------------------------------------------------
 
-SWEEPS = [
-    "get_act_patch_resid_pre",
-    "get_act_patch_resid_mid",
-    "get_act_patch_attn_out",
-    "get_act_patch_mlp_out",
-    "get_act_patch_attn_head_out_by_pos",
-    "get_act_patch_attn_head_q_by_pos",
-    "get_act_patch_attn_head_k_by_pos",
-    "get_act_patch_attn_head_v_by_pos",
-    "get_act_patch_attn_head_pattern_by_pos",
-    "get_act_patch_attn_head_pattern_dest_src_pos",
-    "get_act_patch_attn_head_out_all_pos",
-    "get_act_patch_attn_head_q_all_pos",
-    "get_act_patch_attn_head_k_all_pos",
-    "get_act_patch_attn_head_v_all_pos",
-    "get_act_patch_attn_head_pattern_all_pos",
-]
+# every single sweep (the "every" ones stack several of them)
+SWEEPS = [n for n in patching.__all__ if n.startswith("get_act_patch_") and not n.endswith("_every")]
 
 
 def two_prompts(arch: str, seed: int = 3):

@@ -425,27 +425,14 @@ needs_saelens = pytest.mark.skipif(sae_lens is None, reason="sae-lens is not ins
 @pytest.mark.parametrize("use_error_term", [False, True])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_spliced_saes_match_hooked_sae_transformer(arch, use_error_term, tmp_path) -> None:
-    from transformers import LlamaConfig
 
-    from lensadapters.testing.tiny_models import from_config, installed
+    from lensadapters.testing.tiny_models import CLIENT_LLAMA, from_config, gqa_llama, installed
     from lensadapters.testing.tl_reference import ReferenceUnavailable, hooked_transformer, word_tokenizer
 
     if not installed(arch):
         pytest.skip(f"no plugin for {arch}")
     if arch == "llama":  # grouped-query attention, plain RoPE (what TransformerLens 2.x rotates with)
-        model = from_config(
-            LlamaConfig(
-                hidden_size=32,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                num_hidden_layers=2,
-                intermediate_size=48,
-                vocab_size=48,
-                max_position_embeddings=64,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-        )
+        model = from_config(gqa_llama(**CLIENT_LLAMA))
     else:
         model = tiny(arch)
     tok = word_tokenizer(model.config.vocab_size)

@@ -1,45 +1,276 @@
-"""A plugin declared from a :class:`lensadapters.hf.DecoderFamily`: :class:`DecoderPlugin` derives the adapter hooks
-of a Llama-shaped family from its description plus the family's quirks, and :func:`toy_config` builds the toy models
-such plugins answer ``lensadapters_tiny_config`` with. Both are exported by :mod:`lensadapters.hf`.
+"""The declarative description of a Llama-shaped decoder family and the plugin derived from it:
+:class:`DecoderFamily` (what a family changes of the common shape), :class:`DecoderPlugin` (the adapter hooks of a
+family, derived from its description plus its quirks) and :func:`toy_config` (the toy models such plugins answer
+``lensadapters_tiny_config`` with). All three are exported by :mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
+from lensadapters.adapters.hf_helpers import (
+    DECODER_BLOCK,
+    DECODER_QKV,
+    ROTATE_HALF_ROPE_TYPES,
+    SWIGLU_MLP,
+    base_path,
+    fused_qkv_split,
+    head_dim,
+    join,
+    n_kv_heads,
+    norm_spec_for,
+    partial_rotary_factor,
+    require_attention_implementation,
+    require_fused_head_shapes,
+    require_head_shapes,
+    require_modules,
+    require_rope_types,
+    require_transformers_class,
+    rope_theta,
+    rope_type,
+    text_config,
+    unembed_path,
+)
 from lensadapters.adapters.hookspecs import hookimpl
-from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, NormSpec, QKVLayout
+from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.specs import (
+    Architecture,
+    BlockLayout,
+    FusedGateUp,
+    FusedQKV,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    QKVLayout,
+    RotarySpec,
+    SeparateQKV,
+)
+
+__all__ = ["DecoderFamily", "DecoderPlugin", "toy_config", "toy_draw"]
 
 
-class DecoderFamily(Protocol):
-    """What a :class:`DecoderPlugin` reads of its family: the members of :class:`lensadapters.hf.DecoderFamily`
-    (a protocol here, so this module does not import the description module that re-exports it)."""
+@dataclass(frozen=True)
+class DecoderFamily:
+    """The description of a family shaped like transformers' Llama: ``<Family>Model`` with ``embed_tokens``,
+    ``layers``, ``norm`` and ``rotary_emb``; blocks with ``self_attn.{q,k,v,o}_proj`` and RoPE on the rotary
+    module's ``(cos, sin)``; RMSNorm. Fields say what a family changes; the methods answer the adapter hooks::
 
-    @property
-    def norms(self) -> tuple[str, ...]: ...
+        FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
 
-    @property
-    def block(self) -> BlockLayout: ...
+        @hookimpl
+        def lensadapters_embed(arch, model):
+            return FAMILY.embed(model)
+    """
+
+    family: str
+    """The name in messages ("Mistral")."""
+    model_type: str
+    """``cfg.model_type``."""
+    packages: Optional[tuple[str, ...]] = None
+    """``transformers.models.<package>`` modules whose classes are accepted (custom code registered under the same
+    ``model_type`` is refused); ``None`` accepts any class with the layout."""
+    norms: tuple[str, ...] = ()
+    """RMSNorm class names described by :meth:`norm_spec`."""
+    norm_weight_offset: float = 0.0
+    """1.0 for Gemma-style ``x / rms * (1 + weight)`` norms."""
+    block: BlockLayout = DECODER_BLOCK
+    qkv: tuple[str, str, str] = DECODER_QKV
+    qk_norms: Optional[tuple[ProjectionNorm, ProjectionNorm]] = None
+    """Norms on the query and key projections, between projection and RoPE."""
+    mlp: Optional[Union[MLPLayout, FusedGateUp]] = SWIGLU_MLP
+    """``None`` when the plugin describes the MLP itself (mixture of experts)."""
+    rotary: Callable[[int], RotarySpec] = rotate_half_spec
+    """The rotation of a head of the given size."""
+    rope_types: tuple[str, ...] = ROTATE_HALF_ROPE_TYPES
+    attention: Optional[tuple[str, ...]] = None
+    """Attention implementations accepted at wrap time; ``None`` leaves others to the core (every hook point but
+    the pattern ones)."""
+    fused_qkv: Optional[str] = None
+    """The path of one projection computing ``[q | k | v]`` (each ``[heads, d_head]``, in that order), in place of
+    ``qkv``'s three."""
+    partial_rotary: bool = False
+    """Only the first ``partial_rotary_factor`` (the config's) of each head's dimensions rotate."""
+    rotary_input: Optional[str] = None
+    """The keyword argument of each layer's attention module that carries that layer's ``(cos, sin)``, for layers
+    with different RoPE sources (``ModelLayout.rotary_input``); ``None`` reads the model's ``rotary_emb``."""
+    qk_norms_after_projections: bool = False
+    """The q/k norms run after all three projections (``SeparateQKV.norms_after_projections``)."""
+    scaled_embeddings: bool = False
+    """The model multiplies the token embeddings by ``sqrt(hidden_size)``: inside the embedding module where it has an
+    ``embed_scale`` (transformers 5.x), in the model's forward after it otherwise (4.x). ``hook_embed`` and ``W_E``
+    include the factor; ``cfg.extra["embed_scale"]`` is it."""
+    layer_optional: tuple[str, ...] = ()
+    """Per-layer paths of the layout that some layers lack by design (layers reading another layer's keys and
+    values have no key/value projections): not required in every layer; the plugin's ``missing_in_layer`` checks
+    them where they belong."""
+
+    def base(self, model: nn.Module) -> str:
+        """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
+        return base_path(model, self.family)
+
+    def layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.get_submodule(join(self.base(model), "layers")))
+
+    def rope_type(self, model: nn.Module) -> str:
+        return rope_type(model.get_submodule(join(self.base(model), "rotary_emb")))
+
+    def rope_types_of(self, model: nn.Module) -> list[str]:
+        """The rope type of every rotary module of the ``<Family>Model`` (``rotary_emb``, ``rotary_emb_local``...;
+        one module with a type per layer type counts each)."""
+        found = []
+        for name, module in model.get_submodule(self.base(model)).named_children():
+            if name.startswith("rotary_emb"):
+                kind = getattr(module, "rope_type", "default")
+                found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]
+        return found
+
+    def layer_paths(self) -> tuple[str, ...]:
+        """The submodules every layer must have."""
+        b = self.block
+        paths = [b.ln1, b.attn, b.o_proj, b.ln2, b.mlp, b.ln1_post, b.ln2_post, b.mlp_residual]
+        paths += [self.fused_qkv] if self.fused_qkv is not None else [*self.qkv]
+        paths += [n.module for n in self.qk_norms or ()]
+        if isinstance(self.mlp, FusedGateUp):
+            paths += [self.mlp.module, self.mlp.out]
+        elif self.mlp is not None:
+            paths += [self.mlp.pre, self.mlp.pre_linear, self.mlp.out]
+        return tuple(p for p in paths if p is not None and p not in self.layer_optional)
 
     def validate(
-        self, model: nn.Module, missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None
-    ) -> list[nn.Module]: ...
+        self,
+        model: nn.Module,
+        missing_in_layer: Optional[Callable[[nn.Module], Iterable[str]]] = None,
+        precheck: Optional[Callable[[nn.Module], None]] = None,
+    ) -> list[nn.Module]:
+        """Refuse a model this description does not fit (class, layout, rope type, attention implementation, head
+        shapes); the decoder layers otherwise. ``missing_in_layer`` adds the plugin's own per-layer checks,
+        ``precheck`` a check right after the class check."""
+        if self.packages is not None:
+            require_transformers_class(model, self.family, self.packages)
+        if precheck is not None:
+            precheck(model)
+        layers = require_modules(
+            model,
+            self.base(model),
+            self.family,
+            ("embed_tokens", "norm") if self.rotary_input else ("embed_tokens", "norm", "rotary_emb"),
+            self.layer_paths(),
+            missing_in_layer=missing_in_layer,
+        )
+        require_rope_types(self.rope_types_of(model), self.rope_types, self.family)
+        config = text_config(model)
+        if self.attention is not None:
+            require_attention_implementation(config, self.attention, self.family)
+        if self.fused_qkv is not None:
+            require_fused_head_shapes(config, layers[0].get_submodule(self.fused_qkv))
+        else:
+            require_head_shapes(config, layers[0].get_submodule(self.qkv[0]))
+        return layers
 
-    def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig: ...
+    def rotary_dim(self, config: Any) -> int:
+        """The rotated dimensions of a head (all of them, or ``partial_rotary_factor`` of them)."""
+        return int(head_dim(config) * partial_rotary_factor(config)) if self.partial_rotary else head_dim(config)
 
-    def embed(self, model: nn.Module) -> ModelLayout: ...
+    def hooked_config(self, model: nn.Module, extra: Optional[dict] = None, **fields: Any) -> HookedConfig:
+        """``hm.cfg``: the fields every such family shares (rotary, RMS, gated MLP, the config's sizes), then
+        ``fields``; ``extra`` holds ``rope_theta`` and ``rope_type`` (``rope_types``, every rotary module's, with
+        ``rotary_input``), ``tie_word_embeddings`` and ``extra``. Sizes are read from the text config."""
+        c = text_config(model)
+        # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
+        readers: dict[str, Callable[[], Any]] = dict(
+            n_layers=lambda: c.num_hidden_layers,
+            d_model=lambda: c.hidden_size,
+            n_heads=lambda: c.num_attention_heads,
+            d_head=lambda: head_dim(c),
+            d_mlp=lambda: c.intermediate_size,
+            d_vocab=lambda: c.vocab_size,
+            n_ctx=lambda: c.max_position_embeddings,
+            act_fn=lambda: c.hidden_act,
+            normalization_type=lambda: "RMS",
+            positional_embedding_type=lambda: "rotary",
+            model_type=lambda: self.model_type,
+            n_key_value_heads=lambda: n_kv_heads(c),
+            rotary_dim=lambda: self.rotary_dim(c),
+            gated_mlp=lambda: True,
+            eps=lambda: c.rms_norm_eps,
+            original_architecture=lambda: type(model).__name__,
+        )
+        shared = {name: read() for name, read in readers.items() if name not in fields}
+        if self.rotary_input:
+            rope: dict[str, Any] = {"rope_types": self.rope_types_of(model)}
+        else:
+            rope = {"rope_theta": rope_theta(c), "rope_type": self.rope_type(model)}
+        if self.scaled_embeddings:
+            rope["embed_scale"] = float(c.hidden_size) ** 0.5
+        described = {
+            **rope,
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+            **(extra or {}),
+        }
+        return HookedConfig(**{**shared, **fields}, extra=described)
 
-    def attn_qkv(self, model: nn.Module) -> QKVLayout: ...
+    def dense_mlp(self) -> Union[MLPLayout, FusedGateUp]:
+        """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
+        if self.mlp is None:
+            raise TypeError(f"{self.family} describes its MLP itself (mlp=None)")
+        return self.mlp
 
-    def dense_mlp(self) -> Any: ...
+    def embed(self, model: nn.Module) -> ModelLayout:
+        base = self.base(model)
+        if self.scaled_embeddings:
+            module = model.get_submodule(join(base, "embed_tokens"))
+            scale = {
+                "embed_scale": float(text_config(model).hidden_size) ** 0.5,
+                "embed_scale_after_module": not hasattr(module, "embed_scale"),
+            }
+        else:
+            scale = {}
+        return ModelLayout(
+            blocks=join(base, "layers"),
+            embed=join(base, "embed_tokens"),
+            ln_final=join(base, "norm"),
+            rotary=None if self.rotary_input else join(base, "rotary_emb"),
+            unembed=unembed_path(model),
+            rotary_input=self.rotary_input,
+            **scale,
+        )
 
-    def norm_spec(self, module: nn.Module) -> Optional[NormSpec]: ...
+    def attn_qkv(self, model: nn.Module) -> Union[SeparateQKV, FusedQKV]:
+        c = text_config(model)
+        rotary = self.rotary(self.rotary_dim(c))
+        if self.fused_qkv is not None:
+            split, merge = fused_qkv_split(c.num_attention_heads, n_kv_heads(c), head_dim(c))
+            return FusedQKV(self.fused_qkv, split, merge, rotary=rotary)
+        q_norm, k_norm = self.qk_norms or (None, None)
+        after = self.qk_norms_after_projections
+        return SeparateQKV(*self.qkv, rotary=rotary, q_norm=q_norm, k_norm=k_norm, norms_after_projections=after)
+
+    def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
+        return norm_spec_for(module, self.norms, self.norm_weight_offset)
 
 
-__all__ = ["DecoderPlugin", "toy_config"]
+def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
+    """The values a toy config varies: ``demo`` for seed 0 (the demo's model); for another seed one draw per
+    choice, in order, from ``random.Random(seed)``: a list draws one of its items, a float ``p`` is true with
+    probability ``p``, a callable is called with the generator and the values drawn before it."""
+    if seed == 0:
+        return tuple(demo)
+    rng = random.Random(seed)
+    drawn: list[Any] = []
+    for choice in choices:
+        if isinstance(choice, float):
+            drawn.append(rng.random() < choice)
+        elif callable(choice):
+            drawn.append(choice(rng, *drawn))
+        else:
+            drawn.append(rng.choice(choice))
+    return tuple(drawn)
 
 
 def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
@@ -93,6 +324,9 @@ class DecoderPlugin:
     """A layer's attention projections when they are not the family's."""
     mlp: Optional[Callable[[Any, int], Any]] = None
     """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
+    precheck: Optional[Callable[[Any], None]] = None
+    """A wrap-time check before the family's own, after the class check (a model the family's paths would
+    misread: a multimodal model around the text model...)."""
 
     @hookimpl
     def lensadapters_architectures(self) -> list[Architecture]:
@@ -100,7 +334,7 @@ class DecoderPlugin:
 
     @hookimpl
     def lensadapters_validate(self, arch: Architecture, model: nn.Module) -> None:
-        self.family.validate(model, missing_in_layer=self.missing_in_layer)
+        self.family.validate(model, missing_in_layer=self.missing_in_layer, precheck=self.precheck)
         if self.check is not None:
             self.check(model)
 

@@ -370,32 +370,40 @@ def _pad_heads(results: Tensor, like: Tensor) -> Tensor:
     return torch.nn.functional.pad(results, (0, like.size(-1) - results.size(-1)))
 
 
+def _every_head_sweep(sweeps: Sequence[Callable[..., Tensor]], *args: Any, batch_size: Optional[int]) -> list[Tensor]:
+    """The results of the output, query, key, value and pattern ``sweeps``, keys and values padded to the query
+    heads."""
+    out, q, k, v, pattern = (sweep(*args, batch_size=batch_size) for sweep in sweeps)
+    return [out, q, _pad_heads(k, q), _pad_heads(v, q), pattern]
+
+
 def get_act_patch_attn_head_all_pos_every(
     model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric, batch_size: Optional[int] = None
 ) -> Tensor:
     """Every head's output, queries, keys, values and pattern, each at all positions: ``[5, n_layers, n_heads]``."""
-    out = get_act_patch_attn_head_out_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    q = get_act_patch_attn_head_q_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    k = get_act_patch_attn_head_k_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    v = get_act_patch_attn_head_v_all_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    pattern = get_act_patch_attn_head_pattern_all_pos(
-        model, corrupted_tokens, clean_cache, metric, batch_size=batch_size
+    sweeps = (
+        get_act_patch_attn_head_out_all_pos,
+        get_act_patch_attn_head_q_all_pos,
+        get_act_patch_attn_head_k_all_pos,
+        get_act_patch_attn_head_v_all_pos,
+        get_act_patch_attn_head_pattern_all_pos,
     )
-    return torch.stack([out, q, _pad_heads(k, q), _pad_heads(v, q), pattern], dim=0)
+    return torch.stack(_every_head_sweep(sweeps, model, corrupted_tokens, clean_cache, metric, batch_size=batch_size))
 
 
 def get_act_patch_attn_head_by_pos_every(
     model: Any, corrupted_tokens: Tensor, clean_cache: Any, metric: Metric, batch_size: Optional[int] = None
 ) -> Tensor:
     """The same by position: ``[5, n_layers, pos, n_heads]`` (the pattern by destination position)."""
-    out = get_act_patch_attn_head_out_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    q = get_act_patch_attn_head_q_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    k = get_act_patch_attn_head_k_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    v = get_act_patch_attn_head_v_by_pos(model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
-    pattern = get_act_patch_attn_head_pattern_by_pos(
-        model, corrupted_tokens, clean_cache, metric, batch_size=batch_size
+    sweeps = (
+        get_act_patch_attn_head_out_by_pos,
+        get_act_patch_attn_head_q_by_pos,
+        get_act_patch_attn_head_k_by_pos,
+        get_act_patch_attn_head_v_by_pos,
+        get_act_patch_attn_head_pattern_by_pos,
     )
-    return torch.stack([out, q, _pad_heads(k, q), _pad_heads(v, q), pattern.transpose(-2, -1)], dim=0)
+    *heads, pattern = _every_head_sweep(sweeps, model, corrupted_tokens, clean_cache, metric, batch_size=batch_size)
+    return torch.stack([*heads, pattern.transpose(-2, -1)], dim=0)
 
 
 def get_act_patch_block_every(

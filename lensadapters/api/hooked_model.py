@@ -7,12 +7,11 @@ built from a plugin's description and realized as PyTorch hooks is :mod:`lensada
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -20,21 +19,19 @@ from torch import nn
 from lensadapters.adapters.plugin_calls import plugin_of
 from lensadapters.adapters.registry import PluginLoadWarning, Registry, check_transformers_range, get_registry
 from lensadapters.adapters.validation import describe_forced
-from lensadapters.analysis.cache import ActivationCache
 from lensadapters.api import tl_call  # analysis layer: TransformerLens call conventions
-from lensadapters.api.arguments import batch_of, check_cache_device, check_hook, check_selector, hook_pairs, selector
+from lensadapters.api.arguments import check_hook, check_selector, hook_pairs, selector
+from lensadapters.api.caching import DEFAULT_CACHE_EXCLUDES, CachingRuns  # noqa: F401  (old import path)
 from lensadapters.api.tl_api import (
     TransformerLensAPI,  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 )
 from lensadapters.errors import LensAdaptersError, PluginError, UnsupportedModelError
-from lensadapters.hooks.hook_point import HookFn, HookPoint, is_recomputing
+from lensadapters.hooks.hook_point import HookFn, HookPoint
 from lensadapters.wiring.core import Wiring
-from lensadapters.wiring.head_inputs import NAMES as _HEAD_INPUT_NAMES  # analysis layer
 from lensadapters.wiring.names import PATTERN_POINTS
 from lensadapters.wiring.weights import WeightAccessors
 
 Tensor = torch.Tensor
-NameFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 
 # user model -> its wrapper; also inner HF model -> wrapper, to refuse two wrappers on one model. Both weak: a
@@ -42,8 +39,6 @@ HookSpec = tuple[Union[str, Callable[[str], bool]], HookFn]
 # keep the wrapper alive (model -> hook -> site -> wiring -> wrapper), so wrapping again finds it.
 _WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookedModel]]" = weakref.WeakKeyDictionary()
 _contexts = itertools.count(1)
-# hook points left out of run_with_cache's default (names_filter=None): costly and redundant
-DEFAULT_CACHE_EXCLUDES = ("attn.hook_result",) + _HEAD_INPUT_NAMES
 #: values of ``HookedModel.call_semantics``
 CALL_SEMANTICS = ("hf", "transformer_lens")
 
@@ -87,7 +82,7 @@ def _cross_cutting_culprit(exc: BaseException, registry: Registry, left_out: lis
     return info.plugin
 
 
-class HookedModel(TransformerLensAPI, WeightAccessors):
+class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
     """Hook points, caches and weights for a Hugging Face model, without changing the model.
 
     Build with :meth:`wrap`; ``hm(...)`` is exactly ``model(...)`` (TransformerLens-style calls aside: see
@@ -409,116 +404,6 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
             kwargs.setdefault("disable_compile", True)
         return self.model.generate(*args, **kwargs)
 
-    def run_with_hooks(
-        self,
-        *args: Any,
-        fwd_hooks: Iterable[HookSpec] = (),
-        bwd_hooks: Iterable[HookSpec] = (),
-        reset_hooks_end: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """Run the model with temporary hooks; returns the logits (the full output if it has none).
-
-        Backward hooks stay attached to this forward's graph, so ``logits.sum().backward()`` after
-        the call still runs them.
-        """
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
-            return _logits(self(*args, **kwargs))
-
-    def cache_names(self, names_filter: NameFilter = None) -> list[str]:
-        """The hook names ``run_with_cache`` stores for ``names_filter``."""
-        names_filter = selector(names_filter)  # a generator of names is read once
-        if names_filter is not None:
-            check_selector(names_filter, "names_filter")
-        if names_filter is None:
-            points = self.wiring.hook_dict
-            return [n for n in self.hook_names if not (n.endswith(DEFAULT_CACHE_EXCLUDES) or points[n].costly)]
-        if isinstance(names_filter, str):
-            return [pt.name for pt in self.wiring.select(names_filter)]
-        if callable(names_filter):
-            return [n for n in self.hook_names if names_filter(n)]
-        return [pt.name for pt in self.wiring.select(list(names_filter))]
-
-    def run_with_cache(
-        self,
-        *args: Any,
-        names_filter: NameFilter = None,
-        device: Any = None,
-        remove_batch_dim: bool = False,
-        incl_bwd: bool = False,
-        reset_hooks_end: bool = True,
-        **kwargs: Any,
-    ) -> tuple[Any, ActivationCache]:
-        """Run the model and return ``(logits, cache)``.
-
-        ``names_filter``: a name, a list of names or a predicate (default: every hook point but
-        ``attn.hook_result`` and the per-expert points ``mlp.experts.{e}.*``, which are computed only when asked
-        for). ``device`` moves cached tensors,
-        ``remove_batch_dim`` drops a batch of one, ``incl_bwd`` backpropagates the model's loss (pass
-        ``labels=``) and stores gradients as ``NAME_grad``. ``reset_hooks_end=False`` (TransformerLens): the caching
-        hooks stay after the call, so every later forward writes its values into the returned cache, until
-        ``hm.reset_hooks()``.
-
-        Under gradient checkpointing (``model.train()`` after ``gradient_checkpointing_enable()``) the
-        backward pass re-runs the forward of each checkpointed layer; the cache records each hook point
-        once, from the real forward (see :func:`lensadapters.is_recomputing`), and each gradient once.
-        """
-        names = self.cache_names(names_filter)
-        device = check_cache_device(device)
-        if incl_bwd:
-            if torch.is_inference_mode_enabled():
-                raise LensAdaptersError(
-                    "run_with_cache(incl_bwd=True) backpropagates, which torch.inference_mode() "
-                    "forbids: call it outside the inference_mode block (torch.no_grad() is fine)"
-                )
-            tl_style = self._tl_semantics or tl_call.wants_transformer_lens(args, kwargs)
-            tl_loss = tl_style and kwargs.get("return_type") == "loss"
-            if tl_style and not tl_loss:
-                raise ValueError("run_with_cache(incl_bwd=True) backpropagates the loss: pass return_type='loss'")
-            if not tl_style and "labels" not in kwargs and "labels" in _forward_parameters(self.model):
-                raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
-        if remove_batch_dim and batch_of(args, kwargs) not in (None, 1):
-            raise ValueError(
-                f"run_with_cache(remove_batch_dim=True) needs a batch of one; the input has a batch of "
-                f"{batch_of(args, kwargs)}"
-            )
-        store: dict[str, Tensor] = {}
-
-        def keep(key: str, tensor: Tensor) -> None:
-            value = tensor.detach()
-            if device is not None:
-                value = value.to(device)
-            if remove_batch_dim:
-                if value.shape[0] != 1:
-                    raise ValueError(
-                        f"run_with_cache(remove_batch_dim=True) needs a batch of one; {key} has a batch "
-                        f"of {value.shape[0]} (shape {tuple(value.shape)})"
-                    )
-                value = value[0]
-            store[key] = value
-
-        def save(tensor: Tensor, hook: HookPoint) -> None:
-            if not is_recomputing():  # gradient checkpointing re-runs the forward during backward
-                keep(hook.name, tensor)
-
-        def save_grad(tensor: Tensor, hook: HookPoint) -> None:
-            keep(hook.name + "_grad", tensor)
-
-        with self.hooks(
-            [(n, save) for n in names],
-            [(n, save_grad) for n in names] if incl_bwd else [],
-            reset_hooks_end,
-            _readonly=True,
-        ):
-            with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
-                out = self(*args, **kwargs)
-                if incl_bwd:
-                    loss = out if isinstance(out, Tensor) else getattr(out, "loss", None)  # TL: the returned loss
-                    if loss is None:
-                        raise ValueError("run_with_cache(incl_bwd=True) backpropagates the model's loss: pass labels=")
-                    loss.backward()
-        return _logits(out), ActivationCache(store, self.cfg.n_layers, not remove_batch_dim, model=self)
-
     def unwrap(self) -> Any:
         """Remove every hook and give back the model object, exactly as it was."""
         if self._alive:
@@ -539,21 +424,7 @@ class HookedModel(TransformerLensAPI, WeightAccessors):
         )
 
 
-def _forward_parameters(model: Any) -> tuple[str, ...]:
-    try:
-        return tuple(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError, AttributeError):  # pragma: no cover
-        return ()
-
-
 def _warn_generic(hm: HookedModel, registry: Registry) -> None:
     from lensadapters.adapters.generic import GenericAdapterWarning, summary
 
     warnings.warn(GenericAdapterWarning(summary(hm.wiring) + registry.autoload_note()), stacklevel=4)
-
-
-def _logits(out: Any) -> Any:
-    if isinstance(out, tl_call.Output):  # analysis layer: a TransformerLens-style call's result, as it is
-        return out
-    logits = getattr(out, "logits", None)
-    return logits if logits is not None else out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -278,11 +278,29 @@ def forward(
 
 
 @contextlib.contextmanager
-def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> Iterator[None]:
-    """The residual stream enters at block ``layer`` (after the last block when ``layer == n_layers``)."""
+def _at_block(hm: "HookedModelLike", layer: int, pre: Callable[..., Any], post: Callable[..., Any]) -> Iterator[None]:
+    """``pre`` as block ``layer``'s first forward pre-hook (before the block's own hook points), or ``post`` as a
+    forward hook of the last block for ``layer == n_layers`` (after its own hooks), for the duration."""
     n = hm.cfg.n_layers
+    if layer < n:
+        handle = hm.block_modules[layer].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    else:
+        handle = hm.block_modules[n - 1].register_forward_hook(post)
+    try:
+        yield
+    finally:
+        handle.remove()
 
-    embed_site = getattr(hm.wiring, "_scaled_embed", None) if layer == 0 else None
+
+def _embed_site(hm: "HookedModelLike", layer: int) -> Any:
+    """The site serving ``hook_embed`` at block 0's input (see ``Wiring.embed_at_first_block``), for ``layer == 0``."""
+    return hm.wiring.embed_at_first_block() if layer == 0 else None
+
+
+def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> ContextManager[None]:
+    """The residual stream enters at block ``layer`` (after the last block when ``layer == n_layers``); hook_resid_pre
+    sees the given residual."""
+    embed_site = _embed_site(hm, layer)
 
     def pre(module: Any, args: tuple, kwargs: dict) -> Any:
         if embed_site is not None:  # hook_embed served at block 0's input: the given residual is no embedding
@@ -293,43 +311,27 @@ def _inject(hm: "HookedModelLike", layer: int, residual: Tensor) -> Iterator[Non
     def post(module: Any, args: tuple, output: Any) -> Any:
         return replace_first_output(output, _conform(residual, first_output(output), "start_at_layer"))
 
-    if layer < n:  # before the block's own hook points (hook_resid_pre sees the given residual)
-        handle = hm.block_modules[layer].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    else:
-        handle = hm.block_modules[n - 1].register_forward_hook(post)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return _at_block(hm, layer, pre, post)
 
 
-@contextlib.contextmanager
-def _capture(hm: "HookedModelLike", layer: int, captured: list) -> Iterator[None]:
+def _capture(hm: "HookedModelLike", layer: int, captured: list) -> ContextManager[None]:
     """Record the residual stream at the input of block ``layer`` (the model's output stream for
-    ``n_layers``) and end the forward there."""
-    n = hm.cfg.n_layers
-
+    ``n_layers``, after the last block's own hooks such as hook_resid_post) and end the forward there; none of
+    block ``layer``'s hook points fires."""
     # where hook_embed is served at the first block's input (a model scaling its embeddings in its own forward),
     # stopping at block 0 serves it first: it fires and its edit is in the result, and no other hook of block 0 runs
-    embed_site = getattr(hm.wiring, "_scaled_embed", None) if layer == 0 else None
+    embed_site = _embed_site(hm, layer)
 
     def pre(module: Any, args: tuple, kwargs: dict) -> None:
-        served = None if embed_site is None else embed_site._serve(module, args, kwargs)
+        served = None if embed_site is None else embed_site.serve(module, args, kwargs)
         captured.append(first_input(*served) if served is not None else first_input(args, kwargs))
         raise _Stop()
 
-    def post(module: Any, args: tuple, output: Any) -> None:  # after the last block's own hooks (hook_resid_post)
+    def post(module: Any, args: tuple, output: Any) -> None:
         captured.append(first_output(output))
         raise _Stop()
 
-    if layer < n:  # before block `layer`'s hook points, none of which fires
-        handle = hm.block_modules[layer].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    else:
-        handle = hm.block_modules[n - 1].register_forward_hook(post)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return _at_block(hm, layer, pre, post)
 
 
 @contextlib.contextmanager

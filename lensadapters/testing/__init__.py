@@ -16,6 +16,7 @@ _EXPORTS = {
     "Capabilities": "contract",
     "assert_close": "contract",
     "perturb": "contract",
+    "perturbed_logits": "contract",
     "property_settings": "contract",
     "Inputs": "strategies",
     "as_strategy": "strategies",

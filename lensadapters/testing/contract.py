@@ -77,6 +77,7 @@ from lensadapters.testing.contract_support import (
     assert_close,
     close,
     perturb,
+    perturbed_logits,
     property_settings,
     uncap,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "assert_close",
     "close",
     "perturb",
+    "perturbed_logits",
     "property_settings",
     "uncap",
 ]

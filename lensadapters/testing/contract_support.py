@@ -24,6 +24,69 @@ _SETTINGS = settings(
 property_settings = _SETTINGS
 
 
+def assert_unchanged_by_caching(hm: HookedModel, inputs: Any, reference: torch.Tensor) -> None:
+    """The wrapped model's logits are ``reference`` bitwise, before and after a ``run_with_cache`` (hooks that came
+    and went leave nothing behind)."""
+    with torch.no_grad():
+        assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+        hm.run_with_cache(**inputs.kwargs())
+        assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+
+
+def perturbed_logits(hm: HookedModel, inputs: Any, name: str) -> torch.Tensor:
+    """The logits of ``inputs`` with :func:`perturb` at the point ``name``, which must fire."""
+    fired: list[str] = []
+
+    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        fired.append(hook.name)
+        return perturb(t, hook)
+
+    logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+    assert fired, f"{name} never fired"
+    return logits
+
+
+def greedy_kwargs(steps: int, pad_token_id: Optional[int] = 0, **fields: Any) -> dict[str, Any]:
+    """``generate``'s keyword arguments for greedy decoding of exactly ``steps`` tokens that returns each step's
+    logits (``pad_token_id`` ``None``: 0), then ``fields``."""
+    return dict(
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=pad_token_id if pad_token_id is not None else 0,
+        **fields,
+    )
+
+
+def check_edited_generation(
+    hm: HookedModel,
+    inputs: Any,
+    point: str,
+    edit: Any,
+    atol: Any,
+    pad_token_id: Optional[int] = 0,
+    steps: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Generation with ``edit`` at ``point`` (the KV cache on) gives at each step the logits of one forward over the
+    generated sequences with the same edit, within ``atol(one_pass_logits)``. Returns those one-pass logits, the
+    logits of the same forward without the edit, and the prompt length."""
+    prompt = inputs.input_ids.shape[1]
+    with torch.no_grad():
+        with hm.hooks([(point, edit)]):
+            generated = hm.generate(**inputs.kwargs(), **greedy_kwargs(steps, pad_token_id))
+            sequences = generated.sequences
+            one_pass = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
+        unedited = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
+    assert len(generated.logits) == steps
+    tolerance = atol(one_pass)
+    for step, logits in enumerate(generated.logits):
+        expected = one_pass[:, prompt - 1 + step]
+        assert_close(logits, expected, f"{point} edit: step {step} vs one pass", atol=tolerance)
+    return one_pass, unedited, prompt
+
+
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
     return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
 

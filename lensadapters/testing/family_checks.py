@@ -15,6 +15,7 @@ from torch import nn
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing.contract import assert_close
+from lensadapters.testing.contract_support import greedy_kwargs
 
 __all__ = [
     "as_custom_code",
@@ -23,6 +24,8 @@ __all__ = [
     "assert_patterns_refused_under",
     "window_allowed",
     "assert_window_patterns",
+    "assert_window_patterns_match_eager",
+    "QK_NORMED_ATTENTION",
     "generate_with_hooks",
     "with_examples",
     "int8_model",
@@ -109,20 +112,49 @@ def assert_window_patterns(
         assert_close(sums, torch.ones_like(sums), f"layer {layer} pattern rows sum to 1")
 
 
+def assert_window_patterns_match_eager(contract: Any, config: Any, seed: int, length: int = 8) -> HookedModel:
+    """A model of ``config`` (a sliding window on every layer) under sdpa: each layer's pattern is HF eager's, nothing
+    beyond ``config.sliding_window`` is attended, and wrapping keeps the logits bitwise. Returns the (still wrapped)
+    model's wrapper."""
+    model = contract.make_model(config, seed, "sdpa")
+    ids = torch.randint(0, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        model.config._attn_implementation = "eager"
+        eager = model(ids, output_attentions=True).attentions
+        model.config._attn_implementation = "sdpa"
+        hm = contract.wrap(model)
+        _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+        assert torch.equal(hm(ids).logits, reference)
+    far = torch.ones(length, length, dtype=torch.bool).tril(-config.sliding_window)
+    for layer in range(config.num_hidden_layers):
+        assert_close(cache["pattern", layer], eager[layer], f"layer {layer} pattern")
+        assert (cache["pattern", layer][..., far] == 0).all(), "attends beyond the window"
+    return hm
+
+
+#: the attention points of a block whose queries and keys are normed between projection and RoPE, in firing order
+QK_NORMED_ATTENTION = [
+    "attn.hook_q",
+    "attn.q_norm.hook_scale",
+    "attn.q_norm.hook_normalized",
+    "attn.hook_rot_q",
+    "attn.hook_k",
+    "attn.k_norm.hook_scale",
+    "attn.k_norm.hook_normalized",
+    "attn.hook_rot_k",
+    "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+]
+
+
 def generate_with_hooks(
     hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor, cache_implementation: Optional[str], steps: int = 4
 ) -> None:
     """Greedy generation with reading hooks on every point (patterns included) gives the logits of generation
     without hooks, under ``cache_implementation`` (``None``: dynamic, ``"static"``...)."""
-    kwargs = dict(
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        attention_mask=mask,
-    )
+    kwargs = greedy_kwargs(steps, attention_mask=mask)
     if cache_implementation is not None:
         kwargs["cache_implementation"] = cache_implementation
     with torch.no_grad():

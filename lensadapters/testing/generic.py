@@ -31,7 +31,16 @@ from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.testing.contract_support import _hook_counts, _instance_attributes, assert_close, close, perturb
+from lensadapters.testing.contract_support import (
+    _hook_counts,
+    _instance_attributes,
+    assert_close,
+    assert_unchanged_by_caching,
+    check_edited_generation,
+    close,
+    perturb,
+    perturbed_logits,
+)
 from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
@@ -207,10 +216,7 @@ class GenericContract(GradientContract):
         assert all(m.training for m in model.modules()) and _hook_counts(model) == hooks
         assert model.config._attn_implementation == impl
         model.eval()
-        with torch.no_grad():
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
-            hm.run_with_cache(**inputs.kwargs())
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+        assert_unchanged_by_caching(hm, inputs, reference)
         assert model.config._attn_implementation == impl
         hm.unwrap()
 
@@ -305,14 +311,7 @@ class GenericContract(GradientContract):
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             for name in hm.hook_names:
-                fired: list[str] = []
-
-                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
-                    fired.append(hook.name)
-                    return perturb(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert fired, f"{name} never fired"
+                logits = perturbed_logits(hm, inputs, name)
                 if name.endswith("attn.hook_attn_scores") and close(logits[v], reference[v], atol=1e-5, rtol=0):
                     # a saturated softmax can absorb a rescaled score: the pattern must still show the edit
                     pattern = name.replace("hook_attn_scores", "hook_pattern")
@@ -451,23 +450,7 @@ class GenericContract(GradientContract):
             and n.endswith(("hook_resid_post", "attn.hook_z", "attn.hook_pattern", "hook_mlp_out"))
         ]
         point = data.draw(st.sampled_from(options), label="point")
-        steps = 3
-        kwargs = dict(
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        prompt = inputs.input_ids.shape[1]
-        with torch.no_grad():
-            with hm.hooks([(point, lambda t, hook: t * 1.5)]):
-                generated = hm.generate(**inputs.kwargs(), **kwargs)
-                sequences = generated.sequences
-                one_pass = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
-        for step, logits in enumerate(generated.logits):
-            assert_close(logits, one_pass[:, prompt - 1 + step], f"{point} edit: step {step} vs one pass", atol=1e-3)
+        check_edited_generation(hm, inputs, point, lambda t, hook: t * 1.5, lambda logits: 1e-3)
         hm.unwrap()
 
     @_SETTINGS

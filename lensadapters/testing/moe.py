@@ -9,8 +9,8 @@ with ``MoE form:`` and say what is checked instead): a MoE block has no dense ``
 ``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis; ``mlp.hook_expert_indices`` holds
 integers (the generic perturbation is not an index); an expert that no token chose has no rows to edit.
 
-Over 500 lines on purpose: one contract class, whose properties share its reference and fixtures (split like
-``AdapterContract`` when it grows).
+The independent reference (the MoE output computed from the read weights, the routing) is
+:mod:`lensadapters.testing.moe_reference`; its names are importable from here too.
 """
 
 from __future__ import annotations
@@ -21,72 +21,31 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lensadapters.adapters.moe import MoELayout, expert_rows, is_moe, router_bias, router_weight
-from lensadapters.adapters.moe.experts import unwrapped
+from lensadapters.adapters.moe import expert_rows, is_moe, router_weight
 from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from lensadapters.testing.contract import AdapterContract
-from lensadapters.testing.contract_support import _BLOCK_POINTS, _SETTINGS, assert_close, close, perturb
+from lensadapters.testing.contract_support import (
+    _BLOCK_POINTS,
+    _SETTINGS,
+    assert_close,
+    check_edited_generation,
+    close,
+    perturb,
+)
+from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... importable from here as before
+    activation,
+    assert_moe_reference,
+    expert_glu,
+    mlp_input,
+    mlp_input_of,
+    moe_reference,
+    route,
+    router_bias_or_zero,
+)
 from lensadapters.wiring.weights import mlp_weights
 
 Tensor = torch.Tensor
 _DENSE_ONLY = ("mlp.hook_pre", "mlp.hook_post")
-
-
-def _activation(name: str) -> Any:
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
-
-
-def expert_glu(hm: Any, layer: int) -> Any:
-    """What expert ``e`` of block ``layer`` computes from its gate and up projections: the layout's ``glu`` (with
-    the live experts module) or ``act(gate) * up``."""
-    layout = hm.mlp_layouts[layer]
-    custom = getattr(layout.experts, "glu", None)
-    if custom is not None:
-        module = unwrapped(hm.wiring, hm.block_modules[layer].get_submodule(layout.experts.module))
-        return lambda gate, up: custom(module, gate, up)
-    act = _activation(hm.cfg.act_fn)
-    return lambda gate, up: act(gate) * up
-
-
-def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """The MoE output of block ``layer`` for MLP inputs ``x`` ``[..., d_model]`` routed to ``index`` ``[..., k]`` with
-    ``weights``, computed from the read weights and biases (``W_gate``, ``W_in``, ``W_out``, ``b_*`` of each expert)
-    in float64."""
-    (W_in, b_in), (W_gate, b_gate), (W_out, b_out) = (
-        tuple(t.double() for t in mlp_weights(hm.wiring, layer, role)) for role in ("in", "gate", "out")
-    )
-    glu = expert_glu(hm, layer)
-    xs = x.double()
-    gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index]) + b_gate[index]
-    up = torch.einsum("...d,...kdm->...km", xs, W_in[index]) + b_in[index]
-    out = torch.einsum("...km,...kmd->...kd", glu(gate, up), W_out[index]) + b_out[index]
-    return (out * weights.double()[..., None]).sum(-2)
-
-
-def _router_bias(hm: Any, layer: int) -> Any:
-    bias = router_bias(hm.wiring, layer)
-    return 0 if bias is None else bias
-
-
-def mlp_input(hm: Any, cache: Any, layer: int) -> Tensor:
-    """What the MLP of ``layer`` reads: ``ln2.hook_normalized`` times the norm's weight."""
-    return mlp_input_of(hm, cache, layer, "ln2")
-
-
-def route(layout: MoELayout, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference routing: softmax over every expert, top-k, renormalized when the family does; or (routers that
-    select first) the top-k logits, the softmax over them, scattered over the experts."""
-    if layout.routing.order == "topk_softmax":
-        values, index = torch.topk(logits.double(), layout.routing.top_k, dim=-1)
-        top = torch.softmax(values, dim=-1)
-        return torch.zeros_like(logits, dtype=torch.float64).scatter(-1, index, top), top, index
-    probs = torch.softmax(logits.double(), dim=-1)
-    top, index = torch.topk(probs, layout.routing.top_k, dim=-1)
-    if layout.routing.normalize:
-        top = top / top.sum(-1, keepdim=True)
-    return probs, top, index
 
 
 class MoEContract(AdapterContract):
@@ -218,7 +177,7 @@ class MoEContract(AdapterContract):
                 pre = f"blocks.{i}.mlp."
                 assert_close(
                     cache[pre + "hook_router_logits"],
-                    x @ router_weight(hm.wiring, i) + _router_bias(hm, i),
+                    x @ router_weight(hm.wiring, i) + router_bias_or_zero(hm, i),
                     f"layer {i} router logits",
                 )
                 index = cache[pre + "hook_expert_indices"].reshape(-1, k)
@@ -390,26 +349,9 @@ class MoEContract(AdapterContract):
                 return t + torch.arange(t.shape[-1], dtype=t.dtype)  # steers towards the last experts
             return t * 1.5
 
-        steps = 3
         pad = getattr(model.config, "pad_token_id", None)
-        kwargs = dict(
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad if pad is not None else 0,
-        )
-        prompt = inputs.input_ids.shape[1]
-        with torch.no_grad():
-            with hm.hooks([(point, edit)]):
-                generated = hm.generate(**inputs.kwargs(), **kwargs)
-                sequences = generated.sequences
-                one_pass = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
-            unedited = hm(sequences, attention_mask=torch.ones_like(sequences)).logits
+        one_pass, unedited, prompt = check_edited_generation(hm, inputs, point, edit, self.generation_atol, pad)
         atol = self.generation_atol(one_pass)
-        for step, logits in enumerate(generated.logits):
-            assert_close(logits, one_pass[:, prompt - 1 + step], f"{point} edit: step {step} vs one pass", atol=atol)
         hm.unwrap()
         assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
 
@@ -464,14 +406,7 @@ class MoEContract(AdapterContract):
         chosen = torch.gather(probs, -1, cache[pre + "hook_expert_indices"])
         assert_close(chosen, torch.gather(probs, -1, index), "the indices select the top-k probabilities")
         assert_close(cache[pre + "hook_routing_weights"], top, "routing weights == the normalized top-k")
-        expected = moe_reference(
-            hm,
-            layer,
-            mlp_input(hm, cache, layer),
-            cache[pre + "hook_routing_weights"],
-            cache[pre + "hook_expert_indices"],
-        )
-        assert_close(cache["mlp_out", layer], expected, "hook_mlp_out == reference MoE", atol=1e-4)
+        assert_moe_reference(hm, cache, [layer], "hook_mlp_out == reference MoE")
         hm.unwrap()
 
     @_SETTINGS
@@ -593,12 +528,3 @@ class MoEContract(AdapterContract):
         assert_close(post[v], biased[v], "zeroed hook_post == contributions but the down bias subtracted", atol=1e-4)
         assert_close(unweighted[v], subtracted[v], "routing weight 0 == contributions subtracted", atol=1e-4)
         hm.unwrap()
-
-
-def mlp_input_of(hm: Any, cache: Any, layer: Optional[int], norm: str) -> Tensor:
-    """The output of a norm (``ln1``/``ln2`` of ``layer``, or ``ln_final``): ``hook_normalized`` times its weight."""
-    prefix = "ln_final" if layer is None else f"blocks.{layer}.{norm}"
-    module = hm.norm_module(prefix)
-    spec = hm.norm_spec(module)
-    normalized = cache[f"{prefix}.hook_normalized"]
-    return normalized if spec.kind == "LN" or spec.weight is None else normalized * (spec.weight + spec.weight_offset)

@@ -18,6 +18,7 @@ from lensadapters.testing.contract_support import (
     assert_close,
     close,
     perturb,
+    perturbed_logits,
     uncap,
 )
 
@@ -35,14 +36,7 @@ class EditProperties:
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             for name in hm.hook_names:
-                fired: list[str] = []
-
-                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
-                    fired.append(hook.name)
-                    return perturb(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert fired, f"{name} never fired"
+                logits = perturbed_logits(hm, inputs, name)
                 diff = (logits - reference)[inputs.valid].abs().max().item()
                 witness = _attention_witness(hm, name)
                 if name.split(".", 2)[-1] in self.capabilities(model).absorbed_points and name.startswith("blocks."):

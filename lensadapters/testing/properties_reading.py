@@ -14,6 +14,7 @@ from lensadapters.testing.contract_support import (
     _BLOCK_POINTS,
     _SETTINGS,
     assert_close,
+    assert_unchanged_by_caching,
 )
 from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
 
@@ -118,10 +119,7 @@ class ReadingProperties:
         with torch.no_grad():
             reference = model(**inputs.kwargs()).logits
             hm = self.wrap(model)
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
-            # hooks that came and went leave nothing behind
-            hm.run_with_cache(**inputs.kwargs())
-            assert torch.equal(hm(**inputs.kwargs()).logits, reference)
+            assert_unchanged_by_caching(hm, inputs, reference)
             assert model.config._attn_implementation == impl
         hm.unwrap()
 

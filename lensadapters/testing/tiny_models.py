@@ -57,6 +57,30 @@ def needs(model_type: str) -> Any:
     return pytest.mark.skipif(not installed(model_type), reason=f"no plugin for {model_type!r} is installed")
 
 
+def gqa_llama(**fields: Any) -> Any:
+    """A ``LlamaConfig`` with grouped-query attention: 1 layer of width 32, 4 query heads over 2 key/value heads of
+    size 8, MLP width 64, vocabulary 50, 32 positions; then ``fields``."""
+    from transformers import LlamaConfig
+
+    shared = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
+    return LlamaConfig(**{**shared, **fields})
+
+
+#: :func:`gqa_llama` with 2 layers, MLP width 48, vocabulary 48, 64 positions, bos 1, eos 2 (the SAE clients' model)
+CLIENT_LLAMA = dict(
+    num_hidden_layers=2, intermediate_size=48, vocab_size=48, max_position_embeddings=64, bos_token_id=1, eos_token_id=2
+)
+
+
 @functools.lru_cache(maxsize=None)
 def tokenizer(vocab: int, adds_bos: bool = False) -> Any:
     """A word-level tokenizer over ``w0 .. w{vocab-1}`` (cached per kind; see ``reference.word_tokenizer``)."""

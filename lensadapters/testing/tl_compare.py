@@ -24,6 +24,8 @@ __all__ = [
     "transformer_lens_available",
     "tl_config_from_hf",
     "hooked_transformer",
+    "converted_by_tl",
+    "rotary_decoder_fields",
     "compare_hooks",
     "compare_edit",
     "Comparison",
@@ -87,6 +89,50 @@ def hooked_transformer(hf_model: Any, convert: Callable[[Any, Any], dict], field
     model.set_use_attn_result(True)
     model.set_use_hook_mlp_in(True)
     return model.eval()
+
+
+def converted_by_tl(conversion: str) -> Callable[[Any], Any]:
+    """A plugin reference's ``to_hooked_transformer`` for a family TL converts from an HF config: TL's model with
+    ``hf_model``'s weights, from TL's own config conversion (:func:`tl_config_from_hf`) and weight conversion
+    (``transformer_lens.pretrained.weight_conversions.<conversion>``), no weight processing. ``n_ctx`` is the HF
+    model's (TL caps it at 2048 for memory)."""
+
+    def to_hooked_transformer(hf_model: Any) -> Any:
+        from transformer_lens.pretrained import weight_conversions
+
+        fields = tl_config_from_hf(hf_model)
+        fields["n_ctx"] = hf_model.config.max_position_embeddings
+        return hooked_transformer(hf_model, getattr(weight_conversions, conversion), fields)
+
+    return to_hooked_transformer
+
+
+def rotary_decoder_fields(config: Any, **fields: Any) -> dict:
+    """TL config fields of a pre-norm decoder with RMSNorm, a gated MLP and RoPE on every dimension of a head, from
+    an HF ``config`` (its sizes, ``rms_norm_eps``, ``initializer_range``, and ``sliding_window`` with ``layer_types``
+    as TL's local/global attention), then ``fields`` (a family's flags): what a reference mirrors of TL's tables for
+    a family TL matches by checkpoint name."""
+    return {
+        "d_model": config.hidden_size,
+        "d_head": config.head_dim,
+        "n_heads": config.num_attention_heads,
+        "d_mlp": config.intermediate_size,
+        "n_layers": config.num_hidden_layers,
+        "n_ctx": config.max_position_embeddings,
+        "eps": config.rms_norm_eps,
+        "d_vocab": config.vocab_size,
+        "initializer_range": config.initializer_range,
+        "normalization_type": "RMS",
+        "positional_embedding_type": "rotary",
+        "n_key_value_heads": config.num_key_value_heads,
+        "window_size": config.sliding_window,
+        "use_local_attn": True,
+        "attn_types": ["local" if t == "sliding_attention" else "global" for t in config.layer_types],
+        "gated_mlp": True,
+        "final_rms": True,
+        "rotary_dim": config.head_dim,
+        **fields,
+    }
 
 
 def as_ours(theirs: Tensor, ours: Tensor) -> Tensor:

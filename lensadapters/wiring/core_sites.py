@@ -176,6 +176,15 @@ class CoreSites:
             return args[:at] + (value,) + args[at + 1 :], kwargs
         return args, {**kwargs, "inputs_embeds": value}
 
+    def embed_at_first_block(self) -> Optional[ScaledOutputSite]:
+        """The site serving ``hook_embed`` at the first block's input, where the model scales its embeddings in its
+        own forward (``ModelLayout.embed_scale_after_module``), or ``None`` where ``hook_embed`` is the embedding
+        module's output. A forward that gives block 0 a residual of its own calls the site's
+        :meth:`~lensadapters.hooks.sites.generic.ScaledOutputSite.skip` (that input is no embedding); one that ends
+        before block 0's own hooks run calls its :meth:`~lensadapters.hooks.sites.generic.ScaledOutputSite.serve` to
+        serve ``hook_embed`` there."""
+        return self._scaled_embed
+
     def _core(self, name: str) -> HookPoint:
         """The point a core site serves: the real one, or a detached stand-in (never hooked) if a plugin claimed it."""
         if name in self._claimed:

@@ -70,7 +70,7 @@ class ScaledOutputSite(Site):
         return [
             self.module.register_forward_hook(self._record),
             # before the block's own input points (hook_resid_pre): hook_embed comes first
-            self.first_block.register_forward_pre_hook(self._serve, with_kwargs=True, prepend=True),
+            self.first_block.register_forward_pre_hook(self.serve, with_kwargs=True, prepend=True),
         ]
 
     def scaled(self, embeddings: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,10 @@ class ScaledOutputSite(Site):
         ``hook_embed`` there."""
         self.state.site_values(self).pop("source", None)
 
-    def _serve(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def serve(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Serves ``hook_embed`` on the first block's input (a forward pre-hook with keyword arguments): the new
+        ``(args, kwargs)`` when the point edits it, ``None`` otherwise. Installed on the first block; a caller that
+        ends the forward before that block's own hooks run calls it to serve the point there."""
         value = first_input(args, kwargs)
         if not is_recomputing():  # a recomputed first block (gradient checkpointing) gets the input its forward had
             source = self.state.site_values(self).pop("source", None)

@@ -11,8 +11,8 @@ is verified against its manifest (row count and checksum) when it is loaded or r
 from lensadapters.integrations.harvest.manifest import HarvestDamagedError, HarvestMismatchError
 from lensadapters.integrations.harvest.packing import Cursor, PackingRule, pack
 from lensadapters.integrations.harvest.partition import Partition
-from lensadapters.integrations.harvest.points import HarvestHookError
-from lensadapters.integrations.harvest.runner import HarvestContextError, HarvestResult, harvest, load_harvest
+from lensadapters.integrations.harvest.points import HarvestContextError, HarvestHookError
+from lensadapters.integrations.harvest.runner import HarvestResult, harvest, load_harvest
 from lensadapters.integrations.harvest.sources import DataSourceError, open_source
 
 __all__ = [

@@ -13,11 +13,15 @@ packed from a cursor are exactly those that followed it, which makes a harvest r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from lensadapters.errors import LensAdaptersError
 from lensadapters.integrations.harvest.sources import DataSourceError
+
+#: ``sequence_separator``: ``"bos"``, ``"eos"``, a token id or ``None``
+Separator = Union[str, int, None]
 
 Tokenize = Callable[[str], list[int]]
 
@@ -81,3 +85,27 @@ def contexts_of_rows(
                 f"context_size={context_size}: pretokenize with that context size, or lower it"
             )
         yield torch.tensor(list(tokens[:context_size]), dtype=torch.long), Cursor(row + 1, 0)
+
+
+def packing_rule(tokenizer: Any, context_size: int, prepend_bos: bool, separator: Separator) -> PackingRule:
+    """The packing of a harvest: contexts of ``context_size`` tokens that begin with BOS when ``prepend_bos``, rows
+    joined by ``separator`` (``"bos"``/``"eos"`` from the tokenizer, a token id, or ``None``)."""
+    begin = None
+    if prepend_bos:
+        begin = tokenizer.bos_token_id
+        if begin is None:
+            raise LensAdaptersError(
+                "prepend_bos=True, but the tokenizer has no BOS token: pass prepend_bos=False (--no-prepend-bos)"
+            )
+    if separator in ("bos", "eos"):
+        separator_id = getattr(tokenizer, f"{separator}_token_id")
+        if separator_id is None:
+            raise LensAdaptersError(
+                f"sequence_separator={separator!r}, but the tokenizer has no {separator.upper()} "
+                f"token: pass another separator, a token id or None"
+            )
+    elif separator is None or isinstance(separator, int):
+        separator_id = separator
+    else:
+        raise ValueError(f"sequence_separator must be 'bos', 'eos', a token id or None, not {separator!r}")
+    return PackingRule(context_size, begin, separator_id)

@@ -1,7 +1,8 @@
 """``harvest``: run a model over packed text and write the chosen hook points' activations to disk in shards.
 
-Over 500 lines on purpose: the run loop and the resume/kill handling it interleaves with read best in one place
-(packing, manifests, listings and storage are their own modules beside it).
+The run loop and the resume/kill handling it interleaves with stay together here; the output folder (manifests,
+locks, damaged shards, listings) is :mod:`.folder`, the points and the probing forward :mod:`.points`, and packing,
+manifests, listings and storage are their own modules beside it.
 """
 
 from __future__ import annotations
@@ -9,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import json
 import math
 import os
 import signal
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,46 +24,52 @@ import torch
 from lensadapters.api import tokens as _tokens
 from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks.distributed import barrier, launch_rank
+from lensadapters.integrations.harvest import folder
 from lensadapters.integrations.harvest.fingerprint import adapter_state, model_fingerprint, tokenizer_fingerprint
 from lensadapters.integrations.harvest.listing import (
-    LISTING_LOCK,
-    check_world_size,
     harvest_features,
-    locked,
     rank_manifests,
     union_listing,
 )
 from lensadapters.integrations.harvest.manifest import (
     HarvestDamagedError,
-    HarvestMismatchError,
     Manifest,
     ShardRecord,
     check_identity,
     manifest_path,
 )
-from lensadapters.integrations.harvest.packing import Cursor, PackingRule, contexts_of_rows, pack
+from lensadapters.integrations.harvest.packing import (
+    Cursor,
+    PackingRule,
+    Separator,
+    contexts_of_rows,
+    pack,
+    packing_rule,
+)
 from lensadapters.integrations.harvest.partition import Partition, shard_file
-from lensadapters.integrations.harvest.points import HarvestHookError, check_points, stop_layer
+from lensadapters.integrations.harvest.points import (  # noqa: F401  (HarvestContextError: its old import path)
+    HarvestContextError,
+    HarvestHookError,
+    check_context_size,
+    check_points,
+    probe,
+    stop_layer,
+)
 from lensadapters.integrations.harvest.sources import open_source
-from lensadapters.integrations.harvest.storage import (
+from lensadapters.integrations.harvest.storage import (  # noqa: F401  (DEFAULT_SHARD_BYTES: its old import path)
+    DEFAULT_SHARD_BYTES,
     STORAGE_DTYPES,
     ShardWriter,
+    default_shard_contexts,
     shard_problem,
     to_numpy,
     write_dataset_listing,
 )
 
-#: default shard size: about this many bytes of activations (a shard is the unit of resumption)
-DEFAULT_SHARD_BYTES = 256 * 2**20
 #: test hook: ``EVENT:N`` kills the process with SIGKILL at the N-th EVENT of this run (``batch``: a batch
 #: written into an unfinished shard; ``shard-file``: a shard file moved into place, its manifest not yet
 #: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
 KILL_ENV = "LENSADAPTERS_HARVEST_TEST_KILL"
-Separator = Union[str, int, None]
-
-
-class HarvestContextError(LensAdaptersError, ValueError):
-    """Contexts of the requested size cannot run through the model (longer than its positions, or failing)."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +149,12 @@ def harvest(
         tok = tokenizer if tokenizer is not None else getattr(hm, "tokenizer", None)
         if tok is None:
             raise _tokens.NoTokenizerError("harvest needs a tokenizer: pass tokenizer=, or wrap the model with one")
-        rule = _packing_rule(tok, context_size, prepend_bos, sequence_separator)
+        rule = packing_rule(tok, context_size, prepend_bos, sequence_separator)
         points = check_points(list(hooks), hm.hook_names)
         stop = stop_layer(points, hm.hook_names, hm.cfg.n_layers)
-        _check_context_size(hm, context_size)
+        check_context_size(hm, context_size)
         source = open_source(data, text_column, split)
-        columns = _probe(hm, points, stop, context_size)
+        columns = probe(hm, points, stop, context_size)
         if flatten:
             columns = {name: [math.prod(shape)] for name, shape in columns.items()}
         identity = {
@@ -165,10 +171,10 @@ def harvest(
             "dtype": dtype,
             "max_tokens": max_tokens,
         }
-        _refuse_foreign_folder(out, partition)
-        _check_existing_manifests(out, identity, partition)  # before anything is written
+        folder.refuse_foreign_folder(out, partition)
+        folder.check_existing_manifests(out, identity, partition)  # before anything is written
         os.makedirs(out, exist_ok=True)
-        with _exclusive(out, partition):
+        with folder.exclusive(out, partition):
             result = _run(
                 hm,
                 tok,
@@ -222,7 +228,7 @@ def _run(
     max_tokens: Optional[int],
     progress: bool,
 ) -> HarvestResult:
-    manifest = _open_manifest(out, identity, partition)
+    manifest = folder.open_manifest(out, identity, partition)
     if shard_contexts is not None:
         if manifest.shard_contexts not in (None, shard_contexts):
             check_identity({"shard_contexts": manifest.shard_contexts}, {"shard_contexts": shard_contexts}, out)
@@ -231,18 +237,18 @@ def _run(
         manifest.columns = columns
     elif manifest.columns != columns:
         check_identity({"columns": manifest.columns}, {"columns": columns}, out)
-    damaged = _drop_damaged_shards(out, manifest)
+    damaged = folder.drop_damaged_shards(out, manifest)
     if manifest.finished and not damaged:
-        all_finished = _refresh_union(out, partition, manifest)
+        all_finished = folder.refresh_union(out, partition, manifest)
         return _result(out, manifest, manifest.contexts_done, context_size, all_finished)
     manifest.finished = False
     if manifest.shard_contexts is None:
-        manifest.shard_contexts = _default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
+        manifest.shard_contexts = default_shard_contexts(manifest.columns, context_size, dtype, batch_size)
     manifest.save(out)
     run = _Run(hm, tok, source, rule, points, stop, manifest, partition, out, batch_size, max_tokens, progress)
     resumed = manifest.contexts_done
     run.loop(damaged)
-    return _result(out, manifest, resumed, context_size, _refresh_union(out, partition, manifest))
+    return _result(out, manifest, resumed, context_size, folder.refresh_union(out, partition, manifest))
 
 
 def load_harvest(out: str) -> Any:
@@ -268,21 +274,11 @@ def load_harvest(out: str) -> Any:
         )
     if len(paths) > 1 or manifests[0].world_size > 1:
         union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
-    elif manifests[0].shards and manifests[0].columns is not None and not _lists(out, manifests[0]):
+    elif manifests[0].shards and manifests[0].columns is not None and not folder.lists_shards(out, manifests[0]):
         write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
     if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
         raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
     return datasets.load_from_disk(out)
-
-
-def _lists(out: str, manifest: Manifest) -> bool:
-    """Whether ``out``'s dataset listing (``state.json``) lists exactly the manifest's shards, in order."""
-    try:
-        with open(os.path.join(out, "state.json"), encoding="utf-8") as handle:
-            listed = [entry.get("filename") for entry in json.load(handle).get("_data_files", [])]
-    except (OSError, ValueError, AttributeError):
-        return False
-    return listed == [s.file for s in manifest.shards]
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -471,165 +467,9 @@ def _is_wrapped(model: Any) -> bool:
     return _wrapper_of(model) is not None
 
 
-def _packing_rule(tokenizer: Any, context_size: int, prepend_bos: bool, separator: Separator) -> PackingRule:
-    begin = None
-    if prepend_bos:
-        begin = tokenizer.bos_token_id
-        if begin is None:
-            raise LensAdaptersError(
-                "prepend_bos=True, but the tokenizer has no BOS token: pass prepend_bos=False (--no-prepend-bos)"
-            )
-    if separator in ("bos", "eos"):
-        separator_id = getattr(tokenizer, f"{separator}_token_id")
-        if separator_id is None:
-            raise LensAdaptersError(
-                f"sequence_separator={separator!r}, but the tokenizer has no {separator.upper()} "
-                f"token: pass another separator, a token id or None"
-            )
-    elif separator is None or isinstance(separator, int):
-        separator_id = separator
-    else:
-        raise ValueError(f"sequence_separator must be 'bos', 'eos', a token id or None, not {separator!r}")
-    return PackingRule(context_size, begin, separator_id)
-
-
-def _open_manifest(out: str, identity: dict[str, Any], partition: Partition) -> Manifest:
-    """This rank's manifest (new or resumed), after checking it against every manifest in ``out``; a new one is saved
-    at once, under the listing lock, so that ranks started at the same time with different commands cannot both
-    write."""
-    with locked(os.path.join(out, LISTING_LOCK)) if partition.world_size > 1 else contextlib.nullcontext():
-        _check_existing_manifests(out, identity, partition)
-        path = manifest_path(out, partition)
-        if os.path.exists(path):
-            manifest = Manifest.load(path)
-            if (manifest.rank, manifest.world_size) != (partition.rank, partition.world_size):
-                raise HarvestMismatchError(f"{path} belongs to rank {manifest.rank} of {manifest.world_size}")
-            return manifest
-        manifest = Manifest(identity=identity, rank=partition.rank, world_size=partition.world_size)
-        if partition.world_size > 1:
-            manifest.save(out)
-        return manifest
-
-
-def _check_existing_manifests(out: str, identity: dict[str, Any], partition: Partition) -> None:
-    """Refuse, naming what differs, a harvest into ``out`` whose manifests (this rank's, and every other rank's)
-    record another command."""
-    if not os.path.isdir(out):
-        return
-    paths = rank_manifests(out) if partition.world_size > 1 else [manifest_path(out, partition)]
-    for path in paths:
-        if os.path.exists(path):
-            check_identity(Manifest.load(path).identity, identity, out)
-
-
-def _drop_damaged_shards(out: str, manifest: Manifest) -> list[int]:
-    """Verify this rank's complete shards against the manifest (row count and checksum); a damaged one is named
-    (a warning), its file deleted and its record dropped, so that it is harvested anew. Returns their indices."""
-    damaged = []
-    for record in list(manifest.shards):
-        problem = shard_problem(out, record)
-        if problem is None:
-            continue
-        warnings.warn(f"{out}: {record.file} is damaged ({problem}): harvesting it again", stacklevel=4)
-        damaged.append(record.index)
-        manifest.shards.remove(record)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, record.file))
-    if damaged:
-        manifest.finished = False
-        manifest.save(out)
-    return damaged
-
-
-def _refuse_foreign_folder(out: str, partition: Partition) -> None:
-    """A non-empty folder that holds no harvest, or a harvest split over another number of processes, is not
-    written into."""
-    if not os.path.isdir(out):
-        return
-    check_world_size(out, partition.world_size)
-    if partition.world_size > 1 or os.path.exists(manifest_path(out, partition)):
-        return
-    if any(not _is_lock(name) for name in os.listdir(out)):
-        raise HarvestMismatchError(f"{out} is not empty and holds no harvest manifest: choose an empty or new folder")
-
-
-def _is_lock(name: str) -> bool:
-    return name.startswith(".harvest") and name.endswith(".lock")
-
-
-@contextlib.contextmanager
-def _exclusive(out: str, partition: Partition) -> Iterator[None]:
-    """Only one process writes a rank's shards at a time; the lock goes with its process, even one killed."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - no advisory locks on this platform
-        yield
-        return
-    name = ".harvest.lock" if partition.world_size == 1 else f".harvest-rank{partition.rank:05d}.lock"
-    with open(os.path.join(out, name), "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise HarvestMismatchError(
-                f"another process is harvesting into {out} ({name} is locked): wait for it, or stop it first"
-            ) from None
-        yield
-
-
-def _check_context_size(hm: Any, context_size: int) -> None:
-    n_ctx = getattr(hm.cfg, "n_ctx", None)
-    if isinstance(n_ctx, int) and n_ctx > 0 and context_size > n_ctx:
-        raise HarvestContextError(
-            f"context_size={context_size} is longer than the model's {n_ctx} positions (n_ctx, from its config's "
-            f"max_position_embeddings): choose context_size <= {n_ctx} (--context-size)"
-        )
-
-
-@torch.no_grad()
-def _probe(hm: Any, points: list[str], stop: Optional[int], context_size: int) -> dict[str, list[int]]:
-    """The per-token shape of each point (after ``[batch, pos]``), from a forward of one whole context (so a context
-    the model cannot run fails here, before anything is written)."""
-    tokens = torch.zeros(1, context_size, dtype=torch.long, device=hm.device)
-    try:
-        _, cache = hm.run_with_cache(
-            tokens, names_filter=points, stop_at_layer=stop, return_type=None, attention_mask=torch.ones_like(tokens)
-        )
-    except LensAdaptersError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - named below, with the cause attached
-        raise HarvestContextError(
-            f"a forward of one context of {context_size} tokens fails ({type(exc).__name__}: {exc}): the model "
-            f"cannot run contexts of this size; choose a smaller context_size (--context-size)"
-        ) from exc
-    shapes = {}
-    for name in points:
-        shape = tuple(cache[name].shape)
-        if shape[:2] != (1, context_size):
-            raise HarvestHookError(
-                f"{name} has shape {shape} for one context of {context_size} tokens: a harvest stores values of shape "
-                f"[batch, pos, ...], one per token"
-            )
-        shapes[name] = list(shape[2:])
-    return shapes
-
-
-def _default_shard_contexts(columns: dict[str, list[int]], context_size: int, dtype: str, batch_size: int) -> int:
-    itemsize = np.dtype(STORAGE_DTYPES[dtype]).itemsize
-    per_context = context_size * (5 + sum(math.prod(shape) * itemsize for shape in columns.values()))
-    contexts = max(1, DEFAULT_SHARD_BYTES // per_context)
-    return max(batch_size, contexts // batch_size * batch_size)
-
-
 def _result(out: str, manifest: Manifest, resumed: int, context_size: int, all_finished: bool) -> HarvestResult:
     done = manifest.contexts_done
     return HarvestResult(out, done, done * context_size, len(manifest.shards), resumed, manifest.finished, all_finished)
-
-
-def _refresh_union(out: str, partition: Partition, manifest: Manifest) -> bool:
-    """Rewrite the listing of all ranks' shards (several ranks); whether every rank has finished."""
-    if partition.world_size == 1:
-        return manifest.finished
-    return union_listing(out)[1]
 
 
 def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any, Optional, Sequence
 
@@ -19,6 +20,8 @@ from lensadapters.integrations.harvest.checksum import file_checksum
 
 #: storage dtype of each activation dtype: Arrow has no bfloat16, so bfloat16 values are stored exactly as float32
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}
+#: default shard size: about this many bytes of activations (a shard is the unit of resumption)
+DEFAULT_SHARD_BYTES = 256 * 2**20
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -181,3 +184,12 @@ def write_dataset_listing(out: str, files: Sequence[str], feature_spec: Any) -> 
             "_split": None,
         },
     )
+
+
+def default_shard_contexts(columns: dict[str, list[int]], context_size: int, dtype: str, batch_size: int) -> int:
+    """Contexts per shard for about :data:`DEFAULT_SHARD_BYTES` of ``columns`` (per-token shapes) stored as
+    ``dtype`` (plus the token ids), a multiple of ``batch_size``."""
+    itemsize = np.dtype(STORAGE_DTYPES[dtype]).itemsize
+    per_context = context_size * (5 + sum(math.prod(shape) * itemsize for shape in columns.values()))
+    contexts = max(1, DEFAULT_SHARD_BYTES // per_context)
+    return max(batch_size, contexts // batch_size * batch_size)

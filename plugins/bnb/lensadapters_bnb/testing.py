@@ -33,7 +33,14 @@ from torch import nn
 import lensadapters_bnb as lb
 from lensadapters import HookedModel
 from lensadapters.specs import FusedGateUp, FusedQKV
-from lensadapters.testing import AdapterContract, assert_close, block_inputs, norm_out, perturb, seeded_model
+from lensadapters.testing import (
+    AdapterContract,
+    assert_close,
+    block_inputs,
+    norm_out,
+    perturbed_logits,
+    seeded_model,
+)
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import read_linear
@@ -48,7 +55,14 @@ __all__ = [
     "projection",
     "assert_within_bound",
     "FLOAT_AGREEMENT_PER_BLOCK",
+    "RELOAD_SETTINGS",
 ]
+
+#: the settings of the plugin's own tests, each of whose examples saves and reloads a model: few examples (each
+#: contract subclass runs the inherited tests)
+RELOAD_SETTINGS = settings(
+    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
+)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16" on every call
 
@@ -300,14 +314,7 @@ class Int8Contract(AdapterContract):
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             for name in required + [n for n in others if n not in required]:
-                fired: list[str] = []
-
-                def edit(t: torch.Tensor, hook: Any, fired: list[str] = fired) -> torch.Tensor:
-                    fired.append(hook.name)
-                    return perturb(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert fired, f"{name} never fired"
+                logits = perturbed_logits(hm, inputs, name)
                 diff = (logits - reference)[inputs.valid].abs().max().item()
                 assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
         hm.unwrap()

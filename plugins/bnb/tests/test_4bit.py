@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
 from lensadapters_bnb.testing import (  # noqa: E402
+    RELOAD_SETTINGS,
     assert_within_bound,
     check_identities,
     float_weight,
@@ -27,10 +28,7 @@ from lensadapters import HookedModel  # noqa: E402
 from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
 
-# every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
-SETTINGS = settings(
-    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
-)
+SETTINGS = RELOAD_SETTINGS
 
 #: the installed architectures' declared contracts that can build 4-bit-aligned configs
 CONTRACTS = [contract for contract in declared_contracts() if contract.aligned_overrides is not None]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -21,6 +21,7 @@ bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
 from lensadapters_bnb.testing import (  # noqa: E402
     FLOAT_AGREEMENT_PER_BLOCK,
+    RELOAD_SETTINGS,
     Int8Contract,
     assert_within_bound,
     check_identities,
@@ -33,10 +34,7 @@ from lensadapters import HookedModel  # noqa: E402
 from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
 
-# every example saves and reloads a model: few examples; each contract subclass runs the inherited tests
-SETTINGS = settings(
-    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
-)
+SETTINGS = RELOAD_SETTINGS
 
 #: every installed architecture's declared contract (its plugin found through the entry point)
 CONTRACTS = [c for c in declared_contracts() if Int8Contract.supports(c) is None]  # as the 8-bit matrix

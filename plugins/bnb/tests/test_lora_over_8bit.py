@@ -16,14 +16,20 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 import lensadapters_bnb as lb  # noqa: E402
-from lensadapters_bnb.testing import FLOAT_AGREEMENT_PER_BLOCK, assert_within_bound, check_identities, quantize  # noqa: E402
+from lensadapters_bnb.testing import (  # noqa: E402
+    FLOAT_AGREEMENT_PER_BLOCK,
+    RELOAD_SETTINGS,
+    assert_within_bound,
+    check_identities,
+    quantize,
+)
 
 from lensadapters import FusedQKV, HookedModel  # noqa: E402
 from lensadapters.testing import (  # noqa: E402
@@ -36,9 +42,7 @@ from lensadapters.testing import (  # noqa: E402
     seeded_model,
 )
 
-SETTINGS = settings(
-    deadline=None, max_examples=3, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors]
-)
+SETTINGS = RELOAD_SETTINGS
 
 
 def wrap_adapted(model: Any, registry_of: Any) -> HookedModel:

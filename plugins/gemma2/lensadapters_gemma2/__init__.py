@@ -29,10 +29,9 @@ Refused at wrap time: rope types other than rotate-half ones, bidirectional atte
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Optional
 
-from lensadapters import Architecture, ModelLayout, UnsupportedModelError, hf
+from lensadapters import Architecture, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -51,6 +50,7 @@ FAMILY = hf.DecoderFamily(
     norms=("Gemma2RMSNorm",),
     norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
     block=hf.SANDWICH_BLOCK,
+    scaled_embeddings=True,
 )
 
 
@@ -76,20 +76,9 @@ def config_fields(model: Any) -> dict[str, Any]:
         extra={
             "query_pre_attn_scalar": c.query_pre_attn_scalar,
             "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
-            "embed_scale": float(c.hidden_size) ** 0.5,
             "use_normalization_before_and_after": True,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
         },
-    )
-
-
-def scaled_embed(model: Any, layout: ModelLayout) -> ModelLayout:
-    embed = model.get_submodule(layout.embed)
-    return replace(
-        layout,
-        embed_scale=float(model.config.hidden_size) ** 0.5,
-        # transformers 5.x scales inside the embedding module, 4.x in the model's forward after it
-        embed_scale_after_module=not hasattr(embed, "embed_scale"),
     )
 
 
@@ -97,16 +86,9 @@ def tiny_config(seed: int) -> Any:
     """A Gemma-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers (sliding, then global,
     as HF's Gemma 2), GQA (4 query heads, 2 kv heads), a 4-token window, softcaps 50 and 30. Other seeds vary
     depth, heads and the window."""
-    import random
-
     from transformers import Gemma2Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (2, (4, 2), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    )
+    layers, (heads, kv), sliding = hf.toy_draw(seed, (2, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
     return hf.toy_config(
         Gemma2Config,
         layers,
@@ -122,6 +104,4 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check, embed=scaled_embed).export(
-    globals()
-)
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lensadapters.testing.tl_compare import hooked_transformer, rotary_decoder_fields
+
 
 def tl_fields(config: Any) -> dict:
     """TL's Gemma 2 config: TL 2.18 has no conversion from an HF config for Gemma (its ``convert_hf_model_config``
@@ -12,41 +14,22 @@ def tl_fields(config: Any) -> dict:
     this config's sizes, its ``query_pre_attn_scalar`` (TL's ``attn_scale``, as its 27B table sets it) and its layer
     types (TL's tables put the global layer first, opposite to HF: the HF config is the truth)."""
     theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return {
-        "d_model": config.hidden_size,
-        "d_head": config.head_dim,
-        "n_heads": config.num_attention_heads,
-        "d_mlp": config.intermediate_size,
-        "n_layers": config.num_hidden_layers,
-        "n_ctx": config.max_position_embeddings,
-        "eps": config.rms_norm_eps,
-        "d_vocab": config.vocab_size,
-        "act_fn": config.hidden_activation,
-        "initializer_range": config.initializer_range,
-        "normalization_type": "RMS",
-        "rotary_base": float(theta),
-        "positional_embedding_type": "rotary",
-        "use_attn_scale": True,
-        "attn_scale": float(config.query_pre_attn_scalar) ** 0.5,
-        "n_key_value_heads": config.num_key_value_heads,
-        "window_size": config.sliding_window,
-        "use_local_attn": True,
-        "attn_types": ["local" if t == "sliding_attention" else "global" for t in config.layer_types],
-        "attn_scores_soft_cap": float(config.attn_logit_softcapping or -1.0),
-        "output_logits_soft_cap": float(config.final_logit_softcapping or -1.0),
-        "gated_mlp": True,
-        "final_rms": True,
-        "use_normalization_before_and_after": True,
-        "original_architecture": "Gemma2ForCausalLM",
-        "rotary_dim": config.head_dim,
-    }
+    return rotary_decoder_fields(
+        config,
+        act_fn=config.hidden_activation,
+        rotary_base=float(theta),
+        use_attn_scale=True,
+        attn_scale=float(config.query_pre_attn_scalar) ** 0.5,
+        attn_scores_soft_cap=float(config.attn_logit_softcapping or -1.0),
+        output_logits_soft_cap=float(config.final_logit_softcapping or -1.0),
+        use_normalization_before_and_after=True,
+        original_architecture="Gemma2ForCausalLM",
+    )
 
 
 def to_hooked_transformer(hf_model: Any) -> Any:
     """TL's model with ``hf_model``'s weights: :func:`tl_fields` and TL's weight conversion
     (``convert_gemma_weights``: ``W_E`` scaled by ``sqrt(d_model)``, ``1 + w`` norm weights), no weight processing."""
     from transformer_lens.pretrained.weight_conversions import convert_gemma_weights
-
-    from lensadapters.testing.tl_compare import hooked_transformer
 
     return hooked_transformer(hf_model, convert_gemma_weights, tl_fields(hf_model.config))

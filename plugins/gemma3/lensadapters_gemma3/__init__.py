@@ -24,27 +24,9 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
-from lensadapters.rotary import rotate_half_spec
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from lensadapters import Architecture, ProjectionNorm, UnsupportedModelError, hf
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -56,36 +38,22 @@ ARCH = Architecture(
     "global RoPE bases, scaled embeddings, sliding windows",
     transformers=">=4.57,<6",
 )
-FAMILY = "Gemma3"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-NORMS = ("Gemma3RMSNorm",)
 TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
-
-_BLOCK = hf.SANDWICH_BLOCK
-_QKV_PATHS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-# the norms see [b, heads, p, d_head]: the attention module transposes before normalizing
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd"))
-_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
-
-
-def text_config(model: PreTrainedModel) -> Any:
-    config = model.config
-    get = getattr(config, "get_text_config", None)
-    return get() if get is not None else config
-
-
-def _base(model: PreTrainedModel) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def rope_types(model: PreTrainedModel) -> list[str]:
-    """The rope type of every rotary module (transformers 5.x: one module with a type per layer type)."""
-    found = []
-    for module in model.modules():
-        if type(module).__name__ == "Gemma3RotaryEmbedding":
-            kind = getattr(module, "rope_type", "default")
-            found += list(kind.values()) if isinstance(kind, dict) else [str(kind)]
-    return found
+FAMILY = hf.DecoderFamily(
+    "Gemma3",
+    model_type="gemma3_text",
+    packages=("gemma3",),
+    norms=("Gemma3RMSNorm",),
+    norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
+    block=hf.SANDWICH_BLOCK,
+    scaled_embeddings=True,
+    # the norms see [b, heads, p, d_head]: the attention module transposes before normalizing; q, k and v are
+    # projected first, then q_norm and k_norm, then RoPE
+    qk_norms=(ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd")),
+    qk_norms_after_projections=True,
+    # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
+    rotary_input="position_embeddings",
+)
 
 
 def rope_bases(config: Any) -> tuple[Optional[float], Optional[float]]:
@@ -102,83 +70,37 @@ def _cap(value: Optional[float]) -> float:
     return float(value) if value else -1.0
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    hf.require_transformers_class(model, FAMILY, ("gemma3",))
+def text_model_only(model: Any) -> None:
     if model.config.model_type == "gemma3" and type(model).__name__ not in TEXT_CLASSES:
         raise UnsupportedModelError(
             f"{type(model).__name__} is a multimodal Gemma 3 model (vision tower, image tokens with their own "
             f"attention masks); the gemma3 plugin describes the text model. Wrap a Gemma3ForCausalLM (load the "
             f"checkpoint with Gemma3ForCausalLM.from_pretrained for text-only use)"
         )
-    base = _base(model)
-    layers = hf.require_modules(
-        model,
-        base,
-        FAMILY,
-        ("embed_tokens", "norm"),
-        (
-            _BLOCK.ln1,
-            _BLOCK.attn,
-            _BLOCK.o_proj,
-            _BLOCK.ln2,
-            _BLOCK.mlp,
-            _BLOCK.ln1_post,
-            _BLOCK.ln2_post,
-            *_QKV_PATHS,
-            *(n.module for n in _QK_NORMS),
-            _MLP.pre,
-            _MLP.pre_linear,
-            _MLP.out,
-        ),
-    )
-    hf.require_rope_types(rope_types(model), SUPPORTED_ROPE_TYPES, FAMILY)
-    config = text_config(model)
-    if getattr(config, "use_bidirectional_attention", False):
+
+
+def check(model: Any) -> None:
+    if getattr(hf.text_config(model), "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "this Gemma 3 config sets use_bidirectional_attention=True (an encoder such as EmbeddingGemma, not a "
             "causal language model); the gemma3 plugin describes causal Gemma 3 models, whose masks it reproduces"
         )
-    hf.require_head_shapes(config, layers[0].get_submodule(_QKV_PATHS[0]))
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
-    c = text_config(model)
-    head_dim = hf.head_dim(c)
+def config_fields(model: Any) -> dict[str, Any]:
+    c = hf.text_config(model)
     base_global, base_local = rope_bases(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=head_dim,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+    return dict(
         act_fn=c.hidden_activation,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
         model_type=model.config.model_type,
-        n_key_value_heads=hf.n_kv_heads(c),
-        rotary_dim=head_dim,
-        gated_mlp=True,
-        eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
         # transformers' Gemma 3 never passes attn_logit_softcapping to its attention function: no attention softcap
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
         **hf.window_fields(hf.layer_windows(c)),
         extra={
             "rotary_base": base_global,
             "rotary_base_local": base_local,
-            "rope_types": rope_types(model),
             "query_pre_attn_scalar": c.query_pre_attn_scalar,
             "attn_scale": float(c.query_pre_attn_scalar) ** 0.5,
-            "embed_scale": float(c.hidden_size) ** 0.5,
             "use_normalization_before_and_after": True,
             "use_qk_norm": True,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
@@ -186,64 +108,13 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    base = _base(model)
-    embed = model.get_submodule(hf.join(base, "embed_tokens"))
-    # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
-    return ModelLayout(
-        blocks=hf.join(base, "layers"),
-        embed=hf.join(base, "embed_tokens"),
-        ln_final=hf.join(base, "norm"),
-        unembed=hf.unembed_path(model),
-        rotary_input="position_embeddings",
-        embed_scale=float(text_config(model).hidden_size) ** 0.5,
-        embed_scale_after_module=not hasattr(embed, "embed_scale"),
-    )
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return _BLOCK
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    # q, k and v are projected first, then q_norm and k_norm, then RoPE
-    return SeparateQKV(
-        *_QKV_PATHS,
-        rotary=rotate_half_spec(hf.head_dim(text_config(model))),
-        q_norm=_QK_NORMS[0],
-        k_norm=_QK_NORMS[1],
-        norms_after_projections=True,
-    )
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return _MLP
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS, weight_offset=1.0)  # Gemma: x / rms * (1 + weight)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Gemma-3-1B-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 3 layers (two sliding with RoPE
     base 10, then a global one with base 10000), GQA (4 query heads, 1 kv head), a 4-token window. Other seeds vary
     depth, heads and the window."""
-    import random
-
     from transformers import Gemma3TextConfig
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (3, (4, 1), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    )
+    layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 1), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
     types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
     return hf.toy_config(
         Gemma3TextConfig,
@@ -259,3 +130,8 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         bos_token_id=2,
         eos_token_id=1,
     )
+
+
+PLUGIN = hf.DecoderPlugin(
+    ARCH, FAMILY, tiny_config, config=config_fields, precheck=text_model_only, check=check
+).export(globals())

@@ -51,20 +51,10 @@ def tiny_config(seed: int) -> Any:
     """A Llama-3-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), llama3 rope scaling, tied embeddings. Other seeds vary the depth (1-3), the heads (MHA, GQA,
     MQA), llama3 scaling or plain RoPE (Llama 2) and tied or untied embeddings, deterministically."""
-    import random
-
     from transformers import LlamaConfig
 
-    rng = random.Random(seed)
-    layers, (heads, kv_heads), llama3, tied = (
-        (2, (4, 2), True, True)
-        if seed == 0
-        else (
-            rng.choice([1, 2, 3]),
-            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
-            rng.random() < 0.5,
-            rng.random() < 0.5,
-        )
+    layers, (heads, kv_heads), llama3, tied = hf.toy_draw(
+        seed, (2, (4, 2), True, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], 0.5, 0.5
     )
     scaling = {
         "rope_type": "llama3",

@@ -38,15 +38,10 @@ def window(config: Any) -> Optional[int]:
 def tiny_config(seed: int) -> Any:
     """A Mistral-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), a 4-token sliding window. Other seeds vary depth, heads and the window (or none)."""
-    import random
-
     from transformers import MistralConfig
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (2, (4, 2), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]), rng.choice([None, 3, 8]))
+    layers, (heads, kv), sliding = hf.toy_draw(
+        seed, (2, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], [None, 3, 8]
     )
     return hf.toy_config(MistralConfig, layers, heads, kv, sliding_window=sliding, rope_theta=10000.0)
 

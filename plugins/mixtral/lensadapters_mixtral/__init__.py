@@ -67,17 +67,16 @@ def tiny_config(seed: int) -> Any:
     """A Mixtral-like toy, width 64, vocabulary 512, 4 experts of width 96. Seed 0 is the demo's model: 2 layers,
     GQA (4 query heads, 2 kv heads), top-2 routing. Other seeds vary the depth (1-3), the number of experts (2-8),
     top-k (1 to 3) and the heads, deterministically."""
-    import random
-
     from transformers import MixtralConfig
 
-    rng = random.Random(seed)
-    if seed == 0:
-        layers, (heads, kv_heads), experts, top_k = 2, (4, 2), 4, 2
-    else:
-        layers, (heads, kv_heads) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)])
-        experts = rng.choice([2, 4, 8])
-        top_k = rng.randint(1, min(3, experts))
+    layers, (heads, kv_heads), experts, top_k = hf.toy_draw(
+        seed,
+        (2, (4, 2), 4, 2),
+        [1, 2, 3],
+        [(4, 2), (4, 4), (4, 1)],
+        [2, 4, 8],
+        lambda rng, layers, heads, experts: rng.randint(1, min(3, experts)),
+    )
     return hf.toy_config(
         MixtralConfig,
         layers,

@@ -16,8 +16,8 @@ from lensadapters_mixtral.testing import MixtralContract, mixtral_config, mixtra
 from lensadapters import HookedModel
 from lensadapters.registry import Registry, get_registry
 from lensadapters.testing import assert_close
-from lensadapters.testing.family_checks import int8_model
-from lensadapters.testing.moe import mlp_input, moe_reference
+from lensadapters.testing.family_checks import assert_window_patterns_match_eager, int8_model
+from lensadapters.testing.moe_reference import assert_moe_reference, mlp_input, mlp_points, wrap_adapted_experts
 
 
 class TestMixtral(MixtralContract):
@@ -53,20 +53,7 @@ def test_entry_point() -> None:
 def test_sliding_window_patterns_match_hf_eager(data: st.DataObject) -> None:
     """With a sliding window (not in the contract's configs) patterns are HF eager's and the model stays bitwise."""
     config = data.draw(mixtral_configs(sliding_window=st.integers(2, 4)), label="config")
-    model = CONTRACT.make_model(config, data.draw(st.integers(0, 99), label="seed"), "sdpa")
-    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids).logits
-        model.config._attn_implementation = "eager"
-        eager = model(ids, output_attentions=True).attentions
-        model.config._attn_implementation = "sdpa"
-        hm = CONTRACT.wrap(model)
-        _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
-        assert torch.equal(hm(ids).logits, reference)
-    for layer in range(config.num_hidden_layers):
-        assert_close(cache["pattern", layer], eager[layer], f"layer {layer} pattern")
-        far = torch.ones(8, 8, dtype=torch.bool).tril(-config.sliding_window)
-        assert (cache["pattern", layer][..., far] == 0).all(), "attends beyond the window"
+    hm = assert_window_patterns_match_eager(CONTRACT, config, data.draw(st.integers(0, 99), label="seed"))
     hm.unwrap()
 
 
@@ -97,34 +84,13 @@ def test_lora_on_experts(seed: int) -> None:
     _needs_plugin("peft", "LoRA layers")
     base_W_in, peft_model = _lora_model(seed)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+    hm, reference = wrap_adapted_experts(peft_model, ids, get_registry())
     with torch.no_grad():
-        reference = peft_model(ids).logits
-        hm = HookedModel.wrap(peft_model, registry=get_registry())
-        logits, cache = hm.run_with_cache(
-            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
-        )
-        assert torch.equal(logits, reference), "reading the adapted experts changed the output"
-        for layer in range(2):
-            pre = f"blocks.{layer}.mlp."
-            expected = moe_reference(
-                hm,
-                layer,
-                mlp_input(hm, cache, layer),
-                cache[pre + "hook_routing_weights"],
-                cache[pre + "hook_expert_indices"],
-            )
-            assert_close(cache["mlp_out", layer], expected, f"layer {layer}: adapted experts", atol=1e-4)
         assert not torch.allclose(hm.W_in, base_W_in), "the LoRA delta is missing from W_in"
         with peft_model.disable_adapter():
             assert_close(hm.W_in, base_W_in, "adapters disabled: base W_in")
-            _, off = hm.run_with_cache(
-                ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
-            )
-            pre = "blocks.0.mlp."
-            expected = moe_reference(
-                hm, 0, mlp_input(hm, off, 0), off[pre + "hook_routing_weights"], off[pre + "hook_expert_indices"]
-            )
-            assert_close(off["mlp_out", 0], expected, "adapters disabled: base experts", atol=1e-4)
+            _, off = hm.run_with_cache(ids, names_filter=mlp_points)
+            assert_moe_reference(hm, off, [0], "adapters disabled: base experts")
         edited = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.mlp.experts.1.hook_gate", lambda t, hook: t * 2)])
         assert not torch.allclose(edited, reference)
     hm.unwrap()

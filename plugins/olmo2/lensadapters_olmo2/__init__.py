@@ -76,12 +76,9 @@ FAMILY = hf.DecoderFamily(
 def tiny_config(seed: int) -> Any:
     """An OLMo-2-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, 4 heads (OLMo 2 1B-13B
     use full multi-head attention). Other seeds vary depth and heads (GQA as OLMo-2 32B)."""
-    import random
-
     from transformers import Olmo2Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv) = (2, (4, 4)) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)]))
+    layers, (heads, kv) = hf.toy_draw(seed, (2, (4, 4)), [1, 2, 3], [(4, 2), (4, 4), (8, 2)])
     return hf.toy_config(Olmo2Config, layers, heads, kv, rope_theta=500000.0)
 
 

@@ -9,9 +9,7 @@ from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 from lensadapters.testing import assert_close
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import QK_NORMED_ATTENTION, generate_with_hooks
 
 
 class TestOlmo2(Olmo2Contract, RefusalChecks):
@@ -32,17 +30,7 @@ def test_block_points_without_pre_norms():
         "hook_q_input",
         "hook_k_input",
         "hook_v_input",
-        "attn.hook_q",
-        "attn.q_norm.hook_scale",
-        "attn.q_norm.hook_normalized",
-        "attn.hook_rot_q",
-        "attn.hook_k",
-        "attn.k_norm.hook_scale",
-        "attn.k_norm.hook_normalized",
-        "attn.hook_rot_k",
-        "attn.hook_v",
-        "attn.hook_attn_scores",
-        "attn.hook_pattern",
+        *QK_NORMED_ATTENTION,
         "attn.hook_z",
         "attn.hook_result",
         "ln1_post.hook_scale",

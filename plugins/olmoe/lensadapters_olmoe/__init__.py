@@ -234,17 +234,17 @@ def tiny_config(seed: int) -> Any:
     """An OLMoE-like toy, width 64, vocabulary 512, experts of width 48. Seed 0 is the demo's model: 2 layers, 4
     heads (OLMoE-1B-7B uses full multi-head attention), top-2 of 4 experts, no renormalization (as OLMoE-1B-7B).
     Other seeds vary the depth (1-3), the heads (GQA), the experts (2-8), top-k (1-3) and ``norm_topk_prob``."""
-    import random
-
     from transformers import OlmoeConfig
 
-    rng = random.Random(seed)
-    if seed == 0:
-        layers, (heads, kv), experts, top_k, norm = 2, (4, 4), 4, 2, False
-    else:
-        layers, (heads, kv) = rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (8, 2)])
-        experts = rng.choice([2, 4, 8])
-        top_k, norm = rng.randint(1, min(3, experts)), rng.random() < 0.5
+    layers, (heads, kv), experts, top_k, norm = hf.toy_draw(
+        seed,
+        (2, (4, 4), 4, 2, False),
+        [1, 2, 3],
+        [(4, 2), (4, 4), (8, 2)],
+        [2, 4, 8],
+        lambda rng, layers, heads, experts: rng.randint(1, min(3, experts)),
+        0.5,
+    )
     return hf.toy_config(
         OlmoeConfig,
         layers,

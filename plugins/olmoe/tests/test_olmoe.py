@@ -13,7 +13,7 @@ import pytest
 import torch
 from lensadapters_olmoe.testing import OlmoeContract, olmoe_config
 
-from lensadapters import HookedModel, UnsupportedModelError
+from lensadapters import UnsupportedModelError
 from lensadapters.registry import get_registry
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
@@ -22,7 +22,7 @@ from lensadapters.testing.family_checks import (
     assert_patterns_refused_under,
     assert_unknown_rope_refused,
 )
-from lensadapters.testing.moe import mlp_input, moe_reference
+from lensadapters.testing.moe_reference import mlp_input, moe_reference, wrap_adapted_experts
 from lensadapters.weights import mlp_weights
 
 
@@ -113,23 +113,8 @@ def test_lora_on_experts(seed: int) -> None:
     )
     peft_model = peft.get_peft_model(model, config)
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+    hm, reference = wrap_adapted_experts(peft_model, ids, get_registry())
     with torch.no_grad():
-        reference = peft_model(ids).logits
-        hm = HookedModel.wrap(peft_model, registry=get_registry())
-        logits, cache = hm.run_with_cache(
-            ids, names_filter=lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))
-        )
-        assert torch.equal(logits, reference), "reading the adapted experts changed the output"
-        for layer in range(2):
-            pre = f"blocks.{layer}.mlp."
-            expected = moe_reference(
-                hm,
-                layer,
-                mlp_input(hm, cache, layer),
-                cache[pre + "hook_routing_weights"],
-                cache[pre + "hook_expert_indices"],
-            )
-            assert_close(cache["mlp_out", layer], expected, f"layer {layer}: adapted experts", atol=1e-4)
         adapted = mlp_weights(hm.wiring, 0, "out")[0].clone()
         with peft_model.disable_adapter():
             assert not torch.allclose(mlp_weights(hm.wiring, 0, "out")[0], adapted), "LoRA delta missing"

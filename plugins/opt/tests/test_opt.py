@@ -13,6 +13,8 @@ Architecture-specific properties checked here:
 
 from __future__ import annotations
 
+from typing import Any
+
 import lensadapters_opt
 import pytest
 import torch
@@ -52,6 +54,19 @@ def _decoder(model):
 # --- positions -----------------------------------------------------------------------------------
 
 
+def small_config(**fields: Any) -> OPTConfig:
+    """A two-layer OPT config of width 16 (2 heads, MLP 32, vocabulary 40, 16 positions), then ``fields``."""
+    shared = dict(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+    )
+    return OPTConfig(**{**shared, **fields})
+
+
 @settings(deadline=None)
 @given(data=st.data())
 def test_pos_embed_follows_mask_with_offset(data):
@@ -82,16 +97,7 @@ def test_pos_embed_follows_mask_with_offset(data):
 
 def test_pos_embed_with_broadcast_position_ids_is_per_row():
     """User position_ids of batch 1 are broadcast by OPT; hook_pos_embed is still [b, p, d] and editable per row."""
-    config = OPTConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        word_embed_proj_dim=8,
-        dropout=0.0,
-    )
+    config = small_config(vocab_size=50, num_hidden_layers=1, word_embed_proj_dim=8, dropout=0.0)
     model = C.make_model(config, 0)
     hm = C.wrap(model)
     ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(0))
@@ -315,16 +321,7 @@ def test_opt_model_without_final_norm_or_head():
     """OPTModel (no lm_head) and _remove_final_layer_norm=True (no decoder.final_layer_norm) wrap cleanly."""
     from transformers import OPTModel
 
-    config = OPTConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        dropout=0.0,
-        _remove_final_layer_norm=True,
-    )
+    config = small_config(dropout=0.0, _remove_final_layer_norm=True)
     torch.manual_seed(0)
     model = OPTModel(config).eval()
     hm = C.wrap(model)
@@ -401,14 +398,7 @@ def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, d
 
 
 def test_mixed_layer_norm_placement_is_refused():
-    config = OPTConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-    )
+    config = small_config()
     model = C.make_model(config, 0)
     model.model.decoder.layers[1].do_layer_norm_before = False
     with pytest.raises(UnsupportedModelError, match="mix pre-LN and post-LN"):
@@ -416,15 +406,7 @@ def test_mixed_layer_norm_placement_is_refused():
 
 
 def test_layerdrop_warns():
-    config = OPTConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        layerdrop=0.1,
-    )
+    config = small_config(layerdrop=0.1)
     model = C.make_model(config, 0)
     with pytest.warns(UserWarning, match="layerdrop"):
         hm = C.wrap(model)

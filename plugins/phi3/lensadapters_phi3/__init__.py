@@ -26,28 +26,11 @@ Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_patte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import replace
+from typing import Any
 
-import torch
-from torch import nn
-
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    FusedGateUp,
-    FusedQKV,
-    HookedConfig,
-    ModelLayout,
-    NormSpec,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
-from lensadapters.rotary import rotate_half_spec
+from lensadapters import Architecture, FusedGateUp, UnsupportedModelError, hf
 from lensadapters.specs import cat_gate_up, chunk_gate_up
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
@@ -59,205 +42,59 @@ ARCH = Architecture(
     "partial rotary, LongRoPE, sliding window",
     transformers=">=4.57,<6",
 )
-FAMILY = "Phi3"
-SUPPORTED_ROPE_TYPES = ("default", "longrope")
-NORMS = ("Phi3RMSNorm",)
-Tensor = torch.Tensor
-
-_BLOCK = BlockLayout(
-    ln1="input_layernorm",
-    attn="self_attn",
-    o_proj="self_attn.o_proj",
-    ln2="post_attention_layernorm",
-    mlp="mlp",
-    mlp_residual="resid_mlp_dropout",
+FAMILY = hf.DecoderFamily(
+    "Phi3",
+    model_type="phi3",
+    packages=("phi3",),
+    norms=("Phi3RMSNorm",),
+    block=replace(hf.DECODER_BLOCK, mlp_residual="resid_mlp_dropout"),
+    fused_qkv="self_attn.qkv_proj",
+    mlp=FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=chunk_gate_up, merge=cat_gate_up),
+    # the first rotary_dim dims of each head rotate (the rest pass through); cos/sin come from model.rotary_emb
+    partial_rotary=True,
+    rope_types=("default", "longrope"),
 )
-_MLP = FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=chunk_gate_up, merge=cat_gate_up)
-_QKV_PATH = "self_attn.qkv_proj"
 
 
-def _base(model: PreTrainedModel) -> str:
-    return hf.base_path(model, FAMILY)
-
-
-def _rope_type(model: PreTrainedModel) -> str:
-    return hf.rope_type(model.get_submodule(hf.join(_base(model), "rotary_emb")))
-
-
-def partial_rotary_factor(config: Any) -> float:
-    factor = hf.rope_parameters(config).get("partial_rotary_factor")
-    return float(factor if factor is not None else getattr(config, "partial_rotary_factor", 1.0) or 1.0)
-
-
-def rotary_dim(config: Any) -> int:
-    return int(hf.head_dim(config) * partial_rotary_factor(config))
-
-
-def window(config: Any) -> Optional[int]:
-    return getattr(config, "sliding_window", None) or None
-
-
-def qkv_split(
-    n_heads: int, n_kv: int, d_head: int
-) -> tuple[Callable[[Tensor], tuple[Tensor, Tensor, Tensor]], Callable[[Tensor, Tensor, Tensor], Tensor]]:
-    """``(split, merge)`` of ``[q | k | v]`` along the last dimension, each part viewed as ``[heads, d_head]``."""
-    q_width, kv_width = n_heads * d_head, n_kv * d_head
-
-    def split(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = t.split([q_width, kv_width, kv_width], dim=-1)
-        return q.unflatten(-1, (n_heads, d_head)), k.unflatten(-1, (n_kv, d_head)), v.unflatten(-1, (n_kv, d_head))
-
-    def merge(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
-
-    return split, merge
-
-
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    hf.require_transformers_class(model, FAMILY, ("phi3",))
-    base = _base(model)
-    layers = hf.require_modules(
-        model,
-        base,
-        FAMILY,
-        ("embed_tokens", "norm", "rotary_emb"),
-        (
-            _BLOCK.ln1,
-            _BLOCK.attn,
-            _BLOCK.o_proj,
-            _BLOCK.ln2,
-            _BLOCK.mlp,
-            _BLOCK.mlp_residual,
-            _QKV_PATH,
-            _MLP.module,
-            _MLP.out,
-        ),
-    )
-    hf.require_rope_types([_rope_type(model)], SUPPORTED_ROPE_TYPES, FAMILY)
-    config = model.config
-    n_heads, n_kv, d = config.num_attention_heads, hf.n_kv_heads(config), hf.head_dim(config)
-    if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-    out = getattr(layers[0].get_submodule(_QKV_PATH), "out_features", None)
-    if isinstance(out, int) and out != (n_heads + 2 * n_kv) * d:
-        raise UnsupportedModelError(
-            f"qkv_proj has {out} output features, but the config says {n_heads} query and {n_kv} key/value heads of "
-            f"size {d}"
-        )
-    gate_up = getattr(layers[0].get_submodule(_MLP.module), "out_features", None)
-    if isinstance(gate_up, int) and gate_up != 2 * config.intermediate_size:
+def check(model: Any) -> None:
+    gate_up = getattr(FAMILY.layers(model)[0].get_submodule("mlp.gate_up_proj"), "out_features", None)
+    if isinstance(gate_up, int) and gate_up != 2 * model.config.intermediate_size:
         raise UnsupportedModelError(f"gate_up_proj has {gate_up} output features, not 2 * intermediate_size")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def config_fields(model: Any) -> dict[str, Any]:
     c = model.config
-    w = window(c)
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=hf.head_dim(c),
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
-        act_fn=c.hidden_act,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        model_type="phi3",
-        n_key_value_heads=hf.n_kv_heads(c),
-        rotary_dim=rotary_dim(c),
-        gated_mlp=True,
-        eps=c.rms_norm_eps,
-        original_architecture=type(model).__name__,
-        window_size=w,
-        attn_types=("local",) * c.num_hidden_layers if w else None,
+    window = getattr(c, "sliding_window", None) or None
+    return dict(
+        window_size=window,
+        attn_types=("local",) * c.num_hidden_layers if window else None,
         extra={
-            "rope_theta": hf.rope_theta(c),
-            "rope_type": _rope_type(model),
-            "partial_rotary_factor": partial_rotary_factor(c),
+            "partial_rotary_factor": hf.partial_rotary_factor(c),
             "original_max_position_embeddings": getattr(c, "original_max_position_embeddings", None),
-            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
         },
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    base = _base(model)
-    return ModelLayout(
-        blocks=hf.join(base, "layers"),
-        embed=hf.join(base, "embed_tokens"),
-        ln_final=hf.join(base, "norm"),
-        rotary=hf.join(base, "rotary_emb"),
-        unembed=hf.unembed_path(model),
-    )
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return _BLOCK
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
-    c = model.config
-    split, merge = qkv_split(c.num_attention_heads, hf.n_kv_heads(c), hf.head_dim(c))
-    # the first rotary_dim dims of each head rotate (the rest pass through); cos/sin come from model.rotary_emb
-    return FusedQKV(_QKV_PATH, split, merge, rotary=rotate_half_spec(rotary_dim(c)))
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedGateUp:
-    return _MLP
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return hf.norm_spec_for(module, NORMS)
-
-
-@hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+def tiny_config(seed: int) -> Any:
     """A Phi-4-mini-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), partial rotary 0.75, tied embeddings. Other seeds vary depth, heads, the rotary fraction, a sliding
     window and the embedding tie."""
-    import random
-
     from transformers import Phi3Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), partial, sliding, tied = (
-        (2, (4, 2), 0.75, None, True)
-        if seed == 0
-        else (
-            rng.choice([1, 2, 3]),
-            rng.choice([(4, 2), (4, 4), (4, 1)]),
-            rng.choice([0.5, 0.75, 1.0]),
-            rng.choice([None, 4]),
-            rng.random() < 0.5,
-        )
+    layers, (heads, kv), partial, sliding, tied = hf.toy_draw(
+        seed, (2, (4, 2), 0.75, None, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [0.5, 0.75, 1.0], [None, 4], 0.5
     )
-    return Phi3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=512,
-        max_position_embeddings=128,
+    return hf.toy_config(
+        Phi3Config,
+        layers,
+        heads,
+        kv,
         original_max_position_embeddings=128,
         partial_rotary_factor=partial,
         sliding_window=sliding,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
+
+
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from transformers import Phi3Config
 
 import lensadapters_phi3
+from lensadapters import hf
 from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config
 
 __all__ = ["Phi3Contract", "phi3_config", "phi3_configs"]
@@ -102,4 +103,4 @@ class Phi3Contract(DecoderContract):
     )
 
     def config_label(self, config: Any) -> Optional[str]:
-        return f"partial {lensadapters_phi3.partial_rotary_factor(config)}, window {config.sliding_window}"
+        return f"partial {hf.partial_rotary_factor(config)}, window {config.sliding_window}"

@@ -35,20 +35,10 @@ def tiny_config(seed: int) -> Any:
     """A Qwen2.5-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 2 layers, GQA (4 query heads,
     2 kv heads), tied embeddings, a 4-token sliding window from layer 1 on. Other seeds vary depth, heads, the
     windowed layers and the embedding tie."""
-    import random
-
     from transformers import Qwen2Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), window_from, tied = (
-        (2, (4, 2), 1, True)
-        if seed == 0
-        else (
-            rng.choice([1, 2, 3]),
-            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
-            rng.choice([0, 1, 9]),
-            rng.random() < 0.5,
-        )
+    layers, (heads, kv), window_from, tied = hf.toy_draw(
+        seed, (2, (4, 2), 1, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], [0, 1, 9], 0.5
     )
     return hf.toy_config(
         Qwen2Config,

@@ -46,20 +46,10 @@ def tiny_config(seed: int) -> Any:
     """A Qwen3-like toy, width 64, vocabulary 512, head_dim 32 (Qwen3's head_dim differs from width / heads). Seed
     0 is the demo's model: 2 layers, GQA (4 query heads, 2 kv heads), tied embeddings, no window. Other seeds vary
     depth, heads, a sliding window on the layers from ``max_window_layers`` on and the embedding tie."""
-    import random
-
     from transformers import Qwen3Config
 
-    rng = random.Random(seed)
-    layers, (heads, kv), window_from, tied = (
-        (2, (4, 2), 9, True)
-        if seed == 0
-        else (
-            rng.choice([1, 2, 3]),
-            rng.choice([(4, 2), (4, 4), (4, 1), (8, 2)]),
-            rng.choice([0, 1, 9]),
-            rng.random() < 0.5,
-        )
+    layers, (heads, kv), window_from, tied = hf.toy_draw(
+        seed, (2, (4, 2), 9, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], [0, 1, 9], 0.5
     )
     return hf.toy_config(
         Qwen3Config,

@@ -10,9 +10,7 @@ from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import QK_NORMED_ATTENTION, generate_with_hooks
 
 
 class TestQwen3(Qwen3Contract, RefusalChecks):
@@ -32,19 +30,7 @@ def test_query_norm_points_sit_between_projection_and_rotary():
         for n in hm.hook_names
         if n.startswith("blocks.0.attn.hook_") or ".attn.q_norm" in n or ".attn.k_norm" in n
     ]
-    assert names[:11] == [
-        "attn.hook_q",
-        "attn.q_norm.hook_scale",
-        "attn.q_norm.hook_normalized",
-        "attn.hook_rot_q",
-        "attn.hook_k",
-        "attn.k_norm.hook_scale",
-        "attn.k_norm.hook_normalized",
-        "attn.hook_rot_k",
-        "attn.hook_v",
-        "attn.hook_attn_scores",
-        "attn.hook_pattern",
-    ]
+    assert names[:11] == QK_NORMED_ATTENTION
     ids, mask = tokens()
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, attention_mask=mask)

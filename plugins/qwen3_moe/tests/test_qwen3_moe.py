@@ -19,9 +19,11 @@ from lensadapters.moe import MoELayout, router_weight
 from lensadapters.registry import get_registry
 from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import (
+    QK_NORMED_ATTENTION,
     assert_custom_code_refused,
     assert_patterns_refused_under,
     assert_unknown_rope_refused,
+    assert_window_patterns_match_eager,
 )
 from lensadapters.testing.moe import mlp_input, moe_reference
 from lensadapters.weights import mlp_weights
@@ -132,21 +134,8 @@ def test_sliding_window_patterns_match_hf_eager(data: st.DataObject) -> None:
     """With a sliding window (every layer, as Qwen3-MoE applies it) patterns are HF eager's, nothing beyond the
     window is attended and the model stays bitwise."""
     config = data.draw(qwen3_moe_configs(window=st.integers(2, 4)), label="config")
-    model = CONTRACT.make_model(config, data.draw(st.integers(0, 99), label="seed"), "sdpa")
-    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids).logits
-        model.config._attn_implementation = "eager"
-        eager = model(ids, output_attentions=True).attentions
-        model.config._attn_implementation = "sdpa"
-        hm = CONTRACT.wrap(model)
-        assert hm.cfg.window_size == config.sliding_window
-        _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
-        assert torch.equal(hm(ids).logits, reference)
-    for layer in range(config.num_hidden_layers):
-        assert_close(cache["pattern", layer], eager[layer], f"layer {layer} pattern")
-        far = torch.ones(8, 8, dtype=torch.bool).tril(-config.sliding_window)
-        assert (cache["pattern", layer][..., far] == 0).all(), "attends beyond the window"
+    hm = assert_window_patterns_match_eager(CONTRACT, config, data.draw(st.integers(0, 99), label="seed"))
+    assert hm.cfg.window_size == config.sliding_window
     hm.unwrap()
 
 
@@ -154,19 +143,7 @@ def test_query_norm_points_sit_between_projection_and_rotary() -> None:
     """The per-head q/k norms' points fire between the projection and the rotary points, in Qwen3's order."""
     hm = CONTRACT.wrap(CONTRACT.make_model(qwen3_moe_config(), 0))
     names = [n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.attn.")]
-    assert names[:11] == [
-        "attn.hook_q",
-        "attn.q_norm.hook_scale",
-        "attn.q_norm.hook_normalized",
-        "attn.hook_rot_q",
-        "attn.hook_k",
-        "attn.k_norm.hook_scale",
-        "attn.k_norm.hook_normalized",
-        "attn.hook_rot_k",
-        "attn.hook_v",
-        "attn.hook_attn_scores",
-        "attn.hook_pattern",
-    ]
+    assert names[:11] == QK_NORMED_ATTENTION
     ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: ".attn.hook_q" in n or ".q_norm." in n)

@@ -236,7 +236,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             if is_lora_linear(module):
                 points = [_new_point_before(hooked, pre + "attn.hook_q", pre + n) for _, n in QKV_POINTS]
                 sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
-        else:
+        elif qkv is not None:  # None: a token mixer other than softmax attention, with no attn.* points
             heads = (cfg.n_heads, cfg.n_key_value_heads, cfg.n_key_value_heads)
             for (short, name), path, h in zip(QKV_POINTS, (qkv.q, qkv.k, qkv.v), heads):
                 module = get(path)
@@ -244,7 +244,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)
                     sites.append(LoraDeltaSite(module, [point], *_heads_split(h), hooked.forward_state))
         module = get(bl.o_proj)
-        if is_lora_linear(module):
+        if qkv is not None and is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         if isinstance(mlp, FusedGateUp):  # one LoRA on the fused gate/up projection: a delta point per half

@@ -14,6 +14,7 @@ from lensadapters.testing.contract_support import (
     _BLOCK_POINTS,
     _SETTINGS,
     assert_close,
+    attention_layers,
 )
 from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
 
@@ -163,7 +164,7 @@ class ReadingProperties:
         valid = inputs.valid
         length = inputs.input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        for layer in range(hm.cfg.n_layers):
+        for layer in attention_layers(hm):
             pattern = cache["pattern", layer]
             assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
             rows = valid[:, None, :, None].expand_as(pattern)
@@ -190,7 +191,7 @@ class ReadingProperties:
         impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
         model, inputs = self.draw(data, impl)
         hm = self.wrap(model)
-        layer = hm.cfg.n_layers - 1
+        layer = attention_layers(hm)[-1]
         names = hm.hook_names
         scores = names.index(f"blocks.{layer}.attn.hook_attn_scores")
         earlier = [n for n in names[:scores] if not n.endswith(("hook_attn_scores", "hook_pattern"))]

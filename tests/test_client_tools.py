@@ -1,7 +1,8 @@
 """Tools built on TransformerLens, run unmodified on a HookedModel and on TransformerLens with the same weights.
 
-Each test needs its tool installed and is skipped otherwise. sae-dashboard 0.8 declares ``transformers<4.57``, so it runs
-in its own environment (the README's "Tools that run on lensadapters" gives the recipe)."""
+Each test needs its tool installed and is skipped otherwise. sae-dashboard 0.8 declares ``transformers<4.57``, so it is
+installed without its dependencies in its own environment (``scripts/setup-tl-clients.sh``; the README's "Tools that
+run on lensadapters" gives the recipe)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,18 @@ class Architecture:
     transformers: str = ""
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
 
+    def declared_for_installed_transformers(self) -> bool:
+        """Whether the installed transformers is within ``transformers`` (always, when it is empty). A family that
+        exists in newer releases only is declared ``">=5.x"``: its tiny config and contract are not built under an
+        older transformers (demo, test matrices, ``lensadapters check``)."""
+        if not self.transformers:
+            return True
+        import transformers as _transformers
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+
+        return Version(_transformers.__version__) in SpecifierSet(self.transformers)
+
 
 @dataclass(frozen=True)
 class HookedConfig:

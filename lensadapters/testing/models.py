@@ -45,6 +45,13 @@ def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: i
     """A seeded tiny model of ``arch`` built from the plugin's tiny config."""
     from transformers import AutoModelForCausalLM
 
+    if not arch.declared_for_installed_transformers():
+        import transformers
+
+        raise LookupError(
+            f"{arch.name!r} is declared for transformers {arch.transformers}, not the installed "
+            f"{transformers.__version__}"
+        )
     config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=seed)
     if config is None:
         raise LookupError(f"plugin {info.name!r} provides no tiny config for {arch.name!r}")

@@ -101,23 +101,12 @@ def declared_contracts() -> list[type]:
 
     contracts = []
     for info in architecture_plugins():
-        if not any(_runs_here(arch.transformers) for arch in info.architectures):
+        if not any(arch.declared_for_installed_transformers() for arch in info.architectures):
             continue
         contract = declared_contract(info.name, info.plugin)
         if contract is not None:
             contracts.append(contract)
     return contracts
-
-
-def _runs_here(declared: str) -> bool:
-    """Whether the installed transformers is within an ``Architecture.transformers`` specifier ("" : any)."""
-    if not declared:
-        return True
-    import transformers
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return Version(transformers.__version__) in SpecifierSet(declared)
 
 
 def _short(cls: type) -> str:

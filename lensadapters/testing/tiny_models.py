@@ -23,6 +23,8 @@ def architectures() -> list[tuple[str, Any, Any]]:
     found = []
     for info in registry.architecture_plugins():
         for arch in info.architectures:
+            if not arch.declared_for_installed_transformers():  # a family of newer transformers releases only
+                continue
             if registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0) is not None:
                 found.append((arch.name, info, arch))
     return sorted(found, key=lambda item: item[0])

@@ -13,7 +13,31 @@ from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
 
 
 def setup(arch: str, seed: int = 0):
-    return patching_pair(arch, seed)
+    """The arch's patching pair; a model attribution refuses (hybrid token mixers) skips, after checking that the
+    refusal names the blocks (``test_attribution_refuses_blocks_without_softmax_attention``)."""
+    hm, clean, corrupted, metric = patching_pair(arch, seed)
+    try:
+        attribution.require_softmax_attention(hm)
+    except attribution.AttributionUnavailable as error:
+        assert "blocks [" in str(error) and "activation patching" in str(error)
+        hm.unwrap()
+        pytest.skip(f"refused: {error}")
+    return hm, clean, corrupted, metric
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_attribution_refuses_blocks_without_softmax_attention(arch: str) -> None:
+    """A model with blocks whose token mixer is not softmax attention is refused by every gradient entry point,
+    naming those blocks; other models are not."""
+    hm, clean, corrupted, metric = patching_pair(arch)
+    mixers = [i for i, (bl, qkv) in enumerate(zip(hm.block_layouts, hm.qkv_layouts)) if bl is not None and qkv is None]
+    if not mixers:
+        attribution.require_softmax_attention(hm)
+        hm.unwrap()
+        return
+    with pytest.raises(attribution.AttributionUnavailable, match=rf"blocks \[{mixers[0]}"):
+        attribution.attribute(hm, clean, corrupted, metric, ["resid_pre"], progress=False)
+    hm.unwrap()
 
 
 def tolerance(hm) -> float:
@@ -77,7 +101,11 @@ def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
         ].dim()
         == 3
     )  # one norm over every head's queries
-    plain = plain and not shared_norm
+    sinks = not torch.allclose(  # attention sinks: a learned logit joins the softmax, pattern rows sum to < 1
+        hm.run_with_cache(clean, names_filter="blocks.0.attn.hook_pattern")[1]["pattern", 0].sum(-1).double(),
+        torch.ones((), dtype=torch.float64),
+    )
+    plain = plain and not shared_norm and not sinks
     try:
         result = attribution.attribute(hm, clean, corrupted, metric, ["q", "k"], qk_fix=True, progress=False)
         fixed = {w: result.scores(w, ("layer", "pos", "head"), qk_fix=True) for w in "qk"}

@@ -14,7 +14,32 @@ from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
 
 
 def setup(arch: str, seed: int = 0):
-    return patching_pair(arch, seed)
+    """The arch's patching pair; a model whose structure EAP refuses skips, after checking that the refusal names
+    the blocks (``test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum``)."""
+    hm, clean, corrupted, metric = patching_pair(arch, seed)
+    try:
+        eap.graph_of(hm)
+    except attribution.AttributionUnavailable as error:
+        assert "blocks [" in str(error)
+        hm.unwrap()
+        pytest.skip(f"refused: {error}")
+    return hm, clean, corrupted, metric
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum(arch: str) -> None:
+    """Blocks that compute more after their MLP's residual add (per-layer inputs, a layer scalar) or mix tokens
+    without softmax attention: ``edge_attribution`` refuses, naming the blocks; other models get a graph."""
+    hm, clean, corrupted, metric = patching_pair(arch)
+    more = [i for i, bl in enumerate(hm.block_layouts) if bl is not None and bl.more_after_mlp]
+    mixers = [i for i, (bl, qkv) in enumerate(zip(hm.block_layouts, hm.qkv_layouts)) if bl is not None and qkv is None]
+    if not more and not mixers:
+        assert eap.graph_of(hm).valid.any()
+        hm.unwrap()
+        return
+    with pytest.raises(attribution.AttributionUnavailable, match=r"blocks \["):
+        eap.edge_attribution(hm, clean, corrupted, metric, progress=False)
+    hm.unwrap()
 
 
 def node_delta(hm, clean, corrupted, node) -> torch.Tensor:

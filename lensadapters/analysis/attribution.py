@@ -45,6 +45,7 @@ Tensor = torch.Tensor
 Metric = Callable[[Tensor], Tensor]
 
 __all__ = [
+    "AttributionUnavailable",
     "Attribution",
     "QKFixUnavailable",
     "attribute",
@@ -84,6 +85,23 @@ class QKFixUnavailable(ValueError):
     """The QK fix needs attention scores that are ``scale * q . k`` (with masking); this model's are not."""
 
 
+class AttributionUnavailable(ValueError):
+    """Gradient attribution is not verified for this model's structure (named in the message)."""
+
+
+def require_softmax_attention(model: Any) -> None:
+    """Refuse a model with blocks whose token mixer is not softmax attention (hybrid linear-attention or state-space
+    layers): their gradients are not verified against patched runs yet, and they have no attention points."""
+    layouts = zip(getattr(model, "block_layouts", None) or [], getattr(model, "qkv_layouts", None) or [])
+    mixers = [i for i, (bl, qkv) in enumerate(layouts) if bl is not None and qkv is None]
+    if mixers:
+        raise AttributionUnavailable(
+            f"blocks {mixers} of this model mix tokens with something other than softmax attention (linear attention "
+            f"or a state-space layer): attribution patching and EAP are not verified there yet. Use activation "
+            f"patching (lensadapters.patching), which runs the model itself"
+        )
+
+
 def _tokens(model: Any, tokens: Any) -> Tensor:
     if isinstance(tokens, (str, list)):
         return model.to_tokens(tokens)
@@ -117,6 +135,7 @@ def forward_backward(
     (``blocks.0.hook_resid_pre`` is made a leaf), so no parameter gets a ``.grad``; ``embed`` maps that residual
     first (EAP-IG's interpolated inputs). ``edits``: more forward hooks (run before the readers).
     """
+    require_softmax_attention(model)
     values: dict[str, Tensor] = {}
     state: dict[str, Any] = {"grads": {}, "drop": None}
     leaf: list[Tensor] = []

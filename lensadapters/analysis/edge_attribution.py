@@ -36,7 +36,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from lensadapters.analysis.attribution import Metric, _scalar, _tokens, forward_backward
+from lensadapters.analysis.attribution import (
+    AttributionUnavailable,
+    Metric,
+    _scalar,
+    _tokens,
+    forward_backward,
+    require_softmax_attention,
+)
 
 Tensor = torch.Tensor
 
@@ -89,6 +96,15 @@ class Graph:
 
 def graph_of(model: Any) -> Graph:
     """The EAP graph of ``model`` (see the module's documentation)."""
+    require_softmax_attention(model)
+    layouts = getattr(model, "block_layouts", None) or []
+    more = [i for i, bl in enumerate(layouts) if bl is not None and bl.more_after_mlp]
+    if more:
+        raise AttributionUnavailable(
+            f"blocks {more} compute more after their MLP's residual add (per-layer inputs, a layer scalar): the "
+            f"residual stream is not the sum of the embeddings', heads' and MLPs' outputs, which the EAP graph's "
+            f"edges assume. Use node attribution (lensadapters.attribution) or activation patching"
+        )
     cfg = model.cfg
     names = set(model.hook_names)
     layouts = model.block_layouts

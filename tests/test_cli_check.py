@@ -108,6 +108,14 @@ def _builtin_architecture_plugins() -> list:
 BUILTIN = _builtin_architecture_plugins()
 
 
+def _skip_where_not_declared(plugin: object) -> None:
+    """Skip a plugin none of whose architectures is declared for the installed transformers (a family of newer
+    releases: its config classes do not exist here)."""
+    archs = plugin.lensadapters_architectures()  # type: ignore[attr-defined]
+    if not any(arch.declared_for_installed_transformers() for arch in archs):
+        pytest.skip(f"declared for transformers {archs[0].transformers}, not the installed one")
+
+
 def test_check_passes_for_an_installed_plugin():
     info = subject()
     result = run_cli(
@@ -130,6 +138,7 @@ def test_builtin_plugins_declare_their_packaged_contract(name, module):
     """`lensadapters check NAME` runs the class the plugin's tests subclass, shipped in its `testing` module, with
     declared capabilities."""
     plugin = importlib.import_module(module)
+    _skip_where_not_declared(plugin)
     spec = plugin.LENSADAPTERS_CONTRACT
     assert spec.startswith(f"{module}.testing:"), spec
     testing = importlib.import_module(f"{module}.testing")
@@ -157,7 +166,9 @@ def test_importing_plugins_needs_no_test_kit():
         "assert not leaked, leaked\n"
         "for info in registry.infos.values():\n"
         "    spec = getattr(info.plugin, 'LENSADAPTERS_CONTRACT', None)\n"
-        "    if spec:\n"
+        "    archs = info.architectures\n"
+        "    here = not archs or any(a.declared_for_installed_transformers() for a in archs)\n"
+        "    if spec and here:  # a family of newer transformers releases has no config class to test here\n"
         "        importlib.import_module(spec.split(':')[0])\n"
         "        assert 'hypothesis' in sys.modules\n"
     )
@@ -176,6 +187,7 @@ def test_tiny_config_seeds_vary_the_shape(name, module):
     from lensadapters.testing import seeded_model
 
     plugin = importlib.import_module(module)
+    _skip_where_not_declared(plugin)
     registry = Registry()
     registry.register(plugin, name)
     for arch in plugin.lensadapters_architectures():

@@ -8,7 +8,7 @@ Everything is found through the ``lensadapters`` entry points, as ``HookedModel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, MutableMapping, Optional
 
@@ -39,8 +39,15 @@ def installed_plugins() -> tuple[PluginInfo, ...]:
 
 
 def architecture_plugins() -> list[PluginInfo]:
-    """The installed plugins that claim architectures, by entry-point name."""
-    return sorted((info for info in installed_plugins() if info.architectures), key=lambda info: info.name)
+    """The installed plugins that claim architectures declared for the installed transformers, by entry-point name,
+    each with only those architectures (a family that exists in newer transformers releases only is left out under
+    an older one: there is no model of it to build)."""
+    found = []
+    for info in installed_plugins():
+        here = tuple(arch for arch in info.architectures if arch.declared_for_installed_transformers())
+        if here:
+            found.append(info if here == info.architectures else replace(info, architectures=here))
+    return sorted(found, key=lambda info: info.name)
 
 
 def architecture_plugin(model_type: str) -> Optional[PluginInfo]:

@@ -125,6 +125,11 @@ def test_eap_ig_integrates_from_the_corrupted_to_the_clean_input(arch: str) -> N
     if hm.cfg.num_experts:  # routing switches experts along the path: no smooth path to integrate along
         hm.unwrap()
         pytest.skip("a mixture of experts' top-k routing is not differentiable along the interpolation")
+    if any(f"blocks.{i}.hook_mlp_in" not in hm.hook_names for i in range(hm.cfg.n_layers)):
+        with pytest.raises(attribution.AttributionUnavailable, match="EAP-IG on blocks"):  # refused: not verified
+            eap.edge_attribution(hm, clean, corrupted, metric, steps=1, progress=False)
+        hm.unwrap()
+        return
     one = eap.edge_attribution(hm, clean, corrupted, metric, steps=1, progress=False)
     at_clean = eap.edge_attribution(hm, clean, corrupted, metric, at="clean", progress=False)
     # one step: the clean input's gradient (up to float32 rounding: the head inputs' edits are computed in float32)

@@ -10,8 +10,9 @@ points ``hook_q_input``/``hook_k_input``/``hook_v_input``), each MLP's input (``
 final residual stream, ``hook_resid_post`` of the last block). Under grouped-query attention a key/value head's input
 is one node per key/value head (``A3.1.k`` is key/value head 1 of block 3, which every query head of its group reads):
 its score is what that head's keys (or values) carry for all of them. A parallel block whose MLP reads the
-attention's normalized input (GPT-J: no ``hook_mlp_in``) has no MLP-input node: those edges are not scored and a
-circuit keeps them.
+attention's normalized input (GPT-J: no ``hook_mlp_in``) has no MLP-input node: those edges are not scored, by EAP
+and EAP-IG alike, and a circuit keeps them (so the embeddings' edges there add up to their derivative without what
+reaches it through the MLPs).
 
 Edge score, with ``g_d`` the gradient of the metric with respect to input ``d``::
 
@@ -219,13 +220,6 @@ def edge_attribution(
     if steps is not None and int(steps) < 1:
         raise ValueError(f"steps must be a positive number of interpolation steps, not {steps}")
     graph = graph_of(model)
-    unread = [i for i in range(model.cfg.n_layers) if f"blocks.{i}.hook_mlp_in" not in model.hook_names]
-    if steps is not None and unread:
-        raise AttributionUnavailable(
-            f"EAP-IG on blocks {unread}, whose MLP reads the attention's normalized input (no hook_mlp_in node), "
-            f"disagrees with the derivatives it integrates in the tests (0.75 against 0.56 on a tiny GPT-J): not "
-            f"served until that is understood. Use EAP (steps=None), which is checked edge by edge there"
-        )
     clean_tokens, corrupted_tokens = _tokens(model, clean_tokens), _tokens(model, corrupted_tokens)
     up_points = [p for p, _, _ in graph.points(graph.upstream)]
     down_points = [p for p, _, _ in graph.points(graph.downstream)]

@@ -17,23 +17,14 @@ from lensadapters import HookedModel
 
 
 def _llama() -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from lensadapters.testing.tiny_models import CLIENT_LLAMA, gqa_llama
     from lensadapters.testing.tl_reference import word_tokenizer
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-        intermediate_size=48,
-        vocab_size=48,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval(), word_tokenizer(config.vocab_size)
+    torch.manual_seed(0)  # transformers' own initialization (small weights: the 1e-6 comparisons below are absolute)
+    model = LlamaForCausalLM(gqa_llama(**{**CLIENT_LLAMA, "num_hidden_layers": 3})).eval()
+    return model, word_tokenizer(model.config.vocab_size)
 
 
 def _logits(out: Any) -> torch.Tensor:

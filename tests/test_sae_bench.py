@@ -18,25 +18,12 @@ pytest.importorskip("transformer_lens")
 
 
 def _models() -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from lensadapters.integrations.transformer_lens import as_hooked_transformer
+    from lensadapters.testing.tiny_models import CLIENT_LLAMA, from_config, gqa_llama
     from lensadapters.testing.tl_reference import hooked_transformer, word_tokenizer
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=48,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    tok = word_tokenizer(config.vocab_size)
+    model = from_config(gqa_llama(**CLIENT_LLAMA))
+    tok = word_tokenizer(model.config.vocab_size)
     reference = hooked_transformer(model, tokenizer=tok)
     return as_hooked_transformer(HookedModel.wrap(model, tokenizer=tok)), reference
 
@@ -94,30 +81,15 @@ def test_core_eval_equals_transformer_lens() -> None:
     import datasets
     from sae_bench.evals.core.eval_config import CoreEvalConfig
     from sae_bench.evals.core.main import run_evals
-    from sae_lens.training.activations_store import ActivationsStore
+
+    from lensadapters.testing.sae_clients import small_activations_store
 
     rng = random.Random(0)
     texts = [" ".join(f"w{rng.randrange(3, 48)}" for _ in range(rng.randrange(4, 40))) for _ in range(60)]
     hook = "blocks.1.hook_resid_post"
     results = []
     for model in _models():
-        store = ActivationsStore(
-            model=model,
-            dataset=datasets.Dataset.from_dict({"text": texts}),
-            streaming=False,
-            hook_name=hook,
-            hook_head_index=None,
-            context_size=12,
-            d_in=32,
-            n_batches_in_buffer=2,
-            total_training_tokens=10_000,
-            store_batch_size_prompts=4,
-            train_batch_size_tokens=48,
-            prepend_bos=True,
-            normalize_activations="none",
-            device=torch.device("cpu"),
-            dtype="float32",
-        )
+        store = small_activations_store(model, datasets.Dataset.from_dict({"text": texts}), hook, 32)
         config = CoreEvalConfig(
             batch_size_prompts=4,
             n_eval_reconstruction_batches=2,

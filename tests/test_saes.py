@@ -596,9 +596,9 @@ def test_saelens_trains_from_a_harvest_as_cached_activations(tmp_path, monkeypat
 @needs_saelens
 def test_a_harvest_holds_what_saelens_activation_store_computes(tmp_path) -> None:
     import datasets
-    from sae_lens.training.activations_store import ActivationsStore
 
     from lensadapters import harvest
+    from lensadapters.testing.sae_clients import small_activations_store
 
     hm = build(ARCH)
     texts = _texts()
@@ -608,23 +608,7 @@ def test_a_harvest_holds_what_saelens_activation_store_computes(tmp_path) -> Non
         harvest(
             hm, str(tmp_path / "texts"), [name], str(tmp_path / "acts"), context_size=12, batch_size=4, progress=False
         )
-        store = ActivationsStore(
-            model=hm,
-            dataset=datasets.load_from_disk(str(tmp_path / "texts")),
-            streaming=False,
-            hook_name=name,
-            hook_head_index=None,
-            context_size=12,
-            d_in=hm.cfg.d_model,
-            n_batches_in_buffer=2,
-            total_training_tokens=10_000,
-            store_batch_size_prompts=4,
-            train_batch_size_tokens=48,
-            prepend_bos=True,
-            normalize_activations="none",
-            device=torch.device("cpu"),
-            dtype="float32",
-        )
+        store = small_activations_store(hm, datasets.load_from_disk(str(tmp_path / "texts")), name, hm.cfg.d_model)
         ours = datasets.load_from_disk(str(tmp_path / "acts")).with_format("torch")[:]
         for first in range(0, len(ours["token_ids"]) - 3, 4):
             tokens = store.get_batch_tokens(4)

@@ -41,6 +41,8 @@ from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... im
     moe_reference,
     route,
     router_bias_or_zero,
+    select,
+    selection_bias,
 )
 from lensadapters.wiring.weights import mlp_weights
 
@@ -401,7 +403,7 @@ class MoEContract(AdapterContract):
         with torch.no_grad():
             _, cache = self._moe_cache(hm, inputs, layer)
         pre = f"blocks.{layer}.mlp."
-        probs, top, index = route(layout, cache[pre + "hook_router_logits"])
+        probs, top, index = route(layout, cache[pre + "hook_router_logits"], selection_bias(hm, layer))
         assert_close(cache[pre + "hook_expert_weights"], probs, "expert weights == softmax(router logits)")
         chosen = torch.gather(probs, -1, cache[pre + "hook_expert_indices"])
         assert_close(chosen, torch.gather(probs, -1, index), "the indices select the top-k probabilities")
@@ -459,14 +461,12 @@ class MoEContract(AdapterContract):
                     top = torch.gather(probs, -1, sel)
                 elif which == "expert_weights":
                     probs = new.double()
-                    top, sel = torch.topk(probs, k, dim=-1)
-                    if layout.routing.normalize:
-                        top = top / top.sum(-1, keepdim=True)
+                    top, sel = select(layout, probs, selection_bias(hm, layer))
                 else:
                     assert_close(
                         edited[pre + "hook_router_logits"], base[pre + "hook_router_logits"] + bias, "edited logits"
                     )
-                    probs, top, sel = route(layout, edited[pre + "hook_router_logits"])
+                    probs, top, sel = route(layout, edited[pre + "hook_router_logits"], selection_bias(hm, layer))
                     assert_close(edited[pre + "hook_expert_weights"], probs, "probabilities of the edited logits")
                 assert_close(torch.gather(probs, -1, index), torch.gather(probs, -1, sel), "re-selected top-k")
                 assert_close(weights, top, "renormalized as the family does")

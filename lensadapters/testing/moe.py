@@ -43,6 +43,7 @@ from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... im
     router_bias_or_zero,
     select,
     selection_bias,
+    shared_output,
 )
 from lensadapters.wiring.weights import mlp_weights
 
@@ -201,7 +202,7 @@ class MoEContract(AdapterContract):
                     )
                     total.index_add_(0, token, get("hook_result"))
                 assert_close(
-                    total.reshape(cache["mlp_out", i].shape),
+                    total.reshape(cache["mlp_out", i].shape) + shared_output(hm, i, x),
                     cache["mlp_out", i],
                     f"layer {i}: expert results summed == hook_mlp_out",
                 )
@@ -376,7 +377,8 @@ class MoEContract(AdapterContract):
             reference = model(**inputs.kwargs()).logits
             hm = self.wrap(model)
             logits, cache = hm.run_with_cache(
-                **inputs.kwargs(), names_filter=lambda n: ".mlp." in n or n.endswith("hook_mlp_out")
+                **inputs.kwargs(),
+                names_filter=lambda n: ".mlp." in n or n.endswith(("hook_mlp_out", "ln2.hook_normalized")),
             )
             assert torch.equal(logits, reference), "reading MoE points changed the model's output"
             assert torch.equal(hm(**inputs.kwargs()).logits, reference)
@@ -387,7 +389,10 @@ class MoEContract(AdapterContract):
             total = torch.zeros(index.shape[0], out.shape[-1], dtype=out.dtype)
             for e in range(hm.mlp_layouts[layer].routing.n_experts):
                 total.index_add_(0, expert_rows(index, e)[1], cache[f"blocks.{layer}.mlp.experts.{e}.hook_result"])
-            assert_close(total.reshape(out.shape), out, f"layer {layer}: expert results summed == hook_mlp_out")
+            shared = shared_output(hm, layer, mlp_input(hm, cache, layer))
+            assert_close(
+                total.reshape(out.shape) + shared, out, f"layer {layer}: expert results summed == hook_mlp_out"
+            )
         hm.unwrap()
 
     @_SETTINGS

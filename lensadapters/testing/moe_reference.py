@@ -46,12 +46,18 @@ def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor
     gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index]) + b_gate[index]
     up = torch.einsum("...d,...kdm->...km", xs, W_in[index]) + b_in[index]
     out = torch.einsum("...km,...kmd->...kd", glu(gate, up), W_out[index]) + b_out[index]
-    routed = (out * weights.double()[..., None]).sum(-2)
-    shared = getattr(hm.mlp_layouts[layer], "shared", None)
+    return (out * weights.double()[..., None]).sum(-2) + shared_output(hm, layer, x)
+
+
+def shared_output(hm: Any, layer: int, x: Tensor) -> Any:
+    """What block ``layer``'s MoE module adds to its routed experts (``MoELayout.shared``, run on the MLP inputs
+    ``x`` as the model runs it, in float64), or 0."""
+    shared = hm.mlp_layouts[layer].shared
     if shared is None:
-        return routed
-    module = hm.block_modules[layer].get_submodule(shared)  # the shared experts, as the model runs them
-    return routed + module(x.to(next(module.parameters()).dtype)).double()
+        return 0
+    module = hm.block_modules[layer].get_submodule(shared)
+    with torch.no_grad():
+        return module(x.to(next(module.parameters()).dtype)).double()
 
 
 def selection_bias(hm: Any, layer: int) -> Optional[Tensor]:

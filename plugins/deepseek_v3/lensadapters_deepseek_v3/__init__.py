@@ -25,7 +25,8 @@ exist (edit ``attn.hook_k_rope``); and under transformers 5, whose cache keeps t
 ``hook_k``/``hook_rot_k``/``hook_v`` during cached generation would be lost at the next step (edit the latents, or
 generate without the cache). ``W_Q`` is served where ``q_proj`` projects the residual directly; ``W_Q`` with a query
 latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the down- and up-projections, so no
-matrix maps the residual to them); :func:`latent_weights` gives the exact per-head maps from the latents.
+matrix maps the residual to them); :func:`latent_weights` gives the exact per-head maps from the latents. For the
+same reason the blocks have no head-input points (``hook_attn_in``, ``hook_q_input``...: ``SeparateQKV.head_inputs``).
 
 Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token
 with a sigmoid over the experts, the correction bias ``e_score_correction_bias`` added for the choice only, grouped

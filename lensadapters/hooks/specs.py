@@ -309,6 +309,11 @@ class SeparateQKV:
     normalized apart by ``k_norm`` and ``v_norm`` (both ``"bphd"``): ``hook_k`` is then ``k_norm``'s input and
     ``hook_v`` ``v_norm``'s, so an edit of one leaves the other as it was; the layer has no ``hook_k_input``/
     ``hook_v_input`` (one projection feeds both), and ``W_V`` is ``W_K``.
+
+    ``head_inputs=False`` says the projections do not map the normalized residual linearly to the heads (multi-head
+    latent attention normalizes a latent between its down- and up-projections): the layer then has no
+    ``hook_attn_in``/``hook_q_input``/``hook_k_input``/``hook_v_input``, whose edits the core turns into
+    ``norm(edit) @ W_Q/W_K/W_V``.
     """
 
     q: str
@@ -322,6 +327,7 @@ class SeparateQKV:
     kv_from: Optional[int] = None
     kv_heads: Optional[int] = None
     values_from_keys: bool = False
+    head_inputs: bool = True
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... im
     moe_reference,
     route,
     router_bias_or_zero,
+    select,
+    selection_bias,
+    shared_output,
 )
 from lensadapters.wiring.weights import mlp_weights
 
@@ -199,7 +202,7 @@ class MoEContract(AdapterContract):
                     )
                     total.index_add_(0, token, get("hook_result"))
                 assert_close(
-                    total.reshape(cache["mlp_out", i].shape),
+                    total.reshape(cache["mlp_out", i].shape) + shared_output(hm, i, x),
                     cache["mlp_out", i],
                     f"layer {i}: expert results summed == hook_mlp_out",
                 )
@@ -374,7 +377,8 @@ class MoEContract(AdapterContract):
             reference = model(**inputs.kwargs()).logits
             hm = self.wrap(model)
             logits, cache = hm.run_with_cache(
-                **inputs.kwargs(), names_filter=lambda n: ".mlp." in n or n.endswith("hook_mlp_out")
+                **inputs.kwargs(),
+                names_filter=lambda n: ".mlp." in n or n.endswith(("hook_mlp_out", "ln2.hook_normalized")),
             )
             assert torch.equal(logits, reference), "reading MoE points changed the model's output"
             assert torch.equal(hm(**inputs.kwargs()).logits, reference)
@@ -385,7 +389,10 @@ class MoEContract(AdapterContract):
             total = torch.zeros(index.shape[0], out.shape[-1], dtype=out.dtype)
             for e in range(hm.mlp_layouts[layer].routing.n_experts):
                 total.index_add_(0, expert_rows(index, e)[1], cache[f"blocks.{layer}.mlp.experts.{e}.hook_result"])
-            assert_close(total.reshape(out.shape), out, f"layer {layer}: expert results summed == hook_mlp_out")
+            shared = shared_output(hm, layer, mlp_input(hm, cache, layer))
+            assert_close(
+                total.reshape(out.shape) + shared, out, f"layer {layer}: expert results summed == hook_mlp_out"
+            )
         hm.unwrap()
 
     @_SETTINGS
@@ -401,7 +408,7 @@ class MoEContract(AdapterContract):
         with torch.no_grad():
             _, cache = self._moe_cache(hm, inputs, layer)
         pre = f"blocks.{layer}.mlp."
-        probs, top, index = route(layout, cache[pre + "hook_router_logits"])
+        probs, top, index = route(layout, cache[pre + "hook_router_logits"], selection_bias(hm, layer))
         assert_close(cache[pre + "hook_expert_weights"], probs, "expert weights == softmax(router logits)")
         chosen = torch.gather(probs, -1, cache[pre + "hook_expert_indices"])
         assert_close(chosen, torch.gather(probs, -1, index), "the indices select the top-k probabilities")
@@ -459,14 +466,12 @@ class MoEContract(AdapterContract):
                     top = torch.gather(probs, -1, sel)
                 elif which == "expert_weights":
                     probs = new.double()
-                    top, sel = torch.topk(probs, k, dim=-1)
-                    if layout.routing.normalize:
-                        top = top / top.sum(-1, keepdim=True)
+                    top, sel = select(layout, probs, selection_bias(hm, layer))
                 else:
                     assert_close(
                         edited[pre + "hook_router_logits"], base[pre + "hook_router_logits"] + bias, "edited logits"
                     )
-                    probs, top, sel = route(layout, edited[pre + "hook_router_logits"])
+                    probs, top, sel = route(layout, edited[pre + "hook_router_logits"], selection_bias(hm, layer))
                     assert_close(edited[pre + "hook_expert_weights"], probs, "probabilities of the edited logits")
                 assert_close(torch.gather(probs, -1, index), torch.gather(probs, -1, sel), "re-selected top-k")
                 assert_close(weights, top, "renormalized as the family does")

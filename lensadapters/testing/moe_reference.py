@@ -46,7 +46,25 @@ def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor
     gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index]) + b_gate[index]
     up = torch.einsum("...d,...kdm->...km", xs, W_in[index]) + b_in[index]
     out = torch.einsum("...km,...kmd->...kd", glu(gate, up), W_out[index]) + b_out[index]
-    return (out * weights.double()[..., None]).sum(-2)
+    return (out * weights.double()[..., None]).sum(-2) + shared_output(hm, layer, x)
+
+
+def shared_output(hm: Any, layer: int, x: Tensor) -> Any:
+    """What block ``layer``'s MoE module adds to its routed experts (``MoELayout.shared``, run on the MLP inputs
+    ``x`` as the model runs it, in float64), or 0."""
+    shared = hm.mlp_layouts[layer].shared
+    if shared is None:
+        return 0
+    module = hm.block_modules[layer].get_submodule(shared)
+    with torch.no_grad():
+        return module(x.to(next(module.parameters()).dtype)).double()
+
+
+def selection_bias(hm: Any, layer: int) -> Optional[Tensor]:
+    """The router attribute block ``layer``'s routing adds to the probabilities for choosing (``None`` without)."""
+    layout = hm.mlp_layouts[layer]
+    name = layout.routing.selection_bias
+    return None if name is None else getattr(hm.block_modules[layer].get_submodule(layout.router), name)
 
 
 def router_bias_or_zero(hm: Any, layer: int) -> Any:
@@ -91,18 +109,44 @@ def wrap_adapted_experts(peft_model: Any, ids: Tensor, registry: Any) -> tuple[A
     return hm, reference
 
 
-def route(layout: MoELayout, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference routing: softmax over every expert, top-k, renormalized when the family does; or (routers that
-    select first) the top-k logits, the softmax over them, scattered over the experts."""
+def route(layout: MoELayout, logits: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference routing: softmax over every expert (or a sigmoid of each), top-k, renormalized when the family does;
+    or (routers that select first) the top-k logits, the softmax over them, scattered over the experts. ``bias``:
+    the router's selection bias (:func:`selection_bias`)."""
     if layout.routing.order == "topk_softmax":
         values, index = torch.topk(logits.double(), layout.routing.top_k, dim=-1)
         top = torch.softmax(values, dim=-1)
         return torch.zeros_like(logits, dtype=torch.float64).scatter(-1, index, top), top, index
-    probs = torch.softmax(logits.double(), dim=-1)
-    top, index = torch.topk(probs, layout.routing.top_k, dim=-1)
-    if layout.routing.normalize:
-        top = top / top.sum(-1, keepdim=True)
+    if layout.routing.probabilities == "sigmoid":
+        probs = torch.sigmoid(logits.double())
+    else:
+        probs = torch.softmax(logits.double(), dim=-1)
+    top, index = select(layout, probs, bias)
     return probs, top, index
+
+
+def select(layout: MoELayout, probs: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Reference selection from the probabilities of every expert: ``(top_k_weights, top_k_index)``, the top-k
+    (of the probabilities plus the selection bias, within the best groups where the family groups its experts),
+    renormalized when the family does, scaled by its factor."""
+    r = layout.routing
+    probs = probs.double()
+    if r.groups is None and bias is None:
+        top, index = torch.topk(probs, r.top_k, dim=-1)
+    else:
+        choice = probs if bias is None else probs + bias.double()
+        if r.groups is not None:
+            n_group, keep = r.groups
+            grouped = choice.unflatten(-1, (n_group, -1))
+            score = grouped.topk(2, dim=-1).values.sum(-1) if r.group_score == "top2_sum" else grouped.amax(-1)
+            kept = torch.zeros_like(score).scatter(-1, score.topk(keep, dim=-1, sorted=False).indices, 1.0)
+            dropped = kept.repeat_interleave(r.n_experts // n_group, dim=-1) == 0
+            choice = choice.masked_fill(dropped, r.masked_score)
+        index = choice.topk(r.top_k, dim=-1, sorted=False).indices
+        top = probs.gather(-1, index)
+    if r.normalize:
+        top = top / (top.sum(-1, keepdim=True) + r.normalize_eps)
+    return top * r.scale, index
 
 
 def mlp_input_of(hm: Any, cache: Any, layer: Optional[int], norm: str) -> Tensor:

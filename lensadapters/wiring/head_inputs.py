@@ -170,6 +170,8 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
     for layer in range(cfg.n_layers):
         if hm.block_layouts[layer] is None:  # an opaque block: no core points to anchor on
             continue
+        if isinstance(hm.qkv_layouts[layer], SeparateQKV) and not hm.qkv_layouts[layer].head_inputs:
+            continue  # the projections are not linear in the residual: no per-head input edit is exact
         pre = f"blocks.{layer}."
         anchor = pre + "hook_resid_pre"
         points: dict[str, HookPoint] = {}

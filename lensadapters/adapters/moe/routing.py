@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lensadapters.adapters.moe.specs import Routing
@@ -11,35 +13,59 @@ Tensor = torch.Tensor
 
 def probabilities(routing: Routing, logits: Tensor) -> Tensor:
     """The probability of every expert ``[tokens, n_experts]``, as the model computes it: the softmax over every
-    expert in float32, or (``order="topk_softmax"``) the softmax over the top-k logits, scattered over the experts
-    (zeros elsewhere), in ``weights_dtype``."""
+    expert in float32 (the sigmoid of each logit for ``probabilities="sigmoid"``), or (``order="topk_softmax"``)
+    the softmax over the top-k logits, scattered over the experts (zeros elsewhere), in ``weights_dtype``."""
     if routing.order == "topk_softmax":
         top, index = torch.topk(logits, routing.top_k, dim=-1)
         dtype = top.dtype if routing.weights_dtype == "logits" else torch.float32
         weights = torch.nn.functional.softmax(top, dim=-1, dtype=dtype)
         return torch.zeros_like(logits, dtype=dtype).scatter_(-1, index, weights)
+    if routing.probabilities == "sigmoid":
+        return logits.float().sigmoid()
     return torch.softmax(logits.float(), dim=-1)
 
 
-def select(routing: Routing, probs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+def _grouped_choice(routing: Routing, probs: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The top-k indices of grouped routing (``Routing.groups``, ``selection_bias``), in the model's operations."""
+    choice = probs if bias is None else probs + bias
+    if routing.groups is not None:
+        n_group, topk_group = routing.groups
+        grouped = choice.view(-1, n_group, routing.n_experts // n_group)
+        scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if routing.group_score == "top2_sum" else grouped.max(-1).values
+        group_idx = torch.topk(scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, routing.n_experts).bool()
+        choice = choice.masked_fill(~keep, routing.masked_score)
+    return torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+
+
+def select(routing: Routing, probs: Tensor, logits: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """``(top_k_weights, top_k_index)`` from the probabilities: top-k, renormalized if the family does, in the
     family's dtype; for ``order="topk_softmax"`` the experts selected from the logits, weighted by the
-    probabilities there."""
+    probabilities there; for grouped routing (``Routing.groups`` or ``selection_bias``, whose value is ``bias``)
+    the experts chosen within the kept groups, weighted by their unbiased probabilities, renormalized and scaled."""
     if routing.order == "topk_softmax":
         index = torch.topk(logits, routing.top_k, dim=-1).indices
         return probs.gather(-1, index), index
-    weights, index = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.groups is not None or routing.selection_bias is not None:
+        index = _grouped_choice(routing, probs, bias)
+        weights = probs.gather(1, index)
+    else:
+        weights, index = torch.topk(probs, routing.top_k, dim=-1)
     if routing.normalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
+        denominator = weights.sum(dim=-1, keepdim=True)
+        weights /= denominator + routing.normalize_eps if routing.normalize_eps else denominator
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
     if routing.weights_dtype == "logits":
         weights = weights.to(logits.dtype)
     return weights, index
 
 
-def route(routing: Routing, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(probabilities, top_k_weights, top_k_index)`` of router logits."""
+def route(routing: Routing, logits: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(probabilities, top_k_weights, top_k_index)`` of router logits (``bias``: the router's ``selection_bias``)."""
     probs = probabilities(routing, logits)
-    weights, index = select(routing, probs, logits)
+    weights, index = select(routing, probs, logits, bias)
     return probs, weights, index
 
 

@@ -84,6 +84,7 @@ class MoESite(Site):
         self.moe = block.get_submodule(mlp_path)
         self.router = block.get_submodule(layout.router)
         self.experts = block.get_submodule(layout.experts.module)
+        self.shared = block.get_submodule(layout.shared) if layout.shared else None
         self.state = hooked.forward_state
         self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
         self.expert_points = [
@@ -131,6 +132,8 @@ class MoESite(Site):
             if self.fused_call:
                 handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
             else:  # completes the MoE's output: hook_mlp_out's own hook on the same module reads it after
+                if self.shared is not None:
+                    handles.append(self.shared.register_forward_hook(self._record_shared))
                 handles.append(completes_output(self.moe, self._moe_out, with_kwargs=True))
         return handles
 
@@ -144,6 +147,13 @@ class MoESite(Site):
         values.clear()
         hidden = args[0] if args else kwargs.get("hidden_states")
         values["lead"] = tuple(hidden.shape[:-1]) if isinstance(hidden, Tensor) else None
+
+    def _record_shared(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._values()["shared"] = first_output(output)
+
+    def _selection_bias(self) -> Optional[Tensor]:
+        name = self.layout.routing.selection_bias
+        return None if name is None else module_attribute(self.hooked, self.router, name)
 
     def _apply(self, point: HookPoint, flat: Tensor) -> tuple[Tensor, bool]:
         """Run ``point``'s hooks on a ``[tokens, ...]`` value shown as ``[b, p, ...]``.
@@ -159,7 +169,7 @@ class MoESite(Site):
 
     def _router_logits(self, module: nn.Module, args: tuple, output: Any) -> Tensor:
         """The router's logits: its first output, or (a router returning scores) its own product recomputed."""
-        if self.layout.router_output != "scores":
+        if self.layout.router_output not in ("scores", "index_weights"):
             return first_output(output)
         x = args[0]
         weight = module_attribute(self.hooked, module, "weight")
@@ -170,8 +180,9 @@ class MoESite(Site):
         spec = self.layout.routing
         returns_routing = self.layout.router_output == "routing"
         returns_scores = self.layout.router_output == "scores"
+        returns_index = self.layout.router_output == "index_weights"
         need_logits = self.logits.active or self.probs.active or self.indices.active or self.weights.active
-        if returns_scores and not (need_logits or self.signature()[1]):
+        if (returns_scores or returns_index) and not (need_logits or self.signature()[1]):
             return None
         raw = self._router_logits(module, args, output)
         logits, changed = self._apply(self.logits, raw)
@@ -180,6 +191,8 @@ class MoESite(Site):
             model_routing = (output[1], output[2])
         elif returns_scores and not changed:
             model_routing = (output[0].gather(-1, output[1]), output[1])
+        elif returns_index and not changed:
+            model_routing = (output[1], output[0])
         need = changed or self.probs.active or self.indices.active or self.weights.active or self.signature()[1]
         if not need:
             return None
@@ -187,7 +200,7 @@ class MoESite(Site):
         if changed or self.probs.active or model_routing is None:
             probs, probs_changed = self._apply(self.probs, _routing.probabilities(spec, logits))
             if probs_changed or model_routing is None:
-                model_routing = _routing.select(spec, probs, logits)
+                model_routing = _routing.select(spec, probs, logits, self._selection_bias())
         weights, index = model_routing
         index, index_changed = self._apply(self.indices, index)
         if index_changed:
@@ -199,6 +212,8 @@ class MoESite(Site):
             if changed or after_logits:
                 return (logits, weights, index, *output[3:])
             return None
+        if returns_index:
+            return (index, weights, *output[2:]) if changed or after_logits else None
         if returns_scores:  # the scores the router would return for this routing (the experts are recomputed)
             if changed or after_logits:
                 scores = torch.zeros_like(output[0]).scatter_(-1, index, weights.to(output[0].dtype))
@@ -240,7 +255,10 @@ class MoESite(Site):
         if not (changed or routing_changed):
             return None
         value = first_output(output)
-        return replace_first_output(output, out.reshape(value.shape).to(value.dtype))
+        out = out.reshape(value.shape).to(value.dtype)
+        if self.shared is not None:  # the MoE module adds its shared experts' output to the routed experts' sum
+            out = out + self._values()["shared"]
+        return replace_first_output(output, out)
 
     def _run(self, hidden: Tensor, index: Tensor, weights: Tensor) -> tuple[Tensor, bool]:
         """Every expert on its rows, with the per-expert points; as transformers' eager loop computes it."""

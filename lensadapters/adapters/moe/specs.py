@@ -30,14 +30,29 @@ class Routing:
     renormalization. The probability of every expert (``mlp.hook_expert_weights``) is then that softmax scattered
     over the experts, zero for those not selected (TransformerLens' value for such routers), and an edit of it
     changes the weights of the selected experts (read at the indices selected from the logits), not the selection.
+
+    Grouped routing (DeepSeek): ``probabilities="sigmoid"`` scores each expert with a sigmoid (float32) instead of
+    the softmax. ``selection_bias`` names a router attribute ``[n_experts]`` added to the probabilities for
+    *choosing* only (DeepSeek-V3's ``e_score_correction_bias``; the weights stay the unbiased probabilities).
+    ``groups=(n_group, topk_group)`` splits the experts into ``n_group`` equal groups, keeps the ``topk_group``
+    groups of the highest group score (``group_score``: ``"top2_sum"``, the sum of a group's two largest choice
+    scores, or ``"max"``) and fills the others' choice scores with ``masked_score`` before the top-k. With
+    ``normalize`` the weights are divided by their sum plus ``normalize_eps``; ``scale`` multiplies them last
+    (``routed_scaling_factor``).
     """
 
     n_experts: int
     top_k: int
     normalize: bool = True
-    probabilities: Literal["softmax"] = "softmax"
+    probabilities: Literal["softmax", "sigmoid"] = "softmax"
     weights_dtype: Literal["float32", "logits"] = "logits"
     order: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    selection_bias: Optional[str] = None
+    groups: Optional[tuple[int, int]] = None
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    masked_score: float = float("-inf")
+    normalize_eps: float = 0.0
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +110,18 @@ class MoELayout:
     router does not return its logits, which the core computes from its input as ``F.linear(x, router.weight,
     router.bias)``, the router's own product, and the experts are computed by the core whenever the routing is
     edited). A router's ``bias`` parameter, when it has one, is part of the logits (``lensadapters.moe.router_bias``).
+    ``"index_weights"``: a tuple ``(top_k_index, top_k_weights)`` the MoE module routes with (its logits recomputed
+    as for ``"scores"``; an edited routing is handed on through the router's output).
+
+    ``shared`` names a module of the block whose output the MoE module adds to the routed experts' sum (shared
+    experts, DeepSeek): where the core recomputes the experts at the MoE module's output it adds that output too.
     """
 
     router: str
     routing: Routing
     experts: Experts
-    router_output: Literal["logits", "routing", "scores"] = "logits"
+    router_output: Literal["logits", "routing", "scores", "index_weights"] = "logits"
+    shared: Optional[str] = None
 
 
 def is_moe(layout: object) -> bool:

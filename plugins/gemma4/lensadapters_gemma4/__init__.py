@@ -176,8 +176,14 @@ def config_fields(model: Any) -> dict[str, Any]:
 
 def embed(model: Any, layout: ModelLayout) -> ModelLayout:
     # each layer's (cos, sin) from its attention module's `position_embeddings`: sliding and full layers differ
+    # per-layer inputs: every block reads one computed from the token ids besides the residual stream
+    side = ("hook_per_layer_input",) if model.config.hidden_size_per_layer_input else ()
     return replace(
-        layout, rotary=None, rotary_input="position_embeddings", embed_scale=float(model.config.hidden_size) ** 0.5
+        layout,
+        rotary=None,
+        rotary_input="position_embeddings",
+        embed_scale=float(model.config.hidden_size) ** 0.5,
+        side_inputs=side,
     )
 
 

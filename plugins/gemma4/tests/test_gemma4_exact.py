@@ -268,6 +268,79 @@ def test_an_edit_at_every_point_does_what_the_reference_does(fields):
     hm.unwrap()
 
 
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_a_run_from_a_residual_reads_what_the_model_computes_from_the_tokens(fields):
+    """``start_at_layer`` with ``tokens=``: the logits of the reference's run on those tokens, from every layer (the
+    blocks read the per-layer inputs of the tokens, and sharing layers the keys and values of their source layers);
+    an edit of a per-layer input is used in such a run. Without the tokens it is refused, naming them."""
+    model = exact_model(**fields)
+    hm = CONTRACT.wrap(model)
+    n = model.config.num_hidden_layers
+    reference = Reference(model)
+    with torch.no_grad():
+        expected = reference.forward(IDS)
+        for start in range(n + 1):
+            residual = reference.values[
+                f"blocks.{start}.hook_resid_pre" if start < n else f"blocks.{n - 1}.hook_resid_post"
+            ]
+            assert_close(hm(residual, start_at_layer=start, tokens=IDS), expected, f"from layer {start}", atol=2e-5)
+            if start == n:  # after the last block: the residual is all the rest reads
+                assert_close(hm(residual, start_at_layer=start), expected, "from the last residual", atol=2e-5)
+                continue
+            with pytest.raises(ValueError, match=r"blocks\.L\.hook_per_layer_input.*tokens="):
+                hm(residual, start_at_layer=start)
+            name = f"blocks.{start}.hook_per_layer_input"
+            edited = Reference(model, {name: perturb(name)}).forward(IDS)
+            with hm.hooks([(name, lambda t, hook: perturb(hook.name)(t))]):
+                got = hm(residual, start_at_layer=start, tokens=IDS)
+            assert_close(got, edited, f"edit of {name} from layer {start}", atol=5e-5)
+    hm.unwrap()
+
+
+def test_a_run_from_after_a_key_value_source_layer_names_it():
+    """Layers 2 and 3 attend with layers 0's and 1's keys and values: from layer 1 on, the refusal names them too
+    (the run with ``tokens=`` is the reference's: above). Without per-layer inputs transformers itself cannot run
+    such a model (``_maybe_slice_kv_shared_inputs`` slices the absent per-layer inputs)."""
+    model = exact_model(**MODELS["shared keys and values"])
+    hm = CONTRACT.wrap(model)
+    residual = torch.zeros(1, IDS.shape[1], model.config.hidden_size)
+    for start, named in ((1, "block 2 attends with the keys and values of block 0"), (3, "block 3 .* block 1")):
+        with pytest.raises(ValueError, match=f"{named}.*tokens="):
+            hm(residual, start_at_layer=start)
+    with pytest.raises(ValueError) as info:
+        hm(residual, start_at_layer=0)
+    assert "attends" not in str(info.value)
+    with pytest.raises(ValueError, match=r"\[batch, pos\] = \[1, 7\]"):
+        hm(residual, start_at_layer=1, tokens=IDS[:, :3])
+    hm.unwrap()
+
+
+def test_patching_a_token_restores_the_clean_run_only_with_its_per_layer_inputs():
+    """The per-layer inputs are computed from the token ids beside the residual stream: patching the residual of a
+    corrupted token leaves them corrupted (as the model computes), patching them too gives the clean run."""
+    model = exact_model()
+    hm = CONTRACT.wrap(model)
+    corrupted = IDS.clone()
+    corrupted[0, 2] = 40
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        clean, cache = hm.run_with_cache(IDS)
+        dirty = hm(corrupted).logits
+
+        def patch(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            t = t.clone()
+            t[:, 2] = cache[hook.name][:, 2]
+            return t
+
+        residual_only = hm.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.hook_resid_pre", patch)])
+        side = [(f"blocks.{i}.hook_per_layer_input", patch) for i in range(n)]
+        both = hm.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.hook_resid_pre", patch), *side])
+    assert (residual_only - clean).abs().max() > 1e-3 and (dirty - clean).abs().max() > 1e-3
+    assert_close(both, clean, "residual and per-layer inputs patched", atol=1e-5)
+    assert hm.layout.side_inputs == ("hook_per_layer_input",)
+    hm.unwrap()
+
+
 def test_wrapping_is_exact_without_per_layer_inputs():
     model = exact_model(ple=0)
     hm = CONTRACT.wrap(model)

@@ -25,7 +25,9 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   ``blocks.L.hook_per_layer_out`` (what the branch adds to the residual stream, ``[b, p, d_model]``). An edit of
   any of them is what the rest of the block computes with. The block output is then scaled by the layer's
   ``layer_scalar`` buffer: ``hook_resid_post = (hook_resid_mid + hook_mlp_out + hook_per_layer_out) *
-  layer_scalar`` (``BlockLayout.more_after_mlp``: an edit of ``hook_resid_mid`` reaches both).
+  layer_scalar`` (``BlockLayout.more_after_mlp``: an edit of ``hook_resid_mid`` reaches both). The per-layer inputs
+  are computed from the token ids beside the residual stream (``ModelLayout.side_inputs``): ``start_at_layer`` needs
+  ``tokens=``, and patching a residual leaves them as the run computes them.
 
 * Key/value sharing across layers (``num_kv_shared_layers``, Gemma-4 E2B/E4B): the last ``num_kv_shared_layers``
   layers have no key/value projections and attend with the keys and values of the last earlier layer of their type

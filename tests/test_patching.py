@@ -31,9 +31,22 @@ def test_residual_patching_restores_the_clean_run_exactly_where_the_inputs_diffe
     hm, corrupted, cache, metric, clean, dirty = setup(arch)
     result = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric)  # gradients on, as TransformerLens
     assert result.shape == (hm.cfg.n_layers, 5)
-    assert torch.allclose(result[0, 1], clean, atol=1e-4)  # the corrupted token itself, before any block
     others = [p for p in range(5) if p != 1]
     assert torch.allclose(result[0, others], dirty.expand(4), atol=1e-4)  # identical positions change nothing
+    side = [f"blocks.{i}.{name}" for i in range(hm.cfg.n_layers) for name in hm.layout.side_inputs]
+    if not side:  # the residual stream is the whole state: patching the corrupted token's residual restores all
+        assert torch.allclose(result[0, 1], clean, atol=1e-4)  # the corrupted token itself, before any block
+    else:  # the blocks also read inputs computed from the corrupted token: patched with it, the run is clean
+        assert not torch.allclose(result[0, 1], clean, atol=1e-4)  # the side inputs still carry the corruption
+
+        def patch(x: torch.Tensor, hook) -> torch.Tensor:
+            x = x.clone()
+            x[:, 1] = cache[hook.name][:, 1]
+            return x
+
+        with torch.no_grad():
+            logits = hm.run_with_hooks(corrupted, fwd_hooks=[(n, patch) for n in ["blocks.0.hook_resid_pre", *side]])
+        assert torch.allclose(metric(logits), clean, atol=1e-4)
     hm.unwrap()
 
 

@@ -140,10 +140,16 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
         earlier = [
             name for name in hm.hook_names if name.startswith(("hook_", *(f"blocks.{i}." for i in range(start))))
         ]
+        # the token ids the residual came from: what blocks reading side inputs computed from them need
         with hm.hooks([(name, lambda t, hook: fired.append(hook.name)) for name in earlier]):
-            again = hm(residual, start_at_layer=start)
+            again = hm(residual, start_at_layer=start, tokens=ids)
         assert fired == [], f"hooks before start_at_layer={start} fired: {fired}"
         assert_close(again, logits, f"logits from layer {start}")
+        if hm.layout.side_inputs and start < n:  # without the token ids those inputs are unknown: refused
+            with pytest.raises(ValueError, match="tokens="):
+                hm(residual, start_at_layer=start)
+        else:  # the residual alone determines the run
+            assert_close(hm(residual, start_at_layer=start), logits, f"logits from layer {start} without tokens")
         loss = hm(residual, start_at_layer=start, tokens=ids, return_type="loss")
         assert_close(loss, lm_cross_entropy_loss(logits, ids), "loss from a layer")
         with pytest.raises(ValueError, match="tokens="):
@@ -153,7 +159,7 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
         if start < n:  # an edit at the start layer's input sees the given residual
             seen: list[torch.Tensor] = []
             with hm.hooks([(f"blocks.{start}.hook_resid_pre", lambda t, hook: seen.append(t.clone()))]):
-                hm(residual, start_at_layer=start)
+                hm(residual, start_at_layer=start, tokens=ids)
             assert torch.equal(seen[0], residual)
     hm.unwrap()
 

@@ -12,6 +12,12 @@ returns what ``HookedTransformer.forward`` returns:
 * with ``stop_at_layer``: the residual stream ``[batch, pos, d_model]`` at the input of that block (the blocks
   from there on do not run: the forward is stopped, not masked).
 
+With ``start_at_layer`` the input is the residual stream at that block's input; ``tokens=`` gives the token ids for
+the loss and, on a model whose blocks read more than the residual stream (inputs it computes from the token ids,
+``ModelLayout.side_inputs``: Gemma 4's per-layer input embeddings; keys and values of an earlier block,
+``kv_from``), for those: there it is required, and the run is the model's run on ``tokens`` with that block's
+``hook_resid_pre`` replaced by the given residual (the blocks before it run with their hook points silenced).
+
 ``run_with_hooks`` and ``run_with_cache`` take the same keywords and return the same values (their
 Hugging Face-style calls return the logits tensor, as before).
 
@@ -243,7 +249,7 @@ def forward(
         residual = input
         batch, pos = input.shape[:2]
         mask = attention_mask
-        token_ids = torch.zeros(batch, pos, dtype=torch.long, device=hm.device)  # placeholders: replaced at `first`
+        token_ids = _start_tokens(hm, first, tokens, batch, pos)
         loss_tokens = tokens
     else:
         residual = None
@@ -275,6 +281,37 @@ def forward(
         return logits
     loss = lm_cross_entropy_loss(logits, loss_tokens, mask, per_token=loss_per_token)
     return loss if return_type == "loss" else Output(logits, loss)
+
+
+def _start_tokens(hm: "HookedModelLike", first: int, tokens: Optional[Tensor], batch: int, pos: int) -> Tensor:
+    """The token ids a run from the residual at block ``first`` gives the model. The blocks before ``first`` run
+    with their hook points silenced and the residual replaces block ``first``'s input, so placeholders do where
+    the residual stream is all the blocks from ``first`` on read. Where they also read what the model computes
+    from the token ids (``ModelLayout.side_inputs``) or keys and values of a block before ``first``
+    (``kv_from``), the run needs the token ids the residual was computed from (``tokens=``): it is then the
+    model's run on them with block ``first``'s ``hook_resid_pre`` replaced by the residual."""
+    n = hm.cfg.n_layers
+    needs = [f"blocks.L.{name}" for name in hm.layout.side_inputs] if first < n else []
+    needs += [
+        f"block {i} attends with the keys and values of block {qkv.kv_from}"
+        for i, qkv in enumerate(hm.wiring.qkv_layouts)
+        if i >= first and getattr(qkv, "kv_from", None) is not None and qkv.kv_from < first
+    ]
+    if not needs:
+        return torch.zeros(batch, pos, dtype=torch.long, device=hm.device)  # placeholders: replaced at `first`
+    what = "; ".join(needs)
+    if tokens is None:
+        raise ValueError(
+            f"from block {first} on, this model's blocks read more than the residual stream ({what}), which it "
+            f"computes from the token ids: a residual alone does not determine the run; pass tokens= (the "
+            f"[batch, pos] token ids the residual was computed from) with start_at_layer"
+        )
+    if not isinstance(tokens, Tensor) or tuple(tokens.shape) != (batch, pos) or tokens.is_floating_point():
+        raise ValueError(
+            f"tokens= must be the [batch, pos] = [{batch}, {pos}] token ids the residual was computed from (the "
+            f"blocks read {what}), not {type(tokens).__name__} of shape {tuple(getattr(tokens, 'shape', ()))}"
+        )
+    return tokens.to(hm.device)
 
 
 @contextlib.contextmanager

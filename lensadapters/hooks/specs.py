@@ -188,6 +188,14 @@ class ModelLayout:
     ``rotary`` module (which then names the module whose inputs carry the positions, e.g. the first
     attention module) and uses the ``(cos, sin)`` it returns, in whatever layout the plugin's
     ``RotarySpec`` expects, instead of the module's output.
+
+    ``side_inputs`` names the hook points (relative to a block: ``"hook_per_layer_input"`` is
+    ``blocks.L.hook_per_layer_input``) of inputs every block reads besides the residual stream, which the model
+    computes from the input itself (Gemma 4's per-layer input embeddings, looked up from the token ids). The state
+    between two blocks is then not the residual stream alone, and the core says so instead of assuming it: a run
+    from a residual (``start_at_layer``) needs the token ids (``tokens=``) so that the blocks it runs read the side
+    inputs the model computes from them, and is refused without them; patching the residual stream leaves the side
+    inputs as the patched run computes them (patch their points as well to restore another run).
     """
 
     blocks: str
@@ -202,6 +210,7 @@ class ModelLayout:
     embed_scale_after_module: bool = False
     embed_scale_rounded: bool = True
     rotary_input: Optional[str] = None
+    side_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

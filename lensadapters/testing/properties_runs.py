@@ -71,7 +71,7 @@ class RunProperties:
         """An edit applied while generating with the KV cache gives the logits of one pass over the generated
         sequence with the same edit: edits of keys and values are what the cache holds, residual and pattern edits
         apply at every step."""
-        model, inputs = self.draw(data, left_padding=False)
+        model, inputs = self.draw_for_generation(data)
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         rotary = f"blocks.{layer}.attn.hook_rot_k" in hm.hook_names
@@ -98,6 +98,11 @@ class RunProperties:
         hm.unwrap()
         # an edit too weak to tell apart from rounding proves nothing: such examples do not count
         assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
+
+    def draw_for_generation(self, data: st.DataObject) -> Any:
+        """The model and (unpadded) inputs of the generation property; a variant whose models round a decoding
+        step and a one-pass forward differently by themselves draws models that do not."""
+        return self.draw(data, left_padding=False)
 
     def generation_atol(self, logits: torch.Tensor) -> float:
         """Tolerance between a KV-cache decoding step and a one-pass forward over the same tokens."""

@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
+# the contract suite `lensadapters check bert` runs (imported only then: it needs lensadapters[testing])
+LENSADAPTERS_CONTRACT = "lensadapters_bert.testing:BertContract"
 ARCH = Architecture(
     name="bert",
     model_types=("bert", "roberta"),

@@ -18,6 +18,7 @@ from lensadapters.api.tokens import NoTokenizerError
 from lensadapters.errors import (
     HookReturnError,
     LensAdaptersError,
+    NotCausalError,
     PluginConflictError,
     PluginValidationError,
     UnknownHookError,
@@ -54,6 +55,7 @@ __all__ = [
     "ActivationCache",
     "get_act_name",
     "HookReturnError",
+    "NotCausalError",
     "LensAdaptersError",
     "PluginConflictError",
     "PluginValidationError",

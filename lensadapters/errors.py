@@ -48,6 +48,11 @@ class UnknownHookError(LensAdaptersError, KeyError):
         return self.message
 
 
+class NotCausalError(LensAdaptersError, TypeError):
+    """An operation of causal language models (the next-token loss, generation) on a model whose attention is
+    bidirectional (an encoder, ``cfg.attention_dir == "bidirectional"``)."""
+
+
 class HookReturnError(LensAdaptersError, ValueError):
     """A user hook returned something that cannot replace the hooked value."""
 

@@ -16,7 +16,8 @@ these modules are the core's own and may change between releases.
   ``site_values(site)`` is a dict private to one site within one forward pass, cleared after it),
   ``is_recomputing`` (a gradient-checkpoint recomputation is running), the tensor helpers of sites
   (``first_input``, ``replace_first_output``, ``split_heads``...), ``detachable`` (handles made inert in copies)
-  and ``InstanceOverride`` (a per-instance method override that copies and pickles turn back into the class's).
+  and ``InstanceOverride`` (a per-instance method override that copies and pickles turn back into the class's;
+  ``override_instance_method`` stores one and returns the handle removing it).
 * **Weights**: ``read_linear`` (``[d_in, d_out]`` through every plugin), ``mlp_weights``, and the one reader of
   the named weights, ``read_weight``/``layer_weight`` (a ``lensadapters_weight`` override reaches every value
   derived from that weight: ``hm.W_O``, ``attn.hook_result``, the cache's decompositions); ``live_parameters``
@@ -46,7 +47,7 @@ from lensadapters.adapters.moe import (
 from lensadapters.adapters.protocol import Hooked
 from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.hooks.attention import explicit_attention
-from lensadapters.hooks.copying import InstanceOverride, detachable
+from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
 from lensadapters.hooks.frames import ForwardState, FrameValues
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
@@ -136,6 +137,7 @@ __all__ = [
     "ScaledOutputSite",
     "Site",
     "InstanceOverride",
+    "override_instance_method",
     "detachable",
     "completes_output",
     "explicit_attention",

@@ -387,8 +387,11 @@ def test_undeclared_attention_implementation_keeps_every_hook_but_patterns(inter
             ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
         )
         assert torch.equal(logits, reference) and f"blocks.{last}.attn.hook_z" in cache
-        doubled = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t * 2)])
-        assert not torch.allclose(doubled, reference)
+        # an edit no norm absorbs (a post-LN block's hook_resid_post is its last norm's input: doubling it is a no-op)
+        tilted = hm.run_with_hooks(
+            ids, fwd_hooks=[("blocks.0.hook_resid_post", lambda t, hook: t * torch.linspace(0.5, 2.0, t.shape[-1]))]
+        )
+        assert not torch.allclose(tilted, reference)
         for call in (
             lambda: hm.run_with_cache(ids),
             lambda: hm.add_hook(f"blocks.{last}.attn.hook_pattern", lambda t, hook: None),

@@ -28,10 +28,11 @@ def setup(arch: str, seed: int = 0):
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum(arch: str) -> None:
-    """Blocks that compute more after their MLP's residual add (per-layer inputs, a layer scalar) or mix tokens
-    without softmax attention: ``edge_attribution`` refuses, naming the blocks; other models get a graph."""
+    """Blocks that compute more after their MLP's residual add (per-layer inputs, a layer scalar), post-LN blocks or
+    blocks mixing tokens without softmax attention: ``edge_attribution`` refuses, naming the blocks; other models
+    get a graph."""
     hm, clean, corrupted, metric = patching_pair(arch)
-    more = [i for i, bl in enumerate(hm.block_layouts) if bl is not None and bl.more_after_mlp]
+    more = [i for i, bl in enumerate(hm.block_layouts) if bl is not None and (bl.more_after_mlp or bl.post_norm)]
     mixers = [i for i, (bl, qkv) in enumerate(zip(hm.block_layouts, hm.qkv_layouts)) if bl is not None and qkv is None]
     if not more and not mixers:
         assert eap.graph_of(hm).valid.any()

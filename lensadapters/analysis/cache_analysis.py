@@ -126,7 +126,7 @@ class CacheAnalysisMixin:
         parts, labels = [], []
         for i in range(layer + 1):
             if i == n:
-                parts.append(self[("resid_post", n - 1)])
+                parts.append(self[self._block_output(n - 1)])
                 labels.append("final_post")
                 continue
             parts.append(self[("resid_pre", i)])
@@ -140,6 +140,12 @@ class CacheAnalysisMixin:
                 components, layer, pos_slice=pos_slice, mlp_input=mlp_input, recompute_ln=layer == n
             )
         return (components, labels) if return_labels else components
+
+    def _block_output(self, layer: int) -> str:
+        """The point holding block ``layer``'s output: ``hook_resid_post``, or ``hook_normalized_resid_post`` in a
+        post-LN block whose ``hook_resid_post`` is its last norm's input (TransformerLens' ``BertBlock``)."""
+        name = f"blocks.{layer}.hook_normalized_resid_post"
+        return name if name in self._data or name in self._hm().hook_names else f"blocks.{layer}.hook_resid_post"
 
     def _resid_mid(self, layer: int) -> Tensor:
         name = f"blocks.{layer}.hook_resid_mid"

@@ -111,10 +111,11 @@ def graph_of(model: Any) -> Graph:
     layouts = model.block_layouts
     if any(layout is None for layout in layouts):
         raise ValueError("edge attribution needs every block's layout: this model has opaque blocks")
-    if any(layout.post_norm for layout in layouts):
-        raise ValueError(
-            "edge attribution needs a residual stream that is a sum of the components' outputs; this model "
-            "normalizes the residual stream itself after each block (post-LN): use lensadapters.attribution"
+    post_ln = [i for i, layout in enumerate(layouts) if layout.post_norm]
+    if post_ln:
+        raise AttributionUnavailable(
+            f"blocks {post_ln} normalize the residual stream itself after each add (post-LN): edge attribution needs "
+            f"a residual stream that is a sum of the components' outputs. Use lensadapters.attribution"
         )
     n_heads, n_kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads
     upstream = [Node("embed", "blocks.0.hook_resid_pre", None, -1, "embed")]

@@ -397,6 +397,7 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
         ``model.generate`` (always reachable as ``hm.hf_model.generate``), whose forward is never compiled while
         hooks are attached (see ``hooks``)."""
         self._check_alive()
+        tl_call.refuse_bidirectional(self, "generate")
         self.wiring.sync()
         if self._tl_semantics or tl_call.wants_transformer_lens_generate(args, kwargs):
             return tl_call.generate(self, *args, **kwargs)

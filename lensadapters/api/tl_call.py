@@ -37,7 +37,7 @@ import torch
 
 from lensadapters.analysis.utils import get_attention_mask, lm_cross_entropy_loss, position_ids_from_mask
 from lensadapters.api import tokens as _tokens
-from lensadapters.errors import LensAdaptersError
+from lensadapters.errors import LensAdaptersError, NotCausalError
 from lensadapters.hooks.sites import first_input, first_output, replace_first_input, replace_first_output
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,6 +56,7 @@ FORWARD_KEYWORDS = (
     "shortformer_pos_embed",
     "stop_at_layer",
     "past_kv_cache",
+    "one_zero_attention_mask",
 )
 #: TransformerLens keywords of ``run_with_cache``/``run_with_hooks`` that lensadapters accepts only with the
 #: value that asks for what it does anyway (anything else is refused, never silently dropped)
@@ -108,7 +109,9 @@ def hf_inputs(hm: "HookedModelLike", tokens: Tensor, attention_mask: Optional[Te
         attention_mask = attention_mask.to(tokens.device)
         if bool((attention_mask == 0).any()):
             kwargs["attention_mask"] = attention_mask
-            if accepts_position_ids(hm.hf_model):
+            # a causal LM's positions count from each row's first token (left padding); an encoder keeps its own
+            # (TransformerLens' HookedEncoder: 0, 1, ... whatever the mask)
+            if hm.cfg.attention_dir == "causal" and accepts_position_ids(hm.hf_model):
                 kwargs["position_ids"] = position_ids_from_mask(attention_mask)
     return kwargs
 
@@ -221,9 +224,17 @@ def forward(
     """``HookedTransformer.forward`` on the wrapped model (see the module docstring for what it returns)."""
     if input is None:
         input = extra.pop("input_ids", None)
+    one_zero = extra.pop("one_zero_attention_mask", None)  # HookedEncoder's name of the attention mask
+    if one_zero is not None:
+        if attention_mask is not None:
+            raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
+        attention_mask = one_zero
+    token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
     _check_extra(extra)
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
+    if return_type in ("loss", "both"):
+        refuse_bidirectional(hm, f"return_type={return_type!r} (the next-token loss)")
     if shortformer_pos_embed is not None:
         raise TransformerLensKeywordError(
             "shortformer_pos_embed is not supported: no Hugging Face architecture "
@@ -259,6 +270,8 @@ def forward(
     if stop_at is None and return_type in ("loss", "both") and loss_tokens is None:
         raise ValueError("return_type='loss'/'both' with start_at_layer needs tokens= (the token ids, for the loss)")
     kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
+    if token_type_ids is not None:
+        kwargs["token_type_ids"] = token_type_ids.to(token_ids.device)
     captured: list[Tensor] = []
     with contextlib.ExitStack() as stack:
         if residual is not None:
@@ -312,6 +325,14 @@ def _start_tokens(hm: "HookedModelLike", first: int, tokens: Optional[Tensor], b
             f"blocks read {what}), not {type(tokens).__name__} of shape {tuple(getattr(tokens, 'shape', ()))}"
         )
     return tokens.to(hm.device)
+def refuse_bidirectional(hm: "HookedModelLike", what: str) -> None:
+    """Refuse ``what``, which needs a causal language model, on a model whose attention is bidirectional."""
+    if hm.cfg.attention_dir != "causal":
+        raise NotCausalError(
+            f"{what} needs a causal language model; {hm.cfg.original_architecture or 'this model'} attends "
+            f"bidirectionally (cfg.attention_dir={hm.cfg.attention_dir!r}, an encoder). Use the logits (a masked-LM "
+            f"loss from them and the masked positions' labels, or the model's own forward with labels=...)"
+        )
 
 
 @contextlib.contextmanager

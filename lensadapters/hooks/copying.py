@@ -145,6 +145,34 @@ class InstanceOverride:
         return _class_method(copied, self.name) if copied is not None else self
 
 
+def override_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> "InstanceOverrideHandle":
+    """Store ``fn`` as ``module.<name>`` for this instance only (an :class:`InstanceOverride`: Python finds instance
+    attributes before the class's methods; the class and other instances are untouched), for a pattern backend; the
+    returned handle's ``remove()`` deletes it again. Refuses a module that already has such an instance attribute
+    (another tool's override), naming it."""
+    if name in vars(module):
+        from lensadapters.errors import LensAdaptersError
+
+        raise LensAdaptersError(
+            f"{type(module).__name__} already has an instance attribute {name!r} (another tool replaced its "
+            f"{name} for this instance); lensadapters will not override it"
+        )
+    override = InstanceOverride(fn, module, name)
+    module.__dict__[name] = override
+    return InstanceOverrideHandle(module, name, override)
+
+
+class InstanceOverrideHandle:
+    """Handle (``remove()``) deleting the instance attribute :func:`override_instance_method` stored."""
+
+    def __init__(self, module: nn.Module, name: str, override: InstanceOverride) -> None:
+        self.module, self.name, self.override = module, name, override
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is self.override:
+            del self.module.__dict__[self.name]
+
+
 def _class_method(module: nn.Module, name: str) -> Callable[..., Any]:
     return functools.partial(getattr(type(module), name), module)
 

@@ -77,6 +77,9 @@ class HookedConfig:
     window_size: Optional[int] = None
     attn_types: Optional[tuple[str, ...]] = None
     extra: dict = field(default_factory=dict, compare=False)
+    #: TransformerLens' name: "causal" (each position attends to itself and earlier ones) or "bidirectional" (an
+    #: encoder: every position attends to every unmasked one); what needs causality (generation) refuses the latter
+    attention_dir: Literal["causal", "bidirectional"] = "causal"
     # mixture of experts (TransformerLens' names): experts per MoE layer and experts each token uses
     num_experts: Optional[int] = None
     experts_per_token: Optional[int] = None
@@ -227,6 +230,9 @@ class BlockLayout:
     ``hook_resid_mid`` = ``x + attn_out`` (the input of ``ln1``, as in TransformerLens' post-LN
     ``BertBlock``), ``hook_mlp_in`` = the MLP's input (``ln1``'s output; an edit changes only the MLP
     branch) and ``hook_resid_post`` = the block output (``ln2``'s output, the next block's input).
+    ``resid_post_before_norm`` gives a post_norm block TransformerLens' ``BertBlock`` points instead:
+    ``hook_resid_post`` = ``ln2``'s input (``mid + mlp_out``) and ``hook_normalized_resid_post`` = the block
+    output (``ln2``'s output, the next block's input).
     ``flat_mlp`` says the block reshapes hidden states to ``[b*p, d]`` around the MLP (OPT): hook
     points that see such 2-D tensors show them as ``[b, p, ...]`` and flatten edits back.
     ``mlp_residual`` names the module whose output the block adds to the residual stream after the MLP,
@@ -258,6 +264,7 @@ class BlockLayout:
     ln1_post: Optional[str] = None
     ln2_post: Optional[str] = None
     more_after_mlp: bool = False
+    resid_post_before_norm: bool = False
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,11 @@ class ReadingProperties:
             # a padding query (no key to attend to) is whatever the implementation makes of an empty row (eager
             # spreads it over every key; compared with HF above only where the query is valid)
             queries = valid[:, None, :, None].expand_as(pattern)
-            assert (pattern[queries & ~causal] == 0).all(), "pattern attends to the future"
             pad_keys = (~valid)[:, None, None, :].expand_as(pattern)
+            if hm.cfg.attention_dir == "causal":
+                assert (pattern[queries & ~causal] == 0).all(), "pattern attends to the future"
+            else:  # an encoder's queries see every real key, later ones too
+                assert (pattern[queries & ~causal & ~pad_keys] > 0).all(), "bidirectional pattern skips a later key"
             assert (pattern[queries & pad_keys] == 0).all(), "pattern attends to padding"
         hm.unwrap()
 
@@ -204,6 +207,13 @@ class ReadingProperties:
         hm.unwrap()
 
     # --- 4. weights and residual identities ------------------------------------------------------
+
+    def unembedding_input(self, hm: HookedModel, cache: Any) -> torch.Tensor:
+        """What ``W_U`` reads: the final norm's output, or the last block's output without one (post-LN OPT);
+        a contract whose model has a head before the unembedding (an encoder's masked-LM head) overrides it."""
+        if hm.layout.ln_final is not None:
+            return norm_out(hm, cache, "ln_final")
+        return cache["resid_post", hm.cfg.n_layers - 1]
 
     def expected_logits(self, model: torch.nn.Module, unembedded: torch.Tensor) -> torch.Tensor:
         """The logits the model gives for ``final @ W_U + b_U``: unchanged, or softcapped where the contract
@@ -287,10 +297,7 @@ class ReadingProperties:
             embed = cache["embed"] + (cache["pos_embed"] if "hook_pos_embed" in names else 0)
             if self.pre_ln_residual(model):
                 assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
-            if hm.layout.ln_final is not None:
-                final = norm_out(hm, cache, "ln_final")
-            else:  # no final norm (post-LN OPT): the unembedding reads the last block's output
-                final = cache["resid_post", hm.cfg.n_layers - 1]
+            final = self.unembedding_input(hm, cache)
             if self.final_hidden_is_ln_final:
                 # real tokens only: with patterns cached, a query row with nothing to attend to (a left pad)
                 # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly

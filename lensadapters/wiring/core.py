@@ -323,6 +323,8 @@ class Wiring(CoreSites, Installation):
                 refuse("a post_norm block needs ln1 and ln2 and cannot be parallel", i)
             if bl.post_norm and (bl.ln1_post or bl.ln2_post):
                 refuse("a post_norm block normalizes after the residual adds; it has no ln1_post/ln2_post", i)
+            if bl.resid_post_before_norm and not bl.post_norm:
+                refuse("resid_post_before_norm describes a post_norm block's points; set post_norm=True", i)
             if bl.post_norm and bl.mlp is None and is_gated(mlp):
                 refuse("a post_norm gated MLP needs BlockLayout.mlp (the module whose input is hook_mlp_in)", i)
             if bl.ln1 is None and bl.parallel:

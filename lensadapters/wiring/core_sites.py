@@ -360,7 +360,11 @@ class CoreSites:
                 InputSite(get(bl.mlp) if bl.mlp is not None else first, pt("hook_mlp_in"), protect=True)
             )  # ln1's output is the MLP's residual too
             self.add_site(OutputSite(mlp_out_module, pt("hook_mlp_out")))
-            self.add_site(OutputSite(block, pt("hook_resid_post")))
+            if bl.resid_post_before_norm:  # TransformerLens' BertBlock: the sum before ln2, then the block output
+                self.add_site(InputSite(get(bl.ln2), pt("hook_resid_post")))
+                self.add_site(OutputSite(block, pt("hook_normalized_resid_post")))
+            else:
+                self.add_site(OutputSite(block, pt("hook_resid_post")))
             return
         residual_add = (
             get(bl.mlp_residual)

@@ -101,8 +101,11 @@ def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayouts,
             + ln1
             + ["hook_mlp_in"]
             + mlp_names
-            + _norm_points("ln2")
-            + ["hook_resid_post"]
+            + (
+                ["hook_resid_post"] + _norm_points("ln2") + ["hook_normalized_resid_post"]
+                if block.resid_post_before_norm
+                else _norm_points("ln2") + ["hook_resid_post"]
+            )
         )
     names = ["hook_resid_pre"] + ln1 + attn
     if not block.parallel:

@@ -325,6 +325,8 @@ def _start_tokens(hm: "HookedModelLike", first: int, tokens: Optional[Tensor], b
             f"blocks read {what}), not {type(tokens).__name__} of shape {tuple(getattr(tokens, 'shape', ()))}"
         )
     return tokens.to(hm.device)
+
+
 def refuse_bidirectional(hm: "HookedModelLike", what: str) -> None:
     """Refuse ``what``, which needs a causal language model, on a model whose attention is bidirectional."""
     if hm.cfg.attention_dir != "causal":

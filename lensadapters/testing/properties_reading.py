@@ -15,6 +15,7 @@ from lensadapters.testing.contract_support import (
     _SETTINGS,
     assert_close,
     assert_unchanged_by_caching,
+    attention_layers,
 )
 from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
 
@@ -161,7 +162,7 @@ class ReadingProperties:
         valid = inputs.valid
         length = inputs.input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        for layer in range(hm.cfg.n_layers):
+        for layer in attention_layers(hm):
             pattern = cache["pattern", layer]
             assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
             rows = valid[:, None, :, None].expand_as(pattern)
@@ -191,7 +192,7 @@ class ReadingProperties:
         impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
         model, inputs = self.draw(data, impl)
         hm = self.wrap(model)
-        layer = hm.cfg.n_layers - 1
+        layer = attention_layers(hm)[-1]
         names = hm.hook_names
         scores = names.index(f"blocks.{layer}.attn.hook_attn_scores")
         earlier = [n for n in names[:scores] if not n.endswith(("hook_attn_scores", "hook_pattern"))]

@@ -75,17 +75,15 @@ class RunProperties:
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         rotary = f"blocks.{layer}.attn.hook_rot_k" in hm.hook_names
+        candidates = [
+            "hook_resid_post",
+            "attn.hook_v",
+            "attn.hook_rot_k" if rotary else "attn.hook_k",
+            "attn.hook_pattern",
+            "mlp.hook_post",
+        ]  # those the layer has (a block with another token mixer has no attn.* point)
         point = f"blocks.{layer}." + data.draw(
-            st.sampled_from(
-                [
-                    "hook_resid_post",
-                    "attn.hook_v",
-                    "attn.hook_rot_k" if rotary else "attn.hook_k",
-                    "attn.hook_pattern",
-                    "mlp.hook_post",
-                ]
-            ),
-            label="point",
+            st.sampled_from([n for n in candidates if f"blocks.{layer}.{n}" in hm.hook_names]), label="point"
         )
         bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(layer))
 

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lensadapters import Architecture, HookedModel, Registry, WeightUnavailableError, hf
 from lensadapters.testing.families import decoder_config
+from lensadapters.wiring import non_attention_blocks
 
 ARCH = Architecture(name="mixer_blocks", model_types=("llama",), transformers=">=4.57,<6")
 FAMILY = hf.DecoderFamily("Llama", model_type="llama", norms=("LlamaRMSNorm",))
@@ -71,3 +72,7 @@ def test_an_edit_of_the_mixer_output_acts_downstream_and_its_weights_are_refused
         with pytest.raises(WeightUnavailableError, match=f"layer {MIXER_LAYER} has no softmax attention"):
             getattr(hm, name)
     assert hm.W_in.shape[0] == 3  # the MLP weights of every block
+    names = [n for n, _ in hm.tl_named_parameters()]  # TransformerLens' names: no attention weights in that block
+    assert "blocks.0.attn.W_Q" in names and f"blocks.{MIXER_LAYER}.mlp.W_in" in names
+    assert not [n for n in names if n.startswith(f"blocks.{MIXER_LAYER}.attn.")]
+    assert non_attention_blocks(hm) == [MIXER_LAYER]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -76,6 +76,14 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
 def is_gated(mlp: Union[MLPLayouts, MoELayout]) -> bool:
     """Whether a dense MLP layout has a gate and an up projection (``mlp.hook_pre_linear``, ``W_gate``)."""
     return isinstance(mlp, FusedGateUp) or (isinstance(mlp, MLPLayout) and mlp.pre_linear is not None)
+
+
+def non_attention_blocks(hooked: Any) -> list[int]:
+    """The blocks a plugin describes with a token mixer other than softmax attention (``lensadapters_attn_qkv``
+    returned ``None``: the linear-attention or state-space layers of hybrid models). They have no ``attn.*`` point,
+    no heads and no attention weights; the analyses that need those refuse them by name."""
+    layouts = zip(getattr(hooked, "block_layouts", None) or [], getattr(hooked, "qkv_layouts", None) or [])
+    return [i for i, (block, qkv) in enumerate(layouts) if block is not None and qkv is None]
 
 
 def block_point_names(block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[MLPLayouts, MoELayout]) -> list[str]:

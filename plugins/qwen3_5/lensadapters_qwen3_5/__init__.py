@@ -252,12 +252,23 @@ def query_weights(hm: Any, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return W[0], W[1], b[0], b[1]
 
 
+#: the layer patterns of :func:`tiny_config` (``L`` a gated DeltaNet layer, ``F`` a full-attention one)
+TINY_PATTERNS = ("LLLF", "LF", "FL", "LFLF", "FLL", "LLF")
+
+
 def tiny_config(seed: int) -> Any:
-    """A Qwen 3.5 toy: width 64, vocabulary 512, 4 layers (three gated DeltaNet layers, then a full-attention one);
-    odd seeds are the MoE model (4 experts, top 2, a shared expert)."""
+    """A Qwen 3.5 toy, width 64, vocabulary 512. Seed 0: 4 layers (three gated DeltaNet layers, then a
+    full-attention one, the checkpoints' pattern), dense. Odd seeds are the MoE model (4 experts, top 2, a shared
+    expert); the seed also picks the layer pattern (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the
+    attention's head size."""
     from lensadapters_qwen3_5.testing import qwen3_5_config
 
-    return qwen3_5_config(moe=bool(seed % 2))
+    pattern = TINY_PATTERNS[(seed // 2) % len(TINY_PATTERNS)]
+    kinds = ["linear_attention" if k == "L" else "full_attention" for k in pattern]
+    linear_heads = ((2, 4), (1, 2), (2, 2))[(seed // 3) % 3]
+    return qwen3_5_config(
+        moe=bool(seed % 2), layer_types=kinds, linear_heads=linear_heads, head_dim=(8, 16)[(seed // 5) % 2]
+    )
 
 
 @hookimpl

@@ -17,6 +17,7 @@ from lensadapters.testing.contract_support import (
     _hook_counts,
     _instance_attributes,
     assert_close,
+    attention_layers,
     check_edited_generation,
 )
 
@@ -120,10 +121,11 @@ class RunProperties:
             def boom(t: torch.Tensor, hook: Any) -> None:
                 raise RuntimeError("user hook failed")
 
+            layers = attention_layers(hm)  # the first block with an attention pattern (a hybrid's may be later)
+            failing = f"blocks.{layers[0]}.attn.hook_pattern" if layers else "blocks.0.hook_resid_pre"
             with pytest.raises(RuntimeError, match="user hook failed"):
                 hm.run_with_hooks(
-                    **inputs.kwargs(),
-                    fwd_hooks=[("blocks.0.attn.hook_pattern", boom), (lambda n: True, lambda t, hook: t.clone())],
+                    **inputs.kwargs(), fwd_hooks=[(failing, boom), (lambda n: True, lambda t, hook: t.clone())]
                 )
             assert _hook_counts(model) == baseline_hooks, "a failing hook left PyTorch hooks behind"
             assert _instance_attributes(model) == attributes, "a failing hook left instance attributes behind"

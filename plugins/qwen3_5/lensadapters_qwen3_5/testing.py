@@ -109,6 +109,15 @@ class Qwen3_5Contract(OffsetNormModels, QKNormScores, DecoderContract):
     plugin: ClassVar[Any] = lensadapters_qwen3_5
     config_strategy = qwen3_5_configs
     attn_implementations: ClassVar[Sequence[str]] = ("eager", "sdpa")
+    #: the gated DeltaNet's points that a scale-invariant norm reads (the delta rule's L2 norm of queries and keys, the
+    #: gated RMSNorm of its output): edited along directions of their own scale in the gradient property, as a
+    #: head's output can be tiny (the first real token, from an empty state) and a unit-scale step then leaves the
+    #: norm's linear regime
+    gradient_scaled_points: ClassVar[tuple[str, ...]] = (
+        "linear_attn.hook_q",
+        "linear_attn.hook_k",
+        "linear_attn.hook_recurrent",
+    )
 
     def config_label(self, config: Any) -> Optional[str]:
         moe = "moe" if lensadapters_qwen3_5.is_moe(config) else "dense"

@@ -4,6 +4,8 @@ attributions add up to the logits; undefined decompositions (post-LN, parallel b
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,7 @@ from transformers import OPTConfig
 from lensadapters import ActivationCache, DecompositionUndefinedError, HookedModel, LensAdaptersError
 from lensadapters.testing import assert_close
 from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.wiring import non_attention_blocks
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -34,6 +37,19 @@ def pre_ln(hm: HookedModel) -> bool:
     )
 
 
+def heads_undefined(hm: HookedModel, layer: int, mlp_input: bool = False) -> bool:
+    """Whether the heads stacked up to block ``layer``'s input (its attention too, for ``mlp_input`` of a sequential
+    block) include a block without softmax attention (a hybrid's linear-attention layer): no heads there, so
+    ``stack_head_results`` and ``get_full_resid_decomposition`` refuse it."""
+    own = mlp_input and layer < hm.cfg.n_layers and not hm.block_layouts[layer].parallel
+    return any(i < layer + own for i in non_attention_blocks(hm))
+
+
+def refused_for_heads(call) -> None:
+    with pytest.raises(DecompositionUndefinedError, match="something other than softmax attention"):
+        call()
+
+
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 @SETTINGS
 @given(data=st.data())
@@ -50,12 +66,17 @@ def test_decompositions_add_up_to_the_residual_stream(arch: str, data: st.DataOb
     stream = cache["resid_pre", layer] if layer < n else cache["resid_post", n - 1]
     assert_close(cache.decompose_resid(layer).sum(0), stream, "decompose_resid adds up")
     for expand in (True, False):
+        if heads_undefined(hm, layer):
+            refused_for_heads(partial(cache.get_full_resid_decomposition, layer, expand_neurons=expand))
+            continue
         assert_close(
             cache.get_full_resid_decomposition(layer, expand_neurons=expand).sum(0),
             stream,
             f"full decomposition (expand_neurons={expand}) adds up",
         )
-    if layer > 0:
+    if layer > 0 and heads_undefined(hm, layer):
+        refused_for_heads(lambda: cache.stack_head_results(layer, incl_remainder=True))
+    elif layer > 0:
         assert_close(
             cache.stack_head_results(layer, incl_remainder=True).sum(0),
             cache["resid_post", layer - 1],
@@ -69,6 +90,10 @@ def test_decompositions_add_up_to_the_residual_stream(arch: str, data: st.DataOb
     if layer < n:  # the MLP's input: resid_mid of sequential blocks, the block input of parallel ones
         mlp_in = cache["mlp_in", layer] if f"blocks.{layer}.hook_mlp_in" in cache else stream
         assert_close(cache.decompose_resid(layer, mlp_input=True).sum(0), mlp_in, "decompose_resid(mlp_input)")
+        if heads_undefined(hm, layer, mlp_input=True):
+            refused_for_heads(lambda: cache.get_full_resid_decomposition(layer, mlp_input=True))
+            hm.unwrap()
+            return
         assert_close(
             cache.get_full_resid_decomposition(layer, mlp_input=True).sum(0),
             mlp_in,
@@ -94,7 +119,11 @@ def test_norms_applied_to_stacks_add_up_to_the_model_norm(arch: str, data: st.Da
     layer = data.draw(st.integers(0, n), label="layer")
     mlp_input = layer < n and data.draw(st.booleans(), label="mlp_input")
     pos = data.draw(st.sampled_from([None, -1, (1, 3)]), label="pos_slice")
-    stack = cache.get_full_resid_decomposition(layer, mlp_input=mlp_input, pos_slice=pos)
+    if heads_undefined(hm, layer, mlp_input):  # no heads to stack: the blocks' outputs, which add up as well
+        refused_for_heads(lambda: cache.get_full_resid_decomposition(layer, mlp_input=mlp_input, pos_slice=pos))
+        stack = cache.decompose_resid(layer, mlp_input=mlp_input, pos_slice=pos)
+    else:
+        stack = cache.get_full_resid_decomposition(layer, mlp_input=mlp_input, pos_slice=pos)
     normalized = cache.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos)
     if layer == n:
         prefix = "ln_final" if "ln_final.hook_scale" in hm.hook_names else None

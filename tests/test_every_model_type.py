@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import pytest
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from lensadapters import HookedModel, UnsupportedModelError
+from lensadapters import HookedModel, Registry, UnsupportedModelError
 from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.generic.identify import layer_ranges
 from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
@@ -43,10 +44,10 @@ MODEL_TYPES = (
 )
 
 
-def _wrap(model: torch.nn.Module) -> tuple[HookedModel, list[str]]:
+def _wrap(model: torch.nn.Module, registry: Optional[Registry] = None) -> tuple[HookedModel, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hm = HookedModel.wrap(model)
+        hm = HookedModel.wrap(model, registry=registry)
     return hm, [str(w.message) for w in caught if issubclass(w.category, GenericAdapterWarning)]
 
 
@@ -83,10 +84,11 @@ def test_wrap_refuses_by_name_or_serves_every_point(model_type: str) -> None:
 )
 def test_hybrid_layers_without_attention_get_no_attention_points_and_the_warning_names_them(model_type: str) -> None:
     """Regression: a hybrid's linear-attention layers (no attention module) crashed every pattern/hook_z hook of
-    the model's attention layers (the core's backend was handed ``None`` modules)."""
+    the model's attention layers (the core's backend was handed ``None`` modules). The generic adapter's, also where
+    a plugin claims the model type."""
     model = build(model_type)
-    hm, messages = _wrap(model)
-    attention_layers = sorted({int(n.split(".")[1]) for n in hm.hook_names if n.endswith("attn.hook_z")})
+    hm, messages = _wrap(model, registry=Registry())  # no plugin: the generic adapter, and its warning
+    attention_layers = sorted({int(n.split(".")[1]) for n in hm.hook_names if n.endswith(".attn.hook_z")})
     linear_layers = [i for i in range(hm.cfg.n_layers) if i not in attention_layers]
     assert attention_layers and linear_layers
     named = f"(layers {layer_ranges(linear_layers)})"

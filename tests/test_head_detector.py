@@ -14,6 +14,7 @@ from lensadapters.head_detector import (
     get_induction_head_detection_pattern,
     get_previous_token_head_detection_pattern,
 )
+from lensadapters.testing import attention_layers
 from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
 
 TOKENS = torch.tensor([[5, 6, 7, 5, 6, 7]])
@@ -35,7 +36,8 @@ def test_detection_patterns() -> None:
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_a_head_made_to_attend_to_the_previous_token_scores_one(arch: str) -> None:
     hm = HookedModel.wrap(tiny(arch))
-    target = (hm.cfg.n_layers - 1, hm.cfg.n_heads - 1)
+    layers = attention_layers(hm)
+    target = (layers[-1], hm.cfg.n_heads - 1)
     previous = get_previous_token_head_detection_pattern(TOKENS)
     previous[0, 0] = 1  # the first position can only attend to itself
 
@@ -54,6 +56,11 @@ def test_a_head_made_to_attend_to_the_previous_token_scores_one(arch: str) -> No
     assert abs_score == pytest.approx(1 - round(1 / 6, 3), abs=1e-6)  # only position 0 deviates (by 1)
     only = detect_head(hm, TOKENS, "previous_token_head", heads=[target])
     assert only[target] == scores[target] and (only == -1).sum() == only.numel() - 1
+    others = [i for i in range(hm.cfg.n_layers) if i not in layers]  # blocks with another token mixer: no heads
+    assert (scores[others] == -1).all() and (scores[layers] != -1).all()
+    if others:
+        with pytest.raises(ValueError, match=rf"blocks \[{others[0]}\] have no attention pattern"):
+            detect_head(hm, TOKENS, "previous_token_head", heads=[(others[0], 0)])
     hm.reset_hooks(including_permanent=True)
     hm.unwrap()
 

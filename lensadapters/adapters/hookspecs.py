@@ -95,8 +95,14 @@ def lensadapters_block(arch: "Architecture", model: "nn.Module", layer: int) -> 
 
 
 @hookspec(firstresult=True)
-def lensadapters_attn_qkv(arch: "Architecture", model: "nn.Module", layer: int) -> "QKVLayout":
-    """How queries, keys and values are produced in block ``layer`` (separate or fused; rotary)."""
+def lensadapters_attn_qkv(arch: "Architecture", model: "nn.Module", layer: int) -> Optional["QKVLayout"]:
+    """How queries, keys and values are produced in block ``layer`` (separate or fused; rotary).
+
+    ``None`` for a block whose token mixer is not softmax attention (a linear-attention or state-space layer of a
+    hybrid model): the core then serves the block's residual, norm and MLP points and ``hook_attn_out`` (the output
+    of ``BlockLayout.attn``, the mixer), but no ``attn.*`` point and no ``W_Q``/``W_K``/``W_V``/``W_O`` for it; the
+    plugin serves the mixer's own points in ``lensadapters_extra_sites``.
+    """
 
 
 @hookspec(firstresult=True)

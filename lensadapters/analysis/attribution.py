@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from lensadapters.adapters.moe import expert_tokens
 from lensadapters.analysis.utils import get_act_name
+from lensadapters.wiring.names import non_attention_blocks
 
 Tensor = torch.Tensor
 Metric = Callable[[Tensor], Tensor]
@@ -92,8 +93,7 @@ class AttributionUnavailable(ValueError):
 def require_softmax_attention(model: Any) -> None:
     """Refuse a model with blocks whose token mixer is not softmax attention (hybrid linear-attention or state-space
     layers): their gradients are not verified against patched runs yet, and they have no attention points."""
-    layouts = zip(getattr(model, "block_layouts", None) or [], getattr(model, "qkv_layouts", None) or [])
-    mixers = [i for i, (bl, qkv) in enumerate(layouts) if bl is not None and qkv is None]
+    mixers = non_attention_blocks(model)
     if mixers:
         raise AttributionUnavailable(
             f"blocks {mixers} of this model mix tokens with something other than softmax attention (linear attention "

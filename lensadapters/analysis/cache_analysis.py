@@ -30,6 +30,7 @@ from lensadapters.analysis.utils import Slice, SliceInput, as_slice, to_numpy
 from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks.norms import apply_norm
 from lensadapters.wiring import weights as _w
+from lensadapters.wiring.names import non_attention_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.analysis.model import HookedModelLike
@@ -205,9 +206,10 @@ class CacheAnalysisMixin:
         """Store each head's output ``blocks.L.attn.hook_result`` (``z @ W_O`` per head, no bias) in the cache,
         from the cached ``hook_z`` and the live ``W_O``."""
         hm = self._hm()
+        mixers = non_attention_blocks(hm)
         for layer in range(self._n_layers):
             name = f"blocks.{layer}.attn.hook_result"
-            if name in self._data:
+            if name in self._data or layer in mixers:  # a block without softmax attention has no heads
                 continue
             z = self[("z", layer, "attn")]
             W_O = _w.layer_weight(hm.wiring, "W_O", layer).to(device=z.device, dtype=z.dtype)  # [h, d_head, d_model]
@@ -227,6 +229,14 @@ class CacheAnalysisMixin:
         layer = self._layer(layer)
         if incl_remainder:
             self._refuse_post_ln("stack_head_results(incl_remainder=True)")
+        mixers = [i for i in non_attention_blocks(self._hm()) if i < layer]
+        if mixers:
+            raise DecompositionUndefinedError(
+                f"stack_head_results (and get_full_resid_decomposition, which stacks the heads) up to layer {layer} "
+                f"is not defined for this model: blocks {mixers} mix tokens with something other than softmax "
+                f"attention (linear attention or a state-space layer), which has no heads. Use decompose_resid "
+                f"(each block's hook_attn_out as a whole), or stop before block {mixers[0]}"
+            )
         if layer > 0 and "blocks.0.attn.hook_result" not in self._data:
             self.compute_head_results()
         parts: list[Tensor] = []

@@ -111,7 +111,9 @@ def detect_head(
 ) -> Tensor:
     """Score every head (or ``heads``: ``[(layer, head)]`` or ``{layer: [heads]}``) against a detection pattern
     on ``seq``: ``[n_layers, n_heads]``, ``-1`` for heads not scored. A list of texts with a named pattern is
-    scored text by text and averaged."""
+    scored text by text and averaged. The blocks without an attention pattern (a hybrid model's linear-attention or
+    state-space layers) have no heads to score: all their entries are ``-1``, and naming one in ``heads`` is an
+    error."""
     cfg = model.cfg
     if error_measure not in ("abs", "mul"):
         raise ValueError(f"error_measure must be 'abs' or 'mul', not {error_measure!r}")
@@ -148,14 +150,21 @@ def detect_head(
             f"the detection pattern must be lower triangular of shape ({seq_len}, {seq_len}); got "
             f"{tuple(detection_pattern.shape)}"
         )
+    patterned = [layer for layer in range(cfg.n_layers) if f"blocks.{layer}.attn.hook_pattern" in model.hook_names]
     if heads is None:
-        layer_heads: dict[int, list[int]] = {layer: list(range(cfg.n_heads)) for layer in range(cfg.n_layers)}
+        layer_heads: dict[int, list[int]] = {layer: list(range(cfg.n_heads)) for layer in patterned}
     elif isinstance(heads, list):
         layer_heads = defaultdict(list)
         for layer, head in heads:
             layer_heads[layer].append(head)
     else:
         layer_heads = dict(heads)
+    unpatterned = sorted(set(layer_heads) - set(patterned))
+    if unpatterned:
+        raise ValueError(
+            f"blocks {unpatterned} have no attention pattern (blocks.L.attn.hook_pattern): their token mixer is not "
+            f"softmax attention. Score heads of the blocks that have one: {patterned}"
+        )
     if cache is None:
         names = [f"blocks.{layer}.attn.hook_pattern" for layer in layer_heads]
         with torch.no_grad():

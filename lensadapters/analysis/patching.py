@@ -160,6 +160,7 @@ def generic_activation_patch(
             raise ValueError("pass index_axis_names or index_df, not both")
         rows = _rows(index_df)
         flat = True
+    _require_points(model, activation_name, rows)
     if batch_size is None:
         batch_size = default_batch_size(model, corrupted_tokens)
     elif int(batch_size) < 1:
@@ -184,6 +185,21 @@ def generic_activation_patch(
     if index_df is None:
         index_df = make_df_from_ranges(shape, index_axis_names)  # type: ignore[arg-type]
     return result, index_df
+
+
+def _require_points(model: Any, activation_name: str, rows: list[list[int]]) -> None:
+    """Refuse a sweep over blocks without the patched point (a hybrid's linear-attention or state-space blocks have
+    no ``attn.*`` point: no heads, queries, keys, values or pattern), naming them and the blocks that have it."""
+    names = set(model.hook_names)
+    layers = range(model.cfg.n_layers)
+    missing = sorted({row[0] for row in rows if get_act_name(activation_name, layer=row[0]) not in names})
+    if missing:
+        present = [i for i in layers if get_act_name(activation_name, layer=i) in names]
+        raise ValueError(
+            f"blocks {missing} have no {get_act_name(activation_name, layer=missing[0]).split('.', 2)[-1]} point "
+            f"(a block whose token mixer is not softmax attention has no attn.* point), so {activation_name!r} "
+            f"cannot be patched there; patch the blocks that have it with index_df rows of blocks {present}"
+        )
 
 
 def _patched_run(

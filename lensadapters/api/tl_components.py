@@ -22,6 +22,7 @@ import torch
 
 from lensadapters.analysis.utils import get_offset_position_ids
 from lensadapters.hooks.offload import live_parameters
+from lensadapters.wiring.names import non_attention_blocks
 from lensadapters.wiring.weights import layer_weight, repeat_kv
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -171,6 +172,7 @@ def tl_named_parameters(hm: "HookedModelLike") -> Iterator[tuple[str, Tensor]]:
             yield ("embed.W_E" if name == "W_E" else "pos_embed.W_pos"), getattr(model, name)
         except AttributeError:
             continue
+    mixers = non_attention_blocks(hm)
     for layer in range(hm.cfg.n_layers):
         if hm.block_layouts[layer] is None:
             continue
@@ -183,7 +185,7 @@ def tl_named_parameters(hm: "HookedModelLike") -> Iterator[tuple[str, Tensor]]:
                 except AttributeError:
                     continue
         grouped = hm.cfg.n_key_value_heads != hm.cfg.n_heads
-        for attr in _ATTN_ORDER:
+        for attr in _ATTN_ORDER if layer not in mixers else ():  # no attention weights in another token mixer
             if grouped and attr in ("W_K", "W_V", "b_K", "b_V"):  # TransformerLens keeps the key/value heads' own
                 yield f"blocks.{layer}.attn._{attr}", layer_weight(hm.wiring, "_" + attr, layer)
             else:

@@ -15,6 +15,7 @@ _EXPORTS = {
     "AdapterContract": "contract",
     "Capabilities": "contract",
     "assert_close": "contract",
+    "attention_layers": "contract_support",
     "perturb": "contract",
     "perturbed_logits": "contract",
     "property_settings": "contract",

@@ -129,6 +129,12 @@ def _attention_witness(hm: HookedModel, name: str) -> Optional[str]:
     return None
 
 
+def attention_layers(hm: HookedModel) -> list[int]:
+    """The layers with softmax attention points (``attn.hook_pattern``): all of them but the blocks a plugin
+    describes with another token mixer (the linear-attention or state-space layers of hybrid models)."""
+    return [i for i in range(hm.cfg.n_layers) if f"blocks.{i}.attn.hook_pattern" in hm.hook_names]
+
+
 def _hook_counts(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 

@@ -82,12 +82,16 @@ def gradient_check(
     rtol: float = 1e-4,
     atol: float = 3e-7,
     batched: bool = True,
+    scaled: tuple[str, ...] = (),
 ) -> tuple[GradientCheck, list[str]]:
     """Check ``d(metric)/dp`` of the edit ``x + p * c`` at ``p = 0`` at each of ``names`` against finite differences.
 
     ``kwargs``: the model's inputs (``input_ids``, ``attention_mask``), ``valid``: ``[batch, pos]`` real tokens.
     ``batched``: every point at once, each in its own row (a row of the batch; points whose value is not
-    batch-first are returned as the second item, unchecked); else each point alone. The tolerance of a point is
+    batch-first are returned as the second item, unchecked); else each point alone. ``scaled``: name endings of
+    points whose direction is scaled, per position, by the value's root mean square over its last dimension (points
+    that a scale-invariant norm reads: where a head's value is small, a unit-scale step leaves the linear regime of
+    the norm that follows and finite differences miss the derivative). The tolerance of a point is
     ``atol`` times the metric's scale (the sum of its terms' magnitudes) divided by the step (the rounding of the
     metric, float32 where the model computes in float32, over the step) plus ``rtol`` times the derivative.
     """
@@ -110,6 +114,8 @@ def gradient_check(
                 if not t.is_floating_point():  # indices (an MoE's routing): no edit x + p * c
                     return None
                 c = _direction(t.shape, t.dtype, t.device, seed * 7919 + k)
+                if hook.name.endswith(scaled):  # the value's own scale (the same at p = 0 and at each step)
+                    c = c * t.detach().pow(2).mean(-1, keepdim=True).sqrt()
                 if batched:
                     if t.dim() == 0 or t.shape[0] != rows:
                         skipped.add(hook.name)
@@ -209,6 +215,8 @@ class GradientContract:
     #: points checked hooked alone per example (drawn), and points whose value is not batch-first (drawn)
     gradient_single_points: ClassVar[int] = 1
     gradient_solo_points: ClassVar[int] = 2
+    #: name endings of points edited along a direction scaled by their value (``gradient_check``'s ``scaled``)
+    gradient_scaled_points: ClassVar[tuple[str, ...]] = ()
 
     def gradient_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The drawn model as the gradient property differentiates it: converted to ``gradient_dtype`` (fused expert
@@ -239,7 +247,11 @@ class GradientContract:
         try:
             seed = data.draw(st.integers(0, 2**16), label="gradient seed")
             options: dict[str, Any] = dict(
-                step=self.gradient_step, rtol=self.gradient_rtol, atol=self.gradient_atol, seed=seed
+                step=self.gradient_step,
+                rtol=self.gradient_rtol,
+                atol=self.gradient_atol,
+                seed=seed,
+                scaled=self.gradient_scaled_points,
             )
             kwargs, valid = inputs.kwargs(), inputs.valid
             names = list(hm.hook_names)

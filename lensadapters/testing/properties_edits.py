@@ -16,6 +16,7 @@ from lensadapters.testing.contract_support import (
     _attention_witness,
     _flatten_scores,
     assert_close,
+    attention_layers,
     close,
     perturb,
     perturbed_logits,
@@ -96,7 +97,7 @@ class EditProperties:
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         post_norm = self.capabilities(model).post_norms.get("hook_attn_out")
-        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        layer = data.draw(st.sampled_from(attention_layers(hm)), label="layer")
         head = data.draw(st.integers(0, hm.cfg.n_heads - 1), label="head")
         pre = f"blocks.{layer}."
         norm = f"{pre}{post_norm}" if post_norm else None
@@ -252,7 +253,7 @@ class EditProperties:
     def test_pattern_and_query_edits_are_used(self, data: st.DataObject) -> None:
         model, inputs = self.draw(data)
         hm = self.wrap(model)
-        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        layer = data.draw(st.sampled_from(attention_layers(hm)), label="layer")
         pre = f"blocks.{layer}.attn."
         v = inputs.valid
         with torch.no_grad():
@@ -308,7 +309,7 @@ class EditProperties:
         and an edit at one position stays at that position."""
         model, inputs = self.draw(data, left_padding=False)
         hm = self.wrap(model)
-        layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+        layer = data.draw(st.sampled_from(attention_layers(hm)), label="layer")
         pre = f"blocks.{layer}.attn."
         scores = pre + "hook_attn_scores"
         last = inputs.input_ids.shape[1] - 1

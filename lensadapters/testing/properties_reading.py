@@ -15,8 +15,10 @@ from lensadapters.testing.contract_support import (
     _SETTINGS,
     assert_close,
     assert_unchanged_by_caching,
+    attention_layers,
 )
 from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
+from lensadapters.wiring.names import non_attention_blocks
 
 
 class ReadingProperties:
@@ -35,9 +37,13 @@ class ReadingProperties:
         hm = self.wrap(model)
         cfg, names = hm.cfg, set(hm.hook_names)
         blocks = range(cfg.n_layers)
+        mixers = non_attention_blocks(hm)  # blocks the plugin describes without softmax attention: no attn.* point
 
         def points(*suffixes: str) -> list[str]:
-            return [f"blocks.{i}.{s}" for i in blocks for s in suffixes]
+            return [f"blocks.{i}.{s}" for i in blocks for s in suffixes if not (i in mixers and s.startswith("attn."))]
+
+        stray = sorted(n for n in names for i in mixers if n.startswith(f"blocks.{i}.attn."))
+        assert not stray, f"blocks {mixers} have no softmax attention (as described), but the model has {stray}"
 
         pre_norm_points = ("ln1.hook_scale", "ln1.hook_normalized") if declared.pre_norms else ()
         missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS, *pre_norm_points) if n not in names]
@@ -66,7 +72,7 @@ class ReadingProperties:
                 )
                 assert cfg.positional_embedding_type == "rotary", cfg.positional_embedding_type
                 assert cfg.rotary_dim is not None and 0 < cfg.rotary_dim <= cfg.d_head, (cfg.rotary_dim, cfg.d_head)
-                for i in blocks:
+                for i in (i for i in blocks if i not in mixers):
                     for x in "qk":
                         shapes[f"blocks.{i}.attn.hook_rot_{x}"] = (f"blocks.{i}.attn.hook_{x}",)
             else:
@@ -161,7 +167,7 @@ class ReadingProperties:
         valid = inputs.valid
         length = inputs.input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        for layer in range(hm.cfg.n_layers):
+        for layer in attention_layers(hm):
             pattern = cache["pattern", layer]
             assert pattern.shape == (inputs.input_ids.shape[0], hm.cfg.n_heads, length, length)
             rows = valid[:, None, :, None].expand_as(pattern)
@@ -194,7 +200,7 @@ class ReadingProperties:
         impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
         model, inputs = self.draw(data, impl)
         hm = self.wrap(model)
-        layer = hm.cfg.n_layers - 1
+        layer = attention_layers(hm)[-1]
         names = hm.hook_names
         scores = names.index(f"blocks.{layer}.attn.hook_attn_scores")
         earlier = [n for n in names[:scores] if not n.endswith(("hook_attn_scores", "hook_pattern"))]

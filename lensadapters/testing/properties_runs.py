@@ -17,6 +17,7 @@ from lensadapters.testing.contract_support import (
     _hook_counts,
     _instance_attributes,
     assert_close,
+    attention_layers,
     check_edited_generation,
 )
 
@@ -75,17 +76,15 @@ class RunProperties:
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         rotary = f"blocks.{layer}.attn.hook_rot_k" in hm.hook_names
+        candidates = [
+            "hook_resid_post",
+            "attn.hook_v",
+            "attn.hook_rot_k" if rotary else "attn.hook_k",
+            "attn.hook_pattern",
+            "mlp.hook_post",
+        ]  # those the layer has (a block with another token mixer has no attn.* point)
         point = f"blocks.{layer}." + data.draw(
-            st.sampled_from(
-                [
-                    "hook_resid_post",
-                    "attn.hook_v",
-                    "attn.hook_rot_k" if rotary else "attn.hook_k",
-                    "attn.hook_pattern",
-                    "mlp.hook_post",
-                ]
-            ),
-            label="point",
+            st.sampled_from([n for n in candidates if f"blocks.{layer}.{n}" in hm.hook_names]), label="point"
         )
         bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(layer))
 
@@ -127,10 +126,11 @@ class RunProperties:
             def boom(t: torch.Tensor, hook: Any) -> None:
                 raise RuntimeError("user hook failed")
 
+            layers = attention_layers(hm)  # the first block with an attention pattern (a hybrid's may be later)
+            failing = f"blocks.{layers[0]}.attn.hook_pattern" if layers else "blocks.0.hook_resid_pre"
             with pytest.raises(RuntimeError, match="user hook failed"):
                 hm.run_with_hooks(
-                    **inputs.kwargs(),
-                    fwd_hooks=[("blocks.0.attn.hook_pattern", boom), (lambda n: True, lambda t, hook: t.clone())],
+                    **inputs.kwargs(), fwd_hooks=[(failing, boom), (lambda n: True, lambda t, hook: t.clone())]
                 )
             assert _hook_counts(model) == baseline_hooks, "a failing hook left PyTorch hooks behind"
             assert _instance_attributes(model) == attributes, "a failing hook left instance attributes behind"

@@ -95,7 +95,7 @@ class Wiring(CoreSites, Installation):
         self.qkv_layouts: list[Optional[QKVLayout]] = [
             None
             if bl is None
-            else self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV), f"for layer {i}", i)
+            else self._describe("lensadapters_attn_qkv", (SeparateQKV, FusedQKV, type(None)), f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.mlp_layouts: list[Optional[MLPLayout]] = [

@@ -262,13 +262,8 @@ class CoreSites:
             if bl.post_norm:
                 self.add_site(InputSite(ln1, pt("hook_resid_mid")))
             self._norm_site(ln1, pt, "ln1")
-        self._build_qkv_sites(i)
-        attention_site = AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
-        self.guard.also(attention_site, [self.attention_modules[i]])
-        self.add_site(attention_site)
-        o_proj = get(bl.o_proj)
-        self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
-        self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._o_reader(i)))
+        if self.qkv_layouts[i] is not None:  # None: the block's mixer is not softmax attention (no attn.* points)
+            self._build_attention_sites(i)
         if bl.ln1_post is not None:  # the post norm's output is what the block adds to the residual
             ln1_post = get(bl.ln1_post)
             self._norm_site(ln1_post, pt, "ln1_post")
@@ -278,6 +273,17 @@ class CoreSites:
         if bl.ln2 is not None:
             self._norm_site(get(bl.ln2), pt, "ln2")
         self._build_mlp_sites(i)
+
+    def _build_attention_sites(self, i: int) -> None:
+        bl, pt = self.block_layouts[i], self._block_point(i)
+        assert bl is not None
+        self._build_qkv_sites(i)
+        attention_site = AttentionSite(i, _LazyBackend(self), pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
+        self.guard.also(attention_site, [self.attention_modules[i]])
+        self.add_site(attention_site)
+        o_proj = self.block_modules[i].get_submodule(bl.o_proj)
+        self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
+        self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._o_reader(i)))
 
     def _build_qkv_sites(self, i: int) -> None:
         qkv, pt, get, state = (

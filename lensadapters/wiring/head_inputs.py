@@ -168,7 +168,9 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
     sites: list[Site] = []
     cfg = hm.cfg
     for layer in range(cfg.n_layers):
-        if hm.block_layouts[layer] is None:  # an opaque block: no core points to anchor on
+        if hm.block_layouts[layer] is None or hm.qkv_layouts[layer] is None:  # opaque, or no softmax attention
+            continue
+        if f"blocks.{layer}.attn.hook_q" in getattr(hm, "_claimed", {}):  # a plugin serves the queries its own way
             continue
         if isinstance(hm.qkv_layouts[layer], SeparateQKV) and not hm.qkv_layouts[layer].head_inputs:
             continue  # the projections are not linear in the residual: no per-head input edit is exact

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -78,15 +78,25 @@ def is_gated(mlp: Union[MLPLayouts, MoELayout]) -> bool:
     return isinstance(mlp, FusedGateUp) or (isinstance(mlp, MLPLayout) and mlp.pre_linear is not None)
 
 
-def block_point_names(block: BlockLayout, qkv: QKVLayout, mlp: Union[MLPLayouts, MoELayout]) -> list[str]:
+def non_attention_blocks(hooked: Any) -> list[int]:
+    """The blocks a plugin describes with a token mixer other than softmax attention (``lensadapters_attn_qkv``
+    returned ``None``: the linear-attention or state-space layers of hybrid models). They have no ``attn.*`` point,
+    no heads and no attention weights; the analyses that need those refuse them by name."""
+    layouts = zip(getattr(hooked, "block_layouts", None) or [], getattr(hooked, "qkv_layouts", None) or [])
+    return [i for i, (block, qkv) in enumerate(layouts) if block is not None and qkv is None]
+
+
+def block_point_names(block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[MLPLayouts, MoELayout]) -> list[str]:
     """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
 
     Post-norm blocks normalize after each residual add; ``ln1_post``/``ln2_post`` normalize the attention and
-    MLP outputs before the residual adds.
+    MLP outputs before the residual adds. A block without softmax attention (``qkv`` is ``None``) has no
+    ``attn.*`` point: its mixer's output is ``hook_attn_out``.
     """
     ln1 = _norm_points("ln1") if block.ln1 is not None else []
-    attn = qkv_point_names(qkv)
-    attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
+    attn = [] if qkv is None else qkv_point_names(qkv)
+    if qkv is not None:
+        attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
     attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
     if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
         mlp_names = moe_point_names(mlp)

@@ -133,6 +133,7 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
     """
     layout = hm.qkv_layouts[layer]
     block = hm.block_modules[layer]
+    _require_attention(hm, layer)
     if isinstance(layout, FusedQKV):
         lw = read_linear(hm, block.get_submodule(layout.module), (hm.cfg.d_model, None))
         W = layout.split(lw.W)[which]
@@ -167,7 +168,16 @@ def repeat_kv(t: Tensor, n_heads: int) -> Tensor:
     return t.repeat_interleave(n_heads // t.shape[1], dim=1)
 
 
+def _require_attention(hm: "Hooked", layer: int) -> None:
+    if hm.block_layouts[layer] is not None and hm.qkv_layouts[layer] is None:
+        raise WeightUnavailableError(
+            f"layer {layer} has no softmax attention (its plugin describes its token mixer as another kind), so it "
+            f"has no W_Q/W_K/W_V/W_O; read the mixer's parameters from hm.block_modules[{layer}]"
+        )
+
+
 def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
+    _require_attention(hm, layer)
     lw = read_linear(hm, hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj), (None, hm.cfg.d_model))
     W = lw.W.unflatten(0, (hm.cfg.n_heads, -1))  # [h, d_head, d_model]
     return W, _bias(lw.b, (W.shape[-1],), W)

@@ -242,7 +242,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             if is_lora_linear(module):
                 points = [_new_point_before(hooked, pre + "attn.hook_q", pre + n) for _, n in QKV_POINTS]
                 sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
-        else:
+        elif qkv is not None:  # None: a token mixer other than softmax attention, with no attn.* points
             n_kv = qkv.kv_heads or cfg.n_key_value_heads
             heads = (cfg.n_heads, n_kv, n_kv)
             # kv_from: another layer's k/v; values_from_keys: one projection (its delta point is hook_k's)
@@ -259,7 +259,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)
                     sites.append(LoraDeltaSite(module, [point], *_heads_split(h), hooked.forward_state))
         module = get(bl.o_proj)
-        if is_lora_linear(module):
+        if qkv is not None and is_lora_linear(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         if isinstance(mlp, FusedGateUp):  # one LoRA on the fused gate/up projection: a delta point per half

@@ -342,7 +342,13 @@ def install_display_stubs() -> None:
                 return False
 
         display.display = lambda *a, **k: _record_figure("display", [_plain(x) for x in a])  # type: ignore
-        display.__dict__["__getattr__"] = lambda attr: Displayed  # HTML, IFrame, Markdown...
+
+        def any_display(attr: str) -> Any:  # HTML, IFrame, Markdown...
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return Displayed
+
+        display.__dict__["__getattr__"] = any_display
         ipython.display = display  # type: ignore
         ipython.get_ipython = lambda: _Shell()  # type: ignore
         sys.modules["IPython"] = ipython
@@ -413,7 +419,32 @@ class CellTimeout(Exception):
     pass
 
 
-def run_variant(notebook: str, variant: str, root: str, out: str, cell_timeout: int) -> None:
+def processed_transformer(model: Any, tokenizer: Any, prepend_bos: bool, kwargs: dict) -> Any:
+    """TransformerLens' model of ``model`` with the weight processing ``from_pretrained`` would apply for
+    ``kwargs`` (``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``,
+    ``refactor_factored_attn_matrices``; TransformerLens' defaults where absent)."""
+    import torch
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from lensadapters.testing import tl_reference
+
+    flags = {
+        "fold_ln": kwargs.get("fold_ln", True),
+        "center_writing_weights": kwargs.get("center_writing_weights", True),
+        "center_unembed": kwargs.get("center_unembed", True),
+        "fold_value_biases": kwargs.get("fold_value_biases", True),
+        "refactor_factored_attn_matrices": kwargs.get("refactor_factored_attn_matrices", False),
+    }
+    fields = tl_reference._CONFIGS[model.config.model_type](model)
+    if flags["fold_ln"]:
+        fields["normalization_type"] += "Pre"
+    fields.update(default_prepend_bos=prepend_bos, device="cpu", dtype=torch.float32)
+    hooked = HookedTransformer(HookedTransformerConfig(**fields), tokenizer=tokenizer, move_to_device=False)
+    hooked.load_and_process_state_dict(tl_reference._converter(model.config.model_type)(model, hooked.cfg), **flags)
+    return hooked.eval()
+
+
+def run_variant(notebook: str, variant: str, root: str, out: str, cell_timeout: int, reference: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(notebook)))
     install_display_stubs()
     import torch
@@ -428,9 +459,10 @@ def run_variant(notebook: str, variant: str, root: str, out: str, cell_timeout: 
 
         def tl_from_pretrained(cls: Any, model_name: str, *args: Any, **kwargs: Any) -> Any:
             model, tokenizer = checkpoint(root, model_name)
-            return hooked_transformer(
-                model, tokenizer=tokenizer, default_prepend_bos=kwargs.get("default_prepend_bos", True)
-            )
+            prepend_bos = kwargs.get("default_prepend_bos", True)
+            if reference == "as-written":  # the processing the call asks for (TransformerLens' defaults: all on)
+                return processed_transformer(model, tokenizer, prepend_bos, kwargs)
+            return hooked_transformer(model, tokenizer=tokenizer, default_prepend_bos=prepend_bos)
 
         transformer_lens.HookedTransformer.from_pretrained = classmethod(tl_from_pretrained)
         transformer_lens.HookedTransformer.from_pretrained_no_processing = classmethod(tl_from_pretrained)
@@ -655,6 +687,13 @@ def main() -> int:
     parser.add_argument("notebooks", nargs="+")
     parser.add_argument("--json", help="write the reports here")
     parser.add_argument("--cell-timeout", type=int, default=600)
+    parser.add_argument(
+        "--reference",
+        choices=["no-processing", "as-written"],
+        default="no-processing",
+        help="TransformerLens' model without weight processing (default), or with the processing the construction"
+        " call asks for (its fold_ln, center_writing_weights... keywords, TransformerLens' defaults elsewhere)",
+    )
     parser.add_argument("--variant", choices=["tl", "la"], help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -685,6 +724,8 @@ def main() -> int:
                         os.path.join(root, f"{variant}.pt"),
                         "--cell-timeout",
                         str(args.cell_timeout),
+                        "--reference",
+                        args.reference,
                     ]
                 )
                 for variant in ("tl", "la")

@@ -699,7 +699,7 @@ def main() -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
-        run_variant(args.notebooks[0], args.variant, args.root, args.out, args.cell_timeout)
+        run_variant(args.notebooks[0], args.variant, args.root, args.out, args.cell_timeout, args.reference)
         return 0
     import torch
 

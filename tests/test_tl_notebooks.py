@@ -60,7 +60,7 @@ def test_static_skips_name_their_reason(runner: ModuleType) -> None:
 def test_differences_within_tolerance_and_beyond(runner: ModuleType) -> None:
     a = torch.tensor([1.0, 2.0, 3.0])
     assert runner.differences(a, a + 5e-5, "x") == []
-    assert runner.differences(a, a + 1e-2, "x") == ["x: max abs difference 0.01"]
+    assert runner.differences(a, a + 1e-2, "x") == ["x: max abs difference 0.01 (values up to 3)"]
     assert runner.differences(a, a[:2], "x") == ["x: shape (3,) vs (2,)"]
     assert runner.differences({"<cache>": {"k": a}}, {"<cache>": {}}, "cache")[0].startswith("cache: cache lacks 1")
     # printed numbers: within one unit of the last printed digit

@@ -576,6 +576,29 @@ def test_add_hook_lifetime_matches_transformer_lens() -> None:
 
 
 @needs_tl
+def test_set_use_switches_add_their_points_to_the_default_cache_as_transformer_lens() -> None:
+    # Attribution_Patching_Demo: set_use_attn_result(True), then run_with_cache() holds hook_result there
+    with ported() as hm:
+        tl = hooked_transformer(hm.hf_model, tokenizer=_tokenizer())
+        for switch in ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in"):
+            for model in (hm, tl):
+                getattr(model, switch)(True)
+            with torch.no_grad():
+                _, ours = hm.run_with_cache(TOKENS)
+                _, theirs = tl.run_with_cache(TOKENS)
+            # hook_mlp_in: always in the default cache here (TransformerLens: after set_use_hook_mlp_in)
+            assert {n for n in ours.keys() if not n.endswith("hook_mlp_in")} == set(theirs.keys()), switch
+            for name in theirs.keys():
+                if not name.endswith(("ln1.hook_scale", "ln1.hook_normalized")):  # per head there (split inputs)
+                    torch.testing.assert_close(ours[name], theirs[name], atol=TOL, rtol=TOL, msg=name)
+            for model in (hm, tl):
+                getattr(model, switch)(False)
+        with torch.no_grad():
+            _, ours = hm.run_with_cache(TOKENS)
+        assert not any(n.endswith(("hook_result", "_input", "hook_attn_in")) for n in ours.keys())
+
+
+@needs_tl
 def test_alias_table_matches_transformer_lens() -> None:
     from transformer_lens import loading_from_pretrained as loading
 

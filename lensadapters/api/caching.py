@@ -58,7 +58,9 @@ class CachingRuns:
             check_selector(names_filter, "names_filter")
         if names_filter is None:
             points = self.wiring.hook_dict
-            return [n for n in self.hook_names if not (n.endswith(DEFAULT_CACHE_EXCLUDES) or points[n].costly)]
+            switched = tuple(self.__dict__.get("_switched_cache_names", ()))  # TransformerLens' set_use_* (tl_api)
+            excluded = tuple(s for s in DEFAULT_CACHE_EXCLUDES if s not in switched)
+            return [n for n in self.hook_names if not (n.endswith(excluded) or points[n].costly)]
         if isinstance(names_filter, str):
             return [pt.name for pt in self.wiring.select(names_filter)]
         if callable(names_filter):

@@ -254,21 +254,32 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
             point.clear_context()
 
     # TransformerLens' set_use_* switches: its points behind them (hook_result, hook_q_input..., hook_attn_in,
-    # hook_mlp_in) cost memory and time there; here every point is always served and costs nothing unhooked, so
-    # the switches are accepted and change nothing (cfg.use_attn_result & co. report what is served)
+    # hook_mlp_in) cost memory and time there; here every point is always served and costs nothing unhooked. A
+    # switch turned on adds its points to run_with_cache's default names, as in TransformerLens, whose cache then
+    # holds them (hook_mlp_in is in the default already)
+
+    def _switch_cached(self, suffixes: tuple[str, ...], on: bool) -> None:
+        cached = self.__dict__.setdefault("_switched_cache_names", set())
+        if on:
+            cached.update(suffixes)
+        else:
+            cached.difference_update(suffixes)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """Accepted for TransformerLens' code; ``hook_result`` is always served (computed only while hooked)."""
+        """``hook_result`` is always served (computed only while hooked); ``True`` also caches it by default."""
+        self._switch_cached(("attn.hook_result",), use_attn_result)
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
-        """Accepted for TransformerLens' code; ``hook_q_input``/``k``/``v`` are always served (computed only while
-        hooked)."""
+        """``hook_q_input``/``k``/``v`` are always served (computed only while hooked); ``True`` also caches them by
+        default."""
+        self._switch_cached(("hook_q_input", "hook_k_input", "hook_v_input"), use_split_qkv_input)
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Accepted for TransformerLens' code; ``hook_attn_in`` is always served (computed only while hooked)."""
+        """``hook_attn_in`` is always served (computed only while hooked); ``True`` also caches it by default."""
+        self._switch_cached(("hook_attn_in",), use_attn_in)
 
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
-        """Accepted for TransformerLens' code; ``hook_mlp_in`` is always served (computed only while hooked)."""
+        """Accepted for TransformerLens' code; ``hook_mlp_in`` is always served and cached by default."""
 
     # --- TransformerLens' components, computed by the Hugging Face modules (lensadapters.api.tl_components) ---
 

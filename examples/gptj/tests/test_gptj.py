@@ -199,7 +199,7 @@ def test_sdpa_patterns_from_524_equal_eager_attentions_and_edits_act_as_in_eager
             _, cache = hm.run_with_cache(input_ids=ids, attention_mask=mask, names_filter=lambda n: "pattern" in n)
             sdpa_edited = hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=edit)
             assert model.config._attn_implementation == "sdpa"
-            assert torch.equal(hm(input_ids=ids, attention_mask=mask), own)
+            assert torch.equal(hm(input_ids=ids, attention_mask=mask).logits, own)
         model.set_attn_implementation("eager")
         eager = model(input_ids=ids, attention_mask=mask, output_attentions=True)
         with wrapped(model) as hm:

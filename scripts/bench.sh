@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark against raw Hugging Face and the peers (benchmarks/bench_peers.py), on this machine.
 # Sets up two environments on first run:
-#   .venv-bench      transformers 5.23 (constraints.txt), lensadapters, TransformerLens 4 (TransformerBridge), nnsight
+#   .venv-bench      transformers of constraints.txt, lensadapters, TransformerLens 4 (TransformerBridge), nnsight
 #   .venv-bench-tl2  transformers 4.57.6, lensadapters, TransformerLens 2.18 (HookedTransformer needs transformers 4.x)
 # Runs twice: glibc defaults, then --keep-freed-memory (timings only).
 # Extra arguments go to bench_peers.py (e.g. --rounds 7 --models gpt2). Not part of the tests: run it on a quiet machine.

@@ -3,9 +3,9 @@
 Each class draws tiny configs that vary the family's own choices (parallel or sequential blocks, multi-query and
 grouped attention, partial rotary, q/k norms, sliding windows, ALiBi, branch multipliers...) and declares what the
 generic adapter finds there; :class:`lensadapters.testing.generic.GenericContract` checks the rest. Families whose
-attention does not go through transformers' attention interface (Falcon, BLOOM, GPT-Neo, CodeGen; StableLM under
-transformers 4.x) get no pattern points and no hook_z; BLOOM adds the residual inside its attention and MLP modules
-and BioGPT has no MLP module, so neither gets hook_attn_out/hook_mlp_out.
+attention does not go through transformers' attention interface (Falcon, BLOOM, GPT-Neo; CodeGen up to transformers
+5.23; StableLM under transformers 4.x) get no pattern points and no hook_z; BLOOM adds the residual inside its
+attention and MLP modules and BioGPT has no MLP module, so neither gets hook_attn_out/hook_mlp_out.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import transformers
 from hypothesis import strategies as st
+from packaging.version import Version
 from transformers import (
     BioGptConfig,
     BloomConfig,
@@ -33,6 +34,8 @@ from transformers import (
 from lensadapters.testing.generic import GenericContract, GenericPoints
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+# transformers 5.24 gave CodeGen the attention interface (and sdpa); before, it computed attention itself (eager only)
+TRANSFORMERS_5_24 = Version(transformers.__version__) >= Version("5.24")
 VOCAB = 96
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -134,8 +137,9 @@ class TestGPTNeo(GenericContract):
 
 
 class TestCodeGen(GenericContract):
-    attn_implementations = ("eager",)
-    branches, attention_function, patterns, final_norm = True, False, False, True
+    attn_implementations = ("sdpa", "eager") if TRANSFORMERS_5_24 else ("eager",)
+    branches, final_norm = True, True
+    attention_function = patterns = TRANSFORMERS_5_24
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:

@@ -231,6 +231,28 @@ class MoEContract(AdapterContract):
             return lambda t, hook: perturb(t.roll(1, -1), hook)
         return perturb
 
+    def _absorbed_by_activation(self, hm: Any, name: str, inputs: Any) -> bool:
+        """Whether the generic edit of an expert's gate or up projection (``experts.{e}.hook_gate``/``hook_pre``)
+        leaves what the expert's declared activation (``FusedExperts.glu``, read from the live module) computes
+        from them unchanged, bitwise: a clamped GLU (GPT-OSS's ``min(g, limit)``, ``clamp(u, -limit, limit)``)
+        saturated on every row the expert computes absorbs the edit, as it would absorb the model's own values."""
+        from lensadapters.adapters.moe.specs import FusedExperts
+
+        if not name.endswith((".hook_gate", ".hook_pre")):
+            return False
+        layer = int(name.split(".")[1])
+        experts = hm.mlp_layouts[layer].experts
+        if not isinstance(experts, FusedExperts) or experts.glu is None:
+            return False
+        prefix = name.rsplit(".", 1)[0]
+        _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=[prefix + ".hook_gate", prefix + ".hook_pre"])
+        gate, up = cache[prefix + ".hook_gate"], cache[prefix + ".hook_pre"]
+        edit = self._edit_for(name, hm)
+        edited_gate = edit(gate, hm.hook_dict[name]) if name.endswith("hook_gate") else gate
+        edited_up = edit(up, hm.hook_dict[name]) if name.endswith("hook_pre") else up
+        module = hm.wiring.block_modules[layer].get_submodule(experts.module)
+        return torch.equal(experts.glu(module, edited_gate, edited_up), experts.glu(module, gate, up))
+
     def points_to_edit(self, data: st.DataObject, hm: Any) -> list[str]:
         """Every hook point, with the per-expert points of one drawn expert per MoE layer (the experts' points are
         alike; editing all of them, one forward each, would dominate the suite's time)."""
@@ -278,6 +300,8 @@ class MoEContract(AdapterContract):
                     assert rows == [used], f"{name} fired with {rows} rows; the expert computes {used}"
                     if not chosen[inputs.valid].any():  # no rows, or only padding's: nothing the logits show
                         continue
+                    if self._absorbed_by_activation(hm, name, inputs):
+                        continue  # a clamped GLU saturated on every row: the model's own values change nothing either
                 if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
                     continue
                 diff = (logits - reference)[inputs.valid].abs().max().item()

@@ -23,8 +23,9 @@ Quirks handled:
   attribute ``_attn`` (never the class), only while a score/pattern hook exists on that layer; see the
   README for why this and not something else.
 
-Only eager attention (GPT-J's default, and the only one besides flash-attention 2 that transformers
-offers for it) can serve pattern hooks; every other hook point works with flash-attention too.
+Pattern hooks need eager attention up to transformers 5.23 (GPT-J's only implementation there besides
+flash-attention 2); from 5.24, eager or sdpa (5.24's default for GPT-J). Every other hook point works with any
+implementation.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ ARCH = Architecture(
     model_types=("gptj",),
     description="GPT-J (GPTJForCausalLM, GPTJModel)",
     transformers=">=4.57,<6",
-    attn_implementations=("eager",),  # GPT-J computes attention in its own _attn (eager only)
+    # up to 5.23 GPT-J computes attention in its own _attn (eager only: it has no sdpa); from 5.24 through the
+    # attention interface, eager or sdpa
+    attn_implementations=("eager", "sdpa"),
 )
 
 Tensor = torch.Tensor
@@ -361,8 +364,9 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[GPTJP
 def lensadapters_attn_scores(
     arch: Architecture, module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float], implementation: str
 ) -> Optional[Tensor]:
-    """Pre-mask scores as transformers 5.24's GPT-J ``eager_attention_forward`` computes them: in float32."""
-    if scaling is None:
+    """Pre-mask scores as the configured implementation computes them: transformers 5.24's GPT-J
+    ``eager_attention_forward`` in float32; sdpa in the queries' dtype (the core's default)."""
+    if scaling is None or implementation != "eager":
         return None
     return torch.matmul(query.to(torch.float32), key.to(torch.float32).transpose(-1, -2)) * scaling
 

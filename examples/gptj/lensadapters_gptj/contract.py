@@ -41,7 +41,8 @@ def gptj_configs(draw: st.DrawFn) -> GPTJConfig:
 
 
 class GPTJContract(AdapterContract):
-    """Every generic adapter property, on tiny GPT-J models (eager attention: transformers has no sdpa GPT-J).
+    """Every generic adapter property, on tiny GPT-J models (eager attention; from transformers 5.24, which gives
+    GPT-J the attention interface, sdpa and eager).
 
     Declared capabilities: rotary embeddings (``hook_rot_q``/``hook_rot_k`` in every block), parallel blocks
     (no ``hook_resid_mid``), no learned position table, no gated MLP.
@@ -49,5 +50,5 @@ class GPTJContract(AdapterContract):
 
     plugin = lensadapters_gptj
     config_strategy = gptj_configs
-    attn_implementations = ("eager",)
+    attn_implementations = ("eager",) if lensadapters_gptj._own_attention() else ("sdpa", "eager")
     learned_positions, rotary, gated_mlp, parallel_blocks = False, True, False, True

@@ -177,6 +177,41 @@ def test_patterns_are_served_in_either_layout():
     assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-6) and torch.all(pattern.triu(1) == 0)
 
 
+@pytest.mark.skipif(lensadapters_gptj._own_attention(), reason="transformers <= 5.23: GPT-J has no sdpa attention")
+def test_sdpa_patterns_from_524_equal_eager_attentions_and_edits_act_as_in_eager():
+    """From transformers 5.24 a GPT-J built with its defaults runs sdpa attention through the attention interface:
+    its patterns are served (they were refused: the plugin declared eager only) and equal what the same weights
+    return as attentions under eager; a pattern edit gives the logits the same edit gives under eager; without hooks
+    the forward is the sdpa model's own, bitwise."""
+    config = small_config()
+    model = seeded_model(config, 0)
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = left_padded(config.vocab_size)
+    valid = mask.bool()
+
+    def uniform(p, hook):
+        return (p > 0).to(p.dtype) / (p > 0).sum(-1, keepdim=True).clamp(min=1)
+
+    edit = [("blocks.0.attn.hook_pattern", uniform)]
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask).logits
+        with wrapped(model) as hm:
+            _, cache = hm.run_with_cache(input_ids=ids, attention_mask=mask, names_filter=lambda n: "pattern" in n)
+            sdpa_edited = hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=edit)
+            assert model.config._attn_implementation == "sdpa"
+            assert torch.equal(hm(input_ids=ids, attention_mask=mask).logits, own)
+        model.set_attn_implementation("eager")
+        eager = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        with wrapped(model) as hm:
+            eager_edited = hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=edit)
+    for layer in range(config.n_layer):
+        ours, theirs = cache["pattern", layer], eager.attentions[layer]
+        rows = valid[:, None, :, None].expand_as(ours)
+        assert torch.allclose(ours[rows], theirs[rows], atol=1e-6)
+    assert torch.allclose(sdpa_edited[valid], eager_edited[valid], atol=1e-5)
+    assert (sdpa_edited - own)[valid].abs().max().item() > 1e-4
+
+
 @pytest.mark.skipif(
     not lensadapters_gptj._own_attention(), reason="transformers >= 5.24: GPT-J has no _attn to override"
 )

@@ -7,6 +7,7 @@ refusals."""
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,53 @@ def test_clamped_swiglu_and_its_edits() -> None:
         lower = hm.run_with_hooks(ids, fwd_hooks=[(pre + "hook_gate", lambda t, hook: t - 1.0)])
     assert torch.equal(high, higher), "a gate above the limit is clamped after the edit"
     assert not torch.allclose(high, lower)
+    hm.unwrap()
+
+
+@pytest.mark.skipif(
+    int(version("transformers").split(".")[0]) < 5, reason="the drawn example's config is transformers 5's"
+)
+def test_the_contract_knows_an_edit_the_saturated_clamp_absorbs() -> None:
+    """The MoE contract's "every edit changes the logits" property skips an expert's gate/up edit only where the
+    declared clamped GLU gives bitwise the same activation from the edited values: here (a drawn example on which the
+    property failed) every up value of expert 0's one row lies beyond the limit 0.5, so its ``hook_pre`` edit changes
+    nothing the model computes, while the gate edit does."""
+    from transformers import GptOssConfig
+
+    from lensadapters.testing.strategies import Inputs
+
+    config = GptOssConfig(
+        num_hidden_layers=1,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        vocab_size=16,
+        hidden_size=4,
+        intermediate_size=8,
+        head_dim=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        sliding_window=2,
+        layer_types=["sliding_attention"],
+        max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        swiglu_limit=0.5,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    hm = CONTRACT.wrap(CONTRACT.make_model(config, 20, "eager"))
+    inputs = Inputs(torch.tensor([[13, 1]]), torch.ones(1, 2, dtype=torch.long), [0])
+    pre = "blocks.0.mlp.experts.0."
+    with torch.no_grad():
+        reference = hm(**inputs.kwargs()).logits
+        _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: n.startswith(pre))
+        assert cache[pre + "hook_pre"].shape[0] == 1 and (cache[pre + "hook_pre"].abs() > 0.5).all()
+        for point, absorbed in (("hook_pre", True), ("hook_gate", False)):
+            edited = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(pre + point, perturb)])
+            assert CONTRACT._absorbed_by_activation(hm, pre + point, inputs) is absorbed, point
+            assert torch.equal(edited, reference) is absorbed, point
     hm.unwrap()
 
 

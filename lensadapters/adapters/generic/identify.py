@@ -37,7 +37,7 @@ The rules (each decided per model, and per layer where layers differ; nothing is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -97,6 +97,8 @@ class Findings:
     d_head: Optional[int] = None
     missing: dict[str, str] = field(default_factory=dict)  # absent points (a plain-language group) -> why
     unserved_weights: dict[str, str] = field(default_factory=dict)  # W_E / W_U the probe could not verify -> why
+    description: Optional[Any] = None  # the automatic description (:mod:`.describe`), where a layer has one
+    unverified: dict[str, str] = field(default_factory=dict)  # described points that failed verification -> why
 
 
 def _eps(module: nn.Module) -> Optional[float]:
@@ -478,6 +480,13 @@ def identify(model: nn.Module) -> Findings:
     if logit_scale is None:
         unserved["W_U"] = why
     first = next((c for c in rec.calls if c.layer is not None), None)
+    description = None
+    if order == list(range(n)):
+        from lensadapters.adapters.generic.describe import describe
+
+        description = describe(model, layers, blocks, rec)
+        if not description.any:
+            description = None
     return Findings(
         structure,
         blocks,
@@ -493,4 +502,5 @@ def identify(model: nn.Module) -> Findings:
         kv_heads=first.kv_heads if first else None,
         d_head=first.d_head if first else None,
         missing=missing,
+        description=description,
     )

@@ -20,7 +20,7 @@ import argparse
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -78,8 +78,9 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def applicable_points(layer: nn.Module) -> tuple[str, ...]:
-    """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring)."""
+def applicable_points(layer: nn.Module, layout: Any = None) -> tuple[str, ...]:
+    """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring);
+    with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has."""
     children = list(layer.named_children())
     attention = [c for _, c in children if type(c).__name__.endswith("Attention")]
     norms = [c for _, c in children if _is_norm(c)]
@@ -96,6 +97,11 @@ def applicable_points(layer: nn.Module) -> tuple[str, ...]:
         experts = any("expert" in n.lower() for c in others for n, _ in c.named_modules())
         if not experts:
             points += ["blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post"]
+    if layout is not None:
+        points += ["blocks.0.ln1.hook_scale"] if layout.ln1 is not None else []
+        points += ["blocks.0.ln2.hook_scale"] if layout.ln2 is not None else []
+        points += ["blocks.0.hook_resid_mid"] if not layout.parallel else []
+        return tuple(p for p in CANONICAL if p in points)
     if norms:
         points.append("blocks.0.ln1.hook_scale")
     if len(norms) >= 2:
@@ -127,7 +133,7 @@ def census_entry(model_type: str, check: bool = True) -> Entry:
         entry.adapter, entry.why = "refused", f"wrap raised {type(why).__name__}: {str(why)[:200]}"
         return entry
     entry.adapter = hm.plugin.name
-    entry.applicable = applicable_points(hm.block_modules[0])
+    entry.applicable = applicable_points(hm.block_modules[0], hm.block_layouts[0])
     entry.served = tuple(p for p in CANONICAL if p in hm.hook_dict)
     if hm.plugin.name == "generic":
         found = findings(model)

@@ -73,6 +73,7 @@ class Description:
 
     layers: list[Optional[LayerDescription]]
     rotary: Optional[str] = None  # path of the rotary module outside the layers
+    rotary_input: Optional[str] = None  # or the attention modules' argument carrying each layer's (cos, sin)
     rotary_dim: Optional[int] = None
     why: dict[int, str] = field(default_factory=dict)
 
@@ -334,19 +335,27 @@ def describe_layer(
     rotary: list[Optional[RotarySpec]],
     cos_sin: Optional[tuple[Tensor, Tensor]],
 ) -> LayerDescription:
-    if found.attn is None or found.mlp is None or "hook_resid_pre" not in found.points:
-        raise NotDescribed("the layer is not resid_pre + attention output + MLP output (see the generic points)")
+    if "hook_resid_pre" not in found.points:
+        raise NotDescribed("the layer's input and output are not the residual stream (see hook_resid_pre)")
     calls = [c for c in rec.calls if c.layer == i]
     if len(calls) != 1 or calls[0].query is None:
         raise NotDescribed("the layer does not call transformers' attention interface exactly once")
-    attn, mlp = found.attn, found.mlp
-    resid_pre = rec.layer_in[i].value
+    attn = found.attn or next(
+        (n for n, c in layer.named_children() if any(m is calls[0].module for m in c.modules())), None
+    )
+    if attn is None:
+        raise NotDescribed("the attention function is called with no module of the layer")
+    others = [n for n, c in layer.named_children() if n != attn and any(p.dim() >= 2 for p in c.parameters())]
+    mlp = found.mlp or (others[0] if len(others) == 1 else None)
+    if mlp is None:
+        raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
+    resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
     attn_in, attn_out = rec.inner.get((i, attn), (None, None))
-    mlp_in, _ = rec.inner.get((i, mlp), (None, None))
-    if attn_in is None or attn_out is None or mlp_in is None:
+    mlp_in, mlp_out = rec.inner.get((i, mlp), (None, None))
+    if attn_in is None or attn_out is None or mlp_in is None or mlp_out is None:
         raise NotDescribed("the probe did not see the attention and MLP modules' inputs and outputs")
     norms: dict[str, NormBehaviour] = {}
-    ln1 = ln2 = None
+    roles: dict[str, Optional[str]] = dict.fromkeys(("ln1", "ln2", "ln1_post", "ln2_post"))
     for name, child in layer.named_children():
         if name in (attn, mlp):
             continue
@@ -356,27 +365,40 @@ def describe_layer(
         behaviour = norm_behaviour(child, x, y)
         if behaviour is None:
             continue
-        if ln1 is None and _close(x, resid_pre) and _close(y, attn_in):
-            ln1, norms[name] = name, behaviour
-        elif ln2 is None and _close(y, mlp_in):
-            ln2, norms[name] = name, behaviour
+        for role, fits in (
+            ("ln1", _close(x, resid_pre) and _close(y, attn_in)),
+            ("ln1_post", _close(x, attn_out)),
+            ("ln2_post", _close(x, mlp_out)),
+            ("ln2", _close(y, mlp_in)),
+        ):
+            if fits and roles[role] is None:
+                roles[role], norms[name] = name, behaviour
+                break
+    ln1, ln2, ln1_post, ln2_post = roles["ln1"], roles["ln2"], roles["ln1_post"], roles["ln2_post"]
     if ln1 is None and not _close(attn_in, resid_pre):
         raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
-    mid = resid_pre + attn_out
-    if ln2 is not None:
-        parallel = _close(rec.inner[(i, ln2)][0], resid_pre) and not _close(rec.inner[(i, ln2)][0], mid)
-        if not parallel and not _close(rec.inner[(i, ln2)][0], mid):
-            raise NotDescribed("the MLP's pre-norm reads neither resid_pre nor resid_pre + attn_out")
-    elif ln1 is not None and _close(mlp_in, attn_in):
+    attn_branch = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
+    mlp_branch = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
+    mid = resid_pre + attn_branch
+    mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
+    if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
         parallel = True  # both branches read ln1's output (one shared pre-norm)
-    elif _close(mlp_in, mid):
+    elif _close(mlp_reads, mid):
         parallel = False
+    elif _close(mlp_reads, resid_pre):
+        parallel = True
     else:
-        raise NotDescribed("the MLP reads neither a pre-norm, ln1's output nor resid_pre + attn_out")
+        raise NotDescribed("the MLP reads neither a pre-norm of resid_pre + attn_out nor of resid_pre")
+    if parallel and (ln1_post is not None or ln2_post is not None):
+        raise NotDescribed("a parallel block with norms after its branches")
+    if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
+        raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
     qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
     norms.update(qk_norms)
     mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
-    block = BlockLayout(ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel)
+    block = BlockLayout(
+        ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
+    )
     return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn)
 
 
@@ -408,15 +430,23 @@ def describe(
     if cos_sin is not None:
         rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
     out = Description([None] * len(layers), rotary=rotary_path)
+    if rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
+        out.rotary_input = "position_embeddings"
     for i, (layer, found) in enumerate(zip(layers, blocks)):
         try:
-            out.layers[i] = describe_layer(model, layer, i, found, rec, rotaries, cos_sin)
+            layer_rotaries, layer_cos_sin = rotaries, cos_sin
+            if rotary_path is None:
+                given = [v for (j, path), v in rec.position_embeddings.items() if j == i and "." not in path]
+                if given:
+                    layer_cos_sin = given[0]
+                    layer_rotaries = [*_rotary_candidates(d_head, text_config(model), given[0][0]), None]
+            out.layers[i] = describe_layer(model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
         except NotDescribed as why:
             out.why[i] = str(why)
         except Exception as exc:  # anything unexpected: the layer is not described
             out.why[i] = f"describing it raised {type(exc).__name__}: {exc}"
     if not any(layer is not None and layer.qkv.rotary is not None for layer in out.layers):
-        out.rotary = None
+        out.rotary = out.rotary_input = None
     else:
         spec = next(layer.qkv.rotary for layer in out.layers if layer is not None and layer.qkv.rotary is not None)
         out.rotary_dim = spec.rotary_dim if spec is not None else None

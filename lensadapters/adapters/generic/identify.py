@@ -485,6 +485,15 @@ def identify(model: nn.Module) -> Findings:
         from lensadapters.adapters.generic.describe import describe
 
         description = describe(model, layers, blocks, rec)
+        if description.why:
+            by_reason: dict[str, list[int]] = {}
+            for i, why in description.why.items():
+                by_reason.setdefault(why, []).append(i)
+            missing["the automatic description (queries, keys, values, norm scales, MLP activations, weights)"] = (
+                "; ".join(
+                    why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in by_reason.items()
+                )
+            )
         if not description.any:
             description = None
     return Findings(

@@ -113,6 +113,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             described["ln_final"] = found.final_norm
         described["rotary"] = d.rotary
+        described["rotary_input"] = d.rotary_input
     if scale is None or scale == 1.0:
         return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed, **described)
     return ModelLayout(
@@ -310,10 +311,22 @@ def _serve_verified(hooked: Any) -> None:
     found = findings(model)
     found.unverified.clear()
     found.unverified.update(verify_description(hooked))
+    if _fully_described(model):  # the probe's notes on the opaque blocks' points no longer apply
+        for group in ("hook_attn_out and hook_mlp_out", "attention scores and patterns"):
+            found.missing.pop(group, None)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in found.unverified.items():
+        by_reason.setdefault(why, []).append(name)
+    if by_reason:
+        found.missing["points that failed verification"] = "; ".join(
+            f"{describe_points(names)}: {why}" for why, names in by_reason.items()
+        )
     for name in found.unverified:
         if name in hooked.hook_dict:
             hooked.claim_point(name)
             hooked.remove_point(name)
+        else:  # a point the core creates after the plugins' sites (the per-head inputs)
+            hooked.withheld.add(name)
 
 
 # --- the warning ------------------------------------------------------------------------------------------------

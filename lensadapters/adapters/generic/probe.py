@@ -130,6 +130,8 @@ class Recording:
     #: (copies, the first call), in the order they returned
     inner: dict[tuple[int, str], tuple[Optional[Tensor], Optional[Tensor]]] = field(default_factory=dict)
     outside_raw: dict[str, Any] = field(default_factory=dict)  # a module outside the layers: its whole output
+    #: a module inside the layers given ``position_embeddings`` (a layer's ``(cos, sin)``): those, by (layer, path)
+    position_embeddings: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def _version(t: Tensor) -> int:
@@ -323,6 +325,9 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if (i, path) in recording.inner:
                 return
+            given = kwargs.get("position_embeddings")
+            if isinstance(given, tuple) and len(given) == 2 and all(isinstance(t, Tensor) for t in given):
+                recording.position_embeddings[(i, path)] = (given[0].detach().clone(), given[1].detach().clone())
             try:
                 x = first_input(args, kwargs)
             except (RuntimeError, IndexError):

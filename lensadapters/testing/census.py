@@ -57,6 +57,7 @@ class Entry:
     applicable: tuple[str, ...] = ()
     why: str = ""
     wrong: dict[str, str] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)  # served points the check has no reference for
     seconds: float = 0.0
 
     @property
@@ -139,12 +140,13 @@ def census_entry(model_type: str, check: bool = True) -> Entry:
         found = findings(model)
         entry.why = " | ".join(f"{k}: {v}" for k, v in found.missing.items())[:400]
     if check:
-        from lensadapters.adapters.generic.verify import check_points
+        from lensadapters.adapters.generic.verify import UNCHECKED, check_points
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GenericAdapterWarning)
             problems = check_points(hm.wiring, input_ids(), [p for p in entry.served if p in CANONICAL])
-        entry.wrong = {name: why for name, why in problems.items() if why is not None}
+        entry.wrong = {name: why for name, why in problems.items() if why is not None and not why.startswith(UNCHECKED)}
+        entry.unchecked = sorted(n for n, why in problems.items() if why is not None and why.startswith(UNCHECKED))
     hm.unwrap()
     entry.seconds = time.perf_counter() - start
     return entry
@@ -171,6 +173,7 @@ def summary(entries: list[Entry]) -> str:
     built = [e for e in entries if e.adapter != "not buildable"]
     full = [e for e in wrapped if e.full]
     wrong = sum(len(e.wrong) for e in entries)
+    unchecked = sum(len(e.unchecked) for e in entries)
     generic = [e for e in wrapped if e.adapter == "generic"]
     generic_full = [e for e in generic if e.full]
     pct = 100.0 * len(full) / max(1, len(built))
@@ -178,7 +181,7 @@ def summary(entries: list[Entry]) -> str:
         f"{len(entries)} causal-LM model types: {len(built)} buildable, {len(wrapped)} wrapped "
         f"({len(generic)} by the generic adapter), {len(built) - len(wrapped)} refused; FULL {len(full)}/{len(built)} "
         f"= {pct:.1f}% of the buildable ({len(generic_full)}/{len(generic)} of the generic ones); "
-        f"wrong values or ignored edits: {wrong}"
+        f"wrong values or ignored edits: {wrong}; served points without an independent check (plugins): {unchecked}"
     )
 
 

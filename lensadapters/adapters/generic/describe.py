@@ -273,8 +273,8 @@ def _describe_attention(
         if path is not None:
             x, y = rec.inner[(i, path)]
             behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
-            if behaviour is None:
-                raise NotDescribed(f"the q/k norm {path} is neither LayerNorm nor RMSNorm of its input")
+            if behaviour is None or behaviour.eps is None:
+                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
             norms[path] = behaviour
     # the order the model runs them: the norms right after their projection, or after all three projections
     order = [p for (layer_i, p) in rec.inner if layer_i == i]
@@ -363,7 +363,7 @@ def describe_layer(
         if x is None or y is None:
             continue
         behaviour = norm_behaviour(child, x, y)
-        if behaviour is None:
+        if behaviour is None or behaviour.eps is None:  # a scale is served only with the module's own eps
             continue
         for role, fits in (
             ("ln1", _close(x, resid_pre) and _close(y, attn_in)),

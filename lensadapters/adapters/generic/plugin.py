@@ -27,6 +27,7 @@ ARCH = Architecture(
 )
 #: what the generic adapter serves of the weight accessors; the others need a plugin
 WEIGHTS = ("W_E", "W_U")
+UNVERIFIED = "unverified"  # the group of ``Findings.missing`` naming the described points that failed verification
 
 _findings: "weakref.WeakKeyDictionary[nn.Module, Findings]" = weakref.WeakKeyDictionary()
 Tensor = torch.Tensor
@@ -110,7 +111,8 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     s, scale, d = found.structure, found.embed_scale, found.description
     described = {}
     if d is not None:  # the core serves the final norm's points and rotary of the described layers
-        if found.final_norm is not None and found.final_norm_behaviour is not None:
+        behaviour = found.final_norm_behaviour
+        if found.final_norm is not None and behaviour is not None and behaviour.eps is not None:
             described["ln_final"] = found.final_norm
         described["rotary"] = d.rotary
         described["rotary_input"] = d.rotary_input
@@ -226,9 +228,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
         if "hook_resid_post" in points:
             sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
-    if found.description is not None:
-        _serve_verified(hooked)
-    elif found.final_norm is not None and found.final_norm_behaviour is not None:
+    if hooked.layout.ln_final is None and found.final_norm is not None and found.final_norm_behaviour is not None:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")
         hooked.register_norm("ln_final", norm)
@@ -237,6 +237,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+    if found.description is not None:
+        failed = _serve_verified(hooked)
+        sites = [site for site in sites if not any(p.name in failed for p in site.points)]
     return sites
 
 
@@ -303,11 +306,11 @@ def verify_description(hooked: Any) -> dict[str, str]:
     return failed
 
 
-def _serve_verified(hooked: Any) -> None:
-    """Remove every described point that failed verification (the warning says which and why)."""
+def _serve_verified(hooked: Any) -> set[str]:
+    """Remove every point that failed verification (the warning says which and why); their names."""
     model = hooked.hf_model
     if model in _verifying:
-        return
+        return set()
     found = findings(model)
     found.unverified.clear()
     found.unverified.update(verify_description(hooked))
@@ -318,15 +321,14 @@ def _serve_verified(hooked: Any) -> None:
     for name, why in found.unverified.items():
         by_reason.setdefault(why, []).append(name)
     if by_reason:
-        found.missing["points that failed verification"] = "; ".join(
-            f"{describe_points(names)}: {why}" for why, names in by_reason.items()
-        )
+        found.missing[UNVERIFIED] = "; ".join(f"{describe_points(names)}: {why}" for why, names in by_reason.items())
     for name in found.unverified:
         if name in hooked.hook_dict:
             hooked.claim_point(name)
             hooked.remove_point(name)
         else:  # a point the core creates after the plugins' sites (the per-head inputs)
             hooked.withheld.add(name)
+    return set(found.unverified)
 
 
 # --- the warning ------------------------------------------------------------------------------------------------
@@ -367,10 +369,20 @@ def summary(hooked: Any, fallback: bool = True) -> str:
         f"{describe_points(hooked.hook_names)}."
     )
     for group, why in found.missing.items():
-        text += f" No {group}: {why}."
-    text += (
-        f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
-        f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture: see "
-        f"{WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
-    )
+        text += f" Not served, as they failed verification: {why}." if group == UNVERIFIED else f" No {group}: {why}."
+    described = found.description is not None and all(bl is not None for bl in hooked.block_layouts)
+    if described:
+        text += (
+            " Its blocks were described automatically (norms, queries, keys and values, rotary, MLP, weights), and "
+            "every point served was verified on a probe forward pass: its value, and the effect of an edit on the "
+            "logits, against plain PyTorch hooks on the model's own modules."
+        )
+    else:
+        text += (
+            f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
+            f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture"
+            + (" (the automatic description covers only some layers)" if found.description is not None else "")
+            + "."
+        )
+    text += f" See {WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
     return text

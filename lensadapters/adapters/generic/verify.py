@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.probe import _unusual_arguments
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -41,6 +42,13 @@ Tensor = torch.Tensor
 VERIFY_KEY = "lensadapters-verify:eager"
 _plan = threading.local()
 _registered: list[bool] = []
+
+
+UNCHECKED = "unchecked: "
+
+
+class Unchecked(Exception):
+    """No independent reference could be computed for a point (not a wrong value: the point is not verified)."""
 
 
 @dataclass
@@ -108,11 +116,14 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
     if bl.post_norm or bl.more_after_mlp:
         return None  # not what the automatic description produces: no reference here
+    if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
+        return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
     if rest == "hook_attn_out":  # what the block adds to the residual
         return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
-    if rest == "hook_mlp_out" and bl.mlp is not None:
-        return Reference("out", get(bl.ln2_post if bl.ln2_post is not None else bl.mlp))
+    if rest == "hook_mlp_out":
+        path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
+        return Reference("out", get(path)) if path is not None else None
     if rest == "hook_resid_mid" and not bl.parallel and ln2_or_mlp is not None:
         return Reference("in", ln2_or_mlp, also=Reference("out", layer))
     if rest == "hook_mlp_in" and ln2_or_mlp is not None:
@@ -226,42 +237,48 @@ def _repeat(t: Tensor, heads: int) -> Tensor:
 
 
 def _verify_attention(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], *args: Any, **kwargs: Any
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor] = None,
+    *args: Any,
+    **kwargs: Any,
 ) -> tuple[Tensor, Any]:
+    mask = attention_mask
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     plan = getattr(_plan, "current", None)
     layer = plan["owner"].get(id(module)) if plan else None
     part, delta, seen = (
         (plan["part"], plan["delta"], plan["seen"]) if plan and layer == plan["layer"] else ("", None, None)
     )
-    if part == "query" and delta is not None:
-        query = query + delta.transpose(1, 2).to(query.dtype)
-    if part == "key" and delta is not None:
-        key = key + delta.transpose(1, 2).to(key.dtype)
     if eager is None:
         raise RuntimeError("no eager attention function in the model's modeling file")
+    if seen is not None and (args or _unusual_arguments(module, kwargs, mask)):
+        raise Unchecked("the attention function gets arguments plain softmax attention does not account for")
+    if part == "query" and seen is not None:  # the value before the edit
+        seen.append(query.transpose(1, 2).clone())
+        query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
+    if part == "key" and seen is not None:
+        seen.append(key.transpose(1, 2).clone())
+        key = key + delta.transpose(1, 2).to(key.dtype) if delta is not None else key
     output, weights = eager(module, query, key, value, mask, *args, **kwargs)
     if seen is not None and part == "output":
-        seen.append(output)
+        seen.append(output.clone())
         if delta is not None:
             output = output + delta.to(output.dtype)
-    elif seen is not None:
-        if part == "query":
-            seen.append(query.transpose(1, 2))
-        elif part == "key":
-            seen.append(key.transpose(1, 2))
-        elif part in ("weights", "scores"):
-            scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
-            scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
-            if mask is not None:
-                scores = scores + mask[:, :, :, : key.shape[-2]]
-            if part == "scores" and delta is not None:
-                weights = torch.softmax((scores + delta).float(), dim=-1).to(query.dtype)
-            elif part == "weights" and delta is not None:
-                weights = weights + delta.to(weights.dtype)
-            if delta is not None:
-                output = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
-            seen.append(scores if part == "scores" else weights)
+    elif seen is not None and part in ("weights", "scores"):
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
+        scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
+        if mask is not None:
+            scores = scores + mask[:, :, :, : key.shape[-2]]
+        seen.append(scores if part == "scores" else weights.clone())
+        if part == "scores" and delta is not None:
+            weights = torch.softmax((scores + delta).float(), dim=-1).to(query.dtype)
+        elif part == "weights" and delta is not None:
+            weights = weights + delta.to(weights.dtype)
+        if delta is not None:
+            output = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
     return output, weights
 
 
@@ -424,6 +441,8 @@ def _run_reference(
                 logits = _logits(model, ids)
         finally:
             _plan.current = None
+        if not seen:
+            raise Unchecked("the model's attention function was not called for this layer")
         return seen[0], logits
     edit: Optional[Callable[..., Tensor]] = None
     if delta is not None and ref.kind == "scale":
@@ -467,6 +486,7 @@ def _run_reference(
 
 
 def _run_point(hooked: Any, ids: Tensor, name: str, delta: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(the point's value, logits)`` with ``delta`` added at the point."""
     point = hooked.hook_dict[name]
     seen: list[Tensor] = []
 
@@ -484,39 +504,63 @@ def _run_point(hooked: Any, ids: Tensor, name: str, delta: Optional[Tensor]) -> 
     return seen[0], logits
 
 
-def check_point(hooked: Any, ids: Tensor, name: str, owner: dict[int, int]) -> Optional[str]:
-    """``None`` if ``name`` reads and edits as its reference does; why not otherwise."""
-    ref = reference(hooked, name)
-    if ref is None:
-        return "no independent reference to check it against"
-    model = hooked.hf_model
-    value, logits = _run_point(hooked, ids, name, None)
-    expected, plain = _run_reference(model, ids, ref, owner, None)
-    if not torch.equal(logits, plain) and not _same(logits, plain, float(plain.abs().max())):
-        return "hooking it changes the logits"
-    if ref.kind == "scale":  # the served scale reproduces the module's output from its input
-        output, x = expected[0], expected[1]
-        value, expected = _norm_output(ref.spec, x, ref.view(value)), output
-    if not _same(value, expected, float(expected.float().abs().max())):
-        return (
-            f"its value is not the reference's ({ref.kind} of {type(ref.module).__name__ if ref.module else ref.part})"
-        )
-    value, _ = _run_point(hooked, ids, name, None)
-    low = value.dtype not in (torch.float32, torch.float64)
-    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max()) if low else 0.0
+def _read_all(hooked: Any, ids: Tensor, names: list[str]) -> tuple[dict[str, Tensor], Tensor]:
+    """Every point's value (its first firing) and the logits, in one forward pass with all of them hooked."""
+    values: dict[str, Tensor] = {}
+    points = [hooked.hook_dict[name] for name in names]
+
+    def record(value: Tensor, hook: Any) -> None:
+        values.setdefault(hook.name, value.detach().clone())
+
+    for point in points:
+        point.add(record, "fwd")
+    try:
+        logits = _logits(hooked.hf_model, ids)
+    finally:
+        for point in points:
+            point.remove_hooks()
+    return values, logits
+
+
+def _delta(name: str, value: Tensor, ref: Reference, low: bool) -> Tensor:
+    """A random edit of a point's value: a tenth of its spread (half in half precision), nothing where it is
+    masked; an edit of a pattern keeps each row's sum."""
     generator = torch.Generator().manual_seed(len(name))
     finite = torch.isfinite(value) & (value.float() > -1e4)
     size = float(value.float()[finite].std()) if bool(finite.sum() > 1) else 1.0
     delta = torch.randn(value.shape, generator=generator).to(value.device) * ((0.5 if low else 0.1) * size + 1e-3)
-    delta = torch.where(finite, delta, torch.zeros_like(delta)).to(value.dtype)
-    if ref.part == "weights":  # an edit of the pattern keeps it a distribution
-        delta = delta - delta.mean(-1, keepdim=True) * finite
-        delta = delta * finite
+    delta = torch.where(finite, delta, torch.zeros_like(delta))
+    if ref.part == "weights":
+        delta = (delta - delta.mean(-1, keepdim=True)) * finite
+    return delta.to(value.dtype)
+
+
+def check_point(
+    hooked: Any, ids: Tensor, name: str, owner: dict[int, int], value: Tensor, plain: Tensor
+) -> Optional[str]:
+    """``None`` if ``name`` reads and edits as its reference does; why not otherwise (``value``: the point's value
+    and ``plain`` the logits, of an unedited forward pass). Two forward passes: an edit at the point, the same edit
+    at the reference (each reads its value before the edit)."""
+    ref = reference(hooked, name)
+    if ref is None:
+        return UNCHECKED + "no independent reference to check it against"
+    model = hooked.hf_model
+    low = value.dtype not in (torch.float32, torch.float64)
+    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max()) if low else 0.0
+    delta = _delta(name, value, ref, low)
     _, edited = _run_point(hooked, ids, name, delta)
-    _, reference_edited = _run_reference(model, ids, ref, owner, delta)
+    expected, reference_edited = _run_reference(model, ids, ref, owner, delta)
+    if ref.kind == "scale":  # the served scale reproduces the module's output from its input
+        output, x = expected[0], expected[1]
+        got, expected = _norm_output(ref.spec, x, ref.view(value)), output
+    else:
+        got = value
+    if not _same(got, expected, float(expected.float().abs().max())):
+        what = type(ref.module).__name__ if ref.module is not None else f"the attention function's {ref.part}"
+        return f"its value is not the reference's ({ref.kind} of {what})"
     scale = float((reference_edited - plain).abs().max())
     if scale == 0.0:
-        return "an edit of the reference does not move the logits, so the edit cannot be checked"
+        return UNCHECKED + "an edit of the reference does not move the logits, so the edit cannot be checked"
     if not _same(edited, reference_edited, scale, floor):
         moved = float((edited - plain).abs().max())
         return (
@@ -528,9 +572,12 @@ def check_point(hooked: Any, ids: Tensor, name: str, owner: dict[int, int]) -> O
 
 
 def check_points(hooked: Any, ids: Tensor, names: Iterable[str]) -> dict[str, Optional[str]]:
-    """Check each of ``names`` (points of the wiring ``hooked``): ``None`` where it holds, why not otherwise. Runs
-    with the model's own eager attention (the attention implementation is restored afterwards)."""
+    """Check each of ``names`` (points of the wiring ``hooked``): ``None`` where it holds, why not otherwise (a
+    reason starting with :data:`UNCHECKED` where there is no reference to check it against). Runs with the model's
+    own eager attention (the attention implementation is restored afterwards); one forward pass reads every point
+    and one the plain logits, then two per point."""
     model = hooked.hf_model
+    names = list(names)
     owner = {id(m): i for i, layer in enumerate(hooked.block_modules) for m in layer.modules()}
     results: dict[str, Optional[str]] = {}
     modes = {m: m.training for m in model.modules()}
@@ -538,9 +585,18 @@ def check_points(hooked: Any, ids: Tensor, names: Iterable[str]) -> dict[str, Op
     with torch.random.fork_rng(devices=devices), torch.no_grad(), _attention(model, "eager"):
         model.eval()
         try:
+            plain = _logits(model, ids)
+            values, read = _read_all(hooked, ids, names)
+            if not torch.equal(read, plain) and not _same(read, plain, float(plain.float().abs().max())):
+                return dict.fromkeys(names, "reading the points changes the logits")
             for name in names:
+                if name not in values:
+                    results[name] = "the point did not fire"
+                    continue
                 try:
-                    results[name] = check_point(hooked, ids, name, owner)
+                    results[name] = check_point(hooked, ids, name, owner, values[name], plain)
+                except Unchecked as why:
+                    results[name] = UNCHECKED + str(why)
                 except Exception as exc:  # whatever fails, the point is not verified
                     results[name] = f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
         finally:

@@ -126,8 +126,8 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
 
 
 def test_what_cannot_be_identified_is_absent_and_explained():
-    """Gemma 2 (wrapped without its plugin): softcapped attention gets no patterns, post-norm blocks no branch
-    outputs, and the (1 + weight) RMSNorm is recognised as such; the warning says why for each."""
+    """Gemma 2 (wrapped without its plugin): softcapped attention gets no patterns (the warning says why), its
+    sandwich-norm blocks are described, and the (1 + weight) RMSNorm is recognised as such."""
     model = _tiny(
         Gemma2Config,
         intermediate_size=48,
@@ -140,10 +140,15 @@ def test_what_cannot_be_identified_is_absent_and_explained():
     with pytest.warns(GenericAdapterWarning) as warned:
         hm = HookedModel.wrap(model, registry=Registry())
     message = str(warned[0].message)
-    assert "'softcap'" in message and "hook_attn_out" in message and "writing-a-plugin" in message
     names = hm.hook_names
-    assert not any(n.endswith(("hook_pattern", "hook_attn_scores", "hook_attn_out", "hook_mlp_out")) for n in names)
-    assert "blocks.1.attn.hook_z" in names and "ln_final.hook_normalized" in names
+    # described automatically (sandwich norms with (1 + weight), q/k/v, rotary); the softcapped patterns have no
+    # plain-attention reference to verify them against: not served, and the warning says why
+    assert "hook_pattern" in message and "plain softmax attention does not account for" in message, message
+    assert "writing-a-plugin" in message
+    assert not any(n.endswith(("hook_pattern", "hook_attn_scores")) for n in names)
+    for point in ("attn.hook_z", "attn.hook_q", "hook_attn_out", "hook_mlp_out", "ln1_post.hook_scale"):
+        assert f"blocks.1.{point}" in names, point
+    assert "ln_final.hook_normalized" in names
     spec = hm.norm_spec(hm.norm_module("ln_final"))
     assert spec.kind == "RMS" and spec.weight_offset == 1.0
     seen = []

@@ -175,7 +175,7 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
         points: dict[str, HookPoint] = {}
         qkv = hm.qkv_layouts[layer]
         shared = isinstance(qkv, SeparateQKV) and (qkv.kv_from is not None or qkv.values_from_keys)
-        withheld = getattr(hm, "withheld", set())
+        withheld: set[str] = getattr(hm, "withheld", set())
         if pre + "hook_q_input" in withheld:  # a plugin could not verify them: none of the block's head inputs
             continue
         for name in NAMES:

@@ -32,9 +32,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lensadapters.adapters.generic.identify import BlockFindings, NormBehaviour, norm_behaviour
+from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import InterfaceCall, Recording
-from lensadapters.adapters.hf_helpers import fused_qkv_split, partial_rotary_factor, text_config
 from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
 from lensadapters.hooks.specs import (
     BlockLayout,
@@ -106,9 +105,9 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
         if callable(fn):
             found.append((None, fn))
     for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
-        name = getattr(config, key, None)
-        if isinstance(name, str) and name in ACT2FN:
-            found.append((name, ACT2FN[name]))
+        act_name = getattr(config, key, None)
+        if isinstance(act_name, str) and act_name in ACT2FN:
+            found.append((act_name, ACT2FN[act_name]))
     names = [n for n, _ in found if n is not None]
     return [(names[0] if names else n, fn) for n, fn in found]
 
@@ -147,10 +146,28 @@ def interleaved_spec(rotary_dim: int, from_half_layout: bool) -> RotarySpec:
     return RotarySpec(rotary_dim, apply, invert)
 
 
+def text_config(model: nn.Module) -> Any:
+    get = getattr(model.config, "get_text_config", None)
+    return get() if get is not None else model.config
+
+
+def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
+    """``(split, merge)`` of one projection's ``[q | k | v]`` output, each part as ``[..., heads, d]``."""
+    widths = [heads * d, kv * d, kv * d]
+
+    def split(t: Tensor) -> tuple[Tensor, ...]:
+        return tuple(part.unflatten(-1, (part.shape[-1] // d, d)) for part in t.split(widths, dim=-1))
+
+    def merge(*parts: Tensor) -> Tensor:
+        return torch.cat([part.flatten(-2) for part in parts], dim=-1)
+
+    return split, merge
+
+
 def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
-    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs, on the whole head or the config's
-    ``partial_rotary_factor`` of it: each is tried on the probe's queries and keys."""
-    dims = dict.fromkeys([d_head, int(d_head * partial_rotary_factor(config)), cos.shape[-1]])
+    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs, on the whole head or on the first
+    dimensions the table covers (partial rotary): each is tried on the probe's queries and keys."""
+    dims = dict.fromkeys([d_head, cos.shape[-1], 2 * cos.shape[-1]])
     specs = []
     for r in dims:
         if r % 2 or r > d_head:
@@ -225,7 +242,7 @@ def _describe_attention(
     prefix = attn + "."
     heads, kv, d = call.heads, call.kv_heads, call.d_head
     assert call.query is not None and call.key is not None and call.value is not None
-    linears = {
+    linears: dict[str, Any] = {
         path[len(prefix) :]: io
         for (layer_i, path), io in rec.inner.items()
         if layer_i == i and path.startswith(prefix) and io[0] is not None and io[1] is not None
@@ -234,7 +251,7 @@ def _describe_attention(
     o_proj = [p for p, (x, y) in linears.items() if _close(x, z) and _close(y, attn_out)]
     if len(o_proj) != 1:
         raise NotDescribed("no single linear module maps the attention function's output to the attention output")
-    readers = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
+    readers: dict[str, Any] = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
     norms: dict[str, NormBehaviour] = {}
     value_t = call.value.transpose(1, 2)  # [b, p, kv, d]
     fused = [p for p, y in readers.items() if y.shape[-1] == (heads + 2 * kv) * d]
@@ -298,7 +315,7 @@ def _describe_mlp(
     x, y = rec.inner.get((i, mlp), (None, None))
     if x is None or y is None:
         raise NotDescribed("the probe saw no input or output of the MLP module")
-    linears = {
+    linears: dict[str, Any] = {
         path[len(prefix) :]: io
         for (layer_i, path), io in rec.inner.items()
         if layer_i == i and path.startswith(prefix) and _is_linear(layer.get_submodule(path)) and io[0] is not None
@@ -330,7 +347,7 @@ def describe_layer(
     model: nn.Module,
     layer: nn.Module,
     i: int,
-    found: BlockFindings,
+    found: Any,
     rec: Recording,
     rotary: list[Optional[RotarySpec]],
     cos_sin: Optional[tuple[Tensor, Tensor]],
@@ -377,8 +394,8 @@ def describe_layer(
     ln1, ln2, ln1_post, ln2_post = roles["ln1"], roles["ln2"], roles["ln1_post"], roles["ln2_post"]
     if ln1 is None and not _close(attn_in, resid_pre):
         raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
-    attn_branch = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
-    mlp_branch = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
+    attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
+    mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
     mid = resid_pre + attn_branch
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
     if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
@@ -420,9 +437,7 @@ def _rotary_module(
     return found[0][0], (found[0][1][0], found[0][1][1])
 
 
-def describe(
-    model: nn.Module, layers: list[nn.Module], blocks: tuple[BlockFindings, ...], rec: Recording
-) -> Description:
+def describe(model: nn.Module, layers: list[nn.Module], blocks: tuple[Any, ...], rec: Recording) -> Description:
     first = next((c for c in rec.calls if c.layer is not None), None)
     d_head = first.d_head if first is not None else 0
     rotary_path, cos_sin = _rotary_module(model, rec, d_head)

@@ -12,6 +12,7 @@ from torch import nn
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
+from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
 from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.hook_point import HookPoint
@@ -43,10 +44,11 @@ def findings(model: nn.Module) -> Findings:
     found = _findings.get(model)
     if found is None:
         found = _findings[model] = identify(model)
+        OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
-            layers = list(model.get_submodule(found.structure.layers))
+            layers = list(model.get_submodule(found.structure.layers).children())
             for layer, described in zip(layers, found.description.layers):
                 for path, behaviour in (described.norms if described is not None else {}).items():
                     _norms[layer.get_submodule(path)] = behaviour

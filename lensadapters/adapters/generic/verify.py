@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, cast
 
 import torch
 from torch import nn
@@ -45,6 +46,11 @@ _registered: list[bool] = []
 
 
 UNCHECKED = "unchecked: "
+#: the attention and MLP children of a model's opaque layers whose outputs the generic adapter serves (it records
+#: them here when it identifies a model)
+OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[str], Optional[str]]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Unchecked(Exception):
@@ -106,12 +112,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
         return Reference("attn", layer=i, part="weights" if rest.endswith("pattern") else "scores")
     if bl is None:  # an opaque block: the generic adapter's own points
-        from lensadapters.adapters.generic.plugin import findings
-
-        found = findings(model).blocks[i]
         if rest == "attn.hook_z":
             return Reference("attn", layer=i, part="output")
-        path = found.attn if rest == "hook_attn_out" else found.mlp if rest == "hook_mlp_out" else None
+        attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))
+        path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
         return Reference("out", get(path)) if path is not None else None
     qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
     if bl.post_norm or bl.more_after_mlp:
@@ -287,15 +291,15 @@ def _verify_key() -> str:
         from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
 
-        AttentionInterface.register(VERIFY_KEY, _verify_attention)
-        AttentionMaskInterface.register(VERIFY_KEY, AttentionMaskInterface._global_mapping["eager"])
+        AttentionInterface.register(VERIFY_KEY, cast(Any, _verify_attention))
+        AttentionMaskInterface.register(VERIFY_KEY, cast(Any, AttentionMaskInterface._global_mapping["eager"]))
         _registered.append(True)
     return VERIFY_KEY
 
 
 @contextlib.contextmanager
 def _attention(model: nn.Module, key: str):
-    config = model.config
+    config: Any = model.config
     implementation = getattr(config, "_attn_implementation", None)
     config._attn_implementation = key
     try:
@@ -390,7 +394,7 @@ def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor]) -> "_Handle
     return _Handles(handles)
 
 
-def _plain_hook(ref: Reference, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> Any:
+def _plain_hook(ref: Reference, edit: Optional[Callable[..., Tensor]], seen: list[Tensor]) -> Any:
     """A plain PyTorch hook at the reference: records the tensor and (``edit``) replaces it."""
     assert ref.module is not None
     if ref.kind == "result":

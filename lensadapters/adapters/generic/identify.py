@@ -438,7 +438,7 @@ def identify(model: nn.Module) -> Findings:
                     why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in by_reason.items()
                 )
             )
-        if not description.any:
+        if description.why:  # described only where every layer is (a model's layers mix no two kinds of serving)
             description = None
     return Findings(
         structure,

@@ -47,6 +47,16 @@ def _configs(model_type: str, **extra: Any) -> st.SearchStrategy:
     return configs()
 
 
+def _alternating(model_type: str, **extra: Any) -> st.SearchStrategy:
+    """Sliding (window 3) and full-attention layers, alternating."""
+    return _configs(
+        model_type,
+        sliding_window=3,
+        layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
+        **extra,
+    )
+
+
 class _Described(GenericContract):
     described = branches = attention_function = patterns = final_norm = True
 
@@ -54,11 +64,7 @@ class _Described(GenericContract):
 class TestCohere2(_Described):
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return _configs(
-            "cohere2",
-            sliding_window=3,
-            layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
-        )
+        return _alternating("cohere2")
 
 
 class TestSmolLM3(_Described):
@@ -70,11 +76,7 @@ class TestSmolLM3(_Described):
 class TestOlmo3(_Described):
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return _configs(
-            "olmo3",
-            sliding_window=3,
-            layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
-        )
+        return _alternating("olmo3")
 
 
 class TestGlm4(_Described):
@@ -86,11 +88,7 @@ class TestGlm4(_Described):
 class TestExaone4(_Described):
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return _configs(
-            "exaone4",
-            sliding_window=3,
-            layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
-        )
+        return _alternating("exaone4")
 
 
 class TestHelium(_Described):

@@ -77,6 +77,22 @@ def _heads(n: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor
     return (lambda t: t.unflatten(-1, (n, t.shape[-1] // n))), (lambda d, t: d.flatten(-2))
 
 
+def _part(
+    split: Callable[..., Any], merge: Callable[..., Tensor], index: int
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    """A fused projection's part ``index`` (``split``), and a delta of it as the fused output's (zeros elsewhere)."""
+
+    def view(t: Tensor) -> Tensor:
+        return split(t)[index]
+
+    def unview(d: Tensor, t: Tensor) -> Tensor:
+        parts = [torch.zeros_like(p) for p in split(t)]
+        parts[index] = d
+        return merge(*parts)
+
+    return view, unview
+
+
 def _norm_view(spec: Any) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
     """``hook_normalized`` of a norm: its output (LayerNorm) or its output over ``offset + weight`` (RMSNorm)."""
     if spec.kind == "LN" or spec.weight is None:
@@ -148,17 +164,7 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             view, unview = _heads(heads)
             return Reference("out", get(getattr(qkv, which)), view, unview)
         if isinstance(qkv, FusedQKV):
-            index = "qkv".index(which)
-
-            def fused_view(t: Tensor) -> Tensor:
-                return qkv.split(t)[index]
-
-            def fused_unview(d: Tensor, t: Tensor) -> Tensor:
-                parts = [torch.zeros_like(p) for p in qkv.split(t)]
-                parts[index] = d
-                return qkv.merge(*parts)
-
-            return Reference("out", get(qkv.module), fused_view, fused_unview)
+            return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
         return None
     if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
         return Reference("attn", layer=i, part="query" if rest.endswith("q") else "key")
@@ -184,16 +190,7 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if isinstance(mlp, FusedGateUp):
         if rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
             index = 0 if rest == "mlp.hook_pre" else 1
-
-            def gate_view(t: Tensor) -> Tensor:
-                return mlp.split(t)[index]
-
-            def gate_unview(d: Tensor, t: Tensor) -> Tensor:
-                parts = [torch.zeros_like(p) for p in mlp.split(t)]
-                parts[index] = d
-                return mlp.merge(*parts)
-
-            return Reference("out", get(mlp.module), gate_view, gate_unview)
+            return Reference("out", get(mlp.module), *_part(mlp.split, mlp.merge, index))
         if rest == "mlp.hook_post":
             return Reference("in", get(mlp.out))
     return None

@@ -1,9 +1,10 @@
 """The census (:mod:`lensadapters.testing.census`) on a sample of model types, and the wrap-time verification of the
 generic adapter's automatic description: a served point whose value or edit is not what its name says is caught.
 
-The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full (parallel
-blocks with interleaved rotary and q/k LayerNorms, partial rotary with biases, per-layer rotary and norms after the
-branches). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over every causal-LM model type (several minutes).
+The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
+transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
+rotary with norms after the branches, branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
+every causal-LM model type (several minutes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "stablelm", "olmo3", "granite")
+SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite")
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -45,7 +46,7 @@ def test_census_cli_prints_the_table_and_the_summary(capsys: pytest.CaptureFixtu
     assert "| llama | llama | 17/17 | FULL |" in out and "FULL 1/1 = 100.0%" in out
 
 
-def _described(model_type: str = "stablelm") -> tuple[torch.nn.Module, HookedModel]:
+def _described(model_type: str = "helium") -> tuple[torch.nn.Module, HookedModel]:
     model = build(model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GenericAdapterWarning)
@@ -81,7 +82,7 @@ def test_a_point_that_fails_verification_is_not_served_and_the_warning_says_why(
         return "a deliberate failure" if name.endswith("attn.hook_v") else original(hooked, ids, name, *args)
 
     monkeypatch.setattr(verify, "check_point", failing)
-    model = build("stablelm")
+    model = build("helium")
     with pytest.warns(GenericAdapterWarning) as warned:
         hm = HookedModel.wrap(model)
     message = " ".join(str(w.message) for w in warned)

@@ -75,6 +75,55 @@ class GenericPoints:
     final_norm: Optional[bool] = None  # ln_final.hook_normalized
 
 
+def check_described_weights(hm: HookedModel, inputs: Inputs) -> None:
+    """A described model: the canonical points of every block, and the weights reproducing the projections' outputs
+    (``hook_q == input @ W_Q + b_Q`` per head, ``W_K``/``W_V`` with their key/value heads, ``hook_z @ W_O + b_O`` the
+    attention output, ``W_in``/``W_gate`` the MLP's pre-activations, ``hook_post @ W_out + b_out`` its output), the
+    projections' inputs read by plain PyTorch hooks."""
+    names = set(hm.hook_names)
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for i, (block, qkv, mlp) in enumerate(zip(hm.block_modules, hm.qkv_layouts, hm.mlp_layouts)):
+        for n in ("hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "hook_resid_post"):
+            assert f"blocks.{i}.{n}" in names, f"blocks.{i}.{n} not served: {sorted(names)}"
+        module = block.get_submodule(getattr(qkv, "q", None) or qkv.module)
+        handles.append(module.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(f"q{i}", a[0])))
+        first = block.get_submodule(mlp.pre if hasattr(mlp, "pre") else mlp.module)
+        handles.append(first.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(f"mlp{i}", a[0])))
+    try:
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**inputs.kwargs())
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, bl in enumerate(hm.block_layouts):
+        x, pre = seen[f"q{i}"], f"blocks.{i}."
+        for w, b, point in (
+            ("W_Q", "b_Q", "attn.hook_q"),
+            ("_W_K", "_b_K", "attn.hook_k"),
+            ("_W_V", "_b_V", "attn.hook_v"),
+        ):
+            got = torch.einsum("bpd,hde->bphe", x, getattr(hm, w)[i]) + getattr(hm, b)[i]
+            assert_close(got, cache[pre + point], f"layer {i}: input @ {w} + {b} vs {point}")
+        if bl.ln1_post is None:
+            out = torch.einsum("bphe,hed->bpd", cache[pre + "attn.hook_z"], hm.W_O[i]) + hm.b_O[i]
+            assert_close(out, cache[pre + "hook_attn_out"], f"layer {i}: hook_z @ W_O + b_O vs hook_attn_out")
+        if pre + "mlp.hook_pre" in cache:
+            m = seen[f"mlp{i}"]
+            gated = pre + "mlp.hook_pre_linear" in cache
+            w_pre = hm.W_gate[i] if gated else hm.W_in[i]
+            assert_close(
+                m @ w_pre + (hm.b_gate[i] if gated else hm.b_in[i]),
+                cache[pre + "mlp.hook_pre"],
+                f"layer {i}: W_gate/W_in",
+            )
+            if gated:
+                assert_close(m @ hm.W_in[i] + hm.b_in[i], cache[pre + "mlp.hook_pre_linear"], f"layer {i}: W_in")
+            if bl.ln2_post is None:
+                out = cache[pre + "mlp.hook_post"] @ hm.W_out[i] + hm.b_out[i]
+                assert_close(out, cache[pre + "hook_mlp_out"], f"layer {i}: hook_post @ W_out + b_out vs hook_mlp_out")
+
+
 class GenericContract(GradientContract):
     """Properties of the generic adapter on one architecture (see the module docstring)."""
 
@@ -83,6 +132,9 @@ class GenericContract(GradientContract):
     attention_function: ClassVar[Optional[bool]] = None
     patterns: ClassVar[Optional[bool]] = None
     final_norm: ClassVar[Optional[bool]] = None
+    #: whether the automatic description serves every block (its queries, keys, values, norm scales, MLP
+    #: activations and weights, each verified at wrap time); ``None``: not checked
+    described: ClassVar[Optional[bool]] = None
     max_batch: ClassVar[int] = 2
     max_len: ClassVar[int] = 7
 
@@ -160,6 +212,13 @@ class GenericContract(GradientContract):
                     assert all((p in block) == flag for p in points), f"layer {i}: expected {points} {flag}: {block}"
         if expected.final_norm is not None:
             assert ("ln_final.hook_normalized" in names) == expected.final_norm
+        described = all(layout is not None for layout in hm.block_layouts)
+        if self.described is not None:
+            assert described == self.described, f"described: {described}, declared {self.described}: {message}"
+        if described:
+            check_described_weights(hm, inputs)
+            hm.unwrap()
+            return
         assert not any(
             n.endswith(
                 (

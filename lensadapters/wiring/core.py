@@ -112,6 +112,9 @@ class Wiring(CoreSites, Installation):
         self.guard = ModuleGuard(hf_model)  # the module paths as they are now, before any plugin code runs
         self._points: dict[str, HookPoint] = {}
         self._claimed: dict[str, str] = {}  # point name -> the plugin serving it instead of the core
+        #: points the core creates after ``lensadapters_extra_sites`` (the per-head inputs) that a plugin asks it not
+        #: to create (the generic adapter, for what it could not verify)
+        self.withheld: set[str] = set()
         self._building = False
         self._sites: list[Site] = []
         self._point_sites: dict[HookPoint, list[Site]] = {}

@@ -230,7 +230,8 @@ class CoreSites:
     def _block_point(self, layer: int) -> Callable[[str], Optional[HookPoint]]:
         def get(name: str) -> Optional[HookPoint]:
             full = f"blocks.{layer}.{name}"
-            return self._core(full) if full in self._points else None
+            # a point a plugin claimed (and perhaps removed, as not served) gets a stand-in the core's site fires
+            return self._core(full) if full in self._points or full in self._claimed else None
 
         return get
 

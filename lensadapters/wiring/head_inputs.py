@@ -179,7 +179,12 @@ def head_input_sites(hm: "Hooked") -> list[Site]:
         points: dict[str, HookPoint] = {}
         qkv = hm.qkv_layouts[layer]
         shared = isinstance(qkv, SeparateQKV) and (qkv.kv_from is not None or qkv.values_from_keys)
+        withheld: set[str] = getattr(hm, "withheld", set())
+        if pre + "hook_q_input" in withheld:  # a plugin could not verify them: none of the block's head inputs
+            continue
         for name in NAMES:
+            if pre + name in withheld:
+                continue
             if name == "hook_attn_in" and cfg.n_key_value_heads != cfg.n_heads:
                 continue  # grouped-query attention: no per-head input feeds a key/value head
             if shared and name in ("hook_k_input", "hook_v_input"):

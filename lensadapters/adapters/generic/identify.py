@@ -37,14 +37,14 @@ The rules (each decided per model, and per layer where layers differ; nothing is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import Recording, run_embedding_edit, run_probe
 from lensadapters.adapters.generic.structure import Structure, find_structure
-from lensadapters.hooks.specs import NormSpec
 
 Tensor = torch.Tensor
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
@@ -60,23 +60,6 @@ class BlockFindings:
     mlp: Optional[str] = None  # the child whose output is hook_mlp_out
     attention_function: Optional[str] = None  # the module the attention interface is called with ("" = the layer)
     copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
-
-
-@dataclass(frozen=True)
-class NormBehaviour:
-    """How the final norm normalizes, as the probe saw it (``offset``: RMSNorm's weight is ``offset + weight``)."""
-
-    kind: str
-    eps: Optional[float]
-    offset: float = 0.0
-
-    def spec(self, module: nn.Module) -> Optional[NormSpec]:
-        if self.eps is None:
-            return None
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        weight = weight if isinstance(weight, Tensor) else None
-        bias = bias if isinstance(bias, Tensor) else None
-        return NormSpec(self.kind, self.eps, weight, bias if self.kind == "LN" else None, self.offset)
 
 
 @dataclass(frozen=True)
@@ -97,45 +80,8 @@ class Findings:
     d_head: Optional[int] = None
     missing: dict[str, str] = field(default_factory=dict)  # absent points (a plain-language group) -> why
     unserved_weights: dict[str, str] = field(default_factory=dict)  # W_E / W_U the probe could not verify -> why
-
-
-def _eps(module: nn.Module) -> Optional[float]:
-    for name in ("variance_epsilon", "eps", "epsilon"):
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
-
-
-def _matches(expected: Tensor, actual: Tensor) -> bool:
-    tol = 1e-4 if actual.dtype in (torch.float32, torch.float64) else 2e-2
-    err = (expected.float() - actual.float()).norm()
-    return bool(err <= tol * actual.float().norm() + 1e-12)
-
-
-def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBehaviour]:
-    """LayerNorm or RMSNorm of ``x`` with ``module``'s own weight (and bias), if that is what ``y`` is."""
-    if x.shape != y.shape:
-        return None
-    eps = _eps(module)
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    w = weight.detach().float() if isinstance(weight, Tensor) and weight.shape == x.shape[-1:] else None
-    b = bias.detach().float() if isinstance(bias, Tensor) and bias.shape == x.shape[-1:] else None
-    if weight is not None and w is None:
-        return None
-    xf = x.float()
-    var, mean = torch.var_mean(xf, -1, correction=0, keepdim=True)
-    ln = (xf - mean) / torch.sqrt(var + (eps if eps is not None else 1e-5))
-    ln = ln * w if w is not None else ln
-    if _matches(ln + b if b is not None else ln, y):
-        return NormBehaviour("LN", eps)
-    if eps is None:  # RMSNorm's hook_normalized is computed from the scale: eps must be known exactly
-        return None
-    rms = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    for offset in (0.0, 1.0):
-        if _matches(rms * (w + offset) if w is not None else rms, y) and (w is not None or offset == 0.0):
-            return NormBehaviour("RMS", eps, offset)
-    return None
+    description: Optional[Any] = None  # the automatic description (:mod:`.describe`), where a layer has one
+    unverified: dict[str, str] = field(default_factory=dict)  # described points that failed verification -> why
 
 
 def _sums_to_output(x: Tensor, parts: list[Tensor], y: Tensor) -> bool:
@@ -478,6 +424,22 @@ def identify(model: nn.Module) -> Findings:
     if logit_scale is None:
         unserved["W_U"] = why
     first = next((c for c in rec.calls if c.layer is not None), None)
+    description = None
+    if order == list(range(n)):
+        from lensadapters.adapters.generic.describe import describe
+
+        description = describe(model, layers, blocks, rec)
+        if description.why:
+            by_reason: dict[str, list[int]] = {}
+            for i, why in description.why.items():
+                by_reason.setdefault(why, []).append(i)
+            missing["the automatic description (queries, keys, values, norm scales, MLP activations, weights)"] = (
+                "; ".join(
+                    why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in by_reason.items()
+                )
+            )
+        if description.why:  # described only where every layer is (a model's layers mix no two kinds of serving)
+            description = None
     return Findings(
         structure,
         blocks,
@@ -493,4 +455,5 @@ def identify(model: nn.Module) -> Findings:
         kv_heads=first.kv_heads if first else None,
         d_head=first.d_head if first else None,
         missing=missing,
+        description=description,
     )

@@ -12,11 +12,12 @@ from torch import nn
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
+from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
 from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import NormSite, Site
-from lensadapters.hooks.specs import Architecture, HookedConfig, ModelLayout, NormSpec
+from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, NormSpec
 
 NAME = "generic"
 ARCH = Architecture(
@@ -27,6 +28,7 @@ ARCH = Architecture(
 )
 #: what the generic adapter serves of the weight accessors; the others need a plugin
 WEIGHTS = ("W_E", "W_U")
+UNVERIFIED = "unverified"  # the group of ``Findings.missing`` naming the described points that failed verification
 
 _findings: "weakref.WeakKeyDictionary[nn.Module, Findings]" = weakref.WeakKeyDictionary()
 Tensor = torch.Tensor
@@ -42,9 +44,25 @@ def findings(model: nn.Module) -> Findings:
     found = _findings.get(model)
     if found is None:
         found = _findings[model] = identify(model)
+        OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
+        if found.description is not None:
+            layers = list(model.get_submodule(found.structure.layers).children())
+            for layer, described in zip(layers, found.description.layers):
+                for path, behaviour in (described.norms if described is not None else {}).items():
+                    _norms[layer.get_submodule(path)] = behaviour
     return found
+
+
+def _described(model: nn.Module, layer: int) -> Optional[Any]:
+    d = findings(model).description
+    return d.layers[layer] if d is not None else None
+
+
+def _fully_described(model: nn.Module) -> bool:
+    d = findings(model).description
+    return d is not None and all(layer is not None for layer in d.layers)
 
 
 @hookimpl
@@ -63,6 +81,10 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
     heads = found.heads or getattr(c, "num_attention_heads", None)
     d_head = found.d_head or (d_model // heads if d_model and heads else None)
     behaviour = found.final_norm_behaviour
+    d = found.description
+    described = [layer for layer in d.layers if layer is not None] if d is not None else []
+    if described and described[0].norms:
+        behaviour = next(iter(described[0].norms.values()))
     return HookedConfig(
         n_layers=len(found.blocks),
         d_model=d_model,
@@ -71,29 +93,38 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
         d_mlp=getattr(c, "intermediate_size", None),
         d_vocab=d_vocab or getattr(c, "vocab_size", None),
         n_ctx=getattr(c, "max_position_embeddings", None),
-        act_fn=getattr(c, "hidden_act", None),
+        act_fn=(described[0].act_fn if described else None) or getattr(c, "hidden_act", None),
         normalization_type=behaviour.kind if behaviour is not None else None,  # type: ignore[arg-type]
-        positional_embedding_type=None,  # type: ignore[arg-type]
+        positional_embedding_type="rotary" if d is not None and d.rotary else None,  # type: ignore[arg-type]
+        rotary_dim=d.rotary_dim if d is not None and d.rotary else None,
         model_type=getattr(c, "model_type", "") or type(model).__name__,
         n_key_value_heads=found.kv_heads or getattr(c, "num_key_value_heads", None) or heads,
-        parallel_attn_mlp=None,
-        gated_mlp=None,  # type: ignore[arg-type]
+        parallel_attn_mlp=described[0].block.parallel if described else None,  # type: ignore[arg-type]
+        gated_mlp=described[0].gated if described else None,  # type: ignore[arg-type]
         eps=behaviour.eps if behaviour is not None and behaviour.eps is not None else 1e-5,
         original_architecture=type(model).__name__,
-        extra={"adapter": NAME},
+        extra={"adapter": NAME, "described": d is not None},
     )
 
 
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     found = findings(model)
-    s, scale = found.structure, found.embed_scale
+    s, scale, d = found.structure, found.embed_scale, found.description
+    described = {}
+    if d is not None:  # the core serves the final norm's points and rotary of the described layers
+        behaviour = found.final_norm_behaviour
+        if found.final_norm is not None and behaviour is not None and behaviour.eps is not None:
+            described["ln_final"] = found.final_norm
+        described["rotary"] = d.rotary
+        described["rotary_input"] = d.rotary_input
     if scale is None or scale == 1.0:
-        return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed)
+        return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed, **described)
     return ModelLayout(
         blocks=s.layers,
         embed=s.embed,
         unembed=s.unembed,
+        **described,
         embed_scale=scale,
         # after the module: hook_embed is the first layer's input, checked to be the product in every forward
         embed_scale_after_module=not found.embed_scaled_in_module,
@@ -102,9 +133,23 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
 
 
 @hookimpl
-def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> None:
-    """Every block is opaque to the core: the generic adapter serves its points (``lensadapters_extra_sites``)."""
-    return None
+def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> Optional[BlockLayout]:
+    """A described layer's layout (:mod:`.describe`); any other block is opaque to the core: the generic adapter
+    serves its points (``lensadapters_extra_sites``)."""
+    described = _described(model, layer)
+    return described.block if described is not None else None
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> Any:
+    described = _described(model, layer)
+    return described.qkv if described is not None else None
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Any:
+    described = _described(model, layer)
+    return described.mlp if described is not None else None
 
 
 @hookimpl
@@ -129,6 +174,15 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
             unembed = hooked.hf_model.get_submodule(found.structure.unembed)
             return hooked.read_linear(unembed).W * found.logit_scale
         return None
+    found = findings(hooked.hf_model)
+    if _fully_described(hooked.hf_model):
+        why = found.unverified.get(key)
+        if why is not None:
+            raise WeightUnavailableError(
+                f"hm.{key}: the generic adapter described this {type(hooked.hf_model).__name__} but could not verify "
+                f"{key}: {why}. A plugin can describe it (see {WRITE_A_PLUGIN})"
+            )
+        return None  # the core reads it from the verified description
     raise WeightUnavailableError(
         f"hm.{name.lstrip('_')}: this {type(hooked.hf_model).__name__} is wrapped by the generic adapter (no plugin "
         f"supports model_type {hooked.cfg.model_type!r}), which reads only {' and '.join(WEIGHTS)}: where the other "
@@ -149,11 +203,13 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"), copy=True)
         )
     modules = [
-        layer.get_submodule(b.attention_function) if b.attention_function is not None else None
-        for layer, b in zip(hooked.block_modules, found.blocks)
+        layer.get_submodule(b.attention_function) if b.attention_function is not None and bl is None else None
+        for layer, b, bl in zip(hooked.block_modules, found.blocks, hooked.block_layouts)
     ]
     backend = AttentionFunctionBackend(model.config, modules)
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
+        if hooked.block_layouts[i] is not None:  # described: the core serves its points
+            continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied
         if "hook_resid_pre" in points:
@@ -174,7 +230,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
         if "hook_resid_post" in points:
             sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
-    if found.final_norm is not None and found.final_norm_behaviour is not None:
+    if hooked.layout.ln_final is None and found.final_norm is not None and found.final_norm_behaviour is not None:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")
         hooked.register_norm("ln_final", norm)
@@ -183,7 +239,98 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+    if found.description is not None:
+        failed = _serve_verified(hooked)
+        sites = [site for site in sites if not any(p.name in failed for p in site.points)]
     return sites
+
+
+# --- verification of the described points -------------------------------------------------------------------
+
+_verifying: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _representatives(hooked: Any) -> dict[int, int]:
+    """Each described layer's representative: the first layer with the same class and the same description (its
+    points are checked; the others' verdicts are the representative's), and the last layer checks itself."""
+    seen: dict[Any, int] = {}
+    out = {}
+    n = len(hooked.block_modules)
+    for i, (layer, bl) in enumerate(zip(hooked.block_modules, hooked.block_layouts)):
+        if bl is None:
+            continue
+        key = (
+            type(layer),
+            bl,
+            repr(hooked.qkv_layouts[i]).split(" at 0x")[0],
+            repr(hooked.mlp_layouts[i]).split(" at 0x")[0],
+        )
+        out[i] = i if i == n - 1 else seen.setdefault(key, i)
+    return out
+
+
+def verify_description(hooked: Any) -> dict[str, str]:
+    """The described points of ``hooked`` (a wiring) that fail :func:`.verify.check_points`, with why: every point
+    of a representative layer, ``hook_embed`` and the final norm's, checked on a probe forward pass of a second wiring
+    of the same description (built, checked, uninstalled)."""
+    from lensadapters.adapters.generic.probe import PROBE_LENGTH
+    from lensadapters.adapters.generic.verify import check_points
+
+    model = hooked.hf_model
+    reps = _representatives(hooked)
+    _verifying.add(model)
+    try:
+        probe = type(hooked)(hooked.model, model, hooked.arch, hooked.plugin, hooked.plugin_hooks)
+    finally:
+        _verifying.discard(model)
+    names = [n for n in probe.hook_names if not n.startswith("blocks.")]
+    for name in probe.hook_names:
+        if name.startswith("blocks.") and int(name.split(".")[1]) in set(reps.values()):
+            names.append(name)
+    embed = model.get_input_embeddings()
+    vocab = int(getattr(embed, "num_embeddings", None) or model.config.vocab_size)
+    weight = getattr(embed, "weight", None)
+    device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
+    ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(2)).to(device)
+    try:
+        results = check_points(probe, ids, names)
+    finally:
+        probe.uninstall()
+    failed = {name: why for name, why in results.items() if why is not None}
+    for name in probe.hook_names:  # a layer's verdicts are its representative's
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            rep = reps.get(int(i))
+            if rep is not None and rep != int(i):
+                why = failed.get(f"blocks.{rep}.{rest}")
+                if why is not None:
+                    failed[name] = why
+    return failed
+
+
+def _serve_verified(hooked: Any) -> set[str]:
+    """Remove every point that failed verification (the warning says which and why); their names."""
+    model = hooked.hf_model
+    if model in _verifying:
+        return set()
+    found = findings(model)
+    found.unverified.clear()
+    found.unverified.update(verify_description(hooked))
+    if _fully_described(model):  # the probe's notes on the opaque blocks' points no longer apply
+        for group in ("hook_attn_out and hook_mlp_out", "attention scores and patterns"):
+            found.missing.pop(group, None)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in found.unverified.items():
+        by_reason.setdefault(why, []).append(name)
+    if by_reason:
+        found.missing[UNVERIFIED] = "; ".join(f"{describe_points(names)}: {why}" for why, names in by_reason.items())
+    for name in found.unverified:
+        if name in hooked.hook_dict:
+            hooked.claim_point(name)
+            hooked.remove_point(name)
+        else:  # a point the core creates after the plugins' sites (the per-head inputs)
+            hooked.withheld.add(name)
+    return set(found.unverified)
 
 
 # --- the warning ------------------------------------------------------------------------------------------------
@@ -224,10 +371,20 @@ def summary(hooked: Any, fallback: bool = True) -> str:
         f"{describe_points(hooked.hook_names)}."
     )
     for group, why in found.missing.items():
-        text += f" No {group}: {why}."
-    text += (
-        f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
-        f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture: see "
-        f"{WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
-    )
+        text += f" Not served, as they failed verification: {why}." if group == UNVERIFIED else f" No {group}: {why}."
+    described = found.description is not None and all(bl is not None for bl in hooked.block_layouts)
+    if described:
+        text += (
+            " Its blocks were described automatically (norms, queries, keys and values, rotary, MLP, weights), and "
+            "every point served was verified on a probe forward pass: its value, and the effect of an edit on the "
+            "logits, against plain PyTorch hooks on the model's own modules."
+        )
+    else:
+        text += (
+            f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
+            f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture"
+            + (" (the automatic description covers only some layers)" if found.description is not None else "")
+            + "."
+        )
+    text += f" See {WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
     return text

@@ -105,6 +105,10 @@ class InterfaceCall:
     d_head: int
     output: Record
     pattern_problem: Optional[str]  # None: the explicit attention reproduces this call exactly
+    query: Optional[Tensor] = None  # the arguments it got ``[b, heads, p, d_head]`` (copies)
+    key: Optional[Tensor] = None
+    value: Optional[Tensor] = None
+    weights: Optional[Tensor] = None  # the model's own eager attention weights on them
 
 
 @dataclass
@@ -122,6 +126,12 @@ class Recording:
     first_layer_in: Optional[Tensor] = None  # the first layer's input, the first time it runs
     logits: Optional[Tensor] = None  # the model's output logits (``None`` for a model without a head)
     owner: dict[int, int] = field(default_factory=dict)  # id(module) -> index of the layer holding it
+    #: every module inside the layers, by (layer, path relative to the layer): its first input and first output
+    #: (copies, the first call), in the order they returned
+    inner: dict[tuple[int, str], tuple[Optional[Tensor], Optional[Tensor]]] = field(default_factory=dict)
+    outside_raw: dict[str, Any] = field(default_factory=dict)  # a module outside the layers: its whole output
+    #: a module inside the layers given ``position_embeddings`` (a layer's ``(cos, sin)``): those, by (layer, path)
+    position_embeddings: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def _version(t: Tensor) -> int:
@@ -213,7 +223,19 @@ def _probe_attention(
         layer = recording.owner.get(id(module))
         recording.events.append(("attention", layer))
         recording.calls.append(
-            InterfaceCall(module, layer, query.shape[1], key.shape[1], query.shape[-1], Record.of(output), problem)
+            InterfaceCall(
+                module,
+                layer,
+                query.shape[1],
+                key.shape[1],
+                query.shape[-1],
+                Record.of(output),
+                problem,
+                query.detach().clone(),
+                key.detach().clone(),
+                value.detach().clone(),
+                weights.detach().clone() if isinstance(weights, Tensor) else None,
+            )
         )
     return output, weights
 
@@ -299,8 +321,32 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
 
         return hook
 
+    def on_inner(i: int, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if (i, path) in recording.inner:
+                return
+            given = kwargs.get("position_embeddings")
+            if isinstance(given, tuple) and len(given) == 2 and all(isinstance(t, Tensor) for t in given):
+                recording.position_embeddings[(i, path)] = (given[0].detach().clone(), given[1].detach().clone())
+            try:
+                x = first_input(args, kwargs)
+            except (RuntimeError, IndexError):
+                x = None
+            try:
+                y = first_output(output) if output is not None else None
+            except IndexError:
+                y = None
+            recording.inner[(i, path)] = (
+                x.detach().clone() if isinstance(x, Tensor) else None,
+                y.detach().clone() if isinstance(y, Tensor) else None,
+            )
+
+        return hook
+
     def on_outside(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if isinstance(output, tuple) and all(isinstance(t, Tensor) for t in output):
+                recording.outside_raw.setdefault(name, tuple(t.detach().clone() for t in output))
             value = first_output(output)
             if not isinstance(value, Tensor):
                 return
@@ -322,6 +368,9 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             handles.append(layer.register_forward_hook(on_layer_out(i)))
             for name, child in layer.named_children():
                 handles.append(child.register_forward_hook(on_child(i, name)))
+            for name, inner in layer.named_modules():
+                if name and not isinstance(inner, (nn.ModuleList, nn.ModuleDict)):
+                    handles.append(inner.register_forward_hook(on_inner(i, name), with_kwargs=True))
         for name, module in model.named_modules():
             if name and id(module) not in inside and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
                 handles.append(module.register_forward_hook(on_outside(name), with_kwargs=True))

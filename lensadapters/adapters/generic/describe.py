@@ -1,0 +1,468 @@
+"""The automatic description: for a model no plugin claims, the declarative description a plugin would write
+(``ModelLayout`` with rotary and final norm, and per layer ``BlockLayout``, ``SeparateQKV``/``FusedQKV`` and
+``MLPLayout``/``FusedGateUp``), read from the probe forward pass (:mod:`.probe`) and the config, never from a table
+of names. Every claim is checked on the probe's values, against what the model's own modules computed:
+
+* **pre-norms** (``ln1``/``ln2``): a direct child of the layer that computes LayerNorm or RMSNorm of its input with
+  its own weight (offset ``0`` or ``1``, ``eps`` read from the module), whose output is exactly the input of the
+  attention module (``ln1``) or of the MLP module (``ln2``); the block is *parallel* when the MLP reads ``ln1``'s
+  output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
+* **output projection**: the linear module inside the attention module whose input is the attention function's
+  output (heads merged) and whose output is the attention module's output;
+* **values**: the linear module (or the third part of one fused ``[q | k | v]`` projection) whose output, split
+  into heads, is the value tensor the model passes to the attention function;
+* **queries and keys**: the two other projections whose outputs, through the q/k norms found between them and the
+  attention function (a norm module inside the attention module reading the projection's output per head or over
+  the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the
+  ``(cos, sin)`` the model's rotary module returned; or none), are the query and key tensors the model passes to the
+  attention function;
+* **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
+  gate-up) projections reading the MLP's input, such that the activation named by the config (or the module's
+  ``act_fn``) reproduces the down projection's input: ``act(gate) * up`` (gated) or ``act(pre)`` (plain).
+
+What fails is not described (the layer stays opaque, served by the generic adapter's own points) and the reason
+is kept for the warning. A description is then *verified* at wrap time point by point (:mod:`.verify`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
+from lensadapters.adapters.generic.probe import InterfaceCall, Recording
+from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
+from lensadapters.hooks.specs import (
+    BlockLayout,
+    FusedGateUp,
+    FusedQKV,
+    MLPLayout,
+    ProjectionNorm,
+    RotarySpec,
+    SeparateQKV,
+    cat_gate_up,
+    chunk_gate_up,
+)
+
+Tensor = torch.Tensor
+QKV = Union[SeparateQKV, FusedQKV]
+MLP = Union[MLPLayout, FusedGateUp]
+
+
+class NotDescribed(Exception):
+    """A layer (or the model) cannot be described: the message says which claim failed."""
+
+
+@dataclass
+class LayerDescription:
+    block: BlockLayout
+    qkv: QKV
+    mlp: MLP
+    norms: dict[str, NormBehaviour]  # path relative to the layer -> how it normalizes
+    gated: bool
+    act_fn: Optional[str]
+
+
+@dataclass
+class Description:
+    """The automatic description of a model (``layers[i]`` ``None``: layer ``i`` stays opaque, ``why[i]`` says why)."""
+
+    layers: list[Optional[LayerDescription]]
+    rotary: Optional[str] = None  # path of the rotary module outside the layers
+    rotary_input: Optional[str] = None  # or the attention modules' argument carrying each layer's (cos, sin)
+    rotary_dim: Optional[int] = None
+    why: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def any(self) -> bool:
+        return any(layer is not None for layer in self.layers)
+
+
+def _close(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    atol, rtol = (1e-5, 1e-4) if b.dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
+    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(module, nn.Linear) or (
+        isinstance(weight, Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__
+    )
+
+
+def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Callable[[Tensor], Tensor]]]:
+    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's."""
+    from transformers.activations import ACT2FN
+
+    found: list[tuple[Optional[str], Callable[[Tensor], Tensor]]] = []
+    for name in ("act_fn", "act", "activation_fn", "activation", "act_func"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            found.append((None, fn))
+    for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
+        act_name = getattr(config, key, None)
+        if isinstance(act_name, str) and act_name in ACT2FN:
+            found.append((act_name, ACT2FN[act_name]))
+    names = [n for n, _ in found if n is not None]
+    return [(names[0] if names else n, fn) for n, fn in found]
+
+
+def _rotate_pairs(x: Tensor) -> Tensor:
+    """``(x0, x1, x2, x3...)`` to ``(-x1, x0, -x3, x2...)``: the rotation of interleaved pairs."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def interleaved_spec(rotary_dim: int, from_half_layout: bool) -> RotarySpec:
+    """RoPE on interleaved pairs of the first ``rotary_dim`` dimensions of each head (``x * cos + pairs(x) * sin``).
+    ``from_half_layout``: the rotary module returns the table in rotate-half layout (``cat(freqs, freqs)``), which the
+    attention turns into the interleaved one (``cos[..., :r/2].repeat_interleave(2)``)."""
+
+    def table(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        if from_half_layout:
+            cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        c, s = table(cos, sin)
+        r = c.shape[-1]
+        if r > x.shape[-1] or r != rotary_dim:
+            raise RuntimeError(f"rotary dimension {r} does not fit heads of size {x.shape[-1]}")
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        rotated = (x_rot.float() * c.float() + _rotate_pairs(x_rot.float()) * s.float()).to(x.dtype)
+        return rotated if r == x.shape[-1] else torch.cat([rotated, x_pass], dim=-1)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        c, s = (t.float() for t in table(cos, sin))
+        r = c.shape[-1]
+        y_rot, y_pass = y[..., :r].float(), y[..., r:]
+        x_rot = ((y_rot * c - _rotate_pairs(y_rot) * s) / (c * c + s * s)).to(y.dtype)
+        return x_rot if r == y.shape[-1] else torch.cat([x_rot, y_pass], dim=-1)
+
+    return RotarySpec(rotary_dim, apply, invert)
+
+
+def text_config(model: nn.Module) -> Any:
+    get = getattr(model.config, "get_text_config", None)
+    return get() if get is not None else model.config
+
+
+def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
+    """``(split, merge)`` of one projection's ``[q | k | v]`` output, each part as ``[..., heads, d]``."""
+    widths = [heads * d, kv * d, kv * d]
+
+    def split(t: Tensor) -> tuple[Tensor, ...]:
+        return tuple(part.unflatten(-1, (part.shape[-1] // d, d)) for part in t.split(widths, dim=-1))
+
+    def merge(*parts: Tensor) -> Tensor:
+        return torch.cat([part.flatten(-2) for part in parts], dim=-1)
+
+    return split, merge
+
+
+def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
+    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs, on the whole head or on the first
+    dimensions the table covers (partial rotary): each is tried on the probe's queries and keys."""
+    dims = dict.fromkeys([d_head, cos.shape[-1], 2 * cos.shape[-1]])
+    specs = []
+    for r in dims:
+        if r % 2 or r > d_head:
+            continue
+        if cos.shape[-1] == r:
+            specs += [rotate_half_spec(r), interleaved_spec(r, False), interleaved_spec(r, True)]
+        if 2 * cos.shape[-1] == r:
+            specs.append(half_table_rotate_half_spec(r))
+    return specs
+
+
+def _heads(t: Tensor, heads: int) -> Tensor:
+    """``[b, p, heads * d]`` as ``[b, p, heads, d]``."""
+    return t.unflatten(-1, (heads, t.shape[-1] // heads))
+
+
+def _norm_between(
+    rec: Recording, i: int, attn: str, proj_out: Tensor, heads: int
+) -> list[tuple[Optional[ProjectionNorm], Optional[str], Tensor]]:
+    """``(norm, path, per-head output)``: no norm, or each norm module inside the attention module reading
+    ``proj_out`` (whole width, per head, or per head after the transpose)."""
+    options: list[tuple[Optional[ProjectionNorm], Optional[str], Tensor]] = [(None, None, _heads(proj_out, heads))]
+    prefix = attn + "."
+    per_head = _heads(proj_out, heads)
+    for (layer, path), (x, y) in rec.inner.items():
+        if layer != i or not path.startswith(prefix) or x is None or y is None:
+            continue
+        if _close(x, proj_out):
+            options.append((ProjectionNorm(path, "bpf"), path, _heads(y, heads)))
+        elif _close(x, per_head):
+            options.append((ProjectionNorm(path, "bphd"), path, y))
+        elif _close(x, per_head.transpose(1, 2)):
+            options.append((ProjectionNorm(path, "bhpd"), path, y.transpose(1, 2)))
+    return options
+
+
+def _match_rotated(
+    options: list[tuple[Optional[ProjectionNorm], Optional[str], Tensor]],
+    target: Tensor,
+    rotaries: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+) -> Optional[tuple[Optional[ProjectionNorm], Optional[str], Optional[RotarySpec]]]:
+    """The (norm, rotary) under which a projection's output is ``target`` (``[b, heads, p, d]``)."""
+    want = target.transpose(1, 2)
+    for norm, path, value in options:
+        for spec in rotaries:
+            if spec is None:
+                got = value
+            elif cos_sin is None:
+                continue
+            else:
+                try:
+                    got = spec.apply(value, *cos_sin)
+                except RuntimeError:
+                    continue
+            if _close(got, want):
+                return norm, path, spec
+    return None
+
+
+def _describe_attention(
+    layer: nn.Module,
+    i: int,
+    attn: str,
+    call: InterfaceCall,
+    rec: Recording,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+    attn_in: Tensor,
+    attn_out: Tensor,
+) -> tuple[QKV, str, dict[str, NormBehaviour]]:
+    prefix = attn + "."
+    heads, kv, d = call.heads, call.kv_heads, call.d_head
+    assert call.query is not None and call.key is not None and call.value is not None
+    linears: dict[str, Any] = {
+        path[len(prefix) :]: io
+        for (layer_i, path), io in rec.inner.items()
+        if layer_i == i and path.startswith(prefix) and io[0] is not None and io[1] is not None
+    }
+    z = call.output.value.flatten(-2)  # [b, p, heads * d]
+    o_proj = [p for p, (x, y) in linears.items() if _close(x, z) and _close(y, attn_out)]
+    if len(o_proj) != 1:
+        raise NotDescribed("no single linear module maps the attention function's output to the attention output")
+    readers: dict[str, Any] = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
+    norms: dict[str, NormBehaviour] = {}
+    value_t = call.value.transpose(1, 2)  # [b, p, kv, d]
+    fused = [p for p, y in readers.items() if y.shape[-1] == (heads + 2 * kv) * d]
+    if fused and len(readers) == 1:
+        split, merge = fused_qkv_split(heads, kv, d)
+        q, k, v = split(readers[fused[0]])
+        if not _close(v, value_t):
+            raise NotDescribed("the fused projection's last part is not the values the attention function gets")
+        q_match = _match_rotated([(None, None, q)], call.query, rotary, cos_sin)
+        k_match = _match_rotated([(None, None, k)], call.key, rotary, cos_sin)
+        if q_match is None or k_match is None or q_match[2] is not k_match[2]:
+            raise NotDescribed("the fused projection's queries and keys, rotated, are not what attention gets")
+        return FusedQKV(f"{attn}.{fused[0]}", split, merge, rotary=q_match[2]), f"{attn}.{o_proj[0]}", norms
+    values = [p for p, y in readers.items() if y.shape[-1] == kv * d and _close(_heads(y, kv), value_t)]
+    if len(values) != 1:
+        raise NotDescribed("no single projection of the attention input is the values the attention function gets")
+    rest = [p for p in readers if p != values[0]]
+    found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec]]] = {}
+    for role, target, n in (("q", call.query, heads), ("k", call.key, kv)):
+        for p in rest:
+            if readers[p].shape[-1] != n * d or p in [f[0] for f in found.values()]:
+                continue
+            match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin)
+            if match is not None:
+                found[role] = (p, *match)
+                break
+        if role not in found:
+            raise NotDescribed(
+                f"no projection of the attention input gives the {'queries' if role == 'q' else 'keys'} the attention "
+                f"function gets, through a q/k norm and a rotate-half rotary embedding"
+            )
+    (qp, qn, qpath, qrot), (kp, kn, kpath, krot) = found["q"], found["k"]
+    if qrot is not krot:
+        raise NotDescribed("queries and keys rotate differently")
+    for path in (qpath, kpath):
+        if path is not None:
+            x, y = rec.inner[(i, path)]
+            behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
+            if behaviour is None or behaviour.eps is None:
+                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
+            norms[path] = behaviour
+    # the order the model runs them: the norms right after their projection, or after all three projections
+    order = [p for (layer_i, p) in rec.inner if layer_i == i]
+    after = qn is not None and order.index(f"{attn}.{values[0]}") < order.index(qn.module)
+    qkv = SeparateQKV(
+        f"{attn}.{qp}",
+        f"{attn}.{kp}",
+        f"{attn}.{values[0]}",
+        rotary=qrot,
+        q_norm=qn,
+        k_norm=kn,
+        norms_after_projections=after,
+    )
+    return qkv, f"{attn}.{o_proj[0]}", norms
+
+
+def _describe_mlp(
+    model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording
+) -> tuple[MLP, bool, Optional[str]]:
+    prefix = mlp + "."
+    x, y = rec.inner.get((i, mlp), (None, None))
+    if x is None or y is None:
+        raise NotDescribed("the probe saw no input or output of the MLP module")
+    linears: dict[str, Any] = {
+        path[len(prefix) :]: io
+        for (layer_i, path), io in rec.inner.items()
+        if layer_i == i and path.startswith(prefix) and _is_linear(layer.get_submodule(path)) and io[0] is not None
+    }
+    down = [p for p, (a, b) in linears.items() if _close(b, y)]
+    readers = [p for p, (a, b) in linears.items() if _close(a, x) and p not in down]
+    if len(down) != 1 or not 1 <= len(readers) <= 2:
+        raise NotDescribed("the MLP is not one or two projections of its input and one output projection")
+    post = linears[down[0]][0]
+    acts = _activation(layer.get_submodule(mlp), text_config(model))
+    out = f"{mlp}.{down[0]}"
+    for name, act in acts:
+        if len(readers) == 2:
+            for gate, up in (readers, readers[::-1]):
+                if _close(act(linears[gate][1]) * linears[up][1], post):
+                    return MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}"), True, name
+        else:
+            pre = linears[readers[0]][1]
+            if pre is not None and pre.shape[-1] == 2 * post.shape[-1]:
+                gate_t, up_t = chunk_gate_up(pre)
+                if _close(act(gate_t) * up_t, post):
+                    return FusedGateUp(f"{mlp}.{readers[0]}", out, chunk_gate_up, cat_gate_up), True, name
+            elif _close(act(pre), post):
+                return MLPLayout(f"{mlp}.{readers[0]}", out), False, name
+    raise NotDescribed("no activation named by the config or the MLP module reproduces the down projection's input")
+
+
+def describe_layer(
+    model: nn.Module,
+    layer: nn.Module,
+    i: int,
+    found: Any,
+    rec: Recording,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+) -> LayerDescription:
+    if "hook_resid_pre" not in found.points:
+        raise NotDescribed("the layer's input and output are not the residual stream (see hook_resid_pre)")
+    calls = [c for c in rec.calls if c.layer == i]
+    if len(calls) != 1 or calls[0].query is None:
+        raise NotDescribed("the layer does not call transformers' attention interface exactly once")
+    attn = found.attn or next(
+        (n for n, c in layer.named_children() if any(m is calls[0].module for m in c.modules())), None
+    )
+    if attn is None:
+        raise NotDescribed("the attention function is called with no module of the layer")
+    others = [n for n, c in layer.named_children() if n != attn and any(p.dim() >= 2 for p in c.parameters())]
+    mlp = found.mlp or (others[0] if len(others) == 1 else None)
+    if mlp is None:
+        raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
+    resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
+    attn_in, attn_out = rec.inner.get((i, attn), (None, None))
+    mlp_in, mlp_out = rec.inner.get((i, mlp), (None, None))
+    if attn_in is None or attn_out is None or mlp_in is None or mlp_out is None:
+        raise NotDescribed("the probe did not see the attention and MLP modules' inputs and outputs")
+    norms: dict[str, NormBehaviour] = {}
+    roles: dict[str, Optional[str]] = dict.fromkeys(("ln1", "ln2", "ln1_post", "ln2_post"))
+    for name, child in layer.named_children():
+        if name in (attn, mlp):
+            continue
+        x, y = rec.inner.get((i, name), (None, None))
+        if x is None or y is None:
+            continue
+        behaviour = norm_behaviour(child, x, y)
+        if behaviour is None or behaviour.eps is None:  # a scale is served only with the module's own eps
+            continue
+        for role, fits in (
+            ("ln1", _close(x, resid_pre) and _close(y, attn_in)),
+            ("ln1_post", _close(x, attn_out)),
+            ("ln2_post", _close(x, mlp_out)),
+            ("ln2", _close(y, mlp_in)),
+        ):
+            if fits and roles[role] is None:
+                roles[role], norms[name] = name, behaviour
+                break
+    ln1, ln2, ln1_post, ln2_post = roles["ln1"], roles["ln2"], roles["ln1_post"], roles["ln2_post"]
+    if ln1 is None and not _close(attn_in, resid_pre):
+        raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
+    attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
+    mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
+    mid = resid_pre + attn_branch
+    mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
+    if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
+        parallel = True  # both branches read ln1's output (one shared pre-norm)
+    elif _close(mlp_reads, mid):
+        parallel = False
+    elif _close(mlp_reads, resid_pre):
+        parallel = True
+    else:
+        raise NotDescribed("the MLP reads neither a pre-norm of resid_pre + attn_out nor of resid_pre")
+    if parallel and (ln1_post is not None or ln2_post is not None):
+        raise NotDescribed("a parallel block with norms after its branches")
+    if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
+        raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
+    qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
+    norms.update(qk_norms)
+    mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
+    block = BlockLayout(
+        ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
+    )
+    return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn)
+
+
+def _rotary_module(
+    model: nn.Module, rec: Recording, d_head: int
+) -> tuple[Optional[str], Optional[tuple[Tensor, Tensor]]]:
+    """The one module outside the layers that returned ``(cos, sin)`` once (class name with ``Rotary``)."""
+    found = [
+        (name, out)
+        for name, out in rec.outside_raw.items()
+        if "rotary" in type(model.get_submodule(name)).__name__.lower()
+        and len(out) == 2
+        and rec.outside_out[name].calls == 1
+        and out[0].shape == out[1].shape
+        and out[0].shape[-1] <= d_head
+    ]
+    if len(found) != 1:
+        return None, None
+    return found[0][0], (found[0][1][0], found[0][1][1])
+
+
+def describe(model: nn.Module, layers: list[nn.Module], blocks: tuple[Any, ...], rec: Recording) -> Description:
+    first = next((c for c in rec.calls if c.layer is not None), None)
+    d_head = first.d_head if first is not None else 0
+    rotary_path, cos_sin = _rotary_module(model, rec, d_head)
+    rotaries: list[Optional[RotarySpec]] = [None]
+    if cos_sin is not None:
+        rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
+    out = Description([None] * len(layers), rotary=rotary_path)
+    if rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
+        out.rotary_input = "position_embeddings"
+    for i, (layer, found) in enumerate(zip(layers, blocks)):
+        try:
+            layer_rotaries, layer_cos_sin = rotaries, cos_sin
+            if rotary_path is None:
+                given = [v for (j, path), v in rec.position_embeddings.items() if j == i and "." not in path]
+                if given:
+                    layer_cos_sin = given[0]
+                    layer_rotaries = [*_rotary_candidates(d_head, text_config(model), given[0][0]), None]
+            out.layers[i] = describe_layer(model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
+        except NotDescribed as why:
+            out.why[i] = str(why)
+        except Exception as exc:  # anything unexpected: the layer is not described
+            out.why[i] = f"describing it raised {type(exc).__name__}: {exc}"
+    if not any(layer is not None and layer.qkv.rotary is not None for layer in out.layers):
+        out.rotary = out.rotary_input = None
+    else:
+        spec = next(layer.qkv.rotary for layer in out.layers if layer is not None and layer.qkv.rotary is not None)
+        out.rotary_dim = spec.rotary_dim if spec is not None else None
+    return out

@@ -1,0 +1,611 @@
+"""The verification of served hook points against plain PyTorch: what a point reads and what an edit at it does.
+
+For each point, a *reference*: the module input or output (or the argument or result of the model's own eager
+attention function) that the point's name means, found from the wiring's description, and how the point's value is
+viewed from it (heads split, the norm's weight divided out). :func:`check_points` runs a forward pass with the
+point hooked and one with plain PyTorch hooks on the model's modules (or the attention function), and compares:
+
+* **value**: the point's value is the reference's, viewed as the point shows it;
+* **edit**: adding a random delta at the point moves the logits exactly as adding it (viewed back) at the reference
+  does, and moves them at all (an edit that is ignored fails).
+
+References: ``hook_embed`` the embedding module's output (the first layer's input where the model scales it after
+the module); ``hook_resid_pre``/``hook_resid_post`` the layer's input/output; ``hook_attn_out``/``hook_mlp_out`` the
+branch modules' outputs; ``hook_resid_mid`` the input of ``ln2`` (or the MLP) together with the layer's output (an
+edit there reaches the residual too); ``hook_attn_in``/``hook_mlp_in`` the input of ``ln1``/``ln2`` (one branch);
+``attn.hook_q``/``hook_k``/``hook_v`` the projections' outputs split into heads; ``attn.hook_rot_q``/``hook_rot_k``
+the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` and
+the model's eager attention weights (an edit: softmax of the edited scores, or the edited weights, times the values);
+``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the gate/up
+projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that reproduces the
+norm module's output from its input with its own weight and bias (an edit: the output recomputed with the edited
+scale), ``*.hook_normalized`` the norm's output (LayerNorm) or the output over the weight (RMSNorm).
+A point without a reference is reported as unchecked (``None`` reference): :func:`check_points` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, cast
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.probe import _unusual_arguments
+from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
+from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
+
+Tensor = torch.Tensor
+VERIFY_KEY = "lensadapters-verify:eager"
+_plan = threading.local()
+_registered: list[bool] = []
+
+
+UNCHECKED = "unchecked: "
+#: the attention and MLP children of a model's opaque layers whose outputs the generic adapter serves (it records
+#: them here when it identifies a model)
+OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[str], Optional[str]]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class Unchecked(Exception):
+    """No independent reference could be computed for a point (not a wrong value: the point is not verified)."""
+
+
+@dataclass
+class Reference:
+    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
+    attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), or ``"scale"``
+    of the norm ``module``. ``view`` maps the reference tensor to the point's shape, ``unview`` a delta back."""
+
+    kind: str
+    module: Optional[nn.Module] = None
+    view: Callable[[Tensor], Tensor] = lambda t: t
+    unview: Callable[[Tensor, Tensor], Tensor] = lambda delta, t: delta
+    also: Optional["Reference"] = None  # a second place an edit reaches (hook_resid_mid: the residual)
+    layer: int = -1
+    part: str = ""
+    spec: Any = None
+
+
+def _heads(n: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    return (lambda t: t.unflatten(-1, (n, t.shape[-1] // n))), (lambda d, t: d.flatten(-2))
+
+
+def _part(
+    split: Callable[..., Any], merge: Callable[..., Tensor], index: int
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    """A fused projection's part ``index`` (``split``), and a delta of it as the fused output's (zeros elsewhere)."""
+
+    def view(t: Tensor) -> Tensor:
+        return split(t)[index]
+
+    def unview(d: Tensor, t: Tensor) -> Tensor:
+        parts = [torch.zeros_like(p) for p in split(t)]
+        parts[index] = d
+        return merge(*parts)
+
+    return view, unview
+
+
+def _norm_view(spec: Any) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    """``hook_normalized`` of a norm: its output (LayerNorm) or its output over ``offset + weight`` (RMSNorm)."""
+    if spec.kind == "LN" or spec.weight is None:
+        return (lambda t: t), (lambda d, t: d)
+    w = (spec.weight.detach().float() + spec.weight_offset).to(spec.weight.dtype)
+    return (lambda t: t / w), (lambda d, t: d * w)
+
+
+def reference(hooked: Any, name: str) -> Optional[Reference]:
+    """The reference of the point ``name`` of ``hooked`` (a wiring), ``None`` where there is none."""
+    model = hooked.hf_model
+    if name == "hook_embed":
+        layout = hooked.layout
+        if layout.embed_scale_after_module and layout.embed_scale != 1.0:
+            return Reference("in", hooked.block_modules[0])
+        return Reference("out", model.get_submodule(layout.embed))
+    if name.startswith("ln_final."):
+        try:
+            norm = hooked.norm_module("ln_final")
+        except Exception:
+            return None
+        return _norm_reference(hooked, norm, name.split(".")[-1])
+    if not name.startswith("blocks."):
+        return None
+    _, i_text, rest = name.split(".", 2)
+    i = int(i_text)
+    layer, bl = hooked.block_modules[i], hooked.block_layouts[i]
+    if rest == "hook_resid_pre":
+        return Reference("in", layer)
+    if rest == "hook_resid_post":
+        return Reference("out", layer)
+    get = layer.get_submodule
+    if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
+        return Reference("attn", layer=i, part="weights" if rest.endswith("pattern") else "scores")
+    if bl is None:  # an opaque block: the generic adapter's own points
+        if rest == "attn.hook_z":
+            return Reference("attn", layer=i, part="output")
+        attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))
+        path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
+        return Reference("out", get(path)) if path is not None else None
+    qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
+    if bl.post_norm or bl.more_after_mlp:
+        return None  # not what the automatic description produces: no reference here
+    if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
+        return None  # the MLP sees [b * p, d]: no reference here
+    ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
+    if rest == "hook_attn_out":  # what the block adds to the residual
+        return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
+    if rest == "hook_mlp_out":
+        path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
+        return Reference("out", get(path)) if path is not None else None
+    if rest == "hook_resid_mid" and not bl.parallel and ln2_or_mlp is not None:
+        return Reference("in", ln2_or_mlp, also=Reference("out", layer))
+    if rest == "hook_mlp_in" and ln2_or_mlp is not None:
+        return Reference("in", ln2_or_mlp)
+    for prefix, path in (("ln1.", bl.ln1), ("ln2.", bl.ln2), ("ln1_post.", bl.ln1_post), ("ln2_post.", bl.ln2_post)):
+        if rest.startswith(prefix) and path is not None:
+            return _norm_reference(hooked, get(path), rest.split(".")[-1])
+    n, kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads
+    if rest.startswith(("attn.q_norm.", "attn.k_norm.")) and isinstance(qkv, SeparateQKV):
+        norm = qkv.q_norm if rest.startswith("attn.q_norm.") else qkv.k_norm
+        if norm is None:
+            return None
+        return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
+    if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
+        which = rest[-1]
+        heads = n if which == "q" else kv
+        if isinstance(qkv, SeparateQKV) and not qkv.values_from_keys and qkv.kv_from is None:
+            view, unview = _heads(heads)
+            return Reference("out", get(getattr(qkv, which)), view, unview)
+        if isinstance(qkv, FusedQKV):
+            return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
+        return None
+    if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
+        return Reference("attn", layer=i, part="query" if rest.endswith("q") else "key")
+    if rest == "attn.hook_z":
+        view, unview = _heads(n)
+        return Reference("in", get(bl.o_proj), view, unview)
+    if rest == "attn.hook_result":
+        return Reference("result", get(bl.o_proj), layer=n)
+    if rest in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input") and isinstance(qkv, SeparateQKV):
+        if qkv.values_from_keys or qkv.kv_from is not None:
+            return None
+        which = rest[5] if rest != "hook_attn_in" else "qkv"
+        norm = get(bl.ln1) if bl.ln1 is not None else None
+        modules = [get(getattr(qkv, x)) for x in which]
+        return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
+    if isinstance(mlp, MLPLayout):
+        if rest == "mlp.hook_pre":
+            return Reference("out", get(mlp.pre))
+        if rest == "mlp.hook_pre_linear" and mlp.pre_linear is not None:
+            return Reference("out", get(mlp.pre_linear))
+        if rest == "mlp.hook_post":
+            return Reference("in", get(mlp.out))
+    if isinstance(mlp, FusedGateUp):
+        if rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
+            index = 0 if rest == "mlp.hook_pre" else 1
+            return Reference("out", get(mlp.module), *_part(mlp.split, mlp.merge, index))
+        if rest == "mlp.hook_post":
+            return Reference("in", get(mlp.out))
+    return None
+
+
+def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool = False) -> Optional[Reference]:
+    """``transposed``: the module sees ``[b, heads, p, d]`` where the point shows ``[b, p, heads, d]``."""
+    spec = hooked.norm_spec(module)
+    if what == "hook_scale":
+        return Reference("scale", module, (lambda t: t.transpose(1, 2)) if transposed else (lambda t: t), spec=spec)
+    if what == "hook_normalized":
+        view, unview = _norm_view(spec)
+        if transposed:
+            return Reference(
+                "out", module, lambda t: view(t).transpose(1, 2), lambda d, t: unview(d.transpose(1, 2), t)
+            )
+        return Reference("out", module, view, unview)
+    return None
+
+
+def _norm_output(spec: Any, x: Tensor, scale: Tensor) -> Tensor:
+    """The norm's output from its input and a scale, with the module's own weight (and bias)."""
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True) if spec.kind == "LN" else xf
+    y = centred / scale.float()
+    if spec.weight is not None:
+        y = y * (spec.weight.detach().float() + spec.weight_offset)
+    if spec.kind == "LN" and spec.bias is not None:
+        y = y + spec.bias.detach().float()
+    return y.to(x.dtype)
+
+
+def _scale_of(spec: Any, x: Tensor) -> Tensor:
+    xf = x.float()
+    if spec.kind == "LN":
+        return torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + spec.eps)
+    return torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + spec.eps)
+
+
+# --- the model's own eager attention function, with an edit ---------------------------------------------------
+
+
+def _repeat(t: Tensor, heads: int) -> Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def _verify_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor] = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[Tensor, Any]:
+    mask = attention_mask
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    plan = getattr(_plan, "current", None)
+    layer = plan["owner"].get(id(module)) if plan else None
+    part, delta, seen = (
+        (plan["part"], plan["delta"], plan["seen"]) if plan and layer == plan["layer"] else ("", None, None)
+    )
+    if eager is None:
+        raise RuntimeError("no eager attention function in the model's modeling file")
+    if seen is not None and (args or _unusual_arguments(module, kwargs, mask)):
+        raise Unchecked("the attention function gets arguments plain softmax attention does not account for")
+    if part == "query" and seen is not None:  # the value before the edit
+        seen.append(query.transpose(1, 2).clone())
+        query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
+    if part == "key" and seen is not None:
+        seen.append(key.transpose(1, 2).clone())
+        key = key + delta.transpose(1, 2).to(key.dtype) if delta is not None else key
+    output, weights = eager(module, query, key, value, mask, *args, **kwargs)
+    if seen is not None and part == "output":
+        seen.append(output.clone())
+        if delta is not None:
+            output = output + delta.to(output.dtype)
+    elif seen is not None and part in ("weights", "scores"):
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
+        scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
+        if mask is not None:
+            scores = scores + mask[:, :, :, : key.shape[-2]]
+        seen.append(scores if part == "scores" else weights.clone())
+        if part == "scores" and delta is not None:
+            weights = torch.softmax((scores + delta).float(), dim=-1).to(query.dtype)
+        elif part == "weights" and delta is not None:
+            weights = weights + delta.to(weights.dtype)
+        if delta is not None:
+            output = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
+    return output, weights
+
+
+def _verify_key() -> str:
+    if not _registered:
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface.register(VERIFY_KEY, cast(Any, _verify_attention))
+        AttentionMaskInterface.register(VERIFY_KEY, cast(Any, AttentionMaskInterface._global_mapping["eager"]))
+        _registered.append(True)
+    return VERIFY_KEY
+
+
+@contextlib.contextmanager
+def _attention(model: nn.Module, key: str):
+    config: Any = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    config._attn_implementation = key
+    try:
+        yield
+    finally:
+        config._attn_implementation = implementation
+
+
+# --- the checks ---------------------------------------------------------------------------------------------
+
+
+def _logits(model: nn.Module, ids: Tensor) -> Tensor:
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+    logits = getattr(out, "logits", None)
+    return (logits if isinstance(logits, Tensor) else first_output(out.to_tuple())).detach().clone()
+
+
+def _same(a: Optional[Tensor], b: Optional[Tensor], scale: float, floor: float = 0.0) -> bool:
+    """``a == b`` up to rounding: ``1e-4`` of ``scale`` in float32 (``5e-2`` in half precision, where the two
+    computations round differently), plus ``floor`` (the rounding noise of the logits in half precision)."""
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    atol = (1e-4 if b.dtype in (torch.float32, torch.float64) else 5e-2) * max(scale, 1e-6) + floor
+    finite = torch.isfinite(b) & (b.float() > -1e4)
+    if not torch.equal(finite, torch.isfinite(a) & (a.float() > -1e4)):
+        return False
+    return bool(torch.allclose(a.float()[finite], b.float()[finite], atol=atol, rtol=1e-3))
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _per_head(module: nn.Module, x: Tensor, heads: int) -> Tensor:
+    """Each head's share of ``module``'s output for its input ``x`` ``[b, p, heads, d]`` (``hook_result``)."""
+    zero = module(torch.zeros_like(x.flatten(-2)))
+    parts = []
+    for h in range(heads):
+        masked = torch.zeros_like(x)
+        masked[..., h, :] = x[..., h, :]
+        parts.append(module(masked.flatten(-2)) - zero)
+    return torch.stack(parts, dim=-2)
+
+
+def _once(module: nn.Module, fn: Callable[..., Any]) -> Any:
+    """A forward hook that does not run for the calls ``fn`` itself makes of ``module``."""
+    busy: list[bool] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if busy:
+            return None
+        busy.append(True)
+        try:
+            return fn(module, args, kwargs, output)
+        finally:
+            busy.clear()
+
+    return module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor]) -> "_Handles":
+    """TransformerLens' per-head inputs (``hook_attn_in``, ``hook_q_input``...): copies of the pre-norm residual, one
+    per head; head ``h``'s (edited) copy goes through the norm and the projections, of which head ``h`` is kept."""
+    norm, modules = ref.spec
+    heads = ref.layer
+    pre_norm: list[Tensor] = []
+    handles: list[Any] = []
+
+    def around(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        x, y = pre_norm[0] if pre_norm else first_input(args, kwargs), first_output(output)
+        if not seen:
+            seen.append(x.unsqueeze(-2).expand(*x.shape[:-1], heads, x.shape[-1]).clone())
+        if edit is None:
+            return None
+        edited = x.unsqueeze(-2) + edit(None).to(x.dtype)
+        out = module(norm(edited) if norm is not None else edited)  # [b, p, h, h_out * d]
+        out = out.unflatten(-1, (heads, out.shape[-1] // heads)).diagonal(dim1=-3, dim2=-2).movedim(-1, -2)
+        return replace_first_output(output, out.flatten(-2).to(y.dtype))
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not pre_norm:
+            pre_norm.append(first_input(args, kwargs).detach().clone())
+
+    if norm is not None:
+        handles.append(norm.register_forward_pre_hook(before, with_kwargs=True))
+    handles += [_once(m, around) for m in modules]
+    return _Handles(handles)
+
+
+def _plain_hook(ref: Reference, edit: Optional[Callable[..., Tensor]], seen: list[Tensor]) -> Any:
+    """A plain PyTorch hook at the reference: records the tensor and (``edit``) replaces it."""
+    assert ref.module is not None
+    if ref.kind == "result":
+        heads = ref.layer
+
+        def result(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            x, y = first_input(args, kwargs), first_output(output)
+            seen.append(_per_head(module, x.unflatten(-1, (heads, x.shape[-1] // heads)), heads))
+            change = edit(None) if edit is not None else None
+            return replace_first_output(output, y + change.sum(-2).to(y.dtype)) if change is not None else None
+
+        return _once(ref.module, result)
+    if ref.kind == "head_input":
+        return _head_input_hooks(ref, edit, seen)
+    if ref.kind == "in":
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            x = first_input(args, kwargs)
+            seen.append(x.detach().clone())
+            return replace_first_input(args, kwargs, edit(x)) if edit is not None else None
+
+        return ref.module.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        y = first_output(output)
+        seen.append(y.detach().clone())
+        if ref.kind == "scale":
+            seen.append(first_input(args, kwargs).detach().clone())
+        return (
+            replace_first_output(output, edit(y, first_input(args, kwargs)) if ref.kind == "scale" else edit(y))
+            if edit is not None
+            else None
+        )
+
+    return ref.module.register_forward_hook(post, with_kwargs=True)
+
+
+def _run_reference(
+    model: nn.Module, ids: Tensor, ref: Reference, owner: dict[int, int], delta: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """``(reference value viewed as the point, logits)`` with ``delta`` (in the point's shape) added there."""
+    seen: list[Tensor] = []
+    handles = []
+    if ref.kind == "attn":
+        _plan.current = {"owner": owner, "layer": ref.layer, "part": ref.part, "delta": delta, "seen": seen}
+        try:
+            with _attention(model, _verify_key()):
+                logits = _logits(model, ids)
+        finally:
+            _plan.current = None
+        if not seen:
+            raise Unchecked("the model's attention function was not called for this layer")
+        return seen[0], logits
+    edit: Optional[Callable[..., Tensor]] = None
+    if delta is not None and ref.kind == "scale":
+        spec = ref.spec
+
+        view = ref.view
+
+        def edit(y: Tensor, x: Tensor) -> Tensor:
+            return _norm_output(spec, x, _scale_of(spec, x) + view(delta))
+
+    elif delta is not None and ref.kind in ("result", "head_input"):
+
+        def edit(t: Any) -> Tensor:
+            return delta
+
+    elif delta is not None:
+        unview = ref.unview
+
+        def edit(t: Tensor) -> Tensor:
+            return t + unview(delta, t).to(t.dtype)
+
+    handles.append(_plain_hook(ref, edit, seen))
+    also_seen: list[Tensor] = []
+    if ref.also is not None and delta is not None:
+        also = ref.also
+
+        def also_edit(t: Tensor) -> Tensor:
+            return t + delta.to(t.dtype)
+
+        handles.append(_plain_hook(also, also_edit, also_seen))
+    try:
+        logits = _logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    if ref.kind == "scale":  # the module's output and its input
+        return torch.stack([seen[0], seen[1]]), logits
+    if ref.kind in ("result", "head_input"):
+        return seen[0], logits
+    return ref.view(seen[0]), logits
+
+
+def _run_point(hooked: Any, ids: Tensor, name: str, delta: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(the point's value, logits)`` with ``delta`` added at the point."""
+    point = hooked.hook_dict[name]
+    seen: list[Tensor] = []
+
+    def hook(value: Tensor, hook: Any) -> Any:
+        seen.append(value.detach().clone())
+        return value + delta.to(value.dtype) if delta is not None else None
+
+    point.add(hook, "fwd")
+    try:
+        logits = _logits(hooked.hf_model, ids)
+    finally:
+        point.remove_hooks()
+    if not seen:
+        raise RuntimeError("the point did not fire")
+    return seen[0], logits
+
+
+def _read_all(hooked: Any, ids: Tensor, names: list[str]) -> tuple[dict[str, Tensor], Tensor]:
+    """Every point's value (its first firing) and the logits, in one forward pass with all of them hooked."""
+    values: dict[str, Tensor] = {}
+    points = [hooked.hook_dict[name] for name in names]
+
+    def record(value: Tensor, hook: Any) -> None:
+        values.setdefault(hook.name, value.detach().clone())
+
+    for point in points:
+        point.add(record, "fwd")
+    try:
+        logits = _logits(hooked.hf_model, ids)
+    finally:
+        for point in points:
+            point.remove_hooks()
+    return values, logits
+
+
+def _delta(name: str, value: Tensor, ref: Reference, low: bool) -> Tensor:
+    """A random edit of a point's value: a tenth of its spread (half in half precision), nothing where it is
+    masked; an edit of a pattern keeps each row's sum."""
+    generator = torch.Generator().manual_seed(len(name))
+    finite = torch.isfinite(value) & (value.float() > -1e4)
+    size = float(value.float()[finite].std()) if bool(finite.sum() > 1) else 1.0
+    delta = torch.randn(value.shape, generator=generator).to(value.device) * ((0.5 if low else 0.1) * size + 1e-3)
+    delta = torch.where(finite, delta, torch.zeros_like(delta))
+    if ref.part == "weights":
+        delta = (delta - delta.mean(-1, keepdim=True)) * finite
+    return delta.to(value.dtype)
+
+
+def check_point(
+    hooked: Any, ids: Tensor, name: str, owner: dict[int, int], value: Tensor, plain: Tensor
+) -> Optional[str]:
+    """``None`` if ``name`` reads and edits as its reference does; why not otherwise (``value``: the point's value
+    and ``plain`` the logits, of an unedited forward pass). Two forward passes: an edit at the point, the same edit
+    at the reference (each reads its value before the edit)."""
+    ref = reference(hooked, name)
+    if ref is None:
+        return UNCHECKED + "no independent reference to check it against"
+    model = hooked.hf_model
+    low = value.dtype not in (torch.float32, torch.float64)
+    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max()) if low else 0.0
+    delta = _delta(name, value, ref, low)
+    _, edited = _run_point(hooked, ids, name, delta)
+    expected, reference_edited = _run_reference(model, ids, ref, owner, delta)
+    if ref.kind == "scale":  # the served scale reproduces the module's output from its input
+        output, x = expected[0], expected[1]
+        got, expected = _norm_output(ref.spec, x, ref.view(value)), output
+    else:
+        got = value
+    if not _same(got, expected, float(expected.float().abs().max())):
+        what = type(ref.module).__name__ if ref.module is not None else f"the attention function's {ref.part}"
+        return f"its value is not the reference's ({ref.kind} of {what})"
+    scale = float((reference_edited - plain).abs().max())
+    if scale == 0.0:
+        return UNCHECKED + "an edit of the reference does not move the logits, so the edit cannot be checked"
+    if not _same(edited, reference_edited, scale, floor):
+        moved = float((edited - plain).abs().max())
+        return (
+            "an edit at it is ignored"
+            if moved == 0.0
+            else "an edit at it does not move the logits as the same edit at the reference"
+        )
+    return None
+
+
+def check_points(hooked: Any, ids: Tensor, names: Iterable[str]) -> dict[str, Optional[str]]:
+    """Check each of ``names`` (points of the wiring ``hooked``): ``None`` where it holds, why not otherwise (a
+    reason starting with :data:`UNCHECKED` where there is no reference to check it against). Runs with the model's
+    own eager attention (the attention implementation is restored afterwards); one forward pass reads every point
+    and one the plain logits, then two per point."""
+    model = hooked.hf_model
+    names = list(names)
+    owner = {id(m): i for i, layer in enumerate(hooked.block_modules) for m in layer.modules()}
+    results: dict[str, Optional[str]] = {}
+    modes = {m: m.training for m in model.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _attention(model, "eager"):
+        model.eval()
+        try:
+            try:
+                plain = _logits(model, ids)
+                values, read = _read_all(hooked, ids, names)
+            except Exception as exc:  # the model does not run with its own eager attention: nothing is checked
+                return dict.fromkeys(
+                    names, f"{UNCHECKED}a forward pass with eager attention raised {type(exc).__name__}"
+                )
+            if not torch.equal(read, plain) and not _same(read, plain, float(plain.float().abs().max())):
+                return dict.fromkeys(names, "reading the points changes the logits")
+            for name in names:
+                if name not in values:
+                    results[name] = "the point did not fire"
+                    continue
+                try:
+                    results[name] = check_point(hooked, ids, name, owner, values[name], plain)
+                except Unchecked as why:
+                    results[name] = UNCHECKED + str(why)
+                except Exception as exc:  # whatever fails, the point is not verified
+                    results[name] = f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            for module, training in modes.items():
+                module.training = training
+    return results

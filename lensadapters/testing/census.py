@@ -1,0 +1,214 @@
+"""The census: which of the 17 canonical layer-0 hook points every causal-LM ``model_type`` of the installed
+transformers gets, as a tiny model built from its default config (:mod:`.every_model_type`) and wrapped.
+
+For each model type: the adapter that wrapped it (a plugin, or the core's generic adapter), the canonical points it
+has of those its architecture has, ``FULL`` (all of them) or ``PARTIAL``, why not more (the generic adapter's own
+account), and the points whose value or edit an independent check found wrong (always none, or the census fails).
+
+Which points an architecture *has* is read from its first layer's modules (a census needs no plugin): attention
+points where the layer has a module whose class name ends in ``Attention``; ``hook_mlp_out`` where it has another
+child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is dense (no experts list); ``ln1``/
+``ln2.hook_scale`` where the layer has one or two norm children (a class name with ``Norm``), ``hook_resid_mid``
+where it has two (one pre-norm shared by both branches: a parallel block has no ``hook_resid_mid``).
+
+Run ``python -m lensadapters.testing.census [MODEL_TYPE ...]`` (``scripts/census.py``), ``--markdown`` for a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+CANONICAL = (
+    "hook_embed",
+    "blocks.0.hook_resid_pre",
+    "blocks.0.hook_resid_mid",
+    "blocks.0.hook_resid_post",
+    "blocks.0.hook_attn_out",
+    "blocks.0.hook_mlp_out",
+    "blocks.0.attn.hook_q",
+    "blocks.0.attn.hook_k",
+    "blocks.0.attn.hook_v",
+    "blocks.0.attn.hook_attn_scores",
+    "blocks.0.attn.hook_pattern",
+    "blocks.0.attn.hook_z",
+    "blocks.0.mlp.hook_pre",
+    "blocks.0.mlp.hook_post",
+    "blocks.0.ln1.hook_scale",
+    "blocks.0.ln2.hook_scale",
+    "ln_final.hook_scale",
+)
+ATTENTION = tuple(p for p in CANONICAL if ".attn." in p)
+
+
+@dataclass
+class Entry:
+    """One model type's line of the census."""
+
+    model_type: str
+    adapter: str = ""  # the plugin's name, "generic", "refused" or "not buildable"
+    served: tuple[str, ...] = ()
+    applicable: tuple[str, ...] = ()
+    why: str = ""
+    wrong: dict[str, str] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)  # served points the check has no reference for
+    seconds: float = 0.0
+
+    @property
+    def full(self) -> bool:
+        return bool(self.applicable) and set(self.applicable) <= set(self.served) and not self.wrong
+
+    @property
+    def status(self) -> str:
+        if self.adapter in ("refused", "not buildable"):
+            return self.adapter.upper()
+        return "FULL" if self.full else "PARTIAL"
+
+    @property
+    def missing(self) -> list[str]:
+        return [p for p in self.applicable if p not in self.served]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def applicable_points(layer: nn.Module, layout: Any = None) -> tuple[str, ...]:
+    """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring);
+    with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has."""
+    children = list(layer.named_children())
+    attention = [c for _, c in children if type(c).__name__.endswith("Attention")]
+    norms = [c for _, c in children if _is_norm(c)]
+    others = [
+        c
+        for _, c in children
+        if not _is_norm(c) and all(c is not a for a in attention) and any(p.dim() >= 2 for p in c.parameters())
+    ]
+    points = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "ln_final.hook_scale"]
+    if attention:
+        points += ["blocks.0.hook_attn_out", *ATTENTION]
+    if others:
+        points.append("blocks.0.hook_mlp_out")
+        experts = any("expert" in n.lower() for c in others for n, _ in c.named_modules())
+        if not experts:
+            points += ["blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post"]
+    if layout is not None:
+        points += ["blocks.0.ln1.hook_scale"] if layout.ln1 is not None else []
+        points += ["blocks.0.ln2.hook_scale"] if layout.ln2 is not None else []
+        points += ["blocks.0.hook_resid_mid"] if not layout.parallel else []
+        return tuple(p for p in CANONICAL if p in points)
+    if norms:
+        points.append("blocks.0.ln1.hook_scale")
+    if len(norms) >= 2:
+        points += ["blocks.0.ln2.hook_scale", "blocks.0.hook_resid_mid"]
+    return tuple(p for p in CANONICAL if p in points)
+
+
+def census_entry(model_type: str, check: bool = True) -> Entry:
+    """Build, wrap and (``check``) verify one model type."""
+    from lensadapters import HookedModel, UnsupportedModelError
+    from lensadapters.adapters.generic import GenericAdapterWarning, findings
+    from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
+
+    entry, start = Entry(model_type), time.perf_counter()
+    try:
+        model = build(model_type)
+    except NotBuildable as why:
+        entry.adapter, entry.why = "not buildable", str(why)[:200]
+        return entry
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hm = HookedModel.wrap(model)
+    except UnsupportedModelError as why:
+        entry.adapter, entry.why = "refused", str(why)[:300]
+        entry.seconds = time.perf_counter() - start
+        return entry
+    except Exception as why:  # a crash is a finding of the census, not a refusal
+        entry.adapter, entry.why = "refused", f"wrap raised {type(why).__name__}: {str(why)[:200]}"
+        return entry
+    entry.adapter = hm.plugin.name
+    entry.applicable = applicable_points(hm.block_modules[0], hm.block_layouts[0])
+    entry.served = tuple(p for p in CANONICAL if p in hm.hook_dict)
+    if hm.plugin.name == "generic":
+        found = findings(model)
+        entry.why = " | ".join(f"{k}: {v}" for k, v in found.missing.items())[:400]
+    if check:
+        from lensadapters.adapters.generic.verify import UNCHECKED, check_points
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GenericAdapterWarning)
+            problems = check_points(hm.wiring, input_ids(), [p for p in entry.served if p in CANONICAL])
+        entry.wrong = {name: why for name, why in problems.items() if why is not None and not why.startswith(UNCHECKED)}
+        entry.unchecked = sorted(n for n, why in problems.items() if why is not None and why.startswith(UNCHECKED))
+    hm.unwrap()
+    entry.seconds = time.perf_counter() - start
+    return entry
+
+
+def causal_lm_model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run_census(model_types: Optional[Iterable[str]] = None, check: bool = True, verbose: bool = False) -> list[Entry]:
+    entries = []
+    for model_type in model_types or causal_lm_model_types():
+        entry = census_entry(model_type, check)
+        if verbose:
+            print(f"{model_type:28s} {entry.status:14s} {len(entry.served)}/{len(entry.applicable)}", flush=True)
+        entries.append(entry)
+    return entries
+
+
+def summary(entries: list[Entry]) -> str:
+    wrapped = [e for e in entries if e.adapter not in ("refused", "not buildable")]
+    built = [e for e in entries if e.adapter != "not buildable"]
+    full = [e for e in wrapped if e.full]
+    wrong = sum(len(e.wrong) for e in entries)
+    unchecked = sum(len(e.unchecked) for e in entries)
+    generic = [e for e in wrapped if e.adapter == "generic"]
+    generic_full = [e for e in generic if e.full]
+    pct = 100.0 * len(full) / max(1, len(built))
+    return (
+        f"{len(entries)} causal-LM model types: {len(built)} buildable, {len(wrapped)} wrapped "
+        f"({len(generic)} by the generic adapter), {len(built) - len(wrapped)} refused; FULL {len(full)}/{len(built)} "
+        f"= {pct:.1f}% of the buildable ({len(generic_full)}/{len(generic)} of the generic ones); "
+        f"wrong values or ignored edits: {wrong}; served points without an independent check (plugins): {unchecked}"
+    )
+
+
+def markdown(entries: list[Entry]) -> str:
+    lines = ["| model_type | adapter | points | status | not served | why not more |", "|---|---|---|---|---|---|"]
+    for e in entries:
+        missing = ", ".join(p.replace("blocks.0.", "") for p in e.missing)
+        wrong = "; ".join(f"WRONG {k}: {v}" for k, v in e.wrong.items())
+        why = (wrong + " " + e.why).strip().replace("|", "/").replace("\n", " ")
+        points = f"{len(set(e.served) & set(e.applicable))}/{len(e.applicable)}" if e.applicable else "-"
+        lines.append(f"| {e.model_type} | {e.adapter} | {points} | {e.status} | {missing} | {why[:300]} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_types", nargs="*", help="model types (default: every causal-LM model type)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--no-check", action="store_true", help="skip the independent check of the served points")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    entries = run_census(args.model_types or None, check=not args.no_check, verbose=not args.markdown)
+    if args.markdown:
+        print(markdown(entries))
+    print(summary(entries))
+    return 1 if any(e.wrong for e in entries) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

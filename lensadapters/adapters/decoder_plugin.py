@@ -291,6 +291,45 @@ def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_hea
     return config_class(**{**shared, **fields})
 
 
+def decoder_config(
+    config_class: Callable[..., Any],
+    *,
+    n_heads: int = 4,
+    n_kv: int = 2,
+    hidden: int = 32,
+    layers: int = 1,
+    d_mlp: int = 32,
+    vocab: int = 64,
+    theta: float = 10000.0,
+    tied: bool = False,
+    eps: float = 1e-6,
+    act: str = "silu",
+    act_field: str = "hidden_act",
+    max_pos: int = 64,
+    **fields: Any,
+) -> Any:
+    """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
+    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
+    shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
+    shared = dict(
+        hidden_size=hidden,
+        intermediate_size=d_mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tied,
+        rope_theta=theta,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return config_class(**{**shared, act_field: act, **fields})
+
+
 def _no_fields(model: Any) -> dict[str, Any]:
     return {}
 

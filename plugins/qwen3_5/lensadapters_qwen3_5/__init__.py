@@ -261,7 +261,7 @@ def tiny_config(seed: int) -> Any:
     full-attention one, the checkpoints' pattern), dense. Odd seeds are the MoE model (4 experts, top 2, a shared
     expert); the seed also picks the layer pattern (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the
     attention's head size."""
-    from lensadapters_qwen3_5.testing import qwen3_5_config
+    from lensadapters_qwen3_5.configs import qwen3_5_config
 
     pattern = TINY_PATTERNS[(seed // 2) % len(TINY_PATTERNS)]
     kinds = ["linear_attention" if k == "L" else "full_attention" for k in pattern]

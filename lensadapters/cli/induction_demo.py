@@ -130,7 +130,8 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
 def _hooked_config(registry: Registry, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    config.num_hidden_layers = 1
+    # the tiny config as it is: some families' configs tie their layer count to per-layer fields (Gemma 4's key/value
+    # sharing), so a shortened copy may not build
     hm = HookedModel.wrap(AutoModelForCausalLM.from_config(config), registry=registry)
     cfg = hm.cfg
     hm.unwrap()

@@ -67,6 +67,13 @@ def test_bare_model_peft_injected_after_wrapping_is_refused(kit_for: Any) -> Non
 
 def test_adapters_loaded_through_transformers_integration(kit_for: Any) -> None:
     """``model.add_adapter(LoraConfig)`` (transformers' PEFT integration, no PeftModel): same LoRA points."""
+    import peft
+    from packaging.version import Version
+    from transformers.integrations import peft as hf_peft
+
+    needed = getattr(hf_peft, "MIN_PEFT_VERSION", "0")
+    if Version(peft.__version__) < Version(needed):  # transformers 5.24 asks for a PEFT not yet released (0.22)
+        pytest.skip(f"transformers' PEFT integration needs peft >= {needed}; peft {peft.__version__} is installed")
     kit = kit_for("gpt2")
     model = kit.base()
     model.add_adapter(
@@ -85,7 +92,7 @@ def test_adapters_loaded_through_transformers_integration(kit_for: Any) -> None:
     assert torch.equal(both.base_logits, base_logits)
     assert both.cache["blocks.0.attn.hook_q_lora"].abs().max() > 0
     assert not both.base_cache["blocks.0.attn.hook_q_lora"].any()
-    assert not any(layer.disable_adapters for layer in lp._tuner_layers(hm))
+    assert not any(layer.disable_adapters for layer in lp.helpers._tuner_layers(hm))
     hm.unwrap()
     hb.unwrap()
 

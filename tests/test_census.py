@@ -71,17 +71,58 @@ def test_the_verification_catches_swapped_queries_and_keys_and_a_wrong_mlp() -> 
     hm.unwrap()
 
 
+def test_batched_verification_gives_every_point_the_verdict_it_gets_alone(monkeypatch) -> None:
+    """Points are checked many at a time, each edited in its own batch row: on a description that reads the keys as
+    the queries and the up projection as the gate, every point of the layer gets the verdict a check of it alone
+    gives (the wrong ones fail, the others pass), and a batched pass that raises is redone point by point."""
+    from lensadapters.adapters.generic import verify
+
+    model, hm = _described("olmo3")
+    wiring = hm.wiring
+    names = [n for n in hm.hook_names if not n.startswith("blocks.") or n.startswith(("blocks.0.", "blocks.1."))]
+    qkv, mlp = wiring.qkv_layouts[0], wiring.mlp_layouts[0]
+    wiring.qkv_layouts[0] = dataclasses.replace(qkv, q=qkv.k, k=qkv.q)
+    wiring.mlp_layouts[0] = dataclasses.replace(mlp, pre=mlp.pre_linear, pre_linear=mlp.pre)
+    passes: list[int] = []
+    original = verify._check_batch
+
+    def counted(hooked: object, ids: torch.Tensor, owner: object, points: list, *rest: object) -> dict:
+        verdicts = original(hooked, ids, owner, points, *rest)
+        passes.append(len(points))
+        return verdicts
+
+    try:
+        alone = check_points(wiring, input_ids(), names, points_per_pass=1)
+        monkeypatch.setattr(verify, "_check_batch", counted)
+        batched = check_points(wiring, input_ids(), names)
+        assert passes and max(passes) > 1 and len(passes) < len(names) // 2, passes  # batched, without a fallback
+
+        def broken(*args: object) -> None:
+            raise RuntimeError("a pass that fails")
+
+        monkeypatch.setattr(verify, "_check_batch", broken)
+        redone = check_points(wiring, input_ids(), names)
+    finally:
+        wiring.qkv_layouts[0], wiring.mlp_layouts[0] = qkv, mlp
+    assert batched == alone == redone
+    assert alone["blocks.0.attn.hook_q"] is not None and alone["blocks.0.mlp.hook_pre"] is not None
+    assert alone["blocks.1.attn.hook_q"] is None and alone["blocks.0.hook_resid_mid"] is None
+    assert sum(why is None for why in alone.values()) > len(names) // 2
+    hm.unwrap()
+
+
 def test_a_point_that_fails_verification_is_not_served_and_the_warning_says_why(monkeypatch) -> None:
     """Regression: with the verification reporting hook_v of every layer wrong, the wrap serves no hook_v, keeps the
     rest, and the warning names the points and the reason."""
     from lensadapters.adapters.generic import verify
 
-    original = verify.check_point
+    original = verify.check_points
 
-    def failing(hooked, ids, name, *args):
-        return "a deliberate failure" if name.endswith("attn.hook_v") else original(hooked, ids, name, *args)
+    def failing(hooked, ids, names, *args):
+        results = original(hooked, ids, names, *args)
+        return {name: "a deliberate failure" if name.endswith("attn.hook_v") else why for name, why in results.items()}
 
-    monkeypatch.setattr(verify, "check_point", failing)
+    monkeypatch.setattr(verify, "check_points", failing)
     model = build("helium")
     with pytest.warns(GenericAdapterWarning) as warned:
         hm = HookedModel.wrap(model)

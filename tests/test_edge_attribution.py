@@ -28,13 +28,17 @@ def setup(arch: str, seed: int = 0):
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum(arch: str) -> None:
-    """Blocks that compute more after their MLP's residual add (per-layer inputs, a layer scalar), post-LN blocks or
-    blocks mixing tokens without softmax attention: ``edge_attribution`` refuses, naming the blocks; other models
-    get a graph."""
+    """Blocks that compute more after their MLP's residual add (per-layer inputs, a layer scalar), post-LN blocks,
+    blocks mixing tokens without softmax attention or attention blocks without per-head input points:
+    ``edge_attribution`` refuses, naming the blocks; other models get a graph."""
     hm, clean, corrupted, metric = patching_pair(arch)
     more = [i for i, bl in enumerate(hm.block_layouts) if bl is not None and (bl.more_after_mlp or bl.post_norm)]
     mixers = [i for i, (bl, qkv) in enumerate(zip(hm.block_layouts, hm.qkv_layouts)) if bl is not None and qkv is None]
-    if not more and not mixers:
+    # softmax attention without the per-head input points (MLA's normalized latents): no q/k/v edges to score
+    no_inputs = [
+        i for i, qkv in enumerate(hm.qkv_layouts) if qkv is not None and f"blocks.{i}.hook_q_input" not in hm.hook_dict
+    ]
+    if not more and not mixers and not no_inputs:
         assert eap.graph_of(hm).valid.any()
         hm.unwrap()
         return

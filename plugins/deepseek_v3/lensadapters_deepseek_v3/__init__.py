@@ -23,10 +23,13 @@ An edit of a point changes everything downstream as if the model had computed it
 rope columns of ``hook_k``/``hook_rot_k`` are one key shared by every head, computed before the per-head keys
 exist (edit ``attn.hook_k_rope``); and under transformers 5, whose cache keeps the latents, an edit of
 ``hook_k``/``hook_rot_k``/``hook_v`` during cached generation would be lost at the next step (edit the latents, or
-generate without the cache). ``W_Q`` is served where ``q_proj`` projects the residual directly; ``W_Q`` with a query
-latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the down- and up-projections, so no
-matrix maps the residual to them); :func:`latent_weights` gives the exact per-head maps from the latents. For the
-same reason the blocks have no head-input points (``hook_attn_in``, ``hook_q_input``...: ``SeparateQKV.head_inputs``).
+generate without the cache). A backward hook on ``hook_k``/``hook_rot_k`` is refused too: one head's copy of the
+shared rope key has no gradient of its own (``SeparateQKV.shared_key_columns`` tells the core's analyses so, which
+refuse patching or attributing one head's keys). ``W_Q`` is served where ``q_proj`` projects the residual
+directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
+down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
+maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,
+``hook_q_input``...: ``SeparateQKV.head_inputs``).
 
 Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token
 with a sigmoid over the experts, the correction bias ``e_score_correction_bias`` added for the choice only, grouped
@@ -122,7 +125,14 @@ def mla_rotary(config: Any) -> RotarySpec:
 def attn_qkv(model: Any, layer: int) -> SeparateQKV:
     c = hf.text_config(model)
     q = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_b_proj"
-    return SeparateQKV(q, "self_attn.kv_b_proj", "self_attn.kv_b_proj", rotary=mla_rotary(c), head_inputs=False)
+    return SeparateQKV(
+        q,
+        "self_attn.kv_b_proj",
+        "self_attn.kv_b_proj",
+        rotary=mla_rotary(c),
+        head_inputs=False,
+        shared_key_columns=c.qk_rope_head_dim,
+    )
 
 
 def mlp(model: Any, layer: int) -> Any:
@@ -301,11 +311,23 @@ class MLASite(Site):
                 f"{name.rsplit('.', 1)[0]}.hook_k_rope instead, or only the no-rope columns here"
             )
 
+    def _refuse_key_gradients(self) -> None:
+        for point in (self.k, self.rot_k):
+            if point.live_hooks("bwd"):
+                raise UnsupportedModelError(
+                    f"a backward hook on {point.name!r}: the rope columns [{self.nope}:] of every head's key are one "
+                    "key computed before the heads exist, so one head's copy has no gradient of its own (the model's "
+                    "backward only sums them); hook the gradient of "
+                    f"{point.name.rsplit('.', 1)[0]}.hook_k_rope (the shared key), or of hook_q/hook_v/hook_z per head"
+                )
+
     def _kv_b(self, module: nn.Module, args: tuple, output: Any) -> Any:
         raw = first_output(output)
         rope = self._values().get("k_rope")
         if rope is None:  # pragma: no cover - kv_a_proj runs first
             return None
+        if torch.is_grad_enabled():
+            self._refuse_key_gradients()
         out = raw.flatten(1, -2)  # transformers 5 runs it on the latent viewed as one head: [b, 1, p, rank]
         p = rope.shape[-2]
         new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))

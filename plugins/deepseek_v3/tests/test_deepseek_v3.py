@@ -197,3 +197,24 @@ def test_other_key_value_heads_are_refused() -> None:
     model = CONTRACT.make_model(config, 0)
     with pytest.raises(UnsupportedModelError, match="num_key_value_heads"):
         CONTRACT.wrap(model)
+
+
+@pytest.mark.parametrize("point", ["attn.hook_k", "attn.hook_rot_k"])
+def test_one_heads_key_gradient_is_refused(point: str) -> None:
+    """One head's copy of the shared rope key has no gradient of its own (the model's backward only sums the
+    copies; these points' gradients read 0 there): a backward hook on the per-head keys is refused, naming
+    ``hook_k_rope``, and leaves no hook behind; the shared key's and the values' gradients are served."""
+    model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
+    hm = CONTRACT.wrap(model)
+    ids = _tokens()
+    with pytest.raises(UnsupportedModelError, match="hook_k_rope"):
+        with hm.hooks(bwd_hooks=[(f"blocks.0.{point}", lambda g, hook: None)]):
+            hm(ids).logits.sum().backward()
+    grads: dict[str, torch.Tensor] = {}
+    served = ["blocks.0.attn.hook_k_rope", "blocks.0.attn.hook_v"]
+    with hm.hooks(bwd_hooks=[(n, lambda g, hook: grads.setdefault(hook.name, g)) for n in served]):
+        hm(ids).logits.sum().backward()
+    assert sorted(grads) == served and all(g.abs().sum() > 0 for g in grads.values())
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, model(ids).logits)
+    hm.unwrap()

@@ -61,7 +61,7 @@ def test_entry_point_is_declared() -> None:
 
 CONFIGS = {
     "q latent, interleaved rope, dense first layer": dict(
-        n_heads=4, hidden=32, layers=3, dense_layers=1, experts=6, top_k=2, groups=(3, 2)
+        n_heads=4, hidden=32, layers=2, dense_layers=1, experts=6, top_k=2, groups=(3, 2)
     ),
     "q_proj, rotate-half rope, raw weights": dict(
         n_heads=2, hidden=16, layers=2, q_lora_rank=None, interleave=False, norm_topk_prob=False, groups=(2, 1)

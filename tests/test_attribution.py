@@ -10,6 +10,7 @@ import torch
 
 from lensadapters import attribution
 from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
+from lensadapters.wiring import shared_key_blocks
 
 
 def setup(arch: str, seed: int = 0):
@@ -63,7 +64,8 @@ def derivative(hm, tokens, metric, name: str, delta: torch.Tensor, where, extra=
 )
 def test_a_score_is_the_derivative_of_the_metric_along_the_patch(arch: str, at: str) -> None:
     hm, clean, corrupted, metric = setup(arch)
-    dense = "blocks.0.mlp.hook_post" in hm.hook_dict  # (a mixture of experts has per-expert neurons)
+    # the dense MLPs' neurons (a mixture of experts has per-expert neurons; DeepSeek's first layers are dense)
+    dense = [layer for layer in range(hm.cfg.n_layers) if f"blocks.{layer}.mlp.hook_post" in hm.hook_dict]
     names = ["z", "resid_pre", "mlp_out"] + (["post"] if dense else [])
     result = attribution.attribute(hm, clean, corrupted, metric, names, at=at, progress=False)
     base = corrupted if at == "corrupted" else clean
@@ -74,14 +76,18 @@ def test_a_score_is_the_derivative_of_the_metric_along_the_patch(arch: str, at: 
     checks = [("attn.hook_z", (layer, h), (slice(None), slice(None), h)) for layer in range(2) for h in (0, 3)]
     checks += [("hook_resid_pre", (layer, 1), (slice(None), 1)) for layer in range(2)]
     checks += [("hook_mlp_out", (0, 4), (slice(None), 4))]
+    rows = {point: list(range(hm.cfg.n_layers)) for point in table}  # the block of each row of a score table
     if dense:
-        table["mlp.hook_post"] = result.scores("post", ("layer", "neuron"))
-        checks += [("mlp.hook_post", (1, 2), (slice(None), slice(None), 2))]
+        table["mlp.hook_post"] = result.scores("post", ("layer", "neuron"))  # one row per dense MLP
+        rows["mlp.hook_post"] = dense
+        assert table["mlp.hook_post"].shape[0] == len(dense)
+        checks += [("mlp.hook_post", (dense[-1], 2), (slice(None), slice(None), 2))]
     for point, index, where in checks:
         name = f"blocks.{index[0]}.{point}"
         delta = (result.clean[name] - result.corrupted[name])[where].double()
         expected = derivative(hm, base, metric, name, delta, where)
-        assert abs(table[point][index].item() - expected) <= tolerance(hm) * max(1.0, abs(expected)), (name, index)
+        got = table[point][(rows[point].index(index[0]), *index[1:])].item()
+        assert abs(got - expected) <= tolerance(hm) * max(1.0, abs(expected)), (name, index)
     assert resid[0, 0].abs() < 1e-12 and resid[0, 1].abs() > 0  # only the corrupted position differs at the input
     assert resid.abs().sum() > 0 and heads.abs().sum() > 0
     hm.unwrap()
@@ -106,10 +112,15 @@ def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
         torch.ones((), dtype=torch.float64),
     )
     plain = plain and not shared_norm and not sinks
+    sides = "qk"
+    if shared_key_blocks(hm):  # heads sharing key columns (MLA's rope key): one head's keys are refused by name
+        with pytest.raises(attribution.AttributionUnavailable, match=r"blocks \[.*share key columns"):
+            attribution.attribute(hm, clean, corrupted, metric, ["q", "k"], qk_fix=True, progress=False)
+        sides = "q"
     try:
-        result = attribution.attribute(hm, clean, corrupted, metric, ["q", "k"], qk_fix=True, progress=False)
-        fixed = {w: result.scores(w, ("layer", "pos", "head"), qk_fix=True) for w in "qk"}
-        whole = {w: result.scores(w, ("layer", "head"), qk_fix=True) for w in "qk"}
+        result = attribution.attribute(hm, clean, corrupted, metric, list(sides), qk_fix=True, progress=False)
+        fixed = {w: result.scores(w, ("layer", "pos", "head"), qk_fix=True) for w in sides}
+        whole = {w: result.scores(w, ("layer", "head"), qk_fix=True) for w in sides}
     except attribution.QKFixUnavailable as error:
         assert not plain, error
         assert "pass qk_fix=False" in str(error)
@@ -118,7 +129,7 @@ def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
     layer = cfg.n_layers - 1
     pattern_name = f"blocks.{layer}.attn.hook_pattern"
     gradient = result.grads[0][pattern_name].double()
-    for which in "qk":
+    for which in sides:
         name = f"blocks.{layer}.attn.hook_{which}"
         for pos in (None, 1, 4):
             where = (slice(None), slice(None) if pos is None else pos, 0)
@@ -137,7 +148,8 @@ def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
             expected = float(((seen["pattern"] - result.corrupted[pattern_name].double()) * gradient).sum())
             got = whole[which][layer, 0] if pos is None else fixed[which][layer, pos, 0]
             assert abs(float(got) - expected) <= 1e-5 * max(1.0, abs(expected)), (which, pos, float(got), expected)
-    assert fixed["k"].shape == (cfg.n_layers, 5, cfg.n_key_value_heads)  # keys: one score per key/value head
+    if "k" in fixed:
+        assert fixed["k"].shape == (cfg.n_layers, 5, cfg.n_key_value_heads)  # keys: one score per key/value head
     hm.unwrap()
 
 
@@ -159,7 +171,7 @@ def test_grad_drop_averages_the_magnitudes_with_each_blocks_gradient_dropped(arc
     for layer in range(1, n):
         detach = [(f"blocks.{layer}.hook_{w}", lambda x, hook: x.detach()) for w in ("attn_out", "mlp_out")]
         expected += abs(derivative(hm, corrupted, metric, name, delta, where, detach))
-    assert abs(dropped[0, 0].item() - expected / (n - 1)) <= 1e-9 * max(1.0, expected)
+    assert abs(dropped[0, 0].item() - expected / (n - 1)) <= tolerance(hm) * max(1.0, expected)
     assert (dropped >= 0).all()
     hm.unwrap()
 
@@ -174,10 +186,35 @@ def test_expert_scores_add_up_to_their_mlp(arch: str) -> None:
         return
     result = attribution.attribute(hm, clean, corrupted, metric, ["experts", "mlp_out"], progress=False)
     experts = result.scores("experts", ("layer", "expert"))
-    assert experts.shape == (hm.cfg.n_layers, hm.cfg.num_experts)
-    mlp = result.scores("mlp_out", ("layer",))
-    assert torch.allclose(experts.sum(-1), mlp, atol=1e-4, rtol=1e-4), (experts.sum(-1), mlp)
-    assert (experts != 0).sum() > hm.cfg.n_layers  # several experts per layer take part
+    # one row per mixture-of-experts layer (DeepSeek's first layers are dense)
+    moe = [i for i in range(hm.cfg.n_layers) if f"blocks.{i}.mlp.hook_expert_indices" in hm.hook_dict]
+    assert experts.shape == (len(moe), hm.cfg.num_experts)
+    mlp = result.scores("mlp_out", ("layer",))[moe]
+    # shared experts (always on: DeepSeek's) add to the MLP output but are no routed expert: their part, read here
+    # from the shared module's output on both runs
+    shared = torch.zeros(len(moe), dtype=torch.float64)
+    for row, layer in enumerate(moe):
+        path = hm.mlp_layouts[layer].shared
+        if path is None:
+            continue
+        outputs = []
+        for tokens in (clean, corrupted):
+            seen: list = []
+            handle = (
+                hm.block_modules[layer]
+                .get_submodule(path)
+                .register_forward_hook(lambda module, args, out, seen=seen: seen.append(out.detach()))
+            )
+            with torch.no_grad():
+                hm(tokens, return_type="logits")
+            handle.remove()
+            outputs.append(seen[0].double())
+        grad = result.grads[0][f"blocks.{layer}.hook_mlp_out"].double()
+        shared[row] = ((outputs[0] - outputs[1]).reshape(grad.shape) * grad).sum()
+        assert shared[row] != 0
+    total = experts.sum(-1) + shared
+    assert torch.allclose(total, mlp, atol=1e-4, rtol=1e-4), (total, mlp)
+    assert (experts != 0).sum() > len(moe)  # several experts per layer take part
     hm.unwrap()
 
 

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lensadapters.adapters.moe import expert_tokens
 from lensadapters.analysis.utils import get_act_name
-from lensadapters.wiring.names import non_attention_blocks
+from lensadapters.wiring.names import non_attention_blocks, shared_key_blocks
 
 Tensor = torch.Tensor
 Metric = Callable[[Tensor], Tensor]
@@ -51,6 +51,7 @@ __all__ = [
     "QKFixUnavailable",
     "attribute",
     "forward_backward",
+    "require_per_head_keys",
     "get_attr_patch_resid_pre",
     "get_attr_patch_resid_mid",
     "get_attr_patch_attn_out",
@@ -99,6 +100,19 @@ def require_softmax_attention(model: Any) -> None:
             f"blocks {mixers} of this model mix tokens with something other than softmax attention (linear attention "
             f"or a state-space layer): attribution patching and EAP are not verified there yet. Use activation "
             f"patching (lensadapters.patching), which runs the model itself"
+        )
+
+
+def require_per_head_keys(model: Any, names: Sequence[str]) -> None:
+    """Refuse one head's keys (``"k"``, ``"rot_k"``) on blocks where every head shares key columns (multi-head latent
+    attention's rope key, ``SeparateQKV.shared_key_columns``): the model computes them once, before the heads exist,
+    so the gradient with respect to one head's copy is not a value of its backward."""
+    blocks = shared_key_blocks(model) if any(n in ("k", "rot_k") for n in names) else []
+    if blocks:
+        raise AttributionUnavailable(
+            f"blocks {blocks} share key columns across their heads (multi-head latent attention's rope key, computed "
+            f"once for every head): one head's keys have no gradient of their own. Score the queries, values or "
+            f"outputs per head, or the shared key itself (attn.hook_k_rope) by name"
         )
 
 
@@ -254,12 +268,14 @@ class Attribution:
         return torch.stack(per_variant).abs().sum(0) / max(n - 1, 1)
 
     def _experts(self, variant: int) -> Tensor:
-        """Expert ``e`` of a layer: its contribution to the MLP output on each run, scattered to ``[b, p, d]``."""
+        """Expert ``e`` of a layer: its contribution to the MLP output on each run, scattered to ``[b, p, d]``; one
+        row per mixture-of-experts layer (dense layers, DeepSeek's first ones, have no experts). Shared experts
+        (``MoELayout.shared``, always on) are in ``hook_mlp_out``'s score and in no routed expert's."""
         rows = []
         cfg = self.model.cfg
         for layer in range(cfg.n_layers):
             grad = self.grads[variant].get(f"blocks.{layer}.hook_mlp_out")
-            if grad is None:
+            if grad is None or f"blocks.{layer}.mlp.hook_expert_indices" not in self.clean:
                 continue
             scores = []
             for e in range(cfg.num_experts):
@@ -398,6 +414,7 @@ def attribute(
     if at not in ("corrupted", "clean"):
         raise ValueError(f"at must be 'corrupted' (Nanda's attribution patching) or 'clean', not {at!r}")
     names = [names] if isinstance(names, str) else list(names)
+    require_per_head_keys(model, names)
     clean_tokens, corrupted_tokens = _tokens(model, clean_tokens), _tokens(model, corrupted_tokens)
     cfg = model.cfg
     values: list[str] = []
@@ -504,5 +521,8 @@ get_attr_patch_mlp_neurons = _sweep(
     "post", ("layer", "neuron"), "Each MLP neuron (mlp.hook_post), every position: [layer, d_mlp]."
 )
 get_attr_patch_experts = _sweep(
-    EXPERTS, ("layer", "expert"), "Each mixture-of-experts expert's contribution to its layer's MLP output."
+    EXPERTS,
+    ("layer", "expert"),
+    "Each routed expert's contribution to its layer's MLP output (one row per mixture-of-experts layer; shared "
+    "experts, always on, are in the MLP output's score only).",
 )

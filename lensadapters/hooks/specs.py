@@ -330,6 +330,11 @@ class SeparateQKV:
     latent attention normalizes a latent between its down- and up-projections): the layer then has no
     ``hook_attn_in``/``hook_q_input``/``hook_k_input``/``hook_v_input``, whose edits the core turns into
     ``norm(edit) @ W_Q/W_K/W_V``.
+
+    ``shared_key_columns=n`` says the last ``n`` columns of every head's key are one key that every head shares,
+    computed before the heads exist (multi-head latent attention's rope key): no edit can change them for one head
+    alone, so the analyses that patch or differentiate one head's keys (``"k"``/``"rot_k"`` in activation and
+    attribution patching) refuse those blocks by name (``wiring.shared_key_blocks``).
     """
 
     q: str
@@ -344,6 +349,7 @@ class SeparateQKV:
     kv_heads: Optional[int] = None
     values_from_keys: bool = False
     head_inputs: bool = True
+    shared_key_columns: int = 0
 
 
 @dataclass(frozen=True)

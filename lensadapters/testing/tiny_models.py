@@ -94,8 +94,10 @@ def patching_pair(arch_name: str, seed: int = 0) -> tuple[Any, torch.Tensor, tor
     it is a mixture of experts (grouped-GEMM experts run in float32 only); two prompts of 5 tokens whose second token
     differs; the clean answers' summed log-probability at the last position."""
     model = tiny(arch_name, seed)
-    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
-    hm = HookedModel.wrap(model if experts else model.double())
+    hm = HookedModel.wrap(model)
+    if not hm.cfg.num_experts:  # the plugin's count (a config's own field names differ: n_routed_experts...)
+        hm.unwrap()
+        hm = HookedModel.wrap(model.double())
     generator = torch.Generator().manual_seed(seed)
     clean = torch.randint(0, hm.cfg.d_vocab, (2, 5), generator=generator)
     corrupted = clean.clone()

@@ -6,6 +6,23 @@ Uses the plugin system and the hook machinery below it; the analysis layer and t
 """
 
 from lensadapters.wiring.core import Wiring
-from lensadapters.wiring.names import PATTERN_POINTS, block_point_names, is_gated, non_attention_blocks, qkv_point_names
+from lensadapters.wiring.names import (
+    PATTERN_POINTS,
+    block_point_names,
+    blocks_without_head_inputs,
+    is_gated,
+    non_attention_blocks,
+    qkv_point_names,
+    shared_key_blocks,
+)
 
-__all__ = ["PATTERN_POINTS", "Wiring", "block_point_names", "is_gated", "non_attention_blocks", "qkv_point_names"]
+__all__ = [
+    "PATTERN_POINTS",
+    "Wiring",
+    "block_point_names",
+    "blocks_without_head_inputs",
+    "is_gated",
+    "non_attention_blocks",
+    "qkv_point_names",
+    "shared_key_blocks",
+]

@@ -1,0 +1,438 @@
+"""DeepSeek-V3 (``model_type: "deepseek_v3"``: DeepSeek-V3, R1, Kimi-K2-shaped checkpoints) for lensadapters.
+
+Multi-head latent attention (MLA), with TransformerLens' names where they exist and these for the latents:
+
+* ``attn.hook_q_latent`` ``[b, p, q_lora_rank]``: the compressed query, ``q_a_layernorm(q_a_proj(x))`` (only where
+  ``q_lora_rank`` is set; otherwise ``q_proj`` projects the residual directly).
+* ``attn.hook_k_rope`` ``[b, p, qk_rope_head_dim]``: the key part every head shares, the last columns of
+  ``kv_a_proj_with_mqa``'s output, before rotary.
+* ``attn.hook_kv_latent`` ``[b, p, kv_lora_rank]``: the compressed keys and values, ``kv_a_layernorm``'s output
+  (what transformers 5 caches).
+* ``attn.hook_q`` ``[b, p, h, qk_nope_head_dim + qk_rope_head_dim]``: each head's query, ``[no-rope | rope]`` as the
+  up-projection (``q_b_proj`` or ``q_proj``) outputs it, before rotary: the rope columns are in the checkpoint's
+  order (interleaved pairs where ``rope_interleave``).
+* ``attn.hook_k`` (same shape): ``[k_nope_h | k_rope]``, the head's no-rope key from ``kv_b_proj`` and the shared
+  ``hook_k_rope``; ``attn.hook_v`` ``[b, p, h, v_head_dim]`` the head's value from ``kv_b_proj``.
+* ``attn.hook_rot_q``/``hook_rot_k``: the query and key attention multiplies, rotary applied to the rope columns
+  only, in transformers' output layout (with ``rope_interleave`` the rotated pairs come out de-interleaved,
+  ``[x_even' | x_odd']``, as transformers computes them).
+* ``hook_attn_scores``, ``hook_pattern``, ``hook_z`` ``[b, p, h, v_head_dim]``, ``hook_result``: as usual
+  (``cfg.d_head`` is the query/key head size, ``cfg.extra["v_head_dim"]`` the value head size).
+
+An edit of a point changes everything downstream as if the model had computed it, with two refusals, by name: the
+rope columns of ``hook_k``/``hook_rot_k`` are one key shared by every head, computed before the per-head keys
+exist (edit ``attn.hook_k_rope``); and under transformers 5, whose cache keeps the latents, an edit of
+``hook_k``/``hook_rot_k``/``hook_v`` during cached generation would be lost at the next step (edit the latents, or
+generate without the cache). A backward hook on ``hook_k``/``hook_rot_k`` is refused too: one head's copy of the
+shared rope key has no gradient of its own (``SeparateQKV.shared_key_columns`` tells the core's analyses so, which
+refuse patching or attributing one head's keys). ``W_Q`` is served where ``q_proj`` projects the residual
+directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
+down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
+maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,
+``hook_q_input``...: ``SeparateQKV.head_inputs``).
+
+Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token
+with a sigmoid over the experts, the correction bias ``e_score_correction_bias`` added for the choice only, grouped
+top-k (``n_group`` groups scored by their two best experts, ``topk_group`` kept), the chosen sigmoids renormalized
+(``norm_topk_prob``) and scaled by ``routed_scaling_factor``; ``mlp.shared_experts`` (a dense SwiGLU) is added to
+the routed experts' sum. The core's router and per-expert points serve them (``Routing(probabilities="sigmoid",
+groups=..., selection_bias=...)``); ``mlp.hook_expert_weights`` is the sigmoid of every expert.
+
+Refused at wrap time: DeepSeek-V2's modelling (``deepseek_v2``, a softmax router and complex rotary), custom code
+registered as ``deepseek_v3``, ``num_key_value_heads`` other than ``num_attention_heads``. Flash and flex
+attention: every hook point but ``hook_attn_scores``/``hook_pattern``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lensadapters import Architecture, hf, hookimpl
+from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
+from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
+from lensadapters.plugin_api import (
+    OutputSite,
+    RotarySpec,
+    SeparateQKV,
+    Site,
+    apply_rotate_half,
+    first_output,
+    invert_rotate_half,
+    read_linear,
+    replace_first_output,
+)
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+LENSADAPTERS_CONTRACT = "lensadapters_deepseek_v3.testing:DeepseekV3Contract"
+ARCH = Architecture(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    description="DeepSeek-V3 (DeepseekV3ForCausalLM, DeepseekV3Model): multi-head latent attention, grouped top-k "
+    "routing with a correction bias, shared experts, dense first layers",
+    transformers=">=4.57,<6",
+)
+# the modules every layer has (the attention's query path depends on q_lora_rank and is checked per layer); the
+# first one has no output width, so the family's head-shape check (one q_proj of heads * head_dim) does not apply
+FAMILY = hf.DecoderFamily(
+    "DeepseekV3",
+    model_type="deepseek_v3",
+    packages=("deepseek_v3",),
+    norms=("DeepseekV3RMSNorm",),
+    qkv=("self_attn.kv_a_layernorm", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
+    mlp=None,
+)
+MLA_POINTS = ("attn.hook_q_latent", "attn.hook_k_rope", "attn.hook_kv_latent")
+
+
+def _sizes(c: Any) -> tuple[int, int, int]:
+    return c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+
+
+def mla_rotary(config: Any) -> RotarySpec:
+    """Rotary on the rope columns ``[nope:]`` of ``[b, p, h, nope + rope]`` as transformers applies it: interleaved
+    pairs rotated and laid out ``[even' | odd']`` (``rope_interleave``), or rotate-half."""
+    nope, rope, _ = _sizes(config)
+    interleave = bool(getattr(config, "rope_interleave", False))
+
+    def parts(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos[..., : rope // 2].unsqueeze(2), sin[..., : rope // 2].unsqueeze(2)
+
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        head, r = x[..., :nope], x[..., nope:]
+        if not interleave:
+            return torch.cat((head, apply_rotate_half(r, cos, sin)), dim=-1)
+        c, s = parts(cos, sin)
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+        return torch.cat((head, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def invert(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        head, r = y[..., :nope], y[..., nope:]
+        if not interleave:
+            return torch.cat((head, invert_rotate_half(r, cos, sin)), dim=-1)
+        c, s = (t.to(torch.promote_types(y.dtype, torch.float32)) for t in parts(cos, sin))
+        y1, y2 = r[..., : rope // 2].to(c.dtype), r[..., rope // 2 :].to(c.dtype)
+        norm = c * c + s * s
+        x1, x2 = (y1 * c + y2 * s) / norm, (y2 * c - y1 * s) / norm
+        return torch.cat((head, torch.stack((x1, x2), dim=-1).flatten(-2).to(y.dtype)), dim=-1)
+
+    return RotarySpec(rope, apply, invert)
+
+
+def attn_qkv(model: Any, layer: int) -> SeparateQKV:
+    c = hf.text_config(model)
+    q = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_b_proj"
+    return SeparateQKV(
+        q,
+        "self_attn.kv_b_proj",
+        "self_attn.kv_b_proj",
+        rotary=mla_rotary(c),
+        head_inputs=False,
+        shared_key_columns=c.qk_rope_head_dim,
+    )
+
+
+def mlp(model: Any, layer: int) -> Any:
+    c = hf.text_config(model)
+    if layer < c.first_k_dense_replace:
+        return hf.SWIGLU_MLP
+    block = FAMILY.layers(model)[layer]
+    fused = not isinstance(block.get_submodule("mlp.experts"), nn.ModuleList)
+    import transformers
+
+    v5 = int(transformers.__version__.split(".")[0]) >= 5
+    routing = Routing(
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        normalize=bool(c.norm_topk_prob),
+        probabilities="sigmoid",
+        weights_dtype="float32",
+        selection_bias="e_score_correction_bias",
+        groups=(c.n_group, c.topk_group),
+        masked_score=float("-inf") if v5 else 0.0,  # transformers 4.57 fills the dropped groups with 0
+        normalize_eps=1e-20,
+        scale=float(c.routed_scaling_factor),
+    )
+    experts: Any = (
+        FusedExperts("mlp.experts") if fused else ExpertModules("mlp.experts", "gate_proj", "up_proj", "down_proj")
+    )
+    return MoELayout(
+        router="mlp.gate",
+        routing=routing,
+        experts=experts,
+        router_output="routing" if v5 else "index_weights",
+        shared="mlp.shared_experts",
+    )
+
+
+def missing_in_layer(layer: nn.Module) -> list[str]:
+    attn = layer.get_submodule("self_attn")
+    paths = ["self_attn.o_proj"]
+    paths += (
+        ["self_attn.q_proj"]
+        if getattr(attn, "q_lora_rank", None) is None
+        else [
+            "self_attn.q_a_proj",
+            "self_attn.q_a_layernorm",
+            "self_attn.q_b_proj",
+        ]
+    )
+    return hf.missing_paths(layer, tuple(paths))
+
+
+def check(model: Any) -> None:
+    c = hf.text_config(model)
+    if hf.n_kv_heads(c) != c.num_attention_heads:
+        raise UnsupportedModelError(
+            f"num_key_value_heads={hf.n_kv_heads(c)} differs from num_attention_heads={c.num_attention_heads}: "
+            "multi-head latent attention decompresses one key and value per query head"
+        )
+    if c.qk_rope_head_dim % 2:
+        raise UnsupportedModelError(f"qk_rope_head_dim={c.qk_rope_head_dim} is odd; rotary rotates pairs")
+
+
+def config_fields(model: Any) -> dict[str, Any]:
+    c = hf.text_config(model)
+    nope, rope, v = _sizes(c)
+    return dict(
+        d_head=nope + rope,
+        rotary_dim=rope,
+        d_mlp=c.intermediate_size,
+        num_experts=c.n_routed_experts,
+        experts_per_token=c.num_experts_per_tok,
+        extra={
+            "multi_head_latent_attention": True,
+            "q_lora_rank": c.q_lora_rank,
+            "kv_lora_rank": c.kv_lora_rank,
+            "qk_nope_head_dim": nope,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": v,
+            "rope_interleave": bool(getattr(c, "rope_interleave", False)),
+            "first_k_dense_replace": c.first_k_dense_replace,
+            "n_shared_experts": c.n_shared_experts,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "n_group": c.n_group,
+            "topk_group": c.topk_group,
+            "routed_scaling_factor": float(c.routed_scaling_factor),
+            "norm_topk_prob": bool(c.norm_topk_prob),
+        },
+    )
+
+
+def tiny_config(seed: int) -> Any:
+    """A DeepSeek-V3-like toy, width 64, vocabulary 512: 4 heads with no-rope 8, rope 4, value 6 columns, a query
+    latent of 16 and a key/value latent of 12, one dense layer then MoE layers of 8 experts in 4 groups (top-2 of the
+    2 best groups), one shared expert. Seed 0 is the demo's model (2 layers); other seeds vary the depth, drop the
+    query latent and vary top-k."""
+    import random
+
+    from transformers import DeepseekV3Config
+
+    rng = random.Random(seed)
+    layers = 2 if seed == 0 else rng.choice([2, 3])
+    q_lora = 16 if seed == 0 else rng.choice([None, 16])
+    return hf.toy_config(
+        DeepseekV3Config,
+        layers,
+        4,
+        4,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        q_lora_rank=q_lora,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        head_dim=4,
+        v_head_dim=6,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2 if seed == 0 else rng.choice([1, 2, 3]),
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        tie_word_embeddings=False,
+    )
+
+
+class MLASite(Site):
+    """``attn.hook_k_rope``, ``hook_k``, ``hook_rot_k`` and ``hook_v`` of one layer (see the module docstring).
+
+    ``kv_a_proj_with_mqa``'s output gives the shared rope key (an edit replaces its columns); ``kv_b_proj``'s the
+    per-head no-rope keys and values (an edit of ``hook_k``/``hook_rot_k``'s no-rope columns or of ``hook_v``
+    replaces its rows of this forward's positions: transformers 5 runs it over the cached positions too).
+    """
+
+    def __init__(self, hooked: Any, layer: int, rotary: RotarySpec, config: Any) -> None:
+        self.hooked, self.state, self.rotary = hooked, hooked.forward_state, rotary
+        self.attention = attn = hooked.attention_modules[layer]
+        self.kv_a, self.kv_b = attn.kv_a_proj_with_mqa, attn.kv_b_proj
+        self.rank, (self.nope, self.rope, self.v) = config.kv_lora_rank, _sizes(config)
+        self.heads = config.num_attention_heads
+        pre = f"blocks.{layer}.attn."
+        self.k_rope = hooked.point(pre + "hook_k_rope")
+        self.k, self.rot_k, self.v_point = (hooked.claim_point(pre + n) for n in ("hook_k", "hook_rot_k", "hook_v"))
+        self.points = (self.k_rope, self.k, self.rot_k, self.v_point)
+
+    def install(self) -> list[Any]:
+        handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
+        if self.rot_k.active:  # the layer's (cos, sin), as the model hands them to its attention
+            handles.append(self.attention.register_forward_pre_hook(self._angles, with_kwargs=True))
+        return handles
+
+    def _angles(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        angles = kwargs.get("position_embeddings")
+        if not (isinstance(angles, (tuple, list)) and len(angles) == 2):
+            raise RuntimeError(
+                f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) as "
+                "position_embeddings"
+            )
+        self._values()["angles"] = (angles[0], angles[1])
+
+    def _values(self) -> dict[str, Any]:
+        return self.state.site_values(self)
+
+    def _kv_a(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        out = first_output(output)
+        rope, changed = self.k_rope.apply(out[..., self.rank :], protect=True)
+        self._values()["k_rope"] = rope
+        if not changed:
+            return None
+        return replace_first_output(output, torch.cat((out[..., : self.rank], rope.to(out.dtype)), dim=-1))
+
+    def _shared_rope_kept(self, name: str, edited: torch.Tensor, before: torch.Tensor) -> None:
+        if not torch.equal(edited[..., self.nope :], before[..., self.nope :]):
+            raise HookReturnError(
+                f"hook on {name!r} changed the rope columns [{self.nope}:] of the keys: multi-head latent attention "
+                "computes them once for every head (attn.hook_k_rope, before the per-head keys exist); edit "
+                f"{name.rsplit('.', 1)[0]}.hook_k_rope instead, or only the no-rope columns here"
+            )
+
+    def _refuse_key_gradients(self) -> None:
+        for point in (self.k, self.rot_k):
+            if point.live_hooks("bwd"):
+                raise UnsupportedModelError(
+                    f"a backward hook on {point.name!r}: the rope columns [{self.nope}:] of every head's key are one "
+                    "key computed before the heads exist, so one head's copy has no gradient of its own (the model's "
+                    "backward only sums them); hook the gradient of "
+                    f"{point.name.rsplit('.', 1)[0]}.hook_k_rope (the shared key), or of hook_q/hook_v/hook_z per head"
+                )
+
+    def _kv_b(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        raw = first_output(output)
+        rope = self._values().get("k_rope")
+        if rope is None:  # pragma: no cover - kv_a_proj runs first
+            return None
+        if torch.is_grad_enabled():
+            self._refuse_key_gradients()
+        out = raw.flatten(1, -2)  # transformers 5 runs it on the latent viewed as one head: [b, 1, p, rank]
+        p = rope.shape[-2]
+        new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))
+        k_nope, v = new[..., : self.nope], new[..., self.nope :]
+        k = torch.cat((k_nope, rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope).to(k_nope.dtype)), dim=-1)
+        edited_k, changed = self.k.apply(k, protect=True)
+        if changed:
+            self._shared_rope_kept(self.k.name, edited_k, k)
+        if self.rot_k.active:
+            cos, sin = self._values()["angles"]
+            rotated = self.rotary.apply(edited_k, cos, sin)
+            edited_rot, rot_changed = self.rot_k.apply(rotated, protect=True)
+            if rot_changed:
+                self._shared_rope_kept(self.rot_k.name, edited_rot, rotated)
+                edited_k = edited_k + self.rotary.invert(edited_rot - rotated, cos, sin).to(edited_k.dtype)
+                changed = True
+        edited_v, v_changed = self.v_point.apply(v, protect=True)
+        if not (changed or v_changed):
+            return None
+        if out.shape[1] != p:
+            raise HookReturnError(
+                f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v during cached generation: "
+                "transformers 5 caches the latents and decompresses the earlier positions again at every step, so "
+                "the edit would be lost there; edit attn.hook_kv_latent or attn.hook_k_rope, or generate with "
+                "use_cache=False"
+            )
+        merged = torch.cat((edited_k[..., : self.nope], edited_v), dim=-1).flatten(-2)
+        return replace_first_output(output, merged.to(out.dtype).reshape(raw.shape))
+
+
+@hookimpl
+def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
+    sites: list[Site] = []
+    for layer, attn in enumerate(hooked.attention_modules):
+        c = attn.config
+        pre = f"blocks.{layer}.attn."
+        if c.q_lora_rank is not None:
+            point = hooked.new_point(pre + "hook_q_latent", before=pre + "hook_q")
+            sites.append(OutputSite(attn.q_a_layernorm, point))
+        hooked.new_point(pre + "hook_k_rope", after=pre + "hook_rot_q")
+        sites.append(
+            OutputSite(attn.kv_a_layernorm, hooked.new_point(pre + "hook_kv_latent", after=pre + "hook_k_rope"))
+        )
+        sites.append(MLASite(hooked, layer, mla_rotary(c), c))
+    return sites
+
+
+def _latent_linear(hooked: Any, module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    lw = read_linear(hooked, module)
+    return lw.W, lw.b
+
+
+def latent_weights(hm: Any, layer: int) -> dict[str, Any]:
+    """The exact per-head linear maps of layer ``layer``'s MLA, as TransformerLens-shaped tensors read from the live
+    parameters: ``W_Q_latent`` ``[h, q_lora_rank, d_head]`` (``hook_q == hook_q_latent @ W_Q_latent``; ``W_Q``
+    ``[h, d_model, d_head]`` from ``ln1``'s output where there is no query latent),
+    ``W_K_latent`` ``[h, kv_lora_rank, qk_nope_head_dim]`` and ``W_V_latent`` ``[h, kv_lora_rank, v_head_dim]``
+    (the no-rope keys and the values from ``hook_kv_latent``), ``W_K_rope`` ``[d_model, qk_rope_head_dim]`` and
+    ``b_K_rope`` (``hook_k_rope`` from the normalized residual), and ``W_Q_down``/``W_KV_down``, the down-projections
+    into the latents before their RMS norms."""
+    wiring = hm.wiring if hasattr(hm, "wiring") else hm
+    attn = wiring.attention_modules[layer]
+    nope, rope, v = _sizes(attn.config)
+    heads = attn.config.num_attention_heads
+    out: dict[str, Any] = {}
+    q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    W, _ = _latent_linear(wiring, q)
+    out["W_Q" if attn.q_lora_rank is None else "W_Q_latent"] = W.unflatten(-1, (heads, -1)).permute(1, 0, 2)
+    if attn.q_lora_rank is not None:
+        out["W_Q_down"] = _latent_linear(wiring, attn.q_a_proj)
+    W_b, _ = _latent_linear(wiring, attn.kv_b_proj)
+    W_b = W_b.unflatten(-1, (heads, nope + v)).permute(1, 0, 2)
+    out["W_K_latent"], out["W_V_latent"] = W_b[..., :nope], W_b[..., nope:]
+    W_a, b_a = _latent_linear(wiring, attn.kv_a_proj_with_mqa)
+    out["W_KV_down"] = (W_a[:, : attn.kv_lora_rank], None if b_a is None else b_a[: attn.kv_lora_rank])
+    out["W_K_rope"] = W_a[:, attn.kv_lora_rank :]
+    out["b_K_rope"] = None if b_a is None else b_a[attn.kv_lora_rank :]
+    return out
+
+
+_REFUSED = {"_W_K": "W_K", "_b_K": "b_K", "_W_V": "W_V", "_b_V": "b_V", "W_K": "W_K", "W_V": "W_V"}
+
+
+@hookimpl
+def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[torch.Tensor]:
+    with_q_latent = any(a.q_lora_rank is not None for a in hooked.attention_modules)
+    if name in _REFUSED or (with_q_latent and name in ("W_Q", "b_Q")):
+        shown = _REFUSED.get(name, name)
+        raise WeightUnavailableError(
+            f"{shown}: multi-head latent attention RMS-normalizes a latent between its down- and up-projections, so "
+            "no matrix maps the residual to the per-head "
+            f"{'queries' if shown[-1] == 'Q' else 'keys' if shown[-1] == 'K' else 'values'}; "
+            "lensadapters_deepseek_v3.latent_weights(hm, layer) gives the exact maps from the latents "
+            "(attn.hook_q_latent, attn.hook_kv_latent) and the shared rope key's"
+        )
+    return None
+
+
+PLUGIN = hf.DecoderPlugin(
+    ARCH,
+    FAMILY,
+    tiny_config,
+    config=config_fields,
+    check=check,
+    missing_in_layer=missing_in_layer,
+    attn_qkv=attn_qkv,
+    mlp=mlp,
+).export(globals())

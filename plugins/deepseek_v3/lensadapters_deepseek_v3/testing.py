@@ -1,0 +1,142 @@
+"""Test kit of lensadapters-deepseek-v3 (needs ``lensadapters[testing]``): ``DeepseekV3Contract``
+(``LENSADAPTERS_CONTRACT``, run by ``lensadapters check deepseek_v3``; the plugin's tests subclass it),
+``deepseek_v3_config(...)`` (one tiny config) and ``deepseek_v3_configs(**overrides)`` (their strategy). Importing
+``lensadapters_deepseek_v3`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from transformers import DeepseekV3Config
+
+import lensadapters_deepseek_v3
+from lensadapters.testing.families import MoEDecoderContract, config_strategy, decoder_config
+
+__all__ = ["DeepseekV3Contract", "deepseek_v3_config", "deepseek_v3_configs"]
+
+
+def deepseek_v3_config(
+    *,
+    q_lora_rank: Optional[int] = 8,
+    kv_lora_rank: int = 12,
+    nope: int = 4,
+    rope: int = 4,
+    v_head_dim: int = 6,
+    d_mlp: int = 8,
+    dense_d_mlp: int = 24,
+    experts: int = 4,
+    top_k: int = 2,
+    groups: tuple[int, int] = (2, 1),
+    dense_layers: int = 0,
+    norm_topk_prob: bool = True,
+    scale: float = 2.5,
+    interleave: bool = True,
+    max_pos: int = 32,
+    **shared: Any,
+) -> DeepseekV3Config:
+    """A tiny DeepSeek-V3 config (``decoder_config``'s shared fields; as many key/value heads as query heads):
+    ``experts`` routed experts of width ``d_mlp`` in ``groups = (n_group, topk_group)``, one shared expert, the first
+    ``dense_layers`` layers dense of width ``dense_d_mlp``."""
+    shared["n_kv"] = shared["n_heads"]
+    return decoder_config(
+        DeepseekV3Config,
+        d_mlp=dense_d_mlp,
+        max_pos=max_pos,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        head_dim=rope,
+        v_head_dim=v_head_dim,
+        moe_intermediate_size=d_mlp,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=top_k,
+        n_group=groups[0],
+        topk_group=groups[1],
+        first_k_dense_replace=dense_layers,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=scale,
+        rope_interleave=interleave,
+        **shared,
+    )
+
+
+def _groups(drawn: dict[str, Any]) -> st.SearchStrategy:
+    """``(n_group, topk_group)`` dividing the experts, enough kept experts for the top-k (each kept group contributes
+    its experts; groups are scored by their two best, so groups of at least two experts)."""
+    e, k = drawn["experts"], drawn["top_k"]
+    options = [
+        (g, t) for g in range(1, e + 1) if e % g == 0 and e // g >= 2 for t in range(1, g + 1) if t * e // g >= k
+    ]
+    return st.sampled_from(options)
+
+
+deepseek_v3_configs = config_strategy(
+    deepseek_v3_config,
+    """Tiny DeepSeek-V3 configs: 4 or 6 routed experts in groups (1, 2 or 3 groups, some dropped before the top-k),
+    top-k from 1 to 3, renormalized or raw sigmoid weights scaled by 1 or 2.5, dense first layers, with and without a
+    query latent, interleaved or rotate-half rope, different no-rope, rope and value head sizes.""",
+    experts=st.sampled_from([4, 6]),
+    top_k=st.integers(1, 3),
+    groups=_groups,
+    n_kv=st.sampled_from([2, 4]),
+    ratio=1,
+    n_layers=st.integers(1, 3),
+    dense_layers=lambda drawn: st.integers(0, drawn["layers"] - 1),
+    q_lora_rank=st.sampled_from([None, 8]),
+    kv_lora_rank=st.sampled_from([6, 12]),
+    nope=st.sampled_from([2, 4]),
+    rope=st.sampled_from([2, 4]),
+    v_head_dim=st.sampled_from([4, 6]),
+    norm_topk_prob=st.booleans(),
+    scale=st.sampled_from([1.0, 2.5]),
+    interleave=st.booleans(),
+    vocab=st.integers(16, 96),
+    theta=st.sampled_from([100.0, 10000.0]),
+    tied=st.booleans(),
+)
+
+
+class DeepseekV3Contract(MoEDecoderContract):
+    """Every generic adapter property (in its MoE form) and the MoE properties on tiny DeepSeek-V3 models: multi-head
+    latent attention, grouped sigmoid routing with a random correction bias, shared experts, dense first layers."""
+
+    plugin: ClassVar[Any] = lensadapters_deepseek_v3
+    config_strategy = deepseek_v3_configs
+    matrix_overrides = dict(experts=st.just(4), n_layers=st.integers(1, 2))
+
+    def make_model(self, config: Any, seed: int, attn_implementation: Optional[str] = None) -> torch.nn.Module:
+        model = super().make_model(config, seed, attn_implementation)
+        generator = torch.Generator().manual_seed(seed)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(torch.randn(bias.shape, generator=generator) * 0.3)
+        return model
+
+    # generic properties that edit what MLA refuses by name (tests/test_deepseek_v3.py checks each refusal and the
+    # exact edits of every point against the float64 reference instead): a per-head edit of the rope columns of
+    # hook_k/hook_rot_k (one key shared by the heads), W_K/W_V (an RMS norm inside the projection), and, under
+    # transformers 5, edits of hook_k/hook_rot_k/hook_v during cached generation (the cache keeps the latents)
+    REFUSED_PROPERTIES: ClassVar[dict[str, str]] = {
+        "test_query_and_key_edits_reach_their_side_of_the_scores": "edits hook_k's shared rope columns per head",
+        "test_gradients_through_edits_match_finite_differences": "edits hook_k's shared rope columns per head",
+        "test_every_hook_point_edit_changes_logits": "edits hook_k's shared rope columns per head",
+        "test_in_place_edits_equal_returned_edits": "edits hook_k's shared rope columns per head",
+        "test_weight_and_residual_identities": "reads W_K/W_V, which MLA has not (latent_weights instead)",
+        "test_edits_during_generation_match_one_pass": "edits hook_rot_k during cached generation",
+    }
+
+    def setup_method(self, method: Any) -> None:
+        reason = self.REFUSED_PROPERTIES.get(method.__name__)
+        if reason is not None:
+            pytest.skip(f"multi-head latent attention refuses what this property does: it {reason}")
+
+    def config_label(self, config: Any) -> Optional[str]:
+        latent = "q latent" if config.q_lora_rank else "q_proj"
+        return f"{latent}, top-{config.num_experts_per_tok} of {config.n_routed_experts} in {config.n_group} groups"

@@ -1,0 +1,220 @@
+"""DeepSeek-V3: the contract suite in its mixture-of-experts form over random tiny DeepSeek-V3 configs, plus the
+family's own checks: every hook point's value and the effect of an edit at every hook point against an independent
+float64 reference written from the Hugging Face modules' parameters (``lensadapters_deepseek_v3.reference``), the
+latent weights, the refusals of what multi-head latent attention cannot make exact."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lensadapters_deepseek_v3
+import pytest
+import torch
+from lensadapters_deepseek_v3.reference import reference_run
+from lensadapters_deepseek_v3.testing import DeepseekV3Contract, deepseek_v3_config
+
+from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
+from lensadapters.registry import get_registry
+from lensadapters.testing.contract_support import perturb
+
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+
+
+class TestDeepseekV3(DeepseekV3Contract):
+    """The plugin's contract suite (``lensadapters_deepseek_v3.testing``, also run by ``lensadapters check
+    deepseek_v3``)."""
+
+
+CONTRACT = TestDeepseekV3()
+ALL = lambda name: True  # noqa: E731
+
+
+def _tokens(length: int = 9, batch: int = 2, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def _difference(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> float:
+    """The largest difference, after checking that both mask the same entries (``-inf`` scores)."""
+    ours, theirs = ours.double(), theirs.double()
+    assert ours.shape == theirs.shape, f"{name}: shape {tuple(ours.shape)} vs the reference's {tuple(theirs.shape)}"
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), f"{name}: masked entries differ"
+    finite = torch.isfinite(ours)
+    return (ours[finite] - theirs[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def test_entry_point_is_declared() -> None:
+    """The distribution declares the plugin in the ``lensadapters`` entry-point group, and the module registers as
+    the ``deepseek_v3`` architecture."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        project = tomllib.loads((PLUGIN_ROOT / "pyproject.toml").read_text())["project"]
+        assert project["name"] == "lensadapters-deepseek-v3"
+        assert project["entry-points"]["lensadapters"] == {"deepseek_v3": "lensadapters_deepseek_v3"}
+    infos = get_registry().infos
+    if "deepseek_v3" in infos:
+        assert infos["deepseek_v3"].plugin is lensadapters_deepseek_v3
+    assert [a.name for a in lensadapters_deepseek_v3.lensadapters_architectures()] == ["deepseek_v3"]
+
+
+CONFIGS = {
+    "q latent, interleaved rope, dense first layer": dict(
+        n_heads=4, hidden=32, layers=2, dense_layers=1, experts=6, top_k=2, groups=(3, 2)
+    ),
+    "q_proj, rotate-half rope, raw weights": dict(
+        n_heads=2, hidden=16, layers=2, q_lora_rank=None, interleave=False, norm_topk_prob=False, groups=(2, 1)
+    ),
+    "top-3 of 4 in one group, tied": dict(n_heads=4, hidden=32, layers=1, experts=4, top_k=3, groups=(1, 1), tied=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_point_matches_the_independent_reference(name: str) -> None:
+    """Every hook point the reference names (all but the head-input points) holds the float64 reference's value
+    (``-inf`` where it masks), and the logits are the reference's: the largest error is float32 rounding."""
+    model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS[name]), 0)
+    hm = CONTRACT.wrap(model)
+    ids = _tokens()
+    expected_logits, expected = reference_run(model, ids)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, names_filter=ALL)
+    compared = [n for n in hm.hook_names if n in expected]
+    assert compared == [n for n in hm.hook_names if not n.endswith("_input") and not n.endswith("hook_attn_in")]
+    worst = max(_difference(cache[n], expected[n], n) for n in compared if cache[n].numel())
+    assert worst < 1e-4, worst
+    assert _difference(logits, expected_logits, "logits") < 1e-4
+    hm.unwrap()
+
+
+def _edit(name: str, n_experts: int, nope: int) -> Any:
+    if name.endswith("hook_expert_indices"):
+        return lambda t, hook: (t + 1) % n_experts
+    if name.endswith(("attn.hook_k", "attn.hook_rot_k")):  # the rope columns are shared by the heads: refused
+
+        def no_rope(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            edited = perturb(t, hook)
+            return torch.cat([edited[..., :nope], t[..., nope:]], dim=-1)
+
+        return no_rope
+    return perturb
+
+
+@pytest.mark.parametrize("name", list(CONFIGS)[:2])
+def test_edits_at_every_point_match_the_independent_reference(name: str) -> None:
+    """The same edit at any hook point gives the logits the reference gives with that edit at the same place:
+    latents, the shared rope key, per-head keys and values, routing (re-selected through the groups and the bias)
+    and experts; every edit changes the logits."""
+    config = deepseek_v3_config(**CONFIGS[name])
+    model = CONTRACT.make_model(config, 1)
+    hm = CONTRACT.wrap(model)
+    ids = _tokens()
+    _, names = reference_run(model, ids)
+    worst = 0.0
+    with torch.no_grad():
+        base = hm(ids).logits
+        for point in [n for n in hm.hook_names if n in names]:
+            edit = _edit(point, config.n_routed_experts, config.qk_nope_head_dim)
+            ours = hm.run_with_hooks(ids, fwd_hooks=[(point, edit)])
+            theirs, _ = reference_run(model, ids, {point: edit})
+            difference = _difference(ours, theirs, point)
+            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (point, difference)
+            worst = max(worst, difference)
+            if names[point].numel() and not point.endswith(("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k")):
+                assert not torch.allclose(ours, base), f"editing {point} changed nothing"
+    hm.unwrap()
+
+
+def test_no_hooks_is_bitwise_and_unwrap_gives_the_model_back() -> None:
+    """Without hooks the wrapped model's logits are HF's own, bitwise, and so are they after ``unwrap()``."""
+    model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS["q latent, interleaved rope, dense first layer"]), 2)
+    ids = _tokens()
+    with torch.no_grad():
+        reference = model(ids).logits
+        hm = CONTRACT.wrap(model)
+        assert torch.equal(hm(ids).logits, reference)
+        hm.run_with_cache(ids)
+        assert torch.equal(hm(ids).logits, reference)
+        hm.unwrap()
+        assert torch.equal(model(ids).logits, reference)
+
+
+def test_latent_weights_are_the_exact_maps() -> None:
+    """``latent_weights`` gives the per-head maps from the latents: ``hook_q == hook_q_latent @ W_Q_latent``,
+    ``hook_k``'s no-rope columns and ``hook_v`` from ``hook_kv_latent``, ``hook_k_rope`` from ``ln1``'s output;
+    ``W_K``/``W_V`` (and ``W_Q`` with a query latent) are refused by name."""
+    model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS["q latent, interleaved rope, dense first layer"]), 3)
+    hm = CONTRACT.wrap(model)
+    c = model.config
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(_tokens())
+        for layer in range(c.num_hidden_layers):
+            a = f"blocks.{layer}.attn."
+            w = lensadapters_deepseek_v3.latent_weights(hm, layer)
+            ln1 = cache[f"blocks.{layer}.ln1.hook_normalized"] * model.model.layers[layer].input_layernorm.weight
+            q = torch.einsum("bpr,hrd->bphd", cache[a + "hook_q_latent"], w["W_Q_latent"])
+            torch.testing.assert_close(q, cache[a + "hook_q"])
+            k = torch.einsum("bpr,hrd->bphd", cache[a + "hook_kv_latent"], w["W_K_latent"])
+            torch.testing.assert_close(k, cache[a + "hook_k"][..., : c.qk_nope_head_dim])
+            v = torch.einsum("bpr,hrd->bphd", cache[a + "hook_kv_latent"], w["W_V_latent"])
+            torch.testing.assert_close(v, cache[a + "hook_v"])
+            torch.testing.assert_close(ln1 @ w["W_K_rope"], cache[a + "hook_k_rope"])
+    for name in ("W_Q", "W_K", "W_V"):
+        with pytest.raises(WeightUnavailableError, match="latent_weights"):
+            getattr(hm, name)
+    hm.unwrap()
+
+
+def test_w_q_without_a_query_latent() -> None:
+    """Where ``q_proj`` projects the residual directly, ``W_Q`` is served: ``hook_q == ln1 output @ W_Q``."""
+    model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS["q_proj, rotate-half rope, raw weights"]), 4)
+    hm = CONTRACT.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(_tokens())
+        ln1 = cache["blocks.0.ln1.hook_normalized"] * model.model.layers[0].input_layernorm.weight
+        torch.testing.assert_close(torch.einsum("bpm,hmd->bphd", ln1, hm.W_Q[0]), cache["blocks.0.attn.hook_q"])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("point", ["attn.hook_k", "attn.hook_rot_k"])
+def test_editing_the_shared_rope_key_per_head_is_refused(point: str) -> None:
+    """The rope columns of the per-head keys are one key shared by every head: an edit of them is refused, naming
+    ``hook_k_rope``, and leaves no hook behind."""
+    model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
+    hm = CONTRACT.wrap(model)
+    ids = _tokens()
+    with pytest.raises(HookReturnError, match="hook_k_rope"):
+        hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.0.{point}", lambda t, hook: t * 2)])
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, model(ids).logits)
+    hm.unwrap()
+
+
+def test_other_key_value_heads_are_refused() -> None:
+    config = deepseek_v3_config(n_heads=2, hidden=16, layers=1)
+    config.num_key_value_heads = 1
+    model = CONTRACT.make_model(config, 0)
+    with pytest.raises(UnsupportedModelError, match="num_key_value_heads"):
+        CONTRACT.wrap(model)
+
+
+@pytest.mark.parametrize("point", ["attn.hook_k", "attn.hook_rot_k"])
+def test_one_heads_key_gradient_is_refused(point: str) -> None:
+    """One head's copy of the shared rope key has no gradient of its own (the model's backward only sums the
+    copies; these points' gradients read 0 there): a backward hook on the per-head keys is refused, naming
+    ``hook_k_rope``, and leaves no hook behind; the shared key's and the values' gradients are served."""
+    model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
+    hm = CONTRACT.wrap(model)
+    ids = _tokens()
+    with pytest.raises(UnsupportedModelError, match="hook_k_rope"):
+        with hm.hooks(bwd_hooks=[(f"blocks.0.{point}", lambda g, hook: None)]):
+            hm(ids).logits.sum().backward()
+    grads: dict[str, torch.Tensor] = {}
+    served = ["blocks.0.attn.hook_k_rope", "blocks.0.attn.hook_v"]
+    with hm.hooks(bwd_hooks=[(n, lambda g, hook: grads.setdefault(hook.name, g)) for n in served]):
+        hm(ids).logits.sum().backward()
+    assert sorted(grads) == served and all(g.abs().sum() > 0 for g in grads.values())
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, model(ids).logits)
+    hm.unwrap()

@@ -119,7 +119,9 @@ class DeltaNetSite(Site):
         values = self.state.site_values(self)
         values.clear()
         hidden = args[0] if args else kwargs["hidden_states"]
-        cache = kwargs.get("cache_params")
+        # the layer's cache: ``cache`` from transformers 5.24, ``cache_params`` before (read as None there, a hooked
+        # decoding step was recomputed without the convolution and recurrent states)
+        cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("cache_params")
         values["call"] = (hidden, cache, kwargs.get("attention_mask"))
         values["snapshot"] = _CacheSnapshot(cache, module.layer_idx) if cache is not None else None
 

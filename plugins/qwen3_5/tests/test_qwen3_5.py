@@ -184,14 +184,9 @@ def test_generation_through_the_hybrid_cache(moe):
         fired.append(t.shape[1])
         return t * 0.5
 
-    kwargs = dict(
-        max_new_tokens=3,
-        min_new_tokens=3,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
+    from lensadapters.testing.contract_support import greedy_kwargs
+
+    kwargs = greedy_kwargs(3)
     with torch.no_grad(), hm.hooks([(name, edit)]):
         out = hm.model.generate(ids, attention_mask=mask, **kwargs)
     assert fired == [5, 1, 1], fired

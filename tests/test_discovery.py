@@ -93,6 +93,42 @@ def test_declared_configs():
         type("Bare", (AdapterContract,), {}).configs()
 
 
+def test_not_served_properties_are_skipped_in_every_variant():
+    """Regression: a plugin's test file skipped the properties its hybrid models do not serve, but the cross-cutting
+    variants (bnb's int8 contract, PEFT's LoRA one) built over the declared contract ran and failed them. A property
+    named in ``not_served`` is skipped with its reason in the contract, in subclasses and in every matrix variant
+    (a variant's own override included); its strata still run it; the base classes keep it."""
+    from lensadapters.testing import matrix_class
+
+    prop = "test_no_hooks_is_bitwise"
+
+    class Variant(AdapterContract):
+        def test_no_hooks_is_bitwise(self, data):  # a variant's override, as Int8Contract's
+            raise AssertionError("ran")
+
+    class Toy(AdapterContract):
+        config_strategy = _toy_configs
+        config_strata = {"kind b": (prop,)}
+        stratum_overrides = {"kind b": {"kind": "b"}}
+        not_served = {prop: "toys have no such thing"}
+
+    def skip_reason(cls):
+        marks = [m for m in getattr(getattr(cls, prop), "pytestmark", []) if m.name == "skip"]
+        return marks[0].kwargs["reason"] if marks else None
+
+    matrix = matrix_class(Variant, Toy)
+    for cls in (Toy, type("Sub", (Toy,), {}), matrix):
+        assert "toys have no such thing" in skip_reason(cls), cls
+        with pytest.raises(pytest.skip.Exception, match="toys have no such thing"):
+            getattr(cls(), prop)()
+    assert skip_reason(AdapterContract) is None and skip_reason(Variant) is None
+    assert hasattr(getattr(AdapterContract, prop), "hypothesis")  # the kit's property is left as it was
+    stratum = getattr(Toy, f"{prop}__kind_b")  # the property on the stratum's configs: not skipped
+    assert hasattr(stratum, "hypothesis") and not [m for m in getattr(stratum, "pytestmark", []) if m.name == "skip"]
+    with pytest.raises(TypeError, match="not_served names 'test_nothing'"):
+        type("Wrong", (AdapterContract,), {"not_served": {"test_nothing": "why"}})
+
+
 def test_declared_logit_softcap():
     class Capped(AdapterContract):
         logit_softcap = "final_logit_softcapping"

@@ -32,6 +32,7 @@ _EXPORTS = {
     "rope_inv_freq": "reference",
     "load_profile": "profiles",
     "register_profiles": "profiles",
+    "served_weights": "contract_support",
     "installed_plugins": "plugins",
     "architecture_plugins": "plugins",
     "architecture_plugin": "plugins",

@@ -64,6 +64,7 @@ import re
 from dataclasses import fields
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -112,7 +113,7 @@ def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
     configs drawn from ``stratum_configs(stratum)``."""
 
     def body(self: "AdapterContract", data: st.DataObject) -> None:
-        inner = getattr(type(self), prop).hypothesis.inner_test
+        inner = _served(getattr(type(self), prop)).hypothesis.inner_test
         self._stratum = stratum
         try:
             inner(self, data)
@@ -127,6 +128,26 @@ def _stratum_test(name: str, prop: str, stratum: str, examples: int) -> Any:
     test = settings(max_examples=examples, **_STRATUM_SETTINGS)(given(data=st.data())(body))
     test._lensadapters_stratum = (prop, stratum, examples)
     return test
+
+
+def _served(method: Any) -> Any:
+    """The property itself, where ``not_served`` replaced it by a skipped test."""
+    return getattr(method, "_lensadapters_served", method)
+
+
+def _not_served_test(prop: str, served: Any, why: str) -> Any:
+    """A visibly skipped test in place of property ``prop`` (``served``), with the contract's reason."""
+
+    reason = f"not served (the contract's not_served): {why}"
+
+    def test(self: "AdapterContract") -> None:
+        pytest.skip(reason)
+
+    test.__name__ = test.__qualname__ = prop
+    test.__doc__ = served.__doc__
+    test._lensadapters_served = served  # type: ignore[attr-defined]
+    test._lensadapters_not_served = why  # type: ignore[attr-defined]
+    return pytest.mark.skip(reason=reason)(test)
 
 
 class AdapterContract(ReadingProperties, EditProperties, RunProperties, GradientContract):
@@ -171,6 +192,10 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     stratum_examples: ClassVar[Optional[int]] = None  # None: a quarter of the profile's max_examples (at least 1)
     _stratum: Optional[str] = None
+    #: properties that do not hold for the architecture, each with why (a named refusal, documented by the plugin):
+    #: skipped with that reason in the contract and in every variant built over it (bnb, PEFT...), where a variant's
+    #: override of the property is skipped too; a stratum (``config_strata``) still runs the property on its configs
+    not_served: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -188,7 +213,7 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
                 )
             slug = re.sub(r"\W+", "_", stratum).strip("_")
             for prop in properties:
-                if not hasattr(getattr(cls, prop, None), "hypothesis"):
+                if not hasattr(_served(getattr(cls, prop, None)), "hypothesis"):
                     raise TypeError(
                         f"{cls.__name__}.config_strata[{stratum!r}] names {prop!r}, which is not a "
                         f"property of the contract (a Hypothesis test method)"
@@ -200,6 +225,15 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
         for name, spec in wanted.items():
             if getattr(getattr(cls, name, None), "_lensadapters_stratum", None) != spec:
                 setattr(cls, name, _stratum_test(name, *spec))
+        for prop, why in dict(cls.not_served).items():
+            method = getattr(cls, prop, None)
+            if "not_served" in cls.__dict__ and not hasattr(_served(method), "hypothesis"):
+                raise TypeError(
+                    f"{cls.__name__}.not_served names {prop!r}, which is not a property of the contract (a "
+                    f"Hypothesis test method)"
+                )
+            if getattr(method, "_lensadapters_not_served", None) != why:
+                setattr(cls, prop, _not_served_test(prop, _served(method), why))
 
     # --- what a plugin provides ------------------------------------------------------------------
 

@@ -87,6 +87,22 @@ def check_edited_generation(
     return one_pass, unedited, prompt
 
 
+def served_weights(hm: HookedModel, names: Any) -> dict[str, torch.Tensor]:
+    """``hm``'s stacked weights of ``names`` (``"W_Q"``...) that it serves, by name: a model whose blocks are not all
+    softmax attention (a hybrid's linear-attention layers) refuses the stacked attention weights by name
+    (``WeightUnavailableError``), and a variant's weight properties compare what is served. Call it on both models
+    compared and check that they serve the same names."""
+    from lensadapters.errors import WeightUnavailableError
+
+    served = {}
+    for name in names:
+        try:
+            served[name] = getattr(hm, name)
+        except WeightUnavailableError:
+            continue
+    return served
+
+
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL, rtol: float = RTOL) -> bool:
     return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
 

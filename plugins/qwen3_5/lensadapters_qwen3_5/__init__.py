@@ -1,0 +1,276 @@
+"""Qwen 3.5 (``model_type`` ``qwen3_5_text`` and ``qwen3_5_moe_text``: ``Qwen3_5ForCausalLM``,
+``Qwen3_5MoeForCausalLM`` and their ``*TextModel``) for lensadapters, on transformers 5.
+
+A hybrid decoder: each layer's token mixer is either a gated full attention (``layer_types[i] ==
+"full_attention"``) or a gated DeltaNet, a linear attention with a recurrent state (``"linear_attention"``); the
+MLP is a SwiGLU (dense models) or a mixture of experts with a gated shared expert (MoE models). Norms are
+``x / rms * (1 + w)``.
+
+* **Every layer**: ``hook_resid_pre``, ``ln1.*``, ``hook_attn_out`` (the mixer's output, whichever kind),
+  ``hook_resid_mid``, ``hook_mlp_in``, ``ln2.*``, the MLP's points, ``hook_mlp_out``, ``hook_resid_post``.
+* **Full-attention layers**: ``attn.hook_q``/``hook_k``/``hook_v``, the per-head ``attn.q_norm.*``/``k_norm.*``,
+  ``hook_rot_q``/``hook_rot_k`` (partial rotary: the first ``rotary_dim`` features of a head rotate), scores,
+  pattern, ``hook_z``, ``hook_result``; GQA. ``q_proj`` computes, per head, the query and an output gate:
+  ``attn.hook_gate`` ``[b, p, h, d_head]`` is that gate's logits, and ``attn.hook_z`` is what ``o_proj`` reads,
+  ``(pattern @ v) * sigmoid(gate)``, so that ``hook_result`` is ``hook_z @ W_O`` per head as in TransformerLens.
+* **Linear-attention layers**: the ``linear_attn.*`` points of :mod:`lensadapters_qwen3_5.mixer` (projections,
+  convolution, beta and decay gates, the delta rule's output, the gated norm's output); no ``attn.*`` point.
+* **MoE layers**: the core's router and expert points, and the shared expert's: ``mlp.shared_expert.hook_gate``,
+  ``hook_pre`` (up), ``hook_post`` ``[b, p, d_shared]``, ``hook_result`` ``[b, p, d_model]`` (before its gate), and
+  ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
+  result).
+
+Refused at wrap time: the multimodal models (``qwen3_5``, ``qwen3_5_moe``: wrap their language model's text
+checkpoint instead), custom modeling code, rope types other than the default one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lensadapters import (
+    Architecture,
+    BlockLayout,
+    HookedConfig,
+    MLPLayout,
+    ModelLayout,
+    NormSpec,
+    ProjectionNorm,
+    SeparateQKV,
+    UnsupportedModelError,
+    hf,
+    hookimpl,
+)
+from lensadapters.moe import MoELayout, Routing, stored_moe_layout
+from lensadapters.plugin_api import Hooked, WeightUnavailableError, read_linear, rotate_half_spec
+from lensadapters_qwen3_5 import attention, mixer
+
+Tensor = torch.Tensor
+
+__version__ = "0.1.0"
+LENSADAPTERS_HOOKSPEC = "1"
+LENSADAPTERS_CONTRACT = "lensadapters_qwen3_5.testing:Qwen3_5Contract"
+TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
+ARCH = Architecture(
+    name="qwen3_5",
+    model_types=TEXT_TYPES + MULTIMODAL_TYPES,
+    description="Qwen 3.5 text, dense and MoE (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): gated DeltaNet "
+    "linear-attention layers and gated full-attention layers, SwiGLU or experts with a shared expert",
+    transformers=">=5.0,<6",
+)
+FAMILY = hf.DecoderFamily(
+    "Qwen3_5",
+    model_type="qwen3_5_text",
+    packages=("qwen3_5", "qwen3_5_moe"),
+    norms=("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"),
+    norm_weight_offset=1.0,
+    mlp=None,
+)
+FULL, LINEAR = "full_attention", "linear_attention"
+_ATTN = "self_attn"
+_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
+_DENSE = hf.SWIGLU_MLP
+_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+
+
+def is_moe(config: Any) -> bool:
+    return getattr(config, "num_experts", 0) > 0 and hasattr(config, "shared_expert_intermediate_size")
+
+
+def layer_types(config: Any) -> list[str]:
+    return list(config.layer_types[: config.num_hidden_layers])
+
+
+def rotary_dim(config: Any) -> int:
+    factor = hf.rope_parameters(config).get("partial_rotary_factor", 1.0)
+    return int(hf.head_dim(config) * factor)
+
+
+def _mixer_paths(kind: str) -> tuple[str, ...]:
+    if kind == FULL:
+        return (
+            f"{_ATTN}.q_proj",
+            f"{_ATTN}.k_proj",
+            f"{_ATTN}.v_proj",
+            f"{_ATTN}.o_proj",
+            *(n.module for n in _QK_NORMS),
+        )
+    return tuple(
+        f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+    )
+
+
+@hookimpl
+def lensadapters_architectures() -> list[Architecture]:
+    return [ARCH]
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: Any) -> None:
+    if model.config.model_type in MULTIMODAL_TYPES:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a multimodal Qwen 3.5 model (model_type {model.config.model_type!r}); the "
+            f"qwen3_5 plugin serves the text models only: its language model computes its rotary positions from the "
+            f"image grid (3-D multimodal RoPE), which the plugin does not describe. Load the text checkpoint with "
+            f"AutoModelForCausalLM (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM) to wrap it"
+        )
+    hf.require_transformers_class(model, FAMILY.family, FAMILY.packages or ())
+    config, base = model.config, FAMILY.base(model)
+    kinds = layer_types(config)
+    unknown = sorted(set(kinds) - {FULL, LINEAR})
+    if unknown:
+        raise UnsupportedModelError(f"Qwen 3.5 layer types {unknown} are not described (only {FULL}, {LINEAR})")
+    mlp_paths = (
+        _SHARED + ("mlp.gate", "mlp.experts", "mlp.shared_expert_gate")
+        if is_moe(config)
+        else (_DENSE.pre, _DENSE.pre_linear, _DENSE.out)
+    )
+    hf.require_modules(
+        model,
+        base,
+        FAMILY.family,
+        ("embed_tokens", "norm", "rotary_emb"),
+        ("input_layernorm", "post_attention_layernorm", *mlp_paths),
+        missing_in_layer=lambda layer: hf.missing_paths(layer, _mixer_paths(str(layer.block_type))),
+    )
+    hf.require_rope_types([FAMILY.rope_type(model)], ("default",), FAMILY.family)
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: Any) -> HookedConfig:
+    c, moe = model.config, is_moe(model.config)
+    kinds = layer_types(c)
+    return FAMILY.hooked_config(
+        model,
+        model_type=c.model_type,
+        d_mlp=c.moe_intermediate_size if moe else c.intermediate_size,
+        rotary_dim=rotary_dim(c),
+        num_experts=c.num_experts if moe else None,
+        experts_per_token=c.num_experts_per_tok if moe else None,
+        extra={
+            "use_qk_norm": True,
+            "layer_types": kinds,
+            "full_attention_layers": [i for i, k in enumerate(kinds) if k == FULL],
+            "attn_output_gate": True,
+            "linear_num_key_heads": c.linear_num_key_heads,
+            "linear_num_value_heads": c.linear_num_value_heads,
+            "linear_key_head_dim": c.linear_key_head_dim,
+            "linear_value_head_dim": c.linear_value_head_dim,
+            "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
+            "shared_expert_d_mlp": c.shared_expert_intermediate_size if moe else None,
+        },
+    )
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: Any) -> ModelLayout:
+    return FAMILY.embed(model)
+
+
+@hookimpl
+def lensadapters_block(arch: Architecture, model: Any, layer: int) -> BlockLayout:
+    if layer_types(model.config)[layer] == FULL:
+        return hf.DECODER_BLOCK
+    return BlockLayout(
+        ln1="input_layernorm",
+        attn="linear_attn",
+        o_proj="linear_attn.out_proj",
+        ln2="post_attention_layernorm",
+        mlp="mlp",
+    )
+
+
+@hookimpl
+def lensadapters_attn_qkv(arch: Architecture, model: Any, layer: int) -> Optional[SeparateQKV]:
+    if layer_types(model.config)[layer] != FULL:
+        return None  # a gated DeltaNet: its points are the plugin's (lensadapters_qwen3_5.mixer)
+    return SeparateQKV(
+        *hf.DECODER_QKV, rotary=rotate_half_spec(rotary_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
+    )
+
+
+@hookimpl
+def lensadapters_mlp_act(arch: Architecture, model: Any, layer: int) -> Union[MLPLayout, MoELayout]:
+    c = model.config
+    if not is_moe(c):
+        return _DENSE
+    routing = Routing(c.num_experts, c.num_experts_per_tok, normalize=True, weights_dtype="logits")
+    return stored_moe_layout(FAMILY.layers(model)[layer], "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
+
+
+@hookimpl
+def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
+    return FAMILY.norm_spec(module)
+
+
+@hookimpl
+def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
+    sites: list[Any] = []
+    kinds = hooked.cfg.extra["layer_types"]
+    for i, (block, kind) in enumerate(zip(hooked.block_modules, kinds)):
+        pre = f"blocks.{i}."
+        if kind == FULL:
+            sites.append(attention.query_gate_site(hooked, i, block))
+        else:
+            points, after = {}, pre + "ln1.hook_normalized"
+            for name in mixer.point_names():
+                points[name] = hooked.new_point(pre + name, after=after)
+                after = pre + name
+            sites.append(mixer.DeltaNetSite(block.linear_attn, points, hooked.forward_state))
+        if is_moe(hooked.hf_model.config):
+            sites += attention.shared_expert_sites(hooked, i, block)
+    return sites
+
+
+@hookimpl
+def lensadapters_weight(arch: Architecture, hooked: Hooked, name: str) -> Any:
+    if name not in ("W_Q", "b_Q"):
+        return None
+    kinds = hooked.cfg.extra["layer_types"]
+    if any(kind != FULL for kind in kinds):
+        raise WeightUnavailableError(
+            f"this Qwen 3.5 model has linear-attention layers ({[i for i, k in enumerate(kinds) if k != FULL]}), "
+            f"which have no softmax queries: read a full-attention layer's {name} with "
+            f"lensadapters_qwen3_5.query_weights(hm, layer)"
+        )
+    return torch.stack([query_weights(hooked, i)[0 if name == "W_Q" else 2] for i in range(len(kinds))])
+
+
+def query_weights(hm: Any, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(W_Q, W_gate, b_Q, b_gate)`` of a full-attention layer: ``q_proj``'s query and output-gate rows of every
+    head, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias), from the live parameters."""
+    lw = read_linear(hm, hm.block_modules[layer].self_attn.q_proj, (hm.cfg.d_model, None))
+    heads, d_head = hm.cfg.n_heads, hm.cfg.d_head
+    W = lw.W.unflatten(-1, (heads, 2, d_head)).permute(2, 1, 0, 3)  # [2, h, d_model, d_head]
+    b = torch.zeros(2, heads, d_head, dtype=W.dtype, device=W.device)
+    if lw.b is not None:
+        b = lw.b.unflatten(-1, (heads, 2, d_head)).transpose(0, 1)
+    return W[0], W[1], b[0], b[1]
+
+
+#: the layer patterns of :func:`tiny_config` (``L`` a gated DeltaNet layer, ``F`` a full-attention one)
+TINY_PATTERNS = ("LLLF", "LF", "FL", "LFLF", "FLL", "LLF")
+
+
+def tiny_config(seed: int) -> Any:
+    """A Qwen 3.5 toy, width 64, vocabulary 512. Seed 0: 4 layers (three gated DeltaNet layers, then a
+    full-attention one, the checkpoints' pattern), dense. Odd seeds are the MoE model (4 experts, top 2, a shared
+    expert); the seed also picks the layer pattern (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the
+    attention's head size."""
+    from lensadapters_qwen3_5.configs import qwen3_5_config
+
+    pattern = TINY_PATTERNS[(seed // 2) % len(TINY_PATTERNS)]
+    kinds = ["linear_attention" if k == "L" else "full_attention" for k in pattern]
+    linear_heads = ((2, 4), (1, 2), (2, 2))[(seed // 3) % 3]
+    return qwen3_5_config(
+        moe=bool(seed % 2), layer_types=kinds, linear_heads=linear_heads, head_dim=(8, 16)[(seed // 5) % 2]
+    )
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    return tiny_config(seed)

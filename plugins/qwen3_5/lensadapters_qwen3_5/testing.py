@@ -1,0 +1,117 @@
+"""Test kit of lensadapters-qwen3-5 (needs ``lensadapters[testing]``; the models need transformers 5):
+``Qwen3_5Contract`` (``LENSADAPTERS_CONTRACT``; the plugin's tests subclass it), ``qwen3_5_config(...)`` (one tiny
+Qwen 3.5 text config, dense or MoE) and ``qwen3_5_configs(**overrides)`` (their strategy). Importing
+``lensadapters_qwen3_5`` never imports it."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Optional, Sequence
+
+from hypothesis import strategies as st
+
+import lensadapters_qwen3_5
+from lensadapters.testing.families import (
+    DecoderContract,
+    OffsetNormModels,
+    QKNormScores,
+    config_strategy,
+)
+from lensadapters_qwen3_5.configs import qwen3_5_config
+
+__all__ = ["Qwen3_5Contract", "qwen3_5_config", "qwen3_5_configs"]
+
+
+def _drawn_config(*, moe: bool, kinds: list[str], linear: tuple[int, int, int, int], **drawn: Any) -> Any:
+    key_heads, ratio, key_dim, value_dim = linear
+    return qwen3_5_config(
+        moe=moe,
+        layer_types=kinds,
+        linear_heads=(key_heads, key_heads * ratio),
+        linear_dims=(key_dim, value_dim),
+        **drawn,
+    )
+
+
+def _kinds(drawn: dict[str, Any]) -> Any:
+    kinds = st.sampled_from(["linear_attention", "full_attention"])
+    # both kinds: transformers' Qwen 3.5 cannot run a cache without a full-attention layer (get_seq_length)
+    return st.lists(kinds, min_size=2, max_size=3).filter(lambda k: len(set(k)) == 2)
+
+
+qwen3_5_configs = config_strategy(
+    _drawn_config,
+    """Tiny Qwen 3.5 text configs, dense or MoE: two or three layers, each a gated DeltaNet or a gated full
+    attention (at least one of each), GQA in both (the DeltaNet's value heads a multiple of its key heads), partial
+    or full rotary, convolutions of width 2 or 4, tied or untied embeddings.""",
+    moe=st.booleans(),
+    kinds=_kinds,
+    linear=st.tuples(
+        st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([4, 8]), st.sampled_from([4, 6])
+    ),
+    n_kv=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([4, 8]),
+    partial_rotary_factor=st.sampled_from([0.5, 1.0]),
+    conv_kernel=st.sampled_from([2, 4]),
+    vocab=st.integers(16, 64),
+    tied=st.booleans(),
+)
+
+
+_MOE_FORM = (
+    "test_hook_points_match_declared_capabilities",
+    "test_every_hook_point_edit_changes_logits",
+    "test_in_place_edits_equal_returned_edits",
+)
+#: the generic properties this contract refuses on the drawn hybrid models, each with why (the plugin's README,
+#: "Tested", lists them)
+NOT_SERVED: dict[str, str] = {
+    **{
+        name: "the MoE form of the property (integer expert indices, no mlp.hook_pre/hook_post in sparse layers) is "
+        "not combined with the hybrid one: run on the dense models only (its __dense stratum)"
+        for name in _MOE_FORM
+    },
+    "test_zero_ablating_a_head_removes_its_output": "the property reads the stacked W_O, refused on a hybrid model "
+    "(its linear-attention layers have no heads)",
+    "test_weight_and_residual_identities": "the stacked W_Q/W_O identities, refused on a hybrid model "
+    "(lensadapters_qwen3_5.query_weights serves a full-attention layer's)",
+    "test_pattern_matches_hf_eager": "the kit's eager reference counts every layer as softmax attention",
+    "test_pattern_and_query_edits_are_used": "the property checks hook_z = pattern @ v; here hook_z is after the "
+    "output gate, (pattern @ v) * sigmoid(gate) (checked in the plugin's tests)",
+}
+
+
+class Qwen3_5Contract(OffsetNormModels, QKNormScores, DecoderContract):
+    """Every generic adapter property on tiny hybrid Qwen 3.5 models (gated DeltaNet and gated attention layers,
+    dense or MoE)."""
+
+    plugin: ClassVar[Any] = lensadapters_qwen3_5
+    config_strategy = qwen3_5_configs
+    attn_implementations: ClassVar[Sequence[str]] = ("eager", "sdpa")
+    #: the gated DeltaNet's points that a scale-invariant norm reads (the delta rule's L2 norm of queries and keys, the
+    #: gated RMSNorm of its output): edited along directions of their own scale in the gradient property, as a
+    #: head's output can be tiny (the first real token, from an empty state) and a unit-scale step then leaves the
+    #: norm's linear regime
+    #: The embeddings and the residual stream before a block too (read by ``ln1``'s RMSNorm): the toys' embeddings
+    #: have a scale of 0.02, and a unit-scale step of 1e-2 moved an MoE model's top-k routing (its renormalized
+    #: weights jump when the selection changes), so that finite differences missed the derivative autograd gives
+    gradient_scaled_points: ClassVar[tuple[str, ...]] = (
+        "linear_attn.hook_q",
+        "linear_attn.hook_k",
+        "linear_attn.hook_recurrent",
+        "hook_embed",
+        "hook_resid_pre",
+    )
+
+    #: in the cross-cutting matrices (bnb, PEFT), dense models only: their MoE form is the MoE contracts', which
+    #: these variants leave to each MoE architecture's own tests, and every example builds more than one model
+    matrix_overrides: ClassVar[Mapping[str, Any]] = dict(moe=False)
+    #: the MoE form of three generic properties (integer expert indices, no dense mlp points in sparse layers) is
+    #: not combined with the hybrid one: they run on the dense hybrid models (and are refused below on the MoE ones)
+    config_strata: ClassVar[Mapping[str, Sequence[str]]] = {"dense": _MOE_FORM}
+    stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {"dense": dict(moe=False)}
+    not_served: ClassVar[Mapping[str, str]] = NOT_SERVED
+
+    def config_label(self, config: Any) -> Optional[str]:
+        moe = "moe" if lensadapters_qwen3_5.is_moe(config) else "dense"
+        return f"{moe} {''.join('L' if k == 'linear_attention' else 'F' for k in config.layer_types)}"

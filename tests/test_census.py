@@ -46,6 +46,19 @@ def test_census_cli_prints_the_table_and_the_summary(capsys: pytest.CaptureFixtu
     assert "| llama | llama | 17/17 | FULL |" in out and "FULL 1/1 = 100.0%" in out
 
 
+def test_census_cli_gives_the_callers_thread_count_back() -> None:
+    """The census runs its tiny models on one thread, then restores the caller's count: it left one thread to
+    everything after it in the test session (CI's whole suite ran the plugins' tests on one of its two cores, where
+    float32 rounding differs, and Gemma 4's exactness test failed only there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["--markdown", "llama"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _described(model_type: str = "helium") -> tuple[torch.nn.Module, HookedModel]:
     model = build(model_type)
     with warnings.catch_warnings():

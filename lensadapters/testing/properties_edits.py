@@ -37,28 +37,38 @@ class EditProperties:
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
             for name in hm.hook_names:
-                logits = perturbed_logits(hm, inputs, name)
-                diff = (logits - reference)[inputs.valid].abs().max().item()
-                witness = _attention_witness(hm, name)
-                if name.split(".", 2)[-1] in self.capabilities(model).absorbed_points and name.startswith("blocks."):
-                    # scale-invariant norms further on undo this edit (up to their eps): it must show on the next point
-                    witness = hm.hook_names[hm.hook_names.index(name) + 1]
-                if diff <= 1e-5 and witness is not None:
-                    # a saturated softmax (tiny random models, two tokens) can hide a query/key edit from the
-                    # logits; the edit must then still reach what attention computes from it. (A saturated
-                    # pattern stays saturated under a rescaled, noisy score: the scores are flattened instead.)
-                    _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
-                    with hm.hooks([(name, _flatten_scores if name.endswith("hook_attn_scores") else perturb)]):
-                        _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
-                    a, b = edited[witness], base[witness]
-                    finite = torch.isfinite(a) & torch.isfinite(b)
-                    changed = (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
-                    assert changed > 1e-5 or bool((torch.isfinite(a) != torch.isfinite(b)).any()), (
-                        f"editing {name} changed neither the logits (max change {diff:.2g}) nor {witness}"
-                    )
-                    continue
-                assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
+                self.assert_edit_shows(hm, model, inputs, name, reference)
         hm.unwrap()
+
+    def assert_edit_shows(
+        self, hm: HookedModel, model: torch.nn.Module, inputs: Any, name: str, reference: torch.Tensor
+    ) -> None:
+        """An edit of ``name`` (:func:`perturb`) changes the logits of ``inputs`` (``reference``: without it) by more
+        than 1e-5; where it does not, it must change its witness: the scores or the pattern for a query/key/score
+        point a saturated softmax hides, the next hook point for a declared ``absorbed_points`` edit (norms further
+        on undo it up to their eps). Every variant of the edit property (float, 8-bit...) checks its points with
+        it."""
+        logits = perturbed_logits(hm, inputs, name)
+        diff = (logits - reference)[inputs.valid].abs().max().item()
+        witness = _attention_witness(hm, name)
+        if name.split(".", 2)[-1] in self.capabilities(model).absorbed_points and name.startswith("blocks."):
+            # scale-invariant norms further on undo this edit (up to their eps): it must show on the next point
+            witness = hm.hook_names[hm.hook_names.index(name) + 1]
+        if diff <= 1e-5 and witness is not None:
+            # a saturated softmax (tiny random models, two tokens) can hide a query/key edit from the
+            # logits; the edit must then still reach what attention computes from it. (A saturated
+            # pattern stays saturated under a rescaled, noisy score: the scores are flattened instead.)
+            _, base = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
+            with hm.hooks([(name, _flatten_scores if name.endswith("hook_attn_scores") else perturb)]):
+                _, edited = hm.run_with_cache(**inputs.kwargs(), names_filter=[witness])
+            a, b = edited[witness], base[witness]
+            finite = torch.isfinite(a) & torch.isfinite(b)
+            changed = (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+            assert changed > 1e-5 or bool((torch.isfinite(a) != torch.isfinite(b)).any()), (
+                f"editing {name} changed neither the logits (max change {diff:.2g}) nor {witness}"
+            )
+            return
+        assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
 
     @_SETTINGS
     @given(data=st.data())

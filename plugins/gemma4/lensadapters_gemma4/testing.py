@@ -1,0 +1,125 @@
+"""Test kit of lensadapters-gemma4 (needs ``lensadapters[testing]`` and transformers 5.x): ``Gemma4Contract``
+(``LENSADAPTERS_CONTRACT``, run by ``lensadapters check gemma4``; the plugin's tests subclass it),
+``gemma4_config(...)`` (one tiny config) and ``gemma4_configs(**overrides)`` (their strategy). Importing
+``lensadapters_gemma4`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hypothesis import strategies as st
+from torch import nn
+from transformers import Gemma4TextConfig
+
+import lensadapters_gemma4
+from lensadapters.testing.families import DecoderContract, QKNormScores, config_strategy, decoder_config
+
+__all__ = ["Gemma4Contract", "gemma4_config", "gemma4_configs"]
+
+
+def gemma4_config(
+    *,
+    head_dim: int = 8,
+    global_head_dim: Optional[int] = None,
+    layers: int = 2,
+    global_every: int = 2,
+    window: int = 3,
+    local_theta: float = 10.0,
+    partial_rotary: float = 0.25,
+    ple: int = 4,
+    final_cap: Optional[float] = None,
+    tied: bool = True,
+    **shared: Any,
+) -> Gemma4TextConfig:
+    """A tiny Gemma 4 text config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0): every
+    ``global_every``-th layer and the last one full attention (Gemma 4's last layer always is), the others sliding;
+    full layers with head size ``global_head_dim`` (``head_dim`` by default) and proportional RoPE on
+    ``partial_rotary`` of each head (base ``theta``), sliding ones with default RoPE of base ``local_theta``;
+    per-layer inputs of width ``ple`` (0: none)."""
+    types = ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
+    types[-1] = "full_attention"
+    theta = shared.pop("theta", 10000.0)
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": partial_rotary, "rope_theta": theta},
+    }
+    return decoder_config(
+        Gemma4TextConfig,
+        layers=layers,
+        tied=tied,
+        act="gelu_pytorch_tanh",
+        act_field="hidden_activation",
+        head_dim=head_dim,
+        global_head_dim=global_head_dim or head_dim,
+        sliding_window=window,
+        layer_types=types,
+        rope_parameters=rope,
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=shared.get("vocab", 64),
+        final_logit_softcapping=final_cap,
+        bos_token_id=2,
+        eos_token_id=1,
+        **shared,
+    )
+
+
+gemma4_configs = config_strategy(
+    gemma4_config,
+    """Tiny Gemma 4 text configs: sliding (2, 3 or 16 tokens) and full layers, default RoPE on sliding layers and
+    proportional RoPE (a quarter or half of each head) on full ones, per-head q/k/v norms, per-layer inputs (or
+    none), an optional final-logit softcap, GQA and multi-query attention, tied and untied embeddings. Heads are
+    as wide on full layers as on sliding ones here (the stacked weights need one size; the plugin's exactness test
+    covers wider full layers).""",
+    n_kv=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([4, 8]),
+    hidden_per_head=st.sampled_from([4, 8]),
+    n_layers=st.integers(1, 3),
+    global_every=st.sampled_from([1, 2]),
+    d_mlp=st.sampled_from([16, 40]),
+    vocab=st.integers(16, 128),
+    window=st.sampled_from([2, 3, 16]),
+    theta=st.sampled_from([1000.0, 1000000.0]),
+    local_theta=st.sampled_from([10.0, 10000.0]),
+    partial_rotary=st.sampled_from([0.25, 0.5]),
+    ple=st.sampled_from([0, 4]),
+    final_cap=st.sampled_from([None, None, 2.0]),
+    tied=st.booleans(),
+)
+
+#: properties that must see a sliding and a full layer with per-layer inputs on every run
+LOCAL_GLOBAL_PROPERTIES = (
+    "test_pattern_matches_hf_eager",
+    "test_pattern_and_query_edits_are_used",
+    "test_edits_during_generation_match_one_pass",
+    "test_identity_hooks_keep_logits",
+)
+
+
+class Gemma4Contract(QKNormScores, DecoderContract):
+    """Every generic adapter property on tiny Gemma 4 text models; a sliding then a full layer with per-layer
+    inputs and a short window is a stratum of the pattern, edit and generation properties."""
+
+    plugin = lensadapters_gemma4
+    post_norms = {"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}
+    logit_softcap = "final_logit_softcapping"
+    mixed_values = "attn.v_norm.hook_normalized"
+    absorbed_points = ("ln1.hook_scale",)  # q, k and v are all normalized per head after ln1
+    attn_implementations = ("eager", "sdpa")
+    config_strata = {"sliding and full": LOCAL_GLOBAL_PROPERTIES}
+    config_strategy = gemma4_configs
+    stratum_overrides = {
+        "sliding and full": {"n_layers": 2, "global_every": 2, "ple": 4, "window": st.sampled_from([2, 3])}
+    }
+    matrix_overrides = dict(
+        n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=2, global_every=2, d_mlp=24, vocab=64, window=3
+    )
+
+    def pre_ln_residual(self, model: nn.Module) -> bool:
+        # the per-layer-input branch adds a third term to the residual stream after the MLP's
+        config: Any = model.config
+        return not config.hidden_size_per_layer_input
+
+    def config_label(self, config: Any) -> Optional[str]:
+        return f"layer types {config.layer_types}, per-layer inputs {config.hidden_size_per_layer_input}"

@@ -1,0 +1,383 @@
+"""Gemma 4 (text) against an independent reference: the forward written out from the Hugging Face modules' live
+weights (only the rotary module is called, for its ``(cos, sin)``), on a model with wider full-attention heads,
+proportional RoPE, per-layer inputs, random ``layer_scalar`` buffers and a final-logit softcap. Every hook point's
+value, and the logits after an edit at every hook point, match the reference with the same edit; plus the
+refusals of what the plugin does not describe. Transformers 5.x only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.gemma4", reason="Gemma 4 needs transformers 5.x")
+pytestmark = pytest.mark.transformers5_only
+
+from lensadapters_gemma4.testing import Gemma4Contract, gemma4_config  # noqa: E402
+
+from lensadapters import UnsupportedModelError, WeightUnavailableError  # noqa: E402
+from lensadapters.plugin_api import layer_weight  # noqa: E402
+from lensadapters.testing import assert_close  # noqa: E402
+
+CONTRACT = Gemma4Contract()
+Edit = Callable[[torch.Tensor], torch.Tensor]
+F = torch.nn.functional
+
+
+def exact_model(**overrides: Any) -> torch.nn.Module:
+    """Per-layer inputs 16 wide: with 4, the per-layer branch's norm of a 4-wide product near zero amplified float32
+    rounding so far that the model's own logits moved by up to 6.6e-5 between one and two threads (the tolerances
+    here are 2e-5 and 5e-5; at 16 the largest errors against the reference are 1.1e-5 and 1.3e-5 on 1, 2 and 3
+    threads)."""
+    fields: dict[str, Any] = dict(
+        layers=3, global_every=2, head_dim=4, global_head_dim=8, window=3, ple=16, final_cap=3.0, theta=1000.0
+    )
+    model = CONTRACT.make_model(gemma4_config(**{**fields, **overrides}), 1, "eager")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:  # as checkpoints have them
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))
+    return model
+
+
+class Reference:
+    """Gemma 4's eager forward from the formulas, with the points recorded and ``edits`` applied."""
+
+    def __init__(self, model: torch.nn.Module, edits: Optional[dict[str, Edit]] = None) -> None:
+        self.model, self.edits, self.values = model, edits or {}, {}
+        self.shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer type: the last computed k, v
+        self.eps = model.config.rms_norm_eps
+
+    def point(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in self.edits:
+            value = self.edits[name](value)
+        self.values[name] = value
+        return value
+
+    def rms(self, name: Optional[str], x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        scale = (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        if name is not None:
+            scale = self.point(name + ".hook_scale", scale)
+        normalized = x / scale
+        if name is not None:
+            normalized = self.point(name + ".hook_normalized", normalized)
+        return normalized if weight is None else normalized * weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m, c = self.model.model, self.model.config
+        d, n_layers, ple = c.hidden_size, c.num_hidden_layers, c.hidden_size_per_layer_input
+        x = self.point("hook_embed", m.embed_tokens.weight[ids] * torch.tensor(math.sqrt(d)))
+        if ple:
+            tokens = (m.embed_tokens_per_layer.weight[ids] * torch.tensor(math.sqrt(ple))).unflatten(
+                -1, (n_layers, ple)
+            )
+            context = self.rms(
+                None,
+                (x @ m.per_layer_model_projection.weight.T * d**-0.5).unflatten(-1, (n_layers, ple)),
+                m.per_layer_projection_norm.weight,
+            )
+            per_layer = (context + tokens) * 2**-0.5
+        positions = torch.arange(ids.shape[1])[None]
+        for i, layer in enumerate(m.layers):
+            kind = c.layer_types[i]
+            cos, sin = m.rotary_emb(x, positions, kind)
+            window = c.sliding_window if kind == "sliding_attention" else None
+            x = self.block(i, layer, x, per_layer[:, :, i] if ple else None, cos, sin, window)
+        final = self.rms("ln_final", x, m.norm.weight)
+        logits = final @ self.model.lm_head.weight.T
+        cap = c.final_logit_softcapping
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def block(
+        self,
+        i: int,
+        layer: Any,
+        x: torch.Tensor,
+        given: Optional[torch.Tensor],
+        cos: Any,
+        sin: Any,
+        window: Optional[int],
+    ) -> torch.Tensor:
+        p = f"blocks.{i}."
+        if given is not None:
+            given = self.point(p + "hook_per_layer_input", given)
+        x = self.point(p + "hook_resid_pre", x)
+        attn = layer.self_attn
+        n = self.rms(p + "ln1", x, layer.input_layernorm.weight)
+
+        def rope(t: torch.Tensor) -> torch.Tensor:
+            half = t.shape[-1] // 2
+            rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+            return t * cos[:, :, None] + rotated * sin[:, :, None]
+
+        hd = attn.head_dim
+        q = self.point(p + "attn.hook_q", (n @ attn.q_proj.weight.T).unflatten(-1, (-1, hd)))
+        q = self.point(p + "attn.hook_rot_q", rope(self.rms(p + "attn.q_norm", q, attn.q_norm.weight)))
+        if attn.is_kv_shared_layer:  # the keys and values of the last earlier layer of this type
+            k, v = self.shared[attn.layer_type]
+        else:
+            k = (n @ attn.k_proj.weight.T).unflatten(-1, (-1, hd))
+            v = k if attn.v_proj is None else (n @ attn.v_proj.weight.T).unflatten(-1, (-1, hd))  # attention_k_eq_v
+            k, v = self.point(p + "attn.hook_k", k), self.point(p + "attn.hook_v", v)
+            k = self.point(p + "attn.hook_rot_k", rope(self.rms(p + "attn.k_norm", k, attn.k_norm.weight)))
+            v = self.rms(p + "attn.v_norm", v, None)
+            self.shared[attn.layer_type] = k, v
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k)  # Gemma 4's attention scale is 1
+        qpos, kpos = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None]
+        allowed = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+        scores = self.point(p + "attn.hook_attn_scores", scores.masked_fill(~allowed, float("-inf")))
+        pattern = self.point(p + "attn.hook_pattern", scores.softmax(-1))
+        z = self.point(p + "attn.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        W_O = attn.o_proj.weight.T.unflatten(0, (-1, hd))
+        result = self.point(p + "attn.hook_result", torch.einsum("bqhd,hdm->bqhm", z, W_O))
+        attn_out = self.point(
+            p + "hook_attn_out", self.rms(p + "ln1_post", result.sum(2), layer.post_attention_layernorm.weight)
+        )
+        mid = self.point(p + "hook_resid_mid", x + attn_out)
+        mlp_in = self.point(p + "hook_mlp_in", mid)
+        n2 = self.rms(p + "ln2", mlp_in, layer.pre_feedforward_layernorm.weight)
+        pre = self.point(p + "mlp.hook_pre", n2 @ layer.mlp.gate_proj.weight.T)
+        linear = self.point(p + "mlp.hook_pre_linear", n2 @ layer.mlp.up_proj.weight.T)
+        post = self.point(p + "mlp.hook_post", F.gelu(pre, approximate="tanh") * linear)
+        mlp_out = self.point(
+            p + "hook_mlp_out",
+            self.rms(p + "ln2_post", post @ layer.mlp.down_proj.weight.T, layer.post_feedforward_layernorm.weight),
+        )
+        h = mid + mlp_out
+        if given is not None:
+            gate = self.point(
+                p + "hook_per_layer_gate", F.gelu(h @ layer.per_layer_input_gate.weight.T, approximate="tanh")
+            )
+            branch = (gate * given) @ layer.per_layer_projection.weight.T
+            h = h + self.point(p + "hook_per_layer_out", self.rms(None, branch, layer.post_per_layer_input_norm.weight))
+        return self.point(p + "hook_resid_post", h * layer.layer_scalar)
+
+
+def perturb(name: str) -> Edit:
+    seed = sum(map(ord, name))
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=t.dtype)
+        if name.endswith("hook_pattern"):
+            return (t + 0.1 * noise.abs()) / (t + 0.1 * noise.abs()).sum(-1, keepdim=True) * (t.sum(-1, keepdim=True))
+        if name.endswith("hook_scale"):
+            return t * (1.5 + 0.25 * noise.abs())
+        return t + 0.3 * noise.masked_fill(~torch.isfinite(t), 0)
+
+    return edit
+
+
+HEAD_INPUTS = {"hook_q_input": "q", "hook_k_input": "k", "hook_v_input": "v"}
+
+
+def reference_edit(model: torch.nn.Module, name: str, values: dict[str, torch.Tensor]) -> dict[str, Edit]:
+    """The reference's edits doing what ``perturb(name)`` at ``name`` does. A per-head input (``hook_q_input``...) is
+    each head's copy of ``hook_resid_pre``, normalized by ln1 on its own (TransformerLens): its edit reaches that
+    projection only, so the reference replaces the projection's output."""
+    block, _, short = name.rpartition(".")
+    if short not in HEAD_INPUTS:
+        return {name: perturb(name)}
+    x = HEAD_INPUTS[short]
+    layer = model.model.layers[int(name.split(".")[1])]
+    W = getattr(layer.self_attn, f"{x}_proj").weight
+
+    def projected(t: torch.Tensor) -> torch.Tensor:
+        heads = t.shape[2]
+        per_head = perturb(name)(values[block + ".hook_resid_pre"].unsqueeze(-2).repeat_interleave(heads, -2))
+        scale = (per_head.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps).sqrt()
+        normed = per_head / scale * layer.input_layernorm.weight
+        return torch.einsum("bphm,hdm->bphd", normed, W.unflatten(0, (heads, -1)))
+
+    return {f"{block}.attn.hook_{x}": projected}
+
+
+IDS = torch.tensor([[5, 9, 17, 3, 30, 11, 8]])
+
+
+#: the exactness models: 3 layers (sliding, full, full); 4 layers (sliding, full, then a sliding and a full layer
+#: reading layers 0's and 1's keys and values, with double-wide MLPs)
+MODELS = {
+    "own keys and values": {},
+    "shared keys and values": dict(layers=4, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "keys as values": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_every_point_matches_the_reference(fields):
+    model = exact_model(**fields)
+    hm = CONTRACT.wrap(model)
+    reference = Reference(model)
+    with torch.no_grad():
+        expected_logits = reference.forward(IDS)
+        logits, cache = hm.run_with_cache(IDS, names_filter=lambda n: True)
+        hf_logits = model(IDS).logits
+    assert hm.cfg.d_head == 4 and hm.cfg.extra["global_head_dim"] == 8
+    assert set(reference.values) <= set(cache.keys())
+    worst = 0.0
+    for name, value in reference.values.items():
+        got = cache[name]
+        finite = torch.isfinite(value)
+        assert torch.equal(finite, torch.isfinite(got)), name
+        worst = max(worst, (got[finite] - value[finite]).abs().max().item())
+        assert_close(got, value, name, atol=2e-5)
+    assert_close(logits, expected_logits, "logits", atol=2e-5)
+    assert torch.equal(hf_logits, logits)
+    for i, layer in enumerate(model.model.layers):  # each layer's weights in its own head size
+        attn = layer.self_attn
+        own = not attn.is_kv_shared_layer
+        kv = attn.k_proj.weight.shape[0] // attn.head_dim if own else 0
+        values = (attn.k_proj if attn.v_proj is None else attn.v_proj) if own else None  # k_eq_v: W_V is W_K
+        projections = (("W_Q", attn.q_proj, 4), ("_W_K", attn.k_proj if own else None, kv), ("_W_V", values, kv))
+        for name, module, heads in projections[: 3 if own else 1]:
+            expected = module.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2)
+            assert torch.equal(layer_weight(hm.wiring, name, i), expected), (name, i)
+        if attn.is_kv_shared_layer:
+            source = {"sliding_attention": 0, "full_attention": 1}[attn.layer_type]
+            with pytest.raises(WeightUnavailableError, match=f"attends with layer {source}'s keys and values"):
+                layer_weight(hm.wiring, "_W_K", i)
+        assert torch.equal(layer_weight(hm.wiring, "W_O", i), attn.o_proj.weight.T.unflatten(0, (4, -1)))
+    # every point but the per-head inputs (copies of hook_resid_pre) is checked; sharing layers have no k/v points
+    layers = model.model.layers
+    assert set(cache.keys()) - set(reference.values) == {
+        f"blocks.{i}.hook_{x}_input"
+        for i in range(len(layers))
+        # neither in a layer reading another's keys and values, nor where one projection gives both
+        for x in ("q" if layers[i].self_attn.is_kv_shared_layer or layers[i].self_attn.v_proj is None else "qkv")
+    }
+    assert worst < 2e-5
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_an_edit_at_every_point_does_what_the_reference_does(fields):
+    """Edits of a source layer's key and value points reach the layers that read them (the reference's shared
+    keys and values are the edited ones)."""
+    model = exact_model(**fields)
+    hm = CONTRACT.wrap(model)
+    names = hm.hook_names
+    with torch.no_grad():
+        base = hm(IDS).logits
+        reference = Reference(model)
+        reference.forward(IDS)
+        for name in names:
+            expected = Reference(model, reference_edit(model, name, reference.values)).forward(IDS)
+            got = hm.run_with_hooks(IDS, fwd_hooks=[(name, lambda t, hook: perturb(hook.name)(t))])
+            assert (got - base).abs().max() > 1e-6 or name.endswith("ln1.hook_scale"), name
+            assert_close(got, expected, f"edit of {name}", atol=5e-5)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
+def test_a_run_from_a_residual_reads_what_the_model_computes_from_the_tokens(fields):
+    """``start_at_layer`` with ``tokens=``: the logits of the reference's run on those tokens, from every layer (the
+    blocks read the per-layer inputs of the tokens, and sharing layers the keys and values of their source layers);
+    an edit of a per-layer input is used in such a run. Without the tokens it is refused, naming them."""
+    model = exact_model(**fields)
+    hm = CONTRACT.wrap(model)
+    n = model.config.num_hidden_layers
+    reference = Reference(model)
+    with torch.no_grad():
+        expected = reference.forward(IDS)
+        for start in range(n + 1):
+            residual = reference.values[
+                f"blocks.{start}.hook_resid_pre" if start < n else f"blocks.{n - 1}.hook_resid_post"
+            ]
+            assert_close(hm(residual, start_at_layer=start, tokens=IDS), expected, f"from layer {start}", atol=2e-5)
+            if start == n:  # after the last block: the residual is all the rest reads
+                assert_close(hm(residual, start_at_layer=start), expected, "from the last residual", atol=2e-5)
+                continue
+            with pytest.raises(ValueError, match=r"blocks\.L\.hook_per_layer_input.*tokens="):
+                hm(residual, start_at_layer=start)
+            name = f"blocks.{start}.hook_per_layer_input"
+            edited = Reference(model, {name: perturb(name)}).forward(IDS)
+            with hm.hooks([(name, lambda t, hook: perturb(hook.name)(t))]):
+                got = hm(residual, start_at_layer=start, tokens=IDS)
+            assert_close(got, edited, f"edit of {name} from layer {start}", atol=5e-5)
+    hm.unwrap()
+
+
+def test_a_run_from_after_a_key_value_source_layer_names_it():
+    """Layers 2 and 3 attend with layers 0's and 1's keys and values: from layer 1 on, the refusal names them too
+    (the run with ``tokens=`` is the reference's: above). Without per-layer inputs transformers itself cannot run
+    such a model (``_maybe_slice_kv_shared_inputs`` slices the absent per-layer inputs)."""
+    model = exact_model(**MODELS["shared keys and values"])
+    hm = CONTRACT.wrap(model)
+    residual = torch.zeros(1, IDS.shape[1], model.config.hidden_size)
+    for start, named in ((1, "block 2 attends with the keys and values of block 0"), (3, "block 3 .* block 1")):
+        with pytest.raises(ValueError, match=f"{named}.*tokens="):
+            hm(residual, start_at_layer=start)
+    with pytest.raises(ValueError) as info:
+        hm(residual, start_at_layer=0)
+    assert "attends" not in str(info.value)
+    with pytest.raises(ValueError, match=r"\[batch, pos\] = \[1, 7\]"):
+        hm(residual, start_at_layer=1, tokens=IDS[:, :3])
+    hm.unwrap()
+
+
+def test_patching_a_token_restores_the_clean_run_only_with_its_per_layer_inputs():
+    """The per-layer inputs are computed from the token ids beside the residual stream: patching the residual of a
+    corrupted token leaves them corrupted (as the model computes), patching them too gives the clean run."""
+    model = exact_model()
+    hm = CONTRACT.wrap(model)
+    corrupted = IDS.clone()
+    corrupted[0, 2] = 40
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        clean, cache = hm.run_with_cache(IDS)
+        dirty = hm(corrupted).logits
+
+        def patch(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            t = t.clone()
+            t[:, 2] = cache[hook.name][:, 2]
+            return t
+
+        residual_only = hm.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.hook_resid_pre", patch)])
+        side = [(f"blocks.{i}.hook_per_layer_input", patch) for i in range(n)]
+        both = hm.run_with_hooks(corrupted, fwd_hooks=[("blocks.0.hook_resid_pre", patch), *side])
+    assert (residual_only - clean).abs().max() > 1e-3 and (dirty - clean).abs().max() > 1e-3
+    assert_close(both, clean, "residual and per-layer inputs patched", atol=1e-5)
+    assert hm.layout.side_inputs == ("hook_per_layer_input",)
+    hm.unwrap()
+
+
+def test_wrapping_is_exact_without_per_layer_inputs():
+    model = exact_model(ple=0)
+    hm = CONTRACT.wrap(model)
+    assert not [n for n in hm.hook_names if "per_layer" in n]
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(IDS, names_filter=lambda n: True)
+        reference = Reference(model)
+        reference.forward(IDS)
+    for name, value in reference.values.items():
+        assert_close(cache[name], value, name, atol=2e-5)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
+    ],
+)
+def test_what_is_not_described_is_refused(fields, match):
+    layers = fields.pop("layers", 2)
+    config = gemma4_config(layers=layers, global_every=2)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    from transformers import Gemma4ForCausalLM
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        CONTRACT.wrap(Gemma4ForCausalLM(config))
+
+
+def test_multimodal_model_is_refused_naming_the_text_model():
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    config = Gemma4Config(text_config=gemma4_config().to_dict(), vision_config=None, audio_config=None)
+    with pytest.raises(UnsupportedModelError, match="Gemma4ForCausalLM"):
+        CONTRACT.wrap(Gemma4ForConditionalGeneration(config))

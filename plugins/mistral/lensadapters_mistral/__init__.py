@@ -16,18 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_mistral.testing:MistralContract"
-ARCH = Architecture(
-    name="mistral",
-    model_types=("mistral",),
-    description="Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU",
-    transformers=">=4.57,<6",
+FAMILY = hf.DecoderFamily.named("Mistral", "mistral")
+ARCH = FAMILY.architecture(
+    "Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU"
 )
-FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
 
 
 def window(config: Any) -> Optional[int]:

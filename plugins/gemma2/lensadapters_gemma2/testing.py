@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-gemma2 (needs ``lensadapters[testing]``): ``Gemma2Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check gemma2``; the plugin's tests subclass it), ``gemma2_config(...)`` (one tiny config) and
-``gemma2_configs(**overrides)`` (their strategy). Importing ``lensadapters_gemma2`` never imports it.
-"""
+"""lensadapters-gemma2's test kit: ``Gemma2Contract``, ``gemma2_config`` and ``gemma2_configs``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-gemma3 (needs ``lensadapters[testing]``): ``Gemma3Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check gemma3``; the plugin's tests subclass it), ``gemma3_config(...)`` (one tiny config) and
-``gemma3_configs(**overrides)`` (their strategy). Importing ``lensadapters_gemma3`` never imports it.
-"""
+"""lensadapters-gemma3's test kit: ``Gemma3Contract``, ``gemma3_config`` and ``gemma3_configs``."""
 
 from __future__ import annotations
 

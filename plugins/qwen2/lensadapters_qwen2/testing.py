@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-qwen2 (needs ``lensadapters[testing]``): ``Qwen2Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check qwen2``; the plugin's tests subclass it), ``qwen2_config(...)`` (one tiny config) and
-``qwen2_configs(**overrides)`` (their strategy). Importing ``lensadapters_qwen2`` never imports it.
-"""
+"""lensadapters-qwen2's test kit: ``Qwen2Contract`` (``lensadapters check``), ``qwen2_config`` and ``qwen2_configs``."""
 
 from __future__ import annotations
 

@@ -15,6 +15,24 @@ import torch
 
 Tensor = torch.Tensor
 
+#: the description language (re-exported by :mod:`lensadapters` and :mod:`lensadapters.plugin_api`)
+__all__ = [
+    "Architecture",
+    "BlockLayout",
+    "FusedGateUp",
+    "FusedQKV",
+    "HookedConfig",
+    "LinearWeight",
+    "MLPLayout",
+    "ModelLayout",
+    "NormSpec",
+    "ProjectionNorm",
+    "RotarySpec",
+    "SeparateQKV",
+    "cat_gate_up",
+    "chunk_gate_up",
+]
+
 
 @dataclass(frozen=True)
 class Architecture:

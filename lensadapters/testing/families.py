@@ -46,6 +46,7 @@ __all__ = [
     "OffsetNormModels",
     "QKNormScores",
     "RefusalChecks",
+    "SMALL_MATRIX",
     "TransformerLensWithoutWindows",
     "WINDOW_PROPERTIES",
     "config_strategy",
@@ -76,6 +77,10 @@ DENSE_DRAWS: dict[str, Any] = {
     "tied": st.booleans(),
     "act": st.sampled_from(["silu", "gelu_new"]),
 }
+
+#: the small models of the LoRA and 8-bit matrices (they build two models per example, or save and reload one): a
+#: dense family's ``matrix_overrides`` start from these (one kv head, two query heads per kv head, width 8 per head)
+SMALL_MATRIX: dict[str, Any] = {"n_kv": 1, "ratio": 2, "hidden_per_head": 8, "d_mlp": 24, "vocab": 64}
 
 #: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
 MOE_DRAWS: dict[str, Any] = {

@@ -10,6 +10,7 @@ from transformers import Qwen2Config
 import lensadapters_qwen2
 from lensadapters.testing.families import (
     DENSE_DRAWS,
+    SMALL_MATRIX,
     WINDOW_PROPERTIES,
     DecoderContract,
     config_strategy,
@@ -46,17 +47,10 @@ class Qwen2Contract(DecoderContract):
     config_strategy = qwen2_configs
     config_strata = {"mixed windows": WINDOW_PROPERTIES}
     stratum_overrides = {"mixed windows": {"window": st.sampled_from([2, 3]), "n_layers": 2, "window_from": 1}}
-    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
-    matrix_overrides = dict(
-        n_kv=1,
-        ratio=2,
-        hidden_per_head=8,
-        n_layers=st.integers(1, 2),
-        d_mlp=24,
-        vocab=64,
-        window=st.sampled_from([None, 3]),
-        window_from=1,
-    )
+    matrix_overrides = {
+        **SMALL_MATRIX,
+        **dict(n_layers=st.integers(1, 2), window=st.sampled_from([None, 3]), window_from=1),
+    }
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"layer types {config.layer_types}"

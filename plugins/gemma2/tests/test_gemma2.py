@@ -11,10 +11,7 @@ from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import assert_window_patterns, generate_with_hooks
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 

@@ -11,10 +11,7 @@ from lensadapters import UnsupportedModelError
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import assert_window_patterns, generate_with_hooks
 
 
 class TestGemma3(Gemma3Contract, RefusalChecks):

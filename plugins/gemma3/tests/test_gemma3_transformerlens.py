@@ -9,11 +9,7 @@ from __future__ import annotations
 import torch
 from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 
-from lensadapters.testing.tl_compare import (
-    TransformerLensComparison,
-    compare_hooks,
-    comparison_tokens,
-)
+from lensadapters.testing.tl_compare import TransformerLensComparison, compare_hooks, comparison_tokens
 
 
 class TestGemma3TransformerLens(TransformerLensComparison):

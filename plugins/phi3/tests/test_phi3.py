@@ -8,10 +8,7 @@ import torch
 from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import assert_window_patterns, generate_with_hooks
 
 
 class TestPhi3(Phi3Contract, RefusalChecks):

@@ -9,10 +9,7 @@ from __future__ import annotations
 import torch
 from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
-from lensadapters.testing.tl_compare import (
-    TransformerLensComparison,
-    comparison_tokens,
-)
+from lensadapters.testing.tl_compare import TransformerLensComparison, comparison_tokens
 
 
 class TestPhi3TransformerLens(TransformerLensComparison):

@@ -34,6 +34,7 @@ from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
     assert_patterns_refused_under,
     assert_unknown_rope_refused,
+    generate_with_hooks,
 )
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import as_strategy
@@ -41,6 +42,7 @@ from lensadapters.testing.strategies import as_strategy
 __all__ = [
     "DENSE_DRAWS",
     "DecoderContract",
+    "GenerationChecks",
     "MOE_DRAWS",
     "MoEDecoderContract",
     "OffsetNormModels",
@@ -201,6 +203,23 @@ class RefusalChecks:
     @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
     def test_flash_and_flex_refuse_patterns_only(self, impl: str) -> None:
         assert_patterns_refused_under(self, self.example_model(), impl)
+
+
+class GenerationChecks:
+    """A test mixed into a plugin's test class next to its contract (``class TestQwen3(Qwen3Contract,
+    RefusalChecks, GenerationChecks)``): greedy generation, with a dynamic and a static cache, with reading hooks on
+    every point (patterns included) gives the logits of generation without hooks, on the model of
+    ``example_config(**generation_config)`` (seed 1) and two left-padded prompts of 5 tokens."""
+
+    example_config: ClassVar[Callable[..., Any]]
+    generation_config: ClassVar[dict[str, Any]] = {}
+
+    @pytest.mark.parametrize("cache", [None, "static"])
+    def test_generation_with_hooks(self, cache: Optional[str]) -> None:
+        config = type(self).example_config(**self.generation_config)
+        hm = self.wrap(self.make_model(config, 1))  # type: ignore[attr-defined]
+        generate_with_hooks(hm, *left_padded_tokens(length=5), cache, steps=4)
+        hm.unwrap()
 
 
 class TransformerLensWithoutWindows:

@@ -8,8 +8,7 @@ Quirks handled (everything else is Llama's layout: GQA, rotate-half RoPE, RMSNor
   and ``cfg.attn_types`` (TransformerLens' names) say which layers are windowed.
 * ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Mistral NeMo).
 
-The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
-as ``mistral``, a model without Mistral's layout. Under flash and flex attention, every point but the pattern ones.
+Refused (``hf.DecoderFamily.validate``): rope types that are not rotate-half, custom modeling code, another layout.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
 * Tied (small Qwen2.5 checkpoints) or untied embeddings.
 
-The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
-as ``qwen2``, a model without Qwen2's layout. Under flash and flex attention, every point but the pattern ones.
+Refused (``hf.DecoderFamily.validate``): rope types that are not rotate-half, custom modeling code, another layout.
 """
 
 from __future__ import annotations

@@ -104,6 +104,15 @@ def test_named_family_architecture_and_exported_module_attributes(tmp_path, monk
     assert (kept["LENSADAPTERS_HOOKSPEC"], kept["LENSADAPTERS_CONTRACT"]) == ("1.2", "own:Contract")
 
 
+def test_layer_mlp_gets_the_decoder_layer_and_the_config():
+    m = model()
+    seen = []
+    declared = hf.DecoderPlugin(ARCH, FAMILY, tiny, layer_mlp=lambda layer, config: seen.append((layer, config)) or 7)
+    assert declared.lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == 7
+    assert seen == [(m.model.layers[1], m.config)]
+    assert hf.DecoderPlugin(ARCH, FAMILY, tiny).lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == FAMILY.mlp
+
+
 def test_declared_checks_refuse_at_wrap_time():
     def refuse(m: torch.nn.Module) -> None:
         raise UnsupportedModelError("declared refusal")

@@ -396,6 +396,9 @@ class DecoderPlugin:
     """A layer's attention projections when they are not the family's."""
     mlp: Optional[Callable[[Any, int], Any]] = None
     """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
+    layer_mlp: Optional[Callable[[nn.Module, Any], Any]] = None
+    """In place of ``mlp``: a layer's MLP from that decoder layer and the model's config (a mixture of experts'
+    ``MoELayout`` of the layer)."""
     precheck: Optional[Callable[[Any], None]] = None
     """A wrap-time check before the family's own, after the class check (a model the family's paths would
     misread: a multimodal model around the text model...)."""
@@ -429,6 +432,8 @@ class DecoderPlugin:
 
     @hookimpl
     def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> Any:
+        if self.layer_mlp is not None:
+            return self.layer_mlp(self.family.layers(model)[layer], model.config)
         return self.family.dense_mlp() if self.mlp is None else self.mlp(model, layer)
 
     @hookimpl

@@ -142,10 +142,5 @@ def tiny_config(seed: int) -> Any:
 
 
 PLUGIN = hf.DecoderPlugin(
-    ARCH,
-    FAMILY,
-    tiny_config,
-    config=config_fields,
-    missing_in_layer=missing_in_layer,
-    mlp=moe_layout,
+    ARCH, FAMILY, tiny_config, config=config_fields, missing_in_layer=missing_in_layer, mlp=moe_layout
 ).export(globals())

@@ -104,5 +104,5 @@ PLUGIN = hf.DecoderPlugin(
     config=config_fields,
     missing_in_layer=lambda layer: hf.missing_expert_paths(layer, _moe_path(layer), ("w1", "w2", "w3")),
     block=lambda model, layer: replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer])),
-    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+    layer_mlp=moe_layout,
 ).export(globals())

@@ -249,12 +249,10 @@ def tiny_config(seed: int) -> Any:
     )
 
 
+def _missing_moe(layer: nn.Module) -> list[str]:
+    return hf.missing_paths(layer, ("mlp.gate", "mlp.experts"))
+
+
 PLUGIN = hf.DecoderPlugin(
-    ARCH,
-    FAMILY,
-    tiny_config,
-    config=config_fields,
-    check=check,
-    missing_in_layer=lambda layer: hf.missing_paths(layer, ("mlp.gate", "mlp.experts")),
-    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+    ARCH, FAMILY, tiny_config, config=config_fields, check=check, missing_in_layer=_missing_moe, layer_mlp=moe_layout
 ).export(globals())

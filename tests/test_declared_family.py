@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lensadapters import Architecture, HookedModel, ProjectionNorm, Registry, UnsupportedModelError, hf
+from lensadapters import (
+    Architecture,
+    FusedGateUp,
+    HookedModel,
+    MLPLayout,
+    ProjectionNorm,
+    Registry,
+    UnsupportedModelError,
+    hf,
+)
 from lensadapters.testing.families import config_strategy, decoder_config
 
 ARCH = Architecture(name="declared_llama_shape", model_types=("llama",), transformers=">=4.57,<6")
@@ -111,6 +120,17 @@ def test_layer_mlp_gets_the_decoder_layer_and_the_config():
     assert declared.lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == 7
     assert seen == [(m.model.layers[1], m.config)]
     assert hf.DecoderPlugin(ARCH, FAMILY, tiny).lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == FAMILY.mlp
+
+
+def test_mlp_layouts_name_the_projection_of_each_role():
+    gated = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
+    assert [gated.projection(r) for r in ("in", "gate", "out")] == ["mlp.up_proj", "mlp.gate_proj", "mlp.down_proj"]
+    plain = MLPLayout(pre="mlp.fc1", out="mlp.fc2")
+    assert (plain.projection("in"), plain.projection("out")) == ("mlp.fc1", "mlp.fc2")
+    with pytest.raises(AttributeError, match="only for gated MLPs"):
+        plain.projection("gate")
+    fused = FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=lambda t: (t, t), merge=lambda a, b: a)
+    assert [fused.projection(r) for r in ("in", "gate", "out")] == ["mlp.gate_up_proj"] * 2 + ["mlp.down_proj"]
 
 
 def test_declared_checks_refuse_at_wrap_time():

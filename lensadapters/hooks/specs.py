@@ -394,6 +394,17 @@ class MLPLayout:
     out: str
     pre_linear: Optional[str] = None
 
+    def projection(self, role: str) -> str:
+        """The path of the projection of ``role``: ``"in"`` (``W_in``: the up projection of a gated MLP, the input
+        projection otherwise), ``"gate"`` (``W_gate``, gated MLPs only) or ``"out"``."""
+        if role == "in":
+            return self.pre_linear or self.pre
+        if role == "gate":
+            if self.pre_linear is None:
+                raise AttributeError("W_gate exists only for gated MLPs (cfg.gated_mlp)")
+            return self.pre
+        return self.out
+
 
 @dataclass(frozen=True)
 class FusedGateUp:
@@ -409,6 +420,11 @@ class FusedGateUp:
     out: str
     split: Callable[[Tensor], tuple[Tensor, Tensor]]
     merge: Callable[[Tensor, Tensor], Tensor]
+
+    def projection(self, role: str) -> str:
+        """The path of the projection of ``role``: the fused module for ``"in"`` and ``"gate"``, ``out`` for
+        ``"out"``."""
+        return self.out if role == "out" else self.module
 
 
 MLPLayouts = MLPLayout | FusedGateUp

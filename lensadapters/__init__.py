@@ -25,22 +25,10 @@ from lensadapters.errors import (
     UnsupportedModelError,
     WeightUnavailableError,
 )
+from lensadapters.hooks import specs as _specs
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
-from lensadapters.hooks.specs import (
-    Architecture,
-    BlockLayout,
-    FusedGateUp,
-    FusedQKV,
-    HookedConfig,
-    LinearWeight,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    RotarySpec,
-    SeparateQKV,
-)
+from lensadapters.hooks.specs import *  # noqa: F403  (the description language: specs.__all__)
 from lensadapters.integrations.harvest import HarvestMismatchError, harvest, load_harvest
 
 _moved.install()  # old paths inside the moved subpackages (lensadapters.harvest.runner...)
@@ -69,16 +57,7 @@ __all__ = [
     "hookspec",
     "Registry",
     "get_registry",
-    "Architecture",
-    "BlockLayout",
-    "FusedQKV",
-    "HookedConfig",
-    "LinearWeight",
-    "MLPLayout",
-    "ModelLayout",
-    "NormSpec",
-    "RotarySpec",
-    "SeparateQKV",
+    *_specs.__all__,
     "is_recomputing",
     "live_parameters",
     "Hooked",
@@ -87,8 +66,6 @@ __all__ = [
     "contract_variants",
     "wrapped_layers",
     "innermost_layer",
-    "FusedGateUp",
-    "ProjectionNorm",
     "hf",
     # TransformerLens analysis layer
     "FactoredMatrix",

@@ -46,6 +46,7 @@ from lensadapters.adapters.moe import (
 )
 from lensadapters.adapters.protocol import Hooked
 from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
+from lensadapters.hooks import specs as _specs
 from lensadapters.hooks.attention import explicit_attention
 from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
 from lensadapters.hooks.frames import ForwardState, FrameValues
@@ -75,22 +76,7 @@ from lensadapters.hooks.sites import (
     replace_first_output,
     split_heads,
 )
-from lensadapters.hooks.specs import (
-    Architecture,
-    BlockLayout,
-    FusedGateUp,
-    FusedQKV,
-    HookedConfig,
-    LinearWeight,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    RotarySpec,
-    SeparateQKV,
-    cat_gate_up,
-    chunk_gate_up,
-)
+from lensadapters.hooks.specs import *  # noqa: F403  (the description language: specs.__all__)
 from lensadapters.wiring.weights import WEIGHT_NAMES, layer_weight, mlp_weights, read_linear, read_weight
 
 __all__ = [
@@ -101,30 +87,17 @@ __all__ = [
     "hf",
     "hookimpl",
     # the description language
-    "Architecture",
-    "BlockLayout",
+    *_specs.__all__,
     "ExpertModules",
     "FusedExperts",
-    "FusedGateUp",
-    "FusedQKV",
-    "HookedConfig",
-    "LinearWeight",
-    "MLPLayout",
     "MoELayout",
-    "ModelLayout",
-    "NormSpec",
-    "ProjectionNorm",
     "Routing",
-    "RotarySpec",
-    "SeparateQKV",
     "apply_rotate_half",
     "half_table_rotate_half_spec",
     "invert_rotate_half",
     "rotate_half",
     "rotate_half_spec",
     "stored_moe_layout",
-    "cat_gate_up",
-    "chunk_gate_up",
     # points, sites, per-forward state, the order rule
     "ForwardState",
     "FrameValues",

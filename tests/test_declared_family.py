@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lensadapters import Architecture, HookedModel, Registry, UnsupportedModelError, hf
+from lensadapters import (
+    Architecture,
+    FusedGateUp,
+    HookedModel,
+    MLPLayout,
+    ProjectionNorm,
+    Registry,
+    UnsupportedModelError,
+    hf,
+)
 from lensadapters.testing.families import config_strategy, decoder_config
 
 ARCH = Architecture(name="declared_llama_shape", model_types=("llama",), transformers=">=4.57,<6")
@@ -64,6 +73,64 @@ def test_export_puts_the_hooks_in_a_module_namespace():
     bare: dict[str, Any] = {}
     hf.DecoderPlugin(ARCH, hf.DecoderFamily("Llama", model_type="llama"), tiny).export(bare)
     assert "lensadapters_norm_scale" not in bare and "lensadapters_mlp_act" in bare
+
+
+def test_named_family_architecture_and_exported_module_attributes(tmp_path, monkeypatch):
+    named = hf.DecoderFamily.named("Mistral", "mistral", qk_norms=hf.qk_norms("bpf"), mlp=None)
+    assert named == hf.DecoderFamily(
+        "Mistral",
+        model_type="mistral",
+        packages=("mistral",),
+        norms=("MistralRMSNorm",),
+        qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
+        mlp=None,
+    )
+    assert hf.DecoderFamily.named("Gemma3", "gemma3_text", packages=("gemma3",)).packages == ("gemma3",)
+    assert named.architecture("toy") == Architecture(
+        name="mistral", model_types=("mistral",), description="toy", transformers=">=4.57,<6"
+    )
+    other = named.architecture("toy", name="m", model_types=("a", "b"), transformers=">=5")
+    assert (other.name, other.model_types, other.transformers) == ("m", ("a", "b"), ">=5")
+    # export: the core's hookspec major; the contract of a package with a testing module, unless declared
+    package = tmp_path / "declared_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from lensadapters import hf\n"
+        "FAMILY = hf.DecoderFamily.named('Mistral', 'mistral')\n"
+        "hf.DecoderPlugin(FAMILY.architecture('toy'), FAMILY, lambda seed: None).export(globals())\n"
+    )
+    (package / "testing.py").write_text("")
+    (tmp_path / "declared_single.py").write_text((package / "__init__.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import declared_pkg  # type: ignore[import-not-found]
+    import declared_single  # type: ignore[import-not-found]
+
+    assert declared_pkg.LENSADAPTERS_HOOKSPEC == "1" == declared_single.LENSADAPTERS_HOOKSPEC
+    assert declared_pkg.LENSADAPTERS_CONTRACT == "declared_pkg.testing:MistralContract"
+    assert not hasattr(declared_single, "LENSADAPTERS_CONTRACT")  # no testing module: no contract named
+    kept = {"__name__": "declared_pkg", "LENSADAPTERS_HOOKSPEC": "1.2", "LENSADAPTERS_CONTRACT": "own:Contract"}
+    hf.DecoderPlugin(ARCH, FAMILY, tiny).export(kept)
+    assert (kept["LENSADAPTERS_HOOKSPEC"], kept["LENSADAPTERS_CONTRACT"]) == ("1.2", "own:Contract")
+
+
+def test_layer_mlp_gets_the_decoder_layer_and_the_config():
+    m = model()
+    seen = []
+    declared = hf.DecoderPlugin(ARCH, FAMILY, tiny, layer_mlp=lambda layer, config: seen.append((layer, config)) or 7)
+    assert declared.lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == 7
+    assert seen == [(m.model.layers[1], m.config)]
+    assert hf.DecoderPlugin(ARCH, FAMILY, tiny).lensadapters_mlp_act(arch=ARCH, model=m, layer=1) == FAMILY.mlp
+
+
+def test_mlp_layouts_name_the_projection_of_each_role():
+    gated = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
+    assert [gated.projection(r) for r in ("in", "gate", "out")] == ["mlp.up_proj", "mlp.gate_proj", "mlp.down_proj"]
+    plain = MLPLayout(pre="mlp.fc1", out="mlp.fc2")
+    assert (plain.projection("in"), plain.projection("out")) == ("mlp.fc1", "mlp.fc2")
+    with pytest.raises(AttributeError, match="only for gated MLPs"):
+        plain.projection("gate")
+    fused = FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=lambda t: (t, t), merge=lambda a, b: a)
+    assert [fused.projection(r) for r in ("in", "gate", "out")] == ["mlp.gate_up_proj"] * 2 + ["mlp.down_proj"]
 
 
 def test_declared_checks_refuse_at_wrap_time():
@@ -129,7 +196,7 @@ def test_the_plugin_guides_declaration_example_wraps():
     start = section.index("```python\n") + len("```python\n")
     code = section[start : section.index("```\n", start)]
     imports = [line for line in code.splitlines() if "import" in line and "lensadapters" in line]
-    assert "hf.DecoderPlugin" in code and imports == ["from lensadapters import Architecture, hf"]  # public names
+    assert "hf.DecoderPlugin" in code and imports == ["from lensadapters import hf"]  # public names
     module = types.ModuleType("guide_declared_plugin")
     module.LENSADAPTERS_HOOKSPEC = "1"
     exec(compile(code, "writing-a-plugin.md", "exec"), vars(module))

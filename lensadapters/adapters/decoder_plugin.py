@@ -6,6 +6,7 @@ family, derived from its description plus its quirks) and :func:`toy_config` (th
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -35,7 +36,7 @@ from lensadapters.adapters.hf_helpers import (
     text_config,
     unembed_path,
 )
-from lensadapters.adapters.hookspecs import hookimpl
+from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, hookimpl
 from lensadapters.hooks.rotary import rotate_half_spec
 from lensadapters.hooks.specs import (
     Architecture,
@@ -52,7 +53,16 @@ from lensadapters.hooks.specs import (
     SeparateQKV,
 )
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "qk_norms", "toy_config", "toy_draw"]
+
+TRANSFORMERS_TESTED = ">=4.57,<6"
+"""The transformers range :meth:`DecoderFamily.architecture` declares unless told another."""
+
+
+def qk_norms(layout: str) -> tuple[ProjectionNorm, ProjectionNorm]:
+    """``self_attn.q_norm`` and ``self_attn.k_norm`` as :attr:`DecoderFamily.qk_norms`, both seeing ``layout``
+    (``"bphd"`` per head, ``"bpf"`` over the projection width, ``"bhpd"`` after the transpose)."""
+    return ProjectionNorm("self_attn.q_norm", layout), ProjectionNorm("self_attn.k_norm", layout)
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,29 @@ class DecoderFamily:
     """Per-layer paths of the layout that some layers lack by design (layers reading another layer's keys and
     values have no key/value projections): not required in every layer; the plugin's ``missing_in_layer`` checks
     them where they belong."""
+
+    @classmethod
+    def named(cls, family: str, model_type: str, **fields: Any) -> DecoderFamily:
+        """The usual declaration: classes of ``transformers.models.<model_type>`` only (``packages``) and RMSNorms
+        of class ``<family>RMSNorm`` (``norms``); ``fields`` give the rest (and may replace either)."""
+        return cls(family, model_type, **{"packages": (model_type,), "norms": (f"{family}RMSNorm",), **fields})
+
+    def architecture(
+        self,
+        description: str,
+        *,
+        name: Optional[str] = None,
+        model_types: Optional[tuple[str, ...]] = None,
+        transformers: str = TRANSFORMERS_TESTED,
+    ) -> Architecture:
+        """The :class:`Architecture` a plugin of this family claims: named after ``model_type`` and claiming it
+        unless ``name``/``model_types`` say otherwise, tested with ``transformers``."""
+        return Architecture(
+            name=name or self.model_type,
+            model_types=model_types or (self.model_type,),
+            description=description,
+            transformers=transformers,
+        )
 
     def base(self, model: nn.Module) -> str:
         """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
@@ -363,6 +396,9 @@ class DecoderPlugin:
     """A layer's attention projections when they are not the family's."""
     mlp: Optional[Callable[[Any, int], Any]] = None
     """A layer's MLP when the family has none (``mlp=None``: mixtures of experts) or it varies by layer."""
+    layer_mlp: Optional[Callable[[nn.Module, Any], Any]] = None
+    """In place of ``mlp``: a layer's MLP from that decoder layer and the model's config (a mixture of experts'
+    ``MoELayout`` of the layer)."""
     precheck: Optional[Callable[[Any], None]] = None
     """A wrap-time check before the family's own, after the class check (a model the family's paths would
     misread: a multimodal model around the text model...)."""
@@ -396,6 +432,8 @@ class DecoderPlugin:
 
     @hookimpl
     def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> Any:
+        if self.layer_mlp is not None:
+            return self.layer_mlp(self.family.layers(model)[layer], model.config)
         return self.family.dense_mlp() if self.mlp is None else self.mlp(model, layer)
 
     @hookimpl
@@ -413,6 +451,21 @@ class DecoderPlugin:
         return {n: getattr(self, n) for n in names if n != "lensadapters_norm_scale" or self.family.norms}
 
     def export(self, namespace: dict[str, Any]) -> DecoderPlugin:
-        """Puts :meth:`hooks` in a plugin module's namespace (``globals()``); returns the declaration."""
+        """Puts :meth:`hooks` in a plugin module's namespace (``globals()``); returns the declaration. The module
+        also gets, unless it sets them itself, ``LENSADAPTERS_HOOKSPEC`` (the hooks are the core's, so the core's
+        major version) and, when the plugin is a package with a ``testing`` module, ``LENSADAPTERS_CONTRACT =
+        "<package>.testing:<family>Contract"`` (the contract suite ``lensadapters check`` runs)."""
         namespace.update(self.hooks())
+        namespace.setdefault("LENSADAPTERS_HOOKSPEC", HOOKSPEC_VERSION.split(".")[0])
+        package = namespace.get("__name__")
+        if package and "LENSADAPTERS_CONTRACT" not in namespace and _has_module(f"{package}.testing"):
+            namespace["LENSADAPTERS_CONTRACT"] = f"{package}.testing:{self.family.family}Contract"
         return self
+
+
+def _has_module(name: str) -> bool:
+    """Whether ``name`` can be imported (without importing it; its package is, or is being, imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

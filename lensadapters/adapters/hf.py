@@ -12,8 +12,15 @@ Nothing here names an architecture: plugins pass their own class names, paths an
 """
 
 from lensadapters.adapters import hf_helpers
-from lensadapters.adapters.decoder_plugin import DecoderFamily, DecoderPlugin, decoder_config, toy_config, toy_draw
+from lensadapters.adapters.decoder_plugin import (
+    DecoderFamily,
+    DecoderPlugin,
+    decoder_config,
+    qk_norms,
+    toy_config,
+    toy_draw,
+)
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "decoder_config", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "decoder_config", "qk_norms", "toy_config", "toy_draw"]
 __all__ += hf_helpers.__all__

@@ -18,16 +18,8 @@ from torch import nn
 
 from lensadapters.adapters.moe.specs import MoELayout
 from lensadapters.errors import PluginValidationError, UnsupportedModelError
-from lensadapters.hooks.specs import (
-    Architecture,
-    BlockLayout,
-    FusedGateUp,
-    FusedQKV,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    SeparateQKV,
-)
+from lensadapters.hooks import specs
+from lensadapters.hooks.specs import Architecture
 
 #: the hooks an architecture plugin must implement (the description the core builds hook points from)
 REQUIRED_ARCHITECTURE_HOOKS = (
@@ -40,12 +32,12 @@ REQUIRED_ARCHITECTURE_HOOKS = (
 
 # the fields of each description object that name modules (relative to the model, or to one block)
 _PATH_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelLayout: ("blocks", "embed", "unembed", "ln_final", "pos_embed", "rotary"),
-    BlockLayout: ("ln1", "attn", "o_proj", "ln2", "mlp", "mlp_residual", "ln1_post", "ln2_post"),
-    SeparateQKV: ("q", "k", "v"),
-    FusedQKV: ("module",),
-    MLPLayout: ("pre", "out", "pre_linear"),
-    FusedGateUp: ("module", "out"),
+    specs.ModelLayout: ("blocks", "embed", "unembed", "ln_final", "pos_embed", "rotary"),
+    specs.BlockLayout: ("ln1", "attn", "o_proj", "ln2", "mlp", "mlp_residual", "ln1_post", "ln2_post"),
+    specs.SeparateQKV: ("q", "k", "v"),
+    specs.FusedQKV: ("module",),
+    specs.MLPLayout: ("pre", "out", "pre_linear"),
+    specs.FusedGateUp: ("module", "out"),
     MoELayout: ("router",),
 }
 
@@ -185,7 +177,7 @@ def check_paths(plugin_name: str, owner: nn.Module, layout: Any, where: str, hin
 
 
 def check_config(plugin_name: str, cfg: Any) -> None:
-    check_result(plugin_name, "lensadapters_config", cfg, (HookedConfig,), "for the model")
+    check_result(plugin_name, "lensadapters_config", cfg, (specs.HookedConfig,), "for the model")
 
 
 def describe_forced(adapter: Optional[str], model_type: str, arch: Architecture, owners: Sequence[str]) -> str:

@@ -15,6 +15,24 @@ import torch
 
 Tensor = torch.Tensor
 
+#: the description language (re-exported by :mod:`lensadapters` and :mod:`lensadapters.plugin_api`)
+__all__ = [
+    "Architecture",
+    "BlockLayout",
+    "FusedGateUp",
+    "FusedQKV",
+    "HookedConfig",
+    "LinearWeight",
+    "MLPLayout",
+    "ModelLayout",
+    "NormSpec",
+    "ProjectionNorm",
+    "RotarySpec",
+    "SeparateQKV",
+    "cat_gate_up",
+    "chunk_gate_up",
+]
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -382,6 +400,17 @@ class MLPLayout:
     out: str
     pre_linear: Optional[str] = None
 
+    def projection(self, role: str) -> str:
+        """The path of the projection of ``role``: ``"in"`` (``W_in``: the up projection of a gated MLP, the input
+        projection otherwise), ``"gate"`` (``W_gate``, gated MLPs only) or ``"out"``."""
+        if role == "in":
+            return self.pre_linear or self.pre
+        if role == "gate":
+            if self.pre_linear is None:
+                raise AttributeError("W_gate exists only for gated MLPs (cfg.gated_mlp)")
+            return self.pre
+        return self.out
+
 
 @dataclass(frozen=True)
 class FusedGateUp:
@@ -397,6 +426,11 @@ class FusedGateUp:
     out: str
     split: Callable[[Tensor], tuple[Tensor, Tensor]]
     merge: Callable[[Tensor, Tensor], Tensor]
+
+    def projection(self, role: str) -> str:
+        """The path of the projection of ``role``: the fused module for ``"in"`` and ``"gate"``, ``out`` for
+        ``"out"``."""
+        return self.out if role == "out" else self.module
 
 
 MLPLayouts = MLPLayout | FusedGateUp

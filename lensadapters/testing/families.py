@@ -34,6 +34,7 @@ from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
     assert_patterns_refused_under,
     assert_unknown_rope_refused,
+    generate_with_hooks,
 )
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import as_strategy
@@ -41,11 +42,13 @@ from lensadapters.testing.strategies import as_strategy
 __all__ = [
     "DENSE_DRAWS",
     "DecoderContract",
+    "GenerationChecks",
     "MOE_DRAWS",
     "MoEDecoderContract",
     "OffsetNormModels",
     "QKNormScores",
     "RefusalChecks",
+    "SMALL_MATRIX",
     "TransformerLensWithoutWindows",
     "WINDOW_PROPERTIES",
     "config_strategy",
@@ -76,6 +79,10 @@ DENSE_DRAWS: dict[str, Any] = {
     "tied": st.booleans(),
     "act": st.sampled_from(["silu", "gelu_new"]),
 }
+
+#: the small models of the LoRA and 8-bit matrices (they build two models per example, or save and reload one): a
+#: dense family's ``matrix_overrides`` start from these (one kv head, two query heads per kv head, width 8 per head)
+SMALL_MATRIX: dict[str, Any] = {"n_kv": 1, "ratio": 2, "hidden_per_head": 8, "d_mlp": 24, "vocab": 64}
 
 #: the experts a mixture-of-experts family draws: 2 to 5, routed to 1 up to every expert (at most 4)
 MOE_DRAWS: dict[str, Any] = {
@@ -196,6 +203,23 @@ class RefusalChecks:
     @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
     def test_flash_and_flex_refuse_patterns_only(self, impl: str) -> None:
         assert_patterns_refused_under(self, self.example_model(), impl)
+
+
+class GenerationChecks:
+    """A test mixed into a plugin's test class next to its contract (``class TestQwen3(Qwen3Contract,
+    RefusalChecks, GenerationChecks)``): greedy generation, with a dynamic and a static cache, with reading hooks on
+    every point (patterns included) gives the logits of generation without hooks, on the model of
+    ``example_config(**generation_config)`` (seed 1) and two left-padded prompts of 5 tokens."""
+
+    example_config: ClassVar[Callable[..., Any]]
+    generation_config: ClassVar[dict[str, Any]] = {}
+
+    @pytest.mark.parametrize("cache", [None, "static"])
+    def test_generation_with_hooks(self, cache: Optional[str]) -> None:
+        config = type(self).example_config(**self.generation_config)
+        hm = self.wrap(self.make_model(config, 1))  # type: ignore[attr-defined]
+        generate_with_hooks(hm, *left_padded_tokens(length=5), cache, steps=4)
+        hm.unwrap()
 
 
 class TransformerLensWithoutWindows:

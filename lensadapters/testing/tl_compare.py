@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
+import pytest
 import torch
 
 from lensadapters.testing.contract import perturb
@@ -231,7 +232,8 @@ class TransformerLensComparison:
     #: the family's config function (``mistral_config``...), called with ``config_defaults`` and overrides
     config: ClassVar[Optional[Callable[..., Any]]] = None
     config_defaults: ClassVar[Mapping[str, Any]] = {}
-    #: ``"module:function"`` building TL's model from the HF model (imported only here: it imports TL)
+    #: ``"module:function"`` building TL's model from the HF model (imported only here: it imports TL); by default
+    #: ``to_hooked_transformer`` of the plugin's ``reference`` module
     reference: ClassVar[str] = ""
     #: config overrides of each model ``test_hook_values_match_transformerlens`` compares
     cases: ClassVar[Sequence[Mapping[str, Any]]] = ({},)
@@ -245,9 +247,15 @@ class TransformerLensComparison:
     inert_points: ClassVar[Optional[Sequence[str]]] = None
     atol: ClassVar[float] = 2e-4
 
+    def setup_method(self) -> None:
+        """Skips the class's tests where TransformerLens cannot be imported (it needs transformers 4.x)."""
+        if not transformer_lens_available():
+            pytest.skip("transformer_lens is not installed")
+
     def pair(self, **overrides: Any) -> tuple[Any, Any, Any]:
         """``(HF model, wrapped model, TL's model)`` for the family's config with ``overrides``."""
-        module, function = self.reference.split(":")
+        reference = self.reference or f"{self.contract.plugin.__name__}.reference:to_hooked_transformer"
+        module, function = reference.split(":")
         to_hooked_transformer = getattr(importlib.import_module(module), function)
         make_config = type(self).config
         if make_config is None:

@@ -200,16 +200,8 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
         W = layout.split(lw.W)[part]
         b = layout.split(lw.b)[part] if lw.b is not None else None
         return W, _bias(b, (W.shape[-1],), W)
-    if role == "in":
-        path = layout.pre_linear or layout.pre
-    elif role == "gate":
-        if layout.pre_linear is None:
-            raise AttributeError("W_gate exists only for gated MLPs (cfg.gated_mlp)")
-        path = layout.pre
-    else:
-        path = layout.out
     expect = (None, hm.cfg.d_model) if role == "out" else (hm.cfg.d_model, None)
-    lw = read_linear(hm, hm.block_modules[layer].get_submodule(path), expect)
+    lw = read_linear(hm, hm.block_modules[layer].get_submodule(layout.projection(role)), expect)
     return lw.W, _bias(lw.b, (lw.W.shape[-1],), lw.W)
 
 

@@ -33,14 +33,7 @@ from torch import nn
 import lensadapters_bnb as lb
 from lensadapters import HookedModel
 from lensadapters.specs import FusedGateUp, FusedQKV
-from lensadapters.testing import (
-    AdapterContract,
-    assert_close,
-    block_inputs,
-    norm_out,
-    seeded_model,
-    served_weights,
-)
+from lensadapters.testing import AdapterContract, assert_close, block_inputs, norm_out, seeded_model, served_weights
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import read_linear

@@ -31,26 +31,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lensadapters import Architecture, UnsupportedModelError, hf
+from lensadapters import UnsupportedModelError, hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_gemma2.testing:Gemma2Contract"
-ARCH = Architecture(
-    name="gemma2",
-    model_types=("gemma2",),
-    description="Gemma 2 (Gemma2ForCausalLM, Gemma2Model): sandwich norms, (1 + w) RMSNorm, scaled embeddings, "
-    "logit softcaps, alternating sliding windows",
-    transformers=">=4.57,<6",
+# Gemma's norms: x / rms * (1 + weight)
+FAMILY = hf.DecoderFamily.named(
+    "Gemma2", "gemma2", norm_weight_offset=1.0, block=hf.SANDWICH_BLOCK, scaled_embeddings=True
 )
-FAMILY = hf.DecoderFamily(
-    "Gemma2",
-    model_type="gemma2",
-    packages=("gemma2",),
-    norms=("Gemma2RMSNorm",),
-    norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
-    block=hf.SANDWICH_BLOCK,
-    scaled_embeddings=True,
+ARCH = FAMILY.architecture(
+    "Gemma 2 (Gemma2ForCausalLM, Gemma2Model): sandwich norms, (1 + w) RMSNorm, scaled embeddings, logit softcaps, "
+    "alternating sliding windows"
 )
 
 

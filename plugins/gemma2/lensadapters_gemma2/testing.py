@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-gemma2 (needs ``lensadapters[testing]``): ``Gemma2Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check gemma2``; the plugin's tests subclass it), ``gemma2_config(...)`` (one tiny config) and
-``gemma2_configs(**overrides)`` (their strategy). Importing ``lensadapters_gemma2`` never imports it.
-"""
+"""lensadapters-gemma2's test kit: ``Gemma2Contract``, ``gemma2_config`` and ``gemma2_configs``."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ from transformers import Gemma2Config
 
 import lensadapters_gemma2
 from lensadapters.testing.families import (
+    SMALL_MATRIX,
     DecoderContract,
     OffsetNormModels,
     config_strategy,
@@ -100,19 +98,11 @@ class Gemma2Contract(OffsetNormModels, DecoderContract):
     stratum_overrides = {
         "binding softcaps": {"attn_cap": 3.0, "final_cap": 2.0, "n_layers": 2, "window": st.sampled_from([2, 3])}
     }
-    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
-    matrix_overrides = dict(
-        n_kv=1,
-        ratio=2,
-        head_dim=8,
-        hidden_per_head=8,
-        n_layers=2,
-        d_mlp=24,
-        vocab=64,
-        window=3,
-        attn_cap=st.sampled_from([None, 50.0]),
-        final_cap=st.sampled_from([None, 30.0]),
-    )
+    matrix_overrides = {
+        **SMALL_MATRIX,
+        **dict(head_dim=8, n_layers=2, window=3),
+        **dict(attn_cap=st.sampled_from([None, 50.0]), final_cap=st.sampled_from([None, 30.0])),
+    }
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"softcaps {config.attn_logit_softcapping}/{config.final_logit_softcapping}"

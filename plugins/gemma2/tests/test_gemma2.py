@@ -10,19 +10,17 @@ from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import assert_window_patterns
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 
 
-class TestGemma2(Gemma2Contract, RefusalChecks):
+class TestGemma2(Gemma2Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_gemma2.testing``, also run by ``lensadapters check gemma2``)."""
 
     example_config = gemma2_config
+    generation_config = dict(layers=2, window=3)
 
 
 CONTRACT = TestGemma2()
@@ -114,13 +112,6 @@ def test_alternating_windows_follow_the_config(pads):
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     assert hm.cfg.attn_types == ("local", "global")
     assert_window_patterns(hm, *tokens(length=9, pads=pads), [3, None])
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache):
-    hm = CONTRACT.wrap(CONTRACT.make_model(gemma2_config(layers=2, window=3), 1))
-    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()
 
 

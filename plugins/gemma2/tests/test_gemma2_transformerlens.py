@@ -4,18 +4,14 @@ the same edit at every shared point. Skipped without transformer_lens (it needs 
 
 from __future__ import annotations
 
-import pytest
 from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
-from lensadapters.testing.tl_compare import TransformerLensComparison, transformer_lens_available
-
-pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
+from lensadapters.testing.tl_compare import TransformerLensComparison
 
 
 class TestGemma2TransformerLens(TransformerLensComparison):
     contract = Gemma2Contract()
     config = gemma2_config
-    reference = "lensadapters_gemma2.reference:to_hooked_transformer"
     config_defaults = {
         "layers": 2,
         "n_heads": 4,

@@ -26,33 +26,29 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lensadapters import Architecture, ProjectionNorm, UnsupportedModelError, hf
+from lensadapters import UnsupportedModelError, hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_gemma3.testing:Gemma3Contract"
-ARCH = Architecture(
-    name="gemma3",
-    model_types=("gemma3_text", "gemma3"),
-    description="Gemma 3 text (Gemma3ForCausalLM, Gemma3TextModel): sandwich norms, per-head q/k norms, local and "
-    "global RoPE bases, scaled embeddings, sliding windows",
-    transformers=">=4.57,<6",
-)
 TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
-FAMILY = hf.DecoderFamily(
+FAMILY = hf.DecoderFamily.named(
     "Gemma3",
-    model_type="gemma3_text",
+    "gemma3_text",
     packages=("gemma3",),
-    norms=("Gemma3RMSNorm",),
     norm_weight_offset=1.0,  # Gemma: x / rms * (1 + weight)
     block=hf.SANDWICH_BLOCK,
     scaled_embeddings=True,
     # the norms see [b, heads, p, d_head]: the attention module transposes before normalizing; q, k and v are
     # projected first, then q_norm and k_norm, then RoPE
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bhpd"), ProjectionNorm("self_attn.k_norm", "bhpd")),
+    qk_norms=hf.qk_norms("bhpd"),
     qk_norms_after_projections=True,
     # each layer's (cos, sin) from its attention module's `position_embeddings`: local and global layers differ
     rotary_input="position_embeddings",
+)
+ARCH = FAMILY.architecture(
+    "Gemma 3 text (Gemma3ForCausalLM, Gemma3TextModel): sandwich norms, per-head q/k norms, local and global RoPE "
+    "bases, scaled embeddings, sliding windows",
+    name="gemma3",
+    model_types=("gemma3_text", "gemma3"),
 )
 
 

@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-gemma3 (needs ``lensadapters[testing]``): ``Gemma3Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check gemma3``; the plugin's tests subclass it), ``gemma3_config(...)`` (one tiny config) and
-``gemma3_configs(**overrides)`` (their strategy). Importing ``lensadapters_gemma3`` never imports it.
-"""
+"""lensadapters-gemma3's test kit: ``Gemma3Contract``, ``gemma3_config`` and ``gemma3_configs``."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ from transformers import Gemma3TextConfig
 
 import lensadapters_gemma3
 from lensadapters.testing.families import (
+    SMALL_MATRIX,
     DecoderContract,
     OffsetNormModels,
     QKNormScores,
@@ -115,20 +113,10 @@ class Gemma3Contract(QKNormScores, OffsetNormModels, DecoderContract):
             "local_theta": 10.0,
         }
     }
-    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
-    matrix_overrides = dict(
-        n_kv=1,
-        ratio=2,
-        head_dim=8,
-        hidden_per_head=8,
-        n_layers=2,
-        global_every=2,
-        d_mlp=24,
-        vocab=64,
-        window=3,
-        global_scaling=None,
-        final_cap=None,
-    )
+    matrix_overrides = {
+        **SMALL_MATRIX,
+        **dict(head_dim=8, n_layers=2, global_every=2, window=3, global_scaling=None, final_cap=None),
+    }
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"layer types {config.layer_types}"

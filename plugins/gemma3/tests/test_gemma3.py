@@ -10,14 +10,11 @@ from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 from lensadapters import UnsupportedModelError
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import assert_window_patterns
 
 
-class TestGemma3(Gemma3Contract, RefusalChecks):
+class TestGemma3(Gemma3Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_gemma3.testing``, also run by ``lensadapters check gemma3``)."""
 
     example_config = gemma3_config
@@ -33,6 +30,8 @@ class TestGemma3(Gemma3Contract, RefusalChecks):
         )
         with pytest.raises(UnsupportedModelError, match="rope type 'interleaved_future_rope'.*supported: default"):
             self.wrap(model)
+
+    generation_config = dict(layers=2, global_every=2, window=3)
 
 
 CONTRACT = TestGemma3()
@@ -101,13 +100,6 @@ def test_windows_follow_the_layer_types(pads):
     model = CONTRACT.make_model(gemma3_config(layers=3, global_every=3, window=3), 0, "sdpa")
     hm = CONTRACT.wrap(model)
     assert_window_patterns(hm, *tokens(length=9, pads=pads), [3, 3, None])
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache):
-    hm = CONTRACT.wrap(CONTRACT.make_model(gemma3_config(layers=2, global_every=2, window=3), 1))
-    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()
 
 

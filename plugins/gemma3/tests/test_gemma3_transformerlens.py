@@ -6,24 +6,15 @@ transformers 4.x)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 
-from lensadapters.testing.tl_compare import (
-    TransformerLensComparison,
-    compare_hooks,
-    comparison_tokens,
-    transformer_lens_available,
-)
-
-pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
+from lensadapters.testing.tl_compare import TransformerLensComparison, compare_hooks, comparison_tokens
 
 
 class TestGemma3TransformerLens(TransformerLensComparison):
     contract = Gemma3Contract()
     config = gemma3_config
-    reference = "lensadapters_gemma3.reference:to_hooked_transformer"
     config_defaults = {
         "layers": 2,
         "global_every": 2,

@@ -37,27 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 from lensadapters.moe import FusedExperts, MoELayout, Routing
 from lensadapters.plugin_api import half_table_rotate_half_spec
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_gpt_oss.testing:GptOssContract"
-ARCH = Architecture(
-    name="gpt_oss",
-    model_types=("gpt_oss",),
-    description="GPT-OSS (GptOssForCausalLM, GptOssModel): attention sinks, alternating sliding windows, a mixture "
-    "of biased experts with a clamped SwiGLU, top-k-then-softmax routing",
-    transformers=">=4.57,<6",
-)
-FAMILY = hf.DecoderFamily(
-    "GptOss",
-    model_type="gpt_oss",
-    packages=("gpt_oss",),
-    norms=("GptOssRMSNorm",),
-    mlp=None,
-    rotary=half_table_rotate_half_spec,
+FAMILY = hf.DecoderFamily.named("GptOss", "gpt_oss", mlp=None, rotary=half_table_rotate_half_spec)
+ARCH = FAMILY.architecture(
+    "GPT-OSS (GptOssForCausalLM, GptOssModel): attention sinks, alternating sliding windows, a mixture of biased "
+    "experts with a clamped SwiGLU, top-k-then-softmax routing"
 )
 _EXPERT_PARAMETERS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -154,10 +142,5 @@ def tiny_config(seed: int) -> Any:
 
 
 PLUGIN = hf.DecoderPlugin(
-    ARCH,
-    FAMILY,
-    tiny_config,
-    config=config_fields,
-    missing_in_layer=missing_in_layer,
-    mlp=moe_layout,
+    ARCH, FAMILY, tiny_config, config=config_fields, missing_in_layer=missing_in_layer, mlp=moe_layout
 ).export(globals())

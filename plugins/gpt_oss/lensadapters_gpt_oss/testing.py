@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-gpt-oss (needs ``lensadapters[testing]``): ``GptOssContract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check gpt_oss``; the plugin's tests subclass it), ``gpt_oss_config(...)`` (one tiny config)
-and ``gpt_oss_configs(**overrides)`` (their strategy). Importing ``lensadapters_gpt_oss`` never imports it.
-"""
+"""lensadapters-gpt-oss's test kit: ``GptOssContract``, ``gpt_oss_config`` and ``gpt_oss_configs``."""
 
 from __future__ import annotations
 

@@ -21,18 +21,19 @@ from lensadapters.moe import router_bias, router_weight
 from lensadapters.registry import get_registry
 from lensadapters.testing import assert_close
 from lensadapters.testing.contract_support import perturb
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import generate_with_hooks, int8_model, window_allowed
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import int8_model, window_allowed
 from lensadapters.testing.moe import mlp_input, moe_reference
 from lensadapters.weights import mlp_weights
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
 
-class TestGptOss(GptOssContract, RefusalChecks):
+class TestGptOss(GptOssContract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_gpt_oss.testing``, also run by ``lensadapters check gpt_oss``)."""
 
     example_config = gpt_oss_config
+    generation_config = dict(layers=2, window=3)
 
 
 CONTRACT = TestGptOss()
@@ -292,15 +293,6 @@ def test_weights_are_the_live_parameters() -> None:
     with torch.no_grad():
         experts.gate_up_proj_bias[0, 1] += 1.0
     assert mlp_weights(hm.wiring, 1, "in")[1][0, 0] == experts.gate_up_proj_bias[0, 1]
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache: Any) -> None:
-    """Greedy generation with reading hooks on every point (sinks, windows, MoE) gives the logits of generation
-    without hooks."""
-    hm = CONTRACT.wrap(CONTRACT.make_model(gpt_oss_config(layers=2, window=3), 1))
-    generate_with_hooks(hm, *left_padded_tokens(length=5), cache, steps=4)
     hm.unwrap()
 
 

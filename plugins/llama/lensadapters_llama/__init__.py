@@ -30,21 +30,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check llama` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_llama.testing:LlamaContract"
-ARCH = Architecture(
-    name="llama",
-    model_types=("llama",),
-    description="Llama 2 / 3.x (LlamaForCausalLM, LlamaModel): GQA, RoPE scaling, RMSNorm, SwiGLU",
-    transformers=">=4.57,<6",
-)
 # Llama rotates the whole head; cos/sin come from model.rotary_emb (attention_scaling folded in). Its RMSNorms are
 # left to the core's checked fallback.
 FAMILY = hf.DecoderFamily("Llama", model_type="llama", attention=("eager", "sdpa"))
+ARCH = FAMILY.architecture("Llama 2 / 3.x (LlamaForCausalLM, LlamaModel): GQA, RoPE scaling, RMSNorm, SwiGLU")
 
 
 def tiny_config(seed: int) -> Any:

@@ -8,26 +8,20 @@ Quirks handled (everything else is Llama's layout: GQA, rotate-half RoPE, RMSNor
   and ``cfg.attn_types`` (TransformerLens' names) say which layers are windowed.
 * ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (Mistral NeMo).
 
-The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
-as ``mistral``, a model without Mistral's layout. Under flash and flex attention, every point but the pattern ones.
+Refused (``hf.DecoderFamily.validate``): rope types that are not rotate-half, custom modeling code, another layout.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_mistral.testing:MistralContract"
-ARCH = Architecture(
-    name="mistral",
-    model_types=("mistral",),
-    description="Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU",
-    transformers=">=4.57,<6",
+FAMILY = hf.DecoderFamily.named("Mistral", "mistral")
+ARCH = FAMILY.architecture(
+    "Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU"
 )
-FAMILY = hf.DecoderFamily("Mistral", model_type="mistral", packages=("mistral",), norms=("MistralRMSNorm",))
 
 
 def window(config: Any) -> Optional[int]:

@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-mistral (needs ``lensadapters[testing]``): ``MistralContract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check mistral``; the plugin's tests subclass it), ``mistral_config(...)`` (one tiny config)
-and ``mistral_configs(**overrides)`` (their strategy). Importing ``lensadapters_mistral`` never imports it.
-"""
+"""lensadapters-mistral's test kit: ``MistralContract``, ``mistral_config`` and ``mistral_configs``."""
 
 from __future__ import annotations
 

@@ -10,10 +10,7 @@ import torch
 from lensadapters_mistral.testing import MistralContract, mistral_config
 
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import assert_window_patterns, generate_with_hooks
 
 
 class TestMistral(MistralContract, RefusalChecks):

@@ -4,18 +4,14 @@ both have, the logits, and the effect of the same edit at every shared point. Sk
 
 from __future__ import annotations
 
-import pytest
 from lensadapters_mistral.testing import MistralContract, mistral_config
 
-from lensadapters.testing.tl_compare import TransformerLensComparison, transformer_lens_available
-
-pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
+from lensadapters.testing.tl_compare import TransformerLensComparison
 
 
 class TestMistralTransformerLens(TransformerLensComparison):
     contract = MistralContract()
     config = mistral_config
-    reference = "lensadapters_mistral.reference:to_hooked_transformer"
     config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}
     cases = ({"window": 3}, {"window": None})
     inert_points = ("hook_scale", "hook_attn_scores")

@@ -26,22 +26,15 @@ from typing import Any
 
 from torch import nn
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_mixtral.testing:MixtralContract"
-ARCH = Architecture(
-    name="mixtral",
-    model_types=("mixtral",),
-    description="Mixtral (MixtralForCausalLM, MixtralModel): sparse mixture of experts, GQA, RoPE, RMSNorm",
-    transformers=">=4.57,<6",
-)
 # attention and norms as Mistral's; the MoE block's path depends on the transformers version (see _moe_path)
 FAMILY = hf.DecoderFamily(
     "Mixtral", model_type="mixtral", block=replace(hf.DECODER_BLOCK, mlp=None), mlp=None, attention=("eager", "sdpa")
 )
+ARCH = FAMILY.architecture("Mixtral (MixtralForCausalLM, MixtralModel): sparse mixture of experts, GQA, RoPE, RMSNorm")
 
 
 def _moe_path(layer: nn.Module) -> str:
@@ -111,5 +104,5 @@ PLUGIN = hf.DecoderPlugin(
     config=config_fields,
     missing_in_layer=lambda layer: hf.missing_expert_paths(layer, _moe_path(layer), ("w1", "w2", "w3")),
     block=lambda model, layer: replace(FAMILY.block, mlp=_moe_path(FAMILY.layers(model)[layer])),
-    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+    layer_mlp=moe_layout,
 ).export(globals())

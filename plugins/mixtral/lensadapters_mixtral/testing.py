@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-mixtral (needs ``lensadapters[testing]``): ``MixtralContract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check mixtral``; the plugin's tests subclass it), ``mixtral_config(...)`` (one tiny config)
-and ``mixtral_configs(**overrides)`` (their strategy). Importing ``lensadapters_mixtral`` never imports it.
-"""
+"""lensadapters-mixtral's test kit: ``MixtralContract``, ``mixtral_config`` and ``mixtral_configs``."""
 
 from __future__ import annotations
 

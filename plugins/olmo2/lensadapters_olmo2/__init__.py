@@ -25,19 +25,10 @@ from typing import Any
 
 import torch
 
-from lensadapters import Architecture, BlockLayout, ProjectionNorm, RotarySpec, hf
+from lensadapters import BlockLayout, RotarySpec, hf
 from lensadapters.rotary import apply_rotate_half, invert_rotate_half
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_olmo2.testing:Olmo2Contract"
-ARCH = Architecture(
-    name="olmo2",
-    model_types=("olmo2",),
-    description="OLMo 2 (Olmo2ForCausalLM, Olmo2Model): norms after attention and MLP only, q/k norms over the "
-    "projection width",
-    transformers=">=4.57,<6",
-)
 Tensor = torch.Tensor
 
 
@@ -54,11 +45,9 @@ def rotary_spec(rotary_dim: int) -> RotarySpec:
 
 
 # q_proj -> q_norm (whole width) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-FAMILY = hf.DecoderFamily(
+FAMILY = hf.DecoderFamily.named(
     "Olmo2",
-    model_type="olmo2",
-    packages=("olmo2",),
-    norms=("Olmo2RMSNorm",),
+    "olmo2",
     block=BlockLayout(
         ln1=None,
         attn="self_attn",
@@ -68,8 +57,11 @@ FAMILY = hf.DecoderFamily(
         ln1_post="post_attention_layernorm",
         ln2_post="post_feedforward_layernorm",
     ),
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
+    qk_norms=hf.qk_norms("bpf"),
     rotary=rotary_spec,
+)
+ARCH = FAMILY.architecture(
+    "OLMo 2 (Olmo2ForCausalLM, Olmo2Model): norms after attention and MLP only, q/k norms over the projection width"
 )
 
 

@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-olmo2 (needs ``lensadapters[testing]``): ``Olmo2Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check olmo2``; the plugin's tests subclass it), ``olmo2_config(...)`` (one tiny config) and
-``olmo2_configs(**overrides)`` (their strategy). Importing ``lensadapters_olmo2`` never imports it.
-"""
+"""lensadapters-olmo2's test kit: ``Olmo2Contract`` (``lensadapters check``), ``olmo2_config`` and ``olmo2_configs``."""
 
 from __future__ import annotations
 

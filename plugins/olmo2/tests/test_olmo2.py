@@ -3,19 +3,19 @@ attention and MLP, q/k norms over the projection width, refusals)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import QK_NORMED_ATTENTION, generate_with_hooks
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import QK_NORMED_ATTENTION
 
 
-class TestOlmo2(Olmo2Contract, RefusalChecks):
+class TestOlmo2(Olmo2Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_olmo2.testing``, also run by ``lensadapters check olmo2``)."""
 
     example_config = olmo2_config
+    generation_config = dict(layers=2)
 
 
 CONTRACT = TestOlmo2()
@@ -72,13 +72,6 @@ def test_mlp_input_edit_reaches_only_the_mlp():
             _, edited = hm.run_with_cache(ids, attention_mask=mask, names_filter=watch)
     assert_close(edited["pre", 0], (base["resid_mid", 0] + delta) @ hm.W_gate[0], "the MLP reads the edited input")
     assert_close(edited["resid_post", 0], base["resid_mid", 0] + edited["mlp_out", 0], "the residual does not")
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache):
-    hm = CONTRACT.wrap(CONTRACT.make_model(olmo2_config(layers=2), 1))
-    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()
 
 

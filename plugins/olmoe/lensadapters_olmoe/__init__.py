@@ -39,28 +39,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lensadapters import Architecture, LensAdaptersError, ProjectionNorm, UnsupportedModelError, hf, hookimpl
+from lensadapters import Architecture, LensAdaptersError, UnsupportedModelError, hf, hookimpl
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_olmoe.testing:OlmoeContract"
-ARCH = Architecture(
-    name="olmoe",
-    model_types=("olmoe",),
-    description="OLMoE (OlmoeForCausalLM, OlmoeModel): sparse mixture of experts, q/k norms over the projection "
-    "width, GQA, RoPE",
-    transformers=">=4.57,<6",
-)
 # pre-norm blocks; q/k norms over the whole projection width as OLMo 2's (q_proj -> q_norm -> k_proj -> k_norm ->
 # v_proj, then RoPE on the normed queries and keys); the MLP of every block is a mixture of experts (moe_layout)
-FAMILY = hf.DecoderFamily(
-    "Olmoe",
-    model_type="olmoe",
-    packages=("olmoe",),
-    norms=("OlmoeRMSNorm",),
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bpf"), ProjectionNorm("self_attn.k_norm", "bpf")),
-    mlp=None,
+FAMILY = hf.DecoderFamily.named("Olmoe", "olmoe", qk_norms=hf.qk_norms("bpf"), mlp=None)
+ARCH = FAMILY.architecture(
+    "OLMoE (OlmoeForCausalLM, OlmoeModel): sparse mixture of experts, q/k norms over the projection width, GQA, RoPE"
 )
 Tensor = torch.Tensor
 
@@ -262,12 +249,10 @@ def tiny_config(seed: int) -> Any:
     )
 
 
+def _missing_moe(layer: nn.Module) -> list[str]:
+    return hf.missing_paths(layer, ("mlp.gate", "mlp.experts"))
+
+
 PLUGIN = hf.DecoderPlugin(
-    ARCH,
-    FAMILY,
-    tiny_config,
-    config=config_fields,
-    check=check,
-    missing_in_layer=lambda layer: hf.missing_paths(layer, ("mlp.gate", "mlp.experts")),
-    mlp=lambda model, layer: moe_layout(FAMILY.layers(model)[layer], model.config),
+    ARCH, FAMILY, tiny_config, config=config_fields, check=check, missing_in_layer=_missing_moe, layer_mlp=moe_layout
 ).export(globals())

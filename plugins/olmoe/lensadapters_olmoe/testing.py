@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-olmoe (needs ``lensadapters[testing]``): ``OlmoeContract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check olmoe``; the plugin's tests subclass it), ``olmoe_config(...)`` (one tiny config) and
-``olmoe_configs(**overrides)`` (their strategy). Importing ``lensadapters_olmoe`` never imports it.
-"""
+"""lensadapters-olmoe's test kit: ``OlmoeContract`` (``lensadapters check``), ``olmoe_config`` and ``olmoe_configs``."""
 
 from __future__ import annotations
 

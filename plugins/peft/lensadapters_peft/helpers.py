@@ -206,16 +206,8 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
         raise LensAdaptersError(
             f"layer {layer}'s MLP is a mixture of experts: lora_factors reads single projections (q, k, v, o) there"
         )
-    elif which in ("in", "gate") and isinstance(mlp, FusedGateUp):
-        path = mlp.module
-    elif which == "in":
-        path = mlp.pre_linear or mlp.pre
-    elif which == "gate":
-        if mlp.pre_linear is None:
-            raise AttributeError("'gate' exists only for gated MLPs (cfg.gated_mlp)")
-        path = mlp.pre
     else:
-        path = mlp.out
+        path = mlp.projection(which)
     module = block.get_submodule(path)
     if not is_lora_linear(module):
         raise LensAdaptersError(f"blocks.{layer}.{path} ({type(module).__name__}) has no LoRA adapter")

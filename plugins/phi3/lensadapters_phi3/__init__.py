@@ -29,30 +29,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lensadapters import Architecture, FusedGateUp, UnsupportedModelError, hf
+from lensadapters import FusedGateUp, UnsupportedModelError, hf
 from lensadapters.specs import cat_gate_up, chunk_gate_up
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_phi3.testing:Phi3Contract"
-ARCH = Architecture(
-    name="phi3",
-    model_types=("phi3",),
-    description="Phi-3 / Phi-3.5 / Phi-4-mini (Phi3ForCausalLM, Phi3Model): fused qkv_proj and gate_up_proj, "
-    "partial rotary, LongRoPE, sliding window",
-    transformers=">=4.57,<6",
-)
-FAMILY = hf.DecoderFamily(
+FAMILY = hf.DecoderFamily.named(
     "Phi3",
-    model_type="phi3",
-    packages=("phi3",),
-    norms=("Phi3RMSNorm",),
+    "phi3",
     block=replace(hf.DECODER_BLOCK, mlp_residual="resid_mlp_dropout"),
     fused_qkv="self_attn.qkv_proj",
     mlp=FusedGateUp(module="mlp.gate_up_proj", out="mlp.down_proj", split=chunk_gate_up, merge=cat_gate_up),
     # the first rotary_dim dims of each head rotate (the rest pass through); cos/sin come from model.rotary_emb
     partial_rotary=True,
     rope_types=("default", "longrope"),
+)
+ARCH = FAMILY.architecture(
+    "Phi-3 / Phi-3.5 / Phi-4-mini (Phi3ForCausalLM, Phi3Model): fused qkv_proj and gate_up_proj, partial rotary, "
+    "LongRoPE, sliding window"
 )
 
 

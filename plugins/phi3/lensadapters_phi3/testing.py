@@ -15,7 +15,7 @@ from transformers import Phi3Config
 
 import lensadapters_phi3
 from lensadapters import hf
-from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, config_strategy, decoder_config
 
 __all__ = ["Phi3Contract", "phi3_config", "phi3_configs"]
 
@@ -89,18 +89,10 @@ class Phi3Contract(DecoderContract):
     stratum_overrides = {
         "phi-4-mini": {"partial": 0.75, "ratio": 3, "rope": "longrope", "window": st.sampled_from([2, 3])}
     }
-    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
-    matrix_overrides = dict(
-        n_kv=1,
-        ratio=2,
-        hidden_per_head=8,
-        n_layers=1,
-        d_mlp=24,
-        vocab=64,
-        partial=st.sampled_from([0.5, 1.0]),
-        rope="default",
-        window=st.sampled_from([None, 3]),
-    )
+    matrix_overrides = {
+        **SMALL_MATRIX,
+        **dict(n_layers=1, partial=st.sampled_from([0.5, 1.0]), rope="default", window=st.sampled_from([None, 3])),
+    }
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"partial {hf.partial_rotary_factor(config)}, window {config.sliding_window}"

@@ -7,17 +7,15 @@ import pytest
 import torch
 from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import assert_window_patterns
 
 
-class TestPhi3(Phi3Contract, RefusalChecks):
+class TestPhi3(Phi3Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_phi3.testing``, also run by ``lensadapters check phi3``)."""
 
     example_config = phi3_config
+    generation_config = dict(layers=2, window=3, partial=0.5)
 
 
 CONTRACT = TestPhi3()
@@ -59,11 +57,4 @@ def test_window(impl):
     hm = CONTRACT.wrap(CONTRACT.make_model(phi3_config(layers=2, window=3), 0, impl))
     assert hm.cfg.attn_types == ("local", "local")
     assert_window_patterns(hm, *tokens(length=9), [3, 3])
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache):
-    hm = CONTRACT.wrap(CONTRACT.make_model(phi3_config(layers=2, window=3, partial=0.5), 1))
-    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()

@@ -6,23 +6,15 @@ transformers 4.x)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
-from lensadapters.testing.tl_compare import (
-    TransformerLensComparison,
-    comparison_tokens,
-    transformer_lens_available,
-)
-
-pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
+from lensadapters.testing.tl_compare import TransformerLensComparison, comparison_tokens
 
 
 class TestPhi3TransformerLens(TransformerLensComparison):
     contract = Phi3Contract()
     config = phi3_config
-    reference = "lensadapters_phi3.reference:to_hooked_transformer"
     config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2, "hidden": 32}
     weights = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_gate", "W_out", "W_E", "W_U")
 

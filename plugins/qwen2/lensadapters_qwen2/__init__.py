@@ -9,26 +9,20 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   own mask. ``cfg.window_size``/``cfg.attn_types`` (TransformerLens' names) describe them.
 * Tied (small Qwen2.5 checkpoints) or untied embeddings.
 
-The declaration's refusals (``hf.DecoderFamily.validate``): non-rotate-half rope types, custom code registered
-as ``qwen2``, a model without Qwen2's layout. Under flash and flex attention, every point but the pattern ones.
+Refused (``hf.DecoderFamily.validate``): rope types that are not rotate-half, custom modeling code, another layout.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lensadapters import Architecture, hf
+from lensadapters import hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_qwen2.testing:Qwen2Contract"
-ARCH = Architecture(
-    name="qwen2",
-    model_types=("qwen2",),
-    description="Qwen2 / Qwen2.5 (Qwen2ForCausalLM, Qwen2Model): q/k/v biases, per-layer sliding windows, GQA, RoPE",
-    transformers=">=4.57,<6",
+FAMILY = hf.DecoderFamily.named("Qwen2", "qwen2")
+ARCH = FAMILY.architecture(
+    "Qwen2 / Qwen2.5 (Qwen2ForCausalLM, Qwen2Model): q/k/v biases, per-layer sliding windows, GQA, RoPE"
 )
-FAMILY = hf.DecoderFamily("Qwen2", model_type="qwen2", packages=("qwen2",), norms=("Qwen2RMSNorm",))
 
 
 def tiny_config(seed: int) -> Any:

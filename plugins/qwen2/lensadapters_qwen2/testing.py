@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-qwen2 (needs ``lensadapters[testing]``): ``Qwen2Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check qwen2``; the plugin's tests subclass it), ``qwen2_config(...)`` (one tiny config) and
-``qwen2_configs(**overrides)`` (their strategy). Importing ``lensadapters_qwen2`` never imports it.
-"""
+"""lensadapters-qwen2's test kit: ``Qwen2Contract`` (``lensadapters check``), ``qwen2_config`` and ``qwen2_configs``."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ from transformers import Qwen2Config
 import lensadapters_qwen2
 from lensadapters.testing.families import (
     DENSE_DRAWS,
+    SMALL_MATRIX,
     WINDOW_PROPERTIES,
     DecoderContract,
     config_strategy,
@@ -49,17 +47,10 @@ class Qwen2Contract(DecoderContract):
     config_strategy = qwen2_configs
     config_strata = {"mixed windows": WINDOW_PROPERTIES}
     stratum_overrides = {"mixed windows": {"window": st.sampled_from([2, 3]), "n_layers": 2, "window_from": 1}}
-    # the LoRA and 8-bit matrices build two models per example (or save and reload one): smaller ones
-    matrix_overrides = dict(
-        n_kv=1,
-        ratio=2,
-        hidden_per_head=8,
-        n_layers=st.integers(1, 2),
-        d_mlp=24,
-        vocab=64,
-        window=st.sampled_from([None, 3]),
-        window_from=1,
-    )
+    matrix_overrides = {
+        **SMALL_MATRIX,
+        **dict(n_layers=st.integers(1, 2), window=st.sampled_from([None, 3]), window_from=1),
+    }
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"layer types {config.layer_types}"

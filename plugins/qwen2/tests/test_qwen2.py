@@ -11,10 +11,7 @@ from lensadapters_qwen2.testing import Qwen2Contract, qwen2_config
 
 from lensadapters.testing import assert_close
 from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import (
-    assert_window_patterns,
-    generate_with_hooks,
-)
+from lensadapters.testing.family_checks import assert_window_patterns, generate_with_hooks
 
 
 class TestQwen2(Qwen2Contract, RefusalChecks):

@@ -21,25 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lensadapters import Architecture, ProjectionNorm, hf
+from lensadapters import hf
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_qwen3.testing:Qwen3Contract"
-ARCH = Architecture(
-    name="qwen3",
-    model_types=("qwen3",),
-    description="Qwen3 (Qwen3ForCausalLM, Qwen3Model): per-head q/k norms before RoPE, sliding windows, GQA",
-    transformers=">=4.57,<6",
-)
 # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-FAMILY = hf.DecoderFamily(
-    "Qwen3",
-    model_type="qwen3",
-    packages=("qwen3",),
-    norms=("Qwen3RMSNorm",),
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd")),
-)
+FAMILY = hf.DecoderFamily.named("Qwen3", "qwen3", qk_norms=hf.qk_norms("bphd"))
+ARCH = FAMILY.architecture("Qwen3 (Qwen3ForCausalLM, Qwen3Model): per-head q/k norms before RoPE, sliding windows, GQA")
 
 
 def tiny_config(seed: int) -> Any:

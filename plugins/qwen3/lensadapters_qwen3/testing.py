@@ -1,7 +1,4 @@
-"""Test kit of lensadapters-qwen3 (needs ``lensadapters[testing]``): ``Qwen3Contract`` (``LENSADAPTERS_CONTRACT``,
-run by ``lensadapters check qwen3``; the plugin's tests subclass it), ``qwen3_config(...)`` (one tiny config) and
-``qwen3_configs(**overrides)`` (their strategy). Importing ``lensadapters_qwen3`` never imports it.
-"""
+"""lensadapters-qwen3's test kit: ``Qwen3Contract`` (``lensadapters check``), ``qwen3_config`` and ``qwen3_configs``."""
 
 from __future__ import annotations
 

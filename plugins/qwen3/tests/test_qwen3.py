@@ -3,20 +3,20 @@ projection and RoPE, their place in hook_names, edits reaching the KV cache, ref
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import RefusalChecks, left_padded_tokens
-from lensadapters.testing.family_checks import QK_NORMED_ATTENTION, generate_with_hooks
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.family_checks import QK_NORMED_ATTENTION
 
 
-class TestQwen3(Qwen3Contract, RefusalChecks):
+class TestQwen3(Qwen3Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_qwen3.testing``, also run by ``lensadapters check qwen3``)."""
 
     example_config = qwen3_config
+    generation_config = dict(layers=2, window=3, window_from=1)
 
 
 CONTRACT = TestQwen3()
@@ -80,11 +80,4 @@ def test_query_norm_scale_edit_reaches_scores():
     a, b = base["attn_scores", 0], edited["attn_scores", 0]
     finite = torch.isfinite(a)
     assert_close(b[finite], a[finite] / 2, "halving the normed queries halves the scores", atol=1e-5)
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_generation_with_hooks(cache):
-    hm = CONTRACT.wrap(CONTRACT.make_model(qwen3_config(layers=2, window=3, window_from=1), 1))
-    generate_with_hooks(hm, *tokens(length=5), cache, steps=4)
     hm.unwrap()

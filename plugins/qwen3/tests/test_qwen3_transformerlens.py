@@ -5,17 +5,13 @@ Qwen3 has none; the Qwen3 checkpoints use none). Skipped without transformer_len
 
 from __future__ import annotations
 
-import pytest
 from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 from lensadapters.testing.families import TransformerLensWithoutWindows
-from lensadapters.testing.tl_compare import TransformerLensComparison, transformer_lens_available
-
-pytestmark = pytest.mark.skipif(not transformer_lens_available(), reason="transformer_lens is not installed")
+from lensadapters.testing.tl_compare import TransformerLensComparison
 
 
 class TestQwen3TransformerLens(TransformerLensWithoutWindows, TransformerLensComparison):
     contract = Qwen3Contract()
     config = qwen3_config
-    reference = "lensadapters_qwen3.reference:to_hooked_transformer"
     config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}

@@ -32,28 +32,16 @@ from typing import Any, Union
 
 from torch import nn
 
-from lensadapters import Architecture, MLPLayout, ProjectionNorm, UnsupportedModelError, hf
+from lensadapters import MLPLayout, UnsupportedModelError, hf
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_qwen3_moe.testing:Qwen3MoeContract"
-ARCH = Architecture(
-    name="qwen3_moe",
-    model_types=("qwen3_moe",),
-    description="Qwen3-MoE (Qwen3MoeForCausalLM, Qwen3MoeModel): sparse mixture of experts (optionally with dense "
-    "layers), per-head q/k norms before RoPE, GQA",
-    transformers=">=4.57,<6",
-)
 # attention and norms as Qwen3's: q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the
 # normed queries and keys; the MLP is read layer by layer (dense SwiGLU or a mixture of experts, see sparse_layers)
-FAMILY = hf.DecoderFamily(
-    "Qwen3Moe",
-    model_type="qwen3_moe",
-    packages=("qwen3_moe",),
-    norms=("Qwen3MoeRMSNorm",),
-    qk_norms=(ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd")),
-    mlp=None,
+FAMILY = hf.DecoderFamily.named("Qwen3Moe", "qwen3_moe", qk_norms=hf.qk_norms("bphd"), mlp=None)
+ARCH = FAMILY.architecture(
+    "Qwen3-MoE (Qwen3MoeForCausalLM, Qwen3MoeModel): sparse mixture of experts (optionally with dense layers), "
+    "per-head q/k norms before RoPE, GQA"
 )
 _DENSE = hf.SWIGLU_MLP
 

@@ -1,8 +1,4 @@
-"""Test kit of lensadapters-qwen3-moe (needs ``lensadapters[testing]``): ``Qwen3MoeContract``
-(``LENSADAPTERS_CONTRACT``, run by ``lensadapters check qwen3_moe``; the plugin's tests subclass it),
-``qwen3_moe_config(...)`` (one tiny config) and ``qwen3_moe_configs(**overrides)`` (their strategy). Importing
-``lensadapters_qwen3_moe`` never imports it.
-"""
+"""lensadapters-qwen3-moe's test kit: ``Qwen3MoeContract``, ``qwen3_moe_config`` and ``qwen3_moe_configs``."""
 
 from __future__ import annotations
 

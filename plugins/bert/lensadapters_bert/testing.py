@@ -1,8 +1,9 @@
 """Test kit of lensadapters-bert: the config strategy and the contract class (needs ``lensadapters[testing]``).
 
 ``BertContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check bert`` runs it):
-the generic adapter properties in an encoder's form. Generation becomes its refusal: a bidirectional model's
-``generate`` raises ``NotCausalError``. ``bert_configs(**overrides)`` draws tiny ``BertConfig``/``RobertaConfig``s.
+the generic adapter properties in an encoder's form. The generation properties check, as for every model that is
+not a causal LM, that ``generate`` and the next-token loss are refused with ``NotCausalError``.
+``bert_configs(**overrides)`` draws tiny ``BertConfig``/``RobertaConfig``s.
 
 Importing ``lensadapters_bert`` itself never imports this module (nor hypothesis, nor pytest).
 """
@@ -13,12 +14,11 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import BertConfig, RobertaConfig
 
 import lensadapters_bert
-from lensadapters import HookedModel, NotCausalError
+from lensadapters import HookedModel
 from lensadapters.testing import AdapterContract
 from lensadapters.testing.strategies import as_strategy
 
@@ -60,7 +60,8 @@ def bert_configs(
 
 class BertContract(AdapterContract):
     """Every generic adapter property on tiny BERT and RoBERTa encoders (post-LN blocks, learned positions, token
-    types); the generation properties check the named refusal instead."""
+    types); the generation properties check the named refusal instead (the core contract's form for models that
+    are not causal LMs)."""
 
     plugin = lensadapters_bert
     config_strategy = bert_configs
@@ -83,27 +84,3 @@ class BertContract(AdapterContract):
             "not yet in the encoder's form (its residual identities assume pre-LN sums); tests/test_bert.py checks "
             "every point against a reference from the HF modules and every weight against the live parameters"
         )
-
-    @settings(deadline=None, max_examples=2)
-    @given(data=st.data())
-    def test_generation_with_hooks_matches(self, data: st.DataObject) -> None:
-        """An encoder does not generate: ``generate`` names why, with hooks attached or not."""
-        config = data.draw(self.configs(), label="config")
-        hm = HookedModel.wrap(self.make_model(config, 0))
-        ids = torch.randint(0, config.vocab_size, (1, 4))
-        with pytest.raises(NotCausalError, match="bidirectional"):
-            hm.generate(ids, max_new_tokens=1)
-        hm.add_hook("blocks.0.hook_resid_pre", lambda t, hook: t)
-        with pytest.raises(NotCausalError, match="bidirectional"):
-            hm.generate(ids, max_new_tokens=1, do_sample=False)
-        hm.unwrap()
-
-    @settings(deadline=None, max_examples=1)
-    @given(data=st.data())
-    def test_edits_during_generation_match_one_pass(self, data: st.DataObject) -> None:
-        """No generation, so nothing to compare: the next-token loss is refused too (``return_type="loss"``)."""
-        config = data.draw(self.configs(), label="config")
-        hm = HookedModel.wrap(self.make_model(config, 0))
-        with pytest.raises(NotCausalError, match="next-token loss"):
-            hm(torch.randint(0, config.vocab_size, (1, 4)), return_type="loss")
-        hm.unwrap()

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -80,13 +80,14 @@ def call_norm(hm: "HookedModelLike", prefix: str, x: Tensor) -> Tensor:
 
 class _Component:
     """A TransformerLens component on a HookedModel (``hm.embed``...). The hook points under its name are its
-    attributes, as on the TransformerLens module: HookedEncoder's ``hm.embed.hook_token_type_embed``,
-    ``hm.embed.ln.hook_scale``."""
+    attributes, as on the TransformerLens module (HookedEncoder's ``hm.embed.hook_token_type_embed``,
+    ``hm.embed.ln.hook_scale``): ``points(hm, prefix, attr)`` finds them (``hook_namespace.attribute``)."""
 
     prefix = ""
 
-    def __init__(self, hm: "HookedModelLike") -> None:
+    def __init__(self, hm: "HookedModelLike", points: Optional[Callable[[Any, str, str], Any]] = None) -> None:
         self._hm = hm
+        self._points = points
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):
@@ -94,12 +95,9 @@ class _Component:
         prop = getattr(type(self), attr, None)
         if isinstance(prop, property):  # a property that raised AttributeError (W_pos without learned positions)
             return prop.fget(self)  # type: ignore[misc]  # raises its own message again
-        from lensadapters.api import hook_namespace  # (hook_namespace serves these components)
-
-        found = hook_namespace.lookup(self._hm, self.prefix, attr)
-        if found is None:
-            raise hook_namespace.missing(self._hm, self.prefix, attr)
-        return found
+        if self._points is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        return self._points(self._hm, self.prefix, attr)
 
 
 class Embed(_Component):

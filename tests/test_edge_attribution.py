@@ -10,7 +10,7 @@ import torch
 
 from lensadapters import attribution
 from lensadapters import edge_attribution as eap
-from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, patching_pair
 
 
 def setup(arch: str, seed: int = 0):
@@ -192,7 +192,7 @@ def test_faithfulness_patches_exactly_the_edges_outside_the_circuit(arch: str) -
 
 
 def test_circuits_take_the_top_edges_and_the_smallest_circuit_reaches_its_target() -> None:
-    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    hm, clean, corrupted, metric = setup(first_causal())
     scores = eap.edge_attribution(hm, clean, corrupted, metric, progress=False)
     top = scores.circuit(top_n=5)
     assert int(top.sum()) == 5 and bool((top <= scores.valid).all())
@@ -210,7 +210,7 @@ def test_circuits_take_the_top_edges_and_the_smallest_circuit_reaches_its_target
 
 
 def test_edge_attribution_shows_progress_and_leaves_no_gradient(capsys) -> None:
-    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    hm, clean, corrupted, metric = setup(first_causal())
     eap.edge_attribution(hm, clean, corrupted, metric, steps=2)
     assert "EAP-IG" in capsys.readouterr().err
     assert all(p.grad is None for p in hm.hf_model.parameters())

@@ -15,7 +15,7 @@ from lensadapters.head_detector import (
     get_previous_token_head_detection_pattern,
 )
 from lensadapters.testing import attention_layers, is_causal
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, tiny
 
 TOKENS = torch.tensor([[5, 6, 7, 5, 6, 7]])
 
@@ -71,7 +71,7 @@ def test_a_head_made_to_attend_to_the_previous_token_scores_one(arch: str) -> No
 
 
 def test_a_given_cache_is_not_modified_and_bad_inputs_are_refused() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     _, cache = hm.run_with_cache(TOKENS, remove_batch_dim=True)
     before = cache["pattern", 0].clone()
     detect_head(hm, TOKENS, "induction_head", cache=cache, exclude_bos=True, exclude_current_token=True)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lensadapters import HookedModel, NotCausalError, Output, TransformerLensKeywordError
 from lensadapters.testing import assert_close, assert_refuses_causal_operations, is_causal
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, tiny
 from lensadapters.tokens import NoTokenizerError
 from lensadapters.utils import lm_cross_entropy_loss
 
@@ -73,7 +73,7 @@ def test_return_types(arch: str) -> None:
 
 
 def test_return_type_none_skips_the_unembedding() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     calls: list[str] = []
     head = hm.hf_model.get_submodule(hm.layout.unembed)
@@ -176,7 +176,7 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
 
 
 def test_transformer_lens_keywords_never_vanish() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     ids = torch.zeros(1, 4, dtype=torch.long)
     with torch.no_grad():
@@ -203,7 +203,7 @@ def test_transformer_lens_keywords_never_vanish() -> None:
 
 
 def test_text_needs_a_tokenizer() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     with pytest.raises(NoTokenizerError, match="tokenizer"):
         hm("some text")
     with pytest.raises(NoTokenizerError, match="tokenizer"):
@@ -248,7 +248,7 @@ def test_left_padded_rows_give_their_unpadded_values(arch: str, data: st.DataObj
 
 
 def test_nn_module_conveniences_act_on_the_model() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     assert hm.train() is hm and model.training
     assert hm.eval() is hm and not model.training
@@ -264,7 +264,7 @@ def test_nn_module_conveniences_act_on_the_model() -> None:
 
 
 def test_incl_bwd_backpropagates_a_transformer_lens_loss() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     ids = torch.randint(0, hm.cfg.d_vocab, (1, 5), generator=torch.Generator().manual_seed(3))
     loss, cache = hm.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter="blocks.0.hook_resid_pre")
     assert loss.shape == () and cache["blocks.0.hook_resid_pre_grad"].abs().sum() > 0

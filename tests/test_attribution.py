@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lensadapters import attribution
-from lensadapters.testing.tiny_models import ARCH_NAMES, patching_pair
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, patching_pair
 from lensadapters.wiring import shared_key_blocks
 
 
@@ -219,7 +219,7 @@ def test_expert_scores_add_up_to_their_mlp(arch: str) -> None:
 
 
 def test_clear_errors() -> None:
-    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    hm, clean, corrupted, metric = setup(first_causal())
     with pytest.raises(ValueError, match="one number"):
         attribution.attribute(hm, clean, corrupted, lambda logits: logits[:, -1, 0], "z", progress=False)
     with pytest.raises(ValueError, match="queries and keys"):
@@ -232,7 +232,7 @@ def test_clear_errors() -> None:
 
 
 def test_parameters_get_no_gradient_and_the_sweep_shows_progress(capsys) -> None:
-    hm, clean, corrupted, metric = setup(ARCH_NAMES[0])
+    hm, clean, corrupted, metric = setup(first_causal())
     attribution.get_attr_patch_attn_head_out_all_pos(hm, clean, corrupted, metric)
     assert "attribution patching" in capsys.readouterr().err
     assert all(p.grad is None for p in hm.hf_model.parameters())

@@ -14,7 +14,7 @@ from transformers import OPTConfig
 
 from lensadapters import ActivationCache, DecompositionUndefinedError, HookedModel, LensAdaptersError
 from lensadapters.testing import assert_close
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, from_config, needs, tiny
 from lensadapters.wiring import non_attention_blocks
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -224,7 +224,7 @@ def test_parallel_blocks_have_no_resid_mid_and_their_mlp_reads_the_block_input()
 
 
 def test_cache_moves_slices_and_keys_as_transformer_lens() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     with torch.no_grad():
         _, cache = hm.run_with_cache(torch.randint(0, hm.cfg.d_vocab, (2, 4)))
     assert cache.to("cpu") is cache and cache.cpu() is cache

@@ -14,8 +14,8 @@ from lensadapters.head_detector import (
     get_induction_head_detection_pattern,
     get_previous_token_head_detection_pattern,
 )
-from lensadapters.testing import attention_layers
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters.testing import attention_layers, is_causal
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, tiny
 
 TOKENS = torch.tensor([[5, 6, 7, 5, 6, 7]])
 
@@ -52,7 +52,12 @@ def test_a_head_made_to_attend_to_the_previous_token_scores_one(arch: str) -> No
     assert scores[target] == pytest.approx(1 - 1 / 6, abs=1e-6)  # all but the first row's mass
     assert scores.argmax() == target[0] * hm.cfg.n_heads + target[1]
     assert detect_head(hm, TOKENS, "previous_token_head", exclude_bos=True)[target] == pytest.approx(1.0)
-    abs_score = detect_head(hm, TOKENS, "previous_token_head", error_measure="abs")[target]
+    if is_causal(hm):
+        abs_score = detect_head(hm, TOKENS, "previous_token_head", error_measure="abs")[target]
+    else:  # "abs" scores causal patterns only (as TransformerLens): an encoder's other heads attend to later tokens
+        with pytest.raises(ValueError, match="not lower triangular"):
+            detect_head(hm, TOKENS, "previous_token_head", error_measure="abs")
+        abs_score = detect_head(hm, TOKENS, "previous_token_head", heads=[target], error_measure="abs")[target]
     assert abs_score == pytest.approx(1 - round(1 / 6, 3), abs=1e-6)  # only position 0 deviates (by 1)
     only = detect_head(hm, TOKENS, "previous_token_head", heads=[target])
     assert only[target] == scores[target] and (only == -1).sum() == only.numel() - 1
@@ -66,7 +71,7 @@ def test_a_head_made_to_attend_to_the_previous_token_scores_one(arch: str) -> No
 
 
 def test_a_given_cache_is_not_modified_and_bad_inputs_are_refused() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     _, cache = hm.run_with_cache(TOKENS, remove_batch_dim=True)
     before = cache["pattern", 0].clone()
     detect_head(hm, TOKENS, "induction_head", cache=cache, exclude_bos=True, exclude_current_token=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lensadapters import HookedModel, HookPoint
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, tiny
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -30,7 +30,7 @@ def test_every_hook_point_is_an_attribute(arch: str) -> None:
 
 
 def test_hook_point_add_hook_and_remove_hooks() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     ids = torch.zeros(1, 3, dtype=torch.long)
     seen: list[str] = []
     hm.hook_dict["blocks.0.hook_resid_pre"].add_hook(lambda t, hook: seen.append(hook.name))
@@ -49,7 +49,7 @@ def test_hook_point_add_hook_and_remove_hooks() -> None:
 
 
 def test_misspelled_names_and_decoder_layer_attributes() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     with pytest.raises(AttributeError, match="hook_pattern"):
         _ = hm.blocks[0].attn.hook_patern
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):

@@ -11,7 +11,7 @@ import torch
 from lensadapters import HookedModel, patching
 from lensadapters.analysis.utils import get_act_name
 from lensadapters.testing import attention_layers
-from lensadapters.testing.tiny_models import ARCH_NAMES, from_config, gqa_llama, needs, tiny
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, from_config, gqa_llama, needs, tiny
 from lensadapters.wiring import shared_key_blocks
 
 
@@ -103,7 +103,7 @@ def test_key_value_sweeps_run_over_key_value_heads() -> None:
 
 
 def test_index_rows_give_a_flat_result_and_the_sweep_shows_progress(capsys) -> None:
-    hm, corrupted, cache, metric, _, _ = setup(ARCH_NAMES[0], 2)
+    hm, corrupted, cache, metric, _, _ = setup(first_causal(), 2)
     full = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric)
     assert "patching resid_pre" in capsys.readouterr().err  # a tqdm progress bar
     rows = [[0, 1], [hm.cfg.n_layers - 1, 3]]
@@ -127,7 +127,7 @@ def test_index_rows_give_a_flat_result_and_the_sweep_shows_progress(capsys) -> N
 
 def test_return_index_df_gives_a_dataframe() -> None:
     pandas = pytest.importorskip("pandas")
-    hm, corrupted, cache, metric, _, _ = setup(ARCH_NAMES[0], 2)
+    hm, corrupted, cache, metric, _, _ = setup(first_causal(), 2)
     result, frame = patching.generic_activation_patch(
         hm,
         corrupted,
@@ -146,7 +146,7 @@ def test_return_index_df_gives_a_dataframe() -> None:
 def test_a_sweep_takes_text() -> None:
     from lensadapters.testing.tiny_models import tokenizer
 
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]), tokenizer=tokenizer(40))
+    hm = HookedModel.wrap(tiny(first_causal()), tokenizer=tokenizer(40))
     _, cache = hm.run_with_cache("w5 w6 w7")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
@@ -272,7 +272,7 @@ def test_batched_sweeps_equal_the_one_at_a_time_sweeps(arch: str, seed: int) -> 
 
 
 def test_a_batched_sweep_takes_a_setter_that_returns_a_new_tensor_and_index_rows() -> None:
-    hm, corrupted, cache, metric = two_prompts(ARCH_NAMES[0])
+    hm, corrupted, cache, metric = two_prompts(first_causal())
 
     def setter(corrupted_activation: torch.Tensor, index, clean_activation: torch.Tensor) -> torch.Tensor:
         out = corrupted_activation.clone()
@@ -293,7 +293,7 @@ def test_a_batched_sweep_takes_a_setter_that_returns_a_new_tensor_and_index_rows
 
 
 def test_the_default_batch_size_fits_the_memory_budget() -> None:
-    hm, corrupted, _, _ = two_prompts(ARCH_NAMES[0])
+    hm, corrupted, _, _ = two_prompts(first_causal())
     per_copy = patching.copy_bytes(hm, corrupted)
     assert per_copy >= corrupted.numel() * hm.cfg.d_vocab * 4  # at least the logits
     assert patching.default_batch_size(hm, corrupted, budget=10 * per_copy) == 10
@@ -306,7 +306,7 @@ def test_the_default_batch_size_fits_the_memory_budget() -> None:
 def test_a_batched_sweep_over_padded_prompts_repeats_their_masks_and_positions(side: str) -> None:
     from lensadapters.testing.tiny_models import tokenizer
 
-    hm = HookedModel.wrap(tiny("llama" if "llama" in ARCH_NAMES else ARCH_NAMES[0], 1), tokenizer=tokenizer(40))
+    hm = HookedModel.wrap(tiny("llama" if "llama" in ARCH_NAMES else first_causal(), 1), tokenizer=tokenizer(40))
     hm.default_padding_side = side
     clean = hm.to_tokens(["w5 w6 w7 w8", "w9 w3"])  # the second prompt padded
     corrupted = hm.to_tokens(["w5 w6 w1 w8", "w9 w4"])

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lensadapters import HookedModel, Output, TransformerLensKeywordError
-from lensadapters.testing import assert_close
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny
+from lensadapters import HookedModel, NotCausalError, Output, TransformerLensKeywordError
+from lensadapters.testing import assert_close, assert_refuses_causal_operations, is_causal
+from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, tiny
 from lensadapters.tokens import NoTokenizerError
 from lensadapters.utils import lm_cross_entropy_loss
 
@@ -49,6 +49,14 @@ def test_return_types(arch: str) -> None:
     ids = torch.randint(0, hm.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = hm(ids).logits
+        assert torch.equal(hm(ids, return_type="logits"), logits)
+        assert hm(ids, return_type=None) is None
+        with pytest.raises(ValueError, match="return_type"):
+            hm(ids, return_type="probabilities")
+        if not is_causal(hm):  # an encoder has no next-token loss: "loss" and "both" are refused by name
+            assert_refuses_causal_operations(hm, ids)
+            hm.unwrap()
+            return
         expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss = hm(ids, return_type="loss")
         assert loss.shape == () and torch.allclose(loss, expected, atol=1e-5)
@@ -56,9 +64,6 @@ def test_return_types(arch: str) -> None:
         assert per_token.shape == (2, 4) and torch.allclose(per_token.mean(), expected, atol=1e-5)
         both = hm(ids, return_type="both")
         assert isinstance(both, Output) and torch.equal(both.logits, logits) and torch.equal(both.loss, loss)
-        assert hm(ids, return_type=None) is None
-        with pytest.raises(ValueError, match="return_type"):
-            hm(ids, return_type="probabilities")
         out, cache = hm.run_with_cache(ids, return_type="both")
         # (caching patterns computes the hooked layers' attention explicitly: equal up to rounding)
         assert isinstance(out, Output) and torch.allclose(out.loss, loss, atol=1e-5)
@@ -68,7 +73,7 @@ def test_return_types(arch: str) -> None:
 
 
 def test_return_type_none_skips_the_unembedding() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     calls: list[str] = []
     head = hm.hf_model.get_submodule(hm.layout.unembed)
@@ -106,7 +111,9 @@ def test_stop_at_layer_really_stops(arch: str, data: st.DataObject) -> None:
             residual, cache = hm.run_with_cache(ids, stop_at_layer=stop)
     assert ran == list(range(resolved)), f"blocks that ran with stop_at_layer={stop}: {ran}"
     assert fired == [], f"hooks after the stop fired: {fired}"
-    expected = full["resid_pre", resolved] if resolved < n else full["resid_post", n - 1]
+    # the stream at block `resolved`'s input (the last block's output for n: its hook_normalized_resid_post in a
+    # post-LN block, whose hook_resid_post is its last norm's input)
+    expected = full.accumulated_resid()[resolved]
     assert torch.equal(residual, expected)
     assert all(not name.startswith(tuple(f"blocks.{i}." for i in range(resolved, n))) for name in cache)
     # nothing left behind: no PyTorch hook, no forward state, no hook on any point
@@ -135,7 +142,7 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
     ids = torch.randint(0, hm.cfg.d_vocab, (1, 6), generator=torch.Generator().manual_seed(start))
     with torch.no_grad():
         logits, cache = hm.run_with_cache(ids, return_type="logits")
-        residual = cache["resid_pre", start] if start < n else cache["resid_post", n - 1]
+        residual = cache.accumulated_resid()[start]  # block start's input; the last block's output for n
         fired: list[str] = []
         earlier = [
             name for name in hm.hook_names if name.startswith(("hook_", *(f"blocks.{i}." for i in range(start))))
@@ -150,10 +157,14 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
                 hm(residual, start_at_layer=start)
         else:  # the residual alone determines the run
             assert_close(hm(residual, start_at_layer=start), logits, f"logits from layer {start} without tokens")
-        loss = hm(residual, start_at_layer=start, tokens=ids, return_type="loss")
-        assert_close(loss, lm_cross_entropy_loss(logits, ids), "loss from a layer")
-        with pytest.raises(ValueError, match="tokens="):
-            hm(residual, start_at_layer=start, return_type="loss")
+        if is_causal(hm):
+            loss = hm(residual, start_at_layer=start, tokens=ids, return_type="loss")
+            assert_close(loss, lm_cross_entropy_loss(logits, ids), "loss from a layer")
+            with pytest.raises(ValueError, match="tokens="):
+                hm(residual, start_at_layer=start, return_type="loss")
+        else:  # an encoder has no next-token loss, from a layer either
+            with pytest.raises(NotCausalError, match="next-token loss"):
+                hm(residual, start_at_layer=start, tokens=ids, return_type="loss")
         with pytest.raises(ValueError, match="residual stream"):
             hm(ids, start_at_layer=start)
         if start < n:  # an edit at the start layer's input sees the given residual
@@ -165,7 +176,7 @@ def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObj
 
 
 def test_transformer_lens_keywords_never_vanish() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     ids = torch.zeros(1, 4, dtype=torch.long)
     with torch.no_grad():
@@ -192,7 +203,7 @@ def test_transformer_lens_keywords_never_vanish() -> None:
 
 
 def test_text_needs_a_tokenizer() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     with pytest.raises(NoTokenizerError, match="tokenizer"):
         hm("some text")
     with pytest.raises(NoTokenizerError, match="tokenizer"):
@@ -205,28 +216,39 @@ def test_text_needs_a_tokenizer() -> None:
 @given(data=st.data())
 def test_left_padded_rows_give_their_unpadded_values(arch: str, data: st.DataObject) -> None:
     """On every architecture (GPT-2 and OPT with learned positions, rotary models): a TransformerLens-style call
-    with an attention mask gives each padded row's real tokens the values of the row alone."""
+    with an attention mask gives each padded row's real tokens the values of the row alone. A causal LM's rows are
+    padded on the left (TransformerLens counts their positions from the first real token). An encoder's positions
+    are 0, 1, ... whatever the mask (TransformerLens' HookedEncoder, and Hugging Face's forward): its rows are padded
+    on the right, and left-padded rows get exactly Hugging Face's values."""
     model = tiny(arch, data.draw(st.integers(0, 50), label="seed"))
     hm = HookedModel.wrap(model)
+    causal = is_causal(hm)
     length = data.draw(st.integers(2, 7), label="length")
     pads = data.draw(st.lists(st.integers(0, length - 1), min_size=1, max_size=3), label="pads")
     ids = torch.randint(0, hm.cfg.d_vocab, (len(pads), length), generator=torch.Generator().manual_seed(length))
     mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
+    real = [slice(pad, None) if causal else slice(0, length - pad) for pad in pads]  # each row's real tokens
+    for row, tokens in enumerate(real):
+        mask[row] = 0
+        mask[row, tokens] = 1
     with torch.no_grad():
         logits, cache = hm.run_with_cache(ids, attention_mask=mask, return_type="logits")
-        for row, pad in enumerate(pads):
-            alone, alone_cache = hm.run_with_cache(ids[row : row + 1, pad:], return_type="logits")
-            assert_close(logits[row, pad:], alone[0], f"row {row} ({pad} pads) vs alone")
-            alone_resid = alone_cache["resid_post", -1][0]  # float rounding relative to the stream's size (a MoE's
-            scale = 1 + alone_resid.abs().max().item()  # experts run batched: a batch rounds apart from one row)
-            assert_close(cache["resid_post", -1][row, pad:], alone_resid, "resid_post", atol=1e-4 * scale)
+        for row, (pad, tokens) in enumerate(zip(pads, real)):
+            alone, alone_cache = hm.run_with_cache(ids[row : row + 1, tokens], return_type="logits")
+            assert_close(logits[row, tokens], alone[0], f"row {row} ({pad} pads) vs alone")
+            alone_resid = alone_cache.accumulated_resid()[-1, 0]  # float rounding relative to the stream's size (a
+            scale = 1 + alone_resid.abs().max().item()  # MoE's experts run batched: a batch rounds apart from a row)
+            resid = cache.accumulated_resid()[-1, row, tokens]
+            assert_close(resid, alone_resid, "the last block's output", atol=1e-4 * scale)
+        if not causal:  # left padding: the encoder's own positions, as its Hugging Face forward computes them
+            left = mask.flip(1)
+            expected = model(ids, attention_mask=left).logits
+            assert torch.equal(hm(ids, attention_mask=left, return_type="logits"), expected)
     hm.unwrap()
 
 
 def test_nn_module_conveniences_act_on_the_model() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     assert hm.train() is hm and model.training
     assert hm.eval() is hm and not model.training
@@ -242,7 +264,7 @@ def test_nn_module_conveniences_act_on_the_model() -> None:
 
 
 def test_incl_bwd_backpropagates_a_transformer_lens_loss() -> None:
-    hm = HookedModel.wrap(tiny(ARCH_NAMES[0]))
+    hm = HookedModel.wrap(tiny(first_causal()))
     ids = torch.randint(0, hm.cfg.d_vocab, (1, 5), generator=torch.Generator().manual_seed(3))
     loss, cache = hm.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter="blocks.0.hook_resid_pre")
     assert loss.shape == () and cache["blocks.0.hook_resid_pre_grad"].abs().sum() > 0

@@ -249,13 +249,26 @@ def test_components_equal_the_forward_values_on_every_architecture(arch: str) ->
     hm = HookedModel.wrap(tiny(arch))
     try:
         tokens = torch.randint(3, 30, (2, 5), generator=torch.Generator().manual_seed(0))
+        # the unembedding computes the logits from what the model's head gives it (the final norm's output; an
+        # encoder's masked-LM head transforms the stream before its decoder), and ln_final is the final norm
+        head_input: list[torch.Tensor] = []
+        unembed = hm.hf_model.get_submodule(hm.layout.unembed)
+        handle = unembed.register_forward_pre_hook(lambda module, args: head_input.append(args[0]))
         with torch.no_grad():
-            logits, cache = hm.run_with_cache(tokens)
+            try:
+                logits, cache = hm.run_with_cache(tokens)
+            finally:
+                handle.remove()
             assert torch.equal(hm.embed(tokens), cache["hook_embed"])
             if "hook_pos_embed" in cache:
                 assert torch.equal(hm.pos_embed(tokens), cache["hook_pos_embed"])
-            last = cache[f"blocks.{hm.cfg.n_layers - 1}.hook_resid_post"]
-            assert torch.allclose(hm.unembed(hm.ln_final(last)), logits, atol=1e-5)
+            assert torch.allclose(hm.unembed(head_input[0]), logits, atol=1e-5)
+            if "ln_final.hook_normalized" in cache:
+                last = cache.accumulated_resid()[-1]  # the last block's output
+                assert torch.allclose(hm.unembed(hm.ln_final(last)), logits, atol=1e-5)
+            else:  # no final norm: no ln_final component either
+                with pytest.raises(AttributeError, match="ln_final"):
+                    _ = hm.ln_final
         try:
             names = [n for n, _ in hm.tl_named_parameters()]
         except WeightUnavailableError as refusal:  # a plugin whose queries are not TransformerLens' W_Q says so

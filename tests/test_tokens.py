@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lensadapters import HookedModel
-from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
+from lensadapters.testing.tiny_models import first_causal, tiny, tokenizer
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VOCAB = 40
@@ -27,7 +27,7 @@ def texts(draw: st.DrawFn) -> list[str]:
 
 @pytest.fixture
 def hm():
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     wrapped = HookedModel.wrap(model)
     yield wrapped
     wrapped.unwrap()
@@ -38,7 +38,7 @@ def hm():
 @given(batch=texts(), prepend_bos=st.sampled_from([None, True, False]), side=st.sampled_from([None, "left", "right"]))
 def test_one_bos_when_asked_none_otherwise_padding_on_the_asked_side(adds_bos, batch, prepend_bos, side) -> None:
     tok = tokenizer(VOCAB, adds_bos)
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model, tokenizer=tok)
     try:
         tokens = hm.to_tokens(batch, prepend_bos=prepend_bos, padding_side=side)
@@ -91,7 +91,7 @@ def test_hooked_model_defaults_follow_transformer_lens(hm) -> None:
 
 
 def test_wrap_takes_a_tokenizer_even_when_already_wrapped() -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     hm = HookedModel.wrap(model)
     tok = tokenizer(VOCAB)
     assert HookedModel.wrap(model, tokenizer=tok) is hm and hm.tokenizer is tok
@@ -99,7 +99,7 @@ def test_wrap_takes_a_tokenizer_even_when_already_wrapped() -> None:
 
 
 def test_from_pretrained_loads_model_and_tokenizer_from_a_folder(tmp_path) -> None:
-    model = tiny(ARCH_NAMES[0])
+    model = tiny(first_causal())
     model.save_pretrained(tmp_path)
     tokenizer(VOCAB).save_pretrained(tmp_path)
     hm = HookedModel.from_pretrained(
@@ -116,7 +116,7 @@ def test_from_pretrained_loads_model_and_tokenizer_from_a_folder(tmp_path) -> No
 
 
 def test_from_pretrained_without_a_saved_tokenizer_warns(tmp_path) -> None:
-    tiny(ARCH_NAMES[0]).save_pretrained(tmp_path)
+    tiny(first_causal()).save_pretrained(tmp_path)
     with pytest.warns(UserWarning, match="no tokenizer"):
         hm = HookedModel.from_pretrained(str(tmp_path), local_files_only=True)
     assert hm.tokenizer is None

@@ -44,6 +44,15 @@ def lookup(hm: "HookedModelLike", prefix: str, attr: str) -> Union[HookPoint, "H
     return None
 
 
+def attribute(hm: "HookedModelLike", prefix: str, attr: str) -> Union[HookPoint, "HookNamespace", "BlockList"]:
+    """The hook point or namespace ``prefix.attr``, or the ``AttributeError`` naming what there is under ``prefix``
+    (what TransformerLens' components ``hm.embed``... answer for attributes that are hook points)."""
+    found = lookup(hm, prefix, attr)
+    if found is None:
+        raise missing(hm, prefix, attr)
+    return found
+
+
 def replace(hm: "HookedModelLike", prefix: str, attr: str, module: Any) -> bool:
     """Put ``module`` in the place of the hook point ``prefix.attr`` (``False`` if there is no such point).
 

@@ -286,17 +286,17 @@ class TransformerLensAPI(TokenizerMixin, CircuitsMixin, SAEMixin):
     @property
     def embed(self) -> tl_components.Embed:
         """``hm.embed(tokens)`` -> ``[batch, pos, d_model]`` (fires ``hook_embed``); ``hm.embed.W_E``."""
-        return tl_components.Embed(self)  # type: ignore[arg-type]
+        return tl_components.Embed(self, hook_namespace.attribute)  # type: ignore[arg-type]
 
     @property
     def pos_embed(self) -> tl_components.PosEmbed:
         """``hm.pos_embed(tokens, past_kv_pos_offset=0, attention_mask=None)`` (fires ``hook_pos_embed``)."""
-        return tl_components.PosEmbed(self)  # type: ignore[arg-type]
+        return tl_components.PosEmbed(self, hook_namespace.attribute)  # type: ignore[arg-type]
 
     @property
     def unembed(self) -> tl_components.Unembed:
         """``hm.unembed(resid)`` -> logits, by the model's language-model head (and final-logit softcap)."""
-        return tl_components.Unembed(self)  # type: ignore[arg-type]
+        return tl_components.Unembed(self, hook_namespace.attribute)  # type: ignore[arg-type]
 
     def loss_fn(
         self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: Any = None, per_token: bool = False

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -78,11 +78,32 @@ def call_norm(hm: "HookedModelLike", prefix: str, x: Tensor) -> Tensor:
     return hm.wiring.norm_module(prefix)(x)
 
 
-class Embed:
+class _Component:
+    """A TransformerLens component on a HookedModel (``hm.embed``...). The hook points under its name are its
+    attributes, as on the TransformerLens module (HookedEncoder's ``hm.embed.hook_token_type_embed``,
+    ``hm.embed.ln.hook_scale``): ``points(hm, prefix, attr)`` finds them (``hook_namespace.attribute``)."""
+
+    prefix = ""
+
+    def __init__(self, hm: "HookedModelLike", points: Optional[Callable[[Any, str, str], Any]] = None) -> None:
+        self._hm = hm
+        self._points = points
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        prop = getattr(type(self), attr, None)
+        if isinstance(prop, property):  # a property that raised AttributeError (W_pos without learned positions)
+            return prop.fget(self)  # type: ignore[misc]  # raises its own message again
+        if self._points is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        return self._points(self._hm, self.prefix, attr)
+
+
+class Embed(_Component):
     """``hm.embed(tokens)``: the token embeddings ``[batch, pos, d_model]``, firing ``hook_embed``."""
 
-    def __init__(self, hm: "HookedModelLike") -> None:
-        self._hm = hm
+    prefix = "embed"
 
     @property
     def W_E(self) -> Tensor:
@@ -107,12 +128,11 @@ class Embed:
         return value
 
 
-class PosEmbed:
+class PosEmbed(_Component):
     """``hm.pos_embed(tokens, past_kv_pos_offset=0, attention_mask=None)``: the learned position embeddings
     ``[batch, pos, d_model]``, firing ``hook_pos_embed`` (positions over the real tokens given a mask)."""
 
-    def __init__(self, hm: "HookedModelLike") -> None:
-        self._hm = hm
+    prefix = "pos_embed"
 
     @property
     def W_pos(self) -> Tensor:
@@ -136,12 +156,11 @@ class PosEmbed:
         return value
 
 
-class Unembed:
+class Unembed(_Component):
     """``hm.unembed(resid)``: the logits ``[..., d_vocab]``, computed by the model's language-model head (its
     bias included), then the final-logit softcap where the config sets one."""
 
-    def __init__(self, hm: "HookedModelLike") -> None:
-        self._hm = hm
+    prefix = "unembed"
 
     @property
     def W_U(self) -> Tensor:

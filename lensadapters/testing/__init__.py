@@ -16,6 +16,8 @@ _EXPORTS = {
     "Capabilities": "contract",
     "assert_close": "contract",
     "attention_layers": "contract_support",
+    "assert_refuses_causal_operations": "contract_support",
+    "is_causal": "contract_support",
     "perturb": "contract",
     "perturbed_logits": "contract",
     "property_settings": "contract",

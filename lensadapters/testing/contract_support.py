@@ -151,6 +151,36 @@ def attention_layers(hm: HookedModel) -> list[int]:
     return [i for i in range(hm.cfg.n_layers) if f"blocks.{i}.attn.hook_pattern" in hm.hook_names]
 
 
+def is_causal(hm: HookedModel) -> bool:
+    """Whether the wrapped model is a causal language model (``cfg.attention_dir == "causal"``): the next-token
+    loss, generation and left padding counted from each row's first token are defined for it. An encoder
+    (bidirectional attention) refuses the first two with ``NotCausalError``."""
+    return bool(hm.cfg.attention_dir == "causal")
+
+
+def assert_refuses_causal_operations(hm: HookedModel, input_ids: torch.Tensor) -> None:
+    """What a model that is not a causal LM does instead of generating and computing the next-token loss: it
+    refuses both with ``NotCausalError``, naming its bidirectional attention, with hooks attached or not, and
+    leaves no hook behind."""
+    import pytest
+
+    from lensadapters.errors import NotCausalError
+
+    calls = [
+        lambda: hm.generate(input_ids, max_new_tokens=1, do_sample=False),
+        lambda: hm(input_ids, return_type="loss"),
+        lambda: hm(input_ids, return_type="both"),
+    ]
+    for hooked in (False, True):
+        if hooked:
+            hm.add_hook("blocks.0.hook_resid_pre", lambda t, hook: t)
+        for call in calls:
+            with pytest.raises(NotCausalError, match="bidirectional"):
+                call()
+    hm.reset_hooks()
+    assert not hm.has_hooks
+
+
 def _hook_counts(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 

@@ -17,8 +17,10 @@ from lensadapters.testing.contract_support import (
     _hook_counts,
     _instance_attributes,
     assert_close,
+    assert_refuses_causal_operations,
     attention_layers,
     check_edited_generation,
+    is_causal,
 )
 
 
@@ -30,7 +32,11 @@ class RunProperties:
     @_SETTINGS
     @given(data=st.data())
     def test_generation_with_hooks_matches(self, data: st.DataObject) -> None:
+        """Generation with hooks gives the logits of generation without; a model that is not a causal LM (an
+        encoder) refuses to generate instead, with ``NotCausalError``."""
         model, inputs = self.draw(data)
+        if self.refused_as_not_causal(model, inputs):
+            return
         pad = getattr(model.config, "pad_token_id", None)
         kwargs = dict(
             max_new_tokens=3,
@@ -73,6 +79,8 @@ class RunProperties:
         sequence with the same edit: edits of keys and values are what the cache holds, residual and pattern edits
         apply at every step."""
         model, inputs = self.draw_for_generation(data)
+        if self.refused_as_not_causal(model, inputs):
+            return
         hm = self.wrap(model)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         rotary = f"blocks.{layer}.attn.hook_rot_k" in hm.hook_names
@@ -97,6 +105,17 @@ class RunProperties:
         hm.unwrap()
         # an edit too weak to tell apart from rounding proves nothing: such examples do not count
         assume((one_pass - unedited)[:, prompt - 1 :].abs().max().item() > 4 * atol)
+
+    def refused_as_not_causal(self, model: Any, inputs: Any) -> bool:
+        """For a model that is not a causal LM: check that generation and the next-token loss are refused (see
+        :func:`~lensadapters.testing.contract_support.assert_refuses_causal_operations`) and return ``True``; for
+        a causal LM return ``False`` (the generation properties then run)."""
+        hm = self.wrap(model)
+        causal = is_causal(hm)
+        if not causal:
+            assert_refuses_causal_operations(hm, inputs.input_ids)
+        hm.unwrap()
+        return not causal
 
     def draw_for_generation(self, data: st.DataObject) -> Any:
         """The model and (unpadded) inputs of the generation property; a variant whose models round a decoding

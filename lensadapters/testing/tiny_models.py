@@ -34,6 +34,20 @@ ARCHITECTURES = architectures()
 ARCH_NAMES = [name for name, _, _ in ARCHITECTURES]
 
 
+@functools.lru_cache(maxsize=None)
+def first_causal() -> str:
+    """The first installed architecture (by name) whose tiny model is a causal language model: the model of the
+    tests that need one (a loss, generation, left padding) and no particular architecture (an encoder refuses
+    those, see ``lensadapters.testing.is_causal``). Wraps the tiny models on first use, never at import."""
+    for name in ARCH_NAMES:
+        hm = HookedModel.wrap(tiny(name))
+        causal = hm.cfg.attention_dir == "causal"
+        hm.unwrap()
+        if causal:
+            return name
+    pytest.skip("no installed architecture plugin describes a causal language model")
+
+
 def tiny(arch_name: str, seed: int = 0) -> torch.nn.Module:
     """The plugin's tiny model for ``seed`` (its configs vary with the seed), unit-scale weights, eval mode."""
     registry = get_registry()

@@ -1,0 +1,538 @@
+"""BERT and RoBERTa encoders: every point against a reference written from the Hugging Face modules, edits against
+the same edits made with plain PyTorch hooks, weights from the live parameters, and (under transformers 4.57 with
+TransformerLens 2.18 installed) every shared point and the logits against TransformerLens' ``HookedEncoder`` on the
+same weights.
+
+Tiny models (width 16-24, 2 layers) with unit-scale weights (``lensadapters.testing.reinit``); nothing is built at
+import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import lensadapters_bert
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaConfig, RobertaForMaskedLM
+
+from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError
+from lensadapters.testing import assert_close
+from lensadapters.testing.models import reinit
+
+FAMILIES = ("bert", "roberta")
+IMPLEMENTATIONS = ("eager", "sdpa")
+PAD = {"bert": 0, "roberta": 1}
+
+
+def make_model(family: str, implementation: str = "eager", seed: int = 0, heads: int = 2, cls: Any = None) -> nn.Module:
+    shared: dict[str, Any] = dict(
+        vocab_size=40,
+        hidden_size=8 * heads,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        intermediate_size=32,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=PAD[family],
+    )
+    config = (
+        BertConfig(max_position_embeddings=12, **shared)
+        if family == "bert"
+        else RobertaConfig(max_position_embeddings=14, **shared)
+    )
+    torch.manual_seed(seed)
+    if cls is None:
+        cls = BertForMaskedLM if family == "bert" else RobertaForMaskedLM
+    model = cls._from_config(config, attn_implementation=implementation)
+    reinit(model, seed)
+    return model.eval()
+
+
+def inputs(family: str, seed: int = 0) -> dict[str, Tensor]:
+    """Two rows of 7 tokens, the second right-padded by 3, with two token types."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 40, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    ids[1, 4:] = PAD[family]
+    types = torch.zeros(2, 7, dtype=torch.long)
+    types[:, 3:] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return getattr(model, model.base_model_prefix, model)
+
+
+def _head(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[Tensor], Tensor], nn.Module]:
+    """(dense, activation, norm, decoder) of the masked-LM head."""
+    if hasattr(model, "cls"):
+        t = model.cls.predictions.transform
+        return t.dense, t.transform_act_fn, t.LayerNorm, model.cls.predictions.decoder
+    from transformers.activations import gelu
+
+    h = model.lm_head
+    return h.dense, gelu, h.layer_norm, h.decoder
+
+
+def _scale(ln: nn.LayerNorm, x: Tensor) -> Tensor:
+    return (x.var(-1, keepdim=True, unbiased=False) + ln.eps).sqrt()
+
+
+def reference(model: nn.Module, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
+    """Every HookedEncoder point, computed step by step from the model's modules; ``edits`` (point -> fn) change a
+    point's value where it is computed. The pattern and scores are written out: ``q kᵀ / sqrt(d_head)``, padding
+    keys ``-inf``."""
+    edits = edits or {}
+    out: dict[str, Tensor] = {}
+
+    def at(name: str, value: Tensor) -> Tensor:
+        if name in edits:
+            value = edits[name](value)
+        out[name] = value
+        return value
+
+    def norm(prefix: str, ln: nn.LayerNorm, x: Tensor) -> Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        scale = at(f"{prefix}.hook_scale", _scale(ln, x))
+        return at(f"{prefix}.hook_normalized", centred / scale * ln.weight + ln.bias)
+
+    ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+    b, p = ids.shape
+    e = _base(model).embeddings
+    if model.config.model_type == "roberta":
+        real = ids.ne(e.padding_idx).long()
+        positions = real.cumsum(1) * real + e.padding_idx
+    else:
+        positions = torch.arange(p).expand(b, p)
+    word = at("hook_embed", e.word_embeddings(ids))
+    token_type = at("embed.hook_token_type_embed", e.token_type_embeddings(types))
+    pos = at("hook_pos_embed", e.position_embeddings(positions))
+    x = at("hook_full_embed", norm("embed.ln", e.LayerNorm, word + token_type + pos))
+    n_heads = model.config.num_attention_heads
+    d_head = model.config.hidden_size // n_heads
+    for i, layer in enumerate(_base(model).encoder.layer):
+        pre = f"blocks.{i}."
+        x = at(pre + "hook_resid_pre", x)
+        sa = layer.attention.self
+        attn_in = at(pre + "hook_attn_in", x[:, :, None].expand(b, p, n_heads, x.shape[-1]))
+        q, k, v = (
+            at(
+                pre + f"attn.hook_{n}",
+                torch.einsum("bphm,hdm->bphd", at(pre + f"hook_{n}_input", attn_in), m.weight.view(n_heads, d_head, -1))
+                + m.bias.view(n_heads, d_head),
+            )
+            for n, m in zip("qkv", (sa.query, sa.key, sa.value))
+        )
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d_head)
+        scores = at(pre + "attn.hook_attn_scores", scores.masked_fill(mask[:, None, None, :] == 0, -math.inf))
+        pattern = at(pre + "attn.hook_pattern", scores.softmax(-1))
+        z = at(pre + "attn.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        dense = layer.attention.output.dense
+        result = at(pre + "attn.hook_result", torch.einsum("bphd,mhd->bphm", z, dense.weight.view(-1, n_heads, d_head)))
+        attn_out = at(pre + "hook_attn_out", result.sum(2) + dense.bias)
+        mid = at(pre + "hook_resid_mid", x + attn_out)
+        normalized = norm(pre + "ln1", layer.attention.output.LayerNorm, mid)
+        mlp_in = at(pre + "hook_mlp_in", normalized)
+        hidden = at(pre + "mlp.hook_pre", layer.intermediate.dense(mlp_in))
+        post = at(pre + "mlp.hook_post", layer.intermediate.intermediate_act_fn(hidden))
+        mlp_out = at(pre + "hook_mlp_out", layer.output.dense(post))
+        resid_post = at(pre + "hook_resid_post", normalized + mlp_out)
+        x = at(pre + "hook_normalized_resid_post", norm(pre + "ln2", layer.output.LayerNorm, resid_post))
+    dense, act, ln, decoder = _head(model)
+    out["logits"] = decoder(norm("mlm_head.ln", ln, act(dense(x))))
+    return out
+
+
+def _masked_equal(a: Tensor, b: Tensor) -> bool:
+    return torch.equal(torch.isinf(a), torch.isinf(b))
+
+
+def max_error(cache: Any, ref: dict) -> float:
+    worst = 0.0
+    for name, value in ref.items():
+        if name == "logits":
+            continue
+        got = cache[name]
+        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
+        finite = torch.isfinite(value)
+        assert _masked_equal(got, value), f"{name}: masked entries differ"
+        worst = max(worst, (got[finite] - value[finite]).abs().max().item())
+    return worst
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_point_matches_the_reference(family, implementation):
+    model = make_model(family, implementation)
+    batch = inputs(family)
+    hm = HookedModel.wrap(model)
+    assert hm.cfg.attention_dir == "bidirectional"
+    with torch.no_grad():
+        expected = model(**batch).logits
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)  # the per-head points too
+        ref = reference(model, batch)
+    if implementation == "eager":  # caching patterns writes attention out, as eager attention computes it
+        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
+    assert_close(logits, expected, "a cached forward computes HF's logits")
+    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
+    error = max_error(cache, ref)
+    assert error < 1e-5, f"largest difference from the reference {error:.3g}"
+    print(f"largest difference from the reference ({family}, {implementation}): {error:.3g}")
+    assert_close(ref["logits"], expected, "the reference's logits are HF's")
+    # padding keys get no attention, every query row (padding queries too) attends to the real keys
+    pattern = cache["pattern", 0]
+    assert torch.all(pattern[1, :, :, 4:] == 0) and torch.all(pattern[1, :, :, :4] > 0)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_hooks_is_hf_forward_and_order_is_firing_order(family):
+    model = make_model(family, "sdpa")
+    batch = inputs(family)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        hm = HookedModel.wrap(model)
+        assert torch.equal(hm(**batch).logits, expected)
+        fired: list[str] = []
+        hooks = [(n, lambda t, hook: fired.append(hook.name)) for n in hm.hook_names]
+        assert_close(hm.run_with_hooks(**batch, fwd_hooks=hooks), expected, "identity hooks everywhere")
+    assert fired == hm.hook_names, "every point fires once, in hook_names' order"
+    assert hm.unwrap() is model
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_and_weights_from_live_parameters(family):
+    model = make_model(family)
+    batch = inputs(family)
+    hm = HookedModel.wrap(model)
+    base = _base(model)
+    e, offset = base.embeddings, hm.layout.pos_embed_offset
+    assert offset == (PAD["roberta"] + 1 if family == "roberta" else 0)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=["hook_pos_embed", "hook_embed"])
+    valid = batch["attention_mask"].bool()
+    t = batch["attention_mask"].cumsum(1) - 1
+    assert torch.equal(cache["hook_pos_embed"][valid], hm.W_pos[t[valid]]), "a real token at t reads W_pos[t]"
+    assert torch.equal(cache["hook_embed"], hm.W_E[batch["input_ids"]])
+    assert hm.W_pos.shape == (e.position_embeddings.num_embeddings - offset, hm.cfg.d_model)
+    h, d = hm.cfg.n_heads, hm.cfg.d_head
+    for i, layer in enumerate(base.encoder.layer):
+        sa = layer.attention.self
+        for W, b, lin in ((hm.W_Q, hm.b_Q, sa.query), (hm.W_K, hm.b_K, sa.key), (hm.W_V, hm.b_V, sa.value)):
+            assert torch.equal(W[i], lin.weight.T.reshape(-1, h, d).transpose(0, 1))
+            assert torch.equal(b[i], lin.bias.view(h, d))
+        assert torch.equal(hm.W_O[i], layer.attention.output.dense.weight.T.reshape(h, d, -1))
+        assert torch.equal(hm.b_O[i], layer.attention.output.dense.bias)
+        assert torch.equal(hm.W_in[i], layer.intermediate.dense.weight.T)
+        assert torch.equal(hm.W_out[i], layer.output.dense.weight.T)
+    decoder = _head(model)[3]
+    assert torch.equal(hm.W_U, decoder.weight.T) and torch.equal(hm.b_U, decoder.bias)
+    with torch.no_grad():  # live: an in-place change of a parameter is seen at once
+        base.encoder.layer[1].attention.self.query.weight.mul_(2)
+        e.position_embeddings.weight[offset].add_(1)
+    assert torch.equal(hm.W_Q[1], base.encoder.layer[1].attention.self.query.weight.T.reshape(-1, h, d).transpose(0, 1))
+    assert torch.equal(hm.W_pos[0], e.position_embeddings.weight[offset])
+    hm.unwrap()
+
+
+# --- editing --------------------------------------------------------------------------------------------
+
+
+def _delta(shape: torch.Size, name: str) -> Tensor:
+    return 0.5 * torch.randn(shape, generator=torch.Generator().manual_seed(len(name)))
+
+
+# point -> (module, "out" | "in"): the module whose output or first input the point shows
+def plain_sites(model: nn.Module, layer: int) -> dict[str, tuple[nn.Module, str]]:
+    e = _base(model).embeddings
+    blk = _base(model).encoder.layer[layer]
+    pre = f"blocks.{layer}."
+    return {
+        "hook_embed": (e.word_embeddings, "out"),
+        "embed.hook_token_type_embed": (e.token_type_embeddings, "out"),
+        "hook_pos_embed": (e.position_embeddings, "out"),
+        "embed.ln.hook_normalized": (e.LayerNorm, "out"),
+        "hook_full_embed": (e, "out"),
+        pre + "hook_resid_pre": (blk, "in"),
+        pre + "attn.hook_q": (blk.attention.self.query, "out"),
+        pre + "attn.hook_k": (blk.attention.self.key, "out"),
+        pre + "attn.hook_v": (blk.attention.self.value, "out"),
+        pre + "attn.hook_z": (blk.attention.output.dense, "in"),
+        pre + "hook_attn_out": (blk.attention.output.dropout, "out"),
+        pre + "hook_resid_mid": (blk.attention.output.LayerNorm, "in"),
+        pre + "ln1.hook_normalized": (blk.attention.output.LayerNorm, "out"),
+        pre + "hook_mlp_in": (blk.intermediate.dense, "in"),
+        pre + "mlp.hook_pre": (blk.intermediate.dense, "out"),
+        pre + "mlp.hook_post": (blk.output.dense, "in"),
+        pre + "hook_mlp_out": (blk.output.dense, "out"),
+        pre + "hook_resid_post": (blk.output.LayerNorm, "in"),
+        pre + "ln2.hook_normalized": (blk.output.LayerNorm, "out"),
+        pre + "hook_normalized_resid_post": (blk, "out"),
+        "mlm_head.ln.hook_normalized": (_head(model)[2], "out"),
+    }
+
+
+def _plain_hook(module: nn.Module, where: str, delta: Tensor) -> Any:
+    def add(t: Tensor) -> Tensor:  # a point shows heads split, or a broadcast row per batch element
+        return t + delta.reshape(delta.shape[0], *t.shape[1:])
+
+    if where == "out":
+
+        def out_hook(m: nn.Module, args: tuple, output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (add(output[0]),) + output[1:]
+            return add(output)
+
+        return module.register_forward_hook(out_hook)
+
+    def in_hook(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return (add(args[0]),) + args[1:], kwargs
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: add(kwargs[key])}
+
+    return module.register_forward_pre_hook(in_hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edits_equal_plain_pytorch_hooks(family, implementation):
+    """Adding a delta at a point gives exactly the logits of adding it to the module's tensor with a plain hook."""
+    model = make_model(family, implementation)
+    batch = inputs(family)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        base_logits = model(**batch).logits
+        _, cache = hm.run_with_cache(**batch)
+        layers = (0, 1) if implementation == "eager" else (1,)  # sdpa: the last block's points
+        for layer in layers:
+            for name, (module, where) in plain_sites(model, layer).items():
+                if not name.startswith("blocks.") and layer != layers[0]:
+                    continue  # the embedding and head points once
+                delta = _delta(cache[name].shape, name)
+                edited = hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook, d=delta: t + d)])
+                handle = _plain_hook(module, where, delta)
+                try:
+                    plain = model(**batch).logits
+                finally:
+                    handle.remove()
+                assert not torch.equal(plain, base_logits), f"{name}: the edit changes the logits"
+                assert torch.equal(edited, plain), (
+                    f"{name}: {(edited - plain).abs().max().item():.3g} from the plain hook"
+                )
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scale_score_and_pattern_edits_match_the_reference(family):
+    """Edits without a module boundary (norm scales, scores, patterns) against the reference computing with them."""
+    model = make_model(family, "sdpa", seed=1)
+    batch = inputs(family, seed=1)
+    hm = HookedModel.wrap(model)
+
+    def double(t: Tensor, hook: Any = None) -> Tensor:
+        return t * 2
+
+    def sharpen(t: Tensor, hook: Any = None) -> Tensor:
+        return t * torch.linspace(0.5, 1.5, t.shape[-1])
+
+    def reweigh(t: Tensor, hook: Any = None) -> Tensor:
+        return t * torch.linspace(1.0, 2.0, t.shape[-1])
+
+    cases = {
+        "embed.ln.hook_scale": double,
+        "blocks.0.ln1.hook_scale": double,
+        "blocks.1.ln2.hook_scale": double,
+        "mlm_head.ln.hook_scale": double,
+        "blocks.0.attn.hook_attn_scores": sharpen,
+        "blocks.1.attn.hook_pattern": reweigh,
+        "blocks.0.hook_attn_in": double,
+        "blocks.1.hook_q_input": double,
+        "blocks.0.hook_k_input": double,
+        "blocks.1.hook_v_input": double,
+        "blocks.0.attn.hook_result": reweigh,
+    }
+    with torch.no_grad():
+        base_logits = model(**batch).logits
+        for name, fn in cases.items():
+            edited = hm.run_with_hooks(**batch, fwd_hooks=[(name, fn)])
+            expected = reference(model, batch, {name: fn})["logits"]
+            assert not torch.allclose(edited, base_logits), name
+            assert_close(edited, expected, f"{name} edit against the reference")
+    hm.unwrap()
+
+
+# --- the analysis layer and refusals ---------------------------------------------------------------------
+
+
+def test_analysis_layer_and_named_refusals():
+    model = make_model("bert")
+    batch = inputs("bert")
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch)
+    stack = cache.accumulated_resid()
+    assert torch.equal(stack[-1], cache["blocks.1.hook_normalized_resid_post"]), "the final stream is the block output"
+    assert torch.equal(stack[1], cache["blocks.1.hook_resid_pre"])
+    with pytest.raises(DecompositionUndefinedError, match="post-LN"):
+        cache.decompose_resid()
+    with pytest.raises(DecompositionUndefinedError, match="post-LN"):
+        cache.get_full_resid_decomposition()
+    with pytest.raises(NotCausalError, match="bidirectionally"):
+        hm(batch["input_ids"], return_type="loss")
+    with pytest.raises(NotCausalError, match="generate"):
+        hm.generate(batch["input_ids"], max_new_tokens=1)
+    # activation patching with the encoder's inputs: patching a clean run's residual into itself changes nothing,
+    # patching it into a corrupted run at every position of a layer restores the clean logits
+    corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
+    with torch.no_grad():
+        clean = model(**batch).logits
+        name = "blocks.1.hook_resid_pre"
+        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
+    assert torch.equal(patched, clean)
+    hm.unwrap()
+
+
+def test_stop_at_layer_and_encoders_without_a_head():
+    model = make_model("bert", cls=BertModel)
+    batch = inputs("bert")
+    hm = HookedModel.wrap(model)
+    assert "mlm_head.ln.hook_scale" not in hm.hook_names
+    with torch.no_grad():
+        out = model(**batch).last_hidden_state
+        _, cache = hm.run_with_cache(**batch)
+        stopped = hm(
+            batch["input_ids"],
+            token_type_ids=batch["token_type_ids"],
+            one_zero_attention_mask=batch["attention_mask"],
+            stop_at_layer=1,
+        )
+    assert torch.equal(cache["blocks.1.hook_normalized_resid_post"], out)
+    assert torch.equal(stopped, cache["blocks.1.hook_resid_pre"])
+    with pytest.raises(AttributeError):
+        _ = hm.W_U
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformer_lens_style_call_keeps_the_encoders_positions(family):
+    """A TransformerLens-style call (HookedEncoder's keywords) computes HF's logits on padded inputs: an encoder's
+    positions are its own (RoBERTa's from the token ids), not counted from the mask as for a causal LM."""
+    model = make_model(family)
+    batch = inputs(family)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        logits = hm(
+            batch["input_ids"],
+            return_type="logits",
+            token_type_ids=batch["token_type_ids"],
+            one_zero_attention_mask=batch["attention_mask"],
+        )
+    assert torch.equal(logits, expected)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(is_decoder=True), "is_decoder=True"),
+        (dict(position_embedding_type="relative_key"), "relative_key"),
+    ],
+)
+def test_refused_configurations(change, message):
+    config = BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, **change
+    )
+    model = BertForMaskedLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match=message):
+        HookedModel.wrap(model)
+
+
+def test_tiny_configs_wrap():
+    for seed in range(4):
+        config = lensadapters_bert.lensadapters_tiny_config(arch=lensadapters_bert.ARCH, seed=seed)
+        model = (BertForMaskedLM if config.model_type == "bert" else RobertaForMaskedLM)(config).eval()
+        hm = HookedModel.wrap(model)
+        assert hm.cfg.model_type == config.model_type and hm.cfg.n_layers == config.num_hidden_layers
+        hm.unwrap()
+
+
+# --- TransformerLens 2.18's HookedEncoder on the same weights ----------------------------------------------
+
+TL_NAMES = {"hook_embed": "embed.hook_embed", "hook_pos_embed": "embed.hook_pos_embed"}
+
+
+def hooked_encoder(model: BertForMaskedLM) -> Any:
+    """TransformerLens' HookedEncoder with the model's weights, converted by TransformerLens' own BERT conversion
+    (``from_pretrained`` would fetch the checkpoint's config from the Hub; the pooler and NSP head, which a masked-LM
+    model lacks and nothing here reads, get placeholders)."""
+    from types import SimpleNamespace as NS
+
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.bert import convert_bert_weights
+
+    c = model.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=c.hidden_size // c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn="gelu",
+        normalization_type="LN",
+        attention_dir="bidirectional",
+        original_architecture="BertForMaskedLM",
+        eps=c.layer_norm_eps,
+        device="cpu",
+    )
+    d = c.hidden_size
+    source = NS(
+        bert=NS(embeddings=model.bert.embeddings, encoder=model.bert.encoder, pooler=NS(dense=nn.Linear(d, d))),
+        cls=NS(predictions=model.cls.predictions, seq_relationship=nn.Linear(d, 2)),
+    )
+    tl = HookedEncoder(cfg, move_to_device=False)
+    tl.load_state_dict(convert_bert_weights(source, cfg), strict=False)
+    return tl.eval()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_matches_transformer_lens_hooked_encoder(implementation):
+    pytest.importorskip("transformer_lens")
+    model = make_model("bert", implementation, seed=2)
+    batch = inputs("bert", seed=2)
+    tl = hooked_encoder(model)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        tl_logits, tl_cache = tl.run_with_cache(
+            batch["input_ids"], token_type_ids=batch["token_type_ids"], one_zero_attention_mask=batch["attention_mask"]
+        )
+        logits, cache = hm.run_with_cache(**batch)
+    shared = [n for n in hm.hook_names if TL_NAMES.get(n, n) in tl_cache.cache_dict]
+    assert len(shared) == len(tl_cache.cache_dict), "every HookedEncoder point is served"
+    worst = 0.0
+    keys = batch["attention_mask"].bool()[:, None, None, :]
+    for name in shared:
+        ours, theirs = cache[name], tl_cache[TL_NAMES.get(name, name)]
+        assert ours.shape == theirs.shape, name
+        if name.endswith("hook_attn_scores"):  # TransformerLens adds a large negative number where we put -inf
+            ours, theirs = ours.masked_select(keys.expand_as(ours)), theirs.masked_select(keys.expand_as(theirs))
+        worst = max(worst, (ours - theirs).abs().max().item())
+        assert_close(ours, theirs, f"{name} against HookedEncoder")
+    assert_close(logits, tl_logits, "logits against HookedEncoder")
+    worst = max(worst, (logits - tl_logits).abs().max().item())
+    assert worst < 1e-4
+    print(f"largest difference from HookedEncoder ({implementation}): {worst:.3g}")
+    hm.unwrap()

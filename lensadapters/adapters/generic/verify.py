@@ -516,23 +516,27 @@ def _run_references(
     return values, logits
 
 
-def _run_point(hooked: Any, ids: Tensor, name: str, delta: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(the point's value, logits)`` with ``delta`` added at the point."""
-    point = hooked.hook_dict[name]
-    seen: list[Tensor] = []
+def _run_points(hooked: Any, ids: Tensor, edits: list[tuple[str, Tensor]]) -> Tensor:
+    """The logits with each ``(name, delta)`` of ``edits`` added at its point (every point must fire)."""
+    fired: set[str] = set()
+    points = []
+    for name, delta in edits:
 
-    def hook(value: Tensor, hook: Any) -> Any:
-        seen.append(value.detach().clone())
-        return value + delta.to(value.dtype) if delta is not None else None
+        def hook(value: Tensor, hook: Any, name: str = name, delta: Tensor = delta) -> Tensor:
+            fired.add(name)
+            return value + delta.to(value.dtype)
 
-    point.add(hook, "fwd")
+        point = hooked.hook_dict[name]
+        point.add(hook, "fwd")
+        points.append(point)
     try:
         logits = _logits(hooked.hf_model, ids)
     finally:
-        point.remove_hooks()
-    if not seen:
+        for point in points:
+            point.remove_hooks()
+    if len(fired) < len(edits):
         raise RuntimeError("the point did not fire")
-    return seen[0], logits
+    return logits
 
 
 def _read_all(hooked: Any, ids: Tensor, names: list[str]) -> tuple[dict[str, Tensor], Tensor]:
@@ -576,7 +580,7 @@ def check_point(
     if ref is None:
         return UNCHECKED + "no independent reference to check it against"
     delta = _delta(name, value, ref, _low(value))
-    _, edited = _run_point(hooked, ids, name, delta)
+    edited = _run_points(hooked, ids, [(name, delta)])
     expected, reference_edited = _run_reference(hooked.hf_model, ids, ref, owner, delta)
     return _judge(ref, value, expected, edited, reference_edited, plain)
 
@@ -670,16 +674,7 @@ def _check_batch(
     if rows not in plain_by_rows:
         plain_by_rows[rows] = _logits(model, batch)
     plain = plain_by_rows[rows]
-    hooks = []
-    for (name, _, _), delta in zip(points, deltas):
-        point = hooked.hook_dict[name]
-        point.add(lambda value, hook, d=delta: value + d.to(value.dtype), "fwd")
-        hooks.append(point)
-    try:
-        edited = _logits(model, batch)
-    finally:
-        for point in hooks:
-            point.remove_hooks()
+    edited = _run_points(hooked, batch, [(name, delta) for (name, _, _), delta in zip(points, deltas)])
     edits: list[tuple[Reference, Optional[Tensor], Optional[int]]] = [
         (ref, delta, row) for row, ((_, ref, _), delta) in enumerate(zip(points, deltas))
     ]

@@ -16,14 +16,11 @@ not the CPU).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from results_files import device_name, save
 
 from lensadapters.harvest.checksum import tensor_checksum
 
@@ -81,16 +78,7 @@ def main() -> None:
             }
         )
         del values
-    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device))
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "device": device,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "rows": rows,
-    }
+    device = device_name(args.device)
     lines = [
         f"Checksum of random tensors ({args.device}: {device}, torch {torch.__version__}, {args.threads} thread(s), "
         f"median of {args.rounds} rounds)",
@@ -99,11 +87,7 @@ def main() -> None:
         "|---|---|---|---|---|",
         *(f"| {r['dtype']} | {r['gigabytes']} | {r['seconds']} | {r['gb_per_s']} | {r['seconds_7b']} |" for r in rows),
     ]
-    print("\n".join(lines))
-    suffix = "" if args.device == "cpu" else "_" + args.device.replace(":", "")
-    folder = Path(__file__).parent / "results"
-    (folder / f"bench_checksum{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (folder / f"bench_checksum{suffix}.md").write_text("\n".join(lines) + "\n")
+    save("bench_checksum", args.device, args.threads, args.rounds, rows, lines)
 
 
 if __name__ == "__main__":

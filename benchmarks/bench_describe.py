@@ -17,16 +17,13 @@ is not the CPU).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
+from results_files import device_name, save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lensadapters import HookedModel
@@ -97,7 +94,7 @@ def main() -> None:
     one = seconds(lambda: wrap(1), args.rounds, args.device)
     batched = seconds(lambda: wrap(batched_per_pass), args.rounds, args.device)
     assert served[1] == served[batched_per_pass], served
-    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device))
+    device = device_name(args.device)
     row = {
         "model_type": args.model_type,
         "parameters": parameters,
@@ -112,15 +109,6 @@ def main() -> None:
         "speedup": round(one / batched, 2),
         "batched_in_forwards": round(batched / forward, 1),
     }
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "device": device,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "rows": [row],
-    }
     lines = [
         f"Wrap of an automatically described {args.model_type} ({parameters / 1e9:.2f}B parameters, {args.layers} "
         f"layers, width {args.width}, {args.dtype}; {args.device}: {device}, torch {torch.__version__}, "
@@ -132,11 +120,7 @@ def main() -> None:
         f"| {row['points_served']} | {row['forward_s']} | {row['wrap_one_at_a_time_s']} | {row['wrap_batched_s']} "
         f"| {row['speedup']}x | {row['batched_in_forwards']} |",
     ]
-    print("\n".join(lines))
-    suffix = "" if args.device == "cpu" else "_" + args.device.replace(":", "")
-    folder = Path(__file__).parent / "results"
-    (folder / f"bench_describe{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (folder / f"bench_describe{suffix}.md").write_text("\n".join(lines) + "\n")
+    save("bench_describe", args.device, args.threads, args.rounds, [row], lines)
 
 
 if __name__ == "__main__":

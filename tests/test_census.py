@@ -1,9 +1,10 @@
 """The census (:mod:`lensadapters.testing.census`) on a sample of model types, and the wrap-time verification of the
 generic adapter's automatic description: a served point whose value or edit is not what its name says is caught.
 
-The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
-transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
-rotary with norms after the branches, branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
+The sample: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins, and
+decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.23 (parallel
+blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the branches,
+branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
 every causal-LM model type (several minutes).
 """
 
@@ -23,7 +24,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite")
+SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite")
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -10,6 +10,8 @@ points where the layer has a module whose class name ends in ``Attention``; ``ho
 child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is dense (no experts list); ``ln1``/
 ``ln2.hook_scale`` where the layer has one or two norm children (a class name with ``Norm``), ``hook_resid_mid``
 where it has two (one pre-norm shared by both branches: a parallel block has no ``hook_resid_mid``).
+``ln_final.hook_scale`` where the module holding the layers (or the one above it) has a norm child (an encoder
+without a final norm, as TransformerLens' ``HookedEncoder``, has none).
 
 Run ``python -m lensadapters.testing.census [MODEL_TYPE ...]`` (``scripts/census.py``), ``--markdown`` for a table.
 """
@@ -79,9 +81,21 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def applicable_points(layer: nn.Module, layout: Any = None) -> tuple[str, ...]:
+def has_final_norm(model: nn.Module, blocks: str) -> bool:
+    """Whether the module holding the layer list at ``blocks`` (or the one above it) has a norm child: the final
+    norm of a decoder (``model.norm``, ``transformer.ln_f``). A BERT-style encoder has none (TransformerLens'
+    ``HookedEncoder`` has no ``ln_final`` either)."""
+    path = blocks.rsplit(".", 1)[0] if "." in blocks else ""
+    holders = [model.get_submodule(path)]
+    if path:
+        holders.append(model.get_submodule(path.rsplit(".", 1)[0] if "." in path else ""))
+    return any(_is_norm(child) for holder in holders for child in holder.children())
+
+
+def applicable_points(layer: nn.Module, layout: Any = None, final_norm: bool = True) -> tuple[str, ...]:
     """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring);
-    with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has."""
+    with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has;
+    ``ln_final.hook_scale`` where the model has a final norm (``final_norm``, :func:`has_final_norm`)."""
     children = list(layer.named_children())
     attention = [c for _, c in children if type(c).__name__.endswith("Attention")]
     norms = [c for _, c in children if _is_norm(c)]
@@ -90,7 +104,8 @@ def applicable_points(layer: nn.Module, layout: Any = None) -> tuple[str, ...]:
         for _, c in children
         if not _is_norm(c) and all(c is not a for a in attention) and any(p.dim() >= 2 for p in c.parameters())
     ]
-    points = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "ln_final.hook_scale"]
+    points = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post"]
+    points += ["ln_final.hook_scale"] if final_norm else []
     if attention:
         points += ["blocks.0.hook_attn_out", *ATTENTION]
     if others:
@@ -134,7 +149,8 @@ def census_entry(model_type: str, check: bool = True) -> Entry:
         entry.adapter, entry.why = "refused", f"wrap raised {type(why).__name__}: {str(why)[:200]}"
         return entry
     entry.adapter = hm.plugin.name
-    entry.applicable = applicable_points(hm.block_modules[0], hm.block_layouts[0])
+    final_norm = has_final_norm(hm.hf_model, hm.layout.blocks)
+    entry.applicable = applicable_points(hm.block_modules[0], hm.block_layouts[0], final_norm)
     entry.served = tuple(p for p in CANONICAL if p in hm.hook_dict)
     if hm.plugin.name == "generic":
         found = findings(model)

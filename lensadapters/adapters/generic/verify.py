@@ -10,16 +10,17 @@ point hooked and one with plain PyTorch hooks on the model's modules (or the att
   does, and moves them at all (an edit that is ignored fails).
 
 References: ``hook_embed`` the embedding module's output (the first layer's input where the model scales it after
-the module); ``hook_resid_pre``/``hook_resid_post`` the layer's input/output; ``hook_attn_out``/``hook_mlp_out`` the
-branch modules' outputs; ``hook_resid_mid`` the input of ``ln2`` (or the MLP) together with the layer's output (an
-edit there reaches the residual too); ``hook_attn_in``/``hook_mlp_in`` the input of ``ln1``/``ln2`` (one branch);
+the module); ``hook_resid_pre``/``hook_resid_post`` the layer's input/output (``ln2``'s input in a post-LN block
+with TransformerLens' ``BertBlock`` points); ``hook_attn_out``/``hook_mlp_out`` the branch modules' outputs;
+``hook_resid_mid`` the input of ``ln2`` (or the MLP) together with the layer's output (an edit there reaches the
+residual too); ``hook_attn_in``/``hook_mlp_in`` the input of ``ln1``/``ln2`` (one branch);
 ``attn.hook_q``/``hook_k``/``hook_v`` the projections' outputs split into heads; ``attn.hook_rot_q``/``hook_rot_k``
 the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` and
-the model's eager attention weights (an edit: softmax of the edited scores, or the edited weights, times the values);
-``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the gate/up
-projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that reproduces the
-norm module's output from its input with its own weight and bias (an edit: the output recomputed with the edited
-scale), ``*.hook_normalized`` the norm's output (LayerNorm) or the output over the weight (RMSNorm).
+the model's eager attention weights (an edit: softmax of the edited scores, or the edited weights, times the
+values); ``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the
+gate/up projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that
+reproduces the norm module's output from its input with its own weight and bias (an edit: the output recomputed with
+the edited scale), ``*.hook_normalized`` the norm's output (LayerNorm) or the output over the weight (RMSNorm).
 A point without a reference is reported as unchecked (``None`` reference): :func:`check_points` says so.
 
 Points are checked many per forward pass: each point's edit, and its reference's, is in its own copy of the probe
@@ -127,6 +128,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if rest == "hook_resid_pre":
         return Reference("in", layer)
     if rest == "hook_resid_post":
+        if bl is not None and bl.resid_post_before_norm and bl.ln2 is not None:
+            return Reference("in", layer.get_submodule(bl.ln2))  # TransformerLens' BertBlock: the sum ln2 reads
         return Reference("out", layer)
     get = layer.get_submodule
     if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):

@@ -1,11 +1,11 @@
 """The census (:mod:`lensadapters.testing.census`) on a sample of model types, and the wrap-time verification of the
 generic adapter's automatic description: a served point whose value or edit is not what its name says is caught.
 
-The sample: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins, and
-decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.23 (parallel
+Every causal-LM model type of the installed transformers is checked (about 40 seconds on one core); the sample must
+also be served in full: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins,
+and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x (parallel
 blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the branches,
-branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
-every causal-LM model type (several minutes).
+branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
 SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite")
-EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
+EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "1") not in ("", "0")  # =0: the sample only
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if EVERY
@@ -37,7 +37,7 @@ MODEL_TYPES = (
 def test_census_finds_no_wrong_value_or_ignored_edit(model_type: str) -> None:
     entry = census_entry(model_type)
     assert not entry.wrong, entry.wrong
-    if not EVERY:  # the sample is served in full, by its plugin or the automatic description
+    if model_type in SAMPLE:  # the sample is served in full, by its plugin or the automatic description
         assert entry.status == "FULL", (entry.missing, entry.why)
 
 

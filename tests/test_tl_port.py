@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import io
 import re
 import warnings
@@ -387,6 +388,23 @@ def test_generate_has_transformer_lens_signature_and_runs_hooks() -> None:
         assert hm2.generate(TOKENS, max_new_tokens=2, do_sample=False, pad_token_id=2).shape == (1, 10)
     finally:
         hm2.unwrap()
+
+
+def test_generate_hands_the_cache_back_under_the_name_the_forward_takes() -> None:
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name works, deprecated, until
+    5.40): each decoding step after the first gets the previous step's cache under the forward's own name."""
+    with ported("llama") as hm:
+        parameters = inspect.signature(type(hm.hf_model).forward).parameters
+        passed: list[dict[str, Any]] = []
+        handle = hm.hf_model.register_forward_pre_hook(lambda m, a, kw: passed.append(dict(kw)), with_kwargs=True)
+        try:
+            out = hm.generate(TOKENS, max_new_tokens=3, do_sample=False, stop_at_eos=False, use_past_kv_cache=True)
+        finally:
+            handle.remove()
+        names = [[k for k, v in kw.items() if k in ("cache", "past_key_values") and v is not None] for kw in passed]
+        assert names[0] == [] and all(len(n) == 1 and n[0] in parameters for n in names[1:]), names
+        assert [kw["input_ids"].shape[1] for kw in passed] == [TOKENS.shape[1], 1, 1]
+        assert torch.equal(out, hm.generate(TOKENS, max_new_tokens=3, do_sample=False, use_past_kv_cache=False))
 
 
 # --- utils --------------------------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ class _Stop(Exception):
 
 
 _POSITION_IDS: dict[type, bool] = {}
+_CACHE_ARGUMENT: dict[type, str] = {}
 
 
 def accepts_position_ids(model: Any) -> bool:
@@ -100,6 +101,26 @@ def accepts_position_ids(model: Any) -> bool:
         except (TypeError, ValueError):  # pragma: no cover - an unintrospectable forward
             _POSITION_IDS[cls] = False
     return _POSITION_IDS[cls]
+
+
+def cache_argument(model: Any) -> str:
+    """The name the model's forward takes its key/value cache under: ``cache`` from transformers 5.24
+    (``past_key_values`` is deprecated there, and goes in 5.40), ``past_key_values`` before."""
+    cls = type(model)
+    if cls not in _CACHE_ARGUMENT:
+        try:
+            parameters = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - an unintrospectable forward
+            parameters = {}
+        _CACHE_ARGUMENT[cls] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_ARGUMENT[cls]
+
+
+def returned_cache(out: Any) -> Any:
+    """The key/value cache a forward returned (``out.cache`` from transformers 5.24, ``out.past_key_values``
+    before), ``None`` if it returned none."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def hf_inputs(hm: "HookedModelLike", tokens: Tensor, attention_mask: Optional[Tensor]) -> dict[str, Any]:
@@ -502,14 +523,14 @@ def generate(
             step = tokens[:, -1:] if (use_past_kv_cache and past is not None) else tokens
             kwargs: dict[str, Any] = {"input_ids": step, "use_cache": use_past_kv_cache}
             if past is not None:
-                kwargs["past_key_values"] = past
+                kwargs[cache_argument(hm.hf_model)] = past
             if bool((mask == 0).any()) or past is not None:
                 kwargs["attention_mask"] = mask
                 if positions:
                     kwargs["position_ids"] = position_ids_from_mask(mask)[:, -step.shape[1] :]
             with torch.no_grad():
                 out = hm.model(**kwargs)
-            past = getattr(out, "past_key_values", None) if use_past_kv_cache else None
+            past = returned_cache(out) if use_past_kv_cache else None
             final = (out.logits if hasattr(out, "logits") else first_output(out))[:, -1, :]
             if do_sample:
                 sampled = sample_logits(final, top_k, top_p, temperature, freq_penalty, tokens)

@@ -9,7 +9,9 @@ Which points an architecture *has* is read from its first layer's modules (a cen
 points where the layer has a module whose class name ends in ``Attention``; ``hook_mlp_out`` where it has another
 child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is dense (no experts list); ``ln1``/
 ``ln2.hook_scale`` where the layer has one or two norm children (a class name with ``Norm``), ``hook_resid_mid``
-where it has two (one pre-norm shared by both branches: a parallel block has no ``hook_resid_mid``).
+where it has two (one pre-norm shared by both branches: a parallel block has no ``hook_resid_mid``);
+``ln_final.hook_scale`` except where the blocks are post-LN (each normalizes its own output, as TransformerLens'
+``HookedEncoder``, which has no final norm).
 
 Run ``python -m lensadapters.testing.census [MODEL_TYPE ...]`` (``scripts/census.py``), ``--markdown`` for a table.
 """
@@ -102,6 +104,8 @@ def applicable_points(layer: nn.Module, layout: Any = None) -> tuple[str, ...]:
         points += ["blocks.0.ln1.hook_scale"] if layout.ln1 is not None else []
         points += ["blocks.0.ln2.hook_scale"] if layout.ln2 is not None else []
         points += ["blocks.0.hook_resid_mid"] if not layout.parallel else []
+        if layout.post_norm:  # the last block's ln2 normalizes the residual: no final norm (HookedEncoder has none)
+            points.remove("ln_final.hook_scale")
         return tuple(p for p in CANONICAL if p in points)
     if norms:
         points.append("blocks.0.ln1.hook_scale")

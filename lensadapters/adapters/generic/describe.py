@@ -64,6 +64,7 @@ class LayerDescription:
     norms: dict[str, NormBehaviour]  # path relative to the layer -> how it normalizes
     gated: bool
     act_fn: Optional[str]
+    attn_out: Optional[str] = None  # the module whose output is hook_attn_out, where it is not ``block.attn``'s
 
 
 @dataclass
@@ -419,6 +420,23 @@ def describe_layer(
     return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn)
 
 
+def _describe_any(*args: Any) -> LayerDescription:
+    """A pre-norm (or sandwich, or parallel) layer's description (:func:`describe_layer`'s arguments), else a post-LN
+    one (:mod:`.post_norm`); the pre-norm reason where the layer is not post-LN shaped either."""
+    from lensadapters.adapters.generic.post_norm import NotPostNorm, describe_post_norm_layer
+
+    try:
+        return describe_layer(*args)
+    except NotDescribed as why:
+        model, layer, i, found, rec, rotary, cos_sin = args
+        if "hook_resid_pre" not in found.points:
+            raise
+        try:
+            return describe_post_norm_layer(model, layer, i, rec, (rotary, cos_sin))
+        except NotPostNorm:
+            raise why from None
+
+
 def _rotary_module(
     model: nn.Module, rec: Recording, d_head: int
 ) -> tuple[Optional[str], Optional[tuple[Tensor, Tensor]]]:
@@ -455,7 +473,7 @@ def describe(model: nn.Module, layers: list[nn.Module], blocks: tuple[Any, ...],
                 if given:
                     layer_cos_sin = given[0]
                     layer_rotaries = [*_rotary_candidates(d_head, text_config(model), given[0][0]), None]
-            out.layers[i] = describe_layer(model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
+            out.layers[i] = _describe_any(model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
         except NotDescribed as why:
             out.why[i] = str(why)
         except Exception as exc:  # anything unexpected: the layer is not described

@@ -3,9 +3,9 @@ generic adapter's automatic description: a served point whose value or edit is n
 
 The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
 transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
-rotary with norms after the branches, branch multipliers), BERT (its plugin) and a post-LN encoder that copies BERT's
-modelling code (described automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census
-over every causal-LM model type (several minutes).
+rotary with norms after the branches, branch multipliers, nested pre-LN parts), BERT (its plugin) and a post-LN
+encoder that copies BERT's modelling code (described automatically under transformers 5.x).
+``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over every causal-LM model type (several minutes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "bert")
+SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "bert", "biogpt")
 #: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full where they call
 #: transformers' attention interface (5.x); transformers 4.x's compute attention in their own code
 POST_LN = ("electra",)

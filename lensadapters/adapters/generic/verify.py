@@ -146,6 +146,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
     if rest == "hook_attn_out":  # what the block adds to the residual
+        if bl.ln1_post is None and not bl.o_proj.startswith(bl.attn + "."):  # the projection is outside the module
+            return Reference("out", get(bl.o_proj))  # the attention function is called with: its output
         return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
     if rest == "hook_mlp_out":
         path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)

@@ -5,7 +5,8 @@ Every causal-LM model type of the installed transformers is checked (about 40 se
 also be served in full: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins,
 and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x (parallel
 blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the branches,
-branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
+branch multipliers, nested pre-LN parts), and a post-LN encoder that copies BERT's modelling code (described
+automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lensadapters import HookedModel
@@ -24,12 +26,16 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite")
+SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt")
+#: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full where they call
+#: transformers' attention interface (5.x); transformers 4.x's compute attention in their own code
+POST_LN = ("electra",)
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "1") not in ("", "0")  # =0: the sample only
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if EVERY
-    else [t for t in SAMPLE if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    else [t for t in SAMPLE + POST_LN if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 )
 
 
@@ -37,7 +43,7 @@ MODEL_TYPES = (
 def test_census_finds_no_wrong_value_or_ignored_edit(model_type: str) -> None:
     entry = census_entry(model_type)
     assert not entry.wrong, entry.wrong
-    if model_type in SAMPLE:  # the sample is served in full, by its plugin or the automatic description
+    if model_type in SAMPLE or (model_type in POST_LN and TRANSFORMERS_5):  # served in full, by a plugin or described
         assert entry.status == "FULL", (entry.missing, entry.why)
 
 
@@ -151,3 +157,51 @@ def test_a_point_that_fails_verification_is_not_served_and_the_warning_says_why(
         _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n in CANONICAL)
     assert set(cache.keys()) == {n for n in CANONICAL if n in hm.hook_names}
     hm.unwrap()
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x's BERT computes attention in its own code")
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_the_automatic_post_ln_description_serves_what_the_plugin_serves(model_type: str) -> None:
+    """BERT and RoBERTa with the generic adapter forced on: the automatic post-LN description serves every block
+    point the model's plugin serves (TransformerLens' HookedEncoder names), with the same values, bidirectionally
+    (a padded row: padding keys are masked, nothing else), and the same effect of an edit at each of them."""
+    model = build(model_type)
+    ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        plugged = HookedModel.wrap(model)
+    if plugged.plugin.name == "generic":
+        plugged.unwrap()
+        pytest.skip(f"no plugin claims {model_type} here")
+    names = [n for n in plugged.hook_names if n.startswith("blocks.") or n == "hook_embed"]
+    logits, cache = plugged.run_with_cache(input_ids=ids, attention_mask=mask, names_filter=names)
+    direction = plugged.cfg.attention_dir
+    edited = {n: _edited_logits(plugged, ids, mask, n, cache[n]) for n in names[1::5]}
+    plugged.unwrap()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert hm.plugin.name == "generic" and all(bl is not None and bl.post_norm for bl in hm.block_layouts)
+    assert hm.cfg.attention_dir == direction == "bidirectional"
+    assert not set(names) - set(hm.hook_names), set(names) - set(hm.hook_names)
+    generic_logits, generic_cache = hm.run_with_cache(input_ids=ids, attention_mask=mask, names_filter=names)
+    assert torch.equal(generic_logits, logits)
+    for name in names:
+        assert torch.allclose(generic_cache[name], cache[name], atol=1e-6, rtol=1e-5), name
+    assert bool((generic_cache["blocks.0.attn.hook_pattern"][1, :, :, 5:] == 0).all())  # padding keys only
+    assert bool((generic_cache["blocks.0.attn.hook_pattern"][0] > 0).all())  # later positions too: bidirectional
+    for name, expected in edited.items():
+        assert torch.allclose(_edited_logits(hm, ids, mask, name, cache[name]), expected, atol=1e-5), name
+    hm.unwrap()
+
+
+def _edited_logits(
+    hm: HookedModel, ids: torch.Tensor, mask: torch.Tensor, name: str, value: torch.Tensor
+) -> torch.Tensor:
+    delta = torch.randn(value.shape, generator=torch.Generator().manual_seed(1)) * 0.1
+    if name.endswith("hook_pattern"):
+        delta = delta * (value > 0)
+    hooks = [(name, lambda t, hook: t + delta.to(t.dtype))]
+    return hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=hooks).detach()

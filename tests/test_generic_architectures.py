@@ -5,7 +5,8 @@ grouped attention, partial rotary, q/k norms, sliding windows, ALiBi, branch mul
 generic adapter finds there; :class:`lensadapters.testing.generic.GenericContract` checks the rest. Families whose
 attention does not go through transformers' attention interface (Falcon, BLOOM, GPT-Neo; CodeGen up to transformers
 5.23; StableLM under transformers 4.x) get no pattern points and no hook_z; BLOOM adds the residual inside its
-attention and MLP modules and BioGPT has no MLP module, so neither gets hook_attn_out/hook_mlp_out.
+attention and MLP modules, so it gets no hook_attn_out/hook_mlp_out; BioGPT has no MLP module, and the automatic
+description reads its MLP projections from the layer itself.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ class TestPersimmon(GenericContract):
 
 
 class TestBioGpt(GenericContract):
-    branches, attention_function, patterns = False, True, True  # its MLP is two projections in the layer itself
+    # its MLP is two projections in the layer itself: described from the layer's modules (nested pre-LN parts)
+    branches, attention_function, patterns, described = True, True, True, True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:

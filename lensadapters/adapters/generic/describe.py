@@ -27,7 +27,7 @@ is kept for the warning. A description is then *verified* at wrap time point by 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ class LayerDescription:
     norms: dict[str, NormBehaviour]  # path relative to the layer -> how it normalizes
     gated: bool
     act_fn: Optional[str]
+    attn_out: Optional[str] = None  # the module whose output is hook_attn_out, where it is not ``block.attn``'s
 
 
 @dataclass
@@ -419,6 +420,32 @@ def describe_layer(
     return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn)
 
 
+class NotThisShape(NotDescribed):
+    """A layer is not of the shape a further describer reads (the first describer's reason is the layer's)."""
+
+
+#: a further describer of a layer, tried where :func:`describe_layer` fails: ``(model, layer, i, recording, (rotary
+#: candidates, (cos, sin)))`` to its description, :class:`NotThisShape` where the layer is not of its shape
+LayerDescriber = Callable[[nn.Module, nn.Module, int, Recording, tuple[Any, Any]], LayerDescription]
+
+
+def _describe_any(others: Sequence[LayerDescriber], *args: Any) -> LayerDescription:
+    """A layer's description (:func:`describe_layer`'s arguments): one attention and one MLP child, else the first of
+    ``others`` that describes it; the first reason where none does."""
+    try:
+        return describe_layer(*args)
+    except NotDescribed as why:
+        model, layer, i, found, rec, rotary, cos_sin = args
+        if "hook_resid_pre" not in found.points:
+            raise
+        for other in others:
+            try:
+                return other(model, layer, i, rec, (rotary, cos_sin))
+            except NotThisShape:
+                continue
+        raise why from None
+
+
 def _rotary_module(
     model: nn.Module, rec: Recording, d_head: int
 ) -> tuple[Optional[str], Optional[tuple[Tensor, Tensor]]]:
@@ -437,7 +464,14 @@ def _rotary_module(
     return found[0][0], (found[0][1][0], found[0][1][1])
 
 
-def describe(model: nn.Module, layers: list[nn.Module], blocks: tuple[Any, ...], rec: Recording) -> Description:
+def describe(
+    model: nn.Module,
+    layers: list[nn.Module],
+    blocks: tuple[Any, ...],
+    rec: Recording,
+    others: Sequence[LayerDescriber] = (),
+) -> Description:
+    """Each layer's description (``others``: further describers, tried in turn where :func:`describe_layer` fails)."""
     first = next((c for c in rec.calls if c.layer is not None), None)
     d_head = first.d_head if first is not None else 0
     rotary_path, cos_sin = _rotary_module(model, rec, d_head)
@@ -455,7 +489,7 @@ def describe(model: nn.Module, layers: list[nn.Module], blocks: tuple[Any, ...],
                 if given:
                     layer_cos_sin = given[0]
                     layer_rotaries = [*_rotary_candidates(d_head, text_config(model), given[0][0]), None]
-            out.layers[i] = describe_layer(model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
+            out.layers[i] = _describe_any(others, model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
         except NotDescribed as why:
             out.why[i] = str(why)
         except Exception as exc:  # anything unexpected: the layer is not described

@@ -427,8 +427,9 @@ def identify(model: nn.Module) -> Findings:
     description = None
     if order == list(range(n)):
         from lensadapters.adapters.generic.describe import describe
+        from lensadapters.adapters.generic.post_norm import DESCRIBERS
 
-        description = describe(model, layers, blocks, rec)
+        description = describe(model, layers, blocks, rec, DESCRIBERS)
         if description.why:
             by_reason: dict[str, list[int]] = {}
             for i, why in description.why.items():

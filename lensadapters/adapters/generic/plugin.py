@@ -104,7 +104,20 @@ def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
         eps=behaviour.eps if behaviour is not None and behaviour.eps is not None else 1e-5,
         original_architecture=type(model).__name__,
         extra={"adapter": NAME, "described": d is not None},
+        attention_dir="bidirectional" if _bidirectional(model, found) else "causal",
     )
+
+
+def _bidirectional(model: nn.Module, found: Findings) -> bool:
+    """Whether every layer's attention module says it is not causal (``is_causal = False``: an encoder, whose
+    attention function gets a mask that hides only padding)."""
+    paths = [(layer, b.attention_function) for layer, b in zip(_layers(model, found), found.blocks)]
+    flags = [getattr(layer.get_submodule(p), "is_causal", None) if p else None for layer, p in paths]
+    return bool(flags) and all(flag is False for flag in flags)
+
+
+def _layers(model: nn.Module, found: Findings) -> list[nn.Module]:
+    return list(model.get_submodule(found.structure.layers).children())
 
 
 @hookimpl
@@ -209,6 +222,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     backend = AttentionFunctionBackend(model.config, modules)
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
+            described = _described(model, i)
+            if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
+                point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
+                sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied

@@ -127,9 +127,9 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     layer, bl = hooked.block_modules[i], hooked.block_layouts[i]
     if rest == "hook_resid_pre":
         return Reference("in", layer)
+    if bl is not None and bl.post_norm and rest in _POST_NORM_POINTS:
+        return _post_norm_reference(hooked, i, rest)
     if rest == "hook_resid_post":
-        if bl is not None and bl.resid_post_before_norm and bl.ln2 is not None:
-            return Reference("in", layer.get_submodule(bl.ln2))  # TransformerLens' BertBlock: the sum ln2 reads
         return Reference("out", layer)
     get = layer.get_submodule
     if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
@@ -141,12 +141,14 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
         return Reference("out", get(path)) if path is not None else None
     qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
-    if bl.post_norm or bl.more_after_mlp:
+    if bl.more_after_mlp:
         return None  # not what the automatic description produces: no reference here
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
     if rest == "hook_attn_out":  # what the block adds to the residual
+        if bl.ln1_post is None and not bl.o_proj.startswith(bl.attn + "."):  # the projection is outside the module
+            return Reference("out", get(bl.o_proj))  # the attention function is called with: its output
         return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
     if rest == "hook_mlp_out":
         path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
@@ -201,6 +203,49 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if rest == "mlp.hook_post":
             return Reference("in", get(mlp.out))
     return None
+
+
+_POST_NORM_POINTS = frozenset(
+    {
+        "hook_resid_post",
+        "hook_normalized_resid_post",
+        "hook_resid_mid",
+        "hook_mlp_in",
+        "hook_attn_out",
+        "hook_attn_in",
+        "hook_q_input",
+        "hook_k_input",
+        "hook_v_input",
+    }
+)
+
+
+def _post_norm_reference(hooked: Any, i: int, rest: str) -> Optional[Reference]:
+    """The references of a post-LN block's points (``mid = ln1(x + attn_out)``, ``out = ln2(mid + mlp_out)``) that
+    differ from a pre-norm block's: ``hook_resid_mid`` the input of ``ln1``, ``hook_mlp_in`` the input of the MLP
+    (``ln1``'s output, one branch), ``hook_resid_post`` the input of ``ln2`` (with ``resid_post_before_norm``; else
+    the block output), ``hook_normalized_resid_post`` the block output, ``hook_attn_out`` the output projection's
+    output (what the block adds to ``x``: a dropout after it is the identity in eval mode), and the per-head inputs
+    the block input itself (no norm before attention)."""
+    layer, bl, qkv, mlp = hooked.block_modules[i], hooked.block_layouts[i], hooked.qkv_layouts[i], hooked.mlp_layouts[i]
+    get = layer.get_submodule
+    if rest == "hook_resid_post":
+        return Reference("in", get(bl.ln2)) if bl.resid_post_before_norm else Reference("out", layer)
+    if rest == "hook_normalized_resid_post":
+        return Reference("out", layer)
+    if rest == "hook_resid_mid":
+        return Reference("in", get(bl.ln1))
+    if rest == "hook_mlp_in":
+        first = bl.mlp or (mlp.module if isinstance(mlp, FusedGateUp) else getattr(mlp, "pre", None))
+        return Reference("in", get(first)) if first is not None else None
+    if rest == "hook_attn_out":
+        return Reference("out", get(bl.o_proj))
+    if not isinstance(qkv, SeparateQKV) or qkv.values_from_keys or qkv.kv_from is not None:
+        return None
+    n, kv = hooked.cfg.n_heads, hooked.cfg.n_key_value_heads or hooked.cfg.n_heads
+    which = rest[5] if rest != "hook_attn_in" else "qkv"
+    modules = [get(getattr(qkv, x)) for x in which]
+    return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(None, modules))
 
 
 def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool = False) -> Optional[Reference]:
@@ -335,7 +380,7 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
 
 def _same(a: Optional[Tensor], b: Optional[Tensor], scale: float, floor: float = 0.0) -> bool:
     """``a == b`` up to rounding: ``1e-4`` of ``scale`` in float32 (``5e-2`` in half precision, where the two
-    computations round differently), plus ``floor`` (the rounding noise of the logits in half precision)."""
+    computations round differently), plus ``floor`` (the rounding noise of the logits)."""
     if a is None or b is None or a.shape != b.shape:
         return False
     atol = (1e-4 if b.dtype in (torch.float32, torch.float64) else 5e-2) * max(scale, 1e-6) + floor
@@ -561,11 +606,13 @@ def _read_all(hooked: Any, ids: Tensor, names: list[str]) -> tuple[dict[str, Ten
 
 
 def _delta(name: str, value: Tensor, ref: Reference, low: bool) -> Tensor:
-    """A random edit of a point's value: a tenth of its spread (half in half precision), nothing where it is
-    masked; an edit of a pattern keeps each row's sum."""
+    """A random edit of a point's value: a tenth of its spread (of its size, for a norm's scale; half in half
+    precision), nothing where it is masked; an edit of a pattern keeps each row's sum."""
     generator = torch.Generator().manual_seed(len(name))
     finite = torch.isfinite(value) & (value.float() > -1e4)
     size = float(value.float()[finite].std()) if bool(finite.sum() > 1) else 1.0
+    if ref.kind == "scale":  # a norm's scales can be nearly equal (post-LN): a tenth of their size, not spread
+        size = max(size, float(value.float().abs().mean()))
     delta = torch.randn(value.shape, generator=generator).to(value.device) * ((0.5 if low else 0.1) * size + 1e-3)
     delta = torch.where(finite, delta, torch.zeros_like(delta))
     if ref.part == "weights":
@@ -597,7 +644,9 @@ def _judge(
 ) -> Optional[str]:
     """The verdict on a point from its value, its reference's (``expected``), the logits with the same delta added
     at the point (``edited``) and at the reference (``reference_edited``), and the unedited logits ``plain``."""
-    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max()) if _low(value) else 0.0
+    # the logits' own rounding noise: an edit the model's later norms all but undo (a post-LN block's scale) moves
+    # the logits by little more than the two ways of computing them round apart
+    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max())
     if ref.kind == "scale":  # the served scale reproduces the module's output from its input
         output, x = expected[0], expected[1]
         got, expected = _norm_output(ref.spec, x, ref.view(value)), output

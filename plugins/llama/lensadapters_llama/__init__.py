@@ -68,7 +68,7 @@ def tiny_config(seed: int) -> Any:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    c = model.config
+    c = hf.text_config(model)
     return {
         "extra": {
             "attention_bias": bool(getattr(c, "attention_bias", False)),

@@ -1,0 +1,248 @@
+"""Vision-language models (``*ForConditionalGeneration``): the language model's points under their usual names,
+the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
+
+Tiny random LLaVA (Llama language model, CLIP vision tower) and multimodal Gemma 3 (SigLIP vision tower), built from
+their configs: 16x16 images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA, 4 for Gemma 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lensadapters import HookedModel
+from lensadapters.testing.tiny_models import needs
+
+IMAGE_TOKEN = 100
+PROJECTOR_POINT = "vision_projector.hook_out"
+TOWER = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _llava() -> tuple[Any, int]:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        text_config=LlamaConfig(**TEXT, tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration._from_config(config, attn_implementation="eager"), 16
+
+
+def _gemma3() -> tuple[Any, int]:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(**TEXT, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
+        vision_config=SiglipVisionConfig(**TOWER, num_attention_heads=4),
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=101,
+        eoi_token_index=102,
+    )
+    return Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
+
+
+BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
+    "llava": ("llama", _llava),
+    "gemma3": ("gemma3_text", _gemma3),
+}
+
+
+def vlm(name: str) -> tuple[Any, int]:
+    """The model (eval mode, seeded weights) and its number of image tokens per image."""
+    language, build = BUILDERS[name]
+    needs(language)
+    torch.manual_seed(0)
+    model, n_image = build()
+    with torch.no_grad():  # weights of unit scale, so every point's value is far from rounding noise
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval(), n_image
+
+
+def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
+    """Two sequences: text, the image's tokens (when ``image``), text; with pixel values for one image each."""
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(3, 90, (2, 5), generator=g)
+    middle = torch.full((2, n_image), IMAGE_TOKEN) if image else torch.randint(3, 90, (2, n_image), generator=g)
+    ids = torch.cat([text[:, :2], middle, text[:, 2:]], dim=1)
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    if image:
+        size = model.config.vision_config.image_size
+        kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
+        if "token_type_ids" in model.forward.__code__.co_varnames:  # Gemma 3: the image tokens' own mask
+            kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return kwargs
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def text_model_of(model: Any) -> Any:
+    """A text-only causal LM carrying the vision-language model's language weights."""
+    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation="eager").eval()
+    text.get_decoder().load_state_dict(model.get_decoder().state_dict())
+    text.get_output_embeddings().load_state_dict(model.get_output_embeddings().state_dict())
+    return text
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_language_points_equal_the_text_models(name: str) -> None:
+    """Without an image, every point of the wrapped vision-language model reads what wrapping a text-only model with
+    the same weights reads, under the same names (plus the projector's point); the description is the language
+    model's plugin's."""
+    model, n_image = vlm(name)
+    text = text_model_of(model)
+    hm, hm_text = HookedModel.wrap(model), HookedModel.wrap(text)
+    assert hm.plugin.name == hm_text.plugin.name and hm.cfg.n_layers == hm_text.cfg.n_layers
+    assert [n for n in hm.hook_names if n != PROJECTOR_POINT] == hm_text.hook_names
+    assert hm.hook_names.index(PROJECTOR_POINT) == 1  # after hook_embed: the image features replace embeddings
+    batch = inputs(model, n_image, image=False)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+        logits_text, cache_text = hm_text.run_with_cache(**batch)
+    torch.testing.assert_close(logits_of(logits), logits_of(logits_text), rtol=1e-5, atol=1e-5)
+    assert set(cache.keys()) == set(cache_text.keys())  # the projector did not run: no image
+    for key in cache_text.keys():
+        torch.testing.assert_close(cache[key], cache_text[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert torch.equal(hm.W_Q, hm_text.W_Q) and torch.equal(hm.W_U, hm_text.W_U)
+    hm.unwrap(), hm_text.unwrap()
+
+
+def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The model's output and values read with plain PyTorch hooks: the projector's output (changed by ``edit``),
+    each decoder layer's input and output, each attention module's weights (eager attention)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def projector(module: Any, args: Any, output: torch.Tensor) -> Any:
+        seen[PROJECTOR_POINT] = output.detach().clone()
+        return None if edit is None else edit(output)
+
+    projector_module = model.get_submodule(hm_projector_path(model))
+    handles.append(projector_module.register_forward_hook(projector))
+    for i, layer in enumerate(model.get_decoder().layers):
+
+        def pre(module: Any, args: Any, kwargs: Any, i: int = i) -> None:
+            seen[f"blocks.{i}.hook_resid_pre"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+        def post(module: Any, args: Any, output: Any, i: int = i) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            seen[f"blocks.{i}.hook_resid_post"] = out.detach().clone()
+
+        def pattern(module: Any, args: Any, output: Any, i: int = i) -> None:
+            seen[f"blocks.{i}.attn.hook_pattern"] = output[1].detach().clone()
+
+        handles += [
+            layer.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.register_forward_hook(post),
+            layer.self_attn.register_forward_hook(pattern),
+        ]
+    try:
+        with torch.no_grad():
+            out = model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, seen
+
+
+def hm_projector_path(model: Any) -> str:
+    return next(n for n, _ in model.named_modules() if n.endswith("multi_modal_projector"))
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
+    """``run_with_cache`` takes the processor's inputs (pixel values, token types) and passes them on: the
+    projector's output, the residual stream around each layer and the attention patterns (image tokens' masks
+    included) equal what plain PyTorch hooks read; the image features are what the first layer reads at the image
+    tokens' positions."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    out, seen = _reference(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), out.logits)
+    for key, value in seen.items():
+        assert torch.equal(cache[key], value), key
+    at_images = batch["input_ids"] == IMAGE_TOKEN
+    features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
+    assert features.shape[0] == at_images.sum()
+    assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> None:
+    """An edit of ``vision_projector.hook_out`` (the image features at the image tokens' positions) changes what the
+    language model reads exactly as the same edit made by a plain PyTorch hook on the projector; the text
+    positions' embeddings are untouched."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        return x * -2.0 + 0.5
+
+    expected, _ = _reference(model, batch, edit)
+    clean, _ = _reference(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        got = hm.run_with_hooks(**batch, fwd_hooks=[(PROJECTOR_POINT, lambda x, hook: edit(x))])
+        _, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(got), expected.logits)
+    assert not torch.allclose(logits_of(got), clean.logits)
+    assert torch.equal(cache["hook_embed"], _embeddings(model, batch["input_ids"]))
+    hm.unwrap()
+
+
+def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.get_input_embeddings()(ids)
+
+
+def test_generate_with_hooks_on_llava() -> None:
+    """``hm.generate`` with the processor's inputs runs the hooks: an ablation of the image features gives what the
+    same ablation by a plain hook gives, and differs from the clean generation."""
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    def ablate(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(output)
+
+    handle = model.get_submodule(hm_projector_path(model)).register_forward_hook(ablate)
+    try:
+        expected = model.generate(**batch, **settings)
+    finally:
+        handle.remove()
+    clean = model.generate(**batch, **settings)
+    hm = HookedModel.wrap(model)
+    calls = []
+
+    def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+        calls.append(x.shape)
+        return torch.zeros_like(x)
+
+    with hm.hooks(fwd_hooks=[(PROJECTOR_POINT, hook)]):
+        got = hm.generate(**batch, **settings)
+    assert torch.equal(got, expected) and not torch.equal(got, clean)
+    assert len(calls) == 1  # the image is read once, in the first forward; later steps reuse the cache
+    hm.unwrap()

@@ -246,3 +246,22 @@ def test_generate_with_hooks_on_llava() -> None:
     assert torch.equal(got, expected) and not torch.equal(got, clean)
     assert len(calls) == 1  # the image is read once, in the first forward; later steps reuse the cache
     hm.unwrap()
+
+
+def test_a_plugin_that_does_not_declare_vision_language_models_is_not_used_for_one() -> None:
+    """The language model's plugin describes a vision-language model only where its architecture declares
+    ``vision_language`` (verified there): a LLaVA around a Qwen2 language model is not given to the Qwen2 plugin,
+    whose description reads the outer config; it is refused by name, as before."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+    from lensadapters import UnsupportedModelError, get_registry
+
+    needs("qwen2")
+    assert not any(arch.vision_language for _, arch in get_registry().claims("qwen2"))
+    config = LlavaConfig(
+        text_config=Qwen2Config(**TEXT),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+    )
+    with pytest.raises(UnsupportedModelError, match="llava"):
+        HookedModel.wrap(LlavaForConditionalGeneration(config))

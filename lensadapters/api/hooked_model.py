@@ -146,8 +146,9 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
                 f"use that wrapper or unwrap() it first, so no hook runs twice"
             )
         model_type = getattr(hf_model.config, "model_type", None) or type(hf_model).__name__
-        if not registry.claims(model_type):  # a vision-language model: its language model's plugin describes it
-            model_type = language_model_type(hf_model) or model_type
+        text_type = None if registry.claims(model_type) else language_model_type(hf_model)
+        if text_type is not None and any(arch.vision_language for _, arch in registry.claims(text_type)):
+            model_type = text_type  # a vision-language model: its language model's plugin describes it
         info, arch = registry.select(model_type, adapter)
         forced = describe_forced(adapter, model_type, arch, [o for o in registry.owners(model_type) if o != info.name])
         try:

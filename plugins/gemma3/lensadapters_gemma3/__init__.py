@@ -50,6 +50,7 @@ ARCH = FAMILY.architecture(
     "bases, scaled embeddings, sliding windows",
     name="gemma3",
     model_types=("gemma3_text", "gemma3"),
+    vision_language=True,
 )
 
 

@@ -265,3 +265,67 @@ def test_a_plugin_that_does_not_declare_vision_language_models_is_not_used_for_o
     )
     with pytest.raises(UnsupportedModelError, match="llava"):
         HookedModel.wrap(LlavaForConditionalGeneration(config))
+
+
+def test_lora_on_the_language_model() -> None:
+    """A ``PeftModel`` with LoRA on the language model's projections: the LoRA points (``attn.hook_q_lora``...), the
+    adapted forward, and the effective weights (those of the merged model)."""
+    peft = pytest.importorskip("peft")
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    config = peft.LoraConfig(r=2, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    adapted = peft.get_peft_model(model, config).eval()
+    with torch.no_grad():
+        expected = adapted(**batch).logits
+    hm = HookedModel.wrap(adapted)
+    assert hm.plugin.name == "llama" and "blocks.1.attn.hook_v_lora" in hm.hook_names
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), expected)
+    assert cache["blocks.0.attn.hook_q_lora"].abs().max() > 0
+    w_q, w_v = hm.W_Q.detach().clone(), hm.W_V.detach().clone()
+    hm.unwrap()
+    merged = HookedModel.wrap(adapted.merge_and_unload())
+    torch.testing.assert_close(merged.W_Q, w_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.W_V, w_v, rtol=1e-5, atol=1e-6)
+    merged.unwrap()
+
+
+def test_8bit_language_model() -> None:
+    """LLaVA loaded in 8-bit (bitsandbytes on the CPU): the points read what the quantized model computes (the
+    query projection's output, the logits with an image) and the weights are the dequantized ones, within int8's
+    rounding of the float model's."""
+    pytest.importorskip("bitsandbytes")
+    import tempfile
+
+    from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
+
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        quantized = LlavaForConditionalGeneration.from_pretrained(
+            directory,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map="cpu",
+            dtype=torch.float32,
+            attn_implementation="eager",
+        ).eval()
+    q_proj = quantized.get_decoder().layers[1].self_attn.q_proj
+    assert type(q_proj).__name__ == "Linear8bitLt"
+    seen = []
+    handle = q_proj.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    try:
+        with torch.no_grad():
+            expected = quantized(**batch).logits
+    finally:
+        handle.remove()
+    hm = HookedModel.wrap(quantized)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), expected)
+    assert torch.equal(cache["blocks.1.attn.hook_q"].flatten(-2), seen[0])
+    float_hm = HookedModel.wrap(model)
+    error = (hm.W_Q - float_hm.W_Q).abs().max() / float_hm.W_Q.abs().max()
+    assert 0 < error < 2 / 127
+    hm.unwrap(), float_hm.unwrap()

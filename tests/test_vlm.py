@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lensadapters import HookedModel
+from lensadapters.testing.models import int8_copy
 from lensadapters.testing.tiny_models import needs
 
 IMAGE_TOKEN = 100
@@ -296,21 +297,9 @@ def test_8bit_language_model() -> None:
     query projection's output, the logits with an image) and the weights are the dequantized ones, within int8's
     rounding of the float model's."""
     pytest.importorskip("bitsandbytes")
-    import tempfile
-
-    from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
-
     model, n_image = vlm("llava")
     batch = inputs(model, n_image)
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        quantized = LlavaForConditionalGeneration.from_pretrained(
-            directory,
-            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-            device_map="cpu",
-            dtype=torch.float32,
-            attn_implementation="eager",
-        ).eval()
+    quantized = int8_copy(model)
     q_proj = quantized.get_decoder().layers[1].self_attn.q_proj
     assert type(q_proj).__name__ == "Linear8bitLt"
     seen = []

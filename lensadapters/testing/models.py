@@ -41,7 +41,7 @@ def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] 
     return model.eval()
 
 
-def int8_copy(model: torch.nn.Module) -> torch.nn.Module:
+def int8_copy(model: Any) -> Any:
     """``model`` saved and loaded back with its own class in 8 bits (bitsandbytes LLM.int8) on the CPU, float32
     elsewhere, its attention implementation kept; in eval mode."""
     import tempfile

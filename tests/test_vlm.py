@@ -318,3 +318,25 @@ def test_8bit_language_model() -> None:
     error = (hm.W_Q - float_hm.W_Q).abs().max() / float_hm.W_Q.abs().max()
     assert 0 < error < 2 / 127
     hm.unwrap(), float_hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_transformer_lens_style_calls_pass_the_image_inputs_on(name: str) -> None:
+    """A TransformerLens-style call (``return_type=``...) passes the multimodal model's own inputs (``pixel_values``,
+    Gemma 3's ``token_type_ids``) on to it; a keyword neither TransformerLens nor the model has is still refused."""
+    from lensadapters import TransformerLensKeywordError
+
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    with torch.no_grad():
+        expected = model(**batch).logits
+    hm = HookedModel.wrap(model)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, return_type="logits", **rest)
+        stopped = hm(ids, stop_at_layer=1, **rest)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)  # the call builds its own attention mask
+    torch.testing.assert_close(stopped, cache["blocks.0.hook_resid_post"])
+    with pytest.raises(TransformerLensKeywordError, match="image_size"):
+        hm(ids, return_type="logits", image_size=3, **rest)
+    hm.unwrap()

@@ -13,6 +13,7 @@ Nothing here names an architecture: the model is recognized from transformers' o
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 from torch import nn
@@ -75,6 +76,24 @@ def projector_path(model: nn.Module) -> Optional[str]:
         if name.rsplit(".", 1)[-1] in PROJECTOR_NAMES and isinstance(module, nn.Module):
             return name
     return None
+
+
+def _keywords(forward: Any) -> set[str]:
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return set()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def multimodal_inputs(model: nn.Module) -> frozenset[str]:
+    """The keywords a vision-language model's forward takes beyond its language model's (``pixel_values``,
+    ``image_sizes``, ``vision_feature_layer``...; not ``labels``): what a TransformerLens-style call passes on to
+    it. Empty for any other model."""
+    decoder = language_model(model)
+    if decoder is None:
+        return frozenset()
+    return frozenset(_keywords(model.forward) - _keywords(decoder.forward) - {"labels"})
 
 
 def class_to_check(model: Any) -> Any:

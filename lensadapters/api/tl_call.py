@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Named
 
 import torch
 
+from lensadapters.adapters.vlm import multimodal_inputs
 from lensadapters.analysis.utils import get_attention_mask, lm_cross_entropy_loss, position_ids_from_mask
 from lensadapters.api import tokens as _tokens
 from lensadapters.errors import LensAdaptersError, NotCausalError
@@ -230,6 +231,7 @@ def forward(
             raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
         attention_mask = one_zero
     token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
+    passed = {k: extra.pop(k) for k in list(extra) if k in multimodal_inputs(hm.hf_model)}  # pixel_values...
     _check_extra(extra)
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
@@ -272,6 +274,7 @@ def forward(
     kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
     if token_type_ids is not None:
         kwargs["token_type_ids"] = token_type_ids.to(token_ids.device)
+    kwargs.update(passed)
     captured: list[Tensor] = []
     with contextlib.ExitStack() as stack:
         if residual is not None:

@@ -165,6 +165,10 @@ def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any
     return out, seen
 
 
+def _module_hooks(model: Any) -> list[tuple[str, list[int], list[int]]]:
+    return [(n, list(m._forward_hooks), list(m._forward_pre_hooks)) for n, m in model.named_modules()]
+
+
 def hm_projector_path(model: Any) -> str:
     return next(n for n, _ in model.named_modules() if n.endswith("multi_modal_projector"))
 
@@ -178,6 +182,7 @@ def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
     model, n_image = vlm(name)
     batch = inputs(model, n_image)
     out, seen = _reference(model, batch)
+    own_hooks = _module_hooks(model)  # transformers' own (5.x captures the vision tower's outputs with hooks)
     hm = HookedModel.wrap(model)
     with torch.no_grad():
         logits, cache = hm.run_with_cache(**batch)
@@ -188,7 +193,10 @@ def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
     features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
     assert features.shape[0] == at_images.sum()
     assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
-    hm.unwrap()
+    assert hm.unwrap() is model
+    assert _module_hooks(model) == own_hooks  # nothing left behind
+    assert model.config.get_text_config()._attn_implementation == "eager"  # the pattern points' routing undone
+    assert model.config.vision_config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

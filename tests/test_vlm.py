@@ -348,3 +348,25 @@ def test_transformer_lens_style_calls_pass_the_image_inputs_on(name: str) -> Non
     with pytest.raises(TransformerLensKeywordError, match="image_size"):
         hm(ids, return_type="logits", image_size=3, **rest)
     hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_transformer_lens_style_generate_with_an_image(name: str) -> None:
+    """``hm.generate`` with TransformerLens' keywords takes the image inputs (to the first forward, with the key/value
+    cache) and gives Hugging Face's greedy tokens, its hooks active; without the cache it refuses by name."""
+    from lensadapters import TransformerLensKeywordError
+
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    expected = model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    hm = HookedModel.wrap(model)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    calls = []
+    with hm.hooks(fwd_hooks=[(PROJECTOR_POINT, lambda x, hook: calls.append(x.shape))]):
+        got = hm.generate(ids, max_new_tokens=3, do_sample=False, stop_at_eos=False, return_type="tokens", **rest)
+    assert torch.equal(got, expected) and len(calls) == 1
+    with pytest.raises(TransformerLensKeywordError, match="use_past_kv_cache=True"):
+        hm.generate(ids, max_new_tokens=2, use_past_kv_cache=False, stop_at_eos=False, return_type="tokens", **rest)
+    with pytest.raises(TypeError, match="image_size"):
+        hm.generate(ids, max_new_tokens=2, stop_at_eos=False, return_type="tokens", image_size=3)
+    hm.unwrap()

@@ -456,6 +456,7 @@ def generate(
     padding_side: Optional[str] = None,
     return_type: Optional[str] = "input",
     verbose: bool = True,
+    **model_inputs: Any,
 ) -> Any:
     """``HookedTransformer.generate``: sample ``max_new_tokens`` tokens (greedy with ``do_sample=False``) with
     TransformerLens' sampler (:func:`lensadapters.utils.sample_logits`), each step a forward of the wrapped model
@@ -463,8 +464,18 @@ def generate(
     position, through the model's own key/value cache). Text in, text out (one string for one prompt, a list for
     several); token ids in, token ids ``[batch, pos + new]`` out (``return_type="str"``/``"tokens"`` to choose).
     Sequences that reach ``eos_token_id`` are padded with it until all have (``stop_at_eos``). ``verbose`` draws
-    no progress bar here."""
+    no progress bar here. A vision-language model's own inputs (``pixel_values``...: see
+    :func:`~lensadapters.adapters.vlm.multimodal_inputs`) go to the first forward, which reads the whole prompt."""
     from lensadapters.analysis.utils import sample_logits
+
+    unknown = sorted(set(model_inputs) - multimodal_inputs(hm.hf_model))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
+    if model_inputs and not use_past_kv_cache:
+        raise TransformerLensKeywordError(
+            f"generate with {', '.join(sorted(model_inputs))} needs use_past_kv_cache=True: the image is read once, "
+            f"by the first forward, and the later steps reuse its keys and values"
+        )
 
     if return_type not in GENERATE_RETURN_TYPES:
         raise ValueError(f"return_type must be one of {list(GENERATE_RETURN_TYPES)}, not {return_type!r}")
@@ -506,6 +517,8 @@ def generate(
             kwargs: dict[str, Any] = {"input_ids": step, "use_cache": use_past_kv_cache}
             if past is not None:
                 kwargs["past_key_values"] = past
+            else:
+                kwargs.update(model_inputs)
             if bool((mask == 0).any()) or past is not None:
                 kwargs["attention_mask"] = mask
                 if positions:

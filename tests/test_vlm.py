@@ -1,12 +1,14 @@
 """Vision-language models (``*ForConditionalGeneration``): the language model's points under their usual names,
 the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
 
-Tiny random LLaVA (Llama language model, CLIP vision tower) and multimodal Gemma 3 (SigLIP vision tower), built from
-their configs: 16x16 images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA, 4 for Gemma 3).
+Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower) and multimodal Gemma 3 (SigLIP vision
+tower), built from their configs: 16x16 images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA,
+36 for LLaVA-NeXT, 4 for Gemma 3).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import pytest
@@ -59,10 +61,29 @@ def _gemma3() -> tuple[Any, int]:
     return Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
 
 
+def _llava_next() -> tuple[Any, int]:
+    """LLaVA-NeXT: a base image and one 16x16 crop (``image_grid_pinpoints``), each 16 patch features, plus one
+    newline feature per row of the crop: 36 image tokens, not the projector's output one to one."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    config = LlavaNextConfig(
+        text_config=LlamaConfig(**TEXT),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+        image_grid_pinpoints=[[16, 16], [16, 32]],
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaNextForConditionalGeneration._from_config(config, attn_implementation="eager"), 36
+
+
 BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "llava": ("llama", _llava),
     "gemma3": ("gemma3_text", _gemma3),
+    "llava_next": ("llama", _llava_next),
 }
+#: the models whose projector's output is the image tokens' embeddings one to one
+SCATTERED_AS_PROJECTED = ("llava", "gemma3")
 
 
 def vlm(name: str) -> tuple[Any, int]:
@@ -86,8 +107,12 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"input_ids": ids}
     if image:
         size = model.config.vision_config.image_size
-        kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
-        if "token_type_ids" in model.forward.__code__.co_varnames:  # Gemma 3: the image tokens' own mask
+        if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
+            kwargs["pixel_values"] = torch.randn(2, 2, 3, size, size, generator=g)
+            kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
+        else:
+            kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
+        if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: the image tokens' own mask
             kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
     return kwargs
 
@@ -189,10 +214,11 @@ def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
     assert torch.equal(logits_of(logits), out.logits)
     for key, value in seen.items():
         assert torch.equal(cache[key], value), key
-    at_images = batch["input_ids"] == IMAGE_TOKEN
-    features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
-    assert features.shape[0] == at_images.sum()
-    assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
+    if name in SCATTERED_AS_PROJECTED:
+        at_images = batch["input_ids"] == IMAGE_TOKEN
+        features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
+        assert features.shape[0] == at_images.sum()
+        assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
     assert hm.unwrap() is model
     assert _module_hooks(model) == own_hooks  # nothing left behind
     assert model.config.get_text_config()._attn_implementation == "eager"  # the pattern points' routing undone

@@ -37,7 +37,8 @@ __version__ = "0.1.0"
 # left to the core's checked fallback.
 FAMILY = hf.DecoderFamily("Llama", model_type="llama", attention=("eager", "sdpa"))
 ARCH = FAMILY.architecture(
-    "Llama 2 / 3.x (LlamaForCausalLM, LlamaModel; the language model of LLaVA): GQA, RoPE scaling, RMSNorm, SwiGLU",
+    "Llama 2 / 3.x (LlamaForCausalLM, LlamaModel; the language model of LLaVA, LLaVA-NeXT): GQA, RoPE scaling, "
+    "RMSNorm, SwiGLU",
     vision_language=True,
 )
 

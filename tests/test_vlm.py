@@ -1,9 +1,9 @@
 """Vision-language models (``*ForConditionalGeneration``): the language model's points under their usual names,
 the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
 
-Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower) and multimodal Gemma 3 (SigLIP vision
-tower), built from their configs: 16x16 images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA,
-36 for LLaVA-NeXT, 4 for Gemma 3).
+Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower), Mistral 3 (Pixtral vision tower) and
+multimodal Gemma 3 (SigLIP vision tower), built from their configs: 16x16 images in 4x4 patches, the image tokens'
+count the model's own (16 for LLaVA, 36 for LLaVA-NeXT, 4 for Mistral 3 and Gemma 3).
 """
 
 from __future__ import annotations
@@ -77,13 +77,29 @@ def _llava_next() -> tuple[Any, int]:
     return LlavaNextForConditionalGeneration._from_config(config, attn_implementation="eager"), 36
 
 
+def _mistral3() -> tuple[Any, int]:
+    """Mistral 3: a Pixtral vision tower (2-D RoPE over the patches), patches merged 2x2 by the projector: 4 image
+    tokens per 16x16 image; a language model with a 4-token sliding window."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    config = Mistral3Config(
+        text_config=MistralConfig(**TEXT, sliding_window=4),
+        vision_config=PixtralVisionConfig(**TOWER, num_attention_heads=4, head_dim=8),
+        image_token_index=IMAGE_TOKEN,
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    return Mistral3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
+
+
 BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "llava": ("llama", _llava),
     "gemma3": ("gemma3_text", _gemma3),
     "llava_next": ("llama", _llava_next),
+    "mistral3": ("mistral", _mistral3),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
-SCATTERED_AS_PROJECTED = ("llava", "gemma3")
+SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3")
 
 
 def vlm(name: str) -> tuple[Any, int]:
@@ -109,9 +125,10 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
         size = model.config.vision_config.image_size
         if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
             kwargs["pixel_values"] = torch.randn(2, 2, 3, size, size, generator=g)
-            kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
         else:
             kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
+        if any(getattr(model.config, k, None) for k in ("image_grid_pinpoints", "spatial_merge_size")):
+            kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
         if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: the image tokens' own mask
             kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
     return kwargs

@@ -17,6 +17,7 @@ from torch import nn
 
 from lensadapters import HookedModel, contract_variants
 from lensadapters.saes import SAE_POINTS
+from lensadapters.testing.models import int8_copy
 from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 
 try:
@@ -87,24 +88,6 @@ def models() -> list:
     return params
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """``model`` saved and loaded back in 8 bits (bitsandbytes LLM.int8) on the CPU."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            directory,
-            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-            device_map="cpu",
-            dtype=torch.float32,
-            attn_implementation=model.config._attn_implementation,
-        )
-    return quantized.eval()
-
-
 def build(which: str) -> HookedModel:
     if which == "lora":
         from peft import LoraConfig, get_peft_model
@@ -119,7 +102,7 @@ def build(which: str) -> HookedModel:
         )
         model.eval()
     elif which == "int8":
-        model = quantize_int8(tiny("llama" if "llama" in ARCH_NAMES else ARCH))
+        model = int8_copy(tiny("llama" if "llama" in ARCH_NAMES else ARCH))
     else:
         model = tiny(which)
     hm = HookedModel.wrap(model, tokenizer=tokenizer(48))

@@ -133,14 +133,17 @@ class DecoderFamily:
         name: Optional[str] = None,
         model_types: Optional[tuple[str, ...]] = None,
         transformers: str = TRANSFORMERS_TESTED,
+        vision_language: bool = False,
     ) -> Architecture:
         """The :class:`Architecture` a plugin of this family claims: named after ``model_type`` and claiming it
-        unless ``name``/``model_types`` say otherwise, tested with ``transformers``."""
+        unless ``name``/``model_types`` say otherwise, tested with ``transformers``; ``vision_language``: also the
+        language model of a vision-language model (see :class:`Architecture`)."""
         return Architecture(
             name=name or self.model_type,
             model_types=model_types or (self.model_type,),
             description=description,
             transformers=transformers,
+            vision_language=vision_language,
         )
 
     def base(self, model: nn.Module) -> str:

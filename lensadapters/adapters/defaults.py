@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.hookspecs import hookimpl
+from lensadapters.adapters.vlm import text_config
 from lensadapters.errors import UnsupportedModelError, WeightUnavailableError
 from lensadapters.hooks import norms
 from lensadapters.hooks.specs import Architecture, LinearWeight, NormSpec
@@ -106,4 +107,6 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
     def original(module: nn.Module, implementation: str) -> Any:
         return hooks.lensadapters_attn_original(arch=arch, module=module, implementation=implementation)
 
-    return InterfacePatternBackend(hooked.hf_model.config, hooked.attention_modules, scores, original)
+    # the language model's config: a vision-language model's own config would pass the routing on to its vision tower
+    config = text_config(hooked.hf_model)
+    return InterfacePatternBackend(config, hooked.attention_modules, scores, original)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from lensadapters.adapters.vlm import class_to_check, text_config
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.specs import BlockLayout, MLPLayout, NormSpec
 
@@ -133,13 +134,6 @@ def rope_type(rotary: nn.Module) -> str:
     return str(getattr(rotary, "rope_type", "default"))
 
 
-def text_config(model: nn.Module) -> Any:
-    """The config of the text model (``config.get_text_config()``: the config itself for a text-only model)."""
-    config = model.config
-    get = getattr(config, "get_text_config", None)
-    return get() if get is not None else config
-
-
 def partial_rotary_factor(config: Any) -> float:
     """The fraction of each head's dimensions that rotate (``partial_rotary_factor`` of the rope parameters or the
     config; 1.0 when neither sets it)."""
@@ -235,10 +229,11 @@ def missing_expert_paths(layer: nn.Module, moe: str, projections: Sequence[str])
 
 def require_transformers_class(model: nn.Module, family: str, packages: Iterable[str]) -> None:
     """Refuse a model whose classes are not transformers' own ``transformers.models.<package>`` ones: custom code
-    registered under the same ``model_type`` (``trust_remote_code=True``) may compute something else."""
-    where = type(model).__module__
+    registered under the same ``model_type`` (``trust_remote_code=True``) may compute something else. Of a
+    vision-language model, its own class must be transformers' and its language model's class the family's."""
     allowed = tuple(f"transformers.models.{p}." for p in packages)
-    if not where.startswith(allowed):
+    where, inner = type(model).__module__, type(class_to_check(model)).__module__
+    if not inner.startswith(allowed) or not where.startswith("transformers.models."):
         raise UnsupportedModelError(
             f"{type(model).__name__} (from {where}) has model_type {model.config.model_type!r} but is not "
             f"transformers' own {family} class: custom modeling code registered under the same model_type "

@@ -19,6 +19,7 @@ from torch import nn
 from lensadapters.adapters.plugin_calls import plugin_of
 from lensadapters.adapters.registry import PluginLoadWarning, Registry, check_transformers_range, get_registry
 from lensadapters.adapters.validation import describe_forced
+from lensadapters.adapters.vlm import language_model_type
 from lensadapters.api import tl_call  # analysis layer: TransformerLens call conventions
 from lensadapters.api.arguments import check_hook, check_selector, hook_pairs, selector
 from lensadapters.api.caching import DEFAULT_CACHE_EXCLUDES, CachingRuns  # noqa: F401  (old import path)
@@ -145,6 +146,9 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
                 f"use that wrapper or unwrap() it first, so no hook runs twice"
             )
         model_type = getattr(hf_model.config, "model_type", None) or type(hf_model).__name__
+        text_type = None if registry.claims(model_type) else language_model_type(hf_model)
+        if text_type is not None and any(arch.vision_language for _, arch in registry.claims(text_type)):
+            model_type = text_type  # a vision-language model: its language model's plugin describes it
         info, arch = registry.select(model_type, adapter)
         forced = describe_forced(adapter, model_type, arch, [o for o in registry.owners(model_type) if o != info.name])
         try:

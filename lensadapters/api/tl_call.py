@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Named
 
 import torch
 
+from lensadapters.adapters.vlm import multimodal_inputs
 from lensadapters.analysis.utils import get_attention_mask, lm_cross_entropy_loss, position_ids_from_mask
 from lensadapters.api import tokens as _tokens
 from lensadapters.errors import LensAdaptersError, NotCausalError
@@ -251,6 +252,7 @@ def forward(
             raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
         attention_mask = one_zero
     token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
+    passed = {k: extra.pop(k) for k in list(extra) if k in multimodal_inputs(hm.hf_model)}  # pixel_values...
     _check_extra(extra)
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
@@ -293,6 +295,7 @@ def forward(
     kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
     if token_type_ids is not None:
         kwargs["token_type_ids"] = token_type_ids.to(token_ids.device)
+    kwargs.update(passed)
     captured: list[Tensor] = []
     with contextlib.ExitStack() as stack:
         if residual is not None:
@@ -474,6 +477,7 @@ def generate(
     padding_side: Optional[str] = None,
     return_type: Optional[str] = "input",
     verbose: bool = True,
+    **model_inputs: Any,
 ) -> Any:
     """``HookedTransformer.generate``: sample ``max_new_tokens`` tokens (greedy with ``do_sample=False``) with
     TransformerLens' sampler (:func:`lensadapters.utils.sample_logits`), each step a forward of the wrapped model
@@ -481,8 +485,18 @@ def generate(
     position, through the model's own key/value cache). Text in, text out (one string for one prompt, a list for
     several); token ids in, token ids ``[batch, pos + new]`` out (``return_type="str"``/``"tokens"`` to choose).
     Sequences that reach ``eos_token_id`` are padded with it until all have (``stop_at_eos``). ``verbose`` draws
-    no progress bar here."""
+    no progress bar here. A vision-language model's own inputs (``pixel_values``...: see
+    :func:`~lensadapters.adapters.vlm.multimodal_inputs`) go to the first forward, which reads the whole prompt."""
     from lensadapters.analysis.utils import sample_logits
+
+    unknown = sorted(set(model_inputs) - multimodal_inputs(hm.hf_model))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
+    if model_inputs and not use_past_kv_cache:
+        raise TransformerLensKeywordError(
+            f"generate with {', '.join(sorted(model_inputs))} needs use_past_kv_cache=True: the image is read once, "
+            f"by the first forward, and the later steps reuse its keys and values"
+        )
 
     if return_type not in GENERATE_RETURN_TYPES:
         raise ValueError(f"return_type must be one of {list(GENERATE_RETURN_TYPES)}, not {return_type!r}")
@@ -524,6 +538,8 @@ def generate(
             kwargs: dict[str, Any] = {"input_ids": step, "use_cache": use_past_kv_cache}
             if past is not None:
                 kwargs[cache_argument(hm.hf_model)] = past
+            else:
+                kwargs.update(model_inputs)
             if bool((mask == 0).any()) or past is not None:
                 kwargs["attention_mask"] = mask
                 if positions:

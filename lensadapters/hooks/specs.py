@@ -44,7 +44,9 @@ class Architecture:
     ``attn_implementations`` are the attention implementations (``config._attn_implementation``)
     whose masks and numerics the plugin's pattern backend reproduces: with another one (flash,
     flex...) every hook point works except ``hook_attn_scores``/``hook_pattern``, which refuse
-    with a clear error.
+    with a clear error. ``vision_language``: the plugin also describes its model types' language model inside a
+    vision-language model (a ``*ForConditionalGeneration`` whose ``config.text_config`` has one of them), its paths
+    found inside the whole model and its sizes read from the text config (verified by the plugin's tests).
     """
 
     name: str
@@ -52,6 +54,7 @@ class Architecture:
     description: str = ""
     transformers: str = ""
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
+    vision_language: bool = False
 
     def declared_for_installed_transformers(self) -> bool:
         """Whether the installed transformers is within ``transformers`` (always, when it is empty). A family that

@@ -10,7 +10,7 @@ import torch
 from lensadapters.adapters.registry import PluginInfo, Registry
 from lensadapters.hooks.specs import Architecture
 
-__all__ = ["reinit", "seeded_model"]
+__all__ = ["int8_copy", "reinit", "seeded_model"]
 
 
 def reinit(model: torch.nn.Module, seed: int) -> None:
@@ -39,6 +39,25 @@ def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] 
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     reinit(model, seed)
     return model.eval()
+
+
+def int8_copy(model: Any) -> Any:
+    """``model`` saved and loaded back with its own class in 8 bits (bitsandbytes LLM.int8) on the CPU, float32
+    elsewhere, its attention implementation kept; in eval mode."""
+    import tempfile
+
+    from transformers import BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        quantized = type(model).from_pretrained(
+            directory,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map="cpu",
+            dtype=torch.float32,
+            attn_implementation=model.config._attn_implementation,
+        )
+    return quantized.eval()
 
 
 def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: int = 0) -> torch.nn.Module:

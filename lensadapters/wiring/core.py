@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from lensadapters.adapters.hf_helpers import text_config
 from lensadapters.adapters.moe import MoELayout, is_moe
 from lensadapters.adapters.validation import check_paths, check_result
 from lensadapters.errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
@@ -274,7 +275,7 @@ class Wiring(CoreSites, Installation):
         """The attention implementation the model is configured with (``config._attn_implementation``)."""
         from lensadapters.hooks.attention import KEY_PREFIX
 
-        impl = getattr(self.hf_model.config, "_attn_implementation", None) or "eager"
+        impl = getattr(text_config(self.hf_model), "_attn_implementation", None) or "eager"
         return impl[len(KEY_PREFIX) :] if impl.startswith(KEY_PREFIX) else impl
 
     @property

@@ -15,9 +15,11 @@ Gemma 2's structure (see the Gemma 2 plugin; TransformerLens 2.x names and seman
   layers from ``config.layer_types``. (The config's ``attn_logit_softcapping`` is not applied by transformers'
   Gemma 3, whose attention module never passes it on: ``cfg.attn_scores_soft_cap`` is -1, as the model computes.)
 
-``model_type: "gemma3"`` (the multimodal checkpoints' config) is accepted only when the wrapped model is the text
-model (``Gemma3ForCausalLM``/``Gemma3TextModel``); ``Gemma3ForConditionalGeneration`` is refused, naming what
-works. Refused at wrap time as well: rope types other than rotate-half ones, bidirectional attention
+The multimodal ``Gemma3ForConditionalGeneration`` (``model_type: "gemma3"``) is described through its language
+model (the core finds it and adds the projector's output, see the README's "Vision-language models"); image tokens'
+bidirectional masks are the masks the attention modules receive, which the pattern points read.
+
+Refused at wrap time: rope types other than rotate-half ones, bidirectional attention
 (``use_bidirectional_attention``: EmbeddingGemma), custom modeling code, a model without Gemma 3's layout.
 Flash and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern`` (which name the fix).
 """
@@ -29,7 +31,6 @@ from typing import Any, Optional
 from lensadapters import UnsupportedModelError, hf
 
 __version__ = "0.1.0"
-TEXT_CLASSES = ("Gemma3ForCausalLM", "Gemma3TextModel")
 FAMILY = hf.DecoderFamily.named(
     "Gemma3",
     "gemma3_text",
@@ -49,6 +50,7 @@ ARCH = FAMILY.architecture(
     "bases, scaled embeddings, sliding windows",
     name="gemma3",
     model_types=("gemma3_text", "gemma3"),
+    vision_language=True,
 )
 
 
@@ -64,15 +66,6 @@ def rope_bases(config: Any) -> tuple[Optional[float], Optional[float]]:
 
 def _cap(value: Optional[float]) -> float:
     return float(value) if value else -1.0
-
-
-def text_model_only(model: Any) -> None:
-    if model.config.model_type == "gemma3" and type(model).__name__ not in TEXT_CLASSES:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a multimodal Gemma 3 model (vision tower, image tokens with their own "
-            f"attention masks); the gemma3 plugin describes the text model. Wrap a Gemma3ForCausalLM (load the "
-            f"checkpoint with Gemma3ForCausalLM.from_pretrained for text-only use)"
-        )
 
 
 def check(model: Any) -> None:
@@ -128,6 +121,4 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-PLUGIN = hf.DecoderPlugin(
-    ARCH, FAMILY, tiny_config, config=config_fields, precheck=text_model_only, check=check
-).export(globals())
+PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

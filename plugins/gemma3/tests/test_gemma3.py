@@ -1,5 +1,5 @@
 """Gemma 3 (text): the contract suite over random tiny Gemma 3 configs, plus Gemma 3's own quirks (local and
-global RoPE bases, per-head q/k norms after the projections, multimodal and bidirectional refusals)."""
+global RoPE bases, per-head q/k norms after the projections, the multimodal model, the bidirectional refusal)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,9 @@ def test_windows_follow_the_layer_types(pads):
     hm.unwrap()
 
 
-def test_multimodal_model_is_refused_naming_the_text_model():
+def test_multimodal_model_is_described_through_its_language_model():
+    """``Gemma3ForConditionalGeneration`` (``model_type: "gemma3"``) is served: its language model's points under
+    their usual names, as this plugin describes them, and the projector's output (tests/test_vlm.py checks values)."""
     from transformers import AutoModelForCausalLM, Gemma3Config
 
     vision = dict(
@@ -111,8 +113,10 @@ def test_multimodal_model_is_refused_naming_the_text_model():
     )
     config = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4)
     model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedModelError, match="multimodal.*Gemma3ForCausalLM"):
-        CONTRACT.wrap(model)
+    hm = CONTRACT.wrap(model)
+    assert hm.arch.name == "gemma3" and "vision_projector.hook_out" in hm.hook_names
+    assert "blocks.0.attn.q_norm.hook_scale" in hm.hook_names
+    hm.unwrap()
 
 
 def test_bidirectional_attention_is_refused():

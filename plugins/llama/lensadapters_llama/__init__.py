@@ -36,7 +36,11 @@ __version__ = "0.1.0"
 # Llama rotates the whole head; cos/sin come from model.rotary_emb (attention_scaling folded in). Its RMSNorms are
 # left to the core's checked fallback.
 FAMILY = hf.DecoderFamily("Llama", model_type="llama", attention=("eager", "sdpa"))
-ARCH = FAMILY.architecture("Llama 2 / 3.x (LlamaForCausalLM, LlamaModel): GQA, RoPE scaling, RMSNorm, SwiGLU")
+ARCH = FAMILY.architecture(
+    "Llama 2 / 3.x (LlamaForCausalLM, LlamaModel; the language model of LLaVA, LLaVA-NeXT): GQA, RoPE scaling, "
+    "RMSNorm, SwiGLU",
+    vision_language=True,
+)
 
 
 def tiny_config(seed: int) -> Any:
@@ -68,7 +72,7 @@ def tiny_config(seed: int) -> Any:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    c = model.config
+    c = hf.text_config(model)
     return {
         "extra": {
             "attention_bias": bool(getattr(c, "attention_bias", False)),

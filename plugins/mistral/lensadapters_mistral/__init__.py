@@ -20,7 +20,9 @@ from lensadapters import hf
 __version__ = "0.1.0"
 FAMILY = hf.DecoderFamily.named("Mistral", "mistral")
 ARCH = FAMILY.architecture(
-    "Mistral (MistralForCausalLM, MistralModel): sliding-window attention, GQA, RoPE, RMSNorm, SwiGLU"
+    "Mistral (MistralForCausalLM, MistralModel; the language model of Mistral 3): sliding-window attention, GQA, "
+    "RoPE, RMSNorm, SwiGLU",
+    vision_language=True,
 )
 
 
@@ -41,8 +43,9 @@ def tiny_config(seed: int) -> Any:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    w = window(model.config)
-    return {"window_size": w, "attn_types": ("local",) * model.config.num_hidden_layers if w else None}
+    c = hf.text_config(model)
+    w = window(c)
+    return {"window_size": w, "attn_types": ("local",) * c.num_hidden_layers if w else None}
 
 
 PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

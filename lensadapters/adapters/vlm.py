@@ -1,0 +1,103 @@
+"""Vision-language models: a transformers ``*ForConditionalGeneration`` around a language model.
+
+Such a model (LLaVA, multimodal Gemma 3...) is a vision tower, a projector and a language model (the decoder
+``get_decoder()`` returns, with the output embeddings ``get_output_embeddings()``). Its config nests the language
+model's config (``config.text_config``, ``get_text_config()``) next to a ``vision_config``. The model is wrapped as
+the language model's plugin describes it: the registry chooses that plugin from the text config's ``model_type``, the
+plugin finds the decoder stack inside the whole model, and the language model's points have their usual names. The
+core adds the projector's output, where image features enter the text stream, under TransformerLens' Bridge name
+(:data:`IMAGE_EMBEDS_POINT`).
+
+Nothing here names an architecture: the model is recognized from transformers' own generic accessors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from torch import nn
+
+#: the point at the projector's output (TransformerLens 4.x Bridge: ``vision_projector.hook_out``)
+IMAGE_EMBEDS_POINT = "vision_projector.hook_out"
+#: the attribute transformers' vision-language models give the module that maps vision features to the language
+#: model's width (its output replaces the image tokens' embeddings)
+PROJECTOR_NAMES = ("multi_modal_projector",)
+
+
+def text_config(model: nn.Module) -> Any:
+    """The config of the text model (``config.get_text_config()``: the config itself for a text-only model)."""
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def _submodule_path(model: nn.Module, target: nn.Module) -> Optional[str]:
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    return None
+
+
+def language_model(model: nn.Module) -> Optional[nn.Module]:
+    """The language model's decoder inside a vision-language model (``get_decoder()``), or ``None`` when ``model``
+    is not one (no ``vision_config``, or a text config that is the config itself)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return None
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if get_text is not None else None
+    if text is None or text is config or not getattr(text, "model_type", None):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if get_decoder is not None else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(decoder, nn.Module) or decoder is model or _submodule_path(model, decoder) is None:
+        return None
+    return decoder
+
+
+def language_model_type(model: nn.Module) -> Optional[str]:
+    """The ``model_type`` of a vision-language model's language model (the plugin that describes it claims that
+    type), or ``None`` when ``model`` is not a vision-language model."""
+    if language_model(model) is None:
+        return None
+    return str(text_config(model).model_type)
+
+
+def projector_path(model: nn.Module) -> Optional[str]:
+    """The path of a vision-language model's projector (its output is the image features that replace the image
+    tokens' embeddings), or ``None``."""
+    if language_model(model) is None:
+        return None
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTOR_NAMES and isinstance(module, nn.Module):
+            return name
+    return None
+
+
+def _keywords(forward: Any) -> set[str]:
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return set()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def multimodal_inputs(model: nn.Module) -> frozenset[str]:
+    """The keywords a vision-language model's forward takes beyond its language model's (``pixel_values``,
+    ``image_sizes``, ``vision_feature_layer``...; not ``labels``): what a TransformerLens-style call passes on to
+    it. Empty for any other model."""
+    decoder = language_model(model)
+    if decoder is None:
+        return frozenset()
+    return frozenset(_keywords(model.forward) - _keywords(decoder.forward) - {"labels"})
+
+
+def class_to_check(model: Any) -> Any:
+    """The model whose class says which implementation computes the language model: the decoder of a
+    vision-language model (the outer class is the multimodal one), the model itself otherwise."""
+    decoder = language_model(model) if isinstance(model, nn.Module) else None
+    return decoder if decoder is not None else model

@@ -1,0 +1,415 @@
+"""Vision-language models (``*ForConditionalGeneration``): the language model's points under their usual names,
+the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
+
+Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower), Mistral 3 (Pixtral vision tower) and
+multimodal Gemma 3 (SigLIP vision tower), built from their configs: 16x16 images in 4x4 patches, the image tokens'
+count the model's own (16 for LLaVA, 36 for LLaVA-NeXT, 4 for Mistral 3 and Gemma 3).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lensadapters import HookedModel
+from lensadapters.testing.models import int8_copy
+from lensadapters.testing.tiny_models import needs
+
+IMAGE_TOKEN = 100
+PROJECTOR_POINT = "vision_projector.hook_out"
+TOWER = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _llava() -> tuple[Any, int]:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        text_config=LlamaConfig(**TEXT, tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration._from_config(config, attn_implementation="eager"), 16
+
+
+def _gemma3() -> tuple[Any, int]:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(**TEXT, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
+        vision_config=SiglipVisionConfig(**TOWER, num_attention_heads=4),
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=101,
+        eoi_token_index=102,
+    )
+    return Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
+
+
+def _llava_next() -> tuple[Any, int]:
+    """LLaVA-NeXT: a base image and one 16x16 crop (``image_grid_pinpoints``), each 16 patch features, plus one
+    newline feature per row of the crop: 36 image tokens, not the projector's output one to one."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    config = LlavaNextConfig(
+        text_config=LlamaConfig(**TEXT),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+        image_grid_pinpoints=[[16, 16], [16, 32]],
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaNextForConditionalGeneration._from_config(config, attn_implementation="eager"), 36
+
+
+def _mistral3() -> tuple[Any, int]:
+    """Mistral 3: a Pixtral vision tower (2-D RoPE over the patches), patches merged 2x2 by the projector: 4 image
+    tokens per 16x16 image; a language model with a 4-token sliding window."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    config = Mistral3Config(
+        text_config=MistralConfig(**TEXT, sliding_window=4),
+        vision_config=PixtralVisionConfig(**TOWER, num_attention_heads=4, head_dim=8),
+        image_token_index=IMAGE_TOKEN,
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    return Mistral3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
+
+
+BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
+    "llava": ("llama", _llava),
+    "gemma3": ("gemma3_text", _gemma3),
+    "llava_next": ("llama", _llava_next),
+    "mistral3": ("mistral", _mistral3),
+}
+#: the models whose projector's output is the image tokens' embeddings one to one
+SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3")
+
+
+def vlm(name: str) -> tuple[Any, int]:
+    """The model (eval mode, seeded weights) and its number of image tokens per image."""
+    language, build = BUILDERS[name]
+    needs(language)
+    torch.manual_seed(0)
+    model, n_image = build()
+    with torch.no_grad():  # weights of unit scale, so every point's value is far from rounding noise
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval(), n_image
+
+
+def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
+    """Two sequences: text, the image's tokens (when ``image``), text; with pixel values for one image each."""
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(3, 90, (2, 5), generator=g)
+    middle = torch.full((2, n_image), IMAGE_TOKEN) if image else torch.randint(3, 90, (2, n_image), generator=g)
+    ids = torch.cat([text[:, :2], middle, text[:, 2:]], dim=1)
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    if image:
+        size = model.config.vision_config.image_size
+        if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
+            kwargs["pixel_values"] = torch.randn(2, 2, 3, size, size, generator=g)
+        else:
+            kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
+        if any(getattr(model.config, k, None) for k in ("image_grid_pinpoints", "spatial_merge_size")):
+            kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
+        if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: the image tokens' own mask
+            kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return kwargs
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def text_model_of(model: Any) -> Any:
+    """A text-only causal LM carrying the vision-language model's language weights."""
+    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation="eager").eval()
+    text.get_decoder().load_state_dict(model.get_decoder().state_dict())
+    text.get_output_embeddings().load_state_dict(model.get_output_embeddings().state_dict())
+    return text
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_language_points_equal_the_text_models(name: str) -> None:
+    """Without an image, every point of the wrapped vision-language model reads what wrapping a text-only model with
+    the same weights reads, under the same names (plus the projector's point); the description is the language
+    model's plugin's."""
+    model, n_image = vlm(name)
+    text = text_model_of(model)
+    hm, hm_text = HookedModel.wrap(model), HookedModel.wrap(text)
+    assert hm.plugin.name == hm_text.plugin.name and hm.cfg.n_layers == hm_text.cfg.n_layers
+    assert [n for n in hm.hook_names if n != PROJECTOR_POINT] == hm_text.hook_names
+    assert hm.hook_names.index(PROJECTOR_POINT) == 1  # after hook_embed: the image features replace embeddings
+    batch = inputs(model, n_image, image=False)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+        logits_text, cache_text = hm_text.run_with_cache(**batch)
+    torch.testing.assert_close(logits_of(logits), logits_of(logits_text), rtol=1e-5, atol=1e-5)
+    assert set(cache.keys()) == set(cache_text.keys())  # the projector did not run: no image
+    for key in cache_text.keys():
+        torch.testing.assert_close(cache[key], cache_text[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert torch.equal(hm.W_Q, hm_text.W_Q) and torch.equal(hm.W_U, hm_text.W_U)
+    hm.unwrap(), hm_text.unwrap()
+
+
+def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The model's output and values read with plain PyTorch hooks: the projector's output (changed by ``edit``),
+    each decoder layer's input and output, each attention module's weights (eager attention)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def projector(module: Any, args: Any, output: torch.Tensor) -> Any:
+        seen[PROJECTOR_POINT] = output.detach().clone()
+        return None if edit is None else edit(output)
+
+    projector_module = model.get_submodule(hm_projector_path(model))
+    handles.append(projector_module.register_forward_hook(projector))
+    for i, layer in enumerate(model.get_decoder().layers):
+
+        def pre(module: Any, args: Any, kwargs: Any, i: int = i) -> None:
+            seen[f"blocks.{i}.hook_resid_pre"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+        def post(module: Any, args: Any, output: Any, i: int = i) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            seen[f"blocks.{i}.hook_resid_post"] = out.detach().clone()
+
+        def pattern(module: Any, args: Any, output: Any, i: int = i) -> None:
+            seen[f"blocks.{i}.attn.hook_pattern"] = output[1].detach().clone()
+
+        handles += [
+            layer.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.register_forward_hook(post),
+            layer.self_attn.register_forward_hook(pattern),
+        ]
+    try:
+        with torch.no_grad():
+            out = model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, seen
+
+
+def _module_hooks(model: Any) -> list[tuple[str, list[int], list[int]]]:
+    return [(n, list(m._forward_hooks), list(m._forward_pre_hooks)) for n, m in model.named_modules()]
+
+
+def hm_projector_path(model: Any) -> str:
+    return next(n for n, _ in model.named_modules() if n.endswith("multi_modal_projector"))
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
+    """``run_with_cache`` takes the processor's inputs (pixel values, token types) and passes them on: the
+    projector's output, the residual stream around each layer and the attention patterns (image tokens' masks
+    included) equal what plain PyTorch hooks read; the image features are what the first layer reads at the image
+    tokens' positions."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    out, seen = _reference(model, batch)
+    own_hooks = _module_hooks(model)  # transformers' own (5.x captures the vision tower's outputs with hooks)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), out.logits)
+    for key, value in seen.items():
+        assert torch.equal(cache[key], value), key
+    if name in SCATTERED_AS_PROJECTED:
+        at_images = batch["input_ids"] == IMAGE_TOKEN
+        features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
+        assert features.shape[0] == at_images.sum()
+        assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
+    assert hm.unwrap() is model
+    assert _module_hooks(model) == own_hooks  # nothing left behind
+    assert model.config.get_text_config()._attn_implementation == "eager"  # the pattern points' routing undone
+    assert model.config.vision_config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> None:
+    """An edit of ``vision_projector.hook_out`` (the image features at the image tokens' positions) changes what the
+    language model reads exactly as the same edit made by a plain PyTorch hook on the projector; the text
+    positions' embeddings are untouched."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        return x * -2.0 + 0.5
+
+    expected, _ = _reference(model, batch, edit)
+    clean, _ = _reference(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        got = hm.run_with_hooks(**batch, fwd_hooks=[(PROJECTOR_POINT, lambda x, hook: edit(x))])
+        _, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(got), expected.logits)
+    assert not torch.allclose(logits_of(got), clean.logits)
+    assert torch.equal(cache["hook_embed"], _embeddings(model, batch["input_ids"]))
+    hm.unwrap()
+
+
+def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.get_input_embeddings()(ids)
+
+
+def test_generate_with_hooks_on_llava() -> None:
+    """``hm.generate`` with the processor's inputs runs the hooks: an ablation of the image features gives what the
+    same ablation by a plain hook gives, and differs from the clean generation."""
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    def ablate(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(output)
+
+    handle = model.get_submodule(hm_projector_path(model)).register_forward_hook(ablate)
+    try:
+        expected = model.generate(**batch, **settings)
+    finally:
+        handle.remove()
+    clean = model.generate(**batch, **settings)
+    hm = HookedModel.wrap(model)
+    calls = []
+
+    def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
+        calls.append(x.shape)
+        return torch.zeros_like(x)
+
+    with hm.hooks(fwd_hooks=[(PROJECTOR_POINT, hook)]):
+        got = hm.generate(**batch, **settings)
+    assert torch.equal(got, expected) and not torch.equal(got, clean)
+    assert len(calls) == 1  # the image is read once, in the first forward; later steps reuse the cache
+    hm.unwrap()
+
+
+def test_a_plugin_that_does_not_declare_vision_language_models_is_not_used_for_one() -> None:
+    """The language model's plugin describes a vision-language model only where its architecture declares
+    ``vision_language`` (verified there): a LLaVA around a Qwen2 language model is not given to the Qwen2 plugin,
+    whose description reads the outer config; it is refused by name, as before."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+    from lensadapters import UnsupportedModelError, get_registry
+
+    needs("qwen2")
+    assert not any(arch.vision_language for _, arch in get_registry().claims("qwen2"))
+    config = LlavaConfig(
+        text_config=Qwen2Config(**TEXT),
+        vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
+        image_token_index=IMAGE_TOKEN,
+    )
+    with pytest.raises(UnsupportedModelError, match="llava"):
+        HookedModel.wrap(LlavaForConditionalGeneration(config))
+
+
+def test_lora_on_the_language_model() -> None:
+    """A ``PeftModel`` with LoRA on the language model's projections: the LoRA points (``attn.hook_q_lora``...), the
+    adapted forward, and the effective weights (those of the merged model)."""
+    peft = pytest.importorskip("peft")
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    config = peft.LoraConfig(r=2, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    adapted = peft.get_peft_model(model, config).eval()
+    with torch.no_grad():
+        expected = adapted(**batch).logits
+    hm = HookedModel.wrap(adapted)
+    assert hm.plugin.name == "llama" and "blocks.1.attn.hook_v_lora" in hm.hook_names
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), expected)
+    assert cache["blocks.0.attn.hook_q_lora"].abs().max() > 0
+    w_q, w_v = hm.W_Q.detach().clone(), hm.W_V.detach().clone()
+    hm.unwrap()
+    merged = HookedModel.wrap(adapted.merge_and_unload())
+    torch.testing.assert_close(merged.W_Q, w_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.W_V, w_v, rtol=1e-5, atol=1e-6)
+    merged.unwrap()
+
+
+def test_8bit_language_model() -> None:
+    """LLaVA loaded in 8-bit (bitsandbytes on the CPU): the points read what the quantized model computes (the
+    query projection's output, the logits with an image) and the weights are the dequantized ones, within int8's
+    rounding of the float model's."""
+    pytest.importorskip("bitsandbytes")
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    quantized = int8_copy(model)
+    q_proj = quantized.get_decoder().layers[1].self_attn.q_proj
+    assert type(q_proj).__name__ == "Linear8bitLt"
+    seen = []
+    handle = q_proj.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    try:
+        with torch.no_grad():
+            expected = quantized(**batch).logits
+    finally:
+        handle.remove()
+    hm = HookedModel.wrap(quantized)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits_of(logits), expected)
+    assert torch.equal(cache["blocks.1.attn.hook_q"].flatten(-2), seen[0])
+    float_hm = HookedModel.wrap(model)
+    error = (hm.W_Q - float_hm.W_Q).abs().max() / float_hm.W_Q.abs().max()
+    assert 0 < error < 2 / 127
+    hm.unwrap(), float_hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_transformer_lens_style_calls_pass_the_image_inputs_on(name: str) -> None:
+    """A TransformerLens-style call (``return_type=``...) passes the multimodal model's own inputs (``pixel_values``,
+    Gemma 3's ``token_type_ids``) on to it; a keyword neither TransformerLens nor the model has is still refused."""
+    from lensadapters import TransformerLensKeywordError
+
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    with torch.no_grad():
+        expected = model(**batch).logits
+    hm = HookedModel.wrap(model)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, return_type="logits", **rest)
+        stopped = hm(ids, stop_at_layer=1, **rest)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)  # the call builds its own attention mask
+    torch.testing.assert_close(stopped, cache["blocks.0.hook_resid_post"])
+    with pytest.raises(TransformerLensKeywordError, match="image_size"):
+        hm(ids, return_type="logits", image_size=3, **rest)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_transformer_lens_style_generate_with_an_image(name: str) -> None:
+    """``hm.generate`` with TransformerLens' keywords takes the image inputs (to the first forward, with the key/value
+    cache) and gives Hugging Face's greedy tokens, its hooks active; without the cache it refuses by name."""
+    from lensadapters import TransformerLensKeywordError
+
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    expected = model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    hm = HookedModel.wrap(model)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    calls = []
+    with hm.hooks(fwd_hooks=[(PROJECTOR_POINT, lambda x, hook: calls.append(x.shape))]):
+        got = hm.generate(ids, max_new_tokens=3, do_sample=False, stop_at_eos=False, return_type="tokens", **rest)
+    assert torch.equal(got, expected) and len(calls) == 1
+    with pytest.raises(TransformerLensKeywordError, match="use_past_kv_cache=True"):
+        hm.generate(ids, max_new_tokens=2, use_past_kv_cache=False, stop_at_eos=False, return_type="tokens", **rest)
+    with pytest.raises(TypeError, match="image_size"):
+        hm.generate(ids, max_new_tokens=2, stop_at_eos=False, return_type="tokens", image_size=3)
+    hm.unwrap()

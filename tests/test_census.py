@@ -3,8 +3,8 @@ generic adapter's automatic description: a served point whose value or edit is n
 
 The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
 transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
-rotary with norms after the branches, branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
-every causal-LM model type (several minutes).
+rotary with norms after the branches, branch multipliers, an attention-score softcap).
+``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over every causal-LM model type (several minutes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite")
+SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "vaultgemma")
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -150,3 +150,15 @@ def test_a_point_that_fails_verification_is_not_served_and_the_warning_says_why(
         _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n in CANONICAL)
     assert set(cache.keys()) == {n for n in CANONICAL if n in hm.hook_names}
     hm.unwrap()
+
+
+@pytest.mark.skipif("granite_swa" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, reason="transformers 5.x model")
+def test_sink_scores_are_verified_and_weights_before_the_sinks_are_not_served_as_the_pattern() -> None:
+    """Attention sinks (``s_aux``): the scores are served, their edits checked against the model's own eager
+    attention (which applies the sinks as a rescaling of its output); its eager function returns the weights before
+    that rescaling, which are not the sinked pattern the explicit attention computes, so the verification refuses
+    ``hook_pattern`` (a wrong description caught, not served), and nothing served is wrong."""
+    entry = census_entry("granite_swa")
+    assert not entry.wrong, entry.wrong
+    assert "blocks.0.attn.hook_attn_scores" in entry.served and "blocks.0.attn.hook_pattern" not in entry.served
+    assert "attn.hook_pattern" in entry.why and "not the reference's" in entry.why, entry.why

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.probe import _unusual_arguments
+from lensadapters.hooks.copying import original_value
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -272,6 +273,9 @@ def _verify_attention(
         raise RuntimeError("no eager attention function in the model's modeling file")
     if seen is not None and (args or _unusual_arguments(module, kwargs, mask)):
         raise Unchecked("the attention function gets arguments plain softmax attention does not account for")
+    if seen is not None and part in ("weights", "scores") and kwargs.get("softcap") is not None:
+        if getattr(_plan, "implementation", None) == "sdpa":  # the scores would be capped, the model's are not
+            raise Unchecked("the model runs sdpa attention, which does not apply the softcap it passes")
     if part == "query" and seen is not None:  # the value before the edit
         seen.append(query.transpose(1, 2).clone())
         query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
@@ -286,17 +290,29 @@ def _verify_attention(
     elif seen is not None and part in ("weights", "scores"):
         scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
         scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        if softcap is not None:  # eager attention's order: cap, then mask
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores + mask[:, :, :, : key.shape[-2]]
         seen.append(scores if part == "scores" else weights.clone())
         if part == "scores" and delta is not None:
-            weights = torch.softmax((scores + delta).float(), dim=-1).to(query.dtype)
+            weights = _softmax_with_sinks(scores + delta, sinks).to(query.dtype)
         elif part == "weights" and delta is not None:
             weights = weights + delta.to(weights.dtype)
         if delta is not None:
             edited = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
             output = _in_row(row, edited.to(output.dtype), output)
     return output, weights
+
+
+def _softmax_with_sinks(scores: Tensor, sinks: Optional[Tensor]) -> Tensor:
+    """``softmax(scores)`` over the keys; with a sink logit per head (``s_aux``) as one more column of every row,
+    dropped after the softmax (it takes probability and adds no value)."""
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1)
+    column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+    return torch.softmax(torch.cat([scores, column], dim=-1).float(), dim=-1)[..., :-1]
 
 
 def _verify_key() -> str:
@@ -704,6 +720,7 @@ def check_points(
     results: dict[str, Optional[str]] = {}
     modes = {m: m.training for m in model.modules()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    _plan.implementation = str(original_value(getattr(model.config, "_attn_implementation", None)))
     with torch.random.fork_rng(devices=devices), torch.no_grad(), _attention(model, "eager"):
         model.eval()
         try:

@@ -3,7 +3,8 @@ generic adapter's automatic description: a served point whose value or edit is n
 
 The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
 transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
-rotary with norms after the branches, branch multipliers, an attention-score softcap, LayerNorms with a literal eps).
+rotary with norms after the branches, branch multipliers, an attention-score softcap, LayerNorms with a literal eps,
+an activation called in code).
 ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over every causal-LM model type (several minutes).
 """
 
@@ -24,7 +25,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "olmo") + (
+SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "olmo", "lfm2") + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
 )

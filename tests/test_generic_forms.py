@@ -1,14 +1,22 @@
 """Description forms of the automatic description checked on small hand-built modules: a norm whose ``eps`` is not
-an attribute (measured on the module, :mod:`lensadapters.adapters.generic.eps`)."""
+an attribute (measured on the module, :mod:`lensadapters.adapters.generic.eps`); an MLP activation called in the
+module's code and named nowhere."""
 
 from __future__ import annotations
+
+import warnings
+from typing import Callable
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lensadapters import HookedModel
+from lensadapters.adapters.generic import GenericAdapterWarning, findings
 from lensadapters.adapters.generic.norms import norm_behaviour
+from lensadapters.adapters.generic.verify import check_points
+from lensadapters.testing.every_model_type import build, input_ids
 
 
 class _HardcodedLayerNorm(nn.Module):
@@ -77,3 +85,47 @@ def test_a_module_whose_eps_is_no_constant_gets_none() -> None:
     x = torch.randn(2, 5, 16)
     behaviour = norm_behaviour(module, x, module(x))
     assert behaviour is not None and behaviour.kind == "LN" and behaviour.eps is None
+
+
+class _CodedActivationMLP(nn.Module):
+    """A gated MLP whose activation is a call in its forward (no ``act_fn`` attribute, none named by the config)."""
+
+    def __init__(self, mlp: nn.Module, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self._act = (act,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._act[0](self.gate_proj(x)) * self.up_proj(x))
+
+
+def _with_coded_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    model = build("llama")
+    model.config.hidden_act = "relu"  # a wrong name: the probe must not believe it
+    for layer in model.model.layers:
+        layer.mlp = _CodedActivationMLP(layer.mlp, act)
+    return model
+
+
+@pytest.mark.parametrize(
+    "act, name", [(F.silu, "silu"), (lambda t: F.gelu(t, approximate="tanh"), None), (torch.tanh, None)]
+)
+def test_an_activation_the_mlp_calls_in_its_code_is_found_among_the_common_ones(act, name) -> None:
+    """SiLU called in the MLP's code (the config naming ReLU, wrongly) is found and the MLP points are served,
+    verified against plain hooks at wrap time (value and edit); an activation that is none of the common ones (tanh;
+    GELU, whose exact and tanh forms cannot be told apart on the probe) leaves the MLP undescribed, saying why, and
+    serves no MLP point."""
+    model = _with_coded_activation(act)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter="generic")
+    found = findings(model)
+    if name is None:
+        assert "blocks.0.mlp.hook_post" not in hm.hook_names
+        assert any("no activation" in why for why in found.missing.values()), found.missing
+    else:
+        assert found.description is not None and found.description.layers[0].act_fn == name
+        names = [f"blocks.{i}.mlp.{p}" for i in (0, 1) for p in ("hook_pre", "hook_pre_linear", "hook_post")]
+        assert all(n in hm.hook_names for n in names) and not found.unverified
+        assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    hm.unwrap()

@@ -18,7 +18,8 @@ of names. Every claim is checked on the probe's values, against what the model's
   attention function;
 * **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
   gate-up) projections reading the MLP's input, such that the activation named by the config (or the module's
-  ``act_fn``) reproduces the down projection's input: ``act(gate) * up`` (gated) or ``act(pre)`` (plain).
+  ``act_fn``, or else SiLU or ReLU, which no other activation passes for) reproduces the down projection's input:
+  ``act(gate) * up`` (gated) or ``act(pre)`` (plain).
 
 What fails is not described (the layer stays opaque, served by the generic adapter's own points) and the reason
 is kept for the warning. A description is then *verified* at wrap time point by point (:mod:`.verify`).
@@ -50,6 +51,11 @@ from lensadapters.hooks.specs import (
 Tensor = torch.Tensor
 QKV = Union[SeparateQKV, FusedQKV]
 MLP = Union[MLPLayout, FusedGateUp]
+
+
+#: activations tried (each checked on the probe) after the MLP module's own and the config's: none of them can pass
+#: for another on the probe (GELU's exact and tanh forms can, on small inputs: neither is guessed)
+COMMON_ACTIVATIONS = ("silu", "relu")
 
 
 class NotDescribed(Exception):
@@ -96,7 +102,8 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Callable[[Tensor], Tensor]]]:
-    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's."""
+    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's,
+    then :data:`COMMON_ACTIVATIONS`."""
     from transformers.activations import ACT2FN
 
     found: list[tuple[Optional[str], Callable[[Tensor], Tensor]]] = []
@@ -109,7 +116,8 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
         if isinstance(act_name, str) and act_name in ACT2FN:
             found.append((act_name, ACT2FN[act_name]))
     names = [n for n, _ in found if n is not None]
-    return [(names[0] if names else n, fn) for n, fn in found]
+    # then the common activations under their own names (a module that calls F.silu and names none in its config)
+    return [(names[0] if names else n, fn) for n, fn in found] + [(n, ACT2FN[n]) for n in COMMON_ACTIVATIONS]
 
 
 def _rotate_pairs(x: Tensor) -> Tensor:

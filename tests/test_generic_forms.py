@@ -129,3 +129,14 @@ def test_an_activation_the_mlp_calls_in_its_code_is_found_among_the_common_ones(
         assert all(n in hm.hook_names for n in names) and not found.unverified
         assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
     hm.unwrap()
+
+
+def test_a_norm_between_attention_and_the_output_projection_is_refused_by_name() -> None:
+    """BitNet normalizes the attention function's output before its output projection: no declarative form has
+    that, and the reason says so (not that there is no output projection)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = findings(build("bitnet"))
+    assert found.description is None
+    reasons = " ".join(found.missing.values())
+    assert "the output projection's input is not the attention function's output" in reasons, reasons

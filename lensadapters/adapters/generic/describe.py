@@ -250,14 +250,23 @@ def _describe_attention(
     prefix = attn + "."
     heads, kv, d = call.heads, call.kv_heads, call.d_head
     assert call.query is not None and call.key is not None and call.value is not None
-    linears: dict[str, Any] = {
+    linears: dict[str, Any] = {  # the linear modules (not a wrapper around one, whose output is its child's)
         path[len(prefix) :]: io
         for (layer_i, path), io in rec.inner.items()
-        if layer_i == i and path.startswith(prefix) and io[0] is not None and io[1] is not None
+        if layer_i == i
+        and path.startswith(prefix)
+        and io[0] is not None
+        and io[1] is not None
+        and _is_linear(layer.get_submodule(path))
     }
     z = call.output.value.flatten(-2)  # [b, p, heads * d]
     o_proj = [p for p, (x, y) in linears.items() if _close(x, z) and _close(y, attn_out)]
     if len(o_proj) != 1:
+        if any(_close(y, attn_out) for x, y in linears.values()):
+            raise NotDescribed(
+                "the output projection's input is not the attention function's output: the attention module changes "
+                "it in between (an output gate or a norm), which no declarative form describes"
+            )
         raise NotDescribed("no single linear module maps the attention function's output to the attention output")
     readers: dict[str, Any] = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
     norms: dict[str, NormBehaviour] = {}

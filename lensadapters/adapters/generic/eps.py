@@ -4,14 +4,14 @@
 On an input of ``±a`` (mean ``0``, mean square ``a²``) both LayerNorm and RMSNorm give ``w · a / sqrt(a² + eps)``
 (plus the bias), so ``eps = a² (1 / r² - 1)`` where ``r`` is the output over the weight, sign removed. ``a²`` is
 moved towards the estimate until the two terms are of one size (the estimate is then as exact as the dtype allows);
-the estimate is taken to the nearest round number (two significant digits) or number of the config, and that value
+the estimate is taken to the nearest round number (two significant digits), and that value
 is kept only when the module's outputs on two designed inputs and on the probe's input are the norm's with it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -19,12 +19,11 @@ from torch import nn
 Tensor = torch.Tensor
 
 
-def _round_candidates(estimate: float, config: Any) -> list[float]:
+def _round_candidates(estimate: float) -> list[float]:
+    """Numbers of two significant digits around ``estimate``, nearest first."""
     exponent = math.floor(math.log10(estimate))
-    round_numbers = [m * 10.0**e for e in (exponent - 1, exponent, exponent + 1) for m in range(1, 100)]
-    values = getattr(config, "to_dict", lambda: {})()
-    numbers = [float(v) for v in values.values() if isinstance(v, float) and v > 0]
-    return sorted({float(f"{c:.3g}") for c in round_numbers} | set(numbers), key=lambda c: abs(math.log(c / estimate)))
+    round_numbers = {float(f"{m * 10.0**e:.3g}") for e in (exponent - 1, exponent, exponent + 1) for m in range(1, 100)}
+    return sorted(round_numbers, key=lambda c: abs(math.log(c / estimate)))
 
 
 def measured_eps(
@@ -33,7 +32,6 @@ def measured_eps(
     weight: Optional[Tensor],
     bias: Optional[Tensor],
     matches: Callable[[float], bool],
-    config: Any = None,
 ) -> Optional[float]:
     """The ``eps`` with which ``matches(eps)`` (the norm's formula reproduces the probe's output) and the module's
     output on ``±a`` inputs (the dtype and device of ``like``) is ``weight · a / sqrt(a² + eps) + bias`` (``weight``
@@ -81,7 +79,7 @@ def measured_eps(
         a2 = estimate
     else:
         return None
-    for candidate in _round_candidates(estimate, config)[:4]:
+    for candidate in _round_candidates(estimate)[:4]:
         if abs(math.log(candidate / estimate)) > 0.05:
             break
         fits = True

@@ -140,3 +140,16 @@ def test_a_norm_between_attention_and_the_output_projection_is_refused_by_name()
     assert found.description is None
     reasons = " ".join(found.missing.values())
     assert "the output projection's input is not the attention function's output" in reasons, reasons
+
+
+def test_a_final_norm_followed_by_a_prediction_head_is_refused_by_name() -> None:
+    """ModernBERT's decoder normalizes the last layer's output, then runs a dense layer, an activation and another
+    norm before the unembedding: ``ln_final`` is not served, and the reason names the norm and the head."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("modernbert-decoder")
+        hm = HookedModel.wrap(model, adapter="generic")
+    reason = findings(model).missing["ln_final.hook_normalized"]
+    assert "ln_final.hook_normalized" not in hm.hook_names
+    assert "final_norm normalizes the last layer's output" in reason and "prediction head" in reason, reason
+    hm.unwrap()

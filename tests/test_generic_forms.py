@@ -1,9 +1,10 @@
 """Description forms of the automatic description checked on small hand-built modules: a norm whose ``eps`` is not
 an attribute (measured on the module, :mod:`lensadapters.adapters.generic.eps`); an MLP activation called in the
-module's code and named nowhere."""
+module's code and named nowhere; a fused q/k/v projection laid out per head; named refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable
 
@@ -14,6 +15,7 @@ from torch.nn import functional as F
 
 from lensadapters import HookedModel
 from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic.describe import fused_qkv_split
 from lensadapters.adapters.generic.norms import norm_behaviour
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.every_model_type import build, input_ids
@@ -152,4 +154,28 @@ def test_a_final_norm_followed_by_a_prediction_head_is_refused_by_name() -> None
     reason = findings(model).missing["ln_final.hook_normalized"]
     assert "ln_final.hook_normalized" not in hm.hook_names
     assert "final_norm normalizes the last layer's output" in reason and "prediction head" in reason, reason
+    hm.unwrap()
+
+
+def test_a_fused_projection_laid_out_per_head_is_described_and_a_wrong_split_is_caught() -> None:
+    """GPT-NeoX (forced onto the generic adapter) fuses q, k and v per head (``[heads, 3, d]``): described with that
+    split, its q/k/v points are verified (value and edit against plain hooks on the projection); the contiguous
+    ``[q | k | v]`` split, put in on purpose, fails on them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("gpt_neox")
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert findings(model).description is not None
+    names = ["blocks.0.attn.hook_q", "blocks.0.attn.hook_k", "blocks.0.attn.hook_v", "blocks.0.attn.hook_rot_q"]
+    assert all(n in hm.hook_names for n in names)
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    qkv = hm.wiring.qkv_layouts[0]
+    heads, d = hm.cfg.n_heads, hm.cfg.d_head
+    split, merge = fused_qkv_split(heads, heads, d)
+    hm.wiring.qkv_layouts[0] = dataclasses.replace(qkv, split=split, merge=merge)
+    try:
+        problems = check_points(hm.wiring, input_ids(), names[:3])
+    finally:
+        hm.wiring.qkv_layouts[0] = qkv
+    assert all(why is not None for why in problems.values()), problems
     hm.unwrap()

@@ -172,6 +172,19 @@ def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Ca
     return split, merge
 
 
+def per_head_qkv_split(heads: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
+    """``(split, merge)`` of one projection's output laid out per head, ``[heads, (q | k | v), d]``."""
+
+    def split(t: Tensor) -> tuple[Tensor, ...]:
+        parts = t.unflatten(-1, (heads, 3, d))
+        return parts[..., 0, :], parts[..., 1, :], parts[..., 2, :]
+
+    def merge(*parts: Tensor) -> Tensor:
+        return torch.stack(parts, dim=-2).flatten(-3)
+
+    return split, merge
+
+
 def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
     """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs, on the whole head or on the first
     dimensions the table covers (partial rotary): each is tried on the probe's queries and keys."""
@@ -273,14 +286,21 @@ def _describe_attention(
     value_t = call.value.transpose(1, 2)  # [b, p, kv, d]
     fused = [p for p, y in readers.items() if y.shape[-1] == (heads + 2 * kv) * d]
     if fused and len(readers) == 1:
-        split, merge = fused_qkv_split(heads, kv, d)
+        layouts = [fused_qkv_split(heads, kv, d)] + ([per_head_qkv_split(heads, d)] if heads == kv else [])
+        split, merge = next(((s, m) for s, m in layouts if _close(s(readers[fused[0]])[2], value_t)), (None, None))
+        if split is None or merge is None:
+            raise NotDescribed(
+                "neither the fused projection's last part nor its third part of each head is the values the "
+                "attention function gets"
+            )
         q, k, v = split(readers[fused[0]])
-        if not _close(v, value_t):
-            raise NotDescribed("the fused projection's last part is not the values the attention function gets")
         q_match = _match_rotated([(None, None, q)], call.query, rotary, cos_sin)
         k_match = _match_rotated([(None, None, k)], call.key, rotary, cos_sin)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
-            raise NotDescribed("the fused projection's queries and keys, rotated, are not what attention gets")
+            raise NotDescribed(
+                "the fused projection's queries and keys, rotated, are not what attention gets (a fused projection is "
+                "described without q/k norms)"
+            )
         return FusedQKV(f"{attn}.{fused[0]}", split, merge, rotary=q_match[2]), f"{attn}.{o_proj[0]}", norms
     values = [p for p, y in readers.items() if y.shape[-1] == kv * d and _close(_heads(y, kv), value_t)]
     if len(values) != 1:

@@ -17,8 +17,9 @@ The rules (each decided per model, and per layer where layers differ; nothing is
   module inside that layer. ``hook_z`` is that call's output ``[b, p, h, d_head]`` (per head, the pattern-weighted
   mix of values, before heads are merged for the output projection); an edit replaces what the model continues with.
 * **Patterns** (``attn.hook_attn_scores``/``attn.hook_pattern``): additionally, the arguments of that call are plain
-  attention's (no softcap, sinks or other extras) and the core's explicit attention reproduced the weights and the
-  output of the model's own eager attention function on them, in the probe.
+  attention's (or add only a score softcap or sinks, ``s_aux``, which the explicit attention applies as eager
+  attention does; no other extras) and the core's explicit attention reproduced the weights and the output of the
+  model's own eager attention function on them, in the probe.
 * **Attention and MLP outputs** (``hook_attn_out``/``hook_mlp_out``): the attention module is the layer's direct child
   that holds the module the attention interface is called with; for a layer that computes attention without the
   interface, the one direct child whose class name ends in ``Attention`` (transformers' naming convention). The MLP

@@ -14,8 +14,10 @@ the module); ``hook_resid_pre``/``hook_resid_post`` the layer's input/output; ``
 branch modules' outputs; ``hook_resid_mid`` the input of ``ln2`` (or the MLP) together with the layer's output (an
 edit there reaches the residual too); ``hook_attn_in``/``hook_mlp_in`` the input of ``ln1``/``ln2`` (one branch);
 ``attn.hook_q``/``hook_k``/``hook_v`` the projections' outputs split into heads; ``attn.hook_rot_q``/``hook_rot_k``
-the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` and
-the model's eager attention weights (an edit: softmax of the edited scores, or the edited weights, times the values);
+the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` (the
+scores softcapped before the mask where the model passes ``softcap``; not under sdpa, which ignores it) and the
+model's eager attention weights (an edit: softmax of the edited scores, with the per-head sink logit as one more
+column where the model passes ``s_aux``, or the edited weights, times the values);
 ``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the gate/up
 projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that reproduces the
 norm module's output from its input with its own weight and bias (an edit: the output recomputed with the edited

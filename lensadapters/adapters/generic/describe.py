@@ -9,8 +9,9 @@ of names. Every claim is checked on the probe's values, against what the model's
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
-* **values**: the linear module (or the third part of one fused ``[q | k | v]`` projection) whose output, split
-  into heads, is the value tensor the model passes to the attention function;
+* **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head
+  ``[heads, (q | k | v), d]``) whose output, split into heads, is the value tensor the model passes to the attention
+  function (a module wrapping a linear one is not a candidate: its child is);
 * **queries and keys**: the two other projections whose outputs, through the q/k norms found between them and the
   attention function (a norm module inside the attention module reading the projection's output per head or over
   the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the

@@ -5,7 +5,8 @@ Every causal-LM model type of the installed transformers is checked (about 40 se
 also be served in full: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins,
 and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x (parallel
 blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the branches,
-branch multipliers, nested pre-LN parts), and a post-LN encoder that copies BERT's modelling code (described
+branch multipliers, nested pre-LN parts, an attention-score softcap, LayerNorms with a
+literal eps, an activation called in code), and a post-LN encoder that copies BERT's modelling code (described
 automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
 """
 
@@ -26,7 +27,10 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt")
+SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt", "olmo", "lfm2") + (
+    # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
+    ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
+)
 #: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full where they call
 #: transformers' attention interface (5.x); transformers 4.x's compute attention in their own code
 POST_LN = ("electra",)
@@ -205,3 +209,15 @@ def _edited_logits(
         delta = delta * (value > 0)
     hooks = [(name, lambda t, hook: t + delta.to(t.dtype))]
     return hm.run_with_hooks(input_ids=ids, attention_mask=mask, fwd_hooks=hooks).detach()
+
+
+@pytest.mark.skipif("granite_swa" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, reason="transformers 5.x model")
+def test_sink_scores_are_verified_and_weights_before_the_sinks_are_not_served_as_the_pattern() -> None:
+    """Attention sinks (``s_aux``): the scores are served, their edits checked against the model's own eager
+    attention (which applies the sinks as a rescaling of its output); its eager function returns the weights before
+    that rescaling, which are not the sinked pattern the explicit attention computes, so the verification refuses
+    ``hook_pattern`` (a wrong description caught, not served), and nothing served is wrong."""
+    entry = census_entry("granite_swa")
+    assert not entry.wrong, entry.wrong
+    assert "blocks.0.attn.hook_attn_scores" in entry.served and "blocks.0.attn.hook_pattern" not in entry.served
+    assert "attn.hook_pattern" in entry.why and "not the reference's" in entry.why, entry.why

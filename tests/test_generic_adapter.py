@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -125,9 +126,7 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
     generic_hm.unwrap()
 
 
-def test_what_cannot_be_identified_is_absent_and_explained():
-    """Gemma 2 (wrapped without its plugin): softcapped attention gets no patterns (the warning says why), its
-    sandwich-norm blocks are described, and the (1 + weight) RMSNorm is recognised as such."""
+def _softcapped_gemma2(implementation: str) -> torch.nn.Module:
     model = _tiny(
         Gemma2Config,
         intermediate_size=48,
@@ -137,15 +136,27 @@ def test_what_cannot_be_identified_is_absent_and_explained():
         attn_logit_softcapping=5.0,
         final_logit_softcapping=None,
     )
+    model.config._attn_implementation = implementation
+    return model
+
+
+def test_a_gemma2_without_its_plugin_is_described_with_softcapped_patterns():
+    """Gemma 2 (wrapped without its plugin): its sandwich-norm blocks are described, the (1 + weight) RMSNorm is
+    recognised as such, and the softcapped eager attention gets patterns (verified against the model's eager
+    attention, which applies the softcap): the scores are ``5 * tanh(q·kᵀ·scaling / 5)`` where not masked."""
+    model = _softcapped_gemma2("eager")
     with pytest.warns(GenericAdapterWarning) as warned:
         hm = HookedModel.wrap(model, registry=Registry())
     message = str(warned[0].message)
     names = hm.hook_names
-    # described automatically (sandwich norms with (1 + weight), q/k/v, rotary); the softcapped patterns have no
-    # plain-attention reference to verify them against: not served, and the warning says why
-    assert "hook_pattern" in message and "plain softmax attention does not account for" in message, message
     assert "writing-a-plugin" in message
-    assert not any(n.endswith(("hook_pattern", "hook_attn_scores")) for n in names)
+    assert all(f"blocks.{i}.attn.{p}" in names for i in (0, 1) for p in ("hook_attn_scores", "hook_pattern"))
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(_ids(), names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
+    q, k = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_rot_k"].repeat_interleave(2, dim=2)
+    raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * model.model.layers[0].self_attn.scaling
+    capped, kept = cache["blocks.0.attn.hook_attn_scores"], torch.isfinite(cache["blocks.0.attn.hook_attn_scores"])
+    assert_close(capped[kept], (5.0 * torch.tanh(raw / 5.0))[kept], "softcapped scores")
     for point in ("attn.hook_z", "attn.hook_q", "hook_attn_out", "hook_mlp_out", "ln1_post.hook_scale"):
         assert f"blocks.1.{point}" in names, point
     assert "ln_final.hook_normalized" in names
@@ -157,6 +168,21 @@ def test_what_cannot_be_identified_is_absent_and_explained():
         _, cache = hm.run_with_cache(_ids(), names_filter="ln_final.hook_normalized")
     handle.remove()
     assert_close(cache["ln_final.hook_normalized"] * (1 + spec.weight), seen[0], "RMSNorm with (1 + weight)")
+    hm.unwrap()
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("4."), reason="transformers 5 runs Gemma 2 only eagerly")
+def test_softcapped_patterns_are_not_served_under_sdpa_which_ignores_the_softcap():
+    """Under transformers 4.x's sdpa, which ignores the softcap the model passes, the softcapped patterns are not the
+    model's (the verification, run with eager attention, must not serve them: every use would raise); the warning
+    says why, and the other attention points are served."""
+    model = _softcapped_gemma2("sdpa")
+    with pytest.warns(GenericAdapterWarning) as warned:
+        hm = HookedModel.wrap(model, registry=Registry())
+    message = " ".join(str(w.message) for w in warned)
+    assert not any(n.endswith(("hook_pattern", "hook_attn_scores")) for n in hm.hook_names)
+    assert "blocks.0.attn.hook_rot_q" in hm.hook_names and "blocks.0.attn.hook_z" in hm.hook_names
+    assert "sdpa" in message and "softcap" in message, message
     hm.unwrap()
 
 

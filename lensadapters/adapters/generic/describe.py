@@ -9,8 +9,9 @@ of names. Every claim is checked on the probe's values, against what the model's
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
-* **values**: the linear module (or the third part of one fused ``[q | k | v]`` projection) whose output, split
-  into heads, is the value tensor the model passes to the attention function;
+* **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head
+  ``[heads, (q | k | v), d]``) whose output, split into heads, is the value tensor the model passes to the attention
+  function (a module wrapping a linear one is not a candidate: its child is);
 * **queries and keys**: the two other projections whose outputs, through the q/k norms found between them and the
   attention function (a norm module inside the attention module reading the projection's output per head or over
   the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the
@@ -18,7 +19,8 @@ of names. Every claim is checked on the probe's values, against what the model's
   attention function;
 * **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
   gate-up) projections reading the MLP's input, such that the activation named by the config (or the module's
-  ``act_fn``) reproduces the down projection's input: ``act(gate) * up`` (gated) or ``act(pre)`` (plain).
+  ``act_fn``, or else SiLU or ReLU, which no other activation passes for) reproduces the down projection's input:
+  ``act(gate) * up`` (gated) or ``act(pre)`` (plain).
 
 What fails is not described (the layer stays opaque, served by the generic adapter's own points) and the reason
 is kept for the warning. A description is then *verified* at wrap time point by point (:mod:`.verify`).
@@ -50,6 +52,11 @@ from lensadapters.hooks.specs import (
 Tensor = torch.Tensor
 QKV = Union[SeparateQKV, FusedQKV]
 MLP = Union[MLPLayout, FusedGateUp]
+
+
+#: activations tried (each checked on the probe) after the MLP module's own and the config's: none of them can pass
+#: for another on the probe (GELU's exact and tanh forms can, on small inputs: neither is guessed)
+COMMON_ACTIVATIONS = ("silu", "relu")
 
 
 class NotDescribed(Exception):
@@ -97,7 +104,8 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Callable[[Tensor], Tensor]]]:
-    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's."""
+    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's,
+    then :data:`COMMON_ACTIVATIONS`."""
     from transformers.activations import ACT2FN
 
     found: list[tuple[Optional[str], Callable[[Tensor], Tensor]]] = []
@@ -110,7 +118,8 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
         if isinstance(act_name, str) and act_name in ACT2FN:
             found.append((act_name, ACT2FN[act_name]))
     names = [n for n, _ in found if n is not None]
-    return [(names[0] if names else n, fn) for n, fn in found]
+    # then the common activations under their own names (a module that calls F.silu and names none in its config)
+    return [(names[0] if names else n, fn) for n, fn in found] + [(n, ACT2FN[n]) for n in COMMON_ACTIVATIONS]
 
 
 def _rotate_pairs(x: Tensor) -> Tensor:
@@ -161,6 +170,19 @@ def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Ca
 
     def merge(*parts: Tensor) -> Tensor:
         return torch.cat([part.flatten(-2) for part in parts], dim=-1)
+
+    return split, merge
+
+
+def per_head_qkv_split(heads: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
+    """``(split, merge)`` of one projection's output laid out per head, ``[heads, (q | k | v), d]``."""
+
+    def split(t: Tensor) -> tuple[Tensor, ...]:
+        parts = t.unflatten(-1, (heads, 3, d))
+        return parts[..., 0, :], parts[..., 1, :], parts[..., 2, :]
+
+    def merge(*parts: Tensor) -> Tensor:
+        return torch.stack(parts, dim=-2).flatten(-3)
 
     return split, merge
 
@@ -243,28 +265,44 @@ def _describe_attention(
     prefix = attn + "."
     heads, kv, d = call.heads, call.kv_heads, call.d_head
     assert call.query is not None and call.key is not None and call.value is not None
-    linears: dict[str, Any] = {
+    linears: dict[str, Any] = {  # the linear modules (not a wrapper around one, whose output is its child's)
         path[len(prefix) :]: io
         for (layer_i, path), io in rec.inner.items()
-        if layer_i == i and path.startswith(prefix) and io[0] is not None and io[1] is not None
+        if layer_i == i
+        and path.startswith(prefix)
+        and io[0] is not None
+        and io[1] is not None
+        and _is_linear(layer.get_submodule(path))
     }
     z = call.output.value.flatten(-2)  # [b, p, heads * d]
     o_proj = [p for p, (x, y) in linears.items() if _close(x, z) and _close(y, attn_out)]
     if len(o_proj) != 1:
+        if any(_close(y, attn_out) for x, y in linears.values()):
+            raise NotDescribed(
+                "the output projection's input is not the attention function's output: the attention module changes "
+                "it in between (an output gate or a norm), which no declarative form describes"
+            )
         raise NotDescribed("no single linear module maps the attention function's output to the attention output")
     readers: dict[str, Any] = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
     norms: dict[str, NormBehaviour] = {}
     value_t = call.value.transpose(1, 2)  # [b, p, kv, d]
     fused = [p for p, y in readers.items() if y.shape[-1] == (heads + 2 * kv) * d]
     if fused and len(readers) == 1:
-        split, merge = fused_qkv_split(heads, kv, d)
+        layouts = [fused_qkv_split(heads, kv, d)] + ([per_head_qkv_split(heads, d)] if heads == kv else [])
+        split, merge = next(((s, m) for s, m in layouts if _close(s(readers[fused[0]])[2], value_t)), (None, None))
+        if split is None or merge is None:
+            raise NotDescribed(
+                "neither the fused projection's last part nor its third part of each head is the values the "
+                "attention function gets"
+            )
         q, k, v = split(readers[fused[0]])
-        if not _close(v, value_t):
-            raise NotDescribed("the fused projection's last part is not the values the attention function gets")
         q_match = _match_rotated([(None, None, q)], call.query, rotary, cos_sin)
         k_match = _match_rotated([(None, None, k)], call.key, rotary, cos_sin)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
-            raise NotDescribed("the fused projection's queries and keys, rotated, are not what attention gets")
+            raise NotDescribed(
+                "the fused projection's queries and keys, rotated, are not what attention gets (a fused projection is "
+                "described without q/k norms)"
+            )
         return FusedQKV(f"{attn}.{fused[0]}", split, merge, rotary=q_match[2]), f"{attn}.{o_proj[0]}", norms
     values = [p for p, y in readers.items() if y.shape[-1] == kv * d and _close(_heads(y, kv), value_t)]
     if len(values) != 1:

@@ -17,8 +17,9 @@ The rules (each decided per model, and per layer where layers differ; nothing is
   module inside that layer. ``hook_z`` is that call's output ``[b, p, h, d_head]`` (per head, the pattern-weighted
   mix of values, before heads are merged for the output projection); an edit replaces what the model continues with.
 * **Patterns** (``attn.hook_attn_scores``/``attn.hook_pattern``): additionally, the arguments of that call are plain
-  attention's (no softcap, sinks or other extras) and the core's explicit attention reproduced the weights and the
-  output of the model's own eager attention function on them, in the probe.
+  attention's (or add only a score softcap or sinks, ``s_aux``, which the explicit attention applies as eager
+  attention does; no other extras) and the core's explicit attention reproduced the weights and the output of the
+  model's own eager attention function on them, in the probe.
 * **Attention and MLP outputs** (``hook_attn_out``/``hook_mlp_out``): the attention module is the layer's direct child
   that holds the module the attention interface is called with; for a layer that computes attention without the
   interface, the one direct child whose class name ends in ``Attention`` (transformers' naming convention). The MLP
@@ -241,6 +242,32 @@ def _final_norm(
     return (candidates[0], behaviour) if behaviour is not None else (None, None)
 
 
+def _no_final_norm(model: nn.Module, structure: Structure, rec: Recording, n: int) -> str:
+    """Why no final norm is served: the general reason, or the norm of the last layer's output that the model
+    computes more from before the unembedding (a prediction head)."""
+    last = rec.layer_out.get(n - 1)
+    for name, record in rec.outside_out.items():
+        x = rec.outside_in.get(name)
+        if last is None or x is None or name == structure.embed or x.shape != last.value.shape:
+            continue
+        if not torch.equal(x, last.value):
+            continue
+        if record.calls > 1:
+            return (
+                f"{name} reads the last layer's output, but the model runs it {record.calls} times in a forward "
+                f"(also elsewhere), so a hook on it would not be one point"
+            )
+        if norm_behaviour(model.get_submodule(name), x, record.value) is not None:
+            return (
+                f"{name} normalizes the last layer's output, but the model computes more from it before the "
+                f"unembedding (a prediction head), so final @ W_U would not be the logits"
+            )
+    return (
+        "no module outside the layers both produces the model's last hidden state and computes a LayerNorm or "
+        "RMSNorm of its input"
+    )
+
+
 def _continues(i: int, rec: Recording, n: int) -> bool:
     """Whether the model continues with layer ``i``'s output exactly as it is: the next layer's input, or (the last
     layer) the input of a module outside the layers or the model's last hidden state."""
@@ -398,10 +425,7 @@ def identify(model: nn.Module) -> Findings:
         }
     final_norm, behaviour = _final_norm(model, structure, rec)
     if final_norm is None:
-        missing["ln_final.hook_normalized"] = (
-            "no module outside the layers both produces the model's last hidden "
-            "state and computes a LayerNorm or RMSNorm of its input"
-        )
+        missing["ln_final.hook_normalized"] = _no_final_norm(model, structure, rec, n)
     copied = set()
     embed_record = rec.outside_out.get(structure.embed)
     if embed_record is not None and embed_record.written_later:

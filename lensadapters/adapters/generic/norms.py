@@ -1,14 +1,16 @@
 """How a norm module normalizes, as a probe pass shows it: LayerNorm or RMSNorm of its input with its own weight
-(and bias), offset ``0`` or ``1``, ``eps`` read from the module."""
+(and bias), offset ``0`` or ``1``, ``eps`` read from the module (or, where it keeps none, measured on it:
+:mod:`.eps`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.eps import measured_eps
 from lensadapters.hooks.specs import NormSpec
 
 Tensor = torch.Tensor
@@ -51,6 +53,12 @@ def _matches(expected: Tensor, actual: Tensor) -> bool:
     return bool(err <= tol * actual.float().norm() + 1e-12)
 
 
+def _row_multiple(x: Tensor, y: Tensor) -> bool:
+    """Whether each row of ``y`` is a positive multiple of the row of ``x`` (a norm's output, whatever its eps)."""
+    factor = (x * y).sum(-1, keepdim=True) / (x * x).sum(-1, keepdim=True).clamp_min(1e-30)
+    return bool((factor > 0).all()) and _matches(x * factor, y)
+
+
 def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBehaviour]:
     """LayerNorm or RMSNorm of ``x`` with ``module``'s own weight (and bias), if that is what ``y`` is."""
     if x.shape != y.shape:
@@ -63,14 +71,31 @@ def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBeha
         return None
     xf = x.float()
     var, mean = torch.var_mean(xf, -1, correction=0, keepdim=True)
-    ln = (xf - mean) / torch.sqrt(var + (eps if eps is not None else 1e-5))
-    ln = ln * w if w is not None else ln
-    if _matches(ln + b if b is not None else ln, y):
+
+    def layer_norm(eps: float) -> bool:
+        ln = (xf - mean) / torch.sqrt(var + eps)
+        ln = ln * w if w is not None else ln
+        return _matches(ln + b if b is not None else ln, y)
+
+    def rms_norm(offset: float) -> Callable[[float], bool]:
+        return lambda eps: _matches(xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale(offset), y)
+
+    def scale(offset: float) -> Any:
+        return w + offset if w is not None else 1.0
+
+    if eps is None and _row_multiple(xf - mean, (y.float() - (b if b is not None else 0.0)) / scale(0.0)):
+        found = measured_eps(module, x, w, b, layer_norm)  # measured on the module (None: no scale is served)
+        if found is not None:
+            return NormBehaviour("LN", found)
+    if layer_norm(eps if eps is not None else 1e-5):
         return NormBehaviour("LN", eps)
-    if eps is None:  # RMSNorm's hook_normalized is computed from the scale: eps must be known exactly
-        return None
-    rms = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    for offset in (0.0, 1.0):
-        if _matches(rms * (w + offset) if w is not None else rms, y) and (w is not None or offset == 0.0):
+    for offset in (0.0, 1.0) if w is not None else (0.0,):
+        if eps is None:  # RMSNorm's scale needs eps exactly: measured on the module
+            found = None
+            if _row_multiple(xf, y.float() / scale(offset)):
+                found = measured_eps(module, x, scale(offset) if w is not None else None, None, rms_norm(offset))
+            if found is not None:
+                return NormBehaviour("RMS", found, offset)
+        elif rms_norm(offset)(eps):
             return NormBehaviour("RMS", eps, offset)
     return None

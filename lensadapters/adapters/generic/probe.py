@@ -62,6 +62,9 @@ NEUTRAL_ATTENTION_KWARGS = frozenset(
         "head_mask",
     }
 )
+#: arguments the core's explicit attention reproduces as eager attention applies them (an attention-score softcap;
+#: a learned per-head sink logit joining the softmax): patterns are served where the probe finds its numbers equal
+SCORE_ARGUMENTS = frozenset({"softcap", "s_aux"})
 
 
 def _unusual_arguments(module: nn.Module, kwargs: dict, mask: Optional[Tensor]) -> list[str]:
@@ -71,7 +74,7 @@ def _unusual_arguments(module: nn.Module, kwargs: dict, mask: Optional[Tensor]) 
         if name == "is_causal":  # without a mask, explicit attention is causal as the module says; a mask decides
             if mask is None and value is not None and bool(value) != bool(getattr(module, "is_causal", True)):
                 unusual.append(name)
-        elif name not in NEUTRAL_ATTENTION_KWARGS and value is not None and value is not False:
+        elif name not in NEUTRAL_ATTENTION_KWARGS | SCORE_ARGUMENTS and value is not None and value is not False:
             unusual.append(name)
     return sorted(unusual)
 
@@ -188,6 +191,7 @@ def _pattern_problem(
             scores_fn=default_scores,
             scores_point=stand_in,
             pattern_point=stand_in,
+            implementation="eager",  # compared with the model's eager function, which applies a softcap
             **kwargs,
         )
     except Exception as exc:  # whatever it is, patterns are not served for this module

@@ -15,12 +15,14 @@ with TransformerLens' ``BertBlock`` points); ``hook_attn_out``/``hook_mlp_out`` 
 ``hook_resid_mid`` the input of ``ln2`` (or the MLP) together with the layer's output (an edit there reaches the
 residual too); ``hook_attn_in``/``hook_mlp_in`` the input of ``ln1``/``ln2`` (one branch);
 ``attn.hook_q``/``hook_k``/``hook_v`` the projections' outputs split into heads; ``attn.hook_rot_q``/``hook_rot_k``
-the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` and
-the model's eager attention weights (an edit: softmax of the edited scores, or the edited weights, times the
-values); ``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the
-gate/up projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that
-reproduces the norm module's output from its input with its own weight and bias (an edit: the output recomputed with
-the edited scale), ``*.hook_normalized`` the norm's output (LayerNorm) or the output over the weight (RMSNorm).
+the query/key the attention function gets; ``attn.hook_attn_scores``/``hook_pattern`` ``q·kᵀ·scaling + mask`` (the
+scores softcapped before the mask where the model passes ``softcap``; not under sdpa, which ignores it) and the
+model's eager attention weights (an edit: softmax of the edited scores, with the per-head sink logit as one more
+column where the model passes ``s_aux``, or the edited weights, times the values);
+``attn.hook_z`` the output projection's input split into heads; ``mlp.hook_pre``/``hook_pre_linear`` the gate/up
+projections' outputs, ``mlp.hook_post`` the down projection's input; ``*.hook_scale`` the scale that reproduces the
+norm module's output from its input with its own weight and bias (an edit: the output recomputed with the edited
+scale), ``*.hook_normalized`` the norm's output (LayerNorm) or the output over the weight (RMSNorm).
 A point without a reference is reported as unchecked (``None`` reference): :func:`check_points` says so.
 
 Points are checked many per forward pass: each point's edit, and its reference's, is in its own copy of the probe
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.probe import _unusual_arguments
+from lensadapters.hooks.copying import original_value
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -320,6 +323,9 @@ def _verify_attention(
         raise RuntimeError("no eager attention function in the model's modeling file")
     if seen is not None and (args or _unusual_arguments(module, kwargs, mask)):
         raise Unchecked("the attention function gets arguments plain softmax attention does not account for")
+    if seen is not None and part in ("weights", "scores") and kwargs.get("softcap") is not None:
+        if getattr(_plan, "implementation", None) == "sdpa":  # the scores would be capped, the model's are not
+            raise Unchecked("the model runs sdpa attention, which does not apply the softcap it passes")
     if part == "query" and seen is not None:  # the value before the edit
         seen.append(query.transpose(1, 2).clone())
         query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
@@ -334,17 +340,29 @@ def _verify_attention(
     elif seen is not None and part in ("weights", "scores"):
         scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
         scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        if softcap is not None:  # eager attention's order: cap, then mask
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores + mask[:, :, :, : key.shape[-2]]
         seen.append(scores if part == "scores" else weights.clone())
         if part == "scores" and delta is not None:
-            weights = torch.softmax((scores + delta).float(), dim=-1).to(query.dtype)
+            weights = _softmax_with_sinks(scores + delta, sinks).to(query.dtype)
         elif part == "weights" and delta is not None:
             weights = weights + delta.to(weights.dtype)
         if delta is not None:
             edited = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
             output = _in_row(row, edited.to(output.dtype), output)
     return output, weights
+
+
+def _softmax_with_sinks(scores: Tensor, sinks: Optional[Tensor]) -> Tensor:
+    """``softmax(scores)`` over the keys; with a sink logit per head (``s_aux``) as one more column of every row,
+    dropped after the softmax (it takes probability and adds no value)."""
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1)
+    column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+    return torch.softmax(torch.cat([scores, column], dim=-1).float(), dim=-1)[..., :-1]
 
 
 def _verify_key() -> str:
@@ -756,6 +774,7 @@ def check_points(
     results: dict[str, Optional[str]] = {}
     modes = {m: m.training for m in model.modules()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    _plan.implementation = str(original_value(getattr(model.config, "_attn_implementation", None)))
     with torch.random.fork_rng(devices=devices), torch.no_grad(), _attention(model, "eager"):
         model.eval()
         try:

@@ -1,0 +1,181 @@
+"""Description forms of the automatic description checked on small hand-built modules: a norm whose ``eps`` is not
+an attribute (measured on the module, :mod:`lensadapters.adapters.generic.eps`); an MLP activation called in the
+module's code and named nowhere; a fused q/k/v projection laid out per head; named refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lensadapters import HookedModel
+from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic.describe import fused_qkv_split
+from lensadapters.adapters.generic.norms import norm_behaviour
+from lensadapters.adapters.generic.verify import check_points
+from lensadapters.testing.every_model_type import build, input_ids
+
+
+class _HardcodedLayerNorm(nn.Module):
+    """OLMo's non-parametric LayerNorm: ``eps`` is a literal of its forward, not an attribute."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self._literal = (eps,)  # a tuple: nothing norm_behaviour reads as an eps attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], None, None, eps=self._literal[0])
+
+
+class _HardcodedRMSNorm(nn.Module):
+    """RMSNorm with a ``(1 + weight)`` scale and a literal ``eps``."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d) * 0.1)
+        self._literal = (eps,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._literal[0]) * (1 + self.weight)
+
+
+@pytest.mark.parametrize(
+    "module, kind, eps, offset",
+    [
+        (_HardcodedLayerNorm(1e-5), "LN", 1e-5, 0.0),
+        (_HardcodedLayerNorm(1e-12), "LN", 1e-12, 0.0),
+        (_HardcodedRMSNorm(16, 1e-6), "RMS", 1e-6, 1.0),
+        (_HardcodedRMSNorm(16, 3e-2), "RMS", 3e-2, 1.0),
+    ],
+)
+def test_an_eps_the_module_does_not_keep_is_measured_on_it(module: nn.Module, kind: str, eps: float, offset: float):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    behaviour = norm_behaviour(module, x, module(x))
+    assert behaviour is not None and (behaviour.kind, behaviour.eps, behaviour.offset) == (kind, eps, offset)
+    spec = behaviour.spec(module)
+    assert spec is not None and spec.eps == eps and spec.weight_offset == offset
+
+
+@pytest.mark.parametrize(
+    "eps, why",
+    [(1.2345e-5, "not a round number: no exact value to serve"), (0.0, "no eps at all: nothing to measure")],
+)
+def test_an_eps_that_cannot_be_pinned_down_serves_no_scale(eps: float, why: str) -> None:
+    """A LayerNorm is still recognised (its output is served), but no eps is claimed: the scale is not served."""
+    module = _HardcodedLayerNorm(eps)
+    x = torch.randn(2, 5, 16)
+    behaviour = norm_behaviour(module, x, module(x))
+    assert behaviour is not None and behaviour.kind == "LN" and behaviour.eps is None, why
+
+
+def test_a_module_whose_eps_is_no_constant_gets_none() -> None:
+    """A deliberately wrong claim caught: a LayerNorm whose "eps" grows with its input's mean square matches a
+    LayerNorm with eps 1e-5 on the probe's input, but no constant eps gives its outputs on small inputs, so none is
+    claimed (and its scale is not served)."""
+
+    class Relative(_HardcodedLayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.layer_norm(x, x.shape[-1:], None, None, eps=1e-5 * float(x.pow(2).mean()))
+
+    module = Relative(1e-5)
+    x = torch.randn(2, 5, 16)
+    behaviour = norm_behaviour(module, x, module(x))
+    assert behaviour is not None and behaviour.kind == "LN" and behaviour.eps is None
+
+
+class _CodedActivationMLP(nn.Module):
+    """A gated MLP whose activation is a call in its forward (no ``act_fn`` attribute, none named by the config)."""
+
+    def __init__(self, mlp: nn.Module, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self._act = (act,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._act[0](self.gate_proj(x)) * self.up_proj(x))
+
+
+def _with_coded_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    model = build("llama")
+    model.config.hidden_act = "relu"  # a wrong name: the probe must not believe it
+    for layer in model.model.layers:
+        layer.mlp = _CodedActivationMLP(layer.mlp, act)
+    return model
+
+
+@pytest.mark.parametrize(
+    "act, name", [(F.silu, "silu"), (lambda t: F.gelu(t, approximate="tanh"), None), (torch.tanh, None)]
+)
+def test_an_activation_the_mlp_calls_in_its_code_is_found_among_the_common_ones(act, name) -> None:
+    """SiLU called in the MLP's code (the config naming ReLU, wrongly) is found and the MLP points are served,
+    verified against plain hooks at wrap time (value and edit); an activation that is none of the common ones (tanh;
+    GELU, whose exact and tanh forms cannot be told apart on the probe) leaves the MLP undescribed, saying why, and
+    serves no MLP point."""
+    model = _with_coded_activation(act)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter="generic")
+    found = findings(model)
+    if name is None:
+        assert "blocks.0.mlp.hook_post" not in hm.hook_names
+        assert any("no activation" in why for why in found.missing.values()), found.missing
+    else:
+        assert found.description is not None and found.description.layers[0].act_fn == name
+        names = [f"blocks.{i}.mlp.{p}" for i in (0, 1) for p in ("hook_pre", "hook_pre_linear", "hook_post")]
+        assert all(n in hm.hook_names for n in names) and not found.unverified
+        assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    hm.unwrap()
+
+
+def test_a_norm_between_attention_and_the_output_projection_is_refused_by_name() -> None:
+    """BitNet normalizes the attention function's output before its output projection: no declarative form has
+    that, and the reason says so (not that there is no output projection)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = findings(build("bitnet"))
+    assert found.description is None
+    reasons = " ".join(found.missing.values())
+    assert "the output projection's input is not the attention function's output" in reasons, reasons
+
+
+def test_a_final_norm_followed_by_a_prediction_head_is_refused_by_name() -> None:
+    """ModernBERT's decoder normalizes the last layer's output, then runs a dense layer, an activation and another
+    norm before the unembedding: ``ln_final`` is not served, and the reason names the norm and the head."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("modernbert-decoder")
+        hm = HookedModel.wrap(model, adapter="generic")
+    reason = findings(model).missing["ln_final.hook_normalized"]
+    assert "ln_final.hook_normalized" not in hm.hook_names
+    assert "final_norm normalizes the last layer's output" in reason and "prediction head" in reason, reason
+    hm.unwrap()
+
+
+def test_a_fused_projection_laid_out_per_head_is_described_and_a_wrong_split_is_caught() -> None:
+    """GPT-NeoX (forced onto the generic adapter) fuses q, k and v per head (``[heads, 3, d]``): described with that
+    split, its q/k/v points are verified (value and edit against plain hooks on the projection); the contiguous
+    ``[q | k | v]`` split, put in on purpose, fails on them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("gpt_neox")
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert findings(model).description is not None
+    names = ["blocks.0.attn.hook_q", "blocks.0.attn.hook_k", "blocks.0.attn.hook_v", "blocks.0.attn.hook_rot_q"]
+    assert all(n in hm.hook_names for n in names)
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    qkv = hm.wiring.qkv_layouts[0]
+    heads, d = hm.cfg.n_heads, hm.cfg.d_head
+    split, merge = fused_qkv_split(heads, heads, d)
+    hm.wiring.qkv_layouts[0] = dataclasses.replace(qkv, split=split, merge=merge)
+    try:
+        problems = check_points(hm.wiring, input_ids(), names[:3])
+    finally:
+        hm.wiring.qkv_layouts[0] = qkv
+    assert all(why is not None for why in problems.values()), problems
+    hm.unwrap()

@@ -219,6 +219,9 @@ def describe_nested_pre_norm_layer(
         "no single norm module normalizes the layer's input plus the attention output",
         NotThisShape,
     )
+    children = [p for p in x.seen if "." not in p and p not in (x.attn, ln1, ln2)]
+    if any(_close(x.seen[p][0], x.seen[ln2][1]) and _close(x.seen[p][1], x.resid_post - mid) for p in children):
+        raise NotThisShape("the MLP is one child of the layer: not nested (the usual describer's reason stands)")
     mlp, act_fn = _mlp(model, x, x.seen[ln2][1], x.resid_post - mid)
     qkv, qk_norms, attn_out = _attention(x, rec, rotary, x.seen[ln1][1], {ln1, ln2})
     block = BlockLayout(ln1=ln1, attn=x.attn, o_proj=x.o_proj, ln2=ln2, mlp=None)

@@ -3,8 +3,8 @@ generic adapter's automatic description: a served point whose value or edit is n
 
 The sample: a plugin family, and decoders no plugin claims that the automatic description serves in full under
 transformers 4.57 and 5.23 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer
-rotary with norms after the branches, branch multipliers). ``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over
-every causal-LM model type (several minutes).
+rotary with norms after the branches, branch multipliers, a mixture of experts after a dense layer).
+``LENSADAPTERS_EVERY_MODEL_TYPE=1`` runs the census over every causal-LM model type (several minutes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite")
+SAMPLE = ("llama", "cohere", "helium", "olmo3", "granite", "glm4_moe")
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "") not in ("", "0")
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -413,6 +413,7 @@ def describe_layer(
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
     qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
     norms.update(qk_norms)
+    mlp_layout: Any
     try:
         mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
     except NotDescribed:  # a mixture of experts: the rest of the layer is described all the same (see .moe)

@@ -97,7 +97,7 @@ def _expert_output(experts: nn.Module, spec: FusedExperts, x: Tensor, index: Ten
 
 def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
     """Every routing the search tries (see the module docstring)."""
-    values = getattr(config, "to_dict", lambda: {})()
+    values: dict[str, Any] = getattr(config, "to_dict", lambda: {})()
     scales = [1.0] + sorted(
         {float(v) for v in values.values() if isinstance(v, float) and not isinstance(v, bool) and v not in (0.0, 1.0)}
     )

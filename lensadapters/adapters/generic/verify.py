@@ -455,7 +455,7 @@ def _plain_hook(
     if ref.kind == "router_input":  # the router's product F.linear(x, W, b), moved by moving x
 
         def pre_router(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            x, weight = first_input(args, kwargs), module.weight
+            x, weight = first_input(args, kwargs), cast(Tensor, module.weight)
             logits = torch.nn.functional.linear(x, weight, getattr(module, "bias", None))
             seen.append(logits.detach().clone())
             if edit is None:

@@ -15,6 +15,7 @@ from lensadapters.adapters.generic import GenericAdapterWarning, findings
 from lensadapters.moe import MoELayout, MoESite
 from lensadapters.testing import assert_close
 from lensadapters.testing.every_model_type import build, input_ids
+from lensadapters.testing.moe_reference import moe_reference
 from lensadapters.wiring.weights import mlp_weights
 
 FUSED = transformers.__version__.startswith("5.")  # transformers 5 stores the experts as 3-D parameters
@@ -33,7 +34,8 @@ def test_a_routing_weights_edit_reaches_the_logits_as_a_plain_hook_on_the_expert
     """GLM-4-MoE (a dense first layer, sigmoid routing with a selection bias, a shared expert) and Aria (transposed
     expert parameters, a shared expert): the last layer is described as a MoE, its routing weights are what the
     experts module is called with, and adding a delta there moves the logits exactly as adding it to that call's
-    argument with a plain PyTorch pre-hook does. Its experts' weights are the experts module's parameters."""
+    argument with a plain PyTorch pre-hook does. The experts' weights read from the description (``W_in``,
+    ``W_gate``, ``W_out`` of each expert) and the shared expert give the MoE module's output."""
     model, hm = _wrapped(model_type)
     layer = len(hm.block_modules) - 1
     layout = hm.mlp_layouts[layer]
@@ -60,8 +62,20 @@ def test_a_routing_weights_edit_reaches_the_logits_as_a_plain_hook_on_the_expert
             handle.remove()
     assert not torch.allclose(edited, plain)
     assert_close(edited, by_plain_hook, f"{model_type}: a routing weights edit")
-    W_in = mlp_weights(hm.wiring, layer, "in")[0]
-    assert W_in.shape[0] == layout.routing.n_experts and W_in.shape[1] == model.config.hidden_size
+    # the experts' weights as the core reads them from the description give the MoE module's output
+    moe = hm.block_modules[layer].get_submodule(hm.block_layouts[layer].mlp)
+    calls: list = []
+    handles = [
+        moe.register_forward_hook(lambda m, args, out: calls.append((args[0], out))),
+        experts.register_forward_pre_hook(lambda m, args: calls.append(args[1:])),
+    ]
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    (index, weights), (x, out) = calls
+    flat = x.reshape(-1, x.shape[-1])
+    assert_close(moe_reference(hm, layer, flat, weights, index).reshape(out.shape).float(), out, "experts' weights")
     hm.unwrap()
 
 

@@ -15,7 +15,9 @@ from lensadapters.adapters.generic import GenericAdapterWarning, findings
 from lensadapters.moe import MoELayout, MoESite
 from lensadapters.testing import assert_close
 from lensadapters.testing.every_model_type import build, input_ids
+from lensadapters.testing.generic import check_described_weights
 from lensadapters.testing.moe_reference import moe_reference
+from lensadapters.testing.strategies import Inputs
 from lensadapters.wiring.weights import mlp_weights
 
 FUSED = transformers.__version__.startswith("5.")  # transformers 5 stores the experts as 3-D parameters
@@ -76,6 +78,8 @@ def test_a_routing_weights_edit_reaches_the_logits_as_a_plain_hook_on_the_expert
     (index, weights), (x, out) = calls
     flat = x.reshape(-1, x.shape[-1])
     assert_close(moe_reference(hm, layer, flat, weights, index).reshape(out.shape).float(), out, "experts' weights")
+    # the generic contract's weight check runs on it (regression: it read every MLP as a dense one)
+    check_described_weights(hm, Inputs(ids, torch.ones_like(ids), [0]))
     hm.unwrap()
 
 

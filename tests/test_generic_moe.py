@@ -121,3 +121,17 @@ def test_the_verification_catches_a_wrong_routing() -> None:
         site.layout = layout
     assert problems[names[1]] is not None, problems
     hm.unwrap()
+
+
+def test_a_moe_whose_output_the_block_normalizes_is_opaque_not_refused() -> None:
+    """Regression (the wrap was refused: the core serves MoE points only where the block adds the MoE's output as it
+    is): FlexOlmo normalizes each branch's output, so its MoE is opaque, and the rest of the layer is served."""
+    from lensadapters.testing.every_model_type import NotBuildable
+
+    try:
+        model, hm = _wrapped("flex_olmo")
+    except NotBuildable as why:
+        pytest.skip(f"flex_olmo: {why}")
+    assert {"blocks.0.attn.hook_q", "blocks.0.hook_mlp_out"} <= set(hm.hook_names)
+    assert "normalizes its output" in findings(model).missing["mlp.hook_pre and mlp.hook_post (and the MLP weights)"]
+    hm.unwrap()

@@ -417,7 +417,7 @@ def describe_layer(
     try:
         mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
     except NotDescribed:  # a mixture of experts: the rest of the layer is described all the same (see .moe)
-        mlp_layout, gated, act_fn = describe_other_mlp(model, layer, i, mlp, rec), True, None
+        mlp_layout, gated, act_fn = describe_other_mlp(model, layer, i, mlp, rec, ln2_post is not None), True, None
         if mlp_layout is None:
             raise
     block = BlockLayout(

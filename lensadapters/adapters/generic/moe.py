@@ -226,11 +226,18 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
     )
 
 
-def describe_other_mlp(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording) -> Optional[Any]:
+def describe_other_mlp(
+    model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording, normed_after: bool
+) -> Optional[Any]:
     """The description of an MLP the dense description refused: a mixture of experts as a ``MoELayout``, or opaque
-    with why; any other MLP is not described (``None``, and the layer with it)."""
+    with why; any other MLP is not described (``None``, and the layer with it). ``normed_after``: the block
+    normalizes the MLP's output (the core's MoE points need a block that adds it to the residual as it is)."""
     if not is_mixture(layer.get_submodule(mlp)):
         return None
+    if normed_after:
+        return OpaqueMLP(
+            "the MLP is a mixture of experts in a block that normalizes its output, where MoE points are not served"
+        )
     try:
         return describe_moe(model, layer, i, mlp, rec)
     except _Refused as why:

@@ -31,13 +31,14 @@ def _wrapped(model_type: str) -> tuple[torch.nn.Module, HookedModel]:
 
 
 @pytest.mark.skipif(not FUSED, reason="fused experts modules exist from transformers 5")
-@pytest.mark.parametrize("model_type", ["glm4_moe", "aria_text"])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "aria_text", "flint"])
 def test_a_routing_weights_edit_reaches_the_logits_as_a_plain_hook_on_the_experts_call(model_type: str) -> None:
-    """GLM-4-MoE (a dense first layer, sigmoid routing with a selection bias, a shared expert) and Aria (transposed
-    expert parameters, a shared expert): the last layer is described as a MoE, its routing weights are what the
-    experts module is called with, and adding a delta there moves the logits exactly as adding it to that call's
-    argument with a plain PyTorch pre-hook does. The experts' weights read from the description (``W_in``,
-    ``W_gate``, ``W_out`` of each expert) and the shared expert give the MoE module's output."""
+    """GLM-4-MoE (a dense first layer, sigmoid routing with a selection bias, a shared expert), Aria (transposed
+    expert parameters, a shared expert) and Flint (a shared expert reading the flattened input): the last layer is
+    described as a MoE, its routing weights are what the experts module is called with, and adding a delta there
+    moves the logits exactly as adding it to that call's argument with a plain PyTorch pre-hook does. The experts'
+    weights read from the description (``W_in``, ``W_gate``, ``W_out`` of each expert) and the shared expert give
+    the MoE module's output."""
     model, hm = _wrapped(model_type)
     layer = len(hm.block_modules) - 1
     layout = hm.mlp_layouts[layer]
@@ -134,4 +135,16 @@ def test_a_moe_whose_output_the_block_normalizes_is_opaque_not_refused() -> None
         pytest.skip(f"flex_olmo: {why}")
     assert {"blocks.0.attn.hook_q", "blocks.0.hook_mlp_out"} <= set(hm.hook_names)
     assert "normalizes its output" in findings(model).missing["mlp.hook_pre and mlp.hook_post (and the MLP weights)"]
+    hm.unwrap()
+
+
+@pytest.mark.skipif(not FUSED, reason="fused experts modules exist from transformers 5")
+def test_a_router_given_more_than_the_mlp_input_is_not_described() -> None:
+    """Regression (MiniMax-M2 was described without the selection bias its MoE module hands the router, zero in the
+    tiny model): a router called with more than the MLP input routes by something a Routing does not name, so the
+    MoE is opaque and says so."""
+    model, hm = _wrapped("minimax_m2")
+    assert not any(isinstance(layout, MoELayout) for layout in hm.mlp_layouts)
+    why = findings(model).missing["mlp.hook_pre and mlp.hook_post (and the MLP weights)"]
+    assert "called with more than the MLP input" in why
     hm.unwrap()

@@ -8,14 +8,14 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   ``down_proj`` ``[E, d, d_mlp]`` parameters (or both stored transposed) and an ``act_fn``, called with the
   flattened hidden states, the top-k expert indices and their weights; the sum over its experts of
   ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output;
-* **router**: the module inside the MoE module with a ``[E, d]`` weight whose output is ``F.linear`` of the flattened
-  MLP input (its own bias included): the per-expert logits. It returns them alone (the MoE module routes them) or
-  with the routing the experts get (``(logits, weights, indices)``);
+* **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
+  is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
+  (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``);
 * **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after it, renormalized or
   not, in float32 or the logits' dtype, a constant of the config multiplying the weights, a ``[E]`` attribute of the
   router added for choosing) under which the logits give exactly the indices, and the weights, the experts get;
 * **shared expert**: none when the MoE module's output is its experts' output, or the one other module inside the MoE
-  module, reading the MLP input, whose output the MoE module adds to it.
+  module, reading the MLP input (flattened or not), whose output the MoE module adds to it.
 
 What fails leaves the MoE opaque (:class:`~lensadapters.hooks.specs.OpaqueMLP`): the layer keeps the rest of its
 description (attention, norms, the residual points), its MLP module's output is ``hook_mlp_out``, and it has no
@@ -60,9 +60,11 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, dict, Any]]]:
-    """The MoE module's output on ``x``, and each of its submodules' first call ``(args, kwargs, output)``."""
+    """The MoE module's output on ``x`` in eval mode (no router jitter), and each of its submodules' first call
+    ``(args, kwargs, output)``; the modules' training flags are restored."""
     calls: dict[str, tuple[tuple, dict, Any]] = {}
     handles = []
+    modes = {m: m.training for m in moe.modules()}
     for name, module in moe.named_modules():
         if name:
 
@@ -71,11 +73,14 @@ def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, d
 
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
+        moe.eval()
         with torch.no_grad():
             out = moe(x)
     finally:
         for h in handles:
             h.remove()
+        for module, training in modes.items():
+            module.training = training
     return out, calls
 
 
@@ -171,10 +176,12 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
             and _close(r_args[0].reshape(flat.shape), flat)
             and _close(logits, F.linear(flat, weight, bias))
         ):
-            routers.append((name, module, r_out, logits))
+            routers.append((name, module, r_out, logits, len(r_args) + len(r_kwargs)))
     if len(routers) != 1:
         raise _Refused("no single module of the MoE maps the flattened MLP input to per-expert logits")
-    router_path, router, r_out, logits = routers[0]
+    router_path, router, r_out, logits, given = routers[0]
+    if given != 1:  # a routing that reads what the MoE module hands it (a selection bias) is not a Routing's
+        raise _Refused("the router is called with more than the MLP input")
     if isinstance(r_out, Tensor):
         router_output = "logits"
     elif (
@@ -212,7 +219,10 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
         for name, (s_args, s_kwargs, s_out) in calls.items():
             if "." in name or name in (experts_path, router_path) or not isinstance(s_out, Tensor):
                 continue
-            if _close(first_input(s_args, s_kwargs), x) and s_out.shape == y.shape and _close(routed + s_out, y):
+            given = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
+            if not (isinstance(given, Tensor) and given.numel() == flat.numel() and s_out.numel() == y.numel()):
+                continue
+            if _close(given.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
                 shared = name
         if shared is None:
             raise _Refused("the MoE module's output is not its experts' output (plus one shared expert's output)")

@@ -219,10 +219,10 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
         for name, (s_args, s_kwargs, s_out) in calls.items():
             if "." in name or name in (experts_path, router_path) or not isinstance(s_out, Tensor):
                 continue
-            given = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
-            if not (isinstance(given, Tensor) and given.numel() == flat.numel() and s_out.numel() == y.numel()):
+            read = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
+            if not (isinstance(read, Tensor) and read.numel() == flat.numel() and s_out.numel() == y.numel()):
                 continue
-            if _close(given.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
+            if _close(read.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
                 shared = name
         if shared is None:
             raise _Refused("the MoE module's output is not its experts' output (plus one shared expert's output)")

@@ -2,12 +2,13 @@
 generic adapter's automatic description: a served point whose value or edit is not what its name says is caught.
 
 Every causal-LM model type of the installed transformers is checked (about 40 seconds on one core); the sample must
-also be served in full: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by plugins,
-and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x (parallel
-blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the branches,
-branch multipliers, nested pre-LN parts, an attention-score softcap, LayerNorms with a
-literal eps, an activation called in code), and a post-LN encoder that copies BERT's modelling code (described
-automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
+also be served in full: a decoder and a post-LN encoder with TransformerLens' ``BertBlock`` points served by
+plugins, and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x
+(parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the
+branches, branch multipliers, nested pre-LN parts, an attention-score softcap, LayerNorms with a literal eps, an
+activation called in code, a mixture of experts after a dense layer), and a post-LN encoder that copies BERT's
+modelling code (described automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the
+sample only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt", "olmo", "lfm2") + (
+SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt", "olmo", "lfm2", "glm4_moe") + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
 )

@@ -26,6 +26,7 @@ __all__ = [
     "MLPLayout",
     "ModelLayout",
     "NormSpec",
+    "OpaqueMLP",
     "ProjectionNorm",
     "RotarySpec",
     "SeparateQKV",
@@ -413,6 +414,15 @@ class MLPLayout:
                 raise AttributeError("W_gate exists only for gated MLPs (cfg.gated_mlp)")
             return self.pre
         return self.out
+
+
+@dataclass(frozen=True)
+class OpaqueMLP:
+    """An MLP whose inside is not described (the block's ``BlockLayout.mlp`` is the module): the block has
+    ``hook_mlp_in``/``hook_mlp_out`` and the residual points, but no ``mlp.*`` point and no MLP weight; ``why``
+    says why (the error a weight accessor raises)."""
+
+    why: str
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ account), and the points whose value or edit an independent check found wrong (a
 
 Which points an architecture *has* is read from its first layer's modules (a census needs no plugin): attention
 points where the layer has a module whose class name ends in ``Attention``; ``hook_mlp_out`` where it has another
-child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is dense (no experts list); ``ln1``/
-``ln2.hook_scale`` where the layer has one or two norm children (a class name with ``Norm``), ``hook_resid_mid``
-where it has two (one pre-norm shared by both branches: a parallel block has no ``hook_resid_mid``).
+child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is dense (no module named or of a
+class named with ``expert``); ``ln1``/``ln2.hook_scale`` where the layer has one or two norm children (a class name
+with ``Norm``), ``hook_resid_mid`` where it has two (one pre-norm shared by both branches: a parallel block has no
+``hook_resid_mid``).
 ``ln_final.hook_scale`` where the module holding the layers (or the one above it) has a norm child (an encoder
 without a final norm, as TransformerLens' ``HookedEncoder``, has none).
 
@@ -110,7 +111,7 @@ def applicable_points(layer: nn.Module, layout: Any = None, final_norm: bool = T
         points += ["blocks.0.hook_attn_out", *ATTENTION]
     if others:
         points.append("blocks.0.hook_mlp_out")
-        experts = any("expert" in n.lower() for c in others for n, _ in c.named_modules())
+        experts = any("expert" in f"{n}.{type(m).__name__}".lower() for c in others for n, m in c.named_modules())
         if not experts:
             points += ["blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post"]
     if layout is not None:

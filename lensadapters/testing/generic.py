@@ -31,6 +31,7 @@ from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
+from lensadapters.hooks.specs import FusedGateUp, MLPLayout
 from lensadapters.testing.contract_support import (
     _hook_counts,
     _instance_attributes,
@@ -44,6 +45,7 @@ from lensadapters.testing.contract_support import (
 from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
+from lensadapters.wiring.weights import mlp_weights
 
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
 PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
@@ -88,8 +90,9 @@ def check_described_weights(hm: HookedModel, inputs: Inputs) -> None:
             assert f"blocks.{i}.{n}" in names, f"blocks.{i}.{n} not served: {sorted(names)}"
         module = block.get_submodule(getattr(qkv, "q", None) or qkv.module)
         handles.append(module.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(f"q{i}", a[0])))
-        first = block.get_submodule(mlp.pre if hasattr(mlp, "pre") else mlp.module)
-        handles.append(first.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(f"mlp{i}", a[0])))
+        if isinstance(mlp, (MLPLayout, FusedGateUp)):  # a dense MLP (a mixture of experts has no mlp.hook_pre)
+            first = block.get_submodule(mlp.pre if isinstance(mlp, MLPLayout) else mlp.module)
+            handles.append(first.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(f"mlp{i}", a[0])))
     try:
         with torch.no_grad():
             _, cache = hm.run_with_cache(**inputs.kwargs())
@@ -111,16 +114,14 @@ def check_described_weights(hm: HookedModel, inputs: Inputs) -> None:
         if pre + "mlp.hook_pre" in cache:
             m = seen[f"mlp{i}"]
             gated = pre + "mlp.hook_pre_linear" in cache
-            w_pre = hm.W_gate[i] if gated else hm.W_in[i]
-            assert_close(
-                m @ w_pre + (hm.b_gate[i] if gated else hm.b_in[i]),
-                cache[pre + "mlp.hook_pre"],
-                f"layer {i}: W_gate/W_in",
-            )
+            # one layer's weights (a model mixing dense and MoE layers has no stacked W_in)
+            (w_in, b_in), (w_out, b_out) = (mlp_weights(hm.wiring, i, role) for role in ("in", "out"))
+            w_pre, b_pre = mlp_weights(hm.wiring, i, "gate") if gated else (w_in, b_in)
+            assert_close(m @ w_pre + b_pre, cache[pre + "mlp.hook_pre"], f"layer {i}: W_gate/W_in")
             if gated:
-                assert_close(m @ hm.W_in[i] + hm.b_in[i], cache[pre + "mlp.hook_pre_linear"], f"layer {i}: W_in")
+                assert_close(m @ w_in + b_in, cache[pre + "mlp.hook_pre_linear"], f"layer {i}: W_in")
             if bl.ln2_post is None:
-                out = cache[pre + "mlp.hook_post"] @ hm.W_out[i] + hm.b_out[i]
+                out = cache[pre + "mlp.hook_post"] @ w_out + b_out
                 assert_close(out, cache[pre + "hook_mlp_out"], f"layer {i}: hook_post @ W_out + b_out vs hook_mlp_out")
 
 

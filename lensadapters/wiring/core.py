@@ -50,6 +50,7 @@ from lensadapters.hooks.specs import (
     MLPLayout,
     ModelLayout,
     NormSpec,
+    OpaqueMLP,
     QKVLayout,
     SeparateQKV,
 )
@@ -67,6 +68,10 @@ from lensadapters.wiring.names import is_gated
 
 Tensor = torch.Tensor
 Selector = Union[str, Callable[[str], bool], Sequence[str]]
+
+
+#: what ``lensadapters_mlp_act`` may answer
+MLP_DESCRIPTIONS = (MLPLayout, FusedGateUp, MoELayout, OpaqueMLP)
 
 
 class Wiring(CoreSites, Installation):
@@ -100,9 +105,7 @@ class Wiring(CoreSites, Installation):
             for i, bl in enumerate(self.block_layouts)
         ]
         self.mlp_layouts: list[Optional[MLPLayout]] = [
-            None
-            if bl is None
-            else self._describe("lensadapters_mlp_act", (MLPLayout, FusedGateUp, MoELayout), f"for layer {i}", i)
+            None if bl is None else self._describe("lensadapters_mlp_act", MLP_DESCRIPTIONS, f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
         self.attention_modules = [
@@ -321,6 +324,8 @@ class Wiring(CoreSites, Installation):
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
             if bl is None:  # an opaque block (see the module docstring)
                 continue
+            if isinstance(mlp, OpaqueMLP) and bl.mlp is None:
+                refuse("an MLP whose inside is not described (OpaqueMLP) needs BlockLayout.mlp (its module)", i)
             if is_moe(mlp) and (bl.mlp is None or bl.post_norm or bl.ln2_post is not None):
                 refuse("a mixture-of-experts MLP needs BlockLayout.mlp (the MoE module) in a pre-norm block", i)
             if bl.post_norm and (bl.parallel or bl.ln2 is None or bl.ln1 is None):

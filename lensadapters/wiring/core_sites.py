@@ -50,6 +50,7 @@ from lensadapters.hooks.specs import (
     MLPLayout,
     ModelLayout,
     NormSpec,
+    OpaqueMLP,
     ProjectionNorm,
     QKVLayout,
     SeparateQKV,
@@ -349,6 +350,8 @@ class CoreSites:
         first: Optional[nn.Module] = None  # the MLP's first module (its input is hook_mlp_in in a post-LN block)
         if is_moe(mlp):
             self.add_site(build_moe_site(self, i, mlp, pt))
+        elif isinstance(mlp, OpaqueMLP):  # no point inside it (_check_layouts: bl.mlp is its module)
+            first = get(bl.mlp)
         elif isinstance(mlp, FusedGateUp):
             self.add_site(FusedGateUpSite(get(mlp.module), mlp, pt("mlp.hook_pre"), pt("mlp.hook_pre_linear")))
             first = get(mlp.module)
@@ -357,7 +360,7 @@ class CoreSites:
             if mlp.pre_linear is not None:
                 self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
             first = get(mlp.pre)
-        if not is_moe(mlp):
+        if not is_moe(mlp) and not isinstance(mlp, OpaqueMLP):
             self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
         if bl.ln2_post is not None:  # the post norm's output is what the block adds to the residual
             mlp_out_module = get(bl.ln2_post)

@@ -13,6 +13,7 @@ from lensadapters.hooks.specs import (
     FusedQKV,
     MLPLayout,
     MLPLayouts,
+    OpaqueMLP,
     QKVLayout,
 )
 
@@ -106,7 +107,9 @@ def blocks_without_head_inputs(hooked: Any) -> list[int]:
     ]
 
 
-def block_point_names(block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[MLPLayouts, MoELayout]) -> list[str]:
+def block_point_names(
+    block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[MLPLayouts, MoELayout, OpaqueMLP]
+) -> list[str]:
     """The core's hook points of one block (relative to ``blocks.{i}.``), in the order they fire.
 
     Post-norm blocks normalize after each residual add; ``ln1_post``/``ln2_post`` normalize the attention and
@@ -120,6 +123,8 @@ def block_point_names(block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[M
     attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
     if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
         mlp_names = moe_point_names(mlp)
+    elif isinstance(mlp, OpaqueMLP):  # its inside is not described: no mlp.* point
+        mlp_names = []
     else:
         mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
     mlp_names += (_norm_points("ln2_post") if block.ln2_post is not None else []) + ["hook_mlp_out"]

@@ -18,7 +18,7 @@ from lensadapters.adapters.moe import expert_weights_and_biases, is_moe, router_
 from lensadapters.errors import PluginValidationError, WeightUnavailableError
 from lensadapters.hooks.distributed import full_tensor, is_dtensor
 from lensadapters.hooks.offload import live_parameters
-from lensadapters.hooks.specs import FusedGateUp, FusedQKV, LinearWeight
+from lensadapters.hooks.specs import FusedGateUp, FusedQKV, LinearWeight, OpaqueMLP
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
@@ -191,6 +191,8 @@ def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
     ``[n_experts, d_mlp, d_model]``), and its biases ``[n_experts, d]`` (zeros for experts without).
     """
     layout = hm.mlp_layouts[layer]
+    if isinstance(layout, OpaqueMLP):
+        raise WeightUnavailableError(f"layer {layer}'s MLP is not described ({layout.why}): no W_in/W_gate/W_out")
     if is_moe(layout):
         W, b = expert_weights_and_biases(hm, layer, role)
         return W, b if b is not None else torch.zeros(W.shape[0], W.shape[-1], dtype=W.dtype, device=W.device)

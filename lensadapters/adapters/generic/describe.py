@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.moe import describe_other_mlp
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import InterfaceCall, Recording
 from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
@@ -67,7 +68,7 @@ class NotDescribed(Exception):
 class LayerDescription:
     block: BlockLayout
     qkv: QKV
-    mlp: MLP
+    mlp: Any  # MLP, a MoELayout (:mod:`.moe`), or OpaqueMLP (its inside not described: why)
     norms: dict[str, NormBehaviour]  # path relative to the layer -> how it normalizes
     gated: bool
     act_fn: Optional[str]
@@ -451,7 +452,13 @@ def describe_layer(
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
     qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
     norms.update(qk_norms)
-    mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
+    mlp_layout: Any
+    try:
+        mlp_layout, gated, act_fn = _describe_mlp(model, layer, i, mlp, rec)
+    except NotDescribed:  # a mixture of experts: the rest of the layer is described all the same (see .moe)
+        mlp_layout, gated, act_fn = describe_other_mlp(model, layer, i, mlp, rec, ln2_post is not None), True, None
+        if mlp_layout is None:
+            raise
     block = BlockLayout(
         ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
     )

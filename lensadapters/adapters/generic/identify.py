@@ -465,6 +465,14 @@ def identify(model: nn.Module) -> Findings:
             )
         if description.why:  # described only where every layer is (a model's layers mix no two kinds of serving)
             description = None
+        else:
+            from lensadapters.adapters.generic.moe import undescribed_mlps
+
+            opaque = undescribed_mlps(description.layers)
+            if opaque:
+                missing["mlp.hook_pre and mlp.hook_post (and the MLP weights)"] = "; ".join(
+                    why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in opaque.items()
+                )
     return Findings(
         structure,
         blocks,

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.probe import _unusual_arguments
+from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.copying import original_value
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
@@ -79,6 +80,7 @@ class Reference:
     layer: int = -1
     part: str = ""
     spec: Any = None
+    flat: bool = False  # the module sees [b * p, ...] where the point shows [b, p, ...]
 
 
 def _heads(n: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
@@ -192,6 +194,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         norm = get(bl.ln1) if bl.ln1 is not None else None
         modules = [get(getattr(qkv, x)) for x in which]
         return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
+    if isinstance(mlp, MoELayout):
+        return _moe_reference(get, mlp, rest)
     if isinstance(mlp, MLPLayout):
         if rest == "mlp.hook_pre":
             return Reference("out", get(mlp.pre))
@@ -249,6 +253,20 @@ def _post_norm_reference(hooked: Any, i: int, rest: str) -> Optional[Reference]:
     which = rest[5] if rest != "hook_attn_in" else "qkv"
     modules = [get(getattr(qkv, x)) for x in which]
     return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(None, modules))
+
+
+def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -> Optional[Reference]:
+    """``mlp.hook_router_logits``: the router's output (a router returning its logits), or its own product of an
+    input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
+    ``mlp.hook_routing_weights``: the weights the fused experts module is called with. No other MoE point has a
+    plain PyTorch reference (the fused experts compute every expert in one call)."""
+    unflat = lambda d, t: d.reshape(t.shape)  # noqa: E731
+    if rest == "mlp.hook_router_logits":
+        kind = "out" if moe.router_output == "logits" else "router_input"
+        return Reference(kind, get(moe.router), unview=unflat, flat=True)
+    if rest == "mlp.hook_routing_weights" and isinstance(moe.experts, FusedExperts):
+        return Reference("arg", get(moe.experts.module), unview=unflat, flat=True, spec=2)
+    return None
 
 
 def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool = False) -> Optional[Reference]:
@@ -491,6 +509,28 @@ def _plain_hook(
         return _once(ref.module, result)
     if ref.kind == "head_input":
         return _head_input_hooks(ref, edit, seen, row)
+    if ref.kind == "arg":  # the positional argument ``ref.spec`` of the module's call
+        index = ref.spec
+
+        def pre_arg(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            value = args[index]
+            seen.append(value.detach().clone())
+            return ((*args[:index], edit(value), *args[index + 1 :]), kwargs) if edit is not None else None
+
+        return ref.module.register_forward_pre_hook(pre_arg, with_kwargs=True)
+    if ref.kind == "router_input":  # the router's product F.linear(x, W, b), moved by moving x
+
+        def pre_router(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            x, weight = first_input(args, kwargs), cast(Tensor, module.weight)
+            logits = torch.nn.functional.linear(x, weight, getattr(module, "bias", None))
+            seen.append(logits.detach().clone())
+            if edit is None:
+                return None
+            delta = edit(torch.zeros_like(logits)).double()
+            shift = delta @ torch.linalg.pinv(weight.detach().double()).T
+            return replace_first_input(args, kwargs, x + shift.to(x.dtype))
+
+        return ref.module.register_forward_pre_hook(pre_router, with_kwargs=True)
     if ref.kind == "in":
 
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -577,6 +617,8 @@ def _run_references(
             values.append(torch.stack([seen[0], seen[1]]))
         elif ref.kind in ("attn", "result", "head_input"):
             values.append(seen[0])
+        elif ref.flat:
+            values.append(seen[0].reshape(*ids.shape[:2], -1))
         else:
             values.append(ref.view(seen[0]))
     return values, logits

@@ -1,0 +1,265 @@
+"""The MLPs the dense description (:func:`.describe._describe_mlp`) does not cover: mixtures of experts.
+
+A layer whose MLP is a mixture of experts (a ``ModuleList`` of expert MLPs, or 3-D expert parameters) is described
+as a :class:`~lensadapters.moe.MoELayout`, the description the core's MoE plugins declare, where the MoE module run
+on the probe's MLP input shows every part of it (nothing is taken from a table of names):
+
+* **experts**: the one module inside the MoE module with 3-D ``gate_up_proj`` ``[E, 2 * d_mlp, d]`` and
+  ``down_proj`` ``[E, d, d_mlp]`` parameters (or both stored transposed) and an ``act_fn``, called with the
+  flattened hidden states, the top-k expert indices and their weights; the sum over its experts of
+  ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output;
+* **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
+  is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
+  (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``);
+* **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after it, renormalized or
+  not, in float32 or the logits' dtype, a constant of the config multiplying the weights, a ``[E]`` attribute of the
+  router added for choosing) under which the logits give exactly the indices, and the weights, the experts get;
+* **shared expert**: none when the MoE module's output is its experts' output, or the one other module inside the MoE
+  module, reading the MLP input (flattened or not), whose output the MoE module adds to it.
+
+What fails leaves the MoE opaque (:class:`~lensadapters.hooks.specs.OpaqueMLP`): the layer keeps the rest of its
+description (attention, norms, the residual points), its MLP module's output is ``hook_mlp_out``, and it has no
+``mlp.*`` point; the warning says why. A described MoE's routing and expert points are then verified like every other
+point (:mod:`.verify`): those without a plain PyTorch reference are not served.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lensadapters.adapters.generic.probe import Recording
+from lensadapters.adapters.moe import FusedExperts, MoELayout, Routing
+from lensadapters.adapters.moe.routing import route
+from lensadapters.hooks.sites.base import first_input, first_output
+from lensadapters.hooks.specs import OpaqueMLP
+
+Tensor = torch.Tensor
+
+
+class _Refused(Exception):
+    """The MoE cannot be described: the message says which claim failed."""
+
+
+def is_mixture(module: nn.Module) -> bool:
+    """Whether ``module`` holds experts: a ``ModuleList`` of MLPs, or 3-D expert parameters (transformers 5)."""
+    return any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in module.modules()) or any(
+        p.dim() == 3 for p in module.parameters()
+    )
+
+
+def _close(a: Any, b: Any) -> bool:
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape:
+        return False
+    atol, rtol = (1e-5, 1e-4) if b.dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
+    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
+
+
+def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, dict, Any]]]:
+    """The MoE module's output on ``x`` in eval mode (no router jitter), and each of its submodules' first call
+    ``(args, kwargs, output)``; the modules' training flags are restored."""
+    calls: dict[str, tuple[tuple, dict, Any]] = {}
+    handles = []
+    modes = {m: m.training for m in moe.modules()}
+    for name, module in moe.named_modules():
+        if name:
+
+            def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any, name: str = name) -> None:
+                calls.setdefault(name, (args, kwargs, output))
+
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        moe.eval()
+        with torch.no_grad():
+            out = moe(x)
+    finally:
+        for h in handles:
+            h.remove()
+        for module, training in modes.items():
+            module.training = training
+    return out, calls
+
+
+def _expert_output(experts: nn.Module, spec: FusedExperts, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+    """The experts' weighted sum as ``spec`` computes it, in float64."""
+    gate_up, down = (getattr(experts, n).detach().double() for n in (spec.gate_up, spec.down))
+    if spec.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    act = getattr(experts, spec.act)
+    xs, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for slot in range(index.shape[-1]):
+        e = index[:, slot]
+        both = torch.einsum("tod,td->to", gate_up[e], xs)
+        gate, up = (both[:, ::2], both[:, 1::2]) if spec.interleaved else both.chunk(2, dim=-1)
+        h = act(gate.to(x.dtype)).double() * up
+        out += weights[:, slot, None].double() * torch.einsum("tdm,tm->td", down[e], h)
+    return out
+
+
+def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
+    """Every routing the search tries (see the module docstring)."""
+    values: dict[str, Any] = getattr(config, "to_dict", lambda: {})()
+    scales = [1.0] + sorted(
+        {float(v) for v in values.values() if isinstance(v, float) and not isinstance(v, bool) and v not in (0.0, 1.0)}
+    )
+    # the router's [E] attributes first: where one is zero on the probe, the routing still reads it live
+    biases: list[Optional[str]] = [
+        name
+        for name, t in itertools.chain(router.named_parameters(recurse=False), router.named_buffers(recurse=False))
+        if t.dim() == 1 and t.shape[0] == n and name != "bias"
+    ] + [None]
+    out = []
+    for probabilities, order, normalize, dtype, scale, bias in itertools.product(
+        ("softmax", "sigmoid"), ("softmax_topk", "topk_softmax"), (True, False), ("logits", "float32"), scales, biases
+    ):
+        if order == "topk_softmax" and (probabilities == "sigmoid" or normalize or scale != 1.0 or bias is not None):
+            continue
+        out.append(
+            Routing(
+                n,
+                k,
+                normalize=normalize,
+                probabilities=probabilities,  # type: ignore[arg-type]
+                weights_dtype=dtype,  # type: ignore[arg-type]
+                order=order,  # type: ignore[arg-type]
+                selection_bias=bias,
+                scale=scale,
+            )
+        )
+    return out
+
+
+def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording) -> MoELayout:
+    """The :class:`MoELayout` of layer ``i``'s MLP ``mlp`` (see the module docstring); ``_Refused`` with why not."""
+    moe = layer.get_submodule(mlp)
+    x, y = rec.inner.get((i, mlp), (None, None))
+    if x is None or y is None:
+        raise _Refused("the probe saw no input or output of the MoE module")
+    found = [
+        (n, m)
+        for n, m in moe.named_modules()
+        if n
+        and all(
+            isinstance(getattr(m, p, None), Tensor) and getattr(m, p).dim() == 3 for p in ("gate_up_proj", "down_proj")
+        )
+        and callable(getattr(m, "act_fn", None))
+    ]
+    if len(found) != 1:
+        raise _Refused("no single experts module with 3-D gate_up_proj and down_proj parameters and an act_fn")
+    experts_path, experts = found[0]
+    out, calls = _run_alone(moe, x)
+    if not _close(first_output(out), y) or experts_path not in calls:
+        raise _Refused("the MoE module run alone on its probe input does not give its output, or runs no experts")
+    args, kwargs, experts_out = calls[experts_path]
+    if len(args) != 3 or kwargs or not isinstance(experts_out, Tensor):
+        raise _Refused("the experts module is not called with (hidden states, top-k indices, top-k weights)")
+    hidden, index, weights = args
+    flat = x.reshape(-1, x.shape[-1])
+    if not (_close(hidden, flat) and index.dim() == weights.dim() == 2 and not index.is_floating_point()):
+        raise _Refused("the experts module is not called with the flattened MLP input, top-k indices and weights")
+    n, k = int(experts.gate_up_proj.shape[0]), int(index.shape[-1])
+    routers = []
+    for name, module in moe.named_modules():
+        weight = getattr(module, "weight", None)
+        if name not in calls or not isinstance(weight, Tensor) or tuple(weight.shape) != (n, flat.shape[-1]):
+            continue
+        r_args, r_kwargs, r_out = calls[name]
+        bias = getattr(module, "bias", None)
+        logits = first_output(r_out)
+        if (
+            r_args
+            and isinstance(r_args[0], Tensor)
+            and _close(r_args[0].reshape(flat.shape), flat)
+            and _close(logits, F.linear(flat, weight, bias))
+        ):
+            routers.append((name, module, r_out, logits, len(r_args) + len(r_kwargs)))
+    if len(routers) != 1:
+        raise _Refused("no single module of the MoE maps the flattened MLP input to per-expert logits")
+    router_path, router, r_out, logits, given = routers[0]
+    if given != 1:  # a routing that reads what the MoE module hands it (a selection bias) is not a Routing's
+        raise _Refused("the router is called with more than the MLP input")
+    if isinstance(r_out, Tensor):
+        router_output = "logits"
+    elif (
+        isinstance(r_out, tuple) and len(r_out) >= 3 and torch.equal(r_out[2], index) and torch.equal(r_out[1], weights)
+    ):
+        router_output = "routing"
+    else:
+        raise _Refused("the router returns neither its logits nor (logits, weights, indices) the experts get")
+    routing = None
+    for candidate in _routings(n, k, model.config, router):
+        bias = getattr(router, candidate.selection_bias) if candidate.selection_bias else None
+        _, w, idx = route(candidate, logits, bias)
+        if torch.equal(idx, index) and w.dtype == weights.dtype and _close(w, weights):
+            routing = candidate
+            break
+    if routing is None:
+        raise _Refused(
+            "no softmax or sigmoid top-k routing of the router's logits gives the experts' indices and weights"
+        )
+    spec = None
+    for transposed, interleaved in itertools.product((False, True), (False, True)):
+        candidate_spec = FusedExperts(experts_path, transposed=transposed, interleaved=interleaved)
+        try:
+            computed = _expert_output(experts, candidate_spec, hidden, index, weights)
+        except RuntimeError:  # the parameters' shapes do not fit this layout
+            continue
+        if _close(computed, experts_out.double()):
+            spec = candidate_spec
+            break
+    if spec is None:
+        raise _Refused("the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts")
+    routed = experts_out.reshape(y.shape)
+    shared = None
+    if not _close(routed, y):
+        for name, (s_args, s_kwargs, s_out) in calls.items():
+            if "." in name or name in (experts_path, router_path) or not isinstance(s_out, Tensor):
+                continue
+            read = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
+            if not (isinstance(read, Tensor) and read.numel() == flat.numel() and s_out.numel() == y.numel()):
+                continue
+            if _close(read.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
+                shared = name
+        if shared is None:
+            raise _Refused("the MoE module's output is not its experts' output (plus one shared expert's output)")
+    prefix = f"{mlp}."
+    return MoELayout(
+        router=prefix + router_path,
+        routing=routing,
+        experts=FusedExperts(prefix + spec.module, transposed=spec.transposed, interleaved=spec.interleaved),
+        router_output=router_output,  # type: ignore[arg-type]
+        shared=prefix + shared if shared is not None else None,
+    )
+
+
+def describe_other_mlp(
+    model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording, normed_after: bool
+) -> Optional[Any]:
+    """The description of an MLP the dense description refused: a mixture of experts as a ``MoELayout``, or opaque
+    with why; any other MLP is not described (``None``, and the layer with it). ``normed_after``: the block
+    normalizes the MLP's output (the core's MoE points need a block that adds it to the residual as it is)."""
+    if not is_mixture(layer.get_submodule(mlp)):
+        return None
+    if normed_after:
+        return OpaqueMLP(
+            "the MLP is a mixture of experts in a block that normalizes its output, where MoE points are not served"
+        )
+    try:
+        return describe_moe(model, layer, i, mlp, rec)
+    except _Refused as why:
+        return OpaqueMLP(f"the MLP is a mixture of experts whose router and experts are not described: {why}")
+    except Exception as exc:  # anything unexpected: the MoE is not described
+        return OpaqueMLP(f"the MLP is a mixture of experts; describing it raised {type(exc).__name__}: {exc}")
+
+
+def undescribed_mlps(layers: list[Any]) -> dict[str, list[int]]:
+    """Why the described ``layers`` whose MLP is an ``OpaqueMLP`` have no ``mlp.*`` point, and which they are."""
+    by_reason: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if layer is not None and isinstance(layer.mlp, OpaqueMLP):
+            by_reason.setdefault(layer.mlp.why, []).append(i)
+    return by_reason

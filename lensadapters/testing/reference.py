@@ -27,6 +27,7 @@ __all__ = [
     "BlockInputs",
     "ReferencePoints",
     "apply_norm",
+    "assert_edits_match",
     "assert_points_match",
     "block_inputs",
     "masked_difference",
@@ -177,6 +178,30 @@ def assert_points_match(
     assert worst < atol, worst
     assert masked_difference(logits, expected_logits, "logits") < atol
     return compared
+
+
+def assert_edits_match(
+    hm: Any,
+    model: Any,
+    ids: Tensor,
+    reference_run: Callable[..., tuple[Tensor, dict[str, Tensor]]],
+    edit_for: Callable[[str], Callable[[Tensor, Any], Tensor]],
+    may_keep_logits: tuple[str, ...] = ("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k"),
+) -> None:
+    """The edit ``edit_for(name)`` at every hook point that ``reference_run(model, ids, edits)``, a hand-written
+    forward returning ``(logits, values)``, names gives the reference's logits with that edit at that point (within
+    1e-4 of their scale), and changes the logits unless the point ends with one of ``may_keep_logits``."""
+    _, names = reference_run(model, ids)
+    with torch.no_grad():
+        base = hm(ids).logits
+        for name in [n for n in hm.hook_names if n in names]:
+            edit = edit_for(name)
+            ours = hm.run_with_hooks(ids, fwd_hooks=[(name, edit)])
+            theirs, _ = reference_run(model, ids, {name: edit})
+            difference = masked_difference(ours, theirs, name)
+            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (name, difference)
+            if names[name].numel() and not name.endswith(may_keep_logits):
+                assert not torch.allclose(ours, base), f"editing {name} changed nothing"
 
 
 def rotate_by(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool = False) -> Tensor:

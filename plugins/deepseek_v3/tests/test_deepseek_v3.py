@@ -18,7 +18,7 @@ from lensadapters_deepseek_v3.testing import DeepseekV3Contract, deepseek_v3_con
 from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.registry import get_registry
 from lensadapters.testing.contract_support import perturb
-from lensadapters.testing.reference import assert_points_match, masked_difference, seeded_tokens
+from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,20 +90,8 @@ def test_edits_at_every_point_match_the_independent_reference(name: str) -> None
     config = deepseek_v3_config(**CONFIGS[name])
     model = CONTRACT.make_model(config, 1)
     hm = CONTRACT.wrap(model)
-    ids = seeded_tokens()
-    _, names = reference_run(model, ids)
-    worst = 0.0
-    with torch.no_grad():
-        base = hm(ids).logits
-        for point in [n for n in hm.hook_names if n in names]:
-            edit = _edit(point, config.n_routed_experts, config.qk_nope_head_dim)
-            ours = hm.run_with_hooks(ids, fwd_hooks=[(point, edit)])
-            theirs, _ = reference_run(model, ids, {point: edit})
-            difference = masked_difference(ours, theirs, point)
-            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (point, difference)
-            worst = max(worst, difference)
-            if names[point].numel() and not point.endswith(("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k")):
-                assert not torch.allclose(ours, base), f"editing {point} changed nothing"
+    edit = lambda name: _edit(name, config.n_routed_experts, config.qk_nope_head_dim)  # noqa: E731
+    assert_edits_match(hm, model, seeded_tokens(), reference_run, edit)
     hm.unwrap()
 
 

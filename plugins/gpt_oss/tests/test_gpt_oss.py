@@ -24,7 +24,7 @@ from lensadapters.testing.contract_support import perturb
 from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import int8_model, window_allowed
 from lensadapters.testing.moe import mlp_input, moe_reference
-from lensadapters.testing.reference import assert_points_match, masked_difference, seeded_tokens
+from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
 from lensadapters.weights import mlp_weights
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -90,20 +90,7 @@ def test_edits_at_every_point_match_the_independent_reference() -> None:
     config = gpt_oss_config(layers=2, window=3, limit=0.5, experts=4, top_k=2)
     model = CONTRACT.make_model(config, 1)
     hm = CONTRACT.wrap(model)
-    ids = seeded_tokens()
-    _, names = reference_run(model, ids)
-    worst = 0.0
-    with torch.no_grad():
-        base = hm(ids).logits
-        for name in [n for n in hm.hook_names if n in names]:
-            edit = _edit(name, config.num_local_experts)
-            ours = hm.run_with_hooks(ids, fwd_hooks=[(name, edit)])
-            theirs, _ = reference_run(model, ids, {name: edit})
-            difference = masked_difference(ours, theirs, name)
-            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (name, difference)
-            worst = max(worst, difference)
-            if names[name].numel() and not name.endswith(("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k")):
-                assert not torch.allclose(ours, base), f"editing {name} changed nothing"
+    assert_edits_match(hm, model, seeded_tokens(), reference_run, lambda name: _edit(name, config.num_local_experts))
     hm.unwrap()
 
 

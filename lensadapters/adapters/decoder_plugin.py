@@ -53,10 +53,21 @@ from lensadapters.hooks.specs import (
     SeparateQKV,
 )
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "qk_norms", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "qk_norms", "toy_config", "toy_draw"]
 
 TRANSFORMERS_TESTED = ">=4.57,<6"
 """The transformers range :meth:`DecoderFamily.architecture` declares unless told another."""
+
+
+def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
+    """A plugin module's ``lensadapters_architectures`` hook, answering ``archs``:
+    ``lensadapters_architectures = hf.claims(ARCH)``."""
+
+    @hookimpl
+    def lensadapters_architectures() -> list[Architecture]:
+        return list(archs)
+
+    return lensadapters_architectures
 
 
 def qk_norms(layout: str) -> tuple[ProjectionNorm, ProjectionNorm]:

@@ -122,9 +122,7 @@ def _position_offset(model: PreTrainedModel) -> int:
 # --- adapter hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
+lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -21,7 +21,6 @@ from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaConfig, 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError
 from lensadapters.testing import assert_close
 from lensadapters.testing.models import reinit
-from lensadapters.testing.tl_compare import tl_config_from_hf
 
 FAMILIES = ("bert", "roberta")
 IMPLEMENTATIONS = ("eager", "sdpa")
@@ -475,18 +474,31 @@ TL_NAMES = {"hook_embed": "embed.hook_embed", "hook_pos_embed": "embed.hook_pos_
 
 
 def hooked_encoder(model: BertForMaskedLM) -> Any:
-    """TransformerLens' HookedEncoder as ``from_pretrained`` builds it, without fetching anything: the config TL's
-    own table gives the model's config (``tl_config_from_hf``) and the model's weights, converted by TL's own BERT
-    conversion (the pooler and NSP head, which a masked-LM model lacks and nothing here reads, get placeholders)."""
+    """TransformerLens' HookedEncoder with the model's weights, converted by TransformerLens' own BERT conversion
+    (``from_pretrained`` would fetch the checkpoint's config from the Hub; the pooler and NSP head, which a masked-LM
+    model lacks and nothing here reads, get placeholders)."""
     from types import SimpleNamespace as NS
 
     from transformer_lens import HookedEncoder, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions.bert import convert_bert_weights
 
-    fields = tl_config_from_hf(model)  # TransformerLens' own config of a BertForMaskedLM checkpoint
-    known = HookedTransformerConfig.__dataclass_fields__
-    cfg = HookedTransformerConfig(**{k: v for k, v in fields.items() if k in known}, device="cpu")
-    d = model.config.hidden_size
+    c = model.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=c.hidden_size // c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn="gelu",
+        normalization_type="LN",
+        attention_dir="bidirectional",
+        original_architecture="BertForMaskedLM",
+        eps=c.layer_norm_eps,
+        device="cpu",
+    )
+    d = c.hidden_size
     source = NS(
         bert=NS(embeddings=model.bert.embeddings, encoder=model.bert.encoder, pooler=NS(dense=nn.Linear(d, d))),
         cls=NS(predictions=model.cls.predictions, seq_relationship=nn.Linear(d, 2)),

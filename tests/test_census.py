@@ -25,6 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from lensadapters import HookedModel
 from lensadapters.adapters.generic import GenericAdapterWarning, findings
 from lensadapters.adapters.generic.verify import check_points
+from lensadapters.analysis.threads import single_thread
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
@@ -66,6 +67,18 @@ def test_census_cli_gives_the_callers_thread_count_back() -> None:
     torch.set_num_threads(2)
     try:
         assert main(["--markdown", "llama"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_single_thread_gives_the_count_back_when_the_block_raises() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(KeyError), single_thread():
+            assert torch.get_num_threads() == 1
+            raise KeyError("stop")
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)

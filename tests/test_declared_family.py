@@ -75,6 +75,15 @@ def test_export_puts_the_hooks_in_a_module_namespace():
     assert "lensadapters_norm_scale" not in bare and "lensadapters_mlp_act" in bare
 
 
+def test_claims_gives_a_module_the_architectures_hook():
+    module = types.ModuleType("claiming_module")
+    module.LENSADAPTERS_HOOKSPEC = "1"
+    module.lensadapters_architectures = hf.claims(ARCH)
+    registry = Registry()
+    registry.register(module, "claiming_module")
+    assert registry.infos["claiming_module"].architectures == (ARCH,)
+
+
 def test_named_family_architecture_and_exported_module_attributes(tmp_path, monkeypatch):
     named = hf.DecoderFamily.named("Mistral", "mistral", qk_norms=hf.qk_norms("bpf"), mlp=None)
     assert named == hf.DecoderFamily(

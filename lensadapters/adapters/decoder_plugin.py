@@ -53,10 +53,21 @@ from lensadapters.hooks.specs import (
     SeparateQKV,
 )
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "qk_norms", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "qk_norms", "toy_config", "toy_draw"]
 
 TRANSFORMERS_TESTED = ">=4.57,<6"
 """The transformers range :meth:`DecoderFamily.architecture` declares unless told another."""
+
+
+def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
+    """A plugin module's ``lensadapters_architectures`` hook, answering ``archs``:
+    ``lensadapters_architectures = hf.claims(ARCH)``."""
+
+    @hookimpl
+    def lensadapters_architectures() -> list[Architecture]:
+        return list(archs)
+
+    return lensadapters_architectures
 
 
 def qk_norms(layout: str) -> tuple[ProjectionNorm, ProjectionNorm]:
@@ -309,22 +320,33 @@ def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
     return tuple(drawn)
 
 
-def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
-    """A toy config of a Llama-shaped family for ``lensadapters_tiny_config``: width 64, MLP width 128, vocabulary
-    512, 128 positions, bos 1, eos 2, pad 0, then the family's ``fields`` (which may replace any of those)."""
+def _sized_config(
+    config_class: Callable[..., Any],
+    sizes: tuple[int, int, int, int, int, int, int],
+    fields: dict[str, Any],
+) -> Any:
+    """``config_class`` of ``sizes`` (width, MLP width, layers, heads, key/value heads, vocabulary, positions), bos
+    1, eos 2, pad 0, then ``fields`` (which may replace any of those)."""
+    hidden, d_mlp, layers, heads, kv_heads, vocab, positions = sizes
     shared = dict(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=d_mlp,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        vocab_size=512,
-        max_position_embeddings=128,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
     return config_class(**{**shared, **fields})
+
+
+def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
+    """A toy config of a Llama-shaped family for ``lensadapters_tiny_config``: width 64, MLP width 128, vocabulary
+    512, 128 positions, bos 1, eos 2, pad 0, then the family's ``fields`` (which may replace any of those)."""
+    return _sized_config(config_class, (64, 128, layers, heads, kv_heads, 512, 128), fields)
 
 
 def decoder_config(
@@ -347,23 +369,9 @@ def decoder_config(
     """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
     the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
     shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
-    shared = dict(
-        hidden_size=hidden,
-        intermediate_size=d_mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        vocab_size=vocab,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=eps,
-        tie_word_embeddings=tied,
-        rope_theta=theta,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return config_class(**{**shared, act_field: act, **fields})
+    shared = dict(rms_norm_eps=eps, tie_word_embeddings=tied, rope_theta=theta, attention_dropout=0.0)
+    sizes = (hidden, d_mlp, layers, n_heads, n_kv, vocab, max_pos)
+    return _sized_config(config_class, sizes, {**shared, act_field: act, **fields})
 
 
 def _no_fields(model: Any) -> dict[str, Any]:

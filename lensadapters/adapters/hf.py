@@ -15,6 +15,7 @@ from lensadapters.adapters import hf_helpers
 from lensadapters.adapters.decoder_plugin import (
     DecoderFamily,
     DecoderPlugin,
+    claims,
     decoder_config,
     qk_norms,
     toy_config,
@@ -22,5 +23,5 @@ from lensadapters.adapters.decoder_plugin import (
 )
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "decoder_config", "qk_norms", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "qk_norms", "toy_config", "toy_draw"]
 __all__ += hf_helpers.__all__

@@ -31,6 +31,7 @@ from lensadapters.analysis.attribution import get_attr_patch_attn_head_out_all_p
 from lensadapters.analysis.edge_attribution import EdgeScores, edge_attribution, smallest_circuit
 from lensadapters.analysis.head_detector import detect_head
 from lensadapters.analysis.patching import get_act_patch_attn_head_out_all_pos
+from lensadapters.analysis.threads import single_thread
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.cli.extras import plugin_extras
 
@@ -166,19 +167,17 @@ def train(model: torch.nn.Module, vocab: int, length: int, steps: int, batch: in
     else running); the setting is restored afterwards."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     model.train()
     try:
-        for _ in range(steps):
-            tokens, targets = repeated_sequences(batch, length, vocab, generator)
-            logits = model(tokens, use_cache=False).logits[:, :-1]
-            loss = torch.nn.functional.cross_entropy(logits[targets], tokens[:, 1:][targets])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+        with single_thread():
+            for _ in range(steps):
+                tokens, targets = repeated_sequences(batch, length, vocab, generator)
+                logits = model(tokens, use_cache=False).logits[:, :-1]
+                loss = torch.nn.functional.cross_entropy(logits[targets], tokens[:, 1:][targets])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
     finally:
-        torch.set_num_threads(threads)
         model.eval()
 
 

@@ -25,8 +25,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-import torch
 from torch import nn
+
+from lensadapters.analysis.threads import single_thread
 
 CANONICAL = (
     "hook_embed",
@@ -219,12 +220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--no-check", action="store_true", help="skip the independent check of the served points")
     args = parser.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only add synchronization; restored for the caller
-    try:
+    with single_thread():  # tiny models: more threads only add synchronization
         entries = run_census(args.model_types or None, check=not args.no_check, verbose=not args.markdown)
-    finally:
-        torch.set_num_threads(threads)
     if args.markdown:
         print(markdown(entries))
     print(summary(entries))

@@ -1,5 +1,7 @@
 """Independent references the suites compare hook values with: rotary embeddings from their complex form,
-norm outputs from their cached hook points, and the inputs of each block's projections.
+norm outputs from their cached hook points, and the inputs of each block's projections; and the pieces of a
+plugin's own hand-written reference forward (:class:`ReferencePoints`, :func:`seeded_tokens`,
+:func:`masked_difference`).
 
 Nothing here reads a plugin's code: each value is rebuilt from a definition, the hook points and the
 declared layouts (``hm.block_layouts``), so a wrong plugin disagrees with it.
@@ -8,7 +10,8 @@ declared layouts (``hm.block_layouts``), so a wrong plugin disagrees with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -20,7 +23,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Tensor = torch.Tensor
 
-__all__ = ["BlockInputs", "apply_norm", "block_inputs", "norm_out", "reference_rope", "rope_inv_freq"]
+__all__ = [
+    "BlockInputs",
+    "ReferencePoints",
+    "apply_norm",
+    "assert_edits_match",
+    "assert_points_match",
+    "block_inputs",
+    "masked_difference",
+    "norm_out",
+    "reference_rope",
+    "rope_inv_freq",
+    "rotate_by",
+    "seeded_tokens",
+]
 
 
 # --- rotary embeddings ----------------------------------------------------------------------------------
@@ -112,3 +128,88 @@ def block_inputs(hm: "HookedModel", cache: Any) -> Iterator[BlockInputs]:
         else:  # no pre-MLP norm (OLMo 2): the MLP reads the residual stream, which hook_mlp_in shows
             mlp_in = cache["mlp_in", i]
         yield BlockInputs(i, attn_in, mlp_in)
+
+
+# --- a plugin's hand-written reference forward --------------------------------------------------------
+
+
+class ReferencePoints:
+    """The hook points of a reference forward written out by hand: ``point(name, value)`` applies the edit that
+    ``edits`` maps ``name`` to (a function ``(value, hook) -> value``, ``hook.name`` the point's name, as a
+    lensadapters hook is called), records the value in ``values`` and returns it."""
+
+    def __init__(self, edits: Optional[Mapping[str, Callable[[Tensor, Any], Tensor]]] = None) -> None:
+        self.edits = dict(edits or {})
+        self.values: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, value: Tensor) -> Tensor:
+        if name in self.edits:
+            value = self.edits[name](value, SimpleNamespace(name=name))
+        self.values[name] = value
+        return value
+
+
+def seeded_tokens(length: int = 9, batch: int = 2, vocab: int = 64) -> Tensor:
+    """``batch`` unpadded rows of seeded token ids from 3 to ``vocab - 1`` (the tiny configs' special tokens are
+    below 3)."""
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def masked_difference(ours: Tensor, theirs: Tensor, name: str) -> float:
+    """The largest difference of two values of point ``name``, after checking that they have one shape and mask the
+    same entries (``-inf`` scores)."""
+    ours, theirs = ours.double(), theirs.double()
+    assert ours.shape == theirs.shape, f"{name}: shape {tuple(ours.shape)} vs the reference's {tuple(theirs.shape)}"
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), f"{name}: masked entries differ"
+    finite = torch.isfinite(ours)
+    return (ours[finite] - theirs[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def assert_points_match(
+    hm: Any, ids: Tensor, reference: tuple[Tensor, dict[str, Tensor]], atol: float = 1e-4
+) -> list[str]:
+    """Every hook point that ``reference``, a hand-written forward's ``(logits, values)`` on ``ids``, names holds
+    its value within ``atol`` (masking the same entries), and so do the logits; the names compared, in hook order."""
+    expected_logits, expected = reference
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
+    compared = [name for name in hm.hook_names if name in expected]
+    worst = max((masked_difference(cache[n], expected[n], n) for n in compared if cache[n].numel()), default=0.0)
+    assert worst < atol, worst
+    assert masked_difference(logits, expected_logits, "logits") < atol
+    return compared
+
+
+def assert_edits_match(
+    hm: Any,
+    model: Any,
+    ids: Tensor,
+    reference_run: Callable[..., tuple[Tensor, dict[str, Tensor]]],
+    edit_for: Callable[[str], Callable[[Tensor, Any], Tensor]],
+    may_keep_logits: tuple[str, ...] = ("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k"),
+) -> None:
+    """The edit ``edit_for(name)`` at every hook point that ``reference_run(model, ids, edits)``, a hand-written
+    forward returning ``(logits, values)``, names gives the reference's logits with that edit at that point (within
+    1e-4 of their scale), and changes the logits unless the point ends with one of ``may_keep_logits``."""
+    _, names = reference_run(model, ids)
+    with torch.no_grad():
+        base = hm(ids).logits
+        for name in [n for n in hm.hook_names if n in names]:
+            edit = edit_for(name)
+            ours = hm.run_with_hooks(ids, fwd_hooks=[(name, edit)])
+            theirs, _ = reference_run(model, ids, {name: edit})
+            difference = masked_difference(ours, theirs, name)
+            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (name, difference)
+            if names[name].numel() and not name.endswith(may_keep_logits):
+                assert not torch.allclose(ours, base), f"editing {name} changed nothing"
+
+
+def rotate_by(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool = False) -> Tensor:
+    """``x`` ``[b, p, h, r]`` rotated by the angles whose ``cos``/``sin`` are ``[b, p, r/2]``: its halves, or
+    (``interleave``) its pairs ``(x[2i], x[2i+1])``, laid out ``[first | second]`` after the rotation."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lensadapters.testing.contract import perturb
+from lensadapters.testing.reference import seeded_tokens
 
 __all__ = [
     "transformer_lens_available",
@@ -218,7 +219,7 @@ def compare_edit(hm: Any, tl: Any, tokens: Tensor, name: str, edit: Callable[[Te
 
 def comparison_tokens(length: int = 9) -> Tensor:
     """Two unpadded rows of seeded tokens (ids 3 to 63: every tiny test vocabulary has them)."""
-    return torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(0))
+    return seeded_tokens(length)
 
 
 class TransformerLensComparison:

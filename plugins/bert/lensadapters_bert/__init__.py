@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lensadapters import hf
 from lensadapters.plugin_api import (
     Architecture,
     BlockLayout,
@@ -72,6 +73,17 @@ ARCH = Architecture(
     model_types=("bert", "roberta"),
     description="BERT and RoBERTa encoders (post-LN, bidirectional; masked-LM head) with HookedEncoder's points",
     transformers=">=4.57,<6",
+)
+#: the modules every encoder layer has
+LAYER_PATHS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "attention.output.LayerNorm",
+    "intermediate.dense",
+    "output.dense",
+    "output.LayerNorm",
 )
 
 
@@ -110,9 +122,7 @@ def _position_offset(model: PreTrainedModel) -> int:
 # --- adapter hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
+lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl
@@ -138,20 +148,9 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         if not isinstance(getattr(base.embeddings, name, None), nn.Module):
             raise UnsupportedModelError(f"{type(base.embeddings).__name__} has no {name!r}")
     for i, layer in enumerate(base.encoder.layer):
-        for path in (
-            "attention.self.query",
-            "attention.self.key",
-            "attention.self.value",
-            "attention.output.dense",
-            "attention.output.LayerNorm",
-            "intermediate.dense",
-            "output.dense",
-            "output.LayerNorm",
-        ):
-            try:
-                layer.get_submodule(path)
-            except AttributeError:
-                raise UnsupportedModelError(f"layer {i} ({type(layer).__name__}) has no {path}") from None
+        missing = hf.missing_paths(layer, LAYER_PATHS)
+        if missing:
+            raise UnsupportedModelError(f"layer {i} ({type(layer).__name__}) has no {missing[0]}")
 
 
 @hookimpl
@@ -350,14 +349,9 @@ def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[Encod
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     """Width 32, vocabulary 64, 2 token types. Seed 0 is a 2-layer BERT of 4 heads; other seeds vary the depth
     (1-3), the heads (2 or 4) and the family (BERT or RoBERTa), deterministically."""
-    import random
-
     from transformers import BertConfig, RobertaConfig
 
-    rng = random.Random(seed)
-    layers, heads, roberta = (
-        (2, 4, False) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([2, 4]), rng.random() < 0.5)
-    )
+    layers, heads, roberta = hf.toy_draw(seed, (2, 4, False), [1, 2, 3], [2, 4], 0.5)
     shared: dict[str, Any] = dict(
         vocab_size=64,
         hidden_size=32,

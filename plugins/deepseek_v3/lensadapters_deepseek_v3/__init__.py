@@ -66,24 +66,17 @@ from lensadapters.plugin_api import (
 )
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_deepseek_v3.testing:DeepseekV3Contract"
-ARCH = Architecture(
-    name="deepseek_v3",
-    model_types=("deepseek_v3",),
-    description="DeepSeek-V3 (DeepseekV3ForCausalLM, DeepseekV3Model): multi-head latent attention, grouped top-k "
-    "routing with a correction bias, shared experts, dense first layers",
-    transformers=">=4.57,<6",
-)
 # the modules every layer has (the attention's query path depends on q_lora_rank and is checked per layer); the
 # first one has no output width, so the family's head-shape check (one q_proj of heads * head_dim) does not apply
-FAMILY = hf.DecoderFamily(
+FAMILY = hf.DecoderFamily.named(
     "DeepseekV3",
-    model_type="deepseek_v3",
-    packages=("deepseek_v3",),
-    norms=("DeepseekV3RMSNorm",),
+    "deepseek_v3",
     qkv=("self_attn.kv_a_layernorm", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
     mlp=None,
+)
+ARCH = FAMILY.architecture(
+    "DeepSeek-V3 (DeepseekV3ForCausalLM, DeepseekV3Model): multi-head latent attention, grouped top-k routing with "
+    "a correction bias, shared experts, dense first layers"
 )
 MLA_POINTS = ("attn.hook_q_latent", "attn.hook_k_rope", "attn.hook_kv_latent")
 

@@ -12,24 +12,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lensadapters.testing.reference import ReferencePoints, rotate_by
+
 Tensor = torch.Tensor
 Edit = Callable[[Tensor, Any], Tensor]
-
-
-class _Hook:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
-    """The rope columns ``x`` ``[b, p, h, r]`` rotated by the angles whose ``cos``/``sin`` are ``[b, p, r/2]``: pairs
-    ``(x[2i], x[2i+1])`` laid out ``[first | second]`` after rotation (``rope_interleave``), or halves."""
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def reference_run(
@@ -37,14 +23,8 @@ def reference_run(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, values)`` of DeepSeek-V3 on unpadded ``input_ids``, in float64, from ``model``'s parameters;
     ``edits`` maps hook names to functions ``(value, hook) -> value`` applied where lensadapters applies them."""
-    edits = edits or {}
-    values: dict[str, Tensor] = {}
-
-    def point(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value, _Hook(name))
-        values[name] = value
-        return value
+    point = ReferencePoints(edits)
+    values = point.values
 
     p = {name: t.detach().double() for name, t in model.named_parameters()}
     p.update({name: t.detach().double() for name, t in model.named_buffers() if "e_score_correction_bias" in name})
@@ -82,7 +62,7 @@ def reference_run(
             latent = plain_rms(linear(h, ap + "q_a_proj"), p[ap + "q_a_layernorm.weight"], 1e-6)
             q = linear(point(a + "hook_q_latent", latent), ap + "q_b_proj")
         q = point(a + "hook_q", q.reshape(b, n, heads, nope + rope))
-        q = point(a + "hook_rot_q", torch.cat([q[..., :nope], _rope(q[..., nope:], cos, sin, interleave)], -1))
+        q = point(a + "hook_rot_q", torch.cat([q[..., :nope], rotate_by(q[..., nope:], cos, sin, interleave)], -1))
         compressed = linear(h, ap + "kv_a_proj_with_mqa")
         k_rope = point(a + "hook_k_rope", compressed[..., c.kv_lora_rank :])
         kv = point(
@@ -90,7 +70,7 @@ def reference_run(
         )
         kv = linear(kv, ap + "kv_b_proj").reshape(b, n, heads, nope + dv)
         k = point(a + "hook_k", torch.cat([kv[..., :nope], k_rope[:, :, None, :].expand(b, n, heads, rope)], -1))
-        k = point(a + "hook_rot_k", torch.cat([k[..., :nope], _rope(k[..., nope:], cos, sin, interleave)], -1))
+        k = point(a + "hook_rot_k", torch.cat([k[..., :nope], rotate_by(k[..., nope:], cos, sin, interleave)], -1))
         v = point(a + "hook_v", kv[..., nope:])
         scaling = float(model.get_submodule(ap[:-1]).scaling)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scaling

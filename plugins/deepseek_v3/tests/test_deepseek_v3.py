@@ -18,6 +18,7 @@ from lensadapters_deepseek_v3.testing import DeepseekV3Contract, deepseek_v3_con
 from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.registry import get_registry
 from lensadapters.testing.contract_support import perturb
+from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,20 +29,6 @@ class TestDeepseekV3(DeepseekV3Contract):
 
 
 CONTRACT = TestDeepseekV3()
-ALL = lambda name: True  # noqa: E731
-
-
-def _tokens(length: int = 9, batch: int = 2, vocab: int = 64) -> torch.Tensor:
-    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
-
-
-def _difference(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> float:
-    """The largest difference, after checking that both mask the same entries (``-inf`` scores)."""
-    ours, theirs = ours.double(), theirs.double()
-    assert ours.shape == theirs.shape, f"{name}: shape {tuple(ours.shape)} vs the reference's {tuple(theirs.shape)}"
-    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), f"{name}: masked entries differ"
-    finite = torch.isfinite(ours)
-    return (ours[finite] - theirs[finite]).abs().max().item() if finite.any() else 0.0
 
 
 def test_entry_point_is_declared() -> None:
@@ -76,15 +63,9 @@ def test_every_point_matches_the_independent_reference(name: str) -> None:
     (``-inf`` where it masks), and the logits are the reference's: the largest error is float32 rounding."""
     model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS[name]), 0)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
-    expected_logits, expected = reference_run(model, ids)
-    with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids, names_filter=ALL)
-    compared = [n for n in hm.hook_names if n in expected]
+    ids = seeded_tokens()
+    compared = assert_points_match(hm, ids, reference_run(model, ids))
     assert compared == [n for n in hm.hook_names if not n.endswith("_input") and not n.endswith("hook_attn_in")]
-    worst = max(_difference(cache[n], expected[n], n) for n in compared if cache[n].numel())
-    assert worst < 1e-4, worst
-    assert _difference(logits, expected_logits, "logits") < 1e-4
     hm.unwrap()
 
 
@@ -109,27 +90,15 @@ def test_edits_at_every_point_match_the_independent_reference(name: str) -> None
     config = deepseek_v3_config(**CONFIGS[name])
     model = CONTRACT.make_model(config, 1)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
-    _, names = reference_run(model, ids)
-    worst = 0.0
-    with torch.no_grad():
-        base = hm(ids).logits
-        for point in [n for n in hm.hook_names if n in names]:
-            edit = _edit(point, config.n_routed_experts, config.qk_nope_head_dim)
-            ours = hm.run_with_hooks(ids, fwd_hooks=[(point, edit)])
-            theirs, _ = reference_run(model, ids, {point: edit})
-            difference = _difference(ours, theirs, point)
-            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (point, difference)
-            worst = max(worst, difference)
-            if names[point].numel() and not point.endswith(("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k")):
-                assert not torch.allclose(ours, base), f"editing {point} changed nothing"
+    edit = lambda name: _edit(name, config.n_routed_experts, config.qk_nope_head_dim)  # noqa: E731
+    assert_edits_match(hm, model, seeded_tokens(), reference_run, edit)
     hm.unwrap()
 
 
 def test_no_hooks_is_bitwise_and_unwrap_gives_the_model_back() -> None:
     """Without hooks the wrapped model's logits are HF's own, bitwise, and so are they after ``unwrap()``."""
     model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS["q latent, interleaved rope, dense first layer"]), 2)
-    ids = _tokens()
+    ids = seeded_tokens()
     with torch.no_grad():
         reference = model(ids).logits
         hm = CONTRACT.wrap(model)
@@ -148,7 +117,7 @@ def test_latent_weights_are_the_exact_maps() -> None:
     hm = CONTRACT.wrap(model)
     c = model.config
     with torch.no_grad():
-        _, cache = hm.run_with_cache(_tokens())
+        _, cache = hm.run_with_cache(seeded_tokens())
         for layer in range(c.num_hidden_layers):
             a = f"blocks.{layer}.attn."
             w = lensadapters_deepseek_v3.latent_weights(hm, layer)
@@ -171,7 +140,7 @@ def test_w_q_without_a_query_latent() -> None:
     model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS["q_proj, rotate-half rope, raw weights"]), 4)
     hm = CONTRACT.wrap(model)
     with torch.no_grad():
-        _, cache = hm.run_with_cache(_tokens())
+        _, cache = hm.run_with_cache(seeded_tokens())
         ln1 = cache["blocks.0.ln1.hook_normalized"] * model.model.layers[0].input_layernorm.weight
         torch.testing.assert_close(torch.einsum("bpm,hmd->bphd", ln1, hm.W_Q[0]), cache["blocks.0.attn.hook_q"])
     hm.unwrap()
@@ -183,7 +152,7 @@ def test_editing_the_shared_rope_key_per_head_is_refused(point: str) -> None:
     ``hook_k_rope``, and leaves no hook behind."""
     model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
+    ids = seeded_tokens()
     with pytest.raises(HookReturnError, match="hook_k_rope"):
         hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.0.{point}", lambda t, hook: t * 2)])
     with torch.no_grad():
@@ -206,7 +175,7 @@ def test_one_heads_key_gradient_is_refused(point: str) -> None:
     ``hook_k_rope``, and leaves no hook behind; the shared key's and the values' gradients are served."""
     model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
+    ids = seeded_tokens()
     with pytest.raises(UnsupportedModelError, match="hook_k_rope"):
         with hm.hooks(bwd_hooks=[(f"blocks.0.{point}", lambda g, hook: None)]):
             hm(ids).logits.sum().backward()

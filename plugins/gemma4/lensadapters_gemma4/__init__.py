@@ -71,17 +71,9 @@ from lensadapters import (
 from lensadapters.plugin_api import Hooked, HookPoint, OutputSite, Site, rotate_half_spec
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
+# the family's name is the text model's (Gemma4TextModel), the contract the plugin's
 LENSADAPTERS_CONTRACT = "lensadapters_gemma4.testing:Gemma4Contract"
-ARCH = Architecture(
-    name="gemma4",
-    model_types=("gemma4_text", "gemma4"),
-    description="Gemma 4 text (Gemma4ForCausalLM, Gemma4TextModel): per-layer input embeddings, per-layer head "
-    "sizes, query/key/value norms, sandwich norms, sliding windows",
-    transformers=">=5.23,<6",
-)
 TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel")
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
 _V_NORM = ProjectionNorm("self_attn.v_norm", "bphd")
 _KV_PATHS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")
 FAMILY = hf.DecoderFamily(
@@ -90,9 +82,17 @@ FAMILY = hf.DecoderFamily(
     packages=("gemma4",),
     norms=("Gemma4RMSNorm",),
     block=hf.SANDWICH_BLOCK,
-    qk_norms=_QK_NORMS,  # the MLP: the family's default gate/up/down projections
+    qk_norms=hf.qk_norms("bphd"),  # the MLP: the family's default gate/up/down projections
     rope_types=(*hf.ROTATE_HALF_ROPE_TYPES, "proportional"),
+    scaled_embeddings=True,
     layer_optional=_KV_PATHS,  # layers reading another layer's keys and values have none
+)
+ARCH = FAMILY.architecture(
+    "Gemma 4 text (Gemma4ForCausalLM, Gemma4TextModel): per-layer input embeddings, per-layer head sizes, "
+    "query/key/value norms, sandwich norms, sliding windows",
+    name="gemma4",
+    model_types=("gemma4_text", "gemma4"),
+    transformers=">=5.23,<6",
 )
 _PLE_PATHS = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm", "act_fn")
 
@@ -164,7 +164,6 @@ def config_fields(model: Any) -> dict[str, Any]:
             "rope_type": hf.rope_types(model.get_submodule(hf.join(FAMILY.base(model), "rotary_emb"))),
             "rope_theta_local": hf.rope_theta(c, "sliding_attention"),
             "attn_scale": 1.0,
-            "embed_scale": float(c.hidden_size) ** 0.5,
             "global_head_dim": max(dims),
             "layer_head_dims": dims,
             "hidden_size_per_layer_input": int(c.hidden_size_per_layer_input or 0),
@@ -184,7 +183,6 @@ def embed(model: Any, layout: ModelLayout) -> ModelLayout:
         layout,
         rotary=None,
         rotary_input="position_embeddings",
-        embed_scale=float(model.config.hidden_size) ** 0.5,
         side_inputs=side,
     )
 
@@ -195,7 +193,7 @@ def block(model: Any, layer: int) -> BlockLayout:
 
 
 def attn_qkv(model: Any, layer: int) -> SeparateQKV:
-    q_norm, k_norm = _QK_NORMS
+    q_norm, k_norm = FAMILY.qk_norms or (None, None)
     c = model.config
     source = kv_sources(c)[layer]
     # attention_k_eq_v: full layers have no v_proj, their values are the key projection's output
@@ -223,16 +221,9 @@ def tiny_config(seed: int) -> Any:
     """A Gemma-4-like toy, width 64, vocabulary 512. Seed 0 is the demo's model: 3 layers (two sliding with head
     size 16, then a full one with head size 32 and proportional RoPE), GQA (4 query heads, 2 kv heads), a 4-token
     window, per-layer inputs of width 16. Other seeds vary depth, heads and the window."""
-    import random
-
     from transformers import Gemma4TextConfig
 
-    rng = random.Random(seed)
-    layers, (heads, kv), sliding = (
-        (3, (4, 2), 4)
-        if seed == 0
-        else (rng.choice([1, 2, 3]), rng.choice([(4, 2), (4, 4), (4, 1)]), rng.choice([3, 8]))
-    )
+    layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
     types = ["full_attention" if (i + 1) % 3 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
     return hf.toy_config(
         Gemma4TextConfig,
@@ -250,24 +241,23 @@ def tiny_config(seed: int) -> Any:
     )
 
 
+def precheck(model: Any) -> None:
+    # what the plugin does not describe is named before the layout check would report its missing modules
+    validate_class(model)
+    check(model)
+
+
 PLUGIN = hf.DecoderPlugin(
     ARCH,
     FAMILY,
     tiny_config,
     config=config_fields,
+    precheck=precheck,
     missing_in_layer=missing_in_layer,
     embed=embed,
     block=block,
     attn_qkv=attn_qkv,
 ).export(globals())
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: nn.Module) -> None:
-    # what the plugin does not describe is named before the layout check would report its missing modules
-    validate_class(model)
-    check(model)
-    PLUGIN.lensadapters_validate(arch, model)
 
 
 class ArgumentSite(Site):

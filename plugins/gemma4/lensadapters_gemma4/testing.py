@@ -13,7 +13,7 @@ from torch import nn
 from transformers import Gemma4TextConfig
 
 import lensadapters_gemma4
-from lensadapters.testing.families import DecoderContract, QKNormScores, config_strategy, decoder_config
+from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, QKNormScores, config_strategy, decoder_config
 
 __all__ = ["Gemma4Contract", "gemma4_config", "gemma4_configs"]
 
@@ -112,9 +112,7 @@ class Gemma4Contract(QKNormScores, DecoderContract):
     stratum_overrides = {
         "sliding and full": {"n_layers": 2, "global_every": 2, "ple": 4, "window": st.sampled_from([2, 3])}
     }
-    matrix_overrides = dict(
-        n_kv=1, ratio=2, head_dim=8, hidden_per_head=8, n_layers=2, global_every=2, d_mlp=24, vocab=64, window=3
-    )
+    matrix_overrides = {**SMALL_MATRIX, **dict(head_dim=8, n_layers=2, global_every=2, window=3)}
 
     def pre_ln_residual(self, model: nn.Module) -> bool:
         # the per-layer-input branch adds a third term to the residual stream after the MLP's

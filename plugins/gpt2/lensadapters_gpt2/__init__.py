@@ -21,6 +21,7 @@ from lensadapters import (
     MLPLayout,
     ModelLayout,
     UnsupportedModelError,
+    hf,
     hookimpl,
 )
 
@@ -43,9 +44,7 @@ def _prefix(model: PreTrainedModel) -> str:
     return "transformer." if hasattr(model, "transformer") else ""
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
+lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -32,6 +32,7 @@ from lensadapters import (
     MLPLayout,
     ModelLayout,
     UnsupportedModelError,
+    hf,
     hookimpl,
 )
 from lensadapters.rotary import rotate_half_spec
@@ -88,9 +89,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.cat([q, k, v], dim=-1).flatten(-2)
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
+lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -15,20 +15,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lensadapters.testing.reference import ReferencePoints, rotate_by
+
 Tensor = torch.Tensor
 Edit = Callable[[Tensor, Any], Tensor]
-
-
-class _Hook:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``x`` ``[b, p, h, d]`` rotated on its halves by ``cos``/``sin`` ``[b, p, d/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def reference_run(
@@ -36,14 +26,8 @@ def reference_run(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, values)`` of GPT-OSS on unpadded ``input_ids``, in float64, from ``model``'s parameters; ``edits``
     maps hook names to functions ``(value, hook) -> value`` applied where lensadapters applies them."""
-    edits = edits or {}
-    values: dict[str, Tensor] = {}
-
-    def point(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value, _Hook(name))
-        values[name] = value
-        return value
+    point = ReferencePoints(edits)
+    values = point.values
 
     p = {name: t.detach().double() for name, t in model.named_parameters()}
     c = model.config
@@ -70,8 +54,8 @@ def reference_run(
             out = h @ p[f"{w}self_attn.{name}_proj.weight"].T + p[f"{w}self_attn.{name}_proj.bias"]
             return out.reshape(b, n, n_heads, d)
 
-        q = point(pre + "attn.hook_rot_q", _rope(point(pre + "attn.hook_q", proj("q", heads)), cos, sin))
-        k = point(pre + "attn.hook_rot_k", _rope(point(pre + "attn.hook_k", proj("k", kv)), cos, sin))
+        q = point(pre + "attn.hook_rot_q", rotate_by(point(pre + "attn.hook_q", proj("q", heads)), cos, sin))
+        k = point(pre + "attn.hook_rot_k", rotate_by(point(pre + "attn.hook_k", proj("k", kv)), cos, sin))
         v = point(pre + "attn.hook_v", proj("v", kv))
         k, v = (t.repeat_interleave(heads // kv, dim=2) for t in (k, v))
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5

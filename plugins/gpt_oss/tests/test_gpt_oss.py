@@ -24,6 +24,7 @@ from lensadapters.testing.contract_support import perturb
 from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import int8_model, window_allowed
 from lensadapters.testing.moe import mlp_input, moe_reference
+from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
 from lensadapters.weights import mlp_weights
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -38,19 +39,6 @@ class TestGptOss(GptOssContract, RefusalChecks, GenerationChecks):
 
 CONTRACT = TestGptOss()
 ALL = lambda name: True  # noqa: E731
-
-
-def _tokens(length: int = 9, batch: int = 2, vocab: int = 64) -> torch.Tensor:
-    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
-
-
-def _difference(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> float:
-    """The largest difference, after checking that both mask the same entries (``-inf`` scores)."""
-    ours, theirs = ours.double(), theirs.double()
-    assert ours.shape == theirs.shape, f"{name}: shape {tuple(ours.shape)} vs the reference's {tuple(theirs.shape)}"
-    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), f"{name}: masked entries differ"
-    finite = torch.isfinite(ours)
-    return (ours[finite] - theirs[finite]).abs().max().item() if finite.any() else 0.0
 
 
 def test_entry_point_is_declared():
@@ -83,15 +71,9 @@ def test_every_point_matches_the_independent_reference(name: str) -> None:
     (``-inf`` where it masks), and the logits are the reference's: the largest error is float32 rounding."""
     model = CONTRACT.make_model(gpt_oss_config(**CONFIGS[name]), 0)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
-    expected_logits, expected = reference_run(model, ids)
-    with torch.no_grad():
-        logits, cache = hm.run_with_cache(ids, names_filter=ALL)
-    compared = [n for n in hm.hook_names if n in expected]
+    ids = seeded_tokens()
+    compared = assert_points_match(hm, ids, reference_run(model, ids))
     assert len(compared) == len([n for n in hm.hook_names if not n.endswith(("_input"))])
-    worst = max(_difference(cache[n], expected[n], n) for n in compared if cache[n].numel())
-    assert worst < 1e-4, worst
-    assert _difference(logits, expected_logits, "logits") < 1e-4
     hm.unwrap()
 
 
@@ -108,20 +90,7 @@ def test_edits_at_every_point_match_the_independent_reference() -> None:
     config = gpt_oss_config(layers=2, window=3, limit=0.5, experts=4, top_k=2)
     model = CONTRACT.make_model(config, 1)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
-    _, names = reference_run(model, ids)
-    worst = 0.0
-    with torch.no_grad():
-        base = hm(ids).logits
-        for name in [n for n in hm.hook_names if n in names]:
-            edit = _edit(name, config.num_local_experts)
-            ours = hm.run_with_hooks(ids, fwd_hooks=[(name, edit)])
-            theirs, _ = reference_run(model, ids, {name: edit})
-            difference = _difference(ours, theirs, name)
-            assert difference < 1e-4 * max(1.0, theirs.abs().max().item()), (name, difference)
-            worst = max(worst, difference)
-            if names[name].numel() and not name.endswith(("hook_attn_scores", "hook_rot_q", "hook_q", "hook_k")):
-                assert not torch.allclose(ours, base), f"editing {name} changed nothing"
+    assert_edits_match(hm, model, seeded_tokens(), reference_run, lambda name: _edit(name, config.num_local_experts))
     hm.unwrap()
 
 
@@ -131,7 +100,7 @@ def test_attention_sinks_take_their_share_and_score_edits_see_them() -> None:
     ignores) moves weight between the keys and the sink; with the sinks at -inf the rows sum to one."""
     model = CONTRACT.make_model(gpt_oss_config(layers=2), 0)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
+    ids = seeded_tokens()
     names = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"]
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=names)
@@ -177,7 +146,7 @@ def test_clamped_swiglu_and_its_edits() -> None:
     config = gpt_oss_config(layers=1, limit=0.5, experts=2, top_k=2)
     model = CONTRACT.make_model(config, 0)
     hm = CONTRACT.wrap(model)
-    ids = _tokens()
+    ids = seeded_tokens()
     pre = "blocks.0.mlp.experts.0."
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.startswith(pre))
@@ -247,7 +216,7 @@ def test_routing_selects_then_softmaxes() -> None:
     nothing, of a selected one reweights it; ``hook_mlp_out`` is the reference MoE with that routing."""
     config = gpt_oss_config(layers=1, experts=5, top_k=2)
     hm = CONTRACT.wrap(CONTRACT.make_model(config, 2))
-    ids = _tokens()
+    ids = seeded_tokens()
     pre = "blocks.0.mlp."
     names = lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))  # noqa: E731
     with torch.no_grad():
@@ -315,7 +284,7 @@ def test_lora_on_the_fused_experts() -> None:
         init_lora_weights=False,
     )
     peft_model = peft.get_peft_model(model, lora)
-    ids = _tokens()
+    ids = seeded_tokens()
     names = lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))  # noqa: E731
     with torch.no_grad():
         reference = peft_model(ids).logits
@@ -348,7 +317,7 @@ def test_int8_model() -> None:
         type(attn.q_proj).__name__ == "Linear8bitLt"
         and model.model.layers[0].mlp.experts.gate_up_proj.is_floating_point()
     )
-    ids = _tokens(length=6, batch=1)
+    ids = seeded_tokens(length=6, batch=1)
     registry = CONTRACT.registry()
     registry.register(get_registry().infos["bnb"].plugin, "bnb")
     with torch.no_grad():

@@ -45,6 +45,7 @@ from lensadapters import (
     ModelLayout,
     SeparateQKV,
     UnsupportedModelError,
+    hf,
     hookimpl,
     live_parameters,
 )
@@ -113,9 +114,7 @@ def _offset(module: nn.Module) -> int:
 # --- adapter hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
+lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -26,54 +26,39 @@ checkpoint instead), custom modeling code, rope types other than the default one
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    NormSpec,
-    ProjectionNorm,
-    SeparateQKV,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
+from lensadapters import Architecture, BlockLayout, MLPLayout, UnsupportedModelError, hf, hookimpl
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
-from lensadapters.plugin_api import Hooked, WeightUnavailableError, read_linear, rotate_half_spec
+from lensadapters.plugin_api import Hooked, WeightUnavailableError, read_linear
 from lensadapters_qwen3_5 import attention, mixer
 
 Tensor = torch.Tensor
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-LENSADAPTERS_CONTRACT = "lensadapters_qwen3_5.testing:Qwen3_5Contract"
 TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
-ARCH = Architecture(
-    name="qwen3_5",
-    model_types=TEXT_TYPES + MULTIMODAL_TYPES,
-    description="Qwen 3.5 text, dense and MoE (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): gated DeltaNet "
-    "linear-attention layers and gated full-attention layers, SwiGLU or experts with a shared expert",
-    transformers=">=5.0,<6",
-)
 FAMILY = hf.DecoderFamily(
     "Qwen3_5",
     model_type="qwen3_5_text",
     packages=("qwen3_5", "qwen3_5_moe"),
     norms=("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"),
     norm_weight_offset=1.0,
+    qk_norms=hf.qk_norms("bphd"),  # of the full-attention layers
     mlp=None,
+    partial_rotary=True,
+)
+ARCH = FAMILY.architecture(
+    "Qwen 3.5 text, dense and MoE (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): gated DeltaNet linear-attention "
+    "layers and gated full-attention layers, SwiGLU or experts with a shared expert",
+    name="qwen3_5",
+    model_types=TEXT_TYPES + MULTIMODAL_TYPES,
+    transformers=">=5.0,<6",
 )
 FULL, LINEAR = "full_attention", "linear_attention"
-_ATTN = "self_attn"
-_QK_NORMS = (ProjectionNorm("self_attn.q_norm", "bphd"), ProjectionNorm("self_attn.k_norm", "bphd"))
-_DENSE = hf.SWIGLU_MLP
 _SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
 
 
@@ -85,70 +70,20 @@ def layer_types(config: Any) -> list[str]:
     return list(config.layer_types[: config.num_hidden_layers])
 
 
-def rotary_dim(config: Any) -> int:
-    factor = hf.rope_parameters(config).get("partial_rotary_factor", 1.0)
-    return int(hf.head_dim(config) * factor)
-
-
 def _mixer_paths(kind: str) -> tuple[str, ...]:
     if kind == FULL:
-        return (
-            f"{_ATTN}.q_proj",
-            f"{_ATTN}.k_proj",
-            f"{_ATTN}.v_proj",
-            f"{_ATTN}.o_proj",
-            *(n.module for n in _QK_NORMS),
-        )
+        return (*FAMILY.qkv, FAMILY.block.o_proj, *(n.module for n in FAMILY.qk_norms or ()))
     return tuple(
         f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
     )
 
 
-@hookimpl
-def lensadapters_architectures() -> list[Architecture]:
-    return [ARCH]
-
-
-@hookimpl
-def lensadapters_validate(arch: Architecture, model: Any) -> None:
-    if model.config.model_type in MULTIMODAL_TYPES:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a multimodal Qwen 3.5 model (model_type {model.config.model_type!r}); the "
-            f"qwen3_5 plugin serves the text models only: its language model computes its rotary positions from the "
-            f"image grid (3-D multimodal RoPE), which the plugin does not describe. Load the text checkpoint with "
-            f"AutoModelForCausalLM (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM) to wrap it"
-        )
-    hf.require_transformers_class(model, FAMILY.family, FAMILY.packages or ())
-    config, base = model.config, FAMILY.base(model)
-    kinds = layer_types(config)
-    unknown = sorted(set(kinds) - {FULL, LINEAR})
-    if unknown:
-        raise UnsupportedModelError(f"Qwen 3.5 layer types {unknown} are not described (only {FULL}, {LINEAR})")
-    mlp_paths = (
-        _SHARED + ("mlp.gate", "mlp.experts", "mlp.shared_expert_gate")
-        if is_moe(config)
-        else (_DENSE.pre, _DENSE.pre_linear, _DENSE.out)
-    )
-    hf.require_modules(
-        model,
-        base,
-        FAMILY.family,
-        ("embed_tokens", "norm", "rotary_emb"),
-        ("input_layernorm", "post_attention_layernorm", *mlp_paths),
-        missing_in_layer=lambda layer: hf.missing_paths(layer, _mixer_paths(str(layer.block_type))),
-    )
-    hf.require_rope_types([FAMILY.rope_type(model)], ("default",), FAMILY.family)
-
-
-@hookimpl
-def lensadapters_config(arch: Architecture, model: Any) -> HookedConfig:
+def config_fields(model: Any) -> dict[str, Any]:
     c, moe = model.config, is_moe(model.config)
     kinds = layer_types(c)
-    return FAMILY.hooked_config(
-        model,
+    return dict(
         model_type=c.model_type,
         d_mlp=c.moe_intermediate_size if moe else c.intermediate_size,
-        rotary_dim=rotary_dim(c),
         num_experts=c.num_experts if moe else None,
         experts_per_token=c.num_experts_per_tok if moe else None,
         extra={
@@ -166,15 +101,9 @@ def lensadapters_config(arch: Architecture, model: Any) -> HookedConfig:
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: Any) -> ModelLayout:
-    return FAMILY.embed(model)
-
-
-@hookimpl
-def lensadapters_block(arch: Architecture, model: Any, layer: int) -> BlockLayout:
+def block(model: Any, layer: int) -> BlockLayout:
     if layer_types(model.config)[layer] == FULL:
-        return hf.DECODER_BLOCK
+        return FAMILY.block
     return BlockLayout(
         ln1="input_layernorm",
         attn="linear_attn",
@@ -184,27 +113,17 @@ def lensadapters_block(arch: Architecture, model: Any, layer: int) -> BlockLayou
     )
 
 
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: Any, layer: int) -> Optional[SeparateQKV]:
+def attn_qkv(model: Any, layer: int) -> Any:
     if layer_types(model.config)[layer] != FULL:
         return None  # a gated DeltaNet: its points are the plugin's (lensadapters_qwen3_5.mixer)
-    return SeparateQKV(
-        *hf.DECODER_QKV, rotary=rotate_half_spec(rotary_dim(model.config)), q_norm=_QK_NORMS[0], k_norm=_QK_NORMS[1]
-    )
+    return FAMILY.attn_qkv(model)
 
 
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: Any, layer: int) -> Union[MLPLayout, MoELayout]:
-    c = model.config
-    if not is_moe(c):
-        return _DENSE
-    routing = Routing(c.num_experts, c.num_experts_per_tok, normalize=True, weights_dtype="logits")
-    return stored_moe_layout(FAMILY.layers(model)[layer], "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
-
-
-@hookimpl
-def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
-    return FAMILY.norm_spec(module)
+def layer_mlp(layer: nn.Module, config: Any) -> Union[MLPLayout, MoELayout]:
+    if not is_moe(config):
+        return hf.SWIGLU_MLP
+    routing = Routing(config.num_experts, config.num_experts_per_tok, normalize=True, weights_dtype="logits")
+    return stored_moe_layout(layer, "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
 
 
 @hookimpl
@@ -271,6 +190,38 @@ def tiny_config(seed: int) -> Any:
     )
 
 
+PLUGIN = hf.DecoderPlugin(
+    ARCH, FAMILY, tiny_config, config=config_fields, block=block, attn_qkv=attn_qkv, layer_mlp=layer_mlp
+).export(globals())
+
+
+# in place of the declared validation (after export): each layer's modules depend on its kind
 @hookimpl
-def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
-    return tiny_config(seed)
+def lensadapters_validate(arch: Architecture, model: Any) -> None:
+    if model.config.model_type in MULTIMODAL_TYPES:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a multimodal Qwen 3.5 model (model_type {model.config.model_type!r}); the "
+            f"qwen3_5 plugin serves the text models only: its language model computes its rotary positions from the "
+            f"image grid (3-D multimodal RoPE), which the plugin does not describe. Load the text checkpoint with "
+            f"AutoModelForCausalLM (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM) to wrap it"
+        )
+    hf.require_transformers_class(model, FAMILY.family, FAMILY.packages or ())
+    config, base = model.config, FAMILY.base(model)
+    kinds = layer_types(config)
+    unknown = sorted(set(kinds) - {FULL, LINEAR})
+    if unknown:
+        raise UnsupportedModelError(f"Qwen 3.5 layer types {unknown} are not described (only {FULL}, {LINEAR})")
+    mlp_paths = (
+        _SHARED + ("mlp.gate", "mlp.experts", "mlp.shared_expert_gate")
+        if is_moe(config)
+        else (hf.SWIGLU_MLP.pre, hf.SWIGLU_MLP.pre_linear, hf.SWIGLU_MLP.out)
+    )
+    hf.require_modules(
+        model,
+        base,
+        FAMILY.family,
+        ("embed_tokens", "norm", "rotary_emb"),
+        ("input_layernorm", "post_attention_layernorm", *mlp_paths),
+        missing_in_layer=lambda layer: hf.missing_paths(layer, _mixer_paths(str(layer.block_type))),
+    )
+    hf.require_rope_types([FAMILY.rope_type(model)], ("default",), FAMILY.family)

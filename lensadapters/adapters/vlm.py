@@ -20,9 +20,10 @@ from torch import nn
 
 #: the point at the projector's output (TransformerLens 4.x Bridge: ``vision_projector.hook_out``)
 IMAGE_EMBEDS_POINT = "vision_projector.hook_out"
-#: the attribute transformers' vision-language models give the module that maps vision features to the language
-#: model's width (its output replaces the image tokens' embeddings)
-PROJECTOR_NAMES = ("multi_modal_projector",)
+#: the attributes transformers' vision-language models give the module that maps vision features to the language
+#: model's width (its output replaces the image tokens' embeddings): ``multi_modal_projector`` in most,
+#: ``embed_vision`` where the model also embeds audio (its ``embed_audio`` is not a vision projector)
+PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision")
 
 
 def text_config(model: nn.Module) -> Any:

@@ -362,6 +362,7 @@ def test_wrapping_is_exact_without_per_layer_inputs():
     "fields, match",
     [
         (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
+        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ],
 )
 def test_what_is_not_described_is_refused(fields, match):

@@ -2,9 +2,9 @@
 the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
 
 Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower), Mistral 3 (Pixtral vision tower),
-multimodal Gemma 3 (SigLIP vision tower) and multimodal Gemma 4 (its own vision tower, projector ``embed_vision``; no
-audio tower), built from their configs: 16x16 images in 4x4 patches, the image tokens' count the model's own (16 for
-LLaVA, 36 for LLaVA-NeXT, 4 for the others).
+multimodal Gemma 3 (SigLIP vision tower), multimodal Gemma 4 (its own vision tower, projector ``embed_vision``; no
+audio tower), Idefics3 and SmolVLM (Llama language model, projector ``connector``), built from their configs: 16x16
+images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA, 36 for LLaVA-NeXT, 4 for the others).
 """
 
 from __future__ import annotations
@@ -125,17 +125,34 @@ def _gemma4() -> tuple[Any, int]:
     return Gemma4ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
 
 
+def _idefics3(name: str = "Idefics3") -> tuple[Any, int]:
+    """Idefics3 (and SmolVLM, the same structure): one 16x16 image, its 16 patches shuffled 2x2 (``scale_factor``)
+    into 4 image tokens by the projector (``connector``)."""
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(
+        text_config=transformers.LlamaConfig(**TEXT).to_dict(),
+        vision_config=getattr(transformers, f"{name}VisionConfig")(**TOWER, num_attention_heads=4).to_dict(),
+        image_token_id=IMAGE_TOKEN,
+        scale_factor=2,
+    )
+    model = getattr(transformers, f"{name}ForConditionalGeneration")._from_config(config, attn_implementation="eager")
+    return model, 4
+
+
 BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "llava": ("llama", _llava),
     "gemma3": ("gemma3_text", _gemma3),
     "llava_next": ("llama", _llava_next),
     "mistral3": ("mistral", _mistral3),
     "gemma4": ("gemma4_text", _gemma4),
+    "idefics3": ("llama", _idefics3),
+    "smolvlm": ("llama", lambda: _idefics3("SmolVLM")),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
-SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4")
+SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4", "idefics3", "smolvlm")
 #: each model's projector (transformers' attribute name), where it is not ``multi_modal_projector``
-PROJECTORS = {"gemma4": "embed_vision"}
+PROJECTORS = {"gemma4": "embed_vision", "idefics3": "connector", "smolvlm": "connector"}
 
 
 def vlm(name: str) -> tuple[Any, int]:
@@ -163,6 +180,8 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
             kwargs["pixel_values"] = torch.rand(2, 16, 3 * 4 * 4, generator=g)
             xy = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
             kwargs["image_position_ids"] = xy.reshape(1, 16, 2).expand(2, 16, 2)
+        elif getattr(model.config, "scale_factor", None):  # Idefics3: images per sequence
+            kwargs["pixel_values"] = torch.randn(2, 1, 3, size, size, generator=g)
         elif getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
             kwargs["pixel_values"] = torch.randn(2, 2, 3, size, size, generator=g)
         else:
@@ -179,10 +198,17 @@ def logits_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
+def decoder_of(model: Any) -> Any:
+    """The language model's decoder (transformers 4.x's Idefics3 and SmolVLM give their multimodal base model as
+    ``get_decoder()``; its ``text_model`` is the decoder)."""
+    decoder = model.get_decoder()
+    return getattr(decoder, "text_model", decoder)
+
+
 def text_model_of(model: Any) -> Any:
     """A text-only causal LM carrying the vision-language model's language weights."""
     text = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation="eager").eval()
-    text.get_decoder().load_state_dict(model.get_decoder().state_dict())
+    text.get_decoder().load_state_dict(decoder_of(model).state_dict())
     text.get_output_embeddings().load_state_dict(model.get_output_embeddings().state_dict())
     return text
 
@@ -223,7 +249,7 @@ def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any
 
     projector_module = model.get_submodule(hm_projector_path(model))
     handles.append(projector_module.register_forward_hook(projector))
-    for i, layer in enumerate(model.get_decoder().layers):
+    for i, layer in enumerate(decoder_of(model).layers):
 
         def pre(module: Any, args: Any, kwargs: Any, i: int = i) -> None:
             seen[f"blocks.{i}.hook_resid_pre"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()

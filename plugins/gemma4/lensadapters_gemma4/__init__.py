@@ -45,7 +45,7 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   (the same numbers, but an edit of one leaves the other as it was; ``SeparateQKV.values_from_keys``); such a layer
   has no ``hook_k_input``/``hook_v_input`` (one projection feeds both) and its ``W_V`` is its ``W_K``.
 
-* ``Gemma4ForConditionalGeneration`` (with a vision tower): its language model's points, as above, plus the image
+* ``Gemma4ForConditionalGeneration``: its language model's points, as above, plus (with a vision tower) the image
   features' projector (``embed_vision``) as ``vision_projector.hook_out``. At the image tokens the model embeds the
   padding token and looks its per-layer inputs up for the padding token, the context part from the embeddings with
   the image features in: ``hook_per_layer_input`` is that value. ``use_bidirectional_attention="vision"`` (image
@@ -53,9 +53,9 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   ``embed_audio`` are run as the model runs them, without points.
 
 Refused at wrap time, naming what works: the mixture-of-experts block (``enable_moe_block``), bidirectional
-attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` and a
-``Gemma4ForConditionalGeneration`` without a vision tower (wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash
-and flex attention: every hook point but the pattern and score points.
+attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` (wrap a
+``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and score
+points.
 """
 
 from __future__ import annotations
@@ -147,16 +147,14 @@ def check(model: Any) -> None:
 
 def validate_class(model: Any) -> None:
     name = type(model).__name__
-    # a vision-language model (with a vision tower) whose language model is a Gemma 4 text model
-    vision = getattr(model.config, "vision_config", None) is not None
-    if name in VLM_CLASSES and vision and type(model.get_decoder()).__name__ in TEXT_CLASSES:
+    # the multimodal model (with or without a vision tower) whose language model is a Gemma 4 text model
+    if name in VLM_CLASSES and type(model.get_decoder()).__name__ in TEXT_CLASSES:
         return
     if name not in TEXT_CLASSES:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not a Gemma 4 text model nor a Gemma4ForConditionalGeneration with a vision "
-            f"tower; the gemma4 plugin describes Gemma4ForCausalLM, Gemma4TextModel and the language model of "
-            f"Gemma4ForConditionalGeneration: load the checkpoint with Gemma4ForCausalLM.from_pretrained for "
-            f"text-only use"
+            f"{type(model).__name__} is not a Gemma 4 text model; the gemma4 plugin describes Gemma4ForCausalLM, "
+            f"Gemma4TextModel and the language model of Gemma4ForConditionalGeneration: load the checkpoint with "
+            f"Gemma4ForCausalLM.from_pretrained for text-only use"
         )
 
 

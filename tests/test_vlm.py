@@ -1,9 +1,10 @@
 """Vision-language models (``*ForConditionalGeneration``): the language model's points under their usual names,
 the projector's output (``vision_projector.hook_out``), processor inputs passed through, generation with hooks.
 
-Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower), Mistral 3 (Pixtral vision tower) and
-multimodal Gemma 3 (SigLIP vision tower), built from their configs: 16x16 images in 4x4 patches, the image tokens'
-count the model's own (16 for LLaVA, 36 for LLaVA-NeXT, 4 for Mistral 3 and Gemma 3).
+Tiny random LLaVA and LLaVA-NeXT (Llama language model, CLIP vision tower), Mistral 3 (Pixtral vision tower),
+multimodal Gemma 3 (SigLIP vision tower), multimodal Gemma 4 (its own vision tower, projector ``embed_vision``; no
+audio tower), Idefics3 and SmolVLM (Llama language model, projector ``connector``), built from their configs: 16x16
+images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA, 36 for LLaVA-NeXT, 4 for the others).
 """
 
 from __future__ import annotations
@@ -92,14 +93,66 @@ def _mistral3() -> tuple[Any, int]:
     return Mistral3ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
 
 
+def _gemma4() -> tuple[Any, int]:
+    """Multimodal Gemma 4 (transformers 5.x): the image as 16 patches of 4x4 pixels with their (x, y) positions,
+    pooled 2x2 into 4 image tokens; per-layer inputs; bidirectional attention over each image's tokens
+    (``use_bidirectional_attention="vision"``); no audio tower (no ``audio_config``)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+        pytest.skip("Gemma 4 needs transformers 5.x")
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+
+    text = Gemma4TextConfig(
+        **TEXT,
+        head_dim=8,
+        global_head_dim=8,  # one head size: the stacked weights are compared
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=TEXT["vocab_size"],
+        use_bidirectional_attention="vision",
+        pad_token_id=0,
+    )
+    tower = dict(TOWER, num_attention_heads=4, num_key_value_heads=4, head_dim=8, pooling_kernel_size=2)
+    del tower["image_size"]
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=Gemma4VisionConfig(**tower, position_embedding_size=16),
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=101,
+        eoi_token_id=102,
+    )
+    return Gemma4ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
+
+
+def _idefics3(name: str = "Idefics3") -> tuple[Any, int]:
+    """Idefics3 (and SmolVLM, the same structure): one 16x16 image, its 16 patches shuffled 2x2 (``scale_factor``)
+    into 4 image tokens by the projector (``connector``)."""
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(
+        text_config=transformers.LlamaConfig(**TEXT).to_dict(),
+        vision_config=getattr(transformers, f"{name}VisionConfig")(**TOWER, num_attention_heads=4).to_dict(),
+        image_token_id=IMAGE_TOKEN,
+        scale_factor=2,
+    )
+    model = getattr(transformers, f"{name}ForConditionalGeneration")._from_config(config, attn_implementation="eager")
+    return model, 4
+
+
 BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "llava": ("llama", _llava),
     "gemma3": ("gemma3_text", _gemma3),
     "llava_next": ("llama", _llava_next),
     "mistral3": ("mistral", _mistral3),
+    "gemma4": ("gemma4_text", _gemma4),
+    "idefics3": ("llama", _idefics3),
+    "smolvlm": ("llama", lambda: _idefics3("SmolVLM")),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
-SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3")
+SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4", "idefics3", "smolvlm")
+#: each model's projector (transformers' attribute name), where it is not ``multi_modal_projector``
+PROJECTORS = {"gemma4": "embed_vision", "idefics3": "connector", "smolvlm": "connector"}
 
 
 def vlm(name: str) -> tuple[Any, int]:
@@ -122,15 +175,22 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
     ids = torch.cat([text[:, :2], middle, text[:, 2:]], dim=1)
     kwargs: dict[str, Any] = {"input_ids": ids}
     if image:
-        size = model.config.vision_config.image_size
-        if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
+        size = getattr(model.config.vision_config, "image_size", 16)
+        if getattr(model.config.vision_config, "pooling_kernel_size", None):  # Gemma 4: patches and their positions
+            kwargs["pixel_values"] = torch.rand(2, 16, 3 * 4 * 4, generator=g)
+            xy = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
+            kwargs["image_position_ids"] = xy.reshape(1, 16, 2).expand(2, 16, 2)
+        elif getattr(model.config, "scale_factor", None):  # Idefics3: images per sequence
+            kwargs["pixel_values"] = torch.randn(2, 1, 3, size, size, generator=g)
+        elif getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
             kwargs["pixel_values"] = torch.randn(2, 2, 3, size, size, generator=g)
         else:
             kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
         if any(getattr(model.config, k, None) for k in ("image_grid_pinpoints", "spatial_merge_size")):
             kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
-        if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: the image tokens' own mask
-            kwargs["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3 and 4: the image tokens' own mask
+            if key in inspect.signature(model.forward).parameters:
+                kwargs[key] = (ids == IMAGE_TOKEN).long()
     return kwargs
 
 
@@ -138,10 +198,17 @@ def logits_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
+def decoder_of(model: Any) -> Any:
+    """The language model's decoder (transformers 4.x's Idefics3 and SmolVLM give their multimodal base model as
+    ``get_decoder()``; its ``text_model`` is the decoder)."""
+    decoder = model.get_decoder()
+    return getattr(decoder, "text_model", decoder)
+
+
 def text_model_of(model: Any) -> Any:
     """A text-only causal LM carrying the vision-language model's language weights."""
     text = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation="eager").eval()
-    text.get_decoder().load_state_dict(model.get_decoder().state_dict())
+    text.get_decoder().load_state_dict(decoder_of(model).state_dict())
     text.get_output_embeddings().load_state_dict(model.get_output_embeddings().state_dict())
     return text
 
@@ -171,7 +238,8 @@ def test_language_points_equal_the_text_models(name: str) -> None:
 
 def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """The model's output and values read with plain PyTorch hooks: the projector's output (changed by ``edit``),
-    each decoder layer's input and output, each attention module's weights (eager attention)."""
+    each decoder layer's input and output (and its per-layer input, Gemma 4), each attention module's weights
+    (eager attention)."""
     seen: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -181,10 +249,13 @@ def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any
 
     projector_module = model.get_submodule(hm_projector_path(model))
     handles.append(projector_module.register_forward_hook(projector))
-    for i, layer in enumerate(model.get_decoder().layers):
+    for i, layer in enumerate(decoder_of(model).layers):
 
         def pre(module: Any, args: Any, kwargs: Any, i: int = i) -> None:
             seen[f"blocks.{i}.hook_resid_pre"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+            if "per_layer_input" in inspect.signature(module.forward).parameters:
+                given = args[1] if len(args) > 1 else kwargs["per_layer_input"]
+                seen[f"blocks.{i}.hook_per_layer_input"] = given.detach().clone()
 
         def post(module: Any, args: Any, output: Any, i: int = i) -> None:
             out = output[0] if isinstance(output, tuple) else output
@@ -212,7 +283,8 @@ def _module_hooks(model: Any) -> list[tuple[str, list[int], list[int]]]:
 
 
 def hm_projector_path(model: Any) -> str:
-    return next(n for n, _ in model.named_modules() if n.endswith("multi_modal_projector"))
+    names = ("multi_modal_projector", *PROJECTORS.values())
+    return next(n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in names)
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -236,6 +308,8 @@ def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
         features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
         assert features.shape[0] == at_images.sum()
         assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
+    if name == "gemma4":  # its sliding layers' image tokens attend to later image tokens: the model's own mask
+        assert bool((cache["blocks.0.attn.hook_pattern"][:, :, 2, 3] > 0).all())
     assert hm.unwrap() is model
     assert _module_hooks(model) == own_hooks  # nothing left behind
     assert model.config.get_text_config()._attn_implementation == "eager"  # the pattern points' routing undone
@@ -261,7 +335,8 @@ def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> No
         _, cache = hm.run_with_cache(**batch)
     assert torch.equal(logits_of(got), expected.logits)
     assert not torch.allclose(logits_of(got), clean.logits)
-    assert torch.equal(cache["hook_embed"], _embeddings(model, batch["input_ids"]))
+    at_text = batch["input_ids"] != IMAGE_TOKEN  # (Gemma 4 embeds the padding token at the image tokens)
+    assert torch.equal(cache["hook_embed"][at_text], _embeddings(model, batch["input_ids"])[at_text])
     hm.unwrap()
 
 

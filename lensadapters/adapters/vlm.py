@@ -1,11 +1,12 @@
 """Vision-language models: a transformers ``*ForConditionalGeneration`` around a language model.
 
 Such a model (LLaVA, multimodal Gemma 3...) is a vision tower, a projector and a language model (the decoder
-``get_decoder()`` returns, with the output embeddings ``get_output_embeddings()``). Its config nests the language
-model's config (``config.text_config``, ``get_text_config()``) next to a ``vision_config``. The model is wrapped as
-the language model's plugin describes it: the registry chooses that plugin from the text config's ``model_type``, the
-plugin finds the decoder stack inside the whole model, and the language model's points have their usual names. The
-core adds the projector's output, where image features enter the text stream, under TransformerLens' Bridge name
+``get_decoder()`` returns, or the text config's model inside it where that is the multimodal base model, with the
+output embeddings ``get_output_embeddings()``). Its config nests the language model's config
+(``config.text_config``, ``get_text_config()``) next to a ``vision_config``. The model is wrapped as the language
+model's plugin describes it: the registry chooses that plugin from the text config's ``model_type``, the plugin
+finds the decoder stack inside the whole model, and the language model's points have their usual names. The core
+adds the projector's output, where image features enter the text stream, under TransformerLens' Bridge name
 (:data:`IMAGE_EMBEDS_POINT`).
 
 Nothing here names an architecture: the model is recognized from transformers' own generic accessors.
@@ -20,9 +21,11 @@ from torch import nn
 
 #: the point at the projector's output (TransformerLens 4.x Bridge: ``vision_projector.hook_out``)
 IMAGE_EMBEDS_POINT = "vision_projector.hook_out"
-#: the attribute transformers' vision-language models give the module that maps vision features to the language
-#: model's width (its output replaces the image tokens' embeddings)
-PROJECTOR_NAMES = ("multi_modal_projector",)
+#: the attributes transformers' vision-language models give the module that maps vision features to the language
+#: model's width (its output replaces the image tokens' embeddings): ``multi_modal_projector`` in most,
+#: ``embed_vision`` where the model also embeds audio (its ``embed_audio`` is not a vision projector), ``connector``
+#: where the projector also merges patches (pixel shuffle)
+PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector")
 
 
 def text_config(model: nn.Module) -> Any:
@@ -54,9 +57,22 @@ def language_model(model: nn.Module) -> Optional[nn.Module]:
         decoder = get_decoder() if get_decoder is not None else None
     except (AttributeError, NotImplementedError):
         return None
+    if isinstance(decoder, nn.Module) and getattr(getattr(decoder, "config", None), "vision_config", None) is not None:
+        decoder = _text_model_in(decoder, text)
     if not isinstance(decoder, nn.Module) or decoder is model or _submodule_path(model, decoder) is None:
         return None
     return decoder
+
+
+def _text_model_in(base: nn.Module, text: Any) -> Optional[nn.Module]:
+    """The language model inside a multimodal base model: the submodule built from the text config (its
+    ``model_type``, no vision config). Where ``get_decoder()`` gives the multimodal base model itself (transformers
+    4.x's Idefics3 and SmolVLM), that is the decoder."""
+    for module in base.modules():
+        config = getattr(module, "config", None)
+        if module is not base and getattr(config, "model_type", None) == text.model_type:
+            return module if getattr(config, "vision_config", None) is None else None
+    return None
 
 
 def language_model_type(model: nn.Module) -> Optional[str]:

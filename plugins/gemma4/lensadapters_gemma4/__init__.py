@@ -45,10 +45,17 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   (the same numbers, but an edit of one leaves the other as it was; ``SeparateQKV.values_from_keys``); such a layer
   has no ``hook_k_input``/``hook_v_input`` (one projection feeds both) and its ``W_V`` is its ``W_K``.
 
+* ``Gemma4ForConditionalGeneration``: its language model's points, as above, plus (with a vision tower) the image
+  features' projector (``embed_vision``) as ``vision_projector.hook_out``. At the image tokens the model embeds the
+  padding token and looks its per-layer inputs up for the padding token, the context part from the embeddings with
+  the image features in: ``hook_per_layer_input`` is that value. ``use_bidirectional_attention="vision"`` (image
+  tokens attend to each other in sliding layers) is the model's own mask, read as computed. An audio tower and its
+  ``embed_audio`` are run as the model runs them, without points.
+
 Refused at wrap time, naming what works: the mixture-of-experts block (``enable_moe_block``), bidirectional
-attention, rope types other than rotate-half ones, the multimodal ``Gemma4ForConditionalGeneration``/``Gemma4Model``
-(wrap a ``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and
-score points.
+attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` (wrap a
+``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and score
+points.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ __version__ = "0.1.0"
 # the family's name is the text model's (Gemma4TextModel), the contract the plugin's
 LENSADAPTERS_CONTRACT = "lensadapters_gemma4.testing:Gemma4Contract"
 TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel")
+#: the vision-language model whose language model (a ``Gemma4TextModel``) the plugin describes
+VLM_CLASSES = ("Gemma4ForConditionalGeneration",)
 _V_NORM = ProjectionNorm("self_attn.v_norm", "bphd")
 _KV_PATHS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")
 FAMILY = hf.DecoderFamily(
@@ -89,10 +98,11 @@ FAMILY = hf.DecoderFamily(
 )
 ARCH = FAMILY.architecture(
     "Gemma 4 text (Gemma4ForCausalLM, Gemma4TextModel): per-layer input embeddings, per-layer head sizes, "
-    "query/key/value norms, sandwich norms, sliding windows",
+    "query/key/value norms, sandwich norms, sliding windows; the language model of Gemma4ForConditionalGeneration",
     name="gemma4",
     model_types=("gemma4_text", "gemma4"),
     transformers=">=5.23,<6",
+    vision_language=True,
 )
 _PLE_PATHS = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm", "act_fn")
 
@@ -118,10 +128,13 @@ def kv_sources(config: Any) -> list[Optional[int]]:
 
 
 def check(model: Any) -> None:
-    c = model.config
+    c = hf.text_config(model)
     unsupported = [
         (getattr(c, "enable_moe_block", False), "enable_moe_block=True (a mixture of experts beside the MLP)"),
-        (getattr(c, "use_bidirectional_attention", None), "use_bidirectional_attention (not a causal model)"),
+        (
+            getattr(c, "use_bidirectional_attention", None) == "all",
+            "use_bidirectional_attention='all' (not a causal model)",
+        ),
     ]
     for found, what in unsupported:
         if found:
@@ -132,11 +145,15 @@ def check(model: Any) -> None:
 
 
 def validate_class(model: Any) -> None:
-    if type(model).__name__ not in TEXT_CLASSES:
+    name = type(model).__name__
+    # the multimodal model (with or without a vision tower) whose language model is a Gemma 4 text model
+    if name in VLM_CLASSES and type(model.get_decoder()).__name__ in TEXT_CLASSES:
+        return
+    if name not in TEXT_CLASSES:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not a Gemma 4 text model (the multimodal Gemma 4 models' vision and audio "
-            f"towers are not described); the gemma4 plugin describes Gemma4ForCausalLM and Gemma4TextModel: load "
-            f"the checkpoint with Gemma4ForCausalLM.from_pretrained for text-only use"
+            f"{type(model).__name__} is not a Gemma 4 text model; the gemma4 plugin describes Gemma4ForCausalLM, "
+            f"Gemma4TextModel and the language model of Gemma4ForConditionalGeneration: load the checkpoint with "
+            f"Gemma4ForCausalLM.from_pretrained for text-only use"
         )
 
 
@@ -154,7 +171,7 @@ def missing_in_layer(layer: nn.Module) -> list[str]:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    c = model.config
+    c = hf.text_config(model)
     dims = layer_head_dims(c)
     return dict(
         act_fn=c.hidden_activation,
@@ -178,7 +195,8 @@ def config_fields(model: Any) -> dict[str, Any]:
 def embed(model: Any, layout: ModelLayout) -> ModelLayout:
     # each layer's (cos, sin) from its attention module's `position_embeddings`: sliding and full layers differ
     # per-layer inputs: every block reads one computed from the token ids besides the residual stream
-    side = ("hook_per_layer_input",) if model.config.hidden_size_per_layer_input else ()
+    c = hf.text_config(model)
+    side = ("hook_per_layer_input",) if c.hidden_size_per_layer_input else ()
     return replace(
         layout,
         rotary=None,
@@ -194,7 +212,7 @@ def block(model: Any, layer: int) -> BlockLayout:
 
 def attn_qkv(model: Any, layer: int) -> SeparateQKV:
     q_norm, k_norm = FAMILY.qk_norms or (None, None)
-    c = model.config
+    c = hf.text_config(model)
     source = kv_sources(c)[layer]
     # attention_k_eq_v: full layers have no v_proj, their values are the key projection's output
     keys_as_values = source is None and bool(getattr(c, "attention_k_eq_v", False)) and is_full(c, layer)

@@ -362,6 +362,7 @@ def test_wrapping_is_exact_without_per_layer_inputs():
     "fields, match",
     [
         (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
+        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ],
 )
 def test_what_is_not_described_is_refused(fields, match):
@@ -375,9 +376,24 @@ def test_what_is_not_described_is_refused(fields, match):
         CONTRACT.wrap(Gemma4ForCausalLM(config))
 
 
-def test_multimodal_model_is_refused_naming_the_text_model():
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+def test_multimodal_model_without_a_vision_tower_reads_as_its_text_model():
+    """A ``Gemma4ForConditionalGeneration`` without a vision tower (what ``AutoModelForCausalLM`` builds from a Gemma 4
+    config without ``vision_config``) is its language model: the same points as a ``Gemma4ForCausalLM`` with the
+    same weights, reading the same values. (With a vision tower: ``tests/test_vlm.py``.)"""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     config = Gemma4Config(text_config=gemma4_config().to_dict(), vision_config=None, audio_config=None)
-    with pytest.raises(UnsupportedModelError, match="Gemma4ForCausalLM"):
-        CONTRACT.wrap(Gemma4ForConditionalGeneration(config))
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    text = Gemma4ForCausalLM(model.config.get_text_config()).eval()
+    text.model.load_state_dict(model.get_decoder().state_dict())
+    text.lm_head.load_state_dict(model.lm_head.state_dict())
+    hm, hm_text = CONTRACT.wrap(model), CONTRACT.wrap(text)
+    assert hm.hook_names == hm_text.hook_names
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(IDS)
+        logits_text, cache_text = hm_text.run_with_cache(IDS)
+    assert_close(logits, logits_text, "logits")
+    for key in cache_text.keys():
+        assert_close(cache[key], cache_text[key], key)
+    hm.unwrap(), hm_text.unwrap()

@@ -153,3 +153,33 @@ def test_gradients_at_moe_points() -> None:
             expected[token, slot] = (grad * result).sum(-1) / weights[token, slot]
         assert_close(cache[pre + "hook_routing_weights_grad"].reshape(-1, 2), expected, "routing weight gradient")
     hm.unwrap()
+
+
+def test_a_routing_tie_at_the_value_is_left_out_of_the_gradient_check_not_failed() -> None:
+    """Regression: the gradient property failed a Qwen 3.5 MoE draw at ``hook_router_logits`` and the expert points,
+    where two experts' logits sat within the smallest finite-difference step of each other: the central difference
+    straddles the expert switch, and no step gives the one-sided derivative autograd (rightly) gives. Here experts 1
+    and 2 have the same router row (an exact tie for the second slot on every token): the check finds the expert
+    choice differing between ``+h`` and ``-h`` (its ``hook_expert_indices``, hooked as the contract hooks every
+    point) and leaves the point out (``GradientCheck.tied``); every point upstream of the router (the tie holds
+    whatever they are) is still compared, and agrees."""
+    from lensadapters.testing.gradients import gradient_check
+
+    model = CONTRACT.gradient_model(CONTRACT.make_model(mixtral_config(layers=1, experts=4, top_k=2), 0))
+    layer = model.model.layers[0]
+    gate = (layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe).gate  # transformers 5 / 4.57
+    with torch.no_grad():
+        gate.weight[0] = 0.0
+        gate.weight[2] = gate.weight[1]
+        gate.weight[3] = -gate.weight[1]
+        gate.weight[1] *= 0.0
+    hm = CONTRACT.wrap(model)
+    ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    kwargs, valid = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.ones_like(ids, dtype=torch.bool)
+    logits = "blocks.0.mlp.hook_router_logits"
+    upstream = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.attn.hook_z", "blocks.0.hook_resid_mid"]
+    indices = "blocks.0.mlp.hook_expert_indices"  # read, not edited: how the check sees the expert choice
+    check, _ = gradient_check(hm, kwargs, valid, [logits, indices, *upstream], seed=1)
+    assert check.tied == [logits], (check.tied, check.failures)
+    assert set(upstream) <= set(check.names) and not check.failures, check.failures
+    hm.unwrap()

@@ -393,10 +393,12 @@ def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model.get_input_embeddings()(ids)
 
 
-def test_generate_with_hooks_on_llava() -> None:
+@pytest.mark.parametrize("name", ["llava", "qwen3_5"])
+def test_generate_with_hooks(name: str) -> None:
     """``hm.generate`` with the processor's inputs runs the hooks: an ablation of the image features gives what the
-    same ablation by a plain hook gives, and differs from the clean generation."""
-    model, n_image = vlm("llava")
+    same ablation by a plain hook gives, and differs from the clean generation (Qwen 3.5: through its hybrid cache,
+    the DeltaNet's recurrent states beside the attention's keys and values, with multimodal RoPE positions)."""
+    model, n_image = vlm(name)
     batch = inputs(model, n_image)
     settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 

@@ -125,6 +125,43 @@ def _gemma4() -> tuple[Any, int]:
     return Gemma4ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
 
 
+def _qwen3_5(moe: bool = False) -> tuple[Any, int]:
+    """Multimodal Qwen 3.5, dense or MoE (transformers 5.x): a gated DeltaNet layer then a full-attention one whose
+    partial rotary is multimodal RoPE (``mrope_section``: time, height, width frequencies from 3-D positions the
+    model computes from the image grid); the image as 16 flattened 4x4 patches (two frames each) with its grid
+    ``image_grid_thw``, merged 2x2 by the vision tower's ``merger`` into 4 image tokens."""
+    transformers = pytest.importorskip("transformers")
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    if not hasattr(transformers, f"{prefix}ForConditionalGeneration"):
+        pytest.skip("Qwen 3.5 needs transformers 5.x")
+    from lensadapters_qwen3_5.configs import qwen3_5_config
+
+    kinds = ["linear_attention", "full_attention"]
+    text = qwen3_5_config(moe=moe, layer_types=kinds, head_dim=16, vocab=TEXT["vocab_size"], max_pos=128)
+    text.rope_parameters["mrope_section"] = [2, 1, 1]
+    vision = getattr(transformers, f"{prefix}VisionConfig")(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text.hidden_size,
+        num_position_embeddings=16,
+    )
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=IMAGE_TOKEN,
+        vision_start_token_id=101,
+        vision_end_token_id=102,
+        video_token_id=103,
+    )
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")._from_config(config, attn_implementation="eager")
+    return model, 4
+
+
 def _idefics3(name: str = "Idefics3") -> tuple[Any, int]:
     """Idefics3 (and SmolVLM, the same structure): one 16x16 image, its 16 patches shuffled 2x2 (``scale_factor``)
     into 4 image tokens by the projector (``connector``)."""
@@ -148,11 +185,15 @@ BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "gemma4": ("gemma4_text", _gemma4),
     "idefics3": ("llama", _idefics3),
     "smolvlm": ("llama", lambda: _idefics3("SmolVLM")),
+    "qwen3_5": ("qwen3_5_text", _qwen3_5),
+    "qwen3_5_moe": ("qwen3_5_moe_text", lambda: _qwen3_5(moe=True)),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
-SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4", "idefics3", "smolvlm")
+SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4", "idefics3", "smolvlm", "qwen3_5", "qwen3_5_moe")
 #: each model's projector (transformers' attribute name), where it is not ``multi_modal_projector``
-PROJECTORS = {"gemma4": "embed_vision", "idefics3": "connector", "smolvlm": "connector"}
+PROJECTORS = {"gemma4": "embed_vision", "idefics3": "connector", "smolvlm": "connector", "qwen3_5": "merger"}
+#: the models with linear-attention layers (no ``W_Q`` of the whole model: a full-attention layer's is compared)
+HYBRID = ("qwen3_5", "qwen3_5_moe")
 
 
 def vlm(name: str) -> tuple[Any, int]:
@@ -180,6 +221,9 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
             kwargs["pixel_values"] = torch.rand(2, 16, 3 * 4 * 4, generator=g)
             xy = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
             kwargs["image_position_ids"] = xy.reshape(1, 16, 2).expand(2, 16, 2)
+        elif getattr(model.config.vision_config, "temporal_patch_size", None):  # Qwen 3.5: patches and the grid
+            kwargs["pixel_values"] = torch.rand(2 * 16, 3 * 2 * 4 * 4, generator=g)
+            kwargs["image_grid_thw"] = torch.tensor([[1, 4, 4]] * 2)
         elif getattr(model.config, "scale_factor", None):  # Idefics3: images per sequence
             kwargs["pixel_values"] = torch.randn(2, 1, 3, size, size, generator=g)
         elif getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the base image and one crop
@@ -188,7 +232,7 @@ def inputs(model: Any, n_image: int, image: bool = True) -> dict[str, Any]:
             kwargs["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
         if any(getattr(model.config, k, None) for k in ("image_grid_pinpoints", "spatial_merge_size")):
             kwargs["image_sizes"] = torch.tensor([[size, size]] * 2)
-        for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3 and 4: the image tokens' own mask
+        for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3 and 4, Qwen 3.5: the image tokens' types
             if key in inspect.signature(model.forward).parameters:
                 kwargs[key] = (ids == IMAGE_TOKEN).long()
     return kwargs
@@ -232,7 +276,13 @@ def test_language_points_equal_the_text_models(name: str) -> None:
     assert set(cache.keys()) == set(cache_text.keys())  # the projector did not run: no image
     for key in cache_text.keys():
         torch.testing.assert_close(cache[key], cache_text[key], rtol=1e-5, atol=1e-5, msg=key)
-    assert torch.equal(hm.W_Q, hm_text.W_Q) and torch.equal(hm.W_U, hm_text.W_U)
+    assert torch.equal(hm.W_U, hm_text.W_U) and torch.equal(hm.W_E, hm_text.W_E)
+    if name in HYBRID:
+        from lensadapters_qwen3_5 import query_weights
+
+        assert all(torch.equal(a, b) for a, b in zip(query_weights(hm, 1), query_weights(hm_text, 1)))
+    else:
+        assert torch.equal(hm.W_Q, hm_text.W_Q)
     hm.unwrap(), hm_text.unwrap()
 
 
@@ -264,11 +314,9 @@ def _reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tuple[Any
         def pattern(module: Any, args: Any, output: Any, i: int = i) -> None:
             seen[f"blocks.{i}.attn.hook_pattern"] = output[1].detach().clone()
 
-        handles += [
-            layer.register_forward_pre_hook(pre, with_kwargs=True),
-            layer.register_forward_hook(post),
-            layer.self_attn.register_forward_hook(pattern),
-        ]
+        handles += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post)]
+        if hasattr(layer, "self_attn"):  # (Qwen 3.5's linear-attention layers have none)
+            handles.append(layer.self_attn.register_forward_hook(pattern))
     try:
         with torch.no_grad():
             out = model(**batch)
@@ -345,10 +393,12 @@ def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model.get_input_embeddings()(ids)
 
 
-def test_generate_with_hooks_on_llava() -> None:
+@pytest.mark.parametrize("name", ["llava", "qwen3_5"])
+def test_generate_with_hooks(name: str) -> None:
     """``hm.generate`` with the processor's inputs runs the hooks: an ablation of the image features gives what the
-    same ablation by a plain hook gives, and differs from the clean generation."""
-    model, n_image = vlm("llava")
+    same ablation by a plain hook gives, and differs from the clean generation (Qwen 3.5: through its hybrid cache,
+    the DeltaNet's recurrent states beside the attention's keys and values, with multimodal RoPE positions)."""
+    model, n_image = vlm(name)
     batch = inputs(model, n_image)
     settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 
@@ -488,3 +538,25 @@ def test_transformer_lens_style_generate_with_an_image(name: str) -> None:
     with pytest.raises(TypeError, match="image_size"):
         hm.generate(ids, max_new_tokens=2, stop_at_eos=False, return_type="tokens", image_size=3)
     hm.unwrap()
+
+
+def test_padded_batch_with_an_image_on_multimodal_rope_is_refused() -> None:
+    """Qwen 3.5 gives its language model positions computed from the image grid: a TransformerLens-style call on a
+    padded batch with an image (positions counted from the mask) is refused by name, not computed with the wrong
+    positions; models whose positions are the tokens' indices (LLaVA) keep the padded call."""
+    from lensadapters import TransformerLensKeywordError
+    from lensadapters.adapters.vlm import computes_image_positions
+
+    model, n_image = vlm("qwen3_5")
+    batch = inputs(model, n_image)
+    ids, rest = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    hm = HookedModel.wrap(model)
+    with pytest.raises(TransformerLensKeywordError, match="multimodal RoPE"):
+        hm(ids, return_type="logits", attention_mask=mask, **rest)
+    with torch.no_grad():  # unpadded, or padded without an image: served
+        assert hm(ids, return_type="logits", **rest).shape[:2] == ids.shape
+        assert hm(ids, return_type="logits", attention_mask=mask).shape[:2] == ids.shape
+    hm.unwrap()
+    assert not computes_image_positions(vlm("llava")[0])

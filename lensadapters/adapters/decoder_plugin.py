@@ -444,7 +444,7 @@ class DecoderPlugin:
     @hookimpl
     def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> Any:
         if self.layer_mlp is not None:
-            return self.layer_mlp(self.family.layers(model)[layer], model.config)
+            return self.layer_mlp(self.family.layers(model)[layer], text_config(model))
         return self.family.dense_mlp() if self.mlp is None else self.mlp(model, layer)
 
     @hookimpl

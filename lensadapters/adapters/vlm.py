@@ -24,8 +24,9 @@ IMAGE_EMBEDS_POINT = "vision_projector.hook_out"
 #: the attributes transformers' vision-language models give the module that maps vision features to the language
 #: model's width (its output replaces the image tokens' embeddings): ``multi_modal_projector`` in most,
 #: ``embed_vision`` where the model also embeds audio (its ``embed_audio`` is not a vision projector), ``connector``
-#: where the projector also merges patches (pixel shuffle)
-PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector")
+#: where the projector also merges patches (pixel shuffle), ``merger`` where the vision tower ends with it (it
+#: merges neighbouring patches and maps them to the language model's width)
+PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector", "merger")
 
 
 def text_config(model: nn.Module) -> Any:
@@ -110,6 +111,15 @@ def multimodal_inputs(model: nn.Module) -> frozenset[str]:
     if decoder is None:
         return frozenset()
     return frozenset(_keywords(model.forward) - _keywords(decoder.forward) - {"labels"})
+
+
+def computes_image_positions(model: nn.Module) -> bool:
+    """Whether a vision-language model gives its language model positions computed from the image grids
+    (multimodal RoPE: transformers' ``get_rope_index``), not the tokens' indices: positions counted from an
+    attention mask are not its positions where an image is given."""
+    if language_model(model) is None:
+        return False
+    return any(callable(getattr(module, "get_rope_index", None)) for module in model.modules())
 
 
 def class_to_check(model: Any) -> Any:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Named
 
 import torch
 
-from lensadapters.adapters.vlm import multimodal_inputs
+from lensadapters.adapters.vlm import computes_image_positions, multimodal_inputs
 from lensadapters.analysis.utils import get_attention_mask, lm_cross_entropy_loss, position_ids_from_mask
 from lensadapters.api import tokens as _tokens
 from lensadapters.errors import LensAdaptersError, NotCausalError
@@ -136,6 +136,16 @@ def hf_inputs(hm: "HookedModelLike", tokens: Tensor, attention_mask: Optional[Te
             if hm.cfg.attention_dir == "causal" and accepts_position_ids(hm.hf_model):
                 kwargs["position_ids"] = position_ids_from_mask(attention_mask)
     return kwargs
+
+
+def _refuse_padded_image_positions(hm: "HookedModelLike") -> None:
+    if computes_image_positions(hm.hf_model):
+        raise TransformerLensKeywordError(
+            f"{type(hm.hf_model).__name__} computes its language model's positions from the image grids (multimodal "
+            f"RoPE): a padded batch with an image is not supported by TransformerLens-style calls, whose positions "
+            f"count the mask's tokens; call the model with Hugging Face's keywords (hm(input_ids=..., "
+            f"attention_mask=..., ...), hm.generate(input_ids=..., ...)) or pass one sequence at a time"
+        )
 
 
 def resolve_tokens(
@@ -295,6 +305,8 @@ def forward(
     kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
     if token_type_ids is not None:
         kwargs["token_type_ids"] = token_type_ids.to(token_ids.device)
+    if passed and "position_ids" in kwargs:
+        _refuse_padded_image_positions(hm)
     kwargs.update(passed)
     captured: list[Tensor] = []
     with contextlib.ExitStack() as stack:
@@ -526,6 +538,8 @@ def generate(
         else:
             stop_tokens = list(eos_token_id)
             eos_pad = tok_eos if tok_eos is not None else stop_tokens[0]
+    if model_inputs and bool((mask == 0).any()):
+        _refuse_padded_image_positions(hm)
     finished = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     positions = accepts_position_ids(hm.hf_model)
     past: Any = None
@@ -540,7 +554,10 @@ def generate(
                 kwargs[cache_argument(hm.hf_model)] = past
             else:
                 kwargs.update(model_inputs)
-            if bool((mask == 0).any()) or past is not None:
+            # a vision-language model given its image continues its own positions on an unpadded batch (they need
+            # not be the tokens' indices: multimodal RoPE gives an image's tokens grid positions)
+            padded = bool((mask == 0).any())
+            if padded or (past is not None and not model_inputs):
                 kwargs["attention_mask"] = mask
                 if positions:
                     kwargs["position_ids"] = position_ids_from_mask(mask)[:, -step.shape[1] :]

@@ -20,8 +20,10 @@ MLP is a SwiGLU (dense models) or a mixture of experts with a gated shared exper
   ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
   result).
 
-Refused at wrap time: the multimodal models (``qwen3_5``, ``qwen3_5_moe``: wrap their language model's text
-checkpoint instead), custom modeling code, rope types other than the default one.
+Also the language model of the multimodal ``Qwen3_5ForConditionalGeneration`` and
+``Qwen3_5MoeForConditionalGeneration`` (``vision_language``: sizes from the text config; its rotary points read the
+(cos, sin) the model computes from its 3-D multimodal positions). Refused at wrap time: the multimodal base model
+``Qwen3_5Model`` (no language-model head), custom modeling code, rope types other than the default one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ Tensor = torch.Tensor
 __version__ = "0.1.0"
 TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
+VLM_CLASSES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 FAMILY = hf.DecoderFamily(
     "Qwen3_5",
     model_type="qwen3_5_text",
@@ -53,10 +56,12 @@ FAMILY = hf.DecoderFamily(
 )
 ARCH = FAMILY.architecture(
     "Qwen 3.5 text, dense and MoE (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): gated DeltaNet linear-attention "
-    "layers and gated full-attention layers, SwiGLU or experts with a shared expert",
+    "layers and gated full-attention layers, SwiGLU or experts with a shared expert; the language model of "
+    "Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration",
     name="qwen3_5",
     model_types=TEXT_TYPES + MULTIMODAL_TYPES,
     transformers=">=5.0,<6",
+    vision_language=True,
 )
 FULL, LINEAR = "full_attention", "linear_attention"
 _SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
@@ -79,7 +84,8 @@ def _mixer_paths(kind: str) -> tuple[str, ...]:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    c, moe = model.config, is_moe(model.config)
+    c = hf.text_config(model)
+    moe = is_moe(c)
     kinds = layer_types(c)
     return dict(
         model_type=c.model_type,
@@ -102,7 +108,7 @@ def config_fields(model: Any) -> dict[str, Any]:
 
 
 def block(model: Any, layer: int) -> BlockLayout:
-    if layer_types(model.config)[layer] == FULL:
+    if layer_types(hf.text_config(model))[layer] == FULL:
         return FAMILY.block
     return BlockLayout(
         ln1="input_layernorm",
@@ -114,7 +120,7 @@ def block(model: Any, layer: int) -> BlockLayout:
 
 
 def attn_qkv(model: Any, layer: int) -> Any:
-    if layer_types(model.config)[layer] != FULL:
+    if layer_types(hf.text_config(model))[layer] != FULL:
         return None  # a gated DeltaNet: its points are the plugin's (lensadapters_qwen3_5.mixer)
     return FAMILY.attn_qkv(model)
 
@@ -140,7 +146,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
                 points[name] = hooked.new_point(pre + name, after=after)
                 after = pre + name
             sites.append(mixer.DeltaNetSite(block.linear_attn, points, hooked.forward_state))
-        if is_moe(hooked.hf_model.config):
+        if is_moe(hf.text_config(hooked.hf_model)):
             sites += attention.shared_expert_sites(hooked, i, block)
     return sites
 
@@ -198,15 +204,14 @@ PLUGIN = hf.DecoderPlugin(
 # in place of the declared validation (after export): each layer's modules depend on its kind
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: Any) -> None:
-    if model.config.model_type in MULTIMODAL_TYPES:
+    if model.config.model_type in MULTIMODAL_TYPES and type(model).__name__ not in VLM_CLASSES:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is a multimodal Qwen 3.5 model (model_type {model.config.model_type!r}); the "
-            f"qwen3_5 plugin serves the text models only: its language model computes its rotary positions from the "
-            f"image grid (3-D multimodal RoPE), which the plugin does not describe. Load the text checkpoint with "
-            f"AutoModelForCausalLM (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM) to wrap it"
+            f"{type(model).__name__} is the multimodal Qwen 3.5 base model (no language-model head); the qwen3_5 "
+            f"plugin describes the language model of {' and '.join(VLM_CLASSES)}: load the checkpoint with "
+            f"AutoModelForImageTextToText (or AutoModelForCausalLM for the text model alone)"
         )
     hf.require_transformers_class(model, FAMILY.family, FAMILY.packages or ())
-    config, base = model.config, FAMILY.base(model)
+    config, base = hf.text_config(model), FAMILY.base(model)
     kinds = layer_types(config)
     unknown = sorted(set(kinds) - {FULL, LINEAR})
     if unknown:

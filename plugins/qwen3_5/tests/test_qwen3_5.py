@@ -198,8 +198,10 @@ def test_generation_through_the_hybrid_cache(moe):
     assert not all(torch.equal(a, b) for a, b in zip(plain.logits, out.logits)), "the edit changed nothing"
 
 
-def test_multimodal_models_are_refused():
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+def test_the_multimodal_base_model_is_refused():
+    """``Qwen3_5ForConditionalGeneration`` is served (tests/test_vlm.py); the base model inside it, without the
+    language-model head, is refused by name."""
+    from transformers import Qwen3_5Config, Qwen3_5Model
 
     text = qwen3_5_config().to_dict()
     config = Qwen3_5Config(
@@ -208,9 +210,8 @@ def test_multimodal_models_are_refused():
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text["hidden_size"]
         ),
     )
-    model = Qwen3_5ForConditionalGeneration(config)
-    with pytest.raises(lensadapters_qwen3_5.UnsupportedModelError, match="multimodal"):
-        CONTRACT.wrap(model)
+    with pytest.raises(lensadapters_qwen3_5.UnsupportedModelError, match="base model"):
+        CONTRACT.wrap(Qwen3_5Model(config))
 
 
 def test_gradients_through_recurrent_edits_on_left_padded_inputs():

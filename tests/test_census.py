@@ -29,7 +29,19 @@ from lensadapters.analysis.threads import single_thread
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt", "olmo", "lfm2", "glm4_moe") + (
+SAMPLE = (
+    "llama",
+    "bert",
+    "cohere",
+    "helium",
+    "olmo3",
+    "granite",
+    "biogpt",
+    "olmo",
+    "lfm2",
+    "glm4_moe",
+    "persimmon",
+) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
 )

@@ -252,6 +252,19 @@ def _match_rotated(
     return None
 
 
+def _qk_norm_behaviours(
+    layer: nn.Module, rec: Recording, i: int, paths: tuple[Optional[str], ...], norms: dict[str, NormBehaviour]
+) -> None:
+    """Each q/k norm's behaviour into ``norms``; one that is not LayerNorm or RMSNorm is not described."""
+    for path in paths:
+        if path is not None:
+            x, y = rec.inner[(i, path)]
+            behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
+            if behaviour is None or behaviour.eps is None:
+                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
+            norms[path] = behaviour
+
+
 def _describe_attention(
     layer: nn.Module,
     i: int,
@@ -297,14 +310,17 @@ def _describe_attention(
                 "attention function gets"
             )
         q, k, v = split(readers[fused[0]])
-        q_match = _match_rotated([(None, None, q)], call.query, rotary, cos_sin)
-        k_match = _match_rotated([(None, None, k)], call.key, rotary, cos_sin)
+        q_match = _match_rotated(_norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin)
+        k_match = _match_rotated(_norm_between(rec, i, attn, k.flatten(-2), kv), call.key, rotary, cos_sin)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
             raise NotDescribed(
-                "the fused projection's queries and keys, rotated, are not what attention gets (a fused projection is "
-                "described without q/k norms)"
+                "the fused projection's queries and keys, through a q/k norm and rotated, are not what attention gets"
             )
-        return FusedQKV(f"{attn}.{fused[0]}", split, merge, rotary=q_match[2]), f"{attn}.{o_proj[0]}", norms
+        _qk_norm_behaviours(layer, rec, i, (q_match[1], k_match[1]), norms)
+        fused_qkv = FusedQKV(
+            f"{attn}.{fused[0]}", split, merge, rotary=q_match[2], q_norm=q_match[0], k_norm=k_match[0]
+        )
+        return fused_qkv, f"{attn}.{o_proj[0]}", norms
     values = [p for p, y in readers.items() if y.shape[-1] == kv * d and _close(_heads(y, kv), value_t)]
     if len(values) != 1:
         raise NotDescribed("no single projection of the attention input is the values the attention function gets")
@@ -326,13 +342,7 @@ def _describe_attention(
     (qp, qn, qpath, qrot), (kp, kn, kpath, krot) = found["q"], found["k"]
     if qrot is not krot:
         raise NotDescribed("queries and keys rotate differently")
-    for path in (qpath, kpath):
-        if path is not None:
-            x, y = rec.inner[(i, path)]
-            behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
-            if behaviour is None or behaviour.eps is None:
-                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
-            norms[path] = behaviour
+    _qk_norm_behaviours(layer, rec, i, (qpath, kpath), norms)
     # the order the model runs them: the norms right after their projection, or after all three projections
     order = [p for (layer_i, p) in rec.inner if layer_i == i]
     after = qn is not None and order.index(f"{attn}.{values[0]}") < order.index(qn.module)

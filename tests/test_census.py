@@ -42,8 +42,9 @@ SAMPLE = (
     "glm4_moe",
     "persimmon",
 ) + (
-    # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
-    ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
+    # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there);
+    # Moshi's 4.x attention computes attention in its own code
+    ("vaultgemma", "moshi") if not transformers.__version__.startswith("4.") else ()
 )
 #: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full where they call
 #: transformers' attention interface (5.x); transformers 4.x's compute attention in their own code

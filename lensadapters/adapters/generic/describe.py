@@ -82,6 +82,8 @@ class Description:
     layers: list[Optional[LayerDescription]]
     rotary: Optional[str] = None  # path of the rotary module outside the layers
     rotary_input: Optional[str] = None  # or the attention modules' argument carrying each layer's (cos, sin)
+    #: or, with ``rotary`` the first layer's attention module, its rotary module called on its inputs
+    rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
     rotary_dim: Optional[int] = None
     why: dict[int, str] = field(default_factory=dict)
 
@@ -519,6 +521,43 @@ def _rotary_module(
     return found[0][0], (found[0][1][0], found[0][1][1])
 
 
+def _rotary_inside_attention(
+    model: nn.Module, layers: list[nn.Module], rec: Recording
+) -> Optional[tuple[str, Callable[..., tuple[Tensor, Tensor]], tuple[Tensor, Tensor]]]:
+    """``(path of the first layer's attention module, from_inputs, (cos, sin))`` where each layer's attention module
+    holds a rotary module (class name with ``Rotary``) that returned the same ``(cos, sin)`` in every layer: the core
+    computes them before the projections, from the attention module's hidden states and ``position_ids``, as the
+    rotary module does (``ModelLayout.rotary_from_inputs``); the verification checks the rotated queries and keys."""
+    found = {
+        (i, path): pair
+        for (i, path), pair in rec.pairs.items()
+        if "." in path and "rotary" in type(layers[i].get_submodule(path)).__name__.lower()
+    }
+    paths = {path for _, path in found}
+    if len(paths) != 1 or len(found) != len(layers):
+        return None
+    path = paths.pop()
+    first = found[(0, path)]
+    if not all(_close(c, first[0]) and _close(s, first[1]) for c, s in found.values()):
+        return None
+    attn, rest = path.rsplit(".", 1)
+    layer_path = next((name for name, m in model.named_modules() if m is layers[0]), None)
+    if layer_path is None:
+        return None
+
+    def from_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
+        hidden, positions = args[0] if args else kwargs.get("hidden_states"), kwargs.get("position_ids")
+        if not isinstance(hidden, Tensor) or not isinstance(positions, Tensor):
+            raise RuntimeError(
+                f"{type(module).__name__} was called without hidden states and position_ids: hook_rot_q/hook_rot_k "
+                "cannot compute the rotary angles of its rotary module"
+            )
+        cos, sin = module.get_submodule(rest)(hidden, positions)
+        return cos, sin
+
+    return f"{layer_path}.{attn}", from_inputs, first
+
+
 def describe(
     model: nn.Module,
     layers: list[nn.Module],
@@ -534,12 +573,16 @@ def describe(
     if cos_sin is not None:
         rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
     out = Description([None] * len(layers), rotary=rotary_path)
-    if rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
+    inside = _rotary_inside_attention(model, layers, rec) if rotary_path is None else None
+    if inside is not None:  # a rotary module inside each attention module, the same angles in every layer
+        out.rotary, out.rotary_from_inputs, cos_sin = inside
+        rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
+    elif rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
         out.rotary_input = "position_embeddings"
     for i, (layer, found) in enumerate(zip(layers, blocks)):
         try:
             layer_rotaries, layer_cos_sin = rotaries, cos_sin
-            if rotary_path is None:
+            if rotary_path is None and inside is None:
                 given = [v for (j, path), v in rec.position_embeddings.items() if j == i and "." not in path]
                 if given:
                     layer_cos_sin = given[0]
@@ -550,7 +593,7 @@ def describe(
         except Exception as exc:  # anything unexpected: the layer is not described
             out.why[i] = f"describing it raised {type(exc).__name__}: {exc}"
     if not any(layer is not None and layer.qkv.rotary is not None for layer in out.layers):
-        out.rotary = out.rotary_input = None
+        out.rotary = out.rotary_input = out.rotary_from_inputs = None
     else:
         spec = next(layer.qkv.rotary for layer in out.layers if layer is not None and layer.qkv.rotary is not None)
         out.rotary_dim = spec.rotary_dim if spec is not None else None

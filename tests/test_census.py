@@ -29,9 +29,22 @@ from lensadapters.analysis.threads import single_thread
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
 
-SAMPLE = ("llama", "bert", "cohere", "helium", "olmo3", "granite", "biogpt", "olmo", "lfm2", "glm4_moe") + (
-    # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
-    ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
+SAMPLE = (
+    "llama",
+    "bert",
+    "cohere",
+    "helium",
+    "olmo3",
+    "granite",
+    "biogpt",
+    "olmo",
+    "lfm2",
+    "glm4_moe",
+    "persimmon",
+) + (
+    # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there);
+    # Moshi's 4.x attention computes attention in its own code
+    ("vaultgemma", "moshi") if not transformers.__version__.startswith("4.") else ()
 )
 #: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full where they call
 #: transformers' attention interface (5.x); transformers 4.x's compute attention in their own code

@@ -5,16 +5,18 @@ module's code and named nowhere; a fused q/k/v projection laid out per head; nam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Callable
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from torch.nn import functional as F
 
 from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic import GenericAdapterWarning, describe, findings
 from lensadapters.adapters.generic.describe import fused_qkv_split
 from lensadapters.adapters.generic.norms import norm_behaviour
 from lensadapters.adapters.generic.verify import check_points
@@ -178,4 +180,71 @@ def test_a_fused_projection_laid_out_per_head_is_described_and_a_wrong_split_is_
     finally:
         hm.wiring.qkv_layouts[0] = qkv
     assert all(why is not None for why in problems.values()), problems
+    hm.unwrap()
+
+
+def test_a_fused_projection_with_q_and_k_norms_is_described_and_a_description_without_them_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Persimmon normalizes the fused projection's queries and keys per head before rotary: described with those
+    norms, their points and the rotated queries and keys are verified (value and edit against plain hooks on the
+    norm modules and on what attention gets); a description that leaves the norms out, put in on purpose, serves
+    no rotated query or key (the wrap-time verification catches them) and says why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("persimmon")
+        hm = HookedModel.wrap(model, adapter="generic")
+    qkv = hm.wiring.qkv_layouts[0]
+    assert qkv.q_norm is not None and qkv.k_norm is not None
+    rotated = ["blocks.0.attn.hook_rot_q", "blocks.0.attn.hook_rot_k"]
+    names = [f"blocks.0.attn.{x}_norm.{p}" for x in "qk" for p in ("hook_scale", "hook_normalized")] + rotated
+    assert all(n in hm.hook_names for n in names)
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    hm.unwrap()
+    without_norms = functools.partial(describe.FusedQKV, q_norm=None, k_norm=None)
+    monkeypatch.setattr(describe, "FusedQKV", lambda *a, q_norm=None, k_norm=None, **kw: without_norms(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hm = HookedModel.wrap(model, adapter="generic")
+    found = findings(model)
+    assert hm.wiring.qkv_layouts[0].q_norm is None
+    assert not any(n in hm.hook_names for n in rotated)
+    reasons = " ".join(found.missing.values())
+    for x in ("query", "key"):
+        assert f"hook_rot_{x[0]}: its value is not the reference's (attn of the attention function's {x})" in reasons
+    hm.unwrap()
+
+
+@pytest.mark.skipif(
+    transformers.__version__.startswith("4."), reason="transformers 4.x's Moshi computes attention in its own code"
+)
+def test_a_rotary_module_inside_each_attention_module_is_described_and_a_wrong_angle_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moshi's attention modules each hold a rotary module, called after the projections: the core computes the
+    angles from the attention module's inputs before them, and the rotated queries and keys are verified (value and
+    edit against what attention gets); the same description one position off, put in on purpose, serves no rotated
+    query or key and says why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("moshi")
+        hm = HookedModel.wrap(model, adapter="generic")
+    rotated = ["blocks.0.attn.hook_rot_q", "blocks.0.attn.hook_rot_k", "blocks.1.attn.hook_rot_k"]
+    assert all(n in hm.hook_names for n in rotated)
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), rotated).values())
+    hm.unwrap()
+    inside = describe._rotary_inside_attention
+
+    def one_off(*args: object) -> object:
+        path, from_inputs, cos_sin = inside(*args)  # type: ignore[misc]
+        return path, lambda m, a, kw: from_inputs(m, a, {**kw, "position_ids": kw["position_ids"] + 1}), cos_sin
+
+    monkeypatch.setattr(describe, "_rotary_inside_attention", one_off)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert not any(n in hm.hook_names for n in rotated)
+    reasons = " ".join(findings(model).missing.values())
+    for x in ("query", "key"):
+        assert f"hook_rot_{x[0]}: its value is not the reference's (attn of the attention function's {x})" in reasons
     hm.unwrap()

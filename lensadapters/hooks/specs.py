@@ -381,12 +381,18 @@ class FusedQKV:
     ``split(t)`` takes a tensor whose last dimension is the fused output features and returns
     ``(q, k, v)`` with the last dimension replaced by ``[heads, d_head]``; ``merge(q, k, v)`` is its
     inverse. The same functions split weight columns and biases, so weights follow the activations.
+
+    ``q_norm``/``k_norm`` are norms of the split queries and keys before rotary, as for :class:`SeparateQKV`:
+    ``hook_q``/``hook_k`` stay the projection's parts, ``attn.q_norm.*``/``attn.k_norm.*`` are the norms' points
+    (the query norm runs first), and ``hook_rot_q``/``hook_rot_k`` are the normed and rotated values.
     """
 
     module: str
     split: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
     merge: Callable[[Tensor, Tensor, Tensor], Tensor]
     rotary: Optional[RotarySpec] = None
+    q_norm: Optional[ProjectionNorm] = None
+    k_norm: Optional[ProjectionNorm] = None
 
 
 QKVLayout = SeparateQKV | FusedQKV

@@ -300,7 +300,11 @@ class CoreSites:
         q, k, v = pt("attn.hook_q"), pt("attn.hook_k"), pt("attn.hook_v")
         rot_q, rot_k = pt("attn.hook_rot_q"), pt("attn.hook_rot_k")
         if isinstance(qkv, FusedQKV):
-            self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rot_q, rot_k))
+            rq, rk = (None if norm is not None else rot for norm, rot in ((qkv.q_norm, rot_q), (qkv.k_norm, rot_k)))
+            self.add_site(FusedQKVSite(get(qkv.module), qkv, q, k, v, state, rq, rk))
+            for x, norm, rot, heads in (("q", qkv.q_norm, rot_q, self.cfg.n_heads), ("k", qkv.k_norm, rot_k, None)):
+                if norm is not None:
+                    self._projection_norm_sites(i, x, norm, heads or self.cfg.n_key_value_heads, rot, qkv)
             return
         n_heads, n_kv = self.cfg.n_heads, qkv.kv_heads or self.cfg.n_key_value_heads
         if qkv.values_from_keys:
@@ -333,7 +337,7 @@ class CoreSites:
             self._projection_norm_sites(i, x, norm, n_kv, rot, qkv)
 
     def _projection_norm_sites(
-        self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint], qkv: SeparateQKV
+        self, i: int, x: str, norm: ProjectionNorm, heads: int, rot: Optional[HookPoint], qkv: QKVLayout
     ) -> None:
         """``attn.q_norm.*`` (or ``k_norm``) on a norm between projection and rotary, and rotary on its output."""
         module, pt = self.block_modules[i].get_submodule(norm.module), self._block_point(i)

@@ -35,16 +35,19 @@ def qkv_point_names(qkv: QKVLayout) -> list[str]:
     follows.
     """
     rotary = qkv.rotary is not None
-    if isinstance(qkv, FusedQKV):
-        return ["attn.hook_q", "attn.hook_k", "attn.hook_v"] + (
-            ["attn.hook_rot_q", "attn.hook_rot_k"] if rotary else []
-        )
     norms = {"q": qkv.q_norm, "k": qkv.k_norm}
 
     def after_norm(x: str) -> list[str]:  # the norm's points, then rotary on its output
         if norms[x] is None:
             return []
         return _norm_points(f"attn.{x}_norm") + ([f"attn.hook_rot_{x}"] if rotary else [])
+
+    if isinstance(qkv, FusedQKV):  # the parts, rotary on those without a norm, then each norm and its rotary
+        return (
+            ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
+            + [f"attn.hook_rot_{x}" for x in "qk" if rotary and norms[x] is None]
+            + [p for x in "qk" if norms[x] is not None for p in after_norm(x)]
+        )
 
     def projection(x: str) -> list[str]:  # the projection, rotated right away when no norm follows it
         return [f"attn.hook_{x}"] + ([f"attn.hook_rot_{x}"] if rotary and norms[x] is None else [])

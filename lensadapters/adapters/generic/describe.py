@@ -82,6 +82,8 @@ class Description:
     layers: list[Optional[LayerDescription]]
     rotary: Optional[str] = None  # path of the rotary module outside the layers
     rotary_input: Optional[str] = None  # or the attention modules' argument carrying each layer's (cos, sin)
+    #: or, with ``rotary`` the first layer's attention module, its rotary module called on its inputs
+    rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
     rotary_dim: Optional[int] = None
     why: dict[int, str] = field(default_factory=dict)
 
@@ -252,6 +254,19 @@ def _match_rotated(
     return None
 
 
+def _qk_norm_behaviours(
+    layer: nn.Module, rec: Recording, i: int, paths: tuple[Optional[str], ...], norms: dict[str, NormBehaviour]
+) -> None:
+    """Each q/k norm's behaviour into ``norms``; one that is not LayerNorm or RMSNorm is not described."""
+    for path in paths:
+        if path is not None:
+            x, y = rec.inner[(i, path)]
+            behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
+            if behaviour is None or behaviour.eps is None:
+                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
+            norms[path] = behaviour
+
+
 def _describe_attention(
     layer: nn.Module,
     i: int,
@@ -297,14 +312,17 @@ def _describe_attention(
                 "attention function gets"
             )
         q, k, v = split(readers[fused[0]])
-        q_match = _match_rotated([(None, None, q)], call.query, rotary, cos_sin)
-        k_match = _match_rotated([(None, None, k)], call.key, rotary, cos_sin)
+        q_match = _match_rotated(_norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin)
+        k_match = _match_rotated(_norm_between(rec, i, attn, k.flatten(-2), kv), call.key, rotary, cos_sin)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
             raise NotDescribed(
-                "the fused projection's queries and keys, rotated, are not what attention gets (a fused projection is "
-                "described without q/k norms)"
+                "the fused projection's queries and keys, through a q/k norm and rotated, are not what attention gets"
             )
-        return FusedQKV(f"{attn}.{fused[0]}", split, merge, rotary=q_match[2]), f"{attn}.{o_proj[0]}", norms
+        _qk_norm_behaviours(layer, rec, i, (q_match[1], k_match[1]), norms)
+        fused_qkv = FusedQKV(
+            f"{attn}.{fused[0]}", split, merge, rotary=q_match[2], q_norm=q_match[0], k_norm=k_match[0]
+        )
+        return fused_qkv, f"{attn}.{o_proj[0]}", norms
     values = [p for p, y in readers.items() if y.shape[-1] == kv * d and _close(_heads(y, kv), value_t)]
     if len(values) != 1:
         raise NotDescribed("no single projection of the attention input is the values the attention function gets")
@@ -326,13 +344,7 @@ def _describe_attention(
     (qp, qn, qpath, qrot), (kp, kn, kpath, krot) = found["q"], found["k"]
     if qrot is not krot:
         raise NotDescribed("queries and keys rotate differently")
-    for path in (qpath, kpath):
-        if path is not None:
-            x, y = rec.inner[(i, path)]
-            behaviour = norm_behaviour(layer.get_submodule(path), x, y) if x is not None and y is not None else None
-            if behaviour is None or behaviour.eps is None:
-                raise NotDescribed(f"the q/k norm {path} is not LayerNorm or RMSNorm of its input with a readable eps")
-            norms[path] = behaviour
+    _qk_norm_behaviours(layer, rec, i, (qpath, kpath), norms)
     # the order the model runs them: the norms right after their projection, or after all three projections
     order = [p for (layer_i, p) in rec.inner if layer_i == i]
     after = qn is not None and order.index(f"{attn}.{values[0]}") < order.index(qn.module)
@@ -509,6 +521,43 @@ def _rotary_module(
     return found[0][0], (found[0][1][0], found[0][1][1])
 
 
+def _rotary_inside_attention(
+    model: nn.Module, layers: list[nn.Module], rec: Recording
+) -> Optional[tuple[str, Callable[..., tuple[Tensor, Tensor]], tuple[Tensor, Tensor]]]:
+    """``(path of the first layer's attention module, from_inputs, (cos, sin))`` where each layer's attention module
+    holds a rotary module (class name with ``Rotary``) that returned the same ``(cos, sin)`` in every layer: the core
+    computes them before the projections, from the attention module's hidden states and ``position_ids``, as the
+    rotary module does (``ModelLayout.rotary_from_inputs``); the verification checks the rotated queries and keys."""
+    found = {
+        (i, path): pair
+        for (i, path), pair in rec.pairs.items()
+        if "." in path and "rotary" in type(layers[i].get_submodule(path)).__name__.lower()
+    }
+    paths = {path for _, path in found}
+    if len(paths) != 1 or len(found) != len(layers):
+        return None
+    path = paths.pop()
+    first = found[(0, path)]
+    if not all(_close(c, first[0]) and _close(s, first[1]) for c, s in found.values()):
+        return None
+    attn, rest = path.rsplit(".", 1)
+    layer_path = next((name for name, m in model.named_modules() if m is layers[0]), None)
+    if layer_path is None:
+        return None
+
+    def from_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
+        hidden, positions = args[0] if args else kwargs.get("hidden_states"), kwargs.get("position_ids")
+        if not isinstance(hidden, Tensor) or not isinstance(positions, Tensor):
+            raise RuntimeError(
+                f"{type(module).__name__} was called without hidden states and position_ids: hook_rot_q/hook_rot_k "
+                "cannot compute the rotary angles of its rotary module"
+            )
+        cos, sin = module.get_submodule(rest)(hidden, positions)
+        return cos, sin
+
+    return f"{layer_path}.{attn}", from_inputs, first
+
+
 def describe(
     model: nn.Module,
     layers: list[nn.Module],
@@ -524,12 +573,16 @@ def describe(
     if cos_sin is not None:
         rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
     out = Description([None] * len(layers), rotary=rotary_path)
-    if rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
+    inside = _rotary_inside_attention(model, layers, rec) if rotary_path is None else None
+    if inside is not None:  # a rotary module inside each attention module, the same angles in every layer
+        out.rotary, out.rotary_from_inputs, cos_sin = inside
+        rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
+    elif rotary_path is None:  # the layers' (cos, sin) differ: read where each attention module is given them
         out.rotary_input = "position_embeddings"
     for i, (layer, found) in enumerate(zip(layers, blocks)):
         try:
             layer_rotaries, layer_cos_sin = rotaries, cos_sin
-            if rotary_path is None:
+            if rotary_path is None and inside is None:
                 given = [v for (j, path), v in rec.position_embeddings.items() if j == i and "." not in path]
                 if given:
                     layer_cos_sin = given[0]
@@ -540,7 +593,7 @@ def describe(
         except Exception as exc:  # anything unexpected: the layer is not described
             out.why[i] = f"describing it raised {type(exc).__name__}: {exc}"
     if not any(layer is not None and layer.qkv.rotary is not None for layer in out.layers):
-        out.rotary = out.rotary_input = None
+        out.rotary = out.rotary_input = out.rotary_from_inputs = None
     else:
         spec = next(layer.qkv.rotary for layer in out.layers if layer is not None and layer.qkv.rotary is not None)
         out.rotary_dim = spec.rotary_dim if spec is not None else None

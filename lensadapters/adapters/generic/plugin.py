@@ -131,6 +131,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
             described["ln_final"] = found.final_norm
         described["rotary"] = d.rotary
         described["rotary_input"] = d.rotary_input
+        described["rotary_from_inputs"] = d.rotary_from_inputs
     if scale is None or scale == 1.0:
         return ModelLayout(blocks=s.layers, embed=s.embed, unembed=s.unembed, **described)
     return ModelLayout(

@@ -135,6 +135,8 @@ class Recording:
     outside_raw: dict[str, Any] = field(default_factory=dict)  # a module outside the layers: its whole output
     #: a module inside the layers given ``position_embeddings`` (a layer's ``(cos, sin)``): those, by (layer, path)
     position_embeddings: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    #: a module inside the layers that returned two tensors of one shape (a rotary module's ``(cos, sin)``): those
+    pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def _version(t: Tensor) -> int:
@@ -332,6 +334,9 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             given = kwargs.get("position_embeddings")
             if isinstance(given, tuple) and len(given) == 2 and all(isinstance(t, Tensor) for t in given):
                 recording.position_embeddings[(i, path)] = (given[0].detach().clone(), given[1].detach().clone())
+            if isinstance(output, tuple) and len(output) == 2 and all(isinstance(t, Tensor) for t in output):
+                if output[0].shape == output[1].shape:
+                    recording.pairs[(i, path)] = (output[0].detach().clone(), output[1].detach().clone())
             try:
                 x = first_input(args, kwargs)
             except (RuntimeError, IndexError):

@@ -166,7 +166,7 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if rest.startswith(prefix) and path is not None:
             return _norm_reference(hooked, get(path), rest.split(".")[-1])
     n, kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads
-    if rest.startswith(("attn.q_norm.", "attn.k_norm.")) and isinstance(qkv, SeparateQKV):
+    if rest.startswith(("attn.q_norm.", "attn.k_norm.")) and isinstance(qkv, (SeparateQKV, FusedQKV)):
         norm = qkv.q_norm if rest.startswith("attn.q_norm.") else qkv.k_norm
         if norm is None:
             return None

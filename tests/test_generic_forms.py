@@ -247,4 +247,76 @@ def test_a_rotary_module_inside_each_attention_module_is_described_and_a_wrong_a
     reasons = " ".join(findings(model).missing.values())
     for x in ("query", "key"):
         assert f"hook_rot_{x[0]}: its value is not the reference's (attn of the attention function's {x})" in reasons
+
+
+def _flattening_model() -> nn.Module:
+    """Llama 4's text model: its mixture of experts returns ``(out, router_logits)`` with ``out`` as ``[b * p, d]``,
+    which the decoder layer views as ``[b, p, d]`` before adding it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build("llama4_text")
+
+
+def test_a_branch_returning_merged_tokens_in_a_tuple_is_served_in_the_residual_shape() -> None:
+    """``hook_mlp_out`` of an MLP returning ``([b * p, d], aux)`` is ``[b, p, d]``; on a batch of two, reading it
+    gives the module's output viewed as the layer views it, and an edit through it gives the logits of the same edit
+    by a plain PyTorch hook on the module (the merged tensor changed in place of the token it belongs to)."""
+    model = _flattening_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter="generic")
+    names = [f"blocks.{i}.{p}" for i in range(len(hm.block_modules)) for p in ("hook_attn_out", "hook_mlp_out")]
+    assert all(n in hm.hook_names for n in names)
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    delta = torch.zeros(2, 5, model.config.hidden_size)
+    delta[1, 3] = torch.randn(model.config.hidden_size)
+    moe = hm.block_modules[0].feed_forward
+    seen: list[torch.Tensor] = []
+
+    def plain(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        seen.append(output[0].detach().clone())
+        return (output[0] + delta.reshape(output[0].shape), *output[1:])
+
+    handle = moe.register_forward_hook(plain)
+    try:
+        expected = model(input_ids=ids).logits
+    finally:
+        handle.remove()
+    read: list[torch.Tensor] = []
+
+    def edit(value: torch.Tensor, hook) -> torch.Tensor:
+        read.append(value.detach().clone())
+        return value + delta
+
+    logits = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_mlp_out", edit)])
+    assert read[0].shape == (2, 5, model.config.hidden_size)
+    assert torch.equal(read[0], seen[0].view(2, 5, -1))
+    torch.testing.assert_close(logits, expected)
+    hm.unwrap()
+
+
+def test_a_merged_branch_the_layer_adds_in_another_token_order_is_not_served() -> None:
+    """A deliberately wrong layout caught: a layer that adds its MLP's merged output with the tokens reversed is not
+    its input plus the MLP's output in the layer's shape, so neither branch point is served there (and the reason
+    says why)."""
+    model = _flattening_model()
+    layer = model.model.layers[0]
+
+    def reversed_forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        attention, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden_states),
+            position_embeddings=kwargs["position_embeddings"],
+            attention_mask=kwargs.get("attention_mask"),
+        )
+        mid = hidden_states + attention
+        out, _ = layer.feed_forward(layer.post_attention_layernorm(mid))
+        return mid + out.view(mid.shape).flip(1)
+
+    layer.forward = reversed_forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert "blocks.0.hook_mlp_out" not in hm.hook_names and "blocks.1.hook_mlp_out" in hm.hook_names
+    assert "layers 0)" in findings(model).missing["hook_attn_out and hook_mlp_out"]
     hm.unwrap()

@@ -573,6 +573,15 @@ def describe(
     if cos_sin is not None:
         rotaries = [*_rotary_candidates(d_head, text_config(model), cos_sin[0]), None]
     out = Description([None] * len(layers), rotary=rotary_path)
+    complex_table = next(
+        (
+            f"the rotary module {name} returns a complex table (rotary as complex multiplication), not the (cos, sin) "
+            f"the description reads"
+            for name, record in rec.outside_out.items()
+            if cos_sin is None and record.value.is_complex()
+        ),
+        None,
+    )
     inside = _rotary_inside_attention(model, layers, rec) if rotary_path is None else None
     if inside is not None:  # a rotary module inside each attention module, the same angles in every layer
         out.rotary, out.rotary_from_inputs, cos_sin = inside
@@ -589,7 +598,7 @@ def describe(
                     layer_rotaries = [*_rotary_candidates(d_head, text_config(model), given[0][0]), None]
             out.layers[i] = _describe_any(others, model, layer, i, found, rec, layer_rotaries, layer_cos_sin)
         except NotDescribed as why:
-            out.why[i] = str(why)
+            out.why[i] = str(why) + (f"; {complex_table}" if complex_table and "rotary" in str(why) else "")
         except Exception as exc:  # anything unexpected: the layer is not described
             out.why[i] = f"describing it raised {type(exc).__name__}: {exc}"
     if not any(layer is not None and layer.qkv.rotary is not None for layer in out.layers):

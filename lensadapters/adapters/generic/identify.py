@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
-from lensadapters.adapters.generic.probe import Recording, run_embedding_edit, run_probe
+from lensadapters.adapters.generic.probe import Recording, flattened, run_embedding_edit, run_probe
 from lensadapters.adapters.generic.structure import Structure, find_structure
 
 Tensor = torch.Tensor
@@ -61,6 +61,7 @@ class BlockFindings:
     mlp: Optional[str] = None  # the child whose output is hook_mlp_out
     attention_function: Optional[str] = None  # the module the attention interface is called with ("" = the layer)
     copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
+    flat: frozenset[str] = frozenset()  # branch points whose module returns ``[b * p, d]`` (served as ``[b, p, d]``)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ class Findings:
 
 
 def _sums_to_output(x: Tensor, parts: list[Tensor], y: Tensor) -> bool:
-    """Whether ``y == x + sum(parts)`` up to rounding, with every part non-zero (a zero part proves nothing)."""
+    """Whether ``y == x + sum(parts)`` up to rounding, with every part non-zero (a zero part proves nothing); a part
+    with its leading dimensions merged (:func:`flattened`) counts in ``y``'s shape."""
+    parts = [p.reshape(y.shape) if flattened(p, y) else p for p in parts]
     if any(p.shape != y.shape for p in parts) or x.shape != y.shape:
         return False
     norms = [p.float().norm() for p in parts]
@@ -197,7 +200,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         )
     # the points in the order the probe saw them fire
     points: list[str] = ["hook_resid_pre"] if stream else []
-    copied = set()
+    copied, flat = set(), set()
     if stream and x is not None and x.written_later:
         copied.add("hook_resid_pre")
     for event in rec.events:
@@ -210,11 +213,13 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
             points.append(point)
             if rec.children[(i, event[2])].written_later:
                 copied.add(point)
+            if y is not None and flattened(rec.children[(i, event[2])].value, y.value):
+                flat.add(point)
     if stream:
         points.append("hook_resid_post")
         if y is not None and y.written_later:
             copied.add("hook_resid_post")
-    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied))
+    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat))
 
 
 def _final_norm(

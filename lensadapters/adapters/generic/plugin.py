@@ -245,7 +245,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             )
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
-                sites.append(ModuleIOSite(layer.get_submodule(path), points[name], copy=name in copied))
+                module, flat = layer.get_submodule(path), name in block.flat
+                sites.append(ModuleIOSite(module, points[name], copy=name in copied, as_input=flat))
         if "hook_resid_post" in points:
             sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
     if hooked.layout.ln_final is None and found.final_norm is not None and found.final_norm_behaviour is not None:

@@ -60,7 +60,7 @@ from lensadapters.adapters.generic.describe import (
     text_config,
 )
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
-from lensadapters.adapters.generic.probe import Recording
+from lensadapters.adapters.generic.probe import Recording, flattened
 from lensadapters.hooks.specs import BlockLayout, MLPLayout, RotarySpec
 
 Tensor = torch.Tensor
@@ -97,6 +97,11 @@ def _common(a: str, b: str) -> str:
             break
         parts.append(x)
     return ".".join(parts)
+
+
+def _as(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` in ``like``'s shape where it is that with the leading dimensions merged (:func:`.probe.flattened`)."""
+    return t.reshape(like.shape) if flattened(t, like) else t
 
 
 def _one(found: list[str], why: str, exc: type[NotDescribed] = NotDescribed) -> str:
@@ -220,7 +225,8 @@ def describe_nested_pre_norm_layer(
         NotThisShape,
     )
     children = [p for p in x.seen if "." not in p and p not in (x.attn, ln1, ln2)]
-    if any(_close(x.seen[p][0], x.seen[ln2][1]) and _close(x.seen[p][1], x.resid_post - mid) for p in children):
+    added = x.resid_post - mid  # a child may return it [b * p, d]
+    if any(_close(x.seen[p][0], x.seen[ln2][1]) and _close(_as(x.seen[p][1], added), added) for p in children):
         raise NotThisShape("the MLP is one child of the layer: not nested (the usual describer's reason stands)")
     mlp, act_fn = _mlp(model, x, x.seen[ln2][1], x.resid_post - mid)
     qkv, qk_norms, attn_out = _attention(x, rec, rotary, x.seen[ln1][1], {ln1, ln2})

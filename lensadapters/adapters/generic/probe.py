@@ -139,6 +139,12 @@ class Recording:
     pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
+def flattened(part: Tensor, like: Tensor) -> bool:
+    """Whether ``part`` is ``like``'s shape with the leading (batch and position) dimensions merged: a branch module
+    that returns ``[b * p, d]``, which the layer views as ``[b, p, d]`` before adding it."""
+    return part.dim() == 2 < like.dim() and part.shape[-1] == like.shape[-1] and part.numel() == like.numel()
+
+
 def _version(t: Tensor) -> int:
     try:
         return t._version

@@ -29,15 +29,21 @@ class ModuleIOSite(Site):
 
     ``copy``: the model writes into this tensor in place after producing it (the probe saw it), so while hooked the
     model continues with a copy and the value hooks saw (and caches hold) stays what it was.
+    ``as_input``: the module returns its output with the leading dimensions merged (``[b * p, d]`` for an input
+    ``[b, p, d]``, which the model views back before using it): the point serves it in its input's shape, and an
+    edit goes back merged, exactly what the model continues with.
     """
 
-    def __init__(self, module: nn.Module, point: HookPoint, output: bool = True, copy: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, point: HookPoint, output: bool = True, copy: bool = False, as_input: bool = False
+    ) -> None:
         self.module, self.point, self.output, self.copy = module, point, output, copy
+        self.as_input = as_input
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
         if self.output:
-            return [self.module.register_forward_hook(self._on_output)]
+            return [self.module.register_forward_hook(self._on_output, with_kwargs=True)]
         return [self.module.register_forward_pre_hook(self._on_input, with_kwargs=True)]
 
     def _serve(self, value: Tensor) -> Optional[Tensor]:
@@ -46,8 +52,14 @@ class ModuleIOSite(Site):
             return edited.clone()
         return edited if changed else None
 
-    def _on_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        value = self._serve(first_output(output))
+    def _on_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        produced = first_output(output)
+        if self.as_input:
+            shape = first_input(args, kwargs).shape
+            value = self._serve(produced.view(shape))
+            value = None if value is None else value.reshape(produced.shape)
+        else:
+            value = self._serve(produced)
         return None if value is None else replace_first_output(output, value)
 
     def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:

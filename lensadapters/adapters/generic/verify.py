@@ -83,6 +83,11 @@ class Reference:
     flat: bool = False  # the module sees [b * p, ...] where the point shows [b, p, ...]
 
 
+def _unflat(delta: Tensor, t: Tensor) -> Tensor:
+    """A delta in the point's shape ``[b, p, ...]`` as one of a tensor ``t`` the model holds as ``[b * p, ...]``."""
+    return delta.reshape(t.shape)
+
+
 def _heads(n: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
     return (lambda t: t.unflatten(-1, (n, t.shape[-1] // n))), (lambda d, t: d.flatten(-2))
 
@@ -144,7 +149,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return Reference("attn", layer=i, part="output")
         attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))
         path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
-        return Reference("out", get(path)) if path is not None else None
+        # a branch module may return [b * p, d] (the point shows [b, p, d]); reshaping is the identity otherwise
+        return Reference("out", get(path), unview=_unflat, flat=True) if path is not None else None
     qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
     if bl.more_after_mlp:
         return None  # not what the automatic description produces: no reference here
@@ -260,7 +266,7 @@ def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -
     input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
     ``mlp.hook_routing_weights``: the weights the fused experts module is called with. No other MoE point has a
     plain PyTorch reference (the fused experts compute every expert in one call)."""
-    unflat = lambda d, t: d.reshape(t.shape)  # noqa: E731
+    unflat = _unflat
     if rest == "mlp.hook_router_logits":
         kind = "out" if moe.router_output == "logits" else "router_input"
         return Reference(kind, get(moe.router), unview=unflat, flat=True)

@@ -32,262 +32,31 @@ the same module. A batched verdict is the one-point-at-a-time verdict (a test co
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, cast
 
 import torch
 from torch import nn
 
-from lensadapters.adapters.generic.probe import _unusual_arguments
-from lensadapters.adapters.moe import FusedExperts, MoELayout
+from lensadapters.adapters.generic.eager_reference import (
+    _attention,
+    _in_row,
+    _plan,
+    _verify_key,
+)
+from lensadapters.adapters.generic.references import (  # noqa: F401  (OPAQUE_BRANCHES: the old import path)
+    OPAQUE_BRANCHES,
+    Reference,
+    Unchecked,
+    _norm_view,
+    reference,
+)
 from lensadapters.hooks.copying import original_value
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
-from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
 Tensor = torch.Tensor
-VERIFY_KEY = "lensadapters-verify:eager"
-_plan = threading.local()
-_registered: list[bool] = []
 
 
 UNCHECKED = "unchecked: "
-#: the attention and MLP children of a model's opaque layers whose outputs the generic adapter serves (it records
-#: them here when it identifies a model)
-OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[str], Optional[str]]]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-class Unchecked(Exception):
-    """No independent reference could be computed for a point (not a wrong value: the point is not verified)."""
-
-
-@dataclass
-class Reference:
-    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
-    attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), or ``"scale"``
-    of the norm ``module``. ``view`` maps the reference tensor to the point's shape, ``unview`` a delta back."""
-
-    kind: str
-    module: Optional[nn.Module] = None
-    view: Callable[[Tensor], Tensor] = lambda t: t
-    unview: Callable[[Tensor, Tensor], Tensor] = lambda delta, t: delta
-    also: Optional["Reference"] = None  # a second place an edit reaches (hook_resid_mid: the residual)
-    layer: int = -1
-    part: str = ""
-    spec: Any = None
-    flat: bool = False  # the module sees [b * p, ...] where the point shows [b, p, ...]
-
-
-def _unflat(delta: Tensor, t: Tensor) -> Tensor:
-    """A delta in the point's shape ``[b, p, ...]`` as one of a tensor ``t`` the model holds as ``[b * p, ...]``."""
-    return delta.reshape(t.shape)
-
-
-def _heads(n: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
-    return (lambda t: t.unflatten(-1, (n, t.shape[-1] // n))), (lambda d, t: d.flatten(-2))
-
-
-def _part(
-    split: Callable[..., Any], merge: Callable[..., Tensor], index: int
-) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
-    """A fused projection's part ``index`` (``split``), and a delta of it as the fused output's (zeros elsewhere)."""
-
-    def view(t: Tensor) -> Tensor:
-        return split(t)[index]
-
-    def unview(d: Tensor, t: Tensor) -> Tensor:
-        parts = [torch.zeros_like(p) for p in split(t)]
-        parts[index] = d
-        return merge(*parts)
-
-    return view, unview
-
-
-def _norm_view(spec: Any) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
-    """``hook_normalized`` of a norm: its output (LayerNorm) or its output over ``offset + weight`` (RMSNorm)."""
-    if spec.kind == "LN" or spec.weight is None:
-        return (lambda t: t), (lambda d, t: d)
-    w = (spec.weight.detach().float() + spec.weight_offset).to(spec.weight.dtype)
-    return (lambda t: t / w), (lambda d, t: d * w)
-
-
-def reference(hooked: Any, name: str) -> Optional[Reference]:
-    """The reference of the point ``name`` of ``hooked`` (a wiring), ``None`` where there is none."""
-    model = hooked.hf_model
-    if name == "hook_embed":
-        layout = hooked.layout
-        if layout.embed_scale_after_module and layout.embed_scale != 1.0:
-            return Reference("in", hooked.block_modules[0])
-        return Reference("out", model.get_submodule(layout.embed))
-    if name.startswith("ln_final."):
-        try:
-            norm = hooked.norm_module("ln_final")
-        except Exception:
-            return None
-        return _norm_reference(hooked, norm, name.split(".")[-1])
-    if not name.startswith("blocks."):
-        return None
-    _, i_text, rest = name.split(".", 2)
-    i = int(i_text)
-    layer, bl = hooked.block_modules[i], hooked.block_layouts[i]
-    if rest == "hook_resid_pre":
-        return Reference("in", layer)
-    if bl is not None and bl.post_norm and rest in _POST_NORM_POINTS:
-        return _post_norm_reference(hooked, i, rest)
-    if rest == "hook_resid_post":
-        return Reference("out", layer)
-    get = layer.get_submodule
-    if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
-        return Reference("attn", layer=i, part="weights" if rest.endswith("pattern") else "scores")
-    if bl is None:  # an opaque block: the generic adapter's own points
-        if rest == "attn.hook_z":
-            return Reference("attn", layer=i, part="output")
-        attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))
-        path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
-        # a branch module may return [b * p, d] (the point shows [b, p, d]); reshaping is the identity otherwise
-        return Reference("out", get(path), unview=_unflat, flat=True) if path is not None else None
-    qkv, mlp, cfg = hooked.qkv_layouts[i], hooked.mlp_layouts[i], hooked.cfg
-    if bl.more_after_mlp:
-        return None  # not what the automatic description produces: no reference here
-    if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
-        return None  # the MLP sees [b * p, d]: no reference here
-    ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
-    if rest == "hook_attn_out":  # what the block adds to the residual
-        if bl.ln1_post is None and not bl.o_proj.startswith(bl.attn + "."):  # the projection is outside the module
-            return Reference("out", get(bl.o_proj))  # the attention function is called with: its output
-        return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
-    if rest == "hook_mlp_out":
-        path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
-        return Reference("out", get(path)) if path is not None else None
-    if rest == "hook_resid_mid" and not bl.parallel and ln2_or_mlp is not None:
-        return Reference("in", ln2_or_mlp, also=Reference("out", layer))
-    if rest == "hook_mlp_in" and ln2_or_mlp is not None:
-        return Reference("in", ln2_or_mlp)
-    for prefix, path in (("ln1.", bl.ln1), ("ln2.", bl.ln2), ("ln1_post.", bl.ln1_post), ("ln2_post.", bl.ln2_post)):
-        if rest.startswith(prefix) and path is not None:
-            return _norm_reference(hooked, get(path), rest.split(".")[-1])
-    n, kv = cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads
-    if rest.startswith(("attn.q_norm.", "attn.k_norm.")) and isinstance(qkv, (SeparateQKV, FusedQKV)):
-        norm = qkv.q_norm if rest.startswith("attn.q_norm.") else qkv.k_norm
-        if norm is None:
-            return None
-        return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
-    if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
-        which = rest[-1]
-        heads = n if which == "q" else kv
-        if isinstance(qkv, SeparateQKV) and not qkv.values_from_keys and qkv.kv_from is None:
-            view, unview = _heads(heads)
-            return Reference("out", get(getattr(qkv, which)), view, unview)
-        if isinstance(qkv, FusedQKV):
-            return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
-        return None
-    if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
-        return Reference("attn", layer=i, part="query" if rest.endswith("q") else "key")
-    if rest == "attn.hook_z":
-        view, unview = _heads(n)
-        return Reference("in", get(bl.o_proj), view, unview)
-    if rest == "attn.hook_result":
-        return Reference("result", get(bl.o_proj), layer=n)
-    if rest in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input") and isinstance(qkv, SeparateQKV):
-        if qkv.values_from_keys or qkv.kv_from is not None:
-            return None
-        which = rest[5] if rest != "hook_attn_in" else "qkv"
-        norm = get(bl.ln1) if bl.ln1 is not None else None
-        modules = [get(getattr(qkv, x)) for x in which]
-        return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
-    if isinstance(mlp, MoELayout):
-        return _moe_reference(get, mlp, rest)
-    if isinstance(mlp, MLPLayout):
-        if rest == "mlp.hook_pre":
-            return Reference("out", get(mlp.pre))
-        if rest == "mlp.hook_pre_linear" and mlp.pre_linear is not None:
-            return Reference("out", get(mlp.pre_linear))
-        if rest == "mlp.hook_post":
-            return Reference("in", get(mlp.out))
-    if isinstance(mlp, FusedGateUp):
-        if rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
-            index = 0 if rest == "mlp.hook_pre" else 1
-            return Reference("out", get(mlp.module), *_part(mlp.split, mlp.merge, index))
-        if rest == "mlp.hook_post":
-            return Reference("in", get(mlp.out))
-    return None
-
-
-_POST_NORM_POINTS = frozenset(
-    {
-        "hook_resid_post",
-        "hook_normalized_resid_post",
-        "hook_resid_mid",
-        "hook_mlp_in",
-        "hook_attn_out",
-        "hook_attn_in",
-        "hook_q_input",
-        "hook_k_input",
-        "hook_v_input",
-    }
-)
-
-
-def _post_norm_reference(hooked: Any, i: int, rest: str) -> Optional[Reference]:
-    """The references of a post-LN block's points (``mid = ln1(x + attn_out)``, ``out = ln2(mid + mlp_out)``) that
-    differ from a pre-norm block's: ``hook_resid_mid`` the input of ``ln1``, ``hook_mlp_in`` the input of the MLP
-    (``ln1``'s output, one branch), ``hook_resid_post`` the input of ``ln2`` (with ``resid_post_before_norm``; else
-    the block output), ``hook_normalized_resid_post`` the block output, ``hook_attn_out`` the output projection's
-    output (what the block adds to ``x``: a dropout after it is the identity in eval mode), and the per-head inputs
-    the block input itself (no norm before attention)."""
-    layer, bl, qkv, mlp = hooked.block_modules[i], hooked.block_layouts[i], hooked.qkv_layouts[i], hooked.mlp_layouts[i]
-    get = layer.get_submodule
-    if rest == "hook_resid_post":
-        return Reference("in", get(bl.ln2)) if bl.resid_post_before_norm else Reference("out", layer)
-    if rest == "hook_normalized_resid_post":
-        return Reference("out", layer)
-    if rest == "hook_resid_mid":
-        return Reference("in", get(bl.ln1))
-    if rest == "hook_mlp_in":
-        first = bl.mlp or (mlp.module if isinstance(mlp, FusedGateUp) else getattr(mlp, "pre", None))
-        return Reference("in", get(first)) if first is not None else None
-    if rest == "hook_attn_out":
-        return Reference("out", get(bl.o_proj))
-    if not isinstance(qkv, SeparateQKV) or qkv.values_from_keys or qkv.kv_from is not None:
-        return None
-    n, kv = hooked.cfg.n_heads, hooked.cfg.n_key_value_heads or hooked.cfg.n_heads
-    which = rest[5] if rest != "hook_attn_in" else "qkv"
-    modules = [get(getattr(qkv, x)) for x in which]
-    return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(None, modules))
-
-
-def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -> Optional[Reference]:
-    """``mlp.hook_router_logits``: the router's output (a router returning its logits), or its own product of an
-    input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
-    ``mlp.hook_routing_weights``: the weights the fused experts module is called with. No other MoE point has a
-    plain PyTorch reference (the fused experts compute every expert in one call)."""
-    unflat = _unflat
-    if rest == "mlp.hook_router_logits":
-        kind = "out" if moe.router_output == "logits" else "router_input"
-        return Reference(kind, get(moe.router), unview=unflat, flat=True)
-    if rest == "mlp.hook_routing_weights" and isinstance(moe.experts, FusedExperts):
-        return Reference("arg", get(moe.experts.module), unview=unflat, flat=True, spec=2)
-    return None
-
-
-def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool = False) -> Optional[Reference]:
-    """``transposed``: the module sees ``[b, heads, p, d]`` where the point shows ``[b, p, heads, d]``."""
-    spec = hooked.norm_spec(module)
-    if what == "hook_scale":
-        return Reference("scale", module, (lambda t: t.transpose(1, 2)) if transposed else (lambda t: t), spec=spec)
-    if what == "hook_normalized":
-        view, unview = _norm_view(spec)
-        if transposed:
-            return Reference(
-                "out", module, lambda t: view(t).transpose(1, 2), lambda d, t: unview(d.transpose(1, 2), t)
-            )
-        return Reference("out", module, view, unview)
-    return None
 
 
 def _norm_output(spec: Any, x: Tensor, scale: Tensor) -> Tensor:
@@ -307,108 +76,6 @@ def _scale_of(spec: Any, x: Tensor) -> Tensor:
     if spec.kind == "LN":
         return torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + spec.eps)
     return torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + spec.eps)
-
-
-# --- the model's own eager attention function, with an edit ---------------------------------------------------
-
-
-def _repeat(t: Tensor, heads: int) -> Tensor:
-    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
-
-
-def _in_row(row: Optional[int], edited: Tensor, original: Tensor) -> Tensor:
-    """``edited`` in batch row ``row`` and ``original`` elsewhere (``row`` ``None``: ``edited`` everywhere): an edit
-    that recomputes a tensor leaves the other rows of a batched check bit for bit as they were."""
-    if row is None:
-        return edited
-    keep = torch.zeros(edited.shape[0], dtype=torch.bool, device=edited.device)
-    keep[row] = True
-    return torch.where(keep.view(-1, *([1] * (edited.dim() - 1))), edited, original)
-
-
-def _verify_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Optional[Tensor] = None,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[Tensor, Any]:
-    mask = attention_mask
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    plan = getattr(_plan, "current", None)
-    layer = plan["owner"].get(id(module)) if plan else None
-    mine = plan["layers"].get(layer) if plan and layer is not None else None
-    part, delta, seen, row = (
-        (mine["part"], mine["delta"], mine["seen"], mine["row"]) if mine is not None else ("", None, None, None)
-    )
-    if eager is None:
-        raise RuntimeError("no eager attention function in the model's modeling file")
-    if seen is not None and (args or _unusual_arguments(module, kwargs, mask)):
-        raise Unchecked("the attention function gets arguments plain softmax attention does not account for")
-    if seen is not None and part in ("weights", "scores") and kwargs.get("softcap") is not None:
-        if getattr(_plan, "implementation", None) == "sdpa":  # the scores would be capped, the model's are not
-            raise Unchecked("the model runs sdpa attention, which does not apply the softcap it passes")
-    if part == "query" and seen is not None:  # the value before the edit
-        seen.append(query.transpose(1, 2).clone())
-        query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
-    if part == "key" and seen is not None:
-        seen.append(key.transpose(1, 2).clone())
-        key = key + delta.transpose(1, 2).to(key.dtype) if delta is not None else key
-    output, weights = eager(module, query, key, value, mask, *args, **kwargs)
-    if seen is not None and part == "output":
-        seen.append(output.clone())
-        if delta is not None:
-            output = output + delta.to(output.dtype)
-    elif seen is not None and part in ("weights", "scores"):
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
-        scores = torch.matmul(query, _repeat(key, query.shape[1]).transpose(2, 3)) * scaling
-        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-        if softcap is not None:  # eager attention's order: cap, then mask
-            scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores + mask[:, :, :, : key.shape[-2]]
-        seen.append(scores if part == "scores" else weights.clone())
-        if part == "scores" and delta is not None:
-            weights = _softmax_with_sinks(scores + delta, sinks).to(query.dtype)
-        elif part == "weights" and delta is not None:
-            weights = weights + delta.to(weights.dtype)
-        if delta is not None:
-            edited = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
-            output = _in_row(row, edited.to(output.dtype), output)
-    return output, weights
-
-
-def _softmax_with_sinks(scores: Tensor, sinks: Optional[Tensor]) -> Tensor:
-    """``softmax(scores)`` over the keys; with a sink logit per head (``s_aux``) as one more column of every row,
-    dropped after the softmax (it takes probability and adds no value)."""
-    if sinks is None:
-        return torch.softmax(scores.float(), dim=-1)
-    column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
-    return torch.softmax(torch.cat([scores, column], dim=-1).float(), dim=-1)[..., :-1]
-
-
-def _verify_key() -> str:
-    if not _registered:
-        from transformers.masking_utils import AttentionMaskInterface
-        from transformers.modeling_utils import AttentionInterface
-
-        AttentionInterface.register(VERIFY_KEY, cast(Any, _verify_attention))
-        AttentionMaskInterface.register(VERIFY_KEY, cast(Any, AttentionMaskInterface._global_mapping["eager"]))
-        _registered.append(True)
-    return VERIFY_KEY
-
-
-@contextlib.contextmanager
-def _attention(model: nn.Module, key: str):
-    config: Any = model.config
-    implementation = getattr(config, "_attn_implementation", None)
-    config._attn_implementation = key
-    try:
-        yield
-    finally:
-        config._attn_implementation = implementation
 
 
 # --- the checks ---------------------------------------------------------------------------------------------

@@ -262,7 +262,8 @@ def forward(
             raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
         attention_mask = one_zero
     token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
-    passed = {k: extra.pop(k) for k in list(extra) if k in multimodal_inputs(hm.hf_model)}  # pixel_values...
+    image_inputs = multimodal_inputs(hm.hf_model) if extra else frozenset()  # pixel_values...
+    passed = {k: extra.pop(k) for k in list(extra) if k in image_inputs}
     _check_extra(extra)
     if return_type not in RETURN_TYPES:
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")

@@ -36,7 +36,8 @@ from torch import nn
 
 from lensadapters.adapters.generic.moe import describe_other_mlp
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
-from lensadapters.adapters.generic.probe import InterfaceCall, Recording
+from lensadapters.adapters.generic.probe import InterfaceCall, Recording, _close
+from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
 from lensadapters.hooks.specs import (
     BlockLayout,
@@ -90,13 +91,6 @@ class Description:
     @property
     def any(self) -> bool:
         return any(layer is not None for layer in self.layers)
-
-
-def _close(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
-    if a is None or b is None or a.shape != b.shape:
-        return False
-    atol, rtol = (1e-5, 1e-4) if b.dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
-    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -157,11 +151,6 @@ def interleaved_spec(rotary_dim: int, from_half_layout: bool) -> RotarySpec:
         return x_rot if r == y.shape[-1] else torch.cat([x_rot, y_pass], dim=-1)
 
     return RotarySpec(rotary_dim, apply, invert)
-
-
-def text_config(model: nn.Module) -> Any:
-    get = getattr(model.config, "get_text_config", None)
-    return get() if get is not None else model.config
 
 
 def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:

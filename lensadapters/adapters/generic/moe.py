@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.generic.probe import Recording
+from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.moe import FusedExperts, MoELayout, Routing
 from lensadapters.adapters.moe.routing import route
 from lensadapters.hooks.sites.base import first_input, first_output
@@ -50,13 +50,6 @@ def is_mixture(module: nn.Module) -> bool:
     return any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in module.modules()) or any(
         p.dim() == 3 for p in module.parameters()
     )
-
-
-def _close(a: Any, b: Any) -> bool:
-    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape:
-        return False
-    atol, rtol = (1e-5, 1e-4) if b.dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
-    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
 
 
 def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, dict, Any]]]:

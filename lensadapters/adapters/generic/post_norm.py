@@ -57,10 +57,10 @@ from lensadapters.adapters.generic.describe import (
     _close,
     _describe_attention,
     _is_linear,
-    text_config,
 )
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import Recording, flattened
+from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import BlockLayout, MLPLayout, RotarySpec
 
 Tensor = torch.Tensor

@@ -160,9 +160,13 @@ def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-5, 1e-4) if dtype in (torch.float32, torch.float64) else (1e-2, 1e-2)
 
 
-def _close(a: Tensor, b: Tensor) -> bool:
+def _close(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are tensors of one shape, equal up to ``b``'s dtype's rounding (the tolerance of every
+    claim the automatic description checks on the probe)."""
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape:
+        return False
     atol, rtol = _tolerances(b.dtype)
-    return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
 
 
 def _pattern_problem(

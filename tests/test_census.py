@@ -248,3 +248,21 @@ def test_sink_scores_are_verified_and_weights_before_the_sinks_are_not_served_as
     assert not entry.wrong, entry.wrong
     assert "blocks.0.attn.hook_attn_scores" in entry.served and "blocks.0.attn.hook_pattern" not in entry.served
     assert "attn.hook_pattern" in entry.why and "not the reference's" in entry.why, entry.why
+
+
+def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit_refusal_is_not_a_wrong_value() -> None:
+    """Shrinking keeps the relations a config computes when it is made (multi-head latent attention: key/value heads
+    equal to the query heads, the query/key head size the sum of its parts), so DeepSeek-V3 is in the census, not
+    'not buildable'; its plugin refuses an edit of the shared rope columns of ``hook_k`` by name, which the census
+    counts as not served whole (PARTIAL), not as a wrong value."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model("deepseek_v3"))
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
+    entry = census_entry("deepseek_v3")
+    assert entry.adapter == "deepseek_v3" and not entry.wrong, (entry.adapter, entry.why, entry.wrong)
+    assert "blocks.0.attn.hook_k" in entry.refused and entry.status == "PARTIAL"
+    assert "blocks.0.attn.hook_k" in entry.missing

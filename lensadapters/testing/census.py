@@ -4,6 +4,8 @@ transformers gets, as a tiny model built from its default config (:mod:`.every_m
 For each model type: the adapter that wrapped it (a plugin, or the core's generic adapter), the canonical points it
 has of those its architecture has, ``FULL`` (all of them) or ``PARTIAL``, why not more (the generic adapter's own
 account), and the points whose value or edit an independent check found wrong (always none, or the census fails).
+A served point whose edit the adapter refuses by name (a ``HookReturnError``: readable, not editable there) is not
+wrong, and not served whole either: the row is ``PARTIAL`` and says so.
 
 Which points an architecture *has* is read from its first layer's modules (a census needs no plugin): attention
 points where the layer has a module whose class name ends in ``Attention``; ``hook_mlp_out`` where it has another
@@ -62,11 +64,12 @@ class Entry:
     why: str = ""
     wrong: dict[str, str] = field(default_factory=dict)
     unchecked: list[str] = field(default_factory=list)  # served points the check has no reference for
+    refused: dict[str, str] = field(default_factory=dict)  # served points whose edit the adapter refuses by name
     seconds: float = 0.0
 
     @property
     def full(self) -> bool:
-        return bool(self.applicable) and set(self.applicable) <= set(self.served) and not self.wrong
+        return bool(self.applicable) and set(self.applicable) <= set(self.served) - set(self.refused) and not self.wrong
 
     @property
     def status(self) -> str:
@@ -76,7 +79,7 @@ class Entry:
 
     @property
     def missing(self) -> list[str]:
-        return [p for p in self.applicable if p not in self.served]
+        return [p for p in self.applicable if p not in self.served or p in self.refused]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -158,12 +161,17 @@ def census_entry(model_type: str, check: bool = True) -> Entry:
         found = findings(model)
         entry.why = " | ".join(f"{k}: {v}" for k, v in found.missing.items())[:400]
     if check:
-        from lensadapters.adapters.generic.verify import UNCHECKED, check_points
+        from lensadapters.adapters.generic.verify import REFUSED, UNCHECKED, check_points
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GenericAdapterWarning)
             problems = check_points(hm.wiring, input_ids(), [p for p in entry.served if p in CANONICAL])
-        entry.wrong = {name: why for name, why in problems.items() if why is not None and not why.startswith(UNCHECKED)}
+        entry.refused = {n: why for n, why in problems.items() if why is not None and why.startswith(REFUSED)}
+        entry.wrong = {
+            name: why
+            for name, why in problems.items()
+            if why is not None and not why.startswith(UNCHECKED) and name not in entry.refused
+        }
         entry.unchecked = sorted(n for n, why in problems.items() if why is not None and why.startswith(UNCHECKED))
     hm.unwrap()
     entry.seconds = time.perf_counter() - start
@@ -207,9 +215,10 @@ def markdown(entries: list[Entry]) -> str:
     lines = ["| model_type | adapter | points | status | not served | why not more |", "|---|---|---|---|---|---|"]
     for e in entries:
         missing = ", ".join(p.replace("blocks.0.", "") for p in e.missing)
-        wrong = "; ".join(f"WRONG {k}: {v}" for k, v in e.wrong.items())
+        wrong = "; ".join([f"WRONG {k}: {v}" for k, v in e.wrong.items()] + [f"{k}: {v}" for k, v in e.refused.items()])
         why = (wrong + " " + e.why).strip().replace("|", "/").replace("\n", " ")
-        points = f"{len(set(e.served) & set(e.applicable))}/{len(e.applicable)}" if e.applicable else "-"
+        whole = (set(e.served) - set(e.refused)) & set(e.applicable)
+        points = f"{len(whole)}/{len(e.applicable)}" if e.applicable else "-"
         lines.append(f"| {e.model_type} | {e.adapter} | {points} | {e.status} | {missing} | {why[:300]} |")
     return "\n".join(lines)
 

@@ -57,7 +57,7 @@ _EXACT: dict[str, int] = {
     "linear_value_head_dim": HEAD_DIM,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
+    "qk_rope_head_dim": HEAD_DIM,  # where a config derives head_dim from it (multi-head latent attention), equal
     "qk_nope_head_dim": 8,
     "v_head_dim": HEAD_DIM,
     "mamba_n_heads": 4,
@@ -101,6 +101,9 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
     """``config`` (changed in place and returned) with few layers, small widths, few heads and a small vocabulary."""
     values = config.__dict__
     layers_before = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), 0)
+    multi_head = values.get("num_key_value_heads") is not None and values.get("num_key_value_heads") == values.get(
+        "num_attention_heads"
+    )
     for key in list(values):
         value = values[key]
         if hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, type):
@@ -114,7 +117,19 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
                 values[key] = _shrink_value(key, value, layers_before, layers)
             except Exception:  # a property without a setter: keep it
                 pass
+    _keep_derived_fields(values, multi_head)
     return config
+
+
+def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
+    """Fields a config computes from others when it is made keep that relation after shrinking: a model whose
+    key/value heads were its query heads (multi-head latent attention projects every head's keys) keeps them so,
+    and a query/key head size that is the sum of its rotary and non-rotary parts stays their sum."""
+    if multi_head:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    parts = (values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim"))
+    if isinstance(values.get("qk_head_dim"), int) and all(isinstance(part, int) for part in parts):
+        values["qk_head_dim"] = parts[0] + parts[1]
 
 
 class NotBuildable(Exception):

@@ -50,6 +50,7 @@ from lensadapters.adapters.generic.references import (  # noqa: F401  (OPAQUE_BR
     _norm_view,
     reference,
 )
+from lensadapters.errors import HookReturnError
 from lensadapters.hooks.copying import original_value
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 
@@ -57,6 +58,9 @@ Tensor = torch.Tensor
 
 
 UNCHECKED = "unchecked: "
+#: the start of the reason for a point whose adapter refuses the check's edit by name (a :class:`HookReturnError`):
+#: readable, not editable there, so not served whole; not a wrong value either
+REFUSED = "edit refused: "
 
 
 def _norm_output(spec: Any, x: Tensor, scale: Tensor) -> Tensor:
@@ -363,8 +367,14 @@ def check_point(
     if ref is None:
         return UNCHECKED + "no independent reference to check it against"
     delta = _delta(name, value, ref, _low(value))
-    edited = _run_points(hooked, ids, [(name, delta)])
-    expected, reference_edited = _run_reference(hooked.hf_model, ids, ref, owner, delta)
+    try:
+        edited = _run_points(hooked, ids, [(name, delta)])
+    except HookReturnError as why:  # the adapter says by name that this edit cannot be made
+        return REFUSED + str(why)
+    try:
+        expected, reference_edited = _run_reference(hooked.hf_model, ids, ref, owner, delta)
+    except Exception as exc:  # the reference does not fit this point (its shape or layout): nothing is checked
+        raise Unchecked(f"the reference ({ref.kind}) does not fit the point: {type(exc).__name__}: {exc}") from exc
     return _judge(ref, value, expected, edited, reference_edited, plain)
 
 

@@ -60,6 +60,11 @@ _EXACT: dict[str, int] = {
     "qk_rope_head_dim": HEAD_DIM,  # where a config derives head_dim from it (multi-head latent attention), equal
     "qk_nope_head_dim": 8,
     "v_head_dim": HEAD_DIM,
+    "linear_num_heads": HEADS,
+    "linear_head_dim": HEAD_DIM,
+    "index_n_heads": HEADS,
+    "index_head_dim": HEAD_DIM,
+    "emb_dim": WIDTH,
     "mamba_n_heads": 4,
     "mamba_d_head": HEAD_DIM,
     "mamba_head_dim": HEAD_DIM,

@@ -18,7 +18,9 @@ from lensadapters.adapters.hf_helpers import (
     DECODER_QKV,
     ROTATE_HALF_ROPE_TYPES,
     SWIGLU_MLP,
+    architecture,
     base_path,
+    config_sizes,
     fused_qkv_split,
     head_dim,
     join,
@@ -33,6 +35,7 @@ from lensadapters.adapters.hf_helpers import (
     require_transformers_class,
     rope_theta,
     rope_type,
+    size_fields,
     text_config,
     unembed_path,
 )
@@ -53,10 +56,8 @@ from lensadapters.hooks.specs import (
     SeparateQKV,
 )
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "qk_norms", "toy_config", "toy_draw"]
-
-TRANSFORMERS_TESTED = ">=4.57,<6"
-"""The transformers range :meth:`DecoderFamily.architecture` declares unless told another."""
+__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "layer_hooks", "qk_norms", "toy_config"]
+__all__ += ["toy_draw"]
 
 
 def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
@@ -68,6 +69,33 @@ def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
         return list(archs)
 
     return lensadapters_architectures
+
+
+LayerValue = Union[Any, Callable[[Any, int], Any]]
+"""A layer's description: the same value for every layer, or a function of ``(model, layer)``."""
+
+
+def layer_hooks(block: LayerValue, qkv: LayerValue, mlp: LayerValue) -> dict[str, Callable[..., Any]]:
+    """A plugin module's ``lensadapters_block``, ``lensadapters_attn_qkv`` and ``lensadapters_mlp_act``, answering
+    ``block`` (a ``BlockLayout``), ``qkv`` (a ``QKVLayout``) and ``mlp`` (an ``MLPLayout``...), each the same for
+    every layer or a function of ``(model, layer)``: ``globals().update(hf.layer_hooks(BLOCK, qkv_of, MLP))``."""
+
+    def answer(value: LayerValue, model: Any, layer: int) -> Any:
+        return value(model, layer) if callable(value) else value
+
+    @hookimpl
+    def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
+        return answer(block, model, layer)
+
+    @hookimpl
+    def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> QKVLayout:
+        return answer(qkv, model, layer)
+
+    @hookimpl
+    def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Any:
+        return answer(mlp, model, layer)
+
+    return {f.__name__: f for f in (lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act)}
 
 
 def qk_norms(layout: str) -> tuple[ProjectionNorm, ProjectionNorm]:
@@ -137,25 +165,11 @@ class DecoderFamily:
         of class ``<family>RMSNorm`` (``norms``); ``fields`` give the rest (and may replace either)."""
         return cls(family, model_type, **{"packages": (model_type,), "norms": (f"{family}RMSNorm",), **fields})
 
-    def architecture(
-        self,
-        description: str,
-        *,
-        name: Optional[str] = None,
-        model_types: Optional[tuple[str, ...]] = None,
-        transformers: str = TRANSFORMERS_TESTED,
-        vision_language: bool = False,
-    ) -> Architecture:
-        """The :class:`Architecture` a plugin of this family claims: named after ``model_type`` and claiming it
-        unless ``name``/``model_types`` say otherwise, tested with ``transformers``; ``vision_language``: also the
-        language model of a vision-language model (see :class:`Architecture`)."""
-        return Architecture(
-            name=name or self.model_type,
-            model_types=model_types or (self.model_type,),
-            description=description,
-            transformers=transformers,
-            vision_language=vision_language,
-        )
+    def architecture(self, description: str, **fields: Any) -> Architecture:
+        """The :class:`Architecture` a plugin of this family claims: :func:`~lensadapters.hf.architecture` of
+        ``model_type`` (named after it and claiming it unless ``name``/``model_types`` in ``fields`` say otherwise,
+        tested with ``transformers``; ``vision_language``: also the language model of a vision-language model)."""
+        return architecture(self.model_type, description, **fields)
 
     def base(self, model: nn.Module) -> str:
         """Dotted path of the ``<Family>Model`` inside ``model`` ("" when ``model`` is one)."""
@@ -231,13 +245,6 @@ class DecoderFamily:
         c = text_config(model)
         # each read only where ``fields`` does not give the value (a LayerNorm family has no rms_norm_eps)
         readers: dict[str, Callable[[], Any]] = dict(
-            n_layers=lambda: c.num_hidden_layers,
-            d_model=lambda: c.hidden_size,
-            n_heads=lambda: c.num_attention_heads,
-            d_head=lambda: head_dim(c),
-            d_mlp=lambda: c.intermediate_size,
-            d_vocab=lambda: c.vocab_size,
-            n_ctx=lambda: c.max_position_embeddings,
             act_fn=lambda: c.hidden_act,
             normalization_type=lambda: "RMS",
             positional_embedding_type=lambda: "rotary",
@@ -260,7 +267,7 @@ class DecoderFamily:
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
             **(extra or {}),
         }
-        return HookedConfig(**{**shared, **fields}, extra=described)
+        return HookedConfig(**config_sizes(c, **shared, **fields), extra=described)
 
     def dense_mlp(self) -> Union[MLPLayout, FusedGateUp]:
         """The dense MLP description (for ``lensadapters_mlp_act``); a family without one describes its MLP itself."""
@@ -327,20 +334,8 @@ def _sized_config(
 ) -> Any:
     """``config_class`` of ``sizes`` (width, MLP width, layers, heads, key/value heads, vocabulary, positions), bos
     1, eos 2, pad 0, then ``fields`` (which may replace any of those)."""
-    hidden, d_mlp, layers, heads, kv_heads, vocab, positions = sizes
-    shared = dict(
-        hidden_size=hidden,
-        intermediate_size=d_mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return config_class(**{**shared, **fields})
+    named = size_fields(**dict(zip(("hidden", "d_mlp", "layers", "heads", "kv_heads", "vocab", "positions"), sizes)))
+    return config_class(**{**named, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **fields})
 
 
 def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:

@@ -17,11 +17,13 @@ from lensadapters.adapters.decoder_plugin import (
     DecoderPlugin,
     claims,
     decoder_config,
+    layer_hooks,
     qk_norms,
     toy_config,
     toy_draw,
 )
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "qk_norms", "toy_config", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "layer_hooks", "qk_norms", "toy_config"]
+__all__ += ["toy_draw"]
 __all__ += hf_helpers.__all__

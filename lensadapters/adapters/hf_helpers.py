@@ -17,11 +17,15 @@ from torch import nn
 
 from lensadapters.adapters.vlm import class_to_check, text_config
 from lensadapters.errors import UnsupportedModelError
-from lensadapters.hooks.specs import BlockLayout, MLPLayout, NormSpec
+from lensadapters.hooks.specs import Architecture, BlockLayout, MLPLayout, NormSpec
 
 Tensor = torch.Tensor
 
 __all__ = [
+    "TRANSFORMERS_TESTED",
+    "architecture",
+    "config_sizes",
+    "size_fields",
     "base_path",
     "join",
     "unembed_path",
@@ -54,6 +58,8 @@ __all__ = [
     "require_fused_head_shapes",
 ]
 
+TRANSFORMERS_TESTED = ">=4.57,<6"
+"""The transformers range :func:`architecture` declares unless told another."""
 ROTATE_HALF_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 """transformers' rope types whose rotation is rotate-half RoPE on the rotary module's ``(cos, sin)``."""
 DECODER_BLOCK = BlockLayout(
@@ -74,6 +80,65 @@ the residual stream)."""
 SWIGLU_MLP = MLPLayout(pre="mlp.gate_proj", out="mlp.down_proj", pre_linear="mlp.up_proj")
 
 _ATTN_PREFIX = "lensadapters:"
+
+
+def architecture(
+    model_type: str,
+    description: str,
+    *,
+    name: Optional[str] = None,
+    model_types: Optional[tuple[str, ...]] = None,
+    transformers: str = TRANSFORMERS_TESTED,
+    vision_language: bool = False,
+) -> Architecture:
+    """The :class:`Architecture` a plugin claims: named after ``model_type`` and claiming it unless
+    ``name``/``model_types`` say otherwise, tested with ``transformers``; ``vision_language``: also the language
+    model of a vision-language model (see :class:`Architecture`)."""
+    return Architecture(
+        name=name or model_type,
+        model_types=model_types or (model_type,),
+        description=description,
+        transformers=transformers,
+        vision_language=vision_language,
+    )
+
+
+def config_sizes(config: Any, **fields: Any) -> dict[str, Any]:
+    """``HookedConfig``'s sizes (``n_layers``, ``d_model``, ``n_heads``, ``d_head``, ``d_mlp``, ``d_vocab``,
+    ``n_ctx``) read from a transformers config under transformers' usual names, each only where ``fields`` does not
+    give it (a config that names its MLP width otherwise passes ``d_mlp``), then ``fields``."""
+    readers: dict[str, Callable[[], Any]] = dict(
+        n_layers=lambda: config.num_hidden_layers,
+        d_model=lambda: config.hidden_size,
+        n_heads=lambda: config.num_attention_heads,
+        d_head=lambda: head_dim(config),
+        d_mlp=lambda: config.intermediate_size,
+        d_vocab=lambda: config.vocab_size,
+        n_ctx=lambda: config.max_position_embeddings,
+    )
+    return {**{n: read() for n, read in readers.items() if n not in fields}, **fields}
+
+
+_SIZE_FIELDS = {
+    "hidden": "hidden_size",
+    "d_mlp": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab": "vocab_size",
+    "positions": "max_position_embeddings",
+}
+
+
+def size_fields(**sizes: int) -> dict[str, Any]:
+    """A config's sizes under transformers' usual keyword names, given by short ones: ``hidden`` (``hidden_size``),
+    ``d_mlp`` (``intermediate_size``), ``layers`` (``num_hidden_layers``), ``heads`` (``num_attention_heads``),
+    ``kv_heads`` (``num_key_value_heads``), ``vocab`` (``vocab_size``), ``positions``
+    (``max_position_embeddings``); only those given."""
+    unknown = sorted(set(sizes) - set(_SIZE_FIELDS))
+    if unknown:
+        raise TypeError(f"size_fields() knows no size {', '.join(unknown)} (it knows {', '.join(_SIZE_FIELDS)})")
+    return {_SIZE_FIELDS[name]: value for name, value in sizes.items()}
 
 
 def join(prefix: str, name: str) -> str:

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lensadapters.adapters.decoder_plugin import decoder_config
+from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing.contract import AdapterContract
 from lensadapters.testing.family_checks import (
     assert_custom_code_refused,
@@ -43,6 +44,7 @@ __all__ = [
     "DENSE_DRAWS",
     "DecoderContract",
     "GenerationChecks",
+    "HEAD_DRAWS",
     "MOE_DRAWS",
     "MoEDecoderContract",
     "OffsetNormModels",
@@ -78,6 +80,15 @@ DENSE_DRAWS: dict[str, Any] = {
     "theta": st.sampled_from([100.0, 10000.0]),
     "tied": st.booleans(),
     "act": st.sampled_from(["silu", "gelu_new"]),
+}
+
+#: the heads of a small decoder whose head size is its own: one or two key/value heads, one or two query heads per
+#: key/value head, heads of 4 or 8 columns, a width of 4 or 8 per query head
+HEAD_DRAWS: dict[str, Any] = {
+    "n_kv": st.sampled_from([1, 2]),
+    "ratio": st.sampled_from([1, 2]),
+    "head_dim": st.sampled_from([4, 8]),
+    "hidden_per_head": st.sampled_from([4, 8]),
 }
 
 #: the small models of the LoRA and 8-bit matrices (they build two models per example, or save and reload one): a
@@ -186,9 +197,12 @@ class RefusalChecks:
     """Tests of the refusals every declared family makes, mixed into a plugin's test class next to its contract
     (``class TestMistral(MistralContract, RefusalChecks)``): custom modeling code under the family's
     ``model_type``, a rope type that is not rotate-half, and flash/flex attention (every hook point but the pattern
-    ones). ``example_config`` builds the small config they wrap."""
+    ones), and the config settings the family declares refused. ``example_config`` builds the small config they
+    wrap."""
 
     example_config: ClassVar[Callable[[], Any]]
+    refused_settings: ClassVar[dict[str, tuple[Any, str]]] = {}
+    """Config attributes whose value the family refuses at wrap time: ``{name: (value, pattern of the message)}``."""
 
     def example_model(self) -> nn.Module:
         return self.make_model(type(self).example_config(), 0)  # type: ignore[attr-defined]
@@ -203,6 +217,15 @@ class RefusalChecks:
     @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
     def test_flash_and_flex_refuse_patterns_only(self, impl: str) -> None:
         assert_patterns_refused_under(self, self.example_model(), impl)
+
+    def test_refused_settings_are_refused(self) -> None:
+        if not self.refused_settings:
+            pytest.skip("the family declares no refused config settings")
+        for name, (value, message) in self.refused_settings.items():
+            config = type(self).example_config()
+            setattr(config, name, value)
+            with pytest.raises(UnsupportedModelError, match=message):
+                self.wrap(self.make_model(config, 0))  # type: ignore[attr-defined]
 
 
 class GenerationChecks:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any, MutableMapping, Optional
 
-from lensadapters.adapters.registry import PluginInfo, Registry
+import pytest
+
+from lensadapters.adapters.registry import PluginInfo, Registry, get_registry
 
 __all__ = [
     "installed_plugins",
+    "needs_plugin",
+    "assert_entry_point",
     "architecture_plugins",
     "architecture_plugin",
     "model_openers",
@@ -28,6 +33,23 @@ __all__ = [
     "PluginProject",
     "plugin_projects",
 ]
+
+
+def needs_plugin(name: str, what: str) -> None:
+    """Skip the calling test unless the installed plugins include the plugin ``name`` (found by discovery), the one
+    that reads ``what``."""
+    if name not in get_registry().infos:
+        pytest.skip(f"no installed plugin named {name!r} reads {what}")
+
+
+def assert_entry_point(name: str, module: Any, *, skip_uninstalled: bool = False) -> None:
+    """The ``lensadapters`` entry point ``name`` is declared and loads ``module``; ``skip_uninstalled``: skip where
+    no distribution declares it (tests that register the plugin by hand)."""
+    eps = [ep for ep in metadata.entry_points(group="lensadapters") if ep.name == name]
+    if not eps and skip_uninstalled:
+        pytest.skip(f"no installed distribution declares the plugin {name!r}")
+    assert [ep.value for ep in eps] == [module.__name__], eps
+    assert eps[0].load() is module
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ test's settings when the test is defined. ``HYPOTHESIS_PROFILE`` picks the profi
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["PROFILES", "register_profiles", "load_profile"]
 
@@ -27,26 +27,10 @@ def register_profiles() -> None:
     from hypothesis import HealthCheck, settings
 
     slow = [HealthCheck.too_slow]
-    settings.register_profile(
-        "ci",
-        max_examples=PROFILES["ci"],
-        deadline=None,
-        derandomize=True,
-        database=None,
-        print_blob=True,
-        suppress_health_check=slow,
-    )
-    settings.register_profile(
-        "ci-short",
-        max_examples=PROFILES["ci-short"],
-        deadline=None,
-        derandomize=True,
-        database=None,
-        print_blob=True,
-        suppress_health_check=slow,
-    )
-    settings.register_profile("dev", max_examples=PROFILES["dev"], deadline=None, suppress_health_check=slow)
-    settings.register_profile("thorough", max_examples=PROFILES["thorough"], deadline=None, suppress_health_check=slow)
+    reproducible: dict[str, Any] = dict(derandomize=True, database=None, print_blob=True)  # CI's profiles
+    for name, examples in PROFILES.items():
+        extra = reproducible if name.startswith("ci") else {}
+        settings.register_profile(name, max_examples=examples, deadline=None, suppress_health_check=slow, **extra)
 
 
 def load_profile(name: Optional[str] = None) -> str:

@@ -29,6 +29,7 @@ __all__ = [
     "apply_norm",
     "assert_edits_match",
     "assert_points_match",
+    "points_against_reference",
     "block_inputs",
     "masked_difference",
     "norm_out",
@@ -178,6 +179,21 @@ def assert_points_match(
     assert worst < atol, worst
     assert masked_difference(logits, expected_logits, "logits") < atol
     return compared
+
+
+def points_against_reference(
+    contract: Any, config: Any, reference_run: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+) -> tuple[list[str], list[str]]:
+    """:func:`assert_points_match` on ``contract``'s model of ``config`` (seed 0, wrapped by the contract) and
+    :func:`seeded_tokens`, against ``reference_run(model, ids)``; the names compared and every hook point's name (the
+    model is unwrapped after)."""
+    model = contract.make_model(config, 0)
+    hm = contract.wrap(model)
+    ids = seeded_tokens()
+    compared = assert_points_match(hm, ids, reference_run(model, ids))
+    names = list(hm.hook_names)
+    hm.unwrap()
+    return compared, names
 
 
 def assert_edits_match(

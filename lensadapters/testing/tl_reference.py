@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 from hypothesis import strategies as st
 
+from lensadapters.adapters.hf_helpers import config_sizes
+
 __all__ = [
     "ReferenceUnavailable",
     "transformer_lens_available",
@@ -79,14 +81,8 @@ def _gpt_neox(model: Any) -> dict:
     c = model.config
     rotary_ndims = model.gpt_neox.layers[0].attention.rotary_ndims
     return dict(
-        d_model=c.hidden_size,
-        d_head=c.hidden_size // c.num_attention_heads,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers,
-        n_ctx=c.max_position_embeddings,
+        **config_sizes(c, d_head=c.hidden_size // c.num_attention_heads),
         eps=c.layer_norm_eps,
-        d_vocab=c.vocab_size,
         act_fn=c.hidden_act,
         use_attn_scale=True,
         parallel_attn_mlp=bool(c.use_parallel_residual),
@@ -109,14 +105,8 @@ def _opt(model: Any) -> dict:
         raise ReferenceUnavailable("OPT without biases or norm weights")
     eps = float(model.model.decoder.layers[0].self_attn_layer_norm.eps)
     return dict(
-        d_model=c.hidden_size,
-        d_head=c.hidden_size // c.num_attention_heads,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.ffn_dim,
-        n_layers=c.num_hidden_layers,
-        n_ctx=c.max_position_embeddings,
+        **config_sizes(c, d_head=c.hidden_size // c.num_attention_heads, d_mlp=c.ffn_dim),
         eps=eps,
-        d_vocab=c.vocab_size,
         act_fn=c.activation_function,
         use_attn_scale=True,
         normalization_type="LN",
@@ -133,14 +123,8 @@ def _llama(model: Any) -> dict:
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return dict(
-        d_model=c.hidden_size,
-        d_head=d_head,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers,
-        n_ctx=c.max_position_embeddings,
+        **config_sizes(c, d_head=d_head),
         eps=c.rms_norm_eps,
-        d_vocab=c.vocab_size,
         act_fn=c.hidden_act,
         n_key_value_heads=n_kv if n_kv != c.num_attention_heads else None,
         normalization_type="RMS",

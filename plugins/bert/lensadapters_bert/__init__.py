@@ -68,11 +68,10 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check bert` runs (imported only then: it needs lensadapters[testing])
 LENSADAPTERS_CONTRACT = "lensadapters_bert.testing:BertContract"
-ARCH = Architecture(
-    name="bert",
+ARCH = hf.architecture(
+    "bert",
+    "BERT and RoBERTa encoders (post-LN, bidirectional; masked-LM head) with HookedEncoder's points",
     model_types=("bert", "roberta"),
-    description="BERT and RoBERTa encoders (post-LN, bidirectional; masked-LM head) with HookedEncoder's points",
-    transformers=">=4.57,<6",
 )
 #: the modules every encoder layer has
 LAYER_PATHS = (
@@ -194,29 +193,19 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    # attn is the self-attention module (the one transformers' attention function receives); hook_attn_out is
-    # served by this plugin (BertSelfOutput adds the residual inside its forward)
-    return BlockLayout(
-        ln1="attention.output.LayerNorm",
-        attn="attention.self",
-        o_proj="attention.output.dense",
-        ln2="output.LayerNorm",
-        mlp=None,
-        post_norm=True,
-        resid_post_before_norm=True,
-    )
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    return SeparateQKV("attention.self.query", "attention.self.key", "attention.self.value")
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return MLPLayout(pre="intermediate.dense", out="output.dense")
+# attn is the self-attention module (the one transformers' attention function receives); hook_attn_out is served by
+# this plugin (BertSelfOutput adds the residual inside its forward)
+BLOCK = BlockLayout(
+    ln1="attention.output.LayerNorm",
+    attn="attention.self",
+    o_proj="attention.output.dense",
+    ln2="output.LayerNorm",
+    mlp=None,
+    post_norm=True,
+    resid_post_before_norm=True,
+)
+QKV = SeparateQKV("attention.self.query", "attention.self.key", "attention.self.value")
+globals().update(hf.layer_hooks(BLOCK, QKV, MLPLayout(pre="intermediate.dense", out="output.dense")))
 
 
 @hookimpl
@@ -352,16 +341,8 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import BertConfig, RobertaConfig
 
     layers, heads, roberta = hf.toy_draw(seed, (2, 4, False), [1, 2, 3], [2, 4], 0.5)
-    shared: dict[str, Any] = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        type_vocab_size=2,
-    )
+    sizes = hf.size_fields(hidden=32, d_mlp=64, layers=layers, heads=heads, vocab=64)
+    shared = {**sizes, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "type_vocab_size": 2}
     if roberta:
         return RobertaConfig(max_position_embeddings=34, pad_token_id=1, **shared)
     return BertConfig(max_position_embeddings=32, pad_token_id=0, **shared)

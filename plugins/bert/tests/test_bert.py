@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaConfig, RobertaForMaskedLM
 
-from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError
+from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError, hf
 from lensadapters.testing import assert_close
 from lensadapters.testing.models import reinit
 
@@ -484,13 +484,7 @@ def hooked_encoder(model: BertForMaskedLM) -> Any:
 
     c = model.config
     cfg = HookedTransformerConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=c.hidden_size // c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        **hf.config_sizes(c, d_head=c.hidden_size // c.num_attention_heads),
         act_fn="gelu",
         normalization_type="LN",
         attention_dir="bidirectional",

@@ -84,12 +84,11 @@ def _hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
-def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
-    """Llama loaded in 8-bit, prepared for k-bit training, LoRA r=8, alpha 16, dropout 0.05 on q_proj/v_proj."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def _llama_config() -> Any:
+    """The two-layer GQA Llama both LoRA-over-8-bit tests load (width 32, vocabulary 64)."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -101,6 +100,13 @@ def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def test_seed_stack_llama_8bit_lora_end_to_end() -> None:
+    """Llama loaded in 8-bit, prepared for k-bit training, LoRA r=8, alpha 16, dropout 0.05 on q_proj/v_proj."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    config = _llama_config()
     base = quantize(seeded_model(config, 0, "eager"), "int8", torch.float16)
     # float16 -> float32 outside the int8 layers, reentrant gradient checkpointing (PEFT's default, said explicitly)
     base = prepare_model_for_kbit_training(base, gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -234,20 +240,8 @@ def test_lora_over_8bit_disable_switch_merge() -> None:
     with the merged weights, which are exactly what the int8 kernel multiplies with.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = _llama_config()
     fp = seeded_model(config, 3, "eager")
     base8 = quantize(fp, "int8")
     pm = get_peft_model(

@@ -18,7 +18,7 @@ from lensadapters_deepseek_v3.testing import DeepseekV3Contract, deepseek_v3_con
 from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.registry import get_registry
 from lensadapters.testing.contract_support import perturb
-from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
+from lensadapters.testing.reference import assert_edits_match, points_against_reference, seeded_tokens
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,14 +59,11 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_point_matches_the_independent_reference(name: str) -> None:
-    """Every hook point the reference names (all but the head-input points) holds the float64 reference's value
-    (``-inf`` where it masks), and the logits are the reference's: the largest error is float32 rounding."""
-    model = CONTRACT.make_model(deepseek_v3_config(**CONFIGS[name]), 0)
-    hm = CONTRACT.wrap(model)
-    ids = seeded_tokens()
-    compared = assert_points_match(hm, ids, reference_run(model, ids))
-    assert compared == [n for n in hm.hook_names if not n.endswith("_input") and not n.endswith("hook_attn_in")]
-    hm.unwrap()
+    """Every hook point the reference names (all but the head-input points and ``hook_attn_in``) holds the float64
+    reference's value (``-inf`` where it masks), and the logits are the reference's: the largest error is float32
+    rounding."""
+    compared, names = points_against_reference(CONTRACT, deepseek_v3_config(**CONFIGS[name]), reference_run)
+    assert compared == [n for n in names if not n.endswith("_input") and not n.endswith("hook_attn_in")]
 
 
 def _edit(name: str, n_experts: int, nope: int) -> Any:

@@ -9,6 +9,7 @@ from transformers import Gemma2Config
 
 import lensadapters_gemma2
 from lensadapters.testing.families import (
+    HEAD_DRAWS,
     SMALL_MATRIX,
     DecoderContract,
     OffsetNormModels,
@@ -59,10 +60,7 @@ gemma2_configs = config_strategy(
     """Tiny Gemma 2 configs: alternating sliding (2, 3 or 16 tokens) and global layers, ``query_pre_attn_scalar``
     unlike ``head_dim``, attention-logit and final-logit softcaps (small caps that bind on random weights, 50/30 as
     the checkpoints, or none), GQA and multi-query attention, tied and untied embeddings.""",
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
+    **HEAD_DRAWS,
     n_layers=st.integers(1, 2),
     d_mlp=st.sampled_from([16, 40]),
     vocab=st.integers(16, 128),

@@ -20,6 +20,7 @@ class TestGemma2(Gemma2Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_gemma2.testing``, also run by ``lensadapters check gemma2``)."""
 
     example_config = gemma2_config
+    refused_settings = {"use_bidirectional_attention": (True, "use_bidirectional_attention")}
     generation_config = dict(layers=2, window=3)
 
 
@@ -130,10 +131,3 @@ def test_sdpa_without_the_softcap_refuses_patterns_only():
     hm = CONTRACT.wrap(CONTRACT.make_model(gemma2_config(attn_cap=None), 0, "sdpa"))
     assert_window_patterns(hm, *tokens(length=9), [3, None])
     hm.unwrap()
-
-
-def test_bidirectional_attention_is_refused():
-    config = gemma2_config()
-    config.use_bidirectional_attention = True
-    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
-        CONTRACT.wrap(CONTRACT.make_model(config, 0))

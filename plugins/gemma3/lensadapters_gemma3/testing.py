@@ -9,6 +9,7 @@ from transformers import Gemma3TextConfig
 
 import lensadapters_gemma3
 from lensadapters.testing.families import (
+    HEAD_DRAWS,
     SMALL_MATRIX,
     DecoderContract,
     OffsetNormModels,
@@ -66,10 +67,7 @@ gemma3_configs = config_strategy(
     """Tiny Gemma 3 configs: sliding (2, 3 or 16 tokens) and global layers, different RoPE bases on the two (and
     linear scaling on global layers), per-head q/k norms, ``query_pre_attn_scalar`` unlike ``head_dim``, an optional
     final-logit softcap, GQA and multi-query attention, tied and untied embeddings.""",
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
+    **HEAD_DRAWS,
     n_layers=st.integers(1, 3),
     global_every=st.sampled_from([1, 2]),
     d_mlp=st.sampled_from([16, 40]),

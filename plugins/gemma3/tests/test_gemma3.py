@@ -18,6 +18,7 @@ class TestGemma3(Gemma3Contract, RefusalChecks, GenerationChecks):
     """The plugin's contract suite (``lensadapters_gemma3.testing``, also run by ``lensadapters check gemma3``)."""
 
     example_config = gemma3_config
+    refused_settings = {"use_bidirectional_attention": (True, "use_bidirectional_attention")}
 
     def test_unknown_rope_type_is_refused(self) -> None:
         # transformers 5.x: one rotary module with a rope type per layer type
@@ -117,10 +118,3 @@ def test_multimodal_model_is_described_through_its_language_model():
     assert hm.arch.name == "gemma3" and "vision_projector.hook_out" in hm.hook_names
     assert "blocks.0.attn.q_norm.hook_scale" in hm.hook_names
     hm.unwrap()
-
-
-def test_bidirectional_attention_is_refused():
-    config = gemma3_config()
-    config.use_bidirectional_attention = True
-    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
-        CONTRACT.wrap(CONTRACT.make_model(config, 0))

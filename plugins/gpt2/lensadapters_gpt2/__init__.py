@@ -32,12 +32,7 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check gpt2` runs (imported only then: it needs lensadapters[testing])
 LENSADAPTERS_CONTRACT = "lensadapters_gpt2.testing:GPT2Contract"
-ARCH = Architecture(
-    name="gpt2",
-    model_types=("gpt2",),
-    description="GPT-2 (GPT2LMHeadModel, GPT2Model)",
-    transformers=">=4.57,<6",
-)
+ARCH = hf.architecture("gpt2", "GPT-2 (GPT2LMHeadModel, GPT2Model)")
 
 
 def _prefix(model: PreTrainedModel) -> str:
@@ -85,13 +80,7 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
-    return BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_2", mlp="mlp")
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
+def _qkv(model: PreTrainedModel, layer: int) -> FusedQKV:
     d_model, n_heads = model.config.n_embd, model.config.n_head
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,9 +93,8 @@ def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int
     return FusedQKV("attn.c_attn", split, merge)
 
 
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return MLPLayout(pre="mlp.c_fc", out="mlp.c_proj")
+BLOCK = BlockLayout(ln1="ln_1", attn="attn", o_proj="attn.c_proj", ln2="ln_2", mlp="mlp")
+globals().update(hf.layer_hooks(BLOCK, _qkv, MLPLayout(pre="mlp.c_fc", out="mlp.c_proj")))
 
 
 @hookimpl

@@ -44,12 +44,7 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check gpt_neox` runs (imported only then: it needs lensadapters[testing])
 LENSADAPTERS_CONTRACT = "lensadapters_gpt_neox.testing:GPTNeoXContract"
-ARCH = Architecture(
-    name="gpt_neox",
-    model_types=("gpt_neox",),
-    description="GPT-NeoX / Pythia (GPTNeoXForCausalLM, GPTNeoXModel)",
-    transformers=">=4.57,<6",
-)
+ARCH = hf.architecture("gpt_neox", "GPT-NeoX / Pythia (GPTNeoXForCausalLM, GPTNeoXModel)")
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 _ATTN_PREFIX = "lensadapters:"
 
@@ -171,13 +166,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     d_head = c.hidden_size // c.num_attention_heads
     rotary_dim = _attention(model, 0).rotary_ndims if c.num_hidden_layers else 0
     return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=d_head,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        **hf.config_sizes(c, d_head=d_head),
         act_fn=c.hidden_act,
         normalization_type="LN",
         positional_embedding_type="rotary",
@@ -205,8 +194,7 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
+def _block(model: PreTrainedModel, layer: int) -> BlockLayout:
     block = model.get_submodule(_prefix(model) + "layers")[layer]
     # the block adds post_mlp_dropout(mlp(...)) to the residual: resid_mid edits are carried in there
     mlp_residual = "post_mlp_dropout" if hasattr(block, "post_mlp_dropout") else None
@@ -221,8 +209,7 @@ def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -
     )
 
 
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> FusedQKV:
+def _qkv(model: PreTrainedModel, layer: int) -> FusedQKV:
     n_heads = model.config.num_attention_heads
     rotary_ndims = _attention(model, layer).rotary_ndims
 
@@ -232,9 +219,7 @@ def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int
     return FusedQKV("attention.query_key_value", split, merge_qkv, rotary=rotate_half_spec(rotary_ndims))
 
 
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return MLPLayout(pre="mlp.dense_h_to_4h", out="mlp.dense_4h_to_h")
+globals().update(hf.layer_hooks(_block, _qkv, MLPLayout(pre="mlp.dense_h_to_4h", out="mlp.dense_4h_to_h")))
 
 
 @hookimpl

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import GPTNeoXConfig
 
 import lensadapters_gpt_neox
+from lensadapters import hf
 from lensadapters.testing import AdapterContract, Capabilities
 from lensadapters.testing.strategies import as_strategy
 
@@ -37,15 +38,12 @@ def gpt_neox_config(
     vocab: int = VOCAB,
 ) -> GPTNeoXConfig:
     """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos)."""
+    sizes = hf.size_fields(hidden=n_heads * d_head, d_mlp=d_mlp, layers=n_layers, heads=n_heads, vocab=vocab)
     return GPTNeoXConfig(
-        vocab_size=vocab,
-        hidden_size=n_heads * d_head,
-        num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
-        intermediate_size=d_mlp,
+        **sizes,
+        max_position_embeddings=64,
         rotary_pct=rotary_pct,
         rotary_emb_base=10000,
-        max_position_embeddings=64,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_parallel_residual=parallel,

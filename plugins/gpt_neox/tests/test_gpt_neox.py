@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Any
 
 import lensadapters_gpt_neox
 import pytest
@@ -40,17 +41,10 @@ SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @functools.lru_cache(maxsize=32)
-def tiny_model(
-    n_heads: int = 4,
-    d_head: int = 8,
-    rotary_pct: float = 0.25,
-    parallel: bool = True,
-    bias: bool = True,
-    n_layers: int = 2,
-    seed: int = 0,
-) -> nn.Module:
-    # reinit: weights large enough that every path matters
-    return seeded_model(make_config(n_heads, d_head, rotary_pct, parallel, bias, n_layers), seed)
+def tiny_model(*fields: Any, seed: int = 0, **named: Any) -> nn.Module:
+    """The seeded model of ``make_config(*fields, **named)`` (cached); reinit: weights large enough that every path
+    matters."""
+    return seeded_model(make_config(*fields, **named), seed)
 
 
 @st.composite

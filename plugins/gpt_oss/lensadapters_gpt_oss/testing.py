@@ -10,6 +10,7 @@ from transformers import GptOssConfig
 
 import lensadapters_gpt_oss
 from lensadapters.testing.families import (
+    HEAD_DRAWS,
     MOE_DRAWS,
     WINDOW_PROPERTIES,
     MoEDecoderContract,
@@ -77,10 +78,7 @@ gpt_oss_configs = config_strategy(
     default or YaRN RoPE, GQA and multi-query attention, ``head_dim`` apart from ``hidden / heads``, tied and
     untied embeddings.""",
     **MOE_DRAWS,
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
+    **HEAD_DRAWS,
     n_layers=st.integers(1, 2),
     d_mlp=st.sampled_from([8, 16]),
     vocab=st.integers(16, 96),

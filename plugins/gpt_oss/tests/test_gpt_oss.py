@@ -24,7 +24,8 @@ from lensadapters.testing.contract_support import perturb
 from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
 from lensadapters.testing.family_checks import int8_model, window_allowed
 from lensadapters.testing.moe import mlp_input, moe_reference
-from lensadapters.testing.reference import assert_edits_match, assert_points_match, seeded_tokens
+from lensadapters.testing.plugins import needs_plugin
+from lensadapters.testing.reference import assert_edits_match, points_against_reference, seeded_tokens
 from lensadapters.weights import mlp_weights
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +70,8 @@ CONFIGS = {
 def test_every_point_matches_the_independent_reference(name: str) -> None:
     """Every hook point the reference names (all but the head-input points) holds the float64 reference's value
     (``-inf`` where it masks), and the logits are the reference's: the largest error is float32 rounding."""
-    model = CONTRACT.make_model(gpt_oss_config(**CONFIGS[name]), 0)
-    hm = CONTRACT.wrap(model)
-    ids = seeded_tokens()
-    compared = assert_points_match(hm, ids, reference_run(model, ids))
-    assert len(compared) == len([n for n in hm.hook_names if not n.endswith(("_input"))])
-    hm.unwrap()
+    compared, names = points_against_reference(CONTRACT, gpt_oss_config(**CONFIGS[name]), reference_run)
+    assert len(compared) == len([n for n in names if not n.endswith(("_input"))])
 
 
 def _edit(name: str, n_experts: int) -> Any:
@@ -265,17 +262,12 @@ def test_weights_are_the_live_parameters() -> None:
     hm.unwrap()
 
 
-def _needs_plugin(name: str, what: str) -> None:
-    if name not in get_registry().infos:
-        pytest.skip(f"no installed plugin named {name!r} reads {what}")
-
-
 def test_lora_on_the_fused_experts() -> None:
     """LoRA on the attention projections and on the fused expert parameters (PEFT's ``target_parameters``): reading
     every MLP point keeps the output bitwise, ``hook_mlp_out`` is the reference MoE computed from the adapted expert
     weights, and the adapters change the expert weights."""
     peft = pytest.importorskip("peft")
-    _needs_plugin("peft", "LoRA on expert parameters")
+    needs_plugin("peft", "LoRA on expert parameters")
     model = CONTRACT.make_model(gpt_oss_config(layers=1, experts=3, top_k=2), 0)
     lora = peft.LoraConfig(
         r=2,
@@ -309,7 +301,7 @@ def test_int8_model() -> None:
     output bitwise, ``hook_q`` follows the dequantized ``W_Q`` within int8 rounding, and ``hook_mlp_out`` is the
     reference MoE from the float experts."""
     pytest.importorskip("bitsandbytes")
-    _needs_plugin("bnb", "8-bit layers")
+    needs_plugin("bnb", "8-bit layers")
     config = gpt_oss_config(layers=1, experts=3, top_k=2, hidden=64, d_mlp=64, n_heads=4, head_dim=16)
     model = int8_model(CONTRACT.make_model(config, 0))
     attn = model.model.layers[0].self_attn

@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 
 from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing import assert_close, reference_rope
+from lensadapters.testing.plugins import assert_entry_point
 
 
 class TestLlama(LlamaContract):
@@ -583,13 +584,7 @@ def test_tiny_config_for_the_demo():
 
 
 def test_entry_point_is_installed():
-    from importlib import metadata
-
-    eps = [ep for ep in metadata.entry_points(group="lensadapters") if ep.name == "llama"]
-    if not eps:
-        pytest.skip("lensadapters-llama is not installed (tests register it by hand)")
-    assert eps[0].value == "lensadapters_llama"
-    assert eps[0].load() is lensadapters_llama
+    assert_entry_point("llama", lensadapters_llama, skip_uninstalled=True)
 
 
 def test_declared_capabilities_catch_missing_rotary_points():

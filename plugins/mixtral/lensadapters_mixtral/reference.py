@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lensadapters import hf
+
 
 def tl_mixtral(model: Any) -> Any:
     """TransformerLens' ``HookedTransformer`` with ``model``'s weights (float32, no weight processing)."""
@@ -22,16 +24,9 @@ def tl_mixtral(model: Any) -> Any:
     c = model.config
     if getattr(c, "sliding_window", None) is not None:
         raise ValueError("TransformerLens' Mixtral config uses global attention; compare models without sliding_window")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     params = getattr(c, "rope_parameters", None) or {}
     cfg = HookedTransformerConfig(
-        d_model=c.hidden_size,
-        d_head=head_dim,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers,
-        n_ctx=c.max_position_embeddings,
-        d_vocab=c.vocab_size,
+        **hf.config_sizes(c),
         act_fn=c.hidden_act,
         normalization_type="RMS",
         positional_embedding_type="rotary",
@@ -40,7 +35,7 @@ def tl_mixtral(model: Any) -> Any:
         n_key_value_heads=c.num_key_value_heads,
         gated_mlp=True,
         use_local_attn=False,
-        rotary_dim=head_dim,
+        rotary_dim=hf.head_dim(c),
         num_experts=c.num_local_experts,
         experts_per_token=c.num_experts_per_tok,
         final_rms=True,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import MixtralConfig
 
 import lensadapters_mixtral
-from lensadapters.testing.families import MOE_DRAWS, MoEDecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import HEAD_DRAWS, MOE_DRAWS, MoEDecoderContract, config_strategy, decoder_config
 
 __all__ = ["MixtralContract", "mixtral_config", "mixtral_configs"]
 
@@ -45,10 +45,7 @@ mixtral_configs = config_strategy(
     untied embeddings. No sliding window by default (the generic properties assume every earlier key is attended;
     ``tests/test_mixtral.py`` checks sliding windows on their own).""",
     **MOE_DRAWS,
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
+    **HEAD_DRAWS,
     n_layers=st.integers(1, 2),
     d_mlp=st.sampled_from([8, 16, 24]),
     vocab=st.integers(16, 96),

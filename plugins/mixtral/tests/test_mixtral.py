@@ -4,8 +4,6 @@ plugin's own checks."""
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import lensadapters_mixtral
 import pytest
 import torch
@@ -18,6 +16,7 @@ from lensadapters.registry import Registry, get_registry
 from lensadapters.testing import assert_close
 from lensadapters.testing.family_checks import assert_window_patterns_match_eager, int8_model
 from lensadapters.testing.moe_reference import assert_moe_reference, mlp_input, mlp_points, wrap_adapted_experts
+from lensadapters.testing.plugins import assert_entry_point, needs_plugin
 
 
 class TestMixtral(MixtralContract):
@@ -37,15 +36,8 @@ def registry(*plugins: object) -> Registry:
     return reg
 
 
-def _needs_plugin(name: str, what: str) -> None:
-    """Skip unless the installed plugins include the cross-cutting plugin ``name`` (found by discovery)."""
-    if name not in get_registry().infos:
-        pytest.skip(f"no installed plugin named {name!r} reads {what}")
-
-
 def test_entry_point() -> None:
-    eps = importlib.metadata.entry_points(group="lensadapters")
-    assert any(ep.name == "mixtral" and ep.value == "lensadapters_mixtral" for ep in eps)
+    assert_entry_point("mixtral", lensadapters_mixtral)
 
 
 @FEW
@@ -81,7 +73,7 @@ def test_lora_on_experts(seed: int) -> None:
     """LoRA on the experts (fused parameters or expert modules): hook points see the adapted experts, the model
     stays bitwise while they are read, expert weights include the deltas (the reference MoE computed from them
     is ``hook_mlp_out``), and with the adapters disabled they are the base weights."""
-    _needs_plugin("peft", "LoRA layers")
+    needs_plugin("peft", "LoRA layers")
     base_W_in, peft_model = _lora_model(seed)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
     hm, reference = wrap_adapted_experts(peft_model, ids, get_registry())
@@ -102,7 +94,7 @@ def test_int8_model() -> None:
     quantizes linear layers only). Reading every MoE point keeps the output bitwise, the per-expert points follow
     the read weights within int8 rounding, and the results sum to ``hook_mlp_out``."""
     pytest.importorskip("bitsandbytes")
-    _needs_plugin("bnb", "8-bit layers")
+    needs_plugin("bnb", "8-bit layers")
     config = mixtral_config(layers=1, experts=3, top_k=2, hidden=64, d_mlp=64, n_heads=4, head_dim=16)
     model = int8_model(CONTRACT.make_model(config, 0, "eager"))
     ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -7,8 +7,8 @@ compare with."""
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 
+import lensadapters_olmoe
 import pytest
 import torch
 from lensadapters_olmoe.testing import OlmoeContract, olmoe_config
@@ -23,6 +23,7 @@ from lensadapters.testing.family_checks import (
     assert_unknown_rope_refused,
 )
 from lensadapters.testing.moe_reference import mlp_input, moe_reference, wrap_adapted_experts
+from lensadapters.testing.plugins import assert_entry_point, needs_plugin
 from lensadapters.weights import mlp_weights
 
 
@@ -33,15 +34,8 @@ class TestOlmoe(OlmoeContract):
 CONTRACT = TestOlmoe()
 
 
-def _needs_plugin(name: str, what: str) -> None:
-    """Skip unless the installed plugins include the cross-cutting plugin ``name`` (found by discovery)."""
-    if name not in get_registry().infos:
-        pytest.skip(f"no installed plugin named {name!r} reads {what}")
-
-
 def test_entry_point() -> None:
-    eps = importlib.metadata.entry_points(group="lensadapters")
-    assert any(ep.name == "olmoe" and ep.value == "lensadapters_olmoe" for ep in eps)
+    assert_entry_point("olmoe", lensadapters_olmoe)
 
 
 def test_query_norm_over_the_projection_width() -> None:
@@ -105,7 +99,7 @@ def test_lora_on_experts(seed: int) -> None:
     """LoRA on the experts (transformers 4.57: each expert's linear layers; 5: PEFT's parameter LoRA on the fused
     ``gate_up_proj``/``down_proj``): reading every MLP point keeps the output bitwise, ``hook_mlp_out`` is the
     reference MoE computed from the adapted expert weights, and disabling the adapters changes the weights."""
-    _needs_plugin("peft", "LoRA layers")
+    needs_plugin("peft", "LoRA layers")
     peft = pytest.importorskip("peft")
     model = CONTRACT.make_model(olmoe_config(layers=2, experts=4, top_k=2), seed)
     config = peft.LoraConfig(

@@ -58,12 +58,7 @@ __version__ = "0.1.0"
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check opt` runs (imported only then: it needs lensadapters[testing])
 LENSADAPTERS_CONTRACT = "lensadapters_opt.testing:OPTContract"
-ARCH = Architecture(
-    name="opt",
-    model_types=("opt",),
-    description="OPT (OPTForCausalLM, OPTModel), pre-LN and post-LN, with or without project_in/out",
-    transformers=">=4.57,<6",
-)
+ARCH = hf.architecture("opt", "OPT (OPTForCausalLM, OPTModel), pre-LN and post-LN, with or without project_in/out")
 
 POST_LN_DOC = """\
 Post-LN blocks (do_layer_norm_before=False, OPT-350m) compute
@@ -154,13 +149,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     decoder = _decoder(model)
     ln = decoder.layers[0].self_attn_layer_norm
     return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=c.hidden_size // c.num_attention_heads,
-        d_mlp=c.ffn_dim,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        **hf.config_sizes(c, d_head=c.hidden_size // c.num_attention_heads, d_mlp=c.ffn_dim),
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="standard",
@@ -193,8 +182,7 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     )
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> BlockLayout:
+def _block(model: PreTrainedModel, layer: int) -> BlockLayout:
     return BlockLayout(
         ln1="self_attn_layer_norm",
         attn="self_attn",
@@ -206,16 +194,10 @@ def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -
     )
 
 
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> SeparateQKV:
-    # hook_q is q_proj's output, before OPTAttention multiplies it by `scaling`; the attention function is then
-    # called with scaling=1.0, so the core's scores (query @ key^T * 1.0) are HF's scaled scores.
-    return SeparateQKV("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> MLPLayout:
-    return MLPLayout(pre="fc1", out="fc2")
+# hook_q is q_proj's output, before OPTAttention multiplies it by `scaling`; the attention function is then called
+# with scaling=1.0, so the core's scores (query @ key^T * 1.0) are HF's scaled scores.
+QKV = SeparateQKV("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+globals().update(hf.layer_hooks(_block, QKV, MLPLayout(pre="fc1", out="fc2")))
 
 
 @hookimpl

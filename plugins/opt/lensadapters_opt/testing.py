@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from transformers import OPTConfig
 
 import lensadapters_opt
+from lensadapters import hf
 from lensadapters.testing import AdapterContract
 from lensadapters.testing.strategies import as_strategy
 
@@ -92,13 +93,12 @@ def opt_configs(
         # post-LN with a bias-free, homogeneous MLP and no LayerNorm affine is scale invariant: a per-token
         # rescaling of ln1's output (an ln1.hook_scale edit) provably cannot change the logits
         act = "gelu"
+    vocab_size = draw(as_strategy(vocab), label="vocab")
+    layers = draw(as_strategy(n_layers), label="n_layers")
+    sizes = hf.size_fields(hidden=hidden, layers=layers, heads=heads, vocab=vocab_size, positions=32)
     return OPTConfig(
-        vocab_size=draw(as_strategy(vocab), label="vocab"),
-        hidden_size=hidden,
-        num_hidden_layers=draw(as_strategy(n_layers), label="n_layers"),
+        **sizes,
         ffn_dim=draw(as_strategy(ffn_dim), label="ffn_dim"),
-        num_attention_heads=heads,
-        max_position_embeddings=32,
         word_embed_proj_dim=proj,
         do_layer_norm_before=pre_ln,
         enable_bias=bias,

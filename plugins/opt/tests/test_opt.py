@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from lensadapters_opt.testing import OPTContract, opt_configs
 from transformers import OPTConfig
 
-from lensadapters import UnsupportedModelError
+from lensadapters import UnsupportedModelError, hf
 from lensadapters.testing import assert_close, token_inputs
+from lensadapters.testing.plugins import assert_entry_point
 
 
 class TestOPT(OPTContract):
@@ -56,15 +57,8 @@ def _decoder(model):
 
 def small_config(**fields: Any) -> OPTConfig:
     """A two-layer OPT config of width 16 (2 heads, MLP 32, vocabulary 40, 16 positions), then ``fields``."""
-    shared = dict(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-    )
-    return OPTConfig(**{**shared, **fields})
+    shared = hf.size_fields(hidden=16, layers=2, heads=2, vocab=40, positions=16)
+    return OPTConfig(**{**shared, "ffn_dim": 32, **fields})
 
 
 @settings(deadline=None)
@@ -423,9 +417,4 @@ def test_tiny_config_builds_and_wraps():
 
 
 def test_entry_point():
-    from importlib import metadata
-
-    eps = [ep for ep in metadata.entry_points(group="lensadapters") if ep.name == "opt"]
-    if not eps:
-        pytest.skip("lensadapters-opt is not installed")
-    assert eps[0].value == "lensadapters_opt"
+    assert_entry_point("opt", lensadapters_opt, skip_uninstalled=True)

@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 from transformers import Qwen3MoeConfig
 
 import lensadapters_qwen3_moe
-from lensadapters.testing.families import MOE_DRAWS, MoEDecoderContract, QKNormScores, config_strategy, decoder_config
+from lensadapters.testing.families import (
+    HEAD_DRAWS,
+    MOE_DRAWS,
+    MoEDecoderContract,
+    QKNormScores,
+    config_strategy,
+    decoder_config,
+)
 
 __all__ = ["Qwen3MoeContract", "qwen3_moe_config", "qwen3_moe_configs"]
 
@@ -76,10 +83,7 @@ qwen3_moe_configs = config_strategy(
     n_layers=st.integers(1, 3),
     dense=st.sampled_from(["none", "none", "mlp_only_layers", "decoder_sparse_step"]),
     mlp_only_layers=_dense_layers,
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([4, 8]),
-    hidden_per_head=st.sampled_from([4, 8]),
+    **HEAD_DRAWS,
     d_mlp=st.sampled_from([8, 16]),
     dense_d_mlp=st.sampled_from([12, 24]),
     vocab=st.integers(16, 96),

@@ -5,8 +5,7 @@ windows, LoRA on the experts, refusals). TransformerLens 2.x has no Qwen3-MoE: t
 
 from __future__ import annotations
 
-import importlib.metadata
-
+import lensadapters_qwen3_moe
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,6 +25,7 @@ from lensadapters.testing.family_checks import (
     assert_window_patterns_match_eager,
 )
 from lensadapters.testing.moe import mlp_input, moe_reference
+from lensadapters.testing.plugins import assert_entry_point, needs_plugin
 from lensadapters.weights import mlp_weights
 
 
@@ -38,15 +38,8 @@ CONTRACT = TestQwen3Moe()
 FEW = settings(deadline=None, max_examples=max(2, settings.default.max_examples // 4))
 
 
-def _needs_plugin(name: str, what: str) -> None:
-    """Skip unless the installed plugins include the cross-cutting plugin ``name`` (found by discovery)."""
-    if name not in get_registry().infos:
-        pytest.skip(f"no installed plugin named {name!r} reads {what}")
-
-
 def test_entry_point() -> None:
-    eps = importlib.metadata.entry_points(group="lensadapters")
-    assert any(ep.name == "qwen3_moe" and ep.value == "lensadapters_qwen3_moe" for ep in eps)
+    assert_entry_point("qwen3_moe", lensadapters_qwen3_moe)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +162,7 @@ def test_lora_on_experts_and_dense_layers(seed: int) -> None:
     """LoRA on the experts (fused parameters or expert modules) and on the dense layer: reading every MLP point
     keeps the output bitwise, the sparse layer's ``hook_mlp_out`` is the reference MoE computed from the adapted
     expert weights, the dense layer's from its adapted projections, and the adapters change the expert weights."""
-    _needs_plugin("peft", "LoRA layers")
+    needs_plugin("peft", "LoRA layers")
     peft_model = _lora_model(seed)
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
     names = lambda n: ".mlp." in n or n.endswith(("ln2.hook_normalized", "hook_mlp_out"))  # noqa: E731

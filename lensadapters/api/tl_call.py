@@ -366,6 +366,12 @@ def _start_tokens(hm: "HookedModelLike", first: int, tokens: Optional[Tensor], b
 
 def refuse_bidirectional(hm: "HookedModelLike", what: str) -> None:
     """Refuse ``what``, which needs a causal language model, on a model whose attention is bidirectional."""
+    if getattr(getattr(hm.hf_model, "config", None), "is_encoder_decoder", False):
+        raise NotCausalError(
+            f"{what} needs a causal language model; {type(hm.hf_model).__name__} is an encoder-decoder: its "
+            f"loss is the model's own forward with labels=... (hm(**batch, labels=...).loss), its generation "
+            f"hm.generate(input_ids=..., max_new_tokens=...) (Hugging Face's, hooks active)"
+        )
     if hm.cfg.attention_dir != "causal":
         raise NotCausalError(
             f"{what} needs a causal language model; {hm.cfg.original_architecture or 'this model'} attends "

@@ -346,6 +346,30 @@ def test_analysis_layer_and_named_refusals():
     hm.unwrap()
 
 
+def test_transformer_lens_style_call():
+    """HookedEncoderDecoder's call: ``hm(input, decoder_input=..., one_zero_attention_mask=...)`` computes Hugging
+    Face's logits, ``run_with_cache`` takes it too; without decoder tokens, or with HookedTransformer's layer
+    keywords, it is refused by name."""
+    from lensadapters.api.tl_call import TransformerLensKeywordError
+
+    model = make_model()
+    batch = inputs()
+    hm = HookedModel.wrap(model)
+    ids, mask, decoder = batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"]
+    with torch.no_grad():
+        expected = model(**batch).logits
+        assert torch.equal(hm(ids, decoder_input=decoder, one_zero_attention_mask=mask), expected)
+        logits, cache = hm.run_with_cache(ids, decoder_input=decoder, one_zero_attention_mask=mask)
+        _, hf_cache = hm.run_with_cache(**batch)
+    assert torch.equal(logits, expected)
+    assert torch.equal(cache["decoder.1.cross_attn.hook_pattern"], hf_cache["decoder.1.cross_attn.hook_pattern"])
+    with pytest.raises(ValueError, match="decoder_input"):
+        hm(ids, one_zero_attention_mask=mask)
+    with pytest.raises(TransformerLensKeywordError, match="HookedEncoderDecoder has neither"):
+        hm(ids, decoder_input=decoder, stop_at_layer=1)
+    hm.unwrap()
+
+
 def test_tiny_configs_wrap():
     for seed in range(4):
         config = lensadapters_t5.lensadapters_tiny_config(arch=lensadapters_t5.ARCH, seed=seed)
@@ -408,8 +432,11 @@ def test_matches_transformer_lens_hooked_encoder_decoder(decoder_length):
         tl_logits, tl_cache = tl.run_with_cache(
             batch["input_ids"], batch["decoder_input_ids"], one_zero_attention_mask=batch["attention_mask"]
         )
-        logits, cache = hm.run_with_cache(**batch)
-    logits = logits_of(logits)
+        logits, cache = hm.run_with_cache(  # HookedEncoderDecoder's call
+            batch["input_ids"],
+            decoder_input=batch["decoder_input_ids"],
+            one_zero_attention_mask=batch["attention_mask"],
+        )
     shared = [n for n in hm.hook_names if n in tl_cache.cache_dict]
     assert set(shared) == set(tl_cache.cache_dict), "every HookedEncoderDecoder point is served"
     compared = shared if decoder_length == 1 else [n for n in shared if not n.startswith("decoder")]

@@ -293,7 +293,7 @@ def forward(
             raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
         attention_mask = one_zero
     token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
-    decoder_input = _decoder_input(hm, input, extra.pop("decoder_input", None), start_at_layer, stop_at_layer)
+    decoder_input = extra.pop("decoder_input", None)  # HookedEncoderDecoder's decoder tokens (checked below)
     image_inputs = multimodal_inputs(hm.hf_model) if extra else frozenset()  # pixel_values...
     passed = {k: extra.pop(k) for k in list(extra) if k in image_inputs}
     _check_extra(extra)
@@ -301,6 +301,7 @@ def forward(
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
     if return_type in ("loss", "both"):
         refuse_bidirectional(hm, f"return_type={return_type!r} (the next-token loss)")
+    decoder_input = _decoder_input(hm, input, decoder_input, start_at_layer, stop_at_layer)
     if shortformer_pos_embed is not None:
         raise TransformerLensKeywordError(
             "shortformer_pos_embed is not supported: no Hugging Face architecture "

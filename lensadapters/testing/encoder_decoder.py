@@ -7,8 +7,8 @@ cross-attention) serves TransformerLens 2.18 ``HookedEncoderDecoder``'s names: `
 skipped by name (``not_served``); these properties hold instead, on models from the plugin's ``config_strategy``
 built with ``AutoModelForSeq2SeqLM`` and called with ``input_ids``, ``attention_mask`` and ``decoder_input_ids``:
 
-* without hooks the wrapped model computes Hugging Face's logits bitwise, and ``unwrap`` gives the model back with
-  its modules and parameters as they were;
+* without hooks the wrapped model computes Hugging Face's logits bitwise (also after a cached run), and ``unwrap``
+  gives the model back with its modules and parameters as they were and no per-instance override left;
 * every point fires once per forward, in ``hook_names``' order, with the batch in front and the residual points
   ``[batch, pos, d_model]`` (the encoder's positions or the decoder's); identity hooks everywhere keep the logits;
 * attention patterns are distributions over the keys: padding keys of the encoder get none (self- and cross-
@@ -74,10 +74,11 @@ class EncoderDecoderContract(AdapterContract):
                 expected = model(**batch).logits
                 hm = self.wrap(model)
                 assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward"
-                hm.run_with_cache(**batch)  # hooks that come and go leave nothing behind
+                hm.run_with_cache(**batch)  # hooks that come and go (patterns included) leave nothing behind
                 assert torch.equal(hm(**batch).logits, expected)
             assert hm.unwrap() is model
             assert dict(model.named_modules()) == modules
+            assert not any("forward" in vars(m) for m in modules.values()), "no per-instance forward is left"
             assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
     @_SETTINGS

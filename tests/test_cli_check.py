@@ -202,10 +202,11 @@ def test_tiny_config_seeds_vary_the_shape(name, module):
             assert config.hidden_size <= 64 and config.vocab_size <= 512
             model = seeded_model(config, seed)
             ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(seed))
+            decoder = {"decoder_input_ids": ids} if config.is_encoder_decoder else {}  # an encoder-decoder's
             with torch.no_grad():
-                reference = model(ids).logits
+                reference = model(ids, **decoder).logits
                 hm = HookedModel.wrap(model, registry=registry)
-                assert torch.equal(hm(ids).logits, reference), (arch.name, seed)
+                assert torch.equal(hm(ids, **decoder).logits, reference), (arch.name, seed)
             hm.unwrap()
 
 

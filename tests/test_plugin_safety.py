@@ -62,10 +62,13 @@ def _tiny_model(config: object) -> torch.nn.Module:
 
 
 def _installed_architecture() -> tuple[object, Architecture, object]:
-    """An installed architecture plugin with a tiny config (whichever is installed first)."""
+    """An installed architecture plugin with a tiny config (whichever is installed first; not an encoder-decoder,
+    which a causal LM's call does not run)."""
     registry = get_registry()
     for info in registry.architecture_plugins():
         for arch in info.architectures:
+            if arch.encoder_decoder:
+                continue
             config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0)
             if config is not None:
                 return info.plugin, arch, config

@@ -62,7 +62,19 @@ class CacheAnalysisMixin:
 
     @property
     def _n_layers(self) -> int:
-        return self._hm().cfg.n_layers
+        """The number of blocks the layer-indexed methods run over (every one of them reads it first): refused by
+        name for an encoder-decoder, whose points are two stacks (``encoder.{i}.*``, ``decoder.{i}.*``)."""
+        hm = self._hm()
+        names = hm.hook_names
+        if "blocks.0.hook_resid_pre" not in names and "decoder.0.hook_resid_pre" in names:
+            raise DecompositionUndefinedError(
+                "ActivationCache's layer-indexed methods (accumulated_resid, decompose_resid, stack_head_results, "
+                "stack_neuron_results, apply_ln_to_stack, logit_attrs, get_full_resid_decomposition...) and the "
+                "(name, layer) shorthand index one stack of blocks.{i} points; this model is an encoder-decoder "
+                "(HookedEncoderDecoder's encoder.{i}.* and decoder.{i}.* points, where TransformerLens defines none "
+                "of them either): read its points by name, e.g. cache['decoder.1.hook_resid_post']"
+            )
+        return hm.cfg.n_layers
 
     def _layer(self, layer: Optional[int]) -> int:
         return self._n_layers if layer is None or layer == -1 else layer
@@ -75,6 +87,7 @@ class CacheAnalysisMixin:
         )
 
     def _refuse_post_ln(self, what: str) -> None:
+        self._n_layers  # an encoder-decoder is refused by name first  # noqa: B018
         if self._post_ln():
             raise DecompositionUndefinedError(
                 f"{what} is not defined for this model: its blocks are post-LN or have post norms (they normalize "
@@ -105,7 +118,7 @@ class CacheAnalysisMixin:
             raise ValueError("cannot slice the batch dimension of a cache without one")
         still = batch_slice.mode != "int" and self.has_batch_dim
         data = {name: batch_slice.apply(value, dim=0) for name, value in self._data.items()}
-        return type(self)(data, self._n_layers, still, model=self.model)  # type: ignore[call-arg]
+        return type(self)(data, self._hm().cfg.n_layers, still, model=self.model)  # type: ignore[call-arg]
 
     # --- stacks of the residual stream -------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from lensadapters.api.caching import DEFAULT_CACHE_EXCLUDES, CachingRuns  # noqa
 from lensadapters.api.tl_api import (
     TransformerLensAPI,  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 )
-from lensadapters.errors import LensAdaptersError, PluginError, UnsupportedModelError
+from lensadapters.errors import LensAdaptersError, NotCausalError, PluginError, UnsupportedModelError
 from lensadapters.hooks.hook_point import HookFn, HookPoint
 from lensadapters.wiring.core import Wiring
 from lensadapters.wiring.names import PATTERN_POINTS
@@ -401,9 +401,17 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
         ``model.generate`` (always reachable as ``hm.hf_model.generate``), whose forward is never compiled while
         hooks are attached (see ``hooks``)."""
         self._check_alive()
-        tl_call.refuse_bidirectional(self, "generate")
+        encoder_decoder = bool(getattr(self.hf_model.config, "is_encoder_decoder", False))
+        if not encoder_decoder:
+            tl_call.refuse_bidirectional(self, "generate")
         self.wiring.sync()
         if self._tl_semantics or tl_call.wants_transformer_lens_generate(args, kwargs):
+            if encoder_decoder:  # an encoder-decoder's generation is Hugging Face's (hooks active)
+                raise NotCausalError(
+                    f"TransformerLens-style generate (text in, a decoder-only sampling loop) is not defined for "
+                    f"{type(self.hf_model).__name__}, an encoder-decoder: call hm.generate(input_ids=..., "
+                    f"attention_mask=..., max_new_tokens=...) (Hugging Face's generate, every attached hook active)"
+                )
             return tl_call.generate(self, *args, **kwargs)
         if self.wiring.installed:
             kwargs.setdefault("disable_compile", True)

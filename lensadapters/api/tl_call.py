@@ -81,6 +81,8 @@ def wants_transformer_lens(args: tuple, kwargs: dict) -> bool:
     """Whether a call uses TransformerLens conventions (a TL keyword, or text as the input)."""
     if any(k in kwargs for k in FORWARD_KEYWORDS) or any(k in kwargs for k in NO_OP_KEYWORDS):
         return True
+    if "decoder_input" in kwargs:  # HookedEncoderDecoder's decoder tokens
+        return True
     first = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
     return _tokens.is_text(first)
 
@@ -230,6 +232,35 @@ _NO_OP_HINTS = {
 }
 
 
+def _decoder_input(
+    hm: "HookedModelLike", input: Any, decoder_input: Optional[Tensor], start: Optional[int], stop: Optional[int]
+) -> Optional[Tensor]:
+    """HookedEncoderDecoder's ``decoder_input`` (the decoder's token ids) for an encoder-decoder: given, or for text
+    input one decoder start token per row (TransformerLens starts with the pad token, T5's decoder start token);
+    ``None`` for another model, which must not be given one."""
+    config = getattr(hm.hf_model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False):
+        if decoder_input is not None:
+            raise TransformerLensKeywordError(
+                "decoder_input is HookedEncoderDecoder's keyword, for encoder-decoders; this model has one stack"
+            )
+        return None
+    if start is not None or stop is not None:
+        raise TransformerLensKeywordError(
+            "start_at_layer/stop_at_layer are HookedTransformer's; HookedEncoderDecoder has neither (an "
+            "encoder-decoder's blocks are two stacks): read or patch encoder.{i}/decoder.{i} points instead"
+        )
+    if decoder_input is None:
+        if not _tokens.is_text(input):
+            raise ValueError("an encoder-decoder's TransformerLens-style call with token ids needs decoder_input=")
+        start_id = getattr(config, "decoder_start_token_id", None)
+        start_id = getattr(config, "pad_token_id", 0) if start_id is None else start_id
+        return torch.tensor([[start_id]])
+    if not isinstance(decoder_input, Tensor) or decoder_input.is_floating_point() or decoder_input.dim() != 2:
+        raise ValueError(f"decoder_input must be [batch, decoder_pos] token ids, not {decoder_input!r:.80}")
+    return decoder_input
+
+
 def _layer_range(n: int, start: Optional[int], stop: Optional[int]) -> tuple[int, int]:
     for name, value in (("start_at_layer", start), ("stop_at_layer", stop)):
         if value is not None and not isinstance(value, int):
@@ -262,6 +293,7 @@ def forward(
             raise TypeError("give attention_mask or one_zero_attention_mask (HookedEncoder's name for it), not both")
         attention_mask = one_zero
     token_type_ids = extra.pop("token_type_ids", None)  # HookedEncoder's segment ids, for models that take them
+    decoder_input = extra.pop("decoder_input", None)  # HookedEncoderDecoder's decoder tokens (checked below)
     image_inputs = multimodal_inputs(hm.hf_model) if extra else frozenset()  # pixel_values...
     passed = {k: extra.pop(k) for k in list(extra) if k in image_inputs}
     _check_extra(extra)
@@ -269,6 +301,7 @@ def forward(
         raise ValueError(f"return_type must be one of {RETURN_TYPES}, not {return_type!r}")
     if return_type in ("loss", "both"):
         refuse_bidirectional(hm, f"return_type={return_type!r} (the next-token loss)")
+    decoder_input = _decoder_input(hm, input, decoder_input, start_at_layer, stop_at_layer)
     if shortformer_pos_embed is not None:
         raise TransformerLensKeywordError(
             "shortformer_pos_embed is not supported: no Hugging Face architecture "
@@ -306,6 +339,10 @@ def forward(
     kwargs = hf_inputs(hm, token_ids, mask)  # use_cache as the model's default: the numbers of its own forward
     if token_type_ids is not None:
         kwargs["token_type_ids"] = token_type_ids.to(token_ids.device)
+    if decoder_input is not None:  # an encoder-decoder: the encoder's mask is given whether or not it pads
+        kwargs["decoder_input_ids"] = decoder_input.expand(token_ids.shape[0], -1).to(token_ids.device)
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(token_ids.device)
     if passed and "position_ids" in kwargs:
         _refuse_padded_image_positions(hm)
     kwargs.update(passed)
@@ -366,6 +403,12 @@ def _start_tokens(hm: "HookedModelLike", first: int, tokens: Optional[Tensor], b
 
 def refuse_bidirectional(hm: "HookedModelLike", what: str) -> None:
     """Refuse ``what``, which needs a causal language model, on a model whose attention is bidirectional."""
+    if getattr(getattr(hm.hf_model, "config", None), "is_encoder_decoder", False):
+        raise NotCausalError(
+            f"{what} needs a causal language model; {type(hm.hf_model).__name__} is an encoder-decoder: its "
+            f"loss is the model's own forward with labels=... (hm(**batch, labels=...).loss), its generation "
+            f"hm.generate(input_ids=..., max_new_tokens=...) (Hugging Face's, hooks active)"
+        )
     if hm.cfg.attention_dir != "causal":
         raise NotCausalError(
             f"{what} needs a causal language model; {hm.cfg.original_architecture or 'this model'} attends "

@@ -109,7 +109,7 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
     candidates = []
     for info in registry.architecture_plugins():
         for arch in info.architectures:
-            if not arch.declared_for_installed_transformers():
+            if not arch.declared_for_installed_transformers() or arch.encoder_decoder:
                 continue
             config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0)
             if config is None:

@@ -56,6 +56,9 @@ class Architecture:
     transformers: str = ""
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
     vision_language: bool = False
+    #: an encoder-decoder (two stacks, decoder inputs): the cross-plugin test matrices and the demo, which build
+    #: single-stack models and call them with token ids alone, leave it out; its plugin's own contract tests it
+    encoder_decoder: bool = False
 
     def declared_for_installed_transformers(self) -> bool:
         """Whether the installed transformers is within ``transformers`` (always, when it is empty). A family that

@@ -28,15 +28,17 @@ def reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` with :func:`reinit` weights from ``seed``, in eval mode.
+    """``AutoModelForCausalLM.from_config(config)`` (``AutoModelForSeq2SeqLM`` for an encoder-decoder config) with
+    :func:`reinit` weights from ``seed``, in eval mode.
 
     ``attn_implementation=None`` keeps transformers' default for the config.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    model = auto.from_config(config, **kwargs)
     reinit(model, seed)
     return model.eval()
 
@@ -70,6 +72,10 @@ def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: i
         raise LookupError(
             f"{arch.name!r} is declared for transformers {arch.transformers}, not the installed "
             f"{transformers.__version__}"
+        )
+    if arch.encoder_decoder:
+        raise LookupError(
+            f"{arch.name!r} is an encoder-decoder: the demo builds single-stack models (its plugin's contract tests it)"
         )
     config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=seed)
     if config is None:

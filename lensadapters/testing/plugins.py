@@ -63,10 +63,16 @@ def installed_plugins() -> tuple[PluginInfo, ...]:
 def architecture_plugins() -> list[PluginInfo]:
     """The installed plugins that claim architectures declared for the installed transformers, by entry-point name,
     each with only those architectures (a family that exists in newer transformers releases only is left out under
-    an older one: there is no model of it to build)."""
+    an older one: there is no model of it to build). Encoder-decoders (``Architecture.encoder_decoder``) are left
+    out too: the cross-plugin matrices build single-stack models and call them with token ids alone; an
+    encoder-decoder plugin's own contract tests it."""
     found = []
     for info in installed_plugins():
-        here = tuple(arch for arch in info.architectures if arch.declared_for_installed_transformers())
+        here = tuple(
+            arch
+            for arch in info.architectures
+            if arch.declared_for_installed_transformers() and not arch.encoder_decoder
+        )
         if here:
             found.append(info if here == info.architectures else replace(info, architectures=here))
     return sorted(found, key=lambda info: info.name)

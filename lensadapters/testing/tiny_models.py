@@ -23,7 +23,9 @@ def architectures() -> list[tuple[str, Any, Any]]:
     found = []
     for info in registry.architecture_plugins():
         for arch in info.architectures:
-            if not arch.declared_for_installed_transformers():  # a family of newer transformers releases only
+            if (
+                not arch.declared_for_installed_transformers() or arch.encoder_decoder
+            ):  # newer releases only; two stacks
                 continue
             if registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0) is not None:
                 found.append((arch.name, info, arch))

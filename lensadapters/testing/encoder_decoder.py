@@ -1,0 +1,179 @@
+"""The contract suite in an encoder-decoder's form: :class:`EncoderDecoderContract`.
+
+An encoder-decoder (``Architecture.encoder_decoder``: two stacks, the decoder reading the encoder's output through
+cross-attention) serves TransformerLens 2.18 ``HookedEncoderDecoder``'s names: ``encoder.{i}.*``, ``decoder.{i}.*``
+(with ``cross_attn.*``), ``encoder_final_ln.*`` and ``decoder_final_ln.*``. The single-stack properties of
+:class:`~lensadapters.testing.AdapterContract` (``blocks.{i}`` names, causal-LM calls with token ids alone) are
+skipped by name (``not_served``); these properties hold instead, on models from the plugin's ``config_strategy``
+built with ``AutoModelForSeq2SeqLM`` and called with ``input_ids``, ``attention_mask`` and ``decoder_input_ids``:
+
+* without hooks the wrapped model computes Hugging Face's logits bitwise (also after a cached run), and ``unwrap``
+  gives the model back with its modules and parameters as they were and no per-instance override left;
+* every point fires once per forward, in ``hook_names``' order, with the batch in front and the residual points
+  ``[batch, pos, d_model]`` (the encoder's positions or the decoder's); identity hooks everywhere keep the logits;
+* attention patterns are distributions over the keys: padding keys of the encoder get none (self- and cross-
+  attention), the decoder's self-attention is causal;
+* patching the last encoder block's output (or the last decoder block's) from a clean run into a corrupted run gives
+  the clean logits bitwise;
+* ``hm.generate`` (Hugging Face's, with its key/value cache) with identity hooks generates what the model does, an
+  ablation changes the run it is attached to, and an exception in a hook leaves no hook behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lensadapters.testing.contract import AdapterContract, assert_close
+from lensadapters.testing.contract_support import _SETTINGS
+from lensadapters.testing.strategies import token_inputs
+
+__all__ = ["EncoderDecoderContract"]
+
+_SINGLE_STACK = (
+    "a single-stack property (blocks.{i} points, causal-LM calls with token ids alone); the encoder-decoder "
+    "properties of EncoderDecoderContract hold instead"
+)
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The logits of a forward's output (``run_with_hooks`` gives the logits tensor, a forward its output object)."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+class EncoderDecoderContract(AdapterContract):
+    """The generic properties of an encoder-decoder adapter (see the module docstring)."""
+
+    not_served = {name: _SINGLE_STACK for name in dir(AdapterContract) if name.startswith("test_")}
+    learned_positions, rotary, parallel_blocks = False, False, False
+    max_decoder_len: ClassVar[int] = 5
+
+    def draw_run(self, data: st.DataObject, attn_implementation: Any = None) -> tuple[Any, dict[str, Any]]:
+        """A model and its inputs: encoder rows (some left-padded) and decoder rows."""
+        model: Any
+        model, inputs = self.draw(data, attn_implementation)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        decoder = data.draw(token_inputs(vocab, inputs.input_ids.shape[0], 1, self.max_decoder_len, False))
+        decoder_ids = decoder.input_ids[: inputs.input_ids.shape[0]]
+        if decoder_ids.shape[0] < inputs.input_ids.shape[0]:
+            decoder_ids = decoder_ids[:1].expand(inputs.input_ids.shape[0], -1)
+        return model, {**inputs.kwargs(), "decoder_input_ids": decoder_ids.contiguous()}
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encoder_decoder_no_hooks_is_bitwise_and_unwrap_restores(self, data: st.DataObject) -> None:
+        for implementation in self.attn_implementations:
+            model, batch = self.draw_run(data, implementation)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            modules = dict(model.named_modules())
+            with torch.no_grad():
+                expected = model(**batch).logits
+                hm = self.wrap(model)
+                assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward"
+                hm.run_with_cache(**batch)  # hooks that come and go (patterns included) leave nothing behind
+                assert torch.equal(hm(**batch).logits, expected)
+            assert hm.unwrap() is model
+            assert dict(model.named_modules()) == modules
+            assert not any("forward" in vars(m) for m in modules.values()), "no per-instance forward is left"
+            assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encoder_decoder_every_point_fires_once_in_order(self, data: st.DataObject) -> None:
+        model, batch = self.draw_run(data)
+        hm: Any = self.wrap(model)
+        n_layers, d_model = hm.cfg.n_layers, hm.cfg.d_model
+        for stack in ("encoder", "decoder"):
+            for i in range(n_layers):
+                assert (
+                    f"{stack}.{i}.hook_resid_pre" in hm.hook_names and f"{stack}.{i}.attn.hook_pattern" in hm.hook_names
+                )
+            assert f"{stack}_final_ln.hook_normalized" in hm.hook_names
+        assert f"decoder.{n_layers - 1}.cross_attn.hook_pattern" in hm.hook_names
+        fired: list[str] = []
+        shapes: dict[str, tuple[int, ...]] = {}
+
+        def record(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            fired.append(hook.name)
+            shapes[hook.name] = tuple(t.shape)
+            return t
+
+        with torch.no_grad():
+            expected = model(**batch).logits
+            logits = _logits(hm.run_with_hooks(**batch, fwd_hooks=[(name, record) for name in hm.hook_names]))
+        assert_close(logits, expected, "identity hooks at every point")
+        assert fired == hm.hook_names, "every point fires once, in hook_names' order"
+        b, p = batch["input_ids"].shape
+        q = batch["decoder_input_ids"].shape[1]
+        for name, shape in shapes.items():
+            assert shape[0] == b, name
+            if name.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out")):
+                assert shape == (b, p if name.startswith("encoder") else q, d_model), (name, shape)
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encoder_decoder_patterns(self, data: st.DataObject) -> None:
+        model, batch = self.draw_run(data)
+        hm: Any = self.wrap(model)
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**batch, names_filter=lambda n: n.endswith("hook_pattern"))
+        keys = batch["attention_mask"].bool()[:, None, None, :]
+        q = batch["decoder_input_ids"].shape[1]
+        later = torch.ones(q, q, dtype=torch.bool).triu(1)
+        for name in cache:
+            pattern = cache[name]
+            assert_close(pattern.sum(-1), torch.ones_like(pattern.sum(-1)), f"{name}: rows are distributions")
+            if name.startswith("encoder") or ".cross_attn." in name:  # the encoder's padding keys get nothing
+                assert torch.all(pattern.masked_select(~keys.expand_as(pattern)) == 0), name
+            else:  # the decoder's self-attention is causal
+                assert torch.all(pattern[..., later] == 0), name
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encoder_decoder_patching_restores(self, data: st.DataObject) -> None:
+        model, batch = self.draw_run(data)
+        hm: Any = self.wrap(model)
+        last = hm.cfg.n_layers - 1
+        vocab = model.get_input_embeddings().weight.shape[0]
+        corrupted = {**batch, "input_ids": (batch["input_ids"] + 1) % vocab}
+        with torch.no_grad():
+            clean = model(**batch).logits
+            names = [f"{stack}.{last}.hook_resid_post" for stack in ("encoder", "decoder")]
+            _, cache = hm.run_with_cache(**batch, names_filter=names)  # the run's own attention (no pattern read)
+            for name in names:
+                patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[hook.name])])
+                assert torch.equal(_logits(patched), clean), name
+        hm.unwrap()
+
+    @_SETTINGS
+    @given(data=st.data())
+    def test_encoder_decoder_generation_with_hooks(self, data: st.DataObject) -> None:
+        model, batch = self.draw_run(data)
+        kwargs = dict(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=3, do_sample=False
+        )
+        hm = self.wrap(model)
+        with torch.no_grad():
+            plain = model.generate(**kwargs)
+            calls: list[str] = []
+            hm.add_hook(
+                lambda n: n.endswith(("hook_resid_post", "hook_pattern")), lambda t, hook: calls.append(hook.name)
+            )
+            assert torch.equal(hm.generate(**kwargs), plain), "identity hooks generate what the model does"
+            assert calls, "the hooks run during generation"
+            hm.reset_hooks()
+
+            def fail(t: torch.Tensor, hook: Any) -> None:
+                raise RuntimeError("a user hook fails")
+
+            with pytest.raises(RuntimeError, match="a user hook fails"):
+                hm.run_with_hooks(**batch, fwd_hooks=[(hm.hook_names[-1], fail)])
+            assert not hm.has_hooks, "an exception in a hook leaves no hook behind"
+            assert torch.equal(hm.generate(**kwargs), plain)
+        hm.unwrap()

@@ -62,6 +62,7 @@ class BlockFindings:
     attention_function: Optional[str] = None  # the module the attention interface is called with ("" = the layer)
     copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
     flat: frozenset[str] = frozenset()  # branch points whose module returns ``[b * p, d]`` (served as ``[b, p, d]``)
+    internals: tuple[Any, ...] = ()  # the token mixer's internal points (:class:`.mixer.Internal`), mixer form only
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,11 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool) -> BlockFindings:
-    """``stream``: the layer's input and output are the residual stream (see :func:`_continues`)."""
+def _block(
+    i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool, mixing: Optional[Any] = None
+) -> BlockFindings:
+    """``stream``: the layer's input and output are the residual stream (see :func:`_continues`); ``mixing``: what
+    :func:`.mixer.probe_mixers` saw of the layer (the mixer form, tried where the attention-and-MLP form fails)."""
     calls = [c for c in rec.calls if c.layer == i]
     attention_function = attn = mlp = None
     patterns = False
@@ -189,6 +193,16 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         and all(o is not None and o.calls == 1 for o in outputs)
         and _sums_to_output(x.value, [o.value for o in outputs], y.value)
     )
+    internals: list[Any] = []
+    if not branches_ok:
+        from lensadapters.adapters.generic import mixer as mixer_form
+
+        attention = _child_holding(layer, calls[0].module) if len(calls) == 1 else None
+        found = mixer_form.branches(i, layer, rec, mixing, attention, _sums_to_output) if stream else None
+        if found is not None:
+            (attn, mlp), branches_ok = found, True
+            if attn is not None and attn != attention:
+                internals = mixer_form.internals(i, layer, attn, rec, mixing)
     if not branches_ok:
         attn = mlp = None
         notes.add(
@@ -210,6 +224,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
                 copied.add("attn.hook_z")
         elif event[0] == "child" and event[1] == i and event[2] in (attn, mlp):
             point = "hook_attn_out" if event[2] == attn else "hook_mlp_out"
+            points += [p.name for p in internals] if event[2] == attn else []
             points.append(point)
             if rec.children[(i, event[2])].written_later:
                 copied.add(point)
@@ -219,7 +234,9 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         points.append("hook_resid_post")
         if y is not None and y.written_later:
             copied.add("hook_resid_post")
-    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat))
+    return BlockFindings(
+        tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat), tuple(internals)
+    )
 
 
 def _final_norm(
@@ -420,7 +437,10 @@ def identify(model: nn.Module) -> Findings:
                     "and output are not the residual stream an edit would change",
                     i,
                 )
-        blocks = tuple(_block(i, layer, rec, notes, stream[i]) for i, layer in enumerate(layers))
+        from lensadapters.adapters.generic.mixer import probe_mixers
+
+        mixing = probe_mixers(model, layers, rec)
+        blocks = tuple(_block(i, layer, rec, notes, stream[i], mixing.get(i)) for i, layer in enumerate(layers))
         missing = notes.result()
     else:  # a block point would fire never, or several times per forward
         blocks = tuple(BlockFindings(()) for _ in range(n))

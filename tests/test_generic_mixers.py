@@ -158,3 +158,17 @@ def test_a_hooked_point_whose_module_a_cached_step_skips_raises_and_leaves_no_ho
                 hm.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
         assert torch.equal(model(ids).logits, plain)
     hm.unwrap()
+
+
+def test_the_census_counts_a_token_mixer_as_the_attention_slot() -> None:
+    """The census's rule: a layer without an ``...Attention`` child whose matrix child names no MLP has that mixer's
+    output (``hook_attn_out``) and no ``attn.*`` point; Mamba's layer (a mixer alone) has no MLP point either, and a
+    hybrid's mixer layer keeps its MLP's."""
+    from lensadapters.testing.census import applicable_points
+
+    mamba = applicable_points(build("mamba").backbone.layers[0])
+    assert "blocks.0.hook_attn_out" in mamba
+    assert not any(".attn." in p or ".mlp." in p or p.endswith("hook_mlp_out") for p in mamba), mamba
+    hybrid = applicable_points(build("qwen3_next").model.layers[0])  # a linear-attention layer, then its MoE
+    assert {"blocks.0.hook_attn_out", "blocks.0.hook_mlp_out"} <= set(hybrid)
+    assert not any(".attn." in p for p in hybrid), hybrid

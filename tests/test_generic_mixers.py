@@ -45,7 +45,7 @@ def test_a_state_space_model_gets_its_mixer_output_and_internals_each_verified()
     assert names[0] == "hook_resid_pre" and names[-2:] == ["hook_attn_out", "hook_resid_post"], names
     assert {"mixer.hook_in_proj", "mixer.hook_x_proj", "mixer.hook_out_proj_input"} <= set(names), names
     assert not any(n.startswith(("attn.", "mlp.")) or n == "hook_mlp_out" for n in names), names
-    served = [f"blocks.{i}.{n}" for i in (0, 3) for n in _layer(hm, i)]
+    served = [f"blocks.3.{n}" for n in _layer(hm, 3)]
     assert check_points(hm.wiring, input_ids(), served) == dict.fromkeys(served)  # value and edit, each
     _, cache = hm.run_with_cache(input_ids())
     mixer = model.backbone.layers[0].mixer
@@ -57,17 +57,18 @@ def test_a_state_space_model_gets_its_mixer_output_and_internals_each_verified()
 def test_a_hybrid_serves_every_layer_what_verifies_for_its_kind(model_type: str) -> None:
     model, hm = _wrap(model_type)
     found = findings(model)
-    mixing = [i for i, b in enumerate(found.blocks) if b.internals]
+    mixing = [i for i, b in enumerate(found.blocks) if b.mixer is not None and b.mixer.internals]
     attention = [i for i in range(hm.cfg.n_layers) if i not in mixing]  # the attention layers
     assert attention and mixing
     assert not any(n.startswith("attn.") for i in mixing for n in _layer(hm, i))
-    for i in range(hm.cfg.n_layers):  # both branches in every layer, whatever its kind
-        assert {"hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post"} <= set(_layer(hm, i))
-    first = mixing[0]
-    internal = [f"blocks.{first}.{p.name}" for p in found.blocks[first].internals]
-    branches = [f"blocks.{i}.{n}" for i in (first, attention[0]) for n in ("hook_attn_out", "hook_mlp_out")]
-    checked = check_points(hm.wiring, input_ids(), internal + branches, points_per_pass=1)  # see verify_internals
-    assert checked == dict.fromkeys(internal + branches)
+    every = {"hook_resid_pre", "ln1.hook_scale", "hook_attn_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"}
+    for i in range(hm.cfg.n_layers):  # the residual, norm and branch points in every layer, whatever its kind
+        assert every <= set(_layer(hm, i)), (i, _layer(hm, i))
+    # checked at wrap time; again here, independently, the points the census does not check (layer 0's canonical)
+    served = [f"blocks.{mixing[-1]}.{n}" for n in _layer(hm, mixing[-1]) if n not in every]
+    served += [f"blocks.{attention[-1]}.{n}" for n in ("ln1.hook_normalized", "hook_resid_mid", "ln2.hook_scale")]
+    checked = check_points(hm.wiring, input_ids(), served, points_per_pass=1)  # (RecurrentGemma 4.x: its state)
+    assert checked == dict.fromkeys(served)
     hm.unwrap()
 
 
@@ -86,7 +87,7 @@ def test_a_convolution_point_shows_the_positions_the_model_uses() -> None:
     p = input_ids().shape[1]
     assert seen[0].shape[-1] > p  # the padding's positions, which the model drops
     assert torch.equal(cache[name], seen[0][..., :p].transpose(1, 2))
-    assert check_points(hm.wiring, input_ids(), [name], points_per_pass=1) == {name: None}
+    assert check_points(hm.wiring, input_ids(), [name]) == {name: None}
     hm.unwrap()
 
 

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
-from lensadapters.adapters.generic.mixer import INTERNALS, InternalsSite, serve_verified_internals
+from lensadapters.adapters.generic.mixer import layer_sites as mixer_sites
 from lensadapters.adapters.generic.mixer import reference as internal_reference
+from lensadapters.adapters.generic.mixer import register as register_mixer_form
+from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.recheck import check_second_wiring
 from lensadapters.adapters.generic.references import OPAQUE_REFERENCES
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
@@ -49,8 +51,8 @@ def findings(model: nn.Module) -> Findings:
     if found is None:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
-        INTERNALS[model] = {(i, p.name): p for i, b in enumerate(found.blocks) for p in b.internals}
         OPAQUE_REFERENCES[model] = internal_reference
+        register_mixer_form(model, found, _norms)
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -249,9 +251,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                     copy_z="attn.hook_z" in copied,
                 )
             )
-        if block.internals:
-            entries = [(p, points[p.name]) for p in block.internals if p.name in points]
-            sites.append(InternalsSite(layer.get_submodule(block.attn), layer, entries))
+        if block.mixer is not None:
+            sites += mixer_sites(hooked, i, layer, block, points)
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
                 module, flat = layer.get_submodule(path), name in block.flat
@@ -267,7 +268,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
-    if any(block.internals for block in found.blocks) and found.description is None:
+    if any(block.mixer is not None for block in found.blocks) and found.description is None:
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
         failed = _serve_verified(hooked)

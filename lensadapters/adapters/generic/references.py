@@ -29,7 +29,7 @@ OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[
     weakref.WeakKeyDictionary()
 )
 
-#: further references of an opaque layer's points, by model: ``(model, layer, i, name)`` to the reference of the
+#: further references of an opaque layer's points, by model: ``(wiring, layer, i, name)`` to the reference of the
 #: point ``blocks.{i}.{name}``, ``None`` for another name (the mixer form's internal points, :mod:`.mixer`)
 OPAQUE_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Optional[Reference]]]" = (
     weakref.WeakKeyDictionary()
@@ -118,7 +118,7 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if rest == "attn.hook_z":
             return Reference("attn", layer=i, part="output")
         further = OPAQUE_REFERENCES.get(model)
-        internal = further(model, layer, i, rest) if further is not None else None
+        internal = further(hooked, layer, i, rest) if further is not None else None
         if internal is not None:  # a token mixer's internal point (the mixer form)
             return internal
         attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))

@@ -455,13 +455,14 @@ def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
         if block.mixer is not None:
             reps[i] = seen.setdefault((type(layer), _checked(block)), i)
     names = [f"blocks.{i}.{name}" for i in sorted(set(reps.values())) for name in _checked(found.blocks[i])]
+    names += [name for name in ("ln_final.hook_scale", "ln_final.hook_normalized") if name in hooked.hook_dict]
     results, _ = check_second_wiring(hooked, verifying, names)
     _leave_as_probed(hooked.hf_model)
     raised = [name for name, why in results.items() if why is not None and "raised" in why]
     if raised:  # a pass raised: again one point per pass, at the probe's batch size (see _leave_as_probed)
         results.update(check_second_wiring(hooked, verifying, raised, points_per_pass=1)[0])
         _leave_as_probed(hooked.hf_model)
-    failed: dict[str, str] = {}
+    failed = {name: why for name in names if not name.startswith("blocks.") and (why := results.get(name))}
     for i, rep in reps.items():
         for name in _checked(found.blocks[i]):
             why = results.get(f"blocks.{rep}.{name}")

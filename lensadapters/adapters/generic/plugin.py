@@ -263,7 +263,11 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")
         hooked.register_norm("ln_final", norm)
-        if found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: the norm's output
+        if any(b.mixer is not None for b in found.blocks) and found.final_norm_behaviour.eps is not None:
+            # the mixer form's verification runs: the scale too, verified with its points (a norm, not a stand-in)
+            scale = hooked.new_point("ln_final.hook_scale", before="ln_final.hook_normalized")
+            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+        elif found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: its output
             sites.append(ModuleIOSite(norm, point, copy="ln_final.hook_normalized" in found.copied))
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked

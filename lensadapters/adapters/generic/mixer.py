@@ -13,7 +13,7 @@ architecture; every rule is read from the probe forward pass (:mod:`.probe`) and
   only the first position of its input changes (the further forward pass re-runs it on that edited input), else the MLP
   (``hook_mlp_out``): an MLP reads each position alone.
 * **Mixer internals**: in a token mixer that neither calls the attention interface nor is named as softmax attention
-  is (a class name ending in ``Attention``, transformers' convention, :mod:`.identify`), each direct child that is a
+  (a class name ending in ``Attention``, transformers' convention, :mod:`.identify`), each direct child that is a
   linear or a 1-D convolution module, run exactly once per mixer call (counted in the further forward pass), is a
   point named after the module attributes, ``<mixer>.hook_<child>`` (Mamba: ``mixer.hook_in_proj``,
   ``mixer.hook_x_proj``): the module's output as the model continues with it. A convolution's output
@@ -24,14 +24,15 @@ architecture; every rule is read from the probe forward pass (:mod:`.probe`) and
   value and an edit, against plain PyTorch hooks on the same module: :mod:`.verify`); one that fails is not served.
   A model may compute a child's work from its weights without calling it in some forward passes (cached decoding, a
   fused kernel): a hook on such a point then raises an error naming it, never reads nothing silently.
-* **Norms, ``hook_resid_mid`` and MLP points** of every layer with branches (a mixer of any kind, softmax attention
-  included, in a model the automatic description does not cover): ``ln1``/``ln2.hook_scale`` and
+* **Norms, ``hook_resid_mid`` and MLP points** of every layer of the mixer form, and of every layer with branches of a
+  model that has one (a hybrid's attention layers too): ``ln1``/``ln2.hook_scale`` and
   ``hook_normalized`` where a norm child reads the layer's input (``ln1``) or ``resid_pre + mixer_out`` (``ln2``)
   and its output is the mixer's (the MLP's) input, LayerNorm or RMSNorm with its own weight and ``eps``;
   ``hook_resid_mid`` where ``ln2`` (or the MLP) reads ``resid_pre + mixer_out`` (an edit also reaches the layer's
   output, which adds its own copy of it); ``mlp.hook_pre`` (``hook_pre_linear``) and ``mlp.hook_post`` where the
   dense description reads the MLP (:func:`.describe._describe_mlp`: gate and up projections' outputs, the down
-  projection's input). Verified at wrap time with the internals.
+  projection's input); and the model's ``ln_final.hook_scale`` (:mod:`.plugin`). Verified at wrap time with the
+  internals.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ child with matrix parameters; ``mlp.hook_pre``/``hook_post`` where that child is
 class named with ``expert``); ``ln1``/``ln2.hook_scale`` where the layer has one or two norm children (a class name
 with ``Norm``), ``hook_resid_mid`` where it has two (one pre-norm shared by both branches: a parallel block has no
 ``hook_resid_mid``).
+A *token mixer* that is not softmax attention (a state-space, linear-attention, convolution or recurrent layer)
+takes the attention slot: in a layer without an ``...Attention`` child, a child with matrix parameters whose class
+name names no MLP (``MLP``, ``FeedForward``, ``FFN``, ``MoE``, ``Expert``, ``Sparse``) is the mixer, and the layer
+has ``hook_attn_out`` but no ``attn.*`` point (no softmax pattern, queries or keys); the other children with matrix
+parameters are its MLP as above (a layer that is a mixer alone, Mamba's, has no MLP point).
 ``ln_final.hook_scale`` where the module holding the layers (or the one above it) has a norm child (an encoder
 without a final norm, as TransformerLens' ``HookedEncoder``, has none).
 
@@ -86,6 +91,14 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+#: what the class name of a layer's MLP child (dense or a mixture of experts) has, and a token mixer's has not
+MLP_CLASS_WORDS = ("mlp", "feedforward", "ffn", "moe", "expert", "sparse")
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    return any(word in type(module).__name__.lower() for word in MLP_CLASS_WORDS)
+
+
 def has_final_norm(model: nn.Module, blocks: str) -> bool:
     """Whether the module holding the layer list at ``blocks`` (or the one above it) has a norm child: the final
     norm of a decoder (``model.norm``, ``transformer.ln_f``). A BERT-style encoder has none (TransformerLens'
@@ -109,10 +122,14 @@ def applicable_points(layer: nn.Module, layout: Any = None, final_norm: bool = T
         for _, c in children
         if not _is_norm(c) and all(c is not a for a in attention) and any(p.dim() >= 2 for p in c.parameters())
     ]
+    mixers = [] if attention else [c for c in others if not _is_mlp(c)][:1]
+    others = [c for c in others if all(c is not m for m in mixers)]
     points = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post"]
     points += ["ln_final.hook_scale"] if final_norm else []
     if attention:
         points += ["blocks.0.hook_attn_out", *ATTENTION]
+    elif mixers:  # a token mixer of another kind: its output, no attention point
+        points.append("blocks.0.hook_attn_out")
     if others:
         points.append("blocks.0.hook_mlp_out")
         experts = any("expert" in f"{n}.{type(m).__name__}".lower() for c in others for n, m in c.named_modules())

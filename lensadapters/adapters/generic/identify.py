@@ -62,6 +62,7 @@ class BlockFindings:
     attention_function: Optional[str] = None  # the module the attention interface is called with ("" = the layer)
     copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
     flat: frozenset[str] = frozenset()  # branch points whose module returns ``[b * p, d]`` (served as ``[b, p, d]``)
+    mixer: Optional[Any] = None  # a layer of the mixer form: its norms', MLP's and mixer's points (:mod:`.mixer`)
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,19 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool) -> BlockFindings:
-    """``stream``: the layer's input and output are the residual stream (see :func:`_continues`)."""
+def _block(
+    i: int,
+    layer: nn.Module,
+    rec: Recording,
+    notes: _Notes,
+    stream: bool,
+    mixing: Optional[Any] = None,
+    model: Optional[nn.Module] = None,
+    hybrid: bool = False,
+) -> BlockFindings:
+    """``stream``: the layer's input and output are the residual stream (see :func:`_continues`); ``mixing``: what
+    :func:`.mixer.probe_mixers` saw of the layer (the mixer form, tried where the attention-and-MLP form fails, and
+    on every layer of a ``hybrid``: a model where some layer has the mixer form)."""
     calls = [c for c in rec.calls if c.layer == i]
     attention_function = attn = mlp = None
     patterns = False
@@ -189,6 +201,15 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         and all(o is not None and o.calls == 1 for o in outputs)
         and _sums_to_output(x.value, [o.value for o in outputs], y.value)
     )
+    form = None
+    if stream and (not branches_ok or hybrid):  # the mixer form: a token mixer of any kind and an MLP (.mixer)
+        from lensadapters.adapters.generic import mixer as mixer_form
+
+        attention = _child_holding(layer, calls[0].module) if len(calls) == 1 else None
+        found = (attn, mlp) if branches_ok else mixer_form.branches(i, layer, rec, mixing, attention, _sums_to_output)
+        if found is not None:
+            (attn, mlp), branches_ok = found, True
+            form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
     if not branches_ok:
         attn = mlp = None
         notes.add(
@@ -200,6 +221,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         )
     # the points in the order the probe saw them fire
     points: list[str] = ["hook_resid_pre"] if stream else []
+    points += form.before("attn") if form is not None else []
     copied, flat = set(), set()
     if stream and x is not None and x.written_later:
         copied.add("hook_resid_pre")
@@ -210,6 +232,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
                 copied.add("attn.hook_z")
         elif event[0] == "child" and event[1] == i and event[2] in (attn, mlp):
             point = "hook_attn_out" if event[2] == attn else "hook_mlp_out"
+            points += form.before("mlp" if event[2] == mlp else "attn", inside=True) if form is not None else []
             points.append(point)
             if rec.children[(i, event[2])].written_later:
                 copied.add(point)
@@ -219,7 +242,7 @@ def _block(i: int, layer: nn.Module, rec: Recording, notes: _Notes, stream: bool
         points.append("hook_resid_post")
         if y is not None and y.written_later:
             copied.add("hook_resid_post")
-    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat))
+    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat), form)
 
 
 def _final_norm(
@@ -420,7 +443,22 @@ def identify(model: nn.Module) -> Findings:
                     "and output are not the residual stream an edit would change",
                     i,
                 )
-        blocks = tuple(_block(i, layer, rec, notes, stream[i]) for i, layer in enumerate(layers))
+        from lensadapters.adapters.generic.mixer import probe_mixers
+
+        mixing = probe_mixers(model, layers, rec)
+        scratch = _Notes(n)
+        blocks = tuple(
+            _block(i, layer, rec, scratch, stream[i], mixing.get(i), model) for i, layer in enumerate(layers)
+        )
+        if any(b.mixer is not None for b in blocks):  # a hybrid: its attention layers get the same points
+            scratch = _Notes(n)
+            blocks = tuple(
+                _block(i, layer, rec, scratch, stream[i], mixing.get(i), model, hybrid=True)
+                for i, layer in enumerate(layers)
+            )
+        for group, reasons in scratch.by_group.items():
+            for reason, where in reasons.items():
+                notes.by_group.setdefault(group, {}).setdefault(reason, []).extend(where)
         missing = notes.result()
     else:  # a block point would fire never, or several times per forward
         blocks = tuple(BlockFindings(()) for _ in range(n))

@@ -10,6 +10,12 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
+from lensadapters.adapters.generic.mixer import layer_sites as mixer_sites
+from lensadapters.adapters.generic.mixer import reference as internal_reference
+from lensadapters.adapters.generic.mixer import register as register_mixer_form
+from lensadapters.adapters.generic.mixer import serve_verified_internals
+from lensadapters.adapters.generic.recheck import check_second_wiring
+from lensadapters.adapters.generic.references import OPAQUE_REFERENCES
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -45,6 +51,8 @@ def findings(model: nn.Module) -> Findings:
     if found is None:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
+        OPAQUE_REFERENCES[model] = internal_reference
+        register_mixer_form(model, found, _norms)
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -243,6 +251,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                     copy_z="attn.hook_z" in copied,
                 )
             )
+        if block.mixer is not None:
+            sites += mixer_sites(hooked, i, layer, block, points)
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
                 module, flat = layer.get_submodule(path), name in block.flat
@@ -253,11 +263,17 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")
         hooked.register_norm("ln_final", norm)
-        if found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: the norm's output
+        if any(b.mixer is not None for b in found.blocks) and found.final_norm_behaviour.eps is not None:
+            # the mixer form's verification runs: the scale too, verified with its points (a norm, not a stand-in)
+            scale = hooked.new_point("ln_final.hook_scale", before="ln_final.hook_normalized")
+            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+        elif found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: its output
             sites.append(ModuleIOSite(norm, point, copy="ln_final.hook_normalized" in found.copied))
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+    if any(block.mixer is not None for block in found.blocks) and found.description is None:
+        sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
         failed = _serve_verified(hooked)
         sites = [site for site in sites if not any(p.name in failed for p in site.points)]
@@ -292,31 +308,18 @@ def verify_description(hooked: Any) -> dict[str, str]:
     """The described points of ``hooked`` (a wiring) that fail :func:`.verify.check_points`, with why: every point
     of a representative layer, ``hook_embed`` and the final norm's, checked on a probe forward pass of a second wiring
     of the same description (built, checked, uninstalled)."""
-    from lensadapters.adapters.generic.probe import PROBE_LENGTH
-    from lensadapters.adapters.generic.verify import check_points
-
-    model = hooked.hf_model
     reps = _representatives(hooked)
-    _verifying.add(model)
-    try:
-        probe = type(hooked)(hooked.model, model, hooked.arch, hooked.plugin, hooked.plugin_hooks)
-    finally:
-        _verifying.discard(model)
-    names = [n for n in probe.hook_names if not n.startswith("blocks.")]
-    for name in probe.hook_names:
-        if name.startswith("blocks.") and int(name.split(".")[1]) in set(reps.values()):
-            names.append(name)
-    embed = model.get_input_embeddings()
-    vocab = int(getattr(embed, "num_embeddings", None) or model.config.vocab_size)
-    weight = getattr(embed, "weight", None)
-    device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
-    ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(2)).to(device)
-    try:
-        results = check_points(probe, ids, names)
-    finally:
-        probe.uninstall()
+
+    def names(probe: Any) -> list[str]:
+        found = [n for n in probe.hook_names if not n.startswith("blocks.")]
+        for name in probe.hook_names:
+            if name.startswith("blocks.") and int(name.split(".")[1]) in set(reps.values()):
+                found.append(name)
+        return found
+
+    results, hook_names = check_second_wiring(hooked, _verifying, names)
     failed = {name: why for name, why in results.items() if why is not None}
-    for name in probe.hook_names:  # a layer's verdicts are its representative's
+    for name in hook_names:  # a layer's verdicts are its representative's
         if name.startswith("blocks."):
             _, i, rest = name.split(".", 2)
             rep = reps.get(int(i))

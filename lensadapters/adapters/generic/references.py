@@ -29,6 +29,12 @@ OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[
     weakref.WeakKeyDictionary()
 )
 
+#: further references of an opaque layer's points, by model: ``(wiring, layer, i, name)`` to the reference of the
+#: point ``blocks.{i}.{name}``, ``None`` for another name (the mixer form's internal points, :mod:`.mixer`)
+OPAQUE_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Optional[Reference]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
 
 @dataclass
 class Reference:
@@ -111,6 +117,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl is None:  # an opaque block: the generic adapter's own points
         if rest == "attn.hook_z":
             return Reference("attn", layer=i, part="output")
+        further = OPAQUE_REFERENCES.get(model)
+        internal = further(hooked, layer, i, rest) if further is not None else None
+        if internal is not None:  # a token mixer's internal point (the mixer form)
+            return internal
         attn, mlp_path = OPAQUE_BRANCHES.get(model, {}).get(i, (None, None))
         path = attn if rest == "hook_attn_out" else mlp_path if rest == "hook_mlp_out" else None
         # a branch module may return [b * p, d] (the point shows [b, p, d]); reshaping is the identity otherwise

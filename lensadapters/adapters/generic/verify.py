@@ -524,7 +524,9 @@ def check_points(
                 else:
                     results[name] = _check_one(hooked, ids, name, owner, values[name], plain)
             plain_by_rows: dict[int, Tensor] = {}
-            for points in _batches(pending, per_pass):
+            # smaller passes first: a model keeping per-batch state in its modules (transformers 4.x's
+            # RecurrentGemma) runs a smaller batch after a larger one only with its cache
+            for points in sorted(_batches(pending, per_pass), key=len):
                 try:
                     results.update(_check_batch(hooked, ids, owner, points, plain_by_rows))
                 except Exception:  # one point's reference failed: each on its own says which and why

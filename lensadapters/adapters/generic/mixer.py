@@ -1,0 +1,595 @@
+"""The mixer form: decoder layers whose token mixer is not softmax attention (state-space layers, linear attention,
+short convolutions, recurrences), alone or beside softmax-attention layers (hybrids). Nothing here names an
+architecture; every rule is read from the probe forward pass (:mod:`.probe`) and one further forward pass
+(:func:`probe_mixers`).
+
+* **Branches**: where the generic adapter finds no attention module and MLP module whose outputs the layer adds to
+  its input (:func:`.identify._block`), the layer's *branches* are its direct children with matrix parameters (norms
+  have none), each run exactly once. With two, the layer's output must be exactly its input plus both outputs: the
+  first to run is the token mixer, whose output is ``hook_attn_out`` (as a plugin serves a hybrid's linear-attention
+  layer), the second the MLP (``hook_mlp_out``). With one (a layer that is a mixer alone, or an MLP alone), the
+  output must be the input plus that child's output, and the child is the *token mixer* (``hook_attn_out``) where it
+  calls transformers' attention interface or where its output at a later position changes (beyond rounding) when
+  only the first position of its input changes (the further forward pass re-runs it on that edited input), else the MLP
+  (``hook_mlp_out``): an MLP reads each position alone.
+* **Mixer internals**: in a token mixer that neither calls the attention interface nor is named as softmax attention
+  (a class name ending in ``Attention``, transformers' convention, :mod:`.identify`), each direct child that is a
+  linear or a 1-D convolution module, run exactly once per mixer call (counted in the further forward pass), is a
+  point named after the module attributes, ``<mixer>.hook_<child>`` (Mamba: ``mixer.hook_in_proj``,
+  ``mixer.hook_x_proj``): the module's output as the model continues with it. A convolution's output
+  ``[b, channels, p + padding]`` is shown as the model uses it, ``[b, p, channels]`` (the first ``p`` positions: the
+  causal convolution's; an edit goes back there). The child whose output is the mixer's output (the output
+  projection) is served by its input instead, ``<mixer>.hook_<child>_input`` ``[b, p, d_inner]``, TransformerLens'
+  ``hook_z`` of the mixer (its output is ``hook_attn_out`` already). Each is verified when the model is wrapped (its
+  value and an edit, against plain PyTorch hooks on the same module: :mod:`.verify`); one that fails is not served.
+  A model may compute a child's work from its weights without calling it in some forward passes (cached decoding, a
+  fused kernel): a hook on such a point then raises an error naming it, never reads nothing silently.
+* **Norms, ``hook_resid_mid`` and MLP points** of every layer of the mixer form, and of every layer with branches of a
+  model that has one (a hybrid's attention layers too): ``ln1``/``ln2.hook_scale`` and
+  ``hook_normalized`` where a norm child reads the layer's input (``ln1``) or ``resid_pre + mixer_out`` (``ln2``)
+  and its output is the mixer's (the MLP's) input, LayerNorm or RMSNorm with its own weight and ``eps``;
+  ``hook_resid_mid`` where ``ln2`` (or the MLP) reads ``resid_pre + mixer_out`` (an edit also reaches the layer's
+  output, which adds its own copy of it); ``mlp.hook_pre`` (``hook_pre_linear``) and ``mlp.hook_post`` where the
+  dense description reads the MLP (:func:`.describe._describe_mlp`: gate and up projections' outputs, the down
+  projection's input); and the model's ``ln_final.hook_scale`` (:mod:`.plugin`). Verified at wrap time with the
+  internals.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.probe import Recording, _close
+from lensadapters.adapters.generic.references import Reference
+from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input, replace_first_output
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One mixer-internal point: ``name`` (relative to ``blocks.{i}.``), the module's path relative to the layer,
+    whether it is the module's input (the output projection's) and whether it is a convolution's output."""
+
+    name: str
+    path: str
+    input: bool = False
+    conv: bool = False
+
+
+@dataclass
+class LayerMixing:
+    """What :func:`probe_mixers` saw of one layer: which branch children mix positions, and how often each
+    linear or convolution child of a branch child ran (by path relative to the layer)."""
+
+    mixes: dict[str, bool]
+    calls: dict[str, int]
+
+
+@dataclass(frozen=True)
+class MixerLayer:
+    """The points of one layer of the mixer form beyond its branches (paths relative to the layer): the token
+    mixer's internals, the pre-norms ``(role, path, NormBehaviour)``, ``hook_resid_mid`` (at ``mid``: the module
+    reading ``resid_pre + mixer_out``, where the MLP branch reads it), and the MLP's ``MLPLayout`` where the dense
+    description (:func:`.describe._describe_mlp`) reads it."""
+
+    internals: tuple[Internal, ...] = ()
+    norms: tuple[tuple[str, str, Any], ...] = ()
+    mid: Optional[str] = None
+    mlp: Optional[Any] = None
+
+    def before(self, slot: str, inside: bool = False) -> list[str]:
+        """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
+        its output), in order."""
+        norms = {role: [f"{role}.hook_scale", f"{role}.hook_normalized"] for role, _, _ in self.norms}
+        if slot == "attn":
+            return [p.name for p in self.internals] if inside else norms.get("ln1", [])
+        if not inside:
+            return []
+        mlp = [] if self.mlp is None else ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if self.mlp.pre_linear else [])
+        return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp + ["mlp.hook_post"] * bool(mlp)
+
+    def checked(self) -> list[str]:
+        """Every point of the layer the mixer form serves (checked at wrap time), the branches' too."""
+        return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
+
+
+#: each wrapped model's layers of the mixer form, by index: what :func:`reference` checks their points against
+FORMS: "weakref.WeakKeyDictionary[nn.Module, dict[int, MixerLayer]]" = weakref.WeakKeyDictionary()
+
+
+def _has_matrix(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def _is_unit(module: nn.Module) -> bool:
+    """A linear module or a 1-D convolution (a mixer-internal point's module)."""
+    weight = getattr(module, "weight", None)
+    linear = isinstance(module, nn.Linear) or (
+        isinstance(weight, Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__
+    )
+    return linear or isinstance(module, nn.Conv1d)
+
+
+def _branch_children(layer: nn.Module) -> list[str]:
+    return [name for name, child in layer.named_children() if _has_matrix(child)]
+
+
+def probe_mixers(model: nn.Module, layers: list[nn.Module], rec: Recording) -> dict[int, LayerMixing]:
+    """One forward pass on the probe's tokens: for each layer with no attention-interface call, whether each
+    branch child's output at positions after the first changes when the first position of its input changes (the
+    child re-run on that edited input), and how many times each linear or convolution child of a branch child runs.
+    Empty when every layer calls the attention interface, or when the pass fails (nothing is then served by the
+    mixer form)."""
+    wanted = [i for i in range(len(layers)) if not any(c.layer == i for c in rec.calls)]
+    if not wanted or rec.input_ids is None:
+        return {}
+    out = {i: LayerMixing({}, {}) for i in wanted}
+    handles: list[Any] = []
+    busy: list[bool] = []
+
+    def on_branch(i: int, name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if busy:
+                return
+            x, y = first_input(args, kwargs), first_output(output)
+            if not isinstance(x, Tensor) or not isinstance(y, Tensor) or x.dim() != 3 or y.dim() != 3:
+                return
+            if x.shape[1] < 2 or y.shape[:2] != x.shape[:2]:
+                return
+            edited = x.clone()
+            edited[:, 0] = edited[:, 0] + x[:, 0].abs().mean() + 1.0
+            busy.append(True)
+            try:
+                a, k = replace_first_input(args, kwargs, edited)
+                again = first_output(module(*a, **k))
+            finally:
+                busy.clear()
+            # beyond rounding: an MLP of experts may group the tokens differently once one token's routing changes
+            out[i].mixes[name] = not _close(again[:, 1:], y[:, 1:])
+
+        return hook
+
+    def on_unit(i: int, path: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not busy:
+                out[i].calls[path] = out[i].calls.get(path, 0) + 1
+
+        return hook
+
+    try:
+        for i in wanted:
+            for name in _branch_children(layers[i]):
+                child = layers[i].get_submodule(name)
+                handles.append(child.register_forward_hook(on_branch(i, name), with_kwargs=True))
+                for sub, unit in child.named_children():
+                    if _is_unit(unit):
+                        handles.append(unit.register_forward_hook(on_unit(i, f"{name}.{sub}")))
+        ids = rec.input_ids
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+    except Exception:  # the model does not run this way: no layer is served by the mixer form
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def branches(
+    i: int, layer: nn.Module, rec: Recording, mixing: Optional[LayerMixing], attention: Optional[str], sums: Callable
+) -> Optional[tuple[Optional[str], Optional[str]]]:
+    """``(mixer, mlp)``: the children whose outputs are ``hook_attn_out`` and ``hook_mlp_out`` (either may be
+    ``None``), by the module docstring's rules; ``None`` where the layer is not of the mixer form. ``attention``: the
+    child holding the module the layer calls the attention interface with; ``sums(x, parts, y)``: whether
+    ``y == x + sum(parts)`` (:func:`.identify._sums_to_output`)."""
+    names = _branch_children(layer)
+    records = [rec.children.get((i, n)) for n in names]
+    x, y = rec.layer_in.get(i), rec.layer_out.get(i)
+    if not 1 <= len(names) <= 2 or x is None or y is None or any(r is None or r.calls != 1 for r in records):
+        return None
+    first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
+    order = sorted(names, key=lambda n: first.get(n, -1))
+    if not sums(x.value, [r.value for r in records if r is not None], y.value):
+        return None
+    if len(order) == 2:
+        return (order[0], order[1]) if attention in (None, order[0]) else None
+    only = order[0]
+    if only == attention or (mixing is not None and mixing.mixes.get(only)):
+        return only, None
+    if mixing is None or only not in mixing.mixes:
+        return None  # not seen mixing or not: unknown
+    return None, only
+
+
+def internals(i: int, layer: nn.Module, mixer: str, rec: Recording, mixing: Optional[LayerMixing]) -> list[Internal]:
+    """The internal points of the token mixer ``mixer`` of layer ``i`` (the module docstring's rules), in the order
+    their modules returned in the probe."""
+    if mixing is None:
+        return []
+    out_value = rec.children[(i, mixer)].value
+    found = []
+    for (layer_i, path), (x, y) in rec.inner.items():
+        if layer_i != i or "." not in path or path.rsplit(".", 1)[0] != mixer or mixing.calls.get(path) != 1:
+            continue
+        sub = path.rsplit(".", 1)[1]
+        if not sub.isidentifier() or x is None or y is None:
+            continue
+        unit = layer.get_submodule(path)
+        if isinstance(unit, nn.Conv1d):
+            if y.dim() == 3 and x.dim() == 3 and _conv_positions(unit, y.shape[-1]) == x.shape[-1]:
+                found.append(Internal(f"{mixer}.hook_{sub}", path, conv=True))
+        elif _close(y, out_value):
+            found.append(Internal(f"{mixer}.hook_{sub}_input", path, input=True))
+        else:
+            found.append(Internal(f"{mixer}.hook_{sub}", path))
+    return found
+
+
+def pre_norms(
+    i: int, layer: nn.Module, rec: Recording, mixer: Optional[str], mlp: Optional[str]
+) -> tuple[tuple[str, str, Any], ...]:
+    """``(role, path, behaviour)`` of the pre-norms of a layer of the mixer form: ``ln1`` the norm child reading the
+    layer's input whose output is the mixer's input, ``ln2`` the one reading ``resid_pre + mixer_out`` (or the
+    layer's input where there is no mixer) whose output is the MLP's input; each LayerNorm or RMSNorm of its input
+    with its own weight and a readable ``eps`` (:func:`.norms.norm_behaviour`)."""
+    from lensadapters.adapters.generic.norms import norm_behaviour
+
+    x = rec.layer_in.get(i)
+    if x is None:
+        return ()
+    resid_pre = x.value
+    mixer_in = rec.inner.get((i, mixer), (None, None))[0] if mixer is not None else None
+    mlp_in = rec.inner.get((i, mlp), (None, None))[0] if mlp is not None else None
+    mid = resid_pre + rec.children[(i, mixer)].value if mixer is not None else resid_pre
+    found: dict[str, tuple[str, str, Any]] = {}
+    for name, child in layer.named_children():
+        a, b = rec.inner.get((i, name), (None, None))
+        if name in (mixer, mlp) or a is None or b is None or _has_matrix(child):
+            continue
+        for role, reads, feeds in (("ln1", resid_pre, mixer_in), ("ln2", mid, mlp_in)):
+            if role in found or feeds is None or not (_close(a, reads) and _close(b, feeds)):
+                continue
+            behaviour = norm_behaviour(child, a, b)
+            if behaviour is not None and behaviour.eps is not None:
+                found[role] = (role, name, behaviour)
+                break
+    return tuple(found[role] for role in ("ln1", "ln2") if role in found)
+
+
+def layer_form(
+    model: Optional[nn.Module],
+    i: int,
+    layer: nn.Module,
+    rec: Recording,
+    mixing: Optional[LayerMixing],
+    mixer: Optional[str],
+    mlp: Optional[str],
+    inside: bool = True,
+) -> MixerLayer:
+    """A mixer-form layer's points beyond its branches (``mixer``: its token mixer; ``inside``: whose internals are
+    served, where it does not call the attention interface)."""
+    from lensadapters.adapters.generic.describe import NotDescribed, _describe_mlp
+    from lensadapters.hooks.specs import MLPLayout
+
+    softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
+    internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
+    found = pre_norms(i, layer, rec, mixer, mlp)
+    layout = mid = None
+    if mlp is not None and model is not None:
+        try:
+            dense = _describe_mlp(model, layer, i, mlp, rec)[0]
+        except NotDescribed:
+            dense = None
+        layout = dense if isinstance(dense, MLPLayout) else None
+        x = rec.layer_in.get(i)
+        if mixer is not None and x is not None:
+            ln2 = next((path for role, path, _ in found if role == "ln2"), None)
+            reads = rec.inner.get((i, ln2 or mlp), (None, None))[0]
+            if reads is not None and _close(reads, x.value + rec.children[(i, mixer)].value):
+                mid = ln2 or mlp
+    return MixerLayer(internal, found, mid, layout)
+
+
+def _conv_positions(conv: nn.Conv1d, length: int) -> Optional[int]:
+    """How many input positions a stride-1 convolution's output of ``length`` positions stems from (its padding
+    adds the rest), ``None`` for another convolution."""
+    if conv.stride != (1,) or not isinstance(conv.padding, tuple):
+        return None
+    return length - 2 * conv.padding[0] + conv.dilation[0] * (conv.kernel_size[0] - 1)
+
+
+def _conv_view(conv: nn.Conv1d) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    """A convolution's output ``[b, c, p + pad]`` as ``[b, p, c]`` (its first ``p`` positions), and a delta back."""
+
+    def view(t: Tensor) -> Tensor:
+        return t[..., : _conv_positions(conv, t.shape[-1])].transpose(1, 2)
+
+    def unview(d: Tensor, t: Tensor) -> Tensor:
+        full = torch.zeros_like(t)
+        full[..., : d.shape[1]] = d.transpose(1, 2).to(t.dtype)
+        return full
+
+    return view, unview
+
+
+def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Reference]:
+    """The plain-PyTorch reference of a point the mixer form serves beyond the branches (:mod:`.references`),
+    ``None`` for any other name: a module's output or input, a pre-norm's scale or normalized value, ``hook_resid_mid``
+    the input of the module reading it together with the layer's output (an edit reaches the residual too)."""
+    from lensadapters.adapters.generic.references import _norm_reference
+
+    form = FORMS.get(hooked.hf_model, {}).get(i)
+    if form is None:
+        return None
+    get = layer.get_submodule
+    point = next((p for p in form.internals if p.name == rest), None)
+    if point is not None:
+        module = get(point.path)
+        if point.conv:
+            assert isinstance(module, nn.Conv1d)
+            return Reference("out", module, *_conv_view(module))
+        return Reference("in" if point.input else "out", module)
+    for role, path, _ in form.norms:
+        if rest.startswith(f"{role}."):
+            return _norm_reference(hooked, get(path), rest.split(".")[-1])
+    if rest == "hook_resid_mid" and form.mid is not None:
+        return Reference("in", get(form.mid), also=Reference("out", layer))
+    if form.mlp is not None and rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
+        path = form.mlp.pre if rest == "mlp.hook_pre" else form.mlp.pre_linear
+        return Reference("out", get(path))
+    if form.mlp is not None and rest == "mlp.hook_post":
+        return Reference("in", get(form.mlp.out))
+    return None
+
+
+class InternalsSite(Site):
+    """The internal points of one token mixer: each module's output (or the output projection's input) through
+    ``HookPoint.apply``; a hooked point whose module did not run while its mixer ran raises (the model computed that
+    value without calling the module: cached decoding, a fused kernel)."""
+
+    def __init__(self, mixer: nn.Module, layer: nn.Module, points: list[tuple[Internal, HookPoint]]) -> None:
+        self.mixer, self.layer, self.entries = mixer, layer, points
+        self.points = tuple(p for _, p in points)
+        self.fired: set[str] = set()
+
+    def install(self) -> list[Any]:
+        handles = [
+            self.mixer.register_forward_pre_hook(self._enter, with_kwargs=True),
+            self.mixer.register_forward_hook(self._exit),
+        ]
+        for internal, point in self.entries:
+            module = self.layer.get_submodule(internal.path)
+            if internal.input:
+                handles.append(module.register_forward_pre_hook(self._input(internal, point), with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(self._output(internal, point), with_kwargs=True))
+        return handles
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.fired.clear()
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        missing = [p.name for i, p in self.entries if p.has_live_hooks() and i.name not in self.fired]
+        if missing:
+            raise RuntimeError(
+                f"{', '.join(missing)}: the model computed this forward pass's value without calling the module the "
+                f"point reads (it uses the module's weights directly here: cached decoding or a fused kernel), so "
+                f"the hook would see nothing. Remove the hook for this call, or run without a cache (use_cache=False)"
+            )
+
+    def _input(self, internal: Internal, point: HookPoint) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if internal.name in self.fired:
+                return None
+            self.fired.add(internal.name)
+            edited, changed = point.apply(first_input(args, kwargs))
+            return replace_first_input(args, kwargs, edited) if changed else None
+
+        return hook
+
+    def _output(self, internal: Internal, point: HookPoint) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if internal.name in self.fired:
+                return None
+            self.fired.add(internal.name)
+            y = first_output(output)
+            if not internal.conv:
+                edited, changed = point.apply(y)
+                return replace_first_output(output, edited) if changed else None
+            assert isinstance(module, nn.Conv1d)
+            view, unview = _conv_view(module)
+            value = view(y)
+            edited, changed = point.apply(value)
+            if not changed:
+                return None
+            return replace_first_output(output, y + unview(edited - value, y))
+
+        return hook
+
+    def keep(self, failed: dict[str, str]) -> bool:
+        """Drop the entries whose point failed verification; whether any is left."""
+        self.entries = [(i, p) for i, p in self.entries if p.name not in failed]
+        self.points = tuple(p for _, p in self.entries)
+        return bool(self.entries)
+
+
+def _checked(block: Any) -> tuple[str, ...]:
+    """The points of a mixer-form layer checked at wrap time: what the form adds, and the branches."""
+    names = block.mixer.checked() if block.mixer is not None else []
+    return tuple(n for n in [*names, "hook_attn_out", "hook_mlp_out"] if n in block.points)
+
+
+def _leave_as_probed(model: Any) -> None:
+    """One more forward pass at the probe's batch size (one row), with the model's cache: a recurrent layer may keep
+    its state in the module, sized by the last batch it ran (transformers 4.x's RecurrentGemma, whose forward without
+    a cache then fails on a smaller batch), and the verification's passes are several rows; the model is left as
+    the probe left it."""
+    from lensadapters.adapters.generic.probe import PROBE_LENGTH
+
+    weight = getattr(model.get_input_embeddings(), "weight", None)
+    device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
+    ids = torch.zeros(1, PROBE_LENGTH, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    except Exception:  # a model that does not run so: nothing to restore
+        pass
+
+
+def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
+    """Check the mixer-internal points of ``hooked`` (a wiring being built) and the branch points of their layers
+    (:func:`.verify.check_points`, on a second wiring of the same model, built, checked and uninstalled; layers of
+    one class with the same points share the first one's verdicts), remove those that fail (``found.missing`` says
+    why) and return them with why. ``verifying``: the models being verified (their second wiring skips this)."""
+    from lensadapters.adapters.generic.recheck import check_second_wiring
+
+    reps: dict[int, int] = {}
+    seen: dict[Any, int] = {}
+    for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
+        if block.mixer is not None:
+            reps[i] = seen.setdefault((type(layer), _checked(block)), i)
+    names = [f"blocks.{i}.{name}" for i in sorted(set(reps.values())) for name in _checked(found.blocks[i])]
+    names += [name for name in ("ln_final.hook_scale", "ln_final.hook_normalized") if name in hooked.hook_dict]
+    results, _ = check_second_wiring(hooked, verifying, names)
+    _leave_as_probed(hooked.hf_model)
+    raised = [name for name, why in results.items() if why is not None and "raised" in why]
+    if raised:  # a pass raised: again one point per pass, at the probe's batch size (see _leave_as_probed)
+        results.update(check_second_wiring(hooked, verifying, raised, points_per_pass=1)[0])
+        _leave_as_probed(hooked.hf_model)
+    failed = {name: why for name in names if not name.startswith("blocks.") and (why := results.get(name))}
+    for i, rep in reps.items():
+        for name in _checked(found.blocks[i]):
+            why = results.get(f"blocks.{rep}.{name}")
+            if why is not None:
+                failed[f"blocks.{i}.{name}"] = why
+    for name in failed:
+        if name in hooked.hook_dict:
+            hooked.claim_point(name)
+            hooked.remove_point(name)
+    if failed:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in failed.items():
+            by_reason.setdefault(why, []).append(name)
+        found.missing["token-mixer points that failed verification"] = "; ".join(
+            f"{', '.join(names)}: {why}" for why, names in by_reason.items()
+        )
+    return failed
+
+
+def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifying: Any) -> list[Site]:
+    """``sites`` without the points that fail :func:`verify_internals` (nothing is checked while ``hooked`` is the
+    second wiring of a verification: its model is in ``verifying``)."""
+    if hooked.hf_model in verifying:
+        return sites
+    failed = verify_internals(hooked, found, verifying)
+    kept: list[Site] = []
+    for site in sites:
+        if isinstance(site, InternalsSite):
+            if site.keep(failed):
+                kept.append(site)
+        elif not any(p.name in failed for p in site.points):
+            kept.append(site)
+    return kept
+
+
+def register(model: nn.Module, found: Any, norms: Any) -> None:
+    """Record a model's mixer-form layers (for :func:`reference`), and their pre-norms' behaviours in ``norms``
+    (module to :class:`.norms.NormBehaviour`, what the generic adapter's ``lensadapters_norm_scale`` answers)."""
+    FORMS[model] = {i: b.mixer for i, b in enumerate(found.blocks) if b.mixer is not None}
+    layers = list(model.get_submodule(found.structure.layers).children())
+    for i, form in FORMS[model].items():
+        for _, path, behaviour in form.norms:
+            norms[layers[i].get_submodule(path)] = behaviour
+
+
+def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[str, HookPoint]) -> list[Site]:
+    """The sites of a mixer-form layer's points beyond its branches (``points``: the layer's, by relative name)."""
+    from lensadapters.hooks.sites import NormSite
+
+    form: MixerLayer = block.mixer
+    sites: list[Site] = []
+    if form.internals:
+        entries = [(p, points[p.name]) for p in form.internals if p.name in points]
+        sites.append(InternalsSite(layer.get_submodule(block.attn), layer, entries))
+    for role, path, _ in form.norms:
+        norm = layer.get_submodule(path)
+        hooked.register_norm(f"blocks.{i}.{role}", norm)
+        scale, normalized = points[f"{role}.hook_scale"], points[f"{role}.hook_normalized"]
+        sites.append(NormSite(norm, _spec_of(hooked, norm), scale, normalized))
+    if form.mid is not None and "hook_resid_mid" in points:
+        sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"]))
+    if form.mlp is not None:
+        mlp = form.mlp
+        for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):
+            if name in points and path is not None:
+                sites.append(_ModuleOutput(layer.get_submodule(path), points[name]))
+        if "mlp.hook_post" in points:
+            sites.append(_ModuleOutput(layer.get_submodule(mlp.out), points["mlp.hook_post"], output=False))
+    return sites
+
+
+def _spec_of(hooked: Any, norm: nn.Module) -> Callable[[], Any]:
+    return lambda: hooked.norm_spec(norm)
+
+
+class _ModuleOutput(Site):
+    """A module's output (or first input) as one point: what the model continues with."""
+
+    def __init__(self, module: nn.Module, point: HookPoint, output: bool = True) -> None:
+        self.module, self.point, self.output = module, point, output
+        self.points = (point,)
+
+    def install(self) -> list[Any]:
+        if self.output:
+            return [self.module.register_forward_hook(self._on_output)]
+        return [self.module.register_forward_pre_hook(self._on_input, with_kwargs=True)]
+
+    def _on_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        edited, changed = self.point.apply(first_output(output))
+        return replace_first_output(output, edited) if changed else None
+
+    def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        edited, changed = self.point.apply(first_input(args, kwargs))
+        return replace_first_input(args, kwargs, edited) if changed else None
+
+
+class ResidMidSite(Site):
+    """``hook_resid_mid`` of a mixer-form layer: ``resid_pre + mixer_out``, the input of the module the MLP branch
+    reads it with (``ln2``, or the MLP); the layer adds its own copy of it to the MLP's output, so an edit is also
+    added to the layer's output (completing it before anything reads it), exactly what the layer computes from the
+    edited value."""
+
+    def __init__(self, layer: nn.Module, reader: nn.Module, point: HookPoint) -> None:
+        self.layer, self.reader, self.point = layer, reader, point
+        self.points = (point,)
+        self.delta: list[Tensor] = []
+
+    def install(self) -> list[Any]:
+        from lensadapters.hooks.sites import completes_output
+
+        return [
+            self.layer.register_forward_pre_hook(lambda m, a: self.delta.clear()),
+            self.reader.register_forward_pre_hook(self._on_input, with_kwargs=True),
+            completes_output(self.layer, self._on_layer_output),
+        ]
+
+    def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        x = first_input(args, kwargs)
+        edited, changed = self.point.apply(x, protect=True)
+        if not changed:
+            return None
+        self.delta[:] = [edited - x]
+        return replace_first_input(args, kwargs, edited)
+
+    def _on_layer_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self.delta:
+            return None
+        y = first_output(output)
+        return replace_first_output(output, y + self.delta.pop().to(y.dtype))

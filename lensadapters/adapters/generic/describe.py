@@ -395,9 +395,12 @@ def describe_layer(
 ) -> LayerDescription:
     if "hook_resid_pre" not in found.points:
         raise NotDescribed("the layer's input and output are not the residual stream (see hook_resid_pre)")
-    calls = [c for c in rec.calls if c.layer == i]
+    calls = [c for c in rec.calls if c.layer == i] or [c for c in rec.own_calls if c.layer == i]
     if len(calls) != 1 or calls[0].query is None:
-        raise NotDescribed("the layer does not call transformers' attention interface exactly once")
+        raise NotDescribed(
+            "the layer does not call transformers' attention interface exactly once"
+            + (f", and {rec.own_why[i]}" if i in rec.own_why else "")
+        )
     attn = found.attn or next(
         (n for n, c in layer.named_children() if any(m is calls[0].module for m in c.modules())), None
     )
@@ -555,7 +558,7 @@ def describe(
     others: Sequence[LayerDescriber] = (),
 ) -> Description:
     """Each layer's description (``others``: further describers, tried in turn where :func:`describe_layer` fails)."""
-    first = next((c for c in rec.calls if c.layer is not None), None)
+    first = next((c for c in rec.calls + rec.own_calls if c.layer is not None), None)
     d_head = first.d_head if first is not None else 0
     rotary_path, cos_sin = _rotary_module(model, rec, d_head)
     rotaries: list[Optional[RotarySpec]] = [None]

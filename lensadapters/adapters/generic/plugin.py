@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
+from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -45,6 +46,7 @@ def findings(model: nn.Module) -> Findings:
     if found is None:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
+        OWN_CODE[model] = dict(found.own_attention)
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -164,6 +166,19 @@ def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> A
 def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Any:
     described = _described(model, layer)
     return described.mlp if described is not None else None
+
+
+@hookimpl
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
+    """Layers that compute attention in the model's own code: the softmax capture of the core; the others (none
+    in a model whose layers are all described) through the attention interface, as by default."""
+    own = findings(hooked.hf_model).own_attention
+    if not own:
+        return None
+    from lensadapters.adapters.defaults import lensadapters_attn_pattern as interface_backend
+    from lensadapters.hooks.softmax_capture import SoftmaxCaptureBackend
+
+    return SoftmaxCaptureBackend(hooked.attention_modules, own, interface_backend(arch=arch, hooked=hooked))
 
 
 @hookimpl
@@ -336,7 +351,11 @@ def _serve_verified(hooked: Any) -> set[str]:
     found.unverified.clear()
     found.unverified.update(verify_description(hooked))
     if _fully_described(model):  # the probe's notes on the opaque blocks' points no longer apply
-        for group in ("hook_attn_out and hook_mlp_out", "attention scores and patterns"):
+        for group in (
+            "hook_attn_out and hook_mlp_out",
+            "attention scores and patterns",
+            "attention scores, patterns and hook_z",
+        ):
             found.missing.pop(group, None)
     by_reason: dict[str, list[str]] = {}
     for name, why in found.unverified.items():

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -107,7 +108,11 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return Reference("out", layer)
     get = layer.get_submodule
     if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
-        return Reference("attn", layer=i, part="weights" if rest.endswith("pattern") else "scores")
+        part = "weights" if rest.endswith("pattern") else "scores"
+        heads = OWN_CODE.get(model, {}).get(i)
+        if heads is not None and bl is not None:  # attention in the model's own code: its softmax, read by hand
+            return Reference("softmax", layer.get_submodule(bl.attn), layer=i, part=part, spec=heads)
+        return Reference("attn", layer=i, part=part)
     if bl is None:  # an opaque block: the generic adapter's own points
         if rest == "attn.hook_z":
             return Reference("attn", layer=i, part="output")

@@ -110,6 +110,8 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
         fn = getattr(module, name, None)
         if callable(fn):
             found.append((None, fn))
+    # a parameter-free child module of the MLP (Bloom's ``gelu_impl``): the activation where it reproduces the values
+    found += [(None, child) for child in module.children() if next(child.parameters(), None) is None]
     for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
         act_name = getattr(config, key, None)
         if isinstance(act_name, str) and act_name in ACT2FN:
@@ -547,6 +549,17 @@ def _rotary_inside_attention(
         cos, sin = module.get_submodule(rest)(hidden, positions)
         return cos, sin
 
+    # the claim checked on the probe: the rotary module called so gives the angles it gave (an older rotary module
+    # takes a sequence length, not the positions: not this form)
+    hidden = rec.inner.get((0, attn), (None, None))[0]
+    try:
+        assert hidden is not None
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = from_inputs(layers[0].get_submodule(attn), (hidden,), {"position_ids": positions})
+    except Exception:  # noqa: BLE001 - whatever fails, the angles are not computed this way
+        return None
+    if not (_close(cos, first[0]) and _close(sin, first[1])):
+        return None
     return f"{layer_path}.{attn}", from_inputs, first
 
 

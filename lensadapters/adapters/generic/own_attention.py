@@ -2,16 +2,17 @@
 scores and pattern for the verification.
 
 A layer that does not call transformers' attention interface may still compute softmax attention itself. While the
-probe runs, a :class:`torch.overrides.TorchFunctionMode` records, per decoder layer and direct child of it, every
-softmax, ``F.scaled_dot_product_attention`` and matrix product (``matmul``, ``@``, ``bmm``, ``baddbmm``). A layer
-gets an *own-code attention call* (the same record as an attention-interface call: the module, queries, keys,
-values, weights and output per head) where, inside one direct child of the layer (its attention module):
+probe runs, a :class:`torch.overrides.TorchFunctionMode` records, per decoder layer and with the innermost module of
+the layer running it, every softmax, ``F.scaled_dot_product_attention`` and matrix product (``matmul``, ``@``,
+``bmm``, ``baddbmm``). A layer gets an *own-code attention call* (the same record as an attention-interface call: the
+module, queries, keys, values, weights and output per head) where:
 
 * exactly one softmax (over the last dimension, of a ``[b, heads, q, k]`` or ``[b * heads, q, k]`` tensor) or one
-  ``scaled_dot_product_attention`` call ran;
-* for a softmax: a product after it reads the softmax's output (cast or passed through dropout, equal values) times
-  the values (``pattern @ v``: its output is ``z``), and the last product before it whose output has the scores'
-  size is ``q @ kᵀ`` (its operands are the queries and the keys the scores are computed from).
+  ``scaled_dot_product_attention`` call ran in the layer, inside one of its modules (the call's module);
+* for a softmax: a product after it in that module reads the softmax's output (cast or passed through dropout, equal
+  values) times the values (``pattern @ v``: its output is ``z``), and the last product before it whose output has
+  the scores' size is ``q @ kᵀ`` (its operands are the queries and the keys the scores are computed from; queries the
+  model multiplied by a constant first are taken over it, :func:`unscaled_query`).
 
 From there the automatic description (:mod:`.describe`) proceeds as for an interface call: the output projection
 must read ``z`` with heads merged (so ``pattern @ v`` is ``hook_z`` on the probe), and the projections must give the
@@ -46,7 +47,7 @@ OWN_CODE: "weakref.WeakKeyDictionary[nn.Module, dict[int, int]]" = weakref.WeakK
 @dataclass
 class _Op:
     kind: str  # "softmax", "sdpa" or "matmul"
-    child: Optional[str]
+    child: Optional[str]  # the innermost module of the layer running it (its path in the layer)
     operands: tuple[Tensor, ...]
     output: Tensor
 
@@ -94,7 +95,7 @@ class _Recorder(TorchFunctionMode):
 
 @contextlib.contextmanager
 def recording(layers: list[nn.Module]):
-    """Record the attention operations of each layer (and which direct child ran them) while the block runs;
+    """Record the attention operations of each layer (and which of its modules ran them) while the block runs;
     yields the recorder, whose ``ops`` :func:`own_calls` reads."""
     recorder = _Recorder()
     handles: list[Any] = []
@@ -108,8 +109,10 @@ def recording(layers: list[nn.Module]):
 
     try:
         for i, layer in enumerate(layers):
-            for module, where in [(layer, (i, None))] + [(c, (i, n)) for n, c in layer.named_children()]:
-                handles.append(module.register_forward_pre_hook(enter(where)))
+            for name, module in layer.named_modules():
+                if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    continue
+                handles.append(module.register_forward_pre_hook(enter((i, name or None))))
                 handles.append(module.register_forward_hook(leave, always_call=True))
         with recorder:
             yield recorder
@@ -141,7 +144,7 @@ def own_call(layer: nn.Module, i: int, ops: list[_Op], batch: int) -> tuple[Opti
     op = attention[0]
     if op.child is None:
         return None, "the layers compute their softmax outside any child module"
-    mine = [o for o in ops if o.child == op.child]
+    mine = [o for o in ops if o.child is not None and (o.child + ".").startswith(op.child + ".")]
     at = next(j for j, o in enumerate(mine) if o is op)
     if op.kind == "sdpa":
         q, k, v = op.operands
@@ -238,3 +241,24 @@ def softmax_reference(
                 handle.remove()
 
     return _Remove()
+
+
+def unscaled_query(query: Tensor, outputs: list[Tensor]) -> Tensor:
+    """``query`` ``[b, heads, p, d]`` over the constant the model multiplied it by before the product with the keys
+    (BART's ``q_proj(x) * scaling``): where exactly one of ``outputs`` (the layer's linear modules' outputs, heads
+    merged) is ``query / c`` for a constant ``c != 1``, that output per head; else ``query`` as it is. The constant is
+    part of the scores, which the softmax capture reads whole; ``hook_q`` is the projection's output."""
+    want = query.transpose(1, 2).flatten(-2)
+    found = []
+    for y in outputs:
+        if y.shape != want.shape:
+            continue
+        usable = y.abs() > 1e-6
+        if not bool(usable.any()):
+            continue
+        c = float((want[usable].double() / y[usable].double()).median())
+        if c != 0.0 and abs(c - 1.0) > 1e-6 and bool(torch.allclose(y * c, want, atol=1e-5, rtol=1e-4)):
+            found.append(y)
+    if len(found) != 1:
+        return query
+    return found[0].unflatten(-1, (query.shape[1], -1)).transpose(1, 2)

@@ -11,6 +11,7 @@ from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.own_attention import OWN_CODE
+from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -47,6 +48,8 @@ def findings(model: nn.Module) -> Findings:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         OWN_CODE[model] = dict(found.own_attention)
+        layers_found = found.description.layers if found.description is not None else []
+        DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -236,11 +239,13 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         for layer, b, bl in zip(hooked.block_modules, found.blocks, hooked.block_layouts)
     ]
     backend = AttentionFunctionBackend(model.config, modules)
+    claimed: set[str] = set()  # the core's points this plugin serves itself
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
                 point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
+                claimed.add(point.name)
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
@@ -274,7 +279,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
     if found.description is not None:
-        failed = _serve_verified(hooked)
+        failed = _serve_verified(hooked, claimed)
         sites = [site for site in sites if not any(p.name in failed for p in site.points)]
     return sites
 
@@ -342,8 +347,9 @@ def verify_description(hooked: Any) -> dict[str, str]:
     return failed
 
 
-def _serve_verified(hooked: Any) -> set[str]:
-    """Remove every point that failed verification (the warning says which and why); their names."""
+def _serve_verified(hooked: Any, claimed: frozenset[str] | set[str] = frozenset()) -> set[str]:
+    """Remove every point that failed verification (the warning says which and why); their names. ``claimed``:
+    the core's points this plugin claimed already (for a site of its own)."""
     model = hooked.hf_model
     if model in _verifying:
         return set()
@@ -364,7 +370,8 @@ def _serve_verified(hooked: Any) -> set[str]:
         found.missing[UNVERIFIED] = "; ".join(f"{describe_points(names)}: {why}" for why, names in by_reason.items())
     for name in found.unverified:
         if name in hooked.hook_dict:
-            hooked.claim_point(name)
+            if name not in claimed:
+                hooked.claim_point(name)
             hooked.remove_point(name)
         else:  # a point the core creates after the plugins' sites (the per-head inputs)
             hooked.withheld.add(name)

@@ -420,7 +420,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
 
 def _own_calls(recording: Recording, layers: list[nn.Module], ops: dict[int, list[Any]], batch: int) -> None:
     """The layers that call no attention interface: their attention computed in the model's own code, if any."""
-    from lensadapters.adapters.generic.own_attention import own_call
+    from lensadapters.adapters.generic.own_attention import own_call, unscaled_query
 
     interface = {c.layer for c in recording.calls}
     for i, layer in enumerate(layers):
@@ -431,6 +431,8 @@ def _own_calls(recording: Recording, layers: list[nn.Module], ops: dict[int, lis
             recording.own_why[i] = why
             continue
         output = parts.pop("output")
+        outputs = [y for (j, _), (_, y) in recording.inner.items() if j == i and y is not None]
+        parts["query"] = unscaled_query(parts["query"], outputs)
         recording.own_calls.append(InterfaceCall(layer=i, output=Record.of(output), pattern_problem=None, **parts))
 
 

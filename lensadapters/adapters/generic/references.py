@@ -31,6 +31,11 @@ OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[
 )
 
 
+#: the module whose output is ``hook_attn_out`` of a described layer where it is not the block's attention module's
+#: (``LayerDescription.attn_out``: a projection whose output the attention module adds to the residual itself)
+DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
 @dataclass
 class Reference:
     """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
@@ -126,6 +131,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
+    if rest == "hook_attn_out" and i in DESCRIBED_ATTN_OUT.get(model, {}):
+        return Reference("out", get(DESCRIBED_ATTN_OUT[model][i]))
     if rest == "hook_attn_out":  # what the block adds to the residual
         if bl.ln1_post is None and not bl.o_proj.startswith(bl.attn + "."):  # the projection is outside the module
             return Reference("out", get(bl.o_proj))  # the attention function is called with: its output

@@ -257,7 +257,11 @@ def unscaled_query(query: Tensor, outputs: list[Tensor]) -> Tensor:
         if not bool(usable.any()):
             continue
         c = float((want[usable].double() / y[usable].double()).median())
-        if c != 0.0 and abs(c - 1.0) > 1e-6 and bool(torch.allclose(y * c, want, atol=1e-5, rtol=1e-4)):
+        if (
+            c != 0.0
+            and abs(c - 1.0) > 1e-6
+            and bool(torch.allclose(y.double() * c, want.double(), atol=1e-5, rtol=1e-4))
+        ):
             found.append(y)
     if len(found) != 1:
         return query

@@ -19,6 +19,7 @@ from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import NormSite, Site
+from lensadapters.hooks.sites.attention import ResultSite
 from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, NormSpec
 
 NAME = "generic"
@@ -244,9 +245,23 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
+                if described.attn_out == described.block.o_proj and f"blocks.{i}.attn.hook_result" in hooked.hook_dict:
+                    # both on the projection's output: hook_result fires first, as in TransformerLens (its edit is
+                    # in what hook_attn_out sees), so this plugin serves it too, before hook_attn_out
+                    result = hooked.claim_point(f"blocks.{i}.attn.hook_result")
+                    claimed.add(result.name)
+                    o_proj = layer.get_submodule(described.block.o_proj)
+                    sites.append(ResultSite(o_proj, result, hooked.cfg.n_heads, hooked._o_reader(i)))
                 point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
                 claimed.add(point.name)
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
+            for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
+                # a branch output the model writes into afterwards (Falcon's parallel block adds the attention
+                # output into the MLP's in place): served as the core would, with the model continuing with a copy
+                if name in block.copied and path is not None and f"blocks.{i}.{name}" not in claimed:
+                    point = hooked.claim_point(f"blocks.{i}.{name}")
+                    claimed.add(point.name)
+                    sites.append(ModuleIOSite(layer.get_submodule(path), point, copy=True))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied

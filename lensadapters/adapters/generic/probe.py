@@ -426,13 +426,17 @@ def _own_calls(recording: Recording, layers: list[nn.Module], ops: dict[int, lis
     for i, layer in enumerate(layers):
         if i in interface:
             continue
-        parts, why = own_call(layer, i, ops.get(i, []), batch)
+        try:
+            parts, why = own_call(layer, i, ops.get(i, []), batch)
+            if parts is not None:
+                outputs = [y for (j, _), (_, y) in recording.inner.items() if j == i and y is not None]
+                parts["query"] = unscaled_query(parts["query"], outputs)
+        except Exception as exc:  # what cannot be read is not described; the probe's other findings stand
+            parts, why = None, f"reading their attention raised {type(exc).__name__}: {exc}"
         if parts is None:
             recording.own_why[i] = why
             continue
         output = parts.pop("output")
-        outputs = [y for (j, _), (_, y) in recording.inner.items() if j == i and y is not None]
-        parts["query"] = unscaled_query(parts["query"], outputs)
         recording.own_calls.append(InterfaceCall(layer=i, output=Record.of(output), pattern_problem=None, **parts))
 
 

@@ -84,8 +84,11 @@ def sdpa_explicitly(
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    pattern = on_pattern(torch.softmax(on_scores(scores), dim=-1))
-    return pattern.to(v.dtype) @ v
+    scores = on_scores(scores)
+    # as PyTorch's own computation: a query that may see no key (a padding row) attends to nothing (zeros, no nan)
+    dead = torch.isneginf(scores).all(-1, keepdim=True)
+    pattern = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return on_pattern(pattern).to(v.dtype) @ v
 
 
 class SoftmaxCaptureMode(TorchFunctionMode):

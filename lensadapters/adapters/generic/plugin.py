@@ -249,9 +249,16 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                     # both on the projection's output: hook_result fires first, as in TransformerLens (its edit is
                     # in what hook_attn_out sees), so this plugin serves it too, before hook_attn_out
                     result = hooked.claim_point(f"blocks.{i}.attn.hook_result")
-                    claimed.add(result.name)
+                    point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
+                    claimed |= {result.name, point.name}
                     o_proj = layer.get_submodule(described.block.o_proj)
-                    sites.append(ResultSite(o_proj, result, hooked.cfg.n_heads, hooked._o_reader(i)))
+                    sites.append(
+                        _ResultThenOutput(
+                            ResultSite(o_proj, result, hooked.cfg.n_heads, hooked._o_reader(i)),
+                            ModuleIOSite(o_proj, point),
+                        )
+                    )
+                    continue
                 point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
                 claimed.add(point.name)
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
@@ -297,6 +304,28 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         failed = _serve_verified(hooked, claimed)
         sites = [site for site in sites if not any(p.name in failed for p in site.points)]
     return sites
+
+
+class _ResultThenOutput(Site):
+    """``attn.hook_result`` and ``hook_attn_out`` both on one projection's output, in one forward hook: the result
+    first (its edit is in what ``hook_attn_out`` sees), as TransformerLens orders them."""
+
+    def __init__(self, result: ResultSite, output: ModuleIOSite) -> None:
+        self.result, self.output = result, output
+        self.points = (result.point, output.point)
+
+    def install(self) -> list[Any]:
+        return [self.output.module.register_forward_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.result.point.has_live_hooks():
+            edited = self.result._hook(module, args, kwargs, output)
+            output = edited if edited is not None else output
+            changed = edited is not None
+        else:
+            changed = False
+        served = self.output._on_output(module, args, kwargs, output)
+        return served if served is not None else (output if changed else None)
 
 
 # --- verification of the described points -------------------------------------------------------------------

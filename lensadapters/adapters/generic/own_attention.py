@@ -82,12 +82,15 @@ class _Recorder(TorchFunctionMode):
             else:  # a softmax over another dimension: counted, never served
                 self.ops.setdefault(layer, []).append(_Op("softmax", child, (), _copy(out)))
         elif func is SDPA:
-            names = ("query", "key", "value")
-            qkv = tuple(_copy(args[j] if j < len(args) else kwargs.get(n)) for j, n in enumerate(names))
+            qkv = tuple(
+                _copy(args[j] if j < len(args) else kwargs.get(n)) for j, n in enumerate(("query", "key", "value"))
+            )
             self.ops.setdefault(layer, []).append(_Op("sdpa", child, qkv, _copy(out)))
         elif func in MATMULS:
-            names = ("input", "batch1", "batch2") if func in (torch.baddbmm, Tensor.baddbmm) else ("input", "other")
-            given = [args[j] if j < len(args) else kwargs.get(n, kwargs.get("mat2")) for j, n in enumerate(names)]
+            named: tuple[str, ...] = (
+                ("input", "batch1", "batch2") if func in (torch.baddbmm, Tensor.baddbmm) else ("input", "other")
+            )
+            given = [args[j] if j < len(args) else kwargs.get(n, kwargs.get("mat2")) for j, n in enumerate(named)]
             operands = given[-2:]
             if all(isinstance(t, Tensor) for t in operands):
                 self.ops.setdefault(layer, []).append(_Op("matmul", child, tuple(map(_copy, operands)), _copy(out)))

@@ -41,6 +41,17 @@ SAMPLE = (
     "lfm2",
     "glm4_moe",
     "persimmon",
+    # attention computed in the model's own code (the softmax capture): a softmax of [b, heads, q, k] scores, of
+    # [b * heads, q, k] scores with an ALiBi bias, of queries scaled before the product, sdpa called in the code
+    # (served) or a softmax (verified), a post-LN encoder copy
+    "gpt_neo",
+    "bloom",
+    "gpt_neox_japanese",
+    "xglm",
+    "mpt",
+    "falcon",
+    "rembert",
+    "big_bird",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there);
     # Moshi's 4.x attention computes attention in its own code

@@ -71,7 +71,8 @@ def _llama_like(config_class: type, **extra: Any) -> st.SearchStrategy:
 
 class TestFalcon(GenericContract):
     attn_implementations = ("sdpa", "eager")
-    branches, attention_function, patterns, final_norm = True, False, False, True
+    # attention in its own code: described (patterns by the softmax capture) where the probe verifies it
+    branches, attention_function, patterns, final_norm = True, None, None, True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
@@ -98,7 +99,7 @@ class TestFalcon(GenericContract):
 
 class TestBloom(GenericContract):
     attn_implementations = ("eager",)
-    branches, attention_function, patterns, final_norm = False, False, False, True
+    branches, attention_function, patterns, final_norm = None, None, None, True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
@@ -115,7 +116,7 @@ class TestBloom(GenericContract):
 
 class TestGPTNeo(GenericContract):
     attn_implementations = ("eager",)
-    branches, attention_function, patterns, final_norm = True, False, False, True
+    branches, attention_function, patterns, final_norm, described = True, True, True, True, True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:

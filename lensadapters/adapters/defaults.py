@@ -27,9 +27,11 @@ def _describe(t: torch.Tensor) -> str:
 
 @hookimpl(trylast=True)
 def lensadapters_linear_weight(module: nn.Module) -> Optional[LinearWeight]:
-    """A plain ``nn.Linear`` with a floating-point weight; anything else stored in an ``nn.Linear`` is refused."""
+    """A plain ``nn.Linear`` with a floating-point weight; anything else stored in an ``nn.Linear`` is refused. A
+    subclass of ``nn.Linear`` with plain floating-point parameters (Falcon's ``FalconLinear``) is read where its own
+    forward computes ``x @ weight.T + bias`` on a probe input (checked once per module); otherwise not at all."""
     if type(module) is not nn.Linear:
-        return None
+        return _checked_subclass(module) if isinstance(module, nn.Linear) else None
     weight, bias = module.weight, module.bias
     for what, t in (("weight", weight), ("bias", bias)):
         if not _plain_float(t):
@@ -40,6 +42,32 @@ def lensadapters_linear_weight(module: nn.Module) -> Optional[LinearWeight]:
                 f"the lensadapters plugin for that format or implement `lensadapters_linear_weight` for it."
             )
     return LinearWeight(weight.T, bias)
+
+
+_LINEAR_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _checked_subclass(module: nn.Linear) -> Optional[LinearWeight]:
+    """A subclass of ``nn.Linear`` whose forward is the linear map of its own weight and bias (see the caller)."""
+    weight, bias = module.weight, module.bias
+    if not (_plain_float(weight) and _plain_float(bias)) or weight.device.type == "meta":
+        return None
+    verdict = _LINEAR_CHECKED.get(module)
+    if verdict is None:
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+        with torch.no_grad():
+            try:
+                got = module.forward(x)  # the module's own computation, without the hooks on it
+            except Exception:  # noqa: BLE001 - a forward that fails on a probe input is not read
+                got = None
+            expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        tol = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+        verdict = _LINEAR_CHECKED[module] = (
+            isinstance(got, torch.Tensor)
+            and got.shape == expected.shape
+            and bool(torch.allclose(got.float(), expected, rtol=tol, atol=tol))
+        )
+    return LinearWeight(weight.T, bias) if verdict else None
 
 
 # norm modules whose guessed NormSpec was checked against the module (the formula is the class's, not the weights')

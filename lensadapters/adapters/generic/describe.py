@@ -110,6 +110,8 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
         fn = getattr(module, name, None)
         if callable(fn):
             found.append((None, fn))
+    # a parameter-free child module of the MLP (Bloom's ``gelu_impl``): the activation where it reproduces the values
+    found += [(None, child) for child in module.children() if next(child.parameters(), None) is None]
     for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
         act_name = getattr(config, key, None)
         if isinstance(act_name, str) and act_name in ACT2FN:
@@ -395,9 +397,12 @@ def describe_layer(
 ) -> LayerDescription:
     if "hook_resid_pre" not in found.points:
         raise NotDescribed("the layer's input and output are not the residual stream (see hook_resid_pre)")
-    calls = [c for c in rec.calls if c.layer == i]
+    calls = [c for c in rec.calls if c.layer == i] or [c for c in rec.own_calls if c.layer == i]
     if len(calls) != 1 or calls[0].query is None:
-        raise NotDescribed("the layer does not call transformers' attention interface exactly once")
+        raise NotDescribed(
+            "the layer does not call transformers' attention interface exactly once"
+            + (f", and {rec.own_why[i]}" if i in rec.own_why else "")
+        )
     attn = found.attn or next(
         (n for n, c in layer.named_children() if any(m is calls[0].module for m in c.modules())), None
     )
@@ -544,6 +549,17 @@ def _rotary_inside_attention(
         cos, sin = module.get_submodule(rest)(hidden, positions)
         return cos, sin
 
+    # the claim checked on the probe: the rotary module called so gives the angles it gave (an older rotary module
+    # takes a sequence length, not the positions: not this form)
+    hidden = rec.inner.get((0, attn), (None, None))[0]
+    try:
+        assert hidden is not None
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = from_inputs(layers[0].get_submodule(attn), (hidden,), {"position_ids": positions})
+    except Exception:  # noqa: BLE001 - whatever fails, the angles are not computed this way
+        return None
+    if not (_close(cos, first[0]) and _close(sin, first[1])):
+        return None
     return f"{layer_path}.{attn}", from_inputs, first
 
 
@@ -555,7 +571,7 @@ def describe(
     others: Sequence[LayerDescriber] = (),
 ) -> Description:
     """Each layer's description (``others``: further describers, tried in turn where :func:`describe_layer` fails)."""
-    first = next((c for c in rec.calls if c.layer is not None), None)
+    first = next((c for c in rec.calls + rec.own_calls if c.layer is not None), None)
     d_head = first.d_head if first is not None else 0
     rotary_path, cos_sin = _rotary_module(model, rec, d_head)
     rotaries: list[Optional[RotarySpec]] = [None]

@@ -85,6 +85,8 @@ class Findings:
     unserved_weights: dict[str, str] = field(default_factory=dict)  # W_E / W_U the probe could not verify -> why
     description: Optional[Any] = None  # the automatic description (:mod:`.describe`), where a layer has one
     unverified: dict[str, str] = field(default_factory=dict)  # described points that failed verification -> why
+    #: described layers whose attention the model computes in its own code (:mod:`.own_attention`): layer -> heads
+    own_attention: dict[int, int] = field(default_factory=dict)
 
 
 def _sums_to_output(x: Tensor, parts: list[Tensor], y: Tensor) -> bool:
@@ -490,7 +492,7 @@ def identify(model: nn.Module) -> Findings:
     logit_scale, why = _logit_scale(rec, structure)
     if logit_scale is None:
         unserved["W_U"] = why
-    first = next((c for c in rec.calls if c.layer is not None), None)
+    first = next((c for c in rec.calls + rec.own_calls if c.layer is not None), None)
     description = None
     if order == list(range(n)):
         from lensadapters.adapters.generic.describe import describe
@@ -516,6 +518,9 @@ def identify(model: nn.Module) -> Findings:
                 missing["mlp.hook_pre and mlp.hook_post (and the MLP weights)"] = "; ".join(
                     why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in opaque.items()
                 )
+    own = {c.layer: c.heads for c in rec.own_calls if c.layer is not None}
+    if description is not None:
+        own = {i: heads for i, heads in own.items() if description.layers[i] is not None}
     return Findings(
         structure,
         blocks,
@@ -532,4 +537,5 @@ def identify(model: nn.Module) -> Findings:
         d_head=first.d_head if first else None,
         missing=missing,
         description=description,
+        own_attention=own if description is not None else {},
     )

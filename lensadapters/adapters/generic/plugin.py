@@ -14,8 +14,9 @@ from lensadapters.adapters.generic.mixer import layer_sites as mixer_sites
 from lensadapters.adapters.generic.mixer import reference as internal_reference
 from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
+from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.recheck import check_second_wiring
-from lensadapters.adapters.generic.references import OPAQUE_REFERENCES
+from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -23,6 +24,7 @@ from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import NormSite, Site
+from lensadapters.hooks.sites.attention import ResultSite
 from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, NormSpec
 
 NAME = "generic"
@@ -53,6 +55,9 @@ def findings(model: nn.Module) -> Findings:
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         OPAQUE_REFERENCES[model] = internal_reference
         register_mixer_form(model, found, _norms)
+        OWN_CODE[model] = dict(found.own_attention)
+        layers_found = found.description.layers if found.description is not None else []
+        DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -175,6 +180,19 @@ def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> An
 
 
 @hookimpl
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Any:
+    """Layers that compute attention in the model's own code: the softmax capture of the core; the others (none
+    in a model whose layers are all described) through the attention interface, as by default."""
+    own = findings(hooked.hf_model).own_attention
+    if not own:
+        return None
+    from lensadapters.adapters.defaults import lensadapters_attn_pattern as interface_backend
+    from lensadapters.hooks.softmax_capture import SoftmaxCaptureBackend
+
+    return SoftmaxCaptureBackend(hooked.attention_modules, own, interface_backend(arch=arch, hooked=hooked))
+
+
+@hookimpl
 def lensadapters_norm_scale(arch: Architecture, module: nn.Module) -> Optional[NormSpec]:
     behaviour = _norms.get(module)
     return behaviour.spec(module) if behaviour is not None else None
@@ -229,12 +247,35 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         for layer, b, bl in zip(hooked.block_modules, found.blocks, hooked.block_layouts)
     ]
     backend = AttentionFunctionBackend(model.config, modules)
+    claimed: set[str] = set()  # the core's points this plugin serves itself
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
+                if described.attn_out == described.block.o_proj and f"blocks.{i}.attn.hook_result" in hooked.hook_dict:
+                    # both on the projection's output: hook_result fires first, as in TransformerLens (its edit is
+                    # in what hook_attn_out sees), so this plugin serves it too, before hook_attn_out
+                    result = hooked.claim_point(f"blocks.{i}.attn.hook_result")
+                    point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
+                    claimed |= {result.name, point.name}
+                    o_proj = layer.get_submodule(described.block.o_proj)
+                    sites.append(
+                        _ResultThenOutput(
+                            ResultSite(o_proj, result, hooked.cfg.n_heads, hooked._o_reader(i)),
+                            ModuleIOSite(o_proj, point),
+                        )
+                    )
+                    continue
                 point = hooked.claim_point(f"blocks.{i}.hook_attn_out")
+                claimed.add(point.name)
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
+            for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
+                # a branch output the model writes into afterwards (Falcon's parallel block adds the attention
+                # output into the MLP's in place): served as the core would, with the model continuing with a copy
+                if name in block.copied and path is not None and f"blocks.{i}.{name}" not in claimed:
+                    point = hooked.claim_point(f"blocks.{i}.{name}")
+                    claimed.add(point.name)
+                    sites.append(ModuleIOSite(layer.get_submodule(path), point, copy=True))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied
@@ -275,9 +316,31 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     if any(block.mixer is not None for block in found.blocks) and found.description is None:
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
-        failed = _serve_verified(hooked)
+        failed = _serve_verified(hooked, claimed)
         sites = [site for site in sites if not any(p.name in failed for p in site.points)]
     return sites
+
+
+class _ResultThenOutput(Site):
+    """``attn.hook_result`` and ``hook_attn_out`` both on one projection's output, in one forward hook: the result
+    first (its edit is in what ``hook_attn_out`` sees), as TransformerLens orders them."""
+
+    def __init__(self, result: ResultSite, output: ModuleIOSite) -> None:
+        self.result, self.output = result, output
+        self.points = (result.point, output.point)
+
+    def install(self) -> list[Any]:
+        return [self.output.module.register_forward_hook(self._hook, with_kwargs=True)]
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.result.point.has_live_hooks():
+            edited = self.result._hook(module, args, kwargs, output)
+            output = edited if edited is not None else output
+            changed = edited is not None
+        else:
+            changed = False
+        served = self.output._on_output(module, args, kwargs, output)
+        return served if served is not None else (output if changed else None)
 
 
 # --- verification of the described points -------------------------------------------------------------------
@@ -330,8 +393,9 @@ def verify_description(hooked: Any) -> dict[str, str]:
     return failed
 
 
-def _serve_verified(hooked: Any) -> set[str]:
-    """Remove every point that failed verification (the warning says which and why); their names."""
+def _serve_verified(hooked: Any, claimed: frozenset[str] | set[str] = frozenset()) -> set[str]:
+    """Remove every point that failed verification (the warning says which and why); their names. ``claimed``:
+    the core's points this plugin claimed already (for a site of its own)."""
     model = hooked.hf_model
     if model in _verifying:
         return set()
@@ -339,7 +403,11 @@ def _serve_verified(hooked: Any) -> set[str]:
     found.unverified.clear()
     found.unverified.update(verify_description(hooked))
     if _fully_described(model):  # the probe's notes on the opaque blocks' points no longer apply
-        for group in ("hook_attn_out and hook_mlp_out", "attention scores and patterns"):
+        for group in (
+            "hook_attn_out and hook_mlp_out",
+            "attention scores and patterns",
+            "attention scores, patterns and hook_z",
+        ):
             found.missing.pop(group, None)
     by_reason: dict[str, list[str]] = {}
     for name, why in found.unverified.items():
@@ -348,7 +416,8 @@ def _serve_verified(hooked: Any) -> set[str]:
         found.missing[UNVERIFIED] = "; ".join(f"{describe_points(names)}: {why}" for why, names in by_reason.items())
     for name in found.unverified:
         if name in hooked.hook_dict:
-            hooked.claim_point(name)
+            if name not in claimed:
+                hooked.claim_point(name)
             hooked.remove_point(name)
         else:  # a point the core creates after the plugins' sites (the per-head inputs)
             hooked.withheld.add(name)

@@ -111,7 +111,7 @@ def _one(found: list[str], why: str, exc: type[NotDescribed] = NotDescribed) -> 
 
 
 def _read(layer: nn.Module, i: int, rec: Recording) -> _Layer:
-    calls = [c for c in rec.calls if c.layer == i]
+    calls = [c for c in rec.calls if c.layer == i] or [c for c in rec.own_calls if c.layer == i]
     if len(calls) != 1 or calls[0].query is None:
         raise NotThisShape("the layer does not call transformers' attention interface exactly once")
     call = calls[0]

@@ -137,6 +137,9 @@ class Recording:
     position_embeddings: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
     #: a module inside the layers that returned two tensors of one shape (a rotary module's ``(cos, sin)``): those
     pairs: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    #: attention a layer computes in the model's own code, where it calls no attention interface (:mod:`.own_attention`)
+    own_calls: list[InterfaceCall] = field(default_factory=list)
+    own_why: dict[int, str] = field(default_factory=dict)  # a layer without either: why not
 
 
 def flattened(part: Tensor, like: Tensor) -> bool:
@@ -397,8 +400,11 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(vocab), (1, PROBE_LENGTH), generator=generator).to(_input_device(embed))
         recording.input_ids = ids
-        with _probing(model, recording):
+        from lensadapters.adapters.generic.own_attention import recording as own_code
+
+        with _probing(model, recording), own_code(layers) as recorder:
             output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+        _own_calls(recording, layers, recorder.ops, ids.shape[0])
         recording.last_hidden = (
             recording.outside_in.get(unembed) if unembed is not None else getattr(output, "last_hidden_state", None)
         )
@@ -410,6 +416,28 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         for handle in handles:
             handle.remove()
     return recording
+
+
+def _own_calls(recording: Recording, layers: list[nn.Module], ops: dict[int, list[Any]], batch: int) -> None:
+    """The layers that call no attention interface: their attention computed in the model's own code, if any."""
+    from lensadapters.adapters.generic.own_attention import own_call, unscaled_query
+
+    interface = {c.layer for c in recording.calls}
+    for i, layer in enumerate(layers):
+        if i in interface:
+            continue
+        try:
+            parts, why = own_call(layer, i, ops.get(i, []), batch)
+            if parts is not None:
+                outputs = [y for (j, _), (_, y) in recording.inner.items() if j == i and y is not None]
+                parts["query"] = unscaled_query(parts["query"], outputs)
+        except Exception as exc:  # what cannot be read is not described; the probe's other findings stand
+            parts, why = None, f"reading their attention raised {type(exc).__name__}: {exc}"
+        if parts is None:
+            recording.own_why[i] = why
+            continue
+        output = parts.pop("output")
+        recording.own_calls.append(InterfaceCall(layer=i, output=Record.of(output), pattern_problem=None, **parts))
 
 
 def run_embedding_edit(

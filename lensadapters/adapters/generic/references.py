@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -34,6 +35,11 @@ OPAQUE_BRANCHES: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Optional[
 OPAQUE_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Optional[Reference]]]" = (
     weakref.WeakKeyDictionary()
 )
+
+
+#: the module whose output is ``hook_attn_out`` of a described layer where it is not the block's attention module's
+#: (``LayerDescription.attn_out``: a projection whose output the attention module adds to the residual itself)
+DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -113,7 +119,11 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return Reference("out", layer)
     get = layer.get_submodule
     if rest in ("attn.hook_pattern", "attn.hook_attn_scores"):
-        return Reference("attn", layer=i, part="weights" if rest.endswith("pattern") else "scores")
+        part = "weights" if rest.endswith("pattern") else "scores"
+        heads = OWN_CODE.get(model, {}).get(i)
+        if heads is not None and bl is not None:  # attention in the model's own code: its softmax, read by hand
+            return Reference("softmax", layer.get_submodule(bl.attn), layer=i, part=part, spec=heads)
+        return Reference("attn", layer=i, part=part)
     if bl is None:  # an opaque block: the generic adapter's own points
         if rest == "attn.hook_z":
             return Reference("attn", layer=i, part="output")
@@ -131,6 +141,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
+    if rest == "hook_attn_out" and i in DESCRIBED_ATTN_OUT.get(model, {}):
+        return Reference("out", get(DESCRIBED_ATTN_OUT[model][i]))
     if rest == "hook_attn_out":  # what the block adds to the residual
         if bl.ln1_post is None and not bl.o_proj.startswith(bl.attn + "."):  # the projection is outside the module
             return Reference("out", get(bl.o_proj))  # the attention function is called with: its output

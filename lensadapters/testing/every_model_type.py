@@ -132,9 +132,9 @@ def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
     and a query/key head size that is the sum of its rotary and non-rotary parts stays their sum."""
     if multi_head:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    parts = (values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim"))
-    if isinstance(values.get("qk_head_dim"), int) and all(isinstance(part, int) for part in parts):
-        values["qk_head_dim"] = parts[0] + parts[1]
+    nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
+    if isinstance(values.get("qk_head_dim"), int) and isinstance(nope, int) and isinstance(rope, int):
+        values["qk_head_dim"] = nope + rope
 
 
 class NotBuildable(Exception):

@@ -381,5 +381,6 @@ class ReadingProperties:
             assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
             assert hm.W_K.shape == W_Q.shape
             assert W_O.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_head, hm.cfg.d_model)
-            assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
+            if not moe:  # (a MoE block's W_in has an experts axis)
+                assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
         hm.unwrap()

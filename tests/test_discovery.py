@@ -129,6 +129,34 @@ def test_not_served_properties_are_skipped_in_every_variant():
         type("Wrong", (AdapterContract,), {"not_served": {"test_nothing": "why"}})
 
 
+def test_strata_only_properties_run_on_their_strata_only():
+    """``strata_only``: the property runs on each of its strata (the tests ``<prop>__<stratum>``), the unstratified
+    test is skipped naming them, and a matrix variant (built without the contract's strata) skips it instead of
+    failing at class definition."""
+    from lensadapters.testing import matrix_class
+
+    prop = "test_no_hooks_is_bitwise"
+
+    class Toy(AdapterContract):
+        config_strategy = _toy_configs
+        config_strata = {"kind a": (prop,), "kind b": (prop,)}
+        stratum_overrides = {"kind a": {"kind": "a"}, "kind b": {"kind": "b"}}
+        strata_only = (prop,)
+
+    class Variant(AdapterContract):
+        pass
+
+    for name in (f"{prop}__kind_a", f"{prop}__kind_b"):
+        stratum = getattr(Toy, name)
+        skips = [m for m in getattr(stratum, "pytestmark", []) if m.name == "skip"]
+        assert hasattr(stratum, "hypothesis") and not skips, name
+    with pytest.raises(pytest.skip.Exception, match=f"strata only.*{prop}__kind_a, {prop}__kind_b"):
+        getattr(Toy(), prop)()
+    with pytest.raises(pytest.skip.Exception, match="strata only.*none in this class"):
+        getattr(matrix_class(Variant, Toy)(), prop)()
+    assert hasattr(getattr(AdapterContract, prop), "hypothesis")  # the kit's property is left as it was
+
+
 def test_declared_logit_softcap():
     class Capped(AdapterContract):
         logit_softcap = "final_logit_softcapping"

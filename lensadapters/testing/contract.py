@@ -135,10 +135,9 @@ def _served(method: Any) -> Any:
     return getattr(method, "_lensadapters_served", method)
 
 
-def _not_served_test(prop: str, served: Any, why: str) -> Any:
-    """A visibly skipped test in place of property ``prop`` (``served``), with the contract's reason."""
-
-    reason = f"not served (the contract's not_served): {why}"
+def _skipped_test(prop: str, served: Any, reason: str, mark: str, value: Any) -> Any:
+    """A visibly skipped test in place of property ``prop`` (``served``), with ``reason``; ``mark`` names the
+    attribute (``value``) saying why, which the class checks when it is subclassed."""
 
     def test(self: "AdapterContract") -> None:
         pytest.skip(reason)
@@ -146,8 +145,20 @@ def _not_served_test(prop: str, served: Any, why: str) -> Any:
     test.__name__ = test.__qualname__ = prop
     test.__doc__ = served.__doc__
     test._lensadapters_served = served  # type: ignore[attr-defined]
-    test._lensadapters_not_served = why  # type: ignore[attr-defined]
+    setattr(test, mark, value)
     return pytest.mark.skip(reason=reason)(test)
+
+
+def _not_served_test(prop: str, served: Any, why: str) -> Any:
+    """The contract's reason (``not_served``) for not running property ``prop``."""
+    reason = f"not served (the contract's not_served): {why}"
+    return _skipped_test(prop, served, reason, "_lensadapters_not_served", why)
+
+
+def _strata_only_test(prop: str, served: Any, strata: list[str]) -> Any:
+    """Property ``prop``, which runs on its config strata only (``strata_only``), skipped unstratified."""
+    reason = f"runs on its config strata only (the contract's strata_only): {', '.join(strata)}"
+    return _skipped_test(prop, served, reason, "_lensadapters_strata_only", tuple(strata))
 
 
 class AdapterContract(ReadingProperties, EditProperties, RunProperties, GradientContract):
@@ -196,6 +207,10 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     #: skipped with that reason in the contract and in every variant built over it (bnb, PEFT...), where a variant's
     #: override of the property is skipped too; a stratum (``config_strata``) still runs the property on its configs
     not_served: ClassVar[Mapping[str, str]] = {}
+    #: properties that hold on every config but cost too much to draw ``max_examples`` times (an edit at every point
+    #: of a large toy): they run on their ``config_strata`` only (``stratum_examples`` examples each), the
+    #: unstratified test skipped with a note naming the strata
+    strata_only: ClassVar[Sequence[str]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -225,6 +240,12 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
         for name, spec in wanted.items():
             if getattr(getattr(cls, name, None), "_lensadapters_stratum", None) != spec:
                 setattr(cls, name, _stratum_test(name, *spec))
+        for prop in cls.strata_only:
+            # (a variant built over the contract without its strata, a cross-cutting matrix, skips the property)
+            strata = [name for name, spec in wanted.items() if spec[0] == prop] or ["none in this class"]
+            method = getattr(cls, prop)
+            if getattr(method, "_lensadapters_strata_only", None) != tuple(strata):
+                setattr(cls, prop, _strata_only_test(prop, _served(method), strata))
         for prop, why in dict(cls.not_served).items():
             method = getattr(cls, prop, None)
             if "not_served" in cls.__dict__ and not hasattr(_served(method), "hypothesis"):

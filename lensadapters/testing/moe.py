@@ -4,10 +4,12 @@ the MoE properties (routing and per-expert points against an independent referen
 Subclass it as you would ``AdapterContract`` (``plugin``, ``configs()``...). Dense layers of a model that mixes
 dense and MoE MLPs are checked as the generic suite checks them.
 
-Five generic properties are structurally different for a MoE block and are overridden here (their docstrings start
+Two generic properties are structurally different for a MoE block and are overridden here (their docstrings start
 with ``MoE form:`` and say what is checked instead): a MoE block has no dense ``mlp.hook_pre`` /
-``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis; ``mlp.hook_expert_indices`` holds
-integers (the generic perturbation is not an index); an expert that no token chose has no rows to edit.
+``mlp.hook_post`` and its ``W_in``/``W_gate``/``W_out`` have an experts axis. The generic suite itself checks MoE
+blocks in three more properties, on any model that has them (hybrid models too): the declared points, an edit at
+every point, in-place edits (``mlp.hook_expert_indices`` holds integers, edited as indices; an expert that no token
+chose has no rows to edit; see ``EditProperties``).
 
 The independent reference (the MoE output computed from the read weights, the routing) is
 :mod:`lensadapters.testing.moe_reference`; its names are importable from here too.
@@ -25,12 +27,10 @@ from lensadapters.adapters.moe import expert_rows, is_moe, router_weight
 from lensadapters.adapters.moe.sites import EXPERT_POINTS, ROUTING_POINTS
 from lensadapters.testing.contract import AdapterContract
 from lensadapters.testing.contract_support import (
-    _BLOCK_POINTS,
     _SETTINGS,
     assert_close,
     check_edited_generation,
     close,
-    perturb,
 )
 from lensadapters.testing.moe_reference import (  # noqa: F401  (mlp_input... importable from here as before
     activation,
@@ -71,62 +71,12 @@ class MoEContract(AdapterContract):
             config._lensadapters_experts_implementation = impl
         return config
 
-    @staticmethod
-    def moe_layers(hm: Any) -> list[int]:
-        return [i for i, layout in enumerate(hm.mlp_layouts) if is_moe(layout)]
-
     def draw_moe_layer(self, data: st.DataObject, hm: Any) -> int:
         layers = self.moe_layers(hm)
         assume(layers)
         return data.draw(st.sampled_from(layers), label="MoE layer")
 
     # --- generic properties, MoE form (each overridden in its MoE form) -----------------------------------------------
-
-    @_SETTINGS
-    @given(data=st.data())
-    def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
-        """MoE form: a MoE block has no dense ``mlp.hook_pre``/``mlp.hook_post`` (TransformerLens' MoE has
-        none either), so the generic check that every block has them is false by structure. Checked instead: every
-        block has the points all architectures have except those two; a MoE block has the four routing points and
-        ``mlp.experts.{e}.hook_gate/hook_pre/hook_post/hook_result`` for every expert (in that order, before
-        ``hook_mlp_out``), a dense block its ``mlp.hook_pre``/``hook_post``; ``cfg.num_experts`` and
-        ``cfg.experts_per_token`` match the description; the declared rotary/position/parallel capabilities hold
-        (rotated points as ``hook_q``/``hook_k``), and no dense-only point is in a MoE block."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        cfg, names = hm.cfg, hm.hook_names
-        declared = self.capabilities(model)
-        common = [p for p in _BLOCK_POINTS if p not in _DENSE_ONLY]
-        missing = [f"blocks.{i}.{p}" for i in range(cfg.n_layers) for p in common if f"blocks.{i}.{p}" not in names]
-        assert "hook_embed" in names and not missing, f"hook points every model has are missing: {missing}"
-        moe = self.moe_layers(hm)
-        assert moe, "a MoE plugin's model has no MoE layer"
-        for i, layout in enumerate(hm.mlp_layouts):
-            pre = f"blocks.{i}."
-            if not is_moe(layout):
-                assert all(pre + p in names for p in _DENSE_ONLY), f"dense layer {i} lacks mlp.hook_pre/hook_post"
-                continue
-            assert cfg.num_experts == layout.routing.n_experts and cfg.experts_per_token == layout.routing.top_k
-            expected = [pre + p for p in ROUTING_POINTS] + [
-                f"{pre}mlp.experts.{e}.{p}" for e in range(layout.routing.n_experts) for p in EXPERT_POINTS
-            ]
-            start = names.index(expected[0])
-            assert names[start : start + len(expected)] == expected, f"layer {i}: MoE points missing or out of order"
-            assert names[start + len(expected)] == pre + "hook_mlp_out"
-            assert not any(pre + p in names for p in _DENSE_ONLY + ("mlp.hook_pre_linear",))
-        if declared.rotary:
-            assert cfg.positional_embedding_type == "rotary" and 0 < cfg.rotary_dim <= cfg.d_head
-            rot = [f"blocks.{i}.attn.hook_rot_{x}" for i in range(cfg.n_layers) for x in "qk"]
-            with torch.no_grad():
-                _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=rot + [r.replace("rot_", "") for r in rot])
-            for name in rot:
-                assert cache[name].shape == cache[name.replace("rot_", "")].shape
-        if declared.learned_positions is not None:
-            assert ("hook_pos_embed" in names) == declared.learned_positions
-        if declared.parallel_blocks is not None:
-            mid = [n for n in names if n.endswith("hook_resid_mid")]
-            assert bool(mid) != declared.parallel_blocks and cfg.parallel_attn_mlp == declared.parallel_blocks
-        hm.unwrap()
 
     @_SETTINGS
     @given(data=st.data())
@@ -218,130 +168,6 @@ class MoEContract(AdapterContract):
             if len(self.moe_layers(hm)) == cfg.n_layers:
                 assert hm.W_router.shape == (cfg.n_layers, cfg.d_model, cfg.num_experts)
                 assert hm.W_in.shape == (cfg.n_layers, cfg.num_experts, cfg.d_model, cfg.d_mlp)
-        hm.unwrap()
-
-    def _edit_for(self, name: str, hm: Any) -> Any:
-        """The generic perturbation, or for expert indices a permutation of the experts (still valid indices)."""
-        if name.endswith("mlp.hook_expert_indices"):
-            n = hm.cfg.num_experts
-            return lambda t, hook: (t + 1) % n
-        if name.endswith(("mlp.hook_router_logits", "mlp.hook_expert_weights")):
-            # rolled over the experts: every token's selection moves to other experts (under top-1 a rescaled,
-            # noisy ranking may keep the same expert, whose renormalized weight is always 1)
-            return lambda t, hook: perturb(t.roll(1, -1), hook)
-        return perturb
-
-    def _absorbed_by_activation(self, hm: Any, name: str, inputs: Any) -> bool:
-        """Whether the generic edit of an expert's gate or up projection (``experts.{e}.hook_gate``/``hook_pre``)
-        leaves what the expert's declared activation (``FusedExperts.glu``, read from the live module) computes
-        from them unchanged, bitwise: a clamped GLU (GPT-OSS's ``min(g, limit)``, ``clamp(u, -limit, limit)``)
-        saturated on every row the expert computes absorbs the edit, as it would absorb the model's own values."""
-        from lensadapters.adapters.moe.specs import FusedExperts
-
-        if not name.endswith((".hook_gate", ".hook_pre")):
-            return False
-        layer = int(name.split(".")[1])
-        experts = hm.mlp_layouts[layer].experts
-        if not isinstance(experts, FusedExperts) or experts.glu is None:
-            return False
-        prefix = name.rsplit(".", 1)[0]
-        _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=[prefix + ".hook_gate", prefix + ".hook_pre"])
-        gate, up = cache[prefix + ".hook_gate"], cache[prefix + ".hook_pre"]
-        edit = self._edit_for(name, hm)
-        edited_gate = edit(gate, hm.hook_dict[name]) if name.endswith("hook_gate") else gate
-        edited_up = edit(up, hm.hook_dict[name]) if name.endswith("hook_pre") else up
-        module = hm.wiring.block_modules[layer].get_submodule(experts.module)
-        return torch.equal(experts.glu(module, edited_gate, edited_up), experts.glu(module, gate, up))
-
-    def points_to_edit(self, data: st.DataObject, hm: Any) -> list[str]:
-        """Every hook point, with the per-expert points of one drawn expert per MoE layer (the experts' points are
-        alike; editing all of them, one forward each, would dominate the suite's time)."""
-        keep = {}
-        for layer in self.moe_layers(hm):
-            n = hm.mlp_layouts[layer].routing.n_experts
-            keep[layer] = data.draw(st.integers(0, n - 1), label=f"edited expert of layer {layer}")
-        names = []
-        for name in hm.hook_names:
-            parts = name.split(".")
-            if ".mlp.experts." in name and keep.get(int(parts[1])) != int(parts[4]):
-                continue
-            names.append(name)
-        return names
-
-    @_SETTINGS
-    @given(data=st.data())
-    def test_every_hook_point_edit_changes_logits(self, data: st.DataObject) -> None:
-        """MoE form: ``mlp.hook_expert_indices`` holds integers, which the generic float perturbation is
-        not, and an expert that no token chose has no rows whose edit could change anything. Checked instead: every
-        point's edit changes the logits (the per-expert points of one drawn expert per layer) — the indices edited
-        by moving every token to the next expert (needs at least two experts), per-expert points of experts that a
-        real (not padding) token chose; the per-expert points of an expert without rows fire with zero rows; the
-        router logits and probabilities are rolled by one expert before the perturbation
-        (under top-1 routing a perturbation that keeps the ranking changes nothing: the weight is always 1). A
-        query/key edit hidden by a saturated softmax is skipped (the generic suite checks those points)."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        with torch.no_grad():
-            reference = hm(**inputs.kwargs()).logits
-            _, routing = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: n.endswith("hook_expert_indices"))
-            for name in self.points_to_edit(data, hm):
-                rows: list[int] = []
-
-                def edit(t: Tensor, hook: Any, rows: list[int] = rows) -> Tensor:
-                    rows.append(t.shape[0])
-                    return self._edit_for(hook.name, hm)(t, hook)
-
-                logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
-                assert rows, f"{name} never fired"
-                if ".mlp.experts." in name:
-                    layer, expert = int(name.split(".")[1]), int(name.split(".")[4])
-                    chosen = routing[f"blocks.{layer}.mlp.hook_expert_indices"] == expert
-                    used = int(chosen.sum())
-                    assert rows == [used], f"{name} fired with {rows} rows; the expert computes {used}"
-                    if not chosen[inputs.valid].any():  # no rows, or only padding's: nothing the logits show
-                        continue
-                    if self._absorbed_by_activation(hm, name, inputs):
-                        continue  # a clamped GLU saturated on every row: the model's own values change nothing either
-                if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
-                    continue
-                diff = (logits - reference)[inputs.valid].abs().max().item()
-                score_only = (
-                    "hook_q",
-                    "hook_k",
-                    "hook_rot_q",
-                    "hook_rot_k",
-                    "hook_attn_scores",
-                    "hook_q_input",
-                    "hook_k_input",
-                )
-                if diff <= 1e-5 and name.endswith(score_only):
-                    continue  # they change only scores: a saturated softmax absorbs them; the scores checks cover them
-                assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
-        hm.unwrap()
-
-    @_SETTINGS
-    @given(data=st.data())
-    def test_in_place_edits_equal_returned_edits(self, data: st.DataObject) -> None:
-        """MoE form: the generic perturbation of ``mlp.hook_expert_indices`` is a float tensor (refused,
-        as it should be, for an integer point). Checked instead, at every point (the per-expert points of one drawn
-        expert per layer): an in-place edit equals the same
-        edit returned, under ``no_grad`` and ``inference_mode``, the indices edited by a permutation of experts."""
-        model, inputs = self.draw(data)
-        hm = self.wrap(model)
-        returns = data.draw(st.booleans(), label="the hook returns its argument")
-        mode = data.draw(st.sampled_from([torch.no_grad, torch.inference_mode]), label="grad mode")
-        v = inputs.valid
-        with mode():
-            for name in self.points_to_edit(data, hm):
-                fn = self._edit_for(name, hm)
-
-                def in_place(t: Tensor, hook: Any, fn: Any = fn) -> Optional[Tensor]:
-                    t.copy_(fn(t, hook))
-                    return t if returns else None
-
-                expected = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, fn)])
-                got = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, in_place)])
-                assert_close(got[v], expected[v], f"in-place edit of {name} vs the same edit returned")
         hm.unwrap()
 
     @_SETTINGS

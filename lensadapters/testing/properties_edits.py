@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lensadapters.adapters.moe import ROUTING_POINTS, FusedExperts, is_expert_point, is_moe
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.testing.contract_support import (
     _SETTINGS,
@@ -24,8 +25,107 @@ from lensadapters.testing.contract_support import (
 )
 
 
+def is_moe_point(name: str) -> bool:
+    """Whether a hook name is a mixture-of-experts point (routing or per-expert, :mod:`lensadapters.moe`)."""
+    return is_expert_point(name) or name.split(".", 2)[-1] in ROUTING_POINTS
+
+
 class EditProperties:
-    """Property 5: an edit changes everything downstream as the model would (mixed into ``AdapterContract``)."""
+    """Property 5: an edit changes everything downstream as the model would (mixed into ``AdapterContract``).
+
+    Blocks whose MLP is a mixture of experts (any model: a MoE family, a hybrid one with MoE layers, experts beside
+    a dense MLP) are edited in their MoE form: ``mlp.hook_expert_indices`` holds integers, edited by moving every
+    token to the next expert (:meth:`_edit_for`); an expert that no real token chose has no rows whose edit could
+    show; the per-expert points of one drawn expert per MoE layer stand for the others (:meth:`points_to_edit`).
+    """
+
+    # --- MoE blocks: what each edit property edits there ---------------------------------------------------
+
+    @staticmethod
+    def moe_layers(hm: Any) -> list[int]:
+        return [i for i, layout in enumerate(hm.mlp_layouts) if is_moe(layout)]
+
+    def _edit_for(self, name: str, hm: Any) -> Any:
+        """The generic perturbation, or for expert indices a permutation of the experts (still valid indices)."""
+        if name.endswith("mlp.hook_expert_indices"):
+            n = hm.cfg.num_experts
+            return lambda t, hook: (t + 1) % n
+        if name.endswith(("mlp.hook_router_logits", "mlp.hook_expert_weights")):
+            # rolled over the experts: every token's selection moves to other experts (under top-1 a rescaled,
+            # noisy ranking may keep the same expert, whose renormalized weight is always 1)
+            return lambda t, hook: perturb(t.roll(1, -1), hook)
+        return perturb
+
+    def _absorbed_by_activation(self, hm: Any, name: str, inputs: Any) -> bool:
+        """Whether the generic edit of an expert's gate or up projection (``experts.{e}.hook_gate``/``hook_pre``)
+        leaves what the expert's declared activation (``FusedExperts.glu``, read from the live module) computes
+        from them unchanged, bitwise: a clamped GLU (GPT-OSS's ``min(g, limit)``, ``clamp(u, -limit, limit)``)
+        saturated on every row the expert computes absorbs the edit, as it would absorb the model's own values."""
+        if not name.endswith((".hook_gate", ".hook_pre")) or ".mlp.experts." not in name:
+            return False
+        layer = int(name.split(".")[1])
+        experts = hm.mlp_layouts[layer].experts
+        if not isinstance(experts, FusedExperts) or experts.glu is None:
+            return False
+        prefix = name.rsplit(".", 1)[0]
+        _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=[prefix + ".hook_gate", prefix + ".hook_pre"])
+        gate, up = cache[prefix + ".hook_gate"], cache[prefix + ".hook_pre"]
+        edit = self._edit_for(name, hm)
+        edited_gate = edit(gate, hm.hook_dict[name]) if name.endswith("hook_gate") else gate
+        edited_up = edit(up, hm.hook_dict[name]) if name.endswith("hook_pre") else up
+        module = hm.wiring.block_modules[layer].get_submodule(experts.module)
+        return torch.equal(experts.glu(module, edited_gate, edited_up), experts.glu(module, gate, up))
+
+    def points_to_edit(self, data: st.DataObject, hm: Any) -> list[str]:
+        """Every hook point, with the per-expert points of one drawn expert per MoE layer (the experts' points are
+        alike; editing all of them, one forward each, would dominate the suite's time). Nothing is drawn for a model
+        without MoE layers."""
+        keep = {}
+        for layer in self.moe_layers(hm):
+            n = hm.mlp_layouts[layer].routing.n_experts
+            keep[layer] = data.draw(st.integers(0, n - 1), label=f"edited expert of layer {layer}")
+        names = []
+        for name in hm.hook_names:
+            parts = name.split(".")
+            if ".mlp.experts." in name and keep.get(int(parts[1])) != int(parts[4]):
+                continue
+            names.append(name)
+        return names
+
+    def _expert_indices(self, hm: HookedModel, inputs: Any) -> dict[int, torch.Tensor]:
+        """Each MoE layer's ``mlp.hook_expert_indices`` on ``inputs`` (computed once per model and inputs)."""
+        memo = getattr(self, "_indices_memo", None)
+        if memo is None or memo[0] is not hm or memo[1] is not inputs:
+            names = [f"blocks.{i}.mlp.hook_expert_indices" for i in self.moe_layers(hm)]
+            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=names)
+            memo = (hm, inputs, {i: cache[f"blocks.{i}.mlp.hook_expert_indices"] for i in self.moe_layers(hm)})
+            self._indices_memo = memo
+        return memo[2]
+
+    def assert_moe_edit_shows(self, hm: HookedModel, inputs: Any, name: str, reference: torch.Tensor) -> None:
+        """An edit of MoE point ``name`` (:meth:`_edit_for`) changes the logits by more than 1e-5, where it can:
+        the point fires (a per-expert point with the expert's rows: the tokens that chose it); an expert no real
+        token chose, an edit a clamped GLU absorbs (as it absorbs the model's own values), and new indices when
+        there is a single expert change nothing."""
+        rows: list[int] = []
+
+        def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            rows.append(t.shape[0])
+            return self._edit_for(hook.name, hm)(t, hook)
+
+        logits = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, edit)])
+        assert rows, f"{name} never fired"
+        if is_expert_point(name):
+            layer, expert = int(name.split(".")[1]), int(name.split(".")[4])
+            chosen = self._expert_indices(hm, inputs)[layer] == expert
+            used = int(chosen.sum())
+            assert rows == [used], f"{name} fired with {rows} rows; the expert computes {used}"
+            if not chosen[inputs.valid].any() or self._absorbed_by_activation(hm, name, inputs):
+                return  # no rows (or only padding's), or a saturated clamped GLU: nothing the logits can show
+        if name.endswith("hook_expert_indices") and hm.cfg.num_experts < 2:
+            return
+        diff = (logits - reference)[inputs.valid].abs().max().item()
+        assert diff > 1e-5, f"editing {name} did not change the logits (max change {diff:.2g})"
 
     # --- 5. edits ------------------------------------------------------------------------------------
 
@@ -36,7 +136,7 @@ class EditProperties:
         hm = self.wrap(model)
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
-            for name in hm.hook_names:
+            for name in self.points_to_edit(data, hm):
                 self.assert_edit_shows(hm, model, inputs, name, reference)
         hm.unwrap()
 
@@ -46,8 +146,10 @@ class EditProperties:
         """An edit of ``name`` (:func:`perturb`) changes the logits of ``inputs`` (``reference``: without it) by more
         than 1e-5; where it does not, it must change its witness: the scores or the pattern for a query/key/score
         point a saturated softmax hides, the next hook point for a declared ``absorbed_points`` edit (norms further
-        on undo it up to their eps). Every variant of the edit property (float, 8-bit...) checks its points with
-        it."""
+        on undo it up to their eps). A MoE point is checked in its MoE form (:meth:`assert_moe_edit_shows`). Every
+        variant of the edit property (float, 8-bit...) checks its points with it."""
+        if is_moe_point(name):
+            return self.assert_moe_edit_shows(hm, inputs, name, reference)
         logits = perturbed_logits(hm, inputs, name)
         diff = (logits - reference)[inputs.valid].abs().max().item()
         witness = _attention_witness(hm, name)
@@ -85,13 +187,15 @@ class EditProperties:
         mode = data.draw(st.sampled_from([torch.no_grad, torch.inference_mode]), label="grad mode")
         v = inputs.valid
 
-        def in_place(t: torch.Tensor, hook: Any) -> Optional[torch.Tensor]:
-            t.copy_(perturb(t, hook))
-            return t if returns else None
-
         with mode():
-            for name in hm.hook_names:
-                expected = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, perturb)])
+            for name in self.points_to_edit(data, hm):  # MoE blocks: expert indices edited as indices
+                fn = self._edit_for(name, hm)
+
+                def in_place(t: torch.Tensor, hook: Any, fn: Any = fn) -> Optional[torch.Tensor]:
+                    t.copy_(fn(t, hook))
+                    return t if returns else None
+
+                expected = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, fn)])
                 got = hm.run_with_hooks(**inputs.kwargs(), fwd_hooks=[(name, in_place)])
                 assert_close(got[v], expected[v], f"in-place edit of {name} vs the same edit returned")
         hm.unwrap()

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lensadapters.adapters.moe import EXPERT_POINTS, ROUTING_POINTS, is_moe
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.testing.contract_support import (
     _BLOCK_POINTS,
@@ -19,6 +20,30 @@ from lensadapters.testing.contract_support import (
 )
 from lensadapters.testing.reference import apply_norm, block_inputs, norm_out
 from lensadapters.wiring.names import non_attention_blocks
+from lensadapters.wiring.weights import mlp_weights
+
+_DENSE_MLP_POINTS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
+
+
+def check_moe_points(hm: Any, layers: list[int]) -> None:
+    """The MoE points of each MoE block in ``layers`` (see ``test_hook_points_match_declared_capabilities``)."""
+    names = hm.hook_names
+    for i in layers:
+        layout, pre = hm.mlp_layouts[i], f"blocks.{i}."
+        assert (hm.cfg.num_experts, hm.cfg.experts_per_token) == (layout.routing.n_experts, layout.routing.top_k)
+        expected = [pre + p for p in ROUTING_POINTS] + [
+            f"{pre}mlp.experts.{e}.{p}" for e in range(layout.routing.n_experts) for p in EXPERT_POINTS
+        ]
+        start = names.index(expected[0])
+        assert names[start : start + len(expected)] == expected, f"layer {i}: MoE points missing or out of order"
+        after = "mlp.hook_moe_out" if layout.beside is not None else "hook_mlp_out"
+        # (a plugin's own points, a shared expert's, may fire between them)
+        assert names.index(pre + after) >= start + len(expected), f"layer {i}: {after} before the experts' points"
+        dense = [pre + p for p in _DENSE_MLP_POINTS if pre + p in names]
+        if layout.beside is None:
+            assert not dense, f"layer {i} is a mixture of experts without a dense MLP, but has {dense}"
+        else:
+            assert pre + "mlp.hook_dense_out" in names and len(dense) >= 2, f"layer {i}: its dense MLP's points"
 
 
 class ReadingProperties:
@@ -31,16 +56,32 @@ class ReadingProperties:
     def test_hook_points_match_declared_capabilities(self, data: st.DataObject) -> None:
         """Every block has the hook points all architectures have, and each declared capability its own
         (``Capabilities``), with ``hm.cfg`` saying the same: a point the plugin fails to expose fails here
-        instead of silently shrinking what the other properties check."""
+        instead of silently shrinking what the other properties check.
+
+        A block whose MLP is a mixture of experts has the four routing points and ``mlp.experts.{e}.hook_gate/
+        hook_pre/hook_post/hook_result`` for every expert, in that order, before ``hook_mlp_out`` (experts beside a
+        dense MLP: ``mlp.hook_moe_out``), and ``cfg.num_experts``/``cfg.experts_per_token`` match its description;
+        without a dense MLP beside the experts it has no dense ``mlp.hook_pre``/``hook_pre_linear``/``hook_post``
+        (TransformerLens' MoE has none either), and ``gated_mlp`` is not checked on a model with such blocks (its
+        experts are gated: ``mlp.experts.{e}.hook_gate``)."""
         model, inputs = self.draw(data)
         declared = self.capabilities(model)
         hm = self.wrap(model)
         cfg, names = hm.cfg, set(hm.hook_names)
         blocks = range(cfg.n_layers)
         mixers = non_attention_blocks(hm)  # blocks the plugin describes without softmax attention: no attn.* point
+        moe = [i for i, layout in enumerate(hm.mlp_layouts) if is_moe(layout)]
+        sparse = [i for i in moe if hm.mlp_layouts[i].beside is None]  # no dense MLP point
 
         def points(*suffixes: str) -> list[str]:
-            return [f"blocks.{i}.{s}" for i in blocks for s in suffixes if not (i in mixers and s.startswith("attn."))]
+            return [
+                f"blocks.{i}.{s}"
+                for i in blocks
+                for s in suffixes
+                if not (i in mixers and s.startswith("attn.")) and not (i in sparse and s in _DENSE_MLP_POINTS)
+            ]
+
+        check_moe_points(hm, moe)
 
         stray = sorted(n for n in names for i in mixers if n.startswith(f"blocks.{i}.attn."))
         assert not stray, f"blocks {mixers} have no softmax attention (as described), but the model has {stray}"
@@ -78,7 +119,7 @@ class ReadingProperties:
             else:
                 assert not present, f"rotary=False, but the model has {present}"
                 assert cfg.positional_embedding_type != "rotary"
-        if declared.gated_mlp is not None:
+        if declared.gated_mlp is not None and not sparse:  # (with sparse blocks it speaks of the experts)
             gated_points = points("mlp.hook_pre_linear")
             present = [n for n in gated_points if n in names]
             assert cfg.gated_mlp == declared.gated_mlp, f"gated_mlp={declared.gated_mlp}, cfg.gated_mlp={cfg.gated_mlp}"
@@ -86,8 +127,9 @@ class ReadingProperties:
                 assert present == gated_points, (
                     f"gated_mlp=True, but missing: {sorted(set(gated_points) - set(present))}"
                 )
-                assert hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp), tuple(hm.W_gate.shape)
-                for i in blocks:
+                if not moe:  # a MoE block's W_gate has an experts axis
+                    assert hm.W_gate.shape == (cfg.n_layers, cfg.d_model, cfg.d_mlp), tuple(hm.W_gate.shape)
+                for i in (i for i in blocks if i not in sparse):
                     shapes[f"blocks.{i}.mlp.hook_pre_linear"] = (f"blocks.{i}.mlp.hook_pre",)
             else:
                 assert not present, f"gated_mlp=False, but the model has {present}"
@@ -240,18 +282,38 @@ class ReadingProperties:
     @_SETTINGS
     @given(data=st.data())
     def test_weight_and_residual_identities(self, data: st.DataObject) -> None:
+        """The projections' outputs from the weights, the residual stream's sums, the embeddings and the
+        unembedding. A block whose MLP is a mixture of experts has its MLP identities in the MoE properties (an
+        experts axis on ``W_in``...): here, its dense MLP's inputs when it runs one beside the experts
+        (``mlp_weights(..., dense=True)``), and its residual sums."""
         model, inputs = self.draw(data)
         hm = self.wrap(model)
         post_norms = self.capabilities(model).post_norms
+        moe = set(self.moe_layers(hm))  # type: ignore[attr-defined]
         with torch.no_grad():
             out = hm.model(**inputs.kwargs(), output_hidden_states=True)
             _, cache = hm.run_with_cache(**inputs.kwargs())
             W_Q, b_Q, W_K, b_K, W_V, b_V = hm.W_Q, hm.b_Q, hm._W_K, hm._b_K, hm._W_V, hm._b_V
-            W_O, b_O, W_out, b_out = hm.W_O, hm.b_O, hm.W_out, hm.b_out
-            W_in, b_in = hm.W_in, hm.b_in
+            W_O, b_O = hm.W_O, hm.b_O
             gated = hm.cfg.gated_mlp
-            if gated:
-                W_gate, b_gate = hm.W_gate, hm.b_gate
+            W_in: Any
+            b_in: Any
+            W_gate: Any
+            b_gate: Any
+            if not moe:
+                W_out, b_out, W_in, b_in = hm.W_out, hm.b_out, hm.W_in, hm.b_in
+                if gated:
+                    W_gate, b_gate = hm.W_gate, hm.b_gate
+            else:  # each dense MLP's, layer by layer (a MoE block's dense MLP beside its experts)
+                dense = [i for i in range(hm.cfg.n_layers) if i not in moe or hm.mlp_layouts[i].beside is not None]
+
+                def per_layer(role: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+                    read = {i: mlp_weights(hm.wiring, i, role, dense=i in moe) for i in dense}
+                    return {i: w for i, (w, _) in read.items()}, {i: b for i, (_, b) in read.items()}
+
+                W_in, b_in = per_layer("in")
+                if gated:
+                    W_gate, b_gate = per_layer("gate")
             v = inputs.valid
             names = set(hm.hook_names)
             for block in block_inputs(hm, cache):
@@ -265,7 +327,7 @@ class ReadingProperties:
                     hm, i, "hook_attn_out", torch.einsum("bphd,hdm->bpm", cache["z", i], W_O[i]) + b_O[i], post_norms
                 )
                 assert_close(cache["attn_out", i][v], expected[v], f"layer {i} hook_attn_out == z @ W_O + b_O{after}")
-                if mlp_in is not None:
+                if mlp_in is not None and (i not in moe or i in W_in):
                     if gated:
                         assert_close(cache["pre", i][v], (mlp_in @ W_gate[i] + b_gate[i])[v], f"layer {i} hook_pre")
                         assert_close(
@@ -273,12 +335,13 @@ class ReadingProperties:
                         )
                     else:
                         assert_close(cache["pre", i][v], (mlp_in @ W_in[i] + b_in[i])[v], f"layer {i} hook_pre")
-                expected, after = self._post_normed(
-                    hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i], post_norms
-                )
-                assert_close(
-                    cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}"
-                )
+                if i not in moe:
+                    expected, after = self._post_normed(
+                        hm, i, "hook_mlp_out", cache["post", i] @ W_out[i] + b_out[i], post_norms
+                    )
+                    assert_close(
+                        cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}"
+                    )
                 if i + 1 < hm.cfg.n_layers:
                     assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
                 if self.pre_ln_residual(model):
@@ -318,5 +381,6 @@ class ReadingProperties:
             assert W_Q.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_model, hm.cfg.d_head)
             assert hm.W_K.shape == W_Q.shape
             assert W_O.shape == (hm.cfg.n_layers, hm.cfg.n_heads, hm.cfg.d_head, hm.cfg.d_model)
-            assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
+            if not moe:  # (a MoE block's W_in has an experts axis)
+                assert W_in.shape == (hm.cfg.n_layers, hm.cfg.d_model, hm.cfg.d_mlp)
         hm.unwrap()

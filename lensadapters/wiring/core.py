@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.hf_helpers import text_config
-from lensadapters.adapters.moe import MoELayout, is_moe
+from lensadapters.adapters.moe import FusedExperts, MoELayout, is_moe
 from lensadapters.adapters.validation import check_paths, check_result
 from lensadapters.errors import LensAdaptersError, UnknownHookError, UnsupportedModelError
 from lensadapters.hooks.distributed import FsdpHookOrder
@@ -326,7 +326,16 @@ class Wiring(CoreSites, Installation):
                 continue
             if isinstance(mlp, OpaqueMLP) and bl.mlp is None:
                 refuse("an MLP whose inside is not described (OpaqueMLP) needs BlockLayout.mlp (its module)", i)
-            if is_moe(mlp) and (bl.mlp is None or bl.post_norm or bl.ln2_post is not None):
+            if is_moe(mlp) and mlp.beside is not None:
+                if bl.post_norm or bl.ln2_post is None or bl.parallel or mlp.branch_outputs is None:
+                    refuse(
+                        "experts beside a dense MLP need a sequential pre-norm block with ln2_post (the norm of "
+                        "the branches' sum) and MoELayout.branch_outputs",
+                        i,
+                    )
+                if not isinstance(mlp.experts, FusedExperts) or mlp.router_output in ("logits", "scores"):
+                    refuse("experts beside a dense MLP must be FusedExperts routed through the router's output", i)
+            elif is_moe(mlp) and (bl.mlp is None or bl.post_norm or bl.ln2_post is not None):
                 refuse("a mixture-of-experts MLP needs BlockLayout.mlp (the MoE module) in a pre-norm block", i)
             if bl.post_norm and (bl.parallel or bl.ln2 is None or bl.ln1 is None):
                 refuse("a post_norm block needs ln1 and ln2 and cannot be parallel", i)

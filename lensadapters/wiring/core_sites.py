@@ -352,8 +352,16 @@ class CoreSites:
         block, bl, mlp = self.block_modules[i], self.block_layouts[i], self.mlp_layouts[i]
         pt, get = self._block_point(i), block.get_submodule
         first: Optional[nn.Module] = None  # the MLP's first module (its input is hook_mlp_in in a post-LN block)
+        entries: list[nn.Module] = []  # more modules reading hook_mlp_in: a MoE branch beside a dense MLP
         if is_moe(mlp):
             self.add_site(build_moe_site(self, i, mlp, pt))
+            if mlp.beside is not None and mlp.branch_outputs is not None:  # checked with the layouts
+                for name, path in zip(("mlp.hook_dense_out", "mlp.hook_moe_out"), mlp.branch_outputs):
+                    self.add_site(OutputSite(get(path), pt(name)))
+                entries = [get(path) for path in mlp.inputs]
+            mlp = mlp.beside  # the dense MLP beside the experts, if any
+        if mlp is None or is_moe(mlp):
+            pass
         elif isinstance(mlp, OpaqueMLP):  # no point inside it (_check_layouts: bl.mlp is its module)
             first = get(bl.mlp)
         elif isinstance(mlp, FusedGateUp):
@@ -364,7 +372,7 @@ class CoreSites:
             if mlp.pre_linear is not None:
                 self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
             first = get(mlp.pre)
-        if not is_moe(mlp) and not isinstance(mlp, OpaqueMLP):
+        if mlp is not None and not is_moe(mlp) and not isinstance(mlp, OpaqueMLP):
             self.add_site(InputSite(get(mlp.out), pt("mlp.hook_post")))
         if bl.ln2_post is not None:  # the post norm's output is what the block adds to the residual
             mlp_out_module = get(bl.ln2_post)
@@ -409,6 +417,7 @@ class CoreSites:
                 pt("hook_resid_post"),
                 residual_add=residual_add,
                 continues=bl.more_after_mlp,
+                entries=entries,
             )
         )
 

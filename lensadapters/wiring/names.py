@@ -110,6 +110,10 @@ def blocks_without_head_inputs(hooked: Any) -> list[int]:
     ]
 
 
+def _dense_mlp_names(mlp: MLPLayouts) -> list[str]:
+    return ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
+
+
 def block_point_names(
     block: BlockLayout, qkv: Optional[QKVLayout], mlp: Union[MLPLayouts, MoELayout, OpaqueMLP]
 ) -> list[str]:
@@ -124,12 +128,14 @@ def block_point_names(
     if qkv is not None:
         attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
     attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
-    if is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
+    if is_moe(mlp) and mlp.beside is not None:  # a dense MLP, then the experts beside it, each branch's output
+        mlp_names = _dense_mlp_names(mlp.beside) + ["mlp.hook_dense_out"] + moe_point_names(mlp) + ["mlp.hook_moe_out"]
+    elif is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)
         mlp_names = moe_point_names(mlp)
     elif isinstance(mlp, OpaqueMLP):  # its inside is not described: no mlp.* point
         mlp_names = []
     else:
-        mlp_names = ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if is_gated(mlp) else []) + ["mlp.hook_post"]
+        mlp_names = _dense_mlp_names(mlp)
     mlp_names += (_norm_points("ln2_post") if block.ln2_post is not None else []) + ["hook_mlp_out"]
     if block.post_norm:
         return (

@@ -183,14 +183,21 @@ def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
     return W, _bias(lw.b, (W.shape[-1],), W)
 
 
-def mlp_weights(hm: "Hooked", layer: int, role: str) -> tuple[Tensor, Tensor]:
+def mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool = False) -> tuple[Tensor, Tensor]:
     """``role`` is ``in``, ``gate`` or ``out``; TransformerLens' W_in is the "up" projection of a gated MLP.
 
     A fused gate/up projection (``FusedGateUp``) is read once and split with the layout's ``split``.
     A mixture-of-experts layer gives every expert's weight, ``[n_experts, d_model, d_mlp]`` (``out``:
-    ``[n_experts, d_mlp, d_model]``), and its biases ``[n_experts, d]`` (zeros for experts without).
+    ``[n_experts, d_mlp, d_model]``), and its biases ``[n_experts, d]`` (zeros for experts without); with
+    ``dense=True``, the weights of the dense MLP it runs beside (``MoELayout.beside``).
     """
     layout = hm.mlp_layouts[layer]
+    if dense:
+        if not (is_moe(layout) and layout.beside is not None):
+            raise WeightUnavailableError(
+                f"layer {layer} has no dense MLP beside experts; read its MLP with mlp_weights(hm, {layer}, {role!r})"
+            )
+        layout = layout.beside
     if isinstance(layout, OpaqueMLP):
         raise WeightUnavailableError(f"layer {layer}'s MLP is not described ({layout.why}): no W_in/W_gate/W_out")
     if is_moe(layout):

@@ -176,7 +176,7 @@ def _router(hooked: "Hooked", layer: int) -> tuple[nn.Module, Optional[LinearWei
     """One layer's router and its weight read as a linear layer's (``None``: a module holding router parameters)."""
     layout = hooked.mlp_layouts[layer]
     assert isinstance(layout, MoELayout)
-    router = hooked.block_modules[layer].get_submodule(layout.router)
+    router = hooked.block_modules[layer].get_submodule(layout.router_logits or layout.router)
     try:
         return router, hooked.read_linear(router)
     except WeightUnavailableError:

@@ -39,11 +39,18 @@ def _grouped_choice(routing: Routing, probs: Tensor, bias: Optional[Tensor]) -> 
     return torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
 
 
-def select(routing: Routing, probs: Tensor, logits: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def select(
+    routing: Routing,
+    probs: Tensor,
+    logits: Tensor,
+    bias: Optional[Tensor] = None,
+    expert_scale: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """``(top_k_weights, top_k_index)`` from the probabilities: top-k, renormalized if the family does, in the
     family's dtype; for ``order="topk_softmax"`` the experts selected from the logits, weighted by the
     probabilities there; for grouped routing (``Routing.groups`` or ``selection_bias``, whose value is ``bias``)
-    the experts chosen within the kept groups, weighted by their unbiased probabilities, renormalized and scaled."""
+    the experts chosen within the kept groups, weighted by their unbiased probabilities, renormalized and scaled;
+    ``expert_scale`` (the value of ``Routing.expert_scale``) multiplies each selected weight by its expert's."""
     if routing.order == "topk_softmax":
         index = torch.topk(logits, routing.top_k, dim=-1).indices
         return probs.gather(-1, index), index
@@ -57,6 +64,8 @@ def select(routing: Routing, probs: Tensor, logits: Tensor, bias: Optional[Tenso
         weights /= denominator + routing.normalize_eps if routing.normalize_eps else denominator
     if routing.scale != 1.0:
         weights = weights * routing.scale
+    if expert_scale is not None:
+        weights = weights * expert_scale[index]
     if routing.weights_dtype == "logits":
         weights = weights.to(logits.dtype)
     return weights, index

@@ -85,6 +85,7 @@ class MoESite(Site):
         self.router = block.get_submodule(layout.router)
         self.experts = block.get_submodule(layout.experts.module)
         self.shared = block.get_submodule(layout.shared) if layout.shared else None
+        self.logits_module = block.get_submodule(layout.router_logits) if layout.router_logits else None
         self.state = hooked.forward_state
         self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
         self.expert_points = [
@@ -128,6 +129,8 @@ class MoESite(Site):
             self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
             self.router.register_forward_hook(self._route),
         ]
+        if self.logits_module is not None:  # inside the router: runs before the router's own hook
+            handles.append(self.logits_module.register_forward_hook(self._logits_out))
         if recompute:
             if self.fused_call:
                 handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
@@ -155,6 +158,10 @@ class MoESite(Site):
         name = self.layout.routing.selection_bias
         return None if name is None else module_attribute(self.hooked, self.router, name)
 
+    def _expert_scale(self) -> Optional[Tensor]:
+        name = self.layout.routing.expert_scale
+        return None if name is None else module_attribute(self.hooked, self.router, name)
+
     def _apply(self, point: HookPoint, flat: Tensor) -> tuple[Tensor, bool]:
         """Run ``point``'s hooks on a ``[tokens, ...]`` value shown as ``[b, p, ...]``.
 
@@ -176,7 +183,34 @@ class MoESite(Site):
         bias = getattr(module, "bias", None)
         return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
 
+    def _logits_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The router's logits module ran (``MoELayout.router_logits``): ``hook_router_logits``, whose edit the
+        router computes its probabilities and routing from."""
+        logits, changed = self._apply(self.logits, output)
+        self._values()["logits"] = logits
+        return logits if changed else None
+
+    def _route_probabilities(self, output: Any) -> Any:
+        """A router returning ``(probabilities, top_k_weights, top_k_index)`` (edited logits are in them already):
+        the probability, index and weight points; an edited routing is handed on through the router's output."""
+        probs, probs_changed = self._apply(self.probs, output[0])
+        weights, index = output[1], output[2]
+        if probs_changed:
+            logits = self._values().get("logits", output[0])
+            weights, index = _routing.select(
+                self.layout.routing, probs, logits, self._selection_bias(), self._expert_scale()
+            )
+        index, index_changed = self._apply(self.indices, index)
+        if index_changed:
+            self._check_indices(index)
+        weights, weights_changed = self._apply(self.weights, weights)
+        changed = probs_changed or index_changed or weights_changed
+        self._values()["routing"] = (weights, index, changed)
+        return (probs, weights, index, *output[3:]) if changed else None
+
     def _route(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.layout.router_output == "probabilities":
+            return self._route_probabilities(output)
         spec = self.layout.routing
         returns_routing = self.layout.router_output == "routing"
         returns_scores = self.layout.router_output == "scores"
@@ -200,7 +234,7 @@ class MoESite(Site):
         if changed or self.probs.active or model_routing is None:
             probs, probs_changed = self._apply(self.probs, _routing.probabilities(spec, logits))
             if probs_changed or model_routing is None:
-                model_routing = _routing.select(spec, probs, logits, self._selection_bias())
+                model_routing = _routing.select(spec, probs, logits, self._selection_bias(), self._expert_scale())
         weights, index = model_routing
         index, index_changed = self._apply(self.indices, index)
         if index_changed:

@@ -9,7 +9,7 @@ routing hook points, the per-expert hook points, the per-expert weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -39,6 +39,9 @@ class Routing:
     scores, or ``"max"``) and fills the others' choice scores with ``masked_score`` before the top-k. With
     ``normalize`` the weights are divided by their sum plus ``normalize_eps``; ``scale`` multiplies them last
     (``routed_scaling_factor``).
+
+    ``expert_scale`` names a router attribute ``[n_experts]`` (a per-expert scale, Gemma 4's ``per_expert_scale``)
+    that multiplies each selected weight after the renormalization: ``weights * expert_scale[top_k_index]``.
     """
 
     n_experts: int
@@ -53,6 +56,7 @@ class Routing:
     masked_score: float = float("-inf")
     normalize_eps: float = 0.0
     scale: float = 1.0
+    expert_scale: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -113,15 +117,33 @@ class MoELayout:
     ``"index_weights"``: a tuple ``(top_k_index, top_k_weights)`` the MoE module routes with (its logits recomputed
     as for ``"scores"``; an edited routing is handed on through the router's output).
 
+    ``"probabilities"``: a tuple ``(probabilities, top_k_weights, top_k_index)`` (the router computes the
+    probabilities itself and the block hands the routing to a :class:`FusedExperts` module); the logits are then the
+    output of ``router_logits``, a linear module inside the router (the router may normalize and scale its input
+    before it: its weight is ``W_router``, applied to that input), whose edit the router computes with.
+
     ``shared`` names a module of the block whose output the MoE module adds to the routed experts' sum (shared
     experts, DeepSeek): where the core recomputes the experts at the MoE module's output it adds that output too.
+
+    ``beside`` describes a block that runs a dense MLP *and* the experts on the same residual stream, each branch
+    with its own input norm, and adds their outputs (Gemma 4's ``enable_moe_block``): ``beside`` is the dense MLP
+    (``BlockLayout.mlp`` its module, with the dense ``mlp.hook_pre``/``hook_post``), the router and the experts read
+    the residual stream themselves (``inputs``: the block's modules reading it for the experts' branch, e.g. the
+    router and the experts' pre-norm; an edit of ``hook_resid_mid``/``hook_mlp_in`` reaches them as it reaches
+    ``ln2``), and ``branch_outputs`` = ``(dense, moe)`` names the modules whose outputs are the two branches' (the
+    points ``mlp.hook_dense_out`` and ``mlp.hook_moe_out``); the block's ``ln2_post`` normalizes their sum into
+    ``hook_mlp_out``. The experts must be a :class:`FusedExperts` module routed through the router's output.
     """
 
     router: str
     routing: Routing
     experts: Experts
-    router_output: Literal["logits", "routing", "scores", "index_weights"] = "logits"
+    router_output: Literal["logits", "routing", "scores", "index_weights", "probabilities"] = "logits"
     shared: Optional[str] = None
+    router_logits: Optional[str] = None
+    beside: Optional[Any] = None  # MLPLayout or FusedGateUp (lensadapters.hooks.specs)
+    inputs: tuple[str, ...] = ()
+    branch_outputs: Optional[tuple[str, str]] = None
 
 
 def is_moe(layout: object) -> bool:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -51,9 +51,10 @@ class ResidualSite(Site):
         resid_post: HookPoint,
         residual_add: Optional[nn.Module] = None,
         continues: bool = False,
+        entries: Sequence[nn.Module] = (),
     ) -> None:
         self.layer, self.block, self.ln2, self.mlp_out_module, self.state = layer, block, ln2, mlp_out_module, state
-        self.residual_add, self.continues = residual_add, continues
+        self.residual_add, self.continues, self.entries = residual_add, continues, tuple(entries)
 
         self.resid_mid, self.mlp_in, self.mlp_out, self.resid_post = resid_mid, mlp_in, mlp_out, resid_post
         self.points = tuple(p for p in (resid_mid, mlp_in, mlp_out, resid_post) if p is not None)
@@ -80,6 +81,7 @@ class ResidualSite(Site):
         mid = self._mid_active()
         if self.ln2 is not None and (mid or (self.mlp_in is not None and self.mlp_in.active)):
             handles.append(self.ln2.register_forward_pre_hook(self._ln2_pre, with_kwargs=True))
+            handles += [m.register_forward_pre_hook(self._entry_pre, with_kwargs=True) for m in self.entries]
         if mid or self.mlp_out.active:
             handles.append(self.mlp_out_module.register_forward_hook(self._mlp_out))
         if mid and self.residual_add is not None and self.residual_add is not self.mlp_out_module:
@@ -111,7 +113,18 @@ class ResidualSite(Site):
         if self.mlp_in is not None and self.mlp_in.active:
             value, in_changed = self.mlp_in.apply(value, protect=True)  # an edit reaches the MLP branch only
             changed = changed or in_changed
+        if self.entries:  # the other modules reading the MLP input get the same edit
+            self.state.site_values(self)["mlp_in"] = value if changed else None
         return replace_first_input(args, kwargs, value) if changed else None
+
+    def _entry_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Another module reading the MLP input (``entries``: a branch beside the MLP, which may read it
+        flattened to ``[b*p, d]``): it reads the edited ``hook_mlp_in`` when ``ln2``'s hook edited it."""
+        edited = self.state.site_values(self).get("mlp_in")
+        if edited is None:
+            return None
+        value = first_input(args, kwargs)
+        return replace_first_input(args, kwargs, edited.reshape(value.shape).to(value.dtype))
 
     def _mlp_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
         value = first_output(output)

@@ -52,7 +52,16 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   tokens attend to each other in sliding layers) is the model's own mask, read as computed. An audio tower and its
   ``embed_audio`` are run as the model runs them, without points.
 
-Refused at wrap time, naming what works: the mixture-of-experts block (``enable_moe_block``), bidirectional
+* The mixture-of-experts block (``enable_moe_block``, Gemma-4 26B-A4B): experts *beside* the dense MLP
+  (``MoELayout.beside``). The router reads the residual stream (``hook_mlp_in``) with its own norm and scale, then
+  ``proj`` (``W_router``): ``hook_router_logits``; softmax over every expert (``hook_expert_weights``), top-k,
+  renormalized, times each chosen expert's ``per_expert_scale`` (``hook_routing_weights``; ``Routing.expert_scale``).
+  The experts read the residual stream through ``pre_feedforward_layernorm_2``: ``mlp.experts.{e}.*``. The dense
+  MLP's output after ``post_feedforward_layernorm_1`` is ``mlp.hook_dense_out``, the experts' sum after
+  ``post_feedforward_layernorm_2`` is ``mlp.hook_moe_out``; their sum is ``ln2_post``'s input, whose output is
+  ``hook_mlp_out``. An edit of ``hook_mlp_in``/``hook_resid_mid`` reaches both branches (``MoELayout.inputs``).
+
+Refused at wrap time, naming what works: bidirectional
 attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` (wrap a
 ``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and score
 points.
@@ -75,6 +84,7 @@ from lensadapters import (
     hf,
     hookimpl,
 )
+from lensadapters.moe import FusedExperts, MoELayout, Routing
 from lensadapters.plugin_api import Hooked, HookPoint, OutputSite, Site, rotate_half_spec
 
 __version__ = "0.1.0"
@@ -105,6 +115,11 @@ ARCH = FAMILY.architecture(
     vision_language=True,
 )
 _PLE_PATHS = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm", "act_fn")
+#: the experts' branch beside the dense MLP (``enable_moe_block``): its router reads the residual stream itself
+#: (norm, scale, then ``proj``), the experts read it through their own pre-norm, each branch has its own post-norm
+_MOE_INPUTS = ("router", "pre_feedforward_layernorm_2")
+_MOE_OUTPUTS = ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+_MOE_PATHS = (*_MOE_INPUTS, *_MOE_OUTPUTS, "router.proj", "experts")
 
 
 def _cap(value: Optional[float]) -> float:
@@ -130,7 +145,6 @@ def kv_sources(config: Any) -> list[Optional[int]]:
 def check(model: Any) -> None:
     c = hf.text_config(model)
     unsupported = [
-        (getattr(c, "enable_moe_block", False), "enable_moe_block=True (a mixture of experts beside the MLP)"),
         (
             getattr(c, "use_bidirectional_attention", None) == "all",
             "use_bidirectional_attention='all' (not a causal model)",
@@ -140,7 +154,7 @@ def check(model: Any) -> None:
         if found:
             raise UnsupportedModelError(
                 f"this Gemma 4 config sets {what}; the gemma4 plugin does not describe it yet (it serves causal "
-                f"dense Gemma 4 text models without key/value sharing)"
+                f"Gemma 4 text models)"
             )
 
 
@@ -163,6 +177,8 @@ def missing_in_layer(layer: nn.Module) -> list[str]:
     missing = []
     if getattr(layer, "hidden_size_per_layer_input", 0):
         missing += [p for p in _PLE_PATHS if not hasattr(layer, p)]
+    if getattr(layer, "enable_moe_block", False):
+        missing += hf.missing_paths(layer, _MOE_PATHS)
     attn = getattr(layer, "self_attn", None)
     if not getattr(attn, "is_kv_shared_layer", False):  # attention_k_eq_v: v_proj is None on full layers
         own = _KV_PATHS if not getattr(attn, "use_alternative_attention", False) else _KV_PATHS[:1] + _KV_PATHS[2:]
@@ -173,7 +189,13 @@ def missing_in_layer(layer: nn.Module) -> list[str]:
 def config_fields(model: Any) -> dict[str, Any]:
     c = hf.text_config(model)
     dims = layer_head_dims(c)
+    moe = (
+        dict(d_mlp=c.moe_intermediate_size, num_experts=c.num_experts, experts_per_token=c.top_k_experts)
+        if c.enable_moe_block
+        else {}
+    )
     return dict(
+        **moe,
         act_fn=c.hidden_activation,
         output_logits_soft_cap=_cap(c.final_logit_softcapping),
         **hf.window_fields(hf.layer_windows(c)),
@@ -188,6 +210,7 @@ def config_fields(model: Any) -> dict[str, Any]:
             "use_qk_norm": True,
             "use_v_norm": True,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
+            **({"dense_d_mlp": c.intermediate_size} if c.enable_moe_block else {}),
         },
     )
 
@@ -228,6 +251,26 @@ def attn_qkv(model: Any, layer: int) -> SeparateQKV:
         kv_from=source,
         kv_heads=c.per_layer_config[layer].num_key_value_heads,
         values_from_keys=keys_as_values,
+    )
+
+
+def mlp(model: Any, layer: int) -> Any:
+    """The dense MLP, or (``enable_moe_block``) the experts beside it: routed by softmax over every expert
+    (float32), top-``top_k_experts``, renormalized, each weight times its expert's ``per_expert_scale``."""
+    c = hf.text_config(model)
+    if not c.enable_moe_block:
+        return FAMILY.dense_mlp()
+    return MoELayout(
+        router="router",
+        routing=Routing(
+            c.num_experts, c.top_k_experts, normalize=True, weights_dtype="float32", expert_scale="per_expert_scale"
+        ),
+        experts=FusedExperts("experts"),
+        router_output="probabilities",
+        router_logits="router.proj",
+        beside=FAMILY.dense_mlp(),
+        inputs=_MOE_INPUTS,
+        branch_outputs=_MOE_OUTPUTS,
     )
 
 
@@ -275,6 +318,7 @@ PLUGIN = hf.DecoderPlugin(
     embed=embed,
     block=block,
     attn_qkv=attn_qkv,
+    mlp=mlp,
 ).export(globals())
 
 

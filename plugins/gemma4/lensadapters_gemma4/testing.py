@@ -30,13 +30,16 @@ def gemma4_config(
     ple: int = 4,
     final_cap: Optional[float] = None,
     tied: bool = True,
+    experts: int = 0,
+    top_k: int = 2,
     **shared: Any,
 ) -> Gemma4TextConfig:
     """A tiny Gemma 4 text config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0): every
     ``global_every``-th layer and the last one full attention (Gemma 4's last layer always is), the others sliding;
     full layers with head size ``global_head_dim`` (``head_dim`` by default) and proportional RoPE on
     ``partial_rotary`` of each head (base ``theta``), sliding ones with default RoPE of base ``local_theta``;
-    per-layer inputs of width ``ple`` (0: none)."""
+    per-layer inputs of width ``ple`` (0: none); ``experts`` (0: none) experts of width 8 beside every layer's MLP
+    (``enable_moe_block``), ``top_k`` of them per token."""
     types = ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
     types[-1] = "full_attention"
     theta = shared.pop("theta", 10000.0)
@@ -60,6 +63,11 @@ def gemma4_config(
         final_logit_softcapping=final_cap,
         bos_token_id=2,
         eos_token_id=1,
+        **(
+            dict(enable_moe_block=True, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=8)
+            if experts
+            else {}
+        ),
         **shared,
     )
 
@@ -68,7 +76,8 @@ gemma4_configs = config_strategy(
     gemma4_config,
     """Tiny Gemma 4 text configs: sliding (2, 3 or 16 tokens) and full layers, default RoPE on sliding layers and
     proportional RoPE (a quarter or half of each head) on full ones, per-head q/k/v norms, per-layer inputs (or
-    none), an optional final-logit softcap, GQA and multi-query attention, tied and untied embeddings. Heads are
+    none), an optional final-logit softcap, GQA and multi-query attention, tied and untied embeddings, and (one draw
+    in three) three experts beside every layer's MLP, top-1 or top-2. Heads are
     as wide on full layers as on sliding ones here (the stacked weights need one size; the plugin's exactness test
     covers wider full layers).""",
     n_kv=st.sampled_from([1, 2]),
@@ -86,6 +95,8 @@ gemma4_configs = config_strategy(
     ple=st.sampled_from([0, 4]),
     final_cap=st.sampled_from([None, None, 2.0]),
     tied=st.booleans(),
+    experts=st.sampled_from([0, 0, 3]),
+    top_k=st.sampled_from([1, 2]),
 )
 
 #: properties that must see a sliding and a full layer with per-layer inputs on every run
@@ -94,6 +105,13 @@ LOCAL_GLOBAL_PROPERTIES = (
     "test_pattern_and_query_edits_are_used",
     "test_edits_during_generation_match_one_pass",
     "test_identity_hooks_keep_logits",
+)
+
+#: properties that must see experts beside the MLP on every run (a draw in three has them otherwise)
+EXPERTS_PROPERTIES = (
+    "test_hook_points_match_declared_capabilities",
+    "test_every_hook_point_edit_changes_logits",
+    "test_weight_and_residual_identities",
 )
 
 
@@ -107,12 +125,14 @@ class Gemma4Contract(QKNormScores, DecoderContract):
     mixed_values = "attn.v_norm.hook_normalized"
     absorbed_points = ("ln1.hook_scale",)  # q, k and v are all normalized per head after ln1
     attn_implementations = ("eager", "sdpa")
-    config_strata = {"sliding and full": LOCAL_GLOBAL_PROPERTIES}
+    config_strata = {"sliding and full": LOCAL_GLOBAL_PROPERTIES, "experts": EXPERTS_PROPERTIES}
     config_strategy = gemma4_configs
     stratum_overrides = {
-        "sliding and full": {"n_layers": 2, "global_every": 2, "ple": 4, "window": st.sampled_from([2, 3])}
+        "sliding and full": {"n_layers": 2, "global_every": 2, "ple": 4, "window": st.sampled_from([2, 3])},
+        "experts": {"experts": 3, "n_layers": st.integers(1, 2)},
     }
-    matrix_overrides = {**SMALL_MATRIX, **dict(head_dim=8, n_layers=2, global_every=2, window=3)}
+    #: the cross-cutting matrices (bnb, PEFT) on dense models: the experts are the plugin's own tests'
+    matrix_overrides = {**SMALL_MATRIX, **dict(head_dim=8, n_layers=2, global_every=2, window=3, experts=0)}
 
     def pre_ln_residual(self, model: nn.Module) -> bool:
         # the per-layer-input branch adds a third term to the residual stream after the MLP's
@@ -120,4 +140,5 @@ class Gemma4Contract(QKNormScores, DecoderContract):
         return not config.hidden_size_per_layer_input
 
     def config_label(self, config: Any) -> Optional[str]:
-        return f"layer types {config.layer_types}, per-layer inputs {config.hidden_size_per_layer_input}"
+        experts = f", {config.num_experts} experts" if config.enable_moe_block else ""
+        return f"layer types {config.layer_types}, per-layer inputs {config.hidden_size_per_layer_input}{experts}"

@@ -39,6 +39,9 @@ def exact_model(**overrides: Any) -> torch.nn.Module:
     with torch.no_grad():
         for layer in model.model.layers:  # as checkpoints have them
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))
+            if layer.enable_moe_block:  # the router's scales, initialized to ones
+                for scale in (layer.router.scale, layer.router.per_expert_scale):
+                    scale.copy_(0.5 + torch.rand(scale.shape, generator=generator))
     return model
 
 
@@ -143,9 +146,12 @@ class Reference:
         pre = self.point(p + "mlp.hook_pre", n2 @ layer.mlp.gate_proj.weight.T)
         linear = self.point(p + "mlp.hook_pre_linear", n2 @ layer.mlp.up_proj.weight.T)
         post = self.point(p + "mlp.hook_post", F.gelu(pre, approximate="tanh") * linear)
+        summed = post @ layer.mlp.down_proj.weight.T
+        if layer.enable_moe_block:  # the experts beside the dense MLP, each branch normalized, then their sum
+            dense = self.rms(None, summed, layer.post_feedforward_layernorm_1.weight)
+            summed = self.point(p + "mlp.hook_dense_out", dense) + self.experts(p, layer, mlp_in)
         mlp_out = self.point(
-            p + "hook_mlp_out",
-            self.rms(p + "ln2_post", post @ layer.mlp.down_proj.weight.T, layer.post_feedforward_layernorm.weight),
+            p + "hook_mlp_out", self.rms(p + "ln2_post", summed, layer.post_feedforward_layernorm.weight)
         )
         h = mid + mlp_out
         if given is not None:
@@ -156,11 +162,40 @@ class Reference:
             h = h + self.point(p + "hook_per_layer_out", self.rms(None, branch, layer.post_per_layer_input_norm.weight))
         return self.point(p + "hook_resid_post", h * layer.layer_scalar)
 
+    def experts(self, p: str, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The MoE branch on the residual stream ``x``: the router's own norm and scale, softmax, top-k,
+        renormalized, times the per-expert scale; the experts on their own pre-norm, slot by slot then token."""
+        router, experts = layer.router, layer.experts
+        scaled = self.rms(None, x, None) * router.scale * x.shape[-1] ** -0.5
+        logits = self.point(p + "mlp.hook_router_logits", scaled @ router.proj.weight.T)
+        probs = self.point(p + "mlp.hook_expert_weights", logits.float().softmax(-1))
+        top, index = probs.topk(router.config.top_k_experts, dim=-1)
+        weights = top / top.sum(-1, keepdim=True) * router.per_expert_scale[index]
+        index = self.point(p + "mlp.hook_expert_indices", index).flatten(0, 1)
+        weights = self.point(p + "mlp.hook_routing_weights", weights).flatten(0, 1)
+        rows_in = self.rms(None, x, layer.pre_feedforward_layernorm_2.weight).flatten(0, 1)
+        out, m = torch.zeros_like(rows_in), experts.intermediate_dim
+        for e in range(experts.num_experts):
+            slot, token = torch.where(index.T == e)
+            rows, at = rows_in[token], f"{p}mlp.experts.{e}."
+            gate = self.point(at + "hook_gate", rows @ experts.gate_up_proj[e, :m].T)
+            up = self.point(at + "hook_pre", rows @ experts.gate_up_proj[e, m:].T)
+            post = self.point(at + "hook_post", F.gelu(gate, approximate="tanh") * up)
+            result = self.point(at + "hook_result", post @ experts.down_proj[e].T * weights[token, slot, None])
+            out = out.index_add(0, token, result)
+        moe = self.rms(None, out.view_as(x), layer.post_feedforward_layernorm_2.weight)
+        return self.point(p + "mlp.hook_moe_out", moe)
+
+
+N_EXPERTS = 4
+
 
 def perturb(name: str) -> Edit:
     seed = sum(map(ord, name))
 
     def edit(t: torch.Tensor) -> torch.Tensor:
+        if name.endswith("hook_expert_indices"):  # every token to the next experts
+            return (t + 1) % N_EXPERTS
         noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=t.dtype)
         if name.endswith("hook_pattern"):
             return (t + 0.1 * noise.abs()) / (t + 0.1 * noise.abs()).sum(-1, keepdim=True) * (t.sum(-1, keepdim=True))
@@ -204,6 +239,9 @@ MODELS = {
     "own keys and values": {},
     "shared keys and values": dict(layers=4, num_kv_shared_layers=2, use_double_wide_mlp=True),
     "keys as values": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+    "experts beside the MLP": dict(
+        layers=2, enable_moe_block=True, num_experts=N_EXPERTS, top_k_experts=2, moe_intermediate_size=8
+    ),
 }
 
 
@@ -256,10 +294,14 @@ def test_every_point_matches_the_reference(fields):
 @pytest.mark.parametrize("fields", list(MODELS.values()), ids=list(MODELS))
 def test_an_edit_at_every_point_does_what_the_reference_does(fields):
     """Edits of a source layer's key and value points reach the layers that read them (the reference's shared
-    keys and values are the edited ones)."""
+    keys and values are the edited ones). With the MoE block: every point of the MLP half of each block (the
+    attention's are the other models'; the cost of a reference run per point)."""
     model = exact_model(**fields)
     hm = CONTRACT.wrap(model)
     names = hm.hook_names
+    if model.config.enable_moe_block:
+        mlp_half = (".mlp.", ".ln2.", ".ln2_post.", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out")
+        names = [n for n in names if any(part in n for part in mlp_half)]
     with torch.no_grad():
         base = hm(IDS).logits
         reference = Reference(model)
@@ -267,7 +309,9 @@ def test_an_edit_at_every_point_does_what_the_reference_does(fields):
         for name in names:
             expected = Reference(model, reference_edit(model, name, reference.values)).forward(IDS)
             got = hm.run_with_hooks(IDS, fwd_hooks=[(name, lambda t, hook: perturb(hook.name)(t))])
-            assert (got - base).abs().max() > 1e-6 or name.endswith("ln1.hook_scale"), name
+            # ln1's scale: the q/k/v norms undo it; an expert without rows: nothing to edit
+            unused = name.endswith("ln1.hook_scale") or not reference.values.get(name, IDS).numel()
+            assert (got - base).abs().max() > 1e-6 or unused, name
             assert_close(got, expected, f"edit of {name}", atol=5e-5)
     hm.unwrap()
 
@@ -361,7 +405,6 @@ def test_wrapping_is_exact_without_per_layer_inputs():
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=8), "enable_moe_block"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ],
 )
@@ -397,3 +440,64 @@ def test_multimodal_model_without_a_vision_tower_reads_as_its_text_model():
     for key in cache_text.keys():
         assert_close(cache[key], cache_text[key], key)
     hm.unwrap(), hm_text.unwrap()
+
+
+MOE = MODELS["experts beside the MLP"]
+#: points of a layer's experts branch, one per step of the routing and the experts (each a gradient check: the
+#: gate, post and result points of an expert and mlp.hook_moe_out are linear steps like hook_pre and hook_dense_out)
+MOE_POINTS = (
+    "hook_mlp_in",
+    "mlp.hook_dense_out",
+    "mlp.hook_router_logits",
+    "mlp.hook_expert_weights",
+    "mlp.hook_routing_weights",
+    "mlp.experts.{e}.hook_pre",
+)
+
+
+@pytest.mark.parametrize("point", MOE_POINTS)
+def test_gradients_through_an_edit_of_an_experts_point_are_the_reference_s(point):
+    """``t + delta`` at a point of layer 0's experts branch: the gradient of the logits' squares with respect to
+    ``delta`` is the reference's through the same edit (routing re-selected after an edit of the probabilities,
+    the per-expert scale on the selected weights, the experts on their own pre-norm)."""
+    model = exact_model(**MOE)
+    hm = CONTRACT.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(IDS, names_filter=lambda n: n.startswith("blocks.0.mlp."))
+    used = cache["blocks.0.mlp.hook_expert_indices"][0, -1, 0].item()  # an expert the last token uses
+    name = "blocks.0." + point.format(e=used)
+    shape = cache[name].shape if name in cache else cache["blocks.0.mlp.hook_dense_out"].shape
+    delta = (0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(3))).requires_grad_()
+    got = hm.run_with_hooks(IDS, fwd_hooks=[(name, lambda t, hook: t + delta)])
+    (grad,) = torch.autograd.grad(got.square().sum(), delta)
+    expected = Reference(model, {name: lambda t: t + delta}).forward(IDS)
+    assert_close(got, expected, f"edit of {name}", atol=5e-5)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), delta)
+    assert grad.abs().max() > 0, name
+    assert_close(grad, expected_grad, f"gradient through {name}", atol=1e-4)
+    hm.unwrap()
+
+
+def test_experts_weights_are_the_live_parameters():
+    """``W_in``/``W_gate``/``W_out`` per expert, ``W_router`` (the router's ``proj``, which reads the router's own
+    normalized and scaled input), the dense MLP beside the experts through ``mlp_weights(..., dense=True)``."""
+    from lensadapters.moe import router_weight
+    from lensadapters.weights import mlp_weights
+
+    model = exact_model(**MOE)
+    hm = CONTRACT.wrap(model)
+    m = model.config.moe_intermediate_size
+    assert (hm.cfg.num_experts, hm.cfg.experts_per_token, hm.cfg.d_mlp) == (N_EXPERTS, 2, m)
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.experts
+        assert torch.equal(hm.W_gate[i], experts.gate_up_proj[:, :m].transpose(1, 2))
+        assert torch.equal(hm.W_in[i], experts.gate_up_proj[:, m:].transpose(1, 2))
+        assert torch.equal(hm.W_out[i], experts.down_proj.transpose(1, 2))
+        assert torch.equal(router_weight(hm.wiring, i), layer.router.proj.weight.T)
+        assert torch.equal(hm.W_router[i], layer.router.proj.weight.T)
+        for role, linear in (("in", "up_proj"), ("gate", "gate_proj"), ("out", "down_proj")):
+            W, _ = mlp_weights(hm.wiring, i, role, dense=True)
+            assert torch.equal(W, getattr(layer.mlp, linear).weight.T), (i, role)
+    with pytest.raises(WeightUnavailableError, match="no dense MLP beside experts"):
+        mlp_weights(CONTRACT.wrap(exact_model()).wiring, 0, "in", dense=True)
+    hm.unwrap()

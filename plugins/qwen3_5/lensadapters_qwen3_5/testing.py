@@ -58,7 +58,10 @@ qwen3_5_configs = config_strategy(
 )
 
 
-_MOE_FORM = (
+#: an edit at every point, in place and returned, and the declared points: they hold on dense and MoE models alike
+#: (the kit's MoE form on the MoE layers) and run on one of each on every run, each drawn once, the MoE one with
+#: two layers (an edit at every point of a hybrid MoE toy is the suite's costliest example)
+EVERY_POINT = (
     "test_hook_points_match_declared_capabilities",
     "test_every_hook_point_edit_changes_logits",
     "test_in_place_edits_equal_returned_edits",
@@ -66,11 +69,6 @@ _MOE_FORM = (
 #: the generic properties this contract refuses on the drawn hybrid models, each with why (the plugin's README,
 #: "Tested", lists them)
 NOT_SERVED: dict[str, str] = {
-    **{
-        name: "the MoE form of the property (integer expert indices, no mlp.hook_pre/hook_post in sparse layers) is "
-        "not combined with the hybrid one: run on the dense models only (its __dense stratum)"
-        for name in _MOE_FORM
-    },
     "test_zero_ablating_a_head_removes_its_output": "the property reads the stacked W_O, refused on a hybrid model "
     "(its linear-attention layers have no heads)",
     "test_weight_and_residual_identities": "the stacked W_Q/W_O identities, refused on a hybrid model "
@@ -106,10 +104,12 @@ class Qwen3_5Contract(OffsetNormModels, QKNormScores, DecoderContract):
     #: in the cross-cutting matrices (bnb, PEFT), dense models only: their MoE form is the MoE contracts', which
     #: these variants leave to each MoE architecture's own tests, and every example builds more than one model
     matrix_overrides: ClassVar[Mapping[str, Any]] = dict(moe=False)
-    #: the MoE form of three generic properties (integer expert indices, no dense mlp points in sparse layers) is
-    #: not combined with the hybrid one: they run on the dense hybrid models (and are refused below on the MoE ones)
-    config_strata: ClassVar[Mapping[str, Sequence[str]]] = {"dense": _MOE_FORM}
-    stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {"dense": dict(moe=False)}
+    config_strata: ClassVar[Mapping[str, Sequence[str]]] = {"dense": EVERY_POINT, "moe": EVERY_POINT}
+    stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "dense": dict(moe=False),
+        "moe": dict(moe=True, kinds=st.just(["linear_attention", "full_attention"])),  # two layers: the cost
+    }
+    strata_only: ClassVar[Sequence[str]] = EVERY_POINT
     not_served: ClassVar[Mapping[str, str]] = NOT_SERVED
 
     def config_label(self, config: Any) -> Optional[str]:

@@ -44,6 +44,7 @@ def test_entry_point_is_declared() -> None:
     if "deepseek_v3" in infos:
         assert infos["deepseek_v3"].plugin is lensadapters_deepseek_v3
     assert [a.name for a in lensadapters_deepseek_v3.lensadapters_architectures()] == ["deepseek_v3"]
+    assert lensadapters_deepseek_v3.ARCH.model_types == ("deepseek_v3", "deepseek_v2")
 
 
 CONFIGS = {
@@ -54,7 +55,24 @@ CONFIGS = {
         n_heads=2, hidden=16, layers=2, q_lora_rank=None, interleave=False, norm_topk_prob=False, groups=(2, 1)
     ),
     "top-3 of 4 in one group, tied": dict(n_heads=4, hidden=32, layers=1, experts=4, top_k=3, groups=(1, 1), tied=True),
+    "V2 group-limited greedy, q latent": dict(
+        v2=True, n_heads=2, hidden=16, layers=1, experts=4, top_k=2, groups=(2, 1), scale=2.5
+    ),
+    "V2 greedy, q_proj, dense first layer, tied": dict(
+        v2=True,
+        topk_method="greedy",
+        n_heads=4,
+        hidden=32,
+        layers=2,
+        dense_layers=1,
+        q_lora_rank=None,
+        experts=6,
+        top_k=3,
+        tied=True,
+    ),
 }
+# the edit test is the slow one: two V3 configs and the one-layer V2 one
+EDITED = [*list(CONFIGS)[:2], "V2 group-limited greedy, q latent"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -79,7 +97,7 @@ def _edit(name: str, n_experts: int, nope: int) -> Any:
     return perturb
 
 
-@pytest.mark.parametrize("name", list(CONFIGS)[:2])
+@pytest.mark.parametrize("name", EDITED)
 def test_edits_at_every_point_match_the_independent_reference(name: str) -> None:
     """The same edit at any hook point gives the logits the reference gives with that edit at the same place:
     latents, the shared rope key, per-head keys and values, routing (re-selected through the groups and the bias)
@@ -184,3 +202,43 @@ def test_one_heads_key_gradient_is_refused(point: str) -> None:
     with torch.no_grad():
         assert torch.equal(hm(ids).logits, model(ids).logits)
     hm.unwrap()
+
+
+def test_deepseek_v2_rotary_keeps_the_pairs_interleaved() -> None:
+    """DeepSeek-V2 multiplies the interleaved rope pairs by the model's complex rotations and keeps them interleaved:
+    ``hook_rot_q``'s rope columns are ``(q[2i] + i q[2i+1]) * freqs_cis`` pair by pair, from the rotary module's own
+    complex output, and the no-rope columns are ``hook_q``'s."""
+    config = deepseek_v3_config(**CONFIGS["V2 greedy, q_proj, dense first layer, tied"])
+    model = CONTRACT.make_model(config, 6)
+    hm = CONTRACT.wrap(model)
+    ids = seeded_tokens()
+    nope = config.qk_nope_head_dim
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids)
+        freqs = model.model.rotary_emb(torch.zeros(1), torch.arange(ids.shape[1])[None])
+        assert freqs.is_complex()
+        for a in ("blocks.0.attn.hook_q", "blocks.1.attn.hook_q"):  # a dense layer, then a MoE layer
+            q, rot = cache[a], cache[a.replace("hook_q", "hook_rot_q")]
+            pairs = torch.view_as_complex(q[..., nope:].float().reshape(*q.shape[:-1], -1, 2).contiguous())
+            expected = torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(-2)
+            torch.testing.assert_close(rot[..., nope:], expected)
+            assert torch.equal(rot[..., :nope], q[..., :nope])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(topk_method="noaux_tc"), "topk_method"),
+        (dict(num_experts_per_tok=3), "kept groups"),
+    ],
+)
+def test_deepseek_v2_routers_the_model_cannot_run_are_refused(change: dict, match: str) -> None:
+    """A DeepSeek-V2 ``topk_method`` transformers does not implement, and a group-limited top-k larger than the kept
+    groups' experts (the model would pick masked experts at weight 0), are refused at wrap time, by name."""
+    config = deepseek_v3_config(v2=True, n_heads=2, hidden=16, layers=1, experts=4, top_k=2, groups=(2, 1))
+    model = CONTRACT.make_model(config, 0)
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        CONTRACT.wrap(model)

@@ -242,3 +242,46 @@ def test_deepseek_v2_routers_the_model_cannot_run_are_refused(change: dict, matc
         setattr(model.config, key, value)
     with pytest.raises(UnsupportedModelError, match=match):
         CONTRACT.wrap(model)
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "blocks.0.attn.hook_kv_latent",
+        "blocks.0.attn.hook_k_rope",
+        "blocks.0.attn.hook_rot_q",
+        "blocks.0.attn.hook_v",
+        "blocks.0.mlp.hook_router_logits",
+        "blocks.0.mlp.hook_routing_weights",
+    ],
+)
+def test_deepseek_v2_gradients_through_edits_match_the_reference(point: str) -> None:
+    """The gradient of the logits with respect to an edit's size at a DeepSeek-V2 point (the latents, the shared
+    rope key, the rotated queries, the values, the router) is the float64 reference's, computed by autograd through
+    the same edit."""
+    config = deepseek_v3_config(**CONFIGS["V2 group-limited greedy, q latent"])
+    model = CONTRACT.make_model(config, 7)
+    hm = CONTRACT.wrap(model)
+    ids = seeded_tokens()
+    direction = torch.Generator()
+
+    def edit_by(size: torch.Tensor) -> Any:
+        def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:  # the same direction in both runs
+            d = torch.randn(t.shape, generator=direction.manual_seed(0), dtype=torch.float64)
+            return t + (size * d).to(t.dtype)
+
+        return edit
+
+    grads = []
+    for run in ("ours", "reference"):
+        size = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        edit = edit_by(size)
+        if run == "ours":
+            logits = hm.run_with_hooks(ids, fwd_hooks=[(point, edit)])
+        else:
+            logits, _ = reference_run(model, ids, {point: edit})
+        (weights,) = torch.autograd.grad((logits.double() * torch.linspace(-1, 1, logits.shape[-1])).sum(), size)
+        grads.append(weights)
+    assert grads[1].abs() > 1e-3
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    hm.unwrap()

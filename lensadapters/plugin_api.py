@@ -76,6 +76,7 @@ from lensadapters.hooks.sites import (
     replace_first_output,
     split_heads,
 )
+from lensadapters.hooks.sites.qkv import rotary_angles
 from lensadapters.hooks.specs import *  # noqa: F403  (the description language: specs.__all__)
 from lensadapters.wiring.weights import WEIGHT_NAMES, layer_weight, mlp_weights, read_linear, read_weight
 
@@ -96,6 +97,7 @@ __all__ = [
     "half_table_rotate_half_spec",
     "invert_rotate_half",
     "rotate_half",
+    "rotary_angles",
     "rotate_half_spec",
     "stored_moe_layout",
     # points, sites, per-forward state, the order rule

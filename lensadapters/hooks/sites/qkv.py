@@ -32,6 +32,14 @@ from lensadapters.hooks.specs import FusedQKV, ProjectionNorm, RotarySpec
 Tensor = torch.Tensor
 
 
+def rotary_angles(value: Any) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of what a rotary module returns: the pair itself, or a complex tensor of rotations
+    ``e^{i theta}`` (DeepSeek-V2's ``freqs_cis``, ``[b, p, r/2]``), as its real and imaginary parts."""
+    if isinstance(value, Tensor) and value.is_complex():
+        return value.real, value.imag
+    return value[0], value[1]
+
+
 class RotaryCaptureSite(Site):
     """Records the ``(cos, sin)`` of this forward pass.
 
@@ -55,8 +63,7 @@ class RotaryCaptureSite(Site):
         return [self.module.register_forward_hook(self._hook)]
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        cos, sin = output[0], output[1]
-        self.state.rotary = (cos, sin)
+        self.state.rotary = rotary_angles(output)
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         cos, sin = self.from_inputs(module, args, kwargs)

@@ -38,9 +38,20 @@ top-k (``n_group`` groups scored by their two best experts, ``topk_group`` kept)
 the routed experts' sum. The core's router and per-expert points serve them (``Routing(probabilities="sigmoid",
 groups=..., selection_bias=...)``); ``mlp.hook_expert_weights`` is the sigmoid of every expert.
 
-Refused at wrap time: DeepSeek-V2's modelling (``deepseek_v2``, a softmax router and complex rotary), custom code
-registered as ``deepseek_v3``, ``num_key_value_heads`` other than ``num_attention_heads``. Flash and flex
-attention: every hook point but ``hook_attn_scores``/``hook_pattern``.
+DeepSeek-V2 (``model_type: "deepseek_v2"``: DeepSeek-V2, V2-Lite, V2-Chat, Coder-V2) has the same MLA and the
+same points, with three differences, each declared here: its rotary module returns complex rotations
+(``freqs_cis``) that multiply the interleaved pairs of the rope columns as complex numbers, in float32, the
+rotated pairs staying interleaved (``hook_rot_q``/``hook_rot_k`` hold ``[x0', x1', x2', x3'...]``, not V3's
+de-interleaved layout); its router takes a softmax over the experts (no correction bias), then the top-k
+(``topk_method="greedy"``) or the top-k within the ``topk_group`` groups of the largest maximum
+(``"group_limited_greedy"``, the others' scores set to 0), never renormalized (``norm_topk_prob`` is not read by the
+model), times ``routed_scaling_factor``: ``Routing(probabilities="softmax", groups=..., group_score="max",
+masked_score=0.0)``; transformers 4.57 keeps the per-head keys and values in its cache (5.x the latents).
+
+Refused at wrap time: custom code registered as ``deepseek_v3``/``deepseek_v2``, ``num_key_value_heads`` other
+than ``num_attention_heads``, a DeepSeek-V2 ``topk_method`` other than ``greedy``/``group_limited_greedy``, and a
+group-limited top-k larger than the kept groups' experts (the model would pick masked experts at weight 0). Flash
+and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern``.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ from lensadapters.plugin_api import (
     invert_rotate_half,
     read_linear,
     replace_first_output,
+    rotary_angles,
 )
 
 __version__ = "0.1.0"
@@ -71,13 +83,18 @@ __version__ = "0.1.0"
 FAMILY = hf.DecoderFamily.named(
     "DeepseekV3",
     "deepseek_v3",
+    packages=("deepseek_v3", "deepseek_v2"),
+    norms=("DeepseekV3RMSNorm", "DeepseekV2RMSNorm"),
     qkv=("self_attn.kv_a_layernorm", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
     mlp=None,
 )
 ARCH = FAMILY.architecture(
     "DeepSeek-V3 (DeepseekV3ForCausalLM, DeepseekV3Model): multi-head latent attention, grouped top-k routing with "
-    "a correction bias, shared experts, dense first layers"
+    "a correction bias, shared experts, dense first layers; DeepSeek-V2 (DeepseekV2ForCausalLM, DeepseekV2Model): "
+    "the same attention with complex rotary, a softmax router (greedy or group-limited greedy)",
+    model_types=("deepseek_v3", "deepseek_v2"),
 )
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 MLA_POINTS = ("attn.hook_q_latent", "attn.hook_k_rope", "attn.hook_kv_latent")
 
 
@@ -85,32 +102,52 @@ def _sizes(c: Any) -> tuple[int, int, int]:
     return c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
 
 
+def is_v2(config: Any) -> bool:
+    return getattr(config, "model_type", None) == "deepseek_v2"
+
+
+def _unrotate_pairs(y1: torch.Tensor, y2: torch.Tensor, c: torch.Tensor, s: torch.Tensor, dtype: Any) -> torch.Tensor:
+    """The pairs ``(x1, x2)`` that ``(x1 c - x2 s, x2 c + x1 s) == (y1, y2)``, interleaved, in ``dtype`` (computed in
+    at least float32)."""
+    c, s = (t.to(torch.promote_types(dtype, torch.float32)) for t in (c, s))
+    y1, y2 = y1.to(c.dtype), y2.to(c.dtype)
+    norm = c * c + s * s
+    x1, x2 = (y1 * c + y2 * s) / norm, (y2 * c - y1 * s) / norm
+    return torch.stack((x1, x2), dim=-1).flatten(-2).to(dtype)
+
+
 def mla_rotary(config: Any) -> RotarySpec:
     """Rotary on the rope columns ``[nope:]`` of ``[b, p, h, nope + rope]`` as transformers applies it: interleaved
-    pairs rotated and laid out ``[even' | odd']`` (``rope_interleave``), or rotate-half."""
+    pairs rotated and laid out ``[even' | odd']`` (``rope_interleave``), or rotate-half; DeepSeek-V2's pairs
+    ``(x[2i], x[2i+1])`` as complex numbers times ``cos + i sin`` (``[b, p, rope/2]``: the real and imaginary parts
+    of its rotary module's ``freqs_cis``), in float32, kept interleaved and cast back."""
     nope, rope, _ = _sizes(config)
+    v2 = is_v2(config)
     interleave = bool(getattr(config, "rope_interleave", False))
 
     def parts(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if v2:  # one angle per pair already
+            return cos.unsqueeze(2).float(), sin.unsqueeze(2).float()
         return cos[..., : rope // 2].unsqueeze(2), sin[..., : rope // 2].unsqueeze(2)
 
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         head, r = x[..., :nope], x[..., nope:]
-        if not interleave:
+        if not (interleave or v2):
             return torch.cat((head, apply_rotate_half(r, cos, sin)), dim=-1)
         c, s = parts(cos, sin)
+        if v2:
+            x1, x2 = r[..., 0::2].float(), r[..., 1::2].float()
+            pairs = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+            return torch.cat((head, pairs.to(x.dtype)), dim=-1)
         x1, x2 = r[..., 0::2], r[..., 1::2]
         return torch.cat((head, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     def invert(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         head, r = y[..., :nope], y[..., nope:]
-        if not interleave:
+        if not (interleave or v2):
             return torch.cat((head, invert_rotate_half(r, cos, sin)), dim=-1)
-        c, s = (t.to(torch.promote_types(y.dtype, torch.float32)) for t in parts(cos, sin))
-        y1, y2 = r[..., : rope // 2].to(c.dtype), r[..., rope // 2 :].to(c.dtype)
-        norm = c * c + s * s
-        x1, x2 = (y1 * c + y2 * s) / norm, (y2 * c - y1 * s) / norm
-        return torch.cat((head, torch.stack((x1, x2), dim=-1).flatten(-2).to(y.dtype)), dim=-1)
+        y1, y2 = (r[..., 0::2], r[..., 1::2]) if v2 else (r[..., : rope // 2], r[..., rope // 2 :])
+        return torch.cat((head, _unrotate_pairs(y1, y2, *parts(cos, sin), y.dtype)), dim=-1)
 
     return RotarySpec(rope, apply, invert)
 
@@ -137,20 +174,24 @@ def mlp(model: Any, layer: int) -> Any:
     import transformers
 
     v5 = int(transformers.__version__.split(".")[0]) >= 5
-    routing = Routing(
-        c.n_routed_experts,
-        c.num_experts_per_tok,
-        normalize=bool(c.norm_topk_prob),
-        probabilities="sigmoid",
-        weights_dtype="float32",
-        selection_bias="e_score_correction_bias",
-        groups=(c.n_group, c.topk_group),
-        masked_score=float("-inf") if v5 else 0.0,  # transformers 4.57 fills the dropped groups with 0
-        normalize_eps=1e-20,
-        scale=float(c.routed_scaling_factor),
-    )
     experts: Any = (
         FusedExperts("mlp.experts") if fused else ExpertModules("mlp.experts", "gate_proj", "up_proj", "down_proj")
+    )
+    routing = (
+        v2_routing(c)
+        if is_v2(c)
+        else Routing(
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            normalize=bool(c.norm_topk_prob),
+            probabilities="sigmoid",
+            weights_dtype="float32",
+            selection_bias="e_score_correction_bias",
+            groups=(c.n_group, c.topk_group),
+            masked_score=float("-inf") if v5 else 0.0,  # transformers 4.57 fills the dropped groups with 0
+            normalize_eps=1e-20,
+            scale=float(c.routed_scaling_factor),
+        )
     )
     return MoELayout(
         router="mlp.gate",
@@ -158,6 +199,24 @@ def mlp(model: Any, layer: int) -> Any:
         experts=experts,
         router_output="routing" if v5 else "index_weights",
         shared="mlp.shared_experts",
+    )
+
+
+def v2_routing(c: Any) -> Routing:
+    """DeepSeek-V2's router: a float32 softmax over every expert, the top-k of all (``greedy``: one group kept) or of
+    the ``topk_group`` groups with the largest maximum (``group_limited_greedy``, the others' scores set to 0), not
+    renormalized, times ``routed_scaling_factor``."""
+    grouped = c.topk_method == "group_limited_greedy"
+    return Routing(
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        normalize=False,
+        probabilities="softmax",
+        weights_dtype="float32",
+        groups=(c.n_group, c.topk_group) if grouped else (1, 1),
+        group_score="max",
+        masked_score=0.0,
+        scale=float(c.routed_scaling_factor),
     )
 
 
@@ -185,6 +244,20 @@ def check(model: Any) -> None:
         )
     if c.qk_rope_head_dim % 2:
         raise UnsupportedModelError(f"qk_rope_head_dim={c.qk_rope_head_dim} is odd; rotary rotates pairs")
+    if is_v2(c) and c.n_routed_experts and c.first_k_dense_replace < c.num_hidden_layers:
+        if c.topk_method not in V2_TOPK_METHODS:
+            raise UnsupportedModelError(
+                f"topk_method={c.topk_method!r}: transformers' DeepSeek-V2 router implements "
+                f"{' and '.join(V2_TOPK_METHODS)} only; set one of them in the config"
+            )
+        if c.topk_method == "group_limited_greedy":
+            kept = c.topk_group * (c.n_routed_experts // c.n_group)
+            if c.num_experts_per_tok > kept:
+                raise UnsupportedModelError(
+                    f"num_experts_per_tok={c.num_experts_per_tok} exceeds the {kept} experts of the topk_group="
+                    f"{c.topk_group} kept groups: the router would choose dropped experts at weight 0; raise "
+                    "topk_group or lower num_experts_per_tok"
+                )
 
 
 def config_fields(model: Any) -> dict[str, Any]:
@@ -204,13 +277,15 @@ def config_fields(model: Any) -> dict[str, Any]:
             "qk_rope_head_dim": rope,
             "v_head_dim": v,
             "rope_interleave": bool(getattr(c, "rope_interleave", False)),
+            "complex_rotary": is_v2(c),
+            "topk_method": getattr(c, "topk_method", None),
             "first_k_dense_replace": c.first_k_dense_replace,
             "n_shared_experts": c.n_shared_experts,
             "moe_intermediate_size": c.moe_intermediate_size,
             "n_group": c.n_group,
             "topk_group": c.topk_group,
             "routed_scaling_factor": float(c.routed_scaling_factor),
-            "norm_topk_prob": bool(c.norm_topk_prob),
+            "norm_topk_prob": bool(c.norm_topk_prob) and not is_v2(c),  # DeepSeek-V2 never renormalizes
         },
     )
 
@@ -278,12 +353,13 @@ class MLASite(Site):
 
     def _angles(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         angles = kwargs.get("position_embeddings")
-        if not (isinstance(angles, (tuple, list)) and len(angles) == 2):
+        complex_angles = isinstance(angles, torch.Tensor) and angles.is_complex()
+        if not (complex_angles or (isinstance(angles, (tuple, list)) and len(angles) == 2)):
             raise RuntimeError(
-                f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) as "
-                "position_embeddings"
+                f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) or complex "
+                "rotations as position_embeddings"
             )
-        self._values()["angles"] = (angles[0], angles[1])
+        self._values()["angles"] = rotary_angles(angles)
 
     def _values(self) -> dict[str, Any]:
         return self.state.site_values(self)

@@ -2,8 +2,10 @@
 
 :func:`reference_run`: DeepSeek-V3's forward written out independently in float64 from a transformers model's
 parameters (no lensadapters code): multi-head latent attention, grouped sigmoid routing with the correction bias,
-shared experts, dense first layers; every hook point the plugin serves named as lensadapters names it, with an
-optional edit at each. TransformerLens 2.18 has no DeepSeek model to compare with.
+shared experts, dense first layers; or DeepSeek-V2's (``model_type: "deepseek_v2"``: complex rotation of the
+interleaved rope pairs, kept interleaved; a softmax router, greedy or group-limited greedy, not renormalized); every
+hook point the plugin serves named as lensadapters names it, with an optional edit at each. TransformerLens 2.18 has
+no DeepSeek model to compare with.
 """
 
 from __future__ import annotations
@@ -33,11 +35,20 @@ def reference_run(
     b, n = input_ids.shape
     heads, nope, rope, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     positions = torch.arange(n)[None].expand(b, -1)
+    v2 = c.model_type == "deepseek_v2"
     with torch.no_grad():  # the model's own angles, computed in float32 as the model does
-        cos, sin = (
-            t.double()[..., : rope // 2] for t in model.get_submodule(base + "rotary_emb")(torch.zeros(1), positions)
-        )
+        angles = model.get_submodule(base + "rotary_emb")(torch.zeros(1), positions)
+        if v2:  # complex rotations e^{i theta} [b, p, rope/2]
+            cos, sin = angles.real.double(), angles.imag.double()
+        else:
+            cos, sin = (t.double()[..., : rope // 2] for t in angles)
     interleave = bool(getattr(c, "rope_interleave", False))
+
+    def rotate(x: Tensor) -> Tensor:
+        if not v2:
+            return rotate_by(x, cos, sin, interleave)
+        x1, x2, co, si = x[..., 0::2], x[..., 1::2], cos[:, :, None, :], sin[:, :, None, :]
+        return torch.stack([x1 * co - x2 * si, x1 * si + x2 * co], dim=-1).flatten(-2)  # (x1 + i x2) e^{i theta}
 
     def linear(x: Tensor, name: str) -> Tensor:
         return x @ p[name + ".weight"].T + p.get(name + ".bias", 0.0)
@@ -62,7 +73,7 @@ def reference_run(
             latent = plain_rms(linear(h, ap + "q_a_proj"), p[ap + "q_a_layernorm.weight"], 1e-6)
             q = linear(point(a + "hook_q_latent", latent), ap + "q_b_proj")
         q = point(a + "hook_q", q.reshape(b, n, heads, nope + rope))
-        q = point(a + "hook_rot_q", torch.cat([q[..., :nope], rotate_by(q[..., nope:], cos, sin, interleave)], -1))
+        q = point(a + "hook_rot_q", torch.cat([q[..., :nope], rotate(q[..., nope:])], -1))
         compressed = linear(h, ap + "kv_a_proj_with_mqa")
         k_rope = point(a + "hook_k_rope", compressed[..., c.kv_lora_rank :])
         kv = point(
@@ -70,7 +81,7 @@ def reference_run(
         )
         kv = linear(kv, ap + "kv_b_proj").reshape(b, n, heads, nope + dv)
         k = point(a + "hook_k", torch.cat([kv[..., :nope], k_rope[:, :, None, :].expand(b, n, heads, rope)], -1))
-        k = point(a + "hook_rot_k", torch.cat([k[..., :nope], rotate_by(k[..., nope:], cos, sin, interleave)], -1))
+        k = point(a + "hook_rot_k", torch.cat([k[..., :nope], rotate(k[..., nope:])], -1))
         v = point(a + "hook_v", kv[..., nope:])
         scaling = float(model.get_submodule(ap[:-1]).scaling)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scaling
@@ -104,18 +115,25 @@ def _moe(point: Callable[[str, Tensor], Tensor], pre: str, w: str, p: dict, c: A
         return point(name, t.reshape(*lead, t.shape[-1])).reshape(-1, t.shape[-1])
 
     logits = shown(m + "hook_router_logits", flat @ p[w + "mlp.gate.weight"].T)
-    probs = shown(m + "hook_expert_weights", torch.sigmoid(logits))
-    choice = probs + p[w + "mlp.gate.e_score_correction_bias"]
-    grouped = choice.reshape(-1, n_group, n_experts // n_group)
-    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    v2 = c.model_type == "deepseek_v2"
+    if v2:  # a softmax, no correction bias; greedy is one group kept
+        probs = shown(m + "hook_expert_weights", torch.softmax(logits, dim=-1))
+        choice = probs
+        if c.topk_method == "greedy":
+            n_group, topk_group = 1, 1
+        group_scores = choice.reshape(-1, n_group, n_experts // n_group).amax(-1)
+    else:
+        probs = shown(m + "hook_expert_weights", torch.sigmoid(logits))
+        choice = probs + p[w + "mlp.gate.e_score_correction_bias"]
+        group_scores = choice.reshape(-1, n_group, n_experts // n_group).topk(2, dim=-1).values.sum(-1)
     kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
     import transformers
 
-    dropped = float("-inf") if int(transformers.__version__.split(".")[0]) >= 5 else 0.0
+    dropped = float("-inf") if int(transformers.__version__.split(".")[0]) >= 5 and not v2 else 0.0
     choice = choice.masked_fill(kept.repeat_interleave(n_experts // n_group, dim=1) == 0, dropped)
     index = choice.topk(k, dim=-1, sorted=False).indices
     weights = probs.gather(1, index)
-    if c.norm_topk_prob:
+    if c.norm_topk_prob and not v2:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     index = shown(m + "hook_expert_indices", index)
     weights = shown(m + "hook_routing_weights", weights * c.routed_scaling_factor)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import torch
 from hypothesis import strategies as st
-from transformers import DeepseekV3Config
+from transformers import DeepseekV2Config, DeepseekV3Config
 
 import lensadapters_deepseek_v3
 from lensadapters.testing.families import MoEDecoderContract, config_strategy, decoder_config
@@ -35,14 +35,21 @@ def deepseek_v3_config(
     scale: float = 2.5,
     interleave: bool = True,
     max_pos: int = 32,
+    v2: bool = False,
+    topk_method: str = "group_limited_greedy",
     **shared: Any,
-) -> DeepseekV3Config:
+) -> Any:
     """A tiny DeepSeek-V3 config (``decoder_config``'s shared fields; as many key/value heads as query heads):
     ``experts`` routed experts of width ``d_mlp`` in ``groups = (n_group, topk_group)``, one shared expert, the first
-    ``dense_layers`` layers dense of width ``dense_d_mlp``."""
+    ``dense_layers`` layers dense of width ``dense_d_mlp``. ``v2``: a DeepSeek-V2 config instead (complex rotary, a
+    softmax router with ``topk_method``; ``interleave`` and ``norm_topk_prob`` do not apply)."""
     shared["n_kv"] = shared["n_heads"]
+    if v2:
+        shared["topk_method"] = topk_method
+    else:
+        shared["norm_topk_prob"], shared["rope_interleave"] = norm_topk_prob, interleave
     return decoder_config(
-        DeepseekV3Config,
+        DeepseekV2Config if v2 else DeepseekV3Config,
         d_mlp=dense_d_mlp,
         max_pos=max_pos,
         q_lora_rank=q_lora_rank,
@@ -58,9 +65,7 @@ def deepseek_v3_config(
         n_group=groups[0],
         topk_group=groups[1],
         first_k_dense_replace=dense_layers,
-        norm_topk_prob=norm_topk_prob,
         routed_scaling_factor=scale,
-        rope_interleave=interleave,
         **shared,
     )
 
@@ -79,7 +84,8 @@ deepseek_v3_configs = config_strategy(
     deepseek_v3_config,
     """Tiny DeepSeek-V3 configs: 4 or 6 routed experts in groups (1, 2 or 3 groups, some dropped before the top-k),
     top-k from 1 to 3, renormalized or raw sigmoid weights scaled by 1 or 2.5, dense first layers, with and without a
-    query latent, interleaved or rotate-half rope, different no-rope, rope and value head sizes.""",
+    query latent, interleaved or rotate-half rope, different no-rope, rope and value head sizes; and as many
+    DeepSeek-V2 configs (complex rotary, a softmax router, greedy or group-limited greedy).""",
     experts=st.sampled_from([4, 6]),
     top_k=st.integers(1, 3),
     groups=_groups,
@@ -98,6 +104,14 @@ deepseek_v3_configs = config_strategy(
     vocab=st.integers(16, 96),
     theta=st.sampled_from([100.0, 10000.0]),
     tied=st.booleans(),
+    v2=st.booleans(),
+    topk_method=st.sampled_from(["greedy", "group_limited_greedy"]),
+)
+# properties that must see DeepSeek-V2 on every run (its rotary and its router)
+V2_PROPERTIES = (
+    "test_pattern_and_query_edits_are_used",
+    "test_routing_points_are_the_routing",
+    "test_routing_edits_equal_running_with_that_routing",
 )
 
 
@@ -134,6 +148,11 @@ class DeepseekV3Contract(MoEDecoderContract):
         }.items()
     }
 
+    config_strata = {"deepseek_v2": V2_PROPERTIES}
+    stratum_overrides = {"deepseek_v2": {"v2": True}}
+
     def config_label(self, config: Any) -> Optional[str]:
         latent = "q latent" if config.q_lora_rank else "q_proj"
+        if config.model_type == "deepseek_v2":
+            return f"V2 {config.topk_method}, {latent}, top-{config.num_experts_per_tok} of {config.n_routed_experts}"
         return f"{latent}, top-{config.num_experts_per_tok} of {config.n_routed_experts} in {config.n_group} groups"

@@ -44,6 +44,7 @@ def test_entry_point_is_declared() -> None:
     if "deepseek_v3" in infos:
         assert infos["deepseek_v3"].plugin is lensadapters_deepseek_v3
     assert [a.name for a in lensadapters_deepseek_v3.lensadapters_architectures()] == ["deepseek_v3"]
+    assert lensadapters_deepseek_v3.ARCH.model_types == ("deepseek_v3", "deepseek_v2")
 
 
 CONFIGS = {
@@ -54,7 +55,24 @@ CONFIGS = {
         n_heads=2, hidden=16, layers=2, q_lora_rank=None, interleave=False, norm_topk_prob=False, groups=(2, 1)
     ),
     "top-3 of 4 in one group, tied": dict(n_heads=4, hidden=32, layers=1, experts=4, top_k=3, groups=(1, 1), tied=True),
+    "V2 group-limited greedy, q latent": dict(
+        v2=True, n_heads=2, hidden=16, layers=1, experts=4, top_k=2, groups=(2, 1), scale=2.5
+    ),
+    "V2 greedy, q_proj, dense first layer, tied": dict(
+        v2=True,
+        topk_method="greedy",
+        n_heads=4,
+        hidden=32,
+        layers=2,
+        dense_layers=1,
+        q_lora_rank=None,
+        experts=6,
+        top_k=3,
+        tied=True,
+    ),
 }
+# the edit test is the slow one: two V3 configs and the one-layer V2 one
+EDITED = [*list(CONFIGS)[:2], "V2 group-limited greedy, q latent"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -79,7 +97,7 @@ def _edit(name: str, n_experts: int, nope: int) -> Any:
     return perturb
 
 
-@pytest.mark.parametrize("name", list(CONFIGS)[:2])
+@pytest.mark.parametrize("name", EDITED)
 def test_edits_at_every_point_match_the_independent_reference(name: str) -> None:
     """The same edit at any hook point gives the logits the reference gives with that edit at the same place:
     latents, the shared rope key, per-head keys and values, routing (re-selected through the groups and the bias)
@@ -183,4 +201,86 @@ def test_one_heads_key_gradient_is_refused(point: str) -> None:
     assert sorted(grads) == served and all(g.abs().sum() > 0 for g in grads.values())
     with torch.no_grad():
         assert torch.equal(hm(ids).logits, model(ids).logits)
+    hm.unwrap()
+
+
+def test_deepseek_v2_rotary_keeps_the_pairs_interleaved() -> None:
+    """DeepSeek-V2 multiplies the interleaved rope pairs by the model's complex rotations and keeps them interleaved:
+    ``hook_rot_q``'s rope columns are ``(q[2i] + i q[2i+1]) * freqs_cis`` pair by pair, from the rotary module's own
+    complex output, and the no-rope columns are ``hook_q``'s."""
+    config = deepseek_v3_config(**CONFIGS["V2 greedy, q_proj, dense first layer, tied"])
+    model = CONTRACT.make_model(config, 6)
+    hm = CONTRACT.wrap(model)
+    ids = seeded_tokens()
+    nope = config.qk_nope_head_dim
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids)
+        freqs = model.model.rotary_emb(torch.zeros(1), torch.arange(ids.shape[1])[None])
+        assert freqs.is_complex()
+        for a in ("blocks.0.attn.hook_q", "blocks.1.attn.hook_q"):  # a dense layer, then a MoE layer
+            q, rot = cache[a], cache[a.replace("hook_q", "hook_rot_q")]
+            pairs = torch.view_as_complex(q[..., nope:].float().reshape(*q.shape[:-1], -1, 2).contiguous())
+            expected = torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(-2)
+            torch.testing.assert_close(rot[..., nope:], expected)
+            assert torch.equal(rot[..., :nope], q[..., :nope])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(topk_method="noaux_tc"), "topk_method"),
+        (dict(num_experts_per_tok=3), "kept groups"),
+    ],
+)
+def test_deepseek_v2_routers_the_model_cannot_run_are_refused(change: dict, match: str) -> None:
+    """A DeepSeek-V2 ``topk_method`` transformers does not implement, and a group-limited top-k larger than the kept
+    groups' experts (the model would pick masked experts at weight 0), are refused at wrap time, by name."""
+    config = deepseek_v3_config(v2=True, n_heads=2, hidden=16, layers=1, experts=4, top_k=2, groups=(2, 1))
+    model = CONTRACT.make_model(config, 0)
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        CONTRACT.wrap(model)
+
+
+V2_GRADIENT_POINTS = (
+    "blocks.0.attn.hook_kv_latent",
+    "blocks.0.attn.hook_k_rope",
+    "blocks.0.attn.hook_rot_q",
+    "blocks.0.attn.hook_v",
+    "blocks.0.mlp.hook_router_logits",
+    "blocks.0.mlp.hook_routing_weights",
+)
+
+
+def test_deepseek_v2_gradients_through_edits_match_the_reference() -> None:
+    """The gradient of the logits with respect to an edit's size at a DeepSeek-V2 point (the latents, the shared
+    rope key, the rotated queries, the values, the router) is the float64 reference's, computed by autograd through
+    the same edit."""
+    config = deepseek_v3_config(**CONFIGS["V2 group-limited greedy, q latent"])
+    model = CONTRACT.make_model(config, 7)
+    hm = CONTRACT.wrap(model)
+    ids = seeded_tokens()
+    direction = torch.Generator()
+
+    def edit_by(size: torch.Tensor) -> Any:
+        def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:  # the same direction in both runs
+            d = torch.randn(t.shape, generator=direction.manual_seed(0), dtype=torch.float64)
+            return t + (size * d).to(t.dtype)
+
+        return edit
+
+    for point in V2_GRADIENT_POINTS:
+        grads = []
+        for run in ("ours", "reference"):
+            size = torch.zeros((), dtype=torch.float64, requires_grad=True)
+            if run == "ours":
+                logits = hm.run_with_hooks(ids, fwd_hooks=[(point, edit_by(size))])
+            else:
+                logits, _ = reference_run(model, ids, {point: edit_by(size)})
+            readout = (logits.double() * torch.linspace(-1, 1, logits.shape[-1])).sum()
+            grads.append(torch.autograd.grad(readout, size)[0])
+        assert grads[1].abs() > 1e-3, point
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5, msg=point)
     hm.unwrap()

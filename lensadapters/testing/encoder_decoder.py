@@ -2,7 +2,8 @@
 
 An encoder-decoder (``Architecture.encoder_decoder``: two stacks, the decoder reading the encoder's output through
 cross-attention) serves TransformerLens 2.18 ``HookedEncoderDecoder``'s names: ``encoder.{i}.*``, ``decoder.{i}.*``
-(with ``cross_attn.*``), ``encoder_final_ln.*`` and ``decoder_final_ln.*``. The single-stack properties of
+(with ``cross_attn.*``), ``encoder_final_ln.*`` and ``decoder_final_ln.*`` (where the stacks end in a norm:
+``final_norms``). The single-stack properties of
 :class:`~lensadapters.testing.AdapterContract` (``blocks.{i}`` names, causal-LM calls with token ids alone) are
 skipped by name (``not_served``); these properties hold instead, on models from the plugin's ``config_strategy``
 built with ``AutoModelForSeq2SeqLM`` and called with ``input_ids``, ``attention_mask`` and ``decoder_input_ids``:
@@ -51,6 +52,8 @@ class EncoderDecoderContract(AdapterContract):
     not_served = {name: _SINGLE_STACK for name in dir(AdapterContract) if name.startswith("test_")}
     learned_positions, rotary, parallel_blocks = False, False, False
     max_decoder_len: ClassVar[int] = 5
+    #: whether each stack ends in a final norm (``encoder_final_ln``/``decoder_final_ln``; BART's stacks do not)
+    final_norms: ClassVar[bool] = True
 
     def draw_run(self, data: st.DataObject, attn_implementation: Any = None) -> tuple[Any, dict[str, Any]]:
         """A model and its inputs: encoder rows (some left-padded) and decoder rows."""
@@ -92,7 +95,7 @@ class EncoderDecoderContract(AdapterContract):
                 assert (
                     f"{stack}.{i}.hook_resid_pre" in hm.hook_names and f"{stack}.{i}.attn.hook_pattern" in hm.hook_names
                 )
-            assert f"{stack}_final_ln.hook_normalized" in hm.hook_names
+            assert (f"{stack}_final_ln.hook_normalized" in hm.hook_names) == self.final_norms
         assert f"decoder.{n_layers - 1}.cross_attn.hook_pattern" in hm.hook_names
         fired: list[str] = []
         shapes: dict[str, tuple[int, ...]] = {}

@@ -59,7 +59,6 @@ from lensadapters.plugin_api import (
     HookPoint,
     InputSite,
     ModelLayout,
-    NormSite,
     OutputSite,
     Site,
     UnsupportedModelError,
@@ -165,19 +164,8 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     return ModelLayout(blocks="model.encoder.layers", embed="model.shared", unembed="lm_head", embed_scale=scale)
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # opaque: the points are this plugin's (HookedEncoderDecoder's names)
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # never asked: every block is opaque
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # never asked: every block is opaque
+# every block is opaque: the points are this plugin's (HookedEncoderDecoder's names)
+lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act = hf.opaque_blocks()
 
 
 @hookimpl
@@ -335,24 +323,7 @@ class BartPatternSite(Site):
         return m.out_proj(z.reshape(*shape, -1).contiguous()), pattern
 
 
-class _Points:
-    """Creates points in firing order, each after the previous one."""
-
-    def __init__(self, hooked: Any, last: Optional[str]) -> None:
-        self.hooked, self.last = hooked, last
-
-    def new(self, name: str) -> HookPoint:
-        point = self.hooked.new_point(name, after=self.last)
-        self.last = name
-        return point
-
-    def norm(self, module: nn.Module, prefix: str) -> NormSite:
-        scale, normalized = self.new(f"{prefix}.hook_scale"), self.new(f"{prefix}.hook_normalized")
-        self.hooked.register_norm(prefix, module)
-        return NormSite(module, lambda: self.hooked.norm_spec(module), scale, normalized)
-
-
-def _attention_sites(p: _Points, attn: Any, prefix: str, heads: int) -> list[Site]:
+def _attention_sites(p: hf.PointChain, attn: Any, prefix: str, heads: int) -> list[Site]:
     projections = [getattr(attn, f"{x}_proj") for x in "qkv"]
     sites: list[Site] = [OutputSite(m, p.new(f"{prefix}.hook_{x}"), heads=heads) for x, m in zip("qkv", projections)]
     sites.append(BartPatternSite(attn, p.new(f"{prefix}.hook_attn_scores"), p.new(f"{prefix}.hook_pattern")))
@@ -360,7 +331,7 @@ def _attention_sites(p: _Points, attn: Any, prefix: str, heads: int) -> list[Sit
     return sites
 
 
-def _block_sites(p: _Points, block: Any, prefix: str, heads: int, decoder: bool) -> list[Site]:
+def _block_sites(p: hf.PointChain, block: Any, prefix: str, heads: int, decoder: bool) -> list[Site]:
     """A post-LN block: ``mid = ln1(x + attn(x))``, (decoder: ``mid = ln2(mid + cross_attn(mid))``), ``out =
     ln(mid + mlp(mid))``; the residual points are the norms' inputs, as in TransformerLens' ``BertBlock``."""
     sites: list[Site] = [InputSite(block, p.new(f"{prefix}.hook_resid_pre"))]
@@ -387,7 +358,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     base: Any = hooked.hf_model.model
     heads = hooked.cfg.n_heads
     embeds = {"encoder": hooked.claim_point("hook_embed")}
-    p = _Points(hooked, "hook_embed")
+    p = hf.PointChain(hooked, "hook_embed")
     sites: list[Site] = []
     for stack in STACKS:
         module = getattr(base, stack)

@@ -33,7 +33,7 @@ from lensadapters.testing.contract import AdapterContract, assert_close
 from lensadapters.testing.contract_support import _SETTINGS
 from lensadapters.testing.strategies import token_inputs
 
-__all__ = ["EncoderDecoderContract"]
+__all__ = ["EncoderDecoderContract", "check_edits_against_reference", "nudge"]
 
 _SINGLE_STACK = (
     "a single-stack property (blocks.{i} points, causal-LM calls with token ids alone); the encoder-decoder "
@@ -180,3 +180,36 @@ class EncoderDecoderContract(AdapterContract):
             assert not hm.has_hooks, "an exception in a hook leaves no hook behind"
             assert torch.equal(hm.generate(**kwargs), plain)
         hm.unwrap()
+
+
+def nudge(t: torch.Tensor) -> torch.Tensor:
+    """A fixed edit that changes every entry differently (and leaves ``finfo.min`` scores masked)."""
+    return t + 0.05 * torch.sin(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+
+
+def check_edits_against_reference(hm: Any, batch: dict[str, Any], reference: Any) -> tuple[float, float]:
+    """Edits at every point at once (``nudge(t) + delta_j * t``) change the logits as the same edits made in
+    ``reference(model, batch, edits)`` (a plugin's reference written from the Hugging Face modules, returning its
+    points and ``"logits"``) do, and the gradient of the logits with respect to each point's ``delta_j`` is the
+    reference's. Returns the largest logits difference and the largest relative gradient difference."""
+    model, names = hm.hf_model, hm.hook_names
+    results, grads = [], []
+    for run in ("hooked", "reference"):
+        deltas = torch.zeros(len(names), requires_grad=True)
+        edits = {n: (lambda t, hook=None, j=j, d=deltas: nudge(t) + d[j] * t) for j, n in enumerate(names)}
+        if run == "hooked":
+            logits = _logits(hm.run_with_hooks(**batch, fwd_hooks=list(edits.items())))
+        else:
+            logits = reference(model, batch, edits)["logits"]
+        (grad,) = torch.autograd.grad(logits.pow(2).sum(), deltas)
+        results.append(logits.detach())
+        grads.append(grad)
+    with torch.no_grad():
+        assert not torch.allclose(results[0], model(**batch).logits, atol=1e-3), "the edits change the logits"
+    assert_close(results[0], results[1], "edited logits against the reference")
+    for j, name in enumerate(names):
+        assert_close(grads[0][j], grads[1][j], f"{name}: gradient through the edit", rtol=1e-4)
+    assert (grads[1] != 0).sum() >= len(names) - 2, "(almost) every edit reaches the logits"
+    worst = (results[0] - results[1]).abs().max().item()
+    worst_grad = ((grads[0] - grads[1]).abs() / grads[1].abs().clamp_min(1)).max().item()
+    return worst, worst_grad

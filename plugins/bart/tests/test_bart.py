@@ -22,6 +22,7 @@ from transformers import BartForConditionalGeneration, BartModel
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing import assert_close
+from lensadapters.testing.encoder_decoder import check_edits_against_reference, nudge
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
@@ -123,11 +124,6 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     return out
 
 
-def nudge(t: Tensor) -> Tensor:
-    """A fixed edit that changes every entry differently (and leaves ``finfo.min`` scores masked)."""
-    return t + 0.05 * torch.sin(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
-
-
 # --- reading ---------------------------------------------------------------------------------------------------
 
 
@@ -170,26 +166,7 @@ def test_every_edit_and_its_gradient_match_the_reference():
     model = make_model("sdpa", seed=1, scaled=True)
     batch = inputs(1)
     hm = HookedModel.wrap(model)
-    names = hm.hook_names
-    results, grads = [], []
-    for run in ("hooked", "reference"):
-        deltas = torch.zeros(len(names), requires_grad=True)
-        edits = {n: (lambda t, hook=None, j=j, d=deltas: nudge(t) + d[j] * t) for j, n in enumerate(names)}
-        if run == "hooked":
-            logits = logits_of(hm.run_with_hooks(**batch, fwd_hooks=list(edits.items())))
-        else:
-            logits = reference(model, batch, edits)["logits"]
-        (grad,) = torch.autograd.grad(logits.pow(2).sum(), deltas)
-        results.append(logits.detach())
-        grads.append(grad)
-    with torch.no_grad():
-        assert not torch.allclose(results[0], model(**batch).logits, atol=1e-3), "the edits change the logits"
-    assert_close(results[0], results[1], "edited logits against the reference")
-    for j, name in enumerate(names):
-        assert_close(grads[0][j], grads[1][j], f"{name}: gradient through the edit", rtol=1e-4)
-    assert (grads[1] != 0).sum() >= len(names) - 2, "(almost) every edit reaches the logits"
-    worst = (results[0] - results[1]).abs().max().item()
-    worst_grad = ((grads[0] - grads[1]).abs() / grads[1].abs().clamp_min(1)).max().item()
+    worst, worst_grad = check_edits_against_reference(hm, batch, reference)
     print(f"largest edit difference: logits {worst:.3g}, gradients (relative) {worst_grad:.3g}")
     hm.unwrap()
 

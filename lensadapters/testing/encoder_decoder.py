@@ -33,7 +33,7 @@ from lensadapters.testing.contract import AdapterContract, assert_close
 from lensadapters.testing.contract_support import _SETTINGS
 from lensadapters.testing.strategies import token_inputs
 
-__all__ = ["EncoderDecoderContract", "check_edits_against_reference", "nudge"]
+__all__ = ["EncoderDecoderContract", "check_edits_against_reference", "check_points_against_reference", "nudge"]
 
 _SINGLE_STACK = (
     "a single-stack property (blocks.{i} points, causal-LM calls with token ids alone); the encoder-decoder "
@@ -213,3 +213,28 @@ def check_edits_against_reference(hm: Any, batch: dict[str, Any], reference: Any
     worst = (results[0] - results[1]).abs().max().item()
     worst_grad = ((grads[0] - grads[1]).abs() / grads[1].abs().clamp_min(1)).max().item()
     return worst, worst_grad
+
+
+def check_points_against_reference(hm: Any, batch: dict[str, Any], reference: Any, eager: bool) -> tuple[Any, float]:
+    """Every point of a forward that caches them all against ``reference(model, batch)`` (a plugin's reference
+    written from the Hugging Face modules, returning every point and ``"logits"``): same shapes, within 1e-4; the
+    cached forward computes Hugging Face's logits (bitwise where ``eager``: caching patterns writes attention out as
+    eager attention computes it), and so does the reference. Returns the cache and the largest difference."""
+    model = hm.hf_model
+    with torch.no_grad():
+        expected = model(**batch).logits
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
+        ref = reference(model, batch)
+    logits = _logits(logits)
+    if eager:
+        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
+    assert_close(logits, expected, "a cached forward computes HF's logits")
+    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
+    worst = 0.0
+    for name in hm.hook_names:
+        got, value = cache[name], ref[name]
+        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
+        worst = max(worst, (got - value).abs().max().item())
+    assert worst < 1e-4, f"largest difference from the reference {worst:.3g}"
+    assert_close(ref["logits"], expected, "the reference's logits are HF's")
+    return cache, worst

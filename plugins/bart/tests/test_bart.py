@@ -22,7 +22,7 @@ from transformers import BartForConditionalGeneration, BartModel
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing import assert_close
-from lensadapters.testing.encoder_decoder import check_edits_against_reference, nudge
+from lensadapters.testing.encoder_decoder import check_edits_against_reference, check_points_against_reference, nudge
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
@@ -133,23 +133,9 @@ def test_every_point_matches_the_reference(implementation):
     batch = inputs()
     hm = HookedModel.wrap(model)
     with torch.no_grad():
-        expected = model(**batch).logits
-        assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward, bitwise"
-        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
-        ref = reference(model, batch)
-    logits = logits_of(logits)
-    if implementation == "eager":  # caching patterns writes attention out, as eager attention computes it
-        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
-    assert_close(logits, expected, "a cached forward computes HF's logits")
-    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
-    worst = 0.0
-    for name in hm.hook_names:
-        got, value = cache[name], ref[name]
-        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
-        worst = max(worst, (got - value).abs().max().item())
-    assert worst < 1e-4, f"largest difference from the reference {worst:.3g}"
+        assert torch.equal(hm(**batch).logits, model(**batch).logits), "no hooks: Hugging Face's forward, bitwise"
+    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({implementation}): {worst:.3g} over {len(hm.hook_names)} points")
-    assert_close(ref["logits"], expected, "the reference's logits are HF's")
     assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
     assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
     assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)

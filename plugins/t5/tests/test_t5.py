@@ -21,7 +21,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.testing import assert_close
-from lensadapters.testing.encoder_decoder import check_edits_against_reference, nudge
+from lensadapters.testing.encoder_decoder import check_edits_against_reference, check_points_against_reference, nudge
 from lensadapters.testing.models import reinit
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
@@ -157,23 +157,8 @@ def test_every_point_matches_the_reference(mlp, implementation):
     model = make_model(mlp, implementation)
     batch = inputs()
     hm = HookedModel.wrap(model)
-    with torch.no_grad():
-        expected = model(**batch).logits
-        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
-        ref = reference(model, batch)
-    logits = logits_of(logits)
-    if implementation == "eager":  # caching patterns writes attention out, as eager attention computes it
-        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
-    assert_close(logits, expected, "a cached forward computes HF's logits")
-    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
-    worst = 0.0
-    for name in hm.hook_names:
-        got, value = cache[name], ref[name]
-        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
-        worst = max(worst, (got - value).abs().max().item())
-    assert worst < 1e-4, f"largest difference from the reference {worst:.3g}"
+    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({mlp}, {implementation}): {worst:.3g}")
-    assert_close(ref["logits"], expected, "the reference's logits are HF's")
     # padding keys get no attention, the decoder attends causally, the cross-attention to the real encoder tokens
     assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
     assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)

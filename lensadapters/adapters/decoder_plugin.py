@@ -57,7 +57,7 @@ from lensadapters.hooks.specs import (
 )
 
 __all__ = ["DecoderFamily", "DecoderPlugin", "claims", "layer_hooks", "qk_norms", "toy_config"]
-__all__ += ["toy_draw"]
+__all__ += ["PointChain", "opaque_blocks", "toy_draw"]
 
 
 def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
@@ -69,6 +69,46 @@ def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
         return list(archs)
 
     return lensadapters_architectures
+
+
+def opaque_blocks() -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+    """The block, attention and MLP hooks of a plugin that serves every point of its blocks itself (in
+    ``lensadapters_extra_sites``: encoder-decoders with their own names), answering ``None`` for every layer:
+    ``lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act = hf.opaque_blocks()``."""
+
+    @hookimpl
+    def lensadapters_block(arch: Architecture, model: Any, layer: int) -> None:
+        return None  # opaque: the points are the plugin's own
+
+    @hookimpl
+    def lensadapters_attn_qkv(arch: Architecture, model: Any, layer: int) -> None:
+        return None  # never asked: every block is opaque
+
+    @hookimpl
+    def lensadapters_mlp_act(arch: Architecture, model: Any, layer: int) -> None:
+        return None  # never asked: every block is opaque
+
+    return lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act
+
+
+class PointChain:
+    """Creates a plugin's points in firing order, each after the previous one (``after`` the name to start after),
+    and a norm's ``hook_scale``/``hook_normalized`` with its ``NormSite`` (the norm registered under ``prefix``)."""
+
+    def __init__(self, hooked: Any, after: Optional[str]) -> None:
+        self.hooked, self.last = hooked, after
+
+    def new(self, name: str) -> Any:
+        point = self.hooked.new_point(name, after=self.last)
+        self.last = name
+        return point
+
+    def norm(self, module: nn.Module, prefix: str) -> Any:
+        from lensadapters.hooks.sites.norm import NormSite
+
+        scale, normalized = self.new(f"{prefix}.hook_scale"), self.new(f"{prefix}.hook_normalized")
+        self.hooked.register_norm(prefix, module)
+        return NormSite(module, lambda: self.hooked.norm_spec(module), scale, normalized)
 
 
 LayerValue = Union[Any, Callable[[Any, int], Any]]

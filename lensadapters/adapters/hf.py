@@ -15,9 +15,11 @@ from lensadapters.adapters import hf_helpers
 from lensadapters.adapters.decoder_plugin import (
     DecoderFamily,
     DecoderPlugin,
+    PointChain,
     claims,
     decoder_config,
     layer_hooks,
+    opaque_blocks,
     qk_norms,
     toy_config,
     toy_draw,
@@ -25,5 +27,5 @@ from lensadapters.adapters.decoder_plugin import (
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 
 __all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "layer_hooks", "qk_norms", "toy_config"]
-__all__ += ["toy_draw"]
+__all__ += ["PointChain", "opaque_blocks", "toy_draw"]
 __all__ += hf_helpers.__all__

@@ -2,7 +2,8 @@
 
 An encoder-decoder (``Architecture.encoder_decoder``: two stacks, the decoder reading the encoder's output through
 cross-attention) serves TransformerLens 2.18 ``HookedEncoderDecoder``'s names: ``encoder.{i}.*``, ``decoder.{i}.*``
-(with ``cross_attn.*``), ``encoder_final_ln.*`` and ``decoder_final_ln.*``. The single-stack properties of
+(with ``cross_attn.*``), ``encoder_final_ln.*`` and ``decoder_final_ln.*`` (where the stacks end in a norm:
+``final_norms``). The single-stack properties of
 :class:`~lensadapters.testing.AdapterContract` (``blocks.{i}`` names, causal-LM calls with token ids alone) are
 skipped by name (``not_served``); these properties hold instead, on models from the plugin's ``config_strategy``
 built with ``AutoModelForSeq2SeqLM`` and called with ``input_ids``, ``attention_mask`` and ``decoder_input_ids``:
@@ -32,7 +33,7 @@ from lensadapters.testing.contract import AdapterContract, assert_close
 from lensadapters.testing.contract_support import _SETTINGS
 from lensadapters.testing.strategies import token_inputs
 
-__all__ = ["EncoderDecoderContract"]
+__all__ = ["EncoderDecoderContract", "check_edits_against_reference", "check_points_against_reference", "nudge"]
 
 _SINGLE_STACK = (
     "a single-stack property (blocks.{i} points, causal-LM calls with token ids alone); the encoder-decoder "
@@ -51,6 +52,8 @@ class EncoderDecoderContract(AdapterContract):
     not_served = {name: _SINGLE_STACK for name in dir(AdapterContract) if name.startswith("test_")}
     learned_positions, rotary, parallel_blocks = False, False, False
     max_decoder_len: ClassVar[int] = 5
+    #: whether each stack ends in a final norm (``encoder_final_ln``/``decoder_final_ln``; BART's stacks do not)
+    final_norms: ClassVar[bool] = True
 
     def draw_run(self, data: st.DataObject, attn_implementation: Any = None) -> tuple[Any, dict[str, Any]]:
         """A model and its inputs: encoder rows (some left-padded) and decoder rows."""
@@ -92,7 +95,7 @@ class EncoderDecoderContract(AdapterContract):
                 assert (
                     f"{stack}.{i}.hook_resid_pre" in hm.hook_names and f"{stack}.{i}.attn.hook_pattern" in hm.hook_names
                 )
-            assert f"{stack}_final_ln.hook_normalized" in hm.hook_names
+            assert (f"{stack}_final_ln.hook_normalized" in hm.hook_names) == self.final_norms
         assert f"decoder.{n_layers - 1}.cross_attn.hook_pattern" in hm.hook_names
         fired: list[str] = []
         shapes: dict[str, tuple[int, ...]] = {}
@@ -177,3 +180,61 @@ class EncoderDecoderContract(AdapterContract):
             assert not hm.has_hooks, "an exception in a hook leaves no hook behind"
             assert torch.equal(hm.generate(**kwargs), plain)
         hm.unwrap()
+
+
+def nudge(t: torch.Tensor) -> torch.Tensor:
+    """A fixed edit that changes every entry differently (and leaves ``finfo.min`` scores masked)."""
+    return t + 0.05 * torch.sin(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+
+
+def check_edits_against_reference(hm: Any, batch: dict[str, Any], reference: Any) -> tuple[float, float]:
+    """Edits at every point at once (``nudge(t) + delta_j * t``) change the logits as the same edits made in
+    ``reference(model, batch, edits)`` (a plugin's reference written from the Hugging Face modules, returning its
+    points and ``"logits"``) do, and the gradient of the logits with respect to each point's ``delta_j`` is the
+    reference's. Returns the largest logits difference and the largest relative gradient difference."""
+    model, names = hm.hf_model, hm.hook_names
+    results, grads = [], []
+    for run in ("hooked", "reference"):
+        deltas = torch.zeros(len(names), requires_grad=True)
+        edits = {n: (lambda t, hook=None, j=j, d=deltas: nudge(t) + d[j] * t) for j, n in enumerate(names)}
+        if run == "hooked":
+            logits = _logits(hm.run_with_hooks(**batch, fwd_hooks=list(edits.items())))
+        else:
+            logits = reference(model, batch, edits)["logits"]
+        (grad,) = torch.autograd.grad(logits.pow(2).sum(), deltas)
+        results.append(logits.detach())
+        grads.append(grad)
+    with torch.no_grad():
+        assert not torch.allclose(results[0], model(**batch).logits, atol=1e-3), "the edits change the logits"
+    assert_close(results[0], results[1], "edited logits against the reference")
+    for j, name in enumerate(names):
+        assert_close(grads[0][j], grads[1][j], f"{name}: gradient through the edit", rtol=1e-4)
+    assert (grads[1] != 0).sum() >= len(names) - 2, "(almost) every edit reaches the logits"
+    worst = (results[0] - results[1]).abs().max().item()
+    worst_grad = ((grads[0] - grads[1]).abs() / grads[1].abs().clamp_min(1)).max().item()
+    return worst, worst_grad
+
+
+def check_points_against_reference(hm: Any, batch: dict[str, Any], reference: Any, eager: bool) -> tuple[Any, float]:
+    """Every point of a forward that caches them all against ``reference(model, batch)`` (a plugin's reference
+    written from the Hugging Face modules, returning every point and ``"logits"``): same shapes, within 1e-4; the
+    cached forward computes Hugging Face's logits (bitwise where ``eager``: caching patterns writes attention out as
+    eager attention computes it), and so does the reference. Returns the cache and the largest difference."""
+    model = hm.hf_model
+    with torch.no_grad():
+        expected = model(**batch).logits
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
+        ref = reference(model, batch)
+    logits = _logits(logits)
+    if eager:
+        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
+    assert_close(logits, expected, "a cached forward computes HF's logits")
+    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
+    worst = 0.0
+    for name in hm.hook_names:
+        got, value = cache[name], ref[name]
+        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
+        worst = max(worst, (got - value).abs().max().item())
+    assert worst < 1e-4, f"largest difference from the reference {worst:.3g}"
+    assert_close(ref["logits"], expected, "the reference's logits are HF's")
+    return cache, worst

@@ -58,7 +58,6 @@ from lensadapters.plugin_api import (
     HookPoint,
     InputSite,
     ModelLayout,
-    NormSite,
     NormSpec,
     OutputSite,
     Site,
@@ -165,19 +164,8 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
     return ModelLayout(blocks="encoder.block", embed="shared", unembed="lm_head")
 
 
-@hookimpl
-def lensadapters_block(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # opaque: the points are this plugin's (HookedEncoderDecoder's names)
-
-
-@hookimpl
-def lensadapters_attn_qkv(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # never asked: every block is opaque
-
-
-@hookimpl
-def lensadapters_mlp_act(arch: Architecture, model: PreTrainedModel, layer: int) -> None:
-    return None  # never asked: every block is opaque
+# every block is opaque: the points are this plugin's (HookedEncoderDecoder's names)
+lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act = hf.opaque_blocks()
 
 
 @hookimpl
@@ -371,38 +359,14 @@ class T5PatternSite(Site):
         return out + (pattern,) if output_attentions else out
 
 
-def _norm_site(hooked: Any, module: nn.Module, prefix: str, after: Optional[str]) -> NormSite:
-    scale = hooked.new_point(f"{prefix}.hook_scale", after=after)
-    normalized = hooked.new_point(f"{prefix}.hook_normalized", after=f"{prefix}.hook_scale")
-    hooked.register_norm(prefix, module)
-    return NormSite(module, lambda: hooked.norm_spec(module), scale, normalized)
-
-
-class _Points:
-    """Creates points in firing order, each after the previous one."""
-
-    def __init__(self, hooked: Any, last: Optional[str]) -> None:
-        self.hooked, self.last = hooked, last
-
-    def new(self, name: str) -> HookPoint:
-        point = self.hooked.new_point(name, after=self.last)
-        self.last = name
-        return point
-
-    def norm(self, module: nn.Module, prefix: str) -> NormSite:
-        site = _norm_site(self.hooked, module, prefix, self.last)
-        self.last = f"{prefix}.hook_normalized"
-        return site
-
-
-def _attention_sites(p: _Points, attn: Any, prefix: str, heads: int) -> list[Site]:
+def _attention_sites(p: hf.PointChain, attn: Any, prefix: str, heads: int) -> list[Site]:
     sites: list[Site] = [OutputSite(getattr(attn, x), p.new(f"{prefix}.hook_{x}"), heads=heads) for x in "qkv"]
     sites.append(T5PatternSite(attn, p.new(f"{prefix}.hook_attn_scores"), p.new(f"{prefix}.hook_pattern")))
     sites.append(InputSite(attn.o, p.new(f"{prefix}.hook_z"), heads=heads))
     return sites
 
 
-def _mlp_sites(p: _Points, ff: Any, prefix: str) -> list[Site]:
+def _mlp_sites(p: hf.PointChain, ff: Any, prefix: str) -> list[Site]:
     dense = ff.DenseReluDense
     if hasattr(dense, "wi_0"):  # T5 v1.1's gated MLP: act(wi_0 x) * wi_1 x
         sites: list[Site] = [OutputSite(dense.wi_0, p.new(f"{prefix}.mlp.hook_pre"))]
@@ -414,7 +378,7 @@ def _mlp_sites(p: _Points, ff: Any, prefix: str) -> list[Site]:
     return sites
 
 
-def _block_sites(p: _Points, block: Any, prefix: str, heads: int, decoder: bool) -> list[Site]:
+def _block_sites(p: hf.PointChain, block: Any, prefix: str, heads: int, decoder: bool) -> list[Site]:
     self_attn = block.layer[0]
     sites: list[Site] = [InputSite(block, p.new(f"{prefix}.hook_resid_pre"))]
     sites.append(p.norm(self_attn.layer_norm, f"{prefix}.ln1"))
@@ -439,7 +403,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     model: Any = hooked.hf_model
     heads = hooked.cfg.n_heads
     sites: list[Site] = [FirstBlockInputSite(model.encoder.block[0], hooked.claim_point("hook_embed"))]
-    p = _Points(hooked, "hook_embed")
+    p = hf.PointChain(hooked, "hook_embed")
     for stack in STACKS:
         module = getattr(model, stack)
         if stack == "decoder":

@@ -21,6 +21,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.testing import assert_close
+from lensadapters.testing.encoder_decoder import check_edits_against_reference, check_points_against_reference, nudge
 from lensadapters.testing.models import reinit
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
@@ -147,11 +148,6 @@ def logits_of(output: Any) -> Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def nudge(t: Tensor) -> Tensor:
-    """A fixed edit that changes every entry differently (and leaves ``finfo.min`` scores masked)."""
-    return t + 0.05 * torch.sin(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
-
-
 # --- reading ---------------------------------------------------------------------------------------------------
 
 
@@ -161,23 +157,8 @@ def test_every_point_matches_the_reference(mlp, implementation):
     model = make_model(mlp, implementation)
     batch = inputs()
     hm = HookedModel.wrap(model)
-    with torch.no_grad():
-        expected = model(**batch).logits
-        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
-        ref = reference(model, batch)
-    logits = logits_of(logits)
-    if implementation == "eager":  # caching patterns writes attention out, as eager attention computes it
-        assert torch.equal(logits, expected), "a cached forward computes HF's eager logits bitwise"
-    assert_close(logits, expected, "a cached forward computes HF's logits")
-    assert set(ref) - {"logits"} == set(hm.hook_names), "the reference computes every point"
-    worst = 0.0
-    for name in hm.hook_names:
-        got, value = cache[name], ref[name]
-        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
-        worst = max(worst, (got - value).abs().max().item())
-    assert worst < 1e-4, f"largest difference from the reference {worst:.3g}"
+    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({mlp}, {implementation}): {worst:.3g}")
-    assert_close(ref["logits"], expected, "the reference's logits are HF's")
     # padding keys get no attention, the decoder attends causally, the cross-attention to the real encoder tokens
     assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
     assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
@@ -196,26 +177,7 @@ def test_every_edit_and_its_gradient_match_the_reference(mlp):
     model = make_model(mlp, IMPLEMENTATIONS[-1], seed=1)
     batch = inputs(1)
     hm = HookedModel.wrap(model)
-    names = hm.hook_names
-    results, grads = [], []
-    for run in ("hooked", "reference"):
-        deltas = torch.zeros(len(names), requires_grad=True)
-        edits = {n: (lambda t, hook=None, j=j, d=deltas: nudge(t) + d[j] * t) for j, n in enumerate(names)}
-        if run == "hooked":
-            logits = logits_of(hm.run_with_hooks(**batch, fwd_hooks=list(edits.items())))
-        else:
-            logits = reference(model, batch, edits)["logits"]
-        (grad,) = torch.autograd.grad(logits.pow(2).sum(), deltas)
-        results.append(logits.detach())
-        grads.append(grad)
-    with torch.no_grad():
-        assert not torch.allclose(results[0], model(**batch).logits, atol=1e-3), "the edits change the logits"
-    assert_close(results[0], results[1], "edited logits against the reference")
-    for j, name in enumerate(names):
-        assert_close(grads[0][j], grads[1][j], f"{name}: gradient through the edit", rtol=1e-4)
-    assert (grads[1] != 0).sum() >= len(names) - 2, "(almost) every edit reaches the logits"
-    worst = (results[0] - results[1]).abs().max().item()
-    worst_grad = ((grads[0] - grads[1]).abs() / grads[1].abs().clamp_min(1)).max().item()
+    worst, worst_grad = check_edits_against_reference(hm, batch, reference)
     print(f"largest edit difference ({mlp}): logits {worst:.3g}, gradients (relative) {worst_grad:.3g}")
     hm.unwrap()
 

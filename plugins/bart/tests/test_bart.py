@@ -1,0 +1,290 @@
+"""BART encoder-decoders: every point against a reference written from the Hugging Face modules, every edit and its
+gradient against the same edit made in that reference, edits against plain PyTorch hooks, generation with hooks and
+the named refusals. TransformerLens 2.18 has no BART (no ``HookedEncoderDecoder`` conversion for it): nothing to
+compare with there. The forward without hooks (bitwise Hugging Face's), the firing order, ``unwrap`` and patching
+are the contract's (``test_bart_contract.py``).
+
+Tiny models (width 16, 2 layers of each stack, 2 heads) with unit-scale weights (``lensadapters.testing.reinit``);
+nothing is built at import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import lensadapters_bart
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import BartForConditionalGeneration, BartModel
+
+from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
+from lensadapters.errors import UnsupportedModelError
+from lensadapters.testing import assert_close
+from lensadapters.testing.encoder_decoder import check_edits_against_reference, check_points_against_reference, nudge
+from lensadapters.testing.models import reinit
+
+IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def make_model(implementation: str = "eager", seed: int = 0, scaled: bool = False, act: str = "gelu") -> nn.Module:
+    config = lensadapters_bart.bart_config(
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, act=act
+    )
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration._from_config(config, attn_implementation=implementation)
+    reinit(model, seed)
+    with torch.no_grad():  # a bias on the logits (zero at initialization)
+        model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def inputs(seed: int = 0) -> dict[str, Tensor]:
+    """Two encoder rows of 7 tokens, the second right-padded by 3, and decoder rows of 5 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 40, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    ids[1, 4:] = 1
+    decoder = torch.randint(3, 40, (2, 5), generator=g)
+    decoder[:, 0] = 2  # the decoder start token
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
+
+
+def logits_of(output: Any) -> Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
+    """Every point, computed step by step from the model's modules; ``edits`` (point -> fn) change a point's value
+    where it is computed. Embeddings (the table's rows, times ``sqrt(d_model)`` where ``scale_embedding``; learned
+    positions at rows ``position + 2``), LayerNorms, attention (``q kᵀ * d_head**-0.5`` plus the additive mask:
+    ``finfo.min`` at padding keys and, in the decoder's self-attention, at later positions) and the MLPs are
+    written out."""
+    edits = edits or {}
+    out: dict[str, Tensor] = {}
+    c = model.config
+    h = c.encoder_attention_heads
+    d = c.d_model // h
+    lowest = torch.finfo(torch.float32).min
+    factor = math.sqrt(c.d_model) if c.scale_embedding else 1.0
+
+    def at(name: str, value: Tensor) -> Tensor:
+        if name in edits:
+            value = edits[name](value)
+        out[name] = value
+        return value
+
+    def norm(prefix: str, ln: Any, x: Tensor) -> Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        scale = at(f"{prefix}.hook_scale", (centred.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt())
+        return at(f"{prefix}.hook_normalized", centred / scale * ln.weight + ln.bias)
+
+    def attention(prefix: str, attn: Any, x: Tensor, kv: Tensor, mask: Tensor) -> Tensor:
+        b, p = x.shape[:2]
+        sources = zip("qkv", (x, kv, kv))
+        q, k, v = (at(f"{prefix}.hook_{n}", getattr(attn, f"{n}_proj")(y).view(b, -1, h, d)) for n, y in sources)
+        scores = at(f"{prefix}.hook_attn_scores", torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5 + mask)
+        pattern = at(f"{prefix}.hook_pattern", scores.softmax(-1))
+        z = at(f"{prefix}.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        return attn.out_proj(z.reshape(b, p, h * d))
+
+    def stack(name: str, ids: Tensor, mask: Tensor, memory: Optional[Tensor], cross_mask: Optional[Tensor]) -> Tensor:
+        module = getattr(model.model, name)
+        lead = "" if name == "encoder" else "decoder."
+        b, p = ids.shape
+        embed = at(f"{lead}hook_embed", module.embed_tokens.weight[ids] * factor)
+        pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[2 : p + 2].expand(b, p, -1))
+        x = norm(f"{lead}embed.ln", module.layernorm_embedding, embed + pos)
+        for i, block in enumerate(module.layers):
+            pre = f"{name}.{i}"
+            x = at(f"{pre}.hook_resid_pre", x)
+            attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
+            x = norm(f"{pre}.ln1", block.self_attn_layer_norm, at(f"{pre}.hook_resid_mid", x + attn_out))
+            last = "ln2"
+            if memory is not None:
+                cross = attention(f"{pre}.cross_attn", block.encoder_attn, x, memory, cross_mask)
+                cross = at(f"{pre}.hook_cross_attn_out", cross)
+                x = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, at(f"{pre}.hook_resid_mid_cross", x + cross))
+                last = "ln3"
+            hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(x)))
+            mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
+            x = norm(f"{pre}.{last}", block.final_layer_norm, at(f"{pre}.hook_resid_post", x + mlp_out))
+            x = at(f"{pre}.hook_normalized_resid_post", x)
+        return x
+
+    ids, keep = batch["input_ids"], batch["attention_mask"].bool()
+    padding = torch.zeros(keep.shape).masked_fill(~keep, lowest)[:, None, None, :]
+    memory = stack("encoder", ids, padding, None, None)
+    q = batch["decoder_input_ids"].shape[1]
+    causal = torch.zeros(q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), lowest)
+    x = stack("decoder", batch["decoder_input_ids"], causal, memory, padding)
+    out["logits"] = model.lm_head(x) + model.final_logits_bias
+    return out
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_point_matches_the_reference(implementation):
+    model = make_model(implementation, scaled=implementation == "sdpa")
+    batch = inputs()
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        assert torch.equal(hm(**batch).logits, model(**batch).logits), "no hooks: Hugging Face's forward, bitwise"
+    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
+    print(f"largest difference from the reference ({implementation}): {worst:.3g} over {len(hm.hook_names)} points")
+    assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
+    assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
+    assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
+    assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+    hm.unwrap()
+
+
+# --- editing ---------------------------------------------------------------------------------------------------
+
+
+def test_every_edit_and_its_gradient_match_the_reference():
+    """Edits at every point at once (``nudge(t) + delta_j * t``) change the logits as the same edits in the reference
+    do, and the gradient of the logits with respect to each point's ``delta_j`` is the reference's."""
+    model = make_model("sdpa", seed=1, scaled=True)
+    batch = inputs(1)
+    hm = HookedModel.wrap(model)
+    worst, worst_grad = check_edits_against_reference(hm, batch, reference)
+    print(f"largest edit difference: logits {worst:.3g}, gradients (relative) {worst_grad:.3g}")
+    hm.unwrap()
+
+
+def test_edits_match_plain_pytorch_hooks():
+    """An edit through a point is the same edit made by a plain PyTorch hook on the module, bit for bit."""
+    model = make_model()
+    batch = inputs()
+    hm = HookedModel.wrap(model)
+    enc, dec = model.model.encoder, model.model.decoder
+    cases = [
+        ("hook_embed", enc.embed_tokens, "output"),
+        ("decoder.hook_pos_embed", dec.embed_positions, "output"),
+        ("encoder.0.hook_resid_mid", enc.layers[0].self_attn_layer_norm, "input"),
+        ("encoder.1.attn.hook_v", enc.layers[1].self_attn.v_proj, "output"),
+        ("decoder.1.hook_cross_attn_out", dec.layers[1].encoder_attn.out_proj, "output"),
+        ("decoder.0.mlp.hook_post", dec.layers[0].fc2, "input"),
+        ("decoder.1.hook_mlp_out", dec.layers[1].fc2, "output"),
+        ("decoder.0.ln3.hook_normalized", dec.layers[0].final_layer_norm, "output"),
+        ("encoder.1.hook_normalized_resid_post", enc.layers[1], "output"),
+    ]
+
+    def post(module: Any, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (nudge(output[0]), *output[1:])
+        return nudge(output.expand(args[0].shape[0], *output.shape[1:]))
+
+    with torch.no_grad():
+        for name, module, where in cases:
+            ours = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: nudge(t))]))
+            if where == "output":
+                handle = module.register_forward_hook(post)
+            else:
+                handle = module.register_forward_pre_hook(lambda m, a: (nudge(a[0]), *a[1:]))
+            try:
+                theirs = model(**batch).logits
+            finally:
+                handle.remove()
+            assert torch.equal(ours, theirs), name
+    hm.unwrap()
+
+
+# --- weights, generation, the analysis layer ---------------------------------------------------------------------
+
+
+def test_weights_embedding_scale_positions_and_logits_bias():
+    """``W_E`` includes the embedding scale (TransformerLens' convention), ``W_pos`` starts at BART's offset 2,
+    ``b_U`` is ``final_logits_bias``; the logits are the last block's output through ``W_U`` plus ``b_U``."""
+    for scaled in (False, True):
+        model = make_model(scaled=scaled)
+        batch = inputs()
+        hm = HookedModel.wrap(model)
+        factor = 4.0 if scaled else 1.0  # sqrt(d_model = 16)
+        assert hm.cfg.extra["embed_scale"] == factor
+        assert_close(hm.W_E, model.model.shared.weight * factor, "W_E")
+        assert torch.equal(hm.W_pos, model.model.encoder.embed_positions.weight[2:])
+        assert torch.equal(hm.b_U, model.final_logits_bias[0])
+        with torch.no_grad():
+            names = ["hook_embed", "decoder.1.hook_normalized_resid_post"]
+            logits, cache = hm.run_with_cache(**batch, names_filter=names)
+        assert_close(cache["hook_embed"], hm.W_E[batch["input_ids"]], "hook_embed is W_E's rows")
+        final = cache["decoder.1.hook_normalized_resid_post"]
+        assert_close(final @ hm.W_U + hm.b_U, logits_of(logits), "logits from W_U and b_U")
+        hm.unwrap()
+
+
+def test_generate_with_hooks_and_cached_patterns():
+    """Hugging Face's ``generate`` runs with the hooks attached (with its key/value cache): an ablation at a decoder
+    point changes what is generated exactly as a plain PyTorch hook does, and patterns can be read at every step."""
+    model = make_model("sdpa", seed=3)
+    batch = inputs(3)
+    hm = HookedModel.wrap(model)
+    kwargs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4, do_sample=False
+    )
+    plain = model.generate(**kwargs)
+    seen: list[tuple] = []
+    hm.add_hook("decoder.1.attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
+    hm.add_hook("decoder.1.cross_attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
+    assert torch.equal(hm.generate(**kwargs), plain), "reading patterns leaves generation as it was"
+    # the first step reads the start token, every later step one new token against the cache
+    assert seen[:2] == [(2, 2, 1, 1), (2, 2, 1, 7)] and seen[-2:] == [(2, 2, 1, 4), (2, 2, 1, 7)]
+    hm.reset_hooks()
+    hm.add_hook("decoder.1.hook_mlp_out", lambda t, hook: t * 0)
+    ours = hm.generate(**kwargs)
+    hm.reset_hooks()
+    handle = model.model.decoder.layers[1].fc2.register_forward_hook(lambda m, a, o: o * 0)
+    try:
+        theirs = model.generate(**kwargs)
+    finally:
+        handle.remove()
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, plain), "the ablation changes what is generated"
+    hm.unwrap()
+
+
+def test_analysis_layer_and_named_refusals():
+    """Patching works with the encoder-decoder's inputs; TransformerLens' one-stack methods, the stacked per-block
+    weights, the causal LM's loss and TransformerLens' decoder-only generate are refused by name; so are models
+    without the stacks or the head, and unequal stacks."""
+    model = make_model()
+    batch = inputs()
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        clean = model(**batch).logits
+        _, cache = hm.run_with_cache(**batch)
+        corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
+        name = "encoder.1.hook_normalized_resid_post"
+        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
+        assert torch.equal(logits_of(patched), clean)
+    for method in ("accumulated_resid", "decompose_resid", "stack_head_results"):
+        with pytest.raises(DecompositionUndefinedError, match="encoder-decoder"):
+            getattr(cache, method)()
+    with pytest.raises(WeightUnavailableError, match="encoder-decoder"):
+        _ = hm.W_Q
+    with pytest.raises(NotCausalError, match="encoder-decoder"):
+        hm(batch["input_ids"], return_type="loss")
+    with pytest.raises(NotCausalError, match="encoder-decoder"):
+        hm.generate(batch["input_ids"], max_new_tokens=1, return_type="tokens")
+    hm.unwrap()
+    with pytest.raises(UnsupportedModelError, match="serves encoder-decoders"):
+        HookedModel.wrap(BartModel(model.config))
+    config = lensadapters_bart.bart_config(layers=2, heads=2, d_model=16, ffn=24, vocab=40)
+    config.decoder_layers = 1
+    with pytest.raises(UnsupportedModelError, match="equal stacks"):
+        HookedModel.wrap(BartForConditionalGeneration(config))
+
+
+def test_tiny_configs_wrap():
+    for seed in range(4):
+        config = lensadapters_bart.lensadapters_tiny_config(arch=lensadapters_bart.ARCH, seed=seed)
+        hm = HookedModel.wrap(BartForConditionalGeneration(config).eval())
+        assert hm.cfg.n_layers == config.encoder_layers and hm.cfg.normalization_type == "LN"
+        assert "encoder_final_ln.hook_scale" not in hm.hook_names
+        hm.unwrap()

@@ -66,6 +66,7 @@ _EXACT: dict[str, int] = {
     "index_head_dim": HEAD_DIM,
     "emb_dim": WIDTH,
     "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
     "mamba_d_head": HEAD_DIM,
     "mamba_head_dim": HEAD_DIM,
     "mamba_n_groups": 1,
@@ -109,6 +110,7 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
     multi_head = values.get("num_key_value_heads") is not None and values.get("num_key_value_heads") == values.get(
         "num_attention_heads"
     )
+    products = _head_products(values)
     for key in list(values):
         value = values[key]
         if hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, type):
@@ -123,7 +125,48 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
             except Exception:  # a property without a setter: keep it
                 pass
     _keep_derived_fields(values, multi_head)
+    _keep_head_products(values, products)
     return config
+
+
+def _ints(values: dict[str, Any], keys: list[str]) -> bool:
+    return all(isinstance(values.get(k), int) and not isinstance(values[k], bool) and values[k] > 0 for k in keys)
+
+
+def _stem(key: str) -> str:
+    for part in ("num_", "n_", "heads", "head_dim", "headdim", "d_head"):
+        key = key.replace(part, "")
+    return key.strip("_")
+
+
+def _head_products(values: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The (heads, head size, what their product equals) relations of the full-size config, for a number of heads
+    and a head size of the same name (``n_mamba_heads`` and ``mamba_headdim``): their product is an inner width,
+    ``expand`` times the hidden size, or a width field of its own (``mamba_d_ssm``, ``attention_hidden_size``)."""
+    heads = [k for k in values if k.endswith("heads") and "key_value" not in k and "kv" not in k]
+    sizes = [k for k in values if k.endswith(("head_dim", "headdim", "d_head"))]
+    expands = [k for k in values if k.endswith("expand")]
+    widths = [k for k in values if k.endswith(("d_ssm", "hidden_size")) and k != "hidden_size"]
+    relations: list[tuple[str, str, tuple[str, ...]]] = []
+    for head, size in ((h, d) for h in heads for d in sizes if _stem(h) == _stem(d) and _ints(values, [h, d])):
+        product = values[head] * values[size]
+        for expand in (e for e in expands if _ints(values, [e, "hidden_size"])):
+            if product == values[expand] * values["hidden_size"]:
+                relations.append((head, size, (expand, "hidden_size")))
+        relations += [(head, size, (w,)) for w in widths if _ints(values, [w]) and product == values[w]]
+    return relations
+
+
+def _keep_head_products(values: dict[str, Any], relations: list[tuple[str, str, tuple[str, ...]]]) -> None:
+    """Keep each relation :func:`_head_products` found: the inner width follows the shrunk ``expand`` times hidden
+    size (the head size is what gives), and an inner-width field of its own follows the shrunk heads and head size."""
+    for head, size, (*factors,) in relations:
+        if len(factors) == 2:
+            width = values[factors[0]] * values[factors[1]]
+            if width % values[head] == 0:
+                values[size] = width // values[head]
+        else:
+            values[factors[0]] = values[head] * values[size]
 
 
 def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
@@ -132,9 +175,8 @@ def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
     and a query/key head size that is the sum of its rotary and non-rotary parts stays their sum."""
     if multi_head:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    parts = (values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim"))
-    if isinstance(values.get("qk_head_dim"), int) and all(isinstance(part, int) for part in parts):
-        values["qk_head_dim"] = parts[0] + parts[1]
+    if _ints(values, ["qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"]):
+        values["qk_head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
 
 
 class NotBuildable(Exception):

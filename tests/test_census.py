@@ -281,3 +281,14 @@ def test_a_state_space_config_keeps_heads_times_head_size_equal_to_its_inner_wid
     assert hybrid.mamba_n_heads * hybrid.mamba_d_head == hybrid.mamba_d_ssm
     model = build("mamba2")
     assert model(input_ids()).logits.shape == (1, 6, config.vocab_size)
+
+
+def test_a_shrunk_mixture_of_experts_config_routes_to_no_more_experts_than_it_has() -> None:
+    """Every name a config gives its number of experts per token (``moe_k``, ``num_experts_per_token``, ...) is
+    shrunk with the number of experts, so ERNIE-4.5-MoE's router does not ask for 6 of 4 experts."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model("ernie4_5_moe"))
+    assert config.moe_k <= config.moe_num_experts

@@ -48,6 +48,8 @@ _EXACT: dict[str, int] = {
     "moe_num_experts": EXPERTS,
     "num_experts_per_tok": EXPERTS_PER_TOKEN,
     "moe_topk": EXPERTS_PER_TOKEN,
+    "moe_k": EXPERTS_PER_TOKEN,
+    "num_experts_per_token": EXPERTS_PER_TOKEN,
     "top_k": EXPERTS_PER_TOKEN,
     "n_group": 1,
     "topk_group": 1,

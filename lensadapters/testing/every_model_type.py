@@ -77,6 +77,8 @@ _EXACT: dict[str, int] = {
     "ssm_state_size": 16,
     "state_size": 16,
     "d_state": 16,
+    "chunk_size": 16,  # a state-space scan pads the sequence to a whole chunk: 256 makes each forward slow
+    "mamba_chunk_size": 16,
 }
 _MAX_POSITIONS = 256
 

@@ -277,3 +277,29 @@ def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit
     assert entry.adapter == "deepseek_v3" and not entry.wrong, (entry.adapter, entry.why, entry.wrong)
     assert "blocks.0.attn.hook_k" in entry.refused and entry.status == "PARTIAL"
     assert "blocks.0.attn.hook_k" in entry.missing
+
+
+def test_a_state_space_config_keeps_heads_times_head_size_equal_to_its_inner_width_and_runs() -> None:
+    """Shrinking keeps a state-space layer's heads times head size equal to its inner width (``expand`` times the
+    hidden size, or an inner-width field of its own), so Mamba-2 and Falcon-H1 build instead of failing on a reshape."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model("mamba2"))
+    assert config.num_heads * config.head_dim == config.expand * config.hidden_size
+    hybrid = shrink_config(AutoConfig.for_model("falcon_h1"))
+    assert hybrid.mamba_n_heads * hybrid.mamba_d_head == hybrid.mamba_d_ssm
+    model = build("mamba2")
+    assert model(input_ids()).logits.shape == (1, 6, config.vocab_size)
+
+
+def test_a_shrunk_mixture_of_experts_config_routes_to_no_more_experts_than_it_has() -> None:
+    """Every name a config gives its number of experts per token (``moe_k``, ``num_experts_per_token``, ...) is
+    shrunk with the number of experts, so ERNIE-4.5-MoE's router does not ask for 6 of 4 experts."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model("ernie4_5_moe"))
+    assert config.moe_k <= config.moe_num_experts

@@ -48,6 +48,8 @@ _EXACT: dict[str, int] = {
     "moe_num_experts": EXPERTS,
     "num_experts_per_tok": EXPERTS_PER_TOKEN,
     "moe_topk": EXPERTS_PER_TOKEN,
+    "moe_k": EXPERTS_PER_TOKEN,
+    "num_experts_per_token": EXPERTS_PER_TOKEN,
     "top_k": EXPERTS_PER_TOKEN,
     "n_group": 1,
     "topk_group": 1,
@@ -66,6 +68,7 @@ _EXACT: dict[str, int] = {
     "index_head_dim": HEAD_DIM,
     "emb_dim": WIDTH,
     "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
     "mamba_d_head": HEAD_DIM,
     "mamba_head_dim": HEAD_DIM,
     "mamba_n_groups": 1,
@@ -74,6 +77,8 @@ _EXACT: dict[str, int] = {
     "ssm_state_size": 16,
     "state_size": 16,
     "d_state": 16,
+    "chunk_size": 16,  # a state-space scan pads the sequence to a whole chunk: 256 makes each forward slow
+    "mamba_chunk_size": 16,
 }
 _MAX_POSITIONS = 256
 
@@ -109,6 +114,7 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
     multi_head = values.get("num_key_value_heads") is not None and values.get("num_key_value_heads") == values.get(
         "num_attention_heads"
     )
+    products = _head_products(values)
     for key in list(values):
         value = values[key]
         if hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, type):
@@ -123,7 +129,48 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
             except Exception:  # a property without a setter: keep it
                 pass
     _keep_derived_fields(values, multi_head)
+    _keep_head_products(values, products)
     return config
+
+
+def _ints(values: dict[str, Any], keys: list[str]) -> bool:
+    return all(isinstance(values.get(k), int) and not isinstance(values[k], bool) and values[k] > 0 for k in keys)
+
+
+def _stem(key: str) -> str:
+    for part in ("num_", "n_", "heads", "head_dim", "headdim", "d_head"):
+        key = key.replace(part, "")
+    return key.strip("_")
+
+
+def _head_products(values: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The (heads, head size, what their product equals) relations of the full-size config, for a number of heads
+    and a head size of the same name (``n_mamba_heads`` and ``mamba_headdim``): their product is an inner width,
+    ``expand`` times the hidden size, or a width field of its own (``mamba_d_ssm``, ``attention_hidden_size``)."""
+    heads = [k for k in values if k.endswith("heads") and "key_value" not in k and "kv" not in k]
+    sizes = [k for k in values if k.endswith(("head_dim", "headdim", "d_head"))]
+    expands = [k for k in values if k.endswith("expand")]
+    widths = [k for k in values if k.endswith(("d_ssm", "hidden_size")) and k != "hidden_size"]
+    relations: list[tuple[str, str, tuple[str, ...]]] = []
+    for head, size in ((h, d) for h in heads for d in sizes if _stem(h) == _stem(d) and _ints(values, [h, d])):
+        product = values[head] * values[size]
+        for expand in (e for e in expands if _ints(values, [e, "hidden_size"])):
+            if product == values[expand] * values["hidden_size"]:
+                relations.append((head, size, (expand, "hidden_size")))
+        relations += [(head, size, (w,)) for w in widths if _ints(values, [w]) and product == values[w]]
+    return relations
+
+
+def _keep_head_products(values: dict[str, Any], relations: list[tuple[str, str, tuple[str, ...]]]) -> None:
+    """Keep each relation :func:`_head_products` found: the inner width follows the shrunk ``expand`` times hidden
+    size (the head size is what gives), and an inner-width field of its own follows the shrunk heads and head size."""
+    for head, size, (*factors,) in relations:
+        if len(factors) == 2:
+            width = values[factors[0]] * values[factors[1]]
+            if width % values[head] == 0:
+                values[size] = width // values[head]
+        else:
+            values[factors[0]] = values[head] * values[size]
 
 
 def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
@@ -132,9 +179,8 @@ def _keep_derived_fields(values: dict[str, Any], multi_head: bool) -> None:
     and a query/key head size that is the sum of its rotary and non-rotary parts stays their sum."""
     if multi_head:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
-    if isinstance(values.get("qk_head_dim"), int) and isinstance(nope, int) and isinstance(rope, int):
-        values["qk_head_dim"] = nope + rope
+    if _ints(values, ["qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"]):
+        values["qk_head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
 
 
 class NotBuildable(Exception):

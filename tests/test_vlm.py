@@ -22,6 +22,7 @@ from lensadapters.testing.tiny_models import needs
 
 IMAGE_TOKEN = 100
 PROJECTOR_POINT = "vision_projector.hook_out"
+FEATURES_POINT = "vision_projector.hook_in"
 TOWER = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 TEXT = dict(
     vocab_size=128,
@@ -406,6 +407,41 @@ def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> No
     assert not torch.allclose(logits_of(got), clean.logits)
     at_text = batch["input_ids"] != IMAGE_TOKEN  # (Gemma 4 embeds the padding token at the image tokens)
     assert torch.equal(cache["hook_embed"][at_text], _embeddings(model, batch["input_ids"])[at_text])
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_projector_input_reads_and_edits_the_vision_features_as_a_plain_hook_does(name: str) -> None:
+    """``vision_projector.hook_in`` is the vision tower's output as the projector reads it; an edit there changes
+    the logits exactly as the same edit made by a plain PyTorch pre-hook on the projector."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    projector = model.get_submodule(hm_projector_path(model))
+    seen: list[torch.Tensor] = []
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        return x * -2.0 + 0.5
+
+    def plain(module: Any, args: tuple, kwargs: dict) -> Any:  # the first input, positional or by keyword
+        if args:
+            seen.append(args[0].clone())
+            return (edit(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        seen.append(kwargs[key].clone())
+        return args, {**kwargs, key: edit(kwargs[key])}
+
+    handle = projector.register_forward_pre_hook(plain, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            expected = model(**batch).logits
+    finally:
+        handle.remove()
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=[FEATURES_POINT])
+        got = hm.run_with_hooks(**batch, fwd_hooks=[(FEATURES_POINT, lambda x, hook: edit(x))])
+    assert torch.equal(cache[FEATURES_POINT], seen[0])
+    assert torch.equal(logits_of(got), expected)
     hm.unwrap()
 
 

@@ -6,8 +6,9 @@ output embeddings ``get_output_embeddings()``). Its config nests the language mo
 (``config.text_config``, ``get_text_config()``) next to a ``vision_config``. The model is wrapped as the language
 model's plugin describes it: the registry chooses that plugin from the text config's ``model_type``, the plugin
 finds the decoder stack inside the whole model, and the language model's points have their usual names. The core
-adds the projector's output, where image features enter the text stream, under TransformerLens' Bridge name
-(:data:`IMAGE_EMBEDS_POINT`).
+adds the projector's input (the vision tower's output as the projector reads it, :data:`IMAGE_FEATURES_POINT`) and
+its output, where image features enter the text stream (:data:`IMAGE_EMBEDS_POINT`), under TransformerLens' Bridge
+names.
 
 Nothing here names an architecture: the model is recognized from transformers' own generic accessors.
 """
@@ -21,6 +22,11 @@ from torch import nn
 
 #: the point at the projector's output (TransformerLens 4.x Bridge: ``vision_projector.hook_out``)
 IMAGE_EMBEDS_POINT = "vision_projector.hook_out"
+#: the point at the projector's input: the vision tower's output as the projector reads it (the Bridge's
+#: ``vision_projector.hook_in``)
+IMAGE_FEATURES_POINT = "vision_projector.hook_in"
+#: the points a vision-language model adds, in the order they fire; neither fires in a call without an image
+IMAGE_POINTS = (IMAGE_FEATURES_POINT, IMAGE_EMBEDS_POINT)
 #: the attributes transformers' vision-language models give the module that maps vision features to the language
 #: model's width (its output replaces the image tokens' embeddings): ``multi_modal_projector`` in most,
 #: ``embed_vision`` where the model also embeds audio (its ``embed_audio`` is not a vision projector), ``connector``

@@ -68,6 +68,11 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   ``attention_k_eq_v``, per-layer head sizes and the double-wide MLP as above. Without per-layer inputs a run
   ``start_at_layer`` needs ``tokens=`` only where a later layer reads the keys and values of one before the start.
   Its config's default ``use_bidirectional_attention="vision"`` changes nothing in a text-only model.
+  ``Gemma4UnifiedForConditionalGeneration`` (``gemma4_unified``): its language model's points, plus (with
+  ``vision_config``) the output of its vision embedder's projection to the language model's width
+  (``embed_vision.multimodal_embedder``, ``[b, patches, d_model]``, padding patches included; the model scatters
+  the others into the image tokens) as ``vision_projector.hook_out``. The model has no vision tower; audio is
+  projected (``embed_audio``) as the model does it, without points.
 
 Refused at wrap time, naming what works: bidirectional
 attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` (wrap a
@@ -101,7 +106,7 @@ LENSADAPTERS_CONTRACT = "lensadapters_gemma4.testing:Gemma4Contract"
 #: ``gemma4_unified_text`` (``Gemma4UnifiedForCausalLM``...): Gemma 4 without per-layer inputs and experts
 TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel", "Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextModel")
 #: the vision-language model whose language model (a ``Gemma4TextModel``) the plugin describes
-VLM_CLASSES = ("Gemma4ForConditionalGeneration",)
+VLM_CLASSES = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
 _V_NORM = ProjectionNorm("self_attn.v_norm", "bphd")
 _KV_PATHS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")
 FAMILY = hf.DecoderFamily(
@@ -119,7 +124,7 @@ ARCH = FAMILY.architecture(
     "Gemma 4 text (Gemma4ForCausalLM, Gemma4TextModel): per-layer input embeddings, per-layer head sizes, "
     "query/key/value norms, sandwich norms, sliding windows; the language model of Gemma4ForConditionalGeneration",
     name="gemma4",
-    model_types=("gemma4_text", "gemma4", "gemma4_unified_text"),
+    model_types=("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified"),
     transformers=">=5.23,<6",
     vision_language=True,
 )

@@ -126,6 +126,43 @@ def _gemma4() -> tuple[Any, int]:
     return Gemma4ForConditionalGeneration._from_config(config, attn_implementation="eager"), 4
 
 
+def _gemma4_unified() -> tuple[Any, int]:
+    """Multimodal unified Gemma 4 (transformers 5.x): no vision tower, a vision embedder (``embed_vision``: layer
+    norms, a dense layer, 2-D position embeddings) ending with its projection to the language model's width
+    (``multimodal_embedder``); 16 merged patches of 4x4 pixels, one image token each; no per-layer inputs."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4UnifiedForConditionalGeneration"):
+        pytest.skip("unified Gemma 4 needs transformers 5.x")
+    from transformers import (
+        Gemma4UnifiedConfig,
+        Gemma4UnifiedForConditionalGeneration,
+        Gemma4UnifiedTextConfig,
+        Gemma4UnifiedVisionConfig,
+    )
+
+    text = Gemma4UnifiedTextConfig(
+        **TEXT,
+        head_dim=8,
+        global_head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention="vision",
+        pad_token_id=0,
+    )
+    vision = Gemma4UnifiedVisionConfig(
+        patch_size=2, pooling_kernel_size=2, mm_embed_dim=24, mm_posemb_size=16, output_proj_dims=24
+    )
+    config = Gemma4UnifiedConfig(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=101,
+        eoi_token_id=102,
+    )
+    return Gemma4UnifiedForConditionalGeneration._from_config(config, attn_implementation="eager"), 16
+
+
 def _qwen3_5(moe: bool = False) -> tuple[Any, int]:
     """Multimodal Qwen 3.5, dense or MoE (transformers 5.x): a gated DeltaNet layer then a full-attention one whose
     partial rotary is multimodal RoPE (``mrope_section``: time, height, width frequencies from 3-D positions the
@@ -202,15 +239,24 @@ BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "llava_next": ("llama", _llava_next),
     "mistral3": ("mistral", _mistral3),
     "gemma4": ("gemma4_text", _gemma4),
+    "gemma4_unified": ("gemma4_unified_text", _gemma4_unified),
     "idefics3": ("llama", _idefics3),
     "smolvlm": ("llama", lambda: _idefics3("SmolVLM")),
     "qwen3_5": ("qwen3_5_text", _qwen3_5),
     "qwen3_5_moe": ("qwen3_5_moe_text", lambda: _qwen3_5(moe=True)),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
-SCATTERED_AS_PROJECTED = ("llava", "gemma3", "mistral3", "gemma4", "idefics3", "smolvlm", "qwen3_5", "qwen3_5_moe")
+SCATTERED_AS_PROJECTED = (
+    *("llava", "gemma3", "mistral3", "gemma4", "gemma4_unified", "idefics3", "smolvlm", "qwen3_5", "qwen3_5_moe"),
+)
 #: each model's projector (transformers' attribute name), where it is not ``multi_modal_projector``
-PROJECTORS = {"gemma4": "embed_vision", "idefics3": "connector", "smolvlm": "connector", "qwen3_5": "merger"}
+PROJECTORS = {
+    "gemma4": "embed_vision",
+    "gemma4_unified": "embed_vision.multimodal_embedder",
+    "idefics3": "connector",
+    "smolvlm": "connector",
+    "qwen3_5": "merger",
+}
 #: the models with linear-attention layers (no ``W_Q`` of the whole model: a full-attention layer's is compared)
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 
@@ -353,8 +399,9 @@ def _module_hooks(model: Any) -> list[tuple[str, list[int], list[int]]]:
 
 
 def hm_projector_path(model: Any) -> str:
+    """The projector's path: the last module whose path ends with one of ``PROJECTORS``' (dotted parts whole)."""
     names = ("multi_modal_projector", *PROJECTORS.values())
-    return next(n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in names)
+    return [n for n, _ in model.named_modules() if f".{n}".endswith(tuple(f".{x}" for x in names))][-1]
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -378,7 +425,7 @@ def test_with_an_image_points_are_what_the_model_computes(name: str) -> None:
         features = cache[PROJECTOR_POINT].reshape(-1, hm.cfg.d_model)
         assert features.shape[0] == at_images.sum()
         assert torch.equal(cache["blocks.0.hook_resid_pre"][at_images], features)
-    if name == "gemma4":  # its sliding layers' image tokens attend to later image tokens: the model's own mask
+    if name in ("gemma4", "gemma4_unified"):  # sliding layers: image tokens attend to later ones (the model's mask)
         assert bool((cache["blocks.0.attn.hook_pattern"][:, :, 2, 3] > 0).all())
     assert hm.unwrap() is model
     assert _module_hooks(model) == own_hooks  # nothing left behind

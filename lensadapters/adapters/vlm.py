@@ -31,8 +31,9 @@ IMAGE_POINTS = (IMAGE_FEATURES_POINT, IMAGE_EMBEDS_POINT)
 #: model's width (its output replaces the image tokens' embeddings): ``multi_modal_projector`` in most,
 #: ``embed_vision`` where the model also embeds audio (its ``embed_audio`` is not a vision projector), ``connector``
 #: where the projector also merges patches (pixel shuffle), ``merger`` where the vision tower ends with it (it
-#: merges neighbouring patches and maps them to the language model's width)
-PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector", "merger")
+#: merges neighbouring patches and maps them to the language model's width), ``multimodal_embedder`` where a vision
+#: embedder (one of those names, returning a model output, not the features) ends with it
+PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector", "merger", "multimodal_embedder")
 
 
 def text_config(model: nn.Module) -> Any:
@@ -92,13 +93,17 @@ def language_model_type(model: nn.Module) -> Optional[str]:
 
 def projector_path(model: nn.Module) -> Optional[str]:
     """The path of a vision-language model's projector (its output is the image features that replace the image
-    tokens' embeddings), or ``None``."""
+    tokens' embeddings), or ``None``. Of a projector inside another (a vision embedder ending with its projection
+    to the language model's width), the inner one: its output is the features."""
     if language_model(model) is None:
         return None
+    found: Optional[str] = None
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTOR_NAMES and isinstance(module, nn.Module):
-            return name
-    return None
+            if found is not None and not name.startswith(found + "."):
+                break
+            found = name
+    return found
 
 
 def _keywords(forward: Any) -> set[str]:

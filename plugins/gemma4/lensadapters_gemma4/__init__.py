@@ -1,4 +1,5 @@
-"""Gemma 4 text models (``model_type: "gemma4_text"``) for lensadapters: ``Gemma4ForCausalLM``, ``Gemma4TextModel``.
+"""Gemma 4 text models (``model_type: "gemma4_text"``) for lensadapters: ``Gemma4ForCausalLM``, ``Gemma4TextModel``;
+the "unified" Gemma 4 text models (``gemma4_unified_text``: ``Gemma4UnifiedForCausalLM``, ``Gemma4UnifiedTextModel``).
 
 TransformerLens 2.x names and semantics on Gemma 4's structure:
 
@@ -61,6 +62,18 @@ TransformerLens 2.x names and semantics on Gemma 4's structure:
   ``post_feedforward_layernorm_2`` is ``mlp.hook_moe_out``; their sum is ``ln2_post``'s input, whose output is
   ``hook_mlp_out``. An edit of ``hook_mlp_in``/``hook_resid_mid`` reaches both branches (``MoELayout.inputs``).
 
+* ``gemma4_unified_text``: the same layers, attention, MLP, norms and ``layer_scalar`` as ``gemma4_text`` (its
+  ``modeling_gemma4_unified`` copies them), without per-layer inputs and without the experts' block (its config has
+  neither field): every point and weight above but ``hook_per_layer_*`` and the experts'; key/value sharing,
+  ``attention_k_eq_v``, per-layer head sizes and the double-wide MLP as above. Without per-layer inputs a run
+  ``start_at_layer`` needs ``tokens=`` only where a later layer reads the keys and values of one before the start.
+  Its config's default ``use_bidirectional_attention="vision"`` changes nothing in a text-only model.
+  ``Gemma4UnifiedForConditionalGeneration`` (``gemma4_unified``): its language model's points, plus (with
+  ``vision_config``) the output of its vision embedder's projection to the language model's width
+  (``embed_vision.multimodal_embedder``, ``[b, patches, d_model]``, padding patches included; the model scatters
+  the others into the image tokens) as ``vision_projector.hook_out``. The model has no vision tower; audio is
+  projected (``embed_audio``) as the model does it, without points.
+
 Refused at wrap time, naming what works: bidirectional
 attention (``use_bidirectional_attention="all"``), rope types other than rotate-half ones, ``Gemma4Model`` (wrap a
 ``Gemma4ForCausalLM``), custom modeling code. Flash and flex attention: every hook point but the pattern and score
@@ -90,16 +103,17 @@ from lensadapters.plugin_api import Hooked, HookPoint, OutputSite, Site, rotate_
 __version__ = "0.1.0"
 # the family's name is the text model's (Gemma4TextModel), the contract the plugin's
 LENSADAPTERS_CONTRACT = "lensadapters_gemma4.testing:Gemma4Contract"
-TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel")
+#: ``gemma4_unified_text`` (``Gemma4UnifiedForCausalLM``...): Gemma 4 without per-layer inputs and experts
+TEXT_CLASSES = ("Gemma4ForCausalLM", "Gemma4TextModel", "Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextModel")
 #: the vision-language model whose language model (a ``Gemma4TextModel``) the plugin describes
-VLM_CLASSES = ("Gemma4ForConditionalGeneration",)
+VLM_CLASSES = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
 _V_NORM = ProjectionNorm("self_attn.v_norm", "bphd")
 _KV_PATHS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm", "self_attn.v_norm")
 FAMILY = hf.DecoderFamily(
     "Gemma4Text",
     model_type="gemma4_text",
-    packages=("gemma4",),
-    norms=("Gemma4RMSNorm",),
+    packages=("gemma4", "gemma4_unified"),
+    norms=("Gemma4RMSNorm", "Gemma4UnifiedRMSNorm"),
     block=hf.SANDWICH_BLOCK,
     qk_norms=hf.qk_norms("bphd"),  # the MLP: the family's default gate/up/down projections
     rope_types=(*hf.ROTATE_HALF_ROPE_TYPES, "proportional"),
@@ -110,7 +124,7 @@ ARCH = FAMILY.architecture(
     "Gemma 4 text (Gemma4ForCausalLM, Gemma4TextModel): per-layer input embeddings, per-layer head sizes, "
     "query/key/value norms, sandwich norms, sliding windows; the language model of Gemma4ForConditionalGeneration",
     name="gemma4",
-    model_types=("gemma4_text", "gemma4"),
+    model_types=("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified"),
     transformers=">=5.23,<6",
     vision_language=True,
 )
@@ -120,6 +134,16 @@ _PLE_PATHS = ("per_layer_input_gate", "per_layer_projection", "post_per_layer_in
 _MOE_INPUTS = ("router", "pre_feedforward_layernorm_2")
 _MOE_OUTPUTS = ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 _MOE_PATHS = (*_MOE_INPUTS, *_MOE_OUTPUTS, "router.proj", "experts")
+
+
+def _moe(config: Any) -> bool:
+    """Whether the config has experts beside the MLP (a ``gemma4_unified_text`` config has no such field)."""
+    return bool(getattr(config, "enable_moe_block", False))
+
+
+def _ple(config: Any) -> int:
+    """The width of the per-layer inputs, 0 where the config has none (``gemma4_unified_text``: no such field)."""
+    return int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
 
 
 def _cap(value: Optional[float]) -> float:
@@ -191,7 +215,7 @@ def config_fields(model: Any) -> dict[str, Any]:
     dims = layer_head_dims(c)
     moe = (
         dict(d_mlp=c.moe_intermediate_size, num_experts=c.num_experts, experts_per_token=c.top_k_experts)
-        if c.enable_moe_block
+        if _moe(c)
         else {}
     )
     return dict(
@@ -205,12 +229,12 @@ def config_fields(model: Any) -> dict[str, Any]:
             "attn_scale": 1.0,
             "global_head_dim": max(dims),
             "layer_head_dims": dims,
-            "hidden_size_per_layer_input": int(c.hidden_size_per_layer_input or 0),
+            "hidden_size_per_layer_input": _ple(c),
             "use_normalization_before_and_after": True,
             "use_qk_norm": True,
             "use_v_norm": True,
             "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", True)),
-            **({"dense_d_mlp": c.intermediate_size} if c.enable_moe_block else {}),
+            **({"dense_d_mlp": c.intermediate_size} if _moe(c) else {}),
         },
     )
 
@@ -219,7 +243,7 @@ def embed(model: Any, layout: ModelLayout) -> ModelLayout:
     # each layer's (cos, sin) from its attention module's `position_embeddings`: sliding and full layers differ
     # per-layer inputs: every block reads one computed from the token ids besides the residual stream
     c = hf.text_config(model)
-    side = ("hook_per_layer_input",) if c.hidden_size_per_layer_input else ()
+    side = ("hook_per_layer_input",) if _ple(c) else ()
     return replace(
         layout,
         rotary=None,
@@ -258,7 +282,7 @@ def mlp(model: Any, layer: int) -> Any:
     """The dense MLP, or (``enable_moe_block``) the experts beside it: routed by softmax over every expert
     (float32), top-``top_k_experts``, renormalized, each weight times its expert's ``per_expert_scale``."""
     c = hf.text_config(model)
-    if not c.enable_moe_block:
+    if not _moe(c):
         return FAMILY.dense_mlp()
     return MoELayout(
         router="router",

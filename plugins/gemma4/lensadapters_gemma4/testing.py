@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from hypothesis import strategies as st
 from torch import nn
-from transformers import Gemma4TextConfig
+from transformers import Gemma4TextConfig, Gemma4UnifiedTextConfig
 
 import lensadapters_gemma4
 from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, QKNormScores, config_strategy, decoder_config
@@ -32,6 +32,7 @@ def gemma4_config(
     tied: bool = True,
     experts: int = 0,
     top_k: int = 2,
+    unified: bool = False,
     **shared: Any,
 ) -> Gemma4TextConfig:
     """A tiny Gemma 4 text config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0): every
@@ -39,7 +40,10 @@ def gemma4_config(
     full layers with head size ``global_head_dim`` (``head_dim`` by default) and proportional RoPE on
     ``partial_rotary`` of each head (base ``theta``), sliding ones with default RoPE of base ``local_theta``;
     per-layer inputs of width ``ple`` (0: none); ``experts`` (0: none) experts of width 8 beside every layer's MLP
-    (``enable_moe_block``), ``top_k`` of them per token."""
+    (``enable_moe_block``), ``top_k`` of them per token. ``unified``: a ``Gemma4UnifiedTextConfig``
+    (``gemma4_unified_text``: no per-layer inputs, no experts; ``ple`` and ``experts`` must be 0)."""
+    if unified and (ple or experts):
+        raise ValueError("a gemma4_unified_text config has neither per-layer inputs nor experts: ple=0, experts=0")
     types = ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
     types[-1] = "full_attention"
     theta = shared.pop("theta", 10000.0)
@@ -47,8 +51,10 @@ def gemma4_config(
         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": partial_rotary, "rope_theta": theta},
     }
+    if not unified:  # the per-layer inputs' fields (none in a unified config)
+        shared.update(hidden_size_per_layer_input=ple, vocab_size_per_layer_input=shared.get("vocab", 64))
     return decoder_config(
-        Gemma4TextConfig,
+        Gemma4UnifiedTextConfig if unified else Gemma4TextConfig,
         layers=layers,
         tied=tied,
         act="gelu_pytorch_tanh",
@@ -58,8 +64,6 @@ def gemma4_config(
         sliding_window=window,
         layer_types=types,
         rope_parameters=rope,
-        hidden_size_per_layer_input=ple,
-        vocab_size_per_layer_input=shared.get("vocab", 64),
         final_logit_softcapping=final_cap,
         bos_token_id=2,
         eos_token_id=1,
@@ -77,7 +81,8 @@ gemma4_configs = config_strategy(
     """Tiny Gemma 4 text configs: sliding (2, 3 or 16 tokens) and full layers, default RoPE on sliding layers and
     proportional RoPE (a quarter or half of each head) on full ones, per-head q/k/v norms, per-layer inputs (or
     none), an optional final-logit softcap, GQA and multi-query attention, tied and untied embeddings, and (one draw
-    in three) three experts beside every layer's MLP, top-1 or top-2. Heads are
+    in three) three experts beside every layer's MLP, top-1 or top-2; ``unified=True``: ``gemma4_unified_text``
+    configs (``ple=0, experts=0`` with it). Heads are
     as wide on full layers as on sliding ones here (the stacked weights need one size; the plugin's exactness test
     covers wider full layers).""",
     n_kv=st.sampled_from([1, 2]),
@@ -97,6 +102,7 @@ gemma4_configs = config_strategy(
     tied=st.booleans(),
     experts=st.sampled_from([0, 0, 3]),
     top_k=st.sampled_from([1, 2]),
+    unified=False,
 )
 
 #: properties that must see a sliding and a full layer with per-layer inputs on every run
@@ -114,10 +120,14 @@ EXPERTS_PROPERTIES = (
     "test_weight_and_residual_identities",
 )
 
+#: properties that must see a ``gemma4_unified_text`` model (a sliding and a full layer) on every run
+UNIFIED_PROPERTIES = (*LOCAL_GLOBAL_PROPERTIES, *EXPERTS_PROPERTIES)
+
 
 class Gemma4Contract(QKNormScores, DecoderContract):
     """Every generic adapter property on tiny Gemma 4 text models; a sliding then a full layer with per-layer
-    inputs and a short window is a stratum of the pattern, edit and generation properties."""
+    inputs and a short window is a stratum of the pattern, edit and generation properties, as is a
+    ``gemma4_unified_text`` model (``Gemma4UnifiedForCausalLM``)."""
 
     plugin = lensadapters_gemma4
     post_norms = {"hook_attn_out": "ln1_post", "hook_mlp_out": "ln2_post"}
@@ -125,11 +135,16 @@ class Gemma4Contract(QKNormScores, DecoderContract):
     mixed_values = "attn.v_norm.hook_normalized"
     absorbed_points = ("ln1.hook_scale",)  # q, k and v are all normalized per head after ln1
     attn_implementations = ("eager", "sdpa")
-    config_strata = {"sliding and full": LOCAL_GLOBAL_PROPERTIES, "experts": EXPERTS_PROPERTIES}
+    config_strata = {
+        "sliding and full": LOCAL_GLOBAL_PROPERTIES,
+        "experts": EXPERTS_PROPERTIES,
+        "unified": UNIFIED_PROPERTIES,
+    }
     config_strategy = gemma4_configs
     stratum_overrides = {
         "sliding and full": {"n_layers": 2, "global_every": 2, "ple": 4, "window": st.sampled_from([2, 3])},
         "experts": {"experts": 3, "n_layers": st.integers(1, 2)},
+        "unified": {"unified": True, "ple": 0, "experts": 0, "n_layers": 2, "global_every": 2, "window": 2},
     }
     #: the cross-cutting matrices (bnb, PEFT) on dense models: the experts are the plugin's own tests'
     matrix_overrides = {**SMALL_MATRIX, **dict(head_dim=8, n_layers=2, global_every=2, window=3, experts=0)}
@@ -137,8 +152,10 @@ class Gemma4Contract(QKNormScores, DecoderContract):
     def pre_ln_residual(self, model: nn.Module) -> bool:
         # the per-layer-input branch adds a third term to the residual stream after the MLP's
         config: Any = model.config
-        return not config.hidden_size_per_layer_input
+        return not getattr(config, "hidden_size_per_layer_input", 0)
 
     def config_label(self, config: Any) -> Optional[str]:
-        experts = f", {config.num_experts} experts" if config.enable_moe_block else ""
-        return f"layer types {config.layer_types}, per-layer inputs {config.hidden_size_per_layer_input}{experts}"
+        experts = f", {config.num_experts} experts" if getattr(config, "enable_moe_block", False) else ""
+        ple = getattr(config, "hidden_size_per_layer_input", None)
+        kind = f"per-layer inputs {ple}" if ple is not None else "unified"
+        return f"layer types {config.layer_types}, {kind}{experts}"

@@ -39,7 +39,7 @@ def exact_model(**overrides: Any) -> torch.nn.Module:
     with torch.no_grad():
         for layer in model.model.layers:  # as checkpoints have them
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))
-            if layer.enable_moe_block:  # the router's scales, initialized to ones
+            if getattr(layer, "enable_moe_block", False):  # the router's scales, initialized to ones
                 for scale in (layer.router.scale, layer.router.per_expert_scale):
                     scale.copy_(0.5 + torch.rand(scale.shape, generator=generator))
     return model
@@ -70,7 +70,7 @@ class Reference:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         m, c = self.model.model, self.model.config
-        d, n_layers, ple = c.hidden_size, c.num_hidden_layers, c.hidden_size_per_layer_input
+        d, n_layers, ple = c.hidden_size, c.num_hidden_layers, getattr(c, "hidden_size_per_layer_input", 0)
         x = self.point("hook_embed", m.embed_tokens.weight[ids] * torch.tensor(math.sqrt(d)))
         if ple:
             tokens = (m.embed_tokens_per_layer.weight[ids] * torch.tensor(math.sqrt(ple))).unflatten(
@@ -147,7 +147,8 @@ class Reference:
         linear = self.point(p + "mlp.hook_pre_linear", n2 @ layer.mlp.up_proj.weight.T)
         post = self.point(p + "mlp.hook_post", F.gelu(pre, approximate="tanh") * linear)
         summed = post @ layer.mlp.down_proj.weight.T
-        if layer.enable_moe_block:  # the experts beside the dense MLP, each branch normalized, then their sum
+        # the experts beside the dense MLP (none in a unified model), each branch normalized, then their sum
+        if getattr(layer, "enable_moe_block", False):
             dense = self.rms(None, summed, layer.post_feedforward_layernorm_1.weight)
             summed = self.point(p + "mlp.hook_dense_out", dense) + self.experts(p, layer, mlp_in)
         mlp_out = self.point(
@@ -242,6 +243,17 @@ MODELS = {
     "experts beside the MLP": dict(
         layers=2, enable_moe_block=True, num_experts=N_EXPERTS, top_k_experts=2, moe_intermediate_size=8
     ),
+    # gemma4_unified_text (Gemma4UnifiedForCausalLM): no per-layer inputs; layers 2 and 3 read layers 0's and 1's
+    # keys and values, and the full layers' values are their keys
+    "unified": dict(
+        unified=True,
+        ple=0,
+        layers=4,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),
 }
 
 
@@ -255,6 +267,7 @@ def test_every_point_matches_the_reference(fields):
         logits, cache = hm.run_with_cache(IDS, names_filter=lambda n: True)
         hf_logits = model(IDS).logits
     assert hm.cfg.d_head == 4 and hm.cfg.extra["global_head_dim"] == 8
+    assert type(model).__name__ == ("Gemma4UnifiedForCausalLM" if fields.get("unified") else "Gemma4ForCausalLM")
     assert set(reference.values) <= set(cache.keys())
     worst = 0.0
     for name, value in reference.values.items():
@@ -287,6 +300,7 @@ def test_every_point_matches_the_reference(fields):
         # neither in a layer reading another's keys and values, nor where one projection gives both
         for x in ("q" if layers[i].self_attn.is_kv_shared_layer or layers[i].self_attn.v_proj is None else "qkv")
     }
+    print(f"largest error against the reference: {worst:.2e}")
     assert worst < 2e-5
     hm.unwrap()
 
@@ -299,7 +313,7 @@ def test_an_edit_at_every_point_does_what_the_reference_does(fields):
     model = exact_model(**fields)
     hm = CONTRACT.wrap(model)
     names = hm.hook_names
-    if model.config.enable_moe_block:
+    if getattr(model.config, "enable_moe_block", False):
         mlp_half = (".mlp.", ".ln2.", ".ln2_post.", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out")
         names = [n for n in names if any(part in n for part in mlp_half)]
     with torch.no_grad():
@@ -320,10 +334,12 @@ def test_an_edit_at_every_point_does_what_the_reference_does(fields):
 def test_a_run_from_a_residual_reads_what_the_model_computes_from_the_tokens(fields):
     """``start_at_layer`` with ``tokens=``: the logits of the reference's run on those tokens, from every layer (the
     blocks read the per-layer inputs of the tokens, and sharing layers the keys and values of their source layers);
-    an edit of a per-layer input is used in such a run. Without the tokens it is refused, naming them."""
+    an edit of a per-layer input is used in such a run. Without the tokens it is refused, naming them (without
+    per-layer inputs: naming the layer whose keys and values a later layer reads)."""
     model = exact_model(**fields)
     hm = CONTRACT.wrap(model)
     n = model.config.num_hidden_layers
+    ple = getattr(model.config, "hidden_size_per_layer_input", 0)
     reference = Reference(model)
     with torch.no_grad():
         expected = reference.forward(IDS)
@@ -332,8 +348,12 @@ def test_a_run_from_a_residual_reads_what_the_model_computes_from_the_tokens(fie
                 f"blocks.{start}.hook_resid_pre" if start < n else f"blocks.{n - 1}.hook_resid_post"
             ]
             assert_close(hm(residual, start_at_layer=start, tokens=IDS), expected, f"from layer {start}", atol=2e-5)
-            if start == n:  # after the last block: the residual is all the rest reads
-                assert_close(hm(residual, start_at_layer=start), expected, "from the last residual", atol=2e-5)
+            if start == n or (not ple and start == 0):  # the residual is all the rest reads
+                assert_close(hm(residual, start_at_layer=start), expected, f"from layer {start} alone", atol=2e-5)
+                continue
+            if not ple:  # a later layer reads the keys and values of one before the start
+                with pytest.raises(ValueError, match=r"attends with the keys and values of block \d.*tokens="):
+                    hm(residual, start_at_layer=start)
                 continue
             with pytest.raises(ValueError, match=r"blocks\.L\.hook_per_layer_input.*tokens="):
                 hm(residual, start_at_layer=start)
@@ -455,18 +475,10 @@ MOE_POINTS = (
 )
 
 
-@pytest.mark.parametrize("point", MOE_POINTS)
-def test_gradients_through_an_edit_of_an_experts_point_are_the_reference_s(point):
-    """``t + delta`` at a point of layer 0's experts branch: the gradient of the logits' squares with respect to
-    ``delta`` is the reference's through the same edit (routing re-selected after an edit of the probabilities,
-    the per-expert scale on the selected weights, the experts on their own pre-norm)."""
-    model = exact_model(**MOE)
+def check_gradient_through(model: torch.nn.Module, name: str, shape: torch.Size) -> None:
+    """``t + delta`` at ``name``: the logits and the gradient of their squares with respect to ``delta`` are the
+    reference's through the same edit."""
     hm = CONTRACT.wrap(model)
-    with torch.no_grad():
-        _, cache = hm.run_with_cache(IDS, names_filter=lambda n: n.startswith("blocks.0.mlp."))
-    used = cache["blocks.0.mlp.hook_expert_indices"][0, -1, 0].item()  # an expert the last token uses
-    name = "blocks.0." + point.format(e=used)
-    shape = cache[name].shape if name in cache else cache["blocks.0.mlp.hook_dense_out"].shape
     delta = (0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(3))).requires_grad_()
     got = hm.run_with_hooks(IDS, fwd_hooks=[(name, lambda t, hook: t + delta)])
     (grad,) = torch.autograd.grad(got.square().sum(), delta)
@@ -476,6 +488,41 @@ def test_gradients_through_an_edit_of_an_experts_point_are_the_reference_s(point
     assert grad.abs().max() > 0, name
     assert_close(grad, expected_grad, f"gradient through {name}", atol=1e-4)
     hm.unwrap()
+
+
+@pytest.mark.parametrize("point", MOE_POINTS)
+def test_gradients_through_an_edit_of_an_experts_point_are_the_reference_s(point):
+    """``t + delta`` at a point of layer 0's experts branch (routing re-selected after an edit of the
+    probabilities, the per-expert scale on the selected weights, the experts on their own pre-norm)."""
+    model = exact_model(**MOE)
+    hm = CONTRACT.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(IDS, names_filter=lambda n: n.startswith("blocks.0.mlp."))
+    hm.unwrap()
+    used = cache["blocks.0.mlp.hook_expert_indices"][0, -1, 0].item()  # an expert the last token uses
+    name = "blocks.0." + point.format(e=used)
+    shape = cache[name].shape if name in cache else cache["blocks.0.mlp.hook_dense_out"].shape
+    check_gradient_through(model, name, shape)
+
+
+#: a unified model's points along the path of an edit: a source layer's keys-as-values (read by layer 3 too), the
+#: residual stream, a sharing layer's queries, the double-wide MLP of a sharing layer, a norm's scale
+UNIFIED_POINTS = (
+    "blocks.1.attn.hook_v",
+    "blocks.0.hook_resid_mid",
+    "blocks.3.attn.hook_rot_q",
+    "blocks.2.mlp.hook_post",
+    "blocks.1.ln2_post.hook_scale",
+)
+
+
+@pytest.mark.parametrize("name", UNIFIED_POINTS)
+def test_gradients_through_an_edit_of_a_unified_model_s_point_are_the_reference_s(name):
+    model = exact_model(**MODELS["unified"])
+    reference = Reference(model)
+    with torch.no_grad():
+        reference.forward(IDS)
+    check_gradient_through(model, name, reference.values[name].shape)
 
 
 def test_experts_weights_are_the_live_parameters():

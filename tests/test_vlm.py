@@ -331,8 +331,9 @@ def test_language_points_equal_the_text_models(name: str) -> None:
     text = text_model_of(model)
     hm, hm_text = HookedModel.wrap(model), HookedModel.wrap(text)
     assert hm.plugin.name == hm_text.plugin.name and hm.cfg.n_layers == hm_text.cfg.n_layers
-    assert [n for n in hm.hook_names if n != PROJECTOR_POINT] == hm_text.hook_names
-    assert hm.hook_names.index(PROJECTOR_POINT) == 1  # after hook_embed: the image features replace embeddings
+    assert [n for n in hm.hook_names if n not in (FEATURES_POINT, PROJECTOR_POINT)] == hm_text.hook_names
+    # after hook_embed: the image features replace embeddings
+    assert hm.hook_names[1:3] == [FEATURES_POINT, PROJECTOR_POINT]
     batch = inputs(model, n_image, image=False)
     with torch.no_grad():
         logits, cache = hm.run_with_cache(**batch)

@@ -761,3 +761,36 @@ def test_audio_projector_points_read_and_edit_as_plain_hooks_do() -> None:
     without_audio = HookedModel.wrap(_gemma4()[0])
     assert not {AUDIO_FEATURES_POINT, AUDIO_EMBEDS_POINT} & set(without_audio.hook_names)
     without_audio.unwrap()
+
+
+def test_audio_projector_points_skip_a_call_that_embeds_token_ids() -> None:
+    """A projector that also embeds token ids (Gemma 3n's ``embed_audio(input_ids=...)``, in every call) is not
+    projecting features then: neither point fires, and the features call after it is read as usual."""
+    from lensadapters.hooks.hook_point import HookPoint
+    from lensadapters.wiring.vision import FeaturesSite
+
+    class Embedder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.projection = torch.nn.Embedding(4, 3), torch.nn.Linear(2, 3)
+
+        def forward(self, input_ids: Any = None, inputs_embeds: Any = None) -> torch.Tensor:
+            return self.embedding(input_ids) if input_ids is not None else self.projection(inputs_embeds)
+
+    module = Embedder()
+    hook_in, hook_out = (
+        HookPoint("audio_projector.hook_in", lambda p: None),
+        HookPoint("audio_projector.hook_out", lambda p: None),
+    )
+    fired: list[torch.Tensor] = []
+    for point in (hook_in, hook_out):
+        point.add_hook(lambda x, hook: fired.append(x))
+    handles = FeaturesSite(module, hook_in, hook_out).install()
+    features = torch.randn(2, 2)
+    with torch.no_grad():
+        module(input_ids=torch.tensor([1, 2]))
+        assert fired == []
+        out = module(inputs_embeds=features)
+    for handle in handles:
+        handle.remove()
+    assert len(fired) == 2 and torch.equal(fired[0], features) and torch.equal(fired[1], out)

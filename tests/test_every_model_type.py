@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from lensadapters import HookedModel, Registry, UnsupportedModelError
 from lensadapters.adapters.generic import GenericAdapterWarning
 from lensadapters.adapters.generic.identify import layer_ranges
-from lensadapters.adapters.vlm import IMAGE_POINTS
+from lensadapters.adapters.vlm import AUDIO_POINTS, IMAGE_POINTS
 from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 
 #: hybrids (linear-attention or recurrent layers beside attention layers), two plain decoders, an encoder used as a
@@ -75,8 +75,8 @@ def test_wrap_refuses_by_name_or_serves_every_point(model_type: str) -> None:
             model.set_attn_implementation("eager")
             _, cache = hm.run_with_cache(ids, names_filter=lambda name: True)
             model.set_attn_implementation(implementation)
-        # every point fires, but the projector's output of a vision-language model: no image in these inputs
-        assert set(cache.keys()) == set(hm.hook_names) - set(IMAGE_POINTS)
+        # every point fires, but the projectors' of a vision-language model: no image nor audio in these inputs
+        assert set(cache.keys()) == set(hm.hook_names) - set(IMAGE_POINTS) - set(AUDIO_POINTS)
         assert torch.equal(model(ids).logits, expected)  # no hooks left, and none costs anything
         assert torch.equal(hm(ids).logits, expected)
 

@@ -8,7 +8,7 @@ model's plugin describes it: the registry chooses that plugin from the text conf
 finds the decoder stack inside the whole model, and the language model's points have their usual names. The core
 adds the projector's input (the vision tower's output as the projector reads it, :data:`IMAGE_FEATURES_POINT`) and
 its output, where image features enter the text stream (:data:`IMAGE_EMBEDS_POINT`), under TransformerLens' Bridge
-names.
+names, and the same two points of the audio projector where the model has one (:data:`AUDIO_POINTS`).
 
 Nothing here names an architecture: the model is recognized from transformers' own generic accessors.
 """
@@ -34,6 +34,16 @@ IMAGE_POINTS = (IMAGE_FEATURES_POINT, IMAGE_EMBEDS_POINT)
 #: merges neighbouring patches and maps them to the language model's width), ``multimodal_embedder`` where a vision
 #: embedder (one of those names, returning a model output, not the features) ends with it
 PROJECTOR_NAMES = ("multi_modal_projector", "embed_vision", "connector", "merger", "multimodal_embedder")
+#: the point at the audio projector's output, where audio features enter the text stream (named as the vision
+#: projector's in TransformerLens' Bridge, which names no audio projector)
+AUDIO_EMBEDS_POINT = "audio_projector.hook_out"
+#: the point at the audio projector's input: the audio tower's output as the projector reads it
+AUDIO_FEATURES_POINT = "audio_projector.hook_in"
+#: the points a model with an audio projector adds, in the order they fire; neither fires in a call without audio
+AUDIO_POINTS = (AUDIO_FEATURES_POINT, AUDIO_EMBEDS_POINT)
+#: the attribute transformers' multimodal models give the module that maps the audio tower's output to the language
+#: model's width (its output replaces the audio tokens' embeddings)
+AUDIO_PROJECTOR_NAMES = ("embed_audio",)
 
 
 def text_config(model: nn.Module) -> Any:
@@ -104,6 +114,17 @@ def projector_path(model: nn.Module) -> Optional[str]:
                 break
             found = name
     return found
+
+
+def audio_projector_path(model: nn.Module) -> Optional[str]:
+    """The path of a vision-language model's audio projector (built where its config has an ``audio_config``), or
+    ``None``."""
+    if language_model(model) is None:
+        return None
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in AUDIO_PROJECTOR_NAMES and isinstance(module, nn.Module):
+            return name
+    return None
 
 
 def _keywords(forward: Any) -> set[str]:

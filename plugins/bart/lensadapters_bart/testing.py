@@ -53,7 +53,7 @@ class BartContract(EncoderDecoderContract):
     config_strategy = bart_configs
     final_norms: ClassVar[bool] = False
     # capabilities (`lensadapters check bart`): a learned position table (hook_pos_embed, W_pos), a plain fc1/fc2 MLP
-    learned_positions: ClassVar[Optional[bool]] = True
+    learned_positions = True
     gated_mlp: ClassVar[Optional[bool]] = False
     # sdpa (the default); eager's forward without hooks is checked bitwise in tests/test_bart.py
     attn_implementations: ClassVar[Sequence[str]] = ("sdpa",)

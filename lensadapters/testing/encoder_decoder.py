@@ -182,6 +182,36 @@ class EncoderDecoderContract(AdapterContract):
         hm.unwrap()
 
 
+def check_generation_with_hooks(hm: Any, batch: dict[str, Any], ablated: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's ``generate`` with hooks attached (with its key/value cache), on a model with two decoder
+    layers: reading ``decoder.1``'s self- and cross-attention patterns leaves what is generated as it was, and they
+    are read at every step (the first reads the start token, every later one a new token against the cache); zeroing
+    ``decoder.1.hook_mlp_out`` generates what zeroing the output of ``ablated`` (the module whose output that point
+    is) by a plain PyTorch hook generates. Returns the ablated and the plain generations."""
+    model = hm.hf_model
+    kwargs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4, do_sample=False
+    )
+    plain = model.generate(**kwargs)
+    seen: list[tuple] = []
+    hm.add_hook("decoder.1.attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
+    hm.add_hook("decoder.1.cross_attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
+    assert torch.equal(hm.generate(**kwargs), plain), "reading patterns leaves generation as it was"
+    keys = batch["input_ids"].shape[1]
+    assert seen[:2] == [(2, 2, 1, 1), (2, 2, 1, keys)] and seen[-2:] == [(2, 2, 1, 4), (2, 2, 1, keys)]
+    hm.reset_hooks()
+    hm.add_hook("decoder.1.hook_mlp_out", lambda t, hook: t * 0)
+    ours = hm.generate(**kwargs)
+    hm.reset_hooks()
+    handle = ablated.register_forward_hook(lambda m, a, o: o * 0)
+    try:
+        theirs = model.generate(**kwargs)
+    finally:
+        handle.remove()
+    assert torch.equal(ours, theirs)
+    return ours, plain
+
+
 def nudge(t: torch.Tensor) -> torch.Tensor:
     """A fixed edit that changes every entry differently (and leaves ``finfo.min`` scores masked)."""
     return t + 0.05 * torch.sin(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))

@@ -21,7 +21,12 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.testing import assert_close
-from lensadapters.testing.encoder_decoder import check_edits_against_reference, check_points_against_reference, nudge
+from lensadapters.testing.encoder_decoder import (
+    check_edits_against_reference,
+    check_generation_with_hooks,
+    check_points_against_reference,
+    nudge,
+)
 from lensadapters.testing.models import reinit
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
@@ -233,28 +238,8 @@ def test_generate_with_hooks_and_cached_patterns():
     """Hugging Face's ``generate`` runs with the hooks attached (with its key/value cache): an ablation at a decoder
     point changes what is generated exactly as a plain PyTorch hook does, and patterns can be read at every step."""
     model = make_model("gated-gelu", IMPLEMENTATIONS[-1], seed=3)
-    batch = inputs(3)
     hm = HookedModel.wrap(model)
-    kwargs = dict(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4, do_sample=False
-    )
-    plain = model.generate(**kwargs)
-    seen: list[tuple] = []
-    hm.add_hook("decoder.1.attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
-    hm.add_hook("decoder.1.cross_attn.hook_pattern", lambda t, hook: seen.append(tuple(t.shape)))
-    assert torch.equal(hm.generate(**kwargs), plain), "reading patterns leaves generation as it was"
-    # the first step reads the start token, every later step one new token against the cache
-    assert seen[:2] == [(2, 2, 1, 1), (2, 2, 1, 7)] and seen[-2:] == [(2, 2, 1, 4), (2, 2, 1, 7)]
-    hm.reset_hooks()
-    hm.add_hook("decoder.1.hook_mlp_out", lambda t, hook: t * 0)
-    ours = hm.generate(**kwargs)
-    hm.reset_hooks()
-    handle = model.decoder.block[1].layer[2].dropout.register_forward_hook(lambda m, a, o: o * 0)
-    try:
-        theirs = model.generate(**kwargs)
-    finally:
-        handle.remove()
-    assert torch.equal(ours, theirs)
+    ours, plain = check_generation_with_hooks(hm, inputs(3), model.decoder.block[1].layer[2].dropout)
     hm.unwrap()
 
 

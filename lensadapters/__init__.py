@@ -15,6 +15,7 @@ from lensadapters.analysis.factored_matrix import FactoredMatrix
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.api.tl_call import Output, TransformerLensKeywordError
 from lensadapters.api.tokens import NoTokenizerError
+from lensadapters.api.unfired import UnfiredHookWarning
 from lensadapters.errors import (
     HookReturnError,
     LensAdaptersError,
@@ -62,6 +63,7 @@ __all__ = [
     "live_parameters",
     "Hooked",
     "GenericAdapterWarning",
+    "UnfiredHookWarning",
     "ContractVariant",
     "contract_variants",
     "wrapped_layers",

@@ -10,13 +10,14 @@ images in 4x4 patches, the image tokens' count the model's own (16 for LLaVA, 36
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lensadapters import HookedModel, hf
+from lensadapters import HookedModel, UnfiredHookWarning, hf
 from lensadapters.testing.models import int8_copy
 from lensadapters.testing.tiny_models import needs
 
@@ -455,6 +456,31 @@ def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> No
     assert not torch.allclose(logits_of(got), clean.logits)
     at_text = batch["input_ids"] != IMAGE_TOKEN  # (Gemma 4 embeds the padding token at the image tokens)
     assert torch.equal(cache["hook_embed"][at_text], _embeddings(model, batch["input_ids"])[at_text])
+    hm.unwrap()
+
+
+def test_a_projector_hook_that_cannot_fire_without_an_image_warns_by_name() -> None:
+    """A hook on a projector point in a forward without an image never runs (there are no image features): the
+    call warns, naming the point and what it needs, instead of leaving the user with an edit silently not made.
+    The default ``run_with_cache`` (no names asked for) and a forward with an image do not warn."""
+    model, n_image = vlm("llava")
+    text_only, with_image = inputs(model, n_image, image=False), inputs(model, n_image)
+    hm = HookedModel.wrap(model)
+    edit = [(PROJECTOR_POINT, lambda x, hook: x * 0.0)]
+    with torch.no_grad():
+        with pytest.warns(UnfiredHookWarning, match=r"vision_projector\.hook_out .*images \(pixel_values\)"):
+            hm.run_with_hooks(**text_only, fwd_hooks=edit)
+        with pytest.warns(UnfiredHookWarning, match=r"vision_projector\.hook_in"):
+            _, cache = hm.run_with_cache(**text_only, names_filter=[FEATURES_POINT])
+        assert FEATURES_POINT not in cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnfiredHookWarning)
+            hm.run_with_cache(**text_only)
+            hm.run_with_hooks(**with_image, fwd_hooks=edit)
+            with hm.hooks(edit):  # a block warns only if none of its forwards reached the point
+                hm(**text_only)
+                hm(**with_image)
+    assert not any(p.fwd_hooks for p in hm.wiring.hook_dict.values())  # the watchers went with the hooks
     hm.unwrap()
 
 

@@ -92,6 +92,7 @@ class CachingRuns:
         once, from the real forward (see :func:`lensadapters.is_recomputing`), and each gradient once.
         """
         names = self.cache_names(names_filter)
+        named = names_filter is not None  # a point asked for by name that cannot fire warns (see ``hooks``)
         device = check_cache_device(device)
         if incl_bwd:
             if torch.is_inference_mode_enabled():
@@ -137,6 +138,7 @@ class CachingRuns:
             [(n, save_grad) for n in names] if incl_bwd else [],
             reset_hooks_end,
             _readonly=True,
+            _watch=named,
         ):
             with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
                 out = self(*args, **kwargs)

@@ -26,6 +26,7 @@ from lensadapters.api.caching import DEFAULT_CACHE_EXCLUDES, CachingRuns  # noqa
 from lensadapters.api.tl_api import (
     TransformerLensAPI,  # analysis layer: tokenizer, circuits, hook namespace, nn.Module methods
 )
+from lensadapters.api.unfired import warn_unfired, watch_conditional_points
 from lensadapters.errors import LensAdaptersError, NotCausalError, PluginError, UnsupportedModelError
 from lensadapters.hooks.hook_point import HookFn, HookPoint
 from lensadapters.wiring.core import Wiring
@@ -322,6 +323,7 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
         reset_hooks_end: bool = True,
         *,
         _readonly: bool = False,
+        _watch: bool = False,
     ) -> Iterator["HookedModel"]:
         """Hooks that live only inside the ``with`` block (removed even when a hook raises).
 
@@ -352,7 +354,10 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
                     self.add_hook(name, fn, "fwd", **kw)
                 for name, fn in bwd_hooks:
                     self.add_hook(name, fn, "bwd", **kw)
+                watch = reset_hooks_end and (_watch or not _readonly)  # run_with_cache: the names it was given
+                fired = watch_conditional_points(touched, context, scope) if watch else {}
             yield self
+            warn_unfired(fired)
         finally:
             # a forward of this block interrupted by a BaseException (KeyboardInterrupt...) left its frame open
             self.wiring.forward_state.unwind(frames)

@@ -93,6 +93,9 @@ class HookPoint:
         #: the module a client put in this point's place (``hm.blocks[3].hook_resid_pre = wrapper``); the site
         #: calls it with the value, and it reaches this point's hooks by calling this point
         self.replacement: Optional[Callable[[torch.Tensor], Any]] = None
+        #: for a point that fires only in some forwards (a projector's points, in a forward with images), the
+        #: condition in words: a ``with hm.hooks(...)`` block whose forwards never reached it warns, naming it
+        self.fires_when: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"

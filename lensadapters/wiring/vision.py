@@ -28,9 +28,12 @@ def create_image_points(wiring: Any, new: Callable[[str], HookPoint]) -> tuple[O
     image and audio features that replace the image and audio tokens' embeddings); the paths of the vision and the
     audio projector, ``None`` for a model without one."""
     path, audio = projector_path(wiring.hf_model), audio_projector_path(wiring.hf_model)
-    for names in (IMAGE_POINTS if path is not None else (), AUDIO_POINTS if audio is not None else ()):
+    for names, condition in (
+        (IMAGE_POINTS if path is not None else (), "in a forward with images (pixel_values)"),
+        (AUDIO_POINTS if audio is not None else (), "in a forward with audio (input_features)"),
+    ):
         for name in names:
-            new(name)
+            new(name).fires_when = condition
     return path, audio
 
 

@@ -244,3 +244,76 @@ def test_a_linear_subclass_is_read_only_where_its_forward_is_the_linear_map() ->
     read = lensadapters_linear_weight(module=Plain(4, 3))
     assert read is not None and read.W.shape == (4, 3)
     assert lensadapters_linear_weight(module=Scaled(4, 3)) is None
+
+
+def _neo_calling_sdpa() -> torch.nn.Module:
+    """Tiny GPT-Neo whose attention modules call ``F.scaled_dot_product_attention`` in their own code (an instance
+    attribute standing for a model written so, as transformers 4.x's ``*SdpaAttention`` classes are): causal, no
+    padding, GPT-Neo's unscaled scores."""
+    model = build("gpt_neo")
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None, *rest: Any):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=1.0)
+        return out, None
+
+    for layer in model.transformer.h:
+        layer.attn.attention._attn = attend
+    return model
+
+
+def test_sdpa_in_the_models_code_is_verified_against_pytorchs_math_attention() -> None:
+    """The verification's reference for a ``scaled_dot_product_attention`` call in the model's code is PyTorch's own
+    math implementation (its weights; its output must be the kernel's): the scores and pattern are served verified,
+    the pattern is those weights, and an edit of the pattern is the same edit made by hand to them."""
+    model = _neo_calling_sdpa()
+    hm = _wrap(model)
+    found = findings(model)
+    for name in ("attn_scores", "pattern"):
+        assert f"blocks.0.attn.hook_{name}" in hm.hook_names
+        assert not found.unverified.get(f"blocks.0.attn.hook_{name}")
+    ids = input_ids()
+    _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
+    q, k, v = (cache[f"blocks.0.attn.hook_{x}"].transpose(1, 2) for x in "qkv")
+    _, weights = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True, scale=1.0)
+    torch.testing.assert_close(cache["blocks.0.attn.hook_pattern"], weights)
+
+    def halve(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.tensor([0.5, 1.0, 1.0, 1.0])[: t.shape[1], None, None]
+
+    edited = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, hook: halve(t))])
+    layer = model.transformer.h[0].attn.attention
+
+    def by_hand(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *rest: Any):
+        _, w = torch.ops.aten._scaled_dot_product_attention_math(query, key, value, is_causal=True, scale=1.0)
+        return halve(w) @ value, None
+
+    layer._attn = by_hand
+    expected = _logits(model, ids)
+    torch.testing.assert_close(edited.logits if hasattr(edited, "logits") else edited, expected)
+
+
+def test_a_wrong_sdpa_capture_is_caught_and_the_points_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving the explicit sdpa with its keys reversed fails the verification against PyTorch's math attention."""
+    right = softmax_capture.as_heads
+    monkeypatch.setattr(softmax_capture, "as_heads", lambda t, heads: right(t, heads).flip(-1))
+    model = _neo_calling_sdpa()
+    hm = _wrap(model)
+    assert "blocks.0.attn.hook_pattern" not in hm.hook_names
+    assert "not the reference" in findings(model).unverified["blocks.0.attn.hook_pattern"]
+
+
+def test_key_heads_the_model_repeated_are_read_once_and_a_routers_softmax_is_no_attention() -> None:
+    """Grouped-query attention written in the model's code repeats each key/value head per query head before the
+    product: the call's keys and values are each head once (the projections give those). A softmax over a
+    ``[tokens, experts]`` matrix beside the attention (a router's) does not make the layer's attention ambiguous."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 3, 4, generator=g) for h in (4, 2, 2))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    repeated = tuple(t.repeat_interleave(2, dim=1) for t in (k, v))
+    router = torch.softmax(torch.randn(3, 8, generator=g), -1)
+    ops = [_Op("sdpa", "attn", (q, *repeated), out), _Op("softmax", "mlp.gate", (router,), router)]
+    layer = torch.nn.Module()
+    layer.attn = torch.nn.Module()
+    parts, why = own_call(layer, 0, ops, 1)
+    assert parts is not None, why
+    assert parts["kv_heads"] == 2 and torch.equal(parts["key"], k) and torch.equal(parts["value"], v)

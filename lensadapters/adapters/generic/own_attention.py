@@ -18,7 +18,14 @@ From there the automatic description (:mod:`.describe`) proceeds as for an inter
 must read ``z`` with heads merged (so ``pattern @ v`` is ``hook_z`` on the probe), and the projections must give the
 queries, keys and values. The scores and pattern are then served by the capture of the core
 (:mod:`lensadapters.hooks.softmax_capture`) and verified against :func:`softmax_reference`, a separate plain mode
-that reads and edits the same softmax by hand.
+that reads and edits the same softmax by hand; for a ``scaled_dot_product_attention`` call, against PyTorch's own
+math implementation of it (``aten::_scaled_dot_product_attention_math``, which returns the weights; its output must
+be the kernel's), and ``hook_rot_q``/``hook_rot_k`` against the queries and keys the call gets
+(:func:`operand_reference`).
+
+A softmax of a 2-D matrix beside the attention (a router's, over experts) is not an attention candidate. Keys and
+values the model repeated per query head before the product (grouped-query attention written out) are read once
+per key/value head, as the projections give them.
 """
 
 from __future__ import annotations
@@ -135,9 +142,22 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
     return bool(torch.allclose(a.reshape(b.shape).float(), b.float(), atol=1e-5, rtol=1e-4))
 
 
+def _unrepeated(t: Tensor) -> Tensor:
+    """``t`` ``[b, heads, n, d]`` with each head repeated ``g`` times in a row (``repeat_interleave``, as a model
+    repeats a grouped-query attention's key/value heads before the product): one of each, the largest ``g`` that
+    reproduces ``t`` exactly; ``t`` itself where no head repeats."""
+    heads = t.shape[1]
+    for g in range(heads, 1, -1):
+        if heads % g == 0 and torch.equal(t[:, ::g].repeat_interleave(g, dim=1), t):
+            return t[:, ::g]
+    return t
+
+
 def own_call(layer: nn.Module, i: int, ops: list[_Op], batch: int) -> tuple[Optional[dict[str, Any]], str]:
     """``(parts of the call, "")`` for layer ``i`` (see the module docstring), or ``(None, why not)``."""
     attention = [op for op in ops if op.kind in ("softmax", "sdpa")]
+    if len(attention) > 1:  # a router's softmax (over experts, of a [tokens, experts] matrix) is no attention's
+        attention = [op for op in attention if op.kind == "sdpa" or op.output.dim() in (3, 4)]
     if len(attention) != 1:
         return None, (
             "the layers compute no softmax in the model's own code"
@@ -169,6 +189,7 @@ def own_call(layer: nn.Module, i: int, ops: list[_Op], batch: int) -> tuple[Opti
         z = after[0].output
     q, k, v, z = (_four(t, batch) for t in (q, k, v, z))
     heads = q.shape[1]
+    k, v = _unrepeated(k), _unrepeated(v)  # grouped-query attention whose keys the model repeated per query head
     if (
         z.shape[1] != heads
         or k.shape[-2] != v.shape[-2]
@@ -191,6 +212,40 @@ def own_call(layer: nn.Module, i: int, ops: list[_Op], batch: int) -> tuple[Opti
 # --- the reference of the verification -------------------------------------------------------------------------
 
 
+def _safe_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the keys, a row that may see no key giving zeros (as PyTorch's attention does)."""
+    dead = torch.isneginf(scores).all(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+
+
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa_weights_reference(args: tuple, kwargs: dict, kernel_out: Tensor) -> tuple[dict, Tensor, Tensor]:
+    """PyTorch's own math implementation of ``scaled_dot_product_attention`` (``aten::_scaled_dot_product_attention_
+    math``, which returns the attention weights), on the model's arguments; its output must be the kernel's (else the
+    weights are not what the model used and nothing is checked). Returns the arguments by name, the weights
+    ``[b, heads, q, k]`` and the values with one head per query head."""
+    given = {**dict(zip(_SDPA_ARGUMENTS, args)), **kwargs}
+    q, k, v = given["query"], given["key"], given["value"]
+    if given.get("dropout_p", 0.0) or q.dim() != 4:
+        raise RuntimeError("the reference reads no dropout and [b, heads, p, d] queries only")
+    out, weights = torch.ops.aten._scaled_dot_product_attention_math(
+        q,
+        k,
+        v,
+        given.get("attn_mask"),
+        0.0,
+        bool(given.get("is_causal", False)),
+        scale=given.get("scale"),
+        enable_gqa=bool(given.get("enable_gqa", False)) or k.shape[1] != q.shape[1],
+    )
+    if not torch.allclose(out.double(), kernel_out.double(), atol=1e-5, rtol=1e-4):
+        raise RuntimeError("PyTorch's math attention does not reproduce the model's scaled_dot_product_attention")
+    groups = q.shape[1] // v.shape[1]
+    return given, weights, v.repeat_interleave(groups, dim=1) if groups > 1 else v
+
+
 class _PlainSoftmax(TorchFunctionMode):
     """Reads (and edits with ``edit``) the first softmax of one call: its input (``part`` ``scores``) or its output
     (``weights``), viewed ``[b, heads, q, k]``."""
@@ -203,8 +258,33 @@ class _PlainSoftmax(TorchFunctionMode):
     def _view(self, t: Tensor) -> Tensor:
         return t if t.dim() == 4 else t.unflatten(0, (-1, self.heads))
 
+    def _sdpa(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """A ``scaled_dot_product_attention`` call: its weights from PyTorch's math implementation, its scores
+        ``q·kᵀ·scale`` masked (which that softmax must reproduce); an edit recomputes ``softmax · v`` by hand."""
+        kernel = func(*args, **kwargs)
+        given, weights, v = _sdpa_weights_reference(args, kwargs, kernel)
+        if self.part == "weights":
+            self.seen.append(weights.detach().clone())
+            return kernel if self.edit is None else self.edit(weights).to(v.dtype) @ v
+        q, k = given["query"], given["key"]
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1) if k.shape[1] != q.shape[1] else k
+        scale = given.get("scale")
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if given.get("is_causal"):  # PyTorch's documented causal mask: aligned at the top left
+            scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), float("-inf"))
+        mask = given.get("attn_mask")
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        if not torch.allclose(_safe_softmax(scores).double(), weights.double(), atol=1e-6, rtol=1e-4):
+            raise RuntimeError("the masked scores q·kᵀ·scale do not give PyTorch's math attention weights")
+        self.seen.append(scores.detach().clone())
+        return kernel if self.edit is None else _safe_softmax(self.edit(scores)).to(v.dtype) @ v
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is SDPA and not self.done:
+            self.done = True
+            return self._sdpa(func, args, kwargs)
         if func not in SOFTMAX_FUNCTIONS or self.done:
             return func(*args, **kwargs)
         self.done = True
@@ -223,12 +303,45 @@ class _PlainSoftmax(TorchFunctionMode):
 def softmax_reference(
     module: nn.Module, part: str, heads: int, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]
 ) -> Any:
-    """Plain hooks on ``module`` that read (into ``seen``) and edit the scores or weights of its first softmax in
-    each call; the handle removes them."""
-    modes: list[_PlainSoftmax] = []
+    """Plain hooks on ``module`` that read (into ``seen``) and edit the scores or weights of its first softmax (or
+    ``scaled_dot_product_attention`` call) in each call; the handle removes them."""
+    return _per_call(module, lambda: _PlainSoftmax(part, heads, edit, seen))
+
+
+class _PlainOperand(TorchFunctionMode):
+    """Reads (and edits with ``edit``) the queries (``index`` 0) or keys (1) the first
+    ``scaled_dot_product_attention`` call of one module call gets, viewed ``[b, p, heads, d]``."""
+
+    def __init__(self, index: int, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> None:
+        super().__init__()
+        self.index, self.edit, self.seen = index, edit, seen
+        self.done = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SOFTMAX_FUNCTIONS and not self.done:
+            raise RuntimeError("the attention is a softmax in the model's code, not scaled_dot_product_attention")
+        if func is not SDPA or self.done:
+            return func(*args, **kwargs)
+        self.done = True
+        given = {**dict(zip(_SDPA_ARGUMENTS, args)), **kwargs}
+        name = _SDPA_ARGUMENTS[self.index]
+        value = given[name]
+        once = _unrepeated(value)  # keys the model repeated per query head: the point shows each head once
+        groups = value.shape[1] // once.shape[1]
+        self.seen.append(once.transpose(1, 2).detach().clone())
+        if self.edit is not None:
+            given[name] = self.edit(once.transpose(1, 2)).transpose(1, 2).repeat_interleave(groups, dim=1)
+        return func(**given)
+
+
+def _per_call(module: nn.Module, make: Callable[[], TorchFunctionMode]) -> Any:
+    """Push a fresh mode from ``make`` for each call of ``module`` (popped also when the call raises); the handle
+    removes the hooks."""
+    modes: list[TorchFunctionMode] = []
 
     def push(module: nn.Module, args: tuple) -> None:
-        mode = _PlainSoftmax(part, heads, edit, seen)
+        mode = make()
         modes.append(mode)
         mode.__enter__()
 
@@ -244,6 +357,14 @@ def softmax_reference(
                 handle.remove()
 
     return _Remove()
+
+
+def operand_reference(
+    module: nn.Module, part: str, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]
+) -> Any:
+    """Plain hooks on ``module`` that read (into ``seen``) and edit the queries (``part`` ``query``) or keys its
+    ``scaled_dot_product_attention`` call gets in each call; the handle removes them."""
+    return _per_call(module, lambda: _PlainOperand(0 if part == "query" else 1, edit, seen))
 
 
 def unscaled_query(query: Tensor, outputs: list[Tensor]) -> Tensor:

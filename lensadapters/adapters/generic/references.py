@@ -173,7 +173,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
         return None
     if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
-        return Reference("attn", layer=i, part="query" if rest.endswith("q") else "key")
+        part = "query" if rest.endswith("q") else "key"
+        if i in OWN_CODE.get(model, {}):  # attention in the model's own code: the operand its sdpa call gets
+            return Reference("operand", get(bl.attn), layer=i, part=part)
+        return Reference("attn", layer=i, part=part)
     if rest == "attn.hook_z":
         view, unview = _heads(n)
         return Reference("in", get(bl.o_proj), view, unview)

@@ -43,7 +43,7 @@ from lensadapters.adapters.generic.eager_reference import (
     _plan,
     _verify_key,
 )
-from lensadapters.adapters.generic.own_attention import softmax_reference
+from lensadapters.adapters.generic.own_attention import operand_reference, softmax_reference
 from lensadapters.adapters.generic.references import (  # noqa: F401  (OPAQUE_BRANCHES: the old import path)
     OPAQUE_BRANCHES,
     Reference,
@@ -189,6 +189,8 @@ def _plain_hook(
         return _head_input_hooks(ref, edit, seen, row)
     if ref.kind == "softmax":  # attention in the model's own code: its softmax's input or output
         return softmax_reference(ref.module, ref.part, ref.spec, edit, seen)
+    if ref.kind == "operand":  # attention in the model's own code: the queries or keys its sdpa call gets
+        return operand_reference(ref.module, ref.part, edit, seen)
     if ref.kind == "arg":  # the positional argument ``ref.spec`` of the module's call
         index = ref.spec
 

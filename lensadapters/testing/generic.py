@@ -150,8 +150,7 @@ class GenericContract(GenericEdits):
     @_SETTINGS
     @given(data=st.data())
     def test_identity_hooks_fire_in_order_and_keep_logits(self, data: st.DataObject) -> None:
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         calls: list[str] = []
 
         def copy(t: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -172,8 +171,7 @@ class GenericContract(GenericEdits):
     def test_residual_points_are_the_hidden_states(self, data: st.DataObject) -> None:
         """``resid_pre``/``resid_post`` are HF's ``output_hidden_states``, the final norm's output is what the
         unembedding reads, and where attention and MLP outputs are served the residual stream is their sum."""
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         v, n = inputs.valid, hm.cfg.n_layers
         unembedded: list[torch.Tensor] = []
         head = model.get_output_embeddings()
@@ -206,8 +204,7 @@ class GenericContract(GenericEdits):
         if self.patterns is False:
             pytest.skip("this architecture gets no attention patterns")
         impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
-        _, model, inputs = self.draw(data, impl)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data, impl)
         assume(any(n.endswith("attn.hook_pattern") for n in hm.hook_names))
         impl = model.config._attn_implementation
         with torch.no_grad():

@@ -28,8 +28,7 @@ class GenericEdits(GenericBase):
     @_SETTINGS
     @given(data=st.data())
     def test_every_point_edit_changes_the_logits(self, data: st.DataObject) -> None:
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         v = inputs.valid
         with torch.no_grad():
             reference = hm(**inputs.kwargs()).logits
@@ -53,8 +52,7 @@ class GenericEdits(GenericBase):
         would do with that value: the residual points and the final norm then give the other tokens' logits; an
         attention or MLP output enters the residual stream as is; hook_z determines the attention output and the
         scores the pattern."""
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         name = data.draw(st.sampled_from(hm.hook_names), label="point")
         v = inputs.valid
         other = self.other_inputs(inputs, hm.W_E.shape[0], data.draw(st.integers(0, 2**16), label="other"))
@@ -103,8 +101,7 @@ class GenericEdits(GenericBase):
         position's ``hook_z`` that token's; zeroing ``hook_z`` leaves only the output projection's bias."""
         if self.attention_function is False:
             pytest.skip("this architecture does not call the attention interface")
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         layers = [i for i in range(hm.cfg.n_layers) if f"blocks.{i}.attn.hook_z" in hm.hook_names]
         assume(layers)
         i = data.draw(st.sampled_from(layers), label="layer")
@@ -150,8 +147,7 @@ class GenericEdits(GenericBase):
     @_SETTINGS
     @given(data=st.data())
     def test_in_place_edits_equal_returned_edits(self, data: st.DataObject) -> None:
-        _, model, inputs = self.draw(data)
-        hm = self.wrap(model)
+        _, model, inputs, hm = self.draw_wrapped(data)
         name = data.draw(st.sampled_from(hm.hook_names), label="point")
 
         def in_place(t: torch.Tensor, hook: Any) -> None:
@@ -166,8 +162,7 @@ class GenericEdits(GenericBase):
     @_SETTINGS
     @given(data=st.data())
     def test_edits_during_generation_match_one_pass(self, data: st.DataObject) -> None:
-        config, model, inputs = self.draw(data, left_padding=False)
-        hm = self.wrap(model)
+        config, model, inputs, hm = self.draw_wrapped(data, left_padding=False)
         layer = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
         options = [
             n

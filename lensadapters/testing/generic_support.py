@@ -155,6 +155,13 @@ class GenericBase(GradientContract):
         inputs = data.draw(token_inputs(vocab, self.max_batch, 2, self.max_len, left_padding), label="inputs")
         return config, model, inputs
 
+    def draw_wrapped(
+        self, data: st.DataObject, attn_implementation: Optional[str] = None, left_padding: bool = True
+    ) -> tuple[Any, torch.nn.Module, Inputs, HookedModel]:
+        """:meth:`draw`, and the model wrapped (:meth:`wrap`)."""
+        config, model, inputs = self.draw(data, attn_implementation, left_padding)
+        return config, model, inputs, self.wrap(model)
+
     @staticmethod
     def other_inputs(inputs: Inputs, vocab: int, seed: int) -> dict:
         """Other tokens with the same shape and mask (positions, padding, masks stay the same)."""

@@ -219,6 +219,17 @@ def make_patch(source: torch.Tensor, head: int) -> Callable[..., torch.Tensor]:
     return patch
 
 
+def tl_style(lib: str, model: Any, ids: torch.Tensor, z_name: str, patch: Callable[..., Any]) -> dict:
+    """The four scenarios of a library with TransformerLens' API (``model(ids)``, ``run_with_cache``,
+    ``run_with_hooks``): ``{(lib, scenario): fn}``."""
+    return {
+        (lib, "forward"): lambda: model(ids),
+        (lib, "cache_resid"): lambda: model.run_with_cache(ids, names_filter=is_resid_post),
+        (lib, "cache_all"): lambda: model.run_with_cache(ids),
+        (lib, "patch_head"): lambda: model.run_with_hooks(ids, fwd_hooks=[(z_name, patch)]),
+    }
+
+
 def variants_for(
     kind: str, layers: int, libs: list[str], batch: int, length: int, memory: bool = False
 ) -> tuple[dict, dict]:
@@ -248,26 +259,17 @@ def variants_for(
         from lensadapters import HookedModel
 
         hm = HookedModel.wrap(build_hf(kind, layers, "sdpa", state))
-        v[("lensadapters", "forward")] = lambda: hm(ids)
-        v[("lensadapters", "cache_resid")] = lambda: hm.run_with_cache(ids, names_filter=is_resid_post)
-        v[("lensadapters", "cache_all")] = lambda: hm.run_with_cache(ids)
-        v[("lensadapters", "patch_head")] = lambda: hm.run_with_hooks(ids, fwd_hooks=[(z_name, patch)])
+        v.update(tl_style("lensadapters", hm, ids, z_name, patch))
         facts["hook_points"]["lensadapters"] = len(hm.cache_names())
         if memory:
             v[("lensadapters", "cache_all_cpu")] = lambda: hm.run_with_cache(ids, device="cpu")
     if "tl_hooked" in libs:
         ht = tl_hooked_from(sdpa)
-        v[("tl_hooked", "forward")] = lambda: ht(ids)
-        v[("tl_hooked", "cache_resid")] = lambda: ht.run_with_cache(ids, names_filter=is_resid_post)
-        v[("tl_hooked", "cache_all")] = lambda: ht.run_with_cache(ids)
-        v[("tl_hooked", "patch_head")] = lambda: ht.run_with_hooks(ids, fwd_hooks=[(z_name, patch)])
+        v.update(tl_style("tl_hooked", ht, ids, z_name, patch))
         facts["hook_points"]["tl_hooked"] = len(ht.hook_dict)
     if "tl_bridge" in libs:
         br = tl_bridge_from(sdpa)
-        v[("tl_bridge", "forward")] = lambda: br(ids)
-        v[("tl_bridge", "cache_resid")] = lambda: br.run_with_cache(ids, names_filter=is_resid_post)
-        v[("tl_bridge", "cache_all")] = lambda: br.run_with_cache(ids)
-        v[("tl_bridge", "patch_head")] = lambda: br.run_with_hooks(ids, fwd_hooks=[(z_name, patch)])
+        v.update(tl_style("tl_bridge", br, ids, z_name, patch))
         facts["hook_points"]["tl_bridge"] = len(br.hook_dict)
     if "nnsight" in libs:
         import nnsight

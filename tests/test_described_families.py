@@ -11,7 +11,7 @@ without RoPE), Helium (interleaved rotary); Cohere, Granite and StableLM are in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 from transformers import AutoConfig
@@ -47,51 +47,43 @@ def _configs(model_type: str, **extra: Any) -> st.SearchStrategy:
     return configs()
 
 
-def _alternating(model_type: str, **extra: Any) -> st.SearchStrategy:
-    """Sliding (window 3) and full-attention layers, alternating."""
-    return _configs(
-        model_type,
-        sliding_window=3,
-        layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
-        **extra,
-    )
+#: sliding (window 3) and full-attention layers, alternating
+ALTERNATING = dict(
+    sliding_window=3,
+    layer_types=lambda n: [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)],
+)
 
 
 class _Described(GenericContract):
     described = branches = attention_function = patterns = final_norm = True
+    model_type: ClassVar[str]
+    #: the family's own config fields (a strategy is drawn, a function is given the number of layers)
+    fields: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy:
+        return _configs(cls.model_type, **cls.fields)
 
 
 class TestCohere2(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _alternating("cohere2")
+    model_type, fields = "cohere2", ALTERNATING
 
 
 class TestSmolLM3(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _configs("smollm3", no_rope_layers=lambda n: [int(i % 2 == 0) for i in range(n)])
+    model_type, fields = "smollm3", dict(no_rope_layers=lambda n: [int(i % 2 == 0) for i in range(n)])
 
 
 class TestOlmo3(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _alternating("olmo3")
+    model_type, fields = "olmo3", ALTERNATING
 
 
 class TestGlm4(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _configs("glm4", partial_rotary_factor=st.sampled_from([0.5, 1.0]), attention_bias=st.booleans())
+    model_type, fields = "glm4", dict(partial_rotary_factor=st.sampled_from([0.5, 1.0]), attention_bias=st.booleans())
 
 
 class TestExaone4(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _alternating("exaone4")
+    model_type, fields = "exaone4", ALTERNATING
 
 
 class TestHelium(_Described):
-    @classmethod
-    def configs(cls) -> st.SearchStrategy:
-        return _configs("helium", attention_bias=st.booleans(), mlp_bias=st.booleans())
+    model_type, fields = "helium", dict(attention_bias=st.booleans(), mlp_bias=st.booleans())

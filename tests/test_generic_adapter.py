@@ -28,6 +28,7 @@ from lensadapters.demo import tiny_model
 from lensadapters.generic import GenericAdapterWarning
 from lensadapters.testing import assert_close, reinit
 from lensadapters.testing.census import CANONICAL
+from lensadapters.testing.models import EmbedAndHead
 
 PLUGIN_FAMILIES = ("llama", "gpt2", "gpt_neox")
 #: families the automatic description serves every canonical point of (the others: what it verifies)
@@ -199,7 +200,7 @@ class _LoopConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-class _LoopedDecoder(PreTrainedModel):
+class _LoopedDecoder(EmbedAndHead, PreTrainedModel):
     """A model of someone's own: an embedding, a list of residual layers that it may run more than once, a norm."""
 
     config_class = _LoopConfig
@@ -211,12 +212,6 @@ class _LoopedDecoder(PreTrainedModel):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(config.num_hidden_layers))
         self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, config.vocab_size)
-
-    def get_input_embeddings(self):
-        return self.embed
-
-    def get_output_embeddings(self):
-        return self.head
 
     def forward(self, input_ids, **kwargs):
         x = self.embed(input_ids)

@@ -69,6 +69,21 @@ def _llama_like(config_class: type, **extra: Any) -> st.SearchStrategy:
     return configs()
 
 
+#: the sizes of a tiny model: width, layers, heads, MLP width, positions
+SIZES = (st.just(32), st.integers(1, 3), st.sampled_from([2, 4]), st.just(48), st.just(64))
+LLAMA_NAMES = "hidden_size num_hidden_layers num_attention_heads intermediate_size max_position_embeddings"
+
+
+def _builds(config_class: type, names: str, ids: dict = IDS, **fields: Any) -> st.SearchStrategy:
+    """Configs of ``config_class`` of the tiny sizes (``names``: the config's names for width, layers, heads, MLP
+    width and positions, ``-`` for one it lacks), vocabulary ``VOCAB``, the token ids ``ids`` and ``fields`` (a
+    strategy is drawn, any other value is fixed; they may replace sizes)."""
+    sized = {name: size for name, size in zip(names.split(), SIZES) if name != "-"}
+    fixed = {"vocab_size": VOCAB, **ids, **fields}
+    drawn = {k: v if isinstance(v, st.SearchStrategy) else st.just(v) for k, v in fixed.items()}
+    return st.builds(config_class, **{**sized, **drawn})
+
+
 class TestFalcon(GenericContract):
     attn_implementations = ("sdpa", "eager")
     # attention in its own code: described (patterns by the softmax capture) where the probe verifies it
@@ -103,15 +118,8 @@ class TestBloom(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(
-            BloomConfig,
-            vocab_size=st.just(VOCAB),
-            hidden_size=st.just(32),
-            n_layer=st.integers(1, 3),
-            n_head=st.sampled_from([2, 4]),
-            **{k: st.just(v) for k, v in IDS.items()},
-            apply_residual_connection_post_layernorm=st.booleans(),
-        )
+        post_ln = dict(apply_residual_connection_post_layernorm=st.booleans())
+        return _builds(BloomConfig, "hidden_size n_layer n_head - -", **post_ln)
 
 
 class TestGPTNeo(GenericContract):
@@ -145,18 +153,8 @@ class TestCodeGen(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(
-            CodeGenConfig,
-            vocab_size=st.just(VOCAB),
-            n_embd=st.just(32),
-            n_layer=st.integers(1, 3),
-            n_head=st.just(4),
-            rotary_dim=st.sampled_from([4, 8]),
-            n_inner=st.just(48),
-            n_positions=st.just(64),
-            bos_token_id=st.just(1),
-            eos_token_id=st.just(2),
-        )
+        names, ids = "n_embd n_layer n_head n_inner n_positions", dict(bos_token_id=1, eos_token_id=2)
+        return _builds(CodeGenConfig, names, ids, n_head=4, rotary_dim=st.sampled_from([4, 8]))
 
 
 class TestStableLm(GenericContract):
@@ -188,17 +186,7 @@ class TestGPTBigCode(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(
-            GPTBigCodeConfig,
-            vocab_size=st.just(VOCAB),
-            n_embd=st.just(32),
-            n_layer=st.integers(1, 3),
-            n_head=st.sampled_from([2, 4]),
-            n_inner=st.just(48),
-            n_positions=st.just(64),
-            multi_query=st.booleans(),
-            **{k: st.just(v) for k, v in IDS.items()},
-        )
+        return _builds(GPTBigCodeConfig, "n_embd n_layer n_head n_inner n_positions", multi_query=st.booleans())
 
 
 class TestCohere(GenericContract):
@@ -249,21 +237,8 @@ class TestPersimmon(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        @st.composite
-        def configs(draw: Any) -> Any:
-            return PersimmonConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=draw(st.integers(1, 3)),
-                num_attention_heads=4,
-                qk_layernorm=draw(st.booleans()),
-                max_position_embeddings=64,
-                partial_rotary_factor=draw(st.sampled_from([0.5, 1.0])),
-                **IDS,
-            )
-
-        return configs()
+        own = dict(num_attention_heads=4, qk_layernorm=st.booleans(), partial_rotary_factor=st.sampled_from([0.5, 1.0]))
+        return _builds(PersimmonConfig, LLAMA_NAMES, **own)
 
 
 class TestBioGpt(GenericContract):
@@ -272,14 +247,4 @@ class TestBioGpt(GenericContract):
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
-        return st.builds(
-            BioGptConfig,
-            vocab_size=st.just(VOCAB),
-            hidden_size=st.just(32),
-            num_hidden_layers=st.integers(1, 3),
-            num_attention_heads=st.sampled_from([2, 4]),
-            intermediate_size=st.just(48),
-            max_position_embeddings=st.just(64),
-            scale_embedding=st.booleans(),
-            **{k: st.just(v) for k, v in IDS.items()},
-        )
+        return _builds(BioGptConfig, LLAMA_NAMES, scale_embedding=st.booleans())

@@ -16,6 +16,7 @@ from lensadapters.errors import WeightUnavailableError
 from lensadapters.generic import GenericAdapterWarning
 from lensadapters.sites import first_input, replace_first_input
 from lensadapters.testing import reinit
+from lensadapters.testing.models import EmbedAndHead
 
 SHAPE = dict(
     vocab_size=96,
@@ -118,7 +119,7 @@ def test_a_softcapped_head_gets_no_w_u_and_scaled_embeddings_are_found() -> None
         hm.unwrap()
 
 
-class _DeltaLayers(torch.nn.Module):
+class _DeltaLayers(EmbedAndHead, torch.nn.Module):
     """A model of someone's own whose layers return only their change: ``x = x + layer(x)`` in the model's forward."""
 
     def __init__(self) -> None:
@@ -129,12 +130,6 @@ class _DeltaLayers(torch.nn.Module):
         self.embed = torch.nn.Embedding(16, 8)
         self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
         self.head = torch.nn.Linear(8, 16)
-
-    def get_input_embeddings(self):
-        return self.embed
-
-    def get_output_embeddings(self):
-        return self.head
 
     def forward(self, input_ids, **kwargs):
         from transformers.modeling_outputs import CausalLMOutput

@@ -4,6 +4,7 @@ test_tl_reference.py); here: what a sweep must find, shapes, index rows, progres
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -102,42 +103,28 @@ def test_key_value_sweeps_run_over_key_value_heads() -> None:
     hm.unwrap()
 
 
+def resid_pre_patch(*run: Any, **kw: Any) -> Any:
+    """``generic_activation_patch`` of ``resid_pre`` by (layer, pos); ``run``: model, tokens, cache, metric."""
+    return patching.generic_activation_patch(*run, patching.layer_pos_patch_setter, "resid_pre", **kw)
+
+
 def test_index_rows_give_a_flat_result_and_the_sweep_shows_progress(capsys) -> None:
     hm, corrupted, cache, metric, _, _ = setup(first_causal(), 2)
     full = patching.get_act_patch_resid_pre(hm, corrupted, cache, metric)
     assert "patching resid_pre" in capsys.readouterr().err  # a tqdm progress bar
     rows = [[0, 1], [hm.cfg.n_layers - 1, 3]]
-    flat = patching.generic_activation_patch(
-        hm, corrupted, cache, metric, patching.layer_pos_patch_setter, "resid_pre", index_df=rows
-    )
+    flat = resid_pre_patch(hm, corrupted, cache, metric, index_df=rows)
     assert torch.allclose(flat, torch.stack([full[0, 1], full[-1, 3]]), atol=1e-6)
     with pytest.raises(ValueError, match="not both"):
-        patching.generic_activation_patch(
-            hm,
-            corrupted,
-            cache,
-            metric,
-            patching.layer_pos_patch_setter,
-            "resid_pre",
-            index_axis_names=("layer", "pos"),
-            index_df=rows,
-        )
+        resid_pre_patch(hm, corrupted, cache, metric, index_axis_names=("layer", "pos"), index_df=rows)
     hm.unwrap()
 
 
 def test_return_index_df_gives_a_dataframe() -> None:
     pandas = pytest.importorskip("pandas")
     hm, corrupted, cache, metric, _, _ = setup(first_causal(), 2)
-    result, frame = patching.generic_activation_patch(
-        hm,
-        corrupted,
-        cache,
-        metric,
-        patching.layer_pos_patch_setter,
-        "resid_pre",
-        index_axis_names=("layer", "pos"),
-        return_index_df=True,
-    )
+    by = ("layer", "pos")
+    result, frame = resid_pre_patch(hm, corrupted, cache, metric, index_axis_names=by, return_index_df=True)
     assert isinstance(frame, pandas.DataFrame) and list(frame.columns) == ["layer", "pos"]
     assert len(frame) == result.numel()
     hm.unwrap()

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaC
 
 from lensadapters import HookedModel
 from lensadapters.guard import ModuleReplacedError, site_modules
+from lensadapters.hf import size_fields
 from lensadapters.testing import assert_close, reinit
 
 
@@ -35,22 +36,10 @@ def _build(config: Any, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
 CONFIGS: dict[str, Callable[[], Any]] = {
     "gpt2": lambda: GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=32),
     "gpt_neox": lambda: GPTNeoXConfig(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=32,
-        max_position_embeddings=32,
-        rotary_pct=0.5,
+        **size_fields(hidden=16, layers=2, heads=2, d_mlp=32, vocab=32, positions=32), rotary_pct=0.5
     ),
     "llama": lambda: LlamaConfig(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=32,
-        max_position_embeddings=32,
+        **size_fields(hidden=16, d_mlp=24, layers=2, heads=4, kv_heads=2, vocab=32, positions=32)
     ),
 }
 

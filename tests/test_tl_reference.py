@@ -299,9 +299,10 @@ def la_tokens(hm: HookedModel, texts: list[str], side: str) -> tuple[torch.Tenso
 # --- ActivationCache methods ----------------------------------------------------------------------------------
 
 
-def _both(ours_fn: Any, theirs_fn: Any, **kw: Any) -> tuple:
-    a, la = ours_fn(return_labels=True, **kw)
-    b, lb = quiet(theirs_fn, return_labels=True, **kw)
+def _both(ours: Any, theirs: Any, method: str, **kw: Any) -> tuple:
+    """``method`` of both caches with ``kw`` (and the labels, which must agree, as the shapes must)."""
+    a, la = getattr(ours, method)(return_labels=True, **kw)
+    b, lb = quiet(getattr(theirs, method), return_labels=True, **kw)
     assert la == lb, f"labels differ for {kw}: {la} vs {lb}"
     assert a.shape == b.shape, f"shapes differ for {kw}: {tuple(a.shape)} vs {tuple(b.shape)}"
     return a, b
@@ -330,34 +331,35 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
         mid = data.draw(st.booleans(), label="incl_mid") and not parallel
 
         # accumulated_resid: identical; apply_ln at the final layer recomputes the final norm (as TransformerLens)
-        a, b = _both(ours.accumulated_resid, theirs.accumulated_resid, layer=layer, incl_mid=mid, pos_slice=pos)
+        a, b = _both(ours, theirs, "accumulated_resid", layer=layer, incl_mid=mid, pos_slice=pos)
         check(a, b, "accumulated_resid")
-        a, b = _both(ours.accumulated_resid, theirs.accumulated_resid, apply_ln=True, pos_slice=pos)
+        a, b = _both(ours, theirs, "accumulated_resid", apply_ln=True, pos_slice=pos)
         check(a, b, "accumulated_resid(apply_ln) at the unembed")
         if not parallel:
-            a, b = _both(ours.accumulated_resid, theirs.accumulated_resid, layer=below, mlp_input=True, apply_ln=True)
+            a, b = _both(ours, theirs, "accumulated_resid", layer=below, mlp_input=True, apply_ln=True)
             check(a, b * _norm_weight(hm, below, True), "accumulated_resid(mlp_input, apply_ln)")
 
         # decompose_resid; with apply_ln: TransformerLens' values times the norm's weight
         mode = data.draw(st.sampled_from(["all", "attn", "mlp"]), label="mode")
-        a, b = _both(ours.decompose_resid, theirs.decompose_resid, layer=layer, mode=mode, pos_slice=pos)
+        a, b = _both(ours, theirs, "decompose_resid", layer=layer, mode=mode, pos_slice=pos)
         check(a, b, "decompose_resid")
-        a, b = _both(ours.decompose_resid, theirs.decompose_resid, layer=layer, apply_ln=True, pos_slice=pos)
+        a, b = _both(ours, theirs, "decompose_resid", layer=layer, apply_ln=True, pos_slice=pos)
         check(a, b * _norm_weight(hm, layer, False), "decompose_resid(apply_ln)")
         if not parallel:  # a parallel block's MLP does not read its attention output (TransformerLens adds it)
-            a, b = _both(ours.decompose_resid, theirs.decompose_resid, layer=below, mlp_input=True)
+            a, b = _both(ours, theirs, "decompose_resid", layer=below, mlp_input=True)
             check(a, b, "decompose_resid(mlp_input)")
 
         # heads
         a, b = _both(
-            ours.stack_head_results,
-            theirs.stack_head_results,
+            ours,
+            theirs,
+            "stack_head_results",
             layer=layer,
             pos_slice=pos,
             incl_remainder=data.draw(st.booleans(), label="incl_remainder"),
         )
         check(a, b, "stack_head_results")
-        a, b = _both(ours.stack_head_results, theirs.stack_head_results, layer=layer, apply_ln=True)
+        a, b = _both(ours, theirs, "stack_head_results", layer=layer, apply_ln=True)
         check(a, b * _norm_weight(hm, layer, False), "stack_head_results(apply_ln)")
         check(ours.stack_activation("pattern"), theirs.stack_activation("pattern"), "stack_activation")
 
@@ -371,8 +373,9 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
         # (an int neuron_slice breaks TransformerLens' stack_neuron_results: it labels and stacks by iterating it)
         neurons = data.draw(st.sampled_from([None, (0, 3), [0, 2]]), label="neuron_slice")
         a, b = _both(
-            ours.stack_neuron_results,
-            theirs.stack_neuron_results,
+            ours,
+            theirs,
+            "stack_neuron_results",
             layer=layer,
             neuron_slice=neurons,
             pos_slice=pos,
@@ -383,8 +386,9 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
         # full decomposition
         expand = data.draw(st.booleans(), label="expand_neurons")
         a, b = _both(
-            ours.get_full_resid_decomposition,
-            theirs.get_full_resid_decomposition,
+            ours,
+            theirs,
+            "get_full_resid_decomposition",
             layer=layer,
             expand_neurons=expand,
             pos_slice=pos,
@@ -392,8 +396,9 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
         check(a, b, "get_full_resid_decomposition")
         if not parallel:
             a, b = _both(
-                ours.get_full_resid_decomposition,
-                theirs.get_full_resid_decomposition,
+                ours,
+                theirs,
+                "get_full_resid_decomposition",
                 layer=below,
                 mlp_input=True,
                 expand_neurons=expand,

@@ -504,12 +504,7 @@ def test_projector_input_reads_and_edits_the_vision_features_as_a_plain_hook_doe
         seen.append(kwargs[key].clone())
         return args, {**kwargs, key: edit(kwargs[key])}
 
-    handle = projector.register_forward_pre_hook(plain, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            expected = model(**batch).logits
-    finally:
-        handle.remove()
+    expected = logits_with(model, batch, projector.register_forward_pre_hook(plain, with_kwargs=True))
     hm = HookedModel.wrap(model)
     with torch.no_grad():
         _, cache = hm.run_with_cache(**batch, names_filter=[FEATURES_POINT])
@@ -517,6 +512,16 @@ def test_projector_input_reads_and_edits_the_vision_features_as_a_plain_hook_doe
     assert torch.equal(cache[FEATURES_POINT], seen[0])
     assert torch.equal(logits_of(got), expected)
     hm.unwrap()
+
+
+def logits_with(model: Any, batch: dict, *handles: Any) -> torch.Tensor:
+    """The model's logits on ``batch`` with plain PyTorch hooks (their ``handles``, removed after)."""
+    try:
+        with torch.no_grad():
+            return model(**batch).logits
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -611,11 +616,7 @@ def test_8bit_language_model() -> None:
     assert type(q_proj).__name__ == "Linear8bitLt"
     seen = []
     handle = q_proj.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
-    try:
-        with torch.no_grad():
-            expected = quantized(**batch).logits
-    finally:
-        handle.remove()
+    expected = logits_with(quantized, batch, handle)
     hm = HookedModel.wrap(quantized)
     with torch.no_grad():
         logits, cache = hm.run_with_cache(**batch)
@@ -756,20 +757,14 @@ def test_audio_projector_points_read_and_edit_as_plain_hooks_do() -> None:
         return edit(output)
 
     expected = {}
-    handles = [projector.register_forward_pre_hook(read_in, with_kwargs=True)]
-    handles.append(projector.register_forward_hook(read_out))
-    with torch.no_grad():
-        clean = model(**batch).logits
-    for handle in handles:
-        handle.remove()
+    reading = projector.register_forward_pre_hook(read_in, with_kwargs=True), projector.register_forward_hook(read_out)
+    clean = logits_with(model, batch, *reading)
     for point, register, hook in (
         (AUDIO_FEATURES_POINT, projector.register_forward_pre_hook, edit_in),
         (AUDIO_EMBEDS_POINT, projector.register_forward_hook, edit_out),
     ):
         handle = register(hook, **({"with_kwargs": True} if point == AUDIO_FEATURES_POINT else {}))
-        with torch.no_grad():
-            expected[point] = model(**batch).logits
-        handle.remove()
+        expected[point] = logits_with(model, batch, handle)
     hm = HookedModel.wrap(model)
     assert {AUDIO_FEATURES_POINT, AUDIO_EMBEDS_POINT} <= set(hm.hook_names)
     with torch.no_grad():

@@ -1,15 +1,15 @@
 """The declarative description of a Llama-shaped decoder family and the plugin derived from it:
-:class:`DecoderFamily` (what a family changes of the common shape), :class:`DecoderPlugin` (the adapter hooks of a
-family, derived from its description plus its quirks) and :func:`toy_config` (the toy models such plugins answer
-``lensadapters_tiny_config`` with). All three are exported by :mod:`lensadapters.hf`; import them from there.
+:class:`DecoderFamily` (what a family changes of the common shape) and :class:`DecoderPlugin` (the adapter hooks of
+a family, derived from its description plus its quirks), both exported by :mod:`lensadapters.hf`; import them from
+there. The helpers that make a plugin module's hooks from values are :mod:`.plugin_hooks`, the toy configs such
+plugins answer ``lensadapters_tiny_config`` with :mod:`.toy_configs` (re-exported here).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from torch import nn
 
@@ -35,11 +35,12 @@ from lensadapters.adapters.hf_helpers import (
     require_transformers_class,
     rope_theta,
     rope_type,
-    size_fields,
     text_config,
     unembed_path,
 )
 from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, hookimpl
+from lensadapters.adapters.plugin_hooks import PointChain, claims, layer_hooks, opaque_blocks  # noqa: F401
+from lensadapters.adapters.toy_configs import decoder_config, toy_config, toy_draw  # noqa: F401
 from lensadapters.hooks.rotary import rotate_half_spec
 from lensadapters.hooks.specs import (
     Architecture,
@@ -58,84 +59,6 @@ from lensadapters.hooks.specs import (
 
 __all__ = ["DecoderFamily", "DecoderPlugin", "claims", "layer_hooks", "qk_norms", "toy_config"]
 __all__ += ["PointChain", "opaque_blocks", "toy_draw"]
-
-
-def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
-    """A plugin module's ``lensadapters_architectures`` hook, answering ``archs``:
-    ``lensadapters_architectures = hf.claims(ARCH)``."""
-
-    @hookimpl
-    def lensadapters_architectures() -> list[Architecture]:
-        return list(archs)
-
-    return lensadapters_architectures
-
-
-def opaque_blocks() -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
-    """The block, attention and MLP hooks of a plugin that serves every point of its blocks itself (in
-    ``lensadapters_extra_sites``: encoder-decoders with their own names), answering ``None`` for every layer:
-    ``lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act = hf.opaque_blocks()``."""
-
-    @hookimpl
-    def lensadapters_block(arch: Architecture, model: Any, layer: int) -> None:
-        return None  # opaque: the points are the plugin's own
-
-    @hookimpl
-    def lensadapters_attn_qkv(arch: Architecture, model: Any, layer: int) -> None:
-        return None  # never asked: every block is opaque
-
-    @hookimpl
-    def lensadapters_mlp_act(arch: Architecture, model: Any, layer: int) -> None:
-        return None  # never asked: every block is opaque
-
-    return lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act
-
-
-class PointChain:
-    """Creates a plugin's points in firing order, each after the previous one (``after`` the name to start after),
-    and a norm's ``hook_scale``/``hook_normalized`` with its ``NormSite`` (the norm registered under ``prefix``)."""
-
-    def __init__(self, hooked: Any, after: Optional[str]) -> None:
-        self.hooked, self.last = hooked, after
-
-    def new(self, name: str) -> Any:
-        point = self.hooked.new_point(name, after=self.last)
-        self.last = name
-        return point
-
-    def norm(self, module: nn.Module, prefix: str) -> Any:
-        from lensadapters.hooks.sites.norm import NormSite
-
-        scale, normalized = self.new(f"{prefix}.hook_scale"), self.new(f"{prefix}.hook_normalized")
-        self.hooked.register_norm(prefix, module)
-        return NormSite(module, lambda: self.hooked.norm_spec(module), scale, normalized)
-
-
-LayerValue = Union[Any, Callable[[Any, int], Any]]
-"""A layer's description: the same value for every layer, or a function of ``(model, layer)``."""
-
-
-def layer_hooks(block: LayerValue, qkv: LayerValue, mlp: LayerValue) -> dict[str, Callable[..., Any]]:
-    """A plugin module's ``lensadapters_block``, ``lensadapters_attn_qkv`` and ``lensadapters_mlp_act``, answering
-    ``block`` (a ``BlockLayout``), ``qkv`` (a ``QKVLayout``) and ``mlp`` (an ``MLPLayout``...), each the same for
-    every layer or a function of ``(model, layer)``: ``globals().update(hf.layer_hooks(BLOCK, qkv_of, MLP))``."""
-
-    def answer(value: LayerValue, model: Any, layer: int) -> Any:
-        return value(model, layer) if callable(value) else value
-
-    @hookimpl
-    def lensadapters_block(arch: Architecture, model: nn.Module, layer: int) -> BlockLayout:
-        return answer(block, model, layer)
-
-    @hookimpl
-    def lensadapters_attn_qkv(arch: Architecture, model: nn.Module, layer: int) -> QKVLayout:
-        return answer(qkv, model, layer)
-
-    @hookimpl
-    def lensadapters_mlp_act(arch: Architecture, model: nn.Module, layer: int) -> Any:
-        return answer(mlp, model, layer)
-
-    return {f.__name__: f for f in (lensadapters_block, lensadapters_attn_qkv, lensadapters_mlp_act)}
 
 
 def qk_norms(layout: str) -> tuple[ProjectionNorm, ProjectionNorm]:
@@ -347,66 +270,6 @@ class DecoderFamily:
 
     def norm_spec(self, module: nn.Module) -> Optional[NormSpec]:
         return norm_spec_for(module, self.norms, self.norm_weight_offset)
-
-
-def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
-    """The values a toy config varies: ``demo`` for seed 0 (the demo's model); for another seed one draw per
-    choice, in order, from ``random.Random(seed)``: a list draws one of its items, a float ``p`` is true with
-    probability ``p``, a callable is called with the generator and the values drawn before it."""
-    if seed == 0:
-        return tuple(demo)
-    rng = random.Random(seed)
-    drawn: list[Any] = []
-    for choice in choices:
-        if isinstance(choice, float):
-            drawn.append(rng.random() < choice)
-        elif callable(choice):
-            drawn.append(choice(rng, *drawn))
-        else:
-            drawn.append(rng.choice(choice))
-    return tuple(drawn)
-
-
-def _sized_config(
-    config_class: Callable[..., Any],
-    sizes: tuple[int, int, int, int, int, int, int],
-    fields: dict[str, Any],
-) -> Any:
-    """``config_class`` of ``sizes`` (width, MLP width, layers, heads, key/value heads, vocabulary, positions), bos
-    1, eos 2, pad 0, then ``fields`` (which may replace any of those)."""
-    named = size_fields(**dict(zip(("hidden", "d_mlp", "layers", "heads", "kv_heads", "vocab", "positions"), sizes)))
-    return config_class(**{**named, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **fields})
-
-
-def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
-    """A toy config of a Llama-shaped family for ``lensadapters_tiny_config``: width 64, MLP width 128, vocabulary
-    512, 128 positions, bos 1, eos 2, pad 0, then the family's ``fields`` (which may replace any of those)."""
-    return _sized_config(config_class, (64, 128, layers, heads, kv_heads, 512, 128), fields)
-
-
-def decoder_config(
-    config_class: Callable[..., Any],
-    *,
-    n_heads: int = 4,
-    n_kv: int = 2,
-    hidden: int = 32,
-    layers: int = 1,
-    d_mlp: int = 32,
-    vocab: int = 64,
-    theta: float = 10000.0,
-    tied: bool = False,
-    eps: float = 1e-6,
-    act: str = "silu",
-    act_field: str = "hidden_act",
-    max_pos: int = 64,
-    **fields: Any,
-) -> Any:
-    """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
-    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
-    shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
-    shared = dict(rms_norm_eps=eps, tie_word_embeddings=tied, rope_theta=theta, attention_dropout=0.0)
-    sizes = (hidden, d_mlp, layers, n_heads, n_kv, vocab, max_pos)
-    return _sized_config(config_class, sizes, {**shared, act_field: act, **fields})
 
 
 def _no_fields(model: Any) -> dict[str, Any]:

@@ -28,22 +28,32 @@ The AtP* corrections of Kramár et al. 2024 are options:
 Memory: the activations and gradients of the requested hook points (one gradient set per backward with
 ``grad_drop``), for both runs; nothing else is kept. Model parameters get no ``.grad``: the gradient is taken with
 respect to the residual stream only.
+
+The forward and backward runs are :mod:`.attribution_runs`, the QK fix :mod:`.qk_fix`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
 from lensadapters.adapters.moe import expert_tokens
+from lensadapters.analysis.attribution_runs import (  # noqa: F401  (re-exported: this module's public names)
+    AttributionUnavailable,
+    Metric,
+    _scalar,
+    _tokens,
+    forward_backward,
+    require_per_head_keys,
+    require_softmax_attention,
+)
+from lensadapters.analysis.qk_fix import QKFixUnavailable, qk_fixed, qk_names
 from lensadapters.analysis.utils import get_act_name
-from lensadapters.wiring.names import non_attention_blocks, shared_key_blocks
 
 Tensor = torch.Tensor
-Metric = Callable[[Tensor], Tensor]
 
 __all__ = [
     "AttributionUnavailable",
@@ -81,118 +91,6 @@ _HEADS = ("z", "q", "k", "v", "result", "rot_q", "rot_k")
 _PATTERN = ("pattern", "attn_scores")
 _NEURONS = ("pre", "post", "pre_linear")
 EXPERTS = "experts"
-
-
-class QKFixUnavailable(ValueError):
-    """The QK fix needs attention scores that are ``scale * q . k`` (with masking); this model's are not."""
-
-
-class AttributionUnavailable(ValueError):
-    """Gradient attribution is not verified for this model's structure (named in the message)."""
-
-
-def require_softmax_attention(model: Any) -> None:
-    """Refuse a model with blocks whose token mixer is not softmax attention (hybrid linear-attention or state-space
-    layers): their gradients are not verified against patched runs yet, and they have no attention points."""
-    mixers = non_attention_blocks(model)
-    if mixers:
-        raise AttributionUnavailable(
-            f"blocks {mixers} of this model mix tokens with something other than softmax attention (linear attention "
-            f"or a state-space layer): attribution patching and EAP are not verified there yet. Use activation "
-            f"patching (lensadapters.patching), which runs the model itself"
-        )
-
-
-def require_per_head_keys(model: Any, names: Sequence[str]) -> None:
-    """Refuse one head's keys (``"k"``, ``"rot_k"``) on blocks where every head shares key columns (multi-head latent
-    attention's rope key, ``SeparateQKV.shared_key_columns``): the model computes them once, before the heads exist,
-    so the gradient with respect to one head's copy is not a value of its backward."""
-    blocks = shared_key_blocks(model) if any(n in ("k", "rot_k") for n in names) else []
-    if blocks:
-        raise AttributionUnavailable(
-            f"blocks {blocks} share key columns across their heads (multi-head latent attention's rope key, computed "
-            f"once for every head): one head's keys have no gradient of their own. Score the queries, values or "
-            f"outputs per head, or the shared key itself (attn.hook_k_rope) by name"
-        )
-
-
-def _tokens(model: Any, tokens: Any) -> Tensor:
-    if isinstance(tokens, (str, list)):
-        return model.to_tokens(tokens)
-    return tokens
-
-
-def _scalar(value: Tensor) -> Tensor:
-    if not isinstance(value, Tensor) or value.numel() != 1:
-        raise ValueError(
-            f"the metric must return one number (a 0-d tensor), not {getattr(value, 'shape', type(value).__name__)}: "
-            f"reduce over the batch inside it (sum or mean)"
-        )
-    return value.reshape(())
-
-
-def forward_backward(
-    model: Any,
-    tokens: Tensor,
-    metric: Metric,
-    read: Sequence[str],
-    grads: Sequence[str],
-    drops: Sequence[Optional[int]] = (None,),
-    embed: Optional[Callable[[Tensor], Tensor]] = None,
-    edits: Sequence[tuple[str, Callable[..., Any]]] = (),
-) -> tuple[float, dict[str, Tensor], list[dict[str, Tensor]]]:
-    """One forward of ``tokens`` reading the values at ``read``, and one backward of ``metric(logits)`` per entry of
-    ``drops``, reading the gradients at ``grads``: ``(metric, values, [gradients per backward])``.
-
-    ``drops``: ``None`` is the plain gradient, a layer index the gradient with what flows through that block's
-    ``hook_attn_out`` and ``hook_mlp_out`` set to zero (GradDrop). The backward starts at the residual stream
-    (``blocks.0.hook_resid_pre`` is made a leaf), so no parameter gets a ``.grad``; ``embed`` maps that residual
-    first (EAP-IG's interpolated inputs). ``edits``: more forward hooks (run before the readers).
-    """
-    require_softmax_attention(model)
-    values: dict[str, Tensor] = {}
-    state: dict[str, Any] = {"grads": {}, "drop": None}
-    leaf: list[Tensor] = []
-
-    def make_leaf(x: Tensor, hook: Any) -> Tensor:
-        x = x.detach()
-        if embed is not None:
-            x = embed(x)
-        x = x.detach().requires_grad_(True)
-        leaf.append(x)
-        return x
-
-    def read_value(x: Tensor, hook: Any) -> None:
-        values[hook.name] = x.detach()
-
-    def read_grad(g: Tensor, hook: Any) -> None:
-        state["grads"][hook.name] = g.detach()
-
-    def dropper(layer: int) -> Callable[..., Optional[Tensor]]:
-        def drop(g: Tensor, hook: Any) -> Optional[Tensor]:
-            return torch.zeros_like(g) if state["drop"] == layer else None
-
-        return drop
-
-    n_layers = model.cfg.n_layers
-    drop_hooks = [
-        (f"blocks.{layer}.hook_{which}", dropper(layer))
-        for layer in sorted({d for d in drops if d is not None})
-        for which in ("attn_out", "mlp_out")
-        if f"blocks.{layer}.hook_{which}" in model.hook_dict
-    ]
-    if any(d is not None and not 0 <= d < n_layers for d in drops):
-        raise ValueError(f"layers to drop must be in [0, {n_layers})")
-    with torch.enable_grad(), model.hooks([("blocks.0.hook_resid_pre", make_leaf), *edits], drop_hooks):
-        with model.hooks([(n, read_value) for n in read], [(n, read_grad) for n in grads], _readonly=True):
-            logits = model(tokens, return_type="logits")
-            value = _scalar(metric(logits))
-            per_drop: list[dict[str, Tensor]] = []
-            for i, drop in enumerate(drops):
-                state["grads"], state["drop"] = {}, drop
-                torch.autograd.grad(value, leaf[:1], retain_graph=i < len(drops) - 1, allow_unused=True)
-                per_drop.append(state["grads"])
-    return float(value.detach()), values, per_drop
 
 
 @dataclass
@@ -241,7 +139,7 @@ class Attribution:
             raise KeyError(f"{activation_name!r} was not measured: pass it to attribute(names=...)")
         if qk_fix and activation_name in ("q", "k"):
             per_variant = [
-                torch.stack([self._qk_fixed(activation_name, layer, axes[1:], v) for layer in layers])
+                torch.stack([qk_fixed(self, activation_name, layer, axes[1:], v) for layer in layers])
                 for v in range(len(self.grads))
             ]
             return self._combine(per_variant)
@@ -287,51 +185,6 @@ class Attribution:
             rows.append(torch.stack(scores))
         return torch.stack(rows)
 
-    # --- the QK fix ----------------------------------------------------------------------------------------
-
-    def _qk_fixed(self, which: str, layer: int, axes: list[str], variant: int) -> Tensor:
-        if axes not in (["head"], ["head_index"], ["pos", "head"], ["pos", "head_index"]):
-            raise ValueError(
-                f"qk_fix scores heads: index axes ('layer', 'head') or ('layer', 'pos', 'head'), not {axes}"
-            )
-        by_pos = axes[0] == "pos"
-        base, other = self.base, self.other
-        norm = base.get(f"blocks.{layer}.attn.{which}_norm.hook_scale")
-        if norm is not None and norm.dim() == 3:  # [b, p, 1]: one norm over every head's queries (or keys)
-            raise QKFixUnavailable(
-                f"qk_fix patches one head's {'queries' if which == 'q' else 'keys'}, but layer {layer}'s {which}_norm "
-                f"normalizes every head's together (patching one head changes the others'): pass qk_fix=False"
-            )
-        q_name, k_name = _qk_names(self.model, layer)
-        q, k = base[q_name].double(), base[k_name].double()  # [b, p, h, d], [b, p, kv, d]
-        scores = base[f"blocks.{layer}.attn.hook_attn_scores"].double()  # [b, h, dest, src]
-        pattern = base[f"blocks.{layer}.attn.hook_pattern"].double()
-        g = self.grads[variant][f"blocks.{layer}.attn.hook_pattern"].double()
-        groups = q.shape[2] // k.shape[2]
-        live = torch.isfinite(scores) & (scores > -1e4)
-        scale = _check_scores(q, k.repeat_interleave(groups, dim=2), scores, pattern, live, layer)
-        sign = 1.0 if self.at == "corrupted" else -1.0
-        if which == "q":
-            delta_q = other[q_name].double() - q
-            delta = scale * torch.einsum("bihd,bjhd->bhij", delta_q, k.repeat_interleave(groups, dim=2))
-            new = torch.where(live, scores + delta, scores).softmax(-1)
-            per_dest = ((new - pattern) * g).sum(-1)  # [b, h, dest]: rows are independent, so by position is exact
-            out = per_dest.sum(0).transpose(0, 1) if by_pos else per_dest.sum((0, 2))
-            return sign * out
-        delta_k = (other[k_name].double() - k).repeat_interleave(groups, dim=2)
-        delta = torch.where(live, scale * torch.einsum("bihd,bjhd->bhij", q, delta_k), torch.zeros_like(scores))
-        if not by_pos:  # every key at once
-            new = torch.where(live, scores + delta, scores).softmax(-1)
-            per_head = ((new - pattern) * g).sum((0, 2, 3))  # [h]
-            return sign * per_head.reshape(-1, groups).sum(-1)
-        # one key position j at a time: only column j of each row changes, softmax in closed form
-        grown = pattern * torch.expm1(delta)  # p_j (e^d - 1)
-        z = 1 + grown
-        mean_g = (pattern * g).sum(-1, keepdim=True)  # sum_k p_k g_k per row
-        effect = (1 / z - 1) * mean_g + g * grown / z  # [b, h, dest, j]
-        per_key = effect.sum((0, 2))  # [h, src]
-        return sign * per_key.reshape(-1, groups, per_key.shape[-1]).sum(1).transpose(0, 1)
-
 
 def _reduce(product: Tensor, keep: list[int]) -> Tensor:
     drop = [d for d in range(product.dim()) if d not in keep]
@@ -348,34 +201,6 @@ def _kind(name: str) -> str:
     if name in _NEURONS:
         return "neurons"
     return "resid"
-
-
-def _qk_names(model: Any, layer: int) -> tuple[str, str]:
-    """The queries and keys the scores are computed from: after rotary embeddings (and q/k norms) where served."""
-    names = []
-    for which in ("q", "k"):
-        rot = f"blocks.{layer}.attn.hook_rot_{which}"
-        names.append(rot if rot in model.hook_dict else f"blocks.{layer}.attn.hook_{which}")
-    return names[0], names[1]
-
-
-def _check_scores(q: Tensor, k: Tensor, scores: Tensor, pattern: Tensor, live: Tensor, layer: int) -> Tensor:
-    """The scale with ``scores = scale * q . k`` on the unmasked entries; refuses where that (or the softmax) fails."""
-    raw = torch.einsum("bihd,bjhd->bhij", q, k)
-    num = (scores * raw)[live].sum()
-    den = (raw * raw)[live].sum()
-    scale = num / den if den > 0 else torch.tensor(0.0, dtype=scores.dtype)
-    residual = (scores - scale * raw)[live].abs().max() if live.any() else torch.tensor(0.0)
-    if residual > 1e-4 * max(1.0, float(scores[live].abs().max())):
-        raise QKFixUnavailable(
-            f"qk_fix needs attention scores equal to scale * q . k; layer {layer}'s differ by up to "
-            f"{float(residual):.3g} (softcapped or position-biased scores): pass qk_fix=False"
-        )
-    if (scores.softmax(-1) - pattern).abs().max() > 1e-5:
-        raise QKFixUnavailable(
-            f"qk_fix needs hook_pattern = softmax(hook_attn_scores); layer {layer}'s differ: pass qk_fix=False"
-        )
-    return scale
 
 
 def _names_for(model: Any, name: str) -> list[str]:
@@ -440,7 +265,7 @@ def attribute(
         grads += found
         if qk_fix and name in ("q", "k"):
             for layer in range(cfg.n_layers):
-                values += [*_qk_names(model, layer), f"blocks.{layer}.attn.hook_attn_scores"]
+                values += [*qk_names(model, layer), f"blocks.{layer}.attn.hook_attn_scores"]
                 norm = f"blocks.{layer}.attn.{name}_norm.hook_scale"
                 values += [norm] if norm in model.hook_dict else []
                 values.append(f"blocks.{layer}.attn.hook_pattern")

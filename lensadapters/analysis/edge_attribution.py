@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from lensadapters.analysis.attribution import (
+from lensadapters.analysis.attribution_runs import (
     AttributionUnavailable,
     Metric,
     _scalar,

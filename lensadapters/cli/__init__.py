@@ -145,21 +145,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if results and all(r.bitwise for r in results) else 1
 
 
+def _same_named(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The options ``names`` as keyword arguments of the same names."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _check(args: argparse.Namespace) -> int:
     from lensadapters.testing.check import run
 
     variants = list(args.variant or []) + [v for v in args.variant_flags if getattr(args, f"variant_{v}")]
-    return run(
-        args.plugin,
-        examples=args.examples,
-        keyword=args.keyword,
-        seed=args.seed,
-        exitfirst=args.exitfirst,
-        verbose=args.verbose,
-        shrink=not args.no_shrink,
-        pytest_args=args.pytest_args,
-        variants=variants,
-    )
+    same = _same_named(args, "examples", "keyword", "seed", "exitfirst", "verbose", "pytest_args")
+    return run(args.plugin, shrink=not args.no_shrink, variants=variants, **same)
 
 
 def _harvest(args: argparse.Namespace) -> int:
@@ -181,24 +177,20 @@ def _harvest(args: argparse.Namespace) -> int:
     hm.hf_model.eval()
     hm.hf_model.to(torch.device(args.device) if args.device else local_device())
     try:
+        same = _same_named(
+            args, "context_size", "batch_size", "max_tokens", "dtype", "drop_bos", "flatten", "text_column", "split"
+        )
         result = harvest(
             hm,
             args.data,
             args.hooks,
             args.out,
-            context_size=args.context_size,
-            batch_size=args.batch_size,
-            max_tokens=args.max_tokens,
-            dtype=args.dtype,
-            drop_bos=args.drop_bos,
-            flatten=args.flatten,
             prepend_bos=not args.no_prepend_bos,
-            text_column=args.text_column,
-            split=args.split,
             shard_contexts=args.shard_contexts,
             progress=not args.quiet and rank == 0,
             rank=rank,
             world_size=world_size,
+            **same,
         )
     except LensAdaptersError as exc:  # a refusal that names the problem and the fix: no traceback
         return _failed("harvest", exc)

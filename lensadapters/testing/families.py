@@ -28,7 +28,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from lensadapters.adapters.decoder_plugin import decoder_config
+from lensadapters.adapters.toy_configs import decoder_config
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing.contract import AdapterContract
 from lensadapters.testing.family_checks import (

@@ -10,7 +10,21 @@ import torch
 from lensadapters.adapters.registry import PluginInfo, Registry
 from lensadapters.hooks.specs import Architecture
 
-__all__ = ["int8_copy", "reinit", "seeded_model"]
+__all__ = ["EmbedAndHead", "int8_copy", "reinit", "seeded_model"]
+
+
+class EmbedAndHead:
+    """Hugging Face's embedding getters for a test's model of someone's own (mixed in before its base class),
+    whose input embedding is ``self.embed`` and output embedding ``self.head``."""
+
+    embed: torch.nn.Module
+    head: torch.nn.Module
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
 
 
 def reinit(model: torch.nn.Module, seed: int) -> None:

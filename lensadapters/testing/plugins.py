@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, MutableMapping, Optional
+from typing import Any, Iterable, MutableMapping, Optional
 
 import pytest
 
@@ -179,8 +179,14 @@ def contract_matrix(mixin: type, namespace: MutableMapping[str, Any]) -> list[st
     """Put one test class per installed architecture contract (:func:`declared_contracts`) into ``namespace``
     (a test module's ``globals()``): ``mixin`` over that contract, as :func:`matrix_class` builds it. Returns
     the class names."""
+    return _put_classes(((mixin, contract) for contract in declared_contracts()), namespace)
+
+
+def _put_classes(pairs: Iterable[tuple[type, type]], namespace: MutableMapping[str, Any]) -> list[str]:
+    """:func:`matrix_class` of each ``(mixin, contract)`` pair the mixin supports, put into ``namespace``; their
+    names."""
     names = []
-    for contract in declared_contracts():
+    for mixin, contract in pairs:
         if _unsupported(mixin, contract):
             continue
         cls = matrix_class(mixin, contract, module=namespace.get("__name__"))
@@ -241,12 +247,4 @@ def variant_matrix(contract: type, namespace: MutableMapping[str, Any]) -> list[
     from lensadapters.adapters.variants import contract_variants
     from lensadapters.testing.check import _import
 
-    names = []
-    for variant in contract_variants().values():
-        mixin = _import(variant.contract)
-        if _unsupported(mixin, contract):
-            continue
-        cls = matrix_class(mixin, contract, module=namespace.get("__name__"))
-        namespace[cls.__name__] = cls
-        names.append(cls.__name__)
-    return names
+    return _put_classes(((_import(variant.contract), contract) for variant in contract_variants().values()), namespace)

@@ -8,11 +8,12 @@ the same model (every parameter and buffer value), adapters, tokenizer, data (ev
 is verified against its manifest (row count and checksum) when it is loaded or resumed.
 """
 
+from lensadapters.integrations.harvest.loading import load_harvest
 from lensadapters.integrations.harvest.manifest import HarvestDamagedError, HarvestMismatchError
 from lensadapters.integrations.harvest.packing import Cursor, PackingRule, pack
 from lensadapters.integrations.harvest.partition import Partition
 from lensadapters.integrations.harvest.points import HarvestContextError, HarvestHookError
-from lensadapters.integrations.harvest.runner import HarvestResult, harvest, load_harvest
+from lensadapters.integrations.harvest.runner import HarvestResult, harvest
 from lensadapters.integrations.harvest.sources import DataSourceError, open_source
 
 __all__ = [

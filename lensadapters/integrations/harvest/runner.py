@@ -1,7 +1,8 @@
 """``harvest``: run a model over packed text and write the chosen hook points' activations to disk in shards.
 
-The run loop and the resume/kill handling it interleaves with stay together here; the output folder (manifests,
-locks, damaged shards, listings) is :mod:`.folder`, the points and the probing forward :mod:`.points`, and packing,
+The run loop and the resume handling it interleaves with stay together here; the output folder (manifests, locks,
+damaged shards, listings) is :mod:`.folder`, the points and the probing forward :mod:`.points`, reading a harvest
+back :mod:`.loading`, the model a harvest runs :mod:`.hooked`, the kill test hook :mod:`.kill_switch`, and packing,
 manifests, listings and storage are their own modules beside it.
 """
 
@@ -12,7 +13,6 @@ import dataclasses
 import glob
 import math
 import os
-import signal
 import types
 import warnings
 from dataclasses import dataclass
@@ -22,22 +22,14 @@ import numpy as np
 import torch
 
 from lensadapters.api import tokens as _tokens
-from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks.distributed import barrier, launch_rank
 from lensadapters.integrations.harvest import folder
 from lensadapters.integrations.harvest.fingerprint import adapter_state, model_fingerprint, tokenizer_fingerprint
-from lensadapters.integrations.harvest.listing import (
-    harvest_features,
-    rank_manifests,
-    union_listing,
-)
-from lensadapters.integrations.harvest.manifest import (
-    HarvestDamagedError,
-    Manifest,
-    ShardRecord,
-    check_identity,
-    manifest_path,
-)
+from lensadapters.integrations.harvest.hooked import hooked
+from lensadapters.integrations.harvest.kill_switch import KILL_ENV, kill_switch  # noqa: F401  (KILL_ENV: old path)
+from lensadapters.integrations.harvest.listing import harvest_features, union_listing
+from lensadapters.integrations.harvest.loading import load_harvest  # noqa: F401  (its old import path)
+from lensadapters.integrations.harvest.manifest import Manifest, ShardRecord, check_identity
 from lensadapters.integrations.harvest.packing import (
     Cursor,
     PackingRule,
@@ -61,15 +53,9 @@ from lensadapters.integrations.harvest.storage import (  # noqa: F401  (DEFAULT_
     STORAGE_DTYPES,
     ShardWriter,
     default_shard_contexts,
-    shard_problem,
     to_numpy,
     write_dataset_listing,
 )
-
-#: test hook: ``EVENT:N`` kills the process with SIGKILL at the N-th EVENT of this run (``batch``: a batch
-#: written into an unfinished shard; ``shard-file``: a shard file moved into place, its manifest not yet
-#: written; ``manifest``: a manifest written); ``EVENT:N@RANK`` only in that rank
-KILL_ENV = "LENSADAPTERS_HARVEST_TEST_KILL"
 
 
 @dataclass(frozen=True)
@@ -145,7 +131,7 @@ def harvest(
             "drop_bos=True leaves out the BOS token each context starts with; with prepend_bos=False there is none"
         )
     partition = _partition(rank, world_size)
-    with _hooked(model, tokenizer) as hm:
+    with hooked(model, tokenizer) as hm:
         tok = tokenizer if tokenizer is not None else getattr(hm, "tokenizer", None)
         if tok is None:
             raise _tokens.NoTokenizerError("harvest needs a tokenizer: pass tokenizer=, or wrap the model with one")
@@ -251,36 +237,6 @@ def _run(
     return _result(out, manifest, resumed, context_size, folder.refresh_union(out, partition, manifest))
 
 
-def load_harvest(out: str) -> Any:
-    """The harvest in ``out`` as a ``datasets.Dataset`` (what ``datasets.load_from_disk(out)`` reads), after
-    verifying every complete shard against its manifest: its file's row count and checksum. A damaged shard is
-    refused by name (run the harvest's command again to harvest it anew), never served."""
-    import datasets
-
-    paths = rank_manifests(out) or [p for p in [manifest_path(out, Partition())] if os.path.exists(p)]
-    if not paths:
-        raise LensAdaptersError(f"{out} holds no harvest (no manifest.json or manifest-rank*.json)")
-    manifests = [Manifest.load(path) for path in paths]
-    problems = [
-        f"{record.file} ({problem})"
-        for manifest in manifests
-        for record in manifest.shards
-        if (problem := shard_problem(out, record)) is not None
-    ]
-    if problems:
-        raise HarvestDamagedError(
-            f"{out}: {len(problems)} damaged shard(s): {'; '.join(problems)}. Run the same harvest command again: "
-            f"it harvests damaged shards anew"
-        )
-    if len(paths) > 1 or manifests[0].world_size > 1:
-        union_listing(out)  # every rank's complete shards, whatever each rank had listed when it stopped
-    elif manifests[0].shards and manifests[0].columns is not None and not folder.lists_shards(out, manifests[0]):
-        write_dataset_listing(out, [s.file for s in manifests[0].shards], harvest_features(manifests[0]))
-    if not os.path.exists(os.path.join(out, "state.json")) or not any(m.shards for m in manifests):
-        raise LensAdaptersError(f"{out} holds no complete harvest shard yet")
-    return datasets.load_from_disk(out)
-
-
 # --- the run ---------------------------------------------------------------------------------------------------
 
 
@@ -311,7 +267,7 @@ class _Run:
             tokenizer=tokenizer, default_prepend_bos=False, default_padding_side="right", cfg=None
         )
         self.tokenize = lambda text: _tokens.tokenize(owner, text, prepend_bos=False, truncate=False)[0][0].tolist()
-        self.kill = _kill_switch(partition.rank)
+        self.kill = kill_switch(partition.rank)
         self.progress = progress
 
     def loop(self, damaged: Sequence[int] = ()) -> None:
@@ -435,38 +391,6 @@ class _Run:
                 os.remove(path)
 
 
-# --- helpers ---------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _hooked(model: Any, tokenizer: Any) -> Iterator[Any]:
-    """A HookedModel for ``model``; one made here is unwrapped at the end."""
-    from lensadapters.api.hooked_model import HookedModel
-
-    if isinstance(model, HookedModel):
-        yield model
-        return
-    if isinstance(model, (str, os.PathLike)):
-        hm = HookedModel.from_pretrained(os.fspath(model), tokenizer=tokenizer, _hf_defaults=True)
-        hm.hf_model.eval()
-    else:
-        existing = HookedModel.wrap(model) if _is_wrapped(model) else None
-        if existing is not None:
-            yield existing
-            return
-        hm = HookedModel.wrap(model)
-    try:
-        yield hm
-    finally:
-        hm.unwrap()
-
-
-def _is_wrapped(model: Any) -> bool:
-    from lensadapters.api.hooked_model import _wrapper_of
-
-    return _wrapper_of(model) is not None
-
-
 def _result(out: str, manifest: Manifest, resumed: int, context_size: int, all_finished: bool) -> HarvestResult:
     done = manifest.contexts_done
     return HarvestResult(out, done, done * context_size, len(manifest.shards), resumed, manifest.finished, all_finished)
@@ -484,25 +408,3 @@ def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
         disable=not enabled,
         dynamic_ncols=True,
     )
-
-
-def _kill_switch(rank: int) -> Any:
-    """The test hook of ``KILL_ENV``: a function of an event name that SIGKILLs this process at the chosen one
-    (``EVENT:N@RANK``: only in rank ``RANK`` of a split harvest)."""
-    setting = os.environ.get(KILL_ENV)
-    if setting and "@" in setting:
-        setting, _, only = setting.partition("@")
-        if int(only) != rank:
-            setting = ""
-    if not setting:
-        return lambda event: None
-    event_wanted, _, count = setting.partition(":")
-    seen = {"n": 0}
-
-    def kill(event: str) -> None:
-        if event == event_wanted:
-            seen["n"] += 1
-            if seen["n"] == int(count or 1):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return kill

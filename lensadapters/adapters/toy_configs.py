@@ -1,0 +1,73 @@
+"""The toy configs of Llama-shaped families (``lensadapters_tiny_config``'s answers): :func:`toy_config` (a
+family's toy model), :func:`decoder_config` (a tiny config with the shared fields) and :func:`toy_draw` (the values
+a seed varies). Exported by :mod:`lensadapters.hf`; import them from there.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Sequence
+
+from lensadapters.adapters.hf_helpers import size_fields
+
+__all__ = ["decoder_config", "toy_config", "toy_draw"]
+
+
+def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
+    """The values a toy config varies: ``demo`` for seed 0 (the demo's model); for another seed one draw per
+    choice, in order, from ``random.Random(seed)``: a list draws one of its items, a float ``p`` is true with
+    probability ``p``, a callable is called with the generator and the values drawn before it."""
+    if seed == 0:
+        return tuple(demo)
+    rng = random.Random(seed)
+    drawn: list[Any] = []
+    for choice in choices:
+        if isinstance(choice, float):
+            drawn.append(rng.random() < choice)
+        elif callable(choice):
+            drawn.append(choice(rng, *drawn))
+        else:
+            drawn.append(rng.choice(choice))
+    return tuple(drawn)
+
+
+def _sized_config(
+    config_class: Callable[..., Any],
+    sizes: tuple[int, int, int, int, int, int, int],
+    fields: dict[str, Any],
+) -> Any:
+    """``config_class`` of ``sizes`` (width, MLP width, layers, heads, key/value heads, vocabulary, positions), bos
+    1, eos 2, pad 0, then ``fields`` (which may replace any of those)."""
+    named = size_fields(**dict(zip(("hidden", "d_mlp", "layers", "heads", "kv_heads", "vocab", "positions"), sizes)))
+    return config_class(**{**named, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **fields})
+
+
+def toy_config(config_class: Callable[..., Any], layers: int, heads: int, kv_heads: int, **fields: Any) -> Any:
+    """A toy config of a Llama-shaped family for ``lensadapters_tiny_config``: width 64, MLP width 128, vocabulary
+    512, 128 positions, bos 1, eos 2, pad 0, then the family's ``fields`` (which may replace any of those)."""
+    return _sized_config(config_class, (64, 128, layers, heads, kv_heads, 512, 128), fields)
+
+
+def decoder_config(
+    config_class: Callable[..., Any],
+    *,
+    n_heads: int = 4,
+    n_kv: int = 2,
+    hidden: int = 32,
+    layers: int = 1,
+    d_mlp: int = 32,
+    vocab: int = 64,
+    theta: float = 10000.0,
+    tied: bool = False,
+    eps: float = 1e-6,
+    act: str = "silu",
+    act_field: str = "hidden_act",
+    max_pos: int = 64,
+    **fields: Any,
+) -> Any:
+    """A tiny config of a Llama-shaped family (bos 1, eos 2, pad 0, no attention dropout): the shared fields, then
+    the family's own ``fields`` (transformers' names: ``head_dim=8``, ``sliding_window=3``..., which may replace
+    shared ones such as ``bos_token_id``); the activation under the config's name for it, ``act_field``."""
+    shared = dict(rms_norm_eps=eps, tie_word_embeddings=tied, rope_theta=theta, attention_dropout=0.0)
+    sizes = (hidden, d_mlp, layers, n_heads, n_kv, vocab, max_pos)
+    return _sized_config(config_class, sizes, {**shared, act_field: act, **fields})

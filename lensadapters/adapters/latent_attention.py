@@ -178,6 +178,9 @@ class LatentKVSite(Site):
         )
         self.points = tuple(p for p, n in zip((self.k_rope, self.k, self.rot_k, self.v_point), names) if n in allowed)
 
+    def signature(self) -> tuple[bool, ...]:
+        return (self.wanted(), self.rot_k.active)  # the angles are read only while hook_rot_k is hooked
+
     def install(self) -> list[Any]:
         handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
         if self.rot_k.active:  # the layer's (cos, sin), as the model hands them to its attention

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.own_attention import OWN_CODE
+from lensadapters.adapters.latent_attention import LatentQKV
 from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -163,6 +164,12 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if norm is None:
             return None
         return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
+    if isinstance(qkv, LatentQKV) and qkv.latent is not None:  # multi-head latent attention's own points
+        from lensadapters.adapters.generic.latent import reference as latent_reference
+
+        defined, found = latent_reference(qkv.latent, get, rest)
+        if defined:
+            return found
     if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
         which = rest[-1]
         heads = n if which == "q" else kv

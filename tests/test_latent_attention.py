@@ -61,9 +61,9 @@ def _generic(model: torch.nn.Module) -> HookedModel:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_generic_adapter_recognises_latent_attention_and_serves_it_verified(shape: str) -> None:
     """The automatic description finds the form from the probe's values (the projections, the latents' norms, the
-    head sizes, the rope layout), serves every latent point verified, leaves out ``hook_k`` (one head's key has no
-    plain-PyTorch tensor of its own) and ``hook_rot_k`` (its rope columns are one key shared by the heads: the edit
-    of the check is refused by name), and refuses ``W_K``/``W_V`` by name."""
+    head sizes, the rope layout), serves every latent point verified, leaves out ``hook_k`` and ``hook_rot_k`` (their
+    rope columns are one key every head shares: the check's edit is refused by name), and refuses ``W_K``/``W_V`` by
+    name."""
     q_lora_rank, interleave = SHAPES[shape]
     model = _model(q_lora_rank, interleave)
     hm = _generic(model)
@@ -87,7 +87,7 @@ def test_the_generic_adapter_recognises_latent_attention_and_serves_it_verified(
     assert served == expected
     unverified = findings(model).unverified
     assert "rope columns" in unverified["blocks.0.attn.hook_rot_k"]
-    assert "blocks.0.attn.hook_k" in unverified
+    assert "rope columns" in unverified["blocks.0.attn.hook_k"]
     for name in ("W_K", "W_V") + (("W_Q",) if q_lora_rank else ()):
         with pytest.raises(WeightUnavailableError, match="latent_weights"):
             getattr(hm, name)

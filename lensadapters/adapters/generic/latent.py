@@ -35,7 +35,7 @@ from lensadapters.adapters.latent_attention import (
     latent_points,
     latent_rotary,
 )
-from lensadapters.hooks.sites import Site
+from lensadapters.hooks.sites import Site, first_output, replace_first_output
 from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
@@ -202,8 +202,8 @@ def latent_sites_served(hooked: Any) -> list[Site]:
 def reference(form: LatentAttention, get: Callable[[str], nn.Module], rest: str) -> tuple[bool, Optional[Any]]:
     """``(whether the form defines the reference of the point rest, the reference)``: ``hook_q_latent`` and
     ``hook_kv_latent`` the latents' norms' outputs, ``hook_k_rope`` the down-projection's last ``rope`` columns,
-    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` none (one head's key is the
-    up-projection's columns and the down-projection's shared ones: no one module's tensor)."""
+    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the up-projection's no-rope
+    columns of each head and the down-projection's shared rope columns (:class:`_KeyHooks`)."""
     from lensadapters.adapters.generic.references import Reference
 
     if rest == "attn.hook_q_latent" and form.q_norm is not None:
@@ -229,5 +229,41 @@ def reference(form: LatentAttention, get: Callable[[str], nn.Module], rest: str)
 
         return True, Reference("out", get(form.kv_up), values, value_part)
     if rest == "attn.hook_k":
-        return True, None
+        return True, Reference("hooks", get(form.kv_up), spec=_KeyHooks(form, get(form.kv_down), get(form.kv_up)))
     return False, None
+
+
+class _KeyHooks:
+    """``hook_k``'s plain-PyTorch reference: the down-projection's rope columns (recorded) and the up-projection's
+    no-rope key columns, per head; an edit replaces the up-projection's no-rope columns. An edit of the rope columns
+    (one key every head shares) has no plain-PyTorch counterpart: the reference raises (the point refuses it first,
+    by name)."""
+
+    def __init__(self, form: LatentAttention, down: nn.Module, up: nn.Module) -> None:
+        self.form, self.modules = form, (down, up)
+
+    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> Any:
+        form, rope = self.form, []
+        down, up = self.modules
+
+        def on_down(module: nn.Module, args: tuple, output: Any) -> None:
+            rope.append(first_output(output)[..., form.kv_rank :])
+
+        def on_up(module: nn.Module, args: tuple, output: Any) -> Any:
+            out = first_output(output)
+            per_head = _three_d(out).unflatten(-1, (form.heads, form.nope + form.v_head_dim))
+            k_nope = per_head[..., : form.nope]
+            shared = rope[-1].unsqueeze(-2).expand(*k_nope.shape[:-1], form.rope)
+            keys = torch.cat((k_nope, shared.to(k_nope.dtype)), dim=-1)
+            seen.append(keys.detach().clone())
+            if edit is None:
+                return None
+            edited = edit(keys)
+            if not torch.equal(edited[..., form.nope :], keys[..., form.nope :]):
+                raise ValueError("a per-head edit of the shared rope key has no plain-PyTorch counterpart")
+            merged = torch.cat((edited[..., : form.nope], per_head[..., form.nope :]), dim=-1).flatten(-2)
+            return replace_first_output(output, merged.reshape(out.shape).to(out.dtype))
+
+        from lensadapters.adapters.generic.verify import _Handles
+
+        return _Handles([down.register_forward_hook(on_down), up.register_forward_hook(on_up)])

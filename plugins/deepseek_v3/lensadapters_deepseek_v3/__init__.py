@@ -29,7 +29,8 @@ refuse patching or attributing one head's keys). ``W_Q`` is served where ``q_pro
 directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
 down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
 maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,
-``hook_q_input``...: ``SeparateQKV.head_inputs``).
+``hook_q_input``...: ``SeparateQKV.head_inputs``). The attention is declared in the core's form
+(:func:`latent_attention`, a ``plugin_api.LatentAttention``), from which the core serves all of the above.
 
 Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token
 with a sigmoid over the experts, the correction bias ``e_score_correction_bias`` added for the choice only, grouped

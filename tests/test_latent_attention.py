@@ -225,3 +225,39 @@ def test_a_wrong_latent_description_is_caught_by_the_verification() -> None:
     assert "not the reference" in caught["blocks.0.attn.hook_rot_q"]
     assert "not the reference" in caught["blocks.1.attn.hook_rot_q"]
     hm.unwrap()
+
+
+def test_attribution_patching_of_latent_heads_is_the_derivative_along_the_patch() -> None:
+    """Attribution patching on the automatically described latent attention: each head's score for ``hook_q``,
+    ``hook_v`` and ``hook_z`` is the derivative of the metric along the clean-minus-corrupted patch of that head;
+    edge attribution is refused by name (the heads' queries, keys and values have no per-head input points)."""
+    from lensadapters import attribution
+    from lensadapters import edge_attribution as eap
+
+    hm = _generic(_model(16, True))
+    corrupted = IDS.clone()
+    corrupted[0, 2] = 11
+
+    def metric(logits: Tensor) -> Tensor:
+        return (logits[:, -1, 5] - logits[:, -1, 7]).sum()
+
+    result = attribution.attribute(hm, IDS, corrupted, metric, ["q", "v", "z"], progress=False)
+    for short in ("q", "v", "z"):
+        scores = result.scores(short, ("layer", "head"))
+        for layer, head in ((0, 1), (1, 3)):
+            name = f"blocks.{layer}.attn.hook_{short}"
+            delta = (result.clean[name] - result.corrupted[name])[:, :, head].double()
+            size = torch.zeros((), dtype=torch.float64, requires_grad=True)
+
+            def patch(x: Tensor, hook: Any, head: int = head, delta: Tensor = delta, size: Tensor = size) -> Tensor:
+                x = x.clone()
+                x[:, :, head] = x[:, :, head] + (size * delta).to(x.dtype)
+                return x
+
+            value = metric(hm.run_with_hooks(corrupted, fwd_hooks=[(name, patch)]))
+            expected = float(torch.autograd.grad(value, size)[0])
+            assert abs(expected) > 1e-6, name
+            assert abs(float(scores[layer, head]) - expected) <= 1e-4 * max(1.0, abs(expected)), (name, head)
+    with pytest.raises(attribution.AttributionUnavailable, match="per-head input points"):
+        eap.edge_attribution(hm, IDS, corrupted, metric, progress=False)
+    hm.unwrap()

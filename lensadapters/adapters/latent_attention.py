@@ -108,6 +108,11 @@ def form_of(hooked: Any, layer: int) -> Optional[LatentAttention]:
     return qkv.latent if isinstance(qkv, LatentQKV) else None
 
 
+def three_d(t: Tensor) -> Tensor:
+    """``[b, 1, p, f]`` (a latent viewed as one head, as transformers 5 caches it) as ``[b, p, f]``."""
+    return t.flatten(1, -2) if t.dim() == 4 else t
+
+
 def _unrotate_pairs(y1: Tensor, y2: Tensor, c: Tensor, s: Tensor, dtype: Any) -> Tensor:
     """The pairs ``(x1, x2)`` that ``(x1 c - x2 s, x2 c + x1 s) == (y1, y2)``, interleaved, in ``dtype`` (computed in
     at least float32)."""

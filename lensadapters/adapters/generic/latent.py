@@ -15,13 +15,14 @@ probe's values inside a layer's attention module (nothing is taken from module n
   attention function gets: reading the attention input (no query latent), or the output of a module (the query
   latent's norm, ``hook_q_latent``) whose input is the output of a linear module reading the attention input.
 
-Every point it then serves is verified at wrap time (:mod:`.verify`, with the references of :func:`reference`);
+Every point it then serves is verified at wrap time (:mod:`.verify`, with the references of
+:func:`.references.latent_reference`);
 ``W_K``/``W_V`` (and ``W_Q`` with a query latent) are refused by name (:func:`.latent_attention.refused_weight`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -34,8 +35,9 @@ from lensadapters.adapters.latent_attention import (
     latent_layer_sites,
     latent_points,
     latent_rotary,
+    three_d,
 )
-from lensadapters.hooks.sites import Site, first_output, replace_first_output
+from lensadapters.hooks.sites import Site
 from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
@@ -43,9 +45,11 @@ Tensor = torch.Tensor
 TRIED_LAYOUTS = ("rotate_half", "interleaved")
 
 
-def _three_d(t: Tensor) -> Tensor:
-    """``[b, 1, p, f]`` (a latent viewed as one head, as transformers 5 caches it) as ``[b, p, f]``."""
-    return t.flatten(1, -2) if t.dim() == 4 else t
+def _linear(module: nn.Module) -> bool:
+    """A linear module (or a quantized or adapted one: a 2-D ``weight`` in a class named ``...Linear``)."""
+    weight = getattr(module, "weight", None)
+    named = "Linear" in type(module).__name__
+    return isinstance(module, nn.Linear) or (isinstance(weight, Tensor) and weight.dim() == 2 and named)
 
 
 def _rotated(spec: Optional[RotarySpec], x: Tensor, cos_sin: Optional[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
@@ -71,17 +75,15 @@ def describe_latent_attention(
 ) -> Optional[tuple[LatentQKV, str]]:
     """``(the layer's LatentQKV, the output projection's path)`` where the layer's attention is latent attention
     (see the module docstring), ``None`` where it is not of that shape."""
-    from lensadapters.adapters.generic.describe import _is_linear
-
     if call.query is None or call.key is None or call.value is None or call.kv_heads != call.heads:
         return None
     prefix, heads = attn + ".", call.heads
     seen = {
-        path: (_three_d(x), _three_d(y))
+        path: (three_d(x), three_d(y))
         for (j, path), (x, y) in rec.inner.items()
         if j == i and path.startswith(prefix) and x is not None and y is not None
     }
-    linears = {p for p in seen if _is_linear(layer.get_submodule(p))}
+    linears = {p for p in seen if _linear(layer.get_submodule(p))}
     z = call.output.value.flatten(-2)
     o_proj = [p for p in linears if _close(seen[p][0], z) and _close(seen[p][1], attn_out)]
     if len(o_proj) != 1:
@@ -197,73 +199,3 @@ def claim_latent_points(hooked: Any) -> set[str]:
 def latent_sites_served(hooked: Any) -> list[Site]:
     """The sites of the latent points still served (after the verification removed what failed)."""
     return [s for i, form in latent_forms(hooked).items() for s in latent_layer_sites(hooked, i, form)]
-
-
-def reference(form: LatentAttention, get: Callable[[str], nn.Module], rest: str) -> tuple[bool, Optional[Any]]:
-    """``(whether the form defines the reference of the point rest, the reference)``: ``hook_q_latent`` and
-    ``hook_kv_latent`` the latents' norms' outputs, ``hook_k_rope`` the down-projection's last ``rope`` columns,
-    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the up-projection's no-rope
-    columns of each head and the down-projection's shared rope columns (:class:`_KeyHooks`)."""
-    from lensadapters.adapters.generic.references import Reference
-
-    if rest == "attn.hook_q_latent" and form.q_norm is not None:
-        return True, Reference("out", get(form.q_norm))
-    if rest == "attn.hook_kv_latent":
-        return True, Reference("out", get(form.kv_norm))
-    if rest == "attn.hook_k_rope":
-        rank = form.kv_rank
-
-        def rope_part(d: Tensor, t: Tensor) -> Tensor:
-            return torch.cat((torch.zeros_like(t[..., :rank]), d.to(t.dtype)), dim=-1)
-
-        return True, Reference("out", get(form.kv_down), lambda t: t[..., rank:], rope_part)
-    if rest == "attn.hook_v":
-        heads, nope = form.heads, form.nope
-
-        def values(t: Tensor) -> Tensor:
-            return _three_d(t).unflatten(-1, (heads, -1))[..., nope:]
-
-        def value_part(d: Tensor, t: Tensor) -> Tensor:
-            zeros = torch.zeros((*d.shape[:-1], nope), dtype=t.dtype, device=t.device)
-            return torch.cat((zeros, d.to(t.dtype)), dim=-1).flatten(-2).reshape(t.shape)
-
-        return True, Reference("out", get(form.kv_up), values, value_part)
-    if rest == "attn.hook_k":
-        return True, Reference("hooks", get(form.kv_up), spec=_KeyHooks(form, get(form.kv_down), get(form.kv_up)))
-    return False, None
-
-
-class _KeyHooks:
-    """``hook_k``'s plain-PyTorch reference: the down-projection's rope columns (recorded) and the up-projection's
-    no-rope key columns, per head; an edit replaces the up-projection's no-rope columns. An edit of the rope columns
-    (one key every head shares) has no plain-PyTorch counterpart: the reference raises (the point refuses it first,
-    by name)."""
-
-    def __init__(self, form: LatentAttention, down: nn.Module, up: nn.Module) -> None:
-        self.form, self.modules = form, (down, up)
-
-    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> Any:
-        form, rope = self.form, []
-        down, up = self.modules
-
-        def on_down(module: nn.Module, args: tuple, output: Any) -> None:
-            rope.append(first_output(output)[..., form.kv_rank :])
-
-        def on_up(module: nn.Module, args: tuple, output: Any) -> Any:
-            out = first_output(output)
-            per_head = _three_d(out).unflatten(-1, (form.heads, form.nope + form.v_head_dim))
-            k_nope = per_head[..., : form.nope]
-            shared = rope[-1].unsqueeze(-2).expand(*k_nope.shape[:-1], form.rope)
-            keys = torch.cat((k_nope, shared.to(k_nope.dtype)), dim=-1)
-            seen.append(keys.detach().clone())
-            if edit is None:
-                return None
-            edited = edit(keys)
-            if not torch.equal(edited[..., form.nope :], keys[..., form.nope :]):
-                raise ValueError("a per-head edit of the shared rope key has no plain-PyTorch counterpart")
-            merged = torch.cat((edited[..., : form.nope], per_head[..., form.nope :]), dim=-1).flatten(-2)
-            return replace_first_output(output, merged.reshape(out.shape).to(out.dtype))
-
-        from lensadapters.adapters.generic.verify import _Handles
-
-        return _Handles([down.register_forward_hook(on_down), up.register_forward_hook(on_up)])

@@ -188,7 +188,7 @@ def _plain_hook(
     if ref.kind == "head_input":
         return _head_input_hooks(ref, edit, seen, row)
     if ref.kind == "hooks":  # plain hooks of its own on several modules (``ref.spec``: ``.modules``, ``.install``)
-        return ref.spec.install(edit, seen)
+        return _Handles(ref.spec.install(edit, seen))
     if ref.kind == "softmax":  # attention in the model's own code: its softmax's input or output
         return softmax_reference(ref.module, ref.part, ref.spec, edit, seen)
     if ref.kind == "arg":  # the positional argument ``ref.spec`` of the module's call

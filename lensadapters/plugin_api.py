@@ -34,6 +34,14 @@ of the module, whichever point was hooked first. The core's own sites follow the
 
 from lensadapters.adapters import hf
 from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, ContractVariant, hookimpl
+from lensadapters.adapters.latent_attention import (
+    LatentAttention,
+    LatentQKV,
+    latent_rotary,
+    latent_sites,
+    latent_weights,
+    refused_weight,
+)
 from lensadapters.adapters.layers import innermost_layer, wrapped_layers
 from lensadapters.adapters.moe import (
     ExpertModules,
@@ -89,6 +97,12 @@ __all__ = [
     "hookimpl",
     # the description language
     *_specs.__all__,
+    "LatentAttention",
+    "LatentQKV",
+    "latent_rotary",
+    "latent_sites",
+    "latent_weights",
+    "refused_weight",
     "ExpertModules",
     "FusedExperts",
     "MoELayout",

@@ -65,11 +65,18 @@ SAMPLE = (
 #: attention interface (5.x) or in their own code (4.x: sdpa called there, verified against PyTorch's math attention)
 POST_LN = ("electra",)
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+#: multi-head latent attention no plugin claims (copies of DeepSeek-V3's, transformers 5.x), described automatically:
+#: every canonical point but hook_k, whose rope columns are one key every head shares (a per-head edit is refused);
+#: with sparse attention (an indexer's ``indices``), no patterns either
+LATENT = {
+    "glm4_moe_lite": ["blocks.0.attn.hook_k"],
+    "deepseek_v32": ["blocks.0.attn.hook_k", "blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"],
+}
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "1") not in ("", "0")  # =0: the sample only
 MODEL_TYPES = (
     sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if EVERY
-    else [t for t in SAMPLE + POST_LN if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    else [t for t in SAMPLE + POST_LN + tuple(LATENT) if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 )
 
 
@@ -79,6 +86,8 @@ def test_census_finds_no_wrong_value_or_ignored_edit(model_type: str) -> None:
     assert not entry.wrong, entry.wrong
     if model_type in SAMPLE + POST_LN:  # served in full, by a plugin or described
         assert entry.status == "FULL", (entry.missing, entry.why)
+    if model_type in LATENT:
+        assert entry.adapter == "generic" and entry.missing == LATENT[model_type], (entry.missing, entry.why)
 
 
 def test_census_cli_prints_the_table_and_the_summary(capsys: pytest.CaptureFixture) -> None:

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
-from torch import nn
+from torch import Tensor, nn
 
 from lensadapters.adapters.hf_helpers import (
     DECODER_BLOCK,
@@ -39,9 +39,12 @@ from lensadapters.adapters.hf_helpers import (
     unembed_path,
 )
 from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, hookimpl
+from lensadapters.adapters.latent_attention import LatentAttention, latent_sites, refused_weight
 from lensadapters.adapters.plugin_hooks import PointChain, claims, layer_hooks, opaque_blocks  # noqa: F401
 from lensadapters.adapters.toy_configs import decoder_config, toy_config, toy_draw  # noqa: F401
+from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.sites import Site
 from lensadapters.hooks.specs import (
     Architecture,
     BlockLayout,
@@ -311,6 +314,9 @@ class DecoderPlugin:
     precheck: Optional[Callable[[Any], None]] = None
     """A wrap-time check before the family's own, after the class check (a model the family's paths would
     misread: a multimodal model around the text model...)."""
+    latent_attention: Optional[Callable[[Any, int], Optional[LatentAttention]]] = None
+    """A layer's multi-head latent attention (``None`` for a layer without): its projections (unless ``attn_qkv``
+    says otherwise), its latent points and sites, and the refusal of ``W_K``/``W_V`` (:mod:`.latent_attention`)."""
 
     @hookimpl
     def lensadapters_architectures(self) -> list[Architecture]:
@@ -337,7 +343,21 @@ class DecoderPlugin:
 
     @hookimpl
     def lensadapters_attn_qkv(self, arch: Architecture, model: nn.Module, layer: int) -> QKVLayout:
-        return self.family.attn_qkv(model) if self.attn_qkv is None else self.attn_qkv(model, layer)
+        if self.attn_qkv is not None:
+            return self.attn_qkv(model, layer)
+        form = self.latent_attention(model, layer) if self.latent_attention is not None else None
+        return self.family.attn_qkv(model) if form is None else form.qkv()
+
+    @hookimpl
+    def lensadapters_extra_sites(self, arch: Architecture, hooked: Any) -> list[Site]:
+        return latent_sites(hooked)  # exported only with latent_attention (see hooks())
+
+    @hookimpl
+    def lensadapters_weight(self, arch: Architecture, hooked: Any, name: str) -> Optional[Tensor]:
+        why = refused_weight(hooked, name)  # exported only with latent_attention (see hooks())
+        if why is not None:
+            raise WeightUnavailableError(why)
+        return None
 
     @hookimpl
     def lensadapters_mlp_act(self, arch: Architecture, model: nn.Module, layer: int) -> Any:
@@ -357,6 +377,8 @@ class DecoderPlugin:
         """The hook implementations by name (``lensadapters_norm_scale`` only when the family names its norms:
         other RMSNorms are left to the core's checked fallback)."""
         names = [n for n in dir(type(self)) if n.startswith("lensadapters_")]
+        if self.latent_attention is None:
+            names = [n for n in names if n not in _LATENT_HOOKS]
         return {n: getattr(self, n) for n in names if n != "lensadapters_norm_scale" or self.family.norms}
 
     def export(self, namespace: dict[str, Any]) -> DecoderPlugin:
@@ -370,6 +392,10 @@ class DecoderPlugin:
         if package and "LENSADAPTERS_CONTRACT" not in namespace and _has_module(f"{package}.testing"):
             namespace["LENSADAPTERS_CONTRACT"] = f"{package}.testing:{self.family.family}Contract"
         return self
+
+
+#: the hooks a :class:`DecoderPlugin` exports only when it declares a latent attention
+_LATENT_HOOKS = ("lensadapters_extra_sites", "lensadapters_weight")
 
 
 def _has_module(name: str) -> bool:

@@ -17,6 +17,8 @@ of names. Every claim is checked on the probe's values, against what the model's
   the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the
   ``(cos, sin)`` the model's rotary module returned; or none), are the query and key tensors the model passes to the
   attention function;
+* **multi-head latent attention** where no projection gives the values (:mod:`.latent`): the down- and
+  up-projections, the latents' norms, the rope columns and their rotary;
 * **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
   gate-up) projections reading the MLP's input, such that the activation named by the config (or the module's
   ``act_fn``, or else SiLU or ReLU, which no other activation passes for) reproduces the down projection's input:
@@ -456,7 +458,15 @@ def describe_layer(
         raise NotDescribed("a parallel block with norms after its branches")
     if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
-    qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
+    try:
+        qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
+    except NotDescribed:  # multi-head latent attention? (.latent)
+        from lensadapters.adapters.generic.latent import describe_latent_attention
+
+        latent = describe_latent_attention(layer, i, attn, calls[0], rec, cos_sin, attn_in, attn_out)
+        if latent is None:
+            raise
+        (qkv, o_proj), qk_norms = latent, {}
     norms.update(qk_norms)
     mlp_layout: Any
     try:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
+from lensadapters.adapters.generic.latent import claim_latent_points, latent_sites_served
 from lensadapters.adapters.generic.mixer import layer_sites as mixer_sites
 from lensadapters.adapters.generic.mixer import reference as internal_reference
 from lensadapters.adapters.generic.mixer import register as register_mixer_form
@@ -21,6 +22,7 @@ from lensadapters.adapters.generic.sites import AttentionFunctionBackend, Attent
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
 from lensadapters.adapters.hookspecs import hookimpl
+from lensadapters.adapters.latent_attention import refused_weight
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import NormSite, Site
@@ -216,7 +218,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
         return None
     found = findings(hooked.hf_model)
     if _fully_described(hooked.hf_model):
-        why = found.unverified.get(key)
+        why = found.unverified.get(key) or refused_weight(hooked, key)
         if why is not None:
             raise WeightUnavailableError(
                 f"hm.{key}: the generic adapter described this {type(hooked.hf_model).__name__} but could not verify "
@@ -316,9 +318,35 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     if any(block.mixer is not None for block in found.blocks) and found.description is None:
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
+        claimed |= claim_latent_points(hooked)  # multi-head latent attention's points (.latent)
+        why_not_patterns = _withhold_patterns(hooked, found, claimed)
         failed = _serve_verified(hooked, claimed)
         sites = [site for site in sites if not any(p.name in failed for p in site.points)]
+        sites += latent_sites_served(hooked)
+        if why_not_patterns is not None:  # the probe's reason stays: the described layers have no patterns either
+            found.missing.setdefault(PATTERNS_GROUP, why_not_patterns)
     return sites
+
+
+PATTERNS_GROUP = "attention scores and patterns"
+
+
+def _withhold_patterns(hooked: Any, found: Findings, claimed: set[str]) -> Optional[str]:
+    """Remove ``hook_attn_scores``/``hook_pattern`` of the described layers whose attention call the probe found
+    the core's explicit attention does not reproduce (an attention function given sparse ``indices``...): the
+    probe's reason, ``None`` where no such layer is described."""
+    withheld = False
+    for i, (block, layout) in enumerate(zip(found.blocks, hooked.block_layouts)):
+        if layout is None or "attn.hook_z" not in block.points or "attn.hook_pattern" in block.points:
+            continue
+        for name in ("attn.hook_attn_scores", "attn.hook_pattern"):
+            full = f"blocks.{i}.{name}"
+            if full in hooked.hook_dict:
+                if full not in claimed:
+                    hooked.claim_point(full)
+                hooked.remove_point(full)
+                withheld = True
+    return found.missing.get(PATTERNS_GROUP) if withheld else None
 
 
 class _ResultThenOutput(Site):

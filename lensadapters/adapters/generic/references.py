@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.own_attention import OWN_CODE
+from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
 from lensadapters.adapters.moe import FusedExperts, MoELayout
+from lensadapters.hooks.sites import first_output, replace_first_output
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
 Tensor = torch.Tensor
@@ -45,8 +47,10 @@ DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = wea
 @dataclass
 class Reference:
     """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
-    attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), or ``"scale"``
-    of the norm ``module``. ``view`` maps the reference tensor to the point's shape, ``unview`` a delta back."""
+    attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), ``"scale"``
+    of the norm ``module``, or ``"hooks"``: plain hooks of its own on several modules (``spec``: ``.modules`` and
+    ``.install(edit, seen)``, as multi-head latent attention's ``hook_k``). ``view`` maps the reference tensor to
+    the point's shape, ``unview`` a delta back."""
 
     kind: str
     module: Optional[nn.Module] = None
@@ -163,6 +167,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if norm is None:
             return None
         return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
+    if isinstance(qkv, LatentQKV) and qkv.latent is not None:  # multi-head latent attention's own points
+        defined, found = latent_reference(qkv.latent, get, rest)
+        if defined:
+            return found
     if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
         which = rest[-1]
         heads = n if which == "q" else kv
@@ -277,3 +285,74 @@ def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool 
             )
         return Reference("out", module, view, unview)
     return None
+
+
+# --- multi-head latent attention (the core's LatentAttention form, :mod:`.latent`) ----------------------------
+
+
+def latent_reference(
+    form: LatentAttention, get: Callable[[str], nn.Module], rest: str
+) -> tuple[bool, Optional[Reference]]:
+    """``(whether the form defines the reference of the point rest, the reference)``: ``hook_q_latent`` and
+    ``hook_kv_latent`` the latents' norms' outputs, ``hook_k_rope`` the down-projection's last ``rope`` columns,
+    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the up-projection's no-rope
+    columns of each head and the down-projection's shared rope columns (:class:`_KeyHooks`)."""
+    if rest == "attn.hook_q_latent" and form.q_norm is not None:
+        return True, Reference("out", get(form.q_norm))
+    if rest == "attn.hook_kv_latent":
+        return True, Reference("out", get(form.kv_norm))
+    if rest == "attn.hook_k_rope":
+        rank = form.kv_rank
+
+        def rope_part(d: Tensor, t: Tensor) -> Tensor:
+            return torch.cat((torch.zeros_like(t[..., :rank]), d.to(t.dtype)), dim=-1)
+
+        return True, Reference("out", get(form.kv_down), lambda t: t[..., rank:], rope_part)
+    if rest == "attn.hook_v":
+        heads, nope = form.heads, form.nope
+
+        def values(t: Tensor) -> Tensor:
+            return three_d(t).unflatten(-1, (heads, -1))[..., nope:]
+
+        def value_part(d: Tensor, t: Tensor) -> Tensor:
+            zeros = torch.zeros((*d.shape[:-1], nope), dtype=t.dtype, device=t.device)
+            return torch.cat((zeros, d.to(t.dtype)), dim=-1).flatten(-2).reshape(t.shape)
+
+        return True, Reference("out", get(form.kv_up), values, value_part)
+    if rest == "attn.hook_k":
+        return True, Reference("hooks", get(form.kv_up), spec=_KeyHooks(form, get(form.kv_down), get(form.kv_up)))
+    return False, None
+
+
+class _KeyHooks:
+    """``hook_k``'s plain-PyTorch reference: the down-projection's rope columns (recorded) and the up-projection's
+    no-rope key columns, per head; an edit replaces the up-projection's no-rope columns. An edit of the rope columns
+    (one key every head shares) has no plain-PyTorch counterpart: the reference raises (the point refuses it first,
+    by name)."""
+
+    def __init__(self, form: LatentAttention, down: nn.Module, up: nn.Module) -> None:
+        self.form, self.modules = form, (down, up)
+
+    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
+        form, rope = self.form, []
+        down, up = self.modules
+
+        def on_down(module: nn.Module, args: tuple, output: Any) -> None:
+            rope.append(first_output(output)[..., form.kv_rank :])
+
+        def on_up(module: nn.Module, args: tuple, output: Any) -> Any:
+            out = first_output(output)
+            per_head = three_d(out).unflatten(-1, (form.heads, form.nope + form.v_head_dim))
+            k_nope = per_head[..., : form.nope]
+            shared = rope[-1].unsqueeze(-2).expand(*k_nope.shape[:-1], form.rope)
+            keys = torch.cat((k_nope, shared.to(k_nope.dtype)), dim=-1)
+            seen.append(keys.detach().clone())
+            if edit is None:
+                return None
+            edited = edit(keys)
+            if not torch.equal(edited[..., form.nope :], keys[..., form.nope :]):
+                raise ValueError("a per-head edit of the shared rope key has no plain-PyTorch counterpart")
+            merged = torch.cat((edited[..., : form.nope], per_head[..., form.nope :]), dim=-1).flatten(-2)
+            return replace_first_output(output, merged.reshape(out.shape).to(out.dtype))
+
+        return [down.register_forward_hook(on_down), up.register_forward_hook(on_up)]

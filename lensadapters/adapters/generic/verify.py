@@ -187,6 +187,8 @@ def _plain_hook(
         return _once(ref.module, result)
     if ref.kind == "head_input":
         return _head_input_hooks(ref, edit, seen, row)
+    if ref.kind == "hooks":  # plain hooks of its own on several modules (``ref.spec``: ``.modules``, ``.install``)
+        return _Handles(ref.spec.install(edit, seen))
     if ref.kind == "softmax":  # attention in the model's own code: its softmax's input or output
         return softmax_reference(ref.module, ref.part, ref.spec, edit, seen)
     if ref.kind == "operand":  # attention in the model's own code: the queries or keys its sdpa call gets
@@ -431,6 +433,8 @@ def _footprint(ref: Reference) -> set[Any]:
     if ref.kind == "head_input":
         norm, projections = ref.spec
         modules += [norm, *projections]
+    if ref.kind == "hooks":
+        modules += list(ref.spec.modules)
     return {id(m) for m in modules if m is not None}
 
 

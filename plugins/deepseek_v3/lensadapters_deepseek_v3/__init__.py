@@ -29,7 +29,8 @@ refuse patching or attributing one head's keys). ``W_Q`` is served where ``q_pro
 directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
 down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
 maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,
-``hook_q_input``...: ``SeparateQKV.head_inputs``).
+``hook_q_input``...: ``SeparateQKV.head_inputs``). The attention is declared in the core's form
+(:func:`latent_attention`, a ``plugin_api.LatentAttention``), from which the core serves all of the above.
 
 Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token
 with a sigmoid over the experts, the correction bias ``e_score_correction_bias`` added for the choice only, grouped
@@ -56,26 +57,15 @@ and flex attention: every hook point but ``hook_attn_scores``/``hook_pattern``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-import torch
 from torch import nn
 
-from lensadapters import Architecture, hf, hookimpl
-from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
+from lensadapters import hf
+from lensadapters.errors import UnsupportedModelError
 from lensadapters.moe import ExpertModules, FusedExperts, MoELayout, Routing
-from lensadapters.plugin_api import (
-    OutputSite,
-    RotarySpec,
-    SeparateQKV,
-    Site,
-    apply_rotate_half,
-    first_output,
-    invert_rotate_half,
-    read_linear,
-    replace_first_output,
-    rotary_angles,
-)
+from lensadapters.plugin_api import LatentAttention, RotarySpec, latent_rotary
+from lensadapters.plugin_api import latent_weights as _latent_weights
 
 __version__ = "0.1.0"
 # the modules every layer has (the attention's query path depends on q_lora_rank and is checked per layer); the
@@ -95,7 +85,6 @@ ARCH = FAMILY.architecture(
     model_types=("deepseek_v3", "deepseek_v2"),
 )
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
-MLA_POINTS = ("attn.hook_q_latent", "attn.hook_k_rope", "attn.hook_kv_latent")
 
 
 def _sizes(c: Any) -> tuple[int, int, int]:
@@ -106,63 +95,44 @@ def is_v2(config: Any) -> bool:
     return getattr(config, "model_type", None) == "deepseek_v2"
 
 
-def _unrotate_pairs(y1: torch.Tensor, y2: torch.Tensor, c: torch.Tensor, s: torch.Tensor, dtype: Any) -> torch.Tensor:
-    """The pairs ``(x1, x2)`` that ``(x1 c - x2 s, x2 c + x1 s) == (y1, y2)``, interleaved, in ``dtype`` (computed in
-    at least float32)."""
-    c, s = (t.to(torch.promote_types(dtype, torch.float32)) for t in (c, s))
-    y1, y2 = y1.to(c.dtype), y2.to(c.dtype)
-    norm = c * c + s * s
-    x1, x2 = (y1 * c + y2 * s) / norm, (y2 * c - y1 * s) / norm
-    return torch.stack((x1, x2), dim=-1).flatten(-2).to(dtype)
-
-
 def mla_rotary(config: Any) -> RotarySpec:
     """Rotary on the rope columns ``[nope:]`` of ``[b, p, h, nope + rope]`` as transformers applies it: interleaved
     pairs rotated and laid out ``[even' | odd']`` (``rope_interleave``), or rotate-half; DeepSeek-V2's pairs
     ``(x[2i], x[2i+1])`` as complex numbers times ``cos + i sin`` (``[b, p, rope/2]``: the real and imaginary parts
     of its rotary module's ``freqs_cis``), in float32, kept interleaved and cast back."""
     nope, rope, _ = _sizes(config)
-    v2 = is_v2(config)
-    interleave = bool(getattr(config, "rope_interleave", False))
-
-    def parts(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if v2:  # one angle per pair already
-            return cos.unsqueeze(2).float(), sin.unsqueeze(2).float()
-        return cos[..., : rope // 2].unsqueeze(2), sin[..., : rope // 2].unsqueeze(2)
-
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        head, r = x[..., :nope], x[..., nope:]
-        if not (interleave or v2):
-            return torch.cat((head, apply_rotate_half(r, cos, sin)), dim=-1)
-        c, s = parts(cos, sin)
-        if v2:
-            x1, x2 = r[..., 0::2].float(), r[..., 1::2].float()
-            pairs = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-            return torch.cat((head, pairs.to(x.dtype)), dim=-1)
-        x1, x2 = r[..., 0::2], r[..., 1::2]
-        return torch.cat((head, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-    def invert(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        head, r = y[..., :nope], y[..., nope:]
-        if not (interleave or v2):
-            return torch.cat((head, invert_rotate_half(r, cos, sin)), dim=-1)
-        y1, y2 = (r[..., 0::2], r[..., 1::2]) if v2 else (r[..., : rope // 2], r[..., rope // 2 :])
-        return torch.cat((head, _unrotate_pairs(y1, y2, *parts(cos, sin), y.dtype)), dim=-1)
-
-    return RotarySpec(rope, apply, invert)
+    layout = "complex" if is_v2(config) else "interleaved" if getattr(config, "rope_interleave", False) else None
+    return latent_rotary(nope, rope, layout or "rotate_half")
 
 
-def attn_qkv(model: Any, layer: int) -> SeparateQKV:
+def latent_attention(model: Any, layer: int) -> LatentAttention:
+    """The layer's multi-head latent attention, in the core's form: the query latent where ``q_lora_rank`` is set
+    (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; ``q_proj`` otherwise), ``kv_a_proj_with_mqa`` to
+    ``[latent | rope key]``, ``kv_a_layernorm``, ``kv_b_proj`` to ``[no-rope key | value]`` per head."""
     c = hf.text_config(model)
-    q = "self_attn.q_proj" if c.q_lora_rank is None else "self_attn.q_b_proj"
-    return SeparateQKV(
-        q,
+    nope, rope, v = _sizes(c)
+    latent = c.q_lora_rank is not None
+    return LatentAttention(
+        "self_attn.q_b_proj" if latent else "self_attn.q_proj",
+        "self_attn.kv_a_proj_with_mqa",
+        "self_attn.kv_a_layernorm",
         "self_attn.kv_b_proj",
-        "self_attn.kv_b_proj",
+        heads=c.num_attention_heads,
+        kv_rank=c.kv_lora_rank,
+        nope=nope,
+        rope=rope,
+        v_head_dim=v,
         rotary=mla_rotary(c),
-        head_inputs=False,
-        shared_key_columns=c.qk_rope_head_dim,
+        q_down="self_attn.q_a_proj" if latent else None,
+        q_norm="self_attn.q_a_layernorm" if latent else None,
     )
+
+
+def latent_weights(hm: Any, layer: int) -> dict[str, Any]:
+    """The exact per-head linear maps of layer ``layer``'s MLA from the latents (``W_Q_latent``, ``W_K_latent``,
+    ``W_V_latent``, ``W_K_rope``/``b_K_rope``, ``W_Q_down``/``W_KV_down``; ``W_Q`` without a query latent): the
+    core's :func:`lensadapters.plugin_api.latent_weights`."""
+    return _latent_weights(hm, layer)
 
 
 def mlp(model: Any, layer: int) -> Any:
@@ -326,175 +296,6 @@ def tiny_config(seed: int) -> Any:
     )
 
 
-class MLASite(Site):
-    """``attn.hook_k_rope``, ``hook_k``, ``hook_rot_k`` and ``hook_v`` of one layer (see the module docstring).
-
-    ``kv_a_proj_with_mqa``'s output gives the shared rope key (an edit replaces its columns); ``kv_b_proj``'s the
-    per-head no-rope keys and values (an edit of ``hook_k``/``hook_rot_k``'s no-rope columns or of ``hook_v``
-    replaces its rows of this forward's positions: transformers 5 runs it over the cached positions too).
-    """
-
-    def __init__(self, hooked: Any, layer: int, rotary: RotarySpec, config: Any) -> None:
-        self.hooked, self.state, self.rotary = hooked, hooked.forward_state, rotary
-        self.attention = attn = hooked.attention_modules[layer]
-        self.kv_a, self.kv_b = attn.kv_a_proj_with_mqa, attn.kv_b_proj
-        self.rank, (self.nope, self.rope, self.v) = config.kv_lora_rank, _sizes(config)
-        self.heads = config.num_attention_heads
-        pre = f"blocks.{layer}.attn."
-        self.k_rope = hooked.point(pre + "hook_k_rope")
-        self.k, self.rot_k, self.v_point = (hooked.claim_point(pre + n) for n in ("hook_k", "hook_rot_k", "hook_v"))
-        self.points = (self.k_rope, self.k, self.rot_k, self.v_point)
-
-    def install(self) -> list[Any]:
-        handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
-        if self.rot_k.active:  # the layer's (cos, sin), as the model hands them to its attention
-            handles.append(self.attention.register_forward_pre_hook(self._angles, with_kwargs=True))
-        return handles
-
-    def _angles(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        angles = kwargs.get("position_embeddings")
-        complex_angles = isinstance(angles, torch.Tensor) and angles.is_complex()
-        if not (complex_angles or (isinstance(angles, (tuple, list)) and len(angles) == 2)):
-            raise RuntimeError(
-                f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) or complex "
-                "rotations as position_embeddings"
-            )
-        self._values()["angles"] = rotary_angles(angles)
-
-    def _values(self) -> dict[str, Any]:
-        return self.state.site_values(self)
-
-    def _kv_a(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        out = first_output(output)
-        rope, changed = self.k_rope.apply(out[..., self.rank :], protect=True)
-        self._values()["k_rope"] = rope
-        if not changed:
-            return None
-        return replace_first_output(output, torch.cat((out[..., : self.rank], rope.to(out.dtype)), dim=-1))
-
-    def _shared_rope_kept(self, name: str, edited: torch.Tensor, before: torch.Tensor) -> None:
-        if not torch.equal(edited[..., self.nope :], before[..., self.nope :]):
-            raise HookReturnError(
-                f"hook on {name!r} changed the rope columns [{self.nope}:] of the keys: multi-head latent attention "
-                "computes them once for every head (attn.hook_k_rope, before the per-head keys exist); edit "
-                f"{name.rsplit('.', 1)[0]}.hook_k_rope instead, or only the no-rope columns here"
-            )
-
-    def _refuse_key_gradients(self) -> None:
-        for point in (self.k, self.rot_k):
-            if point.live_hooks("bwd"):
-                raise UnsupportedModelError(
-                    f"a backward hook on {point.name!r}: the rope columns [{self.nope}:] of every head's key are one "
-                    "key computed before the heads exist, so one head's copy has no gradient of its own (the model's "
-                    "backward only sums them); hook the gradient of "
-                    f"{point.name.rsplit('.', 1)[0]}.hook_k_rope (the shared key), or of hook_q/hook_v/hook_z per head"
-                )
-
-    def _kv_b(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        raw = first_output(output)
-        rope = self._values().get("k_rope")
-        if rope is None:  # pragma: no cover - kv_a_proj runs first
-            return None
-        if torch.is_grad_enabled():
-            self._refuse_key_gradients()
-        out = raw.flatten(1, -2)  # transformers 5 runs it on the latent viewed as one head: [b, 1, p, rank]
-        p = rope.shape[-2]
-        new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))
-        k_nope, v = new[..., : self.nope], new[..., self.nope :]
-        k = torch.cat((k_nope, rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope).to(k_nope.dtype)), dim=-1)
-        edited_k, changed = self.k.apply(k, protect=True)
-        if changed:
-            self._shared_rope_kept(self.k.name, edited_k, k)
-        if self.rot_k.active:
-            cos, sin = self._values()["angles"]
-            rotated = self.rotary.apply(edited_k, cos, sin)
-            edited_rot, rot_changed = self.rot_k.apply(rotated, protect=True)
-            if rot_changed:
-                self._shared_rope_kept(self.rot_k.name, edited_rot, rotated)
-                edited_k = edited_k + self.rotary.invert(edited_rot - rotated, cos, sin).to(edited_k.dtype)
-                changed = True
-        edited_v, v_changed = self.v_point.apply(v, protect=True)
-        if not (changed or v_changed):
-            return None
-        if out.shape[1] != p:
-            raise HookReturnError(
-                f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v during cached generation: "
-                "transformers 5 caches the latents and decompresses the earlier positions again at every step, so "
-                "the edit would be lost there; edit attn.hook_kv_latent or attn.hook_k_rope, or generate with "
-                "use_cache=False"
-            )
-        merged = torch.cat((edited_k[..., : self.nope], edited_v), dim=-1).flatten(-2)
-        return replace_first_output(output, merged.to(out.dtype).reshape(raw.shape))
-
-
-@hookimpl
-def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
-    sites: list[Site] = []
-    for layer, attn in enumerate(hooked.attention_modules):
-        c = attn.config
-        pre = f"blocks.{layer}.attn."
-        if c.q_lora_rank is not None:
-            point = hooked.new_point(pre + "hook_q_latent", before=pre + "hook_q")
-            sites.append(OutputSite(attn.q_a_layernorm, point))
-        hooked.new_point(pre + "hook_k_rope", after=pre + "hook_rot_q")
-        sites.append(
-            OutputSite(attn.kv_a_layernorm, hooked.new_point(pre + "hook_kv_latent", after=pre + "hook_k_rope"))
-        )
-        sites.append(MLASite(hooked, layer, mla_rotary(c), c))
-    return sites
-
-
-def _latent_linear(hooked: Any, module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    lw = read_linear(hooked, module)
-    return lw.W, lw.b
-
-
-def latent_weights(hm: Any, layer: int) -> dict[str, Any]:
-    """The exact per-head linear maps of layer ``layer``'s MLA, as TransformerLens-shaped tensors read from the live
-    parameters: ``W_Q_latent`` ``[h, q_lora_rank, d_head]`` (``hook_q == hook_q_latent @ W_Q_latent``; ``W_Q``
-    ``[h, d_model, d_head]`` from ``ln1``'s output where there is no query latent),
-    ``W_K_latent`` ``[h, kv_lora_rank, qk_nope_head_dim]`` and ``W_V_latent`` ``[h, kv_lora_rank, v_head_dim]``
-    (the no-rope keys and the values from ``hook_kv_latent``), ``W_K_rope`` ``[d_model, qk_rope_head_dim]`` and
-    ``b_K_rope`` (``hook_k_rope`` from the normalized residual), and ``W_Q_down``/``W_KV_down``, the down-projections
-    into the latents before their RMS norms."""
-    wiring = hm.wiring if hasattr(hm, "wiring") else hm
-    attn = wiring.attention_modules[layer]
-    nope, rope, v = _sizes(attn.config)
-    heads = attn.config.num_attention_heads
-    out: dict[str, Any] = {}
-    q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
-    W, _ = _latent_linear(wiring, q)
-    out["W_Q" if attn.q_lora_rank is None else "W_Q_latent"] = W.unflatten(-1, (heads, -1)).permute(1, 0, 2)
-    if attn.q_lora_rank is not None:
-        out["W_Q_down"] = _latent_linear(wiring, attn.q_a_proj)
-    W_b, _ = _latent_linear(wiring, attn.kv_b_proj)
-    W_b = W_b.unflatten(-1, (heads, nope + v)).permute(1, 0, 2)
-    out["W_K_latent"], out["W_V_latent"] = W_b[..., :nope], W_b[..., nope:]
-    W_a, b_a = _latent_linear(wiring, attn.kv_a_proj_with_mqa)
-    out["W_KV_down"] = (W_a[:, : attn.kv_lora_rank], None if b_a is None else b_a[: attn.kv_lora_rank])
-    out["W_K_rope"] = W_a[:, attn.kv_lora_rank :]
-    out["b_K_rope"] = None if b_a is None else b_a[attn.kv_lora_rank :]
-    return out
-
-
-_REFUSED = {"_W_K": "W_K", "_b_K": "b_K", "_W_V": "W_V", "_b_V": "b_V", "W_K": "W_K", "W_V": "W_V"}
-
-
-@hookimpl
-def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[torch.Tensor]:
-    with_q_latent = any(a.q_lora_rank is not None for a in hooked.attention_modules)
-    if name in _REFUSED or (with_q_latent and name in ("W_Q", "b_Q")):
-        shown = _REFUSED.get(name, name)
-        raise WeightUnavailableError(
-            f"{shown}: multi-head latent attention RMS-normalizes a latent between its down- and up-projections, so "
-            "no matrix maps the residual to the per-head "
-            f"{'queries' if shown[-1] == 'Q' else 'keys' if shown[-1] == 'K' else 'values'}; "
-            "lensadapters_deepseek_v3.latent_weights(hm, layer) gives the exact maps from the latents "
-            "(attn.hook_q_latent, attn.hook_kv_latent) and the shared rope key's"
-        )
-    return None
-
-
 PLUGIN = hf.DecoderPlugin(
     ARCH,
     FAMILY,
@@ -502,6 +303,6 @@ PLUGIN = hf.DecoderPlugin(
     config=config_fields,
     check=check,
     missing_in_layer=missing_in_layer,
-    attn_qkv=attn_qkv,
+    latent_attention=latent_attention,
     mlp=mlp,
 ).export(globals())

@@ -1,0 +1,363 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3 and the models built like them) in the description language.
+
+A layer's MLA is declared by :class:`LatentAttention` (paths relative to the block, as every layout's): which module
+gives the per-head queries (the up-projection of a query latent, or a projection of the normalized residual), the
+query latent's down-projection and norm where there is one, the key/value down-projection whose output is
+``[kv latent | shared rope key]``, the latent's norm, and the up-projection whose output is per head
+``[no-rope key | value]``; the head sizes, and the rotary embedding of the rope columns (:func:`latent_rotary`).
+
+From it the core serves (:func:`latent_sites`), with TransformerLens' names where they exist:
+
+* ``attn.hook_q_latent`` ``[b, p, q_rank]``: the query latent's norm output (only with a query latent);
+* ``attn.hook_k_rope`` ``[b, p, rope]``: the key columns every head shares, the down-projection's last columns,
+  before rotary;
+* ``attn.hook_kv_latent`` ``[b, p, kv_rank]``: the key/value latent's norm output;
+* ``attn.hook_q`` ``[b, p, h, nope + rope]``: each head's query as the up-projection gives it (``[no-rope | rope]``),
+  ``hook_k`` (same shape): ``[k_nope_h | k_rope]``, ``hook_v`` ``[b, p, h, v_head_dim]``;
+  ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention.
+
+An edit changes everything downstream as the model would have computed it, with two refusals, by name: the rope
+columns of ``hook_k``/``hook_rot_k`` (one key shared by every head: edit ``hook_k_rope``), and an edit of
+``hook_k``/``hook_rot_k``/``hook_v`` during cached generation where the model caches the latents and decompresses
+the earlier positions again at every step. A backward hook on ``hook_k``/``hook_rot_k`` is refused (one head's copy
+of the shared rope key has no gradient of its own). ``W_K``/``W_V`` (and ``W_Q`` with a query latent) are refused
+(:func:`refused_weight`: an RMS norm of the latent lies between the down- and up-projections, so no matrix maps the
+residual to them); :func:`latent_weights` gives the exact per-head maps from the latents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from lensadapters.errors import HookReturnError, UnsupportedModelError
+from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half
+from lensadapters.hooks.sites import OutputSite, Site, first_output, replace_first_output
+from lensadapters.hooks.sites.qkv import rotary_angles
+from lensadapters.hooks.specs import RotarySpec, SeparateQKV
+
+Tensor = torch.Tensor
+#: the layouts of the rope columns :func:`latent_rotary` applies
+ROPE_LAYOUTS = ("rotate_half", "interleaved", "complex")
+#: the points a latent attention adds to the core's
+LATENT_POINTS = ("attn.hook_q_latent", "attn.hook_k_rope", "attn.hook_kv_latent")
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """One layer's multi-head latent attention (paths relative to the block; see the module docstring).
+
+    ``q`` gives the per-head queries ``[h * (nope + rope)]``: the up-projection of the query latent (``q_down`` then
+    the norm ``q_norm``, whose output is ``hook_q_latent``), or, with neither, a projection of the attention input.
+    ``kv_down``'s output is ``[kv latent (kv_rank) | shared rope key (rope)]``, ``kv_norm`` normalizes the latent and
+    ``kv_up`` maps it to ``[no-rope key (nope) | value (v_head_dim)]`` per head. ``rotary`` rotates the rope columns
+    ``[nope:]`` of ``[..., nope + rope]`` (:func:`latent_rotary`)."""
+
+    q: str
+    kv_down: str
+    kv_norm: str
+    kv_up: str
+    heads: int
+    kv_rank: int
+    nope: int
+    rope: int
+    v_head_dim: int
+    rotary: Optional[RotarySpec] = None
+    q_down: Optional[str] = None
+    q_norm: Optional[str] = None
+
+    @property
+    def d_head(self) -> int:
+        return self.nope + self.rope
+
+    def qkv(self) -> "LatentQKV":
+        """The core's view of the projections (the layer's ``lensadapters_attn_qkv``): ``hook_q`` and ``hook_rot_q``
+        from ``q``; the keys and values are this form's own points (:func:`latent_sites`); no per-head inputs, the
+        rope columns shared."""
+        return LatentQKV(
+            self.q,
+            self.kv_up,
+            self.kv_up,
+            rotary=self.rotary,
+            head_inputs=False,
+            shared_key_columns=self.rope,
+            latent=self,
+        )
+
+    def modules(self) -> tuple[str, ...]:
+        """Every module path the form names."""
+        q = (self.q_down, self.q_norm) if self.q_down is not None and self.q_norm is not None else ()
+        return (*q, self.q, self.kv_down, self.kv_norm, self.kv_up)
+
+
+@dataclass(frozen=True)
+class LatentQKV(SeparateQKV):
+    """The :class:`SeparateQKV` of a latent attention (:meth:`LatentAttention.qkv`), which carries its form."""
+
+    latent: Optional[LatentAttention] = None
+
+
+def form_of(hooked: Any, layer: int) -> Optional[LatentAttention]:
+    """Layer ``layer``'s latent attention form (``None``: the layer has none); ``hooked``: a wiring or a model."""
+    wiring = hooked.wiring if hasattr(hooked, "wiring") else hooked
+    qkv = wiring.qkv_layouts[layer]
+    return qkv.latent if isinstance(qkv, LatentQKV) else None
+
+
+def three_d(t: Tensor) -> Tensor:
+    """``[b, 1, p, f]`` (a latent viewed as one head, as transformers 5 caches it) as ``[b, p, f]``."""
+    return t.flatten(1, -2) if t.dim() == 4 else t
+
+
+def _unrotate_pairs(y1: Tensor, y2: Tensor, c: Tensor, s: Tensor, dtype: Any) -> Tensor:
+    """The pairs ``(x1, x2)`` that ``(x1 c - x2 s, x2 c + x1 s) == (y1, y2)``, interleaved, in ``dtype`` (computed in
+    at least float32)."""
+    c, s = (t.to(torch.promote_types(dtype, torch.float32)) for t in (c, s))
+    y1, y2 = y1.to(c.dtype), y2.to(c.dtype)
+    norm = c * c + s * s
+    x1, x2 = (y1 * c + y2 * s) / norm, (y2 * c - y1 * s) / norm
+    return torch.stack((x1, x2), dim=-1).flatten(-2).to(dtype)
+
+
+def latent_rotary(nope: int, rope: int, layout: str = "rotate_half") -> RotarySpec:
+    """Rotary on the rope columns ``[nope:]`` of ``[b, p, h, nope + rope]``: ``"rotate_half"``; ``"interleaved"``
+    pairs ``(x[2i], x[2i+1])`` rotated and laid out ``[even' | odd']`` (the table ``[..., rope]`` in rotate-half
+    layout, its first half used); or ``"complex"``: the interleaved pairs as complex numbers times ``cos + i sin``
+    (a table of one angle per pair, ``[b, p, rope/2]``), in float32, kept interleaved and cast back."""
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"layout={layout!r}: one of {', '.join(ROPE_LAYOUTS)}")
+    complex_pairs = layout == "complex"
+
+    def parts(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        if complex_pairs:  # one angle per pair already
+            return cos.unsqueeze(2).float(), sin.unsqueeze(2).float()
+        return cos[..., : rope // 2].unsqueeze(2), sin[..., : rope // 2].unsqueeze(2)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        head, r = x[..., :nope], x[..., nope:]
+        if layout == "rotate_half":
+            return torch.cat((head, apply_rotate_half(r, cos, sin)), dim=-1)
+        c, s = parts(cos, sin)
+        if complex_pairs:
+            x1, x2 = r[..., 0::2].float(), r[..., 1::2].float()
+            pairs = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+            return torch.cat((head, pairs.to(x.dtype)), dim=-1)
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+        return torch.cat((head, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        head, r = y[..., :nope], y[..., nope:]
+        if layout == "rotate_half":
+            return torch.cat((head, invert_rotate_half(r, cos, sin)), dim=-1)
+        y1, y2 = (r[..., 0::2], r[..., 1::2]) if complex_pairs else (r[..., : rope // 2], r[..., rope // 2 :])
+        return torch.cat((head, _unrotate_pairs(y1, y2, *parts(cos, sin), y.dtype)), dim=-1)
+
+    return RotarySpec(rope, apply, invert)
+
+
+class LatentKVSite(Site):
+    """``attn.hook_k_rope``, ``hook_k``, ``hook_rot_k`` and ``hook_v`` of one layer (see the module docstring).
+
+    The down-projection's output gives the shared rope key (an edit replaces its columns); the up-projection's the
+    per-head no-rope keys and values (an edit of ``hook_k``/``hook_rot_k``'s no-rope columns or of ``hook_v``
+    replaces its rows of this forward's positions: a model caching the latents runs it over the cached positions
+    too). ``served``: the names of the points served (the others, absent, are never hooked here).
+    """
+
+    def __init__(self, hooked: Any, layer: int, form: LatentAttention, served: Optional[Iterable[str]] = None) -> None:
+        self.hooked, self.state, self.form = hooked, hooked.forward_state, form
+        self.attention = hooked.attention_modules[layer]
+        block = hooked.block_modules[layer]
+        self.kv_a, self.kv_b = block.get_submodule(form.kv_down), block.get_submodule(form.kv_up)
+        self.rank, self.nope, self.rope, self.v = form.kv_rank, form.nope, form.rope, form.v_head_dim
+        self.heads = form.heads
+        pre = f"blocks.{layer}.attn."
+        names = ("hook_k_rope", "hook_k", "hook_rot_k", "hook_v")
+        allowed = set(names if served is None else (n.rsplit(".", 1)[-1] for n in served))
+        self.k_rope, self.k, self.rot_k, self.v_point = (
+            hooked.point(pre + n) if n in allowed else HookPoint(pre + n, lambda p: None) for n in names
+        )
+        self.points = tuple(p for p, n in zip((self.k_rope, self.k, self.rot_k, self.v_point), names) if n in allowed)
+
+    def signature(self) -> tuple[bool, ...]:
+        return (self.wanted(), self.rot_k.active)  # the angles are read only while hook_rot_k is hooked
+
+    def install(self) -> list[Any]:
+        handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
+        if self.rot_k.active:  # the layer's (cos, sin), as the model hands them to its attention
+            handles.append(self.attention.register_forward_pre_hook(self._angles, with_kwargs=True))
+        return handles
+
+    def _angles(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        angles = kwargs.get("position_embeddings")
+        complex_angles = isinstance(angles, torch.Tensor) and angles.is_complex()
+        if not (complex_angles or (isinstance(angles, (tuple, list)) and len(angles) == 2)):
+            raise RuntimeError(
+                f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) or complex "
+                "rotations as position_embeddings"
+            )
+        self._values()["angles"] = rotary_angles(angles)
+
+    def _values(self) -> dict[str, Any]:
+        return self.state.site_values(self)
+
+    def _kv_a(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        out = first_output(output)
+        rope, changed = self.k_rope.apply(out[..., self.rank :], protect=True)
+        self._values()["k_rope"] = rope
+        if not changed:
+            return None
+        return replace_first_output(output, torch.cat((out[..., : self.rank], rope.to(out.dtype)), dim=-1))
+
+    def _shared_rope_kept(self, name: str, edited: Tensor, before: Tensor) -> None:
+        if not torch.equal(edited[..., self.nope :], before[..., self.nope :]):
+            raise HookReturnError(
+                f"hook on {name!r} changed the rope columns [{self.nope}:] of the keys: multi-head latent attention "
+                "computes them once for every head (attn.hook_k_rope, before the per-head keys exist); edit "
+                f"{name.rsplit('.', 1)[0]}.hook_k_rope instead, or only the no-rope columns here"
+            )
+
+    def _refuse_key_gradients(self) -> None:
+        for point in (self.k, self.rot_k):
+            if point.live_hooks("bwd"):
+                raise UnsupportedModelError(
+                    f"a backward hook on {point.name!r}: the rope columns [{self.nope}:] of every head's key are one "
+                    "key computed before the heads exist, so one head's copy has no gradient of its own (the model's "
+                    "backward only sums them); hook the gradient of "
+                    f"{point.name.rsplit('.', 1)[0]}.hook_k_rope (the shared key), or of hook_q/hook_v/hook_z per head"
+                )
+
+    def _kv_b(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        raw = first_output(output)
+        rope = self._values().get("k_rope")
+        if rope is None:  # pragma: no cover - the down-projection runs first
+            return None
+        if torch.is_grad_enabled():
+            self._refuse_key_gradients()
+        out = raw.flatten(1, -2)  # a model caching the latents runs it on the latent viewed as one head
+        p = rope.shape[-2]
+        new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))
+        k_nope, v = new[..., : self.nope], new[..., self.nope :]
+        k = torch.cat((k_nope, rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope).to(k_nope.dtype)), dim=-1)
+        edited_k, changed = self.k.apply(k, protect=True)
+        if changed:
+            self._shared_rope_kept(self.k.name, edited_k, k)
+        if self.rot_k.active:
+            assert self.form.rotary is not None
+            cos, sin = self._values()["angles"]
+            rotated = self.form.rotary.apply(edited_k, cos, sin)
+            edited_rot, rot_changed = self.rot_k.apply(rotated, protect=True)
+            if rot_changed:
+                self._shared_rope_kept(self.rot_k.name, edited_rot, rotated)
+                edited_k = edited_k + self.form.rotary.invert(edited_rot - rotated, cos, sin).to(edited_k.dtype)
+                changed = True
+        edited_v, v_changed = self.v_point.apply(v, protect=True)
+        if not (changed or v_changed):
+            return None
+        if out.shape[1] != p:
+            raise HookReturnError(
+                f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v during cached generation: "
+                "the model caches the latents and decompresses the earlier positions again at every step, so the "
+                "edit would be lost there; edit attn.hook_kv_latent or attn.hook_k_rope, or generate with "
+                "use_cache=False"
+            )
+        merged = torch.cat((edited_k[..., : self.nope], edited_v), dim=-1).flatten(-2)
+        return replace_first_output(output, merged.to(out.dtype).reshape(raw.shape))
+
+
+def latent_points(hooked: Any, layer: int, form: LatentAttention) -> list[str]:
+    """Create layer ``layer``'s latent points (``hook_q_latent`` before ``hook_q``, ``hook_k_rope`` and
+    ``hook_kv_latent`` after ``hook_rot_q``) and claim the core's key and value points; their names."""
+    pre = f"blocks.{layer}.attn."
+    names = []
+    if form.q_norm is not None:
+        names.append(hooked.new_point(pre + "hook_q_latent", before=pre + "hook_q").name)
+    names.append(hooked.new_point(pre + "hook_k_rope", after=pre + "hook_rot_q").name)
+    names.append(hooked.new_point(pre + "hook_kv_latent", after=pre + "hook_k_rope").name)
+    return names + [hooked.claim_point(pre + n).name for n in ("hook_k", "hook_rot_k", "hook_v")]
+
+
+def latent_layer_sites(
+    hooked: Any, layer: int, form: LatentAttention, served: Optional[Iterable[str]] = None
+) -> list[Site]:
+    """The sites of layer ``layer``'s latent points (made by :func:`latent_points`), of those ``served`` (all by
+    default)."""
+    block, pre = hooked.block_modules[layer], f"blocks.{layer}.attn."
+    names = set(hooked.hook_dict if served is None else served)
+    sites: list[Site] = []
+    if form.q_norm is not None and pre + "hook_q_latent" in names:
+        sites.append(OutputSite(block.get_submodule(form.q_norm), hooked.point(pre + "hook_q_latent")))
+    if pre + "hook_kv_latent" in names:
+        sites.append(OutputSite(block.get_submodule(form.kv_norm), hooked.point(pre + "hook_kv_latent")))
+    mine = [pre + n for n in ("hook_k_rope", "hook_k", "hook_rot_k", "hook_v")]
+    if any(n in names for n in mine):
+        sites.append(LatentKVSite(hooked, layer, form, [n for n in mine if n in names]))
+    return sites
+
+
+def latent_sites(hooked: Any) -> list[Site]:
+    """Every latent layer's points and their sites (a plugin's ``lensadapters_extra_sites``)."""
+    sites: list[Site] = []
+    for layer in range(len(hooked.block_modules)):
+        form = form_of(hooked, layer)
+        if form is not None:
+            latent_points(hooked, layer, form)
+            sites += latent_layer_sites(hooked, layer, form)
+    return sites
+
+
+def _linear(wiring: Any, module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    lw = wiring.read_linear(module)
+    return lw.W, lw.b
+
+
+def latent_weights(hm: Any, layer: int) -> dict[str, Any]:
+    """The exact per-head linear maps of layer ``layer``'s latent attention, as TransformerLens-shaped tensors read
+    from the live parameters: ``W_Q_latent`` ``[h, q_rank, d_head]`` (``hook_q == hook_q_latent @ W_Q_latent``;
+    ``W_Q`` ``[h, d_model, d_head]`` from the attention input where there is no query latent), ``W_K_latent``
+    ``[h, kv_rank, nope]`` and ``W_V_latent`` ``[h, kv_rank, v_head_dim]`` (the no-rope keys and the values from
+    ``hook_kv_latent``), ``W_K_rope`` ``[d_model, rope]`` and ``b_K_rope`` (``hook_k_rope`` from the attention
+    input), and ``W_Q_down``/``W_KV_down`` ``(W, b)``, the down-projections into the latents before their norms."""
+    wiring = hm.wiring if hasattr(hm, "wiring") else hm
+    form = form_of(wiring, layer)
+    if form is None:
+        raise ValueError(f"layer {layer} has no multi-head latent attention")
+    block = wiring.block_modules[layer]
+    get = block.get_submodule
+    out: dict[str, Any] = {}
+    W, _ = _linear(wiring, get(form.q))
+    out["W_Q" if form.q_norm is None else "W_Q_latent"] = W.unflatten(-1, (form.heads, -1)).permute(1, 0, 2)
+    if form.q_down is not None:
+        out["W_Q_down"] = _linear(wiring, get(form.q_down))
+    W_b, _ = _linear(wiring, get(form.kv_up))
+    W_b = W_b.unflatten(-1, (form.heads, form.nope + form.v_head_dim)).permute(1, 0, 2)
+    out["W_K_latent"], out["W_V_latent"] = W_b[..., : form.nope], W_b[..., form.nope :]
+    W_a, b_a = _linear(wiring, get(form.kv_down))
+    out["W_KV_down"] = (W_a[:, : form.kv_rank], None if b_a is None else b_a[: form.kv_rank])
+    out["W_K_rope"] = W_a[:, form.kv_rank :]
+    out["b_K_rope"] = None if b_a is None else b_a[form.kv_rank :]
+    return out
+
+
+_REFUSED = {"_W_K": "W_K", "_b_K": "b_K", "_W_V": "W_V", "_b_V": "b_V", "W_K": "W_K", "W_V": "W_V"}
+
+
+def refused_weight(hooked: Any, name: str) -> Optional[str]:
+    """Why the weight ``name`` is not served for the wiring ``hooked`` (``None``: it is, or no layer has latent
+    attention): ``W_K``/``W_V`` and their biases, and ``W_Q``/``b_Q`` where a layer has a query latent."""
+    forms = [f for f in (form_of(hooked, i) for i in range(len(hooked.block_modules))) if f is not None]
+    with_q_latent = any(f.q_norm is not None for f in forms)
+    if not forms or not (name in _REFUSED or (with_q_latent and name in ("W_Q", "b_Q"))):
+        return None
+    shown = _REFUSED.get(name, name)
+    what = "queries" if shown[-1] == "Q" else "keys" if shown[-1] == "K" else "values"
+    return (
+        f"{shown}: multi-head latent attention RMS-normalizes a latent between its down- and up-projections, so no "
+        f"matrix maps the residual to the per-head {what}; lensadapters.plugin_api.latent_weights(hm, layer) "
+        "gives the exact maps from the latents "
+        "(attn.hook_q_latent, attn.hook_kv_latent) and the shared rope key's"
+    )

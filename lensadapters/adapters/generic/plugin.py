@@ -17,6 +17,7 @@ from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.recheck import check_second_wiring
 from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
+from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -58,6 +59,7 @@ def findings(model: nn.Module) -> Findings:
         OWN_CODE[model] = dict(found.own_attention)
         layers_found = found.description.layers if found.description is not None else []
         DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
+        ROTATED_NORMS[model] = {i: d.rotated_norms for i, d in enumerate(layers_found) if d and d.rotated_norms}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:

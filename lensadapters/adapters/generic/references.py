@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.own_attention import OWN_CODE
+from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.moe import FusedExperts, MoELayout
+from lensadapters.hooks.sites.qkv import heads_view
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
 Tensor = torch.Tensor
@@ -44,7 +46,8 @@ DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = wea
 
 @dataclass
 class Reference:
-    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
+    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module`` (``"in"`` with an
+    int ``spec``: of that call of the module in the forward pass, counted from 0), ``"attn"`` of the
     attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), or ``"scale"``
     of the norm ``module``. ``view`` maps the reference tensor to the point's shape, ``unview`` a delta back."""
 
@@ -173,6 +176,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
         return None
     if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
+        after = ROTATED_NORMS.get(model, {}).get(i, {}).get(rest[-1])
+        if after is not None:  # the input of the norm the attention module applies to the rotated values
+            to_heads, from_heads = heads_view(after.layout, n if rest.endswith("q") else kv)
+            return Reference("in", get(after.module), to_heads, lambda d, t: from_heads(d), spec=after.call)
         return Reference("attn", layer=i, part="query" if rest.endswith("q") else "key")
     if rest == "attn.hook_z":
         view, unview = _heads(n)

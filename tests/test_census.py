@@ -7,9 +7,8 @@ plugins, and decoders no plugin claims that the automatic description serves in 
 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the
 branches, branch multipliers, nested pre-LN parts, an attention-score softcap, LayerNorms with a literal eps, an
 activation called in code, a mixture of experts after a dense layer, a complex rotary table with a norm after rotary
-and layers without rotary), and a post-LN encoder that copies BERT's
-modelling code (described automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the
-sample only.
+and layers without rotary), and a post-LN encoder that copies BERT's modelling code (described automatically under
+transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ hooks, and deliberately wrong descriptions are caught by the verifier."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, Iterator
 

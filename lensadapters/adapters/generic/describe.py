@@ -333,9 +333,7 @@ def _describe_attention(
                 "attention function gets"
             )
         q, k, v = split(readers[fused[0]])
-        q_match = _match_rotated(
-            _norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin, after
-        )
+        q_match = _match_rotated(_norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin, after)
         k_match = _match_rotated(_norm_between(rec, i, attn, k.flatten(-2), kv), call.key, rotary, cos_sin, after)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
             raise NotDescribed(

@@ -273,11 +273,14 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
             for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
                 # a branch output the model writes into afterwards (Falcon's parallel block adds the attention
-                # output into the MLP's in place): served as the core would, with the model continuing with a copy
-                if name in block.copied and path is not None and f"blocks.{i}.{name}" not in claimed:
+                # output into the MLP's in place): served as the core would, with the model continuing with a copy;
+                # one returned with the tokens merged (Llama 4's mixture of experts): served in the residual's shape
+                special = name in block.copied or name in block.flat
+                if special and path is not None and f"blocks.{i}.{name}" not in claimed:
                     point = hooked.claim_point(f"blocks.{i}.{name}")
                     claimed.add(point.name)
-                    sites.append(ModuleIOSite(layer.get_submodule(path), point, copy=True))
+                    module = layer.get_submodule(path)
+                    sites.append(ModuleIOSite(module, point, copy=name in block.copied, as_input=name in block.flat))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied

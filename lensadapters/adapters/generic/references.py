@@ -152,7 +152,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
     if rest == "hook_mlp_out":
         path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
-        return Reference("out", get(path)) if path is not None else None
+        # the module may return [b * p, d] (the point shows [b, p, d]); reshaping is the identity otherwise
+        return Reference("out", get(path), unview=_unflat, flat=True) if path is not None else None
     if rest == "hook_resid_mid" and not bl.parallel and ln2_or_mlp is not None:
         return Reference("in", ln2_or_mlp, also=Reference("out", layer))
     if rest == "hook_mlp_in" and ln2_or_mlp is not None:

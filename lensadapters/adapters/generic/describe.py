@@ -299,7 +299,7 @@ def _describe_attention(
     """The layer's queries, keys and values, output projection and q/k norms; ``rotated_norms`` (where given) gets
     the norms the attention module applies after rotary (:mod:`.rotated_norm`), which are tried only then."""
     prefix = attn + "."
-    after = norm_after_rotary(layer, rec, i, attn) if rotated_norms is not None else None
+    post_norm = norm_after_rotary(layer, rec, i, attn) if rotated_norms is not None else None
     heads, kv, d = call.heads, call.kv_heads, call.d_head
     assert call.query is not None and call.key is not None and call.value is not None
     linears: dict[str, Any] = {  # the linear modules (not a wrapper around one, whose output is its child's)
@@ -333,8 +333,9 @@ def _describe_attention(
                 "attention function gets"
             )
         q, k, v = split(readers[fused[0]])
-        q_match = _match_rotated(_norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin, after)
-        k_match = _match_rotated(_norm_between(rec, i, attn, k.flatten(-2), kv), call.key, rotary, cos_sin, after)
+        q_options, k_options = (_norm_between(rec, i, attn, t.flatten(-2), n) for t, n in ((q, heads), (k, kv)))
+        q_match = _match_rotated(q_options, call.query, rotary, cos_sin, post_norm)
+        k_match = _match_rotated(k_options, call.key, rotary, cos_sin, post_norm)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
             raise NotDescribed(
                 "the fused projection's queries and keys, through a q/k norm and rotated, are not what attention gets"
@@ -349,12 +350,13 @@ def _describe_attention(
     if len(values) != 1:
         raise NotDescribed("no single projection of the attention input is the values the attention function gets")
     rest = [p for p in readers if p != values[0]]
-    found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec]]] = {}
+    found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec], Optional[RotatedNorm]]]
+    found = {}
     for role, target, n in (("q", call.query, heads), ("k", call.key, kv)):
         for p in rest:
             if readers[p].shape[-1] != n * d or p in [f[0] for f in found.values()]:
                 continue
-            match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin, after)
+            match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin, post_norm)
             if match is not None:
                 found[role] = (p, *match)
                 break

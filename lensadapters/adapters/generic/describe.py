@@ -14,9 +14,10 @@ of names. Every claim is checked on the probe's values, against what the model's
   function (a module wrapping a linear one is not a candidate: its child is);
 * **queries and keys**: the two other projections whose outputs, through the q/k norms found between them and the
   attention function (a norm module inside the attention module reading the projection's output per head or over
-  the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the
-  ``(cos, sin)`` the model's rotary module returned; or none), are the query and key tensors the model passes to the
-  attention function;
+  the whole width) and then rotary (rotate-half or interleaved pairs on the first ``partial_rotary_factor`` of each
+  head, with the ``(cos, sin)`` the model's rotary module returned, or the real and imaginary parts of the complex
+  table it returned; or none, layer by layer), and then a norm the attention module applies after rotary
+  (:mod:`.rotated_norm`), are the query and key tensors the model passes to the attention function;
 * **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
   gate-up) projections reading the MLP's input, such that the activation named by the config (or the module's
   ``act_fn``, or else SiLU or ReLU, which no other activation passes for) reproduces the down projection's input:

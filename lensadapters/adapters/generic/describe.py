@@ -241,6 +241,7 @@ def _match_rotated(
     """The (norm, rotary, norm after rotary) under which a projection's output is ``target`` (``[b, heads, p, d]``);
     ``after`` finds a norm the attention module applies to the rotated values (:mod:`.rotated_norm`)."""
     want = target.transpose(1, 2)
+    rotated: list[tuple[Optional[RotarySpec], Tensor]] = []  # with no norm before rotary: for a norm after it
     for norm, path, value in options:
         for spec in rotaries:
             if spec is None:
@@ -254,9 +255,14 @@ def _match_rotated(
                     continue
             if _close(got, want):
                 return norm, path, spec, None
-            post = after(got, want) if after is not None and norm is None else None
-            if post is not None:
-                return norm, path, spec, post
+            if norm is None:
+                rotated.append((spec, got))
+    # a norm after rotary only where none before it fits (a norm of each head with unit weights commutes with
+    # rotary on the probe: it is the one the model calls before, where the model calls one before)
+    for spec, got in rotated if after is not None else []:
+        post = after(got, want)
+        if post is not None:
+            return None, None, spec, post
     return None
 
 
@@ -269,6 +275,13 @@ def _keep_rotated_norms(
         return
     if q is not None and k is not None and q.module == k.module and q.call == k.call:
         raise NotDescribed(f"the norm after rotary {q.module} reads the queries and the keys in the same call")
+    for norm in (q, k):  # a later call only of a module whose first call (recorded) read the other's rotated values
+        if (
+            norm is not None
+            and norm.call
+            and not any(o is not None and o.module == norm.module for o in (q, k) if o is not norm)
+        ):
+            raise NotDescribed(f"the probe did not see {norm.module} read rotated queries or keys")
     into.update({role: norm for role, norm in (("q", q), ("k", k)) if norm is not None})
 
 

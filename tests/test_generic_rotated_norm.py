@@ -72,7 +72,9 @@ def test_llama4_rotary_layers_rotate_then_normalize_and_nope_layers_do_not(llama
         assert served == [i not in nope] * 2
         norms = {role: (n.module, n.call) for role, n in layer.rotated_norms.items()}
         assert norms == ({} if i in nope else {"q": ("self_attn.qk_norm", 0), "k": ("self_attn.qk_norm", 1)})
-    assert all(why is None for why in check_points(hm.wiring, input_ids(), hm.hook_names).values())
+    assert not findings(model).unverified  # every served point verified at wrap time; again here, the new forms:
+    names = [f"blocks.0.{p}" for p in ROTARY] + [f"blocks.{nope[0]}.attn.hook_{x}" for x in "qk"]
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
 
 
 def test_an_edit_of_the_rotated_keys_is_the_same_edit_of_the_norms_second_input(llama4: tuple[nn.Module, Any]) -> None:

@@ -259,7 +259,9 @@ def _match_rotated(
                 rotated.append((spec, got))
     # a norm after rotary only where none before it fits (a norm of each head with unit weights commutes with
     # rotary on the probe: it is the one the model calls before, where the model calls one before)
-    for spec, got in rotated if after is not None else []:
+    if after is None:
+        return None
+    for spec, got in rotated:
         post = after(got, want)
         if post is not None:
             return None, None, spec, post

@@ -169,3 +169,30 @@ def test_a_wrong_rotation_is_not_served(monkeypatch: pytest.MonkeyPatch) -> None
     reasons = " ".join(findings(model).missing.values())
     assert "attn.hook_rot_q" in reasons and "its value is not the reference's (in of Llama4TextL2Norm)" in reasons
     hm.unwrap()
+
+
+def test_a_rotated_query_edit_under_gradient_checkpointing_gives_the_gradients_without_it(
+    llama4: tuple[nn.Module, Any],
+) -> None:
+    """The recomputation of a checkpointed layer finds the layer's angles again in the complex table the model
+    passes its attention module (the core reads it as ``(real, imag)``): an edit of ``hook_rot_q`` gives the
+    gradients it gives without checkpointing (where it raised that the rotary module had not run)."""
+    reference, plain = llama4
+    edit = [("blocks.0.attn.hook_rot_q", lambda t, hook: t * 1.5)]
+    try:
+        plain.run_with_hooks(input_ids(), fwd_hooks=edit).float().pow(2).mean().backward()
+        expected = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    finally:
+        reference.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("llama4_text")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # checkpointing runs in training mode only (the model has no dropout)
+        hm = _wrap(model)
+        hm.run_with_hooks(input_ids(), fwd_hooks=edit).float().pow(2).mean().backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert expected and expected.keys() == got.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    hm.unwrap()

@@ -120,8 +120,9 @@ class RecomputedRotarySite(Site):
         for value in (*args, *kwargs.values()):
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 refs = self._seen.get(id(t)) if isinstance(t, Tensor) else None
-                if refs is not None and refs[0]() is t and refs[1]() is not None:
-                    return rotary_angles(t) if t.is_complex() else (t, refs[1]())
+                sin = refs[1]() if refs is not None and refs[0]() is t else None
+                if sin is not None:  # a complex table is held as (table, table): its parts are the angles
+                    return rotary_angles(sin) if sin.is_complex() else (t, sin)
         return None
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:

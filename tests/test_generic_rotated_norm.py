@@ -196,3 +196,22 @@ def test_a_rotated_query_edit_under_gradient_checkpointing_gives_the_gradients_w
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     hm.unwrap()
+
+
+def test_a_rotation_turning_the_other_way_before_a_norm_per_projection_is_described() -> None:
+    """NanoChat rotates with ``rotate_half`` as ``cat(x2, -x1)`` (rotate-half with ``sin`` negated), then normalizes
+    queries and keys with a module each, after the attention module's transpose: ``hook_rot_q``/``hook_rot_k`` are
+    those norms' inputs, verified."""
+    pytest.importorskip("transformers.models.nanochat")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("nanochat")
+    hm = _wrap(model)
+    layer = findings(model).description.layers[0]
+    assert {role: (n.module, n.layout, n.call) for role, n in layer.rotated_norms.items()} == {
+        "q": ("self_attn.q_norm", "bhpd", 0),
+        "k": ("self_attn.k_norm", "bhpd", 0),
+    }
+    names = [f"blocks.0.{p}" for p in ROTARY]
+    assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
+    hm.unwrap()

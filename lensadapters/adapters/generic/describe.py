@@ -190,6 +190,15 @@ def per_head_qkv_split(heads: int, d: int) -> tuple[Callable[..., Any], Callable
     return split, merge
 
 
+def reversed_rotate_half_spec(rotary_dim: int) -> RotarySpec:
+    """Rotate-half RoPE turning the other way: ``x * cos + cat(x2, -x1) * sin`` (NanoChat's ``rotate_half``), which
+    is rotate-half with ``sin`` negated (bitwise: a product with a negated factor is the negated product)."""
+    half = rotate_half_spec(rotary_dim)
+    return RotarySpec(
+        rotary_dim, lambda x, cos, sin: half.apply(x, cos, -sin), lambda y, cos, sin: half.invert(y, cos, -sin)
+    )
+
+
 def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
     """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs (table of ``r`` entries, or ``r/2``: a
     complex table), on the whole head or on the first dimensions the table covers (partial rotary): each is tried on
@@ -201,6 +210,7 @@ def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec
             continue
         if cos.shape[-1] == r:
             specs += [rotate_half_spec(r), interleaved_spec(r, False), interleaved_spec(r, True)]
+            specs.append(reversed_rotate_half_spec(r))
         if 2 * cos.shape[-1] == r:
             specs += [half_table_rotate_half_spec(r), interleaved_spec(r, False, once=True)]
     return specs

@@ -44,11 +44,18 @@ class RotatedNorm:
 ROTATED_NORMS: "weakref.WeakKeyDictionary[nn.Module, dict[int, dict[str, RotatedNorm]]]" = weakref.WeakKeyDictionary()
 
 
+def _but(shape: torch.Size, axis: int) -> tuple[int, ...]:
+    """``shape`` without its heads' axis (queries and keys may differ in heads only)."""
+    return tuple(shape[:axis]) + tuple(shape[axis + 1 :])
+
+
 def norm_after_rotary(
     layer: nn.Module, rec: Recording, i: int, attn: str
 ) -> Callable[[Tensor, Tensor], Optional[RotatedNorm]]:
     """``(rotated, want) -> RotatedNorm or None``: the module inside the attention module ``attn`` (no matrix
-    parameter: not a projection) whose output for ``rotated`` (``[b, p, h, d]``) is ``want`` (the same layout)."""
+    parameter: not a projection) whose output for ``rotated`` (``[b, p, h, d]``) is ``want`` (the same layout): one
+    that the probe saw read exactly ``rotated`` (its first call), else one whose first call read other values of the
+    same layout (its second call: one module for queries and keys; the verification checks which it reads)."""
     prefix = attn + "."
     candidates = [
         (path, x)
@@ -63,19 +70,23 @@ def norm_after_rotary(
     ]
 
     def find(rotated: Tensor, want: Tensor) -> Optional[RotatedNorm]:
+        later: Optional[RotatedNorm] = None  # a module whose first call read other values: its next call
         for path, first in candidates:
-            if first.shape[-1] != rotated.shape[-1]:
-                continue
-            for layout in ("bphd", "bhpd"):
+            for layout, head_axis in (("bphd", 2), ("bhpd", 1)):
                 to_heads, from_heads = heads_view(layout, rotated.shape[-2])
                 seen = from_heads(rotated)
+                if _but(first.shape, head_axis) != _but(seen.shape, head_axis):
+                    continue  # not the layout in which the module read its first call's values
                 try:
                     with torch.no_grad():
                         out = layer.get_submodule(path)(seen)
                 except Exception:  # noqa: BLE001 - a module that cannot take it is not this norm
                     continue
-                if isinstance(out, Tensor) and out.shape == seen.shape and _close(to_heads(out), want):
-                    return RotatedNorm(path, layout, 0 if _close(first, seen) else 1)
-        return None
+                if not (isinstance(out, Tensor) and out.shape == seen.shape and _close(to_heads(out), want)):
+                    continue
+                if _close(first, seen):  # the probe saw this module read exactly these values
+                    return RotatedNorm(path, layout, 0)
+                later = later or RotatedNorm(path, layout, 1)
+        return later
 
     return find

@@ -6,9 +6,9 @@ also be served in full: a decoder and a post-LN encoder with TransformerLens' ``
 plugins, and decoders no plugin claims that the automatic description serves in full under transformers 4.57 and 5.x
 (parallel blocks with interleaved rotary, interleaved rotary with a gated MLP, per-layer rotary with norms after the
 branches, branch multipliers, nested pre-LN parts, an attention-score softcap, LayerNorms with a literal eps, an
-activation called in code, a mixture of experts after a dense layer), and a post-LN encoder that copies BERT's
-modelling code (described automatically under transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the
-sample only.
+activation called in code, a mixture of experts after a dense layer, a complex rotary table with a norm after rotary
+and layers without rotary), and a post-LN encoder that copies BERT's modelling code (described automatically under
+transformers 5.x). ``LENSADAPTERS_EVERY_MODEL_TYPE=0`` checks the sample only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ SAMPLE = (
     "lfm2",
     "glm4_moe",
     "persimmon",
+    # rotary as complex multiplication on interleaved pairs, a norm after rotary, NoPE layers, a mixture of experts
+    # returning merged tokens
+    "llama4_text",
     # attention computed in the model's own code (the softmax capture): a softmax of [b, heads, q, k] scores, of
     # [b * heads, q, k] scores with an ALiBi bias, of queries scaled before the product, sdpa called in the code
     # (served) or a softmax (verified), a post-LN encoder copy

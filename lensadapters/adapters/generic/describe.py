@@ -14,9 +14,10 @@ of names. Every claim is checked on the probe's values, against what the model's
   function (a module wrapping a linear one is not a candidate: its child is);
 * **queries and keys**: the two other projections whose outputs, through the q/k norms found between them and the
   attention function (a norm module inside the attention module reading the projection's output per head or over
-  the whole width) and then rotary (rotate-half on the first ``partial_rotary_factor`` of each head, with the
-  ``(cos, sin)`` the model's rotary module returned; or none), are the query and key tensors the model passes to the
-  attention function;
+  the whole width) and then rotary (rotate-half or interleaved pairs on the first ``partial_rotary_factor`` of each
+  head, with the ``(cos, sin)`` the model's rotary module returned, or the real and imaginary parts of the complex
+  table it returned; or none, layer by layer), and then a norm the attention module applies after rotary
+  (:mod:`.rotated_norm`), are the query and key tensors the model passes to the attention function;
 * **multi-head latent attention** where no projection gives the values (:mod:`.latent`): the down- and
   up-projections, the latents' norms, the rope columns and their rotary;
 * **MLP**: the linear module whose output is the MLP module's output (``W_out``), and the one or two (or one fused
@@ -39,8 +40,10 @@ from torch import nn
 from lensadapters.adapters.generic.moe import describe_other_mlp
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import InterfaceCall, Recording, _close
+from lensadapters.adapters.generic.rotated_norm import RotatedNorm, norm_after_rotary
 from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
+from lensadapters.hooks.sites.qkv import rotary_angles
 from lensadapters.hooks.specs import (
     BlockLayout,
     FusedGateUp,
@@ -76,6 +79,8 @@ class LayerDescription:
     gated: bool
     act_fn: Optional[str]
     attn_out: Optional[str] = None  # the module whose output is hook_attn_out, where it is not ``block.attn``'s
+    #: norms the attention module applies to the rotated queries/keys ("q"/"k"), :mod:`.rotated_norm`
+    rotated_norms: dict[str, RotatedNorm] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,14 +133,18 @@ def _rotate_pairs(x: Tensor) -> Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def interleaved_spec(rotary_dim: int, from_half_layout: bool) -> RotarySpec:
+def interleaved_spec(rotary_dim: int, from_half_layout: bool, once: bool = False) -> RotarySpec:
     """RoPE on interleaved pairs of the first ``rotary_dim`` dimensions of each head (``x * cos + pairs(x) * sin``).
     ``from_half_layout``: the rotary module returns the table in rotate-half layout (``cat(freqs, freqs)``), which the
-    attention turns into the interleaved one (``cos[..., :r/2].repeat_interleave(2)``)."""
+    attention turns into the interleaved one (``cos[..., :r/2].repeat_interleave(2)``). ``once``: the table holds
+    each pair's angle once (``r/2`` entries: a complex table ``e^{i theta}`` read as ``(real, imag)``, which the
+    attention multiplies each pair, seen as a complex number, by), repeated for both members of the pair."""
 
     def table(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         if from_half_layout:
-            cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+            cos, sin = (t[..., : t.shape[-1] // 2] for t in (cos, sin))
+        if from_half_layout or once:
+            cos, sin = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
         return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
     def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -183,9 +192,19 @@ def per_head_qkv_split(heads: int, d: int) -> tuple[Callable[..., Any], Callable
     return split, merge
 
 
+def reversed_rotate_half_spec(rotary_dim: int) -> RotarySpec:
+    """Rotate-half RoPE turning the other way: ``x * cos + cat(x2, -x1) * sin`` (NanoChat's ``rotate_half``), which
+    is rotate-half with ``sin`` negated (bitwise: a product with a negated factor is the negated product)."""
+    half = rotate_half_spec(rotary_dim)
+    return RotarySpec(
+        rotary_dim, lambda x, cos, sin: half.apply(x, cos, -sin), lambda y, cos, sin: half.invert(y, cos, -sin)
+    )
+
+
 def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
-    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs, on the whole head or on the first
-    dimensions the table covers (partial rotary): each is tried on the probe's queries and keys."""
+    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs (table of ``r`` entries, or ``r/2``: a
+    complex table), on the whole head or on the first dimensions the table covers (partial rotary): each is tried on
+    the probe's queries and keys."""
     dims = dict.fromkeys([d_head, cos.shape[-1], 2 * cos.shape[-1]])
     specs = []
     for r in dims:
@@ -193,8 +212,9 @@ def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec
             continue
         if cos.shape[-1] == r:
             specs += [rotate_half_spec(r), interleaved_spec(r, False), interleaved_spec(r, True)]
+            specs.append(reversed_rotate_half_spec(r))
         if 2 * cos.shape[-1] == r:
-            specs.append(half_table_rotate_half_spec(r))
+            specs += [half_table_rotate_half_spec(r), interleaved_spec(r, False, once=True)]
     return specs
 
 
@@ -228,9 +248,12 @@ def _match_rotated(
     target: Tensor,
     rotaries: list[Optional[RotarySpec]],
     cos_sin: Optional[tuple[Tensor, Tensor]],
-) -> Optional[tuple[Optional[ProjectionNorm], Optional[str], Optional[RotarySpec]]]:
-    """The (norm, rotary) under which a projection's output is ``target`` (``[b, heads, p, d]``)."""
+    after: Optional[Callable[[Tensor, Tensor], Optional[RotatedNorm]]] = None,
+) -> Optional[tuple[Optional[ProjectionNorm], Optional[str], Optional[RotarySpec], Optional[RotatedNorm]]]:
+    """The (norm, rotary, norm after rotary) under which a projection's output is ``target`` (``[b, heads, p, d]``);
+    ``after`` finds a norm the attention module applies to the rotated values (:mod:`.rotated_norm`)."""
     want = target.transpose(1, 2)
+    rotated: list[tuple[Optional[RotarySpec], Tensor]] = []  # with no norm before rotary: for a norm after it
     for norm, path, value in options:
         for spec in rotaries:
             if spec is None:
@@ -243,8 +266,37 @@ def _match_rotated(
                 except RuntimeError:
                     continue
             if _close(got, want):
-                return norm, path, spec
+                return norm, path, spec, None
+            if norm is None:
+                rotated.append((spec, got))
+    # a norm after rotary only where none before it fits (a norm of each head with unit weights commutes with
+    # rotary on the probe: it is the one the model calls before, where the model calls one before)
+    if after is None:
+        return None
+    for spec, got in rotated:
+        post = after(got, want)
+        if post is not None:
+            return None, None, spec, post
     return None
+
+
+def _keep_rotated_norms(
+    into: Optional[dict[str, RotatedNorm]], q: Optional[RotatedNorm], k: Optional[RotatedNorm]
+) -> None:
+    """The queries' and keys' norms after rotary into ``into``; one module read at the same call by both is not
+    what the model does (the claim is wrong), and so is one role's norm being another's first call."""
+    if into is None:
+        return
+    if q is not None and k is not None and q.module == k.module and q.call == k.call:
+        raise NotDescribed(f"the norm after rotary {q.module} reads the queries and the keys in the same call")
+    for norm in (q, k):  # a later call only of a module whose first call (recorded) read the other's rotated values
+        if (
+            norm is not None
+            and norm.call
+            and not any(o is not None and o.module == norm.module for o in (q, k) if o is not norm)
+        ):
+            raise NotDescribed(f"the probe did not see {norm.module} read rotated queries or keys")
+    into.update({role: norm for role, norm in (("q", q), ("k", k)) if norm is not None})
 
 
 def _qk_norm_behaviours(
@@ -270,8 +322,12 @@ def _describe_attention(
     cos_sin: Optional[tuple[Tensor, Tensor]],
     attn_in: Tensor,
     attn_out: Tensor,
+    rotated_norms: Optional[dict[str, RotatedNorm]] = None,
 ) -> tuple[QKV, str, dict[str, NormBehaviour]]:
+    """The layer's queries, keys and values, output projection and q/k norms; ``rotated_norms`` (where given) gets
+    the norms the attention module applies after rotary (:mod:`.rotated_norm`), which are tried only then."""
     prefix = attn + "."
+    post_norm = norm_after_rotary(layer, rec, i, attn) if rotated_norms is not None else None
     heads, kv, d = call.heads, call.kv_heads, call.d_head
     assert call.query is not None and call.key is not None and call.value is not None
     linears: dict[str, Any] = {  # the linear modules (not a wrapper around one, whose output is its child's)
@@ -305,13 +361,15 @@ def _describe_attention(
                 "attention function gets"
             )
         q, k, v = split(readers[fused[0]])
-        q_match = _match_rotated(_norm_between(rec, i, attn, q.flatten(-2), heads), call.query, rotary, cos_sin)
-        k_match = _match_rotated(_norm_between(rec, i, attn, k.flatten(-2), kv), call.key, rotary, cos_sin)
+        q_options, k_options = (_norm_between(rec, i, attn, t.flatten(-2), n) for t, n in ((q, heads), (k, kv)))
+        q_match = _match_rotated(q_options, call.query, rotary, cos_sin, post_norm)
+        k_match = _match_rotated(k_options, call.key, rotary, cos_sin, post_norm)
         if q_match is None or k_match is None or q_match[2] is not k_match[2]:
             raise NotDescribed(
                 "the fused projection's queries and keys, through a q/k norm and rotated, are not what attention gets"
             )
         _qk_norm_behaviours(layer, rec, i, (q_match[1], k_match[1]), norms)
+        _keep_rotated_norms(rotated_norms, q_match[3], k_match[3])
         fused_qkv = FusedQKV(
             f"{attn}.{fused[0]}", split, merge, rotary=q_match[2], q_norm=q_match[0], k_norm=k_match[0]
         )
@@ -320,24 +378,27 @@ def _describe_attention(
     if len(values) != 1:
         raise NotDescribed("no single projection of the attention input is the values the attention function gets")
     rest = [p for p in readers if p != values[0]]
-    found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec]]] = {}
+    found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec], Optional[RotatedNorm]]]
+    found = {}
     for role, target, n in (("q", call.query, heads), ("k", call.key, kv)):
         for p in rest:
             if readers[p].shape[-1] != n * d or p in [f[0] for f in found.values()]:
                 continue
-            match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin)
+            match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin, post_norm)
             if match is not None:
                 found[role] = (p, *match)
                 break
         if role not in found:
             raise NotDescribed(
                 f"no projection of the attention input gives the {'queries' if role == 'q' else 'keys'} the attention "
-                f"function gets, through a q/k norm and a rotate-half rotary embedding"
+                f"function gets, through a q/k norm, a rotary embedding (rotate-half or interleaved pairs) and a norm "
+                f"after it"
             )
-    (qp, qn, qpath, qrot), (kp, kn, kpath, krot) = found["q"], found["k"]
+    (qp, qn, qpath, qrot, qpost), (kp, kn, kpath, krot, kpost) = found["q"], found["k"]
     if qrot is not krot:
         raise NotDescribed("queries and keys rotate differently")
     _qk_norm_behaviours(layer, rec, i, (qpath, kpath), norms)
+    _keep_rotated_norms(rotated_norms, qpost, kpost)
     # the order the model runs them: the norms right after their projection, or after all three projections
     order = [p for (layer_i, p) in rec.inner if layer_i == i]
     after = qn is not None and order.index(f"{attn}.{values[0]}") < order.index(qn.module)
@@ -458,8 +519,11 @@ def describe_layer(
         raise NotDescribed("a parallel block with norms after its branches")
     if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
+    rotated_norms: dict[str, RotatedNorm] = {}
     try:
-        qkv, o_proj, qk_norms = _describe_attention(layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out)
+        qkv, o_proj, qk_norms = _describe_attention(
+            layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out, rotated_norms
+        )
     except NotDescribed:  # multi-head latent attention? (.latent)
         from lensadapters.adapters.generic.latent import describe_latent_attention
 
@@ -478,7 +542,7 @@ def describe_layer(
     block = BlockLayout(
         ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
     )
-    return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn)
+    return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn, rotated_norms=rotated_norms)
 
 
 class NotThisShape(NotDescribed):
@@ -510,10 +574,12 @@ def _describe_any(others: Sequence[LayerDescriber], *args: Any) -> LayerDescript
 def _rotary_module(
     model: nn.Module, rec: Recording, d_head: int
 ) -> tuple[Optional[str], Optional[tuple[Tensor, Tensor]]]:
-    """The one module outside the layers that returned ``(cos, sin)`` once (class name with ``Rotary``)."""
+    """The one module outside the layers that returned ``(cos, sin)`` once (class name with ``Rotary``), or a complex
+    table ``e^{i theta}`` (read as its real and imaginary parts, :func:`.rotary_angles`, as the core reads it)."""
+    tables = {name: rotary_angles(r.value) for name, r in rec.outside_out.items() if r.value.is_complex()}
     found = [
         (name, out)
-        for name, out in rec.outside_raw.items()
+        for name, out in {**rec.outside_raw, **tables}.items()
         if "rotary" in type(model.get_submodule(name)).__name__.lower()
         and len(out) == 2
         and rec.outside_out[name].calls == 1

@@ -18,6 +18,7 @@ from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.recheck import check_second_wiring
 from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
+from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -60,6 +61,7 @@ def findings(model: nn.Module) -> Findings:
         OWN_CODE[model] = dict(found.own_attention)
         layers_found = found.description.layers if found.description is not None else []
         DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
+        ROTATED_NORMS[model] = {i: d.rotated_norms for i, d in enumerate(layers_found) if d and d.rotated_norms}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -273,11 +275,14 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 sites.append(ModuleIOSite(layer.get_submodule(described.attn_out), point))
             for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
                 # a branch output the model writes into afterwards (Falcon's parallel block adds the attention
-                # output into the MLP's in place): served as the core would, with the model continuing with a copy
-                if name in block.copied and path is not None and f"blocks.{i}.{name}" not in claimed:
+                # output into the MLP's in place): served as the core would, with the model continuing with a copy;
+                # one returned with the tokens merged (Llama 4's mixture of experts): served in the residual's shape
+                special = name in block.copied or name in block.flat
+                if special and path is not None and f"blocks.{i}.{name}" not in claimed:
                     point = hooked.claim_point(f"blocks.{i}.{name}")
                     claimed.add(point.name)
-                    sites.append(ModuleIOSite(layer.get_submodule(path), point, copy=True))
+                    module = layer.get_submodule(path)
+                    sites.append(ModuleIOSite(module, point, copy=name in block.copied, as_input=name in block.flat))
             continue
         points = {name: hooked.new_point(f"blocks.{i}.{name}") for name in block.points}
         copied = block.copied

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.own_attention import OWN_CODE
+from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
 from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.sites import first_output, replace_first_output
+from lensadapters.hooks.sites.qkv import heads_view
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
 Tensor = torch.Tensor
@@ -46,7 +48,8 @@ DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = wea
 
 @dataclass
 class Reference:
-    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module``, ``"attn"`` of the
+    """Where a point's value lives in plain PyTorch. ``kind``: ``"out"``/``"in"`` of ``module`` (``"in"`` with an
+    int ``spec``: of that call of the module in the forward pass, counted from 0), ``"attn"`` of the
     attention function of layer ``layer`` (``part``: ``query``, ``key``, ``weights``, ``scores``), ``"scale"``
     of the norm ``module``, or ``"hooks"``: plain hooks of its own on several modules (``spec``: ``.modules`` and
     ``.install(edit, seen)``, as multi-head latent attention's ``hook_k``). ``view`` maps the reference tensor to
@@ -153,7 +156,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return Reference("out", get(bl.ln1_post if bl.ln1_post is not None else bl.attn))
     if rest == "hook_mlp_out":
         path = bl.ln2_post or bl.mlp or getattr(mlp, "out", None)
-        return Reference("out", get(path)) if path is not None else None
+        # the module may return [b * p, d] (the point shows [b, p, d]); reshaping is the identity otherwise
+        return Reference("out", get(path), unview=_unflat, flat=True) if path is not None else None
     if rest == "hook_resid_mid" and not bl.parallel and ln2_or_mlp is not None:
         return Reference("in", ln2_or_mlp, also=Reference("out", layer))
     if rest == "hook_mlp_in" and ln2_or_mlp is not None:
@@ -182,6 +186,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return None
     if rest in ("attn.hook_rot_q", "attn.hook_rot_k"):
         part = "query" if rest.endswith("q") else "key"
+        after = ROTATED_NORMS.get(model, {}).get(i, {}).get(rest[-1])
+        if after is not None:  # the input of the norm the attention module applies to the rotated values
+            to_heads, from_heads = heads_view(after.layout, n if rest.endswith("q") else kv)
+            return Reference("in", get(after.module), to_heads, lambda d, t: from_heads(d), spec=after.call)
         if i in OWN_CODE.get(model, {}):  # attention in the model's own code: the operand its sdpa call gets
             return Reference("operand", get(bl.attn), layer=i, part=part)
         return Reference("attn", layer=i, part=part)

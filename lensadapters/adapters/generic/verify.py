@@ -216,8 +216,12 @@ def _plain_hook(
 
         return ref.module.register_forward_pre_hook(pre_router, with_kwargs=True)
     if ref.kind == "in":
+        calls = [0]  # with an int ``spec``: only that call of the module (one module called on queries and keys)
 
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            calls[0] += 1
+            if isinstance(ref.spec, int) and calls[0] - 1 != ref.spec:
+                return None
             x = first_input(args, kwargs)
             seen.append(x.detach().clone())
             return replace_first_input(args, kwargs, edit(x)) if edit is not None else None

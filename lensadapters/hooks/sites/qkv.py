@@ -76,9 +76,9 @@ class RecomputedRotarySite(Site):
     The rotary module runs once per forward, outside the checkpointed layers, so during the backward
     pass's recomputation the forward state holds no (cos, sin). A pre-hook on the layer's attention
     module finds them again: among the attention's own inputs (the model passes the very tensors its
-    rotary module returned, held weakly here), or computed from those inputs when the plugin's
-    ``ModelLayout.rotary_from_inputs`` reads them from a module of the same class. Otherwise the
-    rotary point raises its usual error.
+    rotary module returned, held weakly here: the pair, or the complex table whose parts they are), or
+    computed from those inputs when the plugin's ``ModelLayout.rotary_from_inputs`` reads them from a
+    module of the same class. Otherwise the rotary point raises its usual error.
     """
 
     def __init__(
@@ -107,6 +107,9 @@ class RecomputedRotarySite(Site):
                 cos, sin = self.state.rotary
                 self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
                 self._seen[id(cos)] = (weakref.ref(cos), weakref.ref(sin))
+                table = cos._base
+                if table is not None and table.is_complex() and sin._base is table:  # a complex table's parts
+                    self._seen[id(table)] = (weakref.ref(table), weakref.ref(table))
             return
         self._saved.append(self.state.rotary)
         self.state.rotary = self._find(module, args, kwargs)
@@ -117,8 +120,9 @@ class RecomputedRotarySite(Site):
         for value in (*args, *kwargs.values()):
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 refs = self._seen.get(id(t)) if isinstance(t, Tensor) else None
-                if refs is not None and refs[0]() is t and refs[1]() is not None:
-                    return t, refs[1]()
+                sin = refs[1]() if refs is not None and refs[0]() is t else None
+                if sin is not None:  # a complex table is held as (table, table): its parts are the angles
+                    return rotary_angles(sin) if sin.is_complex() else (t, sin)
         return None
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:

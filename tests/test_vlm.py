@@ -36,11 +36,13 @@ TEXT = dict(
 )
 
 
-def _llava() -> tuple[Any, int]:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def _llava(text: str = "LlamaConfig") -> tuple[Any, int]:
+    """LLaVA around a Llama language model (or the one of the config class ``text``: Qwen2, as LLaVA-OneVision)."""
+    import transformers
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     config = LlavaConfig(
-        text_config=LlamaConfig(**TEXT, tie_word_embeddings=False),
+        text_config=getattr(transformers, text)(**TEXT, tie_word_embeddings=False),
         vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
         image_token_index=IMAGE_TOKEN,
         projector_hidden_act="gelu",
@@ -207,9 +209,45 @@ def _qwen3_5(moe: bool = False) -> tuple[Any, int]:
         out_hidden_size=text.hidden_size,
         num_position_embeddings=16,
     )
+    return _qwen_multimodal(prefix, text, vision.to_dict())
+
+
+def _qwen_vl(prefix: str) -> tuple[Any, int]:
+    """Qwen2-VL, Qwen2.5-VL (a Qwen2 language model) and Qwen3-VL (a Qwen3 one): multimodal RoPE on every layer
+    (``mrope_section`` [2, 1, 1] of a head's 4 frequencies: chunked by axis in Qwen2(.5)-VL, interleaved in
+    Qwen3-VL), the image as 16 flattened 4x4 patches (two frames each) with its grid ``image_grid_thw``, merged 2x2
+    by the vision tower's ``merger`` into 4 image tokens. Qwen3-VL's vision tower also gives a deepstack feature
+    (from its first block) that the language model adds to the image tokens' hidden states after its first
+    layer."""
+    import transformers
+
+    if not hasattr(transformers, f"{prefix}ForConditionalGeneration"):
+        pytest.skip(f"{prefix} is not in this transformers")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    fields: dict[str, Any] = {"head_dim": 8} if prefix == "Qwen3VL" else {}
+    if transformers.__version__.startswith("4."):
+        fields.update(rope_theta=10000.0, rope_scaling={**rope, "type": "default"})
+    else:
+        fields.update(rope_parameters=rope)
+    text = getattr(transformers, f"{prefix}TextConfig")(**TEXT, **fields)
+    vision: dict[str, Any] = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if prefix == "Qwen2VL":  # embed_dim the tower's width, hidden_size the language model's
+        vision.update(embed_dim=32, hidden_size=TEXT["hidden_size"], mlp_ratio=2)
+    else:
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=TEXT["hidden_size"])
+    if prefix == "Qwen3VL":
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return _qwen_multimodal(prefix, text, vision)
+
+
+def _qwen_multimodal(prefix: str, text: Any, vision: dict[str, Any]) -> tuple[Any, int]:
+    """The ``<prefix>ForConditionalGeneration`` of a text and a vision config (Qwen's image, vision-start/end and
+    video tokens); 4 image tokens per image."""
+    import transformers
+
     config = getattr(transformers, f"{prefix}Config")(
         text_config=text.to_dict(),
-        vision_config=vision.to_dict(),
+        vision_config=vision,
         image_token_id=IMAGE_TOKEN,
         vision_start_token_id=101,
         vision_end_token_id=102,
@@ -245,10 +283,15 @@ BUILDERS: dict[str, tuple[str, Callable[[], tuple[Any, int]]]] = {
     "smolvlm": ("llama", lambda: _idefics3("SmolVLM")),
     "qwen3_5": ("qwen3_5_text", _qwen3_5),
     "qwen3_5_moe": ("qwen3_5_moe_text", lambda: _qwen3_5(moe=True)),
+    "llava_qwen2": ("qwen2", lambda: _llava("Qwen2Config")),
+    "qwen2_vl": ("qwen2", lambda: _qwen_vl("Qwen2VL")),
+    "qwen2_5_vl": ("qwen2", lambda: _qwen_vl("Qwen2_5_VL")),
+    "qwen3_vl": ("qwen3", lambda: _qwen_vl("Qwen3VL")),
 }
 #: the models whose projector's output is the image tokens' embeddings one to one
 SCATTERED_AS_PROJECTED = (
     *("llava", "gemma3", "mistral3", "gemma4", "gemma4_unified", "idefics3", "smolvlm", "qwen3_5", "qwen3_5_moe"),
+    *("llava_qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
 )
 #: each model's projector (transformers' attribute name), where it is not ``multi_modal_projector``
 PROJECTORS = {
@@ -257,7 +300,11 @@ PROJECTORS = {
     "idefics3": "connector",
     "smolvlm": "connector",
     "qwen3_5": "merger",
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), "visual.merger"),
 }
+#: the text-only config of language models that have no causal LM of their own (without an image, multimodal RoPE's
+#: three position axes are the tokens' indices: the text-only model's rotary)
+TEXT_ONLY = {"qwen2_vl_text": "Qwen2Config", "qwen2_5_vl_text": "Qwen2Config", "qwen3_vl_text": "Qwen3Config"}
 #: the models with linear-attention layers (no ``W_Q`` of the whole model: a full-attention layer's is compared)
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 
@@ -317,7 +364,13 @@ def decoder_of(model: Any) -> Any:
 
 def text_model_of(model: Any) -> Any:
     """A text-only causal LM carrying the vision-language model's language weights."""
-    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation="eager").eval()
+    config = model.config.get_text_config()
+    if config.model_type in TEXT_ONLY:  # no causal LM of transformers' own: the text-only family's, same sizes
+        import transformers
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = getattr(transformers, TEXT_ONLY[config.model_type])(**fields)
+    text = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     text.get_decoder().load_state_dict(decoder_of(model).state_dict())
     text.get_output_embeddings().load_state_dict(model.get_output_embeddings().state_dict())
     return text
@@ -332,9 +385,13 @@ def test_language_points_equal_the_text_models(name: str) -> None:
     text = text_model_of(model)
     hm, hm_text = HookedModel.wrap(model), HookedModel.wrap(text)
     assert hm.plugin.name == hm_text.plugin.name and hm.cfg.n_layers == hm_text.cfg.n_layers
-    assert [n for n in hm.hook_names if n not in (FEATURES_POINT, PROJECTOR_POINT)] == hm_text.hook_names
+    image_points = [n for n in hm.hook_names if n.startswith("vision_projector.")]  # (Qwen3-VL's deepstack too)
+    assert [n for n in hm.hook_names if n not in image_points] == hm_text.hook_names
     # after hook_embed: the image features replace embeddings
-    assert hm.hook_names[1:3] == [FEATURES_POINT, PROJECTOR_POINT]
+    assert hm.hook_names[1 : 1 + len(image_points)] == image_points and image_points[-2:] == [
+        FEATURES_POINT,
+        PROJECTOR_POINT,
+    ]
     batch = inputs(model, n_image, image=False)
     with torch.no_grad():
         logits, cache = hm.run_with_cache(**batch)
@@ -459,6 +516,91 @@ def test_projector_edit_changes_the_logits_as_a_plain_hook_does(name: str) -> No
     hm.unwrap()
 
 
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_rotary_points_are_the_models_multimodal_rotation(name: str) -> None:
+    """With an image (3-D positions from the grid), ``hook_rot_q``/``hook_rot_k`` are what transformers' own
+    rotation function of the attention's module computes (``apply_multimodal_rotary_pos_emb`` with the sections
+    where the rotary module returns one table per axis, transformers 4.x's Qwen2(.5)-VL; ``apply_rotary_pos_emb``
+    of the merged tables otherwise) from the (cos, sin) the rotary module returned, bit for bit; an edit of
+    ``hook_rot_k`` reaches the attention scores."""
+    import sys
+
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    decoder = decoder_of(model)
+    attention = decoder.layers[1].self_attn
+    seen: dict[str, Any] = {}  # the rotary tables, and the normed queries and keys (Qwen3-VL) as the model has them
+    handles = [decoder.rotary_emb.register_forward_hook(lambda m, a, out: seen.setdefault("rotary", out))]
+    for p in "qk":
+        if hasattr(attention, f"{p}_norm"):
+            norm = getattr(attention, f"{p}_norm")
+            handles.append(norm.register_forward_hook(lambda m, a, out, p=p: seen.setdefault(p, out)))
+    hm = HookedModel.wrap(model)
+    names = [f"blocks.1.attn.{p}" for p in ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k")]
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=names)
+    for handle in handles:
+        handle.remove()
+    cos, sin = seen["rotary"]
+    module = sys.modules[type(attention).__module__]
+    q, k = (seen.get(p, cache[f"blocks.1.attn.hook_{p}"]).transpose(1, 2) for p in "qk")
+    sections = hf.rope_parameters(model.config.get_text_config())["mrope_section"]
+    if cos.dim() == 4:  # one table per position axis (time, height, width): the attention merges them
+        assert hasattr(module, "apply_multimodal_rotary_pos_emb")
+        rot_q, rot_k = module.apply_multimodal_rotary_pos_emb(q, k, cos, sin, sections)
+    else:
+        rot_q, rot_k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(cache["blocks.1.attn.hook_rot_q"], rot_q.transpose(1, 2))
+    assert torch.equal(cache["blocks.1.attn.hook_rot_k"], rot_k.transpose(1, 2))
+
+    with torch.no_grad():  # an edit of the rotated keys is what attention uses
+        edited = {}
+        hm.run_with_hooks(
+            **batch,
+            fwd_hooks=[
+                ("blocks.1.attn.hook_rot_k", lambda x, hook: x * 2.0),
+                ("blocks.1.attn.hook_attn_scores", lambda x, hook: edited.setdefault("s", x.clone())),
+            ],
+        )
+    keys = 2.0 * cache["blocks.1.attn.hook_rot_k"].repeat_interleave(2, dim=2)  # 4 query heads, 2 kv heads
+    expected = torch.einsum("bqhd,bkhd->bhqk", cache["blocks.1.attn.hook_rot_q"], keys)
+    causal = torch.ones(expected.shape[-2:], dtype=torch.bool).tril()
+    torch.testing.assert_close(edited["s"][..., causal], (expected * attention.scaling)[..., causal])
+    hm.unwrap()
+
+
+def test_deepstack_features_are_added_between_a_layers_output_and_the_next_layers_input() -> None:
+    """Qwen3-VL adds the vision tower's deepstack features (``vision_projector.deepstack.0.hook_out``) to the image
+    tokens' hidden states after layer 0: ``blocks.0.hook_resid_post`` is the layer's output (transformers 4.x adds
+    them into that tensor in place: the point keeps the layer's output), ``blocks.1.hook_resid_pre`` what layer 1
+    reads, the sum at the image tokens only. An edit of the features changes the logits as the same edit made by a
+    plain PyTorch hook on the deepstack merger."""
+    model, n_image = vlm("qwen3_vl")
+    batch = inputs(model, n_image)
+    hm = HookedModel.wrap(model)
+    deepstack = "vision_projector.deepstack.0.hook_out"
+    assert hm.hook_names[1:4] == [deepstack, FEATURES_POINT, PROJECTOR_POINT]
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch)
+    post, pre = cache["blocks.0.hook_resid_post"], cache["blocks.1.hook_resid_pre"]
+    at_images = batch["input_ids"] == IMAGE_TOKEN
+    features = cache[deepstack]
+    assert features.shape == (int(at_images.sum()), hm.cfg.d_model)
+    assert torch.equal(pre[at_images], post[at_images] + features)
+    assert torch.equal(pre[~at_images], post[~at_images]) and not torch.equal(pre, post)
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0 - 1.0
+
+    merger = next(m for m in model.modules() if hasattr(m, "deepstack_merger_list")).deepstack_merger_list[0]
+    with torch.no_grad():
+        got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(deepstack, lambda x, hook: edit(x))]))
+        clean = logits_of(hm(**batch))
+    hm.unwrap()
+    expected = logits_with(model, batch, merger.register_forward_hook(lambda m, a, out: edit(out)))
+    assert torch.equal(got, expected) and not torch.allclose(got, clean)
+
+
 def test_a_projector_hook_that_cannot_fire_without_an_image_warns_by_name() -> None:
     """A hook on a projector point in a forward without an image never runs (there are no image features): the
     call warns, naming the point and what it needs, instead of leaving the user with an edit silently not made.
@@ -529,7 +671,7 @@ def _embeddings(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model.get_input_embeddings()(ids)
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen3_5"])
+@pytest.mark.parametrize("name", ["llava", "qwen3_5", "qwen3_vl"])
 def test_generate_with_hooks(name: str) -> None:
     """``hm.generate`` with the processor's inputs runs the hooks: an ablation of the image features gives what the
     same ablation by a plain hook gives, and differs from the clean generation (Qwen 3.5: through its hybrid cache,
@@ -563,16 +705,16 @@ def test_generate_with_hooks(name: str) -> None:
 
 def test_a_plugin_that_does_not_declare_vision_language_models_is_not_used_for_one() -> None:
     """The language model's plugin describes a vision-language model only where its architecture declares
-    ``vision_language`` (verified there): a LLaVA around a Qwen2 language model is not given to the Qwen2 plugin,
+    ``vision_language`` (verified there): a LLaVA around an OLMo 2 language model is not given to the OLMo 2 plugin,
     whose description reads the outer config; it is refused by name, as before."""
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Olmo2Config
 
     from lensadapters import UnsupportedModelError, get_registry
 
-    needs("qwen2")
-    assert not any(arch.vision_language for _, arch in get_registry().claims("qwen2"))
+    needs("olmo2")
+    assert not any(arch.vision_language for _, arch in get_registry().claims("olmo2"))
     config = LlavaConfig(
-        text_config=Qwen2Config(**TEXT),
+        text_config=Olmo2Config(**TEXT),
         vision_config=CLIPVisionConfig(**TOWER, num_attention_heads=4, projection_dim=32),
         image_token_index=IMAGE_TOKEN,
     )
@@ -644,7 +786,8 @@ def test_transformer_lens_style_calls_pass_the_image_inputs_on(name: str) -> Non
         logits, cache = hm.run_with_cache(ids, return_type="logits", **rest)
         stopped = hm(ids, stop_at_layer=1, **rest)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)  # the call builds its own attention mask
-    torch.testing.assert_close(stopped, cache["blocks.0.hook_resid_post"])
+    # the input of block 1 (Qwen3-VL's differs from block 0's output by the deepstack features it adds after it)
+    torch.testing.assert_close(stopped, cache["blocks.1.hook_resid_pre"])
     with pytest.raises(TransformerLensKeywordError, match="image_size"):
         hm(ids, return_type="logits", image_size=3, **rest)
     hm.unwrap()

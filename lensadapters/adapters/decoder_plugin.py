@@ -33,6 +33,7 @@ from lensadapters.adapters.hf_helpers import (
     require_modules,
     require_rope_types,
     require_transformers_class,
+    rope_parameters,
     rope_theta,
     rope_type,
     text_config,
@@ -43,7 +44,7 @@ from lensadapters.adapters.latent_attention import LatentAttention, latent_sites
 from lensadapters.adapters.plugin_hooks import PointChain, claims, layer_hooks, opaque_blocks  # noqa: F401
 from lensadapters.adapters.toy_configs import decoder_config, toy_config, toy_draw  # noqa: F401
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.rotary import rotate_half_spec, sectioned_rotate_half_spec
 from lensadapters.hooks.sites import Site
 from lensadapters.hooks.specs import (
     Architecture,
@@ -111,6 +112,11 @@ class DecoderFamily:
     ``qkv``'s three."""
     partial_rotary: bool = False
     """Only the first ``partial_rotary_factor`` (the config's) of each head's dimensions rotate."""
+    multimodal_rotary: bool = False
+    """Multimodal RoPE (the rope parameters' ``mrope_section``: each token has temporal, height and width positions,
+    which a vision-language model computes from its image grids): the rotary module returns one ``(cos, sin)`` per
+    token (``[b, p, r]``, its axes merged) or one per axis (``[3, b, p, r]``), merged by the attention along the
+    sections (:func:`~lensadapters.hooks.rotary.sectioned_rotate_half_spec`); the rotation is then rotate-half."""
     rotary_input: Optional[str] = None
     """The keyword argument of each layer's attention module that carries that layer's ``(cos, sin)``, for layers
     with different RoPE sources (``ModelLayout.rotary_input``); ``None`` reads the model's ``rotary_emb``."""
@@ -263,7 +269,11 @@ class DecoderFamily:
 
     def attn_qkv(self, model: nn.Module) -> Union[SeparateQKV, FusedQKV]:
         c = text_config(model)
-        rotary = self.rotary(self.rotary_dim(c))
+        sections = rope_parameters(c).get("mrope_section") if self.multimodal_rotary else None
+        if sections:
+            rotary = sectioned_rotate_half_spec(sections, self.rotary_dim(c))
+        else:
+            rotary = self.rotary(self.rotary_dim(c))
         if self.fused_qkv is not None:
             split, merge = fused_qkv_split(c.num_attention_heads, n_kv_heads(c), head_dim(c))
             return FusedQKV(self.fused_qkv, split, merge, rotary=rotary)

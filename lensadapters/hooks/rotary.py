@@ -14,7 +14,7 @@ order, so ``hook_rot_q`` is bitwise the rotated query the model uses).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ from lensadapters.hooks.specs import RotarySpec
 Tensor = torch.Tensor
 
 __all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_half_spec", "half_table_rotate_half_spec"]
+__all__ += ["sectioned_rotate_half_spec", "merge_rotary_sections"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -102,5 +103,34 @@ def half_table_rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:
 
     def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return invert_rotate_half(y, *doubled(cos, sin), rotary_dim)
+
+    return RotarySpec(rotary_dim or 0, apply, invert)
+
+
+def merge_rotary_sections(table: Tensor, sections: Sequence[int]) -> Tensor:
+    """One ``[b, p, r]`` table of a rotary module that returns one table per position axis (multimodal RoPE:
+    ``[axes, b, p, r]``, each token's temporal, height and width positions): the ``r`` features are cut into
+    ``sections`` twice over (once per half of rotate-half) and chunk ``i`` is taken from axis ``i % axes``, as
+    transformers 4.x's ``apply_multimodal_rotary_pos_emb`` does (the same slices, concatenated: bitwise). A table
+    that is already one per token (``[b, p, r]``: the rotary module merged its axes itself) is returned as it is."""
+    if table.dim() < 4:
+        return table
+    chunks = table.split(list(sections) * 2, dim=-1)
+    return torch.cat([chunk[i % table.shape[0]] for i, chunk in enumerate(chunks)], dim=-1)
+
+
+def sectioned_rotate_half_spec(sections: Sequence[int], rotary_dim: Optional[int] = None) -> RotarySpec:
+    """A ``RotarySpec`` for rotate-half RoPE whose rotary module may return one ``(cos, sin)`` table per position
+    axis, merged by the attention along ``sections`` (:func:`merge_rotary_sections`); per-token tables are used as
+    they are."""
+
+    def merged(t: Tensor) -> Tensor:
+        return merge_rotary_sections(t, sections)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rotate_half(x, merged(cos), merged(sin), rotary_dim)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return invert_rotate_half(y, merged(cos), merged(sin), rotary_dim)
 
     return RotarySpec(rotary_dim or 0, apply, invert)

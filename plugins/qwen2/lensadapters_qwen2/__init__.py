@@ -19,9 +19,18 @@ from typing import Any
 from lensadapters import hf
 
 __version__ = "0.1.0"
-FAMILY = hf.DecoderFamily.named("Qwen2", "qwen2")
+FAMILY = hf.DecoderFamily.named(
+    "Qwen2",
+    "qwen2",
+    packages=("qwen2", "qwen2_vl", "qwen2_5_vl"),
+    norms=("Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm"),
+    multimodal_rotary=True,  # the language models of Qwen2-VL and Qwen2.5-VL
+)
 ARCH = FAMILY.architecture(
-    "Qwen2 / Qwen2.5 (Qwen2ForCausalLM, Qwen2Model): q/k/v biases, per-layer sliding windows, GQA, RoPE"
+    "Qwen2 / Qwen2.5 (Qwen2ForCausalLM, Qwen2Model): q/k/v biases, per-layer sliding windows, GQA, RoPE; the "
+    "language model of Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (multimodal RoPE)",
+    model_types=("qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl"),
+    vision_language=True,
 )
 
 
@@ -48,7 +57,7 @@ def tiny_config(seed: int) -> Any:
 
 
 def config_fields(model: Any) -> dict[str, Any]:
-    return hf.window_fields(hf.layer_windows(model.config))
+    return hf.window_fields(hf.layer_windows(hf.text_config(model)))
 
 
 PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())

@@ -13,6 +13,17 @@ Quirks handled (otherwise Llama's layout: GQA, rotate-half RoPE, RMSNorm, SwiGLU
   on): the pattern points show each layer's own mask; ``cfg.window_size``/``cfg.attn_types`` name them as
   TransformerLens does.
 
+Also the language model of ``Qwen3VLForConditionalGeneration`` (``vision_language``; its rotary points read the
+(cos, sin) the model computes from its 3-D multimodal positions, the sections interleaved). **Deepstack**: the
+vision tower also projects the hidden states of some of its blocks (``visual.deepstack_merger_list[j]``), and the
+language model adds the ``j``-th of them to the image tokens' hidden states right after its layer ``j`` (outside
+the layer, in the text model's forward). So at the image positions ``blocks.{j}.hook_resid_post`` (the layer's
+output) is not ``blocks.{j+1}.hook_resid_pre`` (what the next layer reads): the difference is
+``vision_projector.deepstack.{j}.hook_out`` ``[image tokens, d_model]``, the added features (firing in the vision
+tower, before ``vision_projector.hook_in``; an edit changes what is added). Transformers 4.x adds them in place
+into the layer's output: while ``blocks.{j}.hook_resid_post`` is hooked the model is handed a copy, so the point
+keeps the layer's output.
+
 Refused at wrap time (the family's declaration): rope types other than rotate-half ones, custom code registered as
 ``qwen3``, other layouts. Flash and flex attention serve every hook point but the pattern ones.
 """
@@ -21,12 +32,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from lensadapters import hf
+from torch import nn
+
+from lensadapters import Architecture, hf, hookimpl
+from lensadapters.plugin_api import Hooked, OutputSite, first_output, replace_first_output
 
 __version__ = "0.1.0"
 # q_proj -> q_norm (per head) -> k_proj -> k_norm -> v_proj, then RoPE on the normed queries and keys
-FAMILY = hf.DecoderFamily.named("Qwen3", "qwen3", qk_norms=hf.qk_norms("bphd"))
-ARCH = FAMILY.architecture("Qwen3 (Qwen3ForCausalLM, Qwen3Model): per-head q/k norms before RoPE, sliding windows, GQA")
+FAMILY = hf.DecoderFamily.named(
+    "Qwen3",
+    "qwen3",
+    qk_norms=hf.qk_norms("bphd"),
+    packages=("qwen3", "qwen3_vl"),
+    norms=("Qwen3RMSNorm", "Qwen3VLTextRMSNorm"),
+    multimodal_rotary=True,  # the language model of Qwen3-VL
+)
+ARCH = FAMILY.architecture(
+    "Qwen3 (Qwen3ForCausalLM, Qwen3Model): per-head q/k norms before RoPE, sliding windows, GQA; the language model "
+    "of Qwen3VLForConditionalGeneration (interleaved multimodal RoPE, deepstack visual features)",
+    model_types=("qwen3", "qwen3_vl_text", "qwen3_vl"),
+    vision_language=True,
+)
 
 
 def tiny_config(seed: int) -> Any:
@@ -54,9 +80,43 @@ def tiny_config(seed: int) -> Any:
 
 def config_fields(model: Any) -> dict[str, Any]:
     return {
-        **hf.window_fields(hf.layer_windows(model.config)),
-        "extra": {"use_qk_norm": True, "attention_bias": bool(getattr(model.config, "attention_bias", False))},
+        **hf.window_fields(hf.layer_windows(hf.text_config(model))),
+        "extra": {"use_qk_norm": True, "attention_bias": bool(getattr(hf.text_config(model), "attention_bias", False))},
     }
 
 
 PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields).export(globals())
+
+#: the points of the deepstack features, one per vision block the tower projects (``j``: the language model's layer
+#: after which they are added)
+DEEPSTACK_POINT = "vision_projector.deepstack.{}.hook_out"
+
+
+class _LayerOutputSite(OutputSite):
+    """``hook_resid_post`` of a layer whose output the model then changes in place (transformers 4.x adds the
+    deepstack features into it): the model gets a copy of the point's value, which keeps the layer's output."""
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        value, _ = self.point.apply(first_output(output))
+        return replace_first_output(output, value.clone())
+
+
+def _deepstack_mergers(model: nn.Module) -> list[nn.Module]:
+    for module in model.modules():
+        mergers = getattr(module, "deepstack_merger_list", None)
+        if isinstance(mergers, nn.ModuleList):
+            return list(mergers)
+    return []
+
+
+@hookimpl
+def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
+    sites: list[Any] = []
+    for j, merger in enumerate(_deepstack_mergers(hooked.hf_model)):
+        point = hooked.new_point(DEEPSTACK_POINT.format(j), before="vision_projector.hook_in")
+        point.fires_when = "in a forward with images (pixel_values)"
+        sites.append(OutputSite(merger, point))
+        post = f"blocks.{j}.hook_resid_post"
+        if j < len(hooked.block_modules):
+            sites.append(_LayerOutputSite(hooked.block_modules[j], hooked.claim_point(post)))
+    return sites

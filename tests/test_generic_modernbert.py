@@ -144,3 +144,47 @@ def test_a_pattern_edit_is_the_models_attention_edited():
     finally:
         handle.remove()
     torch.testing.assert_close(edited, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x's ModernBERT is not described automatically")
+def test_block_points_are_the_hugging_face_modules_values():
+    """hook_q/k/v are the fused ``Wqkv``'s thirds per head, hook_rot_q/k those rotated with the layer's (cos, sin),
+    mlp.hook_pre/pre_linear the fused ``Wi``'s halves (activation input, gate) and mlp.hook_post ``Wo``'s input."""
+    from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
+    model = _model()
+    ids, mask = _batch()
+    seen: dict = {}
+
+    def keep(key):
+        return lambda module, args, kwargs, out: seen.__setitem__(key, (args, kwargs, out))
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += [
+            layer.attn.Wqkv.register_forward_hook(keep((i, "qkv")), with_kwargs=True),
+            layer.attn.register_forward_hook(keep((i, "attn")), with_kwargs=True),
+            layer.mlp.Wi.register_forward_hook(keep((i, "wi")), with_kwargs=True),
+            layer.mlp.Wo.register_forward_hook(keep((i, "wo")), with_kwargs=True),
+        ]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    hm = _wrap(model)
+    _, cache = hm.run_with_cache(input_ids=ids, attention_mask=mask)
+    hm.unwrap()
+    for i in range(3):
+        q, k, v = seen[(i, "qkv")][2].view(2, 9, 3, 4, 8).unbind(2)
+        for name, expected in (("q", q), ("k", k), ("v", v)):
+            assert torch.equal(cache[f"blocks.{i}.attn.hook_{name}"], expected)
+        cos, sin = seen[(i, "attn")][1]["position_embeddings"]
+        rot_q, rot_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        torch.testing.assert_close(cache[f"blocks.{i}.attn.hook_rot_q"], rot_q.transpose(1, 2), rtol=0, atol=1e-6)
+        torch.testing.assert_close(cache[f"blocks.{i}.attn.hook_rot_k"], rot_k.transpose(1, 2), rtol=0, atol=1e-6)
+        pre, gate = seen[(i, "wi")][2].chunk(2, dim=-1)
+        assert torch.equal(cache[f"blocks.{i}.mlp.hook_pre"], pre)
+        assert torch.equal(cache[f"blocks.{i}.mlp.hook_pre_linear"], gate)
+        assert torch.equal(cache[f"blocks.{i}.mlp.hook_post"], seen[(i, "wo")][0][0])

@@ -215,6 +215,9 @@ IRRELEVANT_ARGUMENTS = frozenset(
         "past_key_values",
         "position_embeddings",
         "output_router_logits",
+        # flash attention's choice of a deterministic backward pass (ModernBERT passes it to every implementation):
+        # the same values either way
+        "deterministic",
     }
 )
 

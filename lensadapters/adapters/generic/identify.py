@@ -354,7 +354,9 @@ def _embed_scale(model: nn.Module, structure: Structure, rec: Recording) -> tupl
     # multiplies them by a constant: an edit would then reach the layers scaled, and hook_embed is not served
     delta = torch.randn(e.shape, generator=torch.Generator().manual_seed(1)).to(e.dtype).to(e.device)
     layers = list(model.get_submodule(structure.layers))
-    edited = run_embedding_edit(model, model.get_submodule(structure.embed), layers[0], rec.input_ids, delta)
+    edited = run_embedding_edit(
+        model, model.get_submodule(structure.embed), layers[0], rec.input_ids, delta, rec.interface
+    )
     if edited is not None and edited.shape == x.shape == e.shape:  # not where the model projects the embeddings
         change, d = edited.double() - x.double(), delta.double()
         factor = float((change * d).sum() / (d * d).sum())

@@ -140,6 +140,9 @@ class Recording:
     #: attention a layer computes in the model's own code, where it calls no attention interface (:mod:`.own_attention`)
     own_calls: list[InterfaceCall] = field(default_factory=list)
     own_why: dict[int, str] = field(default_factory=dict)  # a layer without either: why not
+    #: whether the probe ran its attention through its entry of transformers' attention interface; not where the
+    #: model looks its attention function up in a table of its own (transformers 4.x's ModernBERT)
+    interface: bool = True
 
 
 def flattened(part: Tensor, like: Tensor) -> bool:
@@ -272,7 +275,8 @@ def _probe_key() -> str:
 
 @contextlib.contextmanager
 def _probing(model: nn.Module, recording: Recording):
-    """Eval mode, no gradients, the random state and the attention implementation restored afterwards."""
+    """Eval mode, no gradients, the random state and the attention implementation restored afterwards; attention
+    through the probe's own entry of transformers' attention interface where ``recording.interface``."""
     modes = {m: m.training for m in model.modules()}
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
@@ -280,7 +284,8 @@ def _probing(model: nn.Module, recording: Recording):
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         try:
             model.eval()
-            config._attn_implementation = _probe_key()
+            if recording.interface:
+                config._attn_implementation = _probe_key()
             _current.recording = recording
             yield
         finally:
@@ -402,8 +407,18 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
         recording.input_ids = ids
         from lensadapters.adapters.generic.own_attention import recording as own_code
 
-        with _probing(model, recording), own_code(layers) as recorder:
-            output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+        try:
+            with _probing(model, recording), own_code(layers) as recorder:
+                output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+        except KeyError as exc:
+            if PROBE_KEY not in str(exc):
+                raise
+            # the model looks its attention function up in a table of its own, by the implementation's name
+            # (transformers 4.x's ModernBERT): probe it as it runs (the hooks above record into the new recording);
+            # its attention is then the model's own code's
+            recording = Recording(owner=recording.owner, input_ids=ids, interface=False)
+            with _probing(model, recording), own_code(layers) as recorder:
+                output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
         _own_calls(recording, layers, recorder.ops, ids.shape[0])
         recording.last_hidden = (
             recording.outside_in.get(unembed) if unembed is not None else getattr(output, "last_hidden_state", None)
@@ -441,10 +456,11 @@ def _own_calls(recording: Recording, layers: list[nn.Module], ops: dict[int, lis
 
 
 def run_embedding_edit(
-    model: nn.Module, embed: nn.Module, first_layer: nn.Module, ids: Tensor, delta: Tensor
+    model: nn.Module, embed: nn.Module, first_layer: nn.Module, ids: Tensor, delta: Tensor, interface: bool = True
 ) -> Optional[Tensor]:
     """The first layer's input (the first time it runs) in a probe forward where a plain PyTorch hook adds ``delta``
-    to the embedding module's output: how an edit of the embeddings reaches the layers."""
+    to the embedding module's output: how an edit of the embeddings reaches the layers (``interface``: as
+    :class:`Recording`'s)."""
     seen: list[Tensor] = []
 
     def add(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -458,7 +474,7 @@ def run_embedding_edit(
 
     handles = [embed.register_forward_hook(add), first_layer.register_forward_pre_hook(record, with_kwargs=True)]
     try:
-        with _probing(model, Recording()):
+        with _probing(model, Recording(interface=interface)):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
     finally:
         for handle in handles:

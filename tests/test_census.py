@@ -31,6 +31,7 @@ from lensadapters.testing.every_model_type import build, input_ids
 
 SAMPLE = (
     "llama",
+    "ministral",  # its default config leaves the head size None
     "bert",
     "cohere",
     "helium",
@@ -303,3 +304,48 @@ def test_a_shrunk_mixture_of_experts_config_routes_to_no_more_experts_than_it_ha
 
     config = shrink_config(AutoConfig.for_model("ernie4_5_moe"))
     assert config.moe_k <= config.moe_num_experts
+
+
+@pytest.mark.parametrize(
+    "model_type, filled",
+    [
+        ("ministral", "head_dim"),  # hidden_size / num_attention_heads
+        ("hunyuan_v1_dense", "head_dim"),
+        ("nemotron", "num_key_value_heads"),  # as many as the query heads
+        ("deepseek_v2", "num_experts_per_tok"),  # and the expert groups
+        ("dots1", "n_routed_experts"),  # and the experts per token and the shared experts
+    ],
+)
+def test_a_count_the_default_config_leaves_none_is_filled_as_a_released_checkpoint_has_it(
+    model_type: str, filled: str
+) -> None:
+    """A field transformers' own default config leaves ``None`` that the model reads (a head size, key/value heads,
+    experts per token) is filled the way released checkpoints have it, so the type builds and runs instead of being
+    'not buildable' (Ministral and Hunyuan failed on ``None ** -0.5``)."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model(model_type))
+    assert isinstance(getattr(config, filled), int)
+    assert getattr(config, "head_dim", None) in (None, config.hidden_size // config.num_attention_heads)
+    assert config.num_key_value_heads <= config.num_attention_heads
+    assert getattr(config, "num_experts_per_tok", None) in (None, *range(1, getattr(config, "n_routed_experts", 0) + 1))
+    model = build(model_type)
+    assert model(input_ids()).logits.shape == (1, 6, config.vocab_size)
+
+
+def test_an_option_the_default_config_turns_off_is_set_only_where_the_model_fails_without_it() -> None:
+    """A ``None`` that turns an option off (query/key/value clipping) stays ``None`` where the model runs without it
+    (OLMo), and is set as released checkpoints set it only where the model fails without it (DBRX under 5.x clamps
+    with ``None`` bounds); a model that reads a tensor's value when it is made (Apertus' xIELU under 4.x) cannot be
+    sized on the meta device and is sized once built."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    assert shrink_config(AutoConfig.for_model("olmo")).clip_qkv is None
+    assert build("olmo").config.clip_qkv is None
+    for model_type in ("dbrx", "apertus"):
+        model = build(model_type)
+        assert model(input_ids()).logits.shape[:2] == (1, 6)

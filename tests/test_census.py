@@ -349,3 +349,32 @@ def test_an_option_the_default_config_turns_off_is_set_only_where_the_model_fail
     for model_type in ("dbrx", "apertus"):
         model = build(model_type)
         assert model(input_ids()).logits.shape[:2] == (1, 6)
+
+
+def test_a_model_whose_unembedding_reads_the_last_layer_as_it_is_has_no_final_norm_point() -> None:
+    """Regression (TrOCR was PARTIAL for ``ln_final.hook_scale``: its decoder has a norm child, but it normalizes the
+    embeddings): a forward that shows the unembedding reading the last layer's output exactly as it is proves the
+    architecture has no final norm, so the census does not count the point as missing and the adapter says why."""
+    from lensadapters.adapters.generic.identify import NO_FINAL_NORM
+    from lensadapters.testing.census import has_final_norm, unembeds_the_last_layer_as_it_is
+
+    entry = census_entry("trocr")
+    assert "ln_final.hook_scale" not in entry.applicable and entry.status == "FULL", (entry.missing, entry.why)
+    model = build("trocr")
+    assert has_final_norm(model, "model.decoder.layers")  # a norm child: the embeddings'
+    assert unembeds_the_last_layer_as_it_is(model, "model.decoder.layers")
+    assert findings(model).missing["ln_final.hook_normalized"] == NO_FINAL_NORM
+
+
+def test_a_final_norm_the_adapter_does_not_find_is_still_counted_missing() -> None:
+    """The rule above needs the proof: Nemotron has a final norm (a LayerNorm with ``1 + weight``) that the automatic
+    description does not find, so its row keeps ``ln_final.hook_scale`` as missing (PARTIAL), and the adapter's
+    reason is not that the model has none."""
+    from lensadapters.adapters.generic.identify import NO_FINAL_NORM
+    from lensadapters.testing.census import unembeds_the_last_layer_as_it_is
+
+    model = build("nemotron")
+    assert not unembeds_the_last_layer_as_it_is(model, "model.layers")
+    assert findings(model).missing["ln_final.hook_normalized"] != NO_FINAL_NORM
+    entry = census_entry("nemotron")
+    assert "ln_final.hook_scale" in entry.missing and entry.status == "PARTIAL"

@@ -251,15 +251,37 @@ def _edited_logits(
 
 
 @pytest.mark.skipif("granite_swa" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, reason="transformers 5.x model")
-def test_sink_scores_are_verified_and_weights_before_the_sinks_are_not_served_as_the_pattern() -> None:
-    """Attention sinks (``s_aux``): the scores are served, their edits checked against the model's own eager
-    attention (which applies the sinks as a rescaling of its output); its eager function returns the weights before
-    that rescaling, which are not the sinked pattern the explicit attention computes, so the verification refuses
-    ``hook_pattern`` (a wrong description caught, not served), and nothing served is wrong."""
-    entry = census_entry("granite_swa")
+@pytest.mark.parametrize("model_type", ["granite_swa", "granitemoe_swa"])
+def test_sink_patterns_are_verified_against_the_weights_that_mix_the_values(model_type: str) -> None:
+    """Regression (Granite-SWA's ``hook_pattern`` was refused as 'not the reference's'): its eager attention returns
+    the softmax before it applies the sinks (a rescaling of its output by ``sigmoid(logsumexp - sink)``), but the
+    pattern that mixes the values is the softmax with the sink as one more column, which the explicit attention
+    serves, as gpt-oss's eager function returns it; the reference now takes the weights that reproduce the attention
+    function's output, so the pattern is served, verified, and nothing served is wrong."""
+    entry = census_entry(model_type)
     assert not entry.wrong, entry.wrong
-    assert "blocks.0.attn.hook_attn_scores" in entry.served and "blocks.0.attn.hook_pattern" not in entry.served
-    assert "attn.hook_pattern" in entry.why and "not the reference's" in entry.why, entry.why
+    assert {"blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"} <= set(entry.served) - set(entry.refused)
+    assert entry.status == "FULL", (entry.missing, entry.why)
+
+
+def test_the_sink_pattern_reference_is_the_weights_that_give_the_output_and_nothing_else() -> None:
+    """The reference pattern of attention with sinks is the returned weights where they mix the values into the
+    output (gpt-oss), the softmax with the sinks where the function returns the weights before the sinks rescale its
+    output (Granite-SWA), and neither (no reference, not a guess) where neither gives the output."""
+    from lensadapters.adapters.generic.eager_reference import _mixing_weights, _softmax_with_sinks
+    from lensadapters.adapters.generic.references import Unchecked
+
+    g = torch.Generator().manual_seed(0)
+    scores, value = torch.randn(1, 2, 3, 3, generator=g), torch.randn(1, 2, 3, 4, generator=g)
+    sinks = torch.randn(2, generator=g)
+    plain, sinked = torch.softmax(scores, -1), _softmax_with_sinks(scores, sinks)
+    scale = (torch.logsumexp(scores, -1) - sinks.view(1, -1, 1)).sigmoid().unsqueeze(-1)
+    rescaled = ((plain @ value) * scale).transpose(1, 2)  # Granite-SWA's eager attention
+    assert _mixing_weights(plain, sinked, value, rescaled) is sinked
+    returned = sinked.clone()  # gpt-oss: the sink's column dropped after the softmax
+    assert _mixing_weights(returned, plain, value, (sinked @ value).transpose(1, 2)) is returned
+    with pytest.raises(Unchecked):
+        _mixing_weights(plain, sinked, value, (plain @ value).transpose(1, 2) + 1.0)
 
 
 def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit_refusal_is_not_a_wrong_value() -> None:

@@ -118,7 +118,8 @@ def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:
     the model has no final norm, whatever norm children it has."""
     from lensadapters.testing.every_model_type import input_ids
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
     layers = model.get_submodule(blocks)
     if not isinstance(head, nn.Module) or not isinstance(layers, nn.ModuleList) or not len(layers):
         return False

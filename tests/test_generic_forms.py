@@ -337,3 +337,24 @@ def test_a_merged_branch_the_layer_adds_in_another_token_order_is_not_served() -
     assert "blocks.0.hook_mlp_out" not in hm.hook_names and "blocks.1.hook_mlp_out" in hm.hook_names
     assert "layers 0)" in findings(model).missing["hook_attn_out and hook_mlp_out"]
     hm.unwrap()
+
+
+def test_a_layer_norm_of_one_plus_its_weight_is_recognized_with_its_offset() -> None:
+    """Regression (Nemotron's ``LayerNorm1P``, ``layer_norm(x, weight + 1, bias)``, was no norm to the automatic
+    description, so its layers had no norm points and no description): a LayerNorm whose weight is ``1 + weight``
+    is recognized with offset 1, and its spec reproduces the module."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from lensadapters.hooks.norms import apply_norm
+
+    norm = NemotronLayerNorm1P(8)
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+        norm.bias.normal_(generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(2))
+        y = norm(x)
+    found = norm_behaviour(norm, x, y)
+    assert found is not None and (found.kind, found.offset) == ("LN", 1.0)
+    spec = found.spec(norm)
+    assert spec is not None and torch.allclose(apply_norm(x, spec), y, atol=1e-6)
+    assert norm_behaviour(torch.nn.LayerNorm(8), x, torch.nn.LayerNorm(8)(x)).offset == 0.0  # type: ignore[union-attr]

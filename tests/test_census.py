@@ -31,6 +31,7 @@ from lensadapters.testing.every_model_type import build, input_ids
 
 SAMPLE = (
     "llama",
+    "ministral",  # its default config leaves the head size None
     "bert",
     "cohere",
     "helium",
@@ -270,15 +271,37 @@ def _edited_logits(
 
 
 @pytest.mark.skipif("granite_swa" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, reason="transformers 5.x model")
-def test_sink_scores_are_verified_and_weights_before_the_sinks_are_not_served_as_the_pattern() -> None:
-    """Attention sinks (``s_aux``): the scores are served, their edits checked against the model's own eager
-    attention (which applies the sinks as a rescaling of its output); its eager function returns the weights before
-    that rescaling, which are not the sinked pattern the explicit attention computes, so the verification refuses
-    ``hook_pattern`` (a wrong description caught, not served), and nothing served is wrong."""
-    entry = census_entry("granite_swa")
+@pytest.mark.parametrize("model_type", ["granite_swa", "granitemoe_swa"])
+def test_sink_patterns_are_verified_against_the_weights_that_mix_the_values(model_type: str) -> None:
+    """Regression (Granite-SWA's ``hook_pattern`` was refused as 'not the reference's'): its eager attention returns
+    the softmax before it applies the sinks (a rescaling of its output by ``sigmoid(logsumexp - sink)``), but the
+    pattern that mixes the values is the softmax with the sink as one more column, which the explicit attention
+    serves, as gpt-oss's eager function returns it; the reference now takes the weights that reproduce the attention
+    function's output, so the pattern is served, verified, and nothing served is wrong."""
+    entry = census_entry(model_type)
     assert not entry.wrong, entry.wrong
-    assert "blocks.0.attn.hook_attn_scores" in entry.served and "blocks.0.attn.hook_pattern" not in entry.served
-    assert "attn.hook_pattern" in entry.why and "not the reference's" in entry.why, entry.why
+    assert {"blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"} <= set(entry.served) - set(entry.refused)
+    assert entry.status == "FULL", (entry.missing, entry.why)
+
+
+def test_the_sink_pattern_reference_is_the_weights_that_give_the_output_and_nothing_else() -> None:
+    """The reference pattern of attention with sinks is the returned weights where they mix the values into the
+    output (gpt-oss), the softmax with the sinks where the function returns the weights before the sinks rescale its
+    output (Granite-SWA), and neither (no reference, not a guess) where neither gives the output."""
+    from lensadapters.adapters.generic.eager_reference import _mixing_weights, _softmax_with_sinks
+    from lensadapters.adapters.generic.references import Unchecked
+
+    g = torch.Generator().manual_seed(0)
+    scores, value = torch.randn(1, 2, 3, 3, generator=g), torch.randn(1, 2, 3, 4, generator=g)
+    sinks = torch.randn(2, generator=g)
+    plain, sinked = torch.softmax(scores, -1), _softmax_with_sinks(scores, sinks)
+    scale = (torch.logsumexp(scores, -1) - sinks.view(1, -1, 1)).sigmoid().unsqueeze(-1)
+    rescaled = ((plain @ value) * scale).transpose(1, 2)  # Granite-SWA's eager attention
+    assert _mixing_weights(plain, sinked, value, rescaled) is sinked
+    returned = sinked.clone()  # gpt-oss: the sink's column dropped after the softmax
+    assert _mixing_weights(returned, plain, value, (sinked @ value).transpose(1, 2)) is returned
+    with pytest.raises(Unchecked):
+        _mixing_weights(plain, sinked, value, (plain @ value).transpose(1, 2) + 1.0)
 
 
 def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit_refusal_is_not_a_wrong_value() -> None:
@@ -323,3 +346,79 @@ def test_a_shrunk_mixture_of_experts_config_routes_to_no_more_experts_than_it_ha
 
     config = shrink_config(AutoConfig.for_model("ernie4_5_moe"))
     assert config.moe_k <= config.moe_num_experts
+
+
+@pytest.mark.parametrize(
+    "model_type, filled",
+    [
+        ("ministral", "head_dim"),  # hidden_size / num_attention_heads
+        ("hunyuan_v1_dense", "head_dim"),
+        ("nemotron", "num_key_value_heads"),  # as many as the query heads
+        ("deepseek_v2", "num_experts_per_tok"),  # and the expert groups
+        ("dots1", "n_routed_experts"),  # and the experts per token and the shared experts
+    ],
+)
+def test_a_count_the_default_config_leaves_none_is_filled_as_a_released_checkpoint_has_it(
+    model_type: str, filled: str
+) -> None:
+    """A field transformers' own default config leaves ``None`` that the model reads (a head size, key/value heads,
+    experts per token) is filled the way released checkpoints have it, so the type builds and runs instead of being
+    'not buildable' (Ministral and Hunyuan failed on ``None ** -0.5``)."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    config = shrink_config(AutoConfig.for_model(model_type))
+    assert isinstance(getattr(config, filled), int)
+    assert getattr(config, "head_dim", None) in (None, config.hidden_size // config.num_attention_heads)
+    assert config.num_key_value_heads <= config.num_attention_heads
+    assert getattr(config, "num_experts_per_tok", None) in (None, *range(1, getattr(config, "n_routed_experts", 0) + 1))
+    model = build(model_type)
+    assert model(input_ids()).logits.shape == (1, 6, config.vocab_size)
+
+
+def test_an_option_the_default_config_turns_off_is_set_only_where_the_model_fails_without_it() -> None:
+    """A ``None`` that turns an option off (query/key/value clipping) stays ``None`` where the model runs without it
+    (OLMo), and is set as released checkpoints set it only where the model fails without it (DBRX under 5.x clamps
+    with ``None`` bounds); a model that reads a tensor's value when it is made (Apertus' xIELU under 4.x) cannot be
+    sized on the meta device and is sized once built."""
+    from transformers import AutoConfig
+
+    from lensadapters.testing.every_model_type import shrink_config
+
+    assert shrink_config(AutoConfig.for_model("olmo")).clip_qkv is None
+    assert build("olmo").config.clip_qkv is None
+    for model_type in ("dbrx", "apertus"):
+        model = build(model_type)
+        assert model(input_ids()).logits.shape[:2] == (1, 6)
+
+
+def test_a_model_whose_unembedding_reads_the_last_layer_as_it_is_has_no_final_norm_point() -> None:
+    """Regression (TrOCR was PARTIAL for ``ln_final.hook_scale``: its decoder has a norm child, but it normalizes the
+    embeddings): a forward that shows the unembedding reading the last layer's output exactly as it is proves the
+    architecture has no final norm, so the census does not count the point as missing and the adapter says why."""
+    from lensadapters.adapters.generic.identify import NO_FINAL_NORM
+    from lensadapters.testing.census import has_final_norm, unembeds_the_last_layer_as_it_is
+
+    entry = census_entry("trocr")
+    assert "ln_final.hook_scale" not in entry.applicable and entry.status == "FULL", (entry.missing, entry.why)
+    model = build("trocr")
+    assert has_final_norm(model, "model.decoder.layers")  # a norm child: the embeddings'
+    assert unembeds_the_last_layer_as_it_is(model, "model.decoder.layers")
+    assert findings(model).missing["ln_final.hook_normalized"] == NO_FINAL_NORM
+
+
+def test_a_final_norm_the_adapter_does_not_find_is_still_counted_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule above needs the proof: with the automatic description made blind to final norms, Nemotron's (a
+    LayerNorm of ``1 + weight``) is not found, and its row keeps ``ln_final.hook_scale`` as missing (PARTIAL), the
+    adapter's reason not being that the model has none."""
+    import importlib
+
+    from lensadapters.adapters.generic.identify import NO_FINAL_NORM
+
+    identify = importlib.import_module("lensadapters.adapters.generic.identify")  # the module, not the function
+    monkeypatch.setattr(identify, "_final_norm", lambda *args: (None, None))
+    monkeypatch.setattr(identify, "_head_norm", lambda *args: (None, None))
+    entry = census_entry("nemotron")
+    assert "ln_final.hook_scale" in entry.missing and entry.status == "PARTIAL"
+    assert "ln_final.hook_normalized: " in entry.why and NO_FINAL_NORM not in entry.why, entry.why

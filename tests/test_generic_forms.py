@@ -146,16 +146,33 @@ def test_a_norm_between_attention_and_the_output_projection_is_refused_by_name()
     assert "the output projection's input is not the attention function's output" in reasons, reasons
 
 
-def test_a_final_norm_followed_by_a_prediction_head_is_refused_by_name() -> None:
-    """ModernBERT's decoder normalizes the last layer's output, then runs a dense layer, an activation and another
-    norm before the unembedding: ``ln_final`` is not served, and the reason names the norm and the head."""
+@pytest.mark.parametrize("model_type", ["modernbert-decoder", "megatron-bert"])
+def test_a_final_norm_followed_by_a_prediction_head_is_served_and_final_at_w_u_is_refused_by_name(
+    model_type: str,
+) -> None:
+    """Regression (``ln_final`` was not served, and ``final @ W_U`` was taken as the logits with no final norm):
+    ModernBERT's decoder and Megatron-BERT normalize the last layer's output, then run a dense layer, an activation
+    and another norm before the unembedding. ``ln_final`` is that norm, its points verified like any point (value
+    and edit); ``W_U``, ``hm.unembed`` and the decompositions by ``W_U`` (``logit_attrs``) are refused by name, since
+    ``final @ W_U`` is not the logits."""
+    from lensadapters.errors import WeightUnavailableError
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build("modernbert-decoder")
+        model = build(model_type)
         hm = HookedModel.wrap(model, adapter="generic")
-    reason = findings(model).missing["ln_final.hook_normalized"]
-    assert "ln_final.hook_normalized" not in hm.hook_names
-    assert "final_norm normalizes the last layer's output" in reason and "prediction head" in reason, reason
+    assert {"ln_final.hook_scale", "ln_final.hook_normalized"} <= set(hm.hook_names)
+    assert "ln_final.hook_normalized" not in findings(model).missing
+    names = ["ln_final.hook_scale", "ln_final.hook_normalized"]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    _, cache = hm.run_with_cache(input_ids())
+    final = cache["ln_final.hook_normalized"]
+    last = cache[f"blocks.{hm.cfg.n_layers - 1}.hook_resid_post"]
+    assert torch.equal(final, hm.norm_module("ln_final")(last))  # a LayerNorm's hook_normalized: its output
+    stack = cache.accumulated_resid(apply_ln=True)
+    for refused in (lambda: hm.W_U, lambda: hm.unembed(final), lambda: cache.logit_attrs(stack, input_ids()[0])):
+        with pytest.raises(WeightUnavailableError, match="prediction head"):
+            refused()
     hm.unwrap()
 
 
@@ -320,3 +337,24 @@ def test_a_merged_branch_the_layer_adds_in_another_token_order_is_not_served() -
     assert "blocks.0.hook_mlp_out" not in hm.hook_names and "blocks.1.hook_mlp_out" in hm.hook_names
     assert "layers 0)" in findings(model).missing["hook_attn_out and hook_mlp_out"]
     hm.unwrap()
+
+
+def test_a_layer_norm_of_one_plus_its_weight_is_recognized_with_its_offset() -> None:
+    """Regression (Nemotron's ``LayerNorm1P``, ``layer_norm(x, weight + 1, bias)``, was no norm to the automatic
+    description, so its layers had no norm points and no description): a LayerNorm whose weight is ``1 + weight``
+    is recognized with offset 1, and its spec reproduces the module."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from lensadapters.hooks.norms import apply_norm
+
+    norm = NemotronLayerNorm1P(8)
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+        norm.bias.normal_(generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(2))
+        y = norm(x)
+    found = norm_behaviour(norm, x, y)
+    assert found is not None and (found.kind, found.offset) == ("LN", 1.0)
+    spec = found.spec(norm)
+    assert spec is not None and torch.allclose(apply_norm(x, spec), y, atol=1e-6)
+    assert norm_behaviour(torch.nn.LayerNorm(8), x, torch.nn.LayerNorm(8)(x)).offset == 0.0  # type: ignore[union-attr]

@@ -174,6 +174,7 @@ class Unembed(_Component):
         hm = self._hm
         if hm.layout.unembed is None:
             raise AttributeError(f"this {type(hm.hf_model).__name__} has no unembedding (language-model head)")
+        _ = self.W_U  # refused by name where final @ W_U is not the logits (a prediction head before the unembedding)
         module = hm.hf_model.get_submodule(hm.layout.unembed)
         with live_parameters(module):
             logits = module(residual)

@@ -19,7 +19,9 @@ name names no MLP (``MLP``, ``FeedForward``, ``FFN``, ``MoE``, ``Expert``, ``Spa
 has ``hook_attn_out`` but no ``attn.*`` point (no softmax pattern, queries or keys); the other children with matrix
 parameters are its MLP as above (a layer that is a mixer alone, Mamba's, has no MLP point).
 ``ln_final.hook_scale`` where the module holding the layers (or the one above it) has a norm child (an encoder
-without a final norm, as TransformerLens' ``HookedEncoder``, has none).
+without a final norm, as TransformerLens' ``HookedEncoder``, has none) and a forward does not prove the model has
+none: the unembedding reading the last layer's output exactly as it is (a norm child that normalizes the embeddings
+alone, as TrOCR's and BART's ``layernorm_embedding``, is no final norm).
 
 Run ``python -m lensadapters.testing.census [MODEL_TYPE ...]`` (``scripts/census.py``), ``--markdown`` for a table.
 """
@@ -30,9 +32,10 @@ import argparse
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lensadapters.analysis.threads import single_thread
 
@@ -110,6 +113,43 @@ def has_final_norm(model: nn.Module, blocks: str) -> bool:
     return any(_is_norm(child) for holder in holders for child in holder.children())
 
 
+def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:
+    """Whether the unembedding reads the last layer's output exactly as it is (one forward of the census's tokens):
+    the model has no final norm, whatever norm children it has."""
+    from lensadapters.testing.every_model_type import input_ids
+
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
+    layers = model.get_submodule(blocks)
+    if not isinstance(head, nn.Module) or not isinstance(layers, nn.ModuleList) or not len(layers):
+        return False
+    seen: dict[str, Any] = {}
+
+    def keep(key: str) -> Callable[..., None]:
+        def hook(module: nn.Module, *values: Any) -> None:  # reads only: returns nothing, changes nothing
+            seen.setdefault(key, _copy(values[-1]))
+
+        return hook
+
+    hooks = [layers[-1].register_forward_hook(keep("last")), head.register_forward_pre_hook(keep("head"))]
+    try:
+        with torch.no_grad():
+            model(input_ids())
+    except Exception:  # nothing proven
+        return False
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last, x = seen.get("last"), seen.get("head")
+    return isinstance(last, Tensor) and isinstance(x, Tensor) and x.shape == last.shape and torch.equal(x, last)
+
+
+def _copy(value: Any) -> Any:
+    """The first tensor of a module's output or arguments, copied (a later in-place change does not reach it)."""
+    value = value[0] if isinstance(value, tuple) and value else value
+    return value.detach().clone() if isinstance(value, Tensor) else None
+
+
 def applicable_points(layer: nn.Module, layout: Any = None, final_norm: bool = True) -> tuple[str, ...]:
     """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring);
     with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has;
@@ -171,7 +211,8 @@ def census_entry(model_type: str, check: bool = True) -> Entry:
         entry.adapter, entry.why = "refused", f"wrap raised {type(why).__name__}: {str(why)[:200]}"
         return entry
     entry.adapter = hm.plugin.name
-    final_norm = has_final_norm(hm.hf_model, hm.layout.blocks)
+    blocks = hm.layout.blocks
+    final_norm = has_final_norm(model, blocks) and not unembeds_the_last_layer_as_it_is(model, blocks)
     entry.applicable = applicable_points(hm.block_modules[0], hm.block_layouts[0], final_norm)
     entry.served = tuple(p for p in CANONICAL if p in hm.hook_dict)
     if hm.plugin.name == "generic":

@@ -81,6 +81,19 @@ _EXACT: dict[str, int] = {
     "mamba_chunk_size": 16,
 }
 _MAX_POSITIONS = 256
+_WIDTHS = tuple(k for k, v in _EXACT.items() if v == WIDTH)
+#: counts a default config may leave ``None`` that every released checkpoint of a mixture of experts states: the
+#: experts chosen per token (never more than the experts), the expert groups, the routed and the shared experts
+_MISSING_COUNTS: dict[str, int] = {
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k"), EXPERTS_PER_TOKEN),
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": EXPERTS,
+    "n_shared_experts": 1,
+}
+#: options a default config turns off with ``None`` that some model's code cannot turn off, as released checkpoints
+#: set them (DBRX's and OLMo-1.7's query/key/value clipping): filled only where the model fails without them
+_OPTIONS: dict[str, float] = {"clip_qkv": 8.0}
 
 
 def _shrink_value(key: str, value: Any, layers_before: int, layers: int) -> Any:
@@ -107,8 +120,9 @@ def _shrink_value(key: str, value: Any, layers_before: int, layers: int) -> Any:
     return value
 
 
-def shrink_config(config: Any, layers: int = LAYERS) -> Any:
-    """``config`` (changed in place and returned) with few layers, small widths, few heads and a small vocabulary."""
+def shrink_config(config: Any, layers: int = LAYERS, options: bool = False) -> Any:
+    """``config`` (changed in place and returned) with few layers, small widths, few heads and a small vocabulary;
+    the counts it leaves ``None`` filled (:func:`_fill_missing`), and with ``options`` the :data:`_OPTIONS` too."""
     values = config.__dict__
     layers_before = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), 0)
     multi_head = values.get("num_key_value_heads") is not None and values.get("num_key_value_heads") == values.get(
@@ -118,7 +132,7 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
     for key in list(values):
         value = values[key]
         if hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, type):
-            shrink_config(value, layers)
+            shrink_config(value, layers, options)
         elif key in _LAYER_KEYS and isinstance(value, int):
             values[key] = min(value, layers)
         elif key.endswith("_token_id") and isinstance(value, list):
@@ -130,7 +144,33 @@ def shrink_config(config: Any, layers: int = LAYERS) -> Any:
                 pass
     _keep_derived_fields(values, multi_head)
     _keep_head_products(values, products)
+    _fill_missing(values)
+    values.update({k: v for k, v in _OPTIONS.items() if options and k in values and values[k] is None})
     return config
+
+
+def _fill_missing(values: dict[str, Any]) -> None:
+    """Fields the default config leaves ``None`` (or a sub-config lacks) that the model reads, filled as a released
+    checkpoint of the type has them: a head size of ``hidden_size / num_attention_heads``, as many key/value heads
+    as query heads (the convention of every config that defaults them), the mixture-of-experts counts of
+    :data:`_MISSING_COUNTS`, one ``full_attention`` layer type per layer, and the rope theta of ``rope_parameters`` in
+    a sub-config of part of a layer (no layers or width of its own) that states no rope of its own."""
+    if "head_dim" in values and values["head_dim"] is None and _ints(values, ["hidden_size", "num_attention_heads"]):
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    if values.get("num_key_value_heads", 0) is None and _ints(values, ["num_attention_heads"]):
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    for key, count in _MISSING_COUNTS.items():
+        if key in values and values[key] is None:
+            values[key] = count
+    layers = next((values[k] for k in _LAYER_KEYS if _ints(values, [k])), 0)
+    if "layer_types" in values and values["layer_types"] is None and layers:
+        values["layer_types"] = ["full_attention"] * layers
+    rope = values.get("rope_parameters")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    for sub in (v for v in values.values() if hasattr(v, "to_dict") and not isinstance(v, type)):
+        part = sub.__dict__
+        if theta is not None and not any(k in part for k in (*_LAYER_KEYS, *_WIDTHS, "rope_theta", "rope_parameters")):
+            part["rope_theta"] = theta
 
 
 def _ints(values: dict[str, Any], keys: list[str]) -> bool:
@@ -191,29 +231,37 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
 
     Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
-    need more to have an attention layer at all)."""
+    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off."""
     try:
         return _build(model_type, seed, LAYERS)
     except NotBuildable:
+        pass
+    try:
         return _build(model_type, seed, 2 * LAYERS)
+    except NotBuildable as why:
+        try:
+            return _build(model_type, seed, LAYERS, options=True)
+        except NotBuildable:
+            raise why from None
 
 
-def _build(model_type: str, seed: int, layers: int) -> torch.nn.Module:
+def _build(model_type: str, seed: int, layers: int, options: bool = False) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = shrink_config(AutoConfig.for_model(model_type), layers)
+        config = shrink_config(AutoConfig.for_model(model_type), layers, options)
     except Exception as error:
         raise NotBuildable(f"no default config: {type(error).__name__}: {error}") from error
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with torch.device("meta"):  # the size first, without allocating
-                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-            if size > MAX_PARAMETERS:
-                raise NotBuildable(f"{size} parameters after shrinking the config: a field kept its full size")
+            try:
+                with torch.device("meta"):  # the size first, without allocating
+                    _check_size(AutoModelForCausalLM.from_config(config))
+            except NotImplementedError:  # a module reads a tensor's value when it is made (xIELU): once built
+                pass
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            model = _check_size(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32))
     except NotBuildable:
         raise
     except Exception as error:
@@ -224,6 +272,13 @@ def _build(model_type: str, seed: int, layers: int) -> torch.nn.Module:
             model(input_ids())
     except Exception as error:
         raise NotBuildable(f"the tiny model's own forward fails: {type(error).__name__}: {str(error)[:300]}") from error
+    return model
+
+
+def _check_size(model: torch.nn.Module) -> torch.nn.Module:
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMETERS:
+        raise NotBuildable(f"{size} parameters after shrinking the config: a field kept its full size")
     return model
 
 

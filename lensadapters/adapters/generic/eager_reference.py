@@ -86,6 +86,8 @@ def _verify_attention(
             scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores + mask[:, :, :, : key.shape[-2]]
+        if part == "weights" and sinks is not None:
+            weights = _mixing_weights(weights, _softmax_with_sinks(scores, sinks).to(weights.dtype), value, output)
         seen.append(scores if part == "scores" else weights.clone())
         if part == "scores" and delta is not None:
             weights = _softmax_with_sinks(scores + delta, sinks).to(query.dtype)
@@ -95,6 +97,20 @@ def _verify_attention(
             edited = torch.matmul(weights, _repeat(value, query.shape[1])).transpose(1, 2).contiguous()
             output = _in_row(row, edited.to(output.dtype), output)
     return output, weights
+
+
+def _mixing_weights(returned: Tensor, sinked: Tensor, value: Tensor, output: Tensor) -> Tensor:
+    """The attention weights that mix the values into ``output``, of an attention function given sinks: the weights
+    it returns (the sink's column dropped after the softmax), or, where it returns the softmax before it applies the
+    sinks (a rescaling of its output by ``sigmoid(logsumexp(scores) - sink)``), the softmax with the sinks as one
+    more column; which one is told by the output it computed, and neither is taken when neither gives it."""
+    scale = float(output.float().abs().max())
+    tolerance = 256 * torch.finfo(output.dtype).eps * max(scale, 1.0)
+    for weights in (returned, sinked):
+        mixed = torch.matmul(weights.to(value.dtype), _repeat(value, weights.shape[1])).transpose(1, 2)
+        if mixed.shape == output.shape and float((mixed.float() - output.float()).abs().max()) <= tolerance:
+            return weights
+    raise Unchecked("neither the attention function's weights nor the softmax with its sinks give its output")
 
 
 def _softmax_with_sinks(scores: Tensor, sinks: Optional[Tensor]) -> Tensor:

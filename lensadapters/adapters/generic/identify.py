@@ -272,10 +272,36 @@ def _final_norm(
     return (candidates[0], behaviour) if behaviour is not None else (None, None)
 
 
+#: why a model whose unembedding reads the last layer's output as it is has no ``ln_final`` point
+NO_FINAL_NORM = (
+    "the model has no final norm: the unembedding reads the last layer's output exactly as it is (the point is not "
+    "part of this architecture, as in TransformerLens' post-LN HookedEncoder)"
+)
+
+
+def _head_norm(model: nn.Module, structure: Structure, rec: Recording, n: int) -> tuple[Optional[str], Any]:
+    """The norm of the last layer's output that a prediction head follows (``_no_final_norm`` names it): its path
+    and behaviour, served as ``ln_final`` (its values are the norm's) while ``final @ W_U`` is refused."""
+    last = rec.layer_out.get(n - 1)
+    for name, record in rec.outside_out.items():
+        x = rec.outside_in.get(name)
+        if last is None or x is None or name == structure.embed or x.shape != last.value.shape:
+            continue
+        if record.calls == 1 and torch.equal(x, last.value):
+            behaviour = norm_behaviour(model.get_submodule(name), x, record.value)
+            if behaviour is not None:
+                return name, behaviour
+    return None, None
+
+
 def _no_final_norm(model: nn.Module, structure: Structure, rec: Recording, n: int) -> str:
     """Why no final norm is served: the general reason, or the norm of the last layer's output that the model
-    computes more from before the unembedding (a prediction head)."""
+    computes more from before the unembedding (a prediction head), or that the model has none (the unembedding reads
+    the last layer's output exactly as it is)."""
     last = rec.layer_out.get(n - 1)
+    head = rec.last_hidden
+    if last is not None and head is not None and head.shape == last.value.shape and torch.equal(head, last.value):
+        return NO_FINAL_NORM
     for name, record in rec.outside_out.items():
         x = rec.outside_in.get(name)
         if last is None or x is None or name == structure.embed or x.shape != last.value.shape:
@@ -471,8 +497,14 @@ def identify(model: nn.Module) -> Findings:
             f"(order seen: {order})"
         }
     final_norm, behaviour = _final_norm(model, structure, rec)
+    unserved = {}
     if final_norm is None:
-        missing["ln_final.hook_normalized"] = _no_final_norm(model, structure, rec, n)
+        why = _no_final_norm(model, structure, rec, n)
+        if why != NO_FINAL_NORM and structure.unembed is not None:  # the unembedding reads more than the stream
+            unserved["W_U"] = f"the unembedding does not read the final residual stream through a final norm ({why})"
+        final_norm, behaviour = _head_norm(model, structure, rec, n)
+        if final_norm is None:
+            missing["ln_final.hook_normalized"] = why
     copied = set()
     embed_record = rec.outside_out.get(structure.embed)
     if embed_record is not None and embed_record.written_later:
@@ -481,7 +513,7 @@ def identify(model: nn.Module) -> Findings:
         copied.add("ln_final.hook_normalized")
     embed_scale, rounded, why = _embed_scale(model, structure, rec)
     in_module, why_table = _table_scale(model, structure, rec)
-    unserved, scaled_in_module = {}, False
+    scaled_in_module = False
     if embed_scale is None:
         missing["hook_embed"] = why
         unserved["W_E"] = f"hook_embed is not served: {why}"
@@ -493,7 +525,7 @@ def identify(model: nn.Module) -> Findings:
         embed_scale, rounded, scaled_in_module = in_module, True, True
     logit_scale, why = _logit_scale(rec, structure)
     if logit_scale is None:
-        unserved["W_U"] = why
+        unserved.setdefault("W_U", why)
     first = next((c for c in rec.calls + rec.own_calls if c.layer is not None), None)
     description = None
     if order == list(range(n)):

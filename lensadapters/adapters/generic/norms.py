@@ -1,6 +1,6 @@
 """How a norm module normalizes, as a probe pass shows it: LayerNorm or RMSNorm of its input with its own weight
-(and bias), offset ``0`` or ``1``, ``eps`` read from the module (or, where it keeps none, measured on it:
-:mod:`.eps`)."""
+(and bias), offset ``0`` or ``1`` (a weight of ``1 + weight``), ``eps`` read from the module (or, where it keeps
+none, measured on it: :mod:`.eps`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class NormBehaviour:
-    """How the final norm normalizes, as the probe saw it (``offset``: RMSNorm's weight is ``offset + weight``)."""
+    """How the final norm normalizes, as the probe saw it (``offset``: the norm's weight is ``offset + weight``)."""
 
     kind: str
     eps: Optional[float]
@@ -72,9 +72,9 @@ def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBeha
     xf = x.float()
     var, mean = torch.var_mean(xf, -1, correction=0, keepdim=True)
 
-    def layer_norm(eps: float) -> bool:
+    def layer_norm(eps: float, offset: float = 0.0) -> bool:
         ln = (xf - mean) / torch.sqrt(var + eps)
-        ln = ln * w if w is not None else ln
+        ln = ln * scale(offset) if w is not None else ln
         return _matches(ln + b if b is not None else ln, y)
 
     def rms_norm(offset: float) -> Callable[[float], bool]:
@@ -87,8 +87,9 @@ def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBeha
         found = measured_eps(module, x, w, b, layer_norm)  # measured on the module (None: no scale is served)
         if found is not None:
             return NormBehaviour("LN", found)
-    if layer_norm(eps if eps is not None else 1e-5):
-        return NormBehaviour("LN", eps)
+    for offset in (0.0, 1.0) if w is not None else (0.0,):  # a LayerNorm's weight may be 1 + weight (Nemotron's)
+        if layer_norm(eps if eps is not None else 1e-5, offset):
+            return NormBehaviour("LN", eps, offset)
     for offset in (0.0, 1.0) if w is not None else (0.0,):
         if eps is None:  # RMSNorm's scale needs eps exactly: measured on the module
             found = None

@@ -26,6 +26,7 @@ __all__ = [
     "architecture",
     "config_sizes",
     "size_fields",
+    "without_dropout",
     "base_path",
     "join",
     "unembed_path",
@@ -139,6 +140,19 @@ def size_fields(**sizes: int) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"size_fields() knows no size {', '.join(unknown)} (it knows {', '.join(_SIZE_FIELDS)})")
     return {_SIZE_FIELDS[name]: value for name, value in sizes.items()}
+
+
+def without_dropout(config_class: Callable[..., Any], **fields: Any) -> Any:
+    """``config_class(**fields)`` with every dropout probability of the model body (a float field named
+    ``*dropout``, ``*dropout_prob`` or ``*pdrop``; not a task head's ``classifier_*``/``summary_*``) zero where
+    ``fields`` does not set it: a toy config whose hook points read the same in train and eval mode, whatever its
+    family calls them."""
+    defaults = config_class().to_dict().items()
+    rates = {n: 0.0 for n, v in defaults if isinstance(v, float) and n.endswith(_DROPOUT) and not n.startswith(_HEAD)}
+    return config_class(**{**rates, **fields})
+
+
+_DROPOUT, _HEAD = ("dropout", "pdrop", "dropout_prob"), ("classifier_", "summary_")
 
 
 def join(prefix: str, name: str) -> str:

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, GPTJConfig
 from transformers.models.gptj import modeling_gptj as hf
 
 from lensadapters import HookedModel, LensAdaptersError, Registry, UnsupportedModelError
+from lensadapters.adapters.hf import without_dropout
 from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -57,15 +58,12 @@ def small_config(**overrides) -> GPTJConfig:
         rotary_dim=4,
         n_positions=32,
         vocab_size=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
     )
     kw.update(overrides)
-    return GPTJConfig(**kw)
+    return without_dropout(GPTJConfig, **kw)
 
 
 def registry() -> Registry:

@@ -367,6 +367,13 @@ def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
     return tuple(drawn)
 
 
+def sliding_layers(layers: int, full_every: int, last_full: bool = False) -> list[str]:
+    """A config's ``layer_types`` with every ``full_every``-th layer (and, ``last_full``, the last one)
+    ``"full_attention"`` and the others ``"sliding_attention"``."""
+    full = [(i + 1) % full_every == 0 or (last_full and i == layers - 1) for i in range(layers)]
+    return ["full_attention" if f else "sliding_attention" for f in full]
+
+
 def _sized_config(
     config_class: Callable[..., Any],
     sizes: tuple[int, int, int, int, int, int, int],

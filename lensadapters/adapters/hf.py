@@ -21,11 +21,12 @@ from lensadapters.adapters.decoder_plugin import (
     layer_hooks,
     opaque_blocks,
     qk_norms,
+    sliding_layers,
     toy_config,
     toy_draw,
 )
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 
 __all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "layer_hooks", "qk_norms", "toy_config"]
-__all__ += ["PointChain", "opaque_blocks", "toy_draw"]
+__all__ += ["PointChain", "opaque_blocks", "sliding_layers", "toy_draw"]
 __all__ += hf_helpers.__all__

@@ -27,6 +27,7 @@ __all__ = [
     "config_sizes",
     "size_fields",
     "without_dropout",
+    "router_fields",
     "base_path",
     "join",
     "unembed_path",
@@ -150,6 +151,15 @@ def without_dropout(config_class: Callable[..., Any], **fields: Any) -> Any:
     defaults = config_class().to_dict().items()
     rates = {n: 0.0 for n, v in defaults if isinstance(v, float) and n.endswith(_DROPOUT) and not n.startswith(_HEAD)}
     return config_class(**{**rates, **fields})
+
+
+def router_fields(config_class: Callable[..., Any], experts: int, top_k: int) -> dict[str, Any]:
+    """A mixture of experts' toy config fields: ``experts`` experts (under the name ``config_class`` gives their
+    number: ``num_experts``, ``num_local_experts`` or ``n_routed_experts``), ``top_k`` of them per token, and no
+    router logits among the outputs."""
+    names = config_class().to_dict()
+    count = next(n for n in ("num_experts", "num_local_experts", "n_routed_experts") if n in names)
+    return {count: experts, "num_experts_per_tok": top_k, "output_router_logits": False}
 
 
 _DROPOUT, _HEAD = ("dropout", "pdrop", "dropout_prob"), ("classifier_", "summary_")

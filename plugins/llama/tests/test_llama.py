@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 
 from lensadapters import HookedModel, UnsupportedModelError, hf
 from lensadapters.testing import assert_close, reference_rope
+from lensadapters.testing.contract_support import greedy_kwargs
 from lensadapters.testing.plugins import assert_entry_point
 
 
@@ -426,14 +427,7 @@ def test_hooks_run_at_every_step_when_generate_would_compile():
     ids, mask = left_padded(config.vocab_size, length=5, pads=(0, 0))
     compile_config = CompileConfig(backend="eager", fullgraph=False)
     compile_config._compile_all_devices = True  # what a CUDA device does by itself
-    kwargs = dict(
-        max_new_tokens=3,
-        do_sample=False,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-        cache_implementation="static",
-    )
+    kwargs = greedy_kwargs(3, cache_implementation="static")
     bump = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(2))
     steps: list[int] = []
 

@@ -51,19 +51,9 @@ def make_model(config: GPTJConfig, seed: int = 0) -> nn.Module:
 
 
 def small_config(**overrides) -> GPTJConfig:
-    kw = dict(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        rotary_dim=4,
-        n_positions=32,
-        vocab_size=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    kw.update(overrides)
-    return without_dropout(GPTJConfig, **kw)
+    tokens = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"), 0)
+    kw = dict(n_layer=2, n_head=4, n_embd=32, rotary_dim=4, n_positions=32, vocab_size=64, **tokens)
+    return without_dropout(GPTJConfig, **{**kw, **overrides})
 
 
 def registry() -> Registry:

@@ -158,10 +158,13 @@ def router_fields(config_class: Callable[..., Any], experts: int, top_k: int) ->
     number: ``num_experts``, ``num_local_experts`` or ``n_routed_experts``), ``top_k`` of them per token, and no
     router logits among the outputs."""
     names = config_class().to_dict()
-    count = next(n for n in ("num_experts", "num_local_experts", "n_routed_experts") if n in names)
+    count = next((n for n in _EXPERT_COUNTS if n in names), None)
+    if count is None:
+        raise TypeError(f"{config_class.__name__} has no number of experts ({', '.join(_EXPERT_COUNTS)})")
     return {count: experts, "num_experts_per_tok": top_k, "output_router_logits": False}
 
 
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _DROPOUT, _HEAD = ("dropout", "pdrop", "dropout_prob"), ("classifier_", "summary_")
 
 

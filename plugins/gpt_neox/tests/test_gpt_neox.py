@@ -318,7 +318,8 @@ def test_rot_k_edit_is_stored_in_kv_cache():
                 (f"blocks.{layer}.attn.hook_attn_scores", record),
             ]
         ):
-            gen_out = hm.generate(ids, **greedy_kwargs(new_tokens, attention_mask=mask, use_cache=True, output_scores=True))
+            kwargs = greedy_kwargs(new_tokens, attention_mask=mask, use_cache=True, output_scores=True)
+            gen_out = hm.generate(ids, **kwargs)
         # 1. the cache holds the edited key, up to the inverse-then-reapply rotation's rounding
         keys = (
             gen_out.past_key_values.layers[layer].keys

@@ -26,6 +26,8 @@ __all__ = [
     "architecture",
     "config_sizes",
     "size_fields",
+    "without_dropout",
+    "router_fields",
     "base_path",
     "join",
     "unembed_path",
@@ -139,6 +141,31 @@ def size_fields(**sizes: int) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"size_fields() knows no size {', '.join(unknown)} (it knows {', '.join(_SIZE_FIELDS)})")
     return {_SIZE_FIELDS[name]: value for name, value in sizes.items()}
+
+
+def without_dropout(config_class: Callable[..., Any], **fields: Any) -> Any:
+    """``config_class(**fields)`` with every dropout probability of the model body (a float field named
+    ``*dropout``, ``*dropout_prob`` or ``*pdrop``; not a task head's ``classifier_*``/``summary_*``) zero where
+    ``fields`` does not set it: a toy config whose hook points read the same in train and eval mode, whatever its
+    family calls them."""
+    defaults = config_class().to_dict().items()
+    rates = {n: 0.0 for n, v in defaults if isinstance(v, float) and n.endswith(_DROPOUT) and not n.startswith(_HEAD)}
+    return config_class(**{**rates, **fields})
+
+
+def router_fields(config_class: Callable[..., Any], experts: int, top_k: int) -> dict[str, Any]:
+    """A mixture of experts' toy config fields: ``experts`` experts (under the name ``config_class`` gives their
+    number: ``num_experts``, ``num_local_experts`` or ``n_routed_experts``), ``top_k`` of them per token, and no
+    router logits among the outputs."""
+    names = config_class().to_dict()
+    count = next((n for n in _EXPERT_COUNTS if n in names), None)
+    if count is None:
+        raise TypeError(f"{config_class.__name__} has no number of experts ({', '.join(_EXPERT_COUNTS)})")
+    return {count: experts, "num_experts_per_tok": top_k, "output_router_logits": False}
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_DROPOUT, _HEAD = ("dropout", "pdrop", "dropout_prob"), ("classifier_", "summary_")
 
 
 def join(prefix: str, name: str) -> str:

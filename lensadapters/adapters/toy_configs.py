@@ -1,6 +1,6 @@
 """The toy configs of Llama-shaped families (``lensadapters_tiny_config``'s answers): :func:`toy_config` (a
 family's toy model), :func:`decoder_config` (a tiny config with the shared fields) and :func:`toy_draw` (the values
-a seed varies). Exported by :mod:`lensadapters.hf`; import them from there.
+a seed varies), :func:`sliding_layers` (a config's ``layer_types``). Exported by :mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from lensadapters.adapters.hf_helpers import size_fields
 
-__all__ = ["decoder_config", "toy_config", "toy_draw"]
+__all__ = ["decoder_config", "sliding_layers", "toy_config", "toy_draw"]
 
 
 def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
@@ -29,6 +29,13 @@ def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
         else:
             drawn.append(rng.choice(choice))
     return tuple(drawn)
+
+
+def sliding_layers(layers: int, full_every: int, last_full: bool = False) -> list[str]:
+    """A config's ``layer_types`` with every ``full_every``-th layer (and, ``last_full``, the last one)
+    ``"full_attention"`` and the others ``"sliding_attention"``."""
+    full = [(i + 1) % full_every == 0 or (last_full and i == layers - 1) for i in range(layers)]
+    return ["full_attention" if f else "sliding_attention" for f in full]
 
 
 def _sized_config(

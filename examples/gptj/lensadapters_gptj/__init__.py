@@ -46,6 +46,7 @@ from lensadapters import (
     RotarySpec,
     SeparateQKV,
     UnsupportedModelError,
+    hf,
     hookimpl,
 )
 from lensadapters.copying import InstanceOverride
@@ -246,7 +247,7 @@ def lensadapters_architectures() -> list[Architecture]:
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    from transformers.models.gptj import modeling_gptj as hf
+    from transformers.models.gptj import modeling_gptj
 
     c = model.config
     if c.n_embd % c.n_head:
@@ -261,7 +262,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
                 f"this GPT-J model has no {attr!r} module: its layout differs from transformers' GPTJModel"
             )
     for i, block in enumerate(base.h):
-        for name, cls in (("", hf.GPTJBlock), ("attn", hf.GPTJAttention), ("mlp", hf.GPTJMLP)):
+        m = modeling_gptj
+        for name, cls in (("", m.GPTJBlock), ("attn", m.GPTJAttention), ("mlp", m.GPTJMLP)):
             module = block.get_submodule(name) if name else block
             if not isinstance(module, cls):
                 raise UnsupportedModelError(
@@ -269,7 +271,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
                 )
         if not isinstance(block.ln_1, nn.LayerNorm) or hasattr(block, "ln_2"):
             raise UnsupportedModelError(f"layer {i}: expected one shared nn.LayerNorm ln_1 and no ln_2")
-        if type(block).forward is not hf.GPTJBlock.forward or type(block.mlp).forward is not hf.GPTJMLP.forward:
+        forwards = (modeling_gptj.GPTJBlock.forward, modeling_gptj.GPTJMLP.forward)
+        if (type(block).forward, type(block.mlp).forward) != forwards:
             warnings.warn(
                 f"layer {i}: {type(block).__name__} overrides transformers' GPT-J forward; hook points "
                 f"may not mean what their names say",
@@ -296,13 +299,7 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        n_heads=c.n_head,
-        d_head=_d_head(c),
-        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        n_ctx=c.n_positions,
+        **hf.config_sizes(c, d_head=_d_head(c), d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd),
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="rotary",
@@ -375,16 +372,5 @@ def lensadapters_attn_scores(
 def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import GPTJConfig
 
-    return GPTJConfig(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        rotary_dim=8,
-        n_positions=128,
-        vocab_size=512,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    sizes = hf.size_fields(hidden=64, layers=2, heads=4, positions=128, vocab=512)
+    return hf.without_dropout(GPTJConfig, **sizes, rotary_dim=8, bos_token_id=0, eos_token_id=0)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import GPTJConfig
 
 import lensadapters_gptj
+from lensadapters import hf
 from lensadapters.testing import AdapterContract
 
 
@@ -20,7 +21,8 @@ def gptj_configs(draw: st.DrawFn) -> GPTJConfig:
     # rotary_dim=None (rotate everything) is refused by transformers 5 and, in 4.57, builds a sin/cos table
     # n_embd wide that only fits one head: rotary_dim=d_head is the working spelling of full rotary
     rotary_dim = draw(st.sampled_from([2, d_head // 2, d_head]))
-    return GPTJConfig(
+    return hf.without_dropout(
+        GPTJConfig,
         n_layer=draw(st.integers(1, 2)),
         n_head=n_head,
         n_embd=n_head * d_head,
@@ -31,9 +33,6 @@ def gptj_configs(draw: st.DrawFn) -> GPTJConfig:
         activation_function=draw(st.sampled_from(["gelu_new", "gelu", "relu", "silu"])),
         layer_norm_epsilon=draw(st.sampled_from([1e-5, 1e-3])),
         tie_word_embeddings=draw(st.booleans()),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,

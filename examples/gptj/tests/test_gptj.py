@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, GPTJConfig
 from transformers.models.gptj import modeling_gptj as hf
 
 from lensadapters import HookedModel, LensAdaptersError, Registry, UnsupportedModelError
+from lensadapters.adapters.hf import without_dropout
 from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -50,22 +51,9 @@ def make_model(config: GPTJConfig, seed: int = 0) -> nn.Module:
 
 
 def small_config(**overrides) -> GPTJConfig:
-    kw = dict(
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        rotary_dim=4,
-        n_positions=32,
-        vocab_size=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    kw.update(overrides)
-    return GPTJConfig(**kw)
+    tokens = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"), 0)
+    kw = dict(n_layer=2, n_head=4, n_embd=32, rotary_dim=4, n_positions=32, vocab_size=64, **tokens)
+    return without_dropout(GPTJConfig, **{**kw, **overrides})
 
 
 def registry() -> Registry:

@@ -28,21 +28,12 @@ PAD = {"bert": 0, "roberta": 1}
 
 
 def make_model(family: str, implementation: str = "eager", seed: int = 0, heads: int = 2, cls: Any = None) -> nn.Module:
-    shared: dict[str, Any] = dict(
-        vocab_size=40,
-        hidden_size=8 * heads,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        intermediate_size=32,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=PAD[family],
-    )
+    sizes = hf.size_fields(vocab=40, hidden=8 * heads, layers=2, heads=heads, d_mlp=32)
+    shared: dict[str, Any] = dict(**sizes, type_vocab_size=2, pad_token_id=PAD[family])
     config = (
-        BertConfig(max_position_embeddings=12, **shared)
+        hf.without_dropout(BertConfig, max_position_embeddings=12, **shared)
         if family == "bert"
-        else RobertaConfig(max_position_embeddings=14, **shared)
+        else hf.without_dropout(RobertaConfig, max_position_embeddings=14, **shared)
     )
     torch.manual_seed(seed)
     if cls is None:

@@ -16,7 +16,7 @@ from torch import nn
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
 
-from lensadapters import HookedModel, WeightUnavailableError  # noqa: E402
+from lensadapters import HookedModel, WeightUnavailableError, hf  # noqa: E402
 from lensadapters.testing import registry_for, seeded_model  # noqa: E402
 
 
@@ -57,16 +57,8 @@ def _one_layer_llama() -> nn.Module:
     """A one-block float32 Llama (eager: the core's explicit attention equals it bitwise) for weight-format tests."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=32,
-        max_position_embeddings=16,
-    )
+    sizes = hf.size_fields(hidden=16, d_mlp=24, layers=1, heads=2, kv_heads=2, vocab=32, positions=16)
+    config = LlamaConfig(**sizes, head_dim=8)
     return seeded_model(config, 0, "eager")
 
 

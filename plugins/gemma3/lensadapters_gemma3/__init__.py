@@ -104,7 +104,6 @@ def tiny_config(seed: int) -> Any:
     from transformers import Gemma3TextConfig
 
     layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 1), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
-    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
     return hf.toy_config(
         Gemma3TextConfig,
         layers,
@@ -112,13 +111,16 @@ def tiny_config(seed: int) -> Any:
         kv,
         head_dim=16,
         sliding_window=sliding,
-        layer_types=types,
+        layer_types=hf.sliding_layers(layers, 3),
         query_pre_attn_scalar=16,
         rope_theta=10000.0,
         rope_local_base_freq=10.0,
-        bos_token_id=2,
-        eos_token_id=1,
+        **TOKENS,
     )
+
+
+#: Gemma's special tokens (bos 2, eos 1), in every toy config
+TOKENS = {"bos_token_id": 2, "eos_token_id": 1}
 
 
 PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import Gemma3TextConfig
 
 import lensadapters_gemma3
+from lensadapters import hf
 from lensadapters.testing.families import (
     HEAD_DRAWS,
     SMALL_MATRIX,
@@ -41,23 +42,20 @@ def gemma3_config(
     ``global_every``-th layer global (Gemma 3's 5 local : 1 global pattern, shortened), the others sliding; RoPE
     base ``theta`` (with linear scaling by ``global_scaling`` as Gemma-3-4B+) on global layers and ``local_theta`` on
     sliding ones."""
-    types = ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
-    scaling = {"rope_type": "linear", "factor": global_scaling} if global_scaling else None
     return decoder_config(
         Gemma3TextConfig,
         layers=layers,
         tied=tied,
         act="gelu_pytorch_tanh",
         act_field="hidden_activation",
+        layer_types=hf.sliding_layers(layers, global_every),
         head_dim=head_dim,
         sliding_window=window,
-        layer_types=types,
         query_pre_attn_scalar=scalar,
         rope_local_base_freq=local_theta,
-        rope_scaling=scaling,
+        rope_scaling={"rope_type": "linear", "factor": global_scaling} if global_scaling else None,
         final_logit_softcapping=final_cap,
-        bos_token_id=2,
-        eos_token_id=1,
+        **lensadapters_gemma3.TOKENS,
         **shared,
     )
 

@@ -309,7 +309,6 @@ def tiny_config(seed: int) -> Any:
     from transformers import Gemma4TextConfig
 
     layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
-    types = ["full_attention" if (i + 1) % 3 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
     return hf.toy_config(
         Gemma4TextConfig,
         layers,
@@ -318,12 +317,15 @@ def tiny_config(seed: int) -> Any:
         head_dim=16,
         global_head_dim=32,
         sliding_window=sliding,
-        layer_types=types,
+        layer_types=hf.sliding_layers(layers, 3, last_full=True),
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=512,
-        bos_token_id=2,
-        eos_token_id=1,
+        **TOKENS,
     )
+
+
+#: Gemma's special tokens (bos 2, eos 1), in every toy config
+TOKENS = {"bos_token_id": 2, "eos_token_id": 1}
 
 
 def precheck(model: Any) -> None:

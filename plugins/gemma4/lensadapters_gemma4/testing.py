@@ -13,6 +13,7 @@ from torch import nn
 from transformers import Gemma4TextConfig, Gemma4UnifiedTextConfig
 
 import lensadapters_gemma4
+from lensadapters import hf
 from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, QKNormScores, config_strategy, decoder_config
 
 __all__ = ["Gemma4Contract", "gemma4_config", "gemma4_configs"]
@@ -44,8 +45,6 @@ def gemma4_config(
     (``gemma4_unified_text``: no per-layer inputs, no experts; ``ple`` and ``experts`` must be 0)."""
     if unified and (ple or experts):
         raise ValueError("a gemma4_unified_text config has neither per-layer inputs nor experts: ple=0, experts=0")
-    types = ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
-    types[-1] = "full_attention"
     theta = shared.pop("theta", 10000.0)
     rope = {
         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
@@ -61,12 +60,11 @@ def gemma4_config(
         act_field="hidden_activation",
         head_dim=head_dim,
         global_head_dim=global_head_dim or head_dim,
+        layer_types=hf.sliding_layers(layers, global_every, last_full=True),
         sliding_window=window,
-        layer_types=types,
         rope_parameters=rope,
         final_logit_softcapping=final_cap,
-        bos_token_id=2,
-        eos_token_id=1,
+        **lensadapters_gemma4.TOKENS,
         **(
             dict(enable_moe_block=True, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=8)
             if experts

@@ -52,13 +52,7 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        n_heads=c.n_head,
-        d_head=c.n_embd // c.n_head,
-        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        n_ctx=c.n_positions,
+        **hf.config_sizes(c, d_head=c.n_embd // c.n_head, d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd),
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="standard",
@@ -190,16 +184,5 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice(["gelu_new", "gelu", "relu"]))
     )
-    return GPT2Config(
-        n_layer=layers,
-        n_embd=64,
-        n_head=heads,
-        n_positions=128,
-        vocab_size=512,
-        activation_function=act,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    sizes = hf.size_fields(hidden=64, layers=layers, heads=heads, positions=128, vocab=512)
+    return hf.without_dropout(GPT2Config, **sizes, activation_function=act, bos_token_id=0, eos_token_id=0)

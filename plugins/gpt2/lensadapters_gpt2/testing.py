@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import GPT2Config
 
 import lensadapters_gpt2
+from lensadapters import hf
 from lensadapters.testing import AdapterContract
 from lensadapters.testing.strategies import as_strategy
 
@@ -51,7 +52,8 @@ def gpt2_configs(
     """
     heads = draw(as_strategy(n_heads), label="n_heads")
     width = draw(as_strategy(d_model)) if d_model is not None else heads * draw(as_strategy(d_head), label="d_head")
-    return GPT2Config(
+    return hf.without_dropout(
+        GPT2Config,
         n_layer=draw(as_strategy(n_layers), label="n_layers"),
         n_head=heads,
         n_embd=width,
@@ -65,9 +67,6 @@ def gpt2_configs(
         ),
         reorder_and_upcast_attn=draw(as_strategy(reorder_and_upcast_attn), label="reorder_and_upcast_attn"),
         layer_norm_epsilon=draw(as_strategy(eps), label="eps"),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,

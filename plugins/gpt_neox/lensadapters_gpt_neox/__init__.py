@@ -237,15 +237,5 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         if seed == 0
         else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.choice([0.25, 0.5, 1.0]), rng.random() < 0.5)
     )
-    return GPTNeoXConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=256,
-        rotary_pct=pct,
-        max_position_embeddings=128,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_parallel_residual=parallel,
-    )
+    sizes = hf.size_fields(vocab=512, hidden=64, layers=layers, heads=heads, d_mlp=256, positions=128)
+    return hf.without_dropout(GPTNeoXConfig, **sizes, rotary_pct=pct, use_parallel_residual=parallel)

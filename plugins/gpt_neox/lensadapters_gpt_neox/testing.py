@@ -39,13 +39,12 @@ def gpt_neox_config(
 ) -> GPTNeoXConfig:
     """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos)."""
     sizes = hf.size_fields(hidden=n_heads * d_head, d_mlp=d_mlp, layers=n_layers, heads=n_heads, vocab=vocab)
-    return GPTNeoXConfig(
+    return hf.without_dropout(
+        GPTNeoXConfig,
         **sizes,
         max_position_embeddings=64,
         rotary_pct=rotary_pct,
         rotary_emb_base=10000,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         use_parallel_residual=parallel,
         attention_bias=bias,
         pad_token_id=0,

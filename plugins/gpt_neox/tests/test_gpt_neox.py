@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from lensadapters import HookedModel, Registry, UnsupportedModelError
 from lensadapters.testing import reference_rope, rope_inv_freq, seeded_model
+from lensadapters.testing.contract_support import greedy_kwargs
 from lensadapters.testing.strategies import Inputs, token_inputs
 
 make_config = gpt_neox_config
@@ -317,16 +318,8 @@ def test_rot_k_edit_is_stored_in_kv_cache():
                 (f"blocks.{layer}.attn.hook_attn_scores", record),
             ]
         ):
-            gen_out = hm.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_scores=True,
-                pad_token_id=0,
-            )
+            kwargs = greedy_kwargs(new_tokens, attention_mask=mask, use_cache=True, output_scores=True)
+            gen_out = hm.generate(ids, **kwargs)
         # 1. the cache holds the edited key, up to the inverse-then-reapply rotation's rounding
         keys = (
             gen_out.past_key_values.layers[layer].keys

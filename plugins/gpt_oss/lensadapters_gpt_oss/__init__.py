@@ -133,10 +133,8 @@ def tiny_config(seed: int) -> Any:
         intermediate_size=32,
         head_dim=16,
         sliding_window=4,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(GptOssConfig, experts, top_k),
         tie_word_embeddings=False,
-        output_router_logits=False,
         **({"rope_parameters": rope} if _router_returns_logits() else {"rope_scaling": rope, "rope_theta": 10000.0}),
     )
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import GptOssConfig
 
 import lensadapters_gpt_oss
+from lensadapters import hf
 from lensadapters.testing.families import (
     HEAD_DRAWS,
     MOE_DRAWS,
@@ -52,7 +53,7 @@ def gpt_oss_config(
     ``alpha`` (transformers 4.57 hard-codes 7.0 and 1.702 in the experts module: :meth:`GptOssContract.make_model`
     sets the module's attributes from the config)."""
     layers = shared.get("layers", 1)
-    types = layer_types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    types = layer_types or hf.sliding_layers(layers, 2)
     return decoder_config(
         GptOssConfig,
         head_dim=head_dim,
@@ -61,11 +62,9 @@ def gpt_oss_config(
         sliding_window=window,
         layer_types=types,
         attention_bias=attention_bias,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(GptOssConfig, experts, top_k),
         swiglu_limit=limit,
         swiglu_alpha=alpha,
-        output_router_logits=False,
         **_rope_fields(rope, max_pos),
         **shared,
     )

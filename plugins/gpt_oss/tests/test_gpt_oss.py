@@ -16,7 +16,7 @@ import torch
 from lensadapters_gpt_oss.reference import reference_run
 from lensadapters_gpt_oss.testing import GptOssContract, gpt_oss_config
 
-from lensadapters import HookedModel
+from lensadapters import HookedModel, hf
 from lensadapters.moe import router_bias, router_weight
 from lensadapters.registry import get_registry
 from lensadapters.testing import assert_close
@@ -173,21 +173,14 @@ def test_the_contract_knows_an_edit_the_saturated_clamp_absorbs() -> None:
     from lensadapters.testing.strategies import Inputs
 
     config = GptOssConfig(
-        num_hidden_layers=1,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        vocab_size=16,
-        hidden_size=4,
-        intermediate_size=8,
+        **hf.size_fields(layers=1, vocab=16, hidden=4, d_mlp=8, heads=1, kv_heads=1, positions=32),
+        **hf.router_fields(GptOssConfig, 2, 1),
         head_dim=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
         sliding_window=2,
-        layer_types=["sliding_attention"],
-        max_position_embeddings=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
         swiglu_limit=0.5,
         tie_word_embeddings=False,
+        layer_types=["sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
         attention_bias=True,
         pad_token_id=0,
         bos_token_id=1,

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
 from transformers import LlamaConfig
 
-from lensadapters import HookedModel, UnsupportedModelError
+from lensadapters import HookedModel, UnsupportedModelError, hf
 from lensadapters.testing import assert_close, reference_rope
+from lensadapters.testing.contract_support import greedy_kwargs
 from lensadapters.testing.plugins import assert_entry_point
 
 
@@ -269,14 +270,8 @@ def llama32_3b_like(layers: int = 2) -> LlamaConfig:
     """Llama 3.2 3B's ratios at toy width: 24 query heads sharing 8 kv heads of size 128, theta 500000,
     llama3 rope scaling (factor 32, low 1, high 4), tied embeddings; hidden 96 and vocab 256 for the CPU."""
     return LlamaConfig(
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=24,
-        num_key_value_heads=8,
+        **hf.size_fields(hidden=96, d_mlp=256, layers=layers, heads=24, kv_heads=8, vocab=256, positions=512),
         head_dim=128,
-        vocab_size=256,
-        max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         rope_theta=500000.0,
@@ -432,14 +427,7 @@ def test_hooks_run_at_every_step_when_generate_would_compile():
     ids, mask = left_padded(config.vocab_size, length=5, pads=(0, 0))
     compile_config = CompileConfig(backend="eager", fullgraph=False)
     compile_config._compile_all_devices = True  # what a CUDA device does by itself
-    kwargs = dict(
-        max_new_tokens=3,
-        do_sample=False,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-        cache_implementation="static",
-    )
+    kwargs = greedy_kwargs(3, cache_implementation="static")
     bump = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(2))
     steps: list[int] = []
 

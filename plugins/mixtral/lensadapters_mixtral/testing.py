@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import MixtralConfig
 
 import lensadapters_mixtral
+from lensadapters import hf
 from lensadapters.testing.families import HEAD_DRAWS, MOE_DRAWS, MoEDecoderContract, config_strategy, decoder_config
 
 __all__ = ["MixtralContract", "mixtral_config", "mixtral_configs"]
@@ -30,10 +31,8 @@ def mixtral_config(
         d_mlp=d_mlp,
         max_pos=max_pos,
         sliding_window=sliding_window,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(MixtralConfig, experts, top_k),
         router_jitter_noise=0.0,
-        output_router_logits=False,
         **shared,
     )
 

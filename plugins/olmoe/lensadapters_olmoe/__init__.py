@@ -239,13 +239,11 @@ def tiny_config(seed: int) -> Any:
         kv,
         intermediate_size=48,
         rms_norm_eps=1e-5,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(OlmoeConfig, experts, top_k),
         norm_topk_prob=norm,
         clip_qkv=None,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        output_router_logits=False,
     )
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import OlmoeConfig
 
 import lensadapters_olmoe
+from lensadapters import hf
 from lensadapters.testing.families import MOE_DRAWS, MoEDecoderContract, QKNormScores, config_strategy, decoder_config
 
 __all__ = ["OlmoeContract", "olmoe_config", "olmoe_configs"]
@@ -34,10 +35,8 @@ def olmoe_config(
         max_pos=max_pos,
         attention_bias=attention_bias,
         clip_qkv=clip_qkv,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(OlmoeConfig, experts, top_k),
         norm_topk_prob=norm_topk_prob,
-        output_router_logits=False,
         **shared,
     )
 

@@ -268,18 +268,15 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     layers, heads, post_ln = (
         (2, 4, False) if seed == 0 else (rng.choice([1, 2, 3]), rng.choice([2, 4, 8]), rng.random() < 0.5)
     )
-    return OPTConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=layers,
+    return hf.without_dropout(
+        OPTConfig,
+        **hf.size_fields(vocab=512, hidden=64, layers=layers, heads=heads, positions=128),
         ffn_dim=128,
-        num_attention_heads=heads,
-        max_position_embeddings=128,
         word_embed_proj_dim=32 if post_ln else 64,
         do_layer_norm_before=not post_ln,
-        dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=1,
-        bos_token_id=2,
-        eos_token_id=2,
+        **OPT_TOKENS,
     )
+
+
+#: OPT's special tokens (pad 1, bos and eos 2), in every toy config
+OPT_TOKENS = {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}

@@ -29,15 +29,8 @@ def non_affine_norms_build() -> bool:
     """transformers 4.57's OPT ``_init_weights`` crashes on LayerNorms without weights (fixed in 5.x)."""
     from transformers import AutoModelForCausalLM
 
-    config = OPTConfig(
-        vocab_size=8,
-        hidden_size=4,
-        num_hidden_layers=1,
-        ffn_dim=4,
-        num_attention_heads=1,
-        max_position_embeddings=4,
-        layer_norm_elementwise_affine=False,
-    )
+    sizes = hf.size_fields(vocab=8, hidden=4, layers=1, heads=1, positions=4)
+    config = OPTConfig(**sizes, ffn_dim=4, layer_norm_elementwise_affine=False)
     try:
         AutoModelForCausalLM.from_config(config)
     except AttributeError:
@@ -96,7 +89,8 @@ def opt_configs(
     vocab_size = draw(as_strategy(vocab), label="vocab")
     layers = draw(as_strategy(n_layers), label="n_layers")
     sizes = hf.size_fields(hidden=hidden, layers=layers, heads=heads, vocab=vocab_size, positions=32)
-    return OPTConfig(
+    return hf.without_dropout(
+        OPTConfig,
         **sizes,
         ffn_dim=draw(as_strategy(ffn_dim), label="ffn_dim"),
         word_embed_proj_dim=proj,
@@ -104,11 +98,7 @@ def opt_configs(
         enable_bias=bias,
         layer_norm_elementwise_affine=affine,
         activation_function=act,
-        dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=1,
-        bos_token_id=2,
-        eos_token_id=2,
+        **lensadapters_opt.OPT_TOKENS,
     )
 
 

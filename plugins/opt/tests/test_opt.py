@@ -25,6 +25,7 @@ from transformers import OPTConfig
 
 from lensadapters import UnsupportedModelError, hf
 from lensadapters.testing import assert_close, token_inputs
+from lensadapters.testing.contract_support import greedy_kwargs
 from lensadapters.testing.plugins import assert_entry_point
 
 
@@ -363,15 +364,7 @@ def test_generation_with_cache_and_edits_matches_full_forward(pre_ln, project, d
     ]
     n_new = 3
     with torch.no_grad(), hm.hooks(hooks):
-        gen = hm.generate(
-            **inputs.kwargs(),
-            max_new_tokens=n_new,
-            min_new_tokens=n_new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=1,
-        )
+        gen = hm.generate(**inputs.kwargs(), **greedy_kwargs(n_new, pad_token_id=1))
     seq = gen.sequences
     length = inputs.input_ids.shape[1]
     mask = torch.cat([inputs.attention_mask, torch.ones(seq.shape[0], seq.shape[1] - length, dtype=torch.long)], 1)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from lensadapters import hf
 from lensadapters.testing.profiles import load_profile
 
 load_profile()
@@ -99,21 +100,8 @@ def _gpt2(**kw: Any) -> Adapted:
 def _llama(**kw: Any) -> Adapted:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        vocab_size=64,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    sizes = dict(hidden=16, d_mlp=24, layers=2, n_heads=4, n_kv=2, vocab=64, max_pos=32)
+    config = hf.decoder_config(LlamaConfig, **sizes, head_dim=4)
     return Adapted(config, kw.pop("targets", LLAMA_TARGETS), **kw)
 
 

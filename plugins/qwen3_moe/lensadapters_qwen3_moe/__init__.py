@@ -141,15 +141,13 @@ def tiny_config(seed: int) -> Any:
         moe_intermediate_size=48,
         head_dim=32,
         rms_norm_eps=1e-6,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
         norm_topk_prob=norm,
         mlp_only_layers=only,
+        **hf.router_fields(Qwen3MoeConfig, experts, top_k),
         decoder_sparse_step=step,
         use_sliding_window=False,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        output_router_logits=False,
     )
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import Qwen3MoeConfig
 
 import lensadapters_qwen3_moe
+from lensadapters import hf
 from lensadapters.testing.families import (
     HEAD_DRAWS,
     MOE_DRAWS,
@@ -46,12 +47,10 @@ def qwen3_moe_config(
         max_pos=max_pos,
         use_sliding_window=window is not None,
         sliding_window=window or 4096,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
+        **hf.router_fields(Qwen3MoeConfig, experts, top_k),
         norm_topk_prob=norm_topk_prob,
         mlp_only_layers=list(mlp_only_layers),
         decoder_sparse_step=decoder_sparse_step,
-        output_router_logits=False,
         **shared,
     )
 

@@ -1,6 +1,7 @@
 """The toy configs of Llama-shaped families (``lensadapters_tiny_config``'s answers): :func:`toy_config` (a
 family's toy model), :func:`decoder_config` (a tiny config with the shared fields) and :func:`toy_draw` (the values
-a seed varies), :func:`sliding_layers` (a config's ``layer_types``). Exported by :mod:`lensadapters.hf`; import them from there.
+a seed varies), :func:`sliding_layers` (a config's ``layer_types``). Exported by :mod:`lensadapters.hf`; import
+them from there.
 """
 
 from __future__ import annotations

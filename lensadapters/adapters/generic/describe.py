@@ -31,139 +31,42 @@ is kept for the warning. A description is then *verified* at wrap time point by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.describe_mlp import COMMON_ACTIVATIONS, _activation, _describe_mlp  # noqa: F401
+from lensadapters.adapters.generic.description_types import (  # noqa: F401  (their old import path)
+    MLP,
+    QKV,
+    Description,
+    LayerDescription,
+    NotDescribed,
+    _is_linear,
+)
 from lensadapters.adapters.generic.moe import describe_other_mlp
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import InterfaceCall, Recording, _close
+from lensadapters.adapters.generic.rotary_forms import (  # noqa: F401  (their old import path)
+    _rotary_candidates,
+    _rotary_inside_attention,
+    _rotary_module,
+    _rotate_pairs,
+    interleaved_spec,
+    reversed_rotate_half_spec,
+)
 from lensadapters.adapters.generic.rotated_norm import RotatedNorm, norm_after_rotary
 from lensadapters.adapters.vlm import text_config
-from lensadapters.hooks.rotary import half_table_rotate_half_spec, rotate_half_spec
-from lensadapters.hooks.sites.qkv import rotary_angles
 from lensadapters.hooks.specs import (
     BlockLayout,
-    FusedGateUp,
     FusedQKV,
-    MLPLayout,
     ProjectionNorm,
     RotarySpec,
     SeparateQKV,
-    cat_gate_up,
-    chunk_gate_up,
 )
 
 Tensor = torch.Tensor
-QKV = Union[SeparateQKV, FusedQKV]
-MLP = Union[MLPLayout, FusedGateUp]
-
-
-#: activations tried (each checked on the probe) after the MLP module's own and the config's: none of them can pass
-#: for another on the probe (GELU's exact and tanh forms can, on small inputs: neither is guessed)
-COMMON_ACTIVATIONS = ("silu", "relu")
-
-
-class NotDescribed(Exception):
-    """A layer (or the model) cannot be described: the message says which claim failed."""
-
-
-@dataclass
-class LayerDescription:
-    block: BlockLayout
-    qkv: QKV
-    mlp: Any  # MLP, a MoELayout (:mod:`.moe`), or OpaqueMLP (its inside not described: why)
-    norms: dict[str, NormBehaviour]  # path relative to the layer -> how it normalizes
-    gated: bool
-    act_fn: Optional[str]
-    attn_out: Optional[str] = None  # the module whose output is hook_attn_out, where it is not ``block.attn``'s
-    #: norms the attention module applies to the rotated queries/keys ("q"/"k"), :mod:`.rotated_norm`
-    rotated_norms: dict[str, RotatedNorm] = field(default_factory=dict)
-
-
-@dataclass
-class Description:
-    """The automatic description of a model (``layers[i]`` ``None``: layer ``i`` stays opaque, ``why[i]`` says why)."""
-
-    layers: list[Optional[LayerDescription]]
-    rotary: Optional[str] = None  # path of the rotary module outside the layers
-    rotary_input: Optional[str] = None  # or the attention modules' argument carrying each layer's (cos, sin)
-    #: or, with ``rotary`` the first layer's attention module, its rotary module called on its inputs
-    rotary_from_inputs: Optional[Callable[..., tuple[Tensor, Tensor]]] = None
-    rotary_dim: Optional[int] = None
-    why: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def any(self) -> bool:
-        return any(layer is not None for layer in self.layers)
-
-
-def _is_linear(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return isinstance(module, nn.Linear) or (
-        isinstance(weight, Tensor) and weight.dim() == 2 and "Linear" in type(module).__name__
-    )
-
-
-def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Callable[[Tensor], Tensor]]]:
-    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's,
-    then :data:`COMMON_ACTIVATIONS`."""
-    from transformers.activations import ACT2FN
-
-    found: list[tuple[Optional[str], Callable[[Tensor], Tensor]]] = []
-    for name in ("act_fn", "act", "activation_fn", "activation", "act_func"):
-        fn = getattr(module, name, None)
-        if callable(fn):
-            found.append((None, fn))
-    # a parameter-free child module of the MLP (Bloom's ``gelu_impl``): the activation where it reproduces the values
-    found += [(None, child) for child in module.children() if next(child.parameters(), None) is None]
-    for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
-        act_name = getattr(config, key, None)
-        if isinstance(act_name, str) and act_name in ACT2FN:
-            found.append((act_name, ACT2FN[act_name]))
-    names = [n for n, _ in found if n is not None]
-    # then the common activations under their own names (a module that calls F.silu and names none in its config)
-    return [(names[0] if names else n, fn) for n, fn in found] + [(n, ACT2FN[n]) for n in COMMON_ACTIVATIONS]
-
-
-def _rotate_pairs(x: Tensor) -> Tensor:
-    """``(x0, x1, x2, x3...)`` to ``(-x1, x0, -x3, x2...)``: the rotation of interleaved pairs."""
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
-def interleaved_spec(rotary_dim: int, from_half_layout: bool, once: bool = False) -> RotarySpec:
-    """RoPE on interleaved pairs of the first ``rotary_dim`` dimensions of each head (``x * cos + pairs(x) * sin``).
-    ``from_half_layout``: the rotary module returns the table in rotate-half layout (``cat(freqs, freqs)``), which the
-    attention turns into the interleaved one (``cos[..., :r/2].repeat_interleave(2)``). ``once``: the table holds
-    each pair's angle once (``r/2`` entries: a complex table ``e^{i theta}`` read as ``(real, imag)``, which the
-    attention multiplies each pair, seen as a complex number, by), repeated for both members of the pair."""
-
-    def table(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        if from_half_layout:
-            cos, sin = (t[..., : t.shape[-1] // 2] for t in (cos, sin))
-        if from_half_layout or once:
-            cos, sin = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)
-
-    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        c, s = table(cos, sin)
-        r = c.shape[-1]
-        if r > x.shape[-1] or r != rotary_dim:
-            raise RuntimeError(f"rotary dimension {r} does not fit heads of size {x.shape[-1]}")
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        rotated = (x_rot.float() * c.float() + _rotate_pairs(x_rot.float()) * s.float()).to(x.dtype)
-        return rotated if r == x.shape[-1] else torch.cat([rotated, x_pass], dim=-1)
-
-    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        c, s = (t.float() for t in table(cos, sin))
-        r = c.shape[-1]
-        y_rot, y_pass = y[..., :r].float(), y[..., r:]
-        x_rot = ((y_rot * c - _rotate_pairs(y_rot) * s) / (c * c + s * s)).to(y.dtype)
-        return x_rot if r == y.shape[-1] else torch.cat([x_rot, y_pass], dim=-1)
-
-    return RotarySpec(rotary_dim, apply, invert)
 
 
 def fused_qkv_split(heads: int, kv: int, d: int) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
@@ -190,32 +93,6 @@ def per_head_qkv_split(heads: int, d: int) -> tuple[Callable[..., Any], Callable
         return torch.stack(parts, dim=-2).flatten(-3)
 
     return split, merge
-
-
-def reversed_rotate_half_spec(rotary_dim: int) -> RotarySpec:
-    """Rotate-half RoPE turning the other way: ``x * cos + cat(x2, -x1) * sin`` (NanoChat's ``rotate_half``), which
-    is rotate-half with ``sin`` negated (bitwise: a product with a negated factor is the negated product)."""
-    half = rotate_half_spec(rotary_dim)
-    return RotarySpec(
-        rotary_dim, lambda x, cos, sin: half.apply(x, cos, -sin), lambda y, cos, sin: half.invert(y, cos, -sin)
-    )
-
-
-def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
-    """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs (table of ``r`` entries, or ``r/2``: a
-    complex table), on the whole head or on the first dimensions the table covers (partial rotary): each is tried on
-    the probe's queries and keys."""
-    dims = dict.fromkeys([d_head, cos.shape[-1], 2 * cos.shape[-1]])
-    specs = []
-    for r in dims:
-        if r % 2 or r > d_head:
-            continue
-        if cos.shape[-1] == r:
-            specs += [rotate_half_spec(r), interleaved_spec(r, False), interleaved_spec(r, True)]
-            specs.append(reversed_rotate_half_spec(r))
-        if 2 * cos.shape[-1] == r:
-            specs += [half_table_rotate_half_spec(r), interleaved_spec(r, False, once=True)]
-    return specs
 
 
 def _heads(t: Tensor, heads: int) -> Tensor:
@@ -414,41 +291,6 @@ def _describe_attention(
     return qkv, f"{attn}.{o_proj[0]}", norms
 
 
-def _describe_mlp(
-    model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording
-) -> tuple[MLP, bool, Optional[str]]:
-    prefix = mlp + "."
-    x, y = rec.inner.get((i, mlp), (None, None))
-    if x is None or y is None:
-        raise NotDescribed("the probe saw no input or output of the MLP module")
-    linears: dict[str, Any] = {
-        path[len(prefix) :]: io
-        for (layer_i, path), io in rec.inner.items()
-        if layer_i == i and path.startswith(prefix) and _is_linear(layer.get_submodule(path)) and io[0] is not None
-    }
-    down = [p for p, (a, b) in linears.items() if _close(b, y)]
-    readers = [p for p, (a, b) in linears.items() if _close(a, x) and p not in down]
-    if len(down) != 1 or not 1 <= len(readers) <= 2:
-        raise NotDescribed("the MLP is not one or two projections of its input and one output projection")
-    post = linears[down[0]][0]
-    acts = _activation(layer.get_submodule(mlp), text_config(model))
-    out = f"{mlp}.{down[0]}"
-    for name, act in acts:
-        if len(readers) == 2:
-            for gate, up in (readers, readers[::-1]):
-                if _close(act(linears[gate][1]) * linears[up][1], post):
-                    return MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}"), True, name
-        else:
-            pre = linears[readers[0]][1]
-            if pre is not None and pre.shape[-1] == 2 * post.shape[-1]:
-                gate_t, up_t = chunk_gate_up(pre)
-                if _close(act(gate_t) * up_t, post):
-                    return FusedGateUp(f"{mlp}.{readers[0]}", out, chunk_gate_up, cat_gate_up), True, name
-            elif _close(act(pre), post):
-                return MLPLayout(f"{mlp}.{readers[0]}", out), False, name
-    raise NotDescribed("no activation named by the config or the MLP module reproduces the down projection's input")
-
-
 def describe_layer(
     model: nn.Module,
     layer: nn.Module,
@@ -569,74 +411,6 @@ def _describe_any(others: Sequence[LayerDescriber], *args: Any) -> LayerDescript
             except NotThisShape:
                 continue
         raise why from None
-
-
-def _rotary_module(
-    model: nn.Module, rec: Recording, d_head: int
-) -> tuple[Optional[str], Optional[tuple[Tensor, Tensor]]]:
-    """The one module outside the layers that returned ``(cos, sin)`` once (class name with ``Rotary``), or a complex
-    table ``e^{i theta}`` (read as its real and imaginary parts, :func:`.rotary_angles`, as the core reads it)."""
-    tables = {name: rotary_angles(r.value) for name, r in rec.outside_out.items() if r.value.is_complex()}
-    found = [
-        (name, out)
-        for name, out in {**rec.outside_raw, **tables}.items()
-        if "rotary" in type(model.get_submodule(name)).__name__.lower()
-        and len(out) == 2
-        and rec.outside_out[name].calls == 1
-        and out[0].shape == out[1].shape
-        and out[0].shape[-1] <= d_head
-    ]
-    if len(found) != 1:
-        return None, None
-    return found[0][0], (found[0][1][0], found[0][1][1])
-
-
-def _rotary_inside_attention(
-    model: nn.Module, layers: list[nn.Module], rec: Recording
-) -> Optional[tuple[str, Callable[..., tuple[Tensor, Tensor]], tuple[Tensor, Tensor]]]:
-    """``(path of the first layer's attention module, from_inputs, (cos, sin))`` where each layer's attention module
-    holds a rotary module (class name with ``Rotary``) that returned the same ``(cos, sin)`` in every layer: the core
-    computes them before the projections, from the attention module's hidden states and ``position_ids``, as the
-    rotary module does (``ModelLayout.rotary_from_inputs``); the verification checks the rotated queries and keys."""
-    found = {
-        (i, path): pair
-        for (i, path), pair in rec.pairs.items()
-        if "." in path and "rotary" in type(layers[i].get_submodule(path)).__name__.lower()
-    }
-    paths = {path for _, path in found}
-    if len(paths) != 1 or len(found) != len(layers):
-        return None
-    path = paths.pop()
-    first = found[(0, path)]
-    if not all(_close(c, first[0]) and _close(s, first[1]) for c, s in found.values()):
-        return None
-    attn, rest = path.rsplit(".", 1)
-    layer_path = next((name for name, m in model.named_modules() if m is layers[0]), None)
-    if layer_path is None:
-        return None
-
-    def from_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
-        hidden, positions = args[0] if args else kwargs.get("hidden_states"), kwargs.get("position_ids")
-        if not isinstance(hidden, Tensor) or not isinstance(positions, Tensor):
-            raise RuntimeError(
-                f"{type(module).__name__} was called without hidden states and position_ids: hook_rot_q/hook_rot_k "
-                "cannot compute the rotary angles of its rotary module"
-            )
-        cos, sin = module.get_submodule(rest)(hidden, positions)
-        return cos, sin
-
-    # the claim checked on the probe: the rotary module called so gives the angles it gave (an older rotary module
-    # takes a sequence length, not the positions: not this form)
-    hidden = rec.inner.get((0, attn), (None, None))[0]
-    try:
-        assert hidden is not None
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        cos, sin = from_inputs(layers[0].get_submodule(attn), (hidden,), {"position_ids": positions})
-    except Exception:  # noqa: BLE001 - whatever fails, the angles are not computed this way
-        return None
-    if not (_close(cos, first[0]) and _close(sin, first[1])):
-        return None
-    return f"{layer_path}.{attn}", from_inputs, first
 
 
 def describe(

@@ -1,0 +1,81 @@
+"""The dense MLP's description: the output projection and the one or two (or one fused gate-up) projections of the
+MLP's input whose outputs, through the activation the MLP module or the config names (or else SiLU or ReLU),
+reproduce the down projection's input. What this does not cover is tried as a mixture of experts (:mod:`.moe`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lensadapters.adapters.generic.description_types import MLP, NotDescribed, _is_linear
+from lensadapters.adapters.generic.probe import Recording, _close
+from lensadapters.adapters.vlm import text_config
+from lensadapters.hooks.specs import (
+    FusedGateUp,
+    MLPLayout,
+    cat_gate_up,
+    chunk_gate_up,
+)
+
+Tensor = torch.Tensor
+#: activations tried (each checked on the probe) after the MLP module's own and the config's: none of them can pass
+#: for another on the probe (GELU's exact and tanh forms can, on small inputs: neither is guessed)
+COMMON_ACTIVATIONS = ("silu", "relu")
+
+
+def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Callable[[Tensor], Tensor]]]:
+    """Candidate activations: the MLP module's own (``act_fn``, ``act``, ``activation_fn``...), then the config's,
+    then :data:`COMMON_ACTIVATIONS`."""
+    from transformers.activations import ACT2FN
+
+    found: list[tuple[Optional[str], Callable[[Tensor], Tensor]]] = []
+    for name in ("act_fn", "act", "activation_fn", "activation", "act_func"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            found.append((None, fn))
+    # a parameter-free child module of the MLP (Bloom's ``gelu_impl``): the activation where it reproduces the values
+    found += [(None, child) for child in module.children() if next(child.parameters(), None) is None]
+    for key in ("hidden_act", "hidden_activation", "activation_function", "act_fn"):
+        act_name = getattr(config, key, None)
+        if isinstance(act_name, str) and act_name in ACT2FN:
+            found.append((act_name, ACT2FN[act_name]))
+    names = [n for n, _ in found if n is not None]
+    # then the common activations under their own names (a module that calls F.silu and names none in its config)
+    return [(names[0] if names else n, fn) for n, fn in found] + [(n, ACT2FN[n]) for n in COMMON_ACTIVATIONS]
+
+
+def _describe_mlp(
+    model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording
+) -> tuple[MLP, bool, Optional[str]]:
+    prefix = mlp + "."
+    x, y = rec.inner.get((i, mlp), (None, None))
+    if x is None or y is None:
+        raise NotDescribed("the probe saw no input or output of the MLP module")
+    linears: dict[str, Any] = {
+        path[len(prefix) :]: io
+        for (layer_i, path), io in rec.inner.items()
+        if layer_i == i and path.startswith(prefix) and _is_linear(layer.get_submodule(path)) and io[0] is not None
+    }
+    down = [p for p, (a, b) in linears.items() if _close(b, y)]
+    readers = [p for p, (a, b) in linears.items() if _close(a, x) and p not in down]
+    if len(down) != 1 or not 1 <= len(readers) <= 2:
+        raise NotDescribed("the MLP is not one or two projections of its input and one output projection")
+    post = linears[down[0]][0]
+    acts = _activation(layer.get_submodule(mlp), text_config(model))
+    out = f"{mlp}.{down[0]}"
+    for name, act in acts:
+        if len(readers) == 2:
+            for gate, up in (readers, readers[::-1]):
+                if _close(act(linears[gate][1]) * linears[up][1], post):
+                    return MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}"), True, name
+        else:
+            pre = linears[readers[0]][1]
+            if pre is not None and pre.shape[-1] == 2 * post.shape[-1]:
+                gate_t, up_t = chunk_gate_up(pre)
+                if _close(act(gate_t) * up_t, post):
+                    return FusedGateUp(f"{mlp}.{readers[0]}", out, chunk_gate_up, cat_gate_up), True, name
+            elif _close(act(pre), post):
+                return MLPLayout(f"{mlp}.{readers[0]}", out), False, name
+    raise NotDescribed("no activation named by the config or the MLP module reproduces the down projection's input")

@@ -44,23 +44,21 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.mixer_sites import (  # noqa: F401  (their old import path)
+    Internal,
+    InternalsSite,
+    ResidMidSite,
+    _conv_positions,
+    _conv_view,
+    _ModuleOutput,
+    _spec_of,
+    layer_sites,
+)
 from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.generic.references import Reference
-from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input, replace_first_output
+from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class Internal:
-    """One mixer-internal point: ``name`` (relative to ``blocks.{i}.``), the module's path relative to the layer,
-    whether it is the module's input (the output projection's) and whether it is a convolution's output."""
-
-    name: str
-    path: str
-    input: bool = False
-    conv: bool = False
 
 
 @dataclass
@@ -297,28 +295,6 @@ def layer_form(
     return MixerLayer(internal, found, mid, layout)
 
 
-def _conv_positions(conv: nn.Conv1d, length: int) -> Optional[int]:
-    """How many input positions a stride-1 convolution's output of ``length`` positions stems from (its padding
-    adds the rest), ``None`` for another convolution."""
-    if conv.stride != (1,) or not isinstance(conv.padding, tuple):
-        return None
-    return length - 2 * conv.padding[0] + conv.dilation[0] * (conv.kernel_size[0] - 1)
-
-
-def _conv_view(conv: nn.Conv1d) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
-    """A convolution's output ``[b, c, p + pad]`` as ``[b, p, c]`` (its first ``p`` positions), and a delta back."""
-
-    def view(t: Tensor) -> Tensor:
-        return t[..., : _conv_positions(conv, t.shape[-1])].transpose(1, 2)
-
-    def unview(d: Tensor, t: Tensor) -> Tensor:
-        full = torch.zeros_like(t)
-        full[..., : d.shape[1]] = d.transpose(1, 2).to(t.dtype)
-        return full
-
-    return view, unview
-
-
 def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Reference]:
     """The plain-PyTorch reference of a point the mixer form serves beyond the branches (:mod:`.references`),
     ``None`` for any other name: a module's output or input, a pre-norm's scale or normalized value, ``hook_resid_mid``
@@ -347,77 +323,6 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))
     return None
-
-
-class InternalsSite(Site):
-    """The internal points of one token mixer: each module's output (or the output projection's input) through
-    ``HookPoint.apply``; a hooked point whose module did not run while its mixer ran raises (the model computed that
-    value without calling the module: cached decoding, a fused kernel)."""
-
-    def __init__(self, mixer: nn.Module, layer: nn.Module, points: list[tuple[Internal, HookPoint]]) -> None:
-        self.mixer, self.layer, self.entries = mixer, layer, points
-        self.points = tuple(p for _, p in points)
-        self.fired: set[str] = set()
-
-    def install(self) -> list[Any]:
-        handles = [
-            self.mixer.register_forward_pre_hook(self._enter, with_kwargs=True),
-            self.mixer.register_forward_hook(self._exit),
-        ]
-        for internal, point in self.entries:
-            module = self.layer.get_submodule(internal.path)
-            if internal.input:
-                handles.append(module.register_forward_pre_hook(self._input(internal, point), with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(self._output(internal, point), with_kwargs=True))
-        return handles
-
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.fired.clear()
-
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        missing = [p.name for i, p in self.entries if p.has_live_hooks() and i.name not in self.fired]
-        if missing:
-            raise RuntimeError(
-                f"{', '.join(missing)}: the model computed this forward pass's value without calling the module the "
-                f"point reads (it uses the module's weights directly here: cached decoding or a fused kernel), so "
-                f"the hook would see nothing. Remove the hook for this call, or run without a cache (use_cache=False)"
-            )
-
-    def _input(self, internal: Internal, point: HookPoint) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if internal.name in self.fired:
-                return None
-            self.fired.add(internal.name)
-            edited, changed = point.apply(first_input(args, kwargs))
-            return replace_first_input(args, kwargs, edited) if changed else None
-
-        return hook
-
-    def _output(self, internal: Internal, point: HookPoint) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if internal.name in self.fired:
-                return None
-            self.fired.add(internal.name)
-            y = first_output(output)
-            if not internal.conv:
-                edited, changed = point.apply(y)
-                return replace_first_output(output, edited) if changed else None
-            assert isinstance(module, nn.Conv1d)
-            view, unview = _conv_view(module)
-            value = view(y)
-            edited, changed = point.apply(value)
-            if not changed:
-                return None
-            return replace_first_output(output, y + unview(edited - value, y))
-
-        return hook
-
-    def keep(self, failed: dict[str, str]) -> bool:
-        """Drop the entries whose point failed verification; whether any is left."""
-        self.entries = [(i, p) for i, p in self.entries if p.name not in failed]
-        self.points = tuple(p for _, p in self.entries)
-        return bool(self.entries)
 
 
 def _checked(block: Any) -> tuple[str, ...]:
@@ -507,89 +412,3 @@ def register(model: nn.Module, found: Any, norms: Any) -> None:
     for i, form in FORMS[model].items():
         for _, path, behaviour in form.norms:
             norms[layers[i].get_submodule(path)] = behaviour
-
-
-def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[str, HookPoint]) -> list[Site]:
-    """The sites of a mixer-form layer's points beyond its branches (``points``: the layer's, by relative name)."""
-    from lensadapters.hooks.sites import NormSite
-
-    form: MixerLayer = block.mixer
-    sites: list[Site] = []
-    if form.internals:
-        entries = [(p, points[p.name]) for p in form.internals if p.name in points]
-        sites.append(InternalsSite(layer.get_submodule(block.attn), layer, entries))
-    for role, path, _ in form.norms:
-        norm = layer.get_submodule(path)
-        hooked.register_norm(f"blocks.{i}.{role}", norm)
-        scale, normalized = points[f"{role}.hook_scale"], points[f"{role}.hook_normalized"]
-        sites.append(NormSite(norm, _spec_of(hooked, norm), scale, normalized))
-    if form.mid is not None and "hook_resid_mid" in points:
-        sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"]))
-    if form.mlp is not None:
-        mlp = form.mlp
-        for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):
-            if name in points and path is not None:
-                sites.append(_ModuleOutput(layer.get_submodule(path), points[name]))
-        if "mlp.hook_post" in points:
-            sites.append(_ModuleOutput(layer.get_submodule(mlp.out), points["mlp.hook_post"], output=False))
-    return sites
-
-
-def _spec_of(hooked: Any, norm: nn.Module) -> Callable[[], Any]:
-    return lambda: hooked.norm_spec(norm)
-
-
-class _ModuleOutput(Site):
-    """A module's output (or first input) as one point: what the model continues with."""
-
-    def __init__(self, module: nn.Module, point: HookPoint, output: bool = True) -> None:
-        self.module, self.point, self.output = module, point, output
-        self.points = (point,)
-
-    def install(self) -> list[Any]:
-        if self.output:
-            return [self.module.register_forward_hook(self._on_output)]
-        return [self.module.register_forward_pre_hook(self._on_input, with_kwargs=True)]
-
-    def _on_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        edited, changed = self.point.apply(first_output(output))
-        return replace_first_output(output, edited) if changed else None
-
-    def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        edited, changed = self.point.apply(first_input(args, kwargs))
-        return replace_first_input(args, kwargs, edited) if changed else None
-
-
-class ResidMidSite(Site):
-    """``hook_resid_mid`` of a mixer-form layer: ``resid_pre + mixer_out``, the input of the module the MLP branch
-    reads it with (``ln2``, or the MLP); the layer adds its own copy of it to the MLP's output, so an edit is also
-    added to the layer's output (completing it before anything reads it), exactly what the layer computes from the
-    edited value."""
-
-    def __init__(self, layer: nn.Module, reader: nn.Module, point: HookPoint) -> None:
-        self.layer, self.reader, self.point = layer, reader, point
-        self.points = (point,)
-        self.delta: list[Tensor] = []
-
-    def install(self) -> list[Any]:
-        from lensadapters.hooks.sites import completes_output
-
-        return [
-            self.layer.register_forward_pre_hook(lambda m, a: self.delta.clear()),
-            self.reader.register_forward_pre_hook(self._on_input, with_kwargs=True),
-            completes_output(self.layer, self._on_layer_output),
-        ]
-
-    def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        x = first_input(args, kwargs)
-        edited, changed = self.point.apply(x, protect=True)
-        if not changed:
-            return None
-        self.delta[:] = [edited - x]
-        return replace_first_input(args, kwargs, edited)
-
-    def _on_layer_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if not self.delta:
-            return None
-        y = first_output(output)
-        return replace_first_output(output, y + self.delta.pop().to(y.dtype))

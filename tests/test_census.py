@@ -61,6 +61,14 @@ SAMPLE = (
     "stablelm",
     "moshi",
     "qwen2_moe",
+    # issue #28's sample, FULL on both versions (Cohere, Cohere 2, Granite, StableLM, SmolLM3, OLMo 3, GLM-4 above or
+    # in the contract suites)
+    "hunyuan_v1_dense",
+    "seed_oss",
+    "apertus",
+    "arcee",
+    "ernie4_5",
+    "exaone4",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()

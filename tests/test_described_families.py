@@ -6,7 +6,9 @@ reproducing the projections) holding on tiny configs that vary each family's own
 Cohere 2 (sliding and global layers, parallel blocks, interleaved rotary), SmolLM3 (layers without RoPE), OLMo 3
 (norms after the branches only, q/k norms over the projection width, per-layer-type rotary), GLM-4 (sandwich norms,
 fused gate-up, interleaved partial rotary), EXAONE 4 (post-norm-only blocks with per-head q/k norms, sliding layers
-without RoPE), Helium (interleaved rotary); Cohere, Granite and StableLM are in ``test_generic_architectures.py``.
+without RoPE), Helium (interleaved rotary), Ernie 4.5, Seed-OSS, Apertus (xIELU, q/k norms), Hunyuan (q/k norms after
+rotary), Arcee (ReLU² MLP without a gate), Ministral (sliding and full layers); Cohere, Granite and StableLM are in
+``test_generic_architectures.py``.
 """
 
 from __future__ import annotations
@@ -87,3 +89,27 @@ class TestExaone4(_Described):
 
 class TestHelium(_Described):
     model_type, fields = "helium", dict(attention_bias=st.booleans(), mlp_bias=st.booleans())
+
+
+class TestErnie45(_Described):
+    model_type, fields = "ernie4_5", dict(use_bias=st.booleans())
+
+
+class TestSeedOss(_Described):
+    model_type, fields = "seed_oss", dict(attention_bias=st.booleans())
+
+
+class TestApertus(_Described):
+    model_type = "apertus"  # xIELU activation, q/k norms
+
+
+class TestHunyuanDense(_Described):
+    model_type = "hunyuan_v1_dense"  # q/k norms after rotary
+
+
+class TestArcee(_Described):
+    model_type = "arcee"  # ReLU² MLP without a gate
+
+
+class TestMinistral(_Described):
+    model_type, fields = "ministral", ALTERNATING

@@ -64,6 +64,7 @@ SAMPLE = (
     # issue #28's sample, FULL on both versions (Cohere, Cohere 2, Granite, StableLM, SmolLM3, OLMo 3, GLM-4 above or
     # in the contract suites)
     "hunyuan_v1_dense",
+    "hunyuan_v1_moe",  # transformers 4.x's default: one expert (a mixture all the same, its MLP opaque)
     "seed_oss",
     "apertus",
     "arcee",

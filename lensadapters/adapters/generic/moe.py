@@ -46,8 +46,9 @@ class _Refused(Exception):
 
 
 def is_mixture(module: nn.Module) -> bool:
-    """Whether ``module`` holds experts: a ``ModuleList`` of MLPs, or 3-D expert parameters (transformers 5)."""
-    return any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in module.modules()) or any(
+    """Whether ``module`` holds experts: a ``ModuleList`` of MLPs (one expert too: a config may have one, as
+    transformers 4.x's HunYuan-MoE default), or 3-D expert parameters (transformers 5)."""
+    return any(isinstance(m, nn.ModuleList) and len(m) >= 1 for m in module.modules()) or any(
         p.dim() == 3 for p in module.parameters()
     )
 

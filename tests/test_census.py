@@ -303,3 +303,15 @@ def test_a_shrunk_mixture_of_experts_config_routes_to_no_more_experts_than_it_ha
 
     config = shrink_config(AutoConfig.for_model("ernie4_5_moe"))
     assert config.moe_k <= config.moe_num_experts
+
+
+def test_an_embedding_norm_is_not_a_final_norm() -> None:
+    """BART's decoder has a norm of its embeddings (``layernorm_embedding``) and no final norm: the census expects
+    no ``ln_final`` there; mBART's has both (``layer_norm`` after the last layer)."""
+    from transformers import BartConfig, BartForCausalLM, MBartConfig, MBartForCausalLM
+
+    from lensadapters.testing.census import has_final_norm
+
+    sizes = dict(d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=16, vocab_size=32)
+    assert not has_final_norm(BartForCausalLM(BartConfig(**sizes)), "model.decoder.layers")
+    assert has_final_norm(MBartForCausalLM(MBartConfig(**sizes)), "model.decoder.layers")

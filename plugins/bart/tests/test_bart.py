@@ -17,7 +17,7 @@ import lensadapters_bart
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import BartForConditionalGeneration, BartModel
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartForConditionalGeneration, BartModel
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
 from lensadapters.errors import UnsupportedModelError
@@ -31,17 +31,31 @@ from lensadapters.testing.encoder_decoder import (
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
+#: the families beside BART (lensadapters_bart.FAMILIES)
+OTHERS = [t for t in lensadapters_bart.FAMILIES if t != "bart"]
 
 
-def make_model(implementation: str = "eager", seed: int = 0, scaled: bool = False, act: str = "gelu") -> nn.Module:
+def make_model(
+    implementation: str = "eager", seed: int = 0, scaled: bool = False, act: str = "gelu", model_type: str = "bart"
+) -> nn.Module:
     config = lensadapters_bart.bart_config(
-        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, act=act
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, act=act, model_type=model_type
     )
     torch.manual_seed(seed)
-    model = BartForConditionalGeneration._from_config(config, attn_implementation=implementation)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation=implementation)
     reinit(model, seed)
     with torch.no_grad():  # a bias on the logits (zero at initialization)
         model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def make_causal(model_type: str, seed: int = 0, scaled: bool = True) -> nn.Module:
+    config = lensadapters_bart.bart_config(
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, model_type=model_type
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    reinit(model, seed)
     return model.eval()
 
 
@@ -63,14 +77,18 @@ def logits_of(output: Any) -> Tensor:
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
     """Every point, computed step by step from the model's modules; ``edits`` (point -> fn) change a point's value
-    where it is computed. Embeddings (the table's rows, times ``sqrt(d_model)`` where ``scale_embedding``; learned
-    positions at rows ``position + 2``), LayerNorms, attention (``q kᵀ * d_head**-0.5`` plus the additive mask:
-    ``finfo.min`` at padding keys and, in the decoder's self-attention, at later positions) and the MLPs are
-    written out."""
+    where it is computed. Embeddings (the table's rows, times ``sqrt(d_model)`` where ``scale_embedding``;
+    positions at rows ``position + offset`` of the position table: 2 for BART's learned ones), the embeddings' norm
+    where the family has one, LayerNorms, attention (``q kᵀ * d_head**-0.5`` plus the additive mask: ``finfo.min``
+    at padding keys and, in the decoder's self-attention, at later positions), the MLPs, post-LN or pre-LN blocks
+    and the stacks' final norms (as ``lensadapters_bart.FAMILIES`` declares them) are written out. A causal LM
+    (the decoder alone) gets TransformerLens' decoder-only names (``blocks.{i}``, ``ln_final``)."""
     edits = edits or {}
     out: dict[str, Tensor] = {}
     c = model.config
-    h = c.encoder_attention_heads
+    fam = lensadapters_bart.FAMILIES[c.model_type]
+    causal = lensadapters_bart.causal(model)
+    h = c.decoder_attention_heads
     d = c.d_model // h
     lowest = torch.finfo(torch.float32).min
     factor = math.sqrt(c.d_model) if c.scale_embedding else 1.0
@@ -95,36 +113,63 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         z = at(f"{prefix}.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
         return attn.out_proj(z.reshape(b, p, h * d))
 
+    def post_ln(pre: str, block: Any, x: Tensor, mask: Tensor, memory: Any, cross_mask: Any) -> Tensor:
+        attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
+        x = norm(f"{pre}.ln1", block.self_attn_layer_norm, at(f"{pre}.hook_resid_mid", x + attn_out))
+        last = "ln2"
+        if memory is not None:
+            cross = attention(f"{pre}.cross_attn", block.encoder_attn, x, memory, cross_mask)
+            cross = at(f"{pre}.hook_cross_attn_out", cross)
+            x = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, at(f"{pre}.hook_resid_mid_cross", x + cross))
+            last = "ln3"
+        hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(x)))
+        mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
+        x = norm(f"{pre}.{last}", block.final_layer_norm, at(f"{pre}.hook_resid_post", x + mlp_out))
+        return at(f"{pre}.hook_normalized_resid_post", x)
+
+    def pre_ln(pre: str, block: Any, x: Tensor, mask: Tensor, memory: Any, cross_mask: Any) -> Tensor:
+        normed = norm(f"{pre}.ln1", block.self_attn_layer_norm, x)
+        attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, normed, normed, mask))
+        x = at(f"{pre}.hook_resid_mid", x + attn_out)
+        last = "ln2"
+        if memory is not None:
+            normed = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, x)
+            cross = attention(f"{pre}.cross_attn", block.encoder_attn, normed, memory, cross_mask)
+            x = at(f"{pre}.hook_resid_mid_cross", x + at(f"{pre}.hook_cross_attn_out", cross))
+            last = "ln3"
+        normed = norm(f"{pre}.{last}", block.final_layer_norm, x)
+        hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(normed)))
+        mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
+        return at(f"{pre}.hook_resid_post", x + mlp_out)
+
     def stack(name: str, ids: Tensor, mask: Tensor, memory: Optional[Tensor], cross_mask: Optional[Tensor]) -> Tensor:
         module = getattr(model.model, name)
-        lead = "" if name == "encoder" else "decoder."
+        lead = "" if name == "encoder" or causal else "decoder."
         b, p = ids.shape
+        offset = lensadapters_bart.position_offset(module)
         embed = at(f"{lead}hook_embed", module.embed_tokens.weight[ids] * factor)
-        pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[2 : p + 2].expand(b, p, -1))
-        x = norm(f"{lead}embed.ln", module.layernorm_embedding, embed + pos)
+        pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[offset : p + offset].expand(b, p, -1))
+        x = embed + pos
+        if fam.embed_ln:
+            x = norm(f"{lead}embed.ln", module.layernorm_embedding, x)
         for i, block in enumerate(module.layers):
-            pre = f"{name}.{i}"
+            pre = f"blocks.{i}" if causal else f"{name}.{i}"
             x = at(f"{pre}.hook_resid_pre", x)
-            attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
-            x = norm(f"{pre}.ln1", block.self_attn_layer_norm, at(f"{pre}.hook_resid_mid", x + attn_out))
-            last = "ln2"
-            if memory is not None:
-                cross = attention(f"{pre}.cross_attn", block.encoder_attn, x, memory, cross_mask)
-                cross = at(f"{pre}.hook_cross_attn_out", cross)
-                x = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, at(f"{pre}.hook_resid_mid_cross", x + cross))
-                last = "ln3"
-            hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(x)))
-            mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
-            x = norm(f"{pre}.{last}", block.final_layer_norm, at(f"{pre}.hook_resid_post", x + mlp_out))
-            x = at(f"{pre}.hook_normalized_resid_post", x)
+            x = (pre_ln if fam.pre_ln else post_ln)(pre, block, x, mask, memory, cross_mask)
+        if fam.final_norms:
+            x = norm("ln_final" if causal else f"{name}_final_ln", module.layer_norm, x)
         return x
 
     ids, keep = batch["input_ids"], batch["attention_mask"].bool()
     padding = torch.zeros(keep.shape).masked_fill(~keep, lowest)[:, None, None, :]
+    decoder_ids = ids if causal else batch["decoder_input_ids"]
+    q = decoder_ids.shape[1]
+    causal_mask = torch.zeros(q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), lowest)
+    if causal:  # the causal LM's padding (its attention mask) is masked in its self-attention
+        out["logits"] = model.lm_head(stack("decoder", ids, (causal_mask + padding).clamp_min(lowest), None, None))
+        return out
     memory = stack("encoder", ids, padding, None, None)
-    q = batch["decoder_input_ids"].shape[1]
-    causal = torch.zeros(q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), lowest)
-    x = stack("decoder", batch["decoder_input_ids"], causal, memory, padding)
+    x = stack("decoder", decoder_ids, causal_mask, memory, padding)
     out["logits"] = model.lm_head(x) + model.final_logits_bias
     return out
 
@@ -145,6 +190,52 @@ def test_every_point_matches_the_reference(implementation):
     assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
     assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
     assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", OTHERS)
+def test_family_points_and_edits_match_the_reference(model_type):
+    """Each family beside BART (``FAMILIES``: pre-LN or post-LN, learned or sinusoidal positions, with or without
+    the embeddings' norm and final norms, the embedding scale in the module or in the stack): every point against
+    the reference (eager, bitwise logits when cached), every edit and its gradient against the same edits there."""
+    model = make_model("eager", seed=2, scaled=True, model_type=model_type)
+    batch = inputs(2)
+    hm = HookedModel.wrap(model)
+    fam = lensadapters_bart.FAMILIES[model_type]
+    assert ("encoder_final_ln.hook_scale" in hm.hook_names) == fam.final_norms
+    assert ("embed.ln.hook_scale" in hm.hook_names) == fam.embed_ln
+    _, worst = check_points_against_reference(hm, batch, reference, eager=True)
+    edit, grad = check_edits_against_reference(hm, batch, reference)
+    print(f"{model_type}: {len(hm.hook_names)} points, largest difference {worst:.3g}, edits {edit:.3g}, {grad:.3g}")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", list(lensadapters_bart.FAMILIES))
+def test_causal_lm_points_match_the_reference(model_type):
+    """``*ForCausalLM`` (the decoder alone) with TransformerLens' decoder-only names: without hooks Hugging Face's
+    forward bitwise, and every point the reference writes out (all but the core's own ``hook_attn_in``,
+    ``attn.hook_result``, ``hook_mlp_in``...) matches it; an edit at ``hook_embed`` is the same edit in the
+    reference."""
+    model = make_causal(model_type)
+    batch = {k: v for k, v in inputs(4).items() if k != "decoder_input_ids"}
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward, bitwise"
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
+        ref = reference(model, batch)
+        assert_close(logits_of(logits), expected, "a cached forward")
+        assert_close(ref.pop("logits"), expected, "the reference's logits are HF's")
+        assert set(ref) <= set(hm.hook_names) and len(ref) == len(hm.hook_names) - 6 * hm.cfg.n_layers
+        # masked scores: finfo.min in the reference, at most that in the core's (which may add masks)
+        lowest = torch.finfo(torch.float32).min
+        worst = max((cache[n] - v).where(v > lowest / 2, 0).abs().max().item() for n, v in ref.items())
+        assert worst < 1e-4
+        assert all(torch.all(cache[n][v <= lowest / 2] <= lowest) for n, v in ref.items())
+        edit = {"hook_embed": nudge, "hook_pos_embed": nudge}
+        edited = hm.run_with_hooks(**batch, fwd_hooks=[(n, lambda t, hook, f=f: f(t)) for n, f in edit.items()])
+        assert_close(logits_of(edited), reference(model, batch, edit)["logits"], "edited embeddings")
+    print(f"{model_type} causal LM: {len(ref)} of {len(hm.hook_names)} points, largest difference {worst:.3g}")
     hm.unwrap()
 
 
@@ -230,6 +321,15 @@ def test_generate_with_hooks_and_cached_patterns():
     model = make_model("sdpa", seed=3)
     hm = HookedModel.wrap(model)
     ours, plain = check_generation_with_hooks(hm, inputs(3), model.model.decoder.layers[1].fc2)
+    assert not torch.equal(ours, plain), "the ablation changes what is generated"
+    hm.unwrap()
+
+
+def test_generate_with_hooks_pre_ln_family():
+    """Generation with hooks on a pre-LN family (mBART, with its final norms): as for BART."""
+    model = make_model("sdpa", seed=5, model_type="mbart")
+    hm = HookedModel.wrap(model)
+    ours, plain = check_generation_with_hooks(hm, inputs(5), model.model.decoder.layers[1].fc2)
     assert not torch.equal(ours, plain), "the ablation changes what is generated"
     hm.unwrap()
 

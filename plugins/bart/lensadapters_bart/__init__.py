@@ -1,7 +1,9 @@
-"""BART encoder-decoders for lensadapters (``BartForConditionalGeneration``; transformers 4.57 and 5.x), with
-TransformerLens 2.18 ``HookedEncoderDecoder``'s names (TransformerLens 2.18 has no BART).
+"""The BART family for lensadapters (transformers 4.57 and 5.x): BART, PLBart, mBART, Marian, Pegasus, Blenderbot
+and MVP, declared by what each changes of BART (``FAMILIES``). Their ``*ForConditionalGeneration`` get TransformerLens
+2.18 ``HookedEncoderDecoder``'s names (TransformerLens 2.18 has none of them); their ``*ForCausalLM`` (the decoder
+alone) the core's decoder-only points, described by ``lensadapters_block``... (post-LN with ``BertBlock``'s points).
 
-Both stacks read token embeddings (times ``sqrt(d_model)`` where ``config.scale_embedding``) plus learned positions
+BART's stacks read token embeddings (times ``sqrt(d_model)`` where ``config.scale_embedding``) plus learned positions
 (the table's row ``position + 2``: BART's offset), through a LayerNorm (``layernorm_embedding``); their blocks are
 post-LN, as TransformerLens' ``BertBlock``, with biases everywhere and ``q kᵀ`` scaled by ``d_head**-0.5``. In
 execution order (``hm.hook_names``)::
@@ -38,6 +40,13 @@ are ``lm_head(decoder block output) + final_logits_bias`` (``W_U`` is ``lm_head`
 BART's dropouts are functional (no module to hook): in training mode ``hook_attn_out``, ``hook_cross_attn_out`` and
 ``hook_mlp_out`` are the values before the dropout the model applies next (in eval mode it is the identity).
 
+Pre-LN families (mBART, Pegasus, Blenderbot) have T5's block points instead (``ln1`` before attention, ``ln2``
+before cross-attention, ``ln3`` before the MLP, ``hook_resid_mid``/``hook_resid_mid_cross`` the residual between,
+``hook_resid_post`` the block output; :class:`PreLNResidualSite`) and final norms (``encoder_final_ln``,
+``decoder_final_ln``). ``hook_embed`` and ``hook_pos_embed`` are served where a stack adds them
+(:class:`EmbedSumSite`), so a family whose stack applies the embedding scale itself (Marian, Pegasus, MVP) shows
+the scaled embeddings too.
+
 Scores and patterns are served per hooked attention module: while one of them has a hook, that instance's
 ``forward`` (only that instance's: the class is untouched) computes attention written out, with the module's own
 projections and the model's key/value cache.
@@ -67,6 +76,7 @@ from lensadapters.plugin_api import (
     Site,
     UnsupportedModelError,
     WeightUnavailableError,
+    explicit_attention,
     first_input,
     first_output,
     hookimpl,
@@ -118,14 +128,12 @@ FAMILIES = {
     # MVP without its prompts (use_prompt=False)
     "mvp": Family("Mvp", False, True, False, "learned", False, scale_queries_first=True),
 }
-ARCH = Architecture(
-    name="bart",
+ARCH = hf.architecture(
+    "bart",
+    "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, MVP: learned or sinusoidal "
+    "positions, post- or pre-LN blocks, biases, final_logits_bias) with HookedEncoderDecoder's names, and their "
+    "*ForCausalLM (the decoder alone) with TransformerLens' decoder-only names",
     model_types=tuple(FAMILIES),
-    description="BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot: learned or "
-    "sinusoidal positions, post- or pre-LN blocks, biases, final_logits_bias) with HookedEncoderDecoder's names, "
-    "and their *ForCausalLM (the decoder alone) with TransformerLens' decoder-only names",
-    transformers=">=4.57,<6",
-    attn_implementations=("eager", "sdpa"),
     encoder_decoder=True,
 )
 STACKS = ("encoder", "decoder")
@@ -148,12 +156,12 @@ def _stack_names(model: Any) -> tuple[str, ...]:
     return ("decoder",) if causal(model) else STACKS
 
 
-def position_offset(stack: nn.Module) -> int:
+def position_offset(stack: Any) -> int:
     """The rows before position 0 of a stack's position table (BART's learned positions: 2)."""
     return int(getattr(stack.embed_positions, "offset", 0))
 
 
-def outside_scale(stack: nn.Module) -> Optional[float]:
+def outside_scale(stack: Any) -> Optional[float]:
     """The factor a stack multiplies ``embed_tokens``' output by itself (``None`` where the module applies it)."""
     return None if hasattr(stack.embed_tokens, "embed_scale") else float(getattr(stack, "embed_scale", 1.0))
 
@@ -345,7 +353,8 @@ class EmbedSumSite(Site):
     module gets, as the stack computes it. Told apart by the stack that runs (both stacks may call one shared
     embedding module, as after ``set_input_embeddings``)."""
 
-    def __init__(self, stack: nn.Module, consumer: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
+    def __init__(self, stack: Any, consumer: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
+        self.stack: Any
         self.stack, self.consumer, self.embed, self.pos, self.label = stack, consumer, embed, pos, label
         self.points = (embed, pos)
         self.scale = outside_scale(stack)
@@ -362,7 +371,7 @@ class EmbedSumSite(Site):
             self.consumer.register_forward_pre_hook(self._serve, prepend=True),
         ]
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _enter(self, module: Any, args: tuple, kwargs: dict) -> None:
         if kwargs.get("encoder_hidden_states") is not None and not module.config.is_encoder_decoder:
             raise UnsupportedModelError(
                 f"{self.label}: this *ForCausalLM is served as a decoder alone; encoder_hidden_states= runs its "
@@ -417,7 +426,8 @@ class PreLNResidualSite(Site):
         resid_post: HookPoint,
         label: str,
     ) -> None:
-        self.block, self.stages, self.mlp_out, self.resid_post, self.label = block, stages, mlp_out, resid_post, label
+        self.block: Any = block
+        self.stages, self.mlp_out, self.resid_post, self.label = stages, mlp_out, resid_post, label
         self.points = tuple(p for s in stages for p in (s[1], s[3])) + (mlp_out, resid_post)
         self.values: dict[str, Tensor] = {}
 
@@ -469,19 +479,33 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
+def _scores(module: nn.Module, q: Tensor, k: Tensor, scaling: float) -> Tensor:
+    return torch.matmul(q, k.transpose(2, 3)) * scaling
+
+
+def _scores_queries_first(module: nn.Module, q: Tensor, k: Tensor, scaling: float) -> Tensor:
+    """MVP's: ``(q * scaling) kᵀ``."""
+    return torch.matmul(q * scaling, k.transpose(2, 3))
+
+
 class BartPatternSite(Site):
     """``attn.hook_attn_scores``/``attn.hook_pattern`` (or ``cross_attn.``'s) of one ``BartAttention``: while
     hooked, the instance's ``forward`` computes attention written out (see the module docstring)."""
 
     def __init__(
-        self, module: nn.Module, scores: HookPoint, pattern: HookPoint, scale_queries_first: bool = False
+        self,
+        module: nn.Module,
+        scores: HookPoint,
+        pattern: HookPoint,
+        scale_queries_first: bool = False,
+        core_attention: bool = False,
     ) -> None:
         self.module, self.scores, self.pattern = module, scores, pattern
         self.points = (scores, pattern)
         # transformers 5.x's signature takes ``cache`` (and passes the cache's keywords on); 4.x's
         # ``past_key_values``, ``layer_head_mask`` and ``cache_position``
         self.legacy = "cache" not in inspect.signature(type(module).forward).parameters
-        self.scale_queries_first = scale_queries_first
+        self.scale_queries_first, self.core_attention = scale_queries_first, core_attention
 
     def install(self) -> list[Any]:
         return [override_instance_method(self.module, "forward", self._forward)]
@@ -533,6 +557,22 @@ class BartPatternSite(Site):
         q = m.q_proj(hidden_states).view(*shape, -1, m.head_dim).transpose(1, 2)
         extra = {"position": position} if self.legacy else kwargs
         k, v = self._kv(hidden_states if key_value_states is None else key_value_states, cache, is_cross, extra)
+        if self.core_attention:  # a causal LM's points follow the core's conventions (masked scores -inf...)
+            z, pattern = explicit_attention(
+                m,
+                q,
+                k,
+                v,
+                attention_mask,
+                scores_fn=_scores_queries_first if self.scale_queries_first else _scores,
+                scores_point=self.scores,
+                pattern_point=self.pattern,
+                implementation="eager",
+                dropout=m.dropout if m.training else 0.0,
+                scaling=m.scaling,
+                is_causal=getattr(m, "is_causal", False) and not is_cross,
+            )
+            return m.out_proj(z.reshape(*shape, -1).contiguous()), pattern
         mask = attention_mask
         if (
             mask is None and getattr(m, "is_causal", False) and not is_cross and shape[1] > 1
@@ -540,10 +580,7 @@ class BartPatternSite(Site):
             keys = torch.arange(k.shape[-2], device=q.device)
             queries = torch.arange(shape[1], device=q.device)[:, None] + (k.shape[-2] - shape[1])
             mask = keys[None, :] <= queries
-        if self.scale_queries_first:  # MVP: (q * scaling) kᵀ
-            scores = torch.matmul(q * m.scaling, k.transpose(2, 3))
-        else:
-            scores = torch.matmul(q, k.transpose(2, 3)) * m.scaling
+        scores = (_scores_queries_first if self.scale_queries_first else _scores)(m, q, k, m.scaling)
         if mask is not None:
             scores = scores + _additive(mask, q.dtype)[..., : k.shape[-2]]
         scores, _ = self.scores.apply(scores)
@@ -624,8 +661,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             sites.append(hf.PointChain(hooked, "hook_pos_embed").norm(decoder.layernorm_embedding, "embed.ln"))
         if fam.scale_queries_first:  # MVP's own attention code: scores and patterns written out here
             for i, block in enumerate(decoder.layers):
-                points = [hooked.claim_point(f"blocks.{i}.attn.hook_{n}") for n in ("attn_scores", "pattern")]
-                sites.append(BartPatternSite(block.self_attn, *points, scale_queries_first=True))
+                scores, pattern = (hooked.claim_point(f"blocks.{i}.attn.hook_{n}") for n in ("attn_scores", "pattern"))
+                sites.append(BartPatternSite(block.self_attn, scores, pattern, True, core_attention=True))
         return sites
     base: Any = model.model
     heads = hooked.cfg.n_heads
@@ -645,6 +682,12 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         if fam.final_norms:
             sites.append(p.norm(module.layer_norm, f"{stack}_final_ln"))
     return sites
+
+
+#: what every tiny config of ``bart_config`` shares: 32 positions, BART's special tokens, no dropout
+TINY_FIXED: dict[str, Any] = {"max_position_embeddings": 32, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+TINY_FIXED |= {"decoder_start_token_id": 2, "forced_eos_token_id": None}
+TINY_FIXED |= dict.fromkeys(("dropout", "attention_dropout", "activation_dropout"), 0.0)
 
 
 @hookimpl
@@ -671,25 +714,13 @@ def bart_config(
     dropout, 32 positions."""
     from transformers import AutoConfig
 
+    sizes = {"layers": layers, "attention_heads": heads, "ffn_dim": ffn}
     return AutoConfig.for_model(
         model_type,
         vocab_size=vocab,
         d_model=d_model,
-        encoder_layers=layers,
-        decoder_layers=layers,
-        encoder_attention_heads=heads,
-        decoder_attention_heads=heads,
-        encoder_ffn_dim=ffn,
-        decoder_ffn_dim=ffn,
-        max_position_embeddings=32,
         activation_function=act,
         scale_embedding=scale_embedding,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        forced_eos_token_id=None,
+        **{f"{stack}_{k}": v for stack in STACKS for k, v in sizes.items()},
+        **TINY_FIXED,
     )

@@ -4,8 +4,8 @@ the named refusals. TransformerLens 2.18 has no BART (no ``HookedEncoderDecoder`
 compare with there. The forward without hooks (bitwise Hugging Face's), the firing order, ``unwrap`` and patching
 are the contract's (``test_bart_contract.py``).
 
-Tiny models (width 16, 2 layers of each stack, 2 heads) with unit-scale weights (``lensadapters.testing.reinit``);
-nothing is built at import.
+The models are tiny (width 16, 2 layers of each stack, 2 heads), their weights unit-scale
+(``lensadapters.testing.reinit``), and none is built at import.
 """
 
 from __future__ import annotations
@@ -19,15 +19,10 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartForConditionalGeneration, BartModel
 
-from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
+from lensadapters import HookedModel
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing import assert_close
-from lensadapters.testing.encoder_decoder import (
-    check_edits_against_reference,
-    check_generation_with_hooks,
-    check_points_against_reference,
-    nudge,
-)
+from lensadapters.testing import encoder_decoder as kit
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
@@ -60,19 +55,9 @@ def make_causal(model_type: str, seed: int = 0, scaled: bool = True) -> nn.Modul
 
 
 def inputs(seed: int = 0) -> dict[str, Tensor]:
-    """Two encoder rows of 7 tokens, the second right-padded by 3, and decoder rows of 5 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 40, (2, 7), generator=g)
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, 4:] = 0
-    ids[1, 4:] = 1
-    decoder = torch.randint(3, 40, (2, 5), generator=g)
-    decoder[:, 0] = 2  # the decoder start token
-    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
-
-
-def logits_of(output: Any) -> Tensor:
-    return output.logits if hasattr(output, "logits") else output
+    """Two encoder rows of 7 tokens, the second right-padded by 3 (pad id 1), and decoder rows of 5 tokens (the
+    start token 2 first)."""
+    return kit.tiny_batch(seed, pad=1, start=2, low=3)
 
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
@@ -83,8 +68,8 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     at padding keys and, in the decoder's self-attention, at later positions), the MLPs, post-LN or pre-LN blocks
     and the stacks' final norms (as ``lensadapters_bart.FAMILIES`` declares them) are written out. A causal LM
     (the decoder alone) gets TransformerLens' decoder-only names (``blocks.{i}``, ``ln_final``)."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
+    out = kit.ReferencePoints(edits)
+    at = out.at
     c = model.config
     fam = lensadapters_bart.FAMILIES[c.model_type]
     causal = lensadapters_bart.causal(model)
@@ -92,12 +77,6 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     d = c.d_model // h
     lowest = torch.finfo(torch.float32).min
     factor = math.sqrt(c.d_model) if c.scale_embedding else 1.0
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
 
     def norm(prefix: str, ln: Any, x: Tensor) -> Tensor:
         centred = x - x.mean(-1, keepdim=True)
@@ -184,12 +163,9 @@ def test_every_point_matches_the_reference(implementation):
     hm = HookedModel.wrap(model)
     with torch.no_grad():
         assert torch.equal(hm(**batch).logits, model(**batch).logits), "no hooks: Hugging Face's forward, bitwise"
-    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
+    cache, worst = kit.check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({implementation}): {worst:.3g} over {len(hm.hook_names)} points")
-    assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
-    assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+    kit.check_reference_patterns(cache)
     hm.unwrap()
 
 
@@ -204,8 +180,8 @@ def test_family_points_and_edits_match_the_reference(model_type):
     fam = lensadapters_bart.FAMILIES[model_type]
     assert ("encoder_final_ln.hook_scale" in hm.hook_names) == fam.final_norms
     assert ("embed.ln.hook_scale" in hm.hook_names) == fam.embed_ln
-    _, worst = check_points_against_reference(hm, batch, reference, eager=True)
-    edit, grad = check_edits_against_reference(hm, batch, reference)
+    _, worst = kit.check_points_against_reference(hm, batch, reference, eager=True)
+    edit, grad = kit.check_edits_against_reference(hm, batch, reference)
     print(f"{model_type}: {len(hm.hook_names)} points, largest difference {worst:.3g}, edits {edit:.3g}, {grad:.3g}")
     hm.unwrap()
 
@@ -224,7 +200,7 @@ def test_causal_lm_points_match_the_reference(model_type):
         assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward, bitwise"
         logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
         ref = reference(model, batch)
-        assert_close(logits_of(logits), expected, "a cached forward")
+        assert_close(kit.logits_of(logits), expected, "a cached forward")
         assert_close(ref.pop("logits"), expected, "the reference's logits are HF's")
         assert set(ref) <= set(hm.hook_names) and len(ref) == len(hm.hook_names) - 6 * hm.cfg.n_layers
         # masked scores: finfo.min in the reference, at most that in the core's (which may add masks)
@@ -232,9 +208,9 @@ def test_causal_lm_points_match_the_reference(model_type):
         worst = max((cache[n] - v).where(v > lowest / 2, 0).abs().max().item() for n, v in ref.items())
         assert worst < 1e-4
         assert all(torch.all(cache[n][v <= lowest / 2] <= lowest) for n, v in ref.items())
-        edit = {"hook_embed": nudge, "hook_pos_embed": nudge}
+        edit = {"hook_embed": kit.nudge, "hook_pos_embed": kit.nudge}
         edited = hm.run_with_hooks(**batch, fwd_hooks=[(n, lambda t, hook, f=f: f(t)) for n, f in edit.items()])
-        assert_close(logits_of(edited), reference(model, batch, edit)["logits"], "edited embeddings")
+        assert_close(kit.logits_of(edited), reference(model, batch, edit)["logits"], "edited embeddings")
     print(f"{model_type} causal LM: {len(ref)} of {len(hm.hook_names)} points, largest difference {worst:.3g}")
     hm.unwrap()
 
@@ -248,7 +224,7 @@ def test_every_edit_and_its_gradient_match_the_reference():
     model = make_model("sdpa", seed=1, scaled=True)
     batch = inputs(1)
     hm = HookedModel.wrap(model)
-    worst, worst_grad = check_edits_against_reference(hm, batch, reference)
+    worst, worst_grad = kit.check_edits_against_reference(hm, batch, reference)
     print(f"largest edit difference: logits {worst:.3g}, gradients (relative) {worst_grad:.3g}")
     hm.unwrap()
 
@@ -273,21 +249,10 @@ def test_edits_match_plain_pytorch_hooks():
 
     def post(module: Any, args: Any, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (nudge(output[0]), *output[1:])
-        return nudge(output.expand(args[0].shape[0], *output.shape[1:]))
+            return (kit.nudge(output[0]), *output[1:])
+        return kit.nudge(output.expand(args[0].shape[0], *output.shape[1:]))
 
-    with torch.no_grad():
-        for name, module, where in cases:
-            ours = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: nudge(t))]))
-            if where == "output":
-                handle = module.register_forward_hook(post)
-            else:
-                handle = module.register_forward_pre_hook(lambda m, a: (nudge(a[0]), *a[1:]))
-            try:
-                theirs = model(**batch).logits
-            finally:
-                handle.remove()
-            assert torch.equal(ours, theirs), name
+    kit.check_edits_match_plain_hooks(hm, batch, cases, post)
     hm.unwrap()
 
 
@@ -311,7 +276,7 @@ def test_weights_embedding_scale_positions_and_logits_bias():
             logits, cache = hm.run_with_cache(**batch, names_filter=names)
         assert_close(cache["hook_embed"], hm.W_E[batch["input_ids"]], "hook_embed is W_E's rows")
         final = cache["decoder.1.hook_normalized_resid_post"]
-        assert_close(final @ hm.W_U + hm.b_U, logits_of(logits), "logits from W_U and b_U")
+        assert_close(final @ hm.W_U + hm.b_U, kit.logits_of(logits), "logits from W_U and b_U")
         hm.unwrap()
 
 
@@ -320,7 +285,7 @@ def test_generate_with_hooks_and_cached_patterns():
     point changes what is generated exactly as a plain PyTorch hook does, and patterns can be read at every step."""
     model = make_model("sdpa", seed=3)
     hm = HookedModel.wrap(model)
-    ours, plain = check_generation_with_hooks(hm, inputs(3), model.model.decoder.layers[1].fc2)
+    ours, plain = kit.check_generation_with_hooks(hm, inputs(3), model.model.decoder.layers[1].fc2)
     assert not torch.equal(ours, plain), "the ablation changes what is generated"
     hm.unwrap()
 
@@ -329,7 +294,7 @@ def test_generate_with_hooks_pre_ln_family():
     """Generation with hooks on a pre-LN family (mBART, with its final norms): as for BART."""
     model = make_model("sdpa", seed=5, model_type="mbart")
     hm = HookedModel.wrap(model)
-    ours, plain = check_generation_with_hooks(hm, inputs(5), model.model.decoder.layers[1].fc2)
+    ours, plain = kit.check_generation_with_hooks(hm, inputs(5), model.model.decoder.layers[1].fc2)
     assert not torch.equal(ours, plain), "the ablation changes what is generated"
     hm.unwrap()
 
@@ -341,22 +306,8 @@ def test_analysis_layer_and_named_refusals():
     model = make_model()
     batch = inputs()
     hm = HookedModel.wrap(model)
-    with torch.no_grad():
-        clean = model(**batch).logits
-        _, cache = hm.run_with_cache(**batch)
-        corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
-        name = "encoder.1.hook_normalized_resid_post"
-        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
-        assert torch.equal(logits_of(patched), clean)
-    for method in ("accumulated_resid", "decompose_resid", "stack_head_results"):
-        with pytest.raises(DecompositionUndefinedError, match="encoder-decoder"):
-            getattr(cache, method)()
-    with pytest.raises(WeightUnavailableError, match="encoder-decoder"):
-        _ = hm.W_Q
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm(batch["input_ids"], return_type="loss")
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm.generate(batch["input_ids"], max_new_tokens=1, return_type="tokens")
+    corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
+    kit.check_one_stack_refusals(hm, batch, corrupted, "encoder.1.hook_normalized_resid_post")
     hm.unwrap()
     with pytest.raises(UnsupportedModelError, match="serves encoder-decoders"):
         HookedModel.wrap(BartModel(model.config))
@@ -373,3 +324,16 @@ def test_tiny_configs_wrap():
         assert hm.cfg.n_layers == config.encoder_layers and hm.cfg.normalization_type == "LN"
         assert "encoder_final_ln.hook_scale" not in hm.hook_names
         hm.unwrap()
+
+
+def test_causal_lm_refuses_cross_attention_inputs():
+    """A ``*ForCausalLM`` is served as the decoder alone: ``encoder_hidden_states=`` (its cross-attention, which has
+    no points) is refused by name, and the failed call leaves no hook behind."""
+    model = make_causal("mbart")
+    batch = {k: v for k, v in inputs().items() if k != "decoder_input_ids"}
+    hm = HookedModel.wrap(model)
+    memory = torch.zeros(2, 3, 16)
+    with pytest.raises(UnsupportedModelError, match="encoder_hidden_states"):
+        hm.run_with_hooks(**batch, encoder_hidden_states=memory, fwd_hooks=[("hook_embed", lambda t, hook: t)])
+    assert not hm.has_hooks
+    hm.unwrap()

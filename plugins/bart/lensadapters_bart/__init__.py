@@ -402,7 +402,7 @@ class EmbedSumSite(Site):
                 f"{self.label}: the stack passes on something other than its embeddings + positions (dropout in "
                 f"training mode?): hook_embed and hook_pos_embed are served in eval mode or without dropout"
             )
-        embed, changed = self.embed.apply(embed)
+        embed, changed = self.embed.apply(embed, protect=True)  # the stack has added it already
         shown, moved = self.pos.apply(shown, protect=True)
         return (embed + shown, *args[1:]) if changed or moved else None
 

@@ -3,8 +3,8 @@
 ``BartContract`` is the plugin's contract suite (``LENSADAPTERS_CONTRACT``, so ``lensadapters check bart`` runs it):
 the encoder-decoder properties of :class:`lensadapters.testing.encoder_decoder.EncoderDecoderContract` on tiny models
 of every family the plugin serves (``FAMILIES``: drawn, and each non-BART family a stratum of its own).
-``BartCausalContract`` and ``PreLNCausalContract`` are the generic adapter properties on their ``*ForCausalLM`` (the
-decoder alone; post-LN and pre-LN families). ``bart_configs(**overrides)`` draws tiny configs.
+``BartCausalContract``: the generic adapter properties on their ``*ForCausalLM`` (the decoder alone).
+``bart_configs(**overrides)`` draws tiny configs.
 
 Importing ``lensadapters_bart`` itself never imports this module (nor hypothesis, nor pytest).
 """
@@ -21,11 +21,10 @@ from lensadapters.testing.encoder_decoder import EncoderDecoderContract, draw_si
 from lensadapters.testing.models import seeded_model
 from lensadapters.testing.strategies import as_strategy
 
-__all__ = ["BartCausalContract", "BartContract", "PreLNCausalContract", "bart_configs"]
+__all__ = ["BartCausalContract", "BartContract", "bart_configs"]
 
 #: the families beside BART, each a stratum of the contracts
 OTHERS = tuple(t for t in lensadapters_bart.FAMILIES if t != "bart")
-POST_LN = tuple(t for t, f in lensadapters_bart.FAMILIES.items() if not f.pre_ln)
 PRE_LN = tuple(t for t, f in lensadapters_bart.FAMILIES.items() if f.pre_ln)
 #: each family beside BART: every point fires once in order; the pre-LN ones: generation with hooks too
 STRATA = {
@@ -101,23 +100,18 @@ class BartContract(_Families, EncoderDecoderContract):
 
 
 class BartCausalContract(_Families, AdapterContract):
-    """The generic adapter properties on the post-LN families' ``*ForCausalLM`` (TransformerLens' ``BertBlock``
-    points, no final norm)."""
+    """The generic adapter properties on the families' ``*ForCausalLM`` (post-LN: TransformerLens' ``BertBlock``
+    points, no final norm; pre-LN: ``ln_final``)."""
 
     plugin: ClassVar[Any] = lensadapters_bart
     config_strategy = bart_configs
-    config_overrides: ClassVar[Any] = {"model_type": st.sampled_from(POST_LN), "causal": True}
+    config_overrides: ClassVar[Any] = {"causal": True}
     learned_positions, rotary, gated_mlp, parallel_blocks = True, False, False, False
-    final_hidden_is_ln_final = False  # no final norm: the last hidden state is the last block's output
+
+    def final_hidden_is_ln_final_of(self, model: Any) -> bool:
+        return lensadapters_bart.family(model).final_norms
 
     def pre_ln_residual(self, model: Any) -> bool:
         """Pre-LN blocks whose first block reads the embeddings' sum itself (no embedding norm between)."""
         family = lensadapters_bart.family(model)
         return family.pre_ln and not family.embed_ln
-
-
-class PreLNCausalContract(BartCausalContract):
-    """The generic adapter properties on the pre-LN families' ``*ForCausalLM`` (with ``ln_final``)."""
-
-    config_overrides: ClassVar[Any] = {"model_type": st.sampled_from(PRE_LN), "causal": True}
-    final_hidden_is_ln_final = True

@@ -1,7 +1,7 @@
 """The contract suites (``lensadapters_bart.testing``): the encoder-decoder's form on every family (also run by
 ``lensadapters check bart``), and the generic adapter's on the families' ``*ForCausalLM``."""
 
-from lensadapters_bart.testing import BartCausalContract, BartContract, PreLNCausalContract
+from lensadapters_bart.testing import BartCausalContract, BartContract
 
 
 class TestBart(BartContract):
@@ -9,8 +9,4 @@ class TestBart(BartContract):
 
 
 class TestBartCausal(BartCausalContract):
-    """The generic adapter properties on the post-LN families' causal LMs."""
-
-
-class TestPreLNCausal(PreLNCausalContract):
-    """The generic adapter properties on the pre-LN families' causal LMs."""
+    """The generic adapter properties on the families' causal LMs."""

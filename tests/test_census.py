@@ -431,3 +431,15 @@ def test_a_final_norm_the_adapter_does_not_find_is_still_counted_missing(monkeyp
     entry = census_entry("nemotron")
     assert "ln_final.hook_scale" in entry.missing and entry.status == "PARTIAL"
     assert "ln_final.hook_normalized: " in entry.why and NO_FINAL_NORM not in entry.why, entry.why
+
+
+def test_an_embedding_norm_is_not_a_final_norm() -> None:
+    """BART's decoder has a norm of its embeddings (``layernorm_embedding``) and no final norm: the census expects
+    no ``ln_final`` there; mBART's has both (``layer_norm`` after the last layer)."""
+    from transformers import BartConfig, BartForCausalLM, MBartConfig, MBartForCausalLM
+
+    from lensadapters.testing.census import has_final_norm
+
+    sizes = dict(d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=16, vocab_size=32)
+    assert not has_final_norm(BartForCausalLM(BartConfig(**sizes)), "model.decoder.layers")
+    assert has_final_norm(MBartForCausalLM(MBartConfig(**sizes)), "model.decoder.layers")

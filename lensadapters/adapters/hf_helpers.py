@@ -92,16 +92,18 @@ def architecture(
     model_types: Optional[tuple[str, ...]] = None,
     transformers: str = TRANSFORMERS_TESTED,
     vision_language: bool = False,
+    encoder_decoder: bool = False,
 ) -> Architecture:
     """The :class:`Architecture` a plugin claims: named after ``model_type`` and claiming it unless
     ``name``/``model_types`` say otherwise, tested with ``transformers``; ``vision_language``: also the language
-    model of a vision-language model (see :class:`Architecture`)."""
+    model of a vision-language model, ``encoder_decoder``: an encoder-decoder (see :class:`Architecture`)."""
     return Architecture(
         name=name or model_type,
         model_types=model_types or (model_type,),
         description=description,
         transformers=transformers,
         vision_language=vision_language,
+        encoder_decoder=encoder_decoder,
     )
 
 

@@ -105,12 +105,13 @@ def _is_mlp(module: nn.Module) -> bool:
 def has_final_norm(model: nn.Module, blocks: str) -> bool:
     """Whether the module holding the layer list at ``blocks`` (or the one above it) has a norm child: the final
     norm of a decoder (``model.norm``, ``transformer.ln_f``). A BERT-style encoder has none (TransformerLens'
-    ``HookedEncoder`` has no ``ln_final`` either)."""
+    ``HookedEncoder`` has no ``ln_final`` either). A norm of the embeddings (a child named ``*embed*``, as BART's
+    ``layernorm_embedding``) is not a final norm."""
     path = blocks.rsplit(".", 1)[0] if "." in blocks else ""
     holders = [model.get_submodule(path)]
     if path:
         holders.append(model.get_submodule(path.rsplit(".", 1)[0] if "." in path else ""))
-    return any(_is_norm(child) for holder in holders for child in holder.children())
+    return any(_is_norm(child) and "embed" not in name for holder in holders for name, child in holder.named_children())
 
 
 def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:

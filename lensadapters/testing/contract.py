@@ -287,6 +287,10 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
         """What ``model`` has (declared, not read from the plugin): the class attributes by default."""
         return Capabilities(**{f.name: getattr(self, f.name) for f in fields(Capabilities)})
 
+    def final_hidden_is_ln_final_of(self, model: torch.nn.Module) -> bool:
+        """``final_hidden_is_ln_final`` for ``model`` (a contract over several families answers per model)."""
+        return self.final_hidden_is_ln_final
+
     def pre_ln_residual(self, model: torch.nn.Module) -> bool:
         """Whether resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out hold (pre-LN blocks)."""
         return True

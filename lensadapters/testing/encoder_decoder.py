@@ -29,11 +29,26 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lensadapters.analysis.cache_analysis import DecompositionUndefinedError
+from lensadapters.errors import NotCausalError, WeightUnavailableError
 from lensadapters.testing.contract import AdapterContract, assert_close
 from lensadapters.testing.contract_support import _SETTINGS
-from lensadapters.testing.strategies import token_inputs
+from lensadapters.testing.strategies import as_strategy, token_inputs
 
-__all__ = ["EncoderDecoderContract", "check_edits_against_reference", "check_points_against_reference", "nudge"]
+__all__ = [
+    "SIZES",
+    "EncoderDecoderContract",
+    "ReferencePoints",
+    "check_edits_against_reference",
+    "check_edits_match_plain_hooks",
+    "check_one_stack_refusals",
+    "check_points_against_reference",
+    "check_reference_patterns",
+    "draw_sizes",
+    "logits_of",
+    "nudge",
+    "tiny_batch",
+]
 
 _SINGLE_STACK = (
     "a single-stack property (blocks.{i} points, causal-LM calls with token ids alone); the encoder-decoder "
@@ -41,9 +56,105 @@ _SINGLE_STACK = (
 )
 
 
-def _logits(output: Any) -> torch.Tensor:
+def logits_of(output: Any) -> torch.Tensor:
     """The logits of a forward's output (``run_with_hooks`` gives the logits tensor, a forward its output object)."""
     return output.logits if hasattr(output, "logits") else output
+
+
+_logits = logits_of
+
+#: the sizes an encoder-decoder's tiny config strategy draws (each a value or a strategy; ``draw_sizes``)
+SIZES: dict[str, Any] = {
+    "n_heads": st.integers(1, 3),
+    "d_head": st.sampled_from([4, 8]),
+    "n_layers": st.integers(1, 2),
+    "d_mlp": st.sampled_from([16, 24]),
+    "vocab": st.integers(16, 64),
+}
+
+
+def draw_sizes(draw: st.DrawFn, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``SIZES`` drawn (``overrides``, values or strategies, replace them; the keys they use are removed from
+    ``overrides``), with ``d_model = n_heads * d_head``."""
+    sizes = {name: draw(as_strategy(overrides.pop(name, default)), label=name) for name, default in SIZES.items()}
+    return {**sizes, "d_model": sizes["n_heads"] * sizes["d_head"]}
+
+
+def tiny_batch(seed: int, pad: int, start: int, low: int) -> dict[str, torch.Tensor]:
+    """Two encoder rows of 7 tokens (ids from ``low`` to 39), the second right-padded by 3 (``pad``), and decoder
+    rows of 5 tokens starting with ``start``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, 40, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    ids[1, 4:] = pad
+    decoder = torch.randint(low, 40, (2, 5), generator=g)
+    decoder[:, 0] = start
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
+
+
+class ReferencePoints(dict):
+    """The points a reference computes (name -> value); ``at(name, value)`` records one, after the edit ``edits``
+    gives it (point -> fn), and returns what the reference computes on with."""
+
+    def __init__(self, edits: Any = None) -> None:
+        super().__init__()
+        self.edits = edits or {}
+
+    def at(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in self.edits:
+            value = self.edits[name](value)
+        self[name] = value
+        return value
+
+
+def check_reference_patterns(cache: Any) -> None:
+    """The patterns of a :func:`tiny_batch` run on a model with two decoder layers: padding keys get no attention
+    (self- and cross-attention), the decoder attends causally, cross-attention is ``[batch, heads, 5, 7]``."""
+    assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
+    assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
+    assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
+    assert cache["decoder.0.cross_attn.hook_pattern"].shape[2:] == (5, 7)
+
+
+def check_edits_match_plain_hooks(hm: Any, batch: dict[str, Any], cases: list, post: Any = None) -> None:
+    """An edit (:func:`nudge`) through each point of ``cases`` (``(point, module, "output" or "input")``) is the same
+    edit made by a plain PyTorch hook on the module (``post``: the forward hook making it, default
+    ``nudge(output)``), bit for bit."""
+    model = hm.hf_model
+    post = post or (lambda m, a, o: nudge(o))
+    with torch.no_grad():
+        for name, module, where in cases:
+            ours = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: nudge(t))]))
+            if where == "output":
+                handle = module.register_forward_hook(post)
+            else:
+                handle = module.register_forward_pre_hook(lambda m, a: (nudge(a[0]), *a[1:]))
+            try:
+                theirs = model(**batch).logits
+            finally:
+                handle.remove()
+            assert torch.equal(ours, theirs), name
+
+
+def check_one_stack_refusals(hm: Any, batch: dict[str, Any], corrupted: dict[str, Any], name: str) -> None:
+    """Patching ``name`` (an encoder point) from a cached run of ``batch`` into a run of ``corrupted`` (other encoder
+    tokens) restores ``batch``'s logits bitwise; TransformerLens' one-stack methods, the stacked per-block weights,
+    the causal LM's loss and TransformerLens' decoder-only generate are refused by name on an encoder-decoder."""
+    with torch.no_grad():
+        clean = hm.hf_model(**batch).logits
+        _, cache = hm.run_with_cache(**batch)
+        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
+        assert torch.equal(logits_of(patched), clean)
+    for method in ("accumulated_resid", "decompose_resid", "stack_head_results", "get_full_resid_decomposition"):
+        with pytest.raises(DecompositionUndefinedError, match="encoder-decoder"):
+            getattr(cache, method)()
+    with pytest.raises(WeightUnavailableError, match="encoder-decoder"):
+        _ = hm.W_Q
+    with pytest.raises(NotCausalError, match="encoder-decoder"):
+        hm(batch["input_ids"], return_type="loss")
+    with pytest.raises(NotCausalError, match="encoder-decoder"):
+        hm.generate(batch["input_ids"], max_new_tokens=1, return_type="tokens")
 
 
 class EncoderDecoderContract(AdapterContract):
@@ -54,6 +165,11 @@ class EncoderDecoderContract(AdapterContract):
     max_decoder_len: ClassVar[int] = 5
     #: whether each stack ends in a final norm (``encoder_final_ln``/``decoder_final_ln``; BART's stacks do not)
     final_norms: ClassVar[bool] = True
+
+    def has_final_norms(self, model: Any) -> bool:
+        """Whether ``model``'s stacks end in a final norm: ``final_norms`` (a suite over several families answers
+        per model)."""
+        return self.final_norms
 
     def draw_run(self, data: st.DataObject, attn_implementation: Any = None) -> tuple[Any, dict[str, Any]]:
         """A model and its inputs: encoder rows (some left-padded) and decoder rows."""
@@ -95,7 +211,7 @@ class EncoderDecoderContract(AdapterContract):
                 assert (
                     f"{stack}.{i}.hook_resid_pre" in hm.hook_names and f"{stack}.{i}.attn.hook_pattern" in hm.hook_names
                 )
-            assert (f"{stack}_final_ln.hook_normalized" in hm.hook_names) == self.final_norms
+            assert (f"{stack}_final_ln.hook_normalized" in hm.hook_names) == self.has_final_norms(model)
         assert f"decoder.{n_layers - 1}.cross_attn.hook_pattern" in hm.hook_names
         fired: list[str] = []
         shapes: dict[str, tuple[int, ...]] = {}

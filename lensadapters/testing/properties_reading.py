@@ -261,7 +261,8 @@ class ReadingProperties:
         a contract whose model has a head before the unembedding (an encoder's masked-LM head) overrides it."""
         if hm.layout.ln_final is not None:
             return norm_out(hm, cache, "ln_final")
-        return cache["resid_post", hm.cfg.n_layers - 1]
+        last = f"blocks.{hm.cfg.n_layers - 1}.hook_normalized_resid_post"  # BertBlock's names: the block output
+        return cache[last] if last in hm.hook_names else cache["resid_post", hm.cfg.n_layers - 1]
 
     def expected_logits(self, model: torch.nn.Module, unembedded: torch.Tensor) -> torch.Tensor:
         """The logits the model gives for ``final @ W_U + b_U``: unchanged, or softcapped where the contract
@@ -342,8 +343,11 @@ class ReadingProperties:
                     assert_close(
                         cache["mlp_out", i][v], expected[v], f"layer {i} hook_mlp_out == post @ W_out + b_out{after}"
                     )
-                if i + 1 < hm.cfg.n_layers:
-                    assert torch.equal(cache["resid_post", i], cache["resid_pre", i + 1])
+                if i + 1 < hm.cfg.n_layers:  # the block output (BertBlock's names: hook_normalized_resid_post)
+                    block_out = f"blocks.{i}.hook_normalized_resid_post"
+                    assert torch.equal(
+                        cache[block_out] if block_out in names else cache["resid_post", i], cache["resid_pre", i + 1]
+                    )
                 if self.pre_ln_residual(model):
                     if f"blocks.{i}.hook_resid_mid" in names:
                         assert_close(cache["resid_mid", i], cache["resid_pre", i] + cache["attn_out", i], "resid_mid")
@@ -367,7 +371,7 @@ class ReadingProperties:
             if self.pre_ln_residual(model):
                 assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
             final = self.unembedding_input(hm, cache)
-            if self.final_hidden_is_ln_final:
+            if self.final_hidden_is_ln_final_of(model):
                 # real tokens only: with patterns cached, a query row with nothing to attend to (a left pad)
                 # gets a zero pattern as in TransformerLens, where HF's eager attention spreads it uniformly
                 assert_close(final[v], out.hidden_states[-1][v], "final norm output == HF last hidden state")

@@ -4,8 +4,8 @@ the named refusals. TransformerLens 2.18 has no BART (no ``HookedEncoderDecoder`
 compare with there. The forward without hooks (bitwise Hugging Face's), the firing order, ``unwrap`` and patching
 are the contract's (``test_bart_contract.py``).
 
-Tiny models (width 16, 2 layers of each stack, 2 heads) with unit-scale weights (``lensadapters.testing.reinit``);
-nothing is built at import.
+The models are tiny (width 16, 2 layers of each stack, 2 heads), their weights unit-scale
+(``lensadapters.testing.reinit``), and none is built at import.
 """
 
 from __future__ import annotations
@@ -17,69 +17,66 @@ import lensadapters_bart
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import BartForConditionalGeneration, BartModel
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartForConditionalGeneration, BartModel
 
-from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
+from lensadapters import HookedModel
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.testing import assert_close
-from lensadapters.testing.encoder_decoder import (
-    check_edits_against_reference,
-    check_generation_with_hooks,
-    check_points_against_reference,
-    nudge,
-)
+from lensadapters.testing import encoder_decoder as kit
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
+#: the families beside BART (lensadapters_bart.FAMILIES)
+OTHERS = [t for t in lensadapters_bart.FAMILIES if t != "bart"]
 
 
-def make_model(implementation: str = "eager", seed: int = 0, scaled: bool = False, act: str = "gelu") -> nn.Module:
+def make_model(
+    implementation: str = "eager", seed: int = 0, scaled: bool = False, act: str = "gelu", model_type: str = "bart"
+) -> nn.Module:
     config = lensadapters_bart.bart_config(
-        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, act=act
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, act=act, model_type=model_type
     )
     torch.manual_seed(seed)
-    model = BartForConditionalGeneration._from_config(config, attn_implementation=implementation)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation=implementation)
     reinit(model, seed)
     with torch.no_grad():  # a bias on the logits (zero at initialization)
         model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(seed))
     return model.eval()
 
 
+def make_causal(model_type: str, seed: int = 0, scaled: bool = True) -> nn.Module:
+    config = lensadapters_bart.bart_config(
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=scaled, model_type=model_type
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    reinit(model, seed)
+    return model.eval()
+
+
 def inputs(seed: int = 0) -> dict[str, Tensor]:
-    """Two encoder rows of 7 tokens, the second right-padded by 3, and decoder rows of 5 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 40, (2, 7), generator=g)
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, 4:] = 0
-    ids[1, 4:] = 1
-    decoder = torch.randint(3, 40, (2, 5), generator=g)
-    decoder[:, 0] = 2  # the decoder start token
-    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
-
-
-def logits_of(output: Any) -> Tensor:
-    return output.logits if hasattr(output, "logits") else output
+    """Two encoder rows of 7 tokens, the second right-padded by 3 (pad id 1), and decoder rows of 5 tokens (the
+    start token 2 first)."""
+    return kit.tiny_batch(seed, pad=1, start=2, low=3)
 
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
     """Every point, computed step by step from the model's modules; ``edits`` (point -> fn) change a point's value
-    where it is computed. Embeddings (the table's rows, times ``sqrt(d_model)`` where ``scale_embedding``; learned
-    positions at rows ``position + 2``), LayerNorms, attention (``q kᵀ * d_head**-0.5`` plus the additive mask:
-    ``finfo.min`` at padding keys and, in the decoder's self-attention, at later positions) and the MLPs are
-    written out."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
+    where it is computed. Embeddings (the table's rows, times ``sqrt(d_model)`` where ``scale_embedding``;
+    positions at rows ``position + offset`` of the position table: 2 for BART's learned ones), the embeddings' norm
+    where the family has one, LayerNorms, attention (``q kᵀ * d_head**-0.5`` plus the additive mask: ``finfo.min``
+    at padding keys and, in the decoder's self-attention, at later positions), the MLPs, post-LN or pre-LN blocks
+    and the stacks' final norms (as ``lensadapters_bart.FAMILIES`` declares them) are written out. A causal LM
+    (the decoder alone) gets TransformerLens' decoder-only names (``blocks.{i}``, ``ln_final``)."""
+    out = kit.ReferencePoints(edits)
+    at = out.at
     c = model.config
-    h = c.encoder_attention_heads
+    fam = lensadapters_bart.FAMILIES[c.model_type]
+    causal = lensadapters_bart.causal(model)
+    h = c.decoder_attention_heads
     d = c.d_model // h
     lowest = torch.finfo(torch.float32).min
     factor = math.sqrt(c.d_model) if c.scale_embedding else 1.0
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
 
     def norm(prefix: str, ln: Any, x: Tensor) -> Tensor:
         centred = x - x.mean(-1, keepdim=True)
@@ -95,36 +92,63 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         z = at(f"{prefix}.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
         return attn.out_proj(z.reshape(b, p, h * d))
 
+    def post_ln(pre: str, block: Any, x: Tensor, mask: Tensor, memory: Any, cross_mask: Any) -> Tensor:
+        attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
+        x = norm(f"{pre}.ln1", block.self_attn_layer_norm, at(f"{pre}.hook_resid_mid", x + attn_out))
+        last = "ln2"
+        if memory is not None:
+            cross = attention(f"{pre}.cross_attn", block.encoder_attn, x, memory, cross_mask)
+            cross = at(f"{pre}.hook_cross_attn_out", cross)
+            x = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, at(f"{pre}.hook_resid_mid_cross", x + cross))
+            last = "ln3"
+        hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(x)))
+        mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
+        x = norm(f"{pre}.{last}", block.final_layer_norm, at(f"{pre}.hook_resid_post", x + mlp_out))
+        return at(f"{pre}.hook_normalized_resid_post", x)
+
+    def pre_ln(pre: str, block: Any, x: Tensor, mask: Tensor, memory: Any, cross_mask: Any) -> Tensor:
+        normed = norm(f"{pre}.ln1", block.self_attn_layer_norm, x)
+        attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, normed, normed, mask))
+        x = at(f"{pre}.hook_resid_mid", x + attn_out)
+        last = "ln2"
+        if memory is not None:
+            normed = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, x)
+            cross = attention(f"{pre}.cross_attn", block.encoder_attn, normed, memory, cross_mask)
+            x = at(f"{pre}.hook_resid_mid_cross", x + at(f"{pre}.hook_cross_attn_out", cross))
+            last = "ln3"
+        normed = norm(f"{pre}.{last}", block.final_layer_norm, x)
+        hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(normed)))
+        mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
+        return at(f"{pre}.hook_resid_post", x + mlp_out)
+
     def stack(name: str, ids: Tensor, mask: Tensor, memory: Optional[Tensor], cross_mask: Optional[Tensor]) -> Tensor:
         module = getattr(model.model, name)
-        lead = "" if name == "encoder" else "decoder."
+        lead = "" if name == "encoder" or causal else "decoder."
         b, p = ids.shape
+        offset = lensadapters_bart.position_offset(module)
         embed = at(f"{lead}hook_embed", module.embed_tokens.weight[ids] * factor)
-        pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[2 : p + 2].expand(b, p, -1))
-        x = norm(f"{lead}embed.ln", module.layernorm_embedding, embed + pos)
+        pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[offset : p + offset].expand(b, p, -1))
+        x = embed + pos
+        if fam.embed_ln:
+            x = norm(f"{lead}embed.ln", module.layernorm_embedding, x)
         for i, block in enumerate(module.layers):
-            pre = f"{name}.{i}"
+            pre = f"blocks.{i}" if causal else f"{name}.{i}"
             x = at(f"{pre}.hook_resid_pre", x)
-            attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
-            x = norm(f"{pre}.ln1", block.self_attn_layer_norm, at(f"{pre}.hook_resid_mid", x + attn_out))
-            last = "ln2"
-            if memory is not None:
-                cross = attention(f"{pre}.cross_attn", block.encoder_attn, x, memory, cross_mask)
-                cross = at(f"{pre}.hook_cross_attn_out", cross)
-                x = norm(f"{pre}.ln2", block.encoder_attn_layer_norm, at(f"{pre}.hook_resid_mid_cross", x + cross))
-                last = "ln3"
-            hidden = block.activation_fn(at(f"{pre}.mlp.hook_pre", block.fc1(x)))
-            mlp_out = at(f"{pre}.hook_mlp_out", block.fc2(at(f"{pre}.mlp.hook_post", hidden)))
-            x = norm(f"{pre}.{last}", block.final_layer_norm, at(f"{pre}.hook_resid_post", x + mlp_out))
-            x = at(f"{pre}.hook_normalized_resid_post", x)
+            x = (pre_ln if fam.pre_ln else post_ln)(pre, block, x, mask, memory, cross_mask)
+        if fam.final_norms:
+            x = norm("ln_final" if causal else f"{name}_final_ln", module.layer_norm, x)
         return x
 
     ids, keep = batch["input_ids"], batch["attention_mask"].bool()
     padding = torch.zeros(keep.shape).masked_fill(~keep, lowest)[:, None, None, :]
+    decoder_ids = ids if causal else batch["decoder_input_ids"]
+    q = decoder_ids.shape[1]
+    causal_mask = torch.zeros(q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), lowest)
+    if causal:  # the causal LM's padding (its attention mask) is masked in its self-attention
+        out["logits"] = model.lm_head(stack("decoder", ids, (causal_mask + padding).clamp_min(lowest), None, None))
+        return out
     memory = stack("encoder", ids, padding, None, None)
-    q = batch["decoder_input_ids"].shape[1]
-    causal = torch.zeros(q, q).masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), lowest)
-    x = stack("decoder", batch["decoder_input_ids"], causal, memory, padding)
+    x = stack("decoder", decoder_ids, causal_mask, memory, padding)
     out["logits"] = model.lm_head(x) + model.final_logits_bias
     return out
 
@@ -139,12 +163,55 @@ def test_every_point_matches_the_reference(implementation):
     hm = HookedModel.wrap(model)
     with torch.no_grad():
         assert torch.equal(hm(**batch).logits, model(**batch).logits), "no hooks: Hugging Face's forward, bitwise"
-    cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
+    cache, worst = kit.check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({implementation}): {worst:.3g} over {len(hm.hook_names)} points")
-    assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
-    assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+    kit.check_reference_patterns(cache)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", OTHERS)
+def test_family_points_and_edits_match_the_reference(model_type):
+    """Each family beside BART (``FAMILIES``: pre-LN or post-LN, learned or sinusoidal positions, with or without
+    the embeddings' norm and final norms, the embedding scale in the module or in the stack): every point against
+    the reference (eager, bitwise logits when cached), every edit and its gradient against the same edits there."""
+    model = make_model("eager", seed=2, scaled=True, model_type=model_type)
+    batch = inputs(2)
+    hm = HookedModel.wrap(model)
+    fam = lensadapters_bart.FAMILIES[model_type]
+    assert ("encoder_final_ln.hook_scale" in hm.hook_names) == fam.final_norms
+    assert ("embed.ln.hook_scale" in hm.hook_names) == fam.embed_ln
+    _, worst = kit.check_points_against_reference(hm, batch, reference, eager=True)
+    edit, grad = kit.check_edits_against_reference(hm, batch, reference)
+    print(f"{model_type}: {len(hm.hook_names)} points, largest difference {worst:.3g}, edits {edit:.3g}, {grad:.3g}")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", list(lensadapters_bart.FAMILIES))
+def test_causal_lm_points_match_the_reference(model_type):
+    """``*ForCausalLM`` (the decoder alone) with TransformerLens' decoder-only names: without hooks Hugging Face's
+    forward bitwise, and every point the reference writes out (all but the core's own ``hook_attn_in``,
+    ``attn.hook_result``, ``hook_mlp_in``...) matches it; an edit at ``hook_embed`` is the same edit in the
+    reference."""
+    model = make_causal(model_type)
+    batch = {k: v for k, v in inputs(4).items() if k != "decoder_input_ids"}
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        assert torch.equal(hm(**batch).logits, expected), "no hooks: Hugging Face's forward, bitwise"
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
+        ref = reference(model, batch)
+        assert_close(kit.logits_of(logits), expected, "a cached forward")
+        assert_close(ref.pop("logits"), expected, "the reference's logits are HF's")
+        assert set(ref) <= set(hm.hook_names) and len(ref) == len(hm.hook_names) - 6 * hm.cfg.n_layers
+        # masked scores: finfo.min in the reference, at most that in the core's (which may add masks)
+        lowest = torch.finfo(torch.float32).min
+        worst = max((cache[n] - v).where(v > lowest / 2, 0).abs().max().item() for n, v in ref.items())
+        assert worst < 1e-4
+        assert all(torch.all(cache[n][v <= lowest / 2] <= lowest) for n, v in ref.items())
+        edit = {"hook_embed": kit.nudge, "hook_pos_embed": kit.nudge}
+        edited = hm.run_with_hooks(**batch, fwd_hooks=[(n, lambda t, hook, f=f: f(t)) for n, f in edit.items()])
+        assert_close(kit.logits_of(edited), reference(model, batch, edit)["logits"], "edited embeddings")
+    print(f"{model_type} causal LM: {len(ref)} of {len(hm.hook_names)} points, largest difference {worst:.3g}")
     hm.unwrap()
 
 
@@ -157,7 +224,7 @@ def test_every_edit_and_its_gradient_match_the_reference():
     model = make_model("sdpa", seed=1, scaled=True)
     batch = inputs(1)
     hm = HookedModel.wrap(model)
-    worst, worst_grad = check_edits_against_reference(hm, batch, reference)
+    worst, worst_grad = kit.check_edits_against_reference(hm, batch, reference)
     print(f"largest edit difference: logits {worst:.3g}, gradients (relative) {worst_grad:.3g}")
     hm.unwrap()
 
@@ -182,21 +249,10 @@ def test_edits_match_plain_pytorch_hooks():
 
     def post(module: Any, args: Any, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (nudge(output[0]), *output[1:])
-        return nudge(output.expand(args[0].shape[0], *output.shape[1:]))
+            return (kit.nudge(output[0]), *output[1:])
+        return kit.nudge(output.expand(args[0].shape[0], *output.shape[1:]))
 
-    with torch.no_grad():
-        for name, module, where in cases:
-            ours = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: nudge(t))]))
-            if where == "output":
-                handle = module.register_forward_hook(post)
-            else:
-                handle = module.register_forward_pre_hook(lambda m, a: (nudge(a[0]), *a[1:]))
-            try:
-                theirs = model(**batch).logits
-            finally:
-                handle.remove()
-            assert torch.equal(ours, theirs), name
+    kit.check_edits_match_plain_hooks(hm, batch, cases, post)
     hm.unwrap()
 
 
@@ -220,7 +276,7 @@ def test_weights_embedding_scale_positions_and_logits_bias():
             logits, cache = hm.run_with_cache(**batch, names_filter=names)
         assert_close(cache["hook_embed"], hm.W_E[batch["input_ids"]], "hook_embed is W_E's rows")
         final = cache["decoder.1.hook_normalized_resid_post"]
-        assert_close(final @ hm.W_U + hm.b_U, logits_of(logits), "logits from W_U and b_U")
+        assert_close(final @ hm.W_U + hm.b_U, kit.logits_of(logits), "logits from W_U and b_U")
         hm.unwrap()
 
 
@@ -229,7 +285,16 @@ def test_generate_with_hooks_and_cached_patterns():
     point changes what is generated exactly as a plain PyTorch hook does, and patterns can be read at every step."""
     model = make_model("sdpa", seed=3)
     hm = HookedModel.wrap(model)
-    ours, plain = check_generation_with_hooks(hm, inputs(3), model.model.decoder.layers[1].fc2)
+    ours, plain = kit.check_generation_with_hooks(hm, inputs(3), model.model.decoder.layers[1].fc2)
+    assert not torch.equal(ours, plain), "the ablation changes what is generated"
+    hm.unwrap()
+
+
+def test_generate_with_hooks_pre_ln_family():
+    """Generation with hooks on a pre-LN family (mBART, with its final norms): as for BART."""
+    model = make_model("sdpa", seed=5, model_type="mbart")
+    hm = HookedModel.wrap(model)
+    ours, plain = kit.check_generation_with_hooks(hm, inputs(5), model.model.decoder.layers[1].fc2)
     assert not torch.equal(ours, plain), "the ablation changes what is generated"
     hm.unwrap()
 
@@ -241,22 +306,8 @@ def test_analysis_layer_and_named_refusals():
     model = make_model()
     batch = inputs()
     hm = HookedModel.wrap(model)
-    with torch.no_grad():
-        clean = model(**batch).logits
-        _, cache = hm.run_with_cache(**batch)
-        corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
-        name = "encoder.1.hook_normalized_resid_post"
-        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
-        assert torch.equal(logits_of(patched), clean)
-    for method in ("accumulated_resid", "decompose_resid", "stack_head_results"):
-        with pytest.raises(DecompositionUndefinedError, match="encoder-decoder"):
-            getattr(cache, method)()
-    with pytest.raises(WeightUnavailableError, match="encoder-decoder"):
-        _ = hm.W_Q
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm(batch["input_ids"], return_type="loss")
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm.generate(batch["input_ids"], max_new_tokens=1, return_type="tokens")
+    corrupted = {**batch, "input_ids": batch["input_ids"].flip(1)}
+    kit.check_one_stack_refusals(hm, batch, corrupted, "encoder.1.hook_normalized_resid_post")
     hm.unwrap()
     with pytest.raises(UnsupportedModelError, match="serves encoder-decoders"):
         HookedModel.wrap(BartModel(model.config))
@@ -273,3 +324,16 @@ def test_tiny_configs_wrap():
         assert hm.cfg.n_layers == config.encoder_layers and hm.cfg.normalization_type == "LN"
         assert "encoder_final_ln.hook_scale" not in hm.hook_names
         hm.unwrap()
+
+
+def test_causal_lm_refuses_cross_attention_inputs():
+    """A ``*ForCausalLM`` is served as the decoder alone: ``encoder_hidden_states=`` (its cross-attention, which has
+    no points) is refused by name, and the failed call leaves no hook behind."""
+    model = make_causal("mbart")
+    batch = {k: v for k, v in inputs().items() if k != "decoder_input_ids"}
+    hm = HookedModel.wrap(model)
+    memory = torch.zeros(2, 3, 16)
+    with pytest.raises(UnsupportedModelError, match="encoder_hidden_states"):
+        hm.run_with_hooks(**batch, encoder_hidden_states=memory, fwd_hooks=[("hook_embed", lambda t, hook: t)])
+    assert not hm.has_hooks
+    hm.unwrap()

@@ -78,13 +78,10 @@ TRANSFORMERS_4 = __import__("transformers").__version__.startswith("4.")
 LENSADAPTERS_HOOKSPEC = "1"
 # the contract suite `lensadapters check t5` runs (imported only then: it needs lensadapters[testing])
 LENSADAPTERS_CONTRACT = "lensadapters_t5.testing:T5Contract"
-ARCH = Architecture(
-    name="t5",
-    model_types=("t5",),
-    description="T5 encoder-decoders (relative position bias, RMS norms, ReLU or gated-GELU MLPs) with "
-    "HookedEncoderDecoder's points",
-    transformers=">=4.57,<6",
-    attn_implementations=("eager", "sdpa"),
+ARCH = hf.architecture(
+    "t5",
+    "T5 encoder-decoders (relative position bias, RMS norms, ReLU or gated-GELU MLPs) with HookedEncoderDecoder's "
+    "points",
     encoder_decoder=True,
 )
 STACKS = ("encoder", "decoder")

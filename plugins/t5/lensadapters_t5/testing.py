@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import T5Config
 
 import lensadapters_t5
-from lensadapters.testing.encoder_decoder import EncoderDecoderContract
+from lensadapters.testing.encoder_decoder import EncoderDecoderContract, draw_sizes
 from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["T5Contract", "t5_configs"]
@@ -25,26 +25,22 @@ __all__ = ["T5Contract", "t5_configs"]
 def t5_configs(
     draw: st.DrawFn,
     *,
-    n_heads: Any = st.integers(1, 3),
-    d_head: Any = st.sampled_from([4, 8]),
-    n_layers: Any = st.integers(1, 2),
-    d_mlp: Any = st.sampled_from([16, 24]),
-    vocab: Any = st.integers(16, 64),
     buckets: Any = st.sampled_from([4, 8]),
     mlp: Any = st.sampled_from(["relu", "gated-gelu"]),
     tied: Any = st.booleans(),
+    **sizes: Any,
 ) -> Any:
-    """Tiny T5 configs: 1-2 layers of each stack with 1-3 heads, ReLU or gated-GELU MLPs, tied embeddings or not
-    (the decoder output rescaled or not); no dropout. Each keyword is a value or a strategy."""
-    heads = draw(as_strategy(n_heads), label="n_heads")
-    d_kv = draw(as_strategy(d_head), label="d_head")
+    """Tiny T5 configs: 1-2 layers of each stack with 1-3 heads (``sizes``: the kit's ``SIZES``), ReLU or
+    gated-GELU MLPs, tied embeddings or not (the decoder output rescaled or not); no dropout. Each keyword is a value
+    or a strategy."""
+    z = draw_sizes(draw, sizes)
     return T5Config(  # type: ignore[call-arg]  # T5Config takes the generation ids as keywords
-        vocab_size=draw(as_strategy(vocab), label="vocab"),
-        d_model=heads * d_kv + 4,  # d_model need not be heads * d_kv in T5
-        d_kv=d_kv,
-        d_ff=draw(as_strategy(d_mlp), label="d_mlp"),
-        num_layers=draw(as_strategy(n_layers), label="n_layers"),
-        num_heads=heads,
+        vocab_size=z["vocab"],
+        d_model=z["d_model"] + 4,  # d_model need not be heads * d_kv in T5
+        d_kv=z["d_head"],
+        d_ff=z["d_mlp"],
+        num_layers=z["n_layers"],
+        num_heads=z["n_heads"],
         relative_attention_num_buckets=draw(as_strategy(buckets), label="buckets"),
         relative_attention_max_distance=16,
         dropout_rate=0.0,

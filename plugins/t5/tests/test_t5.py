@@ -19,13 +19,18 @@ import transformers
 from torch import Tensor, nn
 from transformers import T5Config, T5ForConditionalGeneration
 
-from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, WeightUnavailableError
+from lensadapters import HookedModel
 from lensadapters.testing import assert_close
 from lensadapters.testing.encoder_decoder import (
+    ReferencePoints,
     check_edits_against_reference,
+    check_edits_match_plain_hooks,
     check_generation_with_hooks,
+    check_one_stack_refusals,
     check_points_against_reference,
-    nudge,
+    check_reference_patterns,
+    logits_of,
+    tiny_batch,
 )
 from lensadapters.testing.models import reinit
 
@@ -59,15 +64,9 @@ def make_model(mlp: str = "relu", implementation: str = "eager", seed: int = 0, 
 
 
 def inputs(seed: int = 0) -> dict[str, Tensor]:
-    """Two encoder rows of 7 tokens, the second right-padded by 3, and decoder rows of 5 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 40, (2, 7), generator=g)
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, 4:] = 0
-    ids[1, 4:] = 0
-    decoder = torch.randint(2, 40, (2, 5), generator=g)
-    decoder[:, 0] = 0  # the decoder start token
-    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
+    """Two encoder rows of 7 tokens, the second right-padded by 3 (pad id 0), and decoder rows of 5 tokens (the
+    start token 0 first)."""
+    return tiny_batch(seed, pad=0, start=0, low=2)
 
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
@@ -75,17 +74,11 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     change a point's value where it is computed. RMS norms, attention (``q kᵀ`` unscaled, plus the relative position
     bias from each stack's layer-0 table, plus the additive mask: ``finfo.min`` at padding keys and, in the decoder's
     self-attention, at later positions) and the MLPs are written out."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
+    out = ReferencePoints(edits)
+    at = out.at
     c = model.config
     h, d = c.num_heads, c.d_kv
     lowest = torch.finfo(torch.float32).min
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
 
     def norm(prefix: str, ln: Any, x: Tensor) -> Tensor:
         scale = at(f"{prefix}.hook_scale", (x.pow(2).mean(-1, keepdim=True) + ln.variance_epsilon).sqrt())
@@ -149,10 +142,6 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     return out
 
 
-def logits_of(output: Any) -> Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
 # --- reading ---------------------------------------------------------------------------------------------------
 
 
@@ -165,10 +154,7 @@ def test_every_point_matches_the_reference(mlp, implementation):
     cache, worst = check_points_against_reference(hm, batch, reference, eager=implementation == "eager")
     print(f"largest difference from the reference ({mlp}, {implementation}): {worst:.3g}")
     # padding keys get no attention, the decoder attends causally, the cross-attention to the real encoder tokens
-    assert torch.all(cache["encoder.0.attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert torch.all(cache["decoder.1.attn.hook_pattern"].triu(1) == 0)
-    assert torch.all(cache["decoder.0.cross_attn.hook_pattern"][1, :, :, 4:] == 0)
-    assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+    check_reference_patterns(cache)
     hm.unwrap()
 
 
@@ -200,18 +186,7 @@ def test_edits_match_plain_pytorch_hooks():
         ("decoder.0.mlp.hook_post", model.decoder.block[0].layer[2].DenseReluDense.wo, "input"),
         ("encoder.1.hook_resid_pre", model.encoder.block[1], "input"),
     ]
-    with torch.no_grad():
-        for name, module, where in cases:
-            ours = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: nudge(t))]))
-            if where == "output":
-                handle = module.register_forward_hook(lambda m, a, o: nudge(o))
-            else:
-                handle = module.register_forward_pre_hook(lambda m, a: (nudge(a[0]), *a[1:]))
-            try:
-                theirs = model(**batch).logits
-            finally:
-                handle.remove()
-            assert torch.equal(ours, theirs), name
+    check_edits_match_plain_hooks(hm, batch, cases)
     hm.unwrap()
 
 
@@ -251,25 +226,12 @@ def test_analysis_layer_and_named_refusals():
     batch = inputs()
     hm = HookedModel.wrap(model)
     with torch.no_grad():
-        clean = model(**batch).logits
-        _, cache = hm.run_with_cache(**batch)
-        # patching the clean encoder output into a run on other encoder tokens restores the clean logits
-        corrupted = {**batch, "input_ids": batch["input_ids"].flip(1) * batch["attention_mask"]}
-        name = "encoder.1.hook_resid_post"
-        patched = hm.run_with_hooks(**corrupted, fwd_hooks=[(name, lambda t, hook: cache[name])])
-        assert torch.equal(logits_of(patched), clean)
         loss = hm(**batch, labels=batch["decoder_input_ids"]).loss  # the model's own loss
         assert torch.equal(loss, model(**batch, labels=batch["decoder_input_ids"]).loss)
-    for method in ("accumulated_resid", "decompose_resid", "stack_head_results", "get_full_resid_decomposition"):
-        with pytest.raises(DecompositionUndefinedError, match="encoder-decoder"):
-            getattr(cache, method)()
-    with pytest.raises(WeightUnavailableError, match="encoder-decoder"):
-        _ = hm.W_Q
+    # patching the clean encoder output into a run on other encoder tokens restores the clean logits
+    corrupted = {**batch, "input_ids": batch["input_ids"].flip(1) * batch["attention_mask"]}
+    check_one_stack_refusals(hm, batch, corrupted, "encoder.1.hook_resid_post")
     assert torch.equal(hm.W_E, model.shared.weight)
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm(batch["input_ids"], return_type="loss")
-    with pytest.raises(NotCausalError, match="encoder-decoder"):
-        hm.generate(batch["input_ids"], max_new_tokens=1, return_type="tokens")
     hm.unwrap()
 
 

@@ -412,8 +412,12 @@ def test_a_model_whose_unembedding_reads_the_last_layer_as_it_is_has_no_final_no
     entry = census_entry("trocr")
     assert "ln_final.hook_scale" not in entry.applicable and entry.status == "FULL", (entry.missing, entry.why)
     model = build("trocr")
-    assert has_final_norm(model, "model.decoder.layers")  # a norm child: the embeddings'
-    assert unembeds_the_last_layer_as_it_is(model, "model.decoder.layers")
+    assert not has_final_norm(model, "model.decoder.layers")  # its one norm child is the embeddings' (by name)
+    assert unembeds_the_last_layer_as_it_is(model, "model.decoder.layers")  # and the forward proves it, whatever names
+    bart = build("bart")  # BART's decoder likewise (its layernorm_embedding): both rules agree
+    assert not has_final_norm(bart, "model.decoder.layers") and unembeds_the_last_layer_as_it_is(
+        bart, "model.decoder.layers"
+    )
     assert findings(model).missing["ln_final.hook_normalized"] == NO_FINAL_NORM
 
 

@@ -1,0 +1,282 @@
+"""The BART family's own sites: the embeddings where each stack adds token embeddings and positions
+(``hook_embed``/``hook_pos_embed``), the residual points of pre-LN blocks, and attention scores and patterns computed
+written out while hooked; the declarations that use them are in the package's ``__init__``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lensadapters.plugin_api import (
+    HookPoint,
+    Site,
+    UnsupportedModelError,
+    explicit_attention,
+    first_input,
+    first_output,
+    is_recomputing,
+    override_instance_method,
+    replace_first_output,
+)
+
+
+def position_offset(stack: Any) -> int:
+    """The rows before position 0 of a stack's position table (BART's learned positions: 2)."""
+    return int(getattr(stack.embed_positions, "offset", 0))
+
+
+def outside_scale(stack: Any) -> Optional[float]:
+    """The factor a stack multiplies ``embed_tokens``' output by itself (``None`` where the module applies it)."""
+    return None if hasattr(stack.embed_tokens, "embed_scale") else float(getattr(stack, "embed_scale", 1.0))
+
+
+class EmbedSumSite(Site):
+    """A stack's ``hook_embed`` and ``hook_pos_embed``, served where the stack adds them: the input of the module
+    that reads ``embeddings + positions`` (``layernorm_embedding``, or the first block where there is none).
+
+    ``hook_embed`` is ``embed_tokens``' output times the stack's own factor where the stack applies it (Marian,
+    Pegasus: ``embed_tokens(ids) * embed_scale``, computed here as the stack does), ``hook_pos_embed`` the position
+    module's output shown ``[batch, pos, d_model]``. Each forward checks that the sum the stack passes on is theirs
+    (it is not in training mode with dropout after it: refused by name); an edit of either is the sum the next
+    module gets, as the stack computes it. Told apart by the stack that runs (both stacks may call one shared
+    embedding module, as after ``set_input_embeddings``)."""
+
+    def __init__(self, stack: Any, consumer: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
+        self.stack: Any
+        self.stack, self.consumer, self.embed, self.pos, self.label = stack, consumer, embed, pos, label
+        self.points = (embed, pos)
+        self.scale = outside_scale(stack)
+        self.running = False
+        self.values: dict[str, Tensor] = {}
+
+    def install(self) -> list[Any]:
+        s = self.stack
+        return [
+            s.register_forward_pre_hook(self._enter, with_kwargs=True),
+            s.register_forward_hook(self._leave),
+            s.embed_tokens.register_forward_hook(self._record("embed")),
+            s.embed_positions.register_forward_hook(self._record("pos")),
+            self.consumer.register_forward_pre_hook(self._serve, prepend=True),
+        ]
+
+    def _enter(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("encoder_hidden_states") is not None and not module.config.is_encoder_decoder:
+            raise UnsupportedModelError(
+                f"{self.label}: this *ForCausalLM is served as a decoder alone; encoder_hidden_states= runs its "
+                f"cross-attention, which has no points here (wrap the *ForConditionalGeneration instead)"
+            )
+        self.running, self.values = True, {}
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.running = False
+
+    def _record(self, key: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            if self.running:
+                self.values[key] = output
+
+        return hook
+
+    def _serve(self, module: nn.Module, args: tuple) -> Any:
+        embed, pos = self.values.pop("embed", None), self.values.pop("pos", None)
+        if embed is None or pos is None or is_recomputing():  # inputs_embeds given: no token embeddings here
+            return None
+        total = args[0]
+        if self.scale is not None:
+            embed = embed * self.scale
+        shown = pos.expand_as(total)
+        if not torch.equal(total, embed + pos):
+            raise UnsupportedModelError(
+                f"{self.label}: the stack passes on something other than its embeddings + positions (dropout in "
+                f"training mode?): hook_embed and hook_pos_embed are served in eval mode or without dropout"
+            )
+        embed, changed = self.embed.apply(embed, protect=True)  # the stack has added it already
+        shown, moved = self.pos.apply(shown, protect=True)
+        return (embed + shown, *args[1:]) if changed or moved else None
+
+
+class PreLNResidualSite(Site):
+    """The residual stream of one pre-LN block (mBART, Pegasus, Blenderbot): ``hook_attn_out``, ``hook_resid_mid``,
+    (decoder: ``hook_cross_attn_out``, ``hook_resid_mid_cross``), ``hook_mlp_out`` and ``hook_resid_post``.
+
+    The block adds each branch to the residual in its own forward (no module computes ``resid_mid``): this site
+    follows the residual itself, from the first norm's input (``resid_pre``), adding each branch's output
+    (``out_proj``'s, ``fc2``'s) as the block does; ``hook_resid_mid``... are served at the input of the norm that
+    reads them, and the block output is recomputed as ``resid_mid + mlp_out``, so an edit reaches the norm and the
+    residual both, exactly as the block computes them. Refused by name in training mode with dropout (the block's
+    dropouts sit between the branches and the residual)."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        stages: list[tuple[nn.Module, HookPoint, nn.Module, HookPoint]],
+        mlp_out: HookPoint,
+        resid_post: HookPoint,
+        label: str,
+    ) -> None:
+        self.block: Any = block
+        self.stages, self.mlp_out, self.resid_post, self.label = stages, mlp_out, resid_post, label
+        self.points = tuple(p for s in stages for p in (s[1], s[3])) + (mlp_out, resid_post)
+        self.values: dict[str, Tensor] = {}
+
+    def install(self) -> list[Any]:
+        b = self.block
+        handles = [b.self_attn_layer_norm.register_forward_pre_hook(self._start, prepend=True)]
+        for branch, out_point, norm, mid_point in self.stages:
+            handles.append(branch.register_forward_hook(self._branch(out_point)))
+            handles.append(norm.register_forward_pre_hook(self._mid(mid_point), prepend=True))
+        handles.append(b.fc2.register_forward_hook(self._branch(self.mlp_out)))
+        handles.append(b.register_forward_hook(self._end))
+        return handles
+
+    def _start(self, module: nn.Module, args: tuple) -> None:
+        if self.block.training and (self.block.dropout > 0 or getattr(self.block, "activation_dropout", 0) > 0):
+            raise UnsupportedModelError(
+                f"{self.label}: the residual points of a pre-LN block are served in eval mode or without dropout "
+                f"(the block's dropouts sit between its branches and the residual): call model.eval()"
+            )
+        self.values = {"resid": first_input(args, {})}
+
+    def _branch(self, point: HookPoint) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
+            value, changed = point.apply(first_output(output))
+            self.values["branch"] = value
+            return replace_first_output(output, value) if changed else None
+
+        return hook
+
+    def _mid(self, point: HookPoint) -> Any:
+        def hook(module: nn.Module, args: tuple) -> Any:
+            mid = self.values["resid"] + self.values.pop("branch")
+            mid, _ = point.apply(mid)
+            self.values["resid"] = mid
+            return (mid, *args[1:])
+
+        return hook
+
+    def _end(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        out = self.values.pop("resid") + self.values.pop("branch")
+        out, _ = self.resid_post.apply(out)
+        return replace_first_output(output, out)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """An attention mask as the additive float mask eager attention uses (``finfo.min`` where masked)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype)
+
+
+def _scores(module: nn.Module, q: Tensor, k: Tensor, scaling: float) -> Tensor:
+    return torch.matmul(q, k.transpose(2, 3)) * scaling
+
+
+def _scores_queries_first(module: nn.Module, q: Tensor, k: Tensor, scaling: float) -> Tensor:
+    """MVP's: ``(q * scaling) kᵀ``."""
+    return torch.matmul(q * scaling, k.transpose(2, 3))
+
+
+class BartPatternSite(Site):
+    """``attn.hook_attn_scores``/``attn.hook_pattern`` (or ``cross_attn.``'s) of one ``BartAttention``: while
+    hooked, the instance's ``forward`` computes attention written out (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        scores: HookPoint,
+        pattern: HookPoint,
+        scale_queries_first: bool = False,
+        core_attention: bool = False,
+    ) -> None:
+        self.module, self.scores, self.pattern = module, scores, pattern
+        self.points = (scores, pattern)
+        # transformers 5.x's signature takes ``cache`` (and passes the cache's keywords on); 4.x's
+        # ``past_key_values``, ``layer_head_mask`` and ``cache_position``
+        self.legacy = "cache" not in inspect.signature(type(module).forward).parameters
+        self.scale_queries_first, self.core_attention = scale_queries_first, core_attention
+
+    def install(self) -> list[Any]:
+        return [override_instance_method(self.module, "forward", self._forward)]
+
+    def _kv(self, current: Tensor, cache: Any, is_cross: bool, extra: dict) -> tuple[Tensor, Tensor]:
+        """Keys and values, through the model's cache as ``BartAttention.forward`` uses it."""
+        from transformers.cache_utils import EncoderDecoderCache
+
+        m: Any = self.module
+        curr = cache
+        if isinstance(cache, EncoderDecoderCache):
+            curr = cache.cross_attention_cache if is_cross else cache.self_attention_cache
+            if is_cross and cache.is_updated.get(m.layer_idx):
+                return curr.layers[m.layer_idx].keys, curr.layers[m.layer_idx].values
+        shape = (*current.shape[:-1], -1, m.head_dim)
+        k = m.k_proj(current).view(shape).transpose(1, 2)
+        v = m.v_proj(current).view(shape).transpose(1, 2)
+        if cache is not None:
+            if self.legacy:
+                k, v = curr.update(k, v, m.layer_idx, {"cache_position": None if is_cross else extra.get("position")})
+            else:
+                k, v = curr.update(k, v, m.layer_idx, kwargs=extra)
+            if is_cross and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[m.layer_idx] = True
+        return k, v
+
+    def _forward(
+        self,
+        hidden_states: Tensor,
+        key_value_states: Optional[Tensor] = None,
+        cache: Any = None,
+        attention_mask: Optional[Tensor] = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
+        """``BartAttention.forward`` (transformers 4.57 and 5.x), attention written out."""
+        m: Any = self.module
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if kwargs.pop("layer_head_mask", None) is not None:
+            raise UnsupportedModelError(
+                "lensadapters-bart's attention scores and patterns do not take a head mask (head_mask=...): "
+                "call without it, or unhook the scores and patterns"
+            )
+        kwargs.pop("output_attentions", None)
+        if kwargs.pop("attn_prompt", None) is not None:  # MVP's prompts (refused at wrap time)
+            raise UnsupportedModelError("lensadapters-bart serves MVP without prompts (use_prompt=False)")
+        position = kwargs.pop("cache_position", None)
+        shape = tuple(hidden_states.shape[:-1])
+        is_cross = key_value_states is not None
+        q = m.q_proj(hidden_states).view(*shape, -1, m.head_dim).transpose(1, 2)
+        extra = {"position": position} if self.legacy else kwargs
+        k, v = self._kv(hidden_states if key_value_states is None else key_value_states, cache, is_cross, extra)
+        if self.core_attention:  # a causal LM's points follow the core's conventions (masked scores -inf...)
+            z, pattern = explicit_attention(
+                m,
+                q,
+                k,
+                v,
+                attention_mask,
+                scores_fn=_scores_queries_first if self.scale_queries_first else _scores,
+                scores_point=self.scores,
+                pattern_point=self.pattern,
+                implementation="eager",
+                dropout=m.dropout if m.training else 0.0,
+                scaling=m.scaling,
+                is_causal=getattr(m, "is_causal", False) and not is_cross,
+            )
+            return m.out_proj(z.reshape(*shape, -1).contiguous()), pattern
+        mask = attention_mask
+        if (
+            mask is None and getattr(m, "is_causal", False) and not is_cross and shape[1] > 1
+        ):  # sdpa's implicit causal mask
+            keys = torch.arange(k.shape[-2], device=q.device)
+            queries = torch.arange(shape[1], device=q.device)[:, None] + (k.shape[-2] - shape[1])
+            mask = keys[None, :] <= queries
+        scores = (_scores_queries_first if self.scale_queries_first else _scores)(m, q, k, m.scaling)
+        if mask is not None:
+            scores = scores + _additive(mask, q.dtype)[..., : k.shape[-2]]
+        scores, _ = self.scores.apply(scores)
+        pattern = nn.functional.softmax(scores, dim=-1)
+        pattern = nn.functional.dropout(pattern, p=m.dropout, training=m.training)
+        pattern, _ = self.pattern.apply(pattern)
+        z = torch.matmul(pattern, v).transpose(1, 2).contiguous()
+        return m.out_proj(z.reshape(*shape, -1).contiguous()), pattern

@@ -218,6 +218,9 @@ IRRELEVANT_ARGUMENTS = frozenset(
         # flash attention's choice of a deterministic backward pass (ModernBERT passes it to every implementation):
         # the same values either way
         "deterministic",
+        # how many final positions the language-model head computes logits for (GOT-OCR2 passes its keywords down
+        # to the layers): nothing of attention
+        "logits_to_keep",
     }
 )
 

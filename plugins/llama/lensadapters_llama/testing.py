@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
 
+import torch
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 import lensadapters_llama
+from lensadapters import HookedModel, hf
 from lensadapters.testing.families import DecoderContract, config_strategy, decoder_config, rope_type
 
 __all__ = ["LlamaContract", "ROPE_TYPES", "llama_config", "llama_configs", "rope_scaling", "rope_type"]
@@ -155,3 +157,50 @@ class LlamaContract(DecoderContract):
 
     def config_label(self, config: Any) -> Optional[str]:
         return f"rope {rope_type(config)}"
+
+
+#: a contract instance whose model builders the family tests use
+_CONTRACT = LlamaContract()
+
+
+def make(config: LlamaConfig, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A seeded Llama of ``config``, as the contract builds it."""
+    return _CONTRACT.make_model(config, seed, attn_implementation)
+
+
+def wrap(model: torch.nn.Module) -> HookedModel:
+    """``model`` wrapped as the contract wraps it."""
+    return _CONTRACT.wrap(model)
+
+
+def left_padded(
+    vocab: int, batch: int = 2, length: int = 8, pads: tuple[int, ...] = (3, 0), seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and an attention mask whose rows are left-padded by ``pads``."""
+    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, pad in enumerate(pads[:batch]):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def llama32_3b_like(layers: int = 2) -> LlamaConfig:
+    """Llama 3.2 3B's ratios at toy width: 24 query heads sharing 8 kv heads of size 128, theta 500000,
+    llama3 rope scaling (factor 32, low 1, high 4), tied embeddings; hidden 96 and vocab 256 for the CPU."""
+    return LlamaConfig(
+        **hf.size_fields(hidden=96, d_mlp=256, layers=layers, heads=24, kv_heads=8, vocab=256, positions=512),
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },  # 8192 in the real model; 8 so scaling matters here
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )

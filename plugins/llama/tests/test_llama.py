@@ -16,37 +16,24 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lensadapters_llama.testing import LlamaContract, llama_config, llama_configs
+from lensadapters_llama.testing import (
+    LlamaContract,
+    left_padded,
+    llama_config,
+    llama_configs,
+    make,
+    wrap,
+)
 from transformers import LlamaConfig
 
-from lensadapters import HookedModel, UnsupportedModelError, hf
+from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close, reference_rope
-from lensadapters.testing.contract_support import greedy_kwargs
 from lensadapters.testing.plugins import assert_entry_point
 
 
 class TestLlama(LlamaContract):
     """The plugin's contract suite (``lensadapters_llama.testing``, also run by ``lensadapters check llama``) over
     the coverage above; the edit and generation properties also run on llama3 rope scaling on every run."""
-
-
-CONTRACT = TestLlama()
-
-
-def make(config: LlamaConfig, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    return CONTRACT.make_model(config, seed, attn_implementation)
-
-
-def wrap(model: torch.nn.Module) -> HookedModel:
-    return CONTRACT.wrap(model)
-
-
-def left_padded(vocab: int, batch: int = 2, length: int = 8, pads: tuple[int, ...] = (3, 0), seed: int = 0):
-    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for row, pad in enumerate(pads[:batch]):
-        mask[row, :pad] = 0
-    return ids, mask
 
 
 # --- an independent RoPE reference ------------------------------------------------------------------
@@ -266,34 +253,6 @@ def test_rms_norm_points_have_transformerlens_semantics():
 # --- the Llama 3.2 3B shape, scaled down ------------------------------------------------------------
 
 
-def llama32_3b_like(layers: int = 2) -> LlamaConfig:
-    """Llama 3.2 3B's ratios at toy width: 24 query heads sharing 8 kv heads of size 128, theta 500000,
-    llama3 rope scaling (factor 32, low 1, high 4), tied embeddings; hidden 96 and vocab 256 for the CPU."""
-    return LlamaConfig(
-        **hf.size_fields(hidden=96, d_mlp=256, layers=layers, heads=24, kv_heads=8, vocab=256, positions=512),
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8,
-        },  # 8192 in the real model; 8 so scaling matters here
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-
-
-@pytest.fixture(scope="module")
-def llama32():
-    model = make(llama32_3b_like(), 7)
-    yield model
-
-
 def test_llama32_3b_like_shapes_and_weights(llama32):
     model = llama32
     ids, mask = left_padded(256, length=9)
@@ -323,186 +282,6 @@ def test_llama32_3b_like_shapes_and_weights(llama32):
     attn_in = cache["blocks.1.ln1.hook_normalized"] * model.model.layers[1].input_layernorm.weight
     assert_close(cache["q", 1], torch.einsum("bpm,hmd->bphd", attn_in, hm.W_Q[1]) + hm.b_Q[1], "hook_q identity")
     assert_close(cache["k", 1], torch.einsum("bpm,hmd->bphd", attn_in, hm._W_K[1]) + hm._b_K[1], "hook_k identity")
-    hm.unwrap()
-
-
-# --- generation with the KV cache ------------------------------------------------------------------
-
-
-def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache_implementation: str, steps: int = 4):
-    kwargs = dict(
-        max_new_tokens=steps, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
-    )
-    if cache_implementation != "dynamic":
-        kwargs["cache_implementation"] = cache_implementation
-    return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-
-
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-def test_generate_with_pattern_and_cache_hooks_matches_unwrapped(llama32, cache_implementation):
-    """``generate(..., cache_implementation="static")`` (and dynamic) with hooks: same greedy tokens."""
-    model = llama32
-    ids, mask = left_padded(256, length=7, pads=(2, 0))
-    with torch.no_grad():
-        reference = _generate(model, ids, mask, cache_implementation)
-        hm = wrap(model)
-        stored: dict[str, list[torch.Tensor]] = {}
-
-        def store(t: torch.Tensor, hook: Any) -> None:
-            stored.setdefault(hook.name, []).append(t.detach().clone())
-
-        hooks = [
-            (lambda n: n.endswith(("hook_pattern", "hook_attn_scores")), store),
-            (lambda n: n.endswith(("hook_rot_k", "hook_resid_post", "hook_z")), store),
-        ]
-        with hm.hooks(hooks):
-            hooked = _generate(hm, ids, mask, cache_implementation)
-    assert torch.equal(hooked.sequences, reference.sequences)
-    for step, (a, b) in enumerate(zip(reference.logits, hooked.logits)):
-        assert_close(a, b, f"step {step} logits", atol=1e-4)
-    patterns = stored["blocks.1.attn.hook_pattern"]
-    assert len(patterns) == 4  # prefill + 3 decoding steps
-    assert patterns[0].shape[:3] == (2, 24, 7) and all(p.shape[:3] == (2, 24, 1) for p in patterns[1:])
-    query_valid = [mask.bool()] + [torch.ones(2, 1, dtype=torch.bool)] * 3
-    for p, valid in zip(patterns, query_valid):
-        sums = p.sum(-1).transpose(1, 2)[valid]  # rows of real query tokens (padding queries attend nowhere)
-        assert_close(sums, torch.ones_like(sums), "pattern rows sum to 1")
-        assert (p[0][:, valid[0]][..., :2] == 0).all()  # real queries of row 0 never attend its left padding
-    # decoding steps see every earlier key, even with a static (preallocated) cache
-    assert (patterns[-1][..., : 7 + 2] > 0).sum(-1).min() >= 1
-    assert all(k.shape[1] == 1 for k in stored["blocks.0.attn.hook_rot_k"][1:])
-    hm.unwrap()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_static_cache_generation(dtype):
-    """A Llama loaded in float16/bfloat16 with sdpa and generates with a static cache: hooks that read keep
-    the generation bitwise (the model's own sdpa runs), values come in the model's dtype, and a pattern hook
-    (explicit attention in that layer) keeps every decoding step's pattern a distribution over the real keys."""
-    model = make(llama32_3b_like(), 7).to(dtype)  # a fresh model: no static cache left from earlier generations
-    ids, mask = left_padded(256, length=7, pads=(2, 0))
-    with torch.no_grad():
-        reference = _generate(model, ids, mask, "static")
-        hm = wrap(model)
-        seen: dict[str, list[torch.Tensor]] = {}
-
-        def store(t: torch.Tensor, hook: Any) -> None:
-            seen.setdefault(hook.name, []).append(t.detach().clone())
-
-        with hm.hooks(
-            [(lambda n: n.endswith(("hook_resid_post", "hook_z", "hook_rot_k", "ln_final.hook_scale")), store)]
-        ):
-            hooked = _generate(hm, ids, mask, "static")
-        assert torch.equal(hooked.sequences, reference.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(reference.logits, hooked.logits)), "reading hooks changed numbers"
-        assert {t.dtype for values in seen.values() for t in values} == {dtype}
-        assert len(seen["blocks.1.hook_resid_post"]) == 4  # prefill + 3 decoding steps
-        with hm.hooks([("blocks.1.attn.hook_pattern", store)]):
-            patterned = _generate(hm, ids, mask, "static")
-    patterns = seen["blocks.1.attn.hook_pattern"]
-    assert len(patterns) == 4 and all(p.dtype == dtype for p in patterns)
-    slots = patterns[-1].shape[-1]
-    for step, pattern in enumerate(patterns[1:], start=1):  # decoding step i attends 7 prompt + i fed-back tokens
-        filled = 7 + step
-        keys = torch.cat([mask, torch.ones(2, step, dtype=mask.dtype)], 1).bool()
-        assert pattern.shape[-1] == slots >= filled
-        assert torch.equal(pattern[..., :filled].float() > 0, keys[:, None, None, :].expand(-1, 24, 1, -1))
-        assert (pattern[..., filled:] == 0).all(), "the static cache's empty slots are attended"
-    assert slots > 8, "no decoding step left a static cache slot empty"
-    last = patterns[-1].float()
-    assert_close(last.sum(-1), torch.ones_like(last.sum(-1)), "pattern rows sum to 1", atol=2e-2)
-    for a, b in zip(reference.logits, patterned.logits):
-        assert_close(a, b, "logits with a pattern hook", atol=0.1, rtol=0.05)
-    hm.unwrap()
-
-
-def test_hooks_run_at_every_step_when_generate_would_compile():
-    """A static cache on an accelerator makes ``generate`` compile the decoding forward; a graph traced
-    before the hooks existed would run them on the prefill only. Forced here on the CPU (eager backend):
-    while hooks are attached the forward is not compiled, and the edit applies at every step."""
-    from transformers.generation import CompileConfig
-
-    config = llama_config(n_heads=4, n_kv=2, head_dim=8, hidden=32, layers=2)
-    model = make(config, 3)
-    ids, mask = left_padded(config.vocab_size, length=5, pads=(0, 0))
-    compile_config = CompileConfig(backend="eager", fullgraph=False)
-    compile_config._compile_all_devices = True  # what a CUDA device does by itself
-    kwargs = greedy_kwargs(3, cache_implementation="static")
-    bump = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(2))
-    steps: list[int] = []
-
-    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
-        steps.append(t.shape[1])
-        return t + bump
-
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, compile_config=compile_config, **kwargs)  # compiles
-        hm = wrap(model)
-        with hm.hooks([("blocks.0.hook_resid_post", edit)]):
-            compiled = model.generate(input_ids=ids, attention_mask=mask, compile_config=compile_config, **kwargs)
-            assert steps == [5, 1, 1], f"the hook ran on steps of length {steps}"
-            eager = model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
-    for step, (a, b) in enumerate(zip(compiled.logits, eager.logits)):
-        assert_close(a, b, f"step {step}: edited logits with compilation requested vs without", atol=1e-5)
-    assert not getattr(model.generation_config, "disable_compile", False), "the setting is restored"
-    hm.unwrap()
-
-
-def _kv_keys(past: Any, layer: int) -> torch.Tensor:
-    layers = getattr(past, "layers", None)
-    if layers is not None:
-        return layers[layer].keys
-    return past.key_cache[layer]  # pragma: no cover - older caches
-
-
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-def test_rot_k_edit_is_stored_in_the_kv_cache(cache_implementation):
-    """An edit of hook_rot_k during prefill is what the KV cache holds, and decoding uses it."""
-    from transformers import DynamicCache, StaticCache
-
-    config = llama_config(n_heads=6, n_kv=2, head_dim=8, hidden=24, layers=2, rope_type="llama3", theta=500000.0)
-    model = make(config, 11)
-    hm = wrap(model)
-    prefix = 6
-    ids, mask = left_padded(config.vocab_size, length=prefix + 1, pads=(2, 0))
-    layer = 1
-    delta = torch.randn(2, prefix, 2, 8, generator=torch.Generator().manual_seed(5))
-    seen = {}
-
-    def edit(k: torch.Tensor, hook: Any) -> torch.Tensor:
-        if k.shape[1] != prefix + 1 and k.shape[1] != prefix:
-            return None
-        k = k.clone()
-        k[:, :prefix] += delta  # only the prefix positions: the last token's key stays as computed
-        seen.setdefault(k.shape[1], k)
-        return k
-
-    def new_cache():
-        if cache_implementation == "static":
-            try:
-                return StaticCache(config=config, max_cache_len=16)
-            except TypeError:  # transformers 4.57 also wants the batch size
-                return StaticCache(config=config, max_batch_size=2, max_cache_len=16)
-        return DynamicCache()
-
-    with torch.no_grad():
-        with hm.hooks([(f"blocks.{layer}.attn.hook_rot_k", edit)]):
-            full = hm(ids, attention_mask=mask).logits[:, -1]  # one pass over all tokens, prefix keys edited
-            past = new_cache()
-            out = hm(ids[:, :prefix], attention_mask=mask[:, :prefix], past_key_values=past, use_cache=True)
-        keys = _kv_keys(out.past_key_values, layer)[:, :, :prefix]  # [b, hkv, p, d]
-        assert_close(keys.transpose(1, 2), seen[prefix], "KV cache holds the edited rotated keys", atol=1e-5)
-        step = hm(
-            ids[:, prefix:],
-            attention_mask=mask,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-            position_ids=torch.full((2, 1), prefix),
-        ).logits[:, -1]
-    assert_close(step, full, "decoding from the edited cache == one pass with the edit", atol=1e-4)
-    with torch.no_grad():
-        unedited = hm(ids, attention_mask=mask).logits[:, -1]
-    assert not torch.allclose(unedited, full, atol=1e-3), "the edit should matter"
     hm.unwrap()
 
 

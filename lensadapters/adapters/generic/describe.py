@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from lensadapters.adapters.generic.describe_mlp import COMMON_ACTIVATIONS, _activation, _describe_mlp  # noqa: F401
+from lensadapters.adapters.generic.describe_mlp import _describe_mlp
 from lensadapters.adapters.generic.description_types import (  # noqa: F401  (their old import path)
     MLP,
     QKV,
@@ -52,9 +52,7 @@ from lensadapters.adapters.generic.rotary_forms import (  # noqa: F401  (their o
     _rotary_candidates,
     _rotary_inside_attention,
     _rotary_module,
-    _rotate_pairs,
     interleaved_spec,
-    reversed_rotate_half_spec,
 )
 from lensadapters.adapters.generic.rotated_norm import RotatedNorm, norm_after_rotary
 from lensadapters.adapters.vlm import text_config

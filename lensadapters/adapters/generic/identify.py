@@ -45,13 +45,11 @@ from torch import nn
 
 from lensadapters.adapters.generic.model_ends import (  # noqa: F401  (their old import path)
     NO_FINAL_NORM,
-    _constant_factors,
     _embed_scale,
     _final_norm,
     _head_norm,
     _logit_scale,
     _no_final_norm,
-    _NoConfig,
     _table_scale,
 )
 from lensadapters.adapters.generic.norms import NormBehaviour

@@ -47,12 +47,8 @@ from torch import nn
 from lensadapters.adapters.generic.mixer_sites import (  # noqa: F401  (their old import path)
     Internal,
     InternalsSite,
-    ResidMidSite,
     _conv_positions,
     _conv_view,
-    _ModuleOutput,
-    _spec_of,
-    layer_sites,
 )
 from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.generic.references import Reference

@@ -16,13 +16,7 @@ from lensadapters.adapters.generic.eager_reference import (
     _verify_key,
 )
 from lensadapters.adapters.generic.own_attention import operand_reference, softmax_reference
-from lensadapters.adapters.generic.references import (  # noqa: F401  (OPAQUE_BRANCHES: the old import path)
-    OPAQUE_BRANCHES,
-    Reference,
-    Unchecked,
-    _norm_view,
-    reference,
-)
+from lensadapters.adapters.generic.references import Reference, Unchecked
 from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
 
 Tensor = torch.Tensor

@@ -11,10 +11,10 @@ from torch import nn
 
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.latent import claim_latent_points, latent_sites_served
-from lensadapters.adapters.generic.mixer import layer_sites as mixer_sites
 from lensadapters.adapters.generic.mixer import reference as internal_reference
 from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
+from lensadapters.adapters.generic.mixer_sites import layer_sites as mixer_sites
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.recheck import check_second_wiring
 from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES

@@ -53,11 +53,11 @@ from lensadapters.adapters.generic.describe import (
     LayerDescription,
     NotDescribed,
     NotThisShape,
-    _activation,
     _close,
     _describe_attention,
     _is_linear,
 )
+from lensadapters.adapters.generic.describe_mlp import _activation
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import Recording, flattened
 from lensadapters.adapters.vlm import text_config

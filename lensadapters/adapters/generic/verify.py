@@ -41,17 +41,10 @@ from lensadapters.adapters.generic.eager_reference import (
     _plan,
 )
 from lensadapters.adapters.generic.plain_references import (  # noqa: F401  (their old import path)
-    _edit_at,
-    _Handles,
-    _head_input_hooks,
     _logits,
     _norm_output,
-    _once,
-    _per_head,
-    _plain_hook,
     _run_reference,
     _run_references,
-    _scale_of,
 )
 from lensadapters.adapters.generic.references import (  # noqa: F401  (OPAQUE_BRANCHES: the old import path)
     OPAQUE_BRANCHES,

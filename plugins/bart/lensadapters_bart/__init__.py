@@ -79,10 +79,6 @@ from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
     EmbedSumSite,
     PreLNResidualSite,
-    _additive,
-    _scores,
-    _scores_queries_first,
-    outside_scale,
     position_offset,
 )
 

@@ -331,8 +331,10 @@ class HookPoint:
                 continue
             value = self._conform(out, value)
             changed = True
-        if not changed:
+        if not changed and not (value is not original and _asks_for_its_gradient(value)):
             value = original  # a copy nobody edited: keep the model's own tensor
+        elif not changed:  # the copy a hook asked the gradient of (register_hook, retain_grad): the model must use it
+            changed = True
         if backward and self.bwd_hooks and torch.is_grad_enabled() and value.requires_grad:
             entries = self.live_hooks("bwd")  # the hooks of this forward, even if removed before backward
             if entries:
@@ -373,6 +375,12 @@ class HookPoint:
         if out.device != like.device:
             out = out.to(like.device)
         return out
+
+
+def _asks_for_its_gradient(value: torch.Tensor) -> bool:
+    """Whether a hook registered a tensor hook on ``value`` or asked it to retain its gradient: then ``value``, not
+    the model's tensor it copies, must be what the model goes on with, or that gradient never comes."""
+    return value.requires_grad and (bool(getattr(value, "_backward_hooks", None)) or value.retains_grad)
 
 
 class TorchHandle:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
@@ -131,11 +132,28 @@ class _MaskInfo:
 _MASK_INFOS: dict[int, tuple[Any, _MaskInfo]] = {}
 
 
+# (q_len, k_len, device, causal, window) -> what is blocked without a mask (sdpa's causal fast path): it depends on
+# the shape alone, so it is derived once per shape rather than in every layer of every forward (each derivation asks
+# the device whether anything is blocked, a wait on a GPU). Bounded: generation meets a new key length every step.
+_MASKLESS_INFOS: OrderedDict[tuple[Any, ...], _MaskInfo] = OrderedDict()
+_MASKLESS_INFOS_KEPT = 8
+
+
 def _mask_info(
     mask: Optional[Tensor], q_len: int, k_len: int, device: torch.device, causal: bool, window: Optional[int] = None
 ) -> _MaskInfo:
     if mask is None:
-        return _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal, window))
+        # inference-mode tensors cannot be saved for a later backward pass: kept apart from the others
+        shape_key = (q_len, k_len, str(device), causal, window, torch.is_inference_mode_enabled())
+        info = _MASKLESS_INFOS.get(shape_key)
+        if info is None:
+            info = _MaskInfo(*_allowed_and_bias_info(mask, q_len, k_len, device, causal, window))
+            _MASKLESS_INFOS[shape_key] = info
+            while len(_MASKLESS_INFOS) > _MASKLESS_INFOS_KEPT:
+                _MASKLESS_INFOS.popitem(last=False)
+        else:
+            _MASKLESS_INFOS.move_to_end(shape_key)
+        return info
     key = (q_len, k_len, str(device), causal, window, _version(mask), mask.dtype)
     cached = _MASK_INFOS.get(id(mask))
     if cached is not None and cached[0] == key:

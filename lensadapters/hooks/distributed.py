@@ -120,6 +120,19 @@ def _fsdp_handles(module: nn.Module) -> Optional[tuple[Any, Any]]:
     return getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)
 
 
+def _any_module_sharded() -> bool:
+    """Whether any module of this process was given to ``fully_shard`` (torch's registry of composable states, a
+    private name: without it, assume so and walk the model). Transformers and accelerate import FSDP2 in every
+    process, so without this look-up every hook installation would walk every module of an unsharded model."""
+    composable = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(composable, "_module_state_mapping", None)
+    if mapping is None:
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    return fsdp_module is None or any(isinstance(module, fsdp_module) for module in list(mapping.keys()))
+
+
 class FsdpHookOrder:
     """Keeps FSDP2's own forward hooks around every hook lensadapters adds to a ``fully_shard`` module.
 
@@ -136,7 +149,7 @@ class FsdpHookOrder:
 
     def outermost(self) -> None:
         """Move FSDP2's hooks to the ends (on modules sharded before or after wrapping)."""
-        if "torch.distributed.fsdp" not in sys.modules:
+        if "torch.distributed.fsdp" not in sys.modules or not (self._saved or _any_module_sharded()):
             return
         for module in self._model.modules():
             if module not in self._saved:

@@ -62,6 +62,10 @@ def plugin_of(exc: BaseException) -> Optional[str]:
     return getattr(exc, "_lensadapters_plugin", None)
 
 
+def _same_objects(a: tuple[tuple[Any, ...], ...], b: tuple[tuple[Any, ...], ...]) -> bool:
+    return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
+
+
 class PluginCaller:
     """``caller(**kwargs)`` calls one hook's implementations over the plugins not excluded (module docstring)."""
 
@@ -72,11 +76,19 @@ class PluginCaller:
         self._excluded = excluded
         spec = self._hook.spec
         self.firstresult = bool(spec is not None and spec.opts.get("firstresult"))
+        self._chosen_from: Optional[tuple[tuple[Any, ...], tuple[Any, ...]]] = None
+        self._chosen: list[Any] = []
 
     def implementations(self) -> list[Any]:
-        """The ``HookImpl`` objects called, in call order."""
-        impls = [i for i in self._hook.get_hookimpls() if not any(i.plugin is e for e in self._excluded)]
-        return impls[::-1]
+        """The ``HookImpl`` objects called, in call order: chosen again only when the registered implementations or
+        the excluded plugins change (hot: hooked forwards ask per point and per layer)."""
+        hookimpls = self._hook.get_hookimpls()
+        key = (tuple(hookimpls), tuple(self._excluded))  # held, so no id of theirs is reused while it is compared
+        if self._chosen_from is None or not _same_objects(key, self._chosen_from):
+            excluded = {id(e) for e in self._excluded}
+            self._chosen = [i for i in reversed(hookimpls) if id(i.plugin) not in excluded]
+            self._chosen_from = key
+        return list(self._chosen)
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.firstresult:

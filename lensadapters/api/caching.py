@@ -133,9 +133,10 @@ class CachingRuns:
         def save_grad(tensor: Tensor, hook: HookPoint) -> None:
             keep(hook.name + "_grad", tensor)
 
+        wanted = frozenset(names).__contains__  # one selector for every name: not one attachment per name
         with self.hooks(
-            [(n, save) for n in names],
-            [(n, save_grad) for n in names] if incl_bwd else [],
+            [(wanted, save)] if names else [],
+            [(wanted, save_grad)] if incl_bwd and names else [],
             reset_hooks_end,
             _readonly=True,
             _watch=named,

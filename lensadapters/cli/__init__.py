@@ -113,6 +113,7 @@ def _hooks(args: argparse.Namespace) -> int:
                 ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
             )
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
+    accounts = _verified_against(hm) if note else {}
     hm.unwrap()
     if args.json:
         print(
@@ -123,7 +124,7 @@ def _hooks(args: argparse.Namespace) -> int:
                     "batch": 1,
                     "positions": args.length,
                     "hook_points": shapes,
-                    **({"generic": note} if note else {}),
+                    **({"generic": note, "verified_against": accounts} if note else {}),
                 },
                 indent=2,
             )
@@ -131,11 +132,26 @@ def _hooks(args: argparse.Namespace) -> int:
         return 0
     adapter = "generic adapter" if note else hm.arch.name
     print(f"{adapter}: {len(shapes)} hook points of {source}; shapes for batch 1, {args.length} positions")
+    if any(accounts.values()):
+        print(
+            "  (after the shape: what the wrap-time probe verified the point's value and edit against; a layer of the "
+            "same class and description as an earlier one shares that one's check, the last layer is checked itself)"
+        )
     for name, shape in shapes.items():
-        print(f"  {name:<40} {tuple(shape) if shape is not None else '(not run)'}")
+        line = f"  {name:<40} {str(tuple(shape)) if shape is not None else '(not run)':<20}"
+        account = accounts.get(name)
+        print(f"{line} {account}".rstrip() if account else line.rstrip())
     if note:
         print(textwrap.fill(note[0].upper() + note[1:], width=100))
     return 0
+
+
+def _verified_against(hm: Any) -> dict[str, Optional[str]]:
+    """Per point of a generic wrap: the plain-PyTorch place its value and edit were verified against at wrap time
+    (``None``: served by the probe's structural proof or a check of its own, with no single place to name)."""
+    from lensadapters.adapters.generic.accounts import verified_against
+
+    return {name: verified_against(hm.wiring, name) for name in hm.hook_names}
 
 
 def _demo(args: argparse.Namespace) -> int:

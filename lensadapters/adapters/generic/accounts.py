@@ -47,29 +47,28 @@ def _module(ref: Reference, names: dict[int, str]) -> str:
     return names[id(ref.module)] or "the model"  # the root module's name is ""
 
 
+#: a reference's kind -> the place it names (``where``: the module's name, ``part``: of the attention function)
+_PLACES = {
+    "out": "the output of {where}",
+    "attn": "{part} of layer {layer}'s attention function",
+    "softmax": "{part} of the softmax {where} computes in its own code",
+    "operand": "{part} the sdpa call in {where}'s own code gets",
+    "scale": "the scale the norm {where} divides by",
+    "result": "the per-head terms of {where}'s output (its input times its weight, head by head)",
+    "arg": "argument {spec} of {where}",
+    "router_input": "the logits {where} computes from its input (an edit made by moving that input)",
+    "head_input": "the input of {where}, given per head",
+}
+
+
 def _account(ref: Reference, names: dict[int, str]) -> str:
     where = _module(ref, names)
-    if ref.kind == "out":
-        text = f"the output of {where}"
-    elif ref.kind == "in":
+    if ref.kind == "in":
         text = f"the input of {where}" + (f" (its call {ref.spec} in a forward)" if isinstance(ref.spec, int) else "")
-    elif ref.kind == "attn":
-        text = f"{_ATTENTION_PARTS.get(ref.part, ref.part)} of layer {ref.layer}'s attention function"
-    elif ref.kind == "softmax":
-        text = f"{_ATTENTION_PARTS.get(ref.part, ref.part)} of the softmax {where} computes in its own code"
-    elif ref.kind == "operand":
-        text = f"{_ATTENTION_PARTS.get(ref.part, ref.part)} the sdpa call in {where}'s own code gets"
-    elif ref.kind == "scale":
-        text = f"the scale the norm {where} divides by"
-    elif ref.kind == "result":
-        text = f"the per-head terms of {where}'s output (its input times its weight, head by head)"
-    elif ref.kind == "arg":
-        text = f"argument {ref.spec} of {where}"
-    elif ref.kind == "router_input":
-        text = f"the logits {where} computes from its input (an edit made by moving that input)"
-    elif ref.kind == "head_input":
-        text = f"the input of {where}, given per head"
-    else:
+    elif ref.kind in _PLACES:
+        part = _ATTENTION_PARTS.get(ref.part, ref.part)
+        text = _PLACES[ref.kind].format(where=where, part=part, layer=ref.layer, spec=ref.spec)
+    else:  # plain hooks of the reference's own on several modules
         modules = getattr(ref.spec, "modules", None)
         listed = ", ".join(names.get(id(m), type(m).__name__) for m in modules) if modules else where
         text = f"plain hooks on {listed}"

@@ -74,6 +74,10 @@ SAMPLE = (
     # 4.x's from_config builds it from the composite config)
     "llama4",
     "emu3",
+    # lensadapters-bart's decoders: BigBird-Pegasus' (its final norm named layernorm_embedding) and Blenderbot-Small's
+    # (its token embeddings normalized before the positions, unscaled)
+    "bigbird_pegasus",
+    "blenderbot-small",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
@@ -451,6 +455,9 @@ def test_an_embedding_norm_is_not_a_final_norm() -> None:
     sizes = dict(d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=16, vocab_size=32)
     assert not has_final_norm(BartForCausalLM(BartConfig(**sizes)), "model.decoder.layers")
     assert has_final_norm(MBartForCausalLM(MBartConfig(**sizes)), "model.decoder.layers")
+    # BigBird-Pegasus' decoder: its final norm (after the last layer) is named layernorm_embedding
+    assert has_final_norm(build("bigbird_pegasus"), "model.decoder.layers")
+    assert "ln_final.hook_scale" in census_entry("bigbird_pegasus").applicable
 
 
 def test_a_composite_config_builds_its_causal_lm_from_its_text_config_as_from_pretrained_does() -> None:

@@ -70,6 +70,14 @@ SAMPLE = (
     "arcee",
     "ernie4_5",
     "exaone4",
+    # a composite config whose causal LM is built from its text config, as from_pretrained builds it (transformers
+    # 4.x's from_config builds it from the composite config)
+    "llama4",
+    "emu3",
+    # lensadapters-bart's decoders: BigBird-Pegasus' (its final norm named layernorm_embedding) and Blenderbot-Small's
+    # (its token embeddings normalized before the positions, unscaled)
+    "bigbird_pegasus",
+    "blenderbot-small",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
@@ -447,3 +455,22 @@ def test_an_embedding_norm_is_not_a_final_norm() -> None:
     sizes = dict(d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=16, vocab_size=32)
     assert not has_final_norm(BartForCausalLM(BartConfig(**sizes)), "model.decoder.layers")
     assert has_final_norm(MBartForCausalLM(MBartConfig(**sizes)), "model.decoder.layers")
+    # BigBird-Pegasus' decoder: its final norm (after the last layer) is named layernorm_embedding
+    assert has_final_norm(build("bigbird_pegasus"), "model.decoder.layers")
+    assert "ln_final.hook_scale" in census_entry("bigbird_pegasus").applicable
+
+
+def test_a_composite_config_builds_its_causal_lm_from_its_text_config_as_from_pretrained_does() -> None:
+    """Llama 4's and Emu3's causal LMs take their text config (``Llama4TextConfig``); built from the composite config
+    (transformers 4.x's ``from_config``) they lack the text model's fields. A plain config is built as it is."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    from lensadapters.testing.every_model_type import causal_lm_class
+
+    for model_type, name in (("llama4", "Llama4ForCausalLM"), ("emu3", "Emu3ForCausalLM")):
+        composite = AutoConfig.for_model(model_type)
+        auto, config = causal_lm_class(composite)
+        assert config is composite.get_text_config() and config is not composite
+        assert type(build(model_type)).__name__ == name
+    plain = LlamaConfig()
+    assert causal_lm_class(plain) == (AutoModelForCausalLM, plain)

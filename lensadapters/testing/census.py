@@ -106,12 +106,38 @@ def has_final_norm(model: nn.Module, blocks: str) -> bool:
     """Whether the module holding the layer list at ``blocks`` (or the one above it) has a norm child: the final
     norm of a decoder (``model.norm``, ``transformer.ln_f``). A BERT-style encoder has none (TransformerLens'
     ``HookedEncoder`` has no ``ln_final`` either). A norm of the embeddings (a child named ``*embed*``, as BART's
-    ``layernorm_embedding``) is not a final norm."""
+    ``layernorm_embedding``) is not a final norm, unless it runs after the last layer (one forward of the census's
+    tokens: BigBird-Pegasus' decoder calls its final norm ``layernorm_embedding``)."""
     path = blocks.rsplit(".", 1)[0] if "." in blocks else ""
     holders = [model.get_submodule(path)]
     if path:
         holders.append(model.get_submodule(path.rsplit(".", 1)[0] if "." in path else ""))
-    return any(_is_norm(child) and "embed" not in name for holder in holders for name, child in holder.named_children())
+    norms = [(name, child) for holder in holders for name, child in holder.named_children() if _is_norm(child)]
+    if any("embed" not in name for name, _ in norms):
+        return True
+    return any(_runs_after_the_last_layer(model, model.get_submodule(blocks), norm) for _, norm in norms)
+
+
+def _runs_after_the_last_layer(model: nn.Module, layers: nn.Module, norm: nn.Module) -> bool:
+    """Whether ``norm`` is the last of (the last layer, ``norm``) to run in one forward of the census's tokens."""
+    from lensadapters.testing.every_model_type import input_ids
+
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return False
+    order: list[str] = []
+    hooks = [
+        layers[-1].register_forward_hook(lambda *args: order.append("last")),
+        norm.register_forward_hook(lambda *args: order.append("norm")),
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids())
+    except Exception:  # nothing proven
+        return False
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return "last" in order and order[-1] == "norm"
 
 
 def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:

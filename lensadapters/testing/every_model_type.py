@@ -246,10 +246,10 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _build(model_type: str, seed: int, layers: int, options: bool = False) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
-        config = shrink_config(AutoConfig.for_model(model_type), layers, options)
+        auto, config = causal_lm_class(shrink_config(AutoConfig.for_model(model_type), layers, options))
     except Exception as error:
         raise NotBuildable(f"no default config: {type(error).__name__}: {error}") from error
     try:
@@ -257,11 +257,11 @@ def _build(model_type: str, seed: int, layers: int, options: bool = False) -> to
             warnings.simplefilter("ignore")
             try:
                 with torch.device("meta"):  # the size first, without allocating
-                    _check_size(AutoModelForCausalLM.from_config(config))
+                    _check_size(auto.from_config(config))
             except NotImplementedError:  # a module reads a tensor's value when it is made (xIELU): once built
                 pass
             torch.manual_seed(seed)
-            model = _check_size(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32))
+            model = _check_size(auto.from_config(config, torch_dtype=torch.float32))
     except NotBuildable:
         raise
     except Exception as error:
@@ -273,6 +273,33 @@ def _build(model_type: str, seed: int, layers: int, options: bool = False) -> to
     except Exception as error:
         raise NotBuildable(f"the tiny model's own forward fails: {type(error).__name__}: {str(error)[:300]}") from error
     return model
+
+
+def causal_lm_class(config: Any) -> tuple[Any, Any]:
+    """How ``AutoModelForCausalLM.from_pretrained`` builds ``config``'s causal LM (and transformers 5's
+    ``from_config``): a composite config (``Llama4Config``) whose mapped class takes its text config
+    (``Llama4ForCausalLM``: ``Llama4TextConfig``) builds that class from the text config, ``(class, text
+    config)``; any other config ``(AutoModelForCausalLM, config)``. (Transformers 4's ``from_config`` builds the
+    class from the composite config, whose top level lacks the text model's fields: ``vocab_size``...)"""
+    from transformers import AutoModelForCausalLM
+
+    mapping: Any = AutoModelForCausalLM._model_mapping
+    text_config = getattr(config, "sub_configs", {}).get("text_config")
+    if text_config is not None and type(config) in mapping:
+        model_class = mapping[type(config)]
+        if getattr(model_class, "config_class", None) is text_config:
+            return _FromConfig(model_class), config.get_text_config()
+    return AutoModelForCausalLM, config
+
+
+class _FromConfig:
+    """A model class's ``_from_config`` as ``from_config`` (what ``AutoModelForCausalLM.from_config`` calls)."""
+
+    def __init__(self, model_class: Any) -> None:
+        self.model_class = model_class
+
+    def from_config(self, config: Any, **kwargs: Any) -> Any:
+        return self.model_class._from_config(config, **kwargs)
 
 
 def _check_size(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,7 +1,8 @@
-"""The BART family for lensadapters (transformers 4.57 and 5.x): BART, PLBart, mBART, Marian, Pegasus, Blenderbot
-and MVP, declared by what each changes of BART (``FAMILIES``). Their ``*ForConditionalGeneration`` get TransformerLens
-2.18 ``HookedEncoderDecoder``'s names (TransformerLens 2.18 has none of them); their ``*ForCausalLM`` (the decoder
-alone) the core's decoder-only points, described by ``lensadapters_block``... (post-LN with ``BertBlock``'s points).
+"""The BART family for lensadapters (transformers 4.57 and 5.x): BART, PLBart, mBART, Marian, Pegasus, Blenderbot,
+Blenderbot-Small and MVP (and BigBird-Pegasus' decoder alone), declared by what each changes of BART (``FAMILIES``).
+Their ``*ForConditionalGeneration`` get TransformerLens 2.18 ``HookedEncoderDecoder``'s names (TransformerLens 2.18
+has none of them); their ``*ForCausalLM`` (the decoder alone) the core's decoder-only points, described by
+``lensadapters_block``... (post-LN with ``BertBlock``'s points).
 
 BART's stacks read token embeddings (times ``sqrt(d_model)`` where ``config.scale_embedding``) plus learned positions
 (the table's row ``position + 2``: BART's offset), through a LayerNorm (``layernorm_embedding``); their blocks are
@@ -78,6 +79,7 @@ from lensadapters.plugin_api import (
 from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
     EmbedSumSite,
+    NormFirstEmbedSite,
     PreLNResidualSite,
     position_offset,
 )
@@ -112,6 +114,18 @@ class Family:
     scale_queries_first: bool = False
     """The attention multiplies the queries by ``d_head**-0.5`` before ``q kᵀ`` (MVP's own attention code) instead of
     scaling the product (the attention functions BART calls)."""
+    final_norm: str = "layer_norm"
+    """The attribute of each stack that is its final norm (where ``final_norms``; BigBird-Pegasus:
+    ``layernorm_embedding``, which is then no embedding norm)."""
+    decoder_norm_first: bool = False
+    """The decoder normalizes its token embeddings (``layernorm_embedding``) before adding the positions
+    (BlenderbotSmall's: ``norm(embed) + positions``) instead of normalizing the sum (its encoder: ``norm(embed +
+    positions)``)."""
+    decoder_scaled: bool = True
+    """The decoder applies the embedding scale (BlenderbotSmall's has an ``embed_scale`` it never multiplies by)."""
+    causal_only: bool = False
+    """Only the ``*ForCausalLM`` is served; the ``*ForConditionalGeneration`` is refused by name (its encoder is not
+    BART's: BigBird-Pegasus' encoder attention is BigBird's own module, block-sparse or full)."""
 
 
 #: the families served, by ``model_type``; ``offset`` of learned positions is the module's own
@@ -124,10 +138,19 @@ FAMILIES = {
     "blenderbot": Family("Blenderbot", True, False, True, "learned", True),
     # MVP without its prompts (use_prompt=False)
     "mvp": Family("Mvp", False, True, False, "learned", False, scale_queries_first=True),
+    # the decoder's norm before the positions, its embeddings unscaled
+    "blenderbot-small": Family(
+        "BlenderbotSmall", False, True, False, "learned", False, decoder_norm_first=True, decoder_scaled=False
+    ),
+    # the decoder alone: a pre-LN decoder whose final norm is named layernorm_embedding
+    "bigbird_pegasus": Family(
+        "BigBirdPegasus", True, False, True, "learned", True, final_norm="layernorm_embedding", causal_only=True
+    ),
 }
 ARCH = hf.architecture(
     "bart",
-    "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, MVP: learned or sinusoidal "
+    "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, Blenderbot-Small, MVP; "
+    "BigBird-Pegasus' decoder alone: learned or sinusoidal "
     "positions, post- or pre-LN blocks, biases, final_logits_bias) with HookedEncoderDecoder's names, and their "
     "*ForCausalLM (the decoder alone) with TransformerLens' decoder-only names",
     model_types=tuple(FAMILIES),
@@ -153,7 +176,10 @@ def _stack_names(model: Any) -> tuple[str, ...]:
     return ("decoder",) if causal(model) else STACKS
 
 
-def embed_scale(model: Any) -> float:
+def embed_scale(model: Any, stack: str = "encoder") -> float:
+    """The factor ``stack``'s token embeddings are multiplied by (a decoder that never applies its own: 1)."""
+    if stack == "decoder" and not family(model).decoder_scaled:
+        return 1.0
     return math.sqrt(model.config.d_model) if model.config.scale_embedding else 1.0
 
 
@@ -166,8 +192,9 @@ lensadapters_architectures = hf.claims(ARCH)
 def _check_family(model: Any, fam: Family, stack_name: str, stack: nn.Module) -> None:
     """The family's declared differences, checked against the stack's modules."""
     found = {
-        "embed_ln": isinstance(getattr(stack, "layernorm_embedding", None), nn.LayerNorm),
-        "final_norms": isinstance(getattr(stack, "layer_norm", None), nn.LayerNorm),
+        "embed_ln": fam.final_norm != "layernorm_embedding"
+        and isinstance(getattr(stack, "layernorm_embedding", None), nn.LayerNorm),
+        "final_norms": isinstance(getattr(stack, fam.final_norm, None), nn.LayerNorm),
         "positions": "sinusoidal" if "Sinusoidal" in type(stack.embed_positions).__name__ else "learned",
         "scale_in_module": hasattr(stack.embed_tokens, "embed_scale"),
     }
@@ -186,6 +213,12 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     base = _stacks(model)
     names = _stack_names(model)
     kind = "ForCausalLM" if causal(model) else "ForConditionalGeneration"
+    if fam.causal_only and not causal(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: lensadapters-bart serves {fam.name}'s decoder alone ({fam.name}ForCausalLM); "
+            f"its encoder's attention ({type(base.encoder.layers[0].self_attn).__name__}, full or block-sparse) is "
+            f"not described"
+        )
     for stack in names:
         if not isinstance(getattr(base, stack, None), nn.Module):
             raise UnsupportedModelError(
@@ -263,9 +296,9 @@ def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayou
             embed="model.decoder.embed_tokens",
             pos_embed="model.decoder.embed_positions",
             pos_embed_offset=position_offset(decoder),
-            ln_final="model.decoder.layer_norm" if fam.final_norms else None,
+            ln_final=f"model.decoder.{fam.final_norm}" if fam.final_norms else None,
             unembed="lm_head",
-            embed_scale=embed_scale(model),
+            embed_scale=embed_scale(model, "decoder"),
             embed_scale_after_module=not fam.scale_in_module,
             embed_scale_rounded=fam.scale_in_module,
         )
@@ -393,8 +426,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     if causal(model):  # the core serves the blocks; the embeddings' sum and its norm are this plugin's
         decoder = model.model.decoder
         pos = hooked.claim_point("hook_pos_embed")
-        consumer = decoder.layernorm_embedding if fam.embed_ln else decoder.layers[0]
-        sites: list[Site] = [EmbedSumSite(decoder, consumer, embeds[0], pos, type(model).__name__)]
+        sites: list[Site] = [_embed_site(fam, "decoder", decoder, embeds[0], pos, type(model).__name__)]
         if fam.embed_ln:
             sites.append(hf.PointChain(hooked, "hook_pos_embed").norm(decoder.layernorm_embedding, "embed.ln"))
         if fam.scale_queries_first:  # MVP's own attention code: scores and patterns written out here
@@ -411,15 +443,23 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         module = getattr(base, stack)
         lead = "" if stack == "encoder" else "decoder."
         embed = embeds[0] if stack == "encoder" else p.new("decoder.hook_embed")
-        consumer = module.layernorm_embedding if fam.embed_ln else module.layers[0]
-        sites.append(EmbedSumSite(module, consumer, embed, p.new(f"{lead}hook_pos_embed"), f"model.{stack}"))
+        sites.append(_embed_site(fam, stack, module, embed, p.new(f"{lead}hook_pos_embed"), f"model.{stack}"))
         if fam.embed_ln:
             sites.append(p.norm(module.layernorm_embedding, f"{lead}embed.ln"))
         for i, block in enumerate(module.layers):
             sites += block_sites(p, block, f"{stack}.{i}", heads, fam)
         if fam.final_norms:
-            sites.append(p.norm(module.layer_norm, f"{stack}_final_ln"))
+            sites.append(p.norm(getattr(module, fam.final_norm), f"{stack}_final_ln"))
     return sites
+
+
+def _embed_site(fam: Family, name: str, stack: Any, embed: Any, pos: Any, label: str) -> Site:
+    """Where ``stack`` adds its token embeddings and positions: the input of the module that reads the sum (its
+    embedding norm, or its first block), or, where it normalizes the token embeddings first, their outputs."""
+    if name == "decoder" and fam.decoder_norm_first:
+        return NormFirstEmbedSite(stack, stack.layernorm_embedding, embed, pos, label)
+    consumer = stack.layernorm_embedding if fam.embed_ln else stack.layers[0]
+    return EmbedSumSite(stack, consumer, embed, pos, label)
 
 
 #: what every tiny config of ``bart_config`` shares: 32 positions, BART's special tokens, no dropout

@@ -98,6 +98,50 @@ class EmbedSumSite(Site):
         return (embed + shown, *args[1:]) if changed or moved else None
 
 
+class NormFirstEmbedSite(EmbedSumSite):
+    """A stack's ``hook_embed`` and ``hook_pos_embed`` where it normalizes its token embeddings before adding the
+    positions (BlenderbotSmall's decoder: ``layernorm_embedding(embed_tokens(ids)) + positions``): served at the
+    outputs of ``embed_tokens`` and ``embed_positions`` (while this stack runs: both stacks may call one shared
+    embedding module), so an edit is what the norm, or the sum, reads. ``hook_pos_embed`` is shown ``[batch, pos,
+    d_model]``. Each forward checks that the norm reads the token embeddings as ``embed_tokens`` gave them (a stack
+    that scales them between is not this one: refused by name)."""
+
+    def __init__(self, stack: Any, norm: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
+        super().__init__(stack, norm, embed, pos, label)
+
+    def install(self) -> list[Any]:
+        s = self.stack
+        return [
+            s.register_forward_pre_hook(self._enter, with_kwargs=True),
+            s.register_forward_hook(self._leave),
+            s.embed_tokens.register_forward_hook(self._embed),
+            s.embed_positions.register_forward_hook(self._pos),
+            self.consumer.register_forward_pre_hook(self._check, prepend=True),
+        ]
+
+    def _embed(self, module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
+        if not self.running or is_recomputing():
+            return None
+        value, changed = self.embed.apply(output)
+        self.values["embed"] = value
+        return value if changed else None
+
+    def _pos(self, module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
+        embed = self.values.get("embed")
+        if not self.running or embed is None or is_recomputing():  # inputs_embeds given: no token embeddings here
+            return None
+        value, changed = self.pos.apply(output.expand_as(embed), protect=True)
+        return value if changed else None
+
+    def _check(self, module: nn.Module, args: tuple) -> None:
+        embed = self.values.pop("embed", None)
+        if embed is not None and not torch.equal(args[0], embed):
+            raise UnsupportedModelError(
+                f"{self.label}: its embedding norm reads something other than the token embeddings embed_tokens "
+                f"gave: lensadapters-bart describes this stack as normalizing them, unscaled, before the positions"
+            )
+
+
 class PreLNResidualSite(Site):
     """The residual stream of one pre-LN block (mBART, Pegasus, Blenderbot): ``hook_attn_out``, ``hook_resid_mid``,
     (decoder: ``hook_cross_attn_out``, ``hook_resid_mid_cross``), ``hook_mlp_out`` and ``hook_resid_post``.

@@ -23,8 +23,10 @@ from lensadapters.testing.strategies import as_strategy
 
 __all__ = ["BartCausalContract", "BartContract", "bart_configs"]
 
-#: the families beside BART, each a stratum of the contracts
-OTHERS = tuple(t for t in lensadapters_bart.FAMILIES if t != "bart")
+#: the families served as encoder-decoders (BigBird-Pegasus: its decoder alone)
+ENCODER_DECODERS = tuple(t for t, f in lensadapters_bart.FAMILIES.items() if not f.causal_only)
+#: the families beside BART, each a stratum of the encoder-decoder contract
+OTHERS = tuple(t for t in ENCODER_DECODERS if t != "bart")
 PRE_LN = tuple(t for t, f in lensadapters_bart.FAMILIES.items() if f.pre_ln)
 #: each family beside BART: every point fires once in order; the pre-LN ones: generation with hooks too
 STRATA = {
@@ -87,6 +89,7 @@ class BartContract(_Families, EncoderDecoderContract):
 
     plugin: ClassVar[Any] = lensadapters_bart
     config_strategy = bart_configs
+    config_overrides: ClassVar[Any] = {"model_type": st.sampled_from(ENCODER_DECODERS)}
     config_strata: ClassVar[Any] = STRATA
     stratum_overrides: ClassVar[Any] = {t: {"model_type": t} for t in OTHERS}
     # capabilities (`lensadapters check bart`): a learned position table (hook_pos_embed, W_pos), a plain fc1/fc2 MLP

@@ -26,8 +26,10 @@ from lensadapters.testing import encoder_decoder as kit
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
-#: the families beside BART (lensadapters_bart.FAMILIES)
-OTHERS = [t for t in lensadapters_bart.FAMILIES if t != "bart"]
+#: the families beside BART (lensadapters_bart.FAMILIES) served as encoder-decoders
+OTHERS = [t for t, f in lensadapters_bart.FAMILIES.items() if t != "bart" and not f.causal_only]
+#: the families whose decoder alone is served
+CAUSAL_ONLY = [t for t, f in lensadapters_bart.FAMILIES.items() if f.causal_only]
 
 
 def make_model(
@@ -126,17 +128,21 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         lead = "" if name == "encoder" or causal else "decoder."
         b, p = ids.shape
         offset = lensadapters_bart.position_offset(module)
-        embed = at(f"{lead}hook_embed", module.embed_tokens.weight[ids] * factor)
+        scaled = name == "encoder" or fam.decoder_scaled  # BlenderbotSmall's decoder: never scaled
+        embed = at(f"{lead}hook_embed", module.embed_tokens.weight[ids] * (factor if scaled else 1.0))
         pos = at(f"{lead}hook_pos_embed", module.embed_positions.weight[offset : p + offset].expand(b, p, -1))
-        x = embed + pos
-        if fam.embed_ln:
-            x = norm(f"{lead}embed.ln", module.layernorm_embedding, x)
+        if name == "decoder" and fam.decoder_norm_first:  # the token embeddings normalized, then the positions
+            x = norm(f"{lead}embed.ln", module.layernorm_embedding, embed) + pos
+        elif fam.embed_ln:
+            x = norm(f"{lead}embed.ln", module.layernorm_embedding, embed + pos)
+        else:
+            x = embed + pos
         for i, block in enumerate(module.layers):
             pre = f"blocks.{i}" if causal else f"{name}.{i}"
             x = at(f"{pre}.hook_resid_pre", x)
             x = (pre_ln if fam.pre_ln else post_ln)(pre, block, x, mask, memory, cross_mask)
         if fam.final_norms:
-            x = norm("ln_final" if causal else f"{name}_final_ln", module.layer_norm, x)
+            x = norm("ln_final" if causal else f"{name}_final_ln", getattr(module, fam.final_norm), x)
         return x
 
     ids, keep = batch["input_ids"], batch["attention_mask"].bool()
@@ -184,6 +190,14 @@ def test_family_points_and_edits_match_the_reference(model_type):
     edit, grad = kit.check_edits_against_reference(hm, batch, reference)
     print(f"{model_type}: {len(hm.hook_names)} points, largest difference {worst:.3g}, edits {edit:.3g}, {grad:.3g}")
     hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", CAUSAL_ONLY)
+def test_a_family_served_as_its_decoder_alone_refuses_its_encoder_decoder_by_name(model_type):
+    """BigBird-Pegasus' encoder attention is BigBird's own module (block-sparse or full): its
+    ``*ForConditionalGeneration`` is refused, naming it; its ``*ForCausalLM`` is served (below)."""
+    with pytest.raises(UnsupportedModelError, match="decoder alone.*EncoderAttention"):
+        HookedModel.wrap(make_model("eager", model_type=model_type))
 
 
 @pytest.mark.parametrize("model_type", list(lensadapters_bart.FAMILIES))
@@ -251,6 +265,29 @@ def test_edits_match_plain_pytorch_hooks():
         if isinstance(output, tuple):
             return (kit.nudge(output[0]), *output[1:])
         return kit.nudge(output.expand(args[0].shape[0], *output.shape[1:]))
+
+    kit.check_edits_match_plain_hooks(hm, batch, cases, post)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", [t for t, f in lensadapters_bart.FAMILIES.items() if f.decoder_norm_first])
+def test_a_decoder_that_normalizes_its_token_embeddings_first_edits_as_plain_hooks_do(model_type):
+    """BlenderbotSmall's decoder reads ``layernorm_embedding(embed_tokens(ids)) + positions``: an edit of
+    ``decoder.hook_pos_embed`` (the positions' output), of the norm's output and of the decoder's token embeddings
+    is the same edit made by a plain hook there, bit for bit (the encoder normalizes the sum, as BART's)."""
+    model = make_model(model_type=model_type, scaled=True)
+    batch = inputs()
+    hm = HookedModel.wrap(model)
+    dec = model.model.decoder
+    cases = [
+        ("decoder.hook_pos_embed", dec.embed_positions, "output"),
+        ("decoder.embed.ln.hook_normalized", dec.layernorm_embedding, "output"),
+        ("decoder.hook_embed", dec.layernorm_embedding, "input"),
+    ]
+
+    def post(module: Any, args: Any, output: Any) -> Any:
+        rows = batch["decoder_input_ids"].shape[0]  # the positions' output: [pos, d_model]
+        return kit.nudge(output.expand(rows, *output.shape) if output.dim() == 2 else output)
 
     kit.check_edits_match_plain_hooks(hm, batch, cases, post)
     hm.unwrap()

@@ -1,3 +1,6 @@
+# Over 500 lines on purpose: one benchmark run end to end (build every library's model, time the interleaved
+# rounds, measure memory, tabulate, chart); it re-runs itself (``__file__``) as its memory workers and as the
+# HookedTransformer worker in the second (transformers 4.x) environment, so one file is what every process runs.
 """lensadapters against raw Hugging Face and the peers: time and memory, side by side in one run.
 
 Models (random weights, float32, CPU, batch 4 x 128 tokens by default):

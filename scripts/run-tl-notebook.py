@@ -1,4 +1,7 @@
 #!/usr/bin/env python
+# Over 500 lines on purpose: one command whose parts (the notebook's rewrite, the per-cell recorder, the value
+# comparison, the report) make one pipeline and have no other user; the script re-runs itself (``__file__``) as
+# the two per-variant worker processes, so one file is what each process runs and what a reader follows.
 """Run a TransformerLens notebook on TransformerLens and on lensadapters, and compare every value it computes.
 
     python scripts/run-tl-notebook.py Main_Demo.ipynb [more.ipynb ...] [--json results.json] [--cell-timeout 600]

@@ -16,12 +16,13 @@ from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.mixer_sites import layer_sites as mixer_sites
 from lensadapters.adapters.generic.own_attention import OWN_CODE
-from lensadapters.adapters.generic.recheck import check_second_wiring
 from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
+from lensadapters.adapters.generic.verify_described import VERIFYING as _verifying
+from lensadapters.adapters.generic.verify_described import verify_description
 from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.adapters.latent_attention import refused_weight
 from lensadapters.errors import WeightUnavailableError
@@ -376,54 +377,7 @@ class _ResultThenOutput(Site):
         return served if served is not None else (output if changed else None)
 
 
-# --- verification of the described points -------------------------------------------------------------------
-
-_verifying: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-def _representatives(hooked: Any) -> dict[int, int]:
-    """Each described layer's representative: the first layer with the same class and the same description (its
-    points are checked; the others' verdicts are the representative's), and the last layer checks itself."""
-    seen: dict[Any, int] = {}
-    out = {}
-    n = len(hooked.block_modules)
-    for i, (layer, bl) in enumerate(zip(hooked.block_modules, hooked.block_layouts)):
-        if bl is None:
-            continue
-        key = (
-            type(layer),
-            bl,
-            repr(hooked.qkv_layouts[i]).split(" at 0x")[0],
-            repr(hooked.mlp_layouts[i]).split(" at 0x")[0],
-        )
-        out[i] = i if i == n - 1 else seen.setdefault(key, i)
-    return out
-
-
-def verify_description(hooked: Any) -> dict[str, str]:
-    """The described points of ``hooked`` (a wiring) that fail :func:`.verify.check_points`, with why: every point
-    of a representative layer, ``hook_embed`` and the final norm's, checked on a probe forward pass of a second wiring
-    of the same description (built, checked, uninstalled)."""
-    reps = _representatives(hooked)
-
-    def names(probe: Any) -> list[str]:
-        found = [n for n in probe.hook_names if not n.startswith("blocks.")]
-        for name in probe.hook_names:
-            if name.startswith("blocks.") and int(name.split(".")[1]) in set(reps.values()):
-                found.append(name)
-        return found
-
-    results, hook_names = check_second_wiring(hooked, _verifying, names)
-    failed = {name: why for name, why in results.items() if why is not None}
-    for name in hook_names:  # a layer's verdicts are its representative's
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            rep = reps.get(int(i))
-            if rep is not None and rep != int(i):
-                why = failed.get(f"blocks.{rep}.{rest}")
-                if why is not None:
-                    failed[name] = why
-    return failed
+# --- verification of the described points (the probe forward: verify_described) -----------------------------
 
 
 def _serve_verified(hooked: Any, claimed: frozenset[str] | set[str] = frozenset()) -> set[str]:

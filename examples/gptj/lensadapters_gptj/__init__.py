@@ -49,7 +49,7 @@ from lensadapters import (
     hf,
     hookimpl,
 )
-from lensadapters.copying import InstanceOverride
+from lensadapters.plugin_api import InstanceOverride
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -205,7 +205,7 @@ class GPTJPatternBackend:
             attention_mask: Optional[Tensor] = None,
             head_mask: Optional[Tensor] = None,
         ) -> tuple[Tensor, Tensor]:
-            from lensadapters.attention import explicit_attention
+            from lensadapters.plugin_api import explicit_attention
 
             out, pattern = explicit_attention(
                 module,

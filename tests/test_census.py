@@ -70,6 +70,8 @@ SAMPLE = (
     "arcee",
     "ernie4_5",
     "exaone4",
+    # embeddings scaled in place, then positions added to them, before the first layer
+    "ctrl",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()

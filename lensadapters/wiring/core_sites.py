@@ -206,6 +206,7 @@ class CoreSites:
                 L.embed_scale,
                 self.forward_state,
                 L.embed_scale_rounded,
+                L.embed_scale_in_place,
             )
             self.add_site(self._scaled_embed)
         else:  # the module's output is what the model uses (a scaled embedding module includes its factor)

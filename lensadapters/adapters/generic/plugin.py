@@ -160,6 +160,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
         # after the module: hook_embed is the first layer's input, checked to be the product in every forward
         embed_scale_after_module=not found.embed_scaled_in_module,
         embed_scale_rounded=found.embed_scale_rounded,
+        embed_scale_in_place=found.embed_scaled_in_place,
     )
 
 

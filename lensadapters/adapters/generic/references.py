@@ -104,6 +104,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     model = hooked.hf_model
     if name == "hook_embed":
         layout = hooked.layout
+        if layout.embed_scale_in_place and layout.embed_scale != 1.0:  # the module's output times the factor
+            c = layout.embed_scale
+            scaled = (lambda t: t * torch.tensor(c, dtype=t.dtype)) if layout.embed_scale_rounded else (lambda t: t * c)
+            return Reference("out", model.get_submodule(layout.embed), view=scaled, unview=lambda d, t: d / c)
         if layout.embed_scale_after_module and layout.embed_scale != 1.0:
             return Reference("in", hooked.block_modules[0])
         return Reference("out", model.get_submodule(layout.embed))

@@ -72,6 +72,8 @@ SAMPLE = (
     "exaone4",
     # embeddings scaled in place, then positions added to them, before the first layer
     "ctrl",
+    # a final norm the model also runs on the embeddings (served on its call after the last layer)
+    "nanochat",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()

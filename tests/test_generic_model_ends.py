@@ -59,3 +59,50 @@ def test_embeddings_scaled_in_place_before_positions_are_hook_embed() -> None:
         handle.remove()
     assert not torch.equal(want, _logits(model, ids))  # the edit moves the logits
     assert torch.equal(got, want)
+
+
+def test_a_final_norm_the_model_also_runs_on_the_embeddings_is_served_on_its_call_after_the_layers() -> None:
+    """NanoChat: ``model.norm`` normalizes the embeddings before the first layer and the last layer's output after
+    it. ``ln_final`` is the second call only: its values are that call's, an edit reaches the logits as a plain hook
+    on that call does, and the first call (the embeddings' norm, ``hook_resid_pre`` of layer 0) is left alone."""
+    model, hm = _hooked("nanochat")
+    assert {"ln_final.hook_scale", "ln_final.hook_normalized"} <= set(hm.hook_names)
+    ids = input_ids()
+    norm, last = model.model.norm, model.model.layers[-1]
+    outs: list[torch.Tensor] = []
+    handle = last.register_forward_hook(lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o).clone()))
+    try:
+        plain_logits = _logits(model, ids)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        x = outs[0]
+        expected = norm(x)
+        weight = getattr(norm, "weight", None)
+        normalized = expected / weight if weight is not None else expected
+    cache: dict[str, torch.Tensor] = {}
+    names = ["ln_final.hook_normalized", "ln_final.hook_scale", "blocks.0.hook_resid_pre"]
+    hm.run_with_hooks(ids, fwd_hooks=[(n, lambda t, hook: cache.setdefault(hook.name, t.clone())) for n in names])
+    assert torch.allclose(cache["ln_final.hook_normalized"], normalized, atol=1e-6, rtol=0)
+    assert torch.allclose(cache["ln_final.hook_scale"].squeeze(-1), x.pow(2).mean(-1).add(norm.eps).sqrt(), atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(cache["blocks.0.hook_resid_pre"], norm(model.model.embed_tokens(ids)))
+
+    delta = torch.randn(normalized.shape, generator=torch.Generator().manual_seed(5))
+    got = hm.run_with_hooks(ids, fwd_hooks=[("ln_final.hook_normalized", lambda t, hook: t + delta)])
+    hm.reset_hooks()
+    calls = [0]
+
+    def plain(module: Any, args: tuple, output: torch.Tensor) -> Any:
+        calls[0] += 1
+        if calls[0] != 2:  # the embeddings' norm is no ln_final
+            return None
+        return output + (delta * weight if weight is not None else delta)
+
+    handle = norm.register_forward_hook(plain)
+    try:
+        want = _logits(model, ids)
+    finally:
+        handle.remove()
+    assert calls[0] == 2 and not torch.equal(want, plain_logits)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)

@@ -209,6 +209,11 @@ class ModelLayout:
     forward to be the module's output times the factor), and an edit of it moves the first block's input by exactly
     the edit.
 
+    ``ln_final_after_blocks`` is for a model that runs its ``ln_final`` module elsewhere in the forward too (on the
+    embeddings, before the first block): its points are then served on the module's first call after the last block
+    only (checked in every forward to read a tensor of the last block's output's shape); its other calls are left
+    as they are.
+
     ``rotary_input`` names the keyword argument of each layer's *attention module* that carries that layer's
     ``(cos, sin)`` (``"position_embeddings"``): the core then reads them there, per layer, instead of from
     the ``rotary`` module — for models whose layers use different rotary sources (Gemma 3's local and global
@@ -242,6 +247,7 @@ class ModelLayout:
     embed_scale_after_module: bool = False
     embed_scale_rounded: bool = True
     embed_scale_in_place: bool = False
+    ln_final_after_blocks: bool = False
     rotary_input: Optional[str] = None
     side_inputs: tuple[str, ...] = ()
 

@@ -227,6 +227,9 @@ class CoreSites:
                     self._norm_spec(ln_f),
                     self._core("ln_final.hook_scale"),
                     self._core("ln_final.hook_normalized"),
+                    # run elsewhere too: its call after the last block only
+                    after=self.block_modules[-1] if L.ln_final_after_blocks else None,
+                    state=self.forward_state,
                 )
             )
         self._build_rotary_sites()

@@ -51,6 +51,7 @@ from lensadapters.adapters.generic.model_ends import (  # noqa: F401  (their old
     _logit_scale,
     _no_final_norm,
     _table_scale,
+    once_after_blocks,
 )
 from lensadapters.adapters.generic.norms import NormBehaviour
 from lensadapters.adapters.generic.probe import Recording, flattened, run_probe
@@ -87,6 +88,7 @@ class Findings:
     embed_scale_rounded: bool = False  # the model multiplies by the factor in the embeddings' dtype
     embed_scaled_in_module: bool = False  # the embedding module's output includes the factor (else: after it)
     embed_scaled_in_place: bool = False  # the model scales the module's output tensor in place, then adds to it
+    final_norm_after_blocks: bool = False  # the final norm also runs elsewhere: served on its call after the layers
     logit_scale: Optional[float] = 1.0  # logits = unembedding output * logit_scale (None: W_U not served)
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
@@ -396,6 +398,7 @@ def identify(model: nn.Module) -> Findings:
         embed_scale_rounded=rounded,
         embed_scaled_in_module=scaled_in_module,
         embed_scaled_in_place=in_place,
+        final_norm_after_blocks=final_norm is not None and once_after_blocks(rec, final_norm),
         logit_scale=logit_scale,
         unserved_weights=unserved,
         heads=first.heads if first else None,

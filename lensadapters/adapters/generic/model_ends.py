@@ -33,7 +33,7 @@ def _final_norm(
     for name, record in rec.outside_out.items():
         x = rec.outside_in.get(name)
         if (
-            record.calls == 1
+            (record.calls == 1 or once_after_blocks(rec, name))
             and x is not None
             and name != structure.embed
             and record.value.shape == last.shape
@@ -46,6 +46,19 @@ def _final_norm(
     module = model.get_submodule(candidates[0])
     behaviour = norm_behaviour(module, rec.outside_in[candidates[0]], rec.outside_out[candidates[0]].value)
     return (candidates[0], behaviour) if behaviour is not None else (None, None)
+
+
+def once_after_blocks(rec: Recording, name: str) -> bool:
+    """Whether the module ``name`` outside the layers, which the model runs more than once in a forward, runs once
+    after the last layer ends, and then on that layer's output (NanoChat's final norm, which also normalizes the
+    embeddings): its points are served on that call only (``ModelLayout.ln_final_after_blocks``)."""
+    record, x = rec.outside_out.get(name), rec.outside_in.get(name)
+    exits = [k for k, e in enumerate(rec.events) if e[0] == "exit"]
+    last = rec.layer_out.get(max(rec.layer_out)) if rec.layer_out else None
+    if record is None or record.calls < 2 or x is None or last is None or not exits:
+        return False
+    after = [e for e in rec.events[exits[-1] + 1 :] if e == ("outside", name)]
+    return len(after) == 1 and x.shape == last.value.shape and torch.equal(x, last.value)
 
 
 def _head_norm(model: nn.Module, structure: Structure, rec: Recording, n: int) -> tuple[Optional[str], Any]:

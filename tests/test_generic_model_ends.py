@@ -106,3 +106,46 @@ def test_a_final_norm_the_model_also_runs_on_the_embeddings_is_served_on_its_cal
         handle.remove()
     assert calls[0] == 2 and not torch.equal(want, plain_logits)
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.transformers5_only
+def test_a_projection_fused_in_groups_of_heads_gives_queries_keys_and_values() -> None:
+    """CodeGen: ``qkv_proj``'s output is ``mp_num`` groups, each ``[q | v | k]`` of its heads, and the rotary module
+    returns ``(sin, cos)``. ``hook_q``/``hook_k``/``hook_v`` are those parts (computed here as the model's code does),
+    and an edit of ``hook_v`` reaches the logits as the same edit of the projection's output by a plain hook."""
+    model, hm = _hooked("codegen")
+    names = [f"blocks.0.attn.hook_{n}" for n in ("q", "k", "v", "rot_q", "rot_k")]
+    assert set(names) <= set(hm.hook_names)
+    ids = input_ids()
+    attn = model.transformer.h[0].attn
+    outs: list[torch.Tensor] = []
+    handle = attn.qkv_proj.register_forward_hook(lambda m, a, o: outs.append(o.clone()))
+    try:
+        plain_logits = _logits(model, ids)
+    finally:
+        handle.remove()
+    local = attn.embed_dim // attn.mp_num
+    heads = model.config.n_head
+    query, value, key = outs[0].view(*ids.shape, attn.mp_num, 3 * local).split(local, dim=-1)
+    expected = {n: t.reshape(*ids.shape, heads, -1) for n, t in (("q", query), ("k", key), ("v", value))}
+    cache: dict[str, torch.Tensor] = {}
+    hm.run_with_hooks(ids, fwd_hooks=[(n, lambda t, hook: cache.setdefault(hook.name, t.clone())) for n in names])
+    for n, want in expected.items():
+        assert torch.equal(cache[f"blocks.0.attn.hook_{n}"], want), n
+
+    delta = torch.randn(expected["v"].shape, generator=torch.Generator().manual_seed(7))
+    got = hm.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_v", lambda t, hook: t + delta)])
+    hm.reset_hooks()
+
+    def plain(module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        grouped = output.view(*ids.shape, attn.mp_num, 3 * local).clone()
+        grouped[..., local : 2 * local] += delta.reshape(*ids.shape, attn.mp_num, local)
+        return grouped.flatten(-2)
+
+    handle = attn.qkv_proj.register_forward_hook(plain)
+    try:
+        want = _logits(model, ids)
+    finally:
+        handle.remove()
+    assert not torch.equal(want, plain_logits)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)

@@ -78,9 +78,15 @@ SAMPLE = (
     # (its token embeddings normalized before the positions, unscaled)
     "bigbird_pegasus",
     "blenderbot-small",
+    # embeddings scaled in place, then positions added to them, before the first layer
+    "ctrl",
+    # a final norm the model also runs on the embeddings (served on its call after the last layer)
+    "nanochat",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
-    ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()
+    # a projection fused in groups of heads, a rotary module returning (sin, cos) (4.x: CodeGen's attention and
+    # rotary in its own code)
+    ("vaultgemma", "codegen") if not transformers.__version__.startswith("4.") else ()
 )
 #: post-LN encoders no plugin claims (copies of BERT's modelling code): described in full, through transformers'
 #: attention interface (5.x) or in their own code (4.x: sdpa called there, verified against PyTorch's math attention)

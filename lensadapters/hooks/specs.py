@@ -203,7 +203,16 @@ class ModelLayout:
     ``embed_scale_rounded=False`` the Python float (``embeddings * multiplier``, computed in float32 for
     half-precision embeddings). Otherwise the module's output already includes the factor (and ``inputs_embeds``
     are used as given). A read is what the model computes and an edit of ``hook_embed`` is what the first block
-    gets, exactly, in every dtype, either way.
+    gets, exactly, in every dtype, either way. ``embed_scale_in_place`` (with ``embed_scale_after_module``) is for a
+    model that multiplies the module's output tensor in place (``embeddings *= factor``) and adds more to it (positions)
+    before the first block: ``hook_embed`` is that scaled tensor, read when the first block runs (checked in every
+    forward to be the module's output times the factor), and an edit of it moves the first block's input by exactly
+    the edit.
+
+    ``ln_final_after_blocks`` is for a model that runs its ``ln_final`` module elsewhere in the forward too (on the
+    embeddings, before the first block): its points are then served on the module's first call after the last block
+    only (checked in every forward to read a tensor of the last block's output's shape); its other calls are left
+    as they are.
 
     ``rotary_input`` names the keyword argument of each layer's *attention module* that carries that layer's
     ``(cos, sin)`` (``"position_embeddings"``): the core then reads them there, per layer, instead of from
@@ -237,6 +246,8 @@ class ModelLayout:
     embed_scale: float = 1.0
     embed_scale_after_module: bool = False
     embed_scale_rounded: bool = True
+    embed_scale_in_place: bool = False
+    ln_final_after_blocks: bool = False
     rotary_input: Optional[str] = None
     side_inputs: tuple[str, ...] = ()
 

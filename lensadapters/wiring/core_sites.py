@@ -206,6 +206,7 @@ class CoreSites:
                 L.embed_scale,
                 self.forward_state,
                 L.embed_scale_rounded,
+                L.embed_scale_in_place,
             )
             self.add_site(self._scaled_embed)
         else:  # the module's output is what the model uses (a scaled embedding module includes its factor)
@@ -226,6 +227,9 @@ class CoreSites:
                     self._norm_spec(ln_f),
                     self._core("ln_final.hook_scale"),
                     self._core("ln_final.hook_normalized"),
+                    # run elsewhere too: its call after the last block only
+                    after=self.block_modules[-1] if L.ln_final_after_blocks else None,
+                    state=self.forward_state,
                 )
             )
         self._build_rotary_sites()

@@ -48,6 +48,7 @@ from lensadapters.adapters.generic.description_types import (  # noqa: F401  (th
 from lensadapters.adapters.generic.moe import describe_other_mlp
 from lensadapters.adapters.generic.norms import NormBehaviour, norm_behaviour
 from lensadapters.adapters.generic.probe import InterfaceCall, Recording, _close
+from lensadapters.adapters.generic.qkv_layouts import grouped_qkv_splits
 from lensadapters.adapters.generic.rotary_forms import (  # noqa: F401  (their old import path)
     _rotary_candidates,
     _rotary_inside_attention,
@@ -229,17 +230,21 @@ def _describe_attention(
     fused = [p for p, y in readers.items() if y.shape[-1] == (heads + 2 * kv) * d]
     if fused and len(readers) == 1:
         layouts = [fused_qkv_split(heads, kv, d)] + ([per_head_qkv_split(heads, d)] if heads == kv else [])
-        split, merge = next(((s, m) for s, m in layouts if _close(s(readers[fused[0]])[2], value_t)), (None, None))
-        if split is None or merge is None:
+        layouts += grouped_qkv_splits(heads, kv, d)  # heads in groups, each [q | k | v] in some order
+        fitting = [(s, m) for s, m in layouts if _close(s(readers[fused[0]])[2], value_t)]
+        if not fitting:
             raise NotDescribed(
-                "neither the fused projection's last part nor its third part of each head is the values the "
-                "attention function gets"
+                "neither the fused projection's last part, nor its third part of each head, nor a part of each group "
+                "of heads is the values the attention function gets"
             )
-        q, k, v = split(readers[fused[0]])
-        q_options, k_options = (_norm_between(rec, i, attn, t.flatten(-2), n) for t, n in ((q, heads), (k, kv)))
-        q_match = _match_rotated(q_options, call.query, rotary, cos_sin, post_norm)
-        k_match = _match_rotated(k_options, call.key, rotary, cos_sin, post_norm)
-        if q_match is None or k_match is None or q_match[2] is not k_match[2]:
+        for split, merge in fitting:  # noqa: B007  (the first layout whose queries and keys fit too: merge used below)
+            q, k, v = split(readers[fused[0]])
+            q_options, k_options = (_norm_between(rec, i, attn, t.flatten(-2), n) for t, n in ((q, heads), (k, kv)))
+            q_match = _match_rotated(q_options, call.query, rotary, cos_sin, post_norm)
+            k_match = _match_rotated(k_options, call.key, rotary, cos_sin, post_norm)
+            if q_match is not None and k_match is not None and q_match[2] is k_match[2]:
+                break
+        else:
             raise NotDescribed(
                 "the fused projection's queries and keys, through a q/k norm and rotated, are not what attention gets"
             )

@@ -51,6 +51,7 @@ from lensadapters.adapters.generic.model_ends import (  # noqa: F401  (their old
     _logit_scale,
     _no_final_norm,
     _table_scale,
+    once_after_blocks,
 )
 from lensadapters.adapters.generic.norms import NormBehaviour
 from lensadapters.adapters.generic.probe import Recording, flattened, run_probe
@@ -86,6 +87,8 @@ class Findings:
     embed_scale: Optional[float] = 1.0  # hook_embed = embedding output * embed_scale (None: hook_embed not served)
     embed_scale_rounded: bool = False  # the model multiplies by the factor in the embeddings' dtype
     embed_scaled_in_module: bool = False  # the embedding module's output includes the factor (else: after it)
+    embed_scaled_in_place: bool = False  # the model scales the module's output tensor in place, then adds to it
+    final_norm_after_blocks: bool = False  # the final norm also runs elsewhere: served on its call after the layers
     logit_scale: Optional[float] = 1.0  # logits = unembedding output * logit_scale (None: W_U not served)
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
@@ -341,7 +344,7 @@ def identify(model: nn.Module) -> Findings:
         copied.add("hook_embed")
     if final_norm is not None and rec.outside_out[final_norm].written_later:
         copied.add("ln_final.hook_normalized")
-    embed_scale, rounded, why = _embed_scale(model, structure, rec)
+    embed_scale, rounded, in_place, why = _embed_scale(model, structure, rec)
     in_module, why_table = _table_scale(model, structure, rec)
     scaled_in_module = False
     if embed_scale is None:
@@ -394,6 +397,8 @@ def identify(model: nn.Module) -> Findings:
         embed_scale=embed_scale,
         embed_scale_rounded=rounded,
         embed_scaled_in_module=scaled_in_module,
+        embed_scaled_in_place=in_place,
+        final_norm_after_blocks=final_norm is not None and once_after_blocks(rec, final_norm),
         logit_scale=logit_scale,
         unserved_weights=unserved,
         heads=first.heads if first else None,

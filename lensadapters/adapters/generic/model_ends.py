@@ -33,7 +33,7 @@ def _final_norm(
     for name, record in rec.outside_out.items():
         x = rec.outside_in.get(name)
         if (
-            record.calls == 1
+            (record.calls == 1 or once_after_blocks(rec, name))
             and x is not None
             and name != structure.embed
             and record.value.shape == last.shape
@@ -46,6 +46,19 @@ def _final_norm(
     module = model.get_submodule(candidates[0])
     behaviour = norm_behaviour(module, rec.outside_in[candidates[0]], rec.outside_out[candidates[0]].value)
     return (candidates[0], behaviour) if behaviour is not None else (None, None)
+
+
+def once_after_blocks(rec: Recording, name: str) -> bool:
+    """Whether the module ``name`` outside the layers, which the model runs more than once in a forward, runs once
+    after the last layer ends, and then on that layer's output (NanoChat's final norm, which also normalizes the
+    embeddings): its points are served on that call only (``ModelLayout.ln_final_after_blocks``)."""
+    record, x = rec.outside_out.get(name), rec.outside_in.get(name)
+    exits = [k for k, e in enumerate(rec.events) if e[0] == "exit"]
+    last = rec.layer_out.get(max(rec.layer_out)) if rec.layer_out else None
+    if record is None or record.calls < 2 or x is None or last is None or not exits:
+        return False
+    after = [e for e in rec.events[exits[-1] + 1 :] if e == ("outside", name)]
+    return len(after) == 1 and x.shape == last.value.shape and torch.equal(x, last.value)
 
 
 def _head_norm(model: nn.Module, structure: Structure, rec: Recording, n: int) -> tuple[Optional[str], Any]:
@@ -114,21 +127,22 @@ def _constant_factors(config: object, a: Tensor, b: Tensor) -> list[float]:
     return list(dict.fromkeys(close + [float(t) for t in neighbours]))
 
 
-def _embed_scale(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[float], bool, str]:
-    """``(factor, rounded, why)``: the first layer's input is the embedding module's output times ``factor`` (1.0:
-    as it is) computed as a tensor of the embeddings' dtype (``rounded``) or with the Python float; ``None`` and why
-    not otherwise."""
+def _embed_scale(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[float], bool, bool, str]:
+    """``(factor, rounded, in_place, why)``: the first layer's input is the embedding module's output times ``factor``
+    (1.0: as it is) computed as a tensor of the embeddings' dtype (``rounded``) or with the Python float, or
+    (``in_place``) the model multiplied the module's output tensor by it in place and added more to it before the
+    first layer; ``None`` and why not otherwise."""
     out, x = rec.outside_out.get(structure.embed), rec.first_layer_in
     if out is None or x is None:
-        return None, False, "the probe did not see the embedding module's output reach the first layer"
+        return None, False, False, "the probe did not see the embedding module's output reach the first layer"
     e = out.value
     if e.shape == x.shape and torch.equal(e, x):
-        return 1.0, False, ""
+        return 1.0, False, False, ""
     for factor in _constant_factors(model.config, e, x):
         for rounded in (False, True):
             product = e * torch.tensor(factor, dtype=e.dtype) if rounded else e * factor
             if torch.equal(product, x):
-                return factor, rounded, ""
+                return factor, rounded, False, ""
     # the model changes them further (adds position embeddings, normalizes them): hook_embed is the module's
     # output, as TransformerLens' (an edit there is what a plain hook on the module does), unless the model also
     # multiplies them by a constant: an edit would then reach the layers scaled, and hook_embed is not served
@@ -143,15 +157,37 @@ def _embed_scale(model: nn.Module, structure: Structure, rec: Recording) -> tupl
         eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
         tol = 4 * eps * float(max(x.double().abs().max(), edited.double().abs().max()))
         if abs(factor - 1.0) > 1e-3 and torch.allclose(change, d * factor, atol=tol * max(1.0, abs(factor)), rtol=0):
+            in_place = _scaled_in_place(model, out, factor)
+            if in_place is not None:  # the module's own output tensor, scaled in place: hook_embed is that tensor
+                return in_place[0], in_place[1], True, ""
             return (
                 None,
+                False,
                 False,
                 (
                     f"the model multiplies the embedding module's output by {factor:.6g} and adds something before the "
                     f"first layer, so neither the module's output nor the first layer's input is the scaled embeddings"
                 ),
             )
-    return 1.0, False, ""
+    return 1.0, False, False, ""
+
+
+def _scaled_in_place(model: nn.Module, out: Any, factor: float) -> Optional[tuple[float, bool]]:
+    """``(factor, rounded)`` where the model multiplied the embedding module's output tensor itself, in place, by the
+    constant an edit of it reaches the first layer times (``embeddings *= factor``, then more added to it); ``None``
+    otherwise. :func:`.identify.identify` then serves ``hook_embed`` as that tensor
+    (``ModelLayout.embed_scale_in_place``)."""
+    if not out.written_later:
+        return None
+    e, now = out.value, out.tensor.detach()
+    for candidate in _constant_factors(model.config, e, now):
+        if abs(candidate - factor) > 1e-3 * abs(factor):
+            continue
+        for rounded in (False, True):
+            product = e * torch.tensor(candidate, dtype=e.dtype) if rounded else e * candidate
+            if torch.equal(product, now):
+                return candidate, rounded
+    return None
 
 
 def _table_scale(model: nn.Module, structure: Structure, rec: Recording) -> tuple[Optional[float], str]:

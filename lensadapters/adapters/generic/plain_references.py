@@ -171,7 +171,12 @@ def _plain_hook(
 
         return ref.module.register_forward_pre_hook(pre, with_kwargs=True)
 
+    ran = [ref.after is None]  # with ``ref.after``: whether that module ran since the reference's last call
+
     def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not ran[0]:
+            return None
+        ran[0] = ref.after is None
         y = first_output(output)
         seen.append(y.detach().clone())
         if ref.kind == "scale":
@@ -184,6 +189,14 @@ def _plain_hook(
             else None
         )
 
+    if ref.after is not None:
+
+        def after(module: nn.Module, args: tuple, output: Any) -> None:
+            ran[0] = True
+
+        return _Handles(
+            [ref.module.register_forward_hook(post, with_kwargs=True), ref.after.register_forward_hook(after)]
+        )
     return ref.module.register_forward_hook(post, with_kwargs=True)
 
 

@@ -16,7 +16,7 @@ from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.mixer_sites import layer_sites as mixer_sites
 from lensadapters.adapters.generic.own_attention import OWN_CODE
-from lensadapters.adapters.generic.references import DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
+from lensadapters.adapters.generic.references import AFTER_BLOCKS, DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
@@ -142,11 +142,12 @@ def _layers(model: nn.Module, found: Findings) -> list[nn.Module]:
 def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
     found = findings(model)
     s, scale, d = found.structure, found.embed_scale, found.description
-    described = {}
+    described: dict[str, Any] = {}
     if d is not None:  # the core serves the final norm's points and rotary of the described layers
         behaviour = found.final_norm_behaviour
         if found.final_norm is not None and behaviour is not None and behaviour.eps is not None:
             described["ln_final"] = found.final_norm
+            described["ln_final_after_blocks"] = found.final_norm_after_blocks
         described["rotary"] = d.rotary
         described["rotary_input"] = d.rotary_input
         described["rotary_from_inputs"] = d.rotary_from_inputs
@@ -161,6 +162,7 @@ def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
         # after the module: hook_embed is the first layer's input, checked to be the product in every forward
         embed_scale_after_module=not found.embed_scaled_in_module,
         embed_scale_rounded=found.embed_scale_rounded,
+        embed_scale_in_place=found.embed_scaled_in_place,
     )
 
 
@@ -308,19 +310,22 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 sites.append(ModuleIOSite(module, points[name], copy=name in copied, as_input=flat))
         if "hook_resid_post" in points:
             sites.append(ModuleIOSite(layer, points["hook_resid_post"], copy="hook_resid_post" in copied))
+    if found.final_norm is not None and found.final_norm_after_blocks:  # its call after the last layer only
+        AFTER_BLOCKS[model.get_submodule(found.final_norm)] = _layers(model, found)[-1]
     if hooked.layout.ln_final is None and found.final_norm is not None and found.final_norm_behaviour is not None:
         norm = model.get_submodule(found.final_norm)
         point = hooked.new_point("ln_final.hook_normalized")
         hooked.register_norm("ln_final", norm)
+        after = {"after": AFTER_BLOCKS.get(norm), "state": hooked.forward_state}
         if any(b.mixer is not None for b in found.blocks) and found.final_norm_behaviour.eps is not None:
             # the mixer form's verification runs: the scale too, verified with its points (a norm, not a stand-in)
             scale = hooked.new_point("ln_final.hook_scale", before="ln_final.hook_normalized")
-            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
-        elif found.final_norm_behaviour.kind == "LN":  # TransformerLens' LayerNorm hook_normalized: its output
+            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point, **after))
+        elif found.final_norm_behaviour.kind == "LN" and not found.final_norm_after_blocks:  # its output
             sites.append(ModuleIOSite(norm, point, copy="ln_final.hook_normalized" in found.copied))
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
-            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point))
+            sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point, **after))
     if any(block.mixer is not None for block in found.blocks) and found.description is None:
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:

@@ -381,6 +381,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             if not isinstance(value, Tensor):
                 return
             seen = recording.outside_out.get(name)
+            recording.events.append(("outside", name))
             recording.outside_out[name] = Record.of(value)
             if seen is not None:
                 recording.outside_out[name].calls = seen.calls + 1

@@ -64,6 +64,12 @@ class Reference:
     part: str = ""
     spec: Any = None
     flat: bool = False  # the module sees [b * p, ...] where the point shows [b, p, ...]
+    after: Optional[nn.Module] = None  # "out"/"scale": only the module's first call after this module ran
+
+
+#: final norms the model also runs elsewhere in the forward, to the last layer: their points are their first call
+#: after it (``ModelLayout.ln_final_after_blocks``; the generic adapter records them here when it serves them)
+AFTER_BLOCKS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def _unflat(delta: Tensor, t: Tensor) -> Tensor:
@@ -104,6 +110,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     model = hooked.hf_model
     if name == "hook_embed":
         layout = hooked.layout
+        if layout.embed_scale_in_place and layout.embed_scale != 1.0:  # the module's output times the factor
+            c = layout.embed_scale
+            scaled = (lambda t: t * torch.tensor(c, dtype=t.dtype)) if layout.embed_scale_rounded else (lambda t: t * c)
+            return Reference("out", model.get_submodule(layout.embed), view=scaled, unview=lambda d, t: d / c)
         if layout.embed_scale_after_module and layout.embed_scale != 1.0:
             return Reference("in", hooked.block_modules[0])
         return Reference("out", model.get_submodule(layout.embed))
@@ -112,7 +122,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             norm = hooked.norm_module("ln_final")
         except Exception:
             return None
-        return _norm_reference(hooked, norm, name.split(".")[-1])
+        found = _norm_reference(hooked, norm, name.split(".")[-1])
+        if found is not None:
+            found.after = AFTER_BLOCKS.get(norm)
+        return found
     if not name.startswith("blocks."):
         return None
     _, i_text, rest = name.split(".", 2)

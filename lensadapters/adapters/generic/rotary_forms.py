@@ -66,10 +66,22 @@ def reversed_rotate_half_spec(rotary_dim: int) -> RotarySpec:
     )
 
 
+def sin_first_spec(spec: RotarySpec) -> RotarySpec:
+    """``spec`` for a rotary module that returns ``(sin, cos)``, not ``(cos, sin)`` (CodeGen's table split in two)."""
+    return RotarySpec(
+        spec.rotary_dim, lambda x, cos, sin: spec.apply(x, sin, cos), lambda y, cos, sin: spec.invert(y, sin, cos)
+    )
+
+
 def _rotary_candidates(d_head: int, config: Any, cos: Tensor) -> list[RotarySpec]:
     """Rotate-half (table of ``r`` or ``r/2`` entries) and interleaved pairs (table of ``r`` entries, or ``r/2``: a
-    complex table), on the whole head or on the first dimensions the table covers (partial rotary): each is tried on
-    the probe's queries and keys."""
+    complex table), on the whole head or on the first dimensions the table covers (partial rotary), each from the
+    module's ``(cos, sin)`` or from a ``(sin, cos)`` it returns: each is tried on the probe's queries and keys."""
+    specs = _cos_first_candidates(d_head, cos)
+    return specs + [sin_first_spec(spec) for spec in specs]
+
+
+def _cos_first_candidates(d_head: int, cos: Tensor) -> list[RotarySpec]:
     dims = dict.fromkeys([d_head, cos.shape[-1], 2 * cos.shape[-1]])
     specs = []
     for r in dims:

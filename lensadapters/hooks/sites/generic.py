@@ -61,9 +61,10 @@ class ScaledOutputSite(Site):
         factor: float,
         state: ForwardState,
         rounded: bool = True,
+        in_place: bool = False,
     ) -> None:
         self.module, self.first_block, self.point, self.factor = module, first_block, point, factor
-        self.state, self.rounded = state, rounded
+        self.state, self.rounded, self.in_place = state, rounded, in_place
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
@@ -81,10 +82,21 @@ class ScaledOutputSite(Site):
 
     def given(self, embeddings: torch.Tensor) -> None:
         """The ``inputs_embeds`` of this forward (the embedding module does not run then)."""
-        self.state.site_values(self)["source"] = embeddings
+        self._keep(embeddings)
 
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.state.site_values(self)["source"] = first_output(output)
+        self._keep(first_output(output))
+
+    def _keep(self, embeddings: torch.Tensor) -> None:
+        values = self.state.site_values(self)
+        values["source"] = embeddings
+        if self.in_place:  # the model scales this very tensor later: its value now, to check the product with
+            values["unscaled"] = embeddings.detach().clone()
+
+    def _product(self, value: torch.Tensor, source: torch.Tensor) -> bool:
+        return torch.equal(value, source * torch.tensor(self.factor, dtype=source.dtype)) or torch.equal(
+            value, source * self.factor
+        )
 
     def skip(self) -> None:
         """This forward's first block runs on something else than the embeddings (``start_at_layer=0``): no
@@ -96,14 +108,13 @@ class ScaledOutputSite(Site):
         ``(args, kwargs)`` when the point edits it, ``None`` otherwise. Installed on the first block; a caller that
         ends the forward before that block's own hooks run calls it to serve the point there."""
         value = first_input(args, kwargs)
+        if self.in_place:
+            return self._serve_in_place(args, kwargs, value)
         if not is_recomputing():  # a recomputed first block (gradient checkpointing) gets the input its forward had
             source = self.state.site_values(self).pop("source", None)
             if source is None:  # the first block runs on something else (a forward started at a later layer)
                 return None
-            if not (
-                torch.equal(value, source * torch.tensor(self.factor, dtype=source.dtype))
-                or torch.equal(value, source * self.factor)
-            ):
+            if not self._product(value, source):
                 raise LensAdaptersError(
                     f"hook_embed: the model's first block gets something other than the embeddings times "
                     f"embed_scale={self.factor}, which ModelLayout.embed_scale_after_module describes: the "
@@ -111,6 +122,28 @@ class ScaledOutputSite(Site):
                 )
         edited, changed = self.point.apply(value)
         return replace_first_input(args, kwargs, edited) if changed else None
+
+    def _serve_in_place(self, args: tuple, kwargs: dict, value: torch.Tensor) -> Any:
+        """``ModelLayout.embed_scale_in_place``: the point is the embedding tensor the model scaled in place, and an
+        edit moves the first block's input (that tensor plus what the model added) by exactly the edit."""
+        values = self.state.site_values(self)
+        if is_recomputing():  # gradient checkpointing: the scaled tensor of the forward being recomputed
+            scaled = values.get("served")
+        else:
+            source, unscaled = values.pop("source", None), values.pop("unscaled", None)
+            if source is None or unscaled is None:  # the first block runs on something else (start_at_layer)
+                return None
+            if source is value or not self._product(source, unscaled):
+                raise LensAdaptersError(
+                    f"hook_embed: the model did not multiply the embedding module's output by embed_scale="
+                    f"{self.factor} in place before its first block, which ModelLayout.embed_scale_in_place "
+                    f"describes: the description does not fit this model"
+                )
+            scaled = values["served"] = source
+        if scaled is None:
+            return None
+        edited, changed = self.point.apply(scaled, protect=True)  # the model's own tensor: edits go to a copy
+        return replace_first_input(args, kwargs, value + (edited - scaled)) if changed else None
 
 
 class PositionEmbedSite(Site):

@@ -8,9 +8,18 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lensadapters.errors import LensAdaptersError
 from lensadapters.hooks import norms
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
+from lensadapters.hooks.sites.base import (
+    ForwardState,
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    reads_output,
+    replace_first_output,
+)
 from lensadapters.hooks.specs import NormSpec
 
 Tensor = torch.Tensor
@@ -27,6 +36,10 @@ class NormSite(Site):
     whatever else watches the norm's output (a post norm's output is ``hook_attn_out``; a query norm's output is
     rotated into ``hook_rot_q``; a plugin's own point) sees it with the norm's edits, whatever order the hooks were
     attached in.
+
+    ``after`` (with ``state``): the norm module also runs elsewhere in the forward
+    (``ModelLayout.ln_final_after_blocks``): the points are served on its first call after the module ``after`` (the
+    last block) ran, and no other.
     """
 
     def __init__(
@@ -37,14 +50,39 @@ class NormSite(Site):
         normalized: HookPoint,
         view: Optional[View] = None,
         unview: Optional[View] = None,
+        after: Optional[nn.Module] = None,
+        state: Optional[ForwardState] = None,
     ) -> None:
+        self.after, self.state = after, state
         self.module, self.spec = module, spec
         self.scale, self.normalized = scale, normalized
         self.points = (scale, normalized)
         self.view, self.unview = view, unview
 
     def install(self) -> list[RemovableHandle]:
-        return [completes_output(self.module, self._hook, with_kwargs=True)]
+        handles = [completes_output(self.module, self._hook, with_kwargs=True)]
+        if self.after is not None:
+            handles.append(reads_output(self.after, self._ran))
+        return handles
+
+    def _ran(self, module: nn.Module, args: tuple, output: Any) -> None:
+        assert self.state is not None
+        self.state.site_values(self)["after"] = tuple(first_output(output).shape)
+
+    def _this_call(self, x: Tensor) -> bool:
+        """Whether this call of the norm is the one the points are (``after``: the first after the last block)."""
+        if self.after is None or self.state is None:
+            return True
+        shape = self.state.site_values(self).pop("after", None)
+        if shape is None:  # a call before the last block ran (the embeddings' norm) or a forward ended early
+            return False
+        if tuple(x.shape) != shape:
+            raise LensAdaptersError(
+                f"ln_final: the first call of the final norm after the last block reads a tensor of shape "
+                f"{tuple(x.shape)}, not the last block's output ({shape}), which ModelLayout.ln_final_after_blocks "
+                f"describes: the description does not fit this model"
+            )
+        return True
 
     def _apply(self, point: HookPoint, value: Tensor, protect: bool = False) -> tuple[Tensor, bool]:
         if self.view is None:
@@ -56,6 +94,8 @@ class NormSite(Site):
         # Edits enter as the difference they make to the norm's own output, so that whatever a hook left as it
         # was keeps the model's exact numbers (an identity edit is bitwise; the written-out norm is not).
         x = first_input(args, kwargs)
+        if not self._this_call(x):
+            return None
         out = first_output(output)
         spec = self.spec()
         scale = edited_scale = None

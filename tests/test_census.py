@@ -70,6 +70,11 @@ SAMPLE = (
     "arcee",
     "ernie4_5",
     "exaone4",
+    # the attention output changed before the output projection (BitNet's norm, Laguna's and AFMoE's output gates:
+    # hook_z the attention function's output, hook_result and W_O refused), a norm before the MLP's down projection
+    "bitnet",
+    "laguna",
+    "afmoe",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     ("vaultgemma",) if not transformers.__version__.startswith("4.") else ()

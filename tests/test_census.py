@@ -82,6 +82,11 @@ SAMPLE = (
     "ctrl",
     # a final norm the model also runs on the embeddings (served on its call after the last layer)
     "nanochat",
+    # the attention output changed before the output projection (BitNet's norm, Laguna's and AFMoE's output gates:
+    # hook_z the attention function's output, hook_result and W_O refused), a norm before the MLP's down projection
+    "bitnet",
+    "laguna",
+    "afmoe",
 ) + (
     # softcapped attention: transformers 4.x runs it with sdpa, which ignores the softcap (no patterns served there)
     # a projection fused in groups of heads, a rotary module returning (sin, cos) (4.x: CodeGen's attention and

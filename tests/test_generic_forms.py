@@ -135,17 +135,6 @@ def test_an_activation_the_mlp_calls_in_its_code_is_found_among_the_common_ones(
     hm.unwrap()
 
 
-def test_a_norm_between_attention_and_the_output_projection_is_refused_by_name() -> None:
-    """BitNet normalizes the attention function's output before its output projection: no declarative form has
-    that, and the reason says so (not that there is no output projection)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = findings(build("bitnet"))
-    assert found.description is None
-    reasons = " ".join(found.missing.values())
-    assert "the output projection's input is not the attention function's output" in reasons, reasons
-
-
 @pytest.mark.parametrize("model_type", ["modernbert-decoder", "megatron-bert"])
 def test_a_final_norm_followed_by_a_prediction_head_is_served_and_final_at_w_u_is_refused_by_name(
     model_type: str,

@@ -199,9 +199,12 @@ def _describe_attention(
     attn_in: Tensor,
     attn_out: Tensor,
     rotated_norms: Optional[dict[str, RotatedNorm]] = None,
+    changed_z: Optional[list[str]] = None,
 ) -> tuple[QKV, str, dict[str, NormBehaviour]]:
     """The layer's queries, keys and values, output projection and q/k norms; ``rotated_norms`` (where given) gets
-    the norms the attention module applies after rotary (:mod:`.rotated_norm`), which are tried only then."""
+    the norms the attention module applies after rotary (:mod:`.rotated_norm`), which are tried only then;
+    ``changed_z`` (where given) gets the output projection when the attention module changes the attention
+    function's output before it (an output gate or a norm), which is then accepted."""
     prefix = attn + "."
     post_norm = norm_after_rotary(layer, rec, i, attn) if rotated_norms is not None else None
     heads, kv, d = call.heads, call.kv_heads, call.d_head
@@ -218,12 +221,12 @@ def _describe_attention(
     z = call.output.value.flatten(-2)  # [b, p, heads * d]
     o_proj = [p for p, (x, y) in linears.items() if _close(x, z) and _close(y, attn_out)]
     if len(o_proj) != 1:
-        if any(_close(y, attn_out) for x, y in linears.values()):
-            raise NotDescribed(
-                "the output projection's input is not the attention function's output: the attention module changes "
-                "it in between (an output gate or a norm), which no declarative form describes"
-            )
-        raise NotDescribed("no single linear module maps the attention function's output to the attention output")
+        # the attention output changed before the output projection (an output gate, a norm): the one linear module
+        # giving the attention output is the projection, and hook_z the attention function's output (.gated_z)
+        o_proj = [p for p, (x, y) in linears.items() if _close(y, attn_out) and x is not None and x.shape == z.shape]
+        if len(o_proj) != 1 or changed_z is None:
+            raise NotDescribed("no single linear module maps the attention function's output to the attention output")
+        changed_z.append(f"{attn}.{o_proj[0]}")
     readers: dict[str, Any] = {p: y for p, (x, y) in linears.items() if _close(x, attn_in) and p != o_proj[0]}
     norms: dict[str, NormBehaviour] = {}
     value_t = call.value.transpose(1, 2)  # [b, p, kv, d]
@@ -365,9 +368,10 @@ def describe_layer(
     if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
     rotated_norms: dict[str, RotatedNorm] = {}
+    changed_z: list[str] = []
     try:
         qkv, o_proj, qk_norms = _describe_attention(
-            layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out, rotated_norms
+            layer, i, attn, calls[0], rec, rotary, cos_sin, attn_in, attn_out, rotated_norms, changed_z
         )
     except NotDescribed:  # multi-head latent attention? (.latent)
         from lensadapters.adapters.generic.latent import describe_latent_attention
@@ -387,7 +391,9 @@ def describe_layer(
     block = BlockLayout(
         ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
     )
-    return LayerDescription(block, qkv, mlp_layout, norms, gated, act_fn, rotated_norms=rotated_norms)
+    return LayerDescription(
+        block, qkv, mlp_layout, norms, gated, act_fn, rotated_norms=rotated_norms, z_changed=bool(changed_z)
+    )
 
 
 class NotThisShape(NotDescribed):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.description_types import MLP, NotDescribed, _is_linear
+from lensadapters.adapters.generic.norms import norm_behaviour
 from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import (
@@ -46,6 +47,21 @@ def _activation(module: nn.Module, config: Any) -> list[tuple[Optional[str], Cal
     return [(names[0] if names else n, fn) for n, fn in found] + [(n, ACT2FN[n]) for n in COMMON_ACTIVATIONS]
 
 
+def _before_sub_norm(layer: nn.Module, i: int, mlp: str, rec: Recording, post: Tensor) -> Tensor:
+    """The MLP's hidden before a norm between it and the down projection (BitNet's ``ffn_sub_norm``: a child of the
+    MLP module that is LayerNorm or RMSNorm of its input and gives the down projection's input), else ``post``.
+    ``mlp.hook_post`` stays the down projection's input (after the norm): an edit there is what the projection reads,
+    and the norm sits between the activation and ``hook_post`` as the model computes it."""
+    prefix = mlp + "."
+    for (layer_i, path), (a, b) in rec.inner.items():
+        if layer_i != i or not path.startswith(prefix) or a is None or b is None or not _close(b, post):
+            continue
+        module = layer.get_submodule(path)
+        if not _is_linear(module) and a.shape == b.shape and norm_behaviour(module, a, b) is not None:
+            return a
+    return post
+
+
 def _describe_mlp(
     model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording
 ) -> tuple[MLP, bool, Optional[str]]:
@@ -62,7 +78,7 @@ def _describe_mlp(
     readers = [p for p, (a, b) in linears.items() if _close(a, x) and p not in down]
     if len(down) != 1 or not 1 <= len(readers) <= 2:
         raise NotDescribed("the MLP is not one or two projections of its input and one output projection")
-    post = linears[down[0]][0]
+    post = _before_sub_norm(layer, i, mlp, rec, linears[down[0]][0])
     acts = _activation(layer.get_submodule(mlp), text_config(model))
     out = f"{mlp}.{down[0]}"
     for name, act in acts:

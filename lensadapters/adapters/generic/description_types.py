@@ -42,6 +42,9 @@ class LayerDescription:
     attn_out: Optional[str] = None  # the module whose output is hook_attn_out, where it is not ``block.attn``'s
     #: norms the attention module applies to the rotated queries/keys ("q"/"k"), :mod:`.rotated_norm`
     rotated_norms: dict[str, RotatedNorm] = field(default_factory=dict)
+    #: the attention module changes the attention function's output before ``block.o_proj`` (an output gate, a
+    #: norm): ``attn.hook_z`` is the function's output, ``attn.hook_result`` and ``W_O`` are refused (:mod:`.gated_z`)
+    z_changed: bool = False
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.gated_z import GATED_Z, gated_layers, gated_z_sites, refused_gated_weight
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.latent import claim_latent_points, latent_sites_served
 from lensadapters.adapters.generic.mixer import reference as internal_reference
@@ -63,6 +64,7 @@ def findings(model: nn.Module) -> Findings:
         layers_found = found.description.layers if found.description is not None else []
         DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
         ROTATED_NORMS[model] = {i: d.rotated_norms for i, d in enumerate(layers_found) if d and d.rotated_norms}
+        GATED_Z[model] = frozenset(i for i, d in enumerate(layers_found) if d and d.z_changed)
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -223,7 +225,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
         return None
     found = findings(hooked.hf_model)
     if _fully_described(hooked.hf_model):
-        why = found.unverified.get(key) or refused_weight(hooked, key)
+        why = found.unverified.get(key) or refused_weight(hooked, key) or refused_gated_weight(hooked, key)
         if why is not None:
             raise WeightUnavailableError(
                 f"hm.{key}: the generic adapter described this {type(hooked.hf_model).__name__} but could not verify "
@@ -250,11 +252,14 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             ModuleIOSite(model.get_submodule(found.structure.embed), hooked.claim_point("hook_embed"), copy=True)
         )
     modules = [
-        layer.get_submodule(b.attention_function) if b.attention_function is not None and bl is None else None
-        for layer, b, bl in zip(hooked.block_modules, found.blocks, hooked.block_layouts)
+        layer.get_submodule(b.attention_function)
+        if b.attention_function is not None and (bl is None or i in gated_layers(model))
+        else None
+        for i, (layer, b, bl) in enumerate(zip(hooked.block_modules, found.blocks, hooked.block_layouts))
     ]
     backend = AttentionFunctionBackend(model.config, modules)
-    claimed: set[str] = set()  # the core's points this plugin serves itself
+    gated, claimed = gated_z_sites(hooked, backend, found.missing)  # the core's points this plugin serves itself
+    sites += gated
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.gated_z import gated_layers
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
@@ -206,6 +207,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if i in OWN_CODE.get(model, {}):  # attention in the model's own code: the operand its sdpa call gets
             return Reference("operand", get(bl.attn), layer=i, part=part)
         return Reference("attn", layer=i, part=part)
+    if rest == "attn.hook_z" and i in gated_layers(model):  # changed before the projection: the function's output
+        return Reference("attn", layer=i, part="output")
     if rest == "attn.hook_z":
         view, unview = _heads(n)
         return Reference("in", get(bl.o_proj), view, unview)

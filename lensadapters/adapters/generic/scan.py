@@ -99,6 +99,7 @@ class ScanSite(Site):
         self.problem: Optional[list[str]] = None  # the wrap-time probe: a mismatch is recorded here, not raised
         self.served: Optional[Tensor] = None  # the wrap-time probe: the model's own input of out_proj
         self.wide = torch.float32
+        self.error: Optional[float] = None  # the last hooked call's largest difference from the model's value
         self._clear()
 
     def _clear(self) -> None:
@@ -193,7 +194,9 @@ class ScanSite(Site):
         h0s = [h for h in (self.h0, None) if h is None or h.shape == (served.shape[0], *m.A_log.shape)]
         for h0 in h0s:
             states0 = self._scan(dt0, h0=h0)
-            if _close(self._output(states0)[1].to(served.dtype), served):
+            y0 = self._output(states0)[1].to(served.dtype)
+            self.error = float((y0.double() - served.double()).abs().max())
+            if _close(y0, served):
                 break
         else:
             return self._fail("the explicit selective scan does not reproduce the model's input of out_proj")

@@ -1,0 +1,235 @@
+"""The selective scan's points of a Mamba token mixer (lensadapters.adapters.generic.scan): ``mixer.hook_dt``,
+``hook_ssm_state`` and ``hook_ssm_out``, their values against the published equations, their edits against a
+hand-written recomputation, gradients through an edit against finite differences, and cached generation."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import MambaConfig, MambaForCausalLM
+
+from lensadapters import HookedModel, Registry
+from lensadapters.adapters.generic.scan import ScanMismatch
+from lensadapters.testing.contract_support import check_edited_generation
+from lensadapters.testing.strategies import Inputs
+
+POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
+
+
+def _mamba(dtype: torch.dtype = torch.float32) -> tuple[MambaForCausalLM, HookedModel]:
+    torch.manual_seed(0)
+    config = MambaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        state_size=4,
+        num_hidden_layers=2,
+        time_step_rank=4,
+        residual_in_fp32=False,  # float64 throughout: finite differences
+    )
+    model = MambaForCausalLM(config).eval().to(dtype)
+    with torch.no_grad():  # D and the steps away from their initial values: each term of the equations matters
+        for layer in model.backbone.layers:
+            layer.mixer.D.uniform_(-1.0, 1.0)
+            layer.mixer.A_log.add_(torch.randn_like(layer.mixer.A_log) * 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, HookedModel.wrap(model, registry=Registry())
+
+
+def _keep(into: dict, key: str, value: Any) -> None:
+    """Record ``value`` (a hook that returns nothing: it edits nothing)."""
+    into.setdefault(key, value)
+
+
+def _inputs(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the mixer of layer 0 gives in_proj's and x_proj's output (plain PyTorch hooks), and out_proj's input."""
+    mixer, seen = model.backbone.layers[0].mixer, {}  # type: ignore[var-annotated]
+    handles = [
+        mixer.in_proj.register_forward_hook(lambda m, a, o: _keep(seen, "in", o)),
+        mixer.x_proj.register_forward_hook(lambda m, a, o: _keep(seen, "xp", (a[0], o))),
+        mixer.out_proj.register_forward_pre_hook(lambda m, a: _keep(seen, "out_in", a[0])),
+    ]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _reference(mixer: Any, seen: dict, dt_edit: Any = None, state_at: Any = None, out_edit: Any = None) -> dict:
+    """The selective scan from the published equations (Gu and Dao 2023, Algorithm 2), one position at a time,
+    with an optional edit: ``dt_edit(dt)``, ``state_at = (t, new state at t)``, ``out_edit(y)``."""
+    x, xp = seen["xp"]
+    x, gate = x.double(), seen["in"][..., mixer.intermediate_size :].double()
+    r, n = mixer.time_step_rank, mixer.ssm_state_size
+    delta_in, b, c = xp[..., :r].double(), xp[..., r : r + n].double(), xp[..., r + n :].double()
+    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
+    if dt_edit is not None:
+        dt = dt_edit(dt)
+    a = -torch.exp(mixer.A_log.double())
+    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
+    states, ys = [], []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
+        if state_at is not None and state_at[0] == t:
+            h = state_at[1]
+        states.append(h)
+        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
+    y = torch.stack(ys, 1)
+    if out_edit is not None:
+        y = out_edit(y)
+    out = (y + x * mixer.D.double()) * F.silu(gate)
+    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": out}
+
+
+def _served(hm: HookedModel, ids: torch.Tensor, hooks: list) -> tuple[dict, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    mixer = hm.hf_model.backbone.layers[0].mixer
+    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: _keep(seen, "out_in", a[0]))
+
+    def read(name: str) -> Any:
+        return lambda t, hook: _keep(got, name, t.detach().clone())
+
+    try:
+        with torch.no_grad(), hm.hooks([(f"blocks.0.{p}", read(p)) for p in POINTS] + hooks):
+            hm(ids, use_cache=False)
+    finally:
+        handle.remove()
+    return got, seen["out_in"]
+
+
+def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> None:
+    model, hm = _mamba()
+    for i in range(2):
+        for p in POINTS:
+            assert f"blocks.{i}.{p}" in hm.hook_names
+    seen = _inputs(model, IDS)
+    ref = _reference(model.backbone.layers[0].mixer, seen)
+    got, out_in = _served(hm, IDS, [])
+    assert got["mixer.hook_dt"].shape == (2, 7, 32) and got["mixer.hook_ssm_state"].shape == (2, 7, 32, 4)
+    torch.testing.assert_close(got["mixer.hook_dt"].double(), ref["dt"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["mixer.hook_ssm_state"].double(), ref["state"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["mixer.hook_ssm_out"].double(), ref["y"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(out_in, seen["out_in"])  # reading edits nothing: the model's own value goes on
+    with torch.no_grad():
+        assert torch.equal(hm(IDS).logits, model(IDS).logits)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("which", ["dt", "state", "out"])
+def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) -> None:
+    model, hm = _mamba()
+    mixer = model.backbone.layers[0].mixer
+    seen = _inputs(model, IDS)
+    ref = _reference(mixer, seen)
+    new_state = ref["state"][:, 3] * -2.0 + 0.25
+    edits = {
+        "dt": ("mixer.hook_dt", lambda t, hook: t * 30.0, {"dt_edit": lambda d: d * 30.0}),
+        "state": ("mixer.hook_ssm_state", _set_state(3, new_state), {"state_at": (3, new_state)}),
+        "out": ("mixer.hook_ssm_out", lambda t, hook: t - 0.5, {"out_edit": lambda y: y - 0.5}),
+    }
+    point, hook, kwargs = edits[which]
+    assert isinstance(point, str) and isinstance(kwargs, dict)
+    expected = _reference(mixer, seen, **kwargs)
+    got, out_in = _served(hm, IDS, [(f"blocks.0.{point}", hook)])
+    torch.testing.assert_close(out_in.double(), expected["out_in"], atol=1e-5, rtol=1e-5)
+    assert (out_in.double() - ref["out_in"]).abs().max() > 3e-4  # the edit matters: 30 times the tolerance
+    hm.unwrap()
+
+
+def _set_state(t: int, value: torch.Tensor) -> Any:
+    def hook(states: torch.Tensor, hook: Any) -> torch.Tensor:
+        states = states.clone()
+        states[:, t] = value.to(states.dtype)
+        return states
+
+    return hook
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_gradients_through_an_edit_match_finite_differences(point: str) -> None:
+    """In float64, of the layer's mixer output (the model's norms compute in float32 after it)."""
+    model, hm = _mamba(torch.float64)
+    ids, mixer = IDS[:1, :5], model.backbone.get_submodule("layers.0.mixer")
+    torch.manual_seed(1)
+    direction = torch.randn(1, 32, 4, dtype=torch.float64)
+
+    def loss(scale: torch.Tensor) -> torch.Tensor:
+        def hook(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            t = t.clone()
+            t[:, 2] = t[:, 2] + scale * direction.flatten()[: t[:, 2].numel()].reshape(t[:, 2].shape)
+            return t
+
+        seen: list = []
+        handle = mixer.register_forward_hook(lambda m, a, o: seen.append(o))
+        try:
+            with hm.hooks([(f"blocks.0.{point}", hook)]):
+                hm(ids, use_cache=False)
+        finally:
+            handle.remove()
+        return seen[0].pow(2).sum()
+
+    scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(loss, (scale,), eps=1e-6, atol=1e-8, rtol=1e-5)
+    (grad,) = torch.autograd.grad(loss(scale), scale)
+    assert grad.abs() > 1e-8  # the edit reaches the output
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
+    model, hm = _mamba()
+    inputs = Inputs(IDS[:, :4], torch.ones_like(IDS[:, :4]), [0])
+    one_pass, unedited, _ = check_edited_generation(
+        hm,
+        inputs,
+        f"blocks.1.{point}",
+        lambda t, hook: t * 1.5,
+        atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
+    )
+    assert not torch.allclose(one_pass, unedited)
+    hm.unwrap()
+
+
+def _break(mixer: Any) -> None:
+    """Make the mixer's forward compute other step sizes or another gate than the scan (which reads dt_proj's
+    weights and gates with ``act``): transformers 4.x calls dt_proj (its output is doubled) and gates with act, 5.x
+    uses dt_proj's weights and gates with silu (act becomes tanh)."""
+    mixer.act = torch.nn.Tanh()
+    mixer.dt_proj.register_forward_hook(lambda m, a, o: o * 2.0)
+
+
+def test_a_hooked_call_the_scan_does_not_reproduce_raises_naming_the_points() -> None:
+    model, hm = _mamba()
+    mixer = model.backbone.layers[0].mixer
+    # the mixer changed after wrapping so that its forward no longer computes what the scan does: the check fails
+    # and the hooked call raises rather than serving the scan's values; unhooked, the model runs as it is
+    _break(mixer)
+    with pytest.raises(ScanMismatch, match="blocks.0.mixer.hook_dt"):
+        with hm.hooks([("blocks.0.mixer.hook_ssm_out", lambda t, hook: None)]):
+            hm(IDS, use_cache=False)
+    with torch.no_grad():
+        assert torch.equal(hm(IDS).logits, model(IDS).logits)
+    hm.unwrap()
+
+
+def test_an_unrecognised_mixer_has_no_scan_points_and_the_warning_says_why() -> None:
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2)
+    model = MambaForCausalLM(config).eval()
+    mixer = model.backbone.layers[0].mixer
+    _break(mixer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model, registry=Registry())
+    assert not any(f"blocks.0.{p}" in hm.hook_names for p in POINTS)
+    assert any("selective-scan points" in str(w.message) for w in caught)
+    hm.unwrap()

@@ -368,6 +368,7 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
         """Exactly the wrapped model's forward, unless the call is TransformerLens-style (a TransformerLens keyword
         or text input: see :mod:`lensadapters.tl_call` for what it returns)."""
         self._check_alive()
+        _refuse_hooks_as_model_arguments(kwargs)
         self.wiring.sync()
         state = self.wiring.forward_state
         frames = state.open_frames
@@ -446,3 +447,18 @@ def _warn_generic(hm: HookedModel, registry: Registry) -> None:
     from lensadapters.adapters.generic import GenericAdapterWarning, summary
 
     warnings.warn(GenericAdapterWarning(summary(hm.wiring) + registry.autoload_note()), stacklevel=4)
+
+
+_HOOK_ARGUMENTS = ("fwd_hooks", "bwd_hooks")
+
+
+def _refuse_hooks_as_model_arguments(kwargs: dict[str, Any]) -> None:
+    """A forward does not take hooks: a Hugging Face model hands unknown keywords down to its layers, which ignore
+    them, so ``hm(ids, fwd_hooks=...)`` or ``hm.run_with_cache(ids, fwd_hooks=...)`` would run without the edits."""
+    given = [k for k in _HOOK_ARGUMENTS if k in kwargs]
+    if given:
+        raise TypeError(
+            f"{' and '.join(given)} given to a forward pass, which would hand {'it' if len(given) == 1 else 'them'} "
+            "to the model's layers and run without them; run hooks with hm.run_with_hooks(..., fwd_hooks=[...]) or "
+            "around the call: `with hm.hooks(fwd_hooks=[...]): hm.run_with_cache(...)`"
+        )

@@ -155,3 +155,18 @@ def test_a_tower_that_needs_more_than_pixel_values_is_refused_by_name() -> None:
     assert ("besides pixel_values" in messages[0]) != transformers.__version__.startswith("4.")
     assert not any(p.startswith("vision.") for p in hm.hook_dict)
     hm.unwrap()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "idefics3"])
+def test_the_probe_leaves_nothing_on_the_tower(name: str) -> None:
+    """The probe's forwards ask for ``hidden_states``; transformers then installs its recording hooks on the blocks
+    (once, for good): the probe removes what it caused, so a model that never records keeps no hook of it."""
+    model, _ = tiny_vlm(name)
+
+    def state() -> list:
+        return [(n, list(m._forward_hooks), sorted(vars(m))) for n, m in model.named_modules()]
+
+    before = state()
+    hm = HookedModel.wrap(model)
+    assert state() == before
+    hm.unwrap()

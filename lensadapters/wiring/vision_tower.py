@@ -87,6 +87,31 @@ def _required_inputs(tower: nn.Module) -> list[str]:
     ]
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _snapshot(tower: nn.Module) -> list[tuple[nn.Module, set[str], dict[str, set]]]:
+    return [(m, set(vars(m)), {d: set(getattr(m, d, {})) for d in _HOOK_DICTS}) for m in tower.modules()]
+
+
+def _restore(snapshot: list[tuple[nn.Module, set[str], dict[str, set]]]) -> None:
+    """Undo what the probe's forwards left on the tower's modules: the forward hooks and attributes transformers
+    adds the first time a forward records ``hidden_states`` (it would add them again in a forward that asks)."""
+    for module, attributes, hooks in snapshot:
+        for name in set(vars(module)) - attributes:
+            delattr(module, name)
+        for name, keys in hooks.items():
+            table = getattr(module, name, None)
+            for key in set(table or ()) - keys:
+                del table[key]
+
+
 def _run(tower: nn.Module, blocks: nn.ModuleList, pixels: torch.Tensor, edit: Optional[int] = None) -> dict:
     """One probe forward: each block's first input and output, the tower's output and ``hidden_states``; with
     ``edit``, block ``edit``'s output is replaced by ``2 * output + 1`` by a hook placed as the site's is."""
@@ -135,15 +160,18 @@ def probe(model: nn.Module) -> tuple[Optional[tuple[nn.Module, nn.ModuleList]], 
     pixels = _probe_pixels(tower)
     if pixels is None:
         return None, [f"{path}: its config gives no image_size for a probe image"]
+    snapshot = _snapshot(tower)
     try:
         base = _run(tower, blocks[1], pixels)
+        n = len(blocks[1])
+        reasons = _check(base, n, path)
+        if not reasons:
+            for i in range(n):
+                reasons += _check_edit(base, _run(tower, blocks[1], pixels, edit=i), i, n, path)
     except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses the points, naming it
         return None, [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"]
-    n = len(blocks[1])
-    reasons = _check(base, n, path)
-    if not reasons:
-        for i in range(n):
-            reasons += _check_edit(base, _run(tower, blocks[1], pixels, edit=i), i, n, path)
+    finally:
+        _restore(snapshot)
     return (None if reasons else (tower, blocks[1])), reasons
 
 

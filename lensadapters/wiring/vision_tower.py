@@ -107,8 +107,8 @@ def _restore(snapshot: list[tuple[nn.Module, set[str], dict[str, set]]]) -> None
         for name in set(vars(module)) - attributes:
             delattr(module, name)
         for name, keys in hooks.items():
-            table = getattr(module, name, None)
-            for key in set(table or ()) - keys:
+            table = getattr(module, name, {})
+            for key in set(table) - keys:
                 del table[key]
 
 

@@ -59,6 +59,7 @@ from lensadapters.wiring import weights as _w
 from lensadapters.wiring.forward import _LazyBackend
 from lensadapters.wiring.names import block_point_names
 from lensadapters.wiring.vision import build_image_sites, create_image_points
+from lensadapters.wiring.vision_tower import build_tower_sites, create_tower_points
 
 Tensor = torch.Tensor
 
@@ -129,6 +130,7 @@ class CoreSites:
         new("hook_embed")
         if self.layout.pos_embed:
             new("hook_pos_embed")
+        self._tower_blocks = create_tower_points(self, new)
         self._projector = create_image_points(self, new)
         for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
             if bl is None:  # an opaque block: its plugin creates its points
@@ -215,6 +217,7 @@ class CoreSites:
             self.add_site(
                 PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"), self.forward_state)
             )
+        build_tower_sites(self, self._tower_blocks, self._core)
         build_image_sites(self, self._projector, self._core)
         for i in range(len(self.block_modules)):
             if self.block_layouts[i] is not None:

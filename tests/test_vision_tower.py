@@ -1,0 +1,172 @@
+"""The vision tower's residual points (``vision.*``) of vision-language models: each read is what a plain PyTorch
+hook on the tower's blocks reads, each edit changes the logits exactly as the same edit by a plain hook does (and
+reaches the language model: LLaVA reads its selected tower layer from the tower's ``hidden_states`` record), no hook
+means HF's logits bitwise, and a tower the probe cannot run is refused by name."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from lensadapters import HookedModel, UnfiredHookWarning
+from lensadapters.testing.vision_tower import tiny_vlm, vlm_inputs
+from lensadapters.wiring.vision_tower import VisionTowerWarning, tower_blocks, vision_tower
+
+FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
+#: the families whose towers record ``hidden_states`` inside their blocks' forward on transformers 4.x (an edit of a
+#: block's output by a forward hook is not what the record holds): refused there, by name
+RECORDED_INSIDE_ON_4 = ("gemma3", "idefics3", "smolvlm")
+TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+
+
+def _blocks(model: Any) -> Any:
+    found = vision_tower(model)
+    assert found is not None
+    blocks = tower_blocks(found[1])
+    assert blocks is not None
+    return blocks[1]
+
+
+def _points(n: int) -> list[tuple[str, int, str]]:
+    """Each point, its block and whether it is the block's input (``pre``) or output (``post``)."""
+    points = [("vision.hook_embed", 0, "pre")]
+    for i in range(n):
+        points += [(f"vision.blocks.{i}.hook_resid_pre", i, "pre"), (f"vision.blocks.{i}.hook_resid_post", i, "post")]
+    return points
+
+
+def _plain(block: Any, kind: str, seen: list, edit: Any = None) -> Any:
+    """A plain PyTorch hook on ``block``'s first input or output (before the module's other forward hooks)."""
+    if kind == "pre":
+
+        def pre(module: Any, args: tuple, kwargs: dict) -> Any:
+            if args:
+                seen.append(args[0].clone())
+                return None if edit is None else ((edit(args[0]), *args[1:]), kwargs)
+            key = next(iter(kwargs))
+            seen.append(kwargs[key].clone())
+            return None if edit is None else (args, {**kwargs, key: edit(kwargs[key])})
+
+        return block.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def post(module: Any, args: tuple, output: Any) -> Any:
+        value = output[0] if isinstance(output, tuple) else output
+        seen.append(value.clone())
+        if edit is None:
+            return None
+        return (edit(value), *output[1:]) if isinstance(output, tuple) else edit(value)
+
+    return block.register_forward_hook(post, prepend=True)
+
+
+def _logits(model: Any, batch: dict, handle: Any = None) -> torch.Tensor:
+    try:
+        with torch.no_grad():
+            return model(**batch).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _out(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _edit(x: torch.Tensor) -> torch.Tensor:
+    return x * -2.0 + 0.5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
+    model, n_image = tiny_vlm(name)
+    if TRANSFORMERS_4 and name in RECORDED_INSIDE_ON_4:
+        with pytest.warns(VisionTowerWarning, match=r"output does not reach its hidden_states record"):
+            hm = HookedModel.wrap(model)
+        assert not any(p.startswith("vision.") for p in hm.hook_dict)
+        return
+    batch = vlm_inputs(model, n_image)
+    blocks = _blocks(model)
+    plain: dict[str, tuple[list, torch.Tensor]] = {}
+    for point, i, kind in _points(len(blocks)):
+        seen: list = []
+        _logits(model, batch, _plain(blocks[i], kind, seen))
+        edited = _logits(model, batch, _plain(blocks[i], kind, [], _edit))
+        plain[point] = (seen, edited)
+    hf = _logits(model, batch)
+    hm = HookedModel.wrap(model)
+    served = [p for p in hm.hook_dict if p.startswith("vision.")]
+    assert served == [p for p, _, _ in _points(len(blocks))]
+    with torch.no_grad():
+        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        _, cache = hm.run_with_cache(**batch, names_filter=served)
+        for point in served:
+            seen, edited = plain[point]
+            assert len(seen) >= 1 and cache[point].shape[0] == sum(s.shape[0] for s in seen)
+            assert torch.equal(cache[point], torch.cat(seen)), point  # every image's call, in order
+            got = hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))])
+            got = _out(got)
+            assert torch.equal(got, edited), point
+            # the edit reaches the language model; LLaVA's projector reads block 0's output as the tower recorded it
+            # (``vision_feature_layer=-2``): block 1 and an edit of its input come after, and change nothing
+            unused = name.startswith("llava") and point.startswith("vision.blocks.1.")
+            assert torch.equal(got, hf) == unused, point
+    assert torch.equal(_logits(model, batch), hf)
+    hm.unwrap()
+
+
+def test_an_edit_of_the_selected_tower_layer_reaches_the_projector() -> None:
+    """LLaVA projects the tower's second-to-last layer (``vision_feature_layer=-2``), read from the tower's
+    ``hidden_states`` record (transformers 5.x: a forward hook on each block, installed at the first forward): an
+    edit of block 0's output is what the projector reads, also after the model ran once before it was wrapped."""
+    model, n_image = tiny_vlm("llava")
+    batch = vlm_inputs(model, n_image)
+    _logits(model, batch)  # HF's recording hooks are on the blocks now
+    hm = HookedModel.wrap(model)
+    post = "vision.blocks.0.hook_resid_post"
+    with torch.no_grad():
+        _, base = hm.run_with_cache(**batch, names_filter=[post])
+        with hm.hooks([(post, lambda x, hook: _edit(x))]):
+            _, cache = hm.run_with_cache(**batch, names_filter=["vision_projector.hook_in"])
+    assert torch.equal(cache["vision_projector.hook_in"], _edit(base[post])[:, 1:])  # the CLS token dropped
+    hm.unwrap()
+
+
+def test_tower_points_without_an_image_warn_by_name() -> None:
+    model, n_image = tiny_vlm("llava")
+    hm = HookedModel.wrap(model)
+    with pytest.warns(UnfiredHookWarning, match=r"vision\.blocks\.1\.hook_resid_post"):
+        with torch.no_grad(), hm.hooks([("vision.blocks.1.hook_resid_post", lambda x, hook: x)]):
+            hm(**vlm_inputs(model, n_image, image=False))
+    hm.unwrap()
+
+
+def test_a_tower_that_needs_more_than_pixel_values_is_refused_by_name() -> None:
+    model, _ = tiny_vlm("qwen2_vl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    # transformers 5.x: its forward takes the patches and the grid; 4.x: its config counts its blocks as ``depth``
+    assert len(messages) == 1 and "model.visual: " in messages[0]
+    assert ("besides pixel_values" in messages[0]) != transformers.__version__.startswith("4.")
+    assert not any(p.startswith("vision.") for p in hm.hook_dict)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "idefics3"])
+def test_the_probe_leaves_nothing_on_the_tower(name: str) -> None:
+    """The probe's forwards ask for ``hidden_states``; transformers then installs its recording hooks on the blocks
+    (once, for good): the probe removes what it caused, so a model that never records keeps no hook of it."""
+    model, _ = tiny_vlm(name)
+
+    def state() -> list:
+        return [(n, list(m._forward_hooks), sorted(vars(m))) for n, m in model.named_modules()]
+
+    before = state()
+    hm = HookedModel.wrap(model)
+    assert state() == before
+    hm.unwrap()

@@ -45,7 +45,9 @@ def test_language_points_equal_the_text_models(name: str) -> None:
     text = text_model_of(model)
     hm, hm_text = HookedModel.wrap(model), HookedModel.wrap(text)
     assert hm.plugin.name == hm_text.plugin.name and hm.cfg.n_layers == hm_text.cfg.n_layers
-    image_points = [n for n in hm.hook_names if n.startswith("vision_projector.")]  # (Qwen3-VL's deepstack too)
+    image_points = [
+        n for n in hm.hook_names if n.startswith(("vision.", "vision_projector."))
+    ]  # the tower; Qwen3-VL: deepstack
     assert [n for n in hm.hook_names if n not in image_points] == hm_text.hook_names
     # after hook_embed: the image features replace embeddings
     assert hm.hook_names[1 : 1 + len(image_points)] == image_points and image_points[-2:] == [

@@ -15,8 +15,15 @@ from lensadapters.adapters import hf_helpers
 from lensadapters.adapters.decoder_plugin import DecoderFamily, DecoderPlugin, qk_norms
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 from lensadapters.adapters.plugin_hooks import PointChain, claims, layer_hooks, opaque_blocks
-from lensadapters.adapters.toy_configs import decoder_config, sliding_layers, toy_config, toy_draw
+from lensadapters.adapters.toy_configs import (
+    decoder_config,
+    sliding_layers,
+    sliding_toy,
+    toy_config,
+    toy_draw,
+    window_from_fields,
+)
 
 __all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "layer_hooks", "qk_norms", "toy_config"]
-__all__ += ["PointChain", "opaque_blocks", "sliding_layers", "toy_draw"]
+__all__ += ["PointChain", "opaque_blocks", "sliding_layers", "sliding_toy", "toy_draw", "window_from_fields"]
 __all__ += hf_helpers.__all__

@@ -1,9 +1,9 @@
 """The toy configs of Llama-shaped families (``lensadapters_tiny_config``'s answers): :func:`toy_config` (a
-family's toy model), :func:`decoder_config` (a tiny config with the shared fields) and :func:`toy_draw` (the values
-a seed varies), :func:`sliding_toy` (a toy whose seeds vary depth, heads and a sliding window),
-:func:`sliding_layers` (a config's ``layer_types``), :func:`window_from_fields` (the ``use_sliding_window`` fields).
-Exported by :mod:`lensadapters.hf`; import
-them from there.
+family's toy model), :func:`sliding_toy` (one whose seeds vary depth, heads and a sliding window),
+:func:`decoder_config` (a tiny config with the shared fields), :func:`moe_decoder_config` (one of a
+mixture-of-experts family), :func:`toy_draw` (the values a seed varies), :func:`sliding_layers` (a config's
+``layer_types``) and :func:`window_from_fields` (the ``use_sliding_window`` fields). Exported by
+:mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Optional, Sequence
 
-from lensadapters.adapters.hf_helpers import size_fields
+from lensadapters.adapters.hf_helpers import router_fields, size_fields
 
-__all__ = ["decoder_config", "sliding_layers", "sliding_toy", "toy_config", "toy_draw", "window_from_fields"]
+__all__ = ["decoder_config", "moe_decoder_config", "sliding_layers", "sliding_toy", "toy_config", "toy_draw"]
+__all__ += ["window_from_fields"]
 
 
 def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
@@ -105,3 +106,11 @@ def decoder_config(
     shared = dict(rms_norm_eps=eps, tie_word_embeddings=tied, rope_theta=theta, attention_dropout=0.0)
     sizes = (hidden, d_mlp, layers, n_heads, n_kv, vocab, max_pos)
     return _sized_config(config_class, sizes, {**shared, act_field: act, **fields})
+
+
+def moe_decoder_config(config_class: Callable[..., Any], *, experts: int = 4, top_k: int = 2, **fields: Any) -> Any:
+    """A :func:`decoder_config` of a mixture-of-experts family: ``experts`` experts, ``top_k`` of them per token and
+    no router logits (:func:`~lensadapters.adapters.hf_helpers.router_fields`); ``d_mlp`` 16 and ``max_pos`` 32
+    unless ``fields`` says otherwise."""
+    fields = {"d_mlp": 16, "max_pos": 32, **fields}
+    return decoder_config(config_class, **router_fields(config_class, experts, top_k), **fields)

@@ -33,29 +33,19 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from bench_peers import build_hf  # the same seeded construction as the large-model benchmark
+from bench_peers import build_hf, hf_config  # the same seeded construction as the large-model benchmark
 
 HERE = Path(__file__).resolve().parent
 LAYERS = 12
 REFERENCE = {"forward": "hf_sdpa", "cache_resid": "hf_sdpa", "cache_all": "hf_eager", "patch_head": "hf_sdpa"}
 
 
-def config(kind: str) -> Any:
-    from transformers import GPT2Config, LlamaConfig
+#: the small models' sizes (as ``bench_peers.SIZES``)
+SMALL = {"gpt2": (64, 4, 4, 0, 512, 64), "llama": (64, 4, 2, 128, 512, 64)}
 
-    if kind == "gpt2":
-        return GPT2Config(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
-    if kind == "llama":
-        return LlamaConfig(
-            num_hidden_layers=LAYERS,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=512,
-            max_position_embeddings=64,
-        )
-    raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
+
+def config(kind: str) -> Any:
+    return hf_config(kind, LAYERS, SMALL.get(kind))
 
 
 def build(kind: str, attn: str, state: Optional[dict] = None) -> Any:

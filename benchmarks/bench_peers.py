@@ -107,22 +107,24 @@ PATCH_HEAD = 3
 # --- models ------------------------------------------------------------------------------------------
 
 
-def hf_config(kind: str, layers: int) -> Any:
+#: the benchmark models' sizes (width, heads, key/value heads, Llama's MLP width, vocabulary, positions): GPT-2 small,
+#: and a Llama of GPT-2 small's width
+SIZES = {"gpt2": (768, 12, 12, 0, 50257, 1024), "llama": (768, 12, 4, 2048, 32000, 2048)}
+
+
+def hf_config(kind: str, layers: int, sizes: Optional[tuple[int, ...]] = None) -> Any:
+    """The benchmark model's config: ``layers`` layers of ``sizes`` (``SIZES[kind]`` by default)."""
     from transformers import GPT2Config, LlamaConfig
 
+    from lensadapters import hf
+
+    if kind not in SIZES:
+        raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
+    hidden, heads, kv_heads, d_mlp, vocab, positions = sizes or SIZES[kind]
     if kind == "gpt2":
-        return GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-    if kind == "llama":
-        return LlamaConfig(
-            num_hidden_layers=layers,
-            hidden_size=768,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            intermediate_size=2048,
-            vocab_size=32000,
-            max_position_embeddings=2048,
-        )
-    raise ValueError(f"unknown model {kind!r} (gpt2, llama)")
+        return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=positions)
+    shape = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, d_mlp=d_mlp, vocab=vocab, positions=positions)
+    return LlamaConfig(**hf.size_fields(layers=layers, **shape))
 
 
 def build_hf(kind: str, layers: int, attn: str = "sdpa", state: Optional[dict] = None, config: Any = None) -> Any:

@@ -11,12 +11,12 @@ a SwiGLU ``mlp`` and rotate-half RoPE from ``rotary_emb``): a plugin of such a f
 Nothing here names an architecture: plugins pass their own class names, paths and supported values.
 """
 
-from lensadapters.adapters import hf_helpers
+from lensadapters.adapters import hf_helpers, toy_configs
 from lensadapters.adapters.decoder_plugin import DecoderFamily, DecoderPlugin, qk_norms
 from lensadapters.adapters.hf_helpers import *  # noqa: F403  (the helpers: hf_helpers.__all__)
 from lensadapters.adapters.plugin_hooks import PointChain, claims, layer_hooks, opaque_blocks
-from lensadapters.adapters.toy_configs import decoder_config, sliding_layers, toy_config, toy_draw
+from lensadapters.adapters.toy_configs import *  # noqa: F403  (the toy configs: toy_configs.__all__)
 
-__all__ = ["DecoderFamily", "DecoderPlugin", "claims", "decoder_config", "layer_hooks", "qk_norms", "toy_config"]
-__all__ += ["PointChain", "opaque_blocks", "sliding_layers", "toy_draw"]
+__all__ = ["DecoderFamily", "DecoderPlugin", "PointChain", "claims", "layer_hooks", "opaque_blocks", "qk_norms"]
+__all__ += toy_configs.__all__
 __all__ += hf_helpers.__all__

@@ -1,17 +1,20 @@
 """The toy configs of Llama-shaped families (``lensadapters_tiny_config``'s answers): :func:`toy_config` (a
-family's toy model), :func:`decoder_config` (a tiny config with the shared fields) and :func:`toy_draw` (the values
-a seed varies), :func:`sliding_layers` (a config's ``layer_types``). Exported by :mod:`lensadapters.hf`; import
-them from there.
+family's toy model), :func:`sliding_toy` (one whose seeds vary depth, heads and a sliding window),
+:func:`decoder_config` (a tiny config with the shared fields), :func:`moe_decoder_config` (one of a
+mixture-of-experts family), :func:`toy_draw` (the values a seed varies), :func:`sliding_layers` (a config's
+``layer_types``) and :func:`window_from_fields` (the ``use_sliding_window`` fields). Exported by
+:mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from lensadapters.adapters.hf_helpers import size_fields
+from lensadapters.adapters.hf_helpers import router_fields, size_fields
 
-__all__ = ["decoder_config", "sliding_layers", "toy_config", "toy_draw"]
+__all__ = ["decoder_config", "moe_decoder_config", "sliding_layers", "sliding_toy", "toy_config", "toy_draw"]
+__all__ += ["window_from_fields"]
 
 
 def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
@@ -37,6 +40,30 @@ def sliding_layers(layers: int, full_every: int, last_full: bool = False) -> lis
     ``"full_attention"`` and the others ``"sliding_attention"``."""
     full = [(i + 1) % full_every == 0 or (last_full and i == layers - 1) for i in range(layers)]
     return ["full_attention" if f else "sliding_attention" for f in full]
+
+
+def window_from_fields(
+    window: Optional[int], window_from: Optional[int] = 0, layers: Optional[int] = None
+) -> dict[str, Any]:
+    """The window fields of a config that switches its window on with ``use_sliding_window``: ``sliding_window``
+    (``window``; 4096, unused, when it is None), ``use_sliding_window`` (``window`` is set and, given ``layers``,
+    some layer from ``window_from`` on exists) and ``max_window_layers`` (``window_from``; left out when None)."""
+    use = window is not None and (layers is None or window_from is None or window_from < layers)
+    fields: dict[str, Any] = {"sliding_window": window or 4096, "use_sliding_window": use}
+    if window_from is not None:
+        fields["max_window_layers"] = window_from
+    return fields
+
+
+def sliding_toy(config_class: Callable[..., Any], seed: int, demo: Sequence[Any], **fields: Any) -> Any:
+    """A :func:`toy_config` with a sliding window: seed 0 has ``demo`` (layers, (heads, key/value heads)) and a
+    4-token window; another seed draws 1 to 3 layers, 4 query heads over 2, 4 or 1 key/value heads and a window of
+    3 or 8. ``full_every=N`` (and ``last_full=True``): ``layer_types`` from :func:`sliding_layers`; then ``fields``."""
+    layers, (heads, kv), window = toy_draw(seed, (*demo, 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
+    full_every, last_full = fields.pop("full_every", None), fields.pop("last_full", False)
+    if full_every is not None:
+        fields = {"layer_types": sliding_layers(layers, full_every, last_full), **fields}
+    return toy_config(config_class, layers, heads, kv, sliding_window=window, **fields)
 
 
 def _sized_config(
@@ -79,3 +106,11 @@ def decoder_config(
     shared = dict(rms_norm_eps=eps, tie_word_embeddings=tied, rope_theta=theta, attention_dropout=0.0)
     sizes = (hidden, d_mlp, layers, n_heads, n_kv, vocab, max_pos)
     return _sized_config(config_class, sizes, {**shared, act_field: act, **fields})
+
+
+def moe_decoder_config(config_class: Callable[..., Any], *, experts: int = 4, top_k: int = 2, **fields: Any) -> Any:
+    """A :func:`decoder_config` of a mixture-of-experts family: ``experts`` experts, ``top_k`` of them per token and
+    no router logits (:func:`~lensadapters.adapters.hf_helpers.router_fields`); ``d_mlp`` 16 and ``max_pos`` 32
+    unless ``fields`` says otherwise."""
+    fields = {"d_mlp": 16, "max_pos": 32, **fields}
+    return decoder_config(config_class, **router_fields(config_class, experts, top_k), **fields)

@@ -78,20 +78,9 @@ def tiny_config(seed: int) -> Any:
     depth, heads and the window."""
     from transformers import Gemma2Config
 
-    layers, (heads, kv), sliding = hf.toy_draw(seed, (2, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
-    return hf.toy_config(
-        Gemma2Config,
-        layers,
-        heads,
-        kv,
-        head_dim=16,
-        sliding_window=sliding,
-        query_pre_attn_scalar=16,
-        rope_theta=10000.0,
-        attn_implementation="eager",
-        bos_token_id=2,
-        eos_token_id=1,
-    )
+    tokens = {"bos_token_id": 2, "eos_token_id": 1}
+    scores = {"head_dim": 16, "query_pre_attn_scalar": 16, "attn_implementation": "eager"}
+    return hf.sliding_toy(Gemma2Config, seed, (2, (4, 2)), rope_theta=10000.0, **scores, **tokens)
 
 
 PLUGIN = hf.DecoderPlugin(ARCH, FAMILY, tiny_config, config=config_fields, check=check).export(globals())

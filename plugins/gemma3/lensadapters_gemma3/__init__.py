@@ -103,19 +103,9 @@ def tiny_config(seed: int) -> Any:
     depth, heads and the window."""
     from transformers import Gemma3TextConfig
 
-    layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 1), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
-    return hf.toy_config(
-        Gemma3TextConfig,
-        layers,
-        heads,
-        kv,
-        head_dim=16,
-        sliding_window=sliding,
-        layer_types=hf.sliding_layers(layers, 3),
-        query_pre_attn_scalar=16,
-        rope_theta=10000.0,
-        rope_local_base_freq=10.0,
-        **TOKENS,
+    rope = {"rope_theta": 10000.0, "rope_local_base_freq": 10.0}
+    return hf.sliding_toy(
+        Gemma3TextConfig, seed, (3, (4, 1)), full_every=3, head_dim=16, query_pre_attn_scalar=16, **rope, **TOKENS
     )
 
 

@@ -308,20 +308,13 @@ def tiny_config(seed: int) -> Any:
     window, per-layer inputs of width 16. Other seeds vary depth, heads and the window."""
     from transformers import Gemma4TextConfig
 
-    layers, (heads, kv), sliding = hf.toy_draw(seed, (3, (4, 2), 4), [1, 2, 3], [(4, 2), (4, 4), (4, 1)], [3, 8])
-    return hf.toy_config(
-        Gemma4TextConfig,
-        layers,
-        heads,
-        kv,
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=sliding,
-        layer_types=hf.sliding_layers(layers, 3, last_full=True),
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=512,
-        **TOKENS,
-    )
+    sizes = {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 512,
+    }
+    return hf.sliding_toy(Gemma4TextConfig, seed, (3, (4, 2)), full_every=3, last_full=True, **sizes, **TOKENS)
 
 
 #: Gemma's special tokens (bos 2, eos 1), in every toy config

@@ -16,7 +16,6 @@ from lensadapters.testing.families import (
     WINDOW_PROPERTIES,
     MoEDecoderContract,
     config_strategy,
-    decoder_config,
 )
 
 __all__ = ["GptOssContract", "gpt_oss_config", "gpt_oss_configs"]
@@ -36,9 +35,6 @@ def _rope_fields(rope: str, max_pos: int) -> dict[str, Any]:
 def gpt_oss_config(
     *,
     head_dim: int = 8,
-    d_mlp: int = 16,
-    experts: int = 4,
-    top_k: int = 2,
     window: int = 3,
     layer_types: Optional[list[str]] = None,
     rope: str = "yarn",
@@ -48,26 +44,14 @@ def gpt_oss_config(
     max_pos: int = 32,
     **shared: Any,
 ) -> GptOssConfig:
-    """A tiny GPT-OSS config (``decoder_config``'s shared fields): ``experts`` experts of width ``d_mlp``, layers
+    """A tiny GPT-OSS config (``moe_decoder_config``'s shared fields): ``experts`` experts of width ``d_mlp``, layers
     alternating sliding (window ``window``) and full from layer 0 as GPT-OSS, the SwiGLU clamp ``limit`` and gain
     ``alpha`` (transformers 4.57 hard-codes 7.0 and 1.702 in the experts module: :meth:`GptOssContract.make_model`
     sets the module's attributes from the config)."""
-    layers = shared.get("layers", 1)
-    types = layer_types or hf.sliding_layers(layers, 2)
-    return decoder_config(
-        GptOssConfig,
-        head_dim=head_dim,
-        d_mlp=d_mlp,
-        max_pos=max_pos,
-        sliding_window=window,
-        layer_types=types,
-        attention_bias=attention_bias,
-        **hf.router_fields(GptOssConfig, experts, top_k),
-        swiglu_limit=limit,
-        swiglu_alpha=alpha,
-        **_rope_fields(rope, max_pos),
-        **shared,
-    )
+    types = layer_types or hf.sliding_layers(shared.get("layers", 1), 2)
+    fields: dict[str, Any] = dict(sliding_window=window, layer_types=types, attention_bias=attention_bias)
+    fields.update(swiglu_limit=limit, swiglu_alpha=alpha, **_rope_fields(rope, max_pos))
+    return hf.moe_decoder_config(GptOssConfig, head_dim=head_dim, max_pos=max_pos, **fields, **shared)
 
 
 gpt_oss_configs = config_strategy(

@@ -9,32 +9,15 @@ from transformers import MixtralConfig
 
 import lensadapters_mixtral
 from lensadapters import hf
-from lensadapters.testing.families import HEAD_DRAWS, MOE_DRAWS, MoEDecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import HEAD_DRAWS, MOE_DRAWS, MoEDecoderContract, config_strategy
 
 __all__ = ["MixtralContract", "mixtral_config", "mixtral_configs"]
 
 
-def mixtral_config(
-    *,
-    head_dim: int = 8,
-    d_mlp: int = 16,
-    experts: int = 4,
-    top_k: int = 2,
-    sliding_window: Optional[int] = None,
-    max_pos: int = 32,
-    **shared: Any,
-) -> MixtralConfig:
-    """A tiny Mixtral config (``decoder_config``'s shared fields): ``experts`` experts of width ``d_mlp``."""
-    return decoder_config(
-        MixtralConfig,
-        head_dim=head_dim,
-        d_mlp=d_mlp,
-        max_pos=max_pos,
-        sliding_window=sliding_window,
-        **hf.router_fields(MixtralConfig, experts, top_k),
-        router_jitter_noise=0.0,
-        **shared,
-    )
+def mixtral_config(*, head_dim: int = 8, sliding_window: Optional[int] = None, **shared: Any) -> MixtralConfig:
+    """A tiny Mixtral config (``moe_decoder_config``'s shared fields): ``experts`` experts of width ``d_mlp``."""
+    fields: dict[str, Any] = dict(head_dim=head_dim, sliding_window=sliding_window, router_jitter_noise=0.0)
+    return hf.moe_decoder_config(MixtralConfig, **fields, **shared)
 
 
 mixtral_configs = config_strategy(

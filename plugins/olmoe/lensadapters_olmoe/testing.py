@@ -9,36 +9,16 @@ from transformers import OlmoeConfig
 
 import lensadapters_olmoe
 from lensadapters import hf
-from lensadapters.testing.families import MOE_DRAWS, MoEDecoderContract, QKNormScores, config_strategy, decoder_config
+from lensadapters.testing.families import MOE_DRAWS, MoEDecoderContract, QKNormScores, config_strategy
 
 __all__ = ["OlmoeContract", "olmoe_config", "olmoe_configs"]
 
 
-def olmoe_config(
-    *,
-    d_mlp: int = 16,
-    experts: int = 4,
-    top_k: int = 2,
-    norm_topk_prob: bool = False,
-    clip_qkv: Optional[float] = None,
-    attention_bias: bool = False,
-    eps: float = 1e-5,
-    max_pos: int = 32,
-    **shared: Any,
-) -> OlmoeConfig:
-    """A tiny OLMoE config (``decoder_config``'s shared fields); ``head_dim`` is ``hidden / n_heads``, as OLMoE
-    requires."""
-    return decoder_config(
-        OlmoeConfig,
-        d_mlp=d_mlp,
-        eps=eps,
-        max_pos=max_pos,
-        attention_bias=attention_bias,
-        clip_qkv=clip_qkv,
-        **hf.router_fields(OlmoeConfig, experts, top_k),
-        norm_topk_prob=norm_topk_prob,
-        **shared,
-    )
+def olmoe_config(*, norm_topk_prob: bool = False, clip_qkv: Optional[float] = None, **shared: Any) -> OlmoeConfig:
+    """A tiny OLMoE config (``moe_decoder_config``'s shared fields; ``eps`` 1e-5, no attention bias by default);
+    ``head_dim`` is ``hidden / n_heads``, as OLMoE requires."""
+    shared = {"eps": 1e-5, "attention_bias": False, **shared}
+    return hf.moe_decoder_config(OlmoeConfig, clip_qkv=clip_qkv, norm_topk_prob=norm_topk_prob, **shared)
 
 
 olmoe_configs = config_strategy(

@@ -43,17 +43,8 @@ def tiny_config(seed: int) -> Any:
     layers, (heads, kv), window_from, tied = hf.toy_draw(
         seed, (2, (4, 2), 1, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], [0, 1, 9], 0.5
     )
-    return hf.toy_config(
-        Qwen2Config,
-        layers,
-        heads,
-        kv,
-        sliding_window=4,
-        use_sliding_window=window_from < layers,
-        max_window_layers=window_from,
-        tie_word_embeddings=tied,
-        rope_theta=10000.0,
-    )
+    windows = hf.window_from_fields(4, window_from, layers)
+    return hf.toy_config(Qwen2Config, layers, heads, kv, **windows, tie_word_embeddings=tied, rope_theta=10000.0)
 
 
 def config_fields(model: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config
 
 import lensadapters_qwen2
+from lensadapters import hf
 from lensadapters.testing.families import (
     DENSE_DRAWS,
     SMALL_MATRIX,
@@ -23,9 +24,7 @@ __all__ = ["Qwen2Contract", "qwen2_config", "qwen2_configs"]
 def qwen2_config(*, window: Optional[int] = None, window_from: int = 0, **shared: Any) -> Qwen2Config:
     """A tiny Qwen2 config (``decoder_config``'s shared fields); layers ``window_from`` and later use ``window``
     when it is set."""
-    use = window is not None
-    windows: dict[str, Any] = dict(sliding_window=window or 4096, use_sliding_window=use, max_window_layers=window_from)
-    return decoder_config(Qwen2Config, **windows, **shared)
+    return decoder_config(Qwen2Config, **hf.window_from_fields(window, window_from), **shared)
 
 
 qwen2_configs = config_strategy(

@@ -64,17 +64,9 @@ def tiny_config(seed: int) -> Any:
     layers, (heads, kv), window_from, tied = hf.toy_draw(
         seed, (2, (4, 2), 9, True), [1, 2, 3], [(4, 2), (4, 4), (4, 1), (8, 2)], [0, 1, 9], 0.5
     )
+    windows = hf.window_from_fields(4, window_from, layers)
     return hf.toy_config(
-        Qwen3Config,
-        layers,
-        heads,
-        kv,
-        head_dim=32,
-        sliding_window=4,
-        use_sliding_window=window_from < layers,
-        max_window_layers=window_from,
-        tie_word_embeddings=tied,
-        rope_theta=10000.0,
+        Qwen3Config, layers, heads, kv, head_dim=32, **windows, tie_word_embeddings=tied, rope_theta=10000.0
     )
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import Qwen3Config
 
 import lensadapters_qwen3
+from lensadapters import hf
 from lensadapters.testing.families import (
     DENSE_DRAWS,
     WINDOW_PROPERTIES,
@@ -33,9 +34,7 @@ def qwen3_config(
         Qwen3Config,
         head_dim=head_dim,
         attention_bias=attention_bias,
-        sliding_window=window or 4096,
-        use_sliding_window=window is not None,
-        max_window_layers=window_from,
+        **hf.window_from_fields(window, window_from),
         **shared,
     )
 

@@ -74,8 +74,8 @@ SAMPLE = (
     # 4.x's from_config builds it from the composite config)
     "llama4",
     "emu3",
-    # lensadapters-bart's decoders: BigBird-Pegasus' (its final norm named layernorm_embedding) and Blenderbot-Small's
-    # (its token embeddings normalized before the positions, unscaled)
+    # BART-family decoders served by a plugin: BigBird-Pegasus' (its final norm named layernorm_embedding) and
+    # Blenderbot-Small's (its token embeddings normalized before the positions, unscaled)
     "bigbird_pegasus",
     "blenderbot-small",
     # embeddings scaled in place, then positions added to them, before the first layer

@@ -131,9 +131,9 @@ def test_plugin_readme_is_a_long_description_that_works_on_pypi(plugin_dir):
     archs = module.lensadapters_architectures() if hasattr(module, "lensadapters_architectures") else ()
     for arch in archs:
         for model_type in arch.model_types:
-            assert model_type.replace("_", "").lower() in text.replace("_", "").replace("-", "").lower(), (
-                f"{plugin_dir.name}/README.md does not name model type {model_type!r}"
-            )
+            assert (
+                model_type.replace("_", "").replace("-", "").lower() in text.replace("_", "").replace("-", "").lower()
+            ), f"{plugin_dir.name}/README.md does not name model type {model_type!r}"
 
 
 def _requiring(requires: list[str]):

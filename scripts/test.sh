@@ -10,6 +10,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
+# the two big suites run on every core (pytest-xdist; LENSADAPTERS_TEST_WORKERS=0 runs them in one process), a test
+# module or class to a worker (its fixtures are built once)
+workers=(-n "${LENSADAPTERS_TEST_WORKERS:-auto}" --dist loadscope)
+if [ "${LENSADAPTERS_TEST_WORKERS:-auto}" = "0" ]; then workers=(); fi
 # the core's tests and every plugin folder's own (found by glob: a new plugin's tests/ runs without a change here)
 suites=(tests)
 for suite in plugins/*/tests examples/*/tests; do
@@ -18,12 +22,12 @@ done
 bash scripts/setup.sh .venv
 bash scripts/lint.sh .venv
 echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
-.venv/bin/python -m pytest -q -p no:cacheprovider "${suites[@]}"
+.venv/bin/python -m pytest -q -p no:cacheprovider "${workers[@]}" "${suites[@]}"
 bash scripts/setup.sh .venv-tf457 4.57.6
 bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis layer is compared with it there
 echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE_SECOND:-ci-short}" \
-  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider -m "not transformers5_only" "${suites[@]}"
+  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider "${workers[@]}" -m "not transformers5_only" "${suites[@]}"
 echo "== sae-bench, auto-circuit and sae-dashboard over the TransformerLens environment"
 bash scripts/setup-tl-clients.sh .venv-tl-clients .venv-tf457
 .venv-tl-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_sae_bench.py tests/test_auto_circuit.py \

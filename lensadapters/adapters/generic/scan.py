@@ -22,11 +22,14 @@
   is carried on from it (``h_{t+1} = exp(dt A) h'_t + dt B x``); elsewhere the state is what the scan computes from
   the (edited) state before it. Replacing every position's state by another run's therefore gives exactly those
   states. An edited ``hook_ssm_out`` is the scan's output (the ``D`` skip and the gate are applied to it). With a
-  cache, the cache then holds the last (edited) state, so cached generation continues from it as one full pass would.
+  cache, the cache then holds the last (edited) state, and the next call with that cache shows ``hook_ssm_state``
+  the states carried on from the last one it showed (not from the edited one), so cached generation shows and
+  edits what one full pass would.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -108,13 +111,14 @@ class ScanSite(Site):
         self.served: Optional[Tensor] = None  # the wrap-time probe: the model's own value where the scan goes in
         self.wide = torch.float32
         self.error: Optional[float] = None  # the last hooked call's largest difference from the model's value
+        self.memory: Optional[tuple[Any, Tensor, Tensor]] = None  # (the cache, the state left in it, the shown one)
         self._clear()
 
     def _clear(self) -> None:
         self.cache: Any = None
         self.kwargs: dict = {}
         self.h0: Optional[Tensor] = None
-        self.final: Optional[tuple[Tensor, Tensor, bool]] = None  # (unedited, served, edited)
+        self.final: Optional[tuple[Tensor, Tensor, bool, Tensor]] = None  # (unedited, served, edited, shown)
         self.entered = self.reached = False  # a hooked call began; the scan's value was checked where it goes in
 
     def live(self) -> bool:
@@ -208,20 +212,21 @@ class ScanSite(Site):
                 break
         else:
             return self._fail(f"the explicit selective scan does not reproduce the model's input of {self.inject}")
-        dt, edited = dt0, False
+        dt, edited, u0 = dt0, False, self._remembered(h0)
         if "hook_dt" in self.by:
             dt, edited = self.by["hook_dt"].apply(dt0)
         states = self._scan(dt, h0=h0) if edited else states0
+        base = states if u0 is None else self._scan(dt, h0=u0)  # what one pass would show hook_ssm_state
         if "hook_ssm_state" in self.by:
-            shown, changed = self.by["hook_ssm_state"].apply(states, protect=True)
+            shown, changed = self.by["hook_ssm_state"].apply(base, protect=True)
             if changed:
-                states, edited = self._scan(dt, (shown, shown != states), h0), True
+                states, edited = self._scan(dt, (shown, shown != base), h0), True
         ys, y = self._output(states)
         if "hook_ssm_out" in self.by:
             ys_e, changed = self.by["hook_ssm_out"].apply(ys)
             if changed:
                 y, edited = self._output(states, ys_e)[1], True
-        self.final = (states0[:, -1], states[:, -1], edited)
+        self.final = (states0[:, -1], states[:, -1], edited, base[:, -1])
         return replace_first_input(args, kwargs, y.to(served.dtype)) if edited else None
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -239,6 +244,20 @@ class ScanSite(Site):
         if final[2]:
             with torch.no_grad():
                 held.copy_(final[1].detach().to(held.dtype))
+        try:
+            self.memory = (weakref.ref(cache), held.detach().clone(), final[3].detach())
+        except TypeError:  # a cache that cannot be referred to weakly: each call shows the chain from its state
+            self.memory = None
+
+    def _remembered(self, h0: Optional[Tensor]) -> Optional[Tensor]:
+        """The last state of the chain ``hook_ssm_state`` was shown on the call before, where the cache still holds
+        what that call left in it: the hook is then shown what one pass over the whole sequence would show it (its
+        edits replace states; they do not compound over cached steps)."""
+        memory, self.memory = self.memory, None
+        if h0 is None or memory is None or memory[0]() is not self.cache:
+            return None
+        left, shown = memory[1], memory[2]
+        return shown if left.shape == h0.shape and torch.equal(left, h0.to(left.dtype)) else None
 
     def keep(self, failed: set[str]) -> bool:
         self.by = {k: p for k, p in self.by.items() if p.name not in failed}

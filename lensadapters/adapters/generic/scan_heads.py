@@ -8,7 +8,8 @@ probe and cache handling are those of :class:`.scan.ScanSite`; this module says 
   ``norm`` and a linear ``out_proj`` (``d_inner`` inputs): transformers' ``Mamba2Mixer`` and the mixers written as
   it (Zamba2, NemotronH, Bamba, GraniteMoeHybrid). Its equations, with ``x`` ``[b, p, heads, head_dim]`` and ``B``,
   ``C`` ``[b, p, n_groups, d_state]`` (the causal convolution's activated output, zero at masked positions; head
-  ``h`` reads group ``h // (heads / n_groups)``): ``dt = clamp(softplus(dt + dt_bias), time_step_limit)``,
+  ``h`` reads group ``h // (heads / n_groups)``): ``dt = clamp(softplus(dt + dt_bias), time_step_limit)`` (or
+  ``time_step_min`` as the lower bound alone: Zamba2 in transformers 4.x; the check finds which),
   ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t`` with ``A = -exp(A_log)`` per head, ``y_t = h_t . C_t``, and
   ``norm(y_t + D x_t, z_t)`` goes on to ``out_proj``.
 * **Points**: ``<mixer>.hook_dt`` ``[b, p, n_heads]``, ``<mixer>.hook_ssm_state`` ``[b, p, n_heads, head_dim,
@@ -72,6 +73,23 @@ def recognise(mixer: nn.Module) -> Optional[str]:
     return None
 
 
+def _positions(t: Optional[Tensor]) -> Optional[Tensor]:
+    """``t`` with a position axis (a cached step's projections may have none: ``[b, features]``)."""
+    return t[:, None] if t is not None and t.dim() == 2 else t
+
+
+def _limits(mixer: Any) -> list[tuple[float, float]]:
+    """The step sizes' bounds the mixer may clamp to, the likeliest first: ``time_step_limit``, ``time_step_min``
+    as a lower bound alone (Zamba2 in transformers 4.x), none."""
+    found: list[tuple[float, float]] = []
+    limit, low = getattr(mixer, "time_step_limit", None), getattr(mixer, "time_step_min", None)
+    if isinstance(limit, (tuple, list)) and len(limit) == 2:
+        found.append((float(limit[0]), float(limit[1])))
+    if isinstance(low, (int, float)):
+        found.append((float(low), float("inf")))
+    return [b for i, b in enumerate(found + [(0.0, float("inf"))]) if b not in found[:i]]
+
+
 class HeadScan(ScanSite):
     """Mamba-2's scan (the module docstring): read from ``in_proj``'s output, put in as ``norm``'s input."""
 
@@ -115,28 +133,28 @@ class HeadScan(ScanSite):
             self.activated = output
 
     def _starts(self, served: Tensor) -> Any:
-        m, proj, sizes = self.mixer, self.proj, _sizes(self.mixer)
+        m, proj, sizes = self.mixer, _positions(self.proj), _sizes(self.mixer)
         if proj is None or sizes is None or proj.shape[:2] != served.shape[:2]:
             yield "the mixer did not call in_proj on this forward pass (a fused kernel)"
             return
         mlp, inner, conv, _, _ = sizes
         heads, w = m.A_log.shape[0], self.wide
         xbc = proj[..., 2 * mlp + inner : 2 * mlp + inner + conv]
-        dt = F.softplus(proj[..., -heads:].to(w) + m.dt_bias.to(w))
-        low, high = getattr(m, "time_step_limit", (0.0, float("inf")))
-        dt = torch.clamp(dt, float(low), float(high))
+        raw = F.softplus(proj[..., -heads:].to(w) + m.dt_bias.to(w))
         state = (served.shape[0], heads, inner // heads, sizes[4])
-        activated = self.activated
-        if activated is not None and activated.shape[:2] == proj.shape[:2]:  # the model's own convolution output
-            for h0 in (self.h0, None) if self.h0 is not None else (None,):
-                if h0 is None or h0.shape == state:
-                    self._split(activated.to(w))
-                    yield dt, h0
-        for conv0, h0 in ((self.conv0, self.h0), (None, None)) if self.h0 is not None else ((None, None),):
-            if h0 is not None and (h0.shape != state or conv0 is None or conv0.shape[:2] != (state[0], conv)):
-                continue
-            self._split(self._convolve(xbc, conv0))
-            yield dt, h0
+        activated = _positions(self.activated)
+        for low, high in _limits(m):
+            dt = torch.clamp(raw, low, high)
+            if activated is not None and activated.shape[:2] == proj.shape[:2]:  # the model's own convolution output
+                for h0 in (self.h0, None) if self.h0 is not None else (None,):
+                    if h0 is None or h0.shape == state:
+                        self._split(activated.to(w))
+                        yield dt, h0
+            for conv0, h0 in ((self.conv0, self.h0), (None, None)) if self.h0 is not None else ((None, None),):
+                if h0 is not None and (h0.shape != state or conv0 is None or conv0.shape[:2] != (state[0], conv)):
+                    continue
+                self._split(self._convolve(xbc, conv0))
+                yield dt, h0
 
     def _convolve(self, xbc: Tensor, before: Optional[Tensor]) -> Tensor:
         """The causal convolution of xBC, activated (``before``: the cache's convolution state)."""

@@ -148,13 +148,13 @@ class HeadScan(ScanSite):
             if activated is not None and activated.shape[:2] == proj.shape[:2]:  # the model's own convolution output
                 for h0 in (self.h0, None) if self.h0 is not None else (None,):
                     if h0 is None or h0.shape == state:
-                        self._split(activated.to(w))
-                        yield dt, h0
+                        for _ in self._split(activated.to(w)):
+                            yield dt, h0
             for conv0, h0 in ((self.conv0, self.h0), (None, None)) if self.h0 is not None else ((None, None),):
                 if h0 is not None and (h0.shape != state or conv0 is None or conv0.shape[:2] != (state[0], conv)):
                     continue
-                self._split(self._convolve(xbc, conv0))
-                yield dt, h0
+                for _ in self._split(self._convolve(xbc, conv0)):
+                    yield dt, h0
 
     def _convolve(self, xbc: Tensor, before: Optional[Tensor]) -> Tensor:
         """The causal convolution of xBC, activated (``before``: the cache's convolution state)."""
@@ -165,15 +165,23 @@ class HeadScan(ScanSite):
         bias = None if conv.bias is None else conv.bias.to(w)
         return m.act(F.conv1d(past, conv.weight.to(w), bias, groups=conv.groups)).transpose(1, 2)
 
-    def _split(self, out: Tensor) -> None:
-        """x, B and C from the activated convolution's output (zero at the masked positions, as the model's)."""
-        m, w, sizes = self.mixer, self.wide, _sizes(self.mixer)
+    def _split(self, out: Tensor) -> Any:
+        """x, B and C from the activated convolution's output: zero at the masked positions, then (where the mask has
+        a zero) as they are (transformers 4.x masks no single sequence)."""
+        w, sizes = self.wide, _sizes(self.mixer)
         assert sizes is not None
-        _, inner, _, groups, state = sizes
         mask = self.kwargs.get("attention_mask")
-        if isinstance(mask, Tensor) and mask.shape == out.shape[:2]:
-            out = out * mask[:, :, None].to(w)
-        heads = m.A_log.shape[0]
+        if isinstance(mask, Tensor) and mask.shape == out.shape[:2] and not bool(mask.all()):
+            ways = [out * mask[:, :, None].to(w), out]
+        else:
+            ways = [out]
+        for scaled in ways:
+            self._read(scaled, sizes)
+            yield
+
+    def _read(self, out: Tensor, sizes: tuple[int, int, int, int, int]) -> None:
+        _, inner, _, groups, state = sizes
+        heads = self.mixer.A_log.shape[0]
         x, b, c = out.split([inner, groups * state, groups * state], -1)
         self.x = x.reshape(*x.shape[:2], heads, inner // heads)
         self.b, self.c = (t.reshape(*t.shape[:2], groups, state).repeat_interleave(heads // groups, 2) for t in (b, c))

@@ -15,9 +15,8 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic.scan import ScanMismatch
-from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import NotBuildable, build
-from lensadapters.testing.strategies import Inputs
+from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
@@ -113,9 +112,14 @@ def _reference(
     return {"dt": dt, "state": torch.stack(states, 1), "y": y, "norm_in": norm_in}
 
 
-def _keep(into: dict, key: str, value: Any) -> None:
-    """Record ``value`` (a hook that returns nothing: it edits nothing)."""
-    into.setdefault(key, value)
+def _with_input_edit(model: Any, ids: torch.Tensor, module: Any, edit: Callable[[torch.Tensor], Any]) -> Any:
+    """The model's logits with ``module``'s first input edited by a plain PyTorch pre-hook."""
+    handle = module.register_forward_pre_hook(lambda m, a: (edit(a[0]), *a[1:]))
+    try:
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    finally:
+        handle.remove()
 
 
 def _hooked(hm: HookedModel, ids: torch.Tensor, hooks: list, **kwargs: Any) -> tuple[dict, dict]:
@@ -123,7 +127,7 @@ def _hooked(hm: HookedModel, ids: torch.Tensor, hooks: list, **kwargs: Any) -> t
     got: dict[str, torch.Tensor] = {}
 
     def read(name: str) -> Any:
-        return lambda t, hook: _keep(got, name, t.detach().clone())
+        return lambda t, hook: keep(got, name, t.detach().clone())
 
     def run() -> None:
         with torch.no_grad(), hm.hooks([(f"blocks.0.{p}", read(p)) for p in POINTS] + hooks):
@@ -171,15 +175,6 @@ def test_a_padded_batch_reads_the_masked_scan() -> None:
     hm.unwrap()
 
 
-def _set_state(t: int, value: torch.Tensor) -> Any:
-    def hook(states: torch.Tensor, hook: Any) -> torch.Tensor:
-        states = states.clone()
-        states[:, t] = value.to(states.dtype)
-        return states
-
-    return hook
-
-
 @pytest.mark.parametrize("which", ["dt", "state", "out"])
 def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) -> None:
     model, hm = _mamba2()
@@ -188,13 +183,7 @@ def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) ->
         proj = _seen(model, lambda: model(IDS, use_cache=False))["proj"]
     ref = _reference(mixer, proj)
     new_state = ref["state"][:, 3] * -2.0 + 0.25
-    edits = {
-        "dt": ("mixer.hook_dt", lambda t, hook: t * 30.0, {"dt_edit": lambda d: d * 30.0}),
-        "state": ("mixer.hook_ssm_state", _set_state(3, new_state), {"state_at": (3, new_state)}),
-        "out": ("mixer.hook_ssm_out", lambda t, hook: t - 0.5, {"out_edit": lambda y: y - 0.5}),
-    }
-    point, hook, kwargs = edits[which]
-    assert isinstance(point, str) and isinstance(kwargs, dict)
+    point, hook, kwargs = edits(which, new_state)
     expected = _reference(mixer, proj, **kwargs)
     _, seen = _hooked(hm, IDS, [(f"blocks.0.{point}", hook)])
     torch.testing.assert_close(seen["norm_in"].double(), expected["norm_in"], atol=1e-5, rtol=1e-4)
@@ -208,16 +197,10 @@ def test_an_edit_of_the_scan_output_is_a_plain_edit_of_the_gated_norms_input() -
         edited = hm(IDS, use_cache=False).logits
     # y -> y / 2 - 1/4 is, at the norm's input y + D x, that input minus y / 2 + 1/4: y from the unedited read
     got: dict[str, torch.Tensor] = {}
-    with torch.no_grad(), hm.hooks([("blocks.1.mixer.hook_ssm_out", lambda t, hook: _keep(got, "y", t))]):
+    with torch.no_grad(), hm.hooks([("blocks.1.mixer.hook_ssm_out", lambda t, hook: keep(got, "y", t))]):
         hm(IDS, use_cache=False)
     y = got["y"].flatten(2)
-    norm = _mixer(model, 1).norm
-    handle = norm.register_forward_pre_hook(lambda m, a: (a[0] - (y * 0.5 + 0.25).to(a[0].dtype), *a[1:]))
-    try:
-        with torch.no_grad():
-            plain = model(IDS, use_cache=False).logits
-    finally:
-        handle.remove()
+    plain = _with_input_edit(model, IDS, _mixer(model, 1).norm, lambda x: x - (y * 0.5 + 0.25).to(x.dtype))
     torch.testing.assert_close(edited, plain, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
         assert (plain - model(IDS, use_cache=False).logits).abs().max() > 1e-3
@@ -228,44 +211,14 @@ def test_an_edit_of_the_scan_output_is_a_plain_edit_of_the_gated_norms_input() -
 def test_gradients_through_an_edit_match_finite_differences(point: str) -> None:
     """In float64, of the gated norm's input (the norm itself computes in float32)."""
     model, hm = _mamba2(torch.float64)
-    ids, mixer = IDS[:1, :6], _mixer(model, 0)
-    torch.manual_seed(1)
-    direction = torch.randn(HEADS * HEAD_DIM * STATE, dtype=torch.float64)
-
-    def loss(scale: torch.Tensor) -> torch.Tensor:
-        def hook(t: torch.Tensor, hook: Any) -> torch.Tensor:
-            t = t.clone()
-            t[:, 2] = t[:, 2] + scale * direction[: t[:, 2].numel()].reshape(t[:, 2].shape)
-            return t
-
-        seen: list = []
-        handle = mixer.norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-        try:
-            with hm.hooks([(f"blocks.0.{point}", hook)]):
-                hm(ids, use_cache=False)
-        finally:
-            handle.remove()
-        return seen[0].pow(2).sum()
-
-    scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(loss, (scale,), eps=1e-6, atol=1e-8, rtol=1e-5)
-    (grad,) = torch.autograd.grad(loss(scale), scale)
-    assert grad.abs() > 1e-8  # the edit reaches the norm's input
+    check_gradient_through_an_edit(hm, IDS[:1, :6], f"blocks.0.{point}", _mixer(model, 0).norm, at_input=True)
     hm.unwrap()
 
 
 @pytest.mark.parametrize("point", POINTS)
 def test_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
-    model, hm = _mamba2()
-    inputs = Inputs(IDS[:, :5], torch.ones_like(IDS[:, :5]), [0])
-    one_pass, unedited, _ = check_edited_generation(
-        hm,
-        inputs,
-        f"blocks.1.{point}",
-        lambda t, hook: t * 1.5,
-        atol=lambda logits: 1e-5 * float(logits.abs().max()) + 1e-6,
-    )
-    assert not torch.allclose(one_pass, unedited)
+    _, hm = _mamba2()
+    check_cached_edit(hm, IDS[:, :5], f"blocks.1.{point}", effect=1e-4)  # 20 times the tolerance
     hm.unwrap()
 
 
@@ -348,12 +301,7 @@ def test_the_hybrids_written_as_mamba2_get_the_points_with_their_edits(model_typ
     norm = hm.block_modules[i].get_submodule(child).norm
     with torch.no_grad(), hm.hooks([(f"{last}.hook_ssm_out", lambda t, hook: t + 0.5)]):
         edited = hm(ids, use_cache=False).logits
-    handle = norm.register_forward_pre_hook(lambda m, a: (a[0] + 0.5, *a[1:]))
-    try:
-        with torch.no_grad():
-            by_hand = model(ids, use_cache=False).logits
-    finally:
-        handle.remove()
+    by_hand = _with_input_edit(model, ids, norm, lambda x: x + 0.5)
     torch.testing.assert_close(edited, by_hand, atol=1e-5, rtol=1e-4)
     assert (edited - plain).abs().max() > 1e-3
     try:
@@ -362,12 +310,5 @@ def test_the_hybrids_written_as_mamba2_get_the_points_with_their_edits(model_typ
     except Exception:  # the tiny model does not generate in this transformers (bamba in 4.x: no attention layer)
         hm.unwrap()
         return
-    one_pass, unedited, _ = check_edited_generation(
-        hm,
-        Inputs(ids, torch.ones_like(ids), [0]),
-        f"{last}.hook_ssm_state",
-        lambda t, hook: t * 1.5 + 0.5,
-        atol=lambda logits: 1e-5 * float(logits.abs().max()) + 1e-6,
-    )
-    assert (one_pass - unedited).abs().max() > 1e-3
+    check_cached_edit(hm, ids, f"{last}.hook_ssm_state", lambda t, hook: t * 1.5 + 0.5, effect=1e-3)
     hm.unwrap()

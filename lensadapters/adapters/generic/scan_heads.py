@@ -1,5 +1,5 @@
 """Mamba-2's per-head selective scan as points (issue #29), the second form :mod:`.scan` serves (its edits, checks,
-probe and cache handling are those of :class:`.scan.ScanSite`; this module says how the form is read and run).
+probe and cache handling are those of :class:`.scan_site.ScanSite`; this module says how the form is read and run).
 
 * **Recognised**: a token mixer with parameters ``A_log``, ``D`` and ``dt_bias`` ``[n_heads]`` of its own (one
   scalar per head), integer attributes ``n_groups`` and ``ssm_state_size``, a linear child ``in_proj`` whose
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.generic.scan import ScanSite, cache_tensor
+from lensadapters.adapters.generic.scan_site import ScanSite, cache_tensor
 
 Tensor = torch.Tensor
 

@@ -312,3 +312,20 @@ def test_the_hybrids_written_as_mamba2_get_the_points_with_their_edits(model_typ
         return
     check_cached_edit(hm, ids, f"{last}.hook_ssm_state", lambda t, hook: t * 1.5 + 0.5, effect=1e-3)
     hm.unwrap()
+
+
+def test_a_bfloat16_model_gets_the_points_checked_at_its_own_rounding() -> None:
+    """The model computes the convolution and the step sizes in bfloat16 and scans in float32: the check allows
+    bfloat16's rounding, reading edits nothing, and generation with an edited state passes the cache's check."""
+    model, hm = _mamba2(torch.bfloat16)
+    assert all(f"blocks.{i}.{p}" in hm.hook_names for i in range(2) for p in POINTS)
+    with torch.no_grad():
+        plain = _seen(model, lambda: model(IDS, use_cache=False))
+    got, seen = _hooked(hm, IDS, [])
+    assert torch.equal(seen["norm_in"], plain["norm_in"])
+    ref = _reference(_mixer(model, 0), plain["proj"])
+    torch.testing.assert_close(got["mixer.hook_ssm_out"].double(), ref["y"], atol=2e-2, rtol=2e-2)
+    with torch.no_grad(), hm.hooks([("blocks.1.mixer.hook_ssm_state", lambda t, hook: t * 1.5)]):
+        out = hm.generate(IDS[:, :4], attention_mask=torch.ones_like(IDS[:, :4]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 7)
+    hm.unwrap()

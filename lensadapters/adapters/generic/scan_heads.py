@@ -120,6 +120,11 @@ class HeadScan(ScanSite):
         if self.live():
             self.proj = output
 
+    def _rounding(self, served: Tensor) -> torch.dtype:
+        """The model's dtype where it is coarser than the norm's input (transformers scans in float32 from it)."""
+        proj = self.proj
+        return proj.dtype if proj is not None and proj.dtype.itemsize < served.dtype.itemsize else served.dtype
+
     def _on_act(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         sizes = _sizes(self.mixer)
         ours = self.reached  # the scan's own recomputation (below) calls it too
@@ -140,7 +145,8 @@ class HeadScan(ScanSite):
         mlp, inner, conv, _, _ = sizes
         heads, w = m.A_log.shape[0], self.wide
         xbc = proj[..., 2 * mlp + inner : 2 * mlp + inner + conv]
-        raw = F.softplus(proj[..., -heads:].to(w) + m.dt_bias.to(w))
+        low_dt = proj[..., -heads:]  # computed in the model's dtype, as the model does (then widened)
+        raw = F.softplus(low_dt + m.dt_bias.to(low_dt.dtype)).to(w)
         state = (served.shape[0], heads, inner // heads, sizes[4])
         activated = _positions(self.activated)
         for low, high in _limits(m):
@@ -158,12 +164,13 @@ class HeadScan(ScanSite):
 
     def _convolve(self, xbc: Tensor, before: Optional[Tensor]) -> Tensor:
         """The causal convolution of xBC, activated (``before``: the cache's convolution state)."""
-        m, w = self.mixer, self.wide
+        m = self.mixer
         conv, k = m.conv1d, m.conv1d.kernel_size[0]
+        w = conv.weight.dtype  # in the convolution's dtype, as the model computes it
         seq = xbc.transpose(1, 2).to(w)
         past = F.pad(seq, (k - 1, 0)) if before is None else torch.cat([before[..., -(k - 1) :].to(w), seq], -1)
-        bias = None if conv.bias is None else conv.bias.to(w)
-        return m.act(F.conv1d(past, conv.weight.to(w), bias, groups=conv.groups)).transpose(1, 2)
+        out = m.act(F.conv1d(past, conv.weight, conv.bias, groups=conv.groups)).transpose(1, 2)
+        return out.to(xbc.dtype).to(self.wide)
 
     def _split(self, out: Tensor) -> Any:
         """x, B and C from the activated convolution's output: zero at the masked positions, then (where the mask has

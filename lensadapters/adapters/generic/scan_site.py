@@ -76,6 +76,7 @@ class ScanSite(Site):
         self.h0: Optional[Tensor] = None
         self.final: Optional[tuple[Tensor, Tensor, bool, Tensor]] = None  # (unedited, served, edited, shown)
         self.entered = self.reached = False  # a hooked call began; the scan's value was checked where it goes in
+        self.rounding = torch.float32  # the dtype whose rounding the check allows (the model's, where it is coarser)
 
     def live(self) -> bool:
         return any(p.has_live_hooks() for p in self.points)
@@ -110,6 +111,10 @@ class ScanSite(Site):
             f"{names}: {why}, so these points would serve a wrong value. Remove their hooks for this call (the "
             f"model itself runs as it is)"
         )
+
+    def _rounding(self, served: Tensor) -> torch.dtype:
+        """The dtype whose rounding the comparison with the model's value allows: the value's own."""
+        return served.dtype
 
     def _starts(self, served: Tensor) -> Any:
         """The ways this call may have begun (from the cache, from nothing): for each, the form prepares what the
@@ -156,6 +161,7 @@ class ScanSite(Site):
         if self.problem is not None:
             self.served = served
         self.wide = torch.promote_types(served.dtype, torch.float32)  # float32 as HF's slow path, or wider
+        self.rounding = self._rounding(served)
         starts = self._starts(served)
         for start in starts:
             if isinstance(start, str):
@@ -164,7 +170,7 @@ class ScanSite(Site):
             states0 = self._scan(dt0, h0=h0)
             y0 = self._output(states0)[1].to(served.dtype)
             self.error = float((y0.double() - served.double()).abs().max())
-            if _close(y0, served):
+            if _close(y0, served.to(self.rounding)):
                 break
         else:
             return self._fail(f"the explicit selective scan does not reproduce the model's input of {self.inject}")
@@ -186,14 +192,14 @@ class ScanSite(Site):
         return replace_first_input(args, kwargs, y.to(served.dtype)) if edited else None
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        final, cache, unchecked = self.final, self.cache, self.entered and not self.reached
+        final, cache, unchecked, rounding = self.final, self.cache, self.entered and not self.reached, self.rounding
         self._clear()
         if unchecked:
             return self._fail(f"the mixer did not call {self.inject} on this forward pass (a fused kernel)")
         if final is None or cache is None:
             return
         held = cache_tensor(cache, getattr(module, "layer_idx", None))
-        if held is None or held.shape != final[0].shape or not _close(final[0].to(held.dtype), held):
+        if held is None or held.shape != final[0].shape or not _close(final[0].to(held.dtype), held.to(rounding)):
             if final[2]:
                 self._fail("the model's cache does not hold the scan's last state where it can be replaced")
             return

@@ -19,11 +19,12 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
   output of ``act`` where the mixer calls it on the convolution (transformers 4.x), else the convolution recomputed
   from ``conv1d``'s live weights (with the cache's convolution state before a cached step), and the cache's
   states; the scan's value goes in as ``norm``'s first input. Edits work as :mod:`.scan` says.
-* **Checked on every hooked call**: the unedited explicit scan (float32, or wider) must give the model's own input
-  of ``norm`` (and, with a cache, the final state the cache holds), else the call raises naming the points; the
-  probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at wrap time. A mixer that computes
-  otherwise (a fused training kernel, scaled projections such as Falcon-H1's ``mup_vector``, no gated norm) fails
-  it or is not recognised, and gets none of the points.
+* **Checked on every hooked call**: the unedited explicit scan (float32, or wider; the convolution and the step
+  sizes in the model's dtype, as the model computes them) must give the model's own input of ``norm`` and, with
+  a cache, the final state the cache holds (to the rounding of the model's dtype where it is coarser), else the
+  call raises naming the points; the probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at
+  wrap time. A mixer that computes otherwise (a fused training kernel, scaled projections such as Falcon-H1's
+  ``mup_vector``, no gated norm) fails it or is not recognised, and gets none of the points.
 """
 
 from __future__ import annotations

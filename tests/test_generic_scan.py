@@ -183,3 +183,19 @@ def test_an_unrecognised_mixer_has_no_scan_points_and_the_warning_says_why() -> 
     assert not any(f"blocks.0.{p}" in hm.hook_names for p in POINTS)
     assert any("selective-scan points" in str(w.message) for w in caught)
     hm.unwrap()
+
+
+@pytest.mark.parametrize("upstream", ["mixer.hook_in_proj", "mixer.hook_x_proj"])
+def test_an_edit_upstream_of_the_scan_is_what_the_scan_points_read(upstream: str) -> None:
+    """An edit of a projection's output (its point) and one of hook_ssm_out in one call: the scan reads the edited
+    projection, as the model does; reading the scan's points leaves the upstream edit's logits as they are."""
+    model, hm = _mamba()
+    up = (f"blocks.0.{upstream}", lambda t, hook: t * 1.1)
+    with torch.no_grad(), hm.hooks([up]):
+        alone = hm(IDS, use_cache=False).logits
+    with torch.no_grad(), hm.hooks([up] + [(f"blocks.0.{p}", lambda t, hook: None) for p in POINTS]):
+        read = hm(IDS, use_cache=False).logits
+    assert torch.equal(read, alone)
+    with torch.no_grad(), hm.hooks([up, ("blocks.0.mixer.hook_ssm_out", lambda t, hook: t + 0.1)]):
+        assert (hm(IDS, use_cache=False).logits - alone).abs().max() > 1e-3
+    hm.unwrap()

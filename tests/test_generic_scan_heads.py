@@ -329,3 +329,23 @@ def test_a_bfloat16_model_gets_the_points_checked_at_its_own_rounding() -> None:
         out = hm.generate(IDS[:, :4], attention_mask=torch.ones_like(IDS[:, :4]), max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 7)
     hm.unwrap()
+
+
+def test_an_edit_upstream_of_the_scan_is_what_the_scan_points_read() -> None:
+    """An edit of in_proj's output (its point) and one of hook_ssm_out in one call: the scan reads the edited
+    projections, as the model does, so the call is the upstream edit plus a plain edit of the norm's input."""
+    model, hm = _mamba2()
+    up = ("blocks.0.mixer.hook_in_proj", lambda t, hook: t * 1.1)
+    with torch.no_grad(), hm.hooks([up, ("blocks.0.mixer.hook_ssm_out", lambda t, hook: t + 0.1)]):
+        both = hm(IDS, use_cache=False).logits
+    norm = _mixer(model, 0).norm
+    handle = norm.register_forward_pre_hook(lambda m, a: (a[0] + 0.1, *a[1:]))
+    try:
+        with torch.no_grad(), hm.hooks([up]):
+            by_hand = hm(IDS, use_cache=False).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(both, by_hand, atol=1e-5, rtol=1e-4)
+    # no hook left on any module once the call is over (the readers are registered for each hooked call)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    hm.unwrap()

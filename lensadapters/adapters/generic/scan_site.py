@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lensadapters.hooks.copying import detachable
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, first_input, replace_first_input
 
@@ -68,6 +69,7 @@ class ScanSite(Site):
         self.wide = torch.float32
         self.error: Optional[float] = None  # the last hooked call's largest difference from the model's value
         self.memory: Optional[tuple[Any, Tensor, Tensor]] = None  # (the cache, the state left in it, the shown one)
+        self.readers: list[Any] = []  # the handles of this call's readers (:meth:`_readers`)
         self._clear()
 
     def _clear(self) -> None:
@@ -85,18 +87,28 @@ class ScanSite(Site):
         m = self.mixer
         return [
             m.register_forward_pre_hook(self._enter, with_kwargs=True),
-            *self._readers(),
             m.get_submodule(self.inject).register_forward_pre_hook(self._on_inject, with_kwargs=True, prepend=True),
             m.register_forward_hook(self._exit, with_kwargs=True),
+            _Readers(self),
         ]
 
     def _readers(self) -> list[Any]:
+        """Forward hooks on the children whose outputs the scan reads. They are registered as each hooked call
+        enters the mixer, so they run after every other hook on those children (a point's edit there included:
+        the scan reads what the model goes on with), and removed as it leaves."""
         raise NotImplementedError
 
+    def _drop_readers(self) -> None:
+        readers, self.readers = self.readers, []
+        for handle in readers:
+            handle.remove()
+
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._drop_readers()  # a call that raised before its end left them
         self._clear()
         if not self.live():
             return
+        self.readers = [detachable(handle) for handle in self._readers()]
         self.kwargs, self.entered = kwargs, True
         self.cache = next((kwargs[k] for k in ("cache", "cache_params") if kwargs.get(k) is not None), None)
         before = cache_tensor(self.cache, getattr(module, "layer_idx", None))
@@ -193,6 +205,7 @@ class ScanSite(Site):
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         final, cache, unchecked, rounding = self.final, self.cache, self.entered and not self.reached, self.rounding
+        self._drop_readers()
         self._clear()
         if unchecked:
             return self._fail(f"the mixer did not call {self.inject} on this forward pass (a fused kernel)")
@@ -225,3 +238,13 @@ class ScanSite(Site):
         self.by = {k: p for k, p in self.by.items() if p.name not in failed}
         self.points = tuple(self.by.values())
         return bool(self.points)
+
+
+class _Readers:
+    """What :meth:`ScanSite.install` gives for the readers a call registers: removing it removes those a call left."""
+
+    def __init__(self, site: ScanSite) -> None:
+        self.site = site
+
+    def remove(self) -> None:
+        self.site._drop_readers()

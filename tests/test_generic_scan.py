@@ -14,8 +14,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic.scan import ScanMismatch
-from lensadapters.testing.contract_support import check_edited_generation
-from lensadapters.testing.strategies import Inputs
+from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
@@ -41,18 +40,13 @@ def _mamba(dtype: torch.dtype = torch.float32) -> tuple[MambaForCausalLM, Hooked
         return model, HookedModel.wrap(model, registry=Registry())
 
 
-def _keep(into: dict, key: str, value: Any) -> None:
-    """Record ``value`` (a hook that returns nothing: it edits nothing)."""
-    into.setdefault(key, value)
-
-
 def _inputs(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """What the mixer of layer 0 gives in_proj's and x_proj's output (plain PyTorch hooks), and out_proj's input."""
     mixer, seen = model.backbone.layers[0].mixer, {}  # type: ignore[var-annotated]
     handles = [
-        mixer.in_proj.register_forward_hook(lambda m, a, o: _keep(seen, "in", o)),
-        mixer.x_proj.register_forward_hook(lambda m, a, o: _keep(seen, "xp", (a[0], o))),
-        mixer.out_proj.register_forward_pre_hook(lambda m, a: _keep(seen, "out_in", a[0])),
+        mixer.in_proj.register_forward_hook(lambda m, a, o: keep(seen, "in", o)),
+        mixer.x_proj.register_forward_hook(lambda m, a, o: keep(seen, "xp", (a[0], o))),
+        mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0])),
     ]
     try:
         with torch.no_grad():
@@ -93,10 +87,10 @@ def _served(hm: HookedModel, ids: torch.Tensor, hooks: list) -> tuple[dict, torc
     got: dict[str, torch.Tensor] = {}
     seen: dict[str, torch.Tensor] = {}
     mixer = hm.hf_model.backbone.layers[0].mixer
-    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: _keep(seen, "out_in", a[0]))
+    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0]))
 
     def read(name: str) -> Any:
-        return lambda t, hook: _keep(got, name, t.detach().clone())
+        return lambda t, hook: keep(got, name, t.detach().clone())
 
     try:
         with torch.no_grad(), hm.hooks([(f"blocks.0.{p}", read(p)) for p in POINTS] + hooks):
@@ -131,13 +125,7 @@ def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) ->
     seen = _inputs(model, IDS)
     ref = _reference(mixer, seen)
     new_state = ref["state"][:, 3] * -2.0 + 0.25
-    edits = {
-        "dt": ("mixer.hook_dt", lambda t, hook: t * 30.0, {"dt_edit": lambda d: d * 30.0}),
-        "state": ("mixer.hook_ssm_state", _set_state(3, new_state), {"state_at": (3, new_state)}),
-        "out": ("mixer.hook_ssm_out", lambda t, hook: t - 0.5, {"out_edit": lambda y: y - 0.5}),
-    }
-    point, hook, kwargs = edits[which]
-    assert isinstance(point, str) and isinstance(kwargs, dict)
+    point, hook, kwargs = edits(which, new_state)
     expected = _reference(mixer, seen, **kwargs)
     got, out_in = _served(hm, IDS, [(f"blocks.0.{point}", hook)])
     torch.testing.assert_close(out_in.double(), expected["out_in"], atol=1e-5, rtol=1e-5)
@@ -145,57 +133,19 @@ def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) ->
     hm.unwrap()
 
 
-def _set_state(t: int, value: torch.Tensor) -> Any:
-    def hook(states: torch.Tensor, hook: Any) -> torch.Tensor:
-        states = states.clone()
-        states[:, t] = value.to(states.dtype)
-        return states
-
-    return hook
-
-
 @pytest.mark.parametrize("point", POINTS)
 def test_gradients_through_an_edit_match_finite_differences(point: str) -> None:
     """In float64, of the layer's mixer output (the model's norms compute in float32 after it)."""
     model, hm = _mamba(torch.float64)
-    ids, mixer = IDS[:1, :5], model.backbone.get_submodule("layers.0.mixer")
-    torch.manual_seed(1)
-    direction = torch.randn(1, 32, 4, dtype=torch.float64)
-
-    def loss(scale: torch.Tensor) -> torch.Tensor:
-        def hook(t: torch.Tensor, hook: Any) -> torch.Tensor:
-            t = t.clone()
-            t[:, 2] = t[:, 2] + scale * direction.flatten()[: t[:, 2].numel()].reshape(t[:, 2].shape)
-            return t
-
-        seen: list = []
-        handle = mixer.register_forward_hook(lambda m, a, o: seen.append(o))
-        try:
-            with hm.hooks([(f"blocks.0.{point}", hook)]):
-                hm(ids, use_cache=False)
-        finally:
-            handle.remove()
-        return seen[0].pow(2).sum()
-
-    scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(loss, (scale,), eps=1e-6, atol=1e-8, rtol=1e-5)
-    (grad,) = torch.autograd.grad(loss(scale), scale)
-    assert grad.abs() > 1e-8  # the edit reaches the output
+    mixer = model.backbone.get_submodule("layers.0.mixer")
+    check_gradient_through_an_edit(hm, IDS[:1, :5], f"blocks.0.{point}", mixer, at_input=False)
     hm.unwrap()
 
 
 @pytest.mark.parametrize("point", POINTS)
 def test_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
-    model, hm = _mamba()
-    inputs = Inputs(IDS[:, :4], torch.ones_like(IDS[:, :4]), [0])
-    one_pass, unedited, _ = check_edited_generation(
-        hm,
-        inputs,
-        f"blocks.1.{point}",
-        lambda t, hook: t * 1.5,
-        atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
-    )
-    assert not torch.allclose(one_pass, unedited)
+    _, hm = _mamba()
+    check_cached_edit(hm, IDS[:, :4], f"blocks.1.{point}")
     hm.unwrap()
 
 
@@ -232,4 +182,20 @@ def test_an_unrecognised_mixer_has_no_scan_points_and_the_warning_says_why() -> 
         hm = HookedModel.wrap(model, registry=Registry())
     assert not any(f"blocks.0.{p}" in hm.hook_names for p in POINTS)
     assert any("selective-scan points" in str(w.message) for w in caught)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("upstream", ["mixer.hook_in_proj", "mixer.hook_x_proj"])
+def test_an_edit_upstream_of_the_scan_is_what_the_scan_points_read(upstream: str) -> None:
+    """An edit of a projection's output (its point) and one of hook_ssm_out in one call: the scan reads the edited
+    projection, as the model does; reading the scan's points leaves the upstream edit's logits as they are."""
+    model, hm = _mamba()
+    up = (f"blocks.0.{upstream}", lambda t, hook: t * 1.1)
+    with torch.no_grad(), hm.hooks([up]):
+        alone = hm(IDS, use_cache=False).logits
+    with torch.no_grad(), hm.hooks([up] + [(f"blocks.0.{p}", lambda t, hook: None) for p in POINTS]):
+        read = hm(IDS, use_cache=False).logits
+    assert torch.equal(read, alone)
+    with torch.no_grad(), hm.hooks([up, ("blocks.0.mixer.hook_ssm_out", lambda t, hook: t + 0.1)]):
+        assert (hm(IDS, use_cache=False).logits - alone).abs().max() > 1e-3
     hm.unwrap()

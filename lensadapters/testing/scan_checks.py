@@ -1,0 +1,86 @@
+"""Checks the tests of the selective-scan points share (``tests/test_generic_scan.py``, Mamba's form, and
+``tests/test_generic_scan_heads.py``, Mamba-2's): hooks that record or set a state, the gradient through an edit
+against finite differences, cached generation with an edit against one full pass."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lensadapters.testing.contract_support import check_edited_generation
+from lensadapters.testing.strategies import Inputs
+
+
+def keep(into: dict, key: str, value: Any) -> None:
+    """Record ``value`` (a hook that returns nothing: it edits nothing)."""
+    into.setdefault(key, value)
+
+
+def set_state(t: int, value: torch.Tensor) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """A hook on ``hook_ssm_state`` that makes the state at position ``t`` ``value``."""
+
+    def hook(states: torch.Tensor, hook: Any) -> torch.Tensor:
+        states = states.clone()
+        states[:, t] = value.to(states.dtype)
+        return states
+
+    return hook
+
+
+def edits(which: str, new_state: torch.Tensor) -> tuple[str, Any, dict[str, Any]]:
+    """An edit of each point (``which``: ``dt``, ``state``, ``out``): the point, its hook, and the keyword arguments
+    that make a test's hand-written recurrence make it (``dt_edit``, ``state_at``: position 3, ``out_edit``)."""
+    table: dict[str, tuple[str, Any, dict[str, Any]]] = {
+        "dt": ("mixer.hook_dt", lambda t, hook: t * 30.0, {"dt_edit": lambda d: d * 30.0}),
+        "state": ("mixer.hook_ssm_state", set_state(3, new_state), {"state_at": (3, new_state)}),
+        "out": ("mixer.hook_ssm_out", lambda t, hook: t - 0.5, {"out_edit": lambda y: y - 0.5}),
+    }
+    return table[which]
+
+
+def check_gradient_through_an_edit(hm: Any, ids: torch.Tensor, point: str, module: nn.Module, at_input: bool) -> None:
+    """Position 2 of ``point`` moved along a fixed direction by a float64 scale: the gradient of the squared sum of
+    ``module``'s output (``at_input``: its first input), read by a plain PyTorch hook, equals finite differences, and
+    is not zero (the edit reaches it)."""
+    torch.manual_seed(1)
+    direction = torch.randn(4096, dtype=torch.float64)
+
+    def loss(scale: torch.Tensor) -> torch.Tensor:
+        def hook(t: torch.Tensor, hook: Any) -> torch.Tensor:
+            t = t.clone()
+            t[:, 2] = t[:, 2] + scale * direction[: t[:, 2].numel()].reshape(t[:, 2].shape)
+            return t
+
+        seen: list = []
+        if at_input:
+            handle = module.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        else:
+            handle = module.register_forward_hook(lambda m, a, o: seen.append(o))
+        try:
+            with hm.hooks([(point, hook)]):
+                hm(ids, use_cache=False)
+        finally:
+            handle.remove()
+        return seen[0].pow(2).sum()
+
+    scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(loss, (scale,), eps=1e-6, atol=1e-8, rtol=1e-5)
+    (grad,) = torch.autograd.grad(loss(scale), scale)
+    assert grad.abs() > 1e-8
+
+
+def check_cached_edit(hm: Any, ids: torch.Tensor, point: str, edit: Any = None, effect: float = 0.0) -> None:
+    """Greedy generation from ``ids`` with ``edit`` (default: times 1.5) at ``point``, the cache on, gives at each step
+    the logits of one full pass with the same edit (to float32 rounding), and the edit changes them (by more than
+    ``effect``)."""
+    one_pass, unedited, _ = check_edited_generation(
+        hm,
+        Inputs(ids, torch.ones_like(ids), [0]),
+        point,
+        edit or (lambda t, hook: t * 1.5),
+        atol=lambda logits: 1e-5 * float(logits.abs().max()) + 1e-6,
+    )
+    assert not torch.allclose(one_pass, unedited)
+    assert (one_pass - unedited).abs().max() > effect

@@ -178,7 +178,7 @@ def test_logit_attributions_add_up_to_the_logit(arch: str) -> None:
 @needs("opt")
 def test_post_ln_decompositions_are_refused() -> None:
     sizes = dict(hidden=16, heads=2, positions=32, ffn_dim=32, word_embed_proj_dim=16)
-    config = tiny_config_of(OPTConfig, **sizes, do_layer_norm_before=False, dropout=0.0)
+    config = tiny_config_of(OPTConfig, **sizes, do_layer_norm_before=False, dropout_free=True)
     hm = HookedModel.wrap(from_config(config))
     with torch.no_grad():
         _, cache = hm.run_with_cache(torch.randint(0, 64, (1, 4)))

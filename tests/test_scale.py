@@ -30,7 +30,7 @@ LAYERS = 3
 def tiny_config(kind: str, layers: int = LAYERS, heads: int = 4) -> Any:
     shared = dict(layers=layers, heads=heads, vocab=96, positions=512, bos_token_id=1, eos_token_id=2)
     if kind == "gpt2":
-        return tiny_config_of(GPT2Config, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **shared)
+        return tiny_config_of(GPT2Config, dropout_free=True, **shared)
     return tiny_config_of(LlamaConfig, tie_word_embeddings=False, pad_token_id=0, **shared)
 
 

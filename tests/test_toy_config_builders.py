@@ -3,7 +3,7 @@ sliding-window toy, the mixture-of-experts decoder config and the tiny test conf
 
 from __future__ import annotations
 
-from transformers import GPT2Config, LlamaConfig, MambaConfig, MistralConfig, MixtralConfig
+from transformers import GPT2Config, LlamaConfig, MambaConfig, MistralConfig, MixtralConfig, OPTConfig
 
 from lensadapters import hf
 
@@ -51,3 +51,5 @@ def test_a_tiny_config_has_the_shared_sizes_under_the_family_s_own_names() -> No
         hf.tiny_config_of(LlamaConfig, positions=None).max_position_embeddings == LlamaConfig().max_position_embeddings
     )
     assert hf.tiny_config_of(LlamaConfig, layers=1, num_hidden_layers=5).num_hidden_layers == 5  # transformers' name
+    opt = hf.tiny_config_of(OPTConfig, dropout_free=True, attention_dropout=0.5)  # rates the fields set stay
+    assert (opt.dropout, opt.attention_dropout) == (0.0, 0.5) and OPTConfig().dropout > 0

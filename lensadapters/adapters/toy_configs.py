@@ -9,11 +9,12 @@ test's tiny config of any family, its sizes in one place). Exported by
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 from typing import Any, Callable, Optional, Sequence
 
-from lensadapters.adapters.hf_helpers import router_fields, size_fields
+from lensadapters.adapters.hf_helpers import router_fields, size_fields, without_dropout
 
 __all__ = ["decoder_config", "moe_decoder_config", "sliding_layers", "sliding_toy", "toy_config", "toy_draw"]
 __all__ += ["TINY_SIZES", "tiny_config_of", "window_from_fields"]
@@ -122,14 +123,17 @@ def moe_decoder_config(config_class: Callable[..., Any], *, experts: int = 4, to
     return decoder_config(config_class, **router_fields(config_class, experts, top_k), **fields)
 
 
-def tiny_config_of(config_class: Callable[..., Any], **fields: Any) -> Any:
+def tiny_config_of(config_class: Callable[..., Any], *, dropout_free: bool = False, **fields: Any) -> Any:
     """A tiny ``config_class``: the :data:`TINY_SIZES`, each replaced by a short name of ``fields`` (``layers=3``;
     ``None``: the family's default), under the config's own name for it (its ``attribute_map``'s: GPT-2's
     ``n_embd``, T5's ``d_model``...) and only where its constructor takes it (no heads for Mamba, no
-    ``intermediate_size`` for OPT); then the other ``fields`` (transformers' names, replacing a size too)."""
+    ``intermediate_size`` for OPT); then the other ``fields`` (transformers' names, replacing a size too).
+    ``dropout_free``: every dropout rate of the model body zero where ``fields`` does not set it
+    (:func:`~lensadapters.adapters.hf_helpers.without_dropout`)."""
     short = {name: fields.pop(name) for name in list(fields) if name in TINY_SIZES}
     given = {k: v for k, v in {**TINY_SIZES, **short}.items() if v is not None}
     aliases = getattr(config_class, "attribute_map", {})
     takes = inspect.signature(config_class.__init__).parameters
     sizes = {aliases.get(k, k): v for k, v in size_fields(**given).items()}
-    return config_class(**{**{k: v for k, v in sizes.items() if k in takes}, **fields})
+    build = functools.partial(without_dropout, config_class) if dropout_free else config_class
+    return build(**{**{k: v for k, v in sizes.items() if k in takes}, **fields})

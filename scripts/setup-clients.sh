@@ -7,11 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv-clients}"
-python="${PYTHON:-python3}"
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+source scripts/venv-lib.sh
+venv_with_pip "$venv"
 "${pip[@]}" install "torch==2.13.0"  # the CPU build first (see scripts/setup.sh)
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT

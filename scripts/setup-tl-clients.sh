@@ -13,10 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv-tl-clients}"
 base="${2:-.venv-tf457}"
-python="${PYTHON:-python3}"
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-fi
+source scripts/venv-lib.sh
+venv_with_pip "$venv"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # the base's site directory with its own .pth files (its editable installs of lensadapters and the plugins)
 "$base/bin/python" -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
@@ -25,7 +23,6 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "$base/bin/python" -m pip --disable-pip-version-check freeze --exclude-editable | grep -v -e '@' \
   -e '^datasets==' -e '^pandas==' > "$constraints"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --no-deps "sae-bench==0.6.0" "sae-probes==0.4.2" "auto-circuit==1.0.1" "sae-dashboard==0.8.0" \
   "eindex-callum==0.1.2" "decode-clt==0.0.1"
 "${pip[@]}" install -c "$constraints" "datasets==3.6.0" beartype collectibles jaxtyping openai plotly pydantic \

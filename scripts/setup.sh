@@ -6,11 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
 transformers_pin="${2:-}"
-python="${PYTHON:-python3}"
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+source scripts/venv-lib.sh
+venv_with_pip "$venv"
 # torch first: the CPU build of 2.13.0 (a bare "torch" requirement would pull a multi-GB CUDA build)
 "${pip[@]}" install "torch==2.13.0"
 constraints=constraints.txt

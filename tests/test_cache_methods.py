@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import OPTConfig
 
 from lensadapters import ActivationCache, DecompositionUndefinedError, HookedModel, LensAdaptersError
+from lensadapters.hf import tiny_config_of
 from lensadapters.testing import assert_close
 from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, from_config, needs, tiny
 from lensadapters.wiring import non_attention_blocks
@@ -176,17 +177,8 @@ def test_logit_attributions_add_up_to_the_logit(arch: str) -> None:
 
 @needs("opt")
 def test_post_ln_decompositions_are_refused() -> None:
-    config = OPTConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        ffn_dim=32,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        word_embed_proj_dim=16,
-        do_layer_norm_before=False,
-        dropout=0.0,
-    )
+    sizes = dict(hidden=16, heads=2, positions=32, ffn_dim=32, word_embed_proj_dim=16)
+    config = tiny_config_of(OPTConfig, **sizes, do_layer_norm_before=False, dropout_free=True)
     hm = HookedModel.wrap(from_config(config))
     with torch.no_grad():
         _, cache = hm.run_with_cache(torch.randint(0, 64, (1, 4)))

@@ -8,6 +8,7 @@ removed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -18,34 +19,18 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from lensadapters import HookedModel
+from lensadapters.hf import tiny_config_of
 from lensadapters.testing import reinit
 
 
-def _llama(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
+def _model(config_class: Any, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(tiny_config_of(config_class))
     reinit(model, seed)
     return model.eval()
 
 
-def _gpt2(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    config = GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=64, n_positions=64)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    reinit(model, seed)
-    return model.eval()
-
-
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+MODELS = {"llama": functools.partial(_model, LlamaConfig), "gpt2": functools.partial(_model, GPT2Config)}
 
 
 def _ids(seed: int, batch: int = 2, length: int = 6) -> torch.Tensor:

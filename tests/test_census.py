@@ -28,6 +28,7 @@ from lensadapters.adapters.generic.verify import check_points
 from lensadapters.analysis.threads import single_thread
 from lensadapters.testing.census import CANONICAL, census_entry, main
 from lensadapters.testing.every_model_type import build, input_ids
+from lensadapters.testing.generic_support import wrap_generic
 
 SAMPLE = (
     "llama",
@@ -155,9 +156,7 @@ def test_single_thread_gives_the_count_back_when_the_block_raises() -> None:
 
 def _described(model_type: str = "helium") -> tuple[torch.nn.Module, HookedModel]:
     model = build(model_type)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return model, HookedModel.wrap(model, adapter="generic")
+    return model, wrap_generic(model)
 
 
 def test_the_verification_catches_swapped_queries_and_keys_and_a_wrong_mlp() -> None:
@@ -271,9 +270,7 @@ def test_the_automatic_post_ln_description_serves_what_the_plugin_serves(model_t
     direction = plugged.cfg.attention_dir
     edited = {n: _edited_logits(plugged, ids, mask, n, cache[n]) for n in names[1::5]}
     plugged.unwrap()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        hm = HookedModel.wrap(model, adapter="generic")
+    hm = wrap_generic(model)
     assert hm.plugin.name == "generic" and all(bl is not None and bl.post_norm for bl in hm.block_layouts)
     assert hm.cfg.attention_dir == direction == "bidirectional"
     assert not set(names) - set(hm.hook_names), set(names) - set(hm.hook_names)

@@ -26,6 +26,7 @@ from lensadapters import Architecture, HookedModel, Registry, UnsupportedModelEr
 from lensadapters.cli import main as cli_main
 from lensadapters.demo import tiny_model
 from lensadapters.generic import GenericAdapterWarning
+from lensadapters.hf import tiny_config_of
 from lensadapters.testing import assert_close, reinit
 from lensadapters.testing.census import CANONICAL
 from lensadapters.testing.models import EmbedAndHead
@@ -37,14 +38,13 @@ DESCRIBED = ("llama",)
 
 def _tiny(config_class, seed=0, auto=AutoModelForCausalLM, **kwargs):
     torch.manual_seed(seed)
-    defaults = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
-    model = auto.from_config(config_class(**{**defaults, **kwargs}))
+    model = auto.from_config(tiny_config_of(config_class, **{"vocab": 96, "positions": None, **kwargs}))
     reinit(model, seed)
     return model.eval()
 
 
 def _phi(**kwargs):
-    return _tiny(PhiConfig, intermediate_size=48, num_key_value_heads=2, **kwargs)
+    return _tiny(PhiConfig, **kwargs)
 
 
 def _ids(batch=2, length=5, seed=0):
@@ -130,8 +130,6 @@ def test_generic_points_agree_with_the_plugin_on_the_same_model(family):
 def _softcapped_gemma2(implementation: str) -> torch.nn.Module:
     model = _tiny(
         Gemma2Config,
-        intermediate_size=48,
-        num_key_value_heads=2,
         head_dim=8,
         sliding_window=3,
         attn_logit_softcapping=5.0,
@@ -292,7 +290,7 @@ def test_attention_function_points_need_eager_or_sdpa():
 
 
 def test_a_model_without_a_language_model_head():
-    model = _tiny(PhiConfig, auto=AutoModel, intermediate_size=48)
+    model = _phi(auto=AutoModel)
     with pytest.warns(GenericAdapterWarning):
         hm = HookedModel.wrap(model, registry=Registry())
     assert "ln_final.hook_normalized" in hm.hook_names and hm.W_E.shape == (96, 32)

@@ -16,11 +16,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, describe, findings
+from lensadapters.adapters.generic import describe, findings
 from lensadapters.adapters.generic.describe import fused_qkv_split
 from lensadapters.adapters.generic.norms import norm_behaviour
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.every_model_type import build, input_ids
+from lensadapters.testing.generic_support import wrap_generic
 
 
 class _HardcodedLayerNorm(nn.Module):
@@ -120,9 +121,7 @@ def test_an_activation_the_mlp_calls_in_its_code_is_found_among_the_common_ones(
     GELU, whose exact and tanh forms cannot be told apart on the probe) leaves the MLP undescribed, saying why, and
     serves no MLP point."""
     model = _with_coded_activation(act)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        hm = HookedModel.wrap(model, adapter="generic")
+    hm = wrap_generic(model)
     found = findings(model)
     if name is None:
         assert "blocks.0.mlp.hook_post" not in hm.hook_names
@@ -268,9 +267,7 @@ def test_a_branch_returning_merged_tokens_in_a_tuple_is_served_in_the_residual_s
     gives the module's output viewed as the layer views it, and an edit through it gives the logits of the same edit
     by a plain PyTorch hook on the module (the merged tensor changed in place of the token it belongs to)."""
     model = _flattening_model()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        hm = HookedModel.wrap(model, adapter="generic")
+    hm = wrap_generic(model)
     names = [f"blocks.{i}.{p}" for i in range(len(hm.block_modules)) for p in ("hook_attn_out", "hook_mlp_out")]
     assert all(n in hm.hook_names for n in names)
     assert all(why is None for why in check_points(hm.wiring, input_ids(), names).values())
@@ -320,9 +317,7 @@ def test_a_merged_branch_the_layer_adds_in_another_token_order_is_not_served() -
         return mid + out.view(mid.shape).flip(1)
 
     layer.forward = reversed_forward
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        hm = HookedModel.wrap(model, adapter="generic")
+    hm = wrap_generic(model)
     assert "blocks.0.hook_mlp_out" not in hm.hook_names and "blocks.1.hook_mlp_out" in hm.hook_names
     assert "layers 0)" in findings(model).missing["hook_attn_out and hook_mlp_out"]
     hm.unwrap()

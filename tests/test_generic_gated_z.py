@@ -15,33 +15,18 @@ import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.plugin import summary
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.testing.every_model_type import build
+from lensadapters.testing.generic_support import built_and_wrapped, sample_ids, wrap_generic
 
 GATED = [t for t in ("bitnet", "laguna", "afmoe") if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 
 
-def _wrap(model: nn.Module) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return HookedModel.wrap(model, adapter="generic")
-
-
 @pytest.fixture(scope="module")
 def bitnet() -> Iterator[tuple[Any, Any]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = build("bitnet")
-    hm = _wrap(model)
-    yield model, hm
-    hm.unwrap()
-
-
-def _ids(model: Any) -> torch.Tensor:
-    return torch.randint(3, model.config.vocab_size - 2, (2, 7), generator=torch.Generator().manual_seed(3))
+    yield from built_and_wrapped("bitnet")
 
 
 @pytest.mark.parametrize("model_type", GATED)
@@ -52,7 +37,7 @@ def test_a_gated_or_normalized_attention_output_is_described_with_hook_z_and_no_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model: Any = build(model_type)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     try:
         found = findings(model)
         assert found.description is not None and all(d is not None and d.z_changed for d in found.description.layers)
@@ -74,7 +59,7 @@ def test_bitnet_hook_z_is_the_sub_norms_input_and_its_edit_and_gradient_are_a_pl
     """``hook_z`` is what ``attn_sub_norm`` reads (per head); adding a delta there gives the logits and the delta's
     gradient of the same addition by a plain PyTorch pre-hook on the norm (on a batch of two)."""
     model, hm = bitnet
-    ids, layer = _ids(model), 1
+    ids, layer = sample_ids(model), 1
     norm = hm.block_modules[layer].self_attn.attn_sub_norm
     heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
     start = torch.randn(2, 7, heads, d, generator=torch.Generator().manual_seed(4))
@@ -111,7 +96,7 @@ def test_bitnet_mlp_hook_post_is_the_down_projections_input_after_its_norm(bitne
     """``mlp.hook_post`` is ``down_proj``'s input, the output of ``ffn_sub_norm`` (not its input), and an edit there
     is what the down projection reads."""
     model, hm = bitnet
-    ids, mlp = _ids(model), hm.block_modules[0].mlp
+    ids, mlp = sample_ids(model), hm.block_modules[0].mlp
     seen: dict[str, torch.Tensor] = {}
     handles = [
         mlp.ffn_sub_norm.register_forward_pre_hook(lambda m, a: seen.setdefault("norm_in", a[0].detach().clone())),
@@ -134,7 +119,7 @@ def test_laguna_hook_z_times_its_gate_is_the_output_projections_input() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model: Any = build("laguna")
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     try:
         attn, seen = hm.block_modules[0].self_attn, dict[str, torch.Tensor]()
         handles = [
@@ -142,7 +127,7 @@ def test_laguna_hook_z_times_its_gate_is_the_output_projections_input() -> None:
             attn.g_proj.register_forward_hook(lambda m, a, y: seen.setdefault("g", y.detach().clone())),
         ]
         try:
-            _, cache = hm.run_with_cache(_ids(model), names_filter=["blocks.0.attn.hook_z"])
+            _, cache = hm.run_with_cache(sample_ids(model), names_filter=["blocks.0.attn.hook_z"])
         finally:
             for h in handles:
                 h.remove()

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from lensadapters import HookedModel
+from lensadapters.hf import tiny_config_of
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 WINDOW = 2  # local_attention=4: a local layer's query at i sees the keys j with |i - j| <= 2
@@ -22,21 +23,14 @@ WINDOW = 2  # local_attention=4: a local layer's query at i sees the keys j with
 def _model(implementation: str = "eager"):
     from transformers import ModernBertConfig, ModernBertForMaskedLM
 
-    config = ModernBertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    config = tiny_config_of(
+        ModernBertConfig,
+        layers=3,
         local_attention=2 * WINDOW,
         global_attn_every_n_layers=2,  # layers 0 and 2 global, layer 1 local
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        cls_token_id=1,
-        sep_token_id=2,
         attn_implementation=implementation,
+        **special,
     )
     torch.manual_seed(0)
     return ModernBertForMaskedLM(config).eval()

@@ -13,35 +13,20 @@ import pytest
 import torch
 from torch import nn
 
-from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, describe, findings
+from lensadapters.adapters.generic import describe, findings
 from lensadapters.adapters.generic.describe import interleaved_spec
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.hooks.rotary import half_table_rotate_half_spec
 from lensadapters.testing.every_model_type import build, input_ids, shrink_config
+from lensadapters.testing.generic_support import built_and_wrapped, sample_ids, wrap_generic
 
 ROTARY = ("attn.hook_rot_q", "attn.hook_rot_k")
 
 
-def _wrap(model: nn.Module) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return HookedModel.wrap(model, adapter="generic")
-
-
 @pytest.fixture(scope="module")
 def llama4() -> Iterator[tuple[nn.Module, Any]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = build("llama4_text")
-    hm = _wrap(model)
-    yield model, hm
-    hm.unwrap()
-
-
-def _ids(model: nn.Module) -> torch.Tensor:
-    return torch.randint(3, model.config.vocab_size - 2, (2, 7), generator=torch.Generator().manual_seed(3))
+    yield from built_and_wrapped("llama4_text")
 
 
 def test_interleaved_pairs_from_a_complex_table_are_complex_multiplication() -> None:
@@ -82,7 +67,7 @@ def test_an_edit_of_the_rotated_keys_is_the_same_edit_of_the_norms_second_input(
     ``hook_rot_k`` gives the logits of the same edit made by a plain PyTorch pre-hook on the norm's second call, on a
     batch of two."""
     model, hm = llama4
-    ids = _ids(model)
+    ids = sample_ids(model)
     norm = hm.block_modules[1].self_attn.qk_norm
     inputs: list[torch.Tensor] = []
     delta = torch.randn(2, 7, model.config.num_key_value_heads, 16, generator=torch.Generator().manual_seed(4))
@@ -163,7 +148,7 @@ def test_a_wrong_rotation_is_not_served(monkeypatch: pytest.MonkeyPatch) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build("llama4_text")
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     assert not any(n.endswith(ROTARY) for n in hm.hook_names)
     assert "blocks.0.attn.hook_q" in hm.hook_names and "blocks.0.attn.hook_k" in hm.hook_names
     reasons = " ".join(findings(model).missing.values())
@@ -189,7 +174,7 @@ def test_a_rotated_query_edit_under_gradient_checkpointing_gives_the_gradients_w
         model = build("llama4_text")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # checkpointing runs in training mode only (the model has no dropout)
-        hm = _wrap(model)
+        hm = wrap_generic(model)
         hm.run_with_hooks(input_ids(), fwd_hooks=edit).float().pow(2).mean().backward()
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert expected and expected.keys() == got.keys()
@@ -206,7 +191,7 @@ def test_a_rotation_turning_the_other_way_before_a_norm_per_projection_is_descri
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build("nanochat")
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     layer = findings(model).description.layers[0]
     assert {role: (n.module, n.layout, n.call) for role, n in layer.rotated_norms.items()} == {
         "q": ("self_attn.q_norm", "bhpd", 0),

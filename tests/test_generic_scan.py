@@ -14,6 +14,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic.scan import ScanMismatch
+from lensadapters.hf import tiny_config_of
 from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
@@ -22,14 +23,8 @@ IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
 
 def _mamba(dtype: torch.dtype = torch.float32) -> tuple[MambaForCausalLM, HookedModel]:
     torch.manual_seed(0)
-    config = MambaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        state_size=4,
-        num_hidden_layers=2,
-        time_step_rank=4,
-        residual_in_fp32=False,  # float64 throughout: finite differences
-    )
+    # float64 throughout (finite differences): no float32 residual
+    config = tiny_config_of(MambaConfig, hidden=16, state_size=4, time_step_rank=4, residual_in_fp32=False)
     model = MambaForCausalLM(config).eval().to(dtype)
     with torch.no_grad():  # D and the steps away from their initial values: each term of the equations matters
         for layer in model.backbone.layers:

@@ -14,27 +14,19 @@ from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, Grani
 from lensadapters import HookedModel, Registry
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.generic import GenericAdapterWarning
+from lensadapters.hf import tiny_config_of
 from lensadapters.sites import first_input, replace_first_input
 from lensadapters.testing import reinit
 from lensadapters.testing.models import EmbedAndHead
 
-SHAPE = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+#: the special tokens of every model here (the sizes: ``tiny_config_of``'s, vocabulary 96)
+SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def _model(config_class, dtype=torch.float32, **kwargs):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(**{**SHAPE, **kwargs}), attn_implementation="eager")
+    config = tiny_config_of(config_class, **{"vocab": 96, **SPECIAL, **kwargs})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     reinit(model, 0)
     return model.eval().to(dtype)
 

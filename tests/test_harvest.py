@@ -28,6 +28,7 @@ from lensadapters.testing.harvesting import (
     EOS,
     SETTINGS,
     VOCAB,
+    harvest_at,
     packed,
     packings,
     wrapped,
@@ -83,32 +84,17 @@ def test_a_pretokenized_dataset_gives_one_context_per_row(tmp_path) -> None:
     hm = wrapped()
     write_text(tmp_path / "data.txt", 60)
     try:
-        harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            ["blocks.0.hook_resid_post"],
-            str(tmp_path / "text"),
-            context_size=8,
-            progress=False,
-        )
+        harvest_at(hm, tmp_path, "data.txt", "text", context_size=8)
         text = load_harvest(str(tmp_path / "text")).with_format("torch")[:]
         rows = text["token_ids"].tolist()
         datasets.Dataset.from_dict({"input_ids": [row + [5, 6] for row in rows]}).save_to_disk(str(tmp_path / "tok"))
-        harvest(
-            hm,
-            str(tmp_path / "tok"),
-            ["blocks.0.hook_resid_post"],
-            str(tmp_path / "out"),
-            context_size=8,
-            shard_contexts=4,
-            progress=False,
-        )
+        harvest_at(hm, tmp_path, "tok", "out", context_size=8, shard_contexts=4)
         out = load_harvest(str(tmp_path / "out")).with_format("torch")[:]
         assert out["token_ids"].tolist() == rows  # each row's first 8 tokens, as they are
         assert torch.equal(out["blocks.0.hook_resid_post"], text["blocks.0.hook_resid_post"])
         datasets.Dataset.from_dict({"input_ids": [[1, 5, 6]]}).save_to_disk(str(tmp_path / "short"))
         with pytest.raises(DataSourceError, match="fewer than context_size=8"):
-            harvest(hm, str(tmp_path / "short"), ["hook_embed"], str(tmp_path / "x"), context_size=8, progress=False)
+            harvest_at(hm, tmp_path, "short", "x", ["hook_embed"], context_size=8)
     finally:
         hm.unwrap()
 
@@ -145,16 +131,8 @@ def test_rows_are_the_models_activations_on_their_token_ids(tmp_path, dtype) -> 
     rows = write_text(tmp_path / "data.txt", 60)
     hooks = ["blocks.0.attn.hook_z", "blocks.0.hook_resid_post", "hook_embed"]
     try:
-        result = harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            hooks,
-            str(tmp_path / "out"),
-            context_size=8,
-            batch_size=3,
-            shard_contexts=5,
-            dtype=dtype,
-            progress=False,
+        result = harvest_at(
+            hm, tmp_path, "data.txt", "out", hooks, context_size=8, batch_size=3, shard_contexts=5, dtype=dtype
         )
         ds = datasets.load_from_disk(str(tmp_path / "out")).with_format("torch")
         table = ds[:]
@@ -183,17 +161,8 @@ def test_drop_bos_leaves_out_position_zero_flags_the_separators_and_flatten_join
     write_text(tmp_path / "data.txt", 40)
     points = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_z"]
     try:
-        harvest(hm, str(tmp_path / "data.txt"), points, str(tmp_path / "all"), context_size=8, progress=False)
-        harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            points,
-            str(tmp_path / "cut"),
-            context_size=8,
-            drop_bos=True,
-            flatten=True,
-            progress=False,
-        )
+        harvest_at(hm, tmp_path, "data.txt", "all", points, context_size=8)
+        harvest_at(hm, tmp_path, "data.txt", "cut", points, context_size=8, drop_bos=True, flatten=True)
     finally:
         hm.unwrap()
     cut_ds = load_harvest(str(tmp_path / "cut"))
@@ -232,7 +201,7 @@ def test_blocks_after_the_last_requested_point_never_run(tmp_path, arch) -> None
             )
             assert all(calls[i] > 0 for i in range(layer + 1)) and calls[layer + 1 :] == [0] * (n - layer - 1)
         calls[:] = [0] * n
-        harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(tmp_path / "embed"), context_size=8, progress=False)
+        harvest_at(hm, tmp_path, "data.txt", "embed", ["hook_embed"], context_size=8)
         assert calls == [0] * n
     finally:
         for handle in handles:
@@ -286,9 +255,9 @@ def test_a_second_process_on_the_same_output_is_refused_while_the_first_runs(tmp
         with open(tmp_path / "out" / ".harvest.lock", "a") as held:  # what a running harvest holds
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with pytest.raises(HarvestMismatchError, match="another process is harvesting"):
-                harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(tmp_path / "out"), progress=False)
-        result = harvest(
-            hm, str(tmp_path / "data.txt"), ["hook_embed"], str(tmp_path / "out"), context_size=8, progress=False
+                harvest_at(hm, tmp_path, "data.txt", "out", ["hook_embed"])
+        result = harvest_at(
+            hm, tmp_path, "data.txt", "out", ["hook_embed"], context_size=8
         )  # released (as it is when the holder dies): the harvest runs
         assert result.finished and result.contexts > 0
     finally:

@@ -21,6 +21,7 @@ from lensadapters.testing.harvesting import (
     SEVERAL,
     VOCAB,
     assert_same_harvest,
+    harvest_at,
     run_cli,
     run_cli_command,
     torchrun_cli,
@@ -180,16 +181,7 @@ def test_the_launchers_environment_gives_the_rank(tmp_path, monkeypatch) -> None
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     try:
-        result = harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            ["blocks.0.hook_resid_post"],
-            str(tmp_path / "out"),
-            context_size=8,
-            batch_size=2,
-            shard_contexts=3,
-            progress=False,
-        )
+        result = harvest_at(hm, tmp_path, "data.txt", "out", context_size=8, batch_size=2, shard_contexts=3)
     finally:
         hm.unwrap()
     manifest = json.loads((tmp_path / "out" / "manifest-rank00001-of-00002.json").read_text())

@@ -18,7 +18,7 @@ from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.plugin import verify_description
 from lensadapters.adapters.latent_attention import LatentAttention, form_of, latent_rotary
 from lensadapters.errors import HookReturnError
-from lensadapters.testing.families import decoder_config
+from lensadapters.hf import tiny_config_of
 
 Tensor = torch.Tensor
 IDS = torch.tensor([[3, 9, 4, 17, 5, 30, 2]])
@@ -26,27 +26,22 @@ IDS = torch.tensor([[3, 9, 4, 17, 5, 30, 2]])
 SHAPES = {"q latent, interleaved": (16, True), "q_proj, rotate-half": (None, False)}
 
 
+#: the latent attention's sizes besides the query latent: a key/value latent of 12, each head's query and key of 8
+#: dimensions without rotary then 4 with it, values of 6
+LATENT = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=6)
+SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def _model(q_lora_rank: Any, interleave: bool) -> torch.nn.Module:
-    config = decoder_config(
+    config = tiny_config_of(
         DeepseekV3Config,
-        n_heads=4,
-        n_kv=4,
-        hidden=32,
-        layers=2,
-        d_mlp=48,
+        kv_heads=4,
         q_lora_rank=q_lora_rank,
-        kv_lora_rank=12,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        head_dim=4,
-        v_head_dim=6,
         rope_interleave=interleave,
-        first_k_dense_replace=2,  # dense layers only: the attention is what is tested here
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
+        first_k_dense_replace=2,  # dense layers only (no expert is built): the attention is what is tested here
         initializer_range=0.3,  # edits that move the logits well above float32 rounding
+        **LATENT,
+        **SPECIAL,
     )
     torch.manual_seed(0)
     return DeepseekV3ForCausalLM(config).eval()

@@ -127,21 +127,13 @@ def test_saelens_trains_and_evaluates_an_sae_on_a_hooked_model(monkeypatch) -> N
 def test_saelens_trains_from_a_harvest_as_cached_activations(tmp_path, monkeypatch) -> None:
     import datasets
 
-    from lensadapters import harvest
+    from lensadapters.testing.harvesting import harvest_at
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     hm = build(ARCH)
     (tmp_path / "data.txt").write_text("\n".join(random_texts()) + "\n")
     try:
-        harvest(
-            hm,
-            str(tmp_path / "data.txt"),
-            ["blocks.0.hook_resid_post"],
-            str(tmp_path / "acts"),
-            context_size=12,
-            batch_size=4,
-            progress=False,
-        )
+        harvest_at(hm, tmp_path, "data.txt", "acts", context_size=12, batch_size=4)
         n_rows = len(datasets.load_from_disk(str(tmp_path / "acts")))
         cfg = runner_config(
             hm,
@@ -166,7 +158,7 @@ def test_saelens_trains_from_a_harvest_as_cached_activations(tmp_path, monkeypat
 def test_a_harvest_holds_what_saelens_activation_store_computes(tmp_path) -> None:
     import datasets
 
-    from lensadapters import harvest
+    from lensadapters.testing.harvesting import harvest_at
     from lensadapters.testing.sae_clients import small_activations_store
 
     hm = build(ARCH)
@@ -174,9 +166,7 @@ def test_a_harvest_holds_what_saelens_activation_store_computes(tmp_path) -> Non
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "texts"))
     name = "blocks.1.hook_resid_pre"
     try:
-        harvest(
-            hm, str(tmp_path / "texts"), [name], str(tmp_path / "acts"), context_size=12, batch_size=4, progress=False
-        )
+        harvest_at(hm, tmp_path, "texts", "acts", [name], context_size=12, batch_size=4)
         store = small_activations_store(hm, datasets.load_from_disk(str(tmp_path / "texts")), name, hm.cfg.d_model)
         ours = datasets.load_from_disk(str(tmp_path / "acts")).with_format("torch")[:]
         for first in range(0, len(ours["token_ids"]) - 3, 4):

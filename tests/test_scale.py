@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from lensadapters import HookedModel
+from lensadapters.hf import tiny_config_of
 from lensadapters.testing import architecture_plugin, assert_close
 
 accelerate = pytest.importorskip("accelerate")
@@ -27,32 +28,10 @@ LAYERS = 3
 
 
 def tiny_config(kind: str, layers: int = LAYERS, heads: int = 4) -> Any:
+    shared = dict(layers=layers, heads=heads, vocab=96, positions=512, bos_token_id=1, eos_token_id=2)
     if kind == "gpt2":
-        return GPT2Config(
-            n_layer=layers,
-            n_embd=32,
-            n_head=heads,
-            vocab_size=96,
-            n_positions=512,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    return LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=32,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        vocab_size=96,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+        return tiny_config_of(GPT2Config, dropout_free=True, **shared)
+    return tiny_config_of(LlamaConfig, tie_word_embeddings=False, pad_token_id=0, **shared)
 
 
 def make_model(kind: str, **kw: Any) -> torch.nn.Module:

@@ -19,6 +19,17 @@ from lensadapters.utils import lm_cross_entropy_loss
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def each_drawn_arch(test: Any) -> Any:
+    """``test(arch, data)`` run for each architecture, with Hypothesis' ``data`` under ``SETTINGS``."""
+    return pytest.mark.parametrize("arch", ARCH_NAMES)(SETTINGS(given(data=st.data())(test)))
+
+
+def _drawn(arch: str, data: st.DataObject) -> tuple[Any, HookedModel]:
+    """The tiny model of ``arch`` with a drawn seed, and it wrapped."""
+    model = tiny(arch, data.draw(st.integers(0, 50), label="seed"))
+    return model, HookedModel.wrap(model)
+
+
 def hook_count(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
@@ -85,12 +96,9 @@ def test_return_type_none_skips_the_unembedding() -> None:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("arch", ARCH_NAMES)
-@SETTINGS
-@given(data=st.data())
+@each_drawn_arch
 def test_stop_at_layer_really_stops(arch: str, data: st.DataObject) -> None:
-    model = tiny(arch, data.draw(st.integers(0, 50), label="seed"))
-    hm = HookedModel.wrap(model)
+    model, hm = _drawn(arch, data)
     n = hm.cfg.n_layers
     stop = data.draw(st.integers(-n, n), label="stop_at_layer")
     resolved = stop % n if stop < 0 else stop
@@ -131,12 +139,9 @@ def full_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("arch", ARCH_NAMES)
-@SETTINGS
-@given(data=st.data())
+@each_drawn_arch
 def test_start_at_layer_runs_from_the_given_residual(arch: str, data: st.DataObject) -> None:
-    model = tiny(arch, data.draw(st.integers(0, 50), label="seed"))
-    hm = HookedModel.wrap(model)
+    model, hm = _drawn(arch, data)
     n = hm.cfg.n_layers
     start = data.draw(st.integers(0, n), label="start_at_layer")
     ids = torch.randint(0, hm.cfg.d_vocab, (1, 6), generator=torch.Generator().manual_seed(start))
@@ -211,17 +216,14 @@ def test_text_needs_a_tokenizer() -> None:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("arch", ARCH_NAMES)
-@SETTINGS
-@given(data=st.data())
+@each_drawn_arch
 def test_left_padded_rows_give_their_unpadded_values(arch: str, data: st.DataObject) -> None:
     """On every architecture (GPT-2 and OPT with learned positions, rotary models): a TransformerLens-style call
     with an attention mask gives each padded row's real tokens the values of the row alone. A causal LM's rows are
     padded on the left (TransformerLens counts their positions from the first real token). An encoder's positions
     are 0, 1, ... whatever the mask (TransformerLens' HookedEncoder, and Hugging Face's forward): its rows are padded
     on the right, and left-padded rows get exactly Hugging Face's values."""
-    model = tiny(arch, data.draw(st.integers(0, 50), label="seed"))
-    hm = HookedModel.wrap(model)
+    model, hm = _drawn(arch, data)
     causal = is_causal(hm)
     length = data.draw(st.integers(2, 7), label="length")
     pads = data.draw(st.lists(st.integers(0, length - 1), min_size=1, max_size=3), label="pads")

@@ -29,6 +29,7 @@ from lensadapters.testing.tl_analysis import (
     check,
     draw_texts,
     draw_tokens,
+    each_model_type,
     la_tokens,
     left_mask,
     needs_transformer_lens,
@@ -45,9 +46,7 @@ pytestmark = needs_transformer_lens
 # --- the forward: return types, loss, stop/start -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_return_types_and_loss_match(model_type: str, data: st.DataObject) -> None:
     with pair(data, model_type) as (hm, tl), torch.no_grad():
         tokens = draw_tokens(data, hm.cfg.d_vocab)
@@ -66,9 +65,7 @@ def test_return_types_and_loss_match(model_type: str, data: st.DataObject) -> No
         assert hm(tokens, return_type=None) is None and tl(tokens, return_type=None) is None
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_stop_and_start_at_layer_match(model_type: str, data: st.DataObject) -> None:
     with pair(data, model_type, max_layers=3) as (hm, tl), torch.no_grad():
         n = hm.cfg.n_layers
@@ -90,9 +87,7 @@ def test_stop_and_start_at_layer_match(model_type: str, data: st.DataObject) -> 
         )
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_hook_values_match_head_inputs_included(model_type: str, data: st.DataObject) -> None:
     """Every hook point both have, TransformerLens' optional ones switched on (results, mlp_in; head inputs in
     a second model: with split inputs TransformerLens normalizes each head's copy, so its ln1 points change)."""
@@ -124,9 +119,7 @@ def test_hook_values_match_head_inputs_included(model_type: str, data: st.DataOb
                 check(ours[name], theirs[name], name)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_head_input_edits_match(model_type: str, data: st.DataObject) -> None:
     """Editing one head's copy of the attention input changes the logits exactly as in TransformerLens."""
     point = data.draw(st.sampled_from(["q_input", "k_input", "v_input", "attn_in"]), label="point")
@@ -189,9 +182,7 @@ def test_tokenizer_methods_match(adds_bos: bool, data: st.DataObject) -> None:
             )
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_text_inputs_match(model_type: str, data: st.DataObject) -> None:
     """Text through the forward: left-padded batches (TransformerLens derives positions from the mask, as
     lensadapters does for every architecture), losses, caches."""

@@ -5,17 +5,14 @@ Skipped where TransformerLens is not installed."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from lensadapters.testing.tl_analysis import (
-    MODEL_TYPES,
-    SETTINGS,
     both_methods,
     check,
     draw_tokens,
+    each_model_type,
     needs_transformer_lens,
     norm_weight,
     pair,
@@ -30,9 +27,7 @@ pytestmark = needs_transformer_lens
 # --- ActivationCache methods ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
     with pair(data, model_type) as (hm, tl), torch.no_grad():
         n = hm.cfg.n_layers
@@ -128,9 +123,7 @@ def test_cache_methods_match(model_type: str, data: st.DataObject) -> None:
         check(sliced_ours["resid_post", n - 1], sliced_theirs["resid_post", n - 1], "batch slice")
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_logit_attrs_match_transformer_lens_with_folded_norms(model_type: str, data: st.DataObject) -> None:
     """TransformerLens' own recipe for direct logit attribution is a ``fold_ln=True`` model: lensadapters gives
     its numbers on the unfolded Hugging Face weights."""

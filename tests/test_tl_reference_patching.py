@@ -20,6 +20,7 @@ from lensadapters.testing.tl_analysis import (
     SETTINGS,
     check,
     draw_tokens,
+    each_model_type,
     needs_transformer_lens,
     pair,
     quiet,
@@ -88,9 +89,7 @@ def test_patching_matches(model_type: str, group: int, data: st.DataObject) -> N
         check(a, b, "generic_activation_patch(index_df=...)")
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_detect_head_matches(model_type: str, data: st.DataObject) -> None:
     from transformer_lens.head_detector import detect_head as tl_detect_head
 
@@ -114,9 +113,7 @@ def test_detect_head_matches(model_type: str, data: st.DataObject) -> None:
         )
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-@SETTINGS
-@given(data=st.data())
+@each_model_type
 def test_circuits_match(model_type: str, data: st.DataObject) -> None:
     with pair(data, model_type, max_layers=3) as (hm, tl), torch.no_grad():
         for name in ("OV", "QK"):

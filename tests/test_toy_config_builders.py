@@ -1,9 +1,9 @@
 """The core's declarative builders of plugins' toy and test configs (``lensadapters.hf``): the window fields, the
-sliding-window toy and the mixture-of-experts decoder config say what their docstrings say."""
+sliding-window toy, the mixture-of-experts decoder config and the tiny test config say what their docstrings say."""
 
 from __future__ import annotations
 
-from transformers import MistralConfig, MixtralConfig
+from transformers import GPT2Config, LlamaConfig, MambaConfig, MistralConfig, MixtralConfig, OPTConfig
 
 from lensadapters import hf
 
@@ -36,3 +36,20 @@ def test_a_mixture_of_experts_decoder_config_has_its_experts_and_its_defaults() 
     assert (
         hf.moe_decoder_config(MixtralConfig, d_mlp=24, hidden=32, layers=1, n_heads=4, n_kv=2).intermediate_size == 24
     )
+
+
+def test_a_tiny_config_has_the_shared_sizes_under_the_family_s_own_names() -> None:
+    llama = hf.tiny_config_of(LlamaConfig, layers=3, head_dim=8)
+    sizes = (llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers, llama.num_attention_heads)
+    assert sizes == (32, 48, 3, 4) and (llama.num_key_value_heads, llama.head_dim) == (2, 8)
+    assert (llama.vocab_size, llama.max_position_embeddings) == (64, 64)
+    gpt2 = hf.tiny_config_of(GPT2Config, hidden=16)  # n_embd, n_layer, n_head, n_positions: GPT-2's names
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head, gpt2.n_positions, gpt2.n_inner) == (16, 2, 4, 64, None)
+    mamba = hf.tiny_config_of(MambaConfig, hidden=16)  # no heads, no positions, its MLP width its own
+    assert not hasattr(mamba, "num_attention_heads") and mamba.intermediate_size == 2 * 16
+    assert (
+        hf.tiny_config_of(LlamaConfig, positions=None).max_position_embeddings == LlamaConfig().max_position_embeddings
+    )
+    assert hf.tiny_config_of(LlamaConfig, layers=1, num_hidden_layers=5).num_hidden_layers == 5  # transformers' name
+    opt = hf.tiny_config_of(OPTConfig, dropout_free=True, attention_dropout=0.5)  # rates the fields set stay
+    assert (opt.dropout, opt.attention_dropout) == (0.0, 0.5) and OPTConfig().dropout > 0

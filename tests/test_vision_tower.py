@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from lensadapters import HookedModel, UnfiredHookWarning
-from lensadapters.testing.vision_tower import tiny_vlm, vlm_inputs
+from lensadapters.testing.vlm import inputs, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning, tower_blocks, vision_tower
 
 FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
@@ -82,13 +82,13 @@ def _edit(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
-    model, n_image = tiny_vlm(name)
+    model, n_image = vlm(name)
     if TRANSFORMERS_4 and name in RECORDED_INSIDE_ON_4:
         with pytest.warns(VisionTowerWarning, match=r"output does not reach its hidden_states record"):
             hm = HookedModel.wrap(model)
         assert not any(p.startswith("vision.") for p in hm.hook_dict)
         return
-    batch = vlm_inputs(model, n_image)
+    batch = inputs(model, n_image)
     blocks = _blocks(model)
     plain: dict[str, tuple[list, torch.Tensor]] = {}
     for point, i, kind in _points(len(blocks)):
@@ -122,8 +122,8 @@ def test_an_edit_of_the_selected_tower_layer_reaches_the_projector() -> None:
     """LLaVA projects the tower's second-to-last layer (``vision_feature_layer=-2``), read from the tower's
     ``hidden_states`` record (transformers 5.x: a forward hook on each block, installed at the first forward): an
     edit of block 0's output is what the projector reads, also after the model ran once before it was wrapped."""
-    model, n_image = tiny_vlm("llava")
-    batch = vlm_inputs(model, n_image)
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
     _logits(model, batch)  # HF's recording hooks are on the blocks now
     hm = HookedModel.wrap(model)
     post = "vision.blocks.0.hook_resid_post"
@@ -136,16 +136,16 @@ def test_an_edit_of_the_selected_tower_layer_reaches_the_projector() -> None:
 
 
 def test_tower_points_without_an_image_warn_by_name() -> None:
-    model, n_image = tiny_vlm("llava")
+    model, n_image = vlm("llava")
     hm = HookedModel.wrap(model)
     with pytest.warns(UnfiredHookWarning, match=r"vision\.blocks\.1\.hook_resid_post"):
         with torch.no_grad(), hm.hooks([("vision.blocks.1.hook_resid_post", lambda x, hook: x)]):
-            hm(**vlm_inputs(model, n_image, image=False))
+            hm(**inputs(model, n_image, image=False))
     hm.unwrap()
 
 
 def test_a_tower_that_needs_more_than_pixel_values_is_refused_by_name() -> None:
-    model, _ = tiny_vlm("qwen2_vl")
+    model, _ = vlm("qwen2_vl")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
@@ -161,7 +161,7 @@ def test_a_tower_that_needs_more_than_pixel_values_is_refused_by_name() -> None:
 def test_the_probe_leaves_nothing_on_the_tower(name: str) -> None:
     """The probe's forwards ask for ``hidden_states``; transformers then installs its recording hooks on the blocks
     (once, for good): the probe removes what it caused, so a model that never records keeps no hook of it."""
-    model, _ = tiny_vlm(name)
+    model, _ = vlm(name)
 
     def state() -> list:
         return [(n, list(m._forward_hooks), sorted(vars(m))) for n, m in model.named_modules()]

@@ -2,19 +2,26 @@
 family's toy model), :func:`sliding_toy` (one whose seeds vary depth, heads and a sliding window),
 :func:`decoder_config` (a tiny config with the shared fields), :func:`moe_decoder_config` (one of a
 mixture-of-experts family), :func:`toy_draw` (the values a seed varies), :func:`sliding_layers` (a config's
-``layer_types``) and :func:`window_from_fields` (the ``use_sliding_window`` fields). Exported by
+``layer_types``), :func:`window_from_fields` (the ``use_sliding_window`` fields) and :func:`tiny_config_of` (a
+test's tiny config of any family, its sizes in one place). Exported by
 :mod:`lensadapters.hf`; import them from there.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 from typing import Any, Callable, Optional, Sequence
 
-from lensadapters.adapters.hf_helpers import router_fields, size_fields
+from lensadapters.adapters.hf_helpers import router_fields, size_fields, without_dropout
 
 __all__ = ["decoder_config", "moe_decoder_config", "sliding_layers", "sliding_toy", "toy_config", "toy_draw"]
-__all__ += ["window_from_fields"]
+__all__ += ["TINY_SIZES", "tiny_config_of", "window_from_fields"]
+
+#: a test's tiny config's sizes, under :func:`~lensadapters.adapters.hf_helpers.size_fields`' short names: width 32,
+#: MLP width 48, 2 layers, 4 query heads over 2 key/value heads, vocabulary 64, 64 positions
+TINY_SIZES: dict[str, int] = dict(hidden=32, d_mlp=48, layers=2, heads=4, kv_heads=2, vocab=64, positions=64)
 
 
 def toy_draw(seed: int, demo: Sequence[Any], *choices: Any) -> tuple[Any, ...]:
@@ -114,3 +121,19 @@ def moe_decoder_config(config_class: Callable[..., Any], *, experts: int = 4, to
     unless ``fields`` says otherwise."""
     fields = {"d_mlp": 16, "max_pos": 32, **fields}
     return decoder_config(config_class, **router_fields(config_class, experts, top_k), **fields)
+
+
+def tiny_config_of(config_class: Callable[..., Any], *, dropout_free: bool = False, **fields: Any) -> Any:
+    """A tiny ``config_class``: the :data:`TINY_SIZES`, each replaced by a short name of ``fields`` (``layers=3``;
+    ``None``: the family's default), under the config's own name for it (its ``attribute_map``'s: GPT-2's
+    ``n_embd``, T5's ``d_model``...) and only where its constructor takes it (no heads for Mamba, no
+    ``intermediate_size`` for OPT); then the other ``fields`` (transformers' names, replacing a size too).
+    ``dropout_free``: every dropout rate of the model body zero where ``fields`` does not set it
+    (:func:`~lensadapters.adapters.hf_helpers.without_dropout`)."""
+    short = {name: fields.pop(name) for name in list(fields) if name in TINY_SIZES}
+    given = {k: v for k, v in {**TINY_SIZES, **short}.items() if v is not None}
+    aliases = getattr(config_class, "attribute_map", {})
+    takes = inspect.signature(config_class.__init__).parameters
+    sizes = {aliases.get(k, k): v for k, v in size_fields(**given).items()}
+    build = functools.partial(without_dropout, config_class) if dropout_free else config_class
+    return build(**{**{k: v for k, v in sizes.items() if k in takes}, **fields})

@@ -3,7 +3,8 @@
 A plugin never patches a model: it *describes* where things are (module paths relative to the
 Hugging Face model or to one block) and supplies small pure functions for the quirks that cannot
 be described by a path (how a fused QKV output splits into heads, how rotary embeddings rotate).
-The core turns these descriptions into lazily installed PyTorch hooks.
+The core turns these descriptions into lazily installed PyTorch hooks. The MLP's descriptions live in
+:mod:`lensadapters.hooks.mlp_specs`; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 import torch
+
+from lensadapters.hooks.mlp_specs import FusedGateUp, MLPLayout, OpaqueMLP, cat_gate_up, chunk_gate_up
+from lensadapters.hooks.mlp_specs import MLPLayouts as MLPLayouts  # the union, for annotations
 
 Tensor = torch.Tensor
 
@@ -410,74 +414,6 @@ class FusedQKV:
 
 
 QKVLayout = SeparateQKV | FusedQKV
-
-
-@dataclass(frozen=True)
-class MLPLayout:
-    """The MLP's projections (paths relative to the block).
-
-    ``pre`` produces ``mlp.hook_pre`` (the gate for gated MLPs), ``pre_linear`` the "up" projection of
-    a gated MLP, ``out`` is the down projection whose input is ``mlp.hook_post``.
-    """
-
-    pre: str
-    out: str
-    pre_linear: Optional[str] = None
-
-    def projection(self, role: str) -> str:
-        """The path of the projection of ``role``: ``"in"`` (``W_in``: the up projection of a gated MLP, the input
-        projection otherwise), ``"gate"`` (``W_gate``, gated MLPs only) or ``"out"``."""
-        if role == "in":
-            return self.pre_linear or self.pre
-        if role == "gate":
-            if self.pre_linear is None:
-                raise AttributeError("W_gate exists only for gated MLPs (cfg.gated_mlp)")
-            return self.pre
-        return self.out
-
-
-@dataclass(frozen=True)
-class OpaqueMLP:
-    """An MLP whose inside is not described (the block's ``BlockLayout.mlp`` is the module): the block has
-    ``hook_mlp_in``/``hook_mlp_out`` and the residual points, but no ``mlp.*`` point and no MLP weight; ``why``
-    says why (the error a weight accessor raises)."""
-
-    why: str
-
-
-@dataclass(frozen=True)
-class FusedGateUp:
-    """A gated MLP whose gate and up projections are one module (Phi-3's ``gate_up_proj``).
-
-    ``split(t)`` takes a tensor whose last dimension is the fused output features and returns ``(gate, up)``
-    (``mlp.hook_pre``, ``mlp.hook_pre_linear``); ``merge(gate, up)`` is its inverse. The same functions split
-    weight columns, biases and LoRA factors, so ``W_gate``/``W_in`` and the LoRA-delta points follow the
-    activations. ``out`` is the down projection whose input is ``mlp.hook_post``.
-    """
-
-    module: str
-    out: str
-    split: Callable[[Tensor], tuple[Tensor, Tensor]]
-    merge: Callable[[Tensor, Tensor], Tensor]
-
-    def projection(self, role: str) -> str:
-        """The path of the projection of ``role``: the fused module for ``"in"`` and ``"gate"``, ``out`` for
-        ``"out"``."""
-        return self.out if role == "out" else self.module
-
-
-MLPLayouts = MLPLayout | FusedGateUp
-
-
-def chunk_gate_up(t: Tensor) -> tuple[Tensor, Tensor]:
-    """``(gate, up)`` of ``[..., 2 * d_mlp]`` as ``chunk(2, dim=-1)`` splits it (gate first)."""
-    gate, up = t.chunk(2, dim=-1)
-    return gate, up
-
-
-def cat_gate_up(gate: Tensor, up: Tensor) -> Tensor:
-    """The inverse of :func:`chunk_gate_up`."""
-    return torch.cat([gate, up], dim=-1)
 
 
 @dataclass(frozen=True)

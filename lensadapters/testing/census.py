@@ -120,8 +120,6 @@ def has_final_norm(model: nn.Module, blocks: str) -> bool:
 
 def _runs_after_the_last_layer(model: nn.Module, layers: nn.Module, norm: nn.Module) -> bool:
     """Whether ``norm`` is the last of (the last layer, ``norm``) to run in one forward of the census's tokens."""
-    from lensadapters.testing.every_model_type import input_ids
-
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         return False
     order: list[str] = []
@@ -129,6 +127,13 @@ def _runs_after_the_last_layer(model: nn.Module, layers: nn.Module, norm: nn.Mod
         layers[-1].register_forward_hook(lambda *args: order.append("last")),
         norm.register_forward_hook(lambda *args: order.append("norm")),
     ]
+    return _runs_with(model, hooks) and "last" in order and order[-1] == "norm"
+
+
+def _runs_with(model: nn.Module, hooks: list[Any]) -> bool:
+    """Whether one forward of the census's tokens runs with ``hooks`` (their handles, removed after)."""
+    from lensadapters.testing.every_model_type import input_ids
+
     try:
         with torch.no_grad():
             model(input_ids())
@@ -137,14 +142,12 @@ def _runs_after_the_last_layer(model: nn.Module, layers: nn.Module, norm: nn.Mod
     finally:
         for hook in hooks:
             hook.remove()
-    return "last" in order and order[-1] == "norm"
+    return True
 
 
 def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:
     """Whether the unembedding reads the last layer's output exactly as it is (one forward of the census's tokens):
     the model has no final norm, whatever norm children it has."""
-    from lensadapters.testing.every_model_type import input_ids
-
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
     layers = model.get_submodule(blocks)
@@ -159,14 +162,8 @@ def unembeds_the_last_layer_as_it_is(model: nn.Module, blocks: str) -> bool:
         return hook
 
     hooks = [layers[-1].register_forward_hook(keep("last")), head.register_forward_pre_hook(keep("head"))]
-    try:
-        with torch.no_grad():
-            model(input_ids())
-    except Exception:  # nothing proven
+    if not _runs_with(model, hooks):
         return False
-    finally:
-        for hook in hooks:
-            hook.remove()
     last, x = seen.get("last"), seen.get("head")
     return isinstance(last, Tensor) and isinstance(x, Tensor) and x.shape == last.shape and torch.equal(x, last)
 

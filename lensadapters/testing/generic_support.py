@@ -6,8 +6,9 @@ model's weights (:func:`check_described_weights`, also run by the generic mixtur
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -19,12 +20,38 @@ from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.hooks.specs import FusedGateUp, MLPLayout
 from lensadapters.testing.contract_support import assert_close
+from lensadapters.testing.every_model_type import build
 from lensadapters.testing.gradients import GradientContract
 from lensadapters.testing.models import reinit
 from lensadapters.testing.strategies import Inputs, token_inputs
 from lensadapters.wiring.weights import mlp_weights
 
 BRANCHES = ("hook_attn_out", "hook_mlp_out")
+
+
+def wrap_generic(model: torch.nn.Module, **kwargs: Any) -> HookedModel:
+    """``model`` wrapped by the generic adapter (``kwargs``: the wrap's others), its findings' warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        return HookedModel.wrap(model, adapter="generic", **kwargs)
+
+
+def built_and_wrapped(model_type: str) -> Iterator[tuple[torch.nn.Module, HookedModel]]:
+    """A module fixture's body: the census's tiny model of ``model_type`` (built with warnings silenced) and its
+    :func:`wrap_generic`, unwrapped after."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(model_type)
+    hm = wrap_generic(model)
+    yield model, hm
+    hm.unwrap()
+
+
+def sample_ids(model: Any) -> torch.Tensor:
+    """Two sequences of 7 tokens from 3 to the vocabulary's third-last (seeded)."""
+    return torch.randint(3, model.config.vocab_size - 2, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
 PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
 _EXAMPLES = max(2, (settings.default.max_examples or 4) // 4)
 _SETTINGS = settings(

@@ -10,14 +10,14 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from lensadapters import HookedModel
-from lensadapters.harvest import Cursor, PackingRule, load_harvest, pack
+from lensadapters.harvest import Cursor, PackingRule, harvest, load_harvest, pack
 from lensadapters.integrations.harvest.runner import KILL_ENV
 from lensadapters.testing.tiny_models import ARCH_NAMES, tiny, tokenizer
 
@@ -37,6 +37,14 @@ def write_text(path: Path, n_rows: int, seed: int = 0, vocab: int = VOCAB) -> li
 def wrapped(arch: str = ARCH, seed: int = 0) -> HookedModel:
     model: Any = tiny(arch, seed)
     return HookedModel.wrap(model, tokenizer=tokenizer(model.config.vocab_size))
+
+
+def harvest_at(
+    model: Any, folder: Path, source: str, out: str, points: Sequence[str] = ("blocks.0.hook_resid_post",), **kw: Any
+) -> Any:
+    """:func:`~lensadapters.harvest.harvest` of ``points`` (block 0's residual stream) from ``folder / source`` into
+    ``folder / out``, without a progress bar; ``kw`` are the harvest's other arguments."""
+    return harvest(model, str(folder / source), list(points), str(folder / out), progress=False, **kw)
 
 
 @st.composite

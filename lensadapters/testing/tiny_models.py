@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lensadapters import HookedModel, get_registry
+from lensadapters.adapters.toy_configs import tiny_config_of
 from lensadapters.testing import reinit
 from lensadapters.testing.tl_reference import word_tokenizer
 
@@ -80,17 +81,7 @@ def gqa_llama(**fields: Any) -> Any:
     size 8, MLP width 64, vocabulary 50, 32 positions; then ``fields``."""
     from transformers import LlamaConfig
 
-    shared = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        max_position_embeddings=32,
-    )
-    return LlamaConfig(**{**shared, **fields})
+    return tiny_config_of(LlamaConfig, d_mlp=64, layers=1, vocab=50, positions=32, head_dim=8, **fields)
 
 
 #: :func:`gqa_llama` with 2 layers, MLP width 48, vocabulary 48, 64 positions, bos 1, eos 2 (the SAE clients' model)

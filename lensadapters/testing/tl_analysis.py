@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lensadapters import HookedModel, get_registry
@@ -41,6 +41,11 @@ SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, 
 # the sweeps run hundreds of forwards in both libraries: fewer examples
 HEAVY = settings(SETTINGS, max_examples=max(1, EXAMPLES // 6))
 TOL = 1e-4
+
+
+def each_model_type(test: Callable[..., Any]) -> Any:
+    """``test(model_type, data)`` run for each of ``MODEL_TYPES``, with Hypothesis' ``data`` under ``SETTINGS``."""
+    return pytest.mark.parametrize("model_type", MODEL_TYPES)(SETTINGS(given(data=st.data())(test)))
 
 
 def check(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lensadapters import HookedModel
+from lensadapters.adapters.toy_configs import tiny_config_of
 from lensadapters.testing.models import reinit
 from lensadapters.testing.tl_reference import transformer_lens_available, word_tokenizer
 
@@ -28,16 +29,8 @@ def tiny_config(model_type: str) -> Any:
     from transformers import GPT2Config, LlamaConfig
 
     if model_type == "gpt2":
-        return GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=VOCAB, n_positions=32)
-    return LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_size=16,
-        intermediate_size=24,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-    )
+        return tiny_config_of(GPT2Config, hidden=8, heads=2, vocab=VOCAB, positions=32)
+    return tiny_config_of(LlamaConfig, hidden=16, d_mlp=24, vocab=VOCAB, positions=32)
 
 
 @functools.lru_cache(maxsize=None)

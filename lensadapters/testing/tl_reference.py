@@ -21,6 +21,7 @@ import torch
 from hypothesis import strategies as st
 
 from lensadapters.adapters.hf_helpers import config_sizes
+from lensadapters.adapters.toy_configs import tiny_config_of
 
 __all__ = [
     "ReferenceUnavailable",
@@ -220,79 +221,36 @@ def reference_configs(draw: st.DrawFn, model_type: str, max_layers: int = 2) -> 
     d_head = draw(st.sampled_from([4, 8]), label="d_head")
     vocab = draw(st.integers(24, 64), label="vocab")
     d_model = heads * d_head
+    shared = dict(layers=layers, heads=heads, vocab=vocab, positions=64, bos_token_id=1, eos_token_id=2)
     if model_type == "gpt2":
         from transformers import GPT2Config
 
-        return GPT2Config(
-            n_layer=layers,
-            n_embd=d_model,
-            n_head=heads,
-            n_positions=64,
-            vocab_size=vocab,
-            n_inner=draw(st.sampled_from([None, 3 * d_model]), label="n_inner"),
-            activation_function=draw(st.sampled_from(["gelu_new", "relu"]), label="act"),
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=1,
-            eos_token_id=2,
+        n_inner = draw(st.sampled_from([None, 3 * d_model]), label="n_inner")
+        act = draw(st.sampled_from(["gelu_new", "relu"]), label="act")
+        return tiny_config_of(
+            GPT2Config, hidden=d_model, n_inner=n_inner, activation_function=act, dropout_free=True, **shared
         )
     if model_type == "gpt_neox":
         from transformers import GPTNeoXConfig
 
-        d_head = 8  # every rotary_pct rotates an even number of dimensions
-        d_model = heads * d_head
-
-        return GPTNeoXConfig(
-            vocab_size=vocab,
-            hidden_size=d_model,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            intermediate_size=2 * d_model,
-            rotary_pct=draw(st.sampled_from([0.25, 0.5, 1.0]), label="rotary_pct"),
-            use_parallel_residual=draw(st.booleans(), label="parallel"),
-            max_position_embeddings=64,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bos_token_id=1,
-            eos_token_id=2,
+        d_model = heads * 8  # every rotary_pct rotates an even number of dimensions
+        rotary_pct = draw(st.sampled_from([0.25, 0.5, 1.0]), label="rotary_pct")
+        parallel = draw(st.booleans(), label="parallel")
+        sizes = dict(hidden=d_model, d_mlp=2 * d_model, **shared)
+        return tiny_config_of(
+            GPTNeoXConfig, rotary_pct=rotary_pct, use_parallel_residual=parallel, dropout_free=True, **sizes
         )
     if model_type == "opt":
         from transformers import OPTConfig
 
-        return OPTConfig(
-            vocab_size=vocab,
-            hidden_size=d_model,
-            num_hidden_layers=layers,
-            ffn_dim=2 * d_model,
-            num_attention_heads=heads,
-            max_position_embeddings=64,
-            word_embed_proj_dim=d_model,
-            do_layer_norm_before=True,
-            dropout=0.0,
-            attention_dropout=0.0,
-            pad_token_id=2,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
+        sizes = dict(hidden=d_model, ffn_dim=2 * d_model, word_embed_proj_dim=d_model, **shared)
+        return tiny_config_of(OPTConfig, do_layer_norm_before=True, pad_token_id=2, dropout_free=True, **sizes)
     if model_type == "llama":
         from transformers import LlamaConfig
 
         kv = draw(st.sampled_from([h for h in (1, 2, heads) if heads % h == 0]), label="n_kv_heads")
-        return LlamaConfig(
-            hidden_size=d_model,
-            intermediate_size=2 * d_model,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            head_dim=d_head,
-            vocab_size=vocab,
-            max_position_embeddings=64,
-            rms_norm_eps=1e-5,
-            rope_theta=draw(st.sampled_from([100.0, 10000.0]), label="rope_theta"),
-            tie_word_embeddings=draw(st.booleans(), label="tied"),
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-        )
+        theta = draw(st.sampled_from([100.0, 10000.0]), label="rope_theta")
+        tied = draw(st.booleans(), label="tied")
+        sizes = dict(hidden=d_model, d_mlp=2 * d_model, kv_heads=kv, head_dim=d_head, pad_token_id=2, **shared)
+        return tiny_config_of(LlamaConfig, rms_norm_eps=1e-5, rope_theta=theta, tie_word_embeddings=tied, **sizes)
     raise ReferenceUnavailable(f"no reference configs for model type {model_type!r}")

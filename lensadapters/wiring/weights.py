@@ -330,6 +330,16 @@ def _accessor(name: str, compute: Callable[["Hooked"], Tensor], doc: str) -> Any
     return property(get)
 
 
+def _repeated_kv(name: str, doc: str) -> Any:
+    """The key/value-head accessor ``name`` repeated to the query heads."""
+
+    def get(self: "WeightAccessors") -> Tensor:
+        return repeat_kv(getattr(self, name), self.wiring.cfg.n_heads)
+
+    get.__doc__ = doc
+    return property(get)
+
+
 def _accessor_layers(w: "Hooked", name: str) -> list[nn.Module]:
     """The layers accessor ``name`` reads (``layer_claims``): the embedding, the position table, the unembedding, or
     every layer inside the blocks."""
@@ -439,23 +449,12 @@ class WeightAccessors:
         "Mixture of experts: the router ``[n_layers, d_model, n_experts]`` (logits = x @ W_router).",
     )
 
-    @property
-    def W_K(self) -> Tensor:
-        """Keys repeated to the query heads ``[n_layers, n_heads, d_model, d_head]`` (``_W_K``: key/value heads)."""
-        return repeat_kv(self._W_K, self.wiring.cfg.n_heads)
-
-    @property
-    def b_K(self) -> Tensor:
-        return repeat_kv(self._b_K, self.wiring.cfg.n_heads)
-
-    @property
-    def W_V(self) -> Tensor:
-        """Values repeated to the query heads ``[n_layers, n_heads, d_model, d_head]`` (``_W_V``: key/value heads)."""
-        return repeat_kv(self._W_V, self.wiring.cfg.n_heads)
-
-    @property
-    def b_V(self) -> Tensor:
-        return repeat_kv(self._b_V, self.wiring.cfg.n_heads)
+    W_K = _repeated_kv("_W_K", "Keys repeated to the query heads ``[n_layers, n_heads, d_model, d_head]`` (``_W_K``).")
+    b_K = _repeated_kv("_b_K", "Key biases repeated to the query heads ``[n_layers, n_heads, d_head]``.")
+    W_V = _repeated_kv(
+        "_W_V", "Values repeated to the query heads ``[n_layers, n_heads, d_model, d_head]`` (``_W_V``)."
+    )
+    b_V = _repeated_kv("_b_V", "Value biases repeated to the query heads ``[n_layers, n_heads, d_head]``.")
 
 
 #: the accessor names ``lensadapters_weight`` may override

@@ -88,9 +88,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check bart` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_bart.testing:BartContract"
 
 
 @dataclass(frozen=True)
@@ -156,6 +153,7 @@ ARCH = hf.architecture(
     model_types=tuple(FAMILIES),
     encoder_decoder=True,
 )
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="BartContract")
 STACKS = ("encoder", "decoder")
 
 
@@ -184,9 +182,6 @@ def embed_scale(model: Any, stack: str = "encoder") -> float:
 
 
 # --- description ---------------------------------------------------------------------------------------------
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 def _check_family(model: Any, fam: Family, stack_name: str, stack: nn.Module) -> None:

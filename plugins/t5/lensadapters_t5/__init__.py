@@ -75,15 +75,13 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 #: transformers 4.x's T5 computes attention in its own code (eager only); 5.x's through the attention interface
 TRANSFORMERS_4 = __import__("transformers").__version__.startswith("4.")
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check t5` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_t5.testing:T5Contract"
 ARCH = hf.architecture(
     "t5",
     "T5 encoder-decoders (relative position bias, RMS norms, ReLU or gated-GELU MLPs) with HookedEncoderDecoder's "
     "points",
     encoder_decoder=True,
 )
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="T5Contract")
 STACKS = ("encoder", "decoder")
 
 
@@ -97,9 +95,6 @@ def unembed_scale(model: Any) -> float:
     if scales is None:
         scales = getattr(c, "tie_word_embeddings", False)  # transformers 4.x
     return float(c.d_model**-0.5) if scales else 1.0
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
 
-from lensadapters import hf
+from lensadapters import HookedModel, hf
 from lensadapters.testing.models import reinit
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "max_error",
     "mlm_head",
     "reference",
+    "wrapped",
 ]
 
 FAMILIES = ("bert", "roberta")
@@ -58,6 +59,14 @@ def inputs(family: str, seed: int = 0) -> dict[str, Tensor]:
     types = torch.zeros(2, 7, dtype=torch.long)
     types[:, 3:] = 1
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def wrapped(
+    family: str, implementation: str = "eager", seed: int = 0, cls: Any = None
+) -> tuple[Any, dict[str, Tensor], HookedModel]:
+    """:func:`make_model`, its :func:`inputs` (the same seed) and the model wrapped."""
+    model = make_model(family, implementation, seed, cls=cls)
+    return model, inputs(family, seed), HookedModel.wrap(model)
 
 
 def base_model(model: Any) -> Any:

@@ -24,6 +24,7 @@ from lensadapters_bert.reference import (
     max_error,
     mlm_head,
     reference,
+    wrapped,
 )
 from torch import Tensor, nn
 from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaForMaskedLM
@@ -37,9 +38,7 @@ from lensadapters.testing import assert_close
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_point_matches_the_reference(family, implementation):
-    model = make_model(family, implementation)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, implementation)
     assert hm.cfg.attention_dir == "bidirectional"
     with torch.no_grad():
         expected = model(**batch).logits
@@ -78,9 +77,7 @@ def test_no_hooks_is_hf_forward_and_order_is_firing_order(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_positions_and_weights_from_live_parameters(family):
-    model = make_model(family)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family)
     base = base_model(model)
     e, offset = base.embeddings, hm.layout.pos_embed_offset
     assert offset == (PAD["roberta"] + 1 if family == "roberta" else 0)
@@ -174,9 +171,7 @@ def _plain_hook(module: nn.Module, where: str, delta: Tensor) -> Any:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edits_equal_plain_pytorch_hooks(family, implementation):
     """Adding a delta at a point gives exactly the logits of adding it to the module's tensor with a plain hook."""
-    model = make_model(family, implementation)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, implementation)
     with torch.no_grad():
         base_logits = model(**batch).logits
         _, cache = hm.run_with_cache(**batch)
@@ -202,9 +197,7 @@ def test_edits_equal_plain_pytorch_hooks(family, implementation):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scale_score_and_pattern_edits_match_the_reference(family):
     """Edits without a module boundary (norm scales, scores, patterns) against the reference computing with them."""
-    model = make_model(family, "sdpa", seed=1)
-    batch = inputs(family, seed=1)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, "sdpa", seed=1)
 
     def double(t: Tensor, hook: Any = None) -> Tensor:
         return t * 2
@@ -242,9 +235,7 @@ def test_scale_score_and_pattern_edits_match_the_reference(family):
 
 
 def test_analysis_layer_and_named_refusals():
-    model = make_model("bert")
-    batch = inputs("bert")
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped("bert")
     with torch.no_grad():
         _, cache = hm.run_with_cache(**batch)
     stack = cache.accumulated_resid()
@@ -270,9 +261,7 @@ def test_analysis_layer_and_named_refusals():
 
 
 def test_stop_at_layer_and_encoders_without_a_head():
-    model = make_model("bert", cls=BertModel)
-    batch = inputs("bert")
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped("bert", cls=BertModel)
     assert "mlm_head.ln.hook_scale" not in hm.hook_names
     with torch.no_grad():
         out = model(**batch).last_hidden_state
@@ -294,9 +283,7 @@ def test_stop_at_layer_and_encoders_without_a_head():
 def test_transformer_lens_style_call_keeps_the_encoders_positions(family):
     """A TransformerLens-style call (HookedEncoder's keywords) computes HF's logits on padded inputs: an encoder's
     positions are its own (RoBERTa's from the token ids), not counted from the mask as for a causal LM."""
-    model = make_model(family)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family)
     with torch.no_grad():
         expected = model(**batch).logits
         logits = hm(

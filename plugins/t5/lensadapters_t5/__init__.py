@@ -124,13 +124,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.num_layers,
-        d_model=c.d_model,
-        n_heads=c.num_heads,
-        d_head=c.d_kv,
-        d_mlp=c.d_ff,
-        d_vocab=c.vocab_size,
-        n_ctx=int(getattr(c, "n_positions", 512) or 512),
+        # transformers' usual size names, which T5's config maps to its own (num_layers, d_model, num_heads, d_kv)
+        **hf.config_sizes(c, d_mlp=c.d_ff, n_ctx=int(getattr(c, "n_positions", 512) or 512)),
         act_fn=str(c.dense_act_fn),
         normalization_type="RMS",
         positional_embedding_type="relative_positional_bias",  # type: ignore[arg-type]  # TransformerLens' value

@@ -233,6 +233,9 @@ class TransformerLensComparison:
     #: the family's config function (``mistral_config``...), called with ``config_defaults`` and overrides
     config: ClassVar[Optional[Callable[..., Any]]] = None
     config_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: the compared models' size, in ``config``'s keywords: two layers, four query heads over two key/value heads
+    #: (``config_defaults`` and overrides replace them)
+    model_size: ClassVar[Mapping[str, Any]] = {"layers": 2, "n_heads": 4, "n_kv": 2}
     #: ``"module:function"`` building TL's model from the HF model (imported only here: it imports TL); by default
     #: ``to_hooked_transformer`` of the plugin's ``reference`` module
     reference: ClassVar[str] = ""
@@ -261,7 +264,7 @@ class TransformerLensComparison:
         make_config = type(self).config
         if make_config is None:
             raise TypeError(f"{type(self).__name__} sets no `config` function")
-        config = make_config(**{**self.config_defaults, **overrides})
+        config = make_config(**{**self.model_size, **self.config_defaults, **overrides})
         model = self.contract.make_model(config, 0, "eager")
         return model, self.contract.wrap(model), to_hooked_transformer(model)
 

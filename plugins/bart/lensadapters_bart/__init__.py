@@ -56,7 +56,7 @@ projections and the model's key/value cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
@@ -76,6 +76,7 @@ from lensadapters.plugin_api import (
     WeightUnavailableError,
     hookimpl,
 )
+from lensadapters_bart.families import FAMILIES, Family
 from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
     EmbedSumSite,
@@ -88,65 +89,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check bart` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_bart.testing:BartContract"
 
 
-@dataclass(frozen=True)
-class Family:
-    """What a BART-shaped family changes of BART, as transformers' modelling code builds it (checked against the
-    modules at wrap time)."""
-
-    name: str
-    """The class prefix (``MBart``: ``MBartForConditionalGeneration``, ``MBartForCausalLM``)."""
-    pre_ln: bool
-    """Pre-LN blocks (``x + attn(ln1(x))``...) instead of BART's post-LN ones (``ln1(x + attn(x))``...)."""
-    embed_ln: bool
-    """A LayerNorm (``layernorm_embedding``) on token embeddings + positions, before the first block."""
-    final_norms: bool
-    """A LayerNorm (``layer_norm``) after each stack's last block."""
-    positions: str
-    """``"learned"`` (a table with BART's offset of 2 rows) or ``"sinusoidal"`` (a fixed table, no offset)."""
-    scale_in_module: bool
-    """``embed_tokens`` itself multiplies by the embedding scale (``*ScaledWordEmbedding``); otherwise the stack
-    multiplies its output (``embed_tokens(ids) * self.embed_scale``)."""
-    scale_queries_first: bool = False
-    """The attention multiplies the queries by ``d_head**-0.5`` before ``q kᵀ`` (MVP's own attention code) instead of
-    scaling the product (the attention functions BART calls)."""
-    final_norm: str = "layer_norm"
-    """The attribute of each stack that is its final norm (where ``final_norms``; BigBird-Pegasus:
-    ``layernorm_embedding``, which is then no embedding norm)."""
-    decoder_norm_first: bool = False
-    """The decoder normalizes its token embeddings (``layernorm_embedding``) before adding the positions
-    (BlenderbotSmall's: ``norm(embed) + positions``) instead of normalizing the sum (its encoder: ``norm(embed +
-    positions)``)."""
-    decoder_scaled: bool = True
-    """The decoder applies the embedding scale (BlenderbotSmall's has an ``embed_scale`` it never multiplies by)."""
-    causal_only: bool = False
-    """Only the ``*ForCausalLM`` is served; the ``*ForConditionalGeneration`` is refused by name (its encoder is not
-    BART's: BigBird-Pegasus' encoder attention is BigBird's own module, block-sparse or full)."""
-
-
-#: the families served, by ``model_type``; ``offset`` of learned positions is the module's own
-FAMILIES = {
-    "bart": Family("Bart", pre_ln=False, embed_ln=True, final_norms=False, positions="learned", scale_in_module=True),
-    "plbart": Family("PLBart", False, True, False, "learned", True),
-    "mbart": Family("MBart", True, True, True, "learned", True),
-    "marian": Family("Marian", False, False, False, "sinusoidal", False),
-    "pegasus": Family("Pegasus", True, False, True, "sinusoidal", False),
-    "blenderbot": Family("Blenderbot", True, False, True, "learned", True),
-    # MVP without its prompts (use_prompt=False)
-    "mvp": Family("Mvp", False, True, False, "learned", False, scale_queries_first=True),
-    # the decoder's norm before the positions, its embeddings unscaled
-    "blenderbot-small": Family(
-        "BlenderbotSmall", False, True, False, "learned", False, decoder_norm_first=True, decoder_scaled=False
-    ),
-    # the decoder alone: a pre-LN decoder whose final norm is named layernorm_embedding
-    "bigbird_pegasus": Family(
-        "BigBirdPegasus", True, False, True, "learned", True, final_norm="layernorm_embedding", causal_only=True
-    ),
-}
 ARCH = hf.architecture(
     "bart",
     "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, Blenderbot-Small, MVP; "
@@ -156,6 +100,7 @@ ARCH = hf.architecture(
     model_types=tuple(FAMILIES),
     encoder_decoder=True,
 )
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="BartContract")
 STACKS = ("encoder", "decoder")
 
 
@@ -184,9 +129,6 @@ def embed_scale(model: Any, stack: str = "encoder") -> float:
 
 
 # --- description ---------------------------------------------------------------------------------------------
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 def _check_family(model: Any, fam: Family, stack_name: str, stack: nn.Module) -> None:

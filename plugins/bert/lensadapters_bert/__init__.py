@@ -65,14 +65,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check bert` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_bert.testing:BertContract"
 ARCH = hf.architecture(
     "bert",
     "BERT and RoBERTa encoders (post-LN, bidirectional; masked-LM head) with HookedEncoder's points",
     model_types=("bert", "roberta"),
 )
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="BertContract")
 #: the modules every encoder layer has
 LAYER_PATHS = (
     "attention.self.query",
@@ -119,9 +117,6 @@ def _position_offset(model: PreTrainedModel) -> int:
 
 
 # --- adapter hooks -----------------------------------------------------------------------------------
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

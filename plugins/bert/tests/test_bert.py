@@ -9,152 +9,28 @@ import.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lensadapters_bert
 import pytest
 import torch
+from lensadapters_bert.reference import (
+    FAMILIES,
+    IMPLEMENTATIONS,
+    PAD,
+    base_model,
+    inputs,
+    make_model,
+    max_error,
+    mlm_head,
+    reference,
+    wrapped,
+)
 from torch import Tensor, nn
-from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaConfig, RobertaForMaskedLM
+from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaForMaskedLM
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError, hf
 from lensadapters.testing import assert_close
-from lensadapters.testing.models import reinit
-
-FAMILIES = ("bert", "roberta")
-IMPLEMENTATIONS = ("eager", "sdpa")
-PAD = {"bert": 0, "roberta": 1}
-
-
-def make_model(family: str, implementation: str = "eager", seed: int = 0, heads: int = 2, cls: Any = None) -> nn.Module:
-    sizes = hf.size_fields(vocab=40, hidden=8 * heads, layers=2, heads=heads, d_mlp=32)
-    shared: dict[str, Any] = dict(**sizes, type_vocab_size=2, pad_token_id=PAD[family])
-    config = (
-        hf.without_dropout(BertConfig, max_position_embeddings=12, **shared)
-        if family == "bert"
-        else hf.without_dropout(RobertaConfig, max_position_embeddings=14, **shared)
-    )
-    torch.manual_seed(seed)
-    if cls is None:
-        cls = BertForMaskedLM if family == "bert" else RobertaForMaskedLM
-    model = cls._from_config(config, attn_implementation=implementation)
-    reinit(model, seed)
-    return model.eval()
-
-
-def inputs(family: str, seed: int = 0) -> dict[str, Tensor]:
-    """Two rows of 7 tokens, the second right-padded by 3, with two token types."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 40, (2, 7), generator=g)
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, 4:] = 0
-    ids[1, 4:] = PAD[family]
-    types = torch.zeros(2, 7, dtype=torch.long)
-    types[:, 3:] = 1
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return getattr(model, model.base_model_prefix, model)
-
-
-def _head(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[Tensor], Tensor], nn.Module]:
-    """(dense, activation, norm, decoder) of the masked-LM head."""
-    if hasattr(model, "cls"):
-        t = model.cls.predictions.transform
-        return t.dense, t.transform_act_fn, t.LayerNorm, model.cls.predictions.decoder
-    from transformers.activations import gelu
-
-    h = model.lm_head
-    return h.dense, gelu, h.layer_norm, h.decoder
-
-
-def _scale(ln: nn.LayerNorm, x: Tensor) -> Tensor:
-    return (x.var(-1, keepdim=True, unbiased=False) + ln.eps).sqrt()
-
-
-def reference(model: nn.Module, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
-    """Every HookedEncoder point, computed step by step from the model's modules; ``edits`` (point -> fn) change a
-    point's value where it is computed. The pattern and scores are written out: ``q kᵀ / sqrt(d_head)``, padding
-    keys ``-inf``."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
-
-    def norm(prefix: str, ln: nn.LayerNorm, x: Tensor) -> Tensor:
-        centred = x - x.mean(-1, keepdim=True)
-        scale = at(f"{prefix}.hook_scale", _scale(ln, x))
-        return at(f"{prefix}.hook_normalized", centred / scale * ln.weight + ln.bias)
-
-    ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
-    b, p = ids.shape
-    e = _base(model).embeddings
-    if model.config.model_type == "roberta":
-        real = ids.ne(e.padding_idx).long()
-        positions = real.cumsum(1) * real + e.padding_idx
-    else:
-        positions = torch.arange(p).expand(b, p)
-    word = at("hook_embed", e.word_embeddings(ids))
-    token_type = at("embed.hook_token_type_embed", e.token_type_embeddings(types))
-    pos = at("hook_pos_embed", e.position_embeddings(positions))
-    x = at("hook_full_embed", norm("embed.ln", e.LayerNorm, word + token_type + pos))
-    n_heads = model.config.num_attention_heads
-    d_head = model.config.hidden_size // n_heads
-    for i, layer in enumerate(_base(model).encoder.layer):
-        pre = f"blocks.{i}."
-        x = at(pre + "hook_resid_pre", x)
-        sa = layer.attention.self
-        attn_in = at(pre + "hook_attn_in", x[:, :, None].expand(b, p, n_heads, x.shape[-1]))
-        q, k, v = (
-            at(
-                pre + f"attn.hook_{n}",
-                torch.einsum("bphm,hdm->bphd", at(pre + f"hook_{n}_input", attn_in), m.weight.view(n_heads, d_head, -1))
-                + m.bias.view(n_heads, d_head),
-            )
-            for n, m in zip("qkv", (sa.query, sa.key, sa.value))
-        )
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d_head)
-        scores = at(pre + "attn.hook_attn_scores", scores.masked_fill(mask[:, None, None, :] == 0, -math.inf))
-        pattern = at(pre + "attn.hook_pattern", scores.softmax(-1))
-        z = at(pre + "attn.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        dense = layer.attention.output.dense
-        result = at(pre + "attn.hook_result", torch.einsum("bphd,mhd->bphm", z, dense.weight.view(-1, n_heads, d_head)))
-        attn_out = at(pre + "hook_attn_out", result.sum(2) + dense.bias)
-        mid = at(pre + "hook_resid_mid", x + attn_out)
-        normalized = norm(pre + "ln1", layer.attention.output.LayerNorm, mid)
-        mlp_in = at(pre + "hook_mlp_in", normalized)
-        hidden = at(pre + "mlp.hook_pre", layer.intermediate.dense(mlp_in))
-        post = at(pre + "mlp.hook_post", layer.intermediate.intermediate_act_fn(hidden))
-        mlp_out = at(pre + "hook_mlp_out", layer.output.dense(post))
-        resid_post = at(pre + "hook_resid_post", normalized + mlp_out)
-        x = at(pre + "hook_normalized_resid_post", norm(pre + "ln2", layer.output.LayerNorm, resid_post))
-    dense, act, ln, decoder = _head(model)
-    out["logits"] = decoder(norm("mlm_head.ln", ln, act(dense(x))))
-    return out
-
-
-def _masked_equal(a: Tensor, b: Tensor) -> bool:
-    return torch.equal(torch.isinf(a), torch.isinf(b))
-
-
-def max_error(cache: Any, ref: dict) -> float:
-    worst = 0.0
-    for name, value in ref.items():
-        if name == "logits":
-            continue
-        got = cache[name]
-        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
-        finite = torch.isfinite(value)
-        assert _masked_equal(got, value), f"{name}: masked entries differ"
-        worst = max(worst, (got[finite] - value[finite]).abs().max().item())
-    return worst
-
 
 # --- reading ------------------------------------------------------------------------------------------------
 
@@ -162,9 +38,7 @@ def max_error(cache: Any, ref: dict) -> float:
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_point_matches_the_reference(family, implementation):
-    model = make_model(family, implementation)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, implementation)
     assert hm.cfg.attention_dir == "bidirectional"
     with torch.no_grad():
         expected = model(**batch).logits
@@ -203,10 +77,8 @@ def test_no_hooks_is_hf_forward_and_order_is_firing_order(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_positions_and_weights_from_live_parameters(family):
-    model = make_model(family)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
-    base = _base(model)
+    model, batch, hm = wrapped(family)
+    base = base_model(model)
     e, offset = base.embeddings, hm.layout.pos_embed_offset
     assert offset == (PAD["roberta"] + 1 if family == "roberta" else 0)
     with torch.no_grad():
@@ -226,7 +98,7 @@ def test_positions_and_weights_from_live_parameters(family):
         assert torch.equal(hm.b_O[i], layer.attention.output.dense.bias)
         assert torch.equal(hm.W_in[i], layer.intermediate.dense.weight.T)
         assert torch.equal(hm.W_out[i], layer.output.dense.weight.T)
-    decoder = _head(model)[3]
+    decoder = mlm_head(model)[3]
     assert torch.equal(hm.W_U, decoder.weight.T) and torch.equal(hm.b_U, decoder.bias)
     with torch.no_grad():  # live: an in-place change of a parameter is seen at once
         base.encoder.layer[1].attention.self.query.weight.mul_(2)
@@ -245,8 +117,8 @@ def _delta(shape: torch.Size, name: str) -> Tensor:
 
 # point -> (module, "out" | "in"): the module whose output or first input the point shows
 def plain_sites(model: nn.Module, layer: int) -> dict[str, tuple[nn.Module, str]]:
-    e = _base(model).embeddings
-    blk = _base(model).encoder.layer[layer]
+    e = base_model(model).embeddings
+    blk = base_model(model).encoder.layer[layer]
     pre = f"blocks.{layer}."
     return {
         "hook_embed": (e.word_embeddings, "out"),
@@ -269,7 +141,7 @@ def plain_sites(model: nn.Module, layer: int) -> dict[str, tuple[nn.Module, str]
         pre + "hook_resid_post": (blk.output.LayerNorm, "in"),
         pre + "ln2.hook_normalized": (blk.output.LayerNorm, "out"),
         pre + "hook_normalized_resid_post": (blk, "out"),
-        "mlm_head.ln.hook_normalized": (_head(model)[2], "out"),
+        "mlm_head.ln.hook_normalized": (mlm_head(model)[2], "out"),
     }
 
 
@@ -299,9 +171,7 @@ def _plain_hook(module: nn.Module, where: str, delta: Tensor) -> Any:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edits_equal_plain_pytorch_hooks(family, implementation):
     """Adding a delta at a point gives exactly the logits of adding it to the module's tensor with a plain hook."""
-    model = make_model(family, implementation)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, implementation)
     with torch.no_grad():
         base_logits = model(**batch).logits
         _, cache = hm.run_with_cache(**batch)
@@ -327,9 +197,7 @@ def test_edits_equal_plain_pytorch_hooks(family, implementation):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scale_score_and_pattern_edits_match_the_reference(family):
     """Edits without a module boundary (norm scales, scores, patterns) against the reference computing with them."""
-    model = make_model(family, "sdpa", seed=1)
-    batch = inputs(family, seed=1)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family, "sdpa", seed=1)
 
     def double(t: Tensor, hook: Any = None) -> Tensor:
         return t * 2
@@ -367,9 +235,7 @@ def test_scale_score_and_pattern_edits_match_the_reference(family):
 
 
 def test_analysis_layer_and_named_refusals():
-    model = make_model("bert")
-    batch = inputs("bert")
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped("bert")
     with torch.no_grad():
         _, cache = hm.run_with_cache(**batch)
     stack = cache.accumulated_resid()
@@ -395,9 +261,7 @@ def test_analysis_layer_and_named_refusals():
 
 
 def test_stop_at_layer_and_encoders_without_a_head():
-    model = make_model("bert", cls=BertModel)
-    batch = inputs("bert")
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped("bert", cls=BertModel)
     assert "mlm_head.ln.hook_scale" not in hm.hook_names
     with torch.no_grad():
         out = model(**batch).last_hidden_state
@@ -419,9 +283,7 @@ def test_stop_at_layer_and_encoders_without_a_head():
 def test_transformer_lens_style_call_keeps_the_encoders_positions(family):
     """A TransformerLens-style call (HookedEncoder's keywords) computes HF's logits on padded inputs: an encoder's
     positions are its own (RoBERTa's from the token ids), not counted from the mask as for a causal LM."""
-    model = make_model(family)
-    batch = inputs(family)
-    hm = HookedModel.wrap(model)
+    model, batch, hm = wrapped(family)
     with torch.no_grad():
         expected = model(**batch).logits
         logits = hm(

@@ -33,7 +33,15 @@ from torch import nn
 import lensadapters_bnb as lb
 from lensadapters import HookedModel
 from lensadapters.specs import FusedGateUp, FusedQKV
-from lensadapters.testing import AdapterContract, assert_close, block_inputs, norm_out, seeded_model, served_weights
+from lensadapters.testing import (
+    AdapterContract,
+    assert_close,
+    block_inputs,
+    norm_out,
+    registry_with,
+    seeded_model,
+    served_weights,
+)
 from lensadapters.testing.moe import MoEContract
 from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import read_linear
@@ -43,6 +51,7 @@ __all__ = [
     "quantize",
     "quantized_twins",
     "quantized_linears",
+    "wrap_quantized",
     "float_weight",
     "check_identities",
     "projection",
@@ -136,6 +145,11 @@ def quantized_twins(
 def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     """``{qualified name: layer}`` of the bitsandbytes linear layers of ``model``."""
     return {n: m for n, m in model.named_modules() if lb.is_quantized_linear(m)}
+
+
+def wrap_quantized(model: nn.Module, contract: type) -> HookedModel:
+    """``model`` (quantized or its float twin) wrapped with ``contract``'s plugin and lensadapters-bnb."""
+    return HookedModel.wrap(model, registry=registry_with(contract.plugin, lb))
 
 
 def float_weight(module: nn.Module) -> torch.Tensor:

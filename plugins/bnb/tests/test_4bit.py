@@ -22,25 +22,19 @@ from lensadapters_bnb.testing import (  # noqa: E402
     float_weight,
     quantized_linears,
     quantized_twins,
+    wrap_quantized,
 )
 
-from lensadapters import HookedModel  # noqa: E402
-from lensadapters.testing import declared_contracts, registry_with  # noqa: E402
+from lensadapters.testing import declared_contracts  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
-
-SETTINGS = RELOAD_SETTINGS
 
 #: the installed architectures' declared contracts that can build 4-bit-aligned configs
 CONTRACTS = [contract for contract in declared_contracts() if contract.aligned_overrides is not None]
 NAMES = [contract.__name__ for contract in CONTRACTS]
 
 
-def wrap(model: nn.Module, contract: type) -> HookedModel:
-    return HookedModel.wrap(model, registry=registry_with(contract.plugin, lb))
-
-
 @pytest.mark.parametrize("contract", CONTRACTS, ids=NAMES)
-@settings(SETTINGS, max_examples=2)
+@settings(RELOAD_SETTINGS, max_examples=2)
 @given(data=st.data())
 def test_4bit_weights_and_identities(contract: type, data: st.DataObject) -> None:
     """NF4/FP4 on the CPU: weights within half a code-table gap of the float weights, identities within bound.
@@ -50,7 +44,7 @@ def test_4bit_weights_and_identities(contract: type, data: st.DataObject) -> Non
     """
     mode = data.draw(st.sampled_from(["nf4", "fp4"]), label="quant_type")
     fp, q, ids = quantized_twins(data, contract, mode=mode)
-    hm = wrap(q, contract)
+    hm = wrap_quantized(q, contract)
     with torch.no_grad():
         reference = q(ids).logits  # the first pass repacks the weights for the CPU kernel
         _, cache = hm.run_with_cache(ids)

@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 import lensadapters_bnb as lb  # noqa: E402
@@ -28,21 +27,15 @@ from lensadapters_bnb.testing import (  # noqa: E402
     float_weight,
     quantized_linears,
     quantized_twins,
+    wrap_quantized,
 )
 
-from lensadapters import HookedModel  # noqa: E402
-from lensadapters.testing import declared_contracts, registry_with, served_weights  # noqa: E402
+from lensadapters.testing import declared_contracts, served_weights  # noqa: E402
 from lensadapters.weights import read_linear  # noqa: E402
-
-SETTINGS = RELOAD_SETTINGS
 
 #: every installed architecture's declared contract (its plugin found through the entry point)
 CONTRACTS = [c for c in declared_contracts() if Int8Contract.supports(c) is None]  # as the 8-bit matrix
 NAMES = [contract.__name__ for contract in CONTRACTS]
-
-
-def wrap(model: nn.Module, contract: type) -> HookedModel:
-    return HookedModel.wrap(model, registry=registry_with(contract.plugin, lb))
 
 
 def _depth(name: str, n_layers: int) -> int:
@@ -53,12 +46,12 @@ def _depth(name: str, n_layers: int) -> int:
 
 
 @pytest.mark.parametrize("contract", CONTRACTS, ids=NAMES)
-@SETTINGS
+@RELOAD_SETTINGS
 @given(data=st.data())
 def test_hook_values_close_to_the_float_model(contract: type, data: st.DataObject) -> None:
     fp, q, ids = quantized_twins(data, contract)
     with torch.no_grad():
-        hm8, hm32 = wrap(q, contract), wrap(fp, contract)
+        hm8, hm32 = wrap_quantized(q, contract), wrap_quantized(fp, contract)
         assert hm8.hook_names == hm32.hook_names
         logits8, c8 = hm8.run_with_cache(ids)
         logits32, c32 = hm32.run_with_cache(ids)
@@ -81,7 +74,7 @@ def test_hook_values_close_to_the_float_model(contract: type, data: st.DataObjec
 
 
 @pytest.mark.parametrize("contract", CONTRACTS, ids=NAMES)
-@SETTINGS
+@RELOAD_SETTINGS
 @given(data=st.data())
 def test_dequantized_weights_are_the_float_weights_rounded(contract: type, data: st.DataObject) -> None:
     """Each dequantized 8-bit weight is within its row's int8 step of the float weight, in the same layout.
@@ -92,7 +85,7 @@ def test_dequantized_weights_are_the_float_weights_rounded(contract: type, data:
     the float model's, so ``hm.W_Q``... agree too.
     """
     fp, q, _ = quantized_twins(data, contract)
-    hm8, hm32 = wrap(q, contract), wrap(fp, contract)
+    hm8, hm32 = wrap_quantized(q, contract), wrap_quantized(fp, contract)
     linears = quantized_linears(q)
     assert linears, "nothing was quantized"
     worst_step = 0.0
@@ -122,20 +115,20 @@ def test_dequantized_weights_are_the_float_weights_rounded(contract: type, data:
 
 
 @pytest.mark.parametrize("contract", CONTRACTS, ids=NAMES)
-@settings(SETTINGS, max_examples=2)
+@settings(RELOAD_SETTINGS, max_examples=2)
 @given(data=st.data())
 def test_float16_model_hook_dtypes_and_casts(contract: type, data: st.DataObject) -> None:
     """A float16 8-bit model: hook values have the dtypes of the same model in float16 (float16, except where the
     architecture itself upcasts, as GPT-2's ``reorder_and_upcast_attn`` and GPT-J do for attention scores),
     weights are float16, float32 edits are cast back."""
     fp, q, ids = quantized_twins(data, contract, dtype=torch.float16)
-    hm = wrap(q, contract)
+    hm = wrap_quantized(q, contract)
     with torch.no_grad():
         reference = q(ids).logits
         assert torch.equal(hm(ids).logits, reference)
         logits, cache = hm.run_with_cache(ids)
         assert torch.equal(logits, reference)
-        hm16 = wrap(fp.half(), contract)
+        hm16 = wrap_quantized(fp.half(), contract)
         _, cache16 = hm16.run_with_cache(ids)
         hm16.unwrap()
         assert {n: v.dtype for n, v in cache.items()} == {n: v.dtype for n, v in cache16.items()}

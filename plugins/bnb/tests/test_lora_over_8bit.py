@@ -29,6 +29,7 @@ from lensadapters_bnb.testing import (  # noqa: E402
     assert_within_bound,
     check_identities,
     quantize,
+    wrap_quantized,
 )
 
 from lensadapters import FusedQKV, HookedModel  # noqa: E402
@@ -389,7 +390,7 @@ def test_lora_on_fused_8bit_qkv(fused_contracts: tuple[type, ...], data: st.Data
     )
     seed = data.draw(st.integers(0, 2**16), label="seed")
     base = quantize(seeded_model(config, seed, "eager"), "int8")
-    hm = HookedModel.wrap(base, registry=registry_with(contract.plugin, lb))
+    hm = wrap_quantized(base, contract)
     target = hm.qkv_layouts[0].module.rsplit(".", 1)[-1]  # the fused projection, by its name in every block
     hm.unwrap()
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[target], fan_in_fan_out=False))

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 import lensadapters_deepseek_v3
-from lensadapters.testing.families import MoEDecoderContract, config_strategy, decoder_config
+from lensadapters import hf
+from lensadapters.testing.families import MoEDecoderContract, config_strategy
 
 __all__ = ["DeepseekV3Contract", "deepseek_v3_config", "deepseek_v3_configs"]
 
@@ -39,7 +40,7 @@ def deepseek_v3_config(
     topk_method: str = "group_limited_greedy",
     **shared: Any,
 ) -> Any:
-    """A tiny DeepSeek-V3 config (``decoder_config``'s shared fields; as many key/value heads as query heads):
+    """A tiny DeepSeek-V3 config (``moe_decoder_config``'s shared fields; as many key/value heads as query heads):
     ``experts`` routed experts of width ``d_mlp`` in ``groups = (n_group, topk_group)``, one shared expert, the first
     ``dense_layers`` layers dense of width ``dense_d_mlp``. ``v2``: a DeepSeek-V2 config instead (complex rotary, a
     softmax router with ``topk_method``; ``interleave`` and ``norm_topk_prob`` do not apply)."""
@@ -48,8 +49,10 @@ def deepseek_v3_config(
         shared["topk_method"] = topk_method
     else:
         shared["norm_topk_prob"], shared["rope_interleave"] = norm_topk_prob, interleave
-    return decoder_config(
+    return hf.moe_decoder_config(
         DeepseekV2Config if v2 else DeepseekV3Config,
+        experts=experts,
+        top_k=top_k,
         d_mlp=dense_d_mlp,
         max_pos=max_pos,
         q_lora_rank=q_lora_rank,
@@ -59,9 +62,7 @@ def deepseek_v3_config(
         head_dim=rope,
         v_head_dim=v_head_dim,
         moe_intermediate_size=d_mlp,
-        n_routed_experts=experts,
         n_shared_experts=1,
-        num_experts_per_tok=top_k,
         n_group=groups[0],
         topk_group=groups[1],
         first_k_dense_replace=dense_layers,

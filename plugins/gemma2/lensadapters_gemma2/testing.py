@@ -15,12 +15,9 @@ from lensadapters.testing.families import (
     OffsetNormModels,
     config_strategy,
     decoder_config,
-    reinit_offset_norms,
 )
 
-__all__ = ["Gemma2Contract", "gemma2_config", "gemma2_configs", "gemma_reinit"]
-
-gemma_reinit = reinit_offset_norms
+__all__ = ["Gemma2Contract", "gemma2_config", "gemma2_configs"]
 
 
 def gemma2_config(

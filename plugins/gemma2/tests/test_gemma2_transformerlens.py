@@ -13,9 +13,6 @@ class TestGemma2TransformerLens(TransformerLensComparison):
     contract = Gemma2Contract()
     config = gemma2_config
     config_defaults = {
-        "layers": 2,
-        "n_heads": 4,
-        "n_kv": 2,
         "window": 3,
         "attn_cap": 3.0,
         "final_cap": 2.0,

@@ -17,12 +17,9 @@ from lensadapters.testing.families import (
     QKNormScores,
     config_strategy,
     decoder_config,
-    reinit_offset_norms,
 )
 
-__all__ = ["Gemma3Contract", "gemma3_config", "gemma3_configs", "gemma_reinit"]
-
-gemma_reinit = reinit_offset_norms
+__all__ = ["Gemma3Contract", "gemma3_config", "gemma3_configs"]
 
 
 def gemma3_config(

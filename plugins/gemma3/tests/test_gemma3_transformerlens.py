@@ -16,10 +16,7 @@ class TestGemma3TransformerLens(TransformerLensComparison):
     contract = Gemma3Contract()
     config = gemma3_config
     config_defaults = {
-        "layers": 2,
         "global_every": 2,
-        "n_heads": 4,
-        "n_kv": 2,
         "window": 3,
         "scalar": 16,
         "theta": 1000.0,

@@ -29,17 +29,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check gpt2` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_gpt2.testing:GPT2Contract"
 ARCH = hf.architecture("gpt2", "GPT-2 (GPT2LMHeadModel, GPT2Model)")
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="GPT2Contract")
 
 
 def _prefix(model: PreTrainedModel) -> str:
     return "transformer." if hasattr(model, "transformer") else ""
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

@@ -41,10 +41,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check gpt_neox` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_gpt_neox.testing:GPTNeoXContract"
 ARCH = hf.architecture("gpt_neox", "GPT-NeoX / Pythia (GPTNeoXForCausalLM, GPTNeoXModel)")
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="GPTNeoXContract")
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 _ATTN_PREFIX = "lensadapters:"
 
@@ -82,9 +80,6 @@ def split_qkv(t: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`split_qkv`."""
     return torch.cat([q, k, v], dim=-1).flatten(-2)
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

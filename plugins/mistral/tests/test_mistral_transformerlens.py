@@ -12,6 +12,5 @@ from lensadapters.testing.tl_compare import TransformerLensComparison
 class TestMistralTransformerLens(TransformerLensComparison):
     contract = MistralContract()
     config = mistral_config
-    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}
     cases = ({"window": 3}, {"window": None})
     inert_points = ("hook_scale", "hook_attn_scores")

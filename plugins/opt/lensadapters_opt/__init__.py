@@ -55,10 +55,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check opt` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_opt.testing:OPTContract"
 ARCH = hf.architecture("opt", "OPT (OPTForCausalLM, OPTModel), pre-LN and post-LN, with or without project_in/out")
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="OPTContract")
 
 POST_LN_DOC = """\
 Post-LN blocks (do_layer_norm_before=False, OPT-350m) compute
@@ -107,9 +105,6 @@ def _offset(module: nn.Module) -> int:
 
 
 # --- adapter hooks -----------------------------------------------------------------------------------
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl

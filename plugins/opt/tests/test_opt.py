@@ -45,6 +45,12 @@ def _draw(data, pre_ln=None, project=None, max_batch=3, max_len=9):
     return model, inputs, C.wrap(model)
 
 
+def _draw_layer(data, model, hm):
+    """A drawn layer of ``model``: its index, its decoder layer and the prefix of its points."""
+    layer_idx = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
+    return layer_idx, _decoder(model).layers[layer_idx], f"blocks.{layer_idx}."
+
+
 def NO_PATTERNS(name):
     return not name.endswith(("hook_pattern", "hook_attn_scores", "hook_result"))
 
@@ -192,9 +198,7 @@ def test_post_ln_residual_semantics(data):
 @given(data=st.data())
 def test_post_ln_edits_propagate_exactly(data):
     model, inputs, hm = _draw(data, pre_ln=False)
-    layer_idx = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-    layer = _decoder(model).layers[layer_idx]
-    pre = f"blocks.{layer_idx}."
+    layer_idx, layer, pre = _draw_layer(data, model, hm)
     watch = [pre + n for n in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out", "hook_resid_post")]
     delta = torch.randn(inputs.input_ids.shape + (hm.cfg.d_model,), generator=torch.Generator().manual_seed(3))
 
@@ -243,9 +247,7 @@ def test_post_ln_edits_propagate_exactly(data):
 def test_pre_ln_flattened_mlp_points_are_per_token(data):
     """OPT flattens tokens to [b*p, d] around the MLP; the hook points are [b, p, ...] and edits land per token."""
     model, inputs, hm = _draw(data, pre_ln=True)
-    layer_idx = data.draw(st.integers(0, hm.cfg.n_layers - 1), label="layer")
-    layer = _decoder(model).layers[layer_idx]
-    pre = f"blocks.{layer_idx}."
+    layer_idx, layer, pre = _draw_layer(data, model, hm)
     b, p = inputs.input_ids.shape
     watch = [
         pre + n

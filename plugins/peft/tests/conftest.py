@@ -87,6 +87,11 @@ class Kit:
     def wrap(self, model: Any) -> HookedModel:
         return HookedModel.wrap(model, registry=registry_for(self.spec.config.model_type, lp))
 
+    def tokens(self, batch: int, length: int, seed: int) -> torch.Tensor:
+        """``[batch, length]`` token ids of the model's vocabulary, drawn with ``seed``."""
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(0, self.spec.config.vocab_size, (batch, length), generator=generator)
+
 
 def _gpt2(**kw: Any) -> Adapted:
     from transformers import GPT2Config

@@ -39,7 +39,7 @@ def test_dropout_in_training_mode_is_read_exactly(kit_for: Any) -> None:
     module = pm.base_model.model.transformer.h[0].attn.c_attn
     seen: dict[str, torch.Tensor] = {}
     h1 = module.base_layer.register_forward_hook(lambda m, a, o: seen.__setitem__("base", o))
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids = kit.tokens(2, 6, seed=0)
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
     h1.remove()
@@ -66,7 +66,7 @@ def test_lora_dropout_follows_peft_in_eval_and_train_mode(kit_for: Any) -> None:
     PEFT drew, which differs from the no-dropout delta."""
     p = 0.5
     kit, pm = _dropout_llama(kit_for("llama"), p)
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(8))
+    ids = kit.tokens(2, 6, seed=8)
     layers = [m for m in pm.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
     seen: dict[int, torch.Tensor] = {}
     handles = [m.register_forward_pre_hook(lambda m, a: seen.__setitem__(id(m), a[0])) for m in layers]
@@ -120,7 +120,7 @@ def test_hook_result_with_train_mode_dropout_on_o_proj(kit_for: Any) -> None:
     in train mode with LoRA dropout on ``o_proj`` the heads' results do not sum to ``hook_attn_out - b_O``; the
     gap is exactly the dropout's effect on the delta. Edits stay exact (applied as differences)."""
     kit, pm = _dropout_llama(kit_for("llama"), 0.5, targets=("o_proj",))
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(9))
+    ids = kit.tokens(2, 6, seed=9)
     hm = kit.wrap(pm)
     names = ["blocks.0.attn.hook_z", "blocks.0.attn.hook_result", "blocks.0.hook_attn_out", "blocks.0.attn.hook_o_lora"]
     bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(10))

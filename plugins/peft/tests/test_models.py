@@ -83,7 +83,7 @@ def test_adapters_loaded_through_transformers_integration(kit_for: Any) -> None:
     model.eval()
     hm = kit.wrap(model)
     assert hm.model is model and "blocks.1.mlp.hook_pre_lora" in hm.hook_names
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(7))
+    ids = kit.tokens(2, 5, seed=7)
     with torch.no_grad():
         assert torch.equal(hm(ids).logits, model(ids).logits)
         both = lp.run_with_cache_base_and_adapted(hm, ids, names_filter=NO_PATTERN)
@@ -117,7 +117,7 @@ def test_mixed_adapter_batches(kit_for: Any) -> None:
     kit = kit_for("gpt2", targets=["c_attn", "mlp.c_fc"])
     pm = kit.adapted()
     hm = kit.wrap(pm)
-    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(5))
+    ids = kit.tokens(3, 5, seed=5)
     rows = ["default", "__base__", "default"]
     with torch.no_grad():
         reference = pm(ids, adapter_names=rows).logits
@@ -139,7 +139,7 @@ def test_lora_embedding_weight_is_effective(kit_for: Any) -> None:
     kit = kit_for("gpt2", targets=["wte", "c_attn"])
     pm = kit.adapted()
     hm = kit.wrap(pm)
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    ids = kit.tokens(2, 5, seed=2)
     with torch.no_grad():
         _, cache = hm.run_with_cache(ids, names_filter="hook_embed")
         assert_close(cache["hook_embed"], hm.W_E[ids], "hook_embed == effective W_E[ids]")
@@ -179,7 +179,7 @@ def test_half_precision_base_with_float32_adapters(kit_for: Any) -> None:
     module = pm.base_model.model.transformer.h[0].attn.c_attn
     assert module.lora_A["default"].weight.dtype == torch.float32
     hm = kit.wrap(pm)
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    ids = kit.tokens(2, 6, seed=4)
     seen: dict[str, torch.Tensor] = {}
     h = module.base_layer.register_forward_hook(lambda m, a, o: seen.__setitem__("base", o))
     with torch.no_grad():
@@ -207,7 +207,7 @@ def test_backward_hooks_on_delta_points(kit_for: Any) -> None:
     kit = kit_for("gpt2")
     pm = kit.adapted()
     hm = kit.wrap(pm)
-    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    ids = kit.tokens(1, 5, seed=1)
     _, cache = hm.run_with_cache(
         ids, labels=ids, incl_bwd=True, names_filter=["blocks.1.attn.hook_q_lora", "blocks.1.attn.hook_q"]
     )

@@ -57,7 +57,7 @@ def test_gradient_checkpointing_records_each_point_once(
 
     transformers.logging.set_verbosity_error()  # "use_cache=True is incompatible with gradient checkpointing"
     kit = kit_for(arch)
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    ids = kit.tokens(2, 6, seed=3)
     names = None
     results = []
     for checkpointing in (None, use_reentrant):
@@ -102,7 +102,7 @@ def test_checkpointed_cache_keeps_the_value_of_the_real_forward(use_reentrant: b
     kit = kit_for("gpt2")
     pm = _training_model(kit, use_reentrant)
     hm = kit.wrap(pm)
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(4))
+    ids = kit.tokens(2, 5, seed=4)
     seen: list[torch.Tensor] = []
 
     def differ_when_recomputed(t: torch.Tensor, hook: Any) -> Optional[torch.Tensor]:
@@ -128,7 +128,7 @@ def _mlp_module(pm: PeftModel, arch: str, layer: int) -> torch.nn.Module:
 def test_training_step_through_an_edit_matches_a_plain_torch_hook(arch: str, kit_for: Any) -> None:
     """An SGD step with ``hook_mlp_out`` edited through the wrapper is the step with a plain PyTorch hook."""
     kit = kit_for(arch)
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(5))
+    ids = kit.tokens(2, 6, seed=5)
     vec = torch.randn(16 if arch == "llama" else 32, generator=torch.Generator().manual_seed(6))
     results = []
     for through_wrapper in (True, False):
@@ -171,7 +171,7 @@ def test_saved_adapter_is_identical_after_training_through_the_wrapper(arch: str
     within rounding but not bit for bit.
     """
     kit = kit_for(arch)
-    batches = [torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(10 + i)) for i in range(2)]
+    batches = [kit.tokens(2, 6, seed=10 + i) for i in range(2)]
     models = {}
     for wrapped in (True, False):
         pm = _training_model(kit, None)

@@ -34,7 +34,8 @@ def test_prompt_learning_is_refused(kit_for: Any) -> None:
 
 
 def _tuner_kit(kit_for: Any) -> tuple[Any, torch.Tensor]:
-    return kit_for("llama"), torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(11))
+    kit = kit_for("llama")
+    return kit, kit.tokens(2, 6, seed=11)
 
 
 def _record_outputs(modules: dict[str, torch.nn.Module]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list]:
@@ -199,7 +200,7 @@ def test_dora_adapters_are_hooked_but_have_no_plain_weight(kit_for: Any) -> None
     seen: dict[str, torch.Tensor] = {}
     h = module.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o))
     hb = module.base_layer.register_forward_hook(lambda m, a, o: seen.__setitem__("base", o))
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(6))
+    ids = kit.tokens(2, 5, seed=6)
     with torch.no_grad():
         reference = pm(ids).logits
         assert torch.equal(hm(ids).logits, reference)

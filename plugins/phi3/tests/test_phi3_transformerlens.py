@@ -15,7 +15,7 @@ from lensadapters.testing.tl_compare import TransformerLensComparison, compariso
 class TestPhi3TransformerLens(TransformerLensComparison):
     contract = Phi3Contract()
     config = phi3_config
-    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2, "hidden": 32}
+    config_defaults = {"hidden": 32}
     weights = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_gate", "W_out", "W_E", "W_U")
 
     def test_transformerlens_rotates_the_whole_head_where_phi4_mini_rotates_part(self):

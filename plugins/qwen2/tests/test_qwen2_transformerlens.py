@@ -14,4 +14,3 @@ from lensadapters.testing.tl_compare import TransformerLensComparison
 class TestQwen2TransformerLens(TransformerLensWithoutWindows, TransformerLensComparison):
     contract = Qwen2Contract()
     config = qwen2_config
-    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}

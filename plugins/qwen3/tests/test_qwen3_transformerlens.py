@@ -14,4 +14,3 @@ from lensadapters.testing.tl_compare import TransformerLensComparison
 class TestQwen3TransformerLens(TransformerLensWithoutWindows, TransformerLensComparison):
     contract = Qwen3Contract()
     config = qwen3_config
-    config_defaults = {"layers": 2, "n_heads": 4, "n_kv": 2}

@@ -15,7 +15,6 @@ from lensadapters.testing.families import (
     MoEDecoderContract,
     QKNormScores,
     config_strategy,
-    decoder_config,
 )
 
 __all__ = ["Qwen3MoeContract", "qwen3_moe_config", "qwen3_moe_configs"]
@@ -36,17 +35,18 @@ def qwen3_moe_config(
     max_pos: int = 32,
     **shared: Any,
 ) -> Qwen3MoeConfig:
-    """A tiny Qwen3-MoE config (``decoder_config``'s shared fields): experts of width ``d_mlp``, dense layers of
+    """A tiny Qwen3-MoE config (``moe_decoder_config``'s shared fields): experts of width ``d_mlp``, dense layers of
     ``dense_d_mlp``."""
-    return decoder_config(
+    return hf.moe_decoder_config(
         Qwen3MoeConfig,
+        experts=experts,
+        top_k=top_k,
         d_mlp=dense_d_mlp,
         moe_intermediate_size=d_mlp,
         head_dim=head_dim,
         attention_bias=attention_bias,
         max_pos=max_pos,
         **hf.window_from_fields(window, None),
-        **hf.router_fields(Qwen3MoeConfig, experts, top_k),
         norm_topk_prob=norm_topk_prob,
         mlp_only_layers=list(mlp_only_layers),
         decoder_sparse_step=decoder_sparse_step,

@@ -75,15 +75,13 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 #: transformers 4.x's T5 computes attention in its own code (eager only); 5.x's through the attention interface
 TRANSFORMERS_4 = __import__("transformers").__version__.startswith("4.")
-LENSADAPTERS_HOOKSPEC = "1"
-# the contract suite `lensadapters check t5` runs (imported only then: it needs lensadapters[testing])
-LENSADAPTERS_CONTRACT = "lensadapters_t5.testing:T5Contract"
 ARCH = hf.architecture(
     "t5",
     "T5 encoder-decoders (relative position bias, RMS norms, ReLU or gated-GELU MLPs) with HookedEncoderDecoder's "
     "points",
     encoder_decoder=True,
 )
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="T5Contract")
 STACKS = ("encoder", "decoder")
 
 
@@ -97,9 +95,6 @@ def unembed_scale(model: Any) -> float:
     if scales is None:
         scales = getattr(c, "tie_word_embeddings", False)  # transformers 4.x
     return float(c.d_model**-0.5) if scales else 1.0
-
-
-lensadapters_architectures = hf.claims(ARCH)
 
 
 @hookimpl
@@ -129,13 +124,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
 def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
     c = model.config
     return HookedConfig(
-        n_layers=c.num_layers,
-        d_model=c.d_model,
-        n_heads=c.num_heads,
-        d_head=c.d_kv,
-        d_mlp=c.d_ff,
-        d_vocab=c.vocab_size,
-        n_ctx=int(getattr(c, "n_positions", 512) or 512),
+        # transformers' usual size names, which T5's config maps to its own (num_layers, d_model, num_heads, d_kv)
+        **hf.config_sizes(c, d_mlp=c.d_ff, n_ctx=int(getattr(c, "n_positions", 512) or 512)),
         act_fn=str(c.dense_act_fn),
         normalization_type="RMS",
         positional_embedding_type="relative_positional_bias",  # type: ignore[arg-type]  # TransformerLens' value

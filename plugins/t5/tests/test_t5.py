@@ -19,7 +19,7 @@ import transformers
 from torch import Tensor, nn
 from transformers import T5Config, T5ForConditionalGeneration
 
-from lensadapters import HookedModel
+from lensadapters import HookedModel, hf
 from lensadapters.testing import assert_close
 from lensadapters.testing.encoder_decoder import (
     ReferencePoints,
@@ -280,13 +280,8 @@ def hooked_encoder_decoder(model: Any) -> Any:
 
     c = model.config
     cfg = HookedTransformerConfig(
-        d_model=c.d_model,
-        d_head=c.d_kv,
-        n_heads=c.num_heads,
-        d_mlp=c.d_ff,
-        d_vocab=c.vocab_size,
-        n_layers=c.num_layers,
-        n_ctx=512,  # TransformerLens takes the config's max_length; relative positions have no table
+        # TransformerLens takes the config's max_length for n_ctx; relative positions have no table
+        **hf.config_sizes(c, d_mlp=c.d_ff, n_ctx=512),
         eps=c.layer_norm_epsilon,
         act_fn=c.feed_forward_proj,
         positional_embedding_type="relative_positional_bias",

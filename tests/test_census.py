@@ -332,11 +332,11 @@ def test_the_sink_pattern_reference_is_the_weights_that_give_the_output_and_noth
         _mixing_weights(plain, sinked, value, (plain @ value).transpose(1, 2) + 1.0)
 
 
-def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit_refusal_is_not_a_wrong_value() -> None:
+def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_is_served_whole() -> None:
     """Shrinking keeps the relations a config computes when it is made (multi-head latent attention: key/value heads
     equal to the query heads, the query/key head size the sum of its parts), so DeepSeek-V3 is in the census, not
-    'not buildable'; its plugin refuses an edit of the shared rope columns of ``hook_k`` by name, which the census
-    counts as not served whole (PARTIAL), not as a wrong value."""
+    'not buildable'; its plugin serves every canonical point, ``hook_k`` with its per-head rope columns (one key every
+    head shares in the model) too: FULL."""
     from transformers import AutoConfig
 
     from lensadapters.testing.every_model_type import shrink_config
@@ -346,8 +346,7 @@ def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit
     assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
     entry = census_entry("deepseek_v3")
     assert entry.adapter == "deepseek_v3" and not entry.wrong, (entry.adapter, entry.why, entry.wrong)
-    assert "blocks.0.attn.hook_k" in entry.refused and entry.status == "PARTIAL"
-    assert "blocks.0.attn.hook_k" in entry.missing
+    assert not entry.refused and entry.status == "FULL", (entry.refused, entry.missing)
 
 
 def test_a_state_space_config_keeps_heads_times_head_size_equal_to_its_inner_width_and_runs() -> None:

@@ -98,10 +98,10 @@ SAMPLE = (
 POST_LN = ("electra",)
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: multi-head latent attention no plugin claims (copies of DeepSeek-V3's, transformers 5.x), described automatically:
-#: every canonical point but hook_k, whose rope columns are one key every head shares (a per-head edit is refused);
-#: with sparse attention (an indexer's ``indices``), no patterns either
+#: every canonical point (hook_k per head too, edited on the keys the attention function gets); with sparse attention
+#: (an indexer's ``indices``), no patterns, and hook_k unchecked (the reference attention does not take the indices)
 LATENT = {
-    "glm4_moe_lite": ["blocks.0.attn.hook_k"],
+    "glm4_moe_lite": [],
     "deepseek_v32": ["blocks.0.attn.hook_k", "blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"],
 }
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "1") not in ("", "0")  # =0: the sample only

@@ -18,6 +18,7 @@ from lensadapters.testing.families import MoEDecoderContract, config_strategy, d
 
 #: transformers 5 caches MLA's latents (and decompresses them at every step); transformers 4 the per-head keys
 CACHES_LATENTS = int(transformers.__version__.split(".")[0]) >= 5
+REFUSES = "multi-head latent attention refuses what this property does: it "
 
 __all__ = ["DeepseekV3Contract", "deepseek_v3_config", "deepseek_v3_configs"]
 
@@ -139,17 +140,18 @@ class DeepseekV3Contract(MoEDecoderContract):
     # generic properties that do what MLA refuses by name (tests/test_deepseek_v3.py checks each refusal and the
     # exact edits of every point against the float64 reference instead): W_K/W_V (an RMS norm inside the projection),
     # and, under transformers 5, edits of hook_k/hook_rot_k/hook_v during cached generation (the cache keeps the
-    # latents, decompressed again at every step)
+    # latents, decompressed again at every step); under transformers 4 the float64 gradient check, which the model
+    # itself cannot run
     not_served: ClassVar[Mapping[str, str]] = {
-        prop: f"multi-head latent attention refuses what this property does: it {what}"
-        for prop, what in {
-            "test_weight_and_residual_identities": "reads W_K/W_V, which MLA has not (latent_weights instead)",
-            **(
-                {"test_edits_during_generation_match_one_pass": "edits hook_rot_k during cached generation"}
-                if CACHES_LATENTS
-                else {}
-            ),
-        }.items()
+        "test_weight_and_residual_identities": REFUSES + "reads W_K/W_V, which MLA has not (latent_weights instead)",
+        **(
+            {"test_edits_during_generation_match_one_pass": REFUSES + "edits hook_rot_k during cached generation"}
+            if CACHES_LATENTS
+            else {
+                "test_gradients_through_edits_match_finite_differences": "transformers 4's DeepSeek-V3 does not run "
+                "in float64 (its MoE adds float64 expert outputs into a float32 sum: index_add_ refuses)"
+            }
+        ),
     }
 
     config_strata = {"deepseek_v2": V2_PROPERTIES}

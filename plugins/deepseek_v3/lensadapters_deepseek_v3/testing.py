@@ -157,6 +157,20 @@ class DeepseekV3Contract(MoEDecoderContract):
     config_strata = {"deepseek_v2": V2_PROPERTIES}
     stratum_overrides = {"deepseek_v2": {"v2": True}}
 
+    def assert_moe_edit_shows(self, hm: Any, inputs: Any, name: str, reference: torch.Tensor) -> None:
+        """As the MoE contract's, but an edit of ``hook_router_logits`` that keeps every token's one expert under
+        renormalized top-1 routing changes nothing (the correction bias, which only chooses, can keep the choice
+        where the rolled scores alone would move it; the one weight is 1 either way)."""
+        config = hm.hf_model.config
+        if name.endswith("mlp.hook_router_logits") and config.num_experts_per_tok == 1 and config.norm_topk_prob:
+            indices = name.replace("hook_router_logits", "hook_expert_indices")
+            _, before = hm.run_with_cache(**inputs.kwargs(), names_filter=[indices])
+            with hm.hooks(fwd_hooks=[(name, self._edit_for(name, hm))]):
+                _, after = hm.run_with_cache(**inputs.kwargs(), names_filter=[indices])
+            if torch.equal(before[indices][inputs.valid], after[indices][inputs.valid]):
+                return
+        super().assert_moe_edit_shows(hm, inputs, name, reference)
+
     def config_label(self, config: Any) -> Optional[str]:
         latent = "q latent" if config.q_lora_rank else "q_proj"
         if config.model_type == "deepseek_v2":

@@ -457,7 +457,7 @@ class InterfacePatternBackend:
             if not (isinstance(impl, str) and impl.startswith(KEY_PREFIX)):
                 raise LensAdaptersError(
                     f"layer {layer}: the model's attention implementation was set to {impl!r} while a "
-                    f"hook_attn_scores/hook_pattern hook (or a hook on the keys it gets) was attached, so transformers "
+                    f"hook_attn_scores/hook_pattern hook was attached (or a hook on the keys it gets), so transformers "
                     f"would no longer call the function that runs it. Remove those hooks before switching "
                     f"(set_attn_implementation), or switch first and add them after"
                 )

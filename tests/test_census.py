@@ -99,10 +99,10 @@ SAMPLE = (
 POST_LN = ("electra",)
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: multi-head latent attention no plugin claims (copies of DeepSeek-V3's, transformers 5.x), described automatically:
-#: every canonical point but hook_k, whose rope columns are one key every head shares (a per-head edit is refused);
-#: with sparse attention (an indexer's ``indices``), no patterns either
+#: every canonical point (hook_k per head too, edited on the keys the attention function gets); with sparse attention
+#: (an indexer's ``indices``), no patterns, and hook_k unchecked (the reference attention does not take the indices)
 LATENT = {
-    "glm4_moe_lite": ["blocks.0.attn.hook_k"],
+    "glm4_moe_lite": [],
     "deepseek_v32": ["blocks.0.attn.hook_k", "blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"],
 }
 EVERY = os.environ.get("LENSADAPTERS_EVERY_MODEL_TYPE", "1") not in ("", "0")  # =0: the sample only
@@ -329,11 +329,11 @@ def test_the_sink_pattern_reference_is_the_weights_that_give_the_output_and_noth
         _mixing_weights(plain, sinked, value, (plain @ value).transpose(1, 2) + 1.0)
 
 
-def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit_refusal_is_not_a_wrong_value() -> None:
+def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_is_served_whole() -> None:
     """Shrinking keeps the relations a config computes when it is made (multi-head latent attention: key/value heads
     equal to the query heads, the query/key head size the sum of its parts), so DeepSeek-V3 is in the census, not
-    'not buildable'; its plugin refuses an edit of the shared rope columns of ``hook_k`` by name, which the census
-    counts as not served whole (PARTIAL), not as a wrong value."""
+    'not buildable'; its plugin serves every canonical point, ``hook_k`` with its per-head rope columns (one key every
+    head shares in the model) too: FULL."""
     from transformers import AutoConfig
 
     from lensadapters.testing.every_model_type import shrink_config
@@ -343,8 +343,7 @@ def test_a_latent_attention_config_shrinks_to_a_model_that_runs_and_a_named_edit
     assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
     entry = census_entry("deepseek_v3")
     assert entry.adapter == "deepseek_v3" and not entry.wrong, (entry.adapter, entry.why, entry.wrong)
-    assert "blocks.0.attn.hook_k" in entry.refused and entry.status == "PARTIAL"
-    assert "blocks.0.attn.hook_k" in entry.missing
+    assert not entry.refused and entry.status == "FULL", (entry.refused, entry.missing)
 
 
 def test_a_state_space_config_keeps_heads_times_head_size_equal_to_its_inner_width_and_runs() -> None:

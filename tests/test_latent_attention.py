@@ -6,12 +6,15 @@ verification."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
+import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from lensadapters import Architecture, HookedModel, Registry, WeightUnavailableError, hf
 from lensadapters.adapters.generic import findings
@@ -56,9 +59,8 @@ def _generic(model: torch.nn.Module) -> HookedModel:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_generic_adapter_recognises_latent_attention_and_serves_it_verified(shape: str) -> None:
     """The automatic description finds the form from the probe's values (the projections, the latents' norms, the
-    head sizes, the rope layout), serves every latent point verified, leaves out ``hook_k`` and ``hook_rot_k`` (their
-    rope columns are one key every head shares: the check's edit is refused by name), and refuses ``W_K``/``W_V`` by
-    name."""
+    head sizes, the rope layout), serves every latent point verified (``hook_k`` and ``hook_rot_k`` too, whose
+    per-head rope columns are one key every head shares in the model), and refuses ``W_K``/``W_V`` by name."""
     q_lora_rank, interleave = SHAPES[shape]
     model = _model(q_lora_rank, interleave)
     hm = _generic(model)
@@ -77,12 +79,10 @@ def test_the_generic_adapter_recognises_latent_attention_and_serves_it_verified(
         assert (form.q_down, form.q_norm, form.q) == (None, None, "self_attn.q_proj")
     served = [n[len("blocks.1.attn.") :] for n in hm.hook_names if n.startswith("blocks.1.attn.")]
     expected = ["hook_q_latent"] if q_lora_rank else []
-    expected += ["hook_q", "hook_rot_q", "hook_k_rope", "hook_kv_latent", "hook_v"]
+    expected += ["hook_q", "hook_rot_q", "hook_k_rope", "hook_kv_latent", "hook_k", "hook_rot_k", "hook_v"]
     expected += ["hook_attn_scores", "hook_pattern", "hook_z", "hook_result"]
-    assert served == expected
-    unverified = findings(model).unverified
-    assert "rope columns" in unverified["blocks.0.attn.hook_rot_k"]
-    assert "rope columns" in unverified["blocks.0.attn.hook_k"]
+    assert served == expected, served
+    assert not [n for n in findings(model).unverified if ".attn." in n]
     for name in ("W_K", "W_V") + (("W_Q",) if q_lora_rank else ()):
         with pytest.raises(WeightUnavailableError, match="latent_weights"):
             getattr(hm, name)
@@ -130,7 +130,7 @@ def _declared(model: torch.nn.Module, form: LatentAttention) -> HookedModel:
 def test_an_edit_at_each_latent_point_equals_a_plain_pytorch_hook(shape: str) -> None:
     """An edit of ``hook_q_latent``, ``hook_kv_latent``, ``hook_k_rope``, ``hook_q``, ``hook_k`` (its no-rope
     columns), ``hook_v`` and ``hook_rot_k`` (its no-rope columns) gives the logits a plain forward hook on the module
-    computing that value gives with the same edit; an edit of the shared rope columns per head is refused by name."""
+    computing that value gives with the same edit (the rope columns: the next test)."""
     q_lora_rank, interleave = SHAPES[shape]
     model = _model(q_lora_rank, interleave)
     generic = _generic(model)
@@ -171,9 +171,6 @@ def test_an_edit_at_each_latent_point_equals_a_plain_pytorch_hook(shape: str) ->
             for point in ("hook_rot_k", "hook_k")
         )
         torch.testing.assert_close(rot, k)
-        for point in ("hook_k", "hook_rot_k"):
-            with pytest.raises(HookReturnError, match="hook_k_rope"):
-                hm.run_with_hooks(IDS, fwd_hooks=[(f"blocks.1.attn.{point}", lambda t, hook: t * 2)])
         assert torch.equal(hm(IDS).logits, base)
     hm.unwrap()
 
@@ -255,4 +252,159 @@ def test_attribution_patching_of_latent_heads_is_the_derivative_along_the_patch(
             assert abs(float(scores[layer, head]) - expected) <= 1e-4 * max(1.0, abs(expected)), (name, head)
     with pytest.raises(attribution.AttributionUnavailable, match="per-head input points"):
         eap.edge_attribution(hm, IDS, corrupted, metric, progress=False)
+    hm.unwrap()
+
+
+#: transformers 5 caches MLA's latents and decompresses them at every step; transformers 4 the per-head keys
+CACHES_LATENTS = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _with_key_edit(model: torch.nn.Module, layer: int, edit: Callable[[Tensor, Any], Tensor]) -> Tensor:
+    """The logits with ``edit(key, angles)`` applied by hand to the keys ``[b, h, p, d]`` the attention function of
+    layer ``layer`` gets: a plain attention function registered in transformers' interface for this call (the
+    model's own implementation, given the edited keys), with the layer's rotary angles recorded by a plain
+    pre-hook."""
+    attention = model.model.layers[layer].self_attn
+    implementation = model.config._attn_implementation
+    own = sys.modules[type(attention).__module__]
+    original = own.eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+    angles: list[Any] = []
+
+    def attend(module: torch.nn.Module, query: Tensor, key: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return original(module, query, edit(key, angles[-1]) if module is attention else key, *args, **kwargs)
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        angles.append(kwargs["position_embeddings"])
+
+    AttentionInterface.register("latent-test", attend)
+    handle = attention.register_forward_pre_hook(record, with_kwargs=True)
+    model.config._attn_implementation = "latent-test"
+    try:
+        return model(IDS).logits
+    finally:
+        model.config._attn_implementation = implementation
+        handle.remove()
+
+
+def _rotate(model: torch.nn.Module, k: Tensor, angles: Any) -> Tensor:
+    """The model's own rotary of the keys' rope columns ``k`` ``[b, h, p, rope]``."""
+    own = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    if not model.config.rope_interleave:
+        return own.apply_rotary_pos_emb(k, k, *angles)[1]
+    return own.apply_rotary_pos_emb_interleave(k, k, *angles)[1]
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["generic", "declared"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_heads_rope_columns_edit_equals_a_plain_hook_on_the_key(shape: str, declared: bool) -> None:
+    """An edit of the rope columns of one head of ``hook_rot_k`` gives, bit for bit, the logits of the same edit
+    made by hand on the keys the model's attention function gets; one of ``hook_k`` (before rotary) those of that
+    head's rope key with the edit, rotated by the model's own rotary, in the keys (and of the no-rope columns too,
+    with both at once); a hook on the layer's pattern sees the edited keys; the implementation is the model's again
+    after."""
+    q_lora_rank, interleave = SHAPES[shape]
+    model = _model(q_lora_rank, interleave)
+    hm = _generic(model)
+    form = form_of(hm.wiring, 1)
+    assert form is not None
+    if declared:
+        hm.unwrap()
+        hm = _declared(model, form)
+    nope, implementation = form.nope, model.config._attn_implementation
+    rope_key: list[Tensor] = []
+    handle = (
+        model.model.layers[1]
+        .get_submodule(form.kv_down)
+        .register_forward_hook(lambda m, a, out: rope_key.append(out[..., form.kv_rank :]))
+    )
+    generator = torch.Generator().manual_seed(1)
+    delta = torch.zeros(1, IDS.shape[1], form.heads, form.d_head)
+    delta[:, :, 2, nope:] = torch.randn(delta[:, :, 2, nope:].shape, generator=generator) * 0.5
+    both = delta.clone()
+    both[:, :, 1, :nope] = torch.randn(both[:, :, 1, :nope].shape, generator=generator) * 0.5
+
+    def rotated_key_edit(d: Tensor) -> Callable[[Tensor, Any], Tensor]:
+        def edit(key: Tensor, angles: Any) -> Tensor:
+            shared = rope_key[-1][:, None].expand(-1, form.heads, -1, -1)
+            rope = _rotate(model, shared + d.transpose(1, 2)[..., nope:], angles)
+            return torch.cat((key[..., :nope] + d.transpose(1, 2)[..., :nope], rope), dim=-1)
+
+        return edit
+
+    try:
+        with torch.no_grad():
+            base = model(IDS).logits
+            expected = _with_key_edit(model, 1, lambda key, angles: key + delta.transpose(1, 2))
+            got = hm.run_with_hooks(IDS, fwd_hooks=[("blocks.1.attn.hook_rot_k", lambda t, hook: t + delta)])
+            assert (expected - base).abs().max() > 1e-2
+            assert torch.equal(got, expected)
+            for d in (delta, both):
+                expected = _with_key_edit(model, 1, rotated_key_edit(d))
+                got = hm.run_with_hooks(IDS, fwd_hooks=[("blocks.1.attn.hook_k", lambda t, hook, d=d: t + d)])
+                assert (expected - base).abs().max() > 1e-2
+                assert torch.equal(got, expected)
+            patterns: list[Tensor] = []
+            with hm.hooks(
+                fwd_hooks=[
+                    ("blocks.1.attn.hook_k", lambda t, hook: t + both),
+                    ("blocks.1.attn.hook_pattern", lambda t, hook: patterns.append(t)),
+                ]
+            ):
+                torch.testing.assert_close(hm(IDS).logits, expected, rtol=1e-5, atol=1e-5)
+            _, cache = hm.run_with_cache(IDS, names_filter="blocks.1.attn.hook_pattern")
+            assert (patterns[0] - cache["blocks.1.attn.hook_pattern"]).abs().max() > 1e-3
+            assert torch.equal(hm(IDS).logits, base)
+            assert model.config._attn_implementation == implementation
+    finally:
+        handle.remove()
+    hm.unwrap()
+
+
+def _generate_greedily(hm: HookedModel, steps: int) -> list[tuple[Tensor, Tensor]]:
+    """``(the last position's logits with the cache, those of one pass over the whole sequence)`` at each of
+    ``steps`` greedy steps after the prompt ``IDS``."""
+    ids, pairs = IDS, []
+    out = hm.hf_model(ids, use_cache=True)
+    for _ in range(steps):
+        ids = torch.cat((ids, out.logits[:, -1:].argmax(-1)), dim=1)
+        out = hm.hf_model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        pairs.append((out.logits[:, -1], hm.hf_model(ids, use_cache=False).logits[:, -1]))
+    return pairs
+
+
+@pytest.mark.skipif(CACHES_LATENTS, reason="transformers 5 caches the latents (the refusal is tested instead)")
+def test_an_edit_of_one_heads_rope_columns_is_kept_in_the_cache_of_per_head_keys() -> None:
+    """Transformers 4 caches the per-head keys after rotary: an edit of one head's rope columns of ``hook_rot_k``
+    during cached generation is stored there, so every step's logits are those of one pass over the whole sequence
+    with the same edit at every position (and not those without it)."""
+    model = _model(16, True)
+    hm = _generic(model)
+    nope = form_of(hm.wiring, 1).nope  # type: ignore[union-attr]
+
+    def edit(t: Tensor, hook: Any) -> Tensor:
+        t = t.clone()
+        t[:, :, 2, nope:] = t[:, :, 2, nope:] * 3 - 0.5
+        return t
+
+    with torch.no_grad():
+        plain = _generate_greedily(hm, 3)
+        with hm.hooks(fwd_hooks=[("blocks.1.attn.hook_rot_k", edit)]):
+            edited = _generate_greedily(hm, 3)
+    for (cached, one_pass), (unedited, _) in zip(edited, plain):
+        torch.testing.assert_close(cached, one_pass, rtol=1e-5, atol=1e-5)
+        assert (cached - unedited).abs().max() > 1e-3
+    hm.unwrap()
+
+
+@pytest.mark.skipif(not CACHES_LATENTS, reason="transformers 4 caches the per-head keys (the edit is served)")
+def test_an_edit_of_the_keys_during_cached_generation_is_refused_where_the_latents_are_cached() -> None:
+    """Transformers 5 caches the latents and decompresses the earlier positions again at every step, where the edit
+    would be lost: an edit of ``hook_k``/``hook_rot_k`` in a step after the first is refused by name."""
+    model = _model(16, True)
+    hm = _generic(model)
+    for point in ("blocks.1.attn.hook_k", "blocks.1.attn.hook_rot_k"):
+        with torch.no_grad(), hm.hooks(fwd_hooks=[(point, lambda t, hook: t * 2)]):
+            out = hm.hf_model(IDS, use_cache=True)
+            with pytest.raises(HookReturnError, match="cached generation"):
+                hm.hf_model(IDS[:, :1], past_key_values=out.past_key_values, use_cache=True)
     hm.unwrap()

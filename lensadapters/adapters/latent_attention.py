@@ -16,13 +16,18 @@ From it the core serves (:func:`latent_sites`), with TransformerLens' names wher
   ``hook_k`` (same shape): ``[k_nope_h | k_rope]``, ``hook_v`` ``[b, p, h, v_head_dim]``;
   ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention.
 
-An edit changes everything downstream as the model would have computed it, with two refusals, by name: the rope
-columns of ``hook_k``/``hook_rot_k`` (one key shared by every head: edit ``hook_k_rope``), and an edit of
-``hook_k``/``hook_rot_k``/``hook_v`` during cached generation where the model caches the latents and decompresses
-the earlier positions again at every step. A backward hook on ``hook_k``/``hook_rot_k`` is refused (one head's copy
-of the shared rope key has no gradient of its own). ``W_K``/``W_V`` (and ``W_Q`` with a query latent) are refused
-(:func:`refused_weight`: an RMS norm of the latent lies between the down- and up-projections, so no matrix maps the
-residual to them); :func:`latent_weights` gives the exact per-head maps from the latents.
+An edit changes everything downstream as the model would have computed it. The model computes one rope key and
+expands it over the heads, so an edit of ``hook_k``/``hook_rot_k`` (any columns, any head) reaches the keys the
+attention function gets (the rotated edited keys in place of the elements it changed, through
+:meth:`~lensadapters.hooks.attention.InterfacePatternBackend.route_keys`), and, where the model caches those per-head
+keys (transformers 4), what the cache stores. Refused by name: an edit of ``hook_k``/``hook_rot_k``/``hook_v``
+during cached generation where the model caches the latents and decompresses the earlier positions again at every
+step (transformers 5). A backward hook on ``hook_rot_k`` gets the gradient of the keys the attention function gets
+(per head), on ``hook_k`` that gradient through rotary; the gradients before them then flow through this site's
+per-head keys (the same, to rounding, as the model's own backward, which sums the heads' before rotary).
+``W_K``/``W_V`` (and ``W_Q`` with a query latent) are refused (:func:`refused_weight`: an RMS norm of the latent
+lies between the down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the
+exact per-head maps from the latents.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from lensadapters.errors import HookReturnError, UnsupportedModelError
+from lensadapters.errors import HookReturnError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half
 from lensadapters.hooks.sites import OutputSite, Site, first_output, replace_first_output
@@ -163,9 +168,10 @@ class LatentKVSite(Site):
     """``attn.hook_k_rope``, ``hook_k``, ``hook_rot_k`` and ``hook_v`` of one layer (see the module docstring).
 
     The down-projection's output gives the shared rope key (an edit replaces its columns); the up-projection's the
-    per-head no-rope keys and values (an edit of ``hook_k``/``hook_rot_k``'s no-rope columns or of ``hook_v``
-    replaces its rows of this forward's positions: a model caching the latents runs it over the cached positions
-    too). ``served``: the names of the points served (the others, absent, are never hooked here).
+    per-head no-rope keys and values (an edit of ``hook_v`` replaces its rows of this forward's positions: a model
+    caching the latents runs it over the cached positions too). An edit of the keys is made on the keys the
+    attention function gets (or the cache of per-head keys stores). ``served``: the names of the points served (the
+    others, absent, are never hooked here).
     """
 
     def __init__(self, hooked: Any, layer: int, form: LatentAttention, served: Optional[Iterable[str]] = None) -> None:
@@ -174,7 +180,7 @@ class LatentKVSite(Site):
         block = hooked.block_modules[layer]
         self.kv_a, self.kv_b = block.get_submodule(form.kv_down), block.get_submodule(form.kv_up)
         self.rank, self.nope, self.rope, self.v = form.kv_rank, form.nope, form.rope, form.v_head_dim
-        self.heads = form.heads
+        self.heads, self.layer, self._routed = form.heads, layer, False
         pre = f"blocks.{layer}.attn."
         names = ("hook_k_rope", "hook_k", "hook_rot_k", "hook_v")
         allowed = set(names if served is None else (n.rsplit(".", 1)[-1] for n in served))
@@ -184,15 +190,22 @@ class LatentKVSite(Site):
         self.points = tuple(p for p, n in zip((self.k_rope, self.k, self.rot_k, self.v_point), names) if n in allowed)
 
     def signature(self) -> tuple[bool, ...]:
-        return (self.wanted(), self.rot_k.active)  # the angles are read only while hook_rot_k is hooked
+        # the angles and the route of the keys through the attention function only while a key point is hooked
+        return (self.wanted(), self.k.active or self.rot_k.active)
 
     def install(self) -> list[Any]:
         handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
-        if self.rot_k.active:  # the layer's (cos, sin), as the model hands them to its attention
-            handles.append(self.attention.register_forward_pre_hook(self._angles, with_kwargs=True))
+        self._routed = False
+        if self.k.active or self.rot_k.active:
+            # the layer's (cos, sin), as the model hands them to its attention, and its cache
+            handles.append(self.attention.register_forward_pre_hook(self._before_attention, with_kwargs=True))
+            route = getattr(self.hooked.pattern_backend, "route_keys", None)
+            if route is not None:  # the keys' edit reaches the attention function (else an edit is refused)
+                handles.append(route(self.layer, self._edit_keys))
+                self._routed = True
         return handles
 
-    def _angles(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         angles = kwargs.get("position_embeddings")
         complex_angles = isinstance(angles, torch.Tensor) and angles.is_complex()
         if not (complex_angles or (isinstance(angles, (tuple, list)) and len(angles) == 2)):
@@ -200,7 +213,14 @@ class LatentKVSite(Site):
                 f"{self.rot_k.name}: {type(module).__name__} was called without its rotary (cos, sin) or complex "
                 "rotations as position_embeddings"
             )
-        self._values()["angles"] = rotary_angles(angles)
+        values = self._values()
+        values["angles"] = rotary_angles(angles)
+        values.pop("keys", None)
+        for name in CACHE_ARGUMENTS:  # a cache of per-head keys gets the edited ones (transformers 4's)
+            cache = kwargs.get(name)
+            if cache is not None:
+                return args, {**kwargs, name: _KeyEditingCache(cache, self._edit_cached_keys)}
+        return None
 
     def _values(self) -> dict[str, Any]:
         return self.state.site_values(self)
@@ -213,60 +233,98 @@ class LatentKVSite(Site):
             return None
         return replace_first_output(output, torch.cat((out[..., : self.rank], rope.to(out.dtype)), dim=-1))
 
-    def _shared_rope_kept(self, name: str, edited: Tensor, before: Tensor) -> None:
-        if not torch.equal(edited[..., self.nope :], before[..., self.nope :]):
-            raise HookReturnError(
-                f"hook on {name!r} changed the rope columns [{self.nope}:] of the keys: multi-head latent attention "
-                "computes them once for every head (attn.hook_k_rope, before the per-head keys exist); edit "
-                f"{name.rsplit('.', 1)[0]}.hook_k_rope instead, or only the no-rope columns here"
-            )
-
-    def _refuse_key_gradients(self) -> None:
-        for point in (self.k, self.rot_k):
-            if point.live_hooks("bwd"):
-                raise UnsupportedModelError(
-                    f"a backward hook on {point.name!r}: the rope columns [{self.nope}:] of every head's key are one "
-                    "key computed before the heads exist, so one head's copy has no gradient of its own (the model's "
-                    "backward only sums them); hook the gradient of "
-                    f"{point.name.rsplit('.', 1)[0]}.hook_k_rope (the shared key), or of hook_q/hook_v/hook_z per head"
-                )
-
     def _kv_b(self, module: nn.Module, args: tuple, output: Any) -> Any:
         raw = first_output(output)
-        rope = self._values().get("k_rope")
+        values = self._values()
+        rope = values.get("k_rope")
         if rope is None:  # pragma: no cover - the down-projection runs first
             return None
-        if torch.is_grad_enabled():
-            self._refuse_key_gradients()
         out = raw.flatten(1, -2)  # a model caching the latents runs it on the latent viewed as one head
         p = rope.shape[-2]
         new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))
         k_nope, v = new[..., : self.nope], new[..., self.nope :]
         k = torch.cat((k_nope, rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope).to(k_nope.dtype)), dim=-1)
-        edited_k, changed = self.k.apply(k, protect=True)
-        if changed:
-            self._shared_rope_kept(self.k.name, edited_k, k)
-        if self.rot_k.active:
+        edited_k, k_changed = self.k.apply(k, protect=True)
+        rotated = edited = None
+        if k_changed or self.rot_k.active:
             assert self.form.rotary is not None
-            cos, sin = self._values()["angles"]
-            rotated = self.form.rotary.apply(edited_k, cos, sin)
-            edited_rot, rot_changed = self.rot_k.apply(rotated, protect=True)
-            if rot_changed:
-                self._shared_rope_kept(self.rot_k.name, edited_rot, rotated)
-                edited_k = edited_k + self.form.rotary.invert(edited_rot - rotated, cos, sin).to(edited_k.dtype)
-                changed = True
+            cos, sin = values["angles"]
+            rotated = self.form.rotary.apply(k, cos, sin)
+            edited = self.form.rotary.apply(edited_k, cos, sin) if k_changed else rotated
+        rot_changed = False
+        if self.rot_k.active:
+            edited, rot_changed = self.rot_k.apply(edited, protect=True)
         edited_v, v_changed = self.v_point.apply(v, protect=True)
-        if not (changed or v_changed):
-            return None
-        if out.shape[1] != p:
+        if (k_changed or rot_changed or v_changed) and out.shape[1] != p:
             raise HookReturnError(
                 f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v during cached generation: "
                 "the model caches the latents and decompresses the earlier positions again at every step, so the "
                 "edit would be lost there; edit attn.hook_kv_latent or attn.hook_k_rope, or generate with "
                 "use_cache=False"
             )
-        merged = torch.cat((edited_k[..., : self.nope], edited_v), dim=-1).flatten(-2)
+        if k_changed or rot_changed:
+            if not self._routed:
+                raise HookReturnError(
+                    f"an edit of {self.k.name} or {self.rot_k.name}: this model's attention is not served through "
+                    "transformers' attention interface, where the per-head keys are edited; edit hook_k_rope or "
+                    "hook_kv_latent instead"
+                )
+            assert rotated is not None and edited is not None
+            values["keys"] = (rotated, edited)  # what the attention function (or the cache) gets, and instead
+        if not v_changed:
+            return None
+        merged = torch.cat((k_nope, edited_v), dim=-1).flatten(-2)
         return replace_first_output(output, merged.to(out.dtype).reshape(raw.shape))
+
+    def _edited(self, keys: Tensor) -> Tensor:
+        """``keys`` ``[b, h, p, d]`` (the model's rotated keys of this forward's positions) with this forward's edit:
+        each changed element the edited key's, every other as the model computed it (the two rotaries may round
+        apart), and autograd's path through the edited keys (an edit that changes nothing at ``p = 0`` of
+        ``x + p * c`` still has its derivative)."""
+        rotated, edited = self._values().pop("keys")
+        before, after = (t.transpose(1, 2).to(keys.dtype) for t in (rotated, edited))
+        chosen = torch.where(after != before, after, keys)
+        # the values are ``chosen``'s exactly: where ``keys`` differs from ``after`` it is by rounding, and the
+        # difference of two floats that close is exact (Sterbenz), so adding it back gives ``keys``
+        out = after + (chosen - after).detach()
+        # in the model's layout too (the attention kernels round a transposed operand differently)
+        return out.contiguous() if keys.is_contiguous() else out
+
+    def _edit_cached_keys(self, keys: Tensor) -> Tensor:
+        pending = self._values().get("keys")
+        if pending is None or keys.shape[:-1] != pending[0].transpose(1, 2).shape[:-1]:
+            return keys  # no edit, or the latents a transformers 5 model caches (before the up-projection runs)
+        return self._edited(keys)
+
+    def _edit_keys(self, keys: Tensor) -> Tensor:
+        pending = self._values().get("keys")
+        if pending is None:
+            return keys
+        if keys.shape[-2] != pending[0].shape[1]:
+            raise HookReturnError(
+                f"an edit of {self.k.name} or {self.rot_k.name}: the attention function got "
+                f"{keys.shape[-2]} key positions, this forward computed {pending[0].shape[1]}, and the cache was not "
+                "given to the attention module by name; generate with use_cache=False"
+            )
+        return self._edited(keys)
+
+
+#: the names transformers passes an attention module its cache by
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
+
+
+class _KeyEditingCache:
+    """The cache an attention module gets while its keys are edited: ``update`` stores (and returns) the edited keys
+    of this forward's positions; everything else is the model's cache's."""
+
+    def __init__(self, cache: Any, edit: Any) -> None:
+        self._cache, self._edit = cache, edit
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self._cache.update(self._edit(key_states), value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
 
 
 def latent_points(hooked: Any, layer: int, form: LatentAttention) -> list[str]:

@@ -74,6 +74,12 @@ def _original_function(original: str, module: nn.Module) -> Callable[..., Any]:
     return ALL_ATTENTION_FUNCTIONS[original]
 
 
+def _key_editor(module: nn.Module) -> Optional[Callable[[Tensor], Tensor]]:
+    ref = _ROUTED.get(module)
+    backend = ref() if ref is not None else None
+    return backend.key_editors.get(module) if backend is not None else None
+
+
 def attention_key(original: str) -> str:
     """Register (once per process) the lensadapters attention and mask functions for ``original``."""
     key = KEY_PREFIX + original
@@ -90,6 +96,9 @@ def attention_key(original: str) -> str:
         *args: Any,
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
+        editor = _key_editor(module)
+        if editor is not None:  # a site's edit of the keys this function gets (multi-head latent attention's)
+            key_ = editor(key_)
         entry = _route(module)
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
@@ -393,25 +402,16 @@ class InterfacePatternBackend:
         self.original: Optional[str] = None
         self.routes: dict[int, _Route] = {}  # the hooked layers (_ACTIVE refers to these weakly)
         self.delegates: dict[nn.Module, Callable[..., Any]] = {}
+        # attention module -> the edit of the keys it hands the attention function (route_keys)
+        self.key_editors: dict[nn.Module, Callable[[Tensor], Tensor]] = {}
 
     def _scores(self, module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
         scores = self.scores_fn(module, query, key, scaling, self.original or "sdpa")
         return scores if scores is not None else default_scores(module, query, key, scaling)
 
     def activate(self, layer: int, site: Any) -> RemovableHandle:
-        if not self.active:
-            self.original = str(original_value(self.config._attn_implementation))
-            if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
-                self.original = self.original[len(KEY_PREFIX) :]
-            # copies and pickles of the config see the user's implementation (lensadapters.copying)
-            self.config._attn_implementation = RoutedImplementation(attention_key(self.original), self.original)
-            self.delegates = {}
-            for module in self.modules if self.original_fn is not None else ():
-                fn = self.original_fn(module, self.original)
-                if fn is not None:
-                    self.delegates[module] = fn
-            for module in self.modules:
-                _ROUTED[module] = weakref.ref(self)
+        if not self._engaged():
+            self._engage()
         self.active.add(layer)
         module = self.modules[layer]
         route = self.routes[layer] = _Route(self, layer, site)
@@ -419,15 +419,47 @@ class InterfacePatternBackend:
         guard = detachable(module.register_forward_pre_hook(self._still_selected(layer)))
         return _Deactivate(self, layer, guard)  # type: ignore[return-value]
 
+    def route_keys(self, layer: int, editor: Callable[[Tensor], Tensor]) -> RemovableHandle:
+        """Route layer ``layer`` through the lensadapters attention function with ``editor`` applied to the keys
+        it gets (``[b, h, k, d]``; the patterns of the layer, when hooked, see the edited keys). ``remove()`` on
+        the handle ends it."""
+        if not self._engaged():
+            self._engage()
+        module = self.modules[layer]
+        self.key_editors[module] = editor
+        guard = detachable(module.register_forward_pre_hook(self._still_selected(layer)))
+        return _KeysRouted(self, module, guard)  # type: ignore[return-value]
+
+    def unroute_keys(self, module: nn.Module) -> None:
+        if self.key_editors.pop(module, None) is not None:
+            self._release_if_idle()
+
+    def _engaged(self) -> bool:
+        return bool(self.active or self.key_editors)
+
+    def _engage(self) -> None:
+        self.original = str(original_value(self.config._attn_implementation))
+        if self.original.startswith(KEY_PREFIX):  # another wrapper of the same config is active
+            self.original = self.original[len(KEY_PREFIX) :]
+        # copies and pickles of the config see the user's implementation (lensadapters.copying)
+        self.config._attn_implementation = RoutedImplementation(attention_key(self.original), self.original)
+        self.delegates = {}
+        for module in self.modules if self.original_fn is not None else ():
+            fn = self.original_fn(module, self.original)
+            if fn is not None:
+                self.delegates[module] = fn
+        for module in self.modules:
+            _ROUTED[module] = weakref.ref(self)
+
     def _still_selected(self, layer: int) -> Callable[..., None]:
         def check(module: nn.Module, args: tuple) -> None:
             impl = self.config._attn_implementation
             if not (isinstance(impl, str) and impl.startswith(KEY_PREFIX)):
                 raise LensAdaptersError(
                     f"layer {layer}: the model's attention implementation was set to {impl!r} while a "
-                    f"hook_attn_scores/hook_pattern hook was attached, so transformers would no longer call the "
-                    f"function that runs it. Remove the pattern hooks before switching (set_attn_implementation), "
-                    f"or switch first and add them after"
+                    f"hook_attn_scores/hook_pattern hook was attached (or a hook on the keys it gets), so transformers "
+                    f"would no longer call the function that runs it. Remove those hooks before switching "
+                    f"(set_attn_implementation), or switch first and add them after"
                 )
 
         return check
@@ -438,7 +470,10 @@ class InterfacePatternBackend:
         self.active.discard(layer)
         self.routes.pop(layer, None)
         _ACTIVE.pop(self.modules[layer], None)
-        if not self.active and self.original is not None:
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if not self._engaged() and self.original is not None:
             if self.config._attn_implementation == KEY_PREFIX + self.original:  # not switched by the user meanwhile
                 self.config._attn_implementation = self.original
             self.original = None
@@ -469,6 +504,17 @@ class InterfacePatternBackend:
             implementation=self.original or "sdpa",
             **kwargs,
         )
+
+
+class _KeysRouted:
+    """A handle (``.remove()``) that ends one layer's edit of its keys (:meth:`InterfacePatternBackend.route_keys`)."""
+
+    def __init__(self, backend: InterfacePatternBackend, module: nn.Module, guard: RemovableHandle) -> None:
+        self.backend, self.module, self.guard = backend, module, guard
+
+    def remove(self) -> None:
+        self.guard.remove()
+        self.backend.unroute_keys(self.module)
 
 
 class _Deactivate:

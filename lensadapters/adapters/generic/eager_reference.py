@@ -72,7 +72,8 @@ def _verify_attention(
         query = query + delta.transpose(1, 2).to(query.dtype) if delta is not None else query
     if part == "key" and seen is not None:
         seen.append(key.transpose(1, 2).clone())
-        key = key + delta.transpose(1, 2).to(key.dtype) if delta is not None else key
+        if delta is not None:  # ``unview``: the delta as one of the keys (the identity but for MLA's hook_k)
+            key = key + mine["unview"](delta, key.transpose(1, 2)).transpose(1, 2).to(key.dtype)
     output, weights = eager(module, query, key, value, mask, *args, **kwargs)
     if seen is not None and part == "output":
         seen.append(output.clone())

@@ -234,7 +234,9 @@ def _run_references(
     layers = {}
     for (ref, delta, row), seen in zip(edits, seens):
         if ref.kind == "attn":
-            layers[ref.layer] = {"part": ref.part, "delta": delta, "seen": seen, "row": row}
+            layers[ref.layer] = {"part": ref.part, "delta": delta, "seen": seen, "row": row, "unview": ref.unview}
+            if ref.spec is not None:  # plain hooks recording what the view needs (the latent keys' rotary angles)
+                handles.append(_Handles(ref.spec.install(None, [])))
             continue
         handles.append(_plain_hook(ref, _edit_at(ref, delta) if delta is not None else None, seen, row))
         if ref.also is not None and delta is not None:
@@ -259,7 +261,9 @@ def _run_references(
             raise RuntimeError("the reference did not fire")
         if ref.kind == "scale":  # the module's output and its input
             values.append(torch.stack([seen[0], seen[1]]))
-        elif ref.kind in ("attn", "result", "head_input"):
+        elif ref.kind == "attn":
+            values.append(ref.view(seen[0]))
+        elif ref.kind in ("result", "head_input"):
             values.append(seen[0])
         elif ref.flat:
             values.append(seen[0].reshape(*ids.shape[:2], -1))

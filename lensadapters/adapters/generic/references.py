@@ -18,8 +18,7 @@ from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
 from lensadapters.adapters.moe import FusedExperts, MoELayout
-from lensadapters.hooks.sites import first_output, replace_first_output
-from lensadapters.hooks.sites.qkv import heads_view
+from lensadapters.hooks.sites.qkv import heads_view, rotary_angles
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
 Tensor = torch.Tensor
@@ -186,7 +185,7 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return None
         return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
     if isinstance(qkv, LatentQKV) and qkv.latent is not None:  # multi-head latent attention's own points
-        defined, found = latent_reference(qkv.latent, get, rest)
+        defined, found = latent_reference(qkv.latent, get, rest, i, get(bl.attn))
         if defined:
             return found
     if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
@@ -315,12 +314,13 @@ def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool 
 
 
 def latent_reference(
-    form: LatentAttention, get: Callable[[str], nn.Module], rest: str
+    form: LatentAttention, get: Callable[[str], nn.Module], rest: str, layer: int, attention: nn.Module
 ) -> tuple[bool, Optional[Reference]]:
     """``(whether the form defines the reference of the point rest, the reference)``: ``hook_q_latent`` and
     ``hook_kv_latent`` the latents' norms' outputs, ``hook_k_rope`` the down-projection's last ``rope`` columns,
-    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the up-projection's no-rope
-    columns of each head and the down-projection's shared rope columns (:class:`_KeyHooks`)."""
+    ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the keys the attention
+    function of layer ``layer`` gets, rotary undone (:class:`_LatentAngles`; ``hook_rot_k``: those keys as they
+    are, the default)."""
     if rest == "attn.hook_q_latent" and form.q_norm is not None:
         return True, Reference("out", get(form.q_norm))
     if rest == "attn.hook_kv_latent":
@@ -344,39 +344,29 @@ def latent_reference(
 
         return True, Reference("out", get(form.kv_up), values, value_part)
     if rest == "attn.hook_k":
-        return True, Reference("hooks", get(form.kv_up), spec=_KeyHooks(form, get(form.kv_down), get(form.kv_up)))
+        angles = _LatentAngles(form, attention)
+        return True, Reference("attn", layer=layer, part="key", view=angles.view, unview=angles.unview, spec=angles)
     return False, None
 
 
-class _KeyHooks:
-    """``hook_k``'s plain-PyTorch reference: the down-projection's rope columns (recorded) and the up-projection's
-    no-rope key columns, per head; an edit replaces the up-projection's no-rope columns. An edit of the rope columns
-    (one key every head shares) has no plain-PyTorch counterpart: the reference raises (the point refuses it first,
-    by name)."""
+class _LatentAngles:
+    """``hook_k``'s view of the attention function's keys ``[b, p, h, d]``: the rotary angles the attention module is
+    called with (recorded by a plain pre-hook), undone on the keys (``view``) and applied to an edit's delta
+    (``unview``: rotary is linear, and the identity on the no-rope columns)."""
 
-    def __init__(self, form: LatentAttention, down: nn.Module, up: nn.Module) -> None:
-        self.form, self.modules = form, (down, up)
+    def __init__(self, form: LatentAttention, attention: nn.Module) -> None:
+        self.form, self.modules, self.angles = form, (attention,), []
 
     def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
-        form, rope = self.form, []
-        down, up = self.modules
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.angles[:] = [rotary_angles(kwargs["position_embeddings"])]
 
-        def on_down(module: nn.Module, args: tuple, output: Any) -> None:
-            rope.append(first_output(output)[..., form.kv_rank :])
+        return [self.modules[0].register_forward_pre_hook(record, with_kwargs=True)]
 
-        def on_up(module: nn.Module, args: tuple, output: Any) -> Any:
-            out = first_output(output)
-            per_head = three_d(out).unflatten(-1, (form.heads, form.nope + form.v_head_dim))
-            k_nope = per_head[..., : form.nope]
-            shared = rope[-1].unsqueeze(-2).expand(*k_nope.shape[:-1], form.rope)
-            keys = torch.cat((k_nope, shared.to(k_nope.dtype)), dim=-1)
-            seen.append(keys.detach().clone())
-            if edit is None:
-                return None
-            edited = edit(keys)
-            if not torch.equal(edited[..., form.nope :], keys[..., form.nope :]):
-                raise ValueError("a per-head edit of the shared rope key has no plain-PyTorch counterpart")
-            merged = torch.cat((edited[..., : form.nope], per_head[..., form.nope :]), dim=-1).flatten(-2)
-            return replace_first_output(output, merged.reshape(out.shape).to(out.dtype))
+    def view(self, keys: Tensor) -> Tensor:
+        assert self.form.rotary is not None
+        return self.form.rotary.invert(keys, *self.angles[-1])
 
-        return [down.register_forward_hook(on_down), up.register_forward_hook(on_up)]
+    def unview(self, delta: Tensor, keys: Tensor) -> Tensor:
+        assert self.form.rotary is not None
+        return self.form.rotary.apply(delta.to(keys.dtype), *self.angles[-1])

@@ -14,8 +14,9 @@ import pytest
 import torch
 from lensadapters_deepseek_v3.reference import reference_run
 from lensadapters_deepseek_v3.testing import DeepseekV3Contract, deepseek_v3_config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from lensadapters.errors import HookReturnError, UnsupportedModelError, WeightUnavailableError
+from lensadapters.errors import UnsupportedModelError, WeightUnavailableError
 from lensadapters.registry import get_registry
 from lensadapters.testing.contract_support import perturb
 from lensadapters.testing.reference import assert_edits_match, points_against_reference, seeded_tokens
@@ -84,16 +85,9 @@ def test_every_point_matches_the_independent_reference(name: str) -> None:
     assert compared == [n for n in names if not n.endswith("_input") and not n.endswith("hook_attn_in")]
 
 
-def _edit(name: str, n_experts: int, nope: int) -> Any:
+def _edit(name: str, n_experts: int) -> Any:
     if name.endswith("hook_expert_indices"):
         return lambda t, hook: (t + 1) % n_experts
-    if name.endswith(("attn.hook_k", "attn.hook_rot_k")):  # the rope columns are shared by the heads: refused
-
-        def no_rope(t: torch.Tensor, hook: Any) -> torch.Tensor:
-            edited = perturb(t, hook)
-            return torch.cat([edited[..., :nope], t[..., nope:]], dim=-1)
-
-        return no_rope
     return perturb
 
 
@@ -105,7 +99,7 @@ def test_edits_at_every_point_match_the_independent_reference(name: str) -> None
     config = deepseek_v3_config(**CONFIGS[name])
     model = CONTRACT.make_model(config, 1)
     hm = CONTRACT.wrap(model)
-    edit = lambda name: _edit(name, config.n_routed_experts, config.qk_nope_head_dim)  # noqa: E731
+    edit = lambda name: _edit(name, config.n_routed_experts)  # noqa: E731
     assert_edits_match(hm, model, seeded_tokens(), reference_run, edit)
     hm.unwrap()
 
@@ -162,16 +156,26 @@ def test_w_q_without_a_query_latent() -> None:
 
 
 @pytest.mark.parametrize("point", ["attn.hook_k", "attn.hook_rot_k"])
-def test_editing_the_shared_rope_key_per_head_is_refused(point: str) -> None:
-    """The rope columns of the per-head keys are one key shared by every head: an edit of them is refused, naming
-    ``hook_k_rope``, and leaves no hook behind."""
+def test_one_heads_rope_columns_edit_equals_the_reference(point: str) -> None:
+    """An edit of the rope columns of one head's key (one key every head shares in the model) gives the logits the
+    float64 reference gives with the same edit of that head's key, and leaves no hook behind."""
     model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
     hm = CONTRACT.wrap(model)
     ids = seeded_tokens()
-    with pytest.raises(HookReturnError, match="hook_k_rope"):
-        hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.0.{point}", lambda t, hook: t * 2)])
+    nope = model.config.qk_nope_head_dim
+
+    def edit(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        t = t.clone()
+        t[:, :, 1, nope:] = t[:, :, 1, nope:] * 3 - 0.5
+        return t
+
     with torch.no_grad():
-        assert torch.equal(hm(ids).logits, model(ids).logits)
+        got = hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.0.{point}", edit)])
+        expected, _ = reference_run(model, ids, {f"blocks.0.{point}": edit})
+        plain = model(ids).logits
+        assert (expected.float() - plain).abs().max() > 1e-3
+        torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(hm(ids).logits, plain)
     hm.unwrap()
 
 
@@ -183,22 +187,53 @@ def test_other_key_value_heads_are_refused() -> None:
         CONTRACT.wrap(model)
 
 
+def _plain_key_gradient(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``logits.sum()`` at the keys ``[b, h, p, d]`` the attention function of layer 0 gets: a plain
+    tensor hook there, in an attention function registered in transformers' interface for this call (the model's
+    own implementation)."""
+    attention = model.model.layers[0].self_attn
+    implementation = model.config._attn_implementation
+    own = sys.modules[type(attention).__module__]
+    original = own.eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+    grads: list[torch.Tensor] = []
+
+    def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if module is attention:
+            key.register_hook(grads.append)
+        return original(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register("deepseek-test", attend)
+    model.config._attn_implementation = "deepseek-test"
+    try:
+        model(ids).logits.sum().backward()
+    finally:
+        model.config._attn_implementation = implementation
+    return grads[0]
+
+
 @pytest.mark.parametrize("point", ["attn.hook_k", "attn.hook_rot_k"])
-def test_one_heads_key_gradient_is_refused(point: str) -> None:
-    """One head's copy of the shared rope key has no gradient of its own (the model's backward only sums the
-    copies; these points' gradients read 0 there): a backward hook on the per-head keys is refused, naming
-    ``hook_k_rope``, and leaves no hook behind; the shared key's and the values' gradients are served."""
+def test_one_heads_key_gradient_is_the_attention_functions(point: str) -> None:
+    """A backward hook on ``hook_rot_k`` gets, bit for bit, the gradient a plain tensor hook on the keys the attention
+    function gets sees (per head; the model's one rope key is a copy per head there); on ``hook_k``, that gradient
+    through rotary: the no-rope columns the same, the rope columns summed over the heads the shared key's gradient
+    (``hook_k_rope``'s). No hook is left behind."""
     model = CONTRACT.make_model(deepseek_v3_config(n_heads=2, hidden=16, layers=1), 5)
     hm = CONTRACT.wrap(model)
     ids = seeded_tokens()
-    with pytest.raises(UnsupportedModelError, match="hook_k_rope"):
-        with hm.hooks(bwd_hooks=[(f"blocks.0.{point}", lambda g, hook: None)]):
-            hm(ids).logits.sum().backward()
+    nope = model.config.qk_nope_head_dim
     grads: dict[str, torch.Tensor] = {}
-    served = ["blocks.0.attn.hook_k_rope", "blocks.0.attn.hook_v"]
-    with hm.hooks(bwd_hooks=[(n, lambda g, hook: grads.setdefault(hook.name, g)) for n in served]):
+    names = [f"blocks.0.{point}", "blocks.0.attn.hook_k_rope"]
+    with hm.hooks(bwd_hooks=[(n, lambda g, hook: grads.setdefault(hook.name, g)) for n in names]):
         hm(ids).logits.sum().backward()
-    assert sorted(grads) == served and all(g.abs().sum() > 0 for g in grads.values())
+    expected = _plain_key_gradient(model, ids).transpose(1, 2)
+    got = grads[names[0]]
+    assert expected.abs().max() > 0
+    if point.endswith("hook_rot_k"):
+        assert torch.equal(got, expected)
+    else:
+        assert torch.equal(got[..., :nope], expected[..., :nope])
+        assert (got[..., nope:] - expected[..., nope:]).abs().max() > 1e-4  # rotary undone
+        torch.testing.assert_close(got[..., nope:].sum(-2), grads[names[1]])
     with torch.no_grad():
         assert torch.equal(hm(ids).logits, model(ids).logits)
     hm.unwrap()

@@ -253,6 +253,7 @@ class LatentKVSite(Site):
             edited = self.form.rotary.apply(edited_k, cos, sin) if k_changed else rotated
         rot_changed = False
         if self.rot_k.active:
+            assert edited is not None  # computed above whenever hook_rot_k is hooked
             edited, rot_changed = self.rot_k.apply(edited, protect=True)
         edited_v, v_changed = self.v_point.apply(v, protect=True)
         if (k_changed or rot_changed or v_changed) and out.shape[1] != p:

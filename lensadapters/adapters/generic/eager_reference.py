@@ -73,6 +73,7 @@ def _verify_attention(
     if part == "key" and seen is not None:
         seen.append(key.transpose(1, 2).clone())
         if delta is not None:  # ``unview``: the delta as one of the keys (the identity but for MLA's hook_k)
+            assert mine is not None  # a delta comes only with this layer's plan
             key = key + mine["unview"](delta, key.transpose(1, 2)).transpose(1, 2).to(key.dtype)
     output, weights = eager(module, query, key, value, mask, *args, **kwargs)
     if seen is not None and part == "output":

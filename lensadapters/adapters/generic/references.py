@@ -355,7 +355,8 @@ class _LatentAngles:
     (``unview``: rotary is linear, and the identity on the no-rope columns)."""
 
     def __init__(self, form: LatentAttention, attention: nn.Module) -> None:
-        self.form, self.modules, self.angles = form, (attention,), []
+        self.form, self.modules = form, (attention,)
+        self.angles: list[Any] = []
 
     def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:

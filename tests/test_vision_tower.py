@@ -39,6 +39,19 @@ def _points(n: int) -> list[tuple[str, int, str]]:
     return points
 
 
+#: the sub-block points of each block (tests/test_vision_tower_parts.py), in the order they fire
+SUB_BLOCK = ("ln1.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
+
+
+def _served(n: int) -> list[str]:
+    """Every point of a tower of ``n`` blocks, in the order they fire."""
+    names = ["vision.hook_embed"]
+    for i in range(n):
+        at = f"vision.blocks.{i}."
+        names += [at + "hook_resid_pre", *(at + s for s in SUB_BLOCK), at + "hook_mlp_out", at + "hook_resid_post"]
+    return names
+
+
 def _plain(block: Any, kind: str, seen: list, edit: Any = None) -> Any:
     """A plain PyTorch hook on ``block``'s first input or output (before the module's other forward hooks)."""
     if kind == "pre":
@@ -98,8 +111,8 @@ def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
         plain[point] = (seen, edited)
     hf = _logits(model, batch)
     hm = HookedModel.wrap(model)
-    served = [p for p in hm.hook_dict if p.startswith("vision.")]
-    assert served == [p for p, _, _ in _points(len(blocks))]
+    assert [p for p in hm.hook_dict if p.startswith("vision.")] == _served(len(blocks))
+    served = [p for p, _, _ in _points(len(blocks))]
     with torch.no_grad():
         assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=served)

@@ -22,7 +22,7 @@ the original forward, whatever is attached by then.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -39,8 +39,8 @@ class FrameValues:
     def __init__(self) -> None:
         self.rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.batch: Optional[int] = None
-        self.resid_mid: dict[int, Any] = {}
-        self.mlp_out: dict[int, torch.Tensor] = {}
+        self.resid_mid: dict[Hashable, Any] = {}
+        self.mlp_out: dict[Hashable, torch.Tensor] = {}
         self.block_shape: dict[int, tuple[int, ...]] = {}
         self.token: Optional[RecomputeToken] = None
         self._site_values: dict[int, dict[str, Any]] = {}

@@ -130,7 +130,7 @@ class CoreSites:
         new("hook_embed")
         if self.layout.pos_embed:
             new("hook_pos_embed")
-        self._tower_blocks = create_tower_points(self, new)
+        self._tower = create_tower_points(self, new)
         self._projector = create_image_points(self, new)
         for i, (bl, qkv, mlp) in enumerate(zip(self.block_layouts, self.qkv_layouts, self.mlp_layouts)):
             if bl is None:  # an opaque block: its plugin creates its points
@@ -217,7 +217,7 @@ class CoreSites:
             self.add_site(
                 PositionEmbedSite(m.get_submodule(L.pos_embed), embed, self._core("hook_pos_embed"), self.forward_state)
             )
-        build_tower_sites(self, self._tower_blocks, self._core)
+        build_tower_sites(self, self._tower, self._core)
         build_image_sites(self, self._projector, self._core)
         for i in range(len(self.block_modules)):
             if self.block_layouts[i] is not None:

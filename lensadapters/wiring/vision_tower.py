@@ -9,7 +9,13 @@ proves each point before it is served:
   the first block reads them, for ``i == 0``);
 - ``vision.blocks.{i}.hook_resid_post``: block ``i``'s first output, proven to be the next block's input (and, in the
   tower's ``hidden_states`` record, entry ``i + 1``), and an edit there proven to reach the next block, the record
-  (transformers 5.x's LLaVA reads its selected layer from it) and the tower's output.
+  (transformers 5.x's LLaVA reads its selected layer from it) and the tower's output;
+- ``vision.blocks.{i}.hook_attn_out``, ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out`` and
+  ``ln1.hook_normalized``/``ln2.hook_normalized``: the outputs of the block's attention and MLP children and the
+  input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
+  (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits. An
+  edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
+  one of ``hook_mlp_in`` the MLP only, as on the language model's blocks.
 
 A tower whose forward needs inputs beyond ``pixel_values`` (an image grid, patch positions...) is refused by name
 (:class:`VisionTowerWarning`), and so is any point the probe did not prove. The points fire only in a forward with
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,7 +34,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import InputSite, OutputSite
+from lensadapters.hooks.sites import InputSite, OutputSite, ResidualSite
+from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
 #: the prefix of the vision tower's points
 PREFIX = "vision."
@@ -37,6 +45,15 @@ FIRES_WHEN = "in a forward with images (pixel_values)"
 
 class VisionTowerWarning(UserWarning):
     """The vision tower's points (or some of them) are not served; the message says why."""
+
+
+@dataclass(frozen=True)
+class Tower:
+    """What the probe proved: the tower, its blocks, and their parts (``None``: the residual points only)."""
+
+    module: nn.Module
+    blocks: nn.ModuleList
+    parts: Optional[list[BlockParts]]
 
 
 def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -112,10 +129,64 @@ def _restore(snapshot: list[tuple[nn.Module, set[str], dict[str, set]]]) -> None
                 del table[key]
 
 
-def _run(tower: nn.Module, blocks: nn.ModuleList, pixels: torch.Tensor, edit: Optional[int] = None) -> dict:
-    """One probe forward: each block's first input and output, the tower's output and ``hidden_states``; with
-    ``edit``, block ``edit``'s output is replaced by ``2 * output + 1`` by a hook placed as the site's is."""
-    seen: dict[str, Any] = {"in": {}, "out": {}}
+def _replace_input(args: tuple, kwargs: dict, value: Any) -> tuple[tuple, dict]:
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, next(iter(kwargs)): value}
+
+
+def _replace_output(output: Any, value: Any) -> Any:
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+def _edited(kind: Optional[str], part: Optional[BlockParts], name: str) -> bool:
+    """Whether the child ``name`` is edited (its output; ``ln2``'s input for ``mid``) in a probe of ``kind``."""
+    if kind is None or part is None:
+        return False
+    return name in {"attn": (part.attn,), "mlp": (part.mlp,), "mid": (part.ln2,), "norms": (part.ln1, part.ln2)}[kind]
+
+
+def _watch_children(block: nn.Module, i: int, seen: dict, kind: Optional[str], part: Optional[BlockParts]) -> list:
+    """Hooks recording the first input and output of each of ``block``'s children (edited as ``kind`` says)."""
+    seen["child_in"][i], seen["child_out"][i], calls = {}, {}, seen["calls"].setdefault(i, {})
+    handles = []
+    for name, child in block.named_children():
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            value = args[0] if args else next(iter(kwargs.values()), None)
+            if not isinstance(value, torch.Tensor):
+                return None
+            edit = kind == "mid" and _edited(kind, part, name)
+            value = value * 2 + 1 if edit else value
+            seen["child_in"][i].setdefault(name, value.clone())
+            return _replace_input(args, kwargs, value) if edit else None
+
+        def post(module: nn.Module, args: tuple, output: Any, name: str = name) -> Any:
+            value = _first(output)
+            if not isinstance(value, torch.Tensor):
+                return None
+            edit = kind != "mid" and _edited(kind, part, name)
+            value = value * 2 + 1 if edit else value
+            seen["child_out"][i].setdefault(name, value.clone())
+            return _replace_output(output, value) if edit else None
+
+        handles += [child.register_forward_pre_hook(pre, with_kwargs=True), child.register_forward_hook(post)]
+    return handles
+
+
+def _run(
+    tower: nn.Module,
+    blocks: nn.ModuleList,
+    pixels: torch.Tensor,
+    edit: Optional[int] = None,
+    parts_edit: Optional[tuple[str, list[BlockParts]]] = None,
+) -> dict:
+    """One probe forward: each block's first input and output and its children's, the tower's output and
+    ``hidden_states``; with ``edit``, block ``edit``'s output is replaced by ``2 * output + 1`` by a hook placed as
+    the site's is; with ``parts_edit``, the parts its kind names in every block (see ``vision_parts.EDITS``)."""
+    seen: dict[str, Any] = {"in": {}, "out": {}, "child_in": {}, "child_out": {}, "calls": {}}
+    kind, parts = parts_edit if parts_edit is not None else (None, None)
     handles: list[RemovableHandle] = []
     for i, block in enumerate(blocks):
 
@@ -126,41 +197,68 @@ def _run(tower: nn.Module, blocks: nn.ModuleList, pixels: torch.Tensor, edit: Op
             value = _first(output)
             if i == edit:
                 value = value * 2 + 1
-                output = (value, *output[1:]) if isinstance(output, tuple) else value
+                output = _replace_output(output, value)
             seen["out"][i] = value.clone()
             return output if i == edit else None
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, prepend=True))
+        handles += _watch_children(block, i, seen, kind, parts[i] if parts is not None else None)
     try:
         with torch.no_grad():
             result = tower(pixel_values=pixels, output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
+    for i, calls in seen["calls"].items():  # a child called more than once is no part
+        for name, count in calls.items():
+            if count != 1:
+                seen["child_in"][i].pop(name, None)
+                seen["child_out"][i].pop(name, None)
     seen["hidden"] = getattr(result, "hidden_states", None)
     last = getattr(result, "last_hidden_state", None)
     seen["last"] = (_first(result) if last is None else last).clone()
     return seen
 
 
-def probe(model: nn.Module) -> tuple[Optional[tuple[nn.Module, nn.ModuleList]], list[str]]:
-    """The tower and its blocks when the probe proved their residual points, else ``None``; and the reasons of
-    what is not served."""
+def _probe_parts(
+    tower: nn.Module, blocks: nn.ModuleList, pixels: torch.Tensor, base: dict, path: str
+) -> tuple[Optional[list[BlockParts]], list[str]]:
+    """Each block's parts, found from the probe's values and their edits proven, or ``None`` and why."""
+    found = [find_parts(base["in"][i], base["out"][i], base["child_in"][i], base["child_out"][i]) for i in base["in"]]
+    missing = [i for i, part in enumerate(found) if part is None]
+    if missing:
+        return None, [
+            f"{path}: block {missing[0]} has no attention and MLP children whose outputs, added to the residual, "
+            f"give the block's output"
+        ]
+    parts = [part for part in found if part is not None]
+    for kind in EDITS:
+        reasons = check_part_edits(base, _run(tower, blocks, pixels, parts_edit=(kind, parts)), kind, parts, path)
+        if reasons:
+            return None, reasons
+    return parts, []
+
+
+def probe(model: nn.Module) -> tuple[Optional[Tower], list[str], list[str]]:
+    """The tower when the probe proved its blocks' residual points, else ``None``; the reasons of what is not
+    served: of the tower's points, and of its blocks' parts' points."""
     found = vision_tower(model)
     if found is None:
-        return None, []
+        return None, [], []
     path, tower = found
     blocks = tower_blocks(tower)
     if blocks is None:
-        return None, [f"{path}: no list of its {getattr(tower.config, 'num_hidden_layers', '?')} blocks was found"]
+        return None, [f"{path}: no list of its {getattr(tower.config, 'num_hidden_layers', '?')} blocks was found"], []
     required = _required_inputs(tower)
     if required:
-        return None, [f"{path}: its forward needs {', '.join(required)} besides pixel_values; the probe gives none"]
+        return None, [f"{path}: its forward needs {', '.join(required)} besides pixel_values; the probe gives none"], []
     pixels = _probe_pixels(tower)
     if pixels is None:
-        return None, [f"{path}: its config gives no image_size for a probe image"]
+        return None, [f"{path}: its config gives no image_size for a probe image"], []
     snapshot = _snapshot(tower)
+    parts: Optional[list[BlockParts]] = None
+    part_reasons: list[str] = []
     try:
         base = _run(tower, blocks[1], pixels)
         n = len(blocks[1])
@@ -168,11 +266,13 @@ def probe(model: nn.Module) -> tuple[Optional[tuple[nn.Module, nn.ModuleList]], 
         if not reasons:
             for i in range(n):
                 reasons += _check_edit(base, _run(tower, blocks[1], pixels, edit=i), i, n, path)
+        if not reasons:
+            parts, part_reasons = _probe_parts(tower, blocks[1], pixels, base, path)
     except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses the points, naming it
-        return None, [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"]
+        return None, [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"], []
     finally:
         _restore(snapshot)
-    return (None if reasons else (tower, blocks[1])), reasons
+    return (None if reasons else Tower(tower, blocks[1], parts)), reasons, part_reasons
 
 
 def _check(seen: dict, n: int, path: str) -> list[str]:
@@ -207,30 +307,77 @@ class PrependedOutputSite(OutputSite):
         return [self.module.register_forward_hook(self._hook, prepend=True)]
 
 
-def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optional[nn.ModuleList]:
-    """Create the tower's points that the probe proves (before the projector's: the tower runs first); the blocks,
+class TowerResidualSite(ResidualSite):
+    """A tower block's residual around its MLP (its output's hook prepended, as :class:`PrependedOutputSite`'s)."""
+
+    prepend_block_hook = True
+
+
+def block_names(part: Optional[BlockParts]) -> list[str]:
+    """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire."""
+    if part is None:
+        return ["hook_resid_pre", "hook_resid_post"]
+    ln1 = ["ln1.hook_normalized"] if part.ln1 is not None else []
+    middle = ["hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", "hook_mlp_out"]
+    return ["hook_resid_pre", *ln1, *middle, "hook_resid_post"]
+
+
+def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optional[Tower]:
+    """Create the tower's points that the probe proves (before the projector's: the tower runs first); the tower,
     or ``None`` (with a :class:`VisionTowerWarning` saying why where the model has a tower)."""
-    proven, reasons = probe(wiring.hf_model)
+    proven, reasons, part_reasons = probe(wiring.hf_model)
     if reasons:
         warnings.warn(
             "the vision tower's points are not served: " + "; ".join(reasons), VisionTowerWarning, stacklevel=4
         )
+    if part_reasons:
+        warnings.warn(
+            "the vision tower's attention and MLP points are not served: " + "; ".join(part_reasons),
+            VisionTowerWarning,
+            stacklevel=4,
+        )
     if proven is None:
         return None
-    blocks = proven[1]
     new(PREFIX + "hook_embed").fires_when = FIRES_WHEN
-    for i in range(len(blocks)):
-        for name in ("hook_resid_pre", "hook_resid_post"):
+    for i in range(len(proven.blocks)):
+        for name in block_names(proven.parts[i] if proven.parts is not None else None):
             new(f"{PREFIX}blocks.{i}.{name}").fires_when = FIRES_WHEN
-    return blocks
+    return proven
 
 
-def build_tower_sites(wiring: Any, blocks: Optional[nn.ModuleList], core: Callable[[str], HookPoint]) -> None:
+def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str], HookPoint]) -> None:
     """The sites of the points :func:`create_tower_points` created: a pre-hook on each block's first input (block
-    0's ``hook_embed`` first, then its ``hook_resid_pre``) and a prepended forward hook on its first output."""
-    if blocks is None:
+    0's ``hook_embed`` first, then its ``hook_resid_pre``), a prepended forward hook on its first output, and hooks
+    on its parts' outputs and ``ln2``'s input (a :class:`TowerResidualSite`)."""
+    if tower is None:
         return
-    wiring.add_site(InputSite(blocks[0], core(PREFIX + "hook_embed")))
-    for i, block in enumerate(blocks):
-        wiring.add_site(InputSite(block, core(f"{PREFIX}blocks.{i}.hook_resid_pre")))
-        wiring.add_site(PrependedOutputSite(block, core(f"{PREFIX}blocks.{i}.hook_resid_post")))
+    wiring.add_site(InputSite(tower.blocks[0], core(PREFIX + "hook_embed")))
+    for i, block in enumerate(tower.blocks):
+
+        def pt(name: str, i: int = i) -> HookPoint:
+            return core(f"{PREFIX}blocks.{i}.{name}")
+
+        wiring.add_site(InputSite(block, pt("hook_resid_pre")))
+        if tower.parts is None:
+            wiring.add_site(PrependedOutputSite(block, pt("hook_resid_post")))
+            continue
+        part, get = tower.parts[i], block.get_submodule
+        if part.ln1 is not None:
+            wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
+        wiring.add_site(OutputSite(get(part.attn), pt("hook_attn_out")))
+        wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
+        mlp = get(part.mlp)
+        wiring.add_site(
+            TowerResidualSite(
+                (PREFIX, i),
+                block,
+                get(part.ln2),
+                mlp,
+                wiring.forward_state,
+                pt("hook_resid_mid"),
+                pt("hook_mlp_in"),
+                pt("hook_mlp_out"),
+                pt("hook_resid_post"),
+                residual_add=mlp,
+            )
+        )

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -36,11 +36,16 @@ class ResidualSite(Site):
     ``residual + mlp_out`` becomes ``edited + mlp_out`` inside the checkpointed forward and gradients
     reach the edit through both branches. Blocks without such a module (OPT, whose dropout follows
     ``fc2`` in the block body) are rebuilt at the block output in every case.
+
+    ``layer`` keys the site's values in the forward's state (any key unique to the block); with
+    ``prepend_block_hook`` the block-output hook runs before the block's other forward hooks.
     """
+
+    prepend_block_hook: bool = False
 
     def __init__(
         self,
-        layer: int,
+        layer: Hashable,
         block: nn.Module,
         ln2: Optional[nn.Module],
         mlp_out_module: nn.Module,
@@ -87,7 +92,7 @@ class ResidualSite(Site):
         if mid and self.residual_add is not None and self.residual_add is not self.mlp_out_module:
             handles.append(self.residual_add.register_forward_hook(self._add_delta))
         if mid or self.resid_post.active:
-            handles.append(self.block.register_forward_hook(self._block_out))
+            handles.append(self.block.register_forward_hook(self._block_out, prepend=self.prepend_block_hook))
         return handles
 
     def signature(self) -> tuple[bool, ...]:

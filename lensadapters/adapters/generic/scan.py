@@ -7,6 +7,12 @@
   ``out_proj`` (``d_inner`` inputs) and an activation ``act``: Mamba's selective scan (the published equations:
   ``dt = softplus(dt_proj(dt_in))``, ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t`` with ``A = -exp(A_log)``,
   ``y_t = h_t . C_t``, output ``(y_t + D x_t) * act(gate_t)``). Mamba-2's per-head form: :mod:`.scan_heads`.
+* **Normalized parts**: where ``x_proj``'s three parts (``dt_in``, ``B``, ``C``) are normalized before the scan, the
+  mixer declares it by children ``dt_layernorm``, ``b_layernorm`` and ``c_layernorm`` (one per part, any module:
+  the scan reads each one's output, what the model goes on with; Jamba, Falcon-Mamba on transformers 5), or by a
+  float ``rms_eps`` of its own or ``mixer_rms_eps`` in its ``config`` without such children: a weightless RMS
+  normalization ``v / sqrt(mean(v^2) + eps)`` of each part, computed in float32 and rounded to the part's dtype as
+  transformers does (Falcon-Mamba on transformers 4). The probe verifies the declaration as it does the rest.
 * **Points** (relative to the layer, ``<mixer>`` the mixer child's name): ``<mixer>.hook_dt`` ``[b, p, d_inner]``
   the step sizes, ``<mixer>.hook_ssm_state`` ``[b, p, d_inner, d_state]`` the state after every position,
   ``<mixer>.hook_ssm_out`` ``[b, p, d_inner]`` the scan's output before the ``D`` skip and the gate. Only while one
@@ -40,6 +46,7 @@ from lensadapters.adapters.generic.scan_site import SCAN_POINTS, ScanMismatch, S
 from lensadapters.hooks.hook_point import HookPoint
 
 Tensor = torch.Tensor
+PARTS = ("dt", "b", "c")  # x_proj's output: the step's low-rank input, B and C
 __all__ = ["SCAN_POINTS", "MambaScan", "ScanMismatch", "recognise", "serve_scan"]
 
 
@@ -59,6 +66,20 @@ def recognise(mixer: nn.Module) -> Optional[str]:
     shapes = (i.out_features == 2 * inner, x.in_features == inner, dt.out_features == inner, o.in_features == inner)
     if not all(shapes) or x.out_features != dt.in_features + 2 * state or dt.bias is None:
         return "the children's shapes are not those of Mamba's selective scan"
+    found = [isinstance(getattr(mixer, f"{part}_layernorm", None), nn.Module) for part in PARTS]
+    if any(found) and not all(found):
+        return "some of x_proj's parts have a norm child (dt_layernorm, b_layernorm, c_layernorm) and others none"
+    return None
+
+
+def normalization(mixer: nn.Module) -> Optional[Any]:
+    """How a recognised mixer normalizes x_proj's parts (the module docstring): ``"children"``, the weightless RMS's
+    eps (a float), or ``None`` (not normalized)."""
+    if all(isinstance(getattr(mixer, f"{part}_layernorm", None), nn.Module) for part in PARTS):
+        return "children"
+    for eps in (getattr(mixer, "rms_eps", None), getattr(getattr(mixer, "config", None), "mixer_rms_eps", None)):
+        if isinstance(eps, float) and not isinstance(eps, bool):
+            return eps
     return None
 
 
@@ -71,13 +92,26 @@ class MambaScan(ScanSite):
         self.gate: Optional[Tensor] = None
         self.x: Optional[Tensor] = None
         self.params: Optional[Tensor] = None
+        self.parts: dict[str, Tensor] = {}  # dt_in, B and C as the scan reads them (normalized where the mixer does)
 
     def _readers(self) -> list[Any]:
         m = self.mixer
-        return [
+        handles = [
             m.get_submodule("in_proj").register_forward_hook(self._on_in_proj),
             m.get_submodule("x_proj").register_forward_hook(self._on_x_proj),
         ]
+        if normalization(m) == "children":
+            handles += [
+                m.get_submodule(f"{part}_layernorm").register_forward_hook(
+                    lambda module, args, output, part=part: self._on_norm(part, output)
+                )
+                for part in PARTS
+            ]
+        return handles
+
+    def _on_norm(self, part: str, output: Tensor) -> None:
+        if self.live():
+            self.parts[part] = output
 
     def _on_in_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
@@ -86,29 +120,34 @@ class MambaScan(ScanSite):
     def _on_x_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
             self.x, self.params = args[0], output
+            norm, n = normalization(self.mixer), self.mixer.A_log.shape[1]
+            if norm != "children":
+                for part, v in zip(PARTS, (output[..., : -2 * n], output[..., -2 * n : -n], output[..., -n:])):
+                    self.parts[part] = v if norm is None else _rms(v, float(norm))
 
     def _starts(self, served: Tensor) -> Any:
-        if self.x is None or self.params is None or self.gate is None or self.x.shape[:2] != served.shape[:2]:
-            yield "the mixer did not call in_proj and x_proj on this forward pass (a fused kernel)"
+        x, gate, parts = self.x, self.gate, self.parts
+        if x is None or gate is None or x.shape[:2] != served.shape[:2] or len(parts) != 3:
+            yield "the mixer did not call in_proj, x_proj (and its parts' norms) on this forward pass (a fused kernel)"
+            return
+        if any(v.shape[:2] != x.shape[:2] for v in parts.values()):
+            yield "the norms of x_proj's parts did not normalize this call's positions"
             return
         m, w = self.mixer, self.wide
-        rank = m.dt_proj.in_features
-        dt = F.softplus(F.linear(self.params[..., :rank].to(w), m.dt_proj.weight.to(w), m.dt_proj.bias.to(w)))
+        dt = F.softplus(F.linear(parts["dt"].to(w), m.dt_proj.weight.to(w), m.dt_proj.bias.to(w)))
         for h0 in (self.h0, None) if self.h0 is not None else (None,):
             if h0 is None or h0.shape == (served.shape[0], *m.A_log.shape):
                 yield dt, h0
 
     def _steps(self, dt: Tensor) -> tuple[Tensor, Tensor]:
-        m, x, params = self.mixer, self.x, self.params
-        assert x is not None and params is not None
-        n = m.A_log.shape[1]
-        b = params[..., -2 * n : -n].to(self.wide)
+        m, x = self.mixer, self.x
+        assert x is not None
+        b = self.parts["b"].to(self.wide)
         decay = torch.exp(-torch.exp(m.A_log.to(self.wide))[None, None] * dt[..., None])
         return decay, dt[..., None] * b[:, :, None, :] * x.to(self.wide)[..., None]
 
     def _readout(self, states: Tensor) -> Tensor:
-        assert self.params is not None
-        return (states * self.params[..., -self.mixer.A_log.shape[1] :].to(self.wide)[:, :, None, :]).sum(-1)
+        return (states * self.parts["c"].to(self.wide)[:, :, None, :]).sum(-1)
 
     def _combine(self, ys: Tensor) -> Tensor:
         x, gate = self.x, self.gate
@@ -118,6 +157,13 @@ class MambaScan(ScanSite):
     def edit_reaches(self, base: Tensor) -> Tensor:
         assert self.gate is not None
         return base.float() + self.mixer.act(self.gate.float())
+
+
+def _rms(v: Tensor, eps: float) -> Tensor:
+    """The weightless RMS normalization of the last dimension, in float32 (as transformers does, whatever ``v``'s
+    dtype) and rounded to ``v``'s dtype."""
+    wide = v.to(torch.float32)
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
 def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]:

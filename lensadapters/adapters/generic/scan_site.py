@@ -181,7 +181,7 @@ class ScanSite(Site):
             dt0, h0 = start
             states0 = self._scan(dt0, h0=h0)
             y0 = self._output(states0)[1].to(served.dtype)
-            self.error = float((y0.double() - served.double()).abs().max())
+            self.error = float((y0.double() - served.double()).abs().max().detach())
             if _close(y0, served.to(self.rounding)):
                 break
         else:

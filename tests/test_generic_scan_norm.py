@@ -1,0 +1,172 @@
+"""The selective scan's points on Mamba mixers whose step input, B and C are normalized between ``x_proj`` and the
+scan (lensadapters.adapters.generic.scan): Jamba's norm children and Falcon-Mamba's weightless RMS (its children on
+transformers 5, ``rms_eps`` on 4). Values against a float64 recurrence written here from the HF modules' weights,
+edits against it, no hooks bitwise, gradients against finite differences, cached generation against one pass."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import FalconMambaConfig, FalconMambaForCausalLM, JambaConfig, JambaForCausalLM
+
+from lensadapters import HookedModel, Registry
+from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
+
+POINTS = ("hook_dt", "hook_ssm_state", "hook_ssm_out")
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
+KINDS = ("jamba", "falcon_mamba")
+
+
+def _build(kind: str, dtype: torch.dtype = torch.float32) -> tuple[Any, HookedModel, list[nn.Module], str]:
+    """A tiny model of ``kind`` with Mamba layers 0 and 2 (Jamba's layer 1 attention: its cache needs one): the
+    model, its wrap, its mixers and their child's name."""
+    torch.manual_seed(0)
+    if kind == "jamba":
+        config: Any = JambaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=4,
+            expert_layer_offset=3, num_experts=1, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False,
+            initializer_range=0.2,
+        )  # fmt: skip
+        model: Any = JambaForCausalLM(config)
+        mixers, name = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")], "mamba"
+    else:
+        config = FalconMambaConfig(
+            vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=3, time_step_rank=4,
+            residual_in_fp32=False, mixer_rms_eps=1e-3,
+        )  # fmt: skip
+        model = FalconMambaForCausalLM(config)
+        mixers, name = [layer.mixer for layer in model.backbone.layers], "mixer"
+    model = model.eval().to(dtype)
+    with torch.no_grad():  # D, the steps and the norms' weights away from their initial values: each term matters
+        for mixer in mixers:
+            mixer.D.uniform_(-1.0, 1.0)
+            mixer.A_log.add_(torch.randn_like(mixer.A_log) * 0.3)
+            for norm in _norms(mixer):
+                if isinstance(getattr(norm, "weight", None), nn.Parameter):
+                    norm.weight.uniform_(0.5, 1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, HookedModel.wrap(model, registry=Registry()), mixers, name
+
+
+def _norms(mixer: nn.Module) -> list[nn.Module]:
+    return [m for m in (getattr(mixer, f"{p}_layernorm", None) for p in ("dt", "b", "c")) if isinstance(m, nn.Module)]
+
+
+def _normalized(mixer: Any, part: torch.Tensor, i: int) -> torch.Tensor:
+    """Part ``i`` of x_proj's output normalized in float64 as the HF mixer says: its norm child's eps and weight (a
+    parameter), or the weightless RMS with the mixer's ``rms_eps``."""
+    norms = _norms(mixer)
+    norm = norms[i] if norms else None
+    eps = mixer.rms_eps if norm is None else getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    out = part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + float(eps))
+    weight = getattr(norm, "weight", None)
+    return out * weight.double() if isinstance(weight, nn.Parameter) else out
+
+
+def _seen(model: Any, mixer: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """What the mixer gave in_proj's and x_proj's outputs and out_proj's input (plain PyTorch hooks)."""
+    seen: dict[str, Any] = {}
+    handles = [
+        mixer.in_proj.register_forward_hook(lambda m, a, o: keep(seen, "in", o)),
+        mixer.x_proj.register_forward_hook(lambda m, a, o: keep(seen, "xp", (a[0], o))),
+        mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0])),
+    ]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _reference(mixer: Any, seen: dict, dt_edit: Any = None, state_at: Any = None, out_edit: Any = None) -> dict:
+    """The selective scan in float64 from the normalized parts, one position at a time, with an optional edit."""
+    x, xp = seen["xp"]
+    x, gate = x.double(), seen["in"][..., mixer.intermediate_size :].double()
+    r, n = mixer.time_step_rank, mixer.ssm_state_size
+    delta_in, b, c = (_normalized(mixer, p, i) for i, p in enumerate(xp.double().split([r, n, n], -1)))
+    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
+    dt = dt if dt_edit is None else dt_edit(dt)
+    a = -torch.exp(mixer.A_log.double())
+    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
+    states, ys = [], []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
+        if state_at is not None and state_at[0] == t:
+            h = state_at[1]
+        states.append(h)
+        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
+    y = torch.stack(ys, 1)
+    y = y if out_edit is None else out_edit(y)
+    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
+
+
+def _served(hm: HookedModel, mixer: nn.Module, name: str, hooks: list) -> tuple[dict, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0]))
+
+    def read(point: str) -> Any:
+        return lambda t, hook: keep(got, point, t.detach().clone())
+
+    try:
+        with torch.no_grad(), hm.hooks([(f"blocks.0.{name}.{p}", read(p)) for p in POINTS] + hooks):
+            hm(IDS, use_cache=False)
+    finally:
+        handle.remove()
+    return got, seen["out_in"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_points_are_the_normalized_scan_and_cost_nothing_unhooked(kind: str) -> None:
+    model, hm, mixers, name = _build(kind)
+    assert all(f"blocks.{i}.{name}.{p}" in hm.hook_names for i in (0, 2) for p in POINTS)
+    seen = _seen(model, mixers[0], IDS)
+    ref = _reference(mixers[0], seen)
+    got, out_in = _served(hm, mixers[0], name, [])
+    torch.testing.assert_close(got["hook_dt"].double(), ref["dt"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["hook_ssm_state"].double(), ref["state"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["hook_ssm_out"].double(), ref["y"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out_in.double(), ref["out_in"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(out_in, seen["out_in"])  # reading edits nothing: the model's own value goes on
+    with torch.no_grad():
+        assert torch.equal(hm(IDS).logits, model(IDS).logits)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("which", ["dt", "state", "out"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_edit_changes_the_rest_of_the_normalized_scan(kind: str, which: str) -> None:
+    model, hm, mixers, name = _build(kind)
+    seen = _seen(model, mixers[0], IDS)
+    ref = _reference(mixers[0], seen)
+    point, hook, kwargs = edits(which, ref["state"][:, 3] * -2.0 + 0.25)
+    expected = _reference(mixers[0], seen, **kwargs)
+    _, out_in = _served(hm, mixers[0], name, [(f"blocks.0.{name}.{point.split('.')[-1]}", hook)])
+    torch.testing.assert_close(out_in.double(), expected["out_in"], atol=1e-5, rtol=1e-5)
+    assert (out_in.double() - ref["out_in"]).abs().max() > 3e-4  # the edit matters: 30 times the tolerance
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_through_an_edit_of_the_normalized_scan(kind: str, point: str) -> None:
+    _, hm, mixers, name = _build(kind, torch.float64)
+    check_gradient_through_an_edit(hm, IDS[:1, :5], f"blocks.0.{name}.{point}", mixers[0], at_input=False)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_generation_with_an_edit_of_the_normalized_scan(kind: str, point: str) -> None:
+    _, hm, _, name = _build(kind)
+    check_cached_edit(hm, IDS[:, :4], f"blocks.2.{name}.{point}")
+    hm.unwrap()

@@ -55,8 +55,8 @@ from lensadapters.adapters.moe import (
 from lensadapters.adapters.protocol import Hooked
 from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.hooks import specs as _specs
-from lensadapters.hooks.attention import explicit_attention
 from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
+from lensadapters.hooks.explicit_attention import explicit_attention
 from lensadapters.hooks.frames import ForwardState, FrameValues
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lensadapters import HookedModel
 from lensadapters.hf import size_fields
-from lensadapters.hooks import attention
+from lensadapters.hooks import explicit_attention as attention
 from lensadapters.testing import reinit
 
 LAYERS = 3

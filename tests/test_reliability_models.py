@@ -285,7 +285,7 @@ def test_a_wrapped_model_is_garbage_once_dropped(arch: str, state: str) -> None:
 def test_no_attention_mask_is_kept_after_a_call(monkeypatch) -> None:
     """Everything derived from an attention mask for explicit attention dies with the call (nothing module-global
     keeps a mask or a tensor made from it), after unwrap and after the model is deleted alike."""
-    from lensadapters import attention
+    from lensadapters.hooks import explicit_attention as attention
 
     made: list[weakref.ref] = []
     original = attention._allowed_and_bias_info

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lensadapters.hooks.attention import default_scores, explicit_attention
+from lensadapters.hooks.explicit_attention import default_scores, explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import first_input, first_output
 

@@ -481,3 +481,14 @@ def test_a_composite_config_builds_its_causal_lm_from_its_text_config_as_from_pr
         assert type(build(model_type)).__name__ == name
     plain = LlamaConfig()
     assert causal_lm_class(plain) == (AutoModelForCausalLM, plain)
+
+
+def test_a_child_wrapping_the_attention_and_its_norms_counts_as_the_parts_it_holds() -> None:
+    """DBRX's layer holds its two norms and its attention in one child (``norm_attn_norm``): the census expects the
+    attention points, both norms and ``hook_resid_mid`` there, as for a layer holding them itself, and the table's
+    count and the progress line's agree (the points served whole over those the architecture has)."""
+    entry = census_entry("dbrx", check=False)
+    expected = {"blocks.0.attn.hook_pattern", "blocks.0.attn.hook_q", "blocks.0.hook_resid_mid"}
+    assert expected <= set(entry.applicable), entry.applicable
+    whole = (set(entry.served) - set(entry.refused)) & set(entry.applicable)
+    assert entry.points == f"{len(whole)}/{len(entry.applicable)}"

@@ -86,6 +86,12 @@ class Entry:
         return "FULL" if self.full else "PARTIAL"
 
     @property
+    def points(self) -> str:
+        """``served/applicable``: how many of the points the architecture has are served whole (editable too)."""
+        whole = (set(self.served) - set(self.refused)) & set(self.applicable)
+        return f"{len(whole)}/{len(self.applicable)}" if self.applicable else "-"
+
+    @property
     def missing(self) -> list[str]:
         return [p for p in self.applicable if p not in self.served or p in self.refused]
 
@@ -174,12 +180,27 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else None
 
 
+def _is_attention(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention")
+
+
+def _layer_parts(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A layer's children, where a child wraps the attention module (DBRX's norm-attention-norm block: the two norms
+    and the attention of the layer in one child) its own children in its place: the parts the layer has either way."""
+    parts: list[tuple[str, nn.Module]] = []
+    for name, child in layer.named_children():
+        inner = list(child.named_children())
+        wraps_attention = not _is_attention(child) and any(_is_attention(c) for _, c in inner)
+        parts += inner if wraps_attention else [(name, child)]
+    return parts
+
+
 def applicable_points(layer: nn.Module, layout: Any = None, final_norm: bool = True) -> tuple[str, ...]:
     """The canonical points the architecture of ``layer`` (a first decoder layer) has (see the module docstring);
     with its (verified) ``BlockLayout``, the pre-norms and ``hook_resid_mid`` are the ones the layout has;
     ``ln_final.hook_scale`` where the model has a final norm (``final_norm``, :func:`has_final_norm`)."""
-    children = list(layer.named_children())
-    attention = [c for _, c in children if type(c).__name__.endswith("Attention")]
+    children = _layer_parts(layer)
+    attention = [c for _, c in children if _is_attention(c)]
     norms = [c for _, c in children if _is_norm(c)]
     others = [
         c
@@ -271,7 +292,7 @@ def run_census(model_types: Optional[Iterable[str]] = None, check: bool = True, 
     for model_type in model_types or causal_lm_model_types():
         entry = census_entry(model_type, check)
         if verbose:
-            print(f"{model_type:28s} {entry.status:14s} {len(entry.served)}/{len(entry.applicable)}", flush=True)
+            print(f"{model_type:28s} {entry.status:14s} {entry.points}", flush=True)
         entries.append(entry)
     return entries
 
@@ -299,9 +320,7 @@ def markdown(entries: list[Entry]) -> str:
         missing = ", ".join(p.replace("blocks.0.", "") for p in e.missing)
         wrong = "; ".join([f"WRONG {k}: {v}" for k, v in e.wrong.items()] + [f"{k}: {v}" for k, v in e.refused.items()])
         why = (wrong + " " + e.why).strip().replace("|", "/").replace("\n", " ")
-        whole = (set(e.served) - set(e.refused)) & set(e.applicable)
-        points = f"{len(whole)}/{len(e.applicable)}" if e.applicable else "-"
-        lines.append(f"| {e.model_type} | {e.adapter} | {points} | {e.status} | {missing} | {why[:300]} |")
+        lines.append(f"| {e.model_type} | {e.adapter} | {e.points} | {e.status} | {missing} | {why[:300]} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 one key the model shares over the heads (the hooks make a per-head edit, and the per-head gradient, on the keys the
 attention function gets): every sweep of ``"k"``/``"rot_k"`` equals the same patch made by hand with
 ``run_with_hooks``, and every attribution score of the keys equals (clean - corrupted) . gradient read by a backward
-hook, and the derivative of the metric along that patch; on the DeepSeek-V3 plugin's tiny model and on the generic
+hook, and the derivative of the metric along that patch; on the DeepSeek-V3 plugin's tiny V3 and V2 and on the generic
 adapter's automatic description of a DeepSeek-V3."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ KEYS = ("k", "rot_k")
 
 def _generic_pair() -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
     """A dense two-layer DeepSeek-V3 (query latent, interleaved rope) described by the generic adapter (no plugin
-    asked for), in float64; two prompts of 5 tokens whose second token differs."""
+    asked for), in float64, with :func:`_prompts`."""
     config = tiny_config_of(
         DeepseekV3Config,
         kv_heads=4,
@@ -46,6 +46,11 @@ def _generic_pair() -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hm = HookedModel.wrap(model, adapter="generic")
+    return (hm, *_prompts(hm))
+
+
+def _prompts(hm: Any) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """Two prompts of 5 tokens whose second token differs, and a logit difference at the last position."""
     clean = torch.randint(3, hm.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(1))
     corrupted = clean.clone()
     corrupted[:, 1] = (clean[:, 1] + 7) % hm.cfg.d_vocab
@@ -53,18 +58,27 @@ def _generic_pair() -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
     def metric(logits: Tensor) -> Tensor:
         return (logits[:, -1, 5] - logits[:, -1, 7]).sum()
 
-    return hm, clean, corrupted, metric
+    return clean, corrupted, metric
+
+
+def _v2_pair() -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """The plugin's DeepSeek-V2 (complex rotary of the interleaved rope pairs; a dense layer, then a softmax-routed
+    MoE), in float32 (the grouped experts run in no other), with :func:`_prompts`."""
+    testing = pytest.importorskip("lensadapters_deepseek_v3.testing")
+    config = testing.deepseek_v3_config(v2=True, n_heads=4, hidden=32, layers=2, dense_layers=1, experts=4)
+    hm = HookedModel.wrap(testing.DeepseekV3Contract().make_model(config, 0))
+    return (hm, *_prompts(hm))
 
 
 def pair(which: str) -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    if which == "plugin":
-        if not installed("deepseek_v3"):
-            pytest.skip("no plugin for 'deepseek_v3' is installed")
-        return patching_pair("deepseek_v3")
-    return _generic_pair()
+    if which == "generic":
+        return _generic_pair()
+    if not installed("deepseek_v3"):
+        pytest.skip("no plugin for 'deepseek_v3' is installed")
+    return patching_pair("deepseek_v3") if which == "plugin" else _v2_pair()
 
 
-WHICH = ["plugin", "generic"]
+WHICH = ["plugin", "plugin V2", "generic"]
 
 
 def _shared_key_layers(hm: Any) -> list[int]:

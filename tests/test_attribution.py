@@ -10,7 +10,6 @@ import torch
 
 from lensadapters import attribution
 from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, patching_pair
-from lensadapters.wiring import shared_key_blocks
 
 
 def setup(arch: str, seed: int = 0):
@@ -113,10 +112,6 @@ def test_the_qk_fix_takes_the_patched_runs_attention_pattern(arch: str) -> None:
     )
     plain = plain and not shared_norm and not sinks
     sides = "qk"
-    if shared_key_blocks(hm):  # heads sharing key columns (MLA's rope key): one head's keys are refused by name
-        with pytest.raises(attribution.AttributionUnavailable, match=r"blocks \[.*share key columns"):
-            attribution.attribute(hm, clean, corrupted, metric, ["q", "k"], qk_fix=True, progress=False)
-        sides = "q"
     try:
         result = attribution.attribute(hm, clean, corrupted, metric, list(sides), qk_fix=True, progress=False)
         fixed = {w: result.scores(w, ("layer", "pos", "head"), qk_fix=True) for w in sides}

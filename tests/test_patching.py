@@ -13,7 +13,6 @@ from lensadapters import HookedModel, patching
 from lensadapters.analysis.utils import get_act_name
 from lensadapters.testing import attention_layers
 from lensadapters.testing.tiny_models import ARCH_NAMES, first_causal, from_config, gqa_llama, needs, tiny
-from lensadapters.wiring import shared_key_blocks
 
 
 def setup(arch: str, seed: int = 0):
@@ -66,12 +65,8 @@ def test_head_sweeps_have_transformer_lens_shapes(arch: str) -> None:
         patching.get_act_patch_attn_head_k_all_pos: (n, kv),
         patching.get_act_patch_attn_head_by_pos_every: (5, n, 5, h),
     }
-    shared = shared_key_blocks(hm)  # heads sharing key columns (MLA's rope key): one head's keys are refused
     for sweep, shape in head_sweeps.items():
-        if shared and sweep is not patching.get_act_patch_attn_head_out_all_pos:  # the keys, alone or among all
-            with pytest.raises(ValueError, match=rf"blocks \[{', '.join(map(str, shared))}\] share key columns"):
-                sweep(hm, corrupted, cache, metric)
-        elif len(layers) == n:
+        if len(layers) == n:
             assert sweep(hm, corrupted, cache, metric).shape == shape
         else:  # a hybrid: no heads in the blocks with another token mixer; refused by name
             others = [i for i in range(n) if i not in layers]
@@ -182,15 +177,8 @@ def reordering(hm, corrupted, copies: int = 7) -> float:
 
 
 def sweeps_of(hm) -> list[str]:
-    """The sweeps a model serves: no ``resid_mid`` sweep without the point, no key sweep where heads share key
-    columns (``test_head_sweeps_have_transformer_lens_shapes`` checks that refusal)."""
-    shared = bool(shared_key_blocks(hm))
-    return [
-        s
-        for s in SWEEPS
-        if (s != "get_act_patch_resid_mid" or "blocks.0.hook_resid_mid" in hm.hook_dict)
-        and not (shared and s.startswith("get_act_patch_attn_head_k_"))
-    ]
+    """The sweeps a model serves: no ``resid_mid`` sweep without the point."""
+    return [s for s in SWEEPS if s != "get_act_patch_resid_mid" or "blocks.0.hook_resid_mid" in hm.hook_dict]
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)

@@ -47,7 +47,6 @@ from lensadapters.analysis.attribution_runs import (  # noqa: F401  (re-exported
     _scalar,
     _tokens,
     forward_backward,
-    require_per_head_keys,
     require_softmax_attention,
 )
 from lensadapters.analysis.qk_fix import QKFixUnavailable, qk_fixed, qk_names
@@ -61,7 +60,6 @@ __all__ = [
     "QKFixUnavailable",
     "attribute",
     "forward_backward",
-    "require_per_head_keys",
     "get_attr_patch_resid_pre",
     "get_attr_patch_resid_mid",
     "get_attr_patch_attn_out",
@@ -239,7 +237,6 @@ def attribute(
     if at not in ("corrupted", "clean"):
         raise ValueError(f"at must be 'corrupted' (Nanda's attribution patching) or 'clean', not {at!r}")
     names = [names] if isinstance(names, str) else list(names)
-    require_per_head_keys(model, names)
     clean_tokens, corrupted_tokens = _tokens(model, clean_tokens), _tokens(model, corrupted_tokens)
     cfg = model.cfg
     values: list[str] = []

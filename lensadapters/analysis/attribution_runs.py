@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lensadapters.wiring.names import non_attention_blocks, shared_key_blocks
+from lensadapters.wiring.names import non_attention_blocks
 
 Tensor = torch.Tensor
 Metric = Callable[[Tensor], Tensor]
@@ -30,19 +30,6 @@ def require_softmax_attention(model: Any) -> None:
             f"blocks {mixers} of this model mix tokens with something other than softmax attention (linear attention "
             f"or a state-space layer): attribution patching and EAP are not verified there yet. Use activation "
             f"patching (lensadapters.patching), which runs the model itself"
-        )
-
-
-def require_per_head_keys(model: Any, names: Sequence[str]) -> None:
-    """Refuse one head's keys (``"k"``, ``"rot_k"``) on blocks where every head shares key columns (multi-head latent
-    attention's rope key, ``SeparateQKV.shared_key_columns``): the model computes them once, before the heads exist,
-    so the gradient with respect to one head's copy is not a value of its backward."""
-    blocks = shared_key_blocks(model) if any(n in ("k", "rot_k") for n in names) else []
-    if blocks:
-        raise AttributionUnavailable(
-            f"blocks {blocks} share key columns across their heads (multi-head latent attention's rope key, computed "
-            f"once for every head): one head's keys have no gradient of their own. Score the queries, values or "
-            f"outputs per head, or the shared key itself (attn.hook_k_rope) by name"
         )
 
 

@@ -19,7 +19,6 @@ import torch
 from tqdm.auto import tqdm
 
 from lensadapters.analysis.utils import get_act_name
-from lensadapters.wiring.names import shared_key_blocks
 
 Tensor = torch.Tensor
 Metric = Callable[[Tensor], Tensor]
@@ -193,16 +192,6 @@ def _require_points(model: Any, activation_name: str, rows: list[list[int]]) -> 
     no ``attn.*`` point: no heads, queries, keys, values or pattern), naming them and the blocks that have it."""
     names = set(model.hook_names)
     layers = range(model.cfg.n_layers)
-    shared = (
-        sorted({row[0] for row in rows} & set(shared_key_blocks(model))) if activation_name in ("k", "rot_k") else []
-    )
-    if shared:
-        raise ValueError(
-            f"blocks {shared} share key columns across their heads (multi-head latent attention's rope key, computed "
-            f"once for every head): {activation_name!r} cannot be patched from another run there (it would change "
-            f"that shared key for one head, or every head's at once where the runs differ); patch attn.hook_k_rope "
-            f"and attn.hook_kv_latent by name, or the queries, values or outputs per head"
-        )
     missing = sorted({row[0] for row in rows if get_act_name(activation_name, layer=row[0]) not in names})
     if missing:
         present = [i for i in layers if get_act_name(activation_name, layer=i) in names]

@@ -372,9 +372,10 @@ class SeparateQKV:
     ``norm(edit) @ W_Q/W_K/W_V``.
 
     ``shared_key_columns=n`` says the last ``n`` columns of every head's key are one key that every head shares,
-    computed before the heads exist (multi-head latent attention's rope key): no edit can change them for one head
-    alone, so the analyses that patch or differentiate one head's keys (``"k"``/``"rot_k"`` in activation and
-    attribution patching) refuse those blocks by name (``wiring.shared_key_blocks``).
+    computed before the heads exist (multi-head latent attention's rope key). The model's own tensors cannot change
+    them for one head alone; the site that serves such keys makes a per-head edit of ``hook_k``/``hook_rot_k`` on the
+    keys the attention function gets (and reads the per-head gradient there), so one head's keys are patched and
+    attributed like any other's. It describes the layer; nothing refuses it.
     """
 
     q: str

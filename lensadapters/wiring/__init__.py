@@ -13,7 +13,6 @@ from lensadapters.wiring.names import (
     is_gated,
     non_attention_blocks,
     qkv_point_names,
-    shared_key_blocks,
 )
 
 __all__ = [
@@ -24,5 +23,4 @@ __all__ = [
     "is_gated",
     "non_attention_blocks",
     "qkv_point_names",
-    "shared_key_blocks",
 ]

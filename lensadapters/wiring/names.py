@@ -90,13 +90,6 @@ def non_attention_blocks(hooked: Any) -> list[int]:
     return [i for i, (block, qkv) in enumerate(layouts) if block is not None and qkv is None]
 
 
-def shared_key_blocks(hooked: Any) -> list[int]:
-    """The blocks whose heads' keys share columns (``SeparateQKV.shared_key_columns``: multi-head latent attention's
-    rope key, one for every head): one head's keys cannot be patched or differentiated alone there."""
-    layouts = getattr(hooked, "qkv_layouts", None) or []
-    return [i for i, qkv in enumerate(layouts) if getattr(qkv, "shared_key_columns", 0)]
-
-
 def blocks_without_head_inputs(hooked: Any) -> list[int]:
     """The softmax-attention blocks without every per-head input point (``hook_q_input``/``hook_k_input``/
     ``hook_v_input``): projections that are not linear maps of the normalized residual (``SeparateQKV.head_inputs``

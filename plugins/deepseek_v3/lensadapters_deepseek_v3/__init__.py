@@ -19,13 +19,13 @@ Multi-head latent attention (MLA), with TransformerLens' names where they exist 
 * ``hook_attn_scores``, ``hook_pattern``, ``hook_z`` ``[b, p, h, v_head_dim]``, ``hook_result``: as usual
   (``cfg.d_head`` is the query/key head size, ``cfg.extra["v_head_dim"]`` the value head size).
 
-An edit of a point changes everything downstream as if the model had computed it, with two refusals, by name: the
-rope columns of ``hook_k``/``hook_rot_k`` are one key shared by every head, computed before the per-head keys
-exist (edit ``attn.hook_k_rope``); and under transformers 5, whose cache keeps the latents, an edit of
-``hook_k``/``hook_rot_k``/``hook_v`` during cached generation would be lost at the next step (edit the latents, or
-generate without the cache). A backward hook on ``hook_k``/``hook_rot_k`` is refused too: one head's copy of the
-shared rope key has no gradient of its own (``SeparateQKV.shared_key_columns`` tells the core's analyses so, which
-refuse patching or attributing one head's keys). ``W_Q`` is served where ``q_proj`` projects the residual
+An edit of a point changes everything downstream as if the model had computed it. The rope columns of
+``hook_k``/``hook_rot_k`` are one key the model shares over the heads, computed before the per-head keys exist: a
+per-head edit of them is made on the keys the attention function gets, and a backward hook there gets the gradient
+of those keys per head, so the core's activation and attribution patching of one head's keys are exact. Refused by
+name: under transformers 5, whose cache keeps the latents, an edit of ``hook_k``/``hook_rot_k``/``hook_v`` during
+cached generation would be lost at the next step (edit the latents, or generate without the cache). ``W_Q`` is
+served where ``q_proj`` projects the residual
 directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
 down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
 maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,

@@ -1,10 +1,11 @@
-"""Checks the tests of the selective-scan points share (``tests/test_generic_scan.py``, Mamba's form, and
-``tests/test_generic_scan_heads.py``, Mamba-2's): hooks that record or set a state, the gradient through an edit
-against finite differences, cached generation with an edit against one full pass."""
+"""Checks the tests of the selective-scan points share (``tests/test_generic_scan.py``, Mamba's form,
+``tests/test_generic_scan_norm.py``, its normalized form, and ``tests/test_generic_scan_heads.py``, Mamba-2's): hooks
+that record or set a state, what the mixer's modules see, the gradient through an edit against finite differences,
+cached generation with an edit against one full pass."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +17,59 @@ from lensadapters.testing.strategies import Inputs
 def keep(into: dict, key: str, value: Any) -> None:
     """Record ``value`` (a hook that returns nothing: it edits nothing)."""
     into.setdefault(key, value)
+
+
+def recorded(
+    run: Callable[[], Any], outputs: Mapping[str, nn.Module] = {}, inputs: Mapping[str, nn.Module] = {}
+) -> dict[str, Any]:
+    """What ``run()`` gives each module of ``outputs`` as its output and each of ``inputs`` as its first input (the
+    first call of each), by key: plain PyTorch hooks, removed after."""
+    seen: dict[str, Any] = {}
+    handles = [m.register_forward_hook(lambda m, a, o, key=key: keep(seen, key, o)) for key, m in outputs.items()]
+    handles += [m.register_forward_pre_hook(lambda m, a, key=key: keep(seen, key, a[0])) for key, m in inputs.items()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def mamba_mixer_io(model: Any, mixer: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """What a Mamba-form ``mixer`` gives, in one pass of ``model`` on ``ids`` (no gradients, no cache), in_proj's output
+    (``in``), x_proj's input and output (``x``, ``xp``) and out_proj's input (``out_in``)."""
+
+    def run() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+
+    outputs = {"in": mixer.in_proj, "xp": mixer.x_proj}
+    return recorded(run, outputs, inputs={"x": mixer.x_proj, "out_in": mixer.out_proj})
+
+
+def read_points(
+    hm: Any,
+    ids: torch.Tensor,
+    prefix: str,
+    points: Sequence[str],
+    hooks: list,
+    outputs: Mapping[str, nn.Module] = {},
+    inputs: Mapping[str, nn.Module] = {},
+    **kwargs: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One pass of ``hm`` on ``ids`` (no gradients, no cache, ``kwargs`` passed on) with ``hooks`` added: a copy of
+    each of ``points`` (named ``prefix + point``) by point, and what :func:`recorded` saw of ``outputs`` and
+    ``inputs``."""
+    got: dict[str, torch.Tensor] = {}
+
+    def read(point: str) -> Any:
+        return lambda t, hook: keep(got, point, t.detach().clone())
+
+    def run() -> None:
+        with torch.no_grad(), hm.hooks([(f"{prefix}{p}", read(p)) for p in points] + hooks):
+            hm(ids, use_cache=False, **kwargs)
+
+    return got, recorded(run, outputs, inputs)
 
 
 def set_state(t: int, value: torch.Tensor) -> Callable[[torch.Tensor, Any], torch.Tensor]:

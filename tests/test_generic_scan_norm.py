@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import FalconMambaConfig, FalconMambaForCausalLM, JambaConfig, JambaForCausalLM
 
@@ -20,6 +19,7 @@ from lensadapters.testing.scan_checks import (
     check_gradient_through_an_edit,
     edits,
     mamba_mixer_io,
+    mamba_reference,
     read_points,
 )
 
@@ -76,26 +76,9 @@ def _normalized(mixer: Any, part: torch.Tensor, i: int) -> torch.Tensor:
     return out * weight.double() if isinstance(weight, nn.Parameter) else out
 
 
-def _reference(mixer: Any, seen: dict, dt_edit: Any = None, state_at: Any = None, out_edit: Any = None) -> dict:
+def _reference(mixer: Any, seen: dict, **edit: Any) -> dict:
     """The selective scan in float64 from the normalized parts, one position at a time, with an optional edit."""
-    x, xp = seen["x"], seen["xp"]
-    x, gate = x.double(), seen["in"][..., mixer.intermediate_size :].double()
-    r, n = mixer.time_step_rank, mixer.ssm_state_size
-    delta_in, b, c = (_normalized(mixer, p, i) for i, p in enumerate(xp.double().split([r, n, n], -1)))
-    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
-    dt = dt if dt_edit is None else dt_edit(dt)
-    a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    y = y if out_edit is None else out_edit(y)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
+    return mamba_reference(mixer, seen, lambda parts: [_normalized(mixer, p, i) for i, p in enumerate(parts)], **edit)
 
 
 def _served(hm: HookedModel, mixer: nn.Module, name: str, hooks: list) -> tuple[dict, torch.Tensor]:

@@ -5,9 +5,10 @@ cached generation with an edit against one full pass."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.testing.contract_support import check_edited_generation
@@ -45,6 +46,41 @@ def mamba_mixer_io(model: Any, mixer: nn.Module, ids: torch.Tensor) -> dict[str,
 
     outputs = {"in": mixer.in_proj, "xp": mixer.x_proj}
     return recorded(run, outputs, inputs={"x": mixer.x_proj, "out_in": mixer.out_proj})
+
+
+def mamba_reference(
+    mixer: Any,
+    seen: dict[str, Any],
+    parts: Optional[Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]] = None,
+    dt_edit: Any = None,
+    state_at: Any = None,
+    out_edit: Any = None,
+) -> dict[str, torch.Tensor]:
+    """Mamba's selective scan in float64 from the published equations (Gu and Dao 2023, Algorithm 2), one position at
+    a time, from what :func:`mamba_mixer_io` saw, with an optional edit: ``dt_edit(dt)``, ``state_at = (t, new state
+    at t)``, ``out_edit(y)``. ``parts`` maps x_proj's output split into the step input, B and C (float64) to what the
+    scan reads (a mixer that normalizes them: their norms; default, as they are). Returns ``dt``, ``state``, ``y`` and
+    out_proj's input ``out_in``."""
+    x, gate = seen["x"].double(), seen["in"][..., mixer.intermediate_size :].double()
+    r, n = mixer.time_step_rank, mixer.ssm_state_size
+    split = seen["xp"].double().split([r, n, n], -1)
+    delta_in, b, c = split if parts is None else parts(split)
+    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
+    if dt_edit is not None:
+        dt = dt_edit(dt)
+    a = -torch.exp(mixer.A_log.double())
+    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
+    states, ys = [], []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
+        if state_at is not None and state_at[0] == t:
+            h = state_at[1]
+        states.append(h)
+        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
+    y = torch.stack(ys, 1)
+    if out_edit is not None:
+        y = out_edit(y)
+    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
 
 
 def read_points(

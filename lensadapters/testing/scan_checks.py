@@ -36,7 +36,7 @@ def recorded(
     return seen
 
 
-def mamba_mixer_io(model: Any, mixer: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+def mamba_mixer_io(model: Any, mixer: Any, ids: torch.Tensor) -> dict[str, Any]:
     """What a Mamba-form ``mixer`` gives, in one pass of ``model`` on ``ids`` (no gradients, no cache), in_proj's output
     (``in``), x_proj's input and output (``x``, ``xp``) and out_proj's input (``out_in``)."""
 

@@ -23,6 +23,7 @@ from lensadapters.testing.scan_checks import (
     keep,
     read_points,
     recorded,
+    recurrence,
 )
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
@@ -95,19 +96,17 @@ def _reference(
     if dt_edit is not None:
         dt = dt_edit(dt)
     a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bhdn,bhn->bhd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    if out_edit is not None:
-        y = out_edit(y)
-    norm_in = (y + x * mixer.D.double()[:, None]).flatten(2)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "norm_in": norm_in}
+    states, y = recurrence(
+        torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64),
+        lambda h, t: (
+            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
+        ),
+        lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
+        x.shape[1],
+        state_at,
+        out_edit,
+    )
+    return {"dt": dt, "state": states, "y": y, "norm_in": (y + x * mixer.D.double()[:, None]).flatten(2)}
 
 
 def _with_input_edit(model: Any, ids: torch.Tensor, module: Any, edit: Callable[[torch.Tensor], Any]) -> Any:

@@ -48,6 +48,30 @@ def mamba_mixer_io(model: Any, mixer: Any, ids: torch.Tensor) -> dict[str, Any]:
     return recorded(run, outputs, inputs={"x": mixer.x_proj, "out_in": mixer.out_proj})
 
 
+def recurrence(
+    h: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    read: Callable[[torch.Tensor, int], torch.Tensor],
+    length: int,
+    state_at: Any = None,
+    out_edit: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scan one position at a time from the state ``h``: ``h = step(h, t)`` (or the state of ``state_at = (t,
+    state)`` at its position ``t``), the output ``read(h, t)``. Returns the states and the outputs stacked along
+    positions (dimension 1), the outputs through ``out_edit`` (optional), as the scan points' edits mean."""
+    states, ys = [], []
+    for t in range(length):
+        h = step(h, t)
+        if state_at is not None and state_at[0] == t:
+            h = state_at[1]
+        states.append(h)
+        ys.append(read(h, t))
+    y = torch.stack(ys, 1)
+    if out_edit is not None:
+        y = out_edit(y)
+    return torch.stack(states, 1), y
+
+
 def mamba_reference(
     mixer: Any,
     seen: dict[str, Any],
@@ -69,18 +93,15 @@ def mamba_reference(
     if dt_edit is not None:
         dt = dt_edit(dt)
     a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    if out_edit is not None:
-        y = out_edit(y)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
+    states, y = recurrence(
+        torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64),
+        lambda h, t: torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None],
+        lambda h, t: torch.einsum("bdn,bn->bd", h, c[:, t]),
+        x.shape[1],
+        state_at,
+        out_edit,
+    )
+    return {"dt": dt, "state": states, "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
 
 
 def read_points(

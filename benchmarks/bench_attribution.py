@@ -20,11 +20,9 @@ Results: a table on stdout, ``benchmarks/results/bench_attribution.{json,md}`` (
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import io
-import json
 import statistics
 import sys
 import time
@@ -33,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import build_hf, hf_config, machine, versions  # noqa: E402
+from bench_peers import build_hf, hf_config, machine  # noqa: E402
+from model_sweeps import sweep_parser, write_results  # noqa: E402
 
 
 def run(kind: str, layers: int, batch: int, length: int, rounds: int, device: str = "cpu") -> list[dict]:
@@ -119,15 +118,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = sweep_parser(__doc__.split("\n\n")[0], length=32, batch=4)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the baseline runs on the same device)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -140,12 +132,8 @@ def main() -> None:
         f"batch {args.batch} x {args.length} tokens, float32, median of {args.rounds} interleaved rounds after a "
         f"warm-up round; {datetime.date.today()})"
     )
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
     name = "bench_attribution" + ("" if args.device == "cpu" else f"_{args.device}")
-    (folder / f"{name}.md").write_text(header + "\n\n" + table(rows) + "\n")
-    payload = {"args": vars(args), "versions": versions(), "machine": machine(), "rows": rows}
-    (folder / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_results(args, name, header, table(rows), rows)
     print(header)
 
 

@@ -18,9 +18,7 @@ Results: a table on stdout, ``benchmarks/results/bench_patching.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -29,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import build_hf, hf_config, machine, tl_hooked_from, versions  # noqa: E402
+from bench_peers import build_hf, hf_config, machine, tl_hooked_from  # noqa: E402
+from model_sweeps import sweep_parser, write_results  # noqa: E402
 
 SWEEPS = ("get_act_patch_attn_head_out_all_pos", "get_act_patch_resid_pre")
 
@@ -113,15 +112,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--length", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    args = parser.parse_args()
+    args = sweep_parser(__doc__.split("\n\n")[0], length=12, batch=1).parse_args()
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
     batch_sizes = {}
@@ -135,12 +126,7 @@ def main() -> None:
         f"{args.layers} layers, batch {args.batch} x {args.length} tokens, float32, median of {args.rounds} "
         f"interleaved rounds; {datetime.date.today()})"
     )
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "bench_patching.md").write_text(header + "\n\n" + table(rows) + "\n")
-    payload = {"args": vars(args), "versions": versions(), "machine": machine(), "rows": rows}
-    payload["default_batch_size"] = batch_sizes
-    (folder / "bench_patching.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_results(args, "bench_patching", header, table(rows), rows, default_batch_size=batch_sizes)
     print(header)
 
 

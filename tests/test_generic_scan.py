@@ -9,13 +9,19 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import MambaConfig, MambaForCausalLM
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic.scan import ScanMismatch
 from lensadapters.hf import tiny_config_of
-from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
+from lensadapters.testing.scan_checks import (
+    check_cached_edit,
+    check_gradient_through_an_edit,
+    edits,
+    mamba_mixer_io,
+    mamba_reference,
+    read_points,
+)
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
@@ -35,63 +41,10 @@ def _mamba(dtype: torch.dtype = torch.float32) -> tuple[MambaForCausalLM, Hooked
         return model, HookedModel.wrap(model, registry=Registry())
 
 
-def _inputs(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What the mixer of layer 0 gives in_proj's and x_proj's output (plain PyTorch hooks), and out_proj's input."""
-    mixer, seen = model.backbone.layers[0].mixer, {}  # type: ignore[var-annotated]
-    handles = [
-        mixer.in_proj.register_forward_hook(lambda m, a, o: keep(seen, "in", o)),
-        mixer.x_proj.register_forward_hook(lambda m, a, o: keep(seen, "xp", (a[0], o))),
-        mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0])),
-    ]
-    try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def _reference(mixer: Any, seen: dict, dt_edit: Any = None, state_at: Any = None, out_edit: Any = None) -> dict:
-    """The selective scan from the published equations (Gu and Dao 2023, Algorithm 2), one position at a time,
-    with an optional edit: ``dt_edit(dt)``, ``state_at = (t, new state at t)``, ``out_edit(y)``."""
-    x, xp = seen["xp"]
-    x, gate = x.double(), seen["in"][..., mixer.intermediate_size :].double()
-    r, n = mixer.time_step_rank, mixer.ssm_state_size
-    delta_in, b, c = xp[..., :r].double(), xp[..., r : r + n].double(), xp[..., r + n :].double()
-    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
-    if dt_edit is not None:
-        dt = dt_edit(dt)
-    a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    if out_edit is not None:
-        y = out_edit(y)
-    out = (y + x * mixer.D.double()) * F.silu(gate)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": out}
-
-
 def _served(hm: HookedModel, ids: torch.Tensor, hooks: list) -> tuple[dict, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    seen: dict[str, torch.Tensor] = {}
+    """The three points' values (read) and out_proj's input, with ``hooks`` added."""
     mixer = hm.hf_model.backbone.layers[0].mixer
-    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0]))
-
-    def read(name: str) -> Any:
-        return lambda t, hook: keep(got, name, t.detach().clone())
-
-    try:
-        with torch.no_grad(), hm.hooks([(f"blocks.0.{p}", read(p)) for p in POINTS] + hooks):
-            hm(ids, use_cache=False)
-    finally:
-        handle.remove()
+    got, seen = read_points(hm, ids, "blocks.0.", POINTS, hooks, inputs={"out_in": mixer.out_proj})
     return got, seen["out_in"]
 
 
@@ -100,8 +53,8 @@ def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> N
     for i in range(2):
         for p in POINTS:
             assert f"blocks.{i}.{p}" in hm.hook_names
-    seen = _inputs(model, IDS)
-    ref = _reference(model.backbone.layers[0].mixer, seen)
+    seen = mamba_mixer_io(model, model.backbone.layers[0].mixer, IDS)
+    ref = mamba_reference(model.backbone.layers[0].mixer, seen)
     got, out_in = _served(hm, IDS, [])
     assert got["mixer.hook_dt"].shape == (2, 7, 32) and got["mixer.hook_ssm_state"].shape == (2, 7, 32, 4)
     torch.testing.assert_close(got["mixer.hook_dt"].double(), ref["dt"], atol=1e-6, rtol=1e-5)
@@ -117,11 +70,11 @@ def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> N
 def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) -> None:
     model, hm = _mamba()
     mixer = model.backbone.layers[0].mixer
-    seen = _inputs(model, IDS)
-    ref = _reference(mixer, seen)
+    seen = mamba_mixer_io(model, model.backbone.layers[0].mixer, IDS)
+    ref = mamba_reference(mixer, seen)
     new_state = ref["state"][:, 3] * -2.0 + 0.25
     point, hook, kwargs = edits(which, new_state)
-    expected = _reference(mixer, seen, **kwargs)
+    expected = mamba_reference(mixer, seen, **kwargs)
     got, out_in = _served(hm, IDS, [(f"blocks.0.{point}", hook)])
     torch.testing.assert_close(out_in.double(), expected["out_in"], atol=1e-5, rtol=1e-5)
     assert (out_in.double() - ref["out_in"]).abs().max() > 3e-4  # the edit matters: 30 times the tolerance

@@ -16,7 +16,15 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic.scan import ScanMismatch
 from lensadapters.testing.every_model_type import NotBuildable, build
-from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
+from lensadapters.testing.scan_checks import (
+    check_cached_edit,
+    check_gradient_through_an_edit,
+    edits,
+    keep,
+    read_points,
+    recorded,
+    recurrence,
+)
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
@@ -55,18 +63,9 @@ def _mixer(model: Any, i: int) -> Any:
 
 
 def _seen(model: Any, run: Callable[[], Any]) -> dict[str, torch.Tensor]:
-    """Layer 0's in_proj output and its gated norm's input (plain PyTorch hooks, registered last) during ``run()``."""
-    mixer, seen = _mixer(model, 0), {}  # type: ignore[var-annotated]
-    handles = [
-        mixer.in_proj.register_forward_hook(lambda m, a, o: seen.setdefault("proj", o)),
-        mixer.norm.register_forward_pre_hook(lambda m, a: seen.setdefault("norm_in", a[0])),
-    ]
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    """Layer 0's in_proj output and its gated norm's input (plain PyTorch hooks) during ``run()``."""
+    mixer = _mixer(model, 0)
+    return recorded(run, outputs={"proj": mixer.in_proj}, inputs={"norm_in": mixer.norm})
 
 
 def _reference(
@@ -97,19 +96,17 @@ def _reference(
     if dt_edit is not None:
         dt = dt_edit(dt)
     a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bhdn,bhn->bhd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    if out_edit is not None:
-        y = out_edit(y)
-    norm_in = (y + x * mixer.D.double()[:, None]).flatten(2)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "norm_in": norm_in}
+    states, y = recurrence(
+        torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64),
+        lambda h, t: (
+            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
+        ),
+        lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
+        x.shape[1],
+        state_at,
+        out_edit,
+    )
+    return {"dt": dt, "state": states, "y": y, "norm_in": (y + x * mixer.D.double()[:, None]).flatten(2)}
 
 
 def _with_input_edit(model: Any, ids: torch.Tensor, module: Any, edit: Callable[[torch.Tensor], Any]) -> Any:
@@ -124,16 +121,9 @@ def _with_input_edit(model: Any, ids: torch.Tensor, module: Any, edit: Callable[
 
 def _hooked(hm: HookedModel, ids: torch.Tensor, hooks: list, **kwargs: Any) -> tuple[dict, dict]:
     """The three points' values (read) and what the plain hooks saw, with ``hooks`` added."""
-    got: dict[str, torch.Tensor] = {}
-
-    def read(name: str) -> Any:
-        return lambda t, hook: keep(got, name, t.detach().clone())
-
-    def run() -> None:
-        with torch.no_grad(), hm.hooks([(f"blocks.0.{p}", read(p)) for p in POINTS] + hooks):
-            hm(ids, use_cache=False, **kwargs)
-
-    return got, _seen(hm.hf_model, run)
+    mixer = _mixer(hm.hf_model, 0)
+    outputs, inputs = {"proj": mixer.in_proj}, {"norm_in": mixer.norm}
+    return read_points(hm, ids, "blocks.0.", POINTS, hooks, outputs, inputs, **kwargs)
 
 
 def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> None:

@@ -10,12 +10,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import FalconMambaConfig, FalconMambaForCausalLM, JambaConfig, JambaForCausalLM
 
 from lensadapters import HookedModel, Registry
-from lensadapters.testing.scan_checks import check_cached_edit, check_gradient_through_an_edit, edits, keep
+from lensadapters.testing.scan_checks import (
+    check_cached_edit,
+    check_gradient_through_an_edit,
+    edits,
+    mamba_mixer_io,
+    mamba_reference,
+    read_points,
+)
 
 POINTS = ("hook_dt", "hook_ssm_state", "hook_ssm_out")
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
@@ -70,58 +76,14 @@ def _normalized(mixer: Any, part: torch.Tensor, i: int) -> torch.Tensor:
     return out * weight.double() if isinstance(weight, nn.Parameter) else out
 
 
-def _seen(model: Any, mixer: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
-    """What the mixer gave in_proj's and x_proj's outputs and out_proj's input (plain PyTorch hooks)."""
-    seen: dict[str, Any] = {}
-    handles = [
-        mixer.in_proj.register_forward_hook(lambda m, a, o: keep(seen, "in", o)),
-        mixer.x_proj.register_forward_hook(lambda m, a, o: keep(seen, "xp", (a[0], o))),
-        mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0])),
-    ]
-    try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def _reference(mixer: Any, seen: dict, dt_edit: Any = None, state_at: Any = None, out_edit: Any = None) -> dict:
+def _reference(mixer: Any, seen: dict, **edit: Any) -> dict:
     """The selective scan in float64 from the normalized parts, one position at a time, with an optional edit."""
-    x, xp = seen["xp"]
-    x, gate = x.double(), seen["in"][..., mixer.intermediate_size :].double()
-    r, n = mixer.time_step_rank, mixer.ssm_state_size
-    delta_in, b, c = (_normalized(mixer, p, i) for i, p in enumerate(xp.double().split([r, n, n], -1)))
-    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
-    dt = dt if dt_edit is None else dt_edit(dt)
-    a = -torch.exp(mixer.A_log.double())
-    h = torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64)
-    states, ys = [], []
-    for t in range(x.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
-        if state_at is not None and state_at[0] == t:
-            h = state_at[1]
-        states.append(h)
-        ys.append(torch.einsum("bdn,bn->bd", h, c[:, t]))
-    y = torch.stack(ys, 1)
-    y = y if out_edit is None else out_edit(y)
-    return {"dt": dt, "state": torch.stack(states, 1), "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
+    return mamba_reference(mixer, seen, lambda parts: [_normalized(mixer, p, i) for i, p in enumerate(parts)], **edit)
 
 
 def _served(hm: HookedModel, mixer: nn.Module, name: str, hooks: list) -> tuple[dict, torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    seen: dict[str, torch.Tensor] = {}
-    handle = mixer.out_proj.register_forward_pre_hook(lambda m, a: keep(seen, "out_in", a[0]))
-
-    def read(point: str) -> Any:
-        return lambda t, hook: keep(got, point, t.detach().clone())
-
-    try:
-        with torch.no_grad(), hm.hooks([(f"blocks.0.{name}.{p}", read(p)) for p in POINTS] + hooks):
-            hm(IDS, use_cache=False)
-    finally:
-        handle.remove()
+    """The three points' values (read) and out_proj's input, with ``hooks`` added."""
+    got, seen = read_points(hm, IDS, f"blocks.0.{name}.", POINTS, hooks, inputs={"out_in": mixer.out_proj})
     return got, seen["out_in"]
 
 
@@ -129,7 +91,7 @@ def _served(hm: HookedModel, mixer: nn.Module, name: str, hooks: list) -> tuple[
 def test_the_points_are_the_normalized_scan_and_cost_nothing_unhooked(kind: str) -> None:
     model, hm, mixers, name = _build(kind)
     assert all(f"blocks.{i}.{name}.{p}" in hm.hook_names for i in (0, 2) for p in POINTS)
-    seen = _seen(model, mixers[0], IDS)
+    seen = mamba_mixer_io(model, mixers[0], IDS)
     ref = _reference(mixers[0], seen)
     got, out_in = _served(hm, mixers[0], name, [])
     torch.testing.assert_close(got["hook_dt"].double(), ref["dt"], atol=1e-6, rtol=1e-5)
@@ -146,7 +108,7 @@ def test_the_points_are_the_normalized_scan_and_cost_nothing_unhooked(kind: str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_edit_changes_the_rest_of_the_normalized_scan(kind: str, which: str) -> None:
     model, hm, mixers, name = _build(kind)
-    seen = _seen(model, mixers[0], IDS)
+    seen = mamba_mixer_io(model, mixers[0], IDS)
     ref = _reference(mixers[0], seen)
     point, hook, kwargs = edits(which, ref["state"][:, 3] * -2.0 + 0.25)
     expected = _reference(mixers[0], seen, **kwargs)

@@ -22,8 +22,10 @@ from lensadapters.integrations.harvest.checksum import BLOCK, file_checksum, ten
 from lensadapters.testing.harvesting import (
     SEVERAL,
     drop_last_batch,
+    harvest_at,
     snapshot,
     wrapped,
+    wrapped_with_text,
     write_text,
 )
 from lensadapters.testing.tiny_models import needs, tiny, tokenizer
@@ -51,10 +53,8 @@ def test_the_checksum_sees_every_byte_on_any_split_and_files_and_tensors_agree(t
 
 
 def test_a_resume_is_refused_when_any_parameter_value_differs_naming_it(tmp_path) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 20)
     args = dict(context_size=8, progress=False)
-    try:
+    with wrapped_with_text(tmp_path, 20) as hm:
         harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "out"), **args)
         weight = hm.hf_model.model.layers[1].mlp.down_proj.weight
         original = weight[-1, -1].item()
@@ -66,8 +66,6 @@ def test_a_resume_is_refused_when_any_parameter_value_differs_naming_it(tmp_path
             weight[-1, -1] = original
         again = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(tmp_path / "out"), **args)
         assert again.finished and again.resumed_from == again.contexts  # the same values: accepted
-    finally:
-        hm.unwrap()
 
 
 def test_a_resume_is_refused_when_any_byte_of_the_data_differs(tmp_path) -> None:
@@ -122,11 +120,9 @@ def test_a_resume_is_refused_when_the_active_adapter_or_its_weights_differ(tmp_p
 
 
 def test_a_damaged_shard_is_named_when_loaded_and_harvested_anew_on_resume(tmp_path) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 60)
     out = tmp_path / "out"
     args = dict(context_size=8, batch_size=2, shard_contexts=4, progress=False)
-    try:
+    with wrapped_with_text(tmp_path, 60) as hm:
         done = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(out), **args)
         good = snapshot(out)
         assert done.shards >= 3
@@ -146,17 +142,13 @@ def test_a_damaged_shard_is_named_when_loaded_and_harvested_anew_on_resume(tmp_p
         assert again.resumed_from == done.contexts - 8 and again.contexts == done.contexts and again.finished
         assert snapshot(out) == good  # the two shards harvested anew, byte for byte
         assert len(load_harvest(str(out))) == done.contexts
-    finally:
-        hm.unwrap()
 
 
 @pytest.mark.parametrize("name", ["../victim/shard-00000.arrow", "/tmp/shard-00000.arrow", "shard-00001.arrow", "x"])
 def test_manifests_naming_files_the_harvest_does_not_write_are_refused(tmp_path, name) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 20)
     out = tmp_path / "out"
-    try:
-        harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(out), context_size=8, progress=False)
+    with wrapped_with_text(tmp_path, 20) as hm:
+        harvest_at(hm, tmp_path, "data.txt", "out", ["hook_embed"], context_size=8)
         victim = tmp_path / "victim"
         victim.mkdir()
         (victim / "shard-00000.arrow").write_bytes((out / "shard-00000.arrow").read_bytes())
@@ -166,35 +158,27 @@ def test_manifests_naming_files_the_harvest_does_not_write_are_refused(tmp_path,
         with pytest.raises(HarvestDamagedError, match=f"names the file {re.escape(repr(name))}, not the harvest"):
             load_harvest(str(out))
         with pytest.raises(HarvestDamagedError, match="not the harvest's own file for shard 0"):
-            harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(out), context_size=8, progress=False)
-    finally:
-        hm.unwrap()
+            harvest_at(hm, tmp_path, "data.txt", "out", ["hook_embed"], context_size=8)
 
 
 def test_a_truncated_manifest_is_a_named_error(tmp_path) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 20)
     out = tmp_path / "out"
-    try:
-        harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(out), context_size=8, progress=False)
+    with wrapped_with_text(tmp_path, 20) as hm:
+        harvest_at(hm, tmp_path, "data.txt", "out", ["hook_embed"], context_size=8)
         text = (out / "manifest.json").read_text()
         (out / "manifest.json").write_text(text[: len(text) // 2])
         before = snapshot(out)
         with pytest.raises(HarvestDamagedError, match=r"manifest\.json is not a whole manifest .*delete the folder"):
             load_harvest(str(out))
         with pytest.raises(HarvestDamagedError, match=r"manifest\.json is not a whole manifest"):
-            harvest(hm, str(tmp_path / "data.txt"), ["hook_embed"], str(out), context_size=8, progress=False)
+            harvest_at(hm, tmp_path, "data.txt", "out", ["hook_embed"], context_size=8)
         assert snapshot(out) == before
-    finally:
-        hm.unwrap()
 
 
 def test_a_rank_with_other_hooks_is_refused_before_writing_anything(tmp_path) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 40)
     out = tmp_path / "out"
     args = dict(context_size=8, shard_contexts=3, world_size=2, progress=False)
-    try:
+    with wrapped_with_text(tmp_path, 40) as hm:
         harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(out), rank=0, **args)
         before = {name: (out / name).read_bytes() for name in os.listdir(out) if not name.endswith(".lock")}
         with pytest.raises(HarvestMismatchError, match=r"different hooks .*blocks\.1\.hook_resid_post"):
@@ -203,15 +187,11 @@ def test_a_rank_with_other_hooks_is_refused_before_writing_anything(tmp_path) ->
         assert after == before  # no manifest, shard or listing of rank 1
         done = harvest(hm, str(tmp_path / "data.txt"), ["blocks.0.hook_resid_post"], str(out), rank=1, **args)
         assert done.finished  # the right command still runs
-    finally:
-        hm.unwrap()
 
 
 def test_a_resumed_harvest_of_several_points_stores_the_columns_of_an_uninterrupted_one(tmp_path) -> None:
-    hm = wrapped()
-    write_text(tmp_path / "data.txt", 40)
     args = dict(context_size=8, batch_size=2, shard_contexts=3, progress=False)
-    try:
+    with wrapped_with_text(tmp_path, 40) as hm:
         whole = harvest(hm, str(tmp_path / "data.txt"), SEVERAL, str(tmp_path / "whole"), **args)
         reference = snapshot(tmp_path / "whole")
         assert list(load_harvest(str(tmp_path / "whole")).features)[2:] == SEVERAL  # execution order
@@ -224,8 +204,6 @@ def test_a_resumed_harvest_of_several_points_stores_the_columns_of_an_uninterrup
         assert resumed.resumed_from == 3 and resumed.contexts == whole.contexts
         assert snapshot(tmp_path / "whole") == reference
         assert list(load_harvest(str(tmp_path / "whole")).features)[2:] == SEVERAL
-    finally:
-        hm.unwrap()
 
 
 @needs("gpt2")

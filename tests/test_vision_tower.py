@@ -13,22 +13,14 @@ import torch
 import transformers
 
 from lensadapters import HookedModel, UnfiredHookWarning
-from lensadapters.testing.vlm import inputs, vlm
-from lensadapters.wiring.vision_tower import VisionTowerWarning, tower_blocks, vision_tower
+from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.wiring.vision_tower import VisionTowerWarning
 
 FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
 #: the families whose towers record ``hidden_states`` inside their blocks' forward on transformers 4.x (an edit of a
 #: block's output by a forward hook is not what the record holds): refused there, by name
 RECORDED_INSIDE_ON_4 = ("gemma3", "idefics3", "smolvlm")
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
-
-
-def _blocks(model: Any) -> Any:
-    found = vision_tower(model)
-    assert found is not None
-    blocks = tower_blocks(found[1])
-    assert blocks is not None
-    return blocks[1]
 
 
 def _points(n: int) -> list[tuple[str, int, str]]:
@@ -102,7 +94,7 @@ def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
         assert not any(p.startswith("vision.") for p in hm.hook_dict)
         return
     batch = inputs(model, n_image)
-    blocks = _blocks(model)
+    blocks = tower_blocks_of(model)
     plain: dict[str, tuple[list, torch.Tensor]] = {}
     for point, i, kind in _points(len(blocks)):
         seen: list = []

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, vlm
-from lensadapters.wiring.vision_tower import VisionTowerWarning, tower_blocks, vision_tower
+from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.test_vision_tower import FAMILIES, RECORDED_INSIDE_ON_4, TRANSFORMERS_4, _edit, _logits, _out, _plain
 
 #: the children (attention, MLP, norm before each) of each family's tower blocks, by their HF names
@@ -22,14 +22,6 @@ CHILDREN: dict[str, tuple[str, str, str, str]] = {
 }
 DEFAULT_CHILDREN = ("self_attn", "mlp", "layer_norm1", "layer_norm2")
 SERVED = [f for f in FAMILIES if not (TRANSFORMERS_4 and f in RECORDED_INSIDE_ON_4)]
-
-
-def _blocks(model: Any) -> Any:
-    found = vision_tower(model)
-    assert found is not None
-    blocks = tower_blocks(found[1])
-    assert blocks is not None
-    return blocks[1]
 
 
 def _resid_mid_reference(block: Any, ln2: Any, mlp: Any, seen: list, edit: Any = None) -> list:
@@ -75,7 +67,7 @@ def _plain_logits(model: Any, batch: dict, handles: list) -> torch.Tensor:
 def test_sub_block_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     model, n_image = vlm(name)
     batch = inputs(model, n_image)
-    blocks = _blocks(model)
+    blocks = tower_blocks_of(model)
     plain: dict[str, tuple[list, torch.Tensor]] = {}
     for i, block in enumerate(blocks):
         for point, hooks in _references(block, CHILDREN.get(name, DEFAULT_CHILDREN)).items():
@@ -123,7 +115,7 @@ def test_a_block_whose_mlp_reads_more_than_the_residual_gets_its_residual_points
     """A hook of the user's adds 1 to block 0's ``ln2`` input: its MLP no longer reads ``resid_pre + attn_out``; the
     blocks' sub-block points are refused by name, their residual points still served."""
     model, n_image = vlm("llava")
-    ln2 = _blocks(model)[0].layer_norm2
+    ln2 = tower_blocks_of(model)[0].layer_norm2
     handle = ln2.register_forward_pre_hook(lambda module, args: (args[0] + 1, *args[1:]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.sites.base import Handles
 
 Tensor = torch.Tensor
 
@@ -131,15 +132,6 @@ class SoftmaxCaptureMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Handles:
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
 class SoftmaxCaptureBackend:
     """A pattern backend (``lensadapters_attn_pattern``) for the layers in ``heads`` (layer -> its number of heads),
     whose attention modules compute attention in the model's own code; every other layer goes to ``fallback`` (the
@@ -189,7 +181,7 @@ class SoftmaxCaptureBackend:
                     f"changed since the model was wrapped; wrap it again"
                 )
 
-        return _Handles(
+        return Handles(
             [
                 module.register_forward_pre_hook(push, with_kwargs=True),
                 module.register_forward_hook(pop, with_kwargs=True, always_call=True),

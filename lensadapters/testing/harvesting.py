@@ -9,8 +9,9 @@ import os
 import random
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -37,6 +38,18 @@ def write_text(path: Path, n_rows: int, seed: int = 0, vocab: int = VOCAB) -> li
 def wrapped(arch: str = ARCH, seed: int = 0) -> HookedModel:
     model: Any = tiny(arch, seed)
     return HookedModel.wrap(model, tokenizer=tokenizer(model.config.vocab_size))
+
+
+@contextmanager
+def wrapped_with_text(folder: Path, n_rows: int) -> Iterator[HookedModel]:
+    """A wrapped tiny model (:func:`wrapped`, unwrapped on leaving) and ``n_rows`` random rows in
+    ``folder / "data.txt"``."""
+    hm = wrapped()
+    write_text(folder / "data.txt", n_rows)
+    try:
+        yield hm
+    finally:
+        hm.unwrap()
 
 
 def harvest_at(

@@ -49,6 +49,13 @@ def check_moe_points(hm: Any, layers: list[int]) -> None:
 class ReadingProperties:
     """Properties 0-4: what a hook reads is what its name says (mixed into ``AdapterContract``)."""
 
+    def _draw_any_implementation(self, data: st.DataObject) -> tuple[Any, Any, str]:
+        """A model and inputs with one of ``attn_implementations`` (drawn), and the implementation the model runs
+        (its config's: transformers may choose another)."""
+        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
+        model, inputs = self.draw(data, impl)
+        return model, inputs, model.config._attn_implementation
+
     # --- 0. declared capabilities ------------------------------------------------------------------
 
     @_SETTINGS
@@ -161,9 +168,7 @@ class ReadingProperties:
     @_SETTINGS
     @given(data=st.data())
     def test_no_hooks_is_bitwise(self, data: st.DataObject) -> None:
-        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
-        model, inputs = self.draw(data, impl)
-        impl = model.config._attn_implementation
+        model, inputs, impl = self._draw_any_implementation(data)
         with torch.no_grad():
             reference = model(**inputs.kwargs()).logits
             hm = self.wrap(model)
@@ -197,9 +202,7 @@ class ReadingProperties:
     @_SETTINGS
     @given(data=st.data())
     def test_pattern_matches_hf_eager(self, data: st.DataObject) -> None:
-        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
-        model, inputs = self.draw(data, impl)
-        impl = model.config._attn_implementation
+        model, inputs, impl = self._draw_any_implementation(data)
         with torch.no_grad():
             model.config._attn_implementation = "eager"
             reference = model(**inputs.kwargs(), output_attentions=True).attentions
@@ -239,8 +242,7 @@ class ReadingProperties:
     def test_pattern_hooks_leave_other_layers_alone(self, data: st.DataObject) -> None:
         """Only hooked layers compute attention explicitly: everything the model computes before the hooked
         layer's attention (earlier layers included) keeps the configured implementation's numbers, bit for bit."""
-        impl = data.draw(st.sampled_from(list(self.attn_implementations)), label="attn_implementation")
-        model, inputs = self.draw(data, impl)
+        model, inputs, _ = self._draw_any_implementation(data)
         hm = self.wrap(model)
         layer = attention_layers(hm)[-1]
         names = hm.hook_names

@@ -1,12 +1,14 @@
-"""Checks the tests of the selective-scan points share (``tests/test_generic_scan.py``, Mamba's form, and
-``tests/test_generic_scan_heads.py``, Mamba-2's): hooks that record or set a state, the gradient through an edit
-against finite differences, cached generation with an edit against one full pass."""
+"""Checks the tests of the selective-scan points share (``tests/test_generic_scan.py``, Mamba's form,
+``tests/test_generic_scan_norm.py``, its normalized form, and ``tests/test_generic_scan_heads.py``, Mamba-2's): hooks
+that record or set a state, what the mixer's modules see, the gradient through an edit against finite differences,
+cached generation with an edit against one full pass."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.testing.contract_support import check_edited_generation
@@ -16,6 +18,115 @@ from lensadapters.testing.strategies import Inputs
 def keep(into: dict, key: str, value: Any) -> None:
     """Record ``value`` (a hook that returns nothing: it edits nothing)."""
     into.setdefault(key, value)
+
+
+def recorded(
+    run: Callable[[], Any], outputs: Mapping[str, nn.Module] = {}, inputs: Mapping[str, nn.Module] = {}
+) -> dict[str, Any]:
+    """What ``run()`` gives each module of ``outputs`` as its output and each of ``inputs`` as its first input (the
+    first call of each), by key: plain PyTorch hooks, removed after."""
+    seen: dict[str, Any] = {}
+    handles = [m.register_forward_hook(lambda m, a, o, key=key: keep(seen, key, o)) for key, m in outputs.items()]
+    handles += [m.register_forward_pre_hook(lambda m, a, key=key: keep(seen, key, a[0])) for key, m in inputs.items()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def mamba_mixer_io(model: Any, mixer: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """What a Mamba-form ``mixer`` gives, in one pass of ``model`` on ``ids`` (no gradients, no cache), in_proj's output
+    (``in``), x_proj's input and output (``x``, ``xp``) and out_proj's input (``out_in``)."""
+
+    def run() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+
+    outputs = {"in": mixer.in_proj, "xp": mixer.x_proj}
+    return recorded(run, outputs, inputs={"x": mixer.x_proj, "out_in": mixer.out_proj})
+
+
+def recurrence(
+    h: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    read: Callable[[torch.Tensor, int], torch.Tensor],
+    length: int,
+    state_at: Any = None,
+    out_edit: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scan one position at a time from the state ``h``: ``h = step(h, t)`` (or the state of ``state_at = (t,
+    state)`` at its position ``t``), the output ``read(h, t)``. Returns the states and the outputs stacked along
+    positions (dimension 1), the outputs through ``out_edit`` (optional), as the scan points' edits mean."""
+    states, ys = [], []
+    for t in range(length):
+        h = step(h, t)
+        if state_at is not None and state_at[0] == t:
+            h = state_at[1]
+        states.append(h)
+        ys.append(read(h, t))
+    y = torch.stack(ys, 1)
+    if out_edit is not None:
+        y = out_edit(y)
+    return torch.stack(states, 1), y
+
+
+def mamba_reference(
+    mixer: Any,
+    seen: dict[str, Any],
+    parts: Optional[Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]] = None,
+    dt_edit: Any = None,
+    state_at: Any = None,
+    out_edit: Any = None,
+) -> dict[str, torch.Tensor]:
+    """Mamba's selective scan in float64 from the published equations (Gu and Dao 2023, Algorithm 2), one position at
+    a time, from what :func:`mamba_mixer_io` saw, with an optional edit: ``dt_edit(dt)``, ``state_at = (t, new state
+    at t)``, ``out_edit(y)``. ``parts`` maps x_proj's output split into the step input, B and C (float64) to what the
+    scan reads (a mixer that normalizes them: their norms; default, as they are). Returns ``dt``, ``state``, ``y`` and
+    out_proj's input ``out_in``."""
+    x, gate = seen["x"].double(), seen["in"][..., mixer.intermediate_size :].double()
+    r, n = mixer.time_step_rank, mixer.ssm_state_size
+    split = seen["xp"].double().split([r, n, n], -1)
+    delta_in, b, c = split if parts is None else parts(split)
+    dt = F.softplus(delta_in @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())
+    if dt_edit is not None:
+        dt = dt_edit(dt)
+    a = -torch.exp(mixer.A_log.double())
+    states, y = recurrence(
+        torch.zeros(x.shape[0], x.shape[2], n, dtype=torch.float64),
+        lambda h, t: torch.exp(dt[:, t, :, None] * a) * h + dt[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None],
+        lambda h, t: torch.einsum("bdn,bn->bd", h, c[:, t]),
+        x.shape[1],
+        state_at,
+        out_edit,
+    )
+    return {"dt": dt, "state": states, "y": y, "out_in": (y + x * mixer.D.double()) * F.silu(gate)}
+
+
+def read_points(
+    hm: Any,
+    ids: torch.Tensor,
+    prefix: str,
+    points: Sequence[str],
+    hooks: list,
+    outputs: Mapping[str, nn.Module] = {},
+    inputs: Mapping[str, nn.Module] = {},
+    **kwargs: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One pass of ``hm`` on ``ids`` (no gradients, no cache, ``kwargs`` passed on) with ``hooks`` added: a copy of
+    each of ``points`` (named ``prefix + point``) by point, and what :func:`recorded` saw of ``outputs`` and
+    ``inputs``."""
+    got: dict[str, torch.Tensor] = {}
+
+    def read(point: str) -> Any:
+        return lambda t, hook: keep(got, point, t.detach().clone())
+
+    def run() -> None:
+        with torch.no_grad(), hm.hooks([(f"{prefix}{p}", read(p)) for p in points] + hooks):
+            hm(ids, use_cache=False, **kwargs)
+
+    return got, recorded(run, outputs, inputs)
 
 
 def set_state(t: int, value: torch.Tensor) -> Callable[[torch.Tensor, Any], torch.Tensor]:

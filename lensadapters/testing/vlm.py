@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from lensadapters import hf
 from lensadapters.testing.tiny_models import needs
+from lensadapters.wiring.vision_tower import tower_blocks, vision_tower
 
 IMAGE_TOKEN = 100
 PROJECTOR_POINT = "vision_projector.hook_out"
@@ -417,6 +418,15 @@ def plain_reference(model: Any, batch: dict[str, Any], edit: Any = None) -> tupl
 
 def module_hooks(model: Any) -> list[tuple[str, list[int], list[int]]]:
     return [(n, list(m._forward_hooks), list(m._forward_pre_hooks)) for n, m in model.named_modules()]
+
+
+def tower_blocks_of(model: Any) -> Any:
+    """The blocks of ``model``'s vision tower (found as the wiring finds them; asserted found)."""
+    found = vision_tower(model)
+    assert found is not None
+    blocks = tower_blocks(found[1])
+    assert blocks is not None
+    return blocks[1]
 
 
 def hm_projector_path(model: Any) -> str:

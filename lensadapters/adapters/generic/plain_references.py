@@ -17,7 +17,7 @@ from lensadapters.adapters.generic.eager_reference import (
 )
 from lensadapters.adapters.generic.own_attention import operand_reference, softmax_reference
 from lensadapters.adapters.generic.references import Reference, Unchecked
-from lensadapters.hooks.sites.base import first_input, first_output, replace_first_input, replace_first_output
+from lensadapters.hooks.sites.base import Handles, first_input, first_output, replace_first_input, replace_first_output
 
 Tensor = torch.Tensor
 
@@ -47,15 +47,6 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
     return (logits if isinstance(logits, Tensor) else first_output(out.to_tuple())).detach().clone()
 
 
-class _Handles:
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _per_head(module: nn.Module, x: Tensor, heads: int) -> Tensor:
     """Each head's share of ``module``'s output for its input ``x`` ``[b, p, heads, d]`` (``hook_result``)."""
     zero = module(torch.zeros_like(x.flatten(-2)))
@@ -83,7 +74,7 @@ def _once(module: nn.Module, fn: Callable[..., Any]) -> Any:
     return module.register_forward_hook(hook, with_kwargs=True)
 
 
-def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Optional[int]) -> "_Handles":
+def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Optional[int]) -> "Handles":
     """TransformerLens' per-head inputs (``hook_attn_in``, ``hook_q_input``...): copies of the pre-norm residual, one
     per head; head ``h``'s (edited) copy goes through the norm and the projections, of which head ``h`` is kept."""
     norm, modules = ref.spec
@@ -109,7 +100,7 @@ def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Option
     if norm is not None:
         handles.append(norm.register_forward_pre_hook(before, with_kwargs=True))
     handles += [_once(m, around) for m in modules]
-    return _Handles(handles)
+    return Handles(handles)
 
 
 def _plain_hook(
@@ -131,7 +122,7 @@ def _plain_hook(
     if ref.kind == "head_input":
         return _head_input_hooks(ref, edit, seen, row)
     if ref.kind == "hooks":  # plain hooks of its own on several modules (``ref.spec``: ``.modules``, ``.install``)
-        return _Handles(ref.spec.install(edit, seen))
+        return Handles(ref.spec.install(edit, seen))
     if ref.kind == "softmax":  # attention in the model's own code: its softmax's input or output
         return softmax_reference(ref.module, ref.part, ref.spec, edit, seen)
     if ref.kind == "operand":  # attention in the model's own code: the queries or keys its sdpa call gets
@@ -194,7 +185,7 @@ def _plain_hook(
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             ran[0] = True
 
-        return _Handles(
+        return Handles(
             [ref.module.register_forward_hook(post, with_kwargs=True), ref.after.register_forward_hook(after)]
         )
     return ref.module.register_forward_hook(post, with_kwargs=True)
@@ -236,7 +227,7 @@ def _run_references(
         if ref.kind == "attn":
             layers[ref.layer] = {"part": ref.part, "delta": delta, "seen": seen, "row": row, "unview": ref.unview}
             if ref.spec is not None:  # plain hooks recording what the view needs (the latent keys' rotary angles)
-                handles.append(_Handles(ref.spec.install(None, [])))
+                handles.append(Handles(ref.spec.install(None, [])))
             continue
         handles.append(_plain_hook(ref, _edit_at(ref, delta) if delta is not None else None, seen, row))
         if ref.also is not None and delta is not None:

@@ -29,6 +29,17 @@ class Handle(Protocol):
     def remove(self) -> None: ...
 
 
+class Handles:
+    """Several handles as one: ``remove()`` removes each, in order."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def first_input(args: tuple, kwargs: dict) -> Tensor:
     if args:
         return args[0]

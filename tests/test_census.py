@@ -415,6 +415,11 @@ def test_an_option_the_default_config_turns_off_is_set_only_where_the_model_fail
     for model_type in ("dbrx", "apertus"):
         model = build(model_type)
         assert model(input_ids()).logits.shape[:2] == (1, 6)
+    # a switch asking for fused GPU kernels (Jamba's, which transformers 4.x refuses to run without) is turned off
+    # with the options only: the default config's value otherwise
+    assert shrink_config(AutoConfig.for_model("jamba")).use_mamba_kernels is True
+    assert shrink_config(AutoConfig.for_model("jamba"), options=True).use_mamba_kernels is False
+    assert build("jamba")(input_ids()).logits.shape[:2] == (1, 6)
 
 
 def test_a_model_whose_unembedding_reads_the_last_layer_as_it_is_has_no_final_norm_point() -> None:

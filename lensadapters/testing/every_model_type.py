@@ -94,6 +94,9 @@ _MISSING_COUNTS: dict[str, int] = {
 #: options a default config turns off with ``None`` that some model's code cannot turn off, as released checkpoints
 #: set them (DBRX's and OLMo-1.7's query/key/value clipping): filled only where the model fails without them
 _OPTIONS: dict[str, float] = {"clip_qkv": 8.0}
+#: switches a default config turns on that ask for fused GPU kernels the model's code refuses to run without
+#: (Jamba's ``use_mamba_kernels`` under transformers 4.x): turned off, with the options, only where the model fails
+_KERNEL_SWITCHES: dict[str, bool] = {"use_mamba_kernels": False}
 
 
 def _shrink_value(key: str, value: Any, layers_before: int, layers: int) -> Any:
@@ -122,7 +125,8 @@ def _shrink_value(key: str, value: Any, layers_before: int, layers: int) -> Any:
 
 def shrink_config(config: Any, layers: int = LAYERS, options: bool = False) -> Any:
     """``config`` (changed in place and returned) with few layers, small widths, few heads and a small vocabulary;
-    the counts it leaves ``None`` filled (:func:`_fill_missing`), and with ``options`` the :data:`_OPTIONS` too."""
+    the counts it leaves ``None`` filled (:func:`_fill_missing`), and with ``options`` the :data:`_OPTIONS` and
+    :data:`_KERNEL_SWITCHES` too."""
     values = config.__dict__
     layers_before = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), 0)
     multi_head = values.get("num_key_value_heads") is not None and values.get("num_key_value_heads") == values.get(
@@ -146,6 +150,7 @@ def shrink_config(config: Any, layers: int = LAYERS, options: bool = False) -> A
     _keep_head_products(values, products)
     _fill_missing(values)
     values.update({k: v for k, v in _OPTIONS.items() if options and k in values and values[k] is None})
+    values.update({k: v for k, v in _KERNEL_SWITCHES.items() if options and k in values})
     return config
 
 
@@ -231,7 +236,8 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
 
     Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
-    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off."""
+    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off (and the
+    :data:`_KERNEL_SWITCHES` it turns on)."""
     try:
         return _build(model_type, seed, LAYERS)
     except NotBuildable:

@@ -132,3 +132,26 @@ def test_cached_generation_with_an_edit_of_the_normalized_scan(kind: str, point:
     _, hm, _, name = _build(kind)
     check_cached_edit(hm, IDS[:, :4], f"blocks.2.{name}.{point}")
     hm.unwrap()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bfloat16_model_gets_the_normalized_scan_checked_at_its_own_rounding(kind: str) -> None:
+    """In bfloat16 the mixer normalizes, projects and scans at bfloat16's rounding: the points are served and pass
+    their own check on every hooked call, reading edits nothing, the values are the float64 scan of the model's own
+    projections to bfloat16's precision, an edit of the state moves the output, and cached generation with it runs."""
+    model, hm, mixers, name = _build(kind, torch.bfloat16)
+    assert all(f"blocks.{i}.{name}.{p}" in hm.hook_names for i in (0, 2) for p in POINTS)
+    seen = mamba_mixer_io(model, mixers[0], IDS)
+    ref = _reference(mixers[0], {k: v.double() for k, v in seen.items()})
+    got, out_in = _served(hm, mixers[0], name, [])
+    assert torch.equal(out_in, seen["out_in"])
+    torch.testing.assert_close(got["hook_ssm_out"].double(), ref["y"], atol=5e-2, rtol=5e-2)
+    with torch.no_grad():
+        assert torch.equal(hm(IDS).logits, model(IDS).logits)
+    _, edited = _served(hm, mixers[0], name, [(f"blocks.0.{name}.hook_ssm_state", lambda t, hook: t * 2.0 + 0.5)])
+    assert (edited.double() - out_in.double()).abs().max() > 1e-2
+    ids = IDS[:, :4]
+    with torch.no_grad(), hm.hooks([(f"blocks.2.{name}.hook_ssm_state", lambda t, hook: t * 1.5)]):
+        out = hm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 7)
+    hm.unwrap()

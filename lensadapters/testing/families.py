@@ -56,6 +56,7 @@ __all__ = [
     "config_strategy",
     "decoder_config",
     "left_padded_tokens",
+    "padded_cache",
     "reinit_offset_norms",
     "rope_type",
 ]
@@ -191,6 +192,13 @@ def left_padded_tokens(
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     return ids, mask
+
+
+def padded_cache(hm: Any, **tokens: Any) -> Any:
+    """``hm``'s activation cache (no gradients) on :func:`left_padded_tokens` (``tokens``: its arguments)."""
+    ids, mask = left_padded_tokens(**tokens)
+    with torch.no_grad():
+        return hm.run_with_cache(ids, attention_mask=mask)[1]
 
 
 class RefusalChecks:

@@ -21,6 +21,7 @@ import torch
 
 from lensadapters.testing.contract import perturb
 from lensadapters.testing.reference import seeded_tokens
+from lensadapters.testing.tl_reference import load_unprocessed
 
 __all__ = [
     "transformer_lens_available",
@@ -80,17 +81,10 @@ def hooked_transformer(hf_model: Any, convert: Callable[[Any, Any], dict], field
     model = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
     with torch.no_grad():
         state = convert(hf_model, cfg)
-    model.load_and_process_state_dict(
-        state,
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
+    model = load_unprocessed(model, state)
     model.set_use_attn_result(True)
     model.set_use_hook_mlp_in(True)
-    return model.eval()
+    return model
 
 
 def converted_by_tl(conversion: str) -> Callable[[Any], Any]:

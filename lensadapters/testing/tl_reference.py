@@ -27,6 +27,7 @@ __all__ = [
     "ReferenceUnavailable",
     "transformer_lens_available",
     "hooked_transformer",
+    "load_unprocessed",
     "reference_configs",
     "REFERENCE_MODEL_TYPES",
     "word_tokenizer",
@@ -175,7 +176,13 @@ def hooked_transformer(
     fields.update(default_prepend_bos=default_prepend_bos, device="cpu", dtype=torch.float32, **cfg_overrides)
     cfg = HookedTransformerConfig(**fields)
     hooked = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
-    state = _converter(model_type)(model, cfg)
+    return load_unprocessed(hooked, _converter(model_type)(model, cfg), fold_ln=fold_ln)
+
+
+def load_unprocessed(hooked: Any, state: dict, *, fold_ln: bool = False) -> Any:
+    """``hooked`` (TransformerLens' ``HookedTransformer``) with the converted weights ``state`` loaded with every
+    processing step off (no centering, no value-bias folding, no refactored attention matrices; ``fold_ln``:
+    TransformerLens' norm folding), as ``from_pretrained_no_processing`` loads them; in eval mode."""
     hooked.load_and_process_state_dict(
         state,
         fold_ln=fold_ln,

@@ -49,7 +49,7 @@ from lensadapters import (
     hf,
     hookimpl,
 )
-from lensadapters.plugin_api import InstanceOverride
+from lensadapters.plugin_api import override_instance_method
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -180,7 +180,7 @@ class GPTJPatternBackend:
     def __init__(self, hooked: Any) -> None:
         self.modules: list[nn.Module] = list(hooked.attention_modules)
 
-    def activate(self, layer: int, site: Any) -> "_Restore":
+    def activate(self, layer: int, site: Any) -> Any:
         from transformers.models.gptj.modeling_gptj import GPTJAttention
 
         module = self.modules[layer]
@@ -221,20 +221,7 @@ class GPTJPatternBackend:
             )
             return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
 
-        override = InstanceOverride(_attn, module, "_attn")  # a copy of the model gets GPT-J's own _attn back
-        module.__dict__["_attn"] = override
-        return _Restore(module, override)
-
-
-class _Restore:
-    """Handle (``remove()``) deleting the instance ``_attn`` that :class:`GPTJPatternBackend` installed."""
-
-    def __init__(self, module: nn.Module, fn: Any) -> None:
-        self.module, self.fn = module, fn
-
-    def remove(self) -> None:
-        if self.module.__dict__.get("_attn") is self.fn:
-            del self.module.__dict__["_attn"]
+        return override_instance_method(module, "_attn", _attn)  # a copy of the model gets GPT-J's own _attn back
 
 
 # --- the adapter hooks ------------------------------------------------------------------------------------
@@ -315,13 +302,11 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    unembed = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
     return ModelLayout(
         blocks=p + "h",
         embed=p + "wte",
         ln_final=p + "ln_f",
-        unembed=unembed,
+        unembed=hf.unembed_path(model),
         rotary=p + "h.0.attn",
         rotary_from_inputs=rotary_from_attention_inputs,
     )

@@ -10,7 +10,8 @@ from lensadapters_gemma2.testing import Gemma2Contract, gemma2_config
 
 from lensadapters import UnsupportedModelError
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.families import GenerationChecks, RefusalChecks
+from lensadapters.testing.families import left_padded_tokens as tokens
 from lensadapters.testing.family_checks import assert_window_patterns
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
@@ -25,7 +26,6 @@ class TestGemma2(Gemma2Contract, RefusalChecks, GenerationChecks):
 
 
 CONTRACT = TestGemma2()
-tokens = left_padded_tokens
 
 
 def test_embeddings_include_the_scale_and_edits_behave():

@@ -12,11 +12,6 @@ from lensadapters.testing.tl_compare import TransformerLensComparison
 class TestGemma2TransformerLens(TransformerLensComparison):
     contract = Gemma2Contract()
     config = gemma2_config
-    config_defaults = {
-        "window": 3,
-        "attn_cap": 3.0,
-        "final_cap": 2.0,
-        "scalar": 16,
-    }
+    config_defaults = {"window": 3, "attn_cap": 3.0, "final_cap": 2.0, "scalar": 16}
     weights = ("W_E", "W_Q", "W_K", "W_V", "W_O", "W_in", "W_gate", "W_out", "W_U")
     edit_every_block = True

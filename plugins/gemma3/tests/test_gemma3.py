@@ -10,7 +10,8 @@ from lensadapters_gemma3.testing import Gemma3Contract, gemma3_config
 from lensadapters import UnsupportedModelError
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, padded_cache
+from lensadapters.testing.families import left_padded_tokens as tokens
 from lensadapters.testing.family_checks import assert_window_patterns
 
 
@@ -36,7 +37,6 @@ class TestGemma3(Gemma3Contract, RefusalChecks, GenerationChecks):
 
 
 CONTRACT = TestGemma3()
-tokens = left_padded_tokens
 
 
 def rope(x: torch.Tensor, base: float, factor: float = 1.0) -> torch.Tensor:
@@ -57,9 +57,7 @@ def test_local_and_global_layers_rotate_with_their_own_bases():
     hm = CONTRACT.wrap(model)
     assert hm.cfg.attn_types == ("local", "global")
     assert hm.cfg.extra["rotary_base"] == 1000.0 and hm.cfg.extra["rotary_base_local"] == 10.0
-    ids, mask = tokens(pads=(0, 0))
-    with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    cache = padded_cache(hm, pads=(0, 0))
     for layer, base, factor in ((0, 10.0, 1.0), (1, 1000.0, 4.0)):
         spec = hm.norm_spec(hm.norm_module(f"blocks.{layer}.attn.q_norm"))
         normed = cache[f"blocks.{layer}.attn.q_norm.hook_normalized"] * (spec.weight + spec.weight_offset)
@@ -83,9 +81,7 @@ def test_query_norms_fire_after_all_three_projections():
         "attn.hook_attn_scores",
         "attn.hook_pattern",
     ]
-    ids, mask = tokens()
-    with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    cache = padded_cache(hm)
     k = cache["k", 0]
     assert cache["blocks.0.attn.k_norm.hook_scale"].shape == k.shape[:-1] + (1,)  # per head, [b, p, h, 1]
     assert_close(

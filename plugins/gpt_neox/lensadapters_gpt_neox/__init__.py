@@ -176,15 +176,11 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
-    unembed = None
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if output is not None:
-        unembed = next((name for name, module in model.named_modules() if module is output), None)
     return ModelLayout(
         blocks=p + "layers",
         embed=p + "embed_in",
         ln_final=p + "final_layer_norm",
-        unembed=unembed,
+        unembed=hf.unembed_path(model),
         rotary=p + "rotary_emb",
     )
 

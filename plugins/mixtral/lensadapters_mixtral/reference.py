@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lensadapters import hf
+from lensadapters.testing.tl_reference import load_unprocessed
 
 
 def tl_mixtral(model: Any) -> Any:
@@ -44,12 +45,4 @@ def tl_mixtral(model: Any) -> Any:
         dtype=torch.float32,
     )
     tl = HookedTransformer(cfg, tokenizer=None, move_to_device=False)
-    tl.load_and_process_state_dict(
-        convert_mixtral_weights(model, cfg),
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
-    return tl.eval()
+    return load_unprocessed(tl, convert_mixtral_weights(model, cfg))

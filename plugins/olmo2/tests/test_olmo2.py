@@ -7,7 +7,8 @@ import torch
 from lensadapters_olmo2.testing import Olmo2Contract, olmo2_config
 
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.families import GenerationChecks, RefusalChecks, padded_cache
+from lensadapters.testing.families import left_padded_tokens as tokens
 from lensadapters.testing.family_checks import QK_NORMED_ATTENTION
 
 
@@ -19,7 +20,6 @@ class TestOlmo2(Olmo2Contract, RefusalChecks, GenerationChecks):
 
 
 CONTRACT = TestOlmo2()
-tokens = left_padded_tokens
 
 
 def test_block_points_without_pre_norms():
@@ -46,9 +46,7 @@ def test_block_points_without_pre_norms():
         "hook_mlp_out",
         "hook_resid_post",
     ]
-    ids, mask = tokens()
-    with torch.no_grad():
-        _, cache = hm.run_with_cache(ids, attention_mask=mask)
+    cache = padded_cache(hm)
     # the query norm is over the whole projection width: one scale per position
     q = cache["q", 0].flatten(-2)
     assert_close(

@@ -85,11 +85,11 @@ class OlmoePatternBackend:
         self.modules: list[nn.Module] = list(hooked.attention_modules)
         self.config = hooked.hf_model.config
 
-    def activate(self, layer: int, site: Any) -> "_Restore":
+    def activate(self, layer: int, site: Any) -> Any:
         from transformers.models.olmoe import modeling_olmoe
 
         from lensadapters.attention import explicit_attention
-        from lensadapters.copying import InstanceOverride
+        from lensadapters.copying import override_instance_method
 
         module: Any = self.modules[layer]  # OLMoE's attention: head_dim, num_heads, q_norm... read below
         if not issubclass(type(module), modeling_olmoe.OlmoeAttention) or "forward" in vars(module):
@@ -144,20 +144,7 @@ class OlmoePatternBackend:
             out = module.o_proj(out.reshape(bsz, q_len, module.hidden_size))
             return out, (pattern if output_attentions else None)
 
-        override = InstanceOverride(forward, module, "forward")  # a copy of the model gets the class's forward back
-        module.__dict__["forward"] = override
-        return _Restore(module, override)
-
-
-class _Restore:
-    """Handle (``remove()``) deleting the instance ``forward`` that :class:`OlmoePatternBackend` installed."""
-
-    def __init__(self, module: nn.Module, fn: Any) -> None:
-        self.module, self.fn = module, fn
-
-    def remove(self) -> None:
-        if self.module.__dict__.get("forward") is self.fn:
-            del self.module.__dict__["forward"]
+        return override_instance_method(module, "forward", forward)  # a copy of the model gets the class's forward
 
 
 def _computes_attention_itself(model: nn.Module) -> bool:

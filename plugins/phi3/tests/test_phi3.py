@@ -7,7 +7,8 @@ import pytest
 import torch
 from lensadapters_phi3.testing import Phi3Contract, phi3_config
 
-from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.families import GenerationChecks, RefusalChecks
+from lensadapters.testing.families import left_padded_tokens as tokens
 from lensadapters.testing.family_checks import assert_window_patterns
 
 
@@ -19,7 +20,6 @@ class TestPhi3(Phi3Contract, RefusalChecks, GenerationChecks):
 
 
 CONTRACT = TestPhi3()
-tokens = left_padded_tokens
 
 
 def test_fused_weights_are_the_rows_of_the_fused_projections():

@@ -8,7 +8,8 @@ from lensadapters_qwen3.testing import Qwen3Contract, qwen3_config
 
 from lensadapters.rotary import apply_rotate_half
 from lensadapters.testing import assert_close
-from lensadapters.testing.families import GenerationChecks, RefusalChecks, left_padded_tokens
+from lensadapters.testing.families import GenerationChecks, RefusalChecks
+from lensadapters.testing.families import left_padded_tokens as tokens
 from lensadapters.testing.family_checks import QK_NORMED_ATTENTION
 
 
@@ -20,7 +21,6 @@ class TestQwen3(Qwen3Contract, RefusalChecks, GenerationChecks):
 
 
 CONTRACT = TestQwen3()
-tokens = left_padded_tokens
 
 
 def test_query_norm_points_sit_between_projection_and_rotary():

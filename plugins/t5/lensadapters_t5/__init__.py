@@ -73,6 +73,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __version__ = "0.1.0"
+#: what every tiny T5 config of the plugin, its test kit and its tests sets: no dropout, T5's generation ids
+TINY_FIELDS: dict[str, Any] = dict(dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 #: transformers 4.x's T5 computes attention in its own code (eager only); 5.x's through the attention interface
 TRANSFORMERS_4 = __import__("transformers").__version__.startswith("4.")
 ARCH = hf.architecture(
@@ -418,9 +420,6 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
         num_heads=4,
         relative_attention_num_buckets=buckets,
         relative_attention_max_distance=16,
-        dropout_rate=0.0,
         feed_forward_proj="gated-gelu" if gated else "relu",
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
+        **TINY_FIELDS,
     )

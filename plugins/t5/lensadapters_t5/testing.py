@@ -43,12 +43,9 @@ def t5_configs(
         num_heads=z["n_heads"],
         relative_attention_num_buckets=draw(as_strategy(buckets), label="buckets"),
         relative_attention_max_distance=16,
-        dropout_rate=0.0,
         feed_forward_proj=draw(as_strategy(mlp), label="mlp"),
         tie_word_embeddings=draw(as_strategy(tied), label="tied"),
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
+        **lensadapters_t5.TINY_FIELDS,
     )
 
 

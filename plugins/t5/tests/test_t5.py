@@ -50,12 +50,9 @@ def make_model(mlp: str = "relu", implementation: str = "eager", seed: int = 0, 
         num_heads=2,
         relative_attention_num_buckets=8,
         relative_attention_max_distance=12,
-        dropout_rate=0.0,
         feed_forward_proj=mlp,
         tie_word_embeddings=tied,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
+        **lensadapters_t5.TINY_FIELDS,
     )
     torch.manual_seed(seed)
     model = T5ForConditionalGeneration._from_config(config, attn_implementation=implementation)

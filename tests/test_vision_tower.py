@@ -39,8 +39,10 @@ def _points(n: int) -> list[tuple[str, int, str]]:
     return points
 
 
+#: the attention points of each block (tests/test_vision_tower_attention.py), in the order they fire
+ATTENTION = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
 #: the sub-block points of each block (tests/test_vision_tower_parts.py), in the order they fire
-SUB_BLOCK = ("ln1.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
+SUB_BLOCK = ("ln1.hook_normalized", *ATTENTION, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
 
 
 def _served(n: int) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 
 import lensadapters.wiring.vision_tower as vision_tower_module
-from lensadapters import HookedModel
+from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing.vlm import inputs, vlm
 from tests.test_vision_tower import _edit, _logits, _out
 from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, SERVED, _blocks
@@ -233,3 +233,37 @@ def test_the_language_models_points_are_those_of_a_wrap_without_the_towers_atten
     names_before, cache_before = text_points()
     assert names == names_before and cache.keys() == cache_before.keys()
     assert all(torch.equal(cache[p], cache_before[p]) for p in cache)
+
+
+def _sdpa_by_another_name(*args: Any, **kwargs: Any) -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def test_the_towers_own_implementation_decides_whether_its_patterns_are_served() -> None:
+    """The tower's patterns are refused by name under an implementation whose masks explicit attention does not read
+    (the tower's, not the language model's), and served under eager while the language model runs another."""
+    model, n_image = vlm("llava")
+    batch = inputs(model, n_image)
+    AttentionInterface.register("lensadapters_test_other", _sdpa_by_another_name)
+    hm = HookedModel.wrap(model)
+    point = "vision.blocks.0.attn.hook_pattern"
+    vision, text = model.config.vision_config, model.config.text_config
+    vision._attn_implementation = "lensadapters_test_other"
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match=r"vision tower.*'lensadapters_test_other'"):
+        hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: x)])
+    assert vision._attn_implementation == "lensadapters_test_other"
+    vision._attn_implementation, text._attn_implementation = "eager", "lensadapters_test_other"
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=[point])
+        with pytest.raises(UnsupportedModelError, match=r"this model uses 'lensadapters_test_other'"):
+            hm.run_with_cache(**batch, names_filter=["blocks.0.attn.hook_pattern"])
+    assert cache[point].shape[-1] == cache[point].shape[-2] and (
+        vision._attn_implementation,
+        text._attn_implementation,
+    ) == (
+        "eager",
+        "lensadapters_test_other",
+    )
+    hm.unwrap()

@@ -435,5 +435,7 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
     ):
         wiring.add_site(ProjectionSite(get(child), pt(f"attn.hook_{name}"), heads, state))
     if parts.patterns and tower.backend is not None:
-        wiring.add_site(AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern")))
+        site = AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
+        wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
+        wiring.add_site(site)
     wiring.add_site(InputSite(get(parts.o), pt("attn.hook_z"), heads=parts.heads))

@@ -267,3 +267,33 @@ def test_the_towers_own_implementation_decides_whether_its_patterns_are_served()
         "lensadapters_test_other",
     )
     hm.unwrap()
+
+
+@pytest.mark.parametrize("name", [f for f in SERVED if f in ("idefics3", "smolvlm")])
+def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says(name: str) -> None:
+    """Idefics3's tower masks the patches of an image's padding (``pixel_attention_mask``) as keys: their scores are
+    ``-inf`` and their pattern 0 for every query (the padding patches' own queries included), as eager's weights."""
+    model, n_image = vlm(name)
+    batch = inputs(model, n_image)
+    pixels = batch["pixel_values"]
+    mask = torch.ones(*pixels.shape[:2], *pixels.shape[-2:], dtype=torch.bool)
+    mask[0, 0, pixels.shape[-2] // 2 :] = False  # the first image's lower half is padding
+    batch["pixel_attention_mask"] = mask
+    eager = _eager_weights(model, name, batch)
+    hm = HookedModel.wrap(model)
+    points = [f"vision.blocks.{i}.attn.{p}" for i in range(len(eager)) for p in ("hook_attn_scores", "hook_pattern")]
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**batch, names_filter=points)
+        for i, weights in enumerate(eager):
+            scores, pattern = (
+                cache[f"vision.blocks.{i}.attn.hook_attn_scores"],
+                cache[f"vision.blocks.{i}.attn.hook_pattern"],
+            )
+            padding = scores[0] == float("-inf")
+            assert torch.equal(padding, padding[:1, :1].expand_as(padding))  # the same keys for every head and query
+            assert padding.float().mean() == 0.5 and not bool((scores[1] == float("-inf")).any())
+            assert torch.equal(pattern == 0, scores == float("-inf"))
+            assert _measure(f"{name} padded pattern vs eager ({implementation})", pattern, weights) < 1e-6
+    hm.unwrap()

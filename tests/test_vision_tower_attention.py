@@ -8,6 +8,7 @@ it was; the language model's points are those of a wrap without the tower's atte
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import pytest
@@ -98,17 +99,25 @@ def test_qkv_and_z_read_and_edit_as_plain_hooks_on_the_projections_do(name: str)
 
 
 def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
-    """Each block's attention weights as HF's eager attention returns them (the attention module's second output)."""
-    weights: list[torch.Tensor] = []
-    handles = [
-        _attention(name, block).register_forward_hook(lambda m, a, out: weights.append(out[1].clone()))
-        for block in _blocks(model)
-    ]
+    """Each block's attention weights as HF's eager attention function returns them (the tower's model file's
+    ``eager_attention_forward``, wrapped: transformers 4.x's modules drop the weights unless asked to output them)."""
+    blocks, weights = _blocks(model), []
+    modules = [_attention(name, block) for block in blocks]
+    file = sys.modules[type(modules[0]).__module__]
+    eager = file.eager_attention_forward
+
+    def recording(module: Any, *args: Any, **kwargs: Any) -> Any:
+        out = eager(module, *args, **kwargs)
+        if any(module is m for m in modules):
+            weights.append(out[1].clone())
+        return out
+
+    file.eager_attention_forward = recording
     try:
         _logits(model, batch)
     finally:
-        for handle in handles:
-            handle.remove()
+        file.eager_attention_forward = eager
+    assert len(weights) == len(blocks)
     return weights
 
 

@@ -201,8 +201,8 @@ def _as_heads(t: Any, heads: int, like: Tensor) -> Optional[Tensor]:
     return t if t.shape == like.shape else None
 
 
-def _same(a: Optional[Tensor], b: Tensor) -> bool:
-    return a is not None and a.dtype == b.dtype and torch.equal(a, b)
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
 
 
 def _norms_match(a: Optional[Tensor], b: Tensor) -> bool:
@@ -235,7 +235,9 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         for n, c in seen["calls"].items()
         if c == 1 and _same(seen["child_in"].get(n), z) and _same(seen["child_out"].get(n), seen.get("out"))
     ]
-    if len(o) != 1 or len(set(found.values())) != 3:
+    if len(set(found.values())) != 3:
+        return None, [f"{path}: its attention's query, key and value do not come from three children"]
+    if len(o) != 1:
         return None, [f"{path}: no one child of its attention reads the attention function's output"]
     reasons = []
     if call["error"] is not None:

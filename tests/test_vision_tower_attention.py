@@ -107,6 +107,8 @@ def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
     eager = file.eager_attention_forward
 
     def recording(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if "output_attentions" in kwargs:  # transformers 4.x's CLIP: the weights only when asked (the same output)
+            kwargs["output_attentions"] = True
         out = eager(module, *args, **kwargs)
         if any(module is m for m in modules):
             weights.append(out[1].clone())

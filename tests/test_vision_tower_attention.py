@@ -9,6 +9,7 @@ it was; the language model's points are those of a wrap without the tower's atte
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Callable, Optional
 
 import pytest
@@ -18,6 +19,7 @@ from transformers import AttentionInterface
 import lensadapters.wiring.vision_tower as vision_tower_module
 from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing.vlm import inputs, vlm
+from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.test_vision_tower import _edit, _logits, _out
 from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, SERVED, _blocks
 
@@ -307,4 +309,23 @@ def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says(name: str) 
             assert padding.float().mean() == 0.5 and not bool((scores[1] == float("-inf")).any())
             assert torch.equal(pattern == 0, scores == float("-inf"))
             assert _measure(f"{name} padded pattern vs eager ({implementation})", pattern, weights) < 1e-6
+    hm.unwrap()
+
+
+def test_a_layer_explicit_attention_does_not_reproduce_has_no_patterns_and_the_warning_says_why() -> None:
+    """Block 0's attention module says ``is_causal = True`` while eager attention, reading the mask only, attends both
+    ways: explicit attention would mask the future, so that block's scores and patterns are refused by name; its
+    ``hook_q/k/v/z`` and block 1's patterns are still served."""
+    model, _ = vlm("llava")
+    _attention("llava", _blocks(model)[0]).is_causal = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    assert len(messages) == 1 and "hook_attn_scores and hook_pattern are not served" in messages[0]
+    assert "block 0: explicit attention does not give the attention's own output" in messages[0]
+    assert "block 1" not in messages[0]
+    served = {p for p in hm.hook_dict if p.startswith("vision.blocks.")}
+    assert {"vision.blocks.0.attn.hook_q", "vision.blocks.0.attn.hook_z", "vision.blocks.1.attn.hook_pattern"} <= served
+    assert not {"vision.blocks.0.attn.hook_attn_scores", "vision.blocks.0.attn.hook_pattern"} & served
     hm.unwrap()

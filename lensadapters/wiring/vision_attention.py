@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lensadapters.errors import UnsupportedModelError
-from lensadapters.hooks.attention import InterfacePatternBackend, explicit_attention
+from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 
 Tensor = torch.Tensor
@@ -111,6 +111,7 @@ class TowerPatternBackend(InterfacePatternBackend):
 
     def activate(self, layer: int, site: Any) -> Any:
         impl = str(self.original or self.config._attn_implementation)
+        impl = impl[len(KEY_PREFIX) :] if impl.startswith(KEY_PREFIX) else impl  # another wrapper's routing
         if self.recording is None and impl not in IMPLEMENTATIONS:
             raise UnsupportedModelError(
                 f"the vision tower's hook_attn_scores and hook_pattern are computed explicitly with the masks of the "

@@ -329,3 +329,51 @@ def test_a_layer_explicit_attention_does_not_reproduce_has_no_patterns_and_the_w
     assert {"vision.blocks.0.attn.hook_q", "vision.blocks.0.attn.hook_z", "vision.blocks.1.attn.hook_pattern"} <= served
     assert not {"vision.blocks.0.attn.hook_attn_scores", "vision.blocks.0.attn.hook_pattern"} & served
     hm.unwrap()
+
+
+def _editing_inputs(target: Any, which: str, edit: Callable[[torch.Tensor], torch.Tensor], seen: list) -> Any:
+    """Eager attention that records the ``query``/``key`` it gets from ``target`` (as ``[b, p, h, d]``) and hands it
+    ``edit``'s result: what an edit of the rotated query or key is."""
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        file = sys.modules[type(module).__module__]
+        if module is target:
+            x = (query if which == "q" else key).transpose(1, 2)
+            seen.append(x.clone())
+            x = edit(x).transpose(1, 2)
+            query, key = (x, key) if which == "q" else (query, x)
+        return file.eager_attention_forward(module, query, key, *args, **kwargs)
+
+    return attention
+
+
+@pytest.mark.parametrize("name", [f for f in SERVED if f in ROTARY])
+def test_rotary_points_are_the_rotated_queries_and_keys_the_attention_function_gets(name: str) -> None:
+    """Pixtral rotates its queries and keys (2-D RoPE) inside the attention module: ``hook_rot_q``/``hook_rot_k`` are
+    what its attention function gets, and an edit there is that function getting the edited value (up to the
+    rounding of rotating the edit back)."""
+    model, n_image = vlm(name)
+    batch, blocks = inputs(model, n_image), _blocks(model)
+    config = model.config.vision_config
+    hm = HookedModel.wrap(model)
+    hf = _logits(model, batch)
+    for i in range(len(blocks)):
+        for x in "qk":
+            seen: list = []
+            for edit, key in ((lambda t: t, "read"), (_edit, "edit")):
+                registered = f"lensadapters_test_rot_{x}_{i}_{key}"
+                AttentionInterface.register(registered, _editing_inputs(_attention(name, blocks[i]), x, edit, seen))
+                config._attn_implementation = registered
+                try:
+                    reference = _logits(model, batch)
+                finally:
+                    config._attn_implementation = "eager"
+            point = f"vision.blocks.{i}.attn.hook_rot_{x}"
+            with torch.no_grad():
+                _, cache = hm.run_with_cache(**batch, names_filter=[point])
+                got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: _edit(t))]))
+            assert torch.equal(cache[point], seen[0]), point
+            assert not torch.equal(got, hf)
+            scale = float(reference.abs().max())
+            assert _measure(f"{name} rot_{x} edit vs the attention function given it", got, reference) <= 1e-5 * scale
+    hm.unwrap()

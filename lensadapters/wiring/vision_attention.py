@@ -9,11 +9,11 @@ the attention module's children (each called once):
 
 - ``hook_v``: the child reading the attention's input whose output, seen as ``[b, p, h, d]``, is the function's
   ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``. Where the module rotates them first
-  (rotary embeddings, Pixtral's 2-D ones: it then gets ``position_embeddings``), the child whose output has the
-  ``query``'s (``key``'s) norm per position and head (a rotation keeps it) and no other child's does: TransformerLens'
-  ``hook_q``/``hook_k`` are before rotary. An edit there is an edit of the projection's output, as a forward hook on
-  it is (the module then rotates the edited value itself). Rotary points (``hook_rot_q``/``hook_rot_k``) are not
-  served;
+  (rotary embeddings, Pixtral's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the child whose
+  output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half), is the ``query`` (``key``) exactly:
+  TransformerLens' ``hook_q``/``hook_k`` are before rotary, ``hook_rot_q``/``hook_rot_k`` the rotated values (an edit
+  of those is rotated back and added to the projection's output as a difference, as on the language models). An edit
+  of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it);
 - ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
   output is the attention module's;
 - ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
@@ -40,13 +40,17 @@ from torch import nn
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.rotary import rotate_half_spec
 
 Tensor = torch.Tensor
 
 #: the points of a tower block's attention (relative to ``vision.blocks.{i}.``), in the order they fire
 QKV_POINTS = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+ROTARY_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k")
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 Z_POINT = "attn.hook_z"
+#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb``
+ROTATE_HALF = rotate_half_spec()
 #: the implementations whose masks explicit attention reads
 IMPLEMENTATIONS = ("eager", "sdpa")
 #: the largest difference the probe accepts between the tower's attention output and explicit attention's (and
@@ -56,8 +60,9 @@ TOLERANCE = 1e-4
 
 @dataclass(frozen=True)
 class AttnParts:
-    """A block's attention: the names of its projections (children of the attention module), its heads, and
-    whether the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it."""
+    """A block's attention: the names of its projections (children of the attention module), its heads, whether
+    the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, and whether it rotates its queries
+    and keys (rotate-half RoPE with the ``position_embeddings`` it gets)."""
 
     q: str
     k: str
@@ -66,6 +71,7 @@ class AttnParts:
     heads: int
     kv_heads: int
     patterns: bool
+    rotary: bool = False
 
 
 class _Pass:
@@ -206,12 +212,22 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _norms_match(a: Optional[Tensor], b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` have the same norm per position and head (a rotation of each head keeps it)."""
-    if a is None or a.dtype != b.dtype:
-        return False
-    tol = _tolerance(a.dtype)
-    return bool(torch.allclose(a.float().norm(dim=-1), b.float().norm(dim=-1), rtol=tol, atol=tol))
+def _angles(kwargs: dict) -> Optional[tuple[Tensor, Tensor]]:
+    """The ``(cos, sin)`` the attention module got as ``position_embeddings``, or ``None``."""
+    value = kwargs.get("position_embeddings")
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(t, Tensor) for t in value):
+        return value[0], value[1]
+    return None
+
+
+def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
+    """``t`` (``[b, h, p, d]``) rotated as rotate-half RoPE with ``angles``, or ``None`` where they do not fit."""
+    if t is None or angles is None:
+        return None
+    try:
+        return ROTATE_HALF.apply(t.transpose(1, 2), *angles).transpose(1, 2)
+    except RuntimeError:  # angles of another shape: not rotate-half RoPE of these heads
+        return None
 
 
 def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optional[AttnParts], list[str]]:
@@ -222,11 +238,14 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
     once = {n for n, c in seen["calls"].items() if c == 1 and _same(seen["child_in"].get(n), seen["in"])}
     heads, kv_heads = call["query"].shape[1], call["key"].shape[1]
     found: dict[str, Optional[str]] = {}
+    rotary = False
     for role, heads_of in (("query", heads), ("key", kv_heads), ("value", kv_heads)):
         viewed = {n: _as_heads(seen["child_out"].get(n), heads_of, call[role]) for n in once}
-        exact = [n for n, t in viewed.items() if _same(t, call[role])]
-        rotated = role != "value" and not exact and "position_embeddings" in seen.get("kwargs", {})
-        matches = [n for n, t in viewed.items() if _norms_match(t, call[role])] if rotated else exact
+        matches = [n for n, t in viewed.items() if _same(t, call[role])]
+        if not matches and role != "value":
+            angles = _angles(seen.get("kwargs", {}))
+            matches = [n for n, t in viewed.items() if _same(_rotated(t, angles), call[role])]
+            rotary = rotary or bool(matches)
         found[role] = matches[0] if len(matches) == 1 else None
         if found[role] is None:
             return None, [f"{path}: no one child of its attention gives the attention function's {role}"]
@@ -255,6 +274,7 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         heads,
         kv_heads,
         not reasons,
+        rotary,
     )
     return parts, reasons
 
@@ -263,7 +283,9 @@ def attention_names(parts: Optional[AttnParts]) -> list[str]:
     """The attention points of a block (relative to ``vision.blocks.{i}.``), in the order they fire."""
     if parts is None:
         return []
-    return [*QKV_POINTS, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
+    q, k, v = QKV_POINTS  # each query and key rotated as soon as it is projected, as on the language models
+    qkv = [q, ROTARY_POINTS[0], k, ROTARY_POINTS[1], v] if parts.rotary else list(QKV_POINTS)
+    return [*qkv, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -297,3 +319,19 @@ def probe_attention(
     if any(p is None for p in parts):
         return None, None, reasons
     return cast(list[AttnParts], parts), backend, reasons
+
+
+class TowerRotary:
+    """The ``(cos, sin)`` of a tower's attention in this forward (``rotary``), kept apart from the language model's
+    (``ForwardState.rotary``): an object with the ``rotary`` of a forward state, for the core's rotary sites."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def rotary(self) -> Optional[tuple[Tensor, Tensor]]:
+        return cast(Optional[tuple[Tensor, Tensor]], self._state.site_values(self).get("rotary"))
+
+    @rotary.setter
+    def rotary(self, value: Optional[tuple[Tensor, Tensor]]) -> None:
+        self._state.site_values(self)["rotary"] = value

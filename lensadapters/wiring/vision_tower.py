@@ -16,7 +16,8 @@ proves each point before it is served:
   (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits. An
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
-- ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` and ``attn.hook_attn_scores``/``hook_pattern``:
+- ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
+  attention rotates them, Pixtral) and ``attn.hook_attn_scores``/``hook_pattern``:
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
@@ -30,15 +31,30 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lensadapters.hooks.frames import ForwardState
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import AttentionSite, InputSite, OutputSite, ProjectionSite, ResidualSite
-from lensadapters.wiring.vision_attention import AttnParts, TowerPatternBackend, attention_names, probe_attention
+from lensadapters.hooks.sites import (
+    AttentionRotarySite,
+    AttentionSite,
+    InputSite,
+    OutputSite,
+    ProjectionSite,
+    ResidualSite,
+)
+from lensadapters.wiring.vision_attention import (
+    ROTATE_HALF,
+    AttnParts,
+    TowerPatternBackend,
+    TowerRotary,
+    attention_names,
+    probe_attention,
+)
 from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
 #: the prefix of the vision tower's points
@@ -424,16 +440,25 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
 
 
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
-    """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads), a
-    pre-hook on the output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
+    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records), a pre-hook on the
+    output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
     assert tower.attn is not None
     parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
-    for name, child, heads in (
+    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary else None
+    if rotary is not None:
+        rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
+        wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
+    for x, child, heads in (
         ("q", parts.q, parts.heads),
         ("k", parts.k, parts.kv_heads),
         ("v", parts.v, parts.kv_heads),
     ):
-        wiring.add_site(ProjectionSite(get(child), pt(f"attn.hook_{name}"), heads, state))
+        point = pt(f"attn.hook_{x}")
+        if rotary is not None and x != "v":
+            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), ROTATE_HALF))
+        else:
+            wiring.add_site(ProjectionSite(get(child), point, heads, state))
     if parts.patterns and tower.backend is not None:
         site = AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
         wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are

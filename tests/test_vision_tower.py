@@ -31,17 +31,33 @@ def _points(n: int) -> list[tuple[str, int, str]]:
     return points
 
 
+#: the attention points of each block (tests/test_vision_tower_attention.py), in the order they fire
+ATTENTION = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
+#: where a tower rotating its queries and keys (Pixtral) adds its rotary points, right after each projection's
+ROTARY_ORDER = {"attn.hook_q": ("attn.hook_q", "attn.hook_rot_q"), "attn.hook_k": ("attn.hook_k", "attn.hook_rot_k")}
+#: the families whose towers rotate their queries and keys
+ROTARY_TOWERS = ("mistral3",)
 #: the sub-block points of each block (tests/test_vision_tower_parts.py), in the order they fire
-SUB_BLOCK = ("ln1.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
+SUB_BLOCK = ("ln1.hook_normalized", *ATTENTION, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
 
 
-def _served(n: int) -> list[str]:
-    """Every point of a tower of ``n`` blocks, in the order they fire."""
+def _served(n: int, rotary: bool = False) -> list[str]:
+    """Every point of a tower of ``n`` blocks, in the order they fire (``rotary``: its queries and keys rotated)."""
+    sub_block = SUB_BLOCK if not rotary else tuple(ROTARY_ORDER.get(s, s) for s in SUB_BLOCK)
     names = ["vision.hook_embed"]
     for i in range(n):
         at = f"vision.blocks.{i}."
-        names += [at + "hook_resid_pre", *(at + s for s in SUB_BLOCK), at + "hook_mlp_out", at + "hook_resid_post"]
+        names += [
+            at + "hook_resid_pre",
+            *(at + s for s in _flat(sub_block)),
+            at + "hook_mlp_out",
+            at + "hook_resid_post",
+        ]
     return names
+
+
+def _flat(names: tuple) -> list[str]:
+    return [n for entry in names for n in (entry if isinstance(entry, tuple) else (entry,))]
 
 
 def _plain(block: Any, kind: str, seen: list, edit: Any = None) -> Any:
@@ -103,7 +119,7 @@ def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
         plain[point] = (seen, edited)
     hf = _logits(model, batch)
     hm = HookedModel.wrap(model)
-    assert [p for p in hm.hook_dict if p.startswith("vision.")] == _served(len(blocks))
+    assert [p for p in hm.hook_dict if p.startswith("vision.")] == _served(len(blocks), name in ROTARY_TOWERS)
     served = [p for p, _, _ in _points(len(blocks))]
     with torch.no_grad():
         assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward

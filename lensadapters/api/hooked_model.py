@@ -31,6 +31,7 @@ from lensadapters.errors import LensAdaptersError, NotCausalError, PluginError, 
 from lensadapters.hooks.hook_point import HookFn, HookPoint
 from lensadapters.wiring.core import Wiring
 from lensadapters.wiring.names import PATTERN_POINTS
+from lensadapters.wiring.vision_tower import PREFIX as VISION_PREFIX
 from lensadapters.wiring.weights import WeightAccessors
 
 Tensor = torch.Tensor
@@ -281,7 +282,8 @@ class HookedModel(CachingRuns, TransformerLensAPI, WeightAccessors):
         if not _readonly:
             check_hook(hook, repr(name) if isinstance(name, str) else "the hook points selected by a filter")
         points = self.wiring.select(name)
-        if any(p.name.endswith(PATTERN_POINTS) for p in points):
+        # the language model's implementation; the vision tower's patterns (its own config) are its backend's to check
+        if any(p.name.endswith(PATTERN_POINTS) and not p.name.startswith(VISION_PREFIX) for p in points):
             self.wiring.check_pattern_implementation()
         with self.wiring.batched():
             for point in points:

@@ -15,7 +15,11 @@ proves each point before it is served:
   input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
   (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits. An
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
-  one of ``hook_mlp_in`` the MLP only, as on the language model's blocks.
+  one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
+- ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
+  attention rotates them, Pixtral) and ``attn.hook_attn_scores``/``hook_pattern``:
+  the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
+  finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
 A tower whose forward needs inputs beyond ``pixel_values`` (an image grid, patch positions...) is refused by name
 (:class:`VisionTowerWarning`), and so is any point the probe did not prove. The points fire only in a forward with
@@ -27,14 +31,30 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lensadapters.hooks.frames import ForwardState
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import InputSite, OutputSite, ResidualSite
+from lensadapters.hooks.sites import (
+    AttentionRotarySite,
+    AttentionSite,
+    InputSite,
+    OutputSite,
+    ProjectionSite,
+    ResidualSite,
+)
+from lensadapters.wiring.vision_attention import (
+    ROTATE_HALF,
+    AttnParts,
+    TowerPatternBackend,
+    TowerRotary,
+    attention_names,
+    probe_attention,
+)
 from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
 #: the prefix of the vision tower's points
@@ -49,11 +69,14 @@ class VisionTowerWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Tower:
-    """What the probe proved: the tower, its blocks, and their parts (``None``: the residual points only)."""
+    """What the probe proved: the tower, its blocks, and their parts (``None``: the residual points only), their
+    attention's (``None``: no attention point) and the backend of its patterns."""
 
     module: nn.Module
     blocks: nn.ModuleList
     parts: Optional[list[BlockParts]]
+    attn: Optional[list[AttnParts]] = None
+    backend: Optional[TowerPatternBackend] = None
 
 
 def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -240,25 +263,34 @@ def _probe_parts(
     return parts, []
 
 
-def probe(model: nn.Module) -> tuple[Optional[Tower], list[str], list[str]]:
+def probe(model: nn.Module) -> tuple[Optional[Tower], list[str], list[str], list[str]]:
     """The tower when the probe proved its blocks' residual points, else ``None``; the reasons of what is not
-    served: of the tower's points, and of its blocks' parts' points."""
+    served: of the tower's points, of its blocks' parts' points, and of their attention's."""
     found = vision_tower(model)
     if found is None:
-        return None, [], []
+        return None, [], [], []
     path, tower = found
     blocks = tower_blocks(tower)
     if blocks is None:
-        return None, [f"{path}: no list of its {getattr(tower.config, 'num_hidden_layers', '?')} blocks was found"], []
+        n = getattr(tower.config, "num_hidden_layers", "?")
+        return None, [f"{path}: no list of its {n} blocks was found"], [], []
     required = _required_inputs(tower)
     if required:
-        return None, [f"{path}: its forward needs {', '.join(required)} besides pixel_values; the probe gives none"], []
+        return (
+            None,
+            [f"{path}: its forward needs {', '.join(required)} besides pixel_values; the probe gives none"],
+            [],
+            [],
+        )
     pixels = _probe_pixels(tower)
     if pixels is None:
-        return None, [f"{path}: its config gives no image_size for a probe image"], []
+        return None, [f"{path}: its config gives no image_size for a probe image"], [], []
     snapshot = _snapshot(tower)
     parts: Optional[list[BlockParts]] = None
+    attn: Optional[list[AttnParts]] = None
+    backend: Optional[TowerPatternBackend] = None
     part_reasons: list[str] = []
+    attn_reasons: list[str] = []
     try:
         base = _run(tower, blocks[1], pixels)
         n = len(blocks[1])
@@ -269,10 +301,25 @@ def probe(model: nn.Module) -> tuple[Optional[Tower], list[str], list[str]]:
         if not reasons:
             parts, part_reasons = _probe_parts(tower, blocks[1], pixels, base, path)
     except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses the points, naming it
-        return None, [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"], []
+        return None, [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"], [], []
     finally:
         _restore(snapshot)
-    return (None if reasons else Tower(tower, blocks[1], parts)), reasons, part_reasons
+    if parts is not None:
+        snapshot = _snapshot(tower)
+        try:
+            attn_paths = [part.attn for part in parts]
+            attn, backend, attn_reasons = probe_attention(
+                blocks[1], attn_paths, lambda: _run(tower, blocks[1], pixels), path
+            )
+        except Exception as exc:  # noqa: BLE001 - the attention points only are refused, naming the failure
+            attn, backend, attn_reasons = (
+                None,
+                None,
+                [f"{path}: the probe forward failed ({type(exc).__name__}: {exc})"],
+            )
+        finally:
+            _restore(snapshot)
+    return (None if reasons else Tower(tower, blocks[1], parts, attn, backend)), reasons, part_reasons, attn_reasons
 
 
 def _check(seen: dict, n: int, path: str) -> list[str]:
@@ -313,19 +360,19 @@ class TowerResidualSite(ResidualSite):
     prepend_block_hook = True
 
 
-def block_names(part: Optional[BlockParts]) -> list[str]:
+def block_names(part: Optional[BlockParts], attn: Optional[AttnParts] = None) -> list[str]:
     """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire."""
     if part is None:
         return ["hook_resid_pre", "hook_resid_post"]
     ln1 = ["ln1.hook_normalized"] if part.ln1 is not None else []
     middle = ["hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", "hook_mlp_out"]
-    return ["hook_resid_pre", *ln1, *middle, "hook_resid_post"]
+    return ["hook_resid_pre", *ln1, *attention_names(attn), *middle, "hook_resid_post"]
 
 
 def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optional[Tower]:
     """Create the tower's points that the probe proves (before the projector's: the tower runs first); the tower,
     or ``None`` (with a :class:`VisionTowerWarning` saying why where the model has a tower)."""
-    proven, reasons, part_reasons = probe(wiring.hf_model)
+    proven, reasons, part_reasons, attn_reasons = probe(wiring.hf_model)
     if reasons:
         warnings.warn(
             "the vision tower's points are not served: " + "; ".join(reasons), VisionTowerWarning, stacklevel=4
@@ -336,11 +383,18 @@ def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optiona
             VisionTowerWarning,
             stacklevel=4,
         )
+    if attn_reasons:
+        patterns_only = proven is not None and proven.attn is not None
+        what = "hook_attn_scores and hook_pattern are" if patterns_only else "attention points are"
+        warnings.warn(
+            f"the vision tower's {what} not served: " + "; ".join(attn_reasons), VisionTowerWarning, stacklevel=4
+        )
     if proven is None:
         return None
     new(PREFIX + "hook_embed").fires_when = FIRES_WHEN
     for i in range(len(proven.blocks)):
-        for name in block_names(proven.parts[i] if proven.parts is not None else None):
+        attn = proven.attn[i] if proven.attn is not None else None
+        for name in block_names(proven.parts[i] if proven.parts is not None else None, attn):
             new(f"{PREFIX}blocks.{i}.{name}").fires_when = FIRES_WHEN
     return proven
 
@@ -364,6 +418,8 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
         part, get = tower.parts[i], block.get_submodule
         if part.ln1 is not None:
             wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
+        if tower.attn is not None:
+            _attention_sites(wiring, tower, i, get(part.attn), pt)
         wiring.add_site(OutputSite(get(part.attn), pt("hook_attn_out")))
         wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
         mlp = get(part.mlp)
@@ -381,3 +437,30 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
                 residual_add=mlp,
             )
         )
+
+
+def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
+    """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
+    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records), a pre-hook on the
+    output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    assert tower.attn is not None
+    parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
+    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary else None
+    if rotary is not None:
+        rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
+        wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
+    for x, child, heads in (
+        ("q", parts.q, parts.heads),
+        ("k", parts.k, parts.kv_heads),
+        ("v", parts.v, parts.kv_heads),
+    ):
+        point = pt(f"attn.hook_{x}")
+        if rotary is not None and x != "v":
+            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), ROTATE_HALF))
+        else:
+            wiring.add_site(ProjectionSite(get(child), point, heads, state))
+    if parts.patterns and tower.backend is not None:
+        site = AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
+        wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
+        wiring.add_site(site)
+    wiring.add_site(InputSite(get(parts.o), pt("attn.hook_z"), heads=parts.heads))

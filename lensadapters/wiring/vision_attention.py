@@ -1,0 +1,337 @@
+"""The attention points of a vision tower's blocks (``vision.blocks.{i}.attn.*``), found from the values of a probe
+forward (no name is known).
+
+The tower's attention modules call transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``) as the language
+models' do; the probe routes that call through the core's :class:`~lensadapters.hooks.attention.InterfacePatternBackend`
+(on the tower's own config: the language model's implementation is untouched) and records, in every block, what
+the attention function gets: ``query``, ``key``, ``value`` (``[b, h, p, d]``), the mask and the other arguments. Among
+the attention module's children (each called once):
+
+- ``hook_v``: the child reading the attention's input whose output, seen as ``[b, p, h, d]``, is the function's
+  ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``. Where the module rotates them first
+  (rotary embeddings, Pixtral's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the child whose
+  output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half), is the ``query`` (``key``) exactly:
+  TransformerLens' ``hook_q``/``hook_k`` are before rotary, ``hook_rot_q``/``hook_rot_k`` the rotated values (an edit
+  of those is rotated back and added to the projection's output as a difference, as on the language models). An edit
+  of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it);
+- ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
+  output is the attention module's;
+- ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
+  in (:func:`~lensadapters.hooks.attention.explicit_attention`: ``q k^T * scaling``, the tower's mask, softmax), every
+  other layer keeping the tower's own implementation. The towers' attention is bidirectional (their modules say
+  ``is_causal = False``): no causal mask. The tower's own mask is honoured as the model builds it: none for one image
+  of a fixed size (CLIP, SigLIP), Pixtral's block-diagonal mask where several images share one sequence (a query
+  sees only its own image's patches; blocked scores are ``-inf``, their pattern 0), Idefics3's padding-patch mask.
+  Served only where the probe's explicit attention gives the tower's own output (to rounding) and refuses none of the
+  tower's arguments; eager and sdpa only (the tower's implementation, not the language model's).
+
+No hook is installed until a point is hooked; with none, the tower runs its own implementation untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, cast
+
+import torch
+from torch import nn
+
+from lensadapters.errors import UnsupportedModelError
+from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, explicit_attention
+from lensadapters.hooks.hook_point import HookPoint
+from lensadapters.hooks.rotary import rotate_half_spec
+
+Tensor = torch.Tensor
+
+#: the points of a tower block's attention (relative to ``vision.blocks.{i}.``), in the order they fire
+QKV_POINTS = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+ROTARY_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k")
+PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
+Z_POINT = "attn.hook_z"
+#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb``
+ROTATE_HALF = rotate_half_spec()
+#: the implementations whose masks explicit attention reads
+IMPLEMENTATIONS = ("eager", "sdpa")
+#: the largest difference the probe accepts between the tower's attention output and explicit attention's (and
+#: between the norms of a rotated query's heads and its projection's), in float32; more in a coarser dtype
+TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class AttnParts:
+    """A block's attention: the names of its projections (children of the attention module), its heads, whether
+    the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, and whether it rotates its queries
+    and keys (rotate-half RoPE with the ``position_embeddings`` it gets)."""
+
+    q: str
+    k: str
+    v: str
+    o: str
+    heads: int
+    kv_heads: int
+    patterns: bool
+    rotary: bool = False
+
+
+class _Pass:
+    """A point that runs no hook (the probe's explicit attention)."""
+
+    may_edit = False
+
+    def apply(self, value: Tensor, protect: bool = False) -> tuple[Tensor, bool]:
+        return value, False
+
+
+class _Recorder:
+    """The probe's site on every layer: live, so the attention function hands it the layer's call."""
+
+    def is_live(self) -> bool:
+        return True
+
+
+def _original(module: nn.Module, implementation: str) -> Callable[..., Any]:
+    if implementation == "eager":
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise UnsupportedModelError(f"{type(module).__name__} has no eager_attention_forward")
+        return cast(Callable[..., Any], fn)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return cast(Callable[..., Any], ALL_ATTENTION_FUNCTIONS[implementation])
+
+
+def _no_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float], impl: str) -> None:
+    return None  # the default: q k^T * scaling
+
+
+class TowerPatternBackend(InterfacePatternBackend):
+    """The pattern backend of a vision tower: the core's, on the tower's config (``config._attn_implementation``
+    routes the tower's attention only), refusing implementations whose masks explicit attention does not read, and
+    recording the attention function's calls in the probe (``recording``: each layer's arguments and output, the
+    layer computed by the tower's own implementation)."""
+
+    def __init__(self, config: Any, attention_modules: list[nn.Module]) -> None:
+        super().__init__(config, attention_modules, _no_scores)
+        self.recording: Optional[dict[int, dict[str, Any]]] = None
+
+    def activate(self, layer: int, site: Any) -> Any:
+        impl = str(self.original or self.config._attn_implementation)
+        impl = impl[len(KEY_PREFIX) :] if impl.startswith(KEY_PREFIX) else impl  # another wrapper's routing
+        if self.recording is None and impl not in IMPLEMENTATIONS:
+            raise UnsupportedModelError(
+                f"the vision tower's hook_attn_scores and hook_pattern are computed explicitly with the masks of the "
+                f"eager or sdpa attention implementation; the tower uses {impl!r}. Call "
+                f"model.set_attn_implementation('sdpa') to hook them (every other vision point works with {impl!r})"
+            )
+        return super().activate(layer, site)
+
+    def attend(
+        self,
+        layer: int,
+        site: Any,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
+        if self.recording is None:
+            return super().attend(layer, site, module, query, key, value, attention_mask, **kwargs)
+        out = _original(module, self.original or "sdpa")(module, query, key, value, attention_mask, **kwargs)
+        seen = {"query": query, "key": key, "value": value, "out": out[0], "explicit": None, "error": None}
+        self.recording.setdefault(layer, seen)
+        try:
+            pass_through = cast(HookPoint, _Pass())
+            seen["explicit"] = explicit_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scores_fn=self._scores,
+                scores_point=pass_through,
+                pattern_point=pass_through,
+                implementation=self.original or "sdpa",
+                **kwargs,
+            )[0]
+        except UnsupportedModelError as exc:
+            seen["error"] = str(exc)
+        return cast(tuple[Tensor, Tensor], out)
+
+
+def tower_backend(modules: list[nn.Module]) -> Optional[TowerPatternBackend]:
+    """The backend of the tower's attention modules: on their config (one for all), or ``None``."""
+    configs = {id(getattr(m, "config", None)) for m in modules}
+    config = getattr(modules[0], "config", None)
+    if len(configs) != 1 or config is None or not hasattr(config, "_attn_implementation"):
+        return None
+    return TowerPatternBackend(config, modules)
+
+
+def watch_attention(attention: nn.Module, seen: dict) -> list:
+    """Hooks recording the attention module's first input and output and its children's (and their call counts)."""
+    seen.update(child_in={}, child_out={}, calls={})
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = args[0] if args else next(iter(kwargs.values()), None)
+        seen.setdefault("in", value)
+        seen.setdefault("kwargs", kwargs)
+
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        seen.setdefault("out", output[0] if isinstance(output, tuple) else output)
+
+    handles = [attention.register_forward_pre_hook(pre, with_kwargs=True), attention.register_forward_hook(post)]
+    for name, child in attention.named_children():
+
+        def child_pre(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            seen["calls"][name] = seen["calls"].get(name, 0) + 1
+            value = args[0] if args else next(iter(kwargs.values()), None)
+            seen["child_in"].setdefault(name, value)
+
+        def child_post(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            seen["child_out"].setdefault(name, output[0] if isinstance(output, tuple) else output)
+
+        handles += [
+            child.register_forward_pre_hook(child_pre, with_kwargs=True),
+            child.register_forward_hook(child_post),
+        ]
+    return handles
+
+
+def _as_heads(t: Any, heads: int, like: Tensor) -> Optional[Tensor]:
+    """A child's output ``[b, p, h * d]`` as the attention function's ``[b, h, p, d]``, or ``None``."""
+    if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] % heads:
+        return None
+    t = t.unflatten(-1, (heads, -1)).transpose(1, 2)
+    return t if t.shape == like.shape else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _angles(kwargs: dict) -> Optional[tuple[Tensor, Tensor]]:
+    """The ``(cos, sin)`` the attention module got as ``position_embeddings``, or ``None``."""
+    value = kwargs.get("position_embeddings")
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(t, Tensor) for t in value):
+        return value[0], value[1]
+    return None
+
+
+def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
+    """``t`` (``[b, h, p, d]``) rotated as rotate-half RoPE with ``angles``, or ``None`` where they do not fit."""
+    if t is None or angles is None:
+        return None
+    try:
+        return ROTATE_HALF.apply(t.transpose(1, 2), *angles).transpose(1, 2)
+    except RuntimeError:  # angles of another shape: not rotate-half RoPE of these heads
+        return None
+
+
+def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optional[AttnParts], list[str]]:
+    """The block's attention parts from the attention module's recorded values and its attention function's call,
+    or ``None`` and why."""
+    if call is None or "in" not in seen:
+        return None, [f"{path}: its attention did not call transformers' attention interface in the probe"]
+    once = {n for n, c in seen["calls"].items() if c == 1 and _same(seen["child_in"].get(n), seen["in"])}
+    heads, kv_heads = call["query"].shape[1], call["key"].shape[1]
+    found: dict[str, Optional[str]] = {}
+    rotary = False
+    for role, heads_of in (("query", heads), ("key", kv_heads), ("value", kv_heads)):
+        viewed = {n: _as_heads(seen["child_out"].get(n), heads_of, call[role]) for n in once}
+        matches = [n for n, t in viewed.items() if _same(t, call[role])]
+        if not matches and role != "value":
+            angles = _angles(seen.get("kwargs", {}))
+            matches = [n for n, t in viewed.items() if _same(_rotated(t, angles), call[role])]
+            rotary = rotary or bool(matches)
+        found[role] = matches[0] if len(matches) == 1 else None
+        if found[role] is None:
+            return None, [f"{path}: no one child of its attention gives the attention function's {role}"]
+    z = call["out"].flatten(-2)
+    o = [
+        n
+        for n, c in seen["calls"].items()
+        if c == 1 and _same(seen["child_in"].get(n), z) and _same(seen["child_out"].get(n), seen.get("out"))
+    ]
+    if len(set(found.values())) != 3:
+        return None, [f"{path}: its attention's query, key and value do not come from three children"]
+    if len(o) != 1:
+        return None, [f"{path}: no one child of its attention reads the attention function's output"]
+    reasons = []
+    if call["error"] is not None:
+        reasons.append(f"{path}: {call['error']}")
+    elif call["explicit"] is None or not torch.allclose(
+        call["explicit"], call["out"], atol=_tolerance(z.dtype), rtol=_tolerance(z.dtype)
+    ):
+        reasons.append(f"{path}: explicit attention does not give the attention's own output")
+    parts = AttnParts(
+        cast(str, found["query"]),
+        cast(str, found["key"]),
+        cast(str, found["value"]),
+        o[0],
+        heads,
+        kv_heads,
+        not reasons,
+        rotary,
+    )
+    return parts, reasons
+
+
+def attention_names(parts: Optional[AttnParts]) -> list[str]:
+    """The attention points of a block (relative to ``vision.blocks.{i}.``), in the order they fire."""
+    if parts is None:
+        return []
+    q, k, v = QKV_POINTS  # each query and key rotated as soon as it is projected, as on the language models
+    qkv = [q, ROTARY_POINTS[0], k, ROTARY_POINTS[1], v] if parts.rotary else list(QKV_POINTS)
+    return [*qkv, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return max(TOLERANCE, torch.finfo(dtype).eps * 16) if dtype.is_floating_point else TOLERANCE
+
+
+def probe_attention(
+    blocks: nn.ModuleList, attn_paths: list[str], run: Callable[[], Any], path: str
+) -> tuple[Optional[list[AttnParts]], Optional[TowerPatternBackend], list[str]]:
+    """Each block's attention parts (``None``: no attention point), the tower's pattern backend, and the reasons of
+    what is not served, from one probe forward ``run()`` with every layer's attention call recorded."""
+    attentions = [block.get_submodule(name) for block, name in zip(blocks, attn_paths)]
+    backend = tower_backend(attentions)
+    if backend is None:
+        return None, None, [f"{path}: its blocks' attention modules share no config (its attention implementation)"]
+    seen: list[dict] = [{} for _ in attentions]
+    handles = [h for attention, s in zip(attentions, seen) for h in watch_attention(attention, s)]
+    recording: dict[int, dict[str, Any]] = {}
+    backend.recording = recording
+    routes: list[Any] = []
+    try:
+        routes = [backend.activate(i, _Recorder()) for i in range(len(attentions))]
+        run()
+    finally:
+        for handle in (*handles, *routes):
+            handle.remove()
+        backend.recording = None
+    found = [find_attention(s, recording.get(i), f"{path}: block {i}") for i, s in enumerate(seen)]
+    parts = [p for p, _ in found]
+    reasons = [r for _, rs in found for r in rs]
+    if any(p is None for p in parts):
+        return None, None, reasons
+    return cast(list[AttnParts], parts), backend, reasons
+
+
+class TowerRotary:
+    """The ``(cos, sin)`` of a tower's attention in this forward (``rotary``), kept apart from the language model's
+    (``ForwardState.rotary``): an object with the ``rotary`` of a forward state, for the core's rotary sites."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def rotary(self) -> Optional[tuple[Tensor, Tensor]]:
+        return cast(Optional[tuple[Tensor, Tensor]], self._state.site_values(self).get("rotary"))
+
+    @rotary.setter
+    def rotary(self, value: Optional[tuple[Tensor, Tensor]]) -> None:
+        self._state.site_values(self)["rotary"] = value

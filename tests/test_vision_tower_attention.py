@@ -18,10 +18,10 @@ from transformers import AttentionInterface
 
 import lensadapters.wiring.vision_tower as vision_tower_module
 from lensadapters import HookedModel, UnsupportedModelError
-from lensadapters.testing.vlm import inputs, vlm
+from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.test_vision_tower import _edit, _logits, _out
-from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, SERVED, _blocks
+from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, SERVED
 
 #: the output projection of each family's tower attention, by its HF name
 O_PROJ = {"mistral3": "o_proj"}
@@ -75,7 +75,7 @@ def test_qkv_and_z_read_and_edit_as_plain_hooks_on_the_projections_do(name: str)
     model, n_image = vlm(name)
     batch, heads = inputs(model, n_image), _heads(model)
     plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for i, block in enumerate(_blocks(model)):
+    for i, block in enumerate(tower_blocks_of(model)):
         attention = _attention(name, block)
         for x in "qkv":
             seen: list = []
@@ -103,7 +103,7 @@ def test_qkv_and_z_read_and_edit_as_plain_hooks_on_the_projections_do(name: str)
 def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
     """Each block's attention weights as HF's eager attention function returns them (the tower's model file's
     ``eager_attention_forward``, wrapped: transformers 4.x's modules drop the weights unless asked to output them)."""
-    blocks, weights = _blocks(model), []
+    blocks, weights = tower_blocks_of(model), []
     modules = [_attention(name, block) for block in blocks]
     file = sys.modules[type(modules[0]).__module__]
     eager = file.eager_attention_forward
@@ -128,7 +128,7 @@ def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", SERVED)
 def test_patterns_are_the_eager_attention_weights_and_scores_are_softmaxed_into_them(name: str) -> None:
     model, n_image = vlm(name)
-    batch, n = inputs(model, n_image), len(_blocks(model))
+    batch, n = inputs(model, n_image), len(tower_blocks_of(model))
     eager = _eager_weights(model, name, batch)
     hm = HookedModel.wrap(model)
     points = [
@@ -201,7 +201,7 @@ def _add_to_head_0(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("where", ["scores", "pattern"])
 def test_an_edit_of_scores_or_pattern_is_the_edit_inside_a_hand_written_attention(name: str, where: str) -> None:
     model, n_image = vlm(name)
-    batch, blocks = inputs(model, n_image), _blocks(model)
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
     config = model.config.vision_config
     edit = _roll if where == "pattern" else _add_to_head_0
     point = "hook_pattern" if where == "pattern" else "hook_attn_scores"
@@ -321,7 +321,7 @@ def test_a_layer_explicit_attention_does_not_reproduce_has_no_patterns_and_the_w
     ways: explicit attention would mask the future, so that block's scores and patterns are refused by name; its
     ``hook_q/k/v/z`` and block 1's patterns are still served."""
     model, _ = vlm("llava")
-    _attention("llava", _blocks(model)[0]).is_causal = True
+    _attention("llava", tower_blocks_of(model)[0]).is_causal = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
@@ -357,7 +357,7 @@ def test_rotary_points_are_the_rotated_queries_and_keys_the_attention_function_g
     what its attention function gets, and an edit there is that function getting the edited value (up to the
     rounding of rotating the edit back)."""
     model, n_image = vlm(name)
-    batch, blocks = inputs(model, n_image), _blocks(model)
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
     config = model.config.vision_config
     hm = HookedModel.wrap(model)
     hf = _logits(model, batch)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lensadapters.errors import LensAdaptersError
+from lensadapters.errors import LensAdaptersError, UnsupportedModelError
 from lensadapters.hooks.copying import RoutedImplementation, detachable, original_value
 from lensadapters.hooks.explicit_attention import IRRELEVANT_ARGUMENTS, default_scores, explicit_attention
 
@@ -30,6 +30,7 @@ __all__ = [
     "attention_key",
     "default_scores",
     "explicit_attention",
+    "original_function",
 ]
 
 Tensor = torch.Tensor
@@ -71,16 +72,18 @@ def _interfaces() -> tuple[Any, Any]:
     return AttentionInterface, AttentionMaskInterface
 
 
-def _original_function(original: str, module: nn.Module) -> Callable[..., Any]:
+def original_function(original: str, module: nn.Module) -> Callable[..., Any]:
+    """The attention function transformers would run for ``module`` under implementation ``original``: the
+    module's own file's ``eager_attention_forward`` for ``"eager"`` (each model file defines its own), the
+    interface's registered function otherwise."""
     if original == "eager":
-        # each model file defines its own eager function; use the attention module's
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
-            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to delegate to")
-        return fn
+            raise UnsupportedModelError(f"{type(module).__name__} has no eager_attention_forward to delegate to")
+        return cast(Callable[..., Any], fn)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS[original]
+    return cast(Callable[..., Any], ALL_ATTENTION_FUNCTIONS[original])
 
 
 def _key_editor(module: nn.Module) -> Optional[Callable[[Tensor], Tensor]]:
@@ -112,7 +115,7 @@ def attention_key(original: str) -> str:
         # a layer whose pattern points have no hook for this forward (another thread's, or an outer call's while
         # this is a nested one) keeps the original implementation's exact numbers
         if entry is None or not _site_is_live(entry.site):
-            fn = _delegate(module) or _original_function(original, module)
+            fn = _delegate(module) or original_function(original, module)
             return fn(module, query, key_, value, attention_mask, *args, **kwargs)
         return entry.backend.attend(entry.layer, entry.site, module, query, key_, value, attention_mask, **kwargs)
 

@@ -30,7 +30,6 @@ No hook is installed until a point is hooked; with none, the tower runs its own 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, cast
 
@@ -38,7 +37,8 @@ import torch
 from torch import nn
 
 from lensadapters.errors import UnsupportedModelError
-from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, explicit_attention
+from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
+from lensadapters.hooks.explicit_attention import explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.rotary import rotate_half_spec
 
@@ -90,17 +90,6 @@ class _Recorder:
         return True
 
 
-def _original(module: nn.Module, implementation: str) -> Callable[..., Any]:
-    if implementation == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise UnsupportedModelError(f"{type(module).__name__} has no eager_attention_forward")
-        return cast(Callable[..., Any], fn)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return cast(Callable[..., Any], ALL_ATTENTION_FUNCTIONS[implementation])
-
-
 def _no_scores(module: nn.Module, query: Tensor, key: Tensor, scaling: Optional[float], impl: str) -> None:
     return None  # the default: q k^T * scaling
 
@@ -139,7 +128,7 @@ class TowerPatternBackend(InterfacePatternBackend):
     ) -> tuple[Tensor, Tensor]:
         if self.recording is None:
             return super().attend(layer, site, module, query, key, value, attention_mask, **kwargs)
-        out = _original(module, self.original or "sdpa")(module, query, key, value, attention_mask, **kwargs)
+        out = original_function(self.original or "sdpa", module)(module, query, key, value, attention_mask, **kwargs)
         seen = {"query": query, "key": key, "value": value, "out": out[0], "explicit": None, "error": None}
         self.recording.setdefault(layer, seen)
         try:

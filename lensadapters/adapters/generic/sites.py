@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lensadapters.errors import UnsupportedModelError
-from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, _original_function
+from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
 from lensadapters.hooks.explicit_attention import explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input, replace_first_output
@@ -142,7 +142,7 @@ class AttentionFunctionBackend(InterfacePatternBackend):
                 **kwargs,
             )
         else:
-            output, weights = _original_function(self.original or "sdpa", module)(
+            output, weights = original_function(self.original or "sdpa", module)(
                 module, query, key, value, attention_mask, **kwargs
             )
         edited, changed = site.z.apply(output)

@@ -47,16 +47,19 @@ def _eps(module: nn.Module) -> Optional[float]:
     return None
 
 
-def _matches(expected: Tensor, actual: Tensor) -> bool:
-    tol = 1e-4 if actual.dtype in (torch.float32, torch.float64) else 2e-2
+def _matches(expected: Tensor, actual: Tensor, rounding: Optional[torch.dtype] = None) -> bool:
+    """Whether ``expected`` is ``actual`` up to the rounding of ``rounding`` (default: ``actual``'s dtype; the
+    module's output dtype where ``actual`` was widened from it)."""
+    tol = 1e-4 if (rounding or actual.dtype) in (torch.float32, torch.float64) else 2e-2
     err = (expected.float() - actual.float()).norm()
     return bool(err <= tol * actual.float().norm() + 1e-12)
 
 
-def _row_multiple(x: Tensor, y: Tensor) -> bool:
-    """Whether each row of ``y`` is a positive multiple of the row of ``x`` (a norm's output, whatever its eps)."""
+def _row_multiple(x: Tensor, y: Tensor, rounding: torch.dtype) -> bool:
+    """Whether each row of ``y`` is a positive multiple of the row of ``x`` (a norm's output, whatever its eps), up
+    to the rounding of ``rounding`` (the dtype the module's output had)."""
     factor = (x * y).sum(-1, keepdim=True) / (x * x).sum(-1, keepdim=True).clamp_min(1e-30)
-    return bool((factor > 0).all()) and _matches(x * factor, y)
+    return bool((factor > 0).all()) and _matches(x * factor, y, rounding)
 
 
 def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBehaviour]:
@@ -83,7 +86,7 @@ def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBeha
     def scale(offset: float) -> Any:
         return w + offset if w is not None else 1.0
 
-    if eps is None and _row_multiple(xf - mean, (y.float() - (b if b is not None else 0.0)) / scale(0.0)):
+    if eps is None and _row_multiple(xf - mean, (y.float() - (b if b is not None else 0.0)) / scale(0.0), y.dtype):
         found = measured_eps(module, x, w, b, layer_norm)  # measured on the module (None: no scale is served)
         if found is not None:
             return NormBehaviour("LN", found)
@@ -93,7 +96,7 @@ def norm_behaviour(module: nn.Module, x: Tensor, y: Tensor) -> Optional[NormBeha
     for offset in (0.0, 1.0) if w is not None else (0.0,):
         if eps is None:  # RMSNorm's scale needs eps exactly: measured on the module
             found = None
-            if _row_multiple(xf, y.float() / scale(offset)):
+            if _row_multiple(xf, y.float() / scale(offset), y.dtype):
                 found = measured_eps(module, x, scale(offset) if w is not None else None, None, rms_norm(offset))
             if found is not None:
                 return NormBehaviour("RMS", found, offset)

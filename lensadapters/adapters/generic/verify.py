@@ -68,12 +68,15 @@ REFUSED = "edit refused: "
 # --- the checks ---------------------------------------------------------------------------------------------
 
 
-def _same(a: Optional[Tensor], b: Optional[Tensor], scale: float, floor: float = 0.0) -> bool:
+def _same(
+    a: Optional[Tensor], b: Optional[Tensor], scale: float, floor: float = 0.0, rounding: Optional[torch.dtype] = None
+) -> bool:
     """``a == b`` up to rounding: ``1e-4`` of ``scale`` in float32 (``5e-2`` in half precision, where the two
-    computations round differently), plus ``floor`` (the rounding noise of the logits)."""
+    computations round differently), plus ``floor`` (the rounding noise of the logits). ``rounding``: the dtype the
+    two were computed in, where that is not ``b``'s (a bfloat16 model's logits upcast to float32)."""
     if a is None or b is None or a.shape != b.shape:
         return False
-    atol = (1e-4 if b.dtype in (torch.float32, torch.float64) else 5e-2) * max(scale, 1e-6) + floor
+    atol = (1e-4 if (rounding or b.dtype) in (torch.float32, torch.float64) else 5e-2) * max(scale, 1e-6) + floor
     finite = torch.isfinite(b) & (b.float() > -1e4)
     if not torch.equal(finite, torch.isfinite(a) & (a.float() > -1e4)):
         return False
@@ -180,7 +183,8 @@ def _judge(
     scale = float((reference_edited - plain).abs().max())
     if scale == 0.0:
         return UNCHECKED + "an edit of the reference does not move the logits, so the edit cannot be checked"
-    if not _same(edited, reference_edited, scale, floor):
+    # the point's dtype is the one the model computes in from there on (the logits may be upcast after it)
+    if not _same(edited, reference_edited, scale, floor, rounding=value.dtype if _low(value) else None):
         moved = float((edited - plain).abs().max())
         return (
             "an edit at it is ignored"

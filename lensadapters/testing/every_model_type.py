@@ -146,7 +146,19 @@ def shrink_config(config: Any, layers: int = LAYERS, options: bool = False) -> A
     _keep_head_products(values, products)
     _fill_missing(values)
     values.update({k: v for k, v in _OPTIONS.items() if options and k in values and values[k] is None})
+    if options:
+        _attention_layer(values)
     return config
+
+
+def _attention_layer(values: dict[str, Any]) -> None:
+    """A per-layer ``layer_types`` list that names only ``linear_attention`` (a hybrid's default config, all
+    state-space layers, which transformers' own mask code cannot run: it reads the sequence length from an
+    attention layer's cache) gets ``full_attention`` as its last entry, as every released checkpoint of a hybrid has
+    attention layers; filled only where the model fails without it (with the :data:`_OPTIONS`)."""
+    types = values.get("layer_types")
+    if isinstance(types, list) and len(types) > 1 and set(types) == {"linear_attention"}:
+        values["layer_types"] = [*types[:-1], "full_attention"]
 
 
 def _fill_missing(values: dict[str, Any]) -> None:
@@ -231,7 +243,8 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
 
     Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
-    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off."""
+    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off (and an
+    attention layer where its ``layer_types`` has none, :func:`_attention_layer`)."""
     try:
         return _build(model_type, seed, LAYERS)
     except NotBuildable:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -29,6 +30,8 @@ def _model(model_type: str, **config: Any) -> torch.nn.Module:
         pytest.skip(f"{model_type} is not in this transformers")
     c = shrink_config(AutoConfig.for_model(model_type))
     for key, value in config.items():
+        if key == "layer_types" and transformers.__version__.startswith("4."):  # 4.x's names of the kinds
+            value = [{"linear_attention": "mamba"}.get(v, "attention") for v in value]
         setattr(c, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(c, torch_dtype=torch.float32).eval()
@@ -102,6 +105,7 @@ def _resid_mid_edit(layer: torch.nn.Module, ln2: torch.nn.Module, mlp: list, d: 
         return (state["mid"], *a[1:])
 
     def mlp_out(m: Any, a: Any, o: Any) -> None:
+        o = _first(o)
         state["mlp"] = o if "mlp" not in state else state["mlp"] + o  # the layer's sum of its MLP modules
 
     def out(m: Any, a: Any, o: Any) -> Any:

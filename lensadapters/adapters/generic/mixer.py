@@ -268,7 +268,7 @@ def pre_norms(
     if three is not None:  # the layer's middle adds every branch before it; the MLP's modules read one input
         from lensadapters.adapters.generic.parallel import mid_value
 
-        mid = mid_value(i, rec, three)
+        mid = mid_value(resid_pre, i, rec, three)
         mlp_in = rec.inner.get((i, three.after[0]), (None, None))[0]
     found: dict[str, tuple[str, str, Any]] = {}
     for name, child in layer.named_children():
@@ -321,9 +321,9 @@ def layer_form(
         from lensadapters.adapters.generic.parallel import mid_value
 
         ln2 = next((path for role, path, _ in found if role == "ln2"), None)
-        value = mid_value(i, rec, three)
+        x = rec.layer_in.get(i)
         reads = rec.inner.get((i, ln2), (None, None))[0] if ln2 is not None else None
-        mid = ln2 if reads is not None and value is not None and _close(reads, value) else None
+        mid = ln2 if reads is not None and x is not None and _close(reads, mid_value(x.value, i, rec, three)) else None
     return MixerLayer(internal, found, mid, layout)
 
 

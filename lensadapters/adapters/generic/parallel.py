@@ -84,9 +84,6 @@ def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[str, Opt
     return split_.before[0], None
 
 
-def mid_value(i: int, rec: Recording, split_: Split) -> Optional[Tensor]:
-    """``hook_resid_mid``'s value in the probe: the layer's input plus the outputs before the middle."""
-    x = rec.layer_in.get(i)
-    if x is None:
-        return None
-    return x.value + sum((rec.children[(i, n)].value for n in split_.before), torch.zeros_like(x.value))
+def mid_value(x: Tensor, i: int, rec: Recording, split_: Split) -> Tensor:
+    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the outputs before the middle."""
+    return x + sum((rec.children[(i, n)].value for n in split_.before), torch.zeros_like(x))

@@ -322,9 +322,9 @@ def describe_layer(
     others = [n for n, c in layer.named_children() if n != attn and any(p.dim() >= 2 for p in c.parameters())]
     mlp = found.mlp or (others[0] if len(others) == 1 else None)
     if found.mlp is None and len(others) == 2:
-        from lensadapters.adapters.generic.mixer import _split
+        from lensadapters.adapters.generic.parallel import layer_split
 
-        three = _split(i, layer, rec)
+        three = layer_split(i, layer, rec)
         if three is not None and len(three.before) == 2 and attn in three.before:
             mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
@@ -405,9 +405,9 @@ def describe_layer(
 def _parallel_mixers(layer: nn.Module, i: int, rec: Recording, attn: str) -> Any:
     """The output of the token mixer the layer runs beside its attention module before its middle, whose output it
     adds as it is (:mod:`.parallel`); 0 where there is none."""
-    from lensadapters.adapters.generic.mixer import _split
+    from lensadapters.adapters.generic.parallel import layer_split
 
-    three = _split(i, layer, rec)
+    three = layer_split(i, layer, rec)
     if three is None or len(three.before) != 2 or attn not in three.before:
         return 0
     return next(rec.children[(i, n)].value for n in three.before if n != attn)

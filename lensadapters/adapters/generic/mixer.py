@@ -215,13 +215,9 @@ def branches(
 
 def _split(i: int, layer: nn.Module, rec: Recording) -> Any:
     """The :class:`.parallel.Split` of a layer with three branch children, ``None`` for any other layer."""
-    from lensadapters.adapters.generic import parallel
+    from lensadapters.adapters.generic.parallel import layer_split
 
-    names = _branch_children(layer)
-    if len(names) != 3:
-        return None
-    first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
-    return parallel.split(i, layer, rec, sorted(names, key=lambda n: first.get(n, -1)))
+    return layer_split(i, layer, rec)
 
 
 def internals(i: int, layer: nn.Module, mixer: str, rec: Recording, mixing: Optional[LayerMixing]) -> list[Internal]:

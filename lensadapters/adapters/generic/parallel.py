@@ -76,6 +76,16 @@ def split(i: int, layer: nn.Module, rec: Recording, names: list[str]) -> Optiona
     return None
 
 
+def layer_split(i: int, layer: nn.Module, rec: Recording) -> Optional[Split]:
+    """The :class:`Split` of layer ``i`` where it has three branch children (direct children with matrix
+    parameters), ``None`` for any other layer."""
+    names = [n for n, c in layer.named_children() if any(p.dim() >= 2 for p in c.parameters())]
+    if len(names) != 3:
+        return None
+    first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
+    return split(i, layer, rec, sorted(names, key=lambda n: first.get(n, -1)))
+
+
 def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
     """``(mixer, mlp)`` of a three-branch layer (the module docstring): ``mixer`` the child whose output is
     ``hook_attn_out``, ``mlp`` the one whose output is ``hook_mlp_out`` (``None`` where two modules make the MLP)."""

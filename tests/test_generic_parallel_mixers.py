@@ -178,6 +178,8 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     for name, install in edits.items():
         error = _edit_error(hm, reference, f"blocks.0.{name}", _delta(like[name], deltas[name]), install)
         assert error == 0.0, (name, error)
+    every = sorted(served)  # and every point of the layer, the per-head inputs and results too, against plain hooks
+    assert check_points(hm.wiring, input_ids(), every) == dict.fromkeys(every)
     hm.unwrap()
 
 

@@ -183,15 +183,40 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     hm.unwrap()
 
 
-def test_falcon_h1_with_branch_multipliers_gets_no_branch_point_and_its_served_points_verify() -> None:
-    model = _model("falcon_h1", attention_out_multiplier=0.75, ssm_out_multiplier=1.25, key_multiplier=0.6)
+def test_falcon_h1_with_branch_multipliers_gets_the_points_after_its_middle_and_no_mixer_output() -> None:
+    multipliers = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25, "key_multiplier": 0.6}
+    model = _model("falcon_h1", **multipliers, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
+    reference = copy.deepcopy(model)
     hm = _wrap(model)
-    served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
-    # the layer adds its branches scaled: no output of a module is what it adds, nor what the keys are
-    assert not served & {f"blocks.0.{n}" for n in ("hook_attn_out", "hook_mlp_out", "hook_resid_mid", "attn.hook_k")}
-    assert "hook_attn_out and hook_mlp_out" in findings(model).missing
-    names = sorted(served)
-    assert names and check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    # the layer adds its mixers' outputs scaled: no module's output is what it adds, nor are the keys k_proj's
+    assert not served & {"hook_attn_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    assert "a branch multiplier" in findings(model).missing["hook_attn_out"]
+    # after its middle it adds the MLP's output as it is: hook_resid_mid, ln2 and hook_mlp_out are served
+    assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served, sorted(served)
+    layer = reference.model.layers[0]
+    seen = _record(
+        reference,
+        {
+            "hook_resid_pre": (layer, "in"),
+            "mamba": (layer.mamba, "out"),
+            "attn": (layer.self_attn, "out"),
+            "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
+            "hook_mlp_out": (layer.feed_forward, "out"),
+        },
+    )
+    scaled = seen["hook_resid_pre"] + (seen.pop("mamba") * 1.25 + seen.pop("attn") * 0.75)
+    assert torch.equal(seen["hook_resid_mid"], scaled)  # what the model computes, the multipliers included
+    _, cache = hm.run_with_cache(input_ids())
+    errors = {n: _relative(cache[f"blocks.0.{n}"], v) for n, v in seen.items()}
+    assert max(errors.values()) <= 1e-5, errors
+    d = _delta(seen["hook_mlp_out"], 8)
+    assert _edit_error(hm, reference, "blocks.0.hook_mlp_out", d, _add_to_output(layer.feed_forward, d)) == 0.0
+    install = _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], d)
+    error = _edit_error(hm, reference, "blocks.0.hook_resid_mid", d, install)  # (rounding: .mixer_sites.ResidMidSite)
+    assert error <= 1e-5 * float(seen["hook_resid_mid"].abs().max() + d.abs().max()), error
+    names = [f"blocks.0.{n}" for n in sorted(served)]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
     hm.unwrap()
 
 
@@ -248,4 +273,25 @@ def test_a_residual_multiplier_leaves_granites_branches_unserved() -> None:
     hm = _wrap(model)
     served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
     assert "blocks.0.hook_attn_out" not in served and "blocks.0.hook_resid_mid" not in served, sorted(served)
+    hm.unwrap()
+
+
+def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
+    """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
+    logits of one forward over the generated tokens with the same edit of hook_attn_out or hook_resid_mid."""
+    from lensadapters.testing.contract_support import check_edited_generation
+    from lensadapters.testing.strategies import Inputs
+
+    hm = _wrap(_model("falcon_h1"))
+    ids = input_ids()
+    for point in ("blocks.1.hook_attn_out", "blocks.0.hook_resid_mid"):
+        assert point in hm.hook_names, point
+        one_pass, unedited, _ = check_edited_generation(
+            hm,
+            Inputs(ids, torch.ones_like(ids), [0]),
+            point,
+            lambda t, hook: t * 1.5,
+            atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
+        )
+        assert not torch.allclose(one_pass, unedited)
     hm.unwrap()

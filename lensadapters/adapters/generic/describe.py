@@ -325,7 +325,7 @@ def describe_layer(
         from lensadapters.adapters.generic.parallel import layer_split
 
         three = layer_split(i, layer, rec)
-        if three is not None and len(three.before) == 2 and attn in three.before:
+        if three is not None and not three.scaled and len(three.before) == 2 and attn in three.before:
             mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
@@ -408,7 +408,7 @@ def _parallel_mixers(layer: nn.Module, i: int, rec: Recording, attn: str) -> Any
     from lensadapters.adapters.generic.parallel import layer_split
 
     three = layer_split(i, layer, rec)
-    if three is None or len(three.before) != 2 or attn not in three.before:
+    if three is None or three.scaled or len(three.before) != 2 or attn not in three.before:
         return 0
     return next(rec.children[(i, n)].value for n in three.before if n != attn)
 

@@ -225,6 +225,8 @@ def _block(
         if found is not None:
             (attn, mlp), branches_ok = found, True
             form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
+            if attn is None and getattr(mixer_form._split(i, layer, rec), "scaled", False):
+                notes.add("hook_attn_out", mixer_form.SCALED, i)
     if not branches_ok:
         attn = mlp = None
         notes.add(

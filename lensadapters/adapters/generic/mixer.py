@@ -95,6 +95,12 @@ class MixerLayer:
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
 
+#: why a layer whose token mixers run in parallel, scaled, has no hook_attn_out (:mod:`.parallel`)
+SCALED = (
+    "the layer scales the outputs of its attention and the token mixer beside it before adding them (a branch "
+    "multiplier): no module's output is what it adds"
+)
+
 #: each wrapped model's layers of the mixer form, by index: what :func:`reference` checks their points against
 FORMS: "weakref.WeakKeyDictionary[nn.Module, dict[int, MixerLayer]]" = weakref.WeakKeyDictionary()
 

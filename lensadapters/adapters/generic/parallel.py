@@ -7,7 +7,7 @@ split into the ones before the layer's middle and the ones after it: ``mid = res
 it)`` must be *exactly* (bit for bit, in one of the orders a model adds them) what a norm child of the layer reads,
 and the layer's output exactly ``mid + (sum of the outputs after it)``, as the layer computes them. Exactness is what
 tells a branch the layer adds as it is from one it scales by a constant (a multiplier of the config, even a 1.0001):
-a layer that scales a branch has no such split, and is not served here.
+a layer that scales a branch has no such split, and its branch points are not served (but see the scaled case).
 
 * **Two before, one after** (attention and a second token mixer in parallel, both reading the pre-norm's output, then
   the MLP): ``hook_attn_out`` is the output of the one of the two that calls transformers' attention interface, the
@@ -15,6 +15,11 @@ a layer that scales a branch has no such split, and is not served here.
   parallel mixer's output; an edit of ``hook_attn_out`` reaches ``hook_resid_mid`` as if the attention had computed
   it, the parallel mixer's contribution unchanged), ``hook_mlp_out`` the third child's output. Where neither of the
   two calls the attention interface, the layer is not served here (which one is ``hook_attn_out`` is unknown).
+* **Two before, scaled, one after** (the same layer scaling its mixers' outputs, Falcon-H1's
+  ``attention_out_multiplier`` and ``ssm_out_multiplier`` other than 1, or its attention's input): no split of the
+  first kind, but the layer's output is exactly what a norm child reads plus the third child's output. Only the part
+  after the middle is served: ``hook_resid_mid`` (what that norm reads), ``ln2``, ``hook_mlp_out`` and the MLP's
+  points; no ``hook_attn_out`` (no module's output is what the layer adds) and no ``ln1``.
 * **One before, two after** (a token mixer, then an MLP of two modules, as a shared expert beside routed experts,
   that the layer adds together): ``hook_attn_out`` is the first child's output; no ``hook_mlp_out`` (no module's
   output is the MLP's contribution); ``hook_resid_mid`` and ``ln2`` as in :mod:`.mixer`.
@@ -39,6 +44,7 @@ class Split:
 
     before: tuple[str, ...]
     after: tuple[str, ...]
+    scaled: bool = False  # the layer scales the branches before its middle: only the part after it is served
 
 
 def _sums(x: Tensor, parts: list[Tensor]) -> list[Tensor]:
@@ -73,6 +79,11 @@ def split(i: int, layer: nn.Module, rec: Recording, names: list[str]) -> Optiona
         mid = next((m for m in mids if any(r.shape == m.shape and torch.equal(r, m) for r in reads)), None)
         if mid is not None and _exact(_sums(mid, outputs[k:]), y.value):
             return Split(tuple(names[:k]), tuple(names[k:]))
+    # the two mixers' outputs scaled (a branch multiplier): the middle is what a norm child reads, if the layer's
+    # output is exactly that plus the MLP's output
+    mid = next((r for r in reads if r.shape == y.value.shape and _exact(_sums(r, outputs[2:]), y.value)), None)
+    if mid is not None and not torch.equal(mid, x.value):
+        return Split(tuple(names[:2]), tuple(names[2:]), scaled=True)
     return None
 
 
@@ -89,11 +100,16 @@ def layer_split(i: int, layer: nn.Module, rec: Recording) -> Optional[Split]:
 def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
     """``(mixer, mlp)`` of a three-branch layer (the module docstring): ``mixer`` the child whose output is
     ``hook_attn_out``, ``mlp`` the one whose output is ``hook_mlp_out`` (``None`` where two modules make the MLP)."""
+    if split_.scaled:
+        return None, split_.after[0]
     if len(split_.before) == 2:
         return (attention, split_.after[0]) if attention in split_.before else None
     return split_.before[0], None
 
 
 def mid_value(x: Tensor, i: int, rec: Recording, split_: Split) -> Tensor:
-    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the outputs before the middle."""
+    """``hook_resid_mid``'s value in the probe (compared up to rounding): the layer's input ``x`` plus the outputs
+    before the middle; where they are scaled, the layer's output less the MLP's output."""
+    if split_.scaled:
+        return rec.layer_out[i].value - rec.children[(i, split_.after[0])].value
     return x + sum((rec.children[(i, n)].value for n in split_.before), torch.zeros_like(x))

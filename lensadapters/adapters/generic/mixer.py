@@ -200,7 +200,7 @@ def branches(
         if found is None:
             return None
         pair = parallel.branches(found, attention)
-        if pair is None or len(found.before) == 2 or pair[0] == attention:
+        if pair is None or len(found.before) == 2 or pair[0] is None or pair[0] == attention:
             return pair
         return pair if mixing is not None and mixing.mixes.get(pair[0]) else None
     if not 1 <= len(names) <= 2 or x is None or y is None or any(r is None or r.calls != 1 for r in records):

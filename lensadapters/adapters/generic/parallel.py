@@ -97,7 +97,7 @@ def layer_split(i: int, layer: nn.Module, rec: Recording) -> Optional[Split]:
     return split(i, layer, rec, sorted(names, key=lambda n: first.get(n, -1)))
 
 
-def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
+def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional[str], Optional[str]]]:
     """``(mixer, mlp)`` of a three-branch layer (the module docstring): ``mixer`` the child whose output is
     ``hook_attn_out``, ``mlp`` the one whose output is ``hook_mlp_out`` (``None`` where two modules make the MLP)."""
     if split_.scaled:

@@ -295,3 +295,23 @@ def test_generation_with_an_edited_parallel_point_continues_through_the_models_c
         )
         assert not torch.allclose(one_pass, unedited)
     hm.unwrap()
+
+
+def test_a_norm_with_matrix_parameters_before_the_attention_leaves_the_points_after_the_middle() -> None:
+    """AXK2's gated input norm has matrix parameters (a third branch child by the rule): no sum before the middle is
+    exact, the part after it is (hook_resid_mid, ln2, hook_mlp_out), each checked against plain hooks."""
+    from lensadapters.testing.every_model_type import NotBuildable, build
+
+    if "axk2" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip("axk2 is not in this transformers")
+    try:
+        model = build("axk2")
+    except NotBuildable as why:
+        pytest.skip(f"axk2: {why}")
+    hm = _wrap(model)
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served and "hook_attn_out" not in served, served
+    assert "hook_attn_out" in findings(model).missing
+    names = [f"blocks.0.{n}" for n in ("hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()

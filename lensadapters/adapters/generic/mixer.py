@@ -95,10 +95,10 @@ class MixerLayer:
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
 
-#: why a layer whose token mixers run in parallel, scaled, has no hook_attn_out (:mod:`.parallel`)
+#: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
-    "the layer scales the outputs of its attention and the token mixer beside it before adding them (a branch "
-    "multiplier): no module's output is what it adds"
+    "no sum of the outputs of the layer's modules before its middle is what it adds to the residual (it scales "
+    "them, a branch multiplier, or one of them is no branch: a norm with matrix parameters)"
 )
 
 #: each wrapped model's layers of the mixer form, by index: what :func:`reference` checks their points against

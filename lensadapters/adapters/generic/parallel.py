@@ -15,11 +15,12 @@ a layer that scales a branch has no such split, and its branch points are not se
   parallel mixer's output; an edit of ``hook_attn_out`` reaches ``hook_resid_mid`` as if the attention had computed
   it, the parallel mixer's contribution unchanged), ``hook_mlp_out`` the third child's output. Where neither of the
   two calls the attention interface, the layer is not served here (which one is ``hook_attn_out`` is unknown).
-* **Two before, scaled, one after** (the same layer scaling its mixers' outputs, Falcon-H1's
-  ``attention_out_multiplier`` and ``ssm_out_multiplier`` other than 1, or its attention's input): no split of the
-  first kind, but the layer's output is exactly what a norm child reads plus the third child's output. Only the part
-  after the middle is served: ``hook_resid_mid`` (what that norm reads), ``ln2``, ``hook_mlp_out`` and the MLP's
-  points; no ``hook_attn_out`` (no module's output is what the layer adds) and no ``ln1``.
+* **No exact sum before the middle** (``scaled``): the layer's output is exactly what a norm child reads (not the
+  layer's input) plus the last child's output, but no sum of the first two children's outputs is what that norm
+  reads: the layer scales them (Falcon-H1's ``attention_out_multiplier`` and ``ssm_out_multiplier`` other than 1,
+  or its attention's input), or one of them is no branch (a gated norm with matrix parameters, AXK2's). Only the
+  part after the middle is served: ``hook_resid_mid`` (what that norm reads), ``ln2``, ``hook_mlp_out`` and the
+  MLP's points; no ``hook_attn_out`` (no module's output is known to be what the layer adds) and no ``ln1``.
 * **One before, two after** (a token mixer, then an MLP of two modules, as a shared expert beside routed experts,
   that the layer adds together): ``hook_attn_out`` is the first child's output; no ``hook_mlp_out`` (no module's
   output is the MLP's contribution); ``hook_resid_mid`` and ``ln2`` as in :mod:`.mixer`.

@@ -151,7 +151,19 @@ def shrink_config(config: Any, layers: int = LAYERS, options: bool = False) -> A
     _fill_missing(values)
     values.update({k: v for k, v in _OPTIONS.items() if options and k in values and values[k] is None})
     values.update({k: v for k, v in _KERNEL_SWITCHES.items() if options and k in values})
+    if options:
+        _attention_layer(values)
     return config
+
+
+def _attention_layer(values: dict[str, Any]) -> None:
+    """A per-layer ``layer_types`` list that names only ``linear_attention`` (a hybrid's default config, all
+    state-space layers, which transformers' own mask code cannot run: it reads the sequence length from an
+    attention layer's cache) gets ``full_attention`` as its last entry, as every released checkpoint of a hybrid has
+    attention layers; filled only where the model fails without it (with the :data:`_OPTIONS`)."""
+    types = values.get("layer_types")
+    if isinstance(types, list) and len(types) > 1 and set(types) == {"linear_attention"}:
+        values["layer_types"] = [*types[:-1], "full_attention"]
 
 
 def _fill_missing(values: dict[str, Any]) -> None:
@@ -236,8 +248,9 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
 
     Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
-    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off (and the
-    :data:`_KERNEL_SWITCHES` it turns on)."""
+    need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off (the
+    :data:`_KERNEL_SWITCHES` it turns on, and an attention layer where its ``layer_types`` has none,
+    :func:`_attention_layer`)."""
     try:
         return _build(model_type, seed, LAYERS)
     except NotBuildable:

@@ -321,6 +321,12 @@ def describe_layer(
         raise NotDescribed("the attention function is called with no module of the layer")
     others = [n for n, c in layer.named_children() if n != attn and any(p.dim() >= 2 for p in c.parameters())]
     mlp = found.mlp or (others[0] if len(others) == 1 else None)
+    if found.mlp is None and len(others) == 2:
+        from lensadapters.adapters.generic.parallel import layer_split
+
+        three = layer_split(i, layer, rec)
+        if three is not None and not three.scaled and len(three.before) == 2 and attn in three.before:
+            mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
@@ -353,7 +359,7 @@ def describe_layer(
         raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
     attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
     mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
-    mid = resid_pre + attn_branch
+    mid = resid_pre + attn_branch + _parallel_mixers(layer, i, rec, attn)
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
     if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
         parallel = True  # both branches read ln1's output (one shared pre-norm)
@@ -394,6 +400,17 @@ def describe_layer(
     return LayerDescription(
         block, qkv, mlp_layout, norms, gated, act_fn, rotated_norms=rotated_norms, z_changed=bool(changed_z)
     )
+
+
+def _parallel_mixers(layer: nn.Module, i: int, rec: Recording, attn: str) -> Any:
+    """The output of the token mixer the layer runs beside its attention module before its middle, whose output it
+    adds as it is (:mod:`.parallel`); 0 where there is none."""
+    from lensadapters.adapters.generic.parallel import layer_split
+
+    three = layer_split(i, layer, rec)
+    if three is None or three.scaled or len(three.before) != 2 or attn not in three.before:
+        return 0
+    return next(rec.children[(i, n)].value for n in three.before if n != attn)
 
 
 class NotThisShape(NotDescribed):

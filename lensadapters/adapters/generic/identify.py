@@ -26,7 +26,8 @@ The rules (each decided per model, and per layer where layers differ; nothing is
   module is the one other direct child with matrix parameters (norms and dropouts have none). Both are served only
   when the layer's output is exactly its input plus the two modules' outputs (``resid_post = resid_pre + attn_out +
   mlp_out``, sequential or parallel), checked on the probe: a block that scales its branches, adds the residual
-  inside them or normalizes after them fails it, and gets neither point.
+  inside them or normalizes after them fails it, and gets neither point. A layer running a second token mixer beside
+  its attention module (both before its middle) or an MLP of two modules: :mod:`.parallel`.
 * **Final norm** (``ln_final.hook_normalized``): the one module outside the layers, run once, whose output is the
   model's last hidden state and differs from its input, and whose output is LayerNorm or RMSNorm of its input with
   its own parameters. TransformerLens' meaning: a LayerNorm's output; an RMSNorm's ``x / scale`` (before the weight).
@@ -224,6 +225,8 @@ def _block(
         if found is not None:
             (attn, mlp), branches_ok = found, True
             form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
+            if attn is None and getattr(mixer_form._split(i, layer, rec), "scaled", False):
+                notes.add("hook_attn_out", mixer_form.SCALED, i)
     if not branches_ok:
         attn = mlp = None
         notes.add(
@@ -252,6 +255,8 @@ def _block(
                 copied.add(point)
             if y is not None and flattened(rec.children[(i, event[2])].value, y.value):
                 flat.add(point)
+    if form is not None and mlp is None and form.mid is not None:  # an MLP of two modules (.parallel): no mlp event
+        points += form.before("mlp", inside=True)
     if stream:
         points.append("hook_resid_post")
         if y is not None and y.written_later:

@@ -11,7 +11,8 @@ architecture; every rule is read from the probe forward pass (:mod:`.probe`) and
   output must be the input plus that child's output, and the child is the *token mixer* (``hook_attn_out``) where it
   calls transformers' attention interface or where its output at a later position changes (beyond rounding) when
   only the first position of its input changes (the further forward pass re-runs it on that edited input), else the MLP
-  (``hook_mlp_out``): an MLP reads each position alone.
+  (``hook_mlp_out``): an MLP reads each position alone. With three (two token mixers in parallel before the MLP, or
+  a token mixer before an MLP of two modules the layer adds): :mod:`.parallel`.
 * **Mixer internals**: in a token mixer that neither calls the attention interface nor is named as softmax attention
   (a class name ending in ``Attention``, transformers' convention, :mod:`.identify`), each direct child that is a
   linear or a 1-D convolution module, run exactly once per mixer call (counted in the further forward pass), is a
@@ -93,6 +94,12 @@ class MixerLayer:
         """Every point of the layer the mixer form serves (checked at wrap time), the branches' too."""
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
+
+#: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
+SCALED = (
+    "no sum of the outputs of the layer's modules before its middle is what it adds to the residual (it scales "
+    "them, a branch multiplier, or one of them is no branch: a norm with matrix parameters)"
+)
 
 #: each wrapped model's layers of the mixer form, by index: what :func:`reference` checks their points against
 FORMS: "weakref.WeakKeyDictionary[nn.Module, dict[int, MixerLayer]]" = weakref.WeakKeyDictionary()
@@ -186,6 +193,16 @@ def branches(
     names = _branch_children(layer)
     records = [rec.children.get((i, n)) for n in names]
     x, y = rec.layer_in.get(i), rec.layer_out.get(i)
+    if len(names) == 3:  # parallel mixers, or an MLP of two modules (.parallel)
+        from lensadapters.adapters.generic import parallel
+
+        found = _split(i, layer, rec)
+        if found is None:
+            return None
+        pair = parallel.branches(found, attention)
+        if pair is None or len(found.before) == 2 or pair[0] is None or pair[0] == attention:
+            return pair
+        return pair if mixing is not None and mixing.mixes.get(pair[0]) else None
     if not 1 <= len(names) <= 2 or x is None or y is None or any(r is None or r.calls != 1 for r in records):
         return None
     first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
@@ -200,6 +217,13 @@ def branches(
     if mixing is None or only not in mixing.mixes:
         return None  # not seen mixing or not: unknown
     return None, only
+
+
+def _split(i: int, layer: nn.Module, rec: Recording) -> Any:
+    """The :class:`.parallel.Split` of a layer with three branch children, ``None`` for any other layer."""
+    from lensadapters.adapters.generic.parallel import layer_split
+
+    return layer_split(i, layer, rec)
 
 
 def internals(i: int, layer: nn.Module, mixer: str, rec: Recording, mixing: Optional[LayerMixing]) -> list[Internal]:
@@ -242,6 +266,12 @@ def pre_norms(
     mixer_in = rec.inner.get((i, mixer), (None, None))[0] if mixer is not None else None
     mlp_in = rec.inner.get((i, mlp), (None, None))[0] if mlp is not None else None
     mid = resid_pre + rec.children[(i, mixer)].value if mixer is not None else resid_pre
+    three = _split(i, layer, rec)
+    if three is not None:  # the layer's middle adds every branch before it; the MLP's modules read one input
+        from lensadapters.adapters.generic.parallel import mid_value
+
+        mid = mid_value(resid_pre, i, rec, three)
+        mlp_in = rec.inner.get((i, three.after[0]), (None, None))[0]
     found: dict[str, tuple[str, str, Any]] = {}
     for name, child in layer.named_children():
         a, b = rec.inner.get((i, name), (None, None))
@@ -288,6 +318,14 @@ def layer_form(
             reads = rec.inner.get((i, ln2 or mlp), (None, None))[0]
             if reads is not None and _close(reads, x.value + rec.children[(i, mixer)].value):
                 mid = ln2 or mlp
+    three = _split(i, layer, rec)
+    if three is not None:  # hook_resid_mid: what ln2 reads, the input plus every branch before the middle
+        from lensadapters.adapters.generic.parallel import mid_value
+
+        ln2 = next((path for role, path, _ in found if role == "ln2"), None)
+        x = rec.layer_in.get(i)
+        reads = rec.inner.get((i, ln2), (None, None))[0] if ln2 is not None else None
+        mid = ln2 if reads is not None and x is not None and _close(reads, mid_value(x.value, i, rec, three)) else None
     return MixerLayer(internal, found, mid, layout)
 
 

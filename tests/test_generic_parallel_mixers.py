@@ -1,0 +1,317 @@
+"""Layers with three branch children (:mod:`lensadapters.adapters.generic.parallel`): Falcon-H1's attention and
+Mamba-2 mixer in parallel before its MLP, GraniteMoeHybrid's token mixer before an MLP of routed experts plus a shared
+MLP. Each served point reads what an independent reference computed from the HF modules with plain PyTorch hooks
+reads, and an edit of it changes the logits exactly as the same change made by a plain hook on the HF module does;
+a layer that scales a branch by a constant other than 1 gets none of the branch points."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from lensadapters import HookedModel, Registry
+from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic.scan import SCAN_POINTS
+from lensadapters.adapters.generic.verify import check_points
+from lensadapters.testing.every_model_type import input_ids, shrink_config
+
+Tensor = torch.Tensor
+
+
+def _model(model_type: str, **config: Any) -> torch.nn.Module:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not in this transformers")
+    c = shrink_config(AutoConfig.for_model(model_type))
+    for key, value in config.items():
+        if key == "layer_types" and transformers.__version__.startswith("4."):  # 4.x's names of the kinds
+            value = [{"linear_attention": "mamba"}.get(v, "attention") for v in value]
+        setattr(c, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(c, torch_dtype=torch.float32).eval()
+    for p in model.parameters():  # weights of one scale (the default init leaves some near zero)
+        p.data.normal_(0, 0.2) if p.dim() >= 2 else None
+    return model
+
+
+def _wrap(model: torch.nn.Module) -> HookedModel:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericAdapterWarning)
+        return HookedModel.wrap(model, registry=Registry())
+
+
+def _first(value: Any) -> Tensor:
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _record(model: torch.nn.Module, modules: dict[str, tuple[torch.nn.Module, str]]) -> dict[str, Tensor]:
+    """Each module's input (``"in"``) or output (``"out"``) in one plain forward of ``model``."""
+    seen: dict[str, Tensor] = {}
+    handles = []
+    for key, (module, side) in modules.items():
+        if side == "in":
+            handles.append(module.register_forward_pre_hook(lambda m, a, k=key: seen.__setitem__(k, a[0].clone())))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, o, k=key: seen.__setitem__(k, _first(o).clone())))
+    with torch.no_grad():
+        model(input_ids())
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _logits_with(model: torch.nn.Module, install: Callable[[], list]) -> Tensor:
+    handles = install()
+    try:
+        with torch.no_grad():
+            return model(input_ids()).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _relative(got: Tensor, want: Tensor) -> float:
+    """The largest difference, relative to the reference's largest magnitude."""
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _delta(like: Tensor, seed: int) -> Tensor:
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed)).to(like.dtype)
+
+
+def _add_to_output(module: torch.nn.Module, d: Tensor) -> Callable[[], list]:
+    def hook(m: Any, a: Any, o: Any) -> Any:
+        return (o[0] + d, *o[1:]) if isinstance(o, tuple) else o + d
+
+    return lambda: [module.register_forward_hook(hook)]
+
+
+def _add_to_input(module: torch.nn.Module, d: Tensor) -> Callable[[], list]:
+    return lambda: [module.register_forward_pre_hook(lambda m, a: (a[0] + d, *a[1:]))]
+
+
+def _resid_mid_edit(layer: torch.nn.Module, ln2: torch.nn.Module, mlp: list, d: Tensor) -> Callable[[], list]:
+    """The model computing ``resid_mid + d``: what the norm reads and what the layer adds the MLP's output to."""
+    state: dict[str, Tensor] = {}
+
+    def pre(m: Any, a: Any) -> Any:
+        state["mid"] = a[0] + d
+        return (state["mid"], *a[1:])
+
+    def mlp_out(m: Any, a: Any, o: Any) -> None:
+        o = _first(o)
+        state["mlp"] = o if "mlp" not in state else state["mlp"] + o  # the layer's sum of its MLP modules
+
+    def out(m: Any, a: Any, o: Any) -> Any:
+        new = state["mid"] + state["mlp"]
+        state.clear()
+        return (new, *o[1:]) if isinstance(o, tuple) else new
+
+    def install() -> list:
+        return [ln2.register_forward_pre_hook(pre), layer.register_forward_hook(out)] + [
+            m.register_forward_hook(mlp_out) for m in mlp
+        ]
+
+    return install
+
+
+def _edit_error(hm: HookedModel, reference: torch.nn.Module, name: str, d: Tensor, install: Callable) -> float:
+    edited = hm.run_with_hooks(input_ids(), fwd_hooks=[(name, lambda t, hook: t + d.reshape(t.shape))])
+    expected = _logits_with(reference, install)
+    unchanged = _logits_with(reference, lambda: [])
+    assert not torch.equal(expected, unchanged), name  # the edit reaches the logits
+    return float((edited.detach() - expected).abs().max())
+
+
+def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited_as_the_model_computes_them() -> None:
+    model = _model("falcon_h1")
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
+    canonical = {"hook_resid_mid", "hook_attn_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k", "attn.hook_v"}
+    canonical |= {"mlp.hook_pre", "mlp.hook_post", "ln1.hook_scale", "ln2.hook_scale", "attn.hook_pattern"}
+    assert {f"blocks.0.{n}" for n in canonical} <= served, sorted(served)
+    layer = reference.model.layers[0]
+    seen = _record(
+        reference,
+        {
+            "hook_resid_pre": (layer, "in"),
+            "hook_attn_out": (layer.self_attn, "out"),
+            "mamba": (layer.mamba, "out"),
+            "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
+            "hook_mlp_out": (layer.feed_forward, "out"),
+            "hook_resid_post": (layer, "out"),
+            "attn.hook_q": (layer.self_attn.q_proj, "out"),
+            "attn.hook_k": (layer.self_attn.k_proj, "out"),
+            "attn.hook_v": (layer.self_attn.v_proj, "out"),
+            "mlp.hook_pre": (layer.feed_forward.gate_proj, "out"),
+            "mlp.hook_post": (layer.feed_forward.down_proj, "in"),
+        },
+    )
+    # hook_attn_out is the attention branch's contribution: resid_mid adds it and the parallel mixer's output
+    assert torch.equal(seen["hook_resid_mid"], seen["hook_resid_pre"] + (seen.pop("mamba") + seen["hook_attn_out"]))
+    x = seen["hook_resid_pre"]
+    eps = layer.input_layernorm.variance_epsilon
+    seen["ln1.hook_scale"] = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    _, cache = hm.run_with_cache(input_ids())
+    errors = {}
+    for name, want in seen.items():
+        got = cache[f"blocks.0.{name}"]
+        errors[name] = _relative(got.reshape(want.shape), want)
+    # (the cache of every point runs the attention the core computes explicitly for its pattern: rounding apart)
+    assert max(errors.values()) <= 1e-5, errors
+    edits = {
+        "hook_attn_out": _add_to_output(layer.self_attn, _delta(seen["hook_attn_out"], 1)),
+        "hook_mlp_out": _add_to_output(layer.feed_forward, _delta(seen["hook_mlp_out"], 2)),
+        "hook_resid_mid": _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], _delta(x, 3)),
+        "attn.hook_v": _add_to_output(layer.self_attn.v_proj, _delta(seen["attn.hook_v"], 4)),
+        "mlp.hook_post": _add_to_input(layer.feed_forward.down_proj, _delta(seen["mlp.hook_post"], 5)),
+    }
+    deltas = {"hook_attn_out": 1, "hook_mlp_out": 2, "hook_resid_mid": 3, "attn.hook_v": 4, "mlp.hook_post": 5}
+    like = {**seen, "hook_resid_mid": x}
+    for name, install in edits.items():
+        error = _edit_error(hm, reference, f"blocks.0.{name}", _delta(like[name], deltas[name]), install)
+        assert error == 0.0, (name, error)
+    every = sorted(served)  # and every point of the layer, the per-head inputs and results too, against plain hooks
+    assert check_points(hm.wiring, input_ids(), every) == dict.fromkeys(every)
+    hm.unwrap()
+
+
+def test_falcon_h1_with_branch_multipliers_gets_the_points_after_its_middle_and_no_mixer_output() -> None:
+    multipliers = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25, "key_multiplier": 0.6}
+    model = _model("falcon_h1", **multipliers, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    # the layer adds its mixers' outputs scaled: no module's output is what it adds, nor are the keys k_proj's
+    assert not served & {"hook_attn_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    assert "a branch multiplier" in findings(model).missing["hook_attn_out"]
+    # after its middle it adds the MLP's output as it is: hook_resid_mid, ln2 and hook_mlp_out are served
+    assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served, sorted(served)
+    layer = reference.model.layers[0]
+    seen = _record(
+        reference,
+        {
+            "hook_resid_pre": (layer, "in"),
+            "mamba": (layer.mamba, "out"),
+            "attn": (layer.self_attn, "out"),
+            "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
+            "hook_mlp_out": (layer.feed_forward, "out"),
+        },
+    )
+    scaled = seen["hook_resid_pre"] + (seen.pop("mamba") * 1.25 + seen.pop("attn") * 0.75)
+    assert torch.equal(seen["hook_resid_mid"], scaled)  # what the model computes, the multipliers included
+    _, cache = hm.run_with_cache(input_ids())
+    errors = {n: _relative(cache[f"blocks.0.{n}"], v) for n, v in seen.items()}
+    assert max(errors.values()) <= 1e-5, errors
+    d = _delta(seen["hook_mlp_out"], 8)
+    assert _edit_error(hm, reference, "blocks.0.hook_mlp_out", d, _add_to_output(layer.feed_forward, d)) == 0.0
+    install = _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], d)
+    error = _edit_error(hm, reference, "blocks.0.hook_resid_mid", d, install)  # (rounding: .mixer_sites.ResidMidSite)
+    assert error <= 1e-5 * float(seen["hook_resid_mid"].abs().max() + d.abs().max()), error
+    names = [f"blocks.0.{n}" for n in sorted(served)]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()
+
+
+def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() -> None:
+    model = _model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
+    hm = _wrap(model)
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    assert {"hook_attn_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served, sorted(served)
+    assert "attn.hook_k" not in served and "mlp.hook_pre" not in served, sorted(served)
+    names = [f"blocks.0.{n}" for n in sorted(served)]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()
+
+
+LINEAR_THEN_ATTENTION = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_granite_moe_hybrids_mixer_and_attention_layers_get_their_mixer_output_resid_mid_and_norms() -> None:
+    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION)
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    for i in (0, 3):  # a Mamba layer and the attention layer
+        served = {n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")}
+        assert {"hook_attn_out", "hook_resid_mid", "ln1.hook_scale", "ln2.hook_scale"} <= served, (i, served)
+        assert "hook_mlp_out" not in served  # the MLP is two modules whose outputs the layer adds: no one output
+        layer = reference.model.layers[i]
+        mixer = layer.mamba if i == 0 else layer.self_attn
+        mlps = [layer.block_sparse_moe, layer.shared_mlp]
+        seen = _record(
+            reference,
+            {
+                "hook_attn_out": (mixer, "out"),
+                "hook_resid_mid": (layer.post_attention_layernorm, "in"),
+                "hook_resid_pre": (layer, "in"),
+            },
+        )
+        _, cache = hm.run_with_cache(input_ids())
+        errors = {n: _relative(cache[f"blocks.{i}.{n}"], v) for n, v in seen.items()}
+        assert max(errors.values()) <= 1e-5, errors
+        d = _delta(seen["hook_attn_out"], 6)
+        assert _edit_error(hm, reference, f"blocks.{i}.hook_attn_out", d, _add_to_output(mixer, d)) == 0.0, i
+        # the mixer form's hook_resid_mid adds the edit's difference to the layer's output (.mixer_sites.ResidMidSite):
+        # the model's own sum with the edited value, but for rounding
+        install = _resid_mid_edit(layer, layer.post_attention_layernorm, mlps, d)
+        error = _edit_error(hm, reference, f"blocks.{i}.hook_resid_mid", d, install)
+        assert error <= 1e-5 * float(seen["hook_resid_pre"].abs().max() + d.abs().max()), (i, error)
+        names = [f"blocks.{i}.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
+        assert check_points(hm.wiring, input_ids(), names, points_per_pass=1) == dict.fromkeys(names)
+    hm.unwrap()
+
+
+def test_a_residual_multiplier_leaves_granites_branches_unserved() -> None:
+    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=0.5)
+    hm = _wrap(model)
+    served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
+    assert "blocks.0.hook_attn_out" not in served and "blocks.0.hook_resid_mid" not in served, sorted(served)
+    hm.unwrap()
+
+
+def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
+    """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
+    logits of one forward over the generated tokens with the same edit of hook_attn_out or hook_resid_mid."""
+    from lensadapters.testing.contract_support import check_edited_generation
+    from lensadapters.testing.strategies import Inputs
+
+    hm = _wrap(_model("falcon_h1"))
+    ids = input_ids()
+    for point in ("blocks.1.hook_attn_out", "blocks.0.hook_resid_mid"):
+        assert point in hm.hook_names, point
+        one_pass, unedited, _ = check_edited_generation(
+            hm,
+            Inputs(ids, torch.ones_like(ids), [0]),
+            point,
+            lambda t, hook: t * 1.5,
+            atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
+        )
+        assert not torch.allclose(one_pass, unedited)
+    hm.unwrap()
+
+
+def test_a_norm_with_matrix_parameters_before_the_attention_leaves_the_points_after_the_middle() -> None:
+    """AXK2's gated input norm has matrix parameters (a third branch child by the rule): no sum before the middle is
+    exact, the part after it is (hook_resid_mid, ln2, hook_mlp_out), each checked against plain hooks."""
+    from lensadapters.testing.every_model_type import NotBuildable, build
+
+    if "axk2" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip("axk2 is not in this transformers")
+    try:
+        model = build("axk2")
+    except NotBuildable as why:
+        pytest.skip(f"axk2: {why}")
+    hm = _wrap(model)
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served and "hook_attn_out" not in served, served
+    assert "hook_attn_out" in findings(model).missing
+    names = [f"blocks.0.{n}" for n in ("hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from lensadapters.errors import LensAdaptersError, UnsupportedModelError
 from lensadapters.hooks.copying import RoutedImplementation, detachable, original_value
 from lensadapters.hooks.explicit_attention import IRRELEVANT_ARGUMENTS, default_scores, explicit_attention
+from lensadapters.hooks.hook_point import HookPoint
 
 __all__ = [
     "IRRELEVANT_ARGUMENTS",
@@ -245,15 +246,19 @@ class InterfacePatternBackend:
         attention_mask: Optional[Tensor],
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
+        return self.explicit(module, (query, key, value, attention_mask), site.scores, site.pattern, **kwargs)
+
+    def explicit(
+        self, module: nn.Module, qkv_mask: tuple, scores: HookPoint, pattern: HookPoint, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        """:func:`explicit_attention` of ``(query, key, value, attention_mask)`` with the backend's scores and the
+        implementation the model was configured with (its softcap refusal reads it), through ``scores``/``pattern``."""
         return explicit_attention(
             module,
-            query,
-            key,
-            value,
-            attention_mask,
+            *qkv_mask,
             scores_fn=self._scores,
-            scores_point=site.scores,
-            pattern_point=site.pattern,
+            scores_point=scores,
+            pattern_point=pattern,
             implementation=self.original or "sdpa",
             **kwargs,
         )

@@ -38,7 +38,6 @@ from torch import nn
 
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
-from lensadapters.hooks.explicit_attention import explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.rotary import rotate_half_spec
 
@@ -133,17 +132,8 @@ class TowerPatternBackend(InterfacePatternBackend):
         self.recording.setdefault(layer, seen)
         try:
             pass_through = cast(HookPoint, _Pass())
-            seen["explicit"] = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scores_fn=self._scores,
-                scores_point=pass_through,
-                pattern_point=pass_through,
-                implementation=self.original or "sdpa",
-                **kwargs,
+            seen["explicit"] = self.explicit(
+                module, (query, key, value, attention_mask), pass_through, pass_through, **kwargs
             )[0]
         except UnsupportedModelError as exc:
             seen["error"] = str(exc)

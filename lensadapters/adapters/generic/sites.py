@@ -17,7 +17,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
-from lensadapters.hooks.explicit_attention import explicit_attention
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input, replace_first_output
 
@@ -130,16 +129,8 @@ class AttentionFunctionBackend(InterfacePatternBackend):
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
         if site.patterns_live():
-            output, weights = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scores_fn=self._scores,
-                scores_point=site.scores,
-                pattern_point=site.pattern,
-                **kwargs,
+            output, weights = self.explicit(
+                module, (query, key, value, attention_mask), site.scores, site.pattern, **kwargs
             )
         else:
             output, weights = original_function(self.original or "sdpa", module)(

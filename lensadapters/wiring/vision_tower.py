@@ -1,9 +1,11 @@
 """The vision tower's residual points of a vision-language model, under the ``vision.`` prefix.
 
 The tower is found from the model, naming no architecture: the submodule whose ``config`` is the model's
-``config.vision_config``; its blocks are the tower's ``nn.ModuleList`` of ``vision_config.num_hidden_layers`` modules.
-A probe forward of the tower alone, on a small synthetic image (``pixel_values`` of the shape its config gives),
-proves each point before it is served:
+``config.vision_config``; its blocks are the tower's ``nn.ModuleList`` of ``vision_config.num_hidden_layers`` (or
+``depth``) modules.
+A probe forward of the tower alone, on a small synthetic image (``pixel_values`` of the shape its config gives, or
+what else the tower's forward requires and :mod:`lensadapters.wiring.vision_inputs` builds from its config: Qwen's
+flattened patches and their ``grid_thw``), proves each point before it is served:
 
 - ``vision.hook_embed`` and ``vision.blocks.{i}.hook_resid_pre``: block ``i``'s first input (the patch embeddings as
   the first block reads them, for ``i == 0``);
@@ -21,14 +23,13 @@ proves each point before it is served:
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
-A tower whose forward needs inputs beyond ``pixel_values`` (an image grid, patch positions...) is refused by name
+A tower whose forward needs an input the probe cannot build (patch positions...) is refused by name
 (:class:`VisionTowerWarning`), and so is any point the probe did not prove. The points fire only in a forward with
 an image. No hook is installed until a ``vision.*`` point is hooked.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, cast
@@ -55,6 +56,7 @@ from lensadapters.wiring.vision_attention import (
     attention_names,
     probe_attention,
 )
+from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
 #: the prefix of the vision tower's points
@@ -90,9 +92,15 @@ def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
     return None
 
 
+def block_count(config: Any) -> Optional[int]:
+    """The number of the tower's blocks its config gives: ``num_hidden_layers``, or ``depth`` where it has none."""
+    n = getattr(config, "num_hidden_layers", None)
+    return n if isinstance(n, int) else getattr(config, "depth", None)
+
+
 def tower_blocks(tower: nn.Module) -> Optional[tuple[str, nn.ModuleList]]:
     """The tower's blocks: its ``nn.ModuleList`` of ``num_hidden_layers`` modules of one class."""
-    n = getattr(tower.config, "num_hidden_layers", None)
+    n = block_count(tower.config)
     for name, module in tower.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == n and len({type(m) for m in module}) == 1:
             return name, module
@@ -101,30 +109,6 @@ def tower_blocks(tower: nn.Module) -> Optional[tuple[str, nn.ModuleList]]:
 
 def _first(value: Any) -> Any:
     return value[0] if isinstance(value, (tuple, list)) else value
-
-
-def _probe_pixels(tower: nn.Module) -> Optional[torch.Tensor]:
-    config = tower.config
-    size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", 3)
-    if not isinstance(size, int):
-        return None
-    parameter = next(tower.parameters())
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(1, channels, size, size, generator=g).to(parameter.device, parameter.dtype)
-
-
-def _required_inputs(tower: nn.Module) -> list[str]:
-    """The tower's forward arguments with no default beyond ``pixel_values`` (``None`` when it takes none)."""
-    parameters = inspect.signature(tower.forward).parameters
-    if "pixel_values" not in parameters:
-        return [next(iter(parameters), "?")]
-    return [
-        p.name
-        for p in parameters.values()
-        if p.name != "pixel_values"
-        and p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
 
 
 _HOOK_DICTS = (
@@ -201,7 +185,7 @@ def _watch_children(block: nn.Module, i: int, seen: dict, kind: Optional[str], p
 def _run(
     tower: nn.Module,
     blocks: nn.ModuleList,
-    pixels: torch.Tensor,
+    pixels: dict[str, torch.Tensor],
     edit: Optional[int] = None,
     parts_edit: Optional[tuple[str, list[BlockParts]]] = None,
 ) -> dict:
@@ -229,7 +213,7 @@ def _run(
         handles += _watch_children(block, i, seen, kind, parts[i] if parts is not None else None)
     try:
         with torch.no_grad():
-            result = tower(pixel_values=pixels, output_hidden_states=True)
+            result = tower(**pixels, output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -245,7 +229,7 @@ def _run(
 
 
 def _probe_parts(
-    tower: nn.Module, blocks: nn.ModuleList, pixels: torch.Tensor, base: dict, path: str
+    tower: nn.Module, blocks: nn.ModuleList, pixels: dict[str, torch.Tensor], base: dict, path: str
 ) -> tuple[Optional[list[BlockParts]], list[str]]:
     """Each block's parts, found from the probe's values and their edits proven, or ``None`` and why."""
     found = [find_parts(base["in"][i], base["out"][i], base["child_in"][i], base["child_out"][i]) for i in base["in"]]
@@ -272,19 +256,11 @@ def probe(model: nn.Module) -> tuple[Optional[Tower], list[str], list[str], list
     path, tower = found
     blocks = tower_blocks(tower)
     if blocks is None:
-        n = getattr(tower.config, "num_hidden_layers", "?")
+        n = block_count(tower.config) or "?"
         return None, [f"{path}: no list of its {n} blocks was found"], [], []
-    required = _required_inputs(tower)
-    if required:
-        return (
-            None,
-            [f"{path}: its forward needs {', '.join(required)} besides pixel_values; the probe gives none"],
-            [],
-            [],
-        )
-    pixels = _probe_pixels(tower)
+    pixels, why = probe_inputs(tower)
     if pixels is None:
-        return None, [f"{path}: its config gives no image_size for a probe image"], [], []
+        return None, [f"{path}: {why}"], [], []
     snapshot = _snapshot(tower)
     parts: Optional[list[BlockParts]] = None
     attn: Optional[list[AttnParts]] = None

@@ -165,19 +165,39 @@ def test_tower_points_without_an_image_warn_by_name() -> None:
     hm.unwrap()
 
 
-def test_a_tower_that_needs_an_input_the_probe_cannot_build_is_refused_by_name() -> None:
-    """Gemma 4's tower takes each patch's position (``pixel_position_ids``) besides its pixels: the probe knows no
-    builder of it (Qwen's patches and grid it builds: tests/test_vision_tower_qwen.py)."""
-    model, _ = vlm("gemma4")
+def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
+    """Gemma 4's tower takes its image as patches with their (x, y) positions (``pixel_position_ids``) and records
+    its pooled image tokens last among its ``hidden_states``: the probe builds both inputs from the tower's config,
+    the residual points read and edit as plain hooks on its blocks do (an edit reaching the language model), and its
+    sandwich-normed blocks' parts are not served, the warning says why. (A tower needing an input the probe cannot
+    build is refused by name: tests/test_vision_tower_qwen.py.)"""
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    blocks = tower_blocks_of(model)
+    plain: dict[str, tuple[list, torch.Tensor]] = {}
+    for point, i, kind in _points(len(blocks)):
+        seen: list = []
+        _logits(model, batch, _plain(blocks[i], kind, seen))
+        plain[point] = (seen, _logits(model, batch, _plain(blocks[i], kind, [], _edit)))
+    hf = _logits(model, batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
     messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
     assert messages == [
-        "the vision tower's points are not served: model.vision_tower: its forward needs pixel_position_ids, "
-        "which the probe cannot build"
+        "the vision tower's attention and MLP points are not served: model.vision_tower: block 0 has no attention "
+        "and MLP children whose outputs, added to the residual, give the block's output"
     ]
-    assert not any(p.startswith("vision.") for p in hm.hook_dict)
+    served = [p for p, _, _ in _points(len(blocks))]
+    assert [p for p in hm.hook_dict if p.startswith("vision.")] == served
+    with torch.no_grad():
+        assert torch.equal(_out(hm(**batch)), hf)
+        _, cache = hm.run_with_cache(**batch, names_filter=served)
+        for point in served:
+            seen, edited = plain[point]
+            assert torch.equal(cache[point], torch.cat(seen)), point
+            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
+            assert torch.equal(got, edited) and not torch.equal(got, hf), point
     hm.unwrap()
 
 

@@ -3,7 +3,11 @@
 Choice: a small table of recognised arguments (:data:`BUILDERS`), keyed by the argument's name in the tower's
 ``forward`` signature, each built from the tower's config alone (no architecture is named):
 
-- ``pixel_values``: one image of ``num_channels x image_size x image_size`` (``image_size`` required);
+- ``pixel_position_ids``: one image's patches' (x, y) positions, a square of ``2 * pooling_kernel_size`` patches
+  a side (1 where the config gives no pooling), row by row; ``position_embedding_size`` must hold them;
+- ``pixel_values``: one image of ``num_channels x image_size x image_size`` (``image_size`` required); with
+  ``pixel_position_ids``, that image as its patches, one row of ``num_channels * patch_size ** 2`` pixels in
+  ``(0, 1)`` per position;
 - ``grid_thw``: one image's grid of patches, ``[[1, 2 * spatial_merge_size, 2 * spatial_merge_size]]`` (a
   ``spatial_merge_size`` of 1 where the config gives none): the smallest grid a tower merging its patches
   ``merge x merge`` merges into more than one token;
@@ -26,6 +30,8 @@ from torch import nn
 
 #: the tower's patch grid argument, a tensor ``[images, 3]`` of (frames, height, width) in patches
 GRID = "grid_thw"
+#: the tower's per-patch positions argument, a tensor ``[images, patches, 2]`` of (x, y) in patches
+POSITIONS = "pixel_position_ids"
 
 
 def _random(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -33,7 +39,22 @@ def _random(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(like.device, like.dtype)
 
 
+def _positions(config: Any, built: dict[str, Any], like: torch.Tensor) -> Optional[torch.Tensor]:
+    pool = getattr(config, "pooling_kernel_size", None) or 1
+    table = getattr(config, "position_embedding_size", None)
+    side = 2 * pool
+    if not isinstance(pool, int) or not isinstance(table, int) or side > table:
+        return None
+    xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1)
+    return xy.reshape(1, side * side, 2).to(like.device)
+
+
 def _pixels(config: Any, built: dict[str, Any], like: torch.Tensor) -> Optional[torch.Tensor]:
+    positions, patch = built.get(POSITIONS), getattr(config, "patch_size", None)
+    if positions is not None:  # the image as its patches, one row of channels x patch x patch pixels each
+        if not isinstance(patch, int):
+            return None
+        return _random((1, positions.shape[1], getattr(config, "num_channels", 3) * patch**2), like).sigmoid()
     size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", 3)
     if not isinstance(size, int):
         return None
@@ -60,12 +81,18 @@ def _patches(config: Any, built: dict[str, Any], like: torch.Tensor) -> Optional
 #: the recognised arguments and their builders, in the order they are built (a builder may read what an earlier
 #: one built: the flattened patches read the grid)
 BUILDERS: dict[str, Callable[[Any, dict[str, Any], torch.Tensor], Optional[torch.Tensor]]] = {
+    POSITIONS: _positions,
     "pixel_values": _pixels,
     GRID: _grid,
     "hidden_states": _patches,
 }
 #: what each builder needs of the config, for the refusal's message
-NEEDS = {"pixel_values": "image_size", GRID: "spatial_merge_size", "hidden_states": "a grid_thw and patch_size"}
+NEEDS = {
+    POSITIONS: "position_embedding_size of at least twice its pooling_kernel_size",
+    "pixel_values": "image_size (patch_size with pixel_position_ids)",
+    GRID: "spatial_merge_size",
+    "hidden_states": "a grid_thw and patch_size",
+}
 
 
 def required_inputs(tower: nn.Module) -> list[str]:

@@ -315,7 +315,8 @@ def _check_edit(base: dict, edited: dict, i: int, n: int, path: str) -> list[str
     if i + 1 < n and not torch.equal(edited["in"][i + 1], out):
         return [f"{path}: an edit of block {i}'s output does not reach block {i + 1}"]
     hidden = edited["hidden"]
-    if hidden is not None and not torch.equal(hidden[i + 1], out):
+    # a record of another shape is no block's output (Gemma 4's last: the pooled image tokens): nothing to reach
+    if hidden is not None and hidden[i + 1].shape == out.shape and not torch.equal(hidden[i + 1], out):
         return [f"{path}: an edit of block {i}'s output does not reach its hidden_states record"]
     if torch.equal(edited["last"], base["last"]):
         return [f"{path}: an edit of block {i}'s output does not change the tower's output"]

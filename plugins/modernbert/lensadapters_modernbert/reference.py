@@ -13,8 +13,7 @@ from torch import Tensor, nn
 from transformers import ModernBertConfig, ModernBertForMaskedLM
 
 import lensadapters_modernbert
-from lensadapters import HookedModel
-from lensadapters.registry import Registry
+from lensadapters import HookedModel, Registry
 from lensadapters.testing.models import reinit
 
 __all__ = ["IMPLEMENTATIONS", "WINDOW", "inputs", "make_model", "max_error", "reference", "registry", "wrapped"]

@@ -1,4 +1,5 @@
-"""ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``; transformers 4.57 and 5.x),
+"""ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``, the body of
+``ModernBertForSequenceClassification``...; transformers 4.57 and 5.x),
 with TransformerLens ``HookedEncoder``-style names.
 
 The blocks are pre-LN, rotary and bidirectional; layers alternate global and sliding-window (local) attention::
@@ -170,7 +171,7 @@ def _rotary_from_attention(module: Any, args: tuple, kwargs: dict) -> tuple[Tens
 @hookimpl
 def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
     p = _prefix(model)
-    shared = dict(blocks=f"{p}layers", embed=f"{p}embeddings.tok_embeddings", ln_final=f"{p}final_norm")
+    shared: dict[str, Any] = dict(blocks=f"{p}layers", embed=f"{p}embeddings.tok_embeddings", ln_final=f"{p}final_norm")
     shared["unembed"] = "decoder" if _mlm(model) else None
     if _own_attention(_base(model).layers[0].attn):  # 4.x: a rotary module in every attention module
         return ModelLayout(**shared, rotary=f"{p}layers.0.attn", rotary_from_inputs=_rotary_from_attention)

@@ -98,8 +98,8 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         attn_in = at(pre + "hook_attn_in", x[:, :, None].expand(b, p, h, x.shape[-1]))
         for n in "qkv":  # the residual per head, before ln1 (ln1 is served on the residual itself)
             at(pre + f"hook_{n}_input", attn_in)
-        normed = norm(pre + "ln1", layer.attn_norm, x) if i else x
-        normed = [normed[:, :, None].expand(b, p, h, x.shape[-1])] * 3
+        ln1_out = norm(pre + "ln1", layer.attn_norm, x) if i else x
+        normed = [ln1_out[:, :, None].expand(b, p, h, x.shape[-1])] * 3
         wqkv = layer.attn.Wqkv
         w, bias = wqkv.weight.view(3, h, d, -1), (wqkv.bias.view(3, h, d) if wqkv.bias is not None else None)
         q, k, v = (

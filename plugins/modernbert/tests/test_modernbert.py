@@ -179,3 +179,19 @@ def test_the_base_model_has_no_head_points():
 
 def test_entry_point():
     assert_entry_point("modernbert", lensadapters_modernbert, skip_uninstalled=True)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sequence_classification_serves_the_body(implementation):
+    from transformers import ModernBertForSequenceClassification
+
+    model = make_model(implementation, cls=ModernBertForSequenceClassification)
+    batch = inputs()
+    with torch.no_grad():
+        expected = model(**batch).logits
+        hm = HookedModel.wrap(model, registry=plugin_registry())
+        assert torch.equal(hm(**batch).logits, expected), "no hooks: HF's logits bitwise"
+        logits, cache = hm.run_with_cache(**batch, names_filter=hm.hook_names)
+    assert_close(logits, expected, "a cached forward computes HF's logits")
+    assert "ln_final.hook_normalized" in cache and "mlm_head.ln.hook_normalized" not in hm.hook_names
+    hm.unwrap()

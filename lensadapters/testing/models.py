@@ -42,7 +42,8 @@ def reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` (``AutoModelForSeq2SeqLM`` for an encoder-decoder config) with
+    """``AutoModelForCausalLM.from_config(config)`` (``AutoModelForSeq2SeqLM`` for an encoder-decoder config,
+    ``AutoModelForMaskedLM`` for an encoder without a causal LM) with
     :func:`reinit` weights from ``seed``, in eval mode.
 
     ``attn_implementation=None`` keeps transformers' default for the config.
@@ -52,7 +53,12 @@ def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] 
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    model = auto.from_config(config, **kwargs)
+    try:
+        model = auto.from_config(config, **kwargs)
+    except ValueError:  # an encoder with no causal LM (ModernBERT): its masked LM
+        from transformers import AutoModelForMaskedLM
+
+        model = AutoModelForMaskedLM.from_config(config, **kwargs)
     reinit(model, seed)
     return model.eval()
 

@@ -1,5 +1,6 @@
 """ModernBERT (a pre-LN, rotary, bidirectional encoder with alternating global and sliding-window attention and a
-masked-LM prediction head) under the generic adapter, which no plugin describes.
+masked-LM prediction head) under the generic adapter: wrapped with an empty ``Registry``, so that the generic adapter
+describes it even where the ``modernbert`` plugin is installed.
 
 Under transformers 5.x its attention goes through transformers' attention interface, passing flash attention's
 ``deterministic`` flag to every implementation: the patterns are served, and a local layer's show its window. Under
@@ -13,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from lensadapters import HookedModel
+from lensadapters import HookedModel, Registry
 from lensadapters.hf import tiny_config_of
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -44,8 +45,9 @@ def _batch():
 
 
 def _wrap(model):
+    """The generic adapter's wrap: no plugin registered (the modernbert plugin claims the model type)."""
     with pytest.warns(Warning, match="generic adapter"):
-        return HookedModel.wrap(model)
+        return HookedModel.wrap(model, registry=Registry())
 
 
 def test_residual_points_are_the_layers_inputs_and_outputs_with_padding():

@@ -114,7 +114,10 @@ def _choose_architecture(registry: Registry) -> tuple[Any, Any]:
             config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=0)
             if config is None:
                 continue
-            cfg = _hooked_config(registry, config)
+            try:
+                cfg = _hooked_config(registry, config)
+            except ValueError:  # no causal LM for this config (an encoder such as ModernBERT): no induction demo
+                continue
             fit = (
                 cfg.positional_embedding_type == "rotary"
                 and cfg.rotary_dim == cfg.d_head

@@ -291,6 +291,11 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
         """``final_hidden_is_ln_final`` for ``model`` (a contract over several families answers per model)."""
         return self.final_hidden_is_ln_final
 
+    def layers_without_ln1(self, model: torch.nn.Module) -> set[int]:
+        """Layers of a pre-norm model whose attention reads the residual without a norm (ModernBERT's layer 0):
+        they have no ``ln1.*`` points. None by default."""
+        return set()
+
     def pre_ln_residual(self, model: torch.nn.Module) -> bool:
         """Whether resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out hold (pre-LN blocks)."""
         return True

@@ -42,7 +42,8 @@ def reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` (``AutoModelForSeq2SeqLM`` for an encoder-decoder config) with
+    """``AutoModelForCausalLM.from_config(config)`` (``AutoModelForSeq2SeqLM`` for an encoder-decoder config,
+    ``AutoModelForMaskedLM`` for an encoder without a causal LM) with
     :func:`reinit` weights from ``seed``, in eval mode.
 
     ``attn_implementation=None`` keeps transformers' default for the config.
@@ -52,7 +53,12 @@ def seeded_model(config: Any, seed: int = 0, attn_implementation: Optional[str] 
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    model = auto.from_config(config, **kwargs)
+    try:
+        model = auto.from_config(config, **kwargs)
+    except ValueError:  # an encoder with no causal LM (ModernBERT): its masked LM
+        from transformers import AutoModelForMaskedLM
+
+        model = AutoModelForMaskedLM.from_config(config, **kwargs)
     reinit(model, seed)
     return model.eval()
 
@@ -77,7 +83,8 @@ def int8_copy(model: Any) -> Any:
 
 
 def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: int = 0) -> torch.nn.Module:
-    """A seeded tiny model of ``arch`` built from the plugin's tiny config."""
+    """A seeded tiny model of ``arch`` built from the plugin's tiny config (its causal LM, or its masked LM where it has
+    none)."""
     from transformers import AutoModelForCausalLM
 
     if not arch.declared_for_installed_transformers():
@@ -95,6 +102,11 @@ def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: i
     if config is None:
         raise LookupError(f"plugin {info.name!r} provides no tiny config for {arch.name!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError:  # an encoder with no causal LM (ModernBERT): its masked LM
+        from transformers import AutoModelForMaskedLM
+
+        model = AutoModelForMaskedLM.from_config(config)
     reinit(model, seed)
     return model.eval()

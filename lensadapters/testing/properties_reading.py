@@ -94,7 +94,9 @@ class ReadingProperties:
         assert not stray, f"blocks {mixers} have no softmax attention (as described), but the model has {stray}"
 
         pre_norm_points = ("ln1.hook_scale", "ln1.hook_normalized") if declared.pre_norms else ()
-        missing = [n for n in ["hook_embed"] + points(*_BLOCK_POINTS, *pre_norm_points) if n not in names]
+        without_ln1 = {f"blocks.{i}.{s}" for i in self.layers_without_ln1(model) for s in pre_norm_points}
+        expected = ["hook_embed"] + [n for n in points(*_BLOCK_POINTS, *pre_norm_points) if n not in without_ln1]
+        missing = [n for n in expected if n not in names]
         assert not missing, f"hook points every model has are missing: {missing}"
         if not declared.pre_norms:
             found = sorted(n for n in names if n.startswith("blocks.") and n.split(".")[2] in ("ln1", "ln2"))
@@ -208,7 +210,9 @@ class ReadingProperties:
             reference = model(**inputs.kwargs(), output_attentions=True).attentions
             model.config._attn_implementation = impl
             hm = self.wrap(model)
-            _, cache = hm.run_with_cache(**inputs.kwargs(), names_filter=lambda n: n.endswith("hook_pattern"))
+            _, cache = hm.run_with_cache(
+                **inputs.kwargs(), names_filter=lambda n: n.endswith(("hook_pattern", "hook_attn_scores"))
+            )
         valid = inputs.valid
         length = inputs.input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -232,8 +236,11 @@ class ReadingProperties:
             pad_keys = (~valid)[:, None, None, :].expand_as(pattern)
             if hm.cfg.attention_dir == "causal":
                 assert (pattern[queries & ~causal] == 0).all(), "pattern attends to the future"
-            else:  # an encoder's queries see every real key, later ones too
-                assert (pattern[queries & ~causal & ~pad_keys] > 0).all(), "bidirectional pattern skips a later key"
+            else:  # an encoder's queries see every real key its scores leave unmasked (a window), later ones too
+                unmasked = torch.isfinite(cache["attn_scores", layer])
+                later = queries & ~causal & ~pad_keys & unmasked
+                assert (pattern[later] > 0).all(), "bidirectional pattern skips a later key"
+                assert (pattern[queries & ~unmasked] == 0).all(), "pattern attends to a masked key"
             assert (pattern[queries & pad_keys] == 0).all(), "pattern attends to padding"
         hm.unwrap()
 
@@ -370,8 +377,10 @@ class ReadingProperties:
                     "hook_pos_embed == W_pos[positions]",
                 )
             embed = cache["embed"] + (cache["pos_embed"] if "hook_pos_embed" in names else 0)
+            if "hook_full_embed" in names:  # what the first block reads (after an embedding norm: BERT, ModernBERT)
+                embed = cache["hook_full_embed"]
             if self.pre_ln_residual(model):
-                assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed)")
+                assert_close(cache["resid_pre", 0], embed, "resid_pre[0] == embed (+ pos_embed), or hook_full_embed")
             final = self.unembedding_input(hm, cache)
             if self.final_hidden_is_ln_final_of(model):
                 # real tokens only: with patterns cached, a query row with nothing to attend to (a left pad)

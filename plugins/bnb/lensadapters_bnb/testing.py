@@ -85,7 +85,7 @@ def quantize(
     ``threshold`` is LLM.int8's outlier threshold (``llm_int8_threshold``, 6.0 by default).
     """
     import transformers
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
     if mode == "int8":
         qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
@@ -96,7 +96,7 @@ def quantize(
     try:
         with tempfile.TemporaryDirectory() as directory:
             model.save_pretrained(directory)
-            quantized = AutoModelForCausalLM.from_pretrained(
+            quantized = type(model).from_pretrained(  # its own class: a causal LM, or an encoder's masked LM
                 directory,
                 quantization_config=qc,
                 device_map="cpu",

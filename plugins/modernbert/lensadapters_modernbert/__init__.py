@@ -1,0 +1,331 @@
+"""ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``, the body of
+``ModernBertForSequenceClassification``...; transformers 4.57 and 5.x),
+with TransformerLens ``HookedEncoder``-style names.
+
+The blocks are pre-LN, rotary and bidirectional; layers alternate global and sliding-window (local) attention::
+
+    mid = x + attn(ln1(x));  out = mid + mlp(ln2(mid))      mlp(h) = Wo(act(h Wi_0) * (h Wi_1))
+
+Layer 0 has no attention norm (its ``attn_norm`` is ``nn.Identity``): it has no ``blocks.0.ln1.*`` points and its
+attention reads ``hook_resid_pre`` itself. Points, in execution order:
+
+    hook_embed                          tok_embeddings' output
+    embed.ln.hook_scale/hook_normalized the embeddings' norm; hook_full_embed the embeddings' output (the first
+                                        block's input)
+    blocks.L.hook_resid_pre, ln1.*      (not on layer 0), attn.hook_q/k/v (the fused Wqkv's thirds, per head),
+    attn.hook_rot_q/rot_k               rotated with the layer's own (cos, sin) (local layers have their own base)
+    attn.hook_attn_scores/hook_pattern  bidirectional; padding keys -inf, and on local layers keys farther than
+                                        local_attention // 2 too
+    attn.hook_z/hook_result, hook_attn_out, hook_resid_mid, ln2.*, mlp.hook_pre (Wi's first half, the activation's
+    input), mlp.hook_pre_linear (its second half), mlp.hook_post (Wo's input), hook_mlp_out, hook_resid_post
+    ln_final.hook_scale/hook_normalized the final norm (the base model's last hidden state)
+    mlm_head.ln.hook_scale/hook_normalized  the prediction head's norm (after its dense layer and activation);
+                                        W_U/b_U are the decoder
+
+Under transformers 4.x ModernBERT runs attention from a table of its own (``MODERNBERT_ATTENTION_FUNCTION``), with a
+rotary module in each attention module: the patterns are served by running that module's attention written out
+(the core's ``explicit_attention``) while they are hooked, and each layer's (cos, sin) are computed from its own
+rotary module. Flash attention (which unpads the batch) and ``reference_compile=True`` are refused there.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lensadapters import hf
+from lensadapters.plugin_api import (
+    Architecture,
+    BlockLayout,
+    FusedGateUp,
+    FusedQKV,
+    HookedConfig,
+    ModelLayout,
+    NormSite,
+    OutputSite,
+    Site,
+    UnsupportedModelError,
+    cat_gate_up,
+    chunk_gate_up,
+    explicit_attention,
+    hookimpl,
+    override_instance_method,
+    rotate_half,
+    rotate_half_spec,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__version__ = "0.1.0"
+ARCH = hf.architecture(
+    "modernbert",
+    "ModernBERT encoders (pre-LN, rotary, global/sliding-window bidirectional attention, GeGLU; masked-LM head) "
+    "with HookedEncoder-style points",
+)
+hf.plugin_module(globals(), ARCH, hookspec="1", contract="ModernBertContract")
+LAYER_PATHS = ("attn_norm", "attn.Wqkv", "attn.Wo", "mlp_norm", "mlp.Wi", "mlp.Wo")
+
+
+def _prefix(model: PreTrainedModel) -> str:
+    """The path of the ``ModernBertModel`` inside ``model`` ("" when it is one), with a trailing dot."""
+    name = getattr(model, "base_model_prefix", "")
+    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
+
+
+def _base(model: PreTrainedModel) -> Any:
+    prefix = _prefix(model)
+    return model.get_submodule(prefix[:-1]) if prefix else model
+
+
+def _mlm(model: PreTrainedModel) -> bool:
+    """Whether ``model`` has the masked-LM head (``head`` then ``decoder`` on every token)."""
+    return isinstance(getattr(model, "head", None), nn.Module) and isinstance(
+        getattr(model, "decoder", None), nn.Linear
+    )
+
+
+def _own_attention(module: nn.Module) -> bool:
+    """Whether this attention module runs ModernBERT's own attention table (transformers 4.x) rather than
+    transformers' attention interface (5.x)."""
+    return hasattr(sys.modules[type(module).__module__], "MODERNBERT_ATTENTION_FUNCTION")
+
+
+# --- adapter hooks -----------------------------------------------------------------------------------
+
+
+@hookimpl
+def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
+    c = model.config
+    base = _base(model)
+    for name in ("embeddings", "layers", "final_norm"):
+        if not isinstance(getattr(base, name, None), nn.Module):
+            raise UnsupportedModelError(f"{type(base).__name__} has no {name!r}: not transformers' ModernBERT layout")
+    for i, layer in enumerate(base.layers):
+        missing = hf.missing_paths(layer, LAYER_PATHS)
+        if missing:
+            raise UnsupportedModelError(f"layer {i} ({type(layer).__name__}) has no {missing[0]}")
+    if _own_attention(base.layers[0].attn):
+        implementation = getattr(c, "_attn_implementation", "eager")
+        if implementation not in ("eager", "sdpa"):
+            raise UnsupportedModelError(
+                f"attn_implementation={implementation!r}: under transformers 4.x ModernBERT unpads the batch for it; "
+                f"lensadapters-modernbert serves 'eager' and 'sdpa'"
+            )
+        if getattr(c, "reference_compile", None):
+            raise UnsupportedModelError(
+                "reference_compile=True (torch.compile'd embeddings and MLPs): load the model with "
+                "reference_compile=False"
+            )
+
+
+def _windows(model: PreTrainedModel) -> tuple[str, ...]:
+    return tuple("local" if _local(layer.attn) else "global" for layer in _base(model).layers)
+
+
+def _local(attention: Any) -> bool:
+    if _own_attention(attention):
+        return tuple(attention.local_attention) != (-1, -1)
+    return getattr(attention, "sliding_window", None) is not None
+
+
+@hookimpl
+def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+    c = model.config
+    d_head = c.hidden_size // c.num_attention_heads
+    return HookedConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_heads=c.num_attention_heads,
+        d_head=d_head,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn=str(c.hidden_activation),
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        rotary_dim=d_head,
+        gated_mlp=True,
+        model_type=c.model_type,
+        eps=float(c.norm_eps),
+        original_architecture=type(model).__name__,
+        attention_dir="bidirectional",
+        window_size=int(c.local_attention),
+        attn_types=_windows(model),
+        extra={"mlm_head": _mlm(model), "first_layer_attn_norm": False},
+    )
+
+
+def _rotary_from_attention(module: Any, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
+    """A 4.x attention module's (cos, sin), from its own rotary module and the positions it is called with."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+    return module.rotary_emb(hidden, position_ids=positions)
+
+
+@hookimpl
+def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
+    p = _prefix(model)
+    shared: dict[str, Any] = dict(blocks=f"{p}layers", embed=f"{p}embeddings.tok_embeddings", ln_final=f"{p}final_norm")
+    shared["unembed"] = "decoder" if _mlm(model) else None
+    if _own_attention(_base(model).layers[0].attn):  # 4.x: a rotary module in every attention module
+        return ModelLayout(**shared, rotary=f"{p}layers.0.attn", rotary_from_inputs=_rotary_from_attention)
+    return ModelLayout(**shared, rotary_input="position_embeddings")
+
+
+def _block(model: PreTrainedModel, layer: int) -> BlockLayout:
+    identity = isinstance(_base(model).layers[layer].attn_norm, nn.Identity)  # layer 0
+    return BlockLayout(ln1=None if identity else "attn_norm", attn="attn", o_proj="attn.Wo", ln2="mlp_norm", mlp="mlp")
+
+
+def _qkv(model: PreTrainedModel, layer: int) -> FusedQKV:
+    c = model.config
+    d_head = c.hidden_size // c.num_attention_heads
+    split, merge = hf.fused_qkv_split(c.num_attention_heads, c.num_attention_heads, d_head)
+    return FusedQKV("attn.Wqkv", split, merge, rotary=rotate_half_spec(d_head))
+
+
+globals().update(hf.layer_hooks(_block, _qkv, FusedGateUp("mlp.Wi", "mlp.Wo", chunk_gate_up, cat_gate_up)))
+
+
+class LayerRotarySite(Site):
+    """Under transformers 4.x: each layer's (cos, sin) for its hook_rot_q/rot_k, from its attention module's own
+    rotary module (local layers have another base), computed in a pre-hook on that attention module."""
+
+    def __init__(self, attention: nn.Module, points: list, state: Any) -> None:
+        self.attention, self.state = attention, state
+        self.points = tuple(points)
+
+    def install(self) -> list[Any]:
+        return [self.attention.register_forward_pre_hook(self._pre, with_kwargs=True)]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.state.rotary = _rotary_from_attention(module, args, kwargs)
+
+
+@hookimpl
+def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
+    model = hooked.hf_model
+    base = _base(model)
+    embeddings = base.embeddings
+    sites: list[Site] = [
+        _norm_site(hooked, embeddings.norm, "embed.ln", after="hook_embed"),
+        OutputSite(embeddings, hooked.new_point("hook_full_embed", after="embed.ln.hook_normalized")),
+    ]
+    if _mlm(model):
+        sites.append(_norm_site(hooked, model.head.norm, "mlm_head.ln", after="ln_final.hook_normalized"))
+    if _own_attention(base.layers[0].attn):
+        for i, attention in enumerate(hooked.attention_modules):
+            names = (f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k")
+            points = [hooked.point(n) for n in names if n in hooked.hook_names]
+            if i and points:
+                sites.append(LayerRotarySite(attention, points, hooked.forward_state))
+    return sites
+
+
+def _norm_site(hooked: Any, module: nn.Module, prefix: str, after: str) -> NormSite:
+    scale = hooked.new_point(f"{prefix}.hook_scale", after=after)
+    normalized = hooked.new_point(f"{prefix}.hook_normalized", after=f"{prefix}.hook_scale")
+    hooked.register_norm(prefix, module)
+    return NormSite(module, lambda: hooked.norm_spec(module), scale, normalized)
+
+
+# --- patterns under transformers 4.x ---------------------------------------------------------------------------
+
+
+def _eager_scores(module: Any, query: Tensor, key: Tensor, scaling: Optional[float]) -> Tensor:
+    """Pre-mask scores as 4.x's eager ModernBERT attention computes them: ``q @ kᵀ · d_head^-0.5``."""
+    return torch.matmul(query, key.transpose(2, 3)) * module.head_dim**-0.5
+
+
+class OwnAttentionPatternBackend:
+    """Serves ``hook_attn_scores``/``hook_pattern`` where ModernBERT's attention module runs its own attention table
+    (transformers 4.x): ``activate(layer, site)`` stores a ``forward`` in that module instance's ``__dict__`` that
+    runs its ``Wqkv`` (so ``hook_q``... fire as always), its rotary module and the core's explicit attention, then
+    ``Wo``; the handle deletes it again."""
+
+    def __init__(self, hooked: Any) -> None:
+        self.modules: list[nn.Module] = list(hooked.attention_modules)
+
+    def activate(self, layer: int, site: Any) -> Any:
+        module: Any = self.modules[layer]
+        scores_point, pattern_point = site.scores, site.pattern
+
+        def forward(hidden_states: Tensor, output_attentions: Optional[bool] = False, **kwargs: Any) -> tuple:
+            implementation = module.config._attn_implementation
+            if implementation not in ("eager", "sdpa"):
+                raise UnsupportedModelError(
+                    f"lensadapters-modernbert's patterns need eager or sdpa, not {implementation}"
+                )
+            b = hidden_states.shape[0]
+            qkv = module.Wqkv(hidden_states).view(b, -1, 3, module.num_heads, module.head_dim)
+            cos, sin = _rotary_from_attention(module, (hidden_states,), kwargs)
+            query, key, value = qkv.transpose(3, 1).unbind(dim=2)  # [b, h, p, d]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # 4.x's apply_rotary_pos_emb on [b, h, p, d]
+            query = (query * cos) + (rotate_half(query) * sin)
+            key = (key * cos) + (rotate_half(key) * sin)
+            local = tuple(module.local_attention) != (-1, -1)
+            mask = kwargs.get("sliding_window_mask") if local else kwargs.get("attention_mask")
+            out, pattern = explicit_attention(
+                module,
+                query,
+                key,
+                value,
+                mask,
+                scores_fn=_eager_scores,
+                scores_point=scores_point,
+                pattern_point=pattern_point,
+                implementation=implementation,
+                dropout=module.attention_dropout if module.training else 0.0,
+                is_causal=False,
+            )
+            hidden = module.out_drop(module.Wo(out.reshape(b, -1, module.all_head_size)))
+            return (hidden, pattern) if output_attentions else (hidden,)
+
+        return override_instance_method(module, "forward", forward)
+
+
+@hookimpl
+def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[OwnAttentionPatternBackend]:
+    modules = [m for m in hooked.attention_modules if m is not None]
+    if modules and _own_attention(modules[0]):
+        return OwnAttentionPatternBackend(hooked)
+    return None  # the core's backend for transformers' attention interface
+
+
+@hookimpl
+def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
+    """Width 32, vocabulary 64, 4 heads. Seed 0 has 3 layers (global, local, global; window 4); other seeds vary
+    the depth (1-4) and the window (2 or 4)."""
+    from transformers import ModernBertConfig
+
+    layers, window = hf.toy_draw(seed, (3, 4), [1, 2, 3, 4], [2, 4])
+    return tiny_config(ModernBertConfig, layers=layers, window=window)
+
+
+def tiny_config(
+    config_class: Any, layers: int = 3, window: int = 4, heads: int = 4, d_head: int = 8, **more: Any
+) -> Any:
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    fields = dict(
+        vocab_size=64,
+        hidden_size=heads * d_head,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        local_attention=window,
+        global_attn_every_n_layers=2,
+        max_position_embeddings=64,
+        reference_compile=False,
+        attention_dropout=0.0,
+        embedding_dropout=0.0,
+        mlp_dropout=0.0,
+        **special,
+    )
+    fields.update(more)
+    return config_class(**fields)

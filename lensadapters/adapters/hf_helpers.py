@@ -29,6 +29,8 @@ __all__ = [
     "without_dropout",
     "router_fields",
     "base_path",
+    "base_prefix",
+    "base_model",
     "join",
     "unembed_path",
     "rope_parameters",
@@ -185,6 +187,19 @@ def base_path(model: nn.Module, family: str, attributes: Sequence[str] = ("embed
         f"{' and '.join(f'`{a}`' for a in attributes)}; the {family} plugin supports transformers' own {family} "
         f"classes ({family}ForCausalLM, {family}Model)"
     )
+
+
+def base_prefix(model: nn.Module) -> str:
+    """The path of the base model inside ``model`` (its ``base_model_prefix`` child, as transformers' heads hold
+    it), with a trailing dot; ``""`` when ``model`` is the base model itself."""
+    name = getattr(model, "base_model_prefix", "")
+    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
+
+
+def base_model(model: nn.Module) -> Any:
+    """The base model inside ``model`` (:func:`base_prefix`), or ``model`` itself."""
+    prefix = base_prefix(model)
+    return model.get_submodule(prefix[:-1]) if prefix else model
 
 
 def unembed_path(model: nn.Module) -> Optional[str]:

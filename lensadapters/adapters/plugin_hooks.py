@@ -1,6 +1,7 @@
 """Helpers that make a plugin module's adapter hooks from values: :func:`claims` (the architectures it claims),
 :func:`layer_hooks` (its block, attention and MLP answers, per layer or for all), :func:`opaque_blocks` (a plugin
-serving its blocks' points itself) and :class:`PointChain` (points created in firing order). Exported by
+serving its blocks' points itself), :func:`own_attention_patterns` (its pattern backend where its attention is its own
+code) and :class:`PointChain` (points created in firing order). Exported by
 :mod:`lensadapters.hf`; import them from there.
 """
 
@@ -13,7 +14,7 @@ from torch import nn
 from lensadapters.adapters.hookspecs import hookimpl
 from lensadapters.hooks.specs import Architecture, BlockLayout, QKVLayout
 
-__all__ = ["LayerValue", "PointChain", "claims", "layer_hooks", "opaque_blocks"]
+__all__ = ["LayerValue", "PointChain", "claims", "layer_hooks", "opaque_blocks", "own_attention_patterns"]
 
 
 def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
@@ -25,6 +26,22 @@ def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
         return list(archs)
 
     return lensadapters_architectures
+
+
+def own_attention_patterns(
+    computes_itself: Callable[[nn.Module], bool], backend: Callable[[Any], Any]
+) -> Callable[..., Optional[Any]]:
+    """A plugin module's ``lensadapters_attn_pattern`` hook for a family whose attention modules compute attention
+    in their own code under some transformers versions (``computes_itself(module)``, asked of the model's first
+    attention module): ``backend(hooked)`` there, ``None`` (the core's backend for transformers' attention
+    interface) otherwise: ``lensadapters_attn_pattern = hf.own_attention_patterns(_own_attention, MyBackend)``."""
+
+    @hookimpl
+    def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[Any]:
+        modules = [m for m in hooked.attention_modules if m is not None]
+        return backend(hooked) if modules and computes_itself(modules[0]) else None
+
+    return lensadapters_attn_pattern
 
 
 def opaque_blocks() -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:

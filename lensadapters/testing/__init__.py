@@ -17,6 +17,7 @@ _EXPORTS = {
     "assert_close": "contract",
     "attention_layers": "contract_support",
     "assert_refuses_causal_operations": "contract_support",
+    "assert_wraps_transparently": "contract_support",
     "is_causal": "contract_support",
     "perturb": "contract",
     "perturbed_logits": "contract",

@@ -87,6 +87,23 @@ def check_edited_generation(
     return one_pass, unedited, prompt
 
 
+def assert_wraps_transparently(model: torch.nn.Module, batch: Mapping[str, Any], registry: Any = None) -> None:
+    """Wrapping ``model`` is transparent on ``batch``: with no hooks the wrapped model gives HF's logits bitwise;
+    identity hooks at every point give them too (to the kit's tolerance), every point firing once in
+    ``hook_names``' order; ``unwrap()`` gives the model back, its logits bitwise what they were."""
+    with torch.no_grad():
+        expected = model(**batch).logits
+        hm = HookedModel.wrap(model, registry=registry)
+        assert torch.equal(hm(**batch).logits, expected), "no hooks: HF's logits bitwise"
+        fired: list[str] = []
+        hooks = [(n, lambda t, hook: fired.append(hook.name)) for n in hm.hook_names]
+        assert_close(hm.run_with_hooks(**batch, fwd_hooks=hooks), expected, "identity hooks everywhere")
+    assert fired == hm.hook_names, "every point fires once, in hook_names' order"
+    assert hm.unwrap() is model
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, expected), "unwrapped: the model's logits as they were"
+
+
 def served_weights(hm: HookedModel, names: Any) -> dict[str, torch.Tensor]:
     """``hm``'s stacked weights of ``names`` (``"W_Q"``...) that it serves, by name: a model whose blocks are not all
     softmax attention (a hybrid's linear-attention layers) refuses the stacked attention weights by name

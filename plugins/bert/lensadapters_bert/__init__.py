@@ -87,15 +87,8 @@ LAYER_PATHS = (
 # --- layout helpers ------------------------------------------------------------------------------
 
 
-def _prefix(model: PreTrainedModel) -> str:
-    """The path of the ``BertModel``/``RobertaModel`` inside ``model`` ("" when it is one), with a trailing dot."""
-    name = getattr(model, "base_model_prefix", "")
-    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
-
-
-def _base(model: PreTrainedModel) -> Any:
-    prefix = _prefix(model)
-    return model.get_submodule(prefix[:-1]) if prefix else model
+# the base model's path inside a head model (with a trailing dot; "" for the base model) and the base model
+_prefix, _base = hf.base_prefix, hf.base_model
 
 
 def _head(model: PreTrainedModel) -> Optional[tuple[str, str]]:
@@ -228,10 +221,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
 
 
 def _norm_site(hooked: Any, module: nn.Module, prefix: str, after: str) -> NormSite:
-    scale = hooked.new_point(f"{prefix}.hook_scale", after=after)
-    normalized = hooked.new_point(f"{prefix}.hook_normalized", after=f"{prefix}.hook_scale")
-    hooked.register_norm(prefix, module)
-    return NormSite(module, lambda: hooked.norm_spec(module), scale, normalized)
+    """``{prefix}.hook_scale`` and ``hook_normalized`` of ``module``, after point ``after``."""
+    return hf.PointChain(hooked, after).norm(module, prefix)
 
 
 @hookimpl
@@ -321,12 +312,8 @@ class EncoderPatternBackend:
         return override_instance_method(module, "forward", forward)  # a copy of the model gets the class's forward
 
 
-@hookimpl
-def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[EncoderPatternBackend]:
-    modules = [m for m in hooked.attention_modules if m is not None]
-    if modules and _own_attention(modules[0]):
-        return EncoderPatternBackend(hooked)
-    return None  # the core's backend for transformers' attention interface
+# the plugin's backend where the attention modules compute attention themselves, else the core's
+lensadapters_attn_pattern = hf.own_attention_patterns(_own_attention, EncoderPatternBackend)
 
 
 @hookimpl

@@ -14,6 +14,7 @@ from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForM
 
 from lensadapters import HookedModel, hf
 from lensadapters.testing.models import reinit
+from lensadapters.testing.reference import ReferencePoints, masked_difference
 
 __all__ = [
     "FAMILIES",
@@ -89,17 +90,11 @@ def _scale(ln: nn.LayerNorm, x: Tensor) -> Tensor:
 
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
-    """Every HookedEncoder point, computed step by step from the model's modules; ``edits`` (point -> fn) change a
-    point's value where it is computed. The pattern and scores are written out: ``q kᵀ / sqrt(d_head)``, padding
-    keys ``-inf``."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
+    """Every HookedEncoder point, computed step by step from the model's modules; ``edits`` (point -> fn, called as
+    a hook is: ``fn(value, hook)``) change a point's value where it is computed. The pattern and scores are written
+    out: ``q kᵀ / sqrt(d_head)``, padding keys ``-inf``."""
+    at = ReferencePoints(edits)  # at(name, value): the point's value, edited as a hook would (value, hook)
+    out = at.values
 
     def norm(prefix: str, ln: nn.LayerNorm, x: Tensor) -> Tensor:
         centred = x - x.mean(-1, keepdim=True)
@@ -153,18 +148,6 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     return out
 
 
-def _masked_equal(a: Tensor, b: Tensor) -> bool:
-    return torch.equal(torch.isinf(a), torch.isinf(b))
-
-
 def max_error(cache: Any, ref: dict) -> float:
-    worst = 0.0
-    for name, value in ref.items():
-        if name == "logits":
-            continue
-        got = cache[name]
-        assert got.shape == value.shape, f"{name}: {tuple(got.shape)} != {tuple(value.shape)}"
-        finite = torch.isfinite(value)
-        assert _masked_equal(got, value), f"{name}: masked entries differ"
-        worst = max(worst, (got[finite] - value[finite]).abs().max().item())
-    return worst
+    """The largest difference at the finite entries; masked (``-inf``) entries must be masked in both."""
+    return max((masked_difference(cache[n], value, n) for n, value in ref.items() if n != "logits"), default=0.0)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers import BertConfig, BertForMaskedLM, BertModel, RobertaForMaskedLM
 
 from lensadapters import DecompositionUndefinedError, HookedModel, NotCausalError, UnsupportedModelError, hf
-from lensadapters.testing import assert_close
+from lensadapters.testing import assert_close, assert_wraps_transparently
 
 # --- reading ------------------------------------------------------------------------------------------------
 
@@ -60,19 +60,7 @@ def test_every_point_matches_the_reference(family, implementation):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_hooks_is_hf_forward_and_order_is_firing_order(family):
-    model = make_model(family, "sdpa")
-    batch = inputs(family)
-    with torch.no_grad():
-        expected = model(**batch).logits
-        hm = HookedModel.wrap(model)
-        assert torch.equal(hm(**batch).logits, expected)
-        fired: list[str] = []
-        hooks = [(n, lambda t, hook: fired.append(hook.name)) for n in hm.hook_names]
-        assert_close(hm.run_with_hooks(**batch, fwd_hooks=hooks), expected, "identity hooks everywhere")
-    assert fired == hm.hook_names, "every point fires once, in hook_names' order"
-    assert hm.unwrap() is model
-    with torch.no_grad():
-        assert torch.equal(model(**batch).logits, expected)
+    assert_wraps_transparently(make_model(family, "sdpa"), inputs(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

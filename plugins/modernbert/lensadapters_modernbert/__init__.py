@@ -70,15 +70,8 @@ hf.plugin_module(globals(), ARCH, hookspec="1", contract="ModernBertContract")
 LAYER_PATHS = ("attn_norm", "attn.Wqkv", "attn.Wo", "mlp_norm", "mlp.Wi", "mlp.Wo")
 
 
-def _prefix(model: PreTrainedModel) -> str:
-    """The path of the ``ModernBertModel`` inside ``model`` ("" when it is one), with a trailing dot."""
-    name = getattr(model, "base_model_prefix", "")
-    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
-
-
-def _base(model: PreTrainedModel) -> Any:
-    prefix = _prefix(model)
-    return model.get_submodule(prefix[:-1]) if prefix else model
+# the base model's path inside a head model (with a trailing dot; "" for the base model) and the base model
+_prefix, _base = hf.base_prefix, hf.base_model
 
 
 def _mlm(model: PreTrainedModel) -> bool:
@@ -229,10 +222,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
 
 
 def _norm_site(hooked: Any, module: nn.Module, prefix: str, after: str) -> NormSite:
-    scale = hooked.new_point(f"{prefix}.hook_scale", after=after)
-    normalized = hooked.new_point(f"{prefix}.hook_normalized", after=f"{prefix}.hook_scale")
-    hooked.register_norm(prefix, module)
-    return NormSite(module, lambda: hooked.norm_spec(module), scale, normalized)
+    """``{prefix}.hook_scale`` and ``hook_normalized`` of ``module``, after point ``after``."""
+    return hf.PointChain(hooked, after).norm(module, prefix)
 
 
 # --- patterns under transformers 4.x ---------------------------------------------------------------------------
@@ -290,12 +281,8 @@ class OwnAttentionPatternBackend:
         return override_instance_method(module, "forward", forward)
 
 
-@hookimpl
-def lensadapters_attn_pattern(arch: Architecture, hooked: Any) -> Optional[OwnAttentionPatternBackend]:
-    modules = [m for m in hooked.attention_modules if m is not None]
-    if modules and _own_attention(modules[0]):
-        return OwnAttentionPatternBackend(hooked)
-    return None  # the core's backend for transformers' attention interface
+# the plugin's backend where the attention modules compute attention themselves, else the core's
+lensadapters_attn_pattern = hf.own_attention_patterns(_own_attention, OwnAttentionPatternBackend)
 
 
 @hookimpl

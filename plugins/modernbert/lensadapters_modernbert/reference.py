@@ -15,6 +15,7 @@ from transformers import ModernBertConfig, ModernBertForMaskedLM
 import lensadapters_modernbert
 from lensadapters import HookedModel, Registry
 from lensadapters.testing.models import reinit
+from lensadapters.testing.reference import ReferencePoints, masked_difference
 
 __all__ = ["IMPLEMENTATIONS", "WINDOW", "inputs", "make_model", "max_error", "reference", "registry", "wrapped"]
 
@@ -57,18 +58,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Callable]] = None) -> dict:
-    """Every point, from the model's parameters; ``edits`` (point -> fn) change a point's value where it is computed.
+    """Every point, from the model's parameters; ``edits`` (point -> fn, called as a hook is:
+    ``fn(value, hook)``) change a point's value where it is computed.
     Rotary angles are written out from ``rope_theta`` (global) / ``local_rope_theta`` (local layers); scores are
     ``q kᵀ / sqrt(d_head)`` with padding keys, and on local layers keys beyond the window, ``-inf``."""
-    edits = edits or {}
-    out: dict[str, Tensor] = {}
+    at = ReferencePoints(edits)  # at(name, value): the point's value, edited as a hook would (value, hook)
+    out = at.values
     c = model.config
-
-    def at(name: str, value: Tensor) -> Tensor:
-        if name in edits:
-            value = edits[name](value)
-        out[name] = value
-        return value
 
     def norm(prefix: str, ln: nn.LayerNorm, x: Tensor) -> Tensor:
         centred = x - x.mean(-1, keepdim=True)
@@ -149,7 +145,5 @@ def max_error(cache: Any, ref: dict, real: Optional[Tensor] = None) -> float:
         if real is not None and name.endswith(("hook_attn_scores", "hook_pattern")):
             keep = real[:, None, :, None].expand_as(value)
             got, value = got[keep], value[keep]
-        finite = torch.isfinite(value)
-        assert torch.equal(torch.isinf(got), torch.isinf(value)), f"{name}: masked entries differ"
-        worst = max(worst, (got[finite] - value[finite]).abs().max().item())
+        worst = max(worst, masked_difference(got, value, name))
     return worst

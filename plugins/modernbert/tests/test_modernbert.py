@@ -12,7 +12,7 @@ from lensadapters_modernbert.reference import IMPLEMENTATIONS, WINDOW, inputs, m
 from lensadapters_modernbert.reference import registry as plugin_registry
 
 from lensadapters import HookedModel
-from lensadapters.testing import assert_close
+from lensadapters.testing import assert_close, assert_wraps_transparently
 from lensadapters.testing.plugins import assert_entry_point
 
 
@@ -51,18 +51,7 @@ def test_patterns_show_padding_and_the_local_window():
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_no_hooks_is_hf_forward_and_order_is_firing_order(implementation):
-    model, batch = make_model(implementation), inputs()
-    with torch.no_grad():
-        expected = model(**batch).logits
-        hm = HookedModel.wrap(model, registry=plugin_registry())
-        assert torch.equal(hm(**batch).logits, expected), "no hooks: HF's logits bitwise"
-        fired: list[str] = []
-        hooks = [(n, lambda t, hook: fired.append(hook.name)) for n in hm.hook_names]
-        assert_close(hm.run_with_hooks(**batch, fwd_hooks=hooks), expected, "identity hooks everywhere")
-    assert fired == hm.hook_names, "every point fires once, in hook_names' order"
-    assert hm.unwrap() is model
-    with torch.no_grad():
-        assert torch.equal(model(**batch).logits, expected)
+    assert_wraps_transparently(make_model(implementation), inputs(), plugin_registry())
 
 
 def _zero_head(t, hook):

@@ -298,21 +298,16 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
 def tiny_config(
     config_class: Any, layers: int = 3, window: int = 4, heads: int = 4, d_head: int = 8, **more: Any
 ) -> Any:
+    """A tiny ModernBERT config (``hf.tiny_config_of``'s sizes, vocabulary 64, MLP 48, no dropout): ``layers``
+    layers alternating global and local attention (every second layer global) with a ``window``-token window,
+    ``heads`` heads of ``d_head``; ``more`` fields of transformers' names on top."""
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-    fields = dict(
-        vocab_size=64,
-        hidden_size=heads * d_head,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    return hf.tiny_config_of(
+        config_class,
+        dropout_free=True,
+        layers=layers,
+        heads=heads,
+        hidden=heads * d_head,
         local_attention=window,
-        global_attn_every_n_layers=2,
-        max_position_embeddings=64,
-        reference_compile=False,
-        attention_dropout=0.0,
-        embedding_dropout=0.0,
-        mlp_dropout=0.0,
-        **special,
+        **{"global_attn_every_n_layers": 2, "reference_compile": False, **special, **more},  # more: on top
     )
-    fields.update(more)
-    return config_class(**fields)

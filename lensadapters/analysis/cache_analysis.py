@@ -86,6 +86,18 @@ class CacheAnalysisMixin:
             for bl in self._hm().block_layouts
         )
 
+    def _embed_components(self) -> list[tuple[str, Tensor]]:
+        """What the embeddings write into the residual stream, as the decompositions label it: ``"embed"`` and
+        ``"pos_embed"`` (those cached); where the model normalizes its embeddings before the first block (an
+        ``embed.ln`` norm, ModernBERT's), the one ``"embed"`` that norm's output is (block 0's input)."""
+        if "embed.ln.hook_normalized" in self._hm().hook_names:
+            return [("embed", self["embed.ln.hook_normalized"])]
+        return [
+            (label, self[name])
+            for label, name in (("embed", "hook_embed"), ("pos_embed", "hook_pos_embed"))
+            if name in self._data
+        ]
+
     def _refuse_post_ln(self, what: str) -> None:
         self._n_layers  # an encoder-decoder is refused by name first  # noqa: B018
         if self._post_ln():
@@ -107,6 +119,8 @@ class CacheAnalysisMixin:
             return "ln_final" if "ln_final.hook_scale" in hm.hook_names else None
         if mlp_input and f"blocks.{layer}.ln2.hook_scale" in hm.hook_names:
             return f"blocks.{layer}.ln2"
+        if hm.block_layouts[layer] is not None and hm.block_layouts[layer].ln1 is None:
+            return None  # a block without a norm before its attention (ModernBERT's first) reads the stream as it is
         return f"blocks.{layer}.ln1"  # a block whose MLP shares ln1 (GPT-J) normalizes its MLP input with it
 
     # --- slicing -------------------------------------------------------------------------------------
@@ -192,12 +206,9 @@ class CacheAnalysisMixin:
         incl_attn, incl_mlp = mode != "mlp", mode != "attn"
         parts, labels = [], []
         if incl_embeds:
-            if "hook_embed" in self._data:
-                parts.append(self["hook_embed"])
-                labels.append("embed")
-            if "hook_pos_embed" in self._data:
-                parts.append(self["hook_pos_embed"])
-                labels.append("pos_embed")
+            for label, value in self._embed_components():
+                parts.append(value)
+                labels.append(label)
         for i in range(layer):
             if incl_attn:
                 parts.append(self[("attn_out", i)])
@@ -345,7 +356,7 @@ class CacheAnalysisMixin:
         if has_batch_dim:
             residual_stack = batch_slice.apply(residual_stack, dim=1)
         prefix = self._norm_prefix(layer, mlp_input)
-        if prefix is None:  # no final norm: the unembedding reads the residual stream as it is
+        if prefix is None:  # no norm there: the unembedding (or the block) reads the residual stream as it is
             return residual_stack
         spec = hm.norm_spec(hm.norm_module(prefix))
         if recompute_ln and layer == self._n_layers:
@@ -371,8 +382,18 @@ class CacheAnalysisMixin:
         has_batch_dim: bool = True,
     ) -> Tensor:
         """Each component's direct contribution to the logit of ``tokens`` (minus that of ``incorrect_tokens``):
-        the final norm applied to the stack, dotted with the unembedding directions."""
+        the final norm applied to the stack, dotted with the unembedding directions. Refused by name where a
+        prediction head runs between the final norm and the unembedding (points fire after ``ln_final``: an MLM
+        head's dense layer, activation and norm), whose logits are no linear function of the residual stream."""
         hm = self._hm()
+        names = hm.hook_names
+        head = names[names.index("ln_final.hook_normalized") + 1 :] if "ln_final.hook_normalized" in names else []
+        if head:
+            raise DecompositionUndefinedError(
+                f"logit_attrs is not defined for this model: a prediction head runs between its final norm and the "
+                f"unembedding ({', '.join(head)}), so a logit is no linear function of the residual stream; read "
+                f"the head's points (or attribute to them with gradients) instead"
+            )
         directions = hm.tokens_to_residual_directions(tokens)
         if incorrect_tokens is not None:
             if _token_shape(hm, tokens) != _token_shape(hm, incorrect_tokens):
@@ -416,12 +437,9 @@ class CacheAnalysisMixin:
                 )
             labels.extend(more)
             components.append(stack)
-        if "hook_embed" in self._data:
-            labels.append("embed")
-            components.append(pos_slice.apply(self["embed"], -2)[None])
-        if "hook_pos_embed" in self._data:
-            labels.append("pos_embed")
-            components.append(pos_slice.apply(self["pos_embed"], -2)[None])
+        for label, value in self._embed_components():
+            labels.append(label)
+            components.append(pos_slice.apply(value, -2)[None])
         bias = hm.accumulated_bias(layer, attn_in, include_mlp_biases=expand_neurons)
         bias = bias.to(device=head_stack.device, dtype=head_stack.dtype).expand((1,) + head_stack.shape[1:])
         labels.append("bias")

@@ -71,14 +71,23 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _from_checkpoint(directory: str) -> Any:
+    """The checkpoint's causal LM; where its config has none, its sequence-to-sequence or masked LM (an encoder:
+    ModernBERT); otherwise transformers' own error for the causal LM, which names the problem."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            return auto.from_pretrained(directory, local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+
+
 def _load_for_hooks(target: str) -> tuple[Any, Any, Optional[str]]:
     """The model ``hooks`` shows, its registry and, for a built-in tiny model, the architecture's name."""
     registry = get_registry()
     if os.path.isdir(target):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
-        return model.eval(), registry, None
+        return _from_checkpoint(target).eval(), registry, None
     from lensadapters.testing.models import tiny_model
 
     for info in registry.architecture_plugins():

@@ -8,11 +8,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from lensadapters import HookedModel, get_registry
 from lensadapters.adapters.toy_configs import tiny_config_of
-from lensadapters.testing import reinit
+from lensadapters.testing.models import seeded_model
 from lensadapters.testing.tl_reference import word_tokenizer
 
 Builder = Callable[[int], torch.nn.Module]
@@ -62,10 +61,9 @@ def tiny(arch_name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def from_config(config: Any, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    reinit(model, seed)
-    return model
+    """:func:`~lensadapters.testing.models.seeded_model` of ``config``: its causal LM (its masked LM where it has
+    none: ModernBERT), unit-scale weights from ``seed``, eval mode."""
+    return seeded_model(config, seed)
 
 
 def installed(model_type: str) -> bool:

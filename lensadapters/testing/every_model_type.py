@@ -10,7 +10,7 @@ transformers lists in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -244,13 +244,19 @@ class NotBuildable(Exception):
     """The model type cannot be built as a tiny model from its config alone (the message says why)."""
 
 
-def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+def build(model_type: str, seed: int = 0, layers: Optional[int] = None) -> torch.nn.Module:
     """A tiny eval-mode model of ``model_type`` with float32 weights; :class:`NotBuildable` says why not.
 
     Tried with :data:`LAYERS` layers, then twice as many (a hybrid whose first layers are all linear attention may
     need more to have an attention layer at all), then with the :data:`_OPTIONS` its config turns off (the
     :data:`_KERNEL_SWITCHES` it turns on, and an attention layer where its ``layer_types`` has none,
-    :func:`_attention_layer`)."""
+    :func:`_attention_layer`). With ``layers``, that count alone (without, then with the options): a caller
+    needing a layer of each kind of a hybrid whose pattern the default count cuts short."""
+    if layers is not None:  # a count the caller needs (a hybrid's layers of every kind), with the options if need be
+        try:
+            return _build(model_type, seed, layers)
+        except NotBuildable:
+            return _build(model_type, seed, layers, options=True)
     try:
         return _build(model_type, seed, LAYERS)
     except NotBuildable:

@@ -22,7 +22,6 @@ from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 from lensadapters.testing.strategies import Inputs
 
-
 #: the layers a hybrid's tiny model needs for a layer of each kind where the census's count may give it one kind only
 #: (Jamba's attention every 8 layers from layer 4: transformers 4.x runs its first 4 Mamba layers alone)
 HYBRID_LAYERS = {"jamba": 8}

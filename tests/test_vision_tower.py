@@ -101,6 +101,17 @@ def _edit(x: torch.Tensor) -> torch.Tensor:
     return x * -2.0 + 0.5
 
 
+def _plain_residuals(model: Any, batch: dict, blocks: Any) -> dict[str, tuple[list, torch.Tensor]]:
+    """Each residual point's values as a plain hook on its block reads them (every call), and the logits with
+    :func:`_edit` made there by a plain hook."""
+    plain: dict[str, tuple[list, torch.Tensor]] = {}
+    for point, i, kind in _points(len(blocks)):
+        seen: list = []
+        _logits(model, batch, _plain(blocks[i], kind, seen))
+        plain[point] = (seen, _logits(model, batch, _plain(blocks[i], kind, [], _edit)))
+    return plain
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     model, n_image = vlm(name)
@@ -111,12 +122,7 @@ def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
         return
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for point, i, kind in _points(len(blocks)):
-        seen: list = []
-        _logits(model, batch, _plain(blocks[i], kind, seen))
-        edited = _logits(model, batch, _plain(blocks[i], kind, [], _edit))
-        plain[point] = (seen, edited)
+    plain = _plain_residuals(model, batch, blocks)
     hf = _logits(model, batch)
     hm = HookedModel.wrap(model)
     assert [p for p in hm.hook_dict if p.startswith("vision.")] == _served(len(blocks), name in ROTARY_TOWERS)
@@ -174,11 +180,7 @@ def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
     model, n_image = vlm("gemma4")
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for point, i, kind in _points(len(blocks)):
-        seen: list = []
-        _logits(model, batch, _plain(blocks[i], kind, seen))
-        plain[point] = (seen, _logits(model, batch, _plain(blocks[i], kind, [], _edit)))
+    plain = _plain_residuals(model, batch, blocks)
     hf = _logits(model, batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

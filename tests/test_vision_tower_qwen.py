@@ -20,7 +20,7 @@ from lensadapters import HookedModel
 from lensadapters.testing.vlm import inputs, plain_reference, tower_blocks_of, vlm
 from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
-from tests.test_vision_tower import _edit, _logits, _out, _plain, _points
+from tests.test_vision_tower import _edit, _logits, _out, _plain, _plain_residuals
 from tests.test_vision_tower_parts import _plain_logits, _references
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -64,11 +64,7 @@ def test_qwen_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     model, n_image = vlm(name)
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for point, i, kind in _points(len(blocks)):
-        seen: list = []
-        _logits(model, batch, _plain(blocks[i], kind, seen))
-        plain[point] = (seen, _logits(model, batch, _plain(blocks[i], kind, [], _edit)))
+    plain = _plain_residuals(model, batch, blocks)
     for i, block in enumerate(blocks):
         for point, hooks in _references(block, CHILDREN).items():
             seen = []

@@ -74,13 +74,16 @@ def _plugins(args: argparse.Namespace) -> int:
 def _from_checkpoint(directory: str) -> Any:
     """The checkpoint's causal LM; where its config has none, its sequence-to-sequence or masked LM (an encoder:
     ModernBERT); otherwise transformers' own error for the causal LM, which names the problem."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    first: Optional[ValueError] = None
     for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForMaskedLM):
-        if type(config) in auto._model_mapping:
+        try:
             return auto.from_pretrained(directory, local_files_only=True)
-    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+        except ValueError as error:  # "Unrecognized configuration class": no such head for this config
+            first = first or error
+    assert first is not None
+    raise first
 
 
 def _load_for_hooks(target: str) -> tuple[Any, Any, Optional[str]]:

@@ -85,7 +85,6 @@ def int8_copy(model: Any) -> Any:
 def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: int = 0) -> torch.nn.Module:
     """A seeded tiny model of ``arch`` built from the plugin's tiny config (its causal LM, or its masked LM where it has
     none)."""
-    from transformers import AutoModelForCausalLM
 
     if not arch.declared_for_installed_transformers():
         import transformers
@@ -101,12 +100,4 @@ def tiny_model(registry: Registry, info: PluginInfo, arch: Architecture, seed: i
     config = registry.hooks_for(info).lensadapters_tiny_config(arch=arch, seed=seed)
     if config is None:
         raise LookupError(f"plugin {info.name!r} provides no tiny config for {arch.name!r}")
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    except ValueError:  # an encoder with no causal LM (ModernBERT): its masked LM
-        from transformers import AutoModelForMaskedLM
-
-        model = AutoModelForMaskedLM.from_config(config)
-    reinit(model, seed)
-    return model.eval()
+    return seeded_model(config, seed)

@@ -180,6 +180,11 @@ class AdapterContract(ReadingProperties, EditProperties, RunProperties, Gradient
     #: overrides (on top of matrix_overrides) under which every linear layer's input width is a multiple of 64
     #: and its output width a multiple of 32, for blockwise-quantized kernels; None: none declared
     aligned_overrides: ClassVar[Optional[Mapping[str, Any]]] = None
+    #: how far a quantized twin's hook values may drift from the float model's, normwise relative, per block of
+    #: quantized projections (an empirical agreement, not a bound: the exact properties use the quantization's own
+    #: error bound); None: the quantization plugin's default. A family whose forward normalizes vectors that can be
+    #: near zero (an L2 norm of keys) amplifies rounding there and declares more, with its measurement
+    quantized_drift_per_block: ClassVar[Optional[float]] = None
     # declared capabilities (see Capabilities); None: not declared. Override capabilities() when the
     # config decides one of them.
     learned_positions: ClassVar[Optional[bool]] = None

@@ -181,3 +181,36 @@ def test_a_site_reading_a_norms_output_sees_the_cores_edit_whichever_is_hooked_f
             torch.testing.assert_close(logits, hm(IDS).logits)  # the plugin's reading changed nothing
     finally:
         hm.unwrap()
+
+
+def test_sites_on_one_module_install_in_the_order_they_were_registered() -> None:
+    """Sixteen sites hooking one module the same way, all hooked together: their PyTorch hooks run in the order
+    the sites were registered (here on purpose not the points' naming order), not in the order of a set of them (which
+    follows their ids: this fails on that code)."""
+    owners = get_registry().owners("gpt2")
+    if not owners:
+        pytest.skip("no installed plugin declares gpt2")
+    plugin = types.ModuleType("many_readers")
+    names = [f"ln_final.hook_reader_{i}" for i in range(16)]
+
+    @hookimpl
+    def lensadapters_extra_sites(arch: Any, hooked: api.Hooked) -> list[api.Site]:
+        module, after, sites = hooked.hf_model.get_submodule(hooked.layout.ln_final), "ln_final.hook_normalized", []
+        for name in names:
+            sites.append(_NormOutputSite(module, hooked.new_point(name, after=after)))
+            after = name
+        return sites[::2] + sites[1::2]  # registered out of naming order: the order to keep is the registration's
+
+    plugin.lensadapters_extra_sites = lensadapters_extra_sites  # type: ignore[attr-defined]
+    registry = Registry()
+    registry.register(get_registry().infos[owners[0]].plugin, owners[0])
+    registry.register(plugin, "many_readers")
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16))
+    hm = HookedModel.wrap(model.eval(), registry=registry)
+    try:
+        fired: list[str] = []
+        with hm.hooks(fwd_hooks=[(name, lambda value, hook: fired.append(hook.name)) for name in reversed(names)]):
+            hm(IDS)
+        assert fired == names[::2] + names[1::2]
+    finally:
+        hm.unwrap()

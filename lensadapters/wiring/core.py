@@ -121,6 +121,7 @@ class Wiring(CoreSites, Installation):
         self.withheld: set[str] = set()
         self._building = False
         self._sites: list[Site] = []
+        self._site_order: dict[Site, int] = {}  # registration order: the order ``_sync`` installs sites in
         self._point_sites: dict[HookPoint, list[Site]] = {}
         self._norm_modules: dict[str, nn.Module] = {}
         self._installed: dict[Site, tuple[tuple[bool, ...], list[Any]]] = {}
@@ -220,6 +221,7 @@ class Wiring(CoreSites, Installation):
         """Register a site; its points' hooks install and remove its PyTorch hooks from now on."""
         if isinstance(site, NormSite) and site.scale.name.endswith(".hook_scale"):
             self.register_norm(site.scale.name[: -len(".hook_scale")], site.module)
+        self._site_order.setdefault(site, len(self._sites))
         self._sites.append(site)
         for point in site.points:
             self._point_sites.setdefault(point, []).append(site)

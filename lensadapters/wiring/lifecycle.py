@@ -40,6 +40,7 @@ class Installation:
     _point_sites: dict[HookPoint, list[Site]]
     _installed: dict[Site, tuple[tuple[bool, ...], list[Any]]]
     _dirty: set[Site]
+    _site_order: dict[Site, int]
     _hooked_points: set[HookPoint]
     _defer: int
     _compile_setting: Any
@@ -86,7 +87,9 @@ class Installation:
 
     def _sync(self) -> None:
         dirty, self._dirty = self._dirty, set()
-        for site in dirty:
+        # in registration order, not the set's (which follows the sites' ids): sites hooking one module the same way
+        # register their PyTorch hooks in one order on every run
+        for site in sorted(dirty, key=lambda site: self._site_order.get(site, len(self._site_order))):
             signature = site.signature()
             current = self._installed.get(site)
             if current is not None and current[0] == signature:

@@ -15,7 +15,9 @@ flattened patches and their ``grid_thw``), proves each point before it is served
 - ``vision.blocks.{i}.hook_attn_out``, ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out`` and
   ``ln1.hook_normalized``/``ln2.hook_normalized``: the outputs of the block's attention and MLP children and the
   input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
-  (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits. An
+  (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits; in a
+  sandwich-normed block (Gemma 4's) ``hook_attn_out``/``hook_mlp_out`` are the outputs of the norms after the
+  attention and the MLP, what the block adds to the residual, as TransformerLens' Gemma 2 blocks have them. An
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
@@ -150,7 +152,8 @@ def _edited(kind: Optional[str], part: Optional[BlockParts], name: str) -> bool:
     """Whether the child ``name`` is edited (its output; ``ln2``'s input for ``mid``) in a probe of ``kind``."""
     if kind is None or part is None:
         return False
-    return name in {"attn": (part.attn,), "mlp": (part.mlp,), "mid": (part.ln2,), "norms": (part.ln1, part.ln2)}[kind]
+    edits = {"attn": (part.attn_out,), "mlp": (part.mlp_out,), "mid": (part.ln2,), "norms": (part.ln1, part.ln2)}
+    return name in edits[kind]
 
 
 def _watch_children(block: nn.Module, i: int, seen: dict, kind: Optional[str], part: Optional[BlockParts]) -> list:
@@ -397,21 +400,21 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
             wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
         if tower.attn is not None:
             _attention_sites(wiring, tower, i, get(part.attn), pt)
-        wiring.add_site(OutputSite(get(part.attn), pt("hook_attn_out")))
+        wiring.add_site(OutputSite(get(part.attn_out), pt("hook_attn_out")))  # after ln1_post, if any
         wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
-        mlp = get(part.mlp)
+        mlp_out = get(part.mlp_out)  # the MLP, or the norm after it
         wiring.add_site(
             TowerResidualSite(
                 (PREFIX, i),
                 block,
                 get(part.ln2),
-                mlp,
+                mlp_out,
                 wiring.forward_state,
                 pt("hook_resid_mid"),
                 pt("hook_mlp_in"),
                 pt("hook_mlp_out"),
                 pt("hook_resid_post"),
-                residual_add=mlp,
+                residual_add=mlp_out,
             )
         )
 

@@ -175,8 +175,8 @@ def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
     """Gemma 4's tower takes its image as patches with their (x, y) positions (``pixel_position_ids``) and records
     its pooled image tokens last among its ``hidden_states``: the probe builds both inputs from the tower's config,
     the residual points read and edit as plain hooks on its blocks do (an edit reaching the language model); its
-    sandwich-normed blocks' sub-block points are served too (tests/test_vision_tower_gemma4.py), its attention points
-    not, the warning says why. (A tower needing an input the probe cannot build is refused by name:
+    sandwich-normed blocks' sub-block and attention points are served too, without a warning
+    (tests/test_vision_tower_gemma4.py). (A tower needing an input the probe cannot build is refused by name:
     tests/test_vision_tower_qwen.py.)"""
     model, n_image = vlm("gemma4")
     batch = inputs(model, n_image)
@@ -187,13 +187,7 @@ def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
     messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
-    assert messages == [
-        "the vision tower's attention points are not served: "
-        + "; ".join(
-            f"model.vision_tower: block {i}: no one child of its attention gives the attention function's query"
-            for i in range(len(blocks))
-        )
-    ]
+    assert messages == []
     served = [p for p, _, _ in _points(len(blocks))]
     assert [p for p in hm.hook_dict if p in served] == served
     with torch.no_grad():

@@ -46,12 +46,15 @@ from lensadapters.hooks.sites import (
     AttentionRotarySite,
     AttentionSite,
     InputSite,
+    NormedRotarySite,
     OutputSite,
     ProjectionSite,
     ResidualSite,
 )
+from lensadapters.hooks.sites.base import completes_output
+from lensadapters.hooks.specs import ProjectionNorm
 from lensadapters.wiring.vision_attention import (
-    ROTATE_HALF,
+    ROTATIONS,
     AttnParts,
     TowerPatternBackend,
     TowerRotary,
@@ -334,6 +337,14 @@ class PrependedOutputSite(OutputSite):
         return [self.module.register_forward_hook(self._hook, prepend=True)]
 
 
+class PrependedInputSite(InputSite):
+    """A block's first input, by a pre-hook that runs before the module's other pre-hooks: ``vision.hook_embed``,
+    which fires before block 0's ``hook_resid_pre`` on the same input whatever order the sites were installed in."""
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)]
+
+
 class TowerResidualSite(ResidualSite):
     """A tower block's residual around its MLP (its output's hook prepended, as :class:`PrependedOutputSite`'s)."""
 
@@ -385,7 +396,7 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
     on its parts' outputs and ``ln2``'s input (a :class:`TowerResidualSite`)."""
     if tower is None:
         return
-    wiring.add_site(InputSite(tower.blocks[0], core(PREFIX + "hook_embed")))
+    wiring.add_site(PrependedInputSite(tower.blocks[0], core(PREFIX + "hook_embed")))
     for i, block in enumerate(tower.blocks):
 
         def pt(name: str, i: int = i) -> HookPoint:
@@ -419,13 +430,24 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
         )
 
 
+class CompletedOutputSite(OutputSite):
+    """A module's output whose edit everything else reading it sees: its hook completes the output
+    (:func:`~lensadapters.hooks.sites.base.completes_output`), so a projection norm's ``hook_normalized`` edit is what
+    ``hook_rot_q``/``hook_rot_k`` rotate, whatever order their hooks were installed in."""
+
+    def install(self) -> list[RemovableHandle]:
+        return [completes_output(self.module, self._hook)]
+
+
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
     """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
-    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records), a pre-hook on the
-    output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records; on the outputs of
+    the per-head norms after the projections where it has them, with those norms' ``hook_normalized``), a pre-hook on
+    the output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
     assert tower.attn is not None
     parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
-    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary else None
+    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary is not None else None
+    spec = ROTATIONS[parts.rotary] if parts.rotary is not None else None
     if rotary is not None:
         rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
         wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
@@ -434,9 +456,16 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
         ("k", parts.k, parts.kv_heads),
         ("v", parts.v, parts.kv_heads),
     ):
-        point = pt(f"attn.hook_{x}")
-        if rotary is not None and x != "v":
-            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), ROTATE_HALF))
+        point, norm = pt(f"attn.hook_{x}"), parts.norm(x)
+        rotated = rotary is not None and spec is not None and x != "v"
+        if norm is not None:
+            wiring.add_site(ProjectionSite(get(child), point, heads, state))
+            wiring.add_site(CompletedOutputSite(get(norm), pt(f"attn.{x}_norm.hook_normalized")))
+            if rotated:
+                layout = ProjectionNorm(norm, "bphd")
+                wiring.add_site(NormedRotarySite(get(norm), layout, heads, pt(f"attn.hook_rot_{x}"), spec, rotary))
+        elif rotated:
+            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), spec))
         else:
             wiring.add_site(ProjectionSite(get(child), point, heads, state))
     if parts.patterns and tower.backend is not None:

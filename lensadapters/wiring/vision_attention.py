@@ -284,7 +284,7 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         matches = [(p, n) for p, n, t in chains if _same(t, call[role])]
         if not matches and role != "value":
             for kind in [rotary] if rotary is not None else list(ROTATIONS):
-                spec = ROTATIONS[cast(str, kind)]
+                spec = ROTATIONS[kind]
                 matches = [(p, n) for p, n, t in chains if _same(_rotated(t, angles, spec), call[role])]
                 if matches:
                     rotary = kind

@@ -21,7 +21,8 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
-  attention rotates them, Pixtral) and ``attn.hook_attn_scores``/``hook_pattern``:
+  attention rotates them, Pixtral and Gemma 4; ``attn.q_norm``/``k_norm``/``v_norm.hook_normalized`` where per-head
+  norms follow the projections, Gemma 4) and ``attn.hook_attn_scores``/``hook_pattern``:
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
@@ -457,15 +458,15 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
         ("v", parts.v, parts.kv_heads),
     ):
         point, norm = pt(f"attn.hook_{x}"), parts.norm(x)
-        rotated = rotary is not None and spec is not None and x != "v"
+        rotated = (rotary, spec) if rotary is not None and spec is not None and x != "v" else None
         if norm is not None:
             wiring.add_site(ProjectionSite(get(child), point, heads, state))
             wiring.add_site(CompletedOutputSite(get(norm), pt(f"attn.{x}_norm.hook_normalized")))
-            if rotated:
-                layout = ProjectionNorm(norm, "bphd")
-                wiring.add_site(NormedRotarySite(get(norm), layout, heads, pt(f"attn.hook_rot_{x}"), spec, rotary))
-        elif rotated:
-            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), spec))
+            if rotated is not None:
+                layout, rot_point = ProjectionNorm(norm, "bphd"), pt(f"attn.hook_rot_{x}")
+                wiring.add_site(NormedRotarySite(get(norm), layout, heads, rot_point, rotated[1], rotated[0]))
+        elif rotated is not None:
+            wiring.add_site(ProjectionSite(get(child), point, heads, rotated[0], pt(f"attn.hook_rot_{x}"), rotated[1]))
         else:
             wiring.add_site(ProjectionSite(get(child), point, heads, state))
     if parts.patterns and tower.backend is not None:

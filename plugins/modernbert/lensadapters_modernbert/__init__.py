@@ -242,7 +242,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     return sites
 
 
-def _classification_head_sites(hooked: Any, model: PreTrainedModel) -> list[Site]:
+def _classification_head_sites(hooked: Any, model: Any) -> list[Site]:
     """The sequence-classification head's points, after ``ln_final``'s: its input (the pooled vector), its dense
     layer's output, its activation's output, its norm and the classifier's input (the norm's output after the
     head's dropout)."""

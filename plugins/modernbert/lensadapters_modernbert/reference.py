@@ -140,8 +140,8 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         pooled = (x * real).sum(1) / real.sum(1)
     pooled = at("cls_head.hook_pooled", pooled)
     dense = head.dense
-    pre = at("cls_head.hook_pre", pooled @ dense.weight.T + (0 if dense.bias is None else dense.bias))
-    post = at("cls_head.hook_post", head.act(pre))
+    dense_out = at("cls_head.hook_pre", pooled @ dense.weight.T + (0 if dense.bias is None else dense.bias))
+    post = at("cls_head.hook_post", head.act(dense_out))
     classifier_in = at("cls_head.hook_out", norm("cls_head.ln", head.norm, post))  # the dropout: none in eval
     out["logits"] = classifier_in @ model.classifier.weight.T + model.classifier.bias
     return out

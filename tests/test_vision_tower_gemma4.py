@@ -289,3 +289,29 @@ def test_an_edit_of_scores_or_pattern_is_the_edit_inside_a_hand_written_attentio
         scale = float(reference.abs().max())
         assert _measure(f"gemma4 {where} edit vs hand-written attention", got, reference) <= 1e-6 * scale
     hm.unwrap()
+
+
+def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says() -> None:
+    """Four padding patches (positions ``(-1, -1)``) after each image's 16: the tower masks them as keys, so their
+    scores are ``-inf`` and their pattern 0 for every query, as HF's eager weights (under eager and sdpa)."""
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    pixels, positions = batch["pixel_values"], batch["image_position_ids"]
+    batch["pixel_values"] = torch.cat([pixels, torch.zeros(2, 4, pixels.shape[-1])], 1)
+    batch["image_position_ids"] = torch.cat([positions, torch.full((2, 4, 2), -1)], 1)
+    eager = _eager_weights(model, "gemma4", batch)
+    hm = HookedModel.wrap(model)
+    points = [f"vision.blocks.{i}.attn.{p}" for i in range(len(eager)) for p in ("hook_attn_scores", "hook_pattern")]
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**batch, names_filter=points)
+        for i, weights in enumerate(eager):
+            at = f"vision.blocks.{i}.attn."
+            scores, pattern = cache[at + "hook_attn_scores"], cache[at + "hook_pattern"]
+            masked = scores == float("-inf")
+            assert masked.shape[-1] == 20 and bool(masked[..., 16:].all()) and not bool(masked[..., :16].any())
+            assert torch.equal(pattern == 0, masked)
+            assert _measure(f"gemma4 padded pattern vs eager ({implementation})", pattern, weights) < 1e-6
+    model.set_attn_implementation("eager")
+    hm.unwrap()

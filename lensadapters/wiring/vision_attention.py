@@ -13,7 +13,13 @@ the attention module's children (each called once):
   output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half), is the ``query`` (``key``) exactly:
   TransformerLens' ``hook_q``/``hook_k`` are before rotary, ``hook_rot_q``/``hook_rot_k`` the rotated values (an edit
   of those is rotated back and added to the projection's output as a difference, as on the language models). An edit
-  of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it);
+  of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it).
+  Where a child called once normalizes a projection's output per head before the rotation (Gemma 4's ``q_norm``,
+  ``k_norm`` and ``v_norm``), ``hook_q`` (``hook_k``, ``hook_v``) stays the projection's output and
+  ``attn.q_norm.hook_normalized`` (``k_norm``, ``v_norm``; ``[b, p, h, d]``) is the norm's output, what is rotated
+  into ``hook_rot_q`` (or, for values, what the attention mixes), as on the language models. Gemma 4's rotation is
+  recognised as rotate-half on each half of a head (its 2-D rotary over the patches' ``(x, y)`` positions:
+  :func:`axial_rotate_half_spec`), exactly;
 - ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
   output is the attention module's;
 - ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
@@ -39,7 +45,8 @@ from torch import nn
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half, rotate_half_spec
+from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
 
@@ -50,6 +57,32 @@ PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 Z_POINT = "attn.hook_z"
 #: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb``
 ROTATE_HALF = rotate_half_spec()
+
+
+def axial_rotate_half_spec(axes: int = 2) -> RotarySpec:
+    """Rotate-half RoPE on each of ``axes`` equal parts of a head, each with the same part of ``(cos, sin)``: the
+    2-D rotary of Gemma 4's vision tower (``apply_multidimensional_rope`` with ``(x, y)`` patch positions: a head's
+    first half rotated by the rows' angles, its second half by the columns'), the same operations as
+    transformers' (bitwise)."""
+
+    def parts(t: Tensor) -> tuple[Tensor, ...]:
+        size = 2 * (t.shape[-1] // (2 * axes))
+        if size <= 0 or size * axes != t.shape[-1]:
+            raise RuntimeError(f"a head of {t.shape[-1]} features is not {axes} rotated parts")
+        return t.split(size, dim=-1)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.cat([apply_rotate_half(*p) for p in zip(parts(x), parts(cos), parts(sin))], dim=-1)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.cat([invert_rotate_half(*p) for p in zip(parts(y), parts(cos), parts(sin))], dim=-1)
+
+    return RotarySpec(0, apply, invert)
+
+
+#: the rotations the probe recognises, by the name ``AttnParts.rotary`` keeps: rotate-half over the whole head
+#: (Pixtral), or over each half of it (Gemma 4's axial 2-D rotary)
+ROTATIONS = {"rotate_half": ROTATE_HALF, "axial": axial_rotate_half_spec(2)}
 #: the implementations whose masks explicit attention reads
 IMPLEMENTATIONS = ("eager", "sdpa")
 #: the largest difference the probe accepts between the tower's attention output and explicit attention's (and
@@ -60,8 +93,9 @@ TOLERANCE = 1e-4
 @dataclass(frozen=True)
 class AttnParts:
     """A block's attention: the names of its projections (children of the attention module), its heads, whether
-    the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, and whether it rotates its queries
-    and keys (rotate-half RoPE with the ``position_embeddings`` it gets)."""
+    the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, how it rotates its queries and
+    keys (``None``: it does not; else a key of :data:`ROTATIONS`, with the ``position_embeddings`` it gets), and the
+    per-head norms between a projection and the rotation (Gemma 4's ``q_norm``/``k_norm``/``v_norm``), if any."""
 
     q: str
     k: str
@@ -70,7 +104,14 @@ class AttnParts:
     heads: int
     kv_heads: int
     patterns: bool
-    rotary: bool = False
+    rotary: Optional[str] = None
+    q_norm: Optional[str] = None
+    k_norm: Optional[str] = None
+    v_norm: Optional[str] = None
+
+    def norm(self, x: str) -> Optional[str]:
+        """The norm after projection ``x`` (``"q"``, ``"k"`` or ``"v"``)."""
+        return cast(Optional[str], getattr(self, f"{x}_norm"))
 
 
 class _Pass:
@@ -199,14 +240,33 @@ def _angles(kwargs: dict) -> Optional[tuple[Tensor, Tensor]]:
     return None
 
 
-def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
-    """``t`` (``[b, h, p, d]``) rotated as rotate-half RoPE with ``angles``, or ``None`` where they do not fit."""
+def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]], spec: RotarySpec) -> Optional[Tensor]:
+    """``t`` (``[b, h, p, d]``) rotated by ``spec`` with ``angles``, or ``None`` where they do not fit."""
     if t is None or angles is None:
         return None
     try:
-        return ROTATE_HALF.apply(t.transpose(1, 2), *angles).transpose(1, 2)
-    except RuntimeError:  # angles of another shape: not rotate-half RoPE of these heads
+        return spec.apply(t.transpose(1, 2), *angles).transpose(1, 2)
+    except RuntimeError:  # angles of another shape: not this rotation of these heads
         return None
+
+
+def _chains(seen: dict, once: set[str], heads: int, like: Tensor) -> list[tuple[str, Optional[str], Tensor]]:
+    """Each projection among ``once`` (the children reading the attention's input) whose output is ``[b, p, heads,
+    d]``, with its output (``[b, h, p, d]``), and then each child called once that reads that output per head (a
+    norm after the projection) with the norm's output: ``(projection, norm or None, value)``."""
+    found: list[tuple[str, Optional[str], Tensor]] = []
+    for name in sorted(once):
+        viewed = _as_heads(seen["child_out"].get(name), heads, like)
+        if viewed is None:
+            continue
+        found.append((name, None, viewed))
+        per_head = viewed.transpose(1, 2)
+        for norm, count in seen["calls"].items():
+            out = seen["child_out"].get(norm)
+            if count == 1 and norm not in once and _same(seen["child_in"].get(norm), per_head):
+                if isinstance(out, Tensor) and out.shape == per_head.shape:
+                    found.append((name, norm, out.transpose(1, 2)))
+    return found
 
 
 def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optional[AttnParts], list[str]]:
@@ -216,25 +276,31 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         return None, [f"{path}: its attention did not call transformers' attention interface in the probe"]
     once = {n for n, c in seen["calls"].items() if c == 1 and _same(seen["child_in"].get(n), seen["in"])}
     heads, kv_heads = call["query"].shape[1], call["key"].shape[1]
-    found: dict[str, Optional[str]] = {}
-    rotary = False
+    found: dict[str, Optional[tuple[str, Optional[str]]]] = {}
+    rotary: Optional[str] = None
+    angles = _angles(seen.get("kwargs", {}))
     for role, heads_of in (("query", heads), ("key", kv_heads), ("value", kv_heads)):
-        viewed = {n: _as_heads(seen["child_out"].get(n), heads_of, call[role]) for n in once}
-        matches = [n for n, t in viewed.items() if _same(t, call[role])]
+        chains = _chains(seen, once, heads_of, call[role])
+        matches = [(p, n) for p, n, t in chains if _same(t, call[role])]
         if not matches and role != "value":
-            angles = _angles(seen.get("kwargs", {}))
-            matches = [n for n, t in viewed.items() if _same(_rotated(t, angles), call[role])]
-            rotary = rotary or bool(matches)
+            for kind in [rotary] if rotary is not None else list(ROTATIONS):
+                spec = ROTATIONS[kind]
+                matches = [(p, n) for p, n, t in chains if _same(_rotated(t, angles, spec), call[role])]
+                if matches:
+                    rotary = kind
+                    break
         found[role] = matches[0] if len(matches) == 1 else None
         if found[role] is None:
             return None, [f"{path}: no one child of its attention gives the attention function's {role}"]
+    q, k, v = (cast(tuple[str, Optional[str]], found[r]) for r in ("query", "key", "value"))
     z = call["out"].flatten(-2)
     o = [
         n
         for n, c in seen["calls"].items()
         if c == 1 and _same(seen["child_in"].get(n), z) and _same(seen["child_out"].get(n), seen.get("out"))
     ]
-    if len(set(found.values())) != 3:
+    names = [n for pair in (q, k, v) for n in pair if n is not None]
+    if len({q[0], k[0], v[0]}) != 3 or len(set(names)) != len(names):
         return None, [f"{path}: its attention's query, key and value do not come from three children"]
     if len(o) != 1:
         return None, [f"{path}: no one child of its attention reads the attention function's output"]
@@ -245,25 +311,22 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         call["explicit"], call["out"], atol=_tolerance(z.dtype), rtol=_tolerance(z.dtype)
     ):
         reasons.append(f"{path}: explicit attention does not give the attention's own output")
-    parts = AttnParts(
-        cast(str, found["query"]),
-        cast(str, found["key"]),
-        cast(str, found["value"]),
-        o[0],
-        heads,
-        kv_heads,
-        not reasons,
-        rotary,
-    )
+    parts = AttnParts(q[0], k[0], v[0], o[0], heads, kv_heads, not reasons, rotary, q[1], k[1], v[1])
     return parts, reasons
 
 
 def attention_names(parts: Optional[AttnParts]) -> list[str]:
-    """The attention points of a block (relative to ``vision.blocks.{i}.``), in the order they fire."""
+    """The attention points of a block (relative to ``vision.blocks.{i}.``), in the order they fire: each
+    projection's, then its norm's and its rotation's (as on the language models)."""
     if parts is None:
         return []
-    q, k, v = QKV_POINTS  # each query and key rotated as soon as it is projected, as on the language models
-    qkv = [q, ROTARY_POINTS[0], k, ROTARY_POINTS[1], v] if parts.rotary else list(QKV_POINTS)
+    qkv: list[str] = []
+    for x, point in zip("qkv", QKV_POINTS):
+        qkv.append(point)
+        if parts.norm(x) is not None:
+            qkv.append(f"attn.{x}_norm.hook_normalized")
+        if parts.rotary is not None and x != "v":
+            qkv.append(ROTARY_POINTS["qk".index(x)])
     return [*qkv, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
 
 

@@ -15,11 +15,14 @@ flattened patches and their ``grid_thw``), proves each point before it is served
 - ``vision.blocks.{i}.hook_attn_out``, ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out`` and
   ``ln1.hook_normalized``/``ln2.hook_normalized``: the outputs of the block's attention and MLP children and the
   input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
-  (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits. An
+  (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits; in a
+  sandwich-normed block (Gemma 4's) ``hook_attn_out``/``hook_mlp_out`` are the outputs of the norms after the
+  attention and the MLP, what the block adds to the residual, as TransformerLens' Gemma 2 blocks have them. An
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
-  attention rotates them, Pixtral) and ``attn.hook_attn_scores``/``hook_pattern``:
+  attention rotates them, Pixtral and Gemma 4; ``attn.q_norm``/``k_norm``/``v_norm.hook_normalized`` where per-head
+  norms follow the projections, Gemma 4) and ``attn.hook_attn_scores``/``hook_pattern``:
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
@@ -44,12 +47,15 @@ from lensadapters.hooks.sites import (
     AttentionRotarySite,
     AttentionSite,
     InputSite,
+    NormedRotarySite,
     OutputSite,
     ProjectionSite,
     ResidualSite,
 )
+from lensadapters.hooks.sites.base import completes_output
+from lensadapters.hooks.specs import ProjectionNorm
 from lensadapters.wiring.vision_attention import (
-    ROTATE_HALF,
+    ROTATIONS,
     AttnParts,
     TowerPatternBackend,
     TowerRotary,
@@ -150,7 +156,8 @@ def _edited(kind: Optional[str], part: Optional[BlockParts], name: str) -> bool:
     """Whether the child ``name`` is edited (its output; ``ln2``'s input for ``mid``) in a probe of ``kind``."""
     if kind is None or part is None:
         return False
-    return name in {"attn": (part.attn,), "mlp": (part.mlp,), "mid": (part.ln2,), "norms": (part.ln1, part.ln2)}[kind]
+    edits = {"attn": (part.attn_out,), "mlp": (part.mlp_out,), "mid": (part.ln2,), "norms": (part.ln1, part.ln2)}
+    return name in edits[kind]
 
 
 def _watch_children(block: nn.Module, i: int, seen: dict, kind: Optional[str], part: Optional[BlockParts]) -> list:
@@ -331,6 +338,14 @@ class PrependedOutputSite(OutputSite):
         return [self.module.register_forward_hook(self._hook, prepend=True)]
 
 
+class PrependedInputSite(InputSite):
+    """A block's first input, by a pre-hook that runs before the module's other pre-hooks: ``vision.hook_embed``,
+    which fires before block 0's ``hook_resid_pre`` on the same input whatever order the sites were installed in."""
+
+    def install(self) -> list[RemovableHandle]:
+        return [self.module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)]
+
+
 class TowerResidualSite(ResidualSite):
     """A tower block's residual around its MLP (its output's hook prepended, as :class:`PrependedOutputSite`'s)."""
 
@@ -382,7 +397,7 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
     on its parts' outputs and ``ln2``'s input (a :class:`TowerResidualSite`)."""
     if tower is None:
         return
-    wiring.add_site(InputSite(tower.blocks[0], core(PREFIX + "hook_embed")))
+    wiring.add_site(PrependedInputSite(tower.blocks[0], core(PREFIX + "hook_embed")))
     for i, block in enumerate(tower.blocks):
 
         def pt(name: str, i: int = i) -> HookPoint:
@@ -397,32 +412,43 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
             wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
         if tower.attn is not None:
             _attention_sites(wiring, tower, i, get(part.attn), pt)
-        wiring.add_site(OutputSite(get(part.attn), pt("hook_attn_out")))
+        wiring.add_site(OutputSite(get(part.attn_out), pt("hook_attn_out")))  # after ln1_post, if any
         wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
-        mlp = get(part.mlp)
+        mlp_out = get(part.mlp_out)  # the MLP, or the norm after it
         wiring.add_site(
             TowerResidualSite(
                 (PREFIX, i),
                 block,
                 get(part.ln2),
-                mlp,
+                mlp_out,
                 wiring.forward_state,
                 pt("hook_resid_mid"),
                 pt("hook_mlp_in"),
                 pt("hook_mlp_out"),
                 pt("hook_resid_post"),
-                residual_add=mlp,
+                residual_add=mlp_out,
             )
         )
 
 
+class CompletedOutputSite(OutputSite):
+    """A module's output whose edit everything else reading it sees: its hook completes the output
+    (:func:`~lensadapters.hooks.sites.base.completes_output`), so a projection norm's ``hook_normalized`` edit is what
+    ``hook_rot_q``/``hook_rot_k`` rotate, whatever order their hooks were installed in."""
+
+    def install(self) -> list[RemovableHandle]:
+        return [completes_output(self.module, self._hook)]
+
+
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
     """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
-    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records), a pre-hook on the
-    output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records; on the outputs of
+    the per-head norms after the projections where it has them, with those norms' ``hook_normalized``), a pre-hook on
+    the output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
     assert tower.attn is not None
     parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
-    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary else None
+    rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary is not None else None
+    spec = ROTATIONS[parts.rotary] if parts.rotary is not None else None
     if rotary is not None:
         rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
         wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
@@ -431,9 +457,16 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
         ("k", parts.k, parts.kv_heads),
         ("v", parts.v, parts.kv_heads),
     ):
-        point = pt(f"attn.hook_{x}")
-        if rotary is not None and x != "v":
-            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), ROTATE_HALF))
+        point, norm = pt(f"attn.hook_{x}"), parts.norm(x)
+        rotated = (rotary, spec) if rotary is not None and spec is not None and x != "v" else None
+        if norm is not None:
+            wiring.add_site(ProjectionSite(get(child), point, heads, state))
+            wiring.add_site(CompletedOutputSite(get(norm), pt(f"attn.{x}_norm.hook_normalized")))
+            if rotated is not None:
+                layout, rot_point = ProjectionNorm(norm, "bphd"), pt(f"attn.hook_rot_{x}")
+                wiring.add_site(NormedRotarySite(get(norm), layout, heads, rot_point, rotated[1], rotated[0]))
+        elif rotated is not None:
+            wiring.add_site(ProjectionSite(get(child), point, heads, rotated[0], pt(f"attn.hook_rot_{x}"), rotated[1]))
         else:
             wiring.add_site(ProjectionSite(get(child), point, heads, state))
     if parts.patterns and tower.backend is not None:

@@ -1,5 +1,5 @@
-"""ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``, the body of
-``ModernBertForSequenceClassification``...; transformers 4.57 and 5.x),
+"""ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``,
+``ModernBertForSequenceClassification`` with its head, the body of the other task models; transformers 4.57 and 5.x),
 with TransformerLens ``HookedEncoder``-style names.
 
 The blocks are pre-LN, rotary and bidirectional; layers alternate global and sliding-window (local) attention::
@@ -21,6 +21,11 @@ attention reads ``hook_resid_pre`` itself. Points, in execution order:
     ln_final.hook_scale/hook_normalized the final norm (the base model's last hidden state)
     mlm_head.ln.hook_scale/hook_normalized  the prediction head's norm (after its dense layer and activation);
                                         W_U/b_U are the decoder
+    cls_head.hook_pooled                ``ModernBertForSequenceClassification``: the pooled final hidden state the
+                                        head reads ([batch, d_model]: the first token's, or the mean over the real
+                                        tokens, as ``classifier_pooling`` says); cls_head.hook_pre (the head's dense
+                                        output), cls_head.hook_post (its activation's output), cls_head.ln.* (its
+                                        norm), cls_head.hook_out (the classifier's input, after the head's dropout)
 
 Under transformers 4.x ModernBERT runs attention from a table of its own (``MODERNBERT_ATTENTION_FUNCTION``), with a
 rotary module in each attention module: the patterns are served by running that module's attention written out
@@ -43,6 +48,7 @@ from lensadapters.plugin_api import (
     FusedGateUp,
     FusedQKV,
     HookedConfig,
+    InputSite,
     ModelLayout,
     NormSite,
     OutputSite,
@@ -78,6 +84,19 @@ def _mlm(model: PreTrainedModel) -> bool:
     """Whether ``model`` has the masked-LM head (``head`` then ``decoder`` on every token)."""
     return isinstance(getattr(model, "head", None), nn.Module) and isinstance(
         getattr(model, "decoder", None), nn.Linear
+    )
+
+
+def _sequence_classification(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is ``ModernBertForSequenceClassification`` (pooling, then ``head`` and ``classifier`` on the
+    pooled vector), whose head's points are served."""
+    from transformers import ModernBertForSequenceClassification
+
+    head = getattr(model, "head", None)
+    return (
+        isinstance(model, ModernBertForSequenceClassification)
+        and isinstance(getattr(model, "classifier", None), nn.Linear)
+        and all(isinstance(getattr(head, n, None), nn.Module) for n in ("dense", "act", "norm"))
     )
 
 
@@ -148,7 +167,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
         attention_dir="bidirectional",
         window_size=int(c.local_attention),
         attn_types=_windows(model),
-        extra={"mlm_head": _mlm(model), "first_layer_attn_norm": False},
+        extra={"mlm_head": _mlm(model), "cls_head": _sequence_classification(model), "first_layer_attn_norm": False},
     )
 
 
@@ -212,6 +231,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     ]
     if _mlm(model):
         sites.append(_norm_site(hooked, model.head.norm, "mlm_head.ln", after="ln_final.hook_normalized"))
+    elif _sequence_classification(model):
+        sites += _classification_head_sites(hooked, model)
     if _own_attention(base.layers[0].attn):
         for i, attention in enumerate(hooked.attention_modules):
             names = (f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k")
@@ -219,6 +240,19 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             if i and points:
                 sites.append(LayerRotarySite(attention, points, hooked.forward_state))
     return sites
+
+
+def _classification_head_sites(hooked: Any, model: Any) -> list[Site]:
+    """The sequence-classification head's points, after ``ln_final``'s: its input (the pooled vector), its dense
+    layer's output, its activation's output, its norm and the classifier's input (the norm's output after the
+    head's dropout)."""
+    head, chain = model.head, hf.PointChain(hooked, "ln_final.hook_normalized")
+    sites: list[Site] = [
+        InputSite(head, chain.new("cls_head.hook_pooled")),
+        OutputSite(head.dense, chain.new("cls_head.hook_pre")),
+        OutputSite(head.act, chain.new("cls_head.hook_post")),
+    ]
+    return [*sites, chain.norm(head.norm, "cls_head.ln"), InputSite(model.classifier, chain.new("cls_head.hook_out"))]
 
 
 def _norm_site(hooked: Any, module: nn.Module, prefix: str, after: str) -> NormSite:

@@ -1,0 +1,317 @@
+"""Gemma 4's vision tower (transformers 5.x): its sandwich-normed blocks (a norm before and after the attention and
+the MLP) get their sub-block points, ``hook_attn_out``/``hook_mlp_out`` after the post norms (what the block adds to
+the residual, TransformerLens' Gemma 2 semantics), each read what a plain PyTorch hook on the Hugging Face module
+reads (and, for the post norms, an RMSNorm written out here of what the attention and MLP gave), each edit changing
+the logits exactly as the same edit by plain hooks does, and no hook giving HF's logits bitwise.
+
+Its attention gets ``attn.hook_q/k/v`` (the projections' outputs), ``attn.q_norm/k_norm/v_norm.hook_normalized``
+(the per-head norms after them), ``attn.hook_rot_q/rot_k`` (the normed queries and keys after its 2-D rotary: what
+the attention function gets), ``attn.hook_attn_scores``/``hook_pattern`` (HF's eager weights; edits as inside a
+hand-written attention function) and ``attn.hook_z``, in the order they fire."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from lensadapters import HookedModel
+from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from tests.test_vision_tower import _edit, _logits, _out, _plain
+from tests.test_vision_tower_attention import (
+    _add_to_head_0,
+    _eager_weights,
+    _editing_inputs,
+    _hand_written,
+    _measure,
+    _projection_hook,
+    _roll,
+    _z_hook,
+)
+from tests.test_vision_tower_parts import _plain_logits, _resid_mid_reference
+
+pytestmark = pytest.mark.transformers5_only
+
+#: the attention points of a Gemma 4 tower block (relative to ``vision.blocks.{i}.``), in the order they fire
+ATTENTION = (
+    "attn.hook_q",
+    "attn.q_norm.hook_normalized",
+    "attn.hook_rot_q",
+    "attn.hook_k",
+    "attn.k_norm.hook_normalized",
+    "attn.hook_rot_k",
+    "attn.hook_v",
+    "attn.v_norm.hook_normalized",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+)
+#: every point of a sandwich-normed tower block (relative to ``vision.blocks.{i}.``), in the order they fire
+SUB_BLOCK = (
+    "hook_resid_pre",
+    "ln1.hook_normalized",
+    *ATTENTION,
+    "hook_attn_out",
+    "hook_resid_mid",
+    "hook_mlp_in",
+    "ln2.hook_normalized",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+
+
+def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
+    """For each sub-block point: the plain hooks on Gemma 4's block children reading it (and editing it by ``edit``)."""
+    ln1, post_attn = block.input_layernorm, block.post_attention_layernorm
+    ln2, post_mlp = block.pre_feedforward_layernorm, block.post_feedforward_layernorm
+    return {
+        "ln1.hook_normalized": lambda seen, edit: [_plain(ln1, "post", seen, edit)],
+        "hook_attn_out": lambda seen, edit: [_plain(post_attn, "post", seen, edit)],
+        # the edited stream reaches the MLP's norm and the residual: block output = edited + post-MLP norm's output
+        "hook_resid_mid": lambda seen, edit: _resid_mid_reference(block, ln2, post_mlp, seen, edit),
+        "hook_mlp_in": lambda seen, edit: [_plain(ln2, "pre", seen, edit)],
+        "ln2.hook_normalized": lambda seen, edit: [_plain(ln2, "post", seen, edit)],
+        "hook_mlp_out": lambda seen, edit: [_plain(post_mlp, "post", seen, edit)],
+    }
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm written out: ``x / sqrt(mean(x^2) + eps) * w``."""
+    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
+
+
+def test_sandwich_block_points_read_and_edit_as_plain_hooks_do() -> None:
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    blocks = tower_blocks_of(model)
+    plain: dict[str, tuple[list, torch.Tensor]] = {}
+    for i, block in enumerate(blocks):
+        for point, hooks in _references(block).items():
+            seen: list = []
+            _plain_logits(model, batch, hooks(seen, None))
+            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, hooks([], _edit)))
+    raw: dict[str, list] = {}  # the attention's and MLP's own outputs, before the post norms
+    handles = [
+        _plain(getattr(block, child), "post", raw.setdefault(f"{i}.{child}", []))
+        for i, block in enumerate(blocks)
+        for child in ("self_attn", "mlp")
+    ]
+    hf = _plain_logits(model, batch, handles)
+    hm = HookedModel.wrap(model)
+    names = [p for p in hm.hook_dict if p.startswith("vision.blocks.")]
+    assert names == [f"vision.blocks.{i}.{s}" for i in range(len(blocks)) for s in SUB_BLOCK]
+    with torch.no_grad():
+        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        _, cache = hm.run_with_cache(**batch, names_filter=lambda p: p.startswith("vision.blocks."))
+        for point, (seen, edited) in plain.items():
+            assert len(seen) == 1 and torch.equal(cache[point], seen[0]), point
+            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
+            assert torch.equal(got, edited) and not torch.equal(got, hf), point
+        for i, block in enumerate(blocks):
+            at = f"vision.blocks.{i}."
+            assert torch.equal(cache[at + "hook_resid_mid"], cache[at + "hook_resid_pre"] + cache[at + "hook_attn_out"])
+            assert torch.equal(cache[at + "hook_resid_post"], cache[at + "hook_resid_mid"] + cache[at + "hook_mlp_out"])
+            # hook_attn_out / hook_mlp_out are the post norms of the attention's / MLP's outputs, not those outputs
+            for point, child, norm in (
+                ("hook_attn_out", "self_attn", block.post_attention_layernorm),
+                ("hook_mlp_out", "mlp", block.post_feedforward_layernorm),
+            ):
+                (inner,) = raw[f"{i}.{child}"]
+                assert not torch.allclose(cache[at + point], inner, atol=1e-2)
+                torch.testing.assert_close(cache[at + point], _rms(inner, norm.weight, norm.eps), atol=1e-5, rtol=1e-5)
+    assert torch.equal(_logits(model, batch), hf)
+    hm.unwrap()
+    assert torch.equal(_logits(model, batch), hf)
+
+
+def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference() -> None:
+    """Adding ``d`` to ``hook_resid_mid`` or to ``hook_attn_out`` (after the post-attention norm) is the same edit of
+    the residual stream, up to the rounding of the sum's order; adding it to the attention's own output is not (the
+    post norm rescales it)."""
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    d = torch.linspace(-1, 1, 32)
+    attn = tower_blocks_of(model)[0].self_attn
+    inside = _logits(model, batch, attn.register_forward_hook(lambda m, a, out: (out[0] + d, *out[1:])))
+    hm = HookedModel.wrap(model)
+    logits = {}
+    with torch.no_grad():
+        base = _out(hm(**batch))
+        for point in ("hook_resid_mid", "hook_attn_out"):
+            hooks = [(f"vision.blocks.0.{point}", lambda x, hook: x + d.to(x.dtype))]
+            logits[point] = _out(hm.run_with_hooks(**batch, fwd_hooks=hooks))
+    assert not torch.allclose(logits["hook_resid_mid"], base, atol=1e-4)
+    torch.testing.assert_close(logits["hook_resid_mid"], logits["hook_attn_out"], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(inside, logits["hook_attn_out"], atol=1e-4)
+    hm.unwrap()
+
+
+def test_every_tower_point_fires_once_in_the_order_of_hook_dict() -> None:
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    hf = _logits(model, batch)
+    hm = HookedModel.wrap(model)
+    names = [p for p in hm.hook_dict if p.startswith("vision.")]
+    fired: list[str] = []
+    with torch.no_grad():
+        got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(p, lambda x, hook: fired.append(hook.name)) for p in names]))
+    assert fired == names
+    torch.testing.assert_close(got, hf, atol=1e-5, rtol=1e-5)  # the patterns computed explicitly: to rounding
+    hm.unwrap()
+
+
+def _norm_hook(module: Any, seen: list, edit: Any) -> Any:
+    return _plain(module, "post", seen, edit)
+
+
+def test_attention_points_read_and_edit_as_plain_hooks_on_the_projections_and_norms_do() -> None:
+    """``hook_q/k/v`` as a forward hook on ``q_proj``/``k_proj``/``v_proj`` (their outputs per head), the norms'
+    ``hook_normalized`` as one on ``q_norm``/``k_norm``/``v_norm``, ``hook_z`` as a pre-hook on ``o_proj``."""
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    heads = int(model.config.vision_config.num_attention_heads)
+    plain: dict[str, tuple[list, torch.Tensor]] = {}
+    for i, block in enumerate(blocks):
+        attn = block.self_attn
+        hooks: dict[str, Callable[[list, Any], Any]] = {
+            "attn.hook_z": lambda seen, edit, attn=attn: _z_hook(attn.o_proj, heads, seen, edit),
+        }
+        for x in "qkv":
+            proj, norm = getattr(attn, f"{x}_proj"), getattr(attn, f"{x}_norm")
+            hooks[f"attn.hook_{x}"] = lambda seen, edit, proj=proj: _projection_hook(proj, heads, seen, edit)
+            hooks[f"attn.{x}_norm.hook_normalized"] = lambda seen, edit, norm=norm: _norm_hook(norm, seen, edit)
+        for point, hook in hooks.items():
+            seen: list = []
+            _plain_logits(model, batch, [hook(seen, None)])
+            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, [hook([], _edit)]))
+    hf = _logits(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=list(plain))
+        for point, (seen, edited) in plain.items():
+            assert len(seen) == 1 and torch.equal(cache[point], seen[0]), point
+            assert cache[point].shape[-2:] == (heads, 8), point  # [batch, pos, head, d_head]
+            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
+            assert torch.equal(got, edited) and not torch.equal(got, hf), point
+    hm.unwrap()
+
+
+def test_rotary_points_are_the_normed_rotated_queries_and_keys_the_attention_function_gets() -> None:
+    """``hook_rot_q``/``hook_rot_k`` are what the attention function gets (bitwise), not the norm's output (the 2-D
+    rotary turned them); an edit there is the function getting the edited value, to the rounding of rotating the
+    edit back."""
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    config = model.config.vision_config
+    hm = HookedModel.wrap(model)
+    hf = _logits(model, batch)
+    for i, block in enumerate(blocks):
+        for x in "qk":
+            seen: list = []
+            references = []
+            for edit, key in ((lambda t: t, "read"), (_edit, "edit")):
+                registered = f"lensadapters_test_gemma4_rot_{x}_{i}_{key}"
+                AttentionInterface.register(registered, _editing_inputs(block.self_attn, x, edit, seen))
+                config._attn_implementation = registered
+                try:
+                    references.append(_logits(model, batch))
+                finally:
+                    config._attn_implementation = "eager"
+            at = f"vision.blocks.{i}.attn."
+            point = f"{at}hook_rot_{x}"
+            with torch.no_grad():
+                _, cache = hm.run_with_cache(**batch, names_filter=[point, f"{at}{x}_norm.hook_normalized"])
+                got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: _edit(t))]))
+            assert torch.equal(references[0], hf)
+            assert torch.equal(cache[point], seen[0]), point
+            assert not torch.allclose(cache[point], cache[f"{at}{x}_norm.hook_normalized"], atol=1e-2)
+            assert not torch.equal(got, hf)
+            scale = float(references[1].abs().max())
+            assert (
+                _measure(f"gemma4 rot_{x} edit vs the attention function given it", got, references[1]) <= 1e-5 * scale
+            )
+    hm.unwrap()
+
+
+def test_patterns_are_the_eager_attention_weights_and_scores_the_rotated_queries_and_keys() -> None:
+    """Under eager and sdpa: ``hook_pattern`` is HF's eager attention weights, ``softmax(hook_attn_scores)`` the
+    pattern, and the scores ``rot_q rot_k^T`` by hand (Gemma 4's tower scales its scores by 1: its norms do it)."""
+    model, n_image = vlm("gemma4")
+    batch, n = inputs(model, n_image), len(tower_blocks_of(model))
+    eager = _eager_weights(model, "gemma4", batch)
+    hm = HookedModel.wrap(model)
+    points = [f"vision.blocks.{i}.{p}" for i in range(n) for p in ATTENTION]
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        hf = _logits(model, batch)
+        with torch.no_grad():
+            assert torch.equal(_out(hm(**batch)), hf)
+            _, cache = hm.run_with_cache(**batch, names_filter=points)
+            assert torch.equal(_out(hm(**batch)), hf)  # the hooks gone: the tower's own implementation again
+        for i in range(n):
+            at = f"vision.blocks.{i}.attn."
+            pattern, scores = cache[at + "hook_pattern"], cache[at + "hook_attn_scores"]
+            assert pattern.shape == eager[i].shape == scores.shape  # [batch, head, query, key]
+            assert _measure(f"gemma4 pattern vs eager ({implementation})", pattern, eager[i]) < 1e-6
+            assert _measure("gemma4 softmax(scores) vs pattern", torch.softmax(scores, -1), pattern) < 1e-6
+            by_hand = torch.einsum("bqhd,bkhd->bhqk", cache[at + "hook_rot_q"], cache[at + "hook_rot_k"])
+            assert _measure("gemma4 scores vs rot_q rot_k^T by hand", scores, by_hand) < 1e-5
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, cache[at + "v_norm.hook_normalized"])
+            assert _measure("gemma4 z vs pattern @ v_norm by hand", cache[at + "hook_z"], z) < 1e-5
+    model.set_attn_implementation("eager")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("where", ["scores", "pattern"])
+def test_an_edit_of_scores_or_pattern_is_the_edit_inside_a_hand_written_attention(where: str) -> None:
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    config = model.config.vision_config
+    edit = _roll if where == "pattern" else _add_to_head_0
+    point = "hook_pattern" if where == "pattern" else "hook_attn_scores"
+    hm = HookedModel.wrap(model)
+    hf = _logits(model, batch)
+    for i, block in enumerate(blocks):
+        key = f"lensadapters_test_gemma4_{where}_{i}"
+        AttentionInterface.register(key, _hand_written(block.self_attn, edit, where))
+        config._attn_implementation = key
+        try:
+            reference = _logits(model, batch)
+        finally:
+            config._attn_implementation = "eager"
+        with torch.no_grad():
+            got = _out(
+                hm.run_with_hooks(**batch, fwd_hooks=[(f"vision.blocks.{i}.attn.{point}", lambda x, hook: edit(x))])
+            )
+        assert not torch.equal(got, hf)
+        scale = float(reference.abs().max())
+        assert _measure(f"gemma4 {where} edit vs hand-written attention", got, reference) <= 1e-6 * scale
+    hm.unwrap()
+
+
+def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says() -> None:
+    """Four padding patches (positions ``(-1, -1)``) after each image's 16: the tower masks them as keys, so their
+    scores are ``-inf`` and their pattern 0 for every query, as HF's eager weights (under eager and sdpa)."""
+    model, n_image = vlm("gemma4")
+    batch = inputs(model, n_image)
+    pixels, positions = batch["pixel_values"], batch["image_position_ids"]
+    batch["pixel_values"] = torch.cat([pixels, torch.zeros(2, 4, pixels.shape[-1])], 1)
+    batch["image_position_ids"] = torch.cat([positions, torch.full((2, 4, 2), -1)], 1)
+    eager = _eager_weights(model, "gemma4", batch)
+    hm = HookedModel.wrap(model)
+    points = [f"vision.blocks.{i}.attn.{p}" for i in range(len(eager)) for p in ("hook_attn_scores", "hook_pattern")]
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            _, cache = hm.run_with_cache(**batch, names_filter=points)
+        for i, weights in enumerate(eager):
+            at = f"vision.blocks.{i}.attn."
+            scores, pattern = cache[at + "hook_attn_scores"], cache[at + "hook_pattern"]
+            masked = scores == float("-inf")
+            assert masked.shape[-1] == 20 and bool(masked[..., 16:].all()) and not bool(masked[..., :16].any())
+            assert torch.equal(pattern == 0, masked)
+            assert _measure(f"gemma4 padded pattern vs eager ({implementation})", pattern, weights) < 1e-6
+    model.set_attn_implementation("eager")
+    hm.unwrap()

@@ -58,7 +58,9 @@ def apply_rotate_half(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[
 
 
 def invert_rotate_half(y: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int] = None) -> Tensor:
-    """The ``x`` with ``apply_rotate_half(x, cos, sin) == y`` (up to rounding), computed in float32.
+    """The ``x`` with ``apply_rotate_half(x, cos, sin) == y`` (up to rounding), computed in float32 (at least: a
+    float64 ``y`` in float64, so that an edit rotated back in a float64 model keeps float64's precision and its
+    gradient is exact).
 
     Each rotated pair is ``(y1, y2) = (x1 c - x2 s, x2 c + x1 s)``; its inverse is
     ``(x1, x2) = (y1 c + y2 s, y2 c - y1 s) / (c² + s²)``, i.e. ``(y c - rotate_half(y) s) / (c² + s²)``.
@@ -66,8 +68,9 @@ def invert_rotate_half(y: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional
     fold into ``cos``/``sin``.
     """
     r = _check(y, cos, rotary_dim)
-    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    y_rot, y_pass = y[..., :r].float(), y[..., r:]
+    wide = torch.promote_types(y.dtype, torch.float32)
+    c, s = cos.unsqueeze(-2).to(wide), sin.unsqueeze(-2).to(wide)
+    y_rot, y_pass = y[..., :r].to(wide), y[..., r:]
     x_rot = ((y_rot * c - rotate_half(y_rot) * s) / (c * c + s * s)).to(y.dtype)
     return x_rot if r == y.shape[-1] else torch.cat([x_rot, y_pass], dim=-1)
 

@@ -9,7 +9,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, first_input, first_output, replace_first_output, split_heads
+from lensadapters.hooks.sites.base import (
+    Site,
+    first_input,
+    first_output,
+    plus_delta,
+    replace_first_output,
+    split_heads,
+)
 
 Tensor = torch.Tensor
 
@@ -52,5 +59,6 @@ class ResultSite(Site):
         if not changed:
             return None
         out = first_output(output)
-        delta = edited.float().sum(-2) - result.float().sum(-2)
-        return replace_first_output(output, (out.float() + delta).to(out.dtype))
+        wide = torch.promote_types(result.dtype, torch.float32)
+        delta = edited.to(wide).sum(-2) - result.to(wide).sum(-2)
+        return replace_first_output(output, plus_delta(out, delta))

@@ -70,6 +70,13 @@ def replace_first_output(output: Any, value: Tensor) -> Any:
     return value
 
 
+def plus_delta(out: Tensor, delta: Tensor) -> Tensor:
+    """``out + delta`` in float32 or ``out``'s own dtype where it is wider, cast back to ``out``'s dtype: an edit
+    entering as the difference it makes leaves the rest of a float64 model's value exactly as it was."""
+    wide = torch.promote_types(out.dtype, torch.float32)
+    return (out.to(wide) + delta.to(wide)).to(out.dtype)
+
+
 def split_heads(t: Tensor, n_heads: int) -> Tensor:
     """``[..., n_heads * d_head]`` → ``[..., n_heads, d_head]`` (a view)."""
     return t.unflatten(-1, (n_heads, -1))

@@ -17,6 +17,7 @@ from lensadapters.hooks.sites.base import (
     completes_output,
     first_input,
     first_output,
+    plus_delta,
     reads_output,
     replace_first_output,
 )
@@ -110,7 +111,7 @@ class NormSite(Site):
             normalized = out
             if scale_changed:
                 delta = norms.layer_norm(x, spec, edited_scale).float() - norms.layer_norm(x, spec, scale).float()
-                normalized = (out.float() + delta).to(out.dtype)
+                normalized = plus_delta(out, delta)
             normalized, norm_changed = self._apply(self.normalized, normalized)
             if not (scale_changed or norm_changed):
                 return None
@@ -121,4 +122,4 @@ class NormSite(Site):
         if not (scale_changed or norm_changed):
             return None
         delta = norms.rms_weighted_delta(normalized.float() - base.float(), spec)
-        return replace_first_output(output, (out.float() + delta).to(out.dtype))
+        return replace_first_output(output, plus_delta(out, delta))

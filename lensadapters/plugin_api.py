@@ -56,7 +56,7 @@ from lensadapters.adapters.protocol import Hooked
 from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.hooks import specs as _specs
 from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
-from lensadapters.hooks.explicit_attention import explicit_attention
+from lensadapters.hooks.explicit_attention import explicit_attention, site_attention
 from lensadapters.hooks.frames import ForwardState, FrameValues
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
@@ -137,6 +137,7 @@ __all__ = [
     "reads_output",
     "replace_first_input",
     "replace_first_output",
+    "site_attention",
     "split_heads",
     # weights
     "WEIGHT_NAMES",

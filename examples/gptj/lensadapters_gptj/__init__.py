@@ -49,7 +49,7 @@ from lensadapters import (
     hf,
     hookimpl,
 )
-from lensadapters.plugin_api import override_instance_method
+from lensadapters.plugin_api import override_instance_method, site_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -196,7 +196,7 @@ class GPTJPatternBackend:
                 f"layer {layer}: the attention module already has an instance attribute '_attn' (another tool "
                 f"replaced its attention for this instance); lensadapters will not override it"
             )
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _gptj_scores)
 
         def _attn(
             query: Tensor,
@@ -205,20 +205,7 @@ class GPTJPatternBackend:
             attention_mask: Optional[Tensor] = None,
             head_mask: Optional[Tensor] = None,
         ) -> tuple[Tensor, Tensor]:
-            from lensadapters.plugin_api import explicit_attention
-
-            out, pattern = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scores_fn=_gptj_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
-                dropout=module.attn_dropout.p,
-                head_mask=head_mask,
-            )
+            out, pattern = attend(query, key, value, attention_mask, dropout=module.attn_dropout.p, head_mask=head_mask)
             return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
 
         return override_instance_method(module, "_attn", _attn)  # a copy of the model gets GPT-J's own _attn back

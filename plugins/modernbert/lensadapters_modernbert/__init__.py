@@ -50,11 +50,11 @@ from lensadapters.plugin_api import (
     UnsupportedModelError,
     cat_gate_up,
     chunk_gate_up,
-    explicit_attention,
     hookimpl,
     override_instance_method,
     rotate_half,
     rotate_half_spec,
+    site_attention,
 )
 
 if TYPE_CHECKING:
@@ -130,13 +130,7 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
     c = model.config
     d_head = c.hidden_size // c.num_attention_heads
     return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
-        d_head=d_head,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        **hf.config_sizes(c, d_head=d_head),
         act_fn=str(c.hidden_activation),
         normalization_type="LN",
         positional_embedding_type="rotary",
@@ -245,7 +239,7 @@ class OwnAttentionPatternBackend:
 
     def activate(self, layer: int, site: Any) -> Any:
         module: Any = self.modules[layer]
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _eager_scores)
 
         def forward(hidden_states: Tensor, output_attentions: Optional[bool] = False, **kwargs: Any) -> tuple:
             implementation = module.config._attn_implementation
@@ -262,18 +256,9 @@ class OwnAttentionPatternBackend:
             key = (key * cos) + (rotate_half(key) * sin)
             local = tuple(module.local_attention) != (-1, -1)
             mask = kwargs.get("sliding_window_mask") if local else kwargs.get("attention_mask")
-            out, pattern = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                mask,
-                scores_fn=_eager_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
-                implementation=implementation,
-                dropout=module.attention_dropout if module.training else 0.0,
-                is_causal=False,
+            dropout = module.attention_dropout if module.training else 0.0
+            out, pattern = attend(
+                query, key, value, mask, implementation=implementation, dropout=dropout, is_causal=False
             )
             hidden = module.out_drop(module.Wo(out.reshape(b, -1, module.all_head_size)))
             return (hidden, pattern) if output_attentions else (hidden,)

@@ -411,13 +411,11 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import T5Config
 
     layers, gated, buckets = hf.toy_draw(seed, (2, False, 8), [1, 2, 3], 0.5, [4, 8, 16])
-    return T5Config(  # type: ignore[call-arg]  # T5Config takes the generation ids as keywords
-        vocab_size=64,
-        d_model=32,
+    return hf.tiny_config_of(  # TINY_SIZES' width 32, 4 heads, vocabulary 64 under T5's names (d_model...)
+        T5Config,
+        layers=layers,
         d_kv=8,
         d_ff=64,
-        num_layers=layers,
-        num_heads=4,
         relative_attention_num_buckets=buckets,
         relative_attention_max_distance=16,
         feed_forward_proj="gated-gelu" if gated else "relu",

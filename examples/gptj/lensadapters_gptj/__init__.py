@@ -39,10 +39,8 @@ from torch import nn
 from lensadapters import (
     Architecture,
     BlockLayout,
-    HookedConfig,
     LensAdaptersError,
     MLPLayout,
-    ModelLayout,
     RotarySpec,
     SeparateQKV,
     UnsupportedModelError,
@@ -70,14 +68,6 @@ ARCH = Architecture(
 )
 
 Tensor = torch.Tensor
-
-
-def _prefix(model: PreTrainedModel) -> str:
-    return "transformer." if hasattr(model, "transformer") else ""
-
-
-def _base(model: PreTrainedModel) -> nn.Module:
-    return model.transformer if hasattr(model, "transformer") else model
 
 
 def _d_head(config: Any) -> int:
@@ -229,7 +219,7 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     d_head, r = _d_head(c), _rotary_dim(c)
     if r % 2 or r > d_head:
         raise UnsupportedModelError(f"GPT-J with rotary_dim={c.rotary_dim}: must be even and at most d_head={d_head}")
-    base = _base(model)
+    base = hf.base_model(model)
     for attr in ("wte", "h", "ln_f"):
         if not hasattr(base, attr):
             raise UnsupportedModelError(
@@ -269,34 +259,27 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """GPT-J's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): rotary on interleaved pairs of
+    ``rotary_dim`` dimensions, attention and MLP in parallel on one norm."""
     c = model.config
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=_d_head(c), d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd),
+    return dict(
+        d_head=_d_head(c),
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="rotary",
-        model_type="gptj",
         rotary_dim=_rotary_dim(c),
         parallel_attn_mlp=True,
         eps=c.layer_norm_epsilon,
-        original_architecture=type(model).__name__,
         extra={"rotary_adjacent_pairs": True},
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    p = _prefix(model)
-    return ModelLayout(
-        blocks=p + "h",
-        embed=p + "wte",
-        ln_final=p + "ln_f",
-        unembed=hf.unembed_path(model),
-        rotary=p + "h.0.attn",
-        rotary_from_inputs=rotary_from_attention_inputs,
-    )
+lensadapters_config = hf.hooked_config(_config_fields)
+lensadapters_embed = hf.model_layout(
+    blocks="h", embed="wte", ln_final="ln_f", rotary="h.0.attn", rotary_from_inputs=rotary_from_attention_inputs
+)
 
 
 @hookimpl

@@ -22,6 +22,8 @@ these modules are the core's own and may change between releases.
   the named weights, ``read_weight``/``layer_weight`` (a ``lensadapters_weight`` override reaches every value
   derived from that weight: ``hm.W_O``, ``attn.hook_result``, the cache's decompositions); ``live_parameters``
   (offloaded modules), ``innermost_layer``/``wrapped_layers`` (adapter wrappers).
+* **Own attention**: ``explicit_attention`` (scores, mask, softmax and values written out, through the score and
+  pattern points) and ``site_attention`` (it, bound to a pattern site in ``activate(layer, site)``).
 * **Errors**: ``UnsupportedModelError``, ``WeightUnavailableError``, ``PluginValidationError``.
 
 **Order of hooks on a shared module.** Several sites may hook one module (a norm whose output a plugin's point

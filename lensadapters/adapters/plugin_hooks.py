@@ -57,7 +57,7 @@ def model_layout(**paths: Any) -> Callable[[Architecture, nn.Module], ModelLayou
     @hookimpl
     def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
         prefix = base_prefix(model)
-        fields = {name: prefix + value if isinstance(value, str) else value for name, value in paths.items()}
+        fields: dict[str, Any] = {name: prefix + v if isinstance(v, str) else v for name, v in paths.items()}
         return ModelLayout(unembed=unembed_path(model), **fields)
 
     return lensadapters_embed

@@ -198,7 +198,11 @@ def declared_config(
 
     def config(**given: Any) -> Any:
         values = {**declared, **given}
-        passed = {renamed.get(key, key): value for key, value in values.items() if renamed.get(key, key) is not None}
+        passed: dict[str, Any] = {}
+        for key, value in values.items():
+            field = renamed.get(key, key)
+            if field is not None:
+                passed[field] = value
         passed.update(derive(values) if derive is not None else {})
         chosen = config_class if isinstance(config_class, type) else config_class(values)
         return build(chosen, **passed)

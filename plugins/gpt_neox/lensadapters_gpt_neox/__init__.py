@@ -66,7 +66,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    from transformers.models.gpt_neox import modeling_gpt_neox as hf
+    from transformers.models.gpt_neox import modeling_gpt_neox as modeling
 
     c = model.config
     impl = getattr(c, "_attn_implementation", None) or "eager"
@@ -90,11 +90,19 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
                 f"which lensadapters-gpt-neox expects"
             )
     d_head = c.hidden_size // c.num_attention_heads
-    stock = {hf.GPTNeoXLayer: "GPTNeoXLayer", hf.GPTNeoXAttention: "GPTNeoXAttention", hf.GPTNeoXMLP: "GPTNeoXMLP"}
+    stock = {
+        modeling.GPTNeoXLayer: "GPTNeoXLayer",
+        modeling.GPTNeoXAttention: "GPTNeoXAttention",
+        modeling.GPTNeoXMLP: "GPTNeoXMLP",
+    }
     for i, layer in enumerate(base.layers):
         attn = getattr(layer, "attention", None)
         mlp = getattr(layer, "mlp", None)
-        for module, cls in ((layer, hf.GPTNeoXLayer), (attn, hf.GPTNeoXAttention), (mlp, hf.GPTNeoXMLP)):
+        for module, cls in (
+            (layer, modeling.GPTNeoXLayer),
+            (attn, modeling.GPTNeoXAttention),
+            (mlp, modeling.GPTNeoXMLP),
+        ):
             if not isinstance(module, cls):
                 raise UnsupportedModelError(
                     f"layer {i}: expected a transformers {stock[cls]}, found {type(module).__name__}; "

@@ -47,7 +47,6 @@ from lensadapters import hf
 from lensadapters.plugin_api import (
     Architecture,
     BlockLayout,
-    HookedConfig,
     MLPLayout,
     ModelLayout,
     NormSite,
@@ -140,20 +139,18 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             raise UnsupportedModelError(f"layer {i} ({type(layer).__name__}) has no {missing[0]}")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """BERT's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): post-LN blocks, learned positions
+    (after the model's offset), bidirectional attention."""
     c = model.config
     act = c.hidden_act if isinstance(c.hidden_act, str) else type(c.hidden_act).__name__
-    return HookedConfig(
-        **hf.config_sizes(
-            c, d_head=c.hidden_size // c.num_attention_heads, n_ctx=c.max_position_embeddings - _position_offset(model)
-        ),
+    return dict(
+        d_head=c.hidden_size // c.num_attention_heads,
+        n_ctx=c.max_position_embeddings - _position_offset(model),
         act_fn=act,
         normalization_type="LN",
         positional_embedding_type="standard",
-        model_type=c.model_type,
         eps=float(c.layer_norm_eps),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",
         extra={
             "post_ln": True,
@@ -162,6 +159,9 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
             "mlm_head": _head(model) is not None,
         },
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 @hookimpl

@@ -42,7 +42,6 @@ from lensadapters.plugin_api import (
     BlockLayout,
     FusedGateUp,
     FusedQKV,
-    HookedConfig,
     ModelLayout,
     NormSite,
     OutputSite,
@@ -125,25 +124,27 @@ def _local(attention: Any) -> bool:
     return getattr(attention, "sliding_window", None) is not None
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """ModernBERT's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): rotary, GeGLU, global and local
+    bidirectional attention."""
     c = model.config
     d_head = c.hidden_size // c.num_attention_heads
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=d_head),
+    return dict(
+        d_head=d_head,
         act_fn=str(c.hidden_activation),
         normalization_type="LN",
         positional_embedding_type="rotary",
         rotary_dim=d_head,
         gated_mlp=True,
-        model_type=c.model_type,
         eps=float(c.norm_eps),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",
         window_size=int(c.local_attention),
         attn_types=_windows(model),
         extra={"mlm_head": _mlm(model), "first_layer_attn_norm": False},
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 def _rotary_from_attention(module: Any, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:

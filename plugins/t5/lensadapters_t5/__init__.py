@@ -54,7 +54,6 @@ from torch import Tensor, nn
 from lensadapters import hf
 from lensadapters.plugin_api import (
     Architecture,
-    HookedConfig,
     HookPoint,
     InputSite,
     ModelLayout,
@@ -122,19 +121,19 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         raise UnsupportedModelError("pruned attention heads: lensadapters-t5 serves unpruned models")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """T5's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): RMS norms, relative position bias, the
+    encoder-decoder's settings."""
     c = model.config
-    return HookedConfig(
+    return dict(
         # transformers' usual size names, which T5's config maps to its own (num_layers, d_model, num_heads, d_kv)
-        **hf.config_sizes(c, d_mlp=c.d_ff, n_ctx=int(getattr(c, "n_positions", 512) or 512)),
+        d_mlp=c.d_ff,
+        n_ctx=int(getattr(c, "n_positions", 512) or 512),
         act_fn=str(c.dense_act_fn),
         normalization_type="RMS",
-        positional_embedding_type="relative_positional_bias",  # type: ignore[arg-type]  # TransformerLens' value
-        model_type=c.model_type,
+        positional_embedding_type="relative_positional_bias",  # TransformerLens' value
         gated_mlp=bool(c.is_gated_act),
         eps=float(c.layer_norm_epsilon),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",  # HookedEncoderDecoder's; the decoder's self-attention is causal
         extra={
             "encoder_decoder": True,
@@ -144,6 +143,9 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
             "decoder_start_token_id": c.decoder_start_token_id,
         },
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 @hookimpl

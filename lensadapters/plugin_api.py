@@ -22,6 +22,8 @@ these modules are the core's own and may change between releases.
   the named weights, ``read_weight``/``layer_weight`` (a ``lensadapters_weight`` override reaches every value
   derived from that weight: ``hm.W_O``, ``attn.hook_result``, the cache's decompositions); ``live_parameters``
   (offloaded modules), ``innermost_layer``/``wrapped_layers`` (adapter wrappers).
+* **Own attention**: ``explicit_attention`` (scores, mask, softmax and values written out, through the score and
+  pattern points) and ``site_attention`` (it, bound to a pattern site in ``activate(layer, site)``).
 * **Errors**: ``UnsupportedModelError``, ``WeightUnavailableError``, ``PluginValidationError``.
 
 **Order of hooks on a shared module.** Several sites may hook one module (a norm whose output a plugin's point
@@ -56,7 +58,7 @@ from lensadapters.adapters.protocol import Hooked
 from lensadapters.errors import PluginValidationError, UnsupportedModelError, WeightUnavailableError
 from lensadapters.hooks import specs as _specs
 from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
-from lensadapters.hooks.explicit_attention import explicit_attention
+from lensadapters.hooks.explicit_attention import explicit_attention, site_attention
 from lensadapters.hooks.frames import ForwardState, FrameValues
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
@@ -137,6 +139,7 @@ __all__ = [
     "reads_output",
     "replace_first_input",
     "replace_first_output",
+    "site_attention",
     "split_heads",
     # weights
     "WEIGHT_NAMES",

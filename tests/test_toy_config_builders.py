@@ -1,11 +1,18 @@
 """The core's declarative builders of plugins' toy and test configs (``lensadapters.hf``): the window fields, the
-sliding-window toy, the mixture-of-experts decoder config and the tiny test config say what their docstrings say."""
+sliding-window toy, the mixture-of-experts decoder config and the tiny test config say what their docstrings say; so
+do the test kit's declared config builders and keyword strategies (``lensadapters.testing.families``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
 from transformers import GPT2Config, LlamaConfig, MambaConfig, MistralConfig, MixtralConfig, OPTConfig
 
 from lensadapters import hf
+from lensadapters.testing.families import declared_config, keyword_strategy
 
 
 def test_window_fields_switch_the_window_on_only_where_a_layer_has_it() -> None:
@@ -53,3 +60,60 @@ def test_a_tiny_config_has_the_shared_sizes_under_the_family_s_own_names() -> No
     assert hf.tiny_config_of(LlamaConfig, layers=1, num_hidden_layers=5).num_hidden_layers == 5  # transformers' name
     opt = hf.tiny_config_of(OPTConfig, dropout_free=True, attention_dropout=0.5)  # rates the fields set stay
     assert (opt.dropout, opt.attention_dropout) == (0.0, 0.5) and OPTConfig().dropout > 0
+
+
+def test_a_declared_config_sets_each_keyword_as_its_field_and_derives_the_others() -> None:
+    build = declared_config(
+        "sliding_config",
+        lambda given: MixtralConfig if given["experts"] else MistralConfig,
+        "A tiny sliding-window config.",
+        keywords=dict(window=3, layers=2, head_dim=8, span=2, experts=0),
+        fields=dict(window="sliding_window", span=None, experts=None),
+        derive=lambda given: {"max_position_embeddings": 16 * given["span"]},
+    )
+    assert (build.__name__, build.__doc__) == ("sliding_config", "A tiny sliding-window config.")
+    config = build()
+    assert type(config) is MistralConfig and (config.sliding_window, config.num_hidden_layers) == (3, 2)
+    assert (config.head_dim, config.max_position_embeddings) == (8, 32)
+    assert not hasattr(config, "span") and not hasattr(config, "window")  # read by derive only / set as its field
+    given = build(window=5, span=1, hidden=64, attention_dropout=0.25)  # declared, shared and transformers' keywords
+    assert (given.sliding_window, given.max_position_embeddings, given.hidden_size) == (5, 16, 64)
+    assert given.attention_dropout == 0.25 and given.bos_token_id == 1  # decoder_config's fields, one replaced
+    assert type(build(experts=4)) is MixtralConfig  # the class is chosen from the keywords
+
+
+def test_a_keyword_strategy_draws_in_declaration_order_and_refuses_unknown_keywords() -> None:
+    def pair(**drawn: Any) -> dict[str, Any]:
+        return drawn
+
+    pairs = keyword_strategy(pair, "pairs", low=st.integers(0, 3), high=lambda drawn: st.integers(drawn["low"], 9))
+
+    @given(pairs(), pairs(low=7))
+    @settings(max_examples=20, derandomize=True, database=None)
+    def check(drawn: dict[str, Any], fixed: dict[str, Any]) -> None:
+        assert set(drawn) == {"low", "high"} and 0 <= drawn["low"] <= drawn["high"] <= 9
+        assert fixed["low"] == 7 and 7 <= fixed["high"] <= 9
+
+    check()
+    assert pairs.__name__ == "pairs" and pairs.__doc__ == "pairs"
+    with pytest.raises(TypeError, match="pair draws no width"):
+        find(pairs(width=3), lambda drawn: True)
+
+
+def test_a_hand_written_plugins_config_and_layout_hooks_read_the_model() -> None:
+    """``hf.hooked_config`` fills in the sizes, ``model_type`` and ``original_architecture`` around a plugin's own
+    fields; ``hf.model_layout`` puts its paths under the base model and finds the unembedding."""
+    from transformers import GPT2LMHeadModel, GPT2Model
+
+    config = GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=16)
+    own = dict(act_fn="gelu_new", normalization_type="LN", positional_embedding_type="standard")
+    config_hook = hf.hooked_config(lambda model: dict(d_mlp=64, n_ctx=8, **own))
+    layout_hook = hf.model_layout(blocks="h", embed="wte", ln_final="ln_f", rotary_from_inputs=None)
+    for model, prefix, unembed in ((GPT2LMHeadModel(config), "transformer.", "lm_head"), (GPT2Model(config), "", None)):
+        cfg = config_hook(None, model)
+        assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab) == (2, 16, 2, 8, 32)
+        assert (cfg.d_mlp, cfg.act_fn, cfg.n_ctx) == (64, "gelu_new", 8)  # the plugin's fields replace the sizes
+        assert (cfg.model_type, cfg.original_architecture) == ("gpt2", type(model).__name__)
+        layout = layout_hook(None, model)
+        assert (layout.blocks, layout.embed, layout.ln_final) == (prefix + "h", prefix + "wte", prefix + "ln_f")
+        assert layout.unembed == unembed and layout.rotary_from_inputs is None

@@ -1,8 +1,9 @@
 """Helpers that make a plugin module's adapter hooks from values: :func:`claims` (the architectures it claims),
-:func:`layer_hooks` (its block, attention and MLP answers, per layer or for all), :func:`opaque_blocks` (a plugin
-serving its blocks' points itself), :func:`own_attention_patterns` (its pattern backend where its attention is its own
-code) and :class:`PointChain` (points created in firing order). Exported by
-:mod:`lensadapters.hf`; import them from there.
+:func:`hooked_config` (its ``hm.cfg`` from the fields it reads), :func:`model_layout` (its model's parts under the
+base model), :func:`layer_hooks` (its block, attention and MLP answers, per layer or for all), :func:`opaque_blocks`
+(a plugin serving its blocks' points itself), :func:`own_attention_patterns` (its pattern backend where its attention
+is its own code) and :class:`PointChain` (points created in firing order). Exported by :mod:`lensadapters.hf`;
+import them from there.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
+from lensadapters.adapters.hf_helpers import base_prefix, config_sizes, unembed_path
 from lensadapters.adapters.hookspecs import hookimpl
-from lensadapters.hooks.specs import Architecture, BlockLayout, QKVLayout
+from lensadapters.hooks.specs import Architecture, BlockLayout, HookedConfig, ModelLayout, QKVLayout
 
 __all__ = ["LayerValue", "PointChain", "claims", "layer_hooks", "opaque_blocks", "own_attention_patterns"]
+__all__ += ["hooked_config", "model_layout"]
 
 
 def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
@@ -26,6 +29,38 @@ def claims(*archs: Architecture) -> Callable[[], list[Architecture]]:
         return list(archs)
 
     return lensadapters_architectures
+
+
+def hooked_config(fields: Callable[[Any], dict[str, Any]]) -> Callable[[Architecture, nn.Module], HookedConfig]:
+    """A plugin module's ``lensadapters_config`` hook: ``hm.cfg`` with the model's sizes
+    (:func:`~lensadapters.adapters.hf_helpers.config_sizes`, each only where ``fields(model)`` does not give it), its
+    config's ``model_type``, its class name as ``original_architecture``, then ``fields(model)`` (the family's own:
+    activation, norms, positions...): ``lensadapters_config = hf.hooked_config(config_fields)``."""
+
+    @hookimpl
+    def lensadapters_config(arch: Architecture, model: nn.Module) -> HookedConfig:
+        config: Any = model.config
+        shared = {"model_type": config.model_type, "original_architecture": type(model).__name__}
+        return HookedConfig(**{**shared, **config_sizes(config, **fields(model))})
+
+    return lensadapters_config
+
+
+def model_layout(**paths: Any) -> Callable[[Architecture, nn.Module], ModelLayout]:
+    """A plugin module's ``lensadapters_embed`` hook for a model whose parts are children of its base model: the
+    :class:`~lensadapters.hooks.specs.ModelLayout` of ``paths`` (``blocks="h"``, ``embed="wte"``...), each path
+    under the base model's (:func:`~lensadapters.adapters.hf_helpers.base_prefix`: ``transformer.`` in a head model,
+    nothing in the base model itself), the unembedding the model's output embeddings
+    (:func:`~lensadapters.adapters.hf_helpers.unembed_path`: none in a base model); a value that is not a path
+    (``rotary_from_inputs``) as given: ``lensadapters_embed = hf.model_layout(blocks="h", embed="wte")``."""
+
+    @hookimpl
+    def lensadapters_embed(arch: Architecture, model: nn.Module) -> ModelLayout:
+        prefix = base_prefix(model)
+        fields: dict[str, Any] = {name: prefix + v if isinstance(v, str) else v for name, v in paths.items()}
+        return ModelLayout(unembed=unembed_path(model), **fields)
+
+    return lensadapters_embed
 
 
 def own_attention_patterns(

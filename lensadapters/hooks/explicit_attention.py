@@ -4,7 +4,8 @@
 values — with ``hook_attn_scores`` and ``hook_pattern`` applied between the steps. It honours every argument the
 model passes or refuses it by name (``IRRELEVANT_ARGUMENTS``), and turns whatever mask transformers built into a
 boolean mask and an additive bias once per forward (``_mask_info``). :mod:`lensadapters.hooks.attention` routes the
-hooked layers here; plugins with their own attention call it directly (``lensadapters.plugin_api``).
+hooked layers here; plugins with their own attention call it directly (``lensadapters.plugin_api``), bound to a
+pattern site's points by :func:`site_attention`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,33 @@ IRRELEVANT_ARGUMENTS = frozenset(
         "logits_to_keep",
     }
 )
+
+
+def site_attention(
+    site: Any, module: nn.Module, scores_fn: Callable[..., Tensor]
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``attend(query, key, value, attention_mask, **kwargs)``: :func:`explicit_attention` of ``module`` with
+    ``scores_fn``, through the pattern site's points (``site.scores``, ``site.pattern``, read now). What a plugin's
+    own attention backend binds in ``activate(layer, site)`` and its forward calls with the tensors and the
+    arguments of the call (``implementation``, ``dropout``...)."""
+    scores_point, pattern_point = site.scores, site.pattern
+
+    def attend(
+        query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        return explicit_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scores_fn=scores_fn,
+            scores_point=scores_point,
+            pattern_point=pattern_point,
+            **kwargs,
+        )
+
+    return attend
 
 
 def _refuse_arguments(module: nn.Module, kwargs: dict, softcap: Optional[float], implementation: str) -> None:

@@ -2,16 +2,19 @@
 
 A plugin of a family described by :class:`lensadapters.hf.DecoderFamily` declares its tiny configs with two calls:
 
-* :func:`decoder_config` builds one config of the family's class from the fields every such family shares (sizes,
-  heads, rope theta, RMSNorm eps, activation, tied embeddings; bos 1, eos 2, pad 0; no dropout) plus its own;
+* :func:`declared_config` declares its builder: the keywords it takes with their defaults, the transformers field
+  each sets and the fields derived from them; it builds with :func:`decoder_config`, which fills in the fields every
+  such family shares (sizes, heads, rope theta, RMSNorm eps, activation, tied embeddings; bos 1, eos 2, pad 0; no
+  dropout);
 * :func:`config_strategy` turns that builder into the ``config_strategy`` of its contract: a function of keyword
-  overrides (each a value or a strategy) returning a strategy of configs.
+  overrides (each a value or a strategy) returning a strategy of configs (:func:`keyword_strategy`: the same
+  without the decoder's heads and width drawn first).
 
 ::
 
-    def mistral_config(*, window=3, head_dim=8, **shared):
-        return decoder_config(MistralConfig, head_dim=head_dim, sliding_window=window, **shared)
-
+    mistral_config = declared_config(
+        "mistral_config", MistralConfig, keywords=dict(head_dim=8, window=3), fields=dict(window="sliding_window")
+    )
     mistral_configs = config_strategy(mistral_config, window=st.sampled_from([None, 2, 3, 5, 16]), ...)
 
 :class:`DecoderContract` is the contract of such a family (no learned positions, rotary, gated MLP, sequential
@@ -21,7 +24,7 @@ blocks); :data:`WINDOW_PROPERTIES` the properties a short sliding window must re
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import pytest
 import torch
@@ -54,7 +57,9 @@ __all__ = [
     "TransformerLensWithoutWindows",
     "WINDOW_PROPERTIES",
     "config_strategy",
+    "declared_config",
     "decoder_config",
+    "keyword_strategy",
     "left_padded_tokens",
     "padded_cache",
     "reinit_offset_norms",
@@ -109,18 +114,12 @@ def config_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -
 
     The heads and width are drawn first: ``n_kv`` key/value heads, ``n_kv * ratio`` query heads unless ``n_heads``
     is given, a width of ``n_heads * hidden_per_head`` unless ``d_model`` is given; ``build`` gets them as
-    ``n_heads``, ``n_kv`` and ``hidden``. Every other keyword is drawn in declaration order and passed under its
-    name (``n_layers`` as ``layers``); a callable that is not a strategy is called with the values drawn so far and
-    gives the strategy (``top_k=lambda drawn: st.integers(1, drawn["experts"])``).
+    ``n_heads``, ``n_kv`` and ``hidden``. Every other keyword is drawn as :func:`keyword_strategy` draws it (in
+    declaration order, under its name; ``n_layers`` as ``layers``).
     """
     shape = {"n_kv": None, "ratio": 1, "n_heads": None, "hidden_per_head": 8, "d_model": None}
 
-    @st.composite
-    def configs(draw: st.DrawFn, **overrides: Any) -> Any:
-        unknown = set(overrides) - set(defaults) - set(shape)
-        if unknown:
-            raise TypeError(f"{build.__name__} draws no {', '.join(sorted(unknown))}")
-        params = {**shape, **defaults, **overrides}
+    def draw_shape(draw: st.DrawFn, params: dict[str, Any]) -> dict[str, Any]:
         kv = draw(as_strategy(params.pop("n_kv")), label="n_kv")
         ratio, n_heads = params.pop("ratio"), params.pop("n_heads")
         heads = kv * draw(as_strategy(ratio), label="gqa ratio") if n_heads is None else draw(as_strategy(n_heads))
@@ -130,16 +129,87 @@ def config_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -
             if d_model is None
             else draw(as_strategy(d_model), label="d_model")
         )
-        drawn: dict[str, Any] = {"n_heads": heads, "n_kv": kv, "hidden": hidden}
+        return {"n_heads": heads, "n_kv": kv, "hidden": hidden}
+
+    return _drawn_configs(build, doc, {**shape, **defaults}, draw_shape, renames={"n_layers": "layers"})
+
+
+def keyword_strategy(build: Callable[..., Any], doc: str = "", **defaults: Any) -> Callable[..., st.SearchStrategy]:
+    """``configs(**overrides)``: a strategy of ``build(**drawn)``, every keyword ``defaults`` declares (a value or a
+    strategy; ``overrides`` replace them by name) drawn in declaration order and passed under its name; a callable
+    that is not a strategy is called with the values drawn so far and gives the strategy
+    (``top_k=lambda drawn: st.integers(1, drawn["experts"])``). :func:`config_strategy` is this with a decoder's
+    heads and width drawn first."""
+    return _drawn_configs(build, doc, defaults, lambda draw, params: {}, renames={})
+
+
+def _drawn_configs(
+    build: Callable[..., Any],
+    doc: str,
+    declared: dict[str, Any],
+    draw_first: Callable[[st.DrawFn, dict[str, Any]], dict[str, Any]],
+    renames: dict[str, str],
+) -> Callable[..., st.SearchStrategy]:
+    """The strategy function of :func:`config_strategy` and :func:`keyword_strategy`: ``draw_first`` draws (and
+    pops) the keywords it owns, then every other keyword is drawn in order."""
+
+    @st.composite
+    def configs(draw: st.DrawFn, **overrides: Any) -> Any:
+        unknown = set(overrides) - set(declared)
+        if unknown:
+            raise TypeError(f"{build.__name__} draws no {', '.join(sorted(unknown))}")
+        params = {**declared, **overrides}
+        drawn = draw_first(draw, params)
         for name, value in params.items():
             if callable(value) and not isinstance(value, st.SearchStrategy):
                 value = value(drawn)
-            drawn["layers" if name == "n_layers" else name] = draw(as_strategy(value), label=name)
+            drawn[renames.get(name, name)] = draw(as_strategy(value), label=name)
         return build(**drawn)
 
     configs.__doc__ = doc
     configs.__name__ = configs.__qualname__ = f"{build.__name__}s"
     return configs
+
+
+def declared_config(
+    name: str,
+    config_class: Any,
+    doc: str = "",
+    *,
+    keywords: Optional[Mapping[str, Any]] = None,
+    fields: Optional[Mapping[str, Optional[str]]] = None,
+    derive: Optional[Callable[[dict[str, Any]], Mapping[str, Any]]] = None,
+    build: Callable[..., Any] = decoder_config,
+) -> Callable[..., Any]:
+    """A family's tiny-config builder ``name(**given)``, declared: ``build(config_class, **passed)`` (``build``:
+    :func:`decoder_config`, or ``hf.moe_decoder_config``, or the family's own builder of that signature).
+
+    * ``keywords``: the builder's keywords and their defaults (the family's own, ``window=3``, and ``build``'s shared
+      ones where the family's default differs, ``layers=2``); a given keyword of the same name replaces one;
+    * ``fields``: the transformers field a keyword sets (``window="sliding_window"``; ``None``: it only feeds
+      ``derive``); every other keyword, declared or given (``build``'s, transformers' own names), passes under its
+      name;
+    * ``derive``: the fields computed from the keywords (a function of all of them, declared and given: a config's
+      ``layer_types``, its rope parameters), replacing those of the same name;
+    * ``config_class``: a config class, or a function of the keywords choosing it.
+    """
+    declared = dict(keywords or {})
+    renamed = dict(fields or {})
+
+    def config(**given: Any) -> Any:
+        values = {**declared, **given}
+        passed: dict[str, Any] = {}
+        for key, value in values.items():
+            field = renamed.get(key, key)
+            if field is not None:
+                passed[field] = value
+        passed.update(derive(values) if derive is not None else {})
+        chosen = config_class if isinstance(config_class, type) else config_class(values)
+        return build(chosen, **passed)
+
+    config.__doc__ = doc
+    config.__name__ = config.__qualname__ = name
+    return config
 
 
 def rope_type(config: Any) -> str:

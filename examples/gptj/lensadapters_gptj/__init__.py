@@ -39,17 +39,15 @@ from torch import nn
 from lensadapters import (
     Architecture,
     BlockLayout,
-    HookedConfig,
     LensAdaptersError,
     MLPLayout,
-    ModelLayout,
     RotarySpec,
     SeparateQKV,
     UnsupportedModelError,
     hf,
     hookimpl,
 )
-from lensadapters.plugin_api import override_instance_method
+from lensadapters.plugin_api import override_instance_method, site_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -70,14 +68,6 @@ ARCH = Architecture(
 )
 
 Tensor = torch.Tensor
-
-
-def _prefix(model: PreTrainedModel) -> str:
-    return "transformer." if hasattr(model, "transformer") else ""
-
-
-def _base(model: PreTrainedModel) -> nn.Module:
-    return model.transformer if hasattr(model, "transformer") else model
 
 
 def _d_head(config: Any) -> int:
@@ -196,7 +186,7 @@ class GPTJPatternBackend:
                 f"layer {layer}: the attention module already has an instance attribute '_attn' (another tool "
                 f"replaced its attention for this instance); lensadapters will not override it"
             )
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _gptj_scores)
 
         def _attn(
             query: Tensor,
@@ -205,20 +195,7 @@ class GPTJPatternBackend:
             attention_mask: Optional[Tensor] = None,
             head_mask: Optional[Tensor] = None,
         ) -> tuple[Tensor, Tensor]:
-            from lensadapters.plugin_api import explicit_attention
-
-            out, pattern = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scores_fn=_gptj_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
-                dropout=module.attn_dropout.p,
-                head_mask=head_mask,
-            )
+            out, pattern = attend(query, key, value, attention_mask, dropout=module.attn_dropout.p, head_mask=head_mask)
             return out.transpose(1, 2), pattern  # GPT-J's _attn returns [b, h, q, d]
 
         return override_instance_method(module, "_attn", _attn)  # a copy of the model gets GPT-J's own _attn back
@@ -242,7 +219,7 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     d_head, r = _d_head(c), _rotary_dim(c)
     if r % 2 or r > d_head:
         raise UnsupportedModelError(f"GPT-J with rotary_dim={c.rotary_dim}: must be even and at most d_head={d_head}")
-    base = _base(model)
+    base = hf.base_model(model)
     for attr in ("wte", "h", "ln_f"):
         if not hasattr(base, attr):
             raise UnsupportedModelError(
@@ -282,34 +259,27 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """GPT-J's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): rotary on interleaved pairs of
+    ``rotary_dim`` dimensions, attention and MLP in parallel on one norm."""
     c = model.config
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=_d_head(c), d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd),
+    return dict(
+        d_head=_d_head(c),
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="rotary",
-        model_type="gptj",
         rotary_dim=_rotary_dim(c),
         parallel_attn_mlp=True,
         eps=c.layer_norm_epsilon,
-        original_architecture=type(model).__name__,
         extra={"rotary_adjacent_pairs": True},
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    p = _prefix(model)
-    return ModelLayout(
-        blocks=p + "h",
-        embed=p + "wte",
-        ln_final=p + "ln_f",
-        unembed=hf.unembed_path(model),
-        rotary=p + "h.0.attn",
-        rotary_from_inputs=rotary_from_attention_inputs,
-    )
+lensadapters_config = hf.hooked_config(_config_fields)
+lensadapters_embed = hf.model_layout(
+    blocks="h", embed="wte", ln_final="ln_f", rotary="h.0.attn", rotary_from_inputs=rotary_from_attention_inputs
+)
 
 
 @hookimpl

@@ -47,7 +47,6 @@ from lensadapters import hf
 from lensadapters.plugin_api import (
     Architecture,
     BlockLayout,
-    HookedConfig,
     MLPLayout,
     ModelLayout,
     NormSite,
@@ -55,10 +54,10 @@ from lensadapters.plugin_api import (
     SeparateQKV,
     Site,
     UnsupportedModelError,
-    explicit_attention,
     hookimpl,
     live_parameters,
     override_instance_method,
+    site_attention,
 )
 
 if TYPE_CHECKING:
@@ -140,24 +139,18 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
             raise UnsupportedModelError(f"layer {i} ({type(layer).__name__}) has no {missing[0]}")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """BERT's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): post-LN blocks, learned positions
+    (after the model's offset), bidirectional attention."""
     c = model.config
     act = c.hidden_act if isinstance(c.hidden_act, str) else type(c.hidden_act).__name__
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
+    return dict(
         d_head=c.hidden_size // c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
         n_ctx=c.max_position_embeddings - _position_offset(model),
         act_fn=act,
         normalization_type="LN",
         positional_embedding_type="standard",
-        model_type=c.model_type,
         eps=float(c.layer_norm_eps),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",
         extra={
             "post_ln": True,
@@ -166,6 +159,9 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
             "mlm_head": _head(model) is not None,
         },
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 @hookimpl
@@ -265,7 +261,7 @@ class EncoderPatternBackend:
     def activate(self, layer: int, site: Any) -> Any:
         module: Any = self.modules[layer]  # BertSelfAttention (its attributes are untyped for mypy)
         implementation = "sdpa" if "Sdpa" in type(module).__name__ else "eager"
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _eager_scores)
 
         def forward(
             hidden_states: Tensor,
@@ -292,17 +288,14 @@ class EncoderPatternBackend:
                 heads(module.key(hidden_states)),
                 heads(module.value(hidden_states)),
             )
-            out, pattern = explicit_attention(
-                module,
+            dropout = module.dropout.p if module.training else 0.0
+            out, pattern = attend(
                 q,
                 k,
                 v,
                 attention_mask,
-                scores_fn=_eager_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
                 implementation=implementation,
-                dropout=module.dropout.p if module.training else 0.0,
+                dropout=dropout,
                 head_mask=head_mask,
                 is_causal=False,
             )

@@ -15,7 +15,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 
 import lensadapters_deepseek_v3
 from lensadapters import hf
-from lensadapters.testing.families import MoEDecoderContract, config_strategy
+from lensadapters.testing.families import MoEDecoderContract, config_strategy, declared_config
 
 #: transformers 5 caches MLA's latents (and decompresses them at every step); transformers 4 the per-head keys
 CACHES_LATENTS = int(transformers.__version__.split(".")[0]) >= 5
@@ -24,56 +24,35 @@ REFUSES = "multi-head latent attention refuses what this property does: it "
 __all__ = ["DeepseekV3Contract", "deepseek_v3_config", "deepseek_v3_configs"]
 
 
-def deepseek_v3_config(
-    *,
-    q_lora_rank: Optional[int] = 8,
-    kv_lora_rank: int = 12,
-    nope: int = 4,
-    rope: int = 4,
-    v_head_dim: int = 6,
-    d_mlp: int = 8,
-    dense_d_mlp: int = 24,
-    experts: int = 4,
-    top_k: int = 2,
-    groups: tuple[int, int] = (2, 1),
-    dense_layers: int = 0,
-    norm_topk_prob: bool = True,
-    scale: float = 2.5,
-    interleave: bool = True,
-    max_pos: int = 32,
-    v2: bool = False,
-    topk_method: str = "group_limited_greedy",
-    **shared: Any,
-) -> Any:
+def _deepseek_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """The fields a DeepSeek-V3 (or V2) config derives from its keywords: as many key/value heads as query heads,
+    the routing groups, and the router's fields of its version."""
+    derived = {"n_kv": given["n_heads"], "n_group": given["groups"][0], "topk_group": given["groups"][1]}
+    if given["v2"]:
+        return {**derived, "topk_method": given["topk_method"]}
+    return {**derived, "norm_topk_prob": given["norm_topk_prob"], "rope_interleave": given["interleave"]}
+
+
+deepseek_v3_config = declared_config(
+    "deepseek_v3_config",
+    lambda given: DeepseekV2Config if given["v2"] else DeepseekV3Config,
     """A tiny DeepSeek-V3 config (``moe_decoder_config``'s shared fields; as many key/value heads as query heads):
     ``experts`` routed experts of width ``d_mlp`` in ``groups = (n_group, topk_group)``, one shared expert, the first
     ``dense_layers`` layers dense of width ``dense_d_mlp``. ``v2``: a DeepSeek-V2 config instead (complex rotary, a
-    softmax router with ``topk_method``; ``interleave`` and ``norm_topk_prob`` do not apply)."""
-    shared["n_kv"] = shared["n_heads"]
-    if v2:
-        shared["topk_method"] = topk_method
-    else:
-        shared["norm_topk_prob"], shared["rope_interleave"] = norm_topk_prob, interleave
-    return hf.moe_decoder_config(
-        DeepseekV2Config if v2 else DeepseekV3Config,
-        experts=experts,
-        top_k=top_k,
-        d_mlp=dense_d_mlp,
-        max_pos=max_pos,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        head_dim=rope,
-        v_head_dim=v_head_dim,
-        moe_intermediate_size=d_mlp,
-        n_shared_experts=1,
-        n_group=groups[0],
-        topk_group=groups[1],
-        first_k_dense_replace=dense_layers,
-        routed_scaling_factor=scale,
-        **shared,
-    )
+    softmax router with ``topk_method``; ``interleave`` and ``norm_topk_prob`` do not apply).""",
+    keywords={
+        **dict(n_heads=4, q_lora_rank=8, kv_lora_rank=12, nope=4, rope=4, v_head_dim=6, d_mlp=8, dense_d_mlp=24),
+        **dict(experts=4, top_k=2, groups=(2, 1), dense_layers=0, norm_topk_prob=True, scale=2.5, interleave=True),
+        **dict(max_pos=32, v2=False, topk_method="group_limited_greedy", n_shared_experts=1),
+    },
+    fields={
+        **dict(nope="qk_nope_head_dim", rope="qk_rope_head_dim", d_mlp="moe_intermediate_size", dense_d_mlp="d_mlp"),
+        **dict(dense_layers="first_k_dense_replace", scale="routed_scaling_factor", groups=None, v2=None),
+        **dict(norm_topk_prob=None, interleave=None, topk_method=None),
+    },
+    derive=lambda given: {"head_dim": given["rope"], **_deepseek_fields(given)},
+    build=hf.moe_decoder_config,
+)
 
 
 def _groups(drawn: dict[str, Any]) -> st.SearchStrategy:

@@ -14,42 +14,27 @@ from lensadapters.testing.families import (
     DecoderContract,
     OffsetNormModels,
     config_strategy,
-    decoder_config,
+    declared_config,
 )
 
 __all__ = ["Gemma2Contract", "gemma2_config", "gemma2_configs"]
 
 
-def gemma2_config(
-    *,
-    head_dim: int = 8,
-    layers: int = 2,
-    window: int = 3,
-    scalar: float = 8,
-    attn_cap: Optional[float] = 50.0,
-    final_cap: Optional[float] = 30.0,
-    act: str = "gelu_pytorch_tanh",
-    tied: bool = True,
-    **shared: Any,
-) -> Gemma2Config:
+gemma2_config = declared_config(
+    "gemma2_config",
+    Gemma2Config,
     """A tiny Gemma 2 config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0), eager attention; layers
-    alternate sliding and global from layer 0 as HF's Gemma 2 does."""
-    return decoder_config(
-        Gemma2Config,
-        layers=layers,
-        act=act,
-        act_field="hidden_activation",
-        tied=tied,
-        head_dim=head_dim,
-        sliding_window=window,
-        query_pre_attn_scalar=scalar,
-        attn_logit_softcapping=attn_cap,
-        final_logit_softcapping=final_cap,
-        attn_implementation="eager",
-        bos_token_id=2,
-        eos_token_id=1,
-        **shared,
-    )
+    alternate sliding and global from layer 0 as HF's Gemma 2 does.""",
+    keywords={
+        **dict(head_dim=8, layers=2, window=3, scalar=8, attn_cap=50.0, final_cap=30.0),
+        **dict(act="gelu_pytorch_tanh", act_field="hidden_activation", tied=True, attn_implementation="eager"),
+        **dict(bos_token_id=2, eos_token_id=1),
+    },
+    fields={
+        **dict(window="sliding_window", scalar="query_pre_attn_scalar"),
+        **dict(attn_cap="attn_logit_softcapping", final_cap="final_logit_softcapping"),
+    },
+)
 
 
 gemma2_configs = config_strategy(

@@ -16,45 +16,33 @@ from lensadapters.testing.families import (
     OffsetNormModels,
     QKNormScores,
     config_strategy,
-    decoder_config,
+    declared_config,
 )
 
 __all__ = ["Gemma3Contract", "gemma3_config", "gemma3_configs"]
 
 
-def gemma3_config(
-    *,
-    head_dim: int = 8,
-    layers: int = 2,
-    global_every: int = 2,
-    window: int = 3,
-    scalar: float = 8,
-    local_theta: float = 10.0,
-    global_scaling: Optional[float] = None,
-    final_cap: Optional[float] = None,
-    tied: bool = True,
-    **shared: Any,
-) -> Gemma3TextConfig:
+gemma3_config = declared_config(
+    "gemma3_config",
+    Gemma3TextConfig,
     """A tiny Gemma 3 text config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0): every
     ``global_every``-th layer global (Gemma 3's 5 local : 1 global pattern, shortened), the others sliding; RoPE
     base ``theta`` (with linear scaling by ``global_scaling`` as Gemma-3-4B+) on global layers and ``local_theta`` on
-    sliding ones."""
-    return decoder_config(
-        Gemma3TextConfig,
-        layers=layers,
-        tied=tied,
-        act="gelu_pytorch_tanh",
-        act_field="hidden_activation",
-        layer_types=hf.sliding_layers(layers, global_every),
-        head_dim=head_dim,
-        sliding_window=window,
-        query_pre_attn_scalar=scalar,
-        rope_local_base_freq=local_theta,
-        rope_scaling={"rope_type": "linear", "factor": global_scaling} if global_scaling else None,
-        final_logit_softcapping=final_cap,
+    sliding ones.""",
+    keywords={
+        **dict(head_dim=8, layers=2, global_every=2, window=3, scalar=8, local_theta=10.0, global_scaling=None),
+        **dict(final_cap=None, tied=True, act="gelu_pytorch_tanh", act_field="hidden_activation"),
         **lensadapters_gemma3.TOKENS,
-        **shared,
-    )
+    },
+    fields={
+        **dict(window="sliding_window", scalar="query_pre_attn_scalar", local_theta="rope_local_base_freq"),
+        **dict(final_cap="final_logit_softcapping", global_every=None, global_scaling=None),
+    },
+    derive=lambda given: dict(
+        layer_types=hf.sliding_layers(given["layers"], given["global_every"]),
+        rope_scaling={"rope_type": "linear", "factor": given["global_scaling"]} if given["global_scaling"] else None,
+    ),
+)
 
 
 gemma3_configs = config_strategy(

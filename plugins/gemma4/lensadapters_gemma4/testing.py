@@ -14,64 +14,55 @@ from transformers import Gemma4TextConfig, Gemma4UnifiedTextConfig
 
 import lensadapters_gemma4
 from lensadapters import hf
-from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, QKNormScores, config_strategy, decoder_config
+from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, QKNormScores, config_strategy, declared_config
 
 __all__ = ["Gemma4Contract", "gemma4_config", "gemma4_configs"]
 
 
-def gemma4_config(
-    *,
-    head_dim: int = 8,
-    global_head_dim: Optional[int] = None,
-    layers: int = 2,
-    global_every: int = 2,
-    window: int = 3,
-    local_theta: float = 10.0,
-    partial_rotary: float = 0.25,
-    ple: int = 4,
-    final_cap: Optional[float] = None,
-    tied: bool = True,
-    experts: int = 0,
-    top_k: int = 2,
-    unified: bool = False,
-    **shared: Any,
-) -> Gemma4TextConfig:
+def _gemma4_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """The fields a Gemma 4 config derives from its keywords: layer types, RoPE of each kind, the per-layer inputs'
+    and the experts' fields."""
+    unified, ple, experts = given["unified"], given["ple"], given["experts"]
+    if unified and (ple or experts):
+        raise ValueError("a gemma4_unified_text config has neither per-layer inputs nor experts: ple=0, experts=0")
+    full_rope = {"rope_type": "proportional", "partial_rotary_factor": given["partial_rotary"]}
+    derived: dict[str, Any] = {
+        "global_head_dim": given["global_head_dim"] or given["head_dim"],
+        "layer_types": hf.sliding_layers(given["layers"], given["global_every"], last_full=True),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": given["local_theta"]},
+            "full_attention": {**full_rope, "rope_theta": given.get("theta", 10000.0)},
+        },
+    }
+    if not unified:  # the per-layer inputs' fields (none in a unified config)
+        derived.update(hidden_size_per_layer_input=ple, vocab_size_per_layer_input=given.get("vocab", 64))
+    if experts:
+        derived.update(enable_moe_block=True, num_experts=experts, top_k_experts=given["top_k"])
+        derived.update(moe_intermediate_size=8)
+    return derived
+
+
+gemma4_config = declared_config(
+    "gemma4_config",
+    lambda given: Gemma4UnifiedTextConfig if given["unified"] else Gemma4TextConfig,
     """A tiny Gemma 4 text config (``decoder_config``'s shared fields; bos 2, eos 1, pad 0): every
     ``global_every``-th layer and the last one full attention (Gemma 4's last layer always is), the others sliding;
     full layers with head size ``global_head_dim`` (``head_dim`` by default) and proportional RoPE on
     ``partial_rotary`` of each head (base ``theta``), sliding ones with default RoPE of base ``local_theta``;
     per-layer inputs of width ``ple`` (0: none); ``experts`` (0: none) experts of width 8 beside every layer's MLP
     (``enable_moe_block``), ``top_k`` of them per token. ``unified``: a ``Gemma4UnifiedTextConfig``
-    (``gemma4_unified_text``: no per-layer inputs, no experts; ``ple`` and ``experts`` must be 0)."""
-    if unified and (ple or experts):
-        raise ValueError("a gemma4_unified_text config has neither per-layer inputs nor experts: ple=0, experts=0")
-    theta = shared.pop("theta", 10000.0)
-    rope = {
-        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": partial_rotary, "rope_theta": theta},
-    }
-    if not unified:  # the per-layer inputs' fields (none in a unified config)
-        shared.update(hidden_size_per_layer_input=ple, vocab_size_per_layer_input=shared.get("vocab", 64))
-    return decoder_config(
-        Gemma4UnifiedTextConfig if unified else Gemma4TextConfig,
-        layers=layers,
-        tied=tied,
-        act="gelu_pytorch_tanh",
-        act_field="hidden_activation",
-        head_dim=head_dim,
-        global_head_dim=global_head_dim or head_dim,
-        layer_types=hf.sliding_layers(layers, global_every, last_full=True),
-        sliding_window=window,
-        rope_parameters=rope,
-        final_logit_softcapping=final_cap,
-        **lensadapters_gemma4.TOKENS,
-        **(
-            dict(enable_moe_block=True, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=8)
-            if experts
-            else {}
-        ),
-        **shared,
-    )
+    (``gemma4_unified_text``: no per-layer inputs, no experts; ``ple`` and ``experts`` must be 0).""",
+    keywords={
+        **dict(head_dim=8, global_head_dim=None, layers=2, global_every=2, window=3, local_theta=10.0),
+        **dict(partial_rotary=0.25, ple=4, final_cap=None, tied=True, experts=0, top_k=2, unified=False),
+        **dict(act="gelu_pytorch_tanh", act_field="hidden_activation", **lensadapters_gemma4.TOKENS),
+    },
+    fields={
+        **dict(window="sliding_window", final_cap="final_logit_softcapping", theta=None, local_theta=None),
+        **dict(global_every=None, partial_rotary=None, ple=None, experts=None, top_k=None, unified=None),
+    },
+    derive=_gemma4_fields,
+)
 
 
 gemma4_configs = config_strategy(

@@ -16,10 +16,8 @@ from lensadapters import (
     Architecture,
     BlockLayout,
     FusedQKV,
-    HookedConfig,
     LinearWeight,
     MLPLayout,
-    ModelLayout,
     UnsupportedModelError,
     hf,
     hookimpl,
@@ -33,40 +31,27 @@ ARCH = hf.architecture("gpt2", "GPT-2 (GPT2LMHeadModel, GPT2Model)")
 hf.plugin_module(globals(), ARCH, hookspec="1", contract="GPT2Contract")
 
 
-def _prefix(model: PreTrainedModel) -> str:
-    return "transformer." if hasattr(model, "transformer") else ""
-
-
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     if getattr(model.config, "add_cross_attention", False):
         raise UnsupportedModelError("GPT-2 with add_cross_attention=True is not supported by lensadapters-gpt2")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """GPT-2's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): LayerNorm, learned positions."""
     c = model.config
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=c.n_embd // c.n_head, d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd),
+    return dict(
+        d_head=c.n_embd // c.n_head,
+        d_mlp=c.n_inner if c.n_inner is not None else 4 * c.n_embd,
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="standard",
-        model_type="gpt2",
         eps=c.layer_norm_epsilon,
-        original_architecture=type(model).__name__,
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    p = _prefix(model)
-    return ModelLayout(
-        blocks=p + "h",
-        embed=p + "wte",
-        pos_embed=p + "wpe",
-        ln_final=p + "ln_f",
-        unembed="lm_head" if hasattr(model, "lm_head") else None,
-    )
+lensadapters_config = hf.hooked_config(_config_fields)
+lensadapters_embed = hf.model_layout(blocks="h", embed="wte", pos_embed="wpe", ln_final="ln_f")
 
 
 def _qkv(model: PreTrainedModel, layer: int) -> FusedQKV:

@@ -24,17 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from lensadapters import (
-    Architecture,
-    BlockLayout,
-    FusedQKV,
-    HookedConfig,
-    MLPLayout,
-    ModelLayout,
-    UnsupportedModelError,
-    hf,
-    hookimpl,
-)
+from lensadapters import Architecture, BlockLayout, FusedQKV, MLPLayout, UnsupportedModelError, hf, hookimpl
 from lensadapters.rotary import rotate_half_spec
 
 if TYPE_CHECKING:
@@ -47,16 +37,8 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")
 _ATTN_PREFIX = "lensadapters:"
 
 
-def _prefix(model: PreTrainedModel) -> str:
-    return "gpt_neox." if hasattr(model, "gpt_neox") else ""
-
-
-def _base(model: PreTrainedModel) -> nn.Module:
-    return model.get_submodule(_prefix(model).rstrip(".")) if _prefix(model) else model
-
-
 def _attention(model: PreTrainedModel, layer: int) -> nn.Module:
-    return _base(model).layers[layer].attention
+    return hf.base_model(model).layers[layer].attention
 
 
 def _out_features(module: nn.Module) -> Optional[int]:
@@ -84,7 +66,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
-    from transformers.models.gpt_neox import modeling_gpt_neox as hf
+    from transformers.models.gpt_neox import modeling_gpt_neox as modeling
 
     c = model.config
     impl = getattr(c, "_attn_implementation", None) or "eager"
@@ -100,7 +82,7 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"GPT-NeoX with hidden_size={c.hidden_size} not divisible by num_attention_heads={c.num_attention_heads}"
         )
-    base = _base(model)
+    base = hf.base_model(model)
     for attr in ("embed_in", "layers", "final_layer_norm", "rotary_emb"):
         if not hasattr(base, attr):
             raise UnsupportedModelError(
@@ -108,11 +90,19 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
                 f"which lensadapters-gpt-neox expects"
             )
     d_head = c.hidden_size // c.num_attention_heads
-    stock = {hf.GPTNeoXLayer: "GPTNeoXLayer", hf.GPTNeoXAttention: "GPTNeoXAttention", hf.GPTNeoXMLP: "GPTNeoXMLP"}
+    stock = {
+        modeling.GPTNeoXLayer: "GPTNeoXLayer",
+        modeling.GPTNeoXAttention: "GPTNeoXAttention",
+        modeling.GPTNeoXMLP: "GPTNeoXMLP",
+    }
     for i, layer in enumerate(base.layers):
         attn = getattr(layer, "attention", None)
         mlp = getattr(layer, "mlp", None)
-        for module, cls in ((layer, hf.GPTNeoXLayer), (attn, hf.GPTNeoXAttention), (mlp, hf.GPTNeoXMLP)):
+        for module, cls in (
+            (layer, modeling.GPTNeoXLayer),
+            (attn, modeling.GPTNeoXAttention),
+            (mlp, modeling.GPTNeoXMLP),
+        ):
             if not isinstance(module, cls):
                 raise UnsupportedModelError(
                     f"layer {i}: expected a transformers {stock[cls]}, found {type(module).__name__}; "
@@ -155,38 +145,30 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """GPT-NeoX's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): rotary on ``rotary_ndims`` of
+    each head, parallel or sequential blocks."""
     c = model.config
-    d_head = c.hidden_size // c.num_attention_heads
     rotary_dim = _attention(model, 0).rotary_ndims if c.num_hidden_layers else 0
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=d_head),
+    return dict(
+        d_head=c.hidden_size // c.num_attention_heads,
         act_fn=c.hidden_act,
         normalization_type="LN",
         positional_embedding_type="rotary",
-        model_type="gpt_neox",
         rotary_dim=rotary_dim,
         parallel_attn_mlp=bool(c.use_parallel_residual),
         eps=c.layer_norm_eps,
-        original_architecture=type(model).__name__,
     )
 
 
-@hookimpl
-def lensadapters_embed(arch: Architecture, model: PreTrainedModel) -> ModelLayout:
-    p = _prefix(model)
-    return ModelLayout(
-        blocks=p + "layers",
-        embed=p + "embed_in",
-        ln_final=p + "final_layer_norm",
-        unembed=hf.unembed_path(model),
-        rotary=p + "rotary_emb",
-    )
+lensadapters_config = hf.hooked_config(_config_fields)
+lensadapters_embed = hf.model_layout(
+    blocks="layers", embed="embed_in", ln_final="final_layer_norm", rotary="rotary_emb"
+)
 
 
 def _block(model: PreTrainedModel, layer: int) -> BlockLayout:
-    block = model.get_submodule(_prefix(model) + "layers")[layer]
+    block = model.get_submodule(hf.base_prefix(model) + "layers")[layer]
     # the block adds post_mlp_dropout(mlp(...)) to the residual: resid_mid edits are carried in there
     mlp_residual = "post_mlp_dropout" if hasattr(block, "post_mlp_dropout") else None
     return BlockLayout(

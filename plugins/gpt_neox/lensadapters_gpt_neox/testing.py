@@ -20,7 +20,7 @@ from transformers import GPTNeoXConfig
 import lensadapters_gpt_neox
 from lensadapters import hf
 from lensadapters.testing import AdapterContract, Capabilities
-from lensadapters.testing.strategies import as_strategy
+from lensadapters.testing.families import keyword_strategy
 
 __all__ = ["GPTNeoXContract", "gpt_neox_config", "gpt_neox_configs", "rotary_pct"]
 
@@ -36,8 +36,12 @@ def gpt_neox_config(
     n_layers: int = 2,
     d_mlp: int = 48,
     vocab: int = VOCAB,
+    d_model: Optional[int] = None,
 ) -> GPTNeoXConfig:
-    """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos)."""
+    """A tiny GPT-NeoX config (no dropout, padding token 0, no bos/eos); ``d_model`` fixes the width (``d_head`` is
+    then ``d_model // n_heads``)."""
+    if d_model is not None:
+        d_head = d_model // n_heads
     sizes = hf.size_fields(hidden=n_heads * d_head, d_mlp=d_mlp, layers=n_layers, heads=n_heads, vocab=vocab)
     return hf.without_dropout(
         GPTNeoXConfig,
@@ -59,42 +63,20 @@ def rotary_pct(config: Any) -> float:
     return rope.get("partial_rotary_factor", getattr(config, "rotary_pct", None))
 
 
-@st.composite
-def gpt_neox_configs(
-    draw: st.DrawFn,
-    *,
-    n_heads: Any = st.sampled_from([1, 2, 4]),
-    d_head: Any = st.sampled_from([8, 16]),
-    d_model: Any = None,
-    rotary_pct: Any = st.sampled_from([0.25, 0.5, 1.0]),
-    parallel: Any = st.booleans(),
-    bias: Any = st.booleans(),
-    n_layers: Any = st.integers(1, 2),
-    d_mlp: Any = 48,
-    vocab: Any = VOCAB,
-) -> GPTNeoXConfig:
+gpt_neox_configs = keyword_strategy(
+    gpt_neox_config,
     """Tiny GPT-NeoX configs: parallel and sequential residual, ``rotary_pct`` 0.25 / 0.5 / 1, 1-4 heads,
-    attention bias on and off, 1-2 layers.
-
-    Each keyword is a value or a strategy. ``d_model`` fixes the width (``d_head`` is then ``d_model //
-    n_heads``).
-    """
-    heads = draw(as_strategy(n_heads), label="n_heads")
-    head_dim = (
-        draw(as_strategy(d_model), label="d_model") // heads
-        if d_model is not None
-        else draw(as_strategy(d_head), label="d_head")
-    )
-    return gpt_neox_config(
-        n_heads=heads,
-        d_head=head_dim,
-        rotary_pct=draw(as_strategy(rotary_pct), label="rotary_pct"),
-        parallel=draw(as_strategy(parallel), label="parallel"),
-        bias=draw(as_strategy(bias), label="bias"),
-        n_layers=draw(as_strategy(n_layers), label="n_layers"),
-        d_mlp=draw(as_strategy(d_mlp), label="d_mlp"),
-        vocab=draw(as_strategy(vocab), label="vocab"),
-    )
+    attention bias on and off, 1-2 layers. Each keyword is a value or a strategy; ``d_model`` fixes the width.""",
+    n_heads=st.sampled_from([1, 2, 4]),
+    d_head=st.sampled_from([8, 16]),
+    d_model=None,
+    rotary_pct=st.sampled_from([0.25, 0.5, 1.0]),
+    parallel=st.booleans(),
+    bias=st.booleans(),
+    n_layers=st.integers(1, 2),
+    d_mlp=48,
+    vocab=VOCAB,
+)
 
 
 class GPTNeoXContract(AdapterContract):

@@ -47,7 +47,6 @@ from lensadapters.plugin_api import (
     BlockLayout,
     FusedGateUp,
     FusedQKV,
-    HookedConfig,
     InputSite,
     ModelLayout,
     NormSite,
@@ -56,11 +55,11 @@ from lensadapters.plugin_api import (
     UnsupportedModelError,
     cat_gate_up,
     chunk_gate_up,
-    explicit_attention,
     hookimpl,
     override_instance_method,
     rotate_half,
     rotate_half_spec,
+    site_attention,
 )
 
 if TYPE_CHECKING:
@@ -144,31 +143,27 @@ def _local(attention: Any) -> bool:
     return getattr(attention, "sliding_window", None) is not None
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """ModernBERT's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): rotary, GeGLU, global and local
+    bidirectional attention."""
     c = model.config
     d_head = c.hidden_size // c.num_attention_heads
-    return HookedConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        n_heads=c.num_attention_heads,
+    return dict(
         d_head=d_head,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
         act_fn=str(c.hidden_activation),
         normalization_type="LN",
         positional_embedding_type="rotary",
         rotary_dim=d_head,
         gated_mlp=True,
-        model_type=c.model_type,
         eps=float(c.norm_eps),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",
         window_size=int(c.local_attention),
         attn_types=_windows(model),
         extra={"mlm_head": _mlm(model), "cls_head": _sequence_classification(model), "first_layer_attn_norm": False},
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 def _rotary_from_attention(module: Any, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
@@ -279,7 +274,7 @@ class OwnAttentionPatternBackend:
 
     def activate(self, layer: int, site: Any) -> Any:
         module: Any = self.modules[layer]
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _eager_scores)
 
         def forward(hidden_states: Tensor, output_attentions: Optional[bool] = False, **kwargs: Any) -> tuple:
             implementation = module.config._attn_implementation
@@ -296,18 +291,9 @@ class OwnAttentionPatternBackend:
             key = (key * cos) + (rotate_half(key) * sin)
             local = tuple(module.local_attention) != (-1, -1)
             mask = kwargs.get("sliding_window_mask") if local else kwargs.get("attention_mask")
-            out, pattern = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                mask,
-                scores_fn=_eager_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
-                implementation=implementation,
-                dropout=module.attention_dropout if module.training else 0.0,
-                is_causal=False,
+            dropout = module.attention_dropout if module.training else 0.0
+            out, pattern = attend(
+                query, key, value, mask, implementation=implementation, dropout=dropout, is_causal=False
             )
             hidden = module.out_drop(module.Wo(out.reshape(b, -1, module.all_head_size)))
             return (hidden, pattern) if output_attentions else (hidden,)

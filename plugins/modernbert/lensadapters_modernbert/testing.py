@@ -18,39 +18,39 @@ from transformers import ModernBertConfig, ModernBertForMaskedLM
 import lensadapters_modernbert
 from lensadapters import HookedModel
 from lensadapters.testing import AdapterContract
+from lensadapters.testing.families import declared_config, keyword_strategy
 from lensadapters.testing.models import reinit
-from lensadapters.testing.strategies import as_strategy
 
-__all__ = ["ModernBertContract", "modernbert_configs"]
+__all__ = ["ModernBertContract", "modernbert_config", "modernbert_configs"]
 
 
-@st.composite
-def modernbert_configs(
-    draw: st.DrawFn,
-    *,
-    n_heads: Any = st.integers(1, 4),
-    d_head: Any = st.sampled_from([4, 8]),
-    n_layers: Any = st.integers(1, 3),
-    window: Any = st.sampled_from([2, 4]),
-    every: Any = st.integers(1, 3),
-    act: Any = st.sampled_from(["gelu", "silu"]),
-    bias: Any = st.booleans(),
-) -> Any:
+modernbert_config = declared_config(
+    "modernbert_config",
+    ModernBertConfig,
+    """A tiny ModernBERT config (``lensadapters_modernbert.tiny_config``'s): ``n_layers`` layers of ``n_heads`` heads
+    of ``d_head``, a global layer every ``every`` layers, the others with a ``window``-token window, the MLP's
+    activation ``act``, biases (attention, MLP, norms) or none; no dropout.""",
+    keywords=dict(bias=False),
+    fields={
+        **dict(n_layers="layers", n_heads="heads", bias=None),
+        **dict(every="global_attn_every_n_layers", act="hidden_activation"),
+    },
+    derive=lambda given: dict.fromkeys(("attention_bias", "mlp_bias", "norm_bias"), given["bias"]),
+    build=lensadapters_modernbert.tiny_config,
+)
+
+modernbert_configs = keyword_strategy(
+    modernbert_config,
     """Tiny ModernBERT configs: 1-3 layers of 1-4 heads, a window of 2 or 4, a global layer every 1-3 layers,
-    GeGLU or SwiGLU, with or without biases; no dropout. Each keyword is a value or a strategy."""
-    with_bias = draw(as_strategy(bias), label="bias")
-    return lensadapters_modernbert.tiny_config(
-        ModernBertConfig,
-        layers=draw(as_strategy(n_layers), label="n_layers"),
-        window=draw(as_strategy(window), label="window"),
-        heads=draw(as_strategy(n_heads), label="n_heads"),
-        d_head=draw(as_strategy(d_head), label="d_head"),
-        global_attn_every_n_layers=draw(as_strategy(every), label="every"),
-        hidden_activation=draw(as_strategy(act), label="act"),
-        attention_bias=with_bias,
-        mlp_bias=with_bias,
-        norm_bias=with_bias,
-    )
+    GeGLU or SwiGLU, with or without biases; no dropout. Each keyword is a value or a strategy.""",
+    bias=st.booleans(),
+    n_layers=st.integers(1, 3),
+    window=st.sampled_from([2, 4]),
+    n_heads=st.integers(1, 4),
+    d_head=st.sampled_from([4, 8]),
+    every=st.integers(1, 3),
+    act=st.sampled_from(["gelu", "silu"]),
+)
 
 
 class ModernBertContract(AdapterContract):

@@ -88,8 +88,7 @@ class OlmoePatternBackend:
     def activate(self, layer: int, site: Any) -> Any:
         from transformers.models.olmoe import modeling_olmoe
 
-        from lensadapters.attention import explicit_attention
-        from lensadapters.copying import override_instance_method
+        from lensadapters.plugin_api import override_instance_method, site_attention
 
         module: Any = self.modules[layer]  # OLMoE's attention: head_dim, num_heads, q_norm... read below
         if not issubclass(type(module), modeling_olmoe.OlmoeAttention) or "forward" in vars(module):
@@ -99,7 +98,7 @@ class OlmoePatternBackend:
                 + (" with an instance 'forward' set by another tool" if "forward" in vars(module) else "")
             )
         implementation = hf.attention_implementation(self.config)
-        scores_point, pattern_point = site.scores, site.pattern
+        attend = site_attention(site, module, _olmoe_scores)
 
         def forward(
             hidden_states: Tensor,
@@ -129,17 +128,8 @@ class OlmoePatternBackend:
                 cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
                 key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
             mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
-            out, pattern = explicit_attention(
-                module,
-                query,
-                key,
-                value,
-                mask,
-                scores_fn=_olmoe_scores,
-                scores_point=scores_point,
-                pattern_point=pattern_point,
-                implementation=implementation,
-                dropout=module.attention_dropout,
+            out, pattern = attend(
+                query, key, value, mask, implementation=implementation, dropout=module.attention_dropout
             )
             out = module.o_proj(out.reshape(bsz, q_len, module.hidden_size))
             return out, (pattern if output_attentions else None)

@@ -39,7 +39,6 @@ from torch.utils.hooks import RemovableHandle
 from lensadapters import (
     Architecture,
     BlockLayout,
-    HookedConfig,
     HookPoint,
     MLPLayout,
     ModelLayout,
@@ -138,19 +137,19 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """OPT's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): LayerNorm before or after each branch,
+    learned positions with their offset, the optional projections and final norm."""
     c = model.config
     decoder = _decoder(model)
     ln = decoder.layers[0].self_attn_layer_norm
-    return HookedConfig(
-        **hf.config_sizes(c, d_head=c.hidden_size // c.num_attention_heads, d_mlp=c.ffn_dim),
+    return dict(
+        d_head=c.hidden_size // c.num_attention_heads,
+        d_mlp=c.ffn_dim,
         act_fn=c.activation_function,
         normalization_type="LN",
         positional_embedding_type="standard",
-        model_type="opt",
         eps=float(getattr(ln, "eps", 1e-5)),
-        original_architecture=type(model).__name__,
         extra={
             "do_layer_norm_before": _pre_ln(model),
             "word_embed_proj_dim": decoder.embed_tokens.weight.shape[-1],
@@ -159,6 +158,9 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
             "pos_embed_offset": _offset(decoder.embed_positions),
         },
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 @hookimpl

@@ -15,7 +15,7 @@ from transformers import Phi3Config
 
 import lensadapters_phi3
 from lensadapters import hf
-from lensadapters.testing.families import SMALL_MATRIX, DecoderContract, config_strategy, decoder_config
+from lensadapters.testing.families import DENSE_DRAWS, SMALL_MATRIX, DecoderContract, config_strategy, declared_config
 
 __all__ = ["Phi3Contract", "phi3_config", "phi3_configs"]
 
@@ -30,23 +30,25 @@ def longrope(rotary_dim: int) -> dict:
     }
 
 
-def phi3_config(
-    *, partial: float = 1.0, rope: str = "default", window: Optional[int] = None, **shared: Any
-) -> Phi3Config:
+def _rope_scaling(given: dict[str, Any]) -> Optional[dict]:
+    """LongRoPE parameters for the rotated dimensions of ``given`` (width, heads, ``partial``), or None."""
+    rotary = int(given.get("hidden", 32) // given.get("n_heads", 4) * given["partial"])
+    return longrope(rotary) if given["rope"] == "longrope" else None
+
+
+phi3_config = declared_config(
+    "phi3_config",
+    Phi3Config,
     """A tiny Phi-3 config (``decoder_config``'s shared fields). With LongRoPE, sequences up to 16 tokens stay in the
     short-factor regime (``original_max_position_embeddings``) and ``max_position_embeddings`` (64) sets the
-    attention factor."""
-    rotary = int(shared.get("hidden", 32) // shared.get("n_heads", 4) * partial)
-    return decoder_config(
-        Phi3Config,
-        original_max_position_embeddings=16,
-        partial_rotary_factor=partial,
-        rope_scaling=longrope(rotary) if rope == "longrope" else None,
-        sliding_window=window,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        **shared,
-    )
+    attention factor.""",
+    keywords={
+        **dict(partial=1.0, rope="default", window=None),
+        **dict(original_max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0),
+    },
+    fields=dict(partial="partial_rotary_factor", rope=None, window="sliding_window"),
+    derive=lambda given: dict(rope_scaling=_rope_scaling(given)),
+)
 
 
 phi3_configs = config_strategy(
@@ -54,18 +56,10 @@ phi3_configs = config_strategy(
     """Tiny Phi-3 configs: fused ``qkv_proj`` with GQA ratios 1, 2, 3 and multi-query attention (unequal q and kv
     widths), fused ``gate_up_proj``, partial rotary (0.5, 0.75 as Phi-4-mini, 1.0), default and LongRoPE, sliding
     windows of 2, 3, 5 tokens or none, tied and untied embeddings; ``hidden_per_head`` is the head size.""",
-    n_kv=st.sampled_from([1, 2]),
-    ratio=st.sampled_from([1, 2, 3]),
-    hidden_per_head=st.sampled_from([8, 16]),
-    n_layers=st.integers(1, 2),
-    d_mlp=st.sampled_from([16, 40]),
-    vocab=st.integers(16, 128),
+    **{**DENSE_DRAWS, "ratio": st.sampled_from([1, 2, 3]), "hidden_per_head": st.sampled_from([8, 16])},
     partial=st.sampled_from([0.5, 0.75, 1.0]),
     rope=st.sampled_from(["default", "longrope"]),
     window=st.sampled_from([None, 2, 3, 5]),
-    theta=st.sampled_from([100.0, 10000.0]),
-    tied=st.booleans(),
-    act=st.sampled_from(["silu", "gelu_new"]),
 )
 
 

@@ -14,29 +14,21 @@ from lensadapters.testing.families import (
     WINDOW_PROPERTIES,
     DecoderContract,
     config_strategy,
-    decoder_config,
+    declared_config,
 )
 
 __all__ = ["Qwen3Contract", "qwen3_config", "qwen3_configs"]
 
 
-def qwen3_config(
-    *,
-    head_dim: int = 8,
-    attention_bias: bool = False,
-    window: Optional[int] = None,
-    window_from: int = 0,
-    **shared: Any,
-) -> Qwen3Config:
+qwen3_config = declared_config(
+    "qwen3_config",
+    Qwen3Config,
     """A tiny Qwen3 config (``decoder_config``'s shared fields); layers ``window_from`` and later use ``window``
-    when it is set."""
-    return decoder_config(
-        Qwen3Config,
-        head_dim=head_dim,
-        attention_bias=attention_bias,
-        **hf.window_from_fields(window, window_from),
-        **shared,
-    )
+    when it is set.""",
+    keywords=dict(head_dim=8, attention_bias=False, window=None, window_from=0),
+    fields=dict(window=None, window_from=None),
+    derive=lambda given: hf.window_from_fields(given["window"], given["window_from"]),
+)
 
 
 qwen3_configs = config_strategy(

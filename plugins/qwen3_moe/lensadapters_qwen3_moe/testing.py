@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional
 
 from hypothesis import strategies as st
 from transformers import Qwen3MoeConfig
@@ -15,43 +15,28 @@ from lensadapters.testing.families import (
     MoEDecoderContract,
     QKNormScores,
     config_strategy,
+    declared_config,
 )
 
 __all__ = ["Qwen3MoeContract", "qwen3_moe_config", "qwen3_moe_configs"]
 
 
-def qwen3_moe_config(
-    *,
-    head_dim: int = 8,
-    d_mlp: int = 16,
-    dense_d_mlp: int = 24,
-    experts: int = 4,
-    top_k: int = 2,
-    norm_topk_prob: bool = False,
-    mlp_only_layers: Sequence[int] = (),
-    decoder_sparse_step: int = 1,
-    window: Optional[int] = None,
-    attention_bias: bool = False,
-    max_pos: int = 32,
-    **shared: Any,
-) -> Qwen3MoeConfig:
+qwen3_moe_config = declared_config(
+    "qwen3_moe_config",
+    Qwen3MoeConfig,
     """A tiny Qwen3-MoE config (``moe_decoder_config``'s shared fields): experts of width ``d_mlp``, dense layers of
-    ``dense_d_mlp``."""
-    return hf.moe_decoder_config(
-        Qwen3MoeConfig,
-        experts=experts,
-        top_k=top_k,
-        d_mlp=dense_d_mlp,
-        moe_intermediate_size=d_mlp,
-        head_dim=head_dim,
-        attention_bias=attention_bias,
-        max_pos=max_pos,
-        **hf.window_from_fields(window, None),
-        norm_topk_prob=norm_topk_prob,
-        mlp_only_layers=list(mlp_only_layers),
-        decoder_sparse_step=decoder_sparse_step,
-        **shared,
-    )
+    ``dense_d_mlp``.""",
+    keywords={
+        **dict(head_dim=8, d_mlp=16, dense_d_mlp=24, experts=4, top_k=2, norm_topk_prob=False, mlp_only_layers=()),
+        **dict(decoder_sparse_step=1, window=None, attention_bias=False, max_pos=32),
+    },
+    fields=dict(d_mlp="moe_intermediate_size", dense_d_mlp="d_mlp", window=None),
+    derive=lambda given: {
+        **hf.window_from_fields(given["window"], None),
+        "mlp_only_layers": list(given["mlp_only_layers"]),
+    },
+    build=hf.moe_decoder_config,
+)
 
 
 def _dense_layers(drawn: dict[str, Any]) -> Any:

@@ -54,7 +54,6 @@ from torch import Tensor, nn
 from lensadapters import hf
 from lensadapters.plugin_api import (
     Architecture,
-    HookedConfig,
     HookPoint,
     InputSite,
     ModelLayout,
@@ -122,19 +121,19 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         raise UnsupportedModelError("pruned attention heads: lensadapters-t5 serves unpruned models")
 
 
-@hookimpl
-def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedConfig:
+def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
+    """T5's ``hm.cfg`` fields beyond the shared ones (``hf.hooked_config``): RMS norms, relative position bias, the
+    encoder-decoder's settings."""
     c = model.config
-    return HookedConfig(
+    return dict(
         # transformers' usual size names, which T5's config maps to its own (num_layers, d_model, num_heads, d_kv)
-        **hf.config_sizes(c, d_mlp=c.d_ff, n_ctx=int(getattr(c, "n_positions", 512) or 512)),
+        d_mlp=c.d_ff,
+        n_ctx=int(getattr(c, "n_positions", 512) or 512),
         act_fn=str(c.dense_act_fn),
         normalization_type="RMS",
-        positional_embedding_type="relative_positional_bias",  # type: ignore[arg-type]  # TransformerLens' value
-        model_type=c.model_type,
+        positional_embedding_type="relative_positional_bias",  # TransformerLens' value
         gated_mlp=bool(c.is_gated_act),
         eps=float(c.layer_norm_epsilon),
-        original_architecture=type(model).__name__,
         attention_dir="bidirectional",  # HookedEncoderDecoder's; the decoder's self-attention is causal
         extra={
             "encoder_decoder": True,
@@ -144,6 +143,9 @@ def lensadapters_config(arch: Architecture, model: PreTrainedModel) -> HookedCon
             "decoder_start_token_id": c.decoder_start_token_id,
         },
     )
+
+
+lensadapters_config = hf.hooked_config(_config_fields)
 
 
 @hookimpl
@@ -411,13 +413,11 @@ def lensadapters_tiny_config(arch: Architecture, seed: int) -> Any:
     from transformers import T5Config
 
     layers, gated, buckets = hf.toy_draw(seed, (2, False, 8), [1, 2, 3], 0.5, [4, 8, 16])
-    return T5Config(  # type: ignore[call-arg]  # T5Config takes the generation ids as keywords
-        vocab_size=64,
-        d_model=32,
+    return hf.tiny_config_of(  # TINY_SIZES' width 32, 4 heads, vocabulary 64 under T5's names (d_model...)
+        T5Config,
+        layers=layers,
         d_kv=8,
         d_ff=64,
-        num_layers=layers,
-        num_heads=4,
         relative_attention_num_buckets=buckets,
         relative_attention_max_distance=16,
         feed_forward_proj="gated-gelu" if gated else "relu",

@@ -39,7 +39,8 @@ from torch import nn
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.rotary import rotate_half_spec
+from lensadapters.hooks.rotary import float32_rotate_half_spec, rotate_half_spec
+from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
 
@@ -48,8 +49,11 @@ QKV_POINTS = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
 ROTARY_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k")
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 Z_POINT = "attn.hook_z"
-#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb``
+#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb`` (in
+#: the queries' dtype), and the same computed in float32 and cast back (Qwen's ``apply_rotary_pos_emb_vision``)
 ROTATE_HALF = rotate_half_spec()
+ROTATE_HALF_FLOAT32 = float32_rotate_half_spec()
+ROTATIONS = (ROTATE_HALF, ROTATE_HALF_FLOAT32)
 #: the implementations whose masks explicit attention reads
 IMPLEMENTATIONS = ("eager", "sdpa")
 #: the largest difference the probe accepts between the tower's attention output and explicit attention's (and
@@ -61,7 +65,15 @@ TOLERANCE = 1e-4
 class AttnParts:
     """A block's attention: the names of its projections (children of the attention module), its heads, whether
     the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, and whether it rotates its queries
-    and keys (rotate-half RoPE with the ``position_embeddings`` it gets)."""
+    and keys (rotate-half RoPE with the ``position_embeddings`` it gets: ``rotation`` says which of
+    :data:`ROTATIONS`).
+
+    ``fused``: ``q``, ``k`` and ``v`` name one child, whose output's thirds (``fused[0]``-th for the query...) are
+    the query, key and value. ``batched``: the tensors have a batch dimension (``False``: the tower runs its images'
+    patches as one flat sequence, ``[pos, features]``; the points add a batch dimension of 1). ``gathered``: the
+    attention function is called once per block of the sequence (an image, a window: ``cu_seqlens``), and the
+    patterns are computed over the whole sequence with the block-diagonal mask of those calls
+    (:func:`gathered_attention`)."""
 
     q: str
     k: str
@@ -71,6 +83,10 @@ class AttnParts:
     kv_heads: int
     patterns: bool
     rotary: bool = False
+    fused: Optional[tuple[int, int, int]] = None
+    batched: bool = True
+    gathered: bool = False
+    rotation: int = 0
 
 
 class _Pass:
@@ -101,7 +117,7 @@ class TowerPatternBackend(InterfacePatternBackend):
 
     def __init__(self, config: Any, attention_modules: list[nn.Module]) -> None:
         super().__init__(config, attention_modules, _no_scores)
-        self.recording: Optional[dict[int, dict[str, Any]]] = None
+        self.recording: Optional[dict[int, list[dict[str, Any]]]] = None
 
     def activate(self, layer: int, site: Any) -> Any:
         impl = str(self.original or self.config._attn_implementation)
@@ -126,18 +142,79 @@ class TowerPatternBackend(InterfacePatternBackend):
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
         if self.recording is None:
+            gather = getattr(site, "gather", None)  # a layer attending block by block (GatheredAttentionSite)
+            if gather is not None:
+                return cast(tuple[Tensor, Tensor], gather(module, query, key, value, attention_mask, **kwargs))
             return super().attend(layer, site, module, query, key, value, attention_mask, **kwargs)
         out = original_function(self.original or "sdpa", module)(module, query, key, value, attention_mask, **kwargs)
-        seen = {"query": query, "key": key, "value": value, "out": out[0], "explicit": None, "error": None}
-        self.recording.setdefault(layer, seen)
-        try:
-            pass_through = cast(HookPoint, _Pass())
-            seen["explicit"] = self.explicit(
-                module, (query, key, value, attention_mask), pass_through, pass_through, **kwargs
-            )[0]
-        except UnsupportedModelError as exc:
-            seen["error"] = str(exc)
+        seen = {"query": query, "key": key, "value": value, "mask": attention_mask, "kwargs": kwargs}
+        self.recording.setdefault(layer, []).append({**seen, "module": module, "out": out[0]})
         return cast(tuple[Tensor, Tensor], out)
+
+
+#: a call of the attention function: ``(query, key, value, attention_mask, kwargs, module)``
+Chunk = tuple[Tensor, Tensor, Tensor, Optional[Tensor], dict, nn.Module]
+
+
+def gathered_attention(
+    backend: InterfacePatternBackend, chunks: list[Chunk], scores: HookPoint, pattern: HookPoint
+) -> Tensor:
+    """Explicit attention over the whole sequence of a layer that called its attention function once per block of
+    it (``chunks``, in order: each an image's, or a window's, patches, as the tower's ``cu_seqlens`` cut them):
+    their queries, keys and values concatenated along the positions, and a block-diagonal mask (a query sees the
+    keys of its own call only: the others' scores are ``-inf``, their pattern 0), through ``scores``/``pattern``
+    (``[batch, head, query, key]`` of the whole sequence). The output ``[batch, pos, head, d_head]``, the calls'
+    outputs concatenated. Refused by name (:class:`UnsupportedModelError`) where a call has a mask of its own, its
+    keys are not its queries' positions, or the calls' other arguments differ."""
+    query, key, value, _, kwargs, module = chunks[0]
+    for q, k, _, mask, other, _ in chunks:
+        if mask is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} calls its attention function once per block of the sequence with a mask "
+                f"of each block's own; explicit attention over the whole sequence reads no such masks"
+            )
+        if k.shape[2] != q.shape[2] or other.keys() != kwargs.keys() or any(
+            isinstance(v, Tensor) or v != kwargs[n] for n, v in other.items()
+        ):
+            raise UnsupportedModelError(
+                f"{type(module).__name__} calls its attention function once per block of the sequence with keys "
+                f"other than the block's queries or arguments that differ between the blocks"
+            )
+    lengths = torch.tensor([c[0].shape[2] for c in chunks], device=query.device)
+    ids = torch.repeat_interleave(torch.arange(len(chunks), device=query.device), lengths)
+    mask = (ids[:, None] == ids[None, :])[None, None]  # [1, 1, pos, pos]: True where the query may see the key
+    query, key, value = (torch.cat([c[j] for c in chunks], dim=2) for j in range(3))
+    return backend.explicit(module, (query, key, value, mask), scores, pattern, **kwargs)[0]
+
+
+def merge_calls(backend: InterfacePatternBackend, calls: Optional[list[dict]]) -> Optional[dict]:
+    """A layer's attention function calls in the probe as one: the queries, keys, values (``[b, h, p, d]``) and
+    outputs (``[b, p, h, d]``) concatenated along the positions, ``gathered`` where there were several (blocks of
+    the sequence), and the explicit attention of them (:func:`gathered_attention` of the blocks; of the one call's
+    mask) or why it is refused."""
+    if not calls:
+        return None
+    first = calls[0]
+    merged: dict[str, Any] = {
+        "query": torch.cat([c["query"] for c in calls], dim=2),
+        "key": torch.cat([c["key"] for c in calls], dim=2),
+        "value": torch.cat([c["value"] for c in calls], dim=2),
+        "out": torch.cat([c["out"] for c in calls], dim=1),
+        "gathered": len(calls) > 1,
+        "explicit": None,
+        "error": None,
+    }
+    pass_through = cast(HookPoint, _Pass())
+    try:
+        if merged["gathered"]:
+            chunks = [(c["query"], c["key"], c["value"], c["mask"], c["kwargs"], c["module"]) for c in calls]
+            merged["explicit"] = gathered_attention(backend, chunks, pass_through, pass_through)
+        else:
+            qkv_mask = (first["query"], first["key"], first["value"], first["mask"])
+            merged["explicit"] = backend.explicit(first["module"], qkv_mask, pass_through, pass_through, **first["kwargs"])[0]
+    except UnsupportedModelError as exc:
+        merged["error"] = str(exc)
+    return merged
 
 
 def tower_backend(modules: list[nn.Module]) -> Optional[TowerPatternBackend]:
@@ -180,7 +257,10 @@ def watch_attention(attention: nn.Module, seen: dict) -> list:
 
 
 def _as_heads(t: Any, heads: int, like: Tensor) -> Optional[Tensor]:
-    """A child's output ``[b, p, h * d]`` as the attention function's ``[b, h, p, d]``, or ``None``."""
+    """A child's output ``[b, p, h * d]`` (``[p, h * d]``: a batch of 1) as the attention function's
+    ``[b, h, p, d]``, or ``None``."""
+    if isinstance(t, Tensor) and t.dim() == 2:
+        t = t.unsqueeze(0)
     if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] % heads:
         return None
     t = t.unflatten(-1, (heads, -1)).transpose(1, 2)
@@ -199,14 +279,30 @@ def _angles(kwargs: dict) -> Optional[tuple[Tensor, Tensor]]:
     return None
 
 
-def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
-    """``t`` (``[b, h, p, d]``) rotated as rotate-half RoPE with ``angles``, or ``None`` where they do not fit."""
+def _rotated(
+    t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]], rotation: RotarySpec = ROTATE_HALF
+) -> Optional[Tensor]:
+    """``t`` (``[b, h, p, d]``) rotated as ``rotation`` (rotate-half RoPE) with ``angles``, or ``None`` where they do
+    not fit."""
     if t is None or angles is None:
         return None
     try:
-        return ROTATE_HALF.apply(t.transpose(1, 2), *angles).transpose(1, 2)
+        return rotation.apply(t.transpose(1, 2), *angles).transpose(1, 2)
     except RuntimeError:  # angles of another shape: not rotate-half RoPE of these heads
         return None
+
+
+def _outputs(seen: dict, once: set[str]) -> dict[tuple[str, Optional[int]], Any]:
+    """The outputs of the children called once on the attention's input, by ``(name, None)``, and the thirds of
+    those whose features split in three (a fused projection's query, key and value), by ``(name, third)``."""
+    found: dict[tuple[str, Optional[int]], Any] = {}
+    for name in sorted(once):
+        t = seen["child_out"].get(name)
+        found[(name, None)] = t
+        if isinstance(t, Tensor) and t.dim() in (2, 3) and t.shape[-1] % 3 == 0:
+            for third, part in enumerate(t.chunk(3, dim=-1)):
+                found[(name, third)] = part
+    return found
 
 
 def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optional[AttnParts], list[str]]:
@@ -216,26 +312,38 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         return None, [f"{path}: its attention did not call transformers' attention interface in the probe"]
     once = {n for n, c in seen["calls"].items() if c == 1 and _same(seen["child_in"].get(n), seen["in"])}
     heads, kv_heads = call["query"].shape[1], call["key"].shape[1]
-    found: dict[str, Optional[str]] = {}
-    rotary = False
+    outputs = _outputs(seen, once)
+    found: dict[str, tuple[str, Optional[int]]] = {}
+    rotation: Optional[int] = None
     for role, heads_of in (("query", heads), ("key", kv_heads), ("value", kv_heads)):
-        viewed = {n: _as_heads(seen["child_out"].get(n), heads_of, call[role]) for n in once}
+        viewed = {n: _as_heads(t, heads_of, call[role]) for n, t in outputs.items()}
         matches = [n for n, t in viewed.items() if _same(t, call[role])]
-        if not matches and role != "value":
+        if not matches and role != "value":  # rotated: as the query was, or as the first rotation that gives it
             angles = _angles(seen.get("kwargs", {}))
-            matches = [n for n, t in viewed.items() if _same(_rotated(t, angles), call[role])]
-            rotary = rotary or bool(matches)
-        found[role] = matches[0] if len(matches) == 1 else None
-        if found[role] is None:
+            for r in range(len(ROTATIONS)) if rotation is None else (rotation,):
+                matches = [n for n, t in viewed.items() if _same(_rotated(t, angles, ROTATIONS[r]), call[role])]
+                if matches:
+                    rotation = r
+                    break
+        if len(matches) != 1:
             return None, [f"{path}: no one child of its attention gives the attention function's {role}"]
+        found[role] = matches[0]
+    names = {name for name, _ in found.values()}
+    thirds = tuple(third for _, third in found.values())
+    fused = len(names) == 1 and None not in thirds and len(set(thirds)) == 3
+    if not fused and (len(names) != 3 or any(t is not None for t in thirds)):
+        return None, [f"{path}: its attention's query, key and value do not come from three children or one's thirds"]
+    projected = outputs[(found["query"][0], None)]
+    batched = projected.dim() == 3
+    if not batched and not fused:
+        return None, [f"{path}: its attention's separate projections give no batch dimension"]
     z = call["out"].flatten(-2)
+    z = z if batched else z.squeeze(0)
     o = [
         n
         for n, c in seen["calls"].items()
         if c == 1 and _same(seen["child_in"].get(n), z) and _same(seen["child_out"].get(n), seen.get("out"))
     ]
-    if len(set(found.values())) != 3:
-        return None, [f"{path}: its attention's query, key and value do not come from three children"]
     if len(o) != 1:
         return None, [f"{path}: no one child of its attention reads the attention function's output"]
     reasons = []
@@ -246,14 +354,18 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
     ):
         reasons.append(f"{path}: explicit attention does not give the attention's own output")
     parts = AttnParts(
-        cast(str, found["query"]),
-        cast(str, found["key"]),
-        cast(str, found["value"]),
+        found["query"][0],
+        found["key"][0],
+        found["value"][0],
         o[0],
         heads,
         kv_heads,
         not reasons,
-        rotary,
+        rotary=rotation is not None,
+        fused=cast(tuple[int, int, int], thirds) if fused else None,
+        batched=batched,
+        gathered=bool(call["gathered"]),
+        rotation=rotation or 0,
     )
     return parts, reasons
 
@@ -263,7 +375,10 @@ def attention_names(parts: Optional[AttnParts]) -> list[str]:
     if parts is None:
         return []
     q, k, v = QKV_POINTS  # each query and key rotated as soon as it is projected, as on the language models
-    qkv = [q, ROTARY_POINTS[0], k, ROTARY_POINTS[1], v] if parts.rotary else list(QKV_POINTS)
+    if parts.fused is not None:  # the three parts of the fused projection, then their rotations
+        qkv = [*QKV_POINTS, *(ROTARY_POINTS if parts.rotary else ())]
+    else:
+        qkv = [q, ROTARY_POINTS[0], k, ROTARY_POINTS[1], v] if parts.rotary else list(QKV_POINTS)
     return [*qkv, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
 
 
@@ -282,7 +397,7 @@ def probe_attention(
         return None, None, [f"{path}: its blocks' attention modules share no config (its attention implementation)"]
     seen: list[dict] = [{} for _ in attentions]
     handles = [h for attention, s in zip(attentions, seen) for h in watch_attention(attention, s)]
-    recording: dict[int, dict[str, Any]] = {}
+    recording: dict[int, list[dict[str, Any]]] = {}
     backend.recording = recording
     routes: list[Any] = []
     try:
@@ -292,7 +407,8 @@ def probe_attention(
         for handle in (*handles, *routes):
             handle.remove()
         backend.recording = None
-    found = [find_attention(s, recording.get(i), f"{path}: block {i}") for i, s in enumerate(seen)]
+    calls = [merge_calls(backend, recording.get(i)) for i in range(len(seen))]
+    found = [find_attention(s, calls[i], f"{path}: block {i}") for i, s in enumerate(seen)]
     parts = [p for p, _ in found]
     reasons = [r for _, rs in found for r in rs]
     if any(p is None for p in parts):

@@ -45,17 +45,17 @@ from lensadapters.hooks.sites import (
     AttentionSite,
     InputSite,
     OutputSite,
-    ProjectionSite,
     ResidualSite,
 )
 from lensadapters.wiring.vision_attention import (
-    ROTATE_HALF,
+    ROTATIONS,
     AttnParts,
     TowerPatternBackend,
     TowerRotary,
     attention_names,
     probe_attention,
 )
+from lensadapters.wiring.vision_attention_sites import GatheredAttentionSite, attention_sites
 from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
@@ -417,27 +417,19 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
 
 
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
-    """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
-    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records), a pre-hook on the
-    output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    """A block's attention sites: a pre-hook on the attention module recording the ``(cos, sin)`` it gets (where it
+    rotates its queries and keys), forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
+    ``hook_rot_q/k`` rotated with those angles; the thirds of one fused projection's), its layer of the tower's
+    pattern backend (gathered over the whole sequence where it attends block by block) and a pre-hook on the output
+    projection's input (``hook_z``): :func:`~lensadapters.wiring.vision_attention_sites.attention_sites`."""
     assert tower.attn is not None
-    parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
+    parts, state = tower.attn[i], wiring.forward_state
     rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary else None
     if rotary is not None:
         rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
         wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
-    for x, child, heads in (
-        ("q", parts.q, parts.heads),
-        ("k", parts.k, parts.kv_heads),
-        ("v", parts.v, parts.kv_heads),
-    ):
-        point = pt(f"attn.hook_{x}")
-        if rotary is not None and x != "v":
-            wiring.add_site(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), ROTATE_HALF))
-        else:
-            wiring.add_site(ProjectionSite(get(child), point, heads, state))
-    if parts.patterns and tower.backend is not None:
-        site = AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
-        wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
+    rotation = ROTATIONS[parts.rotation]
+    for site in attention_sites(parts, attention, tower.backend, state, rotary, rotation, i, pt):
+        if isinstance(site, (AttentionSite, GatheredAttentionSite)):
+            wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
         wiring.add_site(site)
-    wiring.add_site(InputSite(get(parts.o), pt("attn.hook_z"), heads=parts.heads))

@@ -325,4 +325,3 @@ def test_an_unhooked_forward_after_hooks_is_hf_bitwise_and_gradients_reach_qkv()
     )
     assert _measure("qwen2_5_vl qkv gradient, patterns hooked vs HF", hooked, own) <= 1e-5 * float(own.abs().max())
     hm.unwrap()
-

@@ -4,13 +4,20 @@ forward (no name is known).
 The tower's attention modules call transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``) as the language
 models' do; the probe routes that call through the core's :class:`~lensadapters.hooks.attention.InterfacePatternBackend`
 (on the tower's own config: the language model's implementation is untouched) and records, in every block, what
-the attention function gets: ``query``, ``key``, ``value`` (``[b, h, p, d]``), the mask and the other arguments. Among
-the attention module's children (each called once):
+the attention function gets: ``query``, ``key``, ``value`` (``[b, h, p, d]``), the mask and the other arguments. A
+tower that calls the function several times in a block, once per block of its sequence (Qwen's: once per image, or
+per window, as its ``cu_seqlens`` cut the flattened patches of all images), is seen as one call: the calls' tensors
+concatenated along the positions (the probe's two images make two calls at least). Among the attention module's
+children (each called once):
 
 - ``hook_v``: the child reading the attention's input whose output, seen as ``[b, p, h, d]``, is the function's
-  ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``. Where the module rotates them first
-  (rotary embeddings, Pixtral's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the child whose
-  output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half), is the ``query`` (``key``) exactly:
+  ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``; or one child whose output's thirds are
+  the query, key and value (a fused projection, Qwen's ``qkv``: :class:`~lensadapters.hooks.sites.FusedQKVSite`).
+  A tower running its images' patches as one flat sequence (``[p, features]``, Qwen's) has a batch of 1: its
+  points are ``[1, p, h, d]`` (``[1, h, p, p]``). Where the module rotates them first
+  (rotary embeddings, Pixtral's and Qwen's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the
+  child whose output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half, in the queries' dtype
+  or, as Qwen's ``apply_rotary_pos_emb_vision``, in float32: :data:`ROTATIONS`), is the ``query`` (``key``) exactly:
   TransformerLens' ``hook_q``/``hook_k`` are before rotary, ``hook_rot_q``/``hook_rot_k`` the rotated values (an edit
   of those is rotated back and added to the projection's output as a difference, as on the language models). An edit
   of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it);
@@ -22,6 +29,9 @@ the attention module's children (each called once):
   ``is_causal = False``): no causal mask. The tower's own mask is honoured as the model builds it: none for one image
   of a fixed size (CLIP, SigLIP), Pixtral's block-diagonal mask where several images share one sequence (a query
   sees only its own image's patches; blocked scores are ``-inf``, their pattern 0), Idefics3's padding-patch mask.
+  Where the tower attends block by block (several calls), the patterns are of the whole sequence, block-diagonal
+  over the calls (:func:`gathered_attention`; the sites gather the hooked layer's calls:
+  :class:`~lensadapters.wiring.vision_attention_sites.GatheredAttentionSite`).
   Served only where the probe's explicit attention gives the tower's own output (to rounding) and refuses none of the
   tower's arguments; eager and sdpa only (the tower's implementation, not the language model's).
 
@@ -173,8 +183,10 @@ def gathered_attention(
                 f"{type(module).__name__} calls its attention function once per block of the sequence with a mask "
                 f"of each block's own; explicit attention over the whole sequence reads no such masks"
             )
-        if k.shape[2] != q.shape[2] or other.keys() != kwargs.keys() or any(
-            isinstance(v, Tensor) or v != kwargs[n] for n, v in other.items()
+        if (
+            k.shape[2] != q.shape[2]
+            or other.keys() != kwargs.keys()
+            or any(isinstance(v, Tensor) or v != kwargs[n] for n, v in other.items())
         ):
             raise UnsupportedModelError(
                 f"{type(module).__name__} calls its attention function once per block of the sequence with keys "
@@ -183,7 +195,11 @@ def gathered_attention(
     lengths = torch.tensor([c[0].shape[2] for c in chunks], device=query.device)
     ids = torch.repeat_interleave(torch.arange(len(chunks), device=query.device), lengths)
     mask = (ids[:, None] == ids[None, :])[None, None]  # [1, 1, pos, pos]: True where the query may see the key
-    query, key, value = (torch.cat([c[j] for c in chunks], dim=2) for j in range(3))
+    query, key, value = (
+        torch.cat([c[0] for c in chunks], dim=2),
+        torch.cat([c[1] for c in chunks], dim=2),
+        torch.cat([c[2] for c in chunks], dim=2),
+    )
     return backend.explicit(module, (query, key, value, mask), scores, pattern, **kwargs)[0]
 
 
@@ -211,7 +227,8 @@ def merge_calls(backend: InterfacePatternBackend, calls: Optional[list[dict]]) -
             merged["explicit"] = gathered_attention(backend, chunks, pass_through, pass_through)
         else:
             qkv_mask = (first["query"], first["key"], first["value"], first["mask"])
-            merged["explicit"] = backend.explicit(first["module"], qkv_mask, pass_through, pass_through, **first["kwargs"])[0]
+            explicit = backend.explicit(first["module"], qkv_mask, pass_through, pass_through, **first["kwargs"])
+            merged["explicit"] = explicit[0]
     except UnsupportedModelError as exc:
         merged["error"] = str(exc)
     return merged

@@ -159,14 +159,17 @@ def attention_sites(
     """The sites of a block's attention points but its rotary angles' (``rotary``: the state they are recorded
     in, ``None`` where the attention rotates nothing): its projections' (separate, or one fused), its patterns'
     (gathered where it attends block by block) and its ``hook_z``."""
-    get, sites = attention.get_submodule, []
+    get = attention.get_submodule
+    sites: list[Site] = []
     if parts.fused is not None:
-        rot = (pt("attn.hook_rot_q"), pt("attn.hook_rot_k")) if rotary is not None else (None, None)
-        qkv = [pt(f"attn.hook_{x}") for x in "qkv"]
+        rot_q, rot_k = (pt("attn.hook_rot_q"), pt("attn.hook_rot_k")) if rotary is not None else (None, None)
+        q, k, v = (pt(f"attn.hook_{x}") for x in "qkv")
         layout = fused_layout(parts, rotation if rotary is not None else None)
-        sites.append(FusedQKVSite(get(parts.q), layout, *qkv, rotary if rotary is not None else state, *rot))
+        angles = rotary if rotary is not None else state
+        sites.append(FusedQKVSite(get(parts.q), layout, q, k, v, angles, rot_q, rot_k))
     else:
-        for x, child, heads in (("q", parts.q, parts.heads), ("k", parts.k, parts.kv_heads), ("v", parts.v, parts.kv_heads)):
+        projections = (("q", parts.q, parts.heads), ("k", parts.k, parts.kv_heads), ("v", parts.v, parts.kv_heads))
+        for x, child, heads in projections:
             point = pt(f"attn.hook_{x}")
             if rotary is not None and x != "v":
                 sites.append(ProjectionSite(get(child), point, heads, rotary, pt(f"attn.hook_rot_{x}"), rotation))

@@ -19,7 +19,9 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
-  attention rotates them, Pixtral) and ``attn.hook_attn_scores``/``hook_pattern``:
+  attention rotates them, Pixtral, Qwen; Qwen's from one fused ``qkv``, of its flat sequence of all images'
+  patches, a batch of 1) and ``attn.hook_attn_scores``/``hook_pattern`` (block-diagonal over the images, or
+  windows, where the tower attends one at a time):
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 

@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 
 from lensadapters import HookedModel
 from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.wiring.vision_attention import ROTATE_HALF
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
 from tests.test_vision_tower import _edit, _logits, _out
 from tests.test_vision_tower_attention import _add_to_head_0, _roll
@@ -324,4 +325,36 @@ def test_an_unhooked_forward_after_hooks_is_hf_bitwise_and_gradients_reach_qkv()
         lambda: hm.run_with_hooks(**batch, fwd_hooks=[("vision.blocks.0.attn.hook_pattern", lambda x, hook: x + 0)])
     )
     assert _measure("qwen2_5_vl qkv gradient, patterns hooked vs HF", hooked, own) <= 1e-5 * float(own.abs().max())
+    hm.unwrap()
+
+
+def test_in_bfloat16_the_rotary_points_rotate_in_float32_as_the_tower_does() -> None:
+    """Qwen's tower rotates its queries and keys in float32 and casts them back: in bfloat16 ``hook_rot_q/k`` are
+    HF's own rotation bit for bit, which the rotation in bfloat16 (Pixtral's) is not."""
+    model, batch = _model("qwen2_vl")
+    model.to(torch.bfloat16)
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    attention = tower_blocks_of(model)[0].attn
+    thirds: list[list] = [[], []]
+    angles: list = []
+    _plain(
+        model,
+        batch,
+        _qkv_hook(attention, 0, thirds[0]),
+        _qkv_hook(attention, 1, thirds[1]),
+        _angles_hook(attention, angles),
+    )
+    q, k = (t[0].squeeze(0) for t in thirds)
+    rot_q, rot_k = (t.unsqueeze(0) for t in _file(attention).apply_rotary_pos_emb_vision(q, k, *angles[0]))
+    hf = _logits(model, batch)
+    hm = _wrap(model)
+    with torch.no_grad():
+        assert torch.equal(_out(hm(**batch)), hf)
+        _, cache = hm.run_with_cache(
+            **batch, names_filter=["vision.blocks.0.attn.hook_rot_q", "vision.blocks.0.attn.hook_rot_k"]
+        )
+    assert cache["vision.blocks.0.attn.hook_rot_q"].dtype == torch.bfloat16
+    assert torch.equal(cache["vision.blocks.0.attn.hook_rot_q"], rot_q)
+    assert torch.equal(cache["vision.blocks.0.attn.hook_rot_k"], rot_k)
+    assert not torch.equal(ROTATE_HALF.apply(q.unsqueeze(0), *angles[0]), rot_q)  # in bfloat16: other numbers
     hm.unwrap()

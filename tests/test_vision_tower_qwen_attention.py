@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from lensadapters import HookedModel
+from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
 from lensadapters.wiring.vision_attention import ROTATE_HALF
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
@@ -358,3 +358,49 @@ def test_in_bfloat16_the_rotary_points_rotate_in_float32_as_the_tower_does() -> 
     assert torch.equal(cache["vision.blocks.0.attn.hook_rot_k"], rot_k)
     assert not torch.equal(ROTATE_HALF.apply(q.unsqueeze(0), *angles[0]), rot_q)  # in bfloat16: other numbers
     hm.unwrap()
+
+
+def test_an_edit_of_the_rotated_queries_reaches_the_patterns_of_the_same_forward() -> None:
+    """The gathered calls carry the edited queries: the pattern is the softmax of the edited ``hook_rot_q`` against
+    ``hook_rot_k`` on each image's block."""
+    model, batch = _model("qwen3_vl")
+    hm = _wrap(model)
+    at = "vision.blocks.1.attn."
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(x: torch.Tensor, hook: Any) -> None:
+        seen[hook.name] = x.clone()
+
+    hooks = [(at + "hook_rot_q", lambda x, hook: _edit(x)), *((at + p, keep) for p in ("hook_rot_q", "hook_rot_k"))]
+    hooks.append((at + "hook_pattern", keep))
+    with torch.no_grad():
+        hm.run_with_hooks(**batch, fwd_hooks=hooks)
+    q, k, pattern = seen[at + "hook_rot_q"], seen[at + "hook_rot_k"], seen[at + "hook_pattern"]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    expected = torch.softmax(scores.masked_fill(pattern == 0, float("-inf")), -1)
+    assert _measure("qwen3_vl pattern after a rot_q edit vs softmax of the edited q", pattern, expected) < 1e-5
+    hm.unwrap()
+
+
+def test_gathered_attention_is_the_calls_attention_and_refuses_masks_and_differing_arguments() -> None:
+    """Explicit attention over the concatenated calls with their block-diagonal mask gives each call's eager
+    attention; a call with a mask of its own, or arguments differing between the calls, is refused by name."""
+    from lensadapters.hooks.attention import InterfacePatternBackend
+    from lensadapters.wiring.vision_attention import _Pass, gathered_attention
+
+    model, _ = _model("qwen2_vl")
+    attention = tower_blocks_of(model)[0].attn
+    backend = InterfacePatternBackend(model.config.vision_config, [attention], lambda *args: None)
+    g = torch.Generator().manual_seed(0)
+    calls = [tuple(torch.randn(1, 4, n, 8, generator=g) for _ in range(3)) for n in (3, 5)]
+    chunks = [(q, k, v, None, {"scaling": 0.5, "is_causal": False}, attention) for q, k, v in calls]
+    through = _Pass()
+    out = gathered_attention(backend, chunks, through, through)  # type: ignore[arg-type]
+    eager = torch.cat([_file(attention).eager_attention_forward(attention, *c, None, 0.5)[0] for c in calls], dim=1)
+    assert out.shape == (1, 8, 4, 8) and _measure("gathered attention vs eager per call", out, eager) < 1e-6
+    masked = [chunks[0], (*chunks[1][:3], torch.zeros(1, 1, 5, 5), *chunks[1][4:])]
+    with pytest.raises(UnsupportedModelError, match="with a mask of each block's own"):
+        gathered_attention(backend, masked, through, through)  # type: ignore[arg-type]
+    differing = [chunks[0], (*chunks[1][:4], {"scaling": 0.25, "is_causal": False}, attention)]
+    with pytest.raises(UnsupportedModelError, match="arguments that differ between the blocks"):
+        gathered_attention(backend, differing, through, through)  # type: ignore[arg-type]

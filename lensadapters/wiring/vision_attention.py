@@ -175,7 +175,8 @@ def gathered_attention(
     keys of its own call only: the others' scores are ``-inf``, their pattern 0), through ``scores``/``pattern``
     (``[batch, head, query, key]`` of the whole sequence). The output ``[batch, pos, head, d_head]``, the calls'
     outputs concatenated. Refused by name (:class:`UnsupportedModelError`) where a call has a mask of its own, its
-    keys are not its queries' positions, or the calls' other arguments differ."""
+    keys are not its queries' positions, or the calls' other arguments differ (a tensor argument is the same one in
+    every call)."""
     query, key, value, _, kwargs, module = chunks[0]
     for q, k, _, mask, other, _ in chunks:
         if mask is not None:
@@ -186,7 +187,7 @@ def gathered_attention(
         if (
             k.shape[2] != q.shape[2]
             or other.keys() != kwargs.keys()
-            or any(isinstance(v, Tensor) or v != kwargs[n] for n, v in other.items())
+            or any(v is not kwargs[n] and (isinstance(v, Tensor) or v != kwargs[n]) for n, v in other.items())
         ):
             raise UnsupportedModelError(
                 f"{type(module).__name__} calls its attention function once per block of the sequence with keys "

@@ -1,5 +1,6 @@
-"""The sites of a vision tower's attention points where its attention is not one of separate projections on a
-batch of sequences (:mod:`lensadapters.wiring.vision_attention` finds which):
+"""The sites of a vision tower's attention points (but the pre-hook recording its rotary angles), for the forms
+:mod:`lensadapters.wiring.vision_attention` finds: separate projections on a batch of sequences (CLIP, SigLIP,
+Pixtral: :class:`~lensadapters.hooks.sites.ProjectionSite`, ``AttentionSite``, ``InputSite``), and
 
 - a fused projection (Qwen's towers' ``qkv``): ``hook_q/k/v`` are the thirds of its output, per head, read and
   edited as a forward hook on it (:class:`~lensadapters.hooks.sites.FusedQKVSite`, with :func:`fused_layout`),

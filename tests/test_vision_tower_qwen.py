@@ -4,7 +4,8 @@ probe builds those from the tower's config (:mod:`lensadapters.wiring.vision_inp
 points are served; each read is what a plain PyTorch hook on the tower's blocks (and their children) reads, each
 edit changes the logits exactly as the same edit by a plain hook does, reading changes nothing, no hook means HF's
 logits bitwise, and the language model's points are those (and the values) it has with the tower refused. Their
-attention computes q, k and v in one fused projection: its points are refused, by name."""
+attention's points (one fused ``qkv`` projection, a 2-D rotary, attention image by image) are
+``tests/test_vision_tower_qwen_attention.py``'s."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from tests.test_vision_tower_parts import _plain_logits, _references
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: Qwen's tower blocks' children: attention, MLP, the norm before each
 CHILDREN = ("attn", "mlp", "norm1", "norm2")
-#: a block's points, in the order they fire (no attention point: the fused qkv projection is refused)
+#: a block's points, in the order they fire (the attention's: tests/test_vision_tower_qwen_attention.py)
 BLOCK = (
     "hook_resid_pre",
     "ln1.hook_normalized",
+    *(f"attn.hook_{x}" for x in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")),
     "hook_attn_out",
     "hook_resid_mid",
     "hook_mlp_in",
@@ -46,7 +48,7 @@ def _wrap(model: Any) -> tuple[HookedModel, list[str]]:
     return hm, [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
 
 
-def test_the_probe_builds_one_grid_of_flattened_patches_from_the_towers_config() -> None:
+def test_the_probe_builds_two_images_of_flattened_patches_from_the_towers_config() -> None:
     model, _ = vlm("qwen2_5_vl")
     found = vision_tower(model)
     assert found is not None
@@ -54,9 +56,9 @@ def test_the_probe_builds_one_grid_of_flattened_patches_from_the_towers_config()
     built, why = probe_inputs(found[1])
     assert why is None and built is not None and set(built) == {"hidden_states", "grid_thw"}
     merge = config.spatial_merge_size
-    assert built["grid_thw"].tolist() == [[1, 2 * merge, 2 * merge]]
+    assert built["grid_thw"].tolist() == [[1, 2 * merge, 2 * merge], [1, 2 * merge, 4 * merge]]
     features = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    assert built["hidden_states"].shape == (4 * merge * merge, features)
+    assert built["hidden_states"].shape == (12 * merge * merge, features)
 
 
 @pytest.mark.parametrize("name", QWEN)
@@ -74,8 +76,7 @@ def test_qwen_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     hm, messages = _wrap(model)
     expected = ["vision.hook_embed", *(f"vision.blocks.{i}.{p}" for i in range(len(blocks)) for p in BLOCK)]
     assert [p for p in hm.hook_dict if p.startswith("vision.")] == expected
-    assert len(messages) == 1 and "attention points are not served" in messages[0]
-    assert "no one child of its attention gives the attention function's query" in messages[0]
+    assert not messages
     with torch.no_grad():
         assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
         logits, cache = hm.run_with_cache(**batch, names_filter=list(plain))

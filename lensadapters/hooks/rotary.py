@@ -23,7 +23,7 @@ from lensadapters.hooks.specs import RotarySpec
 Tensor = torch.Tensor
 
 __all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_half_spec", "half_table_rotate_half_spec"]
-__all__ += ["sectioned_rotate_half_spec", "merge_rotary_sections"]
+__all__ += ["sectioned_rotate_half_spec", "merge_rotary_sections", "float32_rotate_half_spec"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -89,6 +89,24 @@ def rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:
         return invert_rotate_half(y, cos, sin, rotary_dim)
 
     return RotarySpec(rotary_dim or 0, apply, invert)
+
+
+def float32_rotate_half_spec() -> RotarySpec:
+    """A ``RotarySpec`` for rotate-half RoPE over the whole head computed in float32 and cast back to the input's
+    dtype: ``x`` and ``(cos, sin)`` upcast, ``x * cos + rotate_half(x) * sin``, then ``.to(x.dtype)`` (the
+    operations of the vision towers' ``apply_rotary_pos_emb_vision``; in float32 the same numbers as
+    :func:`rotate_half_spec`'s)."""
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        _check(x, cos, x.shape[-1])
+        xf = x.float()
+        c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        return ((xf * c) + (rotate_half(xf) * s)).to(x.dtype)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return invert_rotate_half(y, cos, sin, y.shape[-1])
+
+    return RotarySpec(0, apply, invert)
 
 
 def half_table_rotate_half_spec(rotary_dim: Optional[int] = None) -> RotarySpec:

@@ -4,13 +4,20 @@ forward (no name is known).
 The tower's attention modules call transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``) as the language
 models' do; the probe routes that call through the core's :class:`~lensadapters.hooks.attention.InterfacePatternBackend`
 (on the tower's own config: the language model's implementation is untouched) and records, in every block, what
-the attention function gets: ``query``, ``key``, ``value`` (``[b, h, p, d]``), the mask and the other arguments. Among
-the attention module's children (each called once):
+the attention function gets: ``query``, ``key``, ``value`` (``[b, h, p, d]``), the mask and the other arguments. A
+tower that calls the function several times in a block, once per block of its sequence (Qwen's: once per image, or
+per window, as its ``cu_seqlens`` cut the flattened patches of all images), is seen as one call: the calls' tensors
+concatenated along the positions (the probe's two images make two calls at least). Among the attention module's
+children (each called once):
 
 - ``hook_v``: the child reading the attention's input whose output, seen as ``[b, p, h, d]``, is the function's
-  ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``. Where the module rotates them first
-  (rotary embeddings, Pixtral's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the child whose
-  output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half), is the ``query`` (``key``) exactly:
+  ``value`` exactly; ``hook_q``/``hook_k`` likewise for ``query``/``key``; or one child whose output's thirds are
+  the query, key and value (a fused projection, Qwen's ``qkv``: :class:`~lensadapters.hooks.sites.FusedQKVSite`).
+  A tower running its images' patches as one flat sequence (``[p, features]``, Qwen's) has a batch of 1: its
+  points are ``[1, p, h, d]`` (``[1, h, p, p]``). Where the module rotates them first
+  (rotary embeddings, Pixtral's and Qwen's 2-D ones: it gets their ``(cos, sin)`` as ``position_embeddings``), the
+  child whose output, rotated as Hugging Face's ``apply_rotary_pos_emb`` does (rotate-half, in the queries' dtype
+  or, as Qwen's ``apply_rotary_pos_emb_vision``, in float32: :data:`ROTATIONS`), is the ``query`` (``key``) exactly:
   TransformerLens' ``hook_q``/``hook_k`` are before rotary, ``hook_rot_q``/``hook_rot_k`` the rotated values (an edit
   of those is rotated back and added to the projection's output as a difference, as on the language models). An edit
   of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it).
@@ -19,7 +26,8 @@ the attention module's children (each called once):
   ``attn.q_norm.hook_normalized`` (``k_norm``, ``v_norm``; ``[b, p, h, d]``) is the norm's output, what is rotated
   into ``hook_rot_q`` (or, for values, what the attention mixes), as on the language models. Gemma 4's rotation is
   recognised as rotate-half on each half of a head (its 2-D rotary over the patches' ``(x, y)`` positions:
-  :func:`axial_rotate_half_spec`), exactly;
+  :func:`axial_rotate_half_spec`), exactly. A fused projection followed by per-head norms is refused by name (its
+  norms' points are not served);
 - ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
   output is the attention module's;
 - ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
@@ -28,6 +36,9 @@ the attention module's children (each called once):
   ``is_causal = False``): no causal mask. The tower's own mask is honoured as the model builds it: none for one image
   of a fixed size (CLIP, SigLIP), Pixtral's block-diagonal mask where several images share one sequence (a query
   sees only its own image's patches; blocked scores are ``-inf``, their pattern 0), Idefics3's padding-patch mask.
+  Where the tower attends block by block (several calls), the patterns are of the whole sequence, block-diagonal
+  over the calls (:func:`gathered_attention`; the sites gather the hooked layer's calls:
+  :class:`~lensadapters.wiring.vision_attention_sites.GatheredAttentionSite`).
   Served only where the probe's explicit attention gives the tower's own output (to rounding) and refuses none of the
   tower's arguments; eager and sdpa only (the tower's implementation, not the language model's).
 
@@ -45,7 +56,7 @@ from torch import nn
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half, rotate_half_spec
+from lensadapters.hooks.rotary import apply_rotate_half, float32_rotate_half_spec, invert_rotate_half, rotate_half_spec
 from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
@@ -55,8 +66,10 @@ QKV_POINTS = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
 ROTARY_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k")
 PATTERN_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
 Z_POINT = "attn.hook_z"
-#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb``
+#: the rotary embeddings a tower's attention may apply: Hugging Face's rotate-half ``apply_rotary_pos_emb`` (in
+#: the queries' dtype), and the same computed in float32 and cast back (Qwen's ``apply_rotary_pos_emb_vision``)
 ROTATE_HALF = rotate_half_spec()
+ROTATE_HALF_FLOAT32 = float32_rotate_half_spec()
 
 
 def axial_rotate_half_spec(axes: int = 2) -> RotarySpec:
@@ -80,9 +93,10 @@ def axial_rotate_half_spec(axes: int = 2) -> RotarySpec:
     return RotarySpec(0, apply, invert)
 
 
-#: the rotations the probe recognises, by the name ``AttnParts.rotary`` keeps: rotate-half over the whole head
-#: (Pixtral), or over each half of it (Gemma 4's axial 2-D rotary)
-ROTATIONS = {"rotate_half": ROTATE_HALF, "axial": axial_rotate_half_spec(2)}
+#: the rotations the probe recognises, by the name ``AttnParts.rotary`` keeps, tried in this order: rotate-half over
+#: the whole head (Pixtral), the same in float32 (Qwen's; in float32 towers it is ``rotate_half``'s numbers and found as
+#: that), or over each half of it (Gemma 4's axial 2-D rotary)
+ROTATIONS = {"rotate_half": ROTATE_HALF, "rotate_half_float32": ROTATE_HALF_FLOAT32, "axial": axial_rotate_half_spec(2)}
 #: the implementations whose masks explicit attention reads
 IMPLEMENTATIONS = ("eager", "sdpa")
 #: the largest difference the probe accepts between the tower's attention output and explicit attention's (and
@@ -95,7 +109,14 @@ class AttnParts:
     """A block's attention: the names of its projections (children of the attention module), its heads, whether
     the explicit attention of ``hook_attn_scores``/``hook_pattern`` reproduces it, how it rotates its queries and
     keys (``None``: it does not; else a key of :data:`ROTATIONS`, with the ``position_embeddings`` it gets), and the
-    per-head norms between a projection and the rotation (Gemma 4's ``q_norm``/``k_norm``/``v_norm``), if any."""
+    per-head norms between a projection and the rotation (Gemma 4's ``q_norm``/``k_norm``/``v_norm``), if any.
+
+    ``fused``: ``q``, ``k`` and ``v`` name one child, whose output's thirds (``fused[0]``-th for the query...) are
+    the query, key and value (never with norms: the probe refuses those). ``batched``: the tensors have a batch
+    dimension (``False``: the tower runs its images' patches as one flat sequence, ``[pos, features]``; the points add
+    a batch dimension of 1). ``gathered``: the attention function is called once per block of the sequence (an image,
+    a window: ``cu_seqlens``), and the patterns are computed over the whole sequence with the block-diagonal mask of
+    those calls (:func:`gathered_attention`)."""
 
     q: str
     k: str
@@ -108,6 +129,9 @@ class AttnParts:
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
     v_norm: Optional[str] = None
+    fused: Optional[tuple[int, int, int]] = None
+    batched: bool = True
+    gathered: bool = False
 
     def norm(self, x: str) -> Optional[str]:
         """The norm after projection ``x`` (``"q"``, ``"k"`` or ``"v"``)."""
@@ -142,7 +166,7 @@ class TowerPatternBackend(InterfacePatternBackend):
 
     def __init__(self, config: Any, attention_modules: list[nn.Module]) -> None:
         super().__init__(config, attention_modules, _no_scores)
-        self.recording: Optional[dict[int, dict[str, Any]]] = None
+        self.recording: Optional[dict[int, list[dict[str, Any]]]] = None
 
     def activate(self, layer: int, site: Any) -> Any:
         impl = str(self.original or self.config._attn_implementation)
@@ -167,18 +191,87 @@ class TowerPatternBackend(InterfacePatternBackend):
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
         if self.recording is None:
+            gather = getattr(site, "gather", None)  # a layer attending block by block (GatheredAttentionSite)
+            if gather is not None:
+                return cast(tuple[Tensor, Tensor], gather(module, query, key, value, attention_mask, **kwargs))
             return super().attend(layer, site, module, query, key, value, attention_mask, **kwargs)
         out = original_function(self.original or "sdpa", module)(module, query, key, value, attention_mask, **kwargs)
-        seen = {"query": query, "key": key, "value": value, "out": out[0], "explicit": None, "error": None}
-        self.recording.setdefault(layer, seen)
-        try:
-            pass_through = cast(HookPoint, _Pass())
-            seen["explicit"] = self.explicit(
-                module, (query, key, value, attention_mask), pass_through, pass_through, **kwargs
-            )[0]
-        except UnsupportedModelError as exc:
-            seen["error"] = str(exc)
+        seen = {"query": query, "key": key, "value": value, "mask": attention_mask, "kwargs": kwargs}
+        self.recording.setdefault(layer, []).append({**seen, "module": module, "out": out[0]})
         return cast(tuple[Tensor, Tensor], out)
+
+
+#: a call of the attention function: ``(query, key, value, attention_mask, kwargs, module)``
+Chunk = tuple[Tensor, Tensor, Tensor, Optional[Tensor], dict, nn.Module]
+
+
+def gathered_attention(
+    backend: InterfacePatternBackend, chunks: list[Chunk], scores: HookPoint, pattern: HookPoint
+) -> Tensor:
+    """Explicit attention over the whole sequence of a layer that called its attention function once per block of
+    it (``chunks``, in order: each an image's, or a window's, patches, as the tower's ``cu_seqlens`` cut them):
+    their queries, keys and values concatenated along the positions, and a block-diagonal mask (a query sees the
+    keys of its own call only: the others' scores are ``-inf``, their pattern 0), through ``scores``/``pattern``
+    (``[batch, head, query, key]`` of the whole sequence). The output ``[batch, pos, head, d_head]``, the calls'
+    outputs concatenated. Refused by name (:class:`UnsupportedModelError`) where a call has a mask of its own, its
+    keys are not its queries' positions, or the calls' other arguments differ (a tensor argument is the same one in
+    every call)."""
+    query, key, value, _, kwargs, module = chunks[0]
+    for q, k, _, mask, other, _ in chunks:
+        if mask is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} calls its attention function once per block of the sequence with a mask "
+                f"of each block's own; explicit attention over the whole sequence reads no such masks"
+            )
+        if (
+            k.shape[2] != q.shape[2]
+            or other.keys() != kwargs.keys()
+            or any(v is not kwargs[n] and (isinstance(v, Tensor) or v != kwargs[n]) for n, v in other.items())
+        ):
+            raise UnsupportedModelError(
+                f"{type(module).__name__} calls its attention function once per block of the sequence with keys "
+                f"other than the block's queries or arguments that differ between the blocks"
+            )
+    lengths = torch.tensor([c[0].shape[2] for c in chunks], device=query.device)
+    ids = torch.repeat_interleave(torch.arange(len(chunks), device=query.device), lengths)
+    mask = (ids[:, None] == ids[None, :])[None, None]  # [1, 1, pos, pos]: True where the query may see the key
+    query, key, value = (
+        torch.cat([c[0] for c in chunks], dim=2),
+        torch.cat([c[1] for c in chunks], dim=2),
+        torch.cat([c[2] for c in chunks], dim=2),
+    )
+    return backend.explicit(module, (query, key, value, mask), scores, pattern, **kwargs)[0]
+
+
+def merge_calls(backend: InterfacePatternBackend, calls: Optional[list[dict]]) -> Optional[dict]:
+    """A layer's attention function calls in the probe as one: the queries, keys, values (``[b, h, p, d]``) and
+    outputs (``[b, p, h, d]``) concatenated along the positions, ``gathered`` where there were several (blocks of
+    the sequence), and the explicit attention of them (:func:`gathered_attention` of the blocks; of the one call's
+    mask) or why it is refused."""
+    if not calls:
+        return None
+    first = calls[0]
+    merged: dict[str, Any] = {
+        "query": torch.cat([c["query"] for c in calls], dim=2),
+        "key": torch.cat([c["key"] for c in calls], dim=2),
+        "value": torch.cat([c["value"] for c in calls], dim=2),
+        "out": torch.cat([c["out"] for c in calls], dim=1),
+        "gathered": len(calls) > 1,
+        "explicit": None,
+        "error": None,
+    }
+    pass_through = cast(HookPoint, _Pass())
+    try:
+        if merged["gathered"]:
+            chunks = [(c["query"], c["key"], c["value"], c["mask"], c["kwargs"], c["module"]) for c in calls]
+            merged["explicit"] = gathered_attention(backend, chunks, pass_through, pass_through)
+        else:
+            qkv_mask = (first["query"], first["key"], first["value"], first["mask"])
+            explicit = backend.explicit(first["module"], qkv_mask, pass_through, pass_through, **first["kwargs"])
+            merged["explicit"] = explicit[0]
+    except UnsupportedModelError as exc:
+        merged["error"] = str(exc)
+    return merged
 
 
 def tower_backend(modules: list[nn.Module]) -> Optional[TowerPatternBackend]:
@@ -221,7 +314,10 @@ def watch_attention(attention: nn.Module, seen: dict) -> list:
 
 
 def _as_heads(t: Any, heads: int, like: Tensor) -> Optional[Tensor]:
-    """A child's output ``[b, p, h * d]`` as the attention function's ``[b, h, p, d]``, or ``None``."""
+    """A child's output ``[b, p, h * d]`` (``[p, h * d]``: a batch of 1) as the attention function's
+    ``[b, h, p, d]``, or ``None``."""
+    if isinstance(t, Tensor) and t.dim() == 2:
+        t = t.unsqueeze(0)
     if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] % heads:
         return None
     t = t.unflatten(-1, (heads, -1)).transpose(1, 2)
@@ -250,22 +346,40 @@ def _rotated(t: Optional[Tensor], angles: Optional[tuple[Tensor, Tensor]], spec:
         return None
 
 
-def _chains(seen: dict, once: set[str], heads: int, like: Tensor) -> list[tuple[str, Optional[str], Tensor]]:
-    """Each projection among ``once`` (the children reading the attention's input) whose output is ``[b, p, heads,
-    d]``, with its output (``[b, h, p, d]``), and then each child called once that reads that output per head (a
-    norm after the projection) with the norm's output: ``(projection, norm or None, value)``."""
-    found: list[tuple[str, Optional[str], Tensor]] = []
+def _outputs(seen: dict, once: set[str]) -> dict[tuple[str, Optional[int]], Any]:
+    """The outputs of the children called once on the attention's input, by ``(name, None)``, and the thirds of
+    those whose features split in three (a fused projection's query, key and value), by ``(name, third)``."""
+    found: dict[tuple[str, Optional[int]], Any] = {}
     for name in sorted(once):
-        viewed = _as_heads(seen["child_out"].get(name), heads, like)
+        t = seen["child_out"].get(name)
+        found[(name, None)] = t
+        if isinstance(t, Tensor) and t.dim() in (2, 3) and t.shape[-1] % 3 == 0:
+            for third, part in enumerate(t.chunk(3, dim=-1)):
+                found[(name, third)] = part
+    return found
+
+
+#: where a query, key or value comes from: ``(projection, third of its output or None, norm after it or None)``
+Source = tuple[str, Optional[int], Optional[str]]
+
+
+def _chains(seen: dict, once: set[str], heads: int, like: Tensor) -> list[tuple[Source, Tensor]]:
+    """Each projection output among ``once`` (the children reading the attention's input; and each third of one:
+    :func:`_outputs`) that is ``[b, p, heads, d]`` (``[p, heads, d]``: a batch of 1), with that output (``[b, h, p,
+    d]``), and then each child called once that reads that output per head (a norm after the projection) with the
+    norm's output."""
+    found: list[tuple[Source, Tensor]] = []
+    for (name, third), t in _outputs(seen, once).items():
+        viewed = _as_heads(t, heads, like)
         if viewed is None:
             continue
-        found.append((name, None, viewed))
-        per_head = viewed.transpose(1, 2)
+        found.append(((name, third, None), viewed))
+        per_head = viewed.transpose(1, 2) if t.dim() == 3 else viewed.transpose(1, 2).squeeze(0)
         for norm, count in seen["calls"].items():
             out = seen["child_out"].get(norm)
             if count == 1 and norm not in once and _same(seen["child_in"].get(norm), per_head):
                 if isinstance(out, Tensor) and out.shape == per_head.shape:
-                    found.append((name, norm, out.transpose(1, 2)))
+                    found.append(((name, third, norm), (out if t.dim() == 3 else out.unsqueeze(0)).transpose(1, 2)))
     return found
 
 
@@ -276,32 +390,45 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         return None, [f"{path}: its attention did not call transformers' attention interface in the probe"]
     once = {n for n, c in seen["calls"].items() if c == 1 and _same(seen["child_in"].get(n), seen["in"])}
     heads, kv_heads = call["query"].shape[1], call["key"].shape[1]
-    found: dict[str, Optional[tuple[str, Optional[str]]]] = {}
+    found: dict[str, Source] = {}
     rotary: Optional[str] = None
     angles = _angles(seen.get("kwargs", {}))
     for role, heads_of in (("query", heads), ("key", kv_heads), ("value", kv_heads)):
         chains = _chains(seen, once, heads_of, call[role])
-        matches = [(p, n) for p, n, t in chains if _same(t, call[role])]
-        if not matches and role != "value":
+        matches = [s for s, t in chains if _same(t, call[role])]
+        if not matches and role != "value":  # rotated: as the query was, or as the first rotation that gives it
             for kind in [rotary] if rotary is not None else list(ROTATIONS):
-                spec = ROTATIONS[kind]
-                matches = [(p, n) for p, n, t in chains if _same(_rotated(t, angles, spec), call[role])]
+                matches = [s for s, t in chains if _same(_rotated(t, angles, ROTATIONS[kind]), call[role])]
                 if matches:
                     rotary = kind
                     break
-        found[role] = matches[0] if len(matches) == 1 else None
-        if found[role] is None:
+        if len(matches) != 1:
             return None, [f"{path}: no one child of its attention gives the attention function's {role}"]
-    q, k, v = (cast(tuple[str, Optional[str]], found[r]) for r in ("query", "key", "value"))
+        found[role] = matches[0]
+    q, k, v = (found[r] for r in ("query", "key", "value"))
+    names = {s[0] for s in (q, k, v)}
+    thirds = (q[1], k[1], v[1])
+    norms = [s[2] for s in (q, k, v) if s[2] is not None]
+    fused = len(names) == 1 and None not in thirds and len(set(thirds)) == 3
+    if not fused and (len(names) != 3 or any(t is not None for t in thirds)):
+        return None, [f"{path}: its attention's query, key and value do not come from three children or one's thirds"]
+    if len(set(norms)) != len(norms) or names & set(norms):
+        return None, [f"{path}: its attention's query, key and value are not normed by norms of their own"]
+    if fused and norms:
+        return None, [
+            f"{path}: its attention's fused projection {q[0]!r} is followed by per-head norms "
+            f"({', '.join(repr(n) for n in norms)}); the points of a fused projection's norms are not served"
+        ]
+    batched = cast(Tensor, seen["child_out"][q[0]]).dim() == 3
+    if not batched and not fused:
+        return None, [f"{path}: its attention's separate projections give no batch dimension"]
     z = call["out"].flatten(-2)
+    z = z if batched else z.squeeze(0)
     o = [
         n
         for n, c in seen["calls"].items()
         if c == 1 and _same(seen["child_in"].get(n), z) and _same(seen["child_out"].get(n), seen.get("out"))
     ]
-    names = [n for pair in (q, k, v) for n in pair if n is not None]
-    if len({q[0], k[0], v[0]}) != 3 or len(set(names)) != len(names):
-        return None, [f"{path}: its attention's query, key and value do not come from three children"]
     if len(o) != 1:
         return None, [f"{path}: no one child of its attention reads the attention function's output"]
     reasons = []
@@ -311,7 +438,22 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
         call["explicit"], call["out"], atol=_tolerance(z.dtype), rtol=_tolerance(z.dtype)
     ):
         reasons.append(f"{path}: explicit attention does not give the attention's own output")
-    parts = AttnParts(q[0], k[0], v[0], o[0], heads, kv_heads, not reasons, rotary, q[1], k[1], v[1])
+    parts = AttnParts(
+        q[0],
+        k[0],
+        v[0],
+        o[0],
+        heads,
+        kv_heads,
+        not reasons,
+        rotary,
+        q[2],
+        k[2],
+        v[2],
+        fused=cast(tuple[int, int, int], thirds) if fused else None,
+        batched=batched,
+        gathered=bool(call["gathered"]),
+    )
     return parts, reasons
 
 
@@ -325,8 +467,10 @@ def attention_names(parts: Optional[AttnParts]) -> list[str]:
         qkv.append(point)
         if parts.norm(x) is not None:
             qkv.append(f"attn.{x}_norm.hook_normalized")
-        if parts.rotary is not None and x != "v":
+        if parts.rotary is not None and x != "v" and parts.fused is None:
             qkv.append(ROTARY_POINTS["qk".index(x)])
+    if parts.fused is not None and parts.rotary is not None:  # the fused projection's three parts, then rotations
+        qkv += ROTARY_POINTS
     return [*qkv, *(PATTERN_POINTS if parts.patterns else ()), Z_POINT]
 
 
@@ -345,7 +489,7 @@ def probe_attention(
         return None, None, [f"{path}: its blocks' attention modules share no config (its attention implementation)"]
     seen: list[dict] = [{} for _ in attentions]
     handles = [h for attention, s in zip(attentions, seen) for h in watch_attention(attention, s)]
-    recording: dict[int, dict[str, Any]] = {}
+    recording: dict[int, list[dict[str, Any]]] = {}
     backend.recording = recording
     routes: list[Any] = []
     try:
@@ -355,7 +499,8 @@ def probe_attention(
         for handle in (*handles, *routes):
             handle.remove()
         backend.recording = None
-    found = [find_attention(s, recording.get(i), f"{path}: block {i}") for i, s in enumerate(seen)]
+    calls = [merge_calls(backend, recording.get(i)) for i in range(len(seen))]
+    found = [find_attention(s, calls[i], f"{path}: block {i}") for i, s in enumerate(seen)]
     parts = [p for p, _ in found]
     reasons = [r for _, rs in found for r in rs]
     if any(p is None for p in parts):

@@ -8,9 +8,11 @@ Choice: a small table of recognised arguments (:data:`BUILDERS`), keyed by the a
 - ``pixel_values``: one image of ``num_channels x image_size x image_size`` (``image_size`` required); with
   ``pixel_position_ids``, that image as its patches, one row of ``num_channels * patch_size ** 2`` pixels in
   ``(0, 1)`` per position;
-- ``grid_thw``: one image's grid of patches, ``[[1, 2 * spatial_merge_size, 2 * spatial_merge_size]]`` (a
-  ``spatial_merge_size`` of 1 where the config gives none): the smallest grid a tower merging its patches
-  ``merge x merge`` merges into more than one token;
+- ``grid_thw``: two images' grids of patches, ``[[1, 2 * m, 2 * m], [1, 2 * m, 4 * m]]`` for a
+  ``spatial_merge_size`` ``m`` (1 where the config gives none): the smallest grid a tower merging its patches
+  ``m x m`` merges into more than one token, and one twice as wide. Two images of different sizes: a tower that
+  attends image by image (``cu_seqlens``) calls its attention function once per image in the probe, and the
+  attention probe (:mod:`lensadapters.wiring.vision_attention`) sees the sequence's blocks;
 - ``hidden_states`` (the tower's first argument, only with a ``grid_thw``): the grid's patches flattened, one row
   of ``in_channels * temporal_patch_size * patch_size ** 2`` features per patch (``in_channels`` or
   ``num_channels``, 3 where neither is given; ``temporal_patch_size`` 1 where none is).
@@ -65,7 +67,7 @@ def _grid(config: Any, built: dict[str, Any], like: torch.Tensor) -> Optional[to
     merge = getattr(config, "spatial_merge_size", None) or 1
     if not isinstance(merge, int):
         return None
-    return torch.tensor([[1, 2 * merge, 2 * merge]], device=like.device)
+    return torch.tensor([[1, 2 * merge, 2 * merge], [1, 2 * merge, 4 * merge]], device=like.device)
 
 
 def _patches(config: Any, built: dict[str, Any], like: torch.Tensor) -> Optional[torch.Tensor]:

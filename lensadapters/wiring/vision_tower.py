@@ -21,8 +21,10 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
-  attention rotates them, Pixtral and Gemma 4; ``attn.q_norm``/``k_norm``/``v_norm.hook_normalized`` where per-head
-  norms follow the projections, Gemma 4) and ``attn.hook_attn_scores``/``hook_pattern``:
+  attention rotates them, Pixtral, Gemma 4 and Qwen; ``attn.q_norm``/``k_norm``/``v_norm.hook_normalized`` where
+  per-head norms follow the projections, Gemma 4; Qwen's from one fused ``qkv``, of its flat sequence of all images'
+  patches, a batch of 1) and ``attn.hook_attn_scores``/``hook_pattern`` (block-diagonal over the images, or
+  windows, where the tower attends one at a time):
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
 
@@ -47,13 +49,9 @@ from lensadapters.hooks.sites import (
     AttentionRotarySite,
     AttentionSite,
     InputSite,
-    NormedRotarySite,
     OutputSite,
-    ProjectionSite,
     ResidualSite,
 )
-from lensadapters.hooks.sites.base import completes_output
-from lensadapters.hooks.specs import ProjectionNorm
 from lensadapters.wiring.vision_attention import (
     ROTATIONS,
     AttnParts,
@@ -62,6 +60,7 @@ from lensadapters.wiring.vision_attention import (
     attention_names,
     probe_attention,
 )
+from lensadapters.wiring.vision_attention_sites import GatheredAttentionSite, attention_sites
 from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_parts import EDITS, BlockParts, check_part_edits, find_parts
 
@@ -431,46 +430,21 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
         )
 
 
-class CompletedOutputSite(OutputSite):
-    """A module's output whose edit everything else reading it sees: its hook completes the output
-    (:func:`~lensadapters.hooks.sites.base.completes_output`), so a projection norm's ``hook_normalized`` edit is what
-    ``hook_rot_q``/``hook_rot_k`` rotate, whatever order their hooks were installed in."""
-
-    def install(self) -> list[RemovableHandle]:
-        return [completes_output(self.module, self._hook)]
-
-
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:
-    """A block's attention sites: forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
-    ``hook_rot_q/k`` rotated with the ``(cos, sin)`` a pre-hook on the attention module records; on the outputs of
-    the per-head norms after the projections where it has them, with those norms' ``hook_normalized``), a pre-hook on
-    the output projection's input (``hook_z``), and its layer of the tower's pattern backend."""
+    """A block's attention sites: a pre-hook on the attention module recording the ``(cos, sin)`` it gets (where it
+    rotates its queries and keys), forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
+    ``hook_rot_q/k`` rotated with those angles; the thirds of one fused projection's; on the outputs of the per-head
+    norms after the projections where it has them, with those norms' ``hook_normalized``), its layer of the tower's
+    pattern backend (gathered over the whole sequence where it attends block by block) and a pre-hook on the output
+    projection's input (``hook_z``): :func:`~lensadapters.wiring.vision_attention_sites.attention_sites`."""
     assert tower.attn is not None
-    parts, get, state = tower.attn[i], attention.get_submodule, wiring.forward_state
+    parts, state = tower.attn[i], wiring.forward_state
     rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary is not None else None
-    spec = ROTATIONS[parts.rotary] if parts.rotary is not None else None
     if rotary is not None:
         rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
         wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
-    for x, child, heads in (
-        ("q", parts.q, parts.heads),
-        ("k", parts.k, parts.kv_heads),
-        ("v", parts.v, parts.kv_heads),
-    ):
-        point, norm = pt(f"attn.hook_{x}"), parts.norm(x)
-        rotated = (rotary, spec) if rotary is not None and spec is not None and x != "v" else None
-        if norm is not None:
-            wiring.add_site(ProjectionSite(get(child), point, heads, state))
-            wiring.add_site(CompletedOutputSite(get(norm), pt(f"attn.{x}_norm.hook_normalized")))
-            if rotated is not None:
-                layout, rot_point = ProjectionNorm(norm, "bphd"), pt(f"attn.hook_rot_{x}")
-                wiring.add_site(NormedRotarySite(get(norm), layout, heads, rot_point, rotated[1], rotated[0]))
-        elif rotated is not None:
-            wiring.add_site(ProjectionSite(get(child), point, heads, rotated[0], pt(f"attn.hook_rot_{x}"), rotated[1]))
-        else:
-            wiring.add_site(ProjectionSite(get(child), point, heads, state))
-    if parts.patterns and tower.backend is not None:
-        site = AttentionSite(i, tower.backend, pt("attn.hook_attn_scores"), pt("attn.hook_pattern"))
-        wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
+    rotation = ROTATIONS[parts.rotary] if parts.rotary is not None else None
+    for site in attention_sites(parts, attention, tower.backend, state, rotary, rotation, i, pt):
+        if isinstance(site, (AttentionSite, GatheredAttentionSite)):
+            wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
         wiring.add_site(site)
-    wiring.add_site(InputSite(get(parts.o), pt("attn.hook_z"), heads=parts.heads))

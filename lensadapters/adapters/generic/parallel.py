@@ -109,8 +109,12 @@ def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional
 
 
 def mid_value(x: Tensor, i: int, rec: Recording, split_: Split) -> Tensor:
-    """``hook_resid_mid``'s value in the probe (compared up to rounding): the layer's input ``x`` plus the outputs
-    before the middle; where they are scaled, the layer's output less the MLP's output."""
+    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the outputs before the middle, added in
+    the order that gives the layer's output exactly (:func:`split` found one: in bfloat16 another order differs by
+    more than the dtype's rounding of one sum); where they are scaled, the layer's output less the MLP's output."""
     if split_.scaled:
         return rec.layer_out[i].value - rec.children[(i, split_.after[0])].value
-    return x + sum((rec.children[(i, n)].value for n in split_.before), torch.zeros_like(x))
+    y = rec.layer_out[i].value
+    after = [rec.children[(i, n)].value for n in split_.after]
+    mids = _sums(x, [rec.children[(i, n)].value for n in split_.before])
+    return next((m for m in mids if _exact(_sums(m, after), y)), mids[0])

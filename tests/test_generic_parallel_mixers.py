@@ -134,7 +134,8 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     reference = copy.deepcopy(model)
     hm = _wrap(model)
     served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
-    canonical = {"hook_resid_mid", "hook_attn_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k", "attn.hook_v"}
+    canonical = {"hook_resid_mid", "hook_attn_out", "hook_mixer_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k"}
+    canonical |= {"attn.hook_v"}
     canonical |= {"mlp.hook_pre", "mlp.hook_post", "ln1.hook_scale", "ln2.hook_scale", "attn.hook_pattern"}
     assert {f"blocks.0.{n}" for n in canonical} <= served, sorted(served)
     layer = reference.model.layers[0]
@@ -143,7 +144,7 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         {
             "hook_resid_pre": (layer, "in"),
             "hook_attn_out": (layer.self_attn, "out"),
-            "mamba": (layer.mamba, "out"),
+            "hook_mixer_out": (layer.mamba, "out"),
             "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
             "hook_mlp_out": (layer.feed_forward, "out"),
             "hook_resid_post": (layer, "out"),
@@ -155,7 +156,9 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         },
     )
     # hook_attn_out is the attention branch's contribution: resid_mid adds it and the parallel mixer's output
-    assert torch.equal(seen["hook_resid_mid"], seen["hook_resid_pre"] + (seen.pop("mamba") + seen["hook_attn_out"]))
+    assert torch.equal(
+        seen["hook_resid_mid"], seen["hook_resid_pre"] + (seen["hook_mixer_out"] + seen["hook_attn_out"])
+    )
     x = seen["hook_resid_pre"]
     eps = layer.input_layernorm.variance_epsilon
     seen["ln1.hook_scale"] = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -166,14 +169,26 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         errors[name] = _relative(got.reshape(want.shape), want)
     # (the cache of every point runs the attention the core computes explicitly for its pattern: rounding apart)
     assert max(errors.values()) <= 1e-5, errors
+    # the points' own sum: hook_resid_mid = hook_resid_pre + hook_attn_out + hook_mixer_out (the layer's order)
+    got = {n: cache[f"blocks.0.{n}"] for n in ("hook_resid_pre", "hook_attn_out", "hook_mixer_out", "hook_resid_mid")}
+    whole = got["hook_resid_pre"] + (got["hook_mixer_out"] + got["hook_attn_out"])
+    assert _relative(whole, got["hook_resid_mid"]) <= 1e-6
     edits = {
         "hook_attn_out": _add_to_output(layer.self_attn, _delta(seen["hook_attn_out"], 1)),
+        "hook_mixer_out": _add_to_output(layer.mamba, _delta(seen["hook_mixer_out"], 6)),
         "hook_mlp_out": _add_to_output(layer.feed_forward, _delta(seen["hook_mlp_out"], 2)),
         "hook_resid_mid": _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], _delta(x, 3)),
         "attn.hook_v": _add_to_output(layer.self_attn.v_proj, _delta(seen["attn.hook_v"], 4)),
         "mlp.hook_post": _add_to_input(layer.feed_forward.down_proj, _delta(seen["mlp.hook_post"], 5)),
     }
-    deltas = {"hook_attn_out": 1, "hook_mlp_out": 2, "hook_resid_mid": 3, "attn.hook_v": 4, "mlp.hook_post": 5}
+    deltas = {
+        "hook_attn_out": 1,
+        "hook_mixer_out": 6,
+        "hook_mlp_out": 2,
+        "hook_resid_mid": 3,
+        "attn.hook_v": 4,
+        "mlp.hook_post": 5,
+    }
     like = {**seen, "hook_resid_mid": x}
     for name, install in edits.items():
         error = _edit_error(hm, reference, f"blocks.0.{name}", _delta(like[name], deltas[name]), install)
@@ -190,7 +205,7 @@ def test_falcon_h1_with_branch_multipliers_gets_the_points_after_its_middle_and_
     hm = _wrap(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     # the layer adds its mixers' outputs scaled: no module's output is what it adds, nor are the keys k_proj's
-    assert not served & {"hook_attn_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    assert not served & {"hook_attn_out", "hook_mixer_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
     assert "a branch multiplier" in findings(model).missing["hook_attn_out"]
     # after its middle it adds the MLP's output as it is: hook_resid_mid, ln2 and hook_mlp_out are served
     assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served, sorted(served)
@@ -224,7 +239,7 @@ def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() ->
     model = _model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
     hm = _wrap(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
-    assert {"hook_attn_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served, sorted(served)
+    assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served
     assert "attn.hook_k" not in served and "mlp.hook_pre" not in served, sorted(served)
     names = [f"blocks.0.{n}" for n in sorted(served)]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
@@ -337,6 +352,7 @@ def _falcon_h1_edits(layer: torch.nn.Module, like: dict[str, Tensor]) -> dict[st
     attn, mlp = layer.self_attn, layer.feed_forward
     return {
         "hook_attn_out": lambda d: _add_to_output(attn, d),
+        "hook_mixer_out": lambda d: _add_to_output(layer.mamba, d),
         "hook_mlp_out": lambda d: _add_to_output(mlp, d),
         "hook_resid_mid": lambda d: _resid_mid_edit(layer, layer.pre_ff_layernorm, [mlp], d),
         "attn.hook_q": lambda d: _add_to_output(attn.q_proj, d.reshape(like["attn.hook_q"].shape)),
@@ -400,7 +416,9 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
         assert bool(want.abs().max() > 0), point  # the edit reaches the loss
         errors[point] = _relative(grad, want)
         with torch.no_grad():  # central differences at two steps, extrapolated (Richardson: no step squared term)
-            central = [(through_hm(d0 + h * direction) - through_hm(d0 - h * direction)) / (2 * h) for h in (0.04, 0.02)]
+            central = [
+                (through_hm(d0 + h * direction) - through_hm(d0 - h * direction)) / (2 * h) for h in (0.04, 0.02)
+            ]
         numeric = float(4 * central[1] - central[0]) / 3
         analytic = float((grad * direction).sum())
         # relative to the gradient's norm (the largest directional derivative along a unit direction)

@@ -293,13 +293,14 @@ def test_a_residual_multiplier_leaves_granites_branches_unserved() -> None:
 
 def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
     """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
-    logits of one forward over the generated tokens with the same edit of hook_attn_out or hook_resid_mid."""
+    logits of one forward over the generated tokens with the same edit of hook_attn_out, hook_mixer_out or
+    hook_resid_mid."""
     from lensadapters.testing.contract_support import check_edited_generation
     from lensadapters.testing.strategies import Inputs
 
     hm = _wrap(_model("falcon_h1"))
     ids = input_ids()
-    for point in ("blocks.1.hook_attn_out", "blocks.0.hook_resid_mid"):
+    for point in ("blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"):
         assert point in hm.hook_names, point
         one_pass, unedited, _ = check_edited_generation(
             hm,

@@ -462,6 +462,6 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
             errors[point] = _edit_error(hm, reference, f"blocks.0.{point}", d, make(d))
         norms = {p for p in errors if p.startswith(("ln1.", "ln2."))}
         assert all(e == 0.0 for p, e in errors.items() if p not in norms), errors
-        # the norms' edits: the plain hook's formula rounds its own way (measured 2.3% of the largest logit at most)
+        # the norms' edits: the plain hook's formula rounds its own way (measured 2.7% of the largest logit at most)
         assert max(errors[p] for p in norms) <= 0.05 * float(plain.abs().max()), (errors, float(plain.abs().max()))
     hm.unwrap()

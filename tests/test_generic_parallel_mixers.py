@@ -134,7 +134,8 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     reference = copy.deepcopy(model)
     hm = _wrap(model)
     served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
-    canonical = {"hook_resid_mid", "hook_attn_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k", "attn.hook_v"}
+    canonical = {"hook_resid_mid", "hook_attn_out", "hook_mixer_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k"}
+    canonical |= {"attn.hook_v"}
     canonical |= {"mlp.hook_pre", "mlp.hook_post", "ln1.hook_scale", "ln2.hook_scale", "attn.hook_pattern"}
     assert {f"blocks.0.{n}" for n in canonical} <= served, sorted(served)
     layer = reference.model.layers[0]
@@ -143,7 +144,7 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         {
             "hook_resid_pre": (layer, "in"),
             "hook_attn_out": (layer.self_attn, "out"),
-            "mamba": (layer.mamba, "out"),
+            "hook_mixer_out": (layer.mamba, "out"),
             "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
             "hook_mlp_out": (layer.feed_forward, "out"),
             "hook_resid_post": (layer, "out"),
@@ -155,7 +156,9 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         },
     )
     # hook_attn_out is the attention branch's contribution: resid_mid adds it and the parallel mixer's output
-    assert torch.equal(seen["hook_resid_mid"], seen["hook_resid_pre"] + (seen.pop("mamba") + seen["hook_attn_out"]))
+    assert torch.equal(
+        seen["hook_resid_mid"], seen["hook_resid_pre"] + (seen["hook_mixer_out"] + seen["hook_attn_out"])
+    )
     x = seen["hook_resid_pre"]
     eps = layer.input_layernorm.variance_epsilon
     seen["ln1.hook_scale"] = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -166,14 +169,26 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
         errors[name] = _relative(got.reshape(want.shape), want)
     # (the cache of every point runs the attention the core computes explicitly for its pattern: rounding apart)
     assert max(errors.values()) <= 1e-5, errors
+    # the points' own sum: hook_resid_mid = hook_resid_pre + hook_attn_out + hook_mixer_out (the layer's order)
+    got = {n: cache[f"blocks.0.{n}"] for n in ("hook_resid_pre", "hook_attn_out", "hook_mixer_out", "hook_resid_mid")}
+    whole = got["hook_resid_pre"] + (got["hook_mixer_out"] + got["hook_attn_out"])
+    assert _relative(whole, got["hook_resid_mid"]) <= 1e-6
     edits = {
         "hook_attn_out": _add_to_output(layer.self_attn, _delta(seen["hook_attn_out"], 1)),
+        "hook_mixer_out": _add_to_output(layer.mamba, _delta(seen["hook_mixer_out"], 6)),
         "hook_mlp_out": _add_to_output(layer.feed_forward, _delta(seen["hook_mlp_out"], 2)),
         "hook_resid_mid": _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], _delta(x, 3)),
         "attn.hook_v": _add_to_output(layer.self_attn.v_proj, _delta(seen["attn.hook_v"], 4)),
         "mlp.hook_post": _add_to_input(layer.feed_forward.down_proj, _delta(seen["mlp.hook_post"], 5)),
     }
-    deltas = {"hook_attn_out": 1, "hook_mlp_out": 2, "hook_resid_mid": 3, "attn.hook_v": 4, "mlp.hook_post": 5}
+    deltas = {
+        "hook_attn_out": 1,
+        "hook_mixer_out": 6,
+        "hook_mlp_out": 2,
+        "hook_resid_mid": 3,
+        "attn.hook_v": 4,
+        "mlp.hook_post": 5,
+    }
     like = {**seen, "hook_resid_mid": x}
     for name, install in edits.items():
         error = _edit_error(hm, reference, f"blocks.0.{name}", _delta(like[name], deltas[name]), install)
@@ -190,7 +205,7 @@ def test_falcon_h1_with_branch_multipliers_gets_the_points_after_its_middle_and_
     hm = _wrap(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     # the layer adds its mixers' outputs scaled: no module's output is what it adds, nor are the keys k_proj's
-    assert not served & {"hook_attn_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    assert not served & {"hook_attn_out", "hook_mixer_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
     assert "a branch multiplier" in findings(model).missing["hook_attn_out"]
     # after its middle it adds the MLP's output as it is: hook_resid_mid, ln2 and hook_mlp_out are served
     assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served, sorted(served)
@@ -224,7 +239,7 @@ def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() ->
     model = _model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
     hm = _wrap(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
-    assert {"hook_attn_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served, sorted(served)
+    assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served
     assert "attn.hook_k" not in served and "mlp.hook_pre" not in served, sorted(served)
     names = [f"blocks.0.{n}" for n in sorted(served)]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
@@ -278,13 +293,14 @@ def test_a_residual_multiplier_leaves_granites_branches_unserved() -> None:
 
 def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
     """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
-    logits of one forward over the generated tokens with the same edit of hook_attn_out or hook_resid_mid."""
+    logits of one forward over the generated tokens with the same edit of hook_attn_out, hook_mixer_out or
+    hook_resid_mid."""
     from lensadapters.testing.contract_support import check_edited_generation
     from lensadapters.testing.strategies import Inputs
 
     hm = _wrap(_model("falcon_h1"))
     ids = input_ids()
-    for point in ("blocks.1.hook_attn_out", "blocks.0.hook_resid_mid"):
+    for point in ("blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"):
         assert point in hm.hook_names, point
         one_pass, unedited, _ = check_edited_generation(
             hm,
@@ -314,4 +330,138 @@ def test_a_norm_with_matrix_parameters_before_the_attention_leaves_the_points_af
     assert "hook_attn_out" in findings(model).missing
     names = [f"blocks.0.{n}" for n in ("hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()
+
+
+def _norm_edit(norm: torch.nn.Module, point: str, d: Tensor) -> Callable[[], list]:
+    """The RMSNorm ``norm`` computing its output from an edited scale (``hook_scale + d``) or normalized value
+    (``hook_normalized + d``): ``weight * x / (scale + d)``, ``weight * (x / scale + d)``, in the input's dtype."""
+
+    def hook(m: Any, a: Any, o: Any) -> Any:
+        x = a[0]
+        scale = (x.float().pow(2).mean(-1, keepdim=True) + m.variance_epsilon).sqrt()
+        if point == "hook_scale":
+            return m.weight * (x.float() / (scale + d.reshape(scale.shape))).to(x.dtype)
+        return m.weight * (x.float() / scale + d.reshape(x.shape)).to(x.dtype)
+
+    return lambda: [norm.register_forward_hook(hook)]
+
+
+def _falcon_h1_edits(layer: torch.nn.Module, like: dict[str, Tensor]) -> dict[str, Callable[[Tensor], Callable]]:
+    """For each parallel-branch point of a Falcon-H1 layer, the same edit (adding ``d``) made by plain PyTorch hooks
+    on the HF modules: ``install = edits[point](d)``."""
+    attn, mlp = layer.self_attn, layer.feed_forward
+    return {
+        "hook_attn_out": lambda d: _add_to_output(attn, d),
+        "hook_mixer_out": lambda d: _add_to_output(layer.mamba, d),
+        "hook_mlp_out": lambda d: _add_to_output(mlp, d),
+        "hook_resid_mid": lambda d: _resid_mid_edit(layer, layer.pre_ff_layernorm, [mlp], d),
+        "attn.hook_q": lambda d: _add_to_output(attn.q_proj, d.reshape(like["attn.hook_q"].shape)),
+        "attn.hook_v": lambda d: _add_to_output(attn.v_proj, d.reshape(like["attn.hook_v"].shape)),
+        "mlp.hook_pre": lambda d: _add_to_output(mlp.gate_proj, d),
+        "mlp.hook_post": lambda d: _add_to_input(mlp.down_proj, d),
+        "ln1.hook_scale": lambda d: _norm_edit(layer.input_layernorm, "hook_scale", d),
+        "ln1.hook_normalized": lambda d: _norm_edit(layer.input_layernorm, "hook_normalized", d),
+        "ln2.hook_scale": lambda d: _norm_edit(layer.pre_ff_layernorm, "hook_scale", d),
+        "ln2.hook_normalized": lambda d: _norm_edit(layer.pre_ff_layernorm, "hook_normalized", d),
+    }
+
+
+def _plain_shapes(reference: torch.nn.Module, layer: torch.nn.Module) -> dict[str, Tensor]:
+    """What the plain hooks of :func:`_falcon_h1_edits` add to, by point (their shapes)."""
+    attn = layer.self_attn
+    return _record(reference, {"attn.hook_q": (attn.q_proj, "out"), "attn.hook_v": (attn.v_proj, "out")})
+
+
+def _loss(logits: Tensor) -> Tensor:
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).to(logits.dtype)
+    return (logits * weights).sum() + logits.pow(2).sum() / logits.numel()
+
+
+def test_gradients_through_every_parallel_branch_edit_match_finite_differences_and_a_plain_hooks() -> None:
+    """In float64, for each point of Falcon-H1's parallel layer: the gradient of a loss of the logits with respect to
+    the edit (a tensor added at the point) equals the gradient through the same edit made by plain PyTorch hooks on
+    a copy of the model, and its directional derivative equals central finite differences (the model's RMSNorms
+    compute in float32: the differences are taken with steps that float32 rounding does not swamp, extrapolated)."""
+    model = _model("falcon_h1").double()
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    layer = reference.model.layers[0]
+    _, cache = hm.run_with_cache(input_ids())
+    edits = _falcon_h1_edits(layer, _plain_shapes(reference, layer))
+    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    assert set(edits) <= served, sorted(set(edits) - served)
+    errors, differences = {}, {}
+    for point, make in edits.items():
+        like = cache[f"blocks.0.{point}"]
+        d0 = _delta(like, 11).double() * 0.1
+        direction = _delta(like, 12).double()
+        direction = direction / direction.norm()
+
+        def through_hm(d: Tensor, point: str = point) -> Tensor:
+            with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d.reshape(t.shape))]):
+                return _loss(hm(input_ids(), use_cache=False).logits)
+
+        def through_plain(d: Tensor, make: Callable = make) -> Tensor:
+            handles = make(d)()
+            try:
+                return _loss(reference(input_ids(), use_cache=False).logits)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        d = d0.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(through_hm(d), d)
+        d = d0.clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(through_plain(d), d)
+        assert bool(want.abs().max() > 0), point  # the edit reaches the loss
+        errors[point] = _relative(grad, want)
+        with torch.no_grad():  # central differences at two steps, extrapolated (Richardson: no step squared term)
+            central = [
+                (through_hm(d0 + h * direction) - through_hm(d0 - h * direction)) / (2 * h) for h in (0.04, 0.02)
+            ]
+        numeric = float(4 * central[1] - central[0]) / 3
+        analytic = float((grad * direction).sum())
+        # relative to the gradient's norm (the largest directional derivative along a unit direction)
+        differences[point] = abs(numeric - analytic) / float(grad.norm())
+    # the same gradient (measured: bit for bit but the norms', whose plain hook rounds to float32 its own way, 1.5e-6)
+    assert all(e <= (1e-5 if p.startswith(("ln1.", "ln2.")) else 1e-12) for p, e in errors.items()), errors
+    # float32 rounding inside the model (its norms, the mixer's decay) and the steps' size: measured 2.4e-5 at most,
+    # and 2.6e-3 for a norm's scale, which the logits depend on through its inverse (steps of 0.04 on scales near 1)
+    assert all(e <= (1e-2 if p.endswith("hook_scale") else 1e-4) for p, e in differences.items()), differences
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "granitemoehybrid"])
+def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_change_and_edited_as_plain_hooks(
+    model_type: str,
+) -> None:
+    """The same points as the float32 model; reading every one changes no logit (bit for bit, but the scores and
+    patterns: hooking them computes the attention explicitly); an edit of each Falcon-H1 branch point gives the
+    logits of the same edit made by plain hooks on a copy (bit for bit, but the norms' edits, which the plain hook
+    computes by its own formula: to bfloat16 rounding)."""
+    config = {"layer_types": LINEAR_THEN_ATTENTION} if model_type == "granitemoehybrid" else {}
+    model = _model(model_type, **config)
+    hm = _wrap(model)
+    full = set(hm.hook_names)
+    hm.unwrap()
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    read = {n for n in full if not n.endswith(("hook_attn_scores", "hook_pattern"))}
+    with torch.no_grad():
+        plain = model(input_ids()).logits
+        logits, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name in read)
+    assert torch.equal(logits, plain) and set(cache.keys()) == read
+    if model_type == "falcon_h1":
+        layer = reference.model.layers[0]
+        errors = {}
+        for k, (point, make) in enumerate(_falcon_h1_edits(layer, _plain_shapes(reference, layer)).items()):
+            d = _delta(cache[f"blocks.0.{point}"], 20 + k) * (0.1 if point.endswith("hook_scale") else 1.0)
+            errors[point] = _edit_error(hm, reference, f"blocks.0.{point}", d, make(d))
+        norms = {p for p in errors if p.startswith(("ln1.", "ln2."))}
+        assert all(e == 0.0 for p, e in errors.items() if p not in norms), errors
+        # the norms' edits: the plain hook's formula rounds its own way (measured 2.7% of the largest logit at most)
+        assert max(errors[p] for p in norms) <= 0.05 * float(plain.abs().max()), (errors, float(plain.abs().max()))
     hm.unwrap()

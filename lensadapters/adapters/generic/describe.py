@@ -359,7 +359,8 @@ def describe_layer(
         raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
     attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
     mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
-    mid = resid_pre + attn_branch + _parallel_mixers(layer, i, rec, attn)
+    mid = _parallel_mid(layer, i, rec, attn)
+    mid = resid_pre + attn_branch if mid is None else mid
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
     if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
         parallel = True  # both branches read ln1's output (one shared pre-norm)
@@ -402,15 +403,16 @@ def describe_layer(
     )
 
 
-def _parallel_mixers(layer: nn.Module, i: int, rec: Recording, attn: str) -> Any:
-    """The output of the token mixer the layer runs beside its attention module before its middle, whose output it
-    adds as it is (:mod:`.parallel`); 0 where there is none."""
-    from lensadapters.adapters.generic.parallel import layer_split
+def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Optional[Tensor]:
+    """``resid_pre + attn_out +`` the output of the token mixer the layer runs beside its attention module before its
+    middle, whose output it adds as it is (:mod:`.parallel`), in the order the layer adds them; ``None`` where there
+    is no such mixer."""
+    from lensadapters.adapters.generic.parallel import layer_split, mid_value
 
     three = layer_split(i, layer, rec)
     if three is None or three.scaled or len(three.before) != 2 or attn not in three.before:
-        return 0
-    return next(rec.children[(i, n)].value for n in three.before if n != attn)
+        return None
+    return mid_value(rec.layer_in[i].value, i, rec, three)
 
 
 class NotThisShape(NotDescribed):

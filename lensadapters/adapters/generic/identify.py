@@ -74,6 +74,7 @@ class BlockFindings:
     copied: frozenset[str] = frozenset()  # points whose tensor the model writes into after producing it
     flat: frozenset[str] = frozenset()  # branch points whose module returns ``[b * p, d]`` (served as ``[b, p, d]``)
     mixer: Optional[Any] = None  # a layer of the mixer form: its norms', MLP's and mixer's points (:mod:`.mixer`)
+    beside: Optional[str] = None  # the token mixer run beside the attention, whose output is hook_mixer_out (.parallel)
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def _block(
         and all(o is not None and o.calls == 1 for o in outputs)
         and _sums_to_output(x.value, [o.value for o in outputs], y.value)
     )
-    form = None
+    form = beside = None
     if stream and (not branches_ok or hybrid):  # the mixer form: a token mixer of any kind and an MLP (.mixer)
         from lensadapters.adapters.generic import mixer as mixer_form
 
@@ -225,8 +226,13 @@ def _block(
         if found is not None:
             (attn, mlp), branches_ok = found, True
             form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
-            if attn is None and getattr(mixer_form._split(i, layer, rec), "scaled", False):
+            three = mixer_form._split(i, layer, rec)
+            if attn is None and getattr(three, "scaled", False):
                 notes.add("hook_attn_out", mixer_form.SCALED, i)
+            if three is not None:
+                from lensadapters.adapters.generic.parallel import beside as beside_of
+
+                beside = beside_of(three, attn)
     if not branches_ok:
         attn = mlp = None
         notes.add(
@@ -247,6 +253,10 @@ def _block(
             points += (list(PATTERNS) if patterns else []) + ["attn.hook_z"]
             if calls[0].output.written_later:
                 copied.add("attn.hook_z")
+        elif event[0] == "child" and event[1] == i and beside is not None and event[2] == beside:
+            points.append("hook_mixer_out")
+            if rec.children[(i, beside)].written_later:
+                copied.add("hook_mixer_out")
         elif event[0] == "child" and event[1] == i and event[2] in (attn, mlp):
             point = "hook_attn_out" if event[2] == attn else "hook_mlp_out"
             points += form.before("mlp" if event[2] == mlp else "attn", inside=True) if form is not None else []
@@ -261,7 +271,7 @@ def _block(
         points.append("hook_resid_post")
         if y is not None and y.written_later:
             copied.add("hook_resid_post")
-    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat), form)
+    return BlockFindings(tuple(points), attn, mlp, attention_function, frozenset(copied), frozenset(flat), form, beside)
 
 
 def _continues(i: int, rec: Recording, n: int) -> bool:

@@ -13,7 +13,8 @@ a layer that scales a branch has no such split, and its branch points are not se
   the MLP): ``hook_attn_out`` is the output of the one of the two that calls transformers' attention interface, the
   attention branch's contribution to the residual stream (``hook_resid_mid = hook_resid_pre + hook_attn_out +`` the
   parallel mixer's output; an edit of ``hook_attn_out`` reaches ``hook_resid_mid`` as if the attention had computed
-  it, the parallel mixer's contribution unchanged), ``hook_mlp_out`` the third child's output. Where neither of the
+  it, the parallel mixer's contribution unchanged), ``hook_mixer_out`` the other one's output (:func:`beside`: the
+  parallel mixer's contribution, listed where it runs), ``hook_mlp_out`` the third child's output. Where neither of the
   two calls the attention interface, the layer is not served here (which one is ``hook_attn_out`` is unknown).
 * **No exact sum before the middle** (``scaled``): the layer's output is exactly what a norm child reads (not the
   layer's input) plus the last child's output, but no sum of the first two children's outputs is what that norm
@@ -108,9 +109,21 @@ def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional
     return split_.before[0], None
 
 
+def beside(split_: Split, attention: Optional[str]) -> Optional[str]:
+    """The token mixer a three-branch layer runs beside its attention module before its middle, whose output the layer
+    adds as it is (``hook_mixer_out``: its contribution to ``hook_resid_mid``); ``None`` where there is none."""
+    if split_.scaled or len(split_.before) != 2 or attention not in split_.before:
+        return None
+    return next(n for n in split_.before if n != attention)
+
+
 def mid_value(x: Tensor, i: int, rec: Recording, split_: Split) -> Tensor:
-    """``hook_resid_mid``'s value in the probe (compared up to rounding): the layer's input ``x`` plus the outputs
-    before the middle; where they are scaled, the layer's output less the MLP's output."""
+    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the outputs before the middle, added in
+    the order that gives the layer's output exactly (:func:`split` found one: in bfloat16 another order differs by
+    more than the dtype's rounding of one sum); where they are scaled, the layer's output less the MLP's output."""
     if split_.scaled:
         return rec.layer_out[i].value - rec.children[(i, split_.after[0])].value
-    return x + sum((rec.children[(i, n)].value for n in split_.before), torch.zeros_like(x))
+    y = rec.layer_out[i].value
+    after = [rec.children[(i, n)].value for n in split_.after]
+    mids = _sums(x, [rec.children[(i, n)].value for n in split_.before])
+    return next((m for m in mids if _exact(_sums(m, after), y)), mids[0])

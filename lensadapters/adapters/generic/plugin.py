@@ -17,7 +17,12 @@ from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
 from lensadapters.adapters.generic.mixer_sites import layer_sites as mixer_sites
 from lensadapters.adapters.generic.own_attention import OWN_CODE
-from lensadapters.adapters.generic.references import AFTER_BLOCKS, DESCRIBED_ATTN_OUT, OPAQUE_REFERENCES
+from lensadapters.adapters.generic.references import (
+    AFTER_BLOCKS,
+    DESCRIBED_ATTN_OUT,
+    OPAQUE_REFERENCES,
+    PARALLEL_MIXERS,
+)
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
@@ -59,6 +64,7 @@ def findings(model: nn.Module) -> Findings:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         OPAQUE_REFERENCES[model] = internal_reference
+        PARALLEL_MIXERS[model] = {i: b.beside for i, b in enumerate(found.blocks) if b.beside is not None}
         register_mixer_form(model, found, _norms)
         OWN_CODE[model] = dict(found.own_attention)
         layers_found = found.description.layers if found.description is not None else []
@@ -261,6 +267,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     gated, claimed = gated_z_sites(hooked, backend, found.missing)  # the core's points this plugin serves itself
     sites += gated
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
+        if hooked.block_layouts[i] is not None and block.beside is not None:  # the mixer beside the attention
+            sites.append(_beside_site(hooked, i, layer, block))
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
@@ -309,6 +317,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             )
         if block.mixer is not None:
             sites += mixer_sites(hooked, i, layer, block, points)
+        if "hook_mixer_out" in points and block.beside is not None:
+            module = layer.get_submodule(block.beside)
+            sites.append(ModuleIOSite(module, points["hook_mixer_out"], copy="hook_mixer_out" in copied))
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
             if name in points:
                 module, flat = layer.get_submodule(path), name in block.flat
@@ -363,6 +374,18 @@ def _withhold_patterns(hooked: Any, found: Findings, claimed: set[str]) -> Optio
                 hooked.remove_point(full)
                 withheld = True
     return found.missing.get(PATTERNS_GROUP) if withheld else None
+
+
+def _beside_site(hooked: Any, i: int, layer: nn.Module, block: Any) -> Site:
+    """``hook_mixer_out`` of a described layer: the output of the token mixer it runs beside its attention module
+    (:mod:`.parallel`), listed where it fires: after the pre-norm both read, or after ``hook_attn_out`` where the
+    mixer runs after the attention module."""
+    first = block.points.index("hook_mixer_out") < block.points.index("hook_attn_out")
+    anchors = ["ln1.hook_normalized", "hook_resid_pre"] if first else ["hook_attn_out"]
+    after = next((f"blocks.{i}.{a}" for a in anchors if f"blocks.{i}.{a}" in hooked.hook_dict), None)
+    point = hooked.new_point(f"blocks.{i}.hook_mixer_out", after=after)
+    assert block.beside is not None
+    return ModuleIOSite(layer.get_submodule(block.beside), point, copy="hook_mixer_out" in block.copied)
 
 
 class _ResultThenOutput(Site):

@@ -41,6 +41,11 @@ OPAQUE_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Optional[
 )
 
 
+#: the token mixer a layer runs beside its attention module, whose output is ``hook_mixer_out`` (:mod:`.parallel`), by
+#: model and layer
+PARALLEL_MIXERS: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
 #: the module whose output is ``hook_attn_out`` of a described layer where it is not the block's attention module's
 #: (``LayerDescription.attn_out``: a projection whose output the attention module adds to the residual itself)
 DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
@@ -133,6 +138,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     layer, bl = hooked.block_modules[i], hooked.block_layouts[i]
     if rest == "hook_resid_pre":
         return Reference("in", layer)
+    if rest == "hook_mixer_out" and i in PARALLEL_MIXERS.get(model, {}):
+        return Reference("out", layer.get_submodule(PARALLEL_MIXERS[model][i]))
     if bl is not None and bl.post_norm and rest in _POST_NORM_POINTS:
         return _post_norm_reference(hooked, i, rest)
     if rest == "hook_resid_post":

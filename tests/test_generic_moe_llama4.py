@@ -65,8 +65,11 @@ def _parts(hm: HookedModel, layer: int) -> tuple[nn.Module, nn.Module, nn.Module
     block, layout = hm.block_modules[layer], hm.mlp_layouts[layer]
     assert isinstance(layout, MoELayout) and layout.shared is not None
     moe = block.get_submodule(hm.block_layouts[layer].mlp)
-    return moe, block.get_submodule(layout.router), block.get_submodule(layout.experts.module), block.get_submodule(
-        layout.shared
+    return (
+        moe,
+        block.get_submodule(layout.router),
+        block.get_submodule(layout.experts.module),
+        block.get_submodule(layout.shared),
     )
 
 

@@ -189,7 +189,7 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
     flat = x.reshape(-1, x.shape[-1])
     n = int(experts.gate_up_proj.shape[0])
     if len(args) == 1 and not kwargs and isinstance(experts_out, Tensor):
-        return _describe_scaled(model, moe, mlp, experts_path, experts, calls, flat, y)
+        return _describe_scaled(model, moe, mlp, experts_path, experts, calls, flat, y, n)
     if len(args) != 3 or kwargs or not isinstance(experts_out, Tensor):
         raise _Refused("the experts module is not called with (hidden states, top-k indices, top-k weights)")
     hidden, index, weights = args
@@ -251,7 +251,8 @@ def _router(
             continue
         r_args, r_kwargs, r_out = calls[name]
         bias = getattr(module, "bias", None)
-        logits = first_output(r_out) if at == 0 else (r_out[at] if isinstance(r_out, tuple) and len(r_out) > at else None)
+        logits = r_out[at] if at and isinstance(r_out, tuple) and len(r_out) > at else None
+        logits = first_output(r_out) if at == 0 else logits
         if (
             isinstance(logits, Tensor)
             and r_args
@@ -298,10 +299,10 @@ def _describe_scaled(
     calls: dict[str, tuple[tuple, dict, Any]],
     flat: Tensor,
     y: Tensor,
+    n: int,
 ) -> MoELayout:
     """The :class:`MoELayout` of a MoE whose routing weights scale its experts' input (``FusedExperts.scaled_input``,
-    the router returning ``(scores, logits)``: see the module docstring); ``_Refused`` with why not."""
-    n = int(experts.gate_up_proj.shape[0])
+    the router returning ``(scores, logits)``, ``n`` experts: see the module docstring); ``_Refused`` with why not."""
     (routed,), _, experts_out = calls[experts_path]
     if not (isinstance(routed, Tensor) and routed.shape == (n * flat.shape[0], flat.shape[-1])):
         raise _Refused("the experts module is called with one tensor that is not [experts * tokens, d_model]")
@@ -320,9 +321,9 @@ def _describe_scaled(
     for candidate in _routings(n, k, model.config, router):
         if candidate.order == "softmax_topk" or candidate.selection_bias is not None:
             continue  # the scores are the probabilities of every expert: those of a routing that selects first
-        probs, w, idx = route(candidate, logits)
-        same_zeros = torch.equal(probs == 0, ~chosen)
-        if probs.dtype == scores.dtype and same_zeros and _close(probs, scores) and torch.equal(idx, logits.topk(k, -1).indices):
+        probs, _, idx = route(candidate, logits)
+        same = probs.dtype == scores.dtype and torch.equal(probs == 0, ~chosen) and _close(probs, scores)
+        if same and torch.equal(idx, logits.topk(k, -1).indices):
             routing = candidate
             break
     if routing is None:

@@ -122,3 +122,21 @@ def test_topk_then_softmax_routing_and_a_router_bias() -> None:
     router = hooked.block_modules[0].router
     assert torch.equal(router_weight(hooked, 0), router.weight.T)  # type: ignore[arg-type]
     assert torch.equal(router_bias(hooked, 0), router.bias)  # type: ignore[arg-type]
+
+
+def test_topk_then_sigmoid_routing() -> None:
+    """``order="topk_sigmoid"``: the top-k logits are selected and the sigmoid of each taken (in float32, then the
+    logits' dtype), scattered over the experts with zeros elsewhere; no renormalization; an edit of a probability
+    outside the selection changes nothing, one inside it is that slot's weight."""
+    spec = Routing(E, 2, normalize=False, probabilities="sigmoid", order="topk_sigmoid")
+    logits = torch.randn(6, E, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    probs, weights, index = routing.route(spec, logits)
+    top = torch.topk(logits, 2, dim=-1)
+    assert torch.equal(index, top.indices) and weights.dtype == probs.dtype == torch.float64
+    assert torch.equal(weights, top.values.float().sigmoid().double())
+    assert torch.equal(probs.gather(-1, index), weights) and (probs.count_nonzero(-1) == 2).all()
+    assert not torch.allclose(weights.sum(-1), torch.ones(6, dtype=torch.float64))
+    outside = probs + (probs == 0) * 5.0
+    assert torch.equal(routing.select(spec, outside, logits)[0], weights)
+    inside = probs.scatter(-1, index[:, :1], 0.75)
+    assert torch.equal(routing.select(spec, inside, logits)[0][:, 0], torch.full((6,), 0.75, dtype=torch.float64))

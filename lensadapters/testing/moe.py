@@ -310,7 +310,7 @@ class MoEContract(AdapterContract):
                 assert torch.equal(index, new)
                 assert_close(weights, base[pre + "hook_routing_weights"], "each slot keeps its weight")
             else:
-                if which == "expert_weights" and layout.routing.order == "topk_softmax":
+                if which == "expert_weights" and layout.routing.order in ("topk_softmax", "topk_sigmoid"):
                     # routers that select first: the selection stays the logits', the weights are read there
                     probs, sel = new.double(), base[pre + "hook_expert_indices"]
                     top = torch.gather(probs, -1, sel)

@@ -43,10 +43,14 @@ def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor
     )
     glu = expert_glu(hm, layer)
     xs = x.double()
-    gate = torch.einsum("...d,...kdm->...km", xs, W_gate[index]) + b_gate[index]
-    up = torch.einsum("...d,...kdm->...km", xs, W_in[index]) + b_in[index]
+    scaled = getattr(hm.mlp_layouts[layer].experts, "scaled_input", False)  # the weights scale the experts' input
+    xk = xs[..., None, :] * weights.double()[..., None] if scaled else xs[..., None, :].expand(*index.shape, -1)
+    gate = torch.einsum("...kd,...kdm->...km", xk, W_gate[index]) + b_gate[index]
+    up = torch.einsum("...kd,...kdm->...km", xk, W_in[index]) + b_in[index]
     out = torch.einsum("...km,...kmd->...kd", glu(gate, up), W_out[index]) + b_out[index]
-    return (out * weights.double()[..., None]).sum(-2) + shared_output(hm, layer, x)
+    if not scaled:
+        out = out * weights.double()[..., None]
+    return out.sum(-2) + shared_output(hm, layer, x)
 
 
 def shared_output(hm: Any, layer: int, x: Tensor) -> Any:
@@ -111,11 +115,12 @@ def wrap_adapted_experts(peft_model: Any, ids: Tensor, registry: Any) -> tuple[A
 
 def route(layout: MoELayout, logits: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Reference routing: softmax over every expert (or a sigmoid of each), top-k, renormalized when the family does;
-    or (routers that select first) the top-k logits, the softmax over them, scattered over the experts. ``bias``:
+    or (routers that select first) the top-k logits, the softmax over them (or the sigmoid of each), scattered over
+    the experts. ``bias``:
     the router's selection bias (:func:`selection_bias`)."""
-    if layout.routing.order == "topk_softmax":
+    if layout.routing.order in ("topk_softmax", "topk_sigmoid"):
         values, index = torch.topk(logits.double(), layout.routing.top_k, dim=-1)
-        top = torch.softmax(values, dim=-1)
+        top = torch.softmax(values, dim=-1) if layout.routing.order == "topk_softmax" else torch.sigmoid(values)
         return torch.zeros_like(logits, dtype=torch.float64).scatter(-1, index, top), top, index
     if layout.routing.probabilities == "sigmoid":
         probs = torch.sigmoid(logits.double())

@@ -56,6 +56,7 @@ _PLACES = {
     "scale": "the scale the norm {where} divides by",
     "result": "the per-head terms of {where}'s output (its input times its weight, head by head)",
     "arg": "argument {spec} of {where}",
+    "scores": "the scores {where} returns, at the top-k of the logits it returns with them",
     "router_input": "the logits {where} computes from its input (an edit made by moving that input)",
     "head_input": "the input of {where}, given per head",
 }

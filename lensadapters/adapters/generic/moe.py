@@ -7,11 +7,16 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
 * **experts**: the one module inside the MoE module with 3-D ``gate_up_proj`` ``[E, 2 * d_mlp, d]`` and
   ``down_proj`` ``[E, d, d_mlp]`` parameters (or both stored transposed) and an ``act_fn``, called with the
   flattened hidden states, the top-k expert indices and their weights; the sum over its experts of
-  ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output;
+  ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output.
+  Or (the routing weights scaling the experts' *input*, ``FusedExperts.scaled_input``) called with one tensor
+  ``[E * tokens, d]``, block ``e`` the flattened MLP input times the scores the router returned for expert ``e``,
+  each block of its output ``down(act(gate) * up)`` of that block by expert ``e`` (zero where the score is);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
-  (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``);
-* **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after it, renormalized or
+  (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts
+  with a scaled input) ``(scores, logits)``, the scores ``[tokens, E]`` the probabilities of a select-first routing
+  (the routing weights at the selected experts, zeros elsewhere);
+* **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after either, renormalized or
   not, in float32 or the logits' dtype, a constant of the config multiplying the weights, a ``[E]`` attribute of the
   router added for choosing) under which the logits give exactly the indices, and the weights, the experts get;
 * **shared expert**: none when the MoE module's output is its experts' output, or the one other module inside the MoE
@@ -53,6 +58,15 @@ def is_mixture(module: nn.Module) -> bool:
     )
 
 
+def _copied(output: Any) -> Any:
+    """A module's output with its tensors (or a tuple's) cloned."""
+    if isinstance(output, Tensor):
+        return output.clone()
+    if isinstance(output, tuple):
+        return tuple(t.clone() if isinstance(t, Tensor) else t for t in output)
+    return output
+
+
 def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, dict, Any]]]:
     """The MoE module's output on ``x`` in eval mode (no router jitter), and each of its submodules' first call
     ``(args, kwargs, output)``; the modules' training flags are restored."""
@@ -63,7 +77,8 @@ def _run_alone(moe: nn.Module, x: Tensor) -> tuple[Any, dict[str, tuple[tuple, d
         if name:
 
             def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any, name: str = name) -> None:
-                calls.setdefault(name, (args, kwargs, output))
+                if name not in calls:  # a copy: the MoE module may add to a child's output in place (a shared expert)
+                    calls[name] = (args, kwargs, _copied(output))
 
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
@@ -94,6 +109,20 @@ def _expert_output(experts: nn.Module, spec: FusedExperts, x: Tensor, index: Ten
     return out
 
 
+def _scaled_expert_output(experts: nn.Module, spec: FusedExperts, routed: Tensor, n: int) -> Tensor:
+    """Each block of the experts' output as ``spec`` computes it on its block of ``routed`` ``[n * tokens, d]``
+    (expert ``e`` on block ``e``), in float64."""
+    gate_up, down = (getattr(experts, name).detach().double() for name in (spec.gate_up, spec.down))
+    if spec.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    act = getattr(experts, spec.act)
+    blocks = routed.double().unflatten(0, (n, -1))
+    both = torch.einsum("eod,etd->eto", gate_up, blocks)
+    gate, up = (both[..., ::2], both[..., 1::2]) if spec.interleaved else both.chunk(2, dim=-1)
+    h = act(gate.to(routed.dtype)).double() * up
+    return torch.einsum("edm,etm->etd", down, h).flatten(0, 1)
+
+
 def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
     """Every routing the search tries (see the module docstring)."""
     values: dict[str, Any] = getattr(config, "to_dict", lambda: {})()
@@ -108,9 +137,17 @@ def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
     ] + [None]
     out = []
     for probabilities, order, normalize, dtype, scale, bias in itertools.product(
-        ("softmax", "sigmoid"), ("softmax_topk", "topk_softmax"), (True, False), ("logits", "float32"), scales, biases
+        ("softmax", "sigmoid"),
+        ("softmax_topk", "topk_softmax", "topk_sigmoid"),
+        (True, False),
+        ("logits", "float32"),
+        scales,
+        biases,
     ):
-        if order == "topk_softmax" and (probabilities == "sigmoid" or normalize or scale != 1.0 or bias is not None):
+        select_first = order != "softmax_topk"
+        if select_first and (normalize or scale != 1.0 or bias is not None):
+            continue
+        if select_first and probabilities != ("sigmoid" if order == "topk_sigmoid" else "softmax"):
             continue
         out.append(
             Routing(
@@ -149,33 +186,17 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
     if not _close(first_output(out), y) or experts_path not in calls:
         raise _Refused("the MoE module run alone on its probe input does not give its output, or runs no experts")
     args, kwargs, experts_out = calls[experts_path]
+    flat = x.reshape(-1, x.shape[-1])
+    n = int(experts.gate_up_proj.shape[0])
+    if len(args) == 1 and not kwargs and isinstance(experts_out, Tensor):
+        return _describe_scaled(model, moe, mlp, experts_path, experts, calls, flat, y, n)
     if len(args) != 3 or kwargs or not isinstance(experts_out, Tensor):
         raise _Refused("the experts module is not called with (hidden states, top-k indices, top-k weights)")
     hidden, index, weights = args
-    flat = x.reshape(-1, x.shape[-1])
     if not (_close(hidden, flat) and index.dim() == weights.dim() == 2 and not index.is_floating_point()):
         raise _Refused("the experts module is not called with the flattened MLP input, top-k indices and weights")
-    n, k = int(experts.gate_up_proj.shape[0]), int(index.shape[-1])
-    routers = []
-    for name, module in moe.named_modules():
-        weight = getattr(module, "weight", None)
-        if name not in calls or not isinstance(weight, Tensor) or tuple(weight.shape) != (n, flat.shape[-1]):
-            continue
-        r_args, r_kwargs, r_out = calls[name]
-        bias = getattr(module, "bias", None)
-        logits = first_output(r_out)
-        if (
-            r_args
-            and isinstance(r_args[0], Tensor)
-            and _close(r_args[0].reshape(flat.shape), flat)
-            and _close(logits, F.linear(flat, weight, bias))
-        ):
-            routers.append((name, module, r_out, logits, len(r_args) + len(r_kwargs)))
-    if len(routers) != 1:
-        raise _Refused("no single module of the MoE maps the flattened MLP input to per-expert logits")
-    router_path, router, r_out, logits, given = routers[0]
-    if given != 1:  # a routing that reads what the MoE module hands it (a selection bias) is not a Routing's
-        raise _Refused("the router is called with more than the MLP input")
+    k = int(index.shape[-1])
+    router_path, router, r_out, logits = _router(moe, calls, flat, n, at=0)
     if isinstance(r_out, Tensor):
         router_output = "logits"
     elif (
@@ -207,25 +228,131 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
             break
     if spec is None:
         raise _Refused("the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts")
-    routed = experts_out.reshape(y.shape)
-    shared = None
-    if not _close(routed, y):
-        for name, (s_args, s_kwargs, s_out) in calls.items():
-            if "." in name or name in (experts_path, router_path) or not isinstance(s_out, Tensor):
-                continue
-            read = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
-            if not (isinstance(read, Tensor) and read.numel() == flat.numel() and s_out.numel() == y.numel()):
-                continue
-            if _close(read.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
-                shared = name
-        if shared is None:
-            raise _Refused("the MoE module's output is not its experts' output (plus one shared expert's output)")
+    shared = _shared(calls, (experts_path, router_path), flat, experts_out.reshape(y.shape), y)
     prefix = f"{mlp}."
     return MoELayout(
         router=prefix + router_path,
         routing=routing,
         experts=FusedExperts(prefix + spec.module, transposed=spec.transposed, interleaved=spec.interleaved),
         router_output=router_output,  # type: ignore[arg-type]
+        shared=prefix + shared if shared is not None else None,
+    )
+
+
+def _router(
+    moe: nn.Module, calls: dict[str, tuple[tuple, dict, Any]], flat: Tensor, n: int, at: int
+) -> tuple[str, nn.Module, Any, Tensor]:
+    """``(path, module, output, logits)`` of the one module of the MoE called with the flattened MLP input alone whose
+    output (its element ``at``, of a tuple) is ``F.linear`` of that input with its ``[n, d]`` weight (and bias)."""
+    routers = []
+    for name, module in moe.named_modules():
+        weight = getattr(module, "weight", None)
+        if name not in calls or not isinstance(weight, Tensor) or tuple(weight.shape) != (n, flat.shape[-1]):
+            continue
+        r_args, r_kwargs, r_out = calls[name]
+        bias = getattr(module, "bias", None)
+        logits = r_out[at] if at and isinstance(r_out, tuple) and len(r_out) > at else None
+        logits = first_output(r_out) if at == 0 else logits
+        if (
+            isinstance(logits, Tensor)
+            and r_args
+            and isinstance(r_args[0], Tensor)
+            and _close(r_args[0].reshape(flat.shape), flat)
+            and _close(logits, F.linear(flat, weight, bias))
+        ):
+            routers.append((name, module, r_out, logits, len(r_args) + len(r_kwargs)))
+    if len(routers) != 1:
+        raise _Refused("no single module of the MoE maps the flattened MLP input to per-expert logits")
+    router_path, router, r_out, logits, given = routers[0]
+    if given != 1:  # a routing that reads what the MoE module hands it (a selection bias) is not a Routing's
+        raise _Refused("the router is called with more than the MLP input")
+    return router_path, router, r_out, logits
+
+
+def _shared(
+    calls: dict[str, tuple[tuple, dict, Any]], excluded: tuple[str, ...], flat: Tensor, routed: Tensor, y: Tensor
+) -> Optional[str]:
+    """The MoE module's shared expert: ``None`` when its output ``y`` is the routed experts' sum ``routed``, else the
+    one other child reading the MLP input (flattened or not) whose output it adds (``_Refused`` where none does)."""
+    if _close(routed, y):
+        return None
+    shared = None
+    for name, (s_args, s_kwargs, s_out) in calls.items():
+        if "." in name or name in excluded or not isinstance(s_out, Tensor):
+            continue
+        read = first_input(s_args, s_kwargs)  # the MLP input, flattened or not
+        if not (isinstance(read, Tensor) and read.numel() == flat.numel() and s_out.numel() == y.numel()):
+            continue
+        if _close(read.reshape(flat.shape), flat) and _close(routed + s_out.reshape(y.shape), y):
+            shared = name
+    if shared is None:
+        raise _Refused("the MoE module's output is not its experts' output (plus one shared expert's output)")
+    return shared
+
+
+def _describe_scaled(
+    model: nn.Module,
+    moe: nn.Module,
+    mlp: str,
+    experts_path: str,
+    experts: nn.Module,
+    calls: dict[str, tuple[tuple, dict, Any]],
+    flat: Tensor,
+    y: Tensor,
+    n: int,
+) -> MoELayout:
+    """The :class:`MoELayout` of a MoE whose routing weights scale its experts' input (``FusedExperts.scaled_input``,
+    the router returning ``(scores, logits)``, ``n`` experts: see the module docstring); ``_Refused`` with why not."""
+    (routed,), _, experts_out = calls[experts_path]
+    if not (isinstance(routed, Tensor) and routed.shape == (n * flat.shape[0], flat.shape[-1])):
+        raise _Refused("the experts module is called with one tensor that is not [experts * tokens, d_model]")
+    router_path, router, r_out, logits = _router(moe, calls, flat, n, at=1)
+    scores = r_out[0] if isinstance(r_out, tuple) and len(r_out) == 2 else None
+    if not (isinstance(scores, Tensor) and scores.shape == logits.shape and scores.is_floating_point()):
+        raise _Refused("the router of experts called with one tensor does not return (scores, logits)")
+    if not _close(routed, flat.repeat(n, 1) * scores.T.reshape(-1, 1)):
+        raise _Refused("the experts' input is not the MLP input times each expert's score, expert by expert")
+    chosen = scores != 0
+    counts = chosen.sum(-1)
+    if not (counts.min() == counts.max() and int(counts.max()) >= 1):
+        raise _Refused("the router's scores do not select the same number of experts for every token")
+    k = int(counts.max())
+    routing = None
+    for candidate in _routings(n, k, model.config, router):
+        if candidate.order == "softmax_topk" or candidate.selection_bias is not None:
+            continue  # the scores are the probabilities of every expert: those of a routing that selects first
+        probs, _, idx = route(candidate, logits)
+        same = probs.dtype == scores.dtype and torch.equal(probs == 0, ~chosen) and _close(probs, scores)
+        if same and torch.equal(idx, logits.topk(k, -1).indices):
+            routing = candidate
+            break
+    if routing is None:
+        raise _Refused("no top-k softmax or sigmoid of the router's logits gives the scores it returns")
+    spec = None
+    for transposed, interleaved in itertools.product((False, True), (False, True)):
+        candidate_spec = FusedExperts(experts_path, transposed=transposed, interleaved=interleaved, scaled_input=True)
+        try:
+            computed = _scaled_expert_output(experts, candidate_spec, routed, n)
+        except RuntimeError:  # the parameters' shapes do not fit this layout
+            continue
+        if _close(computed, experts_out.double()):
+            spec = candidate_spec
+            break
+    if spec is None:
+        raise _Refused("each expert's block of the experts' output is not down(act(gate) * up) of its block of input")
+    unchosen = (~chosen).T.reshape(-1)
+    if experts_out[unchosen].count_nonzero():  # an expert not chosen must add nothing (no biases)
+        raise _Refused("an expert not chosen adds a non-zero output (its input scaled to zero)")
+    summed = experts_out.unflatten(0, (n, -1)).sum(0).reshape(y.shape)
+    shared = _shared(calls, (experts_path, router_path), flat, summed, y)
+    prefix = f"{mlp}."
+    return MoELayout(
+        router=prefix + router_path,
+        routing=routing,
+        experts=FusedExperts(
+            prefix + spec.module, transposed=spec.transposed, interleaved=spec.interleaved, scaled_input=True
+        ),
+        router_output="scores_logits",
         shared=prefix + shared if shared is not None else None,
     )
 

@@ -149,6 +149,18 @@ def _plain_hook(
             return replace_first_input(args, kwargs, x + shift.to(x.dtype))
 
         return ref.module.register_forward_pre_hook(pre_router, with_kwargs=True)
+    if ref.kind == "scores":  # a router returning (scores, logits): the scores at the top-k (``spec``) of the logits
+
+        def post_scores(module: nn.Module, args: tuple, output: Any) -> Any:
+            scores, logits = output[0], output[1]
+            index = torch.topk(logits, ref.spec, dim=-1).indices
+            weights = scores.gather(-1, index)
+            seen.append(weights.detach().clone())
+            if edit is None:
+                return None
+            return (scores.scatter(-1, index, edit(weights)), *output[1:])
+
+        return ref.module.register_forward_hook(post_scores)
     if ref.kind == "in":
         calls = [0]  # with an int ``spec``: only that call of the module (one module called on queries and keys)
 

@@ -291,12 +291,15 @@ def _post_norm_reference(hooked: Any, i: int, rest: str) -> Optional[Reference]:
 def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -> Optional[Reference]:
     """``mlp.hook_router_logits``: the router's output (a router returning its logits), or its own product of an
     input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
-    ``mlp.hook_routing_weights``: the weights the fused experts module is called with. No other MoE point has a
+    ``mlp.hook_routing_weights``: the weights the fused experts module is called with (a router returning
+    ``(scores, logits)``: its scores at the top-k of its logits, an edit scattered into them). No other MoE point has a
     plain PyTorch reference (the fused experts compute every expert in one call)."""
     unflat = _unflat
     if rest == "mlp.hook_router_logits":
         kind = "out" if moe.router_output == "logits" else "router_input"
         return Reference(kind, get(moe.router), unview=unflat, flat=True)
+    if rest == "mlp.hook_routing_weights" and moe.router_output == "scores_logits":
+        return Reference("scores", get(moe.router), unview=unflat, flat=True, spec=moe.routing.top_k)
     if rest == "mlp.hook_routing_weights" and isinstance(moe.experts, FusedExperts):
         return Reference("arg", get(moe.experts.module), unview=unflat, flat=True, spec=2)
     return None

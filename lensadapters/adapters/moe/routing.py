@@ -14,7 +14,13 @@ Tensor = torch.Tensor
 def probabilities(routing: Routing, logits: Tensor) -> Tensor:
     """The probability of every expert ``[tokens, n_experts]``, as the model computes it: the softmax over every
     expert in float32 (the sigmoid of each logit for ``probabilities="sigmoid"``), or (``order="topk_softmax"``)
-    the softmax over the top-k logits, scattered over the experts (zeros elsewhere), in ``weights_dtype``."""
+    the softmax over the top-k logits, scattered over the experts (zeros elsewhere), in ``weights_dtype``
+    (``order="topk_sigmoid"``: the sigmoid of each top-k logit, in float32 and then ``weights_dtype``)."""
+    if routing.order == "topk_sigmoid":  # the sigmoid of the logits, those not selected at -inf (zero after it)
+        top, index = torch.topk(logits, routing.top_k, dim=-1)
+        dtype = top.dtype if routing.weights_dtype == "logits" else torch.float32
+        kept = torch.full_like(logits, float("-inf")).scatter_(-1, index, top)
+        return kept.float().sigmoid().to(dtype)
     if routing.order == "topk_softmax":
         top, index = torch.topk(logits, routing.top_k, dim=-1)
         dtype = top.dtype if routing.weights_dtype == "logits" else torch.float32
@@ -51,7 +57,7 @@ def select(
     probabilities there; for grouped routing (``Routing.groups`` or ``selection_bias``, whose value is ``bias``)
     the experts chosen within the kept groups, weighted by their unbiased probabilities, renormalized and scaled;
     ``expert_scale`` (the value of ``Routing.expert_scale``) multiplies each selected weight by its expert's."""
-    if routing.order == "topk_softmax":
+    if routing.order in ("topk_softmax", "topk_sigmoid"):
         index = torch.topk(logits, routing.top_k, dim=-1).indices
         return probs.gather(-1, index), index
     if routing.groups is not None or routing.selection_bias is not None:

@@ -15,8 +15,10 @@ other experts (each slot keeps its weight), edited weights scale the experts' ou
 
 Per-expert points ``mlp.experts.{e}.hook_gate`` / ``hook_pre`` (the *up* projection, TransformerLens' naming) /
 ``hook_post`` (``act(gate) * up``) ``[n_e, d_mlp]`` and ``hook_result`` ``[n_e, d_model]`` (the expert's weighted
-output: what it adds to ``hook_mlp_out``) cover the ``n_e`` rows expert ``e`` computes, ordered by top-k slot then
-token (:func:`lensadapters.moe.expert_rows`); they fire for every expert, with no rows when no token chose it.
+output: what it adds to ``hook_mlp_out``; for experts whose input the routing weight scales,
+``FusedExperts.scaled_input``, those of the weighted input) cover the ``n_e`` rows expert ``e`` computes, ordered
+by top-k slot then token (:func:`lensadapters.moe.expert_rows`); they fire for every expert, with no rows when no
+token chose it.
 They exist only while hooked: the layer's experts are then also computed expert by expert here, and the model's
 own (fused) result is replaced only when a hook changed something.
 """
@@ -111,6 +113,8 @@ class MoESite(Site):
         (the experts read the scores, which cannot carry every routing, e.g. one expert in two slots)."""
         if self.layout.router_output == "scores":
             return any(p.may_edit for p in (self.logits, self.probs, self.indices, self.weights))
+        if self.layout.router_output == "scores_logits":  # scores carry any routing but one expert in two slots
+            return self.indices.may_edit
         return self.layout.router_output == "logits" and any(
             p.may_edit for p in (self.probs, self.indices, self.weights)
         )
@@ -176,6 +180,8 @@ class MoESite(Site):
 
     def _router_logits(self, module: nn.Module, args: tuple, output: Any) -> Tensor:
         """The router's logits: its first output, or (a router returning scores) its own product recomputed."""
+        if self.layout.router_output == "scores_logits":
+            return output[1]
         if self.layout.router_output not in ("scores", "index_weights"):
             return first_output(output)
         x = args[0]
@@ -215,8 +221,11 @@ class MoESite(Site):
         returns_routing = self.layout.router_output == "routing"
         returns_scores = self.layout.router_output == "scores"
         returns_index = self.layout.router_output == "index_weights"
+        returns_scores_logits = self.layout.router_output == "scores_logits"
+        if returns_scores_logits:  # the unscaled experts' input, for experts computed here
+            self._values()["router_in"] = first_input(args, {})
         need_logits = self.logits.active or self.probs.active or self.indices.active or self.weights.active
-        if (returns_scores or returns_index) and not (need_logits or self.signature()[1]):
+        if (returns_scores or returns_index or returns_scores_logits) and not (need_logits or self.signature()[1]):
             return None
         raw = self._router_logits(module, args, output)
         logits, changed = self._apply(self.logits, raw)
@@ -227,6 +236,9 @@ class MoESite(Site):
             model_routing = (output[0].gather(-1, output[1]), output[1])
         elif returns_index and not changed:
             model_routing = (output[1], output[0])
+        elif returns_scores_logits and not changed:  # the router's own selection: the top-k of its logits
+            index = torch.topk(output[1], spec.top_k, dim=-1).indices
+            model_routing = (output[0].gather(-1, index), index)
         need = changed or self.probs.active or self.indices.active or self.weights.active or self.signature()[1]
         if not need:
             return None
@@ -248,6 +260,11 @@ class MoESite(Site):
             return None
         if returns_index:
             return (index, weights, *output[2:]) if changed or after_logits else None
+        if returns_scores_logits:  # the scores of this routing (an expert in two slots: computed at the experts)
+            if changed or after_logits:
+                scores = torch.zeros_like(output[0]).scatter_(-1, index, weights.to(output[0].dtype))
+                return (scores, logits, *output[2:])
+            return None
         if returns_scores:  # the scores the router would return for this routing (the experts are recomputed)
             if changed or after_logits:
                 scores = torch.zeros_like(output[0]).scatter_(-1, index, weights.to(output[0].dtype))
@@ -270,9 +287,10 @@ class MoESite(Site):
         if stash is None:  # pragma: no cover - the router runs before the experts
             return None
         weights, index, routing_changed = stash
-        hidden = first_input(args, kwargs)
+        scaled = getattr(self.layout.experts, "scaled_input", False)
+        hidden = self._values()["router_in"] if scaled else first_input(args, kwargs)
         out, changed = self._run(hidden.reshape(-1, hidden.shape[-1]), index, weights)
-        if not (changed or (routing_changed and self.layout.router_output == "scores")):
+        if not (changed or (routing_changed and self.layout.router_output in ("scores", "scores_logits"))):
             return None
         value = first_output(output)
         return out.reshape(value.shape).to(value.dtype)
@@ -297,18 +315,26 @@ class MoESite(Site):
     def _run(self, hidden: Tensor, index: Tensor, weights: Tensor) -> tuple[Tensor, bool]:
         """Every expert on its rows, with the per-expert points; as transformers' eager loop computes it."""
         compute = bind(self.hooked, self.block, self.layout)
-        out = torch.zeros_like(hidden)
+        scaled = getattr(self.layout.experts, "scaled_input", False)
+        n_tokens = hidden.shape[0]
+        # scaled input: every expert's block of rows, [n_experts * tokens, d], as the experts module returns them
+        out = hidden.new_zeros((len(self.expert_points) * n_tokens, hidden.shape[-1])) if scaled else None
+        out = torch.zeros_like(hidden) if out is None else out
         changed = False
         for e, (gate_pt, pre_pt, post_pt, result_pt) in enumerate(self.expert_points):
             slot, token = _routing.expert_rows(index, e)
             rows = hidden[token]
+            if scaled:  # the routing weight multiplies the expert's input
+                rows = rows * weights[token, slot, None].to(rows.dtype)
             gate, up = compute.gate_up(e, rows)
             gate, c_gate = gate_pt.apply(gate, protect=True)
             up, c_up = pre_pt.apply(up, protect=True)
             post, c_post = post_pt.apply(compute.glu(gate, up), protect=True)
-            result = compute.down(e, post) * weights[token, slot, None]
+            result = compute.down(e, post)
+            if not scaled:
+                result = result * weights[token, slot, None]
             result, c_result = result_pt.apply(result.to(hidden.dtype), protect=True)
-            out.index_add_(0, token, result.to(out.dtype))
+            out.index_add_(0, token + e * n_tokens if scaled else token, result.to(out.dtype))
             changed = changed or c_gate or c_up or c_post or c_result
         return out, changed
 

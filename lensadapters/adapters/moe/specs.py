@@ -30,6 +30,9 @@ class Routing:
     renormalization. The probability of every expert (``mlp.hook_expert_weights``) is then that softmax scattered
     over the experts, zero for those not selected (TransformerLens' value for such routers), and an edit of it
     changes the weights of the selected experts (read at the indices selected from the logits), not the selection.
+    ``order="topk_sigmoid"`` selects the same way and takes the sigmoid of each selected logit (in float32, then
+    ``weights_dtype``) instead of the softmax over them: no renormalization, the probability of every expert that
+    sigmoid at the selected experts and zero elsewhere (the scores such a router returns).
 
     Grouped routing (DeepSeek): ``probabilities="sigmoid"`` scores each expert with a sigmoid (float32) instead of
     the softmax. ``selection_bias`` names a router attribute ``[n_experts]`` added to the probabilities for
@@ -49,7 +52,7 @@ class Routing:
     normalize: bool = True
     probabilities: Literal["softmax", "sigmoid"] = "softmax"
     weights_dtype: Literal["float32", "logits"] = "logits"
-    order: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    order: Literal["softmax_topk", "topk_softmax", "topk_sigmoid"] = "softmax_topk"
     selection_bias: Optional[str] = None
     groups: Optional[tuple[int, int]] = None
     group_score: Literal["top2_sum", "max"] = "top2_sum"
@@ -74,6 +77,14 @@ class FusedExperts:
     ``[n_experts, out]`` added after each product. ``glu(experts_module, gate, up)``, when given, is what the
     expert computes from its gate and up projections instead of ``act(gate) * up`` (a clamped or shifted GLU), read
     live from the module's attributes: ``mlp.experts.{e}.hook_post`` is its result.
+
+    ``scaled_input``: the routing weights multiply each expert's *input*, not its output, and the experts module
+    computes every expert on every token: it is called as ``experts(routed [n_experts * tokens, d_model]) ->
+    [n_experts * tokens, d_model]``, block ``e`` of ``routed`` the flattened MoE input times expert ``e``'s routing
+    weight (zero where the token did not choose it), block ``e`` of the output expert ``e``'s output on it, and the
+    MoE module sums the blocks. Expert ``e`` then adds ``down[e] @ (act(gate[e] @ (w x)) * (up[e] @ (w x)))`` for a
+    token routed to it with weight ``w``; an expert not chosen adds its output on zeros, which is zero (no biases: a
+    biased expert is not described this way).
     """
 
     module: str
@@ -85,6 +96,7 @@ class FusedExperts:
     gate_up_bias: Optional[str] = None
     down_bias: Optional[str] = None
     glu: Optional[Callable[["nn.Module", "Tensor", "Tensor"], "Tensor"]] = None
+    scaled_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,10 @@ class MoELayout:
     edited). A router's ``bias`` parameter, when it has one, is part of the logits (``lensadapters.moe.router_bias``).
     ``"index_weights"``: a tuple ``(top_k_index, top_k_weights)`` the MoE module routes with (its logits recomputed
     as for ``"scores"``; an edited routing is handed on through the router's output).
+    ``"scores_logits"``: a tuple ``(scores, logits)``, ``scores`` ``[tokens, n_experts]`` the routing weights at the
+    selected experts and zeros elsewhere, the selection the top-k of ``logits`` (``torch.topk``, as the router takes
+    it); an edited routing is handed on as the scores it gives (the experts, a :class:`FusedExperts` module with
+    ``scaled_input``, are computed by the core where the scores cannot carry it: an edited selection).
 
     ``"probabilities"``: a tuple ``(probabilities, top_k_weights, top_k_index)`` (the router computes the
     probabilities itself and the block hands the routing to a :class:`FusedExperts` module); the logits are then the
@@ -138,7 +154,7 @@ class MoELayout:
     router: str
     routing: Routing
     experts: Experts
-    router_output: Literal["logits", "routing", "scores", "index_weights", "probabilities"] = "logits"
+    router_output: Literal["logits", "routing", "scores", "index_weights", "probabilities", "scores_logits"] = "logits"
     shared: Optional[str] = None
     router_logits: Optional[str] = None
     beside: Optional[Any] = None  # MLPLayout or FusedGateUp (lensadapters.hooks.specs)

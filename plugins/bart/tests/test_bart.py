@@ -506,3 +506,21 @@ def test_generate_with_hooks_block_sparse_family(model_type):
         handle.remove()
     assert torch.equal(ours, theirs)
     hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", BLOCK_SPARSE)
+def test_block_sparse_encoder_refuses_a_linear_replaced_after_wrapping(model_type):
+    """The q/k/v points hold the attention wrapper (transformers replaces its inner module when it switches to full
+    attention, keeping the linears): a query linear replaced by hand after wrapping is refused by name when hooked,
+    where a switch of the inner module (the short input's fallback) is followed."""
+    model = make_block_sparse(model_type)
+    hm = HookedModel.wrap(model)
+    attn = model.model.encoder.layers[0].self_attn
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**inputs(6), names_filter=["encoder.0.attn.hook_q"])  # the switch to full
+        assert cache["encoder.0.attn.hook_q"].shape == (2, 7, 2, 8)
+        attn.self.query = nn.Linear(16, 16, bias=False)
+        with pytest.raises(UnsupportedModelError, match="self.query was replaced after HookedModel.wrap"):
+            hm.run_with_hooks(**inputs(6), fwd_hooks=[("encoder.0.attn.hook_q", lambda t, hook: t)])
+    assert not hm.has_hooks
+    hm.unwrap()

@@ -481,8 +481,8 @@ def test_block_sparse_encoder_falls_back_to_full_attention_and_serves_every_poin
     masked = long_cache["encoder.0.attn.hook_attn_scores"][1, :, :, -5:]
     assert torch.all(masked < torch.finfo(torch.float32).min / 2), "padding keys masked as transformers adds it"
     _, worst_long = kit.check_points_against_reference(hm, long, reference, eager=True)
-    print(f"{model_type} full: largest difference {worst:.3g} ({worst_long:.3g} at 16 tokens), edits {edit:.3g}, ")
-    print(f"gradients {grad:.3g}")
+    at_16 = f"{worst_long:.3g} at 16 tokens"
+    print(f"{model_type} full: largest difference {worst:.3g} ({at_16}), edits {edit:.3g}, gradients {grad:.3g}")
     hm.unwrap()
 
 

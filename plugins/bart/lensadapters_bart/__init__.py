@@ -1,5 +1,5 @@
 """The BART family for lensadapters (transformers 4.57 and 5.x): BART, PLBart, mBART, Marian, Pegasus, Blenderbot,
-Blenderbot-Small and MVP (and BigBird-Pegasus' decoder alone), declared by what each changes of BART (``FAMILIES``).
+Blenderbot-Small, MVP and BigBird-Pegasus, declared by what each changes of BART (``FAMILIES``).
 Their ``*ForConditionalGeneration`` get TransformerLens 2.18 ``HookedEncoderDecoder``'s names (TransformerLens 2.18
 has none of them); their ``*ForCausalLM`` (the decoder alone) the core's decoder-only points, described by
 ``lensadapters_block``... (post-LN with ``BertBlock``'s points).
@@ -48,6 +48,13 @@ before cross-attention, ``ln3`` before the MLP, ``hook_resid_mid``/``hook_resid_
 (:class:`EmbedSumSite`), so a family whose stack applies the embedding scale itself (Marian, Pegasus, MVP) shows
 the scaled embeddings too.
 
+BigBird-Pegasus (pre-LN, Pegasus' names) has BigBird's encoder attention (``encoder_attention``,
+``block_sparse_encoder``): its points are decided per forward as transformers decides the attention, full (every
+point; :class:`BigBirdPatternSite`) or block-sparse (every point but the encoder's scores and patterns, refused by
+name; an input the stack would pad to a multiple of ``block_size``: every encoder point refused,
+:class:`BlockSparsePaddingGuard`); its q/k/v points hold the wrapper and the linears its inner modules share
+(:class:`SharedLinearSite`), which transformers' switch to full attention keeps.
+
 Scores and patterns are served per hooked attention module: while one of them has a hook, that instance's
 ``forward`` (only that instance's: the class is untouched) computes attention written out, with the module's own
 projections and the model's key/value cache.
@@ -79,9 +86,12 @@ from lensadapters.plugin_api import (
 from lensadapters_bart.families import FAMILIES, Family
 from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
+    BigBirdPatternSite,
+    BlockSparsePaddingGuard,
     EmbedSumSite,
     NormFirstEmbedSite,
     PreLNResidualSite,
+    SharedLinearSite,
     position_offset,
 )
 
@@ -93,8 +103,8 @@ __version__ = "0.1.0"
 
 ARCH = hf.architecture(
     "bart",
-    "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, Blenderbot-Small, MVP; "
-    "BigBird-Pegasus' decoder alone: learned or sinusoidal "
+    "BART-shaped encoder-decoders (BART, PLBart, mBART, Marian, Pegasus, Blenderbot, Blenderbot-Small, MVP, "
+    "BigBird-Pegasus with BigBird's full or block-sparse encoder attention: learned or sinusoidal "
     "positions, post- or pre-LN blocks, biases, final_logits_bias) with HookedEncoderDecoder's names, and their "
     "*ForCausalLM (the decoder alone) with TransformerLens' decoder-only names",
     model_types=tuple(FAMILIES),
@@ -149,18 +159,33 @@ def _check_family(model: Any, fam: Family, stack_name: str, stack: nn.Module) ->
             )
 
 
+def _check_encoder_attention(model: Any, fam: Family, encoder: nn.Module) -> None:
+    """The encoder self-attention's projections where the family declares them (``encoder_attention``), and, for
+    BigBird's, the ``attention_type`` it switches on."""
+    for i, block in enumerate(getattr(encoder, "layers", ())):
+        attn = block.self_attn
+        try:
+            found = [attn.get_submodule(path) for path in fam.encoder_attention]
+        except AttributeError:
+            found = []
+        if not found or not all(isinstance(m, nn.Linear) for m in found):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: encoder block {i}'s self-attention ({type(attn).__name__}) has no linear "
+                f"{', '.join(fam.encoder_attention)}, which lensadapters-bart describes {fam.name}'s with"
+            )
+        if fam.block_sparse_encoder and getattr(attn, "attention_type", None) not in ("original_full", "block_sparse"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: encoder block {i}'s self-attention ({type(attn).__name__}) has no "
+                f"attention_type 'original_full' or 'block_sparse' (BigBird's full or block-sparse attention)"
+            )
+
+
 @hookimpl
 def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
     fam = family(model)
     base = _stacks(model)
     names = _stack_names(model)
     kind = "ForCausalLM" if causal(model) else "ForConditionalGeneration"
-    if fam.causal_only and not causal(model):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: lensadapters-bart serves {fam.name}'s decoder alone ({fam.name}ForCausalLM); "
-            f"its encoder's attention ({type(base.encoder.layers[0].self_attn).__name__}, full or block-sparse) is "
-            f"not described"
-        )
     for stack in names:
         if not isinstance(getattr(base, stack, None), nn.Module):
             raise UnsupportedModelError(
@@ -188,6 +213,8 @@ def lensadapters_validate(arch: Architecture, model: PreTrainedModel) -> None:
         )
     for stack in names:
         _check_family(model, fam, stack, getattr(base, stack))
+    if not causal(model):
+        _check_encoder_attention(model, fam, base.encoder)
     if getattr(c, "use_prompt", False):
         raise UnsupportedModelError(
             f"{type(model).__name__} with use_prompt=True: the prompts' keys and values (MvpPrompt) have no points; "
@@ -304,12 +331,24 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Any:
 # --- sites -----------------------------------------------------------------------------------------------------
 
 
+def _projections(attn: Any, prefix: str, fam: Family) -> list[nn.Module]:
+    """An attention's query, key, value and output linears (an encoder's self-attention: the family's
+    ``encoder_attention``)."""
+    paths = fam.encoder_attention if prefix.startswith("encoder") else ("q_proj", "k_proj", "v_proj", "out_proj")
+    return [attn.get_submodule(path) for path in paths]
+
+
 def _attention_sites(p: hf.PointChain, attn: Any, prefix: str, heads: int, fam: Family) -> list[Site]:
-    projections = [getattr(attn, f"{x}_proj") for x in "qkv"]
+    *projections, out = _projections(attn, prefix, fam)
     sites: list[Site] = [OutputSite(m, p.new(f"{prefix}.hook_{x}"), heads=heads) for x, m in zip("qkv", projections)]
     scores, pattern = p.new(f"{prefix}.hook_attn_scores"), p.new(f"{prefix}.hook_pattern")
-    sites.append(BartPatternSite(attn, scores, pattern, fam.scale_queries_first))
-    sites.append(InputSite(attn.out_proj, p.new(f"{prefix}.hook_z"), heads=heads))
+    if fam.block_sparse_encoder and prefix.startswith("encoder"):  # q/k/v: linears the wrapper's inner module shares
+        paths = fam.encoder_attention[:3]
+        sites = [SharedLinearSite(attn, path, site, prefix) for path, site in zip(paths, sites)]
+        sites.append(BigBirdPatternSite(attn, scores, pattern, prefix.removesuffix(".attn")))
+    else:
+        sites.append(BartPatternSite(attn, scores, pattern, fam.scale_queries_first))
+    sites.append(InputSite(out, p.new(f"{prefix}.hook_z"), heads=heads))
     return sites
 
 
@@ -344,14 +383,15 @@ def _pre_ln_block_sites(p: hf.PointChain, block: Any, prefix: str, heads: int, f
     sites.append(p.norm(block.self_attn_layer_norm, f"{prefix}.ln1"))
     sites += _attention_sites(p, block.self_attn, f"{prefix}.attn", heads, fam)
     attn_out, mid = p.new(f"{prefix}.hook_attn_out"), p.new(f"{prefix}.hook_resid_mid")
+    out = _projections(block.self_attn, prefix, fam)[-1]
     if decoder:
-        stages = [(block.self_attn.out_proj, attn_out, block.encoder_attn_layer_norm, mid)]
+        stages = [(out, attn_out, block.encoder_attn_layer_norm, mid)]
         sites.append(p.norm(block.encoder_attn_layer_norm, f"{prefix}.ln2"))
         sites += _attention_sites(p, block.encoder_attn, f"{prefix}.cross_attn", heads, fam)
         cross_out, mid_cross = p.new(f"{prefix}.hook_cross_attn_out"), p.new(f"{prefix}.hook_resid_mid_cross")
         stages.append((block.encoder_attn.out_proj, cross_out, block.final_layer_norm, mid_cross))
     else:
-        stages = [(block.self_attn.out_proj, attn_out, block.final_layer_norm, mid)]
+        stages = [(out, attn_out, block.final_layer_norm, mid)]
     sites.append(p.norm(block.final_layer_norm, f"{prefix}.ln3" if decoder else f"{prefix}.ln2"))
     sites.append(OutputSite(block.fc1, p.new(f"{prefix}.mlp.hook_pre")))
     sites.append(InputSite(block.fc2, p.new(f"{prefix}.mlp.hook_post")))
@@ -392,6 +432,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             sites += block_sites(p, block, f"{stack}.{i}", heads, fam)
         if fam.final_norms:
             sites.append(p.norm(getattr(module, fam.final_norm), f"{stack}_final_ln"))
+        if stack == "encoder" and fam.block_sparse_encoder:  # every encoder point: the hooks since the stack's
+            points = tuple(pt for site in sites for pt in site.points)
+            sites.append(BlockSparsePaddingGuard(module, points, "model.encoder"))
     return sites
 
 

@@ -38,9 +38,15 @@ class Family:
     positions)``)."""
     decoder_scaled: bool = True
     """The decoder applies the embedding scale (BlenderbotSmall's has an ``embed_scale`` it never multiplies by)."""
-    causal_only: bool = False
-    """Only the ``*ForCausalLM`` is served; the ``*ForConditionalGeneration`` is refused by name (its encoder is not
-    BART's: BigBird-Pegasus' encoder attention is BigBird's own module, block-sparse or full)."""
+    encoder_attention: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "out_proj")
+    """The encoder self-attention's query, key, value and output projections, as paths under each encoder block's
+    ``self_attn`` (BigBird-Pegasus': ``self.query``, ``self.key``, ``self.value``, ``output``: its
+    ``*EncoderAttention`` wraps the full or block-sparse module ``self``, which shares those linears)."""
+    block_sparse_encoder: bool = False
+    """The encoder's attention is BigBird's: full (``config.attention_type="original_full"``) or block-sparse, as
+    the stack decides per forward (it switches the model to full attention, for good, where the input is too short
+    for block-sparse); its scores and patterns are served in full forwards only, every other point in both (a
+    block-sparse forward whose input the stack would pad to a multiple of ``block_size`` is refused by name)."""
 
 
 #: the families served, by ``model_type``; ``offset`` of learned positions is the module's own
@@ -57,8 +63,16 @@ FAMILIES = {
     "blenderbot-small": Family(
         "BlenderbotSmall", False, True, False, "learned", False, decoder_norm_first=True, decoder_scaled=False
     ),
-    # the decoder alone: a pre-LN decoder whose final norm is named layernorm_embedding
+    # Pegasus' blocks with BigBird's encoder attention; both stacks' final norms are named layernorm_embedding
     "bigbird_pegasus": Family(
-        "BigBirdPegasus", True, False, True, "learned", True, final_norm="layernorm_embedding", causal_only=True
+        "BigBirdPegasus",
+        True,
+        False,
+        True,
+        "learned",
+        True,
+        final_norm="layernorm_embedding",
+        encoder_attention=("self.query", "self.key", "self.value", "output"),
+        block_sparse_encoder=True,
     ),
 }

@@ -5,6 +5,7 @@ written out while hooked; the declarations that use them are in the package's ``
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Optional
 
 import torch
@@ -324,3 +325,119 @@ class BartPatternSite(Site):
         pattern, _ = self.pattern.apply(pattern)
         z = torch.matmul(pattern, v).transpose(1, 2).contiguous()
         return m.out_proj(z.reshape(*shape, -1).contiguous()), pattern
+
+
+def full_attention(stack: Any, length: int) -> bool:
+    """Whether a BigBird encoder computes full attention for an input of ``length`` tokens: its
+    ``attention_type`` is ``"original_full"``, or block-sparse with an input too short for it (the stack then
+    switches to full attention: ``length <= (5 + 2 * num_random_blocks) * block_size``, as transformers decides)."""
+    c = stack.config
+    return stack.attention_type == "original_full" or length <= (5 + 2 * c.num_random_blocks) * c.block_size
+
+
+def _input_length(args: tuple, kwargs: dict) -> Optional[int]:
+    for value in (kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds")):
+        if isinstance(value, Tensor):
+            return int(value.shape[1])
+    return None
+
+
+class BlockSparsePaddingGuard(Site):
+    """Every point of a BigBird encoder (``points``), refused by name in a block-sparse forward whose input is not
+    a multiple of ``block_size``: the stack then appends pad tokens' embeddings (without positions) to the
+    residual stream, which no point here describes. Installed only while one of them is hooked."""
+
+    def __init__(self, stack: Any, points: tuple[HookPoint, ...], label: str) -> None:
+        self.stack: Any = stack
+        self.points, self.label = points, label
+
+    def install(self) -> list[Any]:
+        return [self.stack.register_forward_pre_hook(self._check, with_kwargs=True)]
+
+    def _check(self, module: Any, args: tuple, kwargs: dict) -> None:
+        length = _input_length(args, kwargs)
+        if length is None or full_attention(module, length) or length % module.config.block_size == 0:
+            return
+        raise UnsupportedModelError(
+            f"{self.label}: a block-sparse forward of {length} tokens, which the encoder pads to a multiple of "
+            f"block_size={module.config.block_size} with pad tokens' embeddings (no positions): its points are "
+            f"served on inputs of a multiple of block_size (or with full attention)"
+        )
+
+
+class BigBirdPatternSite(Site):
+    """``attn.hook_attn_scores``/``attn.hook_pattern`` of one BigBird encoder attention (``*EncoderAttention``):
+    while hooked, the instance's ``forward`` computes ``BigBirdPegasusSelfAttention``'s full attention written out
+    (``q kᵀ / sqrt(d_head)`` plus the stack's additive padding mask, the softmax, the attention's dropout), with the
+    module's own ``query``/``key``/``value``/``output`` linears, in the order transformers computes it. Overridden
+    on the wrapper, which the model keeps when it switches its inner module between full and block-sparse. In a
+    block-sparse forward (``attention_type="block_sparse"`` for this input) they are refused by name: that
+    attention computes no ``[query, key]`` scores (blocks of global, sliding and random keys)."""
+
+    def __init__(self, module: nn.Module, scores: HookPoint, pattern: HookPoint, label: str) -> None:
+        self.module, self.scores, self.pattern, self.label = module, scores, pattern, label
+        self.points = (scores, pattern)
+
+    def install(self) -> list[Any]:
+        return [override_instance_method(self.module, "forward", self._forward)]
+
+    def _forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Any:
+        m: Any = self.module
+        if m.attention_type != "original_full":
+            raise UnsupportedModelError(
+                f"{self.label}.hook_attn_scores/hook_pattern: this forward's encoder attention is block-sparse "
+                f"(attention_type='block_sparse', {hidden_states.shape[1]} tokens > (5 + 2 * num_random_blocks) * "
+                f"block_size): it computes scores only for blocks of global, sliding and random keys, no "
+                f"[query, key] matrix; hook them on full-attention forwards (attention_type='original_full', or "
+                f"inputs short enough that transformers switches to it); every other point is served"
+            )
+        if kwargs.get("head_mask") is not None:
+            raise UnsupportedModelError(
+                "lensadapters-bart's attention scores and patterns do not take a head mask (head_mask=...): "
+                "call without it, or unhook the scores and patterns"
+            )
+        inner = m.self
+        shape = (*hidden_states.shape[:-1], -1, inner.attention_head_size)
+        q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (inner.query, inner.key, inner.value))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(inner.attention_head_size)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        scores, _ = self.scores.apply(scores)
+        pattern = nn.functional.softmax(scores, dim=-1)
+        pattern = inner.dropout(pattern)
+        pattern, _ = self.pattern.apply(pattern)
+        z = torch.matmul(pattern, v).permute(0, 2, 1, 3).contiguous()
+        z = z.view(*z.shape[:-2], inner.all_head_size)
+        return m.output(z), pattern
+
+
+class SharedLinearSite(Site):
+    """A point at a linear under BigBird's encoder attention wrapper (``owner``, at ``path``: ``self.query``...),
+    served by ``inner`` (an ``OutputSite`` on it). The wrapper replaces its inner module ``self`` when the stack
+    switches between block-sparse and full attention, handing the new one the same ``query``/``key``/``value``
+    linears: this site holds the wrapper, not the inner module (whose replacement is the model's own), and each
+    forward of the wrapper checks that the linear at ``path`` is still the one hooked (a linear replaced after
+    wrapping is refused by name)."""
+
+    def __init__(self, owner: nn.Module, path: str, inner: Any, label: str) -> None:
+        self.owner, self.path, self.label = owner, path, label
+        self.inner = inner  # not a module: its linear is reached through the wrapper
+        self.points = tuple(inner.points)
+
+    def signature(self) -> tuple[bool, ...]:
+        return self.inner.signature()
+
+    def install(self) -> list[Any]:
+        return [self.owner.register_forward_pre_hook(self._check), *self.inner.install()]
+
+    def _check(self, module: nn.Module, args: tuple) -> None:
+        try:
+            current = self.owner.get_submodule(self.path)
+        except AttributeError:
+            current = None
+        if current is not self.inner.module:
+            raise UnsupportedModelError(
+                f"{self.label}.{self.path} was replaced after HookedModel.wrap (the hooks are on the old linear): "
+                f"call hm.unwrap() and HookedModel.wrap(model) again after changing the model's modules"
+            )

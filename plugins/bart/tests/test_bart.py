@@ -21,15 +21,16 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartForCon
 
 from lensadapters import HookedModel
 from lensadapters.errors import UnsupportedModelError
+from lensadapters.plugin_api import first_output, replace_first_output
 from lensadapters.testing import assert_close
 from lensadapters.testing import encoder_decoder as kit
 from lensadapters.testing.models import reinit
 
 IMPLEMENTATIONS = ("eager", "sdpa")
 #: the families beside BART (lensadapters_bart.FAMILIES) served as encoder-decoders
-OTHERS = [t for t, f in lensadapters_bart.FAMILIES.items() if t != "bart" and not f.causal_only]
-#: the families whose decoder alone is served
-CAUSAL_ONLY = [t for t, f in lensadapters_bart.FAMILIES.items() if f.causal_only]
+OTHERS = [t for t in lensadapters_bart.FAMILIES if t != "bart"]
+#: the families whose encoder attention is BigBird's (full or block-sparse)
+BLOCK_SPARSE = [t for t, f in lensadapters_bart.FAMILIES.items() if f.block_sparse_encoder]
 
 
 def make_model(
@@ -88,11 +89,14 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     def attention(prefix: str, attn: Any, x: Tensor, kv: Tensor, mask: Tensor) -> Tensor:
         b, p = x.shape[:2]
         sources = zip("qkv", (x, kv, kv))
-        q, k, v = (at(f"{prefix}.hook_{n}", getattr(attn, f"{n}_proj")(y).view(b, -1, h, d)) for n, y in sources)
+        # an encoder's self-attention: the family's projections (BigBird's query/key/value/output linears)
+        paths = fam.encoder_attention if prefix.startswith("encoder") else ("q_proj", "k_proj", "v_proj", "out_proj")
+        *proj, out_proj = (attn.get_submodule(path) for path in paths)
+        q, k, v = (at(f"{prefix}.hook_{n}", m(y).view(b, -1, h, d)) for (n, y), m in zip(sources, proj))
         scores = at(f"{prefix}.hook_attn_scores", torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5 + mask)
         pattern = at(f"{prefix}.hook_pattern", scores.softmax(-1))
         z = at(f"{prefix}.hook_z", torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        return attn.out_proj(z.reshape(b, p, h * d))
+        return out_proj(z.reshape(b, p, h * d))
 
     def post_ln(pre: str, block: Any, x: Tensor, mask: Tensor, memory: Any, cross_mask: Any) -> Tensor:
         attn_out = at(f"{pre}.hook_attn_out", attention(f"{pre}.attn", block.self_attn, x, x, mask))
@@ -190,14 +194,6 @@ def test_family_points_and_edits_match_the_reference(model_type):
     edit, grad = kit.check_edits_against_reference(hm, batch, reference)
     print(f"{model_type}: {len(hm.hook_names)} points, largest difference {worst:.3g}, edits {edit:.3g}, {grad:.3g}")
     hm.unwrap()
-
-
-@pytest.mark.parametrize("model_type", CAUSAL_ONLY)
-def test_a_family_served_as_its_decoder_alone_refuses_its_encoder_decoder_by_name(model_type):
-    """BigBird-Pegasus' encoder attention is BigBird's own module (block-sparse or full): its
-    ``*ForConditionalGeneration`` is refused, naming it; its ``*ForCausalLM`` is served (below)."""
-    with pytest.raises(UnsupportedModelError, match="decoder alone.*EncoderAttention"):
-        HookedModel.wrap(make_model("eager", model_type=model_type))
 
 
 @pytest.mark.parametrize("model_type", list(lensadapters_bart.FAMILIES))
@@ -372,5 +368,159 @@ def test_causal_lm_refuses_cross_attention_inputs():
     memory = torch.zeros(2, 3, 16)
     with pytest.raises(UnsupportedModelError, match="encoder_hidden_states"):
         hm.run_with_hooks(**batch, encoder_hidden_states=memory, fwd_hooks=[("hook_embed", lambda t, hook: t)])
+    assert not hm.has_hooks
+    hm.unwrap()
+
+
+# --- BigBird-Pegasus: its encoder attention full or block-sparse, per forward -------------------------------------
+
+
+def make_block_sparse(model_type: str, seed: int = 6) -> nn.Module:
+    """A tiny BigBird-Pegasus whose encoder attention is block-sparse for inputs of more than 14 tokens (``block_size``
+    2, one random block: ``(5 + 2 * 1) * 2``), as transformers builds it (``attention_type="block_sparse"``)."""
+    config = lensadapters_bart.bart_config(
+        layers=2, heads=2, d_model=16, ffn=24, vocab=40, scale_embedding=True, model_type=model_type
+    )
+    config.block_size, config.num_random_blocks = 2, 1
+    torch.manual_seed(seed)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager")
+    reinit(model, seed)
+    return model.eval()
+
+
+def long_inputs(length: int, seed: int = 6) -> dict[str, Tensor]:
+    """Two encoder rows of ``length`` tokens, the second right-padded by 5, and the decoder rows of ``inputs``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 40, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    ids[1, -5:], mask[1, -5:] = 1, 0
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": inputs(seed)["decoder_input_ids"]}
+
+
+@pytest.mark.parametrize("model_type", BLOCK_SPARSE)
+def test_block_sparse_encoder_serves_its_points_and_refuses_its_scores_by_name(model_type):
+    """A genuinely block-sparse forward (16 tokens > 14): without hooks Hugging Face's forward bitwise; every point but
+    the encoder's scores and patterns read as plain PyTorch hooks see them (q/k/v: the shared linears' outputs per
+    head, ``hook_z``/``hook_attn_out``: the attention's output linear's input/output, the MLP's and the pre-LN
+    residual ``resid_post = resid_mid + mlp_out`` exactly) and edit as plain hooks do, bit for bit; the scores and
+    patterns are refused by name (the model stays block-sparse); a block-sparse input the encoder would pad (15
+    tokens) is refused by name for any encoder point, leaving no hook behind."""
+    model = make_block_sparse(model_type)
+    batch = long_inputs(16)
+    hm = HookedModel.wrap(model)
+    enc = model.model.encoder
+    attn = enc.layers[1].self_attn
+    with torch.no_grad():
+        assert torch.equal(hm(**batch).logits, model(**batch).logits), "no hooks: Hugging Face's forward, bitwise"
+        assert enc.attention_type == "block_sparse" and type(attn.self).__name__.endswith("BlockSparseAttention")
+        seen: dict[str, Tensor] = {}
+        handles = [
+            attn.self.value.register_forward_hook(lambda m, a, o: seen.__setitem__("v", o)),
+            attn.output.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0])),
+            enc.layers[0].fc2.register_forward_hook(lambda m, a, o: seen.__setitem__("mlp", o)),
+            # (each returns None: a plain hook that reads; a layer's output is a tensor on 5.x, a tuple on 4.57)
+            enc.layers[0].register_forward_hook(lambda m, a, o: seen.__setitem__("post", first_output(o))),
+        ]
+        names = [n for n in hm.hook_names if not n.endswith(("hook_attn_scores", "hook_pattern"))]
+        logits, cache = hm.run_with_cache(**batch, names_filter=names)
+        for h in handles:
+            h.remove()
+        assert torch.equal(kit.logits_of(logits), model(**batch).logits), "a cached forward"
+        assert torch.equal(cache["encoder.1.attn.hook_v"], seen["v"].view(2, 16, 2, 8))
+        assert torch.equal(cache["encoder.1.attn.hook_z"], seen["z"].view(2, 16, 2, 8))
+        assert torch.equal(cache["encoder.0.hook_mlp_out"], seen["mlp"])
+        assert torch.equal(cache["encoder.0.hook_resid_post"], seen["post"])
+        assert torch.equal(cache["encoder.0.hook_resid_mid"] + seen["mlp"], seen["post"])
+    cases = [
+        ("encoder.1.attn.hook_q", attn.self.query, "output"),
+        ("encoder.1.attn.hook_z", attn.output, "input"),
+        ("encoder.0.hook_attn_out", enc.layers[0].self_attn.output, "output"),
+        ("encoder.0.mlp.hook_post", enc.layers[0].fc2, "input"),
+        ("encoder.1.hook_resid_post", enc.layers[1], "output"),
+        ("encoder_final_ln.hook_normalized", enc.layernorm_embedding, "output"),
+    ]
+    kit.check_edits_match_plain_hooks(
+        hm, batch, cases, lambda m, a, o: replace_first_output(o, kit.nudge(first_output(o)))
+    )
+    for name in ("encoder.0.attn.hook_attn_scores", "encoder.1.attn.hook_pattern"):
+        with pytest.raises(UnsupportedModelError, match="block-sparse.*no\\s+\\[query, key\\] matrix"):
+            hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: t)])
+        assert not hm.has_hooks
+    assert enc.attention_type == "block_sparse", "refusing leaves the model block-sparse"
+    with pytest.raises(UnsupportedModelError, match="pads to a multiple of\\s+block_size"):
+        hm.run_with_hooks(**long_inputs(15), fwd_hooks=[("encoder.0.hook_mlp_out", lambda t, hook: t)])
+    assert not hm.has_hooks
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", BLOCK_SPARSE)
+def test_block_sparse_encoder_falls_back_to_full_attention_and_serves_every_point(model_type):
+    """A block-sparse model given a short input (7 tokens <= 14): transformers switches it to full attention (for
+    good); that forward, hooked from the start, serves every point, the encoder's scores (with the padding mask as
+    transformers adds it: ``finfo.min`` at padding keys) and patterns included, against the reference; its edits
+    match plain hooks and the reference; the longer input after it is then full attention too, and served."""
+    model = make_block_sparse(model_type)
+    hm = HookedModel.wrap(model)
+    enc = model.model.encoder
+    batch = inputs(6)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=["encoder.1.attn.hook_pattern"])
+    assert enc.attention_type == "original_full", "transformers switched to full attention in that forward"
+    assert cache["encoder.1.attn.hook_pattern"].shape == (2, 2, 7, 7)
+    _, worst = kit.check_points_against_reference(hm, batch, reference, eager=True)
+    edit, grad = kit.check_edits_against_reference(hm, batch, reference)
+    attn = enc.layers[0].self_attn
+    plain = [
+        ("encoder.0.attn.hook_k", attn.self.key, "output"),
+        ("encoder.0.attn.hook_z", attn.output, "input"),
+    ]
+    kit.check_edits_match_plain_hooks(hm, batch, plain)
+    long = long_inputs(16)
+    with torch.no_grad():
+        _, long_cache = hm.run_with_cache(**long, names_filter=["encoder.0.attn.hook_attn_scores"])
+    masked = long_cache["encoder.0.attn.hook_attn_scores"][1, :, :, -5:]
+    assert torch.all(masked < torch.finfo(torch.float32).min / 2), "padding keys masked as transformers adds it"
+    _, worst_long = kit.check_points_against_reference(hm, long, reference, eager=True)
+    at_16 = f"{worst_long:.3g} at 16 tokens"
+    print(f"{model_type} full: largest difference {worst:.3g} ({at_16}), edits {edit:.3g}, gradients {grad:.3g}")
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", BLOCK_SPARSE)
+def test_generate_with_hooks_block_sparse_family(model_type):
+    """Generation with hooks on BigBird-Pegasus (its encoder switched to full attention by the short input), at a
+    decoder point (as for BART) and at an encoder point, each as a plain PyTorch hook generates."""
+    model = make_model("eager", seed=2, model_type=model_type)
+    hm = HookedModel.wrap(model)
+    ours, plain = kit.check_generation_with_hooks(hm, inputs(2), model.model.decoder.layers[1].fc2)
+    assert not torch.equal(ours, plain), "the ablation changes what is generated"
+    # an encoder point during generation: the edit made once, as a plain hook on the encoder's attention output
+    kwargs = dict(input_ids=inputs(2)["input_ids"], attention_mask=inputs(2)["attention_mask"], max_new_tokens=4)
+    hm.add_hook("encoder.1.hook_attn_out", lambda t, hook: t * 0)
+    ours = hm.generate(**kwargs, do_sample=False)
+    hm.reset_hooks()
+    handle = model.model.encoder.layers[1].self_attn.output.register_forward_hook(lambda m, a, o: o * 0)
+    try:
+        theirs = model.generate(**kwargs, do_sample=False)
+    finally:
+        handle.remove()
+    assert torch.equal(ours, theirs)
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", BLOCK_SPARSE)
+def test_block_sparse_encoder_refuses_a_linear_replaced_after_wrapping(model_type):
+    """The q/k/v points hold the attention wrapper (transformers replaces its inner module when it switches to full
+    attention, keeping the linears): a query linear replaced by hand after wrapping is refused by name when hooked,
+    where a switch of the inner module (the short input's fallback) is followed."""
+    model = make_block_sparse(model_type)
+    hm = HookedModel.wrap(model)
+    attn = model.model.encoder.layers[0].self_attn
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**inputs(6), names_filter=["encoder.0.attn.hook_q"])  # the switch to full
+        assert cache["encoder.0.attn.hook_q"].shape == (2, 7, 2, 8)
+        attn.self.query = nn.Linear(16, 16, bias=False)
+        with pytest.raises(UnsupportedModelError, match="self.query was replaced after HookedModel.wrap"):
+            hm.run_with_hooks(**inputs(6), fwd_hooks=[("encoder.0.attn.hook_q", lambda t, hook: t)])
     assert not hm.has_hooks
     hm.unwrap()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -125,6 +125,21 @@ def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
     return weights
 
 
+def caches_under_each_implementation(model: Any, hm: Any, batch: dict, points: list[str]) -> Iterator[tuple[str, Any]]:
+    """Under eager, then sdpa: ``(implementation, cache of points)``, the wrapped model's output HF's bitwise before
+    and after the caching forward (the hooks gone: the tower's own implementation again)."""
+    config = model.config.vision_config
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        hf = _logits(model, batch)
+        with torch.no_grad():
+            assert torch.equal(_out(hm(**batch)), hf)
+            _, cache = hm.run_with_cache(**batch, names_filter=points)
+            assert torch.equal(_out(hm(**batch)), hf)
+        assert config._attn_implementation == implementation
+        yield implementation, cache
+
+
 @pytest.mark.parametrize("name", SERVED)
 def test_patterns_are_the_eager_attention_weights_and_scores_are_softmaxed_into_them(name: str) -> None:
     model, n_image = vlm(name)
@@ -136,15 +151,7 @@ def test_patterns_are_the_eager_attention_weights_and_scores_are_softmaxed_into_
         for i in range(n)
         for p in ("hook_q", "hook_k", "hook_attn_scores", "hook_pattern")
     ]
-    config = model.config.vision_config
-    for implementation in ("eager", "sdpa"):
-        model.set_attn_implementation(implementation)
-        hf = _logits(model, batch)
-        with torch.no_grad():
-            assert torch.equal(_out(hm(**batch)), hf)
-            _, cache = hm.run_with_cache(**batch, names_filter=points)
-            assert torch.equal(_out(hm(**batch)), hf)  # the hooks gone: the tower's own implementation again
-        assert config._attn_implementation == implementation
+    for implementation, cache in caches_under_each_implementation(model, hm, batch, points):
         for i in range(n):
             at = f"vision.blocks.{i}.attn."
             pattern, scores = cache[at + "hook_pattern"], cache[at + "hook_attn_scores"]

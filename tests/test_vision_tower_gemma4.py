@@ -29,8 +29,10 @@ from tests.test_vision_tower_attention import (
     _projection_hook,
     _roll,
     _z_hook,
+    caches_under_each_implementation,
 )
-from tests.test_vision_tower_parts import _plain_logits, _resid_mid_reference
+from tests.test_vision_tower_parts import _plain_logits
+from tests.test_vision_tower_parts import _references as _block_references
 
 pytestmark = pytest.mark.transformers5_only
 
@@ -63,18 +65,11 @@ SUB_BLOCK = (
 
 
 def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
-    """For each sub-block point: the plain hooks on Gemma 4's block children reading it (and editing it by ``edit``)."""
-    ln1, post_attn = block.input_layernorm, block.post_attention_layernorm
-    ln2, post_mlp = block.pre_feedforward_layernorm, block.post_feedforward_layernorm
-    return {
-        "ln1.hook_normalized": lambda seen, edit: [_plain(ln1, "post", seen, edit)],
-        "hook_attn_out": lambda seen, edit: [_plain(post_attn, "post", seen, edit)],
-        # the edited stream reaches the MLP's norm and the residual: block output = edited + post-MLP norm's output
-        "hook_resid_mid": lambda seen, edit: _resid_mid_reference(block, ln2, post_mlp, seen, edit),
-        "hook_mlp_in": lambda seen, edit: [_plain(ln2, "pre", seen, edit)],
-        "ln2.hook_normalized": lambda seen, edit: [_plain(ln2, "post", seen, edit)],
-        "hook_mlp_out": lambda seen, edit: [_plain(post_mlp, "post", seen, edit)],
-    }
+    """For each sub-block point: the plain hooks on Gemma 4's block children reading it (and editing it by ``edit``):
+    the other towers' references, with the norms after the attention and the MLP as the children whose outputs the
+    block adds to its residual."""
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm", "input_layernorm", "pre_feedforward_layernorm")
+    return _block_references(block, norms)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -243,13 +238,7 @@ def test_patterns_are_the_eager_attention_weights_and_scores_the_rotated_queries
     eager = _eager_weights(model, "gemma4", batch)
     hm = HookedModel.wrap(model)
     points = [f"vision.blocks.{i}.{p}" for i in range(n) for p in ATTENTION]
-    for implementation in ("eager", "sdpa"):
-        model.set_attn_implementation(implementation)
-        hf = _logits(model, batch)
-        with torch.no_grad():
-            assert torch.equal(_out(hm(**batch)), hf)
-            _, cache = hm.run_with_cache(**batch, names_filter=points)
-            assert torch.equal(_out(hm(**batch)), hf)  # the hooks gone: the tower's own implementation again
+    for implementation, cache in caches_under_each_implementation(model, hm, batch, points):
         for i in range(n):
             at = f"vision.blocks.{i}.attn."
             pattern, scores = cache[at + "hook_pattern"], cache[at + "hook_attn_scores"]

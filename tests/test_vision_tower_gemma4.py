@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, tower_block_points, tower_blocks_of, vlm
 from tests.test_vision_tower import _edit, _logits, _out, _plain
 from tests.test_vision_tower_attention import (
     _add_to_head_0,
@@ -51,17 +51,7 @@ ATTENTION = (
     "attn.hook_z",
 )
 #: every point of a sandwich-normed tower block (relative to ``vision.blocks.{i}.``), in the order they fire
-SUB_BLOCK = (
-    "hook_resid_pre",
-    "ln1.hook_normalized",
-    *ATTENTION,
-    "hook_attn_out",
-    "hook_resid_mid",
-    "hook_mlp_in",
-    "ln2.hook_normalized",
-    "hook_mlp_out",
-    "hook_resid_post",
-)
+SUB_BLOCK = tower_block_points(ATTENTION)
 
 
 def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:

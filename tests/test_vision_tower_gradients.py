@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import hm_projector_path, inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import hm_projector_path, inputs, tower_block_points, tower_blocks_of, vlm
 from tests.test_vision_tower import RECORDED_INSIDE_ON_4, TRANSFORMERS_4, _plain
 from tests.test_vision_tower_attention import O_PROJ, _projection_hook, _z_hook
 from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, _references
@@ -43,15 +43,7 @@ from tests.test_vision_tower_qwen import CHILDREN as QWEN_CHILDREN
 Tensor = torch.Tensor
 
 _ATTENTION = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
-_SUB_BLOCK = (
-    "hook_resid_pre",
-    "ln1.hook_normalized",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "hook_mlp_in",
-    "ln2.hook_normalized",
-    "hook_mlp_out",
-)
+_SUB_BLOCK = tower_block_points(output=False)
 #: each family's edited points: block 0's attention points (Pixtral's rotated queries and keys too), Qwen's block 0
 #: residual and sub-block points and block 1's output, Gemma 4's residual points
 ATTENTION_FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")

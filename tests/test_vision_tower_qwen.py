@@ -18,7 +18,7 @@ from torch import nn
 
 import lensadapters.wiring.vision_tower as vision_tower_module
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, plain_reference, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, plain_reference, tower_block_points, tower_blocks_of, vlm
 from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
 from tests.test_vision_tower import _edit, _logits, _out, _plain, _plain_residuals
@@ -28,16 +28,8 @@ QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: Qwen's tower blocks' children: attention, MLP, the norm before each
 CHILDREN = ("attn", "mlp", "norm1", "norm2")
 #: a block's points, in the order they fire (the attention's: tests/test_vision_tower_qwen_attention.py)
-BLOCK = (
-    "hook_resid_pre",
-    "ln1.hook_normalized",
-    *(f"attn.hook_{x}" for x in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z")),
-    "hook_attn_out",
-    "hook_resid_mid",
-    "hook_mlp_in",
-    "ln2.hook_normalized",
-    "hook_mlp_out",
-    "hook_resid_post",
+BLOCK = tower_block_points(
+    tuple(f"attn.hook_{x}" for x in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z"))
 )
 
 

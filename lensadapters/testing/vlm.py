@@ -23,6 +23,14 @@ from lensadapters.wiring.vision_tower import tower_blocks, vision_tower
 
 IMAGE_TOKEN = 100
 PROJECTOR_POINT = "vision_projector.hook_out"
+
+
+def tower_block_points(attention: tuple[str, ...] = (), output: bool = True) -> tuple[str, ...]:
+    """A vision tower block's points (relative to ``vision.blocks.{i}.``) in the order they fire: the residual and
+    sub-block points, ``attention``'s between ``ln1`` and ``hook_attn_out``, ``hook_resid_post`` last (``output``)."""
+    before = ("hook_resid_pre", "ln1.hook_normalized", *attention, "hook_attn_out", "hook_resid_mid", "hook_mlp_in")
+    return (*before, "ln2.hook_normalized", "hook_mlp_out", *(("hook_resid_post",) if output else ()))
+
 FEATURES_POINT = "vision_projector.hook_in"
 TOWER: dict[str, Any] = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 TEXT: dict[str, Any] = dict(

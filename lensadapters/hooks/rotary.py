@@ -23,7 +23,7 @@ from lensadapters.hooks.specs import RotarySpec
 Tensor = torch.Tensor
 
 __all__ = ["rotate_half", "apply_rotate_half", "invert_rotate_half", "rotate_half_spec", "half_table_rotate_half_spec"]
-__all__ += ["sectioned_rotate_half_spec", "merge_rotary_sections", "float32_rotate_half_spec"]
+__all__ += ["sectioned_rotate_half_spec", "merge_rotary_sections", "float32_rotate_half_spec", "axial_rotate_half_spec"]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -155,3 +155,24 @@ def sectioned_rotate_half_spec(sections: Sequence[int], rotary_dim: Optional[int
         return invert_rotate_half(y, merged(cos), merged(sin), rotary_dim)
 
     return RotarySpec(rotary_dim or 0, apply, invert)
+
+
+def axial_rotate_half_spec(axes: int = 2) -> RotarySpec:
+    """Rotate-half RoPE on each of ``axes`` equal parts of a head, each with the same part of ``(cos, sin)``: the
+    2-D rotary of Gemma 4's vision tower (``apply_multidimensional_rope`` with ``(x, y)`` patch positions: a head's
+    first half rotated by the rows' angles, its second half by the columns'), the same operations as
+    transformers' (bitwise)."""
+
+    def parts(t: Tensor) -> tuple[Tensor, ...]:
+        size = 2 * (t.shape[-1] // (2 * axes))
+        if size <= 0 or size * axes != t.shape[-1]:
+            raise RuntimeError(f"a head of {t.shape[-1]} features is not {axes} rotated parts")
+        return t.split(size, dim=-1)
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.cat([apply_rotate_half(*p) for p in zip(parts(x), parts(cos), parts(sin))], dim=-1)
+
+    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.cat([invert_rotate_half(*p) for p in zip(parts(y), parts(cos), parts(sin))], dim=-1)
+
+    return RotarySpec(0, apply, invert)

@@ -31,6 +31,7 @@ def tower_block_points(attention: tuple[str, ...] = (), output: bool = True) -> 
     before = ("hook_resid_pre", "ln1.hook_normalized", *attention, "hook_attn_out", "hook_resid_mid", "hook_mlp_in")
     return (*before, "ln2.hook_normalized", "hook_mlp_out", *(("hook_resid_post",) if output else ()))
 
+
 FEATURES_POINT = "vision_projector.hook_in"
 TOWER: dict[str, Any] = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 TEXT: dict[str, Any] = dict(

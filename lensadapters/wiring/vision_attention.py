@@ -26,8 +26,8 @@ children (each called once):
   ``attn.q_norm.hook_normalized`` (``k_norm``, ``v_norm``; ``[b, p, h, d]``) is the norm's output, what is rotated
   into ``hook_rot_q`` (or, for values, what the attention mixes), as on the language models. Gemma 4's rotation is
   recognised as rotate-half on each half of a head (its 2-D rotary over the patches' ``(x, y)`` positions:
-  :func:`axial_rotate_half_spec`), exactly. A fused projection followed by per-head norms is refused by name (its
-  norms' points are not served);
+  :func:`~lensadapters.hooks.rotary.axial_rotate_half_spec`), exactly. A fused projection followed by per-head norms
+  is refused by name (its norms' points are not served);
 - ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
   output is the attention module's;
 - ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
@@ -56,7 +56,7 @@ from torch import nn
 from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.attention import KEY_PREFIX, InterfacePatternBackend, original_function
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.rotary import apply_rotate_half, float32_rotate_half_spec, invert_rotate_half, rotate_half_spec
+from lensadapters.hooks.rotary import axial_rotate_half_spec, float32_rotate_half_spec, rotate_half_spec
 from lensadapters.hooks.specs import RotarySpec
 
 Tensor = torch.Tensor
@@ -70,27 +70,6 @@ Z_POINT = "attn.hook_z"
 #: the queries' dtype), and the same computed in float32 and cast back (Qwen's ``apply_rotary_pos_emb_vision``)
 ROTATE_HALF = rotate_half_spec()
 ROTATE_HALF_FLOAT32 = float32_rotate_half_spec()
-
-
-def axial_rotate_half_spec(axes: int = 2) -> RotarySpec:
-    """Rotate-half RoPE on each of ``axes`` equal parts of a head, each with the same part of ``(cos, sin)``: the
-    2-D rotary of Gemma 4's vision tower (``apply_multidimensional_rope`` with ``(x, y)`` patch positions: a head's
-    first half rotated by the rows' angles, its second half by the columns'), the same operations as
-    transformers' (bitwise)."""
-
-    def parts(t: Tensor) -> tuple[Tensor, ...]:
-        size = 2 * (t.shape[-1] // (2 * axes))
-        if size <= 0 or size * axes != t.shape[-1]:
-            raise RuntimeError(f"a head of {t.shape[-1]} features is not {axes} rotated parts")
-        return t.split(size, dim=-1)
-
-    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return torch.cat([apply_rotate_half(*p) for p in zip(parts(x), parts(cos), parts(sin))], dim=-1)
-
-    def invert(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return torch.cat([invert_rotate_half(*p) for p in zip(parts(y), parts(cos), parts(sin))], dim=-1)
-
-    return RotarySpec(0, apply, invert)
 
 
 #: the rotations the probe recognises, by the name ``AttnParts.rotary`` keeps, tried in this order: rotate-half over

@@ -1,5 +1,6 @@
 """ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``,
-``ModernBertForSequenceClassification`` with its head, the body of the other task models; transformers 4.57 and 5.x),
+``ModernBertForSequenceClassification`` and ``ModernBertForTokenClassification`` with their heads, the body of the
+other task models; transformers 4.57 and 5.x),
 with TransformerLens ``HookedEncoder``-style names.
 
 The blocks are pre-LN, rotary and bidirectional; layers alternate global and sliding-window (local) attention::
@@ -19,6 +20,7 @@ attention reads ``hook_resid_pre`` itself. Points, in execution order:
     attn.hook_z/hook_result, hook_attn_out, hook_resid_mid, ln2.*, mlp.hook_pre (Wi's first half, the activation's
     input), mlp.hook_pre_linear (its second half), mlp.hook_post (Wo's input), hook_mlp_out, hook_resid_post
     ln_final.hook_scale/hook_normalized the final norm (the base model's last hidden state)
+    mlm_head.hook_pre/hook_post         the masked-LM prediction head's dense output and its activation's output
     mlm_head.ln.hook_scale/hook_normalized  the prediction head's norm (after its dense layer and activation);
                                         W_U/b_U are the decoder
     cls_head.hook_pooled                ``ModernBertForSequenceClassification``: the pooled final hidden state the
@@ -26,6 +28,8 @@ attention reads ``hook_resid_pre`` itself. Points, in execution order:
                                         tokens, as ``classifier_pooling`` says); cls_head.hook_pre (the head's dense
                                         output), cls_head.hook_post (its activation's output), cls_head.ln.* (its
                                         norm), cls_head.hook_out (the classifier's input, after the head's dropout)
+    cls_head.hook_pre/hook_post/ln.*/hook_out  ``ModernBertForTokenClassification``: the same head on every token
+                                        ([batch, pos, d_model]; no pooling, so no cls_head.hook_pooled)
 
 Under transformers 4.x ModernBERT runs attention from a table of its own (``MODERNBERT_ATTENTION_FUNCTION``), with a
 rotary module in each attention module: the patterns are served by running that module's attention written out
@@ -86,17 +90,29 @@ def _mlm(model: PreTrainedModel) -> bool:
     )
 
 
-def _sequence_classification(model: PreTrainedModel) -> bool:
-    """Whether ``model`` is ``ModernBertForSequenceClassification`` (pooling, then ``head`` and ``classifier`` on the
-    pooled vector), whose head's points are served."""
-    from transformers import ModernBertForSequenceClassification
+def _classifier_of(model: PreTrainedModel, class_name: str) -> bool:
+    """Whether ``model`` is transformers' ModernBERT class ``class_name`` with a ``head`` (dense, act, norm) and a
+    linear ``classifier``."""
+    import transformers
 
     head = getattr(model, "head", None)
     return (
-        isinstance(model, ModernBertForSequenceClassification)
+        isinstance(model, getattr(transformers, class_name))
         and isinstance(getattr(model, "classifier", None), nn.Linear)
         and all(isinstance(getattr(head, n, None), nn.Module) for n in ("dense", "act", "norm"))
     )
+
+
+def _sequence_classification(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is ``ModernBertForSequenceClassification`` (pooling, then ``head`` and ``classifier`` on the
+    pooled vector), whose head's points are served."""
+    return _classifier_of(model, "ModernBertForSequenceClassification")
+
+
+def _token_classification(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is ``ModernBertForTokenClassification`` (``head`` and ``classifier`` on every token, no
+    pooling), whose head's points are served."""
+    return _classifier_of(model, "ModernBertForTokenClassification")
 
 
 def _own_attention(module: nn.Module) -> bool:
@@ -159,7 +175,7 @@ def _config_fields(model: PreTrainedModel) -> dict[str, Any]:
         attention_dir="bidirectional",
         window_size=int(c.local_attention),
         attn_types=_windows(model),
-        extra={"mlm_head": _mlm(model), "cls_head": _sequence_classification(model), "first_layer_attn_norm": False},
+        extra={"mlm_head": _mlm(model), "cls_head": _classification_head(model), "first_layer_attn_norm": False},
     )
 
 
@@ -225,9 +241,11 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         OutputSite(embeddings, hooked.new_point("hook_full_embed", after="embed.ln.hook_normalized")),
     ]
     if _mlm(model):
-        sites.append(_norm_site(hooked, model.head.norm, "mlm_head.ln", after="ln_final.hook_normalized"))
+        sites += _mlm_head_sites(hooked, model.head)
     elif _sequence_classification(model):
-        sites += _classification_head_sites(hooked, model)
+        sites += _classification_head_sites(hooked, model, pooled=True)
+    elif _token_classification(model):
+        sites += _classification_head_sites(hooked, model, pooled=False)
     if _own_attention(base.layers[0].attn):
         for i, attention in enumerate(hooked.attention_modules):
             names = (f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k")
@@ -237,16 +255,31 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     return sites
 
 
-def _classification_head_sites(hooked: Any, model: Any) -> list[Site]:
-    """The sequence-classification head's points, after ``ln_final``'s: its input (the pooled vector), its dense
+def _classification_head(model: PreTrainedModel) -> bool:
+    """Whether ``model`` has a classification head whose points are served (sequence or token classification)."""
+    return _sequence_classification(model) or _token_classification(model)
+
+
+def _mlm_head_sites(hooked: Any, head: Any) -> list[Site]:
+    """The masked-LM prediction head's points, after ``ln_final``'s: its dense layer's output, its activation's
+    output and its norm (the decoder's input)."""
+    chain = hf.PointChain(hooked, "ln_final.hook_normalized")
+    return [
+        OutputSite(head.dense, chain.new("mlm_head.hook_pre")),
+        OutputSite(head.act, chain.new("mlm_head.hook_post")),
+        chain.norm(head.norm, "mlm_head.ln"),
+    ]
+
+
+def _classification_head_sites(hooked: Any, model: Any, pooled: bool) -> list[Site]:
+    """A classification head's points, after ``ln_final``'s: its input where it is pooled (sequence
+    classification's pooled vector; token classification's head reads ``ln_final``'s output itself), its dense
     layer's output, its activation's output, its norm and the classifier's input (the norm's output after the
     head's dropout)."""
     head, chain = model.head, hf.PointChain(hooked, "ln_final.hook_normalized")
-    sites: list[Site] = [
-        InputSite(head, chain.new("cls_head.hook_pooled")),
-        OutputSite(head.dense, chain.new("cls_head.hook_pre")),
-        OutputSite(head.act, chain.new("cls_head.hook_post")),
-    ]
+    sites: list[Site] = [InputSite(head, chain.new("cls_head.hook_pooled"))] if pooled else []
+    sites.append(OutputSite(head.dense, chain.new("cls_head.hook_pre")))
+    sites.append(OutputSite(head.act, chain.new("cls_head.hook_post")))
     return [*sites, chain.norm(head.norm, "cls_head.ln"), InputSite(model.classifier, chain.new("cls_head.hook_out"))]
 
 

@@ -1,7 +1,8 @@
 """An independent reference of ModernBERT for exactness tests: a tiny masked-LM model (:func:`make_model`, 3 layers:
 global, local, global; window 4; or another head's model, ``cls``), a right-padded batch (:func:`inputs`), every
-point computed step by step from the Hugging Face modules' parameters (:func:`reference`; the masked-LM head's, or
-``ModernBertForSequenceClassification``'s pooling and head) and the largest difference of a cache from it
+point computed step by step from the Hugging Face modules' parameters (:func:`reference`; the masked-LM head's,
+``ModernBertForSequenceClassification``'s pooling and head, or ``ModernBertForTokenClassification``'s head on every
+token) and the largest difference of a cache from it
 (:func:`max_error`). Needs ``lensadapters[testing]``."""
 
 from __future__ import annotations
@@ -129,18 +130,23 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         x = at(pre + "hook_resid_post", mid + mlp_out)
     x = norm("ln_final", base.final_norm, x)
     head = model.head
+    dense = head.dense
+
+    def dense_of(t: Tensor) -> Tensor:
+        return t @ dense.weight.T + (0 if dense.bias is None else dense.bias)
+
     if not hasattr(model, "classifier"):  # the masked-LM head, on every token
-        out["logits"] = model.decoder(norm("mlm_head.ln", head.norm, head.act(head.dense(x))))
+        post = at("mlm_head.hook_post", head.act(at("mlm_head.hook_pre", dense_of(x))))
+        out["logits"] = model.decoder(norm("mlm_head.ln", head.norm, post))
         return out
-    # the sequence-classification head: pooling (the first token, or the mean over the real tokens), then the head
-    if c.classifier_pooling == "cls":
-        pooled = x[:, 0]
+    if type(model).__name__ == "ModernBertForTokenClassification":  # the head on every token, no pooling
+        pooled = x
+    elif c.classifier_pooling == "cls":  # sequence classification: the first token, or the mean over the real ones
+        pooled = at("cls_head.hook_pooled", x[:, 0])
     else:
         real = mask.to(x.dtype)[:, :, None]
-        pooled = (x * real).sum(1) / real.sum(1)
-    pooled = at("cls_head.hook_pooled", pooled)
-    dense = head.dense
-    dense_out = at("cls_head.hook_pre", pooled @ dense.weight.T + (0 if dense.bias is None else dense.bias))
+        pooled = at("cls_head.hook_pooled", (x * real).sum(1) / real.sum(1))
+    dense_out = at("cls_head.hook_pre", dense_of(pooled))
     post = at("cls_head.hook_post", head.act(dense_out))
     classifier_in = at("cls_head.hook_out", norm("cls_head.ln", head.norm, post))  # the dropout: none in eval
     out["logits"] = classifier_in @ model.classifier.weight.T + model.classifier.bias

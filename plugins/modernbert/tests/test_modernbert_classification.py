@@ -138,10 +138,14 @@ def test_an_edit_of_the_final_norm_reaches_the_pool_only_through_the_pooled_toke
 
 
 def test_the_other_models_have_no_classifier_points():
+    """The masked-LM and base models have no ``cls_head`` points; token classification's head has no pool."""
     from transformers import ModernBertForMaskedLM, ModernBertForTokenClassification, ModernBertModel
 
-    for cls in (ModernBertForMaskedLM, ModernBertModel, ModernBertForTokenClassification):
+    for cls in (ModernBertForMaskedLM, ModernBertModel):
         hm = HookedModel.wrap(make_model("eager", cls=cls), registry=plugin_registry())
         assert not any(n.startswith("cls_head.") for n in hm.hook_names), cls.__name__
         assert hm.cfg.extra["cls_head"] is False
         hm.unwrap()
+    hm = HookedModel.wrap(make_model("eager", cls=ModernBertForTokenClassification), registry=plugin_registry())
+    assert "cls_head.hook_pooled" not in hm.hook_names and "cls_head.hook_pre" in hm.hook_names
+    hm.unwrap()

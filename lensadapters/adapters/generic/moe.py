@@ -31,7 +31,7 @@ point (:mod:`.verify`): those without a plain PyTorch reference are not served.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,23 @@ def _scaled_expert_output(experts: nn.Module, spec: FusedExperts, routed: Tensor
     gate, up = (both[..., ::2], both[..., 1::2]) if spec.interleaved else both.chunk(2, dim=-1)
     h = act(gate.to(routed.dtype)).double() * up
     return torch.einsum("edm,etm->etd", down, h).flatten(0, 1)
+
+
+def _fused_layout(
+    path: str, scaled_input: bool, compute: Callable[[FusedExperts], Tensor], observed: Tensor, why_not: str
+) -> FusedExperts:
+    """The one :class:`FusedExperts` layout of the experts at ``path`` (transposed or not, gate/up interleaved or
+    not) under which ``compute`` (the experts' output recomputed from their parameters) gives the ``observed``
+    output; ``_Refused`` with ``why_not`` where none does."""
+    for transposed, interleaved in itertools.product((False, True), (False, True)):
+        candidate = FusedExperts(path, transposed=transposed, interleaved=interleaved, scaled_input=scaled_input)
+        try:
+            computed = compute(candidate)
+        except RuntimeError:  # the parameters' shapes do not fit this layout
+            continue
+        if _close(computed, observed.double()):
+            return candidate
+    raise _Refused(why_not)
 
 
 def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
@@ -216,18 +233,13 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
         raise _Refused(
             "no softmax or sigmoid top-k routing of the router's logits gives the experts' indices and weights"
         )
-    spec = None
-    for transposed, interleaved in itertools.product((False, True), (False, True)):
-        candidate_spec = FusedExperts(experts_path, transposed=transposed, interleaved=interleaved)
-        try:
-            computed = _expert_output(experts, candidate_spec, hidden, index, weights)
-        except RuntimeError:  # the parameters' shapes do not fit this layout
-            continue
-        if _close(computed, experts_out.double()):
-            spec = candidate_spec
-            break
-    if spec is None:
-        raise _Refused("the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts")
+    spec = _fused_layout(
+        experts_path,
+        False,
+        lambda candidate: _expert_output(experts, candidate, hidden, index, weights),
+        experts_out,
+        "the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts",
+    )
     shared = _shared(calls, (experts_path, router_path), flat, experts_out.reshape(y.shape), y)
     prefix = f"{mlp}."
     return MoELayout(
@@ -328,18 +340,13 @@ def _describe_scaled(
             break
     if routing is None:
         raise _Refused("no top-k softmax or sigmoid of the router's logits gives the scores it returns")
-    spec = None
-    for transposed, interleaved in itertools.product((False, True), (False, True)):
-        candidate_spec = FusedExperts(experts_path, transposed=transposed, interleaved=interleaved, scaled_input=True)
-        try:
-            computed = _scaled_expert_output(experts, candidate_spec, routed, n)
-        except RuntimeError:  # the parameters' shapes do not fit this layout
-            continue
-        if _close(computed, experts_out.double()):
-            spec = candidate_spec
-            break
-    if spec is None:
-        raise _Refused("each expert's block of the experts' output is not down(act(gate) * up) of its block of input")
+    spec = _fused_layout(
+        experts_path,
+        True,
+        lambda candidate: _scaled_expert_output(experts, candidate, routed, n),
+        experts_out,
+        "each expert's block of the experts' output is not down(act(gate) * up) of its block of input",
+    )
     unchosen = (~chosen).T.reshape(-1)
     if experts_out[unchosen].count_nonzero():  # an expert not chosen must add nothing (no biases)
         raise _Refused("an expert not chosen adds a non-zero output (its input scaled to zero)")

@@ -24,5 +24,5 @@ for project in plugins/*/ examples/*/; do
   if [ -f "$project/pyproject.toml" ]; then projects+=(-e "$project"); fi
 done
 "${pip[@]}" install -c "$constraints" -e ".[all,testing]" "${projects[@]}"
-"${pip[@]}" install -c "$constraints" build ruff mypy import-linter pytest-xdist  # wheel check; scripts/lint.sh; scripts/test.sh runs the suites on every core
+"${pip[@]}" install -c "$constraints" build setuptools ruff mypy import-linter pytest-xdist  # wheel check; scripts/lint.sh; scripts/test.sh runs the suites on every core
 "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -13,27 +13,33 @@ export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 # the two big suites run on every core (pytest-xdist; LENSADAPTERS_TEST_WORKERS=0 runs them in one process), a test
 # module or class to a worker (its fixtures are built once)
 workers=(-n "${LENSADAPTERS_TEST_WORKERS:-auto}" --dist loadscope)
+report=(--durations=25)  # the slowest tests, in the log: where CI time goes
 if [ "${LENSADAPTERS_TEST_WORKERS:-auto}" = "0" ]; then workers=(); fi
 # the core's tests and every plugin folder's own (found by glob: a new plugin's tests/ runs without a change here)
 suites=(tests)
 for suite in plugins/*/tests examples/*/tests; do
   if [ -d "$suite" ]; then suites+=("$suite"); fi
 done
+stage() { printf '== [%d:%02d elapsed] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }  # CI's log times each step
+stage "set-up of .venv"
 bash scripts/setup.sh .venv
+stage "lint"
 bash scripts/lint.sh .venv
-echo "== tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
-.venv/bin/python -m pytest -q -p no:cacheprovider "${workers[@]}" "${suites[@]}"
+stage "tests on $(.venv/bin/python -c 'import transformers; print("transformers", transformers.__version__)'): ${suites[*]}"
+.venv/bin/python -m pytest -q -p no:cacheprovider "${report[@]}" "${workers[@]}" "${suites[@]}"
+stage "set-up of .venv-tf457"
 bash scripts/setup.sh .venv-tf457 4.57.6
 bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis layer is compared with it there
-echo "== tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
+stage "tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE_SECOND:-ci-short}" \
-  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider "${workers[@]}" -m "not transformers5_only" "${suites[@]}"
-echo "== sae-bench, auto-circuit and sae-dashboard over the TransformerLens environment"
+  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider "${report[@]}" "${workers[@]}" -m "not transformers5_only" "${suites[@]}"
+stage "sae-bench, auto-circuit and sae-dashboard over the TransformerLens environment"
 bash scripts/setup-tl-clients.sh .venv-tl-clients .venv-tf457
 .venv-tl-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_sae_bench.py tests/test_auto_circuit.py \
   tests/test_client_tools.py
-echo "== the client tools that take a Hugging Face model (nnterp, tuned-lens, circuit-tracer), in their own environment"
+stage "the client tools that take a Hugging Face model (nnterp, tuned-lens, circuit-tracer), in their own environment"
 bash scripts/setup-clients.sh .venv-clients
 .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients_on_hf_model.py
-echo "== distributions: build wheels and install lensadapters[llama] / [all] from them"
+stage "distributions: build wheels and install lensadapters[llama] / [all] from them"
 bash scripts/check-wheels.sh .venv
+stage "done"

@@ -19,7 +19,17 @@ from lensadapters import HookedModel, Registry
 from lensadapters.testing.models import reinit
 from lensadapters.testing.reference import ReferencePoints, masked_difference
 
-__all__ = ["IMPLEMENTATIONS", "WINDOW", "inputs", "make_model", "max_error", "reference", "registry", "wrapped"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "WINDOW",
+    "inputs",
+    "logits_of",
+    "make_model",
+    "max_error",
+    "reference",
+    "registry",
+    "wrapped",
+]
 
 IMPLEMENTATIONS = ("eager", "sdpa")
 WINDOW = 2  # local_attention=4: a local layer's query at i sees the keys j with |i - j| <= 2
@@ -151,6 +161,17 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
     classifier_in = at("cls_head.hook_out", norm("cls_head.ln", head.norm, post))  # the dropout: none in eval
     out["logits"] = classifier_in @ model.classifier.weight.T + model.classifier.bias
     return out
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits of a ModernBERT output (``run_with_hooks``' answer, or the HF output): ``logits``, or the question
+    answerer's ``start_logits`` and ``end_logits`` stacked on a last axis (its classifier's output,
+    ``[batch, pos, 2]``)."""
+    if isinstance(output, Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    return torch.stack((output.start_logits, output.end_logits), dim=-1)
 
 
 def max_error(cache: Any, ref: dict, real: Optional[Tensor] = None) -> float:

@@ -1,6 +1,6 @@
 """ModernBERT encoders for lensadapters (``ModernBertForMaskedLM``, ``ModernBertModel``,
-``ModernBertForSequenceClassification`` and ``ModernBertForTokenClassification`` with their heads, the body of the
-other task models; transformers 4.57 and 5.x),
+``ModernBertForSequenceClassification``, ``ModernBertForTokenClassification``, ``ModernBertForQuestionAnswering`` and
+``ModernBertForMultipleChoice`` with their heads, the body of any other task model; transformers 4.57 and 5.x),
 with TransformerLens ``HookedEncoder``-style names.
 
 The blocks are pre-LN, rotary and bidirectional; layers alternate global and sliding-window (local) attention::
@@ -28,8 +28,19 @@ attention reads ``hook_resid_pre`` itself. Points, in execution order:
                                         tokens, as ``classifier_pooling`` says); cls_head.hook_pre (the head's dense
                                         output), cls_head.hook_post (its activation's output), cls_head.ln.* (its
                                         norm), cls_head.hook_out (the classifier's input, after the head's dropout)
-    cls_head.hook_pre/hook_post/ln.*/hook_out  ``ModernBertForTokenClassification``: the same head on every token
-                                        ([batch, pos, d_model]; no pooling, so no cls_head.hook_pooled)
+    cls_head.hook_pre/hook_post/ln.*/hook_out  ``ModernBertForTokenClassification`` and
+                                        ``ModernBertForQuestionAnswering`` (whose classifier's two outputs are the
+                                        start and end logits): the same head on every token ([batch, pos, d_model];
+                                        no pooling, so no cls_head.hook_pooled)
+    cls_head.*                          ``ModernBertForMultipleChoice``: the sequence classifier's points (pooled as
+                                        ``classifier_pooling`` says; ``cls`` pooling takes each row's first real
+                                        token), with a one-logit classifier
+
+``ModernBertForMultipleChoice`` flattens its ``[batch, num_choices, pos]`` input to ``[batch * num_choices, pos]``
+before the encoder, as transformers does; every point sees those flattened rows (row ``b * num_choices + c`` is
+choice ``c`` of batch row ``b``: ``hook_embed`` is ``[batch * num_choices, pos, d_model]``, ``cls_head.hook_pooled``
+``[batch * num_choices, d_model]``) and only the logits are ``[batch, num_choices]``. TransformerLens has no such
+model; the points follow what the HF modules see.
 
 Under transformers 4.x ModernBERT runs attention from a table of its own (``MODERNBERT_ATTENTION_FUNCTION``), with a
 rotary module in each attention module: the patterns are served by running that module's attention written out
@@ -90,29 +101,34 @@ def _mlm(model: PreTrainedModel) -> bool:
     )
 
 
-def _classifier_of(model: PreTrainedModel, class_name: str) -> bool:
-    """Whether ``model`` is transformers' ModernBERT class ``class_name`` with a ``head`` (dense, act, norm) and a
-    linear ``classifier``."""
+# transformers' ModernBERT task models whose head (``head``: dense, act, norm; ``drop``; a linear ``classifier``) is
+# served as the ``cls_head.*`` points, and whether that head reads a pooled vector (``cls_head.hook_pooled``) or every
+# token (no pool); multiple choice's points see its flattened rows (the module docstring). A class the installed
+# transformers lacks is left out.
+CLASSIFICATION_HEADS = {
+    "ModernBertForSequenceClassification": True,
+    "ModernBertForTokenClassification": False,
+    "ModernBertForQuestionAnswering": False,  # the classifier's two outputs per token: start and end logits
+    "ModernBertForMultipleChoice": True,  # one logit per (batch row, choice)
+}
+
+
+def _head_pooling(model: PreTrainedModel) -> Optional[bool]:
+    """Whether ``model``'s classification head reads a pooled vector (``True``) or every token (``False``), where
+    ``model`` is one of :data:`CLASSIFICATION_HEADS`' classes with a ``head`` (dense, act, norm) and a linear
+    ``classifier``; ``None`` for every other model."""
     import transformers
 
     head = getattr(model, "head", None)
-    return (
-        isinstance(model, getattr(transformers, class_name))
-        and isinstance(getattr(model, "classifier", None), nn.Linear)
-        and all(isinstance(getattr(head, n, None), nn.Module) for n in ("dense", "act", "norm"))
-    )
-
-
-def _sequence_classification(model: PreTrainedModel) -> bool:
-    """Whether ``model`` is ``ModernBertForSequenceClassification`` (pooling, then ``head`` and ``classifier`` on the
-    pooled vector), whose head's points are served."""
-    return _classifier_of(model, "ModernBertForSequenceClassification")
-
-
-def _token_classification(model: PreTrainedModel) -> bool:
-    """Whether ``model`` is ``ModernBertForTokenClassification`` (``head`` and ``classifier`` on every token, no
-    pooling), whose head's points are served."""
-    return _classifier_of(model, "ModernBertForTokenClassification")
+    if not isinstance(getattr(model, "classifier", None), nn.Linear) or not all(
+        isinstance(getattr(head, n, None), nn.Module) for n in ("dense", "act", "norm")
+    ):
+        return None
+    for name, pooled in CLASSIFICATION_HEADS.items():
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return pooled
+    return None
 
 
 def _own_attention(module: nn.Module) -> bool:
@@ -240,12 +256,11 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         _norm_site(hooked, embeddings.norm, "embed.ln", after="hook_embed"),
         OutputSite(embeddings, hooked.new_point("hook_full_embed", after="embed.ln.hook_normalized")),
     ]
+    pooled = _head_pooling(model)
     if _mlm(model):
         sites += _mlm_head_sites(hooked, model.head)
-    elif _sequence_classification(model):
-        sites += _classification_head_sites(hooked, model, pooled=True)
-    elif _token_classification(model):
-        sites += _classification_head_sites(hooked, model, pooled=False)
+    elif pooled is not None:
+        sites += _classification_head_sites(hooked, model, pooled)
     if _own_attention(base.layers[0].attn):
         for i, attention in enumerate(hooked.attention_modules):
             names = (f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k")
@@ -256,8 +271,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
 
 
 def _classification_head(model: PreTrainedModel) -> bool:
-    """Whether ``model`` has a classification head whose points are served (sequence or token classification)."""
-    return _sequence_classification(model) or _token_classification(model)
+    """Whether ``model`` has a classification head whose points are served (:data:`CLASSIFICATION_HEADS`)."""
+    return _head_pooling(model) is not None
 
 
 def _mlm_head_sites(hooked: Any, head: Any) -> list[Site]:
@@ -272,8 +287,8 @@ def _mlm_head_sites(hooked: Any, head: Any) -> list[Site]:
 
 
 def _classification_head_sites(hooked: Any, model: Any, pooled: bool) -> list[Site]:
-    """A classification head's points, after ``ln_final``'s: its input where it is pooled (sequence
-    classification's pooled vector; token classification's head reads ``ln_final``'s output itself), its dense
+    """A classification head's points, after ``ln_final``'s: its input where it is pooled (sequence classification's
+    and multiple choice's pooled vector; the per-token heads read ``ln_final``'s output itself), its dense
     layer's output, its activation's output, its norm and the classifier's input (the norm's output after the
     head's dropout)."""
     head, chain = model.head, hf.PointChain(hooked, "ln_final.hook_normalized")

@@ -1,8 +1,10 @@
 """An independent reference of ModernBERT for exactness tests: a tiny masked-LM model (:func:`make_model`, 3 layers:
 global, local, global; window 4; or another head's model, ``cls``), a right-padded batch (:func:`inputs`), every
 point computed step by step from the Hugging Face modules' parameters (:func:`reference`; the masked-LM head's,
-``ModernBertForSequenceClassification``'s pooling and head, or ``ModernBertForTokenClassification``'s head on every
-token) and the largest difference of a cache from it
+``ModernBertForSequenceClassification``'s or ``ModernBertForMultipleChoice``'s pooling and head, or
+``ModernBertForTokenClassification``'s or ``ModernBertForQuestionAnswering``'s head on every token; a multiple-choice
+batch, :func:`choice_inputs`, flattened to ``[batch * num_choices, pos]`` as transformers does) and the largest
+difference of a cache from it
 (:func:`max_error`). Needs ``lensadapters[testing]``."""
 
 from __future__ import annotations
@@ -19,9 +21,23 @@ from lensadapters import HookedModel, Registry
 from lensadapters.testing.models import reinit
 from lensadapters.testing.reference import ReferencePoints, masked_difference
 
-__all__ = ["IMPLEMENTATIONS", "WINDOW", "inputs", "make_model", "max_error", "reference", "registry", "wrapped"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "PER_TOKEN",
+    "WINDOW",
+    "choice_inputs",
+    "inputs",
+    "logits_of",
+    "make_model",
+    "max_error",
+    "reference",
+    "registry",
+    "wrapped",
+]
 
 IMPLEMENTATIONS = ("eager", "sdpa")
+# the classification models whose head reads every token (no cls_head.hook_pooled)
+PER_TOKEN = ("ModernBertForTokenClassification", "ModernBertForQuestionAnswering")
 WINDOW = 2  # local_attention=4: a local layer's query at i sees the keys j with |i - j| <= 2
 
 
@@ -38,6 +54,20 @@ def make_model(implementation: str = "eager", seed: int = 0, cls: Any = ModernBe
     model = cls._from_config(config, attn_implementation=implementation)
     reinit(model, seed)
     return model.eval()
+
+
+def choice_inputs(seed: int = 0, choices: int = 3) -> dict[str, Tensor]:
+    """A multiple-choice batch, ``[2, choices, 9]``: every row of :func:`inputs`' shape, the last choice of the
+    first row right-padded by 2, the second choice of the second row left-padded by 2 (its first real token is at 2)
+    and the third right-padded by 1 (every padding query keeps a real key in its window)."""
+    ids = torch.randint(3, 64, (2, choices, 9), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, -1, 7:] = 0
+    mask[1, 1, :2] = 0
+    if choices > 2:
+        mask[1, 2, 8:] = 0
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def inputs(seed: int = 0) -> dict[str, Tensor]:
@@ -75,6 +105,8 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         return at(f"{prefix}.hook_normalized", normalized if ln.bias is None else normalized + ln.bias)
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    choices = ids.shape[1] if ids.dim() == 3 else None  # multiple choice: [batch, num_choices, pos], flattened
+    ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
     b, p = ids.shape
     base = model.model
     x = at("hook_embed", base.embeddings.tok_embeddings.weight[ids])
@@ -139,18 +171,31 @@ def reference(model: Any, batch: dict[str, Tensor], edits: Optional[dict[str, Ca
         post = at("mlm_head.hook_post", head.act(at("mlm_head.hook_pre", dense_of(x))))
         out["logits"] = model.decoder(norm("mlm_head.ln", head.norm, post))
         return out
-    if type(model).__name__ == "ModernBertForTokenClassification":  # the head on every token, no pooling
+    if type(model).__name__ in PER_TOKEN:  # the head on every token, no pooling
         pooled = x
-    elif c.classifier_pooling == "cls":  # sequence classification: the first token, or the mean over the real ones
-        pooled = at("cls_head.hook_pooled", x[:, 0])
+    elif c.classifier_pooling == "cls":  # the first token (multiple choice: the first real one), or the mean
+        first = mask.argmax(-1) if choices is not None else torch.zeros(b, dtype=torch.long)
+        pooled = at("cls_head.hook_pooled", x[torch.arange(b), first])
     else:
         real = mask.to(x.dtype)[:, :, None]
         pooled = at("cls_head.hook_pooled", (x * real).sum(1) / real.sum(1))
     dense_out = at("cls_head.hook_pre", dense_of(pooled))
     post = at("cls_head.hook_post", head.act(dense_out))
     classifier_in = at("cls_head.hook_out", norm("cls_head.ln", head.norm, post))  # the dropout: none in eval
-    out["logits"] = classifier_in @ model.classifier.weight.T + model.classifier.bias
+    logits = classifier_in @ model.classifier.weight.T + model.classifier.bias
+    out["logits"] = logits if choices is None else logits.view(-1, choices)
     return out
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits of a ModernBERT output (``run_with_hooks``' answer, or the HF output): ``logits``, or the question
+    answerer's ``start_logits`` and ``end_logits`` stacked on a last axis (its classifier's output,
+    ``[batch, pos, 2]``)."""
+    if isinstance(output, Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    return torch.stack((output.start_logits, output.end_logits), dim=-1)
 
 
 def max_error(cache: Any, ref: dict, real: Optional[Tensor] = None) -> float:

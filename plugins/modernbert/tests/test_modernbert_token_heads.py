@@ -17,19 +17,19 @@ from lensadapters import HookedModel
 from lensadapters.testing import assert_close, assert_wraps_transparently
 
 # each head's points in firing order, and the HF module (relative to the model) whose input ("pre") or output
-# ("fwd") a plain hook reads and edits for it
+# ("post") a plain hook reads and edits for it
 HEADS = {
     "mlm": {
-        "mlm_head.hook_pre": ("head.dense", "fwd"),
-        "mlm_head.hook_post": ("head.act", "fwd"),
+        "mlm_head.hook_pre": ("head.dense", "post"),
+        "mlm_head.hook_post": ("head.act", "post"),
         "mlm_head.ln.hook_scale": None,
-        "mlm_head.ln.hook_normalized": ("head.norm", "fwd"),
+        "mlm_head.ln.hook_normalized": ("head.norm", "post"),
     },
     "token": {
-        "cls_head.hook_pre": ("head.dense", "fwd"),
-        "cls_head.hook_post": ("head.act", "fwd"),
+        "cls_head.hook_pre": ("head.dense", "post"),
+        "cls_head.hook_post": ("head.act", "post"),
         "cls_head.ln.hook_scale": None,
-        "cls_head.ln.hook_normalized": ("head.norm", "fwd"),
+        "cls_head.ln.hook_normalized": ("head.norm", "post"),
         "cls_head.hook_out": ("classifier", "pre"),
     },
 }
@@ -104,14 +104,6 @@ def _edit(t, hook=None):
     return t * -2.0 + 0.5
 
 
-def _pre(module, args):
-    return (_edit(args[0]), *args[1:])
-
-
-def _post(module, args, output):
-    return _edit(output)
-
-
 def _norm_with_half_scale(module, args, output):
     x = args[0]
     scale = (x.var(-1, keepdim=True, unbiased=False) + module.eps).sqrt() * 0.5
@@ -121,27 +113,11 @@ def _norm_with_half_scale(module, args, output):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("head", sorted(HEADS))
-def test_an_edit_of_a_head_point_is_the_same_edit_made_with_a_torch_hook(head, implementation):
+def test_an_edit_of_a_head_point_is_the_same_edit_made_with_a_torch_hook(head, implementation, edits_match_torch_hooks):
     model, batch = _model(head, implementation), inputs()
+    plain = {point: where for point, where in HEADS[head].items() if where is not None}
+    hm, base = edits_match_torch_hooks(model, batch, plain, _edit)
     with torch.no_grad():
-        base = model(**batch).logits
-    plain = {}
-    for point, where in HEADS[head].items():
-        if where is None:
-            continue
-        module = model.get_submodule(where[0])
-        handle = module.register_forward_pre_hook(_pre) if where[1] == "pre" else module.register_forward_hook(_post)
-        try:
-            with torch.no_grad():
-                plain[point] = model(**batch).logits
-        finally:
-            handle.remove()
-    hm = HookedModel.wrap(model, registry=plugin_registry())
-    with torch.no_grad():
-        for point, expected in plain.items():
-            edited = hm.run_with_hooks(**batch, fwd_hooks=[(point, _edit)])
-            assert not torch.allclose(expected, base, atol=1e-4), f"{point}: the edit changes the logits"
-            assert torch.equal(edited, expected), f"an edit of {point} is the torch hook's edit"
         # the norm's scale has no module of its own: the norm written out with its scale halved, in a torch hook
         # replacing the norm's output (written out, so equal to rounding, not bitwise)
         (scale,) = [p for p, where in HEADS[head].items() if where is None]

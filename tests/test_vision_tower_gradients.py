@@ -26,19 +26,26 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lensadapters import HookedModel
 from lensadapters.testing.vlm import hm_projector_path, inputs, tower_block_points, tower_blocks_of, vlm
-from tests.test_vision_tower import RECORDED_INSIDE_ON_4, TRANSFORMERS_4, _plain
-from tests.test_vision_tower_attention import O_PROJ, _projection_hook, _z_hook
-from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, _references
+from tests.test_vision_tower import RECORDED_INSIDE_ON_4, TRANSFORMERS_4
+from tests.test_vision_tower_attention import O_PROJ
+from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN
 from tests.test_vision_tower_qwen import CHILDREN as QWEN_CHILDREN
+from tests.vision_tower_helpers import (
+    block_references,
+    plain_hook,
+    projection_hook,
+    tower_attention,
+    written_out_attention,
+    z_hook,
+)
 
 Tensor = torch.Tensor
 
@@ -150,18 +157,10 @@ def _hooked(hm: HookedModel, batch: dict, edits: dict[str, Callable[[Tensor], Te
 def _eager_with(target: Any, edits: dict[str, Callable[[Tensor], Tensor]], implementation: str) -> Callable[..., Any]:
     """The attention function of the tower's own ``implementation`` that, in the module ``target``, is handed the
     edited rotated query and key (``rot_q``/``rot_k``, as ``[b, p, h, d]``); where its scores (masked, before the
-    softmax) or pattern (after it) are edited, eager attention written out (the tower's model file's)."""
+    softmax) or pattern (after it) are edited, eager attention written out (:func:`written_out_attention`)."""
+    written = written_out_attention(target, {k: e for k, e in edits.items() if k in ("scores", "pattern")})
 
-    def attention(
-        module: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Optional[Tensor],
-        scaling: Optional[float] = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:
+    def attention(module: Any, query: Tensor, key: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         if module is target and "rot_q" in edits:
             query = edits["rot_q"](query.transpose(1, 2)).transpose(1, 2)
         if module is target and "rot_k" in edits:
@@ -171,16 +170,8 @@ def _eager_with(target: Any, edits: dict[str, Callable[[Tensor], Tensor]], imple
                 ALL_ATTENTION_FUNCTIONS.get(implementation)
                 or sys.modules[type(module).__module__].eager_attention_forward
             )
-            return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        if "scores" in edits:
-            scores = edits["scores"](scores)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        if "pattern" in edits:
-            weights = edits["pattern"](weights)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+            return own(module, query, key, *args, **kwargs)
+        return written(module, query, key, *args, **kwargs)
 
     return attention
 
@@ -195,36 +186,33 @@ def _plain_edits(model: Any, name: str, edits: dict[str, Callable[[Tensor], Tens
     children = QWEN_CHILDREN if name.startswith("qwen") else CHILDREN.get(name, DEFAULT_CHILDREN)
     for point, edit in edits.items():
         if point == "vision.hook_embed":
-            handles.append(_plain(blocks[0], "pre", [], edit))
+            handles.append(plain_hook(blocks[0], "pre", [], edit))
             continue
         i, rest = int(point.split(".")[2]), ".".join(point.split(".")[3:])
         block = blocks[i]
         attention = block.get_submodule(children[0])
         if rest in ("hook_resid_pre", "hook_resid_post"):
-            handles.append(_plain(block, "pre" if rest == "hook_resid_pre" else "post", [], edit))
+            handles.append(plain_hook(block, "pre" if rest == "hook_resid_pre" else "post", [], edit))
         elif rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
-            handles.append(_projection_hook(getattr(attention, f"{rest[-1]}_proj"), heads, [], edit))
+            handles.append(projection_hook(getattr(attention, f"{rest[-1]}_proj"), heads, [], edit))
         elif rest == "attn.hook_z":
-            handles.append(_z_hook(getattr(attention, O_PROJ.get(name, "out_proj")), heads, [], edit))
+            handles.append(z_hook(getattr(attention, O_PROJ.get(name, "out_proj")), heads, [], edit))
         elif rest.startswith("attn."):
             role = {"hook_attn_scores": "scores", "hook_pattern": "pattern"}.get(rest[5:], rest[10:])
             in_function[role] = (attention, edit)
         else:
-            handles += _references(block, children)[rest]([], edit)
-    implementation = config._attn_implementation
+            handles += block_references(block, children)[rest]([], edit)
+    in_tower: Any = contextlib.nullcontext()
     if in_function:
         targets = {id(t) for t, _ in in_function.values()}
         assert len(targets) == 1  # one block's attention
         target = next(iter(in_function.values()))[0]
-        key = f"lensadapters_test_gradients_{id(target)}"
-        AttentionInterface.register(
-            key, _eager_with(target, {role: e for role, (_, e) in in_function.items()}, implementation)
-        )
-        config._attn_implementation = key
+        function = _eager_with(target, {role: e for role, (_, e) in in_function.items()}, config._attn_implementation)
+        in_tower = tower_attention(model, f"lensadapters_test_gradients_{id(target)}", function)
     try:
-        yield
+        with in_tower:
+            yield
     finally:
-        config._attn_implementation = implementation
         for handle in handles:
             handle.remove()
 

@@ -11,13 +11,16 @@ hand-written attention function) and ``attn.hook_z``, in the order they fire."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from lensadapters import HookedModel
+from lensadapters import HookedModel, UnsupportedModelError
 from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_block_points, tower_blocks_of, vlm
+from lensadapters.wiring.core_sites import CoreSites
+from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.test_vision_tower_attention import _add_to_head_0, _eager_weights, _measure, _roll
 from tests.vision_tower_helpers import (
     assert_reads_and_edits,
@@ -52,7 +55,9 @@ ATTENTION = (
     "attn.hook_z",
 )
 #: every point of a sandwich-normed tower block (relative to ``vision.blocks.{i}.``), in the order they fire
-SUB_BLOCK = tower_block_points(ATTENTION)
+SUB_BLOCK = tower_block_points(ATTENTION, post_norms=True)
+#: the sandwich norms' points (relative to the block) and their HF modules
+POST_NORMS = (("ln1_post", "post_attention_layernorm"), ("ln2_post", "post_feedforward_layernorm"))
 
 
 def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
@@ -102,6 +107,102 @@ def test_sandwich_block_points_read_and_edit_as_plain_hooks_do() -> None:
     assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
     assert torch.equal(logits_with(model, batch), hf)
+
+
+def _post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool = False) -> Any:
+    """A plain forward hook on the RMSNorm ``norm`` reading ``which`` of its input ``x``, written out here from the
+    input alone: ``hook_scale`` is ``sqrt(mean(x^2) + eps)``, ``hook_normalized`` ``x / scale`` (before the weight, as
+    TransformerLens' RMSNorm and the language model's Gemma norms have them). ``edit`` of either changes the norm's
+    output by ``weight * (edited normalized - normalized)`` (the edit entering as the difference it makes, the rest of
+    the output HF's own numbers), or, ``recompute``, replaces it by ``weight * edited normalized``."""
+
+    def post(module: Any, args: tuple, output: torch.Tensor) -> Any:
+        x = args[0]
+        scale = (x.pow(2).mean(-1, keepdim=True) + module.eps).sqrt()
+        normalized = x / scale
+        seen.append((scale if which == "hook_scale" else normalized).clone())
+        if edit is None:
+            return None
+        edited = x / edit(scale) if which == "hook_scale" else edit(normalized)
+        return edited * module.weight if recompute else output + (edited - normalized) * module.weight
+
+    return norm.register_forward_hook(post)
+
+
+def _post_norm_references(block: Any, recompute: bool = False) -> dict[str, Callable[[list, Any], list]]:
+    """The plain hooks of :func:`_post_norm_hook` for the block's ``ln1_post``/``ln2_post`` points."""
+    return {
+        f"{point}.{which}": lambda seen, edit, norm=getattr(block, child), which=which: [
+            _post_norm_hook(norm, which, seen, edit, recompute)
+        ]
+        for point, child in POST_NORMS
+        for which in ("hook_scale", "hook_normalized")
+    }
+
+
+def test_post_norm_scale_and_normalized_read_and_edit_as_plain_hooks_on_the_norms_do() -> None:
+    """``ln1_post``/``ln2_post.hook_scale`` (``[batch, pos, 1]``) and ``hook_normalized`` are the scale and the
+    normalized value of the norm's input, computed from the input a plain hook on the HF norm reads (not from the
+    module's output); the norm's output (``hook_attn_out``/``hook_mlp_out``) is ``weight * hook_normalized``; an edit
+    of either gives the logits a plain hook making it gives, bitwise, and those of the norm recomputed from the edited
+    value, to rounding; no hook means HF's logits bitwise."""
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    plain = plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: _post_norm_references(block)))
+    recomputed = plain_reads_and_edits(
+        model, batch, per_block(blocks, lambda i, block: _post_norm_references(block, recompute=True))
+    )
+    hf = logits_with(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
+        _, cache = hm.run_with_cache(**batch, names_filter=lambda p: p.startswith("vision.blocks."))
+        assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
+        for point, (_, edited) in recomputed.items():
+            got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: scale_shift(x))]))
+            scale = float(edited.abs().max())
+            assert _measure("gemma4 post-norm edit vs the norm recomputed", got, edited) <= 1e-5 * scale, point
+    for i, block in enumerate(blocks):
+        at = f"vision.blocks.{i}."
+        for (point, child), out in zip(POST_NORMS, ("hook_attn_out", "hook_mlp_out")):
+            scale, normalized = cache[f"{at}{point}.hook_scale"], cache[f"{at}{point}.hook_normalized"]
+            assert scale.shape == (*normalized.shape[:-1], 1) and normalized.shape == cache[at + out].shape
+            weight = getattr(block, child).weight
+            assert not torch.allclose(cache[at + out], normalized, atol=1e-2)  # the weight is not 1
+            torch.testing.assert_close(cache[at + out], normalized * weight, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits_with(model, batch), hf)
+    hm.unwrap()
+    assert torch.equal(logits_with(model, batch), hf)
+
+
+def test_a_post_norm_whose_normalization_is_unknown_gets_no_scale_points_and_the_warning_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where how block 1's post-MLP norm normalizes is not known (no ``NormSpec``: here the wiring's look-up refuses
+    it), no block's ``ln1_post``/``ln2_post`` points are served and the warning names the block and why; the
+    sub-block points (the norm's output ``hook_mlp_out``) still are."""
+    model, _ = vlm("gemma4")
+    norm = tower_blocks_of(model)[1].post_feedforward_layernorm
+    looked_up = CoreSites._norm_spec
+
+    def refused() -> Any:
+        raise UnsupportedModelError("no plugin knows how this norm normalizes (the test's)")
+
+    def norm_spec(self: Any, module: Any) -> Any:
+        return refused if module is norm else looked_up(self, module)
+
+    monkeypatch.setattr(CoreSites, "_norm_spec", norm_spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    assert messages == [
+        "the vision tower's ln1_post/ln2_post points are not served: block 1: no plugin knows how this norm "
+        "normalizes (the test's)"
+    ]
+    served = [p for p in hm.hook_dict if p.startswith("vision.blocks.")]
+    assert served == [f"vision.blocks.{i}.{p}" for i in range(2) for p in tower_block_points(ATTENTION)]
+    hm.unwrap()
 
 
 def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference() -> None:

@@ -23,6 +23,7 @@ from lensadapters.wiring.core_sites import CoreSites
 from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.test_vision_tower_attention import _add_to_head_0, _eager_weights, _measure, _roll
 from tests.vision_tower_helpers import (
+    GEMMA4_POST_NORMS,
     assert_reads_and_edits,
     block_references,
     caches_under_each_implementation,
@@ -31,6 +32,7 @@ from tests.vision_tower_helpers import (
     per_block,
     plain_hook,
     plain_reads_and_edits,
+    post_norm_hook,
     projection_hook,
     resid_mid_and_attn_out_edits,
     scale_shift,
@@ -57,7 +59,7 @@ ATTENTION = (
 #: every point of a sandwich-normed tower block (relative to ``vision.blocks.{i}.``), in the order they fire
 SUB_BLOCK = tower_block_points(ATTENTION, post_norms=True)
 #: the sandwich norms' points (relative to the block) and their HF modules
-POST_NORMS = (("ln1_post", "post_attention_layernorm"), ("ln2_post", "post_feedforward_layernorm"))
+POST_NORMS = tuple(GEMMA4_POST_NORMS.items())
 
 
 def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
@@ -109,31 +111,12 @@ def test_sandwich_block_points_read_and_edit_as_plain_hooks_do() -> None:
     assert torch.equal(logits_with(model, batch), hf)
 
 
-def _post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool = False) -> Any:
-    """A plain forward hook on the RMSNorm ``norm`` reading ``which`` of its input ``x``, written out here from the
-    input alone: ``hook_scale`` is ``sqrt(mean(x^2) + eps)``, ``hook_normalized`` ``x / scale`` (before the weight, as
-    TransformerLens' RMSNorm and the language model's Gemma norms have them). ``edit`` of either changes the norm's
-    output by ``weight * (edited normalized - normalized)`` (the edit entering as the difference it makes, the rest of
-    the output HF's own numbers), or, ``recompute``, replaces it by ``weight * edited normalized``."""
-
-    def post(module: Any, args: tuple, output: torch.Tensor) -> Any:
-        x = args[0]
-        scale = (x.pow(2).mean(-1, keepdim=True) + module.eps).sqrt()
-        normalized = x / scale
-        seen.append((scale if which == "hook_scale" else normalized).clone())
-        if edit is None:
-            return None
-        edited = x / edit(scale) if which == "hook_scale" else edit(normalized)
-        return edited * module.weight if recompute else output + (edited - normalized) * module.weight
-
-    return norm.register_forward_hook(post)
-
-
 def _post_norm_references(block: Any, recompute: bool = False) -> dict[str, Callable[[list, Any], list]]:
-    """The plain hooks of :func:`_post_norm_hook` for the block's ``ln1_post``/``ln2_post`` points."""
+    """The plain hooks of :func:`~tests.vision_tower_helpers.post_norm_hook` for the block's ``ln1_post``/``ln2_post``
+    points."""
     return {
         f"{point}.{which}": lambda seen, edit, norm=getattr(block, child), which=which: [
-            _post_norm_hook(norm, which, seen, edit, recompute)
+            post_norm_hook(norm, which, seen, edit, recompute)
         ]
         for point, child in POST_NORMS
         for which in ("hook_scale", "hook_normalized")

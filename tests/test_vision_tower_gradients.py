@@ -17,8 +17,9 @@ gives, bitwise.
 
 The families: the attention points (``hook_q/k/v/z``, ``hook_attn_scores``, ``hook_pattern``, Pixtral's
 ``hook_rot_q/k``) of the CLIP, SigLIP, Idefics3 and Pixtral towers (tests/test_vision_tower_attention.py), the
-residual and sub-block points of Qwen's towers (tests/test_vision_tower_qwen.py) and Gemma 4's residual points
-(tests/test_vision_tower.py).
+residual and sub-block points of Qwen's towers (tests/test_vision_tower_qwen.py), Gemma 4's residual points
+(tests/test_vision_tower.py) and its sandwich norms' ``ln1_post``/``ln2_post.hook_scale``/``hook_normalized``
+(tests/test_vision_tower_gemma4.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from tests.test_vision_tower_attention import O_PROJ
 from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN
 from tests.test_vision_tower_qwen import CHILDREN as QWEN_CHILDREN
 from tests.vision_tower_helpers import (
+    GEMMA4_POST_NORMS,
     block_references,
     plain_hook,
+    post_norm_hook,
     projection_hook,
     tower_attention,
     written_out_attention,
@@ -52,7 +55,9 @@ Tensor = torch.Tensor
 _ATTENTION = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
 _SUB_BLOCK = tower_block_points(output=False)
 #: each family's edited points: block 0's attention points (Pixtral's rotated queries and keys too), Qwen's block 0
-#: residual and sub-block points and block 1's output, Gemma 4's residual points
+#: residual and sub-block points and block 1's output, Gemma 4's residual points and sandwich norms' (not an
+#: ``ln2_post.hook_scale``: its values, 0.02 to 0.07 here, are nearly zeroed by a step of a unit direction, where
+#: finite differences do not hold; ``ln1_post``'s are about 0.2 to 0.5)
 ATTENTION_FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 POINTS: dict[str, tuple[str, ...]] = {
@@ -62,8 +67,11 @@ POINTS: dict[str, tuple[str, ...]] = {
     "gemma4": (
         "vision.hook_embed",
         "vision.blocks.0.hook_resid_pre",
+        "vision.blocks.0.ln1_post.hook_normalized",
         "vision.blocks.0.hook_resid_post",
         "vision.blocks.1.hook_resid_pre",
+        "vision.blocks.1.ln1_post.hook_scale",
+        "vision.blocks.1.ln2_post.hook_normalized",
         "vision.blocks.1.hook_resid_post",
     ),
 }
@@ -78,7 +86,12 @@ BF16_POINTS: dict[str, tuple[str, ...]] = {
         f: ("vision.blocks.0.hook_resid_mid", "vision.blocks.0.hook_mlp_in", "vision.blocks.1.hook_resid_post")
         for f in QWEN
     },
-    "gemma4": ("vision.hook_embed", "vision.blocks.0.hook_resid_post"),
+    "gemma4": (
+        "vision.hook_embed",
+        "vision.blocks.0.ln1_post.hook_scale",
+        "vision.blocks.0.ln2_post.hook_normalized",
+        "vision.blocks.0.hook_resid_post",
+    ),
 }
 FAMILIES = tuple(POINTS)
 #: finite differences: central differences at ``STEP`` and ``STEP / 2``, Richardson-extrapolated (error ``O(h^4)``):
@@ -191,7 +204,10 @@ def _plain_edits(model: Any, name: str, edits: dict[str, Callable[[Tensor], Tens
         i, rest = int(point.split(".")[2]), ".".join(point.split(".")[3:])
         block = blocks[i]
         attention = block.get_submodule(children[0])
-        if rest in ("hook_resid_pre", "hook_resid_post"):
+        if rest.split(".")[0] in GEMMA4_POST_NORMS:  # a sandwich norm's scale or normalized value
+            norm, which = rest.split(".")
+            handles.append(post_norm_hook(block.get_submodule(GEMMA4_POST_NORMS[norm]), which, [], edit))
+        elif rest in ("hook_resid_pre", "hook_resid_post"):
             handles.append(plain_hook(block, "pre" if rest == "hook_resid_pre" else "post", [], edit))
         elif rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
             handles.append(projection_hook(getattr(attention, f"{rest[-1]}_proj"), heads, [], edit))

@@ -1,5 +1,6 @@
 """What the vision tower's tests (tests/test_vision_tower*.py) share: plain PyTorch hooks on the Hugging Face modules
-(:func:`plain_hook`, :func:`projection_hook`, :func:`z_hook`, :func:`block_references`), the values they read and
+(:func:`plain_hook`, :func:`projection_hook`, :func:`z_hook`, :func:`block_references`,
+:func:`post_norm_hook`), the values they read and
 the logits their edits give (:func:`plain_reads_and_edits`), the check that the wrapped model's points read and edit
 as they do (:func:`assert_reads_and_edits`), attention functions registered for the tower's config
 (:func:`tower_attention`, :func:`logits_under_attention`, :func:`written_out_attention`, :func:`editing_inputs`) and
@@ -73,6 +74,35 @@ def z_hook(module: Any, heads: int, seen: list, edit: Any) -> Any:
         return None if edit is None else (edit(split).flatten(-2), *args[1:])
 
     return module.register_forward_pre_hook(pre)
+
+
+#: Gemma 4's sandwich norms: each point's prefix (relative to the block) and the HF module
+GEMMA4_POST_NORMS = {"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"}
+
+
+def post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool = False) -> Any:
+    """A plain forward hook on the RMSNorm ``norm`` reading ``which`` of its input ``x``, written out here from the
+    input alone, in float32 as Hugging Face's RMSNorms compute (then in ``x``'s dtype): ``hook_scale`` is
+    ``sqrt(mean(x^2) + eps)``, ``hook_normalized`` ``x / scale`` (before the weight, as TransformerLens' RMSNorm and
+    the language model's norms have them). ``edit`` of either changes the norm's output by ``weight * (edited
+    normalized - normalized)`` in float32 (the edit entering as the difference it makes, the rest of the output HF's
+    own numbers), or, ``recompute``, replaces it by ``weight * edited normalized``."""
+
+    def post(module: Any, args: tuple, output: Tensor) -> Any:
+        x = args[0]
+        scale = (x.float().pow(2).mean(-1, keepdim=True) + module.eps).sqrt().to(x.dtype)
+        normalized = (x.float() / scale.float()).to(x.dtype)
+        seen.append((scale if which == "hook_scale" else normalized).clone())
+        if edit is None:
+            return None
+        edited = (x.float() / edit(scale).float()).to(x.dtype) if which == "hook_scale" else edit(normalized)
+        weight = module.weight.float()
+        if recompute:
+            return (edited.float() * weight).to(output.dtype)
+        wide = torch.promote_types(output.dtype, torch.float32)
+        return (output.to(wide) + ((edited.float() - normalized.float()) * weight).to(wide)).to(output.dtype)
+
+    return norm.register_forward_hook(post)
 
 
 def _resid_mid_reference(block: Any, ln2: Any, mlp: Any, seen: list, edit: Any = None) -> list:

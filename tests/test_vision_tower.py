@@ -13,8 +13,9 @@ import torch
 import transformers
 
 from lensadapters import HookedModel, UnfiredHookWarning
-from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_blocks_of, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning
+from tests.vision_tower_helpers import assert_reads_and_edits, plain_hook, plain_reads_and_edits, scale_shift
 
 FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
 #: the families whose towers record ``hidden_states`` inside their blocks' forward on transformers 4.x (an edit of a
@@ -60,56 +61,14 @@ def _flat(names: tuple) -> list[str]:
     return [n for entry in names for n in (entry if isinstance(entry, tuple) else (entry,))]
 
 
-def _plain(block: Any, kind: str, seen: list, edit: Any = None) -> Any:
-    """A plain PyTorch hook on ``block``'s first input or output (before the module's other forward hooks)."""
-    if kind == "pre":
-
-        def pre(module: Any, args: tuple, kwargs: dict) -> Any:
-            if args:
-                seen.append(args[0].clone())
-                return None if edit is None else ((edit(args[0]), *args[1:]), kwargs)
-            key = next(iter(kwargs))
-            seen.append(kwargs[key].clone())
-            return None if edit is None else (args, {**kwargs, key: edit(kwargs[key])})
-
-        return block.register_forward_pre_hook(pre, with_kwargs=True)
-
-    def post(module: Any, args: tuple, output: Any) -> Any:
-        value = output[0] if isinstance(output, tuple) else output
-        seen.append(value.clone())
-        if edit is None:
-            return None
-        return (edit(value), *output[1:]) if isinstance(output, tuple) else edit(value)
-
-    return block.register_forward_hook(post, prepend=True)
-
-
-def _logits(model: Any, batch: dict, handle: Any = None) -> torch.Tensor:
-    try:
-        with torch.no_grad():
-            return model(**batch).logits
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
-def _out(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output.logits
-
-
-def _edit(x: torch.Tensor) -> torch.Tensor:
-    return x * -2.0 + 0.5
-
-
 def _plain_residuals(model: Any, batch: dict, blocks: Any) -> dict[str, tuple[list, torch.Tensor]]:
     """Each residual point's values as a plain hook on its block reads them (every call), and the logits with
-    :func:`_edit` made there by a plain hook."""
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for point, i, kind in _points(len(blocks)):
-        seen: list = []
-        _logits(model, batch, _plain(blocks[i], kind, seen))
-        plain[point] = (seen, _logits(model, batch, _plain(blocks[i], kind, [], _edit)))
-    return plain
+    :func:`scale_shift` made there by a plain hook."""
+    references = {
+        point: lambda seen, edit, i=i, kind=kind: [plain_hook(blocks[i], kind, seen, edit)]
+        for point, i, kind in _points(len(blocks))
+    }
+    return plain_reads_and_edits(model, batch, references)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -123,25 +82,25 @@ def test_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
     plain = _plain_residuals(model, batch, blocks)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     assert [p for p in hm.hook_dict if p.startswith("vision.")] == _served(len(blocks), name in ROTARY_TOWERS)
     served = [p for p, _, _ in _points(len(blocks))]
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=served)
         for point in served:
             seen, edited = plain[point]
             assert len(seen) >= 1 and cache[point].shape[0] == sum(s.shape[0] for s in seen)
             assert torch.equal(cache[point], torch.cat(seen)), point  # every image's call, in order
-            got = hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))])
-            got = _out(got)
+            got = hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: scale_shift(x))])
+            got = logits_of(got)
             assert torch.equal(got, edited), point
             # the edit reaches the language model; LLaVA's projector reads block 0's output as the tower recorded it
             # (``vision_feature_layer=-2``): block 1 and an edit of its input come after, and change nothing
             unused = name.startswith("llava") and point.startswith("vision.blocks.1.")
             assert torch.equal(got, hf) == unused, point
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
 
 
@@ -151,14 +110,14 @@ def test_an_edit_of_the_selected_tower_layer_reaches_the_projector() -> None:
     edit of block 0's output is what the projector reads, also after the model ran once before it was wrapped."""
     model, n_image = vlm("llava")
     batch = inputs(model, n_image)
-    _logits(model, batch)  # HF's recording hooks are on the blocks now
+    logits_with(model, batch)  # HF's recording hooks are on the blocks now
     hm = HookedModel.wrap(model)
     post = "vision.blocks.0.hook_resid_post"
     with torch.no_grad():
         _, base = hm.run_with_cache(**batch, names_filter=[post])
-        with hm.hooks([(post, lambda x, hook: _edit(x))]):
+        with hm.hooks([(post, lambda x, hook: scale_shift(x))]):
             _, cache = hm.run_with_cache(**batch, names_filter=["vision_projector.hook_in"])
-    assert torch.equal(cache["vision_projector.hook_in"], _edit(base[post])[:, 1:])  # the CLS token dropped
+    assert torch.equal(cache["vision_projector.hook_in"], scale_shift(base[post])[:, 1:])  # the CLS token dropped
     hm.unwrap()
 
 
@@ -182,7 +141,7 @@ def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
     plain = _plain_residuals(model, batch, blocks)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
@@ -191,13 +150,9 @@ def test_a_tower_taking_patch_positions_gets_its_residual_points() -> None:
     served = [p for p, _, _ in _points(len(blocks))]
     assert [p for p in hm.hook_dict if p in served] == served
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)
+        assert torch.equal(logits_of(hm(**batch)), hf)
         _, cache = hm.run_with_cache(**batch, names_filter=served)
-        for point in served:
-            seen, edited = plain[point]
-            assert torch.equal(cache[point], torch.cat(seen)), point
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
-            assert torch.equal(got, edited) and not torch.equal(got, hf), point
+        assert_reads_and_edits(hm, batch, {point: plain[point] for point in served}, cache, changed_from=hf)
     hm.unwrap()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -18,10 +18,21 @@ from transformers import AttentionInterface
 
 import lensadapters.wiring.vision_tower as vision_tower_module
 from lensadapters import HookedModel, UnsupportedModelError
-from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_blocks_of, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning
-from tests.test_vision_tower import _edit, _logits, _out
 from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, SERVED
+from tests.vision_tower_helpers import (
+    assert_reads_and_edits,
+    caches_under_each_implementation,
+    editing_inputs,
+    logits_under_attention,
+    per_block,
+    plain_reads_and_edits,
+    projection_hook,
+    scale_shift,
+    written_out_attention,
+    z_hook,
+)
 
 #: the output projection of each family's tower attention, by its HF name
 O_PROJ = {"mistral3": "o_proj"}
@@ -45,58 +56,35 @@ def _measure(key: str, a: torch.Tensor, b: torch.Tensor) -> float:
     return error
 
 
-def _projection_hook(module: Any, heads: int, seen: list, edit: Any) -> Any:
-    def post(mod: Any, args: tuple, output: torch.Tensor) -> Any:
-        split = output.unflatten(-1, (heads, -1))
-        seen.append(split.clone())
-        return None if edit is None else edit(split).flatten(-2)
-
-    return module.register_forward_hook(post)
-
-
-def _z_hook(module: Any, heads: int, seen: list, edit: Any) -> Any:
-    def pre(mod: Any, args: tuple) -> Any:
-        split = args[0].unflatten(-1, (heads, -1))
-        seen.append(split.clone())
-        return None if edit is None else (edit(split).flatten(-2), *args[1:])
-
-    return module.register_forward_pre_hook(pre)
-
-
-def _plain_logits(model: Any, batch: dict, handle: Any) -> torch.Tensor:
-    try:
-        return _logits(model, batch)
-    finally:
-        handle.remove()
+def _references(name: str, block: Any, heads: int) -> dict[str, Any]:
+    """The plain hooks reading and editing a block's ``attn.hook_q/k/v`` (on the projections' outputs) and
+    ``attn.hook_z`` (on the output projection's input)."""
+    attention = _attention(name, block)
+    o_proj = getattr(attention, O_PROJ.get(name, "out_proj"))
+    references: dict[str, Any] = {
+        f"attn.hook_{x}": lambda seen, edit, x=x: [projection_hook(getattr(attention, f"{x}_proj"), heads, seen, edit)]
+        for x in "qkv"
+    }
+    references["attn.hook_z"] = lambda seen, edit: [z_hook(o_proj, heads, seen, edit)]
+    return references
 
 
 @pytest.mark.parametrize("name", SERVED)
 def test_qkv_and_z_read_and_edit_as_plain_hooks_on_the_projections_do(name: str) -> None:
     model, n_image = vlm(name)
     batch, heads = inputs(model, n_image), _heads(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for i, block in enumerate(tower_blocks_of(model)):
-        attention = _attention(name, block)
-        for x in "qkv":
-            seen: list = []
-            _plain_logits(model, batch, _projection_hook(getattr(attention, f"{x}_proj"), heads, seen, None))
-            edited = _plain_logits(model, batch, _projection_hook(getattr(attention, f"{x}_proj"), heads, [], _edit))
-            plain[f"vision.blocks.{i}.attn.hook_{x}"] = (seen, edited)
-        seen = []
-        o_proj = getattr(attention, O_PROJ.get(name, "out_proj"))
-        _plain_logits(model, batch, _z_hook(o_proj, heads, seen, None))
-        plain[f"vision.blocks.{i}.attn.hook_z"] = (seen, _plain_logits(model, batch, _z_hook(o_proj, heads, [], _edit)))
-    hf = _logits(model, batch)
+    plain = plain_reads_and_edits(
+        model, batch, per_block(tower_blocks_of(model), lambda i, block: _references(name, block, heads))
+    )
+    hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=list(plain))
-        for point, (seen, edited) in plain.items():
+        for point in plain:
             assert cache[point].shape[-2:] == (heads, model.config.vision_config.hidden_size // heads), point
-            assert len(seen) >= 1 and torch.equal(cache[point], torch.cat(seen)), point
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
-            assert torch.equal(got, edited), point
-    assert torch.equal(_logits(model, batch), hf)
+        assert_reads_and_edits(hm, batch, plain, cache)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
 
 
@@ -118,26 +106,11 @@ def _eager_weights(model: Any, name: str, batch: dict) -> list[torch.Tensor]:
 
     file.eager_attention_forward = recording
     try:
-        _logits(model, batch)
+        logits_with(model, batch)
     finally:
         file.eager_attention_forward = eager
     assert len(weights) == len(blocks)
     return weights
-
-
-def caches_under_each_implementation(model: Any, hm: Any, batch: dict, points: list[str]) -> Iterator[tuple[str, Any]]:
-    """Under eager, then sdpa: ``(implementation, cache of points)``, the wrapped model's output HF's bitwise before
-    and after the caching forward (the hooks gone: the tower's own implementation again)."""
-    config = model.config.vision_config
-    for implementation in ("eager", "sdpa"):
-        model.set_attn_implementation(implementation)
-        hf = _logits(model, batch)
-        with torch.no_grad():
-            assert torch.equal(_out(hm(**batch)), hf)
-            _, cache = hm.run_with_cache(**batch, names_filter=points)
-            assert torch.equal(_out(hm(**batch)), hf)
-        assert config._attn_implementation == implementation
-        yield implementation, cache
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -167,33 +140,6 @@ def test_patterns_are_the_eager_attention_weights_and_scores_are_softmaxed_into_
     hm.unwrap()
 
 
-def _hand_written(target: Any, edit: Callable[[torch.Tensor], torch.Tensor], where: str) -> Callable[..., Any]:
-    """An attention function that edits the scores (``where='scores'``: masked, before the softmax) or the pattern
-    of the module ``target`` and is eager attention everywhere else."""
-
-    def attention(
-        module: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        scaling: Optional[float] = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        if module is target and where == "scores":
-            scores = edit(scores)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        if module is target and where == "pattern":
-            weights = edit(weights)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-    return attention
-
-
 def _roll(x: torch.Tensor) -> torch.Tensor:
     return x.roll(1, dims=-1)
 
@@ -214,16 +160,11 @@ def test_an_edit_of_scores_or_pattern_is_the_edit_inside_a_hand_written_attentio
     point = "hook_pattern" if where == "pattern" else "hook_attn_scores"
     hm = HookedModel.wrap(model)
     for i in range(len(blocks)):
-        key = f"lensadapters_test_{name}_{where}_{i}"
-        AttentionInterface.register(key, _hand_written(_attention(name, blocks[i]), edit, where))
-        config._attn_implementation = key
-        try:
-            reference = _logits(model, batch)
-        finally:
-            config._attn_implementation = "eager"
-        hf = _logits(model, batch)
+        function = written_out_attention(_attention(name, blocks[i]), {where: edit})
+        reference = logits_under_attention(model, batch, f"lensadapters_test_{name}_{where}_{i}", function)
+        hf = logits_with(model, batch)
         with torch.no_grad():
-            got = _out(
+            got = logits_of(
                 hm.run_with_hooks(**batch, fwd_hooks=[(f"vision.blocks.{i}.attn.{point}", lambda x, hook: edit(x))])
             )
         unused = name.startswith("llava") and i == 1  # LLaVA projects block 0's output: block 1 changes nothing
@@ -306,10 +247,7 @@ def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says(name: str) 
     eager = _eager_weights(model, name, batch)
     hm = HookedModel.wrap(model)
     points = [f"vision.blocks.{i}.attn.{p}" for i in range(len(eager)) for p in ("hook_attn_scores", "hook_pattern")]
-    for implementation in ("eager", "sdpa"):
-        model.set_attn_implementation(implementation)
-        with torch.no_grad():
-            _, cache = hm.run_with_cache(**batch, names_filter=points)
+    for implementation, cache in caches_under_each_implementation(model, hm, batch, points, checked=False):
         for i, weights in enumerate(eager):
             scores, pattern = (
                 cache[f"vision.blocks.{i}.attn.hook_attn_scores"],
@@ -342,22 +280,6 @@ def test_a_layer_explicit_attention_does_not_reproduce_has_no_patterns_and_the_w
     hm.unwrap()
 
 
-def _editing_inputs(target: Any, which: str, edit: Callable[[torch.Tensor], torch.Tensor], seen: list) -> Any:
-    """Eager attention that records the ``query``/``key`` it gets from ``target`` (as ``[b, p, h, d]``) and hands it
-    ``edit``'s result: what an edit of the rotated query or key is."""
-
-    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        file = sys.modules[type(module).__module__]
-        if module is target:
-            x = (query if which == "q" else key).transpose(1, 2)
-            seen.append(x.clone())
-            x = edit(x).transpose(1, 2)
-            query, key = (x, key) if which == "q" else (query, x)
-        return file.eager_attention_forward(module, query, key, *args, **kwargs)
-
-    return attention
-
-
 @pytest.mark.parametrize("name", [f for f in SERVED if f in ROTARY])
 def test_rotary_points_are_the_rotated_queries_and_keys_the_attention_function_gets(name: str) -> None:
     """Pixtral rotates its queries and keys (2-D RoPE) inside the attention module: ``hook_rot_q``/``hook_rot_k`` are
@@ -365,24 +287,18 @@ def test_rotary_points_are_the_rotated_queries_and_keys_the_attention_function_g
     rounding of rotating the edit back)."""
     model, n_image = vlm(name)
     batch, blocks = inputs(model, n_image), tower_blocks_of(model)
-    config = model.config.vision_config
     hm = HookedModel.wrap(model)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     for i in range(len(blocks)):
         for x in "qk":
             seen: list = []
-            for edit, key in ((lambda t: t, "read"), (_edit, "edit")):
-                registered = f"lensadapters_test_rot_{x}_{i}_{key}"
-                AttentionInterface.register(registered, _editing_inputs(_attention(name, blocks[i]), x, edit, seen))
-                config._attn_implementation = registered
-                try:
-                    reference = _logits(model, batch)
-                finally:
-                    config._attn_implementation = "eager"
+            for edit, key in ((lambda t: t, "read"), (scale_shift, "edit")):
+                function = editing_inputs(_attention(name, blocks[i]), x, edit, seen)
+                reference = logits_under_attention(model, batch, f"lensadapters_test_rot_{x}_{i}_{key}", function)
             point = f"vision.blocks.{i}.attn.hook_rot_{x}"
             with torch.no_grad():
                 _, cache = hm.run_with_cache(**batch, names_filter=[point])
-                got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: _edit(t))]))
+                got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: scale_shift(t))]))
             assert torch.equal(cache[point], seen[0]), point
             assert not torch.equal(got, hf)
             scale = float(reference.abs().max())

@@ -11,28 +11,34 @@ hand-written attention function) and ``attn.hook_z``, in the order they fire."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
-from transformers import AttentionInterface
 
-from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, tower_block_points, tower_blocks_of, vlm
-from tests.test_vision_tower import _edit, _logits, _out, _plain
-from tests.test_vision_tower_attention import (
-    _add_to_head_0,
-    _eager_weights,
-    _editing_inputs,
-    _hand_written,
-    _measure,
-    _projection_hook,
-    _roll,
-    _z_hook,
+from lensadapters import HookedModel, UnsupportedModelError
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_block_points, tower_blocks_of, vlm
+from lensadapters.wiring.core_sites import CoreSites
+from lensadapters.wiring.vision_tower import VisionTowerWarning
+from tests.test_vision_tower_attention import _add_to_head_0, _eager_weights, _measure, _roll
+from tests.vision_tower_helpers import (
+    GEMMA4_POST_NORMS,
+    assert_reads_and_edits,
+    block_references,
     caches_under_each_implementation,
+    editing_inputs,
+    logits_under_attention,
+    per_block,
+    plain_hook,
+    plain_reads_and_edits,
+    post_norm_hook,
+    projection_hook,
+    resid_mid_and_attn_out_edits,
+    scale_shift,
+    written_out_attention,
+    z_hook,
 )
-from tests.test_vision_tower_parts import _plain_logits
-from tests.test_vision_tower_parts import _references as _block_references
 
 pytestmark = pytest.mark.transformers5_only
 
@@ -51,7 +57,9 @@ ATTENTION = (
     "attn.hook_z",
 )
 #: every point of a sandwich-normed tower block (relative to ``vision.blocks.{i}.``), in the order they fire
-SUB_BLOCK = tower_block_points(ATTENTION)
+SUB_BLOCK = tower_block_points(ATTENTION, post_norms=True)
+#: the sandwich norms' points (relative to the block) and their HF modules
+POST_NORMS = tuple(GEMMA4_POST_NORMS.items())
 
 
 def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
@@ -59,7 +67,7 @@ def _references(block: Any) -> dict[str, Callable[[list, Any], list]]:
     the other towers' references, with the norms after the attention and the MLP as the children whose outputs the
     block adds to its residual."""
     norms = ("post_attention_layernorm", "post_feedforward_layernorm", "input_layernorm", "pre_feedforward_layernorm")
-    return _block_references(block, norms)
+    return block_references(block, norms)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,29 +79,21 @@ def test_sandwich_block_points_read_and_edit_as_plain_hooks_do() -> None:
     model, n_image = vlm("gemma4")
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for i, block in enumerate(blocks):
-        for point, hooks in _references(block).items():
-            seen: list = []
-            _plain_logits(model, batch, hooks(seen, None))
-            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, hooks([], _edit)))
+    plain = plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: _references(block)))
     raw: dict[str, list] = {}  # the attention's and MLP's own outputs, before the post norms
     handles = [
-        _plain(getattr(block, child), "post", raw.setdefault(f"{i}.{child}", []))
+        plain_hook(getattr(block, child), "post", raw.setdefault(f"{i}.{child}", []))
         for i, block in enumerate(blocks)
         for child in ("self_attn", "mlp")
     ]
-    hf = _plain_logits(model, batch, handles)
+    hf = logits_with(model, batch, *handles)
     hm = HookedModel.wrap(model)
     names = [p for p in hm.hook_dict if p.startswith("vision.blocks.")]
     assert names == [f"vision.blocks.{i}.{s}" for i in range(len(blocks)) for s in SUB_BLOCK]
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=lambda p: p.startswith("vision.blocks."))
-        for point, (seen, edited) in plain.items():
-            assert len(seen) == 1 and torch.equal(cache[point], seen[0]), point
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
-            assert torch.equal(got, edited) and not torch.equal(got, hf), point
+        assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
         for i, block in enumerate(blocks):
             at = f"vision.blocks.{i}."
             assert torch.equal(cache[at + "hook_resid_mid"], cache[at + "hook_resid_pre"] + cache[at + "hook_attn_out"])
@@ -106,9 +106,86 @@ def test_sandwich_block_points_read_and_edit_as_plain_hooks_do() -> None:
                 (inner,) = raw[f"{i}.{child}"]
                 assert not torch.allclose(cache[at + point], inner, atol=1e-2)
                 torch.testing.assert_close(cache[at + point], _rms(inner, norm.weight, norm.eps), atol=1e-5, rtol=1e-5)
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
+
+
+def _post_norm_references(block: Any, recompute: bool = False) -> dict[str, Callable[[list, Any], list]]:
+    """The plain hooks of :func:`~tests.vision_tower_helpers.post_norm_hook` for the block's ``ln1_post``/``ln2_post``
+    points."""
+    return {
+        f"{point}.{which}": lambda seen, edit, norm=getattr(block, child), which=which: [
+            post_norm_hook(norm, which, seen, edit, recompute)
+        ]
+        for point, child in POST_NORMS
+        for which in ("hook_scale", "hook_normalized")
+    }
+
+
+def test_post_norm_scale_and_normalized_read_and_edit_as_plain_hooks_on_the_norms_do() -> None:
+    """``ln1_post``/``ln2_post.hook_scale`` (``[batch, pos, 1]``) and ``hook_normalized`` are the scale and the
+    normalized value of the norm's input, computed from the input a plain hook on the HF norm reads (not from the
+    module's output); the norm's output (``hook_attn_out``/``hook_mlp_out``) is ``weight * hook_normalized``; an edit
+    of either gives the logits a plain hook making it gives, bitwise, and those of the norm recomputed from the edited
+    value, to rounding; no hook means HF's logits bitwise."""
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    plain = plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: _post_norm_references(block)))
+    recomputed = plain_reads_and_edits(
+        model, batch, per_block(blocks, lambda i, block: _post_norm_references(block, recompute=True))
+    )
+    hf = logits_with(model, batch)
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
+        _, cache = hm.run_with_cache(**batch, names_filter=lambda p: p.startswith("vision.blocks."))
+        assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
+        for point, (_, edited) in recomputed.items():
+            got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: scale_shift(x))]))
+            scale = float(edited.abs().max())
+            assert _measure("gemma4 post-norm edit vs the norm recomputed", got, edited) <= 1e-5 * scale, point
+    for i, block in enumerate(blocks):
+        at = f"vision.blocks.{i}."
+        for (point, child), out in zip(POST_NORMS, ("hook_attn_out", "hook_mlp_out")):
+            scale, normalized = cache[f"{at}{point}.hook_scale"], cache[f"{at}{point}.hook_normalized"]
+            assert scale.shape == (*normalized.shape[:-1], 1) and normalized.shape == cache[at + out].shape
+            weight = getattr(block, child).weight
+            assert not torch.allclose(cache[at + out], normalized, atol=1e-2)  # the weight is not 1
+            torch.testing.assert_close(cache[at + out], normalized * weight, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits_with(model, batch), hf)
+    hm.unwrap()
+    assert torch.equal(logits_with(model, batch), hf)
+
+
+def test_a_post_norm_whose_normalization_is_unknown_gets_no_scale_points_and_the_warning_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where how block 1's post-MLP norm normalizes is not known (no ``NormSpec``: here the wiring's look-up refuses
+    it), no block's ``ln1_post``/``ln2_post`` points are served and the warning names the block and why; the
+    sub-block points (the norm's output ``hook_mlp_out``) still are."""
+    model, _ = vlm("gemma4")
+    norm = tower_blocks_of(model)[1].post_feedforward_layernorm
+    looked_up = CoreSites._norm_spec
+
+    def refused() -> Any:
+        raise UnsupportedModelError("no plugin knows how this norm normalizes (the test's)")
+
+    def norm_spec(self: Any, module: Any) -> Any:
+        return refused if module is norm else looked_up(self, module)
+
+    monkeypatch.setattr(CoreSites, "_norm_spec", norm_spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    assert messages == [
+        "the vision tower's ln1_post/ln2_post points are not served: block 1: no plugin knows how this norm "
+        "normalizes (the test's)"
+    ]
+    served = [p for p in hm.hook_dict if p.startswith("vision.blocks.")]
+    assert served == [f"vision.blocks.{i}.{p}" for i in range(2) for p in tower_block_points(ATTENTION)]
+    hm.unwrap()
 
 
 def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference() -> None:
@@ -119,16 +196,9 @@ def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference() ->
     batch = inputs(model, n_image)
     d = torch.linspace(-1, 1, 32)
     attn = tower_blocks_of(model)[0].self_attn
-    inside = _logits(model, batch, attn.register_forward_hook(lambda m, a, out: (out[0] + d, *out[1:])))
+    inside = logits_with(model, batch, attn.register_forward_hook(lambda m, a, out: (out[0] + d, *out[1:])))
     hm = HookedModel.wrap(model)
-    logits = {}
-    with torch.no_grad():
-        base = _out(hm(**batch))
-        for point in ("hook_resid_mid", "hook_attn_out"):
-            hooks = [(f"vision.blocks.0.{point}", lambda x, hook: x + d.to(x.dtype))]
-            logits[point] = _out(hm.run_with_hooks(**batch, fwd_hooks=hooks))
-    assert not torch.allclose(logits["hook_resid_mid"], base, atol=1e-4)
-    torch.testing.assert_close(logits["hook_resid_mid"], logits["hook_attn_out"], atol=1e-5, rtol=1e-5)
+    logits = resid_mid_and_attn_out_edits(hm, batch)
     assert not torch.allclose(inside, logits["hook_attn_out"], atol=1e-4)
     hm.unwrap()
 
@@ -136,19 +206,31 @@ def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference() ->
 def test_every_tower_point_fires_once_in_the_order_of_hook_dict() -> None:
     model, n_image = vlm("gemma4")
     batch = inputs(model, n_image)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     names = [p for p in hm.hook_dict if p.startswith("vision.")]
     fired: list[str] = []
     with torch.no_grad():
-        got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(p, lambda x, hook: fired.append(hook.name)) for p in names]))
+        got = logits_of(
+            hm.run_with_hooks(**batch, fwd_hooks=[(p, lambda x, hook: fired.append(hook.name)) for p in names])
+        )
     assert fired == names
     torch.testing.assert_close(got, hf, atol=1e-5, rtol=1e-5)  # the patterns computed explicitly: to rounding
     hm.unwrap()
 
 
-def _norm_hook(module: Any, seen: list, edit: Any) -> Any:
-    return _plain(module, "post", seen, edit)
+def _attention_references(block: Any, heads: int) -> dict[str, Callable[[list, Any], list]]:
+    """The plain hooks reading and editing a block's ``attn.hook_q/k/v`` (the projections' outputs), the per-head
+    norms' ``hook_normalized`` (their outputs) and ``attn.hook_z`` (the output projection's input)."""
+    attn = block.self_attn
+    hooks: dict[str, Callable[[list, Any], list]] = {
+        "attn.hook_z": lambda seen, edit: [z_hook(attn.o_proj, heads, seen, edit)],
+    }
+    for x in "qkv":
+        proj, norm = getattr(attn, f"{x}_proj"), getattr(attn, f"{x}_norm")
+        hooks[f"attn.hook_{x}"] = lambda seen, edit, proj=proj: [projection_hook(proj, heads, seen, edit)]
+        hooks[f"attn.{x}_norm.hook_normalized"] = lambda seen, edit, norm=norm: [plain_hook(norm, "post", seen, edit)]
+    return hooks
 
 
 def test_attention_points_read_and_edit_as_plain_hooks_on_the_projections_and_norms_do() -> None:
@@ -157,29 +239,14 @@ def test_attention_points_read_and_edit_as_plain_hooks_on_the_projections_and_no
     model, n_image = vlm("gemma4")
     batch, blocks = inputs(model, n_image), tower_blocks_of(model)
     heads = int(model.config.vision_config.num_attention_heads)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for i, block in enumerate(blocks):
-        attn = block.self_attn
-        hooks: dict[str, Callable[[list, Any], Any]] = {
-            "attn.hook_z": lambda seen, edit, attn=attn: _z_hook(attn.o_proj, heads, seen, edit),
-        }
-        for x in "qkv":
-            proj, norm = getattr(attn, f"{x}_proj"), getattr(attn, f"{x}_norm")
-            hooks[f"attn.hook_{x}"] = lambda seen, edit, proj=proj: _projection_hook(proj, heads, seen, edit)
-            hooks[f"attn.{x}_norm.hook_normalized"] = lambda seen, edit, norm=norm: _norm_hook(norm, seen, edit)
-        for point, hook in hooks.items():
-            seen: list = []
-            _plain_logits(model, batch, [hook(seen, None)])
-            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, [hook([], _edit)]))
-    hf = _logits(model, batch)
+    plain = plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: _attention_references(block, heads)))
+    hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     with torch.no_grad():
         _, cache = hm.run_with_cache(**batch, names_filter=list(plain))
-        for point, (seen, edited) in plain.items():
-            assert len(seen) == 1 and torch.equal(cache[point], seen[0]), point
+        for point in plain:
             assert cache[point].shape[-2:] == (heads, 8), point  # [batch, pos, head, d_head]
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
-            assert torch.equal(got, edited) and not torch.equal(got, hf), point
+        assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
     hm.unwrap()
 
 
@@ -189,26 +256,25 @@ def test_rotary_points_are_the_normed_rotated_queries_and_keys_the_attention_fun
     edit back."""
     model, n_image = vlm("gemma4")
     batch, blocks = inputs(model, n_image), tower_blocks_of(model)
-    config = model.config.vision_config
     hm = HookedModel.wrap(model)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     for i, block in enumerate(blocks):
         for x in "qk":
             seen: list = []
-            references = []
-            for edit, key in ((lambda t: t, "read"), (_edit, "edit")):
-                registered = f"lensadapters_test_gemma4_rot_{x}_{i}_{key}"
-                AttentionInterface.register(registered, _editing_inputs(block.self_attn, x, edit, seen))
-                config._attn_implementation = registered
-                try:
-                    references.append(_logits(model, batch))
-                finally:
-                    config._attn_implementation = "eager"
+            references = [
+                logits_under_attention(
+                    model,
+                    batch,
+                    f"lensadapters_test_gemma4_rot_{x}_{i}_{key}",
+                    editing_inputs(block.self_attn, x, edit, seen),
+                )
+                for edit, key in ((lambda t: t, "read"), (scale_shift, "edit"))
+            ]
             at = f"vision.blocks.{i}.attn."
             point = f"{at}hook_rot_{x}"
             with torch.no_grad():
                 _, cache = hm.run_with_cache(**batch, names_filter=[point, f"{at}{x}_norm.hook_normalized"])
-                got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: _edit(t))]))
+                got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda t, hook: scale_shift(t))]))
             assert torch.equal(references[0], hf)
             assert torch.equal(cache[point], seen[0]), point
             assert not torch.allclose(cache[point], cache[f"{at}{x}_norm.hook_normalized"], atol=1e-2)
@@ -247,21 +313,15 @@ def test_patterns_are_the_eager_attention_weights_and_scores_the_rotated_queries
 def test_an_edit_of_scores_or_pattern_is_the_edit_inside_a_hand_written_attention(where: str) -> None:
     model, n_image = vlm("gemma4")
     batch, blocks = inputs(model, n_image), tower_blocks_of(model)
-    config = model.config.vision_config
     edit = _roll if where == "pattern" else _add_to_head_0
     point = "hook_pattern" if where == "pattern" else "hook_attn_scores"
     hm = HookedModel.wrap(model)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     for i, block in enumerate(blocks):
-        key = f"lensadapters_test_gemma4_{where}_{i}"
-        AttentionInterface.register(key, _hand_written(block.self_attn, edit, where))
-        config._attn_implementation = key
-        try:
-            reference = _logits(model, batch)
-        finally:
-            config._attn_implementation = "eager"
+        function = written_out_attention(block.self_attn, {where: edit})
+        reference = logits_under_attention(model, batch, f"lensadapters_test_gemma4_{where}_{i}", function)
         with torch.no_grad():
-            got = _out(
+            got = logits_of(
                 hm.run_with_hooks(**batch, fwd_hooks=[(f"vision.blocks.{i}.attn.{point}", lambda x, hook: edit(x))])
             )
         assert not torch.equal(got, hf)
@@ -281,10 +341,7 @@ def test_padding_patches_are_masked_keys_as_the_towers_own_mask_says() -> None:
     eager = _eager_weights(model, "gemma4", batch)
     hm = HookedModel.wrap(model)
     points = [f"vision.blocks.{i}.attn.{p}" for i in range(len(eager)) for p in ("hook_attn_scores", "hook_pattern")]
-    for implementation in ("eager", "sdpa"):
-        model.set_attn_implementation(implementation)
-        with torch.no_grad():
-            _, cache = hm.run_with_cache(**batch, names_filter=points)
+    for implementation, cache in caches_under_each_implementation(model, hm, batch, points, checked=False):
         for i, weights in enumerate(eager):
             at = f"vision.blocks.{i}.attn."
             scores, pattern = cache[at + "hook_attn_scores"], cache[at + "hook_pattern"]

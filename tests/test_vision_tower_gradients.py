@@ -17,8 +17,9 @@ gives, bitwise.
 
 The families: the attention points (``hook_q/k/v/z``, ``hook_attn_scores``, ``hook_pattern``, Pixtral's
 ``hook_rot_q/k``) of the CLIP, SigLIP, Idefics3 and Pixtral towers (tests/test_vision_tower_attention.py), the
-residual and sub-block points of Qwen's towers (tests/test_vision_tower_qwen.py) and Gemma 4's residual points
-(tests/test_vision_tower.py).
+residual and sub-block points of Qwen's towers (tests/test_vision_tower_qwen.py), Gemma 4's residual points
+(tests/test_vision_tower.py) and its sandwich norms' ``ln1_post``/``ln2_post.hook_scale``/``hook_normalized``
+(tests/test_vision_tower_gemma4.py).
 """
 
 from __future__ import annotations
@@ -26,26 +27,37 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lensadapters import HookedModel
 from lensadapters.testing.vlm import hm_projector_path, inputs, tower_block_points, tower_blocks_of, vlm
-from tests.test_vision_tower import RECORDED_INSIDE_ON_4, TRANSFORMERS_4, _plain
-from tests.test_vision_tower_attention import O_PROJ, _projection_hook, _z_hook
-from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN, _references
+from tests.test_vision_tower import RECORDED_INSIDE_ON_4, TRANSFORMERS_4
+from tests.test_vision_tower_attention import O_PROJ
+from tests.test_vision_tower_parts import CHILDREN, DEFAULT_CHILDREN
 from tests.test_vision_tower_qwen import CHILDREN as QWEN_CHILDREN
+from tests.vision_tower_helpers import (
+    GEMMA4_POST_NORMS,
+    block_references,
+    plain_hook,
+    post_norm_hook,
+    projection_hook,
+    tower_attention,
+    written_out_attention,
+    z_hook,
+)
 
 Tensor = torch.Tensor
 
 _ATTENTION = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
 _SUB_BLOCK = tower_block_points(output=False)
 #: each family's edited points: block 0's attention points (Pixtral's rotated queries and keys too), Qwen's block 0
-#: residual and sub-block points and block 1's output, Gemma 4's residual points
+#: residual and sub-block points and block 1's output, Gemma 4's residual points and sandwich norms' (not an
+#: ``ln2_post.hook_scale``: its values, 0.02 to 0.07 here, are nearly zeroed by a step of a unit direction, where
+#: finite differences do not hold; ``ln1_post``'s are about 0.2 to 0.5)
 ATTENTION_FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "mistral3")
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 POINTS: dict[str, tuple[str, ...]] = {
@@ -55,8 +67,11 @@ POINTS: dict[str, tuple[str, ...]] = {
     "gemma4": (
         "vision.hook_embed",
         "vision.blocks.0.hook_resid_pre",
+        "vision.blocks.0.ln1_post.hook_normalized",
         "vision.blocks.0.hook_resid_post",
         "vision.blocks.1.hook_resid_pre",
+        "vision.blocks.1.ln1_post.hook_scale",
+        "vision.blocks.1.ln2_post.hook_normalized",
         "vision.blocks.1.hook_resid_post",
     ),
 }
@@ -71,7 +86,12 @@ BF16_POINTS: dict[str, tuple[str, ...]] = {
         f: ("vision.blocks.0.hook_resid_mid", "vision.blocks.0.hook_mlp_in", "vision.blocks.1.hook_resid_post")
         for f in QWEN
     },
-    "gemma4": ("vision.hook_embed", "vision.blocks.0.hook_resid_post"),
+    "gemma4": (
+        "vision.hook_embed",
+        "vision.blocks.0.ln1_post.hook_scale",
+        "vision.blocks.0.ln2_post.hook_normalized",
+        "vision.blocks.0.hook_resid_post",
+    ),
 }
 FAMILIES = tuple(POINTS)
 #: finite differences: central differences at ``STEP`` and ``STEP / 2``, Richardson-extrapolated (error ``O(h^4)``):
@@ -150,18 +170,10 @@ def _hooked(hm: HookedModel, batch: dict, edits: dict[str, Callable[[Tensor], Te
 def _eager_with(target: Any, edits: dict[str, Callable[[Tensor], Tensor]], implementation: str) -> Callable[..., Any]:
     """The attention function of the tower's own ``implementation`` that, in the module ``target``, is handed the
     edited rotated query and key (``rot_q``/``rot_k``, as ``[b, p, h, d]``); where its scores (masked, before the
-    softmax) or pattern (after it) are edited, eager attention written out (the tower's model file's)."""
+    softmax) or pattern (after it) are edited, eager attention written out (:func:`written_out_attention`)."""
+    written = written_out_attention(target, {k: e for k, e in edits.items() if k in ("scores", "pattern")})
 
-    def attention(
-        module: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Optional[Tensor],
-        scaling: Optional[float] = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:
+    def attention(module: Any, query: Tensor, key: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         if module is target and "rot_q" in edits:
             query = edits["rot_q"](query.transpose(1, 2)).transpose(1, 2)
         if module is target and "rot_k" in edits:
@@ -171,16 +183,8 @@ def _eager_with(target: Any, edits: dict[str, Callable[[Tensor], Tensor]], imple
                 ALL_ATTENTION_FUNCTIONS.get(implementation)
                 or sys.modules[type(module).__module__].eager_attention_forward
             )
-            return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        if "scores" in edits:
-            scores = edits["scores"](scores)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        if "pattern" in edits:
-            weights = edits["pattern"](weights)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+            return own(module, query, key, *args, **kwargs)
+        return written(module, query, key, *args, **kwargs)
 
     return attention
 
@@ -195,36 +199,36 @@ def _plain_edits(model: Any, name: str, edits: dict[str, Callable[[Tensor], Tens
     children = QWEN_CHILDREN if name.startswith("qwen") else CHILDREN.get(name, DEFAULT_CHILDREN)
     for point, edit in edits.items():
         if point == "vision.hook_embed":
-            handles.append(_plain(blocks[0], "pre", [], edit))
+            handles.append(plain_hook(blocks[0], "pre", [], edit))
             continue
         i, rest = int(point.split(".")[2]), ".".join(point.split(".")[3:])
         block = blocks[i]
         attention = block.get_submodule(children[0])
-        if rest in ("hook_resid_pre", "hook_resid_post"):
-            handles.append(_plain(block, "pre" if rest == "hook_resid_pre" else "post", [], edit))
+        if rest.split(".")[0] in GEMMA4_POST_NORMS:  # a sandwich norm's scale or normalized value
+            norm, which = rest.split(".")
+            handles.append(post_norm_hook(block.get_submodule(GEMMA4_POST_NORMS[norm]), which, [], edit))
+        elif rest in ("hook_resid_pre", "hook_resid_post"):
+            handles.append(plain_hook(block, "pre" if rest == "hook_resid_pre" else "post", [], edit))
         elif rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
-            handles.append(_projection_hook(getattr(attention, f"{rest[-1]}_proj"), heads, [], edit))
+            handles.append(projection_hook(getattr(attention, f"{rest[-1]}_proj"), heads, [], edit))
         elif rest == "attn.hook_z":
-            handles.append(_z_hook(getattr(attention, O_PROJ.get(name, "out_proj")), heads, [], edit))
+            handles.append(z_hook(getattr(attention, O_PROJ.get(name, "out_proj")), heads, [], edit))
         elif rest.startswith("attn."):
             role = {"hook_attn_scores": "scores", "hook_pattern": "pattern"}.get(rest[5:], rest[10:])
             in_function[role] = (attention, edit)
         else:
-            handles += _references(block, children)[rest]([], edit)
-    implementation = config._attn_implementation
+            handles += block_references(block, children)[rest]([], edit)
+    in_tower: Any = contextlib.nullcontext()
     if in_function:
         targets = {id(t) for t, _ in in_function.values()}
         assert len(targets) == 1  # one block's attention
         target = next(iter(in_function.values()))[0]
-        key = f"lensadapters_test_gradients_{id(target)}"
-        AttentionInterface.register(
-            key, _eager_with(target, {role: e for role, (_, e) in in_function.items()}, implementation)
-        )
-        config._attn_implementation = key
+        function = _eager_with(target, {role: e for role, (_, e) in in_function.items()}, config._attn_implementation)
+        in_tower = tower_attention(model, f"lensadapters_test_gradients_{id(target)}", function)
     try:
-        yield
+        with in_tower:
+            yield
     finally:
-        config._attn_implementation = implementation
         for handle in handles:
             handle.remove()
 

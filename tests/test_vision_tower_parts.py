@@ -6,15 +6,21 @@ bitwise, and a block whose MLP does not read ``resid_pre + attn_out`` gets its r
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
 
 import pytest
 import torch
 
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_blocks_of, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning
-from tests.test_vision_tower import FAMILIES, RECORDED_INSIDE_ON_4, TRANSFORMERS_4, _edit, _logits, _out, _plain
+from tests.test_vision_tower import FAMILIES, RECORDED_INSIDE_ON_4, TRANSFORMERS_4
+from tests.vision_tower_helpers import (
+    assert_reads_and_edits,
+    block_references,
+    per_block,
+    plain_reads_and_edits,
+    resid_mid_and_attn_out_edits,
+)
 
 #: the children (attention, MLP, norm before each) of each family's tower blocks, by their HF names
 CHILDREN: dict[str, tuple[str, str, str, str]] = {
@@ -24,71 +30,26 @@ DEFAULT_CHILDREN = ("self_attn", "mlp", "layer_norm1", "layer_norm2")
 SERVED = [f for f in FAMILIES if not (TRANSFORMERS_4 and f in RECORDED_INSIDE_ON_4)]
 
 
-def _resid_mid_reference(block: Any, ln2: Any, mlp: Any, seen: list, edit: Any = None) -> list:
-    """Plain hooks doing what TransformerLens' ``hook_resid_mid`` edit means: the MLP's norm reads the edited
-    stream, and the block's output is the edited stream plus the MLP's output."""
-    stash: dict[str, torch.Tensor] = {}
-    handles = [_plain(ln2, "pre", seen, None if edit is None else lambda x: stash.setdefault("mid", edit(x)))]
-    if edit is None:
-        return handles
-
-    def mlp_out(module: Any, args: tuple, output: Any) -> None:
-        stash["mlp"] = output[0] if isinstance(output, tuple) else output
-
-    def block_out(module: Any, args: tuple, output: Any) -> Any:
-        value = stash.pop("mid") + stash.pop("mlp")
-        return (value, *output[1:]) if isinstance(output, tuple) else value
-
-    return handles + [mlp.register_forward_hook(mlp_out), block.register_forward_hook(block_out, prepend=True)]
-
-
-def _references(block: Any, names: tuple[str, str, str, str]) -> dict[str, Callable[[list, Any], list]]:
-    """For each sub-block point (relative to the block): the plain hooks reading it (and editing it by ``edit``)."""
-    attn, mlp, ln1, ln2 = (block.get_submodule(n) for n in names)
-    return {
-        "ln1.hook_normalized": lambda seen, edit: [_plain(ln1, "post", seen, edit)],
-        "hook_attn_out": lambda seen, edit: [_plain(attn, "post", seen, edit)],
-        "hook_resid_mid": lambda seen, edit: _resid_mid_reference(block, ln2, mlp, seen, edit),
-        "hook_mlp_in": lambda seen, edit: [_plain(ln2, "pre", seen, edit)],
-        "ln2.hook_normalized": lambda seen, edit: [_plain(ln2, "post", seen, edit)],
-        "hook_mlp_out": lambda seen, edit: [_plain(mlp, "post", seen, edit)],
-    }
-
-
-def _plain_logits(model: Any, batch: dict, handles: list) -> torch.Tensor:
-    try:
-        return _logits(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @pytest.mark.parametrize("name", SERVED)
 def test_sub_block_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     model, n_image = vlm(name)
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
-    plain: dict[str, tuple[list, torch.Tensor]] = {}
-    for i, block in enumerate(blocks):
-        for point, hooks in _references(block, CHILDREN.get(name, DEFAULT_CHILDREN)).items():
-            seen: list = []
-            _plain_logits(model, batch, hooks(seen, None))
-            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, hooks([], _edit)))
-    hf = _logits(model, batch)
+    children = CHILDREN.get(name, DEFAULT_CHILDREN)
+    plain = plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: block_references(block, children)))
+    hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     assert set(plain) <= set(hm.hook_dict)
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=lambda p: p.startswith("vision.blocks."))
-        for point, (seen, edited) in plain.items():
-            assert len(seen) >= 1 and torch.equal(cache[point], torch.cat(seen)), point  # every image's call
-            assert torch.equal(_out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))])), edited)
+        assert_reads_and_edits(hm, batch, plain, cache)  # every image's call
         for i in range(len(blocks)):
             at = f"vision.blocks.{i}."
             mid = cache[at + "hook_resid_pre"] + cache[at + "hook_attn_out"]
             assert torch.equal(cache[at + "hook_resid_mid"], mid)
             assert torch.equal(cache[at + "hook_resid_post"], cache[at + "hook_resid_mid"] + cache[at + "hook_mlp_out"])
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
 
 
@@ -99,15 +60,7 @@ def test_an_edit_of_resid_mid_is_an_edit_of_attn_out_by_the_same_difference(name
     model, n_image = vlm(name)
     batch = inputs(model, n_image)
     hm = HookedModel.wrap(model)
-    d = torch.linspace(-1, 1, 32)
-    logits = {}
-    with torch.no_grad():
-        base = _out(hm(**batch))
-        for point in ("hook_resid_mid", "hook_attn_out"):
-            hooks = [(f"vision.blocks.0.{point}", lambda x, hook: x + d.to(x.dtype))]
-            logits[point] = _out(hm.run_with_hooks(**batch, fwd_hooks=hooks))
-    assert not torch.allclose(logits["hook_resid_mid"], base, atol=1e-4)
-    torch.testing.assert_close(logits["hook_resid_mid"], logits["hook_attn_out"], atol=1e-5, rtol=1e-5)
+    resid_mid_and_attn_out_edits(hm, batch)
     hm.unwrap()
 
 

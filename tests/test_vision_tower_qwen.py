@@ -18,11 +18,26 @@ from torch import nn
 
 import lensadapters.wiring.vision_tower as vision_tower_module
 from lensadapters import HookedModel
-from lensadapters.testing.vlm import inputs, plain_reference, tower_block_points, tower_blocks_of, vlm
+from lensadapters.testing.vlm import (
+    inputs,
+    logits_of,
+    logits_with,
+    plain_reference,
+    tower_block_points,
+    tower_blocks_of,
+    vlm,
+)
 from lensadapters.wiring.vision_inputs import probe_inputs
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
-from tests.test_vision_tower import _edit, _logits, _out, _plain, _plain_residuals
-from tests.test_vision_tower_parts import _plain_logits, _references
+from tests.test_vision_tower import _plain_residuals
+from tests.vision_tower_helpers import (
+    assert_reads_and_edits,
+    block_references,
+    per_block,
+    plain_hook,
+    plain_reads_and_edits,
+    scale_shift,
+)
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: Qwen's tower blocks' children: attention, MLP, the norm before each
@@ -59,30 +74,25 @@ def test_qwen_tower_points_read_and_edit_as_plain_hooks_do(name: str) -> None:
     batch = inputs(model, n_image)
     blocks = tower_blocks_of(model)
     plain = _plain_residuals(model, batch, blocks)
-    for i, block in enumerate(blocks):
-        for point, hooks in _references(block, CHILDREN).items():
-            seen = []
-            _plain_logits(model, batch, hooks(seen, None))
-            plain[f"vision.blocks.{i}.{point}"] = (seen, _plain_logits(model, batch, hooks([], _edit)))
-    hf = _logits(model, batch)
+    plain.update(
+        plain_reads_and_edits(model, batch, per_block(blocks, lambda i, block: block_references(block, CHILDREN)))
+    )
+    hf = logits_with(model, batch)
     hm, messages = _wrap(model)
     expected = ["vision.hook_embed", *(f"vision.blocks.{i}.{p}" for i in range(len(blocks)) for p in BLOCK)]
     assert [p for p in hm.hook_dict if p.startswith("vision.")] == expected
     assert not messages
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         logits, cache = hm.run_with_cache(**batch, names_filter=list(plain))
-        assert torch.equal(_out(logits), hf)  # reading changes nothing
-        for point, (seen, edited) in plain.items():
-            assert len(seen) == 1 and torch.equal(cache[point], seen[0]), point  # both images in one sequence
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
-            assert torch.equal(got, edited), point
-            assert not torch.equal(got, hf), point  # every block reaches the language model
+        assert torch.equal(logits_of(logits), hf)  # reading changes nothing
+        # both images in one sequence (one call); every block reaches the language model
+        assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
         for i in range(len(blocks)):
             at = f"vision.blocks.{i}."
             assert torch.equal(cache[at + "hook_resid_mid"], cache[at + "hook_resid_pre"] + cache[at + "hook_attn_out"])
             assert torch.equal(cache[at + "hook_resid_post"], cache[at + "hook_resid_mid"] + cache[at + "hook_mlp_out"])
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
 
 
@@ -101,12 +111,12 @@ def test_the_language_models_points_are_those_it_has_with_the_tower_refused(
     language = [p for p in served if p.startswith("blocks.") and p.endswith(("hook_resid_pre", "hook_resid_post"))]
     with torch.no_grad():
         _, cache = hm.run_with_cache(**batch, names_filter=language)
-        with hm.hooks([(post, lambda x, hook: _edit(x))]):
+        with hm.hooks([(post, lambda x, hook: scale_shift(x))]):
             _, edited = hm.run_with_cache(**batch, names_filter=language)
     hm.unwrap()
     _, reference = plain_reference(model, batch)
     block = tower_blocks_of(model)[-1]
-    handle = _plain(block, "post", [], _edit)
+    handle = plain_hook(block, "post", [], scale_shift)
     try:
         _, edited_reference = plain_reference(model, batch)
     finally:

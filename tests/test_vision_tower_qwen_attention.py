@@ -21,14 +21,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from transformers import AttentionInterface
 
 from lensadapters import HookedModel, UnsupportedModelError
-from lensadapters.testing.vlm import inputs, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_blocks_of, vlm
 from lensadapters.wiring.vision_attention import ROTATE_HALF
 from lensadapters.wiring.vision_tower import VisionTowerWarning, vision_tower
-from tests.test_vision_tower import _edit, _logits, _out
 from tests.test_vision_tower_attention import _add_to_head_0, _roll
+from tests.vision_tower_helpers import editing_inputs, logits_under_attention, scale_shift
 
 #: the families, and Qwen2.5-VL with windows smaller than its images (4 patches each) in block 0, block 1 full
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2_5_vl_windows")
@@ -106,27 +105,6 @@ def _angles_hook(attention: Any, seen: list) -> Any:
     return attention.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def _plain(model: Any, batch: dict, *handles: Any) -> torch.Tensor:
-    try:
-        return _logits(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _editing_inputs(target: Any, which: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Eager attention that hands ``target``'s calls ``edit`` of the (rotated) query or key, ``[b, p, h, d]``: the
-    edit is elementwise, so editing each image's call is editing the whole sequence's."""
-
-    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if module is target:
-            x = edit((query if which == "q" else key).transpose(1, 2)).transpose(1, 2)
-            query, key = (x, key) if which == "q" else (query, x)
-        return _file(module).eager_attention_forward(module, query, key, *args, **kwargs)
-
-    return attention
-
-
 @pytest.mark.parametrize("name", QWEN)
 def test_qkv_rotary_and_z_read_and_edit_as_plain_hooks_and_hf_rotary_do(name: str) -> None:
     model, batch = _model(name)
@@ -137,38 +115,40 @@ def test_qkv_rotary_and_z_read_and_edit_as_plain_hooks_and_hf_rotary_do(name: st
         at, attention = f"vision.blocks.{i}.attn.", block.attn
         thirds: list[list] = [[], [], []]
         angles: list = []
-        _plain(model, batch, *(_qkv_hook(attention, j, thirds[j]) for j in range(3)), _angles_hook(attention, angles))
+        logits_with(
+            model, batch, *(_qkv_hook(attention, j, thirds[j]) for j in range(3)), _angles_hook(attention, angles)
+        )
         for j, x in enumerate("qkv"):
             reads[at + f"hook_{x}"] = thirds[j][0]
-            edited[at + f"hook_{x}"] = _plain(model, batch, _qkv_hook(attention, j, [], _edit))
+            edited[at + f"hook_{x}"] = logits_with(model, batch, _qkv_hook(attention, j, [], scale_shift))
         q, k = (t[0].squeeze(0) for t in thirds[:2])
         rot_q, rot_k = _file(attention).apply_rotary_pos_emb_vision(q, k, *angles[0])  # HF's own rotation
         reads[at + "hook_rot_q"], reads[at + "hook_rot_k"] = rot_q.unsqueeze(0), rot_k.unsqueeze(0)
         for x in "qk":
-            key = f"lensadapters_test_qwen_rot_{x}_{i}"
-            AttentionInterface.register(key, _editing_inputs(attention, x, _edit))
-            config._attn_implementation = key
-            try:
-                edited[at + f"hook_rot_{x}"] = _logits(model, batch)
-            finally:
-                config._attn_implementation = "eager"
+            function = editing_inputs(attention, x, scale_shift)  # elementwise: each image's call edited is the whole's
+            edited[at + f"hook_rot_{x}"] = logits_under_attention(
+                model, batch, f"lensadapters_test_qwen_rot_{x}_{i}", function
+            )
         z: list = []
-        _plain(model, batch, _z_hook(attention, z))
-        reads[at + "hook_z"], edited[at + "hook_z"] = z[0], _plain(model, batch, _z_hook(attention, [], _edit))
-    hf = _logits(model, batch)
+        logits_with(model, batch, _z_hook(attention, z))
+        reads[at + "hook_z"], edited[at + "hook_z"] = (
+            z[0],
+            logits_with(model, batch, _z_hook(attention, [], scale_shift)),
+        )
+    hf = logits_with(model, batch)
     hm = _wrap(model)
     served = [p for p in hm.hook_dict if p.startswith("vision.blocks.") and ".attn." in p]
     assert served == [f"vision.blocks.{i}.{p}" for i in range(len(blocks)) for p in POINTS]
     heads = config.num_heads
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)  # no hooks: HF's forward
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         logits, cache = hm.run_with_cache(**batch, names_filter=list(reads))
-        assert torch.equal(_out(logits), hf)  # reading changes nothing
+        assert torch.equal(logits_of(logits), hf)  # reading changes nothing
         for point, value in reads.items():
             patches = batch["pixel_values"].shape[0]  # all the images' patches, one sequence
             assert cache[point].shape == (1, patches, heads, value.shape[-1]), point
             assert torch.equal(cache[point], value), point
-            got = _out(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: _edit(x))]))
+            got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=[(point, lambda x, hook: scale_shift(x))]))
             assert not torch.equal(got, hf), point
             if "rot_" in point:  # rotated back and added to qkv's output as a difference, rotated again by HF
                 scale = float(edited[point].abs().max())
@@ -177,7 +157,7 @@ def test_qkv_rotary_and_z_read_and_edit_as_plain_hooks_and_hf_rotary_do(name: st
                 ), point
             else:
                 assert torch.equal(got, edited[point]), point
-    assert torch.equal(_logits(model, batch), hf)
+    assert torch.equal(logits_with(model, batch), hf)
     hm.unwrap()
 
 
@@ -199,7 +179,7 @@ def _eager_weights(model: Any, batch: dict) -> list[list[torch.Tensor]]:
 
     file.eager_attention_forward = recording
     try:
-        _logits(model, batch)
+        logits_with(model, batch)
     finally:
         file.eager_attention_forward = eager
     return weights
@@ -231,12 +211,12 @@ def test_patterns_are_block_diagonal_eager_weights_and_scores_are_softmaxed_into
     points = [f"vision.blocks.{i}.{p}" for i in range(n) for p in POINTS[3:7]]
     for implementation in ("eager", "sdpa"):
         model.set_attn_implementation(implementation)
-        hf = _logits(model, batch)
+        hf = logits_with(model, batch)
         with torch.no_grad():
-            assert torch.equal(_out(hm(**batch)), hf)
+            assert torch.equal(logits_of(hm(**batch)), hf)
             logits, cache = hm.run_with_cache(**batch, names_filter=points)
-            assert _measure(f"{name} logits with patterns hooked ({implementation})", _out(logits), hf) < 1e-4
-            assert torch.equal(_out(hm(**batch)), hf)  # the hooks gone: the tower's own implementation again
+            assert _measure(f"{name} logits with patterns hooked ({implementation})", logits_of(logits), hf) < 1e-4
+            assert torch.equal(logits_of(hm(**batch)), hf)  # the hooks gone: the tower's own implementation again
         assert config._attn_implementation == implementation
         for i in range(n):
             at = f"vision.blocks.{i}.attn."
@@ -291,16 +271,16 @@ def test_an_edit_of_scores_or_pattern_is_the_edit_in_a_hand_written_attention_ov
     hm = _wrap(model)
     for implementation in ("eager", "sdpa"):
         model.set_attn_implementation(implementation)
-        hf = _logits(model, batch)
+        hf = logits_with(model, batch)
         for i, block in enumerate(blocks):
             block.attn.forward = _hand_written(block.attn, edit, where)
             try:
-                reference = _logits(model, batch)
+                reference = logits_with(model, batch)
             finally:
                 del block.attn.forward
             with torch.no_grad():
                 hooks = [(f"vision.blocks.{i}.attn.{point}", lambda x, hook: edit(x))]
-                got = _out(hm.run_with_hooks(**batch, fwd_hooks=hooks))
+                got = logits_of(hm.run_with_hooks(**batch, fwd_hooks=hooks))
             assert not torch.equal(got, hf)
             scale = float(reference.abs().max())
             error = _measure(f"{name} {where} edit vs hand-written attention ({implementation})", got, reference)
@@ -317,7 +297,7 @@ def test_an_unhooked_forward_after_hooks_is_hf_bitwise_and_gradients_reach_qkv()
 
     def grad(run: Callable[[], Any]) -> torch.Tensor:
         model.zero_grad()
-        _out(run()).sum().backward()
+        logits_of(run()).sum().backward()
         assert attention.qkv.weight.grad is not None
         return attention.qkv.weight.grad.clone()
 
@@ -338,7 +318,7 @@ def test_in_bfloat16_the_rotary_points_rotate_in_float32_as_the_tower_does() -> 
     attention = tower_blocks_of(model)[0].attn
     thirds: list[list] = [[], []]
     angles: list = []
-    _plain(
+    logits_with(
         model,
         batch,
         _qkv_hook(attention, 0, thirds[0]),
@@ -347,10 +327,10 @@ def test_in_bfloat16_the_rotary_points_rotate_in_float32_as_the_tower_does() -> 
     )
     q, k = (t[0].squeeze(0) for t in thirds)
     rot_q, rot_k = (t.unsqueeze(0) for t in _file(attention).apply_rotary_pos_emb_vision(q, k, *angles[0]))
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     hm = _wrap(model)
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)
+        assert torch.equal(logits_of(hm(**batch)), hf)
         _, cache = hm.run_with_cache(
             **batch, names_filter=["vision.blocks.0.attn.hook_rot_q", "vision.blocks.0.attn.hook_rot_k"]
         )
@@ -372,7 +352,10 @@ def test_an_edit_of_the_rotated_queries_reaches_the_patterns_of_the_same_forward
     def keep(x: torch.Tensor, hook: Any) -> None:
         seen[hook.name] = x.clone()
 
-    hooks = [(at + "hook_rot_q", lambda x, hook: _edit(x)), *((at + p, keep) for p in ("hook_rot_q", "hook_rot_k"))]
+    hooks = [
+        (at + "hook_rot_q", lambda x, hook: scale_shift(x)),
+        *((at + p, keep) for p in ("hook_rot_q", "hook_rot_k")),
+    ]
     hooks.append((at + "hook_pattern", keep))
     with torch.no_grad():
         hm.run_with_hooks(**batch, fwd_hooks=hooks)
@@ -436,7 +419,7 @@ def test_a_fused_projection_followed_by_per_head_norms_is_refused_by_name_and_br
     model, batch = _model("qwen2_vl")
     for block in tower_blocks_of(model):
         _with_head_norms(block.attn)
-    hf = _logits(model, batch)
+    hf = logits_with(model, batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
@@ -447,10 +430,10 @@ def test_a_fused_projection_followed_by_per_head_norms_is_refused_by_name_and_br
     assert not {p for p in served if ".attn." in p}
     assert {"vision.blocks.0.hook_resid_pre", "vision.blocks.0.hook_attn_out", "vision.blocks.0.hook_mlp_out"} <= served
     with torch.no_grad():
-        assert torch.equal(_out(hm(**batch)), hf)
+        assert torch.equal(logits_of(hm(**batch)), hf)
         _, cache = hm.run_with_cache(**batch, names_filter=["vision.blocks.0.hook_attn_out"])
     plain: list = []
     handle = tower_blocks_of(model)[0].attn.register_forward_hook(lambda m, a, out: plain.append(out.clone()))
-    _plain(model, batch, handle)
+    logits_with(model, batch, handle)
     assert torch.equal(cache["vision.blocks.0.hook_attn_out"], plain[0])
     hm.unwrap()

@@ -17,7 +17,9 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
   (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits; in a
   sandwich-normed block (Gemma 4's) ``hook_attn_out``/``hook_mlp_out`` are the outputs of the norms after the
-  attention and the MLP, what the block adds to the residual, as TransformerLens' Gemma 2 blocks have them. An
+  attention and the MLP, what the block adds to the residual, as TransformerLens' Gemma 2 blocks have them, and
+  those norms get ``ln1_post``/``ln2_post.hook_scale`` and ``hook_normalized`` as the language model's norms do
+  (the core's ``NormSite``: before the weight; served where the norm's ``NormSpec`` is known). An
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
@@ -36,13 +38,14 @@ an image. No hook is installed until a ``vision.*`` point is hooked.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lensadapters.errors import UnsupportedModelError
 from lensadapters.hooks.frames import ForwardState
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import (
@@ -84,6 +87,8 @@ class Tower:
     parts: Optional[list[BlockParts]]
     attn: Optional[list[AttnParts]] = None
     backend: Optional[TowerPatternBackend] = None
+    #: whether the sandwich norms' ``ln1_post``/``ln2_post.hook_scale``/``hook_normalized`` are served
+    post_norms: bool = False
 
 
 def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -351,13 +356,33 @@ class TowerResidualSite(ResidualSite):
     prepend_block_hook = True
 
 
-def block_names(part: Optional[BlockParts], attn: Optional[AttnParts] = None) -> list[str]:
-    """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire."""
+def block_names(part: Optional[BlockParts], attn: Optional[AttnParts] = None, post_norms: bool = False) -> list[str]:
+    """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire (``post_norms``:
+    with the sandwich norms' scale and normalized points, where the block has them)."""
     if part is None:
         return ["hook_resid_pre", "hook_resid_post"]
     ln1 = ["ln1.hook_normalized"] if part.ln1 is not None else []
-    middle = ["hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", "hook_mlp_out"]
-    return ["hook_resid_pre", *ln1, *attention_names(attn), *middle, "hook_resid_post"]
+    ln1_post, ln2_post = (
+        [f"{norm}.hook_scale", f"{norm}.hook_normalized"] if post_norms and name is not None else []
+        for norm, name in (("ln1_post", part.ln1_post), ("ln2_post", part.ln2_post))
+    )
+    middle = [*ln1_post, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", *ln2_post]
+    return ["hook_resid_pre", *ln1, *attention_names(attn), *middle, "hook_mlp_out", "hook_resid_post"]
+
+
+def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
+    """Why the sandwich norms' ``hook_scale``/``hook_normalized`` are not served (empty: served): how each norm
+    after an attention or MLP normalizes must be known (a plugin's ``lensadapters_norm_scale``, or the core's
+    ``nn.LayerNorm`` and its ``*RMSNorm`` guess checked against the module), as for the language model's norms."""
+    reasons: list[str] = []
+    for i, (block, part) in enumerate(zip(tower.blocks, tower.parts or [])):
+        for name in (part.ln1_post, part.ln2_post):
+            if name is not None:
+                try:
+                    wiring._norm_spec(block.get_submodule(name))()
+                except UnsupportedModelError as exc:
+                    reasons.append(f"block {i}: {exc}")
+    return reasons
 
 
 def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optional[Tower]:
@@ -382,10 +407,19 @@ def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optiona
         )
     if proven is None:
         return None
+    if any(p.ln1_post is not None or p.ln2_post is not None for p in proven.parts or []):
+        norm_reasons = _post_norm_reasons(wiring, proven)
+        if norm_reasons:
+            warnings.warn(
+                "the vision tower's ln1_post/ln2_post points are not served: " + "; ".join(norm_reasons),
+                VisionTowerWarning,
+                stacklevel=4,
+            )
+        proven = replace(proven, post_norms=not norm_reasons)
     new(PREFIX + "hook_embed").fires_when = FIRES_WHEN
     for i in range(len(proven.blocks)):
         attn = proven.attn[i] if proven.attn is not None else None
-        for name in block_names(proven.parts[i] if proven.parts is not None else None, attn):
+        for name in block_names(proven.parts[i] if proven.parts is not None else None, attn, proven.post_norms):
             new(f"{PREFIX}blocks.{i}.{name}").fires_when = FIRES_WHEN
     return proven
 
@@ -411,9 +445,13 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
             wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
         if tower.attn is not None:
             _attention_sites(wiring, tower, i, get(part.attn), pt)
+        if tower.post_norms and part.ln1_post is not None:  # its scale and normalized values, as a text model's
+            wiring._norm_site(get(part.ln1_post), pt, "ln1_post")
         wiring.add_site(OutputSite(get(part.attn_out), pt("hook_attn_out")))  # after ln1_post, if any
         wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
         mlp_out = get(part.mlp_out)  # the MLP, or the norm after it
+        if tower.post_norms and part.ln2_post is not None:
+            wiring._norm_site(mlp_out, pt, "ln2_post")
         wiring.add_site(
             TowerResidualSite(
                 (PREFIX, i),

@@ -3,7 +3,10 @@ the top-k logits as scores, zeros elsewhere, every expert run on its scaled copy
 expert on the unscaled input), described by the generic adapter (``FusedExperts.scaled_input``, ``Routing.order=
 "topk_sigmoid"``, ``router_output="scores_logits"``): its routing points read what plain PyTorch hooks read, an edit
 there changes the logits exactly as the same edit inside a hand-written MoE forward, gradients through an edit match
-finite differences, and the experts' weights are the live parameters'. Top-2 routing, so that slots matter."""
+finite differences, and the experts' weights are the live parameters'. The shared expert's points
+(``mlp.shared_expert.*``) read and edit as plain hooks on its modules do; in bfloat16 the routing and shared-expert
+points are served, read HF's own computation bitwise and edit as plain hooks do, bitwise. Top-2 routing, so that
+slots matter."""
 
 from __future__ import annotations
 
@@ -382,16 +385,16 @@ def test_the_shared_experts_points_are_its_modules_values_and_edit_as_plain_hook
         assert torch.equal(edited, by_hand), point
 
 
-@pytest.mark.parametrize("point", [SHARED[2], SHARED[3]])
-def test_gradients_through_a_shared_expert_edit_match_finite_differences(point: str) -> None:
-    """Float64: the gradient of the final norm's input through an edit of the shared expert's hidden (or output)
-    matches finite differences, and is not zero."""
+def test_gradients_through_a_shared_expert_edit_match_finite_differences() -> None:
+    """Float64: the gradient of the final norm's input through an edit of the shared expert's hidden, and of its
+    output (served on a copy), matches finite differences, and is not zero."""
     model = _model("llama4_text", torch.float64)
     hm = _wrap(model)
     layer = _moe_layers(hm)[-1]  # no MoE after it: a later router's float32 sigmoid would round the differences
     norm = model.get_submodule(hm.layout.ln_final)
     try:
-        check_gradient_through_an_edit(hm, input_ids()[:1, :5], f"blocks.{layer}.{point}", norm, at_input=True)
+        for point in (SHARED[2], SHARED[3]):
+            check_gradient_through_an_edit(hm, input_ids()[:1, :5], f"blocks.{layer}.{point}", norm, at_input=True)
     finally:
         hm.unwrap()
 

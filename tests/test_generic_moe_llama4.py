@@ -3,7 +3,10 @@ the top-k logits as scores, zeros elsewhere, every expert run on its scaled copy
 expert on the unscaled input), described by the generic adapter (``FusedExperts.scaled_input``, ``Routing.order=
 "topk_sigmoid"``, ``router_output="scores_logits"``): its routing points read what plain PyTorch hooks read, an edit
 there changes the logits exactly as the same edit inside a hand-written MoE forward, gradients through an edit match
-finite differences, and the experts' weights are the live parameters'. Top-2 routing, so that slots matter."""
+finite differences, and the experts' weights are the live parameters'. The shared expert's points
+(``mlp.shared_expert.*``) read and edit as plain hooks on its modules do; in bfloat16 the routing and shared-expert
+points are served, read HF's own computation bitwise and edit as plain hooks do, bitwise. Top-2 routing, so that
+slots matter."""
 
 from __future__ import annotations
 
@@ -302,3 +305,202 @@ def test_gradients_through_a_logits_edit_match_the_hand_written_moe_and_finite_d
     assert grad.abs() > 1e-6
     torch.testing.assert_close(grad, hand, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(grad, numeric, rtol=1e-2, atol=1e-9)
+
+
+# --- the shared expert's points ----------------------------------------------------------------------------------
+
+SHARED = tuple(f"mlp.shared_expert.{p}" for p in ("hook_gate", "hook_pre", "hook_post", "hook_result"))
+
+
+def _shared_modules(hm: HookedModel, layer: int) -> dict[str, tuple[nn.Module, bool]]:
+    """Each shared-expert point's HF module and whether the point is its input (else its output)."""
+    shared = _parts(hm, layer)[3]
+    return {
+        SHARED[0]: (shared.gate_proj, False),
+        SHARED[1]: (shared.up_proj, False),
+        SHARED[2]: (shared.down_proj, True),
+        SHARED[3]: (shared, False),
+    }
+
+
+def _plain_edit(module: nn.Module, is_input: bool, delta: torch.Tensor) -> Any:
+    """A plain PyTorch hook adding ``delta`` (in the point's ``[b, p, ...]`` shape) to the module's flattened input or
+    output."""
+    if is_input:
+        return module.register_forward_pre_hook(lambda m, args: (args[0] + delta.reshape(args[0].shape),))
+    return module.register_forward_hook(lambda m, args, out: out + delta.reshape(out.shape))
+
+
+def test_the_shared_expert_is_served_with_the_names_other_moe_families_use(wrapped: Any) -> None:
+    """The shared expert (a gated MLP the MoE module runs after its routed experts, on the flattened input) has
+    Qwen 3.5's shared-expert points, after the routing points and before ``hook_mlp_out``, in every MoE layer."""
+    _, _, hm = wrapped
+    names = list(hm.hook_names)
+    for i in _moe_layers(hm):
+        order = [names.index(f"blocks.{i}.{p}") for p in (*POINTS, *SHARED, "hook_mlp_out")]
+        assert order == sorted(order)
+
+
+def test_the_shared_experts_points_are_its_modules_values_and_edit_as_plain_hooks_do(wrapped: Any) -> None:
+    """Each shared-expert point reads what a plain hook on its HF module reads (the projections' outputs, the down
+    projection's input, the shared expert's output before the MoE module adds the routed experts into it in place),
+    shown as ``[b, p, ...]``; reading them leaves the logits HF's, bitwise; adding a delta there moves the logits
+    bitwise as adding it with a plain PyTorch hook on that module does."""
+    _, model, hm = wrapped
+    ids = input_ids()
+    layer = _moe_layers(hm)[0]
+    modules = _shared_modules(hm, layer)
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(point: str, value: torch.Tensor) -> None:
+        seen[point] = value.clone()
+
+    handles = []
+    for point, (module, is_input) in modules.items():
+        if is_input:
+            handles.append(module.register_forward_pre_hook(lambda m, a, p=point: record(p, a[0])))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, o, p=point: record(p, o)))
+    with torch.no_grad():
+        own = model(ids).logits
+        read, cache = hm.run_with_cache(ids, names_filter=[f"blocks.{layer}.{p}" for p in SHARED])
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(read, own)
+    for point in SHARED:
+        value = cache[f"blocks.{layer}.{point}"]
+        assert value.shape[:2] == ids.shape
+        assert torch.equal(value, seen[point].reshape(value.shape)), point
+    g = torch.Generator().manual_seed(7)
+    for point, (module, is_input) in modules.items():
+        delta = torch.randn(cache[f"blocks.{layer}.{point}"].shape, generator=g) * 0.5
+        with torch.no_grad():
+            edited = hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.{layer}.{point}", lambda t, hook, d=delta: t + d)])
+            handle = _plain_edit(module, is_input, delta)
+            try:
+                by_hand = model(ids).logits
+            finally:
+                handle.remove()
+        assert (edited - own).abs().max() > 1e-3, point
+        assert torch.equal(edited, by_hand), point
+
+
+def test_gradients_through_a_shared_expert_edit_match_finite_differences() -> None:
+    """Float64: the gradient of the final norm's input through an edit of the shared expert's hidden, and of its
+    output (served on a copy), matches finite differences, and is not zero."""
+    model = _model("llama4_text", torch.float64)
+    hm = _wrap(model)
+    layer = _moe_layers(hm)[-1]  # no MoE after it: a later router's float32 sigmoid would round the differences
+    norm = model.get_submodule(hm.layout.ln_final)
+    try:
+        for point in (SHARED[2], SHARED[3]):
+            check_gradient_through_an_edit(hm, input_ids()[:1, :5], f"blocks.{layer}.{point}", norm, at_input=True)
+    finally:
+        hm.unwrap()
+
+
+# --- bfloat16 ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16() -> Any:
+    model = _model("llama4_text", torch.bfloat16)
+    hm = _wrap(model)
+    yield model, hm
+    hm.unwrap()
+
+
+def test_a_bfloat16_model_keeps_its_routing_and_shared_expert_points(bf16: Any) -> None:
+    """In bfloat16 the routing and shared-expert points are still served (verified on the bfloat16 probe), and the
+    model's logits with none hooked are HF's, bitwise."""
+    model, hm = bf16
+    names = set(hm.hook_names)
+    for i in _moe_layers(hm):
+        assert {f"blocks.{i}.{p}" for p in (*POINTS, *SHARED)} <= names
+    ids = input_ids()
+    with torch.no_grad():
+        assert torch.equal(hm(ids).logits, model(ids).logits)
+
+
+def test_bfloat16_values_are_hfs_computation_from_its_modules(bf16: Any) -> None:
+    """The points' values, in bfloat16, bitwise what the HF modules compute from the MoE module's (flattened) input,
+    the way HF computes it: the router's product, the sigmoid in float32 of the top-k logits cast back, the shared
+    expert's projections, ``act(gate) * up`` and its output."""
+    model, hm = bf16
+    ids = input_ids()
+    layer = _moe_layers(hm)[0]
+    moe, router, _, shared = _parts(hm, layer)
+    inputs: list = []
+    handle = moe.register_forward_pre_hook(lambda m, a: inputs.append(a[0].clone()))
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(ids, names_filter=[f"blocks.{layer}.{p}" for p in (*POINTS, *SHARED)])
+    handle.remove()
+    with torch.no_grad():
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        assert x.dtype == torch.bfloat16
+        logits = F.linear(x, router.weight)
+        top = torch.topk(logits, TOP_K, dim=1).values
+        gate, up = shared.gate_proj(x), shared.up_proj(x)
+        post = shared.activation_fn(gate) * up
+        expected = {
+            POINTS[0]: logits,
+            POINTS[1]: torch.sigmoid(top.float()).to(top.dtype),
+            SHARED[0]: gate,
+            SHARED[1]: up,
+            SHARED[2]: post,
+            SHARED[3]: shared.down_proj(post),
+        }
+    for point, value in expected.items():
+        got = cache[f"blocks.{layer}.{point}"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, value.reshape(got.shape)), point
+
+
+def test_bfloat16_edits_equal_plain_torch_hook_edits_bitwise(bf16: Any) -> None:
+    """In bfloat16, an edit of the logits (re-routed), of the routing weights or of a shared-expert point moves the
+    model's logits bitwise as the same edit made by a plain PyTorch hook on the HF module: the router's output
+    recomputed from the edited logits as the router computes it, the scores with the edited weights at the top-k,
+    the shared expert's module's input or output."""
+    model, hm = bf16
+    ids = input_ids()
+    layer = _moe_layers(hm)[0]
+    _, router, _, _ = _parts(hm, layer)
+    n = model.config.num_local_experts
+    with torch.no_grad():
+        own = model(ids).logits
+        _, cache = hm.run_with_cache(ids, names_filter=[f"blocks.{layer}.{p}" for p in SHARED])
+
+    def logits_edit(delta: torch.Tensor) -> Any:
+        def hook(m: nn.Module, args: tuple, out: Any) -> Any:
+            logits = out[1] + delta.reshape(out[1].shape)
+            top, index = torch.topk(logits, TOP_K, dim=1)
+            scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top)
+            return (torch.sigmoid(scores.float()).to(scores.dtype), logits)
+
+        return router.register_forward_hook(hook)
+
+    def weights_edit(delta: torch.Tensor) -> Any:
+        def hook(m: nn.Module, args: tuple, out: Any) -> Any:
+            scores, logits = out
+            index = torch.topk(logits, TOP_K, dim=-1).indices
+            weights = scores.gather(-1, index) + delta.reshape(index.shape)
+            return (scores.scatter(-1, index, weights), logits)
+
+        return router.register_forward_hook(hook)
+
+    shapes = {POINTS[0]: (*ids.shape, n), POINTS[1]: (*ids.shape, TOP_K)}
+    shapes.update({p: tuple(cache[f"blocks.{layer}.{p}"].shape) for p in SHARED})
+    plain: dict[str, Callable[[torch.Tensor], Any]] = {POINTS[0]: logits_edit, POINTS[1]: weights_edit}
+    for point, (module, is_input) in _shared_modules(hm, layer).items():
+        plain[point] = lambda delta, module=module, is_input=is_input: _plain_edit(module, is_input, delta)
+    g = torch.Generator().manual_seed(11)
+    for point, make in plain.items():
+        delta = (torch.randn(shapes[point], generator=g) * 0.5).to(torch.bfloat16)
+        with torch.no_grad():
+            edited = hm.run_with_hooks(ids, fwd_hooks=[(f"blocks.{layer}.{point}", lambda t, hook, d=delta: t + d)])
+            handle = make(delta)
+            try:
+                by_hand = model(ids).logits
+            finally:
+                handle.remove()
+        assert (edited.float() - own.float()).abs().max() > 1e-3, point
+        assert torch.equal(edited, by_hand), point

@@ -56,6 +56,7 @@ from lensadapters.adapters.generic.rotary_forms import (  # noqa: F401  (their o
     interleaved_spec,
 )
 from lensadapters.adapters.generic.rotated_norm import RotatedNorm, norm_after_rotary
+from lensadapters.adapters.generic.shared_expert import describe_shared_expert
 from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import (
     BlockLayout,
@@ -399,7 +400,15 @@ def describe_layer(
         ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
     )
     return LayerDescription(
-        block, qkv, mlp_layout, norms, gated, act_fn, rotated_norms=rotated_norms, z_changed=bool(changed_z)
+        block,
+        qkv,
+        mlp_layout,
+        norms,
+        gated,
+        act_fn,
+        rotated_norms=rotated_norms,
+        z_changed=bool(changed_z),
+        shared_expert=describe_shared_expert(model, layer, i, mlp_layout, rec),
     )
 
 

@@ -45,6 +45,8 @@ class LayerDescription:
     #: the attention module changes the attention function's output before ``block.o_proj`` (an output gate, a
     #: norm): ``attn.hook_z`` is the function's output, ``attn.hook_result`` and ``W_O`` are refused (:mod:`.gated_z`)
     z_changed: bool = False
+    #: a mixture of experts' shared expert described as a gated MLP (:mod:`.shared_expert`), with points of its own
+    shared_expert: Optional[Any] = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from lensadapters.adapters.generic.references import (
     PARALLEL_MIXERS,
 )
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
+from lensadapters.adapters.generic.shared_expert import SHARED_EXPERTS, shared_expert_sites
 from lensadapters.adapters.generic.sites import AttentionFunctionBackend, AttentionFunctionSite, ModuleIOSite
 from lensadapters.adapters.generic.structure import WRITE_A_PLUGIN
 from lensadapters.adapters.generic.verify import OPAQUE_BRANCHES
@@ -71,6 +72,7 @@ def findings(model: nn.Module) -> Findings:
         DESCRIBED_ATTN_OUT[model] = {i: d.attn_out for i, d in enumerate(layers_found) if d and d.attn_out}
         ROTATED_NORMS[model] = {i: d.rotated_norms for i, d in enumerate(layers_found) if d and d.rotated_norms}
         GATED_Z[model] = frozenset(i for i, d in enumerate(layers_found) if d and d.z_changed)
+        SHARED_EXPERTS[model] = {i: d.shared_expert for i, d in enumerate(layers_found) if d and d.shared_expert}
         if found.final_norm is not None and found.final_norm_behaviour is not None:
             _norms[model.get_submodule(found.final_norm)] = found.final_norm_behaviour
         if found.description is not None:
@@ -271,6 +273,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             sites.append(_beside_site(hooked, i, layer, block))
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
+            if described is not None and described.shared_expert is not None:  # a MoE's shared expert's points
+                sites += shared_expert_sites(hooked, i, layer, described.shared_expert)
             if described is not None and described.attn_out is not None:  # what a post-LN block adds to x
                 if described.attn_out == described.block.o_proj and f"blocks.{i}.attn.hook_result" in hooked.hook_dict:
                     # both on the projection's output: hook_result fires first, as in TransformerLens (its edit is

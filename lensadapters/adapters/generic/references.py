@@ -16,6 +16,7 @@ from torch import nn
 from lensadapters.adapters.generic.gated_z import gated_layers
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
+from lensadapters.adapters.generic.shared_expert import shared_expert_reference
 from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
 from lensadapters.adapters.moe import FusedExperts, MoELayout
 from lensadapters.hooks.sites.qkv import heads_view, rotary_angles
@@ -228,6 +229,9 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         modules = [get(getattr(qkv, x)) for x in which]
         return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
     if isinstance(mlp, MoELayout):
+        shared = shared_expert_reference(model, i, rest)  # the shared expert's own modules, tokens maybe flattened
+        if shared is not None:
+            return Reference(shared[0], get(shared[1]), unview=_unflat, flat=True)
         return _moe_reference(get, mlp, rest)
     if isinstance(mlp, MLPLayout):
         if rest == "mlp.hook_pre":

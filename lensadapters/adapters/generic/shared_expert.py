@@ -1,0 +1,128 @@
+"""A described mixture of experts' shared expert (``MoELayout.shared``) as a gated MLP of its own, with the points
+the core's MoE plugins serve for one (Qwen 3.5's): ``mlp.shared_expert.hook_gate`` (its gate projection's output),
+``hook_pre`` (the up projection's, TransformerLens' name for an expert's), ``hook_post`` (the down projection's input)
+``[b, p, d_shared]`` and ``hook_result`` ``[b, p, d_model]`` (its output, what the MoE module adds to the routed
+experts' sum).
+
+The shared expert is described as a dense MLP is (:func:`.describe_mlp._describe_mlp`, on the probe's records of its
+projections): a gate and an up projection of its input whose ``act(gate) * up`` is its down projection's input, and
+the down projection's output its own. Where it is not such an MLP it has no point. The points are served on those
+modules' inputs and outputs (the MoE module may see its tokens flattened, ``[b * p, d]``: they are shown as
+``[b, p, d]``), and verified like every other described point against plain hooks on the same modules
+(:mod:`.verify`). The MoE module may add the routed experts' sum into the shared expert's output in place (Llama 4's):
+``hook_result`` then continues with a copy, so that what hooks saw stays what the shared expert returned.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from lensadapters.adapters.generic.describe_mlp import _activation, _describe_mlp
+from lensadapters.adapters.generic.description_types import NotDescribed
+from lensadapters.adapters.generic.probe import Recording, _close
+from lensadapters.adapters.generic.sites import ModuleIOSite
+from lensadapters.adapters.moe import MoELayout
+from lensadapters.adapters.vlm import text_config
+from lensadapters.hooks.sites import BlockShapeSite, Site
+from lensadapters.hooks.specs import MLPLayout
+
+#: the points of a shared expert, relative to ``blocks.{i}.mlp.``, in the order they fire
+SHARED_EXPERT_POINTS = (
+    "shared_expert.hook_gate",
+    "shared_expert.hook_pre",
+    "shared_expert.hook_post",
+    "shared_expert.hook_result",
+)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert's modules (paths relative to the block): ``module`` itself, its ``gate``, ``up`` and ``down``
+    projections; ``before_router``: it runs before the router (its points are listed before the routing points)."""
+
+    module: str
+    gate: str
+    up: str
+    down: str
+    before_router: bool
+
+
+#: the described shared experts, by model and layer (recorded when the generic adapter identifies a model)
+SHARED_EXPERTS: "weakref.WeakKeyDictionary[nn.Module, dict[int, SharedExpert]]" = weakref.WeakKeyDictionary()
+
+
+def describe_shared_expert(
+    model: nn.Module, layer: nn.Module, i: int, layout: Any, rec: Recording
+) -> Optional[SharedExpert]:
+    """Layer ``i``'s shared expert as a gated MLP (see the module docstring), ``None`` where its MLP is not a MoE with
+    a shared expert or the shared expert is not a gated MLP of separate gate and up projections."""
+    if not isinstance(layout, MoELayout) or layout.shared is None:
+        return None
+    try:
+        mlp, gated, _ = _describe_mlp(model, layer, i, layout.shared, rec)
+    except NotDescribed:
+        return None
+    if not (gated and isinstance(mlp, MLPLayout) and mlp.pre_linear is not None):
+        return None
+    if not _gate_told_from_up(model, layer, i, layout.shared, mlp, rec):
+        return None
+    order = [path for (j, path) in rec.inner if j == i]
+    if layout.shared not in order or layout.router not in order:
+        return None
+    before = order.index(layout.shared) < order.index(layout.router)
+    return SharedExpert(layout.shared, mlp.pre, mlp.pre_linear, mlp.out, before)
+
+
+def _gate_told_from_up(model: nn.Module, layer: nn.Module, i: int, path: str, mlp: MLPLayout, rec: Recording) -> bool:
+    """Whether the probe tells the gate from the up projection: with the first activation the dense description
+    tries that fits, ``act(gate) * up`` misses the down projection's input by less than ``act(up) * gate`` does (in
+    bfloat16, values below the rounding's absolute tolerance pass the dense description's claim either way)."""
+    gate, up, post = rec.inner[(i, mlp.pre)][1], rec.inner[(i, mlp.pre_linear or "")][1], rec.inner[(i, mlp.out)][0]
+    if gate is None or up is None or post is None:
+        return False
+    for _, act in _activation(layer.get_submodule(path), text_config(model)):
+        if _close(act(gate) * up, post):
+            right = (act(gate).double() * up.double() - post.double()).abs().max()
+            swapped = (act(up).double() * gate.double() - post.double()).abs().max()
+            return bool(right < swapped)
+    return False
+
+
+def shared_expert_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExpert) -> list[Site]:
+    """The shared expert's points of block ``i`` and their sites (the block's ``(b, p)`` recorded for them)."""
+    pre = f"blocks.{i}.mlp."
+    anchor = f"{pre}hook_router_logits" if shared.before_router else f"blocks.{i}.hook_mlp_out"
+    points = {name: hooked.new_point(pre + name, before=anchor) for name in SHARED_EXPERT_POINTS}
+    state = hooked.forward_state
+    for point in points.values():
+        point.token_shape = _block_shape(state, i)
+    get = block.get_submodule
+    return [
+        BlockShapeSite(i, block, list(points.values()), state),
+        ModuleIOSite(get(shared.gate), points["shared_expert.hook_gate"]),
+        ModuleIOSite(get(shared.up), points["shared_expert.hook_pre"]),
+        ModuleIOSite(get(shared.down), points["shared_expert.hook_post"], output=False),
+        ModuleIOSite(get(shared.module), points["shared_expert.hook_result"], copy=True),
+    ]
+
+
+def _block_shape(state: Any, i: int) -> Callable[[], Optional[tuple[int, ...]]]:
+    return lambda: state.block_shape.get(i)
+
+
+def shared_expert_reference(model: nn.Module, i: int, rest: str) -> Optional[tuple[str, str]]:
+    """``(kind, path)`` of the plain reference of ``blocks.{i}.{rest}``, a shared expert's point (``"out"`` or
+    ``"in"`` of the module at ``path``, relative to the block); ``None`` for any other point."""
+    shared = SHARED_EXPERTS.get(model, {}).get(i)
+    if shared is None or not rest.startswith("mlp.shared_expert."):
+        return None
+    return {
+        "mlp.shared_expert.hook_gate": ("out", shared.gate),
+        "mlp.shared_expert.hook_pre": ("out", shared.up),
+        "mlp.shared_expert.hook_post": ("in", shared.down),
+        "mlp.shared_expert.hook_result": ("out", shared.module),
+    }.get(rest)

@@ -51,9 +51,12 @@ the scaled embeddings too.
 BigBird-Pegasus (pre-LN, Pegasus' names) has BigBird's encoder attention (``encoder_attention``,
 ``block_sparse_encoder``): its points are decided per forward as transformers decides the attention, full (every
 point; :class:`BigBirdPatternSite`) or block-sparse (every point but the encoder's scores and patterns, refused by
-name; an input the stack would pad to a multiple of ``block_size``: every encoder point refused,
-:class:`BlockSparsePaddingGuard`); its q/k/v points hold the wrapper and the linears its inner modules share
-(:class:`SharedLinearSite`), which transformers' switch to full attention keeps.
+name); its q/k/v points hold the wrapper and the linears its inner modules share (:class:`SharedLinearSite`), which
+transformers' switch to full attention keeps. A block-sparse input that is not a multiple of ``block_size`` the
+stack pads with pad tokens' embeddings (mask 0, no positions) and strips after its final norm: every encoder point
+still shows the input's positions only (``[batch, input_len, ...]``; the pad positions, masked as keys and with
+their attention output zeroed as queries, cannot change them), and an edit is made in those positions of the
+padded tensor, as a plain PyTorch hook editing them would (:class:`BlockSparsePadding`).
 
 Scores and patterns are served per hooked attention module: while one of them has a hook, that instance's
 ``forward`` (only that instance's: the class is untouched) computes attention written out, with the module's own
@@ -87,6 +90,7 @@ from lensadapters_bart.families import FAMILIES, Family
 from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
     BigBirdPatternSite,
+    BlockSparsePadding,
     BlockSparsePaddingGuard,
     EmbedSumSite,
     NormFirstEmbedSite,
@@ -432,9 +436,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             sites += block_sites(p, block, f"{stack}.{i}", heads, fam)
         if fam.final_norms:
             sites.append(p.norm(getattr(module, fam.final_norm), f"{stack}_final_ln"))
-        if stack == "encoder" and fam.block_sparse_encoder:  # every encoder point: the hooks since the stack's
-            points = tuple(pt for site in sites for pt in site.points)
-            sites.append(BlockSparsePaddingGuard(module, points, "model.encoder"))
+        if stack == "encoder" and fam.block_sparse_encoder:  # every encoder point: the sites since the stack's
+            points = tuple(dict.fromkeys(pt for site in sites for pt in site.points))
+            sites.append(BlockSparsePadding(module, points, "model.encoder"))
     return sites
 
 

@@ -45,8 +45,8 @@ class Family:
     block_sparse_encoder: bool = False
     """The encoder's attention is BigBird's: full (``config.attention_type="original_full"``) or block-sparse, as
     the stack decides per forward (it switches the model to full attention, for good, where the input is too short
-    for block-sparse); its scores and patterns are served in full forwards only, every other point in both (a
-    block-sparse forward whose input the stack would pad to a multiple of ``block_size`` is refused by name)."""
+    for block-sparse); its scores and patterns are served in full forwards only, every other point in both (in a
+    block-sparse forward whose input the stack pads to a multiple of ``block_size``, on the input's positions)."""
 
 
 #: the families served, by ``model_type``; ``offset`` of learned positions is the module's own

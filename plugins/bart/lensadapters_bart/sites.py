@@ -76,7 +76,9 @@ class EmbedSumSite(Site):
 
     def _record(self, key: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            if self.running:
+            # the token embeddings are those before the positions: a later call is not the input's (BigBird's
+            # encoder embeds its pad tokens after them, to pad the input to a multiple of block_size)
+            if self.running and not (key == "embed" and "pos" in self.values):
                 self.values[key] = output
 
         return hook
@@ -88,15 +90,22 @@ class EmbedSumSite(Site):
         total = args[0]
         if self.scale is not None:
             embed = embed * self.scale
-        shown = pos.expand_as(total)
-        if not torch.equal(total, embed + pos):
+        # the input's positions: BigBird's block-sparse encoder appends its pad tokens' embeddings after them
+        length = embed.shape[1]
+        padded = total.shape[1] != length
+        real = total[:, :length] if padded else total
+        shown = pos.expand_as(embed)
+        if not torch.equal(real, embed + pos):
             raise UnsupportedModelError(
                 f"{self.label}: the stack passes on something other than its embeddings + positions (dropout in "
                 f"training mode?): hook_embed and hook_pos_embed are served in eval mode or without dropout"
             )
         embed, changed = self.embed.apply(embed, protect=True)  # the stack has added it already
         shown, moved = self.pos.apply(shown, protect=True)
-        return (embed + shown, *args[1:]) if changed or moved else None
+        if not (changed or moved):
+            return None
+        total = torch.cat([embed + shown, total[:, length:]], dim=1) if padded else embed + shown
+        return (total, *args[1:])
 
 
 class NormFirstEmbedSite(EmbedSumSite):
@@ -342,27 +351,56 @@ def _input_length(args: tuple, kwargs: dict) -> Optional[int]:
     return None
 
 
-class BlockSparsePaddingGuard(Site):
-    """Every point of a BigBird encoder (``points``), refused by name in a block-sparse forward whose input is not
-    a multiple of ``block_size``: the stack then appends pad tokens' embeddings (without positions) to the
-    residual stream, which no point here describes. Installed only while one of them is hooked."""
+class BlockSparsePadding(Site):
+    """Every point of a BigBird encoder (``points``) in a block-sparse forward whose input is not a multiple of
+    ``block_size``, shown on the input's positions only.
+
+    The stack then appends pad tokens' embeddings (``pad_token_id``'s, without positions) to the residual stream,
+    with attention mask 0, runs its blocks on the padded length and strips the pad positions after its final norm.
+    They cannot change the input's positions: as keys they get transformers' additive mask (-10000, so a softmax
+    weight of exactly 0 unless a query's score for them exceeded its largest unmasked one by thousands), in the
+    global, sliding and random blocks alike; as queries their attention output is zeroed (``from_mask``), so they
+    depend on nothing but their own embedding. A point therefore shows ``[batch, input_len, ...]``, as on any
+    other model (its value: those positions of the module's padded tensor), and an edit is written into those
+    positions of the padded tensor, the pad positions left as transformers computes them: exactly what a plain
+    PyTorch hook editing those positions of the module's tensor does. Served while one of the points is hooked:
+    each point's ``apply`` is overridden for this instance (the stack's pre-hook notes the lengths of each forward;
+    they stay for a gradient-checkpoint recomputation after it)."""
 
     def __init__(self, stack: Any, points: tuple[HookPoint, ...], label: str) -> None:
         self.stack: Any = stack
         self.points, self.label = points, label
+        self.lengths: Optional[tuple[int, int]] = None  # (input, padded) of the latest padded forward
 
     def install(self) -> list[Any]:
-        return [self.stack.register_forward_pre_hook(self._check, with_kwargs=True)]
+        handles: list[Any] = [self.stack.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        for point in self.points:
+            handles.append(override_instance_method(point, "apply", self._apply(point)))  # type: ignore[arg-type]
+        return handles
 
-    def _check(self, module: Any, args: tuple, kwargs: dict) -> None:
-        length = _input_length(args, kwargs)
-        if length is None or full_attention(module, length) or length % module.config.block_size == 0:
-            return
-        raise UnsupportedModelError(
-            f"{self.label}: a block-sparse forward of {length} tokens, which the encoder pads to a multiple of "
-            f"block_size={module.config.block_size} with pad tokens' embeddings (no positions): its points are "
-            f"served on inputs of a multiple of block_size (or with full attention)"
-        )
+    def _enter(self, module: Any, args: tuple, kwargs: dict) -> None:
+        length, size = _input_length(args, kwargs), module.config.block_size
+        if length is None or full_attention(module, length) or length % size == 0:
+            self.lengths = None
+        else:
+            self.lengths = (length, length + size - length % size)
+
+    def _apply(self, point: HookPoint) -> Any:
+        def apply(value: Tensor, protect: bool = False) -> tuple[Tensor, bool]:
+            lengths = self.lengths
+            if lengths is None or value.dim() < 2 or value.shape[1] != lengths[1]:
+                return HookPoint.apply(point, value, protect)
+            length = lengths[0]
+            shown, changed = HookPoint.apply(point, value[:, :length], protect)
+            if not changed:
+                return value, False
+            return torch.cat([shown, value[:, length:]], dim=1), True
+
+        return apply
+
+
+#: the old name (it refused these forwards)
+BlockSparsePaddingGuard = BlockSparsePadding
 
 
 class BigBirdPatternSite(Site):

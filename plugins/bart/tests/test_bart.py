@@ -403,8 +403,8 @@ def test_block_sparse_encoder_serves_its_points_and_refuses_its_scores_by_name(m
     the encoder's scores and patterns read as plain PyTorch hooks see them (q/k/v: the shared linears' outputs per
     head, ``hook_z``/``hook_attn_out``: the attention's output linear's input/output, the MLP's and the pre-LN
     residual ``resid_post = resid_mid + mlp_out`` exactly) and edit as plain hooks do, bit for bit; the scores and
-    patterns are refused by name (the model stays block-sparse); a block-sparse input the encoder would pad (15
-    tokens) is refused by name for any encoder point, leaving no hook behind."""
+    patterns are refused by name (the model stays block-sparse); a block-sparse input the encoder pads (15 tokens)
+    is served on its own positions."""
     model = make_block_sparse(model_type)
     batch = long_inputs(16)
     hm = HookedModel.wrap(model)
@@ -447,8 +447,9 @@ def test_block_sparse_encoder_serves_its_points_and_refuses_its_scores_by_name(m
             hm.run_with_hooks(**batch, fwd_hooks=[(name, lambda t, hook: t)])
         assert not hm.has_hooks
     assert enc.attention_type == "block_sparse", "refusing leaves the model block-sparse"
-    with pytest.raises(UnsupportedModelError, match="pads to a multiple of\\s+block_size"):
-        hm.run_with_hooks(**long_inputs(15), fwd_hooks=[("encoder.0.hook_mlp_out", lambda t, hook: t)])
+    with torch.no_grad():  # (the padded input's points: test_bigbird_padding.py)
+        _, padded = hm.run_with_cache(**long_inputs(15), names_filter=["encoder.0.hook_mlp_out"])
+    assert padded["encoder.0.hook_mlp_out"].shape == (2, 15, 16), "the input's positions"
     assert not hm.has_hooks
     hm.unwrap()
 

@@ -35,7 +35,8 @@ RMS_TOWERS = {
     "qwen2_5_vl": ("norm1", "norm2"),
     "gemma4": ("input_layernorm", "pre_feedforward_layernorm"),
 }
-LN_TOWERS = {"llava": ("layer_norm1", "layer_norm2"), "qwen3_vl": ("norm1", "norm2")}
+#: (the other LayerNorm towers' ln1/ln2 points: tests/test_vision_tower_parts.py, tests/test_vision_tower_qwen.py)
+LN_TOWERS = {"llava": ("layer_norm1", "layer_norm2")}
 WHICH = ("hook_scale", "hook_normalized")
 
 

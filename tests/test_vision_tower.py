@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from lensadapters import HookedModel, UnfiredHookWarning
-from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_blocks_of, vlm
+from lensadapters.testing.vlm import inputs, logits_of, logits_with, tower_block_points, tower_blocks_of, vlm
 from lensadapters.wiring.vision_tower import VisionTowerWarning
 from tests.vision_tower_helpers import assert_reads_and_edits, plain_hook, plain_reads_and_edits, scale_shift
 
@@ -39,7 +39,7 @@ ROTARY_ORDER = {"attn.hook_q": ("attn.hook_q", "attn.hook_rot_q"), "attn.hook_k"
 #: the families whose towers rotate their queries and keys
 ROTARY_TOWERS = ("mistral3",)
 #: the sub-block points of each block (tests/test_vision_tower_parts.py), in the order they fire
-SUB_BLOCK = ("ln1.hook_normalized", *ATTENTION, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized")
+SUB_BLOCK = tower_block_points(ATTENTION, output=False)[1:-1]
 
 
 def _served(n: int, rotary: bool = False) -> list[str]:

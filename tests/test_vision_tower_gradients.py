@@ -76,14 +76,20 @@ POINTS: dict[str, tuple[str, ...]] = {
     ),
 }
 #: the points a bfloat16 edit is compared at, bitwise (a projection, a pattern, the attention's output projection's
-#: input; a residual, its rebuilt output, the MLP's input). Not Pixtral's ``hook_rot_q/k``: their edit is rotated
-#: back and added to the projection's bfloat16 output, which the model rotates again, so it rounds unlike the same
-#: edit handed to the attention function (by about a quarter of its effect on the logits here); float64 shows it
-#: exact (above)
+#: input; a residual, its rebuilt output, the MLP's input, a norm's scale and normalized value: Qwen2.5-VL's
+#: RMSNorms', the other Qwen towers' LayerNorms'). Not Pixtral's ``hook_rot_q/k``: their edit is rotated back and
+#: added to the projection's bfloat16 output, which the model rotates again, so it rounds unlike the same edit handed
+#: to the attention function (by about a quarter of its effect on the logits here); float64 shows it exact (above)
 BF16_POINTS: dict[str, tuple[str, ...]] = {
     **{f: tuple(f"vision.blocks.0.attn.{p}" for p in ("hook_v", "hook_pattern", "hook_z")) for f in ATTENTION_FAMILIES},
     **{
-        f: ("vision.blocks.0.hook_resid_mid", "vision.blocks.0.hook_mlp_in", "vision.blocks.1.hook_resid_post")
+        f: (
+            "vision.blocks.0.ln1.hook_scale",
+            "vision.blocks.0.hook_resid_mid",
+            "vision.blocks.0.hook_mlp_in",
+            "vision.blocks.0.ln2.hook_normalized",
+            "vision.blocks.1.hook_resid_post",
+        )
         for f in QWEN
     },
     "gemma4": (

@@ -1,6 +1,6 @@
 """What the vision tower's tests (tests/test_vision_tower*.py) share: plain PyTorch hooks on the Hugging Face modules
 (:func:`plain_hook`, :func:`projection_hook`, :func:`z_hook`, :func:`block_references`,
-:func:`post_norm_hook`), the values they read and
+:func:`post_norm_hook`, :func:`norm_hook`), the values they read and
 the logits their edits give (:func:`plain_reads_and_edits`), the check that the wrapped model's points read and edit
 as they do (:func:`assert_reads_and_edits`), attention functions registered for the tower's config
 (:func:`tower_attention`, :func:`logits_under_attention`, :func:`written_out_attention`, :func:`editing_inputs`) and
@@ -90,7 +90,7 @@ def post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool
 
     def post(module: Any, args: tuple, output: Tensor) -> Any:
         x = args[0]
-        scale = (x.float().pow(2).mean(-1, keepdim=True) + module.eps).sqrt().to(x.dtype)
+        scale = (x.float().pow(2).mean(-1, keepdim=True) + norm_eps(module)).sqrt().to(x.dtype)
         normalized = (x.float() / scale.float()).to(x.dtype)
         seen.append((scale if which == "hook_scale" else normalized).clone())
         if edit is None:
@@ -103,6 +103,49 @@ def post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool
         return (output.to(wide) + ((edited.float() - normalized.float()) * weight).to(wide)).to(output.dtype)
 
     return norm.register_forward_hook(post)
+
+
+def norm_eps(norm: Any) -> float:
+    """The ``eps`` of a Hugging Face norm (``variance_epsilon`` for the Qwen and Pixtral RMSNorms)."""
+    eps = getattr(norm, "eps", None)
+    return float(norm.variance_epsilon if eps is None else eps)
+
+
+def layer_norm_hook(norm: Any, which: str, seen: list, edit: Any) -> Any:
+    """A plain forward hook on the ``nn.LayerNorm`` ``norm`` reading ``which`` of its input ``x``: ``hook_scale``
+    ``sqrt(var(x) + eps)`` (in float32, then ``x``'s dtype), ``hook_normalized`` the module's output (after the weight
+    and bias, TransformerLens' LayerNorm's). An edit of ``hook_normalized`` replaces the output; one of the scale
+    changes it by ``((x - mean) / edited - (x - mean) / scale) * weight`` in float32."""
+
+    def post(module: Any, args: tuple, output: Tensor) -> Any:
+        x = args[0]
+        xf = x.float()
+        scale = (torch.var_mean(xf, -1, correction=0, keepdim=True)[0] + module.eps).sqrt().to(x.dtype)
+        seen.append((scale if which == "hook_scale" else output).clone())
+        if edit is None:
+            return None
+        if which == "hook_normalized":
+            return edit(output)
+
+        def normed(s: Tensor) -> Tensor:
+            return (((xf - xf.mean(-1, keepdim=True)) / s.float()) * module.weight.float() + module.bias.float()).to(
+                x.dtype
+            )
+
+        wide = torch.promote_types(output.dtype, torch.float32)
+        delta = normed(edit(scale)).float() - normed(scale).float()
+        return (output.to(wide) + delta.to(wide)).to(output.dtype)
+
+    return norm.register_forward_hook(post)
+
+
+def norm_hook(norm: Any, which: str, seen: list, edit: Any) -> Any:
+    """``which`` of a tower block's ``ln1``/``ln2`` by a plain hook, as TransformerLens defines it for the norm's
+    kind: :func:`layer_norm_hook` for an ``nn.LayerNorm``, :func:`post_norm_hook` (before the weight) for an
+    RMSNorm."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return layer_norm_hook(norm, which, seen, edit)
+    return post_norm_hook(norm, which, seen, edit)
 
 
 def _resid_mid_reference(block: Any, ln2: Any, mlp: Any, seen: list, edit: Any = None) -> list:
@@ -129,11 +172,13 @@ def block_references(block: Any, names: tuple[str, str, str, str]) -> dict[str, 
     its residual) reading it and editing it."""
     attn, mlp, ln1, ln2 = (block.get_submodule(n) for n in names)
     return {
-        "ln1.hook_normalized": lambda seen, edit: [plain_hook(ln1, "post", seen, edit)],
+        "ln1.hook_scale": lambda seen, edit: [norm_hook(ln1, "hook_scale", seen, edit)],
+        "ln1.hook_normalized": lambda seen, edit: [norm_hook(ln1, "hook_normalized", seen, edit)],
         "hook_attn_out": lambda seen, edit: [plain_hook(attn, "post", seen, edit)],
         "hook_resid_mid": lambda seen, edit: _resid_mid_reference(block, ln2, mlp, seen, edit),
         "hook_mlp_in": lambda seen, edit: [plain_hook(ln2, "pre", seen, edit)],
-        "ln2.hook_normalized": lambda seen, edit: [plain_hook(ln2, "post", seen, edit)],
+        "ln2.hook_scale": lambda seen, edit: [norm_hook(ln2, "hook_scale", seen, edit)],
+        "ln2.hook_normalized": lambda seen, edit: [norm_hook(ln2, "hook_normalized", seen, edit)],
         "hook_mlp_out": lambda seen, edit: [plain_hook(mlp, "post", seen, edit)],
     }
 

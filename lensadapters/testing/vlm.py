@@ -26,18 +26,22 @@ PROJECTOR_POINT = "vision_projector.hook_out"
 
 
 def tower_block_points(
-    attention: tuple[str, ...] = (), output: bool = True, post_norms: bool = False
+    attention: tuple[str, ...] = (), output: bool = True, post_norms: bool = False, scales: bool = True
 ) -> tuple[str, ...]:
     """A vision tower block's points (relative to ``vision.blocks.{i}.``) in the order they fire: the residual and
     sub-block points, ``attention``'s between ``ln1`` and ``hook_attn_out``, ``hook_resid_post`` last (``output``);
-    with ``post_norms`` (sandwich-normed blocks, Gemma 4's) ``ln1_post``'s and ``ln2_post``'s ``hook_scale`` and
-    ``hook_normalized`` before ``hook_attn_out`` and ``hook_mlp_out``."""
+    ``ln1``'s and ``ln2``'s ``hook_scale`` before their ``hook_normalized`` (``scales``: their ``NormSpec`` is
+    known, as every tested tower's is); with ``post_norms`` (sandwich-normed blocks, Gemma 4's) ``ln1_post``'s and
+    ``ln2_post``'s ``hook_scale`` and ``hook_normalized`` before ``hook_attn_out`` and ``hook_mlp_out``."""
 
     def post(norm: str) -> tuple[str, ...]:
         return (f"{norm}.hook_scale", f"{norm}.hook_normalized") if post_norms else ()
 
-    before = ("hook_resid_pre", "ln1.hook_normalized", *attention, *post("ln1_post"), "hook_attn_out")
-    after = ("hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", *post("ln2_post"), "hook_mlp_out")
+    def pre(norm: str) -> tuple[str, ...]:
+        return (f"{norm}.hook_scale", f"{norm}.hook_normalized") if scales else (f"{norm}.hook_normalized",)
+
+    before = ("hook_resid_pre", *pre("ln1"), *attention, *post("ln1_post"), "hook_attn_out")
+    after = ("hook_resid_mid", "hook_mlp_in", *pre("ln2"), *post("ln2_post"), "hook_mlp_out")
     return (*before, *after, *(("hook_resid_post",) if output else ()))
 
 

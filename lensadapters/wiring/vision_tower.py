@@ -13,8 +13,13 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   tower's ``hidden_states`` record, entry ``i + 1``), and an edit there proven to reach the next block, the record
   (transformers 5.x's LLaVA reads its selected layer from it) and the tower's output;
 - ``vision.blocks.{i}.hook_attn_out``, ``hook_resid_mid``, ``hook_mlp_in``, ``hook_mlp_out`` and
-  ``ln1.hook_normalized``/``ln2.hook_normalized``: the outputs of the block's attention and MLP children and the
-  input and outputs of its norms, as :mod:`lensadapters.wiring.vision_parts` finds them from the probe's values
+  ``ln1``/``ln2.hook_scale`` and ``hook_normalized``: the outputs of the block's attention and MLP children, the
+  input of its MLP's norm and its norms' scale and normalized values as TransformerLens defines them for the norm's
+  kind (the core's ``NormSite``, where the norm's ``NormSpec`` is known: a LayerNorm's ``hook_normalized`` is its
+  output, after the weight and bias; an RMSNorm's, Pixtral's, Qwen2.5-VL's and Gemma 4's, ``x / scale``, before the
+  weight; where it is not known, a plain ``nn.LayerNorm``'s output is still its ``hook_normalized`` and any other
+  norm's points are refused by name), the children as :mod:`lensadapters.wiring.vision_parts` finds them from the
+  probe's values
   (``resid_mid == resid_pre + attn_out``, ``resid_post == resid_mid + mlp_out`` exactly) and proves their edits; in a
   sandwich-normed block (Gemma 4's) ``hook_attn_out``/``hook_mlp_out`` are the outputs of the norms after the
   attention and the MLP, what the block adds to the residual, as TransformerLens' Gemma 2 blocks have them, and
@@ -89,6 +94,10 @@ class Tower:
     backend: Optional[TowerPatternBackend] = None
     #: whether the sandwich norms' ``ln1_post``/``ln2_post.hook_scale``/``hook_normalized`` are served
     post_norms: bool = False
+    #: for each block, how its ``ln1``/``ln2`` are served: ``"spec"`` (their ``NormSpec`` is known: ``hook_scale``
+    #: and ``hook_normalized`` by the core's ``NormSite``), ``"output"`` (a plain ``nn.LayerNorm`` whose
+    #: normalization is not known: ``hook_normalized``, its output, only); a norm absent is not served
+    norms: Optional[tuple[dict[str, str], ...]] = None
 
 
 def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -356,17 +365,29 @@ class TowerResidualSite(ResidualSite):
     prepend_block_hook = True
 
 
-def block_names(part: Optional[BlockParts], attn: Optional[AttnParts] = None, post_norms: bool = False) -> list[str]:
+def block_names(
+    part: Optional[BlockParts],
+    attn: Optional[AttnParts] = None,
+    post_norms: bool = False,
+    norms: Optional[dict[str, str]] = None,
+) -> list[str]:
     """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire (``post_norms``:
-    with the sandwich norms' scale and normalized points, where the block has them)."""
+    with the sandwich norms' scale and normalized points, where the block has them; ``norms``: how its ``ln1`` and
+    ``ln2`` are served, see :attr:`Tower.norms`)."""
     if part is None:
         return ["hook_resid_pre", "hook_resid_post"]
-    ln1 = ["ln1.hook_normalized"] if part.ln1 is not None else []
+    served = norms or {}
+    ln1, ln2 = (
+        {"spec": [f"{norm}.hook_scale", f"{norm}.hook_normalized"], "output": [f"{norm}.hook_normalized"]}.get(
+            served.get(norm, ""), []
+        )
+        for norm in ("ln1", "ln2")
+    )
     ln1_post, ln2_post = (
         [f"{norm}.hook_scale", f"{norm}.hook_normalized"] if post_norms and name is not None else []
         for norm, name in (("ln1_post", part.ln1_post), ("ln2_post", part.ln2_post))
     )
-    middle = [*ln1_post, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "ln2.hook_normalized", *ln2_post]
+    middle = [*ln1_post, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", *ln2, *ln2_post]
     return ["hook_resid_pre", *ln1, *attention_names(attn), *middle, "hook_mlp_out", "hook_resid_post"]
 
 
@@ -383,6 +404,36 @@ def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
                 except UnsupportedModelError as exc:
                     reasons.append(f"block {i}: {exc}")
     return reasons
+
+
+def _plain_layer_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch ``nn.LayerNorm`` computing torch's own forward: its output is after the weight
+    and bias, TransformerLens' ``hook_normalized`` of a LayerNorm."""
+    return isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
+
+
+def _block_norms(wiring: Any, tower: Tower) -> tuple[tuple[dict[str, str], ...], list[str]]:
+    """How each block's ``ln1``/``ln2`` are served (see :attr:`Tower.norms`), and why those not served are not:
+    ``hook_normalized`` is defined per kind of norm (a LayerNorm's output; an RMSNorm's ``x / scale``, before its
+    weight), so a norm whose ``NormSpec`` is not known serves it only where it is provably a LayerNorm."""
+    served: list[dict[str, str]] = []
+    reasons: list[str] = []
+    for i, (block, part) in enumerate(zip(tower.blocks, tower.parts or [])):
+        kinds: dict[str, str] = {}
+        for norm, name in (("ln1", part.ln1), ("ln2", part.ln2)):
+            if name is None:
+                continue
+            module = block.get_submodule(name)
+            try:
+                wiring._norm_spec(module)()
+                kinds[norm] = "spec"
+            except UnsupportedModelError as exc:
+                if _plain_layer_norm(module):
+                    kinds[norm] = "output"
+                else:
+                    reasons.append(f"block {i} {norm}: {exc}")
+        served.append(kinds)
+    return tuple(served), reasons
 
 
 def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optional[Tower]:
@@ -416,10 +467,23 @@ def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optiona
                 stacklevel=4,
             )
         proven = replace(proven, post_norms=not norm_reasons)
+    if proven.parts is not None:
+        norms, norm_reasons = _block_norms(wiring, proven)
+        if norm_reasons:
+            warnings.warn(
+                "the vision tower's ln1/ln2.hook_scale and hook_normalized are not served where how the norm "
+                "normalizes is not known (hook_normalized is an RMSNorm's input divided by its scale, before the "
+                "weight, not its output): " + "; ".join(norm_reasons),
+                VisionTowerWarning,
+                stacklevel=4,
+            )
+        proven = replace(proven, norms=norms)
     new(PREFIX + "hook_embed").fires_when = FIRES_WHEN
     for i in range(len(proven.blocks)):
         attn = proven.attn[i] if proven.attn is not None else None
-        for name in block_names(proven.parts[i] if proven.parts is not None else None, attn, proven.post_norms):
+        part = proven.parts[i] if proven.parts is not None else None
+        norms_i = proven.norms[i] if proven.norms is not None else None
+        for name in block_names(part, attn, proven.post_norms, norms_i):
             new(f"{PREFIX}blocks.{i}.{name}").fires_when = FIRES_WHEN
     return proven
 
@@ -441,14 +505,15 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
             wiring.add_site(PrependedOutputSite(block, pt("hook_resid_post")))
             continue
         part, get = tower.parts[i], block.get_submodule
+        norms = tower.norms[i] if tower.norms is not None else {}
         if part.ln1 is not None:
-            wiring.add_site(OutputSite(get(part.ln1), pt("ln1.hook_normalized")))
+            _ln_site(wiring, get(part.ln1), pt, "ln1", norms)
         if tower.attn is not None:
             _attention_sites(wiring, tower, i, get(part.attn), pt)
         if tower.post_norms and part.ln1_post is not None:  # its scale and normalized values, as a text model's
             wiring._norm_site(get(part.ln1_post), pt, "ln1_post")
         wiring.add_site(OutputSite(get(part.attn_out), pt("hook_attn_out")))  # after ln1_post, if any
-        wiring.add_site(OutputSite(get(part.ln2), pt("ln2.hook_normalized")))
+        _ln_site(wiring, get(part.ln2), pt, "ln2", norms)
         mlp_out = get(part.mlp_out)  # the MLP, or the norm after it
         if tower.post_norms and part.ln2_post is not None:
             wiring._norm_site(mlp_out, pt, "ln2_post")
@@ -466,6 +531,16 @@ def build_tower_sites(wiring: Any, tower: Optional[Tower], core: Callable[[str],
                 residual_add=mlp_out,
             )
         )
+
+
+def _ln_site(wiring: Any, module: nn.Module, pt: Callable[[str], HookPoint], norm: str, norms: dict[str, str]) -> None:
+    """``norm``'s site as ``norms`` says (:attr:`Tower.norms`): the core's ``NormSite`` (its ``NormSpec`` known), its
+    output (a plain ``nn.LayerNorm``), or none."""
+    kind = norms.get(norm)
+    if kind == "spec":
+        wiring._norm_site(module, pt, norm)
+    elif kind == "output":
+        wiring.add_site(OutputSite(module, pt(f"{norm}.hook_normalized")))
 
 
 def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt: Callable[[str], HookPoint]) -> None:

@@ -375,16 +375,18 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
     hm.unwrap()
 
 
-def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
+@pytest.mark.parametrize("multipliers", [{}, FALCON_MULTIPLIERS], ids=["as_is", "multipliers"])
+def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache(multipliers: dict) -> None:
     """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
     logits of one forward over the generated tokens with the same edit of hook_attn_out, hook_mixer_out or
-    hook_resid_mid."""
+    hook_resid_mid (with branch multipliers: the layer's own sums, SumSite, and hook_mlp_out)."""
     from lensadapters.testing.contract_support import check_edited_generation
     from lensadapters.testing.strategies import Inputs
 
-    hm = _wrap(_model("falcon_h1"))
+    hm = _wrap(_model("falcon_h1", **multipliers))
     ids = input_ids()
-    for point in ("blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"):
+    points = ["blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"]
+    for point in points + ["blocks.0.hook_mlp_out"] * bool(multipliers):
         assert point in hm.hook_names, point
         one_pass, unedited, _ = check_edited_generation(
             hm,

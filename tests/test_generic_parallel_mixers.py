@@ -282,6 +282,7 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     # the keys are not k_proj's (a key multiplier), nor is the MLP's gate projection its hook_pre (an MLP multiplier)
     assert not served & {"attn.hook_k", "mlp.hook_pre"}, sorted(served)
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
+    assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)
     layer = reference.model.layers[0]
     seen = _record(
         reference,

@@ -278,6 +278,9 @@ def pre_norms(
 
         mid = mid_value(resid_pre, i, rec, three)
         mlp_in = rec.inner.get((i, three.after[0]), (None, None))[0]
+        beside = [rec.inner.get((i, n), (None, None))[0] for n in three.before if n != mixer]
+        if three.summed and mixer in three.before and beside and beside[0] is not None:
+            mixer_in = beside[0]  # ln1 feeds the mixer beside the attention as it is (the attention's input: scaled)
     found: dict[str, tuple[str, str, Any]] = {}
     for name, child in layer.named_children():
         a, b = rec.inner.get((i, name), (None, None))

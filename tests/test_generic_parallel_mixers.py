@@ -601,3 +601,22 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
         # the norms' edits: the plain hook's formula rounds its own way (measured 2.7% of the largest logit at most)
         assert max(errors[p] for p in norms) <= 0.05 * float(plain.abs().max()), (errors, float(plain.abs().max()))
     hm.unwrap()
+
+
+def test_a_bfloat16_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_edited_as_plain_hooks() -> None:
+    """In bfloat16 the multipliers are found as in float32 (``output * c`` in the model's dtype, bit for bit), and an
+    edit of each contribution gives the logits of plain hooks doing the layer's sums, bit for bit."""
+    model = _model("falcon_h1", **FALCON_MULTIPLIERS)
+    hm = _wrap(model)
+    full = set(hm.hook_names)
+    hm.unwrap()
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    layer = reference.model.layers[0]
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
+    for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):
+        d = _delta(cache[f"blocks.0.{name}"], 30 + k)
+        assert _edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
+    hm.unwrap()

@@ -123,31 +123,56 @@ def _equal(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
+def _near(estimate: float, constants: list[float], dtype: torch.dtype) -> list[float]:
+    """The constants near an estimated multiplier: within 0.1%, or 8 roundings of ``dtype`` (bfloat16: 6%); the exact
+    check decides among them."""
+    tolerance = max(1e-3, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+    return [c for c in constants if abs(c - estimate) <= tolerance * max(abs(estimate), 1e-6)]
+
+
+def _estimates(target: Tensor, parts: list[Tensor]) -> Optional[list[float]]:
+    """The least-squares multipliers ``c`` of ``target ~ sum(c_j * parts_j)`` (in float64), ``None`` where the parts
+    do not determine them."""
+    a = torch.stack([p.double().flatten() for p in parts], dim=1)
+    if a.shape[0] < len(parts) or not bool(torch.isfinite(a).all()):
+        return None
+    solution = torch.linalg.lstsq(a, target.double().flatten().unsqueeze(1)).solution
+    return [float(v) for v in solution.flatten()]
+
+
 def _scaled_split(
     names: list[str], x: Tensor, y: Tensor, outputs: list[Tensor], reads: list[Tensor], constants: list[float]
 ) -> Optional[Split]:
     """The :class:`Split` whose outputs the layer adds multiplied by constants of its config (the module docstring),
-    ``None`` where none is exact."""
+    ``None`` where none is exact. Only constants close to the least-squares multipliers are tried."""
     for k in (2, 1):
         before, after = outputs[:k], outputs[k:]
-        for scales in product(constants, repeat=k):
-            contributions = [scale(o, c) for o, c in zip(before, scales)]
-            for sequential, order in ((False, (0, 1)), (True, (0, 1)), (True, (1, 0)))[: 3 if k == 2 else 1]:
-                ordered = [contributions[j] for j in order] if k == 2 else contributions
-                trial = Split((), (), before_scales=tuple(scales), sequential=sequential)
-                mid = middle(x, ordered, trial)
-                if not any(_equal(r, mid) for r in reads):
-                    continue
-                for c in constants:
-                    found = Split(
-                        tuple(names[j] for j in (order if k == 2 else (0,))),
-                        tuple(names[k:]),
-                        before_scales=tuple(scales[j] for j in order) if k == 2 else tuple(scales),
-                        after_scale=c,
-                        sequential=sequential,
-                    )
-                    if _equal(mid + after_contribution(after, found), y):
-                        return found
+        for read in reads:
+            if read.shape != x.shape:
+                continue
+            estimates = _estimates(read - x, before)
+            if estimates is None:
+                continue
+            for scales in product(*[_near(e, constants, x.dtype) for e in estimates]):
+                contributions = [scale(o, c) for o, c in zip(before, scales)]
+                for sequential, order in ((False, (0, 1)), (True, (0, 1)), (True, (1, 0)))[: 3 if k == 2 else 1]:
+                    ordered = [contributions[j] for j in order] if k == 2 else contributions
+                    trial = Split((), (), before_scales=tuple(scales), sequential=sequential)
+                    mid = middle(x, ordered, trial)
+                    if not _equal(read, mid):
+                        continue
+                    total = after[0] if len(after) == 1 else after[0] + after[1]
+                    ratio = _estimates(y - mid, [total])
+                    for c in _near(ratio[0], constants, x.dtype) if ratio is not None else []:
+                        found = Split(
+                            tuple(names[j] for j in (order if k == 2 else (0,))),
+                            tuple(names[k:]),
+                            before_scales=tuple(scales[j] for j in order) if k == 2 else tuple(scales),
+                            after_scale=c,
+                            sequential=sequential,
+                        )
+                        if _equal(mid + after_contribution(after, found), y):
+                            return found
     return None
 
 

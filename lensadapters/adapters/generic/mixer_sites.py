@@ -303,29 +303,27 @@ class SumSite(Site):
         self.before_points: list[Optional[HookPoint]] = [points.get(name) for name in contributions]
         self.mid_point, self.after_point = points.get("hook_resid_mid"), points.get("hook_mlp_out")
         self.points = tuple(p for p in [*self.before_points, self.mid_point, self.after_point] if p is not None)
-        self.values: list[Tensor] = []
+        self.values: dict[int, Tensor] = {}  # the contributions before the middle, by their place in the split
         self.changed = self.mid_changed = False
 
     def install(self) -> list[Any]:
         return self.sum.hooks(self._before, self._reader, self._output)
 
     def _before(self, k: int, contribution: Tensor) -> None:
-        if k == 0:
-            self.values, self.changed = [], False
         point = self.before_points[k]
         if point is not None:
             contribution, changed = point.apply(contribution, protect=True)
             self.changed |= changed
-        self.values.append(contribution)
+        self.values[k] = contribution
 
     def _reader(self, mid: Tensor) -> Optional[Tensor]:
         changed = self.changed and len(self.values) == len(self.before_points)
         if changed:
-            mid = self.sum.middle(self.values)
+            mid = self.sum.middle([self.values[k] for k in range(len(self.before_points))])
         if self.mid_point is not None:
             mid, edited = self.mid_point.apply(mid, protect=True)
             changed |= edited
-        self.values, self.changed, self.mid_changed = [], False, changed
+        self.values, self.changed, self.mid_changed = {}, False, changed
         return mid if changed else None
 
     def _output(self, after: Tensor) -> Optional[Tensor]:
@@ -350,16 +348,17 @@ class SumReference:
         return self.sum.modules
 
     def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
-        values: list[Tensor] = []
+        values: dict[int, Tensor] = {}
 
         def on_before(k: int, contribution: Tensor) -> None:
             if self.before_names[k] == self.point:
                 seen.append(contribution.detach().clone())
                 contribution = edit(contribution) if edit is not None else contribution
-            values.append(contribution)
+            values[k] = contribution
 
         def on_reader(mid: Tensor) -> Optional[Tensor]:
-            new = self.sum.middle(values) if self.point in self.before_names and edit is not None else None
+            edited = self.point in self.before_names and edit is not None and len(values) == len(self.before_names)
+            new = self.sum.middle([values[k] for k in range(len(values))]) if edited else None
             values.clear()
             if self.point == "hook_resid_mid":
                 seen.append(mid.detach().clone())

@@ -198,38 +198,119 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     hm.unwrap()
 
 
-def test_falcon_h1_with_branch_multipliers_gets_the_points_after_its_middle_and_no_mixer_output() -> None:
-    multipliers = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25, "key_multiplier": 0.6}
-    model = _model("falcon_h1", **multipliers, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
+def _sum_edit(
+    layer: torch.nn.Module,
+    reader: torch.nn.Module,
+    before: list[tuple[torch.nn.Module, float]],
+    after: list[torch.nn.Module],
+    after_scale: float,
+    point: str,
+    d: Tensor,
+) -> Callable[[], list]:
+    """The layer computing with one of its contributions edited (``d`` added), by plain hooks on its HF modules: the
+    layer's own formula, ``mid = x + (o_0 * c_0 + o_1 * c_1)`` (the modules ``before`` with their multipliers, in the
+    order it adds them), ``out = mid + (a_0 + a_1) * after_scale``; ``point`` is ``"before0"``, ``"before1"``,
+    ``"mid"`` or ``"after"``. The norm ``reader`` gets the edited middle, the layer returns it plus the contribution
+    after it."""
+    state: dict[str, Any] = {}
+
+    def times(t: Tensor, c: float) -> Tensor:
+        return t * c if c != 1.0 else t
+
+    def enter(m: Any, a: Any) -> None:
+        state.clear()
+        state.update(x=a[0], before=[], after=[])
+
+    def on_before(k: int) -> Callable:
+        def hook(m: Any, a: Any, o: Any) -> None:
+            v = times(_first(o), before[k][1])
+            state["before"].append(v + d if point == f"before{k}" else v)
+
+        return hook
+
+    def on_reader(m: Any, a: Any) -> Any:
+        parts = state["before"]
+        mid = a[0]
+        if point.startswith("before"):
+            mid = state["x"] + (parts[0] + parts[1] if len(parts) == 2 else parts[0])
+        if point == "mid":
+            mid = mid + d
+        state["mid"] = mid
+        return (mid, *a[1:])
+
+    def on_after(m: Any, a: Any, o: Any) -> None:
+        state["after"].append(_first(o))
+
+    def out(m: Any, a: Any, o: Any) -> Any:
+        parts = state["after"]
+        total = times(parts[0] + parts[1] if len(parts) == 2 else parts[0], after_scale)
+        new = state["mid"] + (total + d if point == "after" else total)
+        return (new, *o[1:]) if isinstance(o, tuple) else new
+
+    def install() -> list:
+        handles = [layer.register_forward_pre_hook(enter), reader.register_forward_pre_hook(on_reader)]
+        handles += [module.register_forward_hook(on_before(k)) for k, (module, _) in enumerate(before)]
+        handles += [module.register_forward_hook(on_after) for module in after]
+        return handles + [layer.register_forward_hook(out)]
+
+    return install
+
+
+FALCON_MULTIPLIERS = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25, "key_multiplier": 0.6}
+
+
+def _falcon_h1_sum_edits(layer: torch.nn.Module) -> dict[str, Callable[[Tensor], Callable]]:
+    """The same edits of a Falcon-H1 layer with branch multipliers, by plain hooks (:func:`_sum_edit`)."""
+    before = [(layer.mamba, FALCON_MULTIPLIERS["ssm_out_multiplier"])]
+    before.append((layer.self_attn, FALCON_MULTIPLIERS["attention_out_multiplier"]))
+    kinds = {"hook_mixer_out": "before0", "hook_attn_out": "before1", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
+    return {
+        name: lambda d, kind=kind: _sum_edit(layer, layer.pre_ff_layernorm, before, [layer.feed_forward], 1.0, kind, d)
+        for name, kind in kinds.items()
+    }
+
+
+def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edited_where_the_layer_adds_them() -> None:
+    """hook_attn_out and hook_mixer_out are what the layer adds to the residual stream, the attention's and the
+    mixer's outputs times their multipliers (TransformerLens' semantics: resid_mid = resid_pre + attn_out +
+    mixer_out); an edit of either is the layer's middle recomputed from the edited contribution, bit for bit, never
+    an edit of the module's output divided by the multiplier."""
+    model = _model("falcon_h1", **FALCON_MULTIPLIERS, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
     reference = copy.deepcopy(model)
     hm = _wrap(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
-    # the layer adds its mixers' outputs scaled: no module's output is what it adds, nor are the keys k_proj's
-    assert not served & {"hook_attn_out", "hook_mixer_out", "attn.hook_k", "mlp.hook_pre"}, sorted(served)
-    assert "a branch multiplier" in findings(model).missing["hook_attn_out"]
-    # after its middle it adds the MLP's output as it is: hook_resid_mid, ln2 and hook_mlp_out are served
-    assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served, sorted(served)
+    # the keys are not k_proj's (a key multiplier), nor is the MLP's gate projection its hook_pre (an MLP multiplier)
+    assert not served & {"attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
+    assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)
     layer = reference.model.layers[0]
     seen = _record(
         reference,
         {
             "hook_resid_pre": (layer, "in"),
-            "mamba": (layer.mamba, "out"),
-            "attn": (layer.self_attn, "out"),
+            "hook_mixer_out": (layer.mamba, "out"),
+            "hook_attn_out": (layer.self_attn, "out"),
             "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
             "hook_mlp_out": (layer.feed_forward, "out"),
         },
     )
-    scaled = seen["hook_resid_pre"] + (seen.pop("mamba") * 1.25 + seen.pop("attn") * 0.75)
-    assert torch.equal(seen["hook_resid_mid"], scaled)  # what the model computes, the multipliers included
-    _, cache = hm.run_with_cache(input_ids())
-    errors = {n: _relative(cache[f"blocks.0.{n}"], v) for n, v in seen.items()}
-    assert max(errors.values()) <= 1e-5, errors
-    d = _delta(seen["hook_mlp_out"], 8)
-    assert _edit_error(hm, reference, "blocks.0.hook_mlp_out", d, _add_to_output(layer.feed_forward, d)) == 0.0
-    install = _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], d)
-    error = _edit_error(hm, reference, "blocks.0.hook_resid_mid", d, install)  # (rounding: .mixer_sites.ResidMidSite)
-    assert error <= 1e-5 * float(seen["hook_resid_mid"].abs().max() + d.abs().max()), error
+    seen["hook_mixer_out"] = seen["hook_mixer_out"] * 1.25  # the contributions: the outputs times the multipliers
+    seen["hook_attn_out"] = seen["hook_attn_out"] * 0.75
+    whole = seen["hook_resid_pre"] + (seen["hook_mixer_out"] + seen["hook_attn_out"])
+    assert torch.equal(seen["hook_resid_mid"], whole)  # what the model computes, the multipliers included
+    with torch.no_grad():
+        plain = reference(input_ids()).logits
+    logits, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
+    assert torch.equal(logits, plain)  # reading them changes nothing
+    for name, want in seen.items():
+        assert torch.equal(cache[f"blocks.0.{name}"], want), name  # the layer's own values, bit for bit
+    for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):
+        d = _delta(seen[name], 8 + k)
+        assert _edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
+    # the same edit made at the module's output, divided back by the multiplier, is not bit for bit
+    d = _delta(seen["hook_attn_out"], 9)
+    divided = _edit_error(hm, reference, "blocks.0.hook_attn_out", d, _add_to_output(layer.self_attn, d / 0.75))
+    assert divided > 0.0
     names = [f"blocks.0.{n}" for n in sorted(served)]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
     hm.unwrap()
@@ -249,14 +330,19 @@ def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() ->
 LINEAR_THEN_ATTENTION = ["linear_attention"] * 3 + ["full_attention"]
 
 
-def test_granite_moe_hybrids_mixer_and_attention_layers_get_their_mixer_output_resid_mid_and_norms() -> None:
-    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION)
+@pytest.mark.parametrize("multiplier", [1.0, 0.5])
+def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and_norms(multiplier: float) -> None:
+    """A Mamba layer and the attention layer: hook_attn_out the mixer's output and hook_mlp_out the routed experts'
+    plus the shared MLP's outputs, each times ``residual_multiplier`` (what the layer adds to the residual stream),
+    read and edited where the layer adds them, bit for bit against plain hooks doing the layer's own sums."""
+    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=multiplier)
     reference = copy.deepcopy(model)
     hm = _wrap(model)
+    with torch.no_grad():
+        plain = reference(input_ids()).logits
     for i in (0, 3):  # a Mamba layer and the attention layer
         served = {n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")}
-        assert {"hook_attn_out", "hook_resid_mid", "ln1.hook_scale", "ln2.hook_scale"} <= served, (i, served)
-        assert "hook_mlp_out" not in served  # the MLP is two modules whose outputs the layer adds: no one output
+        assert {"hook_attn_out", "hook_resid_mid", "hook_mlp_out", "ln1.hook_scale", "ln2.hook_scale"} <= served
         layer = reference.model.layers[i]
         mixer = layer.mamba if i == 0 else layer.self_attn
         mlps = [layer.block_sparse_moe, layer.shared_mlp]
@@ -264,43 +350,44 @@ def test_granite_moe_hybrids_mixer_and_attention_layers_get_their_mixer_output_r
             reference,
             {
                 "hook_attn_out": (mixer, "out"),
+                "moe": (layer.block_sparse_moe, "out"),
+                "shared": (layer.shared_mlp, "out"),
                 "hook_resid_mid": (layer.post_attention_layernorm, "in"),
                 "hook_resid_pre": (layer, "in"),
+                "hook_resid_post": (layer, "out"),
             },
         )
-        _, cache = hm.run_with_cache(input_ids())
-        errors = {n: _relative(cache[f"blocks.{i}.{n}"], v) for n, v in seen.items()}
-        assert max(errors.values()) <= 1e-5, errors
-        d = _delta(seen["hook_attn_out"], 6)
-        assert _edit_error(hm, reference, f"blocks.{i}.hook_attn_out", d, _add_to_output(mixer, d)) == 0.0, i
-        # the mixer form's hook_resid_mid adds the edit's difference to the layer's output (.mixer_sites.ResidMidSite):
-        # the model's own sum with the edited value, but for rounding
-        install = _resid_mid_edit(layer, layer.post_attention_layernorm, mlps, d)
-        error = _edit_error(hm, reference, f"blocks.{i}.hook_resid_mid", d, install)
-        assert error <= 1e-5 * float(seen["hook_resid_pre"].abs().max() + d.abs().max()), (i, error)
+        seen["hook_attn_out"] = seen["hook_attn_out"] * multiplier
+        seen["hook_mlp_out"] = (seen.pop("moe") + seen.pop("shared")) * multiplier
+        assert torch.equal(seen["hook_resid_mid"], seen["hook_resid_pre"] + seen["hook_attn_out"])
+        assert torch.equal(seen["hook_resid_post"], seen["hook_resid_mid"] + seen["hook_mlp_out"])
+        prefix = f"blocks.{i}.hook_"
+        logits, cache = hm.run_with_cache(input_ids(), names_filter=lambda n, p=prefix: n.startswith(p))
+        assert torch.equal(logits, plain)  # reading them changes nothing
+        for name, want in seen.items():
+            assert torch.equal(cache[f"blocks.{i}.{name}"], want), (i, name)
+        kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
+        for k, (name, kind) in enumerate(kinds.items()):
+            d = _delta(seen[name], 6 + k)
+            install = _sum_edit(layer, layer.post_attention_layernorm, [(mixer, multiplier)], mlps, multiplier, kind, d)
+            assert _edit_error(hm, reference, f"blocks.{i}.{name}", d, install) == 0.0, (i, name)
         names = [f"blocks.{i}.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
         assert check_points(hm.wiring, input_ids(), names, points_per_pass=1) == dict.fromkeys(names)
     hm.unwrap()
 
 
-def test_a_residual_multiplier_leaves_granites_branches_unserved() -> None:
-    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=0.5)
-    hm = _wrap(model)
-    served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
-    assert "blocks.0.hook_attn_out" not in served and "blocks.0.hook_resid_mid" not in served, sorted(served)
-    hm.unwrap()
-
-
-def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache() -> None:
+@pytest.mark.parametrize("multipliers", [{}, FALCON_MULTIPLIERS], ids=["as_is", "multipliers"])
+def test_generation_with_an_edited_parallel_point_continues_through_the_models_cache(multipliers: dict) -> None:
     """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
     logits of one forward over the generated tokens with the same edit of hook_attn_out, hook_mixer_out or
-    hook_resid_mid."""
+    hook_resid_mid (with branch multipliers: the layer's own sums, SumSite, and hook_mlp_out)."""
     from lensadapters.testing.contract_support import check_edited_generation
     from lensadapters.testing.strategies import Inputs
 
-    hm = _wrap(_model("falcon_h1"))
+    hm = _wrap(_model("falcon_h1", **multipliers))
     ids = input_ids()
-    for point in ("blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"):
+    points = ["blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"]
+    for point in points + ["blocks.0.hook_mlp_out"] * bool(multipliers):
         assert point in hm.hook_names, point
         one_pass, unedited, _ = check_edited_generation(
             hm,
@@ -433,6 +520,55 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
 
 
 @pytest.mark.parametrize("model_type", ["falcon_h1", "granitemoehybrid"])
+def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_type: str) -> None:
+    """In float64, for each branch point a layer's own sums serve (Falcon-H1 with branch multipliers, GraniteMoeHybrid
+    with a residual multiplier): the gradient of a loss of the logits with respect to the edit equals the gradient
+    through the same edit made by plain hooks doing the layer's sums (:func:`_sum_edit`) on a copy."""
+    if model_type == "falcon_h1":
+        model = _model("falcon_h1", **FALCON_MULTIPLIERS).double()
+    else:
+        # (transformers 5's default experts kernel, grouped matrix products, has no float64)
+        eager = {} if transformers.__version__.startswith("4.") else {"_experts_implementation": "eager"}
+        model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=0.5, **eager)
+        model = model.double()
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    layer = reference.model.layers[0]
+    if model_type == "falcon_h1":
+        edits = _falcon_h1_sum_edits(layer)
+    else:
+        mlps = [layer.block_sparse_moe, layer.shared_mlp]
+        kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
+        reader, before = layer.post_attention_layernorm, [(layer.mamba, 0.5)]
+        edits = {n: lambda d, k=k: _sum_edit(layer, reader, before, mlps, 0.5, k, d) for n, k in kinds.items()}
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
+    errors = {}
+    for point, make in edits.items():
+        d0 = _delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
+
+        def through_hm(d: Tensor, point: str = point) -> Tensor:
+            with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d)]):
+                return _loss(hm(input_ids(), use_cache=False).logits)
+
+        def through_plain(d: Tensor, make: Callable = make) -> Tensor:
+            handles = make(d)()
+            try:
+                return _loss(reference(input_ids(), use_cache=False).logits)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        d = d0.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(through_hm(d), d)
+        d = d0.clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(through_plain(d), d)
+        assert bool(want.abs().max() > 0), point  # the edit reaches the loss
+        errors[point] = _relative(grad, want)
+    assert all(e <= 1e-12 for e in errors.values()), errors
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "granitemoehybrid"])
 def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_change_and_edited_as_plain_hooks(
     model_type: str,
 ) -> None:
@@ -464,4 +600,23 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
         assert all(e == 0.0 for p, e in errors.items() if p not in norms), errors
         # the norms' edits: the plain hook's formula rounds its own way (measured 2.7% of the largest logit at most)
         assert max(errors[p] for p in norms) <= 0.05 * float(plain.abs().max()), (errors, float(plain.abs().max()))
+    hm.unwrap()
+
+
+def test_a_bfloat16_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_edited_as_plain_hooks() -> None:
+    """In bfloat16 the multipliers are found as in float32 (``output * c`` in the model's dtype, bit for bit), and an
+    edit of each contribution gives the logits of plain hooks doing the layer's sums, bit for bit."""
+    model = _model("falcon_h1", **FALCON_MULTIPLIERS)
+    hm = _wrap(model)
+    full = set(hm.hook_names)
+    hm.unwrap()
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    layer = reference.model.layers[0]
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
+    for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):
+        d = _delta(cache[f"blocks.0.{name}"], 30 + k)
+        assert _edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
     hm.unwrap()

@@ -326,7 +326,7 @@ def describe_layer(
         from lensadapters.adapters.generic.parallel import layer_split
 
         three = layer_split(i, layer, rec)
-        if three is not None and not three.scaled and len(three.before) == 2 and attn in three.before:
+        if three is not None and three.plain and len(three.before) == 2 and attn in three.before:
             mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
@@ -419,7 +419,7 @@ def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Option
     from lensadapters.adapters.generic.parallel import layer_split, mid_value
 
     three = layer_split(i, layer, rec)
-    if three is None or three.scaled or len(three.before) != 2 or attn not in three.before:
+    if three is None or not three.plain or len(three.before) != 2 or attn not in three.before:
         return None
     return mid_value(rec.layer_in[i].value, i, rec, three)
 

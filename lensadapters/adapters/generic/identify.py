@@ -38,7 +38,7 @@ The rules (each decided per model, and per layer where layers differ; nothing is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -227,6 +227,11 @@ def _block(
             (attn, mlp), branches_ok = found, True
             form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
             three = mixer_form._split(i, layer, rec)
+            if three is not None and three.summed and form.sum is None:  # no norm reads its middle: not served
+                if not three.plain:
+                    attn = None
+                    mlp = mlp if three.after_scale == 1.0 else None
+                three = replace(three, scaled=True)
             if attn is None and getattr(three, "scaled", False):
                 notes.add("hook_attn_out", mixer_form.SCALED, i)
             if three is not None:
@@ -267,6 +272,8 @@ def _block(
                 flat.add(point)
     if form is not None and mlp is None and form.mid is not None:  # an MLP of two modules (.parallel): no mlp event
         points += form.before("mlp", inside=True)
+        if form.sum is not None:  # the sum of their outputs, as the layer adds it (.mixer_sites.SumSite)
+            points.append("hook_mlp_out")
     if stream:
         points.append("hook_resid_post")
         if y is not None and y.written_later:

@@ -46,8 +46,10 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.mixer_sites import (  # noqa: F401  (their old import path)
+    SUM_POINTS,
     Internal,
     InternalsSite,
+    SumReference,
     _conv_positions,
     _conv_view,
 )
@@ -78,6 +80,10 @@ class MixerLayer:
     norms: tuple[tuple[str, str, Any], ...] = ()
     mid: Optional[str] = None
     mlp: Optional[Any] = None
+    #: the layer's :class:`.parallel.Split` where its branch points are the contributions its own sums compute
+    #: (:class:`.mixer_sites.SumSite`, reading the middle at ``mid``), and the point of each module before the middle
+    sum: Optional[Any] = None
+    contributions: tuple[str, ...] = ()
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -272,6 +278,9 @@ def pre_norms(
 
         mid = mid_value(resid_pre, i, rec, three)
         mlp_in = rec.inner.get((i, three.after[0]), (None, None))[0]
+        beside = [rec.inner.get((i, n), (None, None))[0] for n in three.before if n != mixer]
+        if three.summed and mixer in three.before and beside and beside[0] is not None:
+            mixer_in = beside[0]  # ln1 feeds the mixer beside the attention as it is (the attention's input: scaled)
     found: dict[str, tuple[str, str, Any]] = {}
     for name, child in layer.named_children():
         a, b = rec.inner.get((i, name), (None, None))
@@ -326,6 +335,9 @@ def layer_form(
         x = rec.layer_in.get(i)
         reads = rec.inner.get((i, ln2), (None, None))[0] if ln2 is not None else None
         mid = ln2 if reads is not None and x is not None and _close(reads, mid_value(x.value, i, rec, three)) else None
+        if three.summed and mid is not None and mixer in three.before:  # the branch points: what the layer adds
+            names = tuple("hook_attn_out" if n == mixer else "hook_mixer_out" for n in three.before)
+            return MixerLayer(internal, found, mid, layout, three, names)
     return MixerLayer(internal, found, mid, layout)
 
 
@@ -339,6 +351,9 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
     if form is None:
         return None
     get = layer.get_submodule
+    if form.sum is not None and form.mid is not None and rest in SUM_POINTS:
+        spec = SumReference(layer, get(form.mid), form.sum, rest, list(form.contributions))
+        return Reference("hooks", layer, spec=spec)
     point = next((p for p in form.internals if p.name == rest), None)
     if point is not None:
         module = get(point.path)
@@ -362,7 +377,7 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
 def _checked(block: Any) -> tuple[str, ...]:
     """The points of a mixer-form layer checked at wrap time: what the form adds, and the branches."""
     names = block.mixer.checked() if block.mixer is not None else []
-    return tuple(n for n in [*names, "hook_attn_out", "hook_mlp_out"] if n in block.points)
+    return tuple(n for n in [*names, "hook_attn_out", "hook_mixer_out", "hook_mlp_out"] if n in block.points)
 
 
 def _leave_as_probed(model: Any) -> None:

@@ -134,7 +134,11 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
         hooked.register_norm(f"blocks.{i}.{role}", norm)
         scale, normalized = points[f"{role}.hook_scale"], points[f"{role}.hook_normalized"]
         sites.append(NormSite(norm, _spec_of(hooked, norm), scale, normalized))
-    if form.mid is not None and "hook_resid_mid" in points:
+    if form.sum is not None and form.mid is not None:  # the layer's own sums (.parallel): its branch points
+        owned = {name: points[name] for name in SUM_POINTS if name in points}
+        if owned:
+            sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned))
+    elif form.mid is not None and "hook_resid_mid" in points:
         sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"]))
     if form.mlp is not None:
         mlp = form.mlp
@@ -204,3 +208,167 @@ class ResidMidSite(Site):
             return None
         y = first_output(output)
         return replace_first_output(output, y + self.delta.pop().to(y.dtype))
+
+
+#: the branch points a layer's :class:`SumSite` serves, in the order they fire
+SUM_POINTS = ("hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out")
+
+
+class _LayerSum:
+    """What a layer whose branches :class:`SumSite` serves adds, as it adds it (:mod:`.parallel`): ``split`` the
+    layer's :class:`.parallel.Split`, ``reader`` the norm reading its middle. Each forward pass records the layer's
+    input, the outputs before the middle (scaled: their contributions), the middle the reader gets and the outputs
+    after it; :meth:`output` is the layer's output from those."""
+
+    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any) -> None:
+        self.layer, self.reader, self.split = layer, reader, split
+        self.before = [layer.get_submodule(n) for n in split.before]
+        self.after = [layer.get_submodule(n) for n in split.after]
+        self.state: dict[str, Any] = {}
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.layer, self.reader, *self.before, *self.after]
+
+    def hooks(
+        self,
+        on_before: Callable[[int, Tensor], None],
+        on_reader: Callable[[Tensor], Optional[Tensor]],
+        on_output: Callable[[Tensor], Optional[Tensor]],
+    ) -> list[Any]:
+        """Plain PyTorch hooks: ``on_before(k, contribution)`` as the ``k``-th module before the middle returns,
+        ``on_reader(middle)`` (a replacement for the reader's input, or ``None``), ``on_output(after)`` with the
+        contribution after the middle (a replacement for the layer's output, or ``None``)."""
+        from lensadapters.adapters.generic.parallel import after_contribution, scale
+        from lensadapters.hooks.sites import completes_output
+
+        split, state = self.split, self.state
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            state.clear()
+            state["x"], state["after"] = first_input(args, kwargs), []
+
+        def before(k: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                if "x" in state:
+                    on_before(k, scale(first_output(output), split.before_scales[k]))
+
+            return hook
+
+        def reader(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if "x" not in state or "mid" in state:
+                return None
+            new = on_reader(first_input(args, kwargs))
+            state["mid"] = first_input(args, kwargs) if new is None else new
+            return None if new is None else replace_first_input(args, kwargs, new)
+
+        def after(module: nn.Module, args: tuple, output: Any) -> None:
+            if "mid" in state:
+                state["after"].append(first_output(output))
+
+        def out(module: nn.Module, args: tuple, output: Any) -> Any:
+            if "mid" not in state or len(state["after"]) != len(self.after):
+                return None
+            y = first_output(output)
+            new = on_output(after_contribution(state["after"], split))
+            state.clear()
+            return None if new is None else replace_first_output(output, new.to(y.dtype))
+
+        handles = [self.layer.register_forward_pre_hook(enter, with_kwargs=True)]
+        handles += [m.register_forward_hook(before(k)) for k, m in enumerate(self.before)]
+        handles.append(self.reader.register_forward_pre_hook(reader, with_kwargs=True))
+        handles += [m.register_forward_hook(after) for m in self.after]
+        handles.append(completes_output(self.layer, out))
+        return handles
+
+    def middle(self, contributions: list[Tensor]) -> Tensor:
+        from lensadapters.adapters.generic.parallel import middle
+
+        return middle(self.state["x"], contributions, self.split)
+
+
+class SumSite(Site):
+    """The branch points of a layer that adds scaled outputs, or an MLP of two modules as one sum (:mod:`.parallel`):
+    ``hook_attn_out`` and ``hook_mixer_out`` the contributions before its middle (each module's output times its
+    constant), ``hook_resid_mid`` the middle its norm reads, ``hook_mlp_out`` the contribution after it, each read
+    where the layer adds it. An edit of a contribution before the middle gives the norm the middle recomputed from the
+    edited contributions (as the layer adds them); an edit there or after it gives the layer's output as the middle
+    the norm read plus the contribution after it: exactly what the layer computes with the edited values (the
+    modules' own outputs are never changed, so no edit is divided back by a constant)."""
+
+    def __init__(
+        self, layer: nn.Module, reader: nn.Module, split: Any, contributions: tuple[str, ...], points: dict[str, Any]
+    ) -> None:
+        self.sum = _LayerSum(layer, reader, split)
+        self.before_points: list[Optional[HookPoint]] = [points.get(name) for name in contributions]
+        self.mid_point, self.after_point = points.get("hook_resid_mid"), points.get("hook_mlp_out")
+        self.points = tuple(p for p in [*self.before_points, self.mid_point, self.after_point] if p is not None)
+        self.values: dict[int, Tensor] = {}  # the contributions before the middle, by their place in the split
+        self.changed = self.mid_changed = False
+
+    def install(self) -> list[Any]:
+        return self.sum.hooks(self._before, self._reader, self._output)
+
+    def _before(self, k: int, contribution: Tensor) -> None:
+        point = self.before_points[k]
+        if point is not None:
+            contribution, changed = point.apply(contribution, protect=True)
+            self.changed |= changed
+        self.values[k] = contribution
+
+    def _reader(self, mid: Tensor) -> Optional[Tensor]:
+        changed = self.changed and len(self.values) == len(self.before_points)
+        if changed:
+            mid = self.sum.middle([self.values[k] for k in range(len(self.before_points))])
+        if self.mid_point is not None:
+            mid, edited = self.mid_point.apply(mid, protect=True)
+            changed |= edited
+        self.values, self.changed, self.mid_changed = {}, False, changed
+        return mid if changed else None
+
+    def _output(self, after: Tensor) -> Optional[Tensor]:
+        changed = self.mid_changed
+        if self.after_point is not None:
+            after, edited = self.after_point.apply(after, protect=True)
+            changed |= edited
+        self.mid_changed = False
+        return self.sum.state["mid"] + after if changed else None
+
+
+class SumReference:
+    """The plain-PyTorch reference of a :class:`SumSite` point (``Reference("hooks")``): the layer's own sums read
+    and edited with plain hooks on its modules, the same rule as the site's, for the verification."""
+
+    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any, point: str, before: list[str]) -> None:
+        self.sum = _LayerSum(layer, reader, split)
+        self.point, self.before_names = point, before
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return self.sum.modules
+
+    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
+        values: dict[int, Tensor] = {}
+
+        def on_before(k: int, contribution: Tensor) -> None:
+            if self.before_names[k] == self.point:
+                seen.append(contribution.detach().clone())
+                contribution = edit(contribution) if edit is not None else contribution
+            values[k] = contribution
+
+        def on_reader(mid: Tensor) -> Optional[Tensor]:
+            edited = self.point in self.before_names and edit is not None and len(values) == len(self.before_names)
+            new = self.sum.middle([values[k] for k in range(len(values))]) if edited else None
+            values.clear()
+            if self.point == "hook_resid_mid":
+                seen.append(mid.detach().clone())
+                new = edit(mid) if edit is not None else None
+            return new
+
+        def on_output(after: Tensor) -> Optional[Tensor]:
+            if self.point == "hook_mlp_out":
+                seen.append(after.detach().clone())
+                after = edit(after) if edit is not None else after
+            return self.sum.state["mid"] + after if edit is not None else None
+
+        return self.sum.hooks(on_before, on_reader, on_output)

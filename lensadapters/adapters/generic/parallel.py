@@ -23,13 +23,23 @@ a layer that scales a branch has no such split, and its branch points are not se
   part after the middle is served: ``hook_resid_mid`` (what that norm reads), ``ln2``, ``hook_mlp_out`` and the
   MLP's points; no ``hook_attn_out`` (no module's output is known to be what the layer adds) and no ``ln1``.
 * **One before, two after** (a token mixer, then an MLP of two modules, as a shared expert beside routed experts,
-  that the layer adds together): ``hook_attn_out`` is the first child's output; no ``hook_mlp_out`` (no module's
-  output is the MLP's contribution); ``hook_resid_mid`` and ``ln2`` as in :mod:`.mixer`.
+  that the layer adds together): ``hook_attn_out`` is the first child's output, ``hook_mlp_out`` the sum of the two
+  MLP modules' outputs as the layer adds it (no module's output is the MLP's contribution: :class:`.mixer_sites.SumSite`
+  computes it); ``hook_resid_mid`` and ``ln2`` as in :mod:`.mixer`.
+* **Branches scaled by constants** (a branch multiplier: Falcon-H1's ``attention_out_multiplier`` and
+  ``ssm_out_multiplier``, Granite's ``residual_multiplier``): the sums above, each output (or the MLP modules' sum)
+  multiplied by a number of the model's config first, as ``output * c`` with that Python float, *exactly* (bit for
+  bit) the norm's input and the layer's output. Then each branch point is what the layer adds to the residual stream,
+  the scaled output (TransformerLens' semantics: ``hook_resid_mid = hook_resid_pre + hook_attn_out +
+  hook_mixer_out``), read where the layer adds it and edited there (:class:`.mixer_sites.SumSite`: the norm reads
+  the middle recomputed from the edited contributions, the layer returns it plus the MLP's contribution), so an edit
+  is exactly what the model computes with the edited contribution, never divided back by the constant.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Optional
 
 import torch
@@ -42,11 +52,59 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Split:
-    """A three-branch layer's children before its middle and after it (paths relative to the layer, run order)."""
+    """A three-branch layer's children before its middle and after it (paths relative to the layer, run order), and
+    how the layer adds their outputs: ``mid = x + (b0 * c0 + b1 * c1)`` (``sequential``: ``x + b0 * c0 + b1 * c1``),
+    ``out = mid + (a0 [+ a1]) * after_scale`` (a scale of 1.0: the output as it is, not multiplied)."""
 
     before: tuple[str, ...]
     after: tuple[str, ...]
     scaled: bool = False  # the layer scales the branches before its middle: only the part after it is served
+    before_scales: tuple[float, ...] = ()
+    after_scale: float = 1.0
+    sequential: bool = False
+    after_grouped: bool = True  # out = mid + (a0 + a1) * c, else (unscaled) mid + a0 + a1 in run order
+
+    @property
+    def plain(self) -> bool:
+        """Every output added as it is (no constant found, or every one 1.0)."""
+        return not self.scaled and all(c == 1.0 for c in self.before_scales) and self.after_scale == 1.0
+
+    @property
+    def summed(self) -> bool:
+        """Whether the branch points are contributions the layer's own sums compute (:class:`.mixer_sites.SumSite`):
+        an output scaled by a constant, or an MLP of two modules added as one sum."""
+        return not self.scaled and self.after_grouped and (not self.plain or len(self.after) > 1)
+
+
+def scale(t: Tensor, c: float) -> Tensor:
+    """``t * c`` as the model computes it with the Python float ``c`` (``t`` itself for 1.0)."""
+    return t if c == 1.0 else t * c
+
+
+def middle(x: Tensor, contributions: list[Tensor], split_: Split) -> Tensor:
+    """``x`` plus the (scaled) outputs before the middle, added as the layer adds them."""
+    if len(contributions) == 1:
+        return x + contributions[0]
+    a, b = contributions
+    return x + a + b if split_.sequential else x + (a + b)
+
+
+def after_contribution(outputs: list[Tensor], split_: Split) -> Tensor:
+    """What the layer adds to its middle after it: the MLP modules' outputs summed, times ``after_scale``."""
+    total = outputs[0] if len(outputs) == 1 else outputs[0] + outputs[1]
+    return scale(total, split_.after_scale)
+
+
+def _constants(config: object) -> list[float]:
+    """The candidates for a branch multiplier: 1.0 and every other finite non-zero number of the config (nothing is
+    looked up by name)."""
+    values: dict = getattr(config, "to_dict", lambda: {})()
+    found = [
+        float(v)
+        for v in values.values()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0 and abs(float(v)) < float("inf")
+    ]
+    return list(dict.fromkeys([1.0] + found))
 
 
 def _sums(x: Tensor, parts: list[Tensor]) -> list[Tensor]:
@@ -61,9 +119,66 @@ def _exact(candidates: list[Tensor], y: Tensor) -> bool:
     return any(c.shape == y.shape and torch.equal(c, y) for c in candidates)
 
 
-def split(i: int, layer: nn.Module, rec: Recording, names: list[str]) -> Optional[Split]:
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _near(estimate: float, constants: list[float], dtype: torch.dtype) -> list[float]:
+    """The constants near an estimated multiplier: within 0.1%, or 8 roundings of ``dtype`` (bfloat16: 6%); the exact
+    check decides among them."""
+    tolerance = max(1e-3, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+    return [c for c in constants if abs(c - estimate) <= tolerance * max(abs(estimate), 1e-6)]
+
+
+def _estimates(target: Tensor, parts: list[Tensor]) -> Optional[list[float]]:
+    """The least-squares multipliers ``c`` of ``target ~ sum(c_j * parts_j)`` (in float64), ``None`` where the parts
+    do not determine them."""
+    a = torch.stack([p.double().flatten() for p in parts], dim=1)
+    if a.shape[0] < len(parts) or not bool(torch.isfinite(a).all()):
+        return None
+    solution = torch.linalg.lstsq(a, target.double().flatten().unsqueeze(1)).solution
+    return [float(v) for v in solution.flatten()]
+
+
+def _scaled_split(
+    names: list[str], x: Tensor, y: Tensor, outputs: list[Tensor], reads: list[Tensor], constants: list[float]
+) -> Optional[Split]:
+    """The :class:`Split` whose outputs the layer adds multiplied by constants of its config (the module docstring),
+    ``None`` where none is exact. Only constants close to the least-squares multipliers are tried."""
+    for k in (2, 1):
+        before, after = outputs[:k], outputs[k:]
+        for read in reads:
+            if read.shape != x.shape:
+                continue
+            estimates = _estimates(read - x, before)
+            if estimates is None:
+                continue
+            for scales in product(*[_near(e, constants, x.dtype) for e in estimates]):
+                contributions = [scale(o, c) for o, c in zip(before, scales)]
+                for sequential, order in ((False, (0, 1)), (True, (0, 1)), (True, (1, 0)))[: 3 if k == 2 else 1]:
+                    ordered = [contributions[j] for j in order] if k == 2 else contributions
+                    trial = Split((), (), before_scales=tuple(scales), sequential=sequential)
+                    mid = middle(x, ordered, trial)
+                    if not _equal(read, mid):
+                        continue
+                    total = after[0] if len(after) == 1 else after[0] + after[1]
+                    ratio = _estimates(y - mid, [total])
+                    for c in _near(ratio[0], constants, x.dtype) if ratio is not None else []:
+                        found = Split(
+                            tuple(names[j] for j in (order if k == 2 else (0,))),
+                            tuple(names[k:]),
+                            before_scales=tuple(scales[j] for j in order) if k == 2 else tuple(scales),
+                            after_scale=c,
+                            sequential=sequential,
+                        )
+                        if _equal(mid + after_contribution(after, found), y):
+                            return found
+    return None
+
+
+def split(i: int, layer: nn.Module, rec: Recording, names: list[str], config: object = None) -> Optional[Split]:
     """The :class:`Split` of layer ``i``'s three branch children ``names`` (in run order) by the module docstring's
-    rule, ``None`` where there is none."""
+    rule, ``None`` where there is none. ``config``: the model's, whose numbers are the candidate multipliers."""
     x, y = rec.layer_in.get(i), rec.layer_out.get(i)
     records = [rec.children.get((i, n)) for n in names]
     if len(names) != 3 or x is None or y is None or any(r is None or r.calls != 1 for r in records):
@@ -80,7 +195,17 @@ def split(i: int, layer: nn.Module, rec: Recording, names: list[str]) -> Optiona
         mids = _sums(x.value, outputs[:k])
         mid = next((m for m in mids if any(r.shape == m.shape and torch.equal(r, m) for r in reads)), None)
         if mid is not None and _exact(_sums(mid, outputs[k:]), y.value):
-            return Split(tuple(names[:k]), tuple(names[k:]))
+            grouped = k == 2 or _equal(mid + (outputs[1] + outputs[2]), y.value)
+            before = tuple(names[:k])
+            sequential = k == 2 and not _equal(mid, x.value + (outputs[0] + outputs[1]))
+            if sequential and not _equal(mid, x.value + outputs[0] + outputs[1]):
+                before = (names[1], names[0])  # added in the other order
+            return Split(
+                before, tuple(names[k:]), before_scales=(1.0,) * k, sequential=sequential, after_grouped=grouped
+            )
+    found = _scaled_split(names, x.value, y.value, outputs, reads, _constants(config))
+    if found is not None:
+        return found
     # the two mixers' outputs scaled (a branch multiplier): the middle is what a norm child reads, if the layer's
     # output is exactly that plus the MLP's output
     mid = next((r for r in reads if r.shape == y.value.shape and _exact(_sums(r, outputs[2:]), y.value)), None)
@@ -95,13 +220,16 @@ def layer_split(i: int, layer: nn.Module, rec: Recording) -> Optional[Split]:
     names = [n for n, c in layer.named_children() if any(p.dim() >= 2 for p in c.parameters())]
     if len(names) != 3:
         return None
-    first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
-    return split(i, layer, rec, sorted(names, key=lambda n: first.get(n, -1)))
+    if i not in rec.splits:
+        first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
+        rec.splits[i] = split(i, layer, rec, sorted(names, key=lambda n: first.get(n, -1)), rec.config)
+    return rec.splits[i]
 
 
 def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional[str], Optional[str]]]:
-    """``(mixer, mlp)`` of a three-branch layer (the module docstring): ``mixer`` the child whose output is
-    ``hook_attn_out``, ``mlp`` the one whose output is ``hook_mlp_out`` (``None`` where two modules make the MLP)."""
+    """``(mixer, mlp)`` of a three-branch layer (the module docstring): ``mixer`` the child whose output (scaled where
+    the split is :attr:`~Split.summed`) is ``hook_attn_out``, ``mlp`` the one whose output is ``hook_mlp_out``
+    (``None`` where two modules make the MLP)."""
     if split_.scaled:
         return None, split_.after[0]
     if len(split_.before) == 2:
@@ -110,20 +238,20 @@ def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional
 
 
 def beside(split_: Split, attention: Optional[str]) -> Optional[str]:
-    """The token mixer a three-branch layer runs beside its attention module before its middle, whose output the layer
-    adds as it is (``hook_mixer_out``: its contribution to ``hook_resid_mid``); ``None`` where there is none."""
+    """The token mixer a three-branch layer runs beside its attention module before its middle, whose output (scaled
+    where the split is :attr:`~Split.summed`) the layer adds (``hook_mixer_out``: its contribution to
+    ``hook_resid_mid``); ``None`` where there is none."""
     if split_.scaled or len(split_.before) != 2 or attention not in split_.before:
         return None
     return next(n for n in split_.before if n != attention)
 
 
 def mid_value(x: Tensor, i: int, rec: Recording, split_: Split) -> Tensor:
-    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the outputs before the middle, added in
-    the order that gives the layer's output exactly (:func:`split` found one: in bfloat16 another order differs by
-    more than the dtype's rounding of one sum); where they are scaled, the layer's output less the MLP's output."""
+    """``hook_resid_mid``'s value in the probe: the layer's input ``x`` plus the (scaled) outputs before the middle,
+    added in the order that gives the layer's output exactly (:func:`split` found one: in bfloat16 another order
+    differs by more than the dtype's rounding of one sum); where they are scaled by no constant found, the layer's
+    output less the MLP's output."""
     if split_.scaled:
         return rec.layer_out[i].value - rec.children[(i, split_.after[0])].value
-    y = rec.layer_out[i].value
-    after = [rec.children[(i, n)].value for n in split_.after]
-    mids = _sums(x, [rec.children[(i, n)].value for n in split_.before])
-    return next((m for m in mids if _exact(_sums(m, after), y)), mids[0])
+    parts = [scale(rec.children[(i, n)].value, c) for n, c in zip(split_.before, split_.before_scales)]
+    return middle(x, parts, split_)

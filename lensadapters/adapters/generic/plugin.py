@@ -65,7 +65,11 @@ def findings(model: nn.Module) -> Findings:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         OPAQUE_REFERENCES[model] = internal_reference
-        PARALLEL_MIXERS[model] = {i: b.beside for i, b in enumerate(found.blocks) if b.beside is not None}
+        PARALLEL_MIXERS[model] = {
+            i: b.beside
+            for i, b in enumerate(found.blocks)
+            if b.beside is not None and getattr(b.mixer, "sum", None) is None  # else a SumSite's (.mixer_sites)
+        }
         register_mixer_form(model, found, _norms)
         OWN_CODE[model] = dict(found.own_attention)
         layers_found = found.description.layers if found.description is not None else []
@@ -321,11 +325,12 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             )
         if block.mixer is not None:
             sites += mixer_sites(hooked, i, layer, block, points)
-        if "hook_mixer_out" in points and block.beside is not None:
+        summed = block.mixer is not None and block.mixer.sum is not None  # its branch points: a SumSite's
+        if "hook_mixer_out" in points and block.beside is not None and not summed:
             module = layer.get_submodule(block.beside)
             sites.append(ModuleIOSite(module, points["hook_mixer_out"], copy="hook_mixer_out" in copied))
         for name, path in (("hook_attn_out", block.attn), ("hook_mlp_out", block.mlp)):
-            if name in points:
+            if name in points and not summed:
                 module, flat = layer.get_submodule(path), name in block.flat
                 sites.append(ModuleIOSite(module, points[name], copy=name in copied, as_input=flat))
         if "hook_resid_post" in points:

@@ -143,6 +143,8 @@ class Recording:
     #: whether the probe ran its attention through its entry of transformers' attention interface; not where the
     #: model looks its attention function up in a table of its own (transformers 4.x's ModernBERT)
     interface: bool = True
+    config: Any = None  # the model's config (its numbers: the candidate branch multipliers of .parallel)
+    splits: dict[int, Any] = field(default_factory=dict)  # each layer's .parallel.Split, once found
 
 
 def flattened(part: Tensor, like: Tensor) -> bool:
@@ -307,7 +309,7 @@ def _input_device(embed: nn.Module) -> torch.device:
 
 def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unembed: Optional[str]) -> Recording:
     """Run the probe forward (see the module docstring); exceptions of the model's forward propagate."""
-    recording = Recording()
+    recording = Recording(config=getattr(model, "config", None))
     for i, layer in enumerate(layers):
         for m in layer.modules():
             recording.owner[id(m)] = i
@@ -420,7 +422,7 @@ def run_probe(model: nn.Module, embed: nn.Module, layers: list[nn.Module], unemb
             # the model looks its attention function up in a table of its own, by the implementation's name
             # (transformers 4.x's ModernBERT): probe it as it runs (the hooks above record into the new recording);
             # its attention is then the model's own code's
-            recording = Recording(owner=recording.owner, input_ids=ids, interface=False)
+            recording = Recording(owner=recording.owner, input_ids=ids, interface=False, config=recording.config)
             with _probing(model, recording), own_code(layers) as recorder:
                 output = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
         _own_calls(recording, layers, recorder.ops, ids.shape[0])

@@ -40,6 +40,6 @@ bash scripts/setup-tl-clients.sh .venv-tl-clients .venv-tf457
 stage "the client tools that take a Hugging Face model (nnterp, tuned-lens, circuit-tracer), in their own environment"
 bash scripts/setup-clients.sh .venv-clients
 .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients_on_hf_model.py
-stage "distributions: build wheels and install lensadapters[llama] / [all] from them"
+stage "distributions: build wheels and install lensadapters[the first architecture plugin] and [all] from them"
 bash scripts/check-wheels.sh .venv
 stage "done"

@@ -460,6 +460,34 @@ def _plain_shapes(reference: torch.nn.Module, layer: torch.nn.Module) -> dict[st
     return _record(reference, {"attn.hook_q": (attn.q_proj, "out"), "attn.hook_v": (attn.v_proj, "out")})
 
 
+def _edit_gradients(
+    hm: HookedModel, reference: torch.nn.Module, point: str, make: Callable, d0: Tensor
+) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """The gradients of the loss with respect to an edit ``d0`` added at block 0's ``point``: through ``hm``'s point
+    and through the plain hooks ``make(d)()`` installs on ``reference`` (asserted non-zero: the edit reaches the
+    loss), and the loss through ``hm`` as a function of the edit."""
+
+    def through_hm(d: Tensor) -> Tensor:
+        with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d.reshape(t.shape))]):
+            return _loss(hm(input_ids(), use_cache=False).logits)
+
+    def through_plain(d: Tensor) -> Tensor:
+        handles = make(d)()
+        try:
+            return _loss(reference(input_ids(), use_cache=False).logits)
+        finally:
+            for h in handles:
+                h.remove()
+
+    grads = []
+    for through in (through_hm, through_plain):
+        d = d0.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(through(d), d)
+        grads.append(grad)
+    assert bool(grads[1].abs().max() > 0), point  # the edit reaches the loss
+    return grads[0], grads[1], through_hm
+
+
 def _loss(logits: Tensor) -> Tensor:
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).to(logits.dtype)
     return (logits * weights).sum() + logits.pow(2).sum() / logits.numel()
@@ -484,24 +512,7 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
         d0 = _delta(like, 11).double() * 0.1
         direction = _delta(like, 12).double()
         direction = direction / direction.norm()
-
-        def through_hm(d: Tensor, point: str = point) -> Tensor:
-            with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d.reshape(t.shape))]):
-                return _loss(hm(input_ids(), use_cache=False).logits)
-
-        def through_plain(d: Tensor, make: Callable = make) -> Tensor:
-            handles = make(d)()
-            try:
-                return _loss(reference(input_ids(), use_cache=False).logits)
-            finally:
-                for h in handles:
-                    h.remove()
-
-        d = d0.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(through_hm(d), d)
-        d = d0.clone().requires_grad_(True)
-        (want,) = torch.autograd.grad(through_plain(d), d)
-        assert bool(want.abs().max() > 0), point  # the edit reaches the loss
+        grad, want, through_hm = _edit_gradients(hm, reference, point, make, d0)
         errors[point] = _relative(grad, want)
         with torch.no_grad():  # central differences at two steps, extrapolated (Richardson: no step squared term)
             central = [
@@ -545,27 +556,23 @@ def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_ty
     errors = {}
     for point, make in edits.items():
         d0 = _delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
-
-        def through_hm(d: Tensor, point: str = point) -> Tensor:
-            with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d)]):
-                return _loss(hm(input_ids(), use_cache=False).logits)
-
-        def through_plain(d: Tensor, make: Callable = make) -> Tensor:
-            handles = make(d)()
-            try:
-                return _loss(reference(input_ids(), use_cache=False).logits)
-            finally:
-                for h in handles:
-                    h.remove()
-
-        d = d0.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(through_hm(d), d)
-        d = d0.clone().requires_grad_(True)
-        (want,) = torch.autograd.grad(through_plain(d), d)
-        assert bool(want.abs().max() > 0), point  # the edit reaches the loss
+        grad, want, _ = _edit_gradients(hm, reference, point, make, d0)
         errors[point] = _relative(grad, want)
     assert all(e <= 1e-12 for e in errors.values()), errors
     hm.unwrap()
+
+
+def _bfloat16_wrapped_as_float32(model: torch.nn.Module) -> tuple[HookedModel, torch.nn.Module, set[str]]:
+    """``model`` (float32) cast to bfloat16 and wrapped, asserted to serve the points it serves in float32; with a
+    bfloat16 copy for plain hooks and those points."""
+    hm = _wrap(model)
+    full = set(hm.hook_names)
+    hm.unwrap()
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hm = _wrap(model)
+    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    return hm, reference, full
 
 
 @pytest.mark.parametrize("model_type", ["falcon_h1", "granitemoehybrid"])
@@ -577,14 +584,8 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
     logits of the same edit made by plain hooks on a copy (bit for bit, but the norms' edits, which the plain hook
     computes by its own formula: to bfloat16 rounding)."""
     config = {"layer_types": LINEAR_THEN_ATTENTION} if model_type == "granitemoehybrid" else {}
-    model = _model(model_type, **config)
-    hm = _wrap(model)
-    full = set(hm.hook_names)
-    hm.unwrap()
-    model = model.to(torch.bfloat16)
-    reference = copy.deepcopy(model)
-    hm = _wrap(model)
-    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    hm, reference, full = _bfloat16_wrapped_as_float32(_model(model_type, **config))
+    model = hm.model
     read = {n for n in full if not n.endswith(("hook_attn_scores", "hook_pattern"))}
     with torch.no_grad():
         plain = model(input_ids()).logits
@@ -606,14 +607,7 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
 def test_a_bfloat16_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_edited_as_plain_hooks() -> None:
     """In bfloat16 the multipliers are found as in float32 (``output * c`` in the model's dtype, bit for bit), and an
     edit of each contribution gives the logits of plain hooks doing the layer's sums, bit for bit."""
-    model = _model("falcon_h1", **FALCON_MULTIPLIERS)
-    hm = _wrap(model)
-    full = set(hm.hook_names)
-    hm.unwrap()
-    model = model.to(torch.bfloat16)
-    reference = copy.deepcopy(model)
-    hm = _wrap(model)
-    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
+    hm, reference, _ = _bfloat16_wrapped_as_float32(_model("falcon_h1", **FALCON_MULTIPLIERS))
     layer = reference.model.layers[0]
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
     for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):

@@ -198,6 +198,25 @@ def logits_of(output: Any) -> Tensor:
     return torch.stack((output.start_logits, output.end_logits), dim=-1)
 
 
+def logits_with_head_norm_scale_halved(model: Any, batch: dict) -> Tensor:
+    """The logits of ``model`` on ``batch`` with its head's norm written out with its scale halved, in a PyTorch hook
+    replacing the norm's output: what an edit halving ``cls_head.ln.hook_scale`` computes (equal to rounding: the
+    norm has no module for its scale, so it is written out here)."""
+
+    def halved(module: Any, args: tuple, output: Tensor) -> Tensor:
+        x = args[0]
+        scale = (x.var(-1, keepdim=True, unbiased=False) + module.eps).sqrt() * 0.5
+        out = (x - x.mean(-1, keepdim=True)) / scale * module.weight
+        return out if module.bias is None else out + module.bias
+
+    handle = model.head.norm.register_forward_hook(halved)
+    try:
+        with torch.no_grad():
+            return logits_of(model(**batch))
+    finally:
+        handle.remove()
+
+
 def max_error(cache: Any, ref: dict, real: Optional[Tensor] = None) -> float:
     """The largest difference at the finite entries; masked (``-inf``) entries must be masked in both. ``real``
     (``[b, p]`` booleans) restricts query-indexed attention points to real queries (padding queries whose window

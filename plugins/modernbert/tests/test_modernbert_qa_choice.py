@@ -16,6 +16,7 @@ from lensadapters_modernbert.reference import (
     choice_inputs,
     inputs,
     logits_of,
+    logits_with_head_norm_scale_halved,
     make_model,
     max_error,
     reference,
@@ -84,13 +85,6 @@ def _edit(t):
     return t * -2.0 + 0.5
 
 
-def _norm_with_half_scale(module, args, output):
-    x = args[0]
-    scale = (x.var(-1, keepdim=True, unbiased=False) + module.eps).sqrt() * 0.5
-    out = (x - x.mean(-1, keepdim=True)) / scale * module.weight
-    return out if module.bias is None else out + module.bias
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(("kind", "pooling"), CASES, ids=IDS)
 def test_every_point_matches_the_reference(build, kind, pooling, implementation):
@@ -150,14 +144,8 @@ def test_an_edit_is_the_same_edit_made_with_a_torch_hook(build, edits_match_torc
             edited = logits_of(hm.run_with_hooks(**batch, fwd_hooks=halve))
     finally:
         hm.unwrap()
-    # the norm's scale has no module of its own: the norm written out with its scale halved, in a torch hook
-    # replacing the norm's output (written out, so equal to rounding, not bitwise)
-    handle = model.head.norm.register_forward_hook(_norm_with_half_scale)
-    try:
-        with torch.no_grad():
-            expected = logits_of(model(**batch))
-    finally:
-        handle.remove()
+    # the norm's scale has no module of its own: the norm written out with its scale halved
+    expected = logits_with_head_norm_scale_halved(model, batch)
     assert not torch.allclose(expected, base, atol=1e-4)
     error = (edited - expected).abs().max().item()
     print(

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lensadapters_modernbert.reference import IMPLEMENTATIONS, inputs, make_model, max_error, reference
+from lensadapters_modernbert.reference import (
+    IMPLEMENTATIONS,
+    inputs,
+    logits_with_head_norm_scale_halved,
+    make_model,
+    max_error,
+    reference,
+)
 from lensadapters_modernbert.reference import registry as plugin_registry
 
 from lensadapters import HookedModel
@@ -104,13 +111,6 @@ def _edit(t, hook=None):
     return t * -2.0 + 0.5
 
 
-def _norm_with_half_scale(module, args, output):
-    x = args[0]
-    scale = (x.var(-1, keepdim=True, unbiased=False) + module.eps).sqrt() * 0.5
-    out = (x - x.mean(-1, keepdim=True)) / scale * module.weight
-    return out if module.bias is None else out + module.bias
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_an_edit_of_a_head_point_is_the_same_edit_made_with_a_torch_hook(head, implementation, edits_match_torch_hooks):
@@ -123,12 +123,7 @@ def test_an_edit_of_a_head_point_is_the_same_edit_made_with_a_torch_hook(head, i
         (scale,) = [p for p, where in HEADS[head].items() if where is None]
         edited = hm.run_with_hooks(**batch, fwd_hooks=[(scale, lambda t, hook: t * 0.5)])
     hm.unwrap()
-    handle = model.head.norm.register_forward_hook(_norm_with_half_scale)
-    try:
-        with torch.no_grad():
-            expected = model(**batch).logits
-    finally:
-        handle.remove()
+    expected = logits_with_head_norm_scale_halved(model, batch)
     assert not torch.allclose(expected, base, atol=1e-4)
     error = (edited - expected).abs().max().item()
     print(f"{scale} halved: largest difference from the norm written out ({head}, {implementation}): {error:.3g}")

@@ -4,8 +4,9 @@ the residual, TransformerLens' Gemma 2 semantics), each read what a plain PyTorc
 reads (and, for the post norms, an RMSNorm written out here of what the attention and MLP gave), each edit changing
 the logits exactly as the same edit by plain hooks does, and no hook giving HF's logits bitwise.
 
-Its attention gets ``attn.hook_q/k/v`` (the projections' outputs), ``attn.q_norm/k_norm/v_norm.hook_normalized``
-(the per-head norms after them), ``attn.hook_rot_q/rot_k`` (the normed queries and keys after its 2-D rotary: what
+Its attention gets ``attn.hook_q/k/v`` (the projections' outputs), ``attn.q_norm/k_norm/v_norm.hook_scale`` and
+``hook_normalized`` (the per-head norms after them: their scale and input over it, before the weight, as the language
+models' ``q_norm``), ``attn.hook_rot_q/rot_k`` (the normed queries and keys after its 2-D rotary: what
 the attention function gets), ``attn.hook_attn_scores``/``hook_pattern`` (HF's eager weights; edits as inside a
 hand-written attention function) and ``attn.hook_z``, in the order they fire."""
 
@@ -29,6 +30,7 @@ from tests.vision_tower_helpers import (
     caches_under_each_implementation,
     editing_inputs,
     logits_under_attention,
+    norm_eps,
     per_block,
     plain_hook,
     plain_reads_and_edits,
@@ -45,12 +47,15 @@ pytestmark = pytest.mark.transformers5_only
 #: the attention points of a Gemma 4 tower block (relative to ``vision.blocks.{i}.``), in the order they fire
 ATTENTION = (
     "attn.hook_q",
+    "attn.q_norm.hook_scale",
     "attn.q_norm.hook_normalized",
     "attn.hook_rot_q",
     "attn.hook_k",
+    "attn.k_norm.hook_scale",
     "attn.k_norm.hook_normalized",
     "attn.hook_rot_k",
     "attn.hook_v",
+    "attn.v_norm.hook_scale",
     "attn.v_norm.hook_normalized",
     "attn.hook_attn_scores",
     "attn.hook_pattern",
@@ -229,13 +234,18 @@ def _attention_references(block: Any, heads: int) -> dict[str, Callable[[list, A
     for x in "qkv":
         proj, norm = getattr(attn, f"{x}_proj"), getattr(attn, f"{x}_norm")
         hooks[f"attn.hook_{x}"] = lambda seen, edit, proj=proj: [projection_hook(proj, heads, seen, edit)]
-        hooks[f"attn.{x}_norm.hook_normalized"] = lambda seen, edit, norm=norm: [plain_hook(norm, "post", seen, edit)]
+        for which in ("hook_scale", "hook_normalized"):
+            hooks[f"attn.{x}_norm.{which}"] = lambda seen, edit, norm=norm, which=which: [
+                post_norm_hook(norm, which, seen, edit)
+            ]
     return hooks
 
 
 def test_attention_points_read_and_edit_as_plain_hooks_on_the_projections_and_norms_do() -> None:
     """``hook_q/k/v`` as a forward hook on ``q_proj``/``k_proj``/``v_proj`` (their outputs per head), the norms'
-    ``hook_normalized`` as one on ``q_norm``/``k_norm``/``v_norm``, ``hook_z`` as a pre-hook on ``o_proj``."""
+    ``hook_scale``/``hook_normalized`` as one on ``q_norm``/``k_norm``/``v_norm`` writing the norm out (x / scale,
+    before the weight: :func:`~tests.vision_tower_helpers.post_norm_hook`), ``hook_z`` as a pre-hook on ``o_proj``;
+    edits bitwise on the logits, and no hook HF's logits bitwise."""
     model, n_image = vlm("gemma4")
     batch, blocks = inputs(model, n_image), tower_blocks_of(model)
     heads = int(model.config.vision_config.num_attention_heads)
@@ -243,10 +253,85 @@ def test_attention_points_read_and_edit_as_plain_hooks_on_the_projections_and_no
     hf = logits_with(model, batch)
     hm = HookedModel.wrap(model)
     with torch.no_grad():
+        assert torch.equal(logits_of(hm(**batch)), hf)  # no hooks: HF's forward
         _, cache = hm.run_with_cache(**batch, names_filter=list(plain))
-        for point in plain:
-            assert cache[point].shape[-2:] == (heads, 8), point  # [batch, pos, head, d_head]
+        for point in plain:  # [batch, pos, head, d_head]; a norm's scale [batch, pos, head, 1]
+            assert cache[point].shape[-2:] == (heads, 1 if point.endswith("hook_scale") else 8), point
         assert_reads_and_edits(hm, batch, plain, cache, once=True, changed_from=hf)
+    hm.unwrap()
+    assert torch.equal(logits_with(model, batch), hf)
+
+
+def test_projection_norm_points_are_the_input_over_its_scale_before_the_weight() -> None:
+    """``attn.q_norm``/``k_norm``/``v_norm.hook_scale`` is ``sqrt(mean(x^2) + eps)`` of the norm's input ``x`` (per
+    head) and ``hook_normalized`` ``x / scale`` (float64 references from the input a plain hook reads), before the
+    weight, as the language models' ``q_norm`` (TransformerLens' RMSNorm): with ``q_norm``/``k_norm``'s weights not
+    all ones it is not the norm's output (``weight * hook_normalized`` is); ``v_norm`` has no weight and outputs it."""
+    model, n_image = vlm("gemma4")
+    batch, blocks = inputs(model, n_image), tower_blocks_of(model)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reader(key: str) -> Callable[[Any, tuple, torch.Tensor], None]:
+        def read(module: Any, args: tuple, out: torch.Tensor) -> None:
+            seen[key] = (args[0].clone(), out.clone())
+
+        return read
+
+    handles = [
+        getattr(block.self_attn, f"{x}_norm").register_forward_hook(reader(f"vision.blocks.{i}.attn.{x}_norm."))
+        for i, block in enumerate(blocks)
+        for x in "qkv"
+    ]
+    hm = HookedModel.wrap(model)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=lambda p: "_norm.hook_" in p)
+    for h in handles:
+        h.remove()
+    hm.unwrap()
+    assert len(seen) == 3 * len(blocks)
+    for at, (x, out) in seen.items():
+        norm = blocks[int(at.split(".")[2])].self_attn.get_submodule(at.split(".")[-2])
+        scale = (x.double().pow(2).mean(-1, keepdim=True) + norm_eps(norm)).sqrt()
+        got_scale, normalized = cache[at + "hook_scale"], cache[at + "hook_normalized"]
+        torch.testing.assert_close(got_scale.double(), scale, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(normalized.double(), x.double() / scale, atol=1e-6, rtol=1e-6)
+        if norm.with_scale:
+            assert not torch.all(norm.weight == 1), at  # a weight that tells x / scale from the output
+            assert not torch.allclose(normalized, out, atol=1e-2), at
+            torch.testing.assert_close(out, normalized * norm.weight, atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out, normalized, atol=1e-6, rtol=1e-6)
+
+
+def test_a_projection_norm_whose_normalization_is_unknown_gets_no_points_and_the_warning_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where how block 1's ``k_norm`` normalizes is not known (the wiring's look-up refuses it), no block's per-head
+    norm points are served, the warning names the block and the norm, and the other attention points still are."""
+    model, n_image = vlm("gemma4")
+    norm = tower_blocks_of(model)[1].self_attn.k_norm
+    looked_up = CoreSites._norm_spec
+
+    def refused() -> Any:
+        raise UnsupportedModelError("no plugin knows how this norm normalizes (the test's)")
+
+    def norm_spec(self: Any, module: Any) -> Any:
+        return refused if module is norm else looked_up(self, module)
+
+    monkeypatch.setattr(CoreSites, "_norm_spec", norm_spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    assert len(messages) == 1 and "attn.q_norm/k_norm/v_norm" in messages[0], messages
+    assert messages[0].endswith("block 1 k_norm: no plugin knows how this norm normalizes (the test's)")
+    served = [p for p in hm.hook_dict if p.startswith("vision.blocks.") and ".attn." in p]
+    no_norms = [p for p in ATTENTION if "_norm." not in p]
+    assert served == [f"vision.blocks.{i}.{p}" for i in range(2) for p in no_norms]
+    batch = inputs(model, n_image)
+    with torch.no_grad():
+        _, cache = hm.run_with_cache(**batch, names_filter=served)
+    assert set(cache) == set(served)
     hm.unwrap()
 
 

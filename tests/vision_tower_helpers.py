@@ -85,7 +85,8 @@ def post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool
     input alone, in float32 as Hugging Face's RMSNorms compute (then in ``x``'s dtype): ``hook_scale`` is
     ``sqrt(mean(x^2) + eps)``, ``hook_normalized`` ``x / scale`` (before the weight, as TransformerLens' RMSNorm and
     the language model's norms have them). ``edit`` of either changes the norm's output by ``weight * (edited
-    normalized - normalized)`` in float32 (the edit entering as the difference it makes, the rest of the output HF's
+    normalized - normalized)`` in float32 (a norm without a weight, Gemma 4's ``with_scale=False``, by a weight of
+    1; the edit entering as the difference it makes, the rest of the output HF's
     own numbers), or, ``recompute``, replaces it by ``weight * edited normalized``."""
 
     def post(module: Any, args: tuple, output: Tensor) -> Any:
@@ -96,7 +97,7 @@ def post_norm_hook(norm: Any, which: str, seen: list, edit: Any, recompute: bool
         if edit is None:
             return None
         edited = (x.float() / edit(scale).float()).to(x.dtype) if which == "hook_scale" else edit(normalized)
-        weight = module.weight.float()
+        weight = module.weight.float() if getattr(module, "with_scale", True) else torch.ones((), device=x.device)
         if recompute:
             return (edited.float() * weight).to(output.dtype)
         wide = torch.promote_types(output.dtype, torch.float32)

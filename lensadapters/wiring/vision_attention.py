@@ -23,11 +23,14 @@ children (each called once):
   of ``hook_q`` is an edit of the projection's output, as a forward hook on it is (the module then rotates it).
   Where a child called once normalizes a projection's output per head before the rotation (Gemma 4's ``q_norm``,
   ``k_norm`` and ``v_norm``), ``hook_q`` (``hook_k``, ``hook_v``) stays the projection's output and
-  ``attn.q_norm.hook_normalized`` (``k_norm``, ``v_norm``; ``[b, p, h, d]``) is the norm's output, what is rotated
-  into ``hook_rot_q`` (or, for values, what the attention mixes), as on the language models. Gemma 4's rotation is
-  recognised as rotate-half on each half of a head (its 2-D rotary over the patches' ``(x, y)`` positions:
-  :func:`~lensadapters.hooks.rotary.axial_rotate_half_spec`), exactly. A fused projection followed by per-head norms
-  is refused by name (its norms' points are not served);
+  ``attn.q_norm.hook_scale``/``hook_normalized`` (``k_norm``, ``v_norm``; ``[b, p, h, 1]``/``[b, p, h, d]``) are
+  the norm's scale and its input divided by it, before the norm's weight, as TransformerLens' RMSNorm and the
+  language models' ``q_norm`` have them (the core's ``NormSite``; served where the norm's ``NormSpec`` is known, and
+  refused by name where it is not); the norm's output (after the weight) is what is rotated into ``hook_rot_q`` (or,
+  for values, what the attention mixes). A norm without a weight (Gemma 4's ``v_norm``) outputs
+  ``hook_normalized``. Gemma 4's rotation is recognised as rotate-half on each half of a head (its 2-D rotary over
+  the patches' ``(x, y)`` positions: :func:`~lensadapters.hooks.rotary.axial_rotate_half_spec`), exactly. A fused
+  projection followed by per-head norms is refused by name (its norms' points are not served);
 - ``hook_z``: the input of the child whose input is the function's output (``[b, p, h, d]``, heads merged) and whose
   output is the attention module's;
 - ``hook_attn_scores``/``hook_pattern`` (``[b, h, query, key]``): computed explicitly in the layers they are hooked
@@ -436,16 +439,17 @@ def find_attention(seen: dict, call: Optional[dict], path: str) -> tuple[Optiona
     return parts, reasons
 
 
-def attention_names(parts: Optional[AttnParts]) -> list[str]:
+def attention_names(parts: Optional[AttnParts], norms: bool = True) -> list[str]:
     """The attention points of a block (relative to ``vision.blocks.{i}.``), in the order they fire: each
-    projection's, then its norm's and its rotation's (as on the language models)."""
+    projection's, then its norm's (``hook_scale`` and ``hook_normalized``; none where ``norms`` is false: how the
+    norms normalize is not known) and its rotation's (as on the language models)."""
     if parts is None:
         return []
     qkv: list[str] = []
     for x, point in zip("qkv", QKV_POINTS):
         qkv.append(point)
-        if parts.norm(x) is not None:
-            qkv.append(f"attn.{x}_norm.hook_normalized")
+        if parts.norm(x) is not None and norms:
+            qkv += [f"attn.{x}_norm.hook_scale", f"attn.{x}_norm.hook_normalized"]
         if parts.rotary is not None and x != "v" and parts.fused is None:
             qkv.append(ROTARY_POINTS["qk".index(x)])
     if parts.fused is not None and parts.rotary is not None:  # the fused projection's three parts, then rotations

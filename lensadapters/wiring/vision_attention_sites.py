@@ -3,8 +3,9 @@
 Pixtral: :class:`~lensadapters.hooks.sites.ProjectionSite`, ``AttentionSite``, ``InputSite``), and
 
 - per-head norms after separate projections (Gemma 4's ``q_norm``/``k_norm``/``v_norm``): ``hook_q/k/v`` stay the
-  projections' outputs, ``attn.{x}_norm.hook_normalized`` the norms' (:class:`CompletedOutputSite`), and
-  ``hook_rot_q/k`` the normed values rotated (:class:`~lensadapters.hooks.sites.NormedRotarySite`);
+  projections' outputs, ``attn.{x}_norm.hook_scale``/``hook_normalized`` the norms' scale and input over it,
+  before the weight (the core's :class:`~lensadapters.hooks.sites.NormSite`, as the language models' ``q_norm``),
+  and ``hook_rot_q/k`` the norms' outputs rotated (:class:`~lensadapters.hooks.sites.NormedRotarySite`);
 
 - a fused projection (Qwen's towers' ``qkv``): ``hook_q/k/v`` are the thirds of its output, per head, read and
   edited as a forward hook on it (:class:`~lensadapters.hooks.sites.FusedQKVSite`, with :func:`fused_layout`),
@@ -32,14 +33,13 @@ from lensadapters.hooks.sites import (
     FusedQKVSite,
     InputSite,
     NormedRotarySite,
-    OutputSite,
+    NormSite,
     ProjectionSite,
     Site,
     first_input,
     replace_first_input,
 )
-from lensadapters.hooks.sites.base import completes_output
-from lensadapters.hooks.specs import FusedQKV, ProjectionNorm, RotarySpec
+from lensadapters.hooks.specs import FusedQKV, NormSpec, ProjectionNorm, RotarySpec
 from lensadapters.wiring.vision_attention import AttnParts, Chunk, TowerPatternBackend, gathered_attention
 
 Tensor = torch.Tensor
@@ -70,15 +70,6 @@ def fused_layout(parts: AttnParts, rotary: Optional[RotarySpec]) -> FusedQKV:
         return _unbatched(torch.cat([by_third[j].flatten(-2) for j in range(3)], dim=-1), batched)
 
     return FusedQKV(parts.q, split, merge, rotary=rotary)
-
-
-class CompletedOutputSite(OutputSite):
-    """A module's output whose edit everything else reading it sees: its hook completes the output
-    (:func:`~lensadapters.hooks.sites.base.completes_output`), so a projection norm's ``hook_normalized`` edit is what
-    ``hook_rot_q``/``hook_rot_k`` rotate, whatever order their hooks were installed in."""
-
-    def install(self) -> list[RemovableHandle]:
-        return [completes_output(self.module, self._hook)]
 
 
 class HeadsInputSite(Site):
@@ -172,11 +163,13 @@ def attention_sites(
     rotation: Optional[RotarySpec],
     layer: int,
     pt: Callable[[str], HookPoint],
+    norm_spec: Optional[Callable[[nn.Module], Callable[[], NormSpec]]] = None,
 ) -> list[Site]:
     """The sites of a block's attention points but its rotary angles' (``rotary``: the state they are recorded
     in, and ``rotation`` the rotation; ``None`` where the attention rotates nothing): its projections' (separate,
     with the per-head norms after them where it has them, or one fused), its patterns' (gathered where it attends
-    block by block) and its ``hook_z``."""
+    block by block) and its ``hook_z``. ``norm_spec`` gives a per-head norm's ``NormSpec`` (the wiring's look-up) for
+    its ``hook_scale``/``hook_normalized``; ``None``: those points are not served (their normalization is unknown)."""
     get = attention.get_submodule
     sites: list[Site] = []
     rotated = (rotary, rotation) if rotary is not None and rotation is not None else None
@@ -195,7 +188,10 @@ def attention_sites(
             rot = pt(f"attn.hook_rot_{x}") if rotated is not None and x != "v" else None
             if norm is not None:  # the projection, its norm, and the normed values rotated
                 sites.append(ProjectionSite(get(child), point, heads, state))
-                sites.append(CompletedOutputSite(get(norm), pt(f"attn.{x}_norm.hook_normalized")))
+                if norm_spec is not None:  # x / scale before the weight, as the language models' q_norm
+                    prefix = f"attn.{x}_norm"
+                    scale, normalized = pt(f"{prefix}.hook_scale"), pt(f"{prefix}.hook_normalized")
+                    sites.append(NormSite(get(norm), norm_spec(get(norm)), scale, normalized))
                 if rot is not None and rotated is not None:
                     normed = ProjectionNorm(norm, "bphd")
                     sites.append(NormedRotarySite(get(norm), normed, heads, rot, rotated[1], rotated[0]))

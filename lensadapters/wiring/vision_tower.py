@@ -28,9 +28,10 @@ flattened patches and their ``grid_thw``), proves each point before it is served
   edit of ``hook_resid_mid`` reaches the MLP and the residual (the block's output rebuilt as ``edited + mlp_out``),
   one of ``hook_mlp_in`` the MLP only, as on the language model's blocks;
 - ``vision.blocks.{i}.attn.hook_q``/``hook_k``/``hook_v``/``hook_z`` (``hook_rot_q``/``hook_rot_k`` where the
-  attention rotates them, Pixtral, Gemma 4 and Qwen; ``attn.q_norm``/``k_norm``/``v_norm.hook_normalized`` where
-  per-head norms follow the projections, Gemma 4; Qwen's from one fused ``qkv``, of its flat sequence of all images'
-  patches, a batch of 1) and ``attn.hook_attn_scores``/``hook_pattern`` (block-diagonal over the images, or
+  attention rotates them, Pixtral, Gemma 4 and Qwen; ``attn.q_norm``/``k_norm``/``v_norm.hook_scale`` and
+  ``hook_normalized``, before the norm's weight as the language models' are, where per-head norms follow the
+  projections, Gemma 4, and their ``NormSpec`` is known; Qwen's from one fused ``qkv``, of its flat sequence of
+  all images' patches, a batch of 1) and ``attn.hook_attn_scores``/``hook_pattern`` (block-diagonal over the images, or
   windows, where the tower attends one at a time):
   the attention's projections and its attention function's call, as :mod:`lensadapters.wiring.vision_attention`
   finds them from one more probe forward (patterns computed explicitly in the hooked layers only).
@@ -98,6 +99,9 @@ class Tower:
     #: and ``hook_normalized`` by the core's ``NormSite``), ``"output"`` (a plain ``nn.LayerNorm`` whose
     #: normalization is not known: ``hook_normalized``, its output, only); a norm absent is not served
     norms: Optional[tuple[dict[str, str], ...]] = None
+    #: whether the attention's per-head norms' ``attn.q_norm``/``k_norm``/``v_norm.hook_scale``/``hook_normalized``
+    #: are served (how each normalizes, its ``NormSpec``, is known)
+    attn_norms: bool = False
 
 
 def vision_tower(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -370,10 +374,11 @@ def block_names(
     attn: Optional[AttnParts] = None,
     post_norms: bool = False,
     norms: Optional[dict[str, str]] = None,
+    attn_norms: bool = True,
 ) -> list[str]:
     """The points of a tower block (relative to ``vision.blocks.{i}.``), in the order they fire (``post_norms``:
     with the sandwich norms' scale and normalized points, where the block has them; ``norms``: how its ``ln1`` and
-    ``ln2`` are served, see :attr:`Tower.norms`)."""
+    ``ln2`` are served, see :attr:`Tower.norms`; ``attn_norms``: with the attention's per-head norms' points)."""
     if part is None:
         return ["hook_resid_pre", "hook_resid_post"]
     served = norms or {}
@@ -388,7 +393,7 @@ def block_names(
         for norm, name in (("ln1_post", part.ln1_post), ("ln2_post", part.ln2_post))
     )
     middle = [*ln1_post, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", *ln2, *ln2_post]
-    return ["hook_resid_pre", *ln1, *attention_names(attn), *middle, "hook_mlp_out", "hook_resid_post"]
+    return ["hook_resid_pre", *ln1, *attention_names(attn, attn_norms), *middle, "hook_mlp_out", "hook_resid_post"]
 
 
 def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
@@ -403,6 +408,21 @@ def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
                     wiring._norm_spec(block.get_submodule(name))()
                 except UnsupportedModelError as exc:
                     reasons.append(f"block {i}: {exc}")
+    return reasons
+
+
+def _attention_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
+    """Why the attention's per-head norms' ``hook_scale``/``hook_normalized`` are not served (empty: served, or no
+    norms): how each normalizes must be known (its ``NormSpec``), as for the language models' ``q_norm``."""
+    reasons: list[str] = []
+    for i, (block, part, attn) in enumerate(zip(tower.blocks, tower.parts or [], tower.attn or [])):
+        for x in "qkv":
+            name = attn.norm(x)
+            if name is not None:
+                try:
+                    wiring._norm_spec(block.get_submodule(part.attn).get_submodule(name))()
+                except UnsupportedModelError as exc:
+                    reasons.append(f"block {i} {x}_norm: {exc}")
     return reasons
 
 
@@ -478,12 +498,23 @@ def create_tower_points(wiring: Any, new: Callable[[str], HookPoint]) -> Optiona
                 stacklevel=4,
             )
         proven = replace(proven, norms=norms)
+    if proven.attn is not None and proven.parts is not None:
+        attn_norm_reasons = _attention_norm_reasons(wiring, proven)
+        if attn_norm_reasons:
+            warnings.warn(
+                "the vision tower's attn.q_norm/k_norm/v_norm.hook_scale and hook_normalized are not served where "
+                "how the norm normalizes is not known (hook_normalized is the norm's input divided by its scale, "
+                "before the weight): " + "; ".join(attn_norm_reasons),
+                VisionTowerWarning,
+                stacklevel=4,
+            )
+        proven = replace(proven, attn_norms=not attn_norm_reasons)
     new(PREFIX + "hook_embed").fires_when = FIRES_WHEN
     for i in range(len(proven.blocks)):
         attn = proven.attn[i] if proven.attn is not None else None
         part = proven.parts[i] if proven.parts is not None else None
         norms_i = proven.norms[i] if proven.norms is not None else None
-        for name in block_names(part, attn, proven.post_norms, norms_i):
+        for name in block_names(part, attn, proven.post_norms, norms_i, proven.attn_norms):
             new(f"{PREFIX}blocks.{i}.{name}").fires_when = FIRES_WHEN
     return proven
 
@@ -547,9 +578,10 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
     """A block's attention sites: a pre-hook on the attention module recording the ``(cos, sin)`` it gets (where it
     rotates its queries and keys), forward hooks on its projections' outputs (``hook_q/k/v``, split into heads, and
     ``hook_rot_q/k`` rotated with those angles; the thirds of one fused projection's; on the outputs of the per-head
-    norms after the projections where it has them, with those norms' ``hook_normalized``), its layer of the tower's
-    pattern backend (gathered over the whole sequence where it attends block by block) and a pre-hook on the output
-    projection's input (``hook_z``): :func:`~lensadapters.wiring.vision_attention_sites.attention_sites`."""
+    norms after the projections where it has them, with those norms' ``hook_scale``/``hook_normalized``), its layer
+    of the tower's pattern backend (gathered over the whole sequence where it attends block by block) and a
+    pre-hook on the output projection's input (``hook_z``):
+    :func:`~lensadapters.wiring.vision_attention_sites.attention_sites`."""
     assert tower.attn is not None
     parts, state = tower.attn[i], wiring.forward_state
     rotary = cast(ForwardState, TowerRotary(state)) if parts.rotary is not None else None
@@ -557,7 +589,8 @@ def _attention_sites(wiring: Any, tower: Tower, i: int, attention: nn.Module, pt
         rot = [pt("attn.hook_rot_q"), pt("attn.hook_rot_k")]
         wiring.add_site(AttentionRotarySite(attention, "position_embeddings", rot, rotary))
     rotation = ROTATIONS[parts.rotary] if parts.rotary is not None else None
-    for site in attention_sites(parts, attention, tower.backend, state, rotary, rotation, i, pt):
+    norm_spec = wiring._norm_spec if tower.attn_norms else None
+    for site in attention_sites(parts, attention, tower.backend, state, rotary, rotation, i, pt, norm_spec):
         if isinstance(site, (AttentionSite, GatheredAttentionSite)):
             wiring.guard.also(site, [attention])  # a replaced attention module is noticed, as the language model's are
         wiring.add_site(site)

@@ -163,14 +163,9 @@ def test_post_norm_scale_and_normalized_read_and_edit_as_plain_hooks_on_the_norm
     assert torch.equal(logits_with(model, batch), hf)
 
 
-def test_a_post_norm_whose_normalization_is_unknown_gets_no_scale_points_and_the_warning_says_why(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Where how block 1's post-MLP norm normalizes is not known (no ``NormSpec``: here the wiring's look-up refuses
-    it), no block's ``ln1_post``/``ln2_post`` points are served and the warning names the block and why; the
-    sub-block points (the norm's output ``hook_mlp_out``) still are."""
-    model, _ = vlm("gemma4")
-    norm = tower_blocks_of(model)[1].post_feedforward_layernorm
+def _wrapped_not_knowing(monkeypatch: pytest.MonkeyPatch, model: Any, norm: Any) -> tuple[HookedModel, list[str]]:
+    """``model`` wrapped while the wiring's look-up of how ``norm`` normalizes (its ``NormSpec``) refuses it, for the
+    test's reason; with the messages of the vision-tower warnings the wrap gave."""
     looked_up = CoreSites._norm_spec
 
     def refused() -> Any:
@@ -183,7 +178,17 @@ def test_a_post_norm_whose_normalization_is_unknown_gets_no_scale_points_and_the
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hm = HookedModel.wrap(model)
-    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    return hm, [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+
+
+def test_a_post_norm_whose_normalization_is_unknown_gets_no_scale_points_and_the_warning_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where how block 1's post-MLP norm normalizes is not known (no ``NormSpec``: here the wiring's look-up refuses
+    it), no block's ``ln1_post``/``ln2_post`` points are served and the warning names the block and why; the
+    sub-block points (the norm's output ``hook_mlp_out``) still are."""
+    model, _ = vlm("gemma4")
+    hm, messages = _wrapped_not_knowing(monkeypatch, model, tower_blocks_of(model)[1].post_feedforward_layernorm)
     assert messages == [
         "the vision tower's ln1_post/ln2_post points are not served: block 1: no plugin knows how this norm "
         "normalizes (the test's)"
@@ -309,20 +314,7 @@ def test_a_projection_norm_whose_normalization_is_unknown_gets_no_points_and_the
     """Where how block 1's ``k_norm`` normalizes is not known (the wiring's look-up refuses it), no block's per-head
     norm points are served, the warning names the block and the norm, and the other attention points still are."""
     model, n_image = vlm("gemma4")
-    norm = tower_blocks_of(model)[1].self_attn.k_norm
-    looked_up = CoreSites._norm_spec
-
-    def refused() -> Any:
-        raise UnsupportedModelError("no plugin knows how this norm normalizes (the test's)")
-
-    def norm_spec(self: Any, module: Any) -> Any:
-        return refused if module is norm else looked_up(self, module)
-
-    monkeypatch.setattr(CoreSites, "_norm_spec", norm_spec)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hm = HookedModel.wrap(model)
-    messages = [str(w.message) for w in caught if issubclass(w.category, VisionTowerWarning)]
+    hm, messages = _wrapped_not_knowing(monkeypatch, model, tower_blocks_of(model)[1].self_attn.k_norm)
     assert len(messages) == 1 and "attn.q_norm/k_norm/v_norm" in messages[0], messages
     assert messages[0].endswith("block 1 k_norm: no plugin knows how this norm normalizes (the test's)")
     served = [p for p in hm.hook_dict if p.startswith("vision.blocks.") and ".attn." in p]

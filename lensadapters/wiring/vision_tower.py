@@ -396,6 +396,16 @@ def block_names(
     return ["hook_resid_pre", *ln1, *attention_names(attn, attn_norms), *middle, "hook_mlp_out", "hook_resid_post"]
 
 
+def _unknown_normalization(wiring: Any, module: nn.Module) -> Optional[str]:
+    """Why how the norm ``module`` normalizes is not known (its ``NormSpec``: a plugin's ``lensadapters_norm_scale``,
+    or the core's ``nn.LayerNorm`` and its ``*RMSNorm`` guess checked against the module); ``None`` where it is."""
+    try:
+        wiring._norm_spec(module)()
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return None
+
+
 def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
     """Why the sandwich norms' ``hook_scale``/``hook_normalized`` are not served (empty: served): how each norm
     after an attention or MLP normalizes must be known (a plugin's ``lensadapters_norm_scale``, or the core's
@@ -404,10 +414,9 @@ def _post_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
     for i, (block, part) in enumerate(zip(tower.blocks, tower.parts or [])):
         for name in (part.ln1_post, part.ln2_post):
             if name is not None:
-                try:
-                    wiring._norm_spec(block.get_submodule(name))()
-                except UnsupportedModelError as exc:
-                    reasons.append(f"block {i}: {exc}")
+                why = _unknown_normalization(wiring, block.get_submodule(name))
+                if why is not None:
+                    reasons.append(f"block {i}: {why}")
     return reasons
 
 
@@ -419,10 +428,9 @@ def _attention_norm_reasons(wiring: Any, tower: Tower) -> list[str]:
         for x in "qkv":
             name = attn.norm(x)
             if name is not None:
-                try:
-                    wiring._norm_spec(block.get_submodule(part.attn).get_submodule(name))()
-                except UnsupportedModelError as exc:
-                    reasons.append(f"block {i} {x}_norm: {exc}")
+                why = _unknown_normalization(wiring, block.get_submodule(part.attn).get_submodule(name))
+                if why is not None:
+                    reasons.append(f"block {i} {x}_norm: {why}")
     return reasons
 
 
@@ -444,14 +452,13 @@ def _block_norms(wiring: Any, tower: Tower) -> tuple[tuple[dict[str, str], ...],
             if name is None:
                 continue
             module = block.get_submodule(name)
-            try:
-                wiring._norm_spec(module)()
+            why = _unknown_normalization(wiring, module)
+            if why is None:
                 kinds[norm] = "spec"
-            except UnsupportedModelError as exc:
-                if _plain_layer_norm(module):
-                    kinds[norm] = "output"
-                else:
-                    reasons.append(f"block {i} {norm}: {exc}")
+            elif _plain_layer_norm(module):
+                kinds[norm] = "output"
+            else:
+                reasons.append(f"block {i} {norm}: {why}")
         served.append(kinds)
     return tuple(served), reasons
 

@@ -91,7 +91,6 @@ from lensadapters_bart.sites import (  # noqa: F401  (their old import path)
     BartPatternSite,
     BigBirdPatternSite,
     BlockSparsePadding,
-    BlockSparsePaddingGuard,
     EmbedSumSite,
     NormFirstEmbedSite,
     PreLNResidualSite,

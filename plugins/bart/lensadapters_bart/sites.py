@@ -399,10 +399,6 @@ class BlockSparsePadding(Site):
         return apply
 
 
-#: the old name (it refused these forwards)
-BlockSparsePaddingGuard = BlockSparsePadding
-
-
 class BigBirdPatternSite(Site):
     """``attn.hook_attn_scores``/``attn.hook_pattern`` of one BigBird encoder attention (``*EncoderAttention``):
     while hooked, the instance's ``forward`` computes ``BigBirdPegasusSelfAttention``'s full attention written out

@@ -2,9 +2,9 @@
 # Set everything up (first run), lint (scripts/lint.sh: ruff and mypy, first: it fails in about a minute) and run
 # the tests: the whole suite (tests/ and every plugins/*/tests, examples/*/tests)
 # on the pinned transformers 5.x, then again on transformers 4.57 in a second environment (without the tests marked
-# transformers5_only), then sae-bench's, auto-circuit's and sae-dashboard's tests layered over that environment
-# (scripts/setup-tl-clients.sh), the client
-# tools' tests in their own environment (scripts/setup-clients.sh), then the wheel check.
+# transformers5_only, and those marked one_environment: subprocess jobs of lensadapters' own machinery), then
+# sae-bench's, auto-circuit's and sae-dashboard's tests layered over that environment (scripts/setup-tl-clients.sh),
+# the client tools' tests in their own environment (scripts/setup-clients.sh), then the wheel check.
 # HYPOTHESIS_PROFILE=dev|ci|thorough picks the number of examples (ci by default here); the second environment runs
 # HYPOTHESIS_PROFILE_SECOND (ci-short by default: the same derandomized examples, fewer of them).
 set -euo pipefail
@@ -32,7 +32,7 @@ bash scripts/setup.sh .venv-tf457 4.57.6
 bash scripts/setup-reference.sh .venv-tf457  # TransformerLens 2.x: the analysis layer is compared with it there
 stage "tests again on $(.venv-tf457/bin/python -c 'import transformers; print("transformers", transformers.__version__)')"
 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE_SECOND:-ci-short}" \
-  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider "${report[@]}" "${workers[@]}" -m "not transformers5_only" "${suites[@]}"
+  .venv-tf457/bin/python -m pytest -q -p no:cacheprovider "${report[@]}" "${workers[@]}" -m "not transformers5_only and not one_environment" "${suites[@]}"
 stage "sae-bench, auto-circuit and sae-dashboard over the TransformerLens environment"
 bash scripts/setup-tl-clients.sh .venv-tl-clients .venv-tf457
 .venv-tl-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_sae_bench.py tests/test_auto_circuit.py \

@@ -116,6 +116,7 @@ def _skip_where_not_declared(plugin: object) -> None:
         pytest.skip(f"declared for transformers {archs[0].transformers}, not the installed one")
 
 
+@pytest.mark.one_environment
 def test_check_passes_for_an_installed_plugin():
     info = subject()
     result = run_cli(
@@ -152,6 +153,7 @@ def test_builtin_plugins_declare_their_packaged_contract(name, module):
     assert cls.config_strategy is not None, "configs are declared (config_strategy)"
 
 
+@pytest.mark.one_environment
 def test_importing_plugins_needs_no_test_kit():
     """hypothesis and pytest are only in the core's `testing` extra: plugins (and the registry loading them) must
     import without them; only their `testing` modules need them."""
@@ -210,6 +212,7 @@ def test_tiny_config_seeds_vary_the_shape(name, module):
             hm.unwrap()
 
 
+@pytest.mark.one_environment
 def test_check_fails_for_a_broken_plugin(tmp_path):
     broken = broken_plugin(tmp_path)
     result = run_cli(
@@ -280,6 +283,7 @@ def _variant_flags() -> list[str]:
     return [f"--{name}" for name in variants]
 
 
+@pytest.mark.one_environment
 def test_check_variants_pass_for_an_installed_plugin():
     """Every contract variant installed plugins declare, as its `--NAME` flag, on the subject plugin."""
     flags = _variant_flags()
@@ -290,6 +294,7 @@ def test_check_variants_pass_for_an_installed_plugin():
     assert f"{len(flags)} passed" in result.stdout
 
 
+@pytest.mark.one_environment
 def test_check_variants_fail_for_a_broken_plugin(tmp_path):
     flags = _variant_flags()
     broken = broken_plugin(tmp_path)

@@ -18,6 +18,7 @@ from lensadapters.testing.tiny_models import installed
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 
 pytestmark = [
+    pytest.mark.one_environment,
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch is built without torch.distributed"),
     pytest.mark.skipif(not installed("llama"), reason="the workers use the llama plugin's tiny model"),
 ]

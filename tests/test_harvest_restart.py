@@ -54,6 +54,7 @@ def uninterrupted(checkpoint):
     return checkpoint / "reference"
 
 
+@pytest.mark.one_environment
 @pytest.mark.parametrize("kill", ["batch:5", "shard-file:3", "manifest:2"])
 def test_killed_harvest_restarted_with_the_same_command_is_bitwise_the_uninterrupted_one(
     checkpoint, uninterrupted, tmp_path, kill
@@ -122,6 +123,7 @@ def test_ranks_split_the_shards_of_one_harvest_and_write_the_same_files(tmp_path
 # --- several processes (torchrun, gloo on the CPU) ------------------------------------------------------------------
 
 
+@pytest.mark.one_environment
 def test_torchrun_ranks_write_the_single_process_harvest_between_them(checkpoint, uninterrupted, tmp_path) -> None:
     from lensadapters.testing.distributed import described
 
@@ -140,6 +142,7 @@ def test_torchrun_ranks_write_the_single_process_harvest_between_them(checkpoint
     assert_same_harvest(out, uninterrupted)
 
 
+@pytest.mark.one_environment
 def test_a_killed_rank_is_resumed_by_the_same_command(checkpoint, uninterrupted, tmp_path) -> None:
     from lensadapters.testing.distributed import described
 

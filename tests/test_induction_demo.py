@@ -13,6 +13,7 @@ from lensadapters import induction_demo
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+@pytest.mark.one_environment
 def test_the_demo_trains_detects_and_confirms_induction_heads(tmp_path) -> None:
     lines: list[str] = []
     png = tmp_path / "heads.png"

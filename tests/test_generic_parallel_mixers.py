@@ -7,139 +7,45 @@ a layer that scales a branch by a constant other than 1 gets none of the branch 
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from lensadapters import HookedModel, Registry
-from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters import HookedModel
+from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.scan import SCAN_POINTS
 from lensadapters.adapters.generic.verify import check_points
-from lensadapters.testing.every_model_type import input_ids, shrink_config
+from lensadapters.testing.every_model_type import input_ids
+from tests.branch_helpers import (
+    add_to_input,
+    add_to_output,
+    edit_error,
+    record,
+    relative_error,
+    resid_mid_edit,
+    seeded_delta,
+    sum_edit,
+    tiny_model,
+    wrap_generic,
+)
 
 Tensor = torch.Tensor
 
 
-def _model(model_type: str, **config: Any) -> torch.nn.Module:
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        pytest.skip(f"{model_type} is not in this transformers")
-    c = shrink_config(AutoConfig.for_model(model_type))
-    for key, value in config.items():
-        if key == "layer_types" and transformers.__version__.startswith("4."):  # 4.x's names of the kinds
-            value = [{"linear_attention": "mamba"}.get(v, "attention") for v in value]
-        setattr(c, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(c, torch_dtype=torch.float32).eval()
-    for p in model.parameters():  # weights of one scale (the default init leaves some near zero)
-        p.data.normal_(0, 0.2) if p.dim() >= 2 else None
-    return model
-
-
-def _wrap(model: torch.nn.Module) -> HookedModel:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return HookedModel.wrap(model, registry=Registry())
-
-
-def _first(value: Any) -> Tensor:
-    return value[0] if isinstance(value, tuple) else value
-
-
-def _record(model: torch.nn.Module, modules: dict[str, tuple[torch.nn.Module, str]]) -> dict[str, Tensor]:
-    """Each module's input (``"in"``) or output (``"out"``) in one plain forward of ``model``."""
-    seen: dict[str, Tensor] = {}
-    handles = []
-    for key, (module, side) in modules.items():
-        if side == "in":
-            handles.append(module.register_forward_pre_hook(lambda m, a, k=key: seen.__setitem__(k, a[0].clone())))
-        else:
-            handles.append(module.register_forward_hook(lambda m, a, o, k=key: seen.__setitem__(k, _first(o).clone())))
-    with torch.no_grad():
-        model(input_ids())
-    for h in handles:
-        h.remove()
-    return seen
-
-
-def _logits_with(model: torch.nn.Module, install: Callable[[], list]) -> Tensor:
-    handles = install()
-    try:
-        with torch.no_grad():
-            return model(input_ids()).logits
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _relative(got: Tensor, want: Tensor) -> float:
-    """The largest difference, relative to the reference's largest magnitude."""
-    return float((got - want).abs().max() / want.abs().max())
-
-
-def _delta(like: Tensor, seed: int) -> Tensor:
-    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed)).to(like.dtype)
-
-
-def _add_to_output(module: torch.nn.Module, d: Tensor) -> Callable[[], list]:
-    def hook(m: Any, a: Any, o: Any) -> Any:
-        return (o[0] + d, *o[1:]) if isinstance(o, tuple) else o + d
-
-    return lambda: [module.register_forward_hook(hook)]
-
-
-def _add_to_input(module: torch.nn.Module, d: Tensor) -> Callable[[], list]:
-    return lambda: [module.register_forward_pre_hook(lambda m, a: (a[0] + d, *a[1:]))]
-
-
-def _resid_mid_edit(layer: torch.nn.Module, ln2: torch.nn.Module, mlp: list, d: Tensor) -> Callable[[], list]:
-    """The model computing ``resid_mid + d``: what the norm reads and what the layer adds the MLP's output to."""
-    state: dict[str, Tensor] = {}
-
-    def pre(m: Any, a: Any) -> Any:
-        state["mid"] = a[0] + d
-        return (state["mid"], *a[1:])
-
-    def mlp_out(m: Any, a: Any, o: Any) -> None:
-        o = _first(o)
-        state["mlp"] = o if "mlp" not in state else state["mlp"] + o  # the layer's sum of its MLP modules
-
-    def out(m: Any, a: Any, o: Any) -> Any:
-        new = state["mid"] + state["mlp"]
-        state.clear()
-        return (new, *o[1:]) if isinstance(o, tuple) else new
-
-    def install() -> list:
-        return [ln2.register_forward_pre_hook(pre), layer.register_forward_hook(out)] + [
-            m.register_forward_hook(mlp_out) for m in mlp
-        ]
-
-    return install
-
-
-def _edit_error(hm: HookedModel, reference: torch.nn.Module, name: str, d: Tensor, install: Callable) -> float:
-    edited = hm.run_with_hooks(input_ids(), fwd_hooks=[(name, lambda t, hook: t + d.reshape(t.shape))])
-    expected = _logits_with(reference, install)
-    unchanged = _logits_with(reference, lambda: [])
-    assert not torch.equal(expected, unchanged), name  # the edit reaches the logits
-    return float((edited.detach() - expected).abs().max())
-
-
 def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited_as_the_model_computes_them() -> None:
-    model = _model("falcon_h1")
+    model = tiny_model("falcon_h1")
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     served = {n for n in hm.hook_names if n.startswith("blocks.0.")}
     canonical = {"hook_resid_mid", "hook_attn_out", "hook_mixer_out", "hook_mlp_out", "attn.hook_q", "attn.hook_k"}
     canonical |= {"attn.hook_v"}
     canonical |= {"mlp.hook_pre", "mlp.hook_post", "ln1.hook_scale", "ln2.hook_scale", "attn.hook_pattern"}
     assert {f"blocks.0.{n}" for n in canonical} <= served, sorted(served)
     layer = reference.model.layers[0]
-    seen = _record(
+    seen = record(
         reference,
         {
             "hook_resid_pre": (layer, "in"),
@@ -166,20 +72,20 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     errors = {}
     for name, want in seen.items():
         got = cache[f"blocks.0.{name}"]
-        errors[name] = _relative(got.reshape(want.shape), want)
+        errors[name] = relative_error(got.reshape(want.shape), want)
     # (the cache of every point runs the attention the core computes explicitly for its pattern: rounding apart)
     assert max(errors.values()) <= 1e-5, errors
     # the points' own sum: hook_resid_mid = hook_resid_pre + hook_attn_out + hook_mixer_out (the layer's order)
     got = {n: cache[f"blocks.0.{n}"] for n in ("hook_resid_pre", "hook_attn_out", "hook_mixer_out", "hook_resid_mid")}
     whole = got["hook_resid_pre"] + (got["hook_mixer_out"] + got["hook_attn_out"])
-    assert _relative(whole, got["hook_resid_mid"]) <= 1e-6
+    assert relative_error(whole, got["hook_resid_mid"]) <= 1e-6
     edits = {
-        "hook_attn_out": _add_to_output(layer.self_attn, _delta(seen["hook_attn_out"], 1)),
-        "hook_mixer_out": _add_to_output(layer.mamba, _delta(seen["hook_mixer_out"], 6)),
-        "hook_mlp_out": _add_to_output(layer.feed_forward, _delta(seen["hook_mlp_out"], 2)),
-        "hook_resid_mid": _resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], _delta(x, 3)),
-        "attn.hook_v": _add_to_output(layer.self_attn.v_proj, _delta(seen["attn.hook_v"], 4)),
-        "mlp.hook_post": _add_to_input(layer.feed_forward.down_proj, _delta(seen["mlp.hook_post"], 5)),
+        "hook_attn_out": add_to_output(layer.self_attn, seeded_delta(seen["hook_attn_out"], 1)),
+        "hook_mixer_out": add_to_output(layer.mamba, seeded_delta(seen["hook_mixer_out"], 6)),
+        "hook_mlp_out": add_to_output(layer.feed_forward, seeded_delta(seen["hook_mlp_out"], 2)),
+        "hook_resid_mid": resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], seeded_delta(x, 3)),
+        "attn.hook_v": add_to_output(layer.self_attn.v_proj, seeded_delta(seen["attn.hook_v"], 4)),
+        "mlp.hook_post": add_to_input(layer.feed_forward.down_proj, seeded_delta(seen["mlp.hook_post"], 5)),
     }
     deltas = {
         "hook_attn_out": 1,
@@ -191,81 +97,23 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     }
     like = {**seen, "hook_resid_mid": x}
     for name, install in edits.items():
-        error = _edit_error(hm, reference, f"blocks.0.{name}", _delta(like[name], deltas[name]), install)
+        error = edit_error(hm, reference, f"blocks.0.{name}", seeded_delta(like[name], deltas[name]), install)
         assert error == 0.0, (name, error)
     every = sorted(served)  # and every point of the layer, the per-head inputs and results too, against plain hooks
     assert check_points(hm.wiring, input_ids(), every) == dict.fromkeys(every)
     hm.unwrap()
 
 
-def _sum_edit(
-    layer: torch.nn.Module,
-    reader: torch.nn.Module,
-    before: list[tuple[torch.nn.Module, float]],
-    after: list[torch.nn.Module],
-    after_scale: float,
-    point: str,
-    d: Tensor,
-) -> Callable[[], list]:
-    """The layer computing with one of its contributions edited (``d`` added), by plain hooks on its HF modules: the
-    layer's own formula, ``mid = x + (o_0 * c_0 + o_1 * c_1)`` (the modules ``before`` with their multipliers, in the
-    order it adds them), ``out = mid + (a_0 + a_1) * after_scale``; ``point`` is ``"before0"``, ``"before1"``,
-    ``"mid"`` or ``"after"``. The norm ``reader`` gets the edited middle, the layer returns it plus the contribution
-    after it."""
-    state: dict[str, Any] = {}
-
-    def times(t: Tensor, c: float) -> Tensor:
-        return t * c if c != 1.0 else t
-
-    def enter(m: Any, a: Any) -> None:
-        state.clear()
-        state.update(x=a[0], before=[], after=[])
-
-    def on_before(k: int) -> Callable:
-        def hook(m: Any, a: Any, o: Any) -> None:
-            v = times(_first(o), before[k][1])
-            state["before"].append(v + d if point == f"before{k}" else v)
-
-        return hook
-
-    def on_reader(m: Any, a: Any) -> Any:
-        parts = state["before"]
-        mid = a[0]
-        if point.startswith("before"):
-            mid = state["x"] + (parts[0] + parts[1] if len(parts) == 2 else parts[0])
-        if point == "mid":
-            mid = mid + d
-        state["mid"] = mid
-        return (mid, *a[1:])
-
-    def on_after(m: Any, a: Any, o: Any) -> None:
-        state["after"].append(_first(o))
-
-    def out(m: Any, a: Any, o: Any) -> Any:
-        parts = state["after"]
-        total = times(parts[0] + parts[1] if len(parts) == 2 else parts[0], after_scale)
-        new = state["mid"] + (total + d if point == "after" else total)
-        return (new, *o[1:]) if isinstance(o, tuple) else new
-
-    def install() -> list:
-        handles = [layer.register_forward_pre_hook(enter), reader.register_forward_pre_hook(on_reader)]
-        handles += [module.register_forward_hook(on_before(k)) for k, (module, _) in enumerate(before)]
-        handles += [module.register_forward_hook(on_after) for module in after]
-        return handles + [layer.register_forward_hook(out)]
-
-    return install
-
-
 FALCON_MULTIPLIERS = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25, "key_multiplier": 0.6}
 
 
 def _falcon_h1_sum_edits(layer: torch.nn.Module) -> dict[str, Callable[[Tensor], Callable]]:
-    """The same edits of a Falcon-H1 layer with branch multipliers, by plain hooks (:func:`_sum_edit`)."""
+    """The same edits of a Falcon-H1 layer with branch multipliers, by plain hooks (:func:`sum_edit`)."""
     before = [(layer.mamba, FALCON_MULTIPLIERS["ssm_out_multiplier"])]
     before.append((layer.self_attn, FALCON_MULTIPLIERS["attention_out_multiplier"]))
     kinds = {"hook_mixer_out": "before0", "hook_attn_out": "before1", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
     return {
-        name: lambda d, kind=kind: _sum_edit(layer, layer.pre_ff_layernorm, before, [layer.feed_forward], 1.0, kind, d)
+        name: lambda d, kind=kind: sum_edit(layer, layer.pre_ff_layernorm, before, [layer.feed_forward], 1.0, kind, d)
         for name, kind in kinds.items()
     }
 
@@ -275,16 +123,16 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     mixer's outputs times their multipliers (TransformerLens' semantics: resid_mid = resid_pre + attn_out +
     mixer_out); an edit of either is the layer's middle recomputed from the edited contribution, bit for bit, never
     an edit of the module's output divided by the multiplier."""
-    model = _model("falcon_h1", **FALCON_MULTIPLIERS, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
+    model = tiny_model("falcon_h1", **FALCON_MULTIPLIERS, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     # the keys are not k_proj's (a key multiplier), nor is the MLP's gate projection its hook_pre (an MLP multiplier)
     assert not served & {"attn.hook_k", "mlp.hook_pre"}, sorted(served)
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
     assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)
     layer = reference.model.layers[0]
-    seen = _record(
+    seen = record(
         reference,
         {
             "hook_resid_pre": (layer, "in"),
@@ -305,11 +153,11 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     for name, want in seen.items():
         assert torch.equal(cache[f"blocks.0.{name}"], want), name  # the layer's own values, bit for bit
     for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):
-        d = _delta(seen[name], 8 + k)
-        assert _edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
+        d = seeded_delta(seen[name], 8 + k)
+        assert edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
     # the same edit made at the module's output, divided back by the multiplier, is not bit for bit
-    d = _delta(seen["hook_attn_out"], 9)
-    divided = _edit_error(hm, reference, "blocks.0.hook_attn_out", d, _add_to_output(layer.self_attn, d / 0.75))
+    d = seeded_delta(seen["hook_attn_out"], 9)
+    divided = edit_error(hm, reference, "blocks.0.hook_attn_out", d, add_to_output(layer.self_attn, d / 0.75))
     assert divided > 0.0
     names = [f"blocks.0.{n}" for n in sorted(served)]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
@@ -317,8 +165,8 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
 
 
 def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() -> None:
-    model = _model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
-    hm = _wrap(model)
+    model = tiny_model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
+    hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served
     assert "attn.hook_k" not in served and "mlp.hook_pre" not in served, sorted(served)
@@ -335,9 +183,9 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
     """A Mamba layer and the attention layer: hook_attn_out the mixer's output and hook_mlp_out the routed experts'
     plus the shared MLP's outputs, each times ``residual_multiplier`` (what the layer adds to the residual stream),
     read and edited where the layer adds them, bit for bit against plain hooks doing the layer's own sums."""
-    model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=multiplier)
+    model = tiny_model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=multiplier)
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     with torch.no_grad():
         plain = reference(input_ids()).logits
     for i in (0, 3):  # a Mamba layer and the attention layer
@@ -346,7 +194,7 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
         layer = reference.model.layers[i]
         mixer = layer.mamba if i == 0 else layer.self_attn
         mlps = [layer.block_sparse_moe, layer.shared_mlp]
-        seen = _record(
+        seen = record(
             reference,
             {
                 "hook_attn_out": (mixer, "out"),
@@ -368,9 +216,9 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
             assert torch.equal(cache[f"blocks.{i}.{name}"], want), (i, name)
         kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
         for k, (name, kind) in enumerate(kinds.items()):
-            d = _delta(seen[name], 6 + k)
-            install = _sum_edit(layer, layer.post_attention_layernorm, [(mixer, multiplier)], mlps, multiplier, kind, d)
-            assert _edit_error(hm, reference, f"blocks.{i}.{name}", d, install) == 0.0, (i, name)
+            d = seeded_delta(seen[name], 6 + k)
+            install = sum_edit(layer, layer.post_attention_layernorm, [(mixer, multiplier)], mlps, multiplier, kind, d)
+            assert edit_error(hm, reference, f"blocks.{i}.{name}", d, install) == 0.0, (i, name)
         names = [f"blocks.{i}.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
         assert check_points(hm.wiring, input_ids(), names, points_per_pass=1) == dict.fromkeys(names)
     hm.unwrap()
@@ -384,7 +232,7 @@ def test_generation_with_an_edited_parallel_point_continues_through_the_models_c
     from lensadapters.testing.contract_support import check_edited_generation
     from lensadapters.testing.strategies import Inputs
 
-    hm = _wrap(_model("falcon_h1", **multipliers))
+    hm = wrap_generic(tiny_model("falcon_h1", **multipliers))
     ids = input_ids()
     points = ["blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"]
     for point in points + ["blocks.0.hook_mlp_out"] * bool(multipliers):
@@ -411,7 +259,7 @@ def test_a_norm_with_matrix_parameters_before_the_attention_leaves_the_points_af
         model = build("axk2")
     except NotBuildable as why:
         pytest.skip(f"axk2: {why}")
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served and "hook_attn_out" not in served, served
     assert "hook_attn_out" in findings(model).missing
@@ -439,14 +287,14 @@ def _falcon_h1_edits(layer: torch.nn.Module, like: dict[str, Tensor]) -> dict[st
     on the HF modules: ``install = edits[point](d)``."""
     attn, mlp = layer.self_attn, layer.feed_forward
     return {
-        "hook_attn_out": lambda d: _add_to_output(attn, d),
-        "hook_mixer_out": lambda d: _add_to_output(layer.mamba, d),
-        "hook_mlp_out": lambda d: _add_to_output(mlp, d),
-        "hook_resid_mid": lambda d: _resid_mid_edit(layer, layer.pre_ff_layernorm, [mlp], d),
-        "attn.hook_q": lambda d: _add_to_output(attn.q_proj, d.reshape(like["attn.hook_q"].shape)),
-        "attn.hook_v": lambda d: _add_to_output(attn.v_proj, d.reshape(like["attn.hook_v"].shape)),
-        "mlp.hook_pre": lambda d: _add_to_output(mlp.gate_proj, d),
-        "mlp.hook_post": lambda d: _add_to_input(mlp.down_proj, d),
+        "hook_attn_out": lambda d: add_to_output(attn, d),
+        "hook_mixer_out": lambda d: add_to_output(layer.mamba, d),
+        "hook_mlp_out": lambda d: add_to_output(mlp, d),
+        "hook_resid_mid": lambda d: resid_mid_edit(layer, layer.pre_ff_layernorm, [mlp], d),
+        "attn.hook_q": lambda d: add_to_output(attn.q_proj, d.reshape(like["attn.hook_q"].shape)),
+        "attn.hook_v": lambda d: add_to_output(attn.v_proj, d.reshape(like["attn.hook_v"].shape)),
+        "mlp.hook_pre": lambda d: add_to_output(mlp.gate_proj, d),
+        "mlp.hook_post": lambda d: add_to_input(mlp.down_proj, d),
         "ln1.hook_scale": lambda d: _norm_edit(layer.input_layernorm, "hook_scale", d),
         "ln1.hook_normalized": lambda d: _norm_edit(layer.input_layernorm, "hook_normalized", d),
         "ln2.hook_scale": lambda d: _norm_edit(layer.pre_ff_layernorm, "hook_scale", d),
@@ -457,7 +305,7 @@ def _falcon_h1_edits(layer: torch.nn.Module, like: dict[str, Tensor]) -> dict[st
 def _plain_shapes(reference: torch.nn.Module, layer: torch.nn.Module) -> dict[str, Tensor]:
     """What the plain hooks of :func:`_falcon_h1_edits` add to, by point (their shapes)."""
     attn = layer.self_attn
-    return _record(reference, {"attn.hook_q": (attn.q_proj, "out"), "attn.hook_v": (attn.v_proj, "out")})
+    return record(reference, {"attn.hook_q": (attn.q_proj, "out"), "attn.hook_v": (attn.v_proj, "out")})
 
 
 def _edit_gradients(
@@ -498,9 +346,9 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
     the edit (a tensor added at the point) equals the gradient through the same edit made by plain PyTorch hooks on
     a copy of the model, and its directional derivative equals central finite differences (the model's RMSNorms
     compute in float32: the differences are taken with steps that float32 rounding does not swamp, extrapolated)."""
-    model = _model("falcon_h1").double()
+    model = tiny_model("falcon_h1").double()
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     layer = reference.model.layers[0]
     _, cache = hm.run_with_cache(input_ids())
     edits = _falcon_h1_edits(layer, _plain_shapes(reference, layer))
@@ -509,11 +357,11 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
     errors, differences = {}, {}
     for point, make in edits.items():
         like = cache[f"blocks.0.{point}"]
-        d0 = _delta(like, 11).double() * 0.1
-        direction = _delta(like, 12).double()
+        d0 = seeded_delta(like, 11).double() * 0.1
+        direction = seeded_delta(like, 12).double()
         direction = direction / direction.norm()
         grad, want, through_hm = _edit_gradients(hm, reference, point, make, d0)
-        errors[point] = _relative(grad, want)
+        errors[point] = relative_error(grad, want)
         with torch.no_grad():  # central differences at two steps, extrapolated (Richardson: no step squared term)
             central = [
                 (through_hm(d0 + h * direction) - through_hm(d0 - h * direction)) / (2 * h) for h in (0.04, 0.02)
@@ -534,16 +382,16 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
 def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_type: str) -> None:
     """In float64, for each branch point a layer's own sums serve (Falcon-H1 with branch multipliers, GraniteMoeHybrid
     with a residual multiplier): the gradient of a loss of the logits with respect to the edit equals the gradient
-    through the same edit made by plain hooks doing the layer's sums (:func:`_sum_edit`) on a copy."""
+    through the same edit made by plain hooks doing the layer's sums (:func:`sum_edit`) on a copy."""
     if model_type == "falcon_h1":
-        model = _model("falcon_h1", **FALCON_MULTIPLIERS).double()
+        model = tiny_model("falcon_h1", **FALCON_MULTIPLIERS).double()
     else:
         # (transformers 5's default experts kernel, grouped matrix products, has no float64)
         eager = {} if transformers.__version__.startswith("4.") else {"_experts_implementation": "eager"}
-        model = _model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=0.5, **eager)
+        model = tiny_model("granitemoehybrid", layer_types=LINEAR_THEN_ATTENTION, residual_multiplier=0.5, **eager)
         model = model.double()
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     layer = reference.model.layers[0]
     if model_type == "falcon_h1":
         edits = _falcon_h1_sum_edits(layer)
@@ -551,13 +399,13 @@ def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_ty
         mlps = [layer.block_sparse_moe, layer.shared_mlp]
         kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
         reader, before = layer.post_attention_layernorm, [(layer.mamba, 0.5)]
-        edits = {n: lambda d, k=k: _sum_edit(layer, reader, before, mlps, 0.5, k, d) for n, k in kinds.items()}
+        edits = {n: lambda d, k=k: sum_edit(layer, reader, before, mlps, 0.5, k, d) for n, k in kinds.items()}
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
     errors = {}
     for point, make in edits.items():
-        d0 = _delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
+        d0 = seeded_delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
         grad, want, _ = _edit_gradients(hm, reference, point, make, d0)
-        errors[point] = _relative(grad, want)
+        errors[point] = relative_error(grad, want)
     assert all(e <= 1e-12 for e in errors.values()), errors
     hm.unwrap()
 
@@ -565,12 +413,12 @@ def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_ty
 def _bfloat16_wrapped_as_float32(model: torch.nn.Module) -> tuple[HookedModel, torch.nn.Module, set[str]]:
     """``model`` (float32) cast to bfloat16 and wrapped, asserted to serve the points it serves in float32; with a
     bfloat16 copy for plain hooks and those points."""
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     full = set(hm.hook_names)
     hm.unwrap()
     model = model.to(torch.bfloat16)
     reference = copy.deepcopy(model)
-    hm = _wrap(model)
+    hm = wrap_generic(model)
     assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
     return hm, reference, full
 
@@ -584,7 +432,7 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
     logits of the same edit made by plain hooks on a copy (bit for bit, but the norms' edits, which the plain hook
     computes by its own formula: to bfloat16 rounding)."""
     config = {"layer_types": LINEAR_THEN_ATTENTION} if model_type == "granitemoehybrid" else {}
-    hm, reference, full = _bfloat16_wrapped_as_float32(_model(model_type, **config))
+    hm, reference, full = _bfloat16_wrapped_as_float32(tiny_model(model_type, **config))
     model = hm.model
     read = {n for n in full if not n.endswith(("hook_attn_scores", "hook_pattern"))}
     with torch.no_grad():
@@ -595,8 +443,8 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
         layer = reference.model.layers[0]
         errors = {}
         for k, (point, make) in enumerate(_falcon_h1_edits(layer, _plain_shapes(reference, layer)).items()):
-            d = _delta(cache[f"blocks.0.{point}"], 20 + k) * (0.1 if point.endswith("hook_scale") else 1.0)
-            errors[point] = _edit_error(hm, reference, f"blocks.0.{point}", d, make(d))
+            d = seeded_delta(cache[f"blocks.0.{point}"], 20 + k) * (0.1 if point.endswith("hook_scale") else 1.0)
+            errors[point] = edit_error(hm, reference, f"blocks.0.{point}", d, make(d))
         norms = {p for p in errors if p.startswith(("ln1.", "ln2."))}
         assert all(e == 0.0 for p, e in errors.items() if p not in norms), errors
         # the norms' edits: the plain hook's formula rounds its own way (measured 2.7% of the largest logit at most)
@@ -607,10 +455,10 @@ def test_a_bfloat16_parallel_layer_gets_the_points_of_float32_read_without_chang
 def test_a_bfloat16_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_edited_as_plain_hooks() -> None:
     """In bfloat16 the multipliers are found as in float32 (``output * c`` in the model's dtype, bit for bit), and an
     edit of each contribution gives the logits of plain hooks doing the layer's sums, bit for bit."""
-    hm, reference, _ = _bfloat16_wrapped_as_float32(_model("falcon_h1", **FALCON_MULTIPLIERS))
+    hm, reference, _ = _bfloat16_wrapped_as_float32(tiny_model("falcon_h1", **FALCON_MULTIPLIERS))
     layer = reference.model.layers[0]
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
     for k, (name, make) in enumerate(_falcon_h1_sum_edits(layer).items()):
-        d = _delta(cache[f"blocks.0.{name}"], 30 + k)
-        assert _edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
+        d = seeded_delta(cache[f"blocks.0.{name}"], 30 + k)
+        assert edit_error(hm, reference, f"blocks.0.{name}", d, make(d)) == 0.0, name
     hm.unwrap()

@@ -330,6 +330,7 @@ def describe_layer(
             mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
+    _refuse_scaled(i, layer, rec)
     resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
     attn_in, attn_out = rec.inner.get((i, attn), (None, None))
     mlp_in, mlp_out = rec.inner.get((i, mlp), (None, None))
@@ -410,6 +411,21 @@ def describe_layer(
         z_changed=bool(changed_z),
         shared_expert=describe_shared_expert(model, layer, i, mlp_layout, rec),
     )
+
+
+def _refuse_scaled(i: int, layer: nn.Module, rec: Recording) -> None:
+    """Raise :class:`NotDescribed` where the layer adds its branches multiplied by constants of its config
+    (:mod:`.parallel`): a block description has no branch constant, so its ``hook_attn_out``, ``W_O`` and ``W_out``
+    would not be what the layer adds."""
+    from lensadapters.adapters.generic.parallel import layer_split
+
+    three = layer_split(i, layer, rec)
+    if three is not None and not three.scaled and not three.plain:
+        constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
+        raise NotDescribed(
+            f"the layer adds its branches multiplied by constants of its config ({constants}), and a block "
+            "description has no branch constant (its attention and MLP outputs would not be what the layer adds)"
+        )
 
 
 def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Optional[Tensor]:

@@ -214,7 +214,11 @@ def branches(
     first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
     order = sorted(names, key=lambda n: first.get(n, -1))
     if not sums(x.value, [r.value for r in records if r is not None], y.value):
-        return None
+        scaled = _split(i, layer, rec) if len(order) == 2 else None  # added times constants (.parallel)
+        if scaled is None or not scaled.summed:
+            return None
+        first_, second = scaled.before[0], scaled.after[0]
+        return (first_, second) if attention in (None, first_) else None
     if len(order) == 2:
         return (order[0], order[1]) if attention in (None, order[0]) else None
     only = order[0]
@@ -226,7 +230,8 @@ def branches(
 
 
 def _split(i: int, layer: nn.Module, rec: Recording) -> Any:
-    """The :class:`.parallel.Split` of a layer with three branch children, ``None`` for any other layer."""
+    """The :class:`.parallel.Split` of a layer with three branch children, or two it adds scaled; ``None`` for any
+    other layer."""
     from lensadapters.adapters.generic.parallel import layer_split
 
     return layer_split(i, layer, rec)

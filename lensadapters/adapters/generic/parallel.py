@@ -1,6 +1,7 @@
 """Layers of the mixer form (:mod:`.mixer`) with three branch children: two token mixers run in parallel before the
-MLP, or one token mixer and an MLP of two modules whose outputs the layer adds. Nothing here names an architecture;
-every rule is read from the probe forward pass (:mod:`.probe`).
+MLP, or one token mixer and an MLP of two modules whose outputs the layer adds; and layers of two branch children (a
+token mixer, then the MLP) that the layer adds multiplied by constants of its config. Nothing here names an
+architecture; every rule is read from the probe forward pass (:mod:`.probe`).
 
 The three branch children (direct children with matrix parameters, each run exactly once), in the order they ran,
 split into the ones before the layer's middle and the ones after it: ``mid = resid_pre + (sum of the outputs before
@@ -27,7 +28,8 @@ a layer that scales a branch has no such split, and its branch points are not se
   MLP modules' outputs as the layer adds it (no module's output is the MLP's contribution: :class:`.mixer_sites.SumSite`
   computes it); ``hook_resid_mid`` and ``ln2`` as in :mod:`.mixer`.
 * **Branches scaled by constants** (a branch multiplier: Falcon-H1's ``attention_out_multiplier`` and
-  ``ssm_out_multiplier``, Granite's ``residual_multiplier``): the sums above, each output (or the MLP modules' sum)
+  ``ssm_out_multiplier``, Granite's ``residual_multiplier``, which a layer of two branches applies to both): the sums
+  above (for two branches ``mid = x + a * c0``, ``out = mid + b * c1``), each output (or the MLP modules' sum)
   multiplied by a number of the model's config first, as ``output * c`` with that Python float, *exactly* (bit for
   bit) the norm's input and the layer's output. Then each branch point is what the layer adds to the residual stream,
   the scaled output (TransformerLens' semantics: ``hook_resid_mid = hook_resid_pre + hook_attn_out +
@@ -52,8 +54,9 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Split:
-    """A three-branch layer's children before its middle and after it (paths relative to the layer, run order), and
-    how the layer adds their outputs: ``mid = x + (b0 * c0 + b1 * c1)`` (``sequential``: ``x + b0 * c0 + b1 * c1``),
+    """A layer's branch children before its middle and after it (paths relative to the layer, run order; one or two
+    before, one or two after), and how the layer adds their outputs: ``mid = x + (b0 * c0 + b1 * c1)`` (one before:
+    ``x + b0 * c0``) (``sequential``: ``x + b0 * c0 + b1 * c1``),
     ``out = mid + (a0 [+ a1]) * after_scale`` (a scale of 1.0: the output as it is, not multiplied)."""
 
     before: tuple[str, ...]
@@ -145,7 +148,7 @@ def _scaled_split(
 ) -> Optional[Split]:
     """The :class:`Split` whose outputs the layer adds multiplied by constants of its config (the module docstring),
     ``None`` where none is exact. Only constants close to the least-squares multipliers are tried."""
-    for k in (2, 1):
+    for k in (2, 1) if len(outputs) == 3 else (1,):
         before, after = outputs[:k], outputs[k:]
         for read in reads:
             if read.shape != x.shape:
@@ -177,11 +180,12 @@ def _scaled_split(
 
 
 def split(i: int, layer: nn.Module, rec: Recording, names: list[str], config: object = None) -> Optional[Split]:
-    """The :class:`Split` of layer ``i``'s three branch children ``names`` (in run order) by the module docstring's
-    rule, ``None`` where there is none. ``config``: the model's, whose numbers are the candidate multipliers."""
+    """The :class:`Split` of layer ``i``'s branch children ``names`` (in run order: three, or two the layer adds
+    scaled) by the module docstring's rule, ``None`` where there is none. ``config``: the model's, whose numbers are
+    the candidate multipliers."""
     x, y = rec.layer_in.get(i), rec.layer_out.get(i)
     records = [rec.children.get((i, n)) for n in names]
-    if len(names) != 3 or x is None or y is None or any(r is None or r.calls != 1 for r in records):
+    if len(names) not in (2, 3) or x is None or y is None or any(r is None or r.calls != 1 for r in records):
         return None
     outputs = [r.value for r in records if r is not None]
     if any(o.shape != x.value.shape or not bool(o.abs().sum() > 0) for o in outputs):
@@ -191,6 +195,8 @@ def split(i: int, layer: nn.Module, rec: Recording, names: list[str], config: ob
         for name, child in layer.named_children()
         if name not in names and (a := rec.inner.get((i, name), (None, None))[0]) is not None
     ]
+    if len(names) == 2:
+        return _two_scaled(names, x.value, y.value, outputs, reads, config)
     for k in (2, 1):
         mids = _sums(x.value, outputs[:k])
         mid = next((m for m in mids if any(r.shape == m.shape and torch.equal(r, m) for r in reads)), None)
@@ -214,11 +220,24 @@ def split(i: int, layer: nn.Module, rec: Recording, names: list[str], config: ob
     return None
 
 
+def _two_scaled(
+    names: list[str], x: Tensor, y: Tensor, outputs: list[Tensor], reads: list[Tensor], config: object
+) -> Optional[Split]:
+    """The :class:`Split` of a layer of two branches (a token mixer, then the MLP) that it adds multiplied by
+    constants of its config (``mid = x + a * c0``, what a norm child reads, ``out = mid + b * c1``: Granite's
+    ``residual_multiplier``), ``None`` where the layer adds them as they are (the plain form needs no split) or by
+    no constant found."""
+    if _exact(_sums(x, outputs), y):
+        return None
+    found = _scaled_split(names, x, y, outputs, reads, _constants(config))
+    return found if found is not None and not found.plain else None
+
+
 def layer_split(i: int, layer: nn.Module, rec: Recording) -> Optional[Split]:
     """The :class:`Split` of layer ``i`` where it has three branch children (direct children with matrix
-    parameters), ``None`` for any other layer."""
+    parameters), or two it adds scaled by constants; ``None`` for any other layer."""
     names = [n for n, c in layer.named_children() if any(p.dim() >= 2 for p in c.parameters())]
-    if len(names) != 3:
+    if len(names) not in (2, 3):
         return None
     if i not in rec.splits:
         first = {n: k for k, e in enumerate(rec.events) for n in names if e[:3] == ("child", i, n)}
@@ -234,7 +253,7 @@ def branches(split_: Split, attention: Optional[str]) -> Optional[tuple[Optional
         return None, split_.after[0]
     if len(split_.before) == 2:
         return (attention, split_.after[0]) if attention in split_.before else None
-    return split_.before[0], None
+    return split_.before[0], split_.after[0] if len(split_.after) == 1 else None
 
 
 def beside(split_: Split, attention: Optional[str]) -> Optional[str]:

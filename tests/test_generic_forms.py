@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from lensadapters.adapters.generic import describe, findings
 from lensadapters.adapters.generic.describe import fused_qkv_split
 from lensadapters.adapters.generic.norms import norm_behaviour
 from lensadapters.adapters.generic.verify import check_points
-from lensadapters.testing.every_model_type import build, input_ids
+from lensadapters.testing.every_model_type import VOCAB, build, input_ids
 from lensadapters.testing.generic_support import wrap_generic
 
 
@@ -342,3 +342,27 @@ def test_a_layer_norm_of_one_plus_its_weight_is_recognized_with_its_offset() -> 
     spec = found.spec(norm)
     assert spec is not None and torch.allclose(apply_norm(x, spec), y, atol=1e-6)
     assert norm_behaviour(torch.nn.LayerNorm(8), x, torch.nn.LayerNorm(8)(x)).offset == 0.0  # type: ignore[union-attr]
+
+
+def test_a_parallel_block_that_normalizes_for_its_mlp_before_its_attention_lists_its_points_in_that_order() -> None:
+    """Falcon's new decoder architecture runs ``ln_mlp`` beside ``ln_attn``, before the attention: ``hook_mlp_in``
+    and ``ln2``'s points fire before the attention's, and ``hook_names`` says so (the order identity hooks see)."""
+    config = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_kv_heads=1,
+        new_decoder_architecture=True, parallel_attn=True, bias=False, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hm = wrap_generic(transformers.AutoModelForCausalLM.from_config(config).eval())
+    assert hm.block_layouts[0] is not None and hm.block_layouts[0].ln2_before_attn
+    block = [n for n in hm.hook_names if n.startswith("blocks.1.")]
+    assert block.index("blocks.1.ln2.hook_normalized") < block.index("blocks.1.attn.hook_q"), block
+    fired: list[str] = []
+
+    def note(t: torch.Tensor, hook: Any) -> torch.Tensor:
+        fired.append(hook.name)
+        return t.clone()
+
+    with torch.no_grad():
+        hm.run_with_hooks(input_ids(), fwd_hooks=[(lambda n: True, note)])
+    assert fired == hm.hook_names
+    hm.unwrap()

@@ -263,7 +263,9 @@ class BlockLayout:
     ``mlp`` is the module whose output is ``hook_mlp_out``; leave it ``None`` when the architecture
     has no MLP module (OPT), and ``hook_mlp_out`` is then the output of the MLP's down projection.
     ``parallel`` blocks compute ``x + attn(ln1 x) + mlp(ln2 x)`` and have no ``hook_resid_mid``.
-    ``ln2`` of a parallel block may be ``None`` when both branches share ``ln1`` (GPT-J).
+    ``ln2`` of a parallel block may be ``None`` when both branches share ``ln1`` (GPT-J). ``ln2_before_attn``: a
+    parallel block that computes ``ln2`` before it runs its attention (Falcon's new decoder architecture, whose
+    ``ln_mlp`` runs beside ``ln_attn``), so ``hook_mlp_in`` and ``ln2``'s points fire before the attention's.
 
     ``post_norm`` blocks normalize *after* each residual add (original Transformer, OPT-350m):
     ``mid = ln1(x + attn(x))``, ``out = ln2(mid + mlp(mid))``. Their hook points are
@@ -305,6 +307,7 @@ class BlockLayout:
     ln2_post: Optional[str] = None
     more_after_mlp: bool = False
     resid_post_before_norm: bool = False
+    ln2_before_attn: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lensadapters.adapters.generic import GenericAdapterWarning
+from lensadapters.adapters.generic import GenericAdapterWarning, findings
 from lensadapters.adapters.registry import Registry
 from lensadapters.api.hooked_model import HookedModel
 from lensadapters.errors import WeightUnavailableError
@@ -87,21 +87,16 @@ class GenericContract(GenericEdits):
             check_described_weights(hm, inputs)
             hm.unwrap()
             return
-        assert not any(
-            n.endswith(
-                (
-                    "hook_scale",
-                    "hook_q",
-                    "hook_k",
-                    "hook_v",
-                    "hook_result",
-                    "hook_resid_mid",
-                    "mlp.hook_pre",
-                    "mlp.hook_post",
-                )
-            )
-            for n in names
-        )
+        # undescribed: no queries, keys, values or per-head results; norm scales, hook_resid_mid and MLP activations
+        # only on a layer of the mixer form (verified at wrap time, as a scaled-branch layer's: .generic.parallel)
+        # (and ln_final.hook_scale only in a model with such a layer)
+        mixer_form = {f"blocks.{i}." for i, b in enumerate(findings(model).blocks) if b.mixer is not None}
+        verified = tuple(mixer_form) + (("ln_final.",) if mixer_form else ())
+        for n in names:
+            only_described = ("hook_q", "hook_k", "hook_v", "hook_result")
+            if not n.startswith(verified):
+                only_described += ("hook_scale", "hook_resid_mid", "mlp.hook_pre", "mlp.hook_post")
+            assert not n.endswith(only_described), n
         for absent in ("ln_final.hook_normalized", "attn.hook_z", "hook_attn_out"):
             if not any(n.endswith(absent) for n in names):
                 assert absent.split(".")[-1] in message, f"the warning does not say why {absent} is absent"

@@ -144,6 +144,8 @@ def block_point_names(
                 else _norm_points("ln2") + ["hook_resid_post"]
             )
         )
+    if block.parallel and block.ln2 is not None and block.ln2_before_attn:
+        return ["hook_resid_pre"] + ln1 + ["hook_mlp_in"] + _norm_points("ln2") + attn + mlp_names + ["hook_resid_post"]
     names = ["hook_resid_pre"] + ln1 + attn
     if not block.parallel:
         names.append("hook_resid_mid")

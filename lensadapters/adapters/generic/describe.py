@@ -398,7 +398,15 @@ def describe_layer(
         if mlp_layout is None:
             raise
     block = BlockLayout(
-        ln1=ln1, attn=attn, o_proj=o_proj, ln2=ln2, mlp=mlp, parallel=parallel, ln1_post=ln1_post, ln2_post=ln2_post
+        ln1=ln1,
+        attn=attn,
+        o_proj=o_proj,
+        ln2=ln2,
+        mlp=mlp,
+        parallel=parallel,
+        ln1_post=ln1_post,
+        ln2_post=ln2_post,
+        ln2_before_attn=parallel and ln2 is not None and _ran_before(rec, i, ln2, attn),
     )
     return LayerDescription(
         block,
@@ -411,6 +419,12 @@ def describe_layer(
         z_changed=bool(changed_z),
         shared_expert=describe_shared_expert(model, layer, i, mlp_layout, rec),
     )
+
+
+def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:
+    """Whether layer ``i``'s child ``first`` returned before its child ``then`` in the probe."""
+    order = [e[2] for e in rec.events if e[:2] == ("child", i)]
+    return first in order and then in order and order.index(first) < order.index(then)
 
 
 def _refuse_scaled(i: int, layer: nn.Module, rec: Recording) -> None:

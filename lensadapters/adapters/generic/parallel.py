@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -143,39 +143,40 @@ def _estimates(target: Tensor, parts: list[Tensor]) -> Optional[list[float]]:
     return [float(v) for v in solution.flatten()]
 
 
+def _scaled_middles(
+    x: Tensor, before: list[Tensor], reads: list[Tensor], constants: list[float]
+) -> Iterator[tuple[Tensor, tuple[float, ...], bool, tuple[int, ...]]]:
+    """Each middle ``x + sum(o_j * c_j)`` of the outputs ``before`` times constants near their least-squares
+    multipliers, added in one of the orders a layer adds them, that is exactly what a norm child reads: ``(middle,
+    constants in the order added, sequential, order)``."""
+    orders = ((False, (0, 1)), (True, (0, 1)), (True, (1, 0))) if len(before) == 2 else ((False, (0,)),)
+    for read in (r for r in reads if r.shape == x.shape):
+        estimates = _estimates(read - x, before)
+        if estimates is None:
+            continue
+        for scales in product(*[_near(e, constants, x.dtype) for e in estimates]):
+            contributions = [scale(o, c) for o, c in zip(before, scales)]
+            for sequential, order in orders:
+                mid = middle(x, [contributions[j] for j in order], Split((), (), sequential=sequential))
+                if _equal(read, mid):
+                    yield mid, tuple(scales[j] for j in order), sequential, order
+
+
 def _scaled_split(
     names: list[str], x: Tensor, y: Tensor, outputs: list[Tensor], reads: list[Tensor], constants: list[float]
 ) -> Optional[Split]:
     """The :class:`Split` whose outputs the layer adds multiplied by constants of its config (the module docstring),
     ``None`` where none is exact. Only constants close to the least-squares multipliers are tried."""
     for k in (2, 1) if len(outputs) == 3 else (1,):
-        before, after = outputs[:k], outputs[k:]
-        for read in reads:
-            if read.shape != x.shape:
-                continue
-            estimates = _estimates(read - x, before)
-            if estimates is None:
-                continue
-            for scales in product(*[_near(e, constants, x.dtype) for e in estimates]):
-                contributions = [scale(o, c) for o, c in zip(before, scales)]
-                for sequential, order in ((False, (0, 1)), (True, (0, 1)), (True, (1, 0)))[: 3 if k == 2 else 1]:
-                    ordered = [contributions[j] for j in order] if k == 2 else contributions
-                    trial = Split((), (), before_scales=tuple(scales), sequential=sequential)
-                    mid = middle(x, ordered, trial)
-                    if not _equal(read, mid):
-                        continue
-                    total = after[0] if len(after) == 1 else after[0] + after[1]
-                    ratio = _estimates(y - mid, [total])
-                    for c in _near(ratio[0], constants, x.dtype) if ratio is not None else []:
-                        found = Split(
-                            tuple(names[j] for j in (order if k == 2 else (0,))),
-                            tuple(names[k:]),
-                            before_scales=tuple(scales[j] for j in order) if k == 2 else tuple(scales),
-                            after_scale=c,
-                            sequential=sequential,
-                        )
-                        if _equal(mid + after_contribution(after, found), y):
-                            return found
+        after = outputs[k:]
+        total = after[0] if len(after) == 1 else after[0] + after[1]
+        for mid, scales, sequential, order in _scaled_middles(x, outputs[:k], reads, constants):
+            ratio = _estimates(y - mid, [total])
+            for c in _near(ratio[0], constants, x.dtype) if ratio is not None else []:
+                before = tuple(names[j] for j in order)
+                found = Split(before, tuple(names[k:]), before_scales=scales, after_scale=c, sequential=sequential)
+                if _equal(mid + after_contribution(after, found), y):
+                    return found
     return None
 
 

@@ -14,7 +14,9 @@ these modules are the core's own and may change between releases.
   ``signature``, ``install``) and its order rule (``completes_output``/``reads_output``: below), the reusable
   core sites (``InputSite``, ``OutputSite``, ``NormSite``...), ``ForwardState`` (``hooked.forward_state``:
   ``site_values(site)`` is a dict private to one site within one forward pass, cleared after it),
-  ``is_recomputing`` (a gradient-checkpoint recomputation is running), the tensor helpers of sites
+  ``is_recomputing`` (a gradient-checkpoint recomputation is running), ``current_recompute_token`` (the
+  ``RecomputeToken`` of the forward whose checkpointed blocks are being recomputed: ``forward_state.frame.token``
+  in that forward, so a site can keep by it what the recomputation needs again), the tensor helpers of sites
   (``first_input``, ``replace_first_output``, ``split_heads``...), ``detachable`` (handles made inert in copies)
   and ``InstanceOverride`` (a per-instance method override that copies and pickles turn back into the class's;
   ``override_instance_method`` stores one and returns the handle removing it).
@@ -59,7 +61,7 @@ from lensadapters.errors import PluginValidationError, UnsupportedModelError, We
 from lensadapters.hooks import specs as _specs
 from lensadapters.hooks.copying import InstanceOverride, detachable, override_instance_method
 from lensadapters.hooks.explicit_attention import explicit_attention, site_attention
-from lensadapters.hooks.frames import ForwardState, FrameValues
+from lensadapters.hooks.frames import ForwardState, FrameValues, current_recompute_token
 from lensadapters.hooks.hook_point import HookPoint, is_recomputing
 from lensadapters.hooks.offload import live_parameters
 from lensadapters.hooks.rotary import (
@@ -135,6 +137,7 @@ __all__ = [
     "first_input",
     "first_output",
     "is_recomputing",
+    "current_recompute_token",
     "merge_heads",
     "reads_output",
     "replace_first_input",

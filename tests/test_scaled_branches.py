@@ -9,6 +9,7 @@ MLP's points are served beside them, each verified against plain hooks."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -97,4 +98,33 @@ def test_a_unit_multiplier_keeps_the_full_description() -> None:
     hm = wrap_generic(model)
     assert {"blocks.0.attn.hook_q", "blocks.0.hook_attn_out", "blocks.0.mlp.hook_post"} <= set(hm.hook_dict)
     assert hm.W_O.shape[0] == model.config.num_hidden_layers
+    hm.unwrap()
+
+
+def test_a_forward_run_inside_a_branch_point_leaves_the_outer_forwards_sums_exact() -> None:
+    """The sums a layer's ``SumSite`` follows are each forward's own: a hook at ``hook_attn_out`` of the outer forward
+    that runs the model on another input (passing through the same layer) leaves the outer forward's edit there and
+    its points after it bit for bit those of a run without the nested call; the nested call gives the model's
+    logits."""
+    model = tiny_model("granite", residual_multiplier=0.5, **GRANITE_MULTIPLIERS)
+    hm: Any = wrap_generic(model)
+    outer, inner = input_ids(1), input_ids(2)
+    names = [f"blocks.1.{n}" for n in ("hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")]
+
+    def run(extra: list) -> tuple:
+        seen: dict = {}
+        hooks = [("blocks.1.hook_attn_out", lambda t, hook: t + 0.25 * torch.sin(t))]
+        hooks += [(n, lambda t, hook: seen.__setitem__(hook.name, t.detach().clone())) for n in names]
+        return hm.run_with_hooks(outer, fwd_hooks=hooks + extra), seen
+
+    with torch.no_grad():
+        expected_logits, expected = run([])
+        clean_inner = model(inner).logits
+        nested: list = []
+        logits, seen = run([("blocks.1.hook_attn_out", lambda t, hook: nested.append(hm(inner).logits))])
+    assert torch.equal(logits, expected_logits), "the outer forward's edit was lost to the nested call"
+    assert sorted(seen) == sorted(expected) == sorted(names)
+    for name in names:
+        assert torch.equal(seen[name], expected[name]), name
+    assert len(nested) == 1 and torch.equal(nested[0], clean_inner)
     hm.unwrap()

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lensadapters.hooks.frames import ForwardState
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input, replace_first_output
 
@@ -137,7 +138,8 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
     if form.sum is not None and form.mid is not None:  # the layer's own sums (.parallel): its branch points
         owned = {name: points[name] for name in SUM_POINTS if name in points}
         if owned:
-            sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned))
+            state = hooked.forward_state
+            sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned, state))
     elif form.mid is not None and "hook_resid_mid" in points:
         sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"]))
     if form.mlp is not None:
@@ -218,13 +220,22 @@ class _LayerSum:
     """What a layer whose branches :class:`SumSite` serves adds, as it adds it (:mod:`.parallel`): ``split`` the
     layer's :class:`.parallel.Split`, ``reader`` the norm reading its middle. Each forward pass records the layer's
     input, the outputs before the middle (scaled: their contributions), the middle the reader gets and the outputs
-    after it; :meth:`output` is the layer's output from those."""
+    after it; :meth:`output` is the layer's output from those. With ``forward_state`` the records are each
+    forward's own (its site values: another thread's forward, or one a hook runs inside it, has its own)."""
 
-    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any) -> None:
+    def __init__(
+        self, layer: nn.Module, reader: nn.Module, split: Any, forward_state: Optional[ForwardState] = None
+    ) -> None:
         self.layer, self.reader, self.split = layer, reader, split
         self.before = [layer.get_submodule(n) for n in split.before]
         self.after = [layer.get_submodule(n) for n in split.after]
-        self.state: dict[str, Any] = {}
+        self.forward_state = forward_state
+        self._state: dict[str, Any] = {}
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """This forward's records (the object's own without ``forward_state``)."""
+        return self._state if self.forward_state is None else self.forward_state.site_values(self)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -242,20 +253,22 @@ class _LayerSum:
         from lensadapters.adapters.generic.parallel import after_contribution, scale
         from lensadapters.hooks.sites import completes_output
 
-        split, state = self.split, self.state
+        split = self.split
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            state = self.state
             state.clear()
             state["x"], state["after"] = first_input(args, kwargs), []
 
         def before(k: int) -> Callable[..., None]:
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
-                if "x" in state:
+                if "x" in self.state:
                     on_before(k, scale(first_output(output), split.before_scales[k]))
 
             return hook
 
         def reader(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            state = self.state
             if "x" not in state or "mid" in state:
                 return None
             new = on_reader(first_input(args, kwargs))
@@ -263,10 +276,12 @@ class _LayerSum:
             return None if new is None else replace_first_input(args, kwargs, new)
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
+            state = self.state
             if "mid" in state:
                 state["after"].append(first_output(output))
 
         def out(module: nn.Module, args: tuple, output: Any) -> Any:
+            state = self.state
             if "mid" not in state or len(state["after"]) != len(self.after):
                 return None
             y = first_output(output)
@@ -294,44 +309,61 @@ class SumSite(Site):
     where the layer adds it. An edit of a contribution before the middle gives the norm the middle recomputed from the
     edited contributions (as the layer adds them); an edit there or after it gives the layer's output as the middle
     the norm read plus the contribution after it: exactly what the layer computes with the edited values (the
-    modules' own outputs are never changed, so no edit is divided back by a constant)."""
+    modules' own outputs are never changed, so no edit is divided back by a constant). What a forward records is
+    its own (``state``'s site values: another thread's forward, or one a hook runs inside it, has its own)."""
 
     def __init__(
-        self, layer: nn.Module, reader: nn.Module, split: Any, contributions: tuple[str, ...], points: dict[str, Any]
+        self,
+        layer: nn.Module,
+        reader: nn.Module,
+        split: Any,
+        contributions: tuple[str, ...],
+        points: dict[str, Any],
+        state: ForwardState,
     ) -> None:
-        self.sum = _LayerSum(layer, reader, split)
+        self.sum = _LayerSum(layer, reader, split, state)
         self.before_points: list[Optional[HookPoint]] = [points.get(name) for name in contributions]
         self.mid_point, self.after_point = points.get("hook_resid_mid"), points.get("hook_mlp_out")
         self.points = tuple(p for p in [*self.before_points, self.mid_point, self.after_point] if p is not None)
-        self.values: dict[int, Tensor] = {}  # the contributions before the middle, by their place in the split
-        self.changed = self.mid_changed = False
+        self.state = state
+
+    def _values(self) -> dict[str, Any]:
+        """This forward's ``"values"`` (the contributions before the middle, by their place in the split),
+        ``"changed"`` (one of them edited) and ``"mid_changed"`` (the middle edited or recomputed)."""
+        values = self.state.site_values(self)
+        if "values" not in values:
+            values.update(values={}, changed=False, mid_changed=False)
+        return values
 
     def install(self) -> list[Any]:
         return self.sum.hooks(self._before, self._reader, self._output)
 
     def _before(self, k: int, contribution: Tensor) -> None:
-        point = self.before_points[k]
+        record, point = self._values(), self.before_points[k]
         if point is not None:
             contribution, changed = point.apply(contribution, protect=True)
-            self.changed |= changed
-        self.values[k] = contribution
+            record["changed"] |= changed
+        record["values"][k] = contribution
 
     def _reader(self, mid: Tensor) -> Optional[Tensor]:
-        changed = self.changed and len(self.values) == len(self.before_points)
+        record = self._values()
+        values = record["values"]
+        changed = record["changed"] and len(values) == len(self.before_points)
         if changed:
-            mid = self.sum.middle([self.values[k] for k in range(len(self.before_points))])
+            mid = self.sum.middle([values[k] for k in range(len(self.before_points))])
         if self.mid_point is not None:
             mid, edited = self.mid_point.apply(mid, protect=True)
             changed |= edited
-        self.values, self.changed, self.mid_changed = {}, False, changed
+        record.update(values={}, changed=False, mid_changed=changed)
         return mid if changed else None
 
     def _output(self, after: Tensor) -> Optional[Tensor]:
-        changed = self.mid_changed
+        record = self._values()
+        changed = record["mid_changed"]
         if self.after_point is not None:
             after, edited = self.after_point.apply(after, protect=True)
             changed |= edited
-        self.mid_changed = False
+        record["mid_changed"] = False
         return self.sum.state["mid"] + after if changed else None
 
 

@@ -399,7 +399,7 @@ def _pre_ln_block_sites(p: hf.PointChain, block: Any, prefix: str, heads: int, f
     sites.append(OutputSite(block.fc1, p.new(f"{prefix}.mlp.hook_pre")))
     sites.append(InputSite(block.fc2, p.new(f"{prefix}.mlp.hook_post")))
     mlp_out, post = p.new(f"{prefix}.hook_mlp_out"), p.new(f"{prefix}.hook_resid_post")
-    sites.append(PreLNResidualSite(block, stages, mlp_out, post, prefix))
+    sites.append(PreLNResidualSite(block, stages, mlp_out, post, prefix, p.hooked.forward_state))
     return sites
 
 
@@ -411,7 +411,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     if causal(model):  # the core serves the blocks; the embeddings' sum and its norm are this plugin's
         decoder = model.model.decoder
         pos = hooked.claim_point("hook_pos_embed")
-        sites: list[Site] = [_embed_site(fam, "decoder", decoder, embeds[0], pos, type(model).__name__)]
+        state = hooked.forward_state
+        sites: list[Site] = [_embed_site(fam, "decoder", decoder, embeds[0], pos, type(model).__name__, state)]
         if fam.embed_ln:
             sites.append(hf.PointChain(hooked, "hook_pos_embed").norm(decoder.layernorm_embedding, "embed.ln"))
         if fam.scale_queries_first:  # MVP's own attention code: scores and patterns written out here
@@ -428,7 +429,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         module = getattr(base, stack)
         lead = "" if stack == "encoder" else "decoder."
         embed = embeds[0] if stack == "encoder" else p.new("decoder.hook_embed")
-        sites.append(_embed_site(fam, stack, module, embed, p.new(f"{lead}hook_pos_embed"), f"model.{stack}"))
+        pos = p.new(f"{lead}hook_pos_embed")
+        sites.append(_embed_site(fam, stack, module, embed, pos, f"model.{stack}", hooked.forward_state))
         if fam.embed_ln:
             sites.append(p.norm(module.layernorm_embedding, f"{lead}embed.ln"))
         for i, block in enumerate(module.layers):
@@ -437,17 +439,17 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             sites.append(p.norm(getattr(module, fam.final_norm), f"{stack}_final_ln"))
         if stack == "encoder" and fam.block_sparse_encoder:  # every encoder point: the sites since the stack's
             points = tuple(dict.fromkeys(pt for site in sites for pt in site.points))
-            sites.append(BlockSparsePadding(module, points, "model.encoder"))
+            sites.append(BlockSparsePadding(module, points, "model.encoder", hooked.forward_state))
     return sites
 
 
-def _embed_site(fam: Family, name: str, stack: Any, embed: Any, pos: Any, label: str) -> Site:
+def _embed_site(fam: Family, name: str, stack: Any, embed: Any, pos: Any, label: str, state: Any) -> Site:
     """Where ``stack`` adds its token embeddings and positions: the input of the module that reads the sum (its
     embedding norm, or its first block), or, where it normalizes the token embeddings first, their outputs."""
     if name == "decoder" and fam.decoder_norm_first:
-        return NormFirstEmbedSite(stack, stack.layernorm_embedding, embed, pos, label)
+        return NormFirstEmbedSite(stack, stack.layernorm_embedding, embed, pos, label, state)
     consumer = stack.layernorm_embedding if fam.embed_ln else stack.layers[0]
-    return EmbedSumSite(stack, consumer, embed, pos, label)
+    return EmbedSumSite(stack, consumer, embed, pos, label, state)
 
 
 #: what every tiny config of ``bart_config`` shares: 32 positions, BART's special tokens, no dropout

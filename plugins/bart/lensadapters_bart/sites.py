@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lensadapters.plugin_api import (
+    ForwardState,
     HookPoint,
     Site,
     UnsupportedModelError,
+    current_recompute_token,
     explicit_attention,
     first_input,
     first_output,
@@ -43,15 +47,22 @@ class EmbedSumSite(Site):
     module's output shown ``[batch, pos, d_model]``. Each forward checks that the sum the stack passes on is theirs
     (it is not in training mode with dropout after it: refused by name); an edit of either is the sum the next
     module gets, as the stack computes it. Told apart by the stack that runs (both stacks may call one shared
-    embedding module, as after ``set_input_embeddings``)."""
+    embedding module, as after ``set_input_embeddings``). What a forward records is its own (``state``'s site
+    values: another thread's forward, or one a hook runs inside it, has its own)."""
 
-    def __init__(self, stack: Any, consumer: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
+    def __init__(
+        self, stack: Any, consumer: nn.Module, embed: HookPoint, pos: HookPoint, label: str, state: ForwardState
+    ) -> None:
         self.stack: Any
         self.stack, self.consumer, self.embed, self.pos, self.label = stack, consumer, embed, pos, label
         self.points = (embed, pos)
         self.scale = outside_scale(stack)
-        self.running = False
-        self.values: dict[str, Tensor] = {}
+        self.state = state
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """This forward's records (``"running"``: the stack runs; ``"embed"``, ``"pos"``: the modules' outputs)."""
+        return self.state.site_values(self)
 
     def install(self) -> list[Any]:
         s = self.stack
@@ -69,22 +80,26 @@ class EmbedSumSite(Site):
                 f"{self.label}: this *ForCausalLM is served as a decoder alone; encoder_hidden_states= runs its "
                 f"cross-attention, which has no points here (wrap the *ForConditionalGeneration instead)"
             )
-        self.running, self.values = True, {}
+        values = self.values
+        values.clear()
+        values["running"] = True
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.running = False
+        self.values.clear()
 
     def _record(self, key: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
             # the token embeddings are those before the positions: a later call is not the input's (BigBird's
             # encoder embeds its pad tokens after them, to pad the input to a multiple of block_size)
-            if self.running and not (key == "embed" and "pos" in self.values):
-                self.values[key] = output
+            values = self.values
+            if values.get("running") and not (key == "embed" and "pos" in values):
+                values[key] = output
 
         return hook
 
     def _serve(self, module: nn.Module, args: tuple) -> Any:
-        embed, pos = self.values.pop("embed", None), self.values.pop("pos", None)
+        values = self.values
+        embed, pos = values.pop("embed", None), values.pop("pos", None)
         if embed is None or pos is None or is_recomputing():  # inputs_embeds given: no token embeddings here
             return None
         total = args[0]
@@ -116,8 +131,10 @@ class NormFirstEmbedSite(EmbedSumSite):
     d_model]``. Each forward checks that the norm reads the token embeddings as ``embed_tokens`` gave them (a stack
     that scales them between is not this one: refused by name)."""
 
-    def __init__(self, stack: Any, norm: nn.Module, embed: HookPoint, pos: HookPoint, label: str) -> None:
-        super().__init__(stack, norm, embed, pos, label)
+    def __init__(
+        self, stack: Any, norm: nn.Module, embed: HookPoint, pos: HookPoint, label: str, state: ForwardState
+    ) -> None:
+        super().__init__(stack, norm, embed, pos, label, state)
 
     def install(self) -> list[Any]:
         s = self.stack
@@ -130,15 +147,17 @@ class NormFirstEmbedSite(EmbedSumSite):
         ]
 
     def _embed(self, module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
-        if not self.running or is_recomputing():
+        values = self.values
+        if not values.get("running") or is_recomputing():
             return None
         value, changed = self.embed.apply(output)
-        self.values["embed"] = value
+        values["embed"] = value
         return value if changed else None
 
     def _pos(self, module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
-        embed = self.values.get("embed")
-        if not self.running or embed is None or is_recomputing():  # inputs_embeds given: no token embeddings here
+        values = self.values
+        embed = values.get("embed")  # None: inputs_embeds given, no token embeddings here
+        if not values.get("running") or embed is None or is_recomputing():
             return None
         value, changed = self.pos.apply(output.expand_as(embed), protect=True)
         return value if changed else None
@@ -161,7 +180,8 @@ class PreLNResidualSite(Site):
     (``out_proj``'s, ``fc2``'s) as the block does; ``hook_resid_mid``... are served at the input of the norm that
     reads them, and the block output is recomputed as ``resid_mid + mlp_out``, so an edit reaches the norm and the
     residual both, exactly as the block computes them. Refused by name in training mode with dropout (the block's
-    dropouts sit between the branches and the residual)."""
+    dropouts sit between the branches and the residual). The residual followed is the forward's own (``state``'s
+    site values: another thread's forward, or one a hook runs inside it, follows its own)."""
 
     def __init__(
         self,
@@ -170,11 +190,17 @@ class PreLNResidualSite(Site):
         mlp_out: HookPoint,
         resid_post: HookPoint,
         label: str,
+        state: ForwardState,
     ) -> None:
         self.block: Any = block
         self.stages, self.mlp_out, self.resid_post, self.label = stages, mlp_out, resid_post, label
         self.points = tuple(p for s in stages for p in (s[1], s[3])) + (mlp_out, resid_post)
-        self.values: dict[str, Tensor] = {}
+        self.state = state
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """This forward's residual (``"resid"``) and the branch output to add next (``"branch"``)."""
+        return self.state.site_values(self)
 
     def install(self) -> list[Any]:
         b = self.block
@@ -192,7 +218,9 @@ class PreLNResidualSite(Site):
                 f"{self.label}: the residual points of a pre-LN block are served in eval mode or without dropout "
                 f"(the block's dropouts sit between its branches and the residual): call model.eval()"
             )
-        self.values = {"resid": first_input(args, {})}
+        values = self.values
+        values.clear()
+        values["resid"] = first_input(args, {})
 
     def _branch(self, point: HookPoint) -> Any:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
@@ -204,15 +232,17 @@ class PreLNResidualSite(Site):
 
     def _mid(self, point: HookPoint) -> Any:
         def hook(module: nn.Module, args: tuple) -> Any:
-            mid = self.values["resid"] + self.values.pop("branch")
+            values = self.values
+            mid = values["resid"] + values.pop("branch")
             mid, _ = point.apply(mid)
-            self.values["resid"] = mid
+            values["resid"] = mid
             return (mid, *args[1:])
 
         return hook
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        out = self.values.pop("resid") + self.values.pop("branch")
+        values = self.values
+        out = values.pop("resid") + values.pop("branch")
         out, _ = self.resid_post.apply(out)
         return replace_first_output(output, out)
 
@@ -364,13 +394,20 @@ class BlockSparsePadding(Site):
     other model (its value: those positions of the module's padded tensor), and an edit is written into those
     positions of the padded tensor, the pad positions left as transformers computes them: exactly what a plain
     PyTorch hook editing those positions of the module's tensor does. Served while one of the points is hooked:
-    each point's ``apply`` is overridden for this instance (the stack's pre-hook notes the lengths of each forward;
-    they stay for a gradient-checkpoint recomputation after it)."""
+    each point's ``apply`` is overridden for this instance.
 
-    def __init__(self, stack: Any, points: tuple[HookPoint, ...], label: str) -> None:
+    The stack's pre-hook notes the lengths of each forward in that forward's own values (``state``'s site values:
+    two threads running the model, or a forward a hook runs inside another, each have theirs), and, where gradient
+    checkpointing may recompute the forward's layers during backward (after the forward ended, possibly on another
+    thread), by the forward's recompute token, which the recomputation reads them back by (kept as long as the
+    token: the forward's autograd graph)."""
+
+    def __init__(self, stack: Any, points: tuple[HookPoint, ...], label: str, state: ForwardState) -> None:
         self.stack: Any = stack
-        self.points, self.label = points, label
-        self.lengths: Optional[tuple[int, int]] = None  # (input, padded) of the latest padded forward
+        self.points, self.label, self.state = points, label, state
+        # (input, padded) of each forward that may be recomputed, by its recompute token (None: not padded)
+        self.kept: "weakref.WeakKeyDictionary[Any, Optional[tuple[int, int]]]" = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
 
     def install(self) -> list[Any]:
         handles: list[Any] = [self.stack.register_forward_pre_hook(self._enter, with_kwargs=True)]
@@ -381,13 +418,31 @@ class BlockSparsePadding(Site):
     def _enter(self, module: Any, args: tuple, kwargs: dict) -> None:
         length, size = _input_length(args, kwargs), module.config.block_size
         if length is None or full_attention(module, length) or length % size == 0:
-            self.lengths = None
+            lengths = None
         else:
-            self.lengths = (length, length + size - length % size)
+            lengths = (length, length + size - length % size)
+        values = self.state.site_values(self)
+        values["lengths"], values["in_backward"] = lengths, is_recomputing()
+        token = self.state.frame.token
+        if token is not None:
+            with self.lock:
+                self.kept[token] = lengths
+
+    def lengths(self) -> Optional[tuple[int, int]]:
+        """(input, padded) of the forward running now: the one whose layers a backward recomputes now, else the one
+        this thread runs (a forward started inside a backward, as from a backward hook, is that one)."""
+        values = self.state.site_values(self)
+        if is_recomputing() and not values.get("in_backward", False):
+            token = current_recompute_token()
+            if token is not None:
+                with self.lock:
+                    if token in self.kept:
+                        return self.kept[token]
+        return values.get("lengths")
 
     def _apply(self, point: HookPoint) -> Any:
         def apply(value: Tensor, protect: bool = False) -> tuple[Tensor, bool]:
-            lengths = self.lengths
+            lengths = self.lengths()
             if lengths is None or value.dim() < 2 or value.shape[1] != lengths[1]:
                 return HookPoint.apply(point, value, protect)
             length = lengths[0]

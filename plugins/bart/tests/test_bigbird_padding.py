@@ -9,6 +9,7 @@ The models are tiny (width 16, 2 layers of each stack, 2 heads, one random block
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import lensadapters_bart
@@ -260,3 +261,161 @@ def test_float64_gradients_of_an_edit_are_plain_hooks(case):
         assert torch.equal(g_ours, g_theirs) and g_ours.abs().sum() > 0
     finally:
         hm.unwrap()
+
+
+# --- per-forward state: threads, nested calls, gradient checkpointing -------------------------------------------
+
+#: two block-sparse inputs for block_size 2 (longer than 14), padded to different lengths (16 and 20)
+LENGTHS = (15, 19)
+#: an edit of each forward (a residual point and a point under the attention wrapper)
+EDIT_OF = {15: "encoder.0.hook_resid_mid", 19: "encoder.1.attn.hook_v"}
+
+
+@pytest.fixture(scope="module")
+def block2() -> Any:
+    model = make(2)
+    hm = HookedModel.wrap(model)
+    yield model, hm
+    hm.unwrap()
+
+
+def _record_and_edit(hm: Any, length: int, extra: list[Any]) -> tuple[Tensor, dict[str, Tensor]]:
+    """The logits and every encoder point of one forward on ``batch_of(length)`` (each read, ``EDIT_OF[length]``
+    edited by ``nudge``), with ``extra`` hooks too."""
+    seen: dict[str, Tensor] = {}
+
+    def record(t: Tensor, hook: Any) -> None:
+        seen[hook.name] = t.detach().clone()
+
+    hooks: list[Any] = [(name, record) for name in encoder_points(hm)]
+    hooks.append((EDIT_OF[length], lambda t, hook: kit.nudge(t)))
+    logits = kit.logits_of(hm.run_with_hooks(**batch_of(length), fwd_hooks=hooks + extra))
+    return logits, seen
+
+
+def _same(got: tuple[Tensor, dict[str, Tensor]], expected: tuple[Tensor, dict[str, Tensor]], what: str) -> None:
+    assert torch.equal(got[0], expected[0]), f"{what}: logits"
+    assert sorted(got[1]) == sorted(expected[1]), what
+    for name, value in expected[1].items():
+        assert got[1][name].shape == value.shape and torch.equal(got[1][name], value), f"{what}: {name}"
+
+
+def test_two_threads_get_exactly_their_sequential_values(block2):
+    """Two threads run the wrapped model at once on inputs padded to different lengths (each with its own hooks:
+    every encoder point read, one edited), held together by a barrier at points of both blocks, so each forward
+    runs while the other is between its stack's start and end: each gets bit for bit what it gets alone."""
+    model, hm = block2
+    with torch.no_grad():
+        expected = {n: _record_and_edit(hm, n, []) for n in LENGTHS}
+    barrier = threading.Barrier(2, timeout=120)  # a guard against a hang, never reached by a passing run
+
+    def wait(t: Tensor, hook: Any) -> None:
+        barrier.wait()
+
+    meet = [(name, wait) for name in ("encoder.0.attn.hook_q", "encoder.0.hook_mlp_out", "encoder.1.hook_resid_mid")]
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def worker(length: int) -> None:
+        try:
+            with torch.no_grad():
+                results[length] = _record_and_edit(hm, length, meet)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in LENGTHS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for n in LENGTHS:
+        _same(results[n], expected[n], f"length {n}")
+    assert not hm.has_hooks
+
+
+def test_a_nested_forward_leaves_the_outer_values_exact(block2):
+    """A hook of the outer forward (length 15, padded to 16) runs the model on another input (19, padded to 20)
+    between the outer stack's start and its later points: the outer forward's points and edit are those of a run
+    without it, bit for bit, and the nested call gives Hugging Face's logits."""
+    model, hm = block2
+    inner = batch_of(LENGTHS[1])
+    with torch.no_grad():
+        expected = _record_and_edit(hm, LENGTHS[0], [])
+        clean_inner = model(**inner).logits
+        nested: list[Tensor] = []
+
+        def call_again(t: Tensor, hook: Any) -> None:
+            nested.append(hm(**inner).logits)
+
+        got = _record_and_edit(hm, LENGTHS[0], [("encoder.0.hook_attn_out", call_again)])
+    _same(got, expected, "the outer forward")
+    assert len(nested) == 1 and torch.equal(nested[0], clean_inner)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_recomputes_with_each_forwards_lengths(reentrant):
+    """Train mode (no dropout) with gradient checkpointing, float64: two forwards padded to different lengths (16,
+    20), each adding a leaf ``delta`` at ``encoder.1.mlp.hook_pre`` (inside the checkpointed layer: recomputed
+    during backward), then one backward of both losses. The recomputed layers of each forward show and edit that
+    forward's positions: the gradients (of each ``delta`` and of the parameters) are bit for bit those of plain
+    PyTorch hooks adding each ``delta`` at the same positions of ``fc1``'s padded output, under the same
+    checkpointing, and those without checkpointing up to float64 rounding (reentrant checkpointing's own
+    recomputation differs from a plain backward by a few ulps, hooks or not)."""
+
+    def grads(checkpointing: bool, ours: bool) -> dict[str, Any]:
+        model: Any = make(2, torch.float64).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        hm: Any = HookedModel.wrap(model)
+        deltas = {n: torch.zeros(2, n, 24, dtype=torch.float64, requires_grad=True) for n in LENGTHS}
+        by_padded = {n + 1: (n, deltas[n]) for n in LENGTHS}  # block_size 2: padded by one
+
+        def plain(module: nn.Module, args: tuple, output: Tensor) -> Tensor:  # every call, recomputations too
+            n, delta = by_padded[output.shape[1]]
+            return torch.cat([output[:, :n] + delta, output[:, n:]], dim=1)
+
+        handle = None if ours else model.model.encoder.layers[1].fc1.register_forward_hook(plain)
+        try:
+            loss = torch.zeros((), dtype=torch.float64)
+            for n in LENGTHS:
+                edit = [("encoder.1.mlp.hook_pre", lambda t, hook, delta=deltas[n]: t + delta)] if ours else []
+                loss = loss + kit.logits_of(hm.run_with_hooks(**batch_of(n), fwd_hooks=edit)).square().sum()
+            loss.backward()  # reentrant checkpointing takes no autograd.grad
+        finally:
+            if handle is not None:
+                handle.remove()
+            hm.unwrap()
+        found = {f"delta{n}": delta.grad for n, delta in deltas.items()}
+        return found | {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, theirs, unchecked = grads(True, True), grads(True, False), grads(False, True)
+    assert all(ours[f"delta{n}"].abs().sum() > 0 for n in LENGTHS)
+    assert sorted(ours) == sorted(theirs) == sorted(unchecked)
+    for name, grad in theirs.items():
+        assert torch.equal(ours[name], grad), name
+        torch.testing.assert_close(ours[name], unchecked[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+# --- bfloat16 -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"block{s[0]}-len{s[1]}")
+def bf16_case(request: Any) -> Any:
+    block_size, length = request.param
+    model = make(block_size, torch.bfloat16)
+    hm = HookedModel.wrap(model)
+    yield model, hm, batch_of(length), length
+    hm.unwrap()
+
+
+def test_bfloat16_no_hooks_reads_and_edits_are_plain_hooks_bitwise(bf16_case):
+    """The wrapped model in bfloat16, block-sparse and padded: no hooks, each encoder point read (the norms' scales
+    included) and an edit at a point of each kind (``EDITED``) are bit for bit what the model and plain PyTorch
+    hooks on its modules give in bfloat16."""
+    test_no_hooks_is_hugging_face_bitwise(bf16_case)
+    test_every_encoder_point_is_the_input_positions_of_the_hf_tensor(bf16_case)
+    test_edits_are_plain_hook_edits_of_the_input_positions(bf16_case)
+    model = bf16_case[0]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

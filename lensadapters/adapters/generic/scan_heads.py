@@ -58,20 +58,60 @@ def _sizes(mixer: Any) -> Optional[tuple[int, int, int, int, int]]:
     return rest // 2, inner, conv, groups, state
 
 
+HEAD_PARAMETERS = ("A_log", "D", "dt_bias")
+
+
 def recognise(mixer: nn.Module) -> Optional[str]:
     """``None`` where ``mixer`` is the per-head selective scan the module docstring describes, else why not."""
     own = dict(mixer.named_parameters(recurse=False))
-    heads = [own.get(n) for n in ("A_log", "D", "dt_bias")]
+    heads = [own.get(n) for n in HEAD_PARAMETERS]
     if any(p is None or p.dim() != 1 for p in heads) or len({p.shape[0] for p in heads if p is not None}) != 1:
         return "no parameters A_log, D and dt_bias [n_heads] of its own"
-    if isinstance(getattr(mixer, "mup_vector", None), Tensor):
-        return "in_proj's output is scaled (mup_vector) before the scan: the scan's inputs are no module output"
-    norm = getattr(mixer, "norm", None)
-    if not isinstance(norm, nn.Module) or not callable(getattr(mixer, "act", None)):
-        return "no gated norm child norm and activation act"
+    if not callable(getattr(mixer, "act", None)):
+        return "no activation act"
     if _sizes(mixer) is None:
         return "the children's shapes are not those of Mamba-2's per-head selective scan"
+    if len(_factors(mixer)) > 1:
+        return "several tensors of its own have one element per output of in_proj: which one scales it is unknown"
     return None
+
+
+def _factors(mixer: nn.Module) -> list[Tensor]:
+    """The mixer's own parameters and buffers (not ``A_log``, ``D``, ``dt_bias``) with one element per output of
+    ``in_proj``, shaped ``[1, ..., 1, out_features]``: a per-channel factor of in_proj's output."""
+    proj = getattr(mixer, "in_proj", None)
+    if not isinstance(proj, nn.Linear):
+        return []
+    own = [*mixer.named_parameters(recurse=False), *mixer.named_buffers(recurse=False)]
+    return [
+        t
+        for name, t in own
+        if name not in HEAD_PARAMETERS
+        and isinstance(t, Tensor)
+        and t.dim() >= 1
+        and t.shape[-1] == proj.out_features
+        and t.numel() == proj.out_features
+    ]
+
+
+def factor(mixer: nn.Module) -> Optional[Tensor]:
+    """The per-channel factor the mixer multiplies in_proj's output by before the scan (:func:`_factors`, read live
+    on every call), ``None`` where it has none."""
+    found = _factors(mixer)
+    return found[0] if len(found) == 1 else None
+
+
+def gated_at_norm(mixer: nn.Module) -> bool:
+    """Whether the scan's value goes into a gated norm child ``norm`` (one with parameters of its own), else the
+    mixer gates it, ``value * act(gate)``, and gives it to ``out_proj`` (no norm child, or one without parameters:
+    an identity it does not call)."""
+    norm = getattr(mixer, "norm", None)
+    return isinstance(norm, nn.Module) and any(True for _ in norm.parameters())
+
+
+def site(mixer: nn.Module, points: dict) -> "HeadScan":
+    """The scan site of a recognised mixer: :class:`HeadScan` (into the gated norm) or :class:`GatedHeadScan`."""
+    return HeadScan(mixer, points) if gated_at_norm(mixer) else GatedHeadScan(mixer, points)
 
 
 def _positions(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -119,7 +159,8 @@ class HeadScan(ScanSite):
 
     def _on_in_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
-            self.proj = output
+            scale = factor(self.mixer)  # as the model computes it (its dtypes' promotion): in_proj's output times it
+            self.proj = output if scale is None else output * scale
 
     def _rounding(self, served: Tensor) -> torch.dtype:
         """The model's dtype where it is coarser than the norm's input (transformers scans in float32 from it)."""
@@ -210,3 +251,23 @@ class HeadScan(ScanSite):
 
     def edit_reaches(self, base: Tensor) -> Tensor:
         return base.float() + 1.0
+
+    def _gate(self) -> Tensor:
+        """The gate ``z``, in_proj's (scaled) output's part after the MLP parts."""
+        sizes, proj = _sizes(self.mixer), _positions(self.proj)
+        assert sizes is not None and proj is not None
+        mlp, inner = sizes[0], sizes[1]
+        return proj[..., 2 * mlp : 2 * mlp + inner]
+
+
+class GatedHeadScan(HeadScan):
+    """Mamba-2's scan in a mixer with no gated norm: ``(y + D x) * act(z)`` goes into ``out_proj`` (the activation
+    computed in the gate's dtype, as the model does, the product in float32 or wider)."""
+
+    inject = "out_proj"
+
+    def _combine(self, ys: Tensor) -> Tensor:
+        return super()._combine(ys) * self.mixer.act(self._gate()).to(self.wide)
+
+    def edit_reaches(self, base: Tensor) -> Tensor:
+        return base.float() + self.mixer.act(self._gate()).float()

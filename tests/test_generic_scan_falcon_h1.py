@@ -266,6 +266,27 @@ def test_cached_generation_with_an_edit_equals_one_full_pass(variant: str, point
     hm.unwrap()
 
 
+@pytest.mark.parametrize("variant", ["as_is", "rms_norm_multipliers"])
+def test_a_bfloat16_model_gets_the_points_checked_at_its_own_rounding(variant: str) -> None:
+    """The model computes in_proj's output times its buffer, the convolution and the step sizes in bfloat16 and
+    scans in float32: the check allows bfloat16's rounding, reading edits nothing, the values are the equations' to
+    bfloat16's rounding, and generation with an edited state passes the cache's check."""
+    model = _model(variant, torch.bfloat16)
+    hm = wrap_generic(model)
+    assert all(f"blocks.{i}.{p}" in hm.hook_names for i in range(len(model.model.layers)) for p in POINTS)
+    plain = _plain(model, IDS)
+    mixer = _mixer(model)
+    got, seen = read_points(hm, IDS, "blocks.0.", POINTS, [], inputs={"inject": _inject(mixer)})
+    assert torch.equal(seen["inject"], plain["inject"])
+    ref = _reference(mixer, plain["proj"])
+    scale = float(ref["y"].abs().max())
+    torch.testing.assert_close(got["mamba.hook_ssm_out"].double() / scale, ref["y"] / scale, atol=3e-2, rtol=0)
+    with torch.no_grad(), hm.hooks([("blocks.1.mamba.hook_ssm_state", lambda t, hook: t * 1.5)]):
+        out = hm.generate(IDS[:, :4], attention_mask=torch.ones_like(IDS[:, :4]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 7)
+    hm.unwrap()
+
+
 def test_a_mixer_with_two_tensors_of_in_projs_width_gets_no_scan_points_and_the_findings_say_why() -> None:
     """Which of two per-channel tensors scales in_proj's output is unknown: no layer gets the points."""
     model = _model("ssm_multipliers")

@@ -1,5 +1,6 @@
 """The selective scan of a Mamba token mixer as points (issue #29 item 4), served on layers of the mixer form
-(:mod:`.mixer`) whose token mixer is recognised by its parameters and verified by a probe forward pass.
+(:mod:`.mixer`) whose token mixer is recognised by its parameters and verified by a probe forward pass, and on a token
+mixer a layer runs beside its attention module (:mod:`.parallel`, ``hook_mixer_out``: described layers too).
 
 * **Recognised**: a token mixer with parameters ``A_log`` ``[d_inner, d_state]`` and ``D`` ``[d_inner]`` of its own,
   linear children ``in_proj`` (``2 * d_inner`` outputs: the scan's input and the gate), ``x_proj`` (``dt_rank +

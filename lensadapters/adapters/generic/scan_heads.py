@@ -5,13 +5,22 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
   scalar per head), integer attributes ``n_groups`` and ``ssm_state_size``, a linear child ``in_proj`` whose
   outputs are ``[2 d_mlp parts | gate z (d_inner) | xBC (conv_dim) | dt (n_heads)]``, a depthwise ``conv1d`` over
   the ``conv_dim = d_inner + 2 n_groups d_state`` channels of xBC, an activation ``act``, a gated norm child
-  ``norm`` and a linear ``out_proj`` (``d_inner`` inputs): transformers' ``Mamba2Mixer`` and the mixers written as
-  it (Zamba2, NemotronH, Bamba, GraniteMoeHybrid). Its equations, with ``x`` ``[b, p, heads, head_dim]`` and ``B``,
+  ``norm`` (or none, below) and a linear ``out_proj`` (``d_inner`` inputs): transformers' ``Mamba2Mixer`` and the
+  mixers written as it (Zamba2, NemotronH, Bamba, GraniteMoeHybrid, Falcon-H1's). Its equations, with ``x``
+  ``[b, p, heads, head_dim]`` and ``B``,
   ``C`` ``[b, p, n_groups, d_state]`` (the causal convolution's activated output, zero at masked positions; head
   ``h`` reads group ``h // (heads / n_groups)``): ``dt = clamp(softplus(dt + dt_bias), time_step_limit)`` (or
   ``time_step_min`` as the lower bound alone: Zamba2 in transformers 4.x; the check finds which),
   ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t`` with ``A = -exp(A_log)`` per head, ``y_t = h_t . C_t``, and
   ``norm(y_t + D x_t, z_t)`` goes on to ``out_proj``.
+* **A per-channel factor** of in_proj's output: where the mixer has one tensor of its own (a parameter or buffer,
+  not ``A_log``, ``D``, ``dt_bias``) of one element per output of ``in_proj`` (``[1, ..., 1, out_features]``), the
+  scan reads in_proj's output times it (read live on every call, multiplied as the model multiplies it: Falcon-H1's
+  ``mup_vector``, its config's ``ssm_multipliers``); two such tensors: not recognised (which one is unknown). A
+  mixer that has one and does not multiply by it fails the probe's check.
+* **No gated norm** (no child ``norm``, or one with no parameters of its own: an identity the mixer does not call):
+  the mixer gates the scan itself, ``(y_t + D x_t) * act(z_t)`` goes into ``out_proj`` (:class:`GatedHeadScan`:
+  Falcon-H1 without ``mamba_rms_norm``); the checks and edits are the same, at out_proj's input.
 * **Points**: ``<mixer>.hook_dt`` ``[b, p, n_heads]``, ``<mixer>.hook_ssm_state`` ``[b, p, n_heads, head_dim,
   d_state]`` the state after every position, ``<mixer>.hook_ssm_out`` ``[b, p, n_heads, head_dim]`` the scan's
   output before the ``D`` skip and the gated norm (per head, as the state; flattened it is the norm's input
@@ -23,8 +32,10 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
   sizes in the model's dtype, as the model computes them) must give the model's own input of ``norm`` and, with
   a cache, the final state the cache holds (to the rounding of the model's dtype where it is coarser), else the
   call raises naming the points; the probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at
-  wrap time. A mixer that computes otherwise (a fused training kernel, scaled projections such as Falcon-H1's
-  ``mup_vector``, no gated norm) fails it or is not recognised, and gets none of the points.
+  wrap time. A mixer that computes otherwise (a fused training kernel, a per-channel tensor it does not multiply
+  by) fails it or is not recognised, and gets none of the points. Served on the mixer form's token mixer
+  (``hook_attn_out``) and on a token mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`;
+  a described layer's too).
 """
 
 from __future__ import annotations

@@ -256,14 +256,16 @@ def test_a_mixer_that_does_not_compute_the_scan_has_no_points_and_the_warning_sa
     hm.unwrap()
 
 
-def test_a_mixer_whose_projection_is_scaled_is_not_recognised() -> None:
+def test_a_per_channel_tensor_the_mixer_does_not_scale_by_fails_the_probe_and_leaves_no_points() -> None:
+    """A tensor of the mixer's own with one element per output of in_proj is read as the factor it multiplies that
+    output by before the scan (Falcon-H1's form: tests/test_generic_scan_falcon_h1.py); a mixer that does not (this
+    one ignores it) fails the probe's check, and the warning says so."""
     model = _one_layer()
     mixer = _mixer(model, 0)
-    # Falcon-H1's form: in_proj's output is multiplied by this buffer before the scan (this mixer ignores it)
-    mixer.register_buffer("mup_vector", torch.ones(mixer.in_proj.out_features))
+    mixer.register_buffer("scale", torch.linspace(0.5, 2.0, mixer.in_proj.out_features))
     hm, said = _wrap_warnings(model)
     assert not any(f"blocks.0.{p}" in hm.hook_names for p in POINTS)
-    assert "in_proj's output is scaled (mup_vector)" in said
+    assert "does not reproduce the model's input of norm (layers 0)" in said
     hm.unwrap()
 
 

@@ -361,6 +361,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         sites += latent_sites_served(hooked)
         if why_not_patterns is not None:  # the probe's reason stays: the described layers have no patterns either
             found.missing.setdefault(PATTERNS_GROUP, why_not_patterns)
+        if any(block.beside is not None for block in found.blocks):  # a Mamba mixer beside the attention (.scan)
+            from lensadapters.adapters.generic.scan import serve_scan
+
+            sites = serve_scan(hooked, found, sites, _verifying)
     return sites
 
 

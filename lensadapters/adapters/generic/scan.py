@@ -1,5 +1,6 @@
 """The selective scan of a Mamba token mixer as points (issue #29 item 4), served on layers of the mixer form
-(:mod:`.mixer`) whose token mixer is recognised by its parameters and verified by a probe forward pass.
+(:mod:`.mixer`) whose token mixer is recognised by its parameters and verified by a probe forward pass, and on a token
+mixer a layer runs beside its attention module (:mod:`.parallel`, ``hook_mixer_out``: described layers too).
 
 * **Recognised**: a token mixer with parameters ``A_log`` ``[d_inner, d_state]`` and ``D`` ``[d_inner]`` of its own,
   linear children ``in_proj`` (``2 * d_inner`` outputs: the scan's input and the gate), ``x_proj`` (``dt_rank +
@@ -35,7 +36,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -222,20 +223,19 @@ def serve_scan(hooked: Any, found: Any, sites: list, verifying: Any) -> list:
     made: list[tuple[int, str, ScanSite]] = []
     why_not: dict[str, list[int]] = {}
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
-        if block.mixer is None or block.attn is None or block.mixer.internals == ():
-            continue
-        mixer = layer.get_submodule(block.attn)
-        a_log = dict(mixer.named_parameters(recurse=False)).get("A_log")
-        if a_log is None:
-            continue
-        form = _form(a_log)
-        why = form.recognise(mixer)
-        if why is not None:
-            why_not.setdefault(why, []).append(i)
-            continue
-        made.append((i, block.attn, form.site(mixer, {})))
+        for path in _token_mixers(block):
+            mixer = layer.get_submodule(path)
+            a_log = dict(mixer.named_parameters(recurse=False)).get("A_log")
+            if a_log is None:
+                continue
+            form = _form(a_log)
+            why = form.recognise(mixer)
+            if why is not None:
+                why_not.setdefault(why, []).append(i)
+                continue
+            made.append((i, path, form.site(mixer, {})))
     if made:
-        checked = _verify([s for _, _, s in _with_points(hooked, made)], hooked.hf_model)
+        checked = _verify([s for _, _, s in _with_points(hooked, made, found.blocks)], hooked.hf_model)
         for i, _, site in made:
             why = checked.get(site)
             if why is not None:
@@ -251,28 +251,37 @@ def serve_scan(hooked: Any, found: Any, sites: list, verifying: Any) -> list:
     return sites
 
 
-class _Form:
-    """A scan form: its recogniser and its site class."""
+def _token_mixers(block: Any) -> list[str]:
+    """The paths (relative to the layer) of a layer's token mixers whose scan may be served: the mixer form's token
+    mixer, whose output is ``hook_attn_out`` (where its internals are served: not softmax attention), and the token
+    mixer a layer runs beside its attention module (:mod:`.parallel`: ``hook_mixer_out``), described layer or not."""
+    found = []
+    if block.mixer is not None and block.attn is not None and block.mixer.internals != ():
+        found.append(block.attn)
+    if block.beside is not None and block.beside not in found:
+        found.append(block.beside)
+    return found
 
-    def __init__(self, recognise: Any, site: type[ScanSite]) -> None:
+
+class _Form:
+    """A scan form: its recogniser and its site's maker (``site(mixer, points)``)."""
+
+    def __init__(self, recognise: Any, site: Callable[[nn.Module, dict], ScanSite]) -> None:
         self.recognise, self.site = recognise, site
 
 
 def _form(a_log: Tensor) -> _Form:
     """Mamba's form (``A_log`` ``[d_inner, d_state]``) or Mamba-2's per-head one (``[n_heads]``, :mod:`.scan_heads`)."""
     if a_log.dim() == 1:
-        return _Form(scan_heads.recognise, scan_heads.HeadScan)
+        return _Form(scan_heads.recognise, scan_heads.site)
     return _Form(recognise, MambaScan)
 
 
-def _with_points(hooked: Any, made: list[tuple[int, str, ScanSite]]) -> list[tuple[int, str, ScanSite]]:
+def _with_points(hooked: Any, made: list[tuple[int, str, ScanSite]], blocks: Any) -> list[tuple[int, str, ScanSite]]:
     for i, prefix, site in made:
+        output = "hook_mixer_out" if prefix == blocks[i].beside else "hook_attn_out"  # the mixer's output's point
         before = next(
-            (
-                n
-                for n in (f"blocks.{i}.{prefix}.hook_out_proj_input", f"blocks.{i}.hook_attn_out")
-                if n in hooked.hook_dict
-            ),
+            (n for n in (f"blocks.{i}.{prefix}.hook_out_proj_input", f"blocks.{i}.{output}") if n in hooked.hook_dict),
             None,
         )
         site.by = {name: hooked.new_point(f"blocks.{i}.{prefix}.{name}", before=before) for name in SCAN_POINTS}

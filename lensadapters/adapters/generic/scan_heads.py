@@ -5,13 +5,22 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
   scalar per head), integer attributes ``n_groups`` and ``ssm_state_size``, a linear child ``in_proj`` whose
   outputs are ``[2 d_mlp parts | gate z (d_inner) | xBC (conv_dim) | dt (n_heads)]``, a depthwise ``conv1d`` over
   the ``conv_dim = d_inner + 2 n_groups d_state`` channels of xBC, an activation ``act``, a gated norm child
-  ``norm`` and a linear ``out_proj`` (``d_inner`` inputs): transformers' ``Mamba2Mixer`` and the mixers written as
-  it (Zamba2, NemotronH, Bamba, GraniteMoeHybrid). Its equations, with ``x`` ``[b, p, heads, head_dim]`` and ``B``,
+  ``norm`` (or none, below) and a linear ``out_proj`` (``d_inner`` inputs): transformers' ``Mamba2Mixer`` and the
+  mixers written as it (Zamba2, NemotronH, Bamba, GraniteMoeHybrid, Falcon-H1's). Its equations, with ``x``
+  ``[b, p, heads, head_dim]`` and ``B``,
   ``C`` ``[b, p, n_groups, d_state]`` (the causal convolution's activated output, zero at masked positions; head
   ``h`` reads group ``h // (heads / n_groups)``): ``dt = clamp(softplus(dt + dt_bias), time_step_limit)`` (or
   ``time_step_min`` as the lower bound alone: Zamba2 in transformers 4.x; the check finds which),
   ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t`` with ``A = -exp(A_log)`` per head, ``y_t = h_t . C_t``, and
   ``norm(y_t + D x_t, z_t)`` goes on to ``out_proj``.
+* **A per-channel factor** of in_proj's output: where the mixer has one tensor of its own (a parameter or buffer,
+  not ``A_log``, ``D``, ``dt_bias``) of one element per output of ``in_proj`` (``[1, ..., 1, out_features]``), the
+  scan reads in_proj's output times it (read live on every call, multiplied as the model multiplies it: Falcon-H1's
+  ``mup_vector``, its config's ``ssm_multipliers``); two such tensors: not recognised (which one is unknown). A
+  mixer that has one and does not multiply by it fails the probe's check.
+* **No gated norm** (no child ``norm``, or one with no parameters of its own: an identity the mixer does not call):
+  the mixer gates the scan itself, ``(y_t + D x_t) * act(z_t)`` goes into ``out_proj`` (:class:`GatedHeadScan`:
+  Falcon-H1 without ``mamba_rms_norm``); the checks and edits are the same, at out_proj's input.
 * **Points**: ``<mixer>.hook_dt`` ``[b, p, n_heads]``, ``<mixer>.hook_ssm_state`` ``[b, p, n_heads, head_dim,
   d_state]`` the state after every position, ``<mixer>.hook_ssm_out`` ``[b, p, n_heads, head_dim]`` the scan's
   output before the ``D`` skip and the gated norm (per head, as the state; flattened it is the norm's input
@@ -23,8 +32,10 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
   sizes in the model's dtype, as the model computes them) must give the model's own input of ``norm`` and, with
   a cache, the final state the cache holds (to the rounding of the model's dtype where it is coarser), else the
   call raises naming the points; the probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at
-  wrap time. A mixer that computes otherwise (a fused training kernel, scaled projections such as Falcon-H1's
-  ``mup_vector``, no gated norm) fails it or is not recognised, and gets none of the points.
+  wrap time. A mixer that computes otherwise (a fused training kernel, a per-channel tensor it does not multiply
+  by) fails it or is not recognised, and gets none of the points. Served on the mixer form's token mixer
+  (``hook_attn_out``) and on a token mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`;
+  a described layer's too).
 """
 
 from __future__ import annotations
@@ -58,20 +69,60 @@ def _sizes(mixer: Any) -> Optional[tuple[int, int, int, int, int]]:
     return rest // 2, inner, conv, groups, state
 
 
+HEAD_PARAMETERS = ("A_log", "D", "dt_bias")
+
+
 def recognise(mixer: nn.Module) -> Optional[str]:
     """``None`` where ``mixer`` is the per-head selective scan the module docstring describes, else why not."""
     own = dict(mixer.named_parameters(recurse=False))
-    heads = [own.get(n) for n in ("A_log", "D", "dt_bias")]
+    heads = [own.get(n) for n in HEAD_PARAMETERS]
     if any(p is None or p.dim() != 1 for p in heads) or len({p.shape[0] for p in heads if p is not None}) != 1:
         return "no parameters A_log, D and dt_bias [n_heads] of its own"
-    if isinstance(getattr(mixer, "mup_vector", None), Tensor):
-        return "in_proj's output is scaled (mup_vector) before the scan: the scan's inputs are no module output"
-    norm = getattr(mixer, "norm", None)
-    if not isinstance(norm, nn.Module) or not callable(getattr(mixer, "act", None)):
-        return "no gated norm child norm and activation act"
+    if not callable(getattr(mixer, "act", None)):
+        return "no activation act"
     if _sizes(mixer) is None:
         return "the children's shapes are not those of Mamba-2's per-head selective scan"
+    if len(_factors(mixer)) > 1:
+        return "several tensors of its own have one element per output of in_proj: which one scales it is unknown"
     return None
+
+
+def _factors(mixer: nn.Module) -> list[Tensor]:
+    """The mixer's own parameters and buffers (not ``A_log``, ``D``, ``dt_bias``) with one element per output of
+    ``in_proj``, shaped ``[1, ..., 1, out_features]``: a per-channel factor of in_proj's output."""
+    proj = getattr(mixer, "in_proj", None)
+    if not isinstance(proj, nn.Linear):
+        return []
+    own = [*mixer.named_parameters(recurse=False), *mixer.named_buffers(recurse=False)]
+    return [
+        t
+        for name, t in own
+        if name not in HEAD_PARAMETERS
+        and isinstance(t, Tensor)
+        and t.dim() >= 1
+        and t.shape[-1] == proj.out_features
+        and t.numel() == proj.out_features
+    ]
+
+
+def factor(mixer: nn.Module) -> Optional[Tensor]:
+    """The per-channel factor the mixer multiplies in_proj's output by before the scan (:func:`_factors`, read live
+    on every call), ``None`` where it has none."""
+    found = _factors(mixer)
+    return found[0] if len(found) == 1 else None
+
+
+def gated_at_norm(mixer: nn.Module) -> bool:
+    """Whether the scan's value goes into a gated norm child ``norm`` (one with parameters of its own), else the
+    mixer gates it, ``value * act(gate)``, and gives it to ``out_proj`` (no norm child, or one without parameters:
+    an identity it does not call)."""
+    norm = getattr(mixer, "norm", None)
+    return isinstance(norm, nn.Module) and any(True for _ in norm.parameters())
+
+
+def site(mixer: nn.Module, points: dict) -> "HeadScan":
+    """The scan site of a recognised mixer: :class:`HeadScan` (into the gated norm) or :class:`GatedHeadScan`."""
+    return HeadScan(mixer, points) if gated_at_norm(mixer) else GatedHeadScan(mixer, points)
 
 
 def _positions(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -119,7 +170,8 @@ class HeadScan(ScanSite):
 
     def _on_in_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
-            self.proj = output
+            scale = factor(self.mixer)  # as the model computes it (its dtypes' promotion): in_proj's output times it
+            self.proj = output if scale is None else output * scale
 
     def _rounding(self, served: Tensor) -> torch.dtype:
         """The model's dtype where it is coarser than the norm's input (transformers scans in float32 from it)."""
@@ -210,3 +262,23 @@ class HeadScan(ScanSite):
 
     def edit_reaches(self, base: Tensor) -> Tensor:
         return base.float() + 1.0
+
+    def _gate(self) -> Tensor:
+        """The gate ``z``, in_proj's (scaled) output's part after the MLP parts."""
+        sizes, proj = _sizes(self.mixer), _positions(self.proj)
+        assert sizes is not None and proj is not None
+        mlp, inner = sizes[0], sizes[1]
+        return proj[..., 2 * mlp : 2 * mlp + inner]
+
+
+class GatedHeadScan(HeadScan):
+    """Mamba-2's scan in a mixer with no gated norm: ``(y + D x) * act(z)`` goes into ``out_proj`` (the activation
+    computed in the gate's dtype, as the model does, the product in float32 or wider)."""
+
+    inject = "out_proj"
+
+    def _combine(self, ys: Tensor) -> Tensor:
+        return super()._combine(ys) * self.mixer.act(self._gate()).to(self.wide)
+
+    def edit_reaches(self, base: Tensor) -> Tensor:
+        return base.float() + self.mixer.act(self._gate()).float()

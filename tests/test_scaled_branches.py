@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lensadapters.adapters.generic import findings
+from lensadapters.adapters.generic.plugin import summary
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.every_model_type import input_ids
 from tests.branch_helpers import add_to_output, edit_error, record, seeded_delta, sum_edit, tiny_model, wrap_generic
@@ -88,6 +89,9 @@ def test_the_description_of_a_scaled_layer_is_refused_with_its_constants_named()
     why = " ".join(findings(model).missing.values())
     assert "multiplied by constants of its config (0.5, 0.5)" in why, why
     assert "blocks.0.attn.hook_q" not in hm.hook_dict
+    # the warning names as needing a plugin what is missing, not the norm scales and hook_resid_mid it serves
+    needs = summary(hm).split(" need a plugin")[0].rsplit(". ", 1)[-1]
+    assert needs.startswith("Queries, keys and values") and "norm scales" not in needs and "resid_mid" not in needs
     hm.unwrap()
 
 

@@ -504,11 +504,31 @@ def summary(hooked: Any, fallback: bool = True) -> str:
             "logits, against plain PyTorch hooks on the model's own modules."
         )
     else:
+        parts = _not_served_everywhere(hooked)
+        wanted = ", ".join(parts) + (" and " if parts else "") + f"every weight but {' and '.join(WEIGHTS)}"
         text += (
-            f" Norm scales, queries, keys and values, rotary, MLP activations, hook_result, hook_resid_mid and every "
-            f"weight but {' and '.join(WEIGHTS)} need a plugin that describes the architecture"
+            f" {wanted[:1].upper()}{wanted[1:]} need a plugin that describes the architecture"
             + (" (the automatic description covers only some layers)" if found.description is not None else "")
             + "."
         )
     text += f" See {WRITE_A_PLUGIN}. `lensadapters hooks CHECKPOINT_DIR` lists the points with their shapes."
     return text
+
+
+#: what a description gives every block, by a point that shows it is served
+DESCRIBED_POINTS = (
+    ("norm scales", "ln1.hook_scale"),
+    ("queries, keys and values", "attn.hook_q"),
+    ("rotary", "attn.hook_rot_q"),
+    ("MLP activations", "mlp.hook_post"),
+    ("hook_result", "attn.hook_result"),
+    ("hook_resid_mid", "hook_resid_mid"),
+)
+
+
+def _not_served_everywhere(hooked: Any) -> list[str]:
+    """The parts of :data:`DESCRIBED_POINTS` some block lacks (the mixer form serves norm scales, ``hook_resid_mid``
+    and MLP activations without a description: the warning names only what is missing)."""
+    names = set(hooked.hook_names)
+    blocks = range(len(hooked.block_modules))
+    return [label for label, point in DESCRIBED_POINTS if not all(f"blocks.{i}.{point}" in names for i in blocks)]

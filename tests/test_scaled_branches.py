@@ -4,7 +4,9 @@
 MLP of two modules under the same constant. ``hook_attn_out`` and ``hook_mlp_out`` are what the layer adds to the
 residual stream (TransformerLens' semantics: ``resid_mid = resid_pre + attn_out``), read and edited where the layer
 adds them, bit for bit against plain hooks doing the layer's own sums; the norms, ``hook_resid_mid`` and the dense
-MLP's points are served beside them, each verified against plain hooks."""
+MLP's points are served beside them, each verified against plain hooks. The automatic description carries the
+constant (``BlockLayout.attn_scale``/``mlp_scale``): queries, keys, values, ``attn.hook_result`` and the weights, with
+the constant folded into ``W_O``/``b_O``/``W_out``/``b_out``."""
 
 from __future__ import annotations
 
@@ -266,6 +268,41 @@ def test_gradients_flow_through_edits_of_a_scaled_layer() -> None:
     assert torch.equal(logits.detach(), expected.detach())
     assert grads["q"].abs().sum() > 0
     assert relative_error(grads["mid"], grads["plain"]) < 1e-6
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("point", ["hook_attn_out", "hook_resid_mid", "hook_mlp_out"])
+def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str) -> None:
+    """With gradient checkpointing (the layers re-run in the backward pass), an edit where the layer adds its branches
+    gives the logits and the gradients of the plain model without checkpointing, the same edit made by plain hooks
+    doing the layer's sums, bit for bit."""
+    model = _granite(0.22)
+    truth = copy.deepcopy(model)
+    hm = wrap_generic(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in (model, truth):
+        m.config.use_cache = False
+        m.train()
+    d = seeded_delta(hm.run_with_cache(input_ids())[1][f"blocks.1.{point}"], 70)
+    hm.add_hook(f"blocks.1.{point}", lambda t, hook: t + d)
+    try:
+        logits = hm(input_ids(), use_cache=False).logits
+        logits.pow(2).mean().backward()
+    finally:
+        hm.reset_hooks()
+    layer = truth.model.layers[1]
+    kind = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}[point]
+    handles = sum_edit(layer, layer.post_attention_layernorm, [(layer.self_attn, 0.22)], [layer.mlp], 0.22, kind, d)()
+    try:
+        expected = truth(input_ids(), use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    expected.pow(2).mean().backward()
+    assert torch.equal(logits, expected)
+    for got, want in ((model.model.layers[0], truth.model.layers[0]), (model.model.layers[1], truth.model.layers[1])):
+        assert torch.equal(got.self_attn.q_proj.weight.grad, want.self_attn.q_proj.weight.grad)
+        assert torch.equal(got.mlp.down_proj.weight.grad, want.mlp.down_proj.weight.grad)
     hm.unwrap()
 
 

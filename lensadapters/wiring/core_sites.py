@@ -444,6 +444,7 @@ class CoreSites:
         attention = self.qkv_layouts[i] is not None
         return ScaledBranchSite(
             block,
+            get(bl.ln1) if bl.ln1 is not None else get(bl.attn),
             get(bl.attn),
             get(bl.o_proj) if attention else None,
             get(bl.ln2) if bl.ln2 is not None else mlp_module,

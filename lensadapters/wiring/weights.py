@@ -441,7 +441,8 @@ class WeightAccessors:
     W_O = _accessor(
         "W_O",
         lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
-        "Output projection ``[n_layers, n_heads, d_head, d_model]``.",
+        "Output projection ``[n_layers, n_heads, d_head, d_model]`` (times a block's ``BlockLayout.attn_scale``: "
+        "``hook_z @ W_O + b_O`` is ``hook_attn_out``).",
     )
     b_O = _accessor("b_O", lambda h: _stack(h, lambda i: o_weights(h, i)[1]), "Output bias ``[n_layers, d_model]``.")
     W_in = _accessor(
@@ -456,7 +457,9 @@ class WeightAccessors:
     )
     b_gate = _accessor("b_gate", lambda h: _mlp_stack(h, "gate", 1), "``[n_layers, d_mlp]``.")
     W_out = _accessor(
-        "W_out", lambda h: _mlp_stack(h, "out", 0), "MLP output (down) projection ``[n_layers, d_mlp, d_model]``."
+        "W_out",
+        lambda h: _mlp_stack(h, "out", 0),
+        "MLP output (down) projection ``[n_layers, d_mlp, d_model]`` (times a block's ``BlockLayout.mlp_scale``).",
     )
     b_out = _accessor("b_out", lambda h: _mlp_stack(h, "out", 1), "``[n_layers, d_model]``.")
     W_router = _accessor(

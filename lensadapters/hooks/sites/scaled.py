@@ -43,6 +43,12 @@ class ScaledBranchSite(Site):
     (edited) MLP contribution. The modules' own outputs are never changed, so no edit is divided back by a constant:
     the block computes exactly what it would with the edited contribution.
 
+    Every value is recorded and every edit made by hooks on the block's modules (``entry``, the first one the block
+    runs on its input, ``ln1`` or the attention module, gives the block's input), but the last: the block's output,
+    rebuilt where an edit changed it. A block whose forward is gradient-checkpointed inside its hooks (transformers 5's
+    layers) recomputes its modules in the backward pass with the same edits, so gradients are those of the edited
+    forward pass.
+
     ``attn.hook_result`` is ``hook_z`` times ``weight()`` per head (``W_O`` with ``attn_scale`` folded in, so that
     ``sum(hook_result) + b_O`` is ``hook_attn_out`` up to rounding); an edit enters the contribution as the
     difference ``sum_h (edited_h - result_h)``, before ``hook_attn_out``'s hooks see it (TransformerLens' order).
@@ -51,6 +57,7 @@ class ScaledBranchSite(Site):
     def __init__(
         self,
         block: nn.Module,
+        entry: nn.Module,
         attn: nn.Module,
         o_proj: Optional[nn.Module],
         reader: nn.Module,
@@ -61,7 +68,7 @@ class ScaledBranchSite(Site):
         heads: Optional[int] = None,
         weight: Optional[Callable[[], tuple[Tensor, Optional[Tensor]]]] = None,
     ) -> None:
-        self.block, self.attn, self.o_proj, self.reader, self.mlp = block, attn, o_proj, reader, mlp
+        self.block, self.entry, self.attn, self.o_proj, self.reader, self.mlp = block, entry, attn, o_proj, reader, mlp
         self.attn_scale, self.mlp_scale = attn_scale, mlp_scale
         self.heads, self.weight = heads, weight
         get = points.get
@@ -73,7 +80,7 @@ class ScaledBranchSite(Site):
         self.state: dict[str, Any] = {}
 
     def install(self) -> list[RemovableHandle]:
-        handles = [self.block.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        handles = [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
         if self.result is not None and self.o_proj is not None:
             handles.append(reads_output(self.o_proj, self._on_result, with_kwargs=True))
         handles.append(reads_output(self.attn, self._on_attn))

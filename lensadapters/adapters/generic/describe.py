@@ -7,6 +7,10 @@ of names. Every claim is checked on the probe's values, against what the model's
   its own weight (offset ``0`` or ``1``, ``eps`` read from the module), whose output is exactly the input of the
   attention module (``ln1``) or of the MLP module (``ln2``); the block is *parallel* when the MLP reads ``ln1``'s
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
+* **branch constants**: a layer adding its attention and MLP outputs multiplied by constants of its config
+  (:mod:`.parallel`'s split of two branches: ``mid = x + attn_out * c0`` bit for bit what ``ln2`` reads, ``out = mid +
+  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``); one of
+  three branch children added times constants is not;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
 * **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head

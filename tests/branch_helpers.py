@@ -75,7 +75,7 @@ def logits_with(model: torch.nn.Module, install: Callable[[], list]) -> Tensor:
 
 def relative_error(got: Tensor, want: Tensor) -> float:
     """The largest difference, relative to the reference's largest magnitude."""
-    return float((got - want).abs().max() / want.abs().max())
+    return float((got - want).detach().abs().max() / want.detach().abs().max())
 
 
 def seeded_delta(like: Tensor, seed: int) -> Tensor:

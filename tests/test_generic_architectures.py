@@ -199,16 +199,17 @@ class TestCohere(GenericContract):
 
 
 class TestGranite(GenericContract):
-    """With ``residual_multiplier`` other than 1, ``hook_attn_out`` and ``hook_mlp_out`` are what the layer adds: the
-    modules' outputs times it (``tests/test_scaled_branches.py``)."""
+    """Granite scales both branches by ``residual_multiplier`` before adding them (ibm-granite's checkpoints: 0.22):
+    described all the same, the constant carried by the block (``BlockLayout.attn_scale``/``mlp_scale``), its
+    ``hook_attn_out``/``hook_mlp_out`` what the layer adds and ``W_O``/``W_out`` including it."""
 
-    branches = attention_function = patterns = final_norm = True
+    described = branches = attention_function = patterns = final_norm = True
 
     @classmethod
     def configs(cls) -> st.SearchStrategy:
         return _llama_like(
             GraniteConfig,
-            residual_multiplier=st.sampled_from([1.0, 0.5]),
+            residual_multiplier=st.sampled_from([1.0, 0.5, 0.22]),
             embedding_multiplier=st.sampled_from([1.0, 4.0]),
             attention_multiplier=st.just(0.3),
             logits_scaling=st.just(2.0),

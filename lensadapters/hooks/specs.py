@@ -292,6 +292,17 @@ class BlockLayout:
     further residual branch, a scale on the whole output): ``hook_resid_post`` is then not ``resid_mid +
     mlp_out``, and an edit of ``hook_resid_mid`` is always carried into the block's own residual add (the
     difference added to the ``mlp_residual`` module's output), so the rest of the block sees it.
+
+    ``attn_scale`` and ``mlp_scale`` are *branch constants*: the block adds its branches multiplied by them
+    (Granite's ``residual_multiplier``), ``mid = x + attn(ln1 x) * attn_scale`` (what ``ln2`` reads) and ``out =
+    mid + mlp(ln2 mid) * mlp_scale``, each product the module's output times the Python float, as the model computes
+    it. ``hook_attn_out`` and ``hook_mlp_out`` are then what the block adds (the products, TransformerLens'
+    ``resid_mid = resid_pre + attn_out``), read where the block adds them and edited there (the middle ``ln2`` reads
+    and the block's output are recomputed from the edited contributions; no edit is divided back by a constant); the
+    constants are folded into the weights as TransformerLens folds such constants: ``W_O``, ``b_O`` times
+    ``attn_scale``, ``W_out``, ``b_out`` times ``mlp_scale`` (``hook_attn_out = sum(attn.hook_result) + b_O``,
+    ``hook_result = hook_z @ W_O`` per head). Only a sequential pre-norm block (no post norms, ``mlp`` set) may have
+    them.
     """
 
     ln1: Optional[str]
@@ -308,6 +319,13 @@ class BlockLayout:
     more_after_mlp: bool = False
     resid_post_before_norm: bool = False
     ln2_before_attn: bool = False
+    attn_scale: float = 1.0
+    mlp_scale: float = 1.0
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the block multiplies a branch by a constant (``attn_scale`` or ``mlp_scale`` not 1)."""
+        return self.attn_scale != 1.0 or self.mlp_scale != 1.0
 
 
 @dataclass(frozen=True)

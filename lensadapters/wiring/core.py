@@ -353,6 +353,23 @@ class Wiring(CoreSites, Installation):
                 refuse("a sequential block without ln2 needs BlockLayout.mlp (the module reading hook_mlp_in)", i)
             if bl.ln2_post is not None and bl.parallel:
                 refuse("ln2_post in a parallel block is not supported", i)
+            if bl.scaled and (
+                bl.parallel
+                or bl.post_norm
+                or bl.ln1_post is not None
+                or bl.ln2_post is not None
+                or bl.mlp is None
+                or bl.flat_mlp
+                or bl.more_after_mlp
+                or bl.mlp_residual is not None
+                or (is_moe(mlp) and mlp.beside is not None)
+            ):
+                refuse(
+                    "branch constants (BlockLayout.attn_scale/mlp_scale) need a sequential pre-norm block with "
+                    "BlockLayout.mlp, no post norms, no flat_mlp, more_after_mlp or mlp_residual, and no experts "
+                    "beside a dense MLP",
+                    i,
+                )
         if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not (
             self.layout.rotary or self.layout.rotary_input
         ):

@@ -41,6 +41,7 @@ from lensadapters.hooks.sites import (
     Site,
     heads_view,
 )
+from lensadapters.hooks.sites.scaled import ScaledBranchSite
 from lensadapters.hooks.specs import (
     Architecture,
     BlockLayout,
@@ -280,7 +281,7 @@ class CoreSites:
             ln1_post = get(bl.ln1_post)
             self._norm_site(ln1_post, pt, "ln1_post")
             self.add_site(OutputSite(ln1_post, pt("hook_attn_out")))
-        else:
+        elif not bl.scaled:  # (branch constants: the ScaledBranchSite's, with the MLP's points)
             self.add_site(OutputSite(get(bl.attn), pt("hook_attn_out")))
         if bl.ln2 is not None:
             self._norm_site(get(bl.ln2), pt, "ln2")
@@ -295,7 +296,8 @@ class CoreSites:
         self.add_site(attention_site)
         o_proj = self.block_modules[i].get_submodule(bl.o_proj)
         self.add_site(InputSite(o_proj, pt("attn.hook_z"), heads=self.cfg.n_heads))
-        self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._o_reader(i)))
+        if not bl.scaled:  # (branch constants: the result enters the contribution, the ScaledBranchSite's)
+            self.add_site(ResultSite(o_proj, pt("attn.hook_result"), self.cfg.n_heads, self._o_reader(i)))
 
     def _build_qkv_sites(self, i: int) -> None:
         qkv, pt, get, state = (
@@ -386,6 +388,9 @@ class CoreSites:
             self._norm_site(mlp_out_module, pt, "ln2_post")
         else:
             mlp_out_module = get(bl.mlp) if bl.mlp is not None else get(mlp.out)  # a MoE has bl.mlp (checked)
+        if bl.scaled:  # the branches added times constants: read and edited where the block adds them
+            self.add_site(self._scaled_branch_site(i, mlp_out_module))
+            return
         if bl.post_norm:
             # every residual point is a plain module input/output: the norms carry edits downstream
             self.add_site(
@@ -426,6 +431,30 @@ class CoreSites:
                 continues=bl.more_after_mlp,
                 entries=entries,
             )
+        )
+
+    def _scaled_branch_site(self, i: int, mlp_module: nn.Module) -> ScaledBranchSite:
+        """The branch points of a block with branch constants (``BlockLayout.attn_scale``/``mlp_scale``; checked
+        with the layouts: sequential, pre-norm, no post norms, ``BlockLayout.mlp`` set)."""
+        block, bl, pt = self.block_modules[i], self.block_layouts[i], self._block_point(i)
+        assert bl is not None
+        get = block.get_submodule
+        names = ("attn.hook_result", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out")
+        points = {name: pt(name) for name in (*names, "hook_resid_post")}
+        attention = self.qkv_layouts[i] is not None
+        return ScaledBranchSite(
+            block,
+            get(bl.ln1) if bl.ln1 is not None else get(bl.attn),
+            get(bl.attn),
+            get(bl.o_proj) if attention else None,
+            get(bl.ln2) if bl.ln2 is not None else mlp_module,
+            mlp_module,
+            bl.attn_scale,
+            bl.mlp_scale,
+            points,
+            self.cfg.n_heads if attention else None,
+            self._o_reader(i) if attention else None,
+            self.forward_state,
         )
 
     def _build_rotary_sites(self) -> None:

@@ -180,7 +180,14 @@ def o_weights(hm: "Hooked", layer: int) -> tuple[Tensor, Tensor]:
     _require_attention(hm, layer)
     lw = read_linear(hm, hm.block_modules[layer].get_submodule(hm.block_layouts[layer].o_proj), (None, hm.cfg.d_model))
     W = lw.W.unflatten(0, (hm.cfg.n_heads, -1))  # [h, d_head, d_model]
-    return W, _bias(lw.b, (W.shape[-1],), W)
+    c = hm.block_layouts[layer].attn_scale  # a branch constant is folded in: what the block adds
+    return _times(W, c), _times(_bias(lw.b, (W.shape[-1],), W), c)
+
+
+def _times(t: Tensor, c: float) -> Tensor:
+    """A weight times a block's branch constant (``BlockLayout.attn_scale``/``mlp_scale``), as TransformerLens folds
+    such constants into the weights; ``t`` itself for 1.0."""
+    return t if c == 1.0 else t * c
 
 
 def mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool = False) -> tuple[Tensor, Tensor]:
@@ -189,8 +196,17 @@ def mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool = False) -> tup
     A fused gate/up projection (``FusedGateUp``) is read once and split with the layout's ``split``.
     A mixture-of-experts layer gives every expert's weight, ``[n_experts, d_model, d_mlp]`` (``out``:
     ``[n_experts, d_mlp, d_model]``), and its biases ``[n_experts, d]`` (zeros for experts without); with
-    ``dense=True``, the weights of the dense MLP it runs beside (``MoELayout.beside``).
+    ``dense=True``, the weights of the dense MLP it runs beside (``MoELayout.beside``). ``out`` of a block with a
+    branch constant (``BlockLayout.mlp_scale``) includes it: ``hook_post @ W_out + b_out`` is ``hook_mlp_out``.
     """
+    W, b = _mlp_weights(hm, layer, role, dense)
+    block = hm.block_layouts[layer]
+    if role != "out" or block is None or block.mlp_scale == 1.0:
+        return W, b
+    return _times(W, block.mlp_scale), _times(b, block.mlp_scale)  # a branch constant folded in
+
+
+def _mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool) -> tuple[Tensor, Tensor]:
     layout = hm.mlp_layouts[layer]
     if dense:
         if not (is_moe(layout) and layout.beside is not None):
@@ -425,7 +441,8 @@ class WeightAccessors:
     W_O = _accessor(
         "W_O",
         lambda h: _stack(h, lambda i: o_weights(h, i)[0]),
-        "Output projection ``[n_layers, n_heads, d_head, d_model]``.",
+        "Output projection ``[n_layers, n_heads, d_head, d_model]`` (times a block's ``BlockLayout.attn_scale``: "
+        "``hook_z @ W_O + b_O`` is ``hook_attn_out``).",
     )
     b_O = _accessor("b_O", lambda h: _stack(h, lambda i: o_weights(h, i)[1]), "Output bias ``[n_layers, d_model]``.")
     W_in = _accessor(
@@ -440,7 +457,9 @@ class WeightAccessors:
     )
     b_gate = _accessor("b_gate", lambda h: _mlp_stack(h, "gate", 1), "``[n_layers, d_mlp]``.")
     W_out = _accessor(
-        "W_out", lambda h: _mlp_stack(h, "out", 0), "MLP output (down) projection ``[n_layers, d_mlp, d_model]``."
+        "W_out",
+        lambda h: _mlp_stack(h, "out", 0),
+        "MLP output (down) projection ``[n_layers, d_mlp, d_model]`` (times a block's ``BlockLayout.mlp_scale``).",
     )
     b_out = _accessor("b_out", lambda h: _mlp_stack(h, "out", 1), "``[n_layers, d_model]``.")
     W_router = _accessor(

@@ -7,6 +7,10 @@ of names. Every claim is checked on the probe's values, against what the model's
   its own weight (offset ``0`` or ``1``, ``eps`` read from the module), whose output is exactly the input of the
   attention module (``ln1``) or of the MLP module (``ln2``); the block is *parallel* when the MLP reads ``ln1``'s
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
+* **branch constants**: a layer adding its attention and MLP outputs multiplied by constants of its config
+  (:mod:`.parallel`'s split of two branches: ``mid = x + attn_out * c0`` bit for bit what ``ln2`` reads, ``out = mid +
+  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``); one of
+  three branch children added times constants is not;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
 * **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head
@@ -330,7 +334,7 @@ def describe_layer(
             mlp = three.after[0]  # a token mixer beside the attention (.parallel)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
-    _refuse_scaled(i, layer, rec)
+    attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
     resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
     attn_in, attn_out = rec.inner.get((i, attn), (None, None))
     mlp_in, mlp_out = rec.inner.get((i, mlp), (None, None))
@@ -361,6 +365,10 @@ def describe_layer(
         raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
     attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
     mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
+    if attn_scale != 1.0 or mlp_scale != 1.0:  # what the layer adds (checked bit for bit by the split)
+        if ln1_post is not None or ln2_post is not None:
+            raise NotDescribed("a layer adding its branches times constants with norms after its branches")
+        attn_branch, mlp_branch = _times(attn_out, attn_scale), _times(mlp_out, mlp_scale)
     mid = _parallel_mid(layer, i, rec, attn)
     mid = resid_pre + attn_branch if mid is None else mid
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
@@ -397,6 +405,8 @@ def describe_layer(
         mlp_layout, gated, act_fn = describe_other_mlp(model, layer, i, mlp, rec, ln2_post is not None), True, None
         if mlp_layout is None:
             raise
+    if parallel and (attn_scale != 1.0 or mlp_scale != 1.0):
+        raise NotDescribed("a parallel block adding its branches times constants")
     block = BlockLayout(
         ln1=ln1,
         attn=attn,
@@ -407,6 +417,8 @@ def describe_layer(
         ln1_post=ln1_post,
         ln2_post=ln2_post,
         ln2_before_attn=parallel and ln2 is not None and _ran_before(rec, i, ln2, attn),
+        attn_scale=attn_scale,
+        mlp_scale=mlp_scale,
     )
     return LayerDescription(
         block,
@@ -427,19 +439,28 @@ def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:
     return first in order and then in order and order.index(first) < order.index(then)
 
 
-def _refuse_scaled(i: int, layer: nn.Module, rec: Recording) -> None:
-    """Raise :class:`NotDescribed` where the layer adds its branches multiplied by constants of its config
-    (:mod:`.parallel`): a block description has no branch constant, so its ``hook_attn_out``, ``W_O`` and ``W_out``
-    would not be what the layer adds."""
+def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: str) -> tuple[float, float]:
+    """``(attn_scale, mlp_scale)``: the constants of its config the layer multiplies its attention and MLP outputs by
+    before adding them (:mod:`.parallel`: ``mid = x + attn_out * c0`` exactly what its norm reads, ``out = mid +
+    mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are. A layer of three branch
+    children added times constants (two token mixers, or an MLP of two modules: Falcon-H1's, GraniteMoeShared's) is
+    not described: a block has one attention and one MLP branch, each with one constant."""
     from lensadapters.adapters.generic.parallel import layer_split
 
     three = layer_split(i, layer, rec)
-    if three is not None and not three.scaled and not three.plain:
-        constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
+    if three is None or three.plain:
+        return 1.0, 1.0
+    constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
+    if three.scaled or three.before != (attn,) or three.after != (mlp,):
         raise NotDescribed(
-            f"the layer adds its branches multiplied by constants of its config ({constants}), and a block "
-            "description has no branch constant (its attention and MLP outputs would not be what the layer adds)"
+            f"the layer adds its branches multiplied by constants of its config ({constants or 'none found'}), "
+            "and a block description has one constant for its attention branch and one for its MLP, each one module"
         )
+    return three.before_scales[0], three.after_scale
+
+
+def _times(t: Tensor, c: float) -> Tensor:
+    return t if c == 1.0 else t * c
 
 
 def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Optional[Tensor]:

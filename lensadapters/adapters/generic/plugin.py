@@ -302,7 +302,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
                 # output into the MLP's in place): served as the core would, with the model continuing with a copy;
                 # one returned with the tokens merged (Llama 4's mixture of experts): served in the residual's shape
                 special = name in block.copied or name in block.flat
-                if special and path is not None and f"blocks.{i}.{name}" not in claimed:
+                scaled = described is not None and described.block.scaled  # the core's ScaledBranchSite serves it
+                if special and not scaled and path is not None and f"blocks.{i}.{name}" not in claimed:
                     point = hooked.claim_point(f"blocks.{i}.{name}")
                     claimed.add(point.name)
                     module = layer.get_submodule(path)

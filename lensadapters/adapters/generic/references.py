@@ -169,6 +169,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
+    if bl.scaled and ln2_or_mlp is not None and rest in ("hook_attn_out", "hook_mlp_out", "attn.hook_result"):
+        return _scaled_reference(layer, bl, ln2_or_mlp, rest, cfg.n_heads)
     if rest == "hook_attn_out" and i in DESCRIBED_ATTN_OUT.get(model, {}):
         return Reference("out", get(DESCRIBED_ATTN_OUT[model][i]))
     if rest == "hook_attn_out":  # what the block adds to the residual
@@ -247,6 +249,63 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         if rest == "mlp.hook_post":
             return Reference("in", get(mlp.out))
     return None
+
+
+def _scaled_reference(layer: nn.Module, bl: Any, reader: nn.Module, rest: str, heads: int) -> Reference:
+    """The references of a block with branch constants (``BlockLayout.attn_scale``/``mlp_scale``): its own sums
+    ``mid = x + attn_out * c0``, ``out = mid + mlp_out * c1`` read and edited by plain hooks on its modules
+    (:class:`.mixer_sites.SumReference`); ``attn.hook_result`` each head's share of the output projection's output
+    times ``c0``, an edit added to the attention's contribution where the block adds it."""
+    from lensadapters.adapters.generic.mixer_sites import SumReference
+    from lensadapters.adapters.generic.parallel import Split
+
+    split = Split((bl.attn,), (bl.mlp,), before_scales=(bl.attn_scale,), after_scale=bl.mlp_scale)
+    if rest == "attn.hook_result":
+        o_proj = layer.get_submodule(bl.o_proj)
+        return Reference("hooks", o_proj, spec=_ScaledResult(layer, reader, split, o_proj, heads))
+    return Reference("hooks", layer, spec=SumReference(layer, reader, split, rest, ["hook_attn_out"]))
+
+
+class _ScaledResult:
+    """``attn.hook_result`` of a block with branch constants, by plain hooks: each head's share of the output
+    projection's output (the projection run on that head's input alone, less its bias) times the attention's
+    constant; an edit's difference summed over heads is added to the attention's contribution where the block adds
+    it (the middle its norm reads and its output recomputed, as :class:`.mixer_sites.SumReference` does)."""
+
+    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any, o_proj: nn.Module, heads: int) -> None:
+        from lensadapters.adapters.generic.mixer_sites import _LayerSum
+
+        self.sum, self.o_proj, self.heads = _LayerSum(layer, reader, split), o_proj, heads
+        self.c = split.before_scales[0]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [*self.sum.modules, self.o_proj]
+
+    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
+        from lensadapters.adapters.generic.plain_references import _once, _per_head
+        from lensadapters.hooks.sites.base import first_input
+
+        change: list[Tensor] = []
+        values: list[Tensor] = []
+
+        def on_o_proj(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            x = first_input(args, kwargs)
+            per_head = _per_head(module, x.unflatten(-1, (self.heads, x.shape[-1] // self.heads)), self.heads) * self.c
+            seen.append(per_head.detach().clone())
+            if edit is not None:
+                change[:] = [edit(torch.zeros_like(per_head)).sum(-2)]
+
+        def on_before(k: int, contribution: Tensor) -> None:
+            values[:] = [contribution + change[0].to(contribution.dtype) if change else contribution]
+
+        def on_reader(mid: Tensor) -> Optional[Tensor]:
+            return self.sum.middle(values) if change and values else None
+
+        def on_output(after: Tensor) -> Optional[Tensor]:
+            return self.sum.state["mid"] + after if change else None
+
+        return [_once(self.o_proj, on_o_proj), *self.sum.hooks(on_before, on_reader, on_output)]
 
 
 _POST_NORM_POINTS = frozenset(

@@ -36,6 +36,7 @@ from lensadapters.hooks.sites.qkv import (
     heads_view,
 )
 from lensadapters.hooks.sites.residual import ResidualSite
+from lensadapters.hooks.sites.scaled import ScaledBranchSite
 
 __all__ = [
     "AttentionRotarySite",
@@ -54,6 +55,7 @@ __all__ = [
     "RecomputedRotarySite",
     "ResidualSite",
     "ResultSite",
+    "ScaledBranchSite",
     "RotaryCaptureSite",
     "ScaledOutputSite",
     "Site",

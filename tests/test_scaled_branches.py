@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.plugin import summary
 from lensadapters.adapters.generic.verify import check_points
-from lensadapters.testing.every_model_type import input_ids
+from lensadapters.testing.every_model_type import input_ids, shrink_config
 from tests.branch_helpers import (
     add_to_input,
     add_to_output,
@@ -375,4 +376,23 @@ def test_the_warning_of_an_undescribed_scaled_layer_names_only_what_is_missing()
     assert {"blocks.0.ln1.hook_scale", "blocks.0.hook_resid_mid"} <= set(hm.hook_dict)
     needs = summary(hm).split(" need a plugin")[0].rsplit(". ", 1)[-1]
     assert needs.startswith("Queries, keys and values") and "norm scales" not in needs and "resid_mid" not in needs
+    hm.unwrap()
+
+
+def test_a_bfloat16_model_finds_its_constants_where_rounding_moves_the_estimate() -> None:
+    """In bfloat16 a small MLP output added to a larger residual leaves the least-squares estimate of its multiplier
+    several roundings off (0.20 for 0.22, with transformers' own initialisation): the constants are still tried by
+    their distance from it, each by the exact check, so every layer is described as in float32."""
+    config = shrink_config(AutoConfig.for_model("granite"))
+    for key, value in {"residual_multiplier": 0.22, **GRANITE_MULTIPLIERS}.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    full = wrap_generic(model)
+    names = list(full.hook_names)
+    full.unwrap()
+    hm = wrap_generic(model.to(torch.bfloat16))
+    assert not findings(model).missing, findings(model).missing
+    assert hm.hook_names == names
+    assert [(b.attn_scale, b.mlp_scale) for b in hm.block_layouts] == [(0.22, 0.22)] * len(hm.block_layouts)
     hm.unwrap()

@@ -133,6 +133,15 @@ def _near(estimate: float, constants: list[float], dtype: torch.dtype) -> list[f
     return [c for c in constants if abs(c - estimate) <= tolerance * max(abs(estimate), 1e-6)]
 
 
+def _by_distance(estimate: float, constants: list[float], dtype: torch.dtype) -> list[float]:
+    """Every constant, the near ones (:func:`_near`) first, then the rest by their distance from the estimate: where
+    one multiplier is estimated, from a difference of two values much larger than the branch (a small MLP output
+    added to a bfloat16 residual), rounding can move the estimate further than :func:`_near` allows; trying them all
+    costs one exact check each."""
+    near = _near(estimate, constants, dtype)
+    return near + sorted((c for c in constants if c not in near), key=lambda c: abs(c - estimate))
+
+
 def _estimates(target: Tensor, parts: list[Tensor]) -> Optional[list[float]]:
     """The least-squares multipliers ``c`` of ``target ~ sum(c_j * parts_j)`` (in float64), ``None`` where the parts
     do not determine them."""
@@ -151,10 +160,11 @@ def _scaled_middles(
     constants in the order added, sequential, order)``."""
     orders = ((False, (0, 1)), (True, (0, 1)), (True, (1, 0))) if len(before) == 2 else ((False, (0,)),)
     for read in (r for r in reads if r.shape == x.shape):
-        estimates = _estimates(read - x, before)
+        estimates = _estimates(read.double() - x.double(), before)
         if estimates is None:
             continue
-        for scales in product(*[_near(e, constants, x.dtype) for e in estimates]):
+        pick = _near if len(estimates) > 1 else _by_distance  # (two constants: near ones only, each pair a check)
+        for scales in product(*[pick(e, constants, x.dtype) for e in estimates]):
             contributions = [scale(o, c) for o, c in zip(before, scales)]
             for sequential, order in orders:
                 mid = middle(x, [contributions[j] for j in order], Split((), (), sequential=sequential))
@@ -171,8 +181,8 @@ def _scaled_split(
         after = outputs[k:]
         total = after[0] if len(after) == 1 else after[0] + after[1]
         for mid, scales, sequential, order in _scaled_middles(x, outputs[:k], reads, constants):
-            ratio = _estimates(y - mid, [total])
-            for c in _near(ratio[0], constants, x.dtype) if ratio is not None else []:
+            ratio = _estimates(y.double() - mid.double(), [total])
+            for c in _by_distance(ratio[0], constants, x.dtype) if ratio is not None else []:
                 before = tuple(names[j] for j in order)
                 found = Split(before, tuple(names[k:]), before_scales=scales, after_scale=c, sequential=sequential)
                 if _equal(mid + after_contribution(after, found), y):

@@ -81,14 +81,21 @@ SHARED_EXPERT_POINTS = (
 )
 
 
-def shared_expert_sites(hooked: Hooked, layer: int, block: Any, before_router: bool = True) -> list[Site]:
-    """The shared expert's points and its gate's (after the routed experts): the shared expert's before the
-    router's points where the MoE module runs it first (``before_router``), else after the routed experts'."""
+def shared_expert_sites(hooked: Hooked, layer: int, block: Any, after: Optional[str] = None) -> list[Site]:
+    """The shared expert's points and its gate's, in the order they fire: by default the shared expert's before
+    the router's points (the MoE module runs it first) and its gate's after the routed experts'; with ``after`` (a
+    point of the layer, relative to ``blocks.{layer}.``) all of them right after that point, the gate's last."""
     pre, moe = f"blocks.{layer}.mlp.", block.mlp
-    end = f"blocks.{layer}.hook_mlp_out"
-    where = {"before": pre + "hook_router_logits"} if before_router else {"before": end}
-    points = {name: hooked.new_point(pre + name, **where) for name in SHARED_EXPERT_POINTS}
-    points["hook_shared_gate"] = hooked.new_point(pre + "hook_shared_gate", before=end)
+    points: dict[str, HookPoint] = {}
+    if after is None:
+        for name in SHARED_EXPERT_POINTS:
+            points[name] = hooked.new_point(pre + name, before=pre + "hook_router_logits")
+        points["hook_shared_gate"] = hooked.new_point(pre + "hook_shared_gate", before=f"blocks.{layer}.hook_mlp_out")
+    else:
+        previous = f"blocks.{layer}.{after}"
+        for name in (*SHARED_EXPERT_POINTS, "hook_shared_gate"):
+            points[name] = hooked.new_point(pre + name, after=previous)
+            previous = pre + name
     expert = moe.shared_expert
     return [
         _TokenShape(moe, list(points.values()), hooked.forward_state),

@@ -13,8 +13,9 @@ MLP is a SwiGLU (dense models) or a mixture of experts with a gated shared exper
   pattern, ``hook_z``, ``hook_result``; GQA. ``q_proj`` computes, per head, the query and an output gate:
   ``attn.hook_gate`` ``[b, p, h, d_head]`` is that gate's logits, and ``attn.hook_z`` is what ``o_proj`` reads,
   ``(pattern @ v) * sigmoid(gate)``, so that ``hook_result`` is ``hook_z @ W_O`` per head as in TransformerLens.
-* **Linear-attention layers**: the ``linear_attn.*`` points of the core's gated DeltaNet site (:mod:`lensadapters_qwen3_5.mixer`) (projections,
-  convolution, beta and decay gates, the delta rule's output, the gated norm's output); no ``attn.*`` point.
+* **Linear-attention layers**: the ``linear_attn.*`` points of the core's gated DeltaNet site with separate
+  projections (:mod:`lensadapters_qwen3_5.mixer`): projections, convolution, beta and decay gates, the delta rule's
+  output, the gated norm's output; no ``attn.*`` point.
 * **MoE layers**: the core's router and expert points, and the shared expert's: ``mlp.shared_expert.hook_gate``,
   ``hook_pre`` (up), ``hook_post`` ``[b, p, d_shared]``, ``hook_result`` ``[b, p, d_model]`` (before its gate), and
   ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
@@ -141,7 +142,6 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
     sites: list[Any] = []
     kinds = hooked.cfg.extra["layer_types"]
     for i, (block, kind) in enumerate(zip(hooked.block_modules, kinds)):
-        pre = f"blocks.{i}."
         if kind == FULL:
             sites.append(attention.query_gate_site(hooked, i, block))
         else:

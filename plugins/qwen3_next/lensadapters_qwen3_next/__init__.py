@@ -27,7 +27,9 @@ dense, and in every layer of a model without experts). Norms are ``x / rms * (1 
   ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
   result).
 
-Refused at wrap time: custom modeling code, rope types other than the default one, layer types other than these.
+Refused at wrap time: custom modeling code, rope types other than the default one, layer types other than these,
+MoE layers on transformers 4.57 (experts in a ``ModuleList``: the core's recomputation of a hooked expert's layer
+there would drop the gated shared expert's contribution).
 """
 
 from __future__ import annotations
@@ -167,9 +169,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
         else:
             sites.append(gated_deltanet_site(hooked, i, block.linear_attn, PROJECTIONS))
         if sparse[i]:
-            # transformers 5 runs the shared expert before the router; 4.57 (a ModuleList of experts) after them
-            first = not isinstance(block.mlp.experts, nn.ModuleList)
-            sites += shared_expert_sites(hooked, i, block, before_router=first)
+            # transformers 5 runs the shared expert before the router; 4.57 (a ModuleList of experts) runs it after
+            # the experts, whose points the core's MoE site then serves at the MoE module's output, after the gate's
+            modules = isinstance(block.get_submodule("mlp.experts"), nn.ModuleList)
+            sites += shared_expert_sites(hooked, i, block, after="mlp.hook_routing_weights" if modules else None)
     return sites
 
 
@@ -239,6 +242,18 @@ def lensadapters_validate(arch: Architecture, model: Any) -> None:
         raise UnsupportedModelError(f"Qwen3-Next layer types {unknown} are not described (only {FULL}, {LINEAR})")
     sparse = sparse_layers(config)
     layers = FAMILY.layers(model)
+    listed = [
+        i
+        for i, layer in enumerate(layers)
+        if sparse[i] and isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
+    ]
+    if listed:
+        raise UnsupportedModelError(
+            f"this Qwen3-Next model's MoE layers {listed} keep their experts as a ModuleList (transformers 4.57): "
+            f"there the core recomputes a hooked expert's layer at the MoE module's output, which would drop the "
+            f"shared expert's sigmoid-gated contribution (not yet described for that path); use transformers 5, or "
+            f"a dense Qwen3-Next (num_experts=0)"
+        )
 
     def missing(layer: nn.Module) -> list[str]:
         i = next(j for j, other in enumerate(layers) if other is layer)

@@ -19,7 +19,7 @@ class TestQwen3Next(Qwen3NextContract):
 import lensadapters_qwen3_next  # noqa: E402
 import torch  # noqa: E402
 from lensadapters_qwen3_next.reference import deltanet_reference, refuse, unfuse  # noqa: E402
-from lensadapters_qwen3_next.testing import qwen3_next_config  # noqa: E402
+from lensadapters_qwen3_next.testing import MOE_SERVED, qwen3_next_config  # noqa: E402
 
 from lensadapters.plugin_api import GATED_DELTANET_POINTS  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
@@ -28,6 +28,9 @@ from lensadapters.testing.families import left_padded_tokens  # noqa: E402
 CONTRACT = TestQwen3Next()
 MIXER_POINTS = GATED_DELTANET_POINTS
 PROJECTION_POINTS = ("hook_qkv", "hook_z", "hook_b", "hook_a")
+#: MoE models: transformers 5 only (refused on 4.57, see test_moe_is_refused_on_transformers_4)
+MOE = [False, pytest.param(True, marks=pytest.mark.skipif(not MOE_SERVED, reason="MoE refused on transformers 4.57"))]
+moe_only = pytest.mark.skipif(not MOE_SERVED, reason="MoE refused on transformers 4.57")
 
 
 def _model(moe: bool = False, **fields):
@@ -80,7 +83,7 @@ def test_unfused_views_are_the_models_own_split(heads):
     assert torch.equal(back[0], qkvz) and torch.equal(back[1], ba)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", MOE, ids=["dense", "moe"])
 @pytest.mark.parametrize("heads", [(2, 4), (1, 2)], ids=["gqa2", "one_key_head"])
 def test_deltanet_points_are_the_modules_values(moe, heads):
     """Every linear_attn point equals the independent reference (plain PyTorch on the layer's own input: its own
@@ -224,6 +227,7 @@ def test_attention_gate_is_the_projection_half_and_edits_reach_z():
     assert_close(torch.einsum("bpd,hde->bphe", seen["x"], W_gate), both[..., 1, :], "W_gate", atol=1e-5)
 
 
+@moe_only
 def test_shared_expert_points():
     """The MoE layers' shared expert: its points are its modules' values, and an edit of its gate's logit acts as
     the same edit of the gate module's output."""
@@ -252,6 +256,7 @@ def test_shared_expert_points():
     assert_close(off, expected, "logits with the shared expert gated off", atol=0)
 
 
+@moe_only
 def test_dense_layers_beside_moe_layers():
     """mlp_only_layers makes a layer dense in an MoE model: it gets the dense MLP points, the others the experts'."""
     model = _model(moe=True, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1])
@@ -267,7 +272,7 @@ def test_dense_layers_beside_moe_layers():
     assert torch.equal(cache["blocks.1.mlp.hook_pre_linear"], seen["up"])
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", MOE, ids=["dense", "moe"])
 @pytest.mark.parametrize("point", ["hook_beta", "hook_qkv"])
 def test_generation_through_the_hybrid_cache(moe, point):
     """Greedy generation with reading hooks on every point matches generation without hooks, every point firing;
@@ -300,3 +305,12 @@ def test_generation_through_the_hybrid_cache(moe, point):
     print(f"GENERATE {point} {'moe' if moe else 'dense'}: {worst:.2e}")
     plain = model.generate(ids, attention_mask=mask, **kwargs)
     assert not all(torch.equal(a, b) for a, b in zip(plain.logits, out.logits)), "the edit changed nothing"
+
+
+@pytest.mark.skipif(MOE_SERVED, reason="transformers 4.57's MoE layers only")
+def test_moe_is_refused_on_transformers_4():
+    """On 4.57 (experts in a ModuleList) the core recomputes a hooked expert's layer at the MoE module's output and
+    would drop the gated shared expert: such a model is refused by name."""
+    model = CONTRACT.make_model(qwen3_next_config(moe=True, layer_types=["linear_attention", "full_attention"]), 0)
+    with pytest.raises(lensadapters_qwen3_next.UnsupportedModelError, match="ModuleList"):
+        CONTRACT.wrap(model)

@@ -12,7 +12,9 @@ these modules are the core's own and may change between releases.
   (``MoELayout``, ``Routing``, ``stored_moe_layout``...).
 * **Points, sites and per-forward state**: :class:`HookPoint`, :class:`Site` (``points``, ``wanted``,
   ``signature``, ``install``) and its order rule (``completes_output``/``reads_output``: below), the reusable
-  core sites (``InputSite``, ``OutputSite``, ``NormSite``...), ``ForwardState`` (``hooked.forward_state``:
+  core sites (``InputSite``, ``OutputSite``, ``NormSite``...; a gated DeltaNet's, ``gated_deltanet_site``, with separate
+  or fused projections, ``DeltaNetProjections``; a query projection's output gate, ``query_gate_site``; a gated
+  shared expert's, ``shared_expert_sites``), ``ForwardState`` (``hooked.forward_state``:
   ``site_values(site)`` is a dict private to one site within one forward pass, cleared after it),
   ``is_recomputing`` (a gradient-checkpoint recomputation is running), ``current_recompute_token`` (the
   ``RecomputeToken`` of the forward whose checkpointed blocks are being recomputed: ``forward_state.frame.token``
@@ -37,6 +39,23 @@ of the module, whichever point was hooked first. The core's own sites follow the
 """
 
 from lensadapters.adapters import hf
+from lensadapters.adapters.gated_deltanet import (
+    FUSED_PER_KEY_HEAD,
+    GATED_DELTANET_POINTS,
+    SEPARATE_PROJECTIONS,
+    DeltaNetProjections,
+    GatedDeltaNetSite,
+    gated_deltanet_paths,
+    gated_deltanet_point_names,
+    gated_deltanet_site,
+    split_per_key_head,
+)
+from lensadapters.adapters.gated_parts import (
+    SHARED_EXPERT_POINTS,
+    QueryGateSite,
+    query_gate_site,
+    shared_expert_sites,
+)
 from lensadapters.adapters.hookspecs import HOOKSPEC_VERSION, ContractVariant, hookimpl
 from lensadapters.adapters.latent_attention import (
     LatentAttention,
@@ -118,6 +137,13 @@ __all__ = [
     "rotary_angles",
     "rotate_half_spec",
     "stored_moe_layout",
+    "DeltaNetProjections",
+    "FUSED_PER_KEY_HEAD",
+    "GATED_DELTANET_POINTS",
+    "SEPARATE_PROJECTIONS",
+    "gated_deltanet_paths",
+    "gated_deltanet_point_names",
+    "split_per_key_head",
     # points, sites, per-forward state, the order rule
     "ForwardState",
     "FrameValues",
@@ -129,6 +155,12 @@ __all__ = [
     "ProjectionSite",
     "ScaledOutputSite",
     "Site",
+    "GatedDeltaNetSite",
+    "QueryGateSite",
+    "SHARED_EXPERT_POINTS",
+    "gated_deltanet_site",
+    "query_gate_site",
+    "shared_expert_sites",
     "InstanceOverride",
     "override_instance_method",
     "detachable",

@@ -13,8 +13,9 @@ MLP is a SwiGLU (dense models) or a mixture of experts with a gated shared exper
   pattern, ``hook_z``, ``hook_result``; GQA. ``q_proj`` computes, per head, the query and an output gate:
   ``attn.hook_gate`` ``[b, p, h, d_head]`` is that gate's logits, and ``attn.hook_z`` is what ``o_proj`` reads,
   ``(pattern @ v) * sigmoid(gate)``, so that ``hook_result`` is ``hook_z @ W_O`` per head as in TransformerLens.
-* **Linear-attention layers**: the ``linear_attn.*`` points of :mod:`lensadapters_qwen3_5.mixer` (projections,
-  convolution, beta and decay gates, the delta rule's output, the gated norm's output); no ``attn.*`` point.
+* **Linear-attention layers**: the ``linear_attn.*`` points of the core's gated DeltaNet site with separate
+  projections (:mod:`lensadapters_qwen3_5.mixer`): projections, convolution, beta and decay gates, the delta rule's
+  output, the gated norm's output; no ``attn.*`` point.
 * **MoE layers**: the core's router and expert points, and the shared expert's: ``mlp.shared_expert.hook_gate``,
   ``hook_pre`` (up), ``hook_post`` ``[b, p, d_shared]``, ``hook_result`` ``[b, p, d_model]`` (before its gate), and
   ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
@@ -35,7 +36,13 @@ from torch import nn
 
 from lensadapters import Architecture, BlockLayout, MLPLayout, UnsupportedModelError, hf, hookimpl
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
-from lensadapters.plugin_api import Hooked, WeightUnavailableError, read_linear
+from lensadapters.plugin_api import (
+    Hooked,
+    WeightUnavailableError,
+    gated_deltanet_paths,
+    gated_deltanet_site,
+    read_linear,
+)
 from lensadapters_qwen3_5 import attention, mixer
 
 Tensor = torch.Tensor
@@ -78,9 +85,7 @@ def layer_types(config: Any) -> list[str]:
 def _mixer_paths(kind: str) -> tuple[str, ...]:
     if kind == FULL:
         return (*FAMILY.qkv, FAMILY.block.o_proj, *(n.module for n in FAMILY.qk_norms or ()))
-    return tuple(
-        f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
-    )
+    return tuple(f"linear_attn.{m}" for m in gated_deltanet_paths(mixer.PROJECTIONS))
 
 
 def config_fields(model: Any) -> dict[str, Any]:
@@ -137,15 +142,10 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
     sites: list[Any] = []
     kinds = hooked.cfg.extra["layer_types"]
     for i, (block, kind) in enumerate(zip(hooked.block_modules, kinds)):
-        pre = f"blocks.{i}."
         if kind == FULL:
             sites.append(attention.query_gate_site(hooked, i, block))
         else:
-            points, after = {}, pre + "ln1.hook_normalized"
-            for name in mixer.point_names():
-                points[name] = hooked.new_point(pre + name, after=after)
-                after = pre + name
-            sites.append(mixer.DeltaNetSite(block.linear_attn, points, hooked.forward_state))
+            sites.append(gated_deltanet_site(hooked, i, block.linear_attn, mixer.PROJECTIONS))
         if is_moe(hf.text_config(hooked.hf_model)):
             sites += attention.shared_expert_sites(hooked, i, block)
     return sites

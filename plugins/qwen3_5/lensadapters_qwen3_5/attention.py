@@ -1,84 +1,9 @@
-"""Qwen 3.5's gated full attention (the query projection's output gate) and the MoE layers' shared expert."""
+"""Qwen 3.5's gated full attention (the query projection's output gate) and the MoE layers' shared expert: the
+core's sites for them (:mod:`lensadapters.adapters.gated_parts`, through :mod:`lensadapters.plugin_api`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from lensadapters.plugin_api import SHARED_EXPERT_POINTS as SHARED_POINTS
+from lensadapters.plugin_api import QueryGateSite, query_gate_site, shared_expert_sites
 
-import torch
-from torch import nn
-
-from lensadapters.plugin_api import Hooked, HookPoint, InputSite, OutputSite, Site, first_output, replace_first_output
-
-Tensor = torch.Tensor
-
-
-class QueryGateSite(Site):
-    """``attn.hook_q`` and ``attn.hook_gate`` ``[b, p, h, d_head]`` on ``q_proj``'s output, which holds per head the
-    query then the gate (``view(b, p, h, 2 * d_head)``); an edit of either is written back into that output."""
-
-    def __init__(self, module: nn.Module, q: HookPoint, gate: HookPoint, heads: int) -> None:
-        self.module, self.q, self.gate, self.heads = module, q, gate, heads
-        self.points = (q, gate)
-
-    def install(self) -> list[Any]:
-        return [self.module.register_forward_hook(self._hook)]
-
-    def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        value = first_output(output)
-        both = value.unflatten(-1, (self.heads, 2, -1))
-        q, q_changed = self.q.apply(both[..., 0, :], protect=True)
-        gate, gate_changed = self.gate.apply(both[..., 1, :], protect=True)
-        if not (q_changed or gate_changed):
-            return None
-        return replace_first_output(output, torch.stack((q, gate), dim=-2).flatten(-3))
-
-
-def query_gate_site(hooked: Hooked, layer: int, block: Any) -> Site:
-    """The query/gate site of a full-attention layer (claiming ``attn.hook_q``, the layer gets no per-head input
-    points ``hook_q_input``...: the core's head-input site does not split the gate from the queries)."""
-    pre = f"blocks.{layer}.attn."
-    q = hooked.claim_point(pre + "hook_q")
-    gate = hooked.new_point(pre + "hook_gate", after=pre + "hook_q")
-    return QueryGateSite(block.self_attn.q_proj, q, gate, hooked.cfg.n_heads)
-
-
-class _TokenShape(Site):
-    """Records the MoE block's ``(b, p)`` for the shared expert's points, which see tokens flattened."""
-
-    def __init__(self, moe: nn.Module, points: list[HookPoint], state: Any) -> None:
-        self.module, self.state, self.points = moe, state, tuple(points)
-        for point in points:
-            point.token_shape = self.shape
-
-    def shape(self) -> Optional[tuple[int, ...]]:
-        return self.state.site_values(self).get("lead")
-
-    def install(self) -> list[Any]:
-        return [self.module.register_forward_pre_hook(self._record)]
-
-    def _record(self, module: nn.Module, args: tuple) -> None:
-        self.state.site_values(self)["lead"] = tuple(args[0].shape[:-1])
-
-
-SHARED_POINTS = (
-    "shared_expert.hook_gate",
-    "shared_expert.hook_pre",
-    "shared_expert.hook_post",
-    "shared_expert.hook_result",
-)
-
-
-def shared_expert_sites(hooked: Hooked, layer: int, block: Any) -> list[Site]:
-    """The shared expert's points (it runs before the router) and its gate's (after the routed experts)."""
-    pre, moe = f"blocks.{layer}.mlp.", block.mlp
-    points = {name: hooked.new_point(pre + name, before=pre + "hook_router_logits") for name in SHARED_POINTS}
-    points["hook_shared_gate"] = hooked.new_point(pre + "hook_shared_gate", before=f"blocks.{layer}.hook_mlp_out")
-    expert = moe.shared_expert
-    return [
-        _TokenShape(moe, list(points.values()), hooked.forward_state),
-        OutputSite(expert.gate_proj, points["shared_expert.hook_gate"]),
-        OutputSite(expert.up_proj, points["shared_expert.hook_pre"]),
-        InputSite(expert.down_proj, points["shared_expert.hook_post"]),
-        OutputSite(expert, points["shared_expert.hook_result"]),
-        OutputSite(moe.shared_expert_gate, points["hook_shared_gate"]),
-    ]
+__all__ = ["SHARED_POINTS", "QueryGateSite", "query_gate_site", "shared_expert_sites"]

@@ -53,12 +53,23 @@ def _conv_view(conv: nn.Conv1d) -> tuple[Callable[[Tensor], Tensor], Callable[[T
 class InternalsSite(Site):
     """The internal points of one token mixer: each module's output (or the output projection's input) through
     ``HookPoint.apply``; a hooked point whose module did not run while its mixer ran raises (the model computed that
-    value without calling the module: cached decoding, a fused kernel)."""
+    value without calling the module: cached decoding, a fused kernel). Which points fired is each forward's own
+    (``state``'s site values: another thread's forward, or one a hook runs inside it, has its own)."""
 
-    def __init__(self, mixer: nn.Module, layer: nn.Module, points: list[tuple[Internal, HookPoint]]) -> None:
-        self.mixer, self.layer, self.entries = mixer, layer, points
+    def __init__(
+        self, mixer: nn.Module, layer: nn.Module, points: list[tuple[Internal, HookPoint]], state: ForwardState
+    ) -> None:
+        self.mixer, self.layer, self.entries, self.state = mixer, layer, points, state
         self.points = tuple(p for _, p in points)
-        self.fired: set[str] = set()
+
+    @property
+    def fired(self) -> set[str]:
+        """The points that fired in this forward's run of the mixer."""
+        values = self.state.site_values(self)
+        fired = values.get("fired")
+        if fired is None:
+            fired = values["fired"] = set()
+        return fired
 
     def install(self) -> list[Any]:
         handles = [
@@ -129,7 +140,7 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
     sites: list[Site] = []
     if form.internals:
         entries = [(p, points[p.name]) for p in form.internals if p.name in points]
-        sites.append(InternalsSite(layer.get_submodule(block.attn), layer, entries))
+        sites.append(InternalsSite(layer.get_submodule(block.attn), layer, entries, hooked.forward_state))
     for role, path, _ in form.norms:
         norm = layer.get_submodule(path)
         hooked.register_norm(f"blocks.{i}.{role}", norm)
@@ -141,7 +152,7 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
             state = hooked.forward_state
             sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned, state))
     elif form.mid is not None and "hook_resid_mid" in points:
-        sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"]))
+        sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"], hooked.forward_state))
     if form.mlp is not None:
         mlp = form.mlp
         for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):
@@ -181,12 +192,21 @@ class ResidMidSite(Site):
     """``hook_resid_mid`` of a mixer-form layer: ``resid_pre + mixer_out``, the input of the module the MLP branch
     reads it with (``ln2``, or the MLP); the layer adds its own copy of it to the MLP's output, so an edit is also
     added to the layer's output (completing it before anything reads it), exactly what the layer computes from the
-    edited value."""
+    edited value. The edit's difference is each forward's own (``state``'s site values: another thread's forward,
+    or one a hook runs inside it, has its own)."""
 
-    def __init__(self, layer: nn.Module, reader: nn.Module, point: HookPoint) -> None:
-        self.layer, self.reader, self.point = layer, reader, point
+    def __init__(self, layer: nn.Module, reader: nn.Module, point: HookPoint, state: ForwardState) -> None:
+        self.layer, self.reader, self.point, self.state = layer, reader, point, state
         self.points = (point,)
-        self.delta: list[Tensor] = []
+
+    @property
+    def delta(self) -> list[Tensor]:
+        """This forward's ``edited - resid_mid`` (empty: no edit to add to the layer's output)."""
+        values = self.state.site_values(self)
+        delta = values.get("delta")
+        if delta is None:
+            delta = values["delta"] = []
+        return delta
 
     def install(self) -> list[Any]:
         from lensadapters.hooks.sites import completes_output

@@ -181,7 +181,16 @@ class PreLNResidualSite(Site):
     reads them, and the block output is recomputed as ``resid_mid + mlp_out``, so an edit reaches the norm and the
     residual both, exactly as the block computes them. Refused by name in training mode with dropout (the block's
     dropouts sit between the branches and the residual). The residual followed is the forward's own (``state``'s
-    site values: another thread's forward, or one a hook runs inside it, follows its own)."""
+    site values: another thread's forward, or one a hook runs inside it, follows its own).
+
+    While the block trains with gradient checkpointing, its output is not rebuilt (transformers 5.x runs a layer's
+    own forward hooks outside the checkpointed function: a reentrant checkpoint's first forward runs without
+    gradients, and only the layer's inside is recomputed with them). An edit of ``hook_resid_mid``... is then
+    carried into the block's own residual add instead: the norm reads the edited value, and its difference
+    ``edited - resid_mid`` is added to the next branch's output (the cross-attention's ``out_proj``, or ``fc2``),
+    so the block's ``residual + branch`` carries it and the recomputation recomputes it with gradients. The
+    residual followed is then the block's own (``resid_mid + (branch + difference)``: the edited stream up to
+    float rounding)."""
 
     def __init__(
         self,
@@ -199,8 +208,15 @@ class PreLNResidualSite(Site):
 
     @property
     def values(self) -> dict[str, Any]:
-        """This forward's residual (``"resid"``) and the branch output to add next (``"branch"``)."""
+        """This forward's residual (``"resid"``), the branch output to add next (``"branch"``), whether an edit of a
+        residual point changed it (``"edited"``) and, while checkpointed, the difference the next branch adds
+        (``"carry"``)."""
         return self.state.site_values(self)
+
+    def _carried(self) -> bool:
+        """Whether edits of the residual points are carried into the block's own residual add (while the block trains
+        with gradient checkpointing) rather than rebuilt at its output."""
+        return bool(self.block.training and getattr(self.block, "gradient_checkpointing", False))
 
     def install(self) -> list[Any]:
         b = self.block
@@ -223,9 +239,13 @@ class PreLNResidualSite(Site):
         values["resid"] = first_input(args, {})
 
     def _branch(self, point: HookPoint) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> Optional[Tensor]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Optional[Any]:
+            values = self.values
             value, changed = point.apply(first_output(output))
-            self.values["branch"] = value
+            carry = values.pop("carry", None)
+            if carry is not None:  # the previous residual point's edit, into the block's own residual add
+                value, changed = value + carry, True
+            values["branch"] = value
             return replace_first_output(output, value) if changed else None
 
         return hook
@@ -233,18 +253,30 @@ class PreLNResidualSite(Site):
     def _mid(self, point: HookPoint) -> Any:
         def hook(module: nn.Module, args: tuple) -> Any:
             values = self.values
-            mid = values["resid"] + values.pop("branch")
-            mid, _ = point.apply(mid)
-            values["resid"] = mid
-            return (mid, *args[1:])
+            branch = values.pop("branch")
+            # the block's own residual (the norm's input), or after an edit rebuilt here the edited stream's
+            mid = values["resid"] + branch if values.get("edited") else args[0]
+            edited, changed = point.apply(mid)
+            if changed and self._carried():
+                values["resid"], values["carry"] = mid, edited - mid
+            elif changed:
+                values["resid"], values["edited"] = edited, True
+            else:
+                values["resid"] = mid
+            # the norm reads the edited stream (rebuilt after an earlier edit: not the block's own residual)
+            return (edited, *args[1:]) if changed or values.get("edited") else None
 
         return hook
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> Any:
         values = self.values
-        out = values.pop("resid") + values.pop("branch")
-        out, _ = self.resid_post.apply(out)
-        return replace_first_output(output, out)
+        resid, branch, edited = values.pop("resid"), values.pop("branch"), values.pop("edited", False)
+        if edited:  # rebuilt: the edited residual plus the MLP's output, as the block adds them
+            out, changed = resid + branch, True
+        else:  # the block's own output (edits carried into its residual add, or none)
+            out, changed = first_output(output), False
+        out, post_changed = self.resid_post.apply(out)
+        return replace_first_output(output, out) if changed or post_changed else None
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

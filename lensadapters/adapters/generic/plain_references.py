@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, cast
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.call_hooks import _once, _per_head
 from lensadapters.adapters.generic.eager_reference import (
     _attention,
     _in_row,
@@ -45,33 +46,6 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
     logits = getattr(out, "logits", None)
     return (logits if isinstance(logits, Tensor) else first_output(out.to_tuple())).detach().clone()
-
-
-def _per_head(module: nn.Module, x: Tensor, heads: int) -> Tensor:
-    """Each head's share of ``module``'s output for its input ``x`` ``[b, p, heads, d]`` (``hook_result``)."""
-    zero = module(torch.zeros_like(x.flatten(-2)))
-    parts = []
-    for h in range(heads):
-        masked = torch.zeros_like(x)
-        masked[..., h, :] = x[..., h, :]
-        parts.append(module(masked.flatten(-2)) - zero)
-    return torch.stack(parts, dim=-2)
-
-
-def _once(module: nn.Module, fn: Callable[..., Any]) -> Any:
-    """A forward hook that does not run for the calls ``fn`` itself makes of ``module``."""
-    busy: list[bool] = []
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if busy:
-            return None
-        busy.append(True)
-        try:
-            return fn(module, args, kwargs, output)
-        finally:
-            busy.clear()
-
-    return module.register_forward_hook(hook, with_kwargs=True)
 
 
 def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Optional[int]) -> "Handles":

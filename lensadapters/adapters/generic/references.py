@@ -283,7 +283,7 @@ class _ScaledResult:
         return [*self.sum.modules, self.o_proj]
 
     def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
-        from lensadapters.adapters.generic.plain_references import _once, _per_head
+        from lensadapters.adapters.generic.call_hooks import _once, _per_head
         from lensadapters.hooks.sites.base import first_input
 
         change: list[Tensor] = []

@@ -74,7 +74,9 @@ class MixerLayer:
     """The points of one layer of the mixer form beyond its branches (paths relative to the layer): the token
     mixer's internals, the pre-norms ``(role, path, NormBehaviour)``, ``hook_resid_mid`` (at ``mid``: the module
     reading ``resid_pre + mixer_out``, where the MLP branch reads it), and the MLP's ``MLPLayout`` where the dense
-    description (:func:`.describe._describe_mlp`) reads it."""
+    description (:func:`.describe._describe_mlp`) reads it. ``mid_add``: the MLP child whose output the layer adds
+    to ``resid_mid`` as its output (checked on the probe: the layer's output is ``resid_mid`` plus that child's
+    output), where an edit's difference is carried while the layer trains with gradient checkpointing."""
 
     internals: tuple[Internal, ...] = ()
     norms: tuple[tuple[str, str, Any], ...] = ()
@@ -84,6 +86,7 @@ class MixerLayer:
     #: (:class:`.mixer_sites.SumSite`, reading the middle at ``mid``), and the point of each module before the middle
     sum: Optional[Any] = None
     contributions: tuple[str, ...] = ()
+    mid_add: Optional[str] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -319,7 +322,7 @@ def layer_form(
     softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
     internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
     found = pre_norms(i, layer, rec, mixer, mlp)
-    layout = mid = None
+    layout = mid = add = None
     if mlp is not None and model is not None:
         try:
             dense = _describe_mlp(model, layer, i, mlp, rec)[0]
@@ -332,6 +335,9 @@ def layer_form(
             reads = rec.inner.get((i, ln2 or mlp), (None, None))[0]
             if reads is not None and _close(reads, x.value + rec.children[(i, mixer)].value):
                 mid = ln2 or mlp
+                out, branch = rec.layer_out.get(i), rec.children.get((i, mlp))
+                if out is not None and branch is not None and _close(out.value, reads + branch.value):
+                    add = mlp  # the layer's output is resid_mid plus the MLP's output, as it adds them
     three = _split(i, layer, rec)
     if three is not None:  # hook_resid_mid: what ln2 reads, the input plus every branch before the middle
         from lensadapters.adapters.generic.parallel import mid_value
@@ -343,7 +349,11 @@ def layer_form(
         if three.summed and mid is not None and mixer in three.before:  # the branch points: what the layer adds
             names = tuple("hook_attn_out" if n == mixer else "hook_mixer_out" for n in three.before)
             return MixerLayer(internal, found, mid, layout, three, names)
-    return MixerLayer(internal, found, mid, layout)
+        out, branch = rec.layer_out.get(i), rec.children.get((i, three.after[0])) if len(three.after) == 1 else None
+        add = None
+        if mid is not None and reads is not None and out is not None and branch is not None:
+            add = three.after[0] if _close(out.value, reads + branch.value) else None
+    return MixerLayer(internal, found, mid, layout, mid_add=add)
 
 
 def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Reference]:

@@ -152,7 +152,9 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
             state = hooked.forward_state
             sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned, state))
     elif form.mid is not None and "hook_resid_mid" in points:
-        sites.append(ResidMidSite(layer, layer.get_submodule(form.mid), points["hook_resid_mid"], hooked.forward_state))
+        add = layer.get_submodule(form.mid_add) if form.mid_add is not None else None
+        reader = layer.get_submodule(form.mid)
+        sites.append(ResidMidSite(layer, reader, points["hook_resid_mid"], hooked.forward_state, add))
     if form.mlp is not None:
         mlp = form.mlp
         for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):
@@ -193,11 +195,29 @@ class ResidMidSite(Site):
     reads it with (``ln2``, or the MLP); the layer adds its own copy of it to the MLP's output, so an edit is also
     added to the layer's output (completing it before anything reads it), exactly what the layer computes from the
     edited value. The edit's difference is each forward's own (``state``'s site values: another thread's forward,
-    or one a hook runs inside it, has its own)."""
+    or one a hook runs inside it, has its own).
 
-    def __init__(self, layer: nn.Module, reader: nn.Module, point: HookPoint, state: ForwardState) -> None:
-        self.layer, self.reader, self.point, self.state = layer, reader, point, state
+    While the layer trains with gradient checkpointing, and given ``add`` (the MLP child whose output the layer adds
+    to ``resid_mid``), the difference is added to that child's output instead: transformers 5.x runs a layer's own
+    forward hooks outside the checkpointed function (a reentrant checkpoint's first forward runs without gradients,
+    and only the layer's inside is recomputed with them), so the layer's own ``resid_mid + mlp_out`` carries it and
+    the recomputation recomputes it with gradients. Otherwise the layer's output gets it, as before."""
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        reader: nn.Module,
+        point: HookPoint,
+        state: ForwardState,
+        add: Optional[nn.Module] = None,
+    ) -> None:
+        self.layer, self.reader, self.point, self.state, self.add = layer, reader, point, state, add
         self.points = (point,)
+
+    def _carried(self) -> bool:
+        """Whether the difference goes into ``add``'s output (the layer trains with gradient checkpointing)."""
+        layer: Any = self.layer
+        return self.add is not None and bool(layer.training and getattr(layer, "gradient_checkpointing", False))
 
     @property
     def delta(self) -> list[Tensor]:
@@ -211,19 +231,33 @@ class ResidMidSite(Site):
     def install(self) -> list[Any]:
         from lensadapters.hooks.sites import completes_output
 
-        return [
+        handles = [
             self.layer.register_forward_pre_hook(lambda m, a: self.delta.clear()),
             self.reader.register_forward_pre_hook(self._on_input, with_kwargs=True),
             completes_output(self.layer, self._on_layer_output),
         ]
+        if self.add is not None:
+            handles.append(self.add.register_forward_hook(self._on_add_output))
+        return handles
 
     def _on_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         x = first_input(args, kwargs)
+        self.state.site_values(self).pop("carry", None)  # never a leftover of a forward that raised
         edited, changed = self.point.apply(x, protect=True)
         if not changed:
             return None
-        self.delta[:] = [edited - x]
+        if self._carried():  # into the layer's own resid_mid + mlp_out (recomputed by a checkpoint)
+            self.state.site_values(self)["carry"] = edited - x
+        else:
+            self.delta[:] = [edited - x]
         return replace_first_input(args, kwargs, edited)
+
+    def _on_add_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        carry = self.state.site_values(self).pop("carry", None)
+        if carry is None:
+            return None
+        y = first_output(output)
+        return replace_first_output(output, y + carry.reshape(y.shape).to(y.dtype))
 
     def _on_layer_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self.delta:

@@ -76,12 +76,13 @@ class LoraContract(LoraProperties, AdapterContract):
     @classmethod
     def supports(cls, contract: type) -> Optional[str]:
         """Why this variant does not run over ``contract`` (``None``: it does): LoRA on a mixture of experts (fused
-        expert parameters or expert modules, per transformers version) is checked by the architecture's own tests."""
+        expert parameters or expert modules, per transformers version) is checked by the architecture's own tests;
+        a contract may declare its own reason (``lora_variant_refused``)."""
         from lensadapters.testing.moe import MoEContract
 
         if issubclass(contract, MoEContract):
             return "LoRA on mixture-of-experts models is checked by their architecture's own tests"
-        return None
+        return getattr(contract, "lora_variant_refused", None)  # declared by the architecture's contract
 
     extra_plugins = (lp,)
 

@@ -89,6 +89,10 @@ class Qwen3NextContract(OffsetNormModels, QKNormScores, DecoderContract):
 
     plugin: ClassVar[Any] = lensadapters_qwen3_next
     config_strategy = qwen3_next_configs
+    lora_variant_refused: ClassVar[Optional[str]] = (
+        "LoRA on Qwen3-Next is not yet checked: PEFT converts targets of its fused experts itself (gate_up_proj), and "
+        "gradients through edits with LoRA on the DeltaNet projections differed from finite differences"
+    )
     attn_implementations: ClassVar[Sequence[str]] = ("eager", "sdpa")
     #: the gated DeltaNet's points that a scale-invariant norm reads (the delta rule's L2 norm of queries and keys, the
     #: gated RMSNorm of its output): edited along directions of their own scale in the gradient property, as a

@@ -209,15 +209,22 @@ TINY_PATTERNS = ("LLLF", "LF", "FL", "LFLF", "FLL", "LLF")
 def tiny_config(seed: int) -> Any:
     """A Qwen3-Next toy, width 64, vocabulary 512. Seed 0: 4 layers (three gated DeltaNet layers, then a
     full-attention one, the checkpoints' pattern), dense. Odd seeds are the MoE model (4 experts, top 2, a shared
-    expert); the seed also picks the layer pattern (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the
-    attention's head size."""
+    expert) on transformers 5 (4.57's MoE layers are refused: dense there); the seed also picks the layer pattern
+    (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the attention's head size."""
+    import transformers
+
     from lensadapters_qwen3_next.configs import qwen3_next_config
+
+    moe_served = int(transformers.__version__.split(".")[0]) >= 5
 
     pattern = TINY_PATTERNS[(seed // 2) % len(TINY_PATTERNS)]
     kinds = ["linear_attention" if k == "L" else "full_attention" for k in pattern]
     linear_heads = ((2, 4), (1, 2), (2, 2))[(seed // 3) % 3]
     return qwen3_next_config(
-        moe=bool(seed % 2), layer_types=kinds, linear_heads=linear_heads, head_dim=(8, 16)[(seed // 5) % 2]
+        moe=bool(seed % 2) and moe_served,
+        layer_types=kinds,
+        linear_heads=linear_heads,
+        head_dim=(8, 16)[(seed // 5) % 2],
     )
 
 

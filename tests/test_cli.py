@@ -66,3 +66,34 @@ def test_help_texts_have_no_rest_markup(capsys):
         text = _help(capsys, argv)
         assert not REST_MARKUP.search(text), f"`lensadapters {' '.join(argv)}` shows reST markup:\n{text}"
     assert "tiny built-in" in _help(capsys, ["hooks", "--help"])
+
+
+def _encoder_decoders() -> list[tuple[str, str]]:
+    from lensadapters.testing.plugins import installed_plugins
+
+    return sorted(
+        (info.name, arch.name)
+        for info in installed_plugins()
+        for arch in info.architectures
+        if arch.encoder_decoder and arch.declared_for_installed_transformers()
+    )
+
+
+@pytest.mark.parametrize("plugin,arch", _encoder_decoders() or [pytest.param("", "", marks=pytest.mark.skip)])
+def test_hooks_shows_an_encoder_decoder_both_stacks(capsys, tmp_path, plugin, arch):
+    """``lensadapters hooks t5`` (or a saved T5 checkpoint) lists both stacks' points with the shapes of one call
+    with ``decoder_input_ids`` (it refused encoder-decoders, or called them without decoder inputs)."""
+    from lensadapters.registry import get_registry
+    from lensadapters.testing.models import tiny_model
+
+    assert main(["hooks", arch, "--json", "--length", "3"]) == 0
+    shapes = json.loads(capsys.readouterr().out)["hook_points"]
+    assert any(n.startswith("encoder.") for n in shapes) and any(n.startswith("decoder.") for n in shapes)
+    assert all(shape is not None and shape[:2] == [1, 3] for n, shape in shapes.items() if n.endswith("resid_pre"))
+    registry = get_registry()
+    info = registry.infos[plugin]
+    tiny_model(
+        registry, info, next(a for a in info.architectures if a.name == arch), encoder_decoder=True
+    ).save_pretrained(tmp_path)
+    assert main(["hooks", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hook_points"].keys() == shapes.keys()

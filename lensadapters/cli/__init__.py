@@ -73,11 +73,16 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _from_checkpoint(directory: str) -> Any:
     """The checkpoint's causal LM; where its config has none, its sequence-to-sequence or masked LM (an encoder:
-    ModernBERT); otherwise transformers' own error for the causal LM, which names the problem."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+    ModernBERT); otherwise transformers' own error for the causal LM, which names the problem. An encoder-decoder's
+    checkpoint (``is_encoder_decoder``) is its sequence-to-sequence LM first: BART's family also has a causal LM, the
+    decoder alone, which would load without the encoder's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
     first: Optional[ValueError] = None
-    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForMaskedLM):
+    autos = [AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForMaskedLM]
+    if getattr(AutoConfig.from_pretrained(directory, local_files_only=True), "is_encoder_decoder", False):
+        autos.insert(0, autos.pop(1))
+    for auto in autos:
         try:
             return auto.from_pretrained(directory, local_files_only=True)
         except ValueError as error:  # "Unrecognized configuration class": no such head for this config
@@ -96,7 +101,7 @@ def _load_for_hooks(target: str) -> tuple[Any, Any, Optional[str]]:
     for info in registry.architecture_plugins():
         for arch in info.architectures:
             if target in (arch.name, info.name) or target in arch.model_types:
-                return tiny_model(registry, info, arch), registry, arch.name
+                return tiny_model(registry, info, arch, encoder_decoder=True), registry, arch.name
     raise SystemExit(
         f"{target!r} is neither a checkpoint directory nor an installed architecture. {registry.describe_installed()}"
     )
@@ -116,13 +121,15 @@ def _hooks(args: argparse.Namespace) -> int:
         hm = HookedModel.wrap(model, adapter=args.adapter, registry=registry)
     note = summary(hm.wiring, fallback=args.adapter is None) if hm.plugin is registry.generic else None
     ids = torch.zeros(1, args.length, dtype=torch.long)
+    # an encoder-decoder's decoder reads the same number of positions as its encoder here
+    inputs: dict[str, Any] = {"decoder_input_ids": ids} if getattr(model.config, "is_encoder_decoder", False) else {}
     with torch.no_grad():
         try:
-            _, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
+            _, cache = hm.run_with_cache(input_ids=ids, **inputs, names_filter=lambda n: True)
         except UnsupportedModelError as exc:  # patterns refused under this attention implementation: the rest
             print(f"note: {exc}", file=sys.stderr)
             _, cache = hm.run_with_cache(
-                ids, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
+                input_ids=ids, **inputs, names_filter=lambda n: not n.endswith(("hook_pattern", "hook_attn_scores"))
             )
     shapes = {name: list(cache[name].shape) if name in cache else None for name in hm.hook_names}
     accounts = _verified_against(hm) if note else {}

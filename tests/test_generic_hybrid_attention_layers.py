@@ -117,7 +117,9 @@ def test_each_new_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
         ("hook_mlp_out", "post_feedforward_layernorm", "out"),
     ],
 )
-def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(hybrid: Any, point: str, module: str, side: str) -> None:
+def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(
+    hybrid: Any, point: str, module: str, side: str
+) -> None:
     model, hm = hybrid
     layer = model.model.layers[ATTENTION]
     target = layer.get_submodule(module)
@@ -187,4 +189,4 @@ def test_weights_of_the_described_layer_are_read_and_the_stack_names_the_undescr
     assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
     assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
     with pytest.raises(WeightUnavailableError, match="layer 0 is not described"):
-        hm.W_O
+        _ = hm.W_O

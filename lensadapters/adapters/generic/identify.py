@@ -306,7 +306,12 @@ def _hybrid_described(blocks: tuple[BlockFindings, ...], description: Any) -> bo
 def _drop_notes(notes: _Notes, missing: dict[str, str], described: set[int]) -> None:
     """``missing`` without the notes on the described layers' branch and attention points (served by the
     description)."""
-    for group in ("hook_attn_out and hook_mlp_out", "attention scores, patterns and hook_z", "attention scores and patterns"):
+    groups = (
+        "hook_attn_out and hook_mlp_out",
+        "attention scores, patterns and hook_z",
+        "attention scores and patterns",
+    )
+    for group in groups:
         reasons = notes.by_group.pop(group, None)
         missing.pop(group, None)
         if reasons is None:

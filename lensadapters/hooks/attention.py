@@ -198,11 +198,12 @@ class InterfacePatternBackend:
         # copies and pickles of the config see the user's implementation (lensadapters.copying)
         self.config._attn_implementation = RoutedImplementation(attention_key(self.original), self.original)
         self.delegates = {}
-        for module in self.modules if self.original_fn is not None else ():
+        present = [m for m in self.modules if m is not None]  # a hybrid's layers without attention have none
+        for module in present if self.original_fn is not None else ():
             fn = self.original_fn(module, self.original)
             if fn is not None:
                 self.delegates[module] = fn
-        for module in self.modules:
+        for module in present:
             _ROUTED[module] = weakref.ref(self)
 
     def _still_selected(self, layer: int) -> Callable[..., None]:
@@ -233,7 +234,8 @@ class InterfacePatternBackend:
             self.original = None
             self.delegates = {}
             for module in self.modules:
-                _ROUTED.pop(module, None)
+                if module is not None:
+                    _ROUTED.pop(module, None)
 
     def attend(
         self,

@@ -169,6 +169,13 @@ def repeat_kv(t: Tensor, n_heads: int) -> Tensor:
 
 
 def _require_attention(hm: "Hooked", layer: int) -> None:
+    if hm.block_layouts[layer] is None:
+        raise WeightUnavailableError(
+            f"layer {layer} is not described (a hybrid's token mixer of another kind, served by its own points), so "
+            f"it has no W_Q/W_K/W_V/W_O; read the described layers' weights one by one "
+            f"(lensadapters.weights.qkv_weights(hm.wiring, layer), o_weights) and the mixer's parameters from "
+            f"hm.block_modules[{layer}]"
+        )
     if hm.block_layouts[layer] is not None and hm.qkv_layouts[layer] is None:
         raise WeightUnavailableError(
             f"layer {layer} has no softmax attention (its plugin describes its token mixer as another kind), so it "

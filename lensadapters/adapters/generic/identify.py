@@ -296,6 +296,33 @@ def _continues(i: int, rec: Recording, n: int) -> bool:
     return any(t.shape == y.value.shape and torch.equal(t, y.value) for t in after)
 
 
+def _hybrid_described(blocks: tuple[BlockFindings, ...], description: Any) -> bool:
+    """Whether a partial description is kept: a hybrid whose undescribed layers all have the mixer form (:mod:`.mixer`,
+    served and verified by it) and some layer is described (an attention layer among token mixers of other kinds)."""
+    undescribed = [i for i, layer in enumerate(description.layers) if layer is None]
+    return len(undescribed) < len(blocks) and all(blocks[i].mixer is not None for i in undescribed)
+
+
+def _drop_notes(notes: _Notes, missing: dict[str, str], described: set[int]) -> None:
+    """``missing`` without the notes on the described layers' branch and attention points (served by the
+    description)."""
+    groups = (
+        "hook_attn_out and hook_mlp_out",
+        "attention scores, patterns and hook_z",
+        "attention scores and patterns",
+    )
+    for group in groups:
+        reasons = notes.by_group.pop(group, None)
+        missing.pop(group, None)
+        if reasons is None:
+            continue
+        kept = {why: [i for i in where if i not in described] for why, where in reasons.items()}
+        kept = {why: where for why, where in kept.items() if where}
+        if kept:
+            notes.by_group[group] = kept
+            missing[group] = notes.result()[group]
+
+
 def identify(model: nn.Module) -> Findings:
     """Find what the generic adapter serves for ``model`` (``UnsupportedModelError`` without a layer list)."""
     structure = find_structure(model)
@@ -397,8 +424,10 @@ def identify(model: nn.Module) -> Findings:
                     why + ("" if len(ls) == n else f" (layers {layer_ranges(ls)})") for why, ls in by_reason.items()
                 )
             )
-        if description.why:  # described only where every layer is (a model's layers mix no two kinds of serving)
-            description = None
+        if description.why and not _hybrid_described(blocks, description):
+            description = None  # described only where every layer is, or (a hybrid) where the rest have the mixer form
+        elif description.why:  # the probe's notes on the described layers' points no longer apply
+            _drop_notes(notes, missing, {i for i, layer in enumerate(description.layers) if layer is not None})
         else:
             from lensadapters.adapters.generic.moe import undescribed_mlps
 

@@ -236,7 +236,7 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
             return hooked.read_linear(unembed).W * found.logit_scale
         return None
     found = findings(hooked.hf_model)
-    if _fully_described(hooked.hf_model):
+    if found.description is not None:  # every layer described, or a hybrid's (the others of the mixer form)
         why = found.unverified.get(key) or refused_weight(hooked, key) or refused_gated_weight(hooked, key)
         if why is not None:
             raise WeightUnavailableError(
@@ -352,7 +352,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point, **after))
-    if any(block.mixer is not None for block in found.blocks) and found.description is None:
+    if any(b.mixer is not None and bl is None for b, bl in zip(found.blocks, hooked.block_layouts)):
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
         claimed |= claim_latent_points(hooked)  # multi-head latent attention's points (.latent)

@@ -1,0 +1,192 @@
+"""The attention layers of a hybrid (token mixers of other kinds in the other layers) are described automatically
+(:mod:`lensadapters.adapters.generic.describe`) while the other layers keep the mixer form
+(:mod:`lensadapters.adapters.generic.mixer`): OLMo-Hybrid's full-attention layer (OLMo-2-style norms after the
+attention and after the MLP, no pre-norms, q/k norms) gets the points the generic adapter gives an OLMo-2 layer, each
+read and edited exactly as plain PyTorch hooks on the HF modules compute them; its gated-DeltaNet layers keep theirs.
+OLMo-Hybrid exists on transformers 5 only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lensadapters.adapters.generic import findings
+from lensadapters.errors import WeightUnavailableError
+from lensadapters.testing.contract_support import check_edited_generation
+from lensadapters.testing.every_model_type import input_ids
+from lensadapters.testing.strategies import Inputs
+from lensadapters.weights import o_weights, qkv_weights
+from tests.branch_helpers import (
+    add_to_input,
+    add_to_output,
+    edit_error,
+    record,
+    relative_error,
+    resid_mid_edit,
+    seeded_delta,
+    tiny_model,
+    wrap_generic,
+)
+
+pytestmark = pytest.mark.transformers5_only
+
+ATTENTION = 3  # the tiny model's layer_types: linear_attention x3, then full_attention
+
+
+def _layer(hm: Any, i: int) -> list[str]:
+    return [n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")]
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Any:
+    model = tiny_model("olmo_hybrid")
+    assert model.config.layer_types[ATTENTION] == "full_attention"
+    assert all(t == "linear_attention" for t in model.config.layer_types[:ATTENTION])
+    hm = wrap_generic(model)
+    yield model, hm
+    hm.unwrap()
+
+
+def test_the_attention_layer_gets_an_olmo2_layers_points_and_the_deltanet_layers_keep_theirs(hybrid: Any) -> None:
+    model, hm = hybrid
+    olmo2 = wrap_generic(tiny_model("olmo2"))
+    try:
+        want = _layer(olmo2, 0)  # the generic adapter's points of an OLMo-2 layer (same block form)
+    finally:
+        olmo2.unwrap()
+    got = _layer(hm, ATTENTION)
+    assert sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))
+    assert {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_result", "hook_resid_mid", "mlp.hook_post"} <= set(
+        got
+    )
+    for i in range(ATTENTION):  # the mixer form's points of the gated-DeltaNet layers, no attention points
+        names = _layer(hm, i)
+        assert len(names) == 19, names
+        assert {"linear_attn.hook_q_proj", "linear_attn.hook_o_proj_input", "mlp.hook_post"} <= set(names), names
+        assert not any(n.startswith("attn.") for n in names), names
+    d = findings(model).description
+    assert d is not None and d.layers[ATTENTION] is not None and d.layers[0] is None
+
+
+def test_each_new_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
+    model, hm = hybrid
+    layer = model.model.layers[ATTENTION]
+    attn, mlp = layer.self_attn, layer.mlp
+    seen = record(
+        model,
+        {
+            "q": (attn.q_proj, "out"),
+            "k": (attn.k_proj, "out"),
+            "v": (attn.v_proj, "out"),
+            "z": (attn.o_proj, "in"),
+            "o": (attn.o_proj, "out"),
+            "attn_out": (layer.post_attention_layernorm, "out"),
+            "mid": (mlp, "in"),
+            "post": (mlp.down_proj, "in"),
+            "mlp_out": (layer.post_feedforward_layernorm, "out"),
+        },
+    )
+    heads = model.config.num_attention_heads
+    p = f"blocks.{ATTENTION}."
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))
+    pairs = {
+        "attn.hook_q": seen["q"].unflatten(-1, (heads, -1)),
+        "attn.hook_k": seen["k"].unflatten(-1, (model.config.num_key_value_heads, -1)),
+        "attn.hook_v": seen["v"].unflatten(-1, (model.config.num_key_value_heads, -1)),
+        "attn.hook_z": seen["z"].unflatten(-1, (heads, -1)),
+        "hook_attn_out": seen["attn_out"],
+        "hook_resid_mid": seen["mid"],
+        "mlp.hook_post": seen["post"],
+        "hook_mlp_out": seen["mlp_out"],
+    }
+    errors = {name: relative_error(cache[p + name], want) for name, want in pairs.items()}
+    assert max(errors.values()) < 1e-5, errors
+    # per head, the output projection's contributions: their sum is the projection's output
+    assert relative_error(cache[p + "attn.hook_result"].sum(-2), seen["o"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "point, module, side",
+    [
+        ("attn.hook_v", "self_attn.v_proj", "out"),
+        ("attn.hook_z", "self_attn.o_proj", "in"),
+        ("hook_attn_out", "post_attention_layernorm", "out"),
+        ("mlp.hook_post", "mlp.down_proj", "in"),
+        ("hook_mlp_out", "post_feedforward_layernorm", "out"),
+    ],
+)
+def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(
+    hybrid: Any, point: str, module: str, side: str
+) -> None:
+    model, hm = hybrid
+    layer = model.model.layers[ATTENTION]
+    target = layer.get_submodule(module)
+    like = record(model, {"x": (target, side)})["x"]
+    d = seeded_delta(like, 1) * float(like.abs().max())
+    install = add_to_output(target, d) if side == "out" else add_to_input(target, d)
+    err = edit_error(hm, model, f"blocks.{ATTENTION}.{point}", d, install)
+    assert err < 1e-4, err
+
+
+def test_a_query_edit_is_the_projections_output_edited_before_the_q_norm(hybrid: Any) -> None:
+    model, hm = hybrid
+    q_proj = model.model.layers[ATTENTION].self_attn.q_proj
+    like = record(model, {"q": (q_proj, "out")})["q"]
+    d = seeded_delta(like, 2)
+    err = edit_error(hm, model, f"blocks.{ATTENTION}.attn.hook_q", d, add_to_output(q_proj, d))
+    assert err < 1e-4, err
+
+
+def test_a_resid_mid_edit_reaches_the_mlp_and_the_residual(hybrid: Any) -> None:
+    model, hm = hybrid
+    layer = model.model.layers[ATTENTION]
+    like = record(model, {"mid": (layer.mlp, "in")})["mid"]
+    d = seeded_delta(like, 3)
+    install = resid_mid_edit(layer, layer.mlp, [layer.post_feedforward_layernorm], d)
+    err = edit_error(hm, model, f"blocks.{ATTENTION}.hook_resid_mid", d, install)
+    assert err < 1e-4, err
+
+
+def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any) -> None:
+    model, hm = hybrid
+    v_proj = model.model.layers[ATTENTION].self_attn.v_proj
+    like = record(model, {"v": (v_proj, "out")})["v"]
+    d_served = torch.zeros_like(like, requires_grad=True)
+    logits = hm.run_with_hooks(
+        input_ids(), fwd_hooks=[(f"blocks.{ATTENTION}.attn.hook_v", lambda t, hook: t + d_served.reshape(t.shape))]
+    )
+    logits.float().pow(2).mean().backward()
+    d_plain = torch.zeros_like(like, requires_grad=True)
+    handle = v_proj.register_forward_hook(lambda m, a, o: o + d_plain)
+    try:
+        model(input_ids()).logits.float().pow(2).mean().backward()
+    finally:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    assert d_plain.grad is not None and d_served.grad is not None and d_plain.grad.abs().max() > 0
+    assert relative_error(d_served.grad, d_plain.grad) < 1e-5
+
+
+def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid: Any) -> None:
+    _, hm = hybrid
+    ids = input_ids()
+    inputs = Inputs(ids, torch.ones_like(ids), [0])
+    for point in (f"blocks.{ATTENTION}.attn.hook_v", f"blocks.{ATTENTION}.hook_resid_mid"):
+        one_pass, unedited, _ = check_edited_generation(
+            hm, inputs, point, lambda t, hook: t * 1.5, atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5
+        )
+        assert not torch.allclose(one_pass, unedited), point
+
+
+def test_weights_of_the_described_layer_are_read_and_the_stack_names_the_undescribed_layers(hybrid: Any) -> None:
+    model, hm = hybrid
+    attn = model.model.layers[ATTENTION].self_attn
+    heads = model.config.num_attention_heads
+    (W_Q, _), _, (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
+    W_O, _ = o_weights(hm.wiring, ATTENTION)
+    assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
+    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
+    with pytest.raises(WeightUnavailableError, match="layer 0 is not described"):
+        _ = hm.W_O

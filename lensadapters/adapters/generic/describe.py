@@ -268,11 +268,14 @@ def _describe_attention(
     rest = [p for p in readers if p != values[0]]
     found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec], Optional[RotatedNorm]]]
     found = {}
+    scales = {"q": 1.0, "k": 1.0}
     for role, target, n in (("q", call.query, heads), ("k", call.key, kv)):
         for p in rest:
             if readers[p].shape[-1] != n * d or p in [f[0] for f in found.values()]:
                 continue
             match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin, post_norm)
+            if match is None:  # the output times a constant of the config, then rotary (a key multiplier)
+                match, scales[role] = _scaled_match(readers[p], n, target, rotary, cos_sin, rec.config)
             if match is not None:
                 found[role] = (p, *match)
                 break
@@ -298,8 +301,38 @@ def _describe_attention(
         q_norm=qn,
         k_norm=kn,
         norms_after_projections=after,
+        q_scale=scales["q"],
+        k_scale=scales["k"],
     )
     return qkv, f"{attn}.{o_proj[0]}", norms
+
+
+def _scaled_match(
+    proj_out: Tensor,
+    heads: int,
+    target: Tensor,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+    config: Any,
+) -> tuple[Optional[tuple[Any, ...]], float]:
+    """``(match, c)``: the rotary under which ``proj_out * c`` (a constant of the config other than 1, no q/k norm)
+    is ``target``, the attention function's queries or keys (rotary is linear and keeps each head's norm: ``c`` is
+    estimated as the ratio of their norms, then the config's numbers are tried nearest first); ``(None, 1.0)``
+    where none fits."""
+    from lensadapters.adapters.generic.parallel import _by_distance, _constants
+
+    value = _heads(proj_out, heads)
+    size = float(value.double().norm())
+    if size == 0.0 or config is None:
+        return None, 1.0
+    estimate = float(target.double().norm()) / size
+    for c in _by_distance(estimate, _constants(config), proj_out.dtype)[:8]:
+        if c == 1.0:
+            continue
+        match = _match_rotated([(None, None, value * c)], target, rotary, cos_sin)
+        if match is not None:
+            return match, c
+    return None, 1.0
 
 
 def describe_layer(
@@ -330,8 +363,8 @@ def describe_layer(
         from lensadapters.adapters.generic.parallel import layer_split
 
         three = layer_split(i, layer, rec)
-        if three is not None and three.plain and len(three.before) == 2 and attn in three.before:
-            mlp = three.after[0]  # a token mixer beside the attention (.parallel)
+        if three is not None and _beside_split(three, attn):
+            mlp = three.after[0]  # a token mixer beside the attention (.parallel), added as it is or times constants
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
@@ -450,6 +483,8 @@ def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: 
     three = layer_split(i, layer, rec)
     if three is None or three.plain:
         return 1.0, 1.0
+    if _beside_split(three, attn) and three.after == (mlp,) and three.summed:  # a mixer beside it (.parallel)
+        return three.before_scales[three.before.index(attn)], three.after_scale
     constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
     if three.scaled or three.before != (attn,) or three.after != (mlp,):
         raise NotDescribed(
@@ -470,9 +505,22 @@ def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Option
     from lensadapters.adapters.generic.parallel import layer_split, mid_value
 
     three = layer_split(i, layer, rec)
-    if three is None or not three.plain or len(three.before) != 2 or attn not in three.before:
+    if three is None or not _beside_split(three, attn):
         return None
     return mid_value(rec.layer_in[i].value, i, rec, three)
+
+
+def _beside_split(three: Any, attn: str) -> bool:
+    """Whether a layer's :class:`.parallel.Split` runs one token mixer beside the attention module ``attn`` before
+    its middle and one MLP module after it, adding their outputs as they are or each times a constant of its config
+    (its own sum: :class:`.mixer_sites.SumSite` serves the branch points, :func:`.plugin.lensadapters_extra_sites`)."""
+    return (
+        not three.scaled
+        and len(three.before) == 2
+        and attn in three.before
+        and len(three.after) == 1
+        and three.after_grouped
+    )
 
 
 class NotThisShape(NotDescribed):

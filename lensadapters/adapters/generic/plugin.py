@@ -12,6 +12,7 @@ from torch import nn
 from lensadapters.adapters.generic.gated_z import GATED_Z, gated_layers, gated_z_sites, refused_gated_weight
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.latent import claim_latent_points, latent_sites_served
+from lensadapters.adapters.generic.described_sums import described_sum_site
 from lensadapters.adapters.generic.mixer import reference as internal_reference
 from lensadapters.adapters.generic.mixer import register as register_mixer_form
 from lensadapters.adapters.generic.mixer import serve_verified_internals
@@ -274,7 +275,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     sites += gated
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None and block.beside is not None:  # the mixer beside the attention
-            sites.append(_beside_site(hooked, i, layer, block))
+            # added times constants: the layer's own sums serve its branch points (.described_sums)
+            summed = described_sum_site(hooked, i, layer, block, claimed)
+            sites += summed or [_beside_site(hooked, i, layer, block)]
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.shared_expert is not None:  # a MoE's shared expert's points

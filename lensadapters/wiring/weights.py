@@ -150,7 +150,9 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
         heads = hm.cfg.n_heads if which == 0 else layout.kv_heads or hm.cfg.n_key_value_heads or hm.cfg.n_heads
         W = lw.W.unflatten(-1, (heads, -1))
         b = None if lw.b is None else lw.b.unflatten(-1, (heads, -1))
-        c = layout.scale(which) if hasattr(layout, "scale") else 1.0  # a constant the attention module multiplies the output by (SeparateQKV.k_scale)
+        c = (
+            layout.scale(which) if hasattr(layout, "scale") else 1.0
+        )  # a constant the attention module multiplies the output by (SeparateQKV.k_scale)
         W, b = _times(W, c), None if b is None else _times(b, c)
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]
     return W, _bias(b, (W.shape[0], W.shape[2]), W)

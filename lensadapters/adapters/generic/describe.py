@@ -9,8 +9,13 @@ of names. Every claim is checked on the probe's values, against what the model's
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
 * **branch constants**: a layer adding its attention and MLP outputs multiplied by constants of its config
   (:mod:`.parallel`'s split of two branches: ``mid = x + attn_out * c0`` bit for bit what ``ln2`` reads, ``out = mid +
-  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``); one of
-  three branch children added times constants is not;
+  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``), and so
+  is one running a token mixer beside its attention module, each output times its constant (its branch points are
+  then the layer's own sums: :mod:`.described_sums`); other layers of three branch children added times constants
+  are not;
+* **constants inside**: keys or queries the attention module multiplies by a constant of the config before rotary
+  (``SeparateQKV.k_scale``/``q_scale``), and an MLP multiplying its activation's input or its output projection's
+  output by one (``MLPLayout.pre_scale``/``out_scale``), each found where the product matches on the probe;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
 * **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head
@@ -475,9 +480,10 @@ def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:
 def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: str) -> tuple[float, float]:
     """``(attn_scale, mlp_scale)``: the constants of its config the layer multiplies its attention and MLP outputs by
     before adding them (:mod:`.parallel`: ``mid = x + attn_out * c0`` exactly what its norm reads, ``out = mid +
-    mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are. A layer of three branch
-    children added times constants (two token mixers, or an MLP of two modules: Falcon-H1's, GraniteMoeShared's) is
-    not described: a block has one attention and one MLP branch, each with one constant."""
+    mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are; a layer running a token
+    mixer beside its attention module gives the attention's constant (the mixer's is its own sums',
+    :mod:`.described_sums`). Another layer of three branch children added times constants (an MLP of two modules:
+    GraniteMoeShared's) is not described: a block has one attention and one MLP branch, each with one constant."""
     from lensadapters.adapters.generic.parallel import layer_split
 
     three = layer_split(i, layer, rec)

@@ -68,9 +68,7 @@ def _constants(config: Any) -> list[float]:
     return numbers(config)
 
 
-def _scaled_output(
-    linears: dict[str, Any], readers: list[str], y: Tensor, config: Any
-) -> tuple[list[str], float]:
+def _scaled_output(linears: dict[str, Any], readers: list[str], y: Tensor, config: Any) -> tuple[list[str], float]:
     """``([path], c)``: the one linear module of the MLP (not reading its input) whose output times a constant of
     the config other than 1 is the MLP's output (the constant estimated by least squares, then the config's numbers
     tried nearest first); ``([], 1.0)`` where none is."""
@@ -78,7 +76,7 @@ def _scaled_output(
 
     if config is None:
         return [], 1.0
-    for p, (a, b) in linears.items():
+    for p, (_, b) in linears.items():
         if p in readers or b is None or b.shape != y.shape:
             continue
         estimate = _estimates(y, [b])

@@ -211,7 +211,11 @@ class _SumResult:
             values[k] = contribution
 
         def on_reader(mid: Tensor) -> Optional[Tensor]:
-            new = self.sum.middle([values[k] for k in sorted(values)]) if change and len(values) == len(self.sum.before) else None
+            new = (
+                self.sum.middle([values[k] for k in sorted(values)])
+                if change and len(values) == len(self.sum.before)
+                else None
+            )
             values.clear()
             return new
 

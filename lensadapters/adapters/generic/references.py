@@ -49,6 +49,9 @@ PARALLEL_MIXERS: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakre
 
 #: the module whose output is ``hook_attn_out`` of a described layer where it is not the block's attention module's
 #: (``LayerDescription.attn_out``: a projection whose output the attention module adds to the residual itself)
+#: each wrapped model's references of the described layers whose own sums serve their branch points
+#: (:func:`.described_sums.described_sum_reference`, registered by the generic adapter)
+DESCRIBED_SUMS_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
 DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
@@ -169,9 +172,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
-    from lensadapters.adapters.generic.described_sums import described_sum_reference
-
-    summed = described_sum_reference(hooked, i, rest)  # a mixer beside the attention, added times constants
+    further_sums = DESCRIBED_SUMS_REFERENCES.get(model)  # a mixer beside the attention, added times constants
+    summed = further_sums(hooked, i, rest) if further_sums is not None else None
     if summed is not None:
         return summed
     if bl.scaled and ln2_or_mlp is not None and rest in ("hook_attn_out", "hook_mlp_out", "attn.hook_result"):

@@ -129,8 +129,10 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     reference = copy.deepcopy(model)
     hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
-    # the keys are not k_proj's (a key multiplier), nor is the MLP's gate projection its hook_pre (an MLP multiplier)
-    assert not served & {"attn.hook_k", "mlp.hook_pre"}, sorted(served)
+    # the attention reads ln1's output times 0.9 (attention_in_multiplier): the layer is not described, no hook_k;
+    # the MLP's hook_pre is the activation's input, its gate projection's output times its multiplier
+    # (tests/test_generic_falcon_h1_multipliers.py has the other multipliers)
+    assert "attn.hook_k" not in served and "mlp.hook_pre" in served, sorted(served)
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
     assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)
     layer = reference.model.layers[0]
@@ -166,12 +168,12 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     hm.unwrap()
 
 
-def test_a_key_multiplier_alone_leaves_the_branches_served_and_the_keys_not() -> None:
+def test_a_key_multiplier_and_mlp_multipliers_leave_the_branches_served_and_give_the_keys_and_the_mlp_points() -> None:
     model = tiny_model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
     hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served
-    assert "attn.hook_k" not in served and "mlp.hook_pre" not in served, sorted(served)
+    assert {"attn.hook_k", "attn.hook_rot_k", "mlp.hook_pre", "hook_k_input"} <= served, sorted(served)
     names = [f"blocks.0.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
     hm.unwrap()

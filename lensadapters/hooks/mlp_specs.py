@@ -20,11 +20,19 @@ class MLPLayout:
 
     ``pre`` produces ``mlp.hook_pre`` (the gate for gated MLPs), ``pre_linear`` the "up" projection of
     a gated MLP, ``out`` is the down projection whose input is ``mlp.hook_post``.
+
+    ``pre_scale`` and ``out_scale`` are constants the MLP multiplies ``pre``'s output by before the activation and
+    ``out``'s output by to give its own output (MLP multipliers: ``down(up(x) * act(gate(x) * c0)) * c1``):
+    ``mlp.hook_pre`` is then the activation's input, ``gate(x) * c0`` (an edit reaches ``pre``'s output as its
+    difference divided by ``c0``, which the model multiplies back), ``W_gate``/``b_gate`` include ``c0`` and
+    ``W_out``/``b_out`` include ``c1`` (``hook_post @ W_out + b_out`` is the MLP's output).
     """
 
     pre: str
     out: str
     pre_linear: Optional[str] = None
+    pre_scale: float = 1.0
+    out_scale: float = 1.0
 
     def projection(self, role: str) -> str:
         """The path of the projection of ``role``: ``"in"`` (``W_in``: the up projection of a gated MLP, the input

@@ -392,6 +392,13 @@ class SeparateQKV:
     ``hook_attn_in``/``hook_q_input``/``hook_k_input``/``hook_v_input``, whose edits the core turns into
     ``norm(edit) @ W_Q/W_K/W_V``.
 
+    ``q_scale``/``k_scale`` are constants the attention module multiplies the query/key projection's output by
+    before rotary (a key multiplier, ``k_proj(x) * c``), with no q/k norm: ``hook_q``/``hook_k`` are then the
+    scaled values, the queries and keys rotary and the scores are computed from (TransformerLens' ``hook_k``: the key
+    the scores use), ``W_Q``/``b_Q`` and ``W_K``/``b_K`` include the constant (``hook_k = hook_k_input @ W_K + b_K``),
+    and an edit reaches the projection's output as its difference divided by the constant (the model multiplies it
+    back: exact up to one rounding).
+
     ``shared_key_columns=n`` says the last ``n`` columns of every head's key are one key that every head shares,
     computed before the heads exist (multi-head latent attention's rope key). The model's own tensors cannot change
     them for one head alone; the site that serves such keys makes a per-head edit of ``hook_k``/``hook_rot_k`` on the
@@ -412,6 +419,13 @@ class SeparateQKV:
     values_from_keys: bool = False
     head_inputs: bool = True
     shared_key_columns: int = 0
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+
+    def scale(self, which: int) -> float:
+        """The constant the attention module multiplies the queries' (``which=0``) or keys' (1) projection output
+        by before rotary (``q_scale``/``k_scale``), 1.0 for the values."""
+        return (self.q_scale, self.k_scale, 1.0)[which]
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,8 @@ class CoreSites:
         projections = [("q", q, rot_q, qkv.q, n_heads, qkv.q_norm), ("k", k, rot_k, qkv.k, n_kv, qkv.k_norm)]
         for x, point, rot, path, heads, norm in projections[: 1 if qkv.kv_from is not None else 2]:
             if norm is None:
-                self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary))
+                scale = qkv.scale("qk".index(x)) if isinstance(qkv, SeparateQKV) else 1.0
+                self.add_site(ProjectionSite(get(path), point, heads, state, rot, qkv.rotary, scale))
                 continue
             self.add_site(ProjectionSite(get(path), point, heads, state))
             self._projection_norm_sites(i, x, norm, heads, rot, qkv)
@@ -377,7 +378,7 @@ class CoreSites:
             self.add_site(FusedGateUpSite(get(mlp.module), mlp, pt("mlp.hook_pre"), pt("mlp.hook_pre_linear")))
             first = get(mlp.module)
         else:
-            self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre")))
+            self.add_site(OutputSite(get(mlp.pre), pt("mlp.hook_pre"), scale=mlp.pre_scale))
             if mlp.pre_linear is not None:
                 self.add_site(OutputSite(get(mlp.pre_linear), pt("mlp.hook_pre_linear")))
             first = get(mlp.pre)

@@ -142,6 +142,9 @@ class HeadInputSite(Site):
                 return None
             out = first_output(output)
             shaped = split_heads(out, delta.shape[-2])
+            c = self.qkv.scale(which) if isinstance(self.qkv, SeparateQKV) else 1.0
+            if c != 1.0:  # W_Q/W_K include the attention module's constant; the projection's output does not
+                delta = delta / c
             return replace_first_output(output, merge_heads((shaped.to(delta.dtype) + delta).to(out.dtype)))
 
         return hook

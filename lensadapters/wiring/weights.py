@@ -150,6 +150,10 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
         heads = hm.cfg.n_heads if which == 0 else layout.kv_heads or hm.cfg.n_key_value_heads or hm.cfg.n_heads
         W = lw.W.unflatten(-1, (heads, -1))
         b = None if lw.b is None else lw.b.unflatten(-1, (heads, -1))
+        c = (
+            layout.scale(which) if hasattr(layout, "scale") else 1.0
+        )  # a constant the attention module multiplies the output by (SeparateQKV.k_scale)
+        W, b = _times(W, c), None if b is None else _times(b, c)
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]
     return W, _bias(b, (W.shape[0], W.shape[2]), W)
 
@@ -234,7 +238,12 @@ def _mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool) -> tuple[Tens
         return W, _bias(b, (W.shape[-1],), W)
     expect = (None, hm.cfg.d_model) if role == "out" else (hm.cfg.d_model, None)
     lw = read_linear(hm, hm.block_modules[layer].get_submodule(layout.projection(role)), expect)
-    return lw.W, _bias(lw.b, (lw.W.shape[-1],), lw.W)
+    W, b = lw.W, _bias(lw.b, (lw.W.shape[-1],), lw.W)
+    # the MLP's own constants (MLPLayout.pre_scale/out_scale), folded in as TransformerLens folds constants
+    c = {"gate": getattr(layout, "pre_scale", 1.0), "out": getattr(layout, "out_scale", 1.0)}.get(role, 1.0)
+    if role == "in" and getattr(layout, "pre_linear", None) is None:  # a plain MLP: W_in is the pre projection
+        c = getattr(layout, "pre_scale", 1.0)
+    return _times(W, c), _times(b, c)
 
 
 def _stack(hooked: "Hooked", fn: Callable[[int], Tensor]) -> Tensor:

@@ -9,8 +9,13 @@ of names. Every claim is checked on the probe's values, against what the model's
   output or ``ln2`` reads the layer's input, *sequential* when ``ln2`` (or the MLP) reads ``resid_pre + attn_out``;
 * **branch constants**: a layer adding its attention and MLP outputs multiplied by constants of its config
   (:mod:`.parallel`'s split of two branches: ``mid = x + attn_out * c0`` bit for bit what ``ln2`` reads, ``out = mid +
-  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``); one of
-  three branch children added times constants is not;
+  mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``), and so
+  is one running a token mixer beside its attention module, each output times its constant (its branch points are
+  then the layer's own sums: :mod:`.described_sums`); other layers of three branch children added times constants
+  are not;
+* **constants inside**: keys or queries the attention module multiplies by a constant of the config before rotary
+  (``SeparateQKV.k_scale``/``q_scale``), and an MLP multiplying its activation's input or its output projection's
+  output by one (``MLPLayout.pre_scale``/``out_scale``), each found where the product matches on the probe;
 * **output projection**: the linear module inside the attention module whose input is the attention function's
   output (heads merged) and whose output is the attention module's output;
 * **values**: the linear module (or the values' part of one fused projection, laid out ``[q | k | v]`` or per head
@@ -268,11 +273,14 @@ def _describe_attention(
     rest = [p for p in readers if p != values[0]]
     found: dict[str, tuple[str, Optional[ProjectionNorm], Optional[str], Optional[RotarySpec], Optional[RotatedNorm]]]
     found = {}
+    scales = {"q": 1.0, "k": 1.0}
     for role, target, n in (("q", call.query, heads), ("k", call.key, kv)):
         for p in rest:
             if readers[p].shape[-1] != n * d or p in [f[0] for f in found.values()]:
                 continue
             match = _match_rotated(_norm_between(rec, i, attn, readers[p], n), target, rotary, cos_sin, post_norm)
+            if match is None:  # the output times a constant of the config, then rotary (a key multiplier)
+                match, scales[role] = _scaled_match(readers[p], n, target, rotary, cos_sin, rec.config)
             if match is not None:
                 found[role] = (p, *match)
                 break
@@ -298,8 +306,38 @@ def _describe_attention(
         q_norm=qn,
         k_norm=kn,
         norms_after_projections=after,
+        q_scale=scales["q"],
+        k_scale=scales["k"],
     )
     return qkv, f"{attn}.{o_proj[0]}", norms
+
+
+def _scaled_match(
+    proj_out: Tensor,
+    heads: int,
+    target: Tensor,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+    config: Any,
+) -> tuple[Optional[tuple[Any, ...]], float]:
+    """``(match, c)``: the rotary under which ``proj_out * c`` (a constant of the config other than 1, no q/k norm)
+    is ``target``, the attention function's queries or keys (rotary is linear and keeps each head's norm: ``c`` is
+    estimated as the ratio of their norms, then the config's numbers are tried nearest first); ``(None, 1.0)``
+    where none fits."""
+    from lensadapters.adapters.generic.parallel import _by_distance, _constants
+
+    value = _heads(proj_out, heads)
+    size = float(value.double().norm())
+    if size == 0.0 or config is None:
+        return None, 1.0
+    estimate = float(target.double().norm()) / size
+    for c in _by_distance(estimate, _constants(config), proj_out.dtype)[:8]:
+        if c == 1.0:
+            continue
+        match = _match_rotated([(None, None, value * c)], target, rotary, cos_sin)
+        if match is not None:
+            return match, c
+    return None, 1.0
 
 
 def describe_layer(
@@ -330,8 +368,8 @@ def describe_layer(
         from lensadapters.adapters.generic.parallel import layer_split
 
         three = layer_split(i, layer, rec)
-        if three is not None and three.plain and len(three.before) == 2 and attn in three.before:
-            mlp = three.after[0]  # a token mixer beside the attention (.parallel)
+        if three is not None and _beside_split(three, attn):
+            mlp = three.after[0]  # a token mixer beside the attention (.parallel), added as it is or times constants
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
@@ -442,14 +480,17 @@ def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:
 def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: str) -> tuple[float, float]:
     """``(attn_scale, mlp_scale)``: the constants of its config the layer multiplies its attention and MLP outputs by
     before adding them (:mod:`.parallel`: ``mid = x + attn_out * c0`` exactly what its norm reads, ``out = mid +
-    mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are. A layer of three branch
-    children added times constants (two token mixers, or an MLP of two modules: Falcon-H1's, GraniteMoeShared's) is
-    not described: a block has one attention and one MLP branch, each with one constant."""
+    mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are; a layer running a token
+    mixer beside its attention module gives the attention's constant (the mixer's is its own sums',
+    :mod:`.described_sums`). Another layer of three branch children added times constants (an MLP of two modules:
+    GraniteMoeShared's) is not described: a block has one attention and one MLP branch, each with one constant."""
     from lensadapters.adapters.generic.parallel import layer_split
 
     three = layer_split(i, layer, rec)
     if three is None or three.plain:
         return 1.0, 1.0
+    if _beside_split(three, attn) and three.after == (mlp,) and three.summed:  # a mixer beside it (.parallel)
+        return three.before_scales[three.before.index(attn)], three.after_scale
     constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
     if three.scaled or three.before != (attn,) or three.after != (mlp,):
         raise NotDescribed(
@@ -470,9 +511,22 @@ def _parallel_mid(layer: nn.Module, i: int, rec: Recording, attn: str) -> Option
     from lensadapters.adapters.generic.parallel import layer_split, mid_value
 
     three = layer_split(i, layer, rec)
-    if three is None or not three.plain or len(three.before) != 2 or attn not in three.before:
+    if three is None or not _beside_split(three, attn):
         return None
     return mid_value(rec.layer_in[i].value, i, rec, three)
+
+
+def _beside_split(three: Any, attn: str) -> bool:
+    """Whether a layer's :class:`.parallel.Split` runs one token mixer beside the attention module ``attn`` before
+    its middle and one MLP module after it, adding their outputs as they are or each times a constant of its config
+    (its own sum: :class:`.mixer_sites.SumSite` serves the branch points, :func:`.plugin.lensadapters_extra_sites`)."""
+    return (
+        not three.scaled
+        and len(three.before) == 2
+        and attn in three.before
+        and len(three.after) == 1
+        and three.after_grouped
+    )
 
 
 class NotThisShape(NotDescribed):

@@ -62,6 +62,32 @@ def _before_sub_norm(layer: nn.Module, i: int, mlp: str, rec: Recording, post: T
     return post
 
 
+def _constants(config: Any) -> list[float]:
+    from lensadapters.adapters.generic.parallel import _constants as numbers
+
+    return numbers(config)
+
+
+def _scaled_output(linears: dict[str, Any], readers: list[str], y: Tensor, config: Any) -> tuple[list[str], float]:
+    """``([path], c)``: the one linear module of the MLP (not reading its input) whose output times a constant of
+    the config other than 1 is the MLP's output (the constant estimated by least squares, then the config's numbers
+    tried nearest first); ``([], 1.0)`` where none is."""
+    from lensadapters.adapters.generic.parallel import _by_distance, _estimates
+
+    if config is None:
+        return [], 1.0
+    for p, (_, b) in linears.items():
+        if p in readers or b is None or b.shape != y.shape:
+            continue
+        estimate = _estimates(y, [b])
+        if estimate is None:
+            continue
+        for c in _by_distance(estimate[0], _constants(config), y.dtype)[:8]:
+            if c != 1.0 and _close(b * c, y):
+                return [p], c
+    return [], 1.0
+
+
 def _describe_mlp(
     model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Recording
 ) -> tuple[MLP, bool, Optional[str]]:
@@ -76,6 +102,9 @@ def _describe_mlp(
     }
     down = [p for p, (a, b) in linears.items() if _close(b, y)]
     readers = [p for p, (a, b) in linears.items() if _close(a, x) and p not in down]
+    out_scale = 1.0
+    if not down and 1 <= len(readers) <= 2:  # the output projection's output times a constant of the config
+        down, out_scale = _scaled_output(linears, readers, y, rec.config)
     if len(down) != 1 or not 1 <= len(readers) <= 2:
         raise NotDescribed("the MLP is not one or two projections of its input and one output projection")
     post = _before_sub_norm(layer, i, mlp, rec, linears[down[0]][0])
@@ -85,7 +114,7 @@ def _describe_mlp(
         if len(readers) == 2:
             for gate, up in (readers, readers[::-1]):
                 if _close(act(linears[gate][1]) * linears[up][1], post):
-                    return MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}"), True, name
+                    return MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}", out_scale=out_scale), True, name
         else:
             pre = linears[readers[0]][1]
             if pre is not None and pre.shape[-1] == 2 * post.shape[-1]:
@@ -93,5 +122,15 @@ def _describe_mlp(
                 if _close(act(gate_t) * up_t, post):
                     return FusedGateUp(f"{mlp}.{readers[0]}", out, chunk_gate_up, cat_gate_up), True, name
             elif _close(act(pre), post):
-                return MLPLayout(f"{mlp}.{readers[0]}", out), False, name
+                return MLPLayout(f"{mlp}.{readers[0]}", out, out_scale=out_scale), False, name
+    # the activation's input times a constant of the config (an MLP multiplier: act(gate(x) * c) * up(x))
+    for c in _constants(rec.config)[1:] if rec.config is not None else []:
+        for name, act in acts:
+            if len(readers) == 2:
+                for gate, up in (readers, readers[::-1]):
+                    if _close(act(linears[gate][1] * c) * linears[up][1], post):
+                        layout = MLPLayout(f"{mlp}.{gate}", out, f"{mlp}.{up}", pre_scale=c, out_scale=out_scale)
+                        return layout, True, name
+            elif linears[readers[0]][1].shape[-1] == post.shape[-1] and _close(act(linears[readers[0]][1] * c), post):
+                return MLPLayout(f"{mlp}.{readers[0]}", out, pre_scale=c, out_scale=out_scale), False, name
     raise NotDescribed("no activation named by the config or the MLP module reproduces the down projection's input")

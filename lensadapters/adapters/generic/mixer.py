@@ -383,6 +383,9 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         return Reference("in", get(form.mid), also=Reference("out", layer))
     if form.mlp is not None and rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
         path = form.mlp.pre if rest == "mlp.hook_pre" else form.mlp.pre_linear
+        c = form.mlp.pre_scale if rest == "mlp.hook_pre" else 1.0
+        if c != 1.0:  # the activation's input (MLPLayout.pre_scale), an edit divided back
+            return Reference("out", get(path), lambda t: t * c, lambda d, t: d / c)
         return Reference("out", get(path))
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))

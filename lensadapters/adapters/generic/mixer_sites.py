@@ -159,6 +159,11 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
         mlp = form.mlp
         for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):
             if name in points and path is not None:
+                if name == "mlp.hook_pre" and mlp.pre_scale != 1.0:  # the activation's input (MLPLayout.pre_scale)
+                    from lensadapters.hooks.sites import OutputSite
+
+                    sites.append(OutputSite(layer.get_submodule(path), points[name], scale=mlp.pre_scale))
+                    continue
                 sites.append(_ModuleOutput(layer.get_submodule(path), points[name]))
         if "mlp.hook_post" in points:
             sites.append(_ModuleOutput(layer.get_submodule(mlp.out), points["mlp.hook_post"], output=False))

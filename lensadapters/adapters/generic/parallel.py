@@ -99,12 +99,13 @@ def after_contribution(outputs: list[Tensor], split_: Split) -> Tensor:
 
 
 def _constants(config: object) -> list[float]:
-    """The candidates for a branch multiplier: 1.0 and every other finite non-zero number of the config (nothing is
-    looked up by name)."""
+    """The candidates for a branch multiplier: 1.0 and every other finite non-zero number of the config, those of its
+    short lists too (nothing is looked up by name)."""
     values: dict = getattr(config, "to_dict", lambda: {})()
-    found = [
+    flat = [x for v in values.values() for x in (v if isinstance(v, (list, tuple)) and len(v) <= 8 else [v])]
+    found = [  # a short list's numbers too (a list of multipliers, one per part)
         float(v)
-        for v in values.values()
+        for v in flat
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0 and abs(float(v)) < float("inf")
     ]
     return list(dict.fromkeys([1.0] + found))

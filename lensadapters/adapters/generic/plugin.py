@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lensadapters.adapters.generic.described_sums import described_sum_reference, described_sum_site
 from lensadapters.adapters.generic.gated_z import GATED_Z, gated_layers, gated_z_sites, refused_gated_weight
 from lensadapters.adapters.generic.identify import Findings, NormBehaviour, identify, layer_ranges
 from lensadapters.adapters.generic.latent import claim_latent_points, latent_sites_served
@@ -20,6 +21,7 @@ from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.references import (
     AFTER_BLOCKS,
     DESCRIBED_ATTN_OUT,
+    DESCRIBED_SUMS_REFERENCES,
     OPAQUE_REFERENCES,
     PARALLEL_MIXERS,
 )
@@ -65,6 +67,7 @@ def findings(model: nn.Module) -> Findings:
         found = _findings[model] = identify(model)
         OPAQUE_BRANCHES[model] = {i: (b.attn, b.mlp) for i, b in enumerate(found.blocks)}
         OPAQUE_REFERENCES[model] = internal_reference
+        DESCRIBED_SUMS_REFERENCES[model] = described_sum_reference
         PARALLEL_MIXERS[model] = {
             i: b.beside
             for i, b in enumerate(found.blocks)
@@ -274,7 +277,9 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     sites += gated
     for i, (layer, block) in enumerate(zip(hooked.block_modules, found.blocks)):
         if hooked.block_layouts[i] is not None and block.beside is not None:  # the mixer beside the attention
-            sites.append(_beside_site(hooked, i, layer, block))
+            # added times constants: the layer's own sums serve its branch points (.described_sums)
+            sum_sites = described_sum_site(hooked, i, layer, block, claimed)
+            sites += sum_sites or [_beside_site(hooked, i, layer, block)]
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.shared_expert is not None:  # a MoE's shared expert's points

@@ -49,6 +49,9 @@ PARALLEL_MIXERS: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakre
 
 #: the module whose output is ``hook_attn_out`` of a described layer where it is not the block's attention module's
 #: (``LayerDescription.attn_out``: a projection whose output the attention module adds to the residual itself)
+#: each wrapped model's references of the described layers whose own sums serve their branch points
+#: (:func:`.described_sums.described_sum_reference`, registered by the generic adapter)
+DESCRIBED_SUMS_REFERENCES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
 DESCRIBED_ATTN_OUT: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
@@ -169,6 +172,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
     if bl.flat_mlp and (rest.startswith(("mlp.", "ln2.")) or rest in ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")):
         return None  # the MLP sees [b * p, d]: no reference here
     ln2_or_mlp = get(bl.ln2) if bl.ln2 is not None else get(bl.mlp) if bl.mlp is not None else None
+    further_sums = DESCRIBED_SUMS_REFERENCES.get(model)  # a mixer beside the attention, added times constants
+    summed = further_sums(hooked, i, rest) if further_sums is not None else None
+    if summed is not None:
+        return summed
     if bl.scaled and ln2_or_mlp is not None and rest in ("hook_attn_out", "hook_mlp_out", "attn.hook_result"):
         return _scaled_reference(layer, bl, ln2_or_mlp, rest, cfg.n_heads)
     if rest == "hook_attn_out" and i in DESCRIBED_ATTN_OUT.get(model, {}):
@@ -203,6 +210,9 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         heads = n if which == "q" else kv
         if isinstance(qkv, SeparateQKV) and not qkv.values_from_keys and qkv.kv_from is None:
             view, unview = _heads(heads)
+            c = qkv.scale("qkv".index(which))
+            if c != 1.0:  # the projection's output times the attention module's constant, an edit divided back
+                return Reference("out", get(getattr(qkv, which)), lambda t: view(t) * c, lambda d, t: unview(d, t) / c)
             return Reference("out", get(getattr(qkv, which)), view, unview)
         if isinstance(qkv, FusedQKV):
             return Reference("out", get(qkv.module), *_part(qkv.split, qkv.merge, "qkv".index(which)))
@@ -236,6 +246,9 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return Reference(shared[0], get(shared[1]), unview=_unflat, flat=True)
         return _moe_reference(get, mlp, rest)
     if isinstance(mlp, MLPLayout):
+        if rest == "mlp.hook_pre" and mlp.pre_scale != 1.0:  # the activation's input, an edit divided back
+            c = mlp.pre_scale
+            return Reference("out", get(mlp.pre), lambda t: t * c, lambda d, t: d / c)
         if rest == "mlp.hook_pre":
             return Reference("out", get(mlp.pre))
         if rest == "mlp.hook_pre_linear" and mlp.pre_linear is not None:

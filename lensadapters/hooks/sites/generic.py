@@ -25,8 +25,18 @@ from lensadapters.hooks.sites.base import (
 class OutputSite(Site):
     """A module's output (first element of a tuple), optionally viewed as heads."""
 
-    def __init__(self, module: nn.Module, point: HookPoint, heads: Optional[int] = None, protect: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        point: HookPoint,
+        heads: Optional[int] = None,
+        protect: bool = False,
+        scale: float = 1.0,
+    ) -> None:
         self.module, self.point, self.heads, self.protect = module, point, heads, protect
+        # the point is the output times a constant the model multiplies it by next (MLPLayout.pre_scale): read as the
+        # model computes the product, an edit's difference divided by it (the model multiplies it back)
+        self.scale = scale
         self.points = (point,)
 
     def install(self) -> list[RemovableHandle]:
@@ -35,10 +45,13 @@ class OutputSite(Site):
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         value = first_output(output)
         shaped = split_heads(value, self.heads) if self.heads else value
-        shaped, changed = self.point.apply(shaped, self.protect)
+        shown = shaped if self.scale == 1.0 else shaped * self.scale
+        edited, changed = self.point.apply(shown, self.protect or self.scale != 1.0)
         if not changed:
             return None
-        return replace_first_output(output, merge_heads(shaped) if self.heads else shaped)
+        if self.scale != 1.0:
+            edited = shaped + ((edited - shown) / self.scale).to(shaped.dtype)
+        return replace_first_output(output, merge_heads(edited) if self.heads else edited)
 
 
 class ScaledOutputSite(Site):

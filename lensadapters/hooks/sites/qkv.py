@@ -195,20 +195,25 @@ class ProjectionSite(Site):
         state: ForwardState,
         rot_point: Optional[HookPoint] = None,
         rotary: Optional[RotarySpec] = None,
+        scale: float = 1.0,
     ) -> None:
         self.module, self.point, self.heads = module, point, heads
         self.rot_point, self.rotary, self.state = rot_point, rotary, state
+        self.scale = scale  # the attention module's constant on the output (SeparateQKV.k_scale): in the value shown
         self.points = (point,) + ((rot_point,) if rot_point is not None else ())
 
     def install(self) -> list[RemovableHandle]:
         return [self.module.register_forward_hook(self._hook)]
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        value = split_heads(first_output(output), self.heads)
-        value, changed = self.point.apply(value)
+        raw = split_heads(first_output(output), self.heads)
+        shown = raw if self.scale == 1.0 else raw * self.scale  # as the attention module computes it
+        value, changed = self.point.apply(shown)
         value, rot_changed = _rotate(value, self.rot_point, self.rotary, self.state)
         if not (changed or rot_changed):
             return None
+        if self.scale != 1.0:  # the edit's difference, divided by the constant the model multiplies it by again
+            value = raw + ((value - shown) / self.scale).to(raw.dtype)
         return replace_first_output(output, merge_heads(value))
 
 

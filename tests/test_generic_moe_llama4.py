@@ -109,8 +109,8 @@ def _hand_written_moe(
 
 def test_the_moe_is_described_with_its_routing_points_and_says_what_it_leaves(wrapped: Any) -> None:
     """Every MoE layer: experts scaled at their input, select-first sigmoid routing, the shared expert; the routing
-    logits and weights are served, the points without a plain reference (the probabilities of every expert, the
-    indices, the per-expert points) are not, and the findings say so; the MLP's own points are not missing."""
+    points are served, the probabilities of every expert, the indices and the per-expert points too (verified
+    against plain hooks on the router and the experts module), and nothing is missing."""
     model_type, model, hm = wrapped
     layers = _moe_layers(hm)
     assert layers == list(range(len(hm.block_modules))), findings(model).missing
@@ -121,10 +121,11 @@ def test_the_moe_is_described_with_its_routing_points_and_says_what_it_leaves(wr
     names = set(hm.hook_names)
     for i in layers:
         assert {f"blocks.{i}.{p}" for p in POINTS} <= names
-        assert f"blocks.{i}.mlp.hook_expert_indices" not in names
+        assert f"blocks.{i}.mlp.hook_expert_indices" in names
+        assert f"blocks.{i}.mlp.experts.0.hook_result" in names
     missing = findings(model).missing
     assert "mlp.hook_pre and mlp.hook_post (and the MLP weights)" not in missing
-    assert "mlp.hook_expert_indices" in missing["unverified"]
+    assert "unverified" not in missing, missing
 
 
 def test_reads_are_the_plain_hooks_values_and_leave_the_output_bitwise(wrapped: Any) -> None:

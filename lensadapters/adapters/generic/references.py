@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.gated_z import gated_layers
+from lensadapters.adapters.generic.moe_references import scaled_input_reference
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.shared_expert import shared_expert_reference
@@ -369,8 +370,13 @@ def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -
     input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
     ``mlp.hook_routing_weights``: the weights the fused experts module is called with (a router returning
     ``(scores, logits)``: its scores at the top-k of its logits, an edit scattered into them). No other MoE point has a
-    plain PyTorch reference (the fused experts compute every expert in one call)."""
+    plain PyTorch reference (the fused experts compute every expert in one call), except where the routing weights
+    scale the experts' input (:mod:`.moe_references`: the experts' output then has a block per expert)."""
     unflat = _unflat
+    scaled = scaled_input_reference(get, moe, rest)
+    if scaled is not None:
+        spec, flat = scaled
+        return Reference("hooks", get(moe.router), unview=unflat if flat else (lambda d, t: d), flat=flat, spec=spec)
     if rest == "mlp.hook_router_logits":
         kind = "out" if moe.router_output == "logits" else "router_input"
         return Reference(kind, get(moe.router), unview=unflat, flat=True)

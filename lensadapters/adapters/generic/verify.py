@@ -127,6 +127,9 @@ def _read_all(hooked: Any, ids: Tensor, names: list[str]) -> tuple[dict[str, Ten
 def _delta(name: str, value: Tensor, ref: Reference, low: bool) -> Tensor:
     """A random edit of a point's value: a tenth of its spread (of its size, for a norm's scale; half in half
     precision), nothing where it is masked; an edit of a pattern keeps each row's sum."""
+    if not value.is_floating_point():  # indices: the reference's own edit of them (ignoring one is caught as well)
+        integer_delta = getattr(ref.spec, "integer_delta", None)
+        return integer_delta(value) if integer_delta is not None else torch.zeros_like(value)
     generator = torch.Generator().manual_seed(len(name))
     finite = torch.isfinite(value) & (value.float() > -1e4)
     size = float(value.float()[finite].std()) if bool(finite.sum() > 1) else 1.0
@@ -298,12 +301,15 @@ def check_points(
             if not torch.equal(read, plain) and not _same(read, plain, float(plain.float().abs().max())):
                 return dict.fromkeys(names, "reading the points changes the logits")
             pending: list[tuple[str, Reference, Tensor]] = []
+            routed_here: list[tuple[str, Reference]] = []
             for name in names:
                 ref = reference(hooked, name) if name in values else None
                 if name not in values:
                     results[name] = "the point did not fire"
                 elif ref is None:
                     results[name] = UNCHECKED + "no independent reference to check it against"
+                elif values[name].numel() == 0 and hasattr(ref.spec, "routed_here"):
+                    routed_here.append((name, ref))  # an expert no token of the probe selects: checked last
                 elif per_pass > 1 and values[name].shape[:1] == ids.shape[:1] == (1,):
                     pending.append((name, ref, values[name]))
                 else:
@@ -317,6 +323,8 @@ def check_points(
                 except Exception:  # one point's reference failed: each on its own says which and why
                     for name, _, value in points:
                         results[name] = _check_one(hooked, ids, name, owner, value, plain)
+            for name, ref in routed_here:
+                results[name] = _check_routed_here(hooked, ids, name, ref, owner, results)
         finally:
             for module, training in modes.items():
                 module.training = training
@@ -330,5 +338,44 @@ def _check_one(
         return check_point(hooked, ids, name, owner, value, plain)
     except Unchecked as why:
         return UNCHECKED + str(why)
+    except Exception as exc:  # whatever fails, the point is not verified
+        return f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _check_routed_here(
+    hooked: Any, ids: Tensor, name: str, ref: Reference, owner: dict[int, int], results: dict[str, Optional[str]]
+) -> Optional[str]:
+    """The check of a per-expert point of an expert that no token of the probe selects: every token's first slot
+    sent to it, on the point's side by an edit of the layer's ``mlp.hook_expert_indices`` (verified before), on the
+    reference's by its plain hooks (``ref.spec.routed_here``); then as :func:`check_point`, both sides so routed."""
+    indices = name.rsplit(".mlp.experts.", 1)[0] + ".mlp.hook_expert_indices"
+    if indices not in results or results[indices] is not None:
+        return UNCHECKED + "no token of the probe selects this expert, and the layer's indices are not verified"
+    expert = ref.spec.e
+
+    def send(t: Tensor, hook: Any) -> Tensor:
+        t = t.clone()
+        t[..., 0] = expert
+        return t
+
+    point = hooked.hook_dict[indices]
+    try:
+        point.add(send, "fwd")
+        try:
+            values, _ = _read_all(hooked, ids, [name])
+            value = values[name]
+            if value.numel() == 0:
+                return UNCHECKED + "no token reaches this expert"
+            delta = _delta(name, value, ref, _low(value))
+            edited = _run_points(hooked, ids, [(name, delta)])
+        finally:
+            point.remove_hooks()
+        ref.spec.routed_here = True  # the reference's side: its own plain hooks route the tokens, nothing served
+        try:
+            expected, plain = _run_reference(hooked.hf_model, ids, ref, owner, None)
+            _, reference_edited = _run_reference(hooked.hf_model, ids, ref, owner, delta)
+        finally:
+            ref.spec.routed_here = False
+        return _judge(ref, value, expected, edited, reference_edited, plain)
     except Exception as exc:  # whatever fails, the point is not verified
         return f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"

@@ -251,9 +251,34 @@ def test_a_model_the_probe_cannot_run_gets_no_unverified_point():
         hm = HookedModel.wrap(model, registry=Registry())
     assert hm.hook_names == []
     assert any("so no value or edit could be checked" in str(w.message) for w in record)
+    # the model's own forward cannot run on the meta device either: the warning says so
+    assert any("own forward fails the same way" in str(w.message) for w in record)
     for weight in ("W_E", "W_U"):
         with pytest.raises(Exception, match="probe forward pass failed"):
             getattr(hm, weight)
+    hm.unwrap()
+
+
+def test_a_model_that_cannot_run_as_it_is_gets_a_warning_that_says_so():
+    """A model whose own forward fails here (transformers' grouped-matmul experts in float64, a kernel for another
+    device: here a layer that raises) gets no point, and the warning says the failure is the model's own, not the
+    probe's, and what to change."""
+    model = _tiny(FalconConfig)
+
+    def refuse(module: torch.nn.Module, args: tuple) -> None:
+        raise RuntimeError("this layer cannot run in this dtype")
+
+    handle = model.transformer.h[1].register_forward_pre_hook(refuse)
+    try:
+        with pytest.warns(GenericAdapterWarning, match="probe forward pass failed") as record:
+            hm = HookedModel.wrap(model, registry=Registry())
+    finally:
+        handle.remove()
+    assert hm.hook_names == []
+    message = " ".join(str(w.message) for w in record)
+    assert "this layer cannot run in this dtype" in message
+    assert "the model's own forward fails the same way without any hook" in message
+    assert "set_experts_implementation('eager')" in message
     hm.unwrap()
 
 

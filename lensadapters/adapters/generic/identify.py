@@ -323,6 +323,20 @@ def _drop_notes(notes: _Notes, missing: dict[str, str], described: set[int]) -> 
             missing[group] = notes.result()[group]
 
 
+def _fails_without_hooks(model: nn.Module, embed: nn.Module) -> bool:
+    """Whether ``model`` fails a short forward with no hook at all (the probe's failure is then the model's own)."""
+    vocab = getattr(embed, "num_embeddings", None) or 2
+    weight = getattr(embed, "weight", None)
+    ids = torch.zeros(1, 4, dtype=torch.long, device=weight.device if isinstance(weight, torch.Tensor) else None)
+    ids[0, 1::2] = min(1, int(vocab) - 1)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except Exception:
+        return True
+    return False
+
+
 def identify(model: nn.Module) -> Findings:
     """Find what the generic adapter serves for ``model`` (``UnsupportedModelError`` without a layer list)."""
     structure = find_structure(model)
@@ -334,6 +348,12 @@ def identify(model: nn.Module) -> Findings:
         rec = run_probe(model, embed, layers, structure.unembed)
     except Exception as exc:  # a model that cannot run a short forward here: nothing is verified, nothing served
         reason = f"the probe forward pass failed ({type(exc).__name__}: {exc}), so no value or edit could be checked"
+        if _fails_without_hooks(model, embed):
+            reason += (
+                "; the model's own forward fails the same way without any hook, so it cannot run as it is here (in "
+                "this dtype or on this device: choose an implementation that can, e.g. "
+                "model.set_experts_implementation('eager') or attn_implementation='eager', or another dtype)"
+            )
         return Findings(
             structure,
             tuple(BlockFindings(()) for _ in range(n)),

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from hypothesis import strategies as st
-from transformers import __version__ as _transformers_version
 
 import lensadapters_qwen3_next
 from lensadapters.testing.families import (
@@ -39,15 +38,15 @@ def _kinds(drawn: dict[str, Any]) -> Any:
     return st.lists(kinds, min_size=2, max_size=3).filter(lambda k: len(set(k)) == 2)
 
 
-#: MoE models are refused on transformers 4.57 (lensadapters_qwen3_next's validation): dense ones only there
-MOE_SERVED = int(_transformers_version.split(".")[0]) >= 5
+#: MoE models are served on transformers 4.57 and 5 (kept for the tests that import it)
+MOE_SERVED = True
 
 qwen3_next_configs = config_strategy(
     _drawn_config,
     """Tiny Qwen3-Next configs, dense or MoE: two or three layers, each a gated DeltaNet or a gated full
     attention (at least one of each), GQA in both (the DeltaNet's value heads a multiple of its key heads), partial
     or full rotary, convolutions of width 2 or 4, tied or untied embeddings.""",
-    moe=st.booleans() if MOE_SERVED else st.just(False),
+    moe=st.booleans(),
     kinds=_kinds,
     linear=st.tuples(
         st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([4, 8]), st.sampled_from([4, 6])
@@ -117,12 +116,10 @@ class Qwen3NextContract(OffsetNormModels, QKNormScores, DecoderContract):
     #: heads of width 4 or 8: up to 0.41 per block at ``linear_attn.hook_gated``/``hook_attn_out``; the default 0.25 is
     #: Llama's 0.12 with a margin)
     quantized_drift_per_block: ClassVar[Optional[float]] = 0.6
-    config_strata: ClassVar[Mapping[str, Sequence[str]]] = (
-        {"dense": EVERY_POINT, "moe": EVERY_POINT} if MOE_SERVED else {"dense": EVERY_POINT}
-    )
+    config_strata: ClassVar[Mapping[str, Sequence[str]]] = {"dense": EVERY_POINT, "moe": EVERY_POINT}
     stratum_overrides: ClassVar[Mapping[str, Mapping[str, Any]]] = {
         "dense": dict(moe=False),
-        **({"moe": dict(moe=True, kinds=st.just(["linear_attention", "full_attention"]))} if MOE_SERVED else {}),
+        "moe": dict(moe=True, kinds=st.just(["linear_attention", "full_attention"])),
     }
     strata_only: ClassVar[Sequence[str]] = EVERY_POINT
     not_served: ClassVar[Mapping[str, str]] = NOT_SERVED

@@ -88,10 +88,6 @@ class Qwen3NextContract(OffsetNormModels, QKNormScores, DecoderContract):
 
     plugin: ClassVar[Any] = lensadapters_qwen3_next
     config_strategy = qwen3_next_configs
-    lora_variant_refused: ClassVar[Optional[str]] = (
-        "LoRA on Qwen3-Next is not yet checked: PEFT converts targets of its fused experts itself (gate_up_proj), and "
-        "gradients through edits with LoRA on the DeltaNet projections differed from finite differences"
-    )
     attn_implementations: ClassVar[Sequence[str]] = ("eager", "sdpa")
     #: the gated DeltaNet's points that a scale-invariant norm reads (the delta rule's L2 norm of queries and keys, the
     #: gated RMSNorm of its output): edited along directions of their own scale in the gradient property, as a
@@ -100,10 +96,15 @@ class Qwen3NextContract(OffsetNormModels, QKNormScores, DecoderContract):
     #: The embeddings and the residual stream before a block too (read by ``ln1``'s RMSNorm): the toys' embeddings
     #: have a scale of 0.02, and a unit-scale step of 1e-2 moved an MoE model's top-k routing (its renormalized
     #: weights jump when the selection changes), so that finite differences missed the derivative autograd gives
+    #: And the gated DeltaNet's output, ``linear_attn.hook_gated`` (its norm times ``silu(z)``): its values can be tiny
+    #: (RMS 0.008 in a LoRA example) and a unit-scale step of 1e-2 through a LoRA-scaled ``out_proj`` (effective weight
+    #: norm 14 against the base's 2.6) left the linear regime: finite differences gave -130 at that step and -836.62 at
+    #: 1e-3 and 1e-4, where autograd gives -836.65 (float64; without LoRA on ``out_proj`` both agree at 1e-2)
     gradient_scaled_points: ClassVar[tuple[str, ...]] = (
         "linear_attn.hook_q",
         "linear_attn.hook_k",
         "linear_attn.hook_recurrent",
+        "linear_attn.hook_gated",
         "hook_embed",
         "hook_resid_pre",
     )

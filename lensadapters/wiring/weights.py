@@ -326,7 +326,7 @@ def gated_query_weights(
     hooked: "Hooked", layer: int, q_proj: str = "self_attn.q_proj"
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(W_Q, W_gate, b_Q, b_gate)`` of a layer whose query projection ``q_proj`` (relative to the block) holds per
-    head the query then an output gate (``view(b, p, h, 2 * d_head)``, :func:`~lensadapters.plugin_api.query_gate_site`):
+    head the query then an output gate (``view(b, p, h, 2 * d_head)``, as ``plugin_api.query_gate_site`` reads it):
     every head's query and gate rows, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias),
     from the live parameters (through every plugin: LoRA deltas, quantized storage)."""
     module = hooked.block_modules[layer].get_submodule(q_proj)

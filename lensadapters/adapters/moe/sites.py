@@ -39,7 +39,14 @@ from lensadapters.adapters.moe.specs import FusedExperts, MoELayout
 from lensadapters.errors import HookReturnError
 from lensadapters.hooks.copying import detachable
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
+from lensadapters.hooks.sites.base import (
+    Handle,
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    replace_first_output,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
@@ -130,9 +137,9 @@ class MoESite(Site):
     def wanted(self) -> bool:
         return any(self.signature())
 
-    def install(self) -> list[RemovableHandle]:
+    def install(self) -> list[Handle]:
         active, recompute = self.signature()
-        handles = [
+        handles: list[Handle] = [
             self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
             self.router.register_forward_hook(self._route),
         ]

@@ -38,11 +38,13 @@ from lensadapters import Architecture, BlockLayout, MLPLayout, UnsupportedModelE
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 from lensadapters.plugin_api import (
     Hooked,
-    WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type, as before
     gated_deltanet_paths,
     gated_deltanet_site,
     gated_query_weight,
     gated_query_weights,
+)
+from lensadapters.plugin_api import (
+    WeightUnavailableError as WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type
 )
 from lensadapters_qwen3_5 import attention, mixer
 

@@ -48,13 +48,15 @@ from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 from lensadapters.plugin_api import (
     FUSED_PER_KEY_HEAD,
     Hooked,
-    WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type, as before
     gated_deltanet_paths,
     gated_deltanet_site,
     gated_query_weight,
     gated_query_weights,
     query_gate_site,
     shared_expert_sites,
+)
+from lensadapters.plugin_api import (
+    WeightUnavailableError as WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type
 )
 
 Tensor = torch.Tensor

@@ -326,7 +326,7 @@ def test_recomputed_moe_layer_keeps_the_gated_shared_expert(shared, together):
         "shared_expert.hook_result": (moe.shared_expert, lambda t: t * 2.0 + 0.1),
     }
     expected_hooks = []
-    fwd = [("blocks.0.mlp.experts.0.hook_post", _recomputing_edit), ("blocks.0.mlp.experts.1.hook_post", _recomputing_edit)]
+    fwd = [(f"blocks.0.mlp.experts.{e}.hook_post", _recomputing_edit) for e in (0, 1)]
     if shared is not None:
         module, edit = shared_edits[shared]
         expected_hooks.append(module.register_forward_hook(lambda m, a, out: edit(out)))

@@ -22,7 +22,9 @@ these modules are the core's own and may change between releases.
   (``first_input``, ``replace_first_output``, ``split_heads``...), ``detachable`` (handles made inert in copies)
   and ``InstanceOverride`` (a per-instance method override that copies and pickles turn back into the class's;
   ``override_instance_method`` stores one and returns the handle removing it).
-* **Weights**: ``read_linear`` (``[d_in, d_out]`` through every plugin), ``mlp_weights``, and the one reader of
+* **Weights**: ``read_linear`` (``[d_in, d_out]`` through every plugin), ``mlp_weights``, ``gated_query_weights``
+  (a gated query projection's per-head query and gate rows) and ``gated_query_weight`` (a hybrid's ``W_Q``/``b_Q``
+  answer from them, or its refusal naming the linear-attention layers), and the one reader of
   the named weights, ``read_weight``/``layer_weight`` (a ``lensadapters_weight`` override reaches every value
   derived from that weight: ``hm.W_O``, ``attn.hook_result``, the cache's decompositions); ``live_parameters``
   (offloaded modules), ``innermost_layer``/``wrapped_layers`` (adapter wrappers).
@@ -109,7 +111,15 @@ from lensadapters.hooks.sites import (
 )
 from lensadapters.hooks.sites.qkv import rotary_angles
 from lensadapters.hooks.specs import *  # noqa: F403  (the description language: specs.__all__)
-from lensadapters.wiring.weights import WEIGHT_NAMES, layer_weight, mlp_weights, read_linear, read_weight
+from lensadapters.wiring.weights import (
+    WEIGHT_NAMES,
+    gated_query_weight,
+    gated_query_weights,
+    layer_weight,
+    mlp_weights,
+    read_linear,
+    read_weight,
+)
 
 __all__ = [
     # hooks and the plugin-facing model
@@ -179,6 +189,8 @@ __all__ = [
     # weights
     "WEIGHT_NAMES",
     "expert_tokens",
+    "gated_query_weight",
+    "gated_query_weights",
     "innermost_layer",
     "layer_weight",
     "live_parameters",

@@ -55,13 +55,18 @@ def moe_reference(hm: Any, layer: int, x: Tensor, weights: Tensor, index: Tensor
 
 def shared_output(hm: Any, layer: int, x: Tensor) -> Any:
     """What block ``layer``'s MoE module adds to its routed experts (``MoELayout.shared``, run on the MLP inputs
-    ``x`` as the model runs it, in float64), or 0."""
+    ``x`` as the model runs it, in float64, times the sigmoid of ``MoELayout.shared_gate``'s logit where declared),
+    or 0."""
     shared = hm.mlp_layouts[layer].shared
     if shared is None:
         return 0
-    module = hm.block_modules[layer].get_submodule(shared)
+    block = hm.block_modules[layer]
+    module = block.get_submodule(shared)
+    x = x.to(next(module.parameters()).dtype)
     with torch.no_grad():
-        return module(x.to(next(module.parameters()).dtype)).double()
+        out = module(x).double()
+        gate = hm.mlp_layouts[layer].shared_gate  # MoELayout.shared_gate: times the sigmoid of its logit
+        return out if gate is None else torch.sigmoid(block.get_submodule(gate)(x).double()) * out
 
 
 def selection_bias(hm: Any, layer: int) -> Optional[Tensor]:

@@ -338,6 +338,42 @@ _LAYER_WEIGHTS: dict[str, Callable[[Any, int], Tensor]] = {
 }
 
 
+def gated_query_weights(
+    hooked: "Hooked", layer: int, q_proj: str = "self_attn.q_proj"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(W_Q, W_gate, b_Q, b_gate)`` of a layer whose query projection ``q_proj`` (relative to the block) holds per
+    head the query then an output gate (``view(b, p, h, 2 * d_head)``, as ``plugin_api.query_gate_site`` reads it):
+    every head's query and gate rows, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias),
+    from the live parameters (through every plugin: LoRA deltas, quantized storage)."""
+    module = hooked.block_modules[layer].get_submodule(q_proj)
+    lw = read_linear(hooked, module, (hooked.cfg.d_model, None))
+    heads, d_head = hooked.cfg.n_heads, hooked.cfg.d_head
+    W = lw.W.unflatten(-1, (heads, 2, d_head)).permute(2, 1, 0, 3)  # [2, h, d_model, d_head]
+    b = torch.zeros(2, heads, d_head, dtype=W.dtype, device=W.device)
+    if lw.b is not None:
+        b = lw.b.unflatten(-1, (heads, 2, d_head)).transpose(0, 1)
+    return W[0], W[1], b[0], b[1]
+
+
+def gated_query_weight(
+    hooked: "Hooked", name: str, softmax_layers: "list[bool]", family: str, reader: str
+) -> Optional[Tensor]:
+    """A hybrid plugin's answer to ``lensadapters_weight`` for ``W_Q``/``b_Q`` where every softmax-attention layer's
+    query projection is gated (:func:`gated_query_weights`): the stacked queries when every layer is one
+    (``softmax_layers``), a ``WeightUnavailableError`` naming the other layers and ``reader`` (the plugin's per-layer
+    reader, e.g. ``"lensadapters_qwen3_next.query_weights"``) otherwise; ``None`` for any other name."""
+    if name not in ("W_Q", "b_Q"):
+        return None
+    others = [i for i, softmax in enumerate(softmax_layers) if not softmax]
+    if others:
+        raise WeightUnavailableError(
+            f"this {family} model has linear-attention layers ({others}), which have no softmax queries: read a "
+            f"full-attention layer's {name} with {reader}(hm, layer)"
+        )
+    part = 0 if name == "W_Q" else 2
+    return torch.stack([gated_query_weights(hooked, i)[part] for i in range(len(softmax_layers))])
+
+
 def stacked_weight(hooked: "Hooked", name: str) -> Tensor:
     """The core's own value of the per-layer weight ``name`` (every layer, stacked), no plugin override asked:
     what an override that rescales the core's value (``lensadapters_weight``) starts from."""

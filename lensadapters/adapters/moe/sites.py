@@ -37,8 +37,16 @@ from lensadapters.adapters.moe import routing as _routing
 from lensadapters.adapters.moe.experts import bind, module_attribute
 from lensadapters.adapters.moe.specs import FusedExperts, MoELayout
 from lensadapters.errors import HookReturnError
+from lensadapters.hooks.copying import detachable
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites.base import Site, completes_output, first_input, first_output, replace_first_output
+from lensadapters.hooks.sites.base import (
+    Handle,
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    replace_first_output,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from lensadapters.adapters.protocol import Hooked
@@ -87,6 +95,8 @@ class MoESite(Site):
         self.router = block.get_submodule(layout.router)
         self.experts = block.get_submodule(layout.experts.module)
         self.shared = block.get_submodule(layout.shared) if layout.shared else None
+        self.shared_gate = block.get_submodule(layout.shared_gate) if layout.shared_gate else None
+        self._late: list[RemovableHandle] = []  # this forward's recording hooks of the shared expert (and gate)
         self.logits_module = block.get_submodule(layout.router_logits) if layout.router_logits else None
         self.state = hooked.forward_state
         self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
@@ -127,9 +137,9 @@ class MoESite(Site):
     def wanted(self) -> bool:
         return any(self.signature())
 
-    def install(self) -> list[RemovableHandle]:
+    def install(self) -> list[Handle]:
         active, recompute = self.signature()
-        handles = [
+        handles: list[Handle] = [
             self.block.register_forward_pre_hook(self._record_shape, with_kwargs=True),
             self.router.register_forward_hook(self._route),
         ]
@@ -139,8 +149,8 @@ class MoESite(Site):
             if self.fused_call:
                 handles.append(self.experts.register_forward_hook(self._experts_out, with_kwargs=True))
             else:  # completes the MoE's output: hook_mlp_out's own hook on the same module reads it after
-                if self.shared is not None:
-                    handles.append(self.shared.register_forward_hook(self._record_shared))
+                if self.shared is not None:  # the recording hooks are registered per forward (_record_shape)
+                    handles.append(_LateHandles(self._late))
                 handles.append(completes_output(self.moe, self._moe_out, with_kwargs=True))
         return handles
 
@@ -154,9 +164,28 @@ class MoESite(Site):
         values.clear()
         hidden = args[0] if args else kwargs.get("hidden_states")
         values["lead"] = tuple(hidden.shape[:-1]) if isinstance(hidden, Tensor) else None
+        if self.shared is not None and self.signature()[1] and not self.fused_call:
+            self._hook_shared()
 
-    def _record_shared(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._values()["shared"] = first_output(output)
+    def _hook_shared(self) -> None:
+        """Register, for this forward, the hooks recording the shared expert's output and its gate's logit. They
+        are registered here, at the block's start, so that they run after every other forward hook of those modules
+        (the points served there, whose edits are what the MoE module adds), whenever those were installed."""
+        self._late_done()
+        self._late[:] = [detachable(self.shared.register_forward_hook(self._recorder("shared")))]
+        if self.shared_gate is not None:
+            self._late.append(detachable(self.shared_gate.register_forward_hook(self._recorder("shared_gate"))))
+
+    def _late_done(self) -> None:
+        for handle in self._late:
+            handle.remove()
+        self._late.clear()
+
+    def _recorder(self, key: str) -> Any:
+        def record(module: nn.Module, args: tuple, output: Any) -> None:
+            self._values()[key] = first_output(output)
+
+        return record
 
     def _selection_bias(self) -> Optional[Tensor]:
         name = self.layout.routing.selection_bias
@@ -307,10 +336,15 @@ class MoESite(Site):
         if not (changed or routing_changed):
             return None
         value = first_output(output)
-        out = out.reshape(value.shape).to(value.dtype)
+        out = out.to(value.dtype)
         if self.shared is not None:  # the MoE module adds its shared experts' output to the routed experts' sum
-            out = out + self._values()["shared"]
-        return replace_first_output(output, out)
+            values = self._values()
+            shared = values["shared"]
+            self._late_done()
+            if self.shared_gate is not None:  # times the sigmoid of its gate's logit, as the MoE module computes it
+                shared = F.sigmoid(values["shared_gate"]) * shared
+            out = out.reshape(shared.shape) + shared  # the model's own shape of the sum ([b * p, d] or [b, p, d])
+        return replace_first_output(output, out.reshape(value.shape))
 
     def _run(self, hidden: Tensor, index: Tensor, weights: Tensor) -> tuple[Tensor, bool]:
         """Every expert on its rows, with the per-expert points; as transformers' eager loop computes it."""
@@ -337,6 +371,18 @@ class MoESite(Site):
             out.index_add_(0, token + e * n_tokens if scaled else token, result.to(out.dtype))
             changed = changed or c_gate or c_up or c_post or c_result
         return out, changed
+
+
+class _LateHandles:
+    """Removes the recording hooks a site registers per forward (``MoESite._hook_shared``) with the site's hooks."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 def build_moe_site(hooked: "Hooked", layer: int, layout: MoELayout, point: "Optional[Any]" = None) -> MoESite:

@@ -140,6 +140,10 @@ class MoELayout:
 
     ``shared`` names a module of the block whose output the MoE module adds to the routed experts' sum (shared
     experts, DeepSeek): where the core recomputes the experts at the MoE module's output it adds that output too.
+    ``shared_gate`` names a one-output linear module of the block, run on the MoE input, whose ``sigmoid`` multiplies
+    the shared module's output before the MoE module adds it (Qwen3-Next's ``shared_expert_gate``): the core's
+    recomputation then adds ``sigmoid(shared_gate(x)) * shared(x)``, both values as the model computed them (an edit
+    of either included).
 
     ``beside`` describes a block that runs a dense MLP *and* the experts on the same residual stream, each branch
     with its own input norm, and adds their outputs (Gemma 4's ``enable_moe_block``): ``beside`` is the dense MLP
@@ -156,6 +160,7 @@ class MoELayout:
     experts: Experts
     router_output: Literal["logits", "routing", "scores", "index_weights", "probabilities", "scores_logits"] = "logits"
     shared: Optional[str] = None
+    shared_gate: Optional[str] = None
     router_logits: Optional[str] = None
     beside: Optional[Any] = None  # MLPLayout or FusedGateUp (lensadapters.hooks.specs)
     inputs: tuple[str, ...] = ()

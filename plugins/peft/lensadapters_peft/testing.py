@@ -50,6 +50,7 @@ from .testing_support import (
     init_lora,
     linear_targets,
     lora_layers,
+    peft_renamed_targets,
     split_like,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "init_lora",
     "linear_targets",
     "lora_layers",
+    "peft_renamed_targets",
     "split_like",
 ]
 
@@ -93,8 +95,9 @@ class LoraContract(LoraProperties, AdapterContract):
         return super().make_model(config, seed, attn_implementation)
 
     def lora_targets(self, model: nn.Module) -> list[str]:
-        """Module names relative to a block that may be adapted (default: every linear-like leaf)."""
-        return linear_targets(self._blocks(model))
+        """Module names relative to a block that may be adapted (default: every linear-like leaf PEFT adapts as
+        that module: not one PEFT renames into a fused experts parameter's target, :func:`peft_renamed_targets`)."""
+        return linear_targets(self._blocks(model), peft_renamed_targets(model))
 
     def _blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, block)``, names relative to the Hugging Face model inside ``model`` (PEFT matches

@@ -52,10 +52,36 @@ def _is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D)) and not list(module.children())
 
 
-def linear_targets(blocks: list[tuple[str, nn.Module]]) -> list[str]:
-    """Relative names of the linear-like leaf modules (``nn.Linear``, ``Conv1D``) of the first block."""
+def peft_renamed_targets(model: nn.Module) -> frozenset[str]:
+    """The module names (leaf names) PEFT turns into targets of fused parameters on this model's type, whatever the
+    module is: on transformers 5, for the model types whose experts transformers fuses, a target named ``gate_proj``,
+    ``up_proj`` or ``down_proj`` (Qwen2-MoE's pattern, Qwen3-Next's too, on its dense MLPs as on its experts) becomes
+    the experts' ``gate_up_proj``/``down_proj`` parameter, or an error when one half of a fused pair is named alone.
+    Empty where PEFT converts nothing (transformers 4, older PEFT)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a PEFT without the conversion: nothing renamed
+        return frozenset()
+    config = getattr(model, "config", None)
+    pattern = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(getattr(config, "model_type", None))
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers 4: PEFT converts nothing
+        return frozenset()
+    if pattern is None or get_checkpoint_conversion_mapping(config.model_type) is None:
+        return frozenset()
+    return frozenset(getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}))
+
+
+def linear_targets(blocks: list[tuple[str, nn.Module]], renamed: frozenset[str] = frozenset()) -> list[str]:
+    """Relative names of the linear-like leaf modules (``nn.Linear``, ``Conv1D``) of the first block, without those
+    whose leaf name PEFT renames into a fused parameter's target (``renamed``: :func:`peft_renamed_targets`)."""
     _, first = blocks[0]
-    return sorted(name for name, module in first.named_modules() if name and _is_linear_like(module))
+    return sorted(
+        name
+        for name, module in first.named_modules()
+        if name and _is_linear_like(module) and name.rsplit(".", 1)[-1] not in renamed
+    )
 
 
 def init_lora(model: nn.Module, seed: int) -> None:

@@ -38,10 +38,13 @@ from lensadapters import Architecture, BlockLayout, MLPLayout, UnsupportedModelE
 from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 from lensadapters.plugin_api import (
     Hooked,
-    WeightUnavailableError,
     gated_deltanet_paths,
     gated_deltanet_site,
-    read_linear,
+    gated_query_weight,
+    gated_query_weights,
+)
+from lensadapters.plugin_api import (
+    WeightUnavailableError as WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type
 )
 from lensadapters_qwen3_5 import attention, mixer
 
@@ -153,28 +156,15 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
 
 @hookimpl
 def lensadapters_weight(arch: Architecture, hooked: Hooked, name: str) -> Any:
-    if name not in ("W_Q", "b_Q"):
-        return None
-    kinds = hooked.cfg.extra["layer_types"]
-    if any(kind != FULL for kind in kinds):
-        raise WeightUnavailableError(
-            f"this Qwen 3.5 model has linear-attention layers ({[i for i, k in enumerate(kinds) if k != FULL]}), "
-            f"which have no softmax queries: read a full-attention layer's {name} with "
-            f"lensadapters_qwen3_5.query_weights(hm, layer)"
-        )
-    return torch.stack([query_weights(hooked, i)[0 if name == "W_Q" else 2] for i in range(len(kinds))])
+    softmax = [kind == FULL for kind in hooked.cfg.extra["layer_types"]]
+    return gated_query_weight(hooked, name, softmax, "Qwen 3.5", "lensadapters_qwen3_5.query_weights")
 
 
 def query_weights(hm: Any, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(W_Q, W_gate, b_Q, b_gate)`` of a full-attention layer: ``q_proj``'s query and output-gate rows of every
-    head, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias), from the live parameters."""
-    lw = read_linear(hm, hm.block_modules[layer].self_attn.q_proj, (hm.cfg.d_model, None))
-    heads, d_head = hm.cfg.n_heads, hm.cfg.d_head
-    W = lw.W.unflatten(-1, (heads, 2, d_head)).permute(2, 1, 0, 3)  # [2, h, d_model, d_head]
-    b = torch.zeros(2, heads, d_head, dtype=W.dtype, device=W.device)
-    if lw.b is not None:
-        b = lw.b.unflatten(-1, (heads, 2, d_head)).transpose(0, 1)
-    return W[0], W[1], b[0], b[1]
+    head, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias), from the live parameters
+    (:func:`lensadapters.plugin_api.gated_query_weights`)."""
+    return gated_query_weights(hm, layer)
 
 
 #: the layer patterns of :func:`tiny_config` (``L`` a gated DeltaNet layer, ``F`` a full-attention one)

@@ -27,13 +27,17 @@ dense, and in every layer of a model without experts). Norms are ``x / rms * (1 
   ``mlp.hook_shared_gate`` ``[b, p, 1]`` (the gate's logit; the shared expert adds ``sigmoid`` of it times its
   result).
 
-Refused at wrap time: custom modeling code, rope types other than the default one, layer types other than these,
-MoE layers on transformers 4.57 (experts in a ``ModuleList``: the core's recomputation of a hooked expert's layer
-there would drop the gated shared expert's contribution).
+On transformers 4.57 the experts are a ``ModuleList`` and the core recomputes a hooked expert's layer at the MoE
+module's output: the layout declares the shared expert and its gate (``MoELayout.shared``/``shared_gate``), so that
+the recomputation adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` as the model does (edits of the shared
+expert's points included).
+
+Refused at wrap time: custom modeling code, rope types other than the default one, layer types other than these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Union
 
 import torch
@@ -44,12 +48,15 @@ from lensadapters.moe import MoELayout, Routing, stored_moe_layout
 from lensadapters.plugin_api import (
     FUSED_PER_KEY_HEAD,
     Hooked,
-    WeightUnavailableError,
     gated_deltanet_paths,
     gated_deltanet_site,
+    gated_query_weight,
+    gated_query_weights,
     query_gate_site,
-    read_linear,
     shared_expert_sites,
+)
+from lensadapters.plugin_api import (
+    WeightUnavailableError as WeightUnavailableError,  # re-exported: the W_Q/b_Q refusal's type
 )
 
 Tensor = torch.Tensor
@@ -155,7 +162,10 @@ def layer_mlp(layer: nn.Module, config: Any) -> Union[MLPLayout, MoELayout]:
     routing = Routing(
         config.num_experts, config.num_experts_per_tok, normalize=bool(config.norm_topk_prob), weights_dtype="logits"
     )
-    return stored_moe_layout(layer, "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
+    layout = stored_moe_layout(layer, "mlp", routing, ("gate_proj", "up_proj", "down_proj"))
+    # what the MoE module adds to the routed experts: sigmoid(shared_expert_gate(x)) * shared_expert(x), which the
+    # core adds where it recomputes the experts at the MoE module's output (transformers 4.57's ModuleList)
+    return dataclasses.replace(layout, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate")
 
 
 @hookimpl
@@ -178,28 +188,15 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Hooked) -> list[Any]:
 
 @hookimpl
 def lensadapters_weight(arch: Architecture, hooked: Hooked, name: str) -> Any:
-    if name not in ("W_Q", "b_Q"):
-        return None
-    kinds = hooked.cfg.extra["layer_types"]
-    if any(kind != FULL for kind in kinds):
-        raise WeightUnavailableError(
-            f"this Qwen3-Next model has linear-attention layers ({[i for i, k in enumerate(kinds) if k != FULL]}), "
-            f"which have no softmax queries: read a full-attention layer's {name} with "
-            f"lensadapters_qwen3_next.query_weights(hm, layer)"
-        )
-    return torch.stack([query_weights(hooked, i)[0 if name == "W_Q" else 2] for i in range(len(kinds))])
+    softmax = [kind == FULL for kind in hooked.cfg.extra["layer_types"]]
+    return gated_query_weight(hooked, name, softmax, "Qwen3-Next", "lensadapters_qwen3_next.query_weights")
 
 
 def query_weights(hm: Any, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(W_Q, W_gate, b_Q, b_gate)`` of a full-attention layer: ``q_proj``'s query and output-gate rows of every
-    head, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias), from the live parameters."""
-    lw = read_linear(hm, hm.block_modules[layer].self_attn.q_proj, (hm.cfg.d_model, None))
-    heads, d_head = hm.cfg.n_heads, hm.cfg.d_head
-    W = lw.W.unflatten(-1, (heads, 2, d_head)).permute(2, 1, 0, 3)  # [2, h, d_model, d_head]
-    b = torch.zeros(2, heads, d_head, dtype=W.dtype, device=W.device)
-    if lw.b is not None:
-        b = lw.b.unflatten(-1, (heads, 2, d_head)).transpose(0, 1)
-    return W[0], W[1], b[0], b[1]
+    head, ``[heads, d_model, d_head]`` and ``[heads, d_head]`` (zeros without a bias), from the live parameters
+    (:func:`lensadapters.plugin_api.gated_query_weights`)."""
+    return gated_query_weights(hm, layer)
 
 
 #: the layer patterns of :func:`tiny_config` (``L`` a gated DeltaNet layer, ``F`` a full-attention one)
@@ -209,19 +206,15 @@ TINY_PATTERNS = ("LLLF", "LF", "FL", "LFLF", "FLL", "LLF")
 def tiny_config(seed: int) -> Any:
     """A Qwen3-Next toy, width 64, vocabulary 512. Seed 0: 4 layers (three gated DeltaNet layers, then a
     full-attention one, the checkpoints' pattern), dense. Odd seeds are the MoE model (4 experts, top 2, a shared
-    expert) on transformers 5 (4.57's MoE layers are refused: dense there); the seed also picks the layer pattern
-    (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the attention's head size."""
-    import transformers
-
+    expert); the seed also picks the layer pattern (:data:`TINY_PATTERNS`), the DeltaNet's key/value heads and the
+    attention's head size."""
     from lensadapters_qwen3_next.configs import qwen3_next_config
-
-    moe_served = int(transformers.__version__.split(".")[0]) >= 5
 
     pattern = TINY_PATTERNS[(seed // 2) % len(TINY_PATTERNS)]
     kinds = ["linear_attention" if k == "L" else "full_attention" for k in pattern]
     linear_heads = ((2, 4), (1, 2), (2, 2))[(seed // 3) % 3]
     return qwen3_next_config(
-        moe=bool(seed % 2) and moe_served,
+        moe=bool(seed % 2),
         layer_types=kinds,
         linear_heads=linear_heads,
         head_dim=(8, 16)[(seed // 5) % 2],
@@ -249,19 +242,6 @@ def lensadapters_validate(arch: Architecture, model: Any) -> None:
         raise UnsupportedModelError(f"Qwen3-Next layer types {unknown} are not described (only {FULL}, {LINEAR})")
     sparse = sparse_layers(config)
     layers = FAMILY.layers(model)
-    listed = [
-        i
-        for i, layer in enumerate(layers)
-        if sparse[i] and isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
-    ]
-    if listed:
-        raise UnsupportedModelError(
-            f"this Qwen3-Next model's MoE layers {listed} keep their experts as a ModuleList (transformers 4.57): "
-            f"there the core recomputes a hooked expert's layer at the MoE module's output, which would drop the "
-            f"shared expert's sigmoid-gated contribution (not yet described for that path); use transformers 5, a "
-            f'dense Qwen3-Next (num_experts=0), or HookedModel.wrap(model, adapter="generic") for the generic '
-            f"adapter's verified points (residual, norms, attention patterns, the mixers' projections)"
-        )
 
     def missing(layer: nn.Module) -> list[str]:
         i = next(j for j, other in enumerate(layers) if other is layer)

@@ -19,7 +19,7 @@ class TestQwen3Next(Qwen3NextContract):
 import lensadapters_qwen3_next  # noqa: E402
 import torch  # noqa: E402
 from lensadapters_qwen3_next.reference import deltanet_reference, refuse, unfuse  # noqa: E402
-from lensadapters_qwen3_next.testing import MOE_SERVED, qwen3_next_config  # noqa: E402
+from lensadapters_qwen3_next.testing import qwen3_next_config  # noqa: E402
 
 from lensadapters.plugin_api import GATED_DELTANET_POINTS  # noqa: E402
 from lensadapters.testing import assert_close  # noqa: E402
@@ -28,9 +28,7 @@ from lensadapters.testing.families import left_padded_tokens  # noqa: E402
 CONTRACT = TestQwen3Next()
 MIXER_POINTS = GATED_DELTANET_POINTS
 PROJECTION_POINTS = ("hook_qkv", "hook_z", "hook_b", "hook_a")
-#: MoE models: transformers 5 only (refused on 4.57, see test_moe_is_refused_on_transformers_4)
-MOE = [False, pytest.param(True, marks=pytest.mark.skipif(not MOE_SERVED, reason="MoE refused on transformers 4.57"))]
-moe_only = pytest.mark.skipif(not MOE_SERVED, reason="MoE refused on transformers 4.57")
+MOE = [False, True]
 
 
 def _model(moe: bool = False, **fields):
@@ -227,7 +225,6 @@ def test_attention_gate_is_the_projection_half_and_edits_reach_z():
     assert_close(torch.einsum("bpd,hde->bphe", seen["x"], W_gate), both[..., 1, :], "W_gate", atol=1e-5)
 
 
-@moe_only
 def test_shared_expert_points():
     """The MoE layers' shared expert: its points are its modules' values, and an edit of its gate's logit acts as
     the same edit of the gate module's output."""
@@ -256,7 +253,6 @@ def test_shared_expert_points():
     assert_close(off, expected, "logits with the shared expert gated off", atol=0)
 
 
-@moe_only
 def test_dense_layers_beside_moe_layers():
     """mlp_only_layers makes a layer dense in an MoE model: it gets the dense MLP points, the others the experts'."""
     model = _model(moe=True, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1])
@@ -307,10 +303,50 @@ def test_generation_through_the_hybrid_cache(moe, point):
     assert not all(torch.equal(a, b) for a, b in zip(plain.logits, out.logits)), "the edit changed nothing"
 
 
-@pytest.mark.skipif(MOE_SERVED, reason="transformers 4.57's MoE layers only")
-def test_moe_is_refused_on_transformers_4():
-    """On 4.57 (experts in a ModuleList) the core recomputes a hooked expert's layer at the MoE module's output and
-    would drop the gated shared expert: such a model is refused by name."""
-    model = CONTRACT.make_model(qwen3_next_config(moe=True, layer_types=["linear_attention", "full_attention"]), 0)
-    with pytest.raises(lensadapters_qwen3_next.UnsupportedModelError, match="ModuleList"):
-        CONTRACT.wrap(model)
+def _recomputing_edit(t, hook):
+    """An expert edit that changes no value but makes the core compute the layer's experts itself (on transformers
+    4.57, at the MoE module's output)."""
+    return t.clone()
+
+
+@pytest.mark.parametrize("shared", [None, "hook_shared_gate", "shared_expert.hook_result"])
+@pytest.mark.parametrize("together", [True, False], ids=["one_call", "expert_hook_first"])
+def test_recomputed_moe_layer_keeps_the_gated_shared_expert(shared, together):
+    """Where the core computes a MoE layer's experts itself (an edited expert point; on transformers 4.57 at the MoE
+    module's output, its experts a ModuleList), the layer's output still holds the shared expert times the sigmoid of
+    its gate's logit (MoELayout.shared_gate), with an edit of the shared expert's or the gate's point included: the
+    logits are those of the same edit made by plain PyTorch hooks, whether the shared point's hook was added with the
+    expert's or after a forward with the expert's alone."""
+    model = _model(moe=True, layer_types=["linear_attention", "full_attention"])
+    hm = CONTRACT.wrap(model)
+    ids, _ = left_padded_tokens(pads=(0, 0))
+    moe = model.model.layers[0].mlp
+    shared_edits = {
+        "hook_shared_gate": (moe.shared_expert_gate, lambda t: t - 1.5),
+        "shared_expert.hook_result": (moe.shared_expert, lambda t: t * 2.0 + 0.1),
+    }
+    expected_hooks = []
+    fwd = [(f"blocks.0.mlp.experts.{e}.hook_post", _recomputing_edit) for e in (0, 1)]
+    if shared is not None:
+        module, edit = shared_edits[shared]
+        expected_hooks.append(module.register_forward_hook(lambda m, a, out: edit(out)))
+    with torch.no_grad():
+        expected = model(ids).logits
+    for handle in expected_hooks:
+        handle.remove()
+    with torch.no_grad():
+        if shared is None or together:
+            extra = [] if shared is None else [(f"blocks.0.mlp.{shared}", lambda t, hook: shared_edits[shared][1](t))]
+            got = hm.run_with_hooks(ids, fwd_hooks=fwd + extra)
+        else:
+            with hm.hooks(fwd):
+                hm(ids)  # the MoE site's hooks are installed before the shared point's
+                with hm.hooks([(f"blocks.0.mlp.{shared}", lambda t, hook: shared_edits[shared][1](t))]):
+                    got = hm(ids).logits
+    worst = (got - expected).abs().max().item()
+    print(f"RECOMPUTED MoE {shared}: {worst:.2e}")
+    assert_close(got, expected, f"logits with the experts recomputed ({shared})", atol=1e-5)
+    if shared is not None:
+        with torch.no_grad():
+            plain = model(ids).logits
+        assert (plain - expected).abs().max() > 1e-3, "the shared edit changed nothing"

@@ -65,8 +65,9 @@ class DescribedSumSite(SumSite):
         o_proj: nn.Module,
         heads: int,
         weight: Callable[[], tuple[Tensor, Optional[Tensor]]],
+        entry: Optional[nn.Module] = None,
     ) -> None:
-        super().__init__(layer, reader, split, contributions, points, state)
+        super().__init__(layer, reader, split, contributions, points, state, entry)
         self.layer, self.reader, self.o_proj, self.heads, self.weight = layer, reader, o_proj, heads, weight
         self.attn_index = contributions.index("hook_attn_out")
         self.result: Optional[HookPoint] = points.get("attn.hook_result")
@@ -152,8 +153,16 @@ def described_sum_site(hooked: Any, i: int, layer: nn.Module, block: Any, claime
         o_proj,
         hooked.cfg.n_heads,
         hooked._o_reader(i),
+        _ln1(layer, form, bl),
     )
     return [site]
+
+
+def _ln1(layer: nn.Module, form: Any, bl: Any) -> Optional[nn.Module]:
+    """The layer's pre-norm (where :class:`.mixer_sites.SumSite` starts its records while the layer trains with
+    gradient checkpointing), ``None`` without one."""
+    path = next((p for role, p, _ in form.norms if role == "ln1"), None) or getattr(bl, "ln1", None)
+    return layer.get_submodule(path) if path else None
 
 
 def described_sum_reference(hooked: Any, i: int, rest: str) -> Optional[Any]:

@@ -150,7 +150,9 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
         owned = {name: points[name] for name in SUM_POINTS if name in points}
         if owned:
             state = hooked.forward_state
-            sites.append(SumSite(layer, layer.get_submodule(form.mid), form.sum, form.contributions, owned, state))
+            ln1 = next((layer.get_submodule(path) for role, path, _ in form.norms if role == "ln1"), None)
+            mid = layer.get_submodule(form.mid)
+            sites.append(SumSite(layer, mid, form.sum, form.contributions, owned, state, ln1))
     elif form.mid is not None and "hook_resid_mid" in points:
         add = layer.get_submodule(form.mid_add) if form.mid_add is not None else None
         reader = layer.get_submodule(form.mid)
@@ -280,12 +282,25 @@ class _LayerSum:
     layer's :class:`.parallel.Split`, ``reader`` the norm reading its middle. Each forward pass records the layer's
     input, the outputs before the middle (scaled: their contributions), the middle the reader gets and the outputs
     after it; :meth:`output` is the layer's output from those. With ``forward_state`` the records are each
-    forward's own (its site values: another thread's forward, or one a hook runs inside it, has its own)."""
+    forward's own (its site values: another thread's forward, or one a hook runs inside it, has its own).
+
+    ``entry``: the layer's pre-norm, whose input is the layer's input (``ln1``). While the layer trains with gradient
+    checkpointing (:meth:`carried`), every record starts at ``entry`` and a replacement of the layer's output is
+    carried into the last MLP module's output instead (:meth:`hooks`): transformers 5.x checkpoints a layer's
+    ``forward`` and runs the layer's own forward hooks outside it, once, so the recomputation in the backward pass
+    runs only the hooks on the layer's modules, and a reentrant checkpoint's first forward runs without gradients
+    (the layer's own hooks would rebuild its output from values without a graph); transformers 4.x checkpoints the
+    layer's ``__call__``, its hooks included, where this is the same."""
 
     def __init__(
-        self, layer: nn.Module, reader: nn.Module, split: Any, forward_state: Optional[ForwardState] = None
+        self,
+        layer: nn.Module,
+        reader: nn.Module,
+        split: Any,
+        forward_state: Optional[ForwardState] = None,
+        entry: Optional[nn.Module] = None,
     ) -> None:
-        self.layer, self.reader, self.split = layer, reader, split
+        self.layer, self.reader, self.split, self.entry = layer, reader, split, entry
         self.before = [layer.get_submodule(n) for n in split.before]
         self.after = [layer.get_submodule(n) for n in split.after]
         self.forward_state = forward_state
@@ -300,6 +315,16 @@ class _LayerSum:
     def modules(self) -> list[nn.Module]:
         return [self.layer, self.reader, *self.before, *self.after]
 
+    def checkpointed(self) -> bool:
+        """Whether the layer trains with gradient checkpointing."""
+        layer: Any = self.layer
+        return bool(layer.training and getattr(layer, "gradient_checkpointing", False))
+
+    def carried(self) -> bool:
+        """Whether this forward's records start at ``entry`` and the output's replacement is carried into the last
+        MLP module's output (the layer trains with gradient checkpointing and has an ``entry``)."""
+        return self.entry is not None and self.checkpointed()
+
     def hooks(
         self,
         on_before: Callable[[int, Tensor], None],
@@ -308,16 +333,27 @@ class _LayerSum:
     ) -> list[Any]:
         """Plain PyTorch hooks: ``on_before(k, contribution)`` as the ``k``-th module before the middle returns,
         ``on_reader(middle)`` (a replacement for the reader's input, or ``None``), ``on_output(after)`` with the
-        contribution after the middle (a replacement for the layer's output, or ``None``)."""
+        contribution after the middle (a replacement for the layer's output, or ``None``). While :meth:`carried`,
+        the replacement's difference from the layer's own output (``read + after``, exactly: the split) enters the
+        last MLP module's output divided by ``after_scale`` (inside the checkpointed function, so the recomputation
+        recomputes it with gradients; its value the replacement's up to rounding)."""
         from lensadapters.adapters.generic.parallel import after_contribution, scale
         from lensadapters.hooks.sites import completes_output
 
         split = self.split
 
-        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def start(args: tuple, kwargs: dict) -> None:
             state = self.state
             state.clear()
             state["x"], state["after"] = first_input(args, kwargs), []
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.carried():
+                start(args, kwargs)
+
+        def enter_inside(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.carried():
+                start(args, kwargs)
 
         def before(k: int) -> Callable[..., None]:
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -330,14 +366,29 @@ class _LayerSum:
             state = self.state
             if "x" not in state or "mid" in state:
                 return None
-            new = on_reader(first_input(args, kwargs))
-            state["mid"] = first_input(args, kwargs) if new is None else new
+            read = first_input(args, kwargs)
+            new = on_reader(read)
+            state["mid"], state["read"] = read if new is None else new, read
             return None if new is None else replace_first_input(args, kwargs, new)
 
-        def after(module: nn.Module, args: tuple, output: Any) -> None:
+        def after(module: nn.Module, args: tuple, output: Any) -> Any:
             state = self.state
-            if "mid" in state:
-                state["after"].append(first_output(output))
+            if "mid" not in state:
+                return None
+            state["after"].append(first_output(output))
+            if len(state["after"]) != len(self.after) or not self.carried():
+                return None
+            y = first_output(output)  # the last MLP module's: carry the replacement's difference into it
+            contribution = after_contribution(state["after"], split)
+            new = on_output(contribution)
+            own = state["read"] + contribution  # the layer's own output (exactly: the split)
+            state.clear()
+            if new is None:
+                return None
+            difference = new.to(own.dtype) - own
+            if split.after_scale != 1.0:
+                difference = difference / split.after_scale
+            return replace_first_output(output, y + difference.reshape(y.shape).to(y.dtype))
 
         def out(module: nn.Module, args: tuple, output: Any) -> Any:
             state = self.state
@@ -349,6 +400,8 @@ class _LayerSum:
             return None if new is None else replace_first_output(output, new.to(y.dtype))
 
         handles = [self.layer.register_forward_pre_hook(enter, with_kwargs=True)]
+        if self.entry is not None:
+            handles.append(self.entry.register_forward_pre_hook(enter_inside, with_kwargs=True))
         handles += [m.register_forward_hook(before(k)) for k, m in enumerate(self.before)]
         handles.append(self.reader.register_forward_pre_hook(reader, with_kwargs=True))
         handles += [m.register_forward_hook(after) for m in self.after]
@@ -369,7 +422,11 @@ class SumSite(Site):
     edited contributions (as the layer adds them); an edit there or after it gives the layer's output as the middle
     the norm read plus the contribution after it: exactly what the layer computes with the edited values (the
     modules' own outputs are never changed, so no edit is divided back by a constant). What a forward records is
-    its own (``state``'s site values: another thread's forward, or one a hook runs inside it, has its own)."""
+    its own (``state``'s site values: another thread's forward, or one a hook runs inside it, has its own).
+
+    While the layer trains with gradient checkpointing the edits are made inside the layer, from its pre-norm
+    ``entry`` on, and the output's difference carried into the last MLP module's output (:class:`_LayerSum`), so the
+    recomputation makes them again with gradients: exact values up to rounding there, bitwise otherwise."""
 
     def __init__(
         self,
@@ -379,8 +436,9 @@ class SumSite(Site):
         contributions: tuple[str, ...],
         points: dict[str, Any],
         state: ForwardState,
+        entry: Optional[nn.Module] = None,
     ) -> None:
-        self.sum = _LayerSum(layer, reader, split, state)
+        self.sum = _LayerSum(layer, reader, split, state, entry)
         self.before_points: list[Optional[HookPoint]] = [points.get(name) for name in contributions]
         self.mid_point, self.after_point = points.get("hook_resid_mid"), points.get("hook_mlp_out")
         self.points = tuple(p for p in [*self.before_points, self.mid_point, self.after_point] if p is not None)
@@ -423,6 +481,13 @@ class SumSite(Site):
             after, edited = self.after_point.apply(after, protect=True)
             changed |= edited
         record["mid_changed"] = False
+        if changed and self.sum.checkpointed() and not self.sum.carried():
+            raise RuntimeError(
+                f"{', '.join(p.name for p in self.points)}: an edit here needs the layer's pre-norm (ln1) to carry "
+                f"it through gradient checkpointing, and this layer has none the probe found, so its gradients "
+                f"would be wrong. Disable gradient checkpointing (model.gradient_checkpointing_disable()) or run "
+                f"the model in eval mode"
+            )
         return self.sum.state["mid"] + after if changed else None
 
 

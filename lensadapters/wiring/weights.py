@@ -361,7 +361,7 @@ def gated_query_weight(
     """A hybrid plugin's answer to ``lensadapters_weight`` for ``W_Q``/``b_Q`` where every softmax-attention layer's
     query projection is gated (:func:`gated_query_weights`): the stacked queries when every layer is one
     (``softmax_layers``), a ``WeightUnavailableError`` naming the other layers and ``reader`` (the plugin's per-layer
-    reader, e.g. ``"lensadapters_qwen3_next.query_weights"``) otherwise; ``None`` for any other name."""
+    reader, e.g. ``"lensadapters_<plugin>.query_weights"``) otherwise; ``None`` for any other name."""
     if name not in ("W_Q", "b_Q"):
         return None
     others = [i for i, softmax in enumerate(softmax_layers) if not softmax]

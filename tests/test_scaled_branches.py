@@ -273,15 +273,17 @@ def test_gradients_flow_through_edits_of_a_scaled_layer() -> None:
     hm.unwrap()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("point", ["hook_attn_out", "hook_resid_mid", "hook_mlp_out"])
-def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str) -> None:
+def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str, reentrant: bool) -> None:
     """With gradient checkpointing (the layers re-run in the backward pass), an edit where the layer adds its branches
     gives the logits and the gradients of the plain model without checkpointing, the same edit made by plain hooks
-    doing the layer's sums, bit for bit."""
+    doing the layer's sums, up to rounding (the edit's difference is carried into the MLP module's output, divided
+    by the constant, so that the recomputation rebuilds it: measured at most 8e-7 of the largest value)."""
     model = _granite(0.22)
     truth = copy.deepcopy(model)
     hm = wrap_generic(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for m in (model, truth):
         m.config.use_cache = False
         m.train()
@@ -301,10 +303,10 @@ def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str) -> Non
         for h in handles:
             h.remove()
     expected.pow(2).mean().backward()
-    assert torch.equal(logits, expected)
+    assert relative_error(logits, expected) < 1e-5
     for got, want in ((model.model.layers[0], truth.model.layers[0]), (model.model.layers[1], truth.model.layers[1])):
-        assert torch.equal(got.self_attn.q_proj.weight.grad, want.self_attn.q_proj.weight.grad)
-        assert torch.equal(got.mlp.down_proj.weight.grad, want.mlp.down_proj.weight.grad)
+        assert relative_error(got.self_attn.q_proj.weight.grad, want.self_attn.q_proj.weight.grad) < 1e-5
+        assert relative_error(got.mlp.down_proj.weight.grad, want.mlp.down_proj.weight.grad) < 1e-5
     hm.unwrap()
 
 

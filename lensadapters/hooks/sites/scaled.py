@@ -46,9 +46,14 @@ class ScaledBranchSite(Site):
 
     Every value is recorded and every edit made by hooks on the block's modules (``entry``, the first one the block
     runs on its input, ``ln1`` or the attention module, gives the block's input), but the last: the block's output,
-    rebuilt where an edit changed it. A block whose forward is gradient-checkpointed inside its hooks (transformers 5's
-    layers) recomputes its modules in the backward pass with the same edits, so gradients are those of the edited
-    forward pass.
+    rebuilt where an edit changed it. While the block trains with gradient checkpointing (:meth:`carried`) the
+    rebuilt output's difference from the block's own (``mid + mlp_out * mlp_scale`` as the block adds it) is carried
+    into the MLP module's output instead, divided by ``mlp_scale`` (its value the rebuilt one's up to rounding):
+    transformers 5.x checkpoints a layer's ``forward`` and runs the layer's own forward hooks outside it, once, and a
+    reentrant checkpoint's first forward runs without gradients, so an output rebuilt there would have no graph; the
+    MLP module's hook runs inside the checkpointed function, and the recomputation in the backward pass makes every
+    edit again with gradients (transformers 4.x checkpoints the layer's ``__call__``, its hooks included, where this
+    is the same). ``hook_resid_post`` stays the block's output. Otherwise values are bitwise the rebuilt ones.
 
     ``attn.hook_result`` is ``hook_z`` times ``weight()`` per head (``W_O`` with ``attn_scale`` folded in, so that
     ``sum(hook_result) + b_O`` is ``hook_attn_out`` up to rounding); an edit enters the contribution as the
@@ -141,29 +146,62 @@ class ScaledBranchSite(Site):
         if self.resid_mid is not None:
             mid, edited = self.resid_mid.apply(mid, protect=True)
             changed |= edited
-        state["mid"], state["mid_changed"] = mid, changed
+        state["mid"], state["mid_changed"], state["read"] = mid, changed, first_input(args, kwargs)
         reads = mid
         if self.mlp_in is not None:  # the MLP branch only
             reads, edited = self.mlp_in.apply(mid, protect=True)
             changed |= edited
         return replace_first_input(args, kwargs, reads.to(mid.dtype)) if changed else None
 
-    def _on_mlp(self, module: nn.Module, args: tuple, output: Any) -> None:
-        state = self.state
-        if "mid" in state and "m" not in state:
-            state["m"] = first_output(output)
+    def carried(self) -> bool:
+        """Whether the rebuilt output's difference goes into the MLP module's output (the block trains with gradient
+        checkpointing)."""
+        block: Any = self.block
+        return bool(block.training and getattr(block, "gradient_checkpointing", False))
 
-    def _on_block(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _on_mlp(self, module: nn.Module, args: tuple, output: Any) -> Any:
         state = self.state
-        if "m" not in state:  # a forward that did not run the branches as described: nothing served
-            state.clear()
+        if "mid" not in state or "m" in state:
+            return None
+        state["m"] = first_output(output)
+        if not self.carried():
+            return None
+        # inside the checkpointed function: the block's own output carries the rebuilt one's difference
+        m, changed = self._contribution(state)
+        own = state["read"] + times(state["m"], self.mlp_scale)  # what the block adds, as it adds it
+        mid = state["mid"]
+        state.clear()
+        state["carried"] = True
+        if not changed:
             return None
         y = first_output(output)
+        difference = (mid + m.to(own.dtype)) - own
+        if self.mlp_scale != 1.0:
+            difference = difference / self.mlp_scale
+        return replace_first_output(output, y + difference.reshape(y.shape).to(y.dtype))
+
+    def _contribution(self, state: dict[str, Any]) -> tuple[Tensor, bool]:
+        """The (edited) MLP contribution and whether the block's output changes."""
         m = times(state["m"], self.mlp_scale)
         changed = state["mid_changed"]
         if self.mlp_out is not None:
             m, edited = self.mlp_out.apply(m, protect=True)
             changed |= edited
+        return m, changed
+
+    def _on_block(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        state = self.state
+        y = first_output(output)
+        if state.get("carried"):  # the output was completed inside the block (the MLP module's output)
+            state.clear()
+            if self.resid_post is None:
+                return None
+            value, changed = self.resid_post.apply(y)
+            return replace_first_output(output, value) if changed else None
+        if "m" not in state:  # a forward that did not run the branches as described: nothing served
+            state.clear()
+            return None
+        m, changed = self._contribution(state)
         value = (state["mid"] + m.to(y.dtype)).reshape(y.shape) if changed else y
         state.clear()
         if self.resid_post is not None:

@@ -182,3 +182,40 @@ def sum_edit(
         return handles + [layer.register_forward_hook(out)]
 
     return install
+
+
+def edit_gradients(model_type: str, config: dict, point: str, checkpointing: Any) -> dict[str, Any]:
+    """The gradients of every parameter and of a leaf ``delta`` added at ``point`` (``[b, p, d_model]``, per head
+    for ``attn.hook_result``) of ``sum(logits ** 2)``, the model in train mode with gradient checkpointing
+    (``checkpointing``: whether reentrant; ``None``: none)."""
+    from lensadapters.testing.every_model_type import input_ids
+
+    model: Any = tiny_model(model_type, **config)
+    hm: Any = wrap_generic(model)
+    assert point in hm.hook_dict, point
+    model.train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    ids = input_ids(1)
+    heads = (int(model.config.num_attention_heads),) if point.endswith("hook_result") else ()
+    g = torch.Generator().manual_seed(2)
+    delta = 0.3 * torch.randn(1, ids.shape[1], *heads, int(model.config.hidden_size), generator=g)
+    delta.requires_grad_(True)
+    try:
+        logits = hm.run_with_hooks(ids, use_cache=False, fwd_hooks=[(point, lambda t, hook: t + delta)])
+        getattr(logits, "logits", logits).square().sum().backward()
+    finally:
+        hm.unwrap()
+    return {"delta": delta.grad} | {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_checkpointed_gradients_match(model_type: str, config: dict, point: str, reentrant: bool) -> None:
+    """Every gradient of :func:`edit_gradients` under checkpointing within 1e-5 of the largest of the unchecked
+    run's, none missing."""
+    unchecked = edit_gradients(model_type, config, point, None)
+    checked = edit_gradients(model_type, config, point, reentrant)
+    assert unchecked["delta"] is not None and unchecked["delta"].abs().sum() > 0
+    assert sorted(checked) == sorted(unchecked)
+    top = max(g.abs().max().item() for g in unchecked.values())
+    worst = max((checked[n] - g).abs().max().item() for n, g in unchecked.items()) / top
+    assert worst < 1e-5, f"{model_type} {point}: {worst:.3g} of the largest gradient ({top:.3g})"

@@ -12,13 +12,13 @@ gradient under checkpointing against the unchecked run's within 1e-5 of the larg
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
 from lensadapters.testing.every_model_type import input_ids
-from tests.branch_helpers import tiny_model, wrap_generic
+from tests.branch_helpers import assert_checkpointed_gradients_match, tiny_model, wrap_generic
 
 GRANITE = {"residual_multiplier": 0.22}
 FALCON = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.25}
@@ -32,34 +32,10 @@ CASES = [
 ]
 
 
-def grads(model_type: str, config: dict, point: str, checkpointing: Optional[bool]) -> dict[str, Any]:
-    model: Any = tiny_model(model_type, **config)
-    hm: Any = wrap_generic(model)
-    assert point in hm.hook_dict, point
-    model.train()
-    if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
-    ids = input_ids(1)
-    g = torch.Generator().manual_seed(2)
-    delta = (0.3 * torch.randn(1, ids.shape[1], int(model.config.hidden_size), generator=g)).requires_grad_(True)
-    try:
-        logits = hm.run_with_hooks(ids, use_cache=False, fwd_hooks=[(point, lambda t, hook: t + delta)])
-        getattr(logits, "logits", logits).square().sum().backward()
-    finally:
-        hm.unwrap()
-    return {"delta": delta.grad} | {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize(("model_type", "config", "point"), CASES, ids=lambda c: str(c))
 def test_sum_edit_gradients_under_checkpointing(model_type, config, point, reentrant) -> None:
-    unchecked = grads(model_type, config, point, None)
-    checked = grads(model_type, config, point, reentrant)
-    assert unchecked["delta"] is not None and unchecked["delta"].abs().sum() > 0
-    assert sorted(checked) == sorted(unchecked)
-    top = max(g.abs().max().item() for g in unchecked.values())
-    worst = max((checked[n] - g).abs().max().item() for n, g in unchecked.items()) / top
-    assert worst < 1e-5, f"{model_type} {point}: {worst:.3g} of the largest gradient ({top:.3g})"
+    assert_checkpointed_gradients_match(model_type, config, point, reentrant)
 
 
 def test_sum_edit_values_bitwise_without_checkpointing() -> None:

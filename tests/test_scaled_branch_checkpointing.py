@@ -12,49 +12,23 @@ checkpointing against the unchecked run's within 1e-5 of the largest (measured: 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
 from lensadapters.testing.every_model_type import input_ids
-from tests.branch_helpers import tiny_model, wrap_generic
+from tests.branch_helpers import assert_checkpointed_gradients_match, tiny_model, wrap_generic
 
 CONFIGS = [{"residual_multiplier": 0.22}, {"residual_multiplier": 0.5, "attention_bias": True}]
 POINTS = ["hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out", "attn.hook_result"]
 CASES = [(t, c, f"blocks.1.{p}") for t in ("granite", "granitemoe") for c in CONFIGS for p in POINTS]
 
 
-def grads(model_type: str, config: dict, point: str, checkpointing: Optional[bool]) -> dict[str, Any]:
-    model: Any = tiny_model(model_type, **config)
-    hm: Any = wrap_generic(model)
-    assert point in hm.hook_dict, point
-    model.train()
-    if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
-    ids = input_ids(1)
-    heads = (int(model.config.num_attention_heads),) if point.endswith("hook_result") else ()
-    g = torch.Generator().manual_seed(2)
-    delta = 0.3 * torch.randn(1, ids.shape[1], *heads, int(model.config.hidden_size), generator=g)
-    delta.requires_grad_(True)
-    try:
-        logits = hm.run_with_hooks(ids, use_cache=False, fwd_hooks=[(point, lambda t, hook: t + delta)])
-        getattr(logits, "logits", logits).square().sum().backward()
-    finally:
-        hm.unwrap()
-    return {"delta": delta.grad} | {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize(("model_type", "config", "point"), CASES, ids=lambda c: str(c))
 def test_scaled_branch_edit_gradients_under_checkpointing(model_type, config, point, reentrant) -> None:
-    unchecked = grads(model_type, config, point, None)
-    checked = grads(model_type, config, point, reentrant)
-    assert unchecked["delta"] is not None and unchecked["delta"].abs().sum() > 0
-    assert sorted(checked) == sorted(unchecked)
-    top = max(g.abs().max().item() for g in unchecked.values())
-    worst = max((checked[n] - g).abs().max().item() for n, g in unchecked.items()) / top
-    assert worst < 1e-5, f"{model_type} {point}: {worst:.3g} of the largest gradient ({top:.3g})"
+    assert_checkpointed_gradients_match(model_type, config, point, reentrant)
 
 
 @pytest.mark.parametrize("point", ["blocks.1.hook_attn_out", "blocks.1.hook_mlp_out"])

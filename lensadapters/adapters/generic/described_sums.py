@@ -168,7 +168,7 @@ def _ln1(layer: nn.Module, form: Any, bl: Any) -> Optional[nn.Module]:
 def described_sum_reference(hooked: Any, i: int, rest: str) -> Optional[Any]:
     """The plain-PyTorch reference of a point :func:`described_sum_site` serves, ``None`` for any other."""
     from lensadapters.adapters.generic.mixer_sites import SumReference
-    from lensadapters.adapters.generic.references import Reference
+    from lensadapters.adapters.generic.references import Reference, _ScaledResult
 
     entry = DESCRIBED_SUMS.get(hooked.hf_model, {}).get(i)
     if entry is None:
@@ -181,54 +181,5 @@ def described_sum_reference(hooked: Any, i: int, rest: str) -> Optional[Any]:
     if rest == "attn.hook_result":
         o_proj = layer.get_submodule(bl.o_proj)
         k = list(contributions).index("hook_attn_out")
-        return Reference("hooks", o_proj, spec=_SumResult(layer, reader, split, o_proj, hooked.cfg.n_heads, k))
+        return Reference("hooks", o_proj, spec=_ScaledResult(layer, reader, split, o_proj, hooked.cfg.n_heads, k))
     return None
-
-
-class _SumResult:
-    """``attn.hook_result`` by plain hooks: each head's share of the output projection's output (the projection run
-    on that head's input alone, less its bias) times the attention's constant; an edit's difference summed over
-    heads added to the attention's contribution (the ``k``-th before the middle) where the layer adds it, the middle
-    its norm reads and its output recomputed (as :class:`.mixer_sites.SumReference` does)."""
-
-    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any, o_proj: nn.Module, heads: int, k: int) -> None:
-        from lensadapters.adapters.generic.mixer_sites import _LayerSum
-
-        self.sum, self.o_proj, self.heads, self.k = _LayerSum(layer, reader, split), o_proj, heads, k
-        self.c = split.before_scales[k]
-
-    @property
-    def modules(self) -> list[nn.Module]:
-        return [*self.sum.modules, self.o_proj]
-
-    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
-        from lensadapters.adapters.generic.call_hooks import _once, _per_head
-
-        change: list[Tensor] = []
-        values: dict[int, Tensor] = {}
-
-        def on_o_proj(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            x = first_input(args, kwargs)
-            per_head = _per_head(module, x.unflatten(-1, (self.heads, x.shape[-1] // self.heads)), self.heads) * self.c
-            seen.append(per_head.detach().clone())
-            if edit is not None:
-                change[:] = [edit(torch.zeros_like(per_head)).sum(-2)]
-
-        def on_before(k: int, contribution: Tensor) -> None:
-            if k == self.k and change:
-                contribution = contribution + change[0].to(contribution.dtype)
-            values[k] = contribution
-
-        def on_reader(mid: Tensor) -> Optional[Tensor]:
-            new = (
-                self.sum.middle([values[k] for k in sorted(values)])
-                if change and len(values) == len(self.sum.before)
-                else None
-            )
-            values.clear()
-            return new
-
-        def on_output(after: Tensor) -> Optional[Tensor]:
-            return self.sum.state["mid"] + after if change else None
-
-        return [_once(self.o_proj, on_o_proj), *self.sum.hooks(on_before, on_reader, on_output)]

@@ -281,16 +281,19 @@ def _scaled_reference(layer: nn.Module, bl: Any, reader: nn.Module, rest: str, h
 
 
 class _ScaledResult:
-    """``attn.hook_result`` of a block with branch constants, by plain hooks: each head's share of the output
+    """``attn.hook_result`` of a layer with branch constants, by plain hooks: each head's share of the output
     projection's output (the projection run on that head's input alone, less its bias) times the attention's
-    constant; an edit's difference summed over heads is added to the attention's contribution where the block adds
-    it (the middle its norm reads and its output recomputed, as :class:`.mixer_sites.SumReference` does)."""
+    constant; an edit's difference summed over heads added to the attention's contribution (the ``k``-th before the
+    middle: one branch, or a token mixer's beside it) where the layer adds it, the middle its norm reads and its
+    output recomputed (as :class:`.mixer_sites.SumReference` does)."""
 
-    def __init__(self, layer: nn.Module, reader: nn.Module, split: Any, o_proj: nn.Module, heads: int) -> None:
+    def __init__(
+        self, layer: nn.Module, reader: nn.Module, split: Any, o_proj: nn.Module, heads: int, k: int = 0
+    ) -> None:
         from lensadapters.adapters.generic.mixer_sites import _LayerSum
 
-        self.sum, self.o_proj, self.heads = _LayerSum(layer, reader, split), o_proj, heads
-        self.c = split.before_scales[0]
+        self.sum, self.o_proj, self.heads, self.k = _LayerSum(layer, reader, split), o_proj, heads, k
+        self.c = split.before_scales[k]
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -301,7 +304,7 @@ class _ScaledResult:
         from lensadapters.hooks.sites.base import first_input
 
         change: list[Tensor] = []
-        values: list[Tensor] = []
+        values: dict[int, Tensor] = {}
 
         def on_o_proj(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             x = first_input(args, kwargs)
@@ -311,10 +314,18 @@ class _ScaledResult:
                 change[:] = [edit(torch.zeros_like(per_head)).sum(-2)]
 
         def on_before(k: int, contribution: Tensor) -> None:
-            values[:] = [contribution + change[0].to(contribution.dtype) if change else contribution]
+            if k == self.k and change:
+                contribution = contribution + change[0].to(contribution.dtype)
+            values[k] = contribution
 
         def on_reader(mid: Tensor) -> Optional[Tensor]:
-            return self.sum.middle(values) if change and values else None
+            new = (
+                self.sum.middle([values[k] for k in sorted(values)])
+                if change and len(values) == len(self.sum.before)
+                else None
+            )
+            values.clear()
+            return new
 
         def on_output(after: Tensor) -> Optional[Tensor]:
             return self.sum.state["mid"] + after if change else None

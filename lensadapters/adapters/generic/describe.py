@@ -65,7 +65,7 @@ from lensadapters.adapters.generic.rotary_forms import (  # noqa: F401  (their o
     interleaved_spec,
 )
 from lensadapters.adapters.generic.rotated_norm import RotatedNorm, norm_after_rotary
-from lensadapters.adapters.generic.shared_expert import describe_shared_expert
+from lensadapters.adapters.generic.shared_expert import describe_shared_expert, describe_sibling_expert
 from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import (
     BlockLayout,
@@ -364,12 +364,16 @@ def describe_layer(
         raise NotDescribed("the attention function is called with no module of the layer")
     others = [n for n, c in layer.named_children() if n != attn and any(p.dim() >= 2 for p in c.parameters())]
     mlp = found.mlp or (others[0] if len(others) == 1 else None)
+    sibling = three = None
     if found.mlp is None and len(others) == 2:
         from lensadapters.adapters.generic.parallel import layer_split
 
         three = layer_split(i, layer, rec)
         if three is not None and _beside_split(three, attn):
             mlp = three.after[0]  # a token mixer beside the attention (.parallel), added as it is or times constants
+        pair = _routed_and_shared(model, layer, i, three, attn, rec)
+        if pair is not None:  # an MLP of two modules the layer adds as one sum: routed experts and a shared MLP
+            mlp, sibling = pair
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
@@ -407,6 +411,12 @@ def describe_layer(
         if ln1_post is not None or ln2_post is not None:
             raise NotDescribed("a layer adding its branches times constants with norms after its branches")
         attn_branch, mlp_branch = _times(attn_out, attn_scale), _times(mlp_out, mlp_scale)
+    if sibling is not None and three is not None:  # the two MLP modules' outputs summed as the layer adds them
+        from lensadapters.adapters.generic.parallel import after_contribution
+
+        if ln2_post is not None:
+            raise NotDescribed("an MLP of two modules with a norm after it")
+        mlp_branch = after_contribution([rec.children[(i, n)].value for n in three.after], three)
     mid = _parallel_mid(layer, i, rec, attn)
     mid = resid_pre + attn_branch if mid is None else mid
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
@@ -467,8 +477,34 @@ def describe_layer(
         act_fn,
         rotated_norms=rotated_norms,
         z_changed=bool(changed_z),
-        shared_expert=describe_shared_expert(model, layer, i, mlp_layout, rec),
+        shared_expert=(
+            describe_sibling_expert(model, layer, i, sibling, mlp, rec)
+            if sibling is not None
+            else describe_shared_expert(model, layer, i, mlp_layout, rec)
+        ),
     )
+
+
+def _routed_and_shared(
+    model: nn.Module, layer: nn.Module, i: int, three: Any, attn: str, rec: Recording
+) -> Optional[tuple[str, str]]:
+    """``(routed, shared)``: the two MLP modules of a layer whose split (:mod:`.parallel`) has the attention module
+    alone before its middle and two modules after it, added as one sum (times one constant, or none): the mixture of
+    experts and the one other module, which the dense description reads as a gated MLP (its points are a shared
+    expert's, :func:`.shared_expert.describe_sibling_expert`); ``None`` for any other layer."""
+    if three is None or three.scaled or three.before != (attn,) or len(three.after) != 2 or not three.after_grouped:
+        return None
+    from lensadapters.adapters.generic.moe import is_mixture
+
+    routed = [n for n in three.after if is_mixture(layer.get_submodule(n))]
+    if len(routed) != 1:
+        return None
+    shared = next(n for n in three.after if n != routed[0])
+    try:
+        _describe_mlp(model, layer, i, shared, rec)
+    except NotDescribed:
+        return None
+    return routed[0], shared
 
 
 def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:
@@ -491,6 +527,8 @@ def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: 
         return 1.0, 1.0
     if _beside_split(three, attn) and three.after == (mlp,) and three.summed:  # a mixer beside it (.parallel)
         return three.before_scales[three.before.index(attn)], three.after_scale
+    if three.before == (attn,) and mlp in three.after and len(three.after) == 2 and three.summed:
+        return three.before_scales[0], three.after_scale  # an MLP of two modules, their sum times one constant
     constants = ", ".join(f"{c:g}" for c in (*three.before_scales, three.after_scale))
     if three.scaled or three.before != (attn,) or three.after != (mlp,):
         raise NotDescribed(

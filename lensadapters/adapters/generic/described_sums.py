@@ -1,7 +1,8 @@
 """The branch points of a *described* layer (its attention and MLP described, :mod:`.describe`) that runs a second
 token mixer beside its attention module and adds the two outputs, each times a constant of its config, before its
 middle (:mod:`.parallel`'s split: ``mid = x + (beside_out * c_b + attn_out * c_a)``, exactly what its ``ln2`` reads;
-``out = mid + mlp_out * c_m``). A block description has one constant per branch (``BlockLayout.attn_scale`` and
+``out = mid + mlp_out * c_m``), or whose MLP is two modules it adds as one sum (routed experts and a shared MLP:
+``out = mid + (routed_out + shared_out) * c_m``, ``hook_mlp_out`` that contribution; no ``hook_mixer_out``). A block description has one constant per branch (``BlockLayout.attn_scale`` and
 ``mlp_scale``, which the weights include: ``W_O`` times ``c_a``, ``W_out`` times ``c_m``), and the core's sites know
 no second mixer, so the generic adapter serves these points itself (claiming the core's):
 
@@ -128,8 +129,10 @@ def described_sum_site(hooked: Any, i: int, layer: nn.Module, block: Any, claime
     ``claimed``) and ``hook_mixer_out`` created where the probe saw it fire; ``[]`` where the layer is not of this
     shape."""
     form = block.mixer
-    if form is None or form.sum is None or form.mid is None or block.beside is None:
+    if form is None or form.sum is None or form.mid is None:
         return []
+    if block.beside is None and (len(form.sum.before) != 1 or len(form.sum.after) != 2):
+        return []  # (neither a mixer beside the attention nor an MLP of two modules)
     bl = hooked.block_layouts[i]
     points: dict[str, Any] = {}
     for name in CLAIMED:
@@ -137,10 +140,11 @@ def described_sum_site(hooked: Any, i: int, layer: nn.Module, block: Any, claime
         if full in hooked.hook_dict and full not in claimed:
             points[name] = hooked.claim_point(full)
             claimed.add(full)
-    first = block.points.index("hook_mixer_out") < block.points.index("hook_attn_out")
-    anchors = ["ln1.hook_normalized", "hook_resid_pre"] if first else ["hook_attn_out"]
-    after = next((f"blocks.{i}.{a}" for a in anchors if f"blocks.{i}.{a}" in hooked.hook_dict), None)
-    points["hook_mixer_out"] = hooked.new_point(f"blocks.{i}.hook_mixer_out", after=after)
+    if block.beside is not None:
+        first = block.points.index("hook_mixer_out") < block.points.index("hook_attn_out")
+        anchors = ["ln1.hook_normalized", "hook_resid_pre"] if first else ["hook_attn_out"]
+        after = next((f"blocks.{i}.{a}" for a in anchors if f"blocks.{i}.{a}" in hooked.hook_dict), None)
+        points["hook_mixer_out"] = hooked.new_point(f"blocks.{i}.hook_mixer_out", after=after)
     DESCRIBED_SUMS.setdefault(hooked.hf_model, {})[i] = (form.sum, form.contributions, form.mid)
     o_proj = layer.get_submodule(bl.o_proj)
     site = DescribedSumSite(

@@ -280,6 +280,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
             # added times constants: the layer's own sums serve its branch points (.described_sums)
             sum_sites = described_sum_site(hooked, i, layer, block, claimed)
             sites += sum_sites or [_beside_site(hooked, i, layer, block)]
+        elif hooked.block_layouts[i] is not None:  # an MLP of two modules added as one sum (.described_sums)
+            sites += described_sum_site(hooked, i, layer, block, claimed)
         if hooked.block_layouts[i] is not None:  # described: the core serves its points
             described = _described(model, i)
             if described is not None and described.shared_expert is not None:  # a MoE's shared expert's points

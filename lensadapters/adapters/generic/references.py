@@ -241,10 +241,13 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         norm = get(bl.ln1) if bl.ln1 is not None else None
         modules = [get(getattr(qkv, x)) for x in which]
         return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
+    shared = shared_expert_reference(model, i, rest)  # the shared expert's own modules, tokens maybe flattened
+    if shared is not None:
+        kind, path, fused, part = shared
+        if fused is not None:  # a part of its fused gate and up projection's output
+            return Reference(kind, get(path), *_part(fused.split, fused.merge, part))
+        return Reference(kind, get(path), unview=_unflat, flat=True)
     if isinstance(mlp, MoELayout):
-        shared = shared_expert_reference(model, i, rest)  # the shared expert's own modules, tokens maybe flattened
-        if shared is not None:
-            return Reference(shared[0], get(shared[1]), unview=_unflat, flat=True)
         return _moe_reference(get, mlp, rest)
     if isinstance(mlp, MLPLayout):
         if rest == "mlp.hook_pre" and mlp.pre_scale != 1.0:  # the activation's input, an edit divided back

@@ -27,8 +27,8 @@ from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.generic.sites import ModuleIOSite
 from lensadapters.adapters.moe import MoELayout
 from lensadapters.adapters.vlm import text_config
-from lensadapters.hooks.sites import BlockShapeSite, Site
-from lensadapters.hooks.specs import MLPLayout
+from lensadapters.hooks.sites import BlockShapeSite, FusedGateUpSite, Site
+from lensadapters.hooks.specs import FusedGateUp, MLPLayout
 
 #: the points of a shared expert, relative to ``blocks.{i}.mlp.``, in the order they fire
 SHARED_EXPERT_POINTS = (
@@ -42,13 +42,15 @@ SHARED_EXPERT_POINTS = (
 @dataclass(frozen=True)
 class SharedExpert:
     """A shared expert's modules (paths relative to the block): ``module`` itself, its ``gate``, ``up`` and ``down``
-    projections; ``before_router``: it runs before the router (its points are listed before the routing points)."""
+    projections; ``before_router``: it runs before the router (its points are listed before the routing points);
+    ``fused``: its gate and up projections are one module (``gate == up``), split by this layout."""
 
     module: str
     gate: str
     up: str
     down: str
     before_router: bool
+    fused: Optional[FusedGateUp] = None
 
 
 #: the described shared experts, by model and layer (recorded when the generic adapter identifies a model)
@@ -77,6 +79,27 @@ def describe_shared_expert(
     return SharedExpert(layout.shared, mlp.pre, mlp.pre_linear, mlp.out, before)
 
 
+def describe_sibling_expert(
+    model: nn.Module, layer: nn.Module, i: int, path: str, routed: str, rec: Recording
+) -> Optional[SharedExpert]:
+    """The shared MLP a layer runs beside its routed experts as its own child (``path``; ``routed``: the experts'
+    module), whose output the layer adds to theirs (:mod:`.parallel`'s split of one branch before the middle and two
+    after it), as a gated MLP of separate or fused gate and up projections; ``None`` where it is not one."""
+    try:
+        mlp, gated, _ = _describe_mlp(model, layer, i, path, rec)
+    except NotDescribed:
+        return None
+    order = [p for (j, p) in rec.inner if j == i]
+    if not gated or path not in order or routed not in order:
+        return None
+    before = order.index(path) < order.index(routed)
+    if isinstance(mlp, FusedGateUp):
+        return SharedExpert(path, mlp.module, mlp.module, mlp.out, before, fused=mlp)
+    if mlp.pre_linear is None or mlp.pre_scale != 1.0 or not _gate_told_from_up(model, layer, i, path, mlp, rec):
+        return None
+    return SharedExpert(path, mlp.pre, mlp.pre_linear, mlp.out, before)
+
+
 def _gate_told_from_up(model: nn.Module, layer: nn.Module, i: int, path: str, mlp: MLPLayout, rec: Recording) -> bool:
     """Whether the probe tells the gate from the up projection: with the first activation the dense description
     tries that fits, ``act(gate) * up`` misses the down projection's input by less than ``act(up) * gate`` does (in
@@ -96,15 +119,24 @@ def shared_expert_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExp
     """The shared expert's points of block ``i`` and their sites (the block's ``(b, p)`` recorded for them)."""
     pre = f"blocks.{i}.mlp."
     anchor = f"{pre}hook_router_logits" if shared.before_router else f"blocks.{i}.hook_mlp_out"
+    if anchor not in hooked.hook_dict:  # no routing points (experts not described): before the MLP's output
+        anchor = f"blocks.{i}.hook_mlp_out"
     points = {name: hooked.new_point(pre + name, before=anchor) for name in SHARED_EXPERT_POINTS}
     state = hooked.forward_state
     for point in points.values():
         point.token_shape = _block_shape(state, i)
     get = block.get_submodule
+    if shared.fused is not None:  # the gate and up projections' parts of one module's output
+        gate, up = points["shared_expert.hook_gate"], points["shared_expert.hook_pre"]
+        projections: list[Site] = [FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up)]
+    else:
+        projections = [
+            ModuleIOSite(get(shared.gate), points["shared_expert.hook_gate"]),
+            ModuleIOSite(get(shared.up), points["shared_expert.hook_pre"]),
+        ]
     return [
         BlockShapeSite(i, block, list(points.values()), state),
-        ModuleIOSite(get(shared.gate), points["shared_expert.hook_gate"]),
-        ModuleIOSite(get(shared.up), points["shared_expert.hook_pre"]),
+        *projections,
         ModuleIOSite(get(shared.down), points["shared_expert.hook_post"], output=False),
         ModuleIOSite(get(shared.module), points["shared_expert.hook_result"], copy=True),
     ]
@@ -114,15 +146,22 @@ def _block_shape(state: Any, i: int) -> Callable[[], Optional[tuple[int, ...]]]:
     return lambda: state.block_shape.get(i)
 
 
-def shared_expert_reference(model: nn.Module, i: int, rest: str) -> Optional[tuple[str, str]]:
-    """``(kind, path)`` of the plain reference of ``blocks.{i}.{rest}``, a shared expert's point (``"out"`` or
-    ``"in"`` of the module at ``path``, relative to the block); ``None`` for any other point."""
+def shared_expert_reference(
+    model: nn.Module, i: int, rest: str
+) -> Optional[tuple[str, str, Optional[FusedGateUp], int]]:
+    """``(kind, path, fused, part)`` of the plain reference of ``blocks.{i}.{rest}``, a shared expert's point
+    (``"out"`` or ``"in"`` of the module at ``path``, relative to the block; where ``fused`` is given, part ``part``
+    of its split output); ``None`` for any other point."""
     shared = SHARED_EXPERTS.get(model, {}).get(i)
     if shared is None or not rest.startswith("mlp.shared_expert."):
         return None
-    return {
-        "mlp.shared_expert.hook_gate": ("out", shared.gate),
-        "mlp.shared_expert.hook_pre": ("out", shared.up),
-        "mlp.shared_expert.hook_post": ("in", shared.down),
-        "mlp.shared_expert.hook_result": ("out", shared.module),
+    found = {
+        "mlp.shared_expert.hook_gate": ("out", shared.gate, 0),
+        "mlp.shared_expert.hook_pre": ("out", shared.up, 1),
+        "mlp.shared_expert.hook_post": ("in", shared.down, -1),
+        "mlp.shared_expert.hook_result": ("out", shared.module, -1),
     }.get(rest)
+    if found is None:
+        return None
+    kind, path, part = found
+    return kind, path, shared.fused if part >= 0 else None, part

@@ -414,17 +414,23 @@ def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_ty
     hm.unwrap()
 
 
+#: points a bfloat16 model may lack: the routing of fused experts, which the MoE description does not find in
+#: bfloat16 (GraniteMoe's own layers neither)
+BFLOAT16_ROUTING = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
+
+
 def _bfloat16_wrapped_as_float32(model: torch.nn.Module) -> tuple[HookedModel, torch.nn.Module, set[str]]:
-    """``model`` (float32) cast to bfloat16 and wrapped, asserted to serve the points it serves in float32; with a
-    bfloat16 copy for plain hooks and those points."""
+    """``model`` (float32) cast to bfloat16 and wrapped, asserted to serve the points it serves in float32 (but the
+    routing points, :data:`BFLOAT16_ROUTING`); with a bfloat16 copy for plain hooks and those points."""
     hm = wrap_generic(model)
     full = set(hm.hook_names)
     hm.unwrap()
     model = model.to(torch.bfloat16)
     reference = copy.deepcopy(model)
     hm = wrap_generic(model)
-    assert set(hm.hook_names) == full, sorted(full ^ set(hm.hook_names))
-    return hm, reference, full
+    served = set(hm.hook_names)
+    assert served <= full and all(n.endswith(BFLOAT16_ROUTING) for n in full - served), sorted(full ^ served)
+    return hm, reference, served
 
 
 @pytest.mark.parametrize("model_type", ["falcon_h1", "granitemoehybrid"])

@@ -313,8 +313,9 @@ def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str, reentr
 def test_a_scaled_mixture_of_experts_gets_what_an_unscaled_one_does() -> None:
     """GraniteMoe with a residual multiplier: the MoE description an unscaled layer gets (routing points, every
     expert's weights), the constant folded into ``W_O``/``b_O`` and the experts' ``W_out``/``b_out`` (the same
-    parameters as a model with multiplier 1.0, times 0.22); GraniteMoeShared's MLP of two modules stays undescribed
-    (as unscaled: one MLP module per block)."""
+    parameters as a model with multiplier 1.0, times 0.22); GraniteMoeShared's MLP of two modules (the experts and a
+    shared MLP it adds to theirs) is described too: the same points as with multiplier 1.0, the shared MLP's among
+    them, and the constant in ``W_O``."""
     model, unit = (tiny_model("granitemoe", residual_multiplier=m, **GRANITE_MULTIPLIERS) for m in (0.22, 1.0))
     hm, hu = wrap_generic(model), wrap_generic(unit)
     assert _served(hm) == _served(hu) and "attn.hook_result" in _served(hm), sorted(_served(hm) ^ _served(hu))
@@ -325,10 +326,15 @@ def test_a_scaled_mixture_of_experts_gets_what_an_unscaled_one_does() -> None:
         assert torch.equal(getattr(hm, name), getattr(hu, name)), name
     hm.unwrap()
     hu.unwrap()
-    shared = tiny_model("granitemoeshared", residual_multiplier=0.22, shared_intermediate_size=96)
-    hs = wrap_generic(shared)
-    assert "attn.hook_q" not in _served(hs) and "hook_attn_out" in _served(hs)
+    shared, shared_unit = (
+        tiny_model("granitemoeshared", residual_multiplier=m, shared_intermediate_size=96) for m in (0.22, 1.0)
+    )
+    hs, hsu = wrap_generic(shared), wrap_generic(shared_unit)
+    assert _served(hs) == _served(hsu), sorted(_served(hs) ^ _served(hsu))
+    assert {"attn.hook_q", "attn.hook_result", "hook_mlp_out", "mlp.shared_expert.hook_post"} <= _served(hs)
+    assert torch.equal(hs.W_O, hsu.W_O * 0.22) and torch.equal(hs.W_Q, hsu.W_Q)
     hs.unwrap()
+    hsu.unwrap()
 
 
 def test_a_unit_multiplier_keeps_the_full_description() -> None:
@@ -370,10 +376,25 @@ def test_a_forward_run_inside_a_branch_point_leaves_the_outer_forwards_sums_exac
     hm.unwrap()
 
 
+class _SkipMLP(torch.nn.Module):
+    """``down(tanh(up(x))) + skip(x)``: no gated or plain MLP of one output projection."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down, self.skip = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x))) + self.skip(x)
+
+
 def test_the_warning_of_an_undescribed_scaled_layer_names_only_what_is_missing() -> None:
-    """GraniteMoeShared's layer (an MLP of two modules added times the constant) is not described: the warning names
-    as needing a plugin the queries, keys and values, not the norm scales and ``hook_resid_mid`` it serves."""
+    """GraniteMoeShared's layer (an MLP of two modules added times the constant) whose shared MLP no description reads
+    (replaced by a module adding a projection of its input to a plain MLP's output) is not described: the warning
+    names as needing a plugin the queries, keys and values, not the norm scales and ``hook_resid_mid`` it serves."""
     model = tiny_model("granitemoeshared", residual_multiplier=0.5, shared_intermediate_size=96, **GRANITE_MULTIPLIERS)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.shared_mlp = _SkipMLP(model.config.hidden_size)
     hm = wrap_generic(model)
     assert {"blocks.0.ln1.hook_scale", "blocks.0.hook_resid_mid"} <= set(hm.hook_dict)
     needs = summary(hm).split(" need a plugin")[0].rsplit(". ", 1)[-1]

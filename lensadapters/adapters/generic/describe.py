@@ -11,8 +11,10 @@ of names. Every claim is checked on the probe's values, against what the model's
   (:mod:`.parallel`'s split of two branches: ``mid = x + attn_out * c0`` bit for bit what ``ln2`` reads, ``out = mid +
   mlp_out * c1`` bit for bit its output) is described with them (``BlockLayout.attn_scale``/``mlp_scale``), and so
   is one running a token mixer beside its attention module, each output times its constant (its branch points are
-  then the layer's own sums: :mod:`.described_sums`); other layers of three branch children added times constants
-  are not;
+  then the layer's own sums: :mod:`.described_sums`), and so is one whose MLP is two modules it adds as one sum
+  (a mixture of experts and a module the dense description reads, its shared MLP: the experts are the block's MLP,
+  the other module its shared expert, ``mlp.shared_expert.*``, and ``hook_mlp_out`` the sum, times its constant);
+  other layers of three branch children added times constants are not;
 * **constants inside**: keys or queries the attention module multiplies by a constant of the config before rotary
   (``SeparateQKV.k_scale``/``q_scale``), and an MLP multiplying its activation's input or its output projection's
   output by one (``MLPLayout.pre_scale``/``out_scale``), each found where the product matches on the probe;
@@ -518,8 +520,9 @@ def _branch_constants(i: int, layer: nn.Module, rec: Recording, attn: str, mlp: 
     before adding them (:mod:`.parallel`: ``mid = x + attn_out * c0`` exactly what its norm reads, ``out = mid +
     mlp_out * c1`` exactly its output), ``(1.0, 1.0)`` for a layer adding them as they are; a layer running a token
     mixer beside its attention module gives the attention's constant (the mixer's is its own sums',
-    :mod:`.described_sums`). Another layer of three branch children added times constants (an MLP of two modules:
-    GraniteMoeShared's) is not described: a block has one attention and one MLP branch, each with one constant."""
+    :mod:`.described_sums`), and so does one whose MLP is two modules summed, then times one constant (experts and
+    a shared MLP, :func:`_routed_and_shared`). Another layer of three branch children added times constants is not
+    described: a block has one attention and one MLP branch, each with one constant."""
     from lensadapters.adapters.generic.parallel import layer_split
 
     three = layer_split(i, layer, rec)

@@ -2,9 +2,10 @@
 token mixer beside its attention module and adds the two outputs, each times a constant of its config, before its
 middle (:mod:`.parallel`'s split: ``mid = x + (beside_out * c_b + attn_out * c_a)``, exactly what its ``ln2`` reads;
 ``out = mid + mlp_out * c_m``), or whose MLP is two modules it adds as one sum (routed experts and a shared MLP:
-``out = mid + (routed_out + shared_out) * c_m``, ``hook_mlp_out`` that contribution; no ``hook_mixer_out``). A block description has one constant per branch (``BlockLayout.attn_scale`` and
-``mlp_scale``, which the weights include: ``W_O`` times ``c_a``, ``W_out`` times ``c_m``), and the core's sites know
-no second mixer, so the generic adapter serves these points itself (claiming the core's):
+``out = mid + (routed_out + shared_out) * c_m``, ``hook_mlp_out`` that contribution; no ``hook_mixer_out``). A
+block description has one constant per branch (``BlockLayout.attn_scale`` and ``mlp_scale``, which the weights
+include: ``W_O`` times ``c_a``, ``W_out`` times ``c_m``), and the core's sites know no second mixer and one MLP
+module, so the generic adapter serves these points itself (claiming the core's):
 
 * ``hook_attn_out``, ``hook_mixer_out``: the contributions the layer adds (each output times its constant), read
   where it adds them; ``hook_resid_mid`` the middle ``ln2`` reads; ``hook_mlp_out`` the MLP's contribution

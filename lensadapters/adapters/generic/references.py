@@ -243,10 +243,10 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
     shared = shared_expert_reference(model, i, rest)  # the shared expert's own modules, tokens maybe flattened
     if shared is not None:
-        kind, path, fused, part = shared
+        side, module, fused, index = shared
         if fused is not None:  # a part of its fused gate and up projection's output
-            return Reference(kind, get(path), *_part(fused.split, fused.merge, part))
-        return Reference(kind, get(path), unview=_unflat, flat=True)
+            return Reference(side, get(module), *_part(fused.split, fused.merge, index))
+        return Reference(side, get(module), unview=_unflat, flat=True)
     if isinstance(mlp, MoELayout):
         return _moe_reference(get, mlp, rest)
     if isinstance(mlp, MLPLayout):

@@ -3,7 +3,8 @@ of one fused gate-up projection), each branch times ``residual_multiplier``, wit
 automatic description gives it every attention point (queries, keys, values, ``hook_result``, ``hook_z``, scores,
 patterns), the routing points (transformers 5) and the shared MLP's as a shared expert's (``mlp.shared_expert.*``),
 ``hook_mlp_out`` the sum it adds; values and edits as plain PyTorch hooks on the HF modules compute them, gradients
-through an edit too, and cached generation with an edit equals one full pass. Its Mamba layer keeps the mixer form.
+through an edit too, and cached generation with an edit equals one full pass. Its Mamba layer keeps the mixer form,
+with its shared MLP's points too.
 GraniteMoeShared (the same MLP of two modules, every layer attention) is described all the same."""
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_the_attention_layer_is_described_and_the_mamba_layer_keeps_the_mixer_fo
         want |= {"mlp.hook_router_logits", "mlp.hook_routing_weights"}
     assert want <= got, sorted(want - got)
     mamba = _layer(hm, 0)
-    assert {"mamba.hook_in_proj", "mamba.hook_ssm_state", "hook_attn_out", "hook_mlp_out"} <= mamba, sorted(mamba)
+    assert {"mamba.hook_in_proj", "mamba.hook_ssm_state", "hook_attn_out", "hook_mlp_out", *SHARED} <= mamba, mamba
     assert not any(n.startswith("attn.") for n in mamba)
     d = findings(model).description
     assert d is not None and d.layers[ATTENTION] is not None and d.layers[0] is None
@@ -261,3 +262,27 @@ def test_granite_moe_shared_is_described_with_its_shared_mlp() -> None:
         assert err == 0.0, err
     finally:
         hm.unwrap()
+
+
+def test_the_mamba_layer_gets_its_shared_mlps_points_read_and_edited_as_plain_hooks(hybrid: Any) -> None:
+    """The Mamba layer (the mixer form) has the same MLP of two modules: its shared MLP's points read what its
+    modules compute and an edit of each gives the logits of the same plain hook, bit for bit."""
+    model, hm = hybrid
+    assert set(SHARED) <= _layer(hm, 0), sorted(_layer(hm, 0))
+    shared = model.model.layers[0].shared_mlp
+    seen = record(model, {"gate_up": (shared.input_linear, "out"), "post": (shared.output_linear, "in")})
+    seen["s"] = record(model, {"s": (shared, "out")})["s"]
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.mlp."))
+    gate, up = seen["gate_up"].chunk(2, dim=-1)
+    for name, want in zip(SHARED, (gate, up, seen["post"], seen["s"])):
+        assert torch.equal(cache[f"blocks.0.{name}"], want), name
+    edits = {
+        "mlp.shared_expert.hook_gate": lambda d: _part(shared.input_linear, d, 0),
+        "mlp.shared_expert.hook_pre": lambda d: _part(shared.input_linear, d, 1),
+        "mlp.shared_expert.hook_post": lambda d: add_to_input(shared.output_linear, d),
+        "mlp.shared_expert.hook_result": lambda d: add_to_output(shared, d),
+    }
+    for k, (name, install) in enumerate(edits.items()):
+        like = cache[f"blocks.0.{name}"]
+        d = seeded_delta(like, 10 + k) * float(like.abs().max())
+        assert edit_error(hm, model, f"blocks.0.{name}", d, install(d)) == 0.0, name

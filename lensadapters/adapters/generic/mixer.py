@@ -55,6 +55,7 @@ from lensadapters.adapters.generic.mixer_sites import (  # noqa: F401  (their ol
 )
 from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.generic.references import Reference
+from lensadapters.adapters.generic.shared_expert import SHARED_EXPERT_POINTS, shared_reference
 from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input
 
 Tensor = torch.Tensor
@@ -87,6 +88,9 @@ class MixerLayer:
     sum: Optional[Any] = None
     contributions: tuple[str, ...] = ()
     mid_add: Optional[str] = None
+    #: an MLP of two modules summed (routed experts and a shared MLP beside them): the shared MLP as a shared expert
+    #: (:class:`.shared_expert.SharedExpert`, paths relative to the layer), its points ``mlp.shared_expert.*``
+    shared: Optional[Any] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -97,7 +101,9 @@ class MixerLayer:
         if not inside:
             return []
         mlp = [] if self.mlp is None else ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if self.mlp.pre_linear else [])
-        return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp + ["mlp.hook_post"] * bool(mlp)
+        shared = [] if self.shared is None else [f"mlp.{name}" for name in SHARED_EXPERT_POINTS]
+        mid = ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", [])
+        return mid + mlp + ["mlp.hook_post"] * bool(mlp) + shared
 
     def checked(self) -> list[str]:
         """Every point of the layer the mixer form serves (checked at wrap time), the branches' too."""
@@ -348,12 +354,23 @@ def layer_form(
         mid = ln2 if reads is not None and x is not None and _close(reads, mid_value(x.value, i, rec, three)) else None
         if three.summed and mid is not None and mixer in three.before:  # the branch points: what the layer adds
             names = tuple("hook_attn_out" if n == mixer else "hook_mixer_out" for n in three.before)
-            return MixerLayer(internal, found, mid, layout, three, names)
+            shared = _shared_mlp(model, i, layer, rec, three, mixer) if model is not None and mixer else None
+            return MixerLayer(internal, found, mid, layout, three, names, shared=shared)
         out, branch = rec.layer_out.get(i), rec.children.get((i, three.after[0])) if len(three.after) == 1 else None
         add = None
         if mid is not None and reads is not None and out is not None and branch is not None:
             add = three.after[0] if _close(out.value, reads + branch.value) else None
     return MixerLayer(internal, found, mid, layout, mid_add=add)
+
+
+def _shared_mlp(model: nn.Module, i: int, layer: nn.Module, rec: Recording, three: Any, mixer: str) -> Optional[Any]:
+    """The shared MLP of a layer whose MLP is two modules it adds as one sum, a mixture of experts and a module the
+    dense description reads (:func:`.describe._routed_and_shared`), as a shared expert; ``None`` for another."""
+    from lensadapters.adapters.generic.describe import _routed_and_shared
+    from lensadapters.adapters.generic.shared_expert import describe_sibling_expert
+
+    pair = _routed_and_shared(model, layer, i, three, mixer, rec)
+    return describe_sibling_expert(model, layer, i, pair[1], pair[0], rec) if pair is not None else None
 
 
 def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Reference]:
@@ -381,6 +398,16 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
             return _norm_reference(hooked, get(path), rest.split(".")[-1])
     if rest == "hook_resid_mid" and form.mid is not None:
         return Reference("in", get(form.mid), also=Reference("out", layer))
+    if form.shared is not None and rest.startswith("mlp.shared_expert."):  # the shared MLP's own modules
+        from lensadapters.adapters.generic.references import _part
+
+        found = shared_reference(form.shared, rest)
+        if found is None:
+            return None
+        side, path, fused, index = found
+        if fused is not None:
+            return Reference(side, get(path), *_part(fused.split, fused.merge, index))
+        return Reference(side, get(path))
     if form.mlp is not None and rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
         path = form.mlp.pre if rest == "mlp.hook_pre" else form.mlp.pre_linear
         c = form.mlp.pre_scale if rest == "mlp.hook_pre" else 1.0

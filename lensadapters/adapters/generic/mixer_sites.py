@@ -157,6 +157,12 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
         add = layer.get_submodule(form.mid_add) if form.mid_add is not None else None
         reader = layer.get_submodule(form.mid)
         sites.append(ResidMidSite(layer, reader, points["hook_resid_mid"], hooked.forward_state, add))
+    if form.shared is not None:  # the shared MLP beside routed experts (.shared_expert)
+        from lensadapters.adapters.generic.shared_expert import sibling_sites
+
+        prefix = "mlp."
+        owned = {name[len(prefix) :]: p for name, p in points.items() if name.startswith(prefix + "shared_expert.")}
+        sites += sibling_sites(layer, form.shared, owned)
     if form.mlp is not None:
         mlp = form.mlp
         for name, path in (("mlp.hook_pre", mlp.pre), ("mlp.hook_pre_linear", mlp.pre_linear)):

@@ -142,6 +142,24 @@ def shared_expert_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExp
     ]
 
 
+def sibling_sites(block: nn.Module, shared: SharedExpert, points: dict[str, Any]) -> list[Site]:
+    """The sites of a shared MLP's points (``points``: by name relative to ``blocks.{i}.mlp.``, created already) in a
+    layer whose MLP modules see ``[b, p, d]``."""
+    get = block.get_submodule
+    gate, up = points.get("shared_expert.hook_gate"), points.get("shared_expert.hook_pre")
+    sites: list[Site] = []
+    if shared.fused is not None:
+        sites.append(FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up))
+    else:
+        sites += [ModuleIOSite(get(path), p) for path, p in ((shared.gate, gate), (shared.up, up)) if p is not None]
+    post, result = points.get("shared_expert.hook_post"), points.get("shared_expert.hook_result")
+    if post is not None:
+        sites.append(ModuleIOSite(get(shared.down), post, output=False))
+    if result is not None:
+        sites.append(ModuleIOSite(get(shared.module), result, copy=True))
+    return sites
+
+
 def _block_shape(state: Any, i: int) -> Callable[[], Optional[tuple[int, ...]]]:
     return lambda: state.block_shape.get(i)
 
@@ -153,7 +171,12 @@ def shared_expert_reference(
     (``"out"`` or ``"in"`` of the module at ``path``, relative to the block; where ``fused`` is given, part ``part``
     of its split output); ``None`` for any other point."""
     shared = SHARED_EXPERTS.get(model, {}).get(i)
-    if shared is None or not rest.startswith("mlp.shared_expert."):
+    return shared_reference(shared, rest) if shared is not None else None
+
+
+def shared_reference(shared: SharedExpert, rest: str) -> Optional[tuple[str, str, Optional[FusedGateUp], int]]:
+    """:func:`shared_expert_reference` of the shared expert ``shared``."""
+    if not rest.startswith("mlp.shared_expert."):
         return None
     found = {
         "mlp.shared_expert.hook_gate": ("out", shared.gate, 0),

@@ -211,3 +211,14 @@ def test_cached_generation_with_an_edit_gives_a_full_passs_logits(point: str) ->
     hm = wrap_generic(_model("real"))
     check_cached_edit(hm, input_ids()[:, :5], f"blocks.1.{point}", lambda t, hook: t * 1.5 + 0.25, effect=1e-3)
     hm.unwrap()
+
+
+def test_a_bfloat16_model_finds_the_constant_and_gets_its_points_each_verified() -> None:
+    """In bfloat16 the norm's output times the Python float is still, bit for bit, what the attention reads."""
+    hm = wrap_generic(tiny_model("falcon_h1", attention_in_multiplier=C).to(torch.bfloat16))
+    for i in range(hm.cfg.n_layers):
+        assert len(_served(hm, i)) == 29
+        assert hm.block_layouts[i].attn_in_scale == C
+    names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()

@@ -13,6 +13,9 @@ of names. Every claim is checked on the probe's values, against what the model's
   is one running a token mixer beside its attention module, each output times its constant (its branch points are
   then the layer's own sums: :mod:`.described_sums`); other layers of three branch children added times constants
   are not;
+* **attention input constant**: a layer multiplying its pre-norm's output by a constant of its config before its
+  attention module reads it (``attn(ln1(x) * c)``, bit for bit on the probe; a module beside the attention reads the
+  norm's output as it is) is described with it (``BlockLayout.attn_in_scale``, in ``W_Q``/``W_K``/``W_V``);
 * **constants inside**: keys or queries the attention module multiplies by a constant of the config before rotary
   (``SeparateQKV.k_scale``/``q_scale``), and an MLP multiplying its activation's input or its output projection's
   output by one (``MLPLayout.pre_scale``/``out_scale``), each found where the product matches on the probe;

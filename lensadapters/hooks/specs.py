@@ -303,6 +303,14 @@ class BlockLayout:
     ``attn_scale``, ``W_out``, ``b_out`` times ``mlp_scale`` (``hook_attn_out = sum(attn.hook_result) + b_O``,
     ``hook_result = hook_z @ W_O`` per head). Only a sequential pre-norm block (no post norms, ``mlp`` set) may have
     them.
+
+    ``attn_in_scale`` is a constant the block multiplies ``ln1``'s output by before its attention module reads it
+    (``attn(ln1(x) * c)``, the product the norm's output times the Python float, as the model computes it; a module
+    beside the attention reading ``ln1``'s output gets it as it is). ``ln1.hook_normalized`` stays the norm's
+    output (an edit of it is what the block multiplies, exactly as if the norm had computed it); ``W_Q``, ``W_K``
+    and ``W_V`` include the constant, their biases do not, so TransformerLens' ``hook_q = ln1.hook_normalized @ W_Q
+    + b_Q`` holds (``hook_q_input``/``hook_k_input``/``hook_v_input`` edits, projected by those weights, reach the
+    projections exactly). Only a sequential block with ``ln1`` (no ``post_norm``) may have it.
     """
 
     ln1: Optional[str]
@@ -321,6 +329,7 @@ class BlockLayout:
     ln2_before_attn: bool = False
     attn_scale: float = 1.0
     mlp_scale: float = 1.0
+    attn_in_scale: float = 1.0
 
     @property
     def scaled(self) -> bool:

@@ -370,6 +370,12 @@ class Wiring(CoreSites, Installation):
                     "beside a dense MLP",
                     i,
                 )
+            if bl.attn_in_scale != 1.0 and (bl.ln1 is None or bl.parallel or bl.post_norm):
+                refuse(
+                    "an attention input constant (BlockLayout.attn_in_scale) needs a sequential block with ln1 (the "
+                    "norm whose output the block multiplies by it)",
+                    i,
+                )
         if any(q is not None and q.rotary is not None for q in self.qkv_layouts) and not (
             self.layout.rotary or self.layout.rotary_input
         ):

@@ -154,6 +154,9 @@ def qkv_weight(hm: "Hooked", layer: int, which: int) -> tuple[Tensor, Tensor]:
             layout.scale(which) if hasattr(layout, "scale") else 1.0
         )  # a constant the attention module multiplies the output by (SeparateQKV.k_scale)
         W, b = _times(W, c), None if b is None else _times(b, c)
+    # a constant the block multiplies ln1's output by before the attention reads it (BlockLayout.attn_in_scale): in
+    # the weights, not the biases (hook_q = ln1.hook_normalized @ W_Q + b_Q)
+    W = _times(W, getattr(hm.block_layouts[layer], "attn_in_scale", 1.0))
     W = W.permute(1, 0, 2)  # [h, d_model, d_head]
     return W, _bias(b, (W.shape[0], W.shape[2]), W)
 

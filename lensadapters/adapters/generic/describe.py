@@ -15,6 +15,9 @@ of names. Every claim is checked on the probe's values, against what the model's
   (a mixture of experts and a module the dense description reads, its shared MLP: the experts are the block's MLP,
   the other module its shared expert, ``mlp.shared_expert.*``, and ``hook_mlp_out`` the sum, times its constant);
   other layers of three branch children added times constants are not;
+* **attention input constant**: a layer multiplying its pre-norm's output by a constant of its config before its
+  attention module reads it (``attn(ln1(x) * c)``, bit for bit on the probe; a module beside the attention reads the
+  norm's output as it is) is described with it (``BlockLayout.attn_in_scale``, in ``W_Q``/``W_K``/``W_V``);
 * **constants inside**: keys or queries the attention module multiplies by a constant of the config before rotary
   (``SeparateQKV.k_scale``/``q_scale``), and an MLP multiplying its activation's input or its output projection's
   output by one (``MLPLayout.pre_scale``/``out_scale``), each found where the product matches on the probe;
@@ -342,6 +345,26 @@ def _scaled_match(
     return None, 1.0
 
 
+def _input_constant(normalized: Tensor, attn_in: Tensor, config: Any) -> Optional[float]:
+    """The constant of the config (other than 1) the layer multiplies a norm's output by before its attention module
+    reads it: ``normalized * c`` bit for bit ``attn_in`` (estimated as the ratio of their norms, then the config's
+    numbers tried nearest first); ``None`` where none is."""
+    from lensadapters.adapters.generic.parallel import _by_distance, _constants
+
+    if config is None or not isinstance(normalized, Tensor) or not isinstance(attn_in, Tensor):
+        return None
+    if normalized.shape != attn_in.shape or normalized.dtype != attn_in.dtype:
+        return None
+    size = float(normalized.double().norm())
+    if size == 0.0:
+        return None
+    estimate = float(attn_in.double().norm()) / size
+    for c in _by_distance(estimate, _constants(config), normalized.dtype)[:8]:
+        if c != 1.0 and torch.equal(normalized * c, attn_in):
+            return c
+    return None
+
+
 def describe_layer(
     model: nn.Module,
     layer: nn.Module,
@@ -386,6 +409,7 @@ def describe_layer(
         raise NotDescribed("the probe did not see the attention and MLP modules' inputs and outputs")
     norms: dict[str, NormBehaviour] = {}
     roles: dict[str, Optional[str]] = dict.fromkeys(("ln1", "ln2", "ln1_post", "ln2_post"))
+    attn_in_scale = 1.0
     for name, child in layer.named_children():
         if name in (attn, mlp):
             continue
@@ -395,8 +419,12 @@ def describe_layer(
         behaviour = norm_behaviour(child, x, y)
         if behaviour is None or behaviour.eps is None:  # a scale is served only with the module's own eps
             continue
+        reads = _close(y, attn_in)
+        if not reads and roles["ln1"] is None and _close(x, resid_pre):  # the norm's output times a constant?
+            c = _input_constant(y, attn_in, rec.config)
+            reads, attn_in_scale = c is not None, attn_in_scale if c is None else c
         for role, fits in (
-            ("ln1", _close(x, resid_pre) and _close(y, attn_in)),
+            ("ln1", _close(x, resid_pre) and reads),
             ("ln1_post", _close(x, attn_out)),
             ("ln2_post", _close(x, mlp_out)),
             ("ln2", _close(y, mlp_in)),
@@ -406,7 +434,11 @@ def describe_layer(
                 break
     ln1, ln2, ln1_post, ln2_post = roles["ln1"], roles["ln2"], roles["ln1_post"], roles["ln2_post"]
     if ln1 is None and not _close(attn_in, resid_pre):
-        raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
+        raise NotDescribed(
+            "the attention module reads neither the layer's input nor a pre-norm of it (nor one times a constant of "
+            "the config)"
+        )
+    ln1_out = rec.inner[(i, ln1)][1] if ln1 is not None else attn_in  # what a module beside the attention reads
     attn_branch: Any = rec.inner[(i, ln1_post)][1] if ln1_post is not None else attn_out
     mlp_branch: Any = rec.inner[(i, ln2_post)][1] if ln2_post is not None else mlp_out
     if attn_scale != 1.0 or mlp_scale != 1.0:  # what the layer adds (checked bit for bit by the split)
@@ -422,7 +454,7 @@ def describe_layer(
     mid = _parallel_mid(layer, i, rec, attn)
     mid = resid_pre + attn_branch if mid is None else mid
     mlp_reads = rec.inner[(i, ln2)][0] if ln2 is not None else mlp_in
-    if ln2 is None and ln1 is not None and _close(mlp_in, attn_in):
+    if ln2 is None and ln1 is not None and _close(mlp_in, ln1_out):
         parallel = True  # both branches read ln1's output (one shared pre-norm)
     elif _close(mlp_reads, mid):
         parallel = False
@@ -432,6 +464,8 @@ def describe_layer(
         raise NotDescribed("the MLP reads neither a pre-norm of resid_pre + attn_out nor of resid_pre")
     if parallel and (ln1_post is not None or ln2_post is not None):
         raise NotDescribed("a parallel block with norms after its branches")
+    if parallel and attn_in_scale != 1.0:
+        raise NotDescribed("a parallel block multiplying its attention's input by a constant")
     if not _close(resid_post, (resid_pre if parallel else mid) + mlp_branch + (attn_branch if parallel else 0)):
         raise NotDescribed("the layer's output is not its input plus its attention and MLP branches")
     rotated_norms: dict[str, RotatedNorm] = {}
@@ -469,6 +503,7 @@ def describe_layer(
         ln2_before_attn=parallel and ln2 is not None and _ran_before(rec, i, ln2, attn),
         attn_scale=attn_scale,
         mlp_scale=mlp_scale,
+        attn_in_scale=attn_in_scale,
     )
     return LayerDescription(
         block,

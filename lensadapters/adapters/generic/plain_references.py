@@ -50,8 +50,10 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
 
 def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Optional[int]) -> "Handles":
     """TransformerLens' per-head inputs (``hook_attn_in``, ``hook_q_input``...): copies of the pre-norm residual, one
-    per head; head ``h``'s (edited) copy goes through the norm and the projections, of which head ``h`` is kept."""
-    norm, modules = ref.spec
+    per head; head ``h``'s (edited) copy goes through the norm (times the constant the block multiplies its output
+    by, ``spec``'s optional third element) and the projections, of which head ``h`` is kept."""
+    norm, modules = ref.spec[:2]
+    c = ref.spec[2] if len(ref.spec) > 2 else 1.0
     heads = ref.layer
     pre_norm: list[Tensor] = []
     handles: list[Any] = []
@@ -63,7 +65,8 @@ def _head_input_hooks(ref: Reference, edit: Any, seen: list[Tensor], row: Option
         if edit is None:
             return None
         edited = x.unsqueeze(-2) + edit(None).to(x.dtype)
-        out = module(norm(edited) if norm is not None else edited)  # [b, p, h, h_out * d]
+        read = norm(edited) if norm is not None else edited
+        out = module(read * c if c != 1.0 else read)  # [b, p, h, h_out * d]
         out = out.unflatten(-1, (heads, out.shape[-1] // heads)).diagonal(dim1=-3, dim2=-2).movedim(-1, -2)
         return replace_first_output(output, _in_row(row, out.flatten(-2).to(y.dtype), y))
 

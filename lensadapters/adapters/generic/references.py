@@ -240,7 +240,9 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
         which = rest[5] if rest != "hook_attn_in" else "qkv"
         norm = get(bl.ln1) if bl.ln1 is not None else None
         modules = [get(getattr(qkv, x)) for x in which]
-        return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=(norm, modules))
+        # (the constant the block multiplies the norm's output by before the attention reads it: attn_in_scale)
+        spec = (norm, modules, bl.attn_in_scale)
+        return Reference("head_input", modules[0], layer=n if which in ("q", "qkv") else kv, spec=spec)
     shared = shared_expert_reference(model, i, rest)  # the shared expert's own modules, tokens maybe flattened
     if shared is not None:
         side, module, fused, index = shared

@@ -210,7 +210,7 @@ def _footprint(ref: Reference) -> set[Any]:
     if ref.also is not None:
         modules.append(ref.also.module)
     if ref.kind == "head_input":
-        norm, projections = ref.spec
+        norm, projections = ref.spec[:2]
         modules += [norm, *projections]
     if ref.kind == "hooks":
         modules += list(ref.spec.modules)

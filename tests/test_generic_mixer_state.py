@@ -17,8 +17,8 @@ import torch
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic import GenericAdapterWarning
-from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 from lensadapters.testing import run_at_a_barrier
+from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 
 #: (the model type, layers, the edited point, the points read, where the nested call or the threads' meeting is:
 #: after the edit's site recorded its state, before the site uses it)

@@ -20,8 +20,8 @@ from transformers import AutoModelForSeq2SeqLM
 from lensadapters import HookedModel
 from lensadapters.plugin_api import first_output, replace_first_output
 from lensadapters.testing import encoder_decoder as kit
-from lensadapters.testing.models import reinit
 from lensadapters.testing import run_at_a_barrier
+from lensadapters.testing.models import reinit
 
 #: (block_size, input length): block-sparse (longer than (5 + 2 * 1) * block_size) and padded by 1 and by 2
 SHAPES = [(2, 15), (4, 30)]

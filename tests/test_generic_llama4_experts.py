@@ -9,7 +9,6 @@ reference for them)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import pytest
@@ -18,53 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic import findings
 from lensadapters.moe import MoELayout
 from lensadapters.testing import assert_close
-from lensadapters.testing.every_model_type import causal_lm_class, input_ids, shrink_config
+from lensadapters.testing.every_model_type import input_ids
 from lensadapters.testing.scan_checks import check_gradient_through_an_edit
+from tests.llama4_helpers import TOP_K, llama4_model, llama4_parts, llama4_wrap
 
-TOP_K = 2
 STEPS = ("hook_gate", "hook_pre", "hook_post", "hook_result")
-
-
-def _model(model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import AutoConfig
-
-    config = shrink_config(AutoConfig.for_model(model_type), 2, False)
-    text = getattr(config, "text_config", config)
-    text.num_experts_per_tok = TOP_K
-    auto, config = causal_lm_class(config)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = auto.from_config(config, torch_dtype=dtype)
-    return model.eval()
-
-
-def _wrap(model: nn.Module) -> HookedModel:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return HookedModel.wrap(model)
 
 
 @pytest.fixture(scope="module", params=["llama4_text", "llama4"])
 def wrapped(request: Any) -> Any:
-    model = _model(request.param)
-    hm = _wrap(model)
+    model = llama4_model(request.param)
+    hm = llama4_wrap(model)
     yield model, hm
     hm.unwrap()
-
-
-def _parts(hm: HookedModel, layer: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    block, layout = hm.block_modules[layer], hm.mlp_layouts[layer]
-    assert isinstance(layout, MoELayout) and layout.shared is not None
-    return (
-        block.get_submodule(hm.block_layouts[layer].mlp),
-        block.get_submodule(layout.router),
-        block.get_submodule(layout.experts.module),
-        block.get_submodule(layout.shared),
-    )
 
 
 Edit = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -75,7 +43,7 @@ def _by_hand(hm: HookedModel, layer: int, edits: dict[str, Any], seen: dict[str,
     live), with ``edits`` made inside it: ``"weights"`` of the scores ``[t, E]`` at the selected experts,
     ``"indices"`` ``[t, k]`` (each slot keeping its score), ``(e, step)`` of expert ``e``'s step on its rows (slot,
     then token). ``seen`` gets the unedited values under the same keys."""
-    moe, router, experts, shared = _parts(hm, layer)
+    moe, router, experts, shared = llama4_parts(hm, layer)
     n, m = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1] // 2
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -209,8 +177,8 @@ def test_gradients_through_an_edit_match_finite_differences() -> None:
     """Float64, the last layer (a later router's float32 sigmoid would round the differences): the gradient of the
     final norm's input through an edit of the scores, and of each step of the expert most tokens select, matches
     finite differences, and is not zero."""
-    model = _model("llama4_text", torch.float64)
-    hm = _wrap(model)
+    model = llama4_model("llama4_text", torch.float64)
+    hm = llama4_wrap(model)
     ids = input_ids()[:1, :5]
     layer = len(hm.block_modules) - 1
     norm = model.get_submodule(hm.layout.ln_final)

@@ -9,7 +9,6 @@ and ``hook_x_proj``: ``InternalsSite``), tiny models from ``lensadapters.testing
 
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 
 from lensadapters import HookedModel, Registry
 from lensadapters.adapters.generic import GenericAdapterWarning
+from lensadapters.testing import run_at_a_barrier
 from lensadapters.testing.every_model_type import NotBuildable, build, input_ids
 
 #: (the model type, layers, the edited point, the points read, where the nested call or the threads' meeting is:
@@ -89,27 +89,12 @@ def test_two_threads_get_exactly_their_sequential_values(case) -> None:
     seeds = (1, 2)
     with torch.no_grad():
         expected = {s: _run(hm, edited, names, s, []) for s in seeds}
-    barrier = threading.Barrier(2, timeout=120)  # a guard against a hang, never reached by a passing run
-    results: dict = {}
-    errors: list = []
 
-    def wait(t: torch.Tensor, hook: Any) -> None:
-        barrier.wait()
+    def run(seed: int, hooks: list) -> tuple:
+        with torch.no_grad():
+            return _run(hm, edited, names, seed, hooks)
 
-    def worker(seed: int) -> None:
-        try:
-            with torch.no_grad():
-                results[seed] = _run(hm, edited, names, seed, [(MEET[kind], wait)])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in seeds]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_at_a_barrier(run, seeds, [MEET[kind]])
     for s in seeds:
         _same(results[s], expected[s], f"seed {s}")
     assert not hm.has_hooks

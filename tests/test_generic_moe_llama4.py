@@ -10,7 +10,6 @@ slots matter."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import pytest
@@ -19,36 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lensadapters import HookedModel
-from lensadapters.adapters.generic import GenericAdapterWarning, findings
+from lensadapters.adapters.generic import findings
 from lensadapters.moe import FusedExperts, MoELayout
 from lensadapters.testing import assert_close
-from lensadapters.testing.every_model_type import causal_lm_class, input_ids, shrink_config
+from lensadapters.testing.every_model_type import input_ids
 from lensadapters.testing.moe_reference import moe_reference
 from lensadapters.testing.scan_checks import check_gradient_through_an_edit
 from lensadapters.wiring.weights import mlp_weights
+from tests.llama4_helpers import TOP_K, llama4_model, llama4_parts, llama4_wrap
 
-TOP_K = 2
 POINTS = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
-
-
-def _model(model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import AutoConfig
-
-    config = shrink_config(AutoConfig.for_model(model_type), 2, False)
-    text = getattr(config, "text_config", config)
-    text.num_experts_per_tok = TOP_K
-    auto, config = causal_lm_class(config)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = auto.from_config(config, torch_dtype=dtype)
-    return model.eval()
-
-
-def _wrap(model: nn.Module) -> HookedModel:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericAdapterWarning)
-        return HookedModel.wrap(model)
 
 
 def _moe_layers(hm: HookedModel) -> list[int]:
@@ -57,23 +36,10 @@ def _moe_layers(hm: HookedModel) -> list[int]:
 
 @pytest.fixture(scope="module", params=["llama4_text", "llama4"])
 def wrapped(request: Any) -> Any:
-    model = _model(request.param)
-    hm = _wrap(model)
+    model = llama4_model(request.param)
+    hm = llama4_wrap(model)
     yield request.param, model, hm
     hm.unwrap()
-
-
-def _parts(hm: HookedModel, layer: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    """The HF modules of one MoE layer: the MoE module, its router, experts and shared expert."""
-    block, layout = hm.block_modules[layer], hm.mlp_layouts[layer]
-    assert isinstance(layout, MoELayout) and layout.shared is not None
-    moe = block.get_submodule(hm.block_layouts[layer].mlp)
-    return (
-        moe,
-        block.get_submodule(layout.router),
-        block.get_submodule(layout.experts.module),
-        block.get_submodule(layout.shared),
-    )
 
 
 def _hand_written_moe(
@@ -84,7 +50,7 @@ def _hand_written_moe(
 ) -> Any:
     """A forward hook replacing the MoE module's output by a hand-written MoE forward from the HF modules' parameters
     (router, the experts' 3-D parameters, the shared expert), with the edits made inside it."""
-    moe, router, experts, shared = _parts(hm, layer)
+    moe, router, experts, shared = llama4_parts(hm, layer)
     m = experts.gate_up_proj.shape[-1] // 2
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -134,7 +100,7 @@ def test_reads_are_the_plain_hooks_values_and_leave_the_output_bitwise(wrapped: 
     _, model, hm = wrapped
     ids = input_ids()
     layer = _moe_layers(hm)[-1]
-    _, router, _, _ = _parts(hm, layer)
+    _, router, _, _ = llama4_parts(hm, layer)
     seen: list = []
     handle = router.register_forward_hook(lambda m, a, out: seen.append((out[0].clone(), out[1].clone())))
     with torch.no_grad():
@@ -192,7 +158,7 @@ def test_the_experts_weights_are_the_live_parameters_and_give_the_moe_output(wra
     shared expert is the MoE module's."""
     _, _, hm = wrapped
     layer = _moe_layers(hm)[0]
-    moe, _, experts, _ = _parts(hm, layer)
+    moe, _, experts, _ = llama4_parts(hm, layer)
     m = experts.gate_up_proj.shape[-1] // 2
     W_gate, W_in, W_out = (mlp_weights(hm.wiring, layer, role)[0] for role in ("gate", "in", "out"))
     assert torch.equal(W_gate, experts.gate_up_proj[..., :m]) and torch.equal(W_in, experts.gate_up_proj[..., m:])
@@ -211,11 +177,11 @@ def test_an_expert_chosen_twice_is_computed_in_each_slot(monkeypatch: pytest.Mon
     expert in both slots, which the scores cannot carry, makes the core compute the experts itself, each slot on the
     input scaled by its own weight, as the hand-written MoE does."""
     monkeypatch.setattr("lensadapters.adapters.generic.plugin.verify_description", lambda hooked: {})
-    model = _model("llama4_text")
-    hm = _wrap(model)
+    model = llama4_model("llama4_text")
+    hm = llama4_wrap(model)
     ids = input_ids()
     layer = _moe_layers(hm)[0]
-    moe, router, experts, shared = _parts(hm, layer)
+    moe, router, experts, shared = llama4_parts(hm, layer)
     point = f"blocks.{layer}.mlp.hook_expert_indices"
 
     def same_expert(t: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -249,8 +215,8 @@ def test_an_expert_chosen_twice_is_computed_in_each_slot(monkeypatch: pytest.Mon
 def test_gradients_through_a_routing_weights_edit_match_finite_differences() -> None:
     """Float64: the gradient of the final norm's input through an edit of the routing weights (through the scores
     into the experts' scaled input) matches finite differences, and is not zero."""
-    model = _model("llama4_text", torch.float64)
-    hm = _wrap(model)
+    model = llama4_model("llama4_text", torch.float64)
+    hm = llama4_wrap(model)
     layer = _moe_layers(hm)[-1]  # no MoE after it: a later router's float32 sigmoid would round the differences
     norm = model.get_submodule(hm.layout.ln_final)
     try:
@@ -265,8 +231,8 @@ def test_gradients_through_a_logits_edit_match_the_hand_written_moe_and_finite_d
     the sigmoid of the selected logits in float32 even in float64 (as HF's router does), so the finite differences
     take a step of 1e-4 and agree to 1e-2 relative (float32 rounding over the step), not the 1e-6 step of
     ``check_gradient_through_an_edit``."""
-    model = _model("llama4_text", torch.float64)
-    hm = _wrap(model)
+    model = llama4_model("llama4_text", torch.float64)
+    hm = llama4_wrap(model)
     ids = input_ids()[:1, :5]
     layer = _moe_layers(hm)[-1]  # no MoE after it: a later router's float32 sigmoid would round the differences
     norm = model.get_submodule(hm.layout.ln_final)
@@ -315,7 +281,7 @@ SHARED = tuple(f"mlp.shared_expert.{p}" for p in ("hook_gate", "hook_pre", "hook
 
 def _shared_modules(hm: HookedModel, layer: int) -> dict[str, tuple[nn.Module, bool]]:
     """Each shared-expert point's HF module and whether the point is its input (else its output)."""
-    shared = _parts(hm, layer)[3]
+    shared = llama4_parts(hm, layer)[3]
     return {
         SHARED[0]: (shared.gate_proj, False),
         SHARED[1]: (shared.up_proj, False),
@@ -389,8 +355,8 @@ def test_the_shared_experts_points_are_its_modules_values_and_edit_as_plain_hook
 def test_gradients_through_a_shared_expert_edit_match_finite_differences() -> None:
     """Float64: the gradient of the final norm's input through an edit of the shared expert's hidden, and of its
     output (served on a copy), matches finite differences, and is not zero."""
-    model = _model("llama4_text", torch.float64)
-    hm = _wrap(model)
+    model = llama4_model("llama4_text", torch.float64)
+    hm = llama4_wrap(model)
     layer = _moe_layers(hm)[-1]  # no MoE after it: a later router's float32 sigmoid would round the differences
     norm = model.get_submodule(hm.layout.ln_final)
     try:
@@ -405,8 +371,8 @@ def test_gradients_through_a_shared_expert_edit_match_finite_differences() -> No
 
 @pytest.fixture(scope="module")
 def bf16() -> Any:
-    model = _model("llama4_text", torch.bfloat16)
-    hm = _wrap(model)
+    model = llama4_model("llama4_text", torch.bfloat16)
+    hm = llama4_wrap(model)
     yield model, hm
     hm.unwrap()
 
@@ -430,7 +396,7 @@ def test_bfloat16_values_are_hfs_computation_from_its_modules(bf16: Any) -> None
     model, hm = bf16
     ids = input_ids()
     layer = _moe_layers(hm)[0]
-    moe, router, _, shared = _parts(hm, layer)
+    moe, router, _, shared = llama4_parts(hm, layer)
     inputs: list = []
     handle = moe.register_forward_pre_hook(lambda m, a: inputs.append(a[0].clone()))
     with torch.no_grad():
@@ -464,7 +430,7 @@ def test_bfloat16_edits_equal_plain_torch_hook_edits_bitwise(bf16: Any) -> None:
     model, hm = bf16
     ids = input_ids()
     layer = _moe_layers(hm)[0]
-    _, router, _, _ = _parts(hm, layer)
+    _, router, _, _ = llama4_parts(hm, layer)
     n = model.config.num_local_experts
     with torch.no_grad():
         own = model(ids).logits

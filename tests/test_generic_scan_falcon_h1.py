@@ -22,8 +22,8 @@ from lensadapters.testing.scan_checks import (
     check_gradient_through_an_edit,
     read_points,
     recorded,
-    recurrence,
     set_state,
+    ssd_recurrence,
 )
 from tests.branch_helpers import tiny_model, wrap_generic
 
@@ -103,16 +103,7 @@ def _reference(
     if dt_edit is not None:
         dt = dt_edit(dt)
     a = -torch.exp(mixer.A_log.double())
-    states, y = recurrence(
-        torch.zeros(x.shape[0], heads, head_dim, n, dtype=torch.float64),
-        lambda h, t: (
-            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
-        ),
-        lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
-        x.shape[1],
-        state_at,
-        out_edit,
-    )
+    states, y = ssd_recurrence(dt, a, x, b, c, state_at, out_edit)
     norm_in = (y + x * mixer.D.double()[:, None]).flatten(2)
     inject = norm_in if mixer.mamba_rms_norm else norm_in * F.silu(gate)
     return {"dt": dt, "state": states, "y": y, "inject": inject}

@@ -23,7 +23,7 @@ from lensadapters.testing.scan_checks import (
     keep,
     read_points,
     recorded,
-    recurrence,
+    ssd_recurrence,
 )
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
@@ -96,16 +96,7 @@ def _reference(
     if dt_edit is not None:
         dt = dt_edit(dt)
     a = -torch.exp(mixer.A_log.double())
-    states, y = recurrence(
-        torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64),
-        lambda h, t: (
-            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
-        ),
-        lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
-        x.shape[1],
-        state_at,
-        out_edit,
-    )
+    states, y = ssd_recurrence(dt, a, x, b, c, state_at, out_edit)
     return {"dt": dt, "state": states, "y": y, "norm_in": (y + x * mixer.D.double()[:, None]).flatten(2)}
 
 

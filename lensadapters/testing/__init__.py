@@ -48,6 +48,7 @@ _EXPORTS = {
     "variant_matrix": "plugins",
     "PluginProject": "plugins",
     "plugin_projects": "plugins",
+    "run_at_a_barrier": "threads",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -72,6 +72,33 @@ def recurrence(
     return torch.stack(states, 1), y
 
 
+def ssd_recurrence(
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state_at: Any = None,
+    out_edit: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's per-head scan (Dao and Gu 2024, the SSD recurrence) one position at a time from a zero state:
+    ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t``, ``y_t = h_t . C_t``; ``dt`` ``[batch, pos, heads]``, ``a``
+    (``A``) ``[heads]``, ``x`` ``[batch, pos, heads, head_dim]``, ``b`` and ``c`` ``[batch, pos, heads, state]`` (the
+    groups' already repeated per head); ``state_at``, ``out_edit``: as :func:`recurrence`'s. Returns the states
+    ``[batch, pos, heads, head_dim, state]`` and the outputs ``[batch, pos, heads, head_dim]``."""
+    batch, length, heads, head_dim = x.shape
+    return recurrence(
+        torch.zeros(batch, heads, head_dim, b.shape[-1], dtype=x.dtype, device=x.device),
+        lambda h, t: (
+            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
+        ),
+        lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
+        length,
+        state_at,
+        out_edit,
+    )
+
+
 def mamba_reference(
     mixer: Any,
     seen: dict[str, Any],

@@ -9,7 +9,6 @@ The models are tiny (width 16, 2 layers of each stack, 2 heads, one random block
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import lensadapters_bart
@@ -21,6 +20,7 @@ from transformers import AutoModelForSeq2SeqLM
 from lensadapters import HookedModel
 from lensadapters.plugin_api import first_output, replace_first_output
 from lensadapters.testing import encoder_decoder as kit
+from lensadapters.testing import run_at_a_barrier
 from lensadapters.testing.models import reinit
 
 #: (block_size, input length): block-sparse (longer than (5 + 2 * 1) * block_size) and padded by 1 and by 2
@@ -307,29 +307,13 @@ def test_two_threads_get_exactly_their_sequential_values(block2):
     model, hm = block2
     with torch.no_grad():
         expected = {n: _record_and_edit(hm, n, []) for n in LENGTHS}
-    barrier = threading.Barrier(2, timeout=120)  # a guard against a hang, never reached by a passing run
+    meet = ("encoder.0.attn.hook_q", "encoder.0.hook_mlp_out", "encoder.1.hook_resid_mid")
 
-    def wait(t: Tensor, hook: Any) -> None:
-        barrier.wait()
+    def run(length: int, hooks: list) -> tuple[Tensor, dict[str, Tensor]]:
+        with torch.no_grad():
+            return _record_and_edit(hm, length, hooks)
 
-    meet = [(name, wait) for name in ("encoder.0.attn.hook_q", "encoder.0.hook_mlp_out", "encoder.1.hook_resid_mid")]
-    results: dict[int, Any] = {}
-    errors: list[BaseException] = []
-
-    def worker(length: int) -> None:
-        try:
-            with torch.no_grad():
-                results[length] = _record_and_edit(hm, length, meet)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in LENGTHS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_at_a_barrier(run, LENGTHS, meet)
     for n in LENGTHS:
         _same(results[n], expected[n], f"length {n}")
     assert not hm.has_hooks

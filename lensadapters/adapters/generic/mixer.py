@@ -87,6 +87,12 @@ class MixerLayer:
     sum: Optional[Any] = None
     contributions: tuple[str, ...] = ()
     mid_add: Optional[str] = None
+    #: the MLP's :class:`~lensadapters.moe.MoELayout` where it is a mixture of experts the generic description reads
+    #: (:func:`.moe.describe_moe`): its routing points with a plain reference (:data:`MOE_POINTS`), served by the
+    #: core's :class:`~lensadapters.moe.MoESite`
+    moe: Optional[Any] = None
+    #: the MoE's shared expert (:class:`.shared_expert.SharedExpert`) where it is described, with its points
+    shared: Optional[Any] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -97,12 +103,23 @@ class MixerLayer:
         if not inside:
             return []
         mlp = [] if self.mlp is None else ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if self.mlp.pre_linear else [])
-        return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp + ["mlp.hook_post"] * bool(mlp)
+        mlp += ["mlp.hook_post"] * bool(mlp)
+        if self.moe is not None:
+            from lensadapters.adapters.generic.shared_expert import shared_point_names
+
+            shared = shared_point_names(self.shared) if self.shared is not None else []
+            before = self.shared is not None and self.shared.before_router
+            mlp = [*shared, *MOE_POINTS] if before else [*MOE_POINTS, *shared]
+        return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp
 
     def checked(self) -> list[str]:
         """Every point of the layer the mixer form serves (checked at wrap time), the branches' too."""
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
+
+#: the routing points a mixture of experts of the mixer form is served (those with a plain PyTorch reference where the
+#: experts are fused: the router's logits and the weights the experts module is called with), in the order they fire
+MOE_POINTS = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
 
 #: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
@@ -322,13 +339,21 @@ def layer_form(
     softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
     internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
     found = pre_norms(i, layer, rec, mixer, mlp)
-    layout = mid = add = None
+    layout = mid = add = moe = shared = None
     if mlp is not None and model is not None:
         try:
             dense = _describe_mlp(model, layer, i, mlp, rec)[0]
         except NotDescribed:
             dense = None
         layout = dense if isinstance(dense, MLPLayout) else None
+        if dense is None and mlp is not None:  # a mixture of experts (.moe), the layer adding its output as it is
+            from lensadapters.adapters.generic.moe import describe_other_mlp
+            from lensadapters.adapters.generic.shared_expert import describe_shared_expert
+            from lensadapters.adapters.moe import MoELayout
+
+            other = describe_other_mlp(model, layer, i, mlp, rec, False)
+            if isinstance(other, MoELayout):
+                moe, shared = other, describe_shared_expert(model, layer, i, other, rec)
         x = rec.layer_in.get(i)
         if mixer is not None and x is not None:
             ln2 = next((path for role, path, _ in found if role == "ln2"), None)
@@ -353,7 +378,7 @@ def layer_form(
         add = None
         if mid is not None and reads is not None and out is not None and branch is not None:
             add = three.after[0] if _close(out.value, reads + branch.value) else None
-    return MixerLayer(internal, found, mid, layout, mid_add=add)
+    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared)
 
 
 def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Reference]:
@@ -389,6 +414,16 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         return Reference("out", get(path))
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))
+    if form.moe is not None and rest in MOE_POINTS:
+        from lensadapters.adapters.generic.references import _moe_reference
+
+        return _moe_reference(get, form.moe, rest)
+    if form.shared is not None and rest.startswith("mlp.shared_expert."):
+        from lensadapters.adapters.generic.references import _unflat
+        from lensadapters.adapters.generic.shared_expert import reference_of
+
+        found = reference_of(form.shared, rest)
+        return Reference(found[0], get(found[1]), unview=_unflat, flat=True) if found is not None else None
     return None
 
 

@@ -45,7 +45,7 @@ class SharedExpert:
     projections; ``before_router``: it runs before the router (its points are listed before the routing points)."""
 
     module: str
-    gate: str
+    gate: Optional[str]  # None: an MLP that is not gated, down(act(up(x))), with no hook_gate
     up: str
     down: str
     before_router: bool
@@ -66,15 +66,23 @@ def describe_shared_expert(
         mlp, gated, _ = _describe_mlp(model, layer, i, layout.shared, rec)
     except NotDescribed:
         return None
-    if not (gated and isinstance(mlp, MLPLayout) and mlp.pre_linear is not None):
+    if not isinstance(mlp, MLPLayout) or mlp.pre_scale != 1.0:
         return None
-    if not _gate_told_from_up(model, layer, i, layout.shared, mlp, rec):
+    if gated and (mlp.pre_linear is None or not _gate_told_from_up(model, layer, i, layout.shared, mlp, rec)):
         return None
     order = [path for (j, path) in rec.inner if j == i]
     if layout.shared not in order or layout.router not in order:
         return None
     before = order.index(layout.shared) < order.index(layout.router)
+    if not gated:  # its one projection before the activation: hook_pre, as a dense MLP's that is not gated
+        return SharedExpert(layout.shared, None, mlp.pre, mlp.out, before)
     return SharedExpert(layout.shared, mlp.pre, mlp.pre_linear, mlp.out, before)
+
+
+def shared_point_names(shared: SharedExpert) -> list[str]:
+    """The shared expert's points (relative to ``blocks.{i}.``), in the order they fire: no ``hook_gate`` for one
+    that is not gated."""
+    return [f"mlp.{n}" for n in SHARED_EXPERT_POINTS if shared.gate is not None or n != "shared_expert.hook_gate"]
 
 
 def _gate_told_from_up(model: nn.Module, layer: nn.Module, i: int, path: str, mlp: MLPLayout, rec: Recording) -> bool:
@@ -96,18 +104,28 @@ def shared_expert_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExp
     """The shared expert's points of block ``i`` and their sites (the block's ``(b, p)`` recorded for them)."""
     pre = f"blocks.{i}.mlp."
     anchor = f"{pre}hook_router_logits" if shared.before_router else f"blocks.{i}.hook_mlp_out"
-    points = {name: hooked.new_point(pre + name, before=anchor) for name in SHARED_EXPERT_POINTS}
+    names = [n[len("mlp.") :] for n in shared_point_names(shared)]
+    points = {name: hooked.new_point(pre + name, before=anchor) for name in names}
+    return shared_sites(hooked, i, block, shared, points)
+
+
+def shared_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExpert, points: dict[str, Any]) -> list[Site]:
+    """The sites of the shared expert's ``points`` (by name relative to ``blocks.{i}.mlp.``; those absent, not
+    served), the block's ``(b, p)`` recorded for them."""
     state = hooked.forward_state
     for point in points.values():
         point.token_shape = _block_shape(state, i)
     get = block.get_submodule
-    return [
-        BlockShapeSite(i, block, list(points.values()), state),
-        ModuleIOSite(get(shared.gate), points["shared_expert.hook_gate"]),
-        ModuleIOSite(get(shared.up), points["shared_expert.hook_pre"]),
-        ModuleIOSite(get(shared.down), points["shared_expert.hook_post"], output=False),
-        ModuleIOSite(get(shared.module), points["shared_expert.hook_result"], copy=True),
-    ]
+    sites: list[Site] = [BlockShapeSite(i, block, list(points.values()), state)]
+    for name, path, output, copy in (
+        ("shared_expert.hook_gate", shared.gate, True, False),
+        ("shared_expert.hook_pre", shared.up, True, False),
+        ("shared_expert.hook_post", shared.down, False, False),
+        ("shared_expert.hook_result", shared.module, True, True),
+    ):
+        if name in points and path is not None:
+            sites.append(ModuleIOSite(get(path), points[name], output=output, copy=copy))
+    return sites
 
 
 def _block_shape(state: Any, i: int) -> Callable[[], Optional[tuple[int, ...]]]:
@@ -118,7 +136,13 @@ def shared_expert_reference(model: nn.Module, i: int, rest: str) -> Optional[tup
     """``(kind, path)`` of the plain reference of ``blocks.{i}.{rest}``, a shared expert's point (``"out"`` or
     ``"in"`` of the module at ``path``, relative to the block); ``None`` for any other point."""
     shared = SHARED_EXPERTS.get(model, {}).get(i)
-    if shared is None or not rest.startswith("mlp.shared_expert."):
+    return reference_of(shared, rest) if shared is not None else None
+
+
+def reference_of(shared: SharedExpert, rest: str) -> Optional[tuple[str, str]]:
+    """``(kind, path)`` of the plain reference of the shared expert's point ``rest`` (see
+    :func:`shared_expert_reference`); ``None`` for any other point, and for ``hook_gate`` of one not gated."""
+    if not rest.startswith("mlp.shared_expert.") or (rest.endswith("hook_gate") and shared.gate is None):
         return None
     return {
         "mlp.shared_expert.hook_gate": ("out", shared.gate),

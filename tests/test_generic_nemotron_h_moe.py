@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.branch_helpers import first_tensor, logits_with, relative_error, seeded_delta, tiny_model, wrap_generic
 from lensadapters.testing.every_model_type import input_ids
+from tests.branch_helpers import first_tensor, logits_with, relative_error, seeded_delta, tiny_model, wrap_generic
 
 Tensor = torch.Tensor
 
@@ -214,7 +214,7 @@ def test_gradients_through_an_edit_are_a_plain_hooks(name: str) -> None:
         for served in (True, False):
             d = (seeded_delta(torch.zeros(shape), 9) * 0.1).requires_grad_(True)
             if served:
-                with hm.hooks([(f"blocks.{MOE}.{name}", lambda t, hook: t + d.reshape(t.shape))]):
+                with hm.hooks([(f"blocks.{MOE}.{name}", lambda t, hook, d=d: t + d.reshape(t.shape))]):
                     logits = hm(input_ids(), use_cache=False).logits
             else:
                 handles = _reference(model, name, d)()

@@ -174,7 +174,9 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
     return sites
 
 
-def _moe_sites(hooked: Any, i: int, layer: nn.Module, block: Any, form: Any, points: dict[str, HookPoint]) -> list[Site]:
+def _moe_sites(
+    hooked: Any, i: int, layer: nn.Module, block: Any, form: Any, points: dict[str, HookPoint]
+) -> list[Site]:
     """The core's :class:`~lensadapters.moe.MoESite` of a mixer-form layer's mixture of experts (its routing points
     this layer serves; the others stand-ins never hooked, so the site never recomputes the experts), and its shared
     expert's points."""

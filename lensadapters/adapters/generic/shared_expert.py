@@ -76,6 +76,7 @@ def describe_shared_expert(
     before = order.index(layout.shared) < order.index(layout.router)
     if not gated:  # its one projection before the activation: hook_pre, as a dense MLP's that is not gated
         return SharedExpert(layout.shared, None, mlp.pre, mlp.out, before)
+    assert mlp.pre_linear is not None
     return SharedExpert(layout.shared, mlp.pre, mlp.pre_linear, mlp.out, before)
 
 
@@ -142,10 +143,11 @@ def shared_expert_reference(model: nn.Module, i: int, rest: str) -> Optional[tup
 def reference_of(shared: SharedExpert, rest: str) -> Optional[tuple[str, str]]:
     """``(kind, path)`` of the plain reference of the shared expert's point ``rest`` (see
     :func:`shared_expert_reference`); ``None`` for any other point, and for ``hook_gate`` of one not gated."""
-    if not rest.startswith("mlp.shared_expert.") or (rest.endswith("hook_gate") and shared.gate is None):
+    if not rest.startswith("mlp.shared_expert."):
         return None
+    if rest == "mlp.shared_expert.hook_gate":
+        return ("out", shared.gate) if shared.gate is not None else None
     return {
-        "mlp.shared_expert.hook_gate": ("out", shared.gate),
         "mlp.shared_expert.hook_pre": ("out", shared.up),
         "mlp.shared_expert.hook_post": ("in", shared.down),
         "mlp.shared_expert.hook_result": ("out", shared.module),

@@ -71,8 +71,8 @@ class ExpertsCompute:
 
     def __init__(
         self,
-        gate_up: Callable[[int, Tensor], tuple[Tensor, Tensor]],
-        glu: Callable[[Tensor, Tensor], Tensor],
+        gate_up: Callable[[int, Tensor], tuple[Optional[Tensor], Tensor]],
+        glu: Callable[[Optional[Tensor], Tensor], Tensor],
         down: Callable[[int, Tensor], Tensor],
     ) -> None:
         self.gate_up, self.glu, self.down = gate_up, glu, down
@@ -111,8 +111,8 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
             custom = spec.glu
             own = unwrapped(hooked, module)
 
-            def glu(gate: Tensor, up: Tensor) -> Tensor:
-                return custom(own, gate, up)
+            def glu(gate: Optional[Tensor], up: Tensor) -> Tensor:
+                return custom(own, gate, up)  # type: ignore[arg-type]
 
         elif not spec.gated:  # an activation of the up projection alone
             act = module_attribute(hooked, module, spec.act)
@@ -123,10 +123,10 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
         else:
             act = module_attribute(hooked, module, spec.act)
 
-            def glu(gate: Tensor, up: Tensor) -> Tensor:
+            def glu(gate: Optional[Tensor], up: Tensor) -> Tensor:
                 return act(gate) * up
 
-        def fused_gate_up(e: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        def fused_gate_up(e: int, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
             b = gate_up_b[e] if gate_up_b is not None else None
             return split_gate_up(spec, _fused_product(x, gate_up[e], b, spec.transposed))
 

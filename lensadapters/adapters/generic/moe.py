@@ -8,6 +8,8 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   ``down_proj`` ``[E, d, d_mlp]`` parameters (or both stored transposed) and an ``act_fn``, called with the
   flattened hidden states, the top-k expert indices and their weights; the sum over its experts of
   ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output.
+  Or, with no ``gate_up_proj``, a 3-D ``up_proj`` ``[E, d_mlp, d]``: experts that are not gated, the sum of
+  ``weight * down(act(up))`` (``FusedExperts(gated=False)``, Nemotron-H's).
   Or (the routing weights scaling the experts' *input*, ``FusedExperts.scaled_input``) called with one tensor
   ``[E * tokens, d]``, block ``e`` the flattened MLP input times the scores the router returned for expert ``e``,
   each block of its output ``down(act(gate) * up)`` of that block by expert ``e`` (zero where the score is);
@@ -18,7 +20,9 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   (the routing weights at the selected experts, zeros elsewhere);
 * **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after either, renormalized or
   not, in float32 or the logits' dtype, a constant of the config multiplying the weights, a ``[E]`` attribute of the
-  router added for choosing) under which the logits give exactly the indices, and the weights, the experts get;
+  router added for choosing, the experts chosen within groups, ``Routing.groups`` two integers of the config: the
+  number of equal groups and how many of them are kept) under which the logits give exactly the indices, and the
+  weights, the experts get;
 * **shared expert**: none when the MoE module's output is its experts' output, or the one other module inside the MoE
   module, reading the MLP input (flattened or not), whose output the MoE module adds to it.
 

@@ -55,7 +55,7 @@ from lensadapters.adapters.generic.mixer_sites import (  # noqa: F401  (their ol
 )
 from lensadapters.adapters.generic.probe import Recording, _close
 from lensadapters.adapters.generic.references import Reference
-from lensadapters.adapters.generic.shared_expert import SHARED_EXPERT_POINTS, shared_reference
+from lensadapters.adapters.generic.shared_expert import shared_point_names, shared_reference
 from lensadapters.hooks.sites import Site, first_input, first_output, replace_first_input
 
 Tensor = torch.Tensor
@@ -88,8 +88,13 @@ class MixerLayer:
     sum: Optional[Any] = None
     contributions: tuple[str, ...] = ()
     mid_add: Optional[str] = None
-    #: an MLP of two modules summed (routed experts and a shared MLP beside them): the shared MLP as a shared expert
-    #: (:class:`.shared_expert.SharedExpert`, paths relative to the layer), its points ``mlp.shared_expert.*``
+    #: an MLP of two modules summed (routed experts and a shared MLP beside them, ``moe`` None): the shared MLP as a
+    #: shared expert (:class:`.shared_expert.SharedExpert`, paths relative to the layer), its points
+    #: ``mlp.shared_expert.*``; with ``moe``: the MoE's own shared expert where it is described
+    #: the MLP's :class:`~lensadapters.moe.MoELayout` where it is a mixture of experts the generic description reads
+    #: (:func:`.moe.describe_moe`): its routing points with a plain reference (:data:`MOE_POINTS`), served by the
+    #: core's :class:`~lensadapters.moe.MoESite`
+    moe: Optional[Any] = None
     shared: Optional[Any] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
@@ -101,14 +106,23 @@ class MixerLayer:
         if not inside:
             return []
         mlp = [] if self.mlp is None else ["mlp.hook_pre"] + (["mlp.hook_pre_linear"] if self.mlp.pre_linear else [])
-        shared = [] if self.shared is None else [f"mlp.{name}" for name in SHARED_EXPERT_POINTS]
-        mid = ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", [])
-        return mid + mlp + ["mlp.hook_post"] * bool(mlp) + shared
+        mlp += ["mlp.hook_post"] * bool(mlp)
+        shared = shared_point_names(self.shared) if self.shared is not None else []
+        if self.moe is not None:
+            before = self.shared is not None and self.shared.before_router
+            mlp = [*shared, *MOE_POINTS] if before else [*MOE_POINTS, *shared]
+        else:  # a shared MLP beside routed experts the form does not describe
+            mlp += shared
+        return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp
 
     def checked(self) -> list[str]:
         """Every point of the layer the mixer form serves (checked at wrap time), the branches' too."""
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
+
+#: the routing points a mixture of experts of the mixer form is served (those with a plain PyTorch reference where the
+#: experts are fused: the router's logits and the weights the experts module is called with), in the order they fire
+MOE_POINTS = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
 
 #: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
@@ -328,13 +342,21 @@ def layer_form(
     softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
     internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
     found = pre_norms(i, layer, rec, mixer, mlp)
-    layout = mid = add = None
+    layout = mid = add = moe = shared = None
     if mlp is not None and model is not None:
         try:
             dense = _describe_mlp(model, layer, i, mlp, rec)[0]
         except NotDescribed:
             dense = None
         layout = dense if isinstance(dense, MLPLayout) else None
+        if dense is None and mlp is not None:  # a mixture of experts (.moe), the layer adding its output as it is
+            from lensadapters.adapters.generic.moe import describe_other_mlp
+            from lensadapters.adapters.generic.shared_expert import describe_shared_expert
+            from lensadapters.adapters.moe import MoELayout
+
+            other = describe_other_mlp(model, layer, i, mlp, rec, False)
+            if isinstance(other, MoELayout):
+                moe, shared = other, describe_shared_expert(model, layer, i, other, rec)
         x = rec.layer_in.get(i)
         if mixer is not None and x is not None:
             ln2 = next((path for role, path, _ in found if role == "ln2"), None)
@@ -360,7 +382,7 @@ def layer_form(
         add = None
         if mid is not None and reads is not None and out is not None and branch is not None:
             add = three.after[0] if _close(out.value, reads + branch.value) else None
-    return MixerLayer(internal, found, mid, layout, mid_add=add)
+    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared)
 
 
 def _shared_mlp(model: nn.Module, i: int, layer: nn.Module, rec: Recording, three: Any, mixer: str) -> Optional[Any]:
@@ -398,7 +420,7 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
             return _norm_reference(hooked, get(path), rest.split(".")[-1])
     if rest == "hook_resid_mid" and form.mid is not None:
         return Reference("in", get(form.mid), also=Reference("out", layer))
-    if form.shared is not None and rest.startswith("mlp.shared_expert."):  # the shared MLP's own modules
+    if form.shared is not None and form.moe is None and rest.startswith("mlp.shared_expert."):  # the shared MLP
         from lensadapters.adapters.generic.references import _part
 
         found = shared_reference(form.shared, rest)
@@ -416,6 +438,15 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         return Reference("out", get(path))
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))
+    if form.moe is not None and rest in MOE_POINTS:
+        from lensadapters.adapters.generic.references import _moe_reference
+
+        return _moe_reference(get, form.moe, rest)
+    if form.shared is not None and rest.startswith("mlp.shared_expert."):
+        from lensadapters.adapters.generic.references import _unflat
+
+        found = shared_reference(form.shared, rest)  # the MoE's own shared expert (never fused), tokens flattened
+        return Reference(found[0], get(found[1]), unview=_unflat, flat=True) if found is not None else None
     return None
 
 

@@ -157,7 +157,7 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
         add = layer.get_submodule(form.mid_add) if form.mid_add is not None else None
         reader = layer.get_submodule(form.mid)
         sites.append(ResidMidSite(layer, reader, points["hook_resid_mid"], hooked.forward_state, add))
-    if form.shared is not None:  # the shared MLP beside routed experts (.shared_expert)
+    if form.shared is not None and form.moe is None:  # the shared MLP beside routed experts (.shared_expert)
         from lensadapters.adapters.generic.shared_expert import sibling_sites
 
         prefix = "mlp."
@@ -175,6 +175,30 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
                 sites.append(_ModuleOutput(layer.get_submodule(path), points[name]))
         if "mlp.hook_post" in points:
             sites.append(_ModuleOutput(layer.get_submodule(mlp.out), points["mlp.hook_post"], output=False))
+    if form.moe is not None:
+        sites += _moe_sites(hooked, i, layer, block, form, points)
+    return sites
+
+
+def _moe_sites(
+    hooked: Any, i: int, layer: nn.Module, block: Any, form: Any, points: dict[str, HookPoint]
+) -> list[Site]:
+    """The core's :class:`~lensadapters.moe.MoESite` of a mixer-form layer's mixture of experts (its routing points
+    this layer serves; the others stand-ins never hooked, so the site never recomputes the experts), and its shared
+    expert's points."""
+    from lensadapters.adapters.generic.shared_expert import shared_sites
+    from lensadapters.adapters.moe import MoESite, moe_point_names
+
+    sites: list[Site] = []
+    names = moe_point_names(form.moe)
+    if any(n in points for n in names):
+        given = {n: points[n] if n in points else HookPoint(f"blocks.{i}.{n}", lambda p: None) for n in names}
+        sites.append(MoESite(hooked, i, form.moe, given, mlp_path=block.mlp))
+    if form.shared is not None:
+        pre = "mlp."
+        shared = {n[len(pre) :]: p for n, p in points.items() if n.startswith(f"{pre}shared_expert.")}
+        if shared:
+            sites += shared_sites(hooked, i, layer, form.shared, shared)
     return sites
 
 

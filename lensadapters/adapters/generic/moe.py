@@ -8,6 +8,8 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   ``down_proj`` ``[E, d, d_mlp]`` parameters (or both stored transposed) and an ``act_fn``, called with the
   flattened hidden states, the top-k expert indices and their weights; the sum over its experts of
   ``weight * down(act(gate) * up)``, with the gate and up rows one after the other or interleaved, is its output.
+  Or, with no ``gate_up_proj``, a 3-D ``up_proj`` ``[E, d_mlp, d]``: experts that are not gated, the sum of
+  ``weight * down(act(up))`` (``FusedExperts(gated=False)``, Nemotron-H's).
   Or (the routing weights scaling the experts' *input*, ``FusedExperts.scaled_input``) called with one tensor
   ``[E * tokens, d]``, block ``e`` the flattened MLP input times the scores the router returned for expert ``e``,
   each block of its output ``down(act(gate) * up)`` of that block by expert ``e`` (zero where the score is);
@@ -18,7 +20,9 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   (the routing weights at the selected experts, zeros elsewhere);
 * **routing**: the :class:`~lensadapters.moe.Routing` (softmax or sigmoid, top-k before or after either, renormalized or
   not, in float32 or the logits' dtype, a constant of the config multiplying the weights, a ``[E]`` attribute of the
-  router added for choosing) under which the logits give exactly the indices, and the weights, the experts get;
+  router added for choosing, the experts chosen within groups, ``Routing.groups`` two integers of the config: the
+  number of equal groups and how many of them are kept) under which the logits give exactly the indices, and the
+  weights, the experts get;
 * **shared expert**: none when the MoE module's output is its experts' output, or the one other module inside the MoE
   module, reading the MLP input (flattened or not), whose output the MoE module adds to it.
 
@@ -31,6 +35,7 @@ point (:mod:`.verify`): those without a plain PyTorch reference are not served.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -103,6 +108,10 @@ def _expert_output(experts: nn.Module, spec: FusedExperts, x: Tensor, index: Ten
     for slot in range(index.shape[-1]):
         e = index[:, slot]
         both = torch.einsum("tod,td->to", gate_up[e], xs)
+        if not spec.gated:  # down(act(up)): no gate
+            h = act(both.to(x.dtype)).double()
+            out += weights[:, slot, None].double() * torch.einsum("tdm,tm->td", down[e], h)
+            continue
         gate, up = (both[:, ::2], both[:, 1::2]) if spec.interleaved else both.chunk(2, dim=-1)
         h = act(gate.to(x.dtype)).double() * up
         out += weights[:, slot, None].double() * torch.einsum("tdm,tm->td", down[e], h)
@@ -124,13 +133,22 @@ def _scaled_expert_output(experts: nn.Module, spec: FusedExperts, routed: Tensor
 
 
 def _fused_layout(
-    path: str, scaled_input: bool, compute: Callable[[FusedExperts], Tensor], observed: Tensor, why_not: str
+    path: str,
+    scaled_input: bool,
+    compute: Callable[[FusedExperts], Tensor],
+    observed: Tensor,
+    why_not: str,
+    gate_up: str = "gate_up_proj",
 ) -> FusedExperts:
     """The one :class:`FusedExperts` layout of the experts at ``path`` (transposed or not, gate/up interleaved or
-    not) under which ``compute`` (the experts' output recomputed from their parameters) gives the ``observed``
-    output; ``_Refused`` with ``why_not`` where none does."""
-    for transposed, interleaved in itertools.product((False, True), (False, True)):
-        candidate = FusedExperts(path, transposed=transposed, interleaved=interleaved, scaled_input=scaled_input)
+    not; ``gate_up="up_proj"``: experts that are not gated, ``FusedExperts.gated``) under which ``compute`` (the
+    experts' output recomputed from their parameters) gives the ``observed`` output; ``_Refused`` with ``why_not``
+    where none does."""
+    gated = gate_up == "gate_up_proj"
+    for transposed, interleaved in itertools.product((False, True), (False, True) if gated else (False,)):
+        candidate = FusedExperts(
+            path, gate_up, transposed=transposed, interleaved=interleaved, scaled_input=scaled_input, gated=gated
+        )
         try:
             computed = compute(candidate)
         except RuntimeError:  # the parameters' shapes do not fit this layout
@@ -152,8 +170,20 @@ def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
         for name, t in itertools.chain(router.named_parameters(recurse=False), router.named_buffers(recurse=False))
         if t.dim() == 1 and t.shape[0] == n and name != "bias"
     ] + [None]
+    # grouped choice (Routing.groups): n_group, topk_group two integers of the config, the groups of equal size
+    integers = sorted({v for v in values.values() if isinstance(v, int) and not isinstance(v, bool) and v >= 1})
+    groupings: list[Optional[tuple[int, int, str]]] = [None] + [
+        (g, keep, score)
+        for g in integers
+        if 1 < g <= n and n % g == 0
+        for keep in integers
+        if keep < g
+        for score in ("top2_sum", "max")
+        if score == "max" or n // g >= 2
+    ]
     out = []
-    for probabilities, order, normalize, dtype, scale, bias in itertools.product(
+    for grouping, probabilities, order, normalize, dtype, scale, bias in itertools.product(
+        groupings,
         ("softmax", "sigmoid"),
         ("softmax_topk", "topk_softmax", "topk_sigmoid"),
         (True, False),
@@ -162,7 +192,7 @@ def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
         biases,
     ):
         select_first = order != "softmax_topk"
-        if select_first and (normalize or scale != 1.0 or bias is not None):
+        if select_first and (normalize or scale != 1.0 or bias is not None or grouping is not None):
             continue
         if select_first and probabilities != ("sigmoid" if order == "topk_sigmoid" else "softmax"):
             continue
@@ -176,6 +206,8 @@ def _routings(n: int, k: int, config: Any, router: nn.Module) -> list[Routing]:
                 order=order,  # type: ignore[arg-type]
                 selection_bias=bias,
                 scale=scale,
+                groups=grouping[:2] if grouping is not None else None,
+                group_score=grouping[2] if grouping is not None else "top2_sum",  # type: ignore[arg-type]
             )
         )
     return out
@@ -188,24 +220,29 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
     if x is None or y is None:
         raise _Refused("the probe saw no input or output of the MoE module")
     found = [
-        (n, m)
+        (n, m, up)
         for n, m in moe.named_modules()
+        for up in ("gate_up_proj", "up_proj")
         if n
-        and all(
-            isinstance(getattr(m, p, None), Tensor) and getattr(m, p).dim() == 3 for p in ("gate_up_proj", "down_proj")
-        )
+        and all(isinstance(getattr(m, p, None), Tensor) and getattr(m, p).dim() == 3 for p in (up, "down_proj"))
         and callable(getattr(m, "act_fn", None))
+        and (up == "gate_up_proj" or not isinstance(getattr(m, "gate_up_proj", None), Tensor))
     ]
     if len(found) != 1:
-        raise _Refused("no single experts module with 3-D gate_up_proj and down_proj parameters and an act_fn")
-    experts_path, experts = found[0]
+        raise _Refused(
+            "no single experts module with 3-D gate_up_proj (or up_proj) and down_proj parameters and an act_fn"
+        )
+    experts_path, experts, up_name = found[0]
+    gated = up_name == "gate_up_proj"
     out, calls = _run_alone(moe, x)
     if not _close(first_output(out), y) or experts_path not in calls:
         raise _Refused("the MoE module run alone on its probe input does not give its output, or runs no experts")
     args, kwargs, experts_out = calls[experts_path]
     flat = x.reshape(-1, x.shape[-1])
-    n = int(experts.gate_up_proj.shape[0])
+    n = int(getattr(experts, up_name).shape[0])
     if len(args) == 1 and not kwargs and isinstance(experts_out, Tensor):
+        if not gated:
+            raise _Refused("experts that are not gated, called with their input scaled, are not described")
         return _describe_scaled(model, moe, mlp, experts_path, experts, calls, flat, y, n)
     if len(args) != 3 or kwargs or not isinstance(experts_out, Tensor):
         raise _Refused("the experts module is not called with (hidden states, top-k indices, top-k weights)")
@@ -238,14 +275,17 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
         False,
         lambda candidate: _expert_output(experts, candidate, hidden, index, weights),
         experts_out,
-        "the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts",
+        "the experts' output is not the weighted sum of down(act(gate) * up) of the chosen experts"
+        if gated
+        else "the experts' output is not the weighted sum of down(act(up)) of the chosen experts",
+        gate_up=up_name,
     )
     shared = _shared(calls, (experts_path, router_path), flat, experts_out.reshape(y.shape), y)
     prefix = f"{mlp}."
     return MoELayout(
         router=prefix + router_path,
         routing=routing,
-        experts=FusedExperts(prefix + spec.module, transposed=spec.transposed, interleaved=spec.interleaved),
+        experts=replace(spec, module=prefix + spec.module),
         router_output=router_output,  # type: ignore[arg-type]
         shared=prefix + shared if shared is not None else None,
     )

@@ -46,7 +46,7 @@ class SharedExpert:
     ``fused``: its gate and up projections are one module (``gate == up``), split by this layout."""
 
     module: str
-    gate: str
+    gate: Optional[str]  # None: an MLP that is not gated, down(act(up(x))), with no hook_gate
     up: str
     down: str
     before_router: bool
@@ -68,14 +68,17 @@ def describe_shared_expert(
         mlp, gated, _ = _describe_mlp(model, layer, i, layout.shared, rec)
     except NotDescribed:
         return None
-    if not (gated and isinstance(mlp, MLPLayout) and mlp.pre_linear is not None):
+    if not isinstance(mlp, MLPLayout) or mlp.pre_scale != 1.0:
         return None
-    if not _gate_told_from_up(model, layer, i, layout.shared, mlp, rec):
+    if gated and (mlp.pre_linear is None or not _gate_told_from_up(model, layer, i, layout.shared, mlp, rec)):
         return None
     order = [path for (j, path) in rec.inner if j == i]
     if layout.shared not in order or layout.router not in order:
         return None
     before = order.index(layout.shared) < order.index(layout.router)
+    if not gated:  # its one projection before the activation: hook_pre, as a dense MLP's that is not gated
+        return SharedExpert(layout.shared, None, mlp.pre, mlp.out, before)
+    assert mlp.pre_linear is not None
     return SharedExpert(layout.shared, mlp.pre, mlp.pre_linear, mlp.out, before)
 
 
@@ -100,6 +103,12 @@ def describe_sibling_expert(
     return SharedExpert(path, mlp.pre, mlp.pre_linear, mlp.out, before)
 
 
+def shared_point_names(shared: SharedExpert) -> list[str]:
+    """The shared expert's points (relative to ``blocks.{i}.``), in the order they fire: no ``hook_gate`` for one
+    that is not gated."""
+    return [f"mlp.{n}" for n in SHARED_EXPERT_POINTS if shared.gate is not None or n != "shared_expert.hook_gate"]
+
+
 def _gate_told_from_up(model: nn.Module, layer: nn.Module, i: int, path: str, mlp: MLPLayout, rec: Recording) -> bool:
     """Whether the probe tells the gate from the up projection: with the first activation the dense description
     tries that fits, ``act(gate) * up`` misses the down projection's input by less than ``act(up) * gate`` does (in
@@ -121,25 +130,31 @@ def shared_expert_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExp
     anchor = f"{pre}hook_router_logits" if shared.before_router else f"blocks.{i}.hook_mlp_out"
     if anchor not in hooked.hook_dict:  # no routing points (experts not described): before the MLP's output
         anchor = f"blocks.{i}.hook_mlp_out"
-    points = {name: hooked.new_point(pre + name, before=anchor) for name in SHARED_EXPERT_POINTS}
+    names = [n[len("mlp.") :] for n in shared_point_names(shared)]
+    points = {name: hooked.new_point(pre + name, before=anchor) for name in names}
+    return shared_sites(hooked, i, block, shared, points)
+
+
+def shared_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExpert, points: dict[str, Any]) -> list[Site]:
+    """The sites of the shared expert's ``points`` (by name relative to ``blocks.{i}.mlp.``; those absent, not
+    served), the block's ``(b, p)`` recorded for them."""
     state = hooked.forward_state
     for point in points.values():
         point.token_shape = _block_shape(state, i)
     get = block.get_submodule
+    sites: list[Site] = [BlockShapeSite(i, block, list(points.values()), state)]
+    gate, up = points.get("shared_expert.hook_gate"), points.get("shared_expert.hook_pre")
     if shared.fused is not None:  # the gate and up projections' parts of one module's output
-        gate, up = points["shared_expert.hook_gate"], points["shared_expert.hook_pre"]
-        projections: list[Site] = [FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up)]
+        sites.append(FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up))
     else:
-        projections = [
-            ModuleIOSite(get(shared.gate), points["shared_expert.hook_gate"]),
-            ModuleIOSite(get(shared.up), points["shared_expert.hook_pre"]),
-        ]
-    return [
-        BlockShapeSite(i, block, list(points.values()), state),
-        *projections,
-        ModuleIOSite(get(shared.down), points["shared_expert.hook_post"], output=False),
-        ModuleIOSite(get(shared.module), points["shared_expert.hook_result"], copy=True),
-    ]
+        pairs = ((shared.gate, gate), (shared.up, up))
+        sites += [ModuleIOSite(get(path), p) for path, p in pairs if p is not None and path is not None]
+    post, result = points.get("shared_expert.hook_post"), points.get("shared_expert.hook_result")
+    if post is not None:
+        sites.append(ModuleIOSite(get(shared.down), post, output=False))
+    if result is not None:
+        sites.append(ModuleIOSite(get(shared.module), result, copy=True))
+    return sites
 
 
 def sibling_sites(block: nn.Module, shared: SharedExpert, points: dict[str, Any]) -> list[Site]:
@@ -177,6 +192,8 @@ def shared_expert_reference(
 def shared_reference(shared: SharedExpert, rest: str) -> Optional[tuple[str, str, Optional[FusedGateUp], int]]:
     """:func:`shared_expert_reference` of the shared expert ``shared``."""
     if not rest.startswith("mlp.shared_expert."):
+        return None
+    if rest == "mlp.shared_expert.hook_gate" and shared.gate is None:  # an MLP that is not gated: no hook_gate
         return None
     found = {
         "mlp.shared_expert.hook_gate": ("out", shared.gate, 0),

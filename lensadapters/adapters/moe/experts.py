@@ -71,15 +71,18 @@ class ExpertsCompute:
 
     def __init__(
         self,
-        gate_up: Callable[[int, Tensor], tuple[Tensor, Tensor]],
-        glu: Callable[[Tensor, Tensor], Tensor],
+        gate_up: Callable[[int, Tensor], tuple[Optional[Tensor], Tensor]],
+        glu: Callable[[Optional[Tensor], Tensor], Tensor],
         down: Callable[[int, Tensor], Tensor],
     ) -> None:
         self.gate_up, self.glu, self.down = gate_up, glu, down
 
 
-def split_gate_up(experts: FusedExperts, t: Tensor) -> tuple[Tensor, Tensor]:
-    """``(gate, up)`` of fused gate/up features (the last dimension): interleaved or gate half then up half."""
+def split_gate_up(experts: FusedExperts, t: Tensor) -> tuple[Optional[Tensor], Tensor]:
+    """``(gate, up)`` of fused gate/up features (the last dimension): interleaved or gate half then up half; ``(None,
+    t)`` for experts that are not gated (``FusedExperts.gated``)."""
+    if not experts.gated:
+        return None, t
     if experts.interleaved:
         return t[..., ::2], t[..., 1::2]
     gate, up = t.chunk(2, dim=-1)
@@ -108,16 +111,22 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
             custom = spec.glu
             own = unwrapped(hooked, module)
 
-            def glu(gate: Tensor, up: Tensor) -> Tensor:
-                return custom(own, gate, up)
+            def glu(gate: Optional[Tensor], up: Tensor) -> Tensor:
+                return custom(own, gate, up)  # type: ignore[arg-type]
+
+        elif not spec.gated:  # an activation of the up projection alone
+            act = module_attribute(hooked, module, spec.act)
+
+            def glu(gate: Optional[Tensor], up: Tensor) -> Tensor:
+                return act(up)
 
         else:
             act = module_attribute(hooked, module, spec.act)
 
-            def glu(gate: Tensor, up: Tensor) -> Tensor:
+            def glu(gate: Optional[Tensor], up: Tensor) -> Tensor:
                 return act(gate) * up
 
-        def fused_gate_up(e: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        def fused_gate_up(e: int, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
             b = gate_up_b[e] if gate_up_b is not None else None
             return split_gate_up(spec, _fused_product(x, gate_up[e], b, spec.transposed))
 
@@ -162,9 +171,14 @@ def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[
         W = W if experts.transposed else W.transpose(-2, -1)  # [E, in, out]
         if role == "out":
             return W, bias
+        if role == "gate" and not experts.gated:
+            raise WeightUnavailableError(
+                f"blocks.{layer}: the experts are not gated MLPs (each computes down(act(up x))): they have no gate "
+                f"weight; W_in is their up projection"
+            )
         gate, up = split_gate_up(experts, W)
         b_gate, b_up = split_gate_up(experts, bias) if bias is not None else (None, None)
-        return (gate, b_gate) if role == "gate" else (up, b_up)
+        return (gate, b_gate) if role == "gate" else (up, b_up)  # type: ignore[return-value]
     path = {"in": experts.up, "gate": experts.gate, "out": experts.down}[role]
     linears = [hooked.read_linear(module[e].get_submodule(path)) for e in range(layout.routing.n_experts)]
     biases = [lw.b for lw in linears]

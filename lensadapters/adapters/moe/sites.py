@@ -65,8 +65,9 @@ EXPERT_POINTS = ("hook_gate", "hook_pre", "hook_post", "hook_result")
 def moe_point_names(layout: MoELayout) -> list[str]:
     """The MLP points of a MoE block (relative to ``blocks.{i}.``), in the order they fire."""
     names = list(ROUTING_POINTS)
+    steps = [p for p in EXPERT_POINTS if p != "hook_gate" or getattr(layout.experts, "gated", True)]
     for e in range(layout.routing.n_experts):
-        names += [f"mlp.experts.{e}.{p}" for p in EXPERT_POINTS]
+        names += [f"mlp.experts.{e}.{p}" for p in steps]
     return names
 
 
@@ -84,11 +85,20 @@ class MoESite(Site):
     while a per-expert point is hooked or an edit of the routing cannot travel through the router's output.
     """
 
-    def __init__(self, hooked: "Hooked", layer: int, layout: MoELayout, points: dict[str, HookPoint]) -> None:
+    def __init__(
+        self,
+        hooked: "Hooked",
+        layer: int,
+        layout: MoELayout,
+        points: dict[str, HookPoint],
+        mlp_path: Optional[str] = None,
+    ) -> None:
+        """``mlp_path``: the MoE module (relative to the block) where the block has no ``BlockLayout`` naming it (a
+        block whose only branch is the MoE module, described by the generic adapter's mixer form)."""
         self.hooked, self.layer, self.layout = hooked, layer, layout
         block = hooked.block_modules[layer]
         self.block = block
-        mlp_path = hooked.block_layouts[layer].mlp
+        mlp_path = mlp_path or hooked.block_layouts[layer].mlp
         if mlp_path is None:  # pragma: no cover - checked when the wiring is built
             raise ValueError("a MoE block needs BlockLayout.mlp")
         self.moe = block.get_submodule(mlp_path)
@@ -100,22 +110,23 @@ class MoESite(Site):
         self.logits_module = block.get_submodule(layout.router_logits) if layout.router_logits else None
         self.state = hooked.forward_state
         self.logits, self.probs, self.indices, self.weights = (points[n] for n in ROUTING_POINTS)
+        #: experts that are not gated (``FusedExperts.gated``) have no ``hook_gate`` point: ``None`` in its place
         self.expert_points = [
-            tuple(points[f"mlp.experts.{e}.{p}"] for p in EXPERT_POINTS) for e in range(layout.routing.n_experts)
+            tuple(points.get(f"mlp.experts.{e}.{p}") for p in EXPERT_POINTS) for e in range(layout.routing.n_experts)
         ]
         self.points = (
             self.logits,
             self.probs,
             self.indices,
             self.weights,
-            *(p for group in self.expert_points for p in group),
+            *(p for group in self.expert_points for p in group if p is not None),
         )
         self.fused_call = isinstance(layout.experts, FusedExperts)
 
     # --- when to install what -------------------------------------------------------------------
 
     def _experts_hooked(self) -> bool:
-        return any(p.active for group in self.expert_points for p in group)
+        return any(p is not None and p.active for group in self.expert_points for p in group)
 
     def _routing_edited_downstream(self) -> bool:
         """Whether an edit of the routing may need the experts recomputed here: when the router returns logits, an
@@ -355,13 +366,17 @@ class MoESite(Site):
         out = hidden.new_zeros((len(self.expert_points) * n_tokens, hidden.shape[-1])) if scaled else None
         out = torch.zeros_like(hidden) if out is None else out
         changed = False
-        for e, (gate_pt, pre_pt, post_pt, result_pt) in enumerate(self.expert_points):
+        for e, group in enumerate(self.expert_points):
+            gate_pt, pre_pt, post_pt, result_pt = group
+            assert pre_pt is not None and post_pt is not None and result_pt is not None
             slot, token = _routing.expert_rows(index, e)
             rows = hidden[token]
             if scaled:  # the routing weight multiplies the expert's input
                 rows = rows * weights[token, slot, None].to(rows.dtype)
             gate, up = compute.gate_up(e, rows)
-            gate, c_gate = gate_pt.apply(gate, protect=True)
+            c_gate = False
+            if gate_pt is not None and gate is not None:
+                gate, c_gate = gate_pt.apply(gate, protect=True)
             up, c_up = pre_pt.apply(up, protect=True)
             post, c_post = post_pt.apply(compute.glu(gate, up), protect=True)
             result = compute.down(e, post)

@@ -85,6 +85,10 @@ class FusedExperts:
     MoE module sums the blocks. Expert ``e`` then adds ``down[e] @ (act(gate[e] @ (w x)) * (up[e] @ (w x)))`` for a
     token routed to it with weight ``w``; an expert not chosen adds its output on zeros, which is zero (no biases: a
     biased expert is not described this way).
+
+    ``gated=False``: the experts are not gated MLPs; ``gate_up`` then names the ``[n_experts, d_mlp, d_model]`` up
+    projection alone and expert ``e`` computes ``down[e] @ act(up[e] @ x)`` (Nemotron-H's squared-ReLU experts).
+    They have no ``hook_gate`` point and no gate weight.
     """
 
     module: str
@@ -97,6 +101,7 @@ class FusedExperts:
     down_bias: Optional[str] = None
     glu: Optional[Callable[["nn.Module", "Tensor", "Tensor"], "Tensor"]] = None
     scaled_input: bool = False
+    gated: bool = True
 
 
 @dataclass(frozen=True)

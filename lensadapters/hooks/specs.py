@@ -303,6 +303,11 @@ class BlockLayout:
     ``attn_scale``, ``W_out``, ``b_out`` times ``mlp_scale`` (``hook_attn_out = sum(attn.hook_result) + b_O``,
     ``hook_result = hook_z @ W_O`` per head). Only a sequential pre-norm block (no post norms, ``mlp`` set) may have
     them.
+
+    ``no_mlp`` blocks have one branch, their attention: ``out = x + attn(ln1 x)`` (``hook_resid_post = hook_resid_pre
+    + hook_attn_out``), with no ``hook_resid_mid``, ``hook_mlp_in``/``hook_mlp_out``, ``ln2`` or ``mlp.*`` point and no
+    MLP weight (the block's MLP layout is an ``OpaqueMLP`` saying so); ``mlp``, ``ln2`` and ``ln2_post`` are ``None``,
+    and the block is sequential, pre-norm, without branch constants.
     """
 
     ln1: Optional[str]
@@ -321,6 +326,7 @@ class BlockLayout:
     ln2_before_attn: bool = False
     attn_scale: float = 1.0
     mlp_scale: float = 1.0
+    no_mlp: bool = False
 
     @property
     def scaled(self) -> bool:

@@ -70,6 +70,7 @@ from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import (
     BlockLayout,
     FusedQKV,
+    OpaqueMLP,
     ProjectionNorm,
     RotarySpec,
     SeparateQKV,
@@ -370,6 +371,8 @@ def describe_layer(
         three = layer_split(i, layer, rec)
         if three is not None and _beside_split(three, attn):
             mlp = three.after[0]  # a token mixer beside the attention (.parallel), added as it is or times constants
+    if mlp is None and found.mlp is None and not others:  # one branch, its attention (BlockLayout.no_mlp)
+        return _describe_attention_only(layer, i, attn, calls[0], rec, rotary, cos_sin)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
@@ -468,6 +471,49 @@ def describe_layer(
         rotated_norms=rotated_norms,
         z_changed=bool(changed_z),
         shared_expert=describe_shared_expert(model, layer, i, mlp_layout, rec),
+    )
+
+
+def _describe_attention_only(
+    layer: nn.Module,
+    i: int,
+    attn: str,
+    call: InterfaceCall,
+    rec: Recording,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+) -> LayerDescription:
+    """A layer of one branch, its attention module (no other child with a weight matrix): ``out = x + attn(ln1 x)``
+    on the probe, ``ln1`` a pre-norm as in :func:`describe_layer` (or none: the attention reads the layer's input).
+    Its description is ``BlockLayout.no_mlp``, the MLP layout an ``OpaqueMLP`` saying there is none."""
+    resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
+    attn_in, attn_out = rec.inner.get((i, attn), (None, None))
+    if attn_in is None or attn_out is None:
+        raise NotDescribed("the probe did not see the attention module's input and output")
+    norms: dict[str, NormBehaviour] = {}
+    ln1 = None
+    for name, child in layer.named_children():
+        x, y = rec.inner.get((i, name), (None, None))
+        if name == attn or x is None or y is None or not (_close(x, resid_pre) and _close(y, attn_in)):
+            continue
+        behaviour = norm_behaviour(child, x, y)
+        if behaviour is not None and behaviour.eps is not None:  # a scale is served only with the module's own eps
+            ln1, norms[name] = name, behaviour
+            break
+    if ln1 is None and not _close(attn_in, resid_pre):
+        raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
+    if not _close(resid_post, resid_pre + attn_out):
+        raise NotDescribed("the layer (one attention branch, no MLP) does not output its input plus the attention's")
+    rotated_norms: dict[str, RotatedNorm] = {}
+    changed_z: list[str] = []
+    qkv, o_proj, qk_norms = _describe_attention(
+        layer, i, attn, call, rec, rotary, cos_sin, attn_in, attn_out, rotated_norms, changed_z
+    )
+    norms.update(qk_norms)
+    block = BlockLayout(ln1=ln1, attn=attn, o_proj=o_proj, ln2=None, no_mlp=True)
+    none = OpaqueMLP("the block has no MLP (one branch, its attention)")
+    return LayerDescription(
+        block, qkv, none, norms, False, None, rotated_norms=rotated_norms, z_changed=bool(changed_z)
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lensadapters.adapters.generic import findings
+from lensadapters.adapters.generic.verify import check_points
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import input_ids
@@ -71,6 +72,12 @@ def test_the_attention_block_gets_a_llama_layers_attention_points(hybrid: Any) -
     assert "mixer.hook_ssm_out" in _layer(hm, 0)
     assert d.layers[ATTENTION].block.no_mlp
     assert all(d.layers[i] is None for i in (0, 1, 3))
+
+
+def test_every_point_of_the_attention_block_passes_the_independent_check(hybrid: Any) -> None:
+    _, hm = hybrid
+    served = [n for n in hm.hook_names if n.startswith(f"blocks.{ATTENTION}.")]
+    assert check_points(hm.wiring, input_ids(), served) == dict.fromkeys(served)  # value and edit, each
 
 
 def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:

@@ -311,6 +311,10 @@ class BlockLayout:
     and ``W_V`` include the constant, their biases do not, so TransformerLens' ``hook_q = ln1.hook_normalized @ W_Q
     + b_Q`` holds (``hook_q_input``/``hook_k_input``/``hook_v_input`` edits, projected by those weights, reach the
     projections exactly). Only a sequential block with ``ln1`` (no ``post_norm``) may have it.
+    ``no_mlp`` blocks have one branch, their attention: ``out = x + attn(ln1 x)`` (``hook_resid_post = hook_resid_pre
+    + hook_attn_out``), with no ``hook_resid_mid``, ``hook_mlp_in``/``hook_mlp_out``, ``ln2`` or ``mlp.*`` point and no
+    MLP weight (the block's MLP layout is an ``OpaqueMLP`` saying so); ``mlp``, ``ln2`` and ``ln2_post`` are ``None``,
+    and the block is sequential, pre-norm, without branch constants.
     """
 
     ln1: Optional[str]
@@ -330,6 +334,7 @@ class BlockLayout:
     attn_scale: float = 1.0
     mlp_scale: float = 1.0
     attn_in_scale: float = 1.0
+    no_mlp: bool = False
 
     @property
     def scaled(self) -> bool:

@@ -326,6 +326,16 @@ class Wiring(CoreSites, Installation):
         for i, (bl, mlp) in enumerate(zip(self.block_layouts, self.mlp_layouts)):
             if bl is None:  # an opaque block (see the module docstring)
                 continue
+            if bl.no_mlp:
+                if bl.mlp or bl.ln2 or bl.ln2_post or bl.parallel or bl.post_norm or bl.scaled or bl.more_after_mlp:
+                    refuse(
+                        "a block without an MLP (BlockLayout.no_mlp) is sequential and pre-norm, with no mlp, ln2, "
+                        "ln2_post, branch constants or more_after_mlp",
+                        i,
+                    )
+                if not isinstance(mlp, OpaqueMLP):
+                    refuse("a block without an MLP (BlockLayout.no_mlp) has an OpaqueMLP saying so as its MLP", i)
+                continue
             if isinstance(mlp, OpaqueMLP) and bl.mlp is None:
                 refuse("an MLP whose inside is not described (OpaqueMLP) needs BlockLayout.mlp (its module)", i)
             if is_moe(mlp) and mlp.beside is not None:

@@ -283,6 +283,9 @@ class CoreSites:
             self.add_site(OutputSite(ln1_post, pt("hook_attn_out")))
         elif not bl.scaled:  # (branch constants: the ScaledBranchSite's, with the MLP's points)
             self.add_site(OutputSite(get(bl.attn), pt("hook_attn_out")))
+        if bl.no_mlp:  # one branch: the block's output is hook_resid_post
+            self.add_site(OutputSite(block, pt("hook_resid_post")))
+            return
         if bl.ln2 is not None:
             self._norm_site(get(bl.ln2), pt, "ln2")
         self._build_mlp_sites(i)

@@ -114,13 +114,16 @@ def block_point_names(
 
     Post-norm blocks normalize after each residual add; ``ln1_post``/``ln2_post`` normalize the attention and
     MLP outputs before the residual adds. A block without softmax attention (``qkv`` is ``None``) has no
-    ``attn.*`` point: its mixer's output is ``hook_attn_out``.
+    ``attn.*`` point: its mixer's output is ``hook_attn_out``. A block without an MLP (``BlockLayout.no_mlp``) has
+    no MLP, ``ln2`` or ``hook_resid_mid`` point.
     """
     ln1 = _norm_points("ln1") if block.ln1 is not None else []
     attn = [] if qkv is None else qkv_point_names(qkv)
     if qkv is not None:
         attn += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result"]
     attn += (_norm_points("ln1_post") if block.ln1_post is not None else []) + ["hook_attn_out"]
+    if block.no_mlp:  # one branch: the block's output is its input plus the attention's
+        return ["hook_resid_pre"] + ln1 + attn + ["hook_resid_post"]
     if is_moe(mlp) and mlp.beside is not None:  # a dense MLP, then the experts beside it, each branch's output
         mlp_names = _dense_mlp_names(mlp.beside) + ["mlp.hook_dense_out"] + moe_point_names(mlp) + ["mlp.hook_moe_out"]
     elif is_moe(mlp):  # a mixture of experts: routing and per-expert points (lensadapters.moe)

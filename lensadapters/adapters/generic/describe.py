@@ -75,6 +75,7 @@ from lensadapters.adapters.vlm import text_config
 from lensadapters.hooks.specs import (
     BlockLayout,
     FusedQKV,
+    OpaqueMLP,
     ProjectionNorm,
     RotarySpec,
     SeparateQKV,
@@ -399,6 +400,8 @@ def describe_layer(
         pair = _routed_and_shared(model, layer, i, three, attn, rec)
         if pair is not None:  # an MLP of two modules the layer adds as one sum: routed experts and a shared MLP
             mlp, sibling = pair
+    if mlp is None and found.mlp is None and not others:  # one branch, its attention (BlockLayout.no_mlp)
+        return _describe_attention_only(layer, i, attn, calls[0], rec, rotary, cos_sin)
     if mlp is None:
         raise NotDescribed("the layer has not exactly one MLP module beside its attention module")
     attn_scale, mlp_scale = _branch_constants(i, layer, rec, attn, mlp)
@@ -542,6 +545,47 @@ def _routed_and_shared(
     except NotDescribed:
         return None
     return routed[0], shared
+def _describe_attention_only(
+    layer: nn.Module,
+    i: int,
+    attn: str,
+    call: InterfaceCall,
+    rec: Recording,
+    rotary: list[Optional[RotarySpec]],
+    cos_sin: Optional[tuple[Tensor, Tensor]],
+) -> LayerDescription:
+    """A layer of one branch, its attention module (no other child with a weight matrix): ``out = x + attn(ln1 x)``
+    on the probe, ``ln1`` a pre-norm as in :func:`describe_layer` (or none: the attention reads the layer's input).
+    Its description is ``BlockLayout.no_mlp``, the MLP layout an ``OpaqueMLP`` saying there is none."""
+    resid_pre, resid_post = rec.layer_in[i].value, rec.layer_out[i].value
+    attn_in, attn_out = rec.inner.get((i, attn), (None, None))
+    if attn_in is None or attn_out is None:
+        raise NotDescribed("the probe did not see the attention module's input and output")
+    norms: dict[str, NormBehaviour] = {}
+    ln1 = None
+    for name, child in layer.named_children():
+        x, y = rec.inner.get((i, name), (None, None))
+        if name == attn or x is None or y is None or not (_close(x, resid_pre) and _close(y, attn_in)):
+            continue
+        behaviour = norm_behaviour(child, x, y)
+        if behaviour is not None and behaviour.eps is not None:  # a scale is served only with the module's own eps
+            ln1, norms[name] = name, behaviour
+            break
+    if ln1 is None and not _close(attn_in, resid_pre):
+        raise NotDescribed("the attention module reads neither the layer's input nor a pre-norm of it")
+    if not _close(resid_post, resid_pre + attn_out):
+        raise NotDescribed("the layer (one attention branch, no MLP) does not output its input plus the attention's")
+    rotated_norms: dict[str, RotatedNorm] = {}
+    changed_z: list[str] = []
+    qkv, o_proj, qk_norms = _describe_attention(
+        layer, i, attn, call, rec, rotary, cos_sin, attn_in, attn_out, rotated_norms, changed_z
+    )
+    norms.update(qk_norms)
+    block = BlockLayout(ln1=ln1, attn=attn, o_proj=o_proj, ln2=None, no_mlp=True)
+    none = OpaqueMLP("the block has no MLP (one branch, its attention)")
+    return LayerDescription(
+        block, qkv, none, norms, False, None, rotated_norms=rotated_norms, z_changed=bool(changed_z)
+    )
 
 
 def _ran_before(rec: Recording, i: int, first: str, then: str) -> bool:

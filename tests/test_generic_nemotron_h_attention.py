@@ -1,0 +1,196 @@
+"""An attention-only block (one branch: ``out = x + attn(norm x)``, no MLP) is described automatically
+(``BlockLayout.no_mlp``, :mod:`lensadapters.adapters.generic.describe`): Nemotron-H's attention block gets the attention
+points a Llama layer's attention gets (q/k/v, z, result, scores, pattern, attn_out, ln1), each read and edited exactly
+as plain PyTorch hooks on the HF modules compute them, and its weights, while its Mamba-2, MoE and MLP blocks keep
+the mixer form's points. Nemotron-H exists on transformers 5 only (4.57 has no ``nemotron_h``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lensadapters.adapters.generic import findings
+from lensadapters.adapters.generic.verify import check_points
+from lensadapters.errors import WeightUnavailableError
+from lensadapters.testing.contract_support import check_edited_generation
+from lensadapters.testing.every_model_type import input_ids
+from lensadapters.testing.strategies import Inputs
+from lensadapters.weights import o_weights, qkv_weights
+from tests.branch_helpers import (
+    add_to_input,
+    add_to_output,
+    edit_error,
+    record,
+    relative_error,
+    seeded_delta,
+    tiny_model,
+    wrap_generic,
+)
+
+pytestmark = pytest.mark.transformers5_only
+
+TYPES = ["linear_attention", "moe", "full_attention", "mlp"]
+ATTENTION = 2
+#: a Llama layer's points that belong to its MLP branch (an attention-only block has none of them)
+MLP_BRANCH = ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out", "ln2.", "mlp.")
+
+
+def _layer(hm: Any, i: int) -> list[str]:
+    return [n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")]
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Any:
+    model = tiny_model("nemotron_h", layers_block_type=TYPES, num_hidden_layers=4)
+    assert list(model.config.layers_block_type) == TYPES
+    hm = wrap_generic(model)
+    yield model, hm
+    hm.unwrap()
+
+
+def test_the_attention_block_gets_a_llama_layers_attention_points(hybrid: Any) -> None:
+    model, hm = hybrid
+    llama = wrap_generic(tiny_model("llama"))
+    try:
+        want = [n for n in _layer(llama, 0) if not n.startswith(MLP_BRANCH)]
+    finally:
+        llama.unwrap()
+    d = findings(model).description
+    assert d is not None and d.layers[ATTENTION] is not None
+    if d.layers[ATTENTION].qkv.rotary is None:  # Nemotron-H's attention has no rotary: no hook_rot_q/k
+        want = [n for n in want if not n.startswith("attn.hook_rot_")]
+    if model.config.num_key_value_heads != model.config.num_attention_heads:  # grouped queries: no hook_attn_in
+        want = [n for n in want if n != "hook_attn_in"]
+    got = _layer(hm, ATTENTION)
+    assert sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))
+    assert {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_result", "ln1.hook_scale"} <= set(got)
+    assert not any(n.startswith(MLP_BRANCH) for n in got), got
+    for i in (0, 1, 3):  # the other blocks keep the mixer form's points: no attention point
+        assert not any(n.startswith("attn.") for n in _layer(hm, i)), (i, _layer(hm, i))
+    assert "mixer.hook_ssm_out" in _layer(hm, 0)
+    assert d.layers[ATTENTION].block.no_mlp
+    assert all(d.layers[i] is None for i in (0, 1, 3))
+
+
+def test_every_point_of_the_attention_block_passes_the_independent_check(hybrid: Any) -> None:
+    _, hm = hybrid
+    served = [n for n in hm.hook_names if n.startswith(f"blocks.{ATTENTION}.")]
+    assert check_points(hm.wiring, input_ids(), served) == dict.fromkeys(served)  # value and edit, each
+
+
+def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
+    model, hm = hybrid
+    layer = model.model.layers[ATTENTION]
+    attn = layer.mixer
+    seen = record(
+        model,
+        {
+            "pre": (layer, "in"),
+            "normed": (layer.norm, "out"),
+            "q": (attn.q_proj, "out"),
+            "k": (attn.k_proj, "out"),
+            "v": (attn.v_proj, "out"),
+            "z": (attn.o_proj, "in"),
+            "o": (attn.o_proj, "out"),
+            "post": (layer, "out"),
+        },
+    )
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    p = f"blocks.{ATTENTION}."
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))
+    pairs = {
+        "hook_resid_pre": seen["pre"],
+        "ln1.hook_normalized": seen["normed"],
+        "attn.hook_q": seen["q"].unflatten(-1, (heads, -1)),
+        "attn.hook_k": seen["k"].unflatten(-1, (kv, -1)),
+        "attn.hook_v": seen["v"].unflatten(-1, (kv, -1)),
+        "attn.hook_z": seen["z"].unflatten(-1, (heads, -1)),
+        "hook_attn_out": seen["o"],
+        "hook_resid_post": seen["post"],
+    }
+    errors = {name: relative_error(cache[p + name], want) for name, want in pairs.items()}
+    assert max(errors.values()) < 1e-5, errors
+    # per head, the output projection's contributions: their sum is the projection's output
+    assert relative_error(cache[p + "attn.hook_result"].sum(-2), seen["o"]) < 1e-5
+    # the pattern's rows are distributions over the earlier positions
+    pattern = cache[p + "attn.hook_pattern"]
+    assert torch.allclose(pattern.sum(-1), torch.ones_like(pattern.sum(-1)), atol=1e-5)
+    assert float(pattern.triu(1).abs().max()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "point, module, side",
+    [
+        ("attn.hook_q", "mixer.q_proj", "out"),
+        ("attn.hook_k", "mixer.k_proj", "out"),
+        ("attn.hook_v", "mixer.v_proj", "out"),
+        ("attn.hook_z", "mixer.o_proj", "in"),
+        ("hook_attn_out", "mixer.o_proj", "out"),
+        ("ln1.hook_normalized", "norm", "out"),
+    ],
+)
+def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(
+    hybrid: Any, point: str, module: str, side: str
+) -> None:
+    model, hm = hybrid
+    target = model.model.layers[ATTENTION].get_submodule(module)
+    like = record(model, {"x": (target, side)})["x"]
+    d = seeded_delta(like, 1) * float(like.abs().max())
+    install = add_to_output(target, d) if side == "out" else add_to_input(target, d)
+    err = edit_error(hm, model, f"blocks.{ATTENTION}.{point}", d, install)
+    assert err < 1e-4, err
+
+
+def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any) -> None:
+    model, hm = hybrid
+    v_proj = model.model.layers[ATTENTION].mixer.v_proj
+    like = record(model, {"v": (v_proj, "out")})["v"]
+    d_served = torch.zeros_like(like, requires_grad=True)
+    logits = hm.run_with_hooks(
+        input_ids(), fwd_hooks=[(f"blocks.{ATTENTION}.attn.hook_v", lambda t, hook: t + d_served.reshape(t.shape))]
+    )
+    logits.float().pow(2).mean().backward()
+    d_plain = torch.zeros_like(like, requires_grad=True)
+    handle = v_proj.register_forward_hook(lambda m, a, o: o + d_plain)
+    try:
+        model(input_ids()).logits.float().pow(2).mean().backward()
+    finally:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    assert d_plain.grad is not None and d_served.grad is not None and d_plain.grad.abs().max() > 0
+    assert relative_error(d_served.grad, d_plain.grad) < 1e-5
+
+
+def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid: Any) -> None:
+    _, hm = hybrid
+    ids = input_ids()
+    inputs = Inputs(ids, torch.ones_like(ids), [0])
+    for point in (f"blocks.{ATTENTION}.attn.hook_v", f"blocks.{ATTENTION}.attn.hook_k"):
+        one_pass, unedited, _ = check_edited_generation(
+            hm, inputs, point, lambda t, hook: t * 1.5, atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5
+        )
+        assert not torch.allclose(one_pass, unedited), point
+
+
+def test_weights_of_the_attention_block_are_the_parameters_and_the_stack_names_the_undescribed_layers(
+    hybrid: Any,
+) -> None:
+    model, hm = hybrid
+    attn = model.model.layers[ATTENTION].mixer
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    (W_Q, _), (W_K, _), (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
+    W_O, _ = o_weights(hm.wiring, ATTENTION)
+    assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
+    assert torch.equal(W_K, attn.k_proj.weight.T.unflatten(-1, (kv, -1)).transpose(0, 1))
+    assert torch.equal(W_V, attn.v_proj.weight.T.unflatten(-1, (kv, -1)).transpose(0, 1))
+    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
+    # z @ W_O per head is hook_result
+    p = f"blocks.{ATTENTION}."
+    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))
+    result = torch.einsum("bphd,hdm->bphm", cache[p + "attn.hook_z"], W_O)
+    assert relative_error(result, cache[p + "attn.hook_result"]) < 1e-5
+    for name in ("W_Q", "W_O"):
+        with pytest.raises(WeightUnavailableError, match="layer 0 is not described"):
+            _ = getattr(hm, name)

@@ -129,9 +129,10 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     reference = copy.deepcopy(model)
     hm = wrap_generic(model)
     served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
-    # the attention reads ln1's output times 0.9 (attention_in_multiplier): described with it (BlockLayout.attn_in_scale,
-    # tests/test_generic_falcon_h1_attention_in.py); the MLP's hook_pre is the activation's input, its gate
-    # projection's output times its multiplier (tests/test_generic_falcon_h1_multipliers.py has the other multipliers)
+    # the attention reads ln1's output times 0.9 (attention_in_multiplier): described with it
+    # (BlockLayout.attn_in_scale, tests/test_generic_falcon_h1_attention_in.py); the MLP's hook_pre is the
+    # activation's input, its gate projection's output times its multiplier
+    # (tests/test_generic_falcon_h1_multipliers.py has the other multipliers)
     assert "attn.hook_k" in served and "mlp.hook_pre" in served, sorted(served)
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
     assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)

@@ -545,6 +545,8 @@ def _routed_and_shared(
     except NotDescribed:
         return None
     return routed[0], shared
+
+
 def _describe_attention_only(
     layer: nn.Module,
     i: int,

@@ -166,7 +166,8 @@ def sibling_sites(block: nn.Module, shared: SharedExpert, points: dict[str, Any]
     if shared.fused is not None:
         sites.append(FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up))
     else:
-        sites += [ModuleIOSite(get(path), p) for path, p in ((shared.gate, gate), (shared.up, up)) if p is not None]
+        pairs = ((shared.gate, gate), (shared.up, up))
+        sites += [ModuleIOSite(get(path), p) for path, p in pairs if p is not None and path is not None]
     post, result = points.get("shared_expert.hook_post"), points.get("shared_expert.hook_result")
     if post is not None:
         sites.append(ModuleIOSite(get(shared.down), post, output=False))
@@ -204,4 +205,6 @@ def shared_reference(shared: SharedExpert, rest: str) -> Optional[tuple[str, str
     if found is None:
         return None
     kind, path, part = found
+    if path is None:
+        return None
     return kind, path, shared.fused if part >= 0 else None, part

@@ -420,8 +420,8 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
             return _norm_reference(hooked, get(path), rest.split(".")[-1])
     if rest == "hook_resid_mid" and form.mid is not None:
         return Reference("in", get(form.mid), also=Reference("out", layer))
-    if form.shared is not None and form.moe is None and rest.startswith("mlp.shared_expert."):  # the shared MLP
-        from lensadapters.adapters.generic.references import _part
+    if form.shared is not None and rest.startswith("mlp.shared_expert."):  # the shared expert's own modules
+        from lensadapters.adapters.generic.references import _part, _unflat
 
         found = shared_reference(form.shared, rest)
         if found is None:
@@ -429,6 +429,8 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         side, path, fused, index = found
         if fused is not None:
             return Reference(side, get(path), *_part(fused.split, fused.merge, index))
+        if form.moe is not None:  # the MoE's own shared expert: its tokens flattened, as the MoE gives them
+            return Reference(side, get(path), unview=_unflat, flat=True)
         return Reference(side, get(path))
     if form.mlp is not None and rest in ("mlp.hook_pre", "mlp.hook_pre_linear"):
         path = form.mlp.pre if rest == "mlp.hook_pre" else form.mlp.pre_linear
@@ -442,11 +444,6 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         from lensadapters.adapters.generic.references import _moe_reference
 
         return _moe_reference(get, form.moe, rest)
-    if form.shared is not None and rest.startswith("mlp.shared_expert."):
-        from lensadapters.adapters.generic.references import _unflat
-
-        found = shared_reference(form.shared, rest)  # the MoE's own shared expert (never fused), tokens flattened
-        return Reference(found[0], get(found[1]), unview=_unflat, flat=True) if found is not None else None
     return None
 
 

@@ -141,25 +141,12 @@ def shared_sites(hooked: Any, i: int, block: nn.Module, shared: SharedExpert, po
     state = hooked.forward_state
     for point in points.values():
         point.token_shape = _block_shape(state, i)
-    get = block.get_submodule
-    sites: list[Site] = [BlockShapeSite(i, block, list(points.values()), state)]
-    gate, up = points.get("shared_expert.hook_gate"), points.get("shared_expert.hook_pre")
-    if shared.fused is not None:  # the gate and up projections' parts of one module's output
-        sites.append(FusedGateUpSite(get(shared.fused.module), shared.fused, gate, up))
-    else:
-        pairs = ((shared.gate, gate), (shared.up, up))
-        sites += [ModuleIOSite(get(path), p) for path, p in pairs if p is not None and path is not None]
-    post, result = points.get("shared_expert.hook_post"), points.get("shared_expert.hook_result")
-    if post is not None:
-        sites.append(ModuleIOSite(get(shared.down), post, output=False))
-    if result is not None:
-        sites.append(ModuleIOSite(get(shared.module), result, copy=True))
-    return sites
+    return [BlockShapeSite(i, block, list(points.values()), state), *sibling_sites(block, shared, points)]
 
 
 def sibling_sites(block: nn.Module, shared: SharedExpert, points: dict[str, Any]) -> list[Site]:
-    """The sites of a shared MLP's points (``points``: by name relative to ``blocks.{i}.mlp.``, created already) in a
-    layer whose MLP modules see ``[b, p, d]``."""
+    """The sites of a shared MLP's points (``points``: by name relative to ``blocks.{i}.mlp.``, created already; those
+    absent, not served) on its own modules (:func:`shared_sites` adds the block's ``(b, p)`` for flattened tokens)."""
     get = block.get_submodule
     gate, up = points.get("shared_expert.hook_gate"), points.get("shared_expert.hook_pre")
     sites: list[Site] = []

@@ -184,6 +184,29 @@ def sum_edit(
     return install
 
 
+def served_and_plain_gradients(
+    hm: Any, model: torch.nn.Module, point: str, like: Tensor, plain: Callable[[Tensor], list]
+) -> tuple[Tensor, Tensor]:
+    """The gradients of ``mean(logits ** 2)`` with respect to a zero delta shaped ``like``, added at the served
+    ``point`` and by plain hooks on the HF modules (``plain(delta)`` installs them and returns their handles), each
+    checked present and the plain one non-zero; the model's own gradients cleared after."""
+    from lensadapters.testing.every_model_type import input_ids
+
+    served = torch.zeros_like(like, requires_grad=True)
+    logits = hm.run_with_hooks(input_ids(), fwd_hooks=[(point, lambda t, hook: t + served.reshape(t.shape))])
+    logits.float().pow(2).mean().backward()
+    direct = torch.zeros_like(like, requires_grad=True)
+    handles = plain(direct)
+    try:
+        model(input_ids()).logits.float().pow(2).mean().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    model.zero_grad(set_to_none=True)
+    assert direct.grad is not None and served.grad is not None and direct.grad.abs().max() > 0
+    return served.grad, direct.grad
+
+
 def edit_gradients(model_type: str, config: dict, point: str, checkpointing: Any) -> dict[str, Any]:
     """The gradients of every parameter and of a leaf ``delta`` added at ``point`` (``[b, p, d_model]``, per head
     for ``attn.hook_result``) of ``sum(logits ** 2)``, the model in train mode with gradient checkpointing

@@ -28,6 +28,7 @@ from tests.branch_helpers import (
     record,
     relative_error,
     seeded_delta,
+    served_and_plain_gradients,
     sum_edit,
     tiny_model,
     wrap_generic,
@@ -206,19 +207,8 @@ def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any, point: str) 
     model, hm = hybrid
     module, side, install = _plain_edits(model.model.layers[ATTENTION])[point]
     like = record(model, {"x": (module, side)})["x"]
-    d_served = torch.zeros_like(like, requires_grad=True)
-    name = f"blocks.{ATTENTION}.{point}"
-    hm.run_with_hooks(input_ids(), fwd_hooks=[(name, lambda t, hook: t + d_served)]).pow(2).mean().backward()
-    d_plain = torch.zeros_like(like, requires_grad=True)
-    handles = install(d_plain)()
-    try:
-        model(input_ids()).logits.pow(2).mean().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    assert d_plain.grad is not None and d_served.grad is not None and d_plain.grad.abs().max() > 0
-    assert relative_error(d_served.grad, d_plain.grad) < 1e-6
+    served, direct = served_and_plain_gradients(hm, model, f"blocks.{ATTENTION}.{point}", like, lambda d: install(d)())
+    assert relative_error(served, direct) < 1e-6
 
 
 @pytest.mark.parametrize("point", ["attn.hook_v", "mlp.shared_expert.hook_post", "hook_mlp_out"])

@@ -26,6 +26,7 @@ from tests.branch_helpers import (
     relative_error,
     resid_mid_edit,
     seeded_delta,
+    served_and_plain_gradients,
     tiny_model,
     wrap_generic,
 )
@@ -153,20 +154,12 @@ def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any) -> None:
     model, hm = hybrid
     v_proj = model.model.layers[ATTENTION].self_attn.v_proj
     like = record(model, {"v": (v_proj, "out")})["v"]
-    d_served = torch.zeros_like(like, requires_grad=True)
-    logits = hm.run_with_hooks(
-        input_ids(), fwd_hooks=[(f"blocks.{ATTENTION}.attn.hook_v", lambda t, hook: t + d_served.reshape(t.shape))]
-    )
-    logits.float().pow(2).mean().backward()
-    d_plain = torch.zeros_like(like, requires_grad=True)
-    handle = v_proj.register_forward_hook(lambda m, a, o: o + d_plain)
-    try:
-        model(input_ids()).logits.float().pow(2).mean().backward()
-    finally:
-        handle.remove()
-    model.zero_grad(set_to_none=True)
-    assert d_plain.grad is not None and d_served.grad is not None and d_plain.grad.abs().max() > 0
-    assert relative_error(d_served.grad, d_plain.grad) < 1e-5
+
+    def plain(d: torch.Tensor) -> list:
+        return [v_proj.register_forward_hook(lambda m, a, o: o + d)]
+
+    served, direct = served_and_plain_gradients(hm, model, f"blocks.{ATTENTION}.attn.hook_v", like, plain)
+    assert relative_error(served, direct) < 1e-5
 
 
 def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid: Any) -> None:

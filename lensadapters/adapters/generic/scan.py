@@ -90,8 +90,9 @@ class MambaScan(ScanSite):
 
     def _clear(self) -> None:
         super()._clear()
-        self.gate: Optional[Tensor] = None
-        self.x: Optional[Tensor] = None
+        self.gate: Optional[Tensor] = None  # the gate the combine reads (the model's, until the check is done)
+        self.x: Optional[Tensor] = None  # the scan's input the scan reads (the model's, until the check is done)
+        self.edited: dict[str, Tensor] = {}  # hook_gate's and hook_conv's edits, made at x_proj's input
         self.params: Optional[Tensor] = None
         self.parts: dict[str, Tensor] = {}  # dt_in, B and C as the scan reads them (normalized where the mixer does)
 
@@ -99,6 +100,7 @@ class MambaScan(ScanSite):
         m = self.mixer
         handles = [
             m.get_submodule("in_proj").register_forward_hook(self._on_in_proj),
+            m.get_submodule("x_proj").register_forward_pre_hook(self._on_x_proj_input),
             m.get_submodule("x_proj").register_forward_hook(self._on_x_proj),
         ]
         if normalization(m) == "children":
@@ -118,9 +120,37 @@ class MambaScan(ScanSite):
         if self.live():
             self.gate = output[..., output.shape[-1] // 2 :]
 
+    def _on_x_proj_input(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        """``hook_gate`` (the gate, known from in_proj's output) then ``hook_conv`` (x_proj's input: the activated
+        convolution, masked, the scan's input too): an edited ``hook_conv`` is x_proj's input, so the model computes
+        dt, B and C from it; the scan reads it as its input after the check (the model's scan read the unedited
+        one)."""
+        if not self.live() or not args or not isinstance(args[0], Tensor):
+            return None
+        self.x = args[0]
+        if "hook_gate" in self.by and self.gate is not None:
+            gate, changed = self.by["hook_gate"].apply(self.gate, protect=True)
+            if changed:
+                self.edited["gate"] = gate
+        if "hook_conv" in self.by:
+            x, changed = self.by["hook_conv"].apply(args[0], protect=True)
+            if changed:
+                self.edited["x"] = x
+                return (x, *args[1:])
+        return None
+
+    def _edit_inputs(self) -> bool:
+        if "gate" in self.edited:
+            self.gate = self.edited["gate"]
+        if "x" in self.edited:
+            self.x = self.edited["x"]
+        return bool(self.edited)
+
     def _on_x_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
-            self.x, self.params = args[0], output
+            self.params = output
+            if self.x is None:  # x_proj called with no positional input: the check fails on it
+                self.x = args[0] if args else None
             norm, n = normalization(self.mixer), self.mixer.A_log.shape[1]
             if norm != "children":
                 for part, v in zip(PARTS, (output[..., : -2 * n], output[..., -2 * n : -n], output[..., -n:])):

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.generic.scan_site import ScanSite, cache_tensor
+from lensadapters.adapters.generic.scan_site import ScanSite, _close, cache_tensor
+from lensadapters.hooks.sites import replace_first_input
 
 Tensor = torch.Tensor
 
@@ -146,6 +147,7 @@ class HeadScan(ScanSite):
     """Mamba-2's scan (the module docstring): read from ``in_proj``'s output, put in as ``norm``'s input."""
 
     inject = "norm"
+    gated_here = False  # the gated norm gates the scan's value: an edited gate is the norm's second input
 
     def _clear(self) -> None:
         super()._clear()
@@ -155,6 +157,8 @@ class HeadScan(ScanSite):
         self.x: Optional[Tensor] = None
         self.b: Optional[Tensor] = None
         self.c: Optional[Tensor] = None
+        self.conv: Optional[Tensor] = None  # the activated convolution's output as the scan reads it (hook_conv)
+        self.z: Optional[Tensor] = None  # an edited gate (hook_gate)
 
     def _readers(self) -> list[Any]:
         m = self.mixer
@@ -215,6 +219,41 @@ class HeadScan(ScanSite):
                 for _ in self._split(self._convolve(xbc, conv0)):
                     yield dt, h0
 
+    def _edit_inputs(self) -> bool:
+        """``hook_gate`` (the gate as the gated norm, or the mixer's gating, reads it) then ``hook_conv`` (x, B and C
+        as the model has them, in its dtype: an edit is the scan's x, B and C, nothing else reads them)."""
+        edited, sizes, proj = False, _sizes(self.mixer), self.proj
+        assert sizes is not None and proj is not None and self.conv is not None
+        if "hook_gate" in self.by:
+            gate, changed = self.by["hook_gate"].apply(self._read_gate(), protect=True)
+            if changed:  # the scan's value changes only where the mixer gates it itself (GatedHeadScan)
+                self.z, edited = gate, self.gated_here
+        if "hook_conv" in self.by:
+            conv, changed = self.by["hook_conv"].apply(self.conv.to(proj.dtype), protect=True)
+            if changed:
+                self._read(conv.to(self.wide), sizes)
+                edited = True
+        return edited
+
+    def _read_gate(self) -> Tensor:
+        """The gate the gated norm is given (its second input), which must be in_proj's (scaled) gate part."""
+        args, kwargs = self.given
+        given = args[1] if len(args) > 1 else kwargs.get("gate")
+        gate = self._gate()
+        if not isinstance(given, Tensor) or given.shape != gate.shape or not _close(given, gate.to(given.dtype)):
+            self._fail(f"{self.inject} was not given in_proj's gate part as its second input (gate)")
+            return gate
+        return given
+
+    def _finish(self, args: tuple, kwargs: dict, y: Optional[Tensor]) -> Any:
+        args, kwargs = (args, kwargs) if y is None else replace_first_input(args, kwargs, y)
+        if self.z is not None:  # the edited gate is what the gated norm reads
+            if len(args) > 1:
+                args = (args[0], self.z, *args[2:])
+            else:
+                kwargs = {**kwargs, "gate": self.z}
+        return (args, kwargs) if y is not None or self.z is not None else None
+
     def _convolve(self, xbc: Tensor, before: Optional[Tensor]) -> Tensor:
         """The causal convolution of xBC, activated (``before``: the cache's convolution state)."""
         m = self.mixer
@@ -236,6 +275,7 @@ class HeadScan(ScanSite):
         else:
             ways = [out]
         for scaled in ways:
+            self.conv = scaled
             self._read(scaled, sizes)
             yield
 
@@ -276,9 +316,17 @@ class GatedHeadScan(HeadScan):
     computed in the gate's dtype, as the model does, the product in float32 or wider)."""
 
     inject = "out_proj"
+    gated_here = True
+
+    def _read_gate(self) -> Tensor:
+        return self._gate()
+
+    def _finish(self, args: tuple, kwargs: dict, y: Optional[Tensor]) -> Any:
+        return ScanSite._finish(self, args, kwargs, y)
 
     def _combine(self, ys: Tensor) -> Tensor:
-        return super()._combine(ys) * self.mixer.act(self._gate()).to(self.wide)
+        gate = self._gate() if self.z is None else self.z
+        return super()._combine(ys) * self.mixer.act(gate).to(self.wide)
 
     def edit_reaches(self, base: Tensor) -> Tensor:
         return base.float() + self.mixer.act(self._gate()).float()

@@ -294,7 +294,7 @@ def test_a_mixer_with_two_tensors_of_in_projs_width_gets_no_scan_points_and_the_
         layer.mamba.register_buffer("other_scale", torch.full_like(layer.mamba.mup_vector, 3.0), persistent=False)
     hm = wrap_generic(model)
     assert not any(n.endswith(p.split(".")[1]) for n in hm.hook_names for p in POINTS)
-    why = findings(model).missing["selective-scan points (hook_dt, hook_ssm_state, hook_ssm_out)"]
+    why = findings(model).missing["selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"]
     assert "several tensors of its own have one element per output of in_proj" in why
     assert "(layers 0, 1, 2, 3)" in why
     hm.unwrap()

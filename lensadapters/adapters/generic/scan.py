@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.adapters.generic import scan_heads
-from lensadapters.adapters.generic.scan_site import SCAN_POINTS, ScanMismatch, ScanSite, _close
+from lensadapters.adapters.generic.scan_site import INPUT_POINTS, SCAN_POINTS, ScanMismatch, ScanSite, _close
 from lensadapters.hooks.hook_point import HookPoint
 
 Tensor = torch.Tensor
@@ -139,6 +139,9 @@ class MambaScan(ScanSite):
                 return (x, *args[1:])
         return None
 
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {"hook_conv": ("x_proj", 0, "input")}
+
     def _edit_inputs(self) -> bool:
         if "gate" in self.edited:
             self.gate = self.edited["gate"]
@@ -197,9 +200,12 @@ def _rms(v: Tensor, eps: float) -> Tensor:
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
-def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]:
-    """One forward pass with every site's points hooked (``edit``: ``hook_ssm_out`` plus one, checked against a plain
-    hook on the child the scan's value goes into): the sites whose check failed, with why."""
+def _probe(model: Any, sites: list[ScanSite], edit: Optional[str]) -> dict[ScanSite, str]:
+    """One forward pass with every site's points hooked: the sites whose check failed, with why. ``edit``:
+    ``"out"``, ``hook_ssm_out`` plus one, checked against a plain hook on the child the scan's value goes into;
+    ``"inputs"``, ``hook_gate`` and ``hook_conv`` plus one, the check made on the model's own values while they are
+    edited, each edit checked where it goes on as a child's input (:meth:`ScanSite.edit_targets`: a plain forward
+    hook on that child sees what it was given)."""
     from lensadapters.adapters.generic.probe import PROBE_LENGTH
 
     weight = getattr(model.get_input_embeddings(), "weight", None)
@@ -209,19 +215,40 @@ def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]
     handles: list[Any] = []
     entries: list[tuple[HookPoint, Any]] = []
     seen: dict[ScanSite, tuple[Tensor, Optional[Tensor]]] = {}  # the input there, and what the edit should give
+    shown: dict[tuple[ScanSite, str], Tensor] = {}  # an input point's value (before the probe's edit)
+    given: dict[tuple[ScanSite, str], Tensor] = {}  # what the child its edit goes into was given there
+    edited = {"out": ("hook_ssm_out",), "inputs": INPUT_POINTS}.get(edit or "", ())
+
+    def plus_one(site: ScanSite, name: str) -> Any:
+        def fn(v: Tensor, hook: Any) -> Tensor:
+            shown.setdefault((site, name), v.detach().clone())
+            return v + 1.0
+
+        return fn
+
     for site in sites:
         site.problem = []
         handles += site.install()
         for name, point in site.by.items():
-            fn = (lambda v, hook: v + 1.0) if edit and name == "hook_ssm_out" else (lambda v, hook: None)
+            fn = plus_one(site, name) if name in edited else (lambda v, hook: None)
             entries.append((point, point.add(fn)))
-        if edit and "hook_ssm_out" in site.by:
+        if edit == "out" and "hook_ssm_out" in site.by:
 
             def plain(module: nn.Module, args: tuple, site: ScanSite = site) -> None:
                 base = site.served
                 seen[site] = (args[0], None if base is None else site.edit_reaches(base))
 
             handles.append(site.mixer.get_submodule(site.inject).register_forward_pre_hook(plain))
+        for name, (child, index, key) in site.edit_targets().items() if edit == "inputs" else ():
+            if name not in site.by:
+                continue
+
+            def got(module: nn.Module, args: tuple, kwargs: dict, output: Any, at: Any = (site, name, index, key)):
+                value = args[at[2]] if len(args) > at[2] else kwargs.get(at[3])
+                if isinstance(value, Tensor):
+                    given.setdefault((at[0], at[1]), value.detach().clone())
+
+            handles.append(site.mixer.get_submodule(child).register_forward_hook(got, with_kwargs=True))
     failed: dict[ScanSite, str] = {}
     try:
         with torch.no_grad():
@@ -236,11 +263,19 @@ def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]
     for site in sites:
         if site not in failed and site.problem:
             failed[site] = site.problem[0]
-        elif site not in failed and edit and site in seen:
+        elif site not in failed and edit == "out" and site in seen:
             y, expected = seen[site]
             # to the rounding of the model's dtype (the model gates the edited value in it: bfloat16's, say)
             if expected is None or not _close(y.float(), expected.to(y.dtype)):
                 failed[site] = f"an edit of hook_ssm_out does not reach {site.inject}'s input as the scan's form says"
+        elif site not in failed and edit == "inputs":
+            for name, (child, _, _) in site.edit_targets().items():
+                if name not in site.by:
+                    continue
+                before, after = shown.get((site, name)), given.get((site, name))
+                if before is None or after is None or after.shape != before.shape or not torch.equal(after, before + 1):
+                    failed[site] = f"an edit of {name} does not reach {child}'s input as the scan's form says"
+                    break
         site.problem = site.served = None
     return failed
 
@@ -275,7 +310,7 @@ def serve_scan(hooked: Any, found: Any, sites: list, verifying: Any) -> list:
             else:
                 sites.append(site)
     if why_not:
-        found.missing["selective-scan points (hook_dt, hook_ssm_state, hook_ssm_out)"] = "; ".join(
+        found.missing["selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"] = "; ".join(
             f"{why} (layers {', '.join(map(str, layers))})" for why, layers in why_not.items()
         )
     return sites
@@ -320,8 +355,10 @@ def _with_points(hooked: Any, made: list[tuple[int, str, ScanSite]], blocks: Any
 
 
 def _verify(sites: list[ScanSite], model: Any) -> dict[ScanSite, str]:
-    """The value check on every site, then the edit check on those that passed."""
-    failed = _probe(model, sites, edit=False)
-    rest = [s for s in sites if s not in failed]
-    failed.update(_probe(model, rest, edit=True) if rest else {})
+    """The value check on every site, then the edit checks (``hook_ssm_out``'s, then the inputs') on those that
+    passed."""
+    failed = _probe(model, sites, edit=None)
+    for edit in ("out", "inputs"):
+        rest = [s for s in sites if s not in failed]
+        failed.update(_probe(model, rest, edit=edit) if rest else {})
     return failed

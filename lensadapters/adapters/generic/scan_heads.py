@@ -235,6 +235,9 @@ class HeadScan(ScanSite):
                 edited = True
         return edited
 
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {"hook_gate": ("norm", 1, "gate")}
+
     def _read_gate(self) -> Tensor:
         """The gate the gated norm is given (its second input), which must be in_proj's (scaled) gate part."""
         args, kwargs = self.given
@@ -317,6 +320,9 @@ class GatedHeadScan(HeadScan):
 
     inject = "out_proj"
     gated_here = True
+
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {}
 
     def _read_gate(self) -> Tensor:
         return self._gate()

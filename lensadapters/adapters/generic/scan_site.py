@@ -148,6 +148,11 @@ class ScanSite(Site):
         """The value that goes into :attr:`inject` from the scan's output (the ``D`` skip, a gate)."""
         raise NotImplementedError
 
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        """The input points whose edit goes on as a child's input, not through the scan alone: by point, the child,
+        the input's position and its keyword (the probe checks the child is given the edited value)."""
+        return {}
+
     def edit_reaches(self, base: Tensor) -> Tensor:
         """What :attr:`inject`'s input is after the probe adds 1 to ``hook_ssm_out`` (``base``: its own value)."""
         raise NotImplementedError

@@ -241,7 +241,7 @@ def test_a_padded_batch_reads_the_masked_scan() -> None:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + ("mamba.hook_conv",))
 @pytest.mark.parametrize("variant", ["as_is", "rms_norm_multipliers", "branch_multipliers"])
 def test_gradients_through_an_edit_match_finite_differences(variant: str, point: str) -> None:
     """In float64, of the input of the module the scan goes into (the gated norm computes in float32 itself)."""
@@ -251,7 +251,7 @@ def test_gradients_through_an_edit_match_finite_differences(variant: str, point:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + ("mamba.hook_conv", "mamba.hook_gate"))
 @pytest.mark.parametrize("variant", ["as_is", "rms_norm_multipliers", "branch_multipliers"])
 def test_cached_generation_with_an_edit_equals_one_full_pass(variant: str, point: str) -> None:
     """Greedy generation through the model's cache (the mixer's convolution and recurrent states, the attention's

@@ -81,14 +81,16 @@ def _causal_conv(conv: Any, seq: torch.Tensor) -> torch.Tensor:
     """silu of the depthwise causal convolution of ``seq`` ``[b, p, channels]`` with the module's own weights, in
     float64 (a plain PyTorch computation: nothing of the adapter's)."""
     k = conv.kernel_size[0]
-    out = F.conv1d(seq.double().transpose(1, 2), conv.weight.double(), conv.bias.double(), padding=k - 1, groups=conv.groups)
+    out = F.conv1d(
+        seq.double().transpose(1, 2), conv.weight.double(), conv.bias.double(), padding=k - 1, groups=conv.groups
+    )
     return F.silu(out[..., : seq.shape[1]]).transpose(1, 2)
 
 
 # Mamba (one scan per channel): hook_conv is x_proj's input, the scan's input too
 
 
-def _mamba_io(model: Any, mixer: Any, hm: Optional[HookedModel] = None, hooks: list = []) -> dict[str, Any]:
+def _mamba_io(model: Any, mixer: Any, hm: Optional[HookedModel] = None, hooks: tuple = ()) -> dict[str, Any]:
     """in_proj's output, x_proj's input and output and out_proj's input, in one pass (``hm`` with ``hooks``, or the
     plain model), by plain PyTorch hooks."""
 
@@ -97,7 +99,7 @@ def _mamba_io(model: Any, mixer: Any, hm: Optional[HookedModel] = None, hooks: l
             if hm is None:
                 model(IDS, use_cache=False)
             else:
-                with hm.hooks(hooks):
+                with hm.hooks(list(hooks)):
                     hm(IDS, use_cache=False)
 
     seen: dict[str, Any] = {}
@@ -146,7 +148,7 @@ def test_a_mamba_edit_is_the_scan_recomputed_from_the_edited_value(point: str) -
     edit: Callable[[torch.Tensor], torch.Tensor] = lambda t: t * 1.5 - 0.2  # noqa: E731
     x_e, gate_e = (edit(x), gate) if point == "mixer.hook_conv" else (x, edit(gate))
     expected = _mamba_scan(mixer, x_e, gate_e)["out_in"]
-    got = _mamba_io(model, mixer, hm, [(f"blocks.0.{point}", lambda t, hook: edit(t))])
+    got = _mamba_io(model, mixer, hm, ((f"blocks.0.{point}", lambda t, hook: edit(t)),))
     torch.testing.assert_close(got["out_in"].double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["x"].double(), x_e, atol=1e-6, rtol=1e-6)  # x_proj was given the edited value
     assert (got["out_in"].double() - plain["out_in"].double()).abs().max() > 1e-2  # the edit matters
@@ -209,8 +211,9 @@ def _heads_scan(mixer: Any, proj: torch.Tensor, xbc: torch.Tensor) -> torch.Tens
     a = -torch.exp(mixer.A_log.double())
     _, y = recurrence(
         torch.zeros(x.shape[0], HEADS, HEAD_DIM, STATE, dtype=torch.float64),
-        lambda h, t: torch.exp(dt[:, t] * a)[:, :, None, None] * h
-        + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t]),
+        lambda h, t: (
+            torch.exp(dt[:, t] * a)[:, :, None, None] * h + torch.einsum("bh,bhd,bhn->bhdn", dt[:, t], x[:, t], b[:, t])
+        ),
         lambda h, t: torch.einsum("bhdn,bhn->bhd", h, c[:, t]),
         x.shape[1],
     )
@@ -225,9 +228,7 @@ def test_mamba2_reads_the_masked_convolution_and_the_gate_the_norm_is_given() ->
     plain = _norm_io(model, mixer, lambda: model(IDS, attention_mask=mask, use_cache=False))
     xbc = _xbc(mixer, plain["proj"], mask)
     torch.testing.assert_close(_heads_scan(mixer, plain["proj"], xbc), plain["norm_in"].double(), atol=1e-5, rtol=1e-4)
-    got, seen = read_points(
-        hm, IDS, "blocks.0.", INPUTS, [], inputs={"norm_in": mixer.norm}, attention_mask=mask
-    )
+    got, seen = read_points(hm, IDS, "blocks.0.", INPUTS, [], inputs={"norm_in": mixer.norm}, attention_mask=mask)
     assert got["mixer.hook_conv"].shape == (2, 7, INNER + 2 * GROUPS * STATE)
     torch.testing.assert_close(got["mixer.hook_conv"].double(), xbc, atol=1e-6, rtol=1e-5)
     assert torch.equal(got["mixer.hook_conv"][1, :3], torch.zeros_like(got["mixer.hook_conv"][1, :3]))
@@ -248,6 +249,7 @@ def test_a_mamba2_convolution_edit_is_the_scan_from_the_edited_x_b_c() -> None:
         return t
 
     expected = _heads_scan(mixer, plain["proj"], edit(_xbc(mixer, plain["proj"])))
+
     def run() -> None:
         with hm.hooks([("blocks.0.mixer.hook_conv", lambda t, hook: edit(t))]):
             hm(IDS, use_cache=False)
@@ -342,7 +344,8 @@ def test_falcon_h1s_gate_edit_gates_the_scan_as_the_mixer_does() -> None:
     # the readings are the model's: before the gate times silu(gate) is out_proj's input, the model's own value
     torch.testing.assert_close(before_gate * F.silu(gate), seen["out_in"].double(), atol=1e-5, rtol=1e-4)
     edit: Callable[[torch.Tensor], torch.Tensor] = lambda t: t * -1.2 + 0.4  # noqa: E731
-    _, edited = read_points(hm, IDS, "blocks.0.", (), [("blocks.0.mamba.hook_gate", lambda t, hook: edit(t))], inputs={"out_in": out_proj})
+    hooks = [("blocks.0.mamba.hook_gate", lambda t, hook: edit(t))]
+    _, edited = read_points(hm, IDS, "blocks.0.", (), hooks, inputs={"out_in": out_proj})
     torch.testing.assert_close(edited["out_in"].double(), before_gate * F.silu(edit(gate)), atol=1e-5, rtol=1e-4)
     assert (edited["out_in"] - seen["out_in"]).abs().max() > 1e-2
     check_cached_edit(hm, IDS[:, :4], "blocks.1.mamba.hook_gate", effect=1e-4)
@@ -376,4 +379,33 @@ def test_every_layer_with_the_scans_points_gets_the_convolution_and_the_gate(mod
         for name in ("hook_conv", "hook_gate"):
             with hm.hooks([(f"{served[0]}.{name}", lambda t, hook: t * 1.5 + 0.5)]):
                 assert (hm(ids, use_cache=False).logits - plain).abs().max() > 1e-4, name
+    hm.unwrap()
+
+
+def test_a_layer_whose_gated_norm_gets_another_gate_than_the_edit_has_none_of_the_scans_points() -> None:
+    """A plain pre-hook (there before wrapping) gives layer 0's gated norm twice the gate it is called with: the
+    probe's edit of hook_gate does not reach the norm as the edit says, so that layer gets none of the five points
+    and the warning says why; layer 1 keeps them."""
+    torch.manual_seed(0)
+    model = Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=64,
+            hidden_size=16,
+            state_size=STATE,
+            num_heads=HEADS,
+            head_dim=HEAD_DIM,
+            n_groups=GROUPS,
+            num_hidden_layers=2,
+        )  # fmt: skip
+    ).eval()
+    norm = model.backbone.layers[0].mixer.norm
+    norm.register_forward_pre_hook(lambda m, a: (a[0], a[1] * 2.0, *a[2:]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = HookedModel.wrap(model, registry=Registry())
+    names = ("hook_gate", "hook_conv", "hook_dt", "hook_ssm_state", "hook_ssm_out")
+    assert not any(f"blocks.0.mixer.{n}" in hm.hook_names for n in names)
+    assert all(f"blocks.1.mixer.{n}" in hm.hook_names for n in names)
+    said = " ".join(str(w.message) for w in caught)
+    assert "an edit of hook_gate does not reach norm's input as the scan's form says (layers 0)" in said
     hm.unwrap()

@@ -16,19 +16,28 @@ mixer a layer runs beside its attention module (:mod:`.parallel`, ``hook_mixer_o
   transformers does (Falcon-Mamba on transformers 4). The probe verifies the declaration as it does the rest.
 * **Points** (relative to the layer, ``<mixer>`` the mixer child's name): ``<mixer>.hook_dt`` ``[b, p, d_inner]``
   the step sizes, ``<mixer>.hook_ssm_state`` ``[b, p, d_inner, d_state]`` the state after every position,
-  ``<mixer>.hook_ssm_out`` ``[b, p, d_inner]`` the scan's output before the ``D`` skip and the gate. Only while one
-  of them is hooked, an explicit scan (a loop over positions, in float32) runs, from the values the model gave
-  ``x_proj`` (its input ``x`` and its output) and ``in_proj`` (the gate); otherwise nothing runs.
+  ``<mixer>.hook_ssm_out`` ``[b, p, d_inner]`` the scan's output before the ``D`` skip and the gate, and the scan's
+  inputs: ``<mixer>.hook_gate`` ``[b, p, d_inner]`` the gate (in_proj's output's second half, as the model gates
+  with it) and ``<mixer>.hook_conv`` ``[b, p, d_inner]`` the causal convolution's activated output (masked where the
+  model masks it): x_proj's input, which the model's scan reads as its input ``x`` too (transformers 4.x calls
+  ``conv1d`` and ``act``, 5.x a functional convolution: x_proj's input is it either way). Only while one of them is
+  hooked, an explicit scan (a loop over positions, in float32) runs, from the values the model gave ``x_proj`` (its
+  input ``x`` and its output) and ``in_proj`` (the gate); otherwise nothing runs.
 * **Checked on every hooked call**: the unedited explicit scan must give the model's own input of ``out_proj`` (and,
   with a cache, the final state the cache holds), else the call raises naming the points. The wrap-time probe runs
-  this check on every recognised layer (and an edit of ``hook_ssm_out``, against a plain hook on ``out_proj``); a
-  layer that fails gets none of the three points, and the warning says why.
+  this check on every recognised layer (and an edit of ``hook_ssm_out``, against a plain hook on ``out_proj``, and
+  one of ``hook_gate`` and ``hook_conv`` with the check made under it, x_proj seen given the edited value); a layer
+  that fails gets none of the five points, and the warning says why.
 * **Edits**: an edited ``hook_dt`` is the step size of the whole scan (its state and output). An edited
   ``hook_ssm_state``: at every position ``t`` and state element where the returned value differs from the value the
   hook was shown, the state at ``t`` *is* the returned value: the output at ``t`` reads it and the state at ``t + 1``
   is carried on from it (``h_{t+1} = exp(dt A) h'_t + dt B x``); elsewhere the state is what the scan computes from
   the (edited) state before it. Replacing every position's state by another run's therefore gives exactly those
-  states. An edited ``hook_ssm_out`` is the scan's output (the ``D`` skip and the gate are applied to it). With a
+  states. An edited ``hook_ssm_out`` is the scan's output (the ``D`` skip and the gate are applied to it). An edited
+  ``hook_gate`` is the gate the scan's output is gated with. An edited ``hook_conv`` is x_proj's input (a pre-hook
+  gives it: the model computes dt, B and C from it, through the parts' norms where it has them) and the scan's input
+  (its ``D`` skip too): the model's own scan read the unedited value, so the check is made with that one and the
+  edited scan goes into ``out_proj``; the cache's convolution state (the convolution's inputs) is not changed. With a
   cache, the cache then holds the last (edited) state, and the next call with that cache shows ``hook_ssm_state``
   the states carried on from the last one it showed (not from the edited one), so cached generation shows and
   edits what one full pass would.
@@ -310,7 +319,8 @@ def serve_scan(hooked: Any, found: Any, sites: list, verifying: Any) -> list:
             else:
                 sites.append(site)
     if why_not:
-        found.missing["selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"] = "; ".join(
+        key = "selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"
+        found.missing[key] = "; ".join(
             f"{why} (layers {', '.join(map(str, layers))})" for why, layers in why_not.items()
         )
     return sites

@@ -24,18 +24,25 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
 * **Points**: ``<mixer>.hook_dt`` ``[b, p, n_heads]``, ``<mixer>.hook_ssm_state`` ``[b, p, n_heads, head_dim,
   d_state]`` the state after every position, ``<mixer>.hook_ssm_out`` ``[b, p, n_heads, head_dim]`` the scan's
   output before the ``D`` skip and the gated norm (per head, as the state; flattened it is the norm's input
-  layout). They read only module outputs of the unmodified model: ``in_proj``'s output (the gate, xBC, dt), the
+  layout), and the scan's inputs: ``<mixer>.hook_conv`` ``[b, p, conv_dim]`` the causal convolution's activated
+  output, x, B and C as the scan reads them (zero at masked positions where the model masks them), in the model's
+  dtype, and ``<mixer>.hook_gate`` ``[b, p, d_inner]`` the gate z as the gated norm is given it (its second input,
+  checked to be in_proj's scaled gate part on every hooked call) or as the mixer gates with it (no gated norm). An
+  edited ``hook_conv`` is the scan's x, B and C (nothing else reads them; the cache's convolution state, the
+  convolution's inputs, is not changed); an edited ``hook_gate`` is the gated norm's second input (the norm computes
+  with it; the scan's value goes on as the model's own), or the gate of ``(y + D x) * act(z)``. They read only module
+  outputs of the unmodified model: ``in_proj``'s output (the gate, xBC, dt), the
   output of ``act`` where the mixer calls it on the convolution (transformers 4.x), else the convolution recomputed
   from ``conv1d``'s live weights (with the cache's convolution state before a cached step), and the cache's
   states; the scan's value goes in as ``norm``'s first input. Edits work as :mod:`.scan` says.
 * **Checked on every hooked call**: the unedited explicit scan (float32, or wider; the convolution and the step
   sizes in the model's dtype, as the model computes them) must give the model's own input of ``norm`` and, with
   a cache, the final state the cache holds (to the rounding of the model's dtype where it is coarser), else the
-  call raises naming the points; the probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at
-  wrap time. A mixer that computes otherwise (a fused training kernel, a per-channel tensor it does not multiply
-  by) fails it or is not recognised, and gets none of the points. Served on the mixer form's token mixer
-  (``hook_attn_out``) and on a token mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`;
-  a described layer's too).
+  call raises naming the points; the probe checks this, an edit of ``hook_ssm_out`` and one of ``hook_gate`` and
+  ``hook_conv`` (the gated norm seen given the edited gate) on every recognised layer at wrap time. A mixer that
+  computes otherwise (a fused training kernel, a per-channel tensor it does not multiply by) fails it or is not
+  recognised, and gets none of the points. Served on the mixer form's token mixer (``hook_attn_out``) and on a token
+  mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`; a described layer's too).
 """
 
 from __future__ import annotations

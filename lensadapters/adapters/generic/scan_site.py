@@ -17,7 +17,7 @@ from lensadapters.hooks.sites import Site, first_input, replace_first_input
 
 Tensor = torch.Tensor
 SCAN_POINTS = ("hook_gate", "hook_conv", "hook_dt", "hook_ssm_state", "hook_ssm_out")
-INPUT_POINTS = ("hook_gate", "hook_conv")  # the scan's inputs a form reads (the probe edits them in a pass of their own)
+INPUT_POINTS = ("hook_gate", "hook_conv")  # the scan's inputs (the probe edits them in a pass of their own)
 
 
 class ScanMismatch(RuntimeError):

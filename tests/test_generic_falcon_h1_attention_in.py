@@ -1,6 +1,6 @@
 """Falcon-H1 with an attention input multiplier (``attention_in_multiplier``, the layer calls its attention with
 ``hidden_states * attention_in_multiplier``, its Mamba mixer with the norm's output as it is) gets the points it gets
-with unit multipliers (29 a layer; 17 before the generic adapter described the constant), each what the model
+with unit multipliers (31 a layer with the scan's points; 17 before the generic adapter described the constant), each what the model
 computes. Nothing is named: the constant is the one of the config's numbers the norm's output times which is, bit for
 bit, what the attention module reads on the probe (``BlockLayout.attn_in_scale``).
 
@@ -58,13 +58,13 @@ def _served(hm: object, i: int) -> set[str]:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_every_layer_gets_the_29_points_of_unit_multipliers_each_verified(variant: str) -> None:
+def test_every_layer_gets_the_31_points_of_unit_multipliers_each_verified(variant: str) -> None:
     unit = wrap_generic(tiny_model("falcon_h1"))
     want = [_served(unit, i) for i in range(unit.cfg.n_layers)]
     unit.unwrap()
     hm = wrap_generic(_model(variant))
     for i in range(hm.cfg.n_layers):
-        assert len(_served(hm, i)) == 29
+        assert len(_served(hm, i)) == 31
         assert _served(hm, i) == want[i], (i, sorted(_served(hm, i) ^ want[i]))
         assert hm.block_layouts[i].attn_in_scale == C
     names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
@@ -217,7 +217,7 @@ def test_a_bfloat16_model_finds_the_constant_and_gets_its_points_each_verified()
     """In bfloat16 the norm's output times the Python float is still, bit for bit, what the attention reads."""
     hm = wrap_generic(tiny_model("falcon_h1", attention_in_multiplier=C).to(torch.bfloat16))
     for i in range(hm.cfg.n_layers):
-        assert len(_served(hm, i)) == 29
+        assert len(_served(hm, i)) == 31
         assert hm.block_layouts[i].attn_in_scale == C
     names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
     assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)

@@ -232,7 +232,7 @@ def test_a_padded_batch_reads_the_masked_scan() -> None:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + ("mamba.hook_conv",))
 @pytest.mark.parametrize("variant", ["as_is", "rms_norm_multipliers", "branch_multipliers"])
 def test_gradients_through_an_edit_match_finite_differences(variant: str, point: str) -> None:
     """In float64, of the input of the module the scan goes into (the gated norm computes in float32 itself)."""
@@ -242,7 +242,7 @@ def test_gradients_through_an_edit_match_finite_differences(variant: str, point:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + ("mamba.hook_conv", "mamba.hook_gate"))
 @pytest.mark.parametrize("variant", ["as_is", "rms_norm_multipliers", "branch_multipliers"])
 def test_cached_generation_with_an_edit_equals_one_full_pass(variant: str, point: str) -> None:
     """Greedy generation through the model's cache (the mixer's convolution and recurrent states, the attention's
@@ -285,7 +285,7 @@ def test_a_mixer_with_two_tensors_of_in_projs_width_gets_no_scan_points_and_the_
         layer.mamba.register_buffer("other_scale", torch.full_like(layer.mamba.mup_vector, 3.0), persistent=False)
     hm = wrap_generic(model)
     assert not any(n.endswith(p.split(".")[1]) for n in hm.hook_names for p in POINTS)
-    why = findings(model).missing["selective-scan points (hook_dt, hook_ssm_state, hook_ssm_out)"]
+    why = findings(model).missing["selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"]
     assert "several tensors of its own have one element per output of in_proj" in why
     assert "(layers 0, 1, 2, 3)" in why
     hm.unwrap()

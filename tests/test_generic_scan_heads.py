@@ -196,7 +196,7 @@ def test_gradients_through_an_edit_match_finite_differences(point: str) -> None:
     hm.unwrap()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + ("mixer.hook_conv", "mixer.hook_gate"))
 def test_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
     _, hm = _mamba2()
     check_cached_edit(hm, IDS[:, :5], f"blocks.1.{point}", effect=1e-4)  # 20 times the tolerance

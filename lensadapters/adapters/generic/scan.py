@@ -16,19 +16,28 @@ mixer a layer runs beside its attention module (:mod:`.parallel`, ``hook_mixer_o
   transformers does (Falcon-Mamba on transformers 4). The probe verifies the declaration as it does the rest.
 * **Points** (relative to the layer, ``<mixer>`` the mixer child's name): ``<mixer>.hook_dt`` ``[b, p, d_inner]``
   the step sizes, ``<mixer>.hook_ssm_state`` ``[b, p, d_inner, d_state]`` the state after every position,
-  ``<mixer>.hook_ssm_out`` ``[b, p, d_inner]`` the scan's output before the ``D`` skip and the gate. Only while one
-  of them is hooked, an explicit scan (a loop over positions, in float32) runs, from the values the model gave
-  ``x_proj`` (its input ``x`` and its output) and ``in_proj`` (the gate); otherwise nothing runs.
+  ``<mixer>.hook_ssm_out`` ``[b, p, d_inner]`` the scan's output before the ``D`` skip and the gate, and the scan's
+  inputs: ``<mixer>.hook_gate`` ``[b, p, d_inner]`` the gate (in_proj's output's second half, as the model gates
+  with it) and ``<mixer>.hook_conv`` ``[b, p, d_inner]`` the causal convolution's activated output (masked where the
+  model masks it): x_proj's input, which the model's scan reads as its input ``x`` too (transformers 4.x calls
+  ``conv1d`` and ``act``, 5.x a functional convolution: x_proj's input is it either way). Only while one of them is
+  hooked, an explicit scan (a loop over positions, in float32) runs, from the values the model gave ``x_proj`` (its
+  input ``x`` and its output) and ``in_proj`` (the gate); otherwise nothing runs.
 * **Checked on every hooked call**: the unedited explicit scan must give the model's own input of ``out_proj`` (and,
   with a cache, the final state the cache holds), else the call raises naming the points. The wrap-time probe runs
-  this check on every recognised layer (and an edit of ``hook_ssm_out``, against a plain hook on ``out_proj``); a
-  layer that fails gets none of the three points, and the warning says why.
+  this check on every recognised layer (and an edit of ``hook_ssm_out``, against a plain hook on ``out_proj``, and
+  one of ``hook_gate`` and ``hook_conv`` with the check made under it, x_proj seen given the edited value); a layer
+  that fails gets none of the five points, and the warning says why.
 * **Edits**: an edited ``hook_dt`` is the step size of the whole scan (its state and output). An edited
   ``hook_ssm_state``: at every position ``t`` and state element where the returned value differs from the value the
   hook was shown, the state at ``t`` *is* the returned value: the output at ``t`` reads it and the state at ``t + 1``
   is carried on from it (``h_{t+1} = exp(dt A) h'_t + dt B x``); elsewhere the state is what the scan computes from
   the (edited) state before it. Replacing every position's state by another run's therefore gives exactly those
-  states. An edited ``hook_ssm_out`` is the scan's output (the ``D`` skip and the gate are applied to it). With a
+  states. An edited ``hook_ssm_out`` is the scan's output (the ``D`` skip and the gate are applied to it). An edited
+  ``hook_gate`` is the gate the scan's output is gated with. An edited ``hook_conv`` is x_proj's input (a pre-hook
+  gives it: the model computes dt, B and C from it, through the parts' norms where it has them) and the scan's input
+  (its ``D`` skip too): the model's own scan read the unedited value, so the check is made with that one and the
+  edited scan goes into ``out_proj``; the cache's convolution state (the convolution's inputs) is not changed. With a
   cache, the cache then holds the last (edited) state, and the next call with that cache shows ``hook_ssm_state``
   the states carried on from the last one it showed (not from the edited one), so cached generation shows and
   edits what one full pass would.
@@ -43,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.adapters.generic import scan_heads
-from lensadapters.adapters.generic.scan_site import SCAN_POINTS, ScanMismatch, ScanSite, _close
+from lensadapters.adapters.generic.scan_site import INPUT_POINTS, SCAN_POINTS, ScanMismatch, ScanSite, _close
 from lensadapters.hooks.hook_point import HookPoint
 
 Tensor = torch.Tensor
@@ -90,8 +99,9 @@ class MambaScan(ScanSite):
 
     def _clear(self) -> None:
         super()._clear()
-        self.gate: Optional[Tensor] = None
-        self.x: Optional[Tensor] = None
+        self.gate: Optional[Tensor] = None  # the gate the combine reads (the model's, until the check is done)
+        self.x: Optional[Tensor] = None  # the scan's input the scan reads (the model's, until the check is done)
+        self.edited: dict[str, Tensor] = {}  # hook_gate's and hook_conv's edits, made at x_proj's input
         self.params: Optional[Tensor] = None
         self.parts: dict[str, Tensor] = {}  # dt_in, B and C as the scan reads them (normalized where the mixer does)
 
@@ -99,6 +109,7 @@ class MambaScan(ScanSite):
         m = self.mixer
         handles = [
             m.get_submodule("in_proj").register_forward_hook(self._on_in_proj),
+            m.get_submodule("x_proj").register_forward_pre_hook(self._on_x_proj_input),
             m.get_submodule("x_proj").register_forward_hook(self._on_x_proj),
         ]
         if normalization(m) == "children":
@@ -118,9 +129,40 @@ class MambaScan(ScanSite):
         if self.live():
             self.gate = output[..., output.shape[-1] // 2 :]
 
+    def _on_x_proj_input(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        """``hook_gate`` (the gate, known from in_proj's output) then ``hook_conv`` (x_proj's input: the activated
+        convolution, masked, the scan's input too): an edited ``hook_conv`` is x_proj's input, so the model computes
+        dt, B and C from it; the scan reads it as its input after the check (the model's scan read the unedited
+        one)."""
+        if not self.live() or not args or not isinstance(args[0], Tensor):
+            return None
+        self.x = args[0]
+        if "hook_gate" in self.by and self.gate is not None:
+            gate, changed = self.by["hook_gate"].apply(self.gate, protect=True)
+            if changed:
+                self.edited["gate"] = gate
+        if "hook_conv" in self.by:
+            x, changed = self.by["hook_conv"].apply(args[0], protect=True)
+            if changed:
+                self.edited["x"] = x
+                return (x, *args[1:])
+        return None
+
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {"hook_conv": ("x_proj", 0, "input")}
+
+    def _edit_inputs(self) -> bool:
+        if "gate" in self.edited:
+            self.gate = self.edited["gate"]
+        if "x" in self.edited:
+            self.x = self.edited["x"]
+        return bool(self.edited)
+
     def _on_x_proj(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self.live():
-            self.x, self.params = args[0], output
+            self.params = output
+            if self.x is None:  # x_proj called with no positional input: the check fails on it
+                self.x = args[0] if args else None
             norm, n = normalization(self.mixer), self.mixer.A_log.shape[1]
             if norm != "children":
                 for part, v in zip(PARTS, (output[..., : -2 * n], output[..., -2 * n : -n], output[..., -n:])):
@@ -167,9 +209,12 @@ def _rms(v: Tensor, eps: float) -> Tensor:
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
-def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]:
-    """One forward pass with every site's points hooked (``edit``: ``hook_ssm_out`` plus one, checked against a plain
-    hook on the child the scan's value goes into): the sites whose check failed, with why."""
+def _probe(model: Any, sites: list[ScanSite], edit: Optional[str]) -> dict[ScanSite, str]:
+    """One forward pass with every site's points hooked: the sites whose check failed, with why. ``edit``:
+    ``"out"``, ``hook_ssm_out`` plus one, checked against a plain hook on the child the scan's value goes into;
+    ``"inputs"``, ``hook_gate`` and ``hook_conv`` plus one, the check made on the model's own values while they are
+    edited, each edit checked where it goes on as a child's input (:meth:`ScanSite.edit_targets`: a plain forward
+    hook on that child sees what it was given)."""
     from lensadapters.adapters.generic.probe import PROBE_LENGTH
 
     weight = getattr(model.get_input_embeddings(), "weight", None)
@@ -179,19 +224,40 @@ def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]
     handles: list[Any] = []
     entries: list[tuple[HookPoint, Any]] = []
     seen: dict[ScanSite, tuple[Tensor, Optional[Tensor]]] = {}  # the input there, and what the edit should give
+    shown: dict[tuple[ScanSite, str], Tensor] = {}  # an input point's value (before the probe's edit)
+    given: dict[tuple[ScanSite, str], Tensor] = {}  # what the child its edit goes into was given there
+    edited = {"out": ("hook_ssm_out",), "inputs": INPUT_POINTS}.get(edit or "", ())
+
+    def plus_one(site: ScanSite, name: str) -> Any:
+        def fn(v: Tensor, hook: Any) -> Tensor:
+            shown.setdefault((site, name), v.detach().clone())
+            return v + 1.0
+
+        return fn
+
     for site in sites:
         site.problem = []
         handles += site.install()
         for name, point in site.by.items():
-            fn = (lambda v, hook: v + 1.0) if edit and name == "hook_ssm_out" else (lambda v, hook: None)
+            fn = plus_one(site, name) if name in edited else (lambda v, hook: None)
             entries.append((point, point.add(fn)))
-        if edit and "hook_ssm_out" in site.by:
+        if edit == "out" and "hook_ssm_out" in site.by:
 
             def plain(module: nn.Module, args: tuple, site: ScanSite = site) -> None:
                 base = site.served
                 seen[site] = (args[0], None if base is None else site.edit_reaches(base))
 
             handles.append(site.mixer.get_submodule(site.inject).register_forward_pre_hook(plain))
+        for name, (child, index, key) in site.edit_targets().items() if edit == "inputs" else ():
+            if name not in site.by:
+                continue
+
+            def got(module: nn.Module, args: tuple, kwargs: dict, output: Any, at: Any = (site, name, index, key)):
+                value = args[at[2]] if len(args) > at[2] else kwargs.get(at[3])
+                if isinstance(value, Tensor):
+                    given.setdefault((at[0], at[1]), value.detach().clone())
+
+            handles.append(site.mixer.get_submodule(child).register_forward_hook(got, with_kwargs=True))
     failed: dict[ScanSite, str] = {}
     try:
         with torch.no_grad():
@@ -206,11 +272,19 @@ def _probe(model: Any, sites: list[ScanSite], edit: bool) -> dict[ScanSite, str]
     for site in sites:
         if site not in failed and site.problem:
             failed[site] = site.problem[0]
-        elif site not in failed and edit and site in seen:
+        elif site not in failed and edit == "out" and site in seen:
             y, expected = seen[site]
             # to the rounding of the model's dtype (the model gates the edited value in it: bfloat16's, say)
             if expected is None or not _close(y.float(), expected.to(y.dtype)):
                 failed[site] = f"an edit of hook_ssm_out does not reach {site.inject}'s input as the scan's form says"
+        elif site not in failed and edit == "inputs":
+            for name, (child, _, _) in site.edit_targets().items():
+                if name not in site.by:
+                    continue
+                before, after = shown.get((site, name)), given.get((site, name))
+                if before is None or after is None or after.shape != before.shape or not torch.equal(after, before + 1):
+                    failed[site] = f"an edit of {name} does not reach {child}'s input as the scan's form says"
+                    break
         site.problem = site.served = None
     return failed
 
@@ -245,7 +319,8 @@ def serve_scan(hooked: Any, found: Any, sites: list, verifying: Any) -> list:
             else:
                 sites.append(site)
     if why_not:
-        found.missing["selective-scan points (hook_dt, hook_ssm_state, hook_ssm_out)"] = "; ".join(
+        key = "selective-scan points (hook_gate, hook_conv, hook_dt, hook_ssm_state, hook_ssm_out)"
+        found.missing[key] = "; ".join(
             f"{why} (layers {', '.join(map(str, layers))})" for why, layers in why_not.items()
         )
     return sites
@@ -290,8 +365,10 @@ def _with_points(hooked: Any, made: list[tuple[int, str, ScanSite]], blocks: Any
 
 
 def _verify(sites: list[ScanSite], model: Any) -> dict[ScanSite, str]:
-    """The value check on every site, then the edit check on those that passed."""
-    failed = _probe(model, sites, edit=False)
-    rest = [s for s in sites if s not in failed]
-    failed.update(_probe(model, rest, edit=True) if rest else {})
+    """The value check on every site, then the edit checks (``hook_ssm_out``'s, then the inputs') on those that
+    passed."""
+    failed = _probe(model, sites, edit=None)
+    for edit in ("out", "inputs"):
+        rest = [s for s in sites if s not in failed]
+        failed.update(_probe(model, rest, edit=edit) if rest else {})
     return failed

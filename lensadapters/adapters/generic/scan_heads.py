@@ -24,18 +24,25 @@ probe and cache handling are those of :class:`.scan_site.ScanSite`; this module 
 * **Points**: ``<mixer>.hook_dt`` ``[b, p, n_heads]``, ``<mixer>.hook_ssm_state`` ``[b, p, n_heads, head_dim,
   d_state]`` the state after every position, ``<mixer>.hook_ssm_out`` ``[b, p, n_heads, head_dim]`` the scan's
   output before the ``D`` skip and the gated norm (per head, as the state; flattened it is the norm's input
-  layout). They read only module outputs of the unmodified model: ``in_proj``'s output (the gate, xBC, dt), the
+  layout), and the scan's inputs: ``<mixer>.hook_conv`` ``[b, p, conv_dim]`` the causal convolution's activated
+  output, x, B and C as the scan reads them (zero at masked positions where the model masks them), in the model's
+  dtype, and ``<mixer>.hook_gate`` ``[b, p, d_inner]`` the gate z as the gated norm is given it (its second input,
+  checked to be in_proj's scaled gate part on every hooked call) or as the mixer gates with it (no gated norm). An
+  edited ``hook_conv`` is the scan's x, B and C (nothing else reads them; the cache's convolution state, the
+  convolution's inputs, is not changed); an edited ``hook_gate`` is the gated norm's second input (the norm computes
+  with it; the scan's value goes on as the model's own), or the gate of ``(y + D x) * act(z)``. They read only module
+  outputs of the unmodified model: ``in_proj``'s output (the gate, xBC, dt), the
   output of ``act`` where the mixer calls it on the convolution (transformers 4.x), else the convolution recomputed
   from ``conv1d``'s live weights (with the cache's convolution state before a cached step), and the cache's
   states; the scan's value goes in as ``norm``'s first input. Edits work as :mod:`.scan` says.
 * **Checked on every hooked call**: the unedited explicit scan (float32, or wider; the convolution and the step
   sizes in the model's dtype, as the model computes them) must give the model's own input of ``norm`` and, with
   a cache, the final state the cache holds (to the rounding of the model's dtype where it is coarser), else the
-  call raises naming the points; the probe checks this and an edit of ``hook_ssm_out`` on every recognised layer at
-  wrap time. A mixer that computes otherwise (a fused training kernel, a per-channel tensor it does not multiply
-  by) fails it or is not recognised, and gets none of the points. Served on the mixer form's token mixer
-  (``hook_attn_out``) and on a token mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`;
-  a described layer's too).
+  call raises naming the points; the probe checks this, an edit of ``hook_ssm_out`` and one of ``hook_gate`` and
+  ``hook_conv`` (the gated norm seen given the edited gate) on every recognised layer at wrap time. A mixer that
+  computes otherwise (a fused training kernel, a per-channel tensor it does not multiply by) fails it or is not
+  recognised, and gets none of the points. Served on the mixer form's token mixer (``hook_attn_out``) and on a token
+  mixer a layer runs beside its attention (``hook_mixer_out``, :mod:`.parallel`; a described layer's too).
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.generic.scan_site import ScanSite, cache_tensor
+from lensadapters.adapters.generic.scan_site import ScanSite, _close, cache_tensor
+from lensadapters.hooks.sites import replace_first_input
 
 Tensor = torch.Tensor
 
@@ -146,6 +154,7 @@ class HeadScan(ScanSite):
     """Mamba-2's scan (the module docstring): read from ``in_proj``'s output, put in as ``norm``'s input."""
 
     inject = "norm"
+    gated_here = False  # the gated norm gates the scan's value: an edited gate is the norm's second input
 
     def _clear(self) -> None:
         super()._clear()
@@ -155,6 +164,8 @@ class HeadScan(ScanSite):
         self.x: Optional[Tensor] = None
         self.b: Optional[Tensor] = None
         self.c: Optional[Tensor] = None
+        self.conv: Optional[Tensor] = None  # the activated convolution's output as the scan reads it (hook_conv)
+        self.z: Optional[Tensor] = None  # an edited gate (hook_gate)
 
     def _readers(self) -> list[Any]:
         m = self.mixer
@@ -215,6 +226,44 @@ class HeadScan(ScanSite):
                 for _ in self._split(self._convolve(xbc, conv0)):
                     yield dt, h0
 
+    def _edit_inputs(self) -> bool:
+        """``hook_gate`` (the gate as the gated norm, or the mixer's gating, reads it) then ``hook_conv`` (x, B and C
+        as the model has them, in its dtype: an edit is the scan's x, B and C, nothing else reads them)."""
+        edited, sizes, proj = False, _sizes(self.mixer), self.proj
+        assert sizes is not None and proj is not None and self.conv is not None
+        if "hook_gate" in self.by:
+            gate, changed = self.by["hook_gate"].apply(self._read_gate(), protect=True)
+            if changed:  # the scan's value changes only where the mixer gates it itself (GatedHeadScan)
+                self.z, edited = gate, self.gated_here
+        if "hook_conv" in self.by:
+            conv, changed = self.by["hook_conv"].apply(self.conv.to(proj.dtype), protect=True)
+            if changed:
+                self._read(conv.to(self.wide), sizes)
+                edited = True
+        return edited
+
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {"hook_gate": ("norm", 1, "gate")}
+
+    def _read_gate(self) -> Tensor:
+        """The gate the gated norm is given (its second input), which must be in_proj's (scaled) gate part."""
+        args, kwargs = self.given
+        given = args[1] if len(args) > 1 else kwargs.get("gate")
+        gate = self._gate()
+        if not isinstance(given, Tensor) or given.shape != gate.shape or not _close(given, gate.to(given.dtype)):
+            self._fail(f"{self.inject} was not given in_proj's gate part as its second input (gate)")
+            return gate
+        return given
+
+    def _finish(self, args: tuple, kwargs: dict, y: Optional[Tensor]) -> Any:
+        args, kwargs = (args, kwargs) if y is None else replace_first_input(args, kwargs, y)
+        if self.z is not None:  # the edited gate is what the gated norm reads
+            if len(args) > 1:
+                args = (args[0], self.z, *args[2:])
+            else:
+                kwargs = {**kwargs, "gate": self.z}
+        return (args, kwargs) if y is not None or self.z is not None else None
+
     def _convolve(self, xbc: Tensor, before: Optional[Tensor]) -> Tensor:
         """The causal convolution of xBC, activated (``before``: the cache's convolution state)."""
         m = self.mixer
@@ -236,6 +285,7 @@ class HeadScan(ScanSite):
         else:
             ways = [out]
         for scaled in ways:
+            self.conv = scaled
             self._read(scaled, sizes)
             yield
 
@@ -276,9 +326,20 @@ class GatedHeadScan(HeadScan):
     computed in the gate's dtype, as the model does, the product in float32 or wider)."""
 
     inject = "out_proj"
+    gated_here = True
+
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        return {}
+
+    def _read_gate(self) -> Tensor:
+        return self._gate()
+
+    def _finish(self, args: tuple, kwargs: dict, y: Optional[Tensor]) -> Any:
+        return ScanSite._finish(self, args, kwargs, y)
 
     def _combine(self, ys: Tensor) -> Tensor:
-        return super()._combine(ys) * self.mixer.act(self._gate()).to(self.wide)
+        gate = self._gate() if self.z is None else self.z
+        return super()._combine(ys) * self.mixer.act(gate).to(self.wide)
 
     def edit_reaches(self, base: Tensor) -> Tensor:
         return base.float() + self.mixer.act(self._gate()).float()

@@ -16,7 +16,8 @@ from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, first_input, replace_first_input
 
 Tensor = torch.Tensor
-SCAN_POINTS = ("hook_dt", "hook_ssm_state", "hook_ssm_out")
+SCAN_POINTS = ("hook_gate", "hook_conv", "hook_dt", "hook_ssm_state", "hook_ssm_out")
+INPUT_POINTS = ("hook_gate", "hook_conv")  # the scan's inputs (the probe edits them in a pass of their own)
 
 
 class ScanMismatch(RuntimeError):
@@ -75,6 +76,7 @@ class ScanSite(Site):
     def _clear(self) -> None:
         self.cache: Any = None
         self.kwargs: dict = {}
+        self.given: tuple[tuple, dict] = ((), {})  # what inject's pre-hook was given on this call
         self.h0: Optional[Tensor] = None
         self.final: Optional[tuple[Tensor, Tensor, bool, Tensor]] = None  # (unedited, served, edited, shown)
         self.entered = self.reached = False  # a hooked call began; the scan's value was checked where it goes in
@@ -146,6 +148,11 @@ class ScanSite(Site):
         """The value that goes into :attr:`inject` from the scan's output (the ``D`` skip, a gate)."""
         raise NotImplementedError
 
+    def edit_targets(self) -> dict[str, tuple[str, int, str]]:
+        """The input points whose edit goes on as a child's input, not through the scan alone: by point, the child,
+        the input's position and its keyword (the probe checks the child is given the edited value)."""
+        return {}
+
     def edit_reaches(self, base: Tensor) -> Tensor:
         """What :attr:`inject`'s input is after the probe adds 1 to ``hook_ssm_out`` (``base``: its own value)."""
         raise NotImplementedError
@@ -169,7 +176,7 @@ class ScanSite(Site):
     def _on_inject(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not self.live():
             return None
-        served, self.reached = first_input(args, kwargs), True
+        served, self.reached, self.given = first_input(args, kwargs), True, (args, kwargs)
         if self.problem is not None:
             self.served = served
         self.wide = torch.promote_types(served.dtype, torch.float32)  # float32 as HF's slow path, or wider
@@ -186,9 +193,10 @@ class ScanSite(Site):
                 break
         else:
             return self._fail(f"the explicit selective scan does not reproduce the model's input of {self.inject}")
-        dt, edited, u0 = dt0, False, self._remembered(h0)
+        dt, edited, u0 = dt0, self._edit_inputs(), self._remembered(h0)
         if "hook_dt" in self.by:
-            dt, edited = self.by["hook_dt"].apply(dt0)
+            dt, changed = self.by["hook_dt"].apply(dt0)
+            edited = edited or changed
         states = self._scan(dt, h0=h0) if edited else states0
         base = states if u0 is None else self._scan(dt, h0=u0)  # what one pass would show hook_ssm_state
         if "hook_ssm_state" in self.by:
@@ -201,7 +209,16 @@ class ScanSite(Site):
             if changed:
                 y, edited = self._output(states, ys_e)[1], True
         self.final = (states0[:, -1], states[:, -1], edited, base[:, -1])
-        return replace_first_input(args, kwargs, y.to(served.dtype)) if edited else None
+        return self._finish(args, kwargs, y.to(served.dtype) if edited else None)
+
+    def _edit_inputs(self) -> bool:
+        """After the check: the edits of ``hook_gate`` and ``hook_conv`` (where the form applies them here, or made
+        them before and reads them now), the scan's readings then the edited ones; whether any changed."""
+        return False
+
+    def _finish(self, args: tuple, kwargs: dict, y: Optional[Tensor]) -> Any:
+        """What :attr:`inject`'s pre-hook gives: the inputs with ``y`` (an edited value) as the first, or ``None``."""
+        return None if y is None else replace_first_input(args, kwargs, y)
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         final, cache, unchecked, rounding = self.final, self.cache, self.entered and not self.reached, self.rounding

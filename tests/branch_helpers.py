@@ -242,3 +242,151 @@ def assert_checkpointed_gradients_match(model_type: str, config: dict, point: st
     top = max(g.abs().max().item() for g in unchecked.values())
     worst = max((checked[n] - g).abs().max().item() for n, g in unchecked.items()) / top
     assert worst < 1e-5, f"{model_type} {point}: {worst:.3g} of the largest gradient ({top:.3g})"
+
+
+def block_points(hm: Any, i: int) -> set[str]:
+    """The points ``hm`` serves in block ``i``, without the ``blocks.<i>.`` prefix."""
+    prefix = f"blocks.{i}."
+    return {n[len(prefix) :] for n in hm.hook_names if n.startswith(prefix)}
+
+
+def record_heads(
+    model: torch.nn.Module, attn: torch.nn.Module, more: dict[str, tuple[torch.nn.Module, str]] | None = None
+) -> dict[str, Tensor]:
+    """:func:`record` of an attention's ``q_proj``/``k_proj``/``v_proj`` outputs and ``o_proj``'s input, keyed by the
+    points they are (``attn.hook_q``, ``attn.hook_k``, ``attn.hook_v``, ``attn.hook_z``), each split into its heads
+    (``[b, p, heads, d_head]``, the config's query and key-value heads), and of the ``more`` modules as they are."""
+    sites = {
+        "attn.hook_q": (attn.q_proj, "out"),
+        "attn.hook_k": (attn.k_proj, "out"),
+        "attn.hook_v": (attn.v_proj, "out"),
+        "attn.hook_z": (attn.o_proj, "in"),
+    }
+    seen = record(model, {**sites, **(more or {})})
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    for name, width in (("attn.hook_q", heads), ("attn.hook_k", kv), ("attn.hook_v", kv), ("attn.hook_z", heads)):
+        seen[name] = seen[name].unflatten(-1, (width, -1))
+    return seen
+
+
+def per_head_weight(projection: torch.nn.Module, heads: int) -> Tensor:
+    """A query/key/value projection's weight as TransformerLens' ``W_Q``: ``[heads, d_model, d_head]``."""
+    return projection.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1)
+
+
+def sum_edits(
+    layer: torch.nn.Module,
+    reader: torch.nn.Module,
+    before: dict[str, tuple[torch.nn.Module, float]],
+    after: list[torch.nn.Module],
+    after_scale: float,
+) -> dict[str, Callable[[Tensor], Callable[[], list]]]:
+    """For each contribution of a layer that adds its branches itself, the edit adding ``d`` there by plain hooks
+    doing the layer's sums (:func:`sum_edit`), ``install = edits[point](d)``: the points of ``before`` (their modules
+    and multipliers, in the order the layer adds them), then ``hook_resid_mid`` and ``hook_mlp_out``."""
+    parts = list(before.values())
+    kinds = {name: f"before{k}" for k, name in enumerate(before)}
+    kinds.update(hook_resid_mid="mid", hook_mlp_out="after")
+    return {
+        name: lambda d, kind=kind: sum_edit(layer, reader, parts, after, after_scale, kind, d)
+        for name, kind in kinds.items()
+    }
+
+
+def plain_edit_error(
+    hm: HookedModel,
+    model: torch.nn.Module,
+    name: str,
+    at: tuple[torch.nn.Module, str],
+    seed: int,
+    install: Callable[[Tensor], Callable[[], list]] | None = None,
+    scaled: bool = True,
+) -> float:
+    """:func:`edit_error` of an edit of the served point ``name`` against plain hooks making it: a seeded delta shaped
+    like the input (``"in"``) or output (``"out"``) of the module ``at`` names (times that value's largest magnitude
+    where ``scaled``), added there (``install`` none) or by ``install(d)``."""
+    module, side = at
+    like = record(model, {"x": (module, side)})["x"]
+    d = seeded_delta(like, seed) * float(like.abs().max()) if scaled else seeded_delta(like, seed)
+    if install is None:
+        install = (lambda d: add_to_output(module, d)) if side == "out" else (lambda d: add_to_input(module, d))
+    return edit_error(hm, model, name, d, install(d))
+
+
+def plain_gradient_error(
+    hm: HookedModel,
+    model: torch.nn.Module,
+    name: str,
+    at: tuple[torch.nn.Module, str],
+    install: Callable[[Tensor], Callable[[], list]] | None = None,
+) -> float:
+    """The relative difference of :func:`served_and_plain_gradients` at the served point ``name`` and at the input or
+    output of the module ``at`` names (or by ``install(d)``'s plain hooks)."""
+    module, side = at
+    like = record(model, {"x": (module, side)})["x"]
+    if install is None:
+        install = (lambda d: add_to_output(module, d)) if side == "out" else (lambda d: add_to_input(module, d))
+    served, direct = served_and_plain_gradients(hm, model, name, like, lambda d: install(d)())
+    return relative_error(served, direct)
+
+
+def gradients_through_edit(
+    hm: HookedModel, reference: torch.nn.Module, name: str, make: Callable, d0: Tensor
+) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """The gradients of a loss of the logits with respect to an edit ``d0`` added at the served point ``name``:
+    through ``hm``'s point and through the plain hooks ``make(d)()`` installs on ``reference`` (asserted non-zero:
+    the edit reaches the loss), and the loss through ``hm`` as a function of the edit."""
+
+    def loss(logits: Tensor) -> Tensor:
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).to(logits.dtype)
+        return (logits * weights).sum() + logits.pow(2).sum() / logits.numel()
+
+    def through_hm(d: Tensor) -> Tensor:
+        with hm.hooks([(name, lambda t, hook: t + d.reshape(t.shape))]):
+            return loss(hm(input_ids(), use_cache=False).logits)
+
+    def through_plain(d: Tensor) -> Tensor:
+        handles = make(d)()
+        try:
+            return loss(reference(input_ids(), use_cache=False).logits)
+        finally:
+            for h in handles:
+                h.remove()
+
+    grads = []
+    for through in (through_hm, through_plain):
+        d = d0.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(through(d), d)
+        grads.append(grad)
+    assert bool(grads[1].abs().max() > 0), name  # the edit reaches the loss
+    return grads[0], grads[1], through_hm
+
+
+def assert_cached_edit_is_a_full_pass(hm: HookedModel, point: str) -> None:
+    """Generation with ``point`` times 1.5 (the model's cache on) gives each step the logits of one forward over the
+    generated tokens with the same edit (:func:`check_edited_generation`), which changes them."""
+    from lensadapters.testing.contract_support import check_edited_generation
+    from lensadapters.testing.strategies import Inputs
+
+    ids = input_ids()
+    one_pass, unedited, _ = check_edited_generation(
+        hm,
+        Inputs(ids, torch.ones_like(ids), [0]),
+        point,
+        lambda t, hook: t * 1.5,
+        atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
+    )
+    assert not torch.allclose(one_pass, unedited), point
+
+
+def assert_verified_but_scan(hm: HookedModel, block: int, points: Any = None, points_per_pass: Any = None) -> None:
+    """Every one of ``points`` of block ``block`` (default: each it serves, in ``hook_names``' order) passes the
+    independent check (:func:`check_points`: value and edit), but the selective scan's (:data:`SCAN_POINTS`: by the
+    last part of the name; tests/test_generic_scan*.py check them)."""
+    from lensadapters.adapters.generic.scan import SCAN_POINTS
+    from lensadapters.adapters.generic.verify import check_points
+
+    prefix = f"blocks.{block}."
+    names = [n for n in hm.hook_names if n.startswith(prefix)] if points is None else [prefix + p for p in points]
+    names = [n for n in names if n.split(".")[-1] not in SCAN_POINTS]
+    assert check_points(hm.wiring, input_ids(), names, points_per_pass=points_per_pass) == dict.fromkeys(names)

@@ -1,8 +1,8 @@
 """Falcon-H1 with an attention input multiplier (``attention_in_multiplier``, the layer calls its attention with
 ``hidden_states * attention_in_multiplier``, its Mamba mixer with the norm's output as it is) gets the points it gets
-with unit multipliers (31 a layer with the scan's points; 17 before the generic adapter described the constant), each what the model
-computes. Nothing is named: the constant is the one of the config's numbers the norm's output times which is, bit for
-bit, what the attention module reads on the probe (``BlockLayout.attn_in_scale``).
+with unit multipliers (31 a layer with the scan's points; 17 before the generic adapter described the constant), each
+what the model computes. Nothing is named: the constant is the one of the config's numbers the norm's output times
+which is, bit for bit, what the attention module reads on the probe (``BlockLayout.attn_in_scale``).
 
 TransformerLens' reading: ``ln1.hook_normalized`` is the RMSNorm's ``x / scale`` (before its weight ``w``, as for every
 RMSNorm), the norm's output ``hook_normalized * w`` what both branches start from: an edit of it gives the norm's
@@ -22,12 +22,12 @@ import copy
 import pytest
 import torch
 
-from lensadapters.adapters.generic.scan import SCAN_POINTS
-from lensadapters.adapters.generic.verify import check_points
 from lensadapters.testing.every_model_type import input_ids
 from lensadapters.testing.scan_checks import check_cached_edit
 from tests.branch_helpers import (
     add_to_output,
+    assert_verified_but_scan,
+    block_points,
     edit_error,
     logits_with,
     relative_error,
@@ -35,7 +35,17 @@ from tests.branch_helpers import (
     tiny_model,
     wrap_generic,
 )
-from tests.test_generic_falcon_h1_multipliers import EXACT, REAL, _multipliers, _plain_edits, _reference_values
+from tests.falcon_h1_helpers import (
+    EXACT,
+    REAL,
+    assert_edits_are_the_plain_hooks,
+    assert_the_points_of_unit_multipliers,
+    edit_gradient_error,
+    multipliers,
+    plain_edits,
+    reference_values,
+    unit_multiplier_points,
+)
 
 Tensor = torch.Tensor
 
@@ -53,22 +63,13 @@ def _model(variant: str) -> torch.nn.Module:
     return model
 
 
-def _served(hm: object, i: int) -> set[str]:
-    return {n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")}  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_layer_gets_the_31_points_of_unit_multipliers_each_verified(variant: str) -> None:
-    unit = wrap_generic(tiny_model("falcon_h1"))
-    want = [_served(unit, i) for i in range(unit.cfg.n_layers)]
-    unit.unwrap()
+    unit = unit_multiplier_points()
     hm = wrap_generic(_model(variant))
-    for i in range(hm.cfg.n_layers):
-        assert len(_served(hm, i)) == 31
-        assert _served(hm, i) == want[i], (i, sorted(_served(hm, i) ^ want[i]))
-        assert hm.block_layouts[i].attn_in_scale == C
-    names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
-    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    assert_the_points_of_unit_multipliers(hm, unit)
+    assert [hm.block_layouts[i].attn_in_scale for i in range(hm.cfg.n_layers)] == [C] * hm.cfg.n_layers
+    assert_verified_but_scan(hm, 0)
     hm.unwrap()
 
 
@@ -76,7 +77,7 @@ def test_every_layer_gets_the_31_points_of_unit_multipliers_each_verified(varian
 def test_each_points_value_is_what_the_model_computes_and_the_weights_map_ln1s_output(variant: str) -> None:
     model = _model(variant)
     reference = copy.deepcopy(model)
-    want = _reference_values(reference, _multipliers(VARIANTS[variant]))
+    want = reference_values(reference, multipliers(VARIANTS[variant]))
     layer = reference.model.layers[0]
     normalized: dict[str, Tensor] = {}
     handle = layer.input_layernorm.register_forward_hook(lambda m, a, o: normalized.__setitem__("x", o.clone()))
@@ -109,7 +110,7 @@ def test_each_points_value_is_what_the_model_computes_and_the_weights_map_ln1s_o
 
 
 def _edits(layer: torch.nn.Module, m: dict) -> dict:
-    plain = _plain_edits(layer, m)
+    plain = plain_edits(layer, m)
     # x / scale + d: the norm's output plus d * w (the norm's own output recomputed there: up to rounding)
     plain["ln1.hook_normalized"] = (
         lambda d: add_to_output(layer.input_layernorm, d * layer.input_layernorm.weight),
@@ -122,18 +123,8 @@ def _edits(layer: torch.nn.Module, m: dict) -> dict:
 def test_each_edit_changes_the_logits_as_a_plain_hook_making_it_at_the_same_place(variant: str) -> None:
     model = _model(variant)
     reference = copy.deepcopy(model)
-    m = _multipliers(VARIANTS[variant])
     hm = wrap_generic(model)
-    _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0."))
-    scale = float(logits_with(reference, lambda: []).abs().max())
-    errors = {}
-    for k, (name, (make, exact)) in enumerate(_edits(reference.model.layers[0], m).items()):
-        d = seeded_delta(cache[f"blocks.0.{name}"], 20 + k) * 0.1
-        error = edit_error(hm, reference, f"blocks.0.{name}", d, make(d))
-        errors[name] = error / scale
-        if exact:
-            assert error == 0.0, (name, error)
-    assert all(e < 1e-5 for e in errors.values()), errors
+    assert_edits_are_the_plain_hooks(hm, reference, _edits(reference.model.layers[0], multipliers(VARIANTS[variant])))
     hm.unwrap()
 
 
@@ -176,34 +167,8 @@ def test_gradients_through_an_edit_equal_a_plain_hooks(point: str) -> None:
     edit made by plain hooks on a copy. ``ln1.hook_normalized``'s to 1e-6: the model's RMSNorm computes in float32 even
     in a float64 model, so its output and the edit recomputing it from ``x / scale + d`` differ by float32's rounding
     (so they do with unit multipliers, and in Llama)."""
-    model = _model("real").double()
-    reference = copy.deepcopy(model)
-    hm = wrap_generic(model)
-    make = _edits(reference.model.layers[0], _multipliers(VARIANTS["real"]))[point][0]
-    _, cache = hm.run_with_cache(input_ids(), names_filter=f"blocks.0.{point}")
-    d0 = seeded_delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
-    weights = None
-    grads = []
-    for through_hm in (True, False):
-        d = d0.clone().requires_grad_(True)
-        if through_hm:
-            with hm.hooks([(f"blocks.0.{point}", lambda t, hook, d=d: t + d.reshape(t.shape))]):
-                logits = hm(input_ids(), use_cache=False).logits
-        else:
-            handles = make(d)()
-            try:
-                logits = reference(input_ids(), use_cache=False).logits
-            finally:
-                for h in handles:
-                    h.remove()
-        if weights is None:
-            weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).double()
-        (grad,) = torch.autograd.grad((logits * weights).sum() + logits.pow(2).mean(), d)
-        grads.append(grad)
-    assert bool(grads[1].abs().max() > 0)
-    bound = 1e-6 if point == "ln1.hook_normalized" else 1e-10
-    assert relative_error(grads[0], grads[1]) < bound, relative_error(grads[0], grads[1])
-    hm.unwrap()
+    error = edit_gradient_error(_model("real"), lambda layer: _edits(layer, multipliers(VARIANTS["real"])), point)
+    assert error < (1e-6 if point == "ln1.hook_normalized" else 1e-10), error
 
 
 @pytest.mark.parametrize("point", ["ln1.hook_normalized", "attn.hook_q", "attn.hook_v", "hook_q_input"])
@@ -217,8 +182,7 @@ def test_a_bfloat16_model_finds_the_constant_and_gets_its_points_each_verified()
     """In bfloat16 the norm's output times the Python float is still, bit for bit, what the attention reads."""
     hm = wrap_generic(tiny_model("falcon_h1", attention_in_multiplier=C).to(torch.bfloat16))
     for i in range(hm.cfg.n_layers):
-        assert len(_served(hm, i)) == 31
+        assert len(block_points(hm, i)) == 31
         assert hm.block_layouts[i].attn_in_scale == C
-    names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
-    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    assert_verified_but_scan(hm, 0)
     hm.unwrap()

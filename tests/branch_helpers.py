@@ -5,7 +5,7 @@ the layer's own sums (the independent reference the served points are compared w
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -39,6 +39,13 @@ def wrap_generic(model: torch.nn.Module) -> HookedModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GenericAdapterWarning)
         return HookedModel.wrap(model, registry=Registry())
+
+
+def wrapped(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, HookedModel]]:
+    """A fixture's body: ``model`` and it wrapped by the generic adapter, unwrapped after (``yield from``)."""
+    hm = wrap_generic(model)
+    yield model, hm
+    hm.unwrap()
 
 
 def first_tensor(value: Any) -> Tensor:

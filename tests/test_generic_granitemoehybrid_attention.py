@@ -16,22 +16,27 @@ import torch
 import transformers
 
 from lensadapters.adapters.generic import findings
-from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
     add_to_input,
     add_to_output,
+    assert_cached_edit_is_a_full_pass,
+    block_points,
     edit_error,
     logits_with,
+    per_head_weight,
+    plain_edit_error,
+    plain_gradient_error,
     record,
+    record_heads,
     relative_error,
     seeded_delta,
-    served_and_plain_gradients,
     sum_edit,
+    sum_edits,
     tiny_model,
     wrap_generic,
+    wrapped,
 )
 
 #: ibm-granite's checkpoints' multipliers (granite-4.0-h-tiny: residual 0.22, attention 1/128, ...)
@@ -50,10 +55,6 @@ def _plain(name: str) -> bool:
     return not name.endswith(("hook_attn_scores", "hook_pattern"))
 
 
-def _layer(hm: Any, i: int) -> set[str]:
-    return {n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")}
-
-
 def _hybrid() -> Any:
     return tiny_model(
         "granitemoehybrid", layer_types=["linear_attention", "full_attention"], num_hidden_layers=2, **GRANITE
@@ -62,21 +63,18 @@ def _hybrid() -> Any:
 
 @pytest.fixture(scope="module")
 def hybrid() -> Any:
-    model = _hybrid()
-    hm = wrap_generic(model)
-    yield model, hm
-    hm.unwrap()
+    yield from wrapped(_hybrid())
 
 
 def test_the_attention_layer_is_described_and_the_mamba_layer_keeps_the_mixer_form(hybrid: Any) -> None:
     model, hm = hybrid
-    got = _layer(hm, ATTENTION)
+    got = block_points(hm, ATTENTION)
     want = {*ATTENTION_POINTS, *SHARED, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out"}
     want |= {"ln1.hook_scale", "ln2.hook_scale", "hook_resid_pre", "hook_resid_post"}
     if FIVE:  # (transformers 4.x's experts are not described: no routing points)
         want |= {"mlp.hook_router_logits", "mlp.hook_routing_weights"}
     assert want <= got, sorted(want - got)
-    mamba = _layer(hm, 0)
+    mamba = block_points(hm, 0)
     assert {"mamba.hook_in_proj", "mamba.hook_ssm_state", "hook_attn_out", "hook_mlp_out", *SHARED} <= mamba, mamba
     assert not any(n.startswith("attn.") for n in mamba)
     d = findings(model).description
@@ -89,13 +87,10 @@ def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
     model, hm = hybrid
     layer = model.model.layers[ATTENTION]
     attn, shared = layer.self_attn, layer.shared_mlp
-    seen = record(
+    seen = record_heads(
         model,
+        attn,
         {
-            "q": (attn.q_proj, "out"),
-            "k": (attn.k_proj, "out"),
-            "v": (attn.v_proj, "out"),
-            "z": (attn.o_proj, "in"),
             "attn": (attn, "out"),
             "mid": (layer.post_attention_layernorm, "in"),
             "gate_up": (shared.input_linear, "out"),
@@ -104,7 +99,6 @@ def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
             "moe": (layer.block_sparse_moe, "out"),
         },
     )
-    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
     p = f"blocks.{ATTENTION}."
     # (not the scores and patterns: hooking them computes the attention explicitly, not bit for bit)
     logits, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p) and _plain(name))
@@ -112,10 +106,7 @@ def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
         assert torch.equal(logits, model(input_ids()).logits)  # reading them changes nothing
     gate, up = seen["gate_up"].chunk(2, dim=-1)
     exact = {
-        "attn.hook_q": seen["q"].unflatten(-1, (heads, -1)),
-        "attn.hook_k": seen["k"].unflatten(-1, (kv, -1)),
-        "attn.hook_v": seen["v"].unflatten(-1, (kv, -1)),
-        "attn.hook_z": seen["z"].unflatten(-1, (heads, -1)),
+        **{name: seen[name] for name in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")},  # per head
         "hook_attn_out": seen["attn"] * C,  # what the layer adds
         "hook_resid_mid": seen["mid"],
         "hook_mlp_in": seen["mid"],
@@ -137,7 +128,7 @@ def test_the_weights_of_the_described_layer_include_the_constant(hybrid: Any) ->
     heads = model.config.num_attention_heads
     (W_Q, _), (W_K, _), _ = qkv_weights(hm.wiring, ATTENTION)
     W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
+    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
     assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T * C)
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith(f"blocks.{ATTENTION}."))
     z, out = cache[f"blocks.{ATTENTION}.attn.hook_z"], cache[f"blocks.{ATTENTION}.hook_attn_out"]
@@ -153,23 +144,19 @@ def _part(module: torch.nn.Module, d: torch.Tensor, index: int) -> Any:
 def _plain_edits(layer: Any) -> dict[str, tuple[torch.nn.Module, str, Any]]:
     """Each point's plain-hook edit: ``(module whose value d is shaped like, side, install(d))``."""
     attn, shared, reader = layer.self_attn, layer.shared_mlp, layer.post_attention_layernorm
-    mlps = [layer.block_sparse_moe, layer.shared_mlp]
-
-    def summed(kind: str) -> Any:
-        return lambda d: sum_edit(layer, reader, [(attn, C)], mlps, C, kind, d)
-
+    summed = sum_edits(layer, reader, {"hook_attn_out": (attn, C)}, [layer.block_sparse_moe, shared], C)
     return {
         "attn.hook_q": (attn.q_proj, "out", lambda d: add_to_output(attn.q_proj, d)),
         "attn.hook_k": (attn.k_proj, "out", lambda d: add_to_output(attn.k_proj, d)),
         "attn.hook_v": (attn.v_proj, "out", lambda d: add_to_output(attn.v_proj, d)),
         "attn.hook_z": (attn.o_proj, "in", lambda d: add_to_input(attn.o_proj, d)),
-        "hook_attn_out": (attn, "out", summed("before0")),
-        "hook_resid_mid": (reader, "in", summed("mid")),
+        "hook_attn_out": (attn, "out", summed["hook_attn_out"]),
+        "hook_resid_mid": (reader, "in", summed["hook_resid_mid"]),
         "mlp.shared_expert.hook_gate": (shared.output_linear, "in", lambda d: _part(shared.input_linear, d, 0)),
         "mlp.shared_expert.hook_pre": (shared.output_linear, "in", lambda d: _part(shared.input_linear, d, 1)),
         "mlp.shared_expert.hook_post": (shared.output_linear, "in", lambda d: add_to_input(shared.output_linear, d)),
         "mlp.shared_expert.hook_result": (shared, "out", lambda d: add_to_output(shared, d)),
-        "hook_mlp_out": (shared, "out", summed("after")),
+        "hook_mlp_out": (shared, "out", summed["hook_mlp_out"]),
     }
 
 
@@ -179,9 +166,7 @@ def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(point: str) -> N
     hm = wrap_generic(model)
     try:
         module, side, install = _plain_edits(model.model.layers[ATTENTION])[point]
-        like = record(model, {"x": (module, side)})["x"]
-        d = seeded_delta(like, 3) * float(like.abs().max())
-        err = edit_error(hm, model, f"blocks.{ATTENTION}.{point}", d, install(d))
+        err = plain_edit_error(hm, model, f"blocks.{ATTENTION}.{point}", (module, side), 3, install)
         assert err == 0.0, err  # the same computation, bit for bit
     finally:
         hm.unwrap()
@@ -206,24 +191,14 @@ def test_a_per_head_result_edit_enters_what_the_layer_adds(hybrid: Any) -> None:
 def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any, point: str) -> None:
     model, hm = hybrid
     module, side, install = _plain_edits(model.model.layers[ATTENTION])[point]
-    like = record(model, {"x": (module, side)})["x"]
-    served, direct = served_and_plain_gradients(hm, model, f"blocks.{ATTENTION}.{point}", like, lambda d: install(d)())
-    assert relative_error(served, direct) < 1e-6
+    error = plain_gradient_error(hm, model, f"blocks.{ATTENTION}.{point}", (module, side), install)
+    assert error < 1e-6, error
 
 
 @pytest.mark.parametrize("point", ["attn.hook_v", "mlp.shared_expert.hook_post", "hook_mlp_out"])
 def test_cached_generation_with_an_edit_is_a_full_pass(hybrid: Any, point: str) -> None:
     _, hm = hybrid
-    ids = input_ids()
-    inputs = Inputs(ids, torch.ones_like(ids), [0])
-    one_pass, unedited, _ = check_edited_generation(
-        hm,
-        inputs,
-        f"blocks.{ATTENTION}.{point}",
-        lambda t, hook: t * 1.5,
-        atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
-    )
-    assert not torch.allclose(one_pass, unedited), point
+    assert_cached_edit_is_a_full_pass(hm, f"blocks.{ATTENTION}.{point}")
 
 
 def test_granite_moe_shared_is_described_with_its_shared_mlp() -> None:
@@ -236,7 +211,7 @@ def test_granite_moe_shared_is_described_with_its_shared_mlp() -> None:
         d = findings(model).description
         assert d is not None and all(layer is not None for layer in d.layers)
         for i in range(model.config.num_hidden_layers):
-            assert {*ATTENTION_POINTS, *SHARED, "hook_mlp_out"} <= _layer(hm, i), sorted(_layer(hm, i))
+            assert {*ATTENTION_POINTS, *SHARED, "hook_mlp_out"} <= block_points(hm, i), sorted(block_points(hm, i))
         layer = model.model.layers[0]
         shared = layer.shared_mlp
         seen = record(
@@ -258,7 +233,7 @@ def test_the_mamba_layer_gets_its_shared_mlps_points_read_and_edited_as_plain_ho
     """The Mamba layer (the mixer form) has the same MLP of two modules: its shared MLP's points read what its
     modules compute and an edit of each gives the logits of the same plain hook, bit for bit."""
     model, hm = hybrid
-    assert set(SHARED) <= _layer(hm, 0), sorted(_layer(hm, 0))
+    assert set(SHARED) <= block_points(hm, 0), sorted(block_points(hm, 0))
     shared = model.model.layers[0].shared_mlp
     seen = record(model, {"gate_up": (shared.input_linear, "out"), "post": (shared.output_linear, "in")})
     seen["s"] = record(model, {"s": (shared, "out")})["s"]

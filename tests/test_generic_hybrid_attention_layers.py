@@ -14,21 +14,20 @@ import torch
 
 from lensadapters.adapters.generic import findings
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
-    add_to_input,
-    add_to_output,
-    edit_error,
-    record,
+    assert_cached_edit_is_a_full_pass,
+    block_points,
+    per_head_weight,
+    plain_edit_error,
+    plain_gradient_error,
+    record_heads,
     relative_error,
     resid_mid_edit,
-    seeded_delta,
-    served_and_plain_gradients,
     tiny_model,
     wrap_generic,
+    wrapped,
 )
 
 pytestmark = pytest.mark.transformers5_only
@@ -36,34 +35,28 @@ pytestmark = pytest.mark.transformers5_only
 ATTENTION = 3  # the tiny model's layer_types: linear_attention x3, then full_attention
 
 
-def _layer(hm: Any, i: int) -> list[str]:
-    return [n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")]
-
-
 @pytest.fixture(scope="module")
 def hybrid() -> Any:
     model = tiny_model("olmo_hybrid")
     assert model.config.layer_types[ATTENTION] == "full_attention"
     assert all(t == "linear_attention" for t in model.config.layer_types[:ATTENTION])
-    hm = wrap_generic(model)
-    yield model, hm
-    hm.unwrap()
+    yield from wrapped(model)
 
 
 def test_the_attention_layer_gets_an_olmo2_layers_points_and_the_deltanet_layers_keep_theirs(hybrid: Any) -> None:
     model, hm = hybrid
     olmo2 = wrap_generic(tiny_model("olmo2"))
     try:
-        want = _layer(olmo2, 0)  # the generic adapter's points of an OLMo-2 layer (same block form)
+        want = block_points(olmo2, 0)  # the generic adapter's points of an OLMo-2 layer (same block form)
     finally:
         olmo2.unwrap()
-    got = _layer(hm, ATTENTION)
+    got = block_points(hm, ATTENTION)
     assert sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))
     assert {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_result", "hook_resid_mid", "mlp.hook_post"} <= set(
         got
     )
     for i in range(ATTENTION):  # the mixer form's points of the gated-DeltaNet layers, no attention points
-        names = _layer(hm, i)
+        names = block_points(hm, i)
         assert len(names) == 19, names
         assert {"linear_attn.hook_q_proj", "linear_attn.hook_o_proj_input", "mlp.hook_post"} <= set(names), names
         assert not any(n.startswith("attn.") for n in names), names
@@ -75,13 +68,10 @@ def test_each_new_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
     model, hm = hybrid
     layer = model.model.layers[ATTENTION]
     attn, mlp = layer.self_attn, layer.mlp
-    seen = record(
+    seen = record_heads(
         model,
+        attn,
         {
-            "q": (attn.q_proj, "out"),
-            "k": (attn.k_proj, "out"),
-            "v": (attn.v_proj, "out"),
-            "z": (attn.o_proj, "in"),
             "o": (attn.o_proj, "out"),
             "attn_out": (layer.post_attention_layernorm, "out"),
             "mid": (mlp, "in"),
@@ -89,14 +79,10 @@ def test_each_new_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
             "mlp_out": (layer.post_feedforward_layernorm, "out"),
         },
     )
-    heads = model.config.num_attention_heads
     p = f"blocks.{ATTENTION}."
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))
     pairs = {
-        "attn.hook_q": seen["q"].unflatten(-1, (heads, -1)),
-        "attn.hook_k": seen["k"].unflatten(-1, (model.config.num_key_value_heads, -1)),
-        "attn.hook_v": seen["v"].unflatten(-1, (model.config.num_key_value_heads, -1)),
-        "attn.hook_z": seen["z"].unflatten(-1, (heads, -1)),
+        **{name: seen[name] for name in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")},  # per head
         "hook_attn_out": seen["attn_out"],
         "hook_resid_mid": seen["mid"],
         "mlp.hook_post": seen["post"],
@@ -122,55 +108,40 @@ def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(
     hybrid: Any, point: str, module: str, side: str
 ) -> None:
     model, hm = hybrid
-    layer = model.model.layers[ATTENTION]
-    target = layer.get_submodule(module)
-    like = record(model, {"x": (target, side)})["x"]
-    d = seeded_delta(like, 1) * float(like.abs().max())
-    install = add_to_output(target, d) if side == "out" else add_to_input(target, d)
-    err = edit_error(hm, model, f"blocks.{ATTENTION}.{point}", d, install)
+    target = model.model.layers[ATTENTION].get_submodule(module)
+    err = plain_edit_error(hm, model, f"blocks.{ATTENTION}.{point}", (target, side), 1)
     assert err < 1e-4, err
 
 
 def test_a_query_edit_is_the_projections_output_edited_before_the_q_norm(hybrid: Any) -> None:
     model, hm = hybrid
     q_proj = model.model.layers[ATTENTION].self_attn.q_proj
-    like = record(model, {"q": (q_proj, "out")})["q"]
-    d = seeded_delta(like, 2)
-    err = edit_error(hm, model, f"blocks.{ATTENTION}.attn.hook_q", d, add_to_output(q_proj, d))
+    err = plain_edit_error(hm, model, f"blocks.{ATTENTION}.attn.hook_q", (q_proj, "out"), 2, scaled=False)
     assert err < 1e-4, err
 
 
 def test_a_resid_mid_edit_reaches_the_mlp_and_the_residual(hybrid: Any) -> None:
     model, hm = hybrid
     layer = model.model.layers[ATTENTION]
-    like = record(model, {"mid": (layer.mlp, "in")})["mid"]
-    d = seeded_delta(like, 3)
-    install = resid_mid_edit(layer, layer.mlp, [layer.post_feedforward_layernorm], d)
-    err = edit_error(hm, model, f"blocks.{ATTENTION}.hook_resid_mid", d, install)
+
+    def install(d: torch.Tensor) -> Any:
+        return resid_mid_edit(layer, layer.mlp, [layer.post_feedforward_layernorm], d)
+
+    err = plain_edit_error(hm, model, f"blocks.{ATTENTION}.hook_resid_mid", (layer.mlp, "in"), 3, install, scaled=False)
     assert err < 1e-4, err
 
 
 def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any) -> None:
     model, hm = hybrid
     v_proj = model.model.layers[ATTENTION].self_attn.v_proj
-    like = record(model, {"v": (v_proj, "out")})["v"]
-
-    def plain(d: torch.Tensor) -> list:
-        return [v_proj.register_forward_hook(lambda m, a, o: o + d)]
-
-    served, direct = served_and_plain_gradients(hm, model, f"blocks.{ATTENTION}.attn.hook_v", like, plain)
-    assert relative_error(served, direct) < 1e-5
+    error = plain_gradient_error(hm, model, f"blocks.{ATTENTION}.attn.hook_v", (v_proj, "out"))
+    assert error < 1e-5, error
 
 
 def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid: Any) -> None:
     _, hm = hybrid
-    ids = input_ids()
-    inputs = Inputs(ids, torch.ones_like(ids), [0])
     for point in (f"blocks.{ATTENTION}.attn.hook_v", f"blocks.{ATTENTION}.hook_resid_mid"):
-        one_pass, unedited, _ = check_edited_generation(
-            hm, inputs, point, lambda t, hook: t * 1.5, atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5
-        )
-        assert not torch.allclose(one_pass, unedited), point
+        assert_cached_edit_is_a_full_pass(hm, point)
 
 
 def test_weights_of_the_described_layer_are_read_and_the_stack_names_the_undescribed_layers(hybrid: Any) -> None:
@@ -179,7 +150,7 @@ def test_weights_of_the_described_layer_are_read_and_the_stack_names_the_undescr
     heads = model.config.num_attention_heads
     (W_Q, _), _, (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
     W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
+    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
     assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
     with pytest.raises(WeightUnavailableError, match="layer 0 is not described"):
         _ = hm.W_O

@@ -14,20 +14,19 @@ import torch
 from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.errors import WeightUnavailableError
-from lensadapters.testing.contract_support import check_edited_generation
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.testing.strategies import Inputs
 from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
-    add_to_input,
-    add_to_output,
-    edit_error,
-    record,
+    assert_cached_edit_is_a_full_pass,
+    block_points,
+    per_head_weight,
+    plain_edit_error,
+    plain_gradient_error,
+    record_heads,
     relative_error,
-    seeded_delta,
-    served_and_plain_gradients,
     tiny_model,
     wrap_generic,
+    wrapped,
 )
 
 pytestmark = pytest.mark.transformers5_only
@@ -38,24 +37,18 @@ ATTENTION = 2
 MLP_BRANCH = ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out", "ln2.", "mlp.")
 
 
-def _layer(hm: Any, i: int) -> list[str]:
-    return [n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")]
-
-
 @pytest.fixture(scope="module")
 def hybrid() -> Any:
     model = tiny_model("nemotron_h", layers_block_type=TYPES, num_hidden_layers=4)
     assert list(model.config.layers_block_type) == TYPES
-    hm = wrap_generic(model)
-    yield model, hm
-    hm.unwrap()
+    yield from wrapped(model)
 
 
 def test_the_attention_block_gets_a_llama_layers_attention_points(hybrid: Any) -> None:
     model, hm = hybrid
     llama = wrap_generic(tiny_model("llama"))
     try:
-        want = [n for n in _layer(llama, 0) if not n.startswith(MLP_BRANCH)]
+        want = [n for n in block_points(llama, 0) if not n.startswith(MLP_BRANCH)]
     finally:
         llama.unwrap()
     d = findings(model).description
@@ -64,13 +57,13 @@ def test_the_attention_block_gets_a_llama_layers_attention_points(hybrid: Any) -
         want = [n for n in want if not n.startswith("attn.hook_rot_")]
     if model.config.num_key_value_heads != model.config.num_attention_heads:  # grouped queries: no hook_attn_in
         want = [n for n in want if n != "hook_attn_in"]
-    got = _layer(hm, ATTENTION)
+    got = block_points(hm, ATTENTION)
     assert sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))
     assert {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_result", "ln1.hook_scale"} <= set(got)
     assert not any(n.startswith(MLP_BRANCH) for n in got), got
     for i in (0, 1, 3):  # the other blocks keep the mixer form's points: no attention point
-        assert not any(n.startswith("attn.") for n in _layer(hm, i)), (i, _layer(hm, i))
-    assert "mixer.hook_ssm_out" in _layer(hm, 0)
+        assert not any(n.startswith("attn.") for n in block_points(hm, i)), (i, block_points(hm, i))
+    assert "mixer.hook_ssm_out" in block_points(hm, 0)
     assert d.layers[ATTENTION].block.no_mlp
     assert all(d.layers[i] is None for i in (0, 1, 3))
 
@@ -85,36 +78,22 @@ def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
     model, hm = hybrid
     layer = model.model.layers[ATTENTION]
     attn = layer.mixer
-    seen = record(
+    seen = record_heads(
         model,
+        attn,
         {
-            "pre": (layer, "in"),
-            "normed": (layer.norm, "out"),
-            "q": (attn.q_proj, "out"),
-            "k": (attn.k_proj, "out"),
-            "v": (attn.v_proj, "out"),
-            "z": (attn.o_proj, "in"),
-            "o": (attn.o_proj, "out"),
-            "post": (layer, "out"),
+            "hook_resid_pre": (layer, "in"),
+            "ln1.hook_normalized": (layer.norm, "out"),
+            "hook_attn_out": (attn.o_proj, "out"),
+            "hook_resid_post": (layer, "out"),
         },
     )
-    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
     p = f"blocks.{ATTENTION}."
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))
-    pairs = {
-        "hook_resid_pre": seen["pre"],
-        "ln1.hook_normalized": seen["normed"],
-        "attn.hook_q": seen["q"].unflatten(-1, (heads, -1)),
-        "attn.hook_k": seen["k"].unflatten(-1, (kv, -1)),
-        "attn.hook_v": seen["v"].unflatten(-1, (kv, -1)),
-        "attn.hook_z": seen["z"].unflatten(-1, (heads, -1)),
-        "hook_attn_out": seen["o"],
-        "hook_resid_post": seen["post"],
-    }
-    errors = {name: relative_error(cache[p + name], want) for name, want in pairs.items()}
+    errors = {name: relative_error(cache[p + name], want) for name, want in seen.items()}
     assert max(errors.values()) < 1e-5, errors
     # per head, the output projection's contributions: their sum is the projection's output
-    assert relative_error(cache[p + "attn.hook_result"].sum(-2), seen["o"]) < 1e-5
+    assert relative_error(cache[p + "attn.hook_result"].sum(-2), seen["hook_attn_out"]) < 1e-5
     # the pattern's rows are distributions over the earlier positions
     pattern = cache[p + "attn.hook_pattern"]
     assert torch.allclose(pattern.sum(-1), torch.ones_like(pattern.sum(-1)), atol=1e-5)
@@ -137,34 +116,21 @@ def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(
 ) -> None:
     model, hm = hybrid
     target = model.model.layers[ATTENTION].get_submodule(module)
-    like = record(model, {"x": (target, side)})["x"]
-    d = seeded_delta(like, 1) * float(like.abs().max())
-    install = add_to_output(target, d) if side == "out" else add_to_input(target, d)
-    err = edit_error(hm, model, f"blocks.{ATTENTION}.{point}", d, install)
+    err = plain_edit_error(hm, model, f"blocks.{ATTENTION}.{point}", (target, side), 1)
     assert err < 1e-4, err
 
 
 def test_gradients_through_an_edit_are_the_plain_hooks(hybrid: Any) -> None:
     model, hm = hybrid
     v_proj = model.model.layers[ATTENTION].mixer.v_proj
-    like = record(model, {"v": (v_proj, "out")})["v"]
-
-    def plain(d: torch.Tensor) -> list:
-        return [v_proj.register_forward_hook(lambda m, a, o: o + d)]
-
-    served, direct = served_and_plain_gradients(hm, model, f"blocks.{ATTENTION}.attn.hook_v", like, plain)
-    assert relative_error(served, direct) < 1e-5
+    error = plain_gradient_error(hm, model, f"blocks.{ATTENTION}.attn.hook_v", (v_proj, "out"))
+    assert error < 1e-5, error
 
 
 def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid: Any) -> None:
     _, hm = hybrid
-    ids = input_ids()
-    inputs = Inputs(ids, torch.ones_like(ids), [0])
     for point in (f"blocks.{ATTENTION}.attn.hook_v", f"blocks.{ATTENTION}.attn.hook_k"):
-        one_pass, unedited, _ = check_edited_generation(
-            hm, inputs, point, lambda t, hook: t * 1.5, atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5
-        )
-        assert not torch.allclose(one_pass, unedited), point
+        assert_cached_edit_is_a_full_pass(hm, point)
 
 
 def test_weights_of_the_attention_block_are_the_parameters_and_the_stack_names_the_undescribed_layers(
@@ -175,9 +141,9 @@ def test_weights_of_the_attention_block_are_the_parameters_and_the_stack_names_t
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
     (W_Q, _), (W_K, _), (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
     W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, attn.q_proj.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1))
-    assert torch.equal(W_K, attn.k_proj.weight.T.unflatten(-1, (kv, -1)).transpose(0, 1))
-    assert torch.equal(W_V, attn.v_proj.weight.T.unflatten(-1, (kv, -1)).transpose(0, 1))
+    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
+    assert torch.equal(W_K, per_head_weight(attn.k_proj, kv))
+    assert torch.equal(W_V, per_head_weight(attn.v_proj, kv))
     assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
     # z @ W_O per head is hook_result
     p = f"blocks.{ATTENTION}."

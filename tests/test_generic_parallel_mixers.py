@@ -22,15 +22,20 @@ from lensadapters.testing.every_model_type import input_ids
 from tests.branch_helpers import (
     add_to_input,
     add_to_output,
+    assert_cached_edit_is_a_full_pass,
+    assert_verified_but_scan,
+    block_points,
     edit_error,
+    gradients_through_edit,
     record,
     relative_error,
     resid_mid_edit,
     seeded_delta,
-    sum_edit,
+    sum_edits,
     tiny_model,
     wrap_generic,
 )
+from tests.falcon_h1_helpers import branch_record
 
 Tensor = torch.Tensor
 
@@ -45,14 +50,10 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     canonical |= {"mlp.hook_pre", "mlp.hook_post", "ln1.hook_scale", "ln2.hook_scale", "attn.hook_pattern"}
     assert {f"blocks.0.{n}" for n in canonical} <= served, sorted(served)
     layer = reference.model.layers[0]
-    seen = record(
+    seen = branch_record(
         reference,
+        layer,
         {
-            "hook_resid_pre": (layer, "in"),
-            "hook_attn_out": (layer.self_attn, "out"),
-            "hook_mixer_out": (layer.mamba, "out"),
-            "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
-            "hook_mlp_out": (layer.feed_forward, "out"),
             "hook_resid_post": (layer, "out"),
             "attn.hook_q": (layer.self_attn.q_proj, "out"),
             "attn.hook_k": (layer.self_attn.k_proj, "out"),
@@ -79,30 +80,24 @@ def test_falcon_h1s_parallel_attention_and_mamba_get_every_point_read_and_edited
     got = {n: cache[f"blocks.0.{n}"] for n in ("hook_resid_pre", "hook_attn_out", "hook_mixer_out", "hook_resid_mid")}
     whole = got["hook_resid_pre"] + (got["hook_mixer_out"] + got["hook_attn_out"])
     assert relative_error(whole, got["hook_resid_mid"]) <= 1e-6
-    edits = {
-        "hook_attn_out": add_to_output(layer.self_attn, seeded_delta(seen["hook_attn_out"], 1)),
-        "hook_mixer_out": add_to_output(layer.mamba, seeded_delta(seen["hook_mixer_out"], 6)),
-        "hook_mlp_out": add_to_output(layer.feed_forward, seeded_delta(seen["hook_mlp_out"], 2)),
-        "hook_resid_mid": resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], seeded_delta(x, 3)),
-        "attn.hook_v": add_to_output(layer.self_attn.v_proj, seeded_delta(seen["attn.hook_v"], 4)),
-        "mlp.hook_post": add_to_input(layer.feed_forward.down_proj, seeded_delta(seen["mlp.hook_post"], 5)),
-    }
-    deltas = {
-        "hook_attn_out": 1,
-        "hook_mixer_out": 6,
-        "hook_mlp_out": 2,
-        "hook_resid_mid": 3,
-        "attn.hook_v": 4,
-        "mlp.hook_post": 5,
-    }
+    seeds = {"hook_attn_out": 1, "hook_mixer_out": 6, "hook_mlp_out": 2, "hook_resid_mid": 3}
+    seeds |= {"attn.hook_v": 4, "mlp.hook_post": 5}
     like = {**seen, "hook_resid_mid": x}
+    d = {name: seeded_delta(like[name], seed) for name, seed in seeds.items()}
+    edits = {
+        "hook_attn_out": add_to_output(layer.self_attn, d["hook_attn_out"]),
+        "hook_mixer_out": add_to_output(layer.mamba, d["hook_mixer_out"]),
+        "hook_mlp_out": add_to_output(layer.feed_forward, d["hook_mlp_out"]),
+        "hook_resid_mid": resid_mid_edit(layer, layer.pre_ff_layernorm, [layer.feed_forward], d["hook_resid_mid"]),
+        "attn.hook_v": add_to_output(layer.self_attn.v_proj, d["attn.hook_v"]),
+        "mlp.hook_post": add_to_input(layer.feed_forward.down_proj, d["mlp.hook_post"]),
+    }
     for name, install in edits.items():
-        error = edit_error(hm, reference, f"blocks.0.{name}", seeded_delta(like[name], deltas[name]), install)
+        error = edit_error(hm, reference, f"blocks.0.{name}", d[name], install)
         assert error == 0.0, (name, error)
     assert {f"blocks.0.mamba.{n}" for n in SCAN_POINTS} <= served  # the scan's (tests/test_generic_scan_falcon_h1.py)
     # and every other point of the layer, the per-head inputs and results too, against plain hooks
-    every = sorted(n for n in served if n.split(".")[-1] not in SCAN_POINTS)
-    assert check_points(hm.wiring, input_ids(), every) == dict.fromkeys(every)
+    assert_verified_but_scan(hm, 0, sorted(block_points(hm, 0)))
     hm.unwrap()
 
 
@@ -110,14 +105,10 @@ FALCON_MULTIPLIERS = {"attention_out_multiplier": 0.75, "ssm_out_multiplier": 1.
 
 
 def _falcon_h1_sum_edits(layer: torch.nn.Module) -> dict[str, Callable[[Tensor], Callable]]:
-    """The same edits of a Falcon-H1 layer with branch multipliers, by plain hooks (:func:`sum_edit`)."""
-    before = [(layer.mamba, FALCON_MULTIPLIERS["ssm_out_multiplier"])]
-    before.append((layer.self_attn, FALCON_MULTIPLIERS["attention_out_multiplier"]))
-    kinds = {"hook_mixer_out": "before0", "hook_attn_out": "before1", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
-    return {
-        name: lambda d, kind=kind: sum_edit(layer, layer.pre_ff_layernorm, before, [layer.feed_forward], 1.0, kind, d)
-        for name, kind in kinds.items()
-    }
+    """The same edits of a Falcon-H1 layer with branch multipliers, by plain hooks (:func:`sum_edits`)."""
+    before = {"hook_mixer_out": (layer.mamba, FALCON_MULTIPLIERS["ssm_out_multiplier"])}
+    before["hook_attn_out"] = (layer.self_attn, FALCON_MULTIPLIERS["attention_out_multiplier"])
+    return sum_edits(layer, layer.pre_ff_layernorm, before, [layer.feed_forward], 1.0)
 
 
 def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edited_where_the_layer_adds_them() -> None:
@@ -128,7 +119,7 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     model = tiny_model("falcon_h1", **FALCON_MULTIPLIERS, attention_in_multiplier=0.9, mlp_multipliers=[0.8, 1.1])
     reference = copy.deepcopy(model)
     hm = wrap_generic(model)
-    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    served = block_points(hm, 0)
     # the attention reads ln1's output times 0.9 (attention_in_multiplier): described with it
     # (BlockLayout.attn_in_scale, tests/test_generic_falcon_h1_attention_in.py); the MLP's hook_pre is the
     # activation's input, its gate projection's output times its multiplier
@@ -137,16 +128,7 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served
     assert "ln1.hook_scale" in served  # the pre-norm the Mamba mixer reads as it is (the attention: times 0.9)
     layer = reference.model.layers[0]
-    seen = record(
-        reference,
-        {
-            "hook_resid_pre": (layer, "in"),
-            "hook_mixer_out": (layer.mamba, "out"),
-            "hook_attn_out": (layer.self_attn, "out"),
-            "hook_resid_mid": (layer.pre_ff_layernorm, "in"),
-            "hook_mlp_out": (layer.feed_forward, "out"),
-        },
-    )
+    seen = branch_record(reference, layer)
     seen["hook_mixer_out"] = seen["hook_mixer_out"] * 1.25  # the contributions: the outputs times the multipliers
     seen["hook_attn_out"] = seen["hook_attn_out"] * 0.75
     whole = seen["hook_resid_pre"] + (seen["hook_mixer_out"] + seen["hook_attn_out"])
@@ -164,19 +146,17 @@ def test_falcon_h1_with_branch_multipliers_gets_its_scaled_branches_read_and_edi
     d = seeded_delta(seen["hook_attn_out"], 9)
     divided = edit_error(hm, reference, "blocks.0.hook_attn_out", d, add_to_output(layer.self_attn, d / 0.75))
     assert divided > 0.0
-    names = [f"blocks.0.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
-    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    assert_verified_but_scan(hm, 0, sorted(served))
     hm.unwrap()
 
 
 def test_a_key_multiplier_and_mlp_multipliers_leave_the_branches_served_and_give_the_keys_and_the_mlp_points() -> None:
     model = tiny_model("falcon_h1", key_multiplier=0.6, mlp_multipliers=[0.8, 1.1])
     hm = wrap_generic(model)
-    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    served = block_points(hm, 0)
     assert {"hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "ln2.hook_scale"} <= served
     assert {"attn.hook_k", "attn.hook_rot_k", "mlp.hook_pre", "hook_k_input"} <= served, sorted(served)
-    names = [f"blocks.0.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
-    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    assert_verified_but_scan(hm, 0, sorted(served))
     hm.unwrap()
 
 
@@ -194,7 +174,7 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
     with torch.no_grad():
         plain = reference(input_ids()).logits
     for i in (0, 3):  # a Mamba layer and the attention layer
-        served = {n[len(f"blocks.{i}.") :] for n in hm.hook_names if n.startswith(f"blocks.{i}.")}
+        served = block_points(hm, i)
         assert {"hook_attn_out", "hook_resid_mid", "hook_mlp_out", "ln1.hook_scale", "ln2.hook_scale"} <= served
         layer = reference.model.layers[i]
         mixer = layer.mamba if i == 0 else layer.self_attn
@@ -219,13 +199,12 @@ def test_granite_moe_hybrids_layers_get_their_branch_contributions_resid_mid_and
         assert torch.equal(logits, plain)  # reading them changes nothing
         for name, want in seen.items():
             assert torch.equal(cache[f"blocks.{i}.{name}"], want), (i, name)
-        kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
-        for k, (name, kind) in enumerate(kinds.items()):
+        reader = layer.post_attention_layernorm
+        edits = sum_edits(layer, reader, {"hook_attn_out": (mixer, multiplier)}, mlps, multiplier)
+        for k, (name, make) in enumerate(edits.items()):
             d = seeded_delta(seen[name], 6 + k)
-            install = sum_edit(layer, layer.post_attention_layernorm, [(mixer, multiplier)], mlps, multiplier, kind, d)
-            assert edit_error(hm, reference, f"blocks.{i}.{name}", d, install) == 0.0, (i, name)
-        names = [f"blocks.{i}.{n}" for n in sorted(served) if n.split(".")[-1] not in SCAN_POINTS]
-        assert check_points(hm.wiring, input_ids(), names, points_per_pass=1) == dict.fromkeys(names)
+            assert edit_error(hm, reference, f"blocks.{i}.{name}", d, make(d)) == 0.0, (i, name)
+        assert_verified_but_scan(hm, i, sorted(served), points_per_pass=1)
     hm.unwrap()
 
 
@@ -234,22 +213,11 @@ def test_generation_with_an_edited_parallel_point_continues_through_the_models_c
     """Each generated step (the model's cache: the Mamba-2 mixer's states, the attention's keys and values) gives the
     logits of one forward over the generated tokens with the same edit of hook_attn_out, hook_mixer_out or
     hook_resid_mid (with branch multipliers: the layer's own sums, SumSite, and hook_mlp_out)."""
-    from lensadapters.testing.contract_support import check_edited_generation
-    from lensadapters.testing.strategies import Inputs
-
     hm = wrap_generic(tiny_model("falcon_h1", **multipliers))
-    ids = input_ids()
     points = ["blocks.1.hook_attn_out", "blocks.1.hook_mixer_out", "blocks.0.hook_resid_mid"]
     for point in points + ["blocks.0.hook_mlp_out"] * bool(multipliers):
         assert point in hm.hook_names, point
-        one_pass, unedited, _ = check_edited_generation(
-            hm,
-            Inputs(ids, torch.ones_like(ids), [0]),
-            point,
-            lambda t, hook: t * 1.5,
-            atol=lambda logits: 1e-4 * float(logits.abs().max()) + 1e-5,
-        )
-        assert not torch.allclose(one_pass, unedited)
+        assert_cached_edit_is_a_full_pass(hm, point)
     hm.unwrap()
 
 
@@ -265,7 +233,7 @@ def test_a_norm_with_matrix_parameters_before_the_attention_leaves_the_points_af
     except NotBuildable as why:
         pytest.skip(f"axk2: {why}")
     hm = wrap_generic(model)
-    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    served = block_points(hm, 0)
     assert {"hook_resid_mid", "ln2.hook_scale", "hook_mlp_out"} <= served and "hook_attn_out" not in served, served
     assert "hook_attn_out" in findings(model).missing
     names = [f"blocks.0.{n}" for n in ("hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")]
@@ -313,39 +281,6 @@ def _plain_shapes(reference: torch.nn.Module, layer: torch.nn.Module) -> dict[st
     return record(reference, {"attn.hook_q": (attn.q_proj, "out"), "attn.hook_v": (attn.v_proj, "out")})
 
 
-def _edit_gradients(
-    hm: HookedModel, reference: torch.nn.Module, point: str, make: Callable, d0: Tensor
-) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """The gradients of the loss with respect to an edit ``d0`` added at block 0's ``point``: through ``hm``'s point
-    and through the plain hooks ``make(d)()`` installs on ``reference`` (asserted non-zero: the edit reaches the
-    loss), and the loss through ``hm`` as a function of the edit."""
-
-    def through_hm(d: Tensor) -> Tensor:
-        with hm.hooks([(f"blocks.0.{point}", lambda t, hook: t + d.reshape(t.shape))]):
-            return _loss(hm(input_ids(), use_cache=False).logits)
-
-    def through_plain(d: Tensor) -> Tensor:
-        handles = make(d)()
-        try:
-            return _loss(reference(input_ids(), use_cache=False).logits)
-        finally:
-            for h in handles:
-                h.remove()
-
-    grads = []
-    for through in (through_hm, through_plain):
-        d = d0.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(through(d), d)
-        grads.append(grad)
-    assert bool(grads[1].abs().max() > 0), point  # the edit reaches the loss
-    return grads[0], grads[1], through_hm
-
-
-def _loss(logits: Tensor) -> Tensor:
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9)).to(logits.dtype)
-    return (logits * weights).sum() + logits.pow(2).sum() / logits.numel()
-
-
 def test_gradients_through_every_parallel_branch_edit_match_finite_differences_and_a_plain_hooks() -> None:
     """In float64, for each point of Falcon-H1's parallel layer: the gradient of a loss of the logits with respect to
     the edit (a tensor added at the point) equals the gradient through the same edit made by plain PyTorch hooks on
@@ -357,7 +292,7 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
     layer = reference.model.layers[0]
     _, cache = hm.run_with_cache(input_ids())
     edits = _falcon_h1_edits(layer, _plain_shapes(reference, layer))
-    served = {n[len("blocks.0.") :] for n in hm.hook_names if n.startswith("blocks.0.")}
+    served = block_points(hm, 0)
     assert set(edits) <= served, sorted(set(edits) - served)
     errors, differences = {}, {}
     for point, make in edits.items():
@@ -365,7 +300,7 @@ def test_gradients_through_every_parallel_branch_edit_match_finite_differences_a
         d0 = seeded_delta(like, 11).double() * 0.1
         direction = seeded_delta(like, 12).double()
         direction = direction / direction.norm()
-        grad, want, through_hm = _edit_gradients(hm, reference, point, make, d0)
+        grad, want, through_hm = gradients_through_edit(hm, reference, f"blocks.0.{point}", make, d0)
         errors[point] = relative_error(grad, want)
         with torch.no_grad():  # central differences at two steps, extrapolated (Richardson: no step squared term)
             central = [
@@ -402,14 +337,12 @@ def test_gradients_through_the_scaled_contributions_equal_a_plain_hooks(model_ty
         edits = _falcon_h1_sum_edits(layer)
     else:
         mlps = [layer.block_sparse_moe, layer.shared_mlp]
-        kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
-        reader, before = layer.post_attention_layernorm, [(layer.mamba, 0.5)]
-        edits = {n: lambda d, k=k: sum_edit(layer, reader, before, mlps, 0.5, k, d) for n, k in kinds.items()}
+        edits = sum_edits(layer, layer.post_attention_layernorm, {"hook_attn_out": (layer.mamba, 0.5)}, mlps, 0.5)
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith("blocks.0.hook_"))
     errors = {}
     for point, make in edits.items():
         d0 = seeded_delta(cache[f"blocks.0.{point}"], 11).double() * 0.1
-        grad, want, _ = _edit_gradients(hm, reference, point, make, d0)
+        grad, want, _ = gradients_through_edit(hm, reference, f"blocks.0.{point}", make, d0)
         errors[point] = relative_error(grad, want)
     assert all(e <= 1e-12 for e in errors.values()), errors
     hm.unwrap()

@@ -24,12 +24,16 @@ from lensadapters.testing.every_model_type import input_ids, shrink_config
 from tests.branch_helpers import (
     add_to_input,
     add_to_output,
+    block_points,
     edit_error,
     logits_with,
+    per_head_weight,
     record,
+    record_heads,
     relative_error,
     seeded_delta,
     sum_edit,
+    sum_edits,
     tiny_model,
     wrap_generic,
 )
@@ -55,7 +59,7 @@ def test_a_residual_multiplier_gives_branch_points_read_and_edited_where_the_lay
     model = tiny_model(model_type, residual_multiplier=multiplier, **GRANITE_MULTIPLIERS, **shared)
     reference = copy.deepcopy(model)
     hm = wrap_generic(model)
-    served = {n[len("blocks.1.") :] for n in hm.hook_names if n.startswith("blocks.1.")}
+    served = block_points(hm, 1)
     assert BRANCH_POINTS <= served, sorted(served)
     if model_type == "granite":  # a dense MLP: its activations are served too
         assert {"mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post"} <= served, sorted(served)
@@ -82,12 +86,11 @@ def test_a_residual_multiplier_gives_branch_points_read_and_edited_where_the_lay
     assert torch.equal(logits, plain)  # reading them changes nothing
     for name, want in seen.items():
         assert torch.equal(cache[f"blocks.1.{name}"], want), name  # the layer's own values, bit for bit
-    kinds = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}
     ln2 = layer.post_attention_layernorm
-    for k, (name, kind) in enumerate(kinds.items()):
+    edits = sum_edits(layer, ln2, {"hook_attn_out": (layer.self_attn, multiplier)}, mlps, multiplier)
+    for k, (name, make) in enumerate(edits.items()):
         d = seeded_delta(seen[name], 20 + k)
-        install = sum_edit(layer, ln2, [(layer.self_attn, multiplier)], mlps, multiplier, kind, d)
-        assert edit_error(hm, reference, f"blocks.1.{name}", d, install) == 0.0, name
+        assert edit_error(hm, reference, f"blocks.1.{name}", d, make(d)) == 0.0, name
     if multiplier == 0.22:  # (0.5 divides back exactly) the same edit made at the attention's output, divided back
         d = seeded_delta(seen["hook_attn_out"], 23)  # by the multiplier, is not bit for bit
         install = add_to_output(layer.self_attn, d / multiplier)
@@ -107,10 +110,6 @@ def _in_layer_1(name: str) -> bool:
     return name.startswith("blocks.1.") and not name.endswith(("hook_pattern", "hook_attn_scores"))
 
 
-def _served(hm: Any, layer: int = 1) -> set[str]:
-    return {n[len(f"blocks.{layer}.") :] for n in hm.hook_names if n.startswith(f"blocks.{layer}.")}
-
-
 @pytest.mark.parametrize("multiplier", [0.5, 0.22])
 def test_a_scaled_layer_gets_the_points_of_an_unscaled_one_and_carries_its_constant(multiplier: float) -> None:
     """The description carries the branch constants the probe found (``BlockLayout.attn_scale``/``mlp_scale``): the
@@ -118,8 +117,9 @@ def test_a_scaled_layer_gets_the_points_of_an_unscaled_one_and_carries_its_const
     model = _granite(multiplier)
     hm = wrap_generic(model)
     unit = wrap_generic(_granite(1.0))
-    assert _served(hm) == _served(unit), sorted(_served(hm) ^ _served(unit))
-    assert {"attn.hook_q", "attn.hook_rot_q", "attn.hook_v", "attn.hook_result", "hook_q_input"} <= _served(hm)
+    got, unscaled = block_points(hm, 1), block_points(unit, 1)
+    assert got == unscaled, sorted(got ^ unscaled)
+    assert {"attn.hook_q", "attn.hook_rot_q", "attn.hook_v", "attn.hook_result", "hook_q_input"} <= got
     assert [(b.attn_scale, b.mlp_scale) for b in hm.block_layouts] == [(multiplier, multiplier)] * len(hm.block_layouts)
     assert unit.block_layouts[0].attn_scale == unit.block_layouts[0].mlp_scale == 1.0
     assert not findings(model).missing, findings(model).missing
@@ -145,13 +145,10 @@ def test_queries_values_result_and_weights_of_a_scaled_layer(multiplier: float, 
     layer = reference.model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
     heads = model.config.num_attention_heads
-    seen = record(
+    seen = record_heads(
         reference,
+        attn,
         {
-            "q": (attn.q_proj, "out"),
-            "k": (attn.k_proj, "out"),
-            "v": (attn.v_proj, "out"),
-            "z": (attn.o_proj, "in"),
             "attn": (attn, "out"),
             "mlp.hook_pre": (mlp.gate_proj, "out"),
             "mlp.hook_pre_linear": (mlp.up_proj, "out"),
@@ -161,10 +158,8 @@ def test_queries_values_result_and_weights_of_a_scaled_layer(multiplier: float, 
     )
     _, cache = hm.run_with_cache(input_ids(), names_filter=_in_layer_1)
     c = lambda n: cache[f"blocks.1.{n}"]  # noqa: E731
-    kv = model.config.num_key_value_heads
-    for name, width in (("q", heads), ("k", kv), ("v", kv)):
-        assert torch.equal(c(f"attn.hook_{name}"), seen[name].unflatten(-1, (width, -1))), name
-    assert torch.equal(c("attn.hook_z"), seen["z"].unflatten(-1, (heads, -1)))
+    for name in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z"):  # per head
+        assert torch.equal(c(name), seen[name]), name
     for name in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post"):
         assert torch.equal(c(name), seen[name]), name
     assert torch.equal(c("hook_attn_out"), seen["attn"] * multiplier)
@@ -178,7 +173,7 @@ def test_queries_values_result_and_weights_of_a_scaled_layer(multiplier: float, 
     zeros = torch.zeros(model.config.hidden_size)
     assert torch.equal(hm.b_O[1], o_w.bias * multiplier if bias else zeros)
     assert torch.equal(hm.b_out[1], down.bias * multiplier if bias else zeros)
-    assert torch.equal(hm.W_Q[1], attn.q_proj.weight.T.unflatten(-1, (heads, -1)).permute(1, 0, 2))
+    assert torch.equal(hm.W_Q[1], per_head_weight(attn.q_proj, heads))
     assert torch.equal(hm.W_in[1], mlp.up_proj.weight.T) and torch.equal(hm.W_gate[1], mlp.gate_proj.weight.T)
     # TransformerLens' identities: hook_attn_out = sum(hook_result) + b_O = hook_z @ W_O + b_O, likewise the MLP
     attn_out = c("hook_attn_out").double()
@@ -295,8 +290,10 @@ def test_edits_of_a_scaled_layer_under_gradient_checkpointing(point: str, reentr
     finally:
         hm.reset_hooks()
     layer = truth.model.layers[1]
-    kind = {"hook_attn_out": "before0", "hook_resid_mid": "mid", "hook_mlp_out": "after"}[point]
-    handles = sum_edit(layer, layer.post_attention_layernorm, [(layer.self_attn, 0.22)], [layer.mlp], 0.22, kind, d)()
+    edits = sum_edits(
+        layer, layer.post_attention_layernorm, {"hook_attn_out": (layer.self_attn, 0.22)}, [layer.mlp], 0.22
+    )
+    handles = edits[point](d)()
     try:
         expected = truth(input_ids(), use_cache=False).logits
     finally:
@@ -318,8 +315,9 @@ def test_a_scaled_mixture_of_experts_gets_what_an_unscaled_one_does() -> None:
     them, and the constant in ``W_O``."""
     model, unit = (tiny_model("granitemoe", residual_multiplier=m, **GRANITE_MULTIPLIERS) for m in (0.22, 1.0))
     hm, hu = wrap_generic(model), wrap_generic(unit)
-    assert _served(hm) == _served(hu) and "attn.hook_result" in _served(hm), sorted(_served(hm) ^ _served(hu))
-    experts = "mlp.hook_router_logits" in _served(hu)  # (transformers 4.x's experts are not described)
+    got, unscaled = block_points(hm, 1), block_points(hu, 1)
+    assert got == unscaled and "attn.hook_result" in got, sorted(got ^ unscaled)
+    experts = "mlp.hook_router_logits" in unscaled  # (transformers 4.x's experts are not described)
     for name in ("W_O", "b_O", "W_out", "b_out")[: 4 if experts else 2]:
         assert torch.equal(getattr(hm, name), getattr(hu, name) * 0.22), name
     for name in ("W_Q", "W_in", "W_gate", "W_router")[: 4 if experts else 1]:
@@ -330,8 +328,9 @@ def test_a_scaled_mixture_of_experts_gets_what_an_unscaled_one_does() -> None:
         tiny_model("granitemoeshared", residual_multiplier=m, shared_intermediate_size=96) for m in (0.22, 1.0)
     )
     hs, hsu = wrap_generic(shared), wrap_generic(shared_unit)
-    assert _served(hs) == _served(hsu), sorted(_served(hs) ^ _served(hsu))
-    assert {"attn.hook_q", "attn.hook_result", "hook_mlp_out", "mlp.shared_expert.hook_post"} <= _served(hs)
+    got, unscaled = block_points(hs, 1), block_points(hsu, 1)
+    assert got == unscaled, sorted(got ^ unscaled)
+    assert {"attn.hook_q", "attn.hook_result", "hook_mlp_out", "mlp.shared_expert.hook_post"} <= got
     assert torch.equal(hs.W_O, hsu.W_O * 0.22) and torch.equal(hs.W_Q, hsu.W_Q)
     hs.unwrap()
     hsu.unwrap()

@@ -63,11 +63,19 @@ def record(model: torch.nn.Module, modules: dict[str, tuple[torch.nn.Module, str
             handles.append(
                 module.register_forward_hook(lambda m, a, o, k=key: seen.__setitem__(k, first_tensor(o).clone()))
             )
-    with torch.no_grad():
-        model(input_ids())
-    for h in handles:
-        h.remove()
+    forward_with(model, handles)
     return seen
+
+
+def forward_with(model: torch.nn.Module, handles: list) -> None:
+    """One plain forward of ``model`` over :func:`input_ids` with the hooks whose ``handles`` are given, then
+    removed."""
+    try:
+        with torch.no_grad():
+            model(input_ids())
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def logits_with(model: torch.nn.Module, install: Callable[[], list]) -> Tensor:
@@ -281,6 +289,23 @@ def per_head_weight(projection: torch.nn.Module, heads: int) -> Tensor:
     return projection.weight.T.unflatten(-1, (heads, -1)).transpose(0, 1)
 
 
+def attention_weights(
+    hm: HookedModel, model: torch.nn.Module, i: int, attn: torch.nn.Module, o_scale: float = 1.0
+) -> Tensor:
+    """Asserts that block ``i``'s ``W_Q``/``W_K``/``W_V`` are the HF projections' weights per head and its ``W_O``
+    ``o_proj``'s times ``o_scale`` (the branch's constant), bit for bit; returns that ``W_O``."""
+    from lensadapters.weights import o_weights, qkv_weights
+
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    (W_Q, _), (W_K, _), (W_V, _) = qkv_weights(hm.wiring, i)
+    W_O, _ = o_weights(hm.wiring, i)
+    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
+    assert torch.equal(W_K, per_head_weight(attn.k_proj, kv))
+    assert torch.equal(W_V, per_head_weight(attn.v_proj, kv))
+    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T * o_scale)
+    return W_O
+
+
 def sum_edits(
     layer: torch.nn.Module,
     reader: torch.nn.Module,
@@ -300,6 +325,17 @@ def sum_edits(
     }
 
 
+def _plain_site(
+    model: torch.nn.Module, at: tuple[torch.nn.Module, str], install: Callable[[Tensor], Callable[[], list]] | None
+) -> tuple[Tensor, Callable[[Tensor], Callable[[], list]]]:
+    """The value at the input or output of the module ``at`` names, and ``install`` (none: adding ``d`` there)."""
+    module, side = at
+    like = record(model, {"x": (module, side)})["x"]
+    if install is None:
+        install = (lambda d: add_to_output(module, d)) if side == "out" else (lambda d: add_to_input(module, d))
+    return like, install
+
+
 def plain_edit_error(
     hm: HookedModel,
     model: torch.nn.Module,
@@ -312,11 +348,8 @@ def plain_edit_error(
     """:func:`edit_error` of an edit of the served point ``name`` against plain hooks making it: a seeded delta shaped
     like the input (``"in"``) or output (``"out"``) of the module ``at`` names (times that value's largest magnitude
     where ``scaled``), added there (``install`` none) or by ``install(d)``."""
-    module, side = at
-    like = record(model, {"x": (module, side)})["x"]
+    like, install = _plain_site(model, at, install)
     d = seeded_delta(like, seed) * float(like.abs().max()) if scaled else seeded_delta(like, seed)
-    if install is None:
-        install = (lambda d: add_to_output(module, d)) if side == "out" else (lambda d: add_to_input(module, d))
     return edit_error(hm, model, name, d, install(d))
 
 
@@ -329,10 +362,7 @@ def plain_gradient_error(
 ) -> float:
     """The relative difference of :func:`served_and_plain_gradients` at the served point ``name`` and at the input or
     output of the module ``at`` names (or by ``install(d)``'s plain hooks)."""
-    module, side = at
-    like = record(model, {"x": (module, side)})["x"]
-    if install is None:
-        install = (lambda d: add_to_output(module, d)) if side == "out" else (lambda d: add_to_input(module, d))
+    like, install = _plain_site(model, at, install)
     served, direct = served_and_plain_gradients(hm, model, name, like, lambda d: install(d)())
     return relative_error(served, direct)
 

@@ -17,6 +17,7 @@ from tests.branch_helpers import (
     block_points,
     edit_error,
     first_tensor,
+    forward_with,
     gradients_through_edit,
     logits_with,
     record,
@@ -129,10 +130,7 @@ def reference_values(model: torch.nn.Module, m: dict[str, float]) -> dict[str, T
         ff.up_proj.register_forward_hook(out("mlp.hook_pre_linear")),
         ff.down_proj.register_forward_pre_hook(inp("mlp.hook_post")),
     ]
-    with torch.no_grad():
-        model(input_ids())
-    for h in handles:
-        h.remove()
+    forward_with(model, handles)
     b, p = seen["q"].shape[:2]
     q, v = seen.pop("q").view(b, p, heads, d), seen.pop("v").view(b, p, kv, d)
     k = seen.pop("k").view(b, p, kv, d) * m["key"]  # what the attention module computes

@@ -17,15 +17,14 @@ import transformers
 
 from lensadapters.adapters.generic import findings
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
     add_to_input,
     add_to_output,
     assert_cached_edit_is_a_full_pass,
+    attention_weights,
     block_points,
     edit_error,
     logits_with,
-    per_head_weight,
     plain_edit_error,
     plain_gradient_error,
     record,
@@ -124,12 +123,7 @@ def test_each_point_reads_what_the_hf_modules_compute(hybrid: Any) -> None:
 
 def test_the_weights_of_the_described_layer_include_the_constant(hybrid: Any) -> None:
     model, hm = hybrid
-    attn = model.model.layers[ATTENTION].self_attn
-    heads = model.config.num_attention_heads
-    (W_Q, _), (W_K, _), _ = qkv_weights(hm.wiring, ATTENTION)
-    W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
-    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T * C)
+    W_O = attention_weights(hm, model, ATTENTION, model.model.layers[ATTENTION].self_attn, o_scale=C)
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith(f"blocks.{ATTENTION}."))
     z, out = cache[f"blocks.{ATTENTION}.attn.hook_z"], cache[f"blocks.{ATTENTION}.hook_attn_out"]
     assert relative_error(torch.einsum("bphd,hdm->bpm", z, W_O), out) < 1e-5

@@ -15,11 +15,10 @@ import torch
 from lensadapters.adapters.generic import findings
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
     assert_cached_edit_is_a_full_pass,
+    attention_weights,
     block_points,
-    per_head_weight,
     plain_edit_error,
     plain_gradient_error,
     record_heads,
@@ -146,11 +145,6 @@ def test_cached_generation_with_an_edited_attention_point_is_a_full_pass(hybrid:
 
 def test_weights_of_the_described_layer_are_read_and_the_stack_names_the_undescribed_layers(hybrid: Any) -> None:
     model, hm = hybrid
-    attn = model.model.layers[ATTENTION].self_attn
-    heads = model.config.num_attention_heads
-    (W_Q, _), _, (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
-    W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
-    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
+    attention_weights(hm, model, ATTENTION, model.model.layers[ATTENTION].self_attn)
     with pytest.raises(WeightUnavailableError, match="layer 0 is not described"):
         _ = hm.W_O

@@ -15,11 +15,10 @@ from lensadapters.adapters.generic import findings
 from lensadapters.adapters.generic.verify import check_points
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.testing.every_model_type import input_ids
-from lensadapters.weights import o_weights, qkv_weights
 from tests.branch_helpers import (
     assert_cached_edit_is_a_full_pass,
+    attention_weights,
     block_points,
-    per_head_weight,
     plain_edit_error,
     plain_gradient_error,
     record_heads,
@@ -137,14 +136,7 @@ def test_weights_of_the_attention_block_are_the_parameters_and_the_stack_names_t
     hybrid: Any,
 ) -> None:
     model, hm = hybrid
-    attn = model.model.layers[ATTENTION].mixer
-    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
-    (W_Q, _), (W_K, _), (W_V, _) = qkv_weights(hm.wiring, ATTENTION)
-    W_O, _ = o_weights(hm.wiring, ATTENTION)
-    assert torch.equal(W_Q, per_head_weight(attn.q_proj, heads))
-    assert torch.equal(W_K, per_head_weight(attn.k_proj, kv))
-    assert torch.equal(W_V, per_head_weight(attn.v_proj, kv))
-    assert torch.equal(W_O.flatten(0, 1), attn.o_proj.weight.T)
+    W_O = attention_weights(hm, model, ATTENTION, model.model.layers[ATTENTION].mixer)
     # z @ W_O per head is hook_result
     p = f"blocks.{ATTENTION}."
     _, cache = hm.run_with_cache(input_ids(), names_filter=lambda name: name.startswith(p))

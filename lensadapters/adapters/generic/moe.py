@@ -13,6 +13,13 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   Or (the routing weights scaling the experts' *input*, ``FusedExperts.scaled_input``) called with one tensor
   ``[E * tokens, d]``, block ``e`` the flattened MLP input times the scores the router returned for expert ``e``,
   each block of its output ``down(act(gate) * up)`` of that block by expert ``e`` (zero where the score is);
+  Or (:class:`~lensadapters.moe.GroupedExperts`, with no such module) two modules holding nothing but a 3-D
+  ``weight`` ``[E, out, in]``, each called with the rows of the chosen experts grouped by expert and the number of
+  rows of each (``F.linear`` of each group with its expert's weight), the first ``[E, 2 * d_mlp, d]``, the second
+  ``[E, d, d_mlp]``, and an activation module of the MoE module under which the MoE module's output is the weighted
+  sum of ``down(act(gate) * up)``, ``gate`` the first half of the first projection's output; their router (the
+  module around the linear layer computing the logits) returns ``(order, row tokens, row weights, rows per expert,
+  logits)``, the routing grouped the same way (``router_output="grouped"``, its logits the linear layer's output);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
   (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts

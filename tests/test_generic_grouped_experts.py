@@ -139,7 +139,10 @@ def _plain_edits(
     seen = _router_values(model, moe)
     k = seen["weights"].shape[-1]
     return {
-        "mlp.hook_router_logits": (seen["logits"], lambda d: add_to_output(moe.router.layer, d.reshape(-1, d.shape[-1]))),
+        "mlp.hook_router_logits": (
+            seen["logits"],
+            lambda d: add_to_output(moe.router.layer, d.reshape(-1, d.shape[-1])),
+        ),
         "mlp.hook_routing_weights": (seen["weights"], lambda d: _weights_edit(moe.router, d.reshape(-1, k))),
     }
 
@@ -167,7 +170,5 @@ def test_an_edit_changes_the_logits_as_the_same_plain_hook_does(model_type: str,
 def test_gradients_through_an_edit_are_the_plain_hooks(wrapped: Any, point: str) -> None:
     model, hm, layer = wrapped
     like, install = _plain_edits(model, model.model.layers[layer].block_sparse_moe)[point]
-    served, direct = served_and_plain_gradients(
-        hm, model, f"blocks.{layer}.{point}", like, lambda d: install(d)()
-    )
+    served, direct = served_and_plain_gradients(hm, model, f"blocks.{layer}.{point}", like, lambda d: install(d)())
     assert relative_error(served.reshape(direct.shape), direct) < 1e-6

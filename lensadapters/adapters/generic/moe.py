@@ -471,15 +471,17 @@ def _describe_grouped(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: 
     if not _close(first_output(out), y):
         raise _Refused("the MoE module run alone on its probe input does not give its output")
     flat = x.reshape(-1, x.shape[-1])
-    projections = []
+    projections: list[tuple[str, Tensor, list[int]]] = []
     for name in _grouped_projections(moe):
-        weight = moe.get_submodule(name).weight
+        weight = moe.get_submodule(name).get_parameter("weight")
         sizes = _grouped_call(calls[name], weight) if name in calls else None
         if sizes is not None:
             projections.append((name, weight, sizes))
     if len(projections) != 2 or projections[0][2] != projections[1][2]:
         raise _Refused("the MoE module does not run two projections on the same rows grouped by expert")
-    (up_path, gate_up, sizes), (down_path, down, _) = sorted(projections, key=lambda p: p[1].shape[-1] != flat.shape[-1])
+    (up_path, gate_up, sizes), (down_path, down, _) = sorted(
+        projections, key=lambda p: p[1].shape[-1] != flat.shape[-1]
+    )
     n, d = int(gate_up.shape[0]), flat.shape[-1]
     d_mlp = int(down.shape[-1])
     if tuple(gate_up.shape) != (n, 2 * d_mlp, d) or tuple(down.shape) != (n, d, d_mlp):
@@ -530,8 +532,8 @@ def _describe_grouped(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: 
         for name, module in moe.named_children()
         if name not in excluded and callable(module) and not list(module.parameters())
     ]
-    moe_out = first_output(out)
-    moe_out = moe_out.reshape(flat.shape) if isinstance(moe_out, Tensor) and moe_out.numel() == flat.numel() else None
+    first = first_output(out)
+    moe_out = first.reshape(flat.shape) if isinstance(first, Tensor) and first.numel() == flat.numel() else None
     routed = [
         name
         for name in acts

@@ -19,7 +19,9 @@ import transformers
 from lensadapters.adapters.generic import findings
 from lensadapters.moe import GroupedExperts
 from lensadapters.testing.every_model_type import input_ids
+from lensadapters.testing.generic import check_described_weights
 from lensadapters.testing.moe_reference import moe_reference
+from lensadapters.testing.strategies import Inputs
 from lensadapters.wiring.weights import mlp_weights
 from tests.branch_helpers import (
     add_to_output,
@@ -107,6 +109,8 @@ def test_each_routing_point_reads_what_the_hf_modules_compute(wrapped: Any) -> N
     gate_rows, up_rows = moe.input_linear.weight.chunk(2, dim=1)
     assert torch.equal(W_gate, gate_rows.transpose(1, 2))
     assert torch.equal(mlp_weights(hm.wiring, layer, "in")[0], up_rows.transpose(1, 2))
+    assert hm.block_layouts[layer].mlp_scale == 1.0  # (W_out includes a branch constant: none here)
+    assert torch.equal(mlp_weights(hm.wiring, layer, "out")[0], moe.output_linear.weight.transpose(1, 2))
     out = record(model, {"y": (moe, "out")})["y"]
     expected = moe_reference(hm, layer, x, weights, index).reshape(out.shape)
     assert relative_error(expected.float(), out) < 1e-5
@@ -172,3 +176,15 @@ def test_gradients_through_an_edit_are_the_plain_hooks(wrapped: Any, point: str)
     like, install = _plain_edits(model, model.model.layers[layer].block_sparse_moe)[point]
     served, direct = served_and_plain_gradients(hm, model, f"blocks.{layer}.{point}", like, lambda d: install(d)())
     assert relative_error(served.reshape(direct.shape), direct) < 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "granitemoeshared"])
+def test_the_generic_contracts_weight_check_holds(model_type: str) -> None:
+    """The generic contract's check of the described weights (the experts' read from the grouped projections)."""
+    model, _ = _model(model_type)
+    hm = wrap_generic(model)
+    try:
+        ids = input_ids()
+        check_described_weights(hm, Inputs(ids, torch.ones_like(ids), [0]))
+    finally:
+        hm.unwrap()

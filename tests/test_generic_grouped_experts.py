@@ -184,6 +184,7 @@ def test_the_generic_contracts_weight_check_holds(model_type: str) -> None:
     model, _ = _model(model_type)
     hm = wrap_generic(model)
     try:
+        assert all(isinstance(getattr(m, "experts", None), GroupedExperts) for m in hm.mlp_layouts)
         ids = input_ids()
         check_described_weights(hm, Inputs(ids, torch.ones_like(ids), [0]))
     finally:

@@ -500,20 +500,24 @@ def _describe_grouped(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: 
     if len(routers) != 1:
         raise _Refused("no module around the router's linear layer returns the routing grouped by expert")
     router_path, (order, row_tokens, row_weights, rows_per_expert, router_logits) = routers[0]
-    k = order.numel() // flat.shape[0]
+    tokens = flat.shape[0]
+    k = order.numel() // tokens if isinstance(order, Tensor) else 0
     grouped_form = (
-        isinstance(router_logits, Tensor)
-        and _close(router_logits, logits.to(router_logits.dtype))
+        k >= 1
         and isinstance(order, Tensor)
         and not order.is_floating_point()
-        and order.numel() == k * flat.shape[0]
+        and order.shape == (k * tokens,)
+        and torch.equal(torch.sort(order).values, torch.arange(order.numel(), device=order.device))
+        and isinstance(router_logits, Tensor)
+        and _close(router_logits, logits.to(router_logits.dtype))
+        and isinstance(rows_per_expert, (list, tuple))
         and list(rows_per_expert) == sizes
         and isinstance(row_tokens, Tensor)
         and torch.equal(row_tokens, order.div(k, rounding_mode="trunc"))
         and isinstance(row_weights, Tensor)
         and row_weights.shape == order.shape
     )
-    if not grouped_form or not torch.equal(torch.sort(order).values, torch.arange(order.numel())):
+    if not grouped_form:
         raise _Refused("the router does not return (order, row tokens, row weights, rows per expert, logits)")
     weights, index = ungrouped(order, row_weights, list(rows_per_expert), k)
     routing = None

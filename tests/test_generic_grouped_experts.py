@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import transformers
 
 from lensadapters.adapters.generic import findings
+from lensadapters.adapters.moe.experts import bind
+from lensadapters.adapters.moe.routing import expert_rows
 from lensadapters.moe import GroupedExperts
 from lensadapters.testing.every_model_type import input_ids
 from lensadapters.testing.generic import check_described_weights
@@ -117,8 +119,8 @@ def test_each_routing_point_reads_what_the_hf_modules_compute(wrapped: Any) -> N
 
 
 def _router_values(model: torch.nn.Module, moe: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The router's logits and routing weights ``[tokens, k]`` (its rows' weights put back in top-k order) in one
-    forward of ``model``, recorded at the router's output by a plain hook."""
+    """The router's logits, routing weights and expert indices ``[tokens, k]`` (its rows' weights and experts put
+    back in top-k order) in one forward of ``model``, recorded at the router's output by a plain hook."""
     seen: dict[str, torch.Tensor] = {}
 
     def hook(module: Any, args: Any, output: Any) -> None:
@@ -126,6 +128,8 @@ def _router_values(model: torch.nn.Module, moe: torch.nn.Module) -> dict[str, to
         k = order.numel() // logits.shape[0]
         seen["weights"] = torch.empty_like(gates).scatter(0, order, gates).reshape(-1, k)
         seen["logits"] = logits
+        experts = torch.repeat_interleave(torch.arange(len(output[3])), torch.tensor(output[3]))
+        seen["index"] = torch.empty_like(order).scatter(0, order, experts).reshape(-1, k)
 
     handle = moe.router.register_forward_hook(hook)
     try:
@@ -189,3 +193,22 @@ def test_the_generic_contracts_weight_check_holds(model_type: str) -> None:
         check_described_weights(hm, Inputs(ids, torch.ones_like(ids), [0]))
     finally:
         hm.unwrap()
+
+
+def test_the_experts_computed_expert_by_expert_give_the_moe_output(wrapped: Any) -> None:
+    """The core's expert-by-expert computation of grouped experts (what it runs while per-expert points are hooked),
+    from the live projections' weights and the router's routing, sums to the MoE module's output."""
+    model, hm, layer = wrapped
+    moe = model.model.layers[layer].block_sparse_moe
+    seen = record(model, {"x": (moe, "in"), "y": (moe, "out")})
+    routing = _router_values(model, moe)
+    x = seen["x"].reshape(-1, seen["x"].shape[-1])
+    compute = bind(hm.wiring, hm.block_modules[layer], hm.mlp_layouts[layer])
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        for e in range(model.config.num_local_experts):
+            slot, token = expert_rows(routing["index"], e)
+            gate, up = compute.gate_up(e, x[token])
+            result = compute.down(e, compute.glu(gate, up)) * routing["weights"][token, slot, None]
+            out.index_add_(0, token, result)
+    assert relative_error(out.reshape(seen["y"].shape), seen["y"]) < 1e-6

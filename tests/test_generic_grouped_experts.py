@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 
 from lensadapters.adapters.generic import findings
+from lensadapters.adapters.generic.verify import check_points
 from lensadapters.adapters.moe.experts import bind
 from lensadapters.adapters.moe.routing import expert_rows
 from lensadapters.moe import GroupedExperts
@@ -86,7 +87,9 @@ def test_the_routing_points_are_served_on_every_moe_layer(wrapped: Any) -> None:
         experts = hm.mlp_layouts[i].experts
         assert isinstance(experts, GroupedExperts), experts
         assert (experts.gate_up, experts.down) == ("input_linear", "output_linear")
-    assert f"blocks.{layer}.{ROUTING[0]}" in hm.hook_names
+    # the probe's verdict on them: value and edit those of the plain references (none refused or unchecked)
+    names = [f"blocks.{layer}.{n}" for n in ROUTING]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
     with torch.no_grad():
         assert torch.equal(hm(input_ids()).logits, model(input_ids()).logits)  # no hooks: the model's own forward
 

@@ -1,7 +1,7 @@
 """GraniteMoeHybrid's attention layer, whose MLP is two modules it adds as one sum (routed experts, and a shared MLP
 of one fused gate-up projection), each branch times ``residual_multiplier``, with ibm-granite's multipliers: the
 automatic description gives it every attention point (queries, keys, values, ``hook_result``, ``hook_z``, scores,
-patterns), the routing points (transformers 5) and the shared MLP's as a shared expert's (``mlp.shared_expert.*``),
+patterns), the routing points and the shared MLP's as a shared expert's (``mlp.shared_expert.*``),
 ``hook_mlp_out`` the sum it adds; values and edits as plain PyTorch hooks on the HF modules compute them, gradients
 through an edit too, and cached generation with an edit equals one full pass. Its Mamba layer keeps the mixer form,
 with its shared MLP's points too.
@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from lensadapters.adapters.generic import findings
 from lensadapters.testing.every_model_type import input_ids
@@ -43,7 +42,6 @@ GRANITE = {"residual_multiplier": 0.22, "attention_multiplier": 0.0078125, "embe
 GRANITE["logits_scaling"] = 8.0
 C = GRANITE["residual_multiplier"]
 ATTENTION = 1  # layer_types: a Mamba layer, then the attention layer
-FIVE = not transformers.__version__.startswith("4.")
 SHARED = ["mlp.shared_expert.hook_gate", "mlp.shared_expert.hook_pre", "mlp.shared_expert.hook_post"]
 SHARED.append("mlp.shared_expert.hook_result")
 ATTENTION_POINTS = ["attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_result"]
@@ -70,8 +68,7 @@ def test_the_attention_layer_is_described_and_the_mamba_layer_keeps_the_mixer_fo
     got = block_points(hm, ATTENTION)
     want = {*ATTENTION_POINTS, *SHARED, "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out"}
     want |= {"ln1.hook_scale", "ln2.hook_scale", "hook_resid_pre", "hook_resid_post"}
-    if FIVE:  # (transformers 4.x's experts are not described: no routing points)
-        want |= {"mlp.hook_router_logits", "mlp.hook_routing_weights"}
+    want |= {"mlp.hook_router_logits", "mlp.hook_routing_weights"}  # (4.x: grouped experts, 5.x: fused experts)
     assert want <= got, sorted(want - got)
     mamba = block_points(hm, 0)
     assert {"mamba.hook_in_proj", "mamba.hook_ssm_state", "hook_attn_out", "hook_mlp_out", *SHARED} <= mamba, mamba

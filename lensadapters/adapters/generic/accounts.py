@@ -57,6 +57,7 @@ _PLACES = {
     "result": "the per-head terms of {where}'s output (its input times its weight, head by head)",
     "arg": "argument {spec} of {where}",
     "scores": "the scores {where} returns, at the top-k of the logits it returns with them",
+    "grouped_weights": "the weights of the rows {where} returns grouped by expert, in top-k order",
     "router_input": "the logits {where} computes from its input (an edit made by moving that input)",
     "head_input": "the input of {where}, given per head",
 }

@@ -13,6 +13,13 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   Or (the routing weights scaling the experts' *input*, ``FusedExperts.scaled_input``) called with one tensor
   ``[E * tokens, d]``, block ``e`` the flattened MLP input times the scores the router returned for expert ``e``,
   each block of its output ``down(act(gate) * up)`` of that block by expert ``e`` (zero where the score is);
+  Or (:class:`~lensadapters.moe.GroupedExperts`, with no such module) two modules holding nothing but a 3-D
+  ``weight`` ``[E, out, in]``, each called with the rows of the chosen experts grouped by expert and the number of
+  rows of each (``F.linear`` of each group with its expert's weight), the first ``[E, 2 * d_mlp, d]``, the second
+  ``[E, d, d_mlp]``, and an activation module of the MoE module under which the MoE module's output is the weighted
+  sum of ``down(act(gate) * up)``, ``gate`` the first half of the first projection's output; their router (the
+  module around the linear layer computing the logits) returns ``(order, row tokens, row weights, rows per expert,
+  logits)``, the routing grouped the same way (``router_output="grouped"``, its logits the linear layer's output);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
   (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts
@@ -43,8 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.adapters.generic.probe import Recording, _close
-from lensadapters.adapters.moe import FusedExperts, MoELayout, Routing
-from lensadapters.adapters.moe.routing import route
+from lensadapters.adapters.moe import FusedExperts, GroupedExperts, MoELayout, Routing
+from lensadapters.adapters.moe.routing import route, ungrouped
 from lensadapters.hooks.sites.base import first_input, first_output
 from lensadapters.hooks.specs import OpaqueMLP
 
@@ -228,6 +235,8 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
         and callable(getattr(m, "act_fn", None))
         and (up == "gate_up_proj" or not isinstance(getattr(m, "gate_up_proj", None), Tensor))
     ]
+    if not found and _grouped_projections(moe):
+        return _describe_grouped(model, moe, mlp, x, y)
     if len(found) != 1:
         raise _Refused(
             "no single experts module with 3-D gate_up_proj (or up_proj) and down_proj parameters and an act_fn"
@@ -405,6 +414,144 @@ def _describe_scaled(
         ),
         router_output="scores_logits",
         shared=prefix + shared if shared is not None else None,
+    )
+
+
+def _grouped_projections(moe: nn.Module) -> list[str]:
+    """The modules of the MoE holding a 3-D ``weight`` and no other parameter (experts' projections applied to rows
+    grouped by expert, :class:`~lensadapters.moe.GroupedExperts`)."""
+    return [
+        name
+        for name, m in moe.named_modules()
+        if name
+        and isinstance(getattr(m, "weight", None), Tensor)
+        and m.weight.dim() == 3
+        and [n for n, _ in m.named_parameters()] == ["weight"]
+    ]
+
+
+def _grouped_call(call: tuple[tuple, dict, Any], weight: Tensor) -> Optional[list[int]]:
+    """The rows per expert of a call ``(args, kwargs, output)`` of a grouped projection: called with ``(rows,
+    rows_per_expert)`` and returning each expert's group of rows times its weight (``F.linear``); ``None`` if not."""
+    args, kwargs, out = call
+    if kwargs or len(args) != 2 or not isinstance(args[0], Tensor) or not isinstance(out, Tensor):
+        return None
+    rows, sizes = args
+    if not (isinstance(sizes, (list, tuple)) and all(isinstance(n, int) for n in sizes)):
+        return None
+    if len(sizes) != weight.shape[0] or sum(sizes) != rows.shape[0] or rows.dim() != 2:
+        return None
+    try:
+        computed = torch.cat([F.linear(part, weight[e]) for e, part in enumerate(rows.split(list(sizes)))])
+    except RuntimeError:  # the weight's shape does not fit the rows
+        return None
+    return list(sizes) if _close(computed, out) else None
+
+
+def _grouped_output(
+    gate_up: Tensor, down: Tensor, act: Callable[[Tensor], Tensor], flat: Tensor, index: Tensor, weights: Tensor
+) -> Tensor:
+    """The weighted sum of the chosen experts' ``down(act(gate) * up)``, ``gate_up`` ``[E, 2 * d_mlp, d]`` (gate rows
+    then up rows) and ``down`` ``[E, d, d_mlp]``, in float64."""
+    gu, dn, xs = gate_up.detach().double(), down.detach().double(), flat.double()
+    out = torch.zeros(flat.shape, dtype=torch.float64, device=flat.device)
+    for slot in range(index.shape[-1]):
+        e = index[:, slot]
+        gate, up = torch.einsum("tod,td->to", gu[e], xs).chunk(2, dim=-1)
+        h = act(gate.to(flat.dtype)).double() * up
+        out += weights[:, slot, None].double() * torch.einsum("tdm,tm->td", dn[e], h)
+    return out
+
+
+def _describe_grouped(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Tensor) -> MoELayout:
+    """The :class:`MoELayout` of a MoE whose experts are two projections applied to rows grouped by expert
+    (:class:`~lensadapters.moe.GroupedExperts`) and whose router returns the routing grouped the same way
+    (``router_output="grouped"``): every claim checked on the probe's MLP input; ``_Refused`` with why not."""
+    out, calls = _run_alone(moe, x)
+    if not _close(first_output(out), y):
+        raise _Refused("the MoE module run alone on its probe input does not give its output")
+    flat = x.reshape(-1, x.shape[-1])
+    projections: list[tuple[str, Tensor, list[int]]] = []
+    for name in _grouped_projections(moe):
+        weight = moe.get_submodule(name).get_parameter("weight")
+        sizes = _grouped_call(calls[name], weight) if name in calls else None
+        if sizes is not None:
+            projections.append((name, weight, sizes))
+    if len(projections) != 2 or projections[0][2] != projections[1][2]:
+        raise _Refused("the MoE module does not run two projections on the same rows grouped by expert")
+    (up_path, gate_up, sizes), (down_path, down, _) = sorted(
+        projections, key=lambda p: p[1].shape[-1] != flat.shape[-1]
+    )
+    n, d = int(gate_up.shape[0]), flat.shape[-1]
+    d_mlp = int(down.shape[-1])
+    if tuple(gate_up.shape) != (n, 2 * d_mlp, d) or tuple(down.shape) != (n, d, d_mlp):
+        raise _Refused("the grouped projections are not [E, 2 * d_mlp, d_model] and [E, d_model, d_mlp]")
+    logits_path, _, _, logits = _router(moe, calls, flat, n, at=0)
+    routers = [
+        (name, call[2])
+        for name, call in calls.items()
+        if logits_path.startswith(f"{name}.")
+        and isinstance(call[2], tuple)
+        and len(call[2]) == 5
+        and len(call[0]) == 1
+        and not call[1]
+        and _close(call[0][0], flat)
+    ]
+    if len(routers) != 1:
+        raise _Refused("no module around the router's linear layer returns the routing grouped by expert")
+    router_path, (order, row_tokens, row_weights, rows_per_expert, router_logits) = routers[0]
+    tokens = flat.shape[0]
+    k = order.numel() // tokens if isinstance(order, Tensor) else 0
+    grouped_form = (
+        k >= 1
+        and isinstance(order, Tensor)
+        and not order.is_floating_point()
+        and order.shape == (k * tokens,)
+        and torch.equal(torch.sort(order).values, torch.arange(order.numel(), device=order.device))
+        and isinstance(router_logits, Tensor)
+        and _close(router_logits, logits.to(router_logits.dtype))
+        and isinstance(rows_per_expert, (list, tuple))
+        and list(rows_per_expert) == sizes
+        and isinstance(row_tokens, Tensor)
+        and torch.equal(row_tokens, order.div(k, rounding_mode="trunc"))
+        and isinstance(row_weights, Tensor)
+        and row_weights.shape == order.shape
+    )
+    if not grouped_form:
+        raise _Refused("the router does not return (order, row tokens, row weights, rows per expert, logits)")
+    weights, index = ungrouped(order, row_weights, list(rows_per_expert), k)
+    routing = None
+    for candidate in _routings(n, k, model.config, moe.get_submodule(router_path)):
+        if candidate.selection_bias is not None:
+            continue
+        _, w, idx = route(candidate, router_logits)
+        if torch.equal(idx, index) and _close(w.to(weights.dtype), weights):
+            routing = candidate
+            break
+    if routing is None:
+        raise _Refused("no softmax or sigmoid top-k routing of the router's logits gives the experts' routing")
+    excluded = {router_path, logits_path, up_path, down_path}
+    acts = [
+        name
+        for name, module in moe.named_children()
+        if name not in excluded and callable(module) and not list(module.parameters())
+    ]
+    first = first_output(out)
+    moe_out = first.reshape(flat.shape) if isinstance(first, Tensor) and first.numel() == flat.numel() else None
+    routed = [
+        name
+        for name in acts
+        if _close(_grouped_output(gate_up, down, moe.get_submodule(name), flat, index, weights), moe_out)
+    ]
+    if len(routed) != 1:
+        raise _Refused("the MoE module's output is not the weighted sum of down(act(gate) * up) of the chosen experts")
+    prefix = f"{mlp}."
+    return MoELayout(
+        router=prefix + router_path,
+        routing=routing,
+        experts=GroupedExperts(mlp, gate_up=up_path, down=down_path, act=routed[0]),
+        router_output="grouped",
+        router_logits=prefix + logits_path,
     )
 
 

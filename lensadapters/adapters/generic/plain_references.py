@@ -138,6 +138,17 @@ def _plain_hook(
             return (scores.scatter(-1, index, edit(weights)), *output[1:])
 
         return ref.module.register_forward_hook(post_scores)
+    if ref.kind == "grouped_weights":  # a router returning its routing grouped by expert: its rows' weights
+
+        def post_grouped(module: nn.Module, args: tuple, output: Any) -> Any:
+            order, row_weights = output[0], output[2]
+            weights = torch.empty_like(row_weights).scatter_(0, order, row_weights).reshape(-1, ref.spec)
+            seen.append(weights.detach().clone())
+            if edit is None:
+                return None
+            return (*output[:2], edit(weights).flatten()[order], *output[3:])
+
+        return ref.module.register_forward_hook(post_grouped)
     if ref.kind == "in":
         calls = [0]  # with an int ``spec``: only that call of the module (one module called on queries and keys)
 

@@ -385,7 +385,9 @@ def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -
     """``mlp.hook_router_logits``: the router's output (a router returning its logits), or its own product of an
     input moved so that the product moves by the edit (``x + delta @ pinv(W)ᵀ``: a router returning the routing);
     ``mlp.hook_routing_weights``: the weights the fused experts module is called with (a router returning
-    ``(scores, logits)``: its scores at the top-k of its logits, an edit scattered into them). No other MoE point has a
+    ``(scores, logits)``: its scores at the top-k of its logits, an edit scattered into them; a router returning the
+    routing grouped by expert: its logits module's output, and its rows' weights put back in top-k order, an edit
+    gathered into them in the router's order). No other MoE point has a
     plain PyTorch reference (the fused experts compute every expert in one call), except where the routing weights
     scale the experts' input (:mod:`.moe_references`: the experts' output then has a block per expert)."""
     unflat = _unflat
@@ -393,6 +395,10 @@ def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -
     if scaled is not None:
         spec, flat = scaled
         return Reference("hooks", get(moe.router), unview=unflat if flat else (lambda d, t: d), flat=flat, spec=spec)
+    if rest == "mlp.hook_router_logits" and moe.router_output == "grouped" and moe.router_logits:
+        return Reference("out", get(moe.router_logits), unview=unflat, flat=True)
+    if rest == "mlp.hook_routing_weights" and moe.router_output == "grouped":
+        return Reference("grouped_weights", get(moe.router), unview=unflat, flat=True, spec=moe.routing.top_k)
     if rest == "mlp.hook_router_logits":
         kind = "out" if moe.router_output == "logits" else "router_input"
         return Reference(kind, get(moe.router), unview=unflat, flat=True)

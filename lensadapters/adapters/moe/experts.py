@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.moe.specs import ExpertModules, FusedExperts, MoELayout
+from lensadapters.adapters.moe.specs import ExpertModules, FusedExperts, GroupedExperts, MoELayout
 from lensadapters.errors import WeightUnavailableError
 from lensadapters.hooks.specs import LinearWeight
 
@@ -134,6 +134,8 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
             return _fused_product(h, down[e], down_b[e] if down_b is not None else None, spec.transposed)
 
         return ExpertsCompute(fused_gate_up, glu, fused_down)
+    if isinstance(experts, GroupedExperts):
+        return _bind_grouped(hooked, module, experts)
     assert isinstance(experts, ExpertModules)
 
     def expert(e: int) -> nn.Module:
@@ -147,6 +149,26 @@ def bind(hooked: "Hooked", block: nn.Module, layout: MoELayout) -> ExpertsComput
     return ExpertsCompute(
         modules_gate_up, lambda gate, up: act(gate) * up, lambda e, h: expert(e).get_submodule(experts.down)(h)
     )
+
+
+def _grouped_weights(hooked: "Hooked", module: nn.Module, spec: GroupedExperts) -> tuple[Tensor, Tensor]:
+    """The ``[n_experts, out, in]`` weights of grouped experts' two projections (``gate_up``, ``down``)."""
+    return tuple(  # type: ignore[return-value]
+        fused_parameter(hooked, module.get_submodule(path), spec.weight) for path in (spec.gate_up, spec.down)
+    )
+
+
+def _bind_grouped(hooked: "Hooked", module: nn.Module, spec: GroupedExperts) -> ExpertsCompute:
+    """Grouped experts (:class:`GroupedExperts`) expert by expert: ``F.linear`` of each projection's weight of the
+    expert, the gate half then the up half of the first, as the MoE module computes its groups of rows."""
+    gate_up, down = _grouped_weights(hooked, module, spec)
+    act = module_attribute(hooked, unwrapped(hooked, module), spec.act)
+
+    def grouped_gate_up(e: int, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
+        gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
+        return gate, up
+
+    return ExpertsCompute(grouped_gate_up, lambda gate, up: act(gate) * up, lambda e, h: F.linear(h, down[e]))
 
 
 # --- weights in TransformerLens shapes -------------------------------------------------------------------------
@@ -179,6 +201,12 @@ def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[
         gate, up = split_gate_up(experts, W)
         b_gate, b_up = split_gate_up(experts, bias) if bias is not None else (None, None)
         return (gate, b_gate) if role == "gate" else (up, b_up)  # type: ignore[return-value]
+    if isinstance(experts, GroupedExperts):  # no biases; [E, out, in] as F.linear applies them
+        gate_up_w, down_w = _grouped_weights(hooked, module, experts)
+        if role == "out":
+            return down_w.transpose(-2, -1), None
+        gate, up = gate_up_w.transpose(-2, -1).chunk(2, dim=-1)
+        return (gate if role == "gate" else up), None
     path = {"in": experts.up, "gate": experts.gate, "out": experts.down}[role]
     linears = [hooked.read_linear(module[e].get_submodule(path)) for e in range(layout.routing.n_experts)]
     biases = [lw.b for lw in linears]

@@ -92,3 +92,26 @@ def expert_rows(index: Tensor, expert: int) -> tuple[Tensor, Tensor]:
     """
     slot, token = torch.where(index.T == expert)
     return slot, token
+
+
+def ungrouped(order: Tensor, row_weights: Tensor, rows_per_expert: list[int], top_k: int) -> tuple[Tensor, Tensor]:
+    """``(top_k_weights, top_k_index)`` ``[tokens, k]`` of a routing given grouped by expert
+    (``MoELayout.router_output="grouped"``): row ``r`` is top-k slot ``order[r]`` of the flattened ``[tokens, k]``
+    routing, its expert the group it is in, its weight ``row_weights[r]``."""
+    sizes = torch.as_tensor(rows_per_expert, device=order.device)
+    experts = torch.repeat_interleave(torch.arange(len(rows_per_expert), device=order.device), sizes)
+    index = torch.empty_like(order).scatter_(0, order, experts)
+    weights = torch.empty_like(row_weights).scatter_(0, order, row_weights)
+    return weights.reshape(-1, top_k), index.reshape(-1, top_k)
+
+
+def grouped(weights: Tensor, index: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """``(order, row_tokens, row_weights, rows_per_expert)`` of a top-k routing ``[tokens, k]`` grouped by expert, as
+    such a router computes them (the flattened indices sorted, each row's token their slot divided by ``k``, the
+    weights gathered in that order); ``rows_per_expert`` counts every slot (an expert chosen in two slots of a token
+    has two rows)."""
+    k = index.shape[-1]
+    flat = index.flatten()
+    _, order = flat.sort(0)
+    rows_per_expert = torch.bincount(flat, minlength=n_experts).tolist()
+    return order, order.div(k, rounding_mode="trunc"), weights.flatten()[order], rows_per_expert

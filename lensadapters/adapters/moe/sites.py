@@ -254,9 +254,34 @@ class MoESite(Site):
         self._values()["routing"] = (weights, index, changed)
         return (probs, weights, index, *output[3:]) if changed else None
 
+    def _route_grouped(self, output: Any) -> Any:
+        """A router returning its routing grouped by expert (``router_output="grouped"``; edited logits are in it
+        already): the probability, index and weight points; an edited routing is handed on as the router's output
+        for it, grouped by the same operations."""
+        order, row_weights, rows_per_expert, logits = output[0], output[2], output[3], output[4]
+        spec = self.layout.routing
+        weights, index = _routing.ungrouped(order, row_weights, rows_per_expert, spec.top_k)
+        probs_changed = False
+        if self.probs.active:
+            probs, probs_changed = self._apply(self.probs, _routing.probabilities(spec, logits))
+            if probs_changed:
+                weights, index = _routing.select(spec, probs, logits, self._selection_bias(), self._expert_scale())
+        index, index_changed = self._apply(self.indices, index)
+        if index_changed:
+            self._check_indices(index)
+        weights, weights_changed = self._apply(self.weights, weights)
+        # the MoE module computes its experts from the router's output, edits included: nothing to recompute
+        self._values()["routing"] = (weights, index, False)
+        if not (probs_changed or index_changed or weights_changed):
+            return None
+        regrouped = _routing.grouped(weights.to(row_weights.dtype), index, spec.n_experts)
+        return (*regrouped, logits, *output[5:])
+
     def _route(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.layout.router_output == "probabilities":
             return self._route_probabilities(output)
+        if self.layout.router_output == "grouped":
+            return self._route_grouped(output)
         spec = self.layout.routing
         returns_routing = self.layout.router_output == "routing"
         returns_scores = self.layout.router_output == "scores"

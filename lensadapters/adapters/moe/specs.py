@@ -116,7 +116,26 @@ class ExpertModules:
     act: str = "act_fn"
 
 
-Experts = Union[FusedExperts, ExpertModules]
+@dataclass(frozen=True)
+class GroupedExperts:
+    """Experts as two modules of the MoE module, each holding a 3-D ``weight`` ``[n_experts, out, in]`` and called
+    as ``projection(rows [n_rows, in], rows_per_expert: list[int]) -> [n_rows, out]`` on rows grouped by expert (the
+    first ``rows_per_expert[0]`` rows expert 0's, then expert 1's, ...), each group times its expert's weight
+    (``F.linear``); the MoE module computes ``act`` (an attribute of it) of the first half of ``gate_up``'s output
+    times its second half, runs ``down`` on that, multiplies each row by its routing weight and sums the rows into
+    their tokens. Expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``, ``gate_up[e]``'s rows the
+    gate rows then the up rows. ``module`` is the MoE module; ``gate_up``, ``down`` and ``act`` are relative to it.
+    The router of such experts returns the routing grouped the same way (``MoELayout.router_output="grouped"``)."""
+
+    module: str
+    gate_up: str
+    down: str
+    act: str
+    weight: str = "weight"
+    gated: bool = True
+
+
+Experts = Union[FusedExperts, ExpertModules, GroupedExperts]
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,14 @@ class MoELayout:
     output of ``router_logits``, a linear module inside the router (the router may normalize and scale its input
     before it: its weight is ``W_router``, applied to that input), whose edit the router computes with.
 
+    ``"grouped"``: a tuple ``(order, row_tokens, row_weights, rows_per_expert, logits)`` for
+    :class:`GroupedExperts`: ``order`` ``[tokens * k]`` the flattened top-k slots sorted by expert (``sort`` of the
+    flattened ``[tokens, k]`` indices), ``row_tokens`` each row's token (``order // k``), ``row_weights`` each row's
+    routing weight (the flattened top-k weights at ``order``, in the dtype the experts' rows are), ``rows_per_expert``
+    the number of rows of each expert (a list of ints) and ``logits`` the router's logits, computed from the output
+    of ``router_logits`` (a linear module inside the router, whose edit the router computes with). An edited routing
+    is handed on as the router's output the same operations give for it.
+
     ``shared`` names a module of the block whose output the MoE module adds to the routed experts' sum (shared
     experts, DeepSeek): where the core recomputes the experts at the MoE module's output it adds that output too.
     ``shared_gate`` names a one-output linear module of the block, run on the MoE input, whose ``sigmoid`` multiplies
@@ -163,7 +190,9 @@ class MoELayout:
     router: str
     routing: Routing
     experts: Experts
-    router_output: Literal["logits", "routing", "scores", "index_weights", "probabilities", "scores_logits"] = "logits"
+    router_output: Literal[
+        "logits", "routing", "scores", "index_weights", "probabilities", "scores_logits", "grouped"
+    ] = "logits"
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
     router_logits: Optional[str] = None

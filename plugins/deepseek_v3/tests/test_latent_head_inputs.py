@@ -22,6 +22,7 @@ import torch
 
 from lensadapters import HookedModel
 from lensadapters import edge_attribution as eap
+from lensadapters.errors import HookReturnError
 from lensadapters.testing.tiny_models import patching_pair
 
 Tensor = torch.Tensor
@@ -252,12 +253,18 @@ def _reference_derivative(model: torch.nn.Module, ids: Tensor, layer: int, key: 
         return float(torch.autograd.grad(value, a)[0])
 
 
-def _node_delta(hm: HookedModel, clean: Tensor, corrupted: Tensor, node: Any) -> Tensor:
+def _node_deltas(hm: HookedModel, clean: Tensor, corrupted: Tensor, graph: Any) -> Callable[[Any], Tensor]:
+    """Each upstream node's clean-minus-corrupted output (two runs for all of them)."""
+    names = sorted({node.point for node in graph.upstream})
     with torch.no_grad():
-        a = hm.run_with_cache(clean, names_filter=node.point)[1][node.point]
-        b = hm.run_with_cache(corrupted, names_filter=node.point)[1][node.point]
-    delta = a - b
-    return delta if node.head is None else delta[:, :, node.head]
+        a = hm.run_with_cache(clean, names_filter=names)[1]
+        b = hm.run_with_cache(corrupted, names_filter=names)[1]
+
+    def delta(node: Any) -> Tensor:
+        d = a[node.point] - b[node.point]
+        return d if node.head is None else d[:, :, node.head]
+
+    return delta
 
 
 @pytest.mark.parametrize("label", list(MODELS))
@@ -275,16 +282,17 @@ def test_edge_scores_are_the_references_derivatives_and_patches(label: str) -> N
     graph = scores.graph
     kinds = [d.name.rsplit(".", 1)[-1] for d in graph.downstream if d.kind == "attn"]
     assert kinds.count("q") == kinds.count("k") == kinds.count("v") == hm.cfg.n_layers * hm.cfg.n_heads
-    into_heads = [
-        (u, d) for u, d in scores.valid.nonzero().tolist() if graph.downstream[d].kind == "attn" and u % 3 == 0
+    node_delta = _node_deltas(hm, clean, corrupted, graph)
+    into_heads = [  # a sample of the edges into block 1's head inputs: every upstream kind, q, k and v of every head
+        (u, d)
+        for u, d in scores.valid.nonzero().tolist()
+        if graph.downstream[d].kind == "attn" and graph.downstream[d].layer == 1 and (u + d) % 5 == 0
     ]
     checked, worst = 0, 0.0
     for u, d in into_heads:
         up, down = graph.upstream[u], graph.downstream[d]
-        if down.layer != 1:
-            continue
         which = down.name.rsplit(".", 1)[-1]
-        expected = _reference_derivative(model, corrupted, 1, (which, down.head), _node_delta(hm, clean, corrupted, up))
+        expected = _reference_derivative(model, corrupted, 1, (which, down.head), node_delta(up))
         error = abs(float(scores.scores[u, d]) - expected) / max(1.0, abs(expected))
         worst = max(worst, error)
         assert error <= 10 * tol(label), (up.name, down.name, float(scores.scores[u, d]), expected)
@@ -303,7 +311,7 @@ def test_edge_scores_are_the_references_derivatives_and_patches(label: str) -> N
     circuit = scores.valid.clone()
     circuit[u, d] = False
     patched = eap.faithfulness(hm, clean, corrupted, metric, circuit).metric
-    with torch.no_grad(), PerHeadAttention(model, down.layer, {("k", down.head): -_node_delta(hm, clean, corrupted, up)}):
+    with torch.no_grad(), PerHeadAttention(model, down.layer, {("k", down.head): -node_delta(up)}):
         expected = float(metric(model(clean).logits))
     assert math.isclose(patched, expected, rel_tol=10 * tol(label), abs_tol=1e-12), (patched, expected)
     assert patched != scores.clean_metric
@@ -321,14 +329,54 @@ def test_float32_moe_models_get_a_graph_and_their_scores_are_derivatives() -> No
         (u, d)
         for u, d in scores.valid.nonzero().tolist()
         if graph.downstream[d].kind == "attn" and graph.downstream[d].layer == last
-    ][::5]
+    ][::7]
+    node_delta = _node_deltas(hm, clean, corrupted, graph)
     for u, d in edges:
         up, down = graph.upstream[u], graph.downstream[d]
         a = torch.zeros((), dtype=torch.float64, requires_grad=True)
-        delta = _node_delta(hm, clean, corrupted, up)
+        delta = node_delta(up)
         key = (down.name.rsplit(".", 1)[-1], down.head)
         with torch.enable_grad(), PerHeadAttention(hm.hf_model, last, {key: a * delta}):
             expected = float(torch.autograd.grad(metric_(hm.hf_model(corrupted).logits), a)[0])
         assert abs(float(scores.scores[u, d]) - expected) <= 1e-4 * max(1.0, abs(expected)), (up.name, down.name)
     assert len(edges) >= 4
+    hm.unwrap()
+
+
+def _cached_and_one_pass(hm: HookedModel, ids: Tensor, steps: int = 3) -> list[tuple[Tensor, Tensor]]:
+    """``(the last position's logits with the cache, those of one pass over the whole sequence)`` at each of
+    ``steps`` greedy steps after ``ids``."""
+    model, pairs = hm.hf_model, []
+    out = model(ids, use_cache=True)
+    for _ in range(steps):
+        ids = torch.cat((ids, out.logits[:, -1:].argmax(-1)), dim=1)
+        out = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        pairs.append((out.logits[:, -1], model(ids, use_cache=False).logits[:, -1]))
+    return pairs
+
+
+@pytest.mark.parametrize("which", ["q_input", "k_input", "v_input", "attn_in"])
+def test_head_input_edits_during_cached_generation(which: str) -> None:
+    """An edit of one head's copy while generating with the cache: a query input's at every step is that of one
+    pass over the whole sequence; a key or value input's too where the cache keeps the per-head keys and values
+    (transformers 4), and refused by name where it keeps the latents, which every step decompresses again
+    (transformers 5: the edit of the earlier positions would be lost)."""
+    hm = HookedModel.wrap(model_of("V3 q latent", torch.float32))
+    ids = tokens(hm.cfg.d_vocab)[:1]
+    bump = torch.randn(hm.cfg.d_model, generator=torch.Generator().manual_seed(4))
+    hooks = [(f"blocks.1.hook_{which}", add_at(2, bump * 3))]
+    if which != "q_input" and testing.CACHES_LATENTS:
+        with torch.no_grad(), hm.hooks(fwd_hooks=hooks):
+            out = hm.hf_model(ids, use_cache=True)
+            with pytest.raises(HookReturnError, match="cached generation"):
+                hm.hf_model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        hm.unwrap()
+        return
+    with torch.no_grad():
+        plain = _cached_and_one_pass(hm, ids)
+        with hm.hooks(fwd_hooks=hooks):
+            edited = _cached_and_one_pass(hm, ids)
+    for (cached, one_pass), (unedited, _) in zip(edited, plain):
+        torch.testing.assert_close(cached, one_pass, rtol=1e-5, atol=1e-5)
+        assert (cached - unedited).abs().max() > 1e-3
     hm.unwrap()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 import pytest
@@ -32,6 +33,7 @@ MODELS = {
     "V3 q latent": dict(v2=False, q_lora_rank=8, interleave=True),
     "V3 q_proj": dict(v2=False, q_lora_rank=None, interleave=False),
     "V2 q latent": dict(v2=True, q_lora_rank=8),
+    "V3 generic adapter": dict(v2=False, q_lora_rank=8, interleave=True),  # described automatically, verified
 }
 #: how far a float64 reference may round from the served points, relative: DeepSeek-V2 rotates its rope columns in
 #: float32 (complex64), where two float64 inputs a few ulps apart can round to float32 numbers one ulp apart
@@ -128,8 +130,21 @@ class PerHeadAttention:
         return (a.o_proj(z), *output[1:])
 
 
+def wrap(label: str, model: torch.nn.Module) -> HookedModel:
+    """The plugin's wrapping, or the generic adapter's automatic description (no plugin asked for) for a label
+    saying so: its per-head query, key and value inputs verified at wrap time (``hook_attn_in`` has no reference
+    there, and is not served)."""
+    if "generic" not in label:
+        return HookedModel.wrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hm = HookedModel.wrap(model, adapter="generic")
+    assert hm.cfg.n_layers == 2 and "blocks.1.hook_attn_in" not in hm.hook_dict
+    return hm
+
+
 def served_model(label: str) -> tuple[HookedModel, Tensor]:
-    hm = HookedModel.wrap(model_of(label))
+    hm = wrap(label, model_of(label))
     return hm, tokens(hm.cfg.d_vocab)
 
 
@@ -149,6 +164,7 @@ def test_head_inputs_are_the_block_input_and_the_reference_is_the_model(label: s
     hm, ids = served_model(label)
     model, layer = hm.hf_model, 1
     names = [f"blocks.{layer}.hook_{w}" for w in ("attn_in", "q_input", "k_input", "v_input")]
+    names = [n for n in names if n in hm.hook_dict or "attn_in" not in n]
     with torch.no_grad():
         plain = model(ids).logits
         _, cache = hm.run_with_cache(ids, names_filter=names)
@@ -179,7 +195,7 @@ def test_one_heads_input_edit_is_that_heads_query_key_or_value_from_the_edited_i
         _, before = hm.run_with_cache(ids, names_filter=lambda n: n.endswith(("hook_q", "hook_k", "hook_v")))
     worst = 0.0
     for layer in range(hm.cfg.n_layers):
-        for which in (*WHICH, "attn_in"):
+        for which in (*WHICH, "attn_in") if f"blocks.{layer}.hook_attn_in" in hm.hook_dict else WHICH:
             point = f"blocks.{layer}.hook_{which}" + ("" if which == "attn_in" else "_input")
             streams = WHICH if which == "attn_in" else (which,)
             with torch.no_grad():
@@ -274,7 +290,7 @@ def test_edge_scores_are_the_references_derivatives_and_patches(label: str) -> N
     the reference; EAP-IG with one step equals EAP at the clean run; and faithfulness with one head-input edge
     removed is the clean run with that edge's corrupted-minus-clean difference patched in by the reference."""
     model = model_of(label)
-    hm = HookedModel.wrap(model)
+    hm = wrap(label, model)
     clean = tokens(hm.cfg.d_vocab)
     corrupted = clean.clone()
     corrupted[:, 1] = (clean[:, 1] + 7) % hm.cfg.d_vocab

@@ -14,7 +14,11 @@ From it the core serves (:func:`latent_sites`), with TransformerLens' names wher
 * ``attn.hook_kv_latent`` ``[b, p, kv_rank]``: the key/value latent's norm output;
 * ``attn.hook_q`` ``[b, p, h, nope + rope]``: each head's query as the up-projection gives it (``[no-rope | rope]``),
   ``hook_k`` (same shape): ``[k_nope_h | k_rope]``, ``hook_v`` ``[b, p, h, v_head_dim]``;
-  ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention.
+  ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention;
+* ``hook_attn_in``, ``hook_q_input``, ``hook_k_input``, ``hook_v_input`` ``[b, p, h, d_model]`` (TransformerLens'
+  ``use_split_qkv_input``, computed only while hooked): the block input once per head, each head's query, key (its
+  rope key included) and value computed from its own copy through the latents (:class:`LatentHeadInputSite`), so
+  that edge attribution gets query, key and value edges.
 
 An edit changes everything downstream as the model would have computed it. The model computes one rope key and
 expands it over the heads, so an edit of ``hook_k``/``hook_rot_k`` (any columns, any head) reaches the keys the
@@ -88,8 +92,8 @@ class LatentAttention:
 
     def qkv(self) -> "LatentQKV":
         """The core's view of the projections (the layer's ``lensadapters_attn_qkv``): ``hook_q`` and ``hook_rot_q``
-        from ``q``; the keys and values are this form's own points (:func:`latent_sites`); no per-head inputs, the
-        rope columns shared."""
+        from ``q``; the keys, values and per-head inputs are this form's own points (:func:`latent_sites`: the
+        core's head-input site does not serve them), the rope columns shared."""
         return LatentQKV(
             self.q,
             self.kv_up,
@@ -420,12 +424,12 @@ class LatentHeadInputSite(Site):
         for which, (value, changed) in streams.items():
             if not changed:
                 continue
-            edited = self._projected(value, {which: (value, True)})["qkv".index(which)]
-            assert edited is not None and reference[which] is not None
+            edited, unedited = self._projected(value, {which: (value, True)})["qkv".index(which)], reference[which]
+            assert edited is not None and unedited is not None
             # heads whose copy was left as it was add an exact zero (the model's numbers), but keep the autograd
             # path: an edit that leaves the value unchanged (x + p*c at p = 0) still has its gradient
             rows = (value != base).any(-1, keepdim=True)
-            diff = edited - reference[which]
+            diff = edited - unedited
             pending[which] = torch.where(rows, diff, diff - diff.detach())
         return None
 

@@ -518,7 +518,9 @@ class _LatentCopies:
         which: str,
     ) -> None:
         self.form, self.which, self.ln1, self.attention, self.scale = form, which, ln1, attention, scale
-        self.q, self.kv_down, self.kv_norm, self.kv_up = (get(p) for p in (form.q, form.kv_down, form.kv_norm, form.kv_up))
+        self.q, self.kv_down, self.kv_norm, self.kv_up = (
+            get(p) for p in (form.q, form.kv_down, form.kv_norm, form.kv_up)
+        )
         latent = form.q_down is not None and form.q_norm is not None
         self.q_down = get(form.q_down) if latent and form.q_down is not None else None
         self.q_norm = get(form.q_norm) if latent and form.q_norm is not None else None
@@ -587,9 +589,13 @@ class _LatentCopies:
             parts = out.unflatten(-1, (heads, -1))
             nope = self.form.nope
             values = torch.where(changed, self.keys_values(copies + delta)[1].to(raw.dtype), parts[..., nope:])
-            return replace_first_output(output, torch.cat((parts[..., :nope], values), -1).flatten(-2).reshape(raw.shape))
+            return replace_first_output(
+                output, torch.cat((parts[..., :nope], values), -1).flatten(-2).reshape(raw.shape)
+            )
 
-        handles.append(self.q.register_forward_hook(replace) if self.which == "q" else self.kv_up.register_forward_hook(replace))
+        handles.append(
+            self.q.register_forward_hook(replace) if self.which == "q" else self.kv_up.register_forward_hook(replace)
+        )
         return handles
 
     def view(self, keys: Tensor) -> Tensor:

@@ -202,9 +202,7 @@ def test_one_heads_input_edit_is_that_heads_query_key_or_value_from_the_edited_i
                 with PerHeadAttention(model, layer, {(w, head): delta for w in streams}):
                     expected = model(ids).logits
                 with hm.hooks(fwd_hooks=[(point, add_at(head, delta))]):
-                    got, after = hm.run_with_cache(
-                        ids, names_filter=lambda n: n.startswith(f"blocks.{layer}.attn.hook_") and n[-1] in "qkv"
-                    )
+                    got, after = hm.run_with_cache(ids, names_filter=[f"blocks.{layer}.attn.hook_{w}" for w in WHICH])
             moved = float((expected - plain).abs().max())
             assert moved > 1e-3, point
             error = float((got - expected).abs().max()) / moved

@@ -294,9 +294,9 @@ class LatentKVSite(Site):
         if k_changed or rot_changed:
             if not self._routed:
                 raise HookReturnError(
-                    f"an edit of {self.k.name} or {self.rot_k.name}: this model's attention is not served through "
-                    "transformers' attention interface, where the per-head keys are edited; edit hook_k_rope or "
-                    "hook_kv_latent instead"
+                    f"an edit of {self.k.name} or {self.rot_k.name} (or of the block's hook_attn_in/hook_k_input): "
+                    "this model's attention is not served through transformers' attention interface, where the "
+                    "per-head keys are edited; edit hook_k_rope or hook_kv_latent instead"
                 )
             assert rotated is not None and edited is not None
             values["keys"] = (rotated, edited)  # what the attention function (or the cache) gets, and instead

@@ -40,6 +40,10 @@ MODELS = {
 TOL = {"V2 q latent": 1e-6}
 
 
+#: edge scores: the gradients pass backwards through the model's RMSNorms, which compute in float32 (see below)
+EAP_TOL = 1e-6
+
+
 def tol(label: str) -> float:
     return TOL.get(label, 1e-10)
 
@@ -297,24 +301,25 @@ def test_edge_scores_are_the_references_derivatives_and_patches(label: str) -> N
     kinds = [d.name.rsplit(".", 1)[-1] for d in graph.downstream if d.kind == "attn"]
     assert kinds.count("q") == kinds.count("k") == kinds.count("v") == hm.cfg.n_layers * hm.cfg.n_heads
     node_delta = _node_deltas(hm, clean, corrupted, graph)
-    into_heads = [  # a sample of the edges into block 1's head inputs: every upstream kind, q, k and v of every head
-        (u, d)
-        for u, d in scores.valid.nonzero().tolist()
-        if graph.downstream[d].kind == "attn" and graph.downstream[d].layer == 1 and (u + d) % 5 == 0
+    into_heads = [  # a sample of the edges into the head inputs: every upstream kind, q, k and v of every head
+        (u, d) for u, d in scores.valid.nonzero().tolist() if graph.downstream[d].kind == "attn" and (u + d) % 5 == 0
     ]
     checked, worst = 0, 0.0
     for u, d in into_heads:
         up, down = graph.upstream[u], graph.downstream[d]
         which = down.name.rsplit(".", 1)[-1]
-        expected = _reference_derivative(model, corrupted, 1, (which, down.head), node_delta(up))
+        expected = _reference_derivative(model, corrupted, down.layer, (which, down.head), node_delta(up))
         error = abs(float(scores.scores[u, d]) - expected) / max(1.0, abs(expected))
         worst = max(worst, error)
-        assert error <= 10 * tol(label), (up.name, down.name, float(scores.scores[u, d]), expected)
+        # float32 rounding: EAP hooks every point at once, and the model's RMSNorms compute in float32 even in a
+        # float64 model, so an ulp of float64 anywhere upstream can round to float32 apart in their backward (one
+        # point hooked alone gives the reference's gradient bit for bit: test_gradients_at_the_head_inputs...)
+        assert error <= EAP_TOL, (up.name, down.name, float(scores.scores[u, d]), expected)
         checked += 1
     assert checked >= 6 and float(scores.scores.abs().max()) > 1e-3
     one = eap.edge_attribution(hm, clean, corrupted, metric, steps=1, progress=False)
     at_clean = eap.edge_attribution(hm, clean, corrupted, metric, at="clean", progress=False)
-    torch.testing.assert_close(one.scores, at_clean.scores, rtol=10 * tol(label), atol=1e-12)
+    torch.testing.assert_close(one.scores, at_clean.scores, rtol=EAP_TOL, atol=1e-12)
     # one head -> key-input edge removed: the clean run with that edge patched from the corrupted run, by hand
     u, d = next(
         (u, d)
@@ -327,7 +332,7 @@ def test_edge_scores_are_the_references_derivatives_and_patches(label: str) -> N
     patched = eap.faithfulness(hm, clean, corrupted, metric, circuit).metric
     with torch.no_grad(), PerHeadAttention(model, down.layer, {("k", down.head): -node_delta(up)}):
         expected = float(metric(model(clean).logits))
-    assert math.isclose(patched, expected, rel_tol=10 * tol(label), abs_tol=1e-12), (patched, expected)
+    assert math.isclose(patched, expected, rel_tol=10 * tol(label), abs_tol=1e-12), (patched, expected)  # forward
     assert patched != scores.clean_metric
     print(f"{label}: {checked} edges, largest score error {worst:.2e}")
     hm.unwrap()

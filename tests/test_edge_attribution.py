@@ -34,7 +34,7 @@ def test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum(arch: str) -> 
     hm, clean, corrupted, metric = patching_pair(arch)
     more = [i for i, bl in enumerate(hm.block_layouts) if bl is not None and (bl.more_after_mlp or bl.post_norm)]
     mixers = [i for i, (bl, qkv) in enumerate(zip(hm.block_layouts, hm.qkv_layouts)) if bl is not None and qkv is None]
-    # softmax attention without the per-head input points (MLA's normalized latents): no q/k/v edges to score
+    # softmax attention without the per-head input points: no q/k/v edges to score
     no_inputs = [
         i for i, qkv in enumerate(hm.qkv_layouts) if qkv is not None and f"blocks.{i}.hook_q_input" not in hm.hook_dict
     ]
@@ -48,8 +48,8 @@ def test_eap_refuses_a_residual_stream_that_is_not_the_graphs_sum(arch: str) -> 
 
 
 def first_with_a_graph():
-    """The patching pair of the first architecture whose graph EAP builds (the first in name order may be refused:
-    DeepSeek-V3's multi-head latent attention has no per-head input points)."""
+    """The patching pair of the first architecture whose graph EAP builds (one in name order may be refused: a hybrid
+    whose blocks mix tokens without softmax attention, a post-LN encoder)."""
     for arch in ARCH_NAMES:
         hm, clean, corrupted, metric = patching_pair(arch)
         try:

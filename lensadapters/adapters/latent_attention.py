@@ -14,7 +14,11 @@ From it the core serves (:func:`latent_sites`), with TransformerLens' names wher
 * ``attn.hook_kv_latent`` ``[b, p, kv_rank]``: the key/value latent's norm output;
 * ``attn.hook_q`` ``[b, p, h, nope + rope]``: each head's query as the up-projection gives it (``[no-rope | rope]``),
   ``hook_k`` (same shape): ``[k_nope_h | k_rope]``, ``hook_v`` ``[b, p, h, v_head_dim]``;
-  ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention.
+  ``hook_rot_q``/``hook_rot_k``: rotary applied to the rope columns, as the model passes them to attention;
+* ``hook_attn_in``, ``hook_q_input``, ``hook_k_input``, ``hook_v_input`` ``[b, p, h, d_model]`` (TransformerLens'
+  ``use_split_qkv_input``, computed only while hooked): the block input once per head, each head's query, key (its
+  rope key included) and value computed from its own copy through the latents (:class:`LatentHeadInputSite`), so
+  that edge attribution gets query, key and value edges.
 
 An edit changes everything downstream as the model would have computed it. The model computes one rope key and
 expands it over the heads, so an edit of ``hook_k``/``hook_rot_k`` (any columns, any head) reaches the keys the
@@ -41,7 +45,14 @@ from torch import nn
 from lensadapters.errors import HookReturnError
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.rotary import apply_rotate_half, invert_rotate_half
-from lensadapters.hooks.sites import OutputSite, Site, first_output, replace_first_output
+from lensadapters.hooks.sites import (
+    OutputSite,
+    Site,
+    completes_output,
+    first_input,
+    first_output,
+    replace_first_output,
+)
 from lensadapters.hooks.sites.qkv import rotary_angles
 from lensadapters.hooks.specs import RotarySpec, SeparateQKV
 
@@ -81,8 +92,8 @@ class LatentAttention:
 
     def qkv(self) -> "LatentQKV":
         """The core's view of the projections (the layer's ``lensadapters_attn_qkv``): ``hook_q`` and ``hook_rot_q``
-        from ``q``; the keys and values are this form's own points (:func:`latent_sites`); no per-head inputs, the
-        rope columns shared."""
+        from ``q``; the keys, values and per-head inputs are this form's own points (:func:`latent_sites`: the
+        core's head-input site does not serve them), the rope columns shared."""
         return LatentQKV(
             self.q,
             self.kv_up,
@@ -174,8 +185,15 @@ class LatentKVSite(Site):
     others, absent, are never hooked here).
     """
 
-    def __init__(self, hooked: Any, layer: int, form: LatentAttention, served: Optional[Iterable[str]] = None) -> None:
-        self.hooked, self.state, self.form = hooked, hooked.forward_state, form
+    def __init__(
+        self,
+        hooked: Any,
+        layer: int,
+        form: LatentAttention,
+        served: Optional[Iterable[str]] = None,
+        inputs: Optional["LatentHeadInputSite"] = None,
+    ) -> None:
+        self.hooked, self.state, self.form, self.inputs = hooked, hooked.forward_state, form, inputs
         self.attention = hooked.attention_modules[layer]
         block = hooked.block_modules[layer]
         self.kv_a, self.kv_b = block.get_submodule(form.kv_down), block.get_submodule(form.kv_up)
@@ -188,15 +206,20 @@ class LatentKVSite(Site):
             hooked.point(pre + n) if n in allowed else HookPoint(pre + n, lambda p: None) for n in names
         )
         self.points = tuple(p for p, n in zip((self.k_rope, self.k, self.rot_k, self.v_point), names) if n in allowed)
+        if inputs is not None:  # the head inputs' key and value edits are made here (LatentHeadInputSite)
+            self.points += tuple(p for p in (inputs.attn_in, inputs.k_input, inputs.v_input) if p is not None)
+
+    def _keys_wanted(self) -> bool:
+        return self.k.active or self.rot_k.active or (self.inputs is not None and self.inputs.feeds_keys())
 
     def signature(self) -> tuple[bool, ...]:
         # the angles and the route of the keys through the attention function only while a key point is hooked
-        return (self.wanted(), self.k.active or self.rot_k.active)
+        return (self.wanted(), self._keys_wanted())
 
     def install(self) -> list[Any]:
         handles = [self.kv_a.register_forward_hook(self._kv_a), self.kv_b.register_forward_hook(self._kv_b)]
         self._routed = False
-        if self.k.active or self.rot_k.active:
+        if self._keys_wanted():
             # the layer's (cos, sin), as the model hands them to its attention, and its cache
             handles.append(self.attention.register_forward_pre_hook(self._before_attention, with_kwargs=True))
             route = getattr(self.hooked.pattern_backend, "route_keys", None)
@@ -244,7 +267,10 @@ class LatentKVSite(Site):
         new = out[:, out.shape[1] - p :].unflatten(-1, (self.heads, self.nope + self.v))
         k_nope, v = new[..., : self.nope], new[..., self.nope :]
         k = torch.cat((k_nope, rope.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope).to(k_nope.dtype)), dim=-1)
-        edited_k, k_changed = self.k.apply(k, protect=True)
+        # the head inputs' edits (hook_attn_in, hook_k_input, hook_v_input), before hook_k and hook_v see them
+        dk, dv = self.inputs.take_kv() if self.inputs is not None else (None, None)
+        edited_k, k_changed = self.k.apply(k if dk is None else _plus(k, dk), protect=True)
+        k_changed = k_changed or dk is not None
         rotated = edited = None
         if k_changed or self.rot_k.active:
             assert self.form.rotary is not None
@@ -255,10 +281,12 @@ class LatentKVSite(Site):
         if self.rot_k.active:
             assert edited is not None  # computed above whenever hook_rot_k is hooked
             edited, rot_changed = self.rot_k.apply(edited, protect=True)
-        edited_v, v_changed = self.v_point.apply(v, protect=True)
+        edited_v, v_changed = self.v_point.apply(v if dv is None else _plus(v, dv), protect=True)
+        v_changed = v_changed or dv is not None
         if (k_changed or rot_changed or v_changed) and out.shape[1] != p:
             raise HookReturnError(
-                f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v during cached generation: "
+                f"an edit of {self.k.name.rsplit('.', 1)[0]}.hook_k/hook_rot_k/hook_v (or of the block's "
+                "hook_attn_in/hook_k_input/hook_v_input) during cached generation: "
                 "the model caches the latents and decompresses the earlier positions again at every step, so the "
                 "edit would be lost there; edit attn.hook_kv_latent or attn.hook_k_rope, or generate with "
                 "use_cache=False"
@@ -266,9 +294,9 @@ class LatentKVSite(Site):
         if k_changed or rot_changed:
             if not self._routed:
                 raise HookReturnError(
-                    f"an edit of {self.k.name} or {self.rot_k.name}: this model's attention is not served through "
-                    "transformers' attention interface, where the per-head keys are edited; edit hook_k_rope or "
-                    "hook_kv_latent instead"
+                    f"an edit of {self.k.name} or {self.rot_k.name} (or of the block's hook_attn_in/hook_k_input): "
+                    "this model's attention is not served through transformers' attention interface, where the "
+                    "per-head keys are edited; edit hook_k_rope or hook_kv_latent instead"
                 )
             assert rotated is not None and edited is not None
             values["keys"] = (rotated, edited)  # what the attention function (or the cache) gets, and instead
@@ -310,6 +338,148 @@ class LatentKVSite(Site):
         return self._edited(keys)
 
 
+def _plus(t: Tensor, delta: Tensor) -> Tensor:
+    """``t + delta``, added in ``delta``'s (wide) dtype and cast back to ``t``'s."""
+    return (t.to(delta.dtype) + delta).to(t.dtype)
+
+
+#: TransformerLens' per-head input points, in the order they fire
+HEAD_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+
+
+class LatentHeadInputSite(Site):
+    """``hook_attn_in``, ``hook_q_input``, ``hook_k_input`` and ``hook_v_input`` of one latent layer
+    (TransformerLens' ``use_attn_in``/``use_split_qkv_input``): the block input before the attention norm, one copy
+    per head ``[b, p, h, d_model]``, head ``h``'s query (``hook_q_input``), key (``hook_k_input``) or value
+    (``hook_v_input``) computed from its own copy; ``hook_attn_in`` feeds all three of its head and fires first.
+
+    Computed only while hooked, on the attention norm's input. Where a copy is edited, that head's query is
+    ``q_up_h(q_norm(q_down(ln1(copy))))`` (``q_h(ln1(copy))`` without a query latent), its key
+    ``[kv_up_h(kv_norm(kv_down(ln1(copy))[:rank])) | kv_down(ln1(copy))[rank:]]`` before rotary (the rope key its
+    own: every other head keeps the shared one) and its value ``kv_up_h``'s value columns of the same latent: the
+    down-projections and norms are the model's own modules run on the copies (their ``forward``, no hook of theirs
+    fires), the up-projection that head's slice of the live effective weight (``read_linear``), in at least
+    float32. The difference from the unedited copy enters the query projection's output (before ``hook_q`` sees
+    it) and the keys and values :class:`LatentKVSite` gives ``hook_k``/``hook_v`` and the attention function;
+    heads whose copy is left as it was keep the model's numbers, and the gradient of every copy is the exact
+    derivative of that head's query, key or value (an edit's path stays in the autograd graph). An edit of the
+    keys or values during cached generation where the model caches the latents is refused by name, as
+    ``hook_k``'s."""
+
+    def __init__(self, hooked: Any, layer: int, form: LatentAttention, points: dict[str, HookPoint]) -> None:
+        self.hooked, self.state, self.form, self.layer = hooked, hooked.forward_state, form, layer
+        self.attn_in, self.q_input = points.get("hook_attn_in"), points.get("hook_q_input")
+        self.k_input, self.v_input = points.get("hook_k_input"), points.get("hook_v_input")
+        self.points = tuple(points[n] for n in HEAD_INPUTS if n in points)
+        block, layout = hooked.block_modules[layer], hooked.block_layouts[layer]
+        self.norm = None if layout.ln1 is None else block.get_submodule(layout.ln1)
+        self.entry = self.norm if self.norm is not None else block.get_submodule(layout.attn)
+        get = block.get_submodule
+        self.q_module = get(form.q)
+        self.q_down = get(form.q_down) if form.q_down is not None and form.q_norm is not None else None
+        self.q_norm = get(form.q_norm) if self.q_down is not None and form.q_norm is not None else None
+        self.kv_down, self.kv_norm, self.kv_up = get(form.kv_down), get(form.kv_norm), get(form.kv_up)
+        self.scale = float(getattr(layout, "attn_in_scale", 1.0))
+
+    def _active(self, point: Optional[HookPoint]) -> bool:
+        return point is not None and point.active
+
+    def feeds_keys(self) -> bool:
+        """Whether an edit here may reach the keys (the keys' route through the attention function is needed)."""
+        return self._active(self.attn_in) or self._active(self.k_input)
+
+    @property
+    def _pending(self) -> dict:
+        return self.state.site_values(self)
+
+    def take_kv(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The pending changes of the keys ``[b, p, h, nope + rope]`` and values ``[b, p, h, v]`` (``None``: none)."""
+        pending = self._pending
+        return pending.pop("k", None), pending.pop("v", None)
+
+    def install(self) -> list[Any]:
+        return [
+            self.entry.register_forward_pre_hook(self._inputs, with_kwargs=True),
+            completes_output(self.q_module, self._queries),
+        ]
+
+    def _inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pending = self._pending
+        pending.clear()
+        x = first_input(args, kwargs)
+        heads = self.form.heads
+        base = x.unsqueeze(-2)
+        attn_in, attn_changed = None, False
+        if self._active(self.attn_in):
+            assert self.attn_in is not None
+            attn_in, attn_changed = self.attn_in.apply(base.repeat_interleave(heads, dim=-2), protect=True)
+        streams: dict[str, tuple[Tensor, bool]] = {}
+        for which, point in (("q", self.q_input), ("k", self.k_input), ("v", self.v_input)):
+            start = attn_in.clone() if attn_in is not None and attn_changed else base.repeat_interleave(heads, -2)
+            value, changed = point.apply(start, protect=True) if point is not None and point.active else (start, False)
+            streams[which] = (value, changed or attn_changed)
+        if not any(changed for _, changed in streams.values()):
+            return None
+        reference = dict(zip("qkv", self._projected(base, streams)))  # the model's, from the one unedited input
+        for which, (value, changed) in streams.items():
+            if not changed:
+                continue
+            edited, unedited = self._projected(value, {which: (value, True)})["qkv".index(which)], reference[which]
+            assert edited is not None and unedited is not None
+            # heads whose copy was left as it was add an exact zero (the model's numbers), but keep the autograd
+            # path: an edit that leaves the value unchanged (x + p*c at p = 0) still has its gradient
+            rows = (value != base).any(-1, keepdim=True)
+            diff = edited - unedited
+            pending[which] = torch.where(rows, diff, diff - diff.detach())
+        return None
+
+    def _projected(self, copies: Tensor, wanted: dict[str, tuple[Tensor, bool]]) -> list[Optional[Tensor]]:
+        """Each head's query, key (before rotary) and value from its copy ``[b, p, h or 1, d_model]`` (one copy:
+        every head's from it), ``None`` where ``wanted`` has no changed stream of that kind; in at least float32."""
+        read = self.norm.forward(copies) if self.norm is not None else copies
+        if self.scale != 1.0:  # the constant the block multiplies the norm's output by (BlockLayout.attn_in_scale)
+            read = read * self.scale
+        wide = torch.promote_types(read.dtype, torch.float32)
+        heads, nope = self.form.heads, self.form.nope
+
+        def expand(t: Tensor) -> Tensor:
+            return t.expand(*t.shape[:-2], heads, t.shape[-1])
+
+        out: list[Optional[Tensor]] = [None, None, None]
+        if wanted.get("q", (None, False))[1]:
+            if self.q_down is not None and self.q_norm is not None:
+                latent = self.q_norm.forward(self.q_down.forward(read))
+            else:
+                latent = read
+            out[0] = _per_head(self.hooked, self.q_module, expand(latent), heads, wide)
+        if wanted.get("k", (None, False))[1] or wanted.get("v", (None, False))[1]:
+            down = self.kv_down.forward(read)
+            rank = self.form.kv_rank
+            kv = _per_head(self.hooked, self.kv_up, expand(self.kv_norm.forward(down[..., :rank])), heads, wide)
+            if wanted.get("k", (None, False))[1]:
+                out[1] = torch.cat((kv[..., :nope], expand(down[..., rank:]).to(wide)), dim=-1)
+            if wanted.get("v", (None, False))[1]:
+                out[2] = kv[..., nope:]
+        return out
+
+    def _queries(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        delta = self._pending.pop("q", None)
+        if delta is None:
+            return None
+        out = first_output(output)
+        shaped = out.unflatten(-1, (self.form.heads, -1))
+        return replace_first_output(output, _plus(shaped, delta).flatten(-2))
+
+
+def _per_head(hooked: Any, module: nn.Module, x: Tensor, heads: int, wide: torch.dtype) -> Tensor:
+    """Head ``h``'s slice of the linear ``module``'s output on its own row ``x[..., h, :]`` (``[b, p, h, f]``), from
+    the live effective weight, in ``wide``."""
+    lw = hooked.read_linear(module)
+    W = lw.W.to(wide).unflatten(-1, (heads, -1))  # [d_in, h, d_head]
+    out = torch.einsum("...hi,ihd->...hd", x.to(wide), W)
+    return out if lw.b is None else out + lw.b.to(wide).unflatten(-1, (heads, -1))
+
+
 #: the names transformers passes an attention module its cache by
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
 
@@ -329,10 +499,14 @@ class _KeyEditingCache:
 
 
 def latent_points(hooked: Any, layer: int, form: LatentAttention) -> list[str]:
-    """Create layer ``layer``'s latent points (``hook_q_latent`` before ``hook_q``, ``hook_k_rope`` and
-    ``hook_kv_latent`` after ``hook_rot_q``) and claim the core's key and value points; their names."""
+    """Create layer ``layer``'s latent points (the per-head inputs after ``hook_resid_pre``, ``hook_q_latent``
+    before ``hook_q``, ``hook_k_rope`` and ``hook_kv_latent`` after ``hook_rot_q``) and claim the core's key and value
+    points; their names."""
     pre = f"blocks.{layer}.attn."
-    names = []
+    names, anchor = [], f"blocks.{layer}.hook_resid_pre"
+    for name in HEAD_INPUTS:
+        anchor = hooked.new_point(f"blocks.{layer}.{name}", after=anchor).name
+        names.append(anchor)
     if form.q_norm is not None:
         names.append(hooked.new_point(pre + "hook_q_latent", before=pre + "hook_q").name)
     names.append(hooked.new_point(pre + "hook_k_rope", after=pre + "hook_rot_q").name)
@@ -352,9 +526,13 @@ def latent_layer_sites(
         sites.append(OutputSite(block.get_submodule(form.q_norm), hooked.point(pre + "hook_q_latent")))
     if pre + "hook_kv_latent" in names:
         sites.append(OutputSite(block.get_submodule(form.kv_norm), hooked.point(pre + "hook_kv_latent")))
+    inputs = {n: hooked.point(f"blocks.{layer}.{n}") for n in HEAD_INPUTS if f"blocks.{layer}.{n}" in names}
+    head_inputs = LatentHeadInputSite(hooked, layer, form, inputs) if inputs else None
+    if head_inputs is not None:
+        sites.append(head_inputs)
     mine = [pre + n for n in ("hook_k_rope", "hook_k", "hook_rot_k", "hook_v")]
-    if any(n in names for n in mine):
-        sites.append(LatentKVSite(hooked, layer, form, [n for n in mine if n in names]))
+    if any(n in names for n in mine) or head_inputs is not None:
+        sites.append(LatentKVSite(hooked, layer, form, [n for n in mine if n in names], head_inputs))
     return sites
 
 

@@ -12,8 +12,9 @@ is one node per key/value head (``A3.1.k`` is key/value head 1 of block 3, which
 its score is what that head's keys (or values) carry for all of them. A parallel block whose MLP reads the
 attention's normalized input (GPT-J: no ``hook_mlp_in``) has no MLP-input node: those edges are not scored, by EAP
 and EAP-IG alike, and a circuit keeps them (so the embeddings' edges there add up to their derivative without what
-reaches it through the MLPs). Blocks without the head-input points (multi-head latent attention, whose queries, keys
-and values come from normalized low-rank latents) are refused by name.
+reaches it through the MLPs). Multi-head latent attention has the head-input points too (each head's query, key and
+value computed from its own copy through the latents: :class:`lensadapters.adapters.latent_attention.
+LatentHeadInputSite`); blocks without them (a plugin that could not verify them) are refused by name.
 
 Edge score, with ``g_d`` the gradient of the metric with respect to input ``d``::
 
@@ -111,9 +112,9 @@ def graph_of(model: Any) -> Graph:
     missing = blocks_without_head_inputs(model)
     if missing:
         raise AttributionUnavailable(
-            f"blocks {missing} have no per-head input points (hook_q_input/hook_k_input/hook_v_input: their queries, "
-            f"keys and values are not linear maps of the normalized residual, e.g. multi-head latent attention's "
-            f"normalized latents): the graph has no query, key or value edges into them. Use node attribution "
+            f"blocks {missing} have no per-head input points (hook_q_input/hook_k_input/hook_v_input: not served, or "
+            f"not verified, for their attention): the graph has no query, key or value edges into them. Use node "
+            f"attribution "
             f"(lensadapters.attribution) or activation patching"
         )
     cfg = model.cfg

@@ -92,8 +92,9 @@ def non_attention_blocks(hooked: Any) -> list[int]:
 
 def blocks_without_head_inputs(hooked: Any) -> list[int]:
     """The softmax-attention blocks without every per-head input point (``hook_q_input``/``hook_k_input``/
-    ``hook_v_input``): projections that are not linear maps of the normalized residual (``SeparateQKV.head_inputs``
-    is ``False``: multi-head latent attention) or one projection feeding keys and values (``values_from_keys``)."""
+    ``hook_v_input``): projections the core's head-input site cannot serve (``SeparateQKV.head_inputs`` is ``False``
+    and no form of the plugin's serves them; multi-head latent attention's form does) or one projection feeding keys
+    and values (``values_from_keys``), or points a verification withheld."""
     names = set(hooked.hook_names)
     layouts = getattr(hooked, "qkv_layouts", None) or []
     return [

@@ -20,6 +20,7 @@ from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.shared_expert import shared_expert_reference
 from lensadapters.adapters.latent_attention import LatentAttention, LatentQKV, three_d
 from lensadapters.adapters.moe import FusedExperts, MoELayout
+from lensadapters.hooks.sites import first_input, first_output, replace_first_output
 from lensadapters.hooks.sites.qkv import heads_view, rotary_angles
 from lensadapters.hooks.specs import FusedGateUp, FusedQKV, MLPLayout, SeparateQKV
 
@@ -203,7 +204,8 @@ def reference(hooked: Any, name: str) -> Optional[Reference]:
             return None
         return _norm_reference(hooked, get(norm.module), rest.split(".")[-1], norm.layout == "bhpd")
     if isinstance(qkv, LatentQKV) and qkv.latent is not None:  # multi-head latent attention's own points
-        defined, found = latent_reference(qkv.latent, get, rest, i, get(bl.attn))
+        ln1 = get(bl.ln1) if bl.ln1 is not None and not bl.post_norm else None
+        defined, found = latent_reference(qkv.latent, get, rest, i, get(bl.attn), ln1, bl.attn_in_scale)
         if defined:
             return found
     if rest in ("attn.hook_q", "attn.hook_k", "attn.hook_v"):
@@ -428,13 +430,29 @@ def _norm_reference(hooked: Any, module: nn.Module, what: str, transposed: bool 
 
 
 def latent_reference(
-    form: LatentAttention, get: Callable[[str], nn.Module], rest: str, layer: int, attention: nn.Module
+    form: LatentAttention,
+    get: Callable[[str], nn.Module],
+    rest: str,
+    layer: int,
+    attention: nn.Module,
+    ln1: Optional[nn.Module] = None,
+    attn_in_scale: float = 1.0,
 ) -> tuple[bool, Optional[Reference]]:
     """``(whether the form defines the reference of the point rest, the reference)``: ``hook_q_latent`` and
     ``hook_kv_latent`` the latents' norms' outputs, ``hook_k_rope`` the down-projection's last ``rope`` columns,
     ``hook_v`` the up-projection's last ``v_head_dim`` columns of each head; ``hook_k`` the keys the attention
     function of layer ``layer`` gets, rotary undone (:class:`_LatentAngles`; ``hook_rot_k``: those keys as they
-    are, the default)."""
+    are, the default); the per-head inputs (:class:`_LatentCopies`): ``hook_q_input``/``hook_v_input`` the norm's
+    input once per head, an edit recomputing the query projection's (the up-projection's values') output per head
+    from the edited copies, ``hook_k_input`` the same, its edit on the keys the attention function gets (the rope
+    key per head); ``hook_attn_in`` has none (it is not served)."""
+    if rest in ("hook_q_input", "hook_k_input", "hook_v_input"):
+        copies = _LatentCopies(form, get, attention, ln1, attn_in_scale, rest[5])
+        if rest == "hook_k_input":
+            return True, Reference("attn", layer=layer, part="key", view=copies.view, unview=copies.unview, spec=copies)
+        return True, Reference("hooks", get(form.q if rest == "hook_q_input" else form.kv_up), spec=copies)
+    if rest == "hook_attn_in":
+        return True, None
     if rest == "attn.hook_q_latent" and form.q_norm is not None:
         return True, Reference("out", get(form.q_norm))
     if rest == "attn.hook_kv_latent":
@@ -485,3 +503,115 @@ class _LatentAngles:
     def unview(self, delta: Tensor, keys: Tensor) -> Tensor:
         assert self.form.rotary is not None
         return self.form.rotary.apply(delta.to(keys.dtype), *self.angles[-1])
+
+
+class _LatentCopies:
+    """The plain-PyTorch reference of a latent layer's ``hook_{which}_input`` (``which``: ``q``, ``k`` or ``v``): a
+    pre-hook records the attention norm's input ``x`` (the point's value: ``x`` once per head); an edit's copies
+    ``x + delta[..., h, :]`` go through the model's own modules (called by ``forward``: no hook of theirs fires),
+    and head ``h`` of the result replaces the model's, where its copy changed: of the query projection's output
+    (``q``), of the up-projection's value columns (``v``), or of the keys the attention function gets (``k``:
+    ``unview``, the up-projection's no-rope key and the down-projection's rope key of each copy, rotated with the
+    angles the attention module is called with)."""
+
+    def __init__(
+        self,
+        form: LatentAttention,
+        get: Callable[[str], nn.Module],
+        attention: nn.Module,
+        ln1: Optional[nn.Module],
+        scale: float,
+        which: str,
+    ) -> None:
+        self.form, self.which, self.ln1, self.attention, self.scale = form, which, ln1, attention, scale
+        self.q, self.kv_down, self.kv_norm, self.kv_up = (
+            get(p) for p in (form.q, form.kv_down, form.kv_norm, form.kv_up)
+        )
+        latent = form.q_down is not None and form.q_norm is not None
+        self.q_down = get(form.q_down) if latent and form.q_down is not None else None
+        self.q_norm = get(form.q_norm) if latent and form.q_norm is not None else None
+        self.modules = tuple(
+            m
+            for m in (ln1, attention, self.q, self.q_down, self.q_norm, self.kv_down, self.kv_norm, self.kv_up)
+            if m is not None
+        )
+        self.x: list[Tensor] = []
+        self.angles: list[Any] = []
+
+    def _copies(self) -> Tensor:
+        x = self.x[-1]
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.form.heads, x.shape[-1])
+
+    def _read(self, copies: Tensor) -> Tensor:
+        read = self.ln1.forward(copies) if self.ln1 is not None else copies
+        return read * self.scale if self.scale != 1.0 else read
+
+    def _own(self, t: Tensor) -> Tensor:
+        """``[..., h (copy), h * f]`` -> ``[..., h, f]``: each copy's own head's slice."""
+        heads = self.form.heads
+        return t.unflatten(-1, (heads, -1)).diagonal(dim1=-3, dim2=-2).movedim(-1, -2)
+
+    def queries(self, copies: Tensor) -> Tensor:
+        read = self._read(copies)
+        if self.q_down is not None and self.q_norm is not None:
+            read = self.q_norm.forward(self.q_down.forward(read))
+        return self._own(self.q.forward(read))
+
+    def keys_values(self, copies: Tensor) -> tuple[Tensor, Tensor]:
+        """Each copy's ``[no-rope key | rope key]`` (before rotary) and value."""
+        down = self.kv_down.forward(self._read(copies))
+        rank, nope = self.form.kv_rank, self.form.nope
+        kv = self._own(self.kv_up.forward(self.kv_norm.forward(down[..., :rank])))
+        return torch.cat((kv[..., :nope], down[..., rank:]), dim=-1), kv[..., nope:]
+
+    def install(self, edit: Optional[Callable[[Tensor], Tensor]], seen: list[Tensor]) -> list[Any]:
+        entry = self.ln1 if self.ln1 is not None else self.attention
+        handles = []
+
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.x[:] = [first_input(args, kwargs).detach().clone()]
+            seen.append(self._copies().clone())
+
+        handles.append(entry.register_forward_pre_hook(record, with_kwargs=True))
+        if self.which == "k":
+
+            def angles(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                self.angles[:] = [rotary_angles(kwargs["position_embeddings"])]
+
+            handles.append(self.attention.register_forward_pre_hook(angles, with_kwargs=True))
+        if edit is None or self.which == "k":
+            return handles
+
+        def replace(module: nn.Module, args: tuple, output: Any) -> Any:
+            raw = first_output(output)
+            copies = self._copies()
+            delta = edit(torch.zeros_like(copies))
+            changed = (delta != 0).any(-1, keepdim=True)
+            heads = self.form.heads
+            if self.which == "q":
+                new = torch.where(changed, self.queries(copies + delta).to(raw.dtype), raw.unflatten(-1, (heads, -1)))
+                return replace_first_output(output, new.flatten(-2))
+            out = three_d(raw)  # a model caching the latents runs the up-projection on the latent viewed as one head
+            parts = out.unflatten(-1, (heads, -1))
+            nope = self.form.nope
+            values = torch.where(changed, self.keys_values(copies + delta)[1].to(raw.dtype), parts[..., nope:])
+            return replace_first_output(
+                output, torch.cat((parts[..., :nope], values), -1).flatten(-2).reshape(raw.shape)
+            )
+
+        handles.append(
+            self.q.register_forward_hook(replace) if self.which == "q" else self.kv_up.register_forward_hook(replace)
+        )
+        return handles
+
+    def view(self, keys: Tensor) -> Tensor:
+        return self._copies()
+
+    def unview(self, delta: Tensor, keys: Tensor) -> Tensor:
+        """The change of the keys ``[b, p, h, d]`` the attention function gets: head ``h``'s rotated key from its
+        edited copy, where the copy changed."""
+        assert self.form.rotary is not None
+        copies = self._copies()
+        new = self.form.rotary.apply(self.keys_values(copies + delta.to(copies.dtype))[0], *self.angles[-1])
+        changed = (delta != 0).any(-1, keepdim=True)
+        return torch.where(changed, new.to(keys.dtype) - keys, torch.zeros_like(keys))

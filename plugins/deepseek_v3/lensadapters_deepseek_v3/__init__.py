@@ -28,8 +28,12 @@ cached generation would be lost at the next step (edit the latents, or generate 
 served where ``q_proj`` projects the residual
 directly; ``W_Q`` with a query latent and ``W_K``/``W_V`` are refused (an RMS norm of the latent lies between the
 down- and up-projections, so no matrix maps the residual to them); :func:`latent_weights` gives the exact per-head
-maps from the latents. For the same reason the blocks have no head-input points (``hook_attn_in``,
-``hook_q_input``...: ``SeparateQKV.head_inputs``). The attention is declared in the core's form
+maps from the latents. The per-head inputs (``hook_attn_in``, ``hook_q_input``, ``hook_k_input``,
+``hook_v_input``, TransformerLens' ``use_split_qkv_input``) are the block input once per head, each head's query
+(``q_a_proj`` -> ``q_a_layernorm`` -> its slice of ``q_b_proj``, or of ``q_proj``), key (``kv_a_proj_with_mqa`` ->
+``kv_a_layernorm`` -> its slice of ``kv_b_proj``, and its own rope key from the same down-projection) and value
+computed from its own copy, so edge attribution scores query, key and value edges; their key and value edits are
+refused during cached generation under transformers 5, as ``hook_k``'s. The attention is declared in the core's form
 (:func:`latent_attention`, a ``plugin_api.LatentAttention``), from which the core serves all of the above.
 
 Mixture of experts: the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP; the others route each token

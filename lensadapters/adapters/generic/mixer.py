@@ -110,7 +110,8 @@ class MixerLayer:
         shared = shared_point_names(self.shared) if self.shared is not None else []
         if self.moe is not None:
             before = self.shared is not None and self.shared.before_router
-            mlp = [*shared, *MOE_POINTS] if before else [*MOE_POINTS, *shared]
+            moe = moe_points(self.moe)
+            mlp = [*shared, *moe] if before else [*moe, *shared]
         else:  # a shared MLP beside routed experts the form does not describe
             mlp += shared
         return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp
@@ -120,9 +121,19 @@ class MixerLayer:
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
 
-#: the routing points a mixture of experts of the mixer form is served (those with a plain PyTorch reference where the
-#: experts are fused: the router's logits and the weights the experts module is called with), in the order they fire
+#: the routing points of a mixture of experts of the mixer form with a plain PyTorch reference wherever the experts are
+#: fused (the router's logits and the weights the experts module is called with), in the order they fire; the others
+#: (:func:`moe_points`) have one where the router returns the routing (:func:`.moe_references.routed_reference`)
 MOE_POINTS = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
+
+
+def moe_points(moe: Any) -> list[str]:
+    """Every point of a mixer-form layer's mixture of experts, in the order they fire (the core's
+    :func:`~lensadapters.moe.moe_point_names`: the routing points, then each expert's); each is served only where
+    the wrap-time verification checked it against its reference (:func:`reference`), the others are reported."""
+    from lensadapters.adapters.moe import moe_point_names
+
+    return moe_point_names(moe)
 
 #: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
@@ -440,9 +451,14 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         return Reference("out", get(path))
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))
-    if form.moe is not None and rest in MOE_POINTS:
-        from lensadapters.adapters.generic.references import _moe_reference
+    if form.moe is not None and rest in moe_points(form.moe):
+        from lensadapters.adapters.generic.moe_references import routed_reference
+        from lensadapters.adapters.generic.references import _moe_reference, _unflat
 
+        routed = routed_reference(get, form.moe, rest)
+        if routed is not None:  # the routing's further points and the experts' (a router returning the routing)
+            spec, flat = routed
+            return Reference("hooks", get(form.moe.router), unview=_unflat if flat else (lambda d, t: d), flat=flat, spec=spec)
         return _moe_reference(get, form.moe, rest)
     return None
 
@@ -518,8 +534,10 @@ def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifyi
         return sites
     failed = verify_internals(hooked, found, verifying)
     kept: list[Site] = []
+    from lensadapters.adapters.moe import MoESite
+
     for site in sites:
-        if isinstance(site, InternalsSite):
+        if isinstance(site, (InternalsSite, MoESite)):  # each point refused on its own, the others served
             if site.keep(failed):
                 kept.append(site)
         elif not any(p.name in failed for p in site.points):

@@ -123,6 +123,31 @@ class MoESite(Site):
         )
         self.fused_call = isinstance(layout.experts, FusedExperts)
 
+    def keep(self, failed: "dict[str, str] | set[str]") -> bool:
+        """Serve only the points not in ``failed`` (full names; a wrap-time verification's refusals): each failed
+        point is replaced by a stand-in never hooked, so the others are served as before. Whether any is left."""
+        def kept(p: Optional[HookPoint]) -> Optional[HookPoint]:
+            if p is None or p.name not in failed:
+                return p
+            return HookPoint(p.name, lambda point: None)
+
+        self.logits, self.probs, self.indices, self.weights = (
+            kept(p) for p in (self.logits, self.probs, self.indices, self.weights)
+        )
+        self.expert_points = [tuple(kept(p) for p in group) for group in self.expert_points]
+        self.points = tuple(
+            p
+            for p in (
+                self.logits,
+                self.probs,
+                self.indices,
+                self.weights,
+                *(p for group in self.expert_points for p in group if p is not None),
+            )
+            if p is not None and p.name not in failed
+        )
+        return bool(self.points)
+
     # --- when to install what -------------------------------------------------------------------
 
     def _experts_hooked(self) -> bool:

@@ -469,6 +469,24 @@ def _checked(block: Any) -> tuple[str, ...]:
     return tuple(n for n in [*names, "hook_attn_out", "hook_mixer_out", "hook_mlp_out"] if n in block.points)
 
 
+def _expert_representative(found: Any, name: str) -> Any:
+    """The points whose verdict a mixer-form MoE's per-expert point ``name`` (``blocks.{i}.mlp.experts.{e}.*``)
+    shares: the same step of the layer's first and last experts (one fused module computes every expert alike, from
+    its own slice of the same parameters; the two ends catch a wrong slicing); ``name`` itself for those two and for
+    any other point. The check then costs four experts' forward passes, not one per expert (a real model's 64 to
+    128), as layers of one class share the first one's verdicts."""
+    parts = name.split(".")
+    if len(parts) != 6 or parts[2:4] != ["mlp", "experts"] or not parts[4].isdigit() or not parts[1].isdigit():
+        return name
+    form = found.blocks[int(parts[1])].mixer
+    if form is None or form.moe is None:
+        return name
+    last = form.moe.routing.n_experts - 1
+    if int(parts[4]) in (0, last):
+        return name
+    return tuple(".".join([*parts[:4], str(e), parts[5]]) for e in (0, last))
+
+
 def _leave_as_probed(model: Any) -> None:
     """One more forward pass at the probe's batch size (one row), with the model's cache: a recurrent layer may keep
     its state in the module, sized by the last batch it ran (transformers 4.x's RecurrentGemma, whose forward without
@@ -500,12 +518,18 @@ def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
             reps[i] = seen.setdefault((type(layer), _checked(block)), i)
     names = [f"blocks.{i}.{name}" for i in sorted(set(reps.values())) for name in _checked(found.blocks[i])]
     names += [name for name in ("ln_final.hook_scale", "ln_final.hook_normalized") if name in hooked.hook_dict]
+    standing = {name: rep for name in names if (rep := _expert_representative(found, name)) != name}
+    names = [name for name in names if name not in standing]
     results, _ = check_second_wiring(hooked, verifying, names)
     _leave_as_probed(hooked.hf_model)
     raised = [name for name, why in results.items() if why is not None and "raised" in why]
     if raised:  # a pass raised: again one point per pass, at the probe's batch size (see _leave_as_probed)
         results.update(check_second_wiring(hooked, verifying, raised, points_per_pass=1)[0])
         _leave_as_probed(hooked.hf_model)
+    for name, rep in standing.items():  # an expert between the first and the last: their verdict on its step
+        whys = [results.get(r, f"{r} (whose verdict it shares) was not checked") for r in rep]
+        results[name] = next((f"as {r}: {why}" for r, why in zip(rep, whys) if why is not None), None)
+    names += list(standing)
     failed = {name: why for name in names if not name.startswith("blocks.") and (why := results.get(name))}
     for i, rep in reps.items():
         for name in _checked(found.blocks[i]):
@@ -540,11 +564,24 @@ def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifyi
         if isinstance(site, (InternalsSite, MoESite)):  # each point refused on its own, the others served
             if site.keep(failed):
                 kept.append(site)
+            if isinstance(site, MoESite) and _experts_verified(site):  # its experts' weights: read as verified
+                hooked.own_mlp_layouts[site.layer] = site.layout
         elif not any(p.name in failed for p in site.points):
             kept.append(site)
     from lensadapters.adapters.generic.scan import serve_scan
 
     return serve_scan(hooked, found, kept, verifying)  # a Mamba mixer's selective scan (.scan)
+
+
+def _experts_verified(site: Any) -> bool:
+    """Whether every per-expert point of a mixer-form MoE's site passed the wrap-time verification (each expert
+    computed from the fused parameters its description names, as the model computes it): the weight readers
+    (``mlp_weights``, ``lensadapters.moe.expert_weights``) then read those parameters for the layer."""
+    from lensadapters.adapters.moe import moe_point_names
+
+    names = [n for n in moe_point_names(site.layout) if n.startswith("mlp.experts.")]
+    served = {p.name for p in site.points}
+    return bool(names) and all(f"blocks.{site.layer}.{n}" in served for n in names)
 
 
 def register(model: nn.Module, found: Any, norms: Any) -> None:

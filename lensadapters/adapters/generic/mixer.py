@@ -96,6 +96,8 @@ class MixerLayer:
     #: core's :class:`~lensadapters.moe.MoESite`
     moe: Optional[Any] = None
     shared: Optional[Any] = None
+    #: why the layer's MLP, a mixture of experts, has no ``mlp.*`` point (the MoE description refused it)
+    moe_why: Optional[str] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -348,12 +350,12 @@ def layer_form(
     """A mixer-form layer's points beyond its branches (``mixer``: its token mixer; ``inside``: whose internals are
     served, where it does not call the attention interface)."""
     from lensadapters.adapters.generic.describe import NotDescribed, _describe_mlp
-    from lensadapters.hooks.specs import MLPLayout
+    from lensadapters.hooks.specs import MLPLayout, OpaqueMLP
 
     softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
     internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
     found = pre_norms(i, layer, rec, mixer, mlp)
-    layout = mid = add = moe = shared = None
+    layout = mid = add = moe = shared = moe_why = None
     if mlp is not None and model is not None:
         try:
             dense = _describe_mlp(model, layer, i, mlp, rec)[0]
@@ -368,6 +370,8 @@ def layer_form(
             other = describe_other_mlp(model, layer, i, mlp, rec, False)
             if isinstance(other, MoELayout):
                 moe, shared = other, describe_shared_expert(model, layer, i, other, rec)
+            elif isinstance(other, OpaqueMLP):
+                moe_why = other.why
         x = rec.layer_in.get(i)
         if mixer is not None and x is not None:
             ln2 = next((path for role, path, _ in found if role == "ln2"), None)
@@ -393,7 +397,7 @@ def layer_form(
         add = None
         if mid is not None and reads is not None and out is not None and branch is not None:
             add = three.after[0] if _close(out.value, reads + branch.value) else None
-    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared)
+    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared, moe_why=moe_why)
 
 
 def _shared_mlp(model: nn.Module, i: int, layer: nn.Module, rec: Recording, three: Any, mixer: str) -> Optional[Any]:

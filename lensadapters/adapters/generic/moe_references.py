@@ -214,8 +214,10 @@ class _RoutedProbabilities:
     the router's own, else the reference raises (the point is then not served); an edit replaces the router's
     weights and index by that routing of the edited probabilities."""
 
-    def __init__(self, router: nn.Module, routing: Any) -> None:
-        self.modules, self.routing = (router,), routing
+    def __init__(self, router: nn.Module, routing: Any, logits: bool = False) -> None:
+        #: ``logits``: the reference of ``mlp.hook_router_logits`` instead (the router's logits; an edit routed by
+        #: the description), for a router in half precision, where moving its input cannot move its logits exactly
+        self.modules, self.routing, self.logits = (router,), routing, logits
 
     def _bias(self) -> Optional[Tensor]:
         name = self.routing.selection_bias
@@ -237,10 +239,15 @@ class _RoutedProbabilities:
                 weights.gather(-1, order).float(), own_weights.gather(-1, own_order).float(), rtol=1e-3, atol=1e-6
             ):
                 raise RuntimeError("the routing description does not reproduce the router's own routing")
-            seen.append(probs.detach().clone())
+            seen.append((logits if self.logits else probs).detach().clone())
             if edit is None:
                 return None
-            new_weights, new_index = _written_route(routing, edit(probs), self._bias(), weights.dtype)
+            if self.logits:
+                logits = edit(logits)
+                probs = logits.float().sigmoid() if routing.probabilities == "sigmoid" else logits.float().softmax(-1)
+            else:
+                probs = edit(probs)
+            new_weights, new_index = _written_route(routing, probs, self._bias(), weights.dtype)
             return (logits, new_weights, new_index, *output[3:])
 
         return [self.modules[0].register_forward_hook(post)]
@@ -259,11 +266,25 @@ class _RoutedExpert:
         #: edit of ``mlp.hook_expert_indices`` would (:func:`.verify.check_points`)
         self.routed_here = False
 
-    def _product(self, x: Tensor, name: str, bias: Optional[str]) -> Tensor:
-        module = self.modules[0]
-        w = getattr(module, name)[self.e]
+    def _product(self, x: Tensor, name: str, bias: Optional[str], e: Optional[int] = None) -> Tensor:
+        """Expert ``e``'s (default: this one's) product of ``x`` with the parameter ``name`` (and its bias)."""
+        module, e = self.modules[0], self.e if e is None else e
+        w = getattr(module, name)[e]
         out = x @ w if self.spec.transposed else torch.nn.functional.linear(x, w)
-        return out + getattr(module, bias)[self.e] if bias else out
+        return out + getattr(module, bias)[e] if bias else out
+
+    def _gate_up(self, x: Tensor, e: Optional[int] = None) -> tuple[Optional[Tensor], Tensor]:
+        both = self._product(x, self.spec.gate_up, self.spec.gate_up_bias, e)
+        if not self.spec.gated:
+            return None, both
+        if self.spec.interleaved:
+            return both[..., ::2], both[..., 1::2]
+        gate, up = both.chunk(2, dim=-1)
+        return gate, up
+
+    def _post(self, gate: Optional[Tensor], up: Tensor) -> Tensor:
+        act = getattr(self.modules[0], self.spec.act)
+        return act(gate) * up if gate is not None else act(up)
 
     def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:
         experts, spec, step = self.modules[0], self.spec, self.step
@@ -278,23 +299,15 @@ class _RoutedExpert:
             return args, {**kwargs, "top_k_index": index}
 
         def steps(gate: Optional[Tensor], up: Tensor) -> dict[str, Tensor]:
-            act = getattr(experts, spec.act)
-            values = {"hook_pre": up}
+            values = {"hook_pre": up, "hook_post": self._post(gate, up)}
             if gate is not None:
                 values["hook_gate"] = gate
-            values["hook_post"] = act(gate) * up if gate is not None else act(up)
             return values
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Any:
             hidden, index, weights = _call_args(args, kwargs)
             slot, token = torch.where(index.T == self.e)
-            both = self._product(hidden[token], spec.gate_up, spec.gate_up_bias)
-            if not spec.gated:
-                gate, up = None, both
-            elif spec.interleaved:
-                gate, up = both[..., ::2], both[..., 1::2]
-            else:
-                gate, up = both.chunk(2, dim=-1)
+            gate, up = self._gate_up(hidden[token])
             values = steps(gate, up)
             weight = weights[token, slot, None]
             result = self._product(values["hook_post"], spec.down, spec.down_bias) * weight
@@ -309,7 +322,20 @@ class _RoutedExpert:
                 ]
             if step != "hook_result":
                 edited = self._product(edited, spec.down, spec.down_bias) * weight
-            return output.index_add(0, token, (edited - result).to(output.dtype))
+            total = torch.promote_types(hidden.dtype, weights.dtype)
+            if total == output.dtype:
+                return output.index_add(0, token, (edited - result).to(output.dtype))
+            # the module sums its experts in a wider dtype than it returns (float32 weights of a bfloat16 model):
+            # every expert's result written out and summed so, the edited one in its place, then cast back
+            out = torch.zeros(output.shape, dtype=total, device=output.device)
+            for e in range(int(getattr(experts, spec.gate_up).shape[0])):
+                s, t = torch.where(index.T == e)
+                if e == self.e:
+                    out.index_add_(0, t, edited.to(total))
+                    continue
+                h = self._post(*self._gate_up(hidden[t], e))
+                out.index_add_(0, t, (self._product(h, spec.down, spec.down_bias, e) * weights[t, s, None]).to(total))
+            return out.to(output.dtype)
 
         return [
             experts.register_forward_pre_hook(pre, with_kwargs=True),
@@ -333,6 +359,12 @@ def routed_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str)
     if not (isinstance(experts, FusedExperts) and not experts.scaled_input and moe.router_output == "routing"):
         return None
     routing = moe.routing
+    if rest == "mlp.hook_router_logits":  # in half precision only (else the router's input moved: .references)
+        weight = getattr(get(moe.router), "weight", None)
+        half = isinstance(weight, Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
+        if not half or routing.order != "softmax_topk" or routing.expert_scale is not None:
+            return None
+        return _RoutedProbabilities(get(moe.router), routing, logits=True), True
     if rest == "mlp.hook_expert_indices":
         return _RoutedIndices(get(moe.router), routing.n_experts), True
     if rest == "mlp.hook_expert_weights":

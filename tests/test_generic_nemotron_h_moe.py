@@ -448,3 +448,46 @@ def test_a_router_point_that_fails_its_check_is_refused_alone(monkeypatch: pytes
         assert relative_error(edited, logits_with(model, _reference(model, "mlp.hook_router_logits", d))) < 1e-5
     finally:
         hm.unwrap()
+
+
+def test_in_bfloat16_the_moe_layer_keeps_every_point_and_edits_as_plain_hooks() -> None:
+    """The model in bfloat16 (the router computes its logits in float32, the experts sum in float32 and return
+    bfloat16): every MoE point is still served (before, the experts' check refused the MoE in bfloat16, and the layer
+    had no ``mlp.*`` point), reading them leaves the logits bit for bit, the scores are the sigmoid of the router's
+    float32 logits, and an edit of an expert's result moves the logits as the same edit by a plain hook (the experts'
+    float32 sum written out)."""
+    model = _model().to(torch.bfloat16)
+    hm = wrap_generic(model)
+    try:
+        served = {n.split(".", 2)[2] for n in hm.hook_dict if n.startswith(f"blocks.{MOE}.mlp.")}
+        assert served == set(ROUTING + EXPERTS + SHARED)
+        plain = _plain(model)
+        with torch.no_grad():
+            want = model(input_ids()).logits
+        e = _busiest_expert(model)
+        names = [f"blocks.{MOE}.{n}" for n in ROUTING] + [f"blocks.{MOE}.mlp.experts.{e}.{s}" for s in STEPS]
+        logits, cache = hm.run_with_cache(input_ids(), names_filter=names)
+        assert torch.equal(logits, want)
+        b, p = input_ids().shape
+        x = plain["in"].reshape(b * p, -1)
+        scores = F.linear(x.float(), _moe(model).gate.weight.float()).sigmoid()
+        assert relative_error(cache[f"blocks.{MOE}.mlp.hook_expert_weights"].reshape(b * p, -1), scores) < 1e-6
+        result = f"blocks.{MOE}.mlp.experts.{e}.hook_result"
+        d = seeded_delta(cache[result], 5) * 0.3
+        edited = hm.run_with_hooks(input_ids(), fwd_hooks=[(result, lambda t, hook: t + d)])
+        experts = _moe(model).experts
+
+        def summed(m: Any, args: tuple, out: Tensor) -> Tensor:  # the float32 sum with the edit, cast back
+            h, index, weights = args
+            total = torch.zeros(out.shape, dtype=torch.float32)
+            for k in range(model.config.n_routed_experts):
+                steps = _expert_steps(model, h, weights, index, k)
+                value = steps["hook_result"] + (d if k == e else 0)
+                total.index_add_(0, steps["token"], value.float())
+            return total.to(out.dtype)
+
+        expected = logits_with(model, lambda: [experts.register_forward_hook(summed)])
+        assert not torch.equal(expected, want)
+        assert relative_error(edited, expected) < 2e-2  # bfloat16 after the MoE: its rounding
+    finally:
+        hm.unwrap()

@@ -279,7 +279,9 @@ def test_an_edit_changes_the_logits_as_plain_hooks_do(wrapped: Any, name: str) -
         _, cache = hm.run_with_cache(input_ids(), names_filter=[f"blocks.{MOE}.{name}"])
         value = cache[f"blocks.{MOE}.{name}"]
         moved = _moved_indices(value.reshape(-1, value.shape[-1]), model.config.n_routed_experts)
-        edited = hm.run_with_hooks(input_ids(), fwd_hooks=[(f"blocks.{MOE}.{name}", lambda t, hook: moved.view(t.shape))])
+        edited = hm.run_with_hooks(
+            input_ids(), fwd_hooks=[(f"blocks.{MOE}.{name}", lambda t, hook: moved.view(t.shape))]
+        )
         expected = logits_with(model, _gate_edit(model, lambda logits, w, index: (logits, w, moved)))
         assert not torch.equal(expected, logits_with(model, lambda: []))
         assert relative_error(edited, expected) < 1e-5
@@ -392,7 +394,7 @@ def test_expert_weights_are_read_live_from_the_fused_parameters(wrapped: Any) ->
     with pytest.raises(WeightUnavailableError, match="not gated"):
         mlp_weights(hm.wiring, MOE, "gate")
     with pytest.raises(AttributeError, match="mlp_weights"):  # dense and MoE layers: read per layer
-        hm.W_in
+        _ = hm.W_in
     e = _busiest_expert(model)
     plain = _plain(model)
     b, p = input_ids().shape
@@ -442,9 +444,13 @@ def test_a_router_point_that_fails_its_check_is_refused_alone(monkeypatch: pytes
         plain = _plain(model)
         _, cache = hm.run_with_cache(input_ids(), names_filter=[f"blocks.{MOE}.mlp.hook_router_logits"])
         got = cache[f"blocks.{MOE}.mlp.hook_router_logits"]
-        assert relative_error(got.reshape(plain["mlp.hook_router_logits"].shape), plain["mlp.hook_router_logits"]) < 1e-6
+        assert (
+            relative_error(got.reshape(plain["mlp.hook_router_logits"].shape), plain["mlp.hook_router_logits"]) < 1e-6
+        )
         d = seeded_delta(got, 5) * 0.5
-        edited = hm.run_with_hooks(input_ids(), fwd_hooks=[(f"blocks.{MOE}.mlp.hook_router_logits", lambda t, hook: t + d)])
+        edited = hm.run_with_hooks(
+            input_ids(), fwd_hooks=[(f"blocks.{MOE}.mlp.hook_router_logits", lambda t, hook: t + d)]
+        )
         assert relative_error(edited, logits_with(model, _reference(model, "mlp.hook_router_logits", d))) < 1e-5
     finally:
         hm.unwrap()

@@ -137,6 +137,7 @@ def moe_points(moe: Any) -> list[str]:
 
     return moe_point_names(moe)
 
+
 #: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
     "no sum of the outputs of the layer's modules before its middle is what it adds to the residual (it scales "
@@ -462,7 +463,9 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         routed = routed_reference(get, form.moe, rest)
         if routed is not None:  # the routing's further points and the experts' (a router returning the routing)
             spec, flat = routed
-            return Reference("hooks", get(form.moe.router), unview=_unflat if flat else (lambda d, t: d), flat=flat, spec=spec)
+            return Reference(
+                "hooks", get(form.moe.router), unview=_unflat if flat else (lambda d, t: d), flat=flat, spec=spec
+            )
         return _moe_reference(get, form.moe, rest)
     return None
 

@@ -269,7 +269,6 @@ def _per_layer_experts(hooked: Any, key: str) -> str:
     return f" The experts of layers {', '.join(map(str, layers))} (verified on the probe) are read per layer: {reader}"
 
 
-
 @hookimpl
 def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
     """Every point of the blocks and the final norm (the core created ``hook_embed``)."""

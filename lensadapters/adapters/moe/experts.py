@@ -197,7 +197,8 @@ def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[
     path = {"in": experts.up, "gate": experts.gate, "out": experts.down}[role]
     linears = [hooked.read_linear(module[e].get_submodule(path)) for e in range(layout.routing.n_experts)]
     biases = [lw.b for lw in linears]
-    stacked = torch.stack(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+    given = [b for b in biases if b is not None]
+    stacked = torch.stack(given) if len(given) == len(biases) else None
     return torch.stack([lw.W for lw in linears]), stacked
 
 

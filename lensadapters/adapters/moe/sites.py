@@ -126,15 +126,14 @@ class MoESite(Site):
     def keep(self, failed: "dict[str, str] | set[str]") -> bool:
         """Serve only the points not in ``failed`` (full names; a wrap-time verification's refusals): each failed
         point is replaced by a stand-in never hooked, so the others are served as before. Whether any is left."""
-        def kept(p: Optional[HookPoint]) -> Optional[HookPoint]:
-            if p is None or p.name not in failed:
-                return p
-            return HookPoint(p.name, lambda point: None)
+
+        def kept(p: HookPoint) -> HookPoint:
+            return p if p.name not in failed else HookPoint(p.name, lambda point: None)
 
         self.logits, self.probs, self.indices, self.weights = (
             kept(p) for p in (self.logits, self.probs, self.indices, self.weights)
         )
-        self.expert_points = [tuple(kept(p) for p in group) for group in self.expert_points]
+        self.expert_points = [tuple(p if p is None else kept(p) for p in group) for group in self.expert_points]
         self.points = tuple(
             p
             for p in (

@@ -495,5 +495,41 @@ def test_in_bfloat16_the_moe_layer_keeps_every_point_and_edits_as_plain_hooks() 
         expected = logits_with(model, lambda: [experts.register_forward_hook(summed)])
         assert not torch.equal(expected, want)
         assert relative_error(edited, expected) < 2e-2  # bfloat16 after the MoE: its rounding
+        # the attention-only block keeps its head inputs and hook_result (before, refused in bfloat16: the check's
+        # floor was float32's, the logits being upcast, while the model rounds to bfloat16 before them)
+        attention = {n.split(".", 2)[2] for n in hm.hook_dict if n.startswith("blocks.2.")}
+        assert {"hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result"} <= attention
+        _, cache = hm.run_with_cache(input_ids(), names_filter=["blocks.2.hook_q_input"])
+        d = seeded_delta(cache["blocks.2.hook_q_input"], 6) * 3.0
+        edited = hm.run_with_hooks(input_ids(), fwd_hooks=[("blocks.2.hook_q_input", lambda t, hook: t + d)])
+        layer = model.model.layers[2]
+        heads, resid = d.shape[2], []
+
+        def per_head(m: Any, a: Any, out: Tensor) -> Tensor:  # head h's query from norm(resid_pre + d[..., h, :])
+            own = [m(layer.norm(resid[0] + d[:, :, h])).unflatten(-1, (heads, -1)) for h in range(heads)]
+            return torch.stack([q[:, :, h] for h, q in enumerate(own)], dim=2).flatten(-2)
+
+        def hooks() -> list:
+            busy: list = []
+
+            def on_q(m: Any, a: Any, out: Tensor) -> Any:
+                if busy:
+                    return None
+                busy.append(1)
+                try:
+                    return per_head(m, a, out)
+                finally:
+                    busy.clear()
+
+            return [
+                layer.norm.register_forward_pre_hook(
+                    lambda m, a: None if busy else resid.__setitem__(slice(None), [a[0]])
+                ),
+                layer.mixer.q_proj.register_forward_hook(on_q),
+            ]
+
+        expected = logits_with(model, hooks)
+        assert not torch.equal(expected, want)
+        assert relative_error(edited, expected) < 2e-2
     finally:
         hm.unwrap()

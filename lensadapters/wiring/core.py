@@ -108,6 +108,9 @@ class Wiring(CoreSites, Installation):
             None if bl is None else self._describe("lensadapters_mlp_act", MLP_DESCRIPTIONS, f"for layer {i}", i)
             for i, bl in enumerate(self.block_layouts)
         ]
+        #: the mixtures of experts of blocks a plugin serves itself (``block_layouts`` ``None``: the generic adapter's
+        #: mixer form), by layer, as the plugin records them once verified: what the weight readers read them with
+        self.own_mlp_layouts: dict[int, MoELayout] = {}
         self.attention_modules = [
             b.get_submodule(bl.attn) if bl is not None else None
             for b, bl in zip(self.block_modules, self.block_layouts)

@@ -15,6 +15,7 @@ from torch import nn
 
 from lensadapters.adapters.layer_claims import permitted, warn_undeclared
 from lensadapters.adapters.moe import expert_weights_and_biases, is_moe, router_weight
+from lensadapters.adapters.moe.experts import moe_layout
 from lensadapters.errors import PluginValidationError, WeightUnavailableError
 from lensadapters.hooks.distributed import full_tensor, is_dtensor
 from lensadapters.hooks.offload import live_parameters
@@ -221,7 +222,12 @@ def mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool = False) -> tup
 
 
 def _mlp_weights(hm: "Hooked", layer: int, role: str, dense: bool) -> tuple[Tensor, Tensor]:
-    layout = hm.mlp_layouts[layer]
+    layout = hm.mlp_layouts[layer] or moe_layout(hm, layer)
+    if layout is None:
+        raise WeightUnavailableError(
+            f"layer {layer}'s MLP is not described (the block has no description its weights could be read from, or "
+            f"no MLP): no W_in/W_gate/W_out"
+        )
     if dense:
         if not (is_moe(layout) and layout.beside is not None):
             raise WeightUnavailableError(
@@ -255,7 +261,7 @@ def _stack(hooked: "Hooked", fn: Callable[[int], Tensor]) -> Tensor:
 
 def _mlp_stack(hooked: "Hooked", role: str, part: int) -> Tensor:
     """One MLP weight of every layer; refused (naming the per-layer reader) when dense and MoE layers mix."""
-    if len({is_moe(layout) for layout in hooked.mlp_layouts}) > 1:
+    if len({moe_layout(hooked, i) is not None for i in range(len(hooked.mlp_layouts))}) > 1:
         raise AttributeError(
             f"this model mixes dense and mixture-of-experts MLP layers, whose weights have different shapes: read "
             f"one layer's with lensadapters.weights.mlp_weights(hm.wiring, layer, {role!r})"
@@ -264,7 +270,7 @@ def _mlp_stack(hooked: "Hooked", role: str, part: int) -> Tensor:
 
 
 def _router_stack(hooked: "Hooked") -> Tensor:
-    if not all(is_moe(layout) for layout in hooked.mlp_layouts):
+    if not all(moe_layout(hooked, i) is not None for i in range(len(hooked.mlp_layouts))):
         raise AttributeError(
             "W_router exists for mixture-of-experts models whose every MLP layer is a MoE; read one "
             "layer's router with lensadapters.moe.router_weight(hm.wiring, layer)"

@@ -226,6 +226,8 @@ def _block(
         if found is not None:
             (attn, mlp), branches_ok = found, True
             form = mixer_form.layer_form(model, i, layer, rec, mixing, attn, mlp, attn != attention)
+            if form.moe_why is not None:  # a mixture of experts the generic description does not read
+                notes.add("mlp.* points (router, experts)", form.moe_why, i)
             three = mixer_form._split(i, layer, rec)
             if three is not None and three.summed and form.sum is None:  # no norm reads its middle: not served
                 if not three.plain:

@@ -96,6 +96,8 @@ class MixerLayer:
     #: core's :class:`~lensadapters.moe.MoESite`
     moe: Optional[Any] = None
     shared: Optional[Any] = None
+    #: why the layer's MLP, a mixture of experts, has no ``mlp.*`` point (the MoE description refused it)
+    moe_why: Optional[str] = None
 
     def before(self, slot: str, inside: bool = False) -> list[str]:
         """The points firing before the mixer (``"attn"``) or MLP (``"mlp"``) runs (``inside``: while it runs, before
@@ -110,7 +112,8 @@ class MixerLayer:
         shared = shared_point_names(self.shared) if self.shared is not None else []
         if self.moe is not None:
             before = self.shared is not None and self.shared.before_router
-            mlp = [*shared, *MOE_POINTS] if before else [*MOE_POINTS, *shared]
+            moe = moe_points(self.moe)
+            mlp = [*shared, *moe] if before else [*moe, *shared]
         else:  # a shared MLP beside routed experts the form does not describe
             mlp += shared
         return ["hook_resid_mid"] * (self.mid is not None) + norms.get("ln2", []) + mlp
@@ -120,9 +123,20 @@ class MixerLayer:
         return [*self.before("attn"), *self.before("attn", True), *self.before("mlp", True)]
 
 
-#: the routing points a mixture of experts of the mixer form is served (those with a plain PyTorch reference where the
-#: experts are fused: the router's logits and the weights the experts module is called with), in the order they fire
+#: the routing points of a mixture of experts of the mixer form with a plain PyTorch reference wherever the experts are
+#: fused (the router's logits and the weights the experts module is called with), in the order they fire; the others
+#: (:func:`moe_points`) have one where the router returns the routing (:func:`.moe_references.routed_reference`)
 MOE_POINTS = ("mlp.hook_router_logits", "mlp.hook_routing_weights")
+
+
+def moe_points(moe: Any) -> list[str]:
+    """Every point of a mixer-form layer's mixture of experts, in the order they fire (the core's
+    :func:`~lensadapters.moe.moe_point_names`: the routing points, then each expert's); each is served only where
+    the wrap-time verification checked it against its reference (:func:`reference`), the others are reported."""
+    from lensadapters.adapters.moe import moe_point_names
+
+    return moe_point_names(moe)
+
 
 #: why a layer of three branch children with no exact sum before its middle has no hook_attn_out (:mod:`.parallel`)
 SCALED = (
@@ -337,12 +351,12 @@ def layer_form(
     """A mixer-form layer's points beyond its branches (``mixer``: its token mixer; ``inside``: whose internals are
     served, where it does not call the attention interface)."""
     from lensadapters.adapters.generic.describe import NotDescribed, _describe_mlp
-    from lensadapters.hooks.specs import MLPLayout
+    from lensadapters.hooks.specs import MLPLayout, OpaqueMLP
 
     softmax = mixer is not None and type(layer.get_submodule(mixer)).__name__.endswith("Attention")
     internal = tuple(internals(i, layer, mixer, rec, mixing)) if mixer is not None and inside and not softmax else ()
     found = pre_norms(i, layer, rec, mixer, mlp)
-    layout = mid = add = moe = shared = None
+    layout = mid = add = moe = shared = moe_why = None
     if mlp is not None and model is not None:
         try:
             dense = _describe_mlp(model, layer, i, mlp, rec)[0]
@@ -357,6 +371,8 @@ def layer_form(
             other = describe_other_mlp(model, layer, i, mlp, rec, False)
             if isinstance(other, MoELayout):
                 moe, shared = other, describe_shared_expert(model, layer, i, other, rec)
+            elif isinstance(other, OpaqueMLP):
+                moe_why = other.why
         x = rec.layer_in.get(i)
         if mixer is not None and x is not None:
             ln2 = next((path for role, path, _ in found if role == "ln2"), None)
@@ -382,7 +398,7 @@ def layer_form(
         add = None
         if mid is not None and reads is not None and out is not None and branch is not None:
             add = three.after[0] if _close(out.value, reads + branch.value) else None
-    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared)
+    return MixerLayer(internal, found, mid, layout, mid_add=add, moe=moe, shared=shared, moe_why=moe_why)
 
 
 def _shared_mlp(model: nn.Module, i: int, layer: nn.Module, rec: Recording, three: Any, mixer: str) -> Optional[Any]:
@@ -440,9 +456,16 @@ def reference(hooked: Any, layer: nn.Module, i: int, rest: str) -> Optional[Refe
         return Reference("out", get(path))
     if form.mlp is not None and rest == "mlp.hook_post":
         return Reference("in", get(form.mlp.out))
-    if form.moe is not None and rest in MOE_POINTS:
-        from lensadapters.adapters.generic.references import _moe_reference
+    if form.moe is not None and rest in moe_points(form.moe):
+        from lensadapters.adapters.generic.moe_references import routed_reference
+        from lensadapters.adapters.generic.references import _moe_reference, _unflat
 
+        routed = routed_reference(get, form.moe, rest)
+        if routed is not None:  # the routing's further points and the experts' (a router returning the routing)
+            spec, flat = routed
+            return Reference(
+                "hooks", get(form.moe.router), unview=_unflat if flat else (lambda d, t: d), flat=flat, spec=spec
+            )
         return _moe_reference(get, form.moe, rest)
     return None
 
@@ -451,6 +474,24 @@ def _checked(block: Any) -> tuple[str, ...]:
     """The points of a mixer-form layer checked at wrap time: what the form adds, and the branches."""
     names = block.mixer.checked() if block.mixer is not None else []
     return tuple(n for n in [*names, "hook_attn_out", "hook_mixer_out", "hook_mlp_out"] if n in block.points)
+
+
+def _expert_representative(found: Any, name: str) -> Any:
+    """The points whose verdict a mixer-form MoE's per-expert point ``name`` (``blocks.{i}.mlp.experts.{e}.*``)
+    shares: the same step of the layer's first and last experts (one fused module computes every expert alike, from
+    its own slice of the same parameters; the two ends catch a wrong slicing); ``name`` itself for those two and for
+    any other point. The check then costs four experts' forward passes, not one per expert (a real model's 64 to
+    128), as layers of one class share the first one's verdicts."""
+    parts = name.split(".")
+    if len(parts) != 6 or parts[2:4] != ["mlp", "experts"] or not parts[4].isdigit() or not parts[1].isdigit():
+        return name
+    form = found.blocks[int(parts[1])].mixer
+    if form is None or form.moe is None:
+        return name
+    last = form.moe.routing.n_experts - 1
+    if int(parts[4]) in (0, last):
+        return name
+    return tuple(".".join([*parts[:4], str(e), parts[5]]) for e in (0, last))
 
 
 def _leave_as_probed(model: Any) -> None:
@@ -484,12 +525,18 @@ def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
             reps[i] = seen.setdefault((type(layer), _checked(block)), i)
     names = [f"blocks.{i}.{name}" for i in sorted(set(reps.values())) for name in _checked(found.blocks[i])]
     names += [name for name in ("ln_final.hook_scale", "ln_final.hook_normalized") if name in hooked.hook_dict]
+    standing = {name: rep for name in names if (rep := _expert_representative(found, name)) != name}
+    names = [name for name in names if name not in standing]
     results, _ = check_second_wiring(hooked, verifying, names)
     _leave_as_probed(hooked.hf_model)
     raised = [name for name, why in results.items() if why is not None and "raised" in why]
     if raised:  # a pass raised: again one point per pass, at the probe's batch size (see _leave_as_probed)
         results.update(check_second_wiring(hooked, verifying, raised, points_per_pass=1)[0])
         _leave_as_probed(hooked.hf_model)
+    for name, rep in standing.items():  # an expert between the first and the last: their verdict on its step
+        whys = [results.get(r, f"{r} (whose verdict it shares) was not checked") for r in rep]
+        results[name] = next((f"as {r}: {why}" for r, why in zip(rep, whys) if why is not None), None)
+    names += list(standing)
     failed = {name: why for name in names if not name.startswith("blocks.") and (why := results.get(name))}
     for i, rep in reps.items():
         for name in _checked(found.blocks[i]):
@@ -518,15 +565,30 @@ def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifyi
         return sites
     failed = verify_internals(hooked, found, verifying)
     kept: list[Site] = []
+    from lensadapters.adapters.moe import MoESite
+
     for site in sites:
-        if isinstance(site, InternalsSite):
+        if isinstance(site, (InternalsSite, MoESite)):  # each point refused on its own, the others served
             if site.keep(failed):
                 kept.append(site)
+            if isinstance(site, MoESite) and _experts_verified(site):  # its experts' weights: read as verified
+                hooked.own_mlp_layouts[site.layer] = site.layout
         elif not any(p.name in failed for p in site.points):
             kept.append(site)
     from lensadapters.adapters.generic.scan import serve_scan
 
     return serve_scan(hooked, found, kept, verifying)  # a Mamba mixer's selective scan (.scan)
+
+
+def _experts_verified(site: Any) -> bool:
+    """Whether every per-expert point of a mixer-form MoE's site passed the wrap-time verification (each expert
+    computed from the fused parameters its description names, as the model computes it): the weight readers
+    (``mlp_weights``, ``lensadapters.moe.expert_weights``) then read those parameters for the layer."""
+    from lensadapters.adapters.moe import moe_point_names
+
+    names = [n for n in moe_point_names(site.layout) if n.startswith("mlp.experts.")]
+    served = {p.name for p in site.points}
+    return bool(names) and all(f"blocks.{site.layer}.{n}" in served for n in names)
 
 
 def register(model: nn.Module, found: Any, norms: Any) -> None:

@@ -183,14 +183,18 @@ def layer_sites(hooked: Any, i: int, layer: nn.Module, block: Any, points: dict[
 def _moe_sites(
     hooked: Any, i: int, layer: nn.Module, block: Any, form: Any, points: dict[str, HookPoint]
 ) -> list[Site]:
-    """The core's :class:`~lensadapters.moe.MoESite` of a mixer-form layer's mixture of experts (its routing points
-    this layer serves; the others stand-ins never hooked, so the site never recomputes the experts), and its shared
-    expert's points."""
+    """The core's :class:`~lensadapters.moe.MoESite` of a mixer-form layer's mixture of experts (its routing and
+    per-expert points this layer serves, :func:`.mixer.moe_points`; the others stand-ins never hooked, and those the
+    wrap-time verification refuses become stand-ins one by one, :meth:`~lensadapters.moe.MoESite.keep`), and its
+    shared expert's points."""
     from lensadapters.adapters.generic.shared_expert import shared_sites
-    from lensadapters.adapters.moe import MoESite, moe_point_names
+    from lensadapters.adapters.moe import MoESite, is_expert_point, moe_point_names
 
     sites: list[Site] = []
     names = moe_point_names(form.moe)
+    for n in names:  # the per-expert points: computed only while hooked, not cached by default
+        if n in points:
+            points[n].costly = is_expert_point(n)
     if any(n in points for n in names):
         given = {n: points[n] if n in points else HookPoint(f"blocks.{i}.{n}", lambda p: None) for n in names}
         sites.append(MoESite(hooked, i, form.moe, given, mlp_path=block.mlp))

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lensadapters.adapters.generic.probe import Recording, _close
+from lensadapters.adapters.generic.probe import Recording, _close, _tolerances
 from lensadapters.adapters.moe import FusedExperts, GroupedExperts, MoELayout, Routing
 from lensadapters.adapters.moe.routing import route, ungrouped
 from lensadapters.hooks.sites.base import first_input, first_output
@@ -139,6 +139,18 @@ def _scaled_expert_output(experts: nn.Module, spec: FusedExperts, routed: Tensor
     return torch.einsum("edm,etm->etd", down, h).flatten(0, 1)
 
 
+def _close_in_half(computed: Tensor, observed: Tensor) -> bool:
+    """For experts computed in half precision (bfloat16, float16): ``computed`` (float64) is ``observed`` up to that
+    dtype's rounding *of the output's scale* (``1e-2`` of its largest magnitude): the model rounds the up projection,
+    its activation and the down projection each to the half dtype, so an output summed from larger terms carries their
+    rounding, not its own (an elementwise relative tolerance refuses every such expert)."""
+    if observed.dtype not in (torch.bfloat16, torch.float16) or computed.shape != observed.shape:
+        return False
+    scale = float(observed.double().abs().max())
+    atol = _tolerances(observed.dtype)[0] * max(scale, 1e-6)
+    return bool(torch.allclose(computed.double(), observed.double(), atol=atol, rtol=0.0))
+
+
 def _fused_layout(
     path: str,
     scaled_input: bool,
@@ -160,7 +172,7 @@ def _fused_layout(
             computed = compute(candidate)
         except RuntimeError:  # the parameters' shapes do not fit this layout
             continue
-        if _close(computed, observed.double()):
+        if _close(computed, observed.double()) or _close_in_half(computed, observed):
             return candidate
     raise _Refused(why_not)
 

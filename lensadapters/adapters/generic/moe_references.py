@@ -158,3 +158,222 @@ def scaled_input_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest
         if e < moe.routing.n_experts:
             return _ExpertReference(get(moe.router), get(experts.module), experts, k, e, parts[3]), False
     return None
+
+
+# --- a router returning the routing, fused experts called with it (the mixer form's MoE: Nemotron-H, Jamba) ----
+
+
+def _written_route(routing: Any, probs: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(top_k_weights, top_k_index)`` of the probabilities ``probs`` ``[tokens, E]``, written out here from the
+    :class:`~lensadapters.moe.Routing` fields (plain PyTorch, not the core's routing code): the experts chosen by the
+    probabilities (plus ``bias`` for choosing), within the kept groups, weighted by the unbiased probabilities,
+    renormalized and scaled as the description says, in ``dtype`` (the router's weights' own)."""
+    k = routing.top_k
+    if routing.groups is None and bias is None:
+        weights, index = torch.topk(probs, k, dim=-1)
+    else:
+        choice = probs if bias is None else probs + bias
+        if routing.groups is not None:
+            n_group, topk_group = routing.groups
+            per = routing.n_experts // n_group
+            grouped = choice.reshape(-1, n_group, per)
+            if routing.group_score == "top2_sum":
+                score = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                score = grouped.amax(-1)
+            kept = torch.topk(score, topk_group, dim=-1, sorted=False).indices
+            mask = torch.zeros_like(score, dtype=torch.bool).scatter(1, kept, True).repeat_interleave(per, dim=1)
+            choice = choice.masked_fill(~mask, routing.masked_score)
+        index = torch.topk(choice, k, dim=-1, sorted=False).indices
+        weights = probs.gather(1, index)
+    if routing.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + routing.normalize_eps)
+    return (weights * routing.scale).to(dtype), index
+
+
+class _RoutedIndices(_RouterReference):
+    """``mlp.hook_expert_indices`` of a router returning ``(logits, top_k_weights, top_k_index)``: its index; an
+    edit replaces the index the router returns (each slot keeps its weight), what the experts module is called
+    with."""
+
+    def __init__(self, router: nn.Module, n_experts: int) -> None:
+        super().__init__(router, 0, "indices")
+        self.n_experts = n_experts
+
+    def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:
+        def post(module: nn.Module, args: tuple, output: Any) -> Any:
+            seen.append(output[2].clone())
+            return None if edit is None else (output[0], output[1], edit(output[2]), *output[3:])
+
+        return [self.modules[0].register_forward_hook(post)]
+
+
+class _RoutedProbabilities:
+    """``mlp.hook_expert_weights`` of a router returning ``(logits, top_k_weights, top_k_index)``: the softmax (or
+    sigmoid) of its logits in float32. The routing the description gives of them (:func:`_written_route`) must be
+    the router's own, else the reference raises (the point is then not served); an edit replaces the router's
+    weights and index by that routing of the edited probabilities."""
+
+    def __init__(self, router: nn.Module, routing: Any, logits: bool = False) -> None:
+        #: ``logits``: the reference of ``mlp.hook_router_logits`` instead (the router's logits; an edit routed by
+        #: the description), for a router in half precision, where moving its input cannot move its logits exactly
+        self.modules, self.routing, self.logits = (router,), routing, logits
+
+    def _bias(self) -> Optional[Tensor]:
+        name = self.routing.selection_bias
+        return None if name is None else getattr(self.modules[0], name)
+
+    def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:
+        routing = self.routing
+
+        def post(module: nn.Module, args: tuple, output: Any) -> Any:
+            logits, weights, index = output[0], output[1], output[2]
+            if routing.probabilities == "sigmoid":
+                probs = logits.float().sigmoid()
+            else:
+                probs = torch.softmax(logits.float(), dim=-1)
+            own_weights, own_index = _written_route(routing, probs, self._bias(), weights.dtype)
+            order, own_order = index.argsort(-1), own_index.argsort(-1)
+            same_index = torch.equal(index.gather(-1, order), own_index.gather(-1, own_order))
+            if not same_index or not torch.allclose(
+                weights.gather(-1, order).float(), own_weights.gather(-1, own_order).float(), rtol=1e-3, atol=1e-6
+            ):
+                raise RuntimeError("the routing description does not reproduce the router's own routing")
+            seen.append((logits if self.logits else probs).detach().clone())
+            if edit is None:
+                return None
+            if self.logits:
+                logits = edit(logits)
+                probs = logits.float().sigmoid() if routing.probabilities == "sigmoid" else logits.float().softmax(-1)
+            else:
+                probs = edit(probs)
+            new_weights, new_index = _written_route(routing, probs, self._bias(), weights.dtype)
+            return (logits, new_weights, new_index, *output[3:])
+
+        return [self.modules[0].register_forward_hook(post)]
+
+
+class _RoutedExpert:
+    """``mlp.experts.{e}.hook_gate`` / ``hook_pre`` / ``hook_post`` / ``hook_result`` of fused experts called as
+    ``experts(hidden [tokens, d], top_k_index, top_k_weights)``: expert ``e`` written out from the module's live 3-D
+    parameters on the rows of the tokens that chose it (slot, then token), as the call's own arguments route them;
+    ``hook_result`` its output times the routing weight, what it adds to the module's output. An edit recomputes the
+    steps after it and adds the edited result's difference into the module's output at those tokens."""
+
+    def __init__(self, experts: nn.Module, spec: FusedExperts, e: int, step: str) -> None:
+        self.modules, self.spec, self.e, self.step = (experts,), spec, e, step
+        #: for an expert no token of the probe selects: every token's first slot sent to it (its weight kept), as an
+        #: edit of ``mlp.hook_expert_indices`` would (:func:`.verify.check_points`)
+        self.routed_here = False
+
+    def _product(self, x: Tensor, name: str, bias: Optional[str], e: Optional[int] = None) -> Tensor:
+        """Expert ``e``'s (default: this one's) product of ``x`` with the parameter ``name`` (and its bias)."""
+        module, e = self.modules[0], self.e if e is None else e
+        w = getattr(module, name)[e]
+        out = x @ w if self.spec.transposed else torch.nn.functional.linear(x, w)
+        return out + getattr(module, bias)[e] if bias else out
+
+    def _gate_up(self, x: Tensor, e: Optional[int] = None) -> tuple[Optional[Tensor], Tensor]:
+        both = self._product(x, self.spec.gate_up, self.spec.gate_up_bias, e)
+        if not self.spec.gated:
+            return None, both
+        if self.spec.interleaved:
+            return both[..., ::2], both[..., 1::2]
+        gate, up = both.chunk(2, dim=-1)
+        return gate, up
+
+    def _post(self, gate: Optional[Tensor], up: Tensor) -> Tensor:
+        act = getattr(self.modules[0], self.spec.act)
+        return act(gate) * up if gate is not None else act(up)
+
+    def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:
+        experts, spec, step = self.modules[0], self.spec, self.step
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if not self.routed_here:
+                return None
+            index = _call_args(args, kwargs)[1].clone()
+            index[..., 0] = self.e
+            if len(args) > 1:
+                return (args[0], index, *args[2:]), kwargs
+            return args, {**kwargs, "top_k_index": index}
+
+        def steps(gate: Optional[Tensor], up: Tensor) -> dict[str, Tensor]:
+            values = {"hook_pre": up, "hook_post": self._post(gate, up)}
+            if gate is not None:
+                values["hook_gate"] = gate
+            return values
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Any:
+            hidden, index, weights = _call_args(args, kwargs)
+            slot, token = torch.where(index.T == self.e)
+            gate, up = self._gate_up(hidden[token])
+            values = steps(gate, up)
+            weight = weights[token, slot, None]
+            result = self._product(values["hook_post"], spec.down, spec.down_bias) * weight
+            values["hook_result"] = result
+            seen.append(values[step].detach().clone())
+            if edit is None:
+                return None
+            edited = edit(values[step])
+            if step in ("hook_gate", "hook_pre"):
+                edited = steps(edited if step == "hook_gate" else gate, edited if step == "hook_pre" else up)[
+                    "hook_post"
+                ]
+            if step != "hook_result":
+                edited = self._product(edited, spec.down, spec.down_bias) * weight
+            total = torch.promote_types(hidden.dtype, weights.dtype)
+            if total == output.dtype:
+                return output.index_add(0, token, (edited - result).to(output.dtype))
+            # the module sums its experts in a wider dtype than it returns (float32 weights of a bfloat16 model):
+            # every expert's result written out and summed so, the edited one in its place, then cast back
+            out = torch.zeros(output.shape, dtype=total, device=output.device)
+            for e in range(int(getattr(experts, spec.gate_up).shape[0])):
+                s, t = torch.where(index.T == e)
+                if e == self.e:
+                    out.index_add_(0, t, edited.to(total))
+                    continue
+                h = self._post(*self._gate_up(hidden[t], e))
+                out.index_add_(0, t, (self._product(h, spec.down, spec.down_bias, e) * weights[t, s, None]).to(total))
+            return out.to(output.dtype)
+
+        return [
+            experts.register_forward_pre_hook(pre, with_kwargs=True),
+            experts.register_forward_hook(post, with_kwargs=True),
+        ]
+
+
+def _call_args(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """``(hidden, top_k_index, top_k_weights)`` of a fused experts module's call, positional or by name."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :])]
+    return values[0], values[1], values[2]
+
+
+def routed_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -> Optional[tuple[Any, bool]]:
+    """``(spec of a "hooks" reference, whether the point is [b, p, ...] shown from [b * p, ...])`` of the point
+    ``rest`` of a MoE whose router returns ``(logits, top_k_weights, top_k_index)`` and whose fused experts are
+    called with them (``mlp.hook_expert_weights`` where the routing selects from the probabilities,
+    ``mlp.hook_expert_indices``, the per-expert points where the experts have no custom GLU); ``None`` otherwise."""
+    experts = moe.experts
+    if not (isinstance(experts, FusedExperts) and not experts.scaled_input and moe.router_output == "routing"):
+        return None
+    routing = moe.routing
+    if rest == "mlp.hook_router_logits":  # in half precision only (else the router's input moved: .references)
+        weight = getattr(get(moe.router), "weight", None)
+        half = isinstance(weight, Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
+        if not half or routing.order != "softmax_topk" or routing.expert_scale is not None:
+            return None
+        return _RoutedProbabilities(get(moe.router), routing, logits=True), True
+    if rest == "mlp.hook_expert_indices":
+        return _RoutedIndices(get(moe.router), routing.n_experts), True
+    if rest == "mlp.hook_expert_weights":
+        if routing.order != "softmax_topk" or routing.expert_scale is not None:
+            return None
+        return _RoutedProbabilities(get(moe.router), routing), True
+    parts = rest.split(".")
+    if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdigit() and parts[3] in _STEPS:
+        e = int(parts[2])
+        if e < routing.n_experts and experts.glu is None and (experts.gated or parts[3] != "hook_gate"):
+            return _RoutedExpert(get(experts.module), experts, e, parts[3]), False
+    return None

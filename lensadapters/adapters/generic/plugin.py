@@ -251,7 +251,22 @@ def lensadapters_weight(arch: Architecture, hooked: Any, name: str) -> Optional[
         f"hm.{name.lstrip('_')}: this {type(hooked.hf_model).__name__} is wrapped by the generic adapter (no plugin "
         f"supports model_type {hooked.cfg.model_type!r}), which reads only {' and '.join(WEIGHTS)}: where the other "
         f"weights live, and how they split into heads, is what a plugin describes. See {WRITE_A_PLUGIN}."
+        + _per_layer_experts(hooked, key)
     )
+
+
+def _per_layer_experts(hooked: Any, key: str) -> str:
+    """Where a weight the generic adapter does not stack has per-layer readers: the experts of the mixer form's
+    mixtures of experts whose per-expert points it verified (``hooked.own_mlp_layouts``)."""
+    layers = sorted(getattr(hooked, "own_mlp_layouts", {}))
+    if not layers or key not in ("W_in", "W_gate", "W_out", "b_in", "b_gate", "b_out", "W_router"):
+        return ""
+    if key == "W_router":
+        reader = "lensadapters.moe.router_weight(hm.wiring, layer)"
+    else:
+        role = key.split("_")[1]
+        reader = f"lensadapters.weights.mlp_weights(hm.wiring, layer, {role!r})"
+    return f" The experts of layers {', '.join(map(str, layers))} (verified on the probe) are read per layer: {reader}"
 
 
 @hookimpl

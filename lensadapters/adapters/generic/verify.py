@@ -174,7 +174,10 @@ def _judge(
     at the point (``edited``) and at the reference (``reference_edited``), and the unedited logits ``plain``."""
     # the logits' own rounding noise: an edit the model's later norms all but undo (a post-LN block's scale) moves
     # the logits by little more than the two ways of computing them round apart
-    floor = 16 * torch.finfo(plain.dtype).eps * float(plain.float().abs().max())
+    top = float(plain.float().abs().max())
+    floor = 16 * torch.finfo(plain.dtype).eps * top
+    if value.is_floating_point() and _low(value) and not _low(plain):  # a half-precision model's logits upcast to
+        floor = max(floor, 2 * torch.finfo(value.dtype).eps * top)  # float32 carry its rounding: two of its steps
     if ref.kind == "scale":  # the served scale reproduces the module's output from its input
         output, x = expected[0], expected[1]
         got, expected = _norm_output(ref.spec, x, ref.view(value)), output

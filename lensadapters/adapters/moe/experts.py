@@ -174,6 +174,22 @@ def _bind_grouped(hooked: "Hooked", module: nn.Module, spec: GroupedExperts) -> 
 # --- weights in TransformerLens shapes -------------------------------------------------------------------------
 
 
+def moe_layout(hooked: "Hooked", layer: int) -> Optional[MoELayout]:
+    """Layer ``layer``'s :class:`MoELayout`: its MLP description, or the one a plugin serving the block itself
+    recorded (``hooked.own_mlp_layouts``); ``None`` for a layer that is no described mixture of experts."""
+    layout = hooked.mlp_layouts[layer]
+    if layout is None:
+        layout = getattr(hooked, "own_mlp_layouts", {}).get(layer)
+    return layout if isinstance(layout, MoELayout) else None
+
+
+def _moe_layout(hooked: "Hooked", layer: int) -> MoELayout:
+    layout = moe_layout(hooked, layer)
+    if layout is None:
+        raise WeightUnavailableError(f"layer {layer} has no described mixture of experts: no expert weights")
+    return layout
+
+
 def expert_weights(hooked: "Hooked", layer: int, role: str) -> Tensor:
     """``role`` ``in`` (the up projection), ``gate`` or ``out`` of every expert of one layer, from the live
     parameters: ``[n_experts, d_model, d_mlp]`` (``out``: ``[n_experts, d_mlp, d_model]``)."""
@@ -182,8 +198,7 @@ def expert_weights(hooked: "Hooked", layer: int, role: str) -> Tensor:
 
 def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`expert_weights` and the matching biases ``[n_experts, d_out]`` (``None`` for experts without)."""
-    layout = hooked.mlp_layouts[layer]
-    assert isinstance(layout, MoELayout)
+    layout = _moe_layout(hooked, layer)
     experts = layout.experts
     module = hooked.block_modules[layer].get_submodule(experts.module)
     if isinstance(experts, FusedExperts):
@@ -210,14 +225,14 @@ def expert_weights_and_biases(hooked: "Hooked", layer: int, role: str) -> tuple[
     path = {"in": experts.up, "gate": experts.gate, "out": experts.down}[role]
     linears = [hooked.read_linear(module[e].get_submodule(path)) for e in range(layout.routing.n_experts)]
     biases = [lw.b for lw in linears]
-    stacked = torch.stack(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+    given = [b for b in biases if b is not None]
+    stacked = torch.stack(given) if len(given) == len(biases) else None
     return torch.stack([lw.W for lw in linears]), stacked
 
 
 def _router(hooked: "Hooked", layer: int) -> tuple[nn.Module, Optional[LinearWeight]]:
     """One layer's router and its weight read as a linear layer's (``None``: a module holding router parameters)."""
-    layout = hooked.mlp_layouts[layer]
-    assert isinstance(layout, MoELayout)
+    layout = _moe_layout(hooked, layer)
     router = hooked.block_modules[layer].get_submodule(layout.router_logits or layout.router)
     try:
         return router, hooked.read_linear(router)

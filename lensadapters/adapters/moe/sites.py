@@ -123,6 +123,30 @@ class MoESite(Site):
         )
         self.fused_call = isinstance(layout.experts, FusedExperts)
 
+    def keep(self, failed: "dict[str, str] | set[str]") -> bool:
+        """Serve only the points not in ``failed`` (full names; a wrap-time verification's refusals): each failed
+        point is replaced by a stand-in never hooked, so the others are served as before. Whether any is left."""
+
+        def kept(p: HookPoint) -> HookPoint:
+            return p if p.name not in failed else HookPoint(p.name, lambda point: None)
+
+        self.logits, self.probs, self.indices, self.weights = (
+            kept(p) for p in (self.logits, self.probs, self.indices, self.weights)
+        )
+        self.expert_points = [tuple(p if p is None else kept(p) for p in group) for group in self.expert_points]
+        self.points = tuple(
+            p
+            for p in (
+                self.logits,
+                self.probs,
+                self.indices,
+                self.weights,
+                *(p for group in self.expert_points for p in group if p is not None),
+            )
+            if p is not None and p.name not in failed
+        )
+        return bool(self.points)
+
     # --- when to install what -------------------------------------------------------------------
 
     def _experts_hooked(self) -> bool:
@@ -389,7 +413,10 @@ class MoESite(Site):
         n_tokens = hidden.shape[0]
         # scaled input: every expert's block of rows, [n_experts * tokens, d], as the experts module returns them
         out = hidden.new_zeros((len(self.expert_points) * n_tokens, hidden.shape[-1])) if scaled else None
-        out = torch.zeros_like(hidden) if out is None else out
+        # otherwise summed in the dtype of an expert's output times its weight, as transformers' eager loop sums
+        # them (float32 weights of a bfloat16 model: a float32 sum, cast to the model's dtype by the caller)
+        total = torch.promote_types(hidden.dtype, weights.dtype)
+        out = torch.zeros_like(hidden, dtype=total) if out is None else out
         changed = False
         for e, group in enumerate(self.expert_points):
             gate_pt, pre_pt, post_pt, result_pt = group
@@ -407,7 +434,7 @@ class MoESite(Site):
             result = compute.down(e, post)
             if not scaled:
                 result = result * weights[token, slot, None]
-            result, c_result = result_pt.apply(result.to(hidden.dtype), protect=True)
+            result, c_result = result_pt.apply(result.to(out.dtype), protect=True)
             out.index_add_(0, token + e * n_tokens if scaled else token, result.to(out.dtype))
             changed = changed or c_gate or c_up or c_post or c_result
         return out, changed

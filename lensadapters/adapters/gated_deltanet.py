@@ -55,6 +55,7 @@ from torch.nn import functional as F
 
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import Site, completes_output, first_output, replace_first_output
+from lensadapters.hooks.specs import ProjectionParts
 
 Tensor = torch.Tensor
 GATED_DELTANET_POINTS = (
@@ -116,13 +117,60 @@ def gated_deltanet_point_names() -> list[str]:
 def split_per_key_head(mixer: Any, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The fused projections' outputs as ``(qkv [.., 2*hk*dk + hv*dv], z [.., hv, dv], b [.., hv], a [.., hv])``,
     regrouped from per key head to per role (the convolution's channel order)."""
+    split_qkvz, _, split_ba, _ = _per_key_head(mixer)
+    return (*split_qkvz(qkvz), *split_ba(ba))
+
+
+def _per_key_head(mixer: Any) -> tuple[Any, Any, Any, Any]:
+    """``(split_qkvz, merge_qkvz, split_ba, merge_ba)``: each fused projection's output (any leading dimensions:
+    activations, weight columns) regrouped from per key head to per role (``(qkv, z)``, ``(b, a)``: see
+    :func:`split_per_key_head`), and back."""
     hk, hv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     r = hv // hk
-    lead = qkvz.shape[:-1]
-    q, k, v, z = qkvz.unflatten(-1, (hk, 2 * dk + 2 * r * dv)).split([dk, dk, r * dv, r * dv], dim=-1)
-    b, a = ba.unflatten(-1, (hk, 2 * r)).split([r, r], dim=-1)
-    qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
-    return qkv, z.reshape(*lead, hv, dv), b.reshape(*lead, hv), a.reshape(*lead, hv)
+
+    def split_qkvz(qkvz: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v, z = qkvz.unflatten(-1, (hk, 2 * dk + 2 * r * dv)).split([dk, dk, r * dv, r * dv], dim=-1)
+        qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
+        return qkv, z.reshape(*qkvz.shape[:-1], hv, dv)
+
+    def merge_qkvz(qkv: Tensor, z: Tensor) -> Tensor:
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        grouped = (q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hk, r * dv)))
+        return torch.cat((*grouped, z.reshape(*z.shape[:-2], hk, r * dv)), dim=-1).flatten(-2)
+
+    def split_ba(ba: Tensor) -> tuple[Tensor, Tensor]:
+        b, a = ba.unflatten(-1, (hk, 2 * r)).split([r, r], dim=-1)
+        return b.reshape(*ba.shape[:-1], hv), a.reshape(*ba.shape[:-1], hv)
+
+    def merge_ba(b: Tensor, a: Tensor) -> Tensor:
+        return torch.cat((b.unflatten(-1, (hk, r)), a.unflatten(-1, (hk, r))), dim=-1).flatten(-2)
+
+    return split_qkvz, merge_qkvz, split_ba, merge_ba
+
+
+def _projection_parts(pre: str, mixer: Any, projections: DeltaNetProjections) -> list[ProjectionParts]:
+    """The parts of each input projection's output, as the points ``linear_attn.hook_qkv``/``hook_z``/``hook_b``/
+    ``hook_a`` of layer prefix ``pre`` show them (every projection runs before ``hook_qkv``)."""
+    name = {role: f"{pre}{PREFIX}hook_{role}" for role in ("qkv", "z", "b", "a")}
+    first = name["qkv"]
+    get = mixer.get_submodule
+    if projections.fused:
+        assert projections.qkvz is not None and projections.ba is not None
+        split_qkvz, merge_qkvz, split_ba, merge_ba = _per_key_head(mixer)
+        return [
+            ProjectionParts(get(projections.qkvz), (name["qkv"], name["z"]), split_qkvz, merge_qkvz, first),
+            ProjectionParts(get(projections.ba), (name["b"], name["a"]), split_ba, merge_ba, first),
+        ]
+    dv = mixer.head_v_dim
+    parts = []
+    for role in ("qkv", "z", "b", "a"):
+        path = getattr(projections, role)
+        if role == "z":  # per value head
+            split, merge = (lambda t: (t.unflatten(-1, (-1, dv)),)), (lambda z: z.flatten(-2))
+        else:
+            split, merge = (lambda t: (t,)), (lambda t: t)
+        parts.append(ProjectionParts(get(path), (name[role],), split, merge, first))
+    return parts
 
 
 class _CacheSnapshot:
@@ -236,9 +284,10 @@ class GatedDeltaNetSite(Site):
             qkvz, ba = m.get_submodule(p.qkvz)(hidden), m.get_submodule(p.ba)(hidden)
             return split_per_key_head(m, qkvz, ba)
         assert p.qkv is not None and p.z is not None and p.b is not None and p.a is not None
+        qkv = m.get_submodule(p.qkv)(hidden)  # in the model's order (a LoRA delta point on each fires in it)
         z = m.get_submodule(p.z)(hidden)
         return (
-            m.get_submodule(p.qkv)(hidden),
+            qkv,
             z.reshape(*z.shape[:-1], -1, m.head_v_dim),
             m.get_submodule(p.b)(hidden),
             m.get_submodule(p.a)(hidden),
@@ -351,11 +400,15 @@ def gated_deltanet_site(
 ) -> GatedDeltaNetSite:
     """The site of block ``layer``'s gated DeltaNet ``mixer`` (``hooked`` the plugin-facing model, in
     ``lensadapters_extra_sites``): its points created in firing order after ``after`` (default the block's
-    ``ln1.hook_normalized``)."""
+    ``ln1.hook_normalized``), and its input projections' parts declared (``hooked.declare_projection_parts``: the
+    ``hook_qkv``/``hook_z``/``hook_b``/``hook_a`` each projection's output holds, so that a LoRA delta on one is
+    shown split alike)."""
     pre = f"blocks.{layer}."
     previous = after or pre + "ln1.hook_normalized"
     points = {}
     for name in gated_deltanet_point_names():
         points[name] = hooked.new_point(pre + name, after=previous)
         previous = pre + name
+    for parts in _projection_parts(pre, mixer, projections):
+        hooked.declare_projection_parts(parts)
     return GatedDeltaNetSite(mixer, points, hooked.forward_state, projections)

@@ -23,8 +23,9 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from lensadapters import HookedModel  # noqa: E402
 from lensadapters_qwen3_next.configs import qwen3_next_config  # noqa: E402
+
+from lensadapters import HookedModel  # noqa: E402
 
 Tensor = torch.Tensor
 TARGETS = ["q_proj", "in_proj_qkvz", "in_proj_ba", "linear_attn.out_proj"]
@@ -154,7 +155,8 @@ def test_edits_are_the_edit_of_the_lora_output(heads: tuple[int, int]) -> None:
         reference = pm(_ids(pm)).logits
         for i, point in enumerate(POINTS):
             shape = _parts(pm, point, torch.zeros(2, 6, _module(pm, point).base_layer.out_features))
-            e = torch.randn(shape[POINTS[point][1]].shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+            g = torch.Generator().manual_seed(i)
+            e = torch.randn(shape[POINTS[point][1]].shape, generator=g, dtype=torch.float64)
 
             def edit(t: Tensor, e: Tensor = e) -> Tensor:
                 return t * -0.5 + e
@@ -173,7 +175,7 @@ def test_gradients_through_edits(heads: tuple[int, int]) -> None:
         grads = []
         for run in (_served, _plain):
             e = torch.zeros(shape.shape, dtype=torch.float64, requires_grad=True)
-            run(pm, point, lambda t: t + e * w).square().sum().backward()
+            run(pm, point, lambda t, e=e, w=w: t + e * w).square().sum().backward()
             grads.append(e.grad)
         assert grads[1].norm() > 0, point
         assert _relative(grads[0], grads[1]) < 1e-10, point
@@ -194,6 +196,7 @@ def test_each_point_fires_once_in_order() -> None:
         with torch.no_grad():
             logits = hm.run_with_hooks(_ids(pm), fwd_hooks=[(lambda n: True, copy)])
             assert torch.allclose(logits, pm(_ids(pm)).logits, rtol=0, atol=1e-12)
+        assert set(POINTS) <= set(calls)
         assert calls == hm.hook_names
     finally:
         hm.unwrap()

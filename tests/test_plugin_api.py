@@ -6,6 +6,7 @@ first)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import re
 import types
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import lensadapters.plugin_api as api
-from lensadapters import HookedModel, Registry, get_registry, hookimpl
+from lensadapters import HookedModel, LensAdaptersError, Registry, get_registry, hookimpl
 from lensadapters.testing import reinit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,5 +213,44 @@ def test_sites_on_one_module_install_in_the_order_they_were_registered() -> None
         with hm.hooks(fwd_hooks=[(name, lambda value, hook: fired.append(hook.name)) for name in reversed(names)]):
             hm(IDS)
         assert fired == names[::2] + names[1::2]
+    finally:
+        hm.unwrap()
+
+
+def test_projection_parts_are_declared_once_with_existing_points_while_wrapping() -> None:
+    """``hooked.declare_projection_parts``: what a plugin declares is what ``projection_parts`` answers (to the plugins
+    called after it, and on the wrapped model); a module declared twice, a point that does not exist and a
+    declaration after wrapping are refused by name."""
+    owners = get_registry().owners("gpt2")
+    if not owners:
+        pytest.skip("no installed plugin declares gpt2")
+    plugin = types.ModuleType("parts_declarer")
+    errors: list[str] = []
+
+    @hookimpl
+    def lensadapters_extra_sites(arch: Any, hooked: api.Hooked) -> list[api.Site]:
+        c_fc = hooked.block_modules[0].get_submodule("mlp.c_fc")
+        parts = api.ProjectionParts(c_fc, ("blocks.0.mlp.hook_pre",), lambda t: (t,), lambda t: t)
+        hooked.declare_projection_parts(parts)
+        for bad in (parts, dataclasses.replace(parts, module=torch.nn.Linear(1, 1), points=("blocks.0.no_such",))):
+            try:
+                hooked.declare_projection_parts(bad)
+            except LensAdaptersError as exc:
+                errors.append(str(exc))
+        assert list(hooked.projection_parts) == [parts]
+        return []
+
+    plugin.lensadapters_extra_sites = lensadapters_extra_sites  # type: ignore[attr-defined]
+    registry = Registry()
+    registry.register(get_registry().infos[owners[0]].plugin, owners[0])
+    registry.register(plugin, "parts_declarer")
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16))
+    hm = HookedModel.wrap(model.eval(), registry=registry)
+    try:
+        assert len(errors) == 2 and "declared twice" in errors[0] and "no_such" in errors[1], errors
+        (parts,) = hm.wiring.projection_parts
+        assert parts.module is hm.block_modules[0].get_submodule("mlp.c_fc") and parts.first_point == parts.points[0]
+        with pytest.raises(LensAdaptersError, match="only inside lensadapters_extra_sites"):
+            hm.wiring.declare_projection_parts(parts)
     finally:
         hm.unwrap()

@@ -31,14 +31,16 @@ fire, the same names for either layout:
   of ``out_proj``;
 * the mixer's output is the block's ``hook_attn_out`` (a core point).
 
-While one of them is hooked, the mixer is computed a second time here from the module's input, with the module's
-own submodules and transformers' own functions of its modeling module (the convolution and delta-rule functions the
-model's forward calls: module-level ones on transformers 5, the ones transformers 4 binds to the module), in the
-model's order, each point applied where its value is made; an edit of a per-role view of a fused projection is
-what the model continues with (the same as that edit made in the fused output: the model only regroups it). The
-model's own output is replaced only when a hook changed something, and then the layer's convolution and recurrent
-states in the cache are the edited computation's (generation continues from them); otherwise they are bitwise the
-model's own.
+While one of them is hooked, the mixer is computed a second time here when the model calls ``out_proj`` (its last
+step), from the module's input and its input projections' outputs as the model computed them (each projection runs
+once: a hook on one, a LoRA delta point, fires once), with the module's own submodules and transformers' own
+functions of its modeling module (the convolution and delta-rule functions the model's forward calls: module-level
+ones on transformers 5, the ones transformers 4 binds to the module), in the model's order, each point applied where
+its value is made; an edit of a per-role view of a fused projection is what the model continues with (the same as
+that edit made in the fused output: the model only regroups it). ``out_proj``'s input is replaced only when a hook
+changed something (``out_proj`` runs once, on what the model continues with), and then the layer's convolution and
+recurrent states in the cache are the edited computation's (generation continues from them); otherwise they are
+bitwise the model's own.
 
 The recurrent state ``[b, hv, dk, dv]`` is not a point: transformers' delta rule keeps it inside the function (the
 chunked form never has the per-token states) and returns only the last one, and only with a cache.
@@ -54,7 +56,8 @@ import torch
 from torch.nn import functional as F
 
 from lensadapters.hooks.hook_point import HookPoint
-from lensadapters.hooks.sites import Site, completes_output, first_output, replace_first_output
+from lensadapters.hooks.sites import Site, first_output, reads_output
+from lensadapters.hooks.specs import ProjectionParts
 
 Tensor = torch.Tensor
 GATED_DELTANET_POINTS = (
@@ -116,13 +119,60 @@ def gated_deltanet_point_names() -> list[str]:
 def split_per_key_head(mixer: Any, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The fused projections' outputs as ``(qkv [.., 2*hk*dk + hv*dv], z [.., hv, dv], b [.., hv], a [.., hv])``,
     regrouped from per key head to per role (the convolution's channel order)."""
+    split_qkvz, _, split_ba, _ = _per_key_head(mixer)
+    return (*split_qkvz(qkvz), *split_ba(ba))
+
+
+def _per_key_head(mixer: Any) -> tuple[Any, Any, Any, Any]:
+    """``(split_qkvz, merge_qkvz, split_ba, merge_ba)``: each fused projection's output (any leading dimensions:
+    activations, weight columns) regrouped from per key head to per role (``(qkv, z)``, ``(b, a)``: see
+    :func:`split_per_key_head`), and back."""
     hk, hv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     r = hv // hk
-    lead = qkvz.shape[:-1]
-    q, k, v, z = qkvz.unflatten(-1, (hk, 2 * dk + 2 * r * dv)).split([dk, dk, r * dv, r * dv], dim=-1)
-    b, a = ba.unflatten(-1, (hk, 2 * r)).split([r, r], dim=-1)
-    qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
-    return qkv, z.reshape(*lead, hv, dv), b.reshape(*lead, hv), a.reshape(*lead, hv)
+
+    def split_qkvz(qkvz: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v, z = qkvz.unflatten(-1, (hk, 2 * dk + 2 * r * dv)).split([dk, dk, r * dv, r * dv], dim=-1)
+        qkv = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)
+        return qkv, z.reshape(*qkvz.shape[:-1], hv, dv)
+
+    def merge_qkvz(qkv: Tensor, z: Tensor) -> Tensor:
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        grouped = (q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hk, r * dv)))
+        return torch.cat((*grouped, z.reshape(*z.shape[:-2], hk, r * dv)), dim=-1).flatten(-2)
+
+    def split_ba(ba: Tensor) -> tuple[Tensor, Tensor]:
+        b, a = ba.unflatten(-1, (hk, 2 * r)).split([r, r], dim=-1)
+        return b.reshape(*ba.shape[:-1], hv), a.reshape(*ba.shape[:-1], hv)
+
+    def merge_ba(b: Tensor, a: Tensor) -> Tensor:
+        return torch.cat((b.unflatten(-1, (hk, r)), a.unflatten(-1, (hk, r))), dim=-1).flatten(-2)
+
+    return split_qkvz, merge_qkvz, split_ba, merge_ba
+
+
+def _projection_parts(pre: str, mixer: Any, projections: DeltaNetProjections) -> list[ProjectionParts]:
+    """The parts of each input projection's output, as the points ``linear_attn.hook_qkv``/``hook_z``/``hook_b``/
+    ``hook_a`` of layer prefix ``pre`` show them (every projection runs before ``hook_qkv``)."""
+    name = {role: f"{pre}{PREFIX}hook_{role}" for role in ("qkv", "z", "b", "a")}
+    first = name["qkv"]
+    get = mixer.get_submodule
+    if projections.fused:
+        assert projections.qkvz is not None and projections.ba is not None
+        split_qkvz, merge_qkvz, split_ba, merge_ba = _per_key_head(mixer)
+        return [
+            ProjectionParts(get(projections.qkvz), (name["qkv"], name["z"]), split_qkvz, merge_qkvz, first),
+            ProjectionParts(get(projections.ba), (name["b"], name["a"]), split_ba, merge_ba, first),
+        ]
+    dv = mixer.head_v_dim
+    parts = []
+    for role in ("qkv", "z", "b", "a"):
+        path = getattr(projections, role)
+        if role == "z":  # per value head
+            split, merge = (lambda t: (t.unflatten(-1, (-1, dv)),)), (lambda z: z.flatten(-2))
+        else:
+            split, merge = (lambda t: (t,)), (lambda t: t)
+        parts.append(ProjectionParts(get(path), (name[role],), split, merge, first))
+    return parts
 
 
 class _CacheSnapshot:
@@ -196,10 +246,20 @@ class GatedDeltaNetSite(Site):
         self.modeling = sys.modules[type(mixer).__module__]
 
     def install(self) -> list[Any]:
-        return [
-            self.module.register_forward_pre_hook(self._record, with_kwargs=True),
-            completes_output(self.module, self._recompute, with_kwargs=True),
-        ]
+        m = self.module
+        handles = [m.register_forward_pre_hook(self._record, with_kwargs=True)]
+        for path in self.projections.paths():  # their outputs as the model computed them (a LoRA delta's edit in)
+            handles.append(reads_output(m.get_submodule(path), self._capture(path)))
+        # the mixer's output is out_proj's: its input is replaced where a point changed something, so that
+        # out_proj (and a hook on it: a LoRA delta point) runs once, on what the model continues with
+        handles.append(m.out_proj.register_forward_pre_hook(self._recompute))
+        return handles
+
+    def _capture(self, path: str) -> Any:
+        def capture(module: Any, args: tuple, output: Any) -> None:
+            self.state.site_values(self).setdefault("projected", {})[path] = first_output(output)
+
+        return capture
 
     def _record(self, module: Any, args: tuple, kwargs: dict) -> None:
         values = self.state.site_values(self)
@@ -210,46 +270,52 @@ class GatedDeltaNetSite(Site):
         values["call"] = _Call(hidden, cache, kwargs.get("attention_mask"), kwargs.get("cache_position"))
         values["snapshot"] = _CacheSnapshot(cache, module.layer_idx) if cache is not None else None
 
-    def _recompute(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _recompute(self, out_proj: Any, args: tuple) -> Any:
+        """At ``out_proj``'s call (the mixer's last step): the mixer computed again from its input with the points
+        applied; ``out_proj``'s input replaced by the result where a point changed something."""
         values = self.state.site_values(self)
-        call: _Call = values.pop("call")
+        call: Optional[_Call] = values.pop("call", None)
+        if call is None:  # pragma: no cover - out_proj called outside the mixer's forward
+            return None
         snapshot: Optional[_CacheSnapshot] = values.pop("snapshot")
+        projected: dict[str, Tensor] = values.pop("projected", {})
+        m = self.module
         if snapshot is not None:  # run from the states the module started from; they end as the edited run's
-            kept = _CacheSnapshot(call.cache, module.layer_idx)
+            kept = _CacheSnapshot(call.cache, m.layer_idx)
             snapshot.restore()
-        out, changed = self.forward(module, call)
+        gated, changed = self.forward(m, call, projected)
         if not changed:
             if snapshot is not None:
                 kept.restore()  # bitwise the model's own states
             return None
-        return replace_first_output(output, out.to(first_output(output).dtype))
+        return (gated, *args[1:])
 
     def _apply(self, name: str, value: Tensor, changed: bool) -> tuple[Tensor, bool]:
         new, edit = self.p[PREFIX + name].apply(value, protect=True)
         return new, changed or edit
 
-    def _project(self, m: Any, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(qkv, z, b, a)`` as the model computes them from the mixer's input."""
+    def _project(self, m: Any, hidden: Tensor, projected: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(qkv, z, b, a)``: the projections' outputs the model computed from the mixer's input in this call
+        (``projected``; each projection computed here from ``hidden`` where it was not seen)."""
+
+        def out(path: Optional[str]) -> Tensor:
+            assert path is not None
+            seen = projected.get(path)
+            return seen if seen is not None else m.get_submodule(path)(hidden)
+
         p = self.projections
         if p.fused:
-            assert p.qkvz is not None and p.ba is not None
-            qkvz, ba = m.get_submodule(p.qkvz)(hidden), m.get_submodule(p.ba)(hidden)
-            return split_per_key_head(m, qkvz, ba)
-        assert p.qkv is not None and p.z is not None and p.b is not None and p.a is not None
-        z = m.get_submodule(p.z)(hidden)
-        return (
-            m.get_submodule(p.qkv)(hidden),
-            z.reshape(*z.shape[:-1], -1, m.head_v_dim),
-            m.get_submodule(p.b)(hidden),
-            m.get_submodule(p.a)(hidden),
-        )
+            return split_per_key_head(m, out(p.qkvz), out(p.ba))
+        z = out(p.z)
+        return out(p.qkv), z.reshape(*z.shape[:-1], -1, m.head_v_dim), out(p.b), out(p.a)
 
-    def forward(self, m: Any, call: _Call) -> tuple[Tensor, bool]:
-        """The mixer's forward with the points applied where their values are made (and whether one changed)."""
+    def forward(self, m: Any, call: _Call, projected: Optional[dict[str, Tensor]] = None) -> tuple[Tensor, bool]:
+        """The mixer's forward up to ``out_proj``'s input ``[b, p, hv * dv]``, with the points applied where their
+        values are made (and whether one changed)."""
         ap, changed = self._apply, False
         hidden = self.modeling.apply_mask_to_padding_states(call.hidden, call.mask)
         bsz, seq, _ = hidden.shape
-        qkv, z, b, a = self._project(m, hidden)
+        qkv, z, b, a = self._project(m, hidden, projected or {})
         qkv, changed = ap("hook_qkv", qkv, changed)
         z, changed = ap("hook_z", z, changed)
         b, changed = ap("hook_b", b, changed)
@@ -270,7 +336,7 @@ class GatedDeltaNetSite(Site):
         core, changed = ap("hook_recurrent", core, changed)
         gated = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(core.shape)
         gated, changed = ap("hook_gated", gated, changed)
-        return m.out_proj(gated.reshape(bsz, seq, -1)), changed
+        return gated.reshape(bsz, seq, -1), changed
 
     # transformers 5: module-level functions, the cache's state accessors --------------------------------------------
 
@@ -351,11 +417,25 @@ def gated_deltanet_site(
 ) -> GatedDeltaNetSite:
     """The site of block ``layer``'s gated DeltaNet ``mixer`` (``hooked`` the plugin-facing model, in
     ``lensadapters_extra_sites``): its points created in firing order after ``after`` (default the block's
-    ``ln1.hook_normalized``)."""
+    ``ln1.hook_normalized``), and its input projections' parts declared (``hooked.declare_projection_parts``: the
+    ``hook_qkv``/``hook_z``/``hook_b``/``hook_a`` each projection's output holds, and ``out_proj``'s output, the
+    block's ``hook_attn_out`` where the block adds the mixer's output as it is: so that a LoRA delta on one is shown
+    split alike)."""
     pre = f"blocks.{layer}."
     previous = after or pre + "ln1.hook_normalized"
     points = {}
     for name in gated_deltanet_point_names():
         points[name] = hooked.new_point(pre + name, after=previous)
         previous = pre + name
+    for parts in _projection_parts(pre, mixer, projections):
+        hooked.declare_projection_parts(parts)
+    bl = hooked.block_layouts[layer]
+    if (
+        bl is not None
+        and bl.ln1_post is None
+        and not bl.scaled
+        and hooked.block_modules[layer].get_submodule(bl.attn) is mixer
+    ):  # the block's hook_attn_out is the mixer's output, out_proj's (whole, one part)
+        out = f"{pre}hook_attn_out"
+        hooked.declare_projection_parts(ProjectionParts(mixer.out_proj, (out,), lambda t: (t,), lambda t: t))
     return GatedDeltaNetSite(mixer, points, hooked.forward_state, projections)

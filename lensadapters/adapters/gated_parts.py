@@ -3,7 +3,9 @@
 
 * a query projection whose output holds per head the query and an output gate (``view(b, p, h, 2 * d_head)``,
   ``[q_h | gate_h]``; the attention output is multiplied by ``sigmoid(gate)`` before the output projection):
-  :func:`query_gate_site` serves ``attn.hook_q`` and ``attn.hook_gate`` ``[b, p, h, d_head]`` on that output;
+  :func:`query_gate_site` serves ``attn.hook_q`` and ``attn.hook_gate`` ``[b, p, h, d_head]`` on that output (and
+  declares the projection's parts, :class:`~lensadapters.hooks.specs.ProjectionParts`: a LoRA delta on it is shown
+  split alike);
 * a mixture of experts' shared expert, a gated MLP ``shared_expert`` (``gate_proj``/``up_proj``/``down_proj``) whose
   output the MoE module adds times ``sigmoid`` of a one-unit linear ``shared_expert_gate``:
   :func:`shared_expert_sites` serves ``mlp.shared_expert.hook_gate``, ``hook_pre`` (up), ``hook_post``
@@ -21,6 +23,7 @@ from torch import nn
 from lensadapters.adapters.protocol import Hooked
 from lensadapters.hooks.hook_point import HookPoint
 from lensadapters.hooks.sites import InputSite, OutputSite, Site, first_output, replace_first_output
+from lensadapters.hooks.specs import ProjectionParts
 
 Tensor = torch.Tensor
 
@@ -37,13 +40,13 @@ class QueryGateSite(Site):
         return [self.module.register_forward_hook(self._hook)]
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        value = first_output(output)
-        both = value.unflatten(-1, (self.heads, 2, -1))
-        q, q_changed = self.q.apply(both[..., 0, :], protect=True)
-        gate, gate_changed = self.gate.apply(both[..., 1, :], protect=True)
+        split, merge = query_gate_split(self.heads)
+        query, gate = split(first_output(output))
+        query, q_changed = self.q.apply(query, protect=True)
+        gate, gate_changed = self.gate.apply(gate, protect=True)
         if not (q_changed or gate_changed):
             return None
-        return replace_first_output(output, torch.stack((q, gate), dim=-2).flatten(-3))
+        return replace_first_output(output, merge(query, gate))
 
 
 def query_gate_site(hooked: Hooked, layer: int, block: Any) -> Site:
@@ -52,7 +55,25 @@ def query_gate_site(hooked: Hooked, layer: int, block: Any) -> Site:
     pre = f"blocks.{layer}.attn."
     q = hooked.claim_point(pre + "hook_q")
     gate = hooked.new_point(pre + "hook_gate", after=pre + "hook_q")
-    return QueryGateSite(block.self_attn.q_proj, q, gate, hooked.cfg.n_heads)
+    heads = hooked.cfg.n_heads
+    hooked.declare_projection_parts(
+        ProjectionParts(block.self_attn.q_proj, (q.name, gate.name), *query_gate_split(heads))
+    )
+    return QueryGateSite(block.self_attn.q_proj, q, gate, heads)
+
+
+def query_gate_split(heads: int) -> tuple[Any, Any]:
+    """``(split, merge)`` of a gated query projection's output (``[.., heads * 2 * d_head]``, per head the query then
+    the gate): ``split(t)`` is ``(query, gate)``, each ``[.., heads, d_head]``, and ``merge`` its inverse."""
+
+    def split(t: Tensor) -> tuple[Tensor, Tensor]:
+        both = t.unflatten(-1, (heads, 2, -1))
+        return both[..., 0, :], both[..., 1, :]
+
+    def merge(q: Tensor, gate: Tensor) -> Tensor:
+        return torch.stack((q, gate), dim=-2).flatten(-3)
+
+    return split, merge
 
 
 class _TokenShape(Site):

@@ -15,7 +15,9 @@ The three things a plugin does with it:
   ``new_point(name, after=..., before=...)`` creates a point (``hook_names`` lists points in the order they fire:
   place a new point after the point that fires just before it), ``claim_point(name)`` takes over a point the core
   would serve (the core then builds nothing for it), ``register_norm(prefix, module)`` makes a plugin's own norm
-  points known to ``norm_module`` (the core's ``NormSite`` does this itself). The sites a plugin returns follow
+  points known to ``norm_module`` (the core's ``NormSite`` does this itself), ``declare_projection_parts(parts)``
+  says which points show the parts of a projection's output (a cross-cutting plugin wrapping that projection,
+  LoRA, reads ``projection_parts`` to split its own contribution alike). The sites a plugin returns follow
   :class:`lensadapters.sites.Site`; state shared between sites within one forward pass goes in
   ``forward_state`` (a :class:`lensadapters.sites.ForwardState`, cleared after every call).
 """
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
         MLPLayouts,
         ModelLayout,
         NormSpec,
+        ProjectionParts,
         QKVLayout,
     )
 
@@ -110,6 +113,15 @@ class Hooked(Protocol):
 
     def claim_point(self, name: str) -> "HookPoint":
         """Serve a point the core created instead of the core (during ``lensadapters_extra_sites`` only)."""
+
+    def declare_projection_parts(self, parts: "ProjectionParts") -> None:
+        """Declare that the points ``parts.points`` (which exist) show the parts of ``parts.module``'s output, so
+        that a plugin wrapping that projection splits its own contribution the same way (during
+        ``lensadapters_extra_sites`` only; a plugin reading the declarations implements that hook ``trylast``)."""
+
+    @property
+    def projection_parts(self) -> Sequence["ProjectionParts"]:
+        """The projections whose output is split into parts' points, as declared so far."""
 
     def register_norm(self, prefix: str, module: nn.Module) -> None:
         """Record the norm module behind ``{prefix}.hook_scale``/``hook_normalized``."""

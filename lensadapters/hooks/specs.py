@@ -32,6 +32,7 @@ __all__ = [
     "NormSpec",
     "OpaqueMLP",
     "ProjectionNorm",
+    "ProjectionParts",
     "RotarySpec",
     "SeparateQKV",
     "cat_gate_up",
@@ -464,6 +465,37 @@ class FusedQKV:
 
 
 QKVLayout = SeparateQKV | FusedQKV
+
+
+@dataclass(frozen=True)
+class ProjectionParts:
+    """A linear projection whose output the model splits into parts, each shown at a hook point a plugin serves.
+
+    A site that serves per-part points on a projection's output (a query projection holding each head's query
+    and output gate; a fused projection grouped per head) declares this with ``hooked.declare_projection_parts``,
+    so that a plugin wrapping the projection (LoRA: the ``*_lora`` delta points) shows its own contribution to the
+    output split the same way: one point per part, ``points[i] + "_lora"``.
+
+    * ``module``: the projection module (as the model holds it: a PEFT layer wraps it in place, so the wrapper);
+    * ``points``: the full names of the parts' points (``blocks.3.attn.hook_q``...), in the order ``split``
+      returns the parts;
+    * ``split(t)``: the parts of a tensor whose last dimension is the projection's output features (any leading
+      dimensions: activations, weight columns ``[r, d_out]``, biases), each in its point's shape; ``merge(*parts)``
+      is its exact inverse (a regrouping: no arithmetic, so an edit of a part is that edit of the output);
+    * ``before``: the point the projection runs before (default the first part's): the plugin's per-part points
+      are placed right before it, in declaration order.
+    """
+
+    module: Any
+    points: tuple[str, ...]
+    split: Callable[[Tensor], tuple[Tensor, ...]]
+    merge: Callable[..., Tensor]
+    before: Optional[str] = None
+
+    @property
+    def first_point(self) -> str:
+        """The point the projection runs before."""
+        return self.before or self.points[0]
 
 
 @dataclass(frozen=True)

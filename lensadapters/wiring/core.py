@@ -51,6 +51,7 @@ from lensadapters.hooks.specs import (
     ModelLayout,
     NormSpec,
     OpaqueMLP,
+    ProjectionParts,
     QKVLayout,
     SeparateQKV,
 )
@@ -127,6 +128,7 @@ class Wiring(CoreSites, Installation):
         self._site_order: dict[Site, int] = {}  # registration order: the order ``_sync`` installs sites in
         self._point_sites: dict[HookPoint, list[Site]] = {}
         self._norm_modules: dict[str, nn.Module] = {}
+        self._projection_parts: list[ProjectionParts] = []
         self._installed: dict[Site, tuple[tuple[bool, ...], list[Any]]] = {}
         self._dirty: set[Site] = set()
         self._hooked_points: set[HookPoint] = set()  # points with a hook attached, kept as hooks come and go
@@ -219,6 +221,23 @@ class Wiring(CoreSites, Installation):
             raise LensAdaptersError(f"hook point {name!r} is claimed twice (first by {owner})")
         self._claimed[name] = "a plugin"
         return point
+
+    def declare_projection_parts(self, parts: ProjectionParts) -> None:
+        """Record that the points ``parts.points`` show the parts of ``parts.module``'s output (see
+        :class:`~lensadapters.hooks.specs.ProjectionParts`). Only during ``lensadapters_extra_sites``; a module is
+        declared once, with points that exist."""
+        if not self._building:
+            raise LensAdaptersError("declare_projection_parts works only inside lensadapters_extra_sites")
+        if any(p.module is parts.module for p in self._projection_parts):
+            raise LensAdaptersError(f"the parts of {self.module_name(parts.module)} are declared twice")
+        for name in (*parts.points, parts.first_point):
+            self.point(name)
+        self._projection_parts.append(parts)
+
+    @property
+    def projection_parts(self) -> tuple[ProjectionParts, ...]:
+        """The projections declared so far (:meth:`declare_projection_parts`), in declaration order."""
+        return tuple(self._projection_parts)
 
     def add_site(self, site: Site) -> None:
         """Register a site; its points' hooks install and remove its PyTorch hooks from now on."""

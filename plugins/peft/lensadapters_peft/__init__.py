@@ -222,12 +222,32 @@ def _plain_split() -> tuple[Any, Any]:
     return (lambda t: (t,)), (lambda t: t)
 
 
-@hookimpl
+@hookimpl(trylast=True)  # after the architecture plugin's: it declares the projections' parts (projection_parts)
 def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
     """``*_lora`` points for every LoRA-adapted projection.
 
+    A projection whose output the architecture's points show in parts (``hooked.projection_parts``: a gated query
+    projection's queries and gates, a gated DeltaNet's fused projections per role) gets one delta point per part,
+    ``<part's point>_lora``, the delta split the same way; the others are split with the layouts (``QKVLayout``,
+    ``FusedGateUp``: per head, per q/k/v, per half).
+
     Layers PEFT replaces after wrapping (a new adapter's target modules, ``merge_and_unload()``) are refused by the
     core's module guard (``lensadapters.guard``), which watches the modules of these sites too."""
+    declared = {id(parts.module) for parts in hooked.projection_parts}
+    sites = _layout_sites(hooked, declared)
+    for parts in hooked.projection_parts:
+        if is_lora_linear(parts.module):
+            points = [hooked.new_point(name + "_lora", before=parts.first_point) for name in parts.points]
+            sites.append(LoraDeltaSite(parts.module, points, parts.split, parts.merge, hooked.forward_state))
+    return sites
+
+
+def _layout_sites(hooked: Any, declared: set[int]) -> list[Any]:
+    """The delta sites of the projections the layouts describe, but those whose parts are ``declared``."""
+
+    def adapted(module: nn.Module) -> bool:
+        return is_lora_linear(module) and id(module) not in declared
+
     sites: list[Any] = []
     cfg = hooked.cfg
     for i, block in enumerate(hooked.block_modules):
@@ -239,7 +259,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
         first = len(sites)
         if isinstance(qkv, FusedQKV):
             module = get(qkv.module)
-            if is_lora_linear(module):
+            if adapted(module):
                 points = [_new_point_before(hooked, pre + "attn.hook_q", pre + n) for _, n in QKV_POINTS]
                 sites.append(LoraDeltaSite(module, points, qkv.split, qkv.merge, hooked.forward_state))
         elif qkv is not None:  # None: a token mixer other than softmax attention, with no attn.* points
@@ -255,16 +275,16 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             )
             for (short, name), path, h in zip(QKV_POINTS, paths, heads):
                 module = get(path)
-                if is_lora_linear(module):
+                if adapted(module):
                     point = _new_point_before(hooked, f"{pre}attn.hook_{short}", pre + name)
                     sites.append(LoraDeltaSite(module, [point], *_heads_split(h), hooked.forward_state))
         module = get(bl.o_proj)
-        if qkv is not None and is_lora_linear(module):
+        if qkv is not None and adapted(module):
             point = _new_point_before(hooked, pre + "attn.hook_result", pre + O_POINT)
             sites.append(LoraDeltaSite(module, [point], *_plain_split(), hooked.forward_state))
         if isinstance(mlp, FusedGateUp):  # one LoRA on the fused gate/up projection: a delta point per half
             module = get(mlp.module)
-            if is_lora_linear(module):
+            if adapted(module):
                 points = [
                     _new_point_before(hooked, pre + "mlp.hook_pre", pre + n)
                     for n in (MLP_PRE_POINT, MLP_PRE_LINEAR_POINT)
@@ -284,7 +304,7 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Any]:
             if path is None:
                 continue
             module = get(path)
-            if is_lora_linear(module):
+            if adapted(module):
                 if name == MLP_OUT_POINT:  # the down projection runs right after its input, mlp.hook_post (a norm
                     point = hooked.new_point(pre + name, after=pre + "mlp.hook_post")  # may follow: ln2_post)
                 else:

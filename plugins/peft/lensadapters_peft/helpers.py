@@ -158,7 +158,8 @@ class LoraFactors:
     ``A`` and ``B`` are views of the live parameters. Shapes (``r`` = rank):
 
     * ``"q"``: A ``[d_model, r]``, B ``[n_heads, r, d_head]``; ``"k"``/``"v"``: B ``[n_key_value_heads, r, d_head]``
-      (for a fused QKV projection A is shared by q, k and v and B is split with the projection's layout);
+      (for a fused QKV projection A is shared by q, k and v and B is split with the projection's layout; for a
+      query projection that also computes an output gate per head, B holds the query columns only, as ``W_Q``);
     * ``"o"``: A ``[n_heads, d_head, r]``, B ``[r, d_model]``;
     * ``"in"``/``"gate"``/``"out"``: A ``[d_in, r]``, B ``[r, d_out]`` (``"in"`` is the up projection of a gated MLP,
       as ``W_in``; for a fused gate/up projection A is shared by both and B is split with the layout's ``split``).
@@ -185,6 +186,11 @@ class LoraFactors:
 
 
 _WHICH = ("q", "k", "v", "o", "in", "gate", "out")
+
+
+def _declared_parts(hm: Any, module: nn.Module) -> Any:
+    """The parts the architecture declares ``module``'s output to hold (``ProjectionParts``), or ``None``."""
+    return next((p for p in hm.wiring.projection_parts if p.module is module), None)
 
 
 def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None) -> LoraFactors:
@@ -230,7 +236,12 @@ def lora_factors(hm: Any, layer: int, which: str, adapter: Optional[str] = None)
     b = None if bias is None else bias * scaling
     if which in ("q", "k", "v"):
         index = "qkv".index(which)
-        if isinstance(qkv, FusedQKV):
+        parts = _declared_parts(hm, module)
+        part = f"blocks.{layer}.attn.hook_{which}"
+        if parts is not None and part in parts.points:  # the projection's output holds more than these heads
+            B = parts.split(B)[parts.points.index(part)]  # [r, h, d_head]
+            b = None if b is None else parts.split(b)[parts.points.index(part)]
+        elif isinstance(qkv, FusedQKV):
             B = qkv.split(B)[index]  # [r, h, d_head]
             b = None if b is None else qkv.split(b)[index]
         else:

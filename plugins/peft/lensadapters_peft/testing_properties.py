@@ -23,6 +23,7 @@ from .testing_support import (
     NO_PATTERN,
     SETTINGS,
     WEIGHTS,
+    declared_parts,
     factor_kind,
     float_tol,
     init_lora,
@@ -81,6 +82,8 @@ class LoraProperties:
                     assert torch.equal(outs[id(module)], outs[("base", id(module.base_layer))] + expected), name
                 # lora_factors gives the same delta in TransformerLens shapes: x @ A @ B * scaling (+ LoRA bias)
                 layer, which = int(name.split(".")[1]), factor_kind(hm, name)
+                if which is None:  # a part lora_factors has no factors for (a gated DeltaNet's projections)
+                    continue
                 total: Any = 0
                 for adapter in active:
                     f = lp.lora_factors(hm, layer, which, adapter=adapter)
@@ -252,7 +255,10 @@ class LoraProperties:
         short = name.rsplit(".", 1)[1]
         qkv = hm.qkv_layouts[layer]
         mlp = hm.mlp_layouts[layer]
-        if short in HEAD_DELTAS:
+        declared = declared_parts(hm, name)
+        if declared is not None:  # the parts the architecture's points show (all of them: the siblings)
+            delta = declared.merge(*parts)
+        elif short in HEAD_DELTAS:
             delta = qkv.merge(*parts) if hasattr(qkv, "split") else parts[0].flatten(-2)
         elif short in ("hook_pre_lora", "hook_pre_linear_lora") and hasattr(mlp, "split"):
             delta = mlp.merge(*parts)  # a fused gate/up projection: both halves' points, in its order
@@ -260,10 +266,12 @@ class LoraProperties:
             delta = parts[0].reshape(records["base"].shape)  # OPT's MLP sees tokens flattened to [b*p, d]
         out = records["out"]
         assert torch.equal(out, (records["base"] + delta).to(out.dtype)), "output != base output + edited delta"
+        if declared is not None:  # the part's own point saw the edited output's part
+            target = name[: -len("_lora")]
+            assert torch.equal(seen[target], split_like(hm, name, out)), target
         target = ADAPTED_OUTPUT.get(short)
-        shown = seen[f"blocks.{layer}.{target}"] if target is not None else None
-        # the core's point on this module saw the edited output; where it shows a part of it (a query projection that
-        # also computes an output gate per head), the architecture's own tests check which part
+        shown = seen[f"blocks.{layer}.{target}"] if target is not None and declared is None else None
+        # the core's point on this module saw the edited output
         if shown is not None and shown.numel() == out.numel():
             assert torch.equal(shown, split_like(hm, name, out).reshape(shown.shape)), target
         hm.unwrap()
@@ -353,9 +361,12 @@ class LoraProperties:
                 for name, module in lora_layers(hm).items():
                     layer, which = int(name.split(".")[1]), factor_kind(hm, name)
                     if "other" in module.lora_A:
-                        assert lp.lora_factors(hm, layer, which).adapter == "other"
+                        if which is not None:
+                            assert lp.lora_factors(hm, layer, which).adapter == "other"
                     else:  # not adapted by "other": no delta
                         assert not cache_other[name].any(), name
+                        if which is None:
+                            continue
                         try:
                             lp.lora_factors(hm, layer, which)
                         except LensAdaptersError as exc:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 import lensadapters_peft as lp
-from lensadapters import HookedModel
+from lensadapters import HookedModel, ProjectionParts
 
 SETTINGS = settings(
     deadline=None,
@@ -103,8 +103,18 @@ def lora_layers(hm: HookedModel) -> dict[str, nn.Module]:
     return out
 
 
+def declared_parts(hm: HookedModel, name: str) -> Optional[ProjectionParts]:
+    """The parts the architecture declares for the projection of the ``*_lora`` point ``name``, when that point is
+    one of its parts' (``<part's point>_lora``), else ``None``."""
+    part = name[: -len("_lora")]
+    return next((p for p in hm.wiring.projection_parts if part in p.points), None)
+
+
 def split_like(hm: HookedModel, name: str, t: torch.Tensor) -> torch.Tensor:
     """Split a projection-output tensor as the ``*_lora`` hook point ``name`` shows it."""
+    parts = declared_parts(hm, name)
+    if parts is not None:  # a part of a projection the architecture's points show in parts
+        return parts.split(t)[parts.points.index(name[: -len("_lora")])]
     layer = int(name.split(".")[1])
     short = name.rsplit(".", 1)[1]
     qkv = hm.qkv_layouts[layer]
@@ -118,8 +128,17 @@ def split_like(hm: HookedModel, name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def factor_kind(hm: HookedModel, name: str) -> str:
-    """The ``which`` of :func:`lensadapters_peft.lora_factors` for the ``*_lora`` point ``name``."""
+#: the ``*_lora`` points (relative to their block) that :func:`lensadapters_peft.lora_factors` has factors for
+FACTOR_POINTS = tuple(f"attn.hook_{w}_lora" for w in "qkvo") + tuple(
+    f"mlp.hook_{w}_lora" for w in ("pre", "pre_linear", "out")
+)
+
+
+def factor_kind(hm: HookedModel, name: str) -> Optional[str]:
+    """The ``which`` of :func:`lensadapters_peft.lora_factors` for the ``*_lora`` point ``name`` (``None``: a point
+    it has no factors for, such as the parts of a gated DeltaNet's projections or a query projection's gates)."""
+    if name.split(".", 2)[2] not in FACTOR_POINTS:
+        return None
     short = name.rsplit(".", 1)[1][len("hook_") : -len("_lora")]
     return {"pre": "gate" if hm.cfg.gated_mlp else "in", "pre_linear": "in"}.get(short, short)
 

@@ -88,11 +88,6 @@ class Qwen3NextContract(OffsetNormModels, QKNormScores, DecoderContract):
 
     plugin: ClassVar[Any] = lensadapters_qwen3_next
     config_strategy = qwen3_next_configs
-    lora_variant_refused: ClassVar[Optional[str]] = (
-        "LoRA on Qwen3-Next is not yet fully checked: attn.hook_q_lora on the gated q_proj is [b, p, h, 2 * d_head] "
-        "(each head's query and gate deltas), not the delta of the query that attn.hook_q shows, and the DeltaNet's "
-        "fused projections (in_proj_qkvz, in_proj_ba) have no *_lora point, so an adapter on them alone has none"
-    )
     attn_implementations: ClassVar[Sequence[str]] = ("eager", "sdpa")
     #: the gated DeltaNet's points that a scale-invariant norm reads (the delta rule's L2 norm of queries and keys, the
     #: gated RMSNorm of its output): edited along directions of their own scale in the gradient property, as a

@@ -266,3 +266,27 @@ def test_gradients_through_an_edit_equal_a_plain_hooks(point: str) -> None:
     assert bool(grads[1].abs().max() > 0)
     assert relative_error(grads[0], grads[1]) < 1e-10, relative_error(grads[0], grads[1])
     hm.unwrap()
+
+
+def test_in_bfloat16_the_real_multipliers_wrap_each_scan_point_made_once_and_values_are_the_models() -> None:
+    """bfloat16 rounds some layers' branch sums so that they are not described (served by the mixer form) while
+    the others are: both ways reach the selective-scan points, which were made twice ("hook point
+    'blocks.0.mamba.hook_dt' exists twice"). Now once per mixer; the first layer's points as in float32, each its
+    plain hooks' value bit for bit, and the probe's verdict on every one of them holds."""
+    model = tiny_model("falcon_h1", **REAL).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    want = _reference_values(reference, _multipliers(REAL))
+    hm = wrap_generic(model)
+    assert len(_served(hm, 0)) == 31 and {f"mamba.{p}" for p in SCAN_POINTS} <= _served(hm, 0)
+    skipped = ("hook_pattern", "hook_attn_scores")  # (recomputed in eager form when read: other tests check them)
+    logits, cache = hm.run_with_cache(
+        input_ids(), names_filter=lambda n: n.startswith("blocks.0.") and not n.endswith(skipped)
+    )
+    with torch.no_grad():
+        assert torch.equal(logits, reference(input_ids()).logits)  # reading changes nothing
+    for name in EXACT:
+        assert cache[f"blocks.0.{name}"].dtype == torch.bfloat16
+        assert torch.equal(cache[f"blocks.0.{name}"], want[name]), name
+    names = [n for n in hm.hook_names if n.startswith("blocks.0.") and n.split(".")[-1] not in SCAN_POINTS]
+    assert check_points(hm.wiring, input_ids(), names) == dict.fromkeys(names)
+    hm.unwrap()

@@ -511,9 +511,9 @@ def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
 
 
 def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifying: Any) -> list[Site]:
-    """``sites`` without the points that fail :func:`verify_internals`, with the verified selective-scan points
-    (:mod:`.scan`; nothing is checked while ``hooked`` is the second wiring of a verification: its model is in
-    ``verifying``)."""
+    """``sites`` without the points that fail :func:`verify_internals` (nothing is checked while ``hooked`` is the
+    second wiring of a verification: its model is in ``verifying``). The selective-scan points (:mod:`.scan`) are
+    the caller's: one call for every layer, described or not."""
     if hooked.hf_model in verifying:
         return sites
     failed = verify_internals(hooked, found, verifying)
@@ -524,9 +524,7 @@ def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifyi
                 kept.append(site)
         elif not any(p.name in failed for p in site.points):
             kept.append(site)
-    from lensadapters.adapters.generic.scan import serve_scan
-
-    return serve_scan(hooked, found, kept, verifying)  # a Mamba mixer's selective scan (.scan)
+    return kept
 
 
 def register(model: nn.Module, found: Any, norms: Any) -> None:

@@ -268,6 +268,8 @@ def test_gradients_through_an_edit_equal_a_plain_hooks(point: str) -> None:
     hm.unwrap()
 
 
+# (transformers 4.57's Falcon-H1 in bfloat16 has no described layer: the scan points are made once there already)
+@pytest.mark.transformers5_only
 def test_in_bfloat16_the_real_multipliers_wrap_each_scan_point_made_once_and_values_are_the_models() -> None:
     """bfloat16 rounds some layers' branch sums so that they are not described (served by the mixer form) while
     the others are: both ways reach the selective-scan points, which were made twice ("hook point

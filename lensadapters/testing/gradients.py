@@ -134,8 +134,8 @@ def gradient_check(
             return False
         if one_copy is None:  # one copy: its value is the whole batch
             return True
-        seen = one_copy.get(name)
-        return bool(seen) and all(s[:1] == (1,) and s[1:] == tuple(t.shape[1:]) for s in seen)
+        shapes = one_copy.get(name) or []
+        return bool(shapes) and all(s[:1] == (1,) and s[1:] == tuple(t.shape[1:]) for s in shapes)
 
     def hooks(p: torch.Tensor, seen: Optional[dict[str, torch.Tensor]] = None) -> list[tuple[str, Callable]]:
         out = []

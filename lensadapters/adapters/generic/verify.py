@@ -105,8 +105,7 @@ def tolerance(dtypes: Iterable[Optional[torch.dtype]], width: int) -> float:
     it, measured alike in both formats). Float32 or float64 models of width 64: 88 roundings of float32, ``1.0e-5``
     (of width 4096, ``7.7e-5``): a value or an edit off by ``1e-4`` of its size is refused up to that width."""
     eps = max(
-        [torch.finfo(torch.float32).eps]
-        + [torch.finfo(d).eps for d in dtypes if d is not None and d.is_floating_point]
+        [torch.finfo(torch.float32).eps] + [torch.finfo(d).eps for d in dtypes if d is not None and d.is_floating_point]
     )
     if eps > torch.finfo(torch.float32).eps:  # a 16-bit dtype
         eps = max(eps, torch.finfo(torch.bfloat16).eps)

@@ -181,9 +181,10 @@ def test_an_expert_point_whose_token_count_equals_the_copies_is_not_taken_for_ba
     """Regression: the batched gradient check gave point ``k`` of ``N`` its own copy of the input (row ``k``) and
     told a batch-first value by its leading dimension being ``N``; a per-expert point whose routed-token count
     happened to be ``N`` was edited at "its row", a token of another copy, and compared with that copy's finite
-    differences (a spurious mismatch, or a spurious agreement). Here two drawn rows, one sending two tokens to the expert and the other none, make the expert hold
-    ``N`` tokens over ``N`` copies (``N`` even): the check tells it by its layout (routed tokens), returns it as not
-    batch-first, and on its own it passes; the other points are checked side by side."""
+    differences (a spurious mismatch, or a spurious agreement). Here two drawn rows, one sending two tokens to the
+    expert and the other none, make the expert hold ``N`` tokens over ``N`` copies (``N`` even): the check tells it
+    by its layout (routed tokens), returns it as not batch-first, and on its own it passes; the other points are
+    checked side by side."""
     from lensadapters.testing.gradients import gradient_check
 
     model = CONTRACT.gradient_model(CONTRACT.make_model(mixtral_config(layers=1, experts=8, top_k=2), 0))

@@ -27,8 +27,12 @@ How one example is checked, cheaply (five forwards of one batch, one backward, a
   and an integer point (an MoE's expert choice) differs between ``+h`` and ``-h`` at the smallest step, the value
   sits on a routing tie (no central difference is a derivative there) and the point is left out of that example
   (``GradientCheck.tied``, noted);
-* a point whose value is not batch-first (per-expert activations hold routed tokens) is checked on its own, on the
-  drawn batch; at most ``gradient_solo_points`` of them per example, drawn;
+* a point whose value is not batch-first is checked on its own, on the drawn batch; at most
+  ``gradient_solo_points`` of them per example, drawn. Batch-first is told by the point's layout, never by its size
+  alone: per-expert activations (``mlp.experts.{e}.*``) are declared rows of routed tokens, and are never
+  batch-first (their token count may equal the copies'); any other point is batch-first where its leading dimension
+  is observed to follow the input's rows (1 in a forward of one copy, every copy's in the batched one, the other
+  dimensions the same);
 * ``gradient_single_points`` drawn points are also checked hooked alone (only that point's site installed), as an
   attribution method hooks them.
 """
@@ -40,6 +44,8 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+
+from lensadapters.adapters.moe import is_expert_point
 
 __all__ = ["GradientContract", "GradientCheck", "gradient_check"]
 
@@ -100,7 +106,9 @@ def gradient_check(
 
     ``kwargs``: the model's inputs (``input_ids``, ``attention_mask``), ``valid``: ``[batch, pos]`` real tokens.
     ``batched``: every point at once, each in its own row (a row of the batch; points whose value is not
-    batch-first are returned as the second item, unchecked); else each point alone. ``scaled``: name endings of
+    batch-first are returned as the second item, unchecked: per-expert points, whose rows are routed tokens, and
+    points whose leading dimension is not observed to follow the input's rows, see :func:`_one_copy_shapes`); else
+    each point alone. ``scaled``: name endings of
     points whose direction is scaled, per position, by the value's root mean square over its last dimension (points
     that a scale-invariant norm reads: where a head's value is small, a unit-scale step leaves the linear regime of
     the norm that follows and finite differences miss the derivative). The tolerance of a point is
@@ -117,6 +125,17 @@ def gradient_check(
         copies, inputs, batch = 1, dict(kwargs), kwargs["input_ids"].shape[0]
     rows = batch * copies
     skipped: set[str] = set()
+    # each point's shapes in a forward of one copy (before the larger batches: a model keeping per-batch state)
+    one_copy = _one_copy_shapes(hm, inputs, names) if batched and rows > 1 else None
+
+    def batch_first(name: str, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a value of ``name`` in a forward of ``rows`` copies) has the copies as its first dim."""
+        if is_expert_point(name) or t.dim() == 0 or t.shape[0] != rows:  # declared routed tokens, or not rows
+            return False
+        if one_copy is None:  # one copy: its value is the whole batch
+            return True
+        shapes = one_copy.get(name) or []
+        return bool(shapes) and all(s[:1] == (1,) and s[1:] == tuple(t.shape[1:]) for s in shapes)
 
     def hooks(p: torch.Tensor, seen: Optional[dict[str, torch.Tensor]] = None) -> list[tuple[str, Callable]]:
         out = []
@@ -131,7 +150,7 @@ def gradient_check(
                 if hook.name.endswith(scaled):  # the value's own scale (the same at p = 0 and at each step)
                     c = c * t.detach().pow(2).mean(-1, keepdim=True).sqrt()
                 if batched:
-                    if t.dim() == 0 or t.shape[0] != rows:
+                    if not batch_first(hook.name, t):
                         skipped.add(hook.name)
                         return None
                     mask = torch.zeros(rows, dtype=t.dtype, device=t.device)
@@ -193,6 +212,20 @@ def gradient_check(
     kept = [i for i, n in enumerate(names) if n not in skipped and n not in tied]
     check = GradientCheck([names[i] for i in kept], autograd[kept], numeric[kept], tolerance[kept], sorted(tied))
     return check, sorted(skipped)
+
+
+def _one_copy_shapes(hm: Any, inputs: dict, names: list[str]) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes of each of ``names``' values (each firing) in a forward of the first row of ``inputs`` alone: a
+    batch-first point's leading dimension is 1 there (a point whose leading dimension only happens to be the batch's
+    rows in the batched forward is not)."""
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+
+    def record(t: torch.Tensor, hook: Any) -> None:
+        shapes.setdefault(hook.name, []).append(tuple(t.shape) if isinstance(t, torch.Tensor) else ())
+
+    with torch.no_grad():
+        hm.run_with_hooks(**{k: v[:1] for k, v in inputs.items()}, fwd_hooks=[(n, record) for n in names])
+    return shapes
 
 
 def _switched(plus: dict[str, torch.Tensor], minus: dict[str, torch.Tensor], copies: int) -> torch.Tensor:

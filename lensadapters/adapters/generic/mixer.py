@@ -558,9 +558,9 @@ def verify_internals(hooked: Any, found: Any, verifying: Any) -> dict[str, str]:
 
 
 def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifying: Any) -> list[Site]:
-    """``sites`` without the points that fail :func:`verify_internals`, with the verified selective-scan points
-    (:mod:`.scan`; nothing is checked while ``hooked`` is the second wiring of a verification: its model is in
-    ``verifying``)."""
+    """``sites`` without the points that fail :func:`verify_internals` (nothing is checked while ``hooked`` is the
+    second wiring of a verification: its model is in ``verifying``). The selective-scan points (:mod:`.scan`) are
+    the caller's: one call for every layer, described or not."""
     if hooked.hf_model in verifying:
         return sites
     failed = verify_internals(hooked, found, verifying)
@@ -575,9 +575,7 @@ def serve_verified_internals(hooked: Any, found: Any, sites: list[Site], verifyi
                 hooked.own_mlp_layouts[site.layer] = site.layout
         elif not any(p.name in failed for p in site.points):
             kept.append(site)
-    from lensadapters.adapters.generic.scan import serve_scan
-
-    return serve_scan(hooked, found, kept, verifying)  # a Mamba mixer's selective scan (.scan)
+    return kept
 
 
 def _experts_verified(site: Any) -> bool:

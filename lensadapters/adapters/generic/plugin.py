@@ -374,7 +374,8 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         else:  # RMSNorm's: x / scale, before the weight; edits reach the output through the weight
             scale = HookPoint("ln_final.hook_scale", lambda p: None)  # not served: a stand-in that is never hooked
             sites.append(NormSite(norm, lambda: hooked.norm_spec(norm), scale, point, **after))
-    if any(b.mixer is not None and bl is None for b, bl in zip(found.blocks, hooked.block_layouts)):
+    opaque_mixers = any(b.mixer is not None and bl is None for b, bl in zip(found.blocks, hooked.block_layouts))
+    if opaque_mixers:
         sites = serve_verified_internals(hooked, found, sites, _verifying)
     if found.description is not None:
         claimed |= claim_latent_points(hooked)  # multi-head latent attention's points (.latent)
@@ -384,10 +385,12 @@ def lensadapters_extra_sites(arch: Architecture, hooked: Any) -> list[Site]:
         sites += latent_sites_served(hooked)
         if why_not_patterns is not None:  # the probe's reason stays: the described layers have no patterns either
             found.missing.setdefault(PATTERNS_GROUP, why_not_patterns)
-        if any(block.beside is not None for block in found.blocks):  # a Mamba mixer beside the attention (.scan)
-            from lensadapters.adapters.generic.scan import serve_scan
+    # the selective-scan points of every layer's Mamba mixer (.scan), described layer or not: one call, after the
+    # other points' verification (a model with both kinds of layer, bfloat16 Falcon-H1's, made them twice)
+    if opaque_mixers or (found.description is not None and any(block.beside is not None for block in found.blocks)):
+        from lensadapters.adapters.generic.scan import serve_scan
 
-            sites = serve_scan(hooked, found, sites, _verifying)
+        sites = serve_scan(hooked, found, sites, _verifying)
     return sites
 
 

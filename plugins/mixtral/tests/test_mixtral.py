@@ -175,3 +175,44 @@ def test_a_routing_tie_at_the_value_is_left_out_of_the_gradient_check_not_failed
     assert check.tied == [logits], (check.tied, check.failures)
     assert set(upstream) <= set(check.names) and not check.failures, check.failures
     hm.unwrap()
+
+
+def test_an_expert_point_whose_token_count_equals_the_copies_is_not_taken_for_batch_first() -> None:
+    """Regression: the batched gradient check gave point ``k`` of ``N`` its own copy of the input (row ``k``) and
+    told a batch-first value by its leading dimension being ``N``; a per-expert point whose routed-token count
+    happened to be ``N`` was edited at "its row", a token of another copy, and compared with that copy's finite
+    differences (a spurious mismatch, or a spurious agreement). Here two drawn rows, one sending two tokens to the
+    expert and the other none, make the expert hold ``N`` tokens over ``N`` copies (``N`` even): the check tells it
+    by its layout (routed tokens), returns it as not batch-first, and on its own it passes; the other points are
+    checked side by side."""
+    from lensadapters.testing.gradients import gradient_check
+
+    model = CONTRACT.gradient_model(CONTRACT.make_model(mixtral_config(layers=1, experts=8, top_k=2), 0))
+    hm = CONTRACT.wrap(model)
+    others = [n for n in hm.hook_names if ".mlp." not in n and "hook_attn_scores" not in n]
+    indices = "blocks.0.mlp.hook_expert_indices"
+    found = None
+    for seed in range(50):  # two rows and an expert that the first row's tokens choose twice, the second's never
+        ids = torch.randint(3, 64, (2, 4), generator=torch.Generator().manual_seed(seed))
+        _, cache = hm.run_with_cache(ids, names_filter=indices)
+        per_row = [(cache[indices][r] == e).sum().item() for r in range(2) for e in range(8)]
+        chosen = [e for e in range(8) if (per_row[e], per_row[8 + e]) == (2, 0)]
+        if chosen:
+            found = ids, chosen[0]
+            break
+    assert found is not None, "no input of the search routes as the regression needs"
+    ids, expert = found
+    copies = 2 * (len(others) // 2 - 1) + 2  # even, at most 1 + len(others)
+    point = f"blocks.0.mlp.experts.{expert}.hook_pre"
+    names = [others[0], point, *others[1 : copies - 1]]  # copy 1: a row of the second input, none of its tokens
+    kwargs, valid = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.ones_like(ids, dtype=torch.bool)
+    rows = torch.arange(copies) % 2
+    seen: dict[str, torch.Tensor] = {}
+    hm.run_with_hooks(input_ids=ids[rows], fwd_hooks=[(point, lambda t, hook: seen.setdefault("v", t))])
+    assert seen["v"].shape[0] == copies  # the coincidence: as many routed tokens as copies
+    check, solo = gradient_check(hm, kwargs, valid, names, seed=3)
+    assert point in solo and point not in check.names, (solo, check.names)
+    assert set(others[: copies - 1]) <= set(check.names) and not check.failures, check.failures
+    alone, _ = gradient_check(hm, kwargs, valid, [point], batched=False, seed=3)
+    assert alone.names == [point] and not alone.failures, alone.failures
+    hm.unwrap()

@@ -20,6 +20,12 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   sum of ``down(act(gate) * up)``, ``gate`` the first half of the first projection's output; their router (the
   module around the linear layer computing the logits) returns ``(order, row tokens, row weights, rows per expert,
   logits)``, the routing grouped the same way (``router_output="grouped"``, its logits the linear layer's output);
+  Or (:class:`~lensadapters.moe.ExpertModules`, transformers 4.x, no 3-D parameters) the one ``ModuleList`` of the
+  MoE module, each expert in it three linear layers (two reading ``d``, one writing it) and a parameterless
+  activation under which the expert's output on every token of the probe is ``down(act(gate(x)) * up(x))`` for one
+  assignment only, each called with the rows of the tokens the routing sends it (slot, then token) and the MoE
+  module's output the sum of their outputs times the routing weights; their router returns its logits alone
+  (``router_output="logits"``: the MoE module routes them);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
   (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts

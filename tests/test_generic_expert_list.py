@@ -40,7 +40,14 @@ ROUTING = ["mlp.hook_router_logits", "mlp.hook_routing_weights"]
 #: model_type: (config, the MoE layers, the MoE module's name, its router's, each expert's gate/up/down, whether the
 #: top-k weights are renormalized) — the HF modules the references below are written from, not the description
 MODELS: dict[str, tuple[dict, tuple[int, ...], str, str, tuple[str, str, str], bool]] = {
-    "jamba": ({"use_mamba_kernels": False}, (1, 3), "feed_forward", "router", ("gate_proj", "up_proj", "down_proj"), False),
+    "jamba": (
+        {"use_mamba_kernels": False},
+        (1, 3),
+        "feed_forward",
+        "router",
+        ("gate_proj", "up_proj", "down_proj"),
+        False,
+    ),
     "mixtral": ({}, (0, 1, 2, 3), "block_sparse_moe", "gate", ("w1", "w3", "w2"), True),
 }
 
@@ -96,7 +103,7 @@ def test_each_point_reads_what_the_hf_modules_compute(wrapped: Any) -> None:
     for i in MODELS[model_type][1]:
         ref = _by_hand(model_type, model, i)
         lead = ref["lead"].shape[:-1]
-        _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n: n.startswith(f"blocks.{i}.mlp."))
+        _, cache = hm.run_with_cache(input_ids(), names_filter=lambda n, i=i: n.startswith(f"blocks.{i}.mlp."))
         assert relative_error(cache[f"blocks.{i}.mlp.hook_router_logits"], ref["logits"].reshape(*lead, -1)) < 1e-6
         assert torch.equal(cache[f"blocks.{i}.mlp.hook_routing_weights"], ref["weights"].reshape(*lead, -1))
         experts = _moe(model_type, model, i).experts

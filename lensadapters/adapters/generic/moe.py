@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -588,14 +588,19 @@ def _linear_children(expert: nn.Module) -> dict[str, nn.Module]:
     return {
         name: child
         for name, child in expert.named_children()
-        if isinstance(getattr(child, "weight", None), Tensor) and child.weight.dim() == 2
+        if isinstance(getattr(child, "weight", None), Tensor) and _weight(child).dim() == 2
     }
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight: Tensor = getattr(module, "weight")  # noqa: B009 - a module's attribute, typed
+    return weight
 
 
 def _linear(module: nn.Module, x: Tensor) -> Tensor:
     """``F.linear`` of ``x`` with the module's weight (and bias), in float64."""
     bias = getattr(module, "bias", None)
-    return F.linear(x.double(), module.weight.detach().double(), None if bias is None else bias.detach().double())
+    return F.linear(x.double(), _weight(module).detach().double(), None if bias is None else bias.detach().double())
 
 
 def _expert_form(expert: nn.Module, flat: Tensor) -> Optional[tuple[str, str, str, str]]:
@@ -604,8 +609,8 @@ def _expert_form(expert: nn.Module, flat: Tensor) -> Optional[tuple[str, str, st
     ``None`` where no single assignment does (the gate told from the up projection)."""
     linears = _linear_children(expert)
     d = flat.shape[-1]
-    reading = [n for n, m in linears.items() if m.weight.shape[-1] == d]
-    downs = [n for n, m in linears.items() if m.weight.shape[0] == d and m.weight.shape[-1] != d]
+    reading = [n for n, m in linears.items() if _weight(m).shape[-1] == d]
+    downs = [n for n, m in linears.items() if _weight(m).shape[0] == d and _weight(m).shape[-1] != d]
     acts = [n for n, m in expert.named_children() if n not in linears and not list(m.parameters())]
     if len(reading) != 2 or len(downs) != 1 or not acts or len(linears) != 3:
         return None
@@ -620,7 +625,7 @@ def _expert_form(expert: nn.Module, flat: Tensor) -> Optional[tuple[str, str, st
         found = []
         for (gate, up), act in itertools.product(itertools.permutations(reading), acts):
             h = expert.get_submodule(act)(outputs[gate]).double() * outputs[up].double()
-            if h.shape[-1] != down.weight.shape[-1] or not _close(down(h.to(flat.dtype)), _linear(down, h)):
+            if h.shape[-1] != _weight(down).shape[-1] or not _close(down(h.to(flat.dtype)), _linear(down, h)):
                 continue
             if _close(_linear(down, h), observed.double()) or _close_in_half(_linear(down, h), observed):
                 found.append((gate, up, downs[0], act))
@@ -635,7 +640,7 @@ def _describe_list(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Ten
     if len(lists) != 1:
         raise _Refused("no single ModuleList of experts in the MoE module")
     path = lists[0]
-    experts = moe.get_submodule(path)
+    experts = cast(nn.ModuleList, moe.get_submodule(path))
     n = len(experts)
     out, calls = _run_alone(moe, x)
     if not _close(first_output(out), y):
@@ -644,7 +649,9 @@ def _describe_list(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Ten
     forms = {_expert_form(expert, flat) for expert in experts}
     if len(forms) != 1 or None in forms:
         raise _Refused("the experts in a ModuleList are not each down(act(gate(x)) * up(x)) of the same modules")
-    ((gate, up, down, act),) = forms
+    form = next(iter(forms))
+    assert form is not None
+    gate, up, down, act = form
     outside = {k: v for k, v in calls.items() if not (k == path or k.startswith(f"{path}."))}
     router_path, router, r_out, logits = _router(moe, outside, flat, n, at=0)
     if not isinstance(r_out, Tensor):

@@ -390,7 +390,7 @@ class _ListRoutingWeights:
     by: each expert's output times the edited weight, the selection unchanged."""
 
     def __init__(self, router: nn.Module, experts: nn.Module, routing: Any) -> None:
-        self.modules = (router, *experts)
+        self.modules = (router, *experts.children())
         self.routing = routing
 
     def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:

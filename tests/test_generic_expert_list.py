@@ -1,6 +1,7 @@
 """Experts in a ``ModuleList`` of gated MLPs, routed by the MoE module itself from a linear router's logits (softmax,
 top-k, each expert called on the rows of its tokens, its output times the routing weight ``index_add``-ed:
-transformers 4.57's Jamba and Mixtral MoE blocks), described by the generic adapter with no plugin
+transformers 4.57's Jamba, Mixtral and Qwen2-MoE blocks, Qwen2-MoE's with a shared expert the MoE module adds times
+the sigmoid of its gate's logit), described by the generic adapter with no plugin
 (:class:`lensadapters.moe.ExpertModules`, ``router_output="logits"``): every claim proven on the probe. Their layers
 get ``mlp.hook_router_logits``, ``mlp.hook_routing_weights`` and each chosen expert's ``hook_gate`` / ``hook_pre`` /
 ``hook_post``. Their values are what the HF modules compute (written out here from the router's and the experts'
@@ -49,6 +50,8 @@ MODELS: dict[str, tuple[dict, tuple[int, ...], str, str, tuple[str, str, str], b
         False,
     ),
     "mixtral": ({}, (0, 1, 2, 3), "block_sparse_moe", "gate", ("w1", "w3", "w2"), True),
+    # a shared expert the MoE module adds times the sigmoid of its gate's logit (MoELayout.shared_gate)
+    "qwen2_moe": ({"norm_topk_prob": True}, (0, 1), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"), True),
 }
 
 
@@ -93,6 +96,9 @@ def test_every_moe_layer_is_described_and_its_routing_points_verified(wrapped: A
         if layout is not None:  # the decoder form (Mixtral); Jamba's layers are the mixer form's
             assert layout.router == f"{moe_name}.{router_name}"
             assert layout.experts == ExpertModules(f"{moe_name}.experts", gate=gate, up=up, down=down)
+            gated = model_type == "qwen2_moe"
+            assert layout.shared == (f"{moe_name}.shared_expert" if gated else None)
+            assert layout.shared_gate == (f"{moe_name}.shared_expert_gate" if gated else None)
     with torch.no_grad():
         assert torch.equal(hm(input_ids()).logits, model(input_ids()).logits)  # no hooks: the model's own forward
 
@@ -131,7 +137,16 @@ def test_each_point_reads_what_the_hf_modules_compute(wrapped: Any) -> None:
             h = expert.act_fn(F.linear(xs, getattr(expert, gate).weight)) * F.linear(xs, getattr(expert, up).weight)
             out.index_add_(0, token, F.linear(h, getattr(expert, down).weight) * ref["weights"][token, slot, None])
         out = out.detach()
-        y = record(model, {"y": (_moe(model_type, model, i), "out")})["y"]
+        moe = _moe(model_type, model, i)
+        if hasattr(moe, "shared_expert_gate"):  # Qwen2-MoE: plus the gated shared expert, written out too
+            shared = moe.shared_expert
+            with torch.no_grad():
+                h = shared.act_fn(F.linear(ref["x"], shared.gate_proj.weight)) * F.linear(
+                    ref["x"], shared.up_proj.weight
+                )
+                gate_logit = F.linear(ref["x"], moe.shared_expert_gate.weight)
+                out = out + torch.sigmoid(gate_logit) * F.linear(h, shared.down_proj.weight)
+        y = record(model, {"y": (moe, "out")})["y"]
         assert relative_error(out.reshape(y.shape), y) < 1e-5
 
 

@@ -25,7 +25,8 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   activation under which the expert's output on every token of the probe is ``down(act(gate(x)) * up(x))`` for one
   assignment only, each called with the rows of the tokens the routing sends it (slot, then token) and the MoE
   module's output the sum of their outputs times the routing weights; their router returns its logits alone
-  (``router_output="logits"``: the MoE module routes them);
+  (``router_output="logits"``: the MoE module routes them); a shared expert added as it is, or (transformers 4.x's
+  Qwen2-MoE) times the sigmoid of a one-output child's logit, both reading the MLP input (``MoELayout.shared_gate``);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
   (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts
@@ -673,17 +674,20 @@ def _describe_list(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Ten
     with torch.no_grad():
         computed = {e: _list_expert(experts[e], (gate, up, down, act), flat) for e in range(n)}
     excluded = tuple(name for name in calls if name == path or name.startswith(f"{path}.")) + (router_path,)
-    routing, shared = None, None
+    routing, shared, gate_path = None, None, None
     for candidate in _routings(n, k, model.config, router):
         bias = getattr(router, candidate.selection_bias) if candidate.selection_bias else None
         _, w, idx = route(candidate, logits, bias)
         if not _same_rows(rows, idx, flat, n):
             continue
         routed = _list_output(computed, idx, w).reshape(y.shape)
-        try:  # the MoE module's output: the routed sum, or it plus one shared expert's output
+        try:  # the MoE module's output: the routed sum, or it plus one shared expert's output (gated or not)
             shared = _shared(calls, excluded, flat, routed, y)
         except _Refused:
-            continue
+            found_gated = _gated_shared(calls, excluded, flat, routed, y)
+            if found_gated is None:
+                continue
+            shared, gate_path = found_gated
         routing = candidate
         break
     if routing is None:
@@ -698,7 +702,34 @@ def _describe_list(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Ten
         experts=ExpertModules(prefix + path, gate=gate, up=up, down=down, act=act),
         router_output="logits",
         shared=prefix + shared if shared is not None else None,
+        shared_gate=prefix + gate_path if gate_path is not None else None,
     )
+
+
+def _gated_shared(
+    calls: dict[str, tuple[tuple, dict, Any]], excluded: tuple[str, ...], flat: Tensor, routed: Tensor, y: Tensor
+) -> Optional[tuple[str, str]]:
+    """``(shared, gate)``: the one pair of other children of the MoE module, each reading the MLP input (flattened or
+    not), ``gate`` of one output per token, such that the MoE module's output ``y`` is the routed sum ``routed`` plus
+    ``sigmoid(gate(x)) * shared(x)`` (``MoELayout.shared_gate``); ``None`` where no single pair gives it."""
+    readers = {}
+    for name, (s_args, s_kwargs, s_out) in calls.items():
+        read = first_input(s_args, s_kwargs)
+        if "." in name or name in excluded or not isinstance(s_out, Tensor) or not isinstance(read, Tensor):
+            continue
+        if read.numel() == flat.numel() and _close(read.reshape(flat.shape), flat):
+            readers[name] = s_out
+    found = []
+    for gate, g_out in readers.items():
+        if g_out.numel() != flat.shape[0] or g_out.shape[-1] != 1:  # one output per token
+            continue
+        for shared, s_out in readers.items():
+            if shared == gate or s_out.numel() != y.numel():
+                continue
+            gated = torch.sigmoid(g_out.double()).reshape(-1, 1) * s_out.double().reshape(-1, y.shape[-1])
+            if _close(routed.double() + gated.reshape(y.shape), y):
+                found.append((shared, gate))
+    return found[0] if len(found) == 1 else None
 
 
 def _list_expert(expert: nn.Module, form: tuple[str, str, str, str], flat: Tensor) -> Tensor:

@@ -4,8 +4,10 @@ mixer form. Under transformers 5.x (a router returning ``(logits, top_k_weights,
 router's logits and an edit of it routes as the model's own top-k would (the routing written out here), an expert's
 ``hook_gate`` is its gate rows written out from ``gate_up_proj`` and an edit of it moves the logits as the same edit
 made by a plain hook on the experts module. Before, only ``mlp.hook_router_logits`` and ``hook_routing_weights`` were
-served. Under transformers 4.x (experts in a ``ModuleList``, which the generic MoE description does not read) the
-layers have no ``mlp.*`` point, and the warning says why (before, it said nothing of them)."""
+served. Under transformers 4.x (experts in a ``ModuleList`` of gated MLPs, the MoE module routing the router's logits
+itself) the routing points ``mlp.hook_router_logits`` / ``hook_routing_weights`` and each expert's ``hook_gate`` /
+``hook_pre`` / ``hook_post`` are served (before, none: the warning said the experts were not described);
+``tests/test_generic_expert_list.py`` checks their values, edits and gradients."""
 
 from __future__ import annotations
 
@@ -55,11 +57,14 @@ def _moe(model: torch.nn.Module) -> Any:
 def test_the_moe_layers_points_or_why_not(wrapped: Any) -> None:
     model, hm, text = wrapped
     served = {n.split(".", 2)[2] for n in hm.hook_dict if n.startswith(f"blocks.{MOE}.mlp.")}
-    if not FIVE:
-        assert served == set()
-        assert "No mlp.* points (router, experts): the MLP is a mixture of experts whose router and experts" in text
-        return
     n = model.config.num_experts
+    if not FIVE:
+        steps4 = ("hook_gate", "hook_pre", "hook_post")
+        assert served == {f"mlp.{p}" for p in ("hook_router_logits", "hook_routing_weights")} | {
+            f"mlp.experts.{e}.{s}" for e in range(n) for s in steps4
+        }
+        assert "No mlp.* points" not in text
+        return
     steps = ("hook_gate", "hook_pre", "hook_post", "hook_result")
     routing = ("hook_router_logits", "hook_expert_weights", "hook_expert_indices", "hook_routing_weights")
     assert served == {f"mlp.{p}" for p in routing} | {f"mlp.experts.{e}.{s}" for e in range(n) for s in steps}

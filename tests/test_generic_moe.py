@@ -86,10 +86,11 @@ def test_a_routing_weights_edit_reaches_the_logits_as_a_plain_hook_on_the_expert
 
 def test_a_moe_that_is_not_described_keeps_the_rest_of_its_layer_and_says_why() -> None:
     """Regression (the whole layer's description was dropped): a MoE whose experts are not described (Qwen2-MoE's
-    sigmoid-gated shared expert under transformers 5, its ModuleList of experts under 4.57) leaves the layer's
-    queries, keys, values and norm scales served and verified; it has hook_mlp_out and no mlp.* point, its MLP weights
-    are refused, and the warning says why."""
-    model, hm = _wrapped("qwen2_moe")
+    sigmoid-gated shared expert under transformers 5; under 4.57, where its ModuleList of experts and gated shared
+    expert are described, PhiMoE's sparsemixer routing) leaves the layer's queries, keys, values and norm scales
+    served and verified; it has hook_mlp_out and no mlp.* point, its MLP weights are refused, and the warning says
+    why."""
+    model, hm = _wrapped("qwen2_moe" if FUSED else "phimoe")
     names = set(hm.hook_names)
     assert {"blocks.0.attn.hook_q", "blocks.0.ln2.hook_scale", "blocks.0.hook_resid_mid"} <= names
     assert "blocks.0.hook_mlp_out" in names and not any(".mlp." in n for n in names)

@@ -20,6 +20,13 @@ on the probe's MLP input shows every part of it (nothing is taken from a table o
   sum of ``down(act(gate) * up)``, ``gate`` the first half of the first projection's output; their router (the
   module around the linear layer computing the logits) returns ``(order, row tokens, row weights, rows per expert,
   logits)``, the routing grouped the same way (``router_output="grouped"``, its logits the linear layer's output);
+  Or (:class:`~lensadapters.moe.ExpertModules`, transformers 4.x, no 3-D parameters) the one ``ModuleList`` of the
+  MoE module, each expert in it three linear layers (two reading ``d``, one writing it) and a parameterless
+  activation under which the expert's output on every token of the probe is ``down(act(gate(x)) * up(x))`` for one
+  assignment only, each called with the rows of the tokens the routing sends it (slot, then token) and the MoE
+  module's output the sum of their outputs times the routing weights; their router returns its logits alone
+  (``router_output="logits"``: the MoE module routes them); a shared expert added as it is, or (transformers 4.x's
+  Qwen2-MoE) times the sigmoid of a one-output child's logit, both reading the MLP input (``MoELayout.shared_gate``);
 * **router**: the module inside the MoE module with a ``[E, d]`` weight, called with the MLP input alone, whose output
   is ``F.linear`` of the flattened MLP input (its own bias included): the per-expert logits. It returns them alone
   (the MoE module routes them) or with the routing the experts get (``(logits, weights, indices)``), or (experts
@@ -43,14 +50,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lensadapters.adapters.generic.probe import Recording, _close, _tolerances
-from lensadapters.adapters.moe import FusedExperts, GroupedExperts, MoELayout, Routing
+from lensadapters.adapters.moe import ExpertModules, FusedExperts, GroupedExperts, MoELayout, Routing
 from lensadapters.adapters.moe.routing import route, ungrouped
 from lensadapters.hooks.sites.base import first_input, first_output
 from lensadapters.hooks.specs import OpaqueMLP
@@ -249,6 +256,8 @@ def describe_moe(model: nn.Module, layer: nn.Module, i: int, mlp: str, rec: Reco
     ]
     if not found and _grouped_projections(moe):
         return _describe_grouped(model, moe, mlp, x, y)
+    if not found and _expert_lists(moe):
+        return _describe_list(model, moe, mlp, x, y)
     if len(found) != 1:
         raise _Refused(
             "no single experts module with 3-D gate_up_proj (or up_proj) and down_proj parameters and an act_fn"
@@ -565,6 +574,192 @@ def _describe_grouped(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: 
         router_output="grouped",
         router_logits=prefix + logits_path,
     )
+
+
+# --- experts in a ModuleList (transformers 4.x): the MoE module routes the router's logits itself ---------------
+
+
+def _expert_lists(moe: nn.Module) -> list[str]:
+    """The ``ModuleList`` s of the MoE module holding one module or more (a list of expert MLPs)."""
+    return [name for name, m in moe.named_modules() if name and isinstance(m, nn.ModuleList) and len(m) >= 1]
+
+
+def _linear_children(expert: nn.Module) -> dict[str, nn.Module]:
+    """The children of an expert with a 2-D ``weight`` (its projections)."""
+    return {
+        name: child
+        for name, child in expert.named_children()
+        if isinstance(getattr(child, "weight", None), Tensor) and _weight(child).dim() == 2
+    }
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight: Tensor = getattr(module, "weight")  # noqa: B009 - a module's attribute, typed
+    return weight
+
+
+def _linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``F.linear`` of ``x`` with the module's weight (and bias), in float64."""
+    bias = getattr(module, "bias", None)
+    return F.linear(x.double(), _weight(module).detach().double(), None if bias is None else bias.detach().double())
+
+
+def _expert_form(expert: nn.Module, flat: Tensor) -> Optional[tuple[str, str, str, str]]:
+    """``(gate, up, down, act)``: the expert's children under which it computes ``down(act(gate(x)) * up(x))`` on
+    the flattened MLP input ``flat`` (each projection's own output ``F.linear`` of its input, checked too);
+    ``None`` where no single assignment does (the gate told from the up projection)."""
+    linears = _linear_children(expert)
+    d = flat.shape[-1]
+    reading = [n for n, m in linears.items() if _weight(m).shape[-1] == d]
+    downs = [n for n, m in linears.items() if _weight(m).shape[0] == d and _weight(m).shape[-1] != d]
+    acts = [n for n, m in expert.named_children() if n not in linears and not list(m.parameters())]
+    if len(reading) != 2 or len(downs) != 1 or not acts or len(linears) != 3:
+        return None
+    down = linears[downs[0]]
+    with torch.no_grad():
+        observed = expert(flat)
+        if not isinstance(observed, Tensor) or observed.shape != flat.shape:
+            return None
+        outputs = {n: linears[n](flat) for n in reading}
+        if not all(_close(outputs[n], _linear(linears[n], flat)) for n in reading):
+            return None
+        found = []
+        for (gate, up), act in itertools.product(itertools.permutations(reading), acts):
+            h = expert.get_submodule(act)(outputs[gate]).double() * outputs[up].double()
+            if h.shape[-1] != _weight(down).shape[-1] or not _close(down(h.to(flat.dtype)), _linear(down, h)):
+                continue
+            if _close(_linear(down, h), observed.double()) or _close_in_half(_linear(down, h), observed):
+                found.append((gate, up, downs[0], act))
+    return found[0] if len(found) == 1 else None
+
+
+def _describe_list(model: nn.Module, moe: nn.Module, mlp: str, x: Tensor, y: Tensor) -> MoELayout:
+    """The :class:`MoELayout` of a MoE whose experts are a ``ModuleList`` of gated MLPs (``ExpertModules``) and
+    whose router, a linear module, returns its logits alone (the MoE module routes them and calls each expert on the
+    rows of the tokens routed to it): every claim checked on the probe's MLP input; ``_Refused`` with why not."""
+    lists = _expert_lists(moe)
+    if len(lists) != 1:
+        raise _Refused("no single ModuleList of experts in the MoE module")
+    path = lists[0]
+    experts = cast(nn.ModuleList, moe.get_submodule(path))
+    n = len(experts)
+    out, calls = _run_alone(moe, x)
+    if not _close(first_output(out), y):
+        raise _Refused("the MoE module run alone on its probe input does not give its output")
+    flat = x.reshape(-1, x.shape[-1])
+    forms = {_expert_form(expert, flat) for expert in experts}
+    if len(forms) != 1 or None in forms:
+        raise _Refused("the experts in a ModuleList are not each down(act(gate(x)) * up(x)) of the same modules")
+    form = next(iter(forms))
+    assert form is not None
+    gate, up, down, act = form
+    outside = {k: v for k, v in calls.items() if not (k == path or k.startswith(f"{path}."))}
+    router_path, router, r_out, logits = _router(moe, outside, flat, n, at=0)
+    if not isinstance(r_out, Tensor):
+        raise _Refused("the router of experts in a ModuleList does not return its logits alone")
+    rows: dict[int, Tensor] = {}
+    for e in range(n):
+        call = calls.get(f"{path}.{e}")
+        if call is None:
+            continue
+        args, kwargs, _ = call
+        if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].shape[-1] != flat.shape[-1]:
+            raise _Refused("an expert in the ModuleList is not called with rows of the MLP input alone")
+        rows[e] = args[0].reshape(-1, flat.shape[-1])
+    total = sum(r.shape[0] for r in rows.values())
+    tokens = flat.shape[0]
+    if total == 0 or total % tokens:
+        raise _Refused("the experts in the ModuleList are not called on top-k rows of the tokens")
+    k = total // tokens
+    with torch.no_grad():
+        computed = {e: _list_expert(experts[e], (gate, up, down, act), flat) for e in range(n)}
+    excluded = tuple(name for name in calls if name == path or name.startswith(f"{path}.")) + (router_path,)
+    routing, shared, gate_path = None, None, None
+    for candidate in _routings(n, k, model.config, router):
+        bias = getattr(router, candidate.selection_bias) if candidate.selection_bias else None
+        _, w, idx = route(candidate, logits, bias)
+        if not _same_rows(rows, idx, flat, n):
+            continue
+        routed = _list_output(computed, idx, w).reshape(y.shape)
+        try:  # the MoE module's output: the routed sum, or it plus one shared expert's output (gated or not)
+            shared = _shared(calls, excluded, flat, routed, y)
+        except _Refused:
+            found_gated = _gated_shared(calls, excluded, flat, routed, y)
+            if found_gated is None:
+                continue
+            shared, gate_path = found_gated
+        routing = candidate
+        break
+    if routing is None:
+        raise _Refused(
+            "no softmax or sigmoid top-k routing of the router's logits sends each expert in the ModuleList its rows "
+            "and gives the MoE module's output as their weighted sum"
+        )
+    prefix = f"{mlp}."
+    return MoELayout(
+        router=prefix + router_path,
+        routing=routing,
+        experts=ExpertModules(prefix + path, gate=gate, up=up, down=down, act=act),
+        router_output="logits",
+        shared=prefix + shared if shared is not None else None,
+        shared_gate=prefix + gate_path if gate_path is not None else None,
+    )
+
+
+def _gated_shared(
+    calls: dict[str, tuple[tuple, dict, Any]], excluded: tuple[str, ...], flat: Tensor, routed: Tensor, y: Tensor
+) -> Optional[tuple[str, str]]:
+    """``(shared, gate)``: the one pair of other children of the MoE module, each reading the MLP input (flattened or
+    not), ``gate`` of one output per token, such that the MoE module's output ``y`` is the routed sum ``routed`` plus
+    ``sigmoid(gate(x)) * shared(x)`` (``MoELayout.shared_gate``); ``None`` where no single pair gives it."""
+    readers = {}
+    for name, (s_args, s_kwargs, s_out) in calls.items():
+        read = first_input(s_args, s_kwargs)
+        if "." in name or name in excluded or not isinstance(s_out, Tensor) or not isinstance(read, Tensor):
+            continue
+        if read.numel() == flat.numel() and _close(read.reshape(flat.shape), flat):
+            readers[name] = s_out
+    found = []
+    for gate, g_out in readers.items():
+        if g_out.numel() != flat.shape[0] or g_out.shape[-1] != 1:  # one output per token
+            continue
+        for shared, s_out in readers.items():
+            if shared == gate or s_out.numel() != y.numel():
+                continue
+            gated = torch.sigmoid(g_out.double()).reshape(-1, 1) * s_out.double().reshape(-1, y.shape[-1])
+            if _close(routed.double() + gated.reshape(y.shape), y):
+                found.append((shared, gate))
+    return found[0] if len(found) == 1 else None
+
+
+def _list_expert(expert: nn.Module, form: tuple[str, str, str, str], flat: Tensor) -> Tensor:
+    """``down(act(gate(x)) * up(x))`` of every row of ``flat`` written out from the expert's weights, in float64."""
+    gate, up, down, act = (expert.get_submodule(name) for name in form)
+    h = act(_linear(gate, flat).to(flat.dtype)).double() * _linear(up, flat)
+    return _linear(down, h)
+
+
+def _same_rows(rows: dict[int, Tensor], index: Tensor, flat: Tensor, n: int) -> bool:
+    """Whether each expert was called with the rows of the tokens ``index`` sends it (slot, then token), an expert
+    sent none not called (or called with none)."""
+    for e in range(n):
+        _, token = torch.where(index.T == e)  # slot, then token
+        given = rows.get(e)
+        if given is None:
+            if token.numel():
+                return False
+        elif given.shape[0] != token.numel() or not torch.equal(given, flat[token]):
+            return False
+    return True
+
+
+def _list_output(computed: dict[int, Tensor], index: Tensor, weights: Tensor) -> Tensor:
+    """The weighted sum of the chosen experts' outputs (``computed``: each expert on every token), in float64."""
+    out = torch.zeros_like(computed[0])
+    for slot in range(index.shape[-1]):
+        chosen = torch.stack([computed[int(e)][t] for t, e in enumerate(index[:, slot].tolist())])
+        out += weights[:, slot, None].double() * chosen
+    return out
 
 
 def describe_other_mlp(

@@ -377,3 +377,73 @@ def routed_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str)
         if e < routing.n_experts and experts.glu is None and (experts.gated or parts[3] != "hook_gate"):
             return _RoutedExpert(get(experts.module), experts, e, parts[3]), False
     return None
+
+
+# --- experts in a ModuleList, the MoE module routing the router's logits itself (transformers 4.x) -------------
+
+
+class _ListRoutingWeights:
+    """``mlp.hook_routing_weights`` of experts in a ``ModuleList`` (:class:`~lensadapters.moe.ExpertModules`, a
+    router returning its logits): the routing of the router's logits written out here (:func:`_written_route`, in
+    the logits' dtype or float32 as the description says); an edit scales each expert's output rows (slot, then
+    token, as the MoE module calls it) by the edited weight over the weight, which the MoE module then multiplies
+    by: each expert's output times the edited weight, the selection unchanged."""
+
+    def __init__(self, router: nn.Module, experts: nn.Module, routing: Any) -> None:
+        self.modules = (router, *experts.children())
+        self.routing = routing
+
+    def install(self, edit: Edit, seen: list[Tensor]) -> list[Any]:
+        routing, (router, *experts) = self.routing, self.modules
+        state: dict[str, Tensor] = {}
+
+        def on_router(module: nn.Module, args: tuple, output: Any) -> None:
+            logits = output if isinstance(output, Tensor) else output[0]
+            if routing.probabilities == "sigmoid":
+                probs = logits.float().sigmoid()
+            else:
+                probs = torch.softmax(logits.float(), dim=-1)
+            dtype = logits.dtype if routing.weights_dtype == "logits" else torch.float32
+            bias = getattr(module, routing.selection_bias) if routing.selection_bias else None
+            weights, index = _written_route(routing, probs, bias, dtype)
+            seen.append(weights.detach().clone())
+            state["index"], state["weights"] = index, weights
+            if edit is not None:
+                state["edited"] = edit(weights)
+
+        def on_expert(e: int) -> Callable[..., Any]:
+            def post(module: nn.Module, args: tuple, output: Tensor) -> Any:
+                if edit is None:
+                    return None
+                slot, token = torch.where(state["index"].T == e)
+                ratio = state["edited"][token, slot] / state["weights"][token, slot]
+                return output * ratio[:, None].to(output.dtype)
+
+            return post
+
+        handles = [router.register_forward_hook(on_router)]
+        handles += [expert.register_forward_hook(on_expert(e)) for e, expert in enumerate(experts)]
+        return handles
+
+
+def list_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -> Optional[Any]:
+    """The reference of the point ``rest`` of a MoE whose experts are a ``ModuleList`` (``ExpertModules``) routed by
+    the MoE module from its router's logits: ``mlp.hook_routing_weights`` (:class:`_ListRoutingWeights`: ``("hooks",
+    spec)``), an expert's ``hook_gate`` / ``hook_pre`` (``("out", module)``: its gate or up projection's output, the
+    rows the MoE module calls it with) and ``hook_post`` (``("in", module)``: its down projection's input); ``None``
+    for any other point."""
+    from lensadapters.adapters.moe import ExpertModules
+
+    experts = moe.experts
+    if not (isinstance(experts, ExpertModules) and moe.router_output == "logits"):
+        return None
+    if rest == "mlp.hook_routing_weights":
+        return "hooks", _ListRoutingWeights(get(moe.router), get(experts.module), moe.routing)
+    parts = rest.split(".")
+    if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdigit():
+        e = int(parts[2])
+        step = {"hook_gate": ("out", experts.gate), "hook_pre": ("out", experts.up), "hook_post": ("in", experts.down)}
+        if e < moe.routing.n_experts and parts[3] in step:
+            kind, child = step[parts[3]]
+            return kind, get(f"{experts.module}.{e}.{child}")
+    return None

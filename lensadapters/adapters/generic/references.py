@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lensadapters.adapters.generic.gated_z import gated_layers
-from lensadapters.adapters.generic.moe_references import scaled_input_reference
+from lensadapters.adapters.generic.moe_references import list_reference, scaled_input_reference
 from lensadapters.adapters.generic.own_attention import OWN_CODE
 from lensadapters.adapters.generic.rotated_norm import ROTATED_NORMS
 from lensadapters.adapters.generic.shared_expert import shared_expert_reference
@@ -408,6 +408,12 @@ def _moe_reference(get: Callable[[str], nn.Module], moe: MoELayout, rest: str) -
         return Reference("scores", get(moe.router), unview=unflat, flat=True, spec=moe.routing.top_k)
     if rest == "mlp.hook_routing_weights" and isinstance(moe.experts, FusedExperts):
         return Reference("arg", get(moe.experts.module), unview=unflat, flat=True, spec=2)
+    listed = list_reference(get, moe, rest)  # experts in a ModuleList: the routing weights, each expert's steps
+    if listed is not None:
+        kind, found = listed
+        if kind == "hooks":
+            return Reference("hooks", get(moe.router), unview=unflat, flat=True, spec=found)
+        return Reference(kind, found)
     return None
 
 

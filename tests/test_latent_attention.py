@@ -223,7 +223,7 @@ def test_attribution_patching_of_latent_heads_is_the_derivative_along_the_patch(
     """Attribution patching on the automatically described latent attention: each head's score for ``hook_q``,
     ``hook_v`` and ``hook_z`` is the derivative of the metric along the clean-minus-corrupted patch of that head;
     edge attribution gets a graph with every head's query, key and value input (the per-head input points, verified
-    at wrap time; ``plugins/deepseek_v3/tests/test_latent_head_inputs.py`` checks its scores against a plain
+    at wrap time; the DeepSeek plugin's head-input tests check its scores against a plain
     per-head reference)."""
     from lensadapters import attribution
     from lensadapters import edge_attribution as eap

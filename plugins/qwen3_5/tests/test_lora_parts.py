@@ -1,5 +1,5 @@
 """Qwen 3.5 under PEFT LoRA: the LoRA delta of each projection whose output the plugin's points show in parts is
-served split the same way (the core's ``ProjectionParts``, read by lensadapters-peft):
+served split the same way (the core's ``ProjectionParts``, read by the PEFT plugin):
 
 * the gated ``q_proj``: ``attn.hook_q_lora`` / ``attn.hook_gate_lora`` ``[b, p, h, d_head]``, the query and gate
   columns of each head (the delta's parts that ``attn.hook_q`` / ``attn.hook_gate`` show);

@@ -233,7 +233,9 @@ def test_gradients_through_recurrent_edits_on_left_padded_inputs():
     names = [f"blocks.{i}.linear_attn.hook_recurrent" for i in range(3)]
     kwargs = dict(input_ids=ids, attention_mask=mask)
     unit, _ = gradient_check(hm, kwargs, mask.bool(), names, seed=0)
-    assert [f.split(":")[0] for f in unit.failures] == ["blocks.0.linear_attn.hook_recurrent"]
+    # the unit-scale step's central differences do not converge there (step/10 and step/100 disagree): the check
+    # leaves the point out as unconverged, where it used to report a mismatch
+    assert unit.unconverged == ["blocks.0.linear_attn.hook_recurrent"] and not unit.failures, unit.failures
     for seed in range(3):
         check, _ = gradient_check(hm, kwargs, mask.bool(), names, seed=seed, scaled=CONTRACT.gradient_scaled_points)
         assert not check.failures, check.failures
@@ -254,7 +256,9 @@ def test_moe_gradient_at_hook_embed_is_autograd_of_the_unhooked_model():
     ids, mask = left_padded_tokens(pads=(0,))
     kwargs = dict(input_ids=ids, attention_mask=mask)
     unit, _ = gradient_check(hm, kwargs, mask.bool(), ["hook_embed"], batched=False)
-    assert unit.failures, "the unit-scale step no longer crosses a routing switch: the regression checks nothing"
+    # the unit-scale step crosses a routing switch: its central differences do not converge, and the check leaves
+    # the point out as unconverged (it used to report a mismatch); the regression checks something only while so
+    assert unit.unconverged == ["hook_embed"] and not unit.failures, (unit.unconverged, unit.failures)
     weights = torch.randn(hm(**kwargs).logits.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     direction = _direction(torch.Size((*ids.shape, hm.cfg.d_model)), torch.float64, torch.device("cpu"), 0)
     routed = []
@@ -273,7 +277,10 @@ def test_moe_gradient_at_hook_embed_is_autograd_of_the_unhooked_model():
 
     p = torch.zeros((), dtype=torch.float64, requires_grad=True)
     (plain,) = torch.autograd.grad(metric(p), p)
-    assert unit.autograd.item() == plain.item()
+    q = torch.zeros((), dtype=torch.float64, requires_grad=True)  # the same edit at the served point
+    with hm.hooks([("hook_embed", lambda value, hook: value + q * direction)]):
+        (ours,) = torch.autograd.grad((hm(**kwargs).logits * weights).sum(), q)
+    assert ours.item() == plain.item()
     routed.clear()
     with torch.no_grad():
         metric(torch.tensor(5e-3, dtype=torch.float64)), metric(torch.tensor(-5e-3, dtype=torch.float64))

@@ -18,6 +18,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForC
 
 from lensadapters import HookedModel, Registry
 from lensadapters.hf import tiny_config_of
+from lensadapters.testing.every_model_type import input_ids
 from lensadapters.testing.scan_checks import (
     check_cached_edit,
     check_gradient_through_an_edit,
@@ -408,4 +409,24 @@ def test_a_layer_whose_gated_norm_gets_another_gate_than_the_edit_has_none_of_th
     assert all(f"blocks.1.mixer.{n}" in hm.hook_names for n in names)
     said = " ".join(str(w.message) for w in caught)
     assert "an edit of hook_gate does not reach norm's input as the scan's form says (layers 0)" in said
+    hm.unwrap()
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "mamba2", "jamba"])
+def test_every_point_fires_in_the_order_hook_names_lists_it(model_type: str) -> None:
+    """``hook_names`` is the order the points fire in (the contract's identity-hook property): Mamba's
+    ``hook_gate``/``hook_conv`` fire at ``x_proj``'s input, before the mixer's ``hook_x_proj`` (they were listed
+    after it)."""
+    extra = {"use_mamba_kernels": False} if model_type == "jamba" else {}
+    hm = _wrap(tiny_model(model_type, **extra))
+    fired: list[str] = []
+
+    def note(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        fired.append(hook.name)
+        return value
+
+    with hm.hooks([(name, note) for name in hm.hook_names]), torch.no_grad():
+        hm(input_ids(), use_cache=False)
+    assert any(n.endswith(".hook_conv") for n in fired)
+    assert fired == list(hm.hook_names)
     hm.unwrap()

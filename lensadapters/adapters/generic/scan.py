@@ -97,6 +97,9 @@ class MambaScan(ScanSite):
     """Mamba's selective scan (the module docstring): read from ``in_proj``'s output (the gate) and ``x_proj``'s
     input and output, put in as ``out_proj``'s input."""
 
+    #: points that fire (and are edited) at ``x_proj``'s input, so before the mixer's own ``hook_x_proj`` point
+    fire_before = {"hook_gate": "hook_x_proj", "hook_conv": "hook_x_proj"}
+
     def _clear(self) -> None:
         super()._clear()
         self.gate: Optional[Tensor] = None  # the gate the combine reads (the model's, until the check is done)
@@ -359,7 +362,12 @@ def _with_points(hooked: Any, made: list[tuple[int, str, ScanSite]], blocks: Any
             (n for n in (f"blocks.{i}.{prefix}.hook_out_proj_input", f"blocks.{i}.{output}") if n in hooked.hook_dict),
             None,
         )
-        site.by = {name: hooked.new_point(f"blocks.{i}.{prefix}.{name}", before=before) for name in SCAN_POINTS}
+        early = getattr(site, "fire_before", {})  # a point firing before one of the mixer's module points
+        site.by = {}
+        for name in SCAN_POINTS:
+            ahead = f"blocks.{i}.{prefix}.{early[name]}" if name in early else None
+            at = ahead if ahead in hooked.hook_dict else before
+            site.by[name] = hooked.new_point(f"blocks.{i}.{prefix}.{name}", before=at)
         site.points = tuple(site.by.values())
     return made
 

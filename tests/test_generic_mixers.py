@@ -80,7 +80,11 @@ def test_a_hybrid_serves_every_layer_what_verifies_for_its_kind(model_type: str)
     ]
     served += [f"blocks.{attention[-1]}.{n}" for n in ("ln1.hook_normalized", "hook_resid_mid", "ln2.hook_scale")]
     checked = check_points(hm.wiring, input_ids(), served, points_per_pass=1)  # (RecurrentGemma 4.x: its state)
-    assert checked == dict.fromkeys(served)
+    # a routed expert's points can be checked only where this input routes a token to that expert (the wrap-time
+    # probe's input did; tests/test_generic_expert_list.py checks them on inputs that do)
+    unrouted = {n for n, why in checked.items() if ".mlp.experts." in n and why and "did not fire" in why}
+    assert checked == {n: None for n in served if n not in unrouted} | {n: checked[n] for n in unrouted}
+    assert len(unrouted) < len([n for n in served if ".mlp.experts." in n]) or not unrouted
     hm.unwrap()
 
 

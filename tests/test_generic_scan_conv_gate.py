@@ -29,10 +29,9 @@ from lensadapters.testing.scan_checks import (
     recurrence,
 )
 from tests.branch_helpers import tiny_model
+from tests.mamba2_helpers import GROUPS, HEAD_DIM, HEADS, IDS, STATE, tiny_mamba2
 
 INPUTS = ("mixer.hook_conv", "mixer.hook_gate")
-IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
-HEADS, HEAD_DIM, GROUPS, STATE = 4, 8, 2, 4
 INNER = HEADS * HEAD_DIM
 
 
@@ -50,31 +49,6 @@ def _mamba(dtype: torch.dtype = torch.float32) -> tuple[MambaForCausalLM, Hooked
         for layer in model.backbone.layers:
             layer.mixer.D.uniform_(-1.0, 1.0)
             layer.mixer.A_log.add_(torch.randn_like(layer.mixer.A_log) * 0.3)
-    return model, _wrap(model)
-
-
-def _mamba2(dtype: torch.dtype = torch.float32) -> tuple[Mamba2ForCausalLM, HookedModel]:
-    torch.manual_seed(0)
-    config = Mamba2Config(
-        vocab_size=64,
-        hidden_size=16,
-        state_size=STATE,
-        num_heads=HEADS,
-        head_dim=HEAD_DIM,
-        n_groups=GROUPS,
-        expand=2,
-        num_hidden_layers=2,
-        chunk_size=4,
-        conv_kernel=4,
-        use_conv_bias=True,
-        residual_in_fp32=False,
-    )
-    model = Mamba2ForCausalLM(config).eval().to(dtype)
-    with torch.no_grad():
-        for layer in model.backbone.layers:
-            layer.mixer.D.uniform_(-1.0, 1.0)
-            layer.mixer.A_log.add_(torch.randn_like(layer.mixer.A_log) * 0.5)
-            layer.mixer.dt_bias.add_(torch.randn_like(layer.mixer.dt_bias))
     return model, _wrap(model)
 
 
@@ -222,7 +196,7 @@ def _heads_scan(mixer: Any, proj: torch.Tensor, xbc: torch.Tensor) -> torch.Tens
 
 
 def test_mamba2_reads_the_masked_convolution_and_the_gate_the_norm_is_given() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     mixer = model.backbone.layers[0].mixer
     mask = torch.ones_like(IDS)
     mask[1, :3] = 0  # left padding: the model's x, B and C are zero there
@@ -240,7 +214,7 @@ def test_mamba2_reads_the_masked_convolution_and_the_gate_the_norm_is_given() ->
 
 
 def test_a_mamba2_convolution_edit_is_the_scan_from_the_edited_x_b_c() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     mixer = model.backbone.layers[0].mixer
     plain = _norm_io(model, mixer, lambda: model(IDS, use_cache=False))
 
@@ -274,7 +248,7 @@ def _gate_by_hand(model: Any, norm: Any, edit: Callable[[torch.Tensor], torch.Te
 
 
 def test_a_mamba2_gate_edit_is_a_plain_edit_of_the_gated_norms_gate() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     edit: Callable[[torch.Tensor], torch.Tensor] = lambda t: t * 0.5 + 0.7  # noqa: E731
     with torch.no_grad(), hm.hooks([("blocks.1.mixer.hook_gate", lambda t, hook: edit(t))]):
         edited = hm(IDS, use_cache=False).logits
@@ -293,7 +267,7 @@ def test_a_mamba2_gate_edit_is_a_plain_edit_of_the_gated_norms_gate() -> None:
 def test_mamba2_gradients_through_an_edit_are_exact() -> None:
     """In float64. The convolution's edit: the norm's first input against finite differences. The gate's: the
     gradient through the served edit equals the gradient through the same edit made by a plain hook on the norm."""
-    model, hm = _mamba2(torch.float64)
+    model, hm = tiny_mamba2(torch.float64)
     mixer = model.backbone.layers[0].mixer
     check_gradient_through_an_edit(hm, IDS[:1, :6], "blocks.0.mixer.hook_conv", mixer.norm, at_input=True)
     direction = torch.randn(2, 7, INNER, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -321,7 +295,7 @@ def test_mamba2_gradients_through_an_edit_are_exact() -> None:
 
 @pytest.mark.parametrize("point", INPUTS)
 def test_mamba2_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
-    _, hm = _mamba2()
+    _, hm = tiny_mamba2()
     check_cached_edit(hm, IDS[:, :5], f"blocks.1.{point}", effect=1e-4)
     hm.unwrap()
 

@@ -25,37 +25,9 @@ from lensadapters.testing.scan_checks import (
     recorded,
     ssd_recurrence,
 )
+from tests.mamba2_helpers import GROUPS, HEAD_DIM, HEADS, IDS, STATE, tiny_mamba2
 
 POINTS = ("mixer.hook_dt", "mixer.hook_ssm_state", "mixer.hook_ssm_out")
-IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 30, 2, 6, 1]])
-HEADS, HEAD_DIM, GROUPS, STATE = 4, 8, 2, 4
-
-
-def _mamba2(dtype: torch.dtype = torch.float32) -> tuple[Mamba2ForCausalLM, HookedModel]:
-    torch.manual_seed(0)
-    config = Mamba2Config(
-        vocab_size=64,
-        hidden_size=16,
-        state_size=STATE,
-        num_heads=HEADS,
-        head_dim=HEAD_DIM,
-        n_groups=GROUPS,
-        expand=2,
-        num_hidden_layers=2,
-        chunk_size=4,  # 7 positions: two chunks, the second padded
-        conv_kernel=4,
-        use_conv_bias=True,
-        residual_in_fp32=False,
-    )
-    model = Mamba2ForCausalLM(config).eval().to(dtype)
-    with torch.no_grad():  # each term of the equations away from its initial value
-        for layer in model.backbone.layers:
-            layer.mixer.D.uniform_(-1.0, 1.0)
-            layer.mixer.A_log.add_(torch.randn_like(layer.mixer.A_log) * 0.5)
-            layer.mixer.dt_bias.add_(torch.randn_like(layer.mixer.dt_bias))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model, HookedModel.wrap(model, registry=Registry())
 
 
 def _mixer(model: Any, i: int) -> Any:
@@ -118,7 +90,7 @@ def _hooked(hm: HookedModel, ids: torch.Tensor, hooks: list, **kwargs: Any) -> t
 
 
 def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     for i in range(2):
         for p in POINTS:
             assert f"blocks.{i}.{p}" in hm.hook_names
@@ -142,7 +114,7 @@ def test_the_points_are_the_published_equations_and_cost_nothing_unhooked() -> N
 
 
 def test_a_padded_batch_reads_the_masked_scan() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     mask = torch.ones_like(IDS)
     mask[1, :3] = 0  # left padding: x, B and C are zero there
     with torch.no_grad():
@@ -158,7 +130,7 @@ def test_a_padded_batch_reads_the_masked_scan() -> None:
 
 @pytest.mark.parametrize("which", ["dt", "state", "out"])
 def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     mixer = _mixer(model, 0)
     with torch.no_grad():
         proj = _seen(model, lambda: model(IDS, use_cache=False))["proj"]
@@ -173,7 +145,7 @@ def test_an_edit_changes_the_rest_of_the_scan_as_the_equations_do(which: str) ->
 
 
 def test_an_edit_of_the_scan_output_is_a_plain_edit_of_the_gated_norms_input() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     with torch.no_grad(), hm.hooks([("blocks.1.mixer.hook_ssm_out", lambda t, hook: t * 0.5 - 0.25)]):
         edited = hm(IDS, use_cache=False).logits
     # y -> y / 2 - 1/4 is, at the norm's input y + D x, that input minus y / 2 + 1/4: y from the unedited read
@@ -191,20 +163,20 @@ def test_an_edit_of_the_scan_output_is_a_plain_edit_of_the_gated_norms_input() -
 @pytest.mark.parametrize("point", POINTS)
 def test_gradients_through_an_edit_match_finite_differences(point: str) -> None:
     """In float64, of the gated norm's input (the norm itself computes in float32)."""
-    model, hm = _mamba2(torch.float64)
+    model, hm = tiny_mamba2(torch.float64)
     check_gradient_through_an_edit(hm, IDS[:1, :6], f"blocks.0.{point}", _mixer(model, 0).norm, at_input=True)
     hm.unwrap()
 
 
 @pytest.mark.parametrize("point", POINTS + ("mixer.hook_conv", "mixer.hook_gate"))
 def test_cached_generation_with_an_edit_equals_one_full_pass(point: str) -> None:
-    _, hm = _mamba2()
+    _, hm = tiny_mamba2()
     check_cached_edit(hm, IDS[:, :5], f"blocks.1.{point}", effect=1e-4)  # 20 times the tolerance
     hm.unwrap()
 
 
 def test_a_hooked_call_the_scan_does_not_reproduce_raises_naming_the_points() -> None:
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     norm = _mixer(model, 0).norm
     # once the points are installed, the norm is given another input than the scan's (a hook that runs first): the
     # check fails and the hooked call raises rather than serving the scan's values; unhooked, the model runs as it is
@@ -300,7 +272,7 @@ def test_the_hybrids_written_as_mamba2_get_the_points_with_their_edits(model_typ
 def test_a_bfloat16_model_gets_the_points_checked_at_its_own_rounding() -> None:
     """The model computes the convolution and the step sizes in bfloat16 and scans in float32: the check allows
     bfloat16's rounding, reading edits nothing, and generation with an edited state passes the cache's check."""
-    model, hm = _mamba2(torch.bfloat16)
+    model, hm = tiny_mamba2(torch.bfloat16)
     assert all(f"blocks.{i}.{p}" in hm.hook_names for i in range(2) for p in POINTS)
     with torch.no_grad():
         plain = _seen(model, lambda: model(IDS, use_cache=False))
@@ -317,7 +289,7 @@ def test_a_bfloat16_model_gets_the_points_checked_at_its_own_rounding() -> None:
 def test_an_edit_upstream_of_the_scan_is_what_the_scan_points_read() -> None:
     """An edit of in_proj's output (its point) and one of hook_ssm_out in one call: the scan reads the edited
     projections, as the model does, so the call is the upstream edit plus a plain edit of the norm's input."""
-    model, hm = _mamba2()
+    model, hm = tiny_mamba2()
     up = ("blocks.0.mixer.hook_in_proj", lambda t, hook: t * 1.1)
     with torch.no_grad(), hm.hooks([up, ("blocks.0.mixer.hook_ssm_out", lambda t, hook: t + 0.1)]):
         both = hm(IDS, use_cache=False).logits
